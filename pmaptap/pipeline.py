@@ -1,0 +1,359 @@
+"""The host-side pipeline of one session: callback hand-off, the aggregator
+thread and the writer thread, with a bounded amount of pending data.
+
+    XLA callback thread --ingest()--> [ingress] --aggregator--> [outbox] --writer--> Sink
+
+The callback thread only appends to ``ingress`` (it must return at once: it
+blocks its device and holds the GIL). The aggregator converts arrays to
+NumPy, assigns steps, groups and dedups. The writer batches records into the
+sink. Errors in either thread are collected and raised as ``TapError`` at the
+next ``flush()``/``close()``.
+
+Bound and overflow policy: events in ``ingress`` plus records in ``outbox``
+are limited to ``max_pending`` items and ``max_pending_bytes`` bytes. Past
+that, ``overflow`` decides: "block" (the callback waits for room: nothing is
+lost, the devices slow down), "drop_oldest" (default: the oldest pending item
+is discarded) or "drop_newest" (the arriving one is). Drops are counted,
+written to the file as a ``pmaptap/dropped`` meta record and warned about.
+"""
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .aggregate import Aggregator
+from .errors import TapError
+from .records import Record
+from .sink import LockBusy, Sink
+from .spec import TapSpec
+
+OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
+
+
+class _Marker:
+    """Travels through both queues; set when everything before it is written."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.failed = False
+
+
+class _Stop(_Marker):
+    pass
+
+
+def _nbytes(arrays: tuple[Any, ...]) -> int:
+    total = 0
+    for a in arrays:
+        total += int(getattr(a, "nbytes", 0) or 0)
+    return total + 64
+
+
+def _record_bytes(r: Record) -> int:
+    return 256 + (len(str(r.value)) if r.kind == "meta" else 0)
+
+
+class Pipeline:
+    def __init__(self, sink: Sink, *, run: str, process: int | None = None,
+                 host: str | None = None, overflow: str = "drop_oldest",
+                 max_pending: int = 1_000_000,
+                 max_pending_bytes: int = 1 << 30,
+                 flush_interval: float = 0.02, group_timeout: float = 5.0,
+                 retry_interval: float = 0.2, max_batch: int = 20_000) -> None:
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got "
+                             f"{overflow!r}")
+        if process is None:
+            import jax
+            process = jax.process_index()
+        self.sink = sink
+        self.run = run
+        self.process = process
+        self.host = host or socket.gethostname()
+        self.overflow = overflow
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.flush_interval = flush_interval
+        self.retry_interval = retry_interval
+        self.max_batch = max_batch
+        self.agg = Aggregator(run, process, self.host, group_timeout=group_timeout)
+
+        self._cv = threading.Condition()
+        self._ingress: collections.deque = collections.deque()
+        self._outbox: collections.deque = collections.deque()
+        self._pending_items = 0
+        self._pending_bytes = 0
+        self._errors: list[BaseException] = []
+        self._error_warned = False
+        self.dropped = 0
+        self._dropped_reported = 0
+        self.received = 0
+        self.written = 0
+        self.closed = False
+        self._stopping = False
+        self._agg_thread = threading.Thread(target=self._agg_loop, daemon=True,
+                                            name=f"pmaptap-aggregate-{run}")
+        self._write_thread = threading.Thread(target=self._write_loop, daemon=True,
+                                              name=f"pmaptap-write-{run}")
+        self._agg_thread.start()
+        self._write_thread.start()
+
+    # ---------------------------------------------------- callback thread
+    def ingest(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
+        size = _nbytes(arrays)
+        with self._cv:
+            if self._stopping:
+                self.dropped += 1
+                return
+            while self._over(1, size):
+                if self.overflow == "drop_newest" or not self._agg_thread.is_alive():
+                    self.dropped += 1
+                    return
+                if self.overflow == "drop_oldest":
+                    if not self._drop_oldest_locked():
+                        break
+                    continue
+                self._cv.wait(0.1)          # "block"
+                if self._stopping:
+                    self.dropped += 1
+                    return
+            self._ingress.append((spec, arrays, size))
+            self._pending_items += 1
+            self._pending_bytes += size
+            self.received += 1
+            self._cv.notify_all()
+
+    def _over(self, items: int, size: int) -> bool:
+        return (self._pending_items + items > self.max_pending or
+                (self._pending_bytes + size > self.max_pending_bytes
+                 and self._pending_items > 0))
+
+    def _drop_oldest_locked(self) -> bool:
+        for q in (self._ingress, self._outbox):
+            for i, item in enumerate(q):
+                if isinstance(item, _Marker):
+                    continue
+                del q[i]
+                size = item[2] if q is self._ingress else item[1]
+                self._pending_items -= 1
+                self._pending_bytes -= size
+                self.dropped += 1
+                return True
+        return False
+
+    def record_error(self, e: BaseException) -> None:
+        with self._cv:
+            self._errors.append(e)
+
+    # ---------------------------------------------------- aggregator
+    def _agg_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ingress:
+                    self._cv.wait(0.25)
+                    if not self._ingress:
+                        break
+                item = self._ingress.popleft() if self._ingress else None
+            if item is None:
+                self._push(self._safe(self.agg.expire))
+                continue
+            if isinstance(item, _Marker):
+                recs = self._safe(self.agg.finalize_all)
+                recs += self._dropped_record()
+                self._push(recs, marker=item)
+                if isinstance(item, _Stop):
+                    return
+                continue
+            spec, arrays, size = item
+            try:
+                coords = np.asarray(arrays[0])
+                step = int(np.asarray(arrays[1]))
+                leaves = [np.asarray(a) for a in arrays[2:]]
+                del arrays, item
+                recs = self.agg.add(spec, coords, step, leaves)
+            except BaseException as e:  # noqa: BLE001
+                self.record_error(TapError(f"could not process tap {spec.name!r}: {e!r}"))
+                recs = []
+            with self._cv:
+                self._pending_items -= 1
+                self._pending_bytes -= size
+            self._push(recs + self._safe(self.agg.expire))
+
+    def _safe(self, fn) -> list[Record]:
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001
+            self.record_error(TapError(f"aggregation failed: {e!r}"))
+            return []
+
+    def _dropped_record(self) -> list[Record]:
+        with self._cv:
+            new = self.dropped - self._dropped_reported
+            if not new:
+                return []
+            self._dropped_reported = self.dropped
+            total = self.dropped
+        warnings.warn(f"pmaptap dropped {new} tap event(s) (total {total}) "
+                      f"under overflow policy {self.overflow!r}; raise "
+                      "max_pending/max_pending_bytes or use overflow='block'.",
+                      RuntimeWarning, stacklevel=2)
+        return [Record(run=self.run, name="pmaptap/dropped", step=total,
+                       kind="meta", value=new, dtype="int64", shape=[],
+                       process=self.process, time=time.time(), host=self.host,
+                       extra={"dropped_total": total, "policy": self.overflow})]
+
+    def _push(self, recs: list[Record], marker: _Marker | None = None) -> None:
+        if not recs and marker is None:
+            return
+        with self._cv:
+            for r in recs:
+                b = _record_bytes(r)
+                self._outbox.append((r, b))
+                self._pending_items += 1
+                self._pending_bytes += b
+            if marker is not None:
+                self._outbox.append(marker)
+            self._cv.notify_all()
+
+    # ---------------------------------------------------- writer
+    def _take_batch(self) -> tuple[list[tuple[Record, int]], list[_Marker]]:
+        """Called with the lock held and the outbox non-empty."""
+        batch: list[tuple[Record, int]] = []
+        markers: list[_Marker] = []
+        while self._outbox and len(batch) < self.max_batch:
+            item = self._outbox.popleft()
+            if isinstance(item, _Marker):
+                markers.append(item)
+                break
+            batch.append(item)
+        return batch, markers
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._outbox:
+                    self._cv.wait()
+                # Linger briefly to batch more lines per lock acquisition,
+                # unless someone waits on a marker.
+                if not any(isinstance(i, _Marker) for i in self._outbox) and \
+                        len(self._outbox) < self.max_batch:
+                    self._cv.wait(self.flush_interval)
+                batch, markers = self._take_batch()
+            ok = self._write_batch(batch)
+            if not ok:
+                with self._cv:
+                    # Keep the records (in order) for a later retry; the
+                    # markers are answered "failed" so flush() can report.
+                    self._outbox.extendleft(reversed(batch))
+                for m in markers:
+                    m.failed = True
+                    m.event.set()
+                    if isinstance(m, _Stop):
+                        return
+                time.sleep(self.retry_interval)
+                continue
+            for m in markers:
+                m.event.set()
+                if isinstance(m, _Stop):
+                    return
+
+    def _write_batch(self, batch: list[tuple[Record, int]]) -> bool:
+        if not batch:
+            return True
+        try:
+            self.sink.write([r for r, _ in batch])
+        except LockBusy:
+            return False
+        except BaseException as e:  # noqa: BLE001
+            self.record_error(e)
+            return False
+        with self._cv:
+            self._pending_items -= len(batch)
+            self._pending_bytes -= sum(b for _, b in batch)
+            self.written += len(batch)
+            self._cv.notify_all()
+        return True
+
+    # ---------------------------------------------------- control
+    def _send_marker(self, marker: _Marker, timeout: float | None) -> bool:
+        with self._cv:
+            self._ingress.append(marker)
+            self._cv.notify_all()
+        return marker.event.wait(timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Write everything ingested so far; raise TapError on failures."""
+        if self.closed:
+            raise TapError("flush() on a closed pmaptap pipeline")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            m = _Marker()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = self._send_marker(m, left)
+            if done and not m.failed:
+                break
+            if self._errors or (deadline is not None and time.monotonic() >= deadline):
+                break
+            if not done:
+                break
+            time.sleep(self.retry_interval)   # lock busy: try again
+        self.raise_errors(pending_ok=False)
+
+    def pending(self) -> int:
+        with self._cv:
+            return self._pending_items
+
+    def raise_errors(self, pending_ok: bool = True) -> None:
+        with self._cv:
+            errors, self._errors = self._errors, []
+            pending = self._pending_items
+        if errors:
+            path = getattr(self.sink, "path", None)
+            msg = (f"pmaptap could not write {pending} pending record(s)"
+                   f"{' to ' + repr(path) if path else ''}: "
+                   + "; ".join(f"{type(e).__name__}: {e}" for e in errors[:5]))
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
+        if pending and not pending_ok:
+            path = getattr(self.sink, "path", None)
+            raise TapError(f"pmaptap flush timed out with {pending} record(s) "
+                           f"still queued for {path!r} (is another process "
+                           "holding the lock?). They stay queued and are "
+                           "retried.", path=path)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, stop both threads, close the sink. Raises TapError if
+        records could not be written (they are counted in the message)."""
+        if self.closed:
+            return
+        stop = _Stop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            # Drain with retries (lock busy / transient errors) until deadline.
+            while True:
+                m = _Marker()
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._send_marker(m, left) or not m.failed:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                time.sleep(self.retry_interval)
+        finally:
+            with self._cv:
+                self._stopping = True
+            self._send_marker(stop, 5.0)
+            self.closed = True
+            lost = self.pending()
+            try:
+                self.sink.close()
+            finally:
+                if lost:
+                    self.record_error(TapError(
+                        f"{lost} record(s) were not written before close"))
+                self.raise_errors()

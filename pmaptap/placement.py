@@ -1,0 +1,126 @@
+"""Where a traced tap runs: mapped axes, and coordinates -> device / process.
+
+Device identity is the hard part (see shared/DESIGN.md). Inside the body of
+``pmap`` (which JAX 0.10 implements as ``jit(shard_map(mesh=Mesh(...)))``) and
+``shard_map`` the public API gives only the *abstract* mesh: axis names and
+sizes. The concrete ``Mesh`` (which device sits at which coordinate) is public
+only under ``jax.set_mesh``. Otherwise it is a local variable of the JAX frame
+that is tracing the body, and this module is the one place that reaches for it.
+If neither source yields a mesh that matches the abstract one exactly, the
+device is reported as unknown (``None``), never guessed from ``jax.devices()``.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+# JAX's name for the axis of a pmap called without axis_name. Records show it
+# as "pmap" so users do not see an internal identifier.
+_PMAP_INTERNAL_AXIS = "_internal_pmap_axis_name"
+PMAP_AXIS_DISPLAY = "pmap"
+
+# Frames of these modules may hold the concrete mesh in a local named "mesh"
+# (jax._src.shard_map._shard_map_staging when tracing under jit,
+# _run_shmap / _shard_map_impl when running shard_map eagerly).
+_MESH_FRAME_MODULES = ("jax._src.shard_map",)
+
+
+def display_axis_name(name: Any) -> str:
+    return PMAP_AXIS_DISPLAY if name == _PMAP_INTERNAL_AXIS else str(name)
+
+
+def mapped_axes() -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """Manual (per-device) axes of the current trace, in mesh order."""
+    amesh = jax.sharding.get_abstract_mesh()
+    if amesh.empty:
+        return (), ()
+    manual = set(amesh.manual_axes)
+    names = tuple(n for n in amesh.axis_names if n in manual)
+    sizes = tuple(int(amesh.shape[n]) for n in names)
+    return names, sizes
+
+
+def _context_mesh():
+    """The mesh set by ``jax.set_mesh`` (public while tracing only through the
+    private getter; ``jax.sharding.get_mesh`` refuses inside jit)."""
+    from jax._src import mesh as mesh_lib
+    m = mesh_lib.get_concrete_mesh()
+    return None if m is None or m.empty else m
+
+
+def _frame_meshes():
+    """Concrete meshes held by JAX's shard_map frames, innermost first."""
+    from jax._src.mesh import Mesh
+    out = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _MESH_FRAME_MODULES:
+            m = frame.f_locals.get("mesh")
+            if isinstance(m, Mesh) and not m.empty:
+                out.append(m)
+        frame = frame.f_back
+    return out
+
+
+def find_concrete_mesh(names: tuple[Any, ...], sizes: tuple[int, ...]):
+    """A concrete mesh whose axes are exactly the given manual axes, or None.
+
+    Requiring an exact match (same axis names, same sizes, no extra axes)
+    guarantees that the manual coordinates alone determine the device; with
+    extra auto axes (partial-manual shard_map) they do not, and we give up.
+    """
+    want = dict(zip(names, sizes))
+    candidates = []
+    ctx = _context_mesh()
+    if ctx is not None:
+        candidates.append(ctx)
+    candidates.extend(_frame_meshes())
+    for m in candidates:
+        if dict(m.shape) == want:
+            return m
+    return None
+
+
+def device_table(names: tuple[Any, ...], sizes: tuple[int, ...]
+                 ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(device ids, process indices) row-major over ``names``, or (None, None)."""
+    if not names:
+        return None, None
+    mesh = find_concrete_mesh(names, sizes)
+    if mesh is None:
+        return None, None
+    # Reorder the mesh's device array to the order of `names` (already the
+    # mesh order when taken from the abstract mesh, but be explicit).
+    order = [list(mesh.axis_names).index(n) for n in names]
+    devs = np.transpose(mesh.devices, order).reshape(-1)
+    return (tuple(int(d.id) for d in devs),
+            tuple(int(d.process_index) for d in devs))
+
+
+def local_copy_count(sizes: tuple[int, ...],
+                     processes: tuple[int, ...] | None) -> int:
+    """How many per-device copies of one tap execution this process receives."""
+    total = int(np.prod(sizes)) if sizes else 1
+    if processes is None:
+        return max(1, total // max(1, jax.process_count()))
+    me = jax.process_index()
+    return max(1, sum(1 for p in processes if p == me))
+
+
+def eager_device(leaves) -> int | None:
+    """Device of concrete (non-traced) single-device arrays, else None."""
+    dev = None
+    for leaf in leaves:
+        if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
+            return None
+        devices = leaf.devices()
+        if len(devices) != 1:
+            return None
+        d = next(iter(devices)).id
+        if dev is not None and d != dev:
+            return None
+        dev = d
+    return dev

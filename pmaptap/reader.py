@@ -1,0 +1,72 @@
+"""Reading tap files: every valid record in file order, never eval/pickle."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Iterator
+
+from .records import decode_record, validate_dict
+
+
+def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line number, record or None, problem or None) for every line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    torn_tail = bool(lines) and lines[-1] != b""
+    if not torn_tail:
+        lines = lines[:-1]
+    for i, raw in enumerate(lines, start=1):
+        last = i == len(lines)
+        if not raw.strip():
+            yield i, None, "empty line"
+            continue
+        try:
+            d = json.loads(raw.decode("utf-8"),
+                           parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError) as e:
+            why = "torn last line (no newline)" if (last and torn_tail) else \
+                f"not valid JSON ({e})"
+            yield i, None, why
+            continue
+        problem = validate_dict(d)
+        if problem:
+            yield i, None, f"not a pmaptap record: {problem}"
+            continue
+        yield i, d, None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def read(path: str | os.PathLike, *, as_frame: bool = False):
+    """All valid records of a tap file, in file order, as dicts.
+
+    Lines that are not valid records (garbage, a torn last line from a killed
+    writer) are skipped with one warning that lists them. Non-finite numbers
+    come back as float NaN/inf. ``as_frame=True`` returns a pandas DataFrame.
+    """
+    out: list[dict] = []
+    bad: list[tuple[int, str]] = []
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            if problem != "empty line":
+                bad.append((lineno, problem or "invalid"))
+            continue
+        out.append(decode_record(d))
+    if bad:
+        shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        warnings.warn(f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} "
+                      f"invalid line(s): {shown}{more}", RuntimeWarning,
+                      stacklevel=2)
+    if as_frame:
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("pmaptap.read(..., as_frame=True) needs pandas: "
+                              "pip install pandas (or 'pmaptap[frame]').") from e
+        return pd.DataFrame(out)
+    return out

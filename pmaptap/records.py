@@ -1,0 +1,208 @@
+"""The record type and its strict-JSON line encoding (RFC 8259).
+
+Non-finite floats have no JSON number form, so inside ``value`` they are
+written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``; values
+are always numeric, so a string there is unambiguous, and ``decode`` turns
+them back into floats. Complex numbers are ``[re, im]`` pairs (the ``dtype``
+says complex). bfloat16 / float8 / float16 are widened to float for JSON but
+keep their own ``dtype`` name. A pytree value is nested JSON objects (dicts,
+namedtuples) and arrays (lists, tuples); ``dtype`` and ``shape`` then have the
+same nesting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+KINDS = ("replicated", "per_device", "meta")
+REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape",
+            "process", "time", "host")
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+# Arrays up to this size get the shortest repr of their own precision
+# (0.1 in float32 is written 0.1, not 0.10000000149011612).
+_SHORT_REPR_MAX = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    run: str
+    name: str
+    step: int
+    kind: str
+    value: Any                    # already JSON-able (see encode_tree)
+    dtype: Any
+    shape: Any
+    process: int
+    time: float
+    host: str
+    device: int | None = None     # per_device only
+    coords: dict | None = None    # per_device only
+    replicas: int | None = None   # replicated only
+    devices: tuple | None = None  # replicated: devices holding this value
+    processes: tuple | None = None
+    divergent: bool = False
+    batch_dims: int = 0
+    pass_: str = "forward"
+    extra: dict | None = None     # meta records: counters etc.
+
+    def to_json_dict(self) -> dict:
+        d: dict[str, Any] = {
+            "run": self.run, "name": self.name, "step": int(self.step),
+            "kind": self.kind, "value": self.value, "dtype": self.dtype,
+            "shape": self.shape, "process": self.process,
+            "time": round(self.time, 6), "host": self.host,
+        }
+        if self.kind == "per_device":
+            d["device"] = self.device
+            d["coords"] = self.coords if self.coords is not None else {}
+        elif self.kind == "replicated":
+            d["replicas"] = self.replicas
+            if self.devices is not None:
+                d["devices"] = list(self.devices)
+            if self.processes is not None:
+                d["processes"] = list(self.processes)
+        if self.divergent:
+            d["divergent"] = True
+        if self.batch_dims:
+            d["batch_dims"] = self.batch_dims
+        if self.pass_ != "forward":
+            d["pass"] = self.pass_
+        if self.extra:
+            d.update(self.extra)
+        return d
+
+    def encode(self) -> bytes:
+        return encode_line(self.to_json_dict())
+
+
+def encode_line(d: dict) -> bytes:
+    # allow_nan=False: a stray non-finite float is a bug, never a bad line.
+    return (json.dumps(d, separators=(",", ":"), allow_nan=False,
+                       ensure_ascii=False) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------- arrays
+
+def _is_float_like(dt: np.dtype) -> bool:
+    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
+
+
+def _float_list(a: np.ndarray) -> Any:
+    """float-like array -> nested lists with non-finite markers."""
+    if a.size <= _SHORT_REPR_MAX and a.dtype != np.float64:
+        # str() of a numpy / ml_dtypes scalar is the shortest repr that
+        # round-trips in its own precision ("nan"/"inf" parse too).
+        out = np.array([float(str(v)) for v in a.reshape(-1)],
+                       dtype=np.float64).reshape(a.shape)
+    else:
+        out = a.astype(np.float64)
+    if np.isfinite(out).all():
+        return out.tolist()
+    obj = out.astype(object)
+    obj[np.isnan(out)] = "NaN"
+    obj[out == math.inf] = "Infinity"
+    obj[out == -math.inf] = "-Infinity"
+    return obj.tolist()
+
+
+def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
+    dt = a.dtype
+    if dt.kind == "b" or dt.kind in "iu":
+        value = a.tolist()
+    elif dt.kind == "c":
+        value = _float_list(np.stack([a.real, a.imag], axis=-1))
+    elif _is_float_like(dt):
+        value = _float_list(a)
+    else:
+        raise TypeError(f"cannot encode dtype {dt} as JSON")
+    return value, dt.name, list(a.shape)
+
+
+def _structure(treedef, it: Iterator[Any]) -> Any:
+    """Rebuild a pytree's nesting as JSON containers."""
+    import jax
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return next(it) if treedef.num_leaves == 1 else None
+    typ, aux = treedef.node_data()
+    vals = [_structure(c, it) for c in treedef.children()]
+    if isinstance(aux, (list, tuple)) and len(aux) == len(vals) and \
+            issubclass(typ, dict):
+        return {str(k): v for k, v in zip(aux, vals)}
+    if hasattr(typ, "_fields"):
+        return dict(zip(typ._fields, vals))
+    if typ in (list, tuple):
+        return vals
+    # Custom pytree node: keep children in flatten order.
+    return vals
+
+
+def encode_tree(treedef, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
+    encoded = [encode_array(a) for a in leaves]
+    import jax
+    if jax.tree_util.treedef_is_leaf(treedef) and treedef.num_leaves == 1:
+        return encoded[0]
+    return tuple(_structure(treedef, iter([e[i] for e in encoded]))
+                 for i in range(3))
+
+
+# ---------------------------------------------------------------- decoding
+
+def _decode_nonfinite(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode_nonfinite(x) for x in v]
+    if isinstance(v, str) and v in _NONFINITE:
+        return _NONFINITE[v]
+    return v
+
+
+def _decode_complex(v: Any, depth: int) -> Any:
+    if depth == 0:
+        return complex(v[0], v[1])
+    return [_decode_complex(x, depth - 1) for x in v]
+
+
+def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
+    if isinstance(dtype, str):
+        value = _decode_nonfinite(value)
+        if dtype.startswith("complex") and isinstance(shape, list):
+            value = _decode_complex(value, len(shape))
+        return value
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        return {k: _decode_value(value[k], dtype[k], (shape or {}).get(k))
+                for k in value}
+    if isinstance(dtype, list) and isinstance(value, list):
+        shapes = shape if isinstance(shape, list) else [None] * len(value)
+        return [_decode_value(v, d, s) for v, d, s in zip(value, dtype, shapes)]
+    return _decode_nonfinite(value)
+
+
+def validate_dict(d: Any) -> str | None:
+    """Why ``d`` is not a record, or None if it is one."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        return "missing field(s): " + ", ".join(missing)
+    if not isinstance(d["name"], str) or not d["name"]:
+        return "name must be a non-empty string"
+    if not isinstance(d["step"], int) or isinstance(d["step"], bool):
+        return "step must be an integer"
+    if d["kind"] not in KINDS:
+        return f"kind must be one of {KINDS}"
+    if not isinstance(d["run"], str):
+        return "run must be a string"
+    if d["kind"] == "per_device" and ("device" not in d or "coords" not in d):
+        return "per_device record without device/coords"
+    if d["kind"] == "replicated" and "replicas" not in d:
+        return "replicated record without replicas"
+    return None
+
+
+def decode_record(d: dict) -> dict:
+    d = dict(d)
+    d["value"] = _decode_value(d["value"], d.get("dtype"), d.get("shape"))
+    return d

@@ -1,0 +1,248 @@
+"""Session lifecycle: the active session, flush/close, exit and SIGTERM.
+
+Ordering against JAX's own exit handlers: ``atexit`` runs handlers last-in
+first-out, and JAX registers its backend clean-up when it is imported. We
+register at ``open()`` (after ``import jax``), so our close runs first, while
+the backends still exist for ``jax.effects_barrier()``.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import warnings
+from typing import Any
+
+from . import routing
+from .errors import SessionError, TapError
+from .pipeline import OVERFLOW_POLICIES, Pipeline
+from .sink import FileSink
+
+_open_lock = threading.Lock()
+_active_session: "Session | None" = None
+
+
+def active_session() -> "Session | None":
+    return _active_session
+
+
+def _new_run_id() -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def default_run_id() -> str:
+    """PMAPTAP_RUN if set; in a multi-process job an id agreed through JAX's
+    coordination service; otherwise a fresh timestamped id."""
+    env = os.environ.get("PMAPTAP_RUN")
+    if env:
+        return env
+    try:
+        from . import distributed
+        agreed = distributed.agree_run_id(_new_run_id)
+    except ImportError:
+        agreed = None
+    return agreed or _new_run_id()
+
+
+class Session:
+    """One tap file for this process; ``with Session(path):`` opens and closes.
+
+    path: the shared JSON-lines file (created with its parents, appended to).
+    run: the run id written on every record (default: see default_run_id).
+    overflow / max_pending / max_pending_bytes: the bounded queue policy
+      ("drop_oldest" default, "drop_newest", or "block").
+    lock_timeout: seconds one lock attempt waits before the writer retries.
+    flush_timeout: seconds flush() waits for a busy lock before TapError.
+    close_timeout: seconds close() waits to drain (and for peers, multi-process).
+    group_timeout: seconds a step waits for missing device copies.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, run: str | None = None,
+                 overflow: str = "drop_oldest", max_pending: int = 1_000_000,
+                 max_pending_bytes: int = 1 << 30, lock_timeout: float = 1.0,
+                 flush_timeout: float | None = 120.0,
+                 close_timeout: float = 60.0, group_timeout: float = 5.0,
+                 flush_interval: float = 0.02) -> None:
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"Session: overflow must be one of "
+                             f"{OVERFLOW_POLICIES}, got {overflow!r}")
+        if run is not None and (not isinstance(run, str) or not run):
+            raise ValueError(f"Session: run must be a non-empty str, got {run!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.run = run
+        self._opts: dict[str, Any] = dict(
+            overflow=overflow, max_pending=max_pending,
+            max_pending_bytes=max_pending_bytes, group_timeout=group_timeout,
+            flush_interval=flush_interval)
+        self.lock_timeout = lock_timeout
+        self.flush_timeout = flush_timeout
+        self.close_timeout = close_timeout
+        self.pipeline: Pipeline | None = None
+        self._prev_sigterm: Any = None
+        self._sigterm_installed = False
+
+    def __repr__(self) -> str:
+        state = "open" if self.pipeline is not None and not self.pipeline.closed \
+            else "closed"
+        return f"Session(path={self.path!r}, run={self.run!r}, {state})"
+
+    # ------------------------------------------------------------- open
+    def open(self) -> "Session":
+        global _active_session
+        with _open_lock:
+            if _active_session is not None:
+                raise SessionError(
+                    f"another pmaptap session is already open in this process: "
+                    f"{_active_session!r}. Close it (session.close() or leave "
+                    "its `with` block) before opening a new one.")
+            if self.pipeline is not None:
+                raise SessionError(f"{self!r} was already used; create a new "
+                                   "Session to open again.")
+            sink = FileSink(self.path, lock_timeout=self.lock_timeout)
+            try:
+                if self.run is None:
+                    self.run = default_run_id()
+                self.pipeline = Pipeline(sink, run=self.run, **self._opts)
+            except BaseException:
+                sink.close()
+                raise
+            routing.set_active(self.pipeline)
+            _active_session = self
+        atexit.register(self._close_at_exit)
+        self._install_sigterm()
+        return self
+
+    def __enter__(self) -> "Session":
+        return self.open()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is leaving the block: still write everything, but do
+        # not hide the user's exception behind a TapError.
+        try:
+            self.close()
+        except TapError as e:
+            warnings.warn(f"pmaptap: {e}", RuntimeWarning)
+
+    # ------------------------------------------------------------- flush
+    def flush(self, timeout: float | None = -1) -> None:
+        """Return once every tap dispatched before this call is written by this
+        process. Raises TapError for background failures since the last call."""
+        p = self._require_open("flush")
+        if timeout == -1:
+            timeout = self.flush_timeout
+        _effects_barrier()
+        p.flush(timeout)
+
+    def _require_open(self, what: str) -> Pipeline:
+        if self.pipeline is None or self.pipeline.closed:
+            raise SessionError(f"{what}() on {self!r}: open it first "
+                               "(session.open() or `with Session(path):`).")
+        return self.pipeline
+
+    # ------------------------------------------------------------- close
+    def close(self) -> None:
+        """Write everything dispatched, wait for the other processes (multi-
+        process jobs), and end the session. Safe to call twice."""
+        global _active_session
+        p = self.pipeline
+        if p is None or p.closed:
+            return
+        try:
+            try:
+                _effects_barrier()
+            finally:
+                p.close(timeout=self.close_timeout)
+        finally:
+            try:
+                self._after_close()
+            finally:
+                with _open_lock:
+                    if _active_session is self:
+                        _active_session = None
+                    routing.set_active(None)
+                try:
+                    atexit.unregister(self._close_at_exit)
+                except Exception:  # noqa: BLE001
+                    pass
+                self._restore_sigterm()
+
+    def _after_close(self) -> None:
+        """Multi-process: wait (bounded) until every process has closed, so
+        that the file holds every record once close() returns anywhere."""
+        try:
+            from . import distributed
+        except ImportError:
+            return
+        distributed.close_barrier(self.run or "", timeout=self.close_timeout)
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001
+            print(f"[pmaptap] error while closing {self!r} at exit: {e}",
+                  file=sys.stderr)
+
+    # ------------------------------------------------------------- SIGTERM
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+        except (ValueError, OSError):
+            pass
+
+    def _restore_sigterm(self) -> None:
+        if not self._sigterm_installed:
+            return
+        self._sigterm_installed = False
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev_sigterm
+                              if self._prev_sigterm is not None else signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        prev = self._prev_sigterm
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001
+            print(f"[pmaptap] error while closing on SIGTERM: {e}", file=sys.stderr)
+        # Then behave as the process would have without us.
+        if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
+            prev(signum, frame)
+        elif prev == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _effects_barrier() -> None:
+    import jax
+    jax.effects_barrier()
+
+
+def flush(timeout: float | None = -1) -> None:
+    """Flush the active session, or the stderr console pipeline if none."""
+    s = _active_session
+    if s is not None:
+        s.flush(timeout)
+        return
+    _effects_barrier()
+    routing.console().flush(None if timeout == -1 else timeout)
+
+
+def current_host() -> str:
+    return socket.gethostname()

@@ -1,0 +1,61 @@
+"""The static description of one tap site, fixed at trace time.
+
+A ``TapSpec`` travels inside the host callback's closure, so everything the
+host needs to turn raw arrays into records (names, dedup policy, where each
+mesh coordinate lives) is known without calling JAX from the callback thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+DEDUP_MODES = ("auto", "replicated", "per_device")
+
+_ids = itertools.count()
+
+
+def next_tap_id() -> int:
+    return next(_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class TapSpec:
+    name: str
+    dedup: str
+    every: int
+    treedef: Any                     # jax PyTreeDef of the tapped value
+    axis_names: tuple[str, ...]      # manual mesh axes, in mesh order ("" never)
+    axis_sizes: tuple[int, ...]
+    # Device id / process index for every coordinate (row-major over
+    # axis_names), or None where pmaptap cannot know: never guessed.
+    device_ids: tuple[int, ...] | None
+    device_processes: tuple[int, ...] | None
+    local_copies: int                # copies this process should receive per step
+    explicit_step: bool              # step travels as an argument
+    batch_dims: int = 0              # leading axes added by vmap
+    pass_: str = "forward"           # "forward" or "backward" (tap_grad)
+    eager_device: int | None = None  # device of a concrete (non-traced) value
+    tap_id: int = dataclasses.field(default_factory=next_tap_id)
+
+    def with_batch(self) -> "TapSpec":
+        return dataclasses.replace(self, batch_dims=self.batch_dims + 1)
+
+    def device_of(self, coords: tuple[int, ...]) -> int | None:
+        if not self.axis_names:
+            return self.eager_device
+        if self.device_ids is None:
+            return None
+        return self.device_ids[_flat_index(coords, self.axis_sizes)]
+
+    def process_of(self, coords: tuple[int, ...]) -> int | None:
+        if self.device_processes is None or not self.axis_names:
+            return None
+        return self.device_processes[_flat_index(coords, self.axis_sizes)]
+
+
+def _flat_index(coords: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    idx = 0
+    for c, s in zip(coords, sizes):
+        idx = idx * s + int(c)
+    return idx

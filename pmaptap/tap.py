@@ -1,0 +1,119 @@
+"""``pmaptap.tap``: the traced side. Checks arguments at trace time, finds the
+mapped axes and this device's coordinates, decides ``every`` for static steps
+and hands the rest to the single emission helper."""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import placement
+from .emit import axis_coords, emit
+from .spec import DEDUP_MODES, TapSpec
+
+T = TypeVar("T")
+
+
+def _check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} "
+                        f"({name!r}). Example: {fn}(x, 'loss').")
+    if not name:
+        raise ValueError(f"{fn}: name must be a non-empty string.")
+    if dedup not in DEDUP_MODES:
+        raise ValueError(f"{fn}({name!r}): dedup must be one of "
+                         f"{', '.join(repr(m) for m in DEDUP_MODES)}; got {dedup!r}.")
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)):
+        raise TypeError(f"{fn}({name!r}): every must be an int >= 1, got "
+                        f"{type(every).__name__} ({every!r}).")
+    if every < 1:
+        raise ValueError(f"{fn}({name!r}): every must be >= 1 (1 records every "
+                         f"step, N records steps where step % N == 0); got {every}.")
+
+
+def _as_leaf(path, leaf, name: str, fn: str):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or \
+            isinstance(leaf, jax.core.Tracer):
+        return leaf
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jnp.asarray(leaf)
+    where = jax.tree_util.keystr(path) or "the value"
+    raise TypeError(
+        f"{fn}({name!r}): {where} is a {type(leaf).__name__}; taps accept "
+        "arrays, NumPy/Python numbers and pytrees (dict/list/tuple/None) of "
+        "them. Convert it, or leave it out of the tapped value.")
+
+
+def _check_step(step: Any, name: str, fn: str):
+    """Returns (static_int_or_None, traced_or_None)."""
+    if step is None:
+        return None, None
+    if isinstance(step, bool):
+        raise TypeError(f"{fn}({name!r}): step must be an integer, got bool.")
+    if isinstance(step, (int, np.integer)):
+        if step < 0:
+            raise ValueError(f"{fn}({name!r}): step must be >= 0, got {step}.")
+        return int(step), None
+    if isinstance(step, (jax.Array, jax.core.Tracer, np.ndarray)):
+        dtype = step.dtype
+        if not jnp.issubdtype(dtype, jnp.integer) or step.shape != ():
+            raise TypeError(f"{fn}({name!r}): step must be an integer scalar "
+                            f"(Python int or traced int array of shape ()), got "
+                            f"{dtype}{list(step.shape)}.")
+        return None, step
+    raise TypeError(f"{fn}({name!r}): step must be None (automatic counter), a "
+                    f"Python int, or a traced integer scalar; got "
+                    f"{type(step).__name__}.")
+
+
+def build_spec(name: str, dedup: str, every: int, treedef, leaves,
+               explicit_step: bool, pass_: str) -> TapSpec:
+    names, sizes = placement.mapped_axes()
+    ids, procs = placement.device_table(names, sizes)
+    return TapSpec(
+        name=name, dedup=dedup, every=int(every), treedef=treedef,
+        axis_names=tuple(placement.display_axis_name(n) for n in names),
+        axis_sizes=sizes, device_ids=ids, device_processes=procs,
+        local_copies=placement.local_copy_count(sizes, procs),
+        explicit_step=explicit_step, pass_=pass_,
+        eager_device=None if names else placement.eager_device(leaves),
+    ), names
+
+
+def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
+         pass_: str = "forward", fn: str = "pmaptap.tap") -> None:
+    """Validate and emit ``x`` (no return value; shared by tap and tap_grad)."""
+    _check_common(name, dedup, every, fn)
+    static_step, traced_step = _check_step(step, name, fn)
+    if static_step is not None and static_step % every != 0:
+        return  # decided at trace time: nothing is compiled for this step
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
+    leaves = [_as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
+    spec, raw_names = build_spec(name, dedup, every, treedef, leaves,
+                                 explicit_step=step is not None, pass_=pass_)
+    coords = axis_coords(raw_names)
+    if traced_step is not None:
+        step_arr = traced_step
+    else:
+        step_arr = jnp.asarray(-1 if static_step is None else static_step,
+                               jnp.int32)
+    emit(spec, leaves, coords, step_arr,
+         traced_every=traced_step is not None and every > 1)
+
+
+def tap(x: T, name: str, *, step=None, dedup: str = "auto", every: int = 1) -> T:
+    """Send ``x`` (an array or pytree of arrays) to the host, tagged with the
+    device, process and mesh coordinates it came from. Returns ``x`` unchanged;
+    gradients flow as if the tap were absent.
+
+    dedup: "replicated" (one record per step; divergent copies are all kept
+    and flagged), "per_device" (one record per device per step) or "auto"
+    (identical copies -> replicated, otherwise per_device).
+    step: None for an automatic per-(session, name, device) counter, or a
+    Python int / traced integer scalar. every: record steps where
+    ``step % every == 0``; with a traced step the skip is decided on device.
+    """
+    send(x, name, step=step, dedup=dedup, every=every)
+    return x
