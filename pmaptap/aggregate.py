@@ -10,6 +10,7 @@ seconds (a tap under a ``cond`` that fired on some devices only), or at flush.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -151,4 +152,5 @@ class Aggregator:
             devices=tuple(h.device for h in holders),
             processes=tuple(sorted({h.process for h in holders})),
             divergent=divergent, batch_dims=spec.batch_dims, pass_=spec.pass_,
-            extra=extra)
+            extra=extra, vhash=hashlib.blake2b(holders[0].key,
+                                               digest_size=8).hexdigest())

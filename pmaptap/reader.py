@@ -7,6 +7,7 @@ import warnings
 from typing import Iterator
 
 from .records import decode_record, validate_dict
+from .xdedup import record_key
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
@@ -56,6 +57,7 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
                 bad.append((lineno, problem or "invalid"))
             continue
         out.append(decode_record(d))
+    reconcile_divergence(out)
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
@@ -70,3 +72,16 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
                               "pip install pandas (or 'pmaptap[frame]').") from e
         return pd.DataFrame(out)
     return out
+
+
+def reconcile_divergence(records: list[dict]) -> None:
+    """Mark every replicated record of a (run, name, step, pass) divergent when
+    the file holds more than one distinct value for it (the first writer could
+    not know that a later process would disagree; see xdedup)."""
+    hashes: dict[tuple, set] = {}
+    for r in records:
+        if r.get("kind") == "replicated" and r.get("vhash"):
+            hashes.setdefault(record_key(r), set()).add(r["vhash"])
+    for r in records:
+        if r.get("kind") == "replicated" and len(hashes.get(record_key(r), ())) > 1:
+            r["divergent"] = True

@@ -48,6 +48,7 @@ class Record:
     batch_dims: int = 0
     pass_: str = "forward"
     extra: dict | None = None     # meta records: counters etc.
+    vhash: str | None = None      # replicated: hash of the value's bits
 
     def to_json_dict(self) -> dict:
         d: dict[str, Any] = {
@@ -65,6 +66,8 @@ class Record:
                 d["devices"] = list(self.devices)
             if self.processes is not None:
                 d["processes"] = list(self.processes)
+            if self.vhash:
+                d["vhash"] = self.vhash
         if self.divergent:
             d["divergent"] = True
         if self.batch_dims:

@@ -23,6 +23,7 @@ import filelock
 
 from .errors import TapError
 from .records import Record
+from .xdedup import CrossProcessIndex
 
 
 class LockBusy(Exception):
@@ -78,6 +79,9 @@ class FileSink(Sink):
         # O_APPEND so every write lands at the end whatever others wrote.
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
         self._lock = filelock.FileLock(self.path + ".lock", timeout=lock_timeout)
+        self.index = CrossProcessIndex()
+        # Bytes before this offset were already indexed (or predate us).
+        self._seen = os.fstat(self._fd).st_size
         self.lines_written = 0
         self.bytes_written = 0
         self.repairs = 0
@@ -85,26 +89,29 @@ class FileSink(Sink):
     def write(self, records: Sequence[Record]) -> None:
         if not records:
             return
-        data = b"".join(r.encode() for r in records)
-        self.write_bytes(data, len(records))
-
-    def write_bytes(self, data: bytes, nlines: int) -> None:
+        # Encode outside the lock; only the dedup decision needs it.
+        encoded = {id(r): r.encode() for r in records}
         try:
             self._lock.acquire(timeout=self.lock_timeout)
         except filelock.Timeout as e:
             raise LockBusy(str(e)) from None
         try:
             size = os.fstat(self._fd).st_size
-            if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            if size > self._seen:
+                self.index.observe(os.pread(self._fd, size - self._seen, self._seen))
+            keep = self.index.filter(records)
+            data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
+            if data and size and os.pread(self._fd, 1, size - 1) != b"\n":
                 data = b"\n" + data   # a killed writer left a torn line
                 self.repairs += 1
             view = memoryview(data)
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
+            self._seen = size + len(data)
         finally:
             self._lock.release()
-        self.lines_written += nlines
+        self.lines_written += len(keep)
         self.bytes_written += len(data)
 
     def close(self) -> None:

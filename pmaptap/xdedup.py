@@ -1,0 +1,78 @@
+"""Cross-process dedup of replicated records at the shared file.
+
+Every process of a job taps the same replicated value (a loss after ``pmean``)
+and would append it once each. Under the file lock, before writing a batch, a
+``FileSink`` reads what the *other* processes appended since its last look and
+remembers, per (run, name, step, pass), the value hashes (``vhash``) already in
+the file. A replicated record whose key is there with the same hash is
+skipped; with a different hash it is written with ``"divergent": true``. So
+whichever process gets there first writes the record, and no process needs to
+stay alive for the others.
+
+The raw file keeps the first value as written (an appended line cannot be
+changed); ``pmaptap.read`` marks every replicated record of a key that has
+more than one distinct ``vhash`` as divergent. The index keeps the newest
+``max_keys`` keys: a process that falls further behind than that may write a
+duplicate, which ``read`` and ``pmaptap validate`` report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import OrderedDict
+from typing import Sequence
+
+from .records import Record
+
+_REPLICATED_MARK = b'"kind":"replicated"'
+
+
+def record_key(d: dict) -> tuple:
+    return (d.get("run"), d.get("name"), d.get("step"), d.get("pass", "forward"))
+
+
+class CrossProcessIndex:
+    def __init__(self, max_keys: int = 200_000) -> None:
+        self.max_keys = max_keys
+        self._seen: OrderedDict[tuple, set[str]] = OrderedDict()
+        self.skipped = 0
+        self.divergent = 0
+
+    def _remember(self, key: tuple, vhash: str) -> None:
+        hashes = self._seen.get(key)
+        if hashes is None:
+            hashes = self._seen[key] = set()
+            if len(self._seen) > self.max_keys:
+                self._seen.popitem(last=False)
+        hashes.add(vhash)
+
+    def observe(self, data: bytes) -> None:
+        """Index replicated records among bytes other processes appended."""
+        for line in data.split(b"\n"):
+            if _REPLICATED_MARK not in line:
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue       # torn or garbage: the reader reports it
+            if isinstance(d, dict) and d.get("vhash"):
+                self._remember(record_key(d), d["vhash"])
+
+    def filter(self, records: Sequence[Record]) -> list[Record]:
+        """Drop replicated records already in the file; flag disagreements."""
+        out: list[Record] = []
+        for r in records:
+            if r.kind != "replicated" or not r.vhash:
+                out.append(r)
+                continue
+            key = (r.run, r.name, r.step, r.pass_)
+            hashes = self._seen.get(key)
+            if hashes and r.vhash in hashes:
+                self.skipped += 1
+                continue
+            if hashes and not r.divergent:
+                r = dataclasses.replace(r, divergent=True)
+                self.divergent += 1
+            self._remember(key, r.vhash)
+            out.append(r)
+        return out
