@@ -36,6 +36,10 @@ class TapSpec:
     batch_dims: int = 0              # leading axes added by vmap
     pass_: str = "forward"           # "forward" or "backward" (tap_grad)
     eager_device: int | None = None  # device of a concrete (non-traced) value
+    # host_callback shims: a callable ``consumer(spec, arrays)`` that receives
+    # the raw callback payload instead of the session pipeline. It runs on
+    # XLA's callback thread, so it must only hand the payload over.
+    consumer: Any = None
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
     def with_batch(self) -> "TapSpec":

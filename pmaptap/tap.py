@@ -69,7 +69,7 @@ def _check_step(step: Any, name: str, fn: str):
 
 
 def build_spec(name: str, dedup: str, every: int, treedef, leaves,
-               explicit_step: bool, pass_: str) -> TapSpec:
+               explicit_step: bool, pass_: str, consumer=None) -> TapSpec:
     names, sizes = placement.mapped_axes()
     ids, procs = placement.device_table(names, sizes)
     return TapSpec(
@@ -79,11 +79,13 @@ def build_spec(name: str, dedup: str, every: int, treedef, leaves,
         local_copies=placement.local_copy_count(sizes, procs),
         explicit_step=explicit_step, pass_=pass_,
         eager_device=None if names else placement.eager_device(leaves),
+        consumer=consumer,
     ), names
 
 
 def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
-         pass_: str = "forward", fn: str = "pmaptap.tap") -> None:
+         pass_: str = "forward", fn: str = "pmaptap.tap",
+         consumer=None) -> None:
     """Validate and emit ``x`` (no return value; shared by tap and tap_grad)."""
     _check_common(name, dedup, every, fn)
     static_step, traced_step = _check_step(step, name, fn)
@@ -92,7 +94,8 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [_as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
     spec, raw_names = build_spec(name, dedup, every, treedef, leaves,
-                                 explicit_step=step is not None, pass_=pass_)
+                                 explicit_step=step is not None, pass_=pass_,
+                                 consumer=consumer)
     coords = axis_coords(raw_names)
     if traced_step is not None:
         step_arr = traced_step
