@@ -315,9 +315,14 @@ class Pipeline:
             pending = self._pending_items
         if errors:
             path = getattr(self.sink, "path", None)
+            seen: dict[str, int] = {}
+            for e in errors:
+                text = f"{type(e).__name__}: {e}"
+                seen[text] = seen.get(text, 0) + 1
+            reasons = "; ".join(t + (f" (x{n})" if n > 1 else "")
+                                for t, n in list(seen.items())[:5])
             msg = (f"pmaptap could not write {pending} pending record(s)"
-                   f"{' to ' + repr(path) if path else ''}: "
-                   + "; ".join(f"{type(e).__name__}: {e}" for e in errors[:5]))
+                   f"{' to ' + repr(path) if path else ''}: {reasons}")
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:

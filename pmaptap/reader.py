@@ -19,23 +19,27 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str 
     if not torn_tail:
         lines = lines[:-1]
     for i, raw in enumerate(lines, start=1):
-        last = i == len(lines)
-        if not raw.strip():
-            yield i, None, "empty line"
-            continue
-        try:
-            d = json.loads(raw.decode("utf-8"),
-                           parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError) as e:
-            why = "torn last line (no newline)" if (last and torn_tail) else \
-                f"not valid JSON ({e})"
-            yield i, None, why
-            continue
-        problem = validate_dict(d)
-        if problem:
-            yield i, None, f"not a pmaptap record: {problem}"
-            continue
-        yield i, d, None
+        d, problem = parse_line(raw)
+        if problem is not None and problem.startswith("not valid JSON") and \
+                i == len(lines) and torn_tail:
+            problem = "torn last line (no newline)"
+        yield i, d, problem
+
+
+def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """One line (without its newline) -> (undecoded record, None) or
+    (None, why it is not a record). Shared by iter_lines and ``pmaptap tail
+    -f``, which parses lines one at a time as writers append them."""
+    if not raw.strip():
+        return None, "empty line"
+    try:
+        d = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"not valid JSON ({e})"
+    problem = validate_dict(d)
+    if problem:
+        return None, f"not a pmaptap record: {problem}"
+    return d, None
 
 
 def _reject_constant(name: str):

@@ -99,15 +99,26 @@ class FileSink(Sink):
             size = os.fstat(self._fd).st_size
             if size > self._seen:
                 self.index.observe(os.pread(self._fd, size - self._seen, self._seen))
-            keep = self.index.filter(records)
+            keep, new_keys = self.index.plan(records)
             data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
             if data and size and os.pread(self._fd, 1, size - 1) != b"\n":
                 data = b"\n" + data   # a killed writer left a torn line
                 self.repairs += 1
-            view = memoryview(data)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+            except OSError:
+                # A partial batch (disk full, EFBIG) would leave a torn line
+                # and half a batch; we hold the lock, so cut back to where
+                # we started and let the pipeline retry the whole batch.
+                try:
+                    os.ftruncate(self._fd, size)
+                except OSError:
+                    pass
+                raise
+            self.index.commit(new_keys)
             self._seen = size + len(data)
         finally:
             self._lock.release()

@@ -58,21 +58,31 @@ class CrossProcessIndex:
             if isinstance(d, dict) and d.get("vhash"):
                 self._remember(record_key(d), d["vhash"])
 
-    def filter(self, records: Sequence[Record]) -> list[Record]:
-        """Drop replicated records already in the file; flag disagreements."""
+    def plan(self, records: Sequence[Record]) -> tuple[list[Record], list[tuple]]:
+        """Which records to write: replicated ones already in the file are
+        dropped, disagreeing ones flagged. Returns (records, keys to commit);
+        call ``commit`` only once the write succeeded, so a failed write is
+        retried in full rather than remembered as done."""
         out: list[Record] = []
+        new: list[tuple] = []
+        batch: dict[tuple, set[str]] = {}
         for r in records:
             if r.kind != "replicated" or not r.vhash:
                 out.append(r)
                 continue
             key = (r.run, r.name, r.step, r.pass_)
-            hashes = self._seen.get(key)
-            if hashes and r.vhash in hashes:
+            hashes = self._seen.get(key, set()) | batch.get(key, set())
+            if r.vhash in hashes:
                 self.skipped += 1
                 continue
             if hashes and not r.divergent:
                 r = dataclasses.replace(r, divergent=True)
                 self.divergent += 1
-            self._remember(key, r.vhash)
+            batch.setdefault(key, set()).add(r.vhash)
+            new.append((key, r.vhash))
             out.append(r)
-        return out
+        return out, new
+
+    def commit(self, new: list[tuple]) -> None:
+        for key, vhash in new:
+            self._remember(key, vhash)

@@ -1,0 +1,233 @@
+"""Looking at records: loading with line numbers, filters, scalar extraction
+and aligned text tables. Shared by the ``pmaptap`` subcommands; no JAX here,
+and tap files are only ever parsed as JSON (never eval/pickle)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+from .reader import iter_lines, reconcile_divergence
+from .records import decode_record
+
+
+@dataclasses.dataclass
+class Entry:
+    """One valid record of a file: its 1-based line number, the record as
+    written (non-finite markers kept, for re-emitting strict JSON) and the
+    decoded record (floats NaN/inf, divergence reconciled)."""
+    line: int
+    raw: dict
+    rec: dict
+
+
+def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
+    """Every valid record with its line number, plus the (line, problem) list
+    of lines that are not records (garbage, torn, empty)."""
+    entries: list[Entry] = []
+    problems: list[tuple[int, str]] = []
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            problems.append((lineno, problem or "invalid"))
+            continue
+        entries.append(Entry(lineno, d, decode_record(d)))
+    mark_divergence(entries)
+    return entries, problems
+
+
+def mark_divergence(entries: Sequence[Entry]) -> None:
+    """As ``pmaptap.read`` does: a replicated key written with several values
+    by different processes is divergent on every one of its records."""
+    recs = [e.rec for e in entries]
+    reconcile_divergence(recs)
+    for e in entries:
+        if e.rec.get("divergent") and not e.raw.get("divergent"):
+            e.raw = dict(e.raw, divergent=True)
+
+
+# ------------------------------------------------------------------ filters
+
+def parse_steps(text: str) -> tuple[int | None, int | None]:
+    """``"A:B"`` (inclusive both ends, either side optional) or ``"N"``."""
+    try:
+        if ":" not in text:
+            n = int(text)
+            return n, n
+        lo, hi = text.split(":", 1)
+        return (int(lo) if lo.strip() else None,
+                int(hi) if hi.strip() else None)
+    except ValueError:
+        raise ValueError(f"--step wants N, A:B, A: or :B with integers "
+                         f"(inclusive), got {text!r}") from None
+
+
+@dataclasses.dataclass
+class Filter:
+    names: tuple[str, ...] = ()
+    steps: tuple[int | None, int | None] = (None, None)
+    process: int | None = None
+    device: int | None = None
+    run: str | None = None
+
+    def __call__(self, r: dict) -> bool:
+        if self.names and r.get("name") not in self.names:
+            return False
+        if self.run is not None and r.get("run") != self.run:
+            return False
+        lo, hi = self.steps
+        step = r.get("step")
+        if lo is not None and step < lo or hi is not None and step > hi:
+            return False
+        # A replicated record stands for every device/process holding the
+        # value (only one process writes it), so it matches any of them.
+        if self.process is not None and self.process != r.get("process") and \
+                self.process not in (r.get("processes") or ()):
+            return False
+        if self.device is not None:
+            if r.get("kind") == "per_device":
+                return r.get("device") == self.device
+            return self.device in (r.get("devices") or ())
+        return True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.names or self.steps != (None, None) or
+                    self.process is not None or self.device is not None or
+                    self.run is not None)
+
+
+# ------------------------------------------------------------------ values
+
+def scalar(v: Any) -> float | None:
+    """The value as a float if it is one number (bool/int/float), else None.
+    Non-finite floats stay NaN/inf: callers decide what to do with them."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+def format_number(x: float | int | bool) -> str:
+    if isinstance(x, bool) or isinstance(x, int):
+        return str(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.6g}"
+
+
+def format_value(v: Any, width: int = 60) -> str:
+    """Compact text for a decoded value; long arrays are cut with '...'."""
+    def fmt(x: Any) -> str:
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{k}: {fmt(y)}" for k, y in x.items()) + "}"
+        if isinstance(x, list):
+            return "[" + ", ".join(fmt(y) for y in x) + "]"
+        if isinstance(x, complex):
+            return f"{x.real:.6g}{x.imag:+.6g}j"
+        if isinstance(x, (bool, int, float)):
+            return format_number(x)
+        return str(x)
+    text = fmt(v)
+    return text if len(text) <= width else text[: max(width - 3, 1)] + "..."
+
+
+def format_ids(ids: Iterable[Any]) -> str:
+    """Sorted ints as compact ranges ("0-3,6"); null devices as "?"."""
+    ids = list(ids)
+    nums = sorted({i for i in ids if isinstance(i, int)})
+    parts: list[str] = []
+    start = prev = None
+    for n in nums:
+        if prev is not None and n == prev + 1:
+            prev = n
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = n
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    if any(i is None for i in ids):
+        parts.append("?")
+    return ",".join(parts) or "-"
+
+
+def device_text(r: dict) -> str:
+    if r.get("kind") == "per_device":
+        d = r.get("device")
+        return "?" if d is None else str(d)
+    return format_ids(list(r.get("devices") or ()))
+
+
+def coords_text(r: dict) -> str:
+    coords = r.get("coords")
+    if not coords:
+        return ""
+    return ",".join(f"{k}={v}" for k, v in coords.items())
+
+
+def flags_text(r: dict) -> str:
+    flags = []
+    if r.get("divergent"):
+        flags.append("DIVERGENT")
+    if r.get("pass", "forward") != "forward":
+        flags.append(f"pass={r['pass']}")
+    if r.get("kind") == "replicated" and r.get("replicas") is not None:
+        flags.append(f"x{r['replicas']}")
+    return " ".join(flags)
+
+
+# ------------------------------------------------------------------ tables
+
+COLUMNS = ("line", "name", "step", "kind", "proc", "device", "coords",
+           "value", "flags")
+_RIGHT = {"line", "step", "proc"}
+
+
+def row(e: Entry, width: int = 60) -> dict[str, str]:
+    r = e.rec
+    return {
+        "line": str(e.line), "name": str(r.get("name")),
+        "step": str(r.get("step")), "kind": str(r.get("kind")),
+        "proc": str(r.get("process")), "device": device_text(r),
+        "coords": coords_text(r),
+        "value": format_value(r.get("value"), width), "flags": flags_text(r),
+    }
+
+
+class Table:
+    """Aligned columns. ``widths`` only grow, so ``tail -f`` can print rows
+    as they arrive with the columns fixed by what it printed first."""
+
+    def __init__(self, columns: Sequence[str] = COLUMNS) -> None:
+        self.columns = tuple(columns)
+        self.widths = {c: len(c) for c in self.columns}
+
+    def fit(self, rows: Iterable[dict[str, str]]) -> None:
+        for r in rows:
+            for c in self.columns:
+                self.widths[c] = max(self.widths[c], len(r[c]))
+
+    def _line(self, cells: dict[str, str]) -> str:
+        out = []
+        for c in self.columns:
+            cell = cells[c]
+            out.append(cell.rjust(self.widths[c]) if c in _RIGHT
+                       else cell.ljust(self.widths[c]))
+        return "  ".join(out).rstrip()
+
+    def header(self) -> str:
+        return self._line({c: c for c in self.columns})
+
+    def format(self, r: dict[str, str]) -> str:
+        return self._line(r)
+
+
+def json_line(e: Entry) -> str:
+    """The record as one strict JSON line (non-finite markers as written)."""
+    return json.dumps(e.raw, separators=(",", ":"), allow_nan=False,
+                      ensure_ascii=False)

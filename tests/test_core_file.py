@@ -1,0 +1,156 @@
+"""The shared file: locking, many writers, torn-tail repair, stuck locks,
+write errors reported at flush."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import filelock
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pmaptap
+from conftest import run_python, start_python
+
+_APPENDER = """
+    import os, sys, jax, jax.numpy as jnp, pmaptap
+    go = os.environ["GO"]
+    with pmaptap.Session(os.environ["TAP"], run="many", flush_interval=0.001) as s:
+        f = jax.jit(lambda v: pmaptap.tap(v, "w" + os.environ["WID"], dedup="per_device"))
+        f(jnp.arange(4.0))                      # compile before the start line
+        s.flush()
+        print("ready", flush=True)
+        while not os.path.exists(go):
+            pass
+        for i in range(1, 1500):
+            f(jnp.arange(4.0) + i)
+"""
+
+
+def test_four_processes_append_1500_records_each(tmp_path):
+    tap, go = str(tmp_path / "t.jsonl"), str(tmp_path / "go")
+    procs = [start_python(_APPENDER, devices=1, TAP=tap, GO=go, WID=str(w))
+             for w in range(4)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        open(go, "w").close()                    # release them together
+        for p in procs:
+            assert p.wait(240) == 0, p.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    with open(tap, "rb") as f:
+        raw = f.read()
+    assert raw.endswith(b"\n")
+    lines = raw.split(b"\n")[:-1]
+    assert len(lines) == 6000
+    recs = [json.loads(l) for l in lines]        # every line whole and valid
+    for w in range(4):
+        steps = sorted(r["step"] for r in recs if r["name"] == f"w{w}")
+        assert steps == list(range(1500))
+        vals = {r["step"]: r["value"] for r in recs if r["name"] == f"w{w}"}
+        assert all(vals[s] == [s + 0.0, s + 1.0, s + 2.0, s + 3.0] for s in (0, 777, 1499))
+
+
+def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path):
+    os.makedirs(os.path.dirname(tap_path))
+    with open(tap_path, "w") as f:
+        f.write('{"run": "old", "name": "x", "st')         # killed mid-line
+    with pmaptap.Session(tap_path, run="new"):
+        jax.jit(lambda v: pmaptap.tap(v, "after"))(jnp.float32(2))
+    with open(tap_path) as f:
+        lines = f.read().split("\n")
+    assert lines[0] == '{"run": "old", "name": "x", "st'
+    assert json.loads(lines[1])["name"] == "after"
+    with pytest.warns(RuntimeWarning, match="line 1"):
+        recs = pmaptap.read(tap_path)
+    assert [r["name"] for r in recs] == ["after"]
+
+
+def test_stuck_lock_does_not_stall_taps_and_records_follow(tap_path):
+    holder = start_python("""
+        import os, sys, time, filelock
+        lock = filelock.FileLock(os.environ["TAP"] + ".lock")
+        lock.acquire()
+        print("locked", flush=True)
+        time.sleep(float(os.environ["HOLD"]))
+        lock.release()
+    """, TAP=tap_path, HOLD="4")
+    try:
+        os.makedirs(os.path.dirname(tap_path), exist_ok=True)
+        assert holder.stdout.readline().strip() == "locked"
+        with pmaptap.Session(tap_path, lock_timeout=0.2, flush_timeout=30) as s:
+            f = jax.jit(lambda v: pmaptap.tap(v, "x") + 1)
+            f(jnp.float32(0)).block_until_ready()
+            t0 = time.monotonic()
+            for i in range(200):
+                f(jnp.float32(i)).block_until_ready()
+            loop = time.monotonic() - t0
+            assert loop < 3.0, f"taps stalled behind the lock ({loop:.1f}s)"
+            assert os.path.getsize(tap_path) == 0      # still locked out
+            s.flush()                                  # waits for the holder
+        assert holder.wait(30) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    recs = pmaptap.read(tap_path)
+    assert [r["step"] for r in recs] == list(range(201))
+
+
+def test_write_errors_surface_at_flush_as_taperror(tmp_path):
+    # RLIMIT_FSIZE makes writes past 4 KiB fail with EFBIG (SIGXFSZ ignored),
+    # like a full disk: training must go on and the error surface at flush.
+    proc = run_python("""
+        import os, resource, signal, warnings, jax, jax.numpy as jnp, pmaptap
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        s = pmaptap.Session(os.environ["TAP"], run="full", close_timeout=1).open()
+        f = jax.jit(lambda v: pmaptap.tap(v, "big") * 2)
+        out = [float(f(jnp.ones(64) * i)[0]) for i in range(50)]
+        assert out == [2.0 * i for i in range(50)], out      # training unaffected
+        warnings.simplefilter("ignore")
+        try:
+            s.flush(timeout=5)
+        except pmaptap.TapError as e:
+            print("TAPERROR", e.path, "|", e)
+        try:
+            s.close()
+        except pmaptap.TapError as e:
+            print("CLOSEERROR", e, flush=True)
+        os._exit(0)   # XLA's own exit handlers trip over RLIMIT_FSIZE
+    """, devices=1, TAP=str(tmp_path / "t.jsonl"))
+    assert "TAPERROR" in proc.stdout and "File too large" in proc.stdout
+    assert "CLOSEERROR" in proc.stdout and "not written" in proc.stdout
+    assert str(tmp_path / "t.jsonl") in proc.stdout
+    # A failed write is cut back: the file holds only whole, valid lines.
+    with open(tmp_path / "t.jsonl", "rb") as f:
+        raw = f.read()
+    assert raw.endswith(b"\n") and 0 < len(raw) <= 4096
+    assert all(json.loads(line) for line in raw.splitlines())
+
+
+def test_overflow_drop_newest_counts_and_reports_drops(tap_path):
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        with pmaptap.Session(tap_path, overflow="drop_newest", max_pending=5,
+                             lock_timeout=0.05) as s:
+            lock = filelock.FileLock(tap_path + ".lock")
+            lock.acquire()
+            try:
+                f = jax.jit(lambda v: pmaptap.tap(v, "x"))
+                for i in range(40):
+                    f(jnp.float32(i))
+                jax.effects_barrier()
+                time.sleep(0.3)
+            finally:
+                lock.release()
+            s.flush()
+    recs = pmaptap.read(tap_path)
+    data = [r for r in recs if r["name"] == "x"]
+    meta = [r for r in recs if r["name"] == "pmaptap/dropped"]
+    assert len(meta) == 1 and meta[0]["kind"] == "meta"
+    assert len(data) + meta[0]["dropped_total"] == 40
+    assert [r["step"] for r in data] == list(range(len(data)))   # the oldest kept

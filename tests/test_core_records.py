@@ -1,0 +1,92 @@
+"""Record format: strict JSON, dtypes, non-finite encoding, read()."""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pmaptap
+from pmaptap.records import encode_array
+
+
+def _strict_lines(path):
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON token {name}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line, parse_constant=no_constants) for line in f]
+
+
+def test_every_line_is_strict_json_with_required_fields(session, tap_path):
+    jax.pmap(lambda v: pmaptap.tap(v / 0.0, "inf", dedup="per_device"))(jnp.arange(8.0) - 4)
+    session.flush()
+    raw = _strict_lines(tap_path)
+    assert len(raw) == 8
+    for d in raw:
+        for k in ("run", "name", "step", "kind", "value", "dtype", "shape",
+                  "process", "time", "host", "device", "coords"):
+            assert k in d, k
+        assert d["run"] == "test" and isinstance(d["time"], float)
+    # raw encoding is documented: strings for non-finite numbers
+    assert {d["value"] for d in raw} == {"-Infinity", "NaN", "Infinity"}
+    decoded = {r["device"]: r["value"] for r in pmaptap.read(tap_path)}
+    assert decoded[0] == -math.inf and decoded[5] == math.inf and math.isnan(decoded[4])
+
+
+@pytest.mark.parametrize("value, dtype, expect", [
+    (jnp.array([1.5, -2.25], jnp.bfloat16), "bfloat16", [1.5, -2.25]),
+    (jnp.array([0.1], jnp.float32), "float32", [0.1]),
+    (jnp.array([1, -7], jnp.int32), "int32", [1, -7]),
+    (jnp.array([True, False]), "bool", [True, False]),
+    (jnp.array([1 + 2j], jnp.complex64), "complex64", [complex(1, 2)]),
+    (jnp.array([0.5], jnp.float16), "float16", [0.5]),
+    (jnp.array([], jnp.float32), "float32", []),
+    (jnp.float32(3.0), "float32", 3.0),
+])
+def test_dtypes_round_trip(session, tap_path, value, dtype, expect):
+    jax.jit(lambda v: pmaptap.tap(v, "d"))(value)
+    session.flush()
+    (r,) = pmaptap.read(tap_path)
+    assert r["dtype"] == dtype
+    assert r["value"] == expect
+    assert r["shape"] == list(np.shape(value))
+
+
+def test_fp8_and_bf16_nonfinite():
+    value, dtype, shape = encode_array(np.array([np.nan, 2.0], ml_dtypes.float8_e4m3fn))
+    assert value == ["NaN", 2.0] and dtype == "float8_e4m3fn" and shape == [2]
+    value, _, _ = encode_array(np.array([np.inf], ml_dtypes.bfloat16))
+    assert value == ["Infinity"]
+
+
+def test_name_with_quotes_newlines_and_unicode(session, tap_path):
+    name = 'loss "main"\nλ✓'
+    jax.jit(lambda v: pmaptap.tap(v, name))(jnp.float32(1))
+    session.flush()
+    with open(tap_path, encoding="utf-8") as f:
+        assert len(f.read().splitlines()) == 1
+    assert pmaptap.read(tap_path)[0]["name"] == name
+
+
+def test_read_skips_garbage_and_torn_tail_with_a_warning(tmp_path):
+    p = tmp_path / "f.jsonl"
+    good = {"run": "r", "name": "a", "step": 0, "kind": "replicated", "value": 1,
+            "dtype": "int32", "shape": [], "process": 0, "time": 1.0,
+            "host": "h", "replicas": 1}
+    p.write_text(json.dumps(good) + "\nnot json\n" + json.dumps({"x": 1}) + "\n"
+                 + json.dumps(dict(good, step=1)) + "\n" + '{"run": "r", "na')
+    with pytest.warns(RuntimeWarning, match="skipped 3 invalid line"):
+        recs = pmaptap.read(p)
+    assert [r["step"] for r in recs] == [0, 1]
+
+
+def test_read_never_evaluates_content(tmp_path):
+    p = tmp_path / "evil.jsonl"
+    p.write_text('__import__("os").system("touch %s")\n' % (tmp_path / "pwned"))
+    with pytest.warns(RuntimeWarning):
+        assert pmaptap.read(p) == []
+    assert not (tmp_path / "pwned").exists()
