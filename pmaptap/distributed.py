@@ -1,24 +1,348 @@
-"""Multi-process support (placeholder until the multi-host issue lands):
-run-id agreement and the close barrier are no-ops in a lone process."""
+"""Multi-process jobs: connecting the processes, agreeing on the run id, and
+the coordinated close.
+
+``initialize()`` is called at the top of a training script, before any JAX
+computation (``jax.distributed.initialize`` refuses to run once a backend
+exists). It picks one of three modes:
+
+- under ``python -m pmaptap.launch`` (the ``PMAPTAP_*`` variables below are
+  set): connect with exactly the launcher's settings, JAX's cluster detection
+  switched off so that a surrounding SLURM allocation cannot interfere;
+- on a cluster JAX knows (SLURM, Open MPI, Kubernetes, Cloud TPU) or with
+  ``JAX_COORDINATOR_ADDRESS`` set: ``jax.distributed.initialize()`` with no
+  arguments, i.e. JAX's own detection;
+- otherwise (a lone process): nothing.
+
+Run-id agreement and the close barrier use the key-value store and barriers
+of JAX's coordination service (``jax._src.distributed.global_state.client``),
+never device collectives: they work while devices are busy or wedged, and a
+dead peer costs a bounded timeout, not a hang.
+"""
 from __future__ import annotations
 
-from typing import Callable
+import itertools
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+# Set by the launcher (and usable by hand, e.g. in a Kubernetes Job).
+ENV_COORDINATOR = "PMAPTAP_COORDINATOR"          # host:port of process 0
+ENV_COORDINATOR_BIND = "PMAPTAP_COORDINATOR_BIND"  # where process 0 listens
+ENV_NUM_PROCESSES = "PMAPTAP_NUM_PROCESSES"
+ENV_PROCESS_ID = "PMAPTAP_PROCESS_ID"
+ENV_INIT_TIMEOUT = "PMAPTAP_INIT_TIMEOUT"        # seconds to connect (default 120)
+ENV_RUN_ID_TIMEOUT = "PMAPTAP_RUN_ID_TIMEOUT"    # seconds to wait for process 0's id
+
+# Environment variables by which JAX's own cluster detection
+# (jax._src.clusters) recognises a job; all must be set and non-empty.
+_CLUSTER_MARKERS: dict[str, tuple[str, ...]] = {
+    "SLURM": ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+              "SLURM_STEP_NODELIST"),
+    "Open MPI": ("OMPI_MCA_orte_hnp_uri",),
+    # Every pod has KUBERNETES_SERVICE_HOST; only an Indexed Job is a job.
+    "Kubernetes": ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"),
+    "Cloud TPU": ("TPU_WORKER_HOSTNAMES",),
+    "Cloud TPU (Megascale)": ("MEGASCALE_COORDINATOR_ADDRESS",),
+}
+# Which python module JAX needs for a detector (absent: JAX cannot detect).
+_CLUSTER_NEEDS = {"Kubernetes": "kubernetes"}
+
+_state_lock = threading.Lock()
+_run_id_calls = itertools.count()
+_close_calls: dict[str, int] = {}
+_mode: str | None = None
+
+
+class DistributedError(RuntimeError):
+    """The launcher's settings are unusable or initialization came too late."""
+
+
+# --------------------------------------------------------------- initialize
+
+def launcher_settings(environ: dict[str, str] | None = None
+                      ) -> tuple[str, int, int, str | None] | None:
+    """(coordinator, num_processes, process_id, bind) from PMAPTAP_* or None."""
+    env = os.environ if environ is None else environ
+    coord = env.get(ENV_COORDINATOR)
+    if not coord:
+        return None
+    try:
+        n = int(env[ENV_NUM_PROCESSES])
+        pid = int(env[ENV_PROCESS_ID])
+    except (KeyError, ValueError) as e:
+        raise DistributedError(
+            f"{ENV_COORDINATOR}={coord!r} is set, so {ENV_NUM_PROCESSES} and "
+            f"{ENV_PROCESS_ID} must be integers too ({e!r}). Start the job "
+            "with `python -m pmaptap.launch`, or unset "
+            f"{ENV_COORDINATOR}.") from None
+    if not 0 <= pid < n:
+        raise DistributedError(f"{ENV_PROCESS_ID}={pid} must be in "
+                               f"[0, {ENV_NUM_PROCESSES}={n}).")
+    return coord, n, pid, env.get(ENV_COORDINATOR_BIND) or None
+
+
+def detect_cluster(environ: dict[str, str] | None = None
+                   ) -> tuple[str, str | None] | None:
+    """(name, jax cluster_detection_method or None) of the cluster environment
+    this process runs in, or None for a lone process.
+
+    A SLURM allocation with a single task counts as a lone process (there is
+    nobody to connect to). Open MPI 5 / other MPIs without the variable JAX
+    looks for are handled through mpi4py when it is installed."""
+    from importlib.util import find_spec
+    env = os.environ if environ is None else environ
+    for name, keys in _CLUSTER_MARKERS.items():
+        if not all(env.get(k) for k in keys):
+            continue
+        if name == "SLURM" and env.get("SLURM_NTASKS") == "1":
+            continue
+        need = _CLUSTER_NEEDS.get(name)
+        if need and find_spec(need) is None:
+            warnings.warn(f"pmaptap: {name} job detected but JAX needs the "
+                          f"{need!r} package to bootstrap it (pip install "
+                          f"'jax[k8s]'); or set {ENV_COORDINATOR}, "
+                          f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
+                          "(see launch/k8s-indexed-job.yaml). Running alone.",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return name, None
+    size = env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE")
+    if size and size.isdigit() and int(size) > 1 and find_spec("mpi4py"):
+        return "MPI (mpi4py)", "mpi4py"
+    return None
+
+
+def _cpu_platform() -> bool:
+    """Whether the default JAX platform will be CPU, decided without creating
+    a backend (that would make jax.distributed.initialize refuse)."""
+    platforms = os.environ.get("JAX_PLATFORMS") or ""
+    if not platforms:
+        import jax
+        platforms = jax.config.jax_platforms or ""
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    from importlib.util import find_spec
+    accel = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+             "jax_rocm7_plugin", "libtpu")
+    return not any(find_spec(m) is not None for m in accel)
+
+
+def _use_gloo_on_cpu() -> None:
+    # Cross-process collectives (pmean over all hosts' devices) on the CPU
+    # backend need an implementation; JAX reads this when it creates the CPU
+    # client, i.e. after initialize. An explicit user choice wins.
+    if os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        return
+    if _cpu_platform():
+        import jax
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def initialize(*, initialization_timeout: int | None = None,
+               heartbeat_timeout_seconds: int = 100,
+               shutdown_timeout_seconds: int = 60) -> str:
+    """Connect this process to its job, if it is part of one.
+
+    Returns the mode used: "launcher", "cluster:<name>", "single" (lone
+    process, nothing done) or "already" (jax.distributed was initialized
+    before). Call it first thing in the script, before any JAX computation
+    and before opening a pmaptap.Session.
+    """
+    global _mode
+    import jax
+    from jax._src import distributed as jdist
+    from jax._src import xla_bridge
+
+    with _state_lock:
+        if jdist.global_state.client is not None:
+            _mode = _mode or "already"
+            return _mode
+        settings = launcher_settings()
+        cluster = None if settings else detect_cluster()
+        if settings is None and cluster is None:
+            _mode = "single"
+            return _mode
+        if xla_bridge.backends_are_initialized():
+            raise DistributedError(
+                "pmaptap.distributed.initialize() was called after JAX created "
+                "its backend (some JAX computation, jax.devices(), or "
+                "pmaptap.Session.open() ran first). Call it at the very top of "
+                "the script, right after the imports.")
+        if initialization_timeout is None:
+            initialization_timeout = int(os.environ.get(ENV_INIT_TIMEOUT, "120"))
+        _use_gloo_on_cpu()
+        if settings is not None:
+            coord, n, pid, bind = settings
+            jax.distributed.initialize(
+                coordinator_address=coord, num_processes=n, process_id=pid,
+                # Our settings are complete: keep JAX from filling gaps from
+                # a SLURM/MPI environment the launcher happens to run in.
+                cluster_detection_method="deactivate",
+                initialization_timeout=initialization_timeout,
+                heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                shutdown_timeout_seconds=shutdown_timeout_seconds,
+                coordinator_bind_address=bind)
+            _mode = "launcher"
+        else:
+            name, method = cluster
+            jax.distributed.initialize(
+                cluster_detection_method=method,
+                initialization_timeout=initialization_timeout,
+                heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                shutdown_timeout_seconds=shutdown_timeout_seconds)
+            _mode = f"cluster:{name}"
+        return _mode
+
+
+# --------------------------------------------------------------- helpers
+
+def _client() -> Any | None:
+    """The coordination-service client, or None outside a multi-process job."""
+    try:
+        from jax._src import distributed as jdist
+    except ImportError:   # pragma: no cover - JAX layout changed
+        return None
+    return jdist.global_state.client
+
+
+def _process_info() -> tuple[int, int]:
+    from jax._src import distributed as jdist
+    st = jdist.global_state
+    n = st.num_processes
+    pid = st.process_id
+    if n is None:   # pragma: no cover - older JAX without the attribute
+        import jax
+        n, pid = jax.process_count(), jax.process_index()
+    return int(n), int(pid)
 
 
 def _multi_process() -> bool:
-    import jax
+    if _client() is None:
+        return False
     try:
-        return jax.process_count() > 1
+        return _process_info()[0] > 1
     except Exception:  # noqa: BLE001
         return False
 
 
-def agree_run_id(make: Callable[[], str]) -> str | None:
-    if not _multi_process():
-        return None
-    return None
+# --------------------------------------------------------------- run id
 
+def agree_run_id(make: Callable[[], str], *,
+                 timeout: float | None = None) -> str | None:
+    """The run id shared by every process of the job, or None when alone.
+
+    The k-th call on each process is paired with the k-th call on the others
+    (sessions are opened in the same order everywhere): process 0 proposes
+    ``make()`` under key ``pmaptap/run_id/<k>``, the others read it. If
+    process 0 does not publish in time, this process uses its own id and
+    warns (its records then carry a different run).
+    """
+    client = _client()
+    if client is None or not _multi_process():
+        return None
+    n, pid = _process_info()
+    k = next(_run_id_calls)
+    key = f"pmaptap/run_id/{k}"
+    if pid == 0:
+        run = make()
+        try:
+            client.key_value_set(key, run)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"pmaptap: could not publish the run id {run!r} to "
+                          f"the other processes ({e}); they will use their "
+                          "own ids.", RuntimeWarning, stacklevel=3)
+        return run
+    if timeout is None:
+        timeout = float(os.environ.get(ENV_RUN_ID_TIMEOUT, "120"))
+    try:
+        return client.blocking_key_value_get(key, int(timeout * 1000))
+    except Exception as e:  # noqa: BLE001
+        own = make()
+        warnings.warn(
+            f"pmaptap: process {pid} did not receive the run id from process 0 "
+            f"within {timeout:.0f}s ({type(e).__name__}: {e}); using {own!r}. "
+            "Open the Session on every process (process 0 included), or pass "
+            "the same Session(run=...) / PMAPTAP_RUN everywhere.",
+            RuntimeWarning, stacklevel=3)
+        return own
+
+
+# --------------------------------------------------------------- close
 
 def close_barrier(run: str, timeout: float) -> None:
-    if not _multi_process():
+    """Wait (at most ``timeout`` seconds) until every process has closed its
+    session for ``run``; then the file holds every process's records.
+
+    Each process first sets ``pmaptap/<run>/closed/<k>/<pid>`` (its records
+    are written by then: the session calls this after draining), then waits
+    at a coordination-service barrier. On timeout it warns with the ids of
+    the processes whose key is missing. Never raises, never blocks longer
+    than about ``timeout``, and uses no device collectives.
+    """
+    client = _client()
+    if client is None:
         return
+    try:
+        n, pid = _process_info()
+        if n <= 1:
+            return
+        with _state_lock:
+            # Unique per close: two sessions that share an explicit run id
+            # (e.g. Session(path, run="exp1") twice) get distinct barriers.
+            k = _close_calls.get(run, 0)
+            _close_calls[run] = k + 1
+        prefix = f"pmaptap/{run}/closed/{k}/"
+        client.key_value_set(prefix + str(pid), str(time.time()),
+                             allow_overwrite=True)
+    except Exception as e:  # noqa: BLE001 - close must not raise
+        warnings.warn(f"pmaptap: could not announce the close of run {run!r} "
+                      f"to the other processes ({type(e).__name__}: {e}); not "
+                      "waiting for them.", RuntimeWarning, stacklevel=3)
+        return
+    timeout_ms = max(1, int(timeout * 1000))
+    try:
+        client.wait_at_barrier(f"pmaptap/{run}/close/{k}", timeout_ms)
+        return
+    except Exception as e:  # noqa: BLE001
+        failure = e
+    missing = _missing_processes(client, prefix, n)
+    if missing is None:
+        warnings.warn(
+            f"pmaptap: the close barrier of run {run!r} failed "
+            f"({type(failure).__name__}: {failure}) and the coordination "
+            "service is unreachable; records of other processes may be "
+            "missing from the file.", RuntimeWarning, stacklevel=3)
+    elif missing:
+        warnings.warn(
+            f"pmaptap: process(es) {', '.join(map(str, missing))} did not "
+            f"close run {run!r} within {timeout:g}s (process {pid} waited); "
+            "their records may be missing or still arriving in the tap file. "
+            "Raise Session(close_timeout=...) if they are just slow.",
+            RuntimeWarning, stacklevel=3)
+    # else: everybody has closed by now (we are the late one and the barrier
+    # had already timed out for the others): the file is complete.
+
+
+def _missing_processes(client: Any, prefix: str, n: int) -> list[int] | None:
+    try:
+        entries = client.key_value_dir_get(prefix)
+    except Exception:  # noqa: BLE001
+        return None
+    arrived = set()
+    for key, _ in entries:
+        tail = key.rstrip("/").rsplit("/", 1)[-1]
+        if tail.isdigit():
+            arrived.add(int(tail))
+    return [p for p in range(n) if p not in arrived]
+
+
+def mode() -> str | None:
+    """What the last initialize() did (None if it was never called)."""
+    return _mode
+
+
+__all__ = ["DistributedError", "agree_run_id", "close_barrier", "detect_cluster",
+           "initialize", "launcher_settings", "mode"]
+

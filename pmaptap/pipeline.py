@@ -353,6 +353,12 @@ class Pipeline:
             with self._cv:
                 self._stopping = True
             self._send_marker(stop, 5.0)
+            # Join so no pmaptap thread (holding array references) is still
+            # unwinding when the interpreter finalizes: that aborted the
+            # process ("FATAL: exception not rethrown") in testing.
+            for t in (self._agg_thread, self._write_thread):
+                if t is not threading.current_thread():
+                    t.join(5.0)
             self.closed = True
             lost = self.pending()
             try:

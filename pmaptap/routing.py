@@ -2,6 +2,7 @@
 process-wide console pipeline that prints readable lines to stderr."""
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,19 @@ def console() -> "Pipeline":
             from .pipeline import Pipeline
             from .sink import ConsoleSink
             _console = Pipeline(ConsoleSink(), run="console")
+            # Print what is pending and stop its threads before JAX's own
+            # exit handlers (registered earlier, so they run later).
+            atexit.register(_close_console, _console)
         return _console
+
+
+def _close_console(p: "Pipeline") -> None:
+    try:
+        import jax
+        jax.effects_barrier()
+        p.close(timeout=10.0)
+    except BaseException as e:  # noqa: BLE001
+        print(f"[pmaptap] console output incomplete at exit: {e}", file=sys.stderr)
 
 
 def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:

@@ -119,6 +119,8 @@ class Session:
         return self
 
     def __enter__(self) -> "Session":
+        if _active_session is self:
+            return self        # `s.open()` earlier, then `with s:` is fine
         return self.open()
 
     def __exit__(self, exc_type, exc, tb) -> None:

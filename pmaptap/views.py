@@ -203,8 +203,10 @@ class Table:
     """Aligned columns. ``widths`` only grow, so ``tail -f`` can print rows
     as they arrive with the columns fixed by what it printed first."""
 
-    def __init__(self, columns: Sequence[str] = COLUMNS) -> None:
+    def __init__(self, columns: Sequence[str] = COLUMNS,
+                 right: Iterable[str] = _RIGHT) -> None:
         self.columns = tuple(columns)
+        self.right = frozenset(right)
         self.widths = {c: len(c) for c in self.columns}
 
     def fit(self, rows: Iterable[dict[str, str]]) -> None:
@@ -216,7 +218,7 @@ class Table:
         out = []
         for c in self.columns:
             cell = cells[c]
-            out.append(cell.rjust(self.widths[c]) if c in _RIGHT
+            out.append(cell.rjust(self.widths[c]) if c in self.right
                        else cell.ljust(self.widths[c]))
         return "  ".join(out).rstrip()
 

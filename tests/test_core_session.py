@@ -77,6 +77,18 @@ def test_no_session_prints_readable_lines_to_stderr():
     assert "[pmaptap] avg step=0 process=0 replicas=4: 1.0" in lines
 
 
+def test_no_session_output_is_not_lost_at_exit_without_flush():
+    proc = run_python("""
+        import jax, jax.numpy as jnp, pmaptap
+        f = jax.jit(lambda v: pmaptap.tap(v, "late"))
+        for i in range(5):
+            f(jnp.float32(i))
+    """, devices=1)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("[pmaptap] late")]
+    assert lines == [f"[pmaptap] late step={i} process=0 replicas=1: {float(i)}"
+                     for i in range(5)]
+
+
 _WRITER = """
     import os, sys, time, jax, jax.numpy as jnp, pmaptap
     s = pmaptap.Session(os.environ["TAP"], run="exit")

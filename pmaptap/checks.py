@@ -1,0 +1,226 @@
+"""Checks on tap files beyond "is it a record": the strict schema of the
+record format (records.py), duplicates, missing steps. Used by
+``pmaptap validate`` and ``pmaptap summary``.
+
+Duplicates (what the cross-process dedup in xdedup.py should have
+prevented, or a file concatenated twice):
+- replicated: the same (run, name, step, pass) with the same ``vhash`` (or the
+  same value where there is no hash) twice. The same key with *different*
+  hashes is a cross-process divergence, which is data, not a duplicate.
+- per_device: the same (run, name, step, pass, device, coords) twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+from .views import load
+
+_MARKERS = ("NaN", "Infinity", "-Infinity")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# ------------------------------------------------------------------ schema
+
+def _scalar_problem(v: Any, dtype: str) -> str | None:
+    if dtype == "bool":
+        ok = isinstance(v, bool)
+    elif dtype.startswith(("int", "uint")):
+        ok = _is_int(v)
+    else:
+        # Floats (and complex parts): numbers, or the documented markers for
+        # non-finite values, which is how strict JSON carries them.
+        ok = _is_num(v) or v in _MARKERS
+    return None if ok else f"value element {v!r} does not fit dtype {dtype}"
+
+
+def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        return f"shape must be a list of non-negative integers, got {shape!r}"
+    dims = list(shape) + ([2] if dtype.startswith("complex") else [])
+
+    def walk(v: Any, depth: int) -> str | None:
+        if depth == len(dims):
+            return _scalar_problem(v, dtype)
+        if not isinstance(v, list) or len(v) != dims[depth]:
+            return f"value does not match shape {shape} (dtype {dtype})"
+        for x in v:
+            problem = walk(x, depth + 1)
+            if problem:
+                return problem
+        return None
+    return walk(value, 0)
+
+
+def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
+    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?"""
+    if isinstance(dtype, str):
+        return _leaf_problem(value, dtype, shape)
+    if isinstance(dtype, dict):
+        if not (isinstance(value, dict) and isinstance(shape, dict) and
+                set(value) == set(dtype) == set(shape)):
+            return "pytree value, dtype and shape do not have the same keys"
+        for k in dtype:
+            problem = value_problem(value[k], dtype[k], shape[k])
+            if problem:
+                return f"[{k}]: {problem}"
+        return None
+    if isinstance(dtype, list):
+        if not (isinstance(value, list) and isinstance(shape, list) and
+                len(value) == len(dtype) == len(shape)):
+            return "pytree value, dtype and shape do not have the same length"
+        for i, (v, d, s) in enumerate(zip(value, dtype, shape)):
+            problem = value_problem(v, d, s)
+            if problem:
+                return f"[{i}]: {problem}"
+        return None
+    return f"dtype must be a string or a pytree of strings, got {dtype!r}"
+
+
+def schema_problems(d: dict) -> list[str]:
+    """Violations of the record format in a dict that already passed
+    ``records.validate_dict`` (which only checks what readers rely on)."""
+    out: list[str] = []
+    if not _is_int(d["process"]) or d["process"] < 0:
+        out.append("process must be a non-negative integer")
+    if not _is_num(d["time"]) or not math.isfinite(d["time"]):
+        out.append("time must be a finite number (unix seconds)")
+    if not isinstance(d["host"], str):
+        out.append("host must be a string")
+    if "divergent" in d and d["divergent"] is not True:
+        out.append('divergent, when present, must be true')
+    if not isinstance(d.get("pass", "forward"), str):
+        out.append("pass must be a string")
+    kind = d["kind"]
+    if kind == "per_device":
+        if d["device"] is not None and not _is_int(d["device"]):
+            out.append("device must be an integer or null")
+        coords = d["coords"]
+        if not isinstance(coords, dict) or not all(_is_int(v) for v in coords.values()):
+            out.append("coords must be an object of axis name -> integer index")
+    elif kind == "replicated":
+        if not _is_int(d["replicas"]) or d["replicas"] < 1:
+            out.append("replicas must be a positive integer")
+        devices = d.get("devices")
+        if devices is not None and (
+                not isinstance(devices, list) or
+                not all(x is None or _is_int(x) for x in devices) or
+                (_is_int(d["replicas"]) and len(devices) != d["replicas"])):
+            out.append("devices must list one integer-or-null per replica")
+        if "processes" in d and not (isinstance(d["processes"], list) and
+                                     all(_is_int(p) for p in d["processes"])):
+            out.append("processes must be a list of integers")
+        if "vhash" in d and not isinstance(d["vhash"], str):
+            out.append("vhash must be a string")
+    problem = value_problem(d["value"], d["dtype"], d["shape"])
+    if problem:
+        out.append(problem)
+    return out
+
+
+# ------------------------------------------------------------------ duplicates
+
+def _canonical(x: Any) -> str:
+    # sort_keys so dict order cannot hide a duplicate; default=str for the
+    # complex numbers of decoded records; NaN is allowed here (a key, not output).
+    return json.dumps(x, sort_keys=True, default=str)
+
+
+def duplicate_key(r: dict) -> tuple | None:
+    base = (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+    kind = r.get("kind")
+    if kind == "replicated":
+        return ("replicated", *base, r.get("vhash") or _canonical(r.get("value")))
+    if kind == "per_device":
+        return ("per_device", *base, r.get("device"), _canonical(r.get("coords")))
+    return None   # meta records (counters) may legitimately repeat
+
+
+def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
+    """(index, index of its first copy) for every record repeating an earlier one."""
+    first: dict[tuple, int] = {}
+    out: list[tuple[int, int]] = []
+    for i, r in enumerate(records):
+        key = duplicate_key(r)
+        if key is None:
+            continue
+        if key in first:
+            out.append((i, first[key]))
+        else:
+            first[key] = i
+    return out
+
+
+# ------------------------------------------------------------------ gaps
+
+def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
+    """(stride, missing ranges) of a tap's steps. The stride is the gcd of the
+    differences between recorded steps, so ``every=N`` taps (steps 0, N, 2N)
+    have no gaps; a missing range (lo, hi) holds lo, lo+stride, ..., hi."""
+    s = sorted(set(steps))
+    stride = 0
+    for a, b in zip(s, s[1:]):
+        stride = math.gcd(stride, b - a)
+    if stride == 0:
+        return 1, []
+    gaps = [(a + stride, b - stride) for a, b in zip(s, s[1:]) if b - a > stride]
+    return stride, gaps
+
+
+def count_missing(stride: int, gaps: Sequence[tuple[int, int]]) -> int:
+    return sum((hi - lo) // stride + 1 for lo, hi in gaps)
+
+
+def format_gaps(stride: int, gaps: Sequence[tuple[int, int]], limit: int = 5) -> str:
+    parts = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in gaps[:limit]]
+    if len(gaps) > limit:
+        parts.append("...")
+    text = ",".join(parts)
+    return text + (f" (every {stride})" if stride > 1 and gaps else "")
+
+
+# ------------------------------------------------------------------ validate
+
+@dataclasses.dataclass
+class Report:
+    path: str
+    lines: int = 0
+    records: int = 0
+    problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    divergent_keys: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def validate_file(path: str | os.PathLike) -> Report:
+    entries, bad = load(path)
+    report = Report(os.fspath(path), records=len(entries))
+    report.problems.extend(bad)
+    for e in entries:
+        for problem in schema_problems(e.raw):
+            report.problems.append((e.line, f"schema: {problem}"))
+    raws = [e.raw for e in entries]
+    for i, j in find_duplicates(raws):
+        r = raws[i]
+        what = (f"{r['kind']} {r['name']!r} step {r['step']}" +
+                (f" device {r.get('device')}" if r["kind"] == "per_device" else ""))
+        report.problems.append((entries[i].line, f"duplicate of line "
+                                f"{entries[j].line} ({what})"))
+    report.problems.sort()
+    report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
+    report.divergent_keys = len({duplicate_key(e.rec)[1:5] for e in entries
+                                 if e.rec.get("divergent") and
+                                 e.rec.get("kind") == "replicated"})
+    return report

@@ -1,0 +1,90 @@
+"""``pmaptap export``: records as CSV, one row per record.
+
+Scalar values (and the scalar leaves of a pytree value) become numeric
+columns: ``value`` for a plain value, ``value.<key>`` / ``value.<index>`` for
+pytree leaves, so a spreadsheet or ``pandas.read_csv`` can use them directly.
+An array leaf is kept as its strict-JSON text in its column. Coordinates
+become ``coord.<axis>`` columns. Non-finite values are written ``nan``,
+``inf``, ``-inf``, which pandas and most tools read back as floats.
+
+TensorBoard export is not provided: it would need an extra dependency
+(tensorboard / tensorboardX) to write event files.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from typing import IO, Any, Sequence
+
+from .views import Entry
+
+_MARKERS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+FIXED = ("line", "run", "name", "step", "pass", "kind", "process", "device",
+         "devices", "replicas", "divergent", "dtype", "shape", "time", "host")
+
+
+def _leaf(raw: Any) -> Any:
+    if isinstance(raw, str) and raw in _MARKERS:
+        return _MARKERS[raw]
+    if isinstance(raw, (bool, int, float)):
+        return raw
+    return json.dumps(raw, separators=(",", ":"))
+
+
+def flatten_value(value: Any, dtype: Any, prefix: str = "value") -> dict[str, Any]:
+    """Column -> cell for a value as written in the file; ``dtype`` has the
+    value's pytree nesting (records.py), which tells a pytree list from an
+    array (whose dtype is one string)."""
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k in value:
+            out.update(flatten_value(value[k], dtype.get(k), f"{prefix}.{k}"))
+        return out
+    if isinstance(dtype, list) and isinstance(value, list):
+        out = {}
+        for i, v in enumerate(value):
+            out.update(flatten_value(v, dtype[i] if i < len(dtype) else None,
+                                     f"{prefix}.{i}"))
+        return out
+    return {prefix: _leaf(value)}
+
+
+def _text(x: Any) -> str:
+    return x if isinstance(x, str) else json.dumps(x, separators=(",", ":"))
+
+
+def csv_row(e: Entry) -> dict[str, Any]:
+    r = e.raw
+    row: dict[str, Any] = {
+        "line": e.line, "run": r["run"], "name": r["name"], "step": r["step"],
+        "pass": r.get("pass", "forward"), "kind": r["kind"],
+        "process": r["process"], "device": r.get("device"),
+        "devices": _text(r["devices"]) if "devices" in r else None,
+        "replicas": r.get("replicas"),
+        "divergent": bool(e.rec.get("divergent")),
+        "dtype": _text(r["dtype"]), "shape": _text(r["shape"]),
+        "time": r["time"], "host": r["host"],
+    }
+    for axis, idx in (r.get("coords") or {}).items():
+        row[f"coord.{axis}"] = idx
+    row.update(flatten_value(r["value"], r["dtype"]))
+    return row
+
+
+def write_csv(entries: Sequence[Entry], out: IO[str]) -> int:
+    """Write one row per entry; returns the number of rows."""
+    rows = [csv_row(e) for e in entries]
+    extra: dict[str, None] = {}
+    for row in rows:
+        for k in row:
+            if k not in FIXED:
+                extra.setdefault(k, None)
+    coords = sorted(k for k in extra if k.startswith("coord."))
+    values = [k for k in extra if not k.startswith("coord.")]
+    writer = csv.DictWriter(out, fieldnames=[*FIXED, *coords, *values],
+                            restval="", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return len(rows)
