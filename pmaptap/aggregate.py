@@ -45,6 +45,33 @@ def value_key(leaves: list[np.ndarray]) -> bytes:
     return b"".join(parts)
 
 
+class _Table:
+    """Per tap site: coordinates, device, process and counter key of every
+    flat coordinate, and which of them are local (computed once)."""
+
+    def __init__(self, spec: TapSpec, me: int) -> None:
+        n = spec.total_copies
+        self.coords = [spec.coords_of(k) for k in range(n)]
+        self.devices = [spec.device_of(c) for c in self.coords]
+        procs = [spec.process_of(c) for c in self.coords]
+        self.processes = [me if p is None else p for p in procs]
+        self.local = [k for k in range(n)
+                      if spec.device_processes is None or procs[k] == me]
+        self.counter_keys = [d if d is not None else c
+                             for d, c in zip(self.devices, self.coords)]
+
+
+def _rows_identical(stacked: list[np.ndarray]) -> bool:
+    """Whether every row (copy) of the stacked leaves is bitwise identical."""
+    for a in stacked:
+        if a.shape[0] < 2 or a.size == 0:
+            continue
+        b = np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], -1)
+        if not (b == b[0]).all():
+            return False
+    return True
+
+
 class Aggregator:
     def __init__(self, run: str, process: int, host: str, *,
                  group_timeout: float = 5.0,
@@ -54,6 +81,7 @@ class Aggregator:
         self.clock = clock
         self._counters: dict[tuple, int] = {}
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
+        self._tables: dict[tuple, _Table] = {}
 
     # ------------------------------------------------------------ input
     def add(self, spec: TapSpec, coords: np.ndarray, step: int,
@@ -86,6 +114,88 @@ class Aggregator:
         if len(group.copies) >= spec.local_copies:
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
+
+    def add_payload(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """Dispatch one callback payload by its layout (see emit.py)."""
+        coords, step = arrays[0], int(arrays[1])
+        if spec.layout == "copy":
+            return self.add(spec, coords, step, arrays[2:])
+        if spec.layout == "gathered":
+            return self._add_gathered(spec, step, arrays[2:])
+        if spec.layout == "verified":
+            return self._add_one_copy(spec, step, arrays[3:], verified=True)
+        if spec.layout == "verified_off":
+            return self._add_one_copy(spec, step, arrays[2:], verified=False)
+        raise ValueError(f"unknown payload layout {spec.layout!r}")
+
+    def _table(self, spec: TapSpec) -> "_Table":
+        key = (spec.tap_id, spec.axis_sizes)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = _Table(spec, self.process)
+        return t
+
+    def _auto_step(self, spec: TapSpec, t: "_Table") -> int:
+        """Automatic step for a payload that stands for every local device:
+        each of them executed the tap once more."""
+        step = None
+        for k in t.local:
+            ckey = (spec.name, spec.pass_, t.counter_keys[k])
+            s = self._counters.get(ckey, 0)
+            self._counters[ckey] = s + 1
+            step = s if step is None else min(step, s)
+        return step or 0
+
+    def _copies(self, spec: TapSpec, t: "_Table", flats: list[int],
+                rows: list[list[np.ndarray]], keys: list[bytes]) -> list[Copy]:
+        return [Copy(spec, t.coords[k], t.devices[k], t.processes[k], leaves, key)
+                for k, leaves, key in zip(flats, rows, keys)]
+
+    def _add_gathered(self, spec: TapSpec, step: int,
+                      stacked: list[np.ndarray]) -> list[Record]:
+        t = self._table(spec)
+        if not spec.explicit_step:
+            step = self._auto_step(spec, t)
+            if step % spec.every:
+                return []
+        n = spec.total_copies
+        if spec.dedup == "per_device":
+            # This process writes its own devices only; the other processes'
+            # leaders write theirs. No value comparison needed.
+            flats = t.local
+            rows = [[a[k] for a in stacked] for k in flats]
+            copies = self._copies(spec, t, flats, rows, [b""] * len(flats))
+            return [self._per_device(spec, step, cp) for cp in copies]
+        flats = list(range(n))
+        rows = [[a[k] for a in stacked] for k in flats]
+        if _rows_identical(stacked):
+            keys = [value_key(rows[0])] * n
+        else:
+            keys = [value_key(r) for r in rows]
+        copies = self._copies(spec, t, flats, rows, keys)
+        if spec.dedup == "auto" and len(set(keys)) > 1:
+            local = set(t.local)
+            return [self._per_device(spec, step, cp)
+                    for k, cp in zip(flats, copies) if k in local]
+        # Replicated / agreeing auto: every process sees all copies, writes
+        # the same record(s), and the file-level index keeps one.
+        return self._resolve((spec.name, step, spec.pass_), _Group(self.clock(), copies))
+
+    def _add_one_copy(self, spec: TapSpec, step: int, leaves: list[np.ndarray],
+                      *, verified: bool) -> list[Record]:
+        t = self._table(spec)
+        if not spec.explicit_step:
+            step = self._auto_step(spec, t)
+            if step % spec.every:
+                return []
+        n = spec.total_copies
+        copies = self._copies(spec, t, list(range(n)), [leaves] * n,
+                              [value_key(leaves)] * n)
+        recs = self._resolve((spec.name, step, spec.pass_), _Group(self.clock(), copies))
+        if not verified:
+            recs = [dataclasses.replace(r, extra=dict(r.extra or {}, verified=False))
+                    for r in recs]
+        return recs
 
     def expire(self) -> list[Record]:
         now = self.clock()

@@ -1,6 +1,8 @@
 """The one place in pmaptap that emits a JAX host callback.
 
-Everything traced (``tap``, ``tap_grad``, the host_callback shims) ends here.
+Everything traced (``tap``, ``tap_grad``, the host_callback shims) ends here:
+``emit`` for values that only travel to the host, ``emit_call`` for the one
+case where the host must answer with a value (``host_callback.call``).
 The callback itself only hands the arrays to the active pipeline (see
 ``routing.deliver``) and returns: XLA's callback thread holds the GIL and
 blocks its device, and converting or encoding there was seen to hang.
@@ -13,17 +15,39 @@ value. Why ``custom_vmap`` around it: the plain batching rule of
 guaranteed order and with no element index. Our rule instead emits *one*
 callback carrying the whole batch, and counts the vmapped axes in
 ``TapSpec.batch_dims`` (nested vmaps stack, outermost first).
+
+The fast path (``layout``). A host callback costs far more than a small
+collective (on CPU about 0.3 ms per device callback against ~0.01 ms for an
+all_gather of a scalar), so under a mapped axis we avoid one callback per
+device:
+
+- "gathered": ``all_gather`` the copies over the manual axes; only the first
+  device of each process (its *leader*) calls back, with every copy stacked
+  on axis 0 in row-major coordinate order. Used for per_device/auto taps
+  whose gathered size is at most ``gather_max_bytes``.
+- "verified": replicated taps gather a 64-bit hash of each copy's bits; if all
+  agree, the leader sends its one copy plus the hashes; if not, the full
+  copies are gathered so every distinct value can be written.
+- "copy": one callback per device (payloads too big to gather, placement
+  unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
+  ``while_loop``, where devices may diverge and a collective that only some
+  of them reach would deadlock).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
+from jax.experimental import io_callback
 
+from . import placement
+from .options import options
 from .routing import deliver
 from .spec import TapSpec
 
@@ -33,12 +57,83 @@ def _host_entry(spec: TapSpec, *arrays) -> None:
     deliver(spec, arrays)
 
 
+def _callback(spec: TapSpec, *args) -> None:
+    jax.debug.callback(functools.partial(_host_entry, spec), *args)
+
+
+def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
+    """Two 32-bit position-weighted sums of a value's bits (uint32[2]).
+
+    Bit-exact (NaN payloads and -0.0 count), cheap (one multiply-add pass),
+    and order-sensitive. Two copies that differ collide with probability
+    about 2**-64 for random differences."""
+    acc = jnp.zeros((2,), jnp.uint32)
+    for i, x in enumerate(leaves):
+        x = jnp.asarray(x)
+        if x.dtype == jnp.bool_:
+            w = x.astype(jnp.uint32)
+        elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+            w = lax.bitcast_convert_type(
+                jnp.stack([x.real, x.imag], -1), jnp.uint32 if x.dtype == jnp.complex64
+                else jnp.uint64)
+        else:
+            bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+            w = lax.bitcast_convert_type(x, bits)
+        if w.dtype == jnp.uint64:
+            w = jnp.stack([(w & 0xFFFFFFFF).astype(jnp.uint32),
+                           (w >> 32).astype(jnp.uint32)], -1)
+        w = w.astype(jnp.uint32).reshape(-1)
+        pos = jnp.arange(w.size, dtype=jnp.uint32)
+        m1 = pos * jnp.uint32(0x9E3779B1) + jnp.uint32(2 * i + 1)
+        m2 = pos * jnp.uint32(0x85EBCA77) + jnp.uint32(0xC2B2AE3D + i)
+        acc = acc + jnp.stack([jnp.sum(w * (m1 | 1)), jnp.sum((w ^ m2) * (m2 | 1))])
+        acc = acc + jnp.uint32(w.size)
+    return acc
+
+
+def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
+    flat = jnp.int32(0)
+    for i, s in enumerate(sizes):
+        flat = flat * s + coords[i]
+    return flat
+
+
+def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
+    if spec.layout == "copy":
+        _callback(spec, coords, step, *leaves)
+        return
+    is_leader = jnp.asarray(np.array(spec.leaders))[_flat_index(coords, spec.axis_sizes)]
+
+    def gathered():
+        stacked = [lax.all_gather(x, raw_names) for x in leaves]
+        lax.cond(is_leader, lambda: _callback(
+            dataclasses.replace(spec, layout="gathered"), coords, step, *stacked),
+            lambda: None)
+
+    if spec.layout == "gathered":
+        gathered()
+        return
+    if spec.layout == "verified_off":
+        lax.cond(is_leader, lambda: _callback(spec, coords, step, *leaves),
+                 lambda: None)
+        return
+    # "verified": the predicate comes from gathered hashes, so it is the same
+    # on every device and the collectives inside the branches are safe.
+    hashes = lax.all_gather(_hash64(leaves), raw_names)
+    agree = jnp.all(hashes == hashes[0])
+
+    def one_copy():
+        lax.cond(is_leader, lambda: _callback(spec, coords, step, hashes, *leaves),
+                 lambda: None)
+
+    lax.cond(agree, one_copy, gathered)
+
+
 @functools.lru_cache(maxsize=4096)
-def _emitter(spec: TapSpec):
+def _emitter(spec: TapSpec, raw_names: tuple):
     @custom_vmap
     def emit_fn(coords, step, *leaves):
-        jax.debug.callback(functools.partial(_host_entry, spec),
-                           coords, step, *leaves)
+        _emit_now(spec, raw_names, coords, step, leaves)
         return coords
 
     @emit_fn.def_vmap
@@ -53,7 +148,7 @@ def _emitter(spec: TapSpec):
         # every leaf of the record has the same leading batch axes.
         leaves = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
                   for x, b in zip(leaves, leaves_b)]
-        _emitter(spec.with_batch())(coords, step, *leaves)
+        _emitter(spec.with_batch(), raw_names)(coords, step, *leaves)
         return coords, False
 
     return emit_fn
@@ -66,18 +161,90 @@ def axis_coords(axis_names: Sequence) -> jax.Array:
     return jnp.stack([lax.axis_index(n).astype(jnp.int32) for n in axis_names])
 
 
-def emit(spec: TapSpec, leaves: Sequence[jax.Array], coords: jax.Array,
-         step: jax.Array, *, traced_every: bool) -> None:
+def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
+    """Pick the transport for this tap site (see module docstring)."""
+    opts = options()
+    if not spec.axis_names or spec.consumer is not None or not opts.gather:
+        return spec
+    n = spec.total_copies
+    if n < 2:
+        return spec
+    mask = placement.leader_mask(spec.device_processes, n)
+    if mask is None or placement.inside_divergent_control_flow():
+        return spec
+    nbytes = sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
+    if spec.dedup == "replicated" and opts.verify_replicated:
+        layout = "verified"
+    elif spec.dedup == "replicated":
+        layout = "one"
+    elif nbytes * n <= opts.gather_max_bytes:
+        layout = "gathered"
+    else:
+        return spec
+    if layout == "one":
+        # Unverified replicated: the leader's copy alone.
+        return dataclasses.replace(spec, layout="verified_off",
+                                   leaders=tuple(bool(b) for b in mask))
+    return dataclasses.replace(spec, layout=layout,
+                               leaders=tuple(bool(b) for b in mask))
+
+
+def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
+         coords: jax.Array, step: jax.Array, *, traced_every: bool) -> None:
     """Send ``leaves`` to the host, tagged with ``coords`` and ``step``.
 
     With ``traced_every`` the decision ``step % every == 0`` is made on the
-    device, so skipped steps make no host call at all.
+    device, so skipped steps make no host call (and no collective) at all;
+    the step must then be the same on every device, as a loop counter is.
     """
     leaves = [lax.stop_gradient(x) for x in leaves]
-    fn = _emitter(spec)
+    spec = choose_layout(spec, leaves)   # before our own cond below
+    fn = _emitter(spec, tuple(raw_names))
     if traced_every:
         def fire():
             fn(coords, step, *leaves)
         lax.cond(step % spec.every == 0, fire, lambda: None)
     else:
         fn(coords, step, *leaves)
+
+
+def emit_call(host_fn: Callable[..., Sequence], coords: jax.Array,
+              leaves: Sequence[jax.Array],
+              result_avals: Sequence[jax.ShapeDtypeStruct], *,
+              what: str) -> list[jax.Array]:
+    """Run ``host_fn(coords, *leaves)`` on the host and return its results
+    (one array per entry of ``result_avals``) into the computation.
+
+    ``host_fn`` runs on XLA's callback thread and blocks the device until it
+    returns; it must return arrays matching ``result_avals`` exactly, or raise
+    (which fails the computation with that message).
+
+    Why ``io_callback(ordered=False)`` and not ``pure_callback``: the old
+    ``host_callback.call`` always ran, once per execution and device.
+    ``pure_callback`` is declared side-effect free, so JAX drops it when its
+    result is unused (checked on JAX 0.10: zero host calls) and may repeat it
+    under remat. ``io_callback`` keeps it; unordered, it is allowed inside
+    ``pmap``/``shard_map`` bodies (once per device, with the local value) and
+    batches under ``vmap`` as one host call per element, which is what a
+    host function written for one unbatched argument expects.
+
+    Why ``custom_jvp``: JAX cannot differentiate a host function. The rule
+    runs only when a non-zero tangent reaches the call, and replaces JAX's
+    generic refusal with one that says what to do.
+    """
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in result_avals)
+
+    @jax.custom_jvp
+    def call_fn(coords, *leaves):
+        return io_callback(host_fn, avals, coords, *leaves, ordered=False)
+
+    @call_fn.defjvp
+    def _no_derivative(primals, tangents):
+        raise NotImplementedError(
+            f"{what}: cannot differentiate through a host call, JAX cannot see "
+            "inside the host function. If no gradient should flow through it, "
+            "wrap its argument in jax.lax.stop_gradient(...); otherwise give it "
+            "a derivative with jax.custom_vjp (e.g. a second host call that "
+            "computes the VJP on the host).")
+
+    return list(call_fn(coords, *leaves))

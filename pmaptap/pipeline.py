@@ -172,11 +172,9 @@ class Pipeline:
                 continue
             spec, arrays, size = item
             try:
-                coords = np.asarray(arrays[0])
-                step = int(np.asarray(arrays[1]))
-                leaves = [np.asarray(a) for a in arrays[2:]]
+                payload = [np.asarray(a) for a in arrays]
                 del arrays, item
-                recs = self.agg.add(spec, coords, step, leaves)
+                recs = self.agg.add_payload(spec, payload)
             except BaseException as e:  # noqa: BLE001
                 self.record_error(TapError(f"could not process tap {spec.name!r}: {e!r}"))
                 recs = []

@@ -124,3 +124,38 @@ def eager_device(leaves) -> int | None:
             return None
         dev = d
     return dev
+
+
+# Tracing inside these makes a collective unsafe: devices may take different
+# branches (cond/switch) or run different trip counts (while_loop), and a
+# collective that only some devices reach deadlocks. scan is uniform.
+_DIVERGENT_FLOW = (("jax._src.lax.control_flow.conditionals", None),
+                   ("jax._src.lax.control_flow.loops", "while_loop"))
+
+
+def inside_divergent_control_flow() -> bool:
+    """True while tracing a cond/switch branch or a while_loop body/cond."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        mod = frame.f_globals.get("__name__")
+        for m, fn in _DIVERGENT_FLOW:
+            if mod == m and (fn is None or frame.f_code.co_name == fn):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def leader_mask(processes: tuple[int, ...] | None, n: int) -> np.ndarray | None:
+    """For each flat coordinate, whether it is the first one of its process
+    (the device that calls back for the whole process), or None if unknown."""
+    if processes is None:
+        if jax.process_count() > 1:
+            return None
+        processes = (0,) * n
+    seen: set[int] = set()
+    mask = np.zeros(n, dtype=bool)
+    for i, p in enumerate(processes):
+        if p not in seen:
+            seen.add(p)
+            mask[i] = True
+    return mask

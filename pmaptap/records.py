@@ -82,10 +82,32 @@ class Record:
         return encode_line(self.to_json_dict())
 
 
+try:  # orjson encodes NumPy arrays ~25x faster than json (measured: 20 us vs
+    # 520 us for 1024 float32); json stays as the fallback.
+    import orjson as _orjson
+    _ORJSON_OPTS = _orjson.OPT_SERIALIZE_NUMPY
+except ImportError:  # pragma: no cover - exercised via PMAPTAP_NO_ORJSON
+    _orjson = None
+import os as _os
+if _os.environ.get("PMAPTAP_NO_ORJSON"):
+    _orjson = None
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
 def encode_line(d: dict) -> bytes:
+    """One strict-JSON line. Values may hold finite NumPy arrays."""
+    if _orjson is not None:
+        return _orjson.dumps(d, option=_ORJSON_OPTS | _orjson.OPT_APPEND_NEWLINE)
     # allow_nan=False: a stray non-finite float is a bug, never a bad line.
     return (json.dumps(d, separators=(",", ":"), allow_nan=False,
-                       ensure_ascii=False) + "\n").encode("utf-8")
+                       ensure_ascii=False, default=_json_default) + "\n").encode("utf-8")
 
 
 # ---------------------------------------------------------------- arrays
@@ -94,35 +116,60 @@ def _is_float_like(dt: np.dtype) -> bool:
     return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
 
 
-def _float_list(a: np.ndarray) -> Any:
-    """float-like array -> nested lists with non-finite markers."""
-    if a.size <= _SHORT_REPR_MAX and a.dtype != np.float64:
-        # str() of a numpy / ml_dtypes scalar is the shortest repr that
-        # round-trips in its own precision ("nan"/"inf" parse too).
-        out = np.array([float(str(v)) for v in a.reshape(-1)],
-                       dtype=np.float64).reshape(a.shape)
+def _nonfinite_list(out: np.ndarray) -> Any:
+    if out.dtype == np.float32 and out.size <= _SHORT_REPR_MAX:
+        # shortest float32 repr for the finite elements (0.1, not 0.1000000015)
+        obj = np.array([float(str(v)) for v in out.reshape(-1)],
+                       dtype=object).reshape(out.shape)
     else:
-        out = a.astype(np.float64)
-    if np.isfinite(out).all():
-        return out.tolist()
-    obj = out.astype(object)
+        obj = out.astype(np.float64).astype(object)
     obj[np.isnan(out)] = "NaN"
     obj[out == math.inf] = "Infinity"
     obj[out == -math.inf] = "-Infinity"
     return obj.tolist()
 
 
+def _float_value(a: np.ndarray) -> Any:
+    """float-like array -> JSON-able value (finite: a float32/64 array that
+    orjson writes with the shortest repr of its own precision)."""
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float32)      # bf16 / fp8 / f16 widen exactly
+    if not np.isfinite(a).all():
+        return _nonfinite_list(a)
+    if _orjson is None:
+        if a.size <= _SHORT_REPR_MAX and a.dtype == np.float32:
+            # str() of a float32 is its shortest round-trip repr.
+            return np.array([float(str(v)) for v in a.reshape(-1)],
+                            dtype=np.float64).reshape(a.shape).tolist()
+        return a.tolist()
+    return a[()] if a.ndim == 0 else np.ascontiguousarray(a)
+
+
 def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
     dt = a.dtype
     if dt.kind == "b" or dt.kind in "iu":
-        value = a.tolist()
+        if _orjson is None or a.ndim == 0:
+            value = a.tolist()
+        else:
+            value = np.ascontiguousarray(a)
     elif dt.kind == "c":
-        value = _float_list(np.stack([a.real, a.imag], axis=-1))
+        value = _float_value(np.stack([a.real, a.imag], axis=-1))
     elif _is_float_like(dt):
-        value = _float_list(a)
+        value = _float_value(a)
     else:
         raise TypeError(f"cannot encode dtype {dt} as JSON")
-    return value, dt.name, list(a.shape)
+    return value, _dtype_name(dt), list(a.shape)
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    # np.dtype.name is a slow property (~5 us); records ask for it per copy.
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = dt.name
+    return name
 
 
 def _structure(treedef, it: Iterator[Any]) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 from . import routing
 from .errors import SessionError, TapError
 from .pipeline import OVERFLOW_POLICIES, Pipeline
-from .sink import FileSink
+from .sink import LOCK_MODES, FileSink
 
 _open_lock = threading.Lock()
 _active_session: "Session | None" = None
@@ -61,6 +61,9 @@ class Session:
     flush_timeout: seconds flush() waits for a busy lock before TapError.
     close_timeout: seconds close() waits to drain (and for peers, multi-process).
     group_timeout: seconds a step waits for missing device copies.
+    lock: "flock" (default; local disk, one host) or "soft" (NFS and other
+      shared filesystems where flock does not exclude across hosts; see
+      pmaptap.sink.FileSink). Every process of a job must use the same mode.
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
@@ -68,12 +71,16 @@ class Session:
                  max_pending_bytes: int = 1 << 30, lock_timeout: float = 1.0,
                  flush_timeout: float | None = 120.0,
                  close_timeout: float = 60.0, group_timeout: float = 5.0,
-                 flush_interval: float = 0.02) -> None:
+                 flush_interval: float = 0.02, lock: str = "flock") -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Session: overflow must be one of "
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"Session: run must be a non-empty str, got {run!r}")
+        if lock not in LOCK_MODES:
+            raise ValueError(f"Session: lock must be one of {LOCK_MODES} "
+                             f"(\"soft\" for NFS/Lustre/GPFS), got {lock!r}")
+        self.lock = lock
         self.path = os.path.abspath(os.fspath(path))
         self.run = run
         self._opts: dict[str, Any] = dict(
@@ -104,7 +111,8 @@ class Session:
             if self.pipeline is not None:
                 raise SessionError(f"{self!r} was already used; create a new "
                                    "Session to open again.")
-            sink = FileSink(self.path, lock_timeout=self.lock_timeout)
+            sink = FileSink(self.path, lock_timeout=self.lock_timeout,
+                            lock=self.lock)
             try:
                 if self.run is None:
                     self.run = default_run_id()

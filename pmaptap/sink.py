@@ -22,7 +22,7 @@ from typing import Sequence
 import filelock
 
 from .errors import TapError
-from .records import Record
+from .records import Record, encode_line
 from .xdedup import CrossProcessIndex
 
 
@@ -71,17 +71,58 @@ def prepare_path(path: str) -> str:
     return path
 
 
+LOCK_MODES = ("flock", "soft")
+# errnos by which flock says "this filesystem cannot do that" (Lustre mounted
+# without -o flock, some FUSE and NFS setups), as opposed to contention.
+_NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
+
+
 class FileSink(Sink):
-    def __init__(self, path: str, *, lock_timeout: float = 1.0) -> None:
+    """Appends record batches to the shared file under a cross-process lock.
+
+    lock="flock" (default): ``filelock.FileLock(path + ".lock")`` (flock(2))
+      and one ``O_APPEND`` descriptor kept open. Right for a local disk, i.e.
+      for the processes of one host.
+    lock="soft": for shared filesystems where flock may not exclude across
+      hosts (NFS clients, Lustre without ``-o flock``). The lock is
+      ``filelock.SoftFileLock(path + ".softlock")``: a marker file created
+      with ``O_CREAT | O_EXCL`` (atomic at an NFSv3+ server) that records pid
+      and host. A marker left by a dead process of the same host is
+      reclaimed; one left by a crashed host blocks writers until it is
+      removed (the LockBusy message names the holder). Each batch re-opens
+      the file under the lock, writes at the size the server reports, fsyncs
+      and closes before releasing: NFS close-to-open consistency then lets
+      the next holder, on any host, see these bytes and append after them
+      (O_APPEND with a client's cached size could overwrite them).
+    """
+
+    def __init__(self, path: str, *, lock_timeout: float = 1.0,
+                 lock: str = "flock") -> None:
+        if lock not in LOCK_MODES:
+            raise ValueError(f"lock must be one of {LOCK_MODES} (\"soft\" for "
+                             f"NFS and other shared filesystems), got {lock!r}")
         self.path = prepare_path(path)
         self.lock_timeout = lock_timeout
-        # O_RDWR so the tail byte can be read for torn-line repair;
-        # O_APPEND so every write lands at the end whatever others wrote.
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
-        self._lock = filelock.FileLock(self.path + ".lock", timeout=lock_timeout)
+        self.lock_mode = lock
+        if lock == "flock":
+            # O_RDWR so the tail byte can be read for torn-line repair;
+            # O_APPEND so every write lands at the end whatever others wrote.
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT,
+                               0o666)
+            # No silent soft fallback where flock is missing: filelock would
+            # take the pre-created, empty lock file for a marker held forever.
+            self._lock = filelock.FileLock(self.path + ".lock",
+                                           timeout=lock_timeout,
+                                           fallback_to_soft=False)
+            size = os.fstat(self._fd).st_size
+        else:
+            self._fd = -1      # opened per batch, under the lock
+            self._lock = filelock.SoftFileLock(self.path + ".softlock",
+                                               timeout=lock_timeout)
+            size = os.stat(self.path).st_size
         self.index = CrossProcessIndex()
         # Bytes before this offset were already indexed (or predate us).
-        self._seen = os.fstat(self._fd).st_size
+        self._seen = size
         self.lines_written = 0
         self.bytes_written = 0
         self.repairs = 0
@@ -91,39 +132,78 @@ class FileSink(Sink):
             return
         # Encode outside the lock; only the dedup decision needs it.
         encoded = {id(r): r.encode() for r in records}
+        self._acquire()
+        soft = self.lock_mode == "soft"
         try:
-            self._lock.acquire(timeout=self.lock_timeout)
-        except filelock.Timeout as e:
-            raise LockBusy(str(e)) from None
-        try:
-            size = os.fstat(self._fd).st_size
-            if size > self._seen:
-                self.index.observe(os.pread(self._fd, size - self._seen, self._seen))
-            keep, new_keys = self.index.plan(records)
-            data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
-            if data and size and os.pread(self._fd, 1, size - 1) != b"\n":
-                data = b"\n" + data   # a killed writer left a torn line
-                self.repairs += 1
+            # soft: a fresh descriptor per batch (close-to-open, see above)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft \
+                else self._fd
             try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(self._fd, view)
-                    view = view[n:]
-            except OSError:
-                # A partial batch (disk full, EFBIG) would leave a torn line
-                # and half a batch; we hold the lock, so cut back to where
-                # we started and let the pipeline retry the whole batch.
+                size = os.fstat(fd).st_size
+                if size > self._seen:
+                    self.index.observe(os.pread(fd, size - self._seen, self._seen))
+                keep, new_keys = self.index.plan(records)
+                data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
+                if data and size and os.pread(fd, 1, size - 1) != b"\n":
+                    data = b"\n" + data   # a killed writer left a torn line
+                    self.repairs += 1
                 try:
-                    os.ftruncate(self._fd, size)
+                    view = memoryview(data)
+                    offset = size
+                    while view:
+                        # soft: at the size just read, never a cached one
+                        n = os.pwrite(fd, view, offset) if soft \
+                            else os.write(fd, view)
+                        view = view[n:]
+                        offset += n
+                    if soft and data:
+                        os.fsync(fd)   # at the server before we unlock
                 except OSError:
-                    pass
-                raise
+                    # A partial batch (disk full, EFBIG) would leave a torn line
+                    # and half a batch; we hold the lock, so cut back to where
+                    # we started and let the pipeline retry the whole batch.
+                    try:
+                        os.ftruncate(fd, size)
+                    except OSError:
+                        pass
+                    raise
+            finally:
+                if soft:
+                    os.close(fd)
             self.index.commit(new_keys)
             self._seen = size + len(data)
         finally:
             self._lock.release()
         self.lines_written += len(keep)
         self.bytes_written += len(data)
+
+    def _acquire(self) -> None:
+        try:
+            self._lock.acquire(timeout=self.lock_timeout)
+        except filelock.Timeout as e:
+            raise LockBusy(self._busy_message(e)) from None
+        except OSError as e:
+            if self.lock_mode == "flock" and e.errno in _NO_FLOCK_ERRNOS:
+                raise TapError(
+                    f"cannot lock {self.path + '.lock'!r}: this filesystem does "
+                    f"not support flock ({e}). Use pmaptap.Session(path, "
+                    "lock='soft') on NFS, Lustre and other shared filesystems.",
+                    path=self.path) from e
+            raise
+
+    def _busy_message(self, e: BaseException) -> str:
+        if self.lock_mode != "soft":
+            return str(e)
+        # SoftFileLock's marker starts with the holder's pid and host lines.
+        try:
+            with open(self._lock.lock_file, encoding="utf-8",
+                      errors="replace") as f:
+                pid, host = (f.read(512).split("\n") + ["", ""])[:2]
+        except OSError:
+            pid = host = ""
+        who = f" (held by pid {pid} on host {host!r})" if pid else ""
+        return (f"{e}{who}. If that process is gone from another host, "
+                f"remove {self._lock.lock_file!r}.")
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -144,7 +224,8 @@ def format_console(r: Record) -> str:
         parts.append(f"pass={r.pass_}")
     text = " ".join(parts)
     value = r.value if r.kind != "meta" else r.extra
-    shown = str(value)
+    # Through JSON so NumPy arrays print as plain lists ([0.5, 1.0]).
+    shown = encode_line({"v": value}).decode("utf-8").strip()[5:-1]
     if len(shown) > 200:
         shown = shown[:197] + "..."
     return f"{text}: {shown}"

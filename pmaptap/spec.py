@@ -40,10 +40,29 @@ class TapSpec:
     # the raw callback payload instead of the session pipeline. It runs on
     # XLA's callback thread, so it must only hand the payload over.
     consumer: Any = None
+    # How copies travel (see emit.py): "copy" = one callback per device with
+    # its own value; "gathered" = all copies stacked on axis 0, one callback
+    # per process; "verified" = one copy plus a hash of every copy.
+    layout: str = "copy"
+    leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
     def with_batch(self) -> "TapSpec":
         return dataclasses.replace(self, batch_dims=self.batch_dims + 1)
+
+    @property
+    def total_copies(self) -> int:
+        n = 1
+        for s in self.axis_sizes:
+            n *= s
+        return n
+
+    def coords_of(self, flat: int) -> tuple[int, ...]:
+        out = []
+        for s in reversed(self.axis_sizes):
+            out.append(flat % s)
+            flat //= s
+        return tuple(reversed(out))
 
     def device_of(self, coords: tuple[int, ...]) -> int | None:
         if not self.axis_names:

@@ -102,7 +102,7 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
     else:
         step_arr = jnp.asarray(-1 if static_step is None else static_step,
                                jnp.int32)
-    emit(spec, leaves, coords, step_arr,
+    emit(spec, raw_names, leaves, coords, step_arr,
          traced_every=traced_step is not None and every > 1)
 
 

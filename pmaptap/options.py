@@ -1,0 +1,57 @@
+"""Process-wide, trace-time options of the emission fast path.
+
+They are read when a tap is *traced*, so change them before the first call
+of a jitted/pmapped function (or re-jit): compiled code keeps what it saw.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    # Gather the per-device copies on device and call back once per process
+    # (instead of once per device) when the gathered payload is at most
+    # gather_max_bytes. Off: one callback per device, as jax.debug.callback.
+    gather: bool = True
+    gather_max_bytes: int = 1 << 20
+    # Replicated taps: compare a 64-bit hash of every copy on device and send
+    # one copy (plus the hashes). Off: send one copy unverified (cheapest;
+    # a divergence between replicas then goes unnoticed).
+    verify_replicated: bool = True
+
+
+_current = Options()
+
+
+def options() -> Options:
+    return _current
+
+
+def configure(**changes) -> Options:
+    """Change the fast-path options for taps traced from now on; returns the
+    previous options. Unknown names raise TypeError."""
+    global _current
+    fields = {f.name for f in dataclasses.fields(Options)}
+    unknown = set(changes) - fields
+    if unknown:
+        raise TypeError(f"pmaptap.configure: unknown option(s) {sorted(unknown)}; "
+                        f"known: {sorted(fields)}")
+    if "gather_max_bytes" in changes and int(changes["gather_max_bytes"]) < 0:
+        raise ValueError("pmaptap.configure: gather_max_bytes must be >= 0")
+    prev = _current
+    _current = dataclasses.replace(_current, **changes)
+    return prev
+
+
+@contextlib.contextmanager
+def configured(**changes) -> Iterator[Options]:
+    """``with pmaptap.configured(gather=False): ...`` restores on exit."""
+    global _current
+    prev = configure(**changes)
+    try:
+        yield _current
+    finally:
+        _current = prev
