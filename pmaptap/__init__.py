@@ -1,5 +1,7 @@
 """pmaptap: device-aware taps for multi-device, multi-host JAX programs."""
+from . import host_callback
 from .errors import SessionError, TapError
+from .options import configure, configured, options
 from .reader import read
 from .session import Session, active_session, flush
 from .tap import tap
@@ -9,7 +11,11 @@ __all__ = sorted([
     "SessionError",
     "TapError",
     "active_session",
+    "configure",
+    "configured",
     "flush",
+    "host_callback",
+    "options",
     "read",
     "tap",
 ])

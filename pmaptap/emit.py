@@ -47,6 +47,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental import io_callback
 
 from . import placement
+from .hostcall import host_call
 from .options import options
 from .routing import deliver
 from .spec import TapSpec
@@ -58,7 +59,7 @@ def _host_entry(spec: TapSpec, *arrays) -> None:
 
 
 def _callback(spec: TapSpec, *args) -> None:
-    jax.debug.callback(functools.partial(_host_entry, spec), *args)
+    host_call(functools.partial(_host_entry, spec), *args)
 
 
 def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -173,12 +174,15 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     if mask is None or placement.inside_divergent_control_flow():
         return spec
     nbytes = sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
-    if spec.dedup == "replicated" and opts.verify_replicated:
-        layout = "verified"
-    elif spec.dedup == "replicated":
+    small = nbytes * n <= opts.gather_max_bytes
+    if spec.dedup == "replicated" and not opts.verify_replicated:
         layout = "one"
-    elif nbytes * n <= opts.gather_max_bytes:
+    elif small:
+        # Gathering the values themselves is as cheap as gathering hashes
+        # when they are small, and needs a single callback.
         layout = "gathered"
+    elif spec.dedup == "replicated":
+        layout = "verified"
     else:
         return spec
     if layout == "one":

@@ -116,6 +116,19 @@ def test_grad_records_primal_and_gradient_unchanged(session, tap_path):
     np.testing.assert_allclose(recs[0]["value"], np.tanh(w), rtol=1e-6)
 
 
+def test_checkpoint_recomputation_does_not_repeat_a_tap(session, tap_path):
+    def f(x):
+        pmaptap.tap(x, "ck")
+        return jnp.sum(jnp.sin(x))
+
+    x = jnp.arange(3.0)
+    jax.grad(jax.checkpoint(f))(x)
+    jax.jit(jax.grad(jax.checkpoint(f)))(x)
+    session.flush()
+    recs = _named(pmaptap.read(tap_path), "ck")
+    assert [r["step"] for r in recs] == [0, 1]     # one record per execution
+
+
 def test_vmap_records_the_whole_batch_once_per_execution(session, tap_path):
     f = jax.jit(jax.vmap(lambda x: pmaptap.tap(x * 2, "vm")))
     f(jnp.arange(6.0).reshape(3, 2))

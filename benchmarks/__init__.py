@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of pmaptap against raw jax.debug.callback."""

@@ -1,0 +1,539 @@
+"""``jax.experimental.host_callback`` (removed in JAX 0.8) on today's JAX.
+
+Old code keeps working after changing only the import::
+
+    from pmaptap import host_callback as hcb
+    hcb.id_tap(tap_func, x)          # tap_func(x, transforms) on the host
+    hcb.id_print(x, what="x")        # prints "what: x" and then x
+    y = hcb.call(np.linalg.eigvals, m, result_shape=...)
+    hcb.barrier_wait()               # taps done; raises CallbackException once
+
+How it is built (see shared/DESIGN.md): ``id_tap``/``id_print`` go through
+``pmaptap.tap.send`` and so through the one emission helper in ``emit.py``,
+with a ``consumer`` that replaces the session pipeline. The consumer runs on
+XLA's callback thread, which holds the GIL and blocks its device, so it only
+appends the payload to a queue. One background thread per process (the
+*executor*, created lazily) converts arrays, resolves the device and runs
+the user's functions, in the order the callbacks arrived. A raising tap
+function is caught there and reported once, by the next ``barrier_wait``.
+
+``call`` needs an answer from the host, so it goes through ``emit_call``
+(``io_callback`` under ``custom_jvp``). The callback thread still hands the
+work to the same executor and waits for the result; see
+``_CallJob.on_callback_thread`` for why.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import inspect
+import os
+import sys
+import threading
+import traceback
+from typing import Any, Callable, TypeVar
+
+import jax
+import numpy as np
+
+from .emit import axis_coords, emit_call
+from .spec import TapSpec
+from .tap import _as_leaf, build_spec, send
+
+T = TypeVar("T")
+
+__all__ = ["CallbackException", "barrier_wait", "call", "id_print", "id_tap",
+           "stop_outfeed_receiver"]
+
+
+class CallbackException(RuntimeError):
+    """A tap function raised on the host. Raised once, by ``barrier_wait``.
+
+    ``original`` (also ``__cause__``) is the first exception since the previous
+    barrier; ``errors`` holds all of them, in the order they happened.
+    """
+
+    def __init__(self, message: str, errors: tuple[BaseException, ...]) -> None:
+        super().__init__(message)
+        self.errors = errors
+        self.original = errors[0] if errors else None
+
+
+# --------------------------------------------------------------- executor
+class _Executor:
+    """One FIFO worker thread; ``submit`` never blocks, so it is safe to call
+    from XLA's callback thread. Tickets number the jobs so ``wait`` can tell
+    when everything submitted before a point has run."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._submitted = 0
+        self._done = 0
+        self._errors: list[BaseException] = []
+        self._stopping = False
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._loop, daemon=True,
+                                       name="pmaptap-host-callback")
+        self.thread.start()
+
+    def submit(self, job: Callable[[], None]) -> int:
+        with self._cv:
+            self._jobs.append(job)
+            self._submitted += 1
+            self._cv.notify_all()
+            return self._submitted
+
+    def ticket(self) -> int:
+        with self._cv:
+            return self._submitted
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._done >= ticket, timeout)
+
+    def record_error(self, e: BaseException) -> None:
+        with self._cv:
+            self._errors.append(e)
+
+    def take_errors(self) -> list[BaseException]:
+        with self._cv:
+            errors, self._errors = self._errors, []
+            return errors
+
+    def stop(self, timeout: float) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stopping:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - jobs report their own
+                self.record_error(e)    # errors; this is a last resort
+            finally:
+                del job  # drop array references before waiting again
+                with self._cv:
+                    self._done += 1
+                    self._cv.notify_all()
+
+
+_executor_lock = threading.Lock()
+_executor_obj: _Executor | None = None
+
+
+def _executor() -> _Executor:
+    global _executor_obj
+    with _executor_lock:
+        # A forked child inherits the object but not the thread: start anew.
+        if _executor_obj is None or _executor_obj.pid != os.getpid():
+            first = _executor_obj is None
+            _executor_obj = _Executor()
+            if first:
+                # Registered after jax's own handlers, so it runs before them:
+                # taps still queued at exit are run while JAX is alive, and the
+                # thread is stopped before the interpreter tears down.
+                atexit.register(_at_exit)
+        return _executor_obj
+
+
+def _on_executor_thread() -> bool:
+    ex = _executor_obj
+    return ex is not None and threading.current_thread() is ex.thread
+
+
+def _at_exit() -> None:
+    ex = _executor_obj
+    if ex is None or ex.pid != os.getpid():
+        return
+    try:
+        jax.effects_barrier()
+        if not ex.wait(ex.ticket(), timeout=30.0):
+            print("[pmaptap] host_callback: tap functions still running at exit",
+                  file=sys.stderr)
+        for e in ex.take_errors():
+            print("[pmaptap] host_callback: a tap function raised and no "
+                  "barrier_wait() reported it:\n" + _format(e), file=sys.stderr)
+    except BaseException as e:  # noqa: BLE001 - never fail the exit
+        print(f"[pmaptap] host_callback exit handler: {e!r}", file=sys.stderr)
+    finally:
+        ex.stop(5.0)
+
+
+def _format(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def barrier_wait(logging_name: str | None = None) -> None:
+    """Wait until every tap, print and call dispatched so far has run on the
+    host; then raise ``CallbackException`` if a tap function raised since the
+    previous barrier (once: the next barrier starts clean).
+
+    ``logging_name`` names this barrier in the error message."""
+    if _on_executor_thread():
+        raise RuntimeError(
+            "pmaptap.host_callback.barrier_wait() was called from inside a tap "
+            "or call function; it would wait for itself. Call it from the "
+            "thread that runs the computation.")
+    # effects_barrier returns once every callback dispatched so far has run,
+    # i.e. every tap has been *queued*; the ticket taken after it covers them.
+    jax.effects_barrier()
+    ex = _executor()
+    ex.wait(ex.ticket())
+    errors = ex.take_errors()
+    if errors:
+        where = f" (barrier {logging_name!r})" if logging_name else ""
+        more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+        raise CallbackException(
+            f"There were exceptions during callback processing{where}. First "
+            f"one{more}:\n{_format(errors[0])}", tuple(errors)) from errors[0]
+
+
+def stop_outfeed_receiver() -> None:
+    """Kept for old code: waits for pending taps like ``barrier_wait`` but
+    raises nothing (errors stay for the next ``barrier_wait``). There is no
+    outfeed receiver to stop any more."""
+    jax.effects_barrier()
+    ex = _executor()
+    ex.wait(ex.ticket())
+
+
+# --------------------------------------------------------------- devices
+class _Devices:
+    """Built at trace time (JAX must not be called from the callback thread):
+    device id -> Device, and the device reported when no mesh is mapped."""
+
+    def __init__(self, device_index: int, fn: str) -> None:
+        local = jax.local_devices()
+        if isinstance(device_index, bool) or not isinstance(device_index, int) \
+                or not 0 <= device_index < len(local):
+            raise ValueError(f"{fn}: device_index must be an int in "
+                             f"[0, {len(local)}) (this process's local devices); "
+                             f"got {device_index!r}.")
+        self.by_id = {d.id: d for d in jax.devices()}
+        # Under plain jit the callback carries no device identity. The old
+        # CPU implementation reported local_devices()[replica_id], replica 0
+        # outside pmap; device_index selects another one, as it did there.
+        self.default = local[device_index]
+
+    def resolve(self, spec: TapSpec, coords: np.ndarray):
+        if spec.axis_names:
+            dev_id = spec.device_of(tuple(int(c) for c in coords))
+            # None when pmaptap cannot know the mesh: reported, never guessed.
+            return None if dev_id is None else self.by_id.get(dev_id)
+        if spec.eager_device is not None:
+            return self.by_id.get(spec.eager_device)
+        return self.default
+
+
+def _name_of(fn: Any) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return getattr(inner, "__qualname__", None) or type(inner).__name__
+
+
+# --------------------------------------------------------------- id_tap
+class _TapConsumer:
+    """``TapSpec.consumer`` for id_tap. Identity-hashed (TapSpec is hashed for
+    emit's cache; user tap functions need not be hashable)."""
+
+    def __init__(self, tap_func: Callable, with_device: bool,
+                 devices: _Devices) -> None:
+        self.tap_func = tap_func
+        self.with_device = with_device
+        self.devices = devices
+
+    def __call__(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
+        # XLA's callback thread: queue and return.
+        _executor().submit(functools.partial(self._run, spec, arrays))
+
+    def _run(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
+        try:
+            coords = np.asarray(arrays[0])
+            leaves = [np.asarray(a) for a in arrays[2:]]
+            arg = jax.tree_util.tree_unflatten(spec.treedef, leaves)
+            # The emitter hands over the whole batch with every vmapped axis
+            # leading (unbatched leaves broadcast), so each vmap level is axis
+            # 0 of every leaf, in the old ("batch", {"batch_dims": ...}) form.
+            transforms = tuple(("batch", {"batch_dims": (0,) * len(leaves)})
+                               for _ in range(spec.batch_dims))
+            if self.with_device:
+                self.tap_func(arg, transforms,
+                              device=self.devices.resolve(spec, coords))
+            else:
+                self.tap_func(arg, transforms)
+        except BaseException as e:  # noqa: BLE001 - reported by barrier_wait
+            _executor().record_error(e)
+
+
+def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
+           tap_with_device: bool = False, device_index: int = 0,
+           tap_with_transform: bool = False, **kwargs: Any) -> T:
+    """Identity on ``arg`` (or returns ``result``) that calls
+    ``tap_func(arg, transforms)`` on the host with ``arg`` as NumPy arrays.
+
+    ``transforms`` is ``()`` under plain jit and one
+    ``("batch", {"batch_dims": (0, ...)})`` per enclosing ``vmap``.
+    ``tap_with_device=True`` adds ``device=`` (the jax Device the value lived
+    on; under pmap/shard_map the tap runs once per device). ``result`` is
+    returned instead of ``arg`` and is not sent. ``tap_with_transform`` is
+    accepted for old tutorials: ``transforms`` is always passed.
+    Exceptions in ``tap_func`` never reach the computation; the next
+    ``barrier_wait()`` raises ``CallbackException``.
+    """
+    del tap_with_transform  # the second positional argument is always passed
+    if kwargs:
+        raise TypeError(
+            "pmaptap.host_callback.id_tap: unexpected keyword argument(s) "
+            f"{sorted(kwargs)}. As in the old module, pre-apply keyword "
+            "arguments with functools.partial(tap_func, **kwargs) or a closure.")
+    _check_callable(tap_func, "pmaptap.host_callback.id_tap", "tap_func")
+    fn = "pmaptap.host_callback.id_tap"
+    devices = _Devices(device_index, fn)
+    _executor()  # start the thread here, not on XLA's callback thread
+    send(arg, _name_of(tap_func), fn=fn,
+         consumer=_TapConsumer(tap_func, bool(tap_with_device), devices))
+    return arg if result is None else result
+
+
+# --------------------------------------------------------------- id_print
+def _print_tap_func(arg: Any, transforms: tuple, *, device: Any = None,
+                    output_stream: Any = None, threshold: int | None = None,
+                    **kwargs: Any) -> None:
+    """The old module's printer: sorted ``key: value`` pairs (``what``, other
+    kwargs, ``transforms`` and ``device`` when present) on one line, then the
+    value with arrays via ``np.array2string(threshold=...)``."""
+    if transforms:
+        kwargs["transforms"] = [(n, p) if p else n for n, p in transforms]
+    if device is not None:
+        kwargs["device"] = device
+    lines = []
+    if kwargs:
+        lines.append(" ".join(f"{k}: {v}" for k, v in sorted(kwargs.items())))
+    lines.append(_pp(arg, threshold))
+    text = "\n".join(lines) + "\n"
+    if output_stream is not None:
+        output_stream.write(text)
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _pp(v: Any, threshold: int | None, indent: int = 0, width: int = 80) -> str:
+    """Containers as ``( a b )`` / ``[ a b ]`` / ``{ k=a }`` like the old
+    printer; one line when it fits in ``width``, else one element a line."""
+    if isinstance(v, np.ndarray):
+        return np.array2string(v, threshold=threshold)
+    if isinstance(v, (tuple, list, dict)):
+        open_, close = (("{", "}") if isinstance(v, dict) else
+                        ("(", ")") if isinstance(v, tuple) else ("[", "]"))
+        items = ([f"{k}=" + _pp(x, threshold, indent + 2, width)
+                  for k, x in sorted(v.items())] if isinstance(v, dict) else
+                 [_pp(x, threshold, indent + 2, width) for x in v])
+        flat = f"{open_} " + " ".join(items) + f" {close}"
+        if "\n" not in flat and indent + len(flat) <= width:
+            return flat
+        pad = "\n" + " " * (indent + 2)
+        return f"{open_} " + pad.join(items) + f" {close}"
+    return str(v)
+
+
+def id_print(arg: T, *, result: Any = None, what: str | None = None,
+             output_stream: Any = None, threshold: int | None = None,
+             tap_with_device: bool = False, device_index: int = 0,
+             **kwargs: Any) -> T:
+    """Like ``id_tap`` with a printer: prints ``what`` and any other keyword
+    arguments (sorted ``key: value``), then ``arg`` with arrays formatted by
+    ``np.array2string(threshold=threshold)``, to ``output_stream.write`` or
+    stdout. Returns ``arg`` (or ``result``)."""
+    if what is not None:
+        kwargs["what"] = what
+    printer = functools.partial(_print_tap_func, output_stream=output_stream,
+                                threshold=threshold, **kwargs)
+    return id_tap(printer, arg, result=result, tap_with_device=tap_with_device,
+                  device_index=device_index)
+
+
+# --------------------------------------------------------------- call
+def _check_callable(f: Any, fn: str, what: str) -> None:
+    if not callable(f):
+        raise TypeError(f"{fn}: {what} must be callable, got "
+                        f"{type(f).__name__} ({f!r}).")
+
+
+def _result_avals(result_shape: Any, fn: str):
+    """(treedef, [ShapeDtypeStruct]) from a pytree of shape/dtype holders,
+    example arrays or numeric scalars; dtypes canonicalized like JAX does."""
+    leaves, treedef = jax.tree_util.tree_flatten(result_shape)
+    avals = []
+    for path, leaf in zip(_paths(treedef), leaves):
+        try:
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                shape, dtype = tuple(leaf.shape), leaf.dtype
+            elif isinstance(leaf, (bool, int, float, complex, np.generic)):
+                shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
+            else:
+                raise TypeError(type(leaf).__name__)
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+        except Exception:  # noqa: BLE001 - rephrased below
+            raise ValueError(
+                f"{fn}: result_shape{path} is {leaf!r}; each leaf must have "
+                "`shape` and `dtype` (jax.ShapeDtypeStruct, an example array) "
+                "or be a numeric scalar. Use None or () for no result."
+            ) from None
+        avals.append(jax.ShapeDtypeStruct(shape, dtype))
+    return treedef, avals
+
+
+def _paths(treedef) -> list[str]:
+    dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    return [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def _describe(treedef, avals) -> str:
+    return str(jax.tree_util.tree_unflatten(
+        treedef, [f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals]))
+
+
+def _spreads_tuple(f: Callable, arg: Any, with_device: bool) -> bool:
+    """The tuple-argument rule. A tuple ``arg`` of n elements is passed as n
+    positional arguments when ``f`` accepts n of them but not a single one
+    (tutorial style, ``def f(x, y)``); otherwise whole (old style,
+    ``def f(xy)``). When both would bind (``def f(a, b=None)``, ``*args``,
+    no inspectable signature) the old style wins, so old code keeps its
+    meaning."""
+    if not isinstance(arg, tuple):
+        return False
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):  # builtins / ufuncs without a signature
+        return False
+    extra = {"device": None} if with_device else {}
+
+    def binds(n: int) -> bool:
+        try:
+            sig.bind(*([None] * n), **extra)
+            return True
+        except TypeError:
+            return False
+
+    return binds(len(arg)) and not binds(1)
+
+
+def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
+         result_shape_dtypes: Any = None, call_with_device: bool = False,
+         device_index: int = 0) -> Any:
+    """Call ``callback_func(arg)`` on the host and return its result into the
+    computation. ``result_shape`` (synonym ``result_shape_dtypes``) describes
+    the result: a pytree of objects with ``shape``/``dtype`` or example
+    arrays; None or () for no result. A result of another structure, shape
+    or dtype fails the computation with an error naming both.
+
+    A tuple ``arg`` is spread into positional arguments when the function
+    takes exactly that many (see ``_spreads_tuple``). ``call_with_device``
+    adds ``device=``. Under pmap the call runs once per device with its
+    slice; under vmap once per element. Not differentiable: use
+    ``jax.lax.stop_gradient`` on the argument, or a ``jax.custom_vjp``.
+    """
+    fn = "pmaptap.host_callback.call"
+    _check_callable(callback_func, fn, "callback_func")
+    if result_shape is not None and result_shape_dtypes is not None:
+        raise ValueError(f"{fn}: give result_shape or result_shape_dtypes "
+                         "(synonyms), not both.")
+    shape_spec = result_shape if result_shape is not None else result_shape_dtypes
+    res_treedef, res_avals = _result_avals(shape_spec, fn)
+    name = _name_of(callback_func)
+    what = f"{fn}({name!r})"
+    path_leaves, arg_treedef = jax.tree_util.tree_flatten_with_path(arg)
+    leaves = [_as_leaf(p, x, name, fn) for p, x in path_leaves]
+    # A TapSpec only to reuse the placement logic (coords -> device id).
+    spec, raw_names = build_spec(name, "per_device", 1, arg_treedef, leaves,
+                                 explicit_step=False, pass_="forward")
+    job = _CallJob(callback_func, spec, res_treedef, res_avals,
+                   with_device=bool(call_with_device),
+                   spread=_spreads_tuple(callback_func, arg, bool(call_with_device)),
+                   devices=_Devices(device_index, fn), what=what)
+    _executor()
+    outs = emit_call(job.on_callback_thread, axis_coords(raw_names), leaves,
+                     res_avals, what=what)
+    return jax.tree_util.tree_unflatten(res_treedef, outs)
+
+
+class _CallJob:
+    def __init__(self, f: Callable, spec: TapSpec, res_treedef, res_avals,
+                 *, with_device: bool, spread: bool, devices: _Devices,
+                 what: str) -> None:
+        self.f = f
+        self.spec = spec
+        self.res_treedef = res_treedef
+        self.res_avals = res_avals
+        self.with_device = with_device
+        self.spread = spread
+        self.devices = devices
+        self.what = what
+
+    def on_callback_thread(self, coords: Any, *leaves: Any) -> tuple:
+        """Why the executor and not this thread: jobs there run one at a time
+        in arrival order, so a call runs after every tap that reached the
+        host before it (as the old module's per-device receiver thread did)
+        and host state shared by tap and call functions needs no lock. The
+        device waits here either way, the result is needed. Inline only when
+        this *is* the executor thread (a tap function ran a computation that
+        JAX executed synchronously on the calling thread, as it does on CPU):
+        waiting would deadlock."""
+        if _on_executor_thread():
+            return self._run(coords, leaves)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                box["out"] = self._run(coords, leaves)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["err"] = e
+            finally:
+                done.set()
+
+        _executor().submit(job)
+        done.wait()
+        if "err" in box:
+            # Raised into XLA: the computation fails with this message (the
+            # device cannot continue without a result).
+            raise box.pop("err")
+        return box["out"]
+
+    def _run(self, coords: Any, leaves: tuple) -> tuple:
+        np_leaves = [np.asarray(x) for x in leaves]
+        arg = jax.tree_util.tree_unflatten(self.spec.treedef, np_leaves)
+        args = tuple(arg) if self.spread else (arg,)
+        kw = {}
+        if self.with_device:
+            kw["device"] = self.devices.resolve(self.spec, np.asarray(coords))
+        return self._check(self.f(*args, **kw))
+
+    def _check(self, res: Any) -> tuple:
+        got_leaves, got_treedef = jax.tree_util.tree_flatten(res)
+        got = [np.asarray(x) for x in got_leaves]
+        got_avals = [jax.ShapeDtypeStruct(
+            x.shape, jax.dtypes.canonicalize_dtype(x.dtype)) for x in got]
+        if not self.res_avals and not got:
+            return ()  # None, () and [] all mean "no result"
+        if got_treedef != self.res_treedef or any(
+                (g.shape, g.dtype) != (e.shape, e.dtype)
+                for g, e in zip(got_avals, self.res_avals)):
+            raise TypeError(
+                f"{self.what}: the host function returned "
+                f"{_describe(got_treedef, got_avals)} but result_shape expects "
+                f"{_describe(self.res_treedef, self.res_avals)}. Fix "
+                "result_shape, or convert the result (e.g. .astype(...), "
+                ".reshape(...)).")
+        return tuple(np.asarray(x, dtype=a.dtype) for x, a in zip(got, self.res_avals))
