@@ -1,5 +1,6 @@
 """pmaptap: device-aware taps for multi-device, multi-host JAX programs."""
 from . import host_callback
+from .emit import group
 from .errors import SessionError, TapError
 from .options import configure, configured, options
 from .reader import read
@@ -14,6 +15,7 @@ __all__ = sorted([
     "configure",
     "configured",
     "flush",
+    "group",
     "host_callback",
     "options",
     "read",

@@ -117,7 +117,8 @@ class Aggregator:
 
     def add_payload(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
         """Dispatch one callback payload by its layout (see emit.py)."""
-        coords, step = arrays[0], int(arrays[1])
+        coords = arrays[0]
+        step = int(arrays[1]) if spec.layout != "group" else -1
         if spec.layout == "copy":
             return self.add(spec, coords, step, arrays[2:])
         if spec.layout == "gathered":
@@ -126,6 +127,14 @@ class Aggregator:
             return self._add_one_copy(spec, step, arrays[3:], verified=True)
         if spec.layout == "verified_off":
             return self._add_one_copy(spec, step, arrays[2:], verified=False)
+        if spec.layout == "group":
+            out: list[Record] = []
+            steps, rest, i = arrays[1].reshape(-1), arrays[2:], 0
+            for k, member in enumerate(spec.members):
+                n = spec.member_leaves[k]
+                out += self.add_payload(member, [coords, steps[k], *rest[i:i + n]])
+                i += n
+            return out
         raise ValueError(f"unknown payload layout {spec.layout!r}")
 
     def _table(self, spec: TapSpec) -> "_Table":

@@ -35,14 +35,18 @@ device:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as _core
+from jax._src.interpreters import batching as _batching
 from jax.custom_batching import custom_vmap
 from jax.experimental import io_callback
 
@@ -193,6 +197,75 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
                                leaders=tuple(bool(b) for b in mask))
 
 
+# ------------------------------------------------------------------ groups
+_local = threading.local()
+
+
+class group(contextlib.ContextDecorator):
+    """``with pmaptap.group():`` (or ``@pmaptap.group()``) inside a traced
+    step: the taps made directly in the block share ONE host callback per
+    process, emitted when the block ends, instead of one each.
+
+    Only taps at the block's own trace level join (a tap inside a nested
+    scan/cond/vmap body, or one deciding ``every`` on device, is emitted on
+    its own as usual), and only those on the fast path (mapped axes, small
+    enough to gather). Records are exactly those of separate taps.
+    """
+
+    def __enter__(self) -> "group":
+        self._trace = _core.trace_ctx.trace
+        self._members: list[tuple] = []
+        _local.__dict__.setdefault("stack", []).append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _local.stack.pop()
+        if exc_type is None:
+            _emit_group(self._members)
+
+    def offer(self, spec: TapSpec, raw_names: tuple, leaves, coords, step) -> bool:
+        if (_core.trace_ctx.trace is not self._trace or
+                isinstance(self._trace, _batching.BatchTrace) or
+                spec.layout not in ("gathered", "verified_off")):
+            return False
+        if self._members:
+            first = self._members[0]
+            if first[0].leaders != spec.leaders or first[1] != raw_names:
+                return False
+        self._members.append((spec, raw_names, list(leaves), coords, step))
+        return True
+
+
+def _current_group() -> "group | None":
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _emit_group(members: list[tuple]) -> None:
+    if not members:
+        return
+    if len(members) == 1:
+        spec, raw_names, leaves, coords, step = members[0]
+        _emitter(spec, raw_names)(coords, step, *leaves)
+        return
+    first, raw_names, _, coords, _ = members[0]
+    payload = []
+    for spec, _, leaves, _, _ in members:
+        if spec.layout == "gathered":
+            payload += [lax.all_gather(x, raw_names) for x in leaves]
+        else:                                   # "verified_off": own copy
+            payload += leaves
+    steps = jnp.stack([jnp.asarray(m[4], jnp.int32) for m in members])
+    gspec = dataclasses.replace(
+        first, name="pmaptap/group", layout="group", treedef=None,
+        members=tuple(m[0] for m in members),
+        member_leaves=tuple(len(m[2]) for m in members))
+    is_leader = jnp.asarray(np.array(first.leaders))[
+        _flat_index(coords, first.axis_sizes)]
+    lax.cond(is_leader, lambda: _callback(gspec, coords, steps, *payload),
+             lambda: None)
+
+
 def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
          coords: jax.Array, step: jax.Array, *, traced_every: bool) -> None:
     """Send ``leaves`` to the host, tagged with ``coords`` and ``step``.
@@ -203,6 +276,10 @@ def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
     """
     leaves = [lax.stop_gradient(x) for x in leaves]
     spec = choose_layout(spec, leaves)   # before our own cond below
+    g = _current_group()
+    if g is not None and not traced_every and \
+            g.offer(spec, tuple(raw_names), leaves, coords, step):
+        return
     fn = _emitter(spec, tuple(raw_names))
     if traced_every:
         def fire():

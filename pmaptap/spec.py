@@ -45,6 +45,10 @@ class TapSpec:
     # per process; "verified" = one copy plus a hash of every copy.
     layout: str = "copy"
     leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
+    # layout "group": the member taps one callback carries, and how many
+    # payload leaves belong to each (see emit.group).
+    members: tuple["TapSpec", ...] = ()
+    member_leaves: tuple[int, ...] = ()
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
     def with_batch(self) -> "TapSpec":

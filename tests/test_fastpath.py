@@ -1,0 +1,122 @@
+"""The transport fast path: gathered copies, verified replicas, tap groups.
+Records must be identical to the one-callback-per-device path; only the
+number of host calls changes."""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import pmaptap
+
+
+@pytest.fixture
+def host_calls(monkeypatch):
+    """Names of the specs reaching the host, one entry per host callback."""
+    calls = []
+    from pmaptap import emit
+    real = emit.deliver
+
+    def counting(spec, arrays):
+        calls.append(spec.name)
+        real(spec, arrays)
+    monkeypatch.setattr(emit, "deliver", counting)
+    return calls
+
+
+def _step(v):
+    loss = lax.pmean(jnp.sum(v), "i")
+    pmaptap.tap(v, "y", dedup="per_device")
+    pmaptap.tap(loss, "loss", dedup="replicated")
+    pmaptap.tap(v * 0 + loss, "auto_same")
+    pmaptap.tap(v, "auto_diff")
+    return v
+
+
+def _comparable(records):
+    keep = ("name", "step", "kind", "value", "device", "coords", "replicas",
+            "divergent", "dtype", "shape")
+    rows = [tuple((k, str(r.get(k))) for k in keep) for r in records]
+    return sorted(rows)
+
+
+def _run(tap_path, gather, grouped=False, steps=2):
+    # A fresh function object each run: JAX caches traces per function, and
+    # the options are read when a tap is traced.
+    body = pmaptap.group()(_step) if grouped else (lambda v: _step(v))
+    with pmaptap.configured(gather=gather):
+        f = jax.pmap(body, axis_name="i")
+        with pmaptap.Session(tap_path, run="fp"):
+            for i in range(steps):
+                f(jnp.arange(8.0) + i)
+    return pmaptap.read(tap_path)
+
+
+def test_gathered_records_equal_per_device_callbacks(tmp_path, host_calls):
+    fast = _run(str(tmp_path / "fast.jsonl"), gather=True)
+    fast_calls = len(host_calls)
+    slow = _run(str(tmp_path / "slow.jsonl"), gather=False)
+    assert _comparable(fast) == _comparable(slow)
+    assert fast_calls == 4 * 2                   # one per tap per step
+    assert len(host_calls) - fast_calls == 4 * 2 * 8   # one per device
+
+
+def test_group_is_one_callback_per_step_with_the_same_records(tmp_path, host_calls):
+    grouped = _run(str(tmp_path / "g.jsonl"), gather=True, grouped=True)
+    assert host_calls == ["pmaptap/group"] * 2
+    plain = _run(str(tmp_path / "p.jsonl"), gather=True)
+    assert _comparable(grouped) == _comparable(plain)
+
+
+def test_large_replicated_value_uses_hashes_and_still_finds_divergence(session, tap_path,
+                                                                         host_calls):
+    with pmaptap.configured(gather_max_bytes=64):
+        @partial(jax.pmap, axis_name="i")
+        def f(v):
+            big = jnp.ones(256) * lax.pmean(v, "i")
+            pmaptap.tap(big, "agree", dedup="replicated")
+            bad = big + (lax.axis_index("i") == 3)
+            pmaptap.tap(bad, "disagree", dedup="replicated")
+            return v
+        f(jnp.arange(8.0))
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    agree = [r for r in recs if r["name"] == "agree"]
+    assert len(agree) == 1 and agree[0]["replicas"] == 8 and "divergent" not in agree[0]
+    dis = sorted((r for r in recs if r["name"] == "disagree"), key=lambda r: r["replicas"])
+    assert [r["replicas"] for r in dis] == [1, 7] and all(r["divergent"] for r in dis)
+    assert dis[0]["devices"] == [3] and dis[0]["value"] == [4.5] * 256
+    assert host_calls.count("agree") == 1 and host_calls.count("disagree") == 1
+
+
+def test_verify_off_sends_one_unverified_copy(session, tap_path):
+    with pmaptap.configured(verify_replicated=False):
+        jax.pmap(lambda v: pmaptap.tap(v, "trust", dedup="replicated"))(jnp.arange(8.0))
+    session.flush()
+    (r,) = pmaptap.read(tap_path)
+    assert r["verified"] is False and r["replicas"] == 8 and r["value"] == 0.0
+
+
+def test_2d_mesh_gathered_order_matches_devices(session, tap_path, host_calls):
+    devs = np.array(jax.devices()).reshape(4, 2)[::-1, ::-1]
+    mesh = Mesh(devs, ("x", "y"))
+    xs = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("x", "y")))
+    jax.jit(jax.shard_map(lambda v: pmaptap.tap(v, "m", dedup="per_device"), mesh=mesh,
+                          in_specs=P("x", "y"), out_specs=P("x", "y")))(xs)
+    session.flush()
+    truth = {s.device.id: np.asarray(s.data).tolist() for s in xs.addressable_shards}
+    recs = pmaptap.read(tap_path)
+    assert {r["device"]: r["value"] for r in recs} == truth
+    assert host_calls == ["m"]
+
+
+def test_options_are_checked():
+    with pytest.raises(TypeError, match="unknown option"):
+        pmaptap.configure(gahter=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        pmaptap.configure(gather_max_bytes=-1)
