@@ -283,6 +283,7 @@ def close_barrier(run: str, timeout: float) -> None:
     """
     client = _client()
     if client is None:
+        _warn_if_shut_down_early(run)
         return
     try:
         n, pid = _process_info()
@@ -301,12 +302,9 @@ def close_barrier(run: str, timeout: float) -> None:
                       f"to the other processes ({type(e).__name__}: {e}); not "
                       "waiting for them.", RuntimeWarning, stacklevel=3)
         return
-    timeout_ms = max(1, int(timeout * 1000))
-    try:
-        client.wait_at_barrier(f"pmaptap/{run}/close/{k}", timeout_ms)
+    failure = _wait_at_barrier(client, f"pmaptap/{run}/close/{k}", timeout)
+    if failure is None:
         return
-    except Exception as e:  # noqa: BLE001
-        failure = e
     missing = _missing_processes(client, prefix, n)
     if missing is None:
         warnings.warn(
@@ -323,6 +321,50 @@ def close_barrier(run: str, timeout: float) -> None:
             RuntimeWarning, stacklevel=3)
     # else: everybody has closed by now (we are the late one and the barrier
     # had already timed out for the others): the file is complete.
+
+
+def _warn_if_shut_down_early(run: str) -> None:
+    """A multi-process backend but no coordination client: somebody called
+    jax.distributed.shutdown() before closing the session."""
+    try:
+        import jax
+        from jax._src import xla_bridge
+        if not xla_bridge.backends_are_initialized() or jax.process_count() <= 1:
+            return
+    except Exception:  # noqa: BLE001
+        return
+    warnings.warn(f"pmaptap: jax.distributed was shut down before session "
+                  f"{run!r} closed, so its close could not wait for the other "
+                  "processes; their records may still be arriving. Close the "
+                  "session first.", RuntimeWarning, stacklevel=4)
+
+
+def _wait_at_barrier(client: Any, barrier_id: str,
+                     timeout: float) -> BaseException | None:
+    """The barrier wait, on a helper thread: the C++ call releases the GIL
+    but does not return to Python until it ends, so waiting on it from the
+    main thread would keep SIGTERM / Ctrl-C handlers from running (a peer
+    that died could then only be survived by SIGKILL). Returns the failure,
+    or None when every process arrived."""
+    box: list[BaseException | None] = [TimeoutError(
+        f"barrier {barrier_id!r} did not answer within {timeout:g}s")]
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            client.wait_at_barrier(barrier_id, max(1, int(timeout * 1000)))
+            box[0] = None
+        except Exception as e:  # noqa: BLE001
+            box[0] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True,
+                     name="pmaptap-close-barrier").start()
+    # Event.wait is interrupted for signal handlers; the margin covers the
+    # service's own timeout bookkeeping.
+    done.wait(timeout + 5.0)
+    return box[0]
 
 
 def _missing_processes(client: Any, prefix: str, n: int) -> list[int] | None:

@@ -234,18 +234,19 @@ class Launcher:
             time.sleep(_POLL)
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], prog: str = "python -m pmaptap.launch"
+               ) -> argparse.Namespace:
     argv = list(argv)
     command: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(
-        prog="python -m pmaptap.launch",
+        prog=prog,
         description="Run P processes x D simulated CPU devices of one JAX job "
                     "on this machine, connected through jax.distributed on a "
                     "loopback port.",
-        epilog="example: python -m pmaptap.launch --processes 2 --devices 4 "
+        epilog=f"example: {prog} --processes 2 --devices 4 "
                "-- python launch/train.py --steps 20")
     p.add_argument("--processes", "-p", type=int, required=True,
                    help="number of processes (jax.process_count())")
@@ -268,8 +269,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m pmaptap.launch") -> int:
+    """Entry point of ``python -m pmaptap.launch`` (and ``pmaptap launch``,
+    which passes its own ``prog``). Returns the exit status."""
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     return Launcher(args.command, processes=args.processes,
                     devices=args.devices, timeout=args.timeout,
                     grace=args.grace).run()

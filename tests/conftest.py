@@ -52,10 +52,13 @@ def run_python(code: str, *, devices: int = 8, timeout: float = 120,
     return proc
 
 
-def start_python(code: str, *, devices: int = 8, **env: str) -> subprocess.Popen:
-    """Start a dedented Python snippet; caller waits/kills."""
+def start_python(code: str, *, devices: int = 8, stdin: bool = False,
+                 **env: str) -> subprocess.Popen:
+    """Start a dedented Python snippet; caller waits/kills. ``stdin=True``
+    gives it a stdin pipe (to pace it from the test)."""
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
                             env=subprocess_env(devices, **env), cwd=ROOT,
+                            stdin=subprocess.PIPE if stdin else None,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -64,3 +67,74 @@ def by_key(records, *keys):
     """Index records by a tuple of fields (order-independent comparisons)."""
     return {tuple(r.get(k) if not isinstance(r.get(k), dict) else
                   tuple(sorted(r[k].items())) for k in keys): r for r in records}
+
+
+# ---------------------------------------------------------------- multi-process
+# Jobs started through the local launcher (python -m pmaptap.launch).
+
+def launch_cmd(processes: int, devices: int, command: list[str], *,
+               timeout: float | None = None,
+               grace: float | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "pmaptap.launch", "--processes", str(processes),
+           "--devices", str(devices)]
+    if timeout is not None:
+        cmd += ["--timeout", str(timeout)]
+    if grace is not None:
+        cmd += ["--grace", str(grace)]
+    return cmd + ["--"] + list(command)
+
+
+def python_cmd(code: str) -> list[str]:
+    """A command that runs a dedented Python snippet (for the launcher)."""
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def run_launch(processes: int, devices: int, command: list[str], *,
+               timeout: float = 120, launcher_timeout: float | None = None,
+               grace: float | None = None, **env: str
+               ) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a launcher job to completion; returns (result, seconds taken)."""
+    import time
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        launch_cmd(processes, devices, command, timeout=launcher_timeout,
+                   grace=grace),
+        env=subprocess_env(1, **env), cwd=ROOT, capture_output=True,
+        text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def start_launch(processes: int, devices: int, command: list[str], *,
+                 grace: float | None = None, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(launch_cmd(processes, devices, command, grace=grace),
+                            env=subprocess_env(1, **env), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def job_failed(proc: subprocess.CompletedProcess) -> str:
+    """Assertion message showing a launcher job's output."""
+    return (f"launcher exited {proc.returncode}\nSTDOUT:\n{proc.stdout}\n"
+            f"STDERR:\n{proc.stderr}")
+
+
+def prefixed(output: str, process: int) -> list[str]:
+    """The lines a launcher forwarded from one process, prefix removed."""
+    tag = f"[p{process}] "
+    return [line[len(tag):] for line in output.splitlines()
+            if line.startswith(tag)]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is not running any more; only its parent has not reaped it.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,250 @@
+"""Data-parallel MLP training on synthetic data, tapped with pmaptap.
+
+One process per host (``jax.distributed``); the batch is split over every
+device of every process; gradients and the loss are averaged with ``pmean``.
+Taps:
+
+- ``loss``      the loss after ``pmean`` (dedup="replicated": one record per
+                step for the whole job, however many hosts and devices);
+- ``grad_norm`` each device's gradient norm before ``pmean``
+                (dedup="per_device": one record per device per step);
+- ``lr``, ``step`` the learning rate and step counter (replicated).
+
+Two variants compute the same thing: ``--variant pmap`` and
+``--variant shard_map`` (a 1-D mesh over all devices, set with jax.set_mesh).
+
+Run it alone, under the local launcher, or on a cluster (launch/README.md):
+
+    python -m pmaptap.launch --processes 2 --devices 4 -- \\
+        python launch/train.py --steps 20 --out out/demo.jsonl
+
+At the end process 0 prints a summary of this run's records.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+# Running as `python launch/train.py` from a checkout without installing.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from pmaptap import distributed  # noqa: E402
+
+FEATURES, HIDDEN = 16, 32
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", choices=("pmap", "shard_map"), default="pmap")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default="out/train.jsonl", help="shared tap file")
+    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
+    p.add_argument("--batch-per-device", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lock", choices=("flock", "soft"), default="flock",
+                   help="'soft' when --out is on NFS/Lustre (launch/README.md)")
+    p.add_argument("--run", default=None, help="run id (default: agreed)")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--no-summary", action="store_true")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.batch_per_device < 1:
+        p.error("--steps and --batch-per-device must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------- model
+
+def init_params(seed: int) -> dict[str, Any]:
+    """Same seed on every process, so the replicas start identical."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": (rng.standard_normal((FEATURES, HIDDEN)) / math.sqrt(FEATURES)
+               ).astype(np.float32),
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": (rng.standard_normal((HIDDEN, 1)) / math.sqrt(HIDDEN)
+               ).astype(np.float32),
+        "b2": np.zeros(1, np.float32),
+    }
+
+
+def make_batch(seed: int, step: int, device_index: int, n: int):
+    """Synthetic regression data for one device's shard of a step: a fixed
+    random teacher, fresh inputs per (step, global device index)."""
+    import numpy as np
+    teacher = np.random.default_rng(seed + 1).standard_normal((FEATURES, 1))
+    rng = np.random.default_rng([seed, step, device_index])
+    x = rng.standard_normal((n, FEATURES)).astype(np.float32)
+    y = np.tanh(x @ teacher).astype(np.float32)
+    return x, y
+
+
+def loss_fn(params, x, y):
+    """Mean squared error of a one-hidden-layer tanh MLP."""
+    import jax.numpy as jnp
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    pred = h @ params["w2"] + params["b2"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def grad_norm(grads) -> Any:
+    import jax
+    import jax.numpy as jnp
+    return jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+
+
+def schedule(step, peak: float, total: int):
+    """Linear warm-up over 10% of the steps, then cosine decay (on device)."""
+    import jax.numpy as jnp
+    warm = max(1, total // 10)
+    s = step.astype(jnp.float32)
+    up = peak * (s + 1) / warm
+    frac = jnp.clip((s - warm) / max(1, total - warm), 0.0, 1.0)
+    down = peak * 0.5 * (1 + jnp.cos(jnp.pi * frac))
+    return jnp.where(s < warm, up, down)
+
+
+def make_body(axis: str, peak_lr: float, total: int, *,
+              mark_varying: bool) -> Callable:
+    """One training step as seen by one device, for pmap and shard_map.
+
+    mark_varying (shard_map): shard_map tracks which values vary across the
+    axis, and the gradient of an unvarying (replicated) parameter comes back
+    already summed over devices. Casting the parameters to varying first
+    gives each device its own gradient, as under pmap."""
+    import jax
+    from jax import lax
+
+    import pmaptap
+
+    def body(params, x, y, step):
+        local = params
+        if mark_varying:
+            local = jax.tree.map(lambda p: lax.pcast(p, axis, to="varying"),
+                                 params)
+        loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
+        gnorm = grad_norm(grads)
+        # Before pmean every device has its own gradient: one record each.
+        pmaptap.tap(gnorm, "grad_norm", step=step, dedup="per_device")
+        grads = lax.pmean(grads, axis)
+        loss = lax.pmean(loss, axis)
+        lr = schedule(step, peak_lr, total)
+        # After pmean the loss is the same on every device of every host:
+        # pmaptap writes it once for the whole job.
+        pmaptap.tap(loss, "loss", step=step, dedup="replicated")
+        pmaptap.tap(lr, "lr", step=step, dedup="replicated")
+        pmaptap.tap(step, "step", step=step, dedup="replicated")
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+        return params, loss
+
+    return body
+
+
+# ---------------------------------------------------------------- variants
+
+def train_pmap(args: argparse.Namespace) -> float:
+    import jax
+    import numpy as np
+
+    n_local = jax.local_device_count()
+    # pmap's axis runs over jax.devices(), process by process, so this
+    # process's k-th local device has global index first + k.
+    first = jax.process_index() * n_local
+    step_fn = jax.pmap(make_body("dp", args.lr, args.steps, mark_varying=False),
+                       axis_name="dp",
+                       in_axes=(0, 0, 0, None))
+    # One copy of the parameters per local device (pmap's leading axis).
+    params = jax.tree.map(lambda a: np.stack([a] * n_local),
+                          init_params(args.seed))
+    loss = math.nan
+    for step in range(args.steps):
+        shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
+                  for k in range(n_local)]
+        x = np.stack([s[0] for s in shards])
+        y = np.stack([s[1] for s in shards])
+        params, losses = step_fn(params, x, y, np.int32(step))
+        if step % args.log_every == 0 or step == args.steps - 1:
+            loss = float(losses[0])
+            log(f"step {step:4d}  loss {loss:.5f}")
+    return loss
+
+
+def train_shard_map(args: argparse.Namespace) -> float:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    # All devices of all processes, process by process (as jax.devices()).
+    mesh = Mesh(np.array(jax.devices()), ("dp",))
+    n_local = jax.local_device_count()
+    first = jax.process_index() * n_local
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, P("dp"))
+
+    def global_array(local, sharding):
+        return jax.make_array_from_process_local_data(sharding, local)
+
+    body = make_body("dp", args.lr, args.steps, mark_varying=True)
+    step_fn = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()),
+        out_specs=(P(), P())))
+    loss = math.nan
+    # set_mesh makes the concrete mesh visible while tracing, so pmaptap can
+    # name the exact device behind every coordinate.
+    with jax.set_mesh(mesh):
+        params = jax.tree.map(lambda a: global_array(a, replicated),
+                              init_params(args.seed))
+        for step in range(args.steps):
+            shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
+                      for k in range(n_local)]
+            x = global_array(np.concatenate([s[0] for s in shards]), sharded)
+            y = global_array(np.concatenate([s[1] for s in shards]), sharded)
+            params, out = step_fn(params, x, y,
+                                  global_array(np.int32(step), replicated))
+            if step % args.log_every == 0 or step == args.steps - 1:
+                loss = float(np.asarray(out.addressable_data(0)))
+                log(f"step {step:4d}  loss {loss:.5f}")
+    return loss
+
+
+# ---------------------------------------------------------------- main
+
+def log(msg: str) -> None:
+    import jax
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    mode = distributed.initialize()     # before any JAX computation
+    import jax
+
+    import pmaptap
+    from pmaptap.summary import summarize
+
+    log(f"pmaptap train: variant={args.variant} mode={mode} "
+        f"processes={jax.process_count()} devices={jax.device_count()} "
+        f"({jax.local_device_count()} local) steps={args.steps}")
+    t0 = time.time()
+    with pmaptap.Session(args.out, run=args.run, lock=args.lock) as session:
+        train = train_pmap if args.variant == "pmap" else train_shard_map
+        train(args)
+    # Leaving the block closed the session on every process (a coordinated
+    # close): the file now holds every process's records.
+    log(f"done in {time.time() - t0:.1f}s; run {session.run} -> {args.out}")
+    if jax.process_index() == 0 and not args.no_summary:
+        records = [r for r in pmaptap.read(args.out) if r["run"] == session.run]
+        print(summarize(records), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

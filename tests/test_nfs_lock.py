@@ -1,0 +1,142 @@
+"""Session(path, lock="soft"): the mode for NFS and other shared filesystems
+where flock may not exclude across hosts. Real processes on a local disk:
+these check the protocol (marker lock, fresh descriptor and size per batch,
+independence from flock), not NFS itself. The multi-process training job
+with --lock soft is in test_multihost.py."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pmaptap
+from conftest import run_python, start_python
+
+_SOFT_APPENDER = """
+    import os, jax, jax.numpy as jnp, pmaptap
+    go = os.environ["GO"]
+    with pmaptap.Session(os.environ["TAP"], run="soft", lock="soft",
+                         flush_interval=0.001) as s:
+        f = jax.jit(lambda v: pmaptap.tap(v, "w" + os.environ["WID"],
+                                          dedup="per_device"))
+        f(jnp.arange(3.0))
+        s.flush()
+        print("ready", flush=True)
+        while not os.path.exists(go):
+            pass
+        for i in range(1, 300):
+            f(jnp.arange(3.0) + i)
+"""
+
+
+def test_soft_lock_many_processes_append_exactly(tmp_path):
+    tap, go = str(tmp_path / "t.jsonl"), str(tmp_path / "go")
+    procs = [start_python(_SOFT_APPENDER, devices=1, TAP=tap, GO=go, WID=str(w))
+             for w in range(3)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        open(go, "w").close()                     # release them together
+        for p in procs:
+            assert p.wait(120) == 0, p.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    with open(tap, "rb") as f:
+        raw = f.read()
+    lines = raw.split(b"\n")
+    assert lines[-1] == b"" and len(lines) - 1 == 900
+    recs = [json.loads(line) for line in lines[:-1]]   # no torn/overlapped line
+    for w in range(3):
+        steps = sorted(r["step"] for r in recs if r["name"] == f"w{w}")
+        assert steps == list(range(300))
+    assert not os.path.exists(tap + ".softlock")        # released, not leaked
+
+
+def test_soft_lock_waits_for_the_marker_and_not_for_flock(tmp_path):
+    tap = str(tmp_path / "t.jsonl")
+    # Another process holds both the soft marker and the flock; it lets the
+    # marker go first. Soft mode must wait exactly for the marker.
+    holder = start_python("""
+        import filelock, os, time
+        tap = os.environ["TAP"]
+        hard = filelock.FileLock(tap + ".lock"); hard.acquire()
+        soft = filelock.SoftFileLock(tap + ".softlock"); soft.acquire()
+        print("locked", flush=True)
+        time.sleep(2); soft.release()
+        print("soft released", flush=True)
+        time.sleep(30)                     # keeps the flock; killed below
+    """, TAP=tap)
+    try:
+        assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
+        with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.2,
+                             flush_timeout=30) as s:
+            jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
+            time.sleep(0.5)
+            assert os.path.getsize(tap) == 0            # marker still held
+            t0 = time.monotonic()
+            s.flush()                                   # waits for the marker
+            waited = time.monotonic() - t0
+            assert holder.stdout.readline().strip() == "soft released"
+        # Written while the flock was still held: soft mode ignores flock.
+        assert holder.poll() is None
+        assert waited > 0.5
+        assert [r["name"] for r in pmaptap.read(tap)] == ["x"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_soft_lock_reclaims_the_marker_of_a_dead_local_process(tmp_path):
+    tap = str(tmp_path / "t.jsonl")
+    dead = run_python("""
+        import filelock, os, signal
+        lock = filelock.SoftFileLock(os.environ["TAP"] + ".softlock")
+        lock.acquire()                # (kept referenced: no release on GC)
+        os.kill(os.getpid(), signal.SIGKILL)      # dies holding the marker
+    """, check=False, TAP=tap)
+    assert dead.returncode == -9
+    assert os.path.exists(tap + ".softlock")
+    with pmaptap.Session(tap, run="soft", lock="soft", flush_timeout=20) as s:
+        jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(2))
+        s.flush()
+    assert [r["value"] for r in pmaptap.read(tap)] == [2.0]
+
+
+def test_filesystem_without_flock_is_reported_with_the_fix():
+    # fcntl.flock failing with ENOSYS is what Lustre without -o flock and
+    # some FUSE filesystems do. pmaptap must say "use lock='soft'", not wait
+    # forever on filelock's silent soft fallback.
+    proc = run_python("""
+        import errno, fcntl, os, tempfile, warnings
+        def no_flock(fd, op):
+            raise OSError(errno.ENOSYS, "Function not implemented")
+        fcntl.flock = no_flock
+        import jax, jax.numpy as jnp, pmaptap
+        warnings.simplefilter("ignore")
+        path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
+        s = pmaptap.Session(path, run="x", close_timeout=2).open()
+        jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
+        try:
+            s.flush(timeout=10)
+            print("NO ERROR")
+        except pmaptap.TapError as e:
+            print("TAPERROR", e)
+        try:
+            s.close()
+        except pmaptap.TapError:
+            pass
+    """, devices=1)
+    assert "TAPERROR" in proc.stdout, proc.stdout + proc.stderr
+    assert "does not support flock" in proc.stdout
+    assert "lock='soft'" in proc.stdout
+
+
+def test_unknown_lock_mode_is_refused():
+    with pytest.raises(ValueError, match="soft"):
+        pmaptap.Session("x.jsonl", lock="nfs")
