@@ -51,8 +51,9 @@ def _device_order(label: str) -> tuple:
     return (0, int(tail)) if tail.isdigit() else (1, label)
 
 
-def plot_tap(records: Sequence[dict], name: str, out: str | os.PathLike) -> str:
-    """Draw tap ``name`` of ``records`` (decoded dicts) into the PNG ``out``."""
+def build_figure(records: Sequence[dict], name: str):
+    """The matplotlib Figure for tap ``name`` of ``records`` (decoded dicts).
+    The caller closes it (``plt.close(fig)``)."""
     recs = [r for r in records if r.get("name") == name]
     if not recs:
         names = sorted({r.get("name") for r in records})
@@ -76,30 +77,44 @@ def plot_tap(records: Sequence[dict], name: str, out: str | os.PathLike) -> str:
         divergent = bool(r.get("divergent")) or (auto and r.get("kind") == "per_device")
         if divergent:
             marks.append((r["step"], x))
-        if not (divergent and r.get("kind") == "replicated"):
+        if divergent and r.get("kind") == "replicated":
             # A divergent replicated step has several values and no single
-            # "replicated" point: it is drawn by its marks only.
-            series[_label(r, multi_run)].append((r["step"], x))
+            # "replicated" point: it is drawn by its marks, and a NaN breaks
+            # the line there instead of bridging the disagreement.
+            x = math.nan
+        series[_label(r, multi_run)].append((r["step"], x))
+        if auto and r.get("kind") == "per_device":
+            series[_label(dict(r, kind="replicated"), multi_run)].append(
+                (r["step"], math.nan))   # break the replicated line here too
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for label in sorted(series, key=_device_order):
+        pts = sorted(dict(series[label]).items())   # one point per step
+        ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                marker="." if len(pts) < 50 else None, linewidth=1.2,
+                label=label)
+    if marks:
+        ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x",
+                   color="red", s=40, zorder=5, label="divergent")
+    title = name
+    if nonfinite:
+        title += f"  ({nonfinite} non-finite value(s) not drawn)"
+    ax.set_title(title)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are ints
+    ax.set_xlabel("step")
+    ax.set_ylabel("value")
+    ax.grid(True, alpha=0.3)
+    if len(series) + bool(marks) <= _MAX_LEGEND:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_tap(records: Sequence[dict], name: str, out: str | os.PathLike) -> str:
+    """Draw tap ``name`` of ``records`` (decoded dicts) into the PNG ``out``."""
+    fig = build_figure(records, name)
+    plt = _import_pyplot()
     try:
-        for label in sorted(series, key=_device_order):
-            pts = sorted(series[label])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts],
-                    marker="." if len(pts) < 50 else None, linewidth=1.2,
-                    label=label)
-        if marks:
-            ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x",
-                       color="red", s=40, zorder=5, label="divergent")
-        title = name
-        if nonfinite:
-            title += f"  ({nonfinite} non-finite value(s) not drawn)"
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel("value")
-        ax.grid(True, alpha=0.3)
-        if len(series) + bool(marks) <= _MAX_LEGEND:
-            ax.legend(fontsize="small")
-        fig.tight_layout()
         fig.savefig(os.fspath(out), format="png")
     finally:
         plt.close(fig)

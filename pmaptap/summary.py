@@ -133,8 +133,12 @@ def _last(s: TapSummary) -> str:
     if len(s.last) == 1:
         return format_number(s.last[0])
     finite = [x for x in s.last if math.isfinite(x)]
-    lo_hi = f"{format_number(min(finite))}..{format_number(max(finite))}" \
-        if finite else "nan"
+    if not finite:
+        lo_hi = "nan"
+    elif min(finite) == max(finite):
+        lo_hi = format_number(finite[0])
+    else:
+        lo_hi = f"{format_number(min(finite))}..{format_number(max(finite))}"
     return lo_hi + ("+nan" if len(finite) < len(s.last) and finite else "")
 
 

@@ -1,0 +1,281 @@
+"""The ``pmaptap`` command (also ``python -m pmaptap``).
+
+    pmaptap show FILE [filters]        aligned table of matching records
+    pmaptap tail FILE [-n N] [-f]      last records; -f follows live appends
+    pmaptap summary FILE               per-tap counts, steps, stats, issues
+    pmaptap validate FILE              exit 1 and list lines that are wrong
+    pmaptap plot FILE --name N [-o P]  PNG of value vs step (needs [plot])
+    pmaptap export FILE --csv OUT      one CSV row per record
+    pmaptap launch ...                 the local multi-process launcher
+
+Filters (show, tail, summary, plot, export): --name (repeatable), --step
+N|A:B (inclusive), --process P, --device D, --run R. A replicated record
+matches every process/device that held its value.
+
+Exit status: 0 success, 1 ``validate`` found problems, 2 usage or input
+errors (missing file, unknown tap, missing optional dependency).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from . import views
+
+PROG = "pmaptap"
+
+
+class CliError(Exception):
+    """A problem with what was asked; printed as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------ helpers
+
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise CliError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise CliError(f"{path} is a directory; give the tap file (.jsonl)")
+
+
+def _load(path: str, command: str) -> list[views.Entry]:
+    _check_file(path)
+    entries, bad = views.load(path)
+    bad = [(n, why) for n, why in bad if why != "empty line"]
+    if bad:
+        n, why = bad[0]
+        print(f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
+              f"line {n}: {why}); '{PROG} validate {path}' lists them",
+              file=sys.stderr)
+    return entries
+
+
+def _filter(args: argparse.Namespace) -> views.Filter:
+    try:
+        steps = views.parse_steps(args.step) if args.step else (None, None)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return views.Filter(names=tuple(args.name or ()), steps=steps,
+                        process=args.process, device=args.device, run=args.run)
+
+
+def _print_table(entries: Sequence[views.Entry], width: int) -> None:
+    table = views.Table()
+    rows = [views.row(e, width) for e in entries]
+    table.fit(rows)
+    print(table.header())
+    for r in rows:
+        print(table.format(r))
+
+
+# ------------------------------------------------------------------ commands
+
+def cmd_show(args: argparse.Namespace) -> int:
+    flt = _filter(args)
+    entries = [e for e in _load(args.file, "show") if flt(e.rec)]
+    if args.limit:
+        entries = entries[: args.limit]
+    if not entries:
+        print(f"{PROG} show: no matching records in {args.file}", file=sys.stderr)
+        return 0
+    if args.json:
+        for e in entries:
+            print(views.json_line(e))
+    else:
+        _print_table(entries, args.width)
+    return 0
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from .summary import summarize
+    flt = _filter(args)
+    recs = [e.rec for e in _load(args.file, "summary") if flt(e.rec)]
+    print(summarize(recs))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .checks import validate_file
+    _check_file(args.file)
+    report = validate_file(args.file)
+    shown = report.problems if not args.limit else report.problems[: args.limit]
+    for line, why in shown:
+        print(f"{args.file}:{line}: {why}")
+    if len(shown) < len(report.problems):
+        print(f"... and {len(report.problems) - len(shown)} more "
+              "(--limit 0 lists all)")
+    note = (f"; {report.divergent_keys} divergent replicated step(s) "
+            "(data, not a file problem: see pmaptap summary)"
+            if report.divergent_keys else "")
+    if report.ok:
+        print(f"{args.file}: OK, {report.records} records{note}")
+        return 0
+    print(f"{args.file}: {len(report.problems)} problem(s) in {report.lines} "
+          f"lines, {report.records} valid records{note}")
+    return 1
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import PlotError, plot_tap
+    flt = _filter(args)
+    flt.names = ()      # plot_tap picks the name and lists the others if absent
+    recs = [e.rec for e in _load(args.file, "plot") if flt(e.rec)]
+    out = args.output or f"{args.name[0].replace('/', '_')}.png"
+    try:
+        plot_tap(recs, args.name[0], out)
+    except (PlotError, ImportError) as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import write_csv
+    flt = _filter(args)
+    entries = [e for e in _load(args.file, "export") if flt(e.rec)]
+    if args.csv == "-":
+        n = write_csv(entries, sys.stdout)
+    else:
+        parent = os.path.dirname(os.path.abspath(args.csv))
+        if not os.path.isdir(parent):
+            raise CliError(f"cannot write {args.csv}: no directory {parent}")
+        with open(args.csv, "w", newline="", encoding="utf-8") as f:
+            n = write_csv(entries, f)
+    print(f"wrote {n} rows to {args.csv}", file=sys.stderr)
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from .follow import tail
+    if not args.follow:
+        _check_file(args.file)
+    elif not os.path.exists(args.file):
+        print(f"{PROG} tail: waiting for {args.file} to appear", file=sys.stderr)
+    return tail(args, _filter(args))
+
+
+def cmd_launch(argv: list[str]) -> int:
+    # Imported lazily: the launcher is its own module and may be absent from a
+    # trimmed installation; every other subcommand works without it.
+    try:
+        from . import launch
+    except ImportError as e:
+        if getattr(e, "name", None) not in ("pmaptap.launch", None):
+            raise          # the launcher exists but one of its imports failed
+        raise CliError("the launcher (pmaptap.launch) is not available in this "
+                       "installation") from None
+    rc = launch.main(argv)
+    return int(rc or 0)
+
+
+# ------------------------------------------------------------------ parser
+
+def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> None:
+    g = p.add_argument_group("filters")
+    g.add_argument("--name", action="append", required=name_required,
+                   metavar="NAME", help="tap name (repeat for several)")
+    g.add_argument("--step", metavar="A:B",
+                   help="step N, or inclusive range A:B, A: or :B")
+    g.add_argument("--process", type=int, metavar="P", help="process index")
+    g.add_argument("--device", type=int, metavar="D", help="jax Device.id")
+    g.add_argument("--run", metavar="RUN", help="run id (a file may hold several)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Look at pmaptap tap files (JSON lines).",
+        epilog="Exit status: 0 ok, 1 validate found problems, 2 usage/input error.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("show", help="aligned table of the matching records")
+    p.add_argument("file")
+    _add_filters(p)
+    p.add_argument("--limit", type=int, default=0, help="first N matches only")
+    p.add_argument("--json", action="store_true", help="JSON lines, not a table")
+    p.add_argument("--width", type=int, default=60, help="value column width")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("tail", help="last records; -f follows appends live")
+    p.add_argument("file")
+    _add_filters(p)
+    p.add_argument("-n", "--lines", type=int, default=10,
+                   help="how many of the last matching records (default 10)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing records as writers append them "
+                        "(Ctrl-C or SIGTERM stops, exit status 0)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with -f: stop after this many seconds")
+    p.add_argument("--max-records", type=int, default=0, metavar="N",
+                   help="stop after printing N records (initial ones included)")
+    p.add_argument("--interval", type=float, default=0.2,
+                   help="with -f: seconds between polls (default 0.2)")
+    p.add_argument("--json", action="store_true", help="JSON lines, not a table")
+    p.add_argument("--width", type=int, default=60, help="value column width")
+    p.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("summary", help="per tap: counts, steps, stats, issues")
+    p.add_argument("file")
+    _add_filters(p)
+    p.set_defaults(func=cmd_summary)
+
+    p = sub.add_parser("validate", help="check every line; exit 1 on problems")
+    p.add_argument("file")
+    p.add_argument("--limit", type=int, default=200,
+                   help="list at most N problems (0: all; default 200)")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plot", help="PNG line plot of one tap (needs matplotlib)")
+    p.add_argument("file")
+    _add_filters(p, name_required=True)
+    p.add_argument("-o", "--output", metavar="PNG",
+                   help="output file (default NAME.png)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("export", help="records as CSV, one row per record")
+    p.add_argument("file")
+    _add_filters(p)
+    p.add_argument("--csv", required=True, metavar="OUT",
+                   help="CSV file to write ('-' for stdout)")
+    p.set_defaults(func=cmd_export)
+
+    sub.add_parser("launch", add_help=False,
+                   help="local multi-process launcher (pmaptap launch --help)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = args_list[0] if args_list else None
+    try:
+        if command == "launch":
+            # Everything after "launch" belongs to the launcher, options too.
+            return cmd_launch(args_list[1:])
+        parser = build_parser()
+        args = parser.parse_args(args_list)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        if args.command == "plot" and len(args.name) > 1:
+            raise CliError("plot draws one tap: give --name once")
+        return args.func(args)
+    except CliError as e:
+        print(f"{PROG} {command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `pmaptap show f | head`: the reader left; exit quietly. Point
+        # stdout at devnull so the interpreter's final flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except OSError as e:          # unreadable file, full disk for export, ...
+        print(f"{PROG} {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:     # Ctrl-C during show/summary of a big file
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
