@@ -80,6 +80,13 @@ def _describe(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
+# Printed by gloo (CPU collectives) for every device pair at start-up; it
+# buries the job's own output and says nothing a user can act on.
+# Several gloo threads write at once, so a line may arrive torn: match the
+# tail that every such line ends with.
+_NOISE = b"peer ranks. Expected number of connected peer ranks is"
+
+
 class _Forwarder(threading.Thread):
     """Copies one child stream to ours, a whole prefixed line at a time."""
 
@@ -91,6 +98,8 @@ class _Forwarder(threading.Thread):
     def run(self) -> None:
         try:
             for line in iter(self.src.readline, b""):
+                if _NOISE in line:
+                    continue   # gloo's per-rank connection chatter, one per device
                 if not line.endswith(b"\n"):
                     line += b"\n"
                 with self.lock:
