@@ -6,6 +6,7 @@ from .options import configure, configured, options
 from .reader import read
 from .session import Session, active_session, flush
 from .tap import tap
+from .tap_grad import tap_grad
 
 __all__ = sorted([
     "Session",
@@ -20,5 +21,6 @@ __all__ = sorted([
     "options",
     "read",
     "tap",
+    "tap_grad",
 ])
 __version__ = "0.1.0"

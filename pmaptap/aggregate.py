@@ -91,12 +91,22 @@ class Aggregator:
         if not spec.explicit_step:
             # Automatic step: the k-th execution of this tap name on this
             # device. Callbacks of one device arrive in execution order.
-            ckey = (spec.name, spec.pass_, device if device is not None else c)
+            # Outside any mapping (jit, eager) there is one counter, whatever
+            # device an eager value sat on.
+            ckey = (spec.name, spec.pass_,
+                    (device if device is not None else c) if spec.axis_names else ())
             step = self._counters.get(ckey, 0)
             self._counters[ckey] = step + 1
             if step % spec.every:
                 return []
         proc = spec.process_of(c)
+        if spec.local_copies == 1 and not self._groups:
+            # Fast path (plain jit / eager): a group of one is complete now.
+            copy = Copy(spec, c, device, self.process if proc is None else proc,
+                        leaves, b"" if spec.dedup == "per_device" else value_key(leaves))
+            if spec.dedup == "per_device":
+                return [self._per_device(spec, int(step), copy)]
+            return [self._replicated(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, self.process if proc is None else proc,
                     leaves, value_key(leaves))
         out: list[Record] = []

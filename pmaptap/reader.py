@@ -80,12 +80,17 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
 
 def reconcile_divergence(records: list[dict]) -> None:
     """Mark every replicated record of a (run, name, step, pass) divergent when
-    the file holds more than one distinct value for it (the first writer could
-    not know that a later process would disagree; see xdedup)."""
-    hashes: dict[tuple, set] = {}
+    the file holds different values for it from different processes (the
+    first writer could not know that a later process would disagree; see
+    xdedup). One process re-writing a key with new values is not divergence."""
+    seen: dict[tuple, dict[str, set]] = {}
     for r in records:
         if r.get("kind") == "replicated" and r.get("vhash"):
-            hashes.setdefault(record_key(r), set()).add(r["vhash"])
+            seen.setdefault(record_key(r), {}).setdefault(r["vhash"], set()).add(
+                r.get("process"))
     for r in records:
-        if r.get("kind") == "replicated" and len(hashes.get(record_key(r), ())) > 1:
+        if r.get("kind") != "replicated":
+            continue
+        hashes = seen.get(record_key(r), {})
+        if len(hashes) > 1 and len(set().union(*hashes.values())) > 1:
             r["divergent"] = True

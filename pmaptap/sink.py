@@ -97,7 +97,7 @@ class FileSink(Sink):
     """
 
     def __init__(self, path: str, *, lock_timeout: float = 1.0,
-                 lock: str = "flock") -> None:
+                 lock: str = "flock", process: int | None = None) -> None:
         if lock not in LOCK_MODES:
             raise ValueError(f"lock must be one of {LOCK_MODES} (\"soft\" for "
                              f"NFS and other shared filesystems), got {lock!r}")
@@ -120,7 +120,10 @@ class FileSink(Sink):
             self._lock = filelock.SoftFileLock(self.path + ".softlock",
                                                timeout=lock_timeout)
             size = os.stat(self.path).st_size
-        self.index = CrossProcessIndex()
+        if process is None:
+            import jax
+            process = jax.process_index()
+        self.index = CrossProcessIndex(process)
         # Bytes before this offset were already indexed (or predate us).
         self._seen = size
         self.lines_written = 0

@@ -9,6 +9,9 @@ skipped; with a different hash it is written with ``"divergent": true``. So
 whichever process gets there first writes the record, and no process needs to
 stay alive for the others.
 
+Only *other* processes' records count: the same process writing a key again
+(a loop re-run with the same explicit steps) is data, not a duplicate.
+
 The raw file keeps the first value as written (an appended line cannot be
 changed); ``pmaptap.read`` marks every replicated record of a key that has
 more than one distinct ``vhash`` as divergent. The index keeps the newest
@@ -32,19 +35,25 @@ def record_key(d: dict) -> tuple:
 
 
 class CrossProcessIndex:
-    def __init__(self, max_keys: int = 200_000) -> None:
+    def __init__(self, process: int = 0, max_keys: int = 200_000) -> None:
+        self.process = process
         self.max_keys = max_keys
-        self._seen: OrderedDict[tuple, set[str]] = OrderedDict()
+        # key -> {vhash: processes that wrote it}
+        self._seen: OrderedDict[tuple, dict[str, set]] = OrderedDict()
         self.skipped = 0
         self.divergent = 0
 
-    def _remember(self, key: tuple, vhash: str) -> None:
+    def _remember(self, key: tuple, vhash: str, process: int) -> None:
         hashes = self._seen.get(key)
         if hashes is None:
-            hashes = self._seen[key] = set()
+            hashes = self._seen[key] = {}
             if len(self._seen) > self.max_keys:
                 self._seen.popitem(last=False)
-        hashes.add(vhash)
+        hashes.setdefault(vhash, set()).add(process)
+
+    def _others(self, key: tuple) -> set[str]:
+        return {h for h, procs in self._seen.get(key, {}).items()
+                if procs - {self.process}}
 
     def observe(self, data: bytes) -> None:
         """Index replicated records among bytes other processes appended."""
@@ -56,7 +65,7 @@ class CrossProcessIndex:
             except ValueError:
                 continue       # torn or garbage: the reader reports it
             if isinstance(d, dict) and d.get("vhash"):
-                self._remember(record_key(d), d["vhash"])
+                self._remember(record_key(d), d["vhash"], d.get("process"))
 
     def plan(self, records: Sequence[Record]) -> tuple[list[Record], list[tuple]]:
         """Which records to write: replicated ones already in the file are
@@ -65,24 +74,22 @@ class CrossProcessIndex:
         retried in full rather than remembered as done."""
         out: list[Record] = []
         new: list[tuple] = []
-        batch: dict[tuple, set[str]] = {}
         for r in records:
             if r.kind != "replicated" or not r.vhash:
                 out.append(r)
                 continue
             key = (r.run, r.name, r.step, r.pass_)
-            hashes = self._seen.get(key, set()) | batch.get(key, set())
-            if r.vhash in hashes:
-                self.skipped += 1
+            others = self._others(key)
+            if r.vhash in others:
+                self.skipped += 1          # another process wrote this value
                 continue
-            if hashes and not r.divergent:
+            if others and not r.divergent:
                 r = dataclasses.replace(r, divergent=True)
                 self.divergent += 1
-            batch.setdefault(key, set()).add(r.vhash)
             new.append((key, r.vhash))
             out.append(r)
         return out, new
 
     def commit(self, new: list[tuple]) -> None:
         for key, vhash in new:
-            self._remember(key, vhash)
+            self._remember(key, vhash, self.process)

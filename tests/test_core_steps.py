@@ -202,3 +202,22 @@ def test_bad_arguments_raise_at_trace_time(kwargs, exc, text):
 def test_non_array_leaf_is_a_clear_type_error():
     with pytest.raises(TypeError, match=r"\['label'\] is a str"):
         pmaptap.tap({"label": "hello", "x": jnp.ones(1)}, "bad")
+
+
+def test_one_automatic_counter_outside_any_mapping(session, tap_path):
+    pmaptap.tap(jnp.float32(1), "e")                    # eager, on a device
+    jax.jit(lambda v: pmaptap.tap(v, "e"))(jnp.float32(1))
+    jax.jit(lambda v: pmaptap.tap(v, "e"))(jnp.float32(1))
+    session.flush()
+    assert [r["step"] for r in _named(pmaptap.read(tap_path), "e")] == [0, 1, 2]
+
+
+def test_rerunning_explicit_steps_in_one_process_keeps_every_record(session, tap_path):
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "again", step=s, dedup="replicated"))
+    for _ in range(2):                                   # e.g. two evaluation passes
+        for s in range(3):
+            f(jnp.float32(7), s)
+    session.flush()
+    recs = _named(pmaptap.read(tap_path), "again")
+    assert [r["step"] for r in recs] == [0, 1, 2, 0, 1, 2]
+    assert not any(r.get("divergent") for r in recs)
