@@ -111,7 +111,7 @@ def schedule(step, peak: float, total: int):
 
 
 def make_body(axis: str, peak_lr: float, total: int, *,
-              mark_varying: bool) -> Callable:
+              mark_varying: bool, taps: bool = True) -> Callable:
     """One training step as seen by one device, for pmap and shard_map.
 
     mark_varying (shard_map): shard_map tracks which values vary across the
@@ -124,6 +124,13 @@ def make_body(axis: str, peak_lr: float, total: int, *,
     import pmaptap
 
     def body(params, x, y, step):
+        if not taps:           # benchmarks/bench_train.py: the same step, untapped
+            return untapped(params, x, y, step)
+        # One host callback per process per step carries all four taps.
+        with pmaptap.group():
+            return untapped(params, x, y, step, tap=pmaptap.tap)
+
+    def untapped(params, x, y, step, tap=lambda *a, **k: None):
         local = params
         if mark_varying:
             local = jax.tree.map(lambda p: lax.pcast(p, axis, to="varying"),
@@ -131,15 +138,15 @@ def make_body(axis: str, peak_lr: float, total: int, *,
         loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
         gnorm = grad_norm(grads)
         # Before pmean every device has its own gradient: one record each.
-        pmaptap.tap(gnorm, "grad_norm", step=step, dedup="per_device")
+        tap(gnorm, "grad_norm", step=step, dedup="per_device")
         grads = lax.pmean(grads, axis)
         loss = lax.pmean(loss, axis)
         lr = schedule(step, peak_lr, total)
         # After pmean the loss is the same on every device of every host:
         # pmaptap writes it once for the whole job.
-        pmaptap.tap(loss, "loss", step=step, dedup="replicated")
-        pmaptap.tap(lr, "lr", step=step, dedup="replicated")
-        pmaptap.tap(step, "step", step=step, dedup="replicated")
+        tap(loss, "loss", step=step, dedup="replicated")
+        tap(lr, "lr", step=step, dedup="replicated")
+        tap(step, "step", step=step, dedup="replicated")
         params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
         return params, loss
 

@@ -61,6 +61,25 @@ class _Table:
                              for d, c in zip(self.devices, self.coords)]
 
 
+def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
+    """Split a gathered uint8 payload (copies, bytes) back into stacked leaves
+    (copies, *shape) of their own dtypes (see emit._gather_packed)."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16/float8 with NumPy
+    n = packed.shape[0]
+    out, off = [], 0
+    for dtype, shape in packing:
+        dt = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * (1 if dt == np.bool_ else dt.itemsize)
+        chunk = np.ascontiguousarray(packed[:, off:off + size])
+        off += size
+        if dt == np.bool_:
+            arr = chunk.astype(bool)
+        else:
+            arr = chunk.view(dt)
+        out.append(arr.reshape((n, *shape)))
+    return out
+
+
 def _rows_identical(stacked: list[np.ndarray]) -> bool:
     """Whether every row (copy) of the stacked leaves is bitwise identical."""
     for a in stacked:
@@ -129,6 +148,8 @@ class Aggregator:
         """Dispatch one callback payload by its layout (see emit.py)."""
         coords = arrays[0]
         step = int(arrays[1]) if spec.layout != "group" else -1
+        if spec.packing:
+            arrays = [arrays[0], arrays[1], *unpack(arrays[2], spec.packing)]
         if spec.layout == "copy":
             return self.add(spec, coords, step, arrays[2:])
         if spec.layout == "gathered":

@@ -264,7 +264,9 @@ class Pipeline:
                 # Linger briefly to batch more lines per lock acquisition,
                 # unless someone waits on a marker.
                 if not self._outbox_markers and len(self._outbox) < self.max_batch:
+                    self._write_waiting = True      # a marker ends the linger
                     self._write_cv.wait(self.flush_interval)
+                    self._write_waiting = False
                 batch, markers = self._take_batch()
             ok = self._write_batch(batch)
             if not ok:

@@ -49,6 +49,8 @@ class TapSpec:
     # payload leaves belong to each (see emit.group).
     members: tuple["TapSpec", ...] = ()
     member_leaves: tuple[int, ...] = ()
+    # Gathered payloads packed into one uint8 array: (dtype, shape) per leaf.
+    packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
     def with_batch(self) -> "TapSpec":

@@ -120,3 +120,26 @@ def test_options_are_checked():
         pmaptap.configure(gahter=True)
     with pytest.raises(ValueError, match=">= 0"):
         pmaptap.configure(gather_max_bytes=-1)
+
+
+def test_mixed_dtype_pytree_is_packed_into_one_gather_bit_exactly(session, tap_path):
+    @partial(jax.pmap, axis_name="i")
+    def f(v):
+        i = lax.axis_index("i")
+        tree = {"f": v * 0.1, "b": i % 2 == 0, "h": (v * 0.5).astype(jnp.bfloat16),
+                "n": jnp.stack([i, -i]).astype(jnp.int32), "nan": v / 0.0,
+                "u8": i.astype(jnp.uint8)}
+        pmaptap.tap(tree, "mixed", dedup="per_device")
+        return v
+
+    f(jnp.arange(8.0))
+    session.flush()
+    recs = sorted(pmaptap.read(tap_path), key=lambda r: r["device"])
+    assert len(recs) == 8
+    for d, r in enumerate(recs):
+        v = r["value"]
+        assert np.float32(v["f"]) == np.float32(d) * np.float32(0.1)
+        assert v["b"] is (d % 2 == 0)
+        assert v["h"] == d * 0.5 and r["dtype"]["h"] == "bfloat16"
+        assert v["n"] == [d, -d] and v["u8"] == d
+        assert (np.isnan(v["nan"]) if d == 0 else v["nan"] == np.inf)
