@@ -1,0 +1,25 @@
+"""Quick mode of every benchmark, so they cannot rot. Asserts that they run
+and report every arm, never how fast (the machines are noisy)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT, subprocess_env
+
+
+def test_all_benchmarks_run_in_quick_mode():
+    env = subprocess_env()
+    env.pop("XLA_FLAGS")           # each suite sets its own device count
+    proc = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for label in ("a. per_device tap", "b. replicated tap (verified)",
+                  "b. replicated tap (verify off)", "c. 4 taps in one step",
+                  "c. 4 taps in pmaptap.group()", "d. every=100, traced step",
+                  "d. every=100, ~5 ms step", "f. training step",
+                  "e. writer, 1 process", "e. writer, 8 processes, one file",
+                  "h. RSS", "added ms per step"):
+        assert label in out, f"missing {label!r} in:\n{out}"
+    assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]   # a ratio printed
