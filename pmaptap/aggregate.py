@@ -186,6 +186,14 @@ class Aggregator:
             step = s if step is None else min(step, s)
         return step or 0
 
+    def _step_or_skip(self, spec: TapSpec, t: "_Table", step: int) -> int | None:
+        """The payload's step (automatic if not explicit), or None when
+        ``every`` skips it on the host."""
+        if spec.explicit_step:
+            return step
+        step = self._auto_step(spec, t)
+        return None if step % spec.every else step
+
     def _copies(self, spec: TapSpec, t: "_Table", flats: list[int],
                 rows: list[list[np.ndarray]], keys: list[bytes]) -> list[Copy]:
         return [Copy(spec, t.coords[k], t.devices[k], t.processes[k], leaves, key)
@@ -194,10 +202,9 @@ class Aggregator:
     def _add_gathered(self, spec: TapSpec, step: int,
                       stacked: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
-        if not spec.explicit_step:
-            step = self._auto_step(spec, t)
-            if step % spec.every:
-                return []
+        step = self._step_or_skip(spec, t, step)
+        if step is None:
+            return []
         n = spec.total_copies
         if spec.dedup == "per_device":
             # This process writes its own devices only; the other processes'
@@ -224,10 +231,9 @@ class Aggregator:
     def _add_one_copy(self, spec: TapSpec, step: int, leaves: list[np.ndarray],
                       *, verified: bool) -> list[Record]:
         t = self._table(spec)
-        if not spec.explicit_step:
-            step = self._auto_step(spec, t)
-            if step % spec.every:
-                return []
+        step = self._step_or_skip(spec, t, step)
+        if step is None:
+            return []
         n = spec.total_copies
         copies = self._copies(spec, t, list(range(n)), [leaves] * n,
                               [value_key(leaves)] * n)

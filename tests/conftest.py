@@ -138,3 +138,34 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# Bad tap arguments shared by tap and tap_grad: (kwargs, exception, message).
+BAD_TAP_ARGS = [
+    (dict(name=""), ValueError, "non-empty"),
+    (dict(name=3), TypeError, "must be a str"),
+    (dict(name="x", dedup="unique"), ValueError, "'auto', 'replicated', 'per_device'"),
+    (dict(name="x", every=0), ValueError, "every must be >= 1"),
+    (dict(name="x", every=1.5), TypeError, "every must be an int"),
+    (dict(name="x", step=1.5), TypeError, "step must be"),
+    (dict(name="x", step=-1), ValueError, "step must be >= 0"),
+]
+
+
+def run_released(code: str, count: int, *, timeout: float = 240,
+                 **env: str) -> list:
+    """Start `count` copies of a snippet that prints "ready" and then waits
+    for the file env["GO"]; release them together; wait for all to exit 0.
+    Stragglers are killed. Returns the finished Popen objects."""
+    procs = [start_python(code, devices=1, WID=str(w), **env) for w in range(count)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        open(env["GO"], "w").close()              # release them together
+        for p in procs:
+            assert p.wait(timeout) == 0, p.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return procs

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import run_python, start_python
+from conftest import run_released, run_python, start_python
 
 _APPENDER = """
     import os, sys, jax, jax.numpy as jnp, pmaptap
@@ -31,18 +31,7 @@ _APPENDER = """
 
 def test_four_processes_append_1500_records_each(tmp_path):
     tap, go = str(tmp_path / "t.jsonl"), str(tmp_path / "go")
-    procs = [start_python(_APPENDER, devices=1, TAP=tap, GO=go, WID=str(w))
-             for w in range(4)]
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        open(go, "w").close()                    # release them together
-        for p in procs:
-            assert p.wait(240) == 0, p.stderr.read()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    run_released(_APPENDER, 4, timeout=240, TAP=tap, GO=go)
     with open(tap, "rb") as f:
         raw = f.read()
     assert raw.endswith(b"\n")

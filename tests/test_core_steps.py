@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 
 import pmaptap
+from conftest import BAD_TAP_ARGS
 
 
 def _named(recs, name):
@@ -184,16 +185,9 @@ def test_tap_returns_its_input_unchanged():
     pmaptap.flush()
 
 
-@pytest.mark.parametrize("kwargs, exc, text", [
-    (dict(name=""), ValueError, "non-empty"),
-    (dict(name=3), TypeError, "must be a str"),
-    (dict(name="x", dedup="unique"), ValueError, "'auto', 'replicated', 'per_device'"),
-    (dict(name="x", every=0), ValueError, "every must be >= 1"),
-    (dict(name="x", every=1.5), TypeError, "every must be an int"),
-    (dict(name="x", step=1.5), TypeError, "step must be"),
-    (dict(name="x", step=-1), ValueError, "step must be >= 0"),
-])
+@pytest.mark.parametrize("kwargs, exc, text", BAD_TAP_ARGS)
 def test_bad_arguments_raise_at_trace_time(kwargs, exc, text):
+    kwargs = dict(kwargs)                 # the table is shared: do not mutate it
     name = kwargs.pop("name")
     with pytest.raises(exc, match=text):
         jax.jit(lambda v: pmaptap.tap(v, name, **kwargs))(jnp.ones(2))

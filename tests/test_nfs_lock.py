@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import run_python, start_python
+from conftest import run_released, run_python, start_python
 
 _SOFT_APPENDER = """
     import os, jax, jax.numpy as jnp, pmaptap
@@ -35,18 +35,7 @@ _SOFT_APPENDER = """
 
 def test_soft_lock_many_processes_append_exactly(tmp_path):
     tap, go = str(tmp_path / "t.jsonl"), str(tmp_path / "go")
-    procs = [start_python(_SOFT_APPENDER, devices=1, TAP=tap, GO=go, WID=str(w))
-             for w in range(3)]
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        open(go, "w").close()                     # release them together
-        for p in procs:
-            assert p.wait(120) == 0, p.stderr.read()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    run_released(_SOFT_APPENDER, 3, timeout=120, TAP=tap, GO=go)
     with open(tap, "rb") as f:
         raw = f.read()
     lines = raw.split(b"\n")

@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pmaptap
+from conftest import BAD_TAP_ARGS
 
 
 def _named(recs, name, pass_="backward"):
@@ -429,16 +430,9 @@ def test_jvp_with_no_tangent_reaching_tap_grad_is_fine():
 
 # ------------------------------------------------------------ argument checks
 
-@pytest.mark.parametrize("kwargs, exc, text", [
-    (dict(name=""), ValueError, "non-empty"),
-    (dict(name=3), TypeError, "must be a str"),
-    (dict(name="x", dedup="unique"), ValueError, "'auto', 'replicated', 'per_device'"),
-    (dict(name="x", every=0), ValueError, "every must be >= 1"),
-    (dict(name="x", every=1.5), TypeError, "every must be an int"),
-    (dict(name="x", step=1.5), TypeError, "step must be"),
-    (dict(name="x", step=-1), ValueError, "step must be >= 0"),
-])
+@pytest.mark.parametrize("kwargs, exc, text", BAD_TAP_ARGS)
 def test_bad_arguments_raise_at_trace_time_without_any_gradient(kwargs, exc, text):
+    kwargs = dict(kwargs)                 # the table is shared: do not mutate it
     name = kwargs.pop("name")
     with pytest.raises(exc, match=r"pmaptap\.tap_grad.*" + text if name == "x" else text):
         jax.jit(lambda v: pmaptap.tap_grad(v, name, **kwargs))(jnp.ones(2))
