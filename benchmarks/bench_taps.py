@@ -76,9 +76,15 @@ def run(quick: bool = False) -> list[tuple]:
         return fn
 
     counter = {"step": 0}
+    # "transport only" arms: the same taps with the host pipeline cut off at
+    # the callback hand-off, to separate device-side cost from JSON + file I/O.
+    from pmaptap import emit
+    real_deliver, xport = emit.deliver, {"drop": False}
+    emit.deliver = lambda spec, arrays: None if xport["drop"] else real_deliver(spec, arrays)
 
-    def arm(fn, flush):
+    def arm(fn, flush, drop=False):
         def go():
+            xport["drop"] = drop
             y = None
             for _ in range(steps):
                 counter["step"] += 1
@@ -88,18 +94,21 @@ def run(quick: bool = False) -> list[tuple]:
                 session.flush()
             else:
                 jax.effects_barrier()
+            xport["drop"] = False
         return go
 
     groups = {
         "a/b/c": ["base", "raw_per", "raw_rep", "raw4", "tap_per", "tap_rep",
-                  "tap_rep_unverified", "tap4", "tap4_group"],
+                  "tap_rep_unverified", "tap4", "tap4_group", "tap_per@transport",
+                  "tap_rep@transport"],
         "d": ["base", "floor", "tap_every"],
         "d@5ms": ["base", "floor", "tap_every"],
     }
     results = {}
     for group, kinds in groups.items():
         heavy = 0 if group != "d@5ms" else (2 if quick else 60)
-        arms = {k: arm(make(k, heavy), flush=k.startswith("tap")) for k in kinds}
+        arms = {k: arm(make(k.split("@")[0], heavy), flush=k.startswith("tap"),
+                       drop=k.endswith("@transport")) for k in kinds}
         results[group] = interleaved(arms, rounds=rounds, steps=steps)
     session.close()
 
@@ -110,6 +119,12 @@ def run(quick: bool = False) -> list[tuple]:
         ("b. replicated tap (verified)", "raw per-device callback",
          f"{ab['tap_rep']*1e3:.3f}", f"{ab['raw_rep']*1e3:.3f}",
          f"{ratio(ab, 'tap_rep', 'raw_rep', 'base'):.2f}x", "<= 0.20x"),
+        ("a. per_device, transport only", "raw per-device callback",
+         f"{ab['tap_per@transport']*1e3:.3f}", f"{ab['raw_per']*1e3:.3f}",
+         f"{ratio(ab, 'tap_per@transport', 'raw_per', 'base'):.2f}x", "(no JSON, no file)"),
+        ("b. replicated, transport only", "raw per-device callback",
+         f"{ab['tap_rep@transport']*1e3:.3f}", f"{ab['raw_rep']*1e3:.3f}",
+         f"{ratio(ab, 'tap_rep@transport', 'raw_rep', 'base'):.2f}x", "(no JSON, no file)"),
         ("b. replicated tap (verify off)", "raw per-device callback",
          f"{ab['tap_rep_unverified']*1e3:.3f}", f"{ab['raw_rep']*1e3:.3f}",
          f"{ratio(ab, 'tap_rep_unverified', 'raw_rep', 'base'):.2f}x", "-"),
