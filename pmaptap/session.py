@@ -93,6 +93,8 @@ class Session:
         self.pipeline: Pipeline | None = None
         self._prev_sigterm: Any = None
         self._sigterm_installed = False
+        self._phase = ""                 # "", "drain" or "barrier" (close)
+        self._sigterm_pending = False
 
     def __repr__(self) -> str:
         state = "open" if self.pipeline is not None and not self.pipeline.closed \
@@ -167,14 +169,17 @@ class Session:
         if p is None or p.closed:
             return
         try:
+            self._phase = "drain"
             try:
                 _effects_barrier()
             finally:
                 p.close(timeout=self.close_timeout)
         finally:
             try:
+                self._phase = "barrier"
                 self._after_close()
             finally:
+                self._phase = ""
                 with _open_lock:
                     if _active_session is self:
                         _active_session = None
@@ -183,7 +188,11 @@ class Session:
                     atexit.unregister(self._close_at_exit)
                 except Exception:  # noqa: BLE001
                     pass
+                prev = self._prev_sigterm
                 self._restore_sigterm()
+                if self._sigterm_pending:
+                    self._sigterm_pending = False
+                    self._deliver_sigterm(prev, signal.SIGTERM, None)
 
     def _after_close(self) -> None:
         """Multi-process: wait (bounded) until every process has closed, so
@@ -225,10 +234,21 @@ class Session:
 
     def _on_sigterm(self, signum, frame) -> None:
         prev = self._prev_sigterm
+        if self._phase == "drain":
+            # close() is writing the records on this very thread (the handler
+            # interrupted it): let it finish, then act on the signal.
+            self._sigterm_pending = True
+            return
         try:
-            self.close()
+            # Not closing yet: close now. Waiting for peers ("barrier"):
+            # stop waiting, our records are already written.
+            if self._phase != "barrier":
+                self.close()
         except BaseException as e:  # noqa: BLE001
             print(f"[pmaptap] error while closing on SIGTERM: {e}", file=sys.stderr)
+        self._deliver_sigterm(prev, signum, frame)
+
+    def _deliver_sigterm(self, prev, signum, frame) -> None:
         # Then behave as the process would have without us.
         if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
             prev(signum, frame)

@@ -141,3 +141,45 @@ def test_sigterm_writes_everything_then_dies_by_the_signal(tmp_path):
     # every step that reached the file is complete: nothing dispatched was lost
     assert len(steps) >= 20
     assert all(devs == set(range(8)) for devs in steps.values())
+
+
+def test_sigterm_during_close_lets_the_drain_finish_then_dies(tmp_path):
+    tap = str(tmp_path / "t.jsonl")
+    release = str(tmp_path / "release")
+    holder = start_python("""
+        import os, time, filelock
+        lock = filelock.FileLock(os.environ["TAP"] + ".lock"); lock.acquire()
+        print("locked", flush=True)
+        while not os.path.exists(os.environ["RELEASE"]):
+            time.sleep(0.01)
+        lock.release()
+    """, TAP=tap, RELEASE=release)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        child = start_python("""
+            import os, jax, jax.numpy as jnp, pmaptap
+            s = pmaptap.Session(os.environ["TAP"], run="t", lock_timeout=0.1).open()
+            f = jax.jit(lambda v: pmaptap.tap(v, "x"))
+            for i in range(30):
+                f(jnp.float32(i))
+            print("closing", flush=True)
+            s.close()                      # blocked on the lock: drain in progress
+            print("not reached", flush=True)
+        """, TAP=tap)
+        try:
+            assert child.stdout.readline().strip() == "closing"
+            time.sleep(0.3)                # inside close(), waiting for the lock
+            child.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert child.poll() is None, "SIGTERM must not abandon the drain"
+            open(release, "w").close()
+            child.wait(60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode == -signal.SIGTERM, child.stderr.read()
+        assert "not reached" not in child.stdout.read()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    assert [r["step"] for r in pmaptap.read(tap)] == list(range(30))
