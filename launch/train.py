@@ -170,15 +170,17 @@ def train_pmap(args: argparse.Namespace) -> float:
     params = jax.tree.map(lambda a: np.stack([a] * n_local),
                           init_params(args.seed))
     loss = math.nan
-    for step in range(args.steps):
-        shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
-                  for k in range(n_local)]
-        x = np.stack([s[0] for s in shards])
-        y = np.stack([s[1] for s in shards])
-        params, losses = step_fn(params, x, y, np.int32(step))
-        if step % args.log_every == 0 or step == args.steps - 1:
-            loss = float(losses[0])
-            log(f"step {step:4d}  loss {loss:.5f}")
+    with progress_bar(args) as bar:
+        for step in range(args.steps):
+            shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
+                      for k in range(n_local)]
+            x = np.stack([s[0] for s in shards])
+            y = np.stack([s[1] for s in shards])
+            params, losses = step_fn(params, x, y, np.int32(step))
+            if step % args.log_every == 0 or step == args.steps - 1:
+                loss = float(losses[0])
+                report(bar, step, loss)
+            bar.update()
     return loss
 
 
@@ -208,20 +210,37 @@ def train_shard_map(args: argparse.Namespace) -> float:
     with jax.set_mesh(mesh):
         params = jax.tree.map(lambda a: global_array(a, replicated),
                               init_params(args.seed))
-        for step in range(args.steps):
-            shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
-                      for k in range(n_local)]
-            x = global_array(np.concatenate([s[0] for s in shards]), sharded)
-            y = global_array(np.concatenate([s[1] for s in shards]), sharded)
-            params, out = step_fn(params, x, y,
-                                  global_array(np.int32(step), replicated))
-            if step % args.log_every == 0 or step == args.steps - 1:
-                loss = float(np.asarray(out.addressable_data(0)))
-                log(f"step {step:4d}  loss {loss:.5f}")
+        with progress_bar(args) as bar:
+            for step in range(args.steps):
+                shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
+                          for k in range(n_local)]
+                x = global_array(np.concatenate([s[0] for s in shards]), sharded)
+                y = global_array(np.concatenate([s[1] for s in shards]), sharded)
+                params, out = step_fn(params, x, y,
+                                      global_array(np.int32(step), replicated))
+                if step % args.log_every == 0 or step == args.steps - 1:
+                    loss = float(np.asarray(out.addressable_data(0)))
+                    report(bar, step, loss)
+                bar.update()
     return loss
 
 
 # ---------------------------------------------------------------- main
+
+def progress_bar(args: argparse.Namespace):
+    """Process 0's progress bar (on a terminal, or PMAPTAP_PROGRESS=1, which
+    the launcher sets when its own stderr is a terminal)."""
+    from pmaptap.progress import Progress
+    return Progress(total=args.steps, desc="train")
+
+
+def report(bar, step: int, loss: float) -> None:
+    """The loss goes on the bar when one is drawn, else on a log line."""
+    if bar.enabled:
+        bar.postfix["loss"] = loss
+    else:
+        log(f"step {step:4d}  loss {loss:.5f}")
+
 
 def log(msg: str) -> None:
     import jax

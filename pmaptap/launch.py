@@ -63,6 +63,10 @@ def child_env(process_id: int, processes: int, devices: int, port: int,
     env[ENV_NUM_PROCESSES] = str(processes)
     env[ENV_PROCESS_ID] = str(process_id)
     env["PYTHONUNBUFFERED"] = "1"   # lines reach us as they are printed
+    # Children write to our pipes, never a terminal: let process 0 draw its
+    # progress bar when our own stderr is one (the forwarder passes "\r").
+    if "PMAPTAP_PROGRESS" not in env and _stderr_is_tty():
+        env["PMAPTAP_PROGRESS"] = "1"
     return env
 
 
@@ -84,7 +88,14 @@ def _describe(returncode: int) -> str:
 # buries the job's own output and says nothing a user can act on.
 # Several gloo threads write at once, so a line may arrive torn: match the
 # tail that every such line ends with.
-_NOISE = b"peer ranks. Expected number of connected peer ranks is"
+_NOISE = b"connected peer ranks"
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class _Forwarder(threading.Thread):
@@ -96,18 +107,25 @@ class _Forwarder(threading.Thread):
         self.src, self.dst, self.prefix, self.lock = src, dst, prefix, lock
 
     def run(self) -> None:
+        # Split on "\n" and on "\r": a progress bar redrawn in place with
+        # "\r" reaches the terminal as it is drawn, each redraw re-prefixed.
+        buf = b""
         try:
-            for line in iter(self.src.readline, b""):
-                if _NOISE in line:
-                    continue   # gloo's per-rank connection chatter, one per device
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                with self.lock:
-                    try:
-                        self.dst.write(self.prefix + line)
-                        self.dst.flush()
-                    except (OSError, ValueError):
-                        pass   # our own output closed: keep draining the pipe
+            while True:
+                chunk = self.src.read1(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                while True:
+                    cut = [i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0]
+                    if not cut:
+                        break
+                    i = min(cut)
+                    end = i + (2 if buf[i:i + 2] == b"\r\n" else 1)
+                    self._emit(buf[:end])
+                    buf = buf[end:]
+            if buf:
+                self._emit(buf + b"\n")
         except (OSError, ValueError):
             pass
         finally:
@@ -115,6 +133,16 @@ class _Forwarder(threading.Thread):
                 self.src.close()
             except OSError:
                 pass
+
+    def _emit(self, segment: bytes) -> None:
+        if _NOISE in segment or segment == b"\r":
+            return   # gloo's per-rank chatter; a bare "\r" would print a lone prefix
+        with self.lock:
+            try:
+                self.dst.write(self.prefix + segment)
+                self.dst.flush()
+            except (OSError, ValueError):
+                pass   # our own output closed: keep draining the pipe
 
 
 class Launcher:

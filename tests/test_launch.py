@@ -205,3 +205,17 @@ def test_free_port_is_bindable_on_loopback():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
     assert os.environ.get("PMAPTAP_COORDINATOR") is None
+
+
+def test_carriage_returns_are_forwarded_re_prefixed_and_gloo_chatter_dropped():
+    code = ("import sys; sys.stderr.write('\\r[#---] 1/4\\r[####] 4/4\\n'); "
+            "print('[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of "
+            "connected peer ranks is : 3'); print('real output')")
+    proc, _ = run_launch(1, 1, python_cmd(code), launcher_timeout=30)
+    assert proc.returncode == 0, job_failed(proc)
+    # A progress bar redrawn with "\r" stays in place on a terminal: each
+    # redraw is re-prefixed (text mode shows the "\r" as a line break), and
+    # the bare leading "\r" prints no lone prefix.
+    assert proc.stderr.splitlines() == ["[p0] [#---] 1/4", "[p0] [####] 4/4"]
+    assert "connected peer ranks" not in proc.stdout
+    assert "[p0] real output" in proc.stdout
