@@ -280,7 +280,7 @@ class Aggregator:
                 for holders in by_value.values()]
 
     def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
-        return encode_tree(spec.treedef, leaves)
+        return encode_tree(spec.treedef, leaves, spec.summaries)
 
     def _per_device(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         value, dtype, shape = self._value(spec, cp.leaves)
@@ -289,7 +289,8 @@ class Aggregator:
             value=value, dtype=dtype, shape=shape, process=cp.process,
             time=self.clock(), host=self.host, device=cp.device,
             coords=dict(zip(spec.axis_names, cp.coords)),
-            batch_dims=spec.batch_dims, pass_=spec.pass_)
+            batch_dims=spec.batch_dims, pass_=spec.pass_,
+            summarized=bool(spec.summaries))
 
     def _replicated(self, spec: TapSpec, step: int, holders: list[Copy],
                     divergent: bool) -> Record:
@@ -308,5 +309,5 @@ class Aggregator:
             devices=tuple(h.device for h in holders),
             processes=tuple(sorted({h.process for h in holders})),
             divergent=divergent, batch_dims=spec.batch_dims, pass_=spec.pass_,
-            extra=extra, vhash=hashlib.blake2b(holders[0].key,
-                                               digest_size=8).hexdigest())
+            summarized=bool(spec.summaries), extra=extra,
+            vhash=hashlib.blake2b(holders[0].key, digest_size=8).hexdigest())

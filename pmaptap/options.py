@@ -21,6 +21,11 @@ class Options:
     # one copy (plus the hashes). Off: send one copy unverified (cheapest;
     # a divergence between replicas then goes unnoticed).
     verify_replicated: bool = True
+    # A leaf bigger than this (bytes of one copy, one vmap element) is not
+    # sent: its statistics are computed on device and the record says
+    # "summarized": true (see tap.summarize). None: always send whole values.
+    # host_callback.id_tap functions always receive the whole value.
+    max_value_bytes: int | None = 1 << 20
 
 
 _current = Options()
@@ -41,6 +46,11 @@ def configure(**changes) -> Options:
                         f"known: {sorted(fields)}")
     if "gather_max_bytes" in changes and int(changes["gather_max_bytes"]) < 0:
         raise ValueError("pmaptap.configure: gather_max_bytes must be >= 0")
+    if "max_value_bytes" in changes:
+        v = changes["max_value_bytes"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError("pmaptap.configure: max_value_bytes must be None "
+                             f"(never summarize) or an int >= 0; got {v!r}")
     prev = _current
     _current = dataclasses.replace(_current, **changes)
     return prev

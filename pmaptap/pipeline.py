@@ -12,9 +12,14 @@ next ``flush()``/``close()``.
 Bound and overflow policy: events in ``ingress`` plus records in ``outbox``
 are limited to ``max_pending`` items and ``max_pending_bytes`` bytes. Past
 that, ``overflow`` decides: "block" (the callback waits for room: nothing is
-lost, the devices slow down), "drop_oldest" (default: the oldest pending item
-is discarded) or "drop_newest" (the arriving one is). Drops are counted,
-written to the file as a ``pmaptap/dropped`` meta record and warned about.
+lost, the devices slow down), "drop_oldest" (default: the oldest queued item
+is discarded; items already in a thread's hands, at most one aggregation
+chunk and one write batch, cannot be, and when only those remain the
+arriving one is) or "drop_newest" (the arriving one is). No event is
+admitted past the bound (one event can still become several records, e.g.
+one per device). Drops are counted, written to the file as a
+``pmaptap/dropped`` meta record at the next flush/close (never dropped
+itself) and warned about.
 """
 from __future__ import annotations
 
@@ -92,6 +97,7 @@ class Pipeline:
         self._space_cv = threading.Condition(self._cv)
         self._agg_waiting = False
         self._write_waiting = False
+        self._write_lingering = False
         self._outbox_markers = 0
         self._ingress: collections.deque = collections.deque()
         self._outbox: collections.deque = collections.deque()
@@ -99,6 +105,7 @@ class Pipeline:
         self._pending_bytes = 0
         self._errors: list[BaseException] = []
         self._error_warned = False
+        self._last_busy = ""          # why the last lock attempt failed
         self.dropped = 0
         self._dropped_reported = 0
         self.received = 0
@@ -125,7 +132,11 @@ class Pipeline:
                     return
                 if self.overflow == "drop_oldest":
                     if not self._drop_oldest_locked():
-                        break
+                        # Everything pending is in the threads' hands (being
+                        # aggregated or written): drop the arriving item
+                        # rather than exceed the bound.
+                        self.dropped += 1
+                        return
                     continue
                 self._space_cv.wait(0.1)    # "block"
                 if self._stopping:
@@ -144,9 +155,13 @@ class Pipeline:
                  and self._pending_items > 0))
 
     def _drop_oldest_locked(self) -> bool:
-        for q in (self._ingress, self._outbox):
+        # The outbox holds the older items (already aggregated), so it is
+        # searched first. Markers and meta records (the drop counts
+        # themselves) are never dropped.
+        for q in (self._outbox, self._ingress):
             for i, item in enumerate(q):
-                if isinstance(item, _Marker):
+                if isinstance(item, _Marker) or (
+                        q is self._outbox and item[0].kind == "meta"):
                     continue
                 del q[i]
                 size = item[2] if q is self._ingress else item[1]
@@ -189,16 +204,15 @@ class Pipeline:
                         f"could not process tap {spec.name!r}: {e!r}"))
             # Drop array references now (they may pin device buffers).
             arrays = item = items = None  # noqa: F841
-            if freed_items:
-                with self._cv:
-                    self._pending_items -= freed_items
-                    self._pending_bytes -= freed_bytes
             recs += self._safe(self.agg.expire)
             marker = last if isinstance(last, _Marker) else None
             if marker is not None:
                 recs += self._safe(self.agg.finalize_all)
                 recs += self._dropped_record()
-            self._push(recs, marker=marker)
+            # The events stay counted until their records are queued (same
+            # critical section): freeing them first let ingest() admit up to
+            # one chunk (4096) past max_pending.
+            self._push(recs, marker=marker, freed=(freed_items, freed_bytes))
             if isinstance(marker, _Stop):
                 return
 
@@ -225,10 +239,15 @@ class Pipeline:
                        process=self.process, time=time.time(), host=self.host,
                        extra={"dropped_total": total, "policy": self.overflow})]
 
-    def _push(self, recs: list[Record], marker: _Marker | None = None) -> None:
-        if not recs and marker is None:
+    def _push(self, recs: list[Record], marker: _Marker | None = None,
+              freed: tuple[int, int] = (0, 0)) -> None:
+        if not recs and marker is None and not freed[0]:
             return
         with self._cv:
+            self._pending_items -= freed[0]
+            self._pending_bytes -= freed[1]
+            if freed[0] > len(recs):
+                self._space_cv.notify_all()     # net room for "block" waiters
             for r in recs:
                 b = _record_bytes(r)
                 self._outbox.append((r, b))
@@ -237,7 +256,7 @@ class Pipeline:
             if marker is not None:
                 self._outbox.append(marker)
                 self._outbox_markers += 1
-            if self._write_waiting:
+            if self._write_waiting or (self._write_lingering and marker is not None):
                 self._write_cv.notify()
 
     # ---------------------------------------------------- writer
@@ -264,9 +283,9 @@ class Pipeline:
                 # Linger briefly to batch more lines per lock acquisition,
                 # unless someone waits on a marker.
                 if not self._outbox_markers and len(self._outbox) < self.max_batch:
-                    self._write_waiting = True      # a marker ends the linger
+                    self._write_lingering = True    # only a marker ends it
                     self._write_cv.wait(self.flush_interval)
-                    self._write_waiting = False
+                    self._write_lingering = False
                 batch, markers = self._take_batch()
             ok = self._write_batch(batch)
             if not ok:
@@ -291,11 +310,22 @@ class Pipeline:
             return True
         try:
             self.sink.write([r for r, _ in batch])
-        except LockBusy:
+        except LockBusy as e:
+            # Kept for the flush-timeout message: in soft mode it names the
+            # marker's holder (pid, host) and the file to remove.
+            self._last_busy = str(e)
             return False
         except BaseException as e:  # noqa: BLE001
             self.record_error(e)
             return False
+        rejected = getattr(self.sink, "rejected", None)
+        if rejected:
+            # Written as pmaptap/unencodable meta records in their place.
+            self.record_error(TapError(
+                f"{len(rejected)} record(s) could not be encoded as JSON and "
+                f"were replaced by pmaptap/unencodable records: "
+                f"{'; '.join(rejected[:3])}"))
+            del rejected[:]
         with self._cv:
             self._pending_items -= len(batch)
             self._pending_bytes -= sum(b for _, b in batch)
@@ -350,10 +380,12 @@ class Pipeline:
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:
             path = getattr(self.sink, "path", None)
+            busy = self._last_busy
             raise TapError(f"pmaptap flush timed out with {pending} record(s) "
                            f"still queued for {path!r} (is another process "
                            "holding the lock?). They stay queued and are "
-                           "retried.", path=path)
+                           "retried." + (f" Last lock attempt: {busy}" if busy
+                                         else ""), path=path)
 
     def close(self, timeout: float | None = None) -> None:
         """Drain, stop both threads, close the sink. Raises TapError if

@@ -49,6 +49,7 @@ class Record:
     pass_: str = "forward"
     extra: dict | None = None     # meta records: counters etc.
     vhash: str | None = None      # replicated: hash of the value's bits
+    summarized: bool = False      # a leaf's value is statistics (SUMMARY_FIELDS)
 
     def to_json_dict(self) -> dict:
         d: dict[str, Any] = {
@@ -74,6 +75,8 @@ class Record:
             d["batch_dims"] = self.batch_dims
         if self.pass_ != "forward":
             d["pass"] = self.pass_
+        if self.summarized:
+            d["summarized"] = True
         if self.extra:
             d.update(self.extra)
         return d
@@ -172,6 +175,30 @@ def _dtype_name(dt: np.dtype) -> str:
     return name
 
 
+# A leaf above options().max_value_bytes travels as float32[8] statistics
+# computed on device (tap.summarize): min, max, mean, std over the finite
+# elements (of |z| for complex), then the NaN and inf counts, each as two
+# float32 (count // COUNT_BASE, count % COUNT_BASE) so that counts up to 2**31
+# stay exact, which one float32 (24-bit mantissa) would not.
+SUMMARY_FIELDS = ("min", "max", "mean", "std", "nan", "inf")
+COUNT_BASE = 4096
+
+
+def encode_summary(stats: np.ndarray, dtype: str,
+                   shape: tuple[int, ...]) -> tuple[dict, str, list[int]]:
+    """float32[..., 8] statistics -> ({"min": ..., "nan": ...}, the original
+    dtype, the original shape after any leading vmap axes of ``stats``)."""
+    stats = np.asarray(stats, np.float32)
+    value: dict[str, Any] = {}
+    for i, field in enumerate(SUMMARY_FIELDS[:4]):
+        value[field] = _float_value(stats[..., i].copy())   # 0-d stays 0-d
+    for j, field in enumerate(SUMMARY_FIELDS[4:]):
+        hi = stats[..., 4 + 2 * j].astype(np.int64)
+        lo = stats[..., 5 + 2 * j].astype(np.int64)
+        value[field] = encode_array(hi * COUNT_BASE + lo)[0]
+    return value, dtype, list(stats.shape[:-1]) + list(shape)
+
+
 def _structure(treedef, it: Iterator[Any]) -> Any:
     """Rebuild a pytree's nesting as JSON containers."""
     import jax
@@ -190,8 +217,12 @@ def _structure(treedef, it: Iterator[Any]) -> Any:
     return vals
 
 
-def encode_tree(treedef, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
-    encoded = [encode_array(a) for a in leaves]
+def encode_tree(treedef, leaves: list[np.ndarray],
+                summaries: tuple = ()) -> tuple[Any, Any, Any]:
+    """(value, dtype, shape) of a pytree; ``summaries`` (TapSpec.summaries)
+    marks the leaves that arrive as statistics."""
+    encoded = [encode_summary(a, *summaries[i]) if summaries and summaries[i]
+               else encode_array(a) for i, a in enumerate(leaves)]
     import jax
     if jax.tree_util.treedef_is_leaf(treedef) and treedef.num_leaves == 1:
         return encoded[0]
@@ -216,6 +247,9 @@ def _decode_complex(v: Any, depth: int) -> Any:
 
 
 def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
+    if isinstance(dtype, str) and isinstance(value, dict):
+        # A summarized leaf: statistics, never complex pairs.
+        return {k: _decode_nonfinite(v) for k, v in value.items()}
     if isinstance(dtype, str):
         value = _decode_nonfinite(value)
         if dtype.startswith("complex") and isinstance(shape, list):

@@ -77,6 +77,11 @@ class Session:
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"Session: run must be a non-empty str, got {run!r}")
+        if run is not None and run != run.encode("utf-8", "replace").decode("utf-8"):
+            # It goes on every line: one that cannot be UTF-8 would make
+            # every record of the session unwritable.
+            raise ValueError(f"Session: run {run!r} is not valid Unicode text "
+                             "(a lone surrogate?); tap files are UTF-8 JSON.")
         if lock not in LOCK_MODES:
             raise ValueError(f"Session: lock must be one of {LOCK_MODES} "
                              f"(\"soft\" for NFS/Lustre/GPFS), got {lock!r}")

@@ -43,8 +43,11 @@ def prepare_path(path: str) -> str:
     """Create parent directories and the file; raise TapError with the reason.
 
     Called at Session.open() so path problems surface there, not later.
+    A symlink is followed to its target, which then gets the data *and* the
+    lock file: processes that reach one file through different links must
+    share one lock (a lock beside each link would exclude nobody).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))
     parent = os.path.dirname(path)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -129,12 +132,15 @@ class FileSink(Sink):
         self.lines_written = 0
         self.bytes_written = 0
         self.repairs = 0
+        # Records that could not be encoded since the pipeline last looked
+        # (see _encode); the pipeline reports them as a TapError.
+        self.rejected: list[str] = []
 
     def write(self, records: Sequence[Record]) -> None:
         if not records:
             return
         # Encode outside the lock; only the dedup decision needs it.
-        encoded = {id(r): r.encode() for r in records}
+        encoded, records = self._encode(records)
         self._acquire()
         soft = self.lock_mode == "soft"
         try:
@@ -180,6 +186,28 @@ class FileSink(Sink):
         self.lines_written += len(keep)
         self.bytes_written += len(data)
 
+    def _encode(self, records: Sequence[Record]) -> tuple[dict, list[Record]]:
+        """Encode every record. One that cannot be (a str that is not valid
+        UTF-8, e.g. a lone surrogate from os.fsdecode in a pytree key) is
+        replaced by a ``pmaptap/unencodable`` meta record that names it:
+        raising would make the pipeline retry the whole batch forever, and
+        nothing queued behind it would ever be written."""
+        encoded: dict[int, bytes] = {}
+        keep: list[Record] = []
+        for r in records:
+            try:
+                encoded[id(r)] = r.encode()
+            except (TypeError, ValueError) as e:   # UnicodeError is a ValueError
+                self.rejected.append(f"{ascii(r.name)} step {r.step}: {e}")
+                r = Record(run=_utf8(r.run), name="pmaptap/unencodable",
+                           step=r.step, kind="meta", value=1, dtype="int64",
+                           shape=[], process=r.process, time=r.time,
+                           host=_utf8(r.host),
+                           extra={"tap": ascii(r.name), "error": str(e)})
+                encoded[id(r)] = r.encode()
+            keep.append(r)
+        return encoded, keep
+
     def _acquire(self) -> None:
         try:
             self._lock.acquire(timeout=self.lock_timeout)
@@ -212,6 +240,10 @@ class FileSink(Sink):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def format_console(r: Record) -> str:

@@ -51,6 +51,10 @@ class TapSpec:
     member_leaves: tuple[int, ...] = ()
     # Gathered payloads packed into one uint8 array: (dtype, shape) per leaf.
     packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Per leaf: None (sent whole) or the (dtype, shape) of a leaf above
+    # options().max_value_bytes whose statistics travel instead (see
+    # tap.summarize); () when no leaf is summarized.
+    summaries: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
     def with_batch(self) -> "TapSpec":

@@ -11,6 +11,8 @@ import numpy as np
 
 from . import placement
 from .emit import axis_coords, emit
+from .options import options
+from .records import COUNT_BASE
 from .spec import DEDUP_MODES, TapSpec
 
 T = TypeVar("T")
@@ -22,6 +24,15 @@ def _check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
                         f"({name!r}). Example: {fn}(x, 'loss').")
     if not name:
         raise ValueError(f"{fn}: name must be a non-empty string.")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # A lone surrogate (e.g. from os.fsdecode of a non-UTF-8 file name)
+        # has no JSON/UTF-8 form: refuse it here rather than at write time.
+        raise ValueError(f"{fn}({name!r}): name is not valid Unicode text "
+                         f"({e.reason} at index {e.start}); tap files are "
+                         "UTF-8 JSON. Clean the name, e.g. "
+                         "name.encode('utf-8', 'replace').decode().") from None
     if dedup not in DEDUP_MODES:
         raise ValueError(f"{fn}({name!r}): dedup must be one of "
                          f"{', '.join(repr(m) for m in DEDUP_MODES)}; got {dedup!r}.")
@@ -34,6 +45,14 @@ def _check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
 
 
 def _as_leaf(path, leaf, name: str, fn: str):
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "OSUMm":
+        # object / bytes / str / datetime arrays: JAX would refuse them
+        # too, but without naming the tap or the leaf.
+        where = jax.tree_util.keystr(path) or "the value"
+        raise TypeError(
+            f"{fn}({name!r}): {where} is a NumPy array of dtype "
+            f"{leaf.dtype}; taps accept numeric and bool arrays only. Convert "
+            "it, or leave it out of the tapped value.")
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or \
             isinstance(leaf, jax.core.Tracer):
         return leaf
@@ -68,8 +87,64 @@ def _check_step(step: Any, name: str, fn: str):
                     f"{type(step).__name__}.")
 
 
+def summarize(x: jax.Array) -> jax.Array:
+    """float32[8] statistics of ``x``, computed where ``x`` lives (layout in
+    records.SUMMARY_FIELDS): min, max, mean, std over the finite elements
+    (NaN when there are none; of ``|x|`` for complex; min/max of integers
+    are exact below 2**24), then the NaN and inf counts split in two float32
+    each so that they stay exact. Under vmap it batches like any jnp code."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        nan = jnp.isnan(x.real) | jnp.isnan(x.imag)
+        inf = jnp.isinf(x.real) | jnp.isinf(x.imag)
+        xf = jnp.abs(x).astype(jnp.float32)
+        finite = ~(nan | inf)
+    elif jnp.issubdtype(x.dtype, jnp.inexact):
+        xf = x.astype(jnp.float32)       # bf16/fp8/f16 widen exactly
+        nan, inf = jnp.isnan(x), jnp.isinf(x)
+        finite = jnp.isfinite(x)
+    else:                                # integers and bool: all finite
+        xf = x.astype(jnp.float32)
+        nan = inf = jnp.zeros(x.shape, bool)
+        finite = jnp.ones(x.shape, bool)
+    n = jnp.sum(finite, dtype=jnp.int32)
+    denom = jnp.maximum(n, 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(finite, xf, 0.0)) / denom
+    std = jnp.sqrt(jnp.sum(jnp.where(finite, jnp.square(xf - mean), 0.0)) / denom)
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        lo, hi = jnp.min(x).astype(jnp.float32), jnp.max(x).astype(jnp.float32)
+    else:
+        lo = jnp.min(jnp.where(finite, xf, jnp.inf))
+        hi = jnp.max(jnp.where(finite, xf, -jnp.inf))
+    none = n == 0
+    stats = [jnp.where(none, jnp.nan, v) for v in (lo, hi, mean, std)]
+    for count in (jnp.sum(nan, dtype=jnp.int32), jnp.sum(inf, dtype=jnp.int32)):
+        stats += [(count // COUNT_BASE).astype(jnp.float32),
+                  (count % COUNT_BASE).astype(jnp.float32)]
+    return jnp.stack(stats)
+
+
+def _summarize_big(leaves: list) -> tuple[list, tuple]:
+    """Replace every leaf above options().max_value_bytes by its statistics
+    (decided at trace time, so the big array never leaves the device).
+    Returns (leaves to send, TapSpec.summaries)."""
+    limit = options().max_value_bytes
+    if limit is None:
+        return leaves, ()
+    out, summaries = [], []
+    for x in leaves:
+        dtype = jnp.dtype(x.dtype)
+        if int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize > limit:
+            out.append(summarize(jnp.asarray(x)))
+            summaries.append((dtype.name, tuple(int(d) for d in np.shape(x))))
+        else:
+            out.append(x)
+            summaries.append(None)
+    return out, (tuple(summaries) if any(summaries) else ())
+
+
 def build_spec(name: str, dedup: str, every: int, treedef, leaves,
-               explicit_step: bool, pass_: str, consumer=None) -> TapSpec:
+               explicit_step: bool, pass_: str, consumer=None,
+               summaries: tuple = ()) -> TapSpec:
     names, sizes = placement.mapped_axes()
     ids, procs = placement.device_table(names, sizes)
     return TapSpec(
@@ -79,7 +154,7 @@ def build_spec(name: str, dedup: str, every: int, treedef, leaves,
         local_copies=placement.local_copy_count(sizes, procs),
         explicit_step=explicit_step, pass_=pass_,
         eager_device=None if names else placement.eager_device(leaves),
-        consumer=consumer,
+        consumer=consumer, summaries=summaries,
     ), names
 
 
@@ -93,9 +168,12 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
         return  # decided at trace time: nothing is compiled for this step
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [_as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
+    # host_callback consumers were promised the whole value: never summarized.
+    sent, summaries = _summarize_big(leaves) if consumer is None else (leaves, ())
     spec, raw_names = build_spec(name, dedup, every, treedef, leaves,
                                  explicit_step=step is not None, pass_=pass_,
-                                 consumer=consumer)
+                                 consumer=consumer, summaries=summaries)
+    leaves = sent
     coords = axis_coords(raw_names)
     if traced_step is not None:
         step_arr = traced_step

@@ -169,3 +169,58 @@ def run_released(code: str, count: int, *, timeout: float = 240,
             if p.poll() is None:
                 p.kill()
     return procs
+
+
+# ---------------------------------------------------------------- faults
+# Helpers of the fault-injection suite (test_faults.py, test_bad_input.py).
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.01):
+    """Poll ``condition()`` until it returns something truthy (returned);
+    AssertionError naming ``what`` after ``timeout`` seconds. For waiting on
+    a real condition (a file grew, a process printed), never a fixed sleep."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        got = condition()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+_MOUNT_NS: list[bool] = []
+
+
+def mount_namespace_available() -> bool:
+    """Whether this machine lets a test mount a private tmpfs / read-only bind
+    (root with CAP_SYS_ADMIN and unshare(1), as in a container run as root).
+    Mounts made this way vanish with the process and never touch the host."""
+    if not _MOUNT_NS:
+        import shutil
+        import tempfile
+        ok = False
+        if shutil.which("unshare") and hasattr(os, "geteuid") and os.geteuid() == 0:
+            with tempfile.TemporaryDirectory() as d:
+                try:
+                    ok = subprocess.run(
+                        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                         f"mount -t tmpfs -o size=64k tmpfs '{d}'"],
+                        capture_output=True, timeout=30).returncode == 0
+                except (OSError, subprocess.SubprocessError):
+                    ok = False
+        _MOUNT_NS.append(ok)
+    return _MOUNT_NS[0]
+
+
+def run_in_mount_namespace(setup: str, code: str, *, devices: int = 1,
+                           timeout: float = 120, **env: str
+                           ) -> subprocess.CompletedProcess:
+    """Run shell ``setup`` (e.g. ``mount -t tmpfs -o size=64k tmpfs "$DIR"``)
+    and then a dedented Python snippet, in a private mount namespace. The
+    snippet must copy out whatever the test wants to inspect: its mounts are
+    gone once it exits."""
+    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+           setup + ' && exec "$0" -c "$1"', sys.executable, textwrap.dedent(code)]
+    return subprocess.run(cmd, env=subprocess_env(devices, **env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)

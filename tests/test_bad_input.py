@@ -1,0 +1,503 @@
+"""Bad input (issue 6): every case gets a clear error at trace/open time or a
+documented, tested behaviour (docs/faults.md). Also the values above
+``max_value_bytes`` that travel as statistics, and the security properties
+of tap files.
+
+Already covered elsewhere and not repeated here: a str leaf in a dict, bad
+name/dedup/every/step values (test_core_steps.py), quotes/newline/unicode
+names and bf16/f16/complex64/empty/0-d round trips under jit, garbage lines
+and a Python expression in a file (test_core_records.py), a second open
+session, a path under a file or a directory, a non-root unwritable
+directory, appending never truncating (test_core_session.py).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import os
+import pickle
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pmaptap
+import pmaptap.cli
+import pmaptap.emit
+from conftest import mount_namespace_available, run_in_mount_namespace
+from pmaptap import host_callback as hcb
+from pmaptap.records import encode_line
+from pmaptap.sink import FileSink
+
+
+def _named(recs: list[dict], name: str) -> list[dict]:
+    return [r for r in recs if r["name"] == name]
+
+
+# ====================================================== non-array leaves
+@dataclasses.dataclass
+class _Point:
+    x: float
+
+
+@pytest.mark.parametrize("value, where, what", [
+    ([jnp.ones(2), b"bytes"], r"\[1\]", "bytes"),
+    ({"p": _Point(1.0)}, r"\['p'\]", "_Point"),
+    ({"o": object()}, r"\['o'\]", "object"),
+    (np.array([1, "a"], dtype=object), "the value", "dtype object"),
+    (np.array(["a", "b"]), "the value", "dtype <U1"),
+    ({"t": np.array(["2024-01-01"], dtype="datetime64[D]")}, r"\['t'\]",
+     r"dtype datetime64\[D\]"),
+])
+def test_non_array_leaves_are_refused_at_trace_time_naming_the_leaf(
+        session, tap_path, value, where, what) -> None:
+    for run in (lambda: pmaptap.tap(value, "bad"),                # eager
+                lambda: jax.jit(lambda: pmaptap.tap(value, "bad"))()):
+        with pytest.raises(TypeError, match=rf"pmaptap.tap\('bad'\): {where} is .*{what}"):
+            run()
+    session.flush()
+    assert pmaptap.read(tap_path) == []       # nothing half-emitted
+
+
+def test_none_is_an_empty_subtree_written_as_null(session, tap_path) -> None:
+    # None is a pytree node with no leaves (JAX's rule), not an error.
+    jax.jit(lambda: pmaptap.tap(None, "none"))()
+    jax.jit(lambda v: pmaptap.tap([v, None], "some"))(jnp.float32(1))
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    (none,) = _named(recs, "none")
+    assert (none["value"], none["dtype"], none["shape"]) == (None, None, None)
+    (some,) = _named(recs, "some")
+    assert some["value"] == [1.0, None] and some["dtype"] == ["float32", None]
+
+
+# ====================================================== empty and 0-d
+def test_empty_and_zero_d_values_under_jit_and_pmap(session, tap_path) -> None:
+    jax.jit(lambda: pmaptap.tap(jnp.zeros((3, 0), jnp.int32), "e30"))()
+    jax.jit(lambda: pmaptap.tap(jnp.bool_(True), "b0"))()
+    # Under pmap an empty leaf next to a real one travels in the packed
+    # gather (zero bytes of it) and comes back with its shape.
+    jax.pmap(lambda v: pmaptap.tap({"e": v[:0], "v": v}, "mix", dedup="per_device"))(
+        jnp.arange(8.0).reshape(8, 1))
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    (e30,) = _named(recs, "e30")
+    assert e30["value"] == [[], [], []] and e30["shape"] == [3, 0]
+    assert _named(recs, "b0")[0]["value"] is True
+    mix = sorted(_named(recs, "mix"), key=lambda r: r["device"])
+    assert [r["value"] for r in mix] == [{"e": [], "v": [float(d)]} for d in range(8)]
+    assert all(r["shape"] == {"e": [0], "v": [1]} for r in mix)
+
+
+def test_pmap_of_only_empty_inputs_is_not_run_by_jax(session, tap_path) -> None:
+    # Documented, not ours: JAX does not execute a pmap whose inputs are all
+    # zero-sized, so no callback of any kind fires (jax.debug.callback
+    # neither). Pinned here so a JAX change is noticed.
+    calls = []
+
+    def f(v):
+        jax.debug.callback(lambda a: calls.append(a.shape), v)
+        return pmaptap.tap(v, "empty_only")
+
+    jax.pmap(f)(jnp.zeros((8, 0)))
+    session.flush()
+    assert calls == [] and pmaptap.read(tap_path) == []
+
+
+# ====================================================== dtypes
+def test_64_bit_values_without_x64_are_recorded_as_jax_computes_them(
+        session, tap_path) -> None:
+    # Without jax_enable_x64 JAX turns 64-bit inputs into 32-bit ones before
+    # pmaptap sees them; the record says what the program computed with.
+    big = np.arange(3, dtype=np.int64) + 2**33
+    out = jax.jit(lambda v: pmaptap.tap(v, "i64") + 0)(big)   # silently int32
+    jax.jit(lambda: pmaptap.tap({"f": np.float64(0.1), "c": np.complex128(1 + 2j),
+                                 "u": np.uint64(7)}, "wide"))()
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    (i64,) = _named(recs, "i64")
+    assert i64["dtype"] == "int32" and i64["value"] == np.asarray(out).tolist()
+    (wide,) = _named(recs, "wide")
+    assert wide["dtype"] == {"c": "complex64", "f": "float32", "u": "uint32"}
+    assert wide["value"] == {"c": complex(1, 2), "f": 0.1, "u": 7}
+    # A Python int that does not fit int32 is JAX's trace-time error.
+    with pytest.raises(OverflowError, match="too large to convert to int32"):
+        jax.jit(lambda: pmaptap.tap(2**40, "huge_int"))()
+
+
+def test_complex_bf16_and_fp8_under_pmap_round_trip(session, tap_path) -> None:
+    x = jnp.array([[1.5, jnp.nan], [jnp.inf, -2.0]] * 4)        # (8, 2)
+
+    @jax.pmap
+    def f(v):
+        return pmaptap.tap({
+            "c": lax.complex(v, -v),
+            "bf16": v.astype(jnp.bfloat16),
+            "e4m3": jnp.where(jnp.isinf(v), 448.0, v).astype(jnp.float8_e4m3fn),
+            "e5m2": v.astype(jnp.float8_e5m2),
+        }, "narrow", dedup="per_device")
+
+    f(x)
+    session.flush()
+    recs = sorted(_named(pmaptap.read(tap_path), "narrow"), key=lambda r: r["device"])
+    assert len(recs) == 8
+    r0, r1 = recs[0], recs[1]
+    assert r0["dtype"] == {"bf16": "bfloat16", "c": "complex64",
+                           "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+    assert r0["value"]["bf16"][0] == 1.5 and math.isnan(r0["value"]["bf16"][1])
+    assert r1["value"]["e5m2"] == [math.inf, -2.0]
+    assert r1["value"]["e4m3"] == [448.0, -2.0]
+    c = r1["value"]["c"]
+    assert c[1] == complex(-2.0, 2.0)
+    assert math.isinf(c[0].real) and math.isinf(c[0].imag)
+
+
+# ====================================================== huge values
+def _stats(a: np.ndarray) -> dict:
+    x = np.abs(a) if np.iscomplexobj(a) else a.astype(np.float64)
+    fin = np.isfinite(x)
+    return {"min": float(x[fin].min()), "max": float(x[fin].max()),
+            "mean": float(x[fin].mean()), "std": float(x[fin].std()),
+            "nan": int(np.isnan(x).sum()), "inf": int(np.isinf(x).sum())}
+
+
+def _close(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(
+        got[k] == want[k] if k in ("nan", "inf") else
+        math.isclose(got[k], want[k], rel_tol=1e-5, abs_tol=1e-5) for k in want)
+
+
+def test_values_above_max_value_bytes_become_statistics_on_device(
+        session, tap_path, monkeypatch) -> None:
+    # 2 MiB of float32 (default limit 1 MiB per leaf), with more NaNs and
+    # infs than one float32 counts exactly in its low part (see
+    # records.COUNT_BASE).
+    a = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    a.reshape(-1)[:5000] = np.nan
+    a.reshape(-1)[5000:9097] = -np.inf
+    sent: list[int] = []
+    real = pmaptap.emit.deliver
+
+    def spy(spec, arrays):            # what reaches the host, in bytes
+        sent.append(sum(np.asarray(x).nbytes for x in arrays))
+        real(spec, arrays)
+
+    monkeypatch.setattr(pmaptap.emit, "deliver", spy)
+    jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]},
+                                  "act"))(a)
+    session.flush()
+    (r,) = pmaptap.read(tap_path)
+    assert r["summarized"] is True
+    assert r["dtype"] == {"big": "float32", "small": "float32"}
+    assert r["shape"] == {"big": [512, 1024], "small": [3]}
+    assert _close(r["value"]["big"], _stats(a))
+    assert r["value"]["big"]["nan"] == 5000 and r["value"]["big"]["inf"] == 4097
+    assert r["value"]["small"] == [-math.inf] * 3          # small leaves intact
+    assert max(sent) < 1024                   # the 2 MiB never left the device
+
+
+def test_summary_limit_is_configurable_and_per_leaf(session, tap_path):
+    f = lambda name: jax.jit(lambda v: pmaptap.tap(v, name))      # noqa: E731
+    with pmaptap.configured(max_value_bytes=16):
+        f("at_limit")(jnp.arange(4.0))        # 16 bytes: kept whole
+        f("over")(jnp.arange(5.0))            # 20 bytes: statistics
+    with pmaptap.configured(max_value_bytes=None):
+        f("never")(jnp.zeros((600, 1024)))    # 2.4 MB, but summaries are off
+    session.flush()
+    recs = {r["name"]: r for r in pmaptap.read(tap_path)}
+    assert recs["at_limit"]["value"] == [0.0, 1.0, 2.0, 3.0]
+    assert "summarized" not in recs["at_limit"]
+    assert recs["over"]["summarized"] and recs["over"]["shape"] == [5]
+    assert _close(recs["over"]["value"], _stats(np.arange(5.0)))
+    assert len(recs["never"]["value"]) == 600 and "summarized" not in recs["never"]
+    for bad in (-1, 1.5, True, "1MiB"):
+        with pytest.raises(ValueError, match="max_value_bytes"):
+            pmaptap.configure(max_value_bytes=bad)
+
+
+def test_summaries_under_pmap_vmap_and_for_every_dtype(session, tap_path) -> None:
+    with pmaptap.configured(max_value_bytes=64):
+        # per device: each copy's own statistics (through the gather)
+        jax.pmap(lambda v: pmaptap.tap(v, "pm", dedup="per_device"))(
+            jnp.arange(8 * 32.0).reshape(8, 32))
+        # vmap: statistics per batch element, leading axes kept in shape
+        jax.jit(jax.vmap(lambda v: pmaptap.tap(v, "vm")))(
+            jnp.arange(3 * 40.0).reshape(3, 40))
+        jax.jit(lambda: pmaptap.tap({
+            "i": jnp.arange(100, dtype=jnp.int32) - 50,
+            "b": jnp.arange(100) % 4 == 0,
+            "c": jnp.full((20,), 3 + 4j, jnp.complex64),
+            "bf": jnp.full((100,), jnp.nan, jnp.bfloat16),
+        }, "kinds"))()
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    for r in _named(recs, "pm"):
+        d = r["device"]
+        assert _close(r["value"], _stats(np.arange(32.0) + 32 * d))
+        assert r["summarized"] and r["shape"] == [32]
+    (vm,) = _named(recs, "vm")
+    assert vm["batch_dims"] == 1 and vm["shape"] == [3, 40]
+    assert vm["value"]["min"] == [0.0, 40.0, 80.0] and vm["value"]["nan"] == [0, 0, 0]
+    (k,) = _named(recs, "kinds")
+    v = k["value"]
+    assert _close(v["i"], _stats(np.arange(100) - 50))
+    assert v["b"]["mean"] == 0.25 and v["b"]["max"] == 1.0
+    assert v["c"]["mean"] == 5.0 and k["dtype"]["c"] == "complex64"   # of |z|
+    # No finite element: NaN statistics (read back as float NaN), counts kept.
+    assert all(math.isnan(v["bf"][s]) for s in ("min", "max", "mean", "std"))
+    assert v["bf"]["nan"] == 100 and k["dtype"]["bf"] == "bfloat16"
+
+
+def test_host_callback_functions_always_get_the_whole_value() -> None:
+    got = []
+    with pmaptap.configured(max_value_bytes=16):
+        jax.jit(lambda v: hcb.id_tap(lambda a, t: got.append(a.shape), v))(
+            jnp.zeros((100,)))
+        hcb.barrier_wait()
+    assert got == [(100,)]
+
+
+# ====================================================== names and arguments
+def test_name_that_is_not_valid_unicode_is_refused_at_trace_time() -> None:
+    # A lone surrogate (os.fsdecode of a non-UTF-8 file name) cannot be
+    # written as UTF-8 JSON.
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        jax.jit(lambda v: pmaptap.tap(v, "loss/\udcff"))(jnp.ones(1))
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        pmaptap.Session("t.jsonl", run="run-\udcff")
+
+
+def test_unencodable_record_never_blocks_the_ones_behind_it(tap_path) -> None:
+    # A pytree key with a lone surrogate reaches the writer. It is replaced
+    # by a pmaptap/unencodable record (and reported); the queue moves on.
+    with pmaptap.Session(tap_path, run="test", close_timeout=5) as s:
+        jax.jit(lambda v: pmaptap.tap({"k\udcff": v}, "bad_key"))(jnp.ones(1))
+        jax.jit(lambda v: pmaptap.tap(v, "after"))(jnp.float32(2))
+        with pytest.warns(RuntimeWarning), \
+                pytest.raises(pmaptap.TapError, match="could not be encoded"):
+            s.flush(timeout=10)
+    recs = pmaptap.read(tap_path)
+    assert [r["name"] for r in recs] == ["pmaptap/unencodable", "after"]
+    assert recs[0]["tap"] == "'bad_key'" and "surrogate" in recs[0]["error"]
+
+
+def test_control_characters_and_long_names_round_trip(session, tap_path) -> None:
+    names = ["nul\x00esc\x1b\x7f", "emoji 🚀 rtl \u202eabc", "x" * 10_000]
+    for n in names:
+        jax.jit(lambda v: pmaptap.tap(v, n))(jnp.float32(1))
+    session.flush()
+    with open(tap_path, "rb") as f:
+        assert f.read().count(b"\n") == 3      # one physical line each
+    assert [r["name"] for r in pmaptap.read(tap_path)] == names
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    (dict(dedup=None), ValueError, "dedup must be one of"),
+    (dict(dedup="Replicated"), ValueError, "dedup must be one of"),
+    (dict(every=True), TypeError, "every must be an int"),
+    (dict(every=-2), ValueError, "every must be >= 1"),
+    (dict(every=np.int64(0)), ValueError, "every must be >= 1"),
+    (dict(every="2"), TypeError, "every must be an int"),
+])
+def test_more_bad_dedup_and_every_values(kwargs, exc, text) -> None:
+    with pytest.raises(exc, match=text):
+        jax.pmap(lambda v: pmaptap.tap(v, "x", **kwargs))(jnp.ones(8))
+
+
+def test_pmap_of_vmap_of_scan_with_auto_dedup_and_traced_every(session, tap_path) -> None:
+    def inner(x):
+        def body(c, i):
+            # identical on every device: auto -> one replicated record
+            pmaptap.tap(x.sum() * 0 + i, "deep", step=i, every=2)
+            return c, None
+        lax.scan(body, 0.0, jnp.arange(5))
+        return x
+
+    jax.pmap(jax.vmap(inner))(jnp.ones((8, 2, 3)))
+    session.flush()
+    recs = _named(pmaptap.read(tap_path), "deep")
+    # every=2 decided on device per scan step; one record per kept step,
+    # carrying the vmapped batch, replicated over the 8 devices.
+    assert [(r["step"], r["kind"], r["replicas"], r["batch_dims"]) for r in recs] == \
+        [(s, "replicated", 8, 1) for s in (0, 2, 4)]
+    assert [r["value"] for r in recs] == [[0, 0], [2, 2], [4, 4]]
+
+
+# ====================================================== sessions and paths
+def test_failed_second_open_leaves_no_file_and_the_first_session_working(
+        tmp_path) -> None:
+    first = tmp_path / "first.jsonl"
+    s = pmaptap.Session(first, run="first").open()
+    try:
+        with pytest.raises(pmaptap.SessionError, match="already open"):
+            pmaptap.Session(tmp_path / "second.jsonl").open()
+        jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(3))
+    finally:
+        s.close()
+    with pytest.raises(pmaptap.SessionError, match="already used"):
+        s.open()                      # a Session object opens once
+    assert not (tmp_path / "second.jsonl").exists()
+    assert [r["value"] for r in pmaptap.read(first)] == [3.0]
+
+
+def test_symlinked_path_is_followed_and_the_lock_sits_by_the_target(tmp_path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    target = data / "real.jsonl"
+    target.write_text("")
+    links = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for link in links:
+        link.symlink_to(target)
+    for i, link in enumerate(links):
+        with pmaptap.Session(link, run=f"via{i}"):
+            jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(i))
+    # Both links reached one file and one lock: a lock beside each link
+    # would let two writers append at once.
+    assert all(link.is_symlink() for link in links)
+    assert [r["run"] for r in pmaptap.read(target)] == ["via0", "via1"]
+    assert (data / "real.jsonl.lock").exists()
+    assert not any((tmp_path / f"{c}.jsonl.lock").exists() for c in "ab")
+    # A dangling link creates its target; a loop is an error at open.
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(data / "new.jsonl")
+    assert FileSink(str(dangling), process=0).path == str(data / "new.jsonl")
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    with pytest.raises(pmaptap.TapError, match="cannot"):
+        pmaptap.Session(loop).open()
+    assert pmaptap.active_session() is None
+
+
+@pytest.mark.skipif(not mount_namespace_available(),
+                    reason="needs root + unshare for a read-only bind mount")
+def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> None:
+    # Root ignores permission bits (the non-root case is in
+    # test_core_session.py); a read-only mount stops root too.
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    proc = run_in_mount_namespace(
+        'mount --bind "$RO" "$RO" && mount -o remount,ro,bind "$RO"', """
+        import os, pmaptap
+        try:
+            pmaptap.Session(os.path.join(os.environ["RO"], "t.jsonl")).open()
+            print("OPENED")
+        except pmaptap.TapError as e:
+            print("TAPERROR", e)
+        print("active", pmaptap.active_session())
+    """, RO=str(ro))
+    assert proc.returncode == 0, proc.stderr
+    assert "TAPERROR" in proc.stdout and "not writable" in proc.stdout
+    assert "Read-only file system" in proc.stdout
+    assert "active None" in proc.stdout
+
+
+def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path) -> None:
+    path = tmp_path / "old.jsonl"
+    garbage = (b"\x00\x01 binary \xff\xfe not utf-8\n"
+               b"{\"json\": \"but not a record\"}\n"
+               b"NaN\n" + b"z" * 100_000 + b"\n"
+               b"{\"run\": \"x\", \"name\": \"torn")        # no newline
+    path.write_bytes(garbage)
+    with pmaptap.Session(path, run="new"):
+        jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(5))
+    raw = path.read_bytes()
+    assert raw.startswith(garbage)                    # byte for byte
+    with pytest.warns(RuntimeWarning, match=r"skipped 5 invalid line.*line 1:"):
+        recs = pmaptap.read(path)
+    assert [(r["run"], r["value"]) for r in recs] == [("new", 5.0)]
+
+
+# ====================================================== security
+class _Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))     # would create the marker file
+
+
+def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.jsonl"
+    record = {"run": "r", "name": "x", "step": 0, "kind": "replicated",
+              "value": f"__import__('os').system('touch {marker}')",
+              "dtype": "float32", "shape": [], "process": 0, "time": 0.0,
+              "host": "h", "replicas": 1}
+    path.write_bytes(pickle.dumps(_Exploit(str(marker))) + b"\n"
+                     + b"!!python/object/apply:os.system ['touch " + bytes(marker) + b"']\n"
+                     + encode_line(record))
+    with pytest.warns(RuntimeWarning, match="skipped 2 invalid"):
+        recs = pmaptap.read(path)
+    assert recs[0]["value"] == record["value"]        # a string, never run
+    # The command-line tools read it the same way; validate flags it.
+    codes = [pmaptap.cli.main(argv) for argv in (
+        ["show", str(path)], ["summary", str(path)], ["validate", str(path)],
+        ["export", str(path), "--csv", str(tmp_path / "out.csv")])]
+    assert codes == [0, 0, 1, 0]
+    assert "3 problem(s)" in capsys.readouterr().out
+    assert not marker.exists()
+
+
+_UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle",
+                   "marshal", "shelve", "yaml", "jsonpickle"}
+
+
+def test_pmaptap_never_imports_a_deserializer_that_runs_code() -> None:
+    # Tap files are data: pmaptap parses them with json only. No module of
+    # the package may import pickle & co or call eval/exec/compile.
+    pkg = os.path.dirname(pmaptap.__file__)
+    found = []
+    for fname in sorted(os.listdir(pkg)):
+        if not fname.endswith(".py"):
+            continue
+        with open(os.path.join(pkg, fname), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), fname)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0]]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                names = [node.func.id] if node.func.id in ("eval", "exec", "compile") \
+                    else []
+            elif isinstance(node, ast.keyword) and node.arg == "allow_pickle":
+                names = ["allow_pickle"]
+            else:
+                continue
+            found += [f"{fname}:{node.lineno} {n}" for n in names
+                      if n in _UNSAFE_MODULES | {"eval", "exec", "compile",
+                                                 "allow_pickle"}]
+    assert found == []
+
+
+@pytest.mark.parametrize("lock", ["flock", "soft"])
+@pytest.mark.parametrize("umask", [0o077, 0o022])
+def test_files_are_created_with_the_process_umask(tmp_path, umask, lock) -> None:
+    path = tmp_path / "new" / "dir" / "t.jsonl"
+    old = os.umask(umask)
+    try:
+        with pmaptap.Session(path, run="u", lock=lock) as s:
+            jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
+            s.flush()
+            # soft mode: the marker exists only while held; take it the way
+            # the writer does and look at it.
+            sink = s.pipeline.sink
+            sink._acquire()
+            try:
+                lock_file = sink._lock.lock_file
+                lock_mode = stat.S_IMODE(os.stat(lock_file).st_mode)
+            finally:
+                sink._lock.release()
+    finally:
+        os.umask(old)
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in
+             (path, path.parent, path.parent.parent)}
+    modes[lock_file] = lock_mode
+    for p, mode in modes.items():
+        full = 0o777 if os.path.isdir(p) else 0o666
+        assert mode == full & ~umask, (str(p), oct(mode))
+        assert not mode & stat.S_IWOTH, str(p)        # never world-writable
