@@ -96,6 +96,8 @@ class Pipeline:
         self._write_cv = threading.Condition(self._cv)
         self._space_cv = threading.Condition(self._cv)
         self._agg_waiting = False
+        self._agg_lingering = False
+        self.agg_linger = 0.005
         self._write_waiting = False
         self._write_lingering = False
         self._outbox_markers = 0
@@ -183,6 +185,14 @@ class Pipeline:
                     self._agg_waiting = True
                     self._agg_cv.wait(0.25)
                     self._agg_waiting = False
+                if self._ingress and len(self._ingress) < 64 and \
+                        not isinstance(self._ingress[-1], _Marker):
+                    # Linger a moment so one wake-up handles many callbacks:
+                    # waking per callback costs more than the work on a busy
+                    # machine. A marker (flush/close) ends the linger.
+                    self._agg_lingering = True
+                    self._agg_cv.wait(self.agg_linger)
+                    self._agg_lingering = False
                 items = []
                 while self._ingress and len(items) < 4096:
                     items.append(self._ingress.popleft())
@@ -337,7 +347,7 @@ class Pipeline:
     def _send_marker(self, marker: _Marker, timeout: float | None) -> bool:
         with self._cv:
             self._ingress.append(marker)
-            self._agg_cv.notify()
+            self._agg_cv.notify()            # also ends a linger
         return marker.event.wait(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
