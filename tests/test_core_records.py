@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pmaptap
+from conftest import run_python
 from pmaptap.records import encode_array
 
 
@@ -90,3 +91,29 @@ def test_read_never_evaluates_content(tmp_path):
     with pytest.warns(RuntimeWarning):
         assert pmaptap.read(p) == []
     assert not (tmp_path / "pwned").exists()
+
+
+def test_json_fallback_writes_the_same_records_as_orjson(tmp_path):
+    """orjson is the fast path; without it (PMAPTAP_NO_ORJSON=1) the stdlib
+    encoder must write the same values, non-finite markers included."""
+    code = """
+        import os, jax, jax.numpy as jnp, pmaptap
+        with pmaptap.Session(os.environ["TAP"], run="enc"):
+            jax.pmap(lambda v: pmaptap.tap({"x": v * 0.1, "n": v / 0.0,
+                                            "i": v.astype(jnp.int32), "b": v > 1,
+                                            "h": v.astype(jnp.bfloat16)},
+                                           "t", dedup="per_device"))(jnp.arange(4.0) - 1)
+    """
+    keep = ("name", "step", "value", "dtype", "shape", "device", "coords")
+    out = {}
+    for mode in ("orjson", "json"):
+        path = str(tmp_path / f"{mode}.jsonl")
+        env = {"TAP": path}
+        if mode == "json":
+            env["PMAPTAP_NO_ORJSON"] = "1"
+        run_python(code, devices=4, **env)
+        _strict_lines(path)                              # strict JSON either way
+        out[mode] = sorted(json.dumps({k: r[k] for k in keep}, sort_keys=True,
+                                      default=str)
+                           for r in pmaptap.read(path))
+    assert len(out["json"]) == 4 and out["json"] == out["orjson"]
