@@ -144,6 +144,9 @@ def test_variants_and_layouts_train_identically(jobs):
 _DIVERGE = """
     import jax, jax.numpy as jnp, pmaptap, pmaptap.distributed as dist, os, json
     dist.initialize()
+    # GMB=0: replicated taps travel as one copy plus per-device hashes
+    # ("verified" layout) instead of gathered values; same records expected.
+    pmaptap.configure(gather_max_bytes=int(os.environ["GMB"]))
     out = os.environ["TAP"]
     p = jax.process_index()
 
@@ -164,9 +167,11 @@ _DIVERGE = """
 """
 
 
-def test_cross_host_divergence_keeps_every_value(tmp_path):
+@pytest.mark.parametrize("gather_max_bytes", [1 << 20, 0], ids=["gathered", "hashed"])
+def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
     tap = str(tmp_path / "div.jsonl")
-    proc, _ = run_launch(2, 2, python_cmd(_DIVERGE), launcher_timeout=60, TAP=tap)
+    proc, _ = run_launch(2, 2, python_cmd(_DIVERGE), launcher_timeout=60, TAP=tap,
+                         GMB=str(gather_max_bytes))
     assert proc.returncode == 0, job_failed(proc)
     runs = [json.loads(line.split(" ", 1)[1]) for p in (0, 1)
             for line in prefixed(proc.stdout, p) if line.startswith("RUNS ")]
