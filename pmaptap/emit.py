@@ -192,6 +192,10 @@ def axis_coords(axis_names: Sequence) -> jax.Array:
     return jnp.stack([lax.axis_index(n).astype(jnp.int32) for n in axis_names])
 
 
+def _nbytes(leaves: Sequence) -> int:
+    return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
 def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     """Pick the transport for this tap site (see module docstring)."""
     opts = options()
@@ -203,8 +207,7 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     mask = placement.leader_mask(spec.device_processes, n)
     if mask is None or placement.inside_divergent_control_flow():
         return spec
-    nbytes = sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
-    small = nbytes * n <= opts.gather_max_bytes
+    small = _nbytes(leaves) * n <= opts.gather_max_bytes
     if spec.dedup == "replicated" and not opts.verify_replicated:
         layout = "one"
     elif small:
@@ -254,6 +257,9 @@ class group(contextlib.ContextDecorator):
                 isinstance(self._trace, _batching.BatchTrace) or
                 spec.layout not in ("gathered", "verified_off")):
             return False
+        if spec.layout == "verified_off" and \
+                _nbytes(leaves) * spec.total_copies > options().gather_max_bytes:
+            return False    # the group gathers every member: only small ones
         if self._members:
             first = self._members[0]
             if first[0].leaders != spec.leaders or first[1] != raw_names:

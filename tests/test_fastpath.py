@@ -143,3 +143,19 @@ def test_mixed_dtype_pytree_is_packed_into_one_gather_bit_exactly(session, tap_p
         assert v["h"] == d * 0.5 and r["dtype"]["h"] == "bfloat16"
         assert v["n"] == [d, -d] and v["u8"] == d
         assert (np.isnan(v["nan"]) if d == 0 else v["nan"] == np.inf)
+
+
+def test_group_leaves_big_unverified_replicated_taps_out_of_its_gather(tmp_path, host_calls):
+    def step(v):
+        with pmaptap.group():
+            pmaptap.tap(v, "small", dedup="per_device")
+            pmaptap.tap(jnp.ones(4096) * lax.pmean(v, "i"), "big", dedup="replicated")
+        return v
+
+    with pmaptap.configured(verify_replicated=False, gather_max_bytes=4096):
+        with pmaptap.Session(str(tmp_path / "g.jsonl"), run="g"):
+            jax.pmap(lambda v: step(v), axis_name="i")(jnp.arange(8.0))
+    # the 16 KiB replicated value travels alone (one copy), not gathered 8x
+    assert sorted(host_calls) == ["big", "small"]
+    recs = {r["name"]: r for r in pmaptap.read(tmp_path / "g.jsonl")}
+    assert recs["big"]["replicas"] == 8 and recs["big"]["verified"] is False
