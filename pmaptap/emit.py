@@ -7,14 +7,17 @@ The callback itself only hands the arrays to the active pipeline (see
 ``routing.deliver``) and returns: XLA's callback thread holds the GIL and
 blocks its device, and converting or encoding there was seen to hang.
 
-Why ``jax.debug.callback``: it is allowed under ``grad`` (it sees primals),
-``scan``/``cond``/``while``, ``checkpoint`` and inside ``shard_map``/``pmap``
-bodies, where a fully manual mesh makes it run once per device with the local
-value. Why ``custom_vmap`` around it: the plain batching rule of
-``debug_callback`` unrolls a vmapped callback into one call per element, in no
-guaranteed order and with no element index. Our rule instead emits *one*
-callback carrying the whole batch, and counts the vmapped axes in
-``TapSpec.batch_dims`` (nested vmaps stack, outermost first).
+Why ``hostcall.host_call``: it has ``jax.debug.callback``'s semantics (allowed
+under ``grad``, where it sees primals, ``scan``/``cond``/``while``,
+``checkpoint``, and once per device inside fully manual ``shard_map``/``pmap``
+bodies) without its ``jax.device_put`` on XLA's callback thread. Why
+``custom_vmap`` around it: a plain batching rule unrolls a vmapped callback
+into one call per element, in no guaranteed order and with no element index.
+Our rule instead emits *one* callback carrying the whole batch, and counts
+the vmapped axes in ``TapSpec.batch_dims`` (nested vmaps stack, outermost
+first). The wrapper also keeps ``jax.checkpoint`` from replaying the tap
+when it recomputes the forward pass (tests/test_hostcall.py shows the bare
+primitive is replayed).
 
 The fast path (``layout``). A host callback costs far more than a small
 collective (on CPU about 0.3 ms per device callback against ~0.01 ms for an
@@ -25,9 +28,13 @@ device:
   device of each process (its *leader*) calls back, with every copy stacked
   on axis 0 in row-major coordinate order. Used for per_device/auto taps
   whose gathered size is at most ``gather_max_bytes``.
-- "verified": replicated taps gather a 64-bit hash of each copy's bits; if all
-  agree, the leader sends its one copy plus the hashes; if not, the full
-  copies are gathered so every distinct value can be written.
+  Several leaves (a pytree, or all members of a ``group``) are packed into
+  one uint8 vector so they cost ONE collective. Small replicated taps use it
+  too: gathering the values is as cheap as gathering hashes.
+- "verified": replicated taps above ``gather_max_bytes`` gather a 64-bit hash
+  of each copy's bits; if all agree, the leader sends its one copy plus the
+  hashes; if not, the full copies are gathered so every distinct value can
+  be written. "verified_off" (``verify_replicated=False``): the leader's copy.
 - "copy": one callback per device (payloads too big to gather, placement
   unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
   ``while_loop``, where devices may diverge and a collective that only some
