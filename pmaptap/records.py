@@ -150,6 +150,13 @@ def _float_value(a: np.ndarray) -> Any:
 
 def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
     dt = a.dtype
+    if a.ndim == 0 and dt in _FAST_SCALARS:
+        # Scalars are most taps (losses, norms, steps): skip the array path.
+        v = a.item()
+        if dt.kind != "f" or math.isfinite(v):
+            if dt == np.float32:
+                v = float(str(a[()]))      # shortest float32 repr
+            return v, _dtype_name(dt), []
     if dt.kind == "b" or dt.kind in "iu":
         if _orjson is None or a.ndim == 0:
             value = a.tolist()
@@ -165,6 +172,8 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
 
 
 _DTYPE_NAMES: dict = {}
+_FAST_SCALARS = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32,
+                                               np.int64, np.uint32, np.uint64, np.bool_))
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -223,8 +232,7 @@ def encode_tree(treedef, leaves: list[np.ndarray],
     marks the leaves that arrive as statistics."""
     encoded = [encode_summary(a, *summaries[i]) if summaries and summaries[i]
                else encode_array(a) for i, a in enumerate(leaves)]
-    import jax
-    if jax.tree_util.treedef_is_leaf(treedef) and treedef.num_leaves == 1:
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:   # a single array
         return encoded[0]
     return tuple(_structure(treedef, iter([e[i] for e in encoded]))
                  for i in range(3))
