@@ -152,6 +152,24 @@ BAD_TAP_ARGS = [
 ]
 
 
+# A writer for run_released: N records of the tap "w<WID>" (values
+# arange(4) + i), released by the file GO; LOCK picks the lock mode.
+APPENDER = """
+    import os, jax, jax.numpy as jnp, pmaptap
+    go = os.environ["GO"]
+    with pmaptap.Session(os.environ["TAP"], run="many", lock=os.environ["LOCK"],
+                         flush_interval=0.001) as s:
+        f = jax.jit(lambda v: pmaptap.tap(v, "w" + os.environ["WID"], dedup="per_device"))
+        f(jnp.arange(4.0))                      # compile before the start line
+        s.flush()
+        print("ready", flush=True)
+        while not os.path.exists(go):
+            pass
+        for i in range(1, int(os.environ["N"])):
+            f(jnp.arange(4.0) + i)
+"""
+
+
 def run_released(code: str, count: int, *, timeout: float = 240,
                  **env: str) -> list:
     """Start `count` copies of a snippet that prints "ready" and then waits

@@ -12,26 +12,13 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import run_released, run_python, start_python
+from conftest import APPENDER, run_released, run_python, start_python
 
-_APPENDER = """
-    import os, sys, jax, jax.numpy as jnp, pmaptap
-    go = os.environ["GO"]
-    with pmaptap.Session(os.environ["TAP"], run="many", flush_interval=0.001) as s:
-        f = jax.jit(lambda v: pmaptap.tap(v, "w" + os.environ["WID"], dedup="per_device"))
-        f(jnp.arange(4.0))                      # compile before the start line
-        s.flush()
-        print("ready", flush=True)
-        while not os.path.exists(go):
-            pass
-        for i in range(1, 1500):
-            f(jnp.arange(4.0) + i)
-"""
 
 
 def test_four_processes_append_1500_records_each(tmp_path):
     tap, go = str(tmp_path / "t.jsonl"), str(tmp_path / "go")
-    run_released(_APPENDER, 4, timeout=240, TAP=tap, GO=go)
+    run_released(APPENDER, 4, timeout=240, TAP=tap, GO=go, LOCK="flock", N="1500")
     with open(tap, "rb") as f:
         raw = f.read()
     assert raw.endswith(b"\n")

@@ -14,28 +14,13 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import run_released, run_python, start_python
+from conftest import APPENDER, run_released, run_python, start_python
 
-_SOFT_APPENDER = """
-    import os, jax, jax.numpy as jnp, pmaptap
-    go = os.environ["GO"]
-    with pmaptap.Session(os.environ["TAP"], run="soft", lock="soft",
-                         flush_interval=0.001) as s:
-        f = jax.jit(lambda v: pmaptap.tap(v, "w" + os.environ["WID"],
-                                          dedup="per_device"))
-        f(jnp.arange(3.0))
-        s.flush()
-        print("ready", flush=True)
-        while not os.path.exists(go):
-            pass
-        for i in range(1, 300):
-            f(jnp.arange(3.0) + i)
-"""
 
 
 def test_soft_lock_many_processes_append_exactly(tmp_path):
     tap, go = str(tmp_path / "t.jsonl"), str(tmp_path / "go")
-    run_released(_SOFT_APPENDER, 3, timeout=120, TAP=tap, GO=go)
+    run_released(APPENDER, 3, timeout=120, TAP=tap, GO=go, LOCK="soft", N="300")
     with open(tap, "rb") as f:
         raw = f.read()
     lines = raw.split(b"\n")
