@@ -154,10 +154,9 @@ class Aggregator:
             return self.add(spec, coords, step, arrays[2:])
         if spec.layout == "gathered":
             return self._add_gathered(spec, step, arrays[2:])
-        if spec.layout == "verified":
-            return self._add_one_copy(spec, step, arrays[3:], verified=True)
-        if spec.layout == "verified_off":
-            return self._add_one_copy(spec, step, arrays[2:], verified=False)
+        if spec.layout in ("verified", "verified_off"):
+            return self._add_one_copy(spec, step, arrays[2:],
+                                      verified=spec.layout == "verified")
         if spec.layout == "group":
             out: list[Record] = []
             steps, rest, i = arrays[1].reshape(-1), arrays[2:], 0

@@ -32,8 +32,7 @@ device:
   one uint8 vector so they cost ONE collective. Small replicated taps use it
   too: gathering the values is as cheap as gathering hashes.
 - "verified": replicated taps above ``gather_max_bytes`` gather a 64-bit hash
-  of each copy's bits; if all agree, the leader sends its one copy plus the
-  hashes; if not, the full copies are gathered so every distinct value can
+  of each copy's bits; if all agree, the leader sends its one copy; if not, the full copies are gathered so every distinct value can
   be written. "verified_off" (``verify_replicated=False``): the leader's copy.
 - "copy": one callback per device (payloads too big to gather, placement
   unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
@@ -73,6 +72,15 @@ def _callback(spec: TapSpec, *args) -> None:
     host_call(functools.partial(_host_entry, spec), *args)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as unsigned integers of its own width (bool as uint8),
+    ready to bitcast on; complex dtypes are not taken."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    return lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
+
+
 def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
     """Two 32-bit position-weighted sums of a value's bits (uint32[2]).
 
@@ -82,15 +90,9 @@ def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
     acc = jnp.zeros((2,), jnp.uint32)
     for i, x in enumerate(leaves):
         x = jnp.asarray(x)
-        if x.dtype == jnp.bool_:
-            w = x.astype(jnp.uint32)
-        elif jnp.issubdtype(x.dtype, jnp.complexfloating):
-            w = lax.bitcast_convert_type(
-                jnp.stack([x.real, x.imag], -1), jnp.uint32 if x.dtype == jnp.complex64
-                else jnp.uint64)
-        else:
-            bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-            w = lax.bitcast_convert_type(x, bits)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            x = jnp.stack([x.real, x.imag], -1)
+        w = _bits(x)
         if w.dtype == jnp.uint64:
             w = jnp.stack([(w & 0xFFFFFFFF).astype(jnp.uint32),
                            (w >> 32).astype(jnp.uint32)], -1)
@@ -103,10 +105,6 @@ def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
     return acc
 
 
-def _packable(x) -> bool:
-    return not jnp.issubdtype(x.dtype, jnp.complexfloating)
-
-
 def _gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
     """all_gather several leaves with ONE collective: their bytes are
     concatenated into a uint8 vector (bitcast, so bit-exact). Returns the
@@ -114,16 +112,10 @@ def _gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
     split them again; packing is () when the leaves are gathered one by one
     (complex dtypes, which bitcast does not take)."""
     leaves = [jnp.asarray(x) for x in leaves]
-    if len(leaves) < 2 or not all(_packable(x) for x in leaves):
+    if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jnp.complexfloating)
+                              for x in leaves):
         return [lax.all_gather(x, raw_names) for x in leaves], ()
-    parts = []
-    for x in leaves:
-        if x.dtype == jnp.bool_:
-            parts.append(x.astype(jnp.uint8).reshape(-1))
-        elif x.dtype.itemsize == 1:
-            parts.append(lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
-        else:
-            parts.append(lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
+    parts = [lax.bitcast_convert_type(_bits(x), jnp.uint8).reshape(-1) for x in leaves]
     packed = lax.all_gather(jnp.concatenate(parts), raw_names)
     packing = tuple((jnp.dtype(x.dtype).name, tuple(x.shape)) for x in leaves)
     return [packed], packing
@@ -136,11 +128,16 @@ def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
     return flat
 
 
+def _is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
+    """Whether this device calls back for its process (see spec.leaders)."""
+    return jnp.asarray(np.array(spec.leaders))[_flat_index(coords, spec.axis_sizes)]
+
+
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     if spec.layout == "copy":
         _callback(spec, coords, step, *leaves)
         return
-    is_leader = jnp.asarray(np.array(spec.leaders))[_flat_index(coords, spec.axis_sizes)]
+    is_leader = _is_leader(spec, coords)
 
     def gathered():
         stacked, packing = _gather_packed(leaves, raw_names)
@@ -161,7 +158,8 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     agree = jnp.all(hashes == hashes[0])
 
     def one_copy():
-        lax.cond(is_leader, lambda: _callback(spec, coords, step, hashes, *leaves),
+        # Agreement was decided here, on device: the host needs the copy only.
+        lax.cond(is_leader, lambda: _callback(spec, coords, step, *leaves),
                  lambda: None)
 
     lax.cond(agree, one_copy, gathered)
@@ -214,10 +212,9 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     mask = placement.leader_mask(spec.device_processes, n)
     if mask is None or placement.inside_divergent_control_flow():
         return spec
-    small = _nbytes(leaves) * n <= opts.gather_max_bytes
     if spec.dedup == "replicated" and not opts.verify_replicated:
-        layout = "one"
-    elif small:
+        layout = "verified_off"          # the leader's copy alone
+    elif _nbytes(leaves) * n <= opts.gather_max_bytes:
         # Gathering the values themselves is as cheap as gathering hashes
         # when they are small, and needs a single callback.
         layout = "gathered"
@@ -225,10 +222,6 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
         layout = "verified"
     else:
         return spec
-    if layout == "one":
-        # Unverified replicated: the leader's copy alone.
-        return dataclasses.replace(spec, layout="verified_off",
-                                   leaders=tuple(bool(b) for b in mask))
     return dataclasses.replace(spec, layout=layout,
                                leaders=tuple(bool(b) for b in mask))
 
@@ -298,9 +291,7 @@ def _emit_group(members: list[tuple]) -> None:
         first, name="pmaptap/group", layout="group", treedef=None,
         members=tuple(dataclasses.replace(m[0], layout="gathered") for m in members),
         member_leaves=tuple(len(m[2]) for m in members), packing=packing)
-    is_leader = jnp.asarray(np.array(first.leaders))[
-        _flat_index(coords, first.axis_sizes)]
-    lax.cond(is_leader, lambda: _callback(gspec, coords, steps, *payload),
+    lax.cond(_is_leader(first, coords), lambda: _callback(gspec, coords, steps, *payload),
              lambda: None)
 
 

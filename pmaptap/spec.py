@@ -42,7 +42,8 @@ class TapSpec:
     consumer: Any = None
     # How copies travel (see emit.py): "copy" = one callback per device with
     # its own value; "gathered" = all copies stacked on axis 0, one callback
-    # per process; "verified" = one copy plus a hash of every copy.
+    # per process; "verified" = one copy, all copies' hashes compared on
+    # device; "verified_off" = the leader's copy, unverified.
     layout: str = "copy"
     leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
     # layout "group": the member taps one callback carries, and how many
