@@ -91,10 +91,10 @@ class Pipeline:
 
         # One lock, three conditions, so each wake-up reaches the thread
         # that has work (a shared notify_all cost ~20% of throughput).
-        self._cv = threading.Lock()
-        self._agg_cv = threading.Condition(self._cv)
-        self._write_cv = threading.Condition(self._cv)
-        self._space_cv = threading.Condition(self._cv)
+        self._lock = threading.Lock()
+        self._agg_cv = threading.Condition(self._lock)
+        self._write_cv = threading.Condition(self._lock)
+        self._space_cv = threading.Condition(self._lock)
         self._agg_waiting = False
         self._agg_lingering = False
         self.agg_linger = 0.005
@@ -106,11 +106,9 @@ class Pipeline:
         self._pending_items = 0
         self._pending_bytes = 0
         self._errors: list[BaseException] = []
-        self._error_warned = False
         self._last_busy = ""          # why the last lock attempt failed
         self.dropped = 0
         self._dropped_reported = 0
-        self.received = 0
         self.written = 0
         self.closed = False
         self._stopping = False
@@ -124,7 +122,7 @@ class Pipeline:
     # ---------------------------------------------------- callback thread
     def ingest(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
         size = _nbytes(arrays)
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 self.dropped += 1
                 return
@@ -147,7 +145,6 @@ class Pipeline:
             self._ingress.append((spec, arrays, size))
             self._pending_items += 1
             self._pending_bytes += size
-            self.received += 1
             if self._agg_waiting:
                 self._agg_cv.notify()
 
@@ -174,13 +171,13 @@ class Pipeline:
         return False
 
     def record_error(self, e: BaseException) -> None:
-        with self._cv:
+        with self._lock:
             self._errors.append(e)
 
     # ---------------------------------------------------- aggregator
     def _agg_loop(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 if not self._ingress:
                     self._agg_waiting = True
                     self._agg_cv.wait(0.25)
@@ -234,7 +231,7 @@ class Pipeline:
             return []
 
     def _dropped_record(self) -> list[Record]:
-        with self._cv:
+        with self._lock:
             new = self.dropped - self._dropped_reported
             if not new:
                 return []
@@ -253,7 +250,7 @@ class Pipeline:
               freed: tuple[int, int] = (0, 0)) -> None:
         if not recs and marker is None and not freed[0]:
             return
-        with self._cv:
+        with self._lock:
             self._pending_items -= freed[0]
             self._pending_bytes -= freed[1]
             if freed[0] > len(recs):
@@ -285,7 +282,7 @@ class Pipeline:
 
     def _write_loop(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._outbox:
                     self._write_waiting = True
                     self._write_cv.wait()
@@ -299,7 +296,7 @@ class Pipeline:
                 batch, markers = self._take_batch()
             ok = self._write_batch(batch)
             if not ok:
-                with self._cv:
+                with self._lock:
                     # Keep the records (in order) for a later retry; the
                     # markers are answered "failed" so flush() can report.
                     self._outbox.extendleft(reversed(batch))
@@ -336,7 +333,7 @@ class Pipeline:
                 f"were replaced by pmaptap/unencodable records: "
                 f"{'; '.join(rejected[:3])}"))
             del rejected[:]
-        with self._cv:
+        with self._lock:
             self._pending_items -= len(batch)
             self._pending_bytes -= sum(b for _, b in batch)
             self.written += len(batch)
@@ -345,35 +342,39 @@ class Pipeline:
 
     # ---------------------------------------------------- control
     def _send_marker(self, marker: _Marker, timeout: float | None) -> bool:
-        with self._cv:
+        with self._lock:
             self._ingress.append(marker)
             self._agg_cv.notify()            # also ends a linger
         return marker.event.wait(timeout)
+
+    def _drain(self, timeout: float | None, *, give_up_on_error: bool) -> None:
+        """Send markers until one comes back written, retrying while the lock
+        is busy or writes fail, until ``timeout``. flush() stops at the first
+        error (to report it); close() keeps trying (space may come back)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            m = _Marker()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._send_marker(m, left) or not m.failed:
+                return
+            if (give_up_on_error and self._errors) or \
+                    (deadline is not None and time.monotonic() >= deadline):
+                return
+            time.sleep(self.retry_interval)
 
     def flush(self, timeout: float | None = None) -> None:
         """Write everything ingested so far; raise TapError on failures."""
         if self.closed:
             raise TapError("flush() on a closed pmaptap pipeline")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            m = _Marker()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done = self._send_marker(m, left)
-            if done and not m.failed:
-                break
-            if self._errors or (deadline is not None and time.monotonic() >= deadline):
-                break
-            if not done:
-                break
-            time.sleep(self.retry_interval)   # lock busy: try again
+        self._drain(timeout, give_up_on_error=True)
         self.raise_errors(pending_ok=False)
 
     def pending(self) -> int:
-        with self._cv:
+        with self._lock:
             return self._pending_items
 
     def raise_errors(self, pending_ok: bool = True) -> None:
-        with self._cv:
+        with self._lock:
             errors, self._errors = self._errors, []
             pending = self._pending_items
         if errors:
@@ -403,19 +404,10 @@ class Pipeline:
         if self.closed:
             return
         stop = _Stop()
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            # Drain with retries (lock busy / transient errors) until deadline.
-            while True:
-                m = _Marker()
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._send_marker(m, left) or not m.failed:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                time.sleep(self.retry_interval)
+            self._drain(timeout, give_up_on_error=False)
         finally:
-            with self._cv:
+            with self._lock:
                 self._stopping = True
             self._send_marker(stop, 5.0)
             # Join so no pmaptap thread (holding array references) is still
