@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .records import Record, encode_tree
-from .spec import TapSpec
+from .spec import TapSpec, flat_index
 
 
 @dataclasses.dataclass
@@ -57,7 +57,10 @@ class _Table:
         self.processes = [me if p is None else p for p in procs]
         self.local = [k for k in range(n)
                       if spec.device_processes is None or procs[k] == me]
-        self.counter_keys = [d if d is not None else c
+        # Automatic steps count per device (per coordinate where the device
+        # is unknown). Outside any mapping (jit, eager) there is one counter,
+        # whatever device an eager value sat on.
+        self.counter_keys = [(d if d is not None else c) if spec.axis_names else ()
                              for d, c in zip(self.devices, self.coords)]
 
 
@@ -105,29 +108,25 @@ class Aggregator:
     # ------------------------------------------------------------ input
     def add(self, spec: TapSpec, coords: np.ndarray, step: int,
             leaves: list[np.ndarray]) -> list[Record]:
-        c = tuple(int(v) for v in coords.reshape(-1))
-        device = spec.device_of(c)
+        t = self._table(spec)
+        k = flat_index(tuple(int(v) for v in coords.reshape(-1)), spec.axis_sizes)
+        c, device = t.coords[k], t.devices[k]
         if not spec.explicit_step:
             # Automatic step: the k-th execution of this tap name on this
             # device. Callbacks of one device arrive in execution order.
-            # Outside any mapping (jit, eager) there is one counter, whatever
-            # device an eager value sat on.
-            ckey = (spec.name, spec.pass_,
-                    (device if device is not None else c) if spec.axis_names else ())
+            ckey = (spec.name, spec.pass_, t.counter_keys[k])
             step = self._counters.get(ckey, 0)
             self._counters[ckey] = step + 1
             if step % spec.every:
                 return []
-        proc = spec.process_of(c)
         if spec.local_copies == 1 and not self._groups:
             # Fast path (plain jit / eager): a group of one is complete now.
-            copy = Copy(spec, c, device, self.process if proc is None else proc,
-                        leaves, b"" if spec.dedup == "per_device" else value_key(leaves))
+            copy = Copy(spec, c, device, t.processes[k], leaves,
+                        b"" if spec.dedup == "per_device" else value_key(leaves))
             if spec.dedup == "per_device":
                 return [self._per_device(spec, int(step), copy)]
             return [self._replicated(spec, int(step), [copy], False)]
-        copy = Copy(spec, c, device, self.process if proc is None else proc,
-                    leaves, value_key(leaves))
+        copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
         gkey = (spec.name, int(step), spec.pass_)
         group = self._groups.get(gkey)
@@ -219,13 +218,11 @@ class Aggregator:
         else:
             keys = [value_key(r) for r in rows]
         copies = self._copies(spec, t, flats, rows, keys)
-        if spec.dedup == "auto" and len(set(keys)) > 1:
-            local = set(t.local)
-            return [self._per_device(spec, step, cp)
-                    for k, cp in zip(flats, copies) if k in local]
         # Replicated / agreeing auto: every process sees all copies, writes
-        # the same record(s), and the file-level index keeps one.
-        return self._resolve((spec.name, step, spec.pass_), _Group(self.clock(), copies))
+        # the same record(s), and the file-level index keeps one. Disagreeing
+        # auto becomes per-device records: of this process's devices only.
+        return self._resolve((spec.name, step, spec.pass_), _Group(self.clock(), copies),
+                             local={t.coords[k] for k in t.local})
 
     def _add_one_copy(self, spec: TapSpec, step: int, leaves: list[np.ndarray],
                       *, verified: bool) -> list[Record]:
@@ -259,21 +256,20 @@ class Aggregator:
             out += self._resolve(gkey, group)
         return out
 
-    @property
-    def open_groups(self) -> int:
-        return len(self._groups)
-
     # ------------------------------------------------------------ dedup
-    def _resolve(self, gkey: tuple, group: _Group) -> list[Record]:
-        copies = group.copies
+    def _resolve(self, gkey: tuple, group: _Group,
+                 local: set | None = None) -> list[Record]:
+        """Records of one complete group. ``local``: the coordinates whose
+        per-device records this process writes (None: all it received)."""
+        copies = sorted(group.copies, key=lambda cp: cp.coords)
         spec = copies[0].spec
         step = gkey[1]
         by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()
-        for cp in sorted(copies, key=lambda cp: cp.coords):
+        for cp in copies:
             by_value.setdefault(cp.key, []).append(cp)
         if spec.dedup == "per_device" or (spec.dedup == "auto" and len(by_value) > 1):
-            return [self._per_device(spec, step, cp)
-                    for cp in sorted(copies, key=lambda cp: cp.coords)]
+            return [self._per_device(spec, step, cp) for cp in copies
+                    if local is None or cp.coords in local]
         divergent = len(by_value) > 1
         return [self._replicated(spec, step, holders, divergent)
                 for holders in by_value.values()]

@@ -80,15 +80,15 @@ class TapSpec:
             return self.eager_device
         if self.device_ids is None:
             return None
-        return self.device_ids[_flat_index(coords, self.axis_sizes)]
+        return self.device_ids[flat_index(coords, self.axis_sizes)]
 
     def process_of(self, coords: tuple[int, ...]) -> int | None:
         if self.device_processes is None or not self.axis_names:
             return None
-        return self.device_processes[_flat_index(coords, self.axis_sizes)]
+        return self.device_processes[flat_index(coords, self.axis_sizes)]
 
 
-def _flat_index(coords: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+def flat_index(coords: tuple[int, ...], sizes: tuple[int, ...]) -> int:
     idx = 0
     for c, s in zip(coords, sizes):
         idx = idx * s + int(c)
