@@ -143,48 +143,47 @@ class FileSink(Sink):
         encoded, records = self._encode(records)
         self._acquire()
         soft = self.lock_mode == "soft"
+        fd = -1
         try:
             # soft: a fresh descriptor per batch (close-to-open, see above)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft \
-                else self._fd
-            try:
-                size = os.fstat(fd).st_size
-                if size > self._seen:
-                    self.index.observe(os.pread(fd, size - self._seen, self._seen))
-                keep, new_keys = self.index.plan(records)
-                data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
-                if data and size and os.pread(fd, 1, size - 1) != b"\n":
-                    data = b"\n" + data   # a killed writer left a torn line
-                    self.repairs += 1
-                try:
-                    view = memoryview(data)
-                    offset = size
-                    while view:
-                        # soft: at the size just read, never a cached one
-                        n = os.pwrite(fd, view, offset) if soft \
-                            else os.write(fd, view)
-                        view = view[n:]
-                        offset += n
-                    if soft and data:
-                        os.fsync(fd)   # at the server before we unlock
-                except OSError:
-                    # A partial batch (disk full, EFBIG) would leave a torn line
-                    # and half a batch; we hold the lock, so cut back to where
-                    # we started and let the pipeline retry the whole batch.
-                    try:
-                        os.ftruncate(fd, size)
-                    except OSError:
-                        pass
-                    raise
-            finally:
-                if soft:
-                    os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft else self._fd
+            size = os.fstat(fd).st_size
+            if size > self._seen:
+                self.index.observe(os.pread(fd, size - self._seen, self._seen))
+            keep, new_keys = self.index.plan(records)
+            data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
+            if data and size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data   # a killed writer left a torn line
+                self.repairs += 1
+            self._append(fd, size, data, soft)
             self.index.commit(new_keys)
             self._seen = size + len(data)
         finally:
+            if soft and fd >= 0:
+                os.close(fd)
             self._lock.release()
         self.lines_written += len(keep)
         self.bytes_written += len(data)
+
+    @staticmethod
+    def _append(fd: int, size: int, data: bytes, soft: bool) -> None:
+        """Write ``data`` at the end (``size``), all or nothing: a partial
+        batch (disk full, EFBIG) would leave a torn line and half a batch, so
+        it is cut back (we hold the lock) and the pipeline retries it whole."""
+        try:
+            view, offset = memoryview(data), size
+            while view:
+                # soft: at the size just read, never a cached one
+                n = os.pwrite(fd, view, offset) if soft else os.write(fd, view)
+                view, offset = view[n:], offset + n
+            if soft and data:
+                os.fsync(fd)   # at the server before we unlock
+        except OSError:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise
 
     def _encode(self, records: Sequence[Record]) -> tuple[dict, list[Record]]:
         """Encode every record. One that cannot be (a str that is not valid
