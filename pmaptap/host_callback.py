@@ -36,7 +36,7 @@ import numpy as np
 from .emit import axis_coords, emit_call
 from .hcb_executor import _Devices, _executor, _format, _name_of, _on_executor_thread
 from .spec import TapSpec
-from .tap import _as_leaf, build_spec, send
+from .tap import as_leaf, build_spec, send
 
 T = TypeVar("T")
 
@@ -305,7 +305,7 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
     name = _name_of(callback_func)
     what = f"{fn}({name!r})"
     path_leaves, arg_treedef = jax.tree_util.tree_flatten_with_path(arg)
-    leaves = [_as_leaf(p, x, name, fn) for p, x in path_leaves]
+    leaves = [as_leaf(p, x, name, fn) for p, x in path_leaves]
     # A TapSpec only to reuse the placement logic (coords -> device id).
     spec, raw_names = build_spec(name, "per_device", 1, arg_treedef, leaves,
                                  explicit_step=False, pass_="forward")

@@ -18,7 +18,7 @@ from .spec import DEDUP_MODES, TapSpec
 T = TypeVar("T")
 
 
-def _check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
+def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
     if not isinstance(name, str):
         raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} "
                         f"({name!r}). Example: {fn}(x, 'loss').")
@@ -44,7 +44,7 @@ def _check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
                          f"step, N records steps where step % N == 0); got {every}.")
 
 
-def _as_leaf(path, leaf, name: str, fn: str):
+def as_leaf(path, leaf, name: str, fn: str):
     if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "OSUMm":
         # object / bytes / str / datetime arrays: JAX would refuse them
         # too, but without naming the tap or the leaf.
@@ -65,7 +65,7 @@ def _as_leaf(path, leaf, name: str, fn: str):
         "them. Convert it, or leave it out of the tapped value.")
 
 
-def _check_step(step: Any, name: str, fn: str):
+def check_step(step: Any, name: str, fn: str):
     """Returns (static_int_or_None, traced_or_None)."""
     if step is None:
         return None, None
@@ -162,12 +162,12 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
          pass_: str = "forward", fn: str = "pmaptap.tap",
          consumer=None) -> None:
     """Validate and emit ``x`` (no return value; shared by tap and tap_grad)."""
-    _check_common(name, dedup, every, fn)
-    static_step, traced_step = _check_step(step, name, fn)
+    check_common(name, dedup, every, fn)
+    static_step, traced_step = check_step(step, name, fn)
     if static_step is not None and static_step % every != 0:
         return  # decided at trace time: nothing is compiled for this step
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
-    leaves = [_as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
+    leaves = [as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
     # host_callback consumers were promised the whole value: never summarized.
     sent, summaries = _summarize_big(leaves) if consumer is None else (leaves, ())
     spec, raw_names = build_spec(name, dedup, every, treedef, leaves,

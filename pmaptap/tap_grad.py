@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from .tap import _as_leaf, _check_common, _check_step, send
+from .tap import as_leaf, check_common, check_step, send
 
 T = TypeVar("T")
 FN = "pmaptap.tap_grad"
@@ -165,11 +165,11 @@ def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1,
     it. Arguments are checked here, at trace time, whether or not a gradient
     is ever taken. Forward mode (``jax.jvp``) is refused with a TypeError.
     """
-    _check_common(name, dedup, every, FN)
-    static_step, traced_step = _check_step(step, name, FN)
+    check_common(name, dedup, every, FN)
+    static_step, traced_step = check_step(step, name, FN)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     for path, leaf in path_leaves:
-        _as_leaf(path, leaf, name, FN)      # raises for non-array leaves
+        as_leaf(path, leaf, name, FN)      # raises for non-array leaves
     leaves = [leaf for _, leaf in path_leaves]
     diff = tuple(_is_differentiable(leaf) for leaf in leaves)
     if not any(diff):
