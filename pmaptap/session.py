@@ -18,7 +18,7 @@ import threading
 import warnings
 from typing import Any
 
-from . import routing
+from . import distributed, routing
 from .errors import SessionError, TapError
 from .pipeline import OVERFLOW_POLICIES, Pipeline
 from .sink import LOCK_MODES, FileSink
@@ -42,12 +42,7 @@ def default_run_id() -> str:
     env = os.environ.get("PMAPTAP_RUN")
     if env:
         return env
-    try:
-        from . import distributed
-        agreed = distributed.agree_run_id(_new_run_id)
-    except ImportError:
-        agreed = None
-    return agreed or _new_run_id()
+    return distributed.agree_run_id(_new_run_id) or _new_run_id()
 
 
 class Session:
@@ -202,10 +197,6 @@ class Session:
     def _after_close(self) -> None:
         """Multi-process: wait (bounded) until every process has closed, so
         that the file holds every record once close() returns anywhere."""
-        try:
-            from . import distributed
-        except ImportError:
-            return
         distributed.close_barrier(self.run or "", timeout=self.close_timeout)
 
     def _close_at_exit(self) -> None:
