@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 
-from .records import Record, encode_tree
+from .records import Record, encode_rows, encode_tree, new_record
 from .spec import TapSpec, flat_index
 
 
@@ -62,6 +63,10 @@ class _Table:
         # whatever device an eager value sat on.
         self.counter_keys = [(d if d is not None else c) if spec.axis_names else ()
                              for d, c in zip(self.devices, self.coords)]
+        # Record fields of the gathered fast paths (shared, never mutated).
+        self.coord_dicts = [dict(zip(spec.axis_names, c)) for c in self.coords]
+        self.all_devices = tuple(self.devices)
+        self.all_processes = tuple(sorted(set(self.processes)))
 
 
 def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
@@ -72,7 +77,7 @@ def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
     out, off = [], 0
     for dtype, shape in packing:
         dt = np.dtype(dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * (1 if dt == np.bool_ else dt.itemsize)
+        size = math.prod(shape) * (1 if dt == np.bool_ else dt.itemsize)
         chunk = np.ascontiguousarray(packed[:, off:off + size])
         off += size
         if dt == np.bool_:
@@ -84,12 +89,15 @@ def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
 
 
 def _rows_identical(stacked: list[np.ndarray]) -> bool:
-    """Whether every row (copy) of the stacked leaves is bitwise identical."""
+    """Whether every row (copy) of the stacked leaves is bitwise identical.
+    Gathered payloads are small (gather_max_bytes), so comparing bytes
+    objects is cheaper than NumPy's elementwise machinery."""
     for a in stacked:
-        if a.shape[0] < 2 or a.size == 0:
+        n = a.shape[0]
+        if n < 2 or a.size == 0:
             continue
-        b = np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], -1)
-        if not (b == b[0]).all():
+        raw = np.ascontiguousarray(a).tobytes()
+        if raw != raw[:len(raw) // n] * n:
             return False
     return True
 
@@ -121,10 +129,10 @@ class Aggregator:
                 return []
         if spec.local_copies == 1 and not self._groups:
             # Fast path (plain jit / eager): a group of one is complete now.
-            copy = Copy(spec, c, device, t.processes[k], leaves,
-                        b"" if spec.dedup == "per_device" else value_key(leaves))
             if spec.dedup == "per_device":
-                return [self._per_device(spec, int(step), copy)]
+                return [self._per_device_record(spec, int(step), t, k,
+                                                self._value(spec, leaves), self.clock())]
+            copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
             return [self._replicated(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
@@ -207,17 +215,18 @@ class Aggregator:
         if spec.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
-            flats = t.local
-            rows = [[a[k] for a in stacked] for k in flats]
-            copies = self._copies(spec, t, flats, rows, [b""] * len(flats))
-            return [self._per_device(spec, step, cp) for cp in copies]
+            now = self.clock()
+            encoded = encode_rows(spec.treedef, stacked, t.local, spec.summaries)
+            return [self._per_device_record(spec, step, t, k, e, now)
+                    for k, e in zip(t.local, encoded)]
+        if _rows_identical(stacked):
+            # Every copy agrees (the common case): one record held by all.
+            row0 = [a[0] for a in stacked]
+            encoded = encode_rows(spec.treedef, stacked, [0], spec.summaries)[0]
+            return [self._replicated_by_all(spec, step, t, encoded, value_key(row0))]
         flats = list(range(n))
         rows = [[a[k] for a in stacked] for k in flats]
-        if _rows_identical(stacked):
-            keys = [value_key(rows[0])] * n
-        else:
-            keys = [value_key(r) for r in rows]
-        copies = self._copies(spec, t, flats, rows, keys)
+        copies = self._copies(spec, t, flats, rows, [value_key(r) for r in rows])
         # Replicated / agreeing auto: every process sees all copies, writes
         # the same record(s), and the file-level index keeps one. Disagreeing
         # auto becomes per-device records: of this process's devices only.
@@ -230,14 +239,11 @@ class Aggregator:
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        n = spec.total_copies
-        copies = self._copies(spec, t, list(range(n)), [leaves] * n,
-                              [value_key(leaves)] * n)
-        recs = self._resolve((spec.name, step, spec.pass_), _Group(self.clock(), copies))
+        rec = self._replicated_by_all(spec, step, t, self._value(spec, leaves),
+                                      value_key(leaves))
         if not verified:
-            recs = [dataclasses.replace(r, extra=dict(r.extra or {}, verified=False))
-                    for r in recs]
-        return recs
+            rec = dataclasses.replace(rec, extra={"verified": False})
+        return [rec]
 
     def expire(self) -> list[Record]:
         now = self.clock()
@@ -279,13 +285,36 @@ class Aggregator:
 
     def _per_device(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         value, dtype, shape = self._value(spec, cp.leaves)
-        return Record(
+        return new_record(
             run=self.run, name=spec.name, step=step, kind="per_device",
             value=value, dtype=dtype, shape=shape, process=cp.process,
             time=self.clock(), host=self.host, device=cp.device,
             coords=dict(zip(spec.axis_names, cp.coords)),
             batch_dims=spec.batch_dims, pass_=spec.pass_,
             summarized=bool(spec.summaries))
+
+    def _per_device_record(self, spec: TapSpec, step: int, t: _Table, k: int,
+                           encoded: tuple, now: float) -> Record:
+        value, dtype, shape = encoded
+        return new_record(
+            run=self.run, name=spec.name, step=step, kind="per_device",
+            value=value, dtype=dtype, shape=shape, process=t.processes[k],
+            time=now, host=self.host, device=t.devices[k],
+            coords=t.coord_dicts[k], batch_dims=spec.batch_dims,
+            pass_=spec.pass_, summarized=bool(spec.summaries))
+
+    def _replicated_by_all(self, spec: TapSpec, step: int, t: _Table,
+                           encoded: tuple, key: bytes) -> Record:
+        """The record of a value every copy holds (agreement established)."""
+        value, dtype, shape = encoded
+        return new_record(
+            run=self.run, name=spec.name, step=step, kind="replicated",
+            value=value, dtype=dtype, shape=shape, process=self.process,
+            time=self.clock(), host=self.host, replicas=len(t.all_devices),
+            devices=t.all_devices, processes=t.all_processes,
+            batch_dims=spec.batch_dims, pass_=spec.pass_,
+            summarized=bool(spec.summaries),
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest())
 
     def _replicated(self, spec: TapSpec, step: int, holders: list[Copy],
                     divergent: bool) -> Record:
@@ -297,7 +326,7 @@ class Aggregator:
             extra = {"holders": [{"device": h.device, "process": h.process,
                                   "coords": dict(zip(spec.axis_names, h.coords))}
                                  for h in holders]}
-        return Record(
+        return new_record(
             run=self.run, name=spec.name, step=step, kind="replicated",
             value=value, dtype=dtype, shape=shape, process=self.process,
             time=self.clock(), host=self.host, replicas=len(holders),

@@ -85,6 +85,27 @@ class Record:
         return encode_line(self.to_json_dict())
 
 
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Record)}
+_REQUIRED_FIELDS = frozenset(k for k, v in _FIELD_DEFAULTS.items()
+                             if v is dataclasses.MISSING)
+
+
+def new_record(**fields: Any) -> Record:
+    """``Record(**fields)`` for the aggregator's per-copy hot path: fills the
+    instance dict directly instead of running the frozen dataclass __init__
+    (one object.__setattr__ per field: 3.4 us vs 1.2 us a record). The same
+    fields are required and no others are taken."""
+    keys = fields.keys()
+    if not (_REQUIRED_FIELDS <= keys <= _FIELD_DEFAULTS.keys()):
+        raise TypeError(f"Record fields missing {sorted(_REQUIRED_FIELDS - keys)} "
+                        f"or unknown {sorted(keys - _FIELD_DEFAULTS.keys())}")
+    r = object.__new__(Record)
+    d = r.__dict__
+    d.update(_FIELD_DEFAULTS)
+    d.update(fields)
+    return r
+
+
 try:  # orjson encodes NumPy arrays ~25x faster than json (measured: 20 us vs
     # 520 us for 1024 float32); json stays as the fallback.
     import orjson as _orjson
@@ -224,6 +245,29 @@ def _structure(treedef, it: Iterator[Any]) -> Any:
         return vals
     # Custom pytree node: keep children in flatten order.
     return vals
+
+
+def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],
+                summaries: tuple = ()) -> list[tuple[Any, Any, Any]]:
+    """``encode_tree`` of row k of every stacked leaf (copies, *shape), for
+    each k in ``rows``: the gathered payloads' per-copy values.
+
+    A single finite float32/float64/int/bool leaf is encoded for all rows at
+    once (one orjson round trip gives every scalar its shortest repr; array
+    rows stay NumPy views for orjson to write), ~10x less Python per copy
+    than row by row. Everything else goes row by row."""
+    if _orjson is not None and not summaries and len(stacked) == 1 and \
+            treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        a = stacked[0]
+        dt = a.dtype
+        if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
+            name, shape = _dtype_name(dt), list(a.shape[1:])
+            if a.ndim == 1:
+                vals = _orjson.loads(_orjson.dumps(a, option=_ORJSON_OPTS))
+                return [(vals[k], name, shape) for k in rows]
+            a = np.ascontiguousarray(a)
+            return [(a[k], name, shape) for k in rows]
+    return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
 
 
 def encode_tree(treedef, leaves: list[np.ndarray],
