@@ -1,5 +1,11 @@
 """f. The example training step (launch/train.py, pmap over 8 devices) with
-its four taps against the same step without them: total step-time ratio."""
+its four taps (loss, lr, step replicated; grad_norm per device; one
+pmaptap.group()) against the same step without them: total step-time ratio.
+
+Rows: the demo's default step (a tiny MLP, ~1 ms), the same recording every
+10th step (``--tap-every 10``), a wider model (``--hidden 1024`` at batch
+1024 per device, a ~13 ms step), and the floor JAX imposes on the tiny step:
+ONE raw ``jax.debug.callback`` from one device carrying its four values."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +25,7 @@ DEVICES = 8
 def run(quick: bool = False) -> list[tuple]:
     import jax
     import numpy as np
+    from jax import lax
 
     import pmaptap
     import train
@@ -26,33 +33,61 @@ def run(quick: bool = False) -> list[tuple]:
     rounds, steps = (3, 5) if quick else (15, 40)
     tmp = tempfile.mkdtemp(prefix="pmaptap-train-")
     session = pmaptap.Session(os.path.join(tmp, "train.jsonl"), run="bench").open()
+
+    def noop(*_):
+        return None
+
+    def floor_body(params, x, y, step):
+        # The least JAX allows to see these values every step: one callback,
+        # from one device, with that device's copies only.
+        vals = []
+        out = train.make_step("dp", 0.05, 1000, mark_varying=False,
+                              tap=lambda v, *a, **k: vals.append(v))(params, x, y, step)
+        lax.cond(lax.axis_index("dp") == 0, lambda: jax.debug.callback(noop, *vals),
+                 lambda: None)
+        return out
+
+    configs = [("demo step (hidden 32, batch 8/device)", 32, 8, 1, True),
+               ("demo step, --tap-every 10", 32, 8, 10, False)]
+    if not quick:
+        configs.append(("--hidden 1024, batch 1024/device", 1024, 1024, 1, False))
     rows = []
-    for batch in ((8,) if quick else (8, 512)):
-        params = jax.tree.map(lambda a: np.stack([a] * DEVICES), train.init_params(0))
+    for label, hidden, batch, every, with_floor in configs:
+        params = jax.tree.map(lambda a: np.stack([a] * DEVICES),
+                              train.init_params(0, hidden))
         shards = [train.make_batch(0, 0, k, batch) for k in range(DEVICES)]
         x = np.stack([s[0] for s in shards])
         y = np.stack([s[1] for s in shards])
+        bodies = {"untapped": train.make_body("dp", 0.05, 1000, mark_varying=False,
+                                              taps=False),
+                  "tapped": train.make_body("dp", 0.05, 1000, mark_varying=False,
+                                            every=every)}
+        if with_floor:
+            bodies["floor"] = floor_body
         arms = {}
-        for name, taps in (("untapped", False), ("tapped", True)):
-            fn = jax.pmap(train.make_body("dp", 0.05, 1000, mark_varying=False, taps=taps),
-                          axis_name="dp", in_axes=(0, 0, 0, None))
+        for name, body in bodies.items():
+            fn = jax.pmap(body, axis_name="dp", in_axes=(0, 0, 0, None))
             state = {"p": params, "step": 0}
 
-            def go(fn=fn, state=state, taps=taps):
+            def go(fn=fn, state=state, tapped=name == "tapped"):
                 loss = None
                 for _ in range(steps):
                     state["p"], loss = fn(state["p"], x, y, np.int32(state["step"] % 1000))
                     state["step"] += 1
                 loss.block_until_ready()
-                if taps:
+                if tapped:
                     session.flush()
                 else:
                     jax.effects_barrier()
             arms[name] = go
         med = interleaved(arms, rounds=rounds, steps=steps)
-        rows.append((f"f. training step, batch {batch}/device",
-                     f"{med['tapped'] * 1e3:.3f}", f"{med['untapped'] * 1e3:.3f}",
+        rows.append((f"f. {label}", f"{med['tapped'] * 1e3:.3f}",
+                     f"{med['untapped'] * 1e3:.3f}",
                      f"{med['tapped'] / med['untapped']:.2f}x", "<= 1.10x"))
+        if with_floor:
+            rows.append(("   floor: 1 raw callback from 1 device, same step",
+                         f"{med['floor'] * 1e3:.3f}", f"{med['untapped'] * 1e3:.3f}",
+                         f"{med['floor'] / med['untapped']:.2f}x", "(JAX's minimum)"))
     session.close()
     print(f"launch/train.py step, pmap over {DEVICES} devices, taps: loss, lr, step "
           f"(replicated), grad_norm (per_device) in one pmaptap.group(); {machine()}")

@@ -50,25 +50,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lock", choices=("flock", "soft"), default="flock",
                    help="'soft' when --out is on NFS/Lustre (launch/README.md)")
     p.add_argument("--run", default=None, help="run id (default: agreed)")
-    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--log-every", type=int, default=5,
+                   help="print the loss every N steps")
+    p.add_argument("--tap-every", type=int, default=1,
+                   help="record the taps on steps where step %% N == 0 (decided "
+                        "on device: one never-firing branch on the others)")
+    p.add_argument("--hidden", type=int, default=HIDDEN,
+                   help="width of the hidden layer (the step's cost)")
     p.add_argument("--no-summary", action="store_true")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_per_device < 1:
-        p.error("--steps and --batch-per-device must be >= 1")
+    if min(args.steps, args.batch_per_device, args.tap_every, args.hidden,
+           args.log_every) < 1:
+        p.error("--steps, --batch-per-device, --tap-every, --hidden and "
+                "--log-every must be >= 1")
     return args
 
 
 # ---------------------------------------------------------------- model
 
-def init_params(seed: int) -> dict[str, Any]:
+def init_params(seed: int, hidden: int = HIDDEN) -> dict[str, Any]:
     """Same seed on every process, so the replicas start identical."""
     import numpy as np
     rng = np.random.default_rng(seed)
     return {
-        "w1": (rng.standard_normal((FEATURES, HIDDEN)) / math.sqrt(FEATURES)
+        "w1": (rng.standard_normal((FEATURES, hidden)) / math.sqrt(FEATURES)
                ).astype(np.float32),
-        "b1": np.zeros(HIDDEN, np.float32),
-        "w2": (rng.standard_normal((HIDDEN, 1)) / math.sqrt(HIDDEN)
+        "b1": np.zeros(hidden, np.float32),
+        "w2": (rng.standard_normal((hidden, 1)) / math.sqrt(hidden)
                ).astype(np.float32),
         "b2": np.zeros(1, np.float32),
     }
@@ -111,8 +119,33 @@ def schedule(step, peak: float, total: int):
 
 
 def make_body(axis: str, peak_lr: float, total: int, *,
-              mark_varying: bool, taps: bool = True) -> Callable:
-    """One training step as seen by one device, for pmap and shard_map.
+              mark_varying: bool, taps: bool = True, every: int = 1) -> Callable:
+    """One training step as seen by one device, for pmap and shard_map:
+    ``make_step`` tapped with pmaptap (or not: benchmarks/bench_train.py
+    times the same step untapped). ``every``: record steps where
+    ``step % every == 0``, decided on device."""
+    import functools
+
+    import pmaptap
+
+    step_fn = make_step(axis, peak_lr, total, mark_varying=mark_varying,
+                        tap=functools.partial(pmaptap.tap, every=every) if taps else None)
+    if not taps:
+        return step_fn
+
+    def body(params, x, y, step):
+        # One host callback per process per recorded step carries all four
+        # taps (and with every > 1, one on-device decision for all four).
+        with pmaptap.group():
+            return step_fn(params, x, y, step)
+
+    return body
+
+
+def make_step(axis: str, peak_lr: float, total: int, *, mark_varying: bool,
+              tap: Callable | None) -> Callable:
+    """The step itself; ``tap(value, name, step=, dedup=)`` is called with
+    each value worth recording (None: no taps).
 
     mark_varying (shard_map): shard_map tracks which values vary across the
     axis, and the gradient of an unvarying (replicated) parameter comes back
@@ -121,16 +154,9 @@ def make_body(axis: str, peak_lr: float, total: int, *,
     import jax
     from jax import lax
 
-    import pmaptap
+    tap = tap or (lambda *a, **k: None)
 
-    def body(params, x, y, step):
-        if not taps:           # benchmarks/bench_train.py: the same step, untapped
-            return untapped(params, x, y, step)
-        # One host callback per process per step carries all four taps.
-        with pmaptap.group():
-            return untapped(params, x, y, step, tap=pmaptap.tap)
-
-    def untapped(params, x, y, step, tap=lambda *a, **k: None):
+    def step_fn(params, x, y, step):
         local = params
         if mark_varying:
             local = jax.tree.map(lambda p: lax.pcast(p, axis, to="varying"),
@@ -150,7 +176,7 @@ def make_body(axis: str, peak_lr: float, total: int, *,
         params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
         return params, loss
 
-    return body
+    return step_fn
 
 
 # ---------------------------------------------------------------- variants
@@ -163,12 +189,13 @@ def train_pmap(args: argparse.Namespace) -> float:
     # pmap's axis runs over jax.devices(), process by process, so this
     # process's k-th local device has global index first + k.
     first = jax.process_index() * n_local
-    step_fn = jax.pmap(make_body("dp", args.lr, args.steps, mark_varying=False),
+    step_fn = jax.pmap(make_body("dp", args.lr, args.steps, mark_varying=False,
+                                 every=args.tap_every),
                        axis_name="dp",
                        in_axes=(0, 0, 0, None))
     # One copy of the parameters per local device (pmap's leading axis).
     params = jax.tree.map(lambda a: np.stack([a] * n_local),
-                          init_params(args.seed))
+                          init_params(args.seed, args.hidden))
     loss = math.nan
     with progress_bar(args) as bar:
         for step in range(args.steps):
@@ -200,7 +227,8 @@ def train_shard_map(args: argparse.Namespace) -> float:
     def global_array(local, sharding):
         return jax.make_array_from_process_local_data(sharding, local)
 
-    body = make_body("dp", args.lr, args.steps, mark_varying=True)
+    body = make_body("dp", args.lr, args.steps, mark_varying=True,
+                     every=args.tap_every)
     step_fn = jax.jit(jax.shard_map(
         body, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()),
         out_specs=(P(), P())))
@@ -209,7 +237,7 @@ def train_shard_map(args: argparse.Namespace) -> float:
     # name the exact device behind every coordinate.
     with jax.set_mesh(mesh):
         params = jax.tree.map(lambda a: global_array(a, replicated),
-                              init_params(args.seed))
+                              init_params(args.seed, args.hidden))
         with progress_bar(args) as bar:
             for step in range(args.steps):
                 shards = [make_batch(args.seed, step, first + k, args.batch_per_device)

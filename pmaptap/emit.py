@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -236,9 +236,13 @@ class group(contextlib.ContextDecorator):
     process, emitted when the block ends, instead of one each.
 
     Only taps at the block's own trace level join (a tap inside a nested
-    scan/cond/vmap body, or one deciding ``every`` on device, is emitted on
-    its own as usual), and only those on the fast path (mapped axes, small
-    enough to gather). Records are exactly those of separate taps.
+    scan/cond/vmap body is emitted on its own as usual), and only those on
+    the fast path (mapped axes, small enough to gather). Taps with a traced
+    ``step`` and ``every > 1`` join too: those sharing the same step and
+    ``every`` are decided by ONE on-device ``step % every == 0`` and share
+    one callback, so a logging block costs one never-firing branch on the
+    steps it skips, not one per tap. Records are exactly those of separate
+    taps.
     """
 
     def __enter__(self) -> "group":
@@ -252,7 +256,8 @@ class group(contextlib.ContextDecorator):
         if exc_type is None:
             _emit_group(self._members)
 
-    def offer(self, spec: TapSpec, raw_names: tuple, leaves, coords, step) -> bool:
+    def offer(self, spec: TapSpec, raw_names: tuple, leaves, coords, step,
+              traced_every: bool = False) -> bool:
         if (_core.trace_ctx.trace is not self._trace or
                 isinstance(self._trace, _batching.BatchTrace) or
                 spec.layout not in ("gathered", "verified_off")):
@@ -264,7 +269,10 @@ class group(contextlib.ContextDecorator):
             first = self._members[0]
             if first[0].leaders != spec.leaders or first[1] != raw_names:
                 return False
-        self._members.append((spec, raw_names, list(leaves), coords, step))
+        # Members deciding `every` on device are bucketed by (every, step):
+        # each bucket gets one cond (see _emit_group).
+        every = (spec.every, id(step)) if traced_every else None
+        self._members.append((spec, raw_names, list(leaves), coords, step, every))
         return True
 
 
@@ -274,13 +282,23 @@ def _current_group() -> "group | None":
 
 
 def _emit_group(members: list[tuple]) -> None:
-    if not members:
-        return
+    buckets: dict[Any, list[tuple]] = {}
+    for m in members:
+        buckets.setdefault(m[5], []).append(m)
+    for key, bucket in buckets.items():
+        if key is None:
+            _emit_members(bucket)
+            continue
+        every, step = key[0], bucket[0][4]
+        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b), lambda: None)
+
+
+def _emit_members(members: list[tuple]) -> None:
     if len(members) == 1:
-        spec, raw_names, leaves, coords, step = members[0]
+        spec, raw_names, leaves, coords, step, _ = members[0]
         _emitter(spec, raw_names)(coords, step, *leaves)
         return
-    first, raw_names, _, coords, _ = members[0]
+    first, raw_names, _, coords, _, _ = members[0]
     # Every member is gathered (small by construction), all in ONE packed
     # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
     # Unverified replicated members thereby get verified for free.
@@ -306,8 +324,8 @@ def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
     leaves = [lax.stop_gradient(x) for x in leaves]
     spec = choose_layout(spec, leaves)   # before our own cond below
     g = _current_group()
-    if g is not None and not traced_every and \
-            g.offer(spec, tuple(raw_names), leaves, coords, step):
+    if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step,
+                                 traced_every):
         return
     fn = _emitter(spec, tuple(raw_names))
     if traced_every:

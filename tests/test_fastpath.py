@@ -3,6 +3,7 @@ Records must be identical to the one-callback-per-device path; only the
 number of host calls changes."""
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -159,3 +160,30 @@ def test_group_leaves_big_unverified_replicated_taps_out_of_its_gather(tmp_path,
     assert sorted(host_calls) == ["big", "small"]
     recs = {r["name"]: r for r in pmaptap.read(tmp_path / "g.jsonl")}
     assert recs["big"]["replicas"] == 8 and recs["big"]["verified"] is False
+
+
+def test_group_decides_every_once_for_taps_sharing_a_traced_step(tmp_path, host_calls):
+    def body(v, step, grouped):
+        with (pmaptap.group() if grouped else contextlib.nullcontext()):
+            pmaptap.tap(v, "y", step=step, every=3, dedup="per_device")
+            pmaptap.tap(lax.pmean(v, "i"), "m", step=step, every=3, dedup="replicated")
+            pmaptap.tap(v * 2, "z", step=step, dedup="per_device")       # every step
+        return v
+
+    def run(grouped):
+        path = str(tmp_path / f"e{grouped}.jsonl")
+        f = jax.pmap(partial(body, grouped=grouped), axis_name="i", in_axes=(0, None))
+        with pmaptap.Session(path, run="e"):
+            for s in range(7):
+                f(jnp.arange(8.0) + s, jnp.int32(s))
+        return pmaptap.read(path)
+
+    grouped = run(True)
+    calls, host_calls[:] = list(host_calls), []
+    # steps 0, 3, 6: ONE callback for y and m together; z on its own each step
+    assert sorted(calls) == ["pmaptap/group"] * 3 + ["z"] * 7
+    plain = run(False)
+    assert sorted(host_calls) == ["m"] * 3 + ["y"] * 3 + ["z"] * 7
+    assert _comparable(grouped) == _comparable(plain)
+    assert sorted({r["step"] for r in grouped if r["name"] != "z"}) == [0, 3, 6]
+    assert len([r for r in grouped if r["name"] == "y"]) == 3 * 8

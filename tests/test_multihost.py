@@ -430,3 +430,29 @@ def test_lone_process_runs_train_without_distributed(tmp_path):
     recs = pmaptap.read(out)
     assert sorted(r["step"] for r in recs if r["name"] == "loss") == [0, 1]
     assert len([r for r in recs if r["name"] == "grad_norm"]) == 4
+
+
+@pytest.mark.parametrize("variant", ["pmap", "shard_map"])
+def test_train_tap_every_records_only_those_steps(tmp_path, variant):
+    # --tap-every: the four taps of a step are decided on device, together;
+    # the records are exactly the chosen steps' (8 devices, one process).
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    out = str(tmp_path / "every.jsonl")
+
+    def train_cmd(*extra):
+        return subprocess.run(
+            [sys.executable, "launch/train.py", "--variant", variant, "--steps", "7",
+             "--hidden", "8", "--out", out, "--no-summary", *extra],
+            env=subprocess_env(8), cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    proc = train_cmd("--tap-every", "3")
+    assert proc.returncode == 0, proc.stderr
+    recs = pmaptap.read(out)
+    for name, per_step in (("grad_norm", 8), ("loss", 1), ("lr", 1), ("step", 1)):
+        steps = sorted(r["step"] for r in recs if r["name"] == name)
+        assert steps == sorted([0, 3, 6] * per_step), (name, steps)
+    bad = train_cmd("--tap-every", "0")
+    assert bad.returncode == 2 and "--tap-every" in bad.stderr
