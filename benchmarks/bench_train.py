@@ -3,9 +3,10 @@ its four taps (loss, lr, step replicated; grad_norm per device; one
 pmaptap.group()) against the same step without them: total step-time ratio.
 
 Rows: the demo's default step (a tiny MLP, ~1 ms), the same recording every
-10th step (``--tap-every 10``), a wider model (``--hidden 1024`` at batch
-1024 per device, a ~13 ms step), and the floor JAX imposes on the tiny step:
-ONE raw ``jax.debug.callback`` from one device carrying its four values."""
+10th step (``--tap-every 10``), wider models (``--hidden 1024`` and 2048 at
+batch 1024 per device: ~13 and ~40 ms steps), and the floor JAX imposes on
+the tiny step: ONE raw ``jax.debug.callback`` from one device carrying its
+four values."""
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,12 @@ def run(quick: bool = False) -> list[tuple]:
     configs = [("demo step (hidden 32, batch 8/device)", 32, 8, 1, True),
                ("demo step, --tap-every 10", 32, 8, 10, False)]
     if not quick:
-        configs.append(("--hidden 1024, batch 1024/device", 1024, 1024, 1, False))
+        configs += [("--hidden 1024, batch 1024/device", 1024, 1024, 1, False),
+                    ("--hidden 2048, batch 1024/device", 2048, 1024, 1, False)]
     rows = []
     for label, hidden, batch, every, with_floor in configs:
+        # Fewer steps per round for the slow step: about 1 s per arm-round.
+        n_steps = steps if hidden < 2048 else max(1, steps // 4)
         params = jax.tree.map(lambda a: np.stack([a] * DEVICES),
                               train.init_params(0, hidden))
         shards = [train.make_batch(0, 0, k, batch) for k in range(DEVICES)]
@@ -69,9 +73,9 @@ def run(quick: bool = False) -> list[tuple]:
             fn = jax.pmap(body, axis_name="dp", in_axes=(0, 0, 0, None))
             state = {"p": params, "step": 0}
 
-            def go(fn=fn, state=state, tapped=name == "tapped"):
+            def go(fn=fn, state=state, tapped=name == "tapped", n_steps=n_steps):
                 loss = None
-                for _ in range(steps):
+                for _ in range(n_steps):
                     state["p"], loss = fn(state["p"], x, y, np.int32(state["step"] % 1000))
                     state["step"] += 1
                 loss.block_until_ready()
@@ -80,7 +84,7 @@ def run(quick: bool = False) -> list[tuple]:
                 else:
                     jax.effects_barrier()
             arms[name] = go
-        med = interleaved(arms, rounds=rounds, steps=steps)
+        med = interleaved(arms, rounds=rounds, steps=n_steps)
         rows.append((f"f. {label}", f"{med['tapped'] * 1e3:.3f}",
                      f"{med['untapped'] * 1e3:.3f}",
                      f"{med['tapped'] / med['untapped']:.2f}x", "<= 1.10x"))
