@@ -153,8 +153,10 @@ class Aggregator:
 
     def add_payload(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
         """Dispatch one callback payload by its layout (see emit.py)."""
+        if spec.layout == "group":
+            return self._add_group(spec, arrays)
         coords = arrays[0]
-        step = int(arrays[1]) if spec.layout != "group" else -1
+        step = int(arrays[1])
         if spec.packing:
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], spec.packing)]
         if spec.layout == "copy":
@@ -164,15 +166,29 @@ class Aggregator:
         if spec.layout in ("verified", "verified_off"):
             return self._add_one_copy(spec, step, arrays[2:],
                                       verified=spec.layout == "verified")
-        if spec.layout == "group":
-            out: list[Record] = []
-            steps, rest, i = arrays[1].reshape(-1), arrays[2:], 0
-            for k, member in enumerate(spec.members):
-                n = spec.member_leaves[k]
-                out += self.add_payload(member, [coords, steps[k], *rest[i:i + n]])
-                i += n
-            return out
         raise ValueError(f"unknown payload layout {spec.layout!r}")
+
+    def _add_group(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """A group payload: coords, one step per member, then every member's
+        gathered leaves (packed when spec.packing)."""
+        m = len(spec.members)
+        coords, steps, payload = arrays[0], arrays[1:1 + m], arrays[1 + m:]
+        if spec.packing:
+            payload = unpack(payload[0], spec.packing)
+        out: list[Record] = []
+        i = 0
+        for member, step, n in zip(spec.members, steps, spec.member_leaves):
+            leaves = payload[i:i + n]
+            i += n
+            if member.layout == "verified_off":
+                # Written from the caller's own copy, unverified, exactly as
+                # the tap alone would be (the others were gathered for the
+                # group's other members, not to check this one).
+                row = flat_index(tuple(int(v) for v in coords.reshape(-1)),
+                                 member.axis_sizes)
+                leaves = [a[row] for a in leaves]
+            out += self.add_payload(member, [coords, step, *leaves])
+        return out
 
     def _table(self, spec: TapSpec) -> "_Table":
         key = (spec.tap_id, spec.axis_sizes)

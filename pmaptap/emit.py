@@ -301,16 +301,19 @@ def _emit_members(members: list[tuple]) -> None:
     first, raw_names, _, coords, _, _ = members[0]
     # Every member is gathered (small by construction), all in ONE packed
     # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
-    # Unverified replicated members thereby get verified for free.
+    # Members keep their layout: an unverified replicated one ("verified_off")
+    # is written from the caller's copy, as it would be alone.
     all_leaves = [x for m in members for x in m[2]]
     payload, packing = _gather_packed(all_leaves, raw_names)
-    steps = jnp.stack([jnp.asarray(m[4], jnp.int32) for m in members])
+    # Each member's step travels as its own operand, in its own dtype (a
+    # stacked int32 would wrap steps >= 2**31).
+    steps = [m[4] for m in members]
     gspec = dataclasses.replace(
         first, name="pmaptap/group", layout="group", treedef=None,
-        members=tuple(dataclasses.replace(m[0], layout="gathered") for m in members),
+        members=tuple(m[0] for m in members),
         member_leaves=tuple(len(m[2]) for m in members), packing=packing)
-    lax.cond(_is_leader(first, coords), lambda: _callback(gspec, coords, steps, *payload),
-             lambda: None)
+    lax.cond(_is_leader(first, coords),
+             lambda: _callback(gspec, coords, *steps, *payload), lambda: None)
 
 
 def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],

@@ -141,6 +141,7 @@ def _is_float_like(dt: np.dtype) -> bool:
 
 
 def _nonfinite_list(out: np.ndarray) -> Any:
+    out = np.asarray(out)      # a NumPy scalar (a row of a stacked 1-D leaf)
     if out.dtype == np.float32 and out.size <= _SHORT_REPR_MAX:
         # shortest float32 repr for the finite elements (0.1, not 0.1000000015)
         obj = np.array([float(str(v)) for v in out.reshape(-1)],
@@ -258,14 +259,13 @@ def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],
     than row by row. Everything else goes row by row."""
     if _orjson is not None and not summaries and len(stacked) == 1 and \
             treedef.num_nodes == 1 and treedef.num_leaves == 1:
-        a = stacked[0]
+        a = np.ascontiguousarray(stacked[0])    # orjson takes C order only
         dt = a.dtype
         if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
             name, shape = _dtype_name(dt), list(a.shape[1:])
             if a.ndim == 1:
                 vals = _orjson.loads(_orjson.dumps(a, option=_ORJSON_OPTS))
                 return [(vals[k], name, shape) for k in rows]
-            a = np.ascontiguousarray(a)
             return [(a[k], name, shape) for k in rows]
     return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
 

@@ -227,7 +227,11 @@ class FileSink(Sink):
 
     def _acquire(self) -> None:
         try:
-            self._lock.acquire(timeout=self.lock_timeout, poll_interval=0.005)
+            # flock: a retry is one cheap system call, and filelock's 50 ms
+            # default starved contending writers. soft: each retry is a file
+            # creation on the (NFS) server, so keep the default there.
+            self._lock.acquire(timeout=self.lock_timeout,
+                               poll_interval=0.005 if self.lock_mode == "flock" else 0.05)
         except filelock.Timeout as e:
             raise LockBusy(self._busy_message(e)) from None
         except OSError as e:

@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pmaptap
+from conftest import run_python
 
 
 @pytest.fixture
@@ -187,3 +188,50 @@ def test_group_decides_every_once_for_taps_sharing_a_traced_step(tmp_path, host_
     assert _comparable(grouped) == _comparable(plain)
     assert sorted({r["step"] for r in grouped if r["name"] != "z"}) == [0, 3, 6]
     assert len([r for r in grouped if r["name"] == "y"]) == 3 * 8
+
+
+def test_group_members_keep_their_records_unverified_and_big_steps(tmp_path):
+    # In a group every member is gathered (one collective for all), but an
+    # unverified replicated member is still written from the caller's copy
+    # with "verified": false, as alone; and each member's step keeps its
+    # dtype (a uint32 step past 2**31 must not wrap).
+    def body(v, step, grouped):
+        with (pmaptap.group() if grouped else contextlib.nullcontext()):
+            pmaptap.tap(v, "trusted", step=step, dedup="replicated")            # differs!
+            pmaptap.tap(v, "trusted_every", step=step, every=2, dedup="replicated")
+            pmaptap.tap(v, "y", step=step, every=2, dedup="per_device")
+        return v
+
+    def run(grouped):
+        path = str(tmp_path / f"v{grouped}.jsonl")
+        with pmaptap.configured(verify_replicated=False):
+            f = jax.pmap(partial(body, grouped=grouped), axis_name="i", in_axes=(0, None))
+            with pmaptap.Session(path, run="v"):
+                f(jnp.arange(8.0), jnp.uint32(3_000_000_000))
+        return pmaptap.read(path)
+
+    grouped, plain = run(True), run(False)
+    assert _comparable(grouped) == _comparable(plain)
+    for name in ("trusted", "trusted_every"):
+        (r,) = [r for r in grouped if r["name"] == name]
+        assert r["verified"] is False and r["replicas"] == 8 and r["value"] == 0.0
+    assert {r["step"] for r in grouped} == {3_000_000_000}
+    assert len([r for r in grouped if r["name"] == "y"]) == 8
+
+
+def test_float64_nonfinite_scalars_of_gathered_copies_under_x64():
+    # A stacked 1-D float64 leaf with NaN/inf takes the row-by-row path,
+    # where each row is a NumPy scalar (x64 only: float64 on device).
+    out = run_python("""
+        import jax, tempfile
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp, pmaptap
+        path = tempfile.mktemp(suffix=".jsonl")
+        f = jax.pmap(lambda v: pmaptap.tap(v / (v - 1.0), "x", dedup="per_device"),
+                     axis_name="i")
+        with pmaptap.Session(path, run="e"):
+            f(jnp.arange(8.0, dtype=jnp.float64))
+        recs = sorted(pmaptap.read(path), key=lambda r: r["device"])
+        print([r["value"] for r in recs], {r["dtype"] for r in recs})
+    """).stdout
+    assert "[-0.0, inf, 2.0, 1.5" in out and "{'float64'}" in out
