@@ -3,7 +3,8 @@ its four taps (loss, lr, step replicated; grad_norm per device; one
 pmaptap.group()) against the same step without them: total step-time ratio.
 
 Rows: the demo's default step (a tiny MLP, ~1 ms), the same recording every
-10th step (``--tap-every 10``), wider models (``--hidden 1024`` and 2048 at
+10th step (``--tap-every 10``: an untapped compilation runs the other steps;
+and ``every=10`` decided on device instead), wider models (``--hidden 1024`` and 2048 at
 batch 1024 per device: ~13 and ~40 ms steps), and the floor JAX imposes on
 the tiny step: ONE raw ``jax.debug.callback`` from one device carrying its
 four values."""
@@ -48,13 +49,16 @@ def run(quick: bool = False) -> list[tuple]:
                  lambda: None)
         return out
 
-    configs = [("demo step (hidden 32, batch 8/device)", 32, 8, 1, True),
-               ("demo step, --tap-every 10", 32, 8, 10, False)]
+    # (label, hidden, batch/device, every, where every is decided, floor row)
+    configs = [("demo step (hidden 32, batch 8/device)", 32, 8, 1, "", True),
+               ("demo step, --tap-every 10 (untapped steps between)", 32, 8, 10,
+                "host", False),
+               ("demo step, every=10 decided on device", 32, 8, 10, "device", False)]
     if not quick:
-        configs += [("--hidden 1024, batch 1024/device", 1024, 1024, 1, False),
-                    ("--hidden 2048, batch 1024/device", 2048, 1024, 1, False)]
+        configs += [("--hidden 1024, batch 1024/device", 1024, 1024, 1, "", False),
+                    ("--hidden 2048, batch 1024/device", 2048, 1024, 1, "", False)]
     rows = []
-    for label, hidden, batch, every, with_floor in configs:
+    for label, hidden, batch, every, where, with_floor in configs:
         # Fewer steps per round for the slow step: about 1 s per arm-round.
         n_steps = steps if hidden < 2048 else max(1, steps // 4)
         params = jax.tree.map(lambda a: np.stack([a] * DEVICES),
@@ -62,24 +66,36 @@ def run(quick: bool = False) -> list[tuple]:
         shards = [train.make_batch(0, 0, k, batch) for k in range(DEVICES)]
         x = np.stack([s[0] for s in shards])
         y = np.stack([s[1] for s in shards])
-        bodies = {"untapped": train.make_body("dp", 0.05, 1000, mark_varying=False,
-                                              taps=False),
-                  "tapped": train.make_body("dp", 0.05, 1000, mark_varying=False,
-                                            every=every)}
+
+        def pmapped(body):
+            return jax.pmap(body, axis_name="dp", in_axes=(0, 0, 0, None))
+        plain = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False, taps=False))
+        if where == "host":
+            # launch/train.py --tap-every: a tapped and an untapped compilation
+            loud, quiet = map(pmapped, train.tapped_and_quiet(
+                train.make_body("dp", 0.05, 1000, mark_varying=False), every))
+            tapped = lambda s, loud=loud, quiet=quiet: loud if s % every == 0 else quiet
+        else:
+            fn = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False,
+                                         every=every))
+            tapped = lambda s, fn=fn: fn
+        pick = {"untapped": lambda s: plain, "tapped": tapped}
         if with_floor:
-            bodies["floor"] = floor_body
+            floor = pmapped(floor_body)
+            pick["floor"] = lambda s: floor
         arms = {}
-        for name, body in bodies.items():
-            fn = jax.pmap(body, axis_name="dp", in_axes=(0, 0, 0, None))
+        for name, choose in pick.items():
             state = {"p": params, "step": 0}
 
-            def go(fn=fn, state=state, tapped=name == "tapped", n_steps=n_steps):
+            def go(choose=choose, state=state, is_tapped=name == "tapped",
+                   n_steps=n_steps):
                 loss = None
                 for _ in range(n_steps):
-                    state["p"], loss = fn(state["p"], x, y, np.int32(state["step"] % 1000))
+                    s = state["step"] % 1000
+                    state["p"], loss = choose(s)(state["p"], x, y, np.int32(s))
                     state["step"] += 1
                 loss.block_until_ready()
-                if tapped:
+                if is_tapped:
                     session.flush()
                 else:
                     jax.effects_barrier()

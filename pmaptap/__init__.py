@@ -7,6 +7,7 @@ from .reader import read
 from .session import Session, active_session, flush
 from .tap import tap
 from .tap_grad import tap_grad
+from .untapped import untapped
 
 __all__ = sorted([
     "Session",
@@ -22,5 +23,6 @@ __all__ = sorted([
     "read",
     "tap",
     "tap_grad",
+    "untapped",
 ])
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from .emit import axis_coords, emit
 from .options import options
 from .records import COUNT_BASE
 from .spec import DEDUP_MODES, TapSpec
+from .untapped import taps_off
 
 T = TypeVar("T")
 
@@ -168,6 +169,8 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
         return  # decided at trace time: nothing is compiled for this step
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
+    if taps_off():
+        return  # pmaptap.untapped: checked, then removed
     # host_callback consumers were promised the whole value: never summarized.
     sent, summaries = _summarize_big(leaves) if consumer is None else (leaves, ())
     spec, raw_names = build_spec(name, dedup, every, treedef, leaves,

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from .tap import as_leaf, check_common, check_step, send
+from .untapped import taps_off
 
 T = TypeVar("T")
 FN = "pmaptap.tap_grad"
@@ -180,8 +181,8 @@ def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1,
             f"floating-point or complex JAX array leaf (found: "
             f"{', '.join(kinds)}). Tap the float value the loss depends on, "
             "or use pmaptap.tap to record the value itself.")
-    if static_step is not None and static_step % every != 0:
-        return x   # decided at trace time, as tap does: nothing to record
+    if taps_off() or (static_step is not None and static_step % every != 0):
+        return x   # untapped, or decided at trace time: nothing to record
     diff_leaves = [leaf for leaf, d in zip(leaves, diff) if d]
     if _forward_mode_trace(diff_leaves):
         raise _forward_mode_error(name)

@@ -1,0 +1,59 @@
+"""``pmaptap.untapped(fn)``: ``fn`` traced with every tap removed.
+
+Any computation holding a host callback runs on JAX's slower dispatch path
+(effect tokens, no C++ fast path): ~0.3 ms a step on the development box,
+paid even when a ``lax.cond`` around the callback never fires. A training
+loop that records every N-th step can instead compile the step twice, with
+and without taps, and pick on the host::
+
+    step_fn = jax.pmap(step)
+    quiet_fn = jax.pmap(pmaptap.untapped(step))
+    for i in range(n):
+        fn = step_fn if i % 10 == 0 else quiet_fn
+
+The switch is a JAX configuration state that is part of JAX's trace and jit
+cache keys, so a jitted helper (or a scan body) traced for one version is
+never reused by the other: a tapped step cannot silently inherit an
+untapped trace. The state is thread-local, and ``PMAPTAP_UNTAPPED=1`` in the
+environment turns it on for the whole process (every tap removed, e.g. for a
+production run). Arguments are still checked at trace time.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, TypeVar
+
+# JAX internals: a config state that JAX's caches key on. Public
+# jax.config cannot define new states; test_untapped pins this.
+from jax._src import config as _jax_config
+
+F = TypeVar("F", bound=Callable)
+
+_TAPS_OFF = _jax_config.bool_state(
+    name="pmaptap_untapped",
+    default=False,
+    help="Remove pmaptap taps (tap, tap_grad, host_callback.id_tap/id_print) "
+         "from functions traced while set.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def taps_off() -> bool:
+    """Whether taps traced now are removed."""
+    return bool(_TAPS_OFF.value)
+
+
+def untapped(fn: F) -> F:
+    """``fn`` with every pmaptap tap it traces removed (a no-op that returns
+    its value), for a second, callback-free compilation of a tapped step.
+    ``host_callback.call`` stays: its results are part of the computation."""
+    if not callable(fn):
+        raise TypeError(f"pmaptap.untapped(fn): fn must be callable, got "
+                        f"{type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _TAPS_OFF(True):
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
