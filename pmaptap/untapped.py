@@ -23,25 +23,30 @@ from __future__ import annotations
 import functools
 from typing import Callable, TypeVar
 
-# JAX internals: a config state that JAX's caches key on. Public
-# jax.config cannot define new states; test_untapped pins this.
-from jax._src import config as _jax_config
-
 F = TypeVar("F", bound=Callable)
 
-_TAPS_OFF = _jax_config.bool_state(
-    name="pmaptap_untapped",
-    default=False,
-    help="Remove pmaptap taps (tap, tap_grad, host_callback.id_tap/id_print) "
-         "from functions traced while set.",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-)
+try:
+    # JAX internals: a config state that JAX's caches key on (public
+    # jax.config cannot define new states); test_untapped pins this. Should
+    # a JAX upgrade move it, taps keep working and only untapped() refuses.
+    from jax._src import config as _jax_config
+    _TAPS_OFF = _jax_config.bool_state(
+        name="pmaptap_untapped",
+        default=False,
+        help="Remove pmaptap taps (tap, tap_grad, host_callback.id_tap/"
+             "id_print) from functions traced while set.",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+    _MISSING = ""
+except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover
+    _TAPS_OFF = None
+    _MISSING = f"{type(e).__name__}: {e}"
 
 
 def taps_off() -> bool:
     """Whether taps traced now are removed."""
-    return bool(_TAPS_OFF.value)
+    return _TAPS_OFF is not None and bool(_TAPS_OFF.value)
 
 
 def untapped(fn: F) -> F:
@@ -51,6 +56,9 @@ def untapped(fn: F) -> F:
     if not callable(fn):
         raise TypeError(f"pmaptap.untapped(fn): fn must be callable, got "
                         f"{type(fn).__name__}")
+    if _TAPS_OFF is None:  # pragma: no cover - only on an unsupported JAX
+        raise RuntimeError("pmaptap.untapped needs jax._src.config.bool_state "
+                           f"(JAX cache keys), which this JAX lacks: {_MISSING}")
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

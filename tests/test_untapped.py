@@ -97,3 +97,15 @@ def test_environment_variable_removes_every_tap_of_the_process():
         print("records", len(pmaptap.read(path)))
     """, PMAPTAP_UNTAPPED="1").stdout
     assert "records 0" in out
+
+
+def test_untapped_state_exists_on_this_jax():
+    # pmaptap.untapped rests on a JAX-internal config state keyed into JAX's
+    # caches; a JAX upgrade that moves it must fail here, loudly.
+    from pmaptap.untapped import _MISSING, _TAPS_OFF
+    assert _TAPS_OFF is not None, _MISSING
+    with _TAPS_OFF(True):
+        assert pmaptap.untapped.__module__ == "pmaptap.untapped"
+        from pmaptap.untapped import taps_off
+        assert taps_off()
+    assert not taps_off()
