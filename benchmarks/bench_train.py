@@ -55,8 +55,8 @@ def run(quick: bool = False) -> list[tuple]:
                 "host", False),
                ("demo step, every=10 decided on device", 32, 8, 10, "device", False)]
     if not quick:
-        configs += [("--hidden 1024, batch 1024/device", 1024, 1024, 1, "", False),
-                    ("--hidden 2048, batch 1024/device", 2048, 1024, 1, "", False)]
+        configs += [("--hidden 1024, batch 1024/device", 1024, 1024, 1, "", True),
+                    ("--hidden 2048, batch 1024/device", 2048, 1024, 1, "", True)]
     rows = []
     for label, hidden, batch, every, where, with_floor in configs:
         # Fewer steps per round for the slow step: about 1 s per arm-round.
