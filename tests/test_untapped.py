@@ -109,3 +109,19 @@ def test_untapped_state_exists_on_this_jax():
         from pmaptap.untapped import taps_off
         assert taps_off()
     assert not taps_off()
+
+
+@pytest.mark.parametrize("value, records, warned", [("", 8, False), ("maybe", 8, True),
+                                                    ("0", 8, False), ("TRUE", 0, False)])
+def test_environment_variable_values(value, records, warned):
+    # Empty means unset (VAR= lines in job files); a value that is neither
+    # true nor false warns and leaves taps on, never breaking the import.
+    proc = run_python("""
+        import tempfile, jax, jax.numpy as jnp, pmaptap
+        path = tempfile.mktemp(suffix=".jsonl")
+        with pmaptap.Session(path, run="env"):
+            jax.pmap(lambda v: pmaptap.tap(v, "x", dedup="per_device"))(jnp.arange(8.0))
+        print("records", len(pmaptap.read(path)))
+    """, PMAPTAP_UNTAPPED=value)
+    assert f"records {records}" in proc.stdout
+    assert ("PMAPTAP_UNTAPPED='maybe' is not one of" in proc.stderr) is warned
