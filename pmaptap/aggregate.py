@@ -88,6 +88,11 @@ def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
     return out
 
 
+def _flat(coords: np.ndarray, sizes: tuple[int, ...]) -> int:
+    """Flat index of a callback's coordinates (an int32 vector)."""
+    return flat_index(tuple(int(v) for v in coords.reshape(-1)), sizes)
+
+
 def _rows_identical(stacked: list[np.ndarray]) -> bool:
     """Whether every row (copy) of the stacked leaves is bitwise identical.
     Gathered payloads are small (gather_max_bytes), so comparing bytes
@@ -117,7 +122,7 @@ class Aggregator:
     def add(self, spec: TapSpec, coords: np.ndarray, step: int,
             leaves: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
-        k = flat_index(tuple(int(v) for v in coords.reshape(-1)), spec.axis_sizes)
+        k = _flat(coords, spec.axis_sizes)
         c, device = t.coords[k], t.devices[k]
         if not spec.explicit_step:
             # Automatic step: the k-th execution of this tap name on this
@@ -130,8 +135,9 @@ class Aggregator:
         if spec.local_copies == 1 and not self._groups:
             # Fast path (plain jit / eager): a group of one is complete now.
             if spec.dedup == "per_device":
-                return [self._per_device_record(spec, int(step), t, k,
-                                                self._value(spec, leaves), self.clock())]
+                return [self._per_device_record(
+                    spec, int(step), self._value(spec, leaves), t.processes[k],
+                    device, t.coord_dicts[k], self.clock())]
             copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
             return [self._replicated(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
@@ -184,8 +190,7 @@ class Aggregator:
                 # Written from the caller's own copy, unverified, exactly as
                 # the tap alone would be (the others were gathered for the
                 # group's other members, not to check this one).
-                row = flat_index(tuple(int(v) for v in coords.reshape(-1)),
-                                 member.axis_sizes)
+                row = _flat(coords, member.axis_sizes)
                 leaves = [a[row] for a in leaves]
             out += self.add_payload(member, [coords, step, *leaves])
         return out
@@ -216,33 +221,30 @@ class Aggregator:
         step = self._auto_step(spec, t)
         return None if step % spec.every else step
 
-    def _copies(self, spec: TapSpec, t: "_Table", flats: list[int],
-                rows: list[list[np.ndarray]], keys: list[bytes]) -> list[Copy]:
-        return [Copy(spec, t.coords[k], t.devices[k], t.processes[k], leaves, key)
-                for k, leaves, key in zip(flats, rows, keys)]
-
     def _add_gathered(self, spec: TapSpec, step: int,
                       stacked: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        n = spec.total_copies
         if spec.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
             now = self.clock()
             encoded = encode_rows(spec.treedef, stacked, t.local, spec.summaries)
-            return [self._per_device_record(spec, step, t, k, e, now)
+            return [self._per_device_record(spec, step, e, t.processes[k],
+                                            t.devices[k], t.coord_dicts[k], now)
                     for k, e in zip(t.local, encoded)]
         if _rows_identical(stacked):
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
             encoded = encode_rows(spec.treedef, stacked, [0], spec.summaries)[0]
             return [self._replicated_by_all(spec, step, t, encoded, value_key(row0))]
-        flats = list(range(n))
-        rows = [[a[k] for a in stacked] for k in flats]
-        copies = self._copies(spec, t, flats, rows, [value_key(r) for r in rows])
+        copies = []
+        for k in range(spec.total_copies):      # copies disagree: key each one
+            row = [a[k] for a in stacked]
+            copies.append(Copy(spec, t.coords[k], t.devices[k], t.processes[k],
+                               row, value_key(row)))
         # Replicated / agreeing auto: every process sees all copies, writes
         # the same record(s), and the file-level index keeps one. Disagreeing
         # auto becomes per-device records: of this process's devices only.
@@ -255,11 +257,9 @@ class Aggregator:
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        rec = self._replicated_by_all(spec, step, t, self._value(spec, leaves),
-                                      value_key(leaves))
-        if not verified:
-            rec = dataclasses.replace(rec, extra={"verified": False})
-        return [rec]
+        return [self._replicated_by_all(spec, step, t, self._value(spec, leaves),
+                                        value_key(leaves),
+                                        extra=None if verified else {"verified": False})]
 
     def expire(self) -> list[Record]:
         now = self.clock()
@@ -300,41 +300,30 @@ class Aggregator:
         return encode_tree(spec.treedef, leaves, spec.summaries)
 
     def _per_device(self, spec: TapSpec, step: int, cp: Copy) -> Record:
-        value, dtype, shape = self._value(spec, cp.leaves)
+        return self._per_device_record(
+            spec, step, self._value(spec, cp.leaves), cp.process, cp.device,
+            dict(zip(spec.axis_names, cp.coords)), self.clock())
+
+    def _per_device_record(self, spec: TapSpec, step: int, encoded: tuple,
+                           process: int, device: int | None, coords: dict,
+                           now: float) -> Record:
+        value, dtype, shape = encoded
         return new_record(
             run=self.run, name=spec.name, step=step, kind="per_device",
-            value=value, dtype=dtype, shape=shape, process=cp.process,
-            time=self.clock(), host=self.host, device=cp.device,
-            coords=dict(zip(spec.axis_names, cp.coords)),
+            value=value, dtype=dtype, shape=shape, process=process, time=now,
+            host=self.host, device=device, coords=coords,
             batch_dims=spec.batch_dims, pass_=spec.pass_,
             summarized=bool(spec.summaries))
 
-    def _per_device_record(self, spec: TapSpec, step: int, t: _Table, k: int,
-                           encoded: tuple, now: float) -> Record:
-        value, dtype, shape = encoded
-        return new_record(
-            run=self.run, name=spec.name, step=step, kind="per_device",
-            value=value, dtype=dtype, shape=shape, process=t.processes[k],
-            time=now, host=self.host, device=t.devices[k],
-            coords=t.coord_dicts[k], batch_dims=spec.batch_dims,
-            pass_=spec.pass_, summarized=bool(spec.summaries))
-
     def _replicated_by_all(self, spec: TapSpec, step: int, t: _Table,
-                           encoded: tuple, key: bytes) -> Record:
+                           encoded: tuple, key: bytes, extra: dict | None = None
+                           ) -> Record:
         """The record of a value every copy holds (agreement established)."""
-        value, dtype, shape = encoded
-        return new_record(
-            run=self.run, name=spec.name, step=step, kind="replicated",
-            value=value, dtype=dtype, shape=shape, process=self.process,
-            time=self.clock(), host=self.host, replicas=len(t.all_devices),
-            devices=t.all_devices, processes=t.all_processes,
-            batch_dims=spec.batch_dims, pass_=spec.pass_,
-            summarized=bool(spec.summaries),
-            vhash=hashlib.blake2b(key, digest_size=8).hexdigest())
+        return self._replicated_record(spec, step, encoded, t.all_devices,
+                                       t.all_processes, key, extra=extra)
 
     def _replicated(self, spec: TapSpec, step: int, holders: list[Copy],
                     divergent: bool) -> Record:
-        value, dtype, shape = self._value(spec, holders[0].leaves)
         extra = None
         if divergent:
             # Which coordinates held this value: the device may be unknown
@@ -342,12 +331,22 @@ class Aggregator:
             extra = {"holders": [{"device": h.device, "process": h.process,
                                   "coords": dict(zip(spec.axis_names, h.coords))}
                                  for h in holders]}
+        return self._replicated_record(
+            spec, step, self._value(spec, holders[0].leaves),
+            tuple(h.device for h in holders),
+            tuple(sorted({h.process for h in holders})), holders[0].key,
+            divergent=divergent, extra=extra)
+
+    def _replicated_record(self, spec: TapSpec, step: int, encoded: tuple,
+                           devices: tuple, processes: tuple, key: bytes, *,
+                           divergent: bool = False, extra: dict | None = None
+                           ) -> Record:
+        value, dtype, shape = encoded
         return new_record(
             run=self.run, name=spec.name, step=step, kind="replicated",
             value=value, dtype=dtype, shape=shape, process=self.process,
-            time=self.clock(), host=self.host, replicas=len(holders),
-            devices=tuple(h.device for h in holders),
-            processes=tuple(sorted({h.process for h in holders})),
-            divergent=divergent, batch_dims=spec.batch_dims, pass_=spec.pass_,
+            time=self.clock(), host=self.host, replicas=len(devices),
+            devices=devices, processes=processes, divergent=divergent,
+            batch_dims=spec.batch_dims, pass_=spec.pass_,
             summarized=bool(spec.summaries), extra=extra,
-            vhash=hashlib.blake2b(holders[0].key, digest_size=8).hexdigest())
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest())

@@ -183,6 +183,11 @@ def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> 
     g.add_argument("--run", metavar="RUN", help="run id (a file may hold several)")
 
 
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="JSON lines, not a table")
+    p.add_argument("--width", type=int, default=60, help="value column width")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Look at pmaptap tap files (JSON lines).",
@@ -193,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     _add_filters(p)
     p.add_argument("--limit", type=int, default=0, help="first N matches only")
-    p.add_argument("--json", action="store_true", help="JSON lines, not a table")
-    p.add_argument("--width", type=int, default=60, help="value column width")
+    _add_output(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("tail", help="last records; -f follows appends live")
@@ -211,8 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after printing N records (initial ones included)")
     p.add_argument("--interval", type=float, default=0.2,
                    help="with -f: seconds between polls (default 0.2)")
-    p.add_argument("--json", action="store_true", help="JSON lines, not a table")
-    p.add_argument("--width", type=int, default=60, help="value column width")
+    _add_output(p)
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("summary", help="per tap: counts, steps, stats, issues")

@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -247,7 +247,7 @@ class group(contextlib.ContextDecorator):
 
     def __enter__(self) -> "group":
         self._trace = _core.trace_ctx.trace
-        self._members: list[tuple] = []
+        self._members: list[_Member] = []
         _local.__dict__.setdefault("stack", []).append(self)
         return self
 
@@ -267,13 +267,23 @@ class group(contextlib.ContextDecorator):
             return False    # the group gathers every member: only small ones
         if self._members:
             first = self._members[0]
-            if first[0].leaders != spec.leaders or first[1] != raw_names:
+            if first.spec.leaders != spec.leaders or first.raw_names != raw_names:
                 return False
         # Members deciding `every` on device are bucketed by (every, step):
         # each bucket gets one cond (see _emit_group).
-        every = (spec.every, id(step)) if traced_every else None
-        self._members.append((spec, raw_names, list(leaves), coords, step, every))
+        bucket = (spec.every, id(step)) if traced_every else None
+        self._members.append(_Member(spec, raw_names, list(leaves), coords, step, bucket))
         return True
+
+
+class _Member(NamedTuple):
+    """A tap waiting in a group for the block's end."""
+    spec: TapSpec
+    raw_names: tuple
+    leaves: list
+    coords: Any
+    step: Any
+    bucket: tuple | None       # (every, id(step)) when decided on device
 
 
 def _current_group() -> "group | None":
@@ -281,39 +291,38 @@ def _current_group() -> "group | None":
     return stack[-1] if stack else None
 
 
-def _emit_group(members: list[tuple]) -> None:
-    buckets: dict[Any, list[tuple]] = {}
+def _emit_group(members: list[_Member]) -> None:
+    buckets: dict[tuple | None, list[_Member]] = {}
     for m in members:
-        buckets.setdefault(m[5], []).append(m)
+        buckets.setdefault(m.bucket, []).append(m)
     for key, bucket in buckets.items():
         if key is None:
             _emit_members(bucket)
             continue
-        every, step = key[0], bucket[0][4]
+        every, step = key[0], bucket[0].step
         lax.cond(step % every == 0, lambda b=bucket: _emit_members(b), lambda: None)
 
 
-def _emit_members(members: list[tuple]) -> None:
+def _emit_members(members: list[_Member]) -> None:
+    first = members[0]
     if len(members) == 1:
-        spec, raw_names, leaves, coords, step, _ = members[0]
-        _emitter(spec, raw_names)(coords, step, *leaves)
+        _emitter(first.spec, first.raw_names)(first.coords, first.step, *first.leaves)
         return
-    first, raw_names, _, coords, _, _ = members[0]
     # Every member is gathered (small by construction), all in ONE packed
     # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
     # Members keep their layout: an unverified replicated one ("verified_off")
     # is written from the caller's copy, as it would be alone.
-    all_leaves = [x for m in members for x in m[2]]
-    payload, packing = _gather_packed(all_leaves, raw_names)
+    payload, packing = _gather_packed([x for m in members for x in m.leaves],
+                                      first.raw_names)
     # Each member's step travels as its own operand, in its own dtype (a
     # stacked int32 would wrap steps >= 2**31).
-    steps = [m[4] for m in members]
+    steps = [m.step for m in members]
     gspec = dataclasses.replace(
-        first, name="pmaptap/group", layout="group", treedef=None,
-        members=tuple(m[0] for m in members),
-        member_leaves=tuple(len(m[2]) for m in members), packing=packing)
-    lax.cond(_is_leader(first, coords),
-             lambda: _callback(gspec, coords, *steps, *payload), lambda: None)
+        first.spec, name="pmaptap/group", layout="group", treedef=None,
+        members=tuple(m.spec for m in members),
+        member_leaves=tuple(len(m.leaves) for m in members), packing=packing)
+    lax.cond(_is_leader(first.spec, first.coords),
+             lambda: _callback(gspec, first.coords, *steps, *payload), lambda: None)
 
 
 def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],

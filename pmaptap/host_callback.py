@@ -24,6 +24,7 @@ work to the same executor and waits for the result; see
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -319,18 +320,16 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
     return jax.tree_util.tree_unflatten(res_treedef, outs)
 
 
+@dataclasses.dataclass(frozen=True)
 class _CallJob:
-    def __init__(self, f: Callable, spec: TapSpec, res_treedef, res_avals,
-                 *, with_device: bool, spread: bool, devices: _Devices,
-                 what: str) -> None:
-        self.f = f
-        self.spec = spec
-        self.res_treedef = res_treedef
-        self.res_avals = res_avals
-        self.with_device = with_device
-        self.spread = spread
-        self.devices = devices
-        self.what = what
+    f: Callable
+    spec: TapSpec
+    res_treedef: Any
+    res_avals: Any
+    with_device: bool
+    spread: bool
+    devices: _Devices
+    what: str
 
     def on_callback_thread(self, coords: Any, *leaves: Any) -> tuple:
         """Why the executor and not this thread: jobs there run one at a time

@@ -12,7 +12,6 @@ import datetime
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import warnings
@@ -269,6 +268,3 @@ def flush(timeout: float | None = -1) -> None:
     _effects_barrier()
     routing.console().flush(None if timeout == -1 else timeout)
 
-
-def current_host() -> str:
-    return socket.gethostname()

@@ -28,7 +28,7 @@ def test_file_is_appended_never_truncated(tap_path):
     os.makedirs(os.path.dirname(tap_path))
     with open(tap_path, "w") as f:
         f.write('{"keep": "me"}\n')
-    with pmaptap.Session(tap_path, run="a") as s:
+    with pmaptap.Session(tap_path, run="a"):
         jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
     with open(tap_path) as f:
         lines = f.read().splitlines()
