@@ -3,7 +3,7 @@ shared-file implementation and a console implementation.
 
 ``FileSink`` appends whole lines to one file shared by every process of a job.
 Each batch is encoded outside the lock, then written with a single
-``os.write`` on an ``O_APPEND`` descriptor while holding
+``os.writev`` of its lines on an ``O_APPEND`` descriptor while holding
 ``FileLock(path + ".lock")``: no line is torn or interleaved by another
 process. A writer killed mid-line leaves a file that does not end in a
 newline; the next batch (from any process) starts with one, so at most that
