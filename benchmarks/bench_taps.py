@@ -80,7 +80,7 @@ def run(quick: bool = False) -> list[tuple]:
     counter = {"step": 0}
     # "transport only" arms: the same taps with the host pipeline cut off at
     # the callback hand-off, to separate device-side cost from JSON + file I/O.
-    from pmaptap import emit
+    from pmaptap._trace import emit
     real_deliver, xport = emit.deliver, {"drop": False}
     emit.deliver = lambda spec, arrays: None if xport["drop"] else real_deliver(spec, arrays)
 

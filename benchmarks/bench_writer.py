@@ -30,9 +30,9 @@ import json, os, sys, time
 sys.path.insert(0, os.environ["ROOT"])
 import numpy as np, jax
 from benchmarks.common import rss_mib
-from pmaptap.pipeline import Pipeline
-from pmaptap.sink import FileSink
-from pmaptap.spec import TapSpec
+from pmaptap._host.pipeline import Pipeline
+from pmaptap._host.sink import FileSink
+from pmaptap._trace.spec import TapSpec
 
 n, path, go = int(os.environ["N"]), os.environ["TAP"], os.environ.get("GO")
 mode = os.environ.get("MODE", "rate")
@@ -50,7 +50,7 @@ rss0, peak = rss_mib(), 0.0
 if mode == "sink":
     # The writer stage alone: records already built, as the writer thread
     # gets them; encode + lock + one append per batch of 1000.
-    from pmaptap.records import Record
+    from pmaptap.tapfile.format import Record
     recs = [Record(run="bench", name=spec.name, step=i, kind="per_device",
                    value=np.float32(i * 0.5), dtype="float32", shape=[],
                    process=0, time=time.time(), host="h", device=0, coords={})

@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import pmaptap
-    from pmaptap.summary import summarize
+    from pmaptap.tapfile.summary import summarize
 
     log(f"pmaptap train: variant={args.variant} mode={mode} "
         f"processes={jax.process_count()} devices={jax.device_count()} "

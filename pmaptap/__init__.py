@@ -1,13 +1,13 @@
 """pmaptap: device-aware taps for multi-device, multi-host JAX programs."""
-from . import host_callback
-from .emit import group
-from .errors import SessionError, TapError
-from .options import configure, configured, options
-from .reader import read
-from .session import Session, active_session, flush
-from .tap import tap
-from .tap_grad import tap_grad
-from .untapped import untapped
+from pmaptap import host_callback
+from pmaptap._trace.emit import group
+from pmaptap.errors import SessionError, TapError
+from pmaptap._trace.options import configure, configured, options
+from pmaptap.tapfile.reader import read
+from pmaptap._host.session import Session, active_session, flush
+from pmaptap._trace.tap import tap
+from pmaptap._trace.grad import tap_grad
+from pmaptap._trace.untapped import untapped
 
 __all__ = sorted([
     "Session",

@@ -1,6 +1,6 @@
 """``python -m pmaptap`` runs the ``pmaptap`` command (see cli.py)."""
 import sys
 
-from .cli import main
+from pmaptap.cli import main
 
 sys.exit(main())

@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Sequence
 
-from . import views
+from pmaptap.tapfile import views
 
 PROG = "pmaptap"
 
@@ -89,7 +89,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from .summary import summarize
+    from pmaptap.tapfile.summary import summarize
     flt = _filter(args)
     recs = [e.rec for e in _load(args.file, "summary") if flt(e.rec)]
     print(summarize(recs))
@@ -97,7 +97,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .checks import validate_file
+    from pmaptap.tapfile.checks import validate_file
     _check_file(args.file)
     report = validate_file(args.file)
     shown = report.problems if not args.limit else report.problems[: args.limit]
@@ -118,7 +118,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import PlotError, plot_tap
+    from pmaptap.tapfile.plot import PlotError, plot_tap
     flt = _filter(args)
     flt.names = ()      # plot_tap picks the name and lists the others if absent
     recs = [e.rec for e in _load(args.file, "plot") if flt(e.rec)]
@@ -132,7 +132,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import write_csv
+    from pmaptap.tapfile.export import write_csv
     flt = _filter(args)
     entries = [e for e in _load(args.file, "export") if flt(e.rec)]
     if args.csv == "-":
@@ -148,7 +148,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from .follow import tail
+    from pmaptap.tapfile.follow import tail
     if not args.follow:
         _check_file(args.file)
     elif not os.path.exists(args.file):
@@ -160,7 +160,7 @@ def cmd_launch(argv: list[str]) -> int:
     # Imported lazily: the launcher is its own module and may be absent from a
     # trimmed installation; every other subcommand works without it.
     try:
-        from . import launch
+        from pmaptap import launch
     except ImportError as e:
         if getattr(e, "name", None) not in ("pmaptap.launch", None):
             raise          # the launcher exists but one of its imports failed

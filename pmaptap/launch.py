@@ -33,7 +33,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from .distributed import (ENV_COORDINATOR, ENV_COORDINATOR_BIND,
+from pmaptap.distributed import (ENV_COORDINATOR, ENV_COORDINATOR_BIND,
                           ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 EXIT_TIMEOUT = 124

@@ -27,11 +27,11 @@ from jax import lax
 
 import pmaptap
 import pmaptap.cli
-import pmaptap.emit
+import pmaptap._trace.emit
 from conftest import mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
-from pmaptap.records import encode_line
-from pmaptap.sink import FileSink
+from pmaptap.tapfile.format import encode_line
+from pmaptap._host.sink import FileSink
 
 
 def _named(recs: list[dict], name: str) -> list[dict]:
@@ -180,13 +180,13 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     a.reshape(-1)[:5000] = np.nan
     a.reshape(-1)[5000:9097] = -np.inf
     sent: list[int] = []
-    real = pmaptap.emit.deliver
+    real = pmaptap._trace.emit.deliver
 
     def spy(spec, arrays):            # what reaches the host, in bytes
         sent.append(sum(np.asarray(x).nbytes for x in arrays))
         real(spec, arrays)
 
-    monkeypatch.setattr(pmaptap.emit, "deliver", spy)
+    monkeypatch.setattr(pmaptap._trace.emit, "deliver", spy)
     jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]},
                                   "act"))(a)
     session.flush()
@@ -451,9 +451,10 @@ def test_pmaptap_never_imports_a_deserializer_that_runs_code() -> None:
     # the package may import pickle & co or call eval/exec/compile.
     pkg = os.path.dirname(pmaptap.__file__)
     found = []
-    for fname in sorted(os.listdir(pkg)):
-        if not fname.endswith(".py"):
-            continue
+    sources = sorted(os.path.relpath(os.path.join(d, f), pkg)
+                     for d, _, files in os.walk(pkg) for f in files if f.endswith(".py"))
+    assert len(sources) > 30, sources      # every subpackage is walked
+    for fname in sources:
         with open(os.path.join(pkg, fname), encoding="utf-8") as f:
             tree = ast.parse(f.read(), fname)
         for node in ast.walk(tree):

@@ -354,7 +354,7 @@ def test_summary_counts_duplicates_but_not_divergence(tmp_path, demo_lines):
     g = next(x for x in demo_lines if '"name":"gnorm","step":1' in x)
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(demo_lines + [loss0, g, g]) + "\n")
-    from pmaptap.summary import summarize, tap_summaries
+    from pmaptap.tapfile.summary import summarize, tap_summaries
     text = summarize(pmaptap.read(path))
     assert "1 duplicate record(s)" in text and "2 duplicate record(s)" in text
     by = {s.name: s for s in tap_summaries(pmaptap.read(path))}
@@ -451,7 +451,7 @@ def test_plot_writes_a_png(demo, tmp_path):
 
 def test_plot_lines_per_device_and_divergent_marks(demo):
     pytest.importorskip("matplotlib")
-    from pmaptap.plot import build_figure
+    from pmaptap.tapfile.plot import build_figure
     import matplotlib.pyplot as plt
     recs = pmaptap.read(demo)
     fig = build_figure(recs, "gnorm")

@@ -64,7 +64,7 @@ def test_while_loop_and_cond(session, tap_path):
 
 def test_every_with_traced_step_skips_on_device(session, tap_path, monkeypatch):
     calls = []
-    from pmaptap import routing
+    from pmaptap._host import routing
     real = routing.deliver
 
     def counting(spec, arrays):
@@ -72,7 +72,7 @@ def test_every_with_traced_step_skips_on_device(session, tap_path, monkeypatch):
         real(spec, arrays)
 
     # emit.py imported deliver by name; count host calls at that entry point.
-    monkeypatch.setattr("pmaptap.emit.deliver", counting)
+    monkeypatch.setattr("pmaptap._trace.emit.deliver", counting)
 
     @jax.jit
     def f(xs):

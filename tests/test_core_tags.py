@@ -121,7 +121,7 @@ def test_plain_jit_and_eager_have_empty_coords(session, tap_path):
 def test_placement_can_still_find_the_pmap_mesh():
     """Fails loudly when a JAX upgrade moves the concrete mesh out of reach
     (pmaptap would then write device=null everywhere under pmap)."""
-    from pmaptap import placement
+    from pmaptap._trace import placement
     found = {}
 
     def body(v):

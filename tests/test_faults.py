@@ -27,9 +27,9 @@ import pmaptap
 from conftest import (mount_namespace_available, run_in_mount_namespace,
                       run_python, start_python, wait_for)
 from pmaptap import host_callback as hcb
-from pmaptap.aggregate import Aggregator
-from pmaptap.pipeline import Pipeline
-from pmaptap.sink import FileSink
+from pmaptap._host.aggregate import Aggregator
+from pmaptap._host.pipeline import Pipeline
+from pmaptap._host.sink import FileSink
 
 
 def _lines(path: str) -> list[bytes]:
@@ -57,9 +57,9 @@ def _kill(*procs: subprocess.Popen) -> None:
 _HEAVY = r"""
 import os, signal
 import numpy as np, jax
-from pmaptap.pipeline import Pipeline
-from pmaptap.sink import FileSink
-from pmaptap.spec import TapSpec
+from pmaptap._host.pipeline import Pipeline
+from pmaptap._host.sink import FileSink
+from pmaptap._trace.spec import TapSpec
 
 sink = FileSink(os.environ["TAP"], lock_timeout=0.05, process=0)
 if os.environ["MODE"] == "tear":
@@ -535,9 +535,9 @@ def test_write_errors_keep_records_up_to_the_bound_then_count_drops(tmp_path) ->
 _FLOOD = r"""
 import json, os, threading, time
 import numpy as np, jax, filelock
-from pmaptap.pipeline import Pipeline
-from pmaptap.sink import FileSink
-from pmaptap.spec import TapSpec
+from pmaptap._host.pipeline import Pipeline
+from pmaptap._host.sink import FileSink
+from pmaptap._trace.spec import TapSpec
 
 n, bound, policy = int(os.environ["N"]), int(os.environ["BOUND"]), os.environ["POLICY"]
 path = os.environ["TAP"]

@@ -375,14 +375,14 @@ def test_call_pytree_result_and_python_scalar_shape():
 
 def test_id_tap_result_is_returned_and_not_sent(monkeypatch):
     got, sent = [], []
-    from pmaptap import routing
+    from pmaptap._host import routing
 
     def recording(spec, arrays):
         sent.append([np.shape(a) for a in arrays[2:]])
         routing.deliver(spec, arrays)
 
     # emit.py imported deliver by name; record payloads at that entry point.
-    monkeypatch.setattr("pmaptap.emit.deliver", recording)
+    monkeypatch.setattr("pmaptap._trace.emit.deliver", recording)
     x = jnp.arange(3.0)
     res = {"r": jnp.ones(7)}
     assert hcb.id_tap(lambda a, t: got.append(a), x, result=res) is res

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pmaptap.hostcall import host_call
+from pmaptap._trace.primitive import host_call
 
 
 def _collector():

@@ -17,7 +17,7 @@ import json
 import math
 from typing import IO, Any, Sequence
 
-from .views import Entry
+from pmaptap.tapfile.views import Entry
 
 _MARKERS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 FIXED = ("line", "run", "name", "step", "pass", "kind", "process", "device",

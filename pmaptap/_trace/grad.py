@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from .tap import as_leaf, check_common, check_step, send
-from .untapped import taps_off
+from pmaptap._trace.tap import as_leaf, check_common, check_step, send
+from pmaptap._trace.untapped import taps_off
 
 T = TypeVar("T")
 FN = "pmaptap.tap_grad"

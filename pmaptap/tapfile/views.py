@@ -9,8 +9,8 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from .reader import iter_lines, reconcile_divergence
-from .records import decode_record
+from pmaptap.tapfile.reader import iter_lines, reconcile_divergence
+from pmaptap.tapfile.format import decode_record
 
 
 @dataclasses.dataclass

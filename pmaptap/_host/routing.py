@@ -8,8 +8,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .pipeline import Pipeline
-    from .spec import TapSpec
+    from pmaptap._host.pipeline import Pipeline
+    from pmaptap._trace.spec import TapSpec
 
 _lock = threading.Lock()
 _active: "Pipeline | None" = None
@@ -30,8 +30,8 @@ def console() -> "Pipeline":
     global _console
     with _lock:
         if _console is None or _console.closed:
-            from .pipeline import Pipeline
-            from .sink import ConsoleSink
+            from pmaptap._host.pipeline import Pipeline
+            from pmaptap._host.sink import ConsoleSink
             _console = Pipeline(ConsoleSink(), run="console")
             # Print what is pending and stop its threads before JAX's own
             # exit handlers (registered earlier, so they run later).

@@ -21,9 +21,9 @@ from typing import Sequence
 
 import filelock
 
-from .errors import TapError
-from .records import Record, encode_line
-from .xdedup import CrossProcessIndex
+from pmaptap.errors import TapError
+from pmaptap.tapfile.format import Record, encode_line
+from pmaptap._host.crossdedup import CrossProcessIndex
 
 _IOV_MAX = 1024    # buffers per writev(2) call: Linux's UIO_MAXIOV
 

@@ -6,8 +6,8 @@ import os
 import warnings
 from typing import Iterator
 
-from .records import decode_record, validate_dict
-from .xdedup import record_key
+from pmaptap.tapfile.format import decode_record, validate_dict
+from pmaptap._host.crossdedup import record_key
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:

@@ -17,9 +17,9 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from . import views
-from .reader import parse_line
-from .records import decode_record
+from pmaptap.tapfile import views
+from pmaptap.tapfile.reader import parse_line
+from pmaptap.tapfile.format import decode_record
 
 PROG = "pmaptap"
 

@@ -8,8 +8,8 @@ import math
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from .checks import count_missing, find_duplicates, format_gaps, step_gaps
-from .views import Table, format_ids, format_number, scalar
+from pmaptap.tapfile.checks import count_missing, find_duplicates, format_gaps, step_gaps
+from pmaptap.tapfile.views import Table, format_ids, format_number, scalar
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from .views import load
+from pmaptap.tapfile.views import load
 
 _MARKERS = ("NaN", "Infinity", "-Infinity")
 

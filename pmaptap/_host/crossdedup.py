@@ -25,7 +25,7 @@ import json
 from collections import OrderedDict
 from typing import Sequence
 
-from .records import Record
+from pmaptap.tapfile.format import Record
 
 _REPLICATED_MARK = b'"kind":"replicated"'
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import placement
-from .emit import axis_coords, emit
-from .options import options
-from .records import COUNT_BASE
-from .spec import DEDUP_MODES, TapSpec
-from .untapped import taps_off
+from pmaptap._trace import placement
+from pmaptap._trace.emit import axis_coords, emit
+from pmaptap._trace.options import options
+from pmaptap.tapfile.format import COUNT_BASE
+from pmaptap._trace.spec import DEDUP_MODES, TapSpec
+from pmaptap._trace.untapped import taps_off
 
 T = TypeVar("T")
 

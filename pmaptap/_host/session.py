@@ -17,10 +17,12 @@ import threading
 import warnings
 from typing import Any
 
-from . import distributed, routing
-from .errors import SessionError, TapError
-from .pipeline import OVERFLOW_POLICIES, Pipeline
-from .sink import LOCK_MODES, FileSink
+from pmaptap import distributed
+
+from pmaptap._host import routing
+from pmaptap.errors import SessionError, TapError
+from pmaptap._host.pipeline import OVERFLOW_POLICIES, Pipeline
+from pmaptap._host.sink import LOCK_MODES, FileSink
 
 _open_lock = threading.Lock()
 _active_session: "Session | None" = None

@@ -56,11 +56,11 @@ from jax._src.interpreters import batching as _batching
 from jax.custom_batching import custom_vmap
 from jax.experimental import io_callback
 
-from . import placement
-from .hostcall import host_call
-from .options import options
-from .routing import deliver
-from .spec import TapSpec
+from pmaptap._trace import placement
+from pmaptap._trace.primitive import host_call
+from pmaptap._trace.options import options
+from pmaptap._host.routing import deliver
+from pmaptap._trace.spec import TapSpec
 
 
 def _host_entry(spec: TapSpec, *arrays) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .records import Record, encode_rows, encode_tree, new_record
-from .spec import TapSpec, flat_index
+from pmaptap.tapfile.format import Record, encode_rows, encode_tree, new_record
+from pmaptap._trace.spec import TapSpec, flat_index
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import os
 from collections import defaultdict
 from typing import Sequence
 
-from .views import scalar
+from pmaptap.tapfile.views import scalar
 
 MISSING_MATPLOTLIB = ('pmaptap plot needs matplotlib, an optional extra: '
                       'pip install "pmaptap[plot]" (or pip install matplotlib)')

@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from .aggregate import Aggregator
-from .errors import TapError
-from .records import Record
-from .sink import LockBusy, Sink
-from .spec import TapSpec
+from pmaptap._host.aggregate import Aggregator
+from pmaptap.errors import TapError
+from pmaptap.tapfile.format import Record
+from pmaptap._host.sink import LockBusy, Sink
+from pmaptap._trace.spec import TapSpec
 
 OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
 _LINGER_MAX = 64     # queued callbacks that end the aggregator's linger

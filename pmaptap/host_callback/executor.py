@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from .spec import TapSpec
+from pmaptap._trace.spec import TapSpec
 
 # --------------------------------------------------------------- executor
 class _Executor:

@@ -1,0 +1,1 @@
+"""Everything in the training process after the host callback."""

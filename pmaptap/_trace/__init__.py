@@ -1,0 +1,1 @@
+"""Everything that runs while JAX traces a tapped function."""

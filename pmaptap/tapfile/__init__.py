@@ -1,0 +1,1 @@
+"""The tap-file format and everything that reads it (never imports JAX)."""
