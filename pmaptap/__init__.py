@@ -1,28 +1,67 @@
-"""pmaptap: device-aware taps for multi-device, multi-host JAX programs."""
-from pmaptap import host_callback
-from pmaptap._trace.emit import group
-from pmaptap.errors import SessionError, TapError
-from pmaptap._trace.options import configure, configured, options
-from pmaptap.tapfile.reader import read
-from pmaptap._host.session import Session, active_session, flush
-from pmaptap._trace.tap import tap
-from pmaptap._trace.grad import tap_grad
-from pmaptap._trace.untapped import untapped
+"""pmaptap: device-aware taps for multi-device, multi-host JAX programs.
 
-__all__ = sorted([
-    "Session",
-    "SessionError",
-    "TapError",
-    "active_session",
-    "configure",
-    "configured",
-    "flush",
-    "group",
-    "host_callback",
-    "options",
-    "read",
-    "tap",
-    "tap_grad",
-    "untapped",
-])
-__version__ = "0.1.0"
+This module is a lazy facade: it names the public API and imports each piece
+(and JAX) on first use, so ``pmaptap.tapfile`` and the ``pmaptap`` command can
+read tap files where JAX is not installed. The implementation lives in
+private packages: ``_trace`` (runs while JAX traces), ``_host`` (runs in the
+training process after the host callback) and ``tapfile`` (the record format
+and its readers, never JAX). docs/architecture.md draws the path of a value.
+"""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version as _version
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = _version("pmaptap")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
+
+# public name -> (module, attribute); attribute None means the module itself.
+_PUBLIC: dict[str, tuple[str, str | None]] = {
+    "tap": ("pmaptap._trace.tap", "tap"),
+    "tap_grad": ("pmaptap._trace.grad", "tap_grad"),
+    "group": ("pmaptap._trace.emit", "group"),
+    "untapped": ("pmaptap._trace.untapped", "untapped"),
+    "configure": ("pmaptap._trace.options", "configure"),
+    "configured": ("pmaptap._trace.options", "configured"),
+    "options": ("pmaptap._trace.options", "options"),
+    "Session": ("pmaptap._host.session", "Session"),
+    "active_session": ("pmaptap._host.session", "active_session"),
+    "flush": ("pmaptap._host.session", "flush"),
+    "read": ("pmaptap.tapfile.reader", "read"),
+    "TapError": ("pmaptap.errors", "TapError"),
+    "TapPathError": ("pmaptap.errors", "TapPathError"),
+    "SessionError": ("pmaptap.errors", "SessionError"),
+    "host_callback": ("pmaptap.host_callback", None),
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _PUBLIC[name]
+    except KeyError:
+        raise AttributeError(f"module 'pmaptap' has no attribute {name!r}") from None
+    obj = importlib.import_module(module)
+    if attr is not None:
+        obj = getattr(obj, attr)
+    globals()[name] = obj       # later look-ups skip __getattr__
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from pmaptap import host_callback
+    from pmaptap._host.session import Session, active_session, flush
+    from pmaptap._trace.emit import group
+    from pmaptap._trace.grad import tap_grad
+    from pmaptap._trace.options import configure, configured, options
+    from pmaptap._trace.tap import tap
+    from pmaptap._trace.untapped import untapped
+    from pmaptap.errors import SessionError, TapError, TapPathError
+    from pmaptap.tapfile.reader import read

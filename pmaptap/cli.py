@@ -23,12 +23,10 @@ import sys
 from typing import Sequence
 
 from pmaptap.tapfile import views
+from pmaptap.errors import CliError
 
 PROG = "pmaptap"
 
-
-class CliError(Exception):
-    """A problem with what was asked; printed as one line, exit status 2."""
 
 
 # ------------------------------------------------------------------ helpers

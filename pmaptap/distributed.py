@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from typing import Any, Callable
+from pmaptap.errors import DistributedError
 
 # Set by the launcher (and usable by hand, e.g. in a Kubernetes Job).
 ENV_COORDINATOR = "PMAPTAP_COORDINATOR"          # host:port of process 0
@@ -54,9 +55,6 @@ _run_id_calls = itertools.count()
 _close_calls: dict[str, int] = {}
 _mode: str | None = None
 
-
-class DistributedError(RuntimeError):
-    """The launcher's settings are unusable or initialization came too late."""
 
 
 # --------------------------------------------------------------- initialize

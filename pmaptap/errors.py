@@ -1,11 +1,19 @@
-"""Exceptions raised by pmaptap. Each subclasses a built-in so callers can
-catch them generically, and each message says what to do about it."""
+"""Every exception pmaptap raises, in one place.
+
+Each subclasses a built-in so callers can catch them generically (a path
+problem is also an ``OSError``, a bad plot request a ``ValueError``), and each
+message says what to do about it. ``TapError`` is the base of everything the
+tap pipeline reports.
+"""
 from __future__ import annotations
 
 
 class TapError(RuntimeError):
     """A background failure (disk, permissions, lock, dropped records),
-    reported at the next ``flush()`` / ``close()`` rather than inside XLA."""
+    reported at the next ``flush()`` / ``close()`` rather than inside XLA.
+
+    ``path`` names the tap file when there is one; ``errors`` holds the
+    underlying exceptions, oldest first."""
 
     def __init__(self, message: str, *, path: str | None = None,
                  errors: tuple[BaseException, ...] = ()) -> None:
@@ -14,6 +22,59 @@ class TapError(RuntimeError):
         self.errors = errors
 
 
+class TapPathError(TapError, OSError):
+    """The tap file or its lock cannot be created or opened. Also an
+    ``OSError`` (``errno`` and ``filename`` kept from the cause), so the
+    ``except OSError`` that code writes around file paths catches it."""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 errno: int | None = None) -> None:
+        if errno is None:
+            OSError.__init__(self, message)
+        else:
+            OSError.__init__(self, errno, message)
+        self.filename = path
+        self.path = path
+        self.errors = ()
+
+    def __str__(self) -> str:
+        # OSError's "[Errno N] msg: 'path'" would repeat the path the message
+        # already names.
+        return self.strerror if self.errno is not None else OSError.__str__(self)
+
+
+class LockBusy(TapError):
+    """The shared lock was not acquired in time. The pipeline retries later;
+    it surfaces only in a flush/close timeout message (naming the holder)."""
+
+
 class SessionError(RuntimeError):
     """A session was used in a way its lifecycle does not allow
     (a second open session, flush after close, ...)."""
+
+
+class DistributedError(RuntimeError):
+    """The launcher's settings are unusable or initialization came too late."""
+
+
+class CallbackException(RuntimeError):
+    """A host_callback tap function raised on the host. Raised once, by
+    ``host_callback.barrier_wait``.
+
+    ``original`` (also ``__cause__``) is the first exception since the previous
+    barrier; ``errors`` holds all of them, in the order they happened.
+    """
+
+    def __init__(self, message: str, errors: tuple[BaseException, ...]) -> None:
+        super().__init__(message)
+        self.errors = errors
+        self.original = errors[0] if errors else None
+
+
+class PlotError(ValueError):
+    """The records cannot be plotted as asked; the message says why."""
+
+
+class CliError(Exception):
+    """A problem with what was asked on the command line; printed as one
+    line, exit status 2."""

@@ -175,7 +175,7 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
         session, tap_path, monkeypatch) -> None:
     # 2 MiB of float32 (default limit 1 MiB per leaf), with more NaNs and
     # infs than one float32 counts exactly in its low part (see
-    # records.COUNT_BASE).
+    # tapfile.format.COUNT_BASE).
     a = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
     a.reshape(-1)[:5000] = np.nan
     a.reshape(-1)[5000:9097] = -np.inf
@@ -369,6 +369,24 @@ def test_symlinked_path_is_followed_and_the_lock_sits_by_the_target(tmp_path) ->
     loop.symlink_to(loop)
     with pytest.raises(pmaptap.TapError, match="cannot"):
         pmaptap.Session(loop).open()
+    assert pmaptap.active_session() is None
+
+
+def test_path_problems_are_oserrors_with_their_errno(tmp_path) -> None:
+    # `except OSError` around file paths (what Python code writes) catches
+    # pmaptap's path errors too, and they are still TapErrors.
+    import errno as errno_mod
+    (tmp_path / "file").write_text("x")
+    # (os.makedirs reports a file in the way as EEXIST or ENOTDIR)
+    cases = {str(tmp_path / "file" / "t.jsonl"): {errno_mod.EEXIST, errno_mod.ENOTDIR},
+             str(tmp_path): {errno_mod.EISDIR}}
+    for path, code in cases.items():
+        with pytest.raises(OSError) as info:
+            pmaptap.Session(path).open()
+        assert isinstance(info.value, pmaptap.TapPathError)
+        assert isinstance(info.value, pmaptap.TapError)
+        assert info.value.errno in code and info.value.filename
+        assert "tap file" in str(info.value) and "[Errno" not in str(info.value)
     assert pmaptap.active_session() is None
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import pmaptap
 from conftest import run_python
-from pmaptap.tapfile.format import encode_array
+from pmaptap._host.encode import encode_array
 
 
 def _strict_lines(path):
@@ -135,7 +135,8 @@ def test_json_fallback_writes_the_same_records_as_orjson(tmp_path):
 def test_encoding_gathered_rows_at_once_equals_row_by_row(stacked):
     # The gathered fast path (encode_rows) must write exactly the bytes that
     # encoding each device's copy on its own writes.
-    from pmaptap.tapfile.format import encode_line, encode_rows, encode_tree
+    from pmaptap._host.encode import encode_rows, encode_tree
+    from pmaptap.tapfile.format import encode_line
     treedef = jax.tree_util.tree_structure(0)
     rows = list(range(stacked.shape[0]))[::-1]
     fast = encode_rows(treedef, [stacked], rows)
@@ -146,7 +147,8 @@ def test_encoding_gathered_rows_at_once_equals_row_by_row(stacked):
 
 
 def test_encoding_gathered_pytree_rows_equals_row_by_row():
-    from pmaptap.tapfile.format import encode_line, encode_rows, encode_tree
+    from pmaptap._host.encode import encode_rows, encode_tree
+    from pmaptap.tapfile.format import encode_line
     tree = {"a": np.float32(0), "b": np.zeros(2, np.int32)}
     treedef = jax.tree_util.tree_structure(tree)
     stacked = [np.array([0.1, 0.2], np.float32), np.arange(4, dtype=np.int32).reshape(2, 2)]

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pmaptap.tapfile.format import Record, encode_rows, encode_tree, new_record
+from pmaptap._host.encode import encode_rows, encode_tree
+from pmaptap.tapfile.format import Record, new_record
 from pmaptap._trace.spec import TapSpec, flat_index
 
 

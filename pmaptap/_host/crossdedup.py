@@ -25,13 +25,10 @@ import json
 from collections import OrderedDict
 from typing import Sequence
 
-from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.format import Record, record_key
 
 _REPLICATED_MARK = b'"kind":"replicated"'
 
-
-def record_key(d: dict) -> tuple:
-    return (d.get("run"), d.get("name"), d.get("step"), d.get("pass", "forward"))
 
 
 class CrossProcessIndex:

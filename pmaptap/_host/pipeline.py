@@ -35,7 +35,8 @@ import numpy as np
 from pmaptap._host.aggregate import Aggregator
 from pmaptap.errors import TapError
 from pmaptap.tapfile.format import Record
-from pmaptap._host.sink import LockBusy, Sink
+from pmaptap._host.sink import Sink
+from pmaptap.errors import LockBusy
 from pmaptap._trace.spec import TapSpec
 
 OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")

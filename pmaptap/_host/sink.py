@@ -21,15 +21,12 @@ from typing import Sequence
 
 import filelock
 
-from pmaptap.errors import TapError
+from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import Record, encode_line
 from pmaptap._host.crossdedup import CrossProcessIndex
 
 _IOV_MAX = 1024    # buffers per writev(2) call: Linux's UIO_MAXIOV
 
-
-class LockBusy(Exception):
-    """The shared lock was not acquired in time; retry, this is not an error."""
 
 
 class Sink(abc.ABC):
@@ -42,7 +39,8 @@ class Sink(abc.ABC):
 
 
 def prepare_path(path: str) -> str:
-    """Create parent directories and the file; raise TapError with the reason.
+    """Create parent directories and the file; raise TapPathError (a TapError
+    and an OSError) with the reason.
 
     Called at Session.open() so path problems surface there, not later.
     A symlink is followed to its target, which then gets the data *and* the
@@ -54,15 +52,17 @@ def prepare_path(path: str) -> str:
     try:
         os.makedirs(parent, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
-        raise TapError(f"cannot create the directory for tap file {path!r}: a "
-                       f"parent component is a file ({e}). Choose another path.",
-                       path=path) from e
+        raise TapPathError(f"cannot create the directory for tap file {path!r}: "
+                           f"a parent component is a file ({e}). Choose another "
+                           "path.", path=path, errno=e.errno) from e
     except PermissionError as e:
-        raise TapError(f"cannot create the directory for tap file {path!r}: "
-                       f"permission denied ({e}).", path=path) from e
+        raise TapPathError(f"cannot create the directory for tap file {path!r}: "
+                           f"permission denied ({e}).", path=path,
+                           errno=e.errno) from e
     if os.path.isdir(path):
-        raise TapError(f"tap file {path!r} is a directory; give a file path "
-                       "such as 'taps/run.jsonl'.", path=path)
+        raise TapPathError(f"tap file {path!r} is a directory; give a file path "
+                           "such as 'taps/run.jsonl'.", path=path,
+                           errno=errno.EISDIR)
     for target, what in ((path, "tap file"), (path + ".lock", "lock file")):
         try:
             fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -70,9 +70,10 @@ def prepare_path(path: str) -> str:
         except OSError as e:
             hint = ("the directory is not writable" if e.errno in
                     (errno.EACCES, errno.EPERM, errno.EROFS) else e.strerror)
-            raise TapError(f"cannot open {what} {target!r} for appending: {hint}"
-                           f" ({e}). pmaptap needs write access to the file "
-                           "and its directory.", path=path) from e
+            raise TapPathError(f"cannot open {what} {target!r} for appending: "
+                               f"{hint} ({e}). pmaptap needs write access to "
+                               "the file and its directory.", path=path,
+                               errno=e.errno) from e
     return path
 
 

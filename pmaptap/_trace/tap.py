@@ -90,7 +90,7 @@ def check_step(step: Any, name: str, fn: str):
 
 def summarize(x: jax.Array) -> jax.Array:
     """float32[8] statistics of ``x``, computed where ``x`` lives (layout in
-    records.SUMMARY_FIELDS): min, max, mean, std over the finite elements
+    tapfile.format.SUMMARY_FIELDS): min, max, mean, std over the finite elements
     (NaN when there are none; of ``|x|`` for complex; min/max of integers
     are exact below 2**24), then the NaN and inf counts split in two float32
     each so that they stay exact. Under vmap it batches like any jnp code."""

@@ -38,24 +38,13 @@ from pmaptap._trace.emit import axis_coords, emit_call
 from pmaptap.host_callback.executor import _Devices, _executor, _format, _name_of, _on_executor_thread
 from pmaptap._trace.spec import TapSpec
 from pmaptap._trace.tap import as_leaf, build_spec, send
+from pmaptap.errors import CallbackException
 
 T = TypeVar("T")
 
 __all__ = ["CallbackException", "barrier_wait", "call", "id_print", "id_tap",
            "stop_outfeed_receiver"]
 
-
-class CallbackException(RuntimeError):
-    """A tap function raised on the host. Raised once, by ``barrier_wait``.
-
-    ``original`` (also ``__cause__``) is the first exception since the previous
-    barrier; ``errors`` holds all of them, in the order they happened.
-    """
-
-    def __init__(self, message: str, errors: tuple[BaseException, ...]) -> None:
-        super().__init__(message)
-        self.errors = errors
-        self.original = errors[0] if errors else None
 
 
 def barrier_wait(logging_name: str | None = None) -> None:

@@ -17,9 +17,10 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+from pmaptap.tapfile.format import NONFINITE
 from pmaptap.tapfile.views import load
 
-_MARKERS = ("NaN", "Infinity", "-Infinity")
+_MARKERS = tuple(NONFINITE)
 
 
 def _is_int(x: Any) -> bool:

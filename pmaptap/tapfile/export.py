@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from typing import IO, Any, Sequence
 
+from pmaptap.tapfile.format import NONFINITE
 from pmaptap.tapfile.views import Entry
 
-_MARKERS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_MARKERS = NONFINITE
 FIXED = ("line", "run", "name", "step", "pass", "kind", "process", "device",
          "devices", "replicas", "divergent", "dtype", "shape", "time", "host")
 

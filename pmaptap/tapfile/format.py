@@ -14,17 +14,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Iterator
+import os
+from typing import Any
 
 import numpy as np
 
 KINDS = ("replicated", "per_device", "meta")
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape",
             "process", "time", "host")
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-# Arrays up to this size get the shortest repr of their own precision
-# (0.1 in float32 is written 0.1, not 0.10000000149011612).
-_SHORT_REPR_MAX = 4096
+# The strings that stand for non-finite floats inside ``value`` (JSON has no
+# number form for them); the one place that names them.
+NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
+NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,15 +107,32 @@ def new_record(**fields: Any) -> Record:
     return r
 
 
+
+
+def record_key(d: dict) -> tuple:
+    """The identity of a value in a tap file: replicated records with the same
+    key hold the same value (or are divergent); per-device records add the
+    device. One definition for the writer's cross-process dedup and readers."""
+    return (d.get("run"), d.get("name"), d.get("step"), d.get("pass", "forward"))
+
+
+# A leaf above options().max_value_bytes travels as float32[8] statistics
+# computed on device (tap.summarize): min, max, mean, std over the finite
+# elements (of |z| for complex), then the NaN and inf counts, each as two
+# float32 (count // COUNT_BASE, count % COUNT_BASE) so that counts up to 2**31
+# stay exact, which one float32 (24-bit mantissa) would not.
+SUMMARY_FIELDS = ("min", "max", "mean", "std", "nan", "inf")
+COUNT_BASE = 4096
+
+
 try:  # orjson encodes NumPy arrays ~25x faster than json (measured: 20 us vs
     # 520 us for 1024 float32); json stays as the fallback.
-    import orjson as _orjson
-    _ORJSON_OPTS = _orjson.OPT_SERIALIZE_NUMPY
+    import orjson as ORJSON
+    ORJSON_OPTS = ORJSON.OPT_SERIALIZE_NUMPY
 except ImportError:  # pragma: no cover - exercised via PMAPTAP_NO_ORJSON
-    _orjson = None
-import os as _os
-if _os.environ.get("PMAPTAP_NO_ORJSON"):
-    _orjson = None
+    ORJSON, ORJSON_OPTS = None, 0
+if os.environ.get("PMAPTAP_NO_ORJSON"):
+    ORJSON = None
 
 
 def _json_default(o: Any) -> Any:
@@ -127,159 +145,11 @@ def _json_default(o: Any) -> Any:
 
 def encode_line(d: dict) -> bytes:
     """One strict-JSON line. Values may hold finite NumPy arrays."""
-    if _orjson is not None:
-        return _orjson.dumps(d, option=_ORJSON_OPTS | _orjson.OPT_APPEND_NEWLINE)
+    if ORJSON is not None:
+        return ORJSON.dumps(d, option=ORJSON_OPTS | ORJSON.OPT_APPEND_NEWLINE)
     # allow_nan=False: a stray non-finite float is a bug, never a bad line.
     return (json.dumps(d, separators=(",", ":"), allow_nan=False,
                        ensure_ascii=False, default=_json_default) + "\n").encode("utf-8")
-
-
-# ---------------------------------------------------------------- arrays
-
-def _is_float_like(dt: np.dtype) -> bool:
-    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
-
-
-def _nonfinite_list(out: np.ndarray) -> Any:
-    out = np.asarray(out)      # a NumPy scalar (a row of a stacked 1-D leaf)
-    if out.dtype == np.float32 and out.size <= _SHORT_REPR_MAX:
-        # shortest float32 repr for the finite elements (0.1, not 0.1000000015)
-        obj = np.array([float(str(v)) for v in out.reshape(-1)],
-                       dtype=object).reshape(out.shape)
-    else:
-        obj = out.astype(np.float64).astype(object)
-    obj[np.isnan(out)] = "NaN"
-    obj[out == math.inf] = "Infinity"
-    obj[out == -math.inf] = "-Infinity"
-    return obj.tolist()
-
-
-def _float_value(a: np.ndarray) -> Any:
-    """float-like array -> JSON-able value (finite: a float32/64 array that
-    orjson writes with the shortest repr of its own precision)."""
-    if a.dtype not in (np.float32, np.float64):
-        a = a.astype(np.float32)      # bf16 / fp8 / f16 widen exactly
-    if not np.isfinite(a).all():
-        return _nonfinite_list(a)
-    if _orjson is None:
-        if a.size <= _SHORT_REPR_MAX and a.dtype == np.float32:
-            # str() of a float32 is its shortest round-trip repr.
-            return np.array([float(str(v)) for v in a.reshape(-1)],
-                            dtype=np.float64).reshape(a.shape).tolist()
-        return a.tolist()
-    return a[()] if a.ndim == 0 else np.ascontiguousarray(a)
-
-
-def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
-    dt = a.dtype
-    if a.ndim == 0 and dt in _FAST_SCALARS:
-        # Scalars are most taps (losses, norms, steps): skip the array path.
-        v = a.item()
-        if dt.kind != "f" or math.isfinite(v):
-            if dt == np.float32:
-                v = float(str(a[()]))      # shortest float32 repr
-            return v, _dtype_name(dt), []
-    if dt.kind == "b" or dt.kind in "iu":
-        if _orjson is None or a.ndim == 0:
-            value = a.tolist()
-        else:
-            value = np.ascontiguousarray(a)
-    elif dt.kind == "c":
-        value = _float_value(np.stack([a.real, a.imag], axis=-1))
-    elif _is_float_like(dt):
-        value = _float_value(a)
-    else:
-        raise TypeError(f"cannot encode dtype {dt} as JSON")
-    return value, _dtype_name(dt), list(a.shape)
-
-
-_DTYPE_NAMES: dict = {}
-_FAST_SCALARS = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32,
-                                               np.int64, np.uint32, np.uint64, np.bool_))
-
-
-def _dtype_name(dt: np.dtype) -> str:
-    # np.dtype.name is a slow property (~5 us); records ask for it per copy.
-    name = _DTYPE_NAMES.get(dt)
-    if name is None:
-        name = _DTYPE_NAMES[dt] = dt.name
-    return name
-
-
-# A leaf above options().max_value_bytes travels as float32[8] statistics
-# computed on device (tap.summarize): min, max, mean, std over the finite
-# elements (of |z| for complex), then the NaN and inf counts, each as two
-# float32 (count // COUNT_BASE, count % COUNT_BASE) so that counts up to 2**31
-# stay exact, which one float32 (24-bit mantissa) would not.
-SUMMARY_FIELDS = ("min", "max", "mean", "std", "nan", "inf")
-COUNT_BASE = 4096
-
-
-def encode_summary(stats: np.ndarray, dtype: str,
-                   shape: tuple[int, ...]) -> tuple[dict, str, list[int]]:
-    """float32[..., 8] statistics -> ({"min": ..., "nan": ...}, the original
-    dtype, the original shape after any leading vmap axes of ``stats``)."""
-    stats = np.asarray(stats, np.float32)
-    value: dict[str, Any] = {}
-    for i, field in enumerate(SUMMARY_FIELDS[:4]):
-        value[field] = _float_value(stats[..., i].copy())   # 0-d stays 0-d
-    for j, field in enumerate(SUMMARY_FIELDS[4:]):
-        hi = stats[..., 4 + 2 * j].astype(np.int64)
-        lo = stats[..., 5 + 2 * j].astype(np.int64)
-        value[field] = encode_array(hi * COUNT_BASE + lo)[0]
-    return value, dtype, list(stats.shape[:-1]) + list(shape)
-
-
-def _structure(treedef, it: Iterator[Any]) -> Any:
-    """Rebuild a pytree's nesting as JSON containers."""
-    import jax
-    if jax.tree_util.treedef_is_leaf(treedef):
-        return next(it) if treedef.num_leaves == 1 else None
-    typ, aux = treedef.node_data()
-    vals = [_structure(c, it) for c in treedef.children()]
-    if isinstance(aux, (list, tuple)) and len(aux) == len(vals) and \
-            issubclass(typ, dict):
-        return {str(k): v for k, v in zip(aux, vals)}
-    if hasattr(typ, "_fields"):
-        return dict(zip(typ._fields, vals))
-    if typ in (list, tuple):
-        return vals
-    # Custom pytree node: keep children in flatten order.
-    return vals
-
-
-def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],
-                summaries: tuple = ()) -> list[tuple[Any, Any, Any]]:
-    """``encode_tree`` of row k of every stacked leaf (copies, *shape), for
-    each k in ``rows``: the gathered payloads' per-copy values.
-
-    A single finite float32/float64/int/bool leaf is encoded for all rows at
-    once (one orjson round trip gives every scalar its shortest repr; array
-    rows stay NumPy views for orjson to write), ~10x less Python per copy
-    than row by row. Everything else goes row by row."""
-    if _orjson is not None and not summaries and len(stacked) == 1 and \
-            treedef.num_nodes == 1 and treedef.num_leaves == 1:
-        a = np.ascontiguousarray(stacked[0])    # orjson takes C order only
-        dt = a.dtype
-        if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
-            name, shape = _dtype_name(dt), list(a.shape[1:])
-            if a.ndim == 1:
-                vals = _orjson.loads(_orjson.dumps(a, option=_ORJSON_OPTS))
-                return [(vals[k], name, shape) for k in rows]
-            return [(a[k], name, shape) for k in rows]
-    return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
-
-
-def encode_tree(treedef, leaves: list[np.ndarray],
-                summaries: tuple = ()) -> tuple[Any, Any, Any]:
-    """(value, dtype, shape) of a pytree; ``summaries`` (TapSpec.summaries)
-    marks the leaves that arrive as statistics."""
-    encoded = [encode_summary(a, *summaries[i]) if summaries and summaries[i]
-               else encode_array(a) for i, a in enumerate(leaves)]
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:   # a single array
-        return encoded[0]
-    return tuple(_structure(treedef, iter([e[i] for e in encoded]))
-                 for i in range(3))
 
 
 # ---------------------------------------------------------------- decoding
@@ -287,8 +157,8 @@ def encode_tree(treedef, leaves: list[np.ndarray],
 def _decode_nonfinite(v: Any) -> Any:
     if isinstance(v, list):
         return [_decode_nonfinite(x) for x in v]
-    if isinstance(v, str) and v in _NONFINITE:
-        return _NONFINITE[v]
+    if isinstance(v, str) and v in NONFINITE:
+        return NONFINITE[v]
     return v
 
 

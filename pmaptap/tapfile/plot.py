@@ -15,14 +15,12 @@ from collections import defaultdict
 from typing import Sequence
 
 from pmaptap.tapfile.views import scalar
+from pmaptap.errors import PlotError
 
 MISSING_MATPLOTLIB = ('pmaptap plot needs matplotlib, an optional extra: '
                       'pip install "pmaptap[plot]" (or pip install matplotlib)')
 _MAX_LEGEND = 16
 
-
-class PlotError(ValueError):
-    """The records cannot be plotted as asked; the message says why."""
 
 
 def _import_pyplot():

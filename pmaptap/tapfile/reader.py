@@ -6,8 +6,7 @@ import os
 import warnings
 from typing import Iterator
 
-from pmaptap.tapfile.format import decode_record, validate_dict
-from pmaptap._host.crossdedup import record_key
+from pmaptap.tapfile.format import decode_record, record_key, validate_dict
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:

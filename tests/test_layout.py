@@ -1,0 +1,104 @@
+"""The package layout's rules, checked on the source and in fresh interpreters:
+tap files are readable where JAX is not installed, and the trace side, the
+host side and the tap-file readers depend on each other only as designed."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_python
+
+PKG = os.path.join(ROOT, "pmaptap")
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """module path -> the pmaptap modules it imports (absolute names)."""
+    out = {}
+    for d, _, files in os.walk(os.path.join(PKG, package)):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            names = set()
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    mod = node.module
+                    if node.level:   # relative: resolve against the package
+                        base = os.path.relpath(d, ROOT).split(os.sep)
+                        base = base[:len(base) - node.level + 1]
+                        mod = ".".join(base + [mod])
+                    names.add(mod)
+                    names.update(f"{mod}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    names.update(a.name for a in node.names)
+            out[os.path.relpath(path, ROOT)] = names
+    return out
+
+
+def test_tapfile_imports_neither_jax_nor_the_trace_or_host_side():
+    found = {path: sorted(n for n in names if n.split(".")[0] == "jax"
+                          or n.startswith(("pmaptap._trace", "pmaptap._host")))
+             for path, names in _imports("tapfile").items()}
+    assert len(found) >= 8, found
+    assert {p: n for p, n in found.items() if n} == {}
+
+
+def test_trace_side_reaches_the_host_side_only_through_routing():
+    found = {path: sorted(n for n in names if n.startswith("pmaptap._host")
+                          and not n.startswith("pmaptap._host.routing"))
+             for path, names in _imports("_trace").items()}
+    assert {p: n for p, n in found.items() if n} == {}
+
+
+def test_tap_files_are_read_without_jax(tmp_path):
+    # A file copied to a laptop without JAX: the package, every tap-file
+    # module and the CLI's readers still work.
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"run":"r","name":"loss","step":0,"kind":"replicated",'
+                    '"value":1.5,"dtype":"float32","shape":[],"process":0,'
+                    '"time":0,"host":"h","replicas":8}\n')
+    run_python(f"""
+        import sys, pkgutil
+        sys.modules["jax"] = None          # any import of jax now fails
+        import pmaptap, pmaptap.tapfile
+        for m in pkgutil.iter_modules(pmaptap.tapfile.__path__):
+            __import__("pmaptap.tapfile." + m.name)
+        assert pmaptap.read({str(path)!r})[0]["value"] == 1.5
+        from pmaptap.cli import main
+        for cmd in (["show"], ["summary"], ["validate"],
+                    ["export", "--csv", {str(tmp_path / "t.csv")!r}]):
+            assert main(cmd + [{str(path)!r}]) == 0, cmd
+        assert "jax" not in [k for k, v in sys.modules.items() if v is not None]
+        """)
+
+
+def test_import_pmaptap_is_lazy_and_the_facade_lists_the_api():
+    proc = run_python("""
+        import sys, pmaptap
+        assert "jax" not in sys.modules, "import pmaptap imported JAX"
+        for name in pmaptap.__all__:
+            getattr(pmaptap, name)
+        assert "jax" in sys.modules
+        import pmaptap as p
+        print(p.__version__, sorted(p.__all__) == sorted(set(p.__all__)))
+        """)
+    version, unique = proc.stdout.split()
+    assert unique == "True"
+    from importlib.metadata import version as dist_version
+    assert version == dist_version("pmaptap")
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        import pmaptap
+        pmaptap.nope  # noqa: B018
+
+
+def test_cli_help_needs_no_jax():
+    code = ("import sys; sys.modules['jax'] = None; sys.argv = ['pmaptap', '--help']\n"
+            "import runpy; runpy.run_module('pmaptap', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "show" in proc.stdout and "summary" in proc.stdout
