@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from pmaptap._trace.emit import axis_coords, emit_call
-from pmaptap.host_callback.executor import _Devices, _executor, _format, _name_of, _on_executor_thread
+from pmaptap.host_callback.executor import (_Devices, _executor, _format, _name_of,
+                                            _on_executor_thread)
 from pmaptap._trace.spec import TapSpec
 from pmaptap._trace.tap import as_leaf, build_spec, send
 from pmaptap.errors import CallbackException
