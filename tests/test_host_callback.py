@@ -381,8 +381,8 @@ def test_id_tap_result_is_returned_and_not_sent(monkeypatch):
         sent.append([np.shape(a) for a in arrays[2:]])
         routing.deliver(spec, arrays)
 
-    # emit.py imported deliver by name; record payloads at that entry point.
-    monkeypatch.setattr("pmaptap._trace.emit.deliver", recording)
+    # layouts.py imported deliver by name; record payloads at that entry point.
+    monkeypatch.setattr("pmaptap._trace.layouts.deliver", recording)
     x = jnp.arange(3.0)
     res = {"r": jnp.ones(7)}
     assert hcb.id_tap(lambda a, t: got.append(a), x, result=res) is res
