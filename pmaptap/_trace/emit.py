@@ -50,7 +50,7 @@ def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
     if traced_every:
         def fire():
             fn(coords, step, *leaves)
-        lax.cond(step % spec.every == 0, fire, lambda: None)
+        lax.cond(step % spec.site.every == 0, fire, lambda: None)
     else:
         fn(coords, step, *leaves)
 

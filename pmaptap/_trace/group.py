@@ -3,7 +3,6 @@ process, emitted when the block ends (see ``group``'s docstring)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from typing import Any, NamedTuple
 
@@ -14,7 +13,7 @@ from jax._src.interpreters import batching as _batching
 from pmaptap._trace.layouts import (_callback, _emitter, _gather_packed,
                                     _is_leader, _nbytes)
 from pmaptap._trace.options import options
-from pmaptap._trace.spec import TapSpec
+from pmaptap._trace.spec import GroupSpec, Layout, TapSpec
 
 _local = threading.local()
 
@@ -49,18 +48,18 @@ class group(contextlib.ContextDecorator):
               traced_every: bool = False) -> bool:
         if (_core.trace_ctx.trace is not self._trace or
                 isinstance(self._trace, _batching.BatchTrace) or
-                spec.layout not in ("gathered", "verified_off")):
+                spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF)):
             return False
-        if spec.layout == "verified_off" and \
-                _nbytes(leaves) * spec.total_copies > options().gather_max_bytes:
+        if spec.transport.layout is Layout.VERIFIED_OFF and \
+                _nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes:
             return False    # the group gathers every member: only small ones
         if self._members:
             first = self._members[0]
-            if first.spec.leaders != spec.leaders or first.raw_names != raw_names:
+            if first.spec.transport.leaders != spec.transport.leaders or first.raw_names != raw_names:
                 return False
         # Members deciding `every` on device are bucketed by (every, step):
         # each bucket gets one cond (see _emit_group).
-        bucket = (spec.every, id(step)) if traced_every else None
+        bucket = (spec.site.every, id(step)) if traced_every else None
         self._members.append(_Member(spec, raw_names, list(leaves), coords, step, bucket))
         return True
 
@@ -99,16 +98,15 @@ def _emit_members(members: list[_Member]) -> None:
         return
     # Every member is gathered (small by construction), all in ONE packed
     # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
-    # Members keep their layout: an unverified replicated one ("verified_off")
+    # Members keep their layout: an unverified replicated one (VERIFIED_OFF)
     # is written from the caller's copy, as it would be alone.
     payload, packing = _gather_packed([x for m in members for x in m.leaves],
                                       first.raw_names)
     # Each member's step travels as its own operand, in its own dtype (a
     # stacked int32 would wrap steps >= 2**31).
     steps = [m.step for m in members]
-    gspec = dataclasses.replace(
-        first.spec, name="pmaptap/group", layout="group", treedef=None,
-        members=tuple(m.spec for m in members),
-        member_leaves=tuple(len(m.leaves) for m in members), packing=packing)
+    gspec = GroupSpec(members=tuple(m.spec for m in members),
+                      member_leaves=tuple(len(m.leaves) for m in members),
+                      packing=packing)
     lax.cond(_is_leader(first.spec, first.coords),
              lambda: _callback(gspec, first.coords, *steps, *payload), lambda: None)

@@ -35,7 +35,6 @@ blocks its device, and converting or encoding there was seen to hang.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -49,15 +48,15 @@ from pmaptap._host.routing import deliver
 from pmaptap._trace import placement
 from pmaptap._trace.options import options
 from pmaptap._trace.primitive import host_call
-from pmaptap._trace.spec import TapSpec
+from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
 
 
-def _host_entry(spec: TapSpec, *arrays) -> None:
+def _host_entry(spec: PayloadSpec, *arrays) -> None:
     # Runs on XLA's callback thread. `deliver` never raises.
     deliver(spec, arrays)
 
 
-def _callback(spec: TapSpec, *args) -> None:
+def _callback(spec: PayloadSpec, *args) -> None:
     host_call(functools.partial(_host_entry, spec), *args)
 
 
@@ -118,12 +117,14 @@ def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
 
 
 def _is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
-    """Whether this device calls back for its process (see spec.leaders)."""
-    return jnp.asarray(np.array(spec.leaders))[_flat_index(coords, spec.axis_sizes)]
+    """Whether this device calls back for its process (see Transport.leaders)."""
+    return jnp.asarray(np.array(spec.transport.leaders))[
+        _flat_index(coords, spec.placement.axis_sizes)]
 
 
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
-    if spec.layout == "copy":
+    layout = spec.transport.layout
+    if layout is Layout.COPY:
         _callback(spec, coords, step, *leaves)
         return
     is_leader = _is_leader(spec, coords)
@@ -131,17 +132,17 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     def gathered():
         stacked, packing = _gather_packed(leaves, raw_names)
         lax.cond(is_leader, lambda: _callback(
-            dataclasses.replace(spec, layout="gathered", packing=packing),
+            spec.with_transport(layout=Layout.GATHERED, packing=packing),
             coords, step, *stacked), lambda: None)
 
-    if spec.layout == "gathered":
+    if layout is Layout.GATHERED:
         gathered()
         return
-    if spec.layout == "verified_off":
+    if layout is Layout.VERIFIED_OFF:
         lax.cond(is_leader, lambda: _callback(spec, coords, step, *leaves),
                  lambda: None)
         return
-    # "verified": the predicate comes from gathered hashes, so it is the same
+    # VERIFIED: the predicate comes from gathered hashes, so it is the same
     # on every device and the collectives inside the branches are safe.
     hashes = lax.all_gather(_hash64(leaves), raw_names)
     agree = jnp.all(hashes == hashes[0])
@@ -186,23 +187,25 @@ def _nbytes(leaves: Sequence) -> int:
 def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     """Pick the transport for this tap site (see module docstring)."""
     opts = options()
-    if not spec.axis_names or spec.consumer is not None or not opts.gather:
+    where = spec.placement
+    if not where.axis_names or spec.consumer is not None or not opts.gather:
         return spec
-    n = spec.total_copies
+    n = where.total_copies
     if n < 2:
         return spec
-    mask = placement.leader_mask(spec.device_processes, n)
+    mask = placement.leader_mask(where.device_processes, n)
     if mask is None or placement.inside_divergent_control_flow():
         return spec
-    if spec.dedup == "replicated" and not opts.verify_replicated:
-        layout = "verified_off"          # the leader's copy alone
+    dedup = spec.site.dedup
+    if dedup == "replicated" and not opts.verify_replicated:
+        layout = Layout.VERIFIED_OFF     # the leader's copy alone
     elif _nbytes(leaves) * n <= opts.gather_max_bytes:
         # Gathering the values themselves is as cheap as gathering hashes
         # when they are small, and needs a single callback.
-        layout = "gathered"
-    elif spec.dedup == "replicated":
-        layout = "verified"
+        layout = Layout.GATHERED
+    elif dedup == "replicated":
+        layout = Layout.VERIFIED
     else:
         return spec
-    return dataclasses.replace(spec, layout=layout,
+    return spec.with_transport(layout=layout,
                                leaders=tuple(bool(b) for b in mask))
