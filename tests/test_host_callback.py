@@ -7,9 +7,11 @@ are compared as sets / dicts keyed by device.
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -446,3 +448,31 @@ def test_call_nested_in_a_tap_function_runs_inline():
         print("RESULT", out)
     """, timeout=60)
     assert "RESULT [0.84147" in proc.stdout, proc.stdout
+
+
+def test_tap_function_is_freed_with_its_compiled_function():
+    """Nothing in pmaptap keeps a user's tap function alive once the jitted
+    functions using it are deleted and JAX's caches cleared (a process-wide
+    cache of specs once held up to 4,096 of them). Traced under vmap and
+    under pmap + scan, so the batching rule and the fast path are covered."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seen: list[np.ndarray] = []
+
+        def __call__(self, x, transforms) -> None:
+            self.seen.append(np.asarray(x))
+
+    rec = Recorder()
+    ref = weakref.ref(rec)
+    f = jax.jit(jax.vmap(lambda x: hcb.id_tap(rec, x * 2)))
+    g = jax.pmap(lambda x: jax.lax.scan(
+        lambda c, v: (c + hcb.id_tap(rec, v), None), 0.0, x)[0], axis_name="i")
+    f(jnp.arange(3.0))
+    g(jnp.ones((jax.device_count(), 2)))
+    hcb.barrier_wait()
+    assert len(rec.seen) == 1 + 2 * jax.device_count()
+    del f, g, rec
+    jax.clear_caches()
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]

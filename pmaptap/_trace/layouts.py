@@ -155,8 +155,12 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     lax.cond(agree, one_copy, gathered)
 
 
-@functools.lru_cache(maxsize=4096)
 def _emitter(spec: TapSpec, raw_names: tuple):
+    """The vmap-aware function that emits ``spec``'s payload. Built anew for
+    every emission and not cached: each traced tap has its own spec (its
+    ``tap_id``), so a cache could only hit inside one trace (it never did
+    over the test suite), and it kept the specs and the host_callback tap
+    functions they hold alive for the life of the process."""
     @custom_vmap
     def emit_fn(coords, step, *leaves):
         _emit_now(spec, raw_names, coords, step, leaves)
