@@ -463,16 +463,18 @@ def test_tap_function_is_freed_with_its_compiled_function():
         def __call__(self, x, transforms) -> None:
             self.seen.append(np.asarray(x))
 
-    rec = Recorder()
-    ref = weakref.ref(rec)
-    f = jax.jit(jax.vmap(lambda x: hcb.id_tap(rec, x * 2)))
-    g = jax.pmap(lambda x: jax.lax.scan(
-        lambda c, v: (c + hcb.id_tap(rec, v), None), 0.0, x)[0], axis_name="i")
-    f(jnp.arange(3.0))
-    g(jnp.ones((jax.device_count(), 2)))
-    hcb.barrier_wait()
-    assert len(rec.seen) == 1 + 2 * jax.device_count()
-    del f, g, rec
+    def run_and_forget() -> weakref.ref:
+        rec = Recorder()
+        f = jax.jit(jax.vmap(lambda x: hcb.id_tap(rec, x * 2)))
+        g = jax.pmap(lambda x: jax.lax.scan(
+            lambda c, v: (c + hcb.id_tap(rec, v), None), 0.0, x)[0], axis_name="i")
+        f(jnp.arange(3.0))
+        g(jnp.ones((jax.device_count(), 2)))
+        hcb.barrier_wait()
+        assert len(rec.seen) == 1 + 2 * jax.device_count()
+        return weakref.ref(rec)     # f, g and rec go out of scope here
+
+    ref = run_and_forget()
     jax.clear_caches()
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]

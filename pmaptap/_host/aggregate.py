@@ -73,7 +73,7 @@ class _Table:
 
 def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
     """Split a gathered uint8 payload (copies, bytes) back into stacked leaves
-    (copies, *shape) of their own dtypes (see _trace/layouts._gather_packed)."""
+    (copies, *shape) of their own dtypes (see _trace/layouts.gather_packed)."""
     import ml_dtypes  # noqa: F401 - registers bfloat16/float8 with NumPy
     n = packed.shape[0]
     out, off = [], 0

@@ -4,7 +4,7 @@ the host (through a transport layout, see layouts.py, or a ``group``),
 ``emit_call`` for the one case where the host must answer with a value
 (``host_callback.call``).
 
-Why the ``host_call`` primitive (primitive.py) and not ``jax.debug.callback``:
+Why our own callback primitive (primitive.py, ``emit_callback``) and not ``jax.debug.callback``:
 it has the same semantics (allowed under ``grad``, where it sees primals,
 ``scan``/``cond``/``while``, ``checkpoint``, and once per device inside fully
 manual ``shard_map``/``pmap`` bodies) without its ``jax.device_put`` on XLA's
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import io_callback
 
-from pmaptap._trace.group import _current_group
-from pmaptap._trace.layouts import _emitter, choose_layout
+from pmaptap._trace.group import current_group
+from pmaptap._trace.layouts import emitter, choose_layout
 from pmaptap._trace.spec import TapSpec
 
 
@@ -42,11 +42,11 @@ def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
     """
     leaves = [lax.stop_gradient(x) for x in leaves]
     spec = choose_layout(spec, leaves)   # before our own cond below
-    g = _current_group()
+    g = current_group()
     if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step,
                                  traced_every):
         return
-    fn = _emitter(spec, tuple(raw_names))
+    fn = emitter(spec, tuple(raw_names))
     if traced_every:
         def fire():
             fn(coords, step, *leaves)

@@ -10,8 +10,8 @@ from jax import lax
 from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 
-from pmaptap._trace.layouts import (_callback, _emitter, _gather_packed,
-                                    _is_leader, _nbytes)
+from pmaptap._trace.layouts import (emitter, gather_packed, is_leader, nbytes,
+                                    send_payload)
 from pmaptap._trace.options import options
 from pmaptap._trace.spec import GroupSpec, Layout, TapSpec
 
@@ -51,7 +51,7 @@ class group(contextlib.ContextDecorator):
                 spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF)):
             return False
         if spec.transport.layout is Layout.VERIFIED_OFF and \
-                _nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes:
+                nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes:
             return False    # the group gathers every member: only small ones
         if self._members:
             first = self._members[0]
@@ -74,7 +74,7 @@ class _Member(NamedTuple):
     bucket: tuple | None       # (every, id(step)) when decided on device
 
 
-def _current_group() -> "group | None":
+def current_group() -> "group | None":
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else None
 
@@ -94,13 +94,13 @@ def _emit_group(members: list[_Member]) -> None:
 def _emit_members(members: list[_Member]) -> None:
     first = members[0]
     if len(members) == 1:
-        _emitter(first.spec, first.raw_names)(first.coords, first.step, *first.leaves)
+        emitter(first.spec, first.raw_names)(first.coords, first.step, *first.leaves)
         return
     # Every member is gathered (small by construction), all in ONE packed
     # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
     # Members keep their layout: an unverified replicated one (VERIFIED_OFF)
     # is written from the caller's copy, as it would be alone.
-    payload, packing = _gather_packed([x for m in members for x in m.leaves],
+    payload, packing = gather_packed([x for m in members for x in m.leaves],
                                       first.raw_names)
     # Each member's step travels as its own operand, in its own dtype (a
     # stacked int32 would wrap steps >= 2**31).
@@ -108,5 +108,5 @@ def _emit_members(members: list[_Member]) -> None:
     gspec = GroupSpec(members=tuple(m.spec for m in members),
                       member_leaves=tuple(len(m.leaves) for m in members),
                       packing=packing)
-    lax.cond(_is_leader(first.spec, first.coords),
-             lambda: _callback(gspec, first.coords, *steps, *payload), lambda: None)
+    lax.cond(is_leader(first.spec, first.coords),
+             lambda: send_payload(gspec, first.coords, *steps, *payload), lambda: None)

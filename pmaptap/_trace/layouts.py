@@ -27,7 +27,7 @@ no element index. Our rule instead emits *one* callback carrying the whole
 batch, and counts the vmapped axes in ``TapSpec.batch_dims`` (nested vmaps
 stack, outermost first). The wrapper also keeps ``jax.checkpoint`` from
 replaying the tap when it recomputes the forward pass
-(tests/test_hostcall.py shows the bare primitive is replayed).
+(tests/test_primitive.py shows the bare primitive is replayed).
 
 The callback itself only hands the arrays to the active pipeline (see
 ``routing.deliver``) and returns: XLA's callback thread holds the GIL and
@@ -47,7 +47,7 @@ from jax.custom_batching import custom_vmap
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement
 from pmaptap._trace.options import options
-from pmaptap._trace.primitive import host_call
+from pmaptap._trace.primitive import emit_callback
 from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
 
 
@@ -56,8 +56,8 @@ def _host_entry(spec: PayloadSpec, *arrays) -> None:
     deliver(spec, arrays)
 
 
-def _callback(spec: PayloadSpec, *args) -> None:
-    host_call(functools.partial(_host_entry, spec), *args)
+def send_payload(spec: PayloadSpec, *args) -> None:
+    emit_callback(functools.partial(_host_entry, spec), *args)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -93,7 +93,7 @@ def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
     return acc
 
 
-def _gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
+def gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
     """all_gather several leaves with ONE collective: their bytes are
     concatenated into a uint8 vector (bitcast, so bit-exact). Returns the
     gathered arrays and the packing (dtype, shape per leaf) the host needs to
@@ -116,7 +116,7 @@ def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
     return flat
 
 
-def _is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
+def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
     """Whether this device calls back for its process (see Transport.leaders)."""
     return jnp.asarray(np.array(spec.transport.leaders))[
         _flat_index(coords, spec.placement.axis_sizes)]
@@ -125,13 +125,13 @@ def _is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     layout = spec.transport.layout
     if layout is Layout.COPY:
-        _callback(spec, coords, step, *leaves)
+        send_payload(spec, coords, step, *leaves)
         return
-    is_leader = _is_leader(spec, coords)
+    leader = is_leader(spec, coords)
 
     def gathered():
-        stacked, packing = _gather_packed(leaves, raw_names)
-        lax.cond(is_leader, lambda: _callback(
+        stacked, packing = gather_packed(leaves, raw_names)
+        lax.cond(leader, lambda: send_payload(
             spec.with_transport(layout=Layout.GATHERED, packing=packing),
             coords, step, *stacked), lambda: None)
 
@@ -139,7 +139,7 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
         gathered()
         return
     if layout is Layout.VERIFIED_OFF:
-        lax.cond(is_leader, lambda: _callback(spec, coords, step, *leaves),
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves),
                  lambda: None)
         return
     # VERIFIED: the predicate comes from gathered hashes, so it is the same
@@ -149,13 +149,13 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
 
     def one_copy():
         # Agreement was decided here, on device: the host needs the copy only.
-        lax.cond(is_leader, lambda: _callback(spec, coords, step, *leaves),
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves),
                  lambda: None)
 
     lax.cond(agree, one_copy, gathered)
 
 
-def _emitter(spec: TapSpec, raw_names: tuple):
+def emitter(spec: TapSpec, raw_names: tuple):
     """The vmap-aware function that emits ``spec``'s payload. Built anew for
     every emission and not cached: each traced tap has its own spec (its
     ``tap_id``), so a cache could only hit inside one trace (it never did
@@ -178,13 +178,13 @@ def _emitter(spec: TapSpec, raw_names: tuple):
         # every leaf of the record has the same leading batch axes.
         leaves = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
                   for x, b in zip(leaves, leaves_b)]
-        _emitter(spec.with_batch(), raw_names)(coords, step, *leaves)
+        emitter(spec.with_batch(), raw_names)(coords, step, *leaves)
         return coords, False
 
     return emit_fn
 
 
-def _nbytes(leaves: Sequence) -> int:
+def nbytes(leaves: Sequence) -> int:
     return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
@@ -203,7 +203,7 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     dedup = spec.site.dedup
     if dedup == "replicated" and not opts.verify_replicated:
         layout = Layout.VERIFIED_OFF     # the leader's copy alone
-    elif _nbytes(leaves) * n <= opts.gather_max_bytes:
+    elif nbytes(leaves) * n <= opts.gather_max_bytes:
         # Gathering the values themselves is as cheap as gathering hashes
         # when they are small, and needs a single callback.
         layout = Layout.GATHERED
