@@ -80,9 +80,9 @@ def run(quick: bool = False) -> list[tuple]:
     counter = {"step": 0}
     # "transport only" arms: the same taps with the host pipeline cut off at
     # the callback hand-off, to separate device-side cost from JSON + file I/O.
-    from pmaptap._trace import emit
-    real_deliver, xport = emit.deliver, {"drop": False}
-    emit.deliver = lambda spec, arrays: None if xport["drop"] else real_deliver(spec, arrays)
+    from pmaptap._trace import layouts
+    real_deliver, xport = layouts.deliver, {"drop": False}
+    layouts.deliver = lambda spec, arrays: None if xport["drop"] else real_deliver(spec, arrays)
 
     def arm(fn, flush, drop=False):
         def go():

@@ -32,14 +32,13 @@ import numpy as np, jax
 from benchmarks.common import rss_mib
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.sink import FileSink
-from pmaptap._trace.spec import TapSpec
+from pmaptap._trace.spec import Placement, TapSite, TapSpec
 
 n, path, go = int(os.environ["N"]), os.environ["TAP"], os.environ.get("GO")
 mode = os.environ.get("MODE", "rate")
 treedef = jax.tree_util.tree_structure(0.0)
-spec = TapSpec(name="w" + os.environ["WID"], dedup="per_device", every=1,
-               treedef=treedef, axis_names=(), axis_sizes=(), device_ids=None,
-               device_processes=None, local_copies=1, explicit_step=True)
+spec = TapSpec(TapSite(name="w" + os.environ["WID"], dedup="per_device", every=1,
+                       treedef=treedef, explicit_step=True), Placement())
 opts = {}
 if mode == "flood":
     opts = dict(max_pending=int(os.environ["BOUND"]), overflow="drop_oldest")

@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import pmaptap
-    from pmaptap.tapfile.summary import summarize
+    from pmaptap.tapfile.summary import summary_table
 
     log(f"pmaptap train: variant={args.variant} mode={mode} "
         f"processes={jax.process_count()} devices={jax.device_count()} "
@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"done in {time.time() - t0:.1f}s; run {session.run} -> {args.out}")
     if jax.process_index() == 0 and not args.no_summary:
         records = [r for r in pmaptap.read(args.out) if r["run"] == session.run]
-        print(summarize(records), flush=True)
+        print(summary_table(records), flush=True)
     return 0
 
 

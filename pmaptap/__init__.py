@@ -22,7 +22,7 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
 _PUBLIC: dict[str, tuple[str, str | None]] = {
     "tap": ("pmaptap._trace.tap", "tap"),
     "tap_grad": ("pmaptap._trace.grad", "tap_grad"),
-    "group": ("pmaptap._trace.emit", "group"),
+    "group": ("pmaptap._trace.group", "group"),
     "untapped": ("pmaptap._trace.untapped", "untapped"),
     "configure": ("pmaptap._trace.options", "configure"),
     "configured": ("pmaptap._trace.options", "configured"),
@@ -58,7 +58,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from pmaptap import host_callback
     from pmaptap._host.session import Session, active_session, flush
-    from pmaptap._trace.emit import group
+    from pmaptap._trace.group import group
     from pmaptap._trace.grad import tap_grad
     from pmaptap._trace.options import configure, configured, options
     from pmaptap._trace.tap import tap

@@ -87,10 +87,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.summary import summarize
+    from pmaptap.tapfile.summary import summary_table
     flt = _filter(args)
     recs = [e.rec for e in _load(args.file, "summary") if flt(e.rec)]
-    print(summarize(recs))
+    print(summary_table(recs))
     return 0
 
 

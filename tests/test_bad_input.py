@@ -27,7 +27,7 @@ from jax import lax
 
 import pmaptap
 import pmaptap.cli
-import pmaptap._trace.emit
+import pmaptap._trace.layouts
 from conftest import mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
 from pmaptap.tapfile.format import encode_line
@@ -180,13 +180,13 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     a.reshape(-1)[:5000] = np.nan
     a.reshape(-1)[5000:9097] = -np.inf
     sent: list[int] = []
-    real = pmaptap._trace.emit.deliver
+    real = pmaptap._trace.layouts.deliver
 
     def spy(spec, arrays):            # what reaches the host, in bytes
         sent.append(sum(np.asarray(x).nbytes for x in arrays))
         real(spec, arrays)
 
-    monkeypatch.setattr(pmaptap._trace.emit, "deliver", spy)
+    monkeypatch.setattr(pmaptap._trace.layouts, "deliver", spy)
     jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]},
                                   "act"))(a)
     session.flush()

@@ -21,7 +21,7 @@ from conftest import run_python
 def host_calls(monkeypatch):
     """Names of the specs reaching the host, one entry per host callback."""
     calls = []
-    from pmaptap._trace import emit
+    from pmaptap._trace import layouts as emit
     real = emit.deliver
 
     def counting(spec, arrays):

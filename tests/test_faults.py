@@ -59,7 +59,7 @@ import os, signal
 import numpy as np, jax
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.sink import FileSink
-from pmaptap._trace.spec import TapSpec
+from pmaptap._trace.spec import Placement, TapSite, TapSpec
 
 sink = FileSink(os.environ["TAP"], lock_timeout=0.05, process=0)
 if os.environ["MODE"] == "tear":
@@ -77,10 +77,8 @@ if os.environ["MODE"] == "tear":
         os.kill(os.getpid(), signal.SIGKILL)
 
     os.writev = writev
-spec = TapSpec(name=os.environ["NAME"], dedup="per_device", every=1,
-               treedef=jax.tree_util.tree_structure(0.0), axis_names=(),
-               axis_sizes=(), device_ids=None, device_processes=None,
-               local_copies=1, explicit_step=True)
+spec = TapSpec(TapSite(name=os.environ["NAME"], dedup="per_device", every=1,
+                       treedef=jax.tree_util.tree_structure(0.0), explicit_step=True), Placement())
 p = Pipeline(sink, run="kill", process=0, overflow="block", max_pending=2000)
 coords, base = np.zeros((0,), np.int32), np.arange(1024, dtype=np.float32) / 7
 print("ready", flush=True)
@@ -537,14 +535,12 @@ import json, os, threading, time
 import numpy as np, jax, filelock
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.sink import FileSink
-from pmaptap._trace.spec import TapSpec
+from pmaptap._trace.spec import Placement, TapSite, TapSpec
 
 n, bound, policy = int(os.environ["N"]), int(os.environ["BOUND"]), os.environ["POLICY"]
 path = os.environ["TAP"]
-spec = TapSpec(name="flood", dedup="per_device", every=1,
-               treedef=jax.tree_util.tree_structure(0.0), axis_names=(),
-               axis_sizes=(), device_ids=None, device_processes=None,
-               local_copies=1, explicit_step=True)
+spec = TapSpec(TapSite(name="flood", dedup="per_device", every=1,
+                       treedef=jax.tree_util.tree_structure(0.0), explicit_step=True), Placement())
 p = Pipeline(FileSink(path, lock_timeout=0.05, process=0), run="flood",
              process=0, overflow=policy, max_pending=bound, max_batch=1000)
 held = filelock.FileLock(path + ".lock", thread_local=False)

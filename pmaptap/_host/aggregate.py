@@ -20,7 +20,7 @@ import numpy as np
 
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap.tapfile.format import Record, new_record
-from pmaptap._trace.spec import TapSpec, flat_index
+from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 
 
 @dataclasses.dataclass
@@ -52,27 +52,28 @@ class _Table:
     flat coordinate, and which of them are local (computed once)."""
 
     def __init__(self, spec: TapSpec, me: int) -> None:
-        n = spec.total_copies
-        self.coords = [spec.coords_of(k) for k in range(n)]
-        self.devices = [spec.device_of(c) for c in self.coords]
-        procs = [spec.process_of(c) for c in self.coords]
+        where = spec.placement
+        n = where.total_copies
+        self.coords = [where.coords_of(k) for k in range(n)]
+        self.devices = [where.device_of(c) for c in self.coords]
+        procs = [where.process_of(c) for c in self.coords]
         self.processes = [me if p is None else p for p in procs]
         self.local = [k for k in range(n)
-                      if spec.device_processes is None or procs[k] == me]
+                      if spec.placement.device_processes is None or procs[k] == me]
         # Automatic steps count per device (per coordinate where the device
         # is unknown). Outside any mapping (jit, eager) there is one counter,
         # whatever device an eager value sat on.
-        self.counter_keys = [(d if d is not None else c) if spec.axis_names else ()
+        self.counter_keys = [(d if d is not None else c) if spec.placement.axis_names else ()
                              for d, c in zip(self.devices, self.coords)]
         # Record fields of the gathered fast paths (shared, never mutated).
-        self.coord_dicts = [dict(zip(spec.axis_names, c)) for c in self.coords]
+        self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
         self.all_devices = tuple(self.devices)
         self.all_processes = tuple(sorted(set(self.processes)))
 
 
 def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
     """Split a gathered uint8 payload (copies, bytes) back into stacked leaves
-    (copies, *shape) of their own dtypes (see emit._gather_packed)."""
+    (copies, *shape) of their own dtypes (see _trace/layouts.gather_packed)."""
     import ml_dtypes  # noqa: F401 - registers bfloat16/float8 with NumPy
     n = packed.shape[0]
     out, off = [], 0
@@ -123,19 +124,19 @@ class Aggregator:
     def add(self, spec: TapSpec, coords: np.ndarray, step: int,
             leaves: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
-        k = _flat(coords, spec.axis_sizes)
+        k = _flat(coords, spec.placement.axis_sizes)
         c, device = t.coords[k], t.devices[k]
-        if not spec.explicit_step:
+        if not spec.site.explicit_step:
             # Automatic step: the k-th execution of this tap name on this
             # device. Callbacks of one device arrive in execution order.
-            ckey = (spec.name, spec.pass_, t.counter_keys[k])
+            ckey = (spec.name, spec.site.pass_, t.counter_keys[k])
             step = self._counters.get(ckey, 0)
             self._counters[ckey] = step + 1
-            if step % spec.every:
+            if step % spec.site.every:
                 return []
-        if spec.local_copies == 1 and not self._groups:
+        if spec.placement.local_copies == 1 and not self._groups:
             # Fast path (plain jit / eager): a group of one is complete now.
-            if spec.dedup == "per_device":
+            if spec.site.dedup == "per_device":
                 return [self._per_device_record(
                     spec, int(step), self._value(spec, leaves), t.processes[k],
                     device, t.coord_dicts[k], self.clock())]
@@ -143,7 +144,7 @@ class Aggregator:
             return [self._replicated(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
-        gkey = (spec.name, int(step), spec.pass_)
+        gkey = (spec.name, int(step), spec.site.pass_)
         group = self._groups.get(gkey)
         if group is not None and any(cp.coords == c and cp.device == device
                                      for cp in group.copies):
@@ -154,28 +155,29 @@ class Aggregator:
         if group is None:
             group = self._groups[gkey] = _Group(self.clock(), [])
         group.copies.append(copy)
-        if len(group.copies) >= spec.local_copies:
+        if len(group.copies) >= spec.placement.local_copies:
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
 
-    def add_payload(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
-        """Dispatch one callback payload by its layout (see emit.py)."""
-        if spec.layout == "group":
+    def add_payload(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
+        if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
         coords = arrays[0]
         step = int(arrays[1])
-        if spec.packing:
-            arrays = [arrays[0], arrays[1], *unpack(arrays[2], spec.packing)]
-        if spec.layout == "copy":
+        layout, packing = spec.transport.layout, spec.transport.packing
+        if packing:
+            arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
+        if layout is Layout.COPY:
             return self.add(spec, coords, step, arrays[2:])
-        if spec.layout == "gathered":
+        if layout is Layout.GATHERED:
             return self._add_gathered(spec, step, arrays[2:])
-        if spec.layout in ("verified", "verified_off"):
+        if layout in (Layout.VERIFIED, Layout.VERIFIED_OFF):
             return self._add_one_copy(spec, step, arrays[2:],
-                                      verified=spec.layout == "verified")
-        raise ValueError(f"unknown payload layout {spec.layout!r}")
+                                      verified=layout is Layout.VERIFIED)
+        raise ValueError(f"unknown payload layout {layout!r}")
 
-    def _add_group(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
+    def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
         """A group payload: coords, one step per member, then every member's
         gathered leaves (packed when spec.packing)."""
         m = len(spec.members)
@@ -187,17 +189,17 @@ class Aggregator:
         for member, step, n in zip(spec.members, steps, spec.member_leaves):
             leaves = payload[i:i + n]
             i += n
-            if member.layout == "verified_off":
+            if member.transport.layout is Layout.VERIFIED_OFF:
                 # Written from the caller's own copy, unverified, exactly as
                 # the tap alone would be (the others were gathered for the
                 # group's other members, not to check this one).
-                row = _flat(coords, member.axis_sizes)
+                row = _flat(coords, member.placement.axis_sizes)
                 leaves = [a[row] for a in leaves]
             out += self.add_payload(member, [coords, step, *leaves])
         return out
 
     def _table(self, spec: TapSpec) -> "_Table":
-        key = (spec.tap_id, spec.axis_sizes)
+        key = (spec.site.tap_id, spec.placement.axis_sizes)
         t = self._tables.get(key)
         if t is None:
             t = self._tables[key] = _Table(spec, self.process)
@@ -208,7 +210,7 @@ class Aggregator:
         each of them executed the tap once more."""
         step = None
         for k in t.local:
-            ckey = (spec.name, spec.pass_, t.counter_keys[k])
+            ckey = (spec.name, spec.site.pass_, t.counter_keys[k])
             s = self._counters.get(ckey, 0)
             self._counters[ckey] = s + 1
             step = s if step is None else min(step, s)
@@ -217,10 +219,10 @@ class Aggregator:
     def _step_or_skip(self, spec: TapSpec, t: "_Table", step: int) -> int | None:
         """The payload's step (automatic if not explicit), or None when
         ``every`` skips it on the host."""
-        if spec.explicit_step:
+        if spec.site.explicit_step:
             return step
         step = self._auto_step(spec, t)
-        return None if step % spec.every else step
+        return None if step % spec.site.every else step
 
     def _add_gathered(self, spec: TapSpec, step: int,
                       stacked: list[np.ndarray]) -> list[Record]:
@@ -228,28 +230,28 @@ class Aggregator:
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        if spec.dedup == "per_device":
+        if spec.site.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
             now = self.clock()
-            encoded = encode_rows(spec.treedef, stacked, t.local, spec.summaries)
+            encoded = encode_rows(spec.site.treedef, stacked, t.local, spec.site.summaries)
             return [self._per_device_record(spec, step, e, t.processes[k],
                                             t.devices[k], t.coord_dicts[k], now)
                     for k, e in zip(t.local, encoded)]
         if _rows_identical(stacked):
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
-            encoded = encode_rows(spec.treedef, stacked, [0], spec.summaries)[0]
+            encoded = encode_rows(spec.site.treedef, stacked, [0], spec.site.summaries)[0]
             return [self._replicated_by_all(spec, step, t, encoded, value_key(row0))]
         copies = []
-        for k in range(spec.total_copies):      # copies disagree: key each one
+        for k in range(spec.placement.total_copies):      # copies disagree: key each one
             row = [a[k] for a in stacked]
             copies.append(Copy(spec, t.coords[k], t.devices[k], t.processes[k],
                                row, value_key(row)))
         # Replicated / agreeing auto: every process sees all copies, writes
         # the same record(s), and the file-level index keeps one. Disagreeing
         # auto becomes per-device records: of this process's devices only.
-        return self._resolve((spec.name, step, spec.pass_), _Group(self.clock(), copies),
+        return self._resolve((spec.name, step, spec.site.pass_), _Group(self.clock(), copies),
                              local={t.coords[k] for k in t.local})
 
     def _add_one_copy(self, spec: TapSpec, step: int, leaves: list[np.ndarray],
@@ -290,7 +292,7 @@ class Aggregator:
         by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()
         for cp in copies:
             by_value.setdefault(cp.key, []).append(cp)
-        if spec.dedup == "per_device" or (spec.dedup == "auto" and len(by_value) > 1):
+        if spec.site.dedup == "per_device" or (spec.site.dedup == "auto" and len(by_value) > 1):
             return [self._per_device(spec, step, cp) for cp in copies
                     if local is None or cp.coords in local]
         divergent = len(by_value) > 1
@@ -298,12 +300,12 @@ class Aggregator:
                 for holders in by_value.values()]
 
     def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
-        return encode_tree(spec.treedef, leaves, spec.summaries)
+        return encode_tree(spec.site.treedef, leaves, spec.site.summaries)
 
     def _per_device(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         return self._per_device_record(
             spec, step, self._value(spec, cp.leaves), cp.process, cp.device,
-            dict(zip(spec.axis_names, cp.coords)), self.clock())
+            dict(zip(spec.placement.axis_names, cp.coords)), self.clock())
 
     def _per_device_record(self, spec: TapSpec, step: int, encoded: tuple,
                            process: int, device: int | None, coords: dict,
@@ -313,8 +315,8 @@ class Aggregator:
             run=self.run, name=spec.name, step=step, kind="per_device",
             value=value, dtype=dtype, shape=shape, process=process, time=now,
             host=self.host, device=device, coords=coords,
-            batch_dims=spec.batch_dims, pass_=spec.pass_,
-            summarized=bool(spec.summaries))
+            batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
+            summarized=bool(spec.site.summaries))
 
     def _replicated_by_all(self, spec: TapSpec, step: int, t: _Table,
                            encoded: tuple, key: bytes, extra: dict | None = None
@@ -330,7 +332,7 @@ class Aggregator:
             # Which coordinates held this value: the device may be unknown
             # (null) but the coordinates never are.
             extra = {"holders": [{"device": h.device, "process": h.process,
-                                  "coords": dict(zip(spec.axis_names, h.coords))}
+                                  "coords": dict(zip(spec.placement.axis_names, h.coords))}
                                  for h in holders]}
         return self._replicated_record(
             spec, step, self._value(spec, holders[0].leaves),
@@ -348,6 +350,6 @@ class Aggregator:
             value=value, dtype=dtype, shape=shape, process=self.process,
             time=self.clock(), host=self.host, replicas=len(devices),
             devices=devices, processes=processes, divergent=divergent,
-            batch_dims=spec.batch_dims, pass_=spec.pass_,
-            summarized=bool(spec.summaries), extra=extra,
+            batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
+            summarized=bool(spec.site.summaries), extra=extra,
             vhash=hashlib.blake2b(key, digest_size=8).hexdigest())

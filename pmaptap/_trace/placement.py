@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from pmaptap._trace.spec import Placement
+
 # JAX's name for the axis of a pmap called without axis_name. Records show it
 # as "pmap" so users do not see an internal identifier.
 _PMAP_INTERNAL_AXIS = "_internal_pmap_axis_name"
@@ -159,3 +161,16 @@ def leader_mask(processes: tuple[int, ...] | None, n: int) -> np.ndarray | None:
             seen.add(p)
             mask[i] = True
     return mask
+
+
+def current(leaves) -> tuple[Placement, tuple[Any, ...]]:
+    """The placement of a tap traced now, and the raw (JAX) names of its
+    manual axes (what ``lax.axis_index`` and collectives take)."""
+    names, sizes = mapped_axes()
+    ids, procs = device_table(names, sizes)
+    return Placement(
+        axis_names=tuple(display_axis_name(n) for n in names),
+        axis_sizes=sizes, device_ids=ids, device_processes=procs,
+        local_copies=local_copy_count(sizes, procs),
+        eager_device=None if names else eager_device(leaves),
+    ), names

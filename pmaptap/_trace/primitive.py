@@ -1,4 +1,5 @@
-"""``host_call``: the single JAX host-callback primitive pmaptap emits.
+"""``emit_callback``: binds ``callback_p``, the single JAX host-callback
+primitive pmaptap emits.
 
 Why not ``jax.debug.callback`` itself: its runtime path calls
 ``jax.device_put`` on the callback's arguments *inside XLA's callback thread*
@@ -12,7 +13,7 @@ during the call). Partial-auto shard_map contexts and TPU, where the callback
 needs JAX's own gather/cond or send/recv plumbing, delegate to
 ``debug_callback``'s lowering.
 
-This module relies on ``jax._src`` internals (JAX 0.10); tests/test_hostcall.py
+This module relies on ``jax._src`` internals (JAX 0.10); tests/test_primitive.py
 fails loudly if a JAX upgrade breaks it.
 """
 from __future__ import annotations
@@ -28,45 +29,45 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import xla_client as xc
 from jax._src.state import discharge as state_discharge
 
-host_call_p = core.Primitive("pmaptap_host_call")
-host_call_p.multiple_results = True
+callback_p = core.Primitive("pmaptap_callback")
+callback_p.multiple_results = True
 
 
-def host_call(host_fn: Callable[..., None], *args: Any) -> None:
+def emit_callback(host_fn: Callable[..., None], *args: Any) -> None:
     """Call ``host_fn(*numpy_arrays)`` on the host when this point of the
     program runs (once per device inside a fully manual shard_map/pmap)."""
-    host_call_p.bind(*args, host_fn=host_fn)
+    callback_p.bind(*args, host_fn=host_fn)
 
 
-@host_call_p.def_impl
+@callback_p.def_impl
 def _impl(*args, host_fn):
     # Eager (not staged): we are on the caller's thread, values are concrete.
     host_fn(*[np.array(a) for a in args])
     return ()
 
 
-@host_call_p.def_effectful_abstract_eval
+@callback_p.def_effectful_abstract_eval
 def _abstract_eval(*avals, host_fn):
     del avals, host_fn
     return [], {debugging.debug_effect}
 
 
 def _jvp(primals, tangents, **params):
-    return host_call_p.bind(*primals, **params), []
+    return callback_p.bind(*primals, **params), []
 
 
-ad.primitive_jvps[host_call_p] = _jvp
-ad.primitive_transposes[host_call_p] = lambda _, *args, **params: [None] * len(args)
-batching.primitive_batchers[host_call_p] = partial(
-    debugging.debug_batching_rule, primitive=host_call_p)
-pe.partial_eval_jaxpr_custom_rules[host_call_p] = partial(
-    debugging._debug_partial_eval_custom, primitive=host_call_p)
+ad.primitive_jvps[callback_p] = _jvp
+ad.primitive_transposes[callback_p] = lambda _, *args, **params: [None] * len(args)
+batching.primitive_batchers[callback_p] = partial(
+    debugging.debug_batching_rule, primitive=callback_p)
+pe.partial_eval_jaxpr_custom_rules[callback_p] = partial(
+    debugging._debug_partial_eval_custom, primitive=callback_p)
 
 
-@state_discharge.register_discharge_rule(host_call_p)
+@state_discharge.register_discharge_rule(callback_p)
 def _discharge(in_avals, out_avals, *args, **params):
     del in_avals, out_avals
-    return args, host_call_p.bind(*args, **params)
+    return args, callback_p.bind(*args, **params)
 
 
 def _copying(host_fn):
@@ -107,6 +108,6 @@ def _lowering(ctx, *args, host_fn):
     return result
 
 
-mlir.register_lowering(host_call_p, _lowering, platform="cpu")
-mlir.register_lowering(host_call_p, _lowering, platform="gpu")
-mlir.register_lowering(host_call_p, _delegate, platform="tpu", cacheable=False)
+mlir.register_lowering(callback_p, _lowering, platform="cpu")
+mlir.register_lowering(callback_p, _lowering, platform="gpu")
+mlir.register_lowering(callback_p, _delegate, platform="tpu", cacheable=False)

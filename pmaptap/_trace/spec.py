@@ -3,12 +3,20 @@
 A ``TapSpec`` travels inside the host callback's closure, so everything the
 host needs to turn raw arrays into records (names, dedup policy, where each
 mesh coordinate lives) is known without calling JAX from the callback thread.
+It is composed of one small part per concern: ``TapSite`` (what was tapped
+and how it is recorded), ``Placement`` (where the copies live), ``Transport``
+(how the copies travel, see layouts.py) and the host_callback ``consumer``.
+A ``GroupSpec`` describes one callback carrying several taps (``group``).
+
+Specs are frozen and compared by value, but nothing hashes them: the
+aggregator keys its per-site tables on ``TapSite.tap_id``.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
-from typing import Any
+from typing import Any, ClassVar, Union
 
 DEDUP_MODES = ("auto", "replicated", "per_device")
 
@@ -19,47 +27,44 @@ def next_tap_id() -> int:
     return next(_ids)
 
 
+class Layout(enum.Enum):
+    """How the copies of one tap execution travel (see layouts.py); the
+    aggregator dispatches on it (_host/aggregate.py)."""
+    COPY = "copy"                  # one callback per device with its own value
+    GATHERED = "gathered"          # all copies stacked on axis 0, one callback per process
+    VERIFIED = "verified"          # one copy; all copies' hashes compared on device
+    VERIFIED_OFF = "verified_off"  # the leader's copy, unverified
+
+
 @dataclasses.dataclass(frozen=True)
-class TapSpec:
+class TapSite:
+    """The tap as written, and the value it sends."""
     name: str
     dedup: str
     every: int
     treedef: Any                     # jax PyTreeDef of the tapped value
-    axis_names: tuple[str, ...]      # manual mesh axes, in mesh order ("" never)
-    axis_sizes: tuple[int, ...]
-    # Device id / process index for every coordinate (row-major over
-    # axis_names), or None where pmaptap cannot know: never guessed.
-    device_ids: tuple[int, ...] | None
-    device_processes: tuple[int, ...] | None
-    local_copies: int                # copies this process should receive per step
     explicit_step: bool              # step travels as an argument
-    batch_dims: int = 0              # leading axes added by vmap
     pass_: str = "forward"           # "forward" or "backward" (tap_grad)
-    eager_device: int | None = None  # device of a concrete (non-traced) value
-    # host_callback shims: a callable ``consumer(spec, arrays)`` that receives
-    # the raw callback payload instead of the session pipeline. It runs on
-    # XLA's callback thread, so it must only hand the payload over.
-    consumer: Any = None
-    # How copies travel (see emit.py): "copy" = one callback per device with
-    # its own value; "gathered" = all copies stacked on axis 0, one callback
-    # per process; "verified" = one copy, all copies' hashes compared on
-    # device; "verified_off" = the leader's copy, unverified.
-    layout: str = "copy"
-    leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
-    # layout "group": the member taps one callback carries, and how many
-    # payload leaves belong to each (see emit.group).
-    members: tuple["TapSpec", ...] = ()
-    member_leaves: tuple[int, ...] = ()
-    # Gathered payloads packed into one uint8 array: (dtype, shape) per leaf.
-    packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    batch_dims: int = 0              # leading axes added by vmap
     # Per leaf: None (sent whole) or the (dtype, shape) of a leaf above
     # options().max_value_bytes whose statistics travel instead (see
-    # tap.summarize); () when no leaf is summarized.
+    # tap.device_statistics); () when no leaf is summarized.
     summaries: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
+    # One per traced tap: what the aggregator keys its per-site tables on.
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
-    def with_batch(self) -> "TapSpec":
-        return dataclasses.replace(self, batch_dims=self.batch_dims + 1)
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The manual mesh axes at the tap and who holds each coordinate."""
+    axis_names: tuple[str, ...] = ()   # manual mesh axes, in mesh order
+    axis_sizes: tuple[int, ...] = ()
+    # Device id / process index for every coordinate (row-major over
+    # axis_names), or None where pmaptap cannot know: never guessed.
+    device_ids: tuple[int, ...] | None = None
+    device_processes: tuple[int, ...] | None = None
+    local_copies: int = 1              # copies this process receives per step
+    eager_device: int | None = None    # device of a concrete (non-traced) value
 
     @property
     def total_copies(self) -> int:
@@ -86,6 +91,55 @@ class TapSpec:
         if self.device_processes is None or not self.axis_names:
             return None
         return self.device_processes[flat_index(coords, self.axis_sizes)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """How copies travel (see layouts.py)."""
+    layout: Layout = Layout.COPY
+    leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
+    # Gathered payloads packed into one uint8 array: (dtype, shape) per leaf.
+    packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TapSpec:
+    site: TapSite
+    placement: Placement
+    transport: Transport = Transport()
+    # host_callback shims: a callable ``consumer(spec, arrays)`` that receives
+    # the raw callback payload instead of the session pipeline. It runs on
+    # XLA's callback thread, so it must only hand the payload over.
+    consumer: Any = None
+
+    @property
+    def name(self) -> str:
+        """The tap's name (what every message about a payload names)."""
+        return self.site.name
+
+    def with_batch(self) -> "TapSpec":
+        site = dataclasses.replace(self.site, batch_dims=self.site.batch_dims + 1)
+        return dataclasses.replace(self, site=site)
+
+    def with_transport(self, **changes: Any) -> "TapSpec":
+        return dataclasses.replace(
+            self, transport=dataclasses.replace(self.transport, **changes))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """One callback carrying the gathered payloads of several taps (see
+    group.py): a step per member, then every member's leaves, packed."""
+    members: tuple[TapSpec, ...]
+    member_leaves: tuple[int, ...]   # payload leaves of each member
+    packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # What routing and error messages read from any payload spec.
+    name: ClassVar[str] = "pmaptap/group"
+    consumer: ClassVar[None] = None
+
+
+# What one host callback carries a description of.
+PayloadSpec = Union[TapSpec, GroupSpec]  # noqa: UP007 (a runtime alias on 3.10)
 
 
 def flat_index(coords: tuple[int, ...], sizes: tuple[int, ...]) -> int:

@@ -13,7 +13,7 @@ from pmaptap._trace import placement
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.options import options
 from pmaptap.tapfile.format import COUNT_BASE
-from pmaptap._trace.spec import DEDUP_MODES, TapSpec
+from pmaptap._trace.spec import DEDUP_MODES, TapSite, TapSpec
 from pmaptap._trace.untapped import taps_off
 
 T = TypeVar("T")
@@ -88,7 +88,7 @@ def check_step(step: Any, name: str, fn: str):
                     f"{type(step).__name__}.")
 
 
-def summarize(x: jax.Array) -> jax.Array:
+def device_statistics(x: jax.Array) -> jax.Array:
     """float32[8] statistics of ``x``, computed where ``x`` lives (layout in
     tapfile.format.SUMMARY_FIELDS): min, max, mean, std over the finite elements
     (NaN when there are none; of ``|x|`` for complex; min/max of integers
@@ -124,7 +124,7 @@ def summarize(x: jax.Array) -> jax.Array:
     return jnp.stack(stats)
 
 
-def _summarize_big(leaves: list) -> tuple[list, tuple]:
+def _statistics_of_big_leaves(leaves: list) -> tuple[list, tuple]:
     """Replace every leaf above options().max_value_bytes by its statistics
     (decided at trace time, so the big array never leaves the device).
     Returns (leaves to send, TapSpec.summaries)."""
@@ -135,7 +135,7 @@ def _summarize_big(leaves: list) -> tuple[list, tuple]:
     for x in leaves:
         dtype = jnp.dtype(x.dtype)
         if int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize > limit:
-            out.append(summarize(jnp.asarray(x)))
+            out.append(device_statistics(jnp.asarray(x)))
             summaries.append((dtype.name, tuple(int(d) for d in np.shape(x))))
         else:
             out.append(x)
@@ -143,20 +143,6 @@ def _summarize_big(leaves: list) -> tuple[list, tuple]:
     return out, (tuple(summaries) if any(summaries) else ())
 
 
-def build_spec(name: str, dedup: str, every: int, treedef, leaves,
-               explicit_step: bool, pass_: str, consumer=None,
-               summaries: tuple = ()) -> TapSpec:
-    names, sizes = placement.mapped_axes()
-    ids, procs = placement.device_table(names, sizes)
-    return TapSpec(
-        name=name, dedup=dedup, every=int(every), treedef=treedef,
-        axis_names=tuple(placement.display_axis_name(n) for n in names),
-        axis_sizes=sizes, device_ids=ids, device_processes=procs,
-        local_copies=placement.local_copy_count(sizes, procs),
-        explicit_step=explicit_step, pass_=pass_,
-        eager_device=None if names else placement.eager_device(leaves),
-        consumer=consumer, summaries=summaries,
-    ), names
 
 
 def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
@@ -172,10 +158,12 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
     if taps_off():
         return  # pmaptap.untapped: checked, then removed
     # host_callback consumers were promised the whole value: never summarized.
-    sent, summaries = _summarize_big(leaves) if consumer is None else (leaves, ())
-    spec, raw_names = build_spec(name, dedup, every, treedef, leaves,
-                                 explicit_step=step is not None, pass_=pass_,
-                                 consumer=consumer, summaries=summaries)
+    sent, summaries = _statistics_of_big_leaves(leaves) if consumer is None else (leaves, ())
+    where, raw_names = placement.current(leaves)
+    site = TapSite(name=name, dedup=dedup, every=int(every), treedef=treedef,
+                   explicit_step=step is not None, pass_=pass_,
+                   summaries=summaries)
+    spec = TapSpec(site=site, placement=where, consumer=consumer)
     leaves = sent
     coords = axis_coords(raw_names)
     if traced_step is not None:

@@ -36,9 +36,10 @@ import numpy as np
 
 from pmaptap._trace.emit import axis_coords, emit_call
 from pmaptap.host_callback.executor import (_Devices, _executor, _format, _name_of,
-                                            _on_executor_thread)
-from pmaptap._trace.spec import TapSpec
-from pmaptap._trace.tap import as_leaf, build_spec, send
+                                           _on_executor_thread)
+from pmaptap._trace import placement
+from pmaptap._trace.spec import Placement, TapSpec
+from pmaptap._trace.tap import as_leaf, send
 from pmaptap.errors import CallbackException
 
 T = TypeVar("T")
@@ -84,8 +85,8 @@ def stop_outfeed_receiver() -> None:
 
 # --------------------------------------------------------------- id_tap
 class _TapConsumer:
-    """``TapSpec.consumer`` for id_tap. Identity-hashed (TapSpec is hashed for
-    emit's cache; user tap functions need not be hashable)."""
+    """``TapSpec.consumer`` for id_tap. Identity-compared, so specs compare
+    cheaply and user tap functions need not be hashable."""
 
     def __init__(self, tap_func: Callable, with_device: bool,
                  devices: _Devices) -> None:
@@ -101,15 +102,15 @@ class _TapConsumer:
         try:
             coords = np.asarray(arrays[0])
             leaves = [np.asarray(a) for a in arrays[2:]]
-            arg = jax.tree_util.tree_unflatten(spec.treedef, leaves)
+            arg = jax.tree_util.tree_unflatten(spec.site.treedef, leaves)
             # The emitter hands over the whole batch with every vmapped axis
             # leading (unbatched leaves broadcast), so each vmap level is axis
             # 0 of every leaf, in the old ("batch", {"batch_dims": ...}) form.
             transforms = tuple(("batch", {"batch_dims": (0,) * len(leaves)})
-                               for _ in range(spec.batch_dims))
+                               for _ in range(spec.site.batch_dims))
             if self.with_device:
                 self.tap_func(arg, transforms,
-                              device=self.devices.resolve(spec, coords))
+                              device=self.devices.resolve(spec.placement, coords))
             else:
                 self.tap_func(arg, transforms)
         except BaseException as e:  # noqa: BLE001 - reported by barrier_wait
@@ -297,10 +298,9 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
     what = f"{fn}({name!r})"
     path_leaves, arg_treedef = jax.tree_util.tree_flatten_with_path(arg)
     leaves = [as_leaf(p, x, name, fn) for p, x in path_leaves]
-    # A TapSpec only to reuse the placement logic (coords -> device id).
-    spec, raw_names = build_spec(name, "per_device", 1, arg_treedef, leaves,
-                                 explicit_step=False, pass_="forward")
-    job = _CallJob(callback_func, spec, res_treedef, res_avals,
+    # Where the call runs, for call_with_device (coords -> device id).
+    where, raw_names = placement.current(leaves)
+    job = _CallJob(callback_func, where, arg_treedef, res_treedef, res_avals,
                    with_device=bool(call_with_device),
                    spread=_spreads_tuple(callback_func, arg, bool(call_with_device)),
                    devices=_Devices(device_index, fn), what=what)
@@ -313,7 +313,8 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
 @dataclasses.dataclass(frozen=True)
 class _CallJob:
     f: Callable
-    spec: TapSpec
+    placement: Placement
+    arg_treedef: Any
     res_treedef: Any
     res_avals: Any
     with_device: bool
@@ -353,11 +354,11 @@ class _CallJob:
 
     def _run(self, coords: Any, leaves: tuple) -> tuple:
         np_leaves = [np.asarray(x) for x in leaves]
-        arg = jax.tree_util.tree_unflatten(self.spec.treedef, np_leaves)
+        arg = jax.tree_util.tree_unflatten(self.arg_treedef, np_leaves)
         args = tuple(arg) if self.spread else (arg,)
         kw = {}
         if self.with_device:
-            kw["device"] = self.devices.resolve(self.spec, np.asarray(coords))
+            kw["device"] = self.devices.resolve(self.placement, np.asarray(coords))
         return self._check(self.f(*args, **kw))
 
     def _check(self, res: Any) -> tuple:

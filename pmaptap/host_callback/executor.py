@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from pmaptap._trace.spec import TapSpec
+from pmaptap._trace.spec import Placement
 
 # --------------------------------------------------------------- executor
 class _Executor:
@@ -149,13 +149,13 @@ class _Devices:
         # outside pmap; device_index selects another one, as it did there.
         self.default = local[device_index]
 
-    def resolve(self, spec: TapSpec, coords: np.ndarray):
-        if spec.axis_names:
-            dev_id = spec.device_of(tuple(int(c) for c in coords))
+    def resolve(self, where: Placement, coords: np.ndarray):
+        if where.axis_names:
+            dev_id = where.device_of(tuple(int(c) for c in coords))
             # None when pmaptap cannot know the mesh: reported, never guessed.
             return None if dev_id is None else self.by_id.get(dev_id)
-        if spec.eager_device is not None:
-            return self.by_id.get(spec.eager_device)
+        if where.eager_device is not None:
+            return self.by_id.get(where.eager_device)
         return self.default
 
 

@@ -1,5 +1,5 @@
 """Per-tap summaries of a list of records (as ``pmaptap.read`` returns them):
-``summarize(records) -> str`` for people (``pmaptap summary``, the end of a
+``summary_table(records) -> str`` for people (``pmaptap summary``, the end of a
 training run) and ``tap_summaries(records)`` for code."""
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ _COLUMNS = ("name", "kind", "records", "steps", "procs", "devices",
             "last", "min", "max", "mean", "issues")
 
 
-def summarize(records: Iterable[dict]) -> str:
+def summary_table(records: Iterable[dict]) -> str:
     """A per-tap text table: record count, step range, processes and devices
     seen, last/min/max/mean of scalar values (min/max/mean over finite
     values), and divergences, missing steps and duplicate records."""

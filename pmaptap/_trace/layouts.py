@@ -1,0 +1,215 @@
+"""Transport layouts: how the copies of one tap execution travel from the
+devices to the host, and the vmap-aware emitter that sends one payload.
+
+A host callback costs far more than a small collective (on CPU about 0.3 ms
+per device callback against ~0.01 ms for an all_gather of a scalar), so under
+a mapped axis we avoid one callback per device:
+
+- "gathered": ``all_gather`` the copies over the manual axes; only the first
+  device of each process (its *leader*) calls back, with every copy stacked
+  on axis 0 in row-major coordinate order. Used for per_device/auto taps
+  whose gathered size is at most ``gather_max_bytes``.
+  Several leaves (a pytree, or all members of a ``group``) are packed into
+  one uint8 vector so they cost ONE collective. Small replicated taps use it
+  too: gathering the values is as cheap as gathering hashes.
+- "verified": replicated taps above ``gather_max_bytes`` gather a 64-bit hash
+  of each copy's bits; if all agree, the leader sends its one copy; if not,
+  the full copies are gathered so every distinct value can be written.
+  "verified_off" (``verify_replicated=False``): the leader's copy.
+- "copy": one callback per device (payloads too big to gather, placement
+  unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
+  ``while_loop``, where devices may diverge and a collective that only some
+  of them reach would deadlock).
+
+Why ``custom_vmap`` around the callback: a plain batching rule unrolls a
+vmapped callback into one call per element, in no guaranteed order and with
+no element index. Our rule instead emits *one* callback carrying the whole
+batch, and counts the vmapped axes in ``TapSpec.batch_dims`` (nested vmaps
+stack, outermost first). The wrapper also keeps ``jax.checkpoint`` from
+replaying the tap when it recomputes the forward pass
+(tests/test_primitive.py shows the bare primitive is replayed).
+
+The callback itself only hands the arrays to the active pipeline (see
+``routing.deliver``) and returns: XLA's callback thread holds the GIL and
+blocks its device, and converting or encoding there was seen to hang.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from pmaptap._host.routing import deliver
+from pmaptap._trace import placement
+from pmaptap._trace.options import options
+from pmaptap._trace.primitive import emit_callback
+from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
+
+
+def _host_entry(spec: PayloadSpec, *arrays) -> None:
+    # Runs on XLA's callback thread. `deliver` never raises.
+    deliver(spec, arrays)
+
+
+def send_payload(spec: PayloadSpec, *args) -> None:
+    emit_callback(functools.partial(_host_entry, spec), *args)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as unsigned integers of its own width (bool as uint8),
+    ready to bitcast on; complex dtypes are not taken."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    return lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
+
+
+def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
+    """Two 32-bit position-weighted sums of a value's bits (uint32[2]).
+
+    Bit-exact (NaN payloads and -0.0 count), cheap (one multiply-add pass),
+    and order-sensitive. Two copies that differ collide with probability
+    about 2**-64 for random differences."""
+    acc = jnp.zeros((2,), jnp.uint32)
+    for i, x in enumerate(leaves):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            x = jnp.stack([x.real, x.imag], -1)
+        w = _bits(x)
+        if w.dtype == jnp.uint64:
+            w = jnp.stack([(w & 0xFFFFFFFF).astype(jnp.uint32),
+                           (w >> 32).astype(jnp.uint32)], -1)
+        w = w.astype(jnp.uint32).reshape(-1)
+        pos = jnp.arange(w.size, dtype=jnp.uint32)
+        m1 = pos * jnp.uint32(0x9E3779B1) + jnp.uint32(2 * i + 1)
+        m2 = pos * jnp.uint32(0x85EBCA77) + jnp.uint32(0xC2B2AE3D + i)
+        acc = acc + jnp.stack([jnp.sum(w * (m1 | 1)), jnp.sum((w ^ m2) * (m2 | 1))])
+        acc = acc + jnp.uint32(w.size)
+    return acc
+
+
+def gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
+    """all_gather several leaves with ONE collective: their bytes are
+    concatenated into a uint8 vector (bitcast, so bit-exact). Returns the
+    gathered arrays and the packing (dtype, shape per leaf) the host needs to
+    split them again; packing is () when the leaves are gathered one by one
+    (complex dtypes, which bitcast does not take)."""
+    leaves = [jnp.asarray(x) for x in leaves]
+    if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jnp.complexfloating)
+                              for x in leaves):
+        return [lax.all_gather(x, raw_names) for x in leaves], ()
+    parts = [lax.bitcast_convert_type(_bits(x), jnp.uint8).reshape(-1) for x in leaves]
+    packed = lax.all_gather(jnp.concatenate(parts), raw_names)
+    packing = tuple((jnp.dtype(x.dtype).name, tuple(x.shape)) for x in leaves)
+    return [packed], packing
+
+
+def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
+    flat = jnp.int32(0)
+    for i, s in enumerate(sizes):
+        flat = flat * s + coords[i]
+    return flat
+
+
+def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
+    """Whether this device calls back for its process (see Transport.leaders)."""
+    return jnp.asarray(np.array(spec.transport.leaders))[
+        _flat_index(coords, spec.placement.axis_sizes)]
+
+
+def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
+    layout = spec.transport.layout
+    if layout is Layout.COPY:
+        send_payload(spec, coords, step, *leaves)
+        return
+    leader = is_leader(spec, coords)
+
+    def gathered():
+        stacked, packing = gather_packed(leaves, raw_names)
+        lax.cond(leader, lambda: send_payload(
+            spec.with_transport(layout=Layout.GATHERED, packing=packing),
+            coords, step, *stacked), lambda: None)
+
+    if layout is Layout.GATHERED:
+        gathered()
+        return
+    if layout is Layout.VERIFIED_OFF:
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves),
+                 lambda: None)
+        return
+    # VERIFIED: the predicate comes from gathered hashes, so it is the same
+    # on every device and the collectives inside the branches are safe.
+    hashes = lax.all_gather(_hash64(leaves), raw_names)
+    agree = jnp.all(hashes == hashes[0])
+
+    def one_copy():
+        # Agreement was decided here, on device: the host needs the copy only.
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves),
+                 lambda: None)
+
+    lax.cond(agree, one_copy, gathered)
+
+
+def emitter(spec: TapSpec, raw_names: tuple):
+    """The vmap-aware function that emits ``spec``'s payload. Built anew for
+    every emission and not cached: each traced tap has its own spec (its
+    ``tap_id``), so a cache could only hit inside one trace (it never did
+    over the test suite), and it kept the specs and the host_callback tap
+    functions they hold alive for the life of the process."""
+    @custom_vmap
+    def emit_fn(coords, step, *leaves):
+        _emit_now(spec, raw_names, coords, step, leaves)
+        return coords
+
+    @emit_fn.def_vmap
+    def _batched(axis_size, in_batched, coords, step, *leaves):
+        coords_b, step_b, *leaves_b = in_batched
+        if coords_b or step_b:
+            raise ValueError(
+                f"pmaptap.tap({spec.name!r}): the `step` argument is batched by "
+                "vmap; pass a step that is the same for the whole batch (e.g. "
+                "tap outside the vmap, or pass a Python int).")
+        # Batch axes arrive at position 0. Unbatched leaves are broadcast so
+        # every leaf of the record has the same leading batch axes.
+        leaves = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                  for x, b in zip(leaves, leaves_b)]
+        emitter(spec.with_batch(), raw_names)(coords, step, *leaves)
+        return coords, False
+
+    return emit_fn
+
+
+def nbytes(leaves: Sequence) -> int:
+    return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
+    """Pick the transport for this tap site (see module docstring)."""
+    opts = options()
+    where = spec.placement
+    if not where.axis_names or spec.consumer is not None or not opts.gather:
+        return spec
+    n = where.total_copies
+    if n < 2:
+        return spec
+    mask = placement.leader_mask(where.device_processes, n)
+    if mask is None or placement.inside_divergent_control_flow():
+        return spec
+    dedup = spec.site.dedup
+    if dedup == "replicated" and not opts.verify_replicated:
+        layout = Layout.VERIFIED_OFF     # the leader's copy alone
+    elif nbytes(leaves) * n <= opts.gather_max_bytes:
+        # Gathering the values themselves is as cheap as gathering hashes
+        # when they are small, and needs a single callback.
+        layout = Layout.GATHERED
+    elif dedup == "replicated":
+        layout = Layout.VERIFIED
+    else:
+        return spec
+    return spec.with_transport(layout=layout,
+                               leaders=tuple(bool(b) for b in mask))
