@@ -57,7 +57,7 @@ def machine() -> str:
 
 def table(rows: list[tuple], header: tuple) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
     out += [fmt.format(*[str(x) for x in row]) for row in rows]
     return "\n".join(out)

@@ -18,7 +18,8 @@ def test_all_benchmarks_run_in_quick_mode():
     for label in ("a. per_device tap", "b. replicated tap (verified)",
                   "b. replicated tap (verify off)", "c. 4 taps in one step",
                   "c. 4 taps in pmaptap.group()", "d. every=100, traced step",
-                  "d. every=100, ~5 ms step", "f. demo step", "f. demo step, --tap-every 10", "every=10 decided on device",
+                  "d. every=100, ~5 ms step", "f. demo step",
+                  "f. demo step, --tap-every 10", "every=10 decided on device",
                   "floor: 1 raw callback from 1 device",
                   "e. writer, 1 process", "e. writer, 8 processes, one file",
                   "h. RSS", "added ms per step"):

@@ -143,7 +143,7 @@ class Session:
         try:
             self.close()
         except TapError as e:
-            warnings.warn(f"pmaptap: {e}", RuntimeWarning)
+            warnings.warn(f"pmaptap: {e}", RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------- flush
     def flush(self, timeout: float | None = -1) -> None:

@@ -32,8 +32,9 @@ device:
   one uint8 vector so they cost ONE collective. Small replicated taps use it
   too: gathering the values is as cheap as gathering hashes.
 - "verified": replicated taps above ``gather_max_bytes`` gather a 64-bit hash
-  of each copy's bits; if all agree, the leader sends its one copy; if not, the full copies are gathered so every distinct value can
-  be written. "verified_off" (``verify_replicated=False``): the leader's copy.
+  of each copy's bits; if all agree, the leader sends its one copy; if not,
+  the full copies are gathered so every distinct value can be written.
+  "verified_off" (``verify_replicated=False``): the leader's copy.
 - "copy": one callback per device (payloads too big to gather, placement
   unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
   ``while_loop``, where devices may diverge and a collective that only some

@@ -1,6 +1,6 @@
 """Where a traced tap runs: mapped axes, and coordinates -> device / process.
 
-Device identity is the hard part (see shared/DESIGN.md). Inside the body of
+Device identity is the hard part (see docs/architecture.md). Inside the body of
 ``pmap`` (which JAX 0.10 implements as ``jit(shard_map(mesh=Mesh(...)))``) and
 ``shard_map`` the public API gives only the *abstract* mesh: axis names and
 sizes. The concrete ``Mesh`` (which device sits at which coordinate) is public

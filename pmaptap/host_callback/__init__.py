@@ -8,8 +8,8 @@ Old code keeps working after changing only the import::
     y = hcb.call(np.linalg.eigvals, m, result_shape=...)
     hcb.barrier_wait()               # taps done; raises CallbackException once
 
-How it is built (see shared/DESIGN.md): ``id_tap``/``id_print`` go through
-``pmaptap.tap.send`` and so through the one emission helper in ``emit.py``,
+How it is built (see docs/architecture.md): ``id_tap``/``id_print`` go through
+``pmaptap._trace.tap.send`` and so through the one emission helper in ``emit.py``,
 with a ``consumer`` that replaces the session pipeline. The consumer runs on
 XLA's callback thread, which holds the GIL and blocks its device, so it only
 appends the payload to a queue. One background thread per process (the
@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from pmaptap._trace.emit import axis_coords, emit_call
-from pmaptap.host_callback.executor import _Devices, _executor, _format, _name_of, _on_executor_thread
+from pmaptap.host_callback.executor import (_Devices, _executor, _format, _name_of,
+                                            _on_executor_thread)
 from pmaptap._trace.spec import TapSpec
 from pmaptap._trace.tap import as_leaf, build_spec, send
 from pmaptap.errors import CallbackException

@@ -31,8 +31,9 @@ class LineFollower:
 
     ``poll()`` yields the (line number, bytes) of lines completed since the
     last call, a chunk at a time so a large file is never held in memory
-    (consume it fully: a chunk's offset is committed when it is read). A file that is replaced (new inode) or truncated is read again
-    from its start, since its old offsets mean nothing any more.
+    (consume it fully: a chunk's offset is committed when it is read). A
+    file that is replaced (new inode) or truncated is read again from its
+    start, since its old offsets mean nothing any more.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
