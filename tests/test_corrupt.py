@@ -130,7 +130,8 @@ def test_sink_notices_truncation_even_after_the_file_regrew(tmp_path):
     a.write([loss(0, 0)])
     b.write([loss(0, 1)])                      # deduplicated against a's
     open(path, "w").close()                    # : > t.jsonl
-    b.write([loss(s, 1) for s in range(1, 6)])
+    with pytest.warns(RuntimeWarning, match="was truncated"):
+        b.write([loss(s, 1) for s in range(1, 6)])  # below b's offset
     assert os.path.getsize(path) > a._seen     # regrown past a's offset
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
