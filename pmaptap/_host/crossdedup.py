@@ -17,15 +17,21 @@ changed); ``pmaptap.read`` marks every replicated record of a key that has
 more than one distinct ``vhash`` as divergent. The index keeps the newest
 ``max_keys`` keys: a process that falls further behind than that may write a
 duplicate, which ``read`` and ``pmaptap validate`` report.
+
+Lines are parsed by the readers' parser (tapfile/parse.py), which never
+raises: a line that is not a record (another program's bytes, a torn line, a
+100,000-deep array) is skipped and counted in ``corrupt``, the first one's
+byte offset and reason kept in ``first_corrupt`` for the sink's warning. It
+costs that line only, never a write.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import OrderedDict
 from typing import Sequence
 
 from pmaptap.tapfile.format import Record, record_key
+from pmaptap.tapfile.parse import parse_line
 
 _REPLICATED_MARK = b'"kind":"replicated"'
 
@@ -39,6 +45,14 @@ class CrossProcessIndex:
         self._seen: OrderedDict[tuple, dict[str, set]] = OrderedDict()
         self.skipped = 0
         self.divergent = 0
+        # Lines that looked replicated but were not records.
+        self.corrupt = 0
+        self.first_corrupt: tuple[int, str] | None = None   # (offset, why)
+
+    def reset(self) -> None:
+        """Forget the file's contents (it was truncated or replaced): records
+        the others wrote there are gone, so ours must not be skipped for them."""
+        self._seen.clear()
 
     def _remember(self, key: tuple, vhash: str, process: int) -> None:
         hashes = self._seen.get(key)
@@ -52,17 +66,22 @@ class CrossProcessIndex:
         return {h for h, procs in self._seen.get(key, {}).items()
                 if procs - {self.process}}
 
-    def observe(self, data: bytes) -> None:
-        """Index replicated records among bytes other processes appended."""
+    def observe(self, data: bytes, offset: int = 0) -> None:
+        """Index replicated records among bytes other processes appended
+        (``data`` starts at byte ``offset`` of the file)."""
+        pos = offset
         for line in data.split(b"\n"):
+            start, pos = pos, pos + len(line) + 1
             if _REPLICATED_MARK not in line:
                 continue
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue       # torn or garbage: the reader reports it
-            if isinstance(d, dict) and d.get("vhash"):
-                self._remember(record_key(d), d["vhash"], d.get("process"))
+            d, problem = parse_line(line)
+            if d is None:
+                self.corrupt += 1
+                if self.first_corrupt is None:
+                    self.first_corrupt = (start, problem or "invalid")
+                continue
+            if d.get("vhash"):
+                self._remember(record_key(d), d["vhash"], d["process"])
 
     def plan(self, records: Sequence[Record]) -> tuple[list[Record], list[tuple]]:
         """Which records to write: replicated ones already in the file are

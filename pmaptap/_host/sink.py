@@ -10,6 +10,16 @@ newline; the next batch (from any process) starts with one, so at most that
 torn line is lost. The lock only waits ``lock_timeout`` per attempt: a stuck
 holder makes ``write`` raise ``LockBusy`` and the pipeline retries later
 while taps keep returning.
+
+The file may change under a running job: another program appends garbage
+(a corrupt line costs that line only: the dedup skips and counts it), someone
+truncates it (``: > run.jsonl``) or moves it away and creates a new one (log
+rotation). Under the lock, before each batch, the sink compares the file at
+the path with what it last saw: a new inode (or no file) means replaced, a
+size below its last offset or different bytes just before it means truncated
+(or rewritten). It then writes to the file now at the path, re-reads that file
+from its start for the dedup, and warns once per kind; the batch in hand and
+everything queued are written there, nothing is dropped.
 """
 from __future__ import annotations
 
@@ -17,15 +27,22 @@ import abc
 import errno
 import os
 import sys
+import warnings
 from typing import Sequence
 
 import filelock
 
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import Record, encode_line
+from pmaptap.tapfile.parse import line_problem
 from pmaptap._host.crossdedup import CrossProcessIndex
 
 _IOV_MAX = 1024    # buffers per writev(2) call: Linux's UIO_MAXIOV
+# Bytes just before the sink's last offset that it remembers: different bytes
+# there mean the file was truncated and written again past that offset. 1 KiB
+# holds a whole ordinary line, and the tail of any line holds its process and
+# time (written after the value), so a regrown file differs there.
+_MARK_BYTES = 1024
 
 
 
@@ -120,21 +137,29 @@ class FileSink(Sink):
             self._lock = filelock.FileLock(self.path + ".lock",
                                            timeout=lock_timeout,
                                            fallback_to_soft=False)
-            size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
         else:
             self._fd = -1      # opened per batch, under the lock
             self._lock = filelock.SoftFileLock(self.path + ".softlock",
                                                timeout=lock_timeout)
-            size = os.stat(self.path).st_size
+            st = os.stat(self.path)
+        size = st.st_size
+        # The file this sink writes to, to notice one put in its place.
+        self._ident = (st.st_dev, st.st_ino)
         if process is None:
             import jax
             process = jax.process_index()
         self.index = CrossProcessIndex(process)
         # Bytes before this offset were already indexed (or predate us).
         self._seen = size
+        self._mark = self._read_mark(self._fd, size) if lock == "flock" else \
+            self._read_mark_at(self.path, size)
         self.lines_written = 0
         self.bytes_written = 0
         self.repairs = 0
+        self.truncations = 0
+        self.replacements = 0
+        self._warned: set[str] = set()
         # Records that could not be encoded since the pipeline last looked
         # (see _encode); the pipeline reports them as a TapError.
         self.rejected: list[str] = []
@@ -149,10 +174,16 @@ class FileSink(Sink):
         fd = -1
         try:
             # soft: a fresh descriptor per batch (close-to-open, see above)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft else self._fd
-            size = os.fstat(fd).st_size
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft \
+                else self._current_fd()
+            st = os.fstat(fd)
+            size = st.st_size
+            self._check_same_file(fd, st)
             if size > self._seen:
-                self.index.observe(os.pread(fd, size - self._seen, self._seen))
+                new_bytes = os.pread(fd, size - self._seen, self._seen)
+                self._observe(new_bytes, self._seen)
+                self._mark = (self._mark + new_bytes)[-_MARK_BYTES:]
+                self._seen = size
             keep, new_keys = self.index.plan(records)
             # A list of lines, not one joined buffer: writev hands them to
             # the kernel without first copying megabytes into a new bytes
@@ -163,13 +194,98 @@ class FileSink(Sink):
                 self.repairs += 1
             written = self._append(fd, size, chunks, soft)
             self.index.commit(new_keys)
-            self._seen = size + written
+            # flock: where O_APPEND put our bytes, which is past ``size`` if a
+            # program that takes no lock (echo >> file) appended meanwhile.
+            self._seen = os.lseek(fd, 0, os.SEEK_CUR) if written and not soft \
+                else size + written
+            if written:
+                self._mark = _tail(self._mark, chunks)
         finally:
             if soft and fd >= 0:
                 os.close(fd)
             self._lock.release()
         self.lines_written += len(keep)
         self.bytes_written += written
+
+    # ------------------------------------------ the file under our feet
+    def _current_fd(self) -> int:
+        """flock mode's descriptor, re-opened on the file now at the path if
+        that is another file (moved away and recreated) or none (removed:
+        created again, as at open)."""
+        try:
+            st = os.stat(self.path)
+            same = (st.st_dev, st.st_ino) == self._ident
+        except FileNotFoundError:
+            same = False
+        if not same:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+            os.close(self._fd)
+            self._fd = fd
+        return self._fd
+
+    def _check_same_file(self, fd: int, st: os.stat_result) -> None:
+        """Is ``fd`` (the file now at the path) the file this sink last saw,
+        holding what it saw? If not, start over on it: read it from byte 0
+        for the dedup, forget what the old file held."""
+        ident = (st.st_dev, st.st_ino)
+        if ident != self._ident:
+            self._ident = ident
+            self.replacements += 1
+            self._restart("replaced", f"{self.path!r} was replaced (moved away "
+                          "or removed, and created again) under this writer")
+        elif st.st_size < self._seen or (
+                self._seen and self._read_mark(fd, self._seen) != self._mark):
+            self.truncations += 1
+            self._restart("truncated", f"{self.path!r} was truncated (now "
+                          f"{st.st_size} bytes; this writer had seen "
+                          f"{self._seen}) or rewritten under this writer")
+
+    def _restart(self, kind: str, what: str) -> None:
+        self._seen, self._mark = 0, b""
+        self.index.reset()
+        self._warn_once(kind, f"pmaptap: {what}. Appending continues to the "
+                        "file now at that path: records written before are "
+                        "wherever that file went, nothing still queued is "
+                        "lost. (Warned once per writer; counted in "
+                        f"FileSink.{'replacements' if kind == 'replaced' else 'truncations'}.)")
+
+    def _observe(self, data: bytes, offset: int) -> None:
+        before = self.index.corrupt
+        self.index.observe(data, offset)
+        if self.index.corrupt > before and self.index.first_corrupt:
+            where, why = self.index.first_corrupt
+            self._warn_once("corrupt", (
+                f"pmaptap: {self.path!r} holds a line that is not a pmaptap "
+                f"record at byte offset {where} ({why}); it was skipped for "
+                "the cross-process dedup and costs nothing else (readers "
+                "skip and report it; 'pmaptap validate' lists every bad "
+                "line). Further ones are counted in FileSink.corrupt_lines."))
+
+    @property
+    def corrupt_lines(self) -> int:
+        return self.index.corrupt
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        try:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - warnings turned into errors:
+            pass           # a warning must never cost a write
+
+    @staticmethod
+    def _read_mark(fd: int, end: int) -> bytes:
+        start = max(0, end - _MARK_BYTES)
+        return os.pread(fd, end - start, start)
+
+    @staticmethod
+    def _read_mark_at(path: str, end: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return FileSink._read_mark(fd, end)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _append(fd: int, size: int, chunks: list[bytes], soft: bool) -> int:
@@ -214,8 +330,16 @@ class FileSink(Sink):
         keep: list[Record] = []
         for r in records:
             try:
-                encoded[id(r)] = r.encode()
-            except (TypeError, ValueError) as e:   # UnicodeError is a ValueError
+                line = r.encode()
+                # Readers refuse lines past parse.MAX_LINE_BYTES/MAX_DEPTH: never
+                # write one that every reader would then skip.
+                problem = line_problem(line)
+                if problem:
+                    raise ValueError(problem)
+                encoded[id(r)] = line
+            except (TypeError, ValueError, RecursionError) as e:
+                # UnicodeError is a ValueError; RecursionError: json's encoder
+                # on a pytree too deep to write.
                 self.rejected.append(f"{ascii(r.name)} step {r.step}: {e}")
                 r = Record(run=_utf8(r.run), name="pmaptap/unencodable",
                            step=r.step, kind="meta", value=1, dtype="int64",
@@ -262,6 +386,16 @@ class FileSink(Sink):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:
+    """The last _MARK_BYTES of ``mark`` followed by ``chunks``."""
+    out = b""
+    for c in reversed(chunks):
+        out = c[-(_MARK_BYTES - len(out)):] + out
+        if len(out) >= _MARK_BYTES:
+            return out
+    return (mark + out)[-_MARK_BYTES:]
 
 
 def _utf8(text: str) -> str:

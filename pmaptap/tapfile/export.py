@@ -66,7 +66,8 @@ def csv_row(e: Entry) -> dict[str, Any]:
         "dtype": _text(r["dtype"]), "shape": _text(r["shape"]),
         "time": r["time"], "host": r["host"],
     }
-    for axis, idx in (r.get("coords") or {}).items():
+    coords = r.get("coords")
+    for axis, idx in (coords if isinstance(coords, dict) else {}).items():
         row[f"coord.{axis}"] = idx
     row.update(flatten_value(r["value"], r["dtype"]))
     return row

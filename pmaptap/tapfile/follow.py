@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from pmaptap.tapfile import views
-from pmaptap.tapfile.reader import parse_line
+from pmaptap.tapfile import parse, views
+from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.format import decode_record
 
 PROG = "pmaptap"
@@ -79,6 +79,11 @@ class LineFollower:
             self._pos += len(chunk)
             pieces = (self._partial + chunk).split(b"\n")
             self._partial = pieces.pop()   # b"" when the chunk ended a line
+            if len(self._partial) > parse.MAX_LINE_BYTES:
+                # Keep one byte past the limit, enough for parse_line to
+                # report the line as too long once its newline comes: memory
+                # stays bounded whatever a line's length.
+                self._partial = self._partial[: parse.MAX_LINE_BYTES + 1]
             for raw in pieces:
                 self.lineno += 1
                 yield self.lineno, raw

@@ -163,8 +163,15 @@ def _decode_nonfinite(v: Any) -> Any:
 
 
 def _decode_complex(v: Any, depth: int) -> Any:
+    # Total: a value that does not have the shape's nesting of [re, im]
+    # pairs is left as written (``pmaptap validate`` reports it).
     if depth == 0:
-        return complex(v[0], v[1])
+        if isinstance(v, list) and len(v) == 2 and all(
+                isinstance(x, (int, float)) for x in v):
+            return complex(v[0], v[1])
+        return v
+    if not isinstance(v, list):
+        return v
     return [_decode_complex(x, depth - 1) for x in v]
 
 
@@ -178,16 +185,26 @@ def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
             value = _decode_complex(value, len(shape))
         return value
     if isinstance(dtype, dict) and isinstance(value, dict):
-        return {k: _decode_value(value[k], dtype[k], (shape or {}).get(k))
-                for k in value}
+        shapes = shape if isinstance(shape, dict) else {}
+        return {k: _decode_value(v, dtype.get(k), shapes.get(k))
+                for k, v in value.items()}
     if isinstance(dtype, list) and isinstance(value, list):
         shapes = shape if isinstance(shape, list) else [None] * len(value)
         return [_decode_value(v, d, s) for v, d, s in zip(value, dtype, shapes)]
     return _decode_nonfinite(value)
 
 
+def _is_scalar(x: Any) -> bool:
+    return x is None or isinstance(x, (str, int, float))
+
+
 def validate_dict(d: Any) -> str | None:
-    """Why ``d`` is not a record, or None if it is one."""
+    """Why ``d`` is not a record, or None if it is one.
+
+    Checks what every reader relies on: the record's identity (run, name,
+    step, pass: hashable, see record_key), and fields that readers index,
+    sort or iterate having a usable type. ``pmaptap validate`` checks the
+    rest of the format (checks.schema_problems)."""
     if not isinstance(d, dict):
         return "not a JSON object"
     missing = [k for k in REQUIRED if k not in d]
@@ -201,8 +218,24 @@ def validate_dict(d: Any) -> str | None:
         return f"kind must be one of {KINDS}"
     if not isinstance(d["run"], str):
         return "run must be a string"
-    if d["kind"] == "per_device" and ("device" not in d or "coords" not in d):
-        return "per_device record without device/coords"
+    if not isinstance(d.get("pass", "forward"), str):
+        return "pass must be a string"
+    if not _is_scalar(d["process"]):
+        return "process must be a number"
+    if not isinstance(d.get("vhash", ""), str):
+        return "vhash must be a string"
+    for field in ("devices", "processes"):
+        ids = d.get(field)
+        if ids is not None and not (isinstance(ids, list) and
+                                    all(map(_is_scalar, ids))):
+            return f"{field} must be a list of numbers"
+    if d["kind"] == "per_device":
+        if "device" not in d or "coords" not in d:
+            return "per_device record without device/coords"
+        if not _is_scalar(d["device"]):
+            return "device must be a number or null"
+        if not isinstance(d["coords"], dict):
+            return "coords must be an object"
     if d["kind"] == "replicated" and "replicas" not in d:
         return "replicated record without replicas"
     return None

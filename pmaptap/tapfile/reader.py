@@ -1,48 +1,54 @@
 """Reading tap files: every valid record in file order, never eval/pickle."""
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
-from pmaptap.tapfile.format import decode_record, record_key, validate_dict
+from pmaptap.tapfile import parse
+from pmaptap.tapfile.format import decode_record, record_key
+from pmaptap.tapfile.parse import parse_line
+
+__all__ = ["iter_lines", "parse_line", "read", "reconcile_divergence"]
+
+_SKIP_CHUNK = 1 << 20
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(line number, record or None, problem or None) for every line."""
+    """(line number, record or None, problem or None) for every line, read a
+    line at a time: a line longer than parse.MAX_LINE_BYTES is reported
+    without being held in memory."""
+    limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
-    torn_tail = bool(lines) and lines[-1] != b""
-    if not torn_tail:
-        lines = lines[:-1]
-    for i, raw in enumerate(lines, start=1):
-        d, problem = parse_line(raw)
-        if problem is not None and problem.startswith("not valid JSON") and \
-                i == len(lines) and torn_tail:
-            problem = "torn last line (no newline)"
-        yield i, d, problem
+        lineno = 0
+        while True:
+            raw = f.readline(limit + 1)
+            if not raw:
+                return
+            lineno += 1
+            if raw.endswith(b"\n"):
+                d, problem = parse_line(raw[:-1])
+            elif len(raw) > limit:
+                size = len(raw) + _skip_line(f)
+                d, problem = None, (f"line too long ({size} bytes or more; "
+                                    f"readers take at most {limit})")
+            else:
+                # No newline at the end of the file: a writer is still
+                # writing this line, or was killed while writing it.
+                d, problem = parse_line(raw)
+                if problem is not None and problem.startswith("not valid JSON"):
+                    problem = "torn last line (no newline)"
+            yield lineno, d, problem
 
 
-def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
-    """One line (without its newline) -> (undecoded record, None) or
-    (None, why it is not a record). Shared by iter_lines and ``pmaptap tail
-    -f``, which parses lines one at a time as writers append them."""
-    if not raw.strip():
-        return None, "empty line"
-    try:
-        d = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        return None, f"not valid JSON ({e})"
-    problem = validate_dict(d)
-    if problem:
-        return None, f"not a pmaptap record: {problem}"
-    return d, None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"non-standard JSON constant {name}")
+def _skip_line(f: BinaryIO) -> int:
+    """Read past the rest of an over-long line; returns the bytes skipped."""
+    skipped = 0
+    while True:
+        chunk = f.readline(_SKIP_CHUNK)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
 
 
 def read(path: str | os.PathLike, *, as_frame: bool = False):

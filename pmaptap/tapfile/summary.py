@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Iterable, Sequence
 
 from pmaptap.tapfile.checks import count_missing, find_duplicates, format_gaps, step_gaps
-from pmaptap.tapfile.views import Table, format_ids, format_number, scalar
+from pmaptap.tapfile.views import Table, format_ids, format_number, id_order, scalar
 
 
 @dataclasses.dataclass
@@ -78,8 +78,9 @@ def _summarize_one(run: str, name: str, recs: Sequence[dict]) -> TapSummary:
     return TapSummary(
         run=run, name=name, kinds=kinds, records=len(recs),
         first_step=min(steps), last_step=max(steps),
-        processes=tuple(sorted(p for p in processes if p is not None)),
-        devices=tuple(sorted(devices, key=lambda d: (d is None, d or 0))),
+        processes=tuple(sorted((p for p in processes if p is not None),
+                               key=id_order)),
+        devices=tuple(sorted(devices, key=id_order)),
         last=tuple(dict.fromkeys(last_vals)),
         min=min(finite) if finite else None,
         max=max(finite) if finite else None,
@@ -157,7 +158,8 @@ def summary_table(records: Iterable[dict]) -> str:
     for run in dict.fromkeys(s.run for s in summaries):
         group = [s for s in summaries if s.run == run]
         n = sum(s.records for s in group)
-        procs = format_ids(sorted({p for s in group for p in s.processes}))
+        procs = format_ids(sorted({p for s in group for p in s.processes},
+                                  key=id_order))
         devs = format_ids([d for s in group for d in s.devices])
         out.append(f"run {run}: {n} records, {len(group)} tap(s), "
                    f"processes {procs}, devices {devs}")

@@ -136,6 +136,15 @@ def format_value(v: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: max(width - 3, 1)] + "..."
 
 
+def id_order(x: Any) -> tuple:
+    """Sort key for process/device ids as read: numbers in order, then
+    anything else a hand-edited file may hold (a string, null), never a
+    TypeError from comparing them."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x:
+        return (0, x, "")
+    return (1, 0, repr(x))
+
+
 def format_ids(ids: Iterable[Any]) -> str:
     """Sorted ints as compact ranges ("0-3,6"); null devices as "?"."""
     ids = list(ids)
@@ -165,7 +174,7 @@ def device_text(r: dict) -> str:
 
 def coords_text(r: dict) -> str:
     coords = r.get("coords")
-    if not coords:
+    if not coords or not isinstance(coords, dict):
         return ""
     return ",".join(f"{k}={v}" for k, v in coords.items())
 

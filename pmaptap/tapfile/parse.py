@@ -1,0 +1,186 @@
+"""The one parser for bytes read from a tap file.
+
+Every reader of tap files (``pmaptap.read``, ``validate``, ``tail -f``,
+``show``/``summary``/``export``/``plot`` and the writers' cross-process dedup)
+turns a line into a record here. A tap file is shared by every process of a
+job and lives long; sooner or later it holds bytes pmaptap did not write. So
+``parse_line`` never raises: any line either becomes a record or comes back
+with a short reason, and what one line may cost is bounded:
+
+- ``MAX_LINE_BYTES`` (64 MiB): a longer line is reported without being
+  parsed (readers do not even keep its bytes).
+- ``MAX_DEPTH`` (128): JSON nesting, the record object counting as one level.
+  A deeper line is reported after a scan of its bytes, before any JSON parser
+  sees it: ``json`` would recurse into it (RecursionError) and orjson stops at
+  1024 levels. A tap's value nests as deep as its pytree plus the array's rank
+  (plus one for complex), far less.
+- Numbers: they must be finite as IEEE doubles (``1e400`` is refused); an
+  integer outside [-2**63, 2**64) is read as the nearest float, and one beyond
+  the double range is refused (so a 5,000-digit integer is).
+- Text: valid UTF-8, strict JSON (RFC 8259: no ``NaN`` literal, no trailing
+  comma, no control character in a string), no unpaired surrogate escape.
+
+The writers apply the same limits to what they write (see
+``_host/sink.py``), so every line pmaptap writes is read back.
+
+orjson parses when it is installed; with ``PMAPTAP_NO_ORJSON=1`` (or without
+orjson) ``json`` does, with hooks that make it accept and refuse exactly the
+same lines and return the same values.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from pmaptap.tapfile import format as _format
+
+MAX_LINE_BYTES = 64 << 20
+MAX_DEPTH = 128
+
+# Integers orjson keeps exact; outside this range it returns a float, and the
+# json fallback does the same so both read a file alike.
+_INT_MIN, _INT_END = -(1 << 63), 1 << 64
+
+# Scanning for depth: a whole JSON string (escapes included), a run of bytes
+# outside strings, or a quote that opens a string never closed. A string the
+# pattern cannot close ends the scan: a JSON parser stops there as well.
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+|"', re.DOTALL)
+# Deleting every byte but the four brackets (bytes.translate's delete table).
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENERS = np.frombuffer(b"[{", np.uint8)
+# A \uD800-\uDFFF escape: only then can json's result hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
+    """Whether the JSON text ``raw`` nests deeper than ``limit`` (default
+    MAX_DEPTH) levels, found without parsing it: bracket counts first (two
+    C-speed passes), a scan outside strings only when those allow more.
+
+    Exact up to the first point where a JSON parser would fail, which is
+    all that matters: a parser never recurses past a syntax error."""
+    limit = MAX_DEPTH if limit is None else limit
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth = 0
+    for m in _TOKEN.finditer(raw):
+        tok = m.group()
+        if tok[0] == 0x22:                       # '"'
+            if len(tok) == 1:
+                return False                     # unterminated string
+            continue
+        opens = tok.count(b"[") + tok.count(b"{")
+        closes = tok.count(b"]") + tok.count(b"}")
+        if depth + opens <= limit:
+            depth += opens - closes
+            continue
+        brackets = np.frombuffer(tok.translate(None, _NOT_BRACKETS), np.uint8)
+        steps = np.where(np.isin(brackets, _OPENERS), 1, -1).astype(np.int64)
+        levels = depth + np.cumsum(steps)
+        if int(levels.max()) > limit:
+            return True
+        depth = int(levels[-1])
+    return False
+
+
+def _parse_int(text: str) -> int | float:
+    if len(text) < 19:
+        return int(text)
+    value = int(text)          # ValueError past 4300 digits: not read
+    if _INT_MIN <= value < _INT_END:
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"number out of range ({len(text)} digits)") from None
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range ({text[:20]})")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    # Iterative: the depth is already bounded, but this may run deep in a
+    # caller's stack.
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if _SURROGATE.search(x):
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
+
+
+def _loads(raw: bytes) -> tuple[Any, str | None]:
+    orjson = _format.ORJSON
+    if orjson is not None:
+        try:
+            return orjson.loads(raw), None
+        except orjson.JSONDecodeError as e:
+            return None, f"not valid JSON ({e})"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not valid JSON (not UTF-8: {e})"
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant,
+                         parse_int=_parse_int, parse_float=_parse_float)
+    except ValueError as e:
+        return None, f"not valid JSON ({e})"
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
+        return None, "not valid JSON (an unpaired surrogate escape)"
+    return obj, None
+
+
+def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """One line (without its newline) -> (undecoded record, None) or
+    (None, why it is not a record). Never raises an Exception."""
+    try:
+        if len(raw) > MAX_LINE_BYTES:
+            return None, (f"line too long ({len(raw)} bytes; readers take at "
+                          f"most {MAX_LINE_BYTES})")
+        if not raw.strip():
+            return None, "empty line"
+        if exceeds_depth(raw):
+            return None, f"nested deeper than {MAX_DEPTH} levels (not parsed)"
+        d, problem = _loads(raw)
+        if problem is not None:
+            return None, problem
+        problem = _format.validate_dict(d)
+        if problem:
+            return None, f"not a pmaptap record: {problem}"
+        return d, None
+    except Exception as e:  # noqa: BLE001 - the contract: no line raises
+        # Not reached by any input the tests know; if it ever is, the line is
+        # still reported rather than ending the reader (or a writer's dedup).
+        return None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
+
+
+def line_problem(line: bytes) -> str | None:
+    """Why readers would refuse a line a writer is about to write (too long,
+    too deep), else None. Cheap for ordinary lines (two byte counts)."""
+    if len(line) > MAX_LINE_BYTES:
+        return (f"the encoded record is {len(line)} bytes, more than the "
+                f"{MAX_LINE_BYTES} readers take (lower max_value_bytes or "
+                "tap smaller pieces)")
+    if exceeds_depth(line):
+        return (f"the record nests deeper than the {MAX_DEPTH} levels readers "
+                "take")
+    return None
