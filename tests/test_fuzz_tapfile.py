@@ -203,7 +203,7 @@ def check_file(data: bytes) -> None:
         reported = {n for n, _ in report.problems}
         assert all(i + 1 in reported for i, w in enumerate(want)
                    if w is None or w == "empty")
-        summary.summarize(recs)
+        summary.summary_table(recs)
         export.write_csv(entries, io.StringIO())
 
         lf = follow.LineFollower(path)
