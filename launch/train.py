@@ -10,8 +10,14 @@ Taps:
                 (dedup="per_device": one record per device per step);
 - ``lr``, ``step`` the learning rate and step counter (replicated).
 
-Two variants compute the same thing: ``--variant pmap`` and
-``--variant shard_map`` (a 1-D mesh over all devices, set with jax.set_mesh).
+Three variants compute the same thing: ``--variant pmap``,
+``--variant shard_map`` (a 1-D mesh over all devices, set with jax.set_mesh)
+and ``--variant jit``: plain ``jax.jit`` over a ``NamedSharding`` mesh, the
+batch on a "data" axis, the parameters replicated, no mapped axes at all.
+There pmaptap taps each shard where it lives: ``grad_norm`` is a vector of
+each data shard's gradient norm (one record per device, with its ``index``),
+``act`` the hidden activation (one record per device: its rows of the batch)
+and ``loss`` is replicated (one record per step).
 
 Run it alone, under the local launcher, or on a cluster (launch/README.md):
 
@@ -41,7 +47,7 @@ FEATURES, HIDDEN = 16, 32
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", choices=("pmap", "shard_map"), default="pmap")
+    p.add_argument("--variant", choices=("pmap", "shard_map", "jit"), default="pmap")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default="out/train.jsonl", help="shared tap file")
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
@@ -261,6 +267,74 @@ def train_shard_map(args: argparse.Namespace) -> float:
     return loss
 
 
+def make_jit_step(peak_lr: float, total: int, shards: int, *,
+                  taps: bool = True) -> Callable:
+    """The data-parallel step for plain jit (global arrays, GSPMD): the
+    gradient is the mean of each data shard's gradient, computed with a
+    vmap over the shards so that each shard's norm can be tapped where it
+    lives. ``taps=False``: the same step untapped (benchmarks)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pmaptap
+
+    def step_fn(params, x, y, step):
+        xs = x.reshape(shards, -1, x.shape[-1])
+        ys = y.reshape(shards, -1, y.shape[-1])
+        losses, grads = jax.vmap(jax.value_and_grad(loss_fn),
+                                 in_axes=(None, 0, 0))(params, xs, ys)
+        gnorms = jax.vmap(grad_norm)(grads)          # one per data shard
+        loss = jnp.mean(losses)
+        lr = schedule(step, peak_lr, total)
+        if taps:
+            h = jnp.tanh(x @ params["w1"] + params["b1"])
+            pmaptap.tap(loss, "loss", step=step, dedup="replicated")
+            pmaptap.tap(gnorms, "grad_norm", step=step, dedup="per_device")
+            pmaptap.tap(h, "act", step=step, dedup="per_device")
+        grads = jax.tree.map(lambda g: jnp.mean(g, 0), grads)
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+        return params, loss
+
+    return step_fn
+
+
+def train_jit(args: argparse.Namespace) -> float:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    n_local = jax.local_device_count()
+    first = jax.process_index() * n_local
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, P("data"))
+
+    def global_array(local, sharding):
+        return jax.make_array_from_process_local_data(sharding, local)
+
+    tapped = make_jit_step(args.lr, args.steps, jax.device_count())
+    quiet = make_jit_step(args.lr, args.steps, jax.device_count(), taps=False)
+    step_fn = jax.jit(tapped)
+    quiet_fn = jax.jit(quiet) if args.tap_every > 1 else step_fn
+    params = jax.tree.map(lambda a: global_array(a, replicated),
+                          init_params(args.seed, args.hidden))
+    loss = math.nan
+    with progress_bar(args) as bar:
+        for step in range(args.steps):
+            shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
+                      for k in range(n_local)]
+            x = global_array(np.concatenate([s[0] for s in shards]), sharded)
+            y = global_array(np.concatenate([s[1] for s in shards]), sharded)
+            fn = step_fn if step % args.tap_every == 0 else quiet_fn
+            params, out = fn(params, x, y, global_array(np.int32(step), replicated))
+            if step % args.log_every == 0 or step == args.steps - 1:
+                loss = float(np.asarray(out.addressable_data(0)))
+                report(bar, step, loss)
+            bar.update()
+    return loss
+
+
 # ---------------------------------------------------------------- main
 
 def progress_bar(args: argparse.Namespace):
@@ -297,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({jax.local_device_count()} local) steps={args.steps}")
     t0 = time.time()
     with pmaptap.Session(args.out, run=args.run, lock=args.lock) as session:
-        train = train_pmap if args.variant == "pmap" else train_shard_map
+        train = {"pmap": train_pmap, "shard_map": train_shard_map,
+                 "jit": train_jit}[args.variant]
         train(args)
     # Leaving the block closed the session on every process (a coordinated
     # close): the file now holds every process's records.

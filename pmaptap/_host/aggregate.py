@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap.tapfile.format import Record, new_record
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
@@ -31,6 +32,12 @@ class Copy:
     process: int
     leaves: list[np.ndarray]
     key: bytes                      # bitwise identity of the value
+    # Per-shard taps (Layout.SHARDS): the shard's partition, its global
+    # slice, the partitions holding the same slice, and per-shard summaries.
+    partition: int = -1
+    index: Any = None
+    slice_key: Any = None
+    summaries: tuple = ()
 
 
 @dataclasses.dataclass
@@ -163,12 +170,16 @@ class Aggregator:
         """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
         if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
+        if spec.transport.layout is Layout.SHARDS and spec.shards is not None:
+            return self._add_shard(spec, arrays)
         coords = arrays[0]
         step = int(arrays[1])
         layout, packing = spec.transport.layout, spec.transport.packing
         if packing:
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
-        if layout is Layout.COPY:
+        if layout in (Layout.COPY, Layout.SHARDS):
+            # SHARDS without a placement: the computation was not
+            # partitioned, one whole copy came (summarized on device).
             return self.add(spec, coords, step, arrays[2:])
         if layout is Layout.GATHERED:
             return self._add_gathered(spec, step, arrays[2:])
@@ -176,6 +187,85 @@ class Aggregator:
             return self._add_one_copy(spec, step, arrays[2:],
                                       verified=layout is Layout.VERIFIED)
         raise ValueError(f"unknown payload layout {layout!r}")
+
+    def _add_shard(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """One shard of a partitioned value: (partition, coords, step, *leaves)
+        with ``spec.shards`` telling where partition k lives."""
+        place, site = spec.shards, spec.site
+        k = int(np.asarray(arrays[0]).reshape(-1)[0])
+        step = int(arrays[2])
+        raw = list(arrays[3:])
+        device = place.devices[k]
+        if not site.explicit_step:
+            # Counted per device: each device runs every execution once, in order.
+            ckey = (site.name, site.pass_, device)
+            step = self._counters.get(ckey, 0)
+            self._counters[ckey] = step + 1
+            if step % site.every:
+                return []
+        leaves, summaries = shard_host.summarize_leaves(site, raw)
+        copy = Copy(spec, (k,), device, place.processes[k], leaves,
+                    value_key(leaves), partition=k, index=place.index_of(k, raw),
+                    slice_key=tuple(place.holders(k)), summaries=summaries)
+        out: list[Record] = []
+        gkey = (site.name, step, site.pass_)
+        group = self._groups.get(gkey)
+        if group is not None and any(cp.device == device for cp in group.copies):
+            out += self._resolve(gkey, self._groups.pop(gkey))
+            group = None
+        if group is None:
+            group = self._groups[gkey] = _Group(self.clock(), [])
+        group.copies.append(copy)
+        if len(group.copies) >= max(1, place.local_count):
+            out += self._resolve(gkey, self._groups.pop(gkey))
+        return out
+
+    def _resolve_shards(self, spec: TapSpec, step: int,
+                        copies: list[Copy]) -> list[Record]:
+        """Records of one step's shards on this process (see _host/shards.py)."""
+        place, dedup = spec.shards, spec.site.dedup
+        out: list[Record] = []
+        for holders, cps in shard_host.by_slice(copies).items():
+            if dedup == "per_device":
+                out += [self._shard_record(spec, step, cp) for cp in cps]
+                continue
+            by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()
+            for cp in cps:
+                by_value.setdefault(cp.key, []).append(cp)
+            if len(by_value) == 1:
+                cp = cps[0]
+                if dedup == "auto" and len(holders) == 1:
+                    out.append(self._shard_record(spec, step, cp))
+                    continue
+                # Every holder in the job, this process's ones compared; the
+                # other processes' copies are compared in the file (vhash).
+                out.append(self._replicated_record(
+                    spec, step, self._shard_value(spec, cp),
+                    tuple(place.devices[j] for j in holders),
+                    tuple(sorted({place.processes[j] for j in holders})), cp.key,
+                    index=cp.index))
+                continue
+            if dedup == "auto":
+                out += [self._shard_record(spec, step, cp) for cp in cps]
+                continue
+            for group in by_value.values():
+                extra = {"holders": [{"device": h.device, "process": h.process,
+                                      "coords": place.coords[h.partition]}
+                                     for h in group]}
+                out.append(self._replicated_record(
+                    spec, step, self._shard_value(spec, group[0]),
+                    tuple(h.device for h in group),
+                    tuple(sorted({h.process for h in group})), group[0].key,
+                    divergent=True, extra=extra, index=group[0].index))
+        return out
+
+    def _shard_value(self, spec: TapSpec, cp: Copy) -> tuple:
+        return encode_tree(spec.site.treedef, cp.leaves, cp.summaries)
+
+    def _shard_record(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+        return self._per_device_record(
+            spec, step, self._shard_value(spec, cp), cp.process, cp.device,
+            spec.shards.coords[cp.partition], self.clock(), index=cp.index)
 
     def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
         """A group payload: coords, one step per member, then every member's
@@ -289,6 +379,8 @@ class Aggregator:
         copies = sorted(group.copies, key=lambda cp: cp.coords)
         spec = copies[0].spec
         step = gkey[1]
+        if spec.shards is not None:
+            return self._resolve_shards(spec, step, copies)
         by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()
         for cp in copies:
             by_value.setdefault(cp.key, []).append(cp)
@@ -309,14 +401,14 @@ class Aggregator:
 
     def _per_device_record(self, spec: TapSpec, step: int, encoded: tuple,
                            process: int, device: int | None, coords: dict,
-                           now: float) -> Record:
+                           now: float, index: Any = None) -> Record:
         value, dtype, shape = encoded
         return new_record(
             run=self.run, name=spec.name, step=step, kind="per_device",
             value=value, dtype=dtype, shape=shape, process=process, time=now,
             host=self.host, device=device, coords=coords,
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries))
+            summarized=bool(spec.site.summaries), index=index)
 
     def _replicated_by_all(self, spec: TapSpec, step: int, t: _Table,
                            encoded: tuple, key: bytes, extra: dict | None = None
@@ -342,8 +434,8 @@ class Aggregator:
 
     def _replicated_record(self, spec: TapSpec, step: int, encoded: tuple,
                            devices: tuple, processes: tuple, key: bytes, *,
-                           divergent: bool = False, extra: dict | None = None
-                           ) -> Record:
+                           divergent: bool = False, extra: dict | None = None,
+                           index: Any = None) -> Record:
         value, dtype, shape = encoded
         return new_record(
             run=self.run, name=spec.name, step=step, kind="replicated",
@@ -351,5 +443,5 @@ class Aggregator:
             time=self.clock(), host=self.host, replicas=len(devices),
             devices=devices, processes=processes, divergent=divergent,
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries), extra=extra,
+            summarized=bool(spec.site.summaries), extra=extra, index=index,
             vhash=hashlib.blake2b(key, digest_size=8).hexdigest())

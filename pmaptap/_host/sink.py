@@ -33,7 +33,7 @@ from typing import Sequence
 import filelock
 
 from pmaptap.errors import LockBusy, TapError, TapPathError
-from pmaptap.tapfile.format import Record, encode_line
+from pmaptap.tapfile.format import Record, encode_line, index_text
 from pmaptap.tapfile.parse import line_problem
 from pmaptap._host.crossdedup import CrossProcessIndex
 
@@ -409,6 +409,8 @@ def format_console(r: Record) -> str:
         parts.extend(f"{k}={v}" for k, v in (r.coords or {}).items())
     elif r.kind == "replicated":
         parts.append(f"replicas={r.replicas}")
+    if r.index is not None:
+        parts.append(f"index=[{index_text(r.index, ', ')}]")
     if r.divergent:
         parts.append("DIVERGENT")
     if r.pass_ != "forward":

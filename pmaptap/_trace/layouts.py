@@ -48,6 +48,7 @@ from pmaptap._host.routing import deliver
 from pmaptap._trace import placement
 from pmaptap._trace.options import options
 from pmaptap._trace.primitive import emit_callback
+from pmaptap._trace.shardcall import shard_call
 from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
 
 
@@ -122,8 +123,20 @@ def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
         _flat_index(coords, spec.placement.axis_sizes)]
 
 
+def _shard_entry(spec: TapSpec, place, *arrays) -> None:
+    # XLA's callback thread, as _host_entry. ``place`` is None when the
+    # computation was not partitioned: the payload is then one whole copy
+    # (the aggregator treats it as Layout.COPY).
+    deliver(spec if place is None else place.spec_for(spec), arrays)
+
+
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     layout = spec.transport.layout
+    if layout is Layout.SHARDS:
+        shard_call(functools.partial(_shard_entry, spec), coords, step, *leaves,
+                   summarize=tuple(bool(s) for s in spec.site.summaries),
+                   batch_dims=spec.site.batch_dims)
+        return
     if layout is Layout.COPY:
         send_payload(spec, coords, step, *leaves)
         return

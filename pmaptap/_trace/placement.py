@@ -174,3 +174,113 @@ def current(leaves) -> tuple[Placement, tuple[Any, ...]]:
         local_copies=local_copy_count(sizes, procs),
         eager_device=None if names else eager_device(leaves),
     ), names
+
+
+# ---------------------------------------------------------------- shards
+# Per-shard taps under plain jit (GSPMD / explicit axes) are lowered by
+# _trace/shardcall.py; what that lowering needs from JAX's internals is here:
+# the computation's device assignment and abstract mesh (from the lowering
+# context), the compile-time sharding of an operand (JAX's "InspectSharding"
+# custom call, as jax.debug.inspect_array_sharding uses), and an operand
+# that gives each device its own partition number.
+
+def shard_context(ctx) -> tuple[tuple, tuple | None, tuple | None] | None:
+    """(devices, mesh axis names, mesh axis sizes) of an automatically
+    partitioned computation over more than one device, or None (single
+    device, inside shard_map/pmap, or no partitioning at all). The mesh is
+    None when JAX lowers without one (then records carry no coordinates)."""
+    from jax._src import sharding_impls
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, sharding_impls.ShardingContext):
+        return None
+    devices = axis_context.device_assignment
+    if devices is None or len(devices) < 2:
+        return None
+    am = axis_context.abstract_mesh
+    if am is None or am.empty or int(np.prod(am.axis_sizes)) != len(devices):
+        return tuple(devices), None, None
+    # JAX's own reading of the device assignment against the mesh (as in
+    # inspect_array_sharding's lowering): row-major over the mesh axes.
+    return tuple(devices), tuple(am.axis_names), tuple(int(s) for s in am.axis_sizes)
+
+
+def inspect_operand_sharding(ctx, value, devices: tuple, callback) -> None:
+    """Ask XLA for ``value``'s sharding once the SPMD partitioner has chosen
+    it: ``callback(sharding)`` runs at compile time with a ``Sharding`` over
+    ``devices`` (never at run time; not at all when the executable comes
+    from a compilation cache)."""
+    from jax._src import sharding_impls
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo
+
+    def on_hlo_sharding(hlo_sharding) -> None:
+        callback(sharding_impls.GSPMDSharding(devices, hlo_sharding))
+
+    key = xc.encode_inspect_sharding_callback(on_hlo_sharding)
+    ctx.module_context.add_keepalive(on_hlo_sharding)
+    hlo.CustomCallOp([value.type], [value],
+                     call_target_name=ir.StringAttr.get("InspectSharding"),
+                     has_side_effect=ir.BoolAttr.get(True),
+                     api_version=mlir.i32_attr(1),
+                     called_computations=ir.ArrayAttr.get([]),
+                     backend_config=ir.StringAttr.get(key),
+                     operand_layouts=None, result_layouts=None)
+
+
+def partition_ids(ctx, devices: tuple):
+    """An ``iota(len(devices))`` operand tiled over every device of the
+    computation: a partitioned callback's shard of it is ``[k]`` on
+    ``devices[k]``. This is how each callback learns its device exactly
+    (XLA's partition-id cannot be used outside manual regions). Returns
+    (ir value, its aval)."""
+    import jax.numpy as jnp
+    from jax._src import config, core
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir.dialects import hlo
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
+    (ty,) = mlir.aval_to_ir_types(ctx.module_context, aval)
+    iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
+    sharding = NamedSharding(Mesh(np.array(devices), ("_pmaptap_partition",)),
+                             PartitionSpec("_pmaptap_partition"))
+    if config.use_shardy_partitioner.value:
+        proto = sharding._to_sdy_sharding(1)
+    else:
+        proto = sharding._to_xla_hlo_sharding(1).to_proto()
+    return mlir.wrap_with_sharding_op(ctx, iota, aval, proto), aval
+
+
+def check_shard_internals() -> None:
+    """Raise if a JAX upgrade moved what the per-shard lowering reads (run by
+    tests/test_sharded_jit.py, so it fails there, loudly)."""
+    from jax._src import callback, config, dispatch, sharding_impls
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir.dialects import hlo
+    import inspect
+    missing = []
+    for owner, name in ((sharding_impls, "ShardingContext"),
+                        (sharding_impls, "GSPMDSharding"),
+                        (xc, "encode_inspect_sharding_callback"),
+                        (mlir, "wrap_with_sharding_op"),
+                        (mlir, "aval_to_ir_types"),
+                        (hlo, "IotaOp"), (hlo, "CustomCallOp"),
+                        (callback, "emit_python_callback"),
+                        (dispatch, "prim_requires_devices_during_lowering"),
+                        (config, "use_shardy_partitioner")):
+        if not hasattr(owner, name):
+            missing.append(f"{owner.__name__}.{name}")
+    ctx_fields = inspect.signature(sharding_impls.ShardingContext).parameters
+    for f in ("device_assignment", "abstract_mesh"):
+        if f not in ctx_fields:
+            missing.append(f"ShardingContext.{f}")
+    params = inspect.signature(callback.emit_python_callback).parameters
+    if "partitioned" not in params:
+        missing.append("emit_python_callback(partitioned=)")
+    if missing:
+        raise RuntimeError("pmaptap's per-shard taps rely on JAX internals that "
+                           "this JAX does not have: " + ", ".join(missing))

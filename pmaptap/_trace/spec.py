@@ -34,6 +34,9 @@ class Layout(enum.Enum):
     GATHERED = "gathered"          # all copies stacked on axis 0, one callback per process
     VERIFIED = "verified"          # one copy; all copies' hashes compared on device
     VERIFIED_OFF = "verified_off"  # the leader's copy, unverified
+    # One callback per shard of a partitioned value under plain jit (see
+    # shardcall.py); summaries, if any, made on the host per shard.
+    SHARDS = "shards"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,9 @@ class TapSpec:
     # the raw callback payload instead of the session pipeline. It runs on
     # XLA's callback thread, so it must only hand the payload over.
     consumer: Any = None
+    # Layout.SHARDS on the host side: the ShardPlacement (_trace/shards.py) of
+    # the lowering a payload came from; None at trace time.
+    shards: Any = None
 
     @property
     def name(self) -> str:

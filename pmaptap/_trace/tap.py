@@ -13,7 +13,7 @@ from pmaptap._trace import placement
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.options import options
 from pmaptap.tapfile.format import COUNT_BASE
-from pmaptap._trace.spec import DEDUP_MODES, TapSite, TapSpec
+from pmaptap._trace.spec import DEDUP_MODES, Layout, TapSite, TapSpec
 from pmaptap._trace.untapped import taps_off
 
 T = TypeVar("T")
@@ -124,10 +124,11 @@ def device_statistics(x: jax.Array) -> jax.Array:
     return jnp.stack(stats)
 
 
-def _statistics_of_big_leaves(leaves: list) -> tuple[list, tuple]:
+def _statistics_of_big_leaves(leaves: list, compute: bool = True) -> tuple[list, tuple]:
     """Replace every leaf above options().max_value_bytes by its statistics
     (decided at trace time, so the big array never leaves the device).
-    Returns (leaves to send, TapSpec.summaries)."""
+    Returns (leaves to send, TapSpec.summaries). ``compute=False`` only
+    marks them (per-shard taps: the lowering decides, see shardcall.py)."""
     limit = options().max_value_bytes
     if limit is None:
         return leaves, ()
@@ -135,7 +136,7 @@ def _statistics_of_big_leaves(leaves: list) -> tuple[list, tuple]:
     for x in leaves:
         dtype = jnp.dtype(x.dtype)
         if int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize > limit:
-            out.append(device_statistics(jnp.asarray(x)))
+            out.append(device_statistics(jnp.asarray(x)) if compute else x)
             summaries.append((dtype.name, tuple(int(d) for d in np.shape(x))))
         else:
             out.append(x)
@@ -143,6 +144,16 @@ def _statistics_of_big_leaves(leaves: list) -> tuple[list, tuple]:
     return out, (tuple(summaries) if any(summaries) else ())
 
 
+
+
+def shards_possible(leaves) -> bool:
+    """Whether this tap may see a partitioned value: traced under plain jit
+    (no mapped axes) with at least one array leaf. Scalars only (a loss) keep
+    the single whole-value callback: they are replicated, never sharded."""
+    if placement.mapped_axes()[0]:
+        return False
+    return any(isinstance(x, jax.core.Tracer) for x in leaves) and \
+        any(np.ndim(x) > 0 for x in leaves)
 
 
 def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
@@ -157,13 +168,19 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
     leaves = [as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
     if taps_off():
         return  # pmaptap.untapped: checked, then removed
+    per_shard = consumer is None and shards_possible(leaves)
     # host_callback consumers were promised the whole value: never summarized.
-    sent, summaries = _statistics_of_big_leaves(leaves) if consumer is None else (leaves, ())
+    # Per-shard taps only mark big leaves: a summary of a partitioned value
+    # would need an all-reduce, so their lowering decides (shardcall.py).
+    sent, summaries = (_statistics_of_big_leaves(leaves, compute=not per_shard)
+                       if consumer is None else (leaves, ()))
     where, raw_names = placement.current(leaves)
     site = TapSite(name=name, dedup=dedup, every=int(every), treedef=treedef,
                    explicit_step=step is not None, pass_=pass_,
                    summaries=summaries)
     spec = TapSpec(site=site, placement=where, consumer=consumer)
+    if per_shard:
+        spec = spec.with_transport(layout=Layout.SHARDS)
     leaves = sent
     coords = axis_coords(raw_names)
     if traced_step is not None:

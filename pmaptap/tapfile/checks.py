@@ -7,7 +7,7 @@ prevented, or a file concatenated twice):
 - replicated: the same (run, name, step, pass) with the same ``vhash`` (or the
   same value where there is no hash) twice. The same key with *different*
   hashes is a cross-process divergence, which is data, not a duplicate.
-- per_device: the same (run, name, step, pass, device, coords) twice.
+- per_device: the same (run, name, step, pass, index, device, coords) twice.
 """
 from __future__ import annotations
 
@@ -138,7 +138,9 @@ def _canonical(x: Any) -> str:
 
 
 def duplicate_key(r: dict) -> tuple | None:
-    base = (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+    # Shards of one value (``index``) are different values, never duplicates.
+    base = (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"),
+            _canonical(r.get("index")))
     kind = r.get("kind")
     if kind == "replicated":
         return ("replicated", *base, r.get("vhash") or _canonical(r.get("value")))
@@ -221,7 +223,7 @@ def validate_file(path: str | os.PathLike) -> Report:
                                 f"{entries[j].line} ({what})"))
     report.problems.sort()
     report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
-    report.divergent_keys = len({duplicate_key(e.rec)[1:5] for e in entries
+    report.divergent_keys = len({duplicate_key(e.rec)[1:6] for e in entries
                                  if e.rec.get("divergent") and
                                  e.rec.get("kind") == "replicated"})
     return report

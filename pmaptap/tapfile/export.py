@@ -16,12 +16,13 @@ import csv
 import json
 from typing import IO, Any, Sequence
 
-from pmaptap.tapfile.format import NONFINITE
+from pmaptap.tapfile.format import NONFINITE, index_text
 from pmaptap.tapfile.views import Entry
 
 _MARKERS = NONFINITE
 FIXED = ("line", "run", "name", "step", "pass", "kind", "process", "device",
-         "devices", "replicas", "divergent", "dtype", "shape", "time", "host")
+         "devices", "replicas", "divergent", "index", "dtype", "shape", "time",
+         "host")
 
 
 def _leaf(raw: Any) -> Any:
@@ -63,6 +64,8 @@ def csv_row(e: Entry) -> dict[str, Any]:
         "devices": _text(r["devices"]) if "devices" in r else None,
         "replicas": r.get("replicas"),
         "divergent": bool(e.rec.get("divergent")),
+        # A shard's global slice, "start:stop" per dimension ("" if whole).
+        "index": index_text(r.get("index")),
         "dtype": _text(r["dtype"]), "shape": _text(r["shape"]),
         "time": r["time"], "host": r["host"],
     }

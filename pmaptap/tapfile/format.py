@@ -51,6 +51,9 @@ class Record:
     extra: dict | None = None     # meta records: counters etc.
     vhash: str | None = None      # replicated: hash of the value's bits
     summarized: bool = False      # a leaf's value is statistics (SUMMARY_FIELDS)
+    # A shard of a sharded value under jit: its global slice, [start, stop]
+    # per dimension (a list of those per leaf for a pytree); None otherwise.
+    index: list | None = None
 
     def to_json_dict(self) -> dict:
         d: dict[str, Any] = {
@@ -70,6 +73,8 @@ class Record:
                 d["processes"] = list(self.processes)
             if self.vhash:
                 d["vhash"] = self.vhash
+        if self.index is not None:
+            d["index"] = self.index
         if self.divergent:
             d["divergent"] = True
         if self.batch_dims:
@@ -112,8 +117,39 @@ def new_record(**fields: Any) -> Record:
 def record_key(d: dict) -> tuple:
     """The identity of a value in a tap file: replicated records with the same
     key hold the same value (or are divergent); per-device records add the
-    device. One definition for the writer's cross-process dedup and readers."""
-    return (d.get("run"), d.get("name"), d.get("step"), d.get("pass", "forward"))
+    device. One definition for the writer's cross-process dedup and readers.
+    Shards of one value are different values: their ``index`` is part of it."""
+    return (d.get("run"), d.get("name"), d.get("step"), d.get("pass", "forward"),
+            index_key(d.get("index")))
+
+
+def index_key(index: Any) -> Any:
+    """A hashable form of a record's ``index`` (None when it has none)."""
+    if isinstance(index, (list, tuple)):
+        return tuple(index_key(i) for i in index)
+    return index
+
+
+def _is_pair(p: Any) -> bool:
+    return (isinstance(p, (list, tuple)) and len(p) == 2 and
+            all(isinstance(v, int) and not isinstance(v, bool) for v in p))
+
+
+def index_text(index: Any, sep: str = ",") -> str:
+    """``[[4, 6], [0, 8]]`` -> ``4:6,0:8`` (one ``start:stop`` per dimension;
+    a pytree's leaves each in brackets); "" when there is none."""
+    if not index:
+        return ""
+    if all(_is_pair(p) for p in index):
+        return sep.join(f"{a}:{b}" for a, b in index)
+    return sep.join("[" + index_text(i, sep) + "]" for i in index)
+
+
+def valid_index(index: Any, depth: int = 0) -> bool:
+    """[[start, stop], ...], or a list of those (one per pytree leaf)."""
+    if not isinstance(index, list) or depth > 1:
+        return False
+    return all(_is_pair(p) or (depth == 0 and valid_index(p, 1)) for p in index)
 
 
 # A leaf above options().max_value_bytes travels as float32[8] statistics
@@ -238,6 +274,8 @@ def validate_dict(d: Any) -> str | None:
             return "coords must be an object"
     if d["kind"] == "replicated" and "replicas" not in d:
         return "replicated record without replicas"
+    if "index" in d and not valid_index(d["index"]):
+        return "index must be [[start, stop], ...] (a list of those per leaf)"
     return None
 
 

@@ -10,7 +10,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.reader import iter_lines, reconcile_divergence
-from pmaptap.tapfile.format import decode_record
+from pmaptap.tapfile.format import decode_record, index_text
 
 
 @dataclasses.dataclass
@@ -173,10 +173,15 @@ def device_text(r: dict) -> str:
 
 
 def coords_text(r: dict) -> str:
+    """Mesh coordinates, then a shard's global slice in brackets
+    (``data=2,model=1[4:6,4:8]``)."""
     coords = r.get("coords")
-    if not coords or not isinstance(coords, dict):
-        return ""
-    return ",".join(f"{k}={v}" for k, v in coords.items())
+    text = ""
+    if coords and isinstance(coords, dict):
+        text = ",".join(f"{k}={v}" for k, v in coords.items())
+    if isinstance(r.get("index"), list):
+        text += f"[{index_text(r['index'])}]"
+    return text
 
 
 def flags_text(r: dict) -> str:

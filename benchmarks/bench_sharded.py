@@ -1,0 +1,116 @@
+"""Per-shard taps of sharded values under plain jit (issue 13), 8 devices on a
+4x2 mesh: one tap of a sharded activation against a payload-equal raw
+``jax.debug.callback(partitioned=True)`` (one call per shard, no gather
+either), and the step of ``launch/train.py --variant jit`` with its taps
+against the same step untapped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "launch")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+from benchmarks.common import interleaved, machine, ratio, set_devices, table  # noqa: E402
+
+DEVICES = 8
+ROWS, COLS = 64, 128          # float32 activation: 4 KiB per shard on 4x2
+
+
+def run(quick: bool = False) -> list[tuple]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pmaptap
+    import train
+
+    rounds, steps = (3, 5) if quick else (15, 40)
+    tmp = tempfile.mkdtemp(prefix="pmaptap-bench-")
+    session = pmaptap.Session(os.path.join(tmp, "bench.jsonl"), run="bench").open()
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    x = jax.device_put(jnp.linspace(0.0, 1.0, ROWS * COLS, dtype=jnp.float32)
+                       .reshape(ROWS, COLS), NamedSharding(mesh, P("data", "model")))
+
+    def noop(*_):
+        return None
+
+    def make(kind):
+        @jax.jit
+        def step(v):
+            y = jnp.tanh(v) * 1.0001
+            if kind == "raw":
+                jax.debug.callback(noop, y, partitioned=True)
+            elif kind == "tap":
+                pmaptap.tap(y, "act", dedup="per_device")
+            return y
+        return step
+
+    def arm(fn, flush):
+        def go():
+            y = None
+            for _ in range(steps):
+                y = fn(x)
+            y.block_until_ready()
+            if flush:
+                session.flush()
+            else:
+                jax.effects_barrier()
+        return go
+
+    tap_med = interleaved({k: arm(make(k), flush=k == "tap")
+                           for k in ("base", "raw", "tap")}, rounds=rounds, steps=steps)
+
+    # The --variant jit training step: 1-D "data" mesh, params replicated.
+    dmesh = Mesh(np.array(jax.devices()), ("data",))
+    rep, shd = NamedSharding(dmesh, P()), NamedSharding(dmesh, P("data"))
+    params = jax.device_put(train.init_params(0), rep)
+    xs, ys = zip(*(train.make_batch(0, 0, k, 8) for k in range(DEVICES)))
+    bx = jax.device_put(np.concatenate(xs), shd)
+    by = jax.device_put(np.concatenate(ys), shd)
+    fns = {name: jax.jit(train.make_jit_step(0.05, 1000, DEVICES, taps=name == "tapped"))
+           for name in ("untapped", "tapped")}
+
+    def train_arm(name):
+        def go():
+            p, loss = params, None
+            for i in range(steps):
+                p, loss = fns[name](p, bx, by, jnp.int32(i))
+            loss.block_until_ready()
+            if name == "tapped":
+                session.flush()
+        return go
+
+    train_med = interleaved({k: train_arm(k) for k in fns}, rounds=rounds, steps=steps)
+    session.close()
+
+    t = tap_med
+    rows = [
+        ("i. per-shard tap under jit", "raw partitioned callback",
+         f"{t['tap']*1e3:.3f}", f"{t['raw']*1e3:.3f}",
+         f"{ratio(t, 'tap', 'raw', 'base'):.2f}x",
+         f"8 shards of {ROWS // 4}x{COLS // 2} f32, per_device records"),
+        ("i. --variant jit step, tapped", "same step untapped",
+         f"{train_med['tapped']*1e3:.3f}", f"{train_med['untapped']*1e3:.3f}",
+         f"{train_med['tapped'] / train_med['untapped']:.2f}x step time",
+         "loss + 8 grad norms + 8 activation shards"),
+    ]
+    print(f"jit over {DEVICES} devices (4x2 mesh); no-callback step "
+          f"{t['base']*1e3:.3f} ms; {machine()}")
+    print(table(rows, ("arm", "against", "arm ms/step", "raw ms/step",
+                       "ratio", "note")))
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
+    args = ap.parse_args()
+    set_devices(DEVICES)
+    run(quick=args.quick)

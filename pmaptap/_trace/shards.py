@@ -1,0 +1,99 @@
+"""Where each shard of a tapped value lives: one ``ShardPlacement`` per
+lowering of a per-shard tap (see shardcall.py), read by the aggregator.
+
+Identity is exact by construction. Every callback carries its partition
+number ``k`` (see placement.partition_ids), so its device is
+``devices[k]`` of the computation's device assignment: no value comparison,
+no guess, even for replicated slices. The global slice a device holds comes
+from the sharding XLA chose for the operand, reported at compile time
+(placement.inspect_operand_sharding); a shard whose shape does not match
+that slice, or an executable whose sharding was never reported (loaded from
+a compilation cache), gets ``index`` None: exact or null.
+
+Pure Python: the aggregator thread reads it, JAX is not called there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+Index = tuple[tuple[int, int], ...]      # (start, stop) per dimension
+
+
+@dataclasses.dataclass(eq=False)
+class ShardPlacement:
+    devices: tuple[int, ...]             # device id of partition k
+    processes: tuple[int, ...]           # process index of partition k
+    axis_names: tuple[str, ...]          # mesh axes ((): no mesh known)
+    axis_sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]  # global shape of each tapped leaf
+    me: int                              # this process
+    # Per leaf: partition k -> its global slice, filled at compile time.
+    slices: list[tuple[Index, ...] | None] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.slices = [None] * len(self.shapes)
+        self.local_count = sum(1 for p in self.processes if p == self.me)
+        self._lock = threading.Lock()
+        self._specs: dict[int, Any] = {}
+        if self.axis_names:
+            self.coords = [dict(zip(self.axis_names,
+                                    (int(c) for c in np.unravel_index(k, self.axis_sizes))))
+                           for k in range(len(self.devices))]
+        else:
+            self.coords = [{} for _ in self.devices]
+
+    # -------------------------------------------------- compile time
+    def set_sharding(self, leaf: int, sharding: Any) -> None:
+        """Record the sharding XLA chose for leaf ``leaf`` (a jax Sharding over
+        ``devices``). Called from XLA's partitioner, so it never raises."""
+        try:
+            shape = self.shapes[leaf]
+            by_device = {d.id: idx for d, idx in
+                         sharding.devices_indices_map(shape).items()}
+            out = []
+            for dev in self.devices:
+                idx = by_device[dev]
+                out.append(tuple(
+                    (0 if s.start is None else int(s.start),
+                     n if s.stop is None else int(s.stop))
+                    for s, n in zip(idx, shape)))
+            self.slices[leaf] = tuple(out)
+        except Exception:  # noqa: BLE001 - unknown stays unknown (null)
+            self.slices[leaf] = None
+
+    # -------------------------------------------------- host side
+    def spec_for(self, spec: Any) -> Any:
+        """``spec`` bound to this placement (cached: one per tap site)."""
+        s = self._specs.get(spec.site.tap_id)
+        if s is None or s.site is not spec.site:
+            with self._lock:
+                s = dataclasses.replace(spec, shards=self)
+                self._specs[spec.site.tap_id] = s
+        return s
+
+    def index_of(self, k: int, leaves: list[np.ndarray]) -> list | None:
+        """The record's ``index`` for partition ``k``: [[start, stop], ...]
+        for one leaf, a list of those for several; None when any leaf's slice
+        is unknown or does not match the shard that arrived."""
+        out = []
+        for leaf, a in zip(self.slices, leaves):
+            if leaf is None:
+                return None
+            idx = leaf[k]
+            if tuple(b - s for s, b in idx) != tuple(np.shape(a)):
+                return None
+            out.append([[s, b] for s, b in idx])
+        return out[0] if len(out) == 1 else out
+
+    def holders(self, k: int) -> list[int]:
+        """Partitions holding the same slices as ``k`` (``k`` included; every
+        process's), in partition order; ``[k]`` when slices are unknown."""
+        if any(s is None for s in self.slices):
+            return [k]
+        mine = tuple(s[k] for s in self.slices)
+        return [j for j in range(len(self.devices))
+                if tuple(s[j] for s in self.slices) == mine]
