@@ -23,6 +23,7 @@ def test_all_benchmarks_run_in_quick_mode():
                   "floor: 1 raw callback from 1 device",
                   "e. writer, 1 process", "e. writer, 8 processes, one file",
                   "h. RSS", "added ms per step",
-                  "i. per-shard tap under jit", "i. --variant jit step, tapped"):
+                  "i. per-shard tap under jit", "i. --variant jit step, tapped",
+                  "j. id_tap (tied, program order)", "j. id_tap, callback without the tie"):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]   # a ratio printed

@@ -222,14 +222,14 @@ def test_vmap_transforms():
     x = jnp.arange(6.0).reshape(2, 3)
     jax.vmap(lambda v: hcb.id_tap(host, v))(x)
     jax.vmap(jax.vmap(lambda v: hcb.id_tap(host, (v, 2 * v))))(x)
-    # An unbatched leaf arrives broadcast, so its batch dim is 0 as well.
+    # An unbatched leaf arrives unchanged, with batch dim None (old module).
     jax.vmap(lambda v: hcb.id_tap(host, (v, jnp.float32(1))))(x[0])
     hcb.barrier_wait()
     one = ("batch", {"batch_dims": (0,)})
     two = ("batch", {"batch_dims": (0, 0)})
     assert got == [((2, 3), (one,)),
                    ((((2, 3)), (2, 3)), (two, two)),
-                   (((3,), (3,)), (two,))]
+                   (((3,), ()), (("batch", {"batch_dims": (0, None)}),))]
 
 
 def test_call_under_vmap_runs_once_per_element():
@@ -377,14 +377,15 @@ def test_call_pytree_result_and_python_scalar_shape():
 
 def test_id_tap_result_is_returned_and_not_sent(monkeypatch):
     got, sent = [], []
-    from pmaptap._host import routing
+    consumer = hcb._TapConsumer
+    original = consumer.__call__
 
-    def recording(spec, arrays):
-        sent.append([np.shape(a) for a in arrays[2:]])
-        routing.deliver(spec, arrays)
+    def recording(self, batch_dims, coords, *arrays):
+        sent.append([np.shape(a) for a in arrays])
+        original(self, batch_dims, coords, *arrays)
 
-    # layouts.py imported deliver by name; record payloads at that entry point.
-    monkeypatch.setattr("pmaptap._trace.layouts.deliver", recording)
+    # Every id_tap payload, eager or compiled, enters the host here.
+    monkeypatch.setattr(consumer, "__call__", recording)
     x = jnp.arange(3.0)
     res = {"r": jnp.ones(7)}
     assert hcb.id_tap(lambda a, t: got.append(a), x, result=res) is res

@@ -76,17 +76,19 @@ def emit_call(host_fn: Callable[..., Sequence], coords: jax.Array,
     batches under ``vmap`` as one host call per element, which is what a
     host function written for one unbatched argument expects.
 
-    Why ``custom_jvp``: JAX cannot differentiate a host function. The rule
-    runs only when a non-zero tangent reaches the call, and replaces JAX's
-    generic refusal with one that says what to do.
+    Why a ``custom_jvp`` identity on the arguments: JAX cannot differentiate
+    a host function. Its rule runs only when a non-zero tangent reaches the
+    call, and replaces JAX's generic refusal with one that says what to do.
+    The callback itself stays outside the ``custom_jvp``: JAX's jaxpr checker
+    (``jax_enable_checks``) refuses an ``io_callback`` effect inside one.
     """
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in result_avals)
 
     @jax.custom_jvp
-    def call_fn(coords, *leaves):
-        return io_callback(host_fn, avals, coords, *leaves, ordered=False)
+    def guard(*leaves):
+        return leaves
 
-    @call_fn.defjvp
+    @guard.defjvp
     def _no_derivative(primals, tangents):
         raise NotImplementedError(
             f"{what}: cannot differentiate through a host call, JAX cannot see "
@@ -95,4 +97,5 @@ def emit_call(host_fn: Callable[..., Sequence], coords: jax.Array,
             "a derivative with jax.custom_vjp (e.g. a second host call that "
             "computes the VJP on the host).")
 
-    return list(call_fn(coords, *leaves))
+    leaves = guard(*leaves) if leaves else ()
+    return list(io_callback(host_fn, avals, coords, *leaves, ordered=False))

@@ -38,8 +38,10 @@ from pmaptap._trace.emit import axis_coords, emit_call
 from pmaptap.host_callback.executor import (_Devices, _executor, _format, _name_of,
                                            _on_executor_thread)
 from pmaptap._trace import placement
-from pmaptap._trace.spec import Placement, TapSpec
-from pmaptap._trace.tap import as_leaf, send
+from pmaptap._trace.spec import Placement
+from pmaptap._trace.tap import as_leaf
+from pmaptap._trace.untapped import taps_off
+from pmaptap.host_callback._linked import linked_tap, tie
 from pmaptap.errors import CallbackException
 
 T = TypeVar("T")
@@ -67,11 +69,25 @@ def barrier_wait(logging_name: str | None = None) -> None:
     ex.wait(ex.ticket())
     errors = ex.take_errors()
     if errors:
-        where = f" (barrier {logging_name!r})" if logging_name else ""
-        more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
-        raise CallbackException(
-            f"There were exceptions during callback processing{where}. First "
-            f"one{more}:\n{_format(errors[0])}", tuple(errors)) from errors[0]
+        raise _callback_exception(errors, logging_name) from errors[0][0]
+
+
+def _callback_exception(errors: list[tuple[BaseException, str]],
+                        logging_name: str | None) -> CallbackException:
+    """The old module's message ("... Last one was: ...") naming the tap
+    function that raised last; the first error (``__cause__``/``original``)
+    is shown in full when there were several."""
+    where = f" (barrier {logging_name!r})" if logging_name else ""
+    last, last_name = errors[-1]
+    first, first_name = errors[0]
+    msg = (f"There were exceptions during callback processing{where}. Last one "
+           f"was: {last_name}: {type(last).__name__}: {last}")
+    if len(errors) > 1:
+        msg += (f"\nFirst one (of {len(errors)}: it and {len(errors) - 1} more), "
+                f"in {first_name}:\n{_format(first)}")
+    else:
+        msg += "\n" + _format(first)
+    return CallbackException(msg, tuple(e for e, _ in errors))
 
 
 def stop_outfeed_receiver() -> None:
@@ -85,36 +101,55 @@ def stop_outfeed_receiver() -> None:
 
 # --------------------------------------------------------------- id_tap
 class _TapConsumer:
-    """``TapSpec.consumer`` for id_tap. Identity-compared, so specs compare
-    cheaply and user tap functions need not be hashable."""
+    """The host function of one traced ``id_tap``: runs on XLA's callback
+    thread (or the caller's, eagerly), so it only queues the work."""
 
     def __init__(self, tap_func: Callable, with_device: bool,
-                 devices: _Devices) -> None:
+                 devices: _Devices, where: Placement, treedef: Any) -> None:
         self.tap_func = tap_func
         self.with_device = with_device
         self.devices = devices
+        self.where = where
+        self.treedef = treedef
 
-    def __call__(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
-        # XLA's callback thread: queue and return.
-        _executor().submit(functools.partial(self._run, spec, arrays))
+    def __call__(self, batch_dims: tuple, coords: Any, *arrays: Any) -> None:
+        _executor().submit(functools.partial(self._run, batch_dims, coords, arrays))
 
-    def _run(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
+    def _run(self, batch_dims: tuple, coords: Any, arrays: tuple) -> None:
         try:
-            coords = np.asarray(arrays[0])
-            leaves = [np.asarray(a) for a in arrays[2:]]
-            arg = jax.tree_util.tree_unflatten(spec.site.treedef, leaves)
-            # The emitter hands over the whole batch with every vmapped axis
-            # leading (unbatched leaves broadcast), so each vmap level is axis
-            # 0 of every leaf, in the old ("batch", {"batch_dims": ...}) form.
-            transforms = tuple(("batch", {"batch_dims": (0,) * len(leaves)})
-                               for _ in range(spec.site.batch_dims))
+            arg = jax.tree_util.tree_unflatten(self.treedef, list(arrays))
+            transforms = tuple(("batch", {"batch_dims": dims}) for dims in batch_dims)
             if self.with_device:
                 self.tap_func(arg, transforms,
-                              device=self.devices.resolve(spec.placement, coords))
+                              device=self.devices.resolve(self.where, coords))
             else:
                 self.tap_func(arg, transforms)
         except BaseException as e:  # noqa: BLE001 - reported by barrier_wait
-            _executor().record_error(e)
+            _executor().record_error(e, _name_of(self.tap_func))
+
+
+# Keyword arguments that old code passes to id_tap but that id_tap does not
+# take (any more): each with what to write instead.
+_REMOVED_TAP_KWARGS = {
+    "what": "it is an id_print argument: use hcb.id_print(x, what=...), or "
+            "functools.partial(tap_func, what=...) to pass it to your function",
+    "output_stream": "it is an id_print argument: use hcb.id_print(x, "
+                     "output_stream=...)",
+    "threshold": "it is an id_print argument: use hcb.id_print(x, threshold=...)",
+    "callback_flavor": "pmaptap has one implementation; delete the argument",
+    "result_shape": "id_tap returns its argument; to get a value back from "
+                    "the host use hcb.call(f, x, result_shape=...)",
+}
+
+
+def _removed_kwargs_error(kwargs: dict) -> TypeError:
+    name = sorted(kwargs)[0]
+    why = _REMOVED_TAP_KWARGS.get(
+        name, f"keyword arguments are no longer passed to the tap function: use "
+              f"functools.partial(tap_func, {name}=...) or a closure")
+    more = f" (also: {', '.join(sorted(kwargs)[1:])})" if len(kwargs) > 1 else ""
+    return TypeError(f"pmaptap.host_callback.id_tap got the removed keyword "
+                     f"argument {name!r}{more}: {why}.")
 
 
 def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
@@ -123,8 +158,11 @@ def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
     """Identity on ``arg`` (or returns ``result``) that calls
     ``tap_func(arg, transforms)`` on the host with ``arg`` as NumPy arrays.
 
-    ``transforms`` is ``()`` under plain jit and one
-    ``("batch", {"batch_dims": (0, ...)})`` per enclosing ``vmap``.
+    The returned value depends on the host call, so whatever uses it runs
+    after ``tap_func`` was dispatched: taps follow the program's data flow
+    (in loops and conds too). ``transforms`` is ``()`` under plain jit and one
+    ``("batch", {"batch_dims": (0 or None, ...)})`` per enclosing ``vmap``,
+    innermost first (``None``: that leaf was not batched and arrives as is).
     ``tap_with_device=True`` adds ``device=`` (the jax Device the value lived
     on; under pmap/shard_map the tap runs once per device). ``result`` is
     returned instead of ``arg`` and is not sent. ``tap_with_transform`` is
@@ -134,17 +172,30 @@ def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
     """
     del tap_with_transform  # the second positional argument is always passed
     if kwargs:
-        raise TypeError(
-            "pmaptap.host_callback.id_tap: unexpected keyword argument(s) "
-            f"{sorted(kwargs)}. As in the old module, pre-apply keyword "
-            "arguments with functools.partial(tap_func, **kwargs) or a closure.")
-    _check_callable(tap_func, "pmaptap.host_callback.id_tap", "tap_func")
+        raise _removed_kwargs_error(kwargs)
     fn = "pmaptap.host_callback.id_tap"
+    _check_callable(tap_func, fn, "tap_func")
     devices = _Devices(device_index, fn)
+    name = _name_of(tap_func)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+    leaves = [as_leaf(p, x, name, fn) for p, x in path_leaves]
+    out = arg if result is None else result
+    if taps_off():
+        return out  # pmaptap.untapped: checked, then removed
     _executor()  # start the thread here, not on XLA's callback thread
-    send(arg, _name_of(tap_func), fn=fn,
-         consumer=_TapConsumer(tap_func, bool(tap_with_device), devices))
-    return arg if result is None else result
+    where, raw_names = placement.current(leaves)
+    consumer = _TapConsumer(tap_func, bool(tap_with_device), devices, where, treedef)
+    traced = any(isinstance(x, jax.core.Tracer) for x in
+                 leaves + jax.tree_util.tree_leaves(out))
+    if not traced:
+        # Eager: the call happens now, on this thread, so the order is the
+        # program's without any tie, and ``out`` is returned as it is.
+        consumer((), np.zeros((0,), np.int32), *[np.asarray(x) for x in leaves])
+        return out
+    # Taps see primal values: no tangent reaches the host.
+    token = linked_tap(consumer, axis_coords(raw_names),
+                       [jax.lax.stop_gradient(x) for x in leaves])
+    return tie(out, token)
 
 
 # --------------------------------------------------------------- id_print
@@ -305,6 +356,14 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
                    spread=_spreads_tuple(callback_func, arg, bool(call_with_device)),
                    devices=_Devices(device_index, fn), what=what)
     _executor()
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        # Eager: nothing to compile. Run on the host now (after the taps
+        # queued before it) and put the result where the argument was.
+        outs = job.on_callback_thread(np.zeros((0,), np.int32), *leaves)
+        dev = job.devices.by_id.get(where.eager_device) if \
+            where.eager_device is not None else None
+        outs = [jax.device_put(o, dev) for o in outs]
+        return jax.tree_util.tree_unflatten(res_treedef, outs)
     outs = emit_call(job.on_callback_thread, axis_coords(raw_names), leaves,
                      res_avals, what=what)
     return jax.tree_util.tree_unflatten(res_treedef, outs)
@@ -371,7 +430,7 @@ class _CallJob:
         if got_treedef != self.res_treedef or any(
                 (g.shape, g.dtype) != (e.shape, e.dtype)
                 for g, e in zip(got_avals, self.res_avals)):
-            raise TypeError(
+            raise ValueError(
                 f"{self.what}: the host function returned "
                 f"{_describe(got_treedef, got_avals)} but result_shape expects "
                 f"{_describe(self.res_treedef, self.res_avals)}. Fix "

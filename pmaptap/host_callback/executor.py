@@ -29,7 +29,8 @@ class _Executor:
         self._jobs: collections.deque[Callable[[], None]] = collections.deque()
         self._submitted = 0
         self._done = 0
-        self._errors: list[BaseException] = []
+        # (error, name of the function that raised), in the order they came.
+        self._errors: list[tuple[BaseException, str]] = []
         self._stopping = False
         self.pid = os.getpid()
         self.thread = threading.Thread(target=self._loop, daemon=True,
@@ -51,11 +52,11 @@ class _Executor:
         with self._cv:
             return self._cv.wait_for(lambda: self._done >= ticket, timeout)
 
-    def record_error(self, e: BaseException) -> None:
+    def record_error(self, e: BaseException, where: str = "a host callback") -> None:
         with self._cv:
-            self._errors.append(e)
+            self._errors.append((e, where))
 
-    def take_errors(self) -> list[BaseException]:
+    def take_errors(self) -> list[tuple[BaseException, str]]:
         with self._cv:
             errors, self._errors = self._errors, []
             return errors
@@ -118,7 +119,7 @@ def _at_exit() -> None:
         if not ex.wait(ex.ticket(), timeout=30.0):
             print("[pmaptap] host_callback: tap functions still running at exit",
                   file=sys.stderr)
-        for e in ex.take_errors():
+        for e, _ in ex.take_errors():
             print("[pmaptap] host_callback: a tap function raised and no "
                   "barrier_wait() reported it:\n" + _format(e), file=sys.stderr)
     except BaseException as e:  # noqa: BLE001 - never fail the exit
