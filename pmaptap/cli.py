@@ -6,6 +6,9 @@
     pmaptap validate FILE              exit 1 and list lines that are wrong
     pmaptap plot FILE --name N [-o P]  PNG of value vs step (needs [plot])
     pmaptap export FILE --csv OUT      one CSV row per record
+    pmaptap export FILE --parquet OUT  one Parquet row per record (needs [parquet])
+    pmaptap export FILE --tensorboard DIR [-f]
+                                       TensorBoard event files (needs [tensorboard])
     pmaptap launch ...                 the local multi-process launcher
 
 Filters (show, tail, summary, plot, export): --name (repeatable), --step
@@ -41,13 +44,17 @@ def _check_file(path: str) -> None:
 def _load(path: str, command: str) -> list[views.Entry]:
     _check_file(path)
     entries, bad = views.load(path)
+    _report_skipped(bad, path, command)
+    return entries
+
+
+def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
     bad = [(n, why) for n, why in bad if why != "empty line"]
     if bad:
         n, why = bad[0]
         print(f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
               f"line {n}: {why}); '{PROG} validate {path}' lists them",
               file=sys.stderr)
-    return entries
 
 
 def _filter(args: argparse.Namespace) -> views.Filter:
@@ -130,6 +137,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.follow and not args.tensorboard:
+        raise CliError("--follow works with --tensorboard only")
+    if args.tensorboard:
+        return _export_tensorboard(args)
+    if args.parquet:
+        return _export_parquet(args)
     from pmaptap.tapfile.export import write_csv
     flt = _filter(args)
     entries = [e for e in _load(args.file, "export") if flt(e.rec)]
@@ -142,6 +155,46 @@ def cmd_export(args: argparse.Namespace) -> int:
         with open(args.csv, "w", newline="", encoding="utf-8") as f:
             n = write_csv(entries, f)
     print(f"wrote {n} rows to {args.csv}", file=sys.stderr)
+    return 0
+
+
+def _export_tensorboard(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import tensorboard
+    flt = _filter(args)
+    if args.follow:
+        if not os.path.exists(args.file):
+            print(f"{PROG} export: waiting for {args.file} to appear", file=sys.stderr)
+        elif os.path.isdir(args.file):
+            _check_file(args.file)
+    else:
+        _check_file(args.file)
+    if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
+        raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
+    try:
+        if args.follow:
+            stats = tensorboard.follow(args.file, args.tensorboard, flt,
+                                       interval=args.interval, timeout=args.timeout)
+        else:
+            stats, bad = tensorboard.export(args.file, args.tensorboard, flt)
+            _report_skipped(bad, args.file, "export")
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {stats.text()} to {args.tensorboard}", file=sys.stderr)
+    return 0
+
+
+def _export_parquet(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import frame
+    flt = _filter(args)
+    entries = [e for e in _load(args.file, "export") if flt(e.rec)]
+    parent = os.path.dirname(os.path.abspath(args.parquet))
+    if not os.path.isdir(parent):
+        raise CliError(f"cannot write {args.parquet}: no directory {parent}")
+    try:
+        n = frame.write_parquet([e.rec for e in entries], args.parquet)
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {n} rows to {args.parquet}", file=sys.stderr)
     return 0
 
 
@@ -184,6 +237,25 @@ def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> 
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON lines, not a table")
     p.add_argument("--width", type=int, default=60, help="value column width")
+
+
+def _add_export_targets(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--csv", metavar="OUT",
+                        help="CSV file to write ('-' for stdout)")
+    target.add_argument("--parquet", metavar="OUT",
+                        help="Parquet file, one row per record (needs pyarrow)")
+    target.add_argument("--tensorboard", metavar="DIR",
+                        help="TensorBoard event files, one run per DIR/<run>/ "
+                             "(needs tensorboardX)")
+    g = p.add_argument_group("--tensorboard --follow")
+    g.add_argument("-f", "--follow", action="store_true",
+                   help="with --tensorboard: keep converting what the job "
+                        "appends (Ctrl-C or SIGTERM stops, exit status 0)")
+    g.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with --follow: stop after this many seconds")
+    g.add_argument("--interval", type=float, default=0.5, metavar="SECONDS",
+                   help="with --follow: seconds between polls (default 0.5)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,11 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output file (default NAME.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("export", help="records as CSV, one row per record")
+    p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard "
+                                      "event files")
     p.add_argument("file")
     _add_filters(p)
-    p.add_argument("--csv", required=True, metavar="OUT",
-                   help="CSV file to write ('-' for stdout)")
+    _add_export_targets(p)
     p.set_defaults(func=cmd_export)
 
     sub.add_parser("launch", add_help=False,
