@@ -56,7 +56,8 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
 
     Lines that are not valid records (garbage, a torn last line from a killed
     writer) are skipped with one warning that lists them. Non-finite numbers
-    come back as float NaN/inf. ``as_frame=True`` returns a pandas DataFrame.
+    come back as float NaN/inf. ``as_frame=True`` returns a tidy pandas
+    DataFrame, one row per record (columns: pmaptap/tapfile/frame.py).
     """
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
@@ -74,12 +75,8 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
                       f"invalid line(s): {shown}{more}", RuntimeWarning,
                       stacklevel=2)
     if as_frame:
-        try:
-            import pandas as pd
-        except ImportError as e:
-            raise ImportError("pmaptap.read(..., as_frame=True) needs pandas: "
-                              "pip install pandas (or 'pmaptap[frame]').") from e
-        return pd.DataFrame(out)
+        from pmaptap.tapfile.frame import to_frame
+        return to_frame(out)
     return out
 
 
