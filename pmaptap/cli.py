@@ -66,6 +66,47 @@ def _filter(args: argparse.Namespace) -> views.Filter:
                         process=args.process, device=args.device, run=args.run)
 
 
+def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
+    """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
+    is an error and an empty result is said, both listing what the file has."""
+    entries = _load(path, command)
+    picked = [e for e in entries if flt(e.rec)]
+    if not picked:
+        _no_match(command, path, flt, {e.rec.get("name") for e in entries},
+                  {e.rec.get("run") for e in entries})
+    return picked
+
+
+def _present(values: set) -> str:
+    return ", ".join(sorted(map(str, values))) or "(none)"
+
+
+def _no_match(command: str, path: str, flt: views.Filter, names: set,
+              runs: set) -> None:
+    """Raise for a --name/--run the file does not have (as ``plot`` does);
+    otherwise say on stderr that nothing matched, with what is there."""
+    have = f"taps in this file: {_present(names)}; runs: {_present(runs)}"
+    unknown = [n for n in flt.names if n not in names]
+    if flt.names and len(unknown) == len(flt.names):
+        raise CliError(f"no records named {', '.join(map(repr, unknown))} in "
+                       f"{path}; {have}")
+    if flt.run is not None and flt.run not in runs:
+        raise CliError(f"no run {flt.run!r} in {path}; {have}")
+    print(f"{PROG} {command}: no matching records in {path} ({have})",
+          file=sys.stderr)
+
+
+def _count(text: str) -> int:
+    """argparse type for counts (-n, --limit, --max-records): 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"wants a count of 0 or more, got {n}")
+    return n
+
+
 def _print_table(entries: Sequence[views.Entry], width: int) -> None:
     table = views.Table()
     rows = [views.row(e, width) for e in entries]
@@ -79,11 +120,10 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 
 def cmd_show(args: argparse.Namespace) -> int:
     flt = _filter(args)
-    entries = [e for e in _load(args.file, "show") if flt(e.rec)]
+    entries = _select(args.file, "show", flt)
     if args.limit:
         entries = entries[: args.limit]
     if not entries:
-        print(f"{PROG} show: no matching records in {args.file}", file=sys.stderr)
         return 0
     if args.json:
         for e in entries:
@@ -96,8 +136,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.summary import summary_table
     flt = _filter(args)
-    recs = [e.rec for e in _load(args.file, "summary") if flt(e.rec)]
-    print(summary_table(recs))
+    recs = [e.rec for e in _select(args.file, "summary", flt)]
+    if recs:
+        print(summary_table(recs))
     return 0
 
 
@@ -126,7 +167,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.plot import PlotError, plot_tap
     flt = _filter(args)
     flt.names = ()      # plot_tap picks the name and lists the others if absent
-    recs = [e.rec for e in _load(args.file, "plot") if flt(e.rec)]
+    recs = [e.rec for e in _select(args.file, "plot", flt)]
     out = args.output or f"{args.name[0].replace('/', '_')}.png"
     try:
         plot_tap(recs, args.name[0], out)
@@ -145,7 +186,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_parquet(args)
     from pmaptap.tapfile.export import write_csv
     flt = _filter(args)
-    entries = [e for e in _load(args.file, "export") if flt(e.rec)]
+    entries = _select(args.file, "export", flt)
     if args.csv == "-":
         n = write_csv(entries, sys.stdout)
     else:
@@ -177,6 +218,8 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
         else:
             stats, bad = tensorboard.export(args.file, args.tensorboard, flt)
             _report_skipped(bad, args.file, "export")
+            if not stats.records:
+                _no_match("export", args.file, flt, stats.names, stats.all_runs)
     except ImportError as e:
         raise CliError(str(e)) from None
     print(f"wrote {stats.text()} to {args.tensorboard}", file=sys.stderr)
@@ -186,7 +229,7 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
 def _export_parquet(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import frame
     flt = _filter(args)
-    entries = [e for e in _load(args.file, "export") if flt(e.rec)]
+    entries = _select(args.file, "export", flt)
     parent = os.path.dirname(os.path.abspath(args.parquet))
     if not os.path.isdir(parent):
         raise CliError(f"cannot write {args.parquet}: no directory {parent}")
@@ -267,21 +310,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="aligned table of the matching records")
     p.add_argument("file")
     _add_filters(p)
-    p.add_argument("--limit", type=int, default=0, help="first N matches only")
+    p.add_argument("--limit", type=_count, default=0, help="first N matches only")
     _add_output(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("tail", help="last records; -f follows appends live")
     p.add_argument("file")
     _add_filters(p)
-    p.add_argument("-n", "--lines", type=int, default=10,
+    p.add_argument("-n", "--lines", type=_count, default=10,
                    help="how many of the last matching records (default 10)")
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing records as writers append them "
                         "(Ctrl-C or SIGTERM stops, exit status 0)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="with -f: stop after this many seconds")
-    p.add_argument("--max-records", type=int, default=0, metavar="N",
+    p.add_argument("--max-records", type=_count, default=0, metavar="N",
                    help="stop after printing N records (initial ones included)")
     p.add_argument("--interval", type=float, default=0.2,
                    help="with -f: seconds between polls (default 0.2)")
@@ -295,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check every line; exit 1 on problems")
     p.add_argument("file")
-    p.add_argument("--limit", type=int, default=200,
+    p.add_argument("--limit", type=_count, default=200,
                    help="list at most N problems (0: all; default 200)")
     p.set_defaults(func=cmd_validate)
 

@@ -115,6 +115,10 @@ class Stats:
         self.skipped_leaves = 0
         self.meta = 0
         self.runs: set[str] = set()
+        # Every name and run read (filtered out or not), to list them when
+        # nothing matched.
+        self.names: set = set()
+        self.all_runs: set = set()
 
     def text(self) -> str:
         extra = ""
@@ -231,6 +235,8 @@ def export(path: str | os.PathLike, outdir: str | os.PathLike,
                 if problem != "empty line":
                     bad.append((lineno, problem or "invalid"))
                 continue
+            tb.stats.names.add(d.get("name"))
+            tb.stats.all_runs.add(d.get("run"))
             rec = decode_record(d)
             if flt(rec):
                 tb.add(rec)

@@ -56,11 +56,17 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
             n = int(text)
             return n, n
         lo, hi = text.split(":", 1)
-        return (int(lo) if lo.strip() else None,
-                int(hi) if hi.strip() else None)
+        a = int(lo) if lo.strip() else None
+        b = int(hi) if hi.strip() else None
     except ValueError:
         raise ValueError(f"--step wants N, A:B, A: or :B with integers "
                          f"(inclusive), got {text!r}") from None
+    if a is not None and b is not None and a > b:
+        # Reversed, so empty: a typo far more often than a real request.
+        raise ValueError(f"--step {text}: the range is empty ({a} > {b}); "
+                         f"A:B includes both ends, write {b}:{a} for steps "
+                         f"{b} to {a}")
+    return a, b
 
 
 @dataclasses.dataclass
