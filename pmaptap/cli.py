@@ -41,13 +41,6 @@ def _check_file(path: str) -> None:
         raise CliError(f"{path} is a directory; give the tap file (.jsonl)")
 
 
-def _load(path: str, command: str) -> list[views.Entry]:
-    _check_file(path)
-    entries, bad = views.load(path)
-    _report_skipped(bad, path, command)
-    return entries
-
-
 def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
     bad = [(n, why) for n, why in bad if why != "empty line"]
     if bad:
@@ -69,11 +62,11 @@ def _filter(args: argparse.Namespace) -> views.Filter:
 def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
     """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
     is an error and an empty result is said, both listing what the file has."""
-    entries = _load(path, command)
-    picked = [e for e in entries if flt(e.rec)]
+    _check_file(path)
+    picked, bad, names, runs = views.load_matching(path, flt)
+    _report_skipped(bad, path, command)
     if not picked:
-        _no_match(command, path, flt, {e.rec.get("name") for e in entries},
-                  {e.rec.get("run") for e in entries})
+        _no_match(command, path, flt, names, runs)
     return picked
 
 
@@ -134,11 +127,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.summary import summary_table
+    from pmaptap.tapfile.summary import summarize_file, summary_table
     flt = _filter(args)
-    recs = [e.rec for e in _select(args.file, "summary", flt)]
-    if recs:
-        print(summary_table(recs))
+    _check_file(args.file)
+    summaries, bad, names, runs = summarize_file(args.file, flt)
+    _report_skipped(bad, args.file, "summary")
+    if not summaries:
+        _no_match("summary", args.file, flt, names, runs)
+        return 0
+    print(summary_table(summaries))
     return 0
 
 
