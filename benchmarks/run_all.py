@@ -9,7 +9,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SUITES = ("bench_taps.py", "bench_train.py", "bench_writer.py", "bench_scaling.py")
+SUITES = ("bench_taps.py", "bench_train.py", "bench_writer.py", "bench_scaling.py",
+          "bench_read.py")
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ from array import array
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from pmaptap.tapfile.checks import count_missing, duplicate_key, format_gaps, step_gaps
+from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
+                                    step_gaps)
 from pmaptap.tapfile.format import NONFINITE
 from pmaptap.tapfile.reader import DivergenceIndex, iter_lines
 from pmaptap.tapfile.views import (Filter, Table, format_ids, format_number, id_order,
@@ -64,24 +65,25 @@ class _TapAcc:
         self.duplicates = 0
 
     def add(self, r: dict) -> None:
-        """A record as written or decoded (non-finite markers or floats)."""
-        kind = r.get("kind")
+        """A record as written or decoded (non-finite markers or floats).
+        Runs for every record of ``pmaptap summary``: kept lean."""
+        get = r.get
+        kind = get("kind")
         step = r["step"]
         self.kinds.add(kind)
         self.records += 1
         self.steps.add(step)
-        self.processes.add(r.get("process"))
-        self.processes.update(r.get("processes") or ())
-        if kind == "per_device":
-            self.devices.add(r.get("device"))
-            self.per_device_steps.add(step)
-        else:
-            self.devices.update(r.get("devices") or ())
-            if kind == "replicated":
-                self.rep_keys.add((step, r.get("pass", "forward")))
-        if r.get("divergent"):
+        self.processes.add(get("process"))
+        procs = get("processes")
+        if procs:
+            self.processes.update(procs)
+        if get("divergent"):
             self.divergent.add(step)
-        x = _scalar(r.get("value"))
+        v = get("value")
+        if type(v) is float or type(v) is int:
+            x: float | None = v
+        else:
+            x = _scalar(v)
         if x is None:
             self.nonscalar += 1
         else:
@@ -93,15 +95,28 @@ class _TapAcc:
                 self.finite.append(x)
             else:
                 self.nonfinite += 1
-        key = duplicate_key(r)
-        if key is not None:
-            if key in self.dup_keys:
-                self.duplicates += 1
-            else:
-                self.dup_keys.add(key)
-                if kind == "per_device":
-                    # (device, canonical coords): the key's last two items.
-                    self.per_dev[step].add(key[-2:])
+        # The duplicate key within this tap (checks.duplicate_key without the
+        # run and name, which all of a tap's records share).
+        if kind == "per_device":
+            dev = (get("device"), _coords_key(get("coords")))
+            key: tuple = ("per_device", step, get("pass", "forward"), dev)
+            self.devices.add(dev[0])
+            self.per_device_steps.add(step)
+        else:
+            devs = get("devices")
+            if devs:
+                self.devices.update(devs)
+            if kind != "replicated":
+                return      # meta records (counters) may legitimately repeat
+            pass_ = get("pass", "forward")
+            self.rep_keys.add((step, pass_))
+            key = ("replicated", step, pass_, get("vhash") or _canonical(v))
+        if key in self.dup_keys:
+            self.duplicates += 1
+        else:
+            self.dup_keys.add(key)
+            if kind == "per_device":
+                self.per_dev[step].add(dev)
 
     def result(self, index: DivergenceIndex | None) -> TapSummary:
         kinds = tuple(sorted(self.kinds))
