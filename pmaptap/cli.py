@@ -6,6 +6,9 @@
     pmaptap validate FILE              exit 1 and list lines that are wrong
     pmaptap plot FILE --name N [-o P]  PNG of value vs step (needs [plot])
     pmaptap export FILE --csv OUT      one CSV row per record
+    pmaptap export FILE --parquet OUT  one Parquet row per record (needs [parquet])
+    pmaptap export FILE --tensorboard DIR [-f]
+                                       TensorBoard event files (needs [tensorboard])
     pmaptap launch ...                 the local multi-process launcher
 
 Filters (show, tail, summary, plot, export): --name (repeatable), --step
@@ -38,16 +41,13 @@ def _check_file(path: str) -> None:
         raise CliError(f"{path} is a directory; give the tap file (.jsonl)")
 
 
-def _load(path: str, command: str) -> list[views.Entry]:
-    _check_file(path)
-    entries, bad = views.load(path)
+def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
     bad = [(n, why) for n, why in bad if why != "empty line"]
     if bad:
         n, why = bad[0]
         print(f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
               f"line {n}: {why}); '{PROG} validate {path}' lists them",
               file=sys.stderr)
-    return entries
 
 
 def _filter(args: argparse.Namespace) -> views.Filter:
@@ -57,6 +57,47 @@ def _filter(args: argparse.Namespace) -> views.Filter:
         raise CliError(str(e)) from None
     return views.Filter(names=tuple(args.name or ()), steps=steps,
                         process=args.process, device=args.device, run=args.run)
+
+
+def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
+    """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
+    is an error and an empty result is said, both listing what the file has."""
+    _check_file(path)
+    picked, bad, names, runs = views.load_matching(path, flt)
+    _report_skipped(bad, path, command)
+    if not picked:
+        _no_match(command, path, flt, names, runs)
+    return picked
+
+
+def _present(values: set) -> str:
+    return ", ".join(sorted(map(str, values))) or "(none)"
+
+
+def _no_match(command: str, path: str, flt: views.Filter, names: set,
+              runs: set) -> None:
+    """Raise for a --name/--run the file does not have (as ``plot`` does);
+    otherwise say on stderr that nothing matched, with what is there."""
+    have = f"taps in this file: {_present(names)}; runs: {_present(runs)}"
+    unknown = [n for n in flt.names if n not in names]
+    if flt.names and len(unknown) == len(flt.names):
+        raise CliError(f"no records named {', '.join(map(repr, unknown))} in "
+                       f"{path}; {have}")
+    if flt.run is not None and flt.run not in runs:
+        raise CliError(f"no run {flt.run!r} in {path}; {have}")
+    print(f"{PROG} {command}: no matching records in {path} ({have})",
+          file=sys.stderr)
+
+
+def _count(text: str) -> int:
+    """argparse type for counts (-n, --limit, --max-records): 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"wants a count of 0 or more, got {n}")
+    return n
 
 
 def _print_table(entries: Sequence[views.Entry], width: int) -> None:
@@ -72,11 +113,10 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 
 def cmd_show(args: argparse.Namespace) -> int:
     flt = _filter(args)
-    entries = [e for e in _load(args.file, "show") if flt(e.rec)]
+    entries = _select(args.file, "show", flt)
     if args.limit:
         entries = entries[: args.limit]
     if not entries:
-        print(f"{PROG} show: no matching records in {args.file}", file=sys.stderr)
         return 0
     if args.json:
         for e in entries:
@@ -87,10 +127,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.summary import summary_table
+    from pmaptap.tapfile.summary import summarize_file, summary_table
     flt = _filter(args)
-    recs = [e.rec for e in _load(args.file, "summary") if flt(e.rec)]
-    print(summary_table(recs))
+    _check_file(args.file)
+    summaries, bad, names, runs = summarize_file(args.file, flt)
+    _report_skipped(bad, args.file, "summary")
+    if not summaries:
+        _no_match("summary", args.file, flt, names, runs)
+        return 0
+    print(summary_table(summaries))
     return 0
 
 
@@ -119,7 +164,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.plot import PlotError, plot_tap
     flt = _filter(args)
     flt.names = ()      # plot_tap picks the name and lists the others if absent
-    recs = [e.rec for e in _load(args.file, "plot") if flt(e.rec)]
+    recs = [e.rec for e in _select(args.file, "plot", flt)]
     out = args.output or f"{args.name[0].replace('/', '_')}.png"
     try:
         plot_tap(recs, args.name[0], out)
@@ -130,9 +175,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.follow and not args.tensorboard:
+        raise CliError("--follow works with --tensorboard only")
+    if args.tensorboard:
+        return _export_tensorboard(args)
+    if args.parquet:
+        return _export_parquet(args)
     from pmaptap.tapfile.export import write_csv
     flt = _filter(args)
-    entries = [e for e in _load(args.file, "export") if flt(e.rec)]
+    entries = _select(args.file, "export", flt)
     if args.csv == "-":
         n = write_csv(entries, sys.stdout)
     else:
@@ -142,6 +193,48 @@ def cmd_export(args: argparse.Namespace) -> int:
         with open(args.csv, "w", newline="", encoding="utf-8") as f:
             n = write_csv(entries, f)
     print(f"wrote {n} rows to {args.csv}", file=sys.stderr)
+    return 0
+
+
+def _export_tensorboard(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import tensorboard
+    flt = _filter(args)
+    if args.follow:
+        if not os.path.exists(args.file):
+            print(f"{PROG} export: waiting for {args.file} to appear", file=sys.stderr)
+        elif os.path.isdir(args.file):
+            _check_file(args.file)
+    else:
+        _check_file(args.file)
+    if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
+        raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
+    try:
+        if args.follow:
+            stats = tensorboard.follow(args.file, args.tensorboard, flt,
+                                       interval=args.interval, timeout=args.timeout)
+        else:
+            stats, bad = tensorboard.export(args.file, args.tensorboard, flt)
+            _report_skipped(bad, args.file, "export")
+            if not stats.records:
+                _no_match("export", args.file, flt, stats.names, stats.all_runs)
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {stats.text()} to {args.tensorboard}", file=sys.stderr)
+    return 0
+
+
+def _export_parquet(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import frame
+    flt = _filter(args)
+    entries = _select(args.file, "export", flt)
+    parent = os.path.dirname(os.path.abspath(args.parquet))
+    if not os.path.isdir(parent):
+        raise CliError(f"cannot write {args.parquet}: no directory {parent}")
+    try:
+        n = frame.write_parquet([e.rec for e in entries], args.parquet)
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {n} rows to {args.parquet}", file=sys.stderr)
     return 0
 
 
@@ -186,6 +279,25 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=60, help="value column width")
 
 
+def _add_export_targets(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--csv", metavar="OUT",
+                        help="CSV file to write ('-' for stdout)")
+    target.add_argument("--parquet", metavar="OUT",
+                        help="Parquet file, one row per record (needs pyarrow)")
+    target.add_argument("--tensorboard", metavar="DIR",
+                        help="TensorBoard event files, one run per DIR/<run>/ "
+                             "(needs tensorboardX)")
+    g = p.add_argument_group("--tensorboard --follow")
+    g.add_argument("-f", "--follow", action="store_true",
+                   help="with --tensorboard: keep converting what the job "
+                        "appends (Ctrl-C or SIGTERM stops, exit status 0)")
+    g.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with --follow: stop after this many seconds")
+    g.add_argument("--interval", type=float, default=0.5, metavar="SECONDS",
+                   help="with --follow: seconds between polls (default 0.5)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Look at pmaptap tap files (JSON lines).",
@@ -195,21 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="aligned table of the matching records")
     p.add_argument("file")
     _add_filters(p)
-    p.add_argument("--limit", type=int, default=0, help="first N matches only")
+    p.add_argument("--limit", type=_count, default=0, help="first N matches only")
     _add_output(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("tail", help="last records; -f follows appends live")
     p.add_argument("file")
     _add_filters(p)
-    p.add_argument("-n", "--lines", type=int, default=10,
+    p.add_argument("-n", "--lines", type=_count, default=10,
                    help="how many of the last matching records (default 10)")
     p.add_argument("-f", "--follow", action="store_true",
                    help="keep printing records as writers append them "
                         "(Ctrl-C or SIGTERM stops, exit status 0)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="with -f: stop after this many seconds")
-    p.add_argument("--max-records", type=int, default=0, metavar="N",
+    p.add_argument("--max-records", type=_count, default=0, metavar="N",
                    help="stop after printing N records (initial ones included)")
     p.add_argument("--interval", type=float, default=0.2,
                    help="with -f: seconds between polls (default 0.2)")
@@ -223,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check every line; exit 1 on problems")
     p.add_argument("file")
-    p.add_argument("--limit", type=int, default=200,
+    p.add_argument("--limit", type=_count, default=200,
                    help="list at most N problems (0: all; default 200)")
     p.set_defaults(func=cmd_validate)
 
@@ -234,11 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output file (default NAME.png)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("export", help="records as CSV, one row per record")
+    p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard "
+                                      "event files")
     p.add_argument("file")
     _add_filters(p)
-    p.add_argument("--csv", required=True, metavar="OUT",
-                   help="CSV file to write ('-' for stdout)")
+    _add_export_targets(p)
     p.set_defaults(func=cmd_export)
 
     sub.add_parser("launch", add_help=False,

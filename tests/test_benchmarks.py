@@ -24,6 +24,10 @@ def test_all_benchmarks_run_in_quick_mode():
                   "e. writer, 1 process", "e. writer, 8 processes, one file",
                   "h. RSS", "added ms per step",
                   "i. per-shard tap under jit", "i. --variant jit step, tapped",
-                  "j. id_tap (tied, program order)", "j. id_tap, callback without the tie"):
+                  "j. id_tap (tied, program order)", "j. id_tap, callback without the tie",
+                  "pmaptap summary", "pmaptap show --name loss", "summary time ratio"):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]   # a ratio printed
+    # bench_read.py: both ratios against the bare orjson loop, as numbers.
+    ratio = out.split("summary time ratio: ", 1)[1]
+    assert float(ratio.split("x", 1)[0]) > 0 and "peak RSS" in ratio

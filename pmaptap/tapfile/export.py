@@ -7,8 +7,7 @@ An array leaf is kept as its strict-JSON text in its column. Coordinates
 become ``coord.<axis>`` columns. Non-finite values are written ``nan``,
 ``inf``, ``-inf``, which pandas and most tools read back as floats.
 
-TensorBoard export is not provided: it would need an extra dependency
-(tensorboard / tensorboardX) to write event files.
+Parquet (typed columns) is frame.py; TensorBoard event files tensorboard.py.
 """
 from __future__ import annotations
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from pmaptap.tapfile import parse
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
-__all__ = ["iter_lines", "parse_line", "read", "reconcile_divergence"]
+__all__ = ["DivergenceIndex", "iter_lines", "parse_line", "read", "reconcile_divergence"]
 
 _SKIP_CHUNK = 1 << 20
 
@@ -56,7 +56,8 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
 
     Lines that are not valid records (garbage, a torn last line from a killed
     writer) are skipped with one warning that lists them. Non-finite numbers
-    come back as float NaN/inf. ``as_frame=True`` returns a pandas DataFrame.
+    come back as float NaN/inf. ``as_frame=True`` returns a tidy pandas
+    DataFrame, one row per record (columns: pmaptap/tapfile/frame.py).
     """
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
@@ -74,28 +75,54 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
                       f"invalid line(s): {shown}{more}", RuntimeWarning,
                       stacklevel=2)
     if as_frame:
-        try:
-            import pandas as pd
-        except ImportError as e:
-            raise ImportError("pmaptap.read(..., as_frame=True) needs pandas: "
-                              "pip install pandas (or 'pmaptap[frame]').") from e
-        return pd.DataFrame(out)
+        from pmaptap.tapfile.frame import to_frame
+        return to_frame(out)
     return out
 
 
-def reconcile_divergence(records: list[dict]) -> None:
-    """Mark every replicated record of a (run, name, step, pass) divergent when
-    the file holds different values for it from different processes (the
-    first writer could not know that a later process would disagree; see
-    xdedup). One process re-writing a key with new values is not divergence."""
-    seen: dict[tuple, dict[str, set]] = {}
-    for r in records:
-        if r.get("kind") == "replicated" and r.get("vhash"):
-            seen.setdefault(record_key(r), {}).setdefault(r["vhash"], set()).add(
-                r.get("process"))
-    for r in records:
+class DivergenceIndex:
+    """Which replicated keys (run, name, step, pass) the file holds with more
+    than one value from more than one process: ``add`` every replicated
+    record seen, then ask ``divergent``. The first writer of a key could not
+    know that a later process would disagree (see xdedup); one process
+    re-writing a key with new values is not divergence. Holds one small entry
+    per replicated key, never the records."""
+
+    def __init__(self) -> None:
+        # key -> vhash -> processes; a key seen with one vhash stays a tuple
+        # (vhash, process) to keep the common case small.
+        self._seen: dict[tuple, Any] = {}
+
+    def add(self, r: dict) -> None:
+        if r.get("kind") != "replicated" or not r.get("vhash"):
+            return
+        key = record_key(r)
+        vhash, proc = r["vhash"], r.get("process")
+        got = self._seen.get(key)
+        if got is None:
+            self._seen[key] = (vhash, proc)
+            return
+        if isinstance(got, tuple):
+            if got == (vhash, proc):
+                return
+            got = self._seen[key] = {got[0]: {got[1]}}
+        got.setdefault(vhash, set()).add(proc)
+
+    def divergent(self, r: dict) -> bool:
         if r.get("kind") != "replicated":
-            continue
-        hashes = seen.get(record_key(r), {})
-        if len(hashes) > 1 and len(set().union(*hashes.values())) > 1:
+            return False
+        got = self._seen.get(record_key(r))
+        if not isinstance(got, dict):
+            return False
+        return len(got) > 1 and len(set().union(*got.values())) > 1
+
+
+def reconcile_divergence(records: list[dict]) -> None:
+    """Mark every replicated record of a key that the file holds with
+    different values from different processes ``divergent`` (DivergenceIndex)."""
+    index = DivergenceIndex()
+    for r in records:
+        index.add(r)
+    for r in records:
+        if index.divergent(r):
             r["divergent"] = True

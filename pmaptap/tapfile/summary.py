@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from array import array
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from pmaptap.tapfile.checks import count_missing, find_duplicates, format_gaps, step_gaps
-from pmaptap.tapfile.views import Table, format_ids, format_number, id_order, scalar
+from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
+                                    step_gaps)
+from pmaptap.tapfile.format import NONFINITE
+from pmaptap.tapfile.reader import DivergenceIndex, iter_lines
+from pmaptap.tapfile.views import (Filter, Table, format_ids, format_number, id_order,
+                                   scalar)
 
 
 @dataclasses.dataclass
@@ -36,70 +42,190 @@ class TapSummary:
     duplicates: int
 
 
-def _summarize_one(run: str, name: str, recs: Sequence[dict]) -> TapSummary:
-    kinds = tuple(sorted({r.get("kind") for r in recs}))
-    steps = [r["step"] for r in recs]
-    processes: set[int] = set()
-    devices: set = set()
-    by_step: dict[int, list[float]] = defaultdict(list)
-    finite: list[float] = []
-    nonfinite = nonscalar = 0
-    for r in recs:
-        processes.add(r.get("process"))
-        processes.update(r.get("processes") or ())
-        if r.get("kind") == "per_device":
-            devices.add(r.get("device"))
+class _TapAcc:
+    """One tap's summary, built a record at a time: what it keeps grows with
+    the tap's distinct steps and devices, not with its values."""
+
+    def __init__(self, run: str, name: str) -> None:
+        self.run, self.name = run, name
+        self.kinds: set = set()
+        self.records = 0
+        self.steps: set[int] = set()
+        self.processes: set = set()
+        self.devices: set = set()
+        self.last_step: int | None = None     # the highest step with a scalar
+        self.last_vals: list[float] = []
+        self.finite = array("d")
+        self.nonfinite = self.nonscalar = 0
+        self.divergent: set[int] = set()
+        self.rep_keys: set[tuple] = set()     # (step, pass) of replicated records
+        self.per_device_steps: set[int] = set()
+        self.per_dev: dict[int, set] = defaultdict(set)
+        self.dup_keys: set[tuple] = set()
+        self.duplicates = 0
+
+    def add(self, r: dict) -> None:
+        """A record as written or decoded (non-finite markers or floats).
+        Runs for every record of ``pmaptap summary``: kept lean."""
+        get = r.get
+        kind = get("kind")
+        step = r["step"]
+        self.kinds.add(kind)
+        self.records += 1
+        self.steps.add(step)
+        self.processes.add(get("process"))
+        procs = get("processes")
+        if procs:
+            self.processes.update(procs)
+        if get("divergent"):
+            self.divergent.add(step)
+        v = get("value")
+        if type(v) is float or type(v) is int:
+            x: float | None = v
         else:
-            devices.update(r.get("devices") or ())
-        x = scalar(r.get("value"))
+            x = _scalar(v)
         if x is None:
-            nonscalar += 1
-            continue
-        by_step[r["step"]].append(x)
-        if math.isfinite(x):
-            finite.append(x)
+            self.nonscalar += 1
         else:
-            nonfinite += 1
-    divergent = {r["step"] for r in recs if r.get("divergent")}
-    if "replicated" in kinds and "per_device" in kinds:
-        # dedup="auto": identical copies give a replicated record, differing
-        # ones per-device records, so a per-device step here is a divergence.
-        divergent |= {r["step"] for r in recs if r.get("kind") == "per_device"}
-    incomplete: set[int] = set()
-    per_dev: dict[int, set] = defaultdict(set)
-    for r in recs:
-        if r.get("kind") == "per_device":
-            per_dev[r["step"]].add((r.get("device"), str(r.get("coords"))))
-    if kinds == ("per_device",):
-        full = max((len(v) for v in per_dev.values()), default=0)
-        incomplete = {s for s, v in per_dev.items() if len(v) < full}
-    stride, gaps = step_gaps(steps)
-    last_vals = by_step.get(max(by_step), []) if by_step else []
-    return TapSummary(
-        run=run, name=name, kinds=kinds, records=len(recs),
-        first_step=min(steps), last_step=max(steps),
-        processes=tuple(sorted((p for p in processes if p is not None),
-                               key=id_order)),
-        devices=tuple(sorted(devices, key=id_order)),
-        last=tuple(dict.fromkeys(last_vals)),
-        min=min(finite) if finite else None,
-        max=max(finite) if finite else None,
-        mean=math.fsum(finite) / len(finite) if finite else None,
-        nonfinite=nonfinite, nonscalar=nonscalar,
-        divergent_steps=tuple(sorted(divergent)), stride=stride,
-        gaps=tuple(gaps), missing=count_missing(stride, gaps),
-        incomplete_steps=tuple(sorted(incomplete)),
-        duplicates=len(find_duplicates(recs)))
+            if self.last_step is None or step > self.last_step:
+                self.last_step, self.last_vals = step, [x]
+            elif step == self.last_step:
+                self.last_vals.append(x)
+            if math.isfinite(x):
+                self.finite.append(x)
+            else:
+                self.nonfinite += 1
+        # The duplicate key within this tap (checks.duplicate_key without the
+        # run and name, which all of a tap's records share).
+        if kind == "per_device":
+            dev = (get("device"), _coords_key(get("coords")))
+            key: tuple = ("per_device", step, get("pass", "forward"), dev)
+            self.devices.add(dev[0])
+            self.per_device_steps.add(step)
+        else:
+            devs = get("devices")
+            if devs:
+                self.devices.update(devs)
+            if kind != "replicated":
+                return      # meta records (counters) may legitimately repeat
+            pass_ = get("pass", "forward")
+            self.rep_keys.add((step, pass_))
+            key = ("replicated", step, pass_, get("vhash") or _canonical(v))
+        if key in self.dup_keys:
+            self.duplicates += 1
+        else:
+            self.dup_keys.add(key)
+            if kind == "per_device":
+                self.per_dev[step].add(dev)
+
+    def result(self, index: DivergenceIndex | None) -> TapSummary:
+        kinds = tuple(sorted(self.kinds))
+        divergent = set(self.divergent)
+        if index is not None:
+            probe = {"run": self.run, "name": self.name, "kind": "replicated"}
+            for step, pass_ in self.rep_keys:
+                if index.divergent(dict(probe, step=step, **{"pass": pass_})):
+                    divergent.add(step)
+        if "replicated" in kinds and "per_device" in kinds:
+            # dedup="auto": identical copies give a replicated record, differing
+            # ones per-device records, so a per-device step here is a divergence.
+            divergent |= self.per_device_steps
+        incomplete: set[int] = set()
+        if kinds == ("per_device",):
+            full = max((len(v) for v in self.per_dev.values()), default=0)
+            incomplete = {s for s, v in self.per_dev.items() if len(v) < full}
+        stride, gaps = step_gaps(self.steps)
+        finite = self.finite
+        return TapSummary(
+            run=self.run, name=self.name, kinds=kinds, records=self.records,
+            first_step=min(self.steps), last_step=max(self.steps),
+            processes=tuple(sorted((p for p in self.processes if p is not None),
+                                   key=id_order)),
+            devices=tuple(sorted(self.devices, key=id_order)),
+            last=tuple(dict.fromkeys(self.last_vals)),
+            min=min(finite) if finite else None,
+            max=max(finite) if finite else None,
+            mean=math.fsum(finite) / len(finite) if finite else None,
+            nonfinite=self.nonfinite, nonscalar=self.nonscalar,
+            divergent_steps=tuple(sorted(divergent)), stride=stride,
+            gaps=tuple(gaps), missing=count_missing(stride, gaps),
+            incomplete_steps=tuple(sorted(incomplete)),
+            duplicates=self.duplicates)
+
+
+def _scalar(v: object) -> float | None:
+    """views.scalar, also for a value as written (a non-finite marker)."""
+    if isinstance(v, str):
+        return NONFINITE.get(v)
+    return scalar(v)
+
+
+class Summarizer:
+    """Per-tap summaries of a stream of records, holding none of them.
+
+    ``add(r)`` every record that the summary covers; ``see(r)`` a record
+    that it does not cover but that is of a covered key (filtered out by
+    process or device), so that divergence is judged on every copy. With
+    ``reconcile`` (records as written, not yet reconciled) replicated keys
+    written with different values by different processes are divergent;
+    records from ``pmaptap.read`` already carry that mark."""
+
+    def __init__(self, reconcile: bool = True) -> None:
+        self._groups: dict[str, dict[str, _TapAcc]] = {}
+        self._index = DivergenceIndex() if reconcile else None
+
+    def see(self, r: dict) -> None:
+        if self._index is not None:
+            self._index.add(r)
+
+    def add(self, r: dict) -> None:
+        self.see(r)
+        run = r.get("run", "")
+        names = self._groups.get(run)
+        if names is None:
+            names = self._groups[run] = {}
+        acc = names.get(r["name"])
+        if acc is None:
+            acc = names[r["name"]] = _TapAcc(run, r["name"])
+        acc.add(r)
+
+    def summaries(self) -> list[TapSummary]:
+        """One TapSummary per (run, name), runs in file order, names sorted."""
+        return [acc.result(self._index)
+                for names in self._groups.values()
+                for _, acc in sorted(names.items())]
+
+
+def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
+        list[TapSummary], list[tuple[int, str]], set, set]:
+    """``pmaptap summary``: the summaries of the records of ``path`` that
+    ``flt`` matches, streaming the file (records are parsed, summarized and
+    dropped; values are never decoded). Also the (line, problem) list of
+    lines that are not records and every name and run read."""
+    flt = flt or Filter()
+    acc = Summarizer()
+    bad: list[tuple[int, str]] = []
+    names: set = set()
+    runs: set = set()
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            bad.append((lineno, problem or "invalid"))
+            continue
+        names.add(d["name"])
+        runs.add(d["run"])
+        if flt(d):
+            acc.add(d)
+        elif flt.key_match(d):
+            acc.see(d)
+    return acc.summaries(), bad, names, runs
 
 
 def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
     """One TapSummary per (run, name), runs in file order, names sorted."""
-    groups: dict[str, dict[str, list[dict]]] = {}
+    acc = Summarizer()
     for r in records:
-        groups.setdefault(r.get("run", ""), {}).setdefault(r["name"], []).append(r)
-    return [_summarize_one(run, name, recs)
-            for run, names in groups.items()
-            for name, recs in sorted(names.items())]
+        acc.add(r)
+    return acc.summaries()
 
 
 def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
@@ -147,11 +273,14 @@ _COLUMNS = ("name", "kind", "records", "steps", "procs", "devices",
             "last", "min", "max", "mean", "issues")
 
 
-def summary_table(records: Iterable[dict]) -> str:
+def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     """A per-tap text table: record count, step range, processes and devices
     seen, last/min/max/mean of scalar values (min/max/mean over finite
-    values), and divergences, missing steps and duplicate records."""
-    summaries = tap_summaries(records)
+    values), and divergences, missing steps and duplicate records. Takes
+    records, or the summaries of ``Summarizer.summaries()``."""
+    records = list(records)
+    summaries = (records if records and isinstance(records[0], TapSummary)
+                 else tap_summaries(records))
     if not summaries:
         return "no records"
     out: list[str] = []

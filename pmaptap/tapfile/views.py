@@ -9,8 +9,8 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.reader import iter_lines, reconcile_divergence
 from pmaptap.tapfile.format import decode_record, index_text
+from pmaptap.tapfile.reader import DivergenceIndex, iter_lines, reconcile_divergence
 
 
 @dataclasses.dataclass
@@ -37,6 +37,37 @@ def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
     return entries, problems
 
 
+def load_matching(path: str | os.PathLike, flt: "Filter") -> tuple[
+        list[Entry], list[tuple[int, str]], set, set]:
+    """Like ``load`` but keeps only the records ``flt`` matches, filtering
+    before decoding values, so memory follows the matches, not the file.
+    Also returns every name and run read (to say what a file has when nothing
+    matched). Divergence is judged on all records of a matched key, those the
+    process/device filter drops included, as ``load`` then filtering would."""
+    entries: list[Entry] = []
+    problems: list[tuple[int, str]] = []
+    names: set = set()
+    runs: set = set()
+    index = DivergenceIndex()
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            problems.append((lineno, problem or "invalid"))
+            continue
+        names.add(d["name"])
+        runs.add(d["run"])
+        if not flt.key_match(d):
+            continue
+        index.add(d)
+        if flt(d):
+            entries.append(Entry(lineno, d, decode_record(d)))
+    for e in entries:
+        if index.divergent(e.raw):
+            e.rec["divergent"] = True
+            if not e.raw.get("divergent"):
+                e.raw = dict(e.raw, divergent=True)
+    return entries, problems, names, runs
+
+
 def mark_divergence(entries: Sequence[Entry]) -> None:
     """As ``pmaptap.read`` does: a replicated key written with several values
     by different processes is divergent on every one of its records."""
@@ -56,11 +87,17 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
             n = int(text)
             return n, n
         lo, hi = text.split(":", 1)
-        return (int(lo) if lo.strip() else None,
-                int(hi) if hi.strip() else None)
+        a = int(lo) if lo.strip() else None
+        b = int(hi) if hi.strip() else None
     except ValueError:
         raise ValueError(f"--step wants N, A:B, A: or :B with integers "
                          f"(inclusive), got {text!r}") from None
+    if a is not None and b is not None and a > b:
+        # Reversed, so empty: a typo far more often than a real request.
+        raise ValueError(f"--step {text}: the range is empty ({a} > {b}); "
+                         f"A:B includes both ends, write {b}:{a} for steps "
+                         f"{b} to {a}")
+    return a, b
 
 
 @dataclasses.dataclass
@@ -71,14 +108,21 @@ class Filter:
     device: int | None = None
     run: str | None = None
 
-    def __call__(self, r: dict) -> bool:
+    def key_match(self, r: dict) -> bool:
+        """The part of the filter on a record's identity (name, run, step):
+        every record of a key matches it or none does."""
         if self.names and r.get("name") not in self.names:
             return False
         if self.run is not None and r.get("run") != self.run:
             return False
         lo, hi = self.steps
         step = r.get("step")
-        if lo is not None and step < lo or hi is not None and step > hi:
+        return not (lo is not None and step < lo or hi is not None and step > hi)
+
+    def __call__(self, r: dict) -> bool:
+        # Only fields outside ``value``: a record as written (values not
+        # decoded yet) matches exactly as its decoded form does.
+        if not self.key_match(r):
             return False
         # A replicated record stands for every device/process holding the
         # value (only one process writes it), so it matches any of them.

@@ -1,0 +1,296 @@
+"""``pmaptap export --tensorboard DIR``: tap records as TensorBoard event files.
+
+Layout, so that TensorBoard's run selector and tag groups line up with taps:
+
+- one run per tap-file run: ``DIR/<run>/`` (a run id is made safe as a
+  directory name);
+- a replicated tap is one scalar series tagged with its name; a per-device
+  tap is one series per device, ``name/device_<id>``;
+- a pytree value adds its leaf path: ``name/<key>/<index>`` (then
+  ``/device_<id>`` for per-device taps); a summarized leaf (a value too large
+  to send, kept as statistics) becomes its statistics' series
+  ``.../min``, ``.../max``, ...;
+- an array leaf is a histogram under the same tag. A histogram has no bucket
+  for NaN/inf, so they are left out of it and their count goes to the scalar
+  series ``<tag>/nonfinite`` at that step (a point only where there were any);
+- non-finite scalars are written as the float NaN/inf, which TensorBoard
+  stores and shows as such;
+- a complex scalar is two series ``<tag>/real`` and ``<tag>/imag``; a complex
+  array is a histogram of the magnitudes;
+- a backward-pass record (``tap_grad``) gets ``@backward`` after its name.
+
+The record's ``time`` is the event's wall time, so TensorBoard's "relative"
+and "wall" axes show when the job tapped the value, not when it was exported.
+
+tensorboardX writes the files; it is an optional extra, imported only here
+and only when an export runs. No JAX.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from pmaptap.tapfile import views
+from pmaptap.tapfile.follow import LineFollower, _on_stop_signals
+from pmaptap.tapfile.format import decode_record
+from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.reader import iter_lines
+
+MISSING_TENSORBOARDX = ('pmaptap export --tensorboard needs tensorboardX, an optional '
+                        'extra: pip install "pmaptap[tensorboard]" (or pip install '
+                        'tensorboardX)')
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
+
+
+def _import_writer() -> Any:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as e:
+        raise ImportError(MISSING_TENSORBOARDX) from e
+    return SummaryWriter
+
+
+class _QuietNonFinite(logging.Filter):
+    """tensorboardX warns on every NaN/inf it writes; in a tap file they are
+    the data being looked for (and counted in the summary), not a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NaN or Inf found" not in record.getMessage()
+
+
+_X2NUM_LOGGER = "tensorboardX.x2num"
+
+
+def run_dirname(run: Any) -> str:
+    """A run id as one directory name: never a path (no separators, not
+    ``.``/``..``), so a hand-edited run id cannot write outside DIR."""
+    name = _UNSAFE.sub("_", str(run))
+    return "_" + name if name in ("", ".", "..") else name
+
+
+def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
+    value's pytree nesting, which tells a pytree list from an array."""
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, dtype.get(k), f"{path}/{k}")
+    elif isinstance(dtype, list) and isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from leaves(v, dtype[i] if i < len(dtype) else None, f"{path}/{i}")
+    elif isinstance(value, dict):
+        # A summarized leaf: {"min": .., "max": .., ...} for a string dtype.
+        for k, v in value.items():
+            yield f"{path}/{k}", v, dtype
+    else:
+        yield path, value, dtype
+
+
+def _flat(value: Any) -> list:
+    out: list = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(reversed(v))
+        else:
+            out.append(v)
+    return out
+
+
+class Stats:
+    """What an export wrote, for the closing message and for tests."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.scalars = 0
+        self.histograms = 0
+        self.skipped_leaves = 0
+        self.meta = 0
+        self.runs: set[str] = set()
+        # Every name and run read (filtered out or not), to list them when
+        # nothing matched.
+        self.names: set = set()
+        self.all_runs: set = set()
+
+    def text(self) -> str:
+        extra = ""
+        if self.meta:
+            extra += f"; {self.meta} meta record(s) not exported"
+        if self.skipped_leaves:
+            extra += f"; {self.skipped_leaves} non-numeric leaf value(s) skipped"
+        return (f"{self.records} records as {self.scalars} scalar points and "
+                f"{self.histograms} histograms in {len(self.runs)} run(s){extra}")
+
+
+class TensorBoardExport:
+    """Writes decoded records to event files under ``outdir``: one tensorboardX
+    SummaryWriter per run, opened when the run's first record comes."""
+
+    def __init__(self, outdir: str | os.PathLike) -> None:
+        self._writer_cls = _import_writer()
+        self.outdir = os.fspath(outdir)
+        self._writers: dict[str, Any] = {}
+        self.stats = Stats()
+        self._quiet = _QuietNonFinite()
+        logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
+
+    def _writer(self, run: Any) -> Any:
+        name = run_dirname(run)
+        w = self._writers.get(name)
+        if w is None:
+            logdir = os.path.join(self.outdir, name)
+            if glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+                # Not an error: a second export of a grown file, or of several
+                # files of one run, is legitimate; but TensorBoard then shows
+                # the points of both, so say so.
+                print(f"pmaptap export: {logdir} already holds event files; "
+                      "TensorBoard will show their points too (export into a "
+                      "new directory to avoid doubles)", file=sys.stderr)
+            # flush_secs is a ceiling; follow mode flushes after each poll.
+            w = self._writers[name] = self._writer_cls(logdir=logdir, flush_secs=5)
+            self.stats.runs.add(name)
+        return w
+
+    def add(self, rec: dict) -> None:
+        """One decoded record (``decode_record``: NaN/inf as floats)."""
+        kind = rec.get("kind")
+        if kind == "meta":
+            self.stats.meta += 1
+            return
+        w = self._writer(rec.get("run"))
+        step = rec.get("step")
+        wall = rec.get("time")
+        wall = float(wall) if isinstance(wall, (int, float)) else None
+        base = str(rec.get("name"))
+        if rec.get("pass", "forward") != "forward":
+            base += f"@{rec['pass']}"
+        suffix = ""
+        if kind == "per_device":
+            d = rec.get("device")
+            suffix = f"/device_{'unknown' if d is None else d}"
+        self.stats.records += 1
+        for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):
+            self._leaf(w, base + path + suffix, v, dtype, step, wall)
+
+    def _leaf(self, w: Any, tag: str, v: Any, dtype: Any, step: int,
+              wall: float | None) -> None:
+        if isinstance(v, bool) or isinstance(v, (int, float)):
+            w.add_scalar(tag, float(v), step, walltime=wall)
+            self.stats.scalars += 1
+        elif isinstance(v, complex):
+            w.add_scalar(f"{tag}/real", v.real, step, walltime=wall)
+            w.add_scalar(f"{tag}/imag", v.imag, step, walltime=wall)
+            self.stats.scalars += 2
+        elif isinstance(v, list):
+            self._histogram(w, tag, _flat(v), step, wall)
+        else:
+            self.stats.skipped_leaves += 1
+
+    def _histogram(self, w: Any, tag: str, items: list, step: int,
+                   wall: float | None) -> None:
+        import numpy as np
+        nums = [abs(x) if isinstance(x, complex) else float(x) for x in items
+                if isinstance(x, (int, float, complex))]
+        if len(nums) < len(items):
+            self.stats.skipped_leaves += 1
+        arr = np.asarray(nums, dtype=np.float64)
+        finite = arr[np.isfinite(arr)]
+        if finite.size:
+            w.add_histogram(tag, finite, step, walltime=wall)
+            self.stats.histograms += 1
+        if finite.size < arr.size:
+            w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step,
+                         walltime=wall)
+            self.stats.scalars += 1
+
+    def flush(self) -> None:
+        for w in self._writers.values():
+            w.flush()
+
+    def close(self) -> None:
+        for w in self._writers.values():
+            w.close()
+        self._writers.clear()
+        logging.getLogger(_X2NUM_LOGGER).removeFilter(self._quiet)
+
+
+def export(path: str | os.PathLike, outdir: str | os.PathLike,
+           flt: views.Filter) -> tuple[Stats, list[tuple[int, str]]]:
+    """Convert the whole file once, streaming it (records are not held).
+    Returns the counts and the (line, problem) list of lines that are not
+    records. Divergence marks are not needed: every value is written."""
+    tb = TensorBoardExport(outdir)
+    bad: list[tuple[int, str]] = []
+    try:
+        for lineno, d, problem in iter_lines(path):
+            if d is None:
+                if problem != "empty line":
+                    bad.append((lineno, problem or "invalid"))
+                continue
+            tb.stats.names.add(d.get("name"))
+            tb.stats.all_runs.add(d.get("run"))
+            rec = decode_record(d)
+            if flt(rec):
+                tb.add(rec)
+    finally:
+        tb.close()
+    return tb.stats, bad
+
+
+def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter, *,
+           interval: float = 0.5, timeout: float | None = None) -> Stats:
+    """Convert what the file holds, then keep converting what writers append,
+    flushing the event files after every poll so that TensorBoard shows a
+    live job. Ctrl-C / SIGTERM (or ``timeout`` seconds) end it cleanly with
+    every converted record flushed."""
+    tb = TensorBoardExport(outdir)
+    lf = LineFollower(path)
+    stop = threading.Event()
+    restore = _on_stop_signals(stop.set)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    restarts = 0
+    try:
+        while True:
+            _convert(tb, lf.poll(), flt)
+            tb.flush()
+            if lf.restarted != restarts:
+                restarts = lf.restarted
+                print(f"pmaptap export: {path} was replaced or truncated; "
+                      "converting it again from its start", file=sys.stderr)
+            wait = interval
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            if stop.is_set() or wait <= 0:
+                break
+            stop.wait(wait)
+        if lf.pending:
+            print(f"pmaptap export: the last line is unterminated "
+                  f"({len(lf.pending)} bytes: being written, or torn); "
+                  "not converted", file=sys.stderr)
+    finally:
+        restore()
+        lf.close()
+        tb.close()
+    return tb.stats
+
+
+def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]],
+             flt: views.Filter) -> None:
+    for lineno, raw in lines:
+        d, problem = parse_line(raw)
+        if d is None:
+            if problem != "empty line":
+                print(f"pmaptap export: line {lineno}: {problem} (skipped)",
+                      file=sys.stderr)
+            continue
+        rec = decode_record(d)
+        if flt(rec):
+            tb.add(rec)
