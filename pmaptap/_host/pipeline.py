@@ -124,36 +124,42 @@ class Pipeline:
         self._write_thread.start()
 
     # ---------------------------------------------------- callback thread
-    def ingest(self, spec: TapSpec, arrays: tuple[Any, ...]) -> None:
+    def ingest(self, spec: TapSpec, arrays: tuple[Any, ...]) -> bool:
+        """Queue one callback payload. False when close() has shut admission
+        (the caller sends it elsewhere); True when queued, or dropped and
+        counted under the overflow policy."""
         size = _nbytes(arrays)
         with self._lock:
             if self._stopping:
-                self.dropped += 1
-                return
+                return False
             while self._over(1, size):
                 if self.overflow == "drop_newest" or not self._agg_thread.is_alive():
                     self.dropped += 1
-                    return
+                    return True
                 if self.overflow == "drop_oldest":
                     if not self._drop_oldest_locked():
                         # Everything pending is in the threads' hands (being
                         # aggregated or written): drop the arriving item
                         # rather than exceed the bound.
                         self.dropped += 1
-                        return
+                        return True
                     continue
                 if self._agg_lingering:
                     self._agg_cv.notify()   # room comes from aggregating now
                 self._space_cv.wait(0.1)    # "block"
                 if self._stopping:
-                    self.dropped += 1
-                    return
+                    return False            # close() began: not ours to write
             self._ingress.append((spec, arrays, size))
             self._pending_items += 1
             self._pending_bytes += size
             if self._agg_waiting or (self._agg_lingering and
                                      len(self._ingress) >= _LINGER_MAX):
                 self._agg_cv.notify()
+            return True
+
+    @property
+    def admitting(self) -> bool:
+        return not self._stopping
 
     def _over(self, items: int, size: int) -> bool:
         return (self._pending_items + items > self.max_pending or
@@ -348,8 +354,11 @@ class Pipeline:
         return True
 
     # ---------------------------------------------------- control
-    def _send_marker(self, marker: _Marker, timeout: float | None) -> bool:
+    def _send_marker(self, marker: _Marker, timeout: float | None, *,
+                     stopping: bool = False) -> bool:
         with self._lock:
+            if stopping:
+                self._stopping = True
             self._ingress.append(marker)
             self._agg_cv.notify()            # also ends a linger
         return marker.event.wait(timeout)
@@ -414,9 +423,11 @@ class Pipeline:
         try:
             self._drain(timeout, give_up_on_error=False)
         finally:
-            with self._lock:
-                self._stopping = True
-            self._send_marker(stop, 5.0)
+            # Shut admission and queue the stop marker in one critical
+            # section: every payload admitted is ahead of the marker, so it
+            # is written before close() returns; ingest() refuses the rest
+            # (routing sends them to the console) instead of losing them.
+            self._send_marker(stop, 5.0, stopping=True)
             # Join so no pmaptap thread (holding array references) is still
             # unwinding when the interpreter finalizes: that aborted the
             # process ("FATAL: exception not rethrown") in testing.
