@@ -371,6 +371,15 @@ class Aggregator:
             out += self._resolve(gkey, group)
         return out
 
+    def dropped_record(self, new: int, total: int, policy: str) -> Record:
+        """The meta record of overflow drops since the last one (written at
+        the next flush/close; never dropped itself)."""
+        return Record(
+            run=self.run, name="pmaptap/dropped", step=total, kind="meta",
+            value=new, dtype="int64", shape=[], process=self.process,
+            time=self.clock(), host=self.host,
+            extra={"dropped_total": total, "policy": policy})
+
     # ------------------------------------------------------------ dedup
     def _resolve(self, gkey: tuple, group: _Group,
                  local: set | None = None) -> list[Record]:
