@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.loops import AggregateLoop, WriteLoop
-from pmaptap._host.queue import OVERFLOW_POLICIES, BoundedQueue, Marker, Stop
+from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
 from pmaptap.errors import TapError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._trace.spec import TapSpec
 
-__all__ = ["OVERFLOW_POLICIES", "Pipeline"]
 
 
 class ErrorLog:
@@ -60,7 +59,6 @@ class Pipeline:
                  max_pending_bytes: int = 1 << 30,
                  flush_interval: float = 0.02, group_timeout: float = 5.0,
                  retry_interval: float = 0.2, max_batch: int = 20_000) -> None:
-        # The queue validates overflow first: nothing is started on bad input.
         self.queue = BoundedQueue(overflow=overflow, max_pending=max_pending,
                                   max_pending_bytes=max_pending_bytes)
         if process is None:

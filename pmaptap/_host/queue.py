@@ -56,14 +56,6 @@ class Stop(Marker):
     """The close marker: the threads end after answering it."""
 
 
-def check_overflow(overflow: object) -> str:
-    """The one validation of an overflow policy (Session and Pipeline)."""
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got "
-                         f"{overflow!r}")
-    return overflow  # type: ignore[return-value]
-
-
 def payload_bytes(arrays: tuple[Any, ...]) -> int:
     try:                       # NumPy arrays from host_call: the common case
         return 64 + sum(a.nbytes for a in arrays)
@@ -79,7 +71,10 @@ class BoundedQueue:
     def __init__(self, *, overflow: str = "drop_oldest",
                  max_pending: int = 1_000_000,
                  max_pending_bytes: int = 1 << 30) -> None:
-        self.overflow = check_overflow(overflow)
+        # Validated once, where users pass it (Session); a bad value here
+        # is a bug in pmaptap, not user input.
+        assert overflow in OVERFLOW_POLICIES, overflow
+        self.overflow = overflow
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         # One lock for both stages (the bound and drop_oldest span them) and

@@ -51,7 +51,7 @@ def console() -> "Pipeline":
     with _console_lock:
         if _console is None or not _console.admitting:
             from pmaptap._host.pipeline import Pipeline
-            from pmaptap._host.sink import ConsoleSink
+            from pmaptap._host.console import ConsoleSink
             _console = Pipeline(ConsoleSink(), run="console")
             # Print what is pending and stop its threads before JAX's own
             # exit handlers (registered earlier, so they run later).

@@ -21,7 +21,8 @@ from pmaptap import distributed
 
 from pmaptap._host import routing
 from pmaptap.errors import SessionError, TapError
-from pmaptap._host.pipeline import OVERFLOW_POLICIES, Pipeline
+from pmaptap._host.pipeline import Pipeline
+from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
 
 # Serializes open() against close()'s clearing of the active session. The
@@ -57,7 +58,7 @@ class Session:
     group_timeout: seconds a step waits for missing device copies.
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
-      pmaptap.sink.FileSink). Every process of a job must use the same mode.
+      pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
