@@ -22,7 +22,7 @@ _SCENARIO = """
     ROUNDS, SWAPS, GAP = 3, 5, 0.3
     out = os.environ["OUT"]
     n = jax.local_device_count()
-    result = {"files": [], "steps": {}}
+    result = {"files": [], "steps": {}, "during": {}}
     for rnd in range(ROUNDS):
         jit_name, pmap_name = f"j{rnd}", f"p{rnd}"
         f = jax.jit(lambda x, i: pmaptap.tap(x + i, jit_name, step=i))
@@ -31,7 +31,7 @@ _SCENARIO = """
                      in_axes=(0, None))
         xs = jnp.zeros(n)
         stop = threading.Event()
-        done = []
+        done, progress = [], [0]
 
         def worker():
             i = 0
@@ -39,6 +39,7 @@ _SCENARIO = """
                 f(jnp.float32(0), jnp.int32(i))
                 g(xs, jnp.int32(i)).block_until_ready()
                 i += 1
+                progress[0] = i
             done.append(i)
 
         # The last round re-opens the same file each time.
@@ -49,8 +50,15 @@ _SCENARIO = """
         s = pmaptap.Session(path, run=f"r{rnd}").open()
         t = threading.Thread(target=worker)
         t.start()
+        # Swap only once both functions are compiled and taps flow (on a
+        # loaded machine compiling can outlast several gaps).
+        deadline = time.monotonic() + 120
+        while progress[0] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        at_swaps = []
         for k in range(SWAPS):
             time.sleep(GAP)
+            at_swaps.append(progress[0])
             s.close()
             path = os.path.join(out, name(k + 1))
             result["files"].append(path)
@@ -60,6 +68,7 @@ _SCENARIO = """
         t.join()
         s.close()
         result["steps"][rnd] = done[0]
+        result["during"][rnd] = at_swaps[-1] - at_swaps[0]
     pmaptap.flush()       # the console pipeline (taps that found no session)
     print("RESULT " + json.dumps(result), flush=True)
 """
@@ -84,7 +93,10 @@ def test_closing_sessions_under_a_tapping_thread_loses_nothing(tmp_path):
             seen.setdefault((m.group(1), int(m.group(2))), []).append("stderr")
     problems: dict[str, list[str]] = {}
     for rnd, steps in result["steps"].items():
-        assert steps > 50, f"round {rnd}: the worker barely ran ({steps} steps)"
+        # Taps must have been dispatched while the sessions were swapped.
+        assert result["during"][rnd] >= 5, (
+            f"round {rnd}: the worker barely ran during the swaps "
+            f"({result['during'][rnd]} steps of {steps})")
         for name in (f"j{rnd}", f"p{rnd}"):
             for i in range(steps):
                 where = seen.get((name, i), [])
