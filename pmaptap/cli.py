@@ -21,12 +21,17 @@ errors (missing file, unknown tap, missing optional dependency).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
-from typing import Sequence
+import threading
+from typing import TYPE_CHECKING, Sequence
 
 from pmaptap.tapfile import views
 from pmaptap.errors import CliError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pmaptap.tapfile.follow import LineFollower
 
 PROG = "pmaptap"
 
@@ -239,12 +244,90 @@ def _export_parquet(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.follow import tail
+    """The last ``args.lines`` matching records, then with ``args.follow``
+    every new one until a signal, the timeout or the count."""
+    from pmaptap.tapfile.follow import LineFollower
     if not args.follow:
         _check_file(args.file)
     elif not os.path.exists(args.file):
         print(f"{PROG} tail: waiting for {args.file} to appear", file=sys.stderr)
-    return tail(args, _filter(args))
+    lf = LineFollower(args.file)
+    try:
+        return _tail(args, _filter(args), lf)
+    finally:
+        if lf.pending:
+            print(f"{PROG} tail: the last line is unterminated "
+                  f"({len(lf.pending)} bytes: being written, or torn)",
+                  file=sys.stderr)
+        lf.close()
+
+
+def _tail(args: argparse.Namespace, flt: views.Filter,
+          lf: "LineFollower") -> int:
+    from pmaptap.tapfile.follow import follow, matching, on_stop_signals
+
+    # Initial part: keep only the last N matches, so a large file is streamed.
+    last = collections.deque(matching(lf, flt), maxlen=max(args.lines, 0))
+    printer = _TailPrinter(args)
+    printer.emit(list(last))
+    if not args.follow or printer.done:
+        return 0
+
+    def report(lineno: int, problem: str) -> None:
+        print(f"{PROG} tail: line {lineno}: {problem} (skipped)", file=sys.stderr)
+
+    stop = threading.Event()
+    restore = on_stop_signals(stop.set)
+    try:
+        for batch in follow(lf, flt, stop=stop, interval=args.interval,
+                            timeout=args.timeout, report=report):
+            printer.emit(batch)
+            if printer.done:
+                break
+    finally:
+        restore()
+    return 0
+
+
+class _TailPrinter:
+    """Prints tail output; columns are fitted to the first rows and then only
+    grow (with room for typical values), since later rows are unknown."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.json = args.json
+        self.follow = args.follow
+        self.width = args.width
+        self.max = args.max_records
+        self.count = 0
+        self.table: views.Table | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.max) and self.count >= self.max
+
+    def emit(self, entries: list[views.Entry]) -> None:
+        if self.max:
+            entries = entries[: max(self.max - self.count, 0)]
+        if not entries:
+            return
+        self.count += len(entries)
+        if self.json:
+            for e in entries:
+                print(views.json_line(e))
+        else:
+            rows = [views.row(e, self.width) for e in entries]
+            if self.table is None:
+                self.table = views.Table()
+                if self.follow:
+                    # Room for rows not seen yet, so columns rarely shift.
+                    self.table.widths.update(line=6, name=10, step=6,
+                                             device=6, value=12)
+                self.table.fit(rows)
+                print(self.table.header())
+            for r in rows:
+                print(self.table.format(r))
+        # Piped output is block-buffered: follow mode must show rows now.
+        sys.stdout.flush()
 
 
 def cmd_launch(argv: list[str]) -> int:

@@ -148,7 +148,8 @@ class Aggregator:
                     spec, int(step), self._value(spec, leaves), t.processes[k],
                     device, t.coord_dicts[k], self.clock())]
             copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
-            return [self._replicated(spec, int(step), [copy], False)]
+            return [self._replicated_record_of_holders(spec, int(step), [copy],
+                                                       False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
         gkey = (spec.name, int(step), spec.site.pass_)
@@ -227,7 +228,7 @@ class Aggregator:
         out: list[Record] = []
         for holders, cps in shard_host.by_slice(copies).items():
             if dedup == "per_device":
-                out += [self._shard_record(spec, step, cp) for cp in cps]
+                out += [self._per_device_record_of_shard(spec, step, cp) for cp in cps]
                 continue
             by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()
             for cp in cps:
@@ -235,7 +236,7 @@ class Aggregator:
             if len(by_value) == 1:
                 cp = cps[0]
                 if dedup == "auto" and len(holders) == 1:
-                    out.append(self._shard_record(spec, step, cp))
+                    out.append(self._per_device_record_of_shard(spec, step, cp))
                     continue
                 # Every holder in the job, this process's ones compared; the
                 # other processes' copies are compared in the file (vhash).
@@ -246,7 +247,7 @@ class Aggregator:
                     index=cp.index))
                 continue
             if dedup == "auto":
-                out += [self._shard_record(spec, step, cp) for cp in cps]
+                out += [self._per_device_record_of_shard(spec, step, cp) for cp in cps]
                 continue
             for group in by_value.values():
                 extra = {"holders": [{"device": h.device, "process": h.process,
@@ -262,7 +263,9 @@ class Aggregator:
     def _shard_value(self, spec: TapSpec, cp: Copy) -> tuple:
         return encode_tree(spec.site.treedef, cp.leaves, cp.summaries)
 
-    def _shard_record(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+    def _per_device_record_of_shard(self, spec: TapSpec, step: int,
+                                    cp: Copy) -> Record:
+        """The per_device record of one shard's copy (with its index)."""
         return self._per_device_record(
             spec, step, self._shard_value(spec, cp), cp.process, cp.device,
             spec.shards.coords[cp.partition], self.clock(), index=cp.index)
@@ -332,7 +335,8 @@ class Aggregator:
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
             encoded = encode_rows(spec.site.treedef, stacked, [0], spec.site.summaries)[0]
-            return [self._replicated_by_all(spec, step, t, encoded, value_key(row0))]
+            return [self._replicated_record_of_all(spec, step, t, encoded,
+                                                   value_key(row0))]
         copies = []
         for k in range(spec.placement.total_copies):      # copies disagree: key each one
             row = [a[k] for a in stacked]
@@ -350,9 +354,9 @@ class Aggregator:
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        return [self._replicated_by_all(spec, step, t, self._value(spec, leaves),
-                                        value_key(leaves),
-                                        extra=None if verified else {"verified": False})]
+        return [self._replicated_record_of_all(
+            spec, step, t, self._value(spec, leaves), value_key(leaves),
+            extra=None if verified else {"verified": False})]
 
     def expire(self) -> list[Record]:
         now = self.clock()
@@ -371,6 +375,15 @@ class Aggregator:
             out += self._resolve(gkey, group)
         return out
 
+    def dropped_record(self, new: int, total: int, policy: str) -> Record:
+        """The meta record of overflow drops since the last one (written at
+        the next flush/close; never dropped itself)."""
+        return Record(
+            run=self.run, name="pmaptap/dropped", step=total, kind="meta",
+            value=new, dtype="int64", shape=[], process=self.process,
+            time=self.clock(), host=self.host,
+            extra={"dropped_total": total, "policy": policy})
+
     # ------------------------------------------------------------ dedup
     def _resolve(self, gkey: tuple, group: _Group,
                  local: set | None = None) -> list[Record]:
@@ -385,16 +398,20 @@ class Aggregator:
         for cp in copies:
             by_value.setdefault(cp.key, []).append(cp)
         if spec.site.dedup == "per_device" or (spec.site.dedup == "auto" and len(by_value) > 1):
-            return [self._per_device(spec, step, cp) for cp in copies
-                    if local is None or cp.coords in local]
+            return [self._per_device_record_of_copy(spec, step, cp)
+                    for cp in copies if local is None or cp.coords in local]
         divergent = len(by_value) > 1
-        return [self._replicated(spec, step, holders, divergent)
+        return [self._replicated_record_of_holders(spec, step, holders, divergent)
                 for holders in by_value.values()]
 
     def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
         return encode_tree(spec.site.treedef, leaves, spec.site.summaries)
 
-    def _per_device(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+    # Record builders: one per kind (_per_device_record, _replicated_record,
+    # dropped_record); the *_of_* helpers say what they build it from.
+    def _per_device_record_of_copy(self, spec: TapSpec, step: int,
+                                   cp: Copy) -> Record:
+        """The per_device record of one device's copy (grouped path)."""
         return self._per_device_record(
             spec, step, self._value(spec, cp.leaves), cp.process, cp.device,
             dict(zip(spec.placement.axis_names, cp.coords)), self.clock())
@@ -402,6 +419,7 @@ class Aggregator:
     def _per_device_record(self, spec: TapSpec, step: int, encoded: tuple,
                            process: int, device: int | None, coords: dict,
                            now: float, index: Any = None) -> Record:
+        """The per_device record builder."""
         value, dtype, shape = encoded
         return new_record(
             run=self.run, name=spec.name, step=step, kind="per_device",
@@ -410,15 +428,19 @@ class Aggregator:
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
             summarized=bool(spec.site.summaries), index=index)
 
-    def _replicated_by_all(self, spec: TapSpec, step: int, t: _Table,
-                           encoded: tuple, key: bytes, extra: dict | None = None
-                           ) -> Record:
-        """The record of a value every copy holds (agreement established)."""
+    def _replicated_record_of_all(self, spec: TapSpec, step: int, t: _Table,
+                                  encoded: tuple, key: bytes,
+                                  extra: dict | None = None) -> Record:
+        """The replicated record of a value every copy of the tap site holds
+        (agreement established)."""
         return self._replicated_record(spec, step, encoded, t.all_devices,
                                        t.all_processes, key, extra=extra)
 
-    def _replicated(self, spec: TapSpec, step: int, holders: list[Copy],
-                    divergent: bool) -> Record:
+    def _replicated_record_of_holders(self, spec: TapSpec, step: int,
+                                      holders: list[Copy],
+                                      divergent: bool) -> Record:
+        """The replicated record of one value and the copies that hold it
+        (all of a group, or one of a divergent group's values)."""
         extra = None
         if divergent:
             # Which coordinates held this value: the device may be unknown
@@ -436,6 +458,7 @@ class Aggregator:
                            devices: tuple, processes: tuple, key: bytes, *,
                            divergent: bool = False, extra: dict | None = None,
                            index: Any = None) -> Record:
+        """The replicated record builder."""
         value, dtype, shape = encoded
         return new_record(
             run=self.run, name=spec.name, step=step, kind="replicated",

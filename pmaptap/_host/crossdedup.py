@@ -30,7 +30,7 @@ import dataclasses
 from collections import OrderedDict
 from typing import Sequence
 
-from pmaptap.tapfile.format import Record, index_key, record_key
+from pmaptap.tapfile.format import Record, record_key
 from pmaptap.tapfile.parse import parse_line
 
 _REPLICATED_MARK = b'"kind":"replicated"'
@@ -94,7 +94,7 @@ class CrossProcessIndex:
             if r.kind != "replicated" or not r.vhash:
                 out.append(r)
                 continue
-            key = (r.run, r.name, r.step, r.pass_, index_key(r.index))
+            key = record_key(r)
             others = self._others(key)
             if r.vhash in others:
                 self.skipped += 1          # another process wrote this value

@@ -1,5 +1,19 @@
-"""Which pipeline receives a host callback: the open session's, or a
-process-wide console pipeline that prints readable lines to stderr."""
+"""Which pipeline receives a host callback: the active session's, or a
+process-wide console pipeline that prints readable lines to stderr.
+
+The active session is held here and nowhere else (``session.py`` reads and
+sets it through this module), so the callback path and the session
+lifecycle cannot disagree about it.
+
+Hand-over against close/open: the callback reads the active session once and
+offers the payload to its pipeline. A pipeline admits under its queue lock
+until close() shuts admission, and close() answers only once everything
+admitted is written; a payload offered after that is refused, and goes to
+the console like a tap with no session. So every tap lands in the session
+active when its callback ran, is written by that session before its close()
+returns, or is printed on stderr: never nowhere, and never counted as an
+overflow drop.
+"""
 from __future__ import annotations
 
 import atexit
@@ -9,29 +23,35 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._host.pipeline import Pipeline
+    from pmaptap._host.session import Session
     from pmaptap._trace.spec import TapSpec
 
-_lock = threading.Lock()
-_active: "Pipeline | None" = None
+# Guards the creation of the console pipeline only; the callback path reads
+# ``_active`` without it (one reference read is atomic in Python).
+_console_lock = threading.Lock()
+_active: "Session | None" = None
 _console: "Pipeline | None" = None
 
 
-def set_active(p: "Pipeline | None") -> None:
-    global _active
-    with _lock:
-        _active = p
-
-
-def active() -> "Pipeline | None":
+def active_session() -> "Session | None":
     return _active
 
 
+def set_active(s: "Session | None") -> None:
+    """Called by Session.open()/close() under the session module's open lock."""
+    global _active
+    _active = s
+
+
 def console() -> "Pipeline":
+    """The console pipeline, started on first use and again after it closed
+    (or began closing: at exit a late tap gets a fresh one rather than a
+    pipeline that no longer admits)."""
     global _console
-    with _lock:
-        if _console is None or _console.closed:
+    with _console_lock:
+        if _console is None or not _console.admitting:
             from pmaptap._host.pipeline import Pipeline
-            from pmaptap._host.sink import ConsoleSink
+            from pmaptap._host.console import ConsoleSink
             _console = Pipeline(ConsoleSink(), run="console")
             # Print what is pending and stop its threads before JAX's own
             # exit handlers (registered earlier, so they run later).
@@ -55,13 +75,22 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
         if spec.consumer is not None:
             spec.consumer(spec, arrays)
             return
-        p = _active
-        if p is None or p.closed:
-            p = console()
-        p.ingest(spec, arrays)
+        s = _active
+        if s is not None and s.pipeline.ingest(spec, arrays):
+            return
+        # No session, or its close() already shut admission.
+        if console().ingest(spec, arrays):
+            return
+        # The console itself closed between the two lines above (interpreter
+        # exit); one more fresh console, and a word on stderr if even that
+        # does not take it.
+        if not console().ingest(spec, arrays):
+            print(f"[pmaptap] a tap of {spec.name!r} arrived while pmaptap was "
+                  "shutting down and was not written", file=sys.stderr)
     except BaseException as e:  # noqa: BLE001 - must not propagate into XLA
         try:
-            p = _active or _console
+            s = _active
+            p = s.pipeline if s is not None else _console
             if p is not None:
                 p.record_error(e)
             else:

@@ -21,15 +21,14 @@ from pmaptap import distributed
 
 from pmaptap._host import routing
 from pmaptap.errors import SessionError, TapError
-from pmaptap._host.pipeline import OVERFLOW_POLICIES, Pipeline
+from pmaptap._host.pipeline import Pipeline
+from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
 
+# Serializes open() against close()'s clearing of the active session. The
+# active session itself is held by routing (the callback path reads it there).
 _open_lock = threading.Lock()
-_active_session: "Session | None" = None
-
-
-def active_session() -> "Session | None":
-    return _active_session
+active_session = routing.active_session
 
 
 def _new_run_id() -> str:
@@ -59,7 +58,7 @@ class Session:
     group_timeout: seconds a step waits for missing device copies.
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
-      pmaptap.sink.FileSink). Every process of a job must use the same mode.
+      pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
@@ -104,12 +103,12 @@ class Session:
 
     # ------------------------------------------------------------- open
     def open(self) -> "Session":
-        global _active_session
         with _open_lock:
-            if _active_session is not None:
+            current = routing.active_session()
+            if current is not None:
                 raise SessionError(
                     f"another pmaptap session is already open in this process: "
-                    f"{_active_session!r}. Close it (session.close() or leave "
+                    f"{current!r}. Close it (session.close() or leave "
                     "its `with` block) before opening a new one.")
             if self.pipeline is not None:
                 raise SessionError(f"{self!r} was already used; create a new "
@@ -123,14 +122,13 @@ class Session:
             except BaseException:
                 sink.close()
                 raise
-            routing.set_active(self.pipeline)
-            _active_session = self
+            routing.set_active(self)
         atexit.register(self._close_at_exit)
         self._install_sigterm()
         return self
 
     def __enter__(self) -> "Session":
-        if _active_session is self:
+        if routing.active_session() is self:
             return self        # `s.open()` earlier, then `with s:` is fine
         return self.open()
 
@@ -165,7 +163,6 @@ class Session:
     def close(self) -> None:
         """Write everything dispatched, wait for the other processes (multi-
         process jobs), and end the session. Safe to call twice."""
-        global _active_session
         p = self.pipeline
         if p is None or p.closed:
             return
@@ -182,9 +179,8 @@ class Session:
             finally:
                 self._phase = ""
                 with _open_lock:
-                    if _active_session is self:
-                        _active_session = None
-                    routing.set_active(None)
+                    if routing.active_session() is self:
+                        routing.set_active(None)
                 try:
                     atexit.unregister(self._close_at_exit)
                 except Exception:  # noqa: BLE001
@@ -263,7 +259,7 @@ def _effects_barrier() -> None:
 
 def flush(timeout: float | None = -1) -> None:
     """Flush the active session, or the stderr console pipeline if none."""
-    s = _active_session
+    s = routing.active_session()
     if s is not None:
         s.flush(timeout)
         return

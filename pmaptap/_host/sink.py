@@ -1,5 +1,5 @@
-"""Where finished records go: a small writer interface (write/close) with a
-shared-file implementation and a console implementation.
+"""Where finished records go: a small writer interface (write/close) and the
+shared-file implementation (the console one is in console.py).
 
 ``FileSink`` appends whole lines to one file shared by every process of a job.
 Each batch is encoded outside the lock, then written with a single
@@ -26,14 +26,13 @@ from __future__ import annotations
 import abc
 import errno
 import os
-import sys
 import warnings
 from typing import Sequence
 
 import filelock
 
 from pmaptap.errors import LockBusy, TapError, TapPathError
-from pmaptap.tapfile.format import Record, encode_line, index_text
+from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.parse import line_problem
 from pmaptap._host.crossdedup import CrossProcessIndex
 
@@ -121,9 +120,8 @@ class FileSink(Sink):
 
     def __init__(self, path: str, *, lock_timeout: float = 1.0,
                  lock: str = "flock", process: int | None = None) -> None:
-        if lock not in LOCK_MODES:
-            raise ValueError(f"lock must be one of {LOCK_MODES} (\"soft\" for "
-                             f"NFS and other shared filesystems), got {lock!r}")
+        # Validated once, where users pass it (Session).
+        assert lock in LOCK_MODES, lock
         self.path = prepare_path(path)
         self.lock_timeout = lock_timeout
         self.lock_mode = lock
@@ -400,37 +398,3 @@ def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:
 
 def _utf8(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def format_console(r: Record) -> str:
-    parts = [f"[pmaptap] {r.name} step={r.step} process={r.process}"]
-    if r.kind == "per_device":
-        parts.append(f"device={r.device}")
-        parts.extend(f"{k}={v}" for k, v in (r.coords or {}).items())
-    elif r.kind == "replicated":
-        parts.append(f"replicas={r.replicas}")
-    if r.index is not None:
-        parts.append(f"index=[{index_text(r.index, ', ')}]")
-    if r.divergent:
-        parts.append("DIVERGENT")
-    if r.pass_ != "forward":
-        parts.append(f"pass={r.pass_}")
-    text = " ".join(parts)
-    value = r.value if r.kind != "meta" else r.extra
-    # Through JSON so NumPy arrays print as plain lists ([0.5, 1.0]).
-    shown = encode_line({"v": value}).decode("utf-8").strip()[5:-1]
-    if len(shown) > 200:
-        shown = shown[:197] + "..."
-    return f"{text}: {shown}"
-
-
-class ConsoleSink(Sink):
-    """No open session: one readable line per record on stderr."""
-
-    def __init__(self, stream=None) -> None:
-        self.stream = stream
-
-    def write(self, records: Sequence[Record]) -> None:
-        stream = self.stream or sys.stderr
-        stream.write("".join(format_console(r) + "\n" for r in records))
-        stream.flush()

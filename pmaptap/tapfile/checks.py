@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.format import NONFINITE
+from pmaptap.tapfile.format import NONFINITE, record_key
 from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
@@ -149,9 +149,9 @@ def _coords_key(coords: Any) -> Any:
 
 
 def duplicate_key(r: dict) -> tuple | None:
-    # Shards of one value (``index``) are different values, never duplicates.
-    base = (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"),
-            _canonical(r.get("index")))
+    # Shards of one value (``index``) are different values, never duplicates:
+    # record_key holds the index.
+    base = record_key(r)
     kind = r.get("kind")
     if kind == "replicated":
         return ("replicated", *base, r.get("vhash") or _canonical(r.get("value")))

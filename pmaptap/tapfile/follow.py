@@ -1,4 +1,5 @@
-"""``pmaptap tail [-f]``: reading a tap file while writers append to it.
+"""Reading a tap file while writers append to it (``pmaptap tail -f``;
+the command itself is in cli.py).
 
 Writers append whole lines with one ``write`` under a lock (sink.py), but a
 reader takes no lock, so it can see a line that is still being written, and a
@@ -8,11 +9,8 @@ arrives; only then is the line parsed (and reported if it is not a record).
 """
 from __future__ import annotations
 
-import argparse
-import collections
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -20,8 +18,6 @@ from typing import Any, Callable, Iterator
 from pmaptap.tapfile import parse, views
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.format import decode_record
-
-PROG = "pmaptap"
 
 _CHUNK = 1 << 20
 
@@ -103,105 +99,45 @@ class LineFollower:
             self._f = None
 
 
-def tail(args: argparse.Namespace, flt: views.Filter) -> int:
-    """``pmaptap tail``: the last ``args.lines`` matching records, then with
-    ``args.follow`` every new one until a signal, the timeout or the count."""
-    lf = LineFollower(args.file)
-    try:
-        return _tail(args, flt, lf)
-    finally:
-        if lf.pending:
-            print(f"{PROG} tail: the last line is unterminated "
-                  f"({len(lf.pending)} bytes: being written, or torn)",
-                  file=sys.stderr)
-        lf.close()
-
-
-def _tail(args: argparse.Namespace, flt: views.Filter, lf: LineFollower) -> int:
-    # Initial part: keep only the last N matches, so a large file is streamed.
-    last: collections.deque = collections.deque(maxlen=max(args.lines, 0))
+def matching(lf: LineFollower, flt: views.Filter,
+             report: Callable[[int, str], None] | None = None
+             ) -> Iterator[views.Entry]:
+    """The records among the lines completed since the last poll that pass
+    ``flt``, streamed (a large file is never held whole). Lines that are not
+    records go to ``report(line number, problem)``; blank lines do not."""
     for lineno, raw in lf.poll():
-        d, _ = parse_line(raw)
-        if d is not None:
-            rec = decode_record(d)
-            if flt(rec):
-                last.append(views.Entry(lineno, d, rec))
-    printer = _TailPrinter(args)
-    printer.emit(list(last))
-    if not args.follow or printer.done:
-        return 0
-    stop = threading.Event()
-    restore = _on_stop_signals(stop.set)
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    try:
-        while not stop.is_set() and not printer.done:
-            batch = []
-            for lineno, raw in lf.poll():
-                d, problem = parse_line(raw)
-                if d is None:
-                    if problem != "empty line":
-                        print(f"{PROG} tail: line {lineno}: {problem} (skipped)",
-                              file=sys.stderr)
-                    continue
-                rec = decode_record(d)
-                if flt(rec):
-                    batch.append(views.Entry(lineno, d, rec))
-            printer.emit(batch)
-            wait = args.interval
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    break
-            stop.wait(wait)
-    finally:
-        restore()
-    return 0
+        d, problem = parse_line(raw)
+        if d is None:
+            if report is not None and problem != "empty line":
+                report(lineno, problem)
+            continue
+        rec = decode_record(d)
+        if flt(rec):
+            yield views.Entry(lineno, d, rec)
 
 
-class _TailPrinter:
-    """Prints tail output; columns are fitted to the first rows and then only
-    grow (with room for typical values), since later rows are unknown."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.json = args.json
-        self.follow = args.follow
-        self.width = args.width
-        self.max = args.max_records
-        self.count = 0
-        self.table: views.Table | None = None
-
-    @property
-    def done(self) -> bool:
-        return bool(self.max) and self.count >= self.max
-
-    def emit(self, entries: list[views.Entry]) -> None:
-        if self.max:
-            entries = entries[: max(self.max - self.count, 0)]
-        if not entries:
-            return
-        self.count += len(entries)
-        if self.json:
-            for e in entries:
-                print(views.json_line(e))
-        else:
-            rows = [views.row(e, self.width) for e in entries]
-            if self.table is None:
-                self.table = views.Table()
-                if self.follow:
-                    # Room for rows not seen yet, so columns rarely shift.
-                    self.table.widths.update(line=6, name=10, step=6,
-                                             device=6, value=12)
-                self.table.fit(rows)
-                print(self.table.header())
-            for r in rows:
-                print(self.table.format(r))
-        # Piped output is block-buffered: follow mode must show rows now.
-        sys.stdout.flush()
+def follow(lf: LineFollower, flt: views.Filter, *, stop: threading.Event,
+           interval: float, timeout: float | None,
+           report: Callable[[int, str], None] | None = None
+           ) -> Iterator[list[views.Entry]]:
+    """Batches of new matching records, one per poll every ``interval``
+    seconds, until ``stop`` is set or ``timeout`` seconds have passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not stop.is_set():
+        yield list(matching(lf, flt, report))
+        wait = interval
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                return
+        stop.wait(wait)
 
 
-def _on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
-    """Ctrl-C / SIGTERM end ``tail -f`` cleanly (no traceback, exit 0):
-    the handler only sets a flag that the poll loop checks."""
+def on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
+    """Ctrl-C / SIGTERM end a follow loop (``tail -f``, ``export
+    --tensorboard --follow``) cleanly (no traceback, exit 0): the handler only
+    calls ``callback`` (setting a flag the poll loop checks). Returns the
+    function that restores the previous handlers."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous: dict[int, Any] = {}

@@ -114,13 +114,16 @@ def new_record(**fields: Any) -> Record:
 
 
 
-def record_key(d: dict) -> tuple:
+def record_key(r: "dict | Record") -> tuple:
     """The identity of a value in a tap file: replicated records with the same
     key hold the same value (or are divergent); per-device records add the
-    device. One definition for the writer's cross-process dedup and readers.
+    device. One definition for the writer's cross-process dedup (a Record
+    about to be written, or a line other processes wrote) and readers.
     Shards of one value are different values: their ``index`` is part of it."""
-    return (d.get("run"), d.get("name"), d.get("step"), d.get("pass", "forward"),
-            index_key(d.get("index")))
+    if isinstance(r, Record):
+        return (r.run, r.name, r.step, r.pass_, index_key(r.index))
+    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"),
+            index_key(r.get("index")))
 
 
 def index_key(index: Any) -> Any:

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pmaptap.tapfile import views
-from pmaptap.tapfile.follow import LineFollower, _on_stop_signals
+from pmaptap.tapfile.follow import LineFollower, on_stop_signals
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.reader import iter_lines
@@ -254,7 +254,7 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
     tb = TensorBoardExport(outdir)
     lf = LineFollower(path)
     stop = threading.Event()
-    restore = _on_stop_signals(stop.set)
+    restore = on_stop_signals(stop.set)
     deadline = None if timeout is None else time.monotonic() + timeout
     restarts = 0
     try:

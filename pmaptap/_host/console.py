@@ -1,0 +1,42 @@
+"""Taps without a session: one readable line per record on stderr."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence, TextIO
+
+from pmaptap._host.sink import Sink
+from pmaptap.tapfile.format import Record, encode_line, index_text
+
+
+def format_console(r: Record) -> str:
+    parts = [f"[pmaptap] {r.name} step={r.step} process={r.process}"]
+    if r.kind == "per_device":
+        parts.append(f"device={r.device}")
+        parts.extend(f"{k}={v}" for k, v in (r.coords or {}).items())
+    elif r.kind == "replicated":
+        parts.append(f"replicas={r.replicas}")
+    if r.index is not None:
+        parts.append(f"index=[{index_text(r.index, ', ')}]")
+    if r.divergent:
+        parts.append("DIVERGENT")
+    if r.pass_ != "forward":
+        parts.append(f"pass={r.pass_}")
+    text = " ".join(parts)
+    value = r.value if r.kind != "meta" else r.extra
+    # Through JSON so NumPy arrays print as plain lists ([0.5, 1.0]).
+    shown = encode_line({"v": value}).decode("utf-8").strip()[5:-1]
+    if len(shown) > 200:
+        shown = shown[:197] + "..."
+    return f"{text}: {shown}"
+
+
+class ConsoleSink(Sink):
+    """No open session: one readable line per record on stderr."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+
+    def write(self, records: Sequence[Record]) -> None:
+        stream = self.stream or sys.stderr
+        stream.write("".join(format_console(r) + "\n" for r in records))
+        stream.flush()

@@ -1,0 +1,274 @@
+"""The bounded queue of one pipeline and its overflow policy.
+
+    callback --admit()--> [ingress] --aggregator--> [outbox] --writer--> sink
+
+``ingress`` holds callback payloads waiting for the aggregator, ``outbox``
+records waiting for the writer. The two share ONE bound: payloads plus
+records are limited to ``max_pending`` items and ``max_pending_bytes`` bytes,
+so memory stays bounded whichever stage is slow. Past the bound, ``overflow``
+decides: "block" (the callback waits for room: nothing is lost, the devices
+slow down), "drop_oldest" (default: the oldest queued item is discarded;
+items already in a thread's hands, at most one aggregation chunk and one
+write batch, cannot be, and when only those remain the arriving one is) or
+"drop_newest" (the arriving one is). No payload is admitted past the bound
+(one payload can still become several records, e.g. one per device). Drops
+are counted here; the aggregator turns them into a ``pmaptap/dropped``
+record at the next marker (flush/close).
+
+Markers (flush, close) travel through both stages in order: one is answered
+once everything queued before it is written (or the write failed).
+
+Admission ends with ``shut()``, which queues the close marker in the same
+critical section: every admitted payload is ahead of it, hence written
+before close() returns, and ``admit`` refuses later ones (returns False) so
+the caller can send them elsewhere rather than lose them.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+from pmaptap.tapfile.format import Record
+
+OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
+
+# A consumer that lingers (to take many items per wake-up) is woken early
+# once this many payloads wait.
+LINGER_MAX = 64
+# Payloads the aggregator takes per wake-up: bounds one chunk's latency and
+# what drop_oldest cannot reach.
+CHUNK = 4096
+
+# What a consumer thread is doing, so producers notify only a listener.
+_BUSY, _WAITING, _LINGERING = 0, 1, 2
+
+
+class Marker:
+    """Travels through both stages; set when everything before it is written."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.failed = False
+
+
+class Stop(Marker):
+    """The close marker: the threads end after answering it."""
+
+
+def payload_bytes(arrays: tuple[Any, ...]) -> int:
+    try:                       # NumPy arrays from host_call: the common case
+        return 64 + sum(a.nbytes for a in arrays)
+    except AttributeError:
+        return 64 + sum(int(getattr(a, "nbytes", 0) or 0) for a in arrays)
+
+
+def record_bytes(r: Record) -> int:
+    return 256 + (len(str(r.value)) if r.kind == "meta" else 0)
+
+
+class BoundedQueue:
+    def __init__(self, *, overflow: str = "drop_oldest",
+                 max_pending: int = 1_000_000,
+                 max_pending_bytes: int = 1 << 30) -> None:
+        # Validated once, where users pass it (Session); a bad value here
+        # is a bug in pmaptap, not user input.
+        assert overflow in OVERFLOW_POLICIES, overflow
+        self.overflow = overflow
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        # One lock for both stages (the bound and drop_oldest span them) and
+        # three conditions on it, so each wake-up reaches the thread that has
+        # work: a shared notify_all cost ~20% of throughput. Never held
+        # across I/O or aggregation, so the callback only ever waits for
+        # another thread's queue operation (or for room, under "block").
+        self._lock = threading.Lock()
+        self._payload_cv = threading.Condition(self._lock)   # aggregator
+        self._record_cv = threading.Condition(self._lock)    # writer
+        self._space_cv = threading.Condition(self._lock)     # "block" admit
+        self._aggregator = _BUSY
+        self._writer = _BUSY
+        self._ingress: collections.deque = collections.deque()
+        self._outbox: collections.deque = collections.deque()
+        self._outbox_markers = 0
+        self._items = 0
+        self._bytes = 0
+        self.dropped = 0
+        self._dropped_reported = 0
+        self.admitting = True
+        # Cleared when the aggregator thread ends for any reason: past the
+        # bound, "block" would then wait forever, so it drops instead.
+        self.aggregator_running = True
+
+    # ------------------------------------------------------ callback side
+    def admit(self, item: Any, arrays: tuple[Any, ...]) -> bool:
+        """Queue one payload ``(item, arrays)``. False once shut (the caller
+        sends it elsewhere); True when queued, or dropped and counted."""
+        size = payload_bytes(arrays)
+        with self._lock:
+            if not self.admitting:
+                return False
+            while self._over(size):
+                if self.overflow == "drop_newest" or not self.aggregator_running:
+                    self.dropped += 1
+                    return True
+                if self.overflow == "drop_oldest":
+                    if not self._drop_oldest():
+                        # Everything pending is in the threads' hands (being
+                        # aggregated or written): drop the arriving item
+                        # rather than exceed the bound.
+                        self.dropped += 1
+                        return True
+                    continue
+                if self._aggregator == _LINGERING:
+                    self._payload_cv.notify()   # room comes from aggregating now
+                self._space_cv.wait(0.1)        # "block"
+                if not self.admitting:
+                    return False                # close() began: not its to write
+            self._ingress.append((item, arrays, size))
+            self._items += 1
+            self._bytes += size
+            if self._aggregator == _WAITING or (
+                    self._aggregator == _LINGERING and
+                    len(self._ingress) >= LINGER_MAX):
+                self._payload_cv.notify()
+            return True
+
+    def _over(self, size: int) -> bool:
+        return (self._items + 1 > self.max_pending or
+                (self._bytes + size > self.max_pending_bytes and self._items > 0))
+
+    def _drop_oldest(self) -> bool:
+        # The outbox holds the older items (already aggregated), so it is
+        # searched first. Markers and meta records (the drop counts
+        # themselves) are never dropped.
+        for q in (self._outbox, self._ingress):
+            for i, entry in enumerate(q):
+                if isinstance(entry, Marker) or (
+                        q is self._outbox and entry[0].kind == "meta"):
+                    continue
+                del q[i]
+                self._items -= 1
+                self._bytes -= entry[-1]
+                self.dropped += 1
+                return True
+        return False
+
+    # ------------------------------------------------------ control
+    def send(self, marker: Marker) -> None:
+        """Queue a flush marker behind everything admitted so far."""
+        with self._lock:
+            self._ingress.append(marker)
+            self._payload_cv.notify()          # also ends a linger
+
+    def shut(self, stop: Stop) -> None:
+        """End admission and queue the close marker, atomically (see top)."""
+        with self._lock:
+            self.admitting = False
+            self._space_cv.notify_all()        # "block" waiters: refused now
+            self._ingress.append(stop)
+            self._payload_cv.notify()
+
+    @property
+    def pending(self) -> int:
+        """Payloads and records not yet written (or dropped)."""
+        with self._lock:
+            return self._items
+
+    # ------------------------------------------------------ aggregator side
+    def take_payloads(self, linger: float) -> list:
+        """The next chunk of payloads, ending at the first marker (records of
+        payloads before a marker must reach the outbox before it). Waits up
+        to 0.25 s for any, then lingers up to ``linger`` for more, so one
+        wake-up handles many callbacks: waking per callback costs more than
+        the work on a busy machine. A marker ends the linger."""
+        with self._lock:
+            if not self._ingress:
+                self._aggregator = _WAITING
+                self._payload_cv.wait(0.25)
+                self._aggregator = _BUSY
+            if self._ingress and len(self._ingress) < LINGER_MAX and \
+                    not isinstance(self._ingress[-1], Marker):
+                self._aggregator = _LINGERING
+                self._payload_cv.wait(linger)
+                self._aggregator = _BUSY
+            items = []
+            while self._ingress and len(items) < CHUNK:
+                items.append(self._ingress.popleft())
+                if isinstance(items[-1], Marker):
+                    break
+            return items
+
+    def put_records(self, recs: list[Record], marker: Marker | None,
+                    freed: tuple[int, int]) -> None:
+        """Queue the records made from ``freed`` (payload count, bytes) and
+        the marker that ended the chunk. The payloads stay counted until
+        their records are queued (same critical section): freeing them first
+        let admit() take up to one chunk past max_pending."""
+        if not recs and marker is None and not freed[0]:
+            return
+        with self._lock:
+            self._items -= freed[0]
+            self._bytes -= freed[1]
+            if freed[0] > len(recs):
+                self._space_cv.notify_all()     # net room for "block" waiters
+            for r in recs:
+                b = record_bytes(r)
+                self._outbox.append((r, b))
+                self._items += 1
+                self._bytes += b
+            if marker is not None:
+                self._outbox.append(marker)
+                self._outbox_markers += 1
+            if self._writer == _WAITING or (
+                    self._writer == _LINGERING and marker is not None):
+                self._record_cv.notify()
+
+    def new_drops(self) -> tuple[int, int]:
+        """(drops since the last call, total drops)."""
+        with self._lock:
+            new = self.dropped - self._dropped_reported
+            self._dropped_reported = self.dropped
+            return new, self.dropped
+
+    def aggregator_ended(self) -> None:
+        with self._lock:
+            self.aggregator_running = False
+            self._space_cv.notify_all()
+
+    # ------------------------------------------------------ writer side
+    def take_batch(self, linger: float, max_batch: int
+                   ) -> tuple[list[tuple[Record, int]], list[Marker]]:
+        """Up to ``max_batch`` records and the marker after them, if any.
+        Waits for records, then lingers up to ``linger`` to batch more lines
+        per lock acquisition unless someone waits on a marker."""
+        with self._lock:
+            while not self._outbox:
+                self._writer = _WAITING
+                self._record_cv.wait()
+                self._writer = _BUSY
+            if not self._outbox_markers and len(self._outbox) < max_batch:
+                self._writer = _LINGERING       # only a marker ends it
+                self._record_cv.wait(linger)
+                self._writer = _BUSY
+            batch: list[tuple[Record, int]] = []
+            markers: list[Marker] = []
+            while self._outbox and len(batch) < max_batch:
+                entry = self._outbox.popleft()
+                if isinstance(entry, Marker):
+                    markers.append(entry)
+                    self._outbox_markers -= 1
+                    break
+                batch.append(entry)
+            return batch, markers
+
+    def requeue(self, batch: list[tuple[Record, int]]) -> None:
+        """A batch that could not be written goes back in front, in order."""
+        with self._lock:
+            self._outbox.extendleft(reversed(batch))
+
+    def written(self, batch: list[tuple[Record, int]]) -> None:
+        with self._lock:
+            self._items -= len(batch)
+            self._bytes -= sum(b for _, b in batch)
+            self._space_cv.notify_all()
