@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import math
 import time
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
-from pmaptap.tapfile.format import Record, new_record
+from pmaptap.tapfile.format import MAX_STEP, Record, new_record
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 
 
@@ -126,6 +127,9 @@ class Aggregator:
         self._counters: dict[tuple, int] = {}
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
+        # Payloads refused for a traced step outside 0..2**63-1, per tap
+        # name: [count, first bad step]; reported by refused_records().
+        self._refused: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ input
     def add(self, spec: TapSpec, coords: np.ndarray, step: int,
@@ -175,6 +179,8 @@ class Aggregator:
             return self._add_shard(spec, arrays)
         coords = arrays[0]
         step = int(arrays[1])
+        if spec.site.explicit_step and not 0 <= step <= MAX_STEP:
+            return self._refuse(spec.site.name, step)
         layout, packing = spec.transport.layout, spec.transport.packing
         if packing:
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
@@ -195,6 +201,8 @@ class Aggregator:
         place, site = spec.shards, spec.site
         k = int(np.asarray(arrays[0]).reshape(-1)[0])
         step = int(arrays[2])
+        if site.explicit_step and not 0 <= step <= MAX_STEP:
+            return self._refuse(site.name, step)
         raw = list(arrays[3:])
         device = place.devices[k]
         if not site.explicit_step:
@@ -373,6 +381,32 @@ class Aggregator:
         while self._groups:
             gkey, group = self._groups.popitem(last=False)
             out += self._resolve(gkey, group)
+        return out + self.refused_records()
+
+    def _refuse(self, name: str, step: int) -> list[Record]:
+        # A traced step out of range (Python ints are checked at trace
+        # time): a record with it would be one no reader can place. Counted
+        # here, reported by refused_records() at the next flush/close.
+        self._refused.setdefault(name, [0, step])[0] += 1
+        return []
+
+    def refused_records(self) -> list[Record]:
+        """One ``pmaptap/refused`` meta record (and a warning) per tap name
+        whose traced step was out of range since the last call."""
+        refused, self._refused = self._refused, {}
+        out = []
+        for name, (count, example) in refused.items():
+            warnings.warn(
+                f"pmaptap refused {count} callback(s) of tap {name!r}: traced "
+                f"step {example} is outside 0..2**63-1 (steps are int64 >= "
+                "0); nothing was written for them.", RuntimeWarning,
+                stacklevel=2)
+            out.append(Record(
+                run=self.run, name="pmaptap/refused", step=0, kind="meta",
+                value=count, dtype="int64", shape=[], process=self.process,
+                time=self.clock(), host=self.host,
+                extra={"tap": name, "reason": "step out of range",
+                       "example_step": example}))
         return out
 
     def dropped_record(self, new: int, total: int, policy: str) -> Record:

@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.format import NONFINITE, record_key
+from pmaptap.tapfile.format import MAX_STEP, NONFINITE, record_key
 from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
@@ -65,6 +65,8 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
 
 def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
     """Does ``value`` have the nesting that ``dtype``/``shape`` describe?"""
+    if value is None and dtype is None and shape is None:
+        return None        # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
         return _leaf_problem(value, dtype, shape)
     if isinstance(dtype, dict):
@@ -92,6 +94,8 @@ def schema_problems(d: dict) -> list[str]:
     """Violations of the record format in a dict that already passed
     ``records.validate_dict`` (which only checks what readers rely on)."""
     out: list[str] = []
+    if not 0 <= d["step"] <= MAX_STEP:
+        out.append(f"step must be from 0 to 2**63-1, got {d['step']}")
     if not _is_int(d["process"]) or d["process"] < 0:
         out.append("process must be a non-negative integer")
     if not _is_num(d["time"]) or not math.isfinite(d["time"]):

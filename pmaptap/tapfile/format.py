@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 KINDS = ("replicated", "per_device", "meta")
+# Steps are integers from 0 to the int64 maximum, whatever form the tap got.
+MAX_STEP = 2**63 - 1
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape",
             "process", "time", "host")
 # The strings that stand for non-finite floats inside ``value`` (JSON has no
