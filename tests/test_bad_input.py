@@ -520,3 +520,89 @@ def test_files_are_created_with_the_process_umask(tmp_path, umask, lock) -> None
         full = 0o777 if os.path.isdir(p) else 0o666
         assert mode == full & ~umask, (str(p), oct(mode))
         assert not mode & stat.S_IWOTH, str(p)        # never world-writable
+
+
+# ------------------------------------------------------------ configure()
+
+_GOOD_OPTIONS = {"gather": [True, False, np.bool_(True)],
+                 "verify_replicated": [True, False],
+                 "gather_max_bytes": [0, 1 << 20, np.int64(64)],
+                 "max_value_bytes": [None, 0, 4096]}
+_BAD_OPTIONS = {"gather": ["yes", 1, None, "False"],
+                "verify_replicated": ["no", 0, None],
+                "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
+                "max_value_bytes": [-1, 1.5, True, "1MiB"]}
+
+
+def test_every_configure_option_is_checked_and_says_what_is_allowed():
+    from pmaptap._trace.options import Options
+    fields = {f.name for f in dataclasses.fields(Options)}
+    # A new option must come with its checks (and a line in this table).
+    assert set(_GOOD_OPTIONS) == set(_BAD_OPTIONS) == fields
+    before = pmaptap.configure()
+    try:
+        for name, values in _GOOD_OPTIONS.items():
+            for v in values:
+                pmaptap.configure(**{name: v})
+                got = getattr(pmaptap.configure(), name)
+                assert got == v and type(got) in (bool, int, type(None)), (name, v)
+        kept = pmaptap.configure()
+        allowed = {"gather": "True or False", "verify_replicated": "True or False",
+                   "gather_max_bytes": "int >= 0",
+                   "max_value_bytes": r"int >= 0 \(bytes\) or None"}
+        for name, values in _BAD_OPTIONS.items():
+            for v in values:
+                with pytest.raises(ValueError, match=f"{name} must be (an )?{allowed[name]}"):
+                    pmaptap.configure(**{name: v})
+                with pytest.raises(ValueError, match=name):
+                    with pmaptap.configured(**{name: v}):
+                        pass
+        assert pmaptap.configure() == kept        # nothing bad was kept
+    finally:
+        pmaptap.configure(**dataclasses.asdict(before))
+
+
+# ------------------------------------------------------------ dataclass pytrees
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: tuple
+    note: None = None
+    name: str = dataclasses.field(default="ts", metadata=dict(static=True))
+
+
+def test_registered_dataclass_pytree_is_written_with_its_field_names(session, tap_path):
+    state = _TrainState(jnp.int32(7), {"w": jnp.ones(2), "b": jnp.float32(0.5)},
+                        (jnp.zeros(1),))
+    jax.jit(lambda s: pmaptap.tap(s, "state"))(state)
+    jax.pmap(lambda v: pmaptap.tap(_TrainState(v, {"w": v}, (v > 3,)), "pm",
+                                   dedup="per_device"))(jnp.arange(8.0))
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    (r,) = [r for r in recs if r["name"] == "state"]
+    assert r["value"] == {"step": 7, "params": {"b": 0.5, "w": [1.0, 1.0]},
+                          "opt_state": [[0.0]], "note": None}
+    assert r["dtype"] == {"step": "int32", "params": {"b": "float32", "w": "float32"},
+                          "opt_state": ["float32"], "note": None}
+    assert r["shape"] == {"step": [], "params": {"b": [], "w": [2]},
+                          "opt_state": [[1]], "note": None}
+    pm = {r["device"]: r["value"] for r in recs if r["name"] == "pm"}
+    assert pm == {d: {"step": float(d), "params": {"w": float(d)}, "opt_state": [d > 3],
+                      "note": None} for d in range(8)}
+    from pmaptap.tapfile.checks import validate_file
+    assert validate_file(tap_path).ok
+
+
+def test_custom_pytree_node_without_attribute_keys_stays_a_list(session, tap_path):
+    class Pair:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+    jax.tree_util.register_pytree_node(Pair, lambda p: ((p.a, p.b), None),
+                                       lambda _, c: Pair(*c))
+    jax.jit(lambda p: pmaptap.tap(p, "pair"))(Pair(jnp.float32(1), jnp.int32(2)))
+    session.flush()
+    (r,) = pmaptap.read(tap_path)
+    assert r["value"] == [1.0, 2] and r["dtype"] == ["float32", "int32"]
