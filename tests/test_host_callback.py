@@ -504,3 +504,13 @@ def test_id_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp():
     hcb.barrier_wait()
     assert float(t) == pytest.approx(2 * np.cos(1.0))
     assert sorted(seen) == [("primal", 1.0), ("tangent", 2.0)]
+
+
+def test_id_tap_refuses_a_dtype_tap_files_cannot_hold_at_trace_time():
+    from jax._src.dtypes import float0
+
+    def my_tap(x, transforms):
+        pass
+
+    with pytest.raises(TypeError, match=r"id_tap\('my_tap'\).*float0|my_tap.*dtype"):
+        jax.jit(lambda v: hcb.id_tap(my_tap, (v, np.zeros(2, float0))))(1.0)

@@ -12,31 +12,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from pmaptap.tapfile.format import (COUNT_BASE, NAN, NEG_INF, ORJSON, ORJSON_OPTS,
-                                    POS_INF, SUMMARY_FIELDS)
+                                    POS_INF, SUMMARY_FIELDS, is_float_like,
+                                    is_narrow_int)
 
 # Arrays up to this size get the shortest repr of their own precision
 # (0.1 in float32 is written 0.1, not 0.10000000149011612).
 _SHORT_REPR_MAX = 4096
-
-def _is_float_like(dt: np.dtype) -> bool:
-    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
-
-
-def _is_narrow_int(dt: np.dtype) -> bool:
-    # ml_dtypes' sub-byte integers (int1/2/4, uint1/2/4): NumPy sees them as
-    # opaque "V" types, but they widen exactly to int64 and are written as
-    # plain JSON integers under their own dtype name.
-    return dt.kind == "V" and dt.name.startswith(("int", "uint")) and \
-        dt.fields is None
-
-
-def encodable(dt: np.dtype) -> bool:
-    """Whether ``encode_array`` writes arrays of ``dt`` (checked at trace time
-    by ``pmaptap.tap`` so that a dtype it cannot write is refused there, with
-    the tap's name, and never dropped on the host)."""
-    return dt.kind in "biufc" or _is_narrow_int(dt) or \
-        (_is_float_like(dt) and dt.fields is None)
-
 
 def _nonfinite_list(out: np.ndarray) -> Any:
     out = np.asarray(out)      # a NumPy scalar (a row of a stacked 1-D leaf)
@@ -82,11 +63,11 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
             value = a.tolist()
         else:
             value = np.ascontiguousarray(a)
-    elif _is_narrow_int(dt):
+    elif is_narrow_int(dt):
         value = a.astype(np.int64).tolist()
     elif dt.kind == "c":
         value = _float_value(np.stack([a.real, a.imag], axis=-1))
-    elif _is_float_like(dt) and dt.fields is None:
+    elif is_float_like(dt) and dt.fields is None:
         value = _float_value(a)
     else:
         raise TypeError(f"cannot encode dtype {dt} as JSON")

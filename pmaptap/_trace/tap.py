@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pmaptap._host.encode import encodable
 from pmaptap._trace import placement, primitive
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.layouts import static_step_operand
 from pmaptap._trace.options import options
-from pmaptap.tapfile.format import COUNT_BASE, MAX_STEP
+from pmaptap.tapfile.format import COUNT_BASE, MAX_STEP, encodable
 from pmaptap._trace.spec import DEDUP_MODES, Layout, TapSite, TapSpec
 from pmaptap._trace.untapped import taps_off
 

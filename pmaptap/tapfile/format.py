@@ -30,6 +30,27 @@ NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
 NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
 
 
+def is_float_like(dt: np.dtype) -> bool:
+    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
+
+
+def is_narrow_int(dt: np.dtype) -> bool:
+    # ml_dtypes' sub-byte integers (int1/2/4, uint1/2/4): NumPy sees them as
+    # opaque "V" types, but they widen exactly to int64 and are written as
+    # plain JSON integers under their own dtype name.
+    return dt.kind == "V" and dt.name.startswith(("int", "uint")) and \
+        dt.fields is None
+
+
+def encodable(dt: np.dtype) -> bool:
+    """Whether records hold arrays of ``dt`` (the writer's encode_array takes
+    exactly these; pmaptap.tap checks it at trace time so that a dtype the
+    format cannot hold is refused there, with the tap's name, and never
+    dropped on the host)."""
+    return dt.kind in "biufc" or is_narrow_int(dt) or \
+        (is_float_like(dt) and dt.fields is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     run: str
