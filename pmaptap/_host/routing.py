@@ -72,9 +72,6 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
     """Entry point of every host callback. Never raises into XLA: a failure is
     recorded on the pipeline and re-raised at the next flush()/close()."""
     try:
-        if spec.consumer is not None:
-            spec.consumer(spec, arrays)
-            return
         s = _active
         if s is not None and s.pipeline.ingest(spec, arrays):
             return

@@ -288,7 +288,7 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     """Pick the transport for this tap site (see module docstring)."""
     opts = options()
     where = spec.placement
-    if not where.axis_names or spec.consumer is not None or not opts.gather:
+    if not where.axis_names or not opts.gather:
         return spec
     n = where.total_copies
     if n < 2:

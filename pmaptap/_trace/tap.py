@@ -182,8 +182,7 @@ def shards_possible(leaves) -> bool:
 
 
 def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
-         pass_: str = "forward", fn: str = "pmaptap.tap",
-         consumer=None) -> None:
+         pass_: str = "forward", fn: str = "pmaptap.tap") -> None:
     """Validate and emit ``x`` (no return value; shared by tap and tap_grad)."""
     check_common(name, dedup, every, fn)
     static_step, traced_step = check_step(step, name, fn)
@@ -199,7 +198,7 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
     def emit_leaves(leaves: list, traced_step) -> None:
         _emit_leaves(leaves, traced_step, static_step, name=name, dedup=dedup,
                      every=every, treedef=treedef, explicit=step is not None,
-                     pass_=pass_, consumer=consumer)
+                     pass_=pass_)
 
     if primitive.staged_for_later(leaves):
         # A tangent inside a custom_jvp rule under grad/vjp/linearize: emit
@@ -212,18 +211,16 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
 
 def _emit_leaves(leaves: list, traced_step, static_step: int | None, *,
                  name: str, dedup: str, every: int, treedef, explicit: bool,
-                 pass_: str, consumer) -> None:
-    per_shard = consumer is None and shards_possible(leaves)
-    # host_callback consumers were promised the whole value: never summarized.
+                 pass_: str) -> None:
+    per_shard = shards_possible(leaves)
     # Per-shard taps only mark big leaves: a summary of a partitioned value
     # would need an all-reduce, so their lowering decides (shardcall.py).
-    sent, summaries = (_statistics_of_big_leaves(leaves, compute=not per_shard)
-                       if consumer is None else (leaves, ()))
+    sent, summaries = _statistics_of_big_leaves(leaves, compute=not per_shard)
     where, raw_names = placement.current(leaves)
     site = TapSite(name=name, dedup=dedup, every=int(every), treedef=treedef,
                    explicit_step=explicit, pass_=pass_,
                    summaries=summaries)
-    spec = TapSpec(site=site, placement=where, consumer=consumer)
+    spec = TapSpec(site=site, placement=where)
     if per_shard:
         spec = spec.with_transport(layout=Layout.SHARDS)
     coords = axis_coords(raw_names)
