@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -96,8 +96,13 @@ class WriteLoop:
 
     def __init__(self, queue: BoundedQueue, sink: Sink, report: Report, *,
                  name: str, flush_interval: float, retry_interval: float,
-                 max_batch: int) -> None:
+                 max_batch: int,
+                 on_written: Callable[[Sequence[Record]], None] | None = None
+                 ) -> None:
         self.queue = queue
+        # Gets what the sink wrote (after dedup), for live forwarding; it
+        # must not wait (Forwarders.offer only queues).
+        self.on_written = on_written
         self.sink = sink
         self.report = report
         self.flush_interval = flush_interval
@@ -131,7 +136,7 @@ class WriteLoop:
         if not batch:
             return True
         try:
-            self.sink.write([r for r, _ in batch])
+            wrote = self.sink.write([r for r, _ in batch])
         except LockBusy as e:
             self.last_busy = str(e)
             return False
@@ -148,4 +153,9 @@ class WriteLoop:
             del rejected[:]
         self.queue.written(batch)
         self.written += len(batch)
+        if self.on_written is not None and wrote:
+            try:
+                self.on_written(wrote)
+            except BaseException as e:  # noqa: BLE001 - the file has them
+                self.report(TapError(f"could not forward written records: {e!r}"))
         return True

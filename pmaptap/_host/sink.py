@@ -47,8 +47,9 @@ _MARK_BYTES = 1024
 
 class Sink(abc.ABC):
     @abc.abstractmethod
-    def write(self, records: Sequence[Record]) -> None:
-        """Write all of ``records`` or raise (then none or all were written)."""
+    def write(self, records: Sequence[Record]) -> Sequence[Record] | None:
+        """Write all of ``records`` or raise (then none or all were written).
+        A sink that filters (cross-process dedup) returns what it wrote."""
 
     def close(self) -> None:
         pass
@@ -162,9 +163,12 @@ class FileSink(Sink):
         # (see _encode); the pipeline reports them as a TapError.
         self.rejected: list[str] = []
 
-    def write(self, records: Sequence[Record]) -> None:
+    def write(self, records: Sequence[Record]) -> list[Record]:
+        """Append ``records`` (all or none; raises otherwise) and return the
+        ones actually written: cross-process dedup skips replicated values
+        another process wrote, and unencodable ones are replaced."""
         if not records:
-            return
+            return []
         # Encode outside the lock; only the dedup decision needs it.
         encoded, records = self._encode(records)
         self._acquire()
@@ -204,6 +208,7 @@ class FileSink(Sink):
             self._lock.release()
         self.lines_written += len(keep)
         self.bytes_written += written
+        return keep
 
     # ------------------------------------------ the file under our feet
     def _current_fd(self) -> int:
