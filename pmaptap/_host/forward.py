@@ -13,7 +13,6 @@ are reported once, as a TapError at the next ``flush()``/``close()``.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,8 +21,6 @@ from typing import Any
 from pmaptap.tapfile.format import Record, decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.tensorboard import leaves
-
-log = logging.getLogger("pmaptap")
 
 
 def check_targets(targets: Iterable[Any] | None) -> list[Any]:

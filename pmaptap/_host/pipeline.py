@@ -16,10 +16,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pmaptap._log import log
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.forward import Forwarders
 from pmaptap._host.loops import AggregateLoop, WriteLoop
@@ -159,7 +159,7 @@ class Pipeline:
                                 for t, n in list(seen.items())[:5])
             msg = (f"pmaptap could not write {pending} pending record(s)"
                    f"{' to ' + repr(path) if path else ''}: {reasons}")
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            log.warning(msg)
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:
             busy = self._writer.last_busy

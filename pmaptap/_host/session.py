@@ -12,12 +12,11 @@ import datetime
 import os
 import secrets
 import signal
-import sys
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from pmaptap._log import log
 from pmaptap import distributed
 
 from pmaptap._host import routing
@@ -154,7 +153,7 @@ class Session:
         try:
             self.close()
         except TapError as e:
-            warnings.warn(f"pmaptap: {e}", RuntimeWarning, stacklevel=2)
+            log.warning(f"pmaptap: {e}")
 
     # ------------------------------------------------------------- flush
     def flush(self, timeout: float | None = -1) -> None:
@@ -213,8 +212,7 @@ class Session:
         try:
             self.close()
         except BaseException as e:  # noqa: BLE001
-            print(f"[pmaptap] error while closing {self!r} at exit: {e}",
-                  file=sys.stderr)
+            log.error(f"[pmaptap] error while closing {self!r} at exit: {e}")
 
     # ------------------------------------------------------------- SIGTERM
     def _install_sigterm(self) -> None:
@@ -251,7 +249,7 @@ class Session:
             if self._phase != "barrier":
                 self.close()
         except BaseException as e:  # noqa: BLE001
-            print(f"[pmaptap] error while closing on SIGTERM: {e}", file=sys.stderr)
+            log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
         self._deliver_sigterm(prev, signum, frame)
 
     def _deliver_sigterm(self, prev, signum, frame) -> None:

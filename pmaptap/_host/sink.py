@@ -26,11 +26,11 @@ from __future__ import annotations
 import abc
 import errno
 import os
-import warnings
 from typing import Sequence
 
 import filelock
 
+from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.parse import line_problem
@@ -273,9 +273,9 @@ class FileSink(Sink):
             return
         self._warned.add(kind)
         try:
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        except Exception:  # noqa: BLE001 - warnings turned into errors:
-            pass           # a warning must never cost a write
+            log.warning(message)
+        except Exception:  # noqa: BLE001 - a raising handler of the
+            pass           # application's: a warning must never cost a write
 
     @staticmethod
     def _read_mark(fd: int, end: int) -> bytes:

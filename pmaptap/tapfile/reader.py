@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, BinaryIO, Iterator
 
+from pmaptap._log import log
 from pmaptap.tapfile import parse
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
@@ -71,9 +71,8 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        warnings.warn(f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} "
-                      f"invalid line(s): {shown}{more}", RuntimeWarning,
-                      stacklevel=2)
+        log.warning(f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} "
+                    f"invalid line(s): {shown}{more}")
     if as_frame:
         from pmaptap.tapfile.frame import to_frame
         return to_frame(out)
