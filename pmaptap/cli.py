@@ -172,7 +172,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     recs = [e.rec for e in _select(args.file, "plot", flt)]
     out = args.output or f"{args.name[0].replace('/', '_')}.png"
     try:
-        plot_tap(recs, args.name[0], out)
+        plot_tap(recs, args.name[0], out, logy=args.logy, smooth=args.smooth)
     except (PlotError, ImportError) as e:
         raise CliError(str(e)) from None
     print(f"wrote {out}", file=sys.stderr)
@@ -427,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filters(p, name_required=True)
     p.add_argument("-o", "--output", metavar="PNG",
                    help="output file (default NAME.png)")
+    p.add_argument("--logy", action="store_true",
+                   help="log value axis (values <= 0 are not drawn)")
+    p.add_argument("--smooth", type=_count, default=0, metavar="N",
+                   help="draw the trailing mean over N points over the raw line")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard "
