@@ -27,10 +27,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
 
-from pmaptap.tapfile import views
 from pmaptap.errors import CliError
 
+# views (and through it NumPy and orjson) is imported by the commands that
+# read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
+    from pmaptap.tapfile import views
     from pmaptap.tapfile.follow import LineFollower
 
 PROG = "pmaptap"
@@ -56,6 +58,7 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
 
 
 def _filter(args: argparse.Namespace) -> views.Filter:
+    from pmaptap.tapfile import views
     try:
         steps = views.parse_steps(args.step) if args.step else (None, None)
     except ValueError as e:
@@ -67,6 +70,7 @@ def _filter(args: argparse.Namespace) -> views.Filter:
 def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
     """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
     is an error and an empty result is said, both listing what the file has."""
+    from pmaptap.tapfile import views
     _check_file(path)
     picked, bad, names, runs = views.load_matching(path, flt)
     _report_skipped(bad, path, command)
@@ -106,6 +110,7 @@ def _count(text: str) -> int:
 
 
 def _print_table(entries: Sequence[views.Entry], width: int) -> None:
+    from pmaptap.tapfile import views
     table = views.Table()
     rows = [views.row(e, width) for e in entries]
     table.fit(rows)
@@ -117,6 +122,7 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 # ------------------------------------------------------------------ commands
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import views
     flt = _filter(args)
     entries = _select(args.file, "show", flt)
     if args.limit:
@@ -306,6 +312,7 @@ class _TailPrinter:
         return bool(self.max) and self.count >= self.max
 
     def emit(self, entries: list[views.Entry]) -> None:
+        from pmaptap.tapfile import views
         if self.max:
             entries = entries[: max(self.max - self.count, 0)]
         if not entries:
