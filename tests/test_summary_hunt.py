@@ -159,3 +159,30 @@ def test_plot_auto_tap_marks_divergence_only_after_agreement(plt):
     marks = [c for c in ax.collections if c.get_label() == "divergent"]
     assert len(marks) == 1
     assert sorted(marks[0].get_offsets()[:, 0].tolist()) == [3, 3]
+
+
+def test_plot_many_devices_draws_median_band_and_names_outliers(plt):
+    from pmaptap.tapfile.plot import build_figure
+    rng = np.random.default_rng(1)
+    recs = []
+    for s in range(20):
+        for d in range(32):
+            v = 1.0 + 0.01 * rng.normal()
+            if d == 7 and s >= 10:
+                v += 5.0                         # one device strays
+            recs.append(_dev(s, d, v, name="gn"))
+    recs[5 * 32 + 3]["value"] = math.nan         # marked, not in the band
+    fig = build_figure(recs, "gn")
+    ax = fig.axes[0]
+    labels = sorted(line.get_label() for line in ax.get_lines())
+    assert labels == ["device 7", "median of 32 devices"]
+    median = next(line for line in ax.get_lines() if line.get_label().startswith("median"))
+    assert np.allclose(median.get_ydata(), 1.0, atol=0.05)
+    band = [c for c in ax.collections if c.get_label() == "min-max of 32 devices"]
+    assert len(band) == 1
+    top = band[0].get_paths()[0].vertices[:, 1].max()
+    assert top == pytest.approx(6.0, abs=0.1)    # the band spans the outlier
+    assert [c.get_label() for c in ax.collections if c.get_label() == "NaN"] == ["NaN"]
+    # 16 devices or fewer: one line each, as before.
+    fig = build_figure([r for r in recs if r["device"] < 16], "gn")
+    assert len(fig.axes[0].get_lines()) == 16

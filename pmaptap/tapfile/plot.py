@@ -9,12 +9,15 @@ copies simply hold per-device data. Non-finite values cannot be drawn as
 points: each is marked at the top (NaN, +inf) or bottom (-inf) edge of the
 axes at its step. ``logy`` draws a log value axis; ``smooth=N`` draws each
 series' trailing mean over N points over the faded raw line. matplotlib is
-an optional extra (``pip install "pmaptap[plot]"``).
+an optional extra (``pip install "pmaptap[plot]"``). With more than 16
+device series, the plot draws their median with a min-max band and only the
+outlying devices as named lines.
 """
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections import defaultdict
 from typing import Sequence
 
@@ -107,6 +110,12 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
             series[_label(dict(r, kind="replicated"), multi_run)].append(
                 (r["step"], math.nan))   # break the replicated line here too
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    devices = [lb for lb in series if "device" in lb]
+    if len(devices) > _MAX_LEGEND:
+        # Too many devices for one line each: their median, the min-max band
+        # around it, and only the devices that stray from it drawn and named.
+        keep = _band(ax, {lb: series.pop(lb) for lb in devices}, smooth)
+        series.update(keep)
     for label in sorted(series, key=_device_order):
         pts = sorted(dict(series[label]).items())   # one point per step
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -145,10 +154,46 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
     ax.set_xlabel("step")
     ax.set_ylabel("value")
     ax.grid(True, alpha=0.3)
-    if len(series) + bool(marks) + sum(map(bool, bad.values())) <= _MAX_LEGEND:
+    if len(series) + bool(marks) <= _MAX_LEGEND:
         ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+# At most this many outlying devices are drawn and named over the band.
+_MAX_OUTLIERS = 5
+
+
+def _band(ax, per_device: dict[str, list[tuple[int, float]]], smooth: int
+          ) -> dict[str, list[tuple[int, float]]]:
+    """Draw the per-step median and min-max band of many device series;
+    return the outlying series (to be drawn as lines): devices whose mean
+    distance from the median is over 3x the typical device's (the median of
+    those distances), at most _MAX_OUTLIERS, farthest first."""
+    import numpy as np
+    steps = sorted({s for pts in per_device.values() for s, _ in pts})
+    col = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(per_device), len(steps)), np.nan)
+    labels = list(per_device)
+    for i, lb in enumerate(labels):
+        for s, y in per_device[lb]:
+            grid[i, col[s]] = y
+    grid[~np.isfinite(grid)] = np.nan       # non-finite: marked at the edge
+    with warnings.catch_warnings():         # an all-NaN step: NaN, quietly
+        warnings.simplefilter("ignore", RuntimeWarning)
+        med = np.nanmedian(grid, axis=0)
+        lo, hi = np.nanmin(grid, axis=0), np.nanmax(grid, axis=0)
+        dist = np.nanmean(np.abs(grid - med), axis=1)
+    typical = np.nanmedian(dist) if np.isfinite(dist).any() else np.nan
+    line = smoothed(med.tolist(), smooth) if smooth > 1 else med
+    ax.fill_between(steps, lo, hi, alpha=0.2, color="tab:blue",
+                    label=f"min-max of {len(labels)} devices")
+    ax.plot(steps, line, color="tab:blue", linewidth=1.4,
+            label=f"median of {len(labels)} devices")
+    order = [i for i in np.argsort(-np.nan_to_num(dist, nan=-1.0))
+             if np.isfinite(dist[i]) and dist[i] > 3 * typical
+             and (typical > 0 or dist[i] > 0)]
+    return {labels[i]: per_device[labels[i]] for i in order[:_MAX_OUTLIERS]}
 
 
 def plot_tap(records: Sequence[dict], name: str, out: str | os.PathLike, *,
