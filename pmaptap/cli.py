@@ -27,10 +27,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
 
-from pmaptap.tapfile import views
 from pmaptap.errors import CliError
 
+# views (and through it NumPy and orjson) is imported by the commands that
+# read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
+    from pmaptap.tapfile import views
     from pmaptap.tapfile.follow import LineFollower
 
 PROG = "pmaptap"
@@ -56,6 +58,7 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
 
 
 def _filter(args: argparse.Namespace) -> views.Filter:
+    from pmaptap.tapfile import views
     try:
         steps = views.parse_steps(args.step) if args.step else (None, None)
     except ValueError as e:
@@ -67,6 +70,7 @@ def _filter(args: argparse.Namespace) -> views.Filter:
 def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
     """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
     is an error and an empty result is said, both listing what the file has."""
+    from pmaptap.tapfile import views
     _check_file(path)
     picked, bad, names, runs = views.load_matching(path, flt)
     _report_skipped(bad, path, command)
@@ -106,6 +110,7 @@ def _count(text: str) -> int:
 
 
 def _print_table(entries: Sequence[views.Entry], width: int) -> None:
+    from pmaptap.tapfile import views
     table = views.Table()
     rows = [views.row(e, width) for e in entries]
     table.fit(rows)
@@ -117,6 +122,7 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 # ------------------------------------------------------------------ commands
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import views
     flt = _filter(args)
     entries = _select(args.file, "show", flt)
     if args.limit:
@@ -172,7 +178,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     recs = [e.rec for e in _select(args.file, "plot", flt)]
     out = args.output or f"{args.name[0].replace('/', '_')}.png"
     try:
-        plot_tap(recs, args.name[0], out)
+        plot_tap(recs, args.name[0], out, logy=args.logy, smooth=args.smooth)
     except (PlotError, ImportError) as e:
         raise CliError(str(e)) from None
     print(f"wrote {out}", file=sys.stderr)
@@ -306,6 +312,7 @@ class _TailPrinter:
         return bool(self.max) and self.count >= self.max
 
     def emit(self, entries: list[views.Entry]) -> None:
+        from pmaptap.tapfile import views
         if self.max:
             entries = entries[: max(self.max - self.count, 0)]
         if not entries:
@@ -427,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filters(p, name_required=True)
     p.add_argument("-o", "--output", metavar="PNG",
                    help="output file (default NAME.png)")
+    p.add_argument("--logy", action="store_true",
+                   help="log value axis (values <= 0 are not drawn)")
+    p.add_argument("--smooth", type=_count, default=0, metavar="N",
+                   help="draw the trailing mean over N points over the raw line")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard "

@@ -28,7 +28,7 @@ from jax import lax
 import pmaptap
 import pmaptap.cli
 import pmaptap._trace.layouts
-from conftest import mount_namespace_available, run_in_mount_namespace
+from conftest import logs_warning, mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
 from pmaptap.tapfile.format import encode_line
 from pmaptap._host.sink import FileSink
@@ -271,13 +271,13 @@ def test_name_that_is_not_valid_unicode_is_refused_at_trace_time() -> None:
         pmaptap.Session("t.jsonl", run="run-\udcff")
 
 
-def test_unencodable_record_never_blocks_the_ones_behind_it(tap_path) -> None:
+def test_unencodable_record_never_blocks_the_ones_behind_it(tap_path, caplog) -> None:
     # A pytree key with a lone surrogate reaches the writer. It is replaced
     # by a pmaptap/unencodable record (and reported); the queue moves on.
     with pmaptap.Session(tap_path, run="test", close_timeout=5) as s:
         jax.jit(lambda v: pmaptap.tap({"k\udcff": v}, "bad_key"))(jnp.ones(1))
         jax.jit(lambda v: pmaptap.tap(v, "after"))(jnp.float32(2))
-        with pytest.warns(RuntimeWarning), \
+        with logs_warning(caplog), \
                 pytest.raises(pmaptap.TapError, match="could not be encoded"):
             s.flush(timeout=10)
     recs = pmaptap.read(tap_path)
@@ -413,7 +413,7 @@ def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> Non
     assert "active None" in proc.stdout
 
 
-def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path) -> None:
+def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path, caplog) -> None:
     path = tmp_path / "old.jsonl"
     garbage = (b"\x00\x01 binary \xff\xfe not utf-8\n"
                b"{\"json\": \"but not a record\"}\n"
@@ -424,7 +424,7 @@ def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path) -> 
         jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(5))
     raw = path.read_bytes()
     assert raw.startswith(garbage)                    # byte for byte
-    with pytest.warns(RuntimeWarning, match=r"skipped 5 invalid line.*line 1:"):
+    with logs_warning(caplog, r"skipped 5 invalid line.*line 1:"):
         recs = pmaptap.read(path)
     assert [(r["run"], r["value"]) for r in recs] == [("new", 5.0)]
 
@@ -438,7 +438,7 @@ class _Exploit:
         return (open, (self.marker, "w"))     # would create the marker file
 
 
-def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys) -> None:
+def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys, caplog) -> None:
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.jsonl"
     record = {"run": "r", "name": "x", "step": 0, "kind": "replicated",
@@ -448,7 +448,7 @@ def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys) -> None:
     path.write_bytes(pickle.dumps(_Exploit(str(marker))) + b"\n"
                      + b"!!python/object/apply:os.system ['touch " + bytes(marker) + b"']\n"
                      + encode_line(record))
-    with pytest.warns(RuntimeWarning, match="skipped 2 invalid"):
+    with logs_warning(caplog, "skipped 2 invalid"):
         recs = pmaptap.read(path)
     assert recs[0]["value"] == record["value"]        # a string, never run
     # The command-line tools read it the same way; validate flags it.

@@ -17,9 +17,10 @@ overflow drop.
 from __future__ import annotations
 
 import atexit
-import sys
 import threading
 from typing import TYPE_CHECKING, Any
+
+from pmaptap._log import log
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._host.pipeline import Pipeline
@@ -65,7 +66,7 @@ def _close_console(p: "Pipeline") -> None:
         jax.effects_barrier()
         p.close(timeout=10.0)
     except BaseException as e:  # noqa: BLE001
-        print(f"[pmaptap] console output incomplete at exit: {e}", file=sys.stderr)
+        log.error(f"[pmaptap] console output incomplete at exit: {e}")
 
 
 def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
@@ -82,8 +83,8 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
         # exit); one more fresh console, and a word on stderr if even that
         # does not take it.
         if not console().ingest(spec, arrays):
-            print(f"[pmaptap] a tap of {spec.name!r} arrived while pmaptap was "
-                  "shutting down and was not written", file=sys.stderr)
+            log.warning(f"[pmaptap] a tap of {spec.name!r} arrived while "
+                        "pmaptap was shutting down and was not written")
     except BaseException as e:  # noqa: BLE001 - must not propagate into XLA
         try:
             s = _active
@@ -91,7 +92,6 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
             if p is not None:
                 p.record_error(e)
             else:
-                print(f"[pmaptap] dropped a tap of {spec.name!r}: {e!r}",
-                      file=sys.stderr)
+                log.error(f"[pmaptap] dropped a tap of {spec.name!r}: {e!r}")
         except BaseException:  # noqa: BLE001
             pass

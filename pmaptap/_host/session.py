@@ -12,15 +12,16 @@ import datetime
 import os
 import secrets
 import signal
-import sys
 import threading
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
+from pmaptap._log import log
 from pmaptap import distributed
 
 from pmaptap._host import routing
 from pmaptap.errors import SessionError, TapError
+from pmaptap._host.forward import check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
@@ -59,6 +60,14 @@ class Session:
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
       pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
+    forward: forwarders that receive every record this process writes to the
+      file, after cross-process dedup (a replicated value reaches them from
+      one process of the job): callables taking the record dict (as
+      pmaptap.read returns it), or objects with ``write_scalars(step,
+      mapping)`` (CLU's MetricWriter; real scalar leaves only, one call per
+      step). They run on their own thread with a bounded queue; failures and
+      drops are reported as TapError at the next flush()/close().
+    forward_timeout: seconds flush()/close() wait for forwarders to catch up.
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
@@ -66,7 +75,9 @@ class Session:
                  max_pending_bytes: int = 1 << 30, lock_timeout: float = 1.0,
                  flush_timeout: float | None = 120.0,
                  close_timeout: float = 60.0, group_timeout: float = 5.0,
-                 flush_interval: float = 0.02, lock: str = "flock") -> None:
+                 flush_interval: float = 0.02, lock: str = "flock",
+                 forward: Sequence[Any] | None = None,
+                 forward_timeout: float | None = 10.0) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Session: overflow must be one of "
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
@@ -86,7 +97,8 @@ class Session:
         self._opts: dict[str, Any] = dict(
             overflow=overflow, max_pending=max_pending,
             max_pending_bytes=max_pending_bytes, group_timeout=group_timeout,
-            flush_interval=flush_interval)
+            flush_interval=flush_interval, forward=check_targets(forward),
+            forward_timeout=forward_timeout)
         self.lock_timeout = lock_timeout
         self.flush_timeout = flush_timeout
         self.close_timeout = close_timeout
@@ -141,7 +153,7 @@ class Session:
         try:
             self.close()
         except TapError as e:
-            warnings.warn(f"pmaptap: {e}", RuntimeWarning, stacklevel=2)
+            log.warning(f"pmaptap: {e}")
 
     # ------------------------------------------------------------- flush
     def flush(self, timeout: float | None = -1) -> None:
@@ -200,8 +212,7 @@ class Session:
         try:
             self.close()
         except BaseException as e:  # noqa: BLE001
-            print(f"[pmaptap] error while closing {self!r} at exit: {e}",
-                  file=sys.stderr)
+            log.error(f"[pmaptap] error while closing {self!r} at exit: {e}")
 
     # ------------------------------------------------------------- SIGTERM
     def _install_sigterm(self) -> None:
@@ -238,7 +249,7 @@ class Session:
             if self._phase != "barrier":
                 self.close()
         except BaseException as e:  # noqa: BLE001
-            print(f"[pmaptap] error while closing on SIGTERM: {e}", file=sys.stderr)
+            log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
         self._deliver_sigterm(prev, signum, frame)
 
     def _deliver_sigterm(self, prev, signum, frame) -> None:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import abc
 import errno
 import os
-import warnings
 from typing import Sequence
 
 import filelock
 
+from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.parse import line_problem
@@ -47,8 +47,9 @@ _MARK_BYTES = 1024
 
 class Sink(abc.ABC):
     @abc.abstractmethod
-    def write(self, records: Sequence[Record]) -> None:
-        """Write all of ``records`` or raise (then none or all were written)."""
+    def write(self, records: Sequence[Record]) -> Sequence[Record] | None:
+        """Write all of ``records`` or raise (then none or all were written).
+        A sink that filters (cross-process dedup) returns what it wrote."""
 
     def close(self) -> None:
         pass
@@ -162,9 +163,12 @@ class FileSink(Sink):
         # (see _encode); the pipeline reports them as a TapError.
         self.rejected: list[str] = []
 
-    def write(self, records: Sequence[Record]) -> None:
+    def write(self, records: Sequence[Record]) -> list[Record]:
+        """Append ``records`` (all or none; raises otherwise) and return the
+        ones actually written: cross-process dedup skips replicated values
+        another process wrote, and unencodable ones are replaced."""
         if not records:
-            return
+            return []
         # Encode outside the lock; only the dedup decision needs it.
         encoded, records = self._encode(records)
         self._acquire()
@@ -204,6 +208,7 @@ class FileSink(Sink):
             self._lock.release()
         self.lines_written += len(keep)
         self.bytes_written += written
+        return keep
 
     # ------------------------------------------ the file under our feet
     def _current_fd(self) -> int:
@@ -268,9 +273,9 @@ class FileSink(Sink):
             return
         self._warned.add(kind)
         try:
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        except Exception:  # noqa: BLE001 - warnings turned into errors:
-            pass           # a warning must never cost a write
+            log.warning(message)
+        except Exception:  # noqa: BLE001 - a raising handler of the
+            pass           # application's: a warning must never cost a write
 
     @staticmethod
     def _read_mark(fd: int, end: int) -> bytes:

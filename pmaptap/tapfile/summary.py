@@ -10,6 +10,8 @@ from array import array
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
                                     step_gaps)
 from pmaptap.tapfile.format import NONFINITE
@@ -40,6 +42,17 @@ class TapSummary:
     missing: int                   # steps missing inside the range
     incomplete_steps: tuple[int, ...]  # per_device steps lacking some devices
     duplicates: int
+    # The lowest step holding a NaN/inf (in a scalar or an array element) and
+    # the devices that held it there (empty for a replicated value).
+    first_nonfinite_step: int | None = None
+    first_nonfinite_devices: tuple[int | None, ...] = ()
+    # Array taps: the L2 norm of the finite elements at the last step (the
+    # largest, if several devices wrote one); min/max/mean above then cover
+    # every finite element of every record.
+    norm: float | None = None
+    # dedup="auto" taps: steps whose copies differed before the tap ever
+    # agreed. That is per-device data, not a divergence.
+    per_device_steps: tuple[int, ...] = ()
 
 
 class _TapAcc:
@@ -63,6 +76,53 @@ class _TapAcc:
         self.per_dev: dict[int, set] = defaultdict(set)
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
+        self.first_bad: int | None = None     # first step with a NaN/inf
+        self.first_bad_devs: set = set()
+        # Array elements (finite ones): running min/max/sum/count, and the
+        # norm at the highest step.
+        self.a_min = math.inf
+        self.a_max = -math.inf
+        self.a_sum = 0.0
+        self.a_count = 0
+        self.norm_step: int | None = None
+        self.norm: float | None = None
+
+    def _nonfinite_at(self, step: int, r: dict) -> None:
+        dev = r.get("device") if r.get("kind") == "per_device" else None
+        if self.first_bad is None or step < self.first_bad:
+            self.first_bad, self.first_bad_devs = step, set()
+        if step == self.first_bad and dev is not None:
+            self.first_bad_devs.add(dev)
+
+    def _array(self, step: int, r: dict, v: object) -> None:
+        """Statistics of a numeric array value (as written: NaN/inf markers,
+        or decoded: floats); pytrees, complex and summarized leaves are left
+        to the per-record views."""
+        dtype = r.get("dtype")
+        if not isinstance(v, list) or not isinstance(dtype, str) or \
+                dtype.startswith("complex"):
+            return
+        try:
+            # float() of the markers "NaN"/"Infinity"/"-Infinity" is exact.
+            arr = np.asarray(v, dtype=np.float64)
+        except (TypeError, ValueError):
+            return
+        fin = np.isfinite(arr)
+        finite = arr[fin] if not fin.all() else arr.ravel()
+        bad = arr.size - finite.size
+        if bad:
+            self.nonfinite += bad
+            self._nonfinite_at(step, r)
+        if finite.size:
+            self.a_min = min(self.a_min, float(finite.min()))
+            self.a_max = max(self.a_max, float(finite.max()))
+            self.a_sum += float(finite.sum())
+            self.a_count += finite.size
+        norm = float(np.sqrt(np.dot(finite, finite)))
+        if self.norm_step is None or step > self.norm_step:
+            self.norm_step, self.norm = step, norm
+        elif step == self.norm_step:
+            self.norm = max(self.norm or 0.0, norm)
 
     def add(self, r: dict) -> None:
         """A record as written or decoded (non-finite markers or floats).
@@ -86,6 +146,7 @@ class _TapAcc:
             x = _scalar(v)
         if x is None:
             self.nonscalar += 1
+            self._array(step, r, v)
         else:
             if self.last_step is None or step > self.last_step:
                 self.last_step, self.last_vals = step, [x]
@@ -95,6 +156,7 @@ class _TapAcc:
                 self.finite.append(x)
             else:
                 self.nonfinite += 1
+                self._nonfinite_at(step, r)
         # The duplicate key within this tap (checks.duplicate_key without the
         # run and name, which all of a tap's records share).
         if kind == "per_device":
@@ -126,16 +188,25 @@ class _TapAcc:
             for step, pass_ in self.rep_keys:
                 if index.divergent(dict(probe, step=step, **{"pass": pass_})):
                     divergent.add(step)
+        data_steps: set[int] = set()
         if "replicated" in kinds and "per_device" in kinds:
             # dedup="auto": identical copies give a replicated record, differing
-            # ones per-device records, so a per-device step here is a divergence.
-            divergent |= self.per_device_steps
+            # ones per-device records. Copies that differ once the tap has
+            # agreed are a divergence; copies that differ from the start (and
+            # until they first agree) are per-device data, e.g. a per-shard
+            # value that happened to agree at some step.
+            agreed = min(s for s, _ in self.rep_keys)
+            divergent |= {s for s in self.per_device_steps if s > agreed}
+            data_steps = {s for s in self.per_device_steps if s < agreed}
         incomplete: set[int] = set()
         if kinds == ("per_device",):
             full = max((len(v) for v in self.per_dev.values()), default=0)
             incomplete = {s for s, v in self.per_dev.items() if len(v) < full}
         stride, gaps = step_gaps(self.steps)
         finite = self.finite
+        count = len(finite) + self.a_count
+        lo = min(min(finite, default=math.inf), self.a_min)
+        hi = max(max(finite, default=-math.inf), self.a_max)
         return TapSummary(
             run=self.run, name=self.name, kinds=kinds, records=self.records,
             first_step=min(self.steps), last_step=max(self.steps),
@@ -143,14 +214,17 @@ class _TapAcc:
                                    key=id_order)),
             devices=tuple(sorted(self.devices, key=id_order)),
             last=tuple(dict.fromkeys(self.last_vals)),
-            min=min(finite) if finite else None,
-            max=max(finite) if finite else None,
-            mean=math.fsum(finite) / len(finite) if finite else None,
+            min=lo if count else None,
+            max=hi if count else None,
+            mean=(math.fsum(finite) + self.a_sum) / count if count else None,
             nonfinite=self.nonfinite, nonscalar=self.nonscalar,
             divergent_steps=tuple(sorted(divergent)), stride=stride,
             gaps=tuple(gaps), missing=count_missing(stride, gaps),
             incomplete_steps=tuple(sorted(incomplete)),
-            duplicates=self.duplicates)
+            duplicates=self.duplicates,
+            first_nonfinite_step=self.first_bad,
+            first_nonfinite_devices=tuple(sorted(self.first_bad_devs, key=id_order)),
+            norm=self.norm, per_device_steps=tuple(sorted(data_steps)))
 
 
 def _scalar(v: object) -> float | None:
@@ -246,7 +320,13 @@ def _issues(s: TapSummary) -> str:
     if s.duplicates:
         out.append(f"{s.duplicates} duplicate record(s)")
     if s.nonfinite:
-        out.append(f"{s.nonfinite} non-finite value(s)")
+        where = f", first at step {s.first_nonfinite_step}"
+        if s.first_nonfinite_devices:
+            where += f" on device(s) {format_ids(list(s.first_nonfinite_devices))}"
+        out.append(f"{s.nonfinite} non-finite value(s){where}")
+    if s.per_device_steps:
+        out.append(f"per-device data at {len(s.per_device_steps)} step(s) "
+                   f"before the copies first agreed ({_steps_text(s.per_device_steps)})")
     return "; ".join(out)
 
 
@@ -270,13 +350,15 @@ def _last(s: TapSummary) -> str:
 
 
 _COLUMNS = ("name", "kind", "records", "steps", "procs", "devices",
-            "last", "min", "max", "mean", "issues")
+            "last", "min", "max", "mean", "norm", "issues")
 
 
 def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     """A per-tap text table: record count, step range, processes and devices
-    seen, last/min/max/mean of scalar values (min/max/mean over finite
-    values), and divergences, missing steps and duplicate records. Takes
+    seen, last/min/max/mean of scalar values and, for array taps, min/max/mean
+    over their finite elements and the L2 norm at the last step; divergences
+    (of replicated values, and of auto taps whose copies had agreed before),
+    missing steps, duplicate records, and where the first NaN/inf was. Takes
     records, or the summaries of ``Summarizer.summaries()``."""
     records = list(records)
     summaries = (records if records and isinstance(records[0], TapSummary)
@@ -300,7 +382,7 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
             "procs": format_ids(s.processes), "devices": format_ids(s.devices),
             "last": _last(s) if not s.nonscalar else "(array)",
             "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean),
-            "issues": _issues(s) or "-",
+            "norm": _num(s.norm), "issues": _issues(s) or "-",
         } for s in group]
         table.fit(rows)
         out.append(table.header())
