@@ -13,13 +13,13 @@ import dataclasses
 import hashlib
 import math
 import time
-import warnings
 from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 
 from pmaptap._host import shards as shard_host
+from pmaptap._log import log
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap.tapfile.format import MAX_STEP, Record, new_record
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
@@ -396,11 +396,10 @@ class Aggregator:
         refused, self._refused = self._refused, {}
         out = []
         for name, (count, example) in refused.items():
-            warnings.warn(
+            log.warning(
                 f"pmaptap refused {count} callback(s) of tap {name!r}: traced "
                 f"step {example} is outside 0..2**63-1 (steps are int64 >= "
-                "0); nothing was written for them.", RuntimeWarning,
-                stacklevel=2)
+                "0); nothing was written for them.")
             out.append(Record(
                 run=self.run, name="pmaptap/refused", step=0, kind="meta",
                 value=count, dtype="int64", shape=[], process=self.process,
