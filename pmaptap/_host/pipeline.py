@@ -72,6 +72,7 @@ class Pipeline:
         self.retry_interval = retry_interval
         self.errors = ErrorLog()
         self.closed = False
+        self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue, Aggregator(run, process, self.host,
                                    group_timeout=group_timeout),
@@ -80,6 +81,14 @@ class Pipeline:
             self.queue, sink, self.errors.add, name=f"pmaptap-write-{run}",
             flush_interval=flush_interval, retry_interval=retry_interval,
             max_batch=max_batch)
+
+    def abandon(self) -> None:
+        """In a forked child: this pipeline's threads stayed in the parent,
+        which writes its records. Mark it closed without draining, writing,
+        joining or closing the sink (the parent's file lock may be held on
+        the inherited descriptor)."""
+        self.closed = True
+        self.abandoned = True
 
     def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...]) -> bool:
         """Called on XLA's callback thread: queue one payload. False once

@@ -191,6 +191,22 @@ class Session:
                     self._sigterm_pending = False
                     self._deliver_sigterm(prev, signal.SIGTERM, None)
 
+    def _abandon_after_fork(self) -> None:
+        """In a forked child (routing's at-fork hook): this session belongs
+        to the parent. Forget it here without writing or waiting, so the
+        child's exit is immediate and the parent's records are written once,
+        by the parent."""
+        if self.pipeline is not None:
+            self.pipeline.abandon()
+        try:
+            atexit.unregister(self._close_at_exit)
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self._restore_sigterm()
+        except Exception:  # noqa: BLE001
+            pass
+
     def _after_close(self) -> None:
         """Multi-process: wait (bounded) until every process has closed, so
         that the file holds every record once close() returns anywhere."""
@@ -250,6 +266,14 @@ class Session:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _after_fork_in_child() -> None:
+    global _open_lock
+    _open_lock = threading.Lock()   # a parent thread may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _effects_barrier() -> None:
