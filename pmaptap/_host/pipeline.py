@@ -58,7 +58,8 @@ class Pipeline:
                  max_pending: int = 1_000_000,
                  max_pending_bytes: int = 1 << 30,
                  flush_interval: float = 0.02, group_timeout: float = 5.0,
-                 retry_interval: float = 0.2, max_batch: int = 20_000) -> None:
+                 retry_interval: float = 0.2, max_batch: int = 20_000,
+                 attempt: int = 0) -> None:
         self.queue = BoundedQueue(overflow=overflow, max_pending=max_pending,
                                   max_pending_bytes=max_pending_bytes)
         if process is None:
@@ -75,7 +76,8 @@ class Pipeline:
         self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue, Aggregator(run, process, self.host,
-                                   group_timeout=group_timeout),
+                                   group_timeout=group_timeout,
+                                   attempt=attempt),
             self.errors.add, name=f"pmaptap-aggregate-{run}")
         self._writer = WriteLoop(
             self.queue, sink, self.errors.add, name=f"pmaptap-write-{run}",

@@ -45,6 +45,77 @@ def default_run_id() -> str:
     return distributed.agree_run_id(_new_run_id) or _new_run_id()
 
 
+def _env_attempt() -> int | None:
+    text = os.environ.get("PMAPTAP_ATTEMPT")
+    if not text:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"PMAPTAP_ATTEMPT must be a whole number >= 0, got {text!r}")
+    return n
+
+
+def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
+    """(the last run in the file, or ``run``; its highest attempt, or None if
+    the file holds no record of it)."""
+    from pmaptap.tapfile.attempts import attempt_of
+    from pmaptap.tapfile.reader import iter_lines
+    last_run, attempts = run, {}
+    if not os.path.exists(path):
+        return run, None
+    for _, d, _problem in iter_lines(path):
+        if d is None:
+            continue
+        if run is None:
+            last_run = d["run"]
+        a = attempt_of(d)
+        if a >= attempts.get(d["run"], -1):
+            attempts[d["run"]] = a
+    return last_run, attempts.get(last_run) if last_run is not None else None
+
+
+def _resume_point(path: str, run: str | None) -> tuple[str, int]:
+    """The (run, attempt) a resumed session continues, the same on every
+    process of a job: process 0 reads the file and tells the others through
+    the coordination service (agree_run_id), as for a fresh run id."""
+    run = run or os.environ.get("PMAPTAP_RUN") or None
+    env = _env_attempt()
+    if env == 0 and run is None:
+        return default_run_id(), 0     # a launcher's first attempt: a new run
+
+    def decide() -> str:
+        last_run, last = _last_attempt(path, run)
+        chosen = last_run or _new_run_id()
+        attempt = env if env is not None else (0 if last is None else last + 1)
+        return f"{attempt}:{chosen}"
+
+    agreed = distributed.agree_run_id(decide) or decide()
+    attempt, _, chosen = agreed.partition(":")
+    return chosen, int(attempt)
+
+
+def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
+    """The ``pmaptap/attempt`` meta record (process 0 only): which attempt
+    this is and the job's shape, so readers can tell the restarts apart."""
+    if p.process != 0:
+        return
+    import time
+
+    import jax
+    from pmaptap.tapfile.attempts import ATTEMPT_NAME
+    from pmaptap.tapfile.format import Record
+    r = Record(run=p.run, name=ATTEMPT_NAME, step=attempt, kind="meta",
+               value=attempt, dtype="int64", shape=[], process=p.process,
+               time=time.time(), host=p.host, attempt=attempt,
+               extra={"process_count": jax.process_count(),
+                      "device_count": jax.device_count(),
+                      "local_device_count": jax.local_device_count()})
+    p.queue.put_records([r], None, (0, 0))
+
+
 class Session:
     """One tap file for this process; ``with Session(path):`` opens and closes.
 
@@ -59,6 +130,14 @@ class Session:
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
       pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
+    resume: continue a run after a restart. The run is ``run``, else
+      PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
+      none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
+      attempt number is PMAPTAP_ATTEMPT (``python -m pmaptap.launch
+      --restarts`` sets it), else one more than the file's last attempt of
+      that run. Records then carry ``"attempt": N``, and readers show, for a
+      step written by several attempts, only the latest one's
+      (pmaptap/tapfile/attempts.py). The file stays append-only.
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
@@ -66,7 +145,8 @@ class Session:
                  max_pending_bytes: int = 1 << 30, lock_timeout: float = 1.0,
                  flush_timeout: float | None = 120.0,
                  close_timeout: float = 60.0, group_timeout: float = 5.0,
-                 flush_interval: float = 0.02, lock: str = "flock") -> None:
+                 flush_interval: float = 0.02, lock: str = "flock",
+                 resume: bool = False) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Session: overflow must be one of "
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
@@ -83,6 +163,8 @@ class Session:
         self.lock = lock
         self.path = os.path.abspath(os.fspath(path))
         self.run = run
+        self.resume = bool(resume)
+        self.attempt = 0
         self._opts: dict[str, Any] = dict(
             overflow=overflow, max_pending=max_pending,
             max_pending_bytes=max_pending_bytes, group_timeout=group_timeout,
@@ -116,9 +198,14 @@ class Session:
             sink = FileSink(self.path, lock_timeout=self.lock_timeout,
                             lock=self.lock)
             try:
-                if self.run is None:
+                if self.resume:
+                    self.run, self.attempt = _resume_point(self.path, self.run)
+                elif self.run is None:
                     self.run = default_run_id()
-                self.pipeline = Pipeline(sink, run=self.run, **self._opts)
+                self.pipeline = Pipeline(sink, run=self.run,
+                                         attempt=self.attempt, **self._opts)
+                if self.resume:
+                    _queue_attempt_record(self.pipeline, self.attempt)
             except BaseException:
                 sink.close()
                 raise

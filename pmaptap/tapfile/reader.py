@@ -6,6 +6,7 @@ import warnings
 from typing import Any, BinaryIO, Iterator
 
 from pmaptap.tapfile import parse
+from pmaptap.tapfile.attempts import check_mode, index_records
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
@@ -51,14 +52,22 @@ def _skip_line(f: BinaryIO) -> int:
             return skipped
 
 
-def read(path: str | os.PathLike, *, as_frame: bool = False):
+def read(path: str | os.PathLike, *, as_frame: bool = False,
+         attempts: str = "latest"):
     """All valid records of a tap file, in file order, as dicts.
+
+    A run resumed after a restart (``Session(resume=True)``) holds the old
+    attempt's records of the replayed steps too; ``attempts="latest"`` (the
+    default) leaves out those a later attempt superseded (one story per
+    step), ``attempts="all"`` returns every record, each with its
+    ``attempt`` field (0 for the first attempt).
 
     Lines that are not valid records (garbage, a torn last line from a killed
     writer) are skipped with one warning that lists them. Non-finite numbers
     come back as float NaN/inf. ``as_frame=True`` returns a tidy pandas
     DataFrame, one row per record (columns: pmaptap/tapfile/frame.py).
     """
+    check_mode(attempts)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
     for lineno, d, problem in iter_lines(path):
@@ -68,6 +77,12 @@ def read(path: str | os.PathLike, *, as_frame: bool = False):
             continue
         out.append(decode_record(d))
     reconcile_divergence(out)
+    idx = index_records(out)
+    if attempts == "all":
+        for r in out:
+            r.setdefault("attempt", 0)
+    elif idx:
+        out = [r for r in out if not idx.superseded(r)]
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""

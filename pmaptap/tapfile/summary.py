@@ -10,6 +10,7 @@ from array import array
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+from pmaptap.tapfile.attempts import Attempts, Restarts, scan
 from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
                                     step_gaps)
 from pmaptap.tapfile.format import NONFINITE
@@ -40,6 +41,7 @@ class TapSummary:
     missing: int                   # steps missing inside the range
     incomplete_steps: tuple[int, ...]  # per_device steps lacking some devices
     duplicates: int
+    restarts: str = ""             # the run's attempts ("2 attempts; restarted at step 5")
 
 
 class _TapAcc:
@@ -61,6 +63,7 @@ class _TapAcc:
         self.rep_keys: set[tuple] = set()     # (step, pass) of replicated records
         self.per_device_steps: set[int] = set()
         self.per_dev: dict[int, set] = defaultdict(set)
+        self.attempt_of_step: dict[int, int] = {}
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
 
@@ -102,6 +105,9 @@ class _TapAcc:
             key: tuple = ("per_device", step, get("pass", "forward"), dev)
             self.devices.add(dev[0])
             self.per_device_steps.add(step)
+            a = get("attempt")
+            if a:       # an elastic restart may have fewer devices: compare within an attempt
+                self.attempt_of_step[step] = a
         else:
             devs = get("devices")
             if devs:
@@ -132,8 +138,13 @@ class _TapAcc:
             divergent |= self.per_device_steps
         incomplete: set[int] = set()
         if kinds == ("per_device",):
-            full = max((len(v) for v in self.per_dev.values()), default=0)
-            incomplete = {s for s, v in self.per_dev.items() if len(v) < full}
+            full: dict[int, int] = {}
+            at = self.attempt_of_step
+            for s, v in self.per_dev.items():
+                a = at.get(s, 0)
+                full[a] = max(full.get(a, 0), len(v))
+            incomplete = {s for s, v in self.per_dev.items()
+                          if len(v) < full[at.get(s, 0)]}
         stride, gaps = step_gaps(self.steps)
         finite = self.finite
         return TapSummary(
@@ -173,6 +184,7 @@ class Summarizer:
     def __init__(self, reconcile: bool = True) -> None:
         self._groups: dict[str, dict[str, _TapAcc]] = {}
         self._index = DivergenceIndex() if reconcile else None
+        self._restarts = Restarts()
 
     def see(self, r: dict) -> None:
         if self._index is not None:
@@ -180,6 +192,7 @@ class Summarizer:
 
     def add(self, r: dict) -> None:
         self.see(r)
+        self._restarts.add(r)
         run = r.get("run", "")
         names = self._groups.get(run)
         if names is None:
@@ -191,9 +204,12 @@ class Summarizer:
 
     def summaries(self) -> list[TapSummary]:
         """One TapSummary per (run, name), runs in file order, names sorted."""
-        return [acc.result(self._index)
-                for names in self._groups.values()
-                for _, acc in sorted(names.items())]
+        out = [acc.result(self._index)
+               for names in self._groups.values()
+               for _, acc in sorted(names.items())]
+        for s in out:
+            s.restarts = self._restarts.text(s.run)
+        return out
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
@@ -204,6 +220,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
     lines that are not records and every name and run read."""
     flt = flt or Filter()
     acc = Summarizer()
+    # What a later attempt of a resumed run replaced is not part of the story.
+    attempts = scan(path) if not flt.all_attempts else Attempts()
     bad: list[tuple[int, str]] = []
     names: set = set()
     runs: set = set()
@@ -213,6 +231,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
             continue
         names.add(d["name"])
         runs.add(d["run"])
+        if attempts and attempts.superseded(d):
+            continue
         if flt(d):
             acc.add(d)
         elif flt.key_match(d):
@@ -290,8 +310,10 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
         procs = format_ids(sorted({p for s in group for p in s.processes},
                                   key=id_order))
         devs = format_ids([d for s in group for d in s.devices])
+        restarts = next((s.restarts for s in group if s.restarts), "")
         out.append(f"run {run}: {n} records, {len(group)} tap(s), "
-                   f"processes {procs}, devices {devs}")
+                   f"processes {procs}, devices {devs}"
+                   + (f"; {restarts}" if restarts else ""))
         table = Table(_COLUMNS, right={"records"})
         rows = [{
             "name": s.name, "kind": "+".join(s.kinds), "records": str(s.records),
