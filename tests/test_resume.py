@@ -135,3 +135,32 @@ def test_elastic_restart_supersedes_a_replayed_step_as_a_whole(tap_path):
     # Fewer devices after an elastic restart is not "steps missing devices".
     w_sum = {x.name: x for x in sums}["w"]
     assert w_sum.records == 8 * 3 + 4 * 3 and not w_sum.incomplete_steps
+
+
+def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path):
+    # Hand-written lines: step 1 replayed by attempt 1, whose two processes
+    # disagree (a divergence); step 0's values differ between attempts only
+    # (a supersession, not a divergence).
+    def rec(step, value, process, attempt, vhash):
+        d = {"run": "r", "name": "loss", "step": step, "kind": "replicated",
+             "value": value, "dtype": "float32", "shape": [], "process": process,
+             "time": 1.0, "host": "h", "replicas": 1, "devices": [process],
+             "processes": [process], "vhash": vhash}
+        if attempt:
+            d["attempt"] = attempt
+        return json.dumps(d)
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([
+        rec(0, 1.0, 0, 0, "a"), rec(1, 2.0, 0, 0, "b"), rec(1, 2.0, 1, 0, "b"),
+        rec(0, 5.0, 0, 1, "c"), rec(1, 6.0, 0, 1, "d"), rec(1, 7.0, 1, 1, "e"),
+    ]) + "\n")
+    recs = pmaptap.read(path)
+    assert [(r["step"], r["value"], bool(r.get("divergent"))) for r in recs] == \
+        [(0, 5.0, False), (1, 6.0, True), (1, 7.0, True)]
+    sums, _, _, _ = summarize_file(path)
+    assert sums[0].divergent_steps == (1,) and sums[0].records == 3
+    assert validate_file(path).superseded == 3
+    bad = path.read_text().replace('"attempt": 1', '"attempt": -1', 1)
+    path.write_text(bad)
+    with pytest.warns(RuntimeWarning, match="attempt must be a non-negative integer"):
+        pmaptap.read(path)

@@ -60,7 +60,7 @@ class _TapAcc:
         self.finite = array("d")
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
-        self.rep_keys: set[tuple] = set()     # (step, pass) of replicated records
+        self.rep_keys: set[tuple] = set()     # (step, pass, attempt) of replicated records
         self.per_device_steps: set[int] = set()
         self.per_dev: dict[int, set] = defaultdict(set)
         self.attempt_of_step: dict[int, int] = {}
@@ -115,7 +115,7 @@ class _TapAcc:
             if kind != "replicated":
                 return      # meta records (counters) may legitimately repeat
             pass_ = get("pass", "forward")
-            self.rep_keys.add((step, pass_))
+            self.rep_keys.add((step, pass_, get("attempt", 0)))
             key = ("replicated", step, pass_, get("vhash") or _canonical(v))
         if key in self.dup_keys:
             self.duplicates += 1
@@ -129,8 +129,9 @@ class _TapAcc:
         divergent = set(self.divergent)
         if index is not None:
             probe = {"run": self.run, "name": self.name, "kind": "replicated"}
-            for step, pass_ in self.rep_keys:
-                if index.divergent(dict(probe, step=step, **{"pass": pass_})):
+            for step, pass_, attempt in self.rep_keys:
+                if index.divergent(dict(probe, step=step, attempt=attempt,
+                                        **{"pass": pass_})):
                     divergent.add(step)
         if "replicated" in kinds and "per_device" in kinds:
             # dedup="auto": identical copies give a replicated record, differing
