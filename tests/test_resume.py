@@ -164,3 +164,26 @@ def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path):
     path.write_text(bad)
     with pytest.warns(RuntimeWarning, match="attempt must be a non-negative integer"):
         pmaptap.read(path)
+
+
+def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
+    from pmaptap._host.session import _last_attempt, _last_run
+
+    def line(run, step, attempt=0):
+        d = {"run": run, "name": "x", "step": step, "kind": "replicated", "value": 1,
+             "dtype": "int32", "shape": [], "process": 0, "time": 1.0, "host": "h",
+             "replicas": 1}
+        if attempt:
+            d["attempt"] = attempt
+        return json.dumps(d, separators=(",", ":")) + "\n"
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        f.write(line("a", 0))
+        f.write(line("b", 0) + line("b", 1, attempt=2) + line("a", 1, attempt=1))
+        f.write("x" * (3 << 20) + "\n")        # 3 MiB of garbage after the last record
+        f.write('{"torn')                      # and a torn last line
+    assert _last_run(str(path)) == "a"
+    assert _last_attempt(str(path), None) == ("a", 1)
+    assert _last_attempt(str(path), "b") == ("b", 2)
+    assert _last_attempt(str(path), "c") == ("c", None)
+    assert _last_attempt(str(tmp_path / "none.jsonl"), None) == (None, None)

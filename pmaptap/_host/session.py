@@ -58,23 +58,59 @@ def _env_attempt() -> int | None:
     return n
 
 
+def _last_run(path: str) -> str | None:
+    """The run of the file's last record, reading back from the end (a
+    restart must not parse a large file whole)."""
+    from pmaptap.tapfile.parse import parse_line
+    size = os.path.getsize(path)
+    chunk = 1 << 20
+    with open(path, "rb") as f:
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            lines = f.read(size - start).split(b"\n")
+            if start > 0:
+                lines = lines[1:]       # maybe the middle of a line
+            for raw in reversed(lines):
+                d, _ = parse_line(raw) if raw.strip() else (None, None)
+                if d is not None:
+                    return d["run"]
+            if start == 0:
+                return None
+            chunk *= 4
+
+
 def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
-    """(the last run in the file, or ``run``; its highest attempt, or None if
-    the file holds no record of it)."""
+    """(``run``, else the last run in the file; its highest attempt, or None
+    if the file holds no record of it). Only lines holding the run's JSON
+    text are parsed."""
+    import json
+
+    from pmaptap.tapfile import parse
     from pmaptap.tapfile.attempts import attempt_of
-    from pmaptap.tapfile.reader import iter_lines
-    last_run, attempts = run, {}
     if not os.path.exists(path):
         return run, None
-    for _, d, _problem in iter_lines(path):
-        if d is None:
-            continue
+    if run is None:
+        run = _last_run(path)
         if run is None:
-            last_run = d["run"]
-        a = attempt_of(d)
-        if a >= attempts.get(d["run"], -1):
-            attempts[d["run"]] = a
-    return last_run, attempts.get(last_run) if last_run is not None else None
+            return None, None
+    needle = json.dumps(run, ensure_ascii=False).encode("utf-8")
+    found: int | None = None
+    limit = parse.MAX_LINE_BYTES
+    with open(path, "rb") as f:
+        while True:
+            raw = f.readline(limit + 1)
+            if not raw:
+                return run, found
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                continue
+            if needle not in raw:
+                continue
+            d, _ = parse.parse_line(raw.rstrip(b"\n"))
+            if d is not None and d["run"] == run:
+                found = max(found or 0, attempt_of(d))
 
 
 def _resume_point(path: str, run: str | None) -> tuple[str, int]:
