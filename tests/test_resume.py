@@ -187,3 +187,37 @@ def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
     assert _last_attempt(str(path), "b") == ("b", 2)
     assert _last_attempt(str(path), "c") == ("c", None)
     assert _last_attempt(str(tmp_path / "none.jsonl"), None) == (None, None)
+
+
+def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from pmaptap.tapfile import tensorboard
+    from pmaptap.tapfile.plot import build_figure
+    from pmaptap.tapfile.views import load_matching
+    _train(tap_path, range(6), 0.0, 8, run="p")
+    _train(tap_path, range(3, 6), 50.0, 4, run="p", resume=True)     # elastic
+    want = {i: i + (50.0 if i >= 3 else 0.0) for i in range(6)}
+    import matplotlib.pyplot as plt
+    for flt, n_lines in ((Filter(), 8), (Filter(all_attempts=True), 8)):
+        entries = load_matching(tap_path, flt)[0]
+        fig = build_figure([e.rec for e in entries], "w")
+        lines = fig.axes[0].get_lines()
+        assert len(lines) == n_lines
+        xs = sorted(len(line.get_xdata()) for line in lines)
+        # Devices 4-7 exist only for steps 0-2 unless every attempt is shown.
+        assert xs == ([3] * 4 + [6] * 4 if not flt.all_attempts else [6] * 8)
+        plt.close(fig)
+    fig = build_figure([e.rec for e in load_matching(tap_path, Filter())[0]], "loss")
+    (line,) = fig.axes[0].get_lines()
+    assert dict(zip(line.get_xdata(), line.get_ydata())) == want
+    plt.close(fig)
+    stats, _ = tensorboard.export(tap_path, tmp_path / "tb", Filter(names=("loss",)))
+    assert stats.records == 6
+    ea = ea_mod.EventAccumulator(str(tmp_path / "tb" / "p"), size_guidance={"scalars": 0})
+    ea.Reload()
+    (tag,) = [t for t in ea.Tags()["scalars"] if "loss" in t]
+    assert {e.step: e.value for e in ea.Scalars(tag)} == want
+    stats, _ = tensorboard.export(tap_path, tmp_path / "tb2",
+                                  Filter(names=("loss",), all_attempts=True))
+    assert stats.records == 9
