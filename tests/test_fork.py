@@ -33,21 +33,33 @@ def _records(path):
 def test_bare_fork_and_sys_exit_returns_at_once_and_writes_nothing_twice(tap_path):
     out = run_python(f"""
         import os, sys, time, jax, jax.numpy as jnp, pmaptap
-        f = jax.jit(lambda x, i: pmaptap.tap(x * 2, "v", step=i))
-        with pmaptap.Session({str(tap_path)!r}, run="r", close_timeout=60) as s:
-            f(jnp.ones(3), 0).block_until_ready()   # maybe still queued at fork
+
+        def fork_and_exit():
             t0 = time.monotonic()
             pid = os.fork()
             if pid == 0:
-                sys.exit(0)       # atexit and the `with` block's close() run
+                sys.exit(0)       # atexit and any `with` block's close() run
             _, status = os.waitpid(pid, 0)
-            print("child", round(time.monotonic() - t0, 3), status, flush=True)
+            assert status == 0, status
+            return time.monotonic() - t0
+
+        f = jax.jit(lambda x, i: pmaptap.tap(x * 2, "v", step=i))
+        f(jnp.ones(3), -1).block_until_ready()        # (printed: no session)
+        pmaptap.flush()
+        bare = fork_and_exit()                         # what JAX's own exit costs
+        with pmaptap.Session({str(tap_path)!r}, run="r", close_timeout=60) as s:
+            f(jnp.ones(3), 0).block_until_ready()   # maybe still queued at fork
+            forked = fork_and_exit()
             f(jnp.ones(3), 1).block_until_ready()
+        print("child", round(forked, 3), round(bare, 3), flush=True)
     """, devices=1)
     line = [x for x in out.stdout.splitlines() if x.startswith("child")][0]
-    _, seconds, status = line.split()
-    assert status == "0"
-    assert float(seconds) < 2.0, f"the forked child took {seconds}s to exit"
+    _, seconds, bare = line.split()
+    # Under 2 s (it took 65 s: the child's close waited for the parent's
+    # threads); on a machine too loaded for that, no more than a child that
+    # never had a session.
+    assert float(seconds) < max(2.0, float(bare) + 1.0), \
+        f"the forked child took {seconds}s to exit (one without a session: {bare}s)"
     recs = _records(tap_path)
     assert sorted(r["step"] for r in recs) == [0, 1]     # once each, by the parent
     assert {r["process"] for r in recs} == {0}
