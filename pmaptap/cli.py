@@ -64,7 +64,8 @@ def _filter(args: argparse.Namespace) -> views.Filter:
     except ValueError as e:
         raise CliError(str(e)) from None
     return views.Filter(names=tuple(args.name or ()), steps=steps,
-                        process=args.process, device=args.device, run=args.run)
+                        process=args.process, device=args.device, run=args.run,
+                        all_attempts=getattr(args, "all_attempts", False))
 
 
 def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
@@ -163,6 +164,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     note = (f"; {report.divergent_keys} divergent replicated step(s) "
             "(data, not a file problem: see pmaptap summary)"
             if report.divergent_keys else "")
+    if report.superseded:
+        note += (f"; {report.superseded} record(s) superseded by a later "
+                 "attempt (a resumed run's replayed steps; --all-attempts "
+                 "shows them)")
     if report.ok:
         print(f"{args.file}: OK, {report.records} records{note}")
         return 0
@@ -353,7 +358,8 @@ def cmd_launch(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------ parser
 
-def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> None:
+def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False,
+                 attempts: bool = True) -> None:
     g = p.add_argument_group("filters")
     g.add_argument("--name", action="append", required=name_required,
                    metavar="NAME", help="tap name (repeat for several)")
@@ -362,6 +368,11 @@ def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> 
     g.add_argument("--process", type=int, metavar="P", help="process index")
     g.add_argument("--device", type=int, metavar="D", help="jax Device.id")
     g.add_argument("--run", metavar="RUN", help="run id (a file may hold several)")
+    if attempts:
+        g.add_argument("--all-attempts", action="store_true",
+                       help="a resumed run: also the records of replayed steps "
+                            "that a later attempt superseded (each has its "
+                            "'attempt'); by default only the latest attempt's")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -403,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tail", help="last records; -f follows appends live")
     p.add_argument("file")
-    _add_filters(p)
+    _add_filters(p, attempts=False)
     p.add_argument("-n", "--lines", type=_count, default=10,
                    help="how many of the last matching records (default 10)")
     p.add_argument("-f", "--follow", action="store_true",

@@ -52,6 +52,19 @@ _CLUSTER_NEEDS = {"Kubernetes": "kubernetes"}
 
 _state_lock = threading.Lock()
 _run_id_calls = itertools.count()
+# True in a process forked from a job's process: the coordination client is
+# the parent's (its key-value calls and barriers would speak for the parent),
+# so a forked child acts as a job of one process.
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked, _state_lock
+    _forked = True
+    _state_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _close_calls: dict[str, int] = {}
 _mode: str | None = None
 
@@ -196,7 +209,10 @@ def initialize(*, initialization_timeout: int | None = None,
 # --------------------------------------------------------------- helpers
 
 def _client() -> Any | None:
-    """The coordination-service client, or None outside a multi-process job."""
+    """The coordination-service client, or None outside a multi-process job
+    (and in a forked child, which must not speak for its parent)."""
+    if _forked:
+        return None
     try:
         from jax._src import distributed as jdist
     except ImportError:   # pragma: no cover - JAX layout changed
@@ -279,7 +295,8 @@ def close_barrier(run: str, timeout: float) -> None:
     """
     client = _client()
     if client is None:
-        _warn_if_shut_down_early(run)
+        if not _forked:
+            _warn_if_shut_down_early(run)
         return
     try:
         n, pid = _process_info()

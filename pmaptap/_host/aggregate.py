@@ -120,8 +120,10 @@ def _rows_identical(stacked: list[np.ndarray]) -> bool:
 class Aggregator:
     def __init__(self, run: str, process: int, host: str, *,
                  group_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 attempt: int = 0) -> None:
         self.run, self.process, self.host = run, process, host
+        self.attempt = attempt
         self.group_timeout = group_timeout
         self.clock = clock
         self._counters: dict[tuple, int] = {}
@@ -414,7 +416,7 @@ class Aggregator:
         return Record(
             run=self.run, name="pmaptap/dropped", step=total, kind="meta",
             value=new, dtype="int64", shape=[], process=self.process,
-            time=self.clock(), host=self.host,
+            time=self.clock(), host=self.host, attempt=self.attempt,
             extra={"dropped_total": total, "policy": policy})
 
     # ------------------------------------------------------------ dedup
@@ -459,7 +461,8 @@ class Aggregator:
             value=value, dtype=dtype, shape=shape, process=process, time=now,
             host=self.host, device=device, coords=coords,
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries), index=index)
+            summarized=bool(spec.site.summaries), index=index,
+            attempt=self.attempt)
 
     def _replicated_record_of_all(self, spec: TapSpec, step: int, t: _Table,
                                   encoded: tuple, key: bytes,
@@ -500,4 +503,5 @@ class Aggregator:
             devices=devices, processes=processes, divergent=divergent,
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
             summarized=bool(spec.site.summaries), extra=extra, index=index,
-            vhash=hashlib.blake2b(key, digest_size=8).hexdigest())
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+            attempt=self.attempt)

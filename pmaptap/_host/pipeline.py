@@ -62,7 +62,8 @@ class Pipeline:
                  flush_interval: float = 0.02, group_timeout: float = 5.0,
                  retry_interval: float = 0.2, max_batch: int = 20_000,
                  forward: Sequence[Any] = (),
-                 forward_timeout: float | None = 10.0) -> None:
+                 forward_timeout: float | None = 10.0,
+                 attempt: int = 0) -> None:
         self.queue = BoundedQueue(overflow=overflow, max_pending=max_pending,
                                   max_pending_bytes=max_pending_bytes)
         if process is None:
@@ -79,15 +80,25 @@ class Pipeline:
         self.forward_timeout = forward_timeout
         self.forwarders = Forwarders(forward, name=f"pmaptap-forward-{run}") \
             if forward else None
+        self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue, Aggregator(run, process, self.host,
-                                   group_timeout=group_timeout),
+                                   group_timeout=group_timeout,
+                                   attempt=attempt),
             self.errors.add, name=f"pmaptap-aggregate-{run}")
         self._writer = WriteLoop(
             self.queue, sink, self.errors.add, name=f"pmaptap-write-{run}",
             flush_interval=flush_interval, retry_interval=retry_interval,
             max_batch=max_batch,
             on_written=self.forwarders.offer if self.forwarders else None)
+
+    def abandon(self) -> None:
+        """In a forked child: this pipeline's threads stayed in the parent,
+        which writes its records. Mark it closed without draining, writing,
+        joining or closing the sink (the parent's file lock may be held on
+        the inherited descriptor)."""
+        self.closed = True
+        self.abandoned = True
 
     def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...]) -> bool:
         """Called on XLA's callback thread: queue one payload. False once

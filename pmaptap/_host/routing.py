@@ -17,6 +17,7 @@ overflow drop.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,8 @@ def console() -> "Pipeline":
 
 
 def _close_console(p: "Pipeline") -> None:
+    if p.closed:
+        return      # closed already, or inherited across fork (abandoned)
     try:
         import jax
         jax.effects_barrier()
@@ -95,3 +98,22 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
                 log.error(f"[pmaptap] dropped a tap of {spec.name!r}: {e!r}")
         except BaseException:  # noqa: BLE001
             pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child owns none of its parent's pipelines: their threads do
+    not exist here, and their queued records are the parent's to write. So
+    the child forgets them (without writing or waiting: an exit of the child
+    is immediate, and nothing of the parent's is written twice), starts with
+    no session (a tap prints to stderr) and may open its own."""
+    global _active, _console, _console_lock
+    _console_lock = threading.Lock()   # may have been held by a parent thread
+    s, _active = _active, None
+    console_p, _console = _console, None
+    if console_p is not None:
+        console_p.abandon()
+    if s is not None:
+        s._abandon_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

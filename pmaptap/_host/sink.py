@@ -347,7 +347,7 @@ class FileSink(Sink):
                 r = Record(run=_utf8(r.run), name="pmaptap/unencodable",
                            step=r.step, kind="meta", value=1, dtype="int64",
                            shape=[], process=r.process, time=r.time,
-                           host=_utf8(r.host),
+                           host=_utf8(r.host), attempt=r.attempt,
                            extra={"tap": ascii(r.name), "error": str(e)})
                 encoded[id(r)] = r.encode()
             keep.append(r)

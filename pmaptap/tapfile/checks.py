@@ -17,6 +17,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.format import MAX_STEP, NONFINITE, record_key
 from pmaptap.tapfile.views import load
 
@@ -216,6 +217,7 @@ class Report:
     records: int = 0
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     divergent_keys: int = 0
+    superseded: int = 0          # records a later attempt of a resumed run replaced
 
     @property
     def ok(self) -> bool:
@@ -236,6 +238,11 @@ def validate_file(path: str | os.PathLike) -> Report:
                 (f" device {r.get('device')}" if r["kind"] == "per_device" else ""))
         report.problems.append((entries[i].line, f"duplicate of line "
                                 f"{entries[j].line} ({what})"))
+    # Records of steps that a resumed run replayed are superseded by the
+    # later attempt's (tapfile/attempts.py): history, not duplicates (their
+    # keys differ in ``attempt``, so find_duplicates does not pair them).
+    attempts = index_records(raws)
+    report.superseded = sum(map(attempts.superseded, raws)) if attempts else 0
     report.problems.sort()
     report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
     report.divergent_keys = len({duplicate_key(e.rec)[1:6] for e in entries

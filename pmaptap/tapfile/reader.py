@@ -8,6 +8,7 @@ from typing import Any, BinaryIO, Iterator
 
 from pmaptap._log import log
 from pmaptap.tapfile import parse
+from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
@@ -110,8 +111,14 @@ def read(path: str | os.PathLike, *, as_frame: bool = False,
          name: str | Iterable[str] | None = None,
          step: int | str | tuple | range | None = None,
          run: str | None = None, device: int | None = None,
-         process: int | None = None):
+         process: int | None = None, attempts: str = "latest"):
     """All valid records of a tap file, in file order, as dicts.
+
+    A run resumed after a restart (``Session(resume=True)``) holds the old
+    attempt's records of the replayed steps too; ``attempts="latest"`` (the
+    default) leaves out those a later attempt superseded (one story per
+    step), ``attempts="all"`` returns every record, each with its
+    ``attempt`` field (0 for the first attempt).
 
     Lines that are not valid records (garbage, a torn last line from a killed
     writer) are skipped with one warning (the "pmaptap" logger) that lists
@@ -126,27 +133,35 @@ def read(path: str | os.PathLike, *, as_frame: bool = False,
     replicated record matches every device and process that held its value,
     and divergence is still judged on every copy of a matched step.
     """
+    check_mode(attempts)
     flt = _filter(name, step, run, device, process)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
     index = DivergenceIndex()
+    later = Attempts()    # steps a later attempt rewrote
     for lineno, d, problem in iter_lines(path):
         if d is None:
             if problem != "empty line":
                 bad.append((lineno, problem or "invalid"))
             continue
-        if flt is not None:
-            if not flt.key_match(d):
-                continue
-            index.add(d)            # a copy filtered out still disagrees
-            if not flt(d):
-                continue
-        else:
-            index.add(d)
+        if flt is not None and not flt.key_match(d):
+            continue
+        # Judged on every copy of a matched step, also those the device or
+        # process filter leaves out: a copy filtered out still disagrees, and
+        # an elastic restart supersedes a step on every device.
+        index.add(d)
+        later.add(d)
+        if flt is not None and not flt(d):
+            continue
         out.append(decode_record(d))
     for r in out:
         if index.divergent(r):
             r["divergent"] = True
+    if attempts == "all":
+        for r in out:
+            r.setdefault("attempt", 0)
+    elif later:
+        out = [r for r in out if not later.superseded(r)]
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""

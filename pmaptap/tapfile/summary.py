@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pmaptap.tapfile.attempts import Attempts, Restarts, scan
 from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
                                     step_gaps)
 from pmaptap.tapfile.format import NONFINITE
@@ -53,6 +54,7 @@ class TapSummary:
     # dedup="auto" taps: steps whose copies differed before the tap ever
     # agreed. That is per-device data, not a divergence.
     per_device_steps: tuple[int, ...] = ()
+    restarts: str = ""             # the run's attempts ("2 attempts; restarted at step 5")
 
 
 class _TapAcc:
@@ -71,9 +73,10 @@ class _TapAcc:
         self.finite = array("d")
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
-        self.rep_keys: set[tuple] = set()     # (step, pass) of replicated records
+        self.rep_keys: set[tuple] = set()     # (step, pass, attempt) of replicated records
         self.per_device_steps: set[int] = set()
         self.per_dev: dict[int, set] = defaultdict(set)
+        self.attempt_of_step: dict[int, int] = {}
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
         self.first_bad: int | None = None     # first step with a NaN/inf
@@ -164,6 +167,9 @@ class _TapAcc:
             key: tuple = ("per_device", step, get("pass", "forward"), dev)
             self.devices.add(dev[0])
             self.per_device_steps.add(step)
+            a = get("attempt")
+            if a:       # an elastic restart may have fewer devices: compare within an attempt
+                self.attempt_of_step[step] = a
         else:
             devs = get("devices")
             if devs:
@@ -171,7 +177,7 @@ class _TapAcc:
             if kind != "replicated":
                 return      # meta records (counters) may legitimately repeat
             pass_ = get("pass", "forward")
-            self.rep_keys.add((step, pass_))
+            self.rep_keys.add((step, pass_, get("attempt", 0)))
             key = ("replicated", step, pass_, get("vhash") or _canonical(v))
         if key in self.dup_keys:
             self.duplicates += 1
@@ -185,8 +191,9 @@ class _TapAcc:
         divergent = set(self.divergent)
         if index is not None:
             probe = {"run": self.run, "name": self.name, "kind": "replicated"}
-            for step, pass_ in self.rep_keys:
-                if index.divergent(dict(probe, step=step, **{"pass": pass_})):
+            for step, pass_, attempt in self.rep_keys:
+                if index.divergent(dict(probe, step=step, attempt=attempt,
+                                        **{"pass": pass_})):
                     divergent.add(step)
         data_steps: set[int] = set()
         if "replicated" in kinds and "per_device" in kinds:
@@ -195,13 +202,18 @@ class _TapAcc:
             # agreed are a divergence; copies that differ from the start (and
             # until they first agree) are per-device data, e.g. a per-shard
             # value that happened to agree at some step.
-            agreed = min(s for s, _ in self.rep_keys)
+            agreed = min(key[0] for key in self.rep_keys)   # (step, pass, attempt)
             divergent |= {s for s in self.per_device_steps if s > agreed}
             data_steps = {s for s in self.per_device_steps if s < agreed}
         incomplete: set[int] = set()
         if kinds == ("per_device",):
-            full = max((len(v) for v in self.per_dev.values()), default=0)
-            incomplete = {s for s, v in self.per_dev.items() if len(v) < full}
+            full: dict[int, int] = {}
+            at = self.attempt_of_step
+            for s, v in self.per_dev.items():
+                a = at.get(s, 0)
+                full[a] = max(full.get(a, 0), len(v))
+            incomplete = {s for s, v in self.per_dev.items()
+                          if len(v) < full[at.get(s, 0)]}
         stride, gaps = step_gaps(self.steps)
         finite = self.finite
         count = len(finite) + self.a_count
@@ -247,6 +259,7 @@ class Summarizer:
     def __init__(self, reconcile: bool = True) -> None:
         self._groups: dict[str, dict[str, _TapAcc]] = {}
         self._index = DivergenceIndex() if reconcile else None
+        self._restarts = Restarts()
 
     def see(self, r: dict) -> None:
         if self._index is not None:
@@ -254,6 +267,7 @@ class Summarizer:
 
     def add(self, r: dict) -> None:
         self.see(r)
+        self._restarts.add(r)
         run = r.get("run", "")
         names = self._groups.get(run)
         if names is None:
@@ -265,9 +279,12 @@ class Summarizer:
 
     def summaries(self) -> list[TapSummary]:
         """One TapSummary per (run, name), runs in file order, names sorted."""
-        return [acc.result(self._index)
-                for names in self._groups.values()
-                for _, acc in sorted(names.items())]
+        out = [acc.result(self._index)
+               for names in self._groups.values()
+               for _, acc in sorted(names.items())]
+        for s in out:
+            s.restarts = self._restarts.text(s.run)
+        return out
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
@@ -278,6 +295,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
     lines that are not records and every name and run read."""
     flt = flt or Filter()
     acc = Summarizer()
+    # What a later attempt of a resumed run replaced is not part of the story.
+    attempts = scan(path) if not flt.all_attempts else Attempts()
     bad: list[tuple[int, str]] = []
     names: set = set()
     runs: set = set()
@@ -287,6 +306,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
             continue
         names.add(d["name"])
         runs.add(d["run"])
+        if attempts and attempts.superseded(d):
+            continue
         if flt(d):
             acc.add(d)
         elif flt.key_match(d):
@@ -372,8 +393,10 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
         procs = format_ids(sorted({p for s in group for p in s.processes},
                                   key=id_order))
         devs = format_ids([d for s in group for d in s.devices])
+        restarts = next((s.restarts for s in group if s.restarts), "")
         out.append(f"run {run}: {n} records, {len(group)} tap(s), "
-                   f"processes {procs}, devices {devs}")
+                   f"processes {procs}, devices {devs}"
+                   + (f"; {restarts}" if restarts else ""))
         table = Table(_COLUMNS, right={"records"})
         rows = [{
             "name": s.name, "kind": "+".join(s.kinds), "records": str(s.records),

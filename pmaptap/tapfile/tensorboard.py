@@ -227,8 +227,11 @@ def export(path: str | os.PathLike, outdir: str | os.PathLike,
     """Convert the whole file once, streaming it (records are not held).
     Returns the counts and the (line, problem) list of lines that are not
     records. Divergence marks are not needed: every value is written."""
+    from pmaptap.tapfile.attempts import Attempts, scan
     tb = TensorBoardExport(outdir)
     bad: list[tuple[int, str]] = []
+    # Steps a later attempt of a resumed run replayed: its values only.
+    attempts = scan(path) if not flt.all_attempts else Attempts()
     try:
         for lineno, d, problem in iter_lines(path):
             if d is None:
@@ -237,6 +240,8 @@ def export(path: str | os.PathLike, outdir: str | os.PathLike,
                 continue
             tb.stats.names.add(d.get("name"))
             tb.stats.all_runs.add(d.get("run"))
+            if attempts and attempts.superseded(d):
+                continue
             rec = decode_record(d)
             if flt(rec):
                 tb.add(rec)
