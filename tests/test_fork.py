@@ -44,7 +44,7 @@ def test_bare_fork_and_sys_exit_returns_at_once_and_writes_nothing_twice(tap_pat
             return time.monotonic() - t0
 
         f = jax.jit(lambda x, i: pmaptap.tap(x * 2, "v", step=i))
-        f(jnp.ones(3), -1).block_until_ready()        # (printed: no session)
+        f(jnp.ones(3), -1).block_until_ready()        # (refused, reported: no session)
         pmaptap.flush()
         bare = fork_and_exit()                         # what JAX's own exit costs
         with pmaptap.Session({str(tap_path)!r}, run="r", close_timeout=60) as s:

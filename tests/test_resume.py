@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
+from conftest import logs_warning
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.summary import summarize_file, summary_table
 from pmaptap.tapfile.views import Filter
@@ -137,7 +138,7 @@ def test_elastic_restart_supersedes_a_replayed_step_as_a_whole(tap_path):
     assert w_sum.records == 8 * 3 + 4 * 3 and not w_sum.incomplete_steps
 
 
-def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path):
+def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path, caplog):
     # Hand-written lines: step 1 replayed by attempt 1, whose two processes
     # disagree (a divergence); step 0's values differ between attempts only
     # (a supersession, not a divergence).
@@ -162,7 +163,7 @@ def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path):
     assert validate_file(path).superseded == 3
     bad = path.read_text().replace('"attempt": 1', '"attempt": -1', 1)
     path.write_text(bad)
-    with pytest.warns(RuntimeWarning, match="attempt must be a non-negative integer"):
+    with logs_warning(caplog, "attempt must be a non-negative integer"):
         pmaptap.read(path)
 
 

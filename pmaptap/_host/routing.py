@@ -17,6 +17,7 @@ overflow drop.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import threading
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,13 @@ def _after_fork_in_child() -> None:
     is immediate, and nothing of the parent's is written twice), starts with
     no session (a tap prints to stderr) and may open its own."""
     global _active, _console, _console_lock
+    # The parent's objects are the parent's: a garbage collection in the
+    # child that finalizes inherited JAX objects (their runtime threads did not
+    # survive the fork) crashed the child at exit (SIGSEGV while
+    # "Garbage-collecting", tests/test_fork.py). Freezing moves everything
+    # inherited out of the collector's reach; the child's own objects are
+    # collected as usual.
+    gc.freeze()
     _console_lock = threading.Lock()   # may have been held by a parent thread
     s, _active = _active, None
     console_p, _console = _console, None
