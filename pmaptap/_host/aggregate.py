@@ -76,6 +76,8 @@ class _Table:
         self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
         self.all_devices = tuple(self.devices)
         self.all_processes = tuple(sorted(set(self.processes)))
+        # Counter keys of the local devices, for _auto_step (built on first use).
+        self.auto_keys: list[tuple] | None = None
 
 
 def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
@@ -301,13 +303,18 @@ class Aggregator:
     def _auto_step(self, spec: TapSpec, t: "_Table") -> int:
         """Automatic step for a payload that stands for every local device:
         each of them executed the tap once more."""
-        step = None
-        for k in t.local:
-            ckey = (spec.name, spec.site.pass_, t.counter_keys[k])
-            s = self._counters.get(ckey, 0)
-            self._counters[ckey] = s + 1
-            step = s if step is None else min(step, s)
-        return step or 0
+        keys = t.auto_keys
+        if keys is None:
+            # Built once per site: this runs for every gathered payload (the
+            # tuples cost more than the counting on a scalar tap's path).
+            keys = t.auto_keys = [(spec.name, spec.site.pass_, t.counter_keys[k])
+                                  for k in t.local]
+        if not keys:
+            return 0
+        get = self._counters.get
+        now = [get(k, 0) for k in keys]
+        self._counters.update(zip(keys, [s + 1 for s in now]))
+        return min(now)
 
     def _step_or_skip(self, spec: TapSpec, t: "_Table", step: int) -> int | None:
         """The payload's step (automatic if not explicit), or None when
