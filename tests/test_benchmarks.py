@@ -52,6 +52,10 @@ def test_all_benchmarks_run_in_quick_mode():
     demo = next(ln for ln in out.splitlines() if ln.startswith("f. demo step (hidden 32"))
     # f. restated against the floor
     assert re.search(r"\d+\.\d+x step, (-?\d+\.\d+|nan)x added", demo), demo
+    # k. (bench_floor.py): the pieces of a scalar tap, each against the floor.
+    for label in ("k. floor, pmaptap's primitive", "k.   + all_gather (replicated value)",
+                  "k.   replicated tap, transport only", "k.   per_device tap "):
+        assert len(ratios(label)) == 2, f"{label!r}: no wall and CPU ratio to the floor"
     # bench_read.py: both ratios against the bare orjson loop, as numbers.
     ratio = out.split("summary time ratio: ", 1)[1]
     assert float(ratio.split("x", 1)[0]) > 0 and "peak RSS" in ratio
