@@ -1,6 +1,8 @@
 """g. Added cost per step of a replicated and a per_device tap at 1..32
 simulated devices (one subprocess per device count: XLA fixes the count at
-start-up), against a raw jax.debug.callback per device in the same run."""
+start-up), against a raw jax.debug.callback per device and against the floor
+(ONE raw callback from the first device with the same payload as the tap's
+one callback: the copies stacked) in the same run, paired per round."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +14,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import interleaved, set_devices, table  # noqa: E402
+from benchmarks.common import (floor_callback, interleaved_rounds, medians,  # noqa: E402
+                               paired, set_devices, table)
 
 
 def measure(n: int, quick: bool) -> dict:
@@ -34,6 +37,10 @@ def measure(n: int, quick: bool) -> dict:
             loss = lax.pmean(jnp.sum(y), "i")
             if kind == "raw":
                 jax.debug.callback(lambda *a: None, loss, lax.axis_index("i"))
+            elif kind == "floor":
+                # Both taps send coords, the step (-1) and n stacked scalars.
+                floor_callback("i", lax.axis_index("i")[None], jnp.int32(-1),
+                               jnp.broadcast_to(loss, (n,)))
             elif kind == "replicated":
                 pmaptap.tap(loss, "rep", dedup="replicated")
             elif kind == "per_device":
@@ -52,10 +59,15 @@ def measure(n: int, quick: bool) -> dict:
                 jax.effects_barrier()
         return go
 
-    med = interleaved({k: make(k) for k in ("base", "raw", "replicated", "per_device")},
-                      rounds=rounds, steps=steps)
+    kinds = ("base", "raw", "floor", "replicated", "per_device")
+    times = interleaved_rounds({k: make(k) for k in kinds}, rounds=rounds, steps=steps)
     s.close()
-    return {k: (v - med["base"]) * 1e3 for k, v in med.items()}
+    med = medians(times)
+    out = {k: (v - med["base"]) * 1e3 for k, v in med.items()}
+    for k in ("replicated", "per_device"):
+        out[f"{k}/raw"] = paired(times, k, "raw", "base")
+        out[f"{k}/floor"] = paired(times, k, "floor", "base")
+    return out
 
 
 def run(quick: bool = False) -> list[tuple]:
@@ -68,12 +80,14 @@ def run(quick: bool = False) -> list[tuple]:
         if out.returncode != 0:
             raise RuntimeError(out.stderr)
         m = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append((n, f"{m['raw']:.3f}", f"{m['replicated']:.3f}", f"{m['per_device']:.3f}",
-                     f"{m['replicated'] / m['raw']:.2f}x" if m["raw"] > 0 else "-",
-                     f"{m['per_device'] / m['raw']:.2f}x" if m["raw"] > 0 else "-"))
-    print("g. added ms per step (scalar taps, pmap); ratios against the raw per-device callback")
-    print(table(rows, ("devices", "raw callback", "replicated tap", "per_device tap",
-                       "replicated ratio", "per_device ratio")))
+        rows.append((n, f"{m['raw']:.3f}", f"{m['floor']:.3f}", f"{m['replicated']:.3f}",
+                     f"{m['per_device']:.3f}",
+                     f"{m['replicated/raw']:.2f}x / {m['replicated/floor']:.2f}x",
+                     f"{m['per_device/raw']:.2f}x / {m['per_device/floor']:.2f}x"))
+    print("g. added ms per step (scalar taps, pmap); ratios (paired per round) against "
+          "the raw per-device callback / against the floor (1 raw callback from 1 device)")
+    print(table(rows, ("devices", "raw callback", "floor", "replicated tap", "per_device tap",
+                       "replicated: to raw / to floor", "per_device: to raw / to floor")))
     return rows
 
 

@@ -1,7 +1,8 @@
 """Timing helpers shared by the benchmarks: every arm runs inside one process,
 arms interleaved round by round, medians over rounds, and ratios of *added*
 cost (arm minus the no-callback baseline) against a raw jax.debug.callback
-arm measured in the same run."""
+arm and against the floor (``floor_callback``) measured in the same run,
+paired per round."""
 from __future__ import annotations
 
 import os
@@ -23,10 +24,13 @@ def set_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def interleaved(arms: dict[str, Callable[[], None]], *, rounds: int,
-                steps: int) -> dict[str, float]:
-    """Median seconds per step of each arm. Each call of an arm runs `steps`
-    steps and must wait for their completion (including host callbacks)."""
+def interleaved_rounds(arms: dict[str, Callable[[], None]], *, rounds: int,
+                       steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each arm, one entry per round. Each call of an arm
+    runs `steps` steps and must wait for their completion (including host
+    callbacks). Arms run interleaved, in alternating order, so entry r of
+    every arm saw about the same load on the machine: ratios taken per round
+    (``paired``) cancel most of a shared machine's drift."""
     for fn in arms.values():          # warm up: compile, first file writes
         fn()
     times: dict[str, list[float]] = {k: [] for k in arms}
@@ -38,6 +42,16 @@ def interleaved(arms: dict[str, Callable[[], None]], *, rounds: int,
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def interleaved(arms: dict[str, Callable[[], None]], *, rounds: int,
+                steps: int) -> dict[str, float]:
+    """Median seconds per step of each arm (see ``interleaved_rounds``)."""
+    return medians(interleaved_rounds(arms, rounds=rounds, steps=steps))
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -46,6 +60,41 @@ def ratio(med: dict[str, float], arm: str, raw: str, base: str) -> float:
     if added_raw <= 0:
         return float("nan")
     return (med[arm] - med[base]) / added_raw
+
+
+def paired(times: dict[str, list[float]], arm: str, ref: str,
+           base: str | None = None) -> float:
+    """Median over rounds of the per-round ratio of ``arm`` to ``ref``: of
+    their added costs over ``base`` when given (rounds where ``ref`` added
+    nothing are left out), else of their step times."""
+    out = []
+    for r in range(len(times[arm])):
+        a, b = times[arm][r], times[ref][r]
+        if base is not None:
+            a, b = a - times[base][r], b - times[base][r]
+        if b > 0:
+            out.append(a / b)
+    return statistics.median(out) if out else float("nan")
+
+
+def floor_callback(axis: str, *payload, when=None) -> None:
+    """THE FLOOR: the least JAX allows to see a value on the host every step.
+    ONE raw ``jax.debug.callback`` per host, from its first device (axis
+    index 0 of a single-process pmap), inside ``lax.cond``, carrying
+    ``payload``; benchmarks pass arrays of the same shapes and dtypes as the
+    one callback pmaptap makes (built by broadcasting, not gathered: the
+    floor has no collective). ``when``: a traced bool that must also hold
+    (an ``every`` decided on device)."""
+    import jax
+    from jax import lax
+
+    first = lax.axis_index(axis) == 0
+    lax.cond(first if when is None else first & when,
+             lambda: jax.debug.callback(_nothing, *payload), lambda: None)
+
+
+def _nothing(*_) -> None:
+    return None
 
 
 def machine() -> str:

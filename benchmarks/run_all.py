@@ -9,8 +9,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SUITES = ("bench_taps.py", "bench_train.py", "bench_writer.py", "bench_scaling.py",
-          "bench_sharded.py", "bench_host_callback.py", "bench_read.py")
+SUITES = ("bench_taps.py", "bench_floor.py", "bench_train.py", "bench_writer.py",
+          "bench_scaling.py", "bench_sharded.py", "bench_host_callback.py", "bench_read.py")
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,7 @@
 and report every arm, never how fast (the machines are noisy)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,33 @@ def test_all_benchmarks_run_in_quick_mode():
                   "pmaptap summary", "pmaptap show --name loss", "summary time ratio"):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]   # a ratio printed
+    # Every tap arm prints its ratio to the floor (one raw callback from one
+    # device, same payload) beside its ratio to raw callbacks (issue 17).
+    assert "ratio to floor" in out and "floor ms/step" in out
+
+    def ratios(label: str) -> list[str]:
+        line = next(ln for ln in out.splitlines() if ln.startswith(label))
+        return re.findall(r"(-?\d+\.\d+|nan)x", line)
+    for label in ("a. per_device tap ", "a. per_device, transport only",
+                  "b. replicated tap (verified)", "b. replicated, transport only",
+                  "b. replicated tap (verify off)", "c. 4 taps in one step",
+                  "c. 4 taps in pmaptap.group()"):
+        assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
+    for label in ("d. every=100, traced step", "d. every=100, ~5 ms step"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(label))
+        assert ratios(label) or "vanishes" in line, line
+    assert "to raw / to floor" in out          # g. both ratios per device count
+    for n in ("1", "2", "4"):
+        line = next(ln for ln in out.split("added ms per step", 1)[1].splitlines()
+                    if ln.startswith(n + " "))
+        assert len(re.findall(r"(-?\d+\.\d+|nan)x", line)) == 4, line
+    demo = next(ln for ln in out.splitlines() if ln.startswith("f. demo step (hidden 32"))
+    # f. restated against the floor
+    assert re.search(r"\d+\.\d+x step, (-?\d+\.\d+|nan)x added", demo), demo
+    # k. (bench_floor.py): the pieces of a scalar tap, each against the floor.
+    for label in ("k. floor, pmaptap's primitive", "k.   + all_gather (replicated value)",
+                  "k.   replicated tap, transport only", "k.   per_device tap "):
+        assert len(ratios(label)) == 2, f"{label!r}: no wall and CPU ratio to the floor"
     # bench_read.py: both ratios against the bare orjson loop, as numbers.
     ratio = out.split("summary time ratio: ", 1)[1]
     assert float(ratio.split("x", 1)[0]) > 0 and "peak RSS" in ratio

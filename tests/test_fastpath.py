@@ -235,3 +235,43 @@ def test_float64_nonfinite_scalars_of_gathered_copies_under_x64():
         print([r["value"] for r in recs], {r["dtype"] for r in recs})
     """).stdout
     assert "[-0.0, inf, 2.0, 1.5" in out and "{'float64'}" in out
+
+
+def _every_record_field_step(v):
+    loss = lax.pmean(jnp.sum(v), "i")
+    pmaptap.tap(v, "y", dedup="per_device")
+    pmaptap.tap(loss, "loss", dedup="replicated")
+    # vmapped taps: batch_dims 1 records of the same kinds
+    jax.vmap(lambda r: pmaptap.tap(r, "vm_y", dedup="per_device"))(jnp.stack([v, v + 1]))
+    jax.vmap(lambda r: pmaptap.tap(r * 0 + loss, "vm_loss", dedup="replicated"))(
+        jnp.stack([v, v]))
+    # leaves above max_value_bytes: statistics, summarized records
+    pmaptap.tap(jnp.ones(8) * v, "big_y", dedup="per_device")
+    pmaptap.tap(jnp.ones(8) * loss, "big_loss", dedup="replicated")
+    return v
+
+
+def test_gathered_records_equal_per_device_callbacks_in_every_field(tmp_path):
+    # The gathered path builds its records from per-site templates (issue 17:
+    # half the host cost of a per_device tap); every field but the time must
+    # be what the one-callback-per-device path writes, step after step.
+    def run(path, gather):
+        with pmaptap.configured(gather=gather, max_value_bytes=16):
+            f = jax.pmap(lambda v: _every_record_field_step(v), axis_name="i")
+            with pmaptap.Session(path, run="fp"):
+                for i in range(3):
+                    f(jnp.arange(8.0) * (i + 1))
+        recs = pmaptap.read(path)
+        return sorted(repr(sorted((k, v) for k, v in r.items() if k != "time"))
+                      for r in recs)
+    fast = run(str(tmp_path / "fast.jsonl"), True)
+    slow = run(str(tmp_path / "slow.jsonl"), False)
+    assert fast == slow
+    assert len(fast) == 3 * (8 + 1 + 8 + 1 + 8 + 1)
+    kinds = {(r["name"], r.get("batch_dims", 0), bool(r.get("summarized")))
+             for r in pmaptap.read(str(tmp_path / "fast.jsonl"))}
+    assert ("vm_y", 1, False) in kinds and ("vm_loss", 1, False) in kinds
+    assert ("big_y", 0, True) in kinds and ("big_loss", 0, True) in kinds
+    steps = sorted({r["step"] for r in pmaptap.read(str(tmp_path / "fast.jsonl"))
+                    if r["name"] == "y"})
+    assert steps == [0, 1, 2]

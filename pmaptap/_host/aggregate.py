@@ -77,6 +77,12 @@ class _Table:
         self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
         self.all_devices = tuple(self.devices)
         self.all_processes = tuple(sorted(set(self.processes)))
+        # Counter keys of the local devices, for _auto_step (built on first use).
+        self.auto_keys: list[tuple] | None = None
+        # Per-device record templates of the gathered path, per (batch_dims,
+        # summaries) of the spec (see Aggregator._per_device_records_of_rows).
+        self.per_device_templates: dict[tuple, list[dict]] = {}
+        self.replicated_templates: dict[tuple, dict] = {}
 
 
 def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
@@ -311,13 +317,18 @@ class Aggregator:
     def _auto_step(self, spec: TapSpec, t: "_Table") -> int:
         """Automatic step for a payload that stands for every local device:
         each of them executed the tap once more."""
-        step = None
-        for k in t.local:
-            ckey = (spec.name, spec.site.pass_, t.counter_keys[k])
-            s = self._counters.get(ckey, 0)
-            self._counters[ckey] = s + 1
-            step = s if step is None else min(step, s)
-        return step or 0
+        keys = t.auto_keys
+        if keys is None:
+            # Built once per site: this runs for every gathered payload (the
+            # tuples cost more than the counting on a scalar tap's path).
+            keys = t.auto_keys = [(spec.name, spec.site.pass_, t.counter_keys[k])
+                                  for k in t.local]
+        if not keys:
+            return 0
+        get = self._counters.get
+        now = [get(k, 0) for k in keys]
+        self._counters.update(zip(keys, [s + 1 for s in now]))
+        return min(now)
 
     def _step_or_skip(self, spec: TapSpec, t: "_Table", step: int) -> int | None:
         """The payload's step (automatic if not explicit), or None when
@@ -336,11 +347,8 @@ class Aggregator:
         if spec.site.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
-            now = self.clock()
             encoded = encode_rows(spec.site.treedef, stacked, t.local, spec.site.summaries)
-            return [self._per_device_record(spec, step, e, t.processes[k],
-                                            t.devices[k], t.coord_dicts[k], now)
-                    for k, e in zip(t.local, encoded)]
+            return self._per_device_records_of_rows(spec, t, step, encoded)
         if _rows_identical(stacked):
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
@@ -451,6 +459,34 @@ class Aggregator:
             spec, step, self._value(spec, cp.leaves), cp.process, cp.device,
             dict(zip(spec.placement.axis_names, cp.coords)), self.clock())
 
+    def _per_device_records_of_rows(self, spec: TapSpec, t: "_Table", step: int,
+                                    encoded: list[tuple]) -> list[Record]:
+        """The per_device records of a gathered payload, one per local device
+        (``encoded`` in ``t.local`` order). Every field but the step, the value
+        and the time is the same at every step of a site, so each record is a
+        copy of a per-device template built (and checked) once by
+        ``_per_device_record``: about half the cost of building each record
+        field by field, on the path of every gathered per_device tap."""
+        # Fixed per site today; keyed anyway, so that a variant of a spec
+        # (with_batch) could never take another's template.
+        key = (spec.site.batch_dims, spec.site.summaries)
+        templates = t.per_device_templates.get(key)
+        if templates is None:
+            templates = t.per_device_templates[key] = [
+                dict(self._per_device_record(spec, 0, (None, None, None), t.processes[k],
+                                             t.devices[k], t.coord_dicts[k], 0.0).__dict__)
+                for k in t.local]
+        now = self.clock()
+        out = []
+        for template, (value, dtype, shape) in zip(templates, encoded):
+            r = object.__new__(Record)
+            d = r.__dict__
+            d.update(template)
+            d["step"], d["value"], d["dtype"], d["shape"], d["time"] = \
+                step, value, dtype, shape, now
+            out.append(r)
+        return out
+
     def _per_device_record(self, spec: TapSpec, step: int, encoded: tuple,
                            process: int, device: int | None, coords: dict,
                            now: float, index: Any = None) -> Record:
@@ -468,9 +504,23 @@ class Aggregator:
                                   encoded: tuple, key: bytes,
                                   extra: dict | None = None) -> Record:
         """The replicated record of a value every copy of the tap site holds
-        (agreement established)."""
-        return self._replicated_record(spec, step, encoded, t.all_devices,
-                                       t.all_processes, key, extra=extra)
+        (agreement established). A copy of a per-site template, as
+        ``_per_device_records_of_rows``: only the step, value, time and value
+        hash change from step to step."""
+        tkey = (spec.site.batch_dims, spec.site.summaries,
+                None if extra is None else tuple(sorted(extra.items())))
+        template = t.replicated_templates.get(tkey)
+        if template is None:
+            template = t.replicated_templates[tkey] = dict(self._replicated_record(
+                spec, 0, (None, None, None), t.all_devices, t.all_processes, b"",
+                extra=extra).__dict__)
+        r = object.__new__(Record)
+        d = r.__dict__
+        d.update(template)
+        d["step"], d["time"] = step, self.clock()
+        d["value"], d["dtype"], d["shape"] = encoded
+        d["vhash"] = hashlib.blake2b(key, digest_size=8).hexdigest()
+        return r
 
     def _replicated_record_of_holders(self, spec: TapSpec, step: int,
                                       holders: list[Copy],

@@ -1,0 +1,171 @@
+"""k. Where a scalar tap's cost above the floor goes (issue 17).
+
+pmap over 8 devices, a scalar replicated tap (the step's pmean loss) and a
+scalar per_device tap, against the floor (ONE raw jax.debug.callback from
+the first device, inside lax.cond, with the tap's payload: coords, step, the
+8 copies). Arms add one piece at a time, so the differences between rows
+are the cost of that piece:
+
+  floor, pmaptap's primitive   the floor's callback through pmaptap's own
+                               primitive (no jax.device_put on XLA's thread)
+  + all_gather                 the collective that brings the copies over
+  tap, transport only          the real tap: leader cond, coords, the hand-off
+                               (the host pipeline cut off at ``deliver``)
+  tap                          with the host pipeline: aggregation, records,
+                               JSON, the file (a flush() per round)
+
+Then 4 and 16 scalar taps in one step (half replicated, half per_device),
+apart and in one ``pmaptap.group()``, against one floor callback carrying
+all their values.
+
+Wall time and this process's CPU time, both as added cost per step over the
+no-callback step, paired per round against the floor.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import floor_callback, machine, set_devices, table  # noqa: E402
+
+DEVICES = 8
+
+
+def run(quick: bool = False) -> list[tuple]:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import pmaptap
+    from pmaptap._trace import layouts
+    from pmaptap._trace.primitive import emit_callback
+
+    rounds, steps = (3, 5) if quick else (31, 40)
+    session = pmaptap.Session(os.path.join(tempfile.mkdtemp(prefix="pmaptap-floor-"),
+                                           "floor.jsonl"), run="floor").open()
+    x = jnp.ones((DEVICES, 256), jnp.float32)
+    real_deliver, xport = layouts.deliver, {"drop": False}
+    layouts.deliver = lambda spec, arrays: None if xport["drop"] else real_deliver(spec, arrays)
+
+    def nothing(*_):
+        return None
+
+    def make(kind: str):
+        def body(v):
+            y = jnp.tanh(v)
+            value = lax.pmean(jnp.sum(y), "i") if "rep" in kind else jnp.sum(y)
+            idx = lax.axis_index("i")
+            payload = (idx[None], jnp.int32(-1))
+            many = int(kind.split("x")[1]) if "x" in kind else 0
+            if many:
+                # n scalars: even ones replicated (from the pmean), odd ones
+                # per device; the floor carries every copy of each.
+                loss, mine = lax.pmean(jnp.sum(y), "i"), jnp.sum(y)
+                vals = [(loss if i % 2 == 0 else mine) * (1.0 + i) for i in range(many)]
+                if kind.startswith("floorx"):
+                    floor_callback("i", idx[None], *([jnp.int32(-1)] * many),
+                                   *[jnp.broadcast_to(v_, (DEVICES,)) for v_ in vals])
+                    return y
+                ctx = pmaptap.group() if kind.startswith("group") else contextlib.nullcontext()
+                with ctx:
+                    for i, v_ in enumerate(vals):
+                        pmaptap.tap(v_, f"k_{many}_{i}",
+                                    dedup="replicated" if i % 2 == 0 else "per_device")
+                return y
+            if kind == "floor":
+                floor_callback("i", *payload, jnp.broadcast_to(value, (DEVICES,)))
+            elif kind == "own":
+                lax.cond(idx == 0, lambda: emit_callback(
+                    nothing, *payload, jnp.broadcast_to(value, (DEVICES,))), lambda: None)
+            elif kind.startswith("gather"):
+                g = lax.all_gather(value, "i")
+                lax.cond(idx == 0, lambda: emit_callback(nothing, *payload, g),
+                         lambda: None)
+            elif kind.startswith("tap_rep"):
+                pmaptap.tap(value, "k_rep", dedup="replicated")
+            elif kind.startswith("tap_per"):
+                pmaptap.tap(value, "k_per", dedup="per_device")
+            return y
+        fn = jax.pmap(body, axis_name="i")
+        if kind == "tap_rep_unverified":
+            with pmaptap.configured(verify_replicated=False):
+                fn(x).block_until_ready()       # trace now, with the option
+        full = kind.startswith(("tap", "group")) and not kind.endswith("@transport")
+
+        def go():
+            xport["drop"] = kind.endswith("@transport")
+            y = None
+            for _ in range(steps):
+                y = fn(x)
+            y.block_until_ready()
+            if full:
+                session.flush()
+            else:
+                jax.effects_barrier()
+            xport["drop"] = False
+        return go
+
+    kinds = ["base", "floor", "own", "gather_rep", "gather_per", "tap_rep@transport",
+             "tap_rep", "tap_rep_unverified", "tap_per@transport", "tap_per",
+             "floorx4", "tapsx4", "groupx4", "floorx16", "tapsx16", "groupx16"]
+    arms = {k: make(k) for k in kinds}
+    for fn in arms.values():
+        fn()
+    wall: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
+        for k, fn in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            cpu[k].append((time.process_time() - c0) / steps)
+            wall[k].append((time.perf_counter() - t0) / steps)
+    session.close()
+
+    def to_floor(t: dict[str, list[float]], k: str, floor: str = "floor") -> str:
+        out = [(t[k][r] - t["base"][r]) / (t[floor][r] - t["base"][r])
+               for r in range(rounds) if t[floor][r] > t["base"][r]]
+        return f"{statistics.median(out):.2f}x" if out else "nan"
+
+    def added(t: dict[str, list[float]], k: str) -> str:
+        return f"{(statistics.median(t[k]) - statistics.median(t['base'])) * 1e3:+.3f}"
+
+    labels = {
+        "floor": "floor (raw jax.debug.callback)",
+        "own": "floor, pmaptap's primitive",
+        "gather_rep": "  + all_gather (replicated value)",
+        "tap_rep@transport": "  replicated tap, transport only",
+        "tap_rep": "  replicated tap",
+        "tap_rep_unverified": "  replicated tap, verify off (no gather)",
+        "gather_per": "  + all_gather (per-device value)",
+        "tap_per@transport": "  per_device tap, transport only",
+        "tap_per": "  per_device tap",
+    }
+    rows = [(f"k. {labels[k]}", added(wall, k), to_floor(wall, k), added(cpu, k),
+             to_floor(cpu, k)) for k in labels]
+    for n in (4, 16):
+        for k, label in ((f"floorx{n}", f"floor: 1 raw callback, {n} values"),
+                         (f"tapsx{n}", f"  {n} scalar taps"),
+                         (f"groupx{n}", f"  {n} scalar taps in pmaptap.group()")):
+            rows.append((f"k. {label}", added(wall, k), to_floor(wall, k, f"floorx{n}"),
+                         added(cpu, k), to_floor(cpu, k, f"floorx{n}")))
+    print(f"k. scalar taps above the floor, pmap over {DEVICES} devices; no-callback "
+          f"step {statistics.median(wall['base']) * 1e3:.3f} ms; {machine()}")
+    print(table(rows, ("arm", "added wall ms", "to floor (wall)", "added CPU ms",
+                       "to floor (CPU)")))
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
+    args = ap.parse_args()
+    set_devices(DEVICES)
+    run(quick=args.quick)
