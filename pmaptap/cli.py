@@ -31,7 +31,7 @@ from pmaptap.tapfile import views
 from pmaptap.errors import CliError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pmaptap.tapfile.follow import LineFollower
+    from pmaptap.tapfile.follow import LineFollower, RunFollower
 
 PROG = "pmaptap"
 
@@ -40,6 +40,9 @@ PROG = "pmaptap"
 # ------------------------------------------------------------------ helpers
 
 def _check_file(path: str) -> None:
+    from pmaptap.tapfile import runs
+    if runs.is_sharded(path):
+        return         # a sharded run (path.d/): read merged, as one file
     if not os.path.exists(path):
         raise CliError(f"no such file: {path}")
     if os.path.isdir(path):
@@ -246,12 +249,12 @@ def _export_parquet(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     """The last ``args.lines`` matching records, then with ``args.follow``
     every new one until a signal, the timeout or the count."""
-    from pmaptap.tapfile.follow import LineFollower
+    from pmaptap.tapfile.follow import open_follower
     if not args.follow:
         _check_file(args.file)
     elif not os.path.exists(args.file):
         print(f"{PROG} tail: waiting for {args.file} to appear", file=sys.stderr)
-    lf = LineFollower(args.file)
+    lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
     finally:
@@ -263,7 +266,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def _tail(args: argparse.Namespace, flt: views.Filter,
-          lf: "LineFollower") -> int:
+          lf: "LineFollower | RunFollower") -> int:
     from pmaptap.tapfile.follow import follow, matching, on_stop_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.

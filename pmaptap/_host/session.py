@@ -24,11 +24,29 @@ from pmaptap.errors import SessionError, TapError
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
+from pmaptap._host.dirsink import DirectorySink
+from pmaptap.tapfile.runs import is_url
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
 _open_lock = threading.Lock()
 active_session = routing.active_session
+
+LAYOUTS = ("auto", "file", "sharded")
+# layout="auto" shards a job with more processes than this. At 32 writers the
+# shared file still keeps up (docs/performance.md); at 128 its lock collapses.
+SHARDED_ABOVE = 32
+
+
+def _object_commit_interval() -> float:
+    from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
+    return OBJECT_COMMIT_INTERVAL
+
+
+def choose_layout() -> str:
+    """The layout "auto" picks: by process count, the same on every process."""
+    import jax
+    return "sharded" if jax.process_count() > SHARDED_ABOVE else "file"
 
 
 def _new_run_id() -> str:
@@ -59,6 +77,11 @@ class Session:
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
       pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
+    layout: "file" (every process appends to ``path`` under a shared lock),
+      "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
+      no lock, nothing read back; readers merge: docs/multihost.md) or
+      "auto" (default): "sharded" when the job has more than
+      ``SHARDED_ABOVE`` processes, else "file".
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
@@ -66,7 +89,8 @@ class Session:
                  max_pending_bytes: int = 1 << 30, lock_timeout: float = 1.0,
                  flush_timeout: float | None = 120.0,
                  close_timeout: float = 60.0, group_timeout: float = 5.0,
-                 flush_interval: float = 0.02, lock: str = "flock") -> None:
+                 flush_interval: float = 0.02, lock: str = "flock",
+                 layout: str = "auto") -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Session: overflow must be one of "
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
@@ -80,8 +104,18 @@ class Session:
         if lock not in LOCK_MODES:
             raise ValueError(f"Session: lock must be one of {LOCK_MODES} "
                              f"(\"soft\" for NFS/Lustre/GPFS), got {lock!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"Session: layout must be one of {LAYOUTS}, "
+                             f"got {layout!r}")
         self.lock = lock
-        self.path = os.path.abspath(os.fspath(path))
+        self.layout = layout
+        # An object-store URL (s3://, gs://) is kept as given; it always
+        # uses the sharded layout, as immutable chunks (_host/objsink.py).
+        self.url = is_url(path)
+        self.path = path if self.url else os.path.abspath(os.fspath(path))
+        if self.url:
+            self.layout = "sharded"
+            flush_interval = max(flush_interval, _object_commit_interval())
         self.run = run
         self._opts: dict[str, Any] = dict(
             overflow=overflow, max_pending=max_pending,
@@ -113,8 +147,16 @@ class Session:
             if self.pipeline is not None:
                 raise SessionError(f"{self!r} was already used; create a new "
                                    "Session to open again.")
-            sink = FileSink(self.path, lock_timeout=self.lock_timeout,
-                            lock=self.lock)
+            if self.layout == "auto":
+                self.layout = choose_layout()
+            if self.url:
+                from pmaptap._host.objsink import ObjectSink
+                sink = ObjectSink(self.path)
+            elif self.layout == "sharded":
+                sink = DirectorySink(self.path)
+            else:
+                sink = FileSink(self.path, lock_timeout=self.lock_timeout,
+                                lock=self.lock)
             try:
                 if self.run is None:
                     self.run = default_run_id()

@@ -148,3 +148,61 @@ def on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return restore
+
+
+class RunFollower:
+    """``LineFollower`` over a run in the sharded layout (tapfile/runs.py):
+    the lines completed in any of its files since the last poll, as one
+    batch ordered by record time, with a replicated value that another
+    process also wrote given once (as ``pmaptap.read`` does). A shard that
+    appears later (a process that started late) is picked up at the next
+    poll. Each poll holds its batch in memory: the first one is the whole
+    run so far."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._files: dict[str, LineFollower] = {}
+        self._first: dict[tuple, Any] = {}
+        self.lineno = 0
+
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        from pmaptap.tapfile import runs
+        from pmaptap.tapfile.format import record_key
+        for f in runs.sources(self.path):
+            if f not in self._files:
+                self._files[f] = LineFollower(f)
+        batch: list[tuple[float, int, int, bytes]] = []
+        for i, lf in enumerate(self._files.values()):
+            for n, raw in lf.poll():
+                d, _ = parse_line(raw)
+                t = d.get("time") if d is not None else None
+                if not isinstance(t, (int, float)) or isinstance(t, bool):
+                    t = float("-inf")
+                elif d.get("kind") == "replicated" and d.get("vhash"):
+                    got = self._first.setdefault((record_key(d), d["vhash"]),
+                                                 d.get("process"))
+                    if got != d.get("process"):
+                        continue
+                batch.append((float(t), i, n, raw))
+        batch.sort(key=lambda x: x[:3])
+        for _t, _i, _n, raw in batch:
+            self.lineno += 1
+            yield self.lineno, raw
+
+    @property
+    def exists(self) -> bool:
+        return any(lf.exists for lf in self._files.values())
+
+    @property
+    def pending(self) -> bytes:
+        return b"".join(lf.pending for lf in self._files.values())
+
+    def close(self) -> None:
+        for lf in self._files.values():
+            lf.close()
+
+
+def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower":
+    """The follower for ``path``: a sharded run's, or one file's."""
+    from pmaptap.tapfile import runs
+    return RunFollower(path) if runs.is_sharded(path) else LineFollower(path)

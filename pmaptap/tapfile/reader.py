@@ -5,11 +5,12 @@ import os
 import warnings
 from typing import Any, BinaryIO, Iterator
 
-from pmaptap.tapfile import parse
+from pmaptap.tapfile import parse, runs
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
-__all__ = ["DivergenceIndex", "iter_lines", "parse_line", "read", "reconcile_divergence"]
+__all__ = ["DivergenceIndex", "iter_file_lines", "iter_lines", "parse_line", "read",
+           "reconcile_divergence"]
 
 _SKIP_CHUNK = 1 << 20
 
@@ -17,7 +18,15 @@ _SKIP_CHUNK = 1 << 20
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """(line number, record or None, problem or None) for every line, read a
     line at a time: a line longer than parse.MAX_LINE_BYTES is reported
-    without being held in memory."""
+    without being held in memory. A run in the sharded layout (``path.d/``)
+    is read as one stream merged from its shards (tapfile/runs.py)."""
+    if runs.is_sharded(path):
+        return runs.iter_merged(path, iter_file_lines)
+    return iter_file_lines(path)
+
+
+def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
+    """``iter_lines`` of one file."""
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
         lineno = 0
