@@ -9,6 +9,7 @@
     pmaptap export FILE --parquet OUT  one Parquet row per record (needs [parquet])
     pmaptap export FILE --tensorboard DIR [-f]
                                        TensorBoard event files (needs [tensorboard])
+    pmaptap merge RUN -o OUT [-f]      a sharded run (RUN.d/, s3://...) as one file
     pmaptap launch ...                 the local multi-process launcher
 
 Filters (show, tail, summary, plot, export): --name (repeatable), --step
@@ -333,6 +334,35 @@ class _TailPrinter:
         sys.stdout.flush()
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import merge
+    if not args.follow:
+        _check_file(args.file)
+        try:
+            n, bad = merge.merge(args.file, args.output)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        _report_skipped(bad, args.file, "merge")
+        print(f"wrote {n} records to {args.output}", file=sys.stderr)
+        return 0
+    from pmaptap.tapfile.follow import on_stop_signals
+
+    def report(pos: int, problem: str) -> None:
+        print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
+    stop = threading.Event()
+    restore = on_stop_signals(stop.set)
+    try:
+        n = merge.merge_follow(args.file, args.output, stop=stop,
+                               interval=args.interval, timeout=args.timeout,
+                               report=report)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    finally:
+        restore()
+    print(f"wrote {n} records to {args.output}", file=sys.stderr)
+    return 0
+
+
 def cmd_launch(argv: list[str]) -> int:
     # Imported lazily: the launcher is its own module and may be absent from a
     # trimmed installation; every other subcommand works without it.
@@ -438,6 +468,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filters(p)
     _add_export_targets(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("merge", help="a sharded run (path.d/, s3://...) as one "
+                                     "tap file")
+    p.add_argument("file", help="the run: its path, its .d directory or its URL")
+    p.add_argument("-o", "--output", required=True, metavar="OUT")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep appending records as they are written (Ctrl-C "
+                        "or SIGTERM stops)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with -f: stop after this many seconds")
+    p.add_argument("--interval", type=float, default=0.5,
+                   help="with -f: seconds between polls (default 0.5)")
+    p.set_defaults(func=cmd_merge)
 
     sub.add_parser("launch", add_help=False,
                    help="local multi-process launcher (pmaptap launch --help)")

@@ -3,6 +3,7 @@ on loopback, started and stopped here; clients configured only through the
 standard AWS environment variables."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,7 +74,7 @@ def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, cwd=ROOT, timeout=120, env=dict(os.environ, **env))
 
 
-def test_writers_write_chunks_that_read_and_the_cli_merge(s3):
+def test_writers_write_chunks_that_read_and_the_cli_merge(s3, tmp_path):
     import s3fs
 
     import pmaptap
@@ -97,6 +98,13 @@ def test_writers_write_chunks_that_read_and_the_cli_merge(s3):
     assert v.returncode == 0 and f"OK, {len(recs)} records" in v.stdout, v
     show = _cli("show", url, "--name", "acts", "--process", "1", env=s3)
     assert show.returncode == 0 and len(show.stdout.splitlines()) == 1 + STEPS, show
+    tail = [json.loads(x) for x in _cli("tail", url, "-n", "3", "--json",
+                                        env=s3).stdout.splitlines()]
+    assert len(tail) == 3 and (tail[-1]["value"], tail[-1]["process"]) == (9.0, 2), tail
+    merged = str(tmp_path / "merged.jsonl")
+    m = _cli("merge", url, "-o", merged, env=s3)
+    assert m.returncode == 0, m
+    assert pmaptap.read(merged) == recs
 
 
 def test_four_process_job_writes_to_s3(s3):

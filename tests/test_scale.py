@@ -173,3 +173,59 @@ def test_two_process_job_exact_in_both_layouts(tmp_path, layout):
     v = subprocess.run([sys.executable, "-m", "pmaptap", "validate", out],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
+    """A process that starts writing after the followers started is picked
+    up; replicated values come once; merge -o writes the one-file form."""
+    path = str(tmp_path / "run.jsonl")
+    _write(path, 0, "sharded", [np.float32(s) for s in range(STEPS)])
+    cli = [sys.executable, "-m", "pmaptap"]
+    merged = str(tmp_path / "merged.jsonl")
+    tail = subprocess.Popen(cli + ["tail", path, "-f", "-n", "0", "--json",
+                                   "--interval", "0.05", "--timeout", "60",
+                                   "--max-records", str(2 * STEPS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    follow = subprocess.Popen(cli + ["merge", path, "-o", merged, "-f",
+                                     "--interval", "0.05", "--timeout", "60"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT)
+    try:
+        # Both are polling; now a second process appears and writes (its
+        # replicated values equal process 0's: not shown again).
+        import time
+        time.sleep(1.5)
+        _write(path, 1, "sharded", [np.float32(s) for s in range(STEPS)])
+        _write(path, 2, "sharded", [np.float32(s) for s in range(STEPS)])
+        out, err = tail.communicate(timeout=90)
+        got = [json.loads(line) for line in out.splitlines()]
+        # -n 0: only new records: processes 1 and 2's per-device ones, and
+        # no replicated duplicate of process 0's values
+        assert sorted((r["name"], r["process"]) for r in got) == \
+            sorted([("acts", 1)] * STEPS + [("acts", 2)] * STEPS), (got, err)
+        import signal
+        time.sleep(0.5)
+        follow.send_signal(signal.SIGTERM)
+        follow.communicate(timeout=60)
+    finally:
+        for p in (tail, follow):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert follow.returncode == 0
+    want = pmaptap.read(path)
+    assert len(want) == STEPS + 3 * STEPS
+    assert sorted(map(json.dumps, pmaptap.read(merged))) == sorted(map(json.dumps, want))
+    # merge without -f: the same records, in the merged (time) order
+    once = str(tmp_path / "once.jsonl")
+    m = subprocess.run(cli + ["merge", path, "-o", once], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert m.returncode == 0 and f"wrote {len(want)} records" in m.stderr, m
+    assert pmaptap.read(once) == want
+    # refusing to overwrite a file of the run itself
+    with open(path, "w"):
+        pass
+    bad = subprocess.run(cli + ["merge", path + ".d", "-o", path], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "one of the files of run" in bad.stderr, bad

@@ -163,35 +163,56 @@ class RunFollower:
         self.path = os.fspath(path)
         self._files: dict[str, LineFollower] = {}
         self._first: dict[tuple, Any] = {}
+        self._chunks: set[str] = set()          # object store: chunks read
+        self._lines: dict[int, int] = {}        # object store: lines per process
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        from pmaptap.tapfile import runs
         from pmaptap.tapfile.format import record_key
-        for f in runs.sources(self.path):
-            if f not in self._files:
-                self._files[f] = LineFollower(f)
         batch: list[tuple[float, int, int, bytes]] = []
-        for i, lf in enumerate(self._files.values()):
-            for n, raw in lf.poll():
-                d, _ = parse_line(raw)
-                t = d.get("time") if d is not None else None
-                if not isinstance(t, (int, float)) or isinstance(t, bool):
-                    t = float("-inf")
-                elif d.get("kind") == "replicated" and d.get("vhash"):
-                    got = self._first.setdefault((record_key(d), d["vhash"]),
-                                                 d.get("process"))
-                    if got != d.get("process"):
-                        continue
-                batch.append((float(t), i, n, raw))
+        for i, n, raw in self._new_lines():
+            d, _ = parse_line(raw)
+            t = d.get("time") if d is not None else None
+            if not isinstance(t, (int, float)) or isinstance(t, bool):
+                t = float("-inf")
+            elif d.get("kind") == "replicated" and d.get("vhash"):
+                got = self._first.setdefault((record_key(d), d["vhash"]),
+                                             d.get("process"))
+                if got != d.get("process"):
+                    continue
+            batch.append((float(t), i, n, raw))
         batch.sort(key=lambda x: x[:3])
         for _t, _i, _n, raw in batch:
             self.lineno += 1
             yield self.lineno, raw
 
+    def _new_lines(self) -> Iterator[tuple[int, int, bytes]]:
+        """(source number, line number in it, bytes) of lines completed
+        since the last poll: appended to local shards, or in chunks that
+        appeared on an object store (chunks are immutable: read once)."""
+        from pmaptap.tapfile import runs
+        if runs.is_url(self.path):
+            fs, _ = runs.url_fs(self.path)
+            for proc, names in sorted(runs.chunks(self.path).items()):
+                for name in names:
+                    if name in self._chunks:
+                        continue
+                    self._chunks.add(name)
+                    for raw in fs.cat_file(name).split(b"\n"):
+                        if raw:
+                            self._lines[proc] = self._lines.get(proc, 0) + 1
+                            yield proc, self._lines[proc], raw
+            return
+        for f in runs.sources(self.path):
+            if f not in self._files:
+                self._files[f] = LineFollower(f)
+        for i, lf in enumerate(self._files.values()):
+            for n, raw in lf.poll():
+                yield i, n, raw
+
     @property
     def exists(self) -> bool:
-        return any(lf.exists for lf in self._files.values())
+        return bool(self._chunks) or any(lf.exists for lf in self._files.values())
 
     @property
     def pending(self) -> bytes:
