@@ -38,6 +38,7 @@ steps, every = int(os.environ["STEPS"]), int(os.environ["FLUSH"])
 w = pmaptap.Writer(os.environ["TAP"], run="bench", process=wid, processes=n,
                    layout=os.environ["LAYOUT"], flush_interval=1e9,
                    max_buffer=1 << 30, flush_timeout=None)
+os.write(int(os.environ["READY_FD"]), b"r")
 os.read(int(os.environ["GO_FD"]), 1)      # EOF when the parent releases all
 t0 = time.time()
 lags, pending = [], []
@@ -65,17 +66,24 @@ def run_one(n: int, layout: str, steps: int, every: int) -> dict:
     tmp = tempfile.mkdtemp(prefix="pmaptap-many-")
     path = os.path.join(tmp, "run.jsonl")
     r, wfd = os.pipe()
+    ready_r, ready_w = os.pipe()
     env = dict(os.environ, ROOT=ROOT, TAP=path, NPROC=str(n), STEPS=str(steps),
-               FLUSH=str(every), LAYOUT=layout, GO_FD=str(r))
+               FLUSH=str(every), LAYOUT=layout, GO_FD=str(r), READY_FD=str(ready_w))
     procs = []
     try:
         for i in range(n):
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", _WORKER], env=dict(env, WID=str(i)),
-                pass_fds=(r,), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(r, ready_w), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True))
         os.close(r)
-        time.sleep(min(60.0, 1.0 + 0.25 * n))   # let them all import and wait
+        os.close(ready_w)
+        got = 0
+        while got < n:                          # all imported and waiting
+            b = os.read(ready_r, n - got)
+            if not b:
+                raise RuntimeError("a writer exited before it was ready")
+            got += len(b)
         os.close(wfd)                           # release: EOF everywhere
         wfd = -1
         outs = []
@@ -87,6 +95,7 @@ def run_one(n: int, layout: str, steps: int, every: int) -> dict:
     finally:
         if wfd >= 0:
             os.close(wfd)
+        os.close(ready_r)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -107,6 +116,74 @@ def run_one(n: int, layout: str, steps: int, every: int) -> dict:
                 counts=f"{rep}/{steps} rep, {per}/{n * steps} per_device")
 
 
+def model(quick: bool) -> None:
+    """The per-step file cost model (docs/performance.md), its inputs
+    measured here in one process: in the one-file layout a process's batch
+    under the lock costs c0 + c1 x (N - 1) (index the other processes'
+    lines appended since its last batch, then write its own), and the lock
+    serializes the N processes: N x (c0 + c1 x (N - 1)) of serial file work
+    per step. In the sharded layout a batch costs s0 and nothing is serial."""
+    import statistics
+
+    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sink import FileSink
+    from pmaptap.tapfile.format import Record
+    tmp = tempfile.mkdtemp(prefix="pmaptap-model-")
+    reps = 200 if quick else 2000
+
+    def batch(p: int, step: int) -> list[Record]:
+        t = time.time()
+        return [Record(run="m", name="loss", step=step, kind="replicated",
+                       value=0.5, dtype="float32", shape=[], process=p, time=t,
+                       host="h", replicas=1, processes=(p,), vhash=f"{step:016x}"),
+                Record(run="m", name="act", step=step, kind="per_device",
+                       value=float(p), dtype="float32", shape=[], process=p, time=t,
+                       host="h", device=p, coords={})]
+
+    def per_batch(others: int) -> float:
+        path = os.path.join(tmp, f"f{others}.jsonl")
+        sink = FileSink(path, process=0)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        times = []
+        for step in range(reps):
+            # what the other processes appended since our last batch
+            lines = b"".join(r.encode() for q in range(1, others + 1)
+                             for r in batch(q, step))
+            os.write(fd, lines)
+            t0 = time.perf_counter()
+            sink.write(batch(0, step))
+            times.append(time.perf_counter() - t0)
+        os.close(fd)
+        sink.close()
+        return statistics.median(times)
+
+    lo, hi = 0, (15 if quick else 63)
+    t_lo, t_hi = per_batch(lo), per_batch(hi)
+    c1 = (t_hi - t_lo) / (hi - lo)
+    c0 = t_lo
+    sink = DirectorySink(os.path.join(tmp, "s.jsonl"), process=0)
+    times = []
+    for step in range(reps):
+        t0 = time.perf_counter()
+        sink.write(batch(0, step))
+        times.append(time.perf_counter() - t0)
+    sink.close()
+    s0 = statistics.median(times)
+    print(f"model inputs (median of {reps} batches of 1 replicated + 1 per-device "
+          f"record): one file c0 = {c0 * 1e6:.0f} us, c1 = {c1 * 1e6:.2f} us per other "
+          f"process; sharded s0 = {s0 * 1e6:.0f} us")
+    pair = sum(len(r.encode()) for r in batch(0, 0))    # bytes per process-step
+    rows = []
+    for n in (8, 32, 256, 1024, 4096):
+        serial = n * (c0 + c1 * (n - 1))
+        rows.append((f"model N={n}", f"{serial * 1e3:.1f} ms",
+                     f"{n * (n - 1) * pair / 2**20:.1f} MiB",
+                     f"{s0 * 1e3:.3f} ms", "0"))
+    print(table(rows, ("model", "one file: serial per step",
+                       "read back / step, job", "sharded: per process per step",
+                       "sharded: serial")))
+
+
 def _files(path: str) -> list[str]:
     from pmaptap.tapfile import runs
     return runs.sources(path) or [path]
@@ -123,7 +200,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=("file", "sharded"), action="append")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--flush", type=int, default=5, help="flush every N steps")
+    ap.add_argument("--model-only", action="store_true",
+                    help="only measure the cost model's inputs")
     a = ap.parse_args(argv)
+    model(a.quick)
+    if a.model_only:
+        return 0
     ns = a.n or ([2, 4] if a.quick else [8, 32, 128, 256])
     steps = a.steps or (20 if a.quick else 200)
     layouts = a.layout or ["file", "sharded"]
