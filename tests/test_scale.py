@@ -229,3 +229,22 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
     bad = subprocess.run(cli + ["merge", path + ".d", "-o", path], capture_output=True,
                          text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "one of the files of run" in bad.stderr, bad
+
+
+def test_auto_layout_shards_above_the_process_count(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from pmaptap._host import session as session_mod
+    path = str(tmp_path / "auto.jsonl")
+    with pmaptap.Session(path, run="a") as s:         # 1 process: one file
+        jax.jit(lambda x: pmaptap.tap(x, "x", step=0))(jnp.float32(1))
+    assert s.layout == "file" and not os.path.exists(path + ".d")
+    monkeypatch.setattr(session_mod, "SHARDED_ABOVE", 0)
+    with pmaptap.Session(path, run="a") as s:
+        jax.jit(lambda x: pmaptap.tap(x, "x", step=1))(jnp.float32(2))
+    assert s.layout == "sharded" and os.path.isfile(runs.shard_path(path, 0))
+    # the reader merges the one file and the shard
+    assert [(r["step"], r["value"]) for r in pmaptap.read(path)] == [(0, 1.0), (1, 2.0)]
+    with pytest.raises(ValueError, match="layout must be one of"):
+        pmaptap.Session(path, layout="many")
