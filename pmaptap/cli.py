@@ -208,7 +208,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_tensorboard(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import tensorboard
     flt = _filter(args)
-    if args.follow:
+    from pmaptap.tapfile.runs import is_sharded
+    if args.follow and not is_sharded(args.file):
         if not os.path.exists(args.file):
             print(f"{PROG} export: waiting for {args.file} to appear", file=sys.stderr)
         elif os.path.isdir(args.file):

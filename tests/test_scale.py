@@ -248,3 +248,18 @@ def test_auto_layout_shards_above_the_process_count(tmp_path, monkeypatch):
     assert [(r["step"], r["value"]) for r in pmaptap.read(path)] == [(0, 1.0), (1, 2.0)]
     with pytest.raises(ValueError, match="layout must be one of"):
         pmaptap.Session(path, layout="many")
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
+    pytest.importorskip("tensorboardX")
+    path = str(tmp_path / "run.jsonl")
+    for p in range(2):
+        _write(path, p, "sharded", [np.float32(s) for s in range(STEPS)])
+    args = [sys.executable, "-m", "pmaptap", "export", path, "--tensorboard",
+            str(tmp_path / "tb")] + (["-f", "--timeout", "2", "--interval", "0.1"]
+                                     if follow else [])
+    out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # every record once: the replicated loss once per step, 2 x STEPS acts
+    assert f"wrote {STEPS + 2 * STEPS} records" in out.stderr, out.stderr

@@ -211,6 +211,11 @@ class RunFollower:
                 yield i, n, raw
 
     @property
+    def restarted(self) -> int:
+        """Shards replaced or truncated under the follower (each re-read)."""
+        return sum(lf.restarted for lf in self._files.values())
+
+    @property
     def exists(self) -> bool:
         return bool(self._chunks) or any(lf.exists for lf in self._files.values())
 
