@@ -263,3 +263,29 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
     assert out.returncode == 0, out.stderr
     # every record once: the replicated loss once per step, 2 x STEPS acts
     assert f"wrote {STEPS + 2 * STEPS} records" in out.stderr, out.stderr
+
+
+def test_a_shard_removed_or_truncated_under_its_writer(tmp_path):
+    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap.tapfile.format import Record
+    path = str(tmp_path / "run.jsonl")
+    sink = DirectorySink(path, process=3)
+
+    def rec(step):
+        return Record(run="r", name="x", step=step, kind="per_device", value=step,
+                      dtype="int32", shape=[], process=3, time=step, host="h",
+                      device=3, coords={})
+    sink.write([rec(0)])
+    os.remove(sink.path)
+    with pytest.warns(RuntimeWarning, match="replaced or removed"):
+        sink.write([rec(1)])
+    with open(sink.path, "r+") as f:
+        f.truncate(0)
+    sink.write([rec(2)])
+    sink.close()
+    assert sink.replacements == 1
+    # step 1 went to the recreated shard, then the truncation took it (as
+    # asked); step 2 was appended at the new end, not at a stale offset
+    assert [r["step"] for r in pmaptap.read(path)] == [2]
+    with open(sink.path, "rb") as f:
+        assert f.read().count(b"\n") == 1

@@ -19,6 +19,7 @@ non-owner saw can be lost because the owner never saw it.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 from pmaptap._host.sink import FileSink, Sink, prepare_path
@@ -59,6 +60,7 @@ class DirectorySink(Sink):
         self.bytes_read = 0     # never reads another process's output
         self.skipped = 0        # replicated values left to their owner
         self.repairs = 0
+        self.replacements = 0
         self.rejected: list[str] = []
 
     # One encoder for both sinks: a record that cannot be encoded becomes a
@@ -74,6 +76,7 @@ class DirectorySink(Sink):
         chunks = [encoded.get(id(r)) or r.encode() for r in keep]
         if self._torn:
             chunks.insert(0, b"\n")
+        self._reopen_if_replaced()
         size = os.fstat(self._fd).st_size
         # All or nothing (cut back on failure); the pipeline retries it whole.
         written = FileSink._append(self._fd, size, chunks, False)
@@ -82,6 +85,31 @@ class DirectorySink(Sink):
             self.repairs += 1
         self.lines_written += len(keep)
         self.bytes_written += written
+
+    def _reopen_if_replaced(self) -> None:
+        """The shard moved away or removed under us (log rotation, a clean-up
+        script): write to the file now at the path, as FileSink does, and
+        say so once. Truncation needs nothing: O_APPEND writes at the end."""
+        try:
+            st = os.stat(self.path)
+            mine = os.fstat(self._fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        os.close(self._fd)
+        self._fd = fd
+        self.replacements += 1
+        if self.replacements == 1:
+            try:
+                warnings.warn(f"pmaptap: {self.path!r} was replaced or removed "
+                              "under this writer; appending continues to the "
+                              "file now at that path (counted in "
+                              "DirectorySink.replacements).", RuntimeWarning,
+                              stacklevel=2)
+            except Exception:  # noqa: BLE001 - warnings as errors: never
+                pass           # cost a write
 
     def close(self) -> None:
         if self._fd >= 0:
