@@ -67,7 +67,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=HIDDEN,
                    help="width of the hidden layer (the step's cost)")
     p.add_argument("--no-summary", action="store_true")
+    p.add_argument("--ckpt", default=None, metavar="DIR",
+                   help="checkpoint directory: resume from DIR/ckpt.npz if it "
+                        "exists (and resume the tap run: Session(resume=True))")
+    p.add_argument("--ckpt-every", type=int, default=10, metavar="N",
+                   help="with --ckpt: save the parameters every N steps")
+    p.add_argument("--die-at", type=int, default=None, metavar="STEP",
+                   help="fault injection for demos and tests: on the first "
+                        "attempt, the last process SIGKILLs itself before STEP")
     args = p.parse_args(argv)
+    if args.ckpt_every < 1:
+        p.error("--ckpt-every must be >= 1")
     if min(args.steps, args.batch_per_device, args.tap_every, args.hidden,
            args.log_every) < 1:
         p.error("--steps, --batch-per-device, --tap-every, --hidden and "
@@ -197,6 +207,59 @@ def tapped_and_quiet(body: Callable, tap_every: int) -> tuple[Callable, Callable
     return body, (pmaptap.untapped(body) if tap_every > 1 else body)
 
 
+# ---------------------------------------------------------------- checkpoints
+
+def ckpt_path(args: argparse.Namespace) -> str | None:
+    return os.path.join(args.ckpt, "ckpt.npz") if args.ckpt else None
+
+
+def start_params(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """(host parameters, first step): from the checkpoint if there is one,
+    else fresh. The parameters are replicated, so a checkpoint written by a
+    job of one shape restores on another (an elastic restart)."""
+    import numpy as np
+    path = ckpt_path(args)
+    if path and os.path.exists(path):
+        with np.load(path) as z:
+            step = int(z["__step__"])
+            params = {k: z[k] for k in z.files if k != "__step__"}
+        log(f"resuming from {path} at step {step}")
+        return params, step
+    return init_params(args.seed, args.hidden), 0
+
+
+def save_checkpoint(args: argparse.Namespace, host_params: Callable[[], dict],
+                    next_step: int) -> None:
+    """Process 0 writes DIR/ckpt.npz atomically (a restart never reads half
+    of one) after a step where ``next_step % --ckpt-every == 0``."""
+    import jax
+    import numpy as np
+    path = ckpt_path(args)
+    if not path or next_step % args.ckpt_every or jax.process_index() != 0:
+        return
+    os.makedirs(args.ckpt, exist_ok=True)
+    tmp = path + f".tmp{os.getpid()}.npz"
+    np.savez(tmp, __step__=np.int64(next_step), **host_params())
+    os.replace(tmp, path)
+
+
+def maybe_die(args: argparse.Namespace, step: int) -> None:
+    """--die-at: the last process dies like a preempted host (SIGKILL, no
+    clean-up), after its records so far are written, on the first attempt."""
+    import signal
+
+    import jax
+
+    import pmaptap
+    if args.die_at != step or os.environ.get("PMAPTAP_ATTEMPT", "0") not in ("", "0") \
+            or jax.process_index() != jax.process_count() - 1:
+        return
+    pmaptap.flush()
+    log(f"process {jax.process_index()} dies at step {step}")
+    print(f"dying at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ---------------------------------------------------------------- variants
 
 def train_pmap(args: argparse.Namespace) -> float:
@@ -211,22 +274,31 @@ def train_pmap(args: argparse.Namespace) -> float:
     step_fn, quiet_fn = (jax.pmap(b, axis_name="dp", in_axes=(0, 0, 0, None))
                          for b in tapped_and_quiet(body, args.tap_every))
     # One copy of the parameters per local device (pmap's leading axis).
-    params = jax.tree.map(lambda a: np.stack([a] * n_local),
-                          init_params(args.seed, args.hidden))
+    start, first_step = start_params(args)
+    params = jax.tree.map(lambda a: np.stack([a] * n_local), start)
     loss = math.nan
     with progress_bar(args) as bar:
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
+            maybe_die(args, step)
             shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
                       for k in range(n_local)]
             x = np.stack([s[0] for s in shards])
             y = np.stack([s[1] for s in shards])
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
             params, losses = fn(params, x, y, np.int32(step))
+            save_checkpoint(args, lambda: {k: np.asarray(v[0]) for k, v in params.items()},
+                            step + 1)
             if step % args.log_every == 0 or step == args.steps - 1:
                 loss = float(losses[0])
                 report(bar, step, loss)
             bar.update()
     return loss
+
+
+def host_copy(params: dict[str, Any]) -> dict[str, Any]:
+    """One replica of replicated global arrays, on the host."""
+    import numpy as np
+    return {k: np.asarray(v.addressable_data(0)) for k, v in params.items()}
 
 
 def train_shard_map(args: argparse.Namespace) -> float:
@@ -253,16 +325,18 @@ def train_shard_map(args: argparse.Namespace) -> float:
     # set_mesh makes the concrete mesh visible while tracing, so pmaptap can
     # name the exact device behind every coordinate.
     with jax.set_mesh(mesh):
-        params = jax.tree.map(lambda a: global_array(a, replicated),
-                              init_params(args.seed, args.hidden))
+        start, first_step = start_params(args)
+        params = jax.tree.map(lambda a: global_array(a, replicated), start)
         with progress_bar(args) as bar:
-            for step in range(args.steps):
+            for step in range(first_step, args.steps):
+                maybe_die(args, step)
                 shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
                           for k in range(n_local)]
                 x = global_array(np.concatenate([s[0] for s in shards]), sharded)
                 y = global_array(np.concatenate([s[1] for s in shards]), sharded)
                 fn = step_fn if step % args.tap_every == 0 else quiet_fn
                 params, out = fn(params, x, y, global_array(np.int32(step), replicated))
+                save_checkpoint(args, lambda: host_copy(params), step + 1)
                 if step % args.log_every == 0 or step == args.steps - 1:
                     loss = float(np.asarray(out.addressable_data(0)))
                     report(bar, step, loss)
@@ -320,17 +394,19 @@ def train_jit(args: argparse.Namespace) -> float:
     quiet = make_jit_step(args.lr, args.steps, jax.device_count(), taps=False)
     step_fn = jax.jit(tapped)
     quiet_fn = jax.jit(quiet) if args.tap_every > 1 else step_fn
-    params = jax.tree.map(lambda a: global_array(a, replicated),
-                          init_params(args.seed, args.hidden))
+    start, first_step = start_params(args)
+    params = jax.tree.map(lambda a: global_array(a, replicated), start)
     loss = math.nan
     with progress_bar(args) as bar:
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
+            maybe_die(args, step)
             shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
                       for k in range(n_local)]
             x = global_array(np.concatenate([s[0] for s in shards]), sharded)
             y = global_array(np.concatenate([s[1] for s in shards]), sharded)
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
             params, out = fn(params, x, y, global_array(np.int32(step), replicated))
+            save_checkpoint(args, lambda: host_copy(params), step + 1)
             if step % args.log_every == 0 or step == args.steps - 1:
                 loss = float(np.asarray(out.addressable_data(0)))
                 report(bar, step, loss)
@@ -373,14 +449,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"processes={jax.process_count()} devices={jax.device_count()} "
         f"({jax.local_device_count()} local) steps={args.steps}")
     t0 = time.time()
+    # A restarted attempt (the launcher's --restarts sets PMAPTAP_ATTEMPT) or
+    # a job resuming from a checkpoint continues the tap run: its records of
+    # replayed steps supersede the earlier attempt's.
+    attempt = os.environ.get("PMAPTAP_ATTEMPT", "")
+    resume = attempt not in ("", "0") or bool(
+        attempt == "" and ckpt_path(args) and os.path.exists(ckpt_path(args)))
     with pmaptap.Session(args.out, run=args.run, lock=args.lock,
-                         layout=args.layout) as session:
+                         resume=resume, layout=args.layout) as session:
         train = {"pmap": train_pmap, "shard_map": train_shard_map,
                  "jit": train_jit}[args.variant]
         train(args)
     # Leaving the block closed the session on every process (a coordinated
     # close): the file now holds every process's records.
-    log(f"done in {time.time() - t0:.1f}s; run {session.run} -> {args.out}")
+    log(f"done in {time.time() - t0:.1f}s; run {session.run}"
+        + (f" (attempt {session.attempt})" if session.attempt else "")
+        + f" -> {args.out}")
     if jax.process_index() == 0 and not args.no_summary:
         records = [r for r in pmaptap.read(args.out) if r["run"] == session.run]
         print(summary_table(records), flush=True)

@@ -10,13 +10,7 @@ and its readers, never JAX). docs/architecture.md draws the path of a value.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version as _version
 from typing import TYPE_CHECKING, Any
-
-try:
-    __version__ = _version("pmaptap")
-except PackageNotFoundError:  # a source tree on sys.path, not installed
-    __version__ = "0+unknown"
 
 # public name -> (module, attribute); attribute None means the module itself.
 _PUBLIC: dict[str, tuple[str, str | None]] = {
@@ -41,7 +35,20 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
 __all__ = sorted(_PUBLIC)
 
 
+def _package_version() -> str:
+    # importlib.metadata costs more than the rest of `pmaptap --help`
+    # (tens of ms): looked up on first use of __version__ only.
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pmaptap")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        v = globals()["__version__"] = _package_version()
+        return v
     try:
         module, attr = _PUBLIC[name]
     except KeyError:
@@ -54,7 +61,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see

@@ -28,10 +28,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
 
-from pmaptap.tapfile import views
 from pmaptap.errors import CliError
 
+# views (and through it NumPy and orjson) is imported by the commands that
+# read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
+    from pmaptap.tapfile import views
     from pmaptap.tapfile.follow import LineFollower, RunFollower
 
 PROG = "pmaptap"
@@ -60,17 +62,20 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
 
 
 def _filter(args: argparse.Namespace) -> views.Filter:
+    from pmaptap.tapfile import views
     try:
         steps = views.parse_steps(args.step) if args.step else (None, None)
     except ValueError as e:
         raise CliError(str(e)) from None
     return views.Filter(names=tuple(args.name or ()), steps=steps,
-                        process=args.process, device=args.device, run=args.run)
+                        process=args.process, device=args.device, run=args.run,
+                        all_attempts=getattr(args, "all_attempts", False))
 
 
 def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
     """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
     is an error and an empty result is said, both listing what the file has."""
+    from pmaptap.tapfile import views
     _check_file(path)
     picked, bad, names, runs = views.load_matching(path, flt)
     _report_skipped(bad, path, command)
@@ -110,6 +115,7 @@ def _count(text: str) -> int:
 
 
 def _print_table(entries: Sequence[views.Entry], width: int) -> None:
+    from pmaptap.tapfile import views
     table = views.Table()
     rows = [views.row(e, width) for e in entries]
     table.fit(rows)
@@ -121,6 +127,7 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 # ------------------------------------------------------------------ commands
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import views
     flt = _filter(args)
     entries = _select(args.file, "show", flt)
     if args.limit:
@@ -161,6 +168,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     note = (f"; {report.divergent_keys} divergent replicated step(s) "
             "(data, not a file problem: see pmaptap summary)"
             if report.divergent_keys else "")
+    if report.superseded:
+        note += (f"; {report.superseded} record(s) superseded by a later "
+                 "attempt (a resumed run's replayed steps; --all-attempts "
+                 "shows them)")
     if report.ok:
         print(f"{args.file}: OK, {report.records} records{note}")
         return 0
@@ -176,7 +187,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     recs = [e.rec for e in _select(args.file, "plot", flt)]
     out = args.output or f"{args.name[0].replace('/', '_')}.png"
     try:
-        plot_tap(recs, args.name[0], out)
+        plot_tap(recs, args.name[0], out, logy=args.logy, smooth=args.smooth)
     except (PlotError, ImportError) as e:
         raise CliError(str(e)) from None
     print(f"wrote {out}", file=sys.stderr)
@@ -311,6 +322,7 @@ class _TailPrinter:
         return bool(self.max) and self.count >= self.max
 
     def emit(self, entries: list[views.Entry]) -> None:
+        from pmaptap.tapfile import views
         if self.max:
             entries = entries[: max(self.max - self.count, 0)]
         if not entries:
@@ -380,7 +392,8 @@ def cmd_launch(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------ parser
 
-def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> None:
+def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False,
+                 attempts: bool = True) -> None:
     g = p.add_argument_group("filters")
     g.add_argument("--name", action="append", required=name_required,
                    metavar="NAME", help="tap name (repeat for several)")
@@ -389,6 +402,11 @@ def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False) -> 
     g.add_argument("--process", type=int, metavar="P", help="process index")
     g.add_argument("--device", type=int, metavar="D", help="jax Device.id")
     g.add_argument("--run", metavar="RUN", help="run id (a file may hold several)")
+    if attempts:
+        g.add_argument("--all-attempts", action="store_true",
+                       help="a resumed run: also the records of replayed steps "
+                            "that a later attempt superseded (each has its "
+                            "'attempt'); by default only the latest attempt's")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -430,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tail", help="last records; -f follows appends live")
     p.add_argument("file")
-    _add_filters(p)
+    _add_filters(p, attempts=False)
     p.add_argument("-n", "--lines", type=_count, default=10,
                    help="how many of the last matching records (default 10)")
     p.add_argument("-f", "--follow", action="store_true",
@@ -461,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filters(p, name_required=True)
     p.add_argument("-o", "--output", metavar="PNG",
                    help="output file (default NAME.png)")
+    p.add_argument("--logy", action="store_true",
+                   help="log value axis (values <= 0 are not drawn)")
+    p.add_argument("--smooth", type=_count, default=0, metavar="N",
+                   help="draw the trailing mean over N points over the raw line")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard "

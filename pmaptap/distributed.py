@@ -24,8 +24,8 @@ import itertools
 import os
 import threading
 import time
-import warnings
 from typing import Any, Callable
+from pmaptap._log import log
 from pmaptap.errors import DistributedError
 
 # Set by the launcher (and usable by hand, e.g. in a Kubernetes Job).
@@ -52,6 +52,19 @@ _CLUSTER_NEEDS = {"Kubernetes": "kubernetes"}
 
 _state_lock = threading.Lock()
 _run_id_calls = itertools.count()
+# True in a process forked from a job's process: the coordination client is
+# the parent's (its key-value calls and barriers would speak for the parent),
+# so a forked child acts as a job of one process.
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked, _state_lock
+    _forked = True
+    _state_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _close_calls: dict[str, int] = {}
 _mode: str | None = None
 
@@ -98,12 +111,11 @@ def detect_cluster(environ: dict[str, str] | None = None
             continue
         need = _CLUSTER_NEEDS.get(name)
         if need and find_spec(need) is None:
-            warnings.warn(f"pmaptap: {name} job detected but JAX needs the "
-                          f"{need!r} package to bootstrap it (pip install "
-                          f"'jax[k8s]'); or set {ENV_COORDINATOR}, "
-                          f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
-                          "(see launch/k8s-indexed-job.yaml). Running alone.",
-                          RuntimeWarning, stacklevel=3)
+            log.warning(f"pmaptap: {name} job detected but JAX needs the "
+                        f"{need!r} package to bootstrap it (pip install "
+                        f"'jax[k8s]'); or set {ENV_COORDINATOR}, "
+                        f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
+                        "(see launch/k8s-indexed-job.yaml). Running alone.")
             return None
         return name, None
     size = env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE")
@@ -197,7 +209,10 @@ def initialize(*, initialization_timeout: int | None = None,
 # --------------------------------------------------------------- helpers
 
 def _client() -> Any | None:
-    """The coordination-service client, or None outside a multi-process job."""
+    """The coordination-service client, or None outside a multi-process job
+    (and in a forked child, which must not speak for its parent)."""
+    if _forked:
+        return None
     try:
         from jax._src import distributed as jdist
     except ImportError:   # pragma: no cover - JAX layout changed
@@ -248,9 +263,9 @@ def agree_run_id(make: Callable[[], str], *,
         try:
             client.key_value_set(key, run)
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"pmaptap: could not publish the run id {run!r} to "
-                          f"the other processes ({e}); they will use their "
-                          "own ids.", RuntimeWarning, stacklevel=3)
+            log.warning(f"pmaptap: could not publish the run id {run!r} to "
+                        f"the other processes ({e}); they will use their "
+                        "own ids.")
         return run
     if timeout is None:
         timeout = float(os.environ.get(ENV_RUN_ID_TIMEOUT, "120"))
@@ -258,12 +273,11 @@ def agree_run_id(make: Callable[[], str], *,
         return client.blocking_key_value_get(key, int(timeout * 1000))
     except Exception as e:  # noqa: BLE001
         own = make()
-        warnings.warn(
-            f"pmaptap: process {pid} did not receive the run id from process 0 "
-            f"within {timeout:.0f}s ({type(e).__name__}: {e}); using {own!r}. "
-            "Open the Session on every process (process 0 included), or pass "
-            "the same Session(run=...) / PMAPTAP_RUN everywhere.",
-            RuntimeWarning, stacklevel=3)
+        log.warning(
+          f"pmaptap: process {pid} did not receive the run id from process 0 "
+          f"within {timeout:.0f}s ({type(e).__name__}: {e}); using {own!r}. "
+          "Open the Session on every process (process 0 included), or pass "
+          "the same Session(run=...) / PMAPTAP_RUN everywhere.")
         return own
 
 
@@ -281,7 +295,8 @@ def close_barrier(run: str, timeout: float) -> None:
     """
     client = _client()
     if client is None:
-        _warn_if_shut_down_early(run)
+        if not _forked:
+            _warn_if_shut_down_early(run)
         return
     try:
         n, pid = _process_info()
@@ -296,27 +311,26 @@ def close_barrier(run: str, timeout: float) -> None:
         client.key_value_set(prefix + str(pid), str(time.time()),
                              allow_overwrite=True)
     except Exception as e:  # noqa: BLE001 - close must not raise
-        warnings.warn(f"pmaptap: could not announce the close of run {run!r} "
-                      f"to the other processes ({type(e).__name__}: {e}); not "
-                      "waiting for them.", RuntimeWarning, stacklevel=3)
+        log.warning(f"pmaptap: could not announce the close of run {run!r} "
+                    f"to the other processes ({type(e).__name__}: {e}); not "
+                    "waiting for them.")
         return
     failure = _wait_at_barrier(client, f"pmaptap/{run}/close/{k}", timeout)
     if failure is None:
         return
     missing = _missing_processes(client, prefix, n)
     if missing is None:
-        warnings.warn(
-            f"pmaptap: the close barrier of run {run!r} failed "
-            f"({type(failure).__name__}: {failure}) and the coordination "
-            "service is unreachable; records of other processes may be "
-            "missing from the file.", RuntimeWarning, stacklevel=3)
+        log.warning(
+          f"pmaptap: the close barrier of run {run!r} failed "
+          f"({type(failure).__name__}: {failure}) and the coordination "
+          "service is unreachable; records of other processes may be "
+          "missing from the file.")
     elif missing:
-        warnings.warn(
-            f"pmaptap: process(es) {', '.join(map(str, missing))} did not "
-            f"close run {run!r} within {timeout:g}s (process {pid} waited); "
-            "their records may be missing or still arriving in the tap file. "
-            "Raise Session(close_timeout=...) if they are just slow.",
-            RuntimeWarning, stacklevel=3)
+        log.warning(
+          f"pmaptap: process(es) {', '.join(map(str, missing))} did not "
+          f"close run {run!r} within {timeout:g}s (process {pid} waited); "
+          "their records may be missing or still arriving in the tap file. "
+          "Raise Session(close_timeout=...) if they are just slow.")
     # else: everybody has closed by now (we are the late one and the barrier
     # had already timed out for the others): the file is complete.
 
@@ -331,10 +345,10 @@ def _warn_if_shut_down_early(run: str) -> None:
             return
     except Exception:  # noqa: BLE001
         return
-    warnings.warn(f"pmaptap: jax.distributed was shut down before session "
-                  f"{run!r} closed, so its close could not wait for the other "
-                  "processes; their records may still be arriving. Close the "
-                  "session first.", RuntimeWarning, stacklevel=4)
+    log.warning(f"pmaptap: jax.distributed was shut down before session "
+                f"{run!r} closed, so its close could not wait for the other "
+                "processes; their records may still be arriving. Close the "
+                "session first.")
 
 
 def _wait_at_barrier(client: Any, barrier_id: str,

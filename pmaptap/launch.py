@@ -149,8 +149,10 @@ class Launcher:
     def __init__(self, command: Sequence[str], *, processes: int, devices: int,
                  timeout: float | None = None, grace: float = 5.0,
                  stdout: IO[bytes] | None = None,
-                 stderr: IO[bytes] | None = None) -> None:
+                 stderr: IO[bytes] | None = None, restarts: int = 0) -> None:
         self.command = list(command)
+        self.restarts = restarts
+        self.attempt = 0
         self.processes = processes
         self.devices = devices
         self.timeout = timeout
@@ -175,6 +177,9 @@ class Launcher:
         port = free_port()
         for i in range(self.processes):
             env = child_env(i, self.processes, self.devices, port)
+            if self.restarts:
+                # Session(resume=True) continues the run as this attempt.
+                env["PMAPTAP_ATTEMPT"] = str(self.attempt)
             try:
                 child = subprocess.Popen(
                     self.command, env=env, stdin=subprocess.DEVNULL,
@@ -231,8 +236,21 @@ class Launcher:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
-            self.start()
-            return self._wait()
+            while True:
+                self.start()
+                rc = self._wait()
+                if rc == 0 or self._signal is not None or rc == EXIT_TIMEOUT \
+                        or self.attempt >= self.restarts:
+                    return rc
+                # A process failed and the job was stopped: start it again,
+                # every process, on a fresh port (the training script
+                # resumes from its checkpoint).
+                self.attempt += 1
+                self.say(f"restarting the job (attempt {self.attempt} of "
+                         f"{self.restarts} restart(s))")
+                for f in self._forwarders:
+                    f.join(timeout=2)
+                self.children, self._forwarders = [], []
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -293,6 +311,11 @@ def parse_args(argv: Sequence[str], prog: str = "python -m pmaptap.launch"
                    help="stop everything after S seconds (exit status 124)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL (default 5)")
+    p.add_argument("--restarts", type=int, default=0, metavar="K",
+                   help="when a process fails, stop the job and start it "
+                        "again, up to K times; each start gets PMAPTAP_ATTEMPT "
+                        "(0, 1, ...) so that Session(resume=True) continues "
+                        "the run")
     args = p.parse_args(argv)
     if not command:
         p.error("give the command after '--', e.g. -- python train.py")
@@ -302,6 +325,8 @@ def parse_args(argv: Sequence[str], prog: str = "python -m pmaptap.launch"
         p.error("--timeout must be > 0")
     if args.grace < 0:
         p.error("--grace must be >= 0")
+    if args.restarts < 0:
+        p.error("--restarts must be >= 0")
     args.command = command
     return args
 
@@ -313,7 +338,7 @@ def main(argv: Sequence[str] | None = None,
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     return Launcher(args.command, processes=args.processes,
                     devices=args.devices, timeout=args.timeout,
-                    grace=args.grace).run()
+                    grace=args.grace, restarts=args.restarts).run()
 
 
 if __name__ == "__main__":

@@ -53,9 +53,10 @@ class Progress:
     def __init__(self, total: int | None = None, *, desc: str = "",
                  stream: IO[str] | None = None, force: bool | None = None,
                  process: int | None = None, width: int = 30,
-                 min_interval: float = 0.1) -> None:
+                 min_interval: float = 0.1, unit: str = "it") -> None:
         self.total = total
         self.desc = desc
+        self.unit = unit
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = should_draw(self.stream, force=force, process=process)
         self.width = width
@@ -69,7 +70,7 @@ class Progress:
 
     def render(self) -> str:
         elapsed = max(time.monotonic() - self._start, 1e-9)
-        rate = f"{self.n / elapsed:.1f} it/s"
+        rate = f"{self.n / elapsed:.1f} {self.unit}/s"
         head = f"{self.desc}: " if self.desc else ""
         if self.total:
             frac = min(self.n / self.total, 1.0)
@@ -77,7 +78,7 @@ class Progress:
             bar = "#" * filled + "-" * (self.width - filled)
             text = f"{head}[{bar}] {self.n}/{self.total} {frac:4.0%}  {rate}"
         else:
-            text = f"{head}{self.n} it  {rate}"
+            text = f"{head}{self.n} {self.unit}  {rate}"
         if self.postfix:
             text += "  " + " ".join(f"{k}={_short(v)}" for k, v in self.postfix.items())
         return text

@@ -1,6 +1,7 @@
 """Shared test helpers. Every test process sees 8 simulated CPU devices."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -242,3 +243,22 @@ def run_in_mount_namespace(setup: str, code: str, *, devices: int = 1,
            setup + ' && exec "$0" -c "$1"', sys.executable, textwrap.dedent(code)]
     return subprocess.run(cmd, env=subprocess_env(devices, **env), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- logging
+@contextlib.contextmanager
+def logs_warning(caplog, match: str | None = None, *, count: int | None = None):
+    """Assert that the block logs a WARNING (or worse) through the "pmaptap"
+    logger, matching ``match`` (a regex), ``count`` times if given. pmaptap's
+    own messages go through logging, not the warnings module."""
+    import logging
+    import re
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        start = len(caplog.records)
+        yield
+        msgs = [r.getMessage() for r in caplog.records[start:]
+                if r.name.split(".")[0] == "pmaptap" and r.levelno >= logging.WARNING]
+    hits = [m for m in msgs if match is None or re.search(match, m, re.S)]
+    assert hits, f"no pmaptap warning matching {match!r} was logged; got {msgs}"
+    if count is not None:
+        assert len(hits) == count, hits

@@ -28,7 +28,7 @@ from jax import lax
 import pmaptap
 import pmaptap.cli
 import pmaptap._trace.layouts
-from conftest import mount_namespace_available, run_in_mount_namespace
+from conftest import logs_warning, mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
 from pmaptap.tapfile.format import encode_line
 from pmaptap._host.sink import FileSink
@@ -271,13 +271,13 @@ def test_name_that_is_not_valid_unicode_is_refused_at_trace_time() -> None:
         pmaptap.Session("t.jsonl", run="run-\udcff")
 
 
-def test_unencodable_record_never_blocks_the_ones_behind_it(tap_path) -> None:
+def test_unencodable_record_never_blocks_the_ones_behind_it(tap_path, caplog) -> None:
     # A pytree key with a lone surrogate reaches the writer. It is replaced
     # by a pmaptap/unencodable record (and reported); the queue moves on.
     with pmaptap.Session(tap_path, run="test", close_timeout=5) as s:
         jax.jit(lambda v: pmaptap.tap({"k\udcff": v}, "bad_key"))(jnp.ones(1))
         jax.jit(lambda v: pmaptap.tap(v, "after"))(jnp.float32(2))
-        with pytest.warns(RuntimeWarning), \
+        with logs_warning(caplog), \
                 pytest.raises(pmaptap.TapError, match="could not be encoded"):
             s.flush(timeout=10)
     recs = pmaptap.read(tap_path)
@@ -413,7 +413,7 @@ def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> Non
     assert "active None" in proc.stdout
 
 
-def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path) -> None:
+def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path, caplog) -> None:
     path = tmp_path / "old.jsonl"
     garbage = (b"\x00\x01 binary \xff\xfe not utf-8\n"
                b"{\"json\": \"but not a record\"}\n"
@@ -424,7 +424,7 @@ def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path) -> 
         jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(5))
     raw = path.read_bytes()
     assert raw.startswith(garbage)                    # byte for byte
-    with pytest.warns(RuntimeWarning, match=r"skipped 5 invalid line.*line 1:"):
+    with logs_warning(caplog, r"skipped 5 invalid line.*line 1:"):
         recs = pmaptap.read(path)
     assert [(r["run"], r["value"]) for r in recs] == [("new", 5.0)]
 
@@ -438,7 +438,7 @@ class _Exploit:
         return (open, (self.marker, "w"))     # would create the marker file
 
 
-def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys) -> None:
+def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys, caplog) -> None:
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.jsonl"
     record = {"run": "r", "name": "x", "step": 0, "kind": "replicated",
@@ -448,7 +448,7 @@ def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys) -> None:
     path.write_bytes(pickle.dumps(_Exploit(str(marker))) + b"\n"
                      + b"!!python/object/apply:os.system ['touch " + bytes(marker) + b"']\n"
                      + encode_line(record))
-    with pytest.warns(RuntimeWarning, match="skipped 2 invalid"):
+    with logs_warning(caplog, "skipped 2 invalid"):
         recs = pmaptap.read(path)
     assert recs[0]["value"] == record["value"]        # a string, never run
     # The command-line tools read it the same way; validate flags it.
@@ -520,3 +520,89 @@ def test_files_are_created_with_the_process_umask(tmp_path, umask, lock) -> None
         full = 0o777 if os.path.isdir(p) else 0o666
         assert mode == full & ~umask, (str(p), oct(mode))
         assert not mode & stat.S_IWOTH, str(p)        # never world-writable
+
+
+# ------------------------------------------------------------ configure()
+
+_GOOD_OPTIONS = {"gather": [True, False, np.bool_(True)],
+                 "verify_replicated": [True, False],
+                 "gather_max_bytes": [0, 1 << 20, np.int64(64)],
+                 "max_value_bytes": [None, 0, 4096]}
+_BAD_OPTIONS = {"gather": ["yes", 1, None, "False"],
+                "verify_replicated": ["no", 0, None],
+                "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
+                "max_value_bytes": [-1, 1.5, True, "1MiB"]}
+
+
+def test_every_configure_option_is_checked_and_says_what_is_allowed():
+    from pmaptap._trace.options import Options
+    fields = {f.name for f in dataclasses.fields(Options)}
+    # A new option must come with its checks (and a line in this table).
+    assert set(_GOOD_OPTIONS) == set(_BAD_OPTIONS) == fields
+    before = pmaptap.configure()
+    try:
+        for name, values in _GOOD_OPTIONS.items():
+            for v in values:
+                pmaptap.configure(**{name: v})
+                got = getattr(pmaptap.configure(), name)
+                assert got == v and type(got) in (bool, int, type(None)), (name, v)
+        kept = pmaptap.configure()
+        allowed = {"gather": "True or False", "verify_replicated": "True or False",
+                   "gather_max_bytes": "int >= 0",
+                   "max_value_bytes": r"int >= 0 \(bytes\) or None"}
+        for name, values in _BAD_OPTIONS.items():
+            for v in values:
+                with pytest.raises(ValueError, match=f"{name} must be (an )?{allowed[name]}"):
+                    pmaptap.configure(**{name: v})
+                with pytest.raises(ValueError, match=name):
+                    with pmaptap.configured(**{name: v}):
+                        pass
+        assert pmaptap.configure() == kept        # nothing bad was kept
+    finally:
+        pmaptap.configure(**dataclasses.asdict(before))
+
+
+# ------------------------------------------------------------ dataclass pytrees
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: tuple
+    note: None = None
+    name: str = dataclasses.field(default="ts", metadata=dict(static=True))
+
+
+def test_registered_dataclass_pytree_is_written_with_its_field_names(session, tap_path):
+    state = _TrainState(jnp.int32(7), {"w": jnp.ones(2), "b": jnp.float32(0.5)},
+                        (jnp.zeros(1),))
+    jax.jit(lambda s: pmaptap.tap(s, "state"))(state)
+    jax.pmap(lambda v: pmaptap.tap(_TrainState(v, {"w": v}, (v > 3,)), "pm",
+                                   dedup="per_device"))(jnp.arange(8.0))
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    (r,) = [r for r in recs if r["name"] == "state"]
+    assert r["value"] == {"step": 7, "params": {"b": 0.5, "w": [1.0, 1.0]},
+                          "opt_state": [[0.0]], "note": None}
+    assert r["dtype"] == {"step": "int32", "params": {"b": "float32", "w": "float32"},
+                          "opt_state": ["float32"], "note": None}
+    assert r["shape"] == {"step": [], "params": {"b": [], "w": [2]},
+                          "opt_state": [[1]], "note": None}
+    pm = {r["device"]: r["value"] for r in recs if r["name"] == "pm"}
+    assert pm == {d: {"step": float(d), "params": {"w": float(d)}, "opt_state": [d > 3],
+                      "note": None} for d in range(8)}
+    from pmaptap.tapfile.checks import validate_file
+    assert validate_file(tap_path).ok
+
+
+def test_custom_pytree_node_without_attribute_keys_stays_a_list(session, tap_path):
+    class Pair:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+    jax.tree_util.register_pytree_node(Pair, lambda p: ((p.a, p.b), None),
+                                       lambda _, c: Pair(*c))
+    jax.jit(lambda p: pmaptap.tap(p, "pair"))(Pair(jnp.float32(1), jnp.int32(2)))
+    session.flush()
+    (r,) = pmaptap.read(tap_path)
+    assert r["value"] == [1.0, 2] and r["dtype"] == ["float32", "int32"]

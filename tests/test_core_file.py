@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import APPENDER, run_released, run_python, start_python
+from conftest import logs_warning, APPENDER, run_released, run_python, start_python
 
 
 
@@ -32,7 +32,7 @@ def test_four_processes_append_1500_records_each(tmp_path):
         assert all(vals[s] == [s + 0.0, s + 1.0, s + 2.0, s + 3.0] for s in (0, 777, 1499))
 
 
-def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path):
+def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path, caplog):
     os.makedirs(os.path.dirname(tap_path))
     with open(tap_path, "w") as f:
         f.write('{"run": "old", "name": "x", "st')         # killed mid-line
@@ -42,7 +42,7 @@ def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path):
         lines = f.read().split("\n")
     assert lines[0] == '{"run": "old", "name": "x", "st'
     assert json.loads(lines[1])["name"] == "after"
-    with pytest.warns(RuntimeWarning, match="line 1"):
+    with logs_warning(caplog, "line 1"):
         recs = pmaptap.read(tap_path)
     assert [r["name"] for r in recs] == ["after"]
 
@@ -109,8 +109,8 @@ def test_write_errors_surface_at_flush_as_taperror(tmp_path):
     assert all(json.loads(line) for line in raw.splitlines())
 
 
-def test_overflow_drop_newest_counts_and_reports_drops(tap_path):
-    with pytest.warns(RuntimeWarning, match="dropped"):
+def test_overflow_drop_newest_counts_and_reports_drops(tap_path, caplog):
+    with logs_warning(caplog, "dropped"):
         with pmaptap.Session(tap_path, overflow="drop_newest", max_pending=5,
                              lock_timeout=0.05) as s:
             lock = filelock.FileLock(tap_path + ".lock")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import run_python
+from conftest import logs_warning, run_python
 from pmaptap._host.encode import encode_array
 
 
@@ -73,22 +73,22 @@ def test_name_with_quotes_newlines_and_unicode(session, tap_path):
     assert pmaptap.read(tap_path)[0]["name"] == name
 
 
-def test_read_skips_garbage_and_torn_tail_with_a_warning(tmp_path):
+def test_read_skips_garbage_and_torn_tail_with_a_warning(tmp_path, caplog):
     p = tmp_path / "f.jsonl"
     good = {"run": "r", "name": "a", "step": 0, "kind": "replicated", "value": 1,
             "dtype": "int32", "shape": [], "process": 0, "time": 1.0,
             "host": "h", "replicas": 1}
     p.write_text(json.dumps(good) + "\nnot json\n" + json.dumps({"x": 1}) + "\n"
                  + json.dumps(dict(good, step=1)) + "\n" + '{"run": "r", "na')
-    with pytest.warns(RuntimeWarning, match="skipped 3 invalid line"):
+    with logs_warning(caplog, "skipped 3 invalid line"):
         recs = pmaptap.read(p)
     assert [r["step"] for r in recs] == [0, 1]
 
 
-def test_read_never_evaluates_content(tmp_path):
+def test_read_never_evaluates_content(tmp_path, caplog):
     p = tmp_path / "evil.jsonl"
     p.write_text('__import__("os").system("touch %s")\n' % (tmp_path / "pwned"))
-    with pytest.warns(RuntimeWarning):
+    with logs_warning(caplog):
         assert pmaptap.read(p) == []
     assert not (tmp_path / "pwned").exists()
 
@@ -155,3 +155,141 @@ def test_encoding_gathered_pytree_rows_equals_row_by_row():
     for k, enc in zip([0, 1], encode_rows(treedef, stacked, [0, 1])):
         assert encode_line({"e": enc}) == encode_line(
             {"e": encode_tree(treedef, [a[k] for a in stacked])})
+
+
+# ------------------------------------------------------------ every JAX dtype
+
+def _every_jax_dtype() -> list[np.dtype]:
+    """Every dtype JAX knows, found at run time so that a dtype a later JAX
+    adds is covered without editing this test: JAX's own set of valid dtypes
+    (with float0 and the string dtype) plus every concrete scalar type
+    jax.numpy exposes (in case the private set moves)."""
+    from jax._src import dtypes as jax_dtypes
+    found = set(getattr(jax_dtypes, "_jax_dtype_set", ()))
+    for attr in dir(jnp):
+        t = getattr(jnp, attr)
+        if isinstance(t, type) and issubclass(t, np.generic):
+            try:
+                found.add(np.dtype(t))
+            except TypeError:           # abstract: jnp.floating, jnp.number, ...
+                pass
+    assert len(found) > 20, found
+    return sorted(found, key=str)
+
+
+def _sample(dt: np.dtype) -> np.ndarray | None:
+    """Three extreme values of ``dt`` (min, max, and 1 or the smallest
+    normal float); None for a dtype with no numeric values (float0, str)."""
+    if dt == np.bool_:
+        return np.array([True, False, True])
+    if jnp.issubdtype(dt, jnp.integer):
+        info = jnp.iinfo(dt)
+        return np.array([int(info.min), int(info.max), max(int(info.min), 1)], dt)
+    if jnp.issubdtype(dt, jnp.floating):
+        info = jnp.finfo(dt)
+        return np.array([float(info.max), float(info.smallest_normal),
+                         float(info.min)], dt)
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        return np.array([1 + 2j, -0.5j, 3.25], dt)
+    return None
+
+
+def _wide(dt: np.dtype) -> np.dtype:
+    """A dtype JAX moves everywhere that holds every value of ``dt``."""
+    if dt == np.bool_:
+        return np.dtype(bool)
+    if jnp.issubdtype(dt, jnp.unsignedinteger):
+        return np.dtype(np.uint64)
+    if jnp.issubdtype(dt, jnp.integer):
+        return np.dtype(np.int64)
+    return np.dtype(np.complex128 if jnp.issubdtype(dt, jnp.complexfloating)
+                    else np.float64)
+
+
+def _bits_equal(value, sample: np.ndarray) -> bool:
+    """Whether a record's value, put back into the sample's dtype, has the
+    sample's exact bits (floats are written in the shortest repr of their
+    own precision, which round-trips there; float8/float16/bfloat16 are
+    widened to float32 first, so they are read back through float32)."""
+    dt = sample.dtype
+    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+        got = np.array(value, dtype=np.float32).astype(dt)
+    else:
+        got = np.array(value, dtype=dt)
+    return got.shape == sample.shape and got.tobytes() == sample.tobytes()
+
+
+@pytest.mark.parametrize("dt", _every_jax_dtype(), ids=str)
+def test_every_jax_dtype_is_written_exactly_or_refused_at_trace_time(
+        session, tap_path, dt):
+    sample = _sample(dt)
+    with jax.enable_x64(True):      # 64-bit dtypes reach the tap as themselves
+        if sample is None:                         # float0, strings
+            odd = (np.zeros(3, dt) if dt.kind == "V" else
+                   np.array(["a", "b", "c"], dtype=dt))
+            for value in (odd, {"ok": np.float32(1), "odd": odd}):
+                with pytest.raises(TypeError, match=r"pmaptap.tap\('odd'\)"):
+                    pmaptap.tap(value, "odd")
+            session.flush()
+            assert pmaptap.read(tap_path) == []
+            return
+        # Values are made on device (from a wide dtype, exactly), as a
+        # program makes them: JAX cannot pass some narrow dtypes in or out.
+        src = jnp.asarray(sample.astype(_wide(dt)))
+        if jnp.issubdtype(dt, jnp.integer) and jnp.iinfo(dt).bits == 1:
+            with pytest.raises(TypeError, match=r"pmaptap.tap\('odd'\).*1-bit"):
+                jax.jit(lambda v: pmaptap.tap(v.astype(dt), "odd"))(src)
+            return
+        try:
+            jax.jit(lambda v: v.astype(dt).astype(_wide(dt)))(src).block_until_ready()
+        except Exception as e:  # noqa: BLE001 - JAX's own limitation
+            # The host side still writes it (for a backend that computes it).
+            value, dtype, shape = encode_array(sample)
+            assert (dtype, shape) == (dt.name, [3]) and _bits_equal(value, sample)
+            pytest.skip(f"JAX itself cannot compute with {dt} on "
+                        f"{jax.default_backend()}: {str(e).splitlines()[0][:80]}")
+        jax.jit(lambda v: pmaptap.tap(v.astype(dt), "jit"))(src)
+        # Every copy differs: gathered per-device rows (a pytree of two
+        # leaves: one packed collective, or one per leaf for sub-byte dtypes).
+        rows = jnp.stack([jnp.roll(src, k) for k in range(8)])
+        jax.pmap(lambda v: pmaptap.tap((v.astype(dt), v[::-1].astype(dt)), "pmap",
+                                       dedup="per_device"))(rows)
+        # Replicated above gather_max_bytes: hashes compared on device.
+        with pmaptap.configured(gather_max_bytes=0):
+            jax.pmap(lambda v: pmaptap.tap(v.astype(dt), "hashed", dedup="replicated"))(
+                jnp.stack([src] * 8))
+    session.flush()
+    recs = pmaptap.read(tap_path)
+    (jit,) = [r for r in recs if r["name"] == "jit"]
+    assert (jit["dtype"], jit["shape"]) == (dt.name, [3])
+    assert _bits_equal(jit["value"], sample), (jit["value"], sample)
+    if jnp.issubdtype(dt, jnp.integer):
+        assert all(type(v) is int for v in jit["value"])
+    (hashed,) = [r for r in recs if r["name"] == "hashed"]
+    assert _bits_equal(hashed["value"], sample) and hashed["dtype"] == dt.name
+    assert hashed["replicas"] == 8
+    per_device = {r["device"]: r for r in recs if r["name"] == "pmap"}
+    assert sorted(per_device) == list(range(8))
+    for d, r in per_device.items():
+        row = np.roll(sample, d)
+        assert _bits_equal(r["value"][0], row) and _bits_equal(r["value"][1], row[::-1])
+        assert r["dtype"] == [dt.name, dt.name]
+
+
+def test_sub_byte_integers_are_plain_json_integers(session, tap_path):
+    jax.jit(lambda v: pmaptap.tap(v, "q"))(jnp.array([-8, 7, 0], jnp.int4))
+    session.flush()
+    with open(tap_path, encoding="utf-8") as f:
+        raw = json.loads(f.readline())
+    assert raw["value"] == [-8, 7, 0] and raw["dtype"] == "int4"
+    assert all(type(v) is int for v in raw["value"])
+
+
+def test_sub_byte_values_reach_host_callback_functions_in_their_own_dtype():
+    from pmaptap import host_callback as hcb
+    seen = []
+    x = jnp.array([[1, -2], [3, -4]], jnp.int4)
+    jax.pmap(lambda v: hcb.id_tap(lambda a, _: seen.append(a), v))(x)
+    hcb.barrier_wait()
+    assert sorted(a.astype(int).tolist() for a in seen) == [[1, -2], [3, -4]]
+    assert {a.dtype for a in seen} == {np.dtype(jnp.int4)}

@@ -215,3 +215,98 @@ def test_rerunning_explicit_steps_in_one_process_keeps_every_record(session, tap
     recs = _named(pmaptap.read(tap_path), "again")
     assert [r["step"] for r in recs] == [0, 1, 2, 0, 1, 2]
     assert not any(r.get("divergent") for r in recs)
+
+
+# ------------------------------------------------------------ big and bad steps
+
+_BIG_STEPS = """
+    import json, sys, tempfile
+    import jax
+    jax.config.update("jax_enable_x64", sys.argv[1] == "on") if len(sys.argv) > 1 else None
+    import jax.numpy as jnp, pmaptap
+    path = tempfile.mktemp(suffix=".jsonl")
+    with pmaptap.Session(path, run="big"):
+        for s in (2**31 + 5, 2**63 - 1):
+            pmaptap.tap(jnp.float32(1), "eager", step=s)
+            jax.jit(lambda v: pmaptap.tap(v, "jit", step=s))(jnp.float32(2))
+            jax.pmap(lambda v: pmaptap.tap(v, "pmap", step=s, dedup="per_device"))(
+                jnp.arange(8.0))
+            def grouped(v):
+                with pmaptap.group():
+                    pmaptap.tap(v, "g1", step=s, dedup="per_device")
+                    pmaptap.tap(v * 0, "g2", step=s, dedup="replicated")
+                return v
+            jax.pmap(grouped)(jnp.arange(8.0))
+            pmaptap.tap_grad(jnp.float32(3), "tg", step=s)   # traced: no backward
+            jax.grad(lambda v: pmaptap.tap_grad(v, "tg", step=s) * 2)(1.0)
+    print(json.dumps([(r["name"], r["step"], r.get("pass", "forward"))
+                      for r in pmaptap.read(path)]))
+"""
+
+
+@pytest.mark.parametrize("x64", ["off", "on"])
+def test_python_int_steps_up_to_int64_max_eager_and_jit(x64):
+    import json
+    from conftest import run_python
+    out = run_python(f"import sys; sys.argv.append({x64!r})\n" +
+                     __import__("textwrap").dedent(_BIG_STEPS)).stdout
+    recs = json.loads(out.strip().splitlines()[-1])
+    for s in (2**31 + 5, 2**63 - 1):
+        got = sorted(n for n, step, _ in recs if step == s)
+        assert got == sorted(["eager", "jit"] + ["pmap"] * 8 + ["g1"] * 8 +
+                             ["g2", "tg"]), (s, got)
+        assert [p for n, step, p in recs if n == "tg" and step == s] == ["backward"]
+    assert {step for _, step, _ in recs} == {2**31 + 5, 2**63 - 1}
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63, 2**64 + 3, np.uint64(2**64 - 1)])
+def test_out_of_range_python_steps_are_refused_at_trace_time(session, tap_path, bad):
+    with pytest.raises(ValueError, match=r"pmaptap.tap\('x'\): step must be >= 0 "
+                       r"and at most 2\*\*63-1"):
+        pmaptap.tap(1.0, "x", step=bad)
+    with pytest.raises(ValueError, match=r"pmaptap.tap\('x'\)"):
+        jax.jit(lambda v: pmaptap.tap(v, "x", step=bad))(1.0)
+    with pytest.raises(ValueError, match=r"pmaptap.tap_grad\('g'\)"):
+        pmaptap.tap_grad(1.0, "g", step=bad)
+
+
+def test_negative_traced_step_is_refused_counted_and_reported(session, tap_path, caplog):
+    f = jax.jit(lambda v, i: pmaptap.tap(v, "x", step=i))
+    f(1.0, 3)
+    f(2.0, -4)
+    f(3.0, -5)
+    jax.pmap(lambda v, i: pmaptap.tap(v, "p", step=i, dedup="per_device"),
+             in_axes=(0, None))(jnp.arange(8.0), -1)
+    import logging
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        session.flush()                         # reported (logged), not raised
+    texts = sorted(r.getMessage() for r in caplog.records
+                   if r.name == "pmaptap" and "refused" in r.getMessage())
+    assert len(texts) == 2
+    assert "refused 1 callback(s) of tap 'p': traced step -1" in texts[0]
+    assert "refused 2 callback(s) of tap 'x': traced step -4" in texts[1]
+    recs = pmaptap.read(tap_path)
+    assert [(r["name"], r["step"], r["value"]) for r in recs
+            if r["kind"] != "meta"] == [("x", 3, 1.0)]
+    refused = {r["tap"]: r for r in recs if r["name"] == "pmaptap/refused"}
+    assert refused["x"]["value"] == 2 and refused["x"]["example_step"] == -4
+    assert refused["p"]["value"] >= 1 and refused["p"]["example_step"] == -1
+    from pmaptap.tapfile.checks import validate_file
+    assert validate_file(tap_path).ok            # what was written is valid
+    session.flush()                              # reported once, not again
+    assert len([r for r in pmaptap.read(tap_path)
+                if r["name"] == "pmaptap/refused"]) == 2
+
+
+def test_validate_flags_steps_outside_int64_range(tmp_path):
+    import json
+    from pmaptap.tapfile.checks import validate_file
+    good = {"run": "r", "name": "a", "step": 0, "kind": "replicated", "value": 1,
+            "dtype": "int32", "shape": [], "process": 0, "time": 1.0,
+            "host": "h", "replicas": 1}
+    p = tmp_path / "f.jsonl"
+    p.write_text("".join(json.dumps(dict(good, step=s)) + "\n"
+                         for s in (0, -3, 2**63 - 1, 2**63)))
+    report = validate_file(p)
+    assert [(line, "step" in why) for line, why in report.problems] == \
+        [(2, True), (4, True)]

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import (mount_namespace_available, run_in_mount_namespace,
-                      run_python, start_python, wait_for)
+from conftest import (logs_warning, mount_namespace_available,
+                      run_in_mount_namespace, run_python, start_python, wait_for)
 from pmaptap import host_callback as hcb
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.pipeline import Pipeline
@@ -106,7 +106,7 @@ _STEADY = """
 """
 
 
-def test_sigkill_mid_write_repeated_loses_at_most_the_torn_line(tmp_path) -> None:
+def test_sigkill_mid_write_repeated_loses_at_most_the_torn_line(tmp_path, caplog) -> None:
     tap, stop = str(tmp_path / "t.jsonl"), str(tmp_path / "stop")
     steady = start_python(_STEADY, devices=1, TAP=tap, STOP=stop)
     rounds = ["kill", "tear", "kill", "tear"]
@@ -161,7 +161,7 @@ def test_sigkill_mid_write_repeated_loses_at_most_the_torn_line(tmp_path) -> Non
         got = steps.get(f"heavy{r}", [])
         assert got and got == list(range(len(got))), (r, got[:5], len(got))
     # read() returns every complete record and names the torn lines.
-    with pytest.warns(RuntimeWarning, match=f"skipped {len(torn)} invalid"):
+    with logs_warning(caplog, f"skipped {len(torn)} invalid"):
         recs = pmaptap.read(tap)
     assert len(recs) == len(valid)
 
@@ -338,7 +338,7 @@ def test_lock_held_past_flush_interval_and_lock_timeout(tap_path, lock_timeout) 
         _kill(holder)
 
 
-def test_lock_held_through_close_reports_the_unwritten_count(tap_path) -> None:
+def test_lock_held_through_close_reports_the_unwritten_count(tap_path, caplog) -> None:
     os.makedirs(os.path.dirname(tap_path))
     holder = start_python(_FLOCK_HOLDER, devices=1, stdin=True, TAP=tap_path)
     try:
@@ -350,7 +350,7 @@ def test_lock_held_through_close_reports_the_unwritten_count(tap_path) -> None:
             f(jnp.float32(i))
         # close_timeout bounds the exit; what it could not write is counted
         # in the error, never dropped silently.
-        with pytest.warns(RuntimeWarning), \
+        with logs_warning(caplog), \
                 pytest.raises(pmaptap.TapError, match=r"20 record\(s\) were not written"):
             s.close()
         assert pmaptap.active_session() is None
@@ -669,7 +669,7 @@ def test_failing_host_callback_functions_never_change_the_computation(
 
 @pytest.mark.parametrize("stage", ["deliver", "aggregate", "sink"])
 def test_failing_host_stage_never_changes_the_computation(
-        session, tap_path, monkeypatch, stage) -> None:
+        session, tap_path, monkeypatch, stage, caplog) -> None:
     calls = [0]
 
     def boom(*args, **kwargs):
@@ -692,7 +692,7 @@ def test_failing_host_stage_never_changes_the_computation(
         wait_for(lambda: calls[0] > 0, 30, f"a call of the failing {stage}")
     monkeypatch.undo()
     # Failures since the last flush are reported at this one.
-    with pytest.warns(RuntimeWarning), \
+    with logs_warning(caplog), \
             pytest.raises(pmaptap.TapError, match=f"injected failure in {stage}"):
         session.flush(timeout=10)
     session.flush()                  # and only once

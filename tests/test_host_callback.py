@@ -479,3 +479,38 @@ def test_tap_function_is_freed_with_its_compiled_function():
     jax.clear_caches()
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+def test_id_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp():
+    seen = []
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        hcb.id_tap(lambda v, _: seen.append(("tangent", float(v))), dx)
+        hcb.id_tap(lambda v, _: seen.append(("primal", float(v))), x)
+        return jnp.sin(x), jnp.cos(x) * dx
+
+    assert float(jax.grad(f)(0.5)) == pytest.approx(np.cos(0.5))
+    assert float(jax.vjp(f, 0.25)[1](1.0)[0]) == pytest.approx(np.cos(0.25))
+    hcb.barrier_wait()
+    assert seen == [("primal", 0.5), ("primal", 0.25)]   # no tangent in reverse mode
+    seen.clear()
+    _, t = jax.jvp(f, (1.0,), (2.0,))
+    hcb.barrier_wait()
+    assert float(t) == pytest.approx(2 * np.cos(1.0))
+    assert sorted(seen) == [("primal", 1.0), ("tangent", 2.0)]
+
+
+def test_id_tap_refuses_a_dtype_tap_files_cannot_hold_at_trace_time():
+    from jax._src.dtypes import float0
+
+    def my_tap(x, transforms):
+        pass
+
+    with pytest.raises(TypeError, match=r"id_tap\('my_tap'\).*float0|my_tap.*dtype"):
+        jax.jit(lambda v: hcb.id_tap(my_tap, (v, np.zeros(2, float0))))(1.0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import ROOT, job_failed, run_launch, run_python
+from conftest import ROOT, job_failed, logs_warning, run_launch, run_python
 from pmaptap.tapfile import runs
 
 STEPS = 4
@@ -80,17 +80,17 @@ def test_sharded_run_through_every_command(tmp_path):
     assert len(csv.read_text().splitlines()) == 1 + STEPS + 2 * STEPS
 
 
-def test_validate_finds_a_torn_shard_line_and_names_the_shard(tmp_path):
+def test_validate_finds_a_torn_shard_line_and_names_the_shard(tmp_path, caplog):
     path = str(tmp_path / "run.jsonl")
     _write(path, 0, "sharded", [1.0, 2.0])
     with open(runs.shard_path(path, 1), "wb") as f:
         f.write(b'{"run": "r", "name": "lo')            # killed mid-line
-    with pytest.warns(RuntimeWarning, match="p00001.jsonl line 1"):
+    with logs_warning(caplog, "p00001.jsonl line 1"):
         assert len(pmaptap.read(path)) == 4
     # The same process writing again starts on a new line: only the torn
     # line is lost.
     _write(path, 1, "sharded", [1.0, 2.0])
-    with pytest.warns(RuntimeWarning, match="1 invalid"):
+    with logs_warning(caplog, "1 invalid"):
         recs = pmaptap.read(path)
     assert len(recs) == 6          # replicated deduped across shards: 2 + 4
 
@@ -265,7 +265,7 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
     assert f"wrote {STEPS + 2 * STEPS} records" in out.stderr, out.stderr
 
 
-def test_a_shard_removed_or_truncated_under_its_writer(tmp_path):
+def test_a_shard_removed_or_truncated_under_its_writer(tmp_path, caplog):
     from pmaptap._host.dirsink import DirectorySink
     from pmaptap.tapfile.format import Record
     path = str(tmp_path / "run.jsonl")
@@ -277,7 +277,7 @@ def test_a_shard_removed_or_truncated_under_its_writer(tmp_path):
                       device=3, coords={})
     sink.write([rec(0)])
     os.remove(sink.path)
-    with pytest.warns(RuntimeWarning, match="replaced or removed"):
+    with logs_warning(caplog, "replaced or removed"):
         sink.write([rec(1)])
     with open(sink.path, "r+") as f:
         f.truncate(0)
@@ -289,3 +289,26 @@ def test_a_shard_removed_or_truncated_under_its_writer(tmp_path):
     assert [r["step"] for r in pmaptap.read(path)] == [2]
     with open(sink.path, "rb") as f:
         assert f.read().count(b"\n") == 1
+
+
+def test_resume_and_forwarding_in_the_sharded_layout(tmp_path):
+    """Session(resume=True) finds the run and its last attempt in the shards;
+    forwarders get what the shard sink wrote."""
+    import jax
+    import jax.numpy as jnp
+    path = str(tmp_path / "run.jsonl")
+    f = jax.pmap(lambda x, i: pmaptap.tap(x + i, "w", step=i, dedup="per_device"),
+                 axis_name="d", devices=jax.devices()[:2], in_axes=(0, None))
+    got: list[dict] = []
+    with pmaptap.Session(path, run="r", layout="sharded", forward=[got.append]):
+        for i in range(4):
+            f(jnp.arange(2.0), i)
+    assert sorted((r["step"], r["device"]) for r in got) == \
+        [(i, d) for i in range(4) for d in range(2)]
+    with pmaptap.Session(path, layout="sharded", resume=True) as s:
+        for i in range(2, 6):
+            f(jnp.arange(2.0) + 100, i)
+    assert (s.run, s.attempt) == ("r", 1)
+    w = [r for r in pmaptap.read(path) if r["name"] == "w"]
+    assert sorted((r["step"], r["device"], r.get("attempt", 0)) for r in w) == \
+        [(i, d, int(i >= 2)) for i in range(6) for d in range(2)]

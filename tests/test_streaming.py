@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import pmaptap
-from conftest import ROOT, subprocess_env
+from conftest import logs_warning, ROOT, subprocess_env
 from pmaptap.tapfile import views
 from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
@@ -51,8 +51,8 @@ def taps(tmp_path) -> str:
     return str(path)
 
 
-def test_streaming_summary_equals_summary_of_read_records(taps):
-    with pytest.warns(RuntimeWarning):
+def test_streaming_summary_equals_summary_of_read_records(taps, caplog):
+    with logs_warning(caplog):
         recs = pmaptap.read(taps)
     streamed, bad, names, runs = summarize_file(taps)
     assert streamed == tap_summaries(recs)

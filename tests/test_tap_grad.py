@@ -450,3 +450,59 @@ def test_bad_values_raise_at_trace_time():
 def test_exported_from_the_package():
     assert "tap_grad" in pmaptap.__all__
     assert pmaptap.__all__ == sorted(pmaptap.__all__)
+
+
+# ------------------------------------------------------------ custom_jvp rules
+
+def _sin_tapping_its_tangent(tap):
+    """sin with a custom_jvp rule that taps its primal and its tangent."""
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        tap(dx, "tangent")
+        tap(x, "primal")
+        return jnp.sin(x), jnp.cos(x) * dx
+    return f
+
+
+def _fwd(recs, name):
+    return [r["value"] for r in recs if r["name"] == name]
+
+
+def test_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp(session, tap_path):
+    f = _sin_tapping_its_tangent(pmaptap.tap)
+    # grad / vjp: JAX never computes the tangent in reverse mode (it
+    # transposes the rule's linear part), so what the forward pass sees is
+    # the primal; the gradient is unchanged. jax.debug.callback does alike.
+    assert jax.grad(lambda x: 3 * f(x))(0.5) == pytest.approx(3 * math.cos(0.5))
+    assert jax.jit(jax.grad(lambda x: 3 * f(x)))(0.25) == pytest.approx(3 * math.cos(0.25))
+    _, pullback = jax.vjp(f, 0.75)
+    assert pullback(1.0)[0] == pytest.approx(math.cos(0.75))
+    recs = _read(session, tap_path)
+    assert _fwd(recs, "primal") == [0.5, 0.25, 0.75] and _fwd(recs, "tangent") == []
+    # jvp / linearize: the tangent is a value of the forward computation.
+    _, t = jax.jvp(f, (1.0,), (2.0,))
+    assert t == pytest.approx(2 * math.cos(1.0))
+    _, lin = jax.linearize(f, 1.5)
+    assert lin(4.0) == pytest.approx(4 * math.cos(1.5))
+    recs = _read(session, tap_path)
+    assert _fwd(recs, "tangent") == [2.0, 4.0]
+    assert _fwd(recs, "primal") == [0.5, 0.25, 0.75, 1.0, 1.5]
+
+
+def test_tap_of_a_tangent_under_pmap_grad_and_vmap_jvp(session, tap_path):
+    f = _sin_tapping_its_tangent(
+        lambda v, name: pmaptap.tap(v, name, dedup="per_device"))
+    xs = jnp.arange(8.0)
+    g = jax.pmap(jax.grad(lambda x: 2 * f(x)))(xs)
+    np.testing.assert_allclose(g, 2 * np.cos(np.arange(8.0)), rtol=1e-6)
+    _, t = jax.vmap(lambda a: jax.jvp(f, (a,), (3 * a,)))(jnp.arange(3.0))
+    recs = _read(session, tap_path)
+    assert {r["device"]: r["value"] for r in recs if r["name"] == "primal" and
+            r.get("device") is not None} == {d: float(d) for d in range(8)}
+    (tangent,) = [r for r in recs if r["name"] == "tangent"]
+    assert tangent["value"] == [0.0, 3.0, 6.0] and tangent["batch_dims"] == 1

@@ -19,8 +19,9 @@ from typing import Any, Callable
 import numpy as np
 
 from pmaptap._host import shards as shard_host
+from pmaptap._log import log
 from pmaptap._host.encode import encode_rows, encode_tree
-from pmaptap.tapfile.format import Record, new_record
+from pmaptap.tapfile.format import MAX_STEP, Record, new_record
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 
 
@@ -119,13 +120,18 @@ def _rows_identical(stacked: list[np.ndarray]) -> bool:
 class Aggregator:
     def __init__(self, run: str, process: int, host: str, *,
                  group_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 attempt: int = 0) -> None:
         self.run, self.process, self.host = run, process, host
+        self.attempt = attempt
         self.group_timeout = group_timeout
         self.clock = clock
         self._counters: dict[tuple, int] = {}
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
+        # Payloads refused for a traced step outside 0..2**63-1, per tap
+        # name: [count, first bad step]; reported by refused_records().
+        self._refused: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ input
     def add(self, spec: TapSpec, coords: np.ndarray, step: int,
@@ -175,6 +181,8 @@ class Aggregator:
             return self._add_shard(spec, arrays)
         coords = arrays[0]
         step = int(arrays[1])
+        if spec.site.explicit_step and not 0 <= step <= MAX_STEP:
+            return self._refuse(spec.site.name, step)
         layout, packing = spec.transport.layout, spec.transport.packing
         if packing:
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
@@ -195,6 +203,8 @@ class Aggregator:
         place, site = spec.shards, spec.site
         k = int(np.asarray(arrays[0]).reshape(-1)[0])
         step = int(arrays[2])
+        if site.explicit_step and not 0 <= step <= MAX_STEP:
+            return self._refuse(site.name, step)
         raw = list(arrays[3:])
         device = place.devices[k]
         if not site.explicit_step:
@@ -373,6 +383,31 @@ class Aggregator:
         while self._groups:
             gkey, group = self._groups.popitem(last=False)
             out += self._resolve(gkey, group)
+        return out + self.refused_records()
+
+    def _refuse(self, name: str, step: int) -> list[Record]:
+        # A traced step out of range (Python ints are checked at trace
+        # time): a record with it would be one no reader can place. Counted
+        # here, reported by refused_records() at the next flush/close.
+        self._refused.setdefault(name, [0, step])[0] += 1
+        return []
+
+    def refused_records(self) -> list[Record]:
+        """One ``pmaptap/refused`` meta record (and a warning) per tap name
+        whose traced step was out of range since the last call."""
+        refused, self._refused = self._refused, {}
+        out = []
+        for name, (count, example) in refused.items():
+            log.warning(
+                f"pmaptap refused {count} callback(s) of tap {name!r}: traced "
+                f"step {example} is outside 0..2**63-1 (steps are int64 >= "
+                "0); nothing was written for them.")
+            out.append(Record(
+                run=self.run, name="pmaptap/refused", step=0, kind="meta",
+                value=count, dtype="int64", shape=[], process=self.process,
+                time=self.clock(), host=self.host,
+                extra={"tap": name, "reason": "step out of range",
+                       "example_step": example}))
         return out
 
     def dropped_record(self, new: int, total: int, policy: str) -> Record:
@@ -381,7 +416,7 @@ class Aggregator:
         return Record(
             run=self.run, name="pmaptap/dropped", step=total, kind="meta",
             value=new, dtype="int64", shape=[], process=self.process,
-            time=self.clock(), host=self.host,
+            time=self.clock(), host=self.host, attempt=self.attempt,
             extra={"dropped_total": total, "policy": policy})
 
     # ------------------------------------------------------------ dedup
@@ -426,7 +461,8 @@ class Aggregator:
             value=value, dtype=dtype, shape=shape, process=process, time=now,
             host=self.host, device=device, coords=coords,
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries), index=index)
+            summarized=bool(spec.site.summaries), index=index,
+            attempt=self.attempt)
 
     def _replicated_record_of_all(self, spec: TapSpec, step: int, t: _Table,
                                   encoded: tuple, key: bytes,
@@ -467,4 +503,5 @@ class Aggregator:
             devices=devices, processes=processes, divergent=divergent,
             batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
             summarized=bool(spec.site.summaries), extra=extra, index=index,
-            vhash=hashlib.blake2b(key, digest_size=8).hexdigest())
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+            attempt=self.attempt)

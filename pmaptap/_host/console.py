@@ -1,9 +1,10 @@
 """Taps without a session: one readable line per record on stderr."""
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Sequence, TextIO
 
+from pmaptap._log import console_log
 from pmaptap._host.sink import Sink
 from pmaptap.tapfile.format import Record, encode_line, index_text
 
@@ -31,12 +32,19 @@ def format_console(r: Record) -> str:
 
 
 class ConsoleSink(Sink):
-    """No open session: one readable line per record on stderr."""
+    """No open session: one readable line per record, to ``stream`` if given,
+    else to the "pmaptap.console" logger (stderr by default)."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
 
     def write(self, records: Sequence[Record]) -> None:
-        stream = self.stream or sys.stderr
-        stream.write("".join(format_console(r) + "\n" for r in records))
-        stream.flush()
+        if self.stream is not None:
+            self.stream.write("".join(format_console(r) + "\n" for r in records))
+            self.stream.flush()
+            return
+        # Through logging (INFO on "pmaptap.console"): on stderr while the
+        # application configures nothing, else wherever its handlers send it.
+        if console_log.isEnabledFor(logging.INFO):
+            for r in records:
+                console_log.info(format_console(r))

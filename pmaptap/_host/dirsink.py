@@ -19,10 +19,10 @@ non-owner saw can be lost because the owner never saw it.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Sequence
 
 from pmaptap._host.sink import FileSink, Sink, prepare_path
+from pmaptap._log import log
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.format import Record, record_key
 
@@ -67,11 +67,11 @@ class DirectorySink(Sink):
     # pmaptap/unencodable meta record (see FileSink._encode).
     _encode = FileSink._encode
 
-    def write(self, records: Sequence[Record]) -> None:
+    def write(self, records: Sequence[Record]) -> list[Record]:
         keep = [r for r in records if mine(r, self.process)]
         self.skipped += len(records) - len(keep)
         if not keep:
-            return
+            return []
         encoded, keep = self._encode(keep)
         chunks = [encoded.get(id(r)) or r.encode() for r in keep]
         if self._torn:
@@ -85,6 +85,7 @@ class DirectorySink(Sink):
             self.repairs += 1
         self.lines_written += len(keep)
         self.bytes_written += written
+        return keep     # what was written: the session's forwarders get these
 
     def _reopen_if_replaced(self) -> None:
         """The shard moved away or removed under us (log rotation, a clean-up
@@ -102,14 +103,9 @@ class DirectorySink(Sink):
         self._fd = fd
         self.replacements += 1
         if self.replacements == 1:
-            try:
-                warnings.warn(f"pmaptap: {self.path!r} was replaced or removed "
-                              "under this writer; appending continues to the "
-                              "file now at that path (counted in "
-                              "DirectorySink.replacements).", RuntimeWarning,
-                              stacklevel=2)
-            except Exception:  # noqa: BLE001 - warnings as errors: never
-                pass           # cost a write
+            log.warning(f"pmaptap: {self.path!r} was replaced or removed under "
+                        "this writer; appending continues to the file now at "
+                        "that path (counted in DirectorySink.replacements).")
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -12,15 +12,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from pmaptap.tapfile.format import (COUNT_BASE, NAN, NEG_INF, ORJSON, ORJSON_OPTS,
-                                    POS_INF, SUMMARY_FIELDS)
+                                    POS_INF, SUMMARY_FIELDS, is_float_like,
+                                    is_narrow_int)
 
 # Arrays up to this size get the shortest repr of their own precision
 # (0.1 in float32 is written 0.1, not 0.10000000149011612).
 _SHORT_REPR_MAX = 4096
-
-def _is_float_like(dt: np.dtype) -> bool:
-    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
-
 
 def _nonfinite_list(out: np.ndarray) -> Any:
     out = np.asarray(out)      # a NumPy scalar (a row of a stacked 1-D leaf)
@@ -66,9 +63,11 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
             value = a.tolist()
         else:
             value = np.ascontiguousarray(a)
+    elif is_narrow_int(dt):
+        value = a.astype(np.int64).tolist()
     elif dt.kind == "c":
         value = _float_value(np.stack([a.real, a.imag], axis=-1))
-    elif _is_float_like(dt):
+    elif is_float_like(dt) and dt.fields is None:
         value = _float_value(a)
     else:
         raise TypeError(f"cannot encode dtype {dt} as JSON")
@@ -117,8 +116,42 @@ def _structure(treedef, it: Iterator[Any]) -> Any:
         return dict(zip(typ._fields, vals))
     if typ in (list, tuple):
         return vals
-    # Custom pytree node: keep children in flatten order.
+    names = _attribute_names(treedef)
+    if names is not None and len(names) == len(vals):
+        return dict(zip(names, vals))
+    # Custom pytree node without attribute keys: children in flatten order.
     return vals
+
+
+_ATTRIBUTE_NAMES: dict = {}
+
+
+def _attribute_names(treedef) -> tuple[str, ...] | None:
+    """The field names of a custom pytree node whose children are attributes
+    (``jax.tree_util.register_dataclass``, flax-style TrainStates, any node
+    registered with GetAttrKey keys), so it is written as an object like a
+    dict or namedtuple; None for other nodes. Cached per node treedef."""
+    try:
+        return _ATTRIBUTE_NAMES[treedef]
+    except KeyError:
+        pass
+    except TypeError:                 # an unhashable node's aux data
+        return None
+    import jax
+    names = None
+    try:
+        # Rebuild the node around placeholder leaves and read its children's
+        # keys; a node that refuses placeholders keeps the list form.
+        node = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+        keyed, _ = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node)
+        keys = [path[0] for path, _ in keyed]
+        if keys and all(isinstance(k, jax.tree_util.GetAttrKey) for k in keys):
+            names = tuple(k.name for k in keys)
+    except Exception:  # noqa: BLE001 - user code in the node's unflatten
+        names = None
+    _ATTRIBUTE_NAMES[treedef] = names
+    return names
 
 
 def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pmaptap._log import log
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
@@ -20,6 +20,9 @@ from pmaptap.errors import LockBusy, TapError
 from pmaptap.tapfile.format import Record
 
 Report = Callable[[BaseException], None]
+
+# Seconds the writer waits for a busy lock before it says so.
+LOCK_WAIT_WARN_S = 10.0
 
 
 class AggregateLoop:
@@ -84,10 +87,9 @@ class AggregateLoop:
         if not new:
             return []
         policy = self.queue.overflow
-        warnings.warn(f"pmaptap dropped {new} tap event(s) (total {total}) "
-                      f"under overflow policy {policy!r}; raise "
-                      "max_pending/max_pending_bytes or use overflow='block'.",
-                      RuntimeWarning, stacklevel=2)
+        log.warning(f"pmaptap dropped {new} tap event(s) (total {total}) "
+                    f"under overflow policy {policy!r}; raise "
+                    "max_pending/max_pending_bytes or use overflow='block'.")
         return [self.agg.dropped_record(new, total, policy)]
 
 
@@ -96,8 +98,13 @@ class WriteLoop:
 
     def __init__(self, queue: BoundedQueue, sink: Sink, report: Report, *,
                  name: str, flush_interval: float, retry_interval: float,
-                 max_batch: int) -> None:
+                 max_batch: int,
+                 on_written: Callable[[Sequence[Record]], None] | None = None
+                 ) -> None:
         self.queue = queue
+        # Gets what the sink wrote (after dedup), for live forwarding; it
+        # must not wait (Forwarders.offer only queues).
+        self.on_written = on_written
         self.sink = sink
         self.report = report
         self.flush_interval = flush_interval
@@ -107,6 +114,10 @@ class WriteLoop:
         # Why the last lock attempt failed, for the flush-timeout message: in
         # soft mode it names the marker's holder (pid, host) and the file.
         self.last_busy = ""
+        # A lock held for long by another process is worth a word (once per
+        # spell, and once more when it is over): taps keep running meanwhile.
+        self.busy_since: float | None = None
+        self.busy_warned = False
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
 
@@ -127,13 +138,24 @@ class WriteLoop:
             if not ok:
                 time.sleep(self.retry_interval)
 
+    def _lock_wait(self, e: LockBusy) -> None:
+        now = time.monotonic()
+        if self.busy_since is None:
+            self.busy_since = now
+        elif not self.busy_warned and now - self.busy_since >= LOCK_WAIT_WARN_S:
+            self.busy_warned = True
+            log.warning(f"pmaptap: waiting {now - self.busy_since:.0f}s for the "
+                        f"lock of {getattr(self.sink, 'path', '?')}; taps keep "
+                        f"running and records stay queued ({e})")
+
     def _write(self, batch: list[tuple[Record, int]]) -> bool:
         if not batch:
             return True
         try:
-            self.sink.write([r for r, _ in batch])
+            wrote = self.sink.write([r for r, _ in batch])
         except LockBusy as e:
             self.last_busy = str(e)
+            self._lock_wait(e)
             return False
         except BaseException as e:  # noqa: BLE001
             self.report(e)
@@ -148,4 +170,16 @@ class WriteLoop:
             del rejected[:]
         self.queue.written(batch)
         self.written += len(batch)
+        if self.busy_since is not None:
+            if self.busy_warned:
+                log.warning(f"pmaptap: got the lock of "
+                            f"{getattr(self.sink, 'path', '?')} after "
+                            f"{time.monotonic() - self.busy_since:.0f}s; "
+                            "queued records are written")
+            self.busy_since, self.busy_warned = None, False
+        if self.on_written is not None and wrote:
+            try:
+                self.on_written(wrote)
+            except BaseException as e:  # noqa: BLE001 - the file has them
+                self.report(TapError(f"could not forward written records: {e!r}"))
         return True

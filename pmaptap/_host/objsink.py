@@ -62,13 +62,14 @@ class ObjectSink(Sink):
         self.fs.pipe_file(name, data)
         self.seq += 1
 
-    def write(self, records: Sequence[Record]) -> None:
+    def write(self, records: Sequence[Record]) -> list[Record]:
         keep = [r for r in records if mine(r, self.process)]
         self.skipped += len(records) - len(keep)
         if not keep:
-            return
+            return []
         encoded, keep = self._encode(keep)
         data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
         self._put(data)     # raises: the pipeline retries the batch whole
         self.lines_written += len(keep)
         self.bytes_written += len(data)
+        return keep     # what was written: the session's forwarders get these

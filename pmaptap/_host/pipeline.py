@@ -16,10 +16,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pmaptap._log import log
 from pmaptap._host.aggregate import Aggregator
+from pmaptap._host.forward import Forwarders
 from pmaptap._host.loops import AggregateLoop, WriteLoop
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
@@ -58,7 +60,10 @@ class Pipeline:
                  max_pending: int = 1_000_000,
                  max_pending_bytes: int = 1 << 30,
                  flush_interval: float = 0.02, group_timeout: float = 5.0,
-                 retry_interval: float = 0.2, max_batch: int = 20_000) -> None:
+                 retry_interval: float = 0.2, max_batch: int = 20_000,
+                 forward: Sequence[Any] = (),
+                 forward_timeout: float | None = 10.0,
+                 attempt: int = 0) -> None:
         self.queue = BoundedQueue(overflow=overflow, max_pending=max_pending,
                                   max_pending_bytes=max_pending_bytes)
         if process is None:
@@ -72,14 +77,28 @@ class Pipeline:
         self.retry_interval = retry_interval
         self.errors = ErrorLog()
         self.closed = False
+        self.forward_timeout = forward_timeout
+        self.forwarders = Forwarders(forward, name=f"pmaptap-forward-{run}") \
+            if forward else None
+        self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue, Aggregator(run, process, self.host,
-                                   group_timeout=group_timeout),
+                                   group_timeout=group_timeout,
+                                   attempt=attempt),
             self.errors.add, name=f"pmaptap-aggregate-{run}")
         self._writer = WriteLoop(
             self.queue, sink, self.errors.add, name=f"pmaptap-write-{run}",
             flush_interval=flush_interval, retry_interval=retry_interval,
-            max_batch=max_batch)
+            max_batch=max_batch,
+            on_written=self.forwarders.offer if self.forwarders else None)
+
+    def abandon(self) -> None:
+        """In a forked child: this pipeline's threads stayed in the parent,
+        which writes its records. Mark it closed without draining, writing,
+        joining or closing the sink (the parent's file lock may be held on
+        the inherited descriptor)."""
+        self.closed = True
+        self.abandoned = True
 
     def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...]) -> bool:
         """Called on XLA's callback thread: queue one payload. False once
@@ -127,6 +146,16 @@ class Pipeline:
             raise TapError("flush() on a closed pmaptap pipeline")
         self._drain(timeout, give_up_on_error=True)
         self.raise_errors(pending_ok=False)
+        if self.forwarders is not None:
+            # Written is what flush() promises; forwarding gets a bounded
+            # wait (a slow forwarder keeps going in the background).
+            self.forwarders.drain(_shorter(timeout, self.forward_timeout))
+            self._raise_forward_problems()
+
+    def _raise_forward_problems(self) -> None:
+        msg = self.forwarders.problems() if self.forwarders else None
+        if msg:
+            raise TapError(msg, path=getattr(self.sink, "path", None))
 
     def raise_errors(self, pending_ok: bool = True) -> None:
         errors = self.errors.take()
@@ -141,7 +170,7 @@ class Pipeline:
                                 for t, n in list(seen.items())[:5])
             msg = (f"pmaptap could not write {pending} pending record(s)"
                    f"{' to ' + repr(path) if path else ''}: {reasons}")
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            log.warning(msg)
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:
             busy = self._writer.last_busy
@@ -177,7 +206,16 @@ class Pipeline:
             try:
                 self.sink.close()
             finally:
+                if self.forwarders is not None:
+                    self.forwarders.close(self.forward_timeout)
                 if lost:
                     self.errors.add(TapError(
                         f"{lost} record(s) were not written before close"))
                 self.raise_errors()
+                self._raise_forward_problems()
+
+
+def _shorter(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

@@ -17,9 +17,11 @@ overflow drop.
 from __future__ import annotations
 
 import atexit
-import sys
+import os
 import threading
 from typing import TYPE_CHECKING, Any
+
+from pmaptap._log import log
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._host.pipeline import Pipeline
@@ -60,21 +62,20 @@ def console() -> "Pipeline":
 
 
 def _close_console(p: "Pipeline") -> None:
+    if p.closed:
+        return      # closed already, or inherited across fork (abandoned)
     try:
         import jax
         jax.effects_barrier()
         p.close(timeout=10.0)
     except BaseException as e:  # noqa: BLE001
-        print(f"[pmaptap] console output incomplete at exit: {e}", file=sys.stderr)
+        log.error(f"[pmaptap] console output incomplete at exit: {e}")
 
 
 def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
     """Entry point of every host callback. Never raises into XLA: a failure is
     recorded on the pipeline and re-raised at the next flush()/close()."""
     try:
-        if spec.consumer is not None:
-            spec.consumer(spec, arrays)
-            return
         s = _active
         if s is not None and s.pipeline.ingest(spec, arrays):
             return
@@ -85,8 +86,8 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
         # exit); one more fresh console, and a word on stderr if even that
         # does not take it.
         if not console().ingest(spec, arrays):
-            print(f"[pmaptap] a tap of {spec.name!r} arrived while pmaptap was "
-                  "shutting down and was not written", file=sys.stderr)
+            log.warning(f"[pmaptap] a tap of {spec.name!r} arrived while "
+                        "pmaptap was shutting down and was not written")
     except BaseException as e:  # noqa: BLE001 - must not propagate into XLA
         try:
             s = _active
@@ -94,7 +95,25 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
             if p is not None:
                 p.record_error(e)
             else:
-                print(f"[pmaptap] dropped a tap of {spec.name!r}: {e!r}",
-                      file=sys.stderr)
+                log.error(f"[pmaptap] dropped a tap of {spec.name!r}: {e!r}")
         except BaseException:  # noqa: BLE001
             pass
+
+
+def _after_fork_in_child() -> None:
+    """A forked child owns none of its parent's pipelines: their threads do
+    not exist here, and their queued records are the parent's to write. So
+    the child forgets them (without writing or waiting: an exit of the child
+    is immediate, and nothing of the parent's is written twice), starts with
+    no session (a tap prints to stderr) and may open its own."""
+    global _active, _console, _console_lock
+    _console_lock = threading.Lock()   # may have been held by a parent thread
+    s, _active = _active, None
+    console_p, _console = _console, None
+    if console_p is not None:
+        console_p.abandon()
+    if s is not None:
+        s._abandon_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

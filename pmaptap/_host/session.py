@@ -12,20 +12,21 @@ import datetime
 import os
 import secrets
 import signal
-import sys
 import threading
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
+from pmaptap._log import log
 from pmaptap import distributed
 
 from pmaptap._host import routing
 from pmaptap.errors import SessionError, TapError
+from pmaptap._host.forward import check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
 from pmaptap._host.dirsink import DirectorySink
-from pmaptap.tapfile.runs import is_url
+from pmaptap.tapfile.runs import is_sharded, is_url
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
@@ -63,6 +64,131 @@ def default_run_id() -> str:
     return distributed.agree_run_id(_new_run_id) or _new_run_id()
 
 
+def _env_attempt() -> int | None:
+    text = os.environ.get("PMAPTAP_ATTEMPT")
+    if not text:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"PMAPTAP_ATTEMPT must be a whole number >= 0, got {text!r}")
+    return n
+
+
+def _last_run(path: str) -> str | None:
+    """The run of the file's last record, reading back from the end (a
+    restart must not parse a large file whole)."""
+    from pmaptap.tapfile.parse import parse_line
+    size = os.path.getsize(path)
+    chunk = 1 << 20
+    with open(path, "rb") as f:
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            lines = f.read(size - start).split(b"\n")
+            if start > 0:
+                lines = lines[1:]       # maybe the middle of a line
+            for raw in reversed(lines):
+                d, _ = parse_line(raw) if raw.strip() else (None, None)
+                if d is not None:
+                    return d["run"]
+            if start == 0:
+                return None
+            chunk *= 4
+
+
+def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | None]:
+    """``_last_attempt`` of a sharded run (local shards or object-store
+    chunks): the merged stream read once (the last run is that of the
+    latest record by time)."""
+    from pmaptap.tapfile.attempts import attempt_of
+    from pmaptap.tapfile.reader import iter_lines
+    last_run: str | None = None
+    found: dict[str, int] = {}
+    for _, d, _ in iter_lines(path):
+        if d is not None:
+            last_run = d["run"]
+            found[d["run"]] = max(found.get(d["run"], 0), attempt_of(d))
+    run = run or last_run
+    return run, found.get(run) if run is not None else None
+
+
+def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
+    """(``run``, else the last run in the file; its highest attempt, or None
+    if the file holds no record of it). Only lines holding the run's JSON
+    text are parsed."""
+    import json
+
+    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.attempts import attempt_of
+    if is_sharded(path):
+        return _last_attempt_merged(path, run)
+    if not os.path.exists(path):
+        return run, None
+    if run is None:
+        run = _last_run(path)
+        if run is None:
+            return None, None
+    needle = json.dumps(run, ensure_ascii=False).encode("utf-8")
+    found: int | None = None
+    limit = parse.MAX_LINE_BYTES
+    with open(path, "rb") as f:
+        while True:
+            raw = f.readline(limit + 1)
+            if not raw:
+                return run, found
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                continue
+            if needle not in raw:
+                continue
+            d, _ = parse.parse_line(raw.rstrip(b"\n"))
+            if d is not None and d["run"] == run:
+                found = max(found or 0, attempt_of(d))
+
+
+def _resume_point(path: str, run: str | None) -> tuple[str, int]:
+    """The (run, attempt) a resumed session continues, the same on every
+    process of a job: process 0 reads the file and tells the others through
+    the coordination service (agree_run_id), as for a fresh run id."""
+    run = run or os.environ.get("PMAPTAP_RUN") or None
+    env = _env_attempt()
+    if env == 0 and run is None:
+        return default_run_id(), 0     # a launcher's first attempt: a new run
+
+    def decide() -> str:
+        last_run, last = _last_attempt(path, run)
+        chosen = last_run or _new_run_id()
+        attempt = env if env is not None else (0 if last is None else last + 1)
+        return f"{attempt}:{chosen}"
+
+    agreed = distributed.agree_run_id(decide) or decide()
+    attempt, _, chosen = agreed.partition(":")
+    return chosen, int(attempt)
+
+
+def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
+    """The ``pmaptap/attempt`` meta record (process 0 only): which attempt
+    this is and the job's shape, so readers can tell the restarts apart."""
+    if p.process != 0:
+        return
+    import time
+
+    import jax
+    from pmaptap.tapfile.attempts import ATTEMPT_NAME
+    from pmaptap.tapfile.format import Record
+    r = Record(run=p.run, name=ATTEMPT_NAME, step=attempt, kind="meta",
+               value=attempt, dtype="int64", shape=[], process=p.process,
+               time=time.time(), host=p.host, attempt=attempt,
+               extra={"process_count": jax.process_count(),
+                      "device_count": jax.device_count(),
+                      "local_device_count": jax.local_device_count()})
+    p.queue.put_records([r], None, (0, 0))
+
+
 class Session:
     """One tap file for this process; ``with Session(path):`` opens and closes.
 
@@ -82,6 +208,22 @@ class Session:
       no lock, nothing read back; readers merge: docs/multihost.md) or
       "auto" (default): "sharded" when the job has more than
       ``SHARDED_ABOVE`` processes, else "file".
+    forward: forwarders that receive every record this process writes to the
+      file, after cross-process dedup (a replicated value reaches them from
+      one process of the job): callables taking the record dict (as
+      pmaptap.read returns it), or objects with ``write_scalars(step,
+      mapping)`` (CLU's MetricWriter; real scalar leaves only, one call per
+      step). They run on their own thread with a bounded queue; failures and
+      drops are reported as TapError at the next flush()/close().
+    forward_timeout: seconds flush()/close() wait for forwarders to catch up.
+    resume: continue a run after a restart. The run is ``run``, else
+      PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
+      none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
+      attempt number is PMAPTAP_ATTEMPT (``python -m pmaptap.launch
+      --restarts`` sets it), else one more than the file's last attempt of
+      that run. Records then carry ``"attempt": N``, and readers show, for a
+      step written by several attempts, only the latest one's
+      (pmaptap/tapfile/attempts.py). The file stays append-only.
     """
 
     def __init__(self, path: str | os.PathLike, *, run: str | None = None,
@@ -90,7 +232,9 @@ class Session:
                  flush_timeout: float | None = 120.0,
                  close_timeout: float = 60.0, group_timeout: float = 5.0,
                  flush_interval: float = 0.02, lock: str = "flock",
-                 layout: str = "auto") -> None:
+                 forward: Sequence[Any] | None = None,
+                 forward_timeout: float | None = 10.0,
+                 resume: bool = False, layout: str = "auto") -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Session: overflow must be one of "
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
@@ -117,10 +261,13 @@ class Session:
             self.layout = "sharded"
             flush_interval = max(flush_interval, _object_commit_interval())
         self.run = run
+        self.resume = bool(resume)
+        self.attempt = 0
         self._opts: dict[str, Any] = dict(
             overflow=overflow, max_pending=max_pending,
             max_pending_bytes=max_pending_bytes, group_timeout=group_timeout,
-            flush_interval=flush_interval)
+            flush_interval=flush_interval, forward=check_targets(forward),
+            forward_timeout=forward_timeout)
         self.lock_timeout = lock_timeout
         self.flush_timeout = flush_timeout
         self.close_timeout = close_timeout
@@ -158,9 +305,14 @@ class Session:
                 sink = FileSink(self.path, lock_timeout=self.lock_timeout,
                                 lock=self.lock)
             try:
-                if self.run is None:
+                if self.resume:
+                    self.run, self.attempt = _resume_point(self.path, self.run)
+                elif self.run is None:
                     self.run = default_run_id()
-                self.pipeline = Pipeline(sink, run=self.run, **self._opts)
+                self.pipeline = Pipeline(sink, run=self.run,
+                                         attempt=self.attempt, **self._opts)
+                if self.resume:
+                    _queue_attempt_record(self.pipeline, self.attempt)
             except BaseException:
                 sink.close()
                 raise
@@ -183,7 +335,7 @@ class Session:
         try:
             self.close()
         except TapError as e:
-            warnings.warn(f"pmaptap: {e}", RuntimeWarning, stacklevel=2)
+            log.warning(f"pmaptap: {e}")
 
     # ------------------------------------------------------------- flush
     def flush(self, timeout: float | None = -1) -> None:
@@ -233,6 +385,22 @@ class Session:
                     self._sigterm_pending = False
                     self._deliver_sigterm(prev, signal.SIGTERM, None)
 
+    def _abandon_after_fork(self) -> None:
+        """In a forked child (routing's at-fork hook): this session belongs
+        to the parent. Forget it here without writing or waiting, so the
+        child's exit is immediate and the parent's records are written once,
+        by the parent."""
+        if self.pipeline is not None:
+            self.pipeline.abandon()
+        try:
+            atexit.unregister(self._close_at_exit)
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self._restore_sigterm()
+        except Exception:  # noqa: BLE001
+            pass
+
     def _after_close(self) -> None:
         """Multi-process: wait (bounded) until every process has closed, so
         that the file holds every record once close() returns anywhere."""
@@ -242,8 +410,7 @@ class Session:
         try:
             self.close()
         except BaseException as e:  # noqa: BLE001
-            print(f"[pmaptap] error while closing {self!r} at exit: {e}",
-                  file=sys.stderr)
+            log.error(f"[pmaptap] error while closing {self!r} at exit: {e}")
 
     # ------------------------------------------------------------- SIGTERM
     def _install_sigterm(self) -> None:
@@ -280,7 +447,7 @@ class Session:
             if self._phase != "barrier":
                 self.close()
         except BaseException as e:  # noqa: BLE001
-            print(f"[pmaptap] error while closing on SIGTERM: {e}", file=sys.stderr)
+            log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
         self._deliver_sigterm(prev, signum, frame)
 
     def _deliver_sigterm(self, prev, signum, frame) -> None:
@@ -292,6 +459,14 @@ class Session:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _after_fork_in_child() -> None:
+    global _open_lock
+    _open_lock = threading.Lock()   # a parent thread may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _effects_barrier() -> None:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import abc
 import errno
 import os
-import warnings
 from typing import Sequence
 
 import filelock
 
+from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.parse import line_problem
@@ -47,8 +47,9 @@ _MARK_BYTES = 1024
 
 class Sink(abc.ABC):
     @abc.abstractmethod
-    def write(self, records: Sequence[Record]) -> None:
-        """Write all of ``records`` or raise (then none or all were written)."""
+    def write(self, records: Sequence[Record]) -> Sequence[Record] | None:
+        """Write all of ``records`` or raise (then none or all were written).
+        A sink that filters (cross-process dedup) returns what it wrote."""
 
     def close(self) -> None:
         pass
@@ -166,9 +167,12 @@ class FileSink(Sink):
         # (see _encode); the pipeline reports them as a TapError.
         self.rejected: list[str] = []
 
-    def write(self, records: Sequence[Record]) -> None:
+    def write(self, records: Sequence[Record]) -> list[Record]:
+        """Append ``records`` (all or none; raises otherwise) and return the
+        ones actually written: cross-process dedup skips replicated values
+        another process wrote, and unencodable ones are replaced."""
         if not records:
-            return
+            return []
         # Encode outside the lock; only the dedup decision needs it.
         encoded, records = self._encode(records)
         self._acquire()
@@ -209,6 +213,7 @@ class FileSink(Sink):
             self._lock.release()
         self.lines_written += len(keep)
         self.bytes_written += written
+        return keep
 
     # ------------------------------------------ the file under our feet
     def _current_fd(self) -> int:
@@ -273,9 +278,9 @@ class FileSink(Sink):
             return
         self._warned.add(kind)
         try:
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        except Exception:  # noqa: BLE001 - warnings turned into errors:
-            pass           # a warning must never cost a write
+            log.warning(message)
+        except Exception:  # noqa: BLE001 - a raising handler of the
+            pass           # application's: a warning must never cost a write
 
     @staticmethod
     def _read_mark(fd: int, end: int) -> bytes:
@@ -347,7 +352,7 @@ class FileSink(Sink):
                 r = Record(run=_utf8(r.run), name="pmaptap/unencodable",
                            step=r.step, kind="meta", value=1, dtype="int64",
                            shape=[], process=r.process, time=r.time,
-                           host=_utf8(r.host),
+                           host=_utf8(r.host), attempt=r.attempt,
                            extra={"tap": ascii(r.name), "error": str(e)})
                 encoded[id(r)] = r.encode()
             keep.append(r)

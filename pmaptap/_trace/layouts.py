@@ -47,25 +47,99 @@ from jax.custom_batching import custom_vmap
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement
 from pmaptap._trace.options import options
-from pmaptap._trace.primitive import emit_callback
+from pmaptap._trace.primitive import emit_callback, mark_tap_vmap_rule
 from pmaptap._trace.shardcall import shard_call
-from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
+from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec
 
 
-def _host_entry(spec: PayloadSpec, *arrays) -> None:
+def static_step_operand(step: int) -> jax.Array:
+    """The operand that carries a step known at trace time: int32 when it
+    fits, else its (high, low) 32-bit halves as uint32[2] (joined back on the
+    host by _fixed), so steps up to 2**63-1 travel without jax_enable_x64."""
+    if step < 2**31:
+        return jnp.asarray(step, jnp.int32)
+    return jnp.asarray(np.array([step >> 32, step & 0xFFFFFFFF], np.uint32))
+
+
+def _fixed(arrays: tuple, restore: tuple, steps: range) -> tuple:
+    """The payload as the host expects it: sub-byte leaves narrowed back to
+    their own dtype (``restore``: (index, dtype) pairs, see _wire), and each
+    step that travelled as uint32 halves joined. Exact, so it cannot raise
+    on values that came from those very dtypes."""
+    if not restore and all(arrays[i].shape != (2,) for i in steps):
+        return arrays
+    fixed = list(arrays)
+    for i, dtype in restore:
+        fixed[i] = fixed[i].astype(dtype)
+    for i in steps:
+        a = fixed[i]
+        if a.shape == (2,):                    # see static_step_operand
+            fixed[i] = np.int64((int(a[0]) << 32) | int(a[1]))
+    return tuple(fixed)
+
+
+def _host_entry(spec: PayloadSpec, restore: tuple, *arrays) -> None:
     # Runs on XLA's callback thread. `deliver` never raises.
-    deliver(spec, arrays)
+    steps = range(1, 1 + (len(spec.members) if isinstance(spec, GroupSpec) else 1))
+    deliver(spec, _fixed(arrays, restore, steps))
+
+
+def _narrow(args: Sequence, skip: Sequence[bool] = ()) -> tuple[tuple, tuple]:
+    """(args with sub-byte ones widened, their (index, dtype) to restore)."""
+    restore = tuple((i, np.dtype(a.dtype)) for i, a in enumerate(args)
+                    if _sub_byte(a.dtype) and not (i < len(skip) and skip[i]))
+    if restore:
+        args = tuple(_wire(a) for a in args)
+    return tuple(args), restore
 
 
 def send_payload(spec: PayloadSpec, *args) -> None:
-    emit_callback(functools.partial(_host_entry, spec), *args)
+    # Sub-byte operands travel widened (see _wire) and are narrowed back on
+    # the host, so records and host_callback functions see their own dtype.
+    args, restore = _narrow(args)
+    emit_callback(functools.partial(_host_entry, spec, restore), *args)
+
+
+def _sub_byte(dtype) -> bool:
+    """int2/int4/uint2/uint4/float4_e2m1fn/float6_*: XLA packs them below a
+    byte, NumPy keeps one per byte. XLA's CPU runtime has no all-gather for
+    some (int2: UNIMPLEMENTED) and was seen to hand a host callback zeros
+    for several float4 operands, so they never cross a collective or a
+    host call as themselves (see _wire)."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits < 8
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits < 8
+    return False
+
+
+def _wire(x: jax.Array) -> jax.Array:
+    """A sub-byte ``x`` widened exactly to a byte-wide dtype (integers to
+    int8/uint8, floats to float32); anything else unchanged."""
+    if not _sub_byte(x.dtype):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.signedinteger):
+        return x.astype(jnp.int8)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(jnp.uint8)
+    return x.astype(jnp.float32)
+
+
+def _all_gather(x: jax.Array, raw_names: tuple) -> jax.Array:
+    if _sub_byte(x.dtype):
+        return lax.all_gather(_wire(x), raw_names).astype(x.dtype)
+    return lax.all_gather(x, raw_names)
 
 
 def _bits(x: jax.Array) -> jax.Array:
     """``x``'s bits as unsigned integers of its own width (bool as uint8),
-    ready to bitcast on; complex dtypes are not taken."""
+    ready to bitcast on; complex dtypes are not taken. Sub-byte dtypes widen
+    exactly first (_wire): injective, which is all the hash needs (they are
+    never packed)."""
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8)
+    if _sub_byte(x.dtype):
+        return _bits(_wire(x))
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
     return lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
 
@@ -99,11 +173,11 @@ def gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
     concatenated into a uint8 vector (bitcast, so bit-exact). Returns the
     gathered arrays and the packing (dtype, shape per leaf) the host needs to
     split them again; packing is () when the leaves are gathered one by one
-    (complex dtypes, which bitcast does not take)."""
+    (complex and sub-byte dtypes, which bitcast does not take)."""
     leaves = [jnp.asarray(x) for x in leaves]
-    if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jnp.complexfloating)
-                              for x in leaves):
-        return [lax.all_gather(x, raw_names) for x in leaves], ()
+    if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jnp.complexfloating) or
+                              _sub_byte(x.dtype) for x in leaves):
+        return [_all_gather(x, raw_names) for x in leaves], ()
     parts = [lax.bitcast_convert_type(_bits(x), jnp.uint8).reshape(-1) for x in leaves]
     packed = lax.all_gather(jnp.concatenate(parts), raw_names)
     packing = tuple((jnp.dtype(x.dtype).name, tuple(x.shape)) for x in leaves)
@@ -123,18 +197,26 @@ def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
         _flat_index(coords, spec.placement.axis_sizes)]
 
 
-def _shard_entry(spec: TapSpec, place, *arrays) -> None:
+def _shard_entry(spec: TapSpec, restore: tuple, place, *arrays) -> None:
     # XLA's callback thread, as _host_entry. ``place`` is None when the
     # computation was not partitioned: the payload is then one whole copy
-    # (the aggregator treats it as Layout.COPY).
-    deliver(spec if place is None else place.spec_for(spec), arrays)
+    # (the aggregator treats it as Layout.COPY). A partitioned payload
+    # starts with the partition index, one place before ``restore``'s.
+    if place is None:
+        deliver(spec, _fixed(arrays, restore, range(1, 2)))
+        return
+    deliver(place.spec_for(spec),
+            _fixed(arrays, tuple((i + 1, d) for i, d in restore), range(2, 3)))
 
 
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     layout = spec.transport.layout
     if layout is Layout.SHARDS:
-        shard_call(functools.partial(_shard_entry, spec), coords, step, *leaves,
-                   summarize=tuple(bool(s) for s in spec.site.summaries),
+        summarize = tuple(bool(s) for s in spec.site.summaries)
+        # Summarized leaves arrive as float32 statistics: nothing to restore.
+        args, restore = _narrow((coords, step, *leaves), (False, False, *summarize))
+        shard_call(functools.partial(_shard_entry, spec, restore), *args,
+                   summarize=summarize,
                    batch_dims=spec.site.batch_dims)
         return
     if layout is Layout.COPY:
@@ -180,6 +262,7 @@ def emitter(spec: TapSpec, raw_names: tuple):
         return coords
 
     @emit_fn.def_vmap
+    @mark_tap_vmap_rule      # transposable (taps of tangents, see primitive.py)
     def _batched(axis_size, in_batched, coords, step, *leaves):
         coords_b, step_b, *leaves_b = in_batched
         if coords_b or step_b:
@@ -205,7 +288,7 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
     """Pick the transport for this tap site (see module docstring)."""
     opts = options()
     where = spec.placement
-    if not where.axis_names or spec.consumer is not None or not opts.gather:
+    if not where.axis_names or not opts.gather:
         return spec
     n = where.total_copies
     if n < 2:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Any, Iterator
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,25 @@ def options() -> Options:
     return _current
 
 
+def _checked(name: str, v: Any) -> Any:
+    """``v`` as option ``name`` takes it, or ValueError saying what is
+    allowed: options are read at trace time, so a wrong one would surface
+    only later and far away (``gather="yes"`` silently meant "on")."""
+    if name in ("gather", "verify_replicated"):
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"pmaptap.configure: {name} must be True or False; "
+                             f"got {v!r}")
+        return bool(v)
+    if v is None and name == "max_value_bytes":
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) \
+            or v < 0:
+        never = " or None (never summarize)" if name == "max_value_bytes" else ""
+        raise ValueError(f"pmaptap.configure: {name} must be an int >= 0 "
+                         f"(bytes){never}; got {v!r}")
+    return int(v)
+
+
 def configure(**changes) -> Options:
     """Change the fast-path options for taps traced from now on; returns the
     previous options. Unknown names raise TypeError."""
@@ -44,13 +65,7 @@ def configure(**changes) -> Options:
     if unknown:
         raise TypeError(f"pmaptap.configure: unknown option(s) {sorted(unknown)}; "
                         f"known: {sorted(fields)}")
-    if "gather_max_bytes" in changes and int(changes["gather_max_bytes"]) < 0:
-        raise ValueError("pmaptap.configure: gather_max_bytes must be >= 0")
-    if "max_value_bytes" in changes:
-        v = changes["max_value_bytes"]
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError("pmaptap.configure: max_value_bytes must be None "
-                             f"(never summarize) or an int >= 0; got {v!r}")
+    changes = {k: _checked(k, v) for k, v in changes.items()}
     prev = _current
     _current = dataclasses.replace(_current, **changes)
     return prev

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 from jax._src import callback as cb
-from jax._src import core, debugging, sharding_impls
+from jax._src import core, custom_batching, debugging, sharding_impls
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import xla_client as xc
@@ -62,6 +62,80 @@ batching.primitive_batchers[callback_p] = partial(
     debugging.debug_batching_rule, primitive=callback_p)
 pe.partial_eval_jaxpr_custom_rules[callback_p] = partial(
     debugging._debug_partial_eval_custom, primitive=callback_p)
+
+
+# --- taps of tangents (a tap inside a jax.custom_jvp rule, under grad/vjp)
+# emit.py wraps the callback primitive in jax.custom_vmap. Under reverse mode a tap of a
+# tangent sits in the linear part of the program, which JAX transposes, and
+# JAX has no transpose rule for custom_vmap_call at all. For a tap the rule
+# is the primitive's own: nothing flows back and the call is not replayed
+# backward; JAX never computes that tangent in reverse mode, so there is no
+# value to record (jax.debug.callback behaves alike). Other custom_vmap
+# functions keep JAX's behaviour.
+_TAP_RULE = "_pmaptap_tap_rule"
+_jax_transpose = ad.primitive_transposes.get(custom_batching.custom_vmap_p)
+
+
+def mark_tap_vmap_rule(rule: Callable) -> Callable:
+    """Mark a ``custom_vmap`` rule as a tap's (see _custom_vmap_transpose).
+    ``ClosedRule`` copies the function's ``__dict__``, so the mark survives."""
+    setattr(rule, _TAP_RULE, True)
+    return rule
+
+
+def _custom_vmap_transpose(cts, *args, call, rule, in_tree, out_tree):
+    if getattr(getattr(rule, "rule", rule), _TAP_RULE, False):
+        return [None] * len(args)
+    if _jax_transpose is not None:
+        return _jax_transpose(cts, *args, call=call, rule=rule,
+                              in_tree=in_tree, out_tree=out_tree)
+    raise NotImplementedError(
+        "Transpose rule (for reverse-mode differentiation) for "
+        "'custom_vmap_call' not implemented")
+
+
+ad.primitive_transposes[custom_batching.custom_vmap_p] = _custom_vmap_transpose
+
+
+def staged_for_later(leaves) -> bool:
+    """Whether a value is only known in a part of the program that runs
+    later: a tangent inside a ``jax.custom_jvp`` rule under grad/vjp/
+    linearize, an unknown tracer of JAX's partial evaluation."""
+    return any(isinstance(x, pe.JaxprTracer) and not x.pval.is_known()
+               for x in leaves)
+
+
+def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
+    """Trace ``body(leaves, step)`` (which emits taps) as ONE custom_vmap
+    call whose inputs are the values that are not known yet.
+
+    That call goes where JAX puts the rest of the tangent computation: run
+    when that part runs (jax.jvp of a linearized function, jax.linearize),
+    dropped by the transpose rule above under grad/vjp, which never compute
+    the tangent. Emitting the tap's own operations (stop_gradient, gather,
+    statistics) directly there would need a transpose rule for each."""
+    from jax.custom_batching import custom_vmap
+    import jax
+    n = len(leaves)
+
+    def split(args):
+        return list(args[:n]), (args[n] if step is not None else None)
+
+    @custom_vmap
+    def later(*args):
+        body(*split(args))
+        return ()
+
+    @later.def_vmap
+    @mark_tap_vmap_rule
+    def _batched(axis_size, in_batched, *args):
+        # The body's own taps batch themselves (emit's custom_vmap rule).
+        jax.vmap(lambda *a: body(*split(a)),
+                 in_axes=[0 if b else None for b in in_batched],
+                 axis_size=axis_size)(*args)
+        return (), ()
+
+    later(*leaves, *([] if step is None else [step]))
 
 
 @state_discharge.register_discharge_rule(callback_p)

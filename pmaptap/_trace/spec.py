@@ -5,7 +5,8 @@ host needs to turn raw arrays into records (names, dedup policy, where each
 mesh coordinate lives) is known without calling JAX from the callback thread.
 It is composed of one small part per concern: ``TapSite`` (what was tapped
 and how it is recorded), ``Placement`` (where the copies live), ``Transport``
-(how the copies travel, see layouts.py) and the host_callback ``consumer``.
+(how the copies travel, see layouts.py) and, on the host, the ``shards``
+placement of a per-shard payload.
 A ``GroupSpec`` describes one callback carrying several taps (``group``).
 
 Specs are frozen and compared by value, but nothing hashes them: the
@@ -110,10 +111,6 @@ class TapSpec:
     site: TapSite
     placement: Placement
     transport: Transport = Transport()
-    # host_callback shims: a callable ``consumer(spec, arrays)`` that receives
-    # the raw callback payload instead of the session pipeline. It runs on
-    # XLA's callback thread, so it must only hand the payload over.
-    consumer: Any = None
     # Layout.SHARDS on the host side: the ShardPlacement (_trace/shards.py) of
     # the lowering a payload came from; None at trace time.
     shards: Any = None
@@ -141,7 +138,6 @@ class GroupSpec:
     packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # What routing and error messages read from any payload spec.
     name: ClassVar[str] = "pmaptap/group"
-    consumer: ClassVar[None] = None
 
 
 # What one host callback carries a description of.

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pmaptap._trace import placement
+from pmaptap._trace import placement, primitive
 from pmaptap._trace.emit import axis_coords, emit
+from pmaptap._trace.layouts import static_step_operand
 from pmaptap._trace.options import options
-from pmaptap.tapfile.format import COUNT_BASE
+from pmaptap.tapfile.format import COUNT_BASE, MAX_STEP, encodable
 from pmaptap._trace.spec import DEDUP_MODES, Layout, TapSite, TapSpec
 from pmaptap._trace.untapped import taps_off
 
@@ -66,6 +67,29 @@ def as_leaf(path, leaf, name: str, fn: str):
         "them. Convert it, or leave it out of the tapped value.")
 
 
+def check_dtype(path, leaf, name: str, fn: str) -> None:
+    """Refuse, here at trace time, a dtype the host cannot write (float0
+    tangents, strings, any future JAX dtype the encoder does not know):
+    otherwise the record would be dropped at the next flush."""
+    dt = np.dtype(leaf.dtype)
+    where = jax.tree_util.keystr(path) or "the value"
+    if jnp.issubdtype(dt, jnp.integer) and jnp.iinfo(dt).bits == 1:
+        # Checked on JAX 0.10 CPU: int1 values cannot be passed to a jitted
+        # function (XLA expects pred), uint1 ones do not compile, and int1
+        # 1 reads back as 1 in JAX but -1 in NumPy: no value to trust.
+        raise TypeError(
+            f"{fn}({name!r}): {where} has dtype {dt}; 1-bit integers cannot "
+            "be tapped (JAX and NumPy disagree on their values). Convert it, "
+            "e.g. x.astype(jnp.int8).")
+    if not encodable(dt):
+        raise TypeError(
+            f"{fn}({name!r}): {where} has dtype {dt}, which tap files cannot "
+            "hold; taps write bool, integer (int2/int4/uint2/uint4 included), "
+            "floating (bfloat16, float8/float6/float4 variants included) and "
+            "complex arrays. Convert it (e.g. x.astype(jnp.float32)), or leave "
+            "it out of the tapped value.")
+
+
 def check_step(step: Any, name: str, fn: str):
     """Returns (static_int_or_None, traced_or_None)."""
     if step is None:
@@ -73,8 +97,9 @@ def check_step(step: Any, name: str, fn: str):
     if isinstance(step, bool):
         raise TypeError(f"{fn}({name!r}): step must be an integer, got bool.")
     if isinstance(step, (int, np.integer)):
-        if step < 0:
-            raise ValueError(f"{fn}({name!r}): step must be >= 0, got {step}.")
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"{fn}({name!r}): step must be >= 0 and at most "
+                             f"2**63-1 (steps are int64); got {step}.")
         return int(step), None
     if isinstance(step, (jax.Array, jax.core.Tracer, np.ndarray)):
         dtype = step.dtype
@@ -157,8 +182,7 @@ def shards_possible(leaves) -> bool:
 
 
 def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
-         pass_: str = "forward", fn: str = "pmaptap.tap",
-         consumer=None) -> None:
+         pass_: str = "forward", fn: str = "pmaptap.tap") -> None:
     """Validate and emit ``x`` (no return value; shared by tap and tap_grad)."""
     check_common(name, dedup, every, fn)
     static_step, traced_step = check_step(step, name, fn)
@@ -166,29 +190,45 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
         return  # decided at trace time: nothing is compiled for this step
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     leaves = [as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
+    for (p, _), leaf in zip(path_leaves, leaves):
+        check_dtype(p, leaf, name, fn)
     if taps_off():
         return  # pmaptap.untapped: checked, then removed
-    per_shard = consumer is None and shards_possible(leaves)
-    # host_callback consumers were promised the whole value: never summarized.
+
+    def emit_leaves(leaves: list, traced_step) -> None:
+        _emit_leaves(leaves, traced_step, static_step, name=name, dedup=dedup,
+                     every=every, treedef=treedef, explicit=step is not None,
+                     pass_=pass_)
+
+    if primitive.staged_for_later(leaves):
+        # A tangent inside a custom_jvp rule under grad/vjp/linearize: emit
+        # it in the part of the program that runs later (see
+        # primitive.run_later), as jax.debug.callback would be.
+        primitive.run_later(emit_leaves, leaves, traced_step)
+        return
+    emit_leaves(leaves, traced_step)
+
+
+def _emit_leaves(leaves: list, traced_step, static_step: int | None, *,
+                 name: str, dedup: str, every: int, treedef, explicit: bool,
+                 pass_: str) -> None:
+    per_shard = shards_possible(leaves)
     # Per-shard taps only mark big leaves: a summary of a partitioned value
     # would need an all-reduce, so their lowering decides (shardcall.py).
-    sent, summaries = (_statistics_of_big_leaves(leaves, compute=not per_shard)
-                       if consumer is None else (leaves, ()))
+    sent, summaries = _statistics_of_big_leaves(leaves, compute=not per_shard)
     where, raw_names = placement.current(leaves)
     site = TapSite(name=name, dedup=dedup, every=int(every), treedef=treedef,
-                   explicit_step=step is not None, pass_=pass_,
+                   explicit_step=explicit, pass_=pass_,
                    summaries=summaries)
-    spec = TapSpec(site=site, placement=where, consumer=consumer)
+    spec = TapSpec(site=site, placement=where)
     if per_shard:
         spec = spec.with_transport(layout=Layout.SHARDS)
-    leaves = sent
     coords = axis_coords(raw_names)
     if traced_step is not None:
         step_arr = traced_step
     else:
-        step_arr = jnp.asarray(-1 if static_step is None else static_step,
-                               jnp.int32)
-    emit(spec, raw_names, leaves, coords, step_arr,
+        step_arr = static_step_operand(-1 if static_step is None else static_step)
+    emit(spec, raw_names, sent, coords, step_arr,
          traced_every=traced_step is not None and every > 1)
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Callable, TypeVar
+
+from pmaptap._log import log
 
 F = TypeVar("F", bound=Callable)
 
@@ -40,9 +41,8 @@ def _env_default() -> bool:
     if val in _TRUE:
         return True
     if val not in _FALSE:
-        warnings.warn(f"PMAPTAP_UNTAPPED={raw!r} is not one of 1/true/yes/on or "
-                      "0/false/no/off (or empty); taps stay on.", RuntimeWarning,
-                      stacklevel=2)
+        log.warning(f"PMAPTAP_UNTAPPED={raw!r} is not one of 1/true/yes/on or "
+                    "0/false/no/off (or empty); taps stay on.")
     return False
 
 

@@ -37,9 +37,9 @@ import numpy as np
 from pmaptap._trace.emit import axis_coords, emit_call
 from pmaptap.host_callback.executor import (_Devices, _executor, _format, _name_of,
                                            _on_executor_thread)
-from pmaptap._trace import placement
+from pmaptap._trace import placement, primitive
 from pmaptap._trace.spec import Placement
-from pmaptap._trace.tap import as_leaf
+from pmaptap._trace.tap import as_leaf, check_dtype
 from pmaptap._trace.untapped import taps_off
 from pmaptap.host_callback._linked import linked_tap, tie
 from pmaptap.errors import CallbackException
@@ -179,6 +179,8 @@ def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
     name = _name_of(tap_func)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
     leaves = [as_leaf(p, x, name, fn) for p, x in path_leaves]
+    for (p, _), x in zip(path_leaves, leaves):
+        check_dtype(p, x, name, fn)
     out = arg if result is None else result
     if taps_off():
         return out  # pmaptap.untapped: checked, then removed
@@ -191,6 +193,15 @@ def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
         # Eager: the call happens now, on this thread, so the order is the
         # program's without any tie, and ``out`` is returned as it is.
         consumer((), np.zeros((0,), np.int32), *[np.asarray(x) for x in leaves])
+        return out
+    if primitive.staged_for_later(leaves):
+        # A tangent inside a custom_jvp rule under grad/vjp/linearize: tapped
+        # in the part of the program that computes it, if any (see
+        # primitive.run_later); nothing else depends on it there, so no tie.
+        primitive.run_later(
+            lambda ls, _: linked_tap(consumer, axis_coords(raw_names),
+                                     [jax.lax.stop_gradient(x) for x in ls]),
+            leaves, None)
         return out
     # Taps see primal values: no tangent reaches the host.
     token = linked_tap(consumer, axis_coords(raw_names),

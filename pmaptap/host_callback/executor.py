@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import sys
 import threading
 import traceback
 from typing import Any, Callable
@@ -16,6 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from pmaptap._log import log
 from pmaptap._trace.spec import Placement
 
 # --------------------------------------------------------------- executor
@@ -117,13 +117,13 @@ def _at_exit() -> None:
     try:
         jax.effects_barrier()
         if not ex.wait(ex.ticket(), timeout=30.0):
-            print("[pmaptap] host_callback: tap functions still running at exit",
-                  file=sys.stderr)
+            log.warning("[pmaptap] host_callback: tap functions still running "
+                        "at exit")
         for e, _ in ex.take_errors():
-            print("[pmaptap] host_callback: a tap function raised and no "
-                  "barrier_wait() reported it:\n" + _format(e), file=sys.stderr)
+            log.error("[pmaptap] host_callback: a tap function raised and no "
+                      "barrier_wait() reported it:\n" + _format(e))
     except BaseException as e:  # noqa: BLE001 - never fail the exit
-        print(f"[pmaptap] host_callback exit handler: {e!r}", file=sys.stderr)
+        log.error(f"[pmaptap] host_callback exit handler: {e!r}")
     finally:
         ex.stop(5.0)
 

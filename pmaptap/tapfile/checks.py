@@ -17,7 +17,8 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.format import NONFINITE, record_key
+from pmaptap.tapfile.attempts import index_records
+from pmaptap.tapfile.format import MAX_STEP, NONFINITE, record_key
 from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
@@ -65,6 +66,8 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
 
 def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
     """Does ``value`` have the nesting that ``dtype``/``shape`` describe?"""
+    if value is None and dtype is None and shape is None:
+        return None        # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
         return _leaf_problem(value, dtype, shape)
     if isinstance(dtype, dict):
@@ -92,6 +95,8 @@ def schema_problems(d: dict) -> list[str]:
     """Violations of the record format in a dict that already passed
     ``records.validate_dict`` (which only checks what readers rely on)."""
     out: list[str] = []
+    if not 0 <= d["step"] <= MAX_STEP:
+        out.append(f"step must be from 0 to 2**63-1, got {d['step']}")
     if not _is_int(d["process"]) or d["process"] < 0:
         out.append("process must be a non-negative integer")
     if not _is_num(d["time"]) or not math.isfinite(d["time"]):
@@ -212,6 +217,7 @@ class Report:
     records: int = 0
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     divergent_keys: int = 0
+    superseded: int = 0          # records a later attempt of a resumed run replaced
 
     @property
     def ok(self) -> bool:
@@ -232,6 +238,11 @@ def validate_file(path: str | os.PathLike) -> Report:
                 (f" device {r.get('device')}" if r["kind"] == "per_device" else ""))
         report.problems.append((entries[i].line, f"duplicate of line "
                                 f"{entries[j].line} ({what})"))
+    # Records of steps that a resumed run replayed are superseded by the
+    # later attempt's (tapfile/attempts.py): history, not duplicates (their
+    # keys differ in ``attempt``, so find_duplicates does not pair them).
+    attempts = index_records(raws)
+    report.superseded = sum(map(attempts.superseded, raws)) if attempts else 0
     report.problems.sort()
     report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
     report.divergent_keys = len({duplicate_key(e.rec)[1:6] for e in entries

@@ -20,12 +20,35 @@ from typing import Any
 import numpy as np
 
 KINDS = ("replicated", "per_device", "meta")
+# Steps are integers from 0 to the int64 maximum, whatever form the tap got.
+MAX_STEP = 2**63 - 1
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape",
             "process", "time", "host")
 # The strings that stand for non-finite floats inside ``value`` (JSON has no
 # number form for them); the one place that names them.
 NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
 NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
+
+
+def is_float_like(dt: np.dtype) -> bool:
+    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
+
+
+def is_narrow_int(dt: np.dtype) -> bool:
+    # ml_dtypes' sub-byte integers (int1/2/4, uint1/2/4): NumPy sees them as
+    # opaque "V" types, but they widen exactly to int64 and are written as
+    # plain JSON integers under their own dtype name.
+    return dt.kind == "V" and dt.name.startswith(("int", "uint")) and \
+        dt.fields is None
+
+
+def encodable(dt: np.dtype) -> bool:
+    """Whether records hold arrays of ``dt`` (the writer's encode_array takes
+    exactly these; pmaptap.tap checks it at trace time so that a dtype the
+    format cannot hold is refused there, with the tap's name, and never
+    dropped on the host)."""
+    return dt.kind in "biufc" or is_narrow_int(dt) or \
+        (is_float_like(dt) and dt.fields is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +77,9 @@ class Record:
     # A shard of a sharded value under jit: its global slice, [start, stop]
     # per dimension (a list of those per leaf for a pytree); None otherwise.
     index: list | None = None
+    # The attempt of a resumed run that wrote it (Session(resume=True)); 0,
+    # the first attempt, is not written.
+    attempt: int = 0
 
     def to_json_dict(self) -> dict:
         d: dict[str, Any] = {
@@ -83,6 +109,8 @@ class Record:
             d["pass"] = self.pass_
         if self.summarized:
             d["summarized"] = True
+        if self.attempt:
+            d["attempt"] = self.attempt
         if self.extra:
             d.update(self.extra)
         return d
@@ -119,11 +147,14 @@ def record_key(r: "dict | Record") -> tuple:
     key hold the same value (or are divergent); per-device records add the
     device. One definition for the writer's cross-process dedup (a Record
     about to be written, or a line other processes wrote) and readers.
-    Shards of one value are different values: their ``index`` is part of it."""
+    Shards of one value are different values: their ``index`` is part of it.
+    So is the ``attempt`` of a resumed run: a replayed step's new value is
+    neither a duplicate nor a divergence of the old one (it supersedes it:
+    tapfile/attempts.py)."""
     if isinstance(r, Record):
-        return (r.run, r.name, r.step, r.pass_, index_key(r.index))
+        return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
     return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"),
-            index_key(r.get("index")))
+            index_key(r.get("index")), r.get("attempt", 0))
 
 
 def index_key(index: Any) -> Any:
@@ -277,6 +308,9 @@ def validate_dict(d: Any) -> str | None:
             return "coords must be an object"
     if d["kind"] == "replicated" and "replicas" not in d:
         return "replicated record without replicas"
+    attempt = d.get("attempt", 0)
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        return "attempt must be a non-negative integer"
     if "index" in d and not valid_index(d["index"]):
         return "index must be [[start, stop], ...] (a list of those per leaf)"
     return None

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
-import warnings
+import time
+from collections.abc import Iterable
 from typing import Any, BinaryIO, Iterator
 
+from pmaptap._log import log
 from pmaptap.tapfile import parse, runs
+from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
@@ -13,6 +16,52 @@ __all__ = ["DivergenceIndex", "iter_file_lines", "iter_lines", "parse_line", "re
            "reconcile_divergence"]
 
 _SKIP_CHUNK = 1 << 20
+
+
+# A read that has taken this long shows a progress bar on a terminal.
+PROGRESS_DELAY_S = 2.0
+# Lines between two looks at the clock (a look costs ~100 ns; a line ~1 us).
+_PROGRESS_EVERY = 8192
+
+
+class _ReadProgress:
+    """A bar of bytes read, on stderr, only once a read has lasted
+    PROGRESS_DELAY_S and only where a person watches (a TTY; the
+    PMAPTAP_PROGRESS environment variable forces it on or off)."""
+
+    def __init__(self, f: BinaryIO, path: str | os.PathLike) -> None:
+        self.f = f
+        self.path = os.fspath(path)
+        self.start = time.monotonic()
+        self.bar: Any = None
+        self.off = False
+
+    def tick(self) -> None:
+        if self.off:
+            return
+        if self.bar is None:
+            if time.monotonic() - self.start < PROGRESS_DELAY_S:
+                return
+            from pmaptap.progress import Progress
+            self.size = os.fstat(self.f.fileno()).st_size
+            # process=0: a reader never asks JAX which process it is.
+            self.bar = Progress(max(-(-self.size >> 20), 1), desc=f"reading "
+                                f"{os.path.basename(self.path)}", unit="MiB",
+                                process=0, min_interval=0.25)
+            if not self.bar.enabled:
+                self.off = True
+                return
+        self._show(self.f.tell() >> 20)
+
+    def _show(self, mib: int) -> None:
+        if mib > self.bar.n:
+            self.bar.update(mib - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None and self.bar.enabled:
+            if self.f.tell() >= self.size:      # read to the end: a full bar
+                self._show(self.bar.total)
+            self.bar.close()
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
@@ -26,28 +75,35 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str 
 
 
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """``iter_lines`` of one file."""
+    """``iter_lines`` of one file. A long read draws a progress bar on a
+    terminal (see _ReadProgress)."""
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
-        lineno = 0
-        while True:
-            raw = f.readline(limit + 1)
-            if not raw:
-                return
-            lineno += 1
-            if raw.endswith(b"\n"):
-                d, problem = parse_line(raw[:-1])
-            elif len(raw) > limit:
-                size = len(raw) + _skip_line(f)
-                d, problem = None, (f"line too long ({size} bytes or more; "
-                                    f"readers take at most {limit})")
-            else:
-                # No newline at the end of the file: a writer is still
-                # writing this line, or was killed while writing it.
-                d, problem = parse_line(raw)
-                if problem is not None and problem.startswith("not valid JSON"):
-                    problem = "torn last line (no newline)"
-            yield lineno, d, problem
+        progress = _ReadProgress(f, path)
+        try:
+            lineno = 0
+            while True:
+                raw = f.readline(limit + 1)
+                if not raw:
+                    return
+                lineno += 1
+                if not lineno % _PROGRESS_EVERY:
+                    progress.tick()
+                if raw.endswith(b"\n"):
+                    d, problem = parse_line(raw[:-1])
+                elif len(raw) > limit:
+                    size = len(raw) + _skip_line(f)
+                    d, problem = None, (f"line too long ({size} bytes or more; "
+                                        f"readers take at most {limit})")
+                else:
+                    # No newline at the end of the file: a writer is still
+                    # writing this line, or was killed while writing it.
+                    d, problem = parse_line(raw)
+                    if problem is not None and problem.startswith("not valid JSON"):
+                        problem = "torn last line (no newline)"
+                yield lineno, d, problem
+        finally:
+            progress.close()
 
 
 def _skip_line(f: BinaryIO) -> int:
@@ -60,33 +116,117 @@ def _skip_line(f: BinaryIO) -> int:
             return skipped
 
 
-def read(path: str | os.PathLike, *, as_frame: bool = False):
+def read(path: str | os.PathLike, *, as_frame: bool = False,
+         name: str | Iterable[str] | None = None,
+         step: int | str | tuple | range | None = None,
+         run: str | None = None, device: int | None = None,
+         process: int | None = None, attempts: str = "latest"):
     """All valid records of a tap file, in file order, as dicts.
 
+    A run resumed after a restart (``Session(resume=True)``) holds the old
+    attempt's records of the replayed steps too; ``attempts="latest"`` (the
+    default) leaves out those a later attempt superseded (one story per
+    step), ``attempts="all"`` returns every record, each with its
+    ``attempt`` field (0 for the first attempt).
+
     Lines that are not valid records (garbage, a torn last line from a killed
-    writer) are skipped with one warning that lists them. Non-finite numbers
-    come back as float NaN/inf. ``as_frame=True`` returns a tidy pandas
-    DataFrame, one row per record (columns: pmaptap/tapfile/frame.py).
+    writer) are skipped with one warning (the "pmaptap" logger) that lists
+    them. Non-finite numbers come back as float NaN/inf. ``as_frame=True``
+    returns a tidy pandas DataFrame, one row per record (columns:
+    pmaptap/tapfile/frame.py).
+
+    Filters, applied while parsing (a record that does not match is never
+    decoded or kept): ``name`` (one name or several), ``step`` (N, an
+    inclusive ``(lo, hi)`` with either end None, ``"A:B"`` as on the command
+    line, or a ``range`` with step 1), ``run``, ``device`` and ``process``. A
+    replicated record matches every device and process that held its value,
+    and divergence is still judged on every copy of a matched step.
     """
+    check_mode(attempts)
+    flt = _filter(name, step, run, device, process)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
+    index = DivergenceIndex()
+    later = Attempts()    # steps a later attempt rewrote
     for lineno, d, problem in iter_lines(path):
         if d is None:
             if problem != "empty line":
                 bad.append((lineno, problem or "invalid"))
             continue
+        if flt is not None and not flt.key_match(d):
+            continue
+        # Judged on every copy of a matched step, also those the device or
+        # process filter leaves out: a copy filtered out still disagrees, and
+        # an elastic restart supersedes a step on every device.
+        index.add(d)
+        later.add(d)
+        if flt is not None and not flt(d):
+            continue
         out.append(decode_record(d))
-    reconcile_divergence(out)
+    for r in out:
+        if index.divergent(r):
+            r["divergent"] = True
+    if attempts == "all":
+        for r in out:
+            r.setdefault("attempt", 0)
+    elif later:
+        out = [r for r in out if not later.superseded(r)]
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        warnings.warn(f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} "
-                      f"invalid line(s): {shown}{more}", RuntimeWarning,
-                      stacklevel=2)
+        log.warning(f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} "
+                    f"invalid line(s): {shown}{more}")
     if as_frame:
         from pmaptap.tapfile.frame import to_frame
         return to_frame(out)
     return out
+
+
+def _filter(name: Any, step: Any, run: Any, device: Any, process: Any) -> Any:
+    """read()'s filter arguments as a views.Filter (None: no filter); a bad
+    argument is a ValueError/TypeError that says what is accepted."""
+    if name is None and step is None and run is None and device is None \
+            and process is None:
+        return None
+    # views imports this module; imported here, on use, not at load.
+    from pmaptap.tapfile.views import Filter, parse_steps
+    if name is None:
+        names: tuple = ()
+    elif isinstance(name, str):
+        names = (name,)
+    else:
+        names = tuple(name) if isinstance(name, Iterable) else ()
+        if not names or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"pmaptap.read: name must be a str or a non-empty "
+                            f"list of str, got {name!r}")
+    steps: tuple = (None, None)
+    if isinstance(step, bool):
+        raise TypeError(f"pmaptap.read: step must be an int, (lo, hi), 'A:B' "
+                        f"or a range, got {step!r}")
+    if isinstance(step, int):
+        steps = (step, step)
+    elif isinstance(step, str):
+        steps = parse_steps(step)
+    elif isinstance(step, range):
+        if step.step != 1 or len(step) == 0:
+            raise ValueError(f"pmaptap.read: step={step!r} must be a non-empty "
+                             "range with step 1 (every=N taps: give (lo, hi))")
+        steps = (step.start, step.stop - 1)
+    elif isinstance(step, (tuple, list)) and len(step) == 2 and all(
+            s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in step):
+        steps = tuple(step)
+        if None not in steps and steps[0] > steps[1]:
+            raise ValueError(f"pmaptap.read: step={step!r} is empty "
+                             f"({steps[0]} > {steps[1]}); (lo, hi) includes both ends")
+    elif step is not None:
+        raise TypeError(f"pmaptap.read: step must be an int, (lo, hi), 'A:B' "
+                        f"or a range, got {step!r}")
+    for what, v, kind, text in (("run", run, str, "a str"),
+                                ("device", device, int, "an int (a device id)"),
+                                ("process", process, int, "an int")):
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
+            raise TypeError(f"pmaptap.read: {what} must be {text}, got {v!r}")
+    return Filter(names=names, steps=steps, process=process, device=device, run=run)
 
 
 class DivergenceIndex:

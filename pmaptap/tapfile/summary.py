@@ -10,6 +10,9 @@ from array import array
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+import numpy as np
+
+from pmaptap.tapfile.attempts import Attempts, Restarts, scan
 from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
                                     step_gaps)
 from pmaptap.tapfile.format import NONFINITE
@@ -40,6 +43,18 @@ class TapSummary:
     missing: int                   # steps missing inside the range
     incomplete_steps: tuple[int, ...]  # per_device steps lacking some devices
     duplicates: int
+    # The lowest step holding a NaN/inf (in a scalar or an array element) and
+    # the devices that held it there (empty for a replicated value).
+    first_nonfinite_step: int | None = None
+    first_nonfinite_devices: tuple[int | None, ...] = ()
+    # Array taps: the L2 norm of the finite elements at the last step (the
+    # largest, if several devices wrote one); min/max/mean above then cover
+    # every finite element of every record.
+    norm: float | None = None
+    # dedup="auto" taps: steps whose copies differed before the tap ever
+    # agreed. That is per-device data, not a divergence.
+    per_device_steps: tuple[int, ...] = ()
+    restarts: str = ""             # the run's attempts ("2 attempts; restarted at step 5")
 
 
 class _TapAcc:
@@ -58,11 +73,59 @@ class _TapAcc:
         self.finite = array("d")
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
-        self.rep_keys: set[tuple] = set()     # (step, pass) of replicated records
+        self.rep_keys: set[tuple] = set()     # (step, pass, attempt) of replicated records
         self.per_device_steps: set[int] = set()
         self.per_dev: dict[int, set] = defaultdict(set)
+        self.attempt_of_step: dict[int, int] = {}
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
+        self.first_bad: int | None = None     # first step with a NaN/inf
+        self.first_bad_devs: set = set()
+        # Array elements (finite ones): running min/max/sum/count, and the
+        # norm at the highest step.
+        self.a_min = math.inf
+        self.a_max = -math.inf
+        self.a_sum = 0.0
+        self.a_count = 0
+        self.norm_step: int | None = None
+        self.norm: float | None = None
+
+    def _nonfinite_at(self, step: int, r: dict) -> None:
+        dev = r.get("device") if r.get("kind") == "per_device" else None
+        if self.first_bad is None or step < self.first_bad:
+            self.first_bad, self.first_bad_devs = step, set()
+        if step == self.first_bad and dev is not None:
+            self.first_bad_devs.add(dev)
+
+    def _array(self, step: int, r: dict, v: object) -> None:
+        """Statistics of a numeric array value (as written: NaN/inf markers,
+        or decoded: floats); pytrees, complex and summarized leaves are left
+        to the per-record views."""
+        dtype = r.get("dtype")
+        if not isinstance(v, list) or not isinstance(dtype, str) or \
+                dtype.startswith("complex"):
+            return
+        try:
+            # float() of the markers "NaN"/"Infinity"/"-Infinity" is exact.
+            arr = np.asarray(v, dtype=np.float64)
+        except (TypeError, ValueError):
+            return
+        fin = np.isfinite(arr)
+        finite = arr[fin] if not fin.all() else arr.ravel()
+        bad = arr.size - finite.size
+        if bad:
+            self.nonfinite += bad
+            self._nonfinite_at(step, r)
+        if finite.size:
+            self.a_min = min(self.a_min, float(finite.min()))
+            self.a_max = max(self.a_max, float(finite.max()))
+            self.a_sum += float(finite.sum())
+            self.a_count += finite.size
+        norm = float(np.sqrt(np.dot(finite, finite)))
+        if self.norm_step is None or step > self.norm_step:
+            self.norm_step, self.norm = step, norm
+        elif step == self.norm_step:
+            self.norm = max(self.norm or 0.0, norm)
 
     def add(self, r: dict) -> None:
         """A record as written or decoded (non-finite markers or floats).
@@ -86,6 +149,7 @@ class _TapAcc:
             x = _scalar(v)
         if x is None:
             self.nonscalar += 1
+            self._array(step, r, v)
         else:
             if self.last_step is None or step > self.last_step:
                 self.last_step, self.last_vals = step, [x]
@@ -95,6 +159,7 @@ class _TapAcc:
                 self.finite.append(x)
             else:
                 self.nonfinite += 1
+                self._nonfinite_at(step, r)
         # The duplicate key within this tap (checks.duplicate_key without the
         # run and name, which all of a tap's records share).
         if kind == "per_device":
@@ -102,6 +167,9 @@ class _TapAcc:
             key: tuple = ("per_device", step, get("pass", "forward"), dev)
             self.devices.add(dev[0])
             self.per_device_steps.add(step)
+            a = get("attempt")
+            if a:       # an elastic restart may have fewer devices: compare within an attempt
+                self.attempt_of_step[step] = a
         else:
             devs = get("devices")
             if devs:
@@ -109,7 +177,7 @@ class _TapAcc:
             if kind != "replicated":
                 return      # meta records (counters) may legitimately repeat
             pass_ = get("pass", "forward")
-            self.rep_keys.add((step, pass_))
+            self.rep_keys.add((step, pass_, get("attempt", 0)))
             key = ("replicated", step, pass_, get("vhash") or _canonical(v))
         if key in self.dup_keys:
             self.duplicates += 1
@@ -123,19 +191,34 @@ class _TapAcc:
         divergent = set(self.divergent)
         if index is not None:
             probe = {"run": self.run, "name": self.name, "kind": "replicated"}
-            for step, pass_ in self.rep_keys:
-                if index.divergent(dict(probe, step=step, **{"pass": pass_})):
+            for step, pass_, attempt in self.rep_keys:
+                if index.divergent(dict(probe, step=step, attempt=attempt,
+                                        **{"pass": pass_})):
                     divergent.add(step)
+        data_steps: set[int] = set()
         if "replicated" in kinds and "per_device" in kinds:
             # dedup="auto": identical copies give a replicated record, differing
-            # ones per-device records, so a per-device step here is a divergence.
-            divergent |= self.per_device_steps
+            # ones per-device records. Copies that differ once the tap has
+            # agreed are a divergence; copies that differ from the start (and
+            # until they first agree) are per-device data, e.g. a per-shard
+            # value that happened to agree at some step.
+            agreed = min(key[0] for key in self.rep_keys)   # (step, pass, attempt)
+            divergent |= {s for s in self.per_device_steps if s > agreed}
+            data_steps = {s for s in self.per_device_steps if s < agreed}
         incomplete: set[int] = set()
         if kinds == ("per_device",):
-            full = max((len(v) for v in self.per_dev.values()), default=0)
-            incomplete = {s for s, v in self.per_dev.items() if len(v) < full}
+            full: dict[int, int] = {}
+            at = self.attempt_of_step
+            for s, v in self.per_dev.items():
+                a = at.get(s, 0)
+                full[a] = max(full.get(a, 0), len(v))
+            incomplete = {s for s, v in self.per_dev.items()
+                          if len(v) < full[at.get(s, 0)]}
         stride, gaps = step_gaps(self.steps)
         finite = self.finite
+        count = len(finite) + self.a_count
+        lo = min(min(finite, default=math.inf), self.a_min)
+        hi = max(max(finite, default=-math.inf), self.a_max)
         return TapSummary(
             run=self.run, name=self.name, kinds=kinds, records=self.records,
             first_step=min(self.steps), last_step=max(self.steps),
@@ -143,14 +226,17 @@ class _TapAcc:
                                    key=id_order)),
             devices=tuple(sorted(self.devices, key=id_order)),
             last=tuple(dict.fromkeys(self.last_vals)),
-            min=min(finite) if finite else None,
-            max=max(finite) if finite else None,
-            mean=math.fsum(finite) / len(finite) if finite else None,
+            min=lo if count else None,
+            max=hi if count else None,
+            mean=(math.fsum(finite) + self.a_sum) / count if count else None,
             nonfinite=self.nonfinite, nonscalar=self.nonscalar,
             divergent_steps=tuple(sorted(divergent)), stride=stride,
             gaps=tuple(gaps), missing=count_missing(stride, gaps),
             incomplete_steps=tuple(sorted(incomplete)),
-            duplicates=self.duplicates)
+            duplicates=self.duplicates,
+            first_nonfinite_step=self.first_bad,
+            first_nonfinite_devices=tuple(sorted(self.first_bad_devs, key=id_order)),
+            norm=self.norm, per_device_steps=tuple(sorted(data_steps)))
 
 
 def _scalar(v: object) -> float | None:
@@ -173,6 +259,7 @@ class Summarizer:
     def __init__(self, reconcile: bool = True) -> None:
         self._groups: dict[str, dict[str, _TapAcc]] = {}
         self._index = DivergenceIndex() if reconcile else None
+        self._restarts = Restarts()
 
     def see(self, r: dict) -> None:
         if self._index is not None:
@@ -180,6 +267,7 @@ class Summarizer:
 
     def add(self, r: dict) -> None:
         self.see(r)
+        self._restarts.add(r)
         run = r.get("run", "")
         names = self._groups.get(run)
         if names is None:
@@ -191,9 +279,12 @@ class Summarizer:
 
     def summaries(self) -> list[TapSummary]:
         """One TapSummary per (run, name), runs in file order, names sorted."""
-        return [acc.result(self._index)
-                for names in self._groups.values()
-                for _, acc in sorted(names.items())]
+        out = [acc.result(self._index)
+               for names in self._groups.values()
+               for _, acc in sorted(names.items())]
+        for s in out:
+            s.restarts = self._restarts.text(s.run)
+        return out
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
@@ -204,6 +295,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
     lines that are not records and every name and run read."""
     flt = flt or Filter()
     acc = Summarizer()
+    # What a later attempt of a resumed run replaced is not part of the story.
+    attempts = scan(path) if not flt.all_attempts else Attempts()
     bad: list[tuple[int, str]] = []
     names: set = set()
     runs: set = set()
@@ -213,6 +306,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
             continue
         names.add(d["name"])
         runs.add(d["run"])
+        if attempts and attempts.superseded(d):
+            continue
         if flt(d):
             acc.add(d)
         elif flt.key_match(d):
@@ -246,7 +341,13 @@ def _issues(s: TapSummary) -> str:
     if s.duplicates:
         out.append(f"{s.duplicates} duplicate record(s)")
     if s.nonfinite:
-        out.append(f"{s.nonfinite} non-finite value(s)")
+        where = f", first at step {s.first_nonfinite_step}"
+        if s.first_nonfinite_devices:
+            where += f" on device(s) {format_ids(list(s.first_nonfinite_devices))}"
+        out.append(f"{s.nonfinite} non-finite value(s){where}")
+    if s.per_device_steps:
+        out.append(f"per-device data at {len(s.per_device_steps)} step(s) "
+                   f"before the copies first agreed ({_steps_text(s.per_device_steps)})")
     return "; ".join(out)
 
 
@@ -270,13 +371,15 @@ def _last(s: TapSummary) -> str:
 
 
 _COLUMNS = ("name", "kind", "records", "steps", "procs", "devices",
-            "last", "min", "max", "mean", "issues")
+            "last", "min", "max", "mean", "norm", "issues")
 
 
 def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     """A per-tap text table: record count, step range, processes and devices
-    seen, last/min/max/mean of scalar values (min/max/mean over finite
-    values), and divergences, missing steps and duplicate records. Takes
+    seen, last/min/max/mean of scalar values and, for array taps, min/max/mean
+    over their finite elements and the L2 norm at the last step; divergences
+    (of replicated values, and of auto taps whose copies had agreed before),
+    missing steps, duplicate records, and where the first NaN/inf was. Takes
     records, or the summaries of ``Summarizer.summaries()``."""
     records = list(records)
     summaries = (records if records and isinstance(records[0], TapSummary)
@@ -290,8 +393,10 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
         procs = format_ids(sorted({p for s in group for p in s.processes},
                                   key=id_order))
         devs = format_ids([d for s in group for d in s.devices])
+        restarts = next((s.restarts for s in group if s.restarts), "")
         out.append(f"run {run}: {n} records, {len(group)} tap(s), "
-                   f"processes {procs}, devices {devs}")
+                   f"processes {procs}, devices {devs}"
+                   + (f"; {restarts}" if restarts else ""))
         table = Table(_COLUMNS, right={"records"})
         rows = [{
             "name": s.name, "kind": "+".join(s.kinds), "records": str(s.records),
@@ -300,7 +405,7 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
             "procs": format_ids(s.processes), "devices": format_ids(s.devices),
             "last": _last(s) if not s.nonscalar else "(array)",
             "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean),
-            "issues": _issues(s) or "-",
+            "norm": _num(s.norm), "issues": _issues(s) or "-",
         } for s in group]
         table.fit(rows)
         out.append(table.header())

@@ -31,12 +31,12 @@ import glob
 import logging
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from pmaptap._log import log
 from pmaptap.tapfile import views
 from pmaptap.tapfile.follow import on_stop_signals, open_follower
 from pmaptap.tapfile.format import decode_record
@@ -151,9 +151,9 @@ class TensorBoardExport:
                 # Not an error: a second export of a grown file, or of several
                 # files of one run, is legitimate; but TensorBoard then shows
                 # the points of both, so say so.
-                print(f"pmaptap export: {logdir} already holds event files; "
-                      "TensorBoard will show their points too (export into a "
-                      "new directory to avoid doubles)", file=sys.stderr)
+                log.warning(f"pmaptap export: {logdir} already holds event files; "
+                            "TensorBoard will show their points too (export into a "
+                            "new directory to avoid doubles)")
             # flush_secs is a ceiling; follow mode flushes after each poll.
             w = self._writers[name] = self._writer_cls(logdir=logdir, flush_secs=5)
             self.stats.runs.add(name)
@@ -227,8 +227,11 @@ def export(path: str | os.PathLike, outdir: str | os.PathLike,
     """Convert the whole file once, streaming it (records are not held).
     Returns the counts and the (line, problem) list of lines that are not
     records. Divergence marks are not needed: every value is written."""
+    from pmaptap.tapfile.attempts import Attempts, scan
     tb = TensorBoardExport(outdir)
     bad: list[tuple[int, str]] = []
+    # Steps a later attempt of a resumed run replayed: its values only.
+    attempts = scan(path) if not flt.all_attempts else Attempts()
     try:
         for lineno, d, problem in iter_lines(path):
             if d is None:
@@ -237,6 +240,8 @@ def export(path: str | os.PathLike, outdir: str | os.PathLike,
                 continue
             tb.stats.names.add(d.get("name"))
             tb.stats.all_runs.add(d.get("run"))
+            if attempts and attempts.superseded(d):
+                continue
             rec = decode_record(d)
             if flt(rec):
                 tb.add(rec)
@@ -263,8 +268,8 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
             tb.flush()
             if lf.restarted != restarts:
                 restarts = lf.restarted
-                print(f"pmaptap export: {path} was replaced or truncated; "
-                      "converting it again from its start", file=sys.stderr)
+                log.warning(f"pmaptap export: {path} was replaced or truncated; "
+                            "converting it again from its start")
             wait = interval
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -272,9 +277,9 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
                 break
             stop.wait(wait)
         if lf.pending:
-            print(f"pmaptap export: the last line is unterminated "
-                  f"({len(lf.pending)} bytes: being written, or torn); "
-                  "not converted", file=sys.stderr)
+            log.warning(f"pmaptap export: the last line is unterminated "
+                        f"({len(lf.pending)} bytes: being written, or torn); "
+                        "not converted")
     finally:
         restore()
         lf.close()
@@ -288,8 +293,7 @@ def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]],
         d, problem = parse_line(raw)
         if d is None:
             if problem != "empty line":
-                print(f"pmaptap export: line {lineno}: {problem} (skipped)",
-                      file=sys.stderr)
+                log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
             continue
         rec = decode_record(d)
         if flt(rec):

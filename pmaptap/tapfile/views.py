@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+from pmaptap.tapfile.attempts import Attempts
 from pmaptap.tapfile.format import decode_record, index_text
 from pmaptap.tapfile.reader import DivergenceIndex, iter_lines, reconcile_divergence
 
@@ -49,6 +50,7 @@ def load_matching(path: str | os.PathLike, flt: "Filter") -> tuple[
     names: set = set()
     runs: set = set()
     index = DivergenceIndex()
+    attempts = Attempts()
     for lineno, d, problem in iter_lines(path):
         if d is None:
             problems.append((lineno, problem or "invalid"))
@@ -57,6 +59,7 @@ def load_matching(path: str | os.PathLike, flt: "Filter") -> tuple[
         runs.add(d["run"])
         if not flt.key_match(d):
             continue
+        attempts.add(d)
         index.add(d)
         if flt(d):
             entries.append(Entry(lineno, d, decode_record(d)))
@@ -65,6 +68,10 @@ def load_matching(path: str | os.PathLike, flt: "Filter") -> tuple[
             e.rec["divergent"] = True
             if not e.raw.get("divergent"):
                 e.raw = dict(e.raw, divergent=True)
+    if not flt.all_attempts and attempts:
+        # Records of a key share their step key, so one matched record's
+        # supersession is judged on the same records as any other's.
+        entries = [e for e in entries if not attempts.superseded(e.raw)]
     return entries, problems, names, runs
 
 
@@ -107,6 +114,9 @@ class Filter:
     process: int | None = None
     device: int | None = None
     run: str | None = None
+    # Show the records that a later attempt of a resumed run superseded too
+    # (tapfile/attempts.py); by default only the latest attempt's.
+    all_attempts: bool = False
 
     def key_match(self, r: dict) -> bool:
         """The part of the filter on a record's identity (name, run, step):

@@ -1,0 +1,134 @@
+"""Attempts of a resumed run: which records a later attempt superseded.
+
+A run restarted from a checkpoint (``Session(resume=True)``) replays the
+steps after the checkpoint. Its records carry ``"attempt": N`` (N >= 1; the
+first attempt writes no field, i.e. 0) and the file stays append-only, so
+the old attempt's records for the replayed steps are still there. Readers
+show one story: for each (run, name, step, pass), only the records of the
+latest attempt that wrote that step are visible.
+
+The unit is the step, not the device: an attempt may run on another number
+of processes or devices (an elastic restart), and then the old attempt's
+per-device records of a replayed step must all go, including those of
+devices the new attempt does not have. Meta records (``pmaptap/dropped``,
+``pmaptap/attempt``, ...) are facts about what happened and stay visible.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+from pmaptap.tapfile import parse
+from pmaptap.tapfile.parse import parse_line
+
+# The meta record a resumed session writes when it opens (process 0 only).
+ATTEMPT_NAME = "pmaptap/attempt"
+ATTEMPT_MODES = ("latest", "all")
+
+
+def attempt_of(r: dict) -> int:
+    a = r.get("attempt", 0)
+    return a if isinstance(a, int) and not isinstance(a, bool) else 0
+
+
+def step_key(r: dict) -> tuple:
+    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+
+
+def check_mode(attempts: str) -> str:
+    if attempts not in ATTEMPT_MODES:
+        raise ValueError(f"attempts must be one of {ATTEMPT_MODES}, got {attempts!r}")
+    return attempts
+
+
+class Attempts:
+    """``add`` every record (any order); then ``superseded(r)`` says whether
+    a later attempt wrote r's step. Holds one int per step written by a
+    resumed attempt, nothing for a file that was never resumed."""
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple, int] = {}
+
+    def add(self, r: dict) -> None:
+        a = attempt_of(r)
+        if a and r.get("kind") != "meta":
+            key = step_key(r)
+            if a > self._latest.get(key, 0):
+                self._latest[key] = a
+
+    def __bool__(self) -> bool:
+        return bool(self._latest)
+
+    def superseded(self, r: dict) -> bool:
+        if not self._latest or r.get("kind") == "meta":
+            return False
+        return self._latest.get(step_key(r), 0) > attempt_of(r)
+
+
+def index_records(records: Iterable[dict]) -> Attempts:
+    idx = Attempts()
+    for r in records:
+        idx.add(r)
+    return idx
+
+
+def scan(path: str | os.PathLike) -> Attempts:
+    """The Attempts of a file, for readers that stream it: only lines that
+    mention ``"attempt"`` are parsed (a file never resumed costs one read of
+    its bytes)."""
+    idx = Attempts()
+    from pmaptap.tapfile import runs
+    if runs.is_sharded(path):
+        # A sharded run (tapfile/runs.py): its merged stream, read once.
+        from pmaptap.tapfile.reader import iter_lines
+        for _, d, _ in iter_lines(path):
+            if d is not None and "attempt" in d:
+                idx.add(d)
+        return idx
+    limit = parse.MAX_LINE_BYTES
+    with open(path, "rb") as f:
+        while True:
+            raw = f.readline(limit + 1)
+            if not raw:
+                return idx
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):   # skip the rest
+                    raw = f.readline(1 << 20)
+                continue
+            if b'"attempt"' not in raw:
+                continue
+            d, _ = parse_line(raw.rstrip(b"\n"))
+            if d is not None:
+                idx.add(d)
+
+
+class Restarts:
+    """Per run: the attempts seen and the first step each one wrote, from the
+    records (and ``pmaptap/attempt`` meta records), for ``summary``."""
+
+    def __init__(self) -> None:
+        self._runs: dict[Any, dict[int, int | None]] = {}
+
+    def add(self, r: dict) -> None:
+        a = attempt_of(r)
+        if r.get("kind") == "meta" and r.get("name") != ATTEMPT_NAME:
+            return
+        if not a and r.get("kind") == "meta":
+            return
+        firsts = self._runs.setdefault(r.get("run"), {})
+        step = r.get("step") if r.get("kind") != "meta" else None
+        old = firsts.get(a)
+        if a not in firsts or (step is not None and (old is None or step < old)):
+            firsts[a] = step if step is not None else old
+
+    def text(self, run: Any) -> str:
+        """"2 attempts; restarted at step 5" (or "" for one attempt)."""
+        firsts = self._runs.get(run) or {}
+        later = sorted(a for a in firsts if a > 0)
+        if not later:
+            return ""
+        steps = [firsts[a] for a in later]
+        shown = ", ".join("?" if s is None else str(s) for s in steps)
+        n = len(later) + 1
+        return (f"{n} attempts; restarted at step{'s' if len(steps) > 1 else ''} "
+                f"{shown}")

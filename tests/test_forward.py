@@ -1,0 +1,211 @@
+"""Session(path, forward=[...]): records reach user code after they are
+written (after cross-process dedup), off the writer's critical path."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pmaptap
+from conftest import job_failed, python_cmd, run_launch
+from pmaptap.errors import TapError
+
+
+class CluLike:
+    """The CLU MetricWriter protocol, as far as forwarding uses it."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[int, dict]] = []
+        self.flushes = 0
+
+    def write_scalars(self, step: int, scalars: dict) -> None:
+        self.scalars.append((step, dict(scalars)))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def _body(x):
+    pmaptap.tap(jax.lax.pmean(x, "i"), "loss", dedup="replicated")
+    pmaptap.tap(x * 2, "g", dedup="per_device")
+    pmaptap.tap({"a": x[0] * 0 + 1.5, "v": x}, "tree", dedup="per_device")
+    return x
+
+
+def test_callable_and_clu_writer_get_every_written_record(tap_path):
+    got: list[dict] = []
+    clu = CluLike()
+    f = jax.pmap(lambda x: _body(x), axis_name="i", devices=jax.devices()[:2])
+    with pmaptap.Session(tap_path, run="fw", forward=[got.append, clu]):
+        for step in range(3):
+            f(jnp.stack([jnp.arange(2.0) + step, jnp.arange(2.0) + 10 * step]))
+    recs = pmaptap.read(tap_path)
+    # The callable saw exactly the file's records, decoded like read().
+    assert sorted(json.dumps(r, sort_keys=True) for r in got) == \
+        sorted(json.dumps(r, sort_keys=True) for r in recs)
+    assert {r["name"] for r in got} == {"loss", "g", "tree"}
+    # CLU: scalars only, grouped per step, tagged like the TensorBoard export.
+    by_step: dict[int, dict] = {}
+    for step, m in clu.scalars:
+        by_step.setdefault(step, {}).update(m)
+    assert sorted(by_step) == [0, 1, 2]
+    assert by_step[1] == {"tree/a/device_0": 1.5, "tree/a/device_1": 1.5}
+    assert clu.flushes >= 1            # close() flushed the writer
+    # "loss" and "g" are arrays (shape [2]): not scalars, not sent to CLU.
+
+
+def test_scalar_loss_and_nonfinite_reach_clu(tap_path):
+    clu = CluLike()
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "loss", step=s))
+    with pmaptap.Session(tap_path, run="fw", forward=[clu]):
+        f(jnp.float32(0.5), 0)
+        f(jnp.float32(jnp.nan), 1)
+    assert [s for s, _ in clu.scalars] == [0, 1]
+    assert clu.scalars[0][1] == {"loss": 0.5}
+    assert math.isnan(clu.scalars[1][1]["loss"])
+
+
+def test_raising_forwarder_never_stops_the_file_and_is_reported_once(tap_path):
+    calls = []
+
+    def bad(rec):
+        calls.append(rec["step"])
+        raise ValueError("dashboard down")
+
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "x", step=s))
+    s = pmaptap.Session(tap_path, run="fw", forward=[bad]).open()
+    try:
+        for i in range(5):
+            f(jnp.float32(i), i)
+        with pytest.raises(TapError, match=r"bad failed 5 time\(s\).*dashboard down"):
+            s.flush()
+        s.flush()                       # reported once, then clear
+        f(jnp.float32(9), 9)
+    finally:
+        with pytest.raises(TapError, match="failed 1 time"):
+            s.close()
+    assert [r["step"] for r in pmaptap.read(tap_path)] == [0, 1, 2, 3, 4, 9]
+    assert calls == [0, 1, 2, 3, 4, 9]
+
+
+def test_slow_forwarder_blocks_neither_taps_nor_the_file(tap_path):
+    release = threading.Event()
+    seen = []
+
+    def slow(rec):
+        release.wait(30)
+        seen.append(rec["step"])
+
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "x", step=s))
+    s = pmaptap.Session(tap_path, run="fw", forward=[slow],
+                        forward_timeout=0.2).open()
+    try:
+        t0 = time.monotonic()
+        for i in range(20):
+            f(jnp.float32(i), i).block_until_ready()
+        s.flush()                       # written; forwarding waits only 0.2 s
+        assert time.monotonic() - t0 < 20
+        assert len(pmaptap.read(tap_path)) == 20
+        assert seen == []
+    finally:
+        release.set()
+        s.close()
+    assert seen == list(range(20))
+
+
+def test_full_forward_queue_drops_oldest_and_reports(tap_path):
+    release = threading.Event()
+    seen = []
+
+    def slow(rec):
+        release.wait(30)
+        seen.append(rec["step"])
+
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "x", step=s))
+    s = pmaptap.Session(tap_path, run="fw", forward=[slow], forward_timeout=0.1)
+    s.open()
+    s.pipeline.forwarders.max_pending = 5
+    try:
+        for i in range(30):
+            f(jnp.float32(i), i).block_until_ready()
+        # Written in full; the forwarder (stuck on its first record) kept
+        # only the newest 5 of the rest.
+        with pytest.raises(TapError, match=r"\d+ record\(s\) were not forwarded"):
+            s.flush()
+        assert len(pmaptap.read(tap_path)) == 30
+        release.set()
+    finally:
+        release.set()
+        s.close()
+    assert len(pmaptap.read(tap_path)) == 30      # the file has them all
+    assert seen[-1] == 29 and len(seen) < 30
+    assert s.pipeline.forwarders.dropped_total == 30 - len(seen)
+
+
+@pytest.mark.parametrize("bad", ["x", 3, [3], print])
+def test_bad_forward_argument_is_refused_at_construction(tap_path, bad):
+    with pytest.raises(TypeError, match="forward"):
+        pmaptap.Session(tap_path, forward=bad)
+
+
+_JOB = """
+    import json, os, jax, jax.numpy as jnp, pmaptap, pmaptap.distributed as dist
+    dist.initialize()
+    p = jax.process_index()
+    calls, scalars = [], []
+
+    class Clu:
+        def write_scalars(self, step, mapping):
+            scalars.append([step, mapping])
+
+    def body(x):
+        loss = jax.lax.pmean(x, "i")
+        pmaptap.tap(loss, "loss", dedup="replicated")
+        pmaptap.tap(x, "x", dedup="per_device")
+        return x
+
+    f = jax.pmap(body, axis_name="i")
+    with pmaptap.Session(os.environ["TAP"], forward=[calls.append, Clu()]):
+        for step in range(3):
+            f(jnp.arange(jax.local_device_count(), dtype=jnp.float32)
+              + 2 * p + 10 * step)
+    with open(os.path.join(os.environ["OUT"], f"p{p}.json"), "w") as fh:
+        json.dump({"calls": calls, "scalars": scalars}, fh)
+"""
+
+
+def test_two_process_job_forwards_the_replicated_loss_once(tmp_path):
+    tap, out = str(tmp_path / "job.jsonl"), str(tmp_path / "fw")
+    os.makedirs(out)
+    proc, _ = run_launch(2, 2, python_cmd(_JOB), launcher_timeout=90, TAP=tap,
+                         OUT=out)
+    assert proc.returncode == 0, job_failed(proc)
+    per = [json.load(open(os.path.join(out, f"p{p}.json"))) for p in (0, 1)]
+    calls = [r for d in per for r in d["calls"]]
+    # The callables of the two processes together saw each record once.
+    loss = [r for r in calls if r["name"] == "loss"]
+    assert sorted(r["step"] for r in loss) == [0, 1, 2]
+    # pmean of (k + 2p + 10 s) over k in 0..1, p in 0..1: 1.5 + 10 s.
+    assert {r["step"]: r["value"] for r in loss} == {0: 1.5, 1: 11.5, 2: 21.5}
+    # Per-device records: each process forwards its own devices.
+    xs = sorted((r["step"], r["device"]) for r in calls if r["name"] == "x")
+    assert len(xs) == 12 and len(set(xs)) == 12
+    for p, d in enumerate(per):
+        assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}
+    file_recs = pmaptap.read(tap)
+    assert sorted(json.dumps(r, sort_keys=True) for r in calls) == \
+        sorted(json.dumps(r, sort_keys=True) for r in file_recs)
+    # The CLU-protocol objects: the loss once per step for the job, and each
+    # device's scalar once.
+    loss_points = [(s, m["loss"]) for d in per for s, m in d["scalars"]
+                   if "loss" in m]
+    assert sorted(loss_points) == [(0, 1.5), (1, 11.5), (2, 21.5)]
+    dev_points = [(s, k) for d in per for s, m in d["scalars"] for k in m
+                  if k.startswith("x/device_")]
+    assert len(dev_points) == 12 and len(set(dev_points)) == 12

@@ -1,0 +1,153 @@
+"""Preempted and restarted jobs end in one clean story (issue 16.3, 16.4):
+the launcher's --restarts, launch/train.py's checkpoints, and the file's
+attempts as every reader shows them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pmaptap
+from pmaptap.tapfile.checks import validate_file
+from pmaptap.tapfile.summary import summarize_file, summary_table
+
+from conftest import ROOT, job_failed, subprocess_env
+
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+
+def _launch(processes, devices, args, *, restarts=None, timeout=300):
+    cmd = [sys.executable, "-m", "pmaptap.launch", "-p", str(processes),
+           "-d", str(devices), "--grace", "2"]
+    if restarts is not None:
+        cmd += ["--restarts", str(restarts)]
+    env = subprocess_env(1)
+    env.pop("PMAPTAP_ATTEMPT", None)
+    return subprocess.run(cmd + ["--"] + list(args), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _train_args(out, ckpt, steps, *extra):
+    return [sys.executable, TRAIN, "--steps", str(steps), "--out", str(out),
+            "--ckpt", str(ckpt), "--ckpt-every", "4", "--log-every", "100",
+            "--no-summary", *map(str, extra)]
+
+
+def _one_per_key(recs, name):
+    keys = [(r["step"], r.get("device")) for r in recs if r["name"] == name]
+    assert len(keys) == len(set(keys)), f"{name}: a key is shown twice"
+    return set(keys)
+
+
+def test_killed_process_restarted_by_the_launcher_ends_in_one_story(tmp_path):
+    out, ckpt, steps = tmp_path / "t.jsonl", tmp_path / "ckpt", 10
+    # Process 1 is SIGKILLed before step 6; the last checkpoint is at step 4.
+    proc = _launch(2, 2, _train_args(out, ckpt, steps, "--die-at", 6), restarts=1)
+    assert proc.returncode == 0, job_failed(proc)
+    assert "dying at step 6" in proc.stdout and "restarting the job (attempt 1" in proc.stderr
+    assert "resuming from" in proc.stdout and "at step 4" in proc.stdout
+
+    recs = pmaptap.read(out)
+    devices = {r["device"] for r in recs if r["name"] == "grad_norm"}
+    assert len(devices) == 4
+    assert _one_per_key(recs, "grad_norm") == {(s, d) for s in range(steps) for d in devices}
+    assert _one_per_key(recs, "loss") == {(s, None) for s in range(steps)}
+    for r in recs:
+        if r["kind"] != "meta":
+            # Steps from the checkpoint on are the second attempt's.
+            assert r.get("attempt", 0) == (1 if r["step"] >= 4 else 0), r
+    assert len({r["run"] for r in recs}) == 1
+
+    # The first attempt's records of the replayed steps are still in the file
+    # (append-only), superseded: at least the dying process flushed 4 and 5.
+    every = pmaptap.read(out, attempts="all")
+    old = [r for r in every if r["attempt"] == 0 and r["kind"] != "meta" and r["step"] >= 4]
+    assert {4, 5} <= {r["step"] for r in old}
+    report = validate_file(out)
+    assert report.ok, report.problems
+    assert report.superseded == len(old)
+    sums, _, _, _ = summarize_file(out)
+    table = summary_table(sums)
+    assert "2 attempts; restarted at step 4" in table, table
+    assert all(s.duplicates == 0 and not s.incomplete_steps and not s.divergent_steps
+               for s in sums), table
+    meta = [r for r in recs if r["name"] == "pmaptap/attempt"]
+    assert [(m["attempt"], m["process_count"], m["device_count"]) for m in meta] == [(1, 2, 4)]
+
+
+def test_elastic_restart_on_another_shape_supersedes_replayed_steps_whole(tmp_path):
+    out, ckpt, steps = tmp_path / "t.jsonl", tmp_path / "ckpt", 8
+    first = _launch(2, 4, _train_args(out, ckpt, steps, "--die-at", 6))
+    # (the launcher names whichever failure it sees first: the SIGKILL, or
+    # process 0 aborting in a collective whose peer vanished)
+    assert first.returncode != 0 and "dying at step 6" in first.stdout, job_failed(first)
+    # Started again by hand as 4 processes x 2 devices: the checkpoint
+    # resumes the run (2x4 -> 4x2: the device ids of processes 0 and 1 change).
+    second = _launch(4, 2, _train_args(out, ckpt, steps))
+    assert second.returncode == 0, job_failed(second)
+    recs = pmaptap.read(out)
+    by_step: dict[int, set] = {}
+    for r in recs:
+        if r["name"] == "grad_norm":
+            by_step.setdefault(r["step"], set()).add(r["device"])
+    old_devices, new_devices = by_step[0], by_step[steps - 1]
+    assert len(old_devices) == 8 and len(new_devices) == 8
+    assert old_devices - new_devices      # devices the second attempt does not have
+    # Steps 4 and 5 were written by the first attempt (the dying process
+    # flushed them); after the restart only the second attempt's devices are
+    # left for them, none of the first's that it lacks.
+    assert by_step == {s: (old_devices if s < 4 else new_devices) for s in range(steps)}
+    _one_per_key(recs, "grad_norm")
+    assert _one_per_key(recs, "loss") == {(s, None) for s in range(steps)}
+    every = pmaptap.read(out, attempts="all")
+    # The dying process flushed its records of steps 4 and 5 first (process
+    # 0's may or may not have reached the file before it was stopped).
+    dying = {r["device"] for r in every if r["name"] == "grad_norm" and r["step"] == 4
+             and r["attempt"] == 0 and r["process"] == 1}
+    assert len(dying) == 4 and dying - new_devices
+    report = validate_file(out)
+    assert report.ok and report.superseded > 8, (report.problems, report.superseded)
+    sums, _, _, _ = summarize_file(out)
+    assert "restarted at step 4" in summary_table(sums)
+    assert not {s.name: s for s in sums}["grad_norm"].incomplete_steps
+
+
+def test_launcher_restarts_a_failed_job_with_the_attempt_number(tmp_path):
+    log = tmp_path / "log"
+    code = ("import os, sys; a = os.environ['PMAPTAP_ATTEMPT']; "
+            f"open({str(log)!r}, 'a').write(os.environ['PMAPTAP_PROCESS_ID'] + ':' + a + '\\n'); "
+            "sys.exit(3 if a == '0' and os.environ['PMAPTAP_PROCESS_ID'] == '1' else 0)")
+    proc = _launch(2, 1, [sys.executable, "-c", code], restarts=2, timeout=120)
+    assert proc.returncode == 0, job_failed(proc)
+    lines = log.read_text().split()
+    # One restart, then done (process 0 may be stopped before it writes "0:0").
+    assert {"1:0", "0:1", "1:1"} <= set(lines) <= {"0:0", "0:1", "1:0", "1:1"}
+    assert len(lines) == len(set(lines))
+    assert proc.stderr.count("restarting the job") == 1
+    # Out of restarts: the failure's exit status.
+    log.unlink()
+    always = code.replace("a == '0' and ", "")
+    proc = _launch(2, 1, [sys.executable, "-c", always], restarts=1, timeout=120)
+    assert proc.returncode == 3
+    # (process 0 may be stopped before it writes: process 1 fails at once)
+    assert {"1:0", "1:1"} <= set(log.read_text().split())
+    assert proc.stderr.count("restarting the job") == 1
+    # Without --restarts nothing is set or restarted.
+    log.unlink()
+    proc = _launch(2, 1, [sys.executable, "-c", code.replace(
+        "os.environ['PMAPTAP_ATTEMPT']", "os.environ.get('PMAPTAP_ATTEMPT', '-')")])
+    assert proc.returncode == 0 and sorted(log.read_text().split()) == ["0:-", "1:-"]
+
+
+def test_resume_meta_record_is_valid_json(tmp_path):
+    # Guard the meta record's fields against clashing with record fields.
+    path = tmp_path / "t.jsonl"
+    with pmaptap.Session(path, run="m", resume=True):
+        pass
+    with pmaptap.Session(path, run="m", resume=True):
+        pass
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(d["name"], d.get("attempt", 0)) for d in lines] == \
+        [("pmaptap/attempt", 0), ("pmaptap/attempt", 1)]
+    assert validate_file(path).ok
