@@ -10,7 +10,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = ("bench_taps.py", "bench_floor.py", "bench_train.py", "bench_writer.py",
-          "bench_scaling.py", "bench_sharded.py", "bench_host_callback.py", "bench_read.py")
+          "bench_scaling.py", "bench_sharded.py", "bench_host_callback.py", "bench_read.py",
+          "bench_many_writers.py")
 
 
 def main(argv=None) -> int:

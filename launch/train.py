@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lock", choices=("flock", "soft"), default="flock",
                    help="'soft' when --out is on NFS/Lustre (launch/README.md)")
+    p.add_argument("--layout", choices=("auto", "file", "sharded"), default="auto",
+                   help="one shared file, one file per process (path.d/), or "
+                        "chosen by process count")
     p.add_argument("--run", default=None, help="run id (default: agreed)")
     p.add_argument("--log-every", type=int, default=5,
                    help="print the loss every N steps")
@@ -453,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resume = attempt not in ("", "0") or bool(
         attempt == "" and ckpt_path(args) and os.path.exists(ckpt_path(args)))
     with pmaptap.Session(args.out, run=args.run, lock=args.lock,
-                         resume=resume) as session:
+                         resume=resume, layout=args.layout) as session:
         train = {"pmap": train_pmap, "shard_map": train_shard_map,
                  "jit": train_jit}[args.variant]
         train(args)

@@ -25,6 +25,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "active_session": ("pmaptap._host.session", "active_session"),
     "flush": ("pmaptap._host.session", "flush"),
     "read": ("pmaptap.tapfile.reader", "read"),
+    "Writer": ("pmaptap.writer", "Writer"),
     "per_device": ("pmaptap.tapfile.frame", "per_device"),
     "TapError": ("pmaptap.errors", "TapError"),
     "TapPathError": ("pmaptap.errors", "TapPathError"),
@@ -74,3 +75,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from pmaptap.errors import SessionError, TapError, TapPathError
     from pmaptap.tapfile.frame import per_device
     from pmaptap.tapfile.reader import read
+    from pmaptap.writer import Writer

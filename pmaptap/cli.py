@@ -9,6 +9,7 @@
     pmaptap export FILE --parquet OUT  one Parquet row per record (needs [parquet])
     pmaptap export FILE --tensorboard DIR [-f]
                                        TensorBoard event files (needs [tensorboard])
+    pmaptap merge RUN -o OUT [-f]      a sharded run (RUN.d/, s3://...) as one file
     pmaptap launch ...                 the local multi-process launcher
 
 Filters (show, tail, summary, plot, export): --name (repeatable), --step
@@ -33,7 +34,7 @@ from pmaptap.errors import CliError
 # read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap.tapfile import views
-    from pmaptap.tapfile.follow import LineFollower
+    from pmaptap.tapfile.follow import LineFollower, RunFollower
 
 PROG = "pmaptap"
 
@@ -42,6 +43,9 @@ PROG = "pmaptap"
 # ------------------------------------------------------------------ helpers
 
 def _check_file(path: str) -> None:
+    from pmaptap.tapfile import runs
+    if runs.is_sharded(path):
+        return         # a sharded run (path.d/): read merged, as one file
     if not os.path.exists(path):
         raise CliError(f"no such file: {path}")
     if os.path.isdir(path):
@@ -215,7 +219,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_tensorboard(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import tensorboard
     flt = _filter(args)
-    if args.follow:
+    from pmaptap.tapfile.runs import is_sharded
+    if args.follow and not is_sharded(args.file):
         if not os.path.exists(args.file):
             print(f"{PROG} export: waiting for {args.file} to appear", file=sys.stderr)
         elif os.path.isdir(args.file):
@@ -257,12 +262,12 @@ def _export_parquet(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     """The last ``args.lines`` matching records, then with ``args.follow``
     every new one until a signal, the timeout or the count."""
-    from pmaptap.tapfile.follow import LineFollower
+    from pmaptap.tapfile.follow import open_follower
     if not args.follow:
         _check_file(args.file)
     elif not os.path.exists(args.file):
         print(f"{PROG} tail: waiting for {args.file} to appear", file=sys.stderr)
-    lf = LineFollower(args.file)
+    lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
     finally:
@@ -274,7 +279,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def _tail(args: argparse.Namespace, flt: views.Filter,
-          lf: "LineFollower") -> int:
+          lf: "LineFollower | RunFollower") -> int:
     from pmaptap.tapfile.follow import follow, matching, on_stop_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.
@@ -340,6 +345,35 @@ class _TailPrinter:
                 print(self.table.format(r))
         # Piped output is block-buffered: follow mode must show rows now.
         sys.stdout.flush()
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from pmaptap.tapfile import merge
+    if not args.follow:
+        _check_file(args.file)
+        try:
+            n, bad = merge.merge(args.file, args.output)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        _report_skipped(bad, args.file, "merge")
+        print(f"wrote {n} records to {args.output}", file=sys.stderr)
+        return 0
+    from pmaptap.tapfile.follow import on_stop_signals
+
+    def report(pos: int, problem: str) -> None:
+        print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
+    stop = threading.Event()
+    restore = on_stop_signals(stop.set)
+    try:
+        n = merge.merge_follow(args.file, args.output, stop=stop,
+                               interval=args.interval, timeout=args.timeout,
+                               report=report)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    finally:
+        restore()
+    print(f"wrote {n} records to {args.output}", file=sys.stderr)
+    return 0
 
 
 def cmd_launch(argv: list[str]) -> int:
@@ -457,6 +491,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filters(p)
     _add_export_targets(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("merge", help="a sharded run (path.d/, s3://...) as one "
+                                     "tap file")
+    p.add_argument("file", help="the run: its path, its .d directory or its URL")
+    p.add_argument("-o", "--output", required=True, metavar="OUT")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep appending records as they are written (Ctrl-C "
+                        "or SIGTERM stops)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with -f: stop after this many seconds")
+    p.add_argument("--interval", type=float, default=0.5,
+                   help="with -f: seconds between polls (default 0.5)")
+    p.set_defaults(func=cmd_merge)
 
     sub.add_parser("launch", add_help=False,
                    help="local multi-process launcher (pmaptap launch --help)")

@@ -26,7 +26,8 @@ def test_all_benchmarks_run_in_quick_mode():
                   "h. RSS", "added ms per step",
                   "i. per-shard tap under jit", "i. --variant jit step, tapped",
                   "j. id_tap (tied, program order)", "j. id_tap, callback without the tie",
-                  "pmaptap summary", "pmaptap show --name loss", "summary time ratio"):
+                  "pmaptap summary", "pmaptap show --name loss", "summary time ratio",
+                  "k. file", "k. sharded", "k. sharded: rate at"):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]   # a ratio printed
     # Every tap arm prints its ratio to the floor (one raw callback from one
@@ -57,5 +58,7 @@ def test_all_benchmarks_run_in_quick_mode():
                   "k.   replicated tap, transport only", "k.   per_device tap "):
         assert len(ratios(label)) == 2, f"{label!r}: no wall and CPU ratio to the floor"
     # bench_read.py: both ratios against the bare orjson loop, as numbers.
+    # bench_many_writers.py: every run read back exact and validate-clean.
+    assert "exact+valid" in out and "NO:" not in out
     ratio = out.split("summary time ratio: ", 1)[1]
     assert float(ratio.split("x", 1)[0]) > 0 and "peak RSS" in ratio

@@ -25,11 +25,29 @@ from pmaptap._host.forward import check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
+from pmaptap._host.dirsink import DirectorySink
+from pmaptap.tapfile.runs import is_sharded, is_url
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
 _open_lock = threading.Lock()
 active_session = routing.active_session
+
+LAYOUTS = ("auto", "file", "sharded")
+# layout="auto" shards a job with more processes than this. At 32 writers the
+# shared file still keeps up (docs/performance.md); at 128 its lock collapses.
+SHARDED_ABOVE = 32
+
+
+def _object_commit_interval() -> float:
+    from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
+    return OBJECT_COMMIT_INTERVAL
+
+
+def choose_layout() -> str:
+    """The layout "auto" picks: by process count, the same on every process."""
+    import jax
+    return "sharded" if jax.process_count() > SHARDED_ABOVE else "file"
 
 
 def _new_run_id() -> str:
@@ -81,6 +99,22 @@ def _last_run(path: str) -> str | None:
             chunk *= 4
 
 
+def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | None]:
+    """``_last_attempt`` of a sharded run (local shards or object-store
+    chunks): the merged stream read once (the last run is that of the
+    latest record by time)."""
+    from pmaptap.tapfile.attempts import attempt_of
+    from pmaptap.tapfile.reader import iter_lines
+    last_run: str | None = None
+    found: dict[str, int] = {}
+    for _, d, _ in iter_lines(path):
+        if d is not None:
+            last_run = d["run"]
+            found[d["run"]] = max(found.get(d["run"], 0), attempt_of(d))
+    run = run or last_run
+    return run, found.get(run) if run is not None else None
+
+
 def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
     """(``run``, else the last run in the file; its highest attempt, or None
     if the file holds no record of it). Only lines holding the run's JSON
@@ -89,6 +123,8 @@ def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
 
     from pmaptap.tapfile import parse
     from pmaptap.tapfile.attempts import attempt_of
+    if is_sharded(path):
+        return _last_attempt_merged(path, run)
     if not os.path.exists(path):
         return run, None
     if run is None:
@@ -167,6 +203,11 @@ class Session:
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
       pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
+    layout: "file" (every process appends to ``path`` under a shared lock),
+      "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
+      no lock, nothing read back; readers merge: docs/multihost.md) or
+      "auto" (default): "sharded" when the job has more than
+      ``SHARDED_ABOVE`` processes, else "file".
     forward: forwarders that receive every record this process writes to the
       file, after cross-process dedup (a replicated value reaches them from
       one process of the job): callables taking the record dict (as
@@ -193,7 +234,7 @@ class Session:
                  flush_interval: float = 0.02, lock: str = "flock",
                  forward: Sequence[Any] | None = None,
                  forward_timeout: float | None = 10.0,
-                 resume: bool = False) -> None:
+                 resume: bool = False, layout: str = "auto") -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Session: overflow must be one of "
                              f"{OVERFLOW_POLICIES}, got {overflow!r}")
@@ -207,8 +248,18 @@ class Session:
         if lock not in LOCK_MODES:
             raise ValueError(f"Session: lock must be one of {LOCK_MODES} "
                              f"(\"soft\" for NFS/Lustre/GPFS), got {lock!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"Session: layout must be one of {LAYOUTS}, "
+                             f"got {layout!r}")
         self.lock = lock
-        self.path = os.path.abspath(os.fspath(path))
+        self.layout = layout
+        # An object-store URL (s3://, gs://) is kept as given; it always
+        # uses the sharded layout, as immutable chunks (_host/objsink.py).
+        self.url = is_url(path)
+        self.path = path if self.url else os.path.abspath(os.fspath(path))
+        if self.url:
+            self.layout = "sharded"
+            flush_interval = max(flush_interval, _object_commit_interval())
         self.run = run
         self.resume = bool(resume)
         self.attempt = 0
@@ -243,8 +294,16 @@ class Session:
             if self.pipeline is not None:
                 raise SessionError(f"{self!r} was already used; create a new "
                                    "Session to open again.")
-            sink = FileSink(self.path, lock_timeout=self.lock_timeout,
-                            lock=self.lock)
+            if self.layout == "auto":
+                self.layout = choose_layout()
+            if self.url:
+                from pmaptap._host.objsink import ObjectSink
+                sink = ObjectSink(self.path)
+            elif self.layout == "sharded":
+                sink = DirectorySink(self.path)
+            else:
+                sink = FileSink(self.path, lock_timeout=self.lock_timeout,
+                                lock=self.lock)
             try:
                 if self.resume:
                     self.run, self.attempt = _resume_point(self.path, self.run)

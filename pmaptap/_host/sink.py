@@ -120,7 +120,8 @@ class FileSink(Sink):
     """
 
     def __init__(self, path: str, *, lock_timeout: float = 1.0,
-                 lock: str = "flock", process: int | None = None) -> None:
+                 lock: str = "flock", process: int | None = None,
+                 index_existing: bool = False) -> None:
         # Validated once, where users pass it (Session).
         assert lock in LOCK_MODES, lock
         self.path = prepare_path(path)
@@ -150,11 +151,14 @@ class FileSink(Sink):
             process = jax.process_index()
         self.index = CrossProcessIndex(process)
         # Bytes before this offset were already indexed (or predate us).
-        self._seen = size
-        self._mark = self._read_mark(self._fd, size) if lock == "flock" else \
-            self._read_mark_at(self.path, size)
+        # index_existing: a writer joining a run late (pmaptap.Writer) dedups
+        # against what is already there, read at its first batch.
+        self._seen = 0 if index_existing else size
+        self._mark = b"" if index_existing else self._read_mark(self._fd, size) \
+            if lock == "flock" else self._read_mark_at(self.path, size)
         self.lines_written = 0
         self.bytes_written = 0
+        self.bytes_read = 0      # others' lines read back for the dedup
         self.repairs = 0
         self.truncations = 0
         self.replacements = 0
@@ -183,6 +187,7 @@ class FileSink(Sink):
             self._check_same_file(fd, st)
             if size > self._seen:
                 new_bytes = os.pread(fd, size - self._seen, self._seen)
+                self.bytes_read += len(new_bytes)
                 self._observe(new_bytes, self._seen)
                 self._mark = (self._mark + new_bytes)[-_MARK_BYTES:]
                 self._seen = size

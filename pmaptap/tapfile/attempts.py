@@ -77,6 +77,14 @@ def scan(path: str | os.PathLike) -> Attempts:
     mention ``"attempt"`` are parsed (a file never resumed costs one read of
     its bytes)."""
     idx = Attempts()
+    from pmaptap.tapfile import runs
+    if runs.is_sharded(path):
+        # A sharded run (tapfile/runs.py): its merged stream, read once.
+        from pmaptap.tapfile.reader import iter_lines
+        for _, d, _ in iter_lines(path):
+            if d is not None and "attempt" in d:
+                idx.add(d)
+        return idx
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
         while True:

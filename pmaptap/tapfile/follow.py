@@ -148,3 +148,87 @@ def on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return restore
+
+
+class RunFollower:
+    """``LineFollower`` over a run in the sharded layout (tapfile/runs.py):
+    the lines completed in any of its files since the last poll, as one
+    batch ordered by record time, with a replicated value that another
+    process also wrote given once (as ``pmaptap.read`` does). A shard that
+    appears later (a process that started late) is picked up at the next
+    poll. Each poll holds its batch in memory: the first one is the whole
+    run so far."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._files: dict[str, LineFollower] = {}
+        self._first: dict[tuple, Any] = {}
+        self._chunks: set[str] = set()          # object store: chunks read
+        self._lines: dict[int, int] = {}        # object store: lines per process
+        self.lineno = 0
+
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        from pmaptap.tapfile.format import record_key
+        batch: list[tuple[float, int, int, bytes]] = []
+        for i, n, raw in self._new_lines():
+            d, _ = parse_line(raw)
+            t = d.get("time") if d is not None else None
+            if not isinstance(t, (int, float)) or isinstance(t, bool):
+                t = float("-inf")
+            elif d.get("kind") == "replicated" and d.get("vhash"):
+                got = self._first.setdefault((record_key(d), d["vhash"]),
+                                             d.get("process"))
+                if got != d.get("process"):
+                    continue
+            batch.append((float(t), i, n, raw))
+        batch.sort(key=lambda x: x[:3])
+        for _t, _i, _n, raw in batch:
+            self.lineno += 1
+            yield self.lineno, raw
+
+    def _new_lines(self) -> Iterator[tuple[int, int, bytes]]:
+        """(source number, line number in it, bytes) of lines completed
+        since the last poll: appended to local shards, or in chunks that
+        appeared on an object store (chunks are immutable: read once)."""
+        from pmaptap.tapfile import runs
+        if runs.is_url(self.path):
+            fs, _ = runs.url_fs(self.path)
+            for proc, names in sorted(runs.chunks(self.path).items()):
+                for name in names:
+                    if name in self._chunks:
+                        continue
+                    self._chunks.add(name)
+                    for raw in fs.cat_file(name).split(b"\n"):
+                        if raw:
+                            self._lines[proc] = self._lines.get(proc, 0) + 1
+                            yield proc, self._lines[proc], raw
+            return
+        for f in runs.sources(self.path):
+            if f not in self._files:
+                self._files[f] = LineFollower(f)
+        for i, lf in enumerate(self._files.values()):
+            for n, raw in lf.poll():
+                yield i, n, raw
+
+    @property
+    def restarted(self) -> int:
+        """Shards replaced or truncated under the follower (each re-read)."""
+        return sum(lf.restarted for lf in self._files.values())
+
+    @property
+    def exists(self) -> bool:
+        return bool(self._chunks) or any(lf.exists for lf in self._files.values())
+
+    @property
+    def pending(self) -> bytes:
+        return b"".join(lf.pending for lf in self._files.values())
+
+    def close(self) -> None:
+        for lf in self._files.values():
+            lf.close()
+
+
+def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower":
+    """The follower for ``path``: a sharded run's, or one file's."""
+    from pmaptap.tapfile import runs
+    return RunFollower(path) if runs.is_sharded(path) else LineFollower(path)

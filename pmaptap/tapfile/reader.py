@@ -7,12 +7,13 @@ from collections.abc import Iterable
 from typing import Any, BinaryIO, Iterator
 
 from pmaptap._log import log
-from pmaptap.tapfile import parse
+from pmaptap.tapfile import parse, runs
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
-__all__ = ["DivergenceIndex", "iter_lines", "parse_line", "read", "reconcile_divergence"]
+__all__ = ["DivergenceIndex", "iter_file_lines", "iter_lines", "parse_line", "read",
+           "reconcile_divergence"]
 
 _SKIP_CHUNK = 1 << 20
 
@@ -66,7 +67,15 @@ class _ReadProgress:
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """(line number, record or None, problem or None) for every line, read a
     line at a time: a line longer than parse.MAX_LINE_BYTES is reported
-    without being held in memory. A long read draws a progress bar on a
+    without being held in memory. A run in the sharded layout (``path.d/``)
+    is read as one stream merged from its shards (tapfile/runs.py)."""
+    if runs.is_sharded(path):
+        return runs.iter_merged(path, iter_file_lines)
+    return iter_file_lines(path)
+
+
+def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
+    """``iter_lines`` of one file. A long read draws a progress bar on a
     terminal (see _ReadProgress)."""
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:

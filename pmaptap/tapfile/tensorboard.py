@@ -38,7 +38,7 @@ from typing import Any
 
 from pmaptap._log import log
 from pmaptap.tapfile import views
-from pmaptap.tapfile.follow import LineFollower, on_stop_signals
+from pmaptap.tapfile.follow import on_stop_signals, open_follower
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.reader import iter_lines
@@ -257,7 +257,7 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
     live job. Ctrl-C / SIGTERM (or ``timeout`` seconds) end it cleanly with
     every converted record flushed."""
     tb = TensorBoardExport(outdir)
-    lf = LineFollower(path)
+    lf = open_follower(path)     # one file, or a sharded run's shards
     stop = threading.Event()
     restore = on_stop_signals(stop.set)
     deadline = None if timeout is None else time.monotonic() + timeout

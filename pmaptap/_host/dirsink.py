@@ -1,0 +1,113 @@
+"""The sharded layout's sink: each process appends to its own file.
+
+``FileSink`` shares one file: a global lock, and under it every process reads
+what all the others appended (bytes read back grow as N^2 over a job, and
+the lock hand-offs serialize N processes). ``DirectorySink`` writes
+``<path>.d/p<process>.jsonl`` alone: no lock, nothing read back, so its cost
+per record is the same at 2 processes and at 4,096. The readers merge the
+shards (``pmaptap/tapfile/runs.py``).
+
+Replicated dedup without reading the others: a replicated record whose value
+every holding process verified on device (the gathered and verified layouts;
+``processes`` then names them all, and all of them build the same record) is
+written only by its owner, ``runs.owner(key, processes)``. Any other
+replicated record (a per-process tap in the copy layout, a side ``Writer``, a
+``verified_off`` copy) is written by each process that has it, and readers
+keep one copy of each value, flagging different values divergent: nothing a
+non-owner saw can be lost because the owner never saw it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from pmaptap._host.sink import FileSink, Sink, prepare_path
+from pmaptap._log import log
+from pmaptap.tapfile import runs
+from pmaptap.tapfile.format import Record, record_key
+
+
+def mine(r: Record, process: int) -> bool:
+    """Does ``process`` write ``r`` in the sharded layout? Yes, unless it is
+    a replicated value that several processes verified on device and another
+    of them owns."""
+    if r.kind != "replicated" or not r.processes or len(r.processes) < 2 \
+            or (r.extra and r.extra.get("verified") is False):
+        return True
+    return runs.owner(record_key(r), r.processes) == process
+
+
+class DirectorySink(Sink):
+    """Appends to ``<path>.d/p<process>.jsonl``; only this process writes it."""
+
+    def __init__(self, path: str, *, process: int | None = None) -> None:
+        if process is None:
+            import jax
+            process = jax.process_index()
+        self.process = int(process)
+        self.run_path = os.path.abspath(os.fspath(path))
+        self.path = prepare_path(runs.shard_path(self.run_path, self.process))
+        try:
+            os.remove(self.path + ".lock")   # prepare_path's; no lock here
+        except OSError:
+            pass
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        size = os.fstat(self._fd).st_size
+        # A previous writer of this shard killed mid-line: start on a new line.
+        self._torn = bool(size) and os.pread(self._fd, 1, size - 1) != b"\n"
+        self.lines_written = 0
+        self.bytes_written = 0
+        self.bytes_read = 0     # never reads another process's output
+        self.skipped = 0        # replicated values left to their owner
+        self.repairs = 0
+        self.replacements = 0
+        self.rejected: list[str] = []
+
+    # One encoder for both sinks: a record that cannot be encoded becomes a
+    # pmaptap/unencodable meta record (see FileSink._encode).
+    _encode = FileSink._encode
+
+    def write(self, records: Sequence[Record]) -> list[Record]:
+        keep = [r for r in records if mine(r, self.process)]
+        self.skipped += len(records) - len(keep)
+        if not keep:
+            return []
+        encoded, keep = self._encode(keep)
+        chunks = [encoded.get(id(r)) or r.encode() for r in keep]
+        if self._torn:
+            chunks.insert(0, b"\n")
+        self._reopen_if_replaced()
+        size = os.fstat(self._fd).st_size
+        # All or nothing (cut back on failure); the pipeline retries it whole.
+        written = FileSink._append(self._fd, size, chunks, False)
+        if self._torn:
+            self._torn = False
+            self.repairs += 1
+        self.lines_written += len(keep)
+        self.bytes_written += written
+        return keep     # what was written: the session's forwarders get these
+
+    def _reopen_if_replaced(self) -> None:
+        """The shard moved away or removed under us (log rotation, a clean-up
+        script): write to the file now at the path, as FileSink does, and
+        say so once. Truncation needs nothing: O_APPEND writes at the end."""
+        try:
+            st = os.stat(self.path)
+            mine = os.fstat(self._fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        os.close(self._fd)
+        self._fd = fd
+        self.replacements += 1
+        if self.replacements == 1:
+            log.warning(f"pmaptap: {self.path!r} was replaced or removed under "
+                        "this writer; appending continues to the file now at "
+                        "that path (counted in DirectorySink.replacements).")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

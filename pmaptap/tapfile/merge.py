@@ -1,0 +1,86 @@
+"""``pmaptap merge RUN -o OUT``: a sharded run (or one on an object store)
+written as the single shared file, in the merged order readers use
+(tapfile/runs.py): replicated values once, bad lines skipped and counted.
+``--follow`` keeps appending lines as the run's processes write them."""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from typing import Callable
+
+from pmaptap.tapfile import runs
+from pmaptap.tapfile.format import encode_line
+from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.reader import iter_lines
+
+
+def _check_target(run: str, out: str) -> None:
+    if runs.is_url(run):
+        return
+    target = os.path.realpath(out)
+    if any(os.path.realpath(f) == target for f in runs.sources(run)):
+        raise ValueError(f"{out!r} is one of the files of run {run!r}; "
+                         "merge into another file")
+
+
+def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
+    """Write every record of ``run`` to ``out`` (replaced whole, at once);
+    returns (records written, [(position, problem)] of skipped lines)."""
+    _check_target(run, out)
+    bad: list[tuple[int, str]] = []
+    n = 0
+    directory = os.path.dirname(os.path.abspath(out))
+    fd, tmp = tempfile.mkstemp(prefix=".merge-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for pos, d, problem in iter_lines(run):
+                if d is None:
+                    if problem != "empty line":
+                        bad.append((pos, problem or "invalid"))
+                    continue
+                f.write(encode_line(d))
+                n += 1
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return n, bad
+
+
+def merge_follow(run: str, out: str, *, stop: threading.Event, interval: float,
+                 timeout: float | None,
+                 report: Callable[[int, str], None] | None = None) -> int:
+    """Append the run's records to ``out`` as they are written, until
+    ``stop`` or ``timeout``; returns the records written."""
+    from pmaptap.tapfile.follow import RunFollower
+    _check_target(run, out)
+    follower = RunFollower(run)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    n = 0
+    with open(out, "ab") as f:
+        try:
+            while True:
+                for pos, raw in follower.poll():
+                    d, problem = parse_line(raw)
+                    if d is None:
+                        if report is not None and problem != "empty line":
+                            report(pos, problem or "invalid")
+                        continue
+                    f.write(encode_line(d))
+                    n += 1
+                f.flush()
+                if stop.is_set():
+                    return n
+                wait = interval
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return n
+                stop.wait(wait)
+        finally:
+            follower.close()
