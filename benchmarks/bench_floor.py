@@ -21,6 +21,7 @@ all their values.
 Wall time and this process's CPU time, both as added cost per step over the
 no-callback step, paired per round against the floor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def run(quick: bool = False) -> list[tuple]:
     from pmaptap._trace.primitive import emit_callback
 
     rounds, steps = (3, 5) if quick else (31, 40)
-    session = pmaptap.Session(os.path.join(tempfile.mkdtemp(prefix="pmaptap-floor-"),
-                                           "floor.jsonl"), run="floor").open()
+    session = pmaptap.Session(
+        os.path.join(tempfile.mkdtemp(prefix="pmaptap-floor-"), "floor.jsonl"), run="floor"
+    ).open()
     x = jnp.ones((DEVICES, 256), jnp.float32)
     real_deliver, xport = layouts.deliver, {"drop": False}
     layouts.deliver = lambda spec, arrays: None if xport["drop"] else real_deliver(spec, arrays)
@@ -70,33 +72,41 @@ def run(quick: bool = False) -> list[tuple]:
                 loss, mine = lax.pmean(jnp.sum(y), "i"), jnp.sum(y)
                 vals = [(loss if i % 2 == 0 else mine) * (1.0 + i) for i in range(many)]
                 if kind.startswith("floorx"):
-                    floor_callback("i", idx[None], *([jnp.int32(-1)] * many),
-                                   *[jnp.broadcast_to(v_, (DEVICES,)) for v_ in vals])
+                    floor_callback(
+                        "i",
+                        idx[None],
+                        *([jnp.int32(-1)] * many),
+                        *[jnp.broadcast_to(v_, (DEVICES,)) for v_ in vals],
+                    )
                     return y
                 ctx = pmaptap.group() if kind.startswith("group") else contextlib.nullcontext()
                 with ctx:
                     for i, v_ in enumerate(vals):
-                        pmaptap.tap(v_, f"k_{many}_{i}",
-                                    dedup="replicated" if i % 2 == 0 else "per_device")
+                        pmaptap.tap(
+                            v_, f"k_{many}_{i}", dedup="replicated" if i % 2 == 0 else "per_device"
+                        )
                 return y
             if kind == "floor":
                 floor_callback("i", *payload, jnp.broadcast_to(value, (DEVICES,)))
             elif kind == "own":
-                lax.cond(idx == 0, lambda: emit_callback(
-                    nothing, *payload, jnp.broadcast_to(value, (DEVICES,))), lambda: None)
+                lax.cond(
+                    idx == 0,
+                    lambda: emit_callback(nothing, *payload, jnp.broadcast_to(value, (DEVICES,))),
+                    lambda: None,
+                )
             elif kind.startswith("gather"):
                 g = lax.all_gather(value, "i")
-                lax.cond(idx == 0, lambda: emit_callback(nothing, *payload, g),
-                         lambda: None)
+                lax.cond(idx == 0, lambda: emit_callback(nothing, *payload, g), lambda: None)
             elif kind.startswith("tap_rep"):
                 pmaptap.tap(value, "k_rep", dedup="replicated")
             elif kind.startswith("tap_per"):
                 pmaptap.tap(value, "k_per", dedup="per_device")
             return y
+
         fn = jax.pmap(body, axis_name="i")
         if kind == "tap_rep_unverified":
             with pmaptap.configured(verify_replicated=False):
-                fn(x).block_until_ready()       # trace now, with the option
+                fn(x).block_until_ready()  # trace now, with the option
         full = kind.startswith(("tap", "group")) and not kind.endswith("@transport")
 
         def go():
@@ -110,11 +120,27 @@ def run(quick: bool = False) -> list[tuple]:
             else:
                 jax.effects_barrier()
             xport["drop"] = False
+
         return go
 
-    kinds = ["base", "floor", "own", "gather_rep", "gather_per", "tap_rep@transport",
-             "tap_rep", "tap_rep_unverified", "tap_per@transport", "tap_per",
-             "floorx4", "tapsx4", "groupx4", "floorx16", "tapsx16", "groupx16"]
+    kinds = [
+        "base",
+        "floor",
+        "own",
+        "gather_rep",
+        "gather_per",
+        "tap_rep@transport",
+        "tap_rep",
+        "tap_rep_unverified",
+        "tap_per@transport",
+        "tap_per",
+        "floorx4",
+        "tapsx4",
+        "groupx4",
+        "floorx16",
+        "tapsx16",
+        "groupx16",
+    ]
     arms = {k: make(k) for k in kinds}
     for fn in arms.values():
         fn()
@@ -130,8 +156,11 @@ def run(quick: bool = False) -> list[tuple]:
     session.close()
 
     def to_floor(t: dict[str, list[float]], k: str, floor: str = "floor") -> str:
-        out = [(t[k][r] - t["base"][r]) / (t[floor][r] - t["base"][r])
-               for r in range(rounds) if t[floor][r] > t["base"][r]]
+        out = [
+            (t[k][r] - t["base"][r]) / (t[floor][r] - t["base"][r])
+            for r in range(rounds)
+            if t[floor][r] > t["base"][r]
+        ]
         return f"{statistics.median(out):.2f}x" if out else "nan"
 
     def added(t: dict[str, list[float]], k: str) -> str:
@@ -148,18 +177,32 @@ def run(quick: bool = False) -> list[tuple]:
         "tap_per@transport": "  per_device tap, transport only",
         "tap_per": "  per_device tap",
     }
-    rows = [(f"k. {labels[k]}", added(wall, k), to_floor(wall, k), added(cpu, k),
-             to_floor(cpu, k)) for k in labels]
+    rows = [
+        (f"k. {labels[k]}", added(wall, k), to_floor(wall, k), added(cpu, k), to_floor(cpu, k))
+        for k in labels
+    ]
     for n in (4, 16):
-        for k, label in ((f"floorx{n}", f"floor: 1 raw callback, {n} values"),
-                         (f"tapsx{n}", f"  {n} scalar taps"),
-                         (f"groupx{n}", f"  {n} scalar taps in pmaptap.group()")):
-            rows.append((f"k. {label}", added(wall, k), to_floor(wall, k, f"floorx{n}"),
-                         added(cpu, k), to_floor(cpu, k, f"floorx{n}")))
-    print(f"k. scalar taps above the floor, pmap over {DEVICES} devices; no-callback "
-          f"step {statistics.median(wall['base']) * 1e3:.3f} ms; {machine()}")
-    print(table(rows, ("arm", "added wall ms", "to floor (wall)", "added CPU ms",
-                       "to floor (CPU)")))
+        for k, label in (
+            (f"floorx{n}", f"floor: 1 raw callback, {n} values"),
+            (f"tapsx{n}", f"  {n} scalar taps"),
+            (f"groupx{n}", f"  {n} scalar taps in pmaptap.group()"),
+        ):
+            rows.append(
+                (
+                    f"k. {label}",
+                    added(wall, k),
+                    to_floor(wall, k, f"floorx{n}"),
+                    added(cpu, k),
+                    to_floor(cpu, k, f"floorx{n}"),
+                )
+            )
+    print(
+        f"k. scalar taps above the floor, pmap over {DEVICES} devices; no-callback "
+        f"step {statistics.median(wall['base']) * 1e3:.3f} ms; {machine()}"
+    )
+    print(
+        table(rows, ("arm", "added wall ms", "to floor (wall)", "added CPU ms", "to floor (CPU)"))
+    )
     return rows
 
 

@@ -9,6 +9,7 @@ waits for the tap. Arms, each a jitted ``scan`` whose every step taps a
   untied     id_tap's callback with the tie removed (the old behaviour)
   tied       id_tap as shipped
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,8 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import interleaved, machine, set_devices, table  # noqa: E402
 
-PAYLOAD = 1024           # float32 = 4 KiB
-LOOP = 100               # scan steps per call
+PAYLOAD = 1024  # float32 = 4 KiB
+LOOP = 100  # scan steps per call
 
 
 def run(quick: bool = False) -> list[tuple]:
@@ -52,7 +53,7 @@ def run(quick: bool = False) -> list[tuple]:
         if kind == "untied":
             hcb.tie = lambda value, token: value
         try:
-            return jax.jit(loop).lower(x).compile()   # traced now, with the patch
+            return jax.jit(loop).lower(x).compile()  # traced now, with the patch
         finally:
             hcb.tie = real_tie
 
@@ -63,19 +64,25 @@ def run(quick: bool = False) -> list[tuple]:
                 y = fn(x)
             y.block_until_ready()
             hcb.barrier_wait()
+
         return go
 
     kinds = ("base", "raw", "untied", "tied")
     med = interleaved({k: arm(make(k)) for k in kinds}, rounds=rounds, steps=calls)
     per_tap = {k: (med[k] - med["base"]) / LOOP * 1e3 for k in kinds}
     rows = [
-        ("j. id_tap (tied, program order)", f"{per_tap['tied']:.4f}",
-         f"{per_tap['tied'] - per_tap['untied']:+.4f} ms vs untied"),
+        (
+            "j. id_tap (tied, program order)",
+            f"{per_tap['tied']:.4f}",
+            f"{per_tap['tied'] - per_tap['untied']:+.4f} ms vs untied",
+        ),
         ("j. id_tap, callback without the tie", f"{per_tap['untied']:.4f}", "-"),
         ("j. raw jax.debug.callback", f"{per_tap['raw']:.4f}", "-"),
     ]
-    print(f"jit(scan) of {LOOP} steps, {PAYLOAD * 4 // 1024} KiB tapped per step; "
-          f"no-tap step {med['base'] / LOOP * 1e3:.4f} ms; {machine()}")
+    print(
+        f"jit(scan) of {LOOP} steps, {PAYLOAD * 4 // 1024} KiB tapped per step; "
+        f"no-tap step {med['base'] / LOOP * 1e3:.4f} ms; {machine()}"
+    )
     print(table(rows, ("arm", "added ms per tap", "cost of the tie")))
     return rows
 

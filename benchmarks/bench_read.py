@@ -7,6 +7,7 @@ The file is generated without JAX: per step a replicated loss and lr and a
 per-device grad norm for 8 devices (300,000 records, ~70 MB; --quick: 20,000).
 Targets: summary within 3x the bare loop, peak RSS under 300 MB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,21 @@ if ROOT not in sys.path:
 from benchmarks.common import table  # noqa: E402
 
 DEVICES = 8
-_BARE = ("import sys, orjson\n"
-         "n = 0\n"
-         "with open(sys.argv[1], 'rb') as f:\n"
-         "    for line in f:\n"
-         "        orjson.loads(line)\n"
-         "        n += 1\n"
-         "print(n)\n")
+_BARE = (
+    "import sys, orjson\n"
+    "n = 0\n"
+    "with open(sys.argv[1], 'rb') as f:\n"
+    "    for line in f:\n"
+    "        orjson.loads(line)\n"
+    "        n += 1\n"
+    "print(n)\n"
+)
 
 
 def generate(path: str, records: int) -> int:
     """A tap file like a training job's; returns its size in bytes."""
     import orjson
+
     steps = records // (2 + DEVICES)
     devices = list(range(DEVICES))
     t = 1.8e9
@@ -41,18 +45,42 @@ def generate(path: str, records: int) -> int:
         for s in range(steps):
             lines = []
             loss = "NaN" if s % 9973 == 7 else 1.0 / (s + 1)
-            for name, value in (("loss", loss), ("lr", 0.01 * 0.999 ** s)):
-                lines.append({"run": "bench", "name": name, "step": s,
-                              "kind": "replicated", "value": value, "dtype": "float32",
-                              "shape": [], "process": 0, "time": t + s * 0.1,
-                              "host": "node-0", "replicas": DEVICES, "devices": devices,
-                              "processes": [0], "vhash": f"{s:016x}"})
+            for name, value in (("loss", loss), ("lr", 0.01 * 0.999**s)):
+                lines.append(
+                    {
+                        "run": "bench",
+                        "name": name,
+                        "step": s,
+                        "kind": "replicated",
+                        "value": value,
+                        "dtype": "float32",
+                        "shape": [],
+                        "process": 0,
+                        "time": t + s * 0.1,
+                        "host": "node-0",
+                        "replicas": DEVICES,
+                        "devices": devices,
+                        "processes": [0],
+                        "vhash": f"{s:016x}",
+                    }
+                )
             for d in devices:
-                lines.append({"run": "bench", "name": "grad_norm", "step": s,
-                              "kind": "per_device", "value": 0.5 + d + s * 1e-4,
-                              "dtype": "float32", "shape": [], "process": d // 4,
-                              "time": t + s * 0.1, "host": f"node-{d // 4}",
-                              "device": d, "coords": {"dp": d}})
+                lines.append(
+                    {
+                        "run": "bench",
+                        "name": "grad_norm",
+                        "step": s,
+                        "kind": "per_device",
+                        "value": 0.5 + d + s * 1e-4,
+                        "dtype": "float32",
+                        "shape": [],
+                        "process": d // 4,
+                        "time": t + s * 0.1,
+                        "host": f"node-{d // 4}",
+                        "device": d,
+                        "coords": {"dp": d},
+                    }
+                )
             f.write(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     return os.path.getsize(path)
 
@@ -60,8 +88,7 @@ def generate(path: str, records: int) -> int:
 def measure(cmd: list[str]) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one command in its own process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -74,8 +101,9 @@ def measure(cmd: list[str]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true",
-                    help="20,000 records, one round: checks that it runs")
+    ap.add_argument(
+        "--quick", action="store_true", help="20,000 records, one round: checks that it runs"
+    )
     ap.add_argument("--records", type=int)
     ap.add_argument("--rounds", type=int)
     a = ap.parse_args(argv)
@@ -90,24 +118,38 @@ def main(argv: list[str] | None = None) -> int:
             "bare orjson loop": [py, "-c", _BARE, path],
             "pmaptap summary": [py, "-m", "pmaptap", "summary", path],
             "pmaptap show --name loss --step A:": [
-                py, "-m", "pmaptap", "show", path, "--name", "loss", "--step", f"{last}:"],
+                py,
+                "-m",
+                "pmaptap",
+                "show",
+                path,
+                "--name",
+                "loss",
+                "--step",
+                f"{last}:",
+            ],
         }
         best: dict[str, tuple[float, float]] = {}
         for _ in range(rounds):
             for name, cmd in arms.items():
                 wall, rss = measure(cmd)
                 old = best.get(name)
-                best[name] = (min(wall, old[0]) if old else wall,
-                              max(rss, old[1]) if old else rss)
-    print(f"{records} records, {size / 1e6:.1f} MB; best of {rounds} round(s), "
-          "each in a fresh process")
+                best[name] = (min(wall, old[0]) if old else wall, max(rss, old[1]) if old else rss)
+    print(
+        f"{records} records, {size / 1e6:.1f} MB; best of {rounds} round(s), "
+        "each in a fresh process"
+    )
     bare_t, bare_rss = best["bare orjson loop"]
-    rows = [(name, f"{t:.2f} s", f"{t / bare_t:.1f}x", f"{rss:.0f} MiB")
-            for name, (t, rss) in best.items()]
+    rows = [
+        (name, f"{t:.2f} s", f"{t / bare_t:.1f}x", f"{rss:.0f} MiB")
+        for name, (t, rss) in best.items()
+    ]
     print(table(rows, ("command", "time", "vs bare loop", "peak RSS")))
     t, rss = best["pmaptap summary"]
-    print(f"summary time ratio: {t / bare_t:.2f}x the bare loop (target <= 3x); "
-          f"peak RSS {rss:.0f} MiB (target < 300 MiB; bare loop {bare_rss:.0f} MiB)")
+    print(
+        f"summary time ratio: {t / bare_t:.2f}x the bare loop (target <= 3x); "
+        f"peak RSS {rss:.0f} MiB (target < 300 MiB; bare loop {bare_rss:.0f} MiB)"
+    )
     return 0
 
 

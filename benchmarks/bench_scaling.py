@@ -3,6 +3,7 @@ simulated devices (one subprocess per device count: XLA fixes the count at
 start-up), against a raw jax.debug.callback per device and against the floor
 (ONE raw callback from the first device with the same payload as the tap's
 one callback: the copies stacked) in the same run, paired per round."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import (floor_callback, interleaved_rounds, medians,  # noqa: E402
-                               paired, set_devices, table)
+from benchmarks.common import (  # noqa: E402
+    floor_callback,
+    interleaved_rounds,
+    medians,
+    paired,
+    set_devices,
+    table,
+)
 
 
 def measure(n: int, quick: bool) -> dict:
@@ -39,13 +46,15 @@ def measure(n: int, quick: bool) -> dict:
                 jax.debug.callback(lambda *a: None, loss, lax.axis_index("i"))
             elif kind == "floor":
                 # Both taps send coords, the step (-1) and n stacked scalars.
-                floor_callback("i", lax.axis_index("i")[None], jnp.int32(-1),
-                               jnp.broadcast_to(loss, (n,)))
+                floor_callback(
+                    "i", lax.axis_index("i")[None], jnp.int32(-1), jnp.broadcast_to(loss, (n,))
+                )
             elif kind == "replicated":
                 pmaptap.tap(loss, "rep", dedup="replicated")
             elif kind == "per_device":
                 pmaptap.tap(jnp.sum(y), "per", dedup="per_device")
             return y
+
         f = jax.pmap(body, axis_name="i")
 
         def go():
@@ -57,6 +66,7 @@ def measure(n: int, quick: bool) -> dict:
                 s.flush()
             else:
                 jax.effects_barrier()
+
         return go
 
     kinds = ("base", "raw", "floor", "replicated", "per_device")
@@ -74,20 +84,44 @@ def run(quick: bool = False) -> list[tuple]:
     counts = (1, 2, 4) if quick else (1, 2, 4, 8, 16, 32)
     rows = []
     for n in counts:
-        out = subprocess.run([sys.executable, __file__, "--child", str(n)]
-                             + (["--quick"] if quick else []),
-                             capture_output=True, text=True, timeout=900)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(n)] + (["--quick"] if quick else []),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if out.returncode != 0:
             raise RuntimeError(out.stderr)
         m = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append((n, f"{m['raw']:.3f}", f"{m['floor']:.3f}", f"{m['replicated']:.3f}",
-                     f"{m['per_device']:.3f}",
-                     f"{m['replicated/raw']:.2f}x / {m['replicated/floor']:.2f}x",
-                     f"{m['per_device/raw']:.2f}x / {m['per_device/floor']:.2f}x"))
-    print("g. added ms per step (scalar taps, pmap); ratios (paired per round) against "
-          "the raw per-device callback / against the floor (1 raw callback from 1 device)")
-    print(table(rows, ("devices", "raw callback", "floor", "replicated tap", "per_device tap",
-                       "replicated: to raw / to floor", "per_device: to raw / to floor")))
+        rows.append(
+            (
+                n,
+                f"{m['raw']:.3f}",
+                f"{m['floor']:.3f}",
+                f"{m['replicated']:.3f}",
+                f"{m['per_device']:.3f}",
+                f"{m['replicated/raw']:.2f}x / {m['replicated/floor']:.2f}x",
+                f"{m['per_device/raw']:.2f}x / {m['per_device/floor']:.2f}x",
+            )
+        )
+    print(
+        "g. added ms per step (scalar taps, pmap); ratios (paired per round) against "
+        "the raw per-device callback / against the floor (1 raw callback from 1 device)"
+    )
+    print(
+        table(
+            rows,
+            (
+                "devices",
+                "raw callback",
+                "floor",
+                "replicated tap",
+                "per_device tap",
+                "replicated: to raw / to floor",
+                "per_device: to raw / to floor",
+            ),
+        )
+    )
     return rows
 
 

@@ -4,6 +4,7 @@
 either), and the step of ``launch/train.py --variant jit`` with its taps
 against the same step untapped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,25 +19,27 @@ for p in (ROOT, os.path.join(ROOT, "launch")):
 from benchmarks.common import interleaved, machine, ratio, set_devices, table  # noqa: E402
 
 DEVICES = 8
-ROWS, COLS = 64, 128          # float32 activation: 4 KiB per shard on 4x2
+ROWS, COLS = 64, 128  # float32 activation: 4 KiB per shard on 4x2
 
 
 def run(quick: bool = False) -> list[tuple]:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import train
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import pmaptap
-    import train
 
     rounds, steps = (3, 5) if quick else (15, 40)
     tmp = tempfile.mkdtemp(prefix="pmaptap-bench-")
     session = pmaptap.Session(os.path.join(tmp, "bench.jsonl"), run="bench").open()
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    x = jax.device_put(jnp.linspace(0.0, 1.0, ROWS * COLS, dtype=jnp.float32)
-                       .reshape(ROWS, COLS), NamedSharding(mesh, P("data", "model")))
+    x = jax.device_put(
+        jnp.linspace(0.0, 1.0, ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS),
+        NamedSharding(mesh, P("data", "model")),
+    )
 
     def noop(*_):
         return None
@@ -50,6 +53,7 @@ def run(quick: bool = False) -> list[tuple]:
             elif kind == "tap":
                 pmaptap.tap(y, "act", dedup="per_device")
             return y
+
         return step
 
     def arm(fn, flush):
@@ -62,10 +66,14 @@ def run(quick: bool = False) -> list[tuple]:
                 session.flush()
             else:
                 jax.effects_barrier()
+
         return go
 
-    tap_med = interleaved({k: arm(make(k), flush=k == "tap")
-                           for k in ("base", "raw", "tap")}, rounds=rounds, steps=steps)
+    tap_med = interleaved(
+        {k: arm(make(k), flush=k == "tap") for k in ("base", "raw", "tap")},
+        rounds=rounds,
+        steps=steps,
+    )
 
     # The --variant jit training step: 1-D "data" mesh, params replicated.
     dmesh = Mesh(np.array(jax.devices()), ("data",))
@@ -74,8 +82,10 @@ def run(quick: bool = False) -> list[tuple]:
     xs, ys = zip(*(train.make_batch(0, 0, k, 8) for k in range(DEVICES)))
     bx = jax.device_put(np.concatenate(xs), shd)
     by = jax.device_put(np.concatenate(ys), shd)
-    fns = {name: jax.jit(train.make_jit_step(0.05, 1000, DEVICES, taps=name == "tapped"))
-           for name in ("untapped", "tapped")}
+    fns = {
+        name: jax.jit(train.make_jit_step(0.05, 1000, DEVICES, taps=name == "tapped"))
+        for name in ("untapped", "tapped")
+    }
 
     def train_arm(name):
         def go():
@@ -85,6 +95,7 @@ def run(quick: bool = False) -> list[tuple]:
             loss.block_until_ready()
             if name == "tapped":
                 session.flush()
+
         return go
 
     train_med = interleaved({k: train_arm(k) for k in fns}, rounds=rounds, steps=steps)
@@ -92,19 +103,28 @@ def run(quick: bool = False) -> list[tuple]:
 
     t = tap_med
     rows = [
-        ("i. per-shard tap under jit", "raw partitioned callback",
-         f"{t['tap']*1e3:.3f}", f"{t['raw']*1e3:.3f}",
-         f"{ratio(t, 'tap', 'raw', 'base'):.2f}x",
-         f"8 shards of {ROWS // 4}x{COLS // 2} f32, per_device records"),
-        ("i. --variant jit step, tapped", "same step untapped",
-         f"{train_med['tapped']*1e3:.3f}", f"{train_med['untapped']*1e3:.3f}",
-         f"{train_med['tapped'] / train_med['untapped']:.2f}x step time",
-         "loss + 8 grad norms + 8 activation shards"),
+        (
+            "i. per-shard tap under jit",
+            "raw partitioned callback",
+            f"{t['tap'] * 1e3:.3f}",
+            f"{t['raw'] * 1e3:.3f}",
+            f"{ratio(t, 'tap', 'raw', 'base'):.2f}x",
+            f"8 shards of {ROWS // 4}x{COLS // 2} f32, per_device records",
+        ),
+        (
+            "i. --variant jit step, tapped",
+            "same step untapped",
+            f"{train_med['tapped'] * 1e3:.3f}",
+            f"{train_med['untapped'] * 1e3:.3f}",
+            f"{train_med['tapped'] / train_med['untapped']:.2f}x step time",
+            "loss + 8 grad norms + 8 activation shards",
+        ),
     ]
-    print(f"jit over {DEVICES} devices (4x2 mesh); no-callback step "
-          f"{t['base']*1e3:.3f} ms; {machine()}")
-    print(table(rows, ("arm", "against", "arm ms/step", "raw ms/step",
-                       "ratio", "note")))
+    print(
+        f"jit over {DEVICES} devices (4x2 mesh); no-callback step "
+        f"{t['base'] * 1e3:.3f} ms; {machine()}"
+    )
+    print(table(rows, ("arm", "against", "arm ms/step", "raw ms/step", "ratio", "note")))
     return rows
 
 

@@ -11,6 +11,7 @@ carrying the same payload as pmaptap's one callback (coordinates, the four
 steps, the eight copies of each value). The tapped step is restated against
 the floor: step time over the floor's, and added cost (over the untapped
 step) over the floor's, both paired per round."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "launch")):
     if p not in sys.path:
         sys.path.insert(0, p)
-from benchmarks.common import (floor_callback, interleaved_rounds, machine,  # noqa: E402
-                               medians, paired, set_devices, table)
+from benchmarks.common import (  # noqa: E402
+    floor_callback,
+    interleaved_rounds,
+    machine,
+    medians,
+    paired,
+    set_devices,
+    table,
+)
 
 DEVICES = 8
 
@@ -32,10 +40,10 @@ def run(quick: bool = False) -> list[tuple]:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import train
     from jax import lax
 
     import pmaptap
-    import train
 
     rounds, steps = (3, 5) if quick else (15, 40)
     tmp = tempfile.mkdtemp(prefix="pmaptap-train-")
@@ -46,41 +54,48 @@ def run(quick: bool = False) -> list[tuple]:
         # from one device, with the arrays pmaptap's grouped callback carries
         # (built by broadcasting: the floor has no collective).
         vals = []
-        out = train.make_step("dp", 0.05, 1000, mark_varying=False,
-                              tap=lambda v, *a, **k: vals.append(v))(params, x, y, step)
+        out = train.make_step(
+            "dp", 0.05, 1000, mark_varying=False, tap=lambda v, *a, **k: vals.append(v)
+        )(params, x, y, step)
         stacked = [jnp.broadcast_to(v, (DEVICES,) + jnp.shape(v)) for v in vals]
         floor_callback("dp", lax.axis_index("dp")[None], *([step] * len(vals)), *stacked)
         return out
 
     # (label, hidden, batch/device, every, where every is decided, floor row)
-    configs = [("demo step (hidden 32, batch 8/device)", 32, 8, 1, "", True),
-               ("demo step, --tap-every 10 (untapped steps between)", 32, 8, 10,
-                "host", False),
-               ("demo step, every=10 decided on device", 32, 8, 10, "device", False)]
+    configs = [
+        ("demo step (hidden 32, batch 8/device)", 32, 8, 1, "", True),
+        ("demo step, --tap-every 10 (untapped steps between)", 32, 8, 10, "host", False),
+        ("demo step, every=10 decided on device", 32, 8, 10, "device", False),
+    ]
     if not quick:
-        configs += [("--hidden 1024, batch 1024/device", 1024, 1024, 1, "", True),
-                    ("--hidden 2048, batch 1024/device", 2048, 1024, 1, "", True)]
+        configs += [
+            ("--hidden 1024, batch 1024/device", 1024, 1024, 1, "", True),
+            ("--hidden 2048, batch 1024/device", 2048, 1024, 1, "", True),
+        ]
     rows = []
     for label, hidden, batch, every, where, with_floor in configs:
         # Fewer steps per round for the slow step: about 1 s per arm-round.
         n_steps = steps if hidden < 2048 else max(1, steps // 4)
-        params = jax.tree.map(lambda a: np.stack([a] * DEVICES),
-                              train.init_params(0, hidden))
+        params = jax.tree.map(lambda a: np.stack([a] * DEVICES), train.init_params(0, hidden))
         shards = [train.make_batch(0, 0, k, batch) for k in range(DEVICES)]
         x = np.stack([s[0] for s in shards])
         y = np.stack([s[1] for s in shards])
 
         def pmapped(body):
             return jax.pmap(body, axis_name="dp", in_axes=(0, 0, 0, None))
+
         plain = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False, taps=False))
         if where == "host":
             # launch/train.py --tap-every: a tapped and an untapped compilation
-            loud, quiet = map(pmapped, train.tapped_and_quiet(
-                train.make_body("dp", 0.05, 1000, mark_varying=False), every))
+            loud, quiet = map(
+                pmapped,
+                train.tapped_and_quiet(
+                    train.make_body("dp", 0.05, 1000, mark_varying=False), every
+                ),
+            )
             tapped = lambda s, loud=loud, quiet=quiet: loud if s % every == 0 else quiet
         else:
-            fn = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False,
-                                         every=every))
+            fn = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False, every=every))
             tapped = lambda s, fn=fn: fn
         pick = {"untapped": lambda s: plain, "tapped": tapped}
         if with_floor:
@@ -90,8 +105,7 @@ def run(quick: bool = False) -> list[tuple]:
         for name, choose in pick.items():
             state = {"p": params, "step": 0}
 
-            def go(choose=choose, state=state, is_tapped=name == "tapped",
-                   n_steps=n_steps):
+            def go(choose=choose, state=state, is_tapped=name == "tapped", n_steps=n_steps):
                 loss = None
                 for _ in range(n_steps):
                     s = state["step"] % 1000
@@ -102,27 +116,59 @@ def run(quick: bool = False) -> list[tuple]:
                     session.flush()
                 else:
                     jax.effects_barrier()
+
             arms[name] = go
         times = interleaved_rounds(arms, rounds=rounds, steps=n_steps)
         med = medians(times)
         to_floor = "-"
         if with_floor:
-            to_floor = (f"{paired(times, 'tapped', 'floor'):.2f}x step, "
-                        f"{paired(times, 'tapped', 'floor', 'untapped'):.2f}x added")
-        rows.append((f"f. {label}", f"{med['tapped'] * 1e3:.3f}",
-                     f"{med['untapped'] * 1e3:.3f}",
-                     f"{paired(times, 'tapped', 'untapped'):.2f}x", to_floor, "<= 1.10x"))
+            to_floor = (
+                f"{paired(times, 'tapped', 'floor'):.2f}x step, "
+                f"{paired(times, 'tapped', 'floor', 'untapped'):.2f}x added"
+            )
+        rows.append(
+            (
+                f"f. {label}",
+                f"{med['tapped'] * 1e3:.3f}",
+                f"{med['untapped'] * 1e3:.3f}",
+                f"{paired(times, 'tapped', 'untapped'):.2f}x",
+                to_floor,
+                "<= 1.10x",
+            )
+        )
         if with_floor:
-            rows.append(("   floor: 1 raw callback from 1 device, same step",
-                         f"{med['floor'] * 1e3:.3f}", f"{med['untapped'] * 1e3:.3f}",
-                         f"{paired(times, 'floor', 'untapped'):.2f}x", "1", "(JAX's minimum)"))
+            rows.append(
+                (
+                    "   floor: 1 raw callback from 1 device, same step",
+                    f"{med['floor'] * 1e3:.3f}",
+                    f"{med['untapped'] * 1e3:.3f}",
+                    f"{paired(times, 'floor', 'untapped'):.2f}x",
+                    "1",
+                    "(JAX's minimum)",
+                )
+            )
     session.close()
-    print(f"launch/train.py step, pmap over {DEVICES} devices, taps: loss, lr, step "
-          f"(replicated), grad_norm (per_device) in one pmaptap.group(); {machine()}")
-    print("ratios paired per round; to floor: the tapped step over the floor step, and "
-          "its added cost over the floor's (both over the untapped step)")
-    print(table(rows, ("arm", "tapped ms/step", "untapped ms/step", "ratio to untapped",
-                       "ratio to floor", "target")))
+    print(
+        f"launch/train.py step, pmap over {DEVICES} devices, taps: loss, lr, step "
+        f"(replicated), grad_norm (per_device) in one pmaptap.group(); {machine()}"
+    )
+    print(
+        "ratios paired per round; to floor: the tapped step over the floor step, and "
+        "its added cost over the floor's (both over the untapped step)"
+    )
+    print(
+        table(
+            rows,
+            (
+                "arm",
+                "tapped ms/step",
+                "untapped ms/step",
+                "ratio to untapped",
+                "ratio to floor",
+                "target",
+            ),
+        )
+    )
     return rows
 
 

@@ -10,6 +10,7 @@ The payloads are fed at the callback hand-off (``Pipeline.ingest``), exactly
 what a host callback delivers, so the numbers measure pmaptap's host side
 without XLA's per-callback cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,13 @@ lock.release()
 
 def _spawn(code: str, **env: str) -> subprocess.Popen:
     e = dict(os.environ, ROOT=ROOT, JAX_PLATFORMS="cpu", **env)
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=e,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(p: subprocess.Popen, timeout: float) -> dict:
@@ -118,21 +124,24 @@ def _count(path: str) -> dict[str, list[int]]:
 
 def writers(n: int, procs: int, tmp: str, tag: str, mode: str = "rate") -> dict:
     path, go = os.path.join(tmp, f"{tag}.jsonl"), os.path.join(tmp, f"{tag}.go")
-    ps = [_spawn(_WORKER, N=str(n), TAP=path, GO=go, WID=str(w), MODE=mode)
-          for w in range(procs)]
+    ps = [_spawn(_WORKER, N=str(n), TAP=path, GO=go, WID=str(w), MODE=mode) for w in range(procs)]
     for p in ps:
         assert p.stdout.readline().strip() == "ready"
     open(go, "w").close()
     res = [_result(p, 900) for p in ps]
     steps = _count(path)
-    for w in range(procs):        # exact counts, no loss, no duplicates
+    for w in range(procs):  # exact counts, no loss, no duplicates
         got = sorted(steps.get(f"w{w}", []))
         if got != list(range(n)):
             raise AssertionError(f"writer {w}: {len(got)} records, expected {n}")
-    return {"rates": [r["rate"] for r in res], "lines": sum(map(len, steps.values())),
-            # all processes together: every record over the slowest's time
-            "total_rate": n * procs / max(r["seconds"] for r in res),
-            "rss0": res[0]["rss0"], "peak": res[0]["peak"]}
+    return {
+        "rates": [r["rate"] for r in res],
+        "lines": sum(map(len, steps.values())),
+        # all processes together: every record over the slowest's time
+        "total_rate": n * procs / max(r["seconds"] for r in res),
+        "rss0": res[0]["rss0"],
+        "peak": res[0]["peak"],
+    }
 
 
 def flood(n: int, bound: int, tmp: str) -> dict:
@@ -140,8 +149,9 @@ def flood(n: int, bound: int, tmp: str) -> dict:
     os.makedirs(tmp, exist_ok=True)
     holder = _spawn(_HOLDER, TAP=path, RELEASE=release)
     assert holder.stdout.readline().strip() == "locked"
-    w = _spawn(_WORKER, N=str(n), TAP=path, WID="0", MODE="flood", BOUND=str(bound),
-               RELEASE=release)
+    w = _spawn(
+        _WORKER, N=str(n), TAP=path, WID="0", MODE="flood", BOUND=str(bound), RELEASE=release
+    )
     res = _result(w, 900)
     holder.wait(60)
     lines = sum(1 for _ in open(path, "rb"))
@@ -159,25 +169,48 @@ def run(quick: bool = False) -> list[tuple]:
     sink1 = writers(n, 1, tmp, "sink1", mode="sink")
     sink8 = writers(n // (4 if quick else 8), 8, tmp, "sink8", mode="sink")
     mem = writers(20_000 if quick else 1_000_000, 1, tmp, "million")
-    fl = flood(20_000 if quick else 1_000_000, 10_000 if quick else 100_000,
-               os.path.join(tmp, "flood"))
+    fl = flood(
+        20_000 if quick else 1_000_000, 10_000 if quick else 100_000, os.path.join(tmp, "flood")
+    )
     rows = [
-        ("e. writer, 1 process", f"{sink1['rates'][0]:,.0f} rec/s", ">= 100,000 rec/s",
-         f"{sink1['lines']:,} lines, exact"),
-        ("e. writer, 8 processes, one file", f"{min(sink8['rates']):,.0f} rec/s (slowest)",
-         ">= 100,000 rec/s per process",
-         f"{sink8['lines']:,} lines, exact; together {sink8['total_rate']:,.0f} rec/s"),
-        ("e. whole host pipeline, 1 process", f"{one['rates'][0]:,.0f} rec/s", "-",
-         f"{one['lines']:,} lines, exact"),
-        ("e. whole host pipeline, 8 processes", f"{min(eight['rates']):,.0f} rec/s (slowest)",
-         "-", f"{eight['lines']:,} lines, exact; together {eight['total_rate']:,.0f} rec/s"),
+        (
+            "e. writer, 1 process",
+            f"{sink1['rates'][0]:,.0f} rec/s",
+            ">= 100,000 rec/s",
+            f"{sink1['lines']:,} lines, exact",
+        ),
+        (
+            "e. writer, 8 processes, one file",
+            f"{min(sink8['rates']):,.0f} rec/s (slowest)",
+            ">= 100,000 rec/s per process",
+            f"{sink8['lines']:,} lines, exact; together {sink8['total_rate']:,.0f} rec/s",
+        ),
+        (
+            "e. whole host pipeline, 1 process",
+            f"{one['rates'][0]:,.0f} rec/s",
+            "-",
+            f"{one['lines']:,} lines, exact",
+        ),
+        (
+            "e. whole host pipeline, 8 processes",
+            f"{min(eight['rates']):,.0f} rec/s (slowest)",
+            "-",
+            f"{eight['lines']:,} lines, exact; together {eight['total_rate']:,.0f} rec/s",
+        ),
     ]
     rows += [
-        (f"h. RSS, {mem['lines']:,} records", f"{mem['peak'] - mem['rss0']:+.0f} MiB over start",
-         "bounded", f"peak {mem['peak']:.0f} MiB"),
-        (f"h. RSS, flood of {fl['lines'] - 1:,}+ under a held lock",
-         f"{fl['peak'] - fl['rss0']:+.0f} MiB over start", "bounded",
-         f"{fl['dropped_reported']:,} dropped (drop_oldest), all counted in the file"),
+        (
+            f"h. RSS, {mem['lines']:,} records",
+            f"{mem['peak'] - mem['rss0']:+.0f} MiB over start",
+            "bounded",
+            f"peak {mem['peak']:.0f} MiB",
+        ),
+        (
+            f"h. RSS, flood of {fl['lines'] - 1:,}+ under a held lock",
+            f"{fl['peak'] - fl['rss0']:+.0f} MiB over start",
+            "bounded",
+            f"{fl['dropped_reported']:,} dropped (drop_oldest), all counted in the file",
+        ),
     ]
     print(f"writer: {machine()}")
     print(table(rows, ("arm", "measured", "target", "check")))

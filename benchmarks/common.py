@@ -3,6 +3,7 @@ arms interleaved round by round, medians over rounds, and ratios of *added*
 cost (arm minus the no-callback baseline) against a raw jax.debug.callback
 arm and against the floor (``floor_callback``) measured in the same run,
 paired per round."""
+
 from __future__ import annotations
 
 import os
@@ -17,27 +18,31 @@ def set_devices(n: int) -> None:
     """Must run before jax is imported."""
     if "jax" in sys.modules:
         raise RuntimeError("set_devices() must be called before importing jax")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if "force_host_platform_device_count" not in f]
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if "force_host_platform_device_count" not in f
+    ]
     flags.append(f"--xla_force_host_platform_device_count={n}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def interleaved_rounds(arms: dict[str, Callable[[], None]], *, rounds: int,
-                       steps: int) -> dict[str, list[float]]:
+def interleaved_rounds(
+    arms: dict[str, Callable[[], None]], *, rounds: int, steps: int
+) -> dict[str, list[float]]:
     """Seconds per step of each arm, one entry per round. Each call of an arm
     runs `steps` steps and must wait for their completion (including host
     callbacks). Arms run interleaved, in alternating order, so entry r of
     every arm saw about the same load on the machine: ratios taken per round
     (``paired``) cancel most of a shared machine's drift."""
-    for fn in arms.values():          # warm up: compile, first file writes
+    for fn in arms.values():  # warm up: compile, first file writes
         fn()
     times: dict[str, list[float]] = {k: [] for k in arms}
     for r in range(rounds):
         order = list(arms.items())
         if r % 2:
-            order.reverse()           # no arm always runs after the same one
+            order.reverse()  # no arm always runs after the same one
         for name, fn in order:
             t0 = time.perf_counter()
             fn()
@@ -45,8 +50,9 @@ def interleaved_rounds(arms: dict[str, Callable[[], None]], *, rounds: int,
     return times
 
 
-def interleaved(arms: dict[str, Callable[[], None]], *, rounds: int,
-                steps: int) -> dict[str, float]:
+def interleaved(
+    arms: dict[str, Callable[[], None]], *, rounds: int, steps: int
+) -> dict[str, float]:
     """Median seconds per step of each arm (see ``interleaved_rounds``)."""
     return medians(interleaved_rounds(arms, rounds=rounds, steps=steps))
 
@@ -62,8 +68,7 @@ def ratio(med: dict[str, float], arm: str, raw: str, base: str) -> float:
     return (med[arm] - med[base]) / added_raw
 
 
-def paired(times: dict[str, list[float]], arm: str, ref: str,
-           base: str | None = None) -> float:
+def paired(times: dict[str, list[float]], arm: str, ref: str, base: str | None = None) -> float:
     """Median over rounds of the per-round ratio of ``arm`` to ``ref``: of
     their added costs over ``base`` when given (rounds where ``ref`` added
     nothing are left out), else of their step times."""
@@ -89,8 +94,11 @@ def floor_callback(axis: str, *payload, when=None) -> None:
     from jax import lax
 
     first = lax.axis_index(axis) == 0
-    lax.cond(first if when is None else first & when,
-             lambda: jax.debug.callback(_nothing, *payload), lambda: None)
+    lax.cond(
+        first if when is None else first & when,
+        lambda: jax.debug.callback(_nothing, *payload),
+        lambda: None,
+    )
 
 
 def _nothing(*_) -> None:
@@ -99,9 +107,12 @@ def _nothing(*_) -> None:
 
 def machine() -> str:
     import jax
-    return (f"{platform.machine()} {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}, JAX {jax.__version__}, "
-            f"{jax.default_backend()} backend")
+
+    return (
+        f"{platform.machine()} {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, JAX {jax.__version__}, "
+        f"{jax.default_backend()} backend"
+    )
 
 
 def table(rows: list[tuple], header: tuple) -> str:

@@ -26,6 +26,7 @@ Run it alone, under the local launcher, or on a cluster (launch/README.md):
 
 At the end process 0 prints a summary of this run's records.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,50 +54,73 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
     p.add_argument("--batch-per-device", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lock", choices=("flock", "soft"), default="flock",
-                   help="'soft' when --out is on NFS/Lustre (launch/README.md)")
-    p.add_argument("--layout", choices=("auto", "file", "sharded"), default="auto",
-                   help="one shared file, one file per process (path.d/), or "
-                        "chosen by process count")
+    p.add_argument(
+        "--lock",
+        choices=("flock", "soft"),
+        default="flock",
+        help="'soft' when --out is on NFS/Lustre (launch/README.md)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("auto", "file", "sharded"),
+        default="auto",
+        help="one shared file, one file per process (path.d/), or chosen by process count",
+    )
     p.add_argument("--run", default=None, help="run id (default: agreed)")
-    p.add_argument("--log-every", type=int, default=5,
-                   help="print the loss every N steps")
-    p.add_argument("--tap-every", type=int, default=1,
-                   help="record the taps on steps where step %% N == 0 (the "
-                        "other steps run an untapped compilation)")
-    p.add_argument("--hidden", type=int, default=HIDDEN,
-                   help="width of the hidden layer (the step's cost)")
+    p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
+    p.add_argument(
+        "--tap-every",
+        type=int,
+        default=1,
+        help="record the taps on steps where step %% N == 0 (the "
+        "other steps run an untapped compilation)",
+    )
+    p.add_argument(
+        "--hidden", type=int, default=HIDDEN, help="width of the hidden layer (the step's cost)"
+    )
     p.add_argument("--no-summary", action="store_true")
-    p.add_argument("--ckpt", default=None, metavar="DIR",
-                   help="checkpoint directory: resume from DIR/ckpt.npz if it "
-                        "exists (and resume the tap run: Session(resume=True))")
-    p.add_argument("--ckpt-every", type=int, default=10, metavar="N",
-                   help="with --ckpt: save the parameters every N steps")
-    p.add_argument("--die-at", type=int, default=None, metavar="STEP",
-                   help="fault injection for demos and tests: on the first "
-                        "attempt, the last process SIGKILLs itself before STEP")
+    p.add_argument(
+        "--ckpt",
+        default=None,
+        metavar="DIR",
+        help="checkpoint directory: resume from DIR/ckpt.npz if it "
+        "exists (and resume the tap run: Session(resume=True))",
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="with --ckpt: save the parameters every N steps",
+    )
+    p.add_argument(
+        "--die-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="fault injection for demos and tests: on the first "
+        "attempt, the last process SIGKILLs itself before STEP",
+    )
     args = p.parse_args(argv)
     if args.ckpt_every < 1:
         p.error("--ckpt-every must be >= 1")
-    if min(args.steps, args.batch_per_device, args.tap_every, args.hidden,
-           args.log_every) < 1:
-        p.error("--steps, --batch-per-device, --tap-every, --hidden and "
-                "--log-every must be >= 1")
+    if min(args.steps, args.batch_per_device, args.tap_every, args.hidden, args.log_every) < 1:
+        p.error("--steps, --batch-per-device, --tap-every, --hidden and --log-every must be >= 1")
     return args
 
 
 # ---------------------------------------------------------------- model
 
+
 def init_params(seed: int, hidden: int = HIDDEN) -> dict[str, Any]:
     """Same seed on every process, so the replicas start identical."""
     import numpy as np
+
     rng = np.random.default_rng(seed)
     return {
-        "w1": (rng.standard_normal((FEATURES, hidden)) / math.sqrt(FEATURES)
-               ).astype(np.float32),
+        "w1": (rng.standard_normal((FEATURES, hidden)) / math.sqrt(FEATURES)).astype(np.float32),
         "b1": np.zeros(hidden, np.float32),
-        "w2": (rng.standard_normal((hidden, 1)) / math.sqrt(hidden)
-               ).astype(np.float32),
+        "w2": (rng.standard_normal((hidden, 1)) / math.sqrt(hidden)).astype(np.float32),
         "b2": np.zeros(1, np.float32),
     }
 
@@ -105,6 +129,7 @@ def make_batch(seed: int, step: int, device_index: int, n: int):
     """Synthetic regression data for one device's shard of a step: a fixed
     random teacher, fresh inputs per (step, global device index)."""
     import numpy as np
+
     teacher = np.random.default_rng(seed + 1).standard_normal((FEATURES, 1))
     rng = np.random.default_rng([seed, step, device_index])
     x = rng.standard_normal((n, FEATURES)).astype(np.float32)
@@ -115,6 +140,7 @@ def make_batch(seed: int, step: int, device_index: int, n: int):
 def loss_fn(params, x, y):
     """Mean squared error of a one-hidden-layer tanh MLP."""
     import jax.numpy as jnp
+
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     pred = h @ params["w2"] + params["b2"]
     return jnp.mean((pred - y) ** 2)
@@ -123,12 +149,14 @@ def loss_fn(params, x, y):
 def grad_norm(grads) -> Any:
     import jax
     import jax.numpy as jnp
+
     return jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
 
 
 def schedule(step, peak: float, total: int):
     """Linear warm-up over 10% of the steps, then cosine decay (on device)."""
     import jax.numpy as jnp
+
     warm = max(1, total // 10)
     s = step.astype(jnp.float32)
     up = peak * (s + 1) / warm
@@ -137,8 +165,9 @@ def schedule(step, peak: float, total: int):
     return jnp.where(s < warm, up, down)
 
 
-def make_body(axis: str, peak_lr: float, total: int, *,
-              mark_varying: bool, taps: bool = True, every: int = 1) -> Callable:
+def make_body(
+    axis: str, peak_lr: float, total: int, *, mark_varying: bool, taps: bool = True, every: int = 1
+) -> Callable:
     """One training step as seen by one device, for pmap and shard_map:
     ``make_step`` tapped with pmaptap (or not: benchmarks/bench_train.py
     times the same step untapped). ``every``: record steps where
@@ -147,8 +176,13 @@ def make_body(axis: str, peak_lr: float, total: int, *,
 
     import pmaptap
 
-    step_fn = make_step(axis, peak_lr, total, mark_varying=mark_varying,
-                        tap=functools.partial(pmaptap.tap, every=every) if taps else None)
+    step_fn = make_step(
+        axis,
+        peak_lr,
+        total,
+        mark_varying=mark_varying,
+        tap=functools.partial(pmaptap.tap, every=every) if taps else None,
+    )
     if not taps:
         return step_fn
 
@@ -161,8 +195,9 @@ def make_body(axis: str, peak_lr: float, total: int, *,
     return body
 
 
-def make_step(axis: str, peak_lr: float, total: int, *, mark_varying: bool,
-              tap: Callable | None) -> Callable:
+def make_step(
+    axis: str, peak_lr: float, total: int, *, mark_varying: bool, tap: Callable | None
+) -> Callable:
     """The step itself; ``tap(value, name, step=, dedup=)`` is called with
     each value worth recording (None: no taps).
 
@@ -178,8 +213,7 @@ def make_step(axis: str, peak_lr: float, total: int, *, mark_varying: bool,
     def step_fn(params, x, y, step):
         local = params
         if mark_varying:
-            local = jax.tree.map(lambda p: lax.pcast(p, axis, to="varying"),
-                                 params)
+            local = jax.tree.map(lambda p: lax.pcast(p, axis, to="varying"), params)
         loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
         gnorm = grad_norm(grads)
         # Before pmean every device has its own gradient: one record each.
@@ -204,10 +238,12 @@ def tapped_and_quiet(body: Callable, tap_every: int) -> tuple[Callable, Callable
     tap (pmaptap.untapped): a computation holding a host callback takes
     JAX's slower dispatch path even when the callback does not fire."""
     import pmaptap
+
     return body, (pmaptap.untapped(body) if tap_every > 1 else body)
 
 
 # ---------------------------------------------------------------- checkpoints
+
 
 def ckpt_path(args: argparse.Namespace) -> str | None:
     return os.path.join(args.ckpt, "ckpt.npz") if args.ckpt else None
@@ -218,6 +254,7 @@ def start_params(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     else fresh. The parameters are replicated, so a checkpoint written by a
     job of one shape restores on another (an elastic restart)."""
     import numpy as np
+
     path = ckpt_path(args)
     if path and os.path.exists(path):
         with np.load(path) as z:
@@ -228,12 +265,14 @@ def start_params(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     return init_params(args.seed, args.hidden), 0
 
 
-def save_checkpoint(args: argparse.Namespace, host_params: Callable[[], dict],
-                    next_step: int) -> None:
+def save_checkpoint(
+    args: argparse.Namespace, host_params: Callable[[], dict], next_step: int
+) -> None:
     """Process 0 writes DIR/ckpt.npz atomically (a restart never reads half
     of one) after a step where ``next_step % --ckpt-every == 0``."""
     import jax
     import numpy as np
+
     path = ckpt_path(args)
     if not path or next_step % args.ckpt_every or jax.process_index() != 0:
         return
@@ -251,8 +290,12 @@ def maybe_die(args: argparse.Namespace, step: int) -> None:
     import jax
 
     import pmaptap
-    if args.die_at != step or os.environ.get("PMAPTAP_ATTEMPT", "0") not in ("", "0") \
-            or jax.process_index() != jax.process_count() - 1:
+
+    if (
+        args.die_at != step
+        or os.environ.get("PMAPTAP_ATTEMPT", "0") not in ("", "0")
+        or jax.process_index() != jax.process_count() - 1
+    ):
         return
     pmaptap.flush()
     log(f"process {jax.process_index()} dies at step {step}")
@@ -261,6 +304,7 @@ def maybe_die(args: argparse.Namespace, step: int) -> None:
 
 
 # ---------------------------------------------------------------- variants
+
 
 def train_pmap(args: argparse.Namespace) -> float:
     import jax
@@ -271,8 +315,10 @@ def train_pmap(args: argparse.Namespace) -> float:
     # process's k-th local device has global index first + k.
     first = jax.process_index() * n_local
     body = make_body("dp", args.lr, args.steps, mark_varying=False)
-    step_fn, quiet_fn = (jax.pmap(b, axis_name="dp", in_axes=(0, 0, 0, None))
-                         for b in tapped_and_quiet(body, args.tap_every))
+    step_fn, quiet_fn = (
+        jax.pmap(b, axis_name="dp", in_axes=(0, 0, 0, None))
+        for b in tapped_and_quiet(body, args.tap_every)
+    )
     # One copy of the parameters per local device (pmap's leading axis).
     start, first_step = start_params(args)
     params = jax.tree.map(lambda a: np.stack([a] * n_local), start)
@@ -280,14 +326,17 @@ def train_pmap(args: argparse.Namespace) -> float:
     with progress_bar(args) as bar:
         for step in range(first_step, args.steps):
             maybe_die(args, step)
-            shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
-                      for k in range(n_local)]
+            shards = [
+                make_batch(args.seed, step, first + k, args.batch_per_device)
+                for k in range(n_local)
+            ]
             x = np.stack([s[0] for s in shards])
             y = np.stack([s[1] for s in shards])
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
             params, losses = fn(params, x, y, np.int32(step))
-            save_checkpoint(args, lambda: {k: np.asarray(v[0]) for k, v in params.items()},
-                            step + 1)
+            save_checkpoint(
+                args, lambda: {k: np.asarray(v[0]) for k, v in params.items()}, step + 1
+            )
             if step % args.log_every == 0 or step == args.steps - 1:
                 loss = float(losses[0])
                 report(bar, step, loss)
@@ -298,6 +347,7 @@ def train_pmap(args: argparse.Namespace) -> float:
 def host_copy(params: dict[str, Any]) -> dict[str, Any]:
     """One replica of replicated global arrays, on the host."""
     import numpy as np
+
     return {k: np.asarray(v.addressable_data(0)) for k, v in params.items()}
 
 
@@ -318,9 +368,12 @@ def train_shard_map(args: argparse.Namespace) -> float:
         return jax.make_array_from_process_local_data(sharding, local)
 
     body = make_body("dp", args.lr, args.steps, mark_varying=True)
-    step_fn, quiet_fn = (jax.jit(jax.shard_map(
-        b, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), out_specs=(P(), P())))
-        for b in tapped_and_quiet(body, args.tap_every))
+    step_fn, quiet_fn = (
+        jax.jit(
+            jax.shard_map(b, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), out_specs=(P(), P()))
+        )
+        for b in tapped_and_quiet(body, args.tap_every)
+    )
     loss = math.nan
     # set_mesh makes the concrete mesh visible while tracing, so pmaptap can
     # name the exact device behind every coordinate.
@@ -330,8 +383,10 @@ def train_shard_map(args: argparse.Namespace) -> float:
         with progress_bar(args) as bar:
             for step in range(first_step, args.steps):
                 maybe_die(args, step)
-                shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
-                          for k in range(n_local)]
+                shards = [
+                    make_batch(args.seed, step, first + k, args.batch_per_device)
+                    for k in range(n_local)
+                ]
                 x = global_array(np.concatenate([s[0] for s in shards]), sharded)
                 y = global_array(np.concatenate([s[1] for s in shards]), sharded)
                 fn = step_fn if step % args.tap_every == 0 else quiet_fn
@@ -344,8 +399,7 @@ def train_shard_map(args: argparse.Namespace) -> float:
     return loss
 
 
-def make_jit_step(peak_lr: float, total: int, shards: int, *,
-                  taps: bool = True) -> Callable:
+def make_jit_step(peak_lr: float, total: int, shards: int, *, taps: bool = True) -> Callable:
     """The data-parallel step for plain jit (global arrays, GSPMD): the
     gradient is the mean of each data shard's gradient, computed with a
     vmap over the shards so that each shard's norm can be tapped where it
@@ -358,9 +412,8 @@ def make_jit_step(peak_lr: float, total: int, shards: int, *,
     def step_fn(params, x, y, step):
         xs = x.reshape(shards, -1, x.shape[-1])
         ys = y.reshape(shards, -1, y.shape[-1])
-        losses, grads = jax.vmap(jax.value_and_grad(loss_fn),
-                                 in_axes=(None, 0, 0))(params, xs, ys)
-        gnorms = jax.vmap(grad_norm)(grads)          # one per data shard
+        losses, grads = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
+        gnorms = jax.vmap(grad_norm)(grads)  # one per data shard
         loss = jnp.mean(losses)
         lr = schedule(step, peak_lr, total)
         if taps:
@@ -400,8 +453,10 @@ def train_jit(args: argparse.Namespace) -> float:
     with progress_bar(args) as bar:
         for step in range(first_step, args.steps):
             maybe_die(args, step)
-            shards = [make_batch(args.seed, step, first + k, args.batch_per_device)
-                      for k in range(n_local)]
+            shards = [
+                make_batch(args.seed, step, first + k, args.batch_per_device)
+                for k in range(n_local)
+            ]
             x = global_array(np.concatenate([s[0] for s in shards]), sharded)
             y = global_array(np.concatenate([s[1] for s in shards]), sharded)
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
@@ -416,10 +471,12 @@ def train_jit(args: argparse.Namespace) -> float:
 
 # ---------------------------------------------------------------- main
 
+
 def progress_bar(args: argparse.Namespace):
     """Process 0's progress bar (on a terminal, or PMAPTAP_PROGRESS=1, which
     the launcher sets when its own stderr is a terminal)."""
     from pmaptap.progress import Progress
+
     return Progress(total=args.steps, desc="train")
 
 
@@ -433,38 +490,44 @@ def report(bar, step: int, loss: float) -> None:
 
 def log(msg: str) -> None:
     import jax
+
     if jax.process_index() == 0:
         print(msg, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    mode = distributed.initialize()     # before any JAX computation
+    mode = distributed.initialize()  # before any JAX computation
     import jax
 
     import pmaptap
     from pmaptap.tapfile.summary import summary_table
 
-    log(f"pmaptap train: variant={args.variant} mode={mode} "
+    log(
+        f"pmaptap train: variant={args.variant} mode={mode} "
         f"processes={jax.process_count()} devices={jax.device_count()} "
-        f"({jax.local_device_count()} local) steps={args.steps}")
+        f"({jax.local_device_count()} local) steps={args.steps}"
+    )
     t0 = time.time()
     # A restarted attempt (the launcher's --restarts sets PMAPTAP_ATTEMPT) or
     # a job resuming from a checkpoint continues the tap run: its records of
     # replayed steps supersede the earlier attempt's.
     attempt = os.environ.get("PMAPTAP_ATTEMPT", "")
     resume = attempt not in ("", "0") or bool(
-        attempt == "" and ckpt_path(args) and os.path.exists(ckpt_path(args)))
-    with pmaptap.Session(args.out, run=args.run, lock=args.lock,
-                         resume=resume, layout=args.layout) as session:
-        train = {"pmap": train_pmap, "shard_map": train_shard_map,
-                 "jit": train_jit}[args.variant]
+        attempt == "" and ckpt_path(args) and os.path.exists(ckpt_path(args))
+    )
+    with pmaptap.Session(
+        args.out, run=args.run, lock=args.lock, resume=resume, layout=args.layout
+    ) as session:
+        train = {"pmap": train_pmap, "shard_map": train_shard_map, "jit": train_jit}[args.variant]
         train(args)
     # Leaving the block closed the session on every process (a coordinated
     # close): the file now holds every process's records.
-    log(f"done in {time.time() - t0:.1f}s; run {session.run}"
+    log(
+        f"done in {time.time() - t0:.1f}s; run {session.run}"
         + (f" (attempt {session.attempt})" if session.attempt else "")
-        + f" -> {args.out}")
+        + f" -> {args.out}"
+    )
     if jax.process_index() == 0 and not args.no_summary:
         records = [r for r in pmaptap.read(args.out) if r["run"] == session.run]
         print(summary_table(records), flush=True)

@@ -7,6 +7,7 @@ private packages: ``_trace`` (runs while JAX traces), ``_host`` (runs in the
 training process after the host callback) and ``tapfile`` (the record format
 and its readers, never JAX). docs/architecture.md draws the path of a value.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,6 +40,7 @@ def _package_version() -> str:
     # importlib.metadata costs more than the rest of `pmaptap --help`
     # (tens of ms): looked up on first use of __version__ only.
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("pmaptap")
     except PackageNotFoundError:  # a source tree on sys.path, not installed
@@ -56,7 +58,7 @@ def __getattr__(name: str) -> Any:
     obj = importlib.import_module(module)
     if attr is not None:
         obj = getattr(obj, attr)
-    globals()[name] = obj       # later look-ups skip __getattr__
+    globals()[name] = obj  # later look-ups skip __getattr__
     return obj
 
 
@@ -67,8 +69,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from pmaptap import host_callback
     from pmaptap._host.session import Session, active_session, flush
-    from pmaptap._trace.group import group
     from pmaptap._trace.grad import tap_grad
+    from pmaptap._trace.group import group
     from pmaptap._trace.options import configure, configured, options
     from pmaptap._trace.tap import tap
     from pmaptap._trace.untapped import untapped

@@ -1,4 +1,5 @@
 """``python -m pmaptap`` runs the ``pmaptap`` command (see cli.py)."""
+
 import sys
 
 from pmaptap.cli import main

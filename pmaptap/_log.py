@@ -17,6 +17,7 @@ configures logging (``basicConfig``, absl, a handler of its own), messages
 go there and only there, never twice. Standard library only: the reading
 side (``pmaptap/tapfile``) imports this too.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ class _Fallback(logging.Handler):
             return
         try:
             stream = sys.stderr
-            if stream is None:           # pythonw, or stderr closed at exit
+            if stream is None:  # pythonw, or stderr closed at exit
                 return
             stream.write(self.format(record) + "\n")
             stream.flush()
@@ -55,7 +56,7 @@ def _handled_elsewhere(logger: logging.Logger, me: logging.Handler) -> bool:
 
 def _install() -> None:
     if any(isinstance(h, _Fallback) for h in log.handlers):
-        return                           # a module reload
+        return  # a module reload
     handler = _Fallback()
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)

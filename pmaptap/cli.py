@@ -19,6 +19,7 @@ matches every process/device that held its value.
 Exit status: 0 success, 1 ``validate`` found problems, 2 usage or input
 errors (missing file, unknown tap, missing optional dependency).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,14 @@ if TYPE_CHECKING:  # pragma: no cover
 PROG = "pmaptap"
 
 
-
 # ------------------------------------------------------------------ helpers
+
 
 def _check_file(path: str) -> None:
     from pmaptap.tapfile import runs
+
     if runs.is_sharded(path):
-        return         # a sharded run (path.d/): read merged, as one file
+        return  # a sharded run (path.d/): read merged, as one file
     if not os.path.exists(path):
         raise CliError(f"no such file: {path}")
     if os.path.isdir(path):
@@ -56,26 +58,35 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
     bad = [(n, why) for n, why in bad if why != "empty line"]
     if bad:
         n, why = bad[0]
-        print(f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
-              f"line {n}: {why}); '{PROG} validate {path}' lists them",
-              file=sys.stderr)
+        print(
+            f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
+            f"line {n}: {why}); '{PROG} validate {path}' lists them",
+            file=sys.stderr,
+        )
 
 
 def _filter(args: argparse.Namespace) -> views.Filter:
     from pmaptap.tapfile import views
+
     try:
         steps = views.parse_steps(args.step) if args.step else (None, None)
     except ValueError as e:
         raise CliError(str(e)) from None
-    return views.Filter(names=tuple(args.name or ()), steps=steps,
-                        process=args.process, device=args.device, run=args.run,
-                        all_attempts=getattr(args, "all_attempts", False))
+    return views.Filter(
+        names=tuple(args.name or ()),
+        steps=steps,
+        process=args.process,
+        device=args.device,
+        run=args.run,
+        all_attempts=getattr(args, "all_attempts", False),
+    )
 
 
 def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
     """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
     is an error and an empty result is said, both listing what the file has."""
     from pmaptap.tapfile import views
+
     _check_file(path)
     picked, bad, names, runs = views.load_matching(path, flt)
     _report_skipped(bad, path, command)
@@ -88,19 +99,16 @@ def _present(values: set) -> str:
     return ", ".join(sorted(map(str, values))) or "(none)"
 
 
-def _no_match(command: str, path: str, flt: views.Filter, names: set,
-              runs: set) -> None:
+def _no_match(command: str, path: str, flt: views.Filter, names: set, runs: set) -> None:
     """Raise for a --name/--run the file does not have (as ``plot`` does);
     otherwise say on stderr that nothing matched, with what is there."""
     have = f"taps in this file: {_present(names)}; runs: {_present(runs)}"
     unknown = [n for n in flt.names if n not in names]
     if flt.names and len(unknown) == len(flt.names):
-        raise CliError(f"no records named {', '.join(map(repr, unknown))} in "
-                       f"{path}; {have}")
+        raise CliError(f"no records named {', '.join(map(repr, unknown))} in {path}; {have}")
     if flt.run is not None and flt.run not in runs:
         raise CliError(f"no run {flt.run!r} in {path}; {have}")
-    print(f"{PROG} {command}: no matching records in {path} ({have})",
-          file=sys.stderr)
+    print(f"{PROG} {command}: no matching records in {path} ({have})", file=sys.stderr)
 
 
 def _count(text: str) -> int:
@@ -116,6 +124,7 @@ def _count(text: str) -> int:
 
 def _print_table(entries: Sequence[views.Entry], width: int) -> None:
     from pmaptap.tapfile import views
+
     table = views.Table()
     rows = [views.row(e, width) for e in entries]
     table.fit(rows)
@@ -126,8 +135,10 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 
 # ------------------------------------------------------------------ commands
 
+
 def cmd_show(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import views
+
     flt = _filter(args)
     entries = _select(args.file, "show", flt)
     if args.limit:
@@ -144,6 +155,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.summary import summarize_file, summary_table
+
     flt = _filter(args)
     _check_file(args.file)
     summaries, bad, names, runs = summarize_file(args.file, flt)
@@ -157,33 +169,41 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.checks import validate_file
+
     _check_file(args.file)
     report = validate_file(args.file)
     shown = report.problems if not args.limit else report.problems[: args.limit]
     for line, why in shown:
         print(f"{args.file}:{line}: {why}")
     if len(shown) < len(report.problems):
-        print(f"... and {len(report.problems) - len(shown)} more "
-              "(--limit 0 lists all)")
-    note = (f"; {report.divergent_keys} divergent replicated step(s) "
-            "(data, not a file problem: see pmaptap summary)"
-            if report.divergent_keys else "")
+        print(f"... and {len(report.problems) - len(shown)} more (--limit 0 lists all)")
+    note = (
+        f"; {report.divergent_keys} divergent replicated step(s) "
+        "(data, not a file problem: see pmaptap summary)"
+        if report.divergent_keys
+        else ""
+    )
     if report.superseded:
-        note += (f"; {report.superseded} record(s) superseded by a later "
-                 "attempt (a resumed run's replayed steps; --all-attempts "
-                 "shows them)")
+        note += (
+            f"; {report.superseded} record(s) superseded by a later "
+            "attempt (a resumed run's replayed steps; --all-attempts "
+            "shows them)"
+        )
     if report.ok:
         print(f"{args.file}: OK, {report.records} records{note}")
         return 0
-    print(f"{args.file}: {len(report.problems)} problem(s) in {report.lines} "
-          f"lines, {report.records} valid records{note}")
+    print(
+        f"{args.file}: {len(report.problems)} problem(s) in {report.lines} "
+        f"lines, {report.records} valid records{note}"
+    )
     return 1
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.plot import PlotError, plot_tap
+
     flt = _filter(args)
-    flt.names = ()      # plot_tap picks the name and lists the others if absent
+    flt.names = ()  # plot_tap picks the name and lists the others if absent
     recs = [e.rec for e in _select(args.file, "plot", flt)]
     out = args.output or f"{args.name[0].replace('/', '_')}.png"
     try:
@@ -202,6 +222,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.parquet:
         return _export_parquet(args)
     from pmaptap.tapfile.export import write_csv
+
     flt = _filter(args)
     entries = _select(args.file, "export", flt)
     if args.csv == "-":
@@ -218,8 +239,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_tensorboard(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import tensorboard
+
     flt = _filter(args)
     from pmaptap.tapfile.runs import is_sharded
+
     if args.follow and not is_sharded(args.file):
         if not os.path.exists(args.file):
             print(f"{PROG} export: waiting for {args.file} to appear", file=sys.stderr)
@@ -231,8 +254,9 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
         raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
     try:
         if args.follow:
-            stats = tensorboard.follow(args.file, args.tensorboard, flt,
-                                       interval=args.interval, timeout=args.timeout)
+            stats = tensorboard.follow(
+                args.file, args.tensorboard, flt, interval=args.interval, timeout=args.timeout
+            )
         else:
             stats, bad = tensorboard.export(args.file, args.tensorboard, flt)
             _report_skipped(bad, args.file, "export")
@@ -246,6 +270,7 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
 
 def _export_parquet(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import frame
+
     flt = _filter(args)
     entries = _select(args.file, "export", flt)
     parent = os.path.dirname(os.path.abspath(args.parquet))
@@ -263,6 +288,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     """The last ``args.lines`` matching records, then with ``args.follow``
     every new one until a signal, the timeout or the count."""
     from pmaptap.tapfile.follow import open_follower
+
     if not args.follow:
         _check_file(args.file)
     elif not os.path.exists(args.file):
@@ -272,14 +298,15 @@ def cmd_tail(args: argparse.Namespace) -> int:
         return _tail(args, _filter(args), lf)
     finally:
         if lf.pending:
-            print(f"{PROG} tail: the last line is unterminated "
-                  f"({len(lf.pending)} bytes: being written, or torn)",
-                  file=sys.stderr)
+            print(
+                f"{PROG} tail: the last line is unterminated "
+                f"({len(lf.pending)} bytes: being written, or torn)",
+                file=sys.stderr,
+            )
         lf.close()
 
 
-def _tail(args: argparse.Namespace, flt: views.Filter,
-          lf: "LineFollower | RunFollower") -> int:
+def _tail(args: argparse.Namespace, flt: views.Filter, lf: "LineFollower | RunFollower") -> int:
     from pmaptap.tapfile.follow import follow, matching, on_stop_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.
@@ -295,8 +322,9 @@ def _tail(args: argparse.Namespace, flt: views.Filter,
     stop = threading.Event()
     restore = on_stop_signals(stop.set)
     try:
-        for batch in follow(lf, flt, stop=stop, interval=args.interval,
-                            timeout=args.timeout, report=report):
+        for batch in follow(
+            lf, flt, stop=stop, interval=args.interval, timeout=args.timeout, report=report
+        ):
             printer.emit(batch)
             if printer.done:
                 break
@@ -323,6 +351,7 @@ class _TailPrinter:
 
     def emit(self, entries: list[views.Entry]) -> None:
         from pmaptap.tapfile import views
+
         if self.max:
             entries = entries[: max(self.max - self.count, 0)]
         if not entries:
@@ -337,8 +366,7 @@ class _TailPrinter:
                 self.table = views.Table()
                 if self.follow:
                     # Room for rows not seen yet, so columns rarely shift.
-                    self.table.widths.update(line=6, name=10, step=6,
-                                             device=6, value=12)
+                    self.table.widths.update(line=6, name=10, step=6, device=6, value=12)
                 self.table.fit(rows)
                 print(self.table.header())
             for r in rows:
@@ -349,6 +377,7 @@ class _TailPrinter:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import merge
+
     if not args.follow:
         _check_file(args.file)
         try:
@@ -362,12 +391,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     def report(pos: int, problem: str) -> None:
         print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
+
     stop = threading.Event()
     restore = on_stop_signals(stop.set)
     try:
-        n = merge.merge_follow(args.file, args.output, stop=stop,
-                               interval=args.interval, timeout=args.timeout,
-                               report=report)
+        n = merge.merge_follow(
+            args.file,
+            args.output,
+            stop=stop,
+            interval=args.interval,
+            timeout=args.timeout,
+            report=report,
+        )
     except ValueError as e:
         raise CliError(str(e)) from None
     finally:
@@ -383,30 +418,40 @@ def cmd_launch(argv: list[str]) -> int:
         from pmaptap import launch
     except ImportError as e:
         if getattr(e, "name", None) not in ("pmaptap.launch", None):
-            raise          # the launcher exists but one of its imports failed
-        raise CliError("the launcher (pmaptap.launch) is not available in this "
-                       "installation") from None
+            raise  # the launcher exists but one of its imports failed
+        raise CliError(
+            "the launcher (pmaptap.launch) is not available in this installation"
+        ) from None
     rc = launch.main(argv)
     return int(rc or 0)
 
 
 # ------------------------------------------------------------------ parser
 
-def _add_filters(p: argparse.ArgumentParser, *, name_required: bool = False,
-                 attempts: bool = True) -> None:
+
+def _add_filters(
+    p: argparse.ArgumentParser, *, name_required: bool = False, attempts: bool = True
+) -> None:
     g = p.add_argument_group("filters")
-    g.add_argument("--name", action="append", required=name_required,
-                   metavar="NAME", help="tap name (repeat for several)")
-    g.add_argument("--step", metavar="A:B",
-                   help="step N, or inclusive range A:B, A: or :B")
+    g.add_argument(
+        "--name",
+        action="append",
+        required=name_required,
+        metavar="NAME",
+        help="tap name (repeat for several)",
+    )
+    g.add_argument("--step", metavar="A:B", help="step N, or inclusive range A:B, A: or :B")
     g.add_argument("--process", type=int, metavar="P", help="process index")
     g.add_argument("--device", type=int, metavar="D", help="jax Device.id")
     g.add_argument("--run", metavar="RUN", help="run id (a file may hold several)")
     if attempts:
-        g.add_argument("--all-attempts", action="store_true",
-                       help="a resumed run: also the records of replayed steps "
-                            "that a later attempt superseded (each has its "
-                            "'attempt'); by default only the latest attempt's")
+        g.add_argument(
+            "--all-attempts",
+            action="store_true",
+            help="a resumed run: also the records of replayed steps "
+            "that a later attempt superseded (each has its "
+            "'attempt'); by default only the latest attempt's",
+        )
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -416,27 +461,44 @@ def _add_output(p: argparse.ArgumentParser) -> None:
 
 def _add_export_targets(p: argparse.ArgumentParser) -> None:
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--csv", metavar="OUT",
-                        help="CSV file to write ('-' for stdout)")
-    target.add_argument("--parquet", metavar="OUT",
-                        help="Parquet file, one row per record (needs pyarrow)")
-    target.add_argument("--tensorboard", metavar="DIR",
-                        help="TensorBoard event files, one run per DIR/<run>/ "
-                             "(needs tensorboardX)")
+    target.add_argument("--csv", metavar="OUT", help="CSV file to write ('-' for stdout)")
+    target.add_argument(
+        "--parquet", metavar="OUT", help="Parquet file, one row per record (needs pyarrow)"
+    )
+    target.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="TensorBoard event files, one run per DIR/<run>/ (needs tensorboardX)",
+    )
     g = p.add_argument_group("--tensorboard --follow")
-    g.add_argument("-f", "--follow", action="store_true",
-                   help="with --tensorboard: keep converting what the job "
-                        "appends (Ctrl-C or SIGTERM stops, exit status 0)")
-    g.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="with --follow: stop after this many seconds")
-    g.add_argument("--interval", type=float, default=0.5, metavar="SECONDS",
-                   help="with --follow: seconds between polls (default 0.5)")
+    g.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="with --tensorboard: keep converting what the job "
+        "appends (Ctrl-C or SIGTERM stops, exit status 0)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="with --follow: stop after this many seconds",
+    )
+    g.add_argument(
+        "--interval",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="with --follow: seconds between polls (default 0.5)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Look at pmaptap tap files (JSON lines).",
-        epilog="Exit status: 0 ok, 1 validate found problems, 2 usage/input error.")
+        prog=PROG,
+        description="Look at pmaptap tap files (JSON lines).",
+        epilog="Exit status: 0 ok, 1 validate found problems, 2 usage/input error.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("show", help="aligned table of the matching records")
@@ -449,17 +511,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tail", help="last records; -f follows appends live")
     p.add_argument("file")
     _add_filters(p, attempts=False)
-    p.add_argument("-n", "--lines", type=_count, default=10,
-                   help="how many of the last matching records (default 10)")
-    p.add_argument("-f", "--follow", action="store_true",
-                   help="keep printing records as writers append them "
-                        "(Ctrl-C or SIGTERM stops, exit status 0)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="with -f: stop after this many seconds")
-    p.add_argument("--max-records", type=_count, default=0, metavar="N",
-                   help="stop after printing N records (initial ones included)")
-    p.add_argument("--interval", type=float, default=0.2,
-                   help="with -f: seconds between polls (default 0.2)")
+    p.add_argument(
+        "-n",
+        "--lines",
+        type=_count,
+        default=10,
+        help="how many of the last matching records (default 10)",
+    )
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing records as writers append them "
+        "(Ctrl-C or SIGTERM stops, exit status 0)",
+    )
+    p.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="with -f: stop after this many seconds"
+    )
+    p.add_argument(
+        "--max-records",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="stop after printing N records (initial ones included)",
+    )
+    p.add_argument(
+        "--interval", type=float, default=0.2, help="with -f: seconds between polls (default 0.2)"
+    )
     _add_output(p)
     p.set_defaults(func=cmd_tail)
 
@@ -470,43 +548,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check every line; exit 1 on problems")
     p.add_argument("file")
-    p.add_argument("--limit", type=_count, default=200,
-                   help="list at most N problems (0: all; default 200)")
+    p.add_argument(
+        "--limit", type=_count, default=200, help="list at most N problems (0: all; default 200)"
+    )
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("plot", help="PNG line plot of one tap (needs matplotlib)")
     p.add_argument("file")
     _add_filters(p, name_required=True)
-    p.add_argument("-o", "--output", metavar="PNG",
-                   help="output file (default NAME.png)")
-    p.add_argument("--logy", action="store_true",
-                   help="log value axis (values <= 0 are not drawn)")
-    p.add_argument("--smooth", type=_count, default=0, metavar="N",
-                   help="draw the trailing mean over N points over the raw line")
+    p.add_argument("-o", "--output", metavar="PNG", help="output file (default NAME.png)")
+    p.add_argument("--logy", action="store_true", help="log value axis (values <= 0 are not drawn)")
+    p.add_argument(
+        "--smooth",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="draw the trailing mean over N points over the raw line",
+    )
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard "
-                                      "event files")
+    p = sub.add_parser("export", help="records as CSV, Parquet or TensorBoard event files")
     p.add_argument("file")
     _add_filters(p)
     _add_export_targets(p)
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("merge", help="a sharded run (path.d/, s3://...) as one "
-                                     "tap file")
+    p = sub.add_parser("merge", help="a sharded run (path.d/, s3://...) as one tap file")
     p.add_argument("file", help="the run: its path, its .d directory or its URL")
     p.add_argument("-o", "--output", required=True, metavar="OUT")
-    p.add_argument("-f", "--follow", action="store_true",
-                   help="keep appending records as they are written (Ctrl-C "
-                        "or SIGTERM stops)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="with -f: stop after this many seconds")
-    p.add_argument("--interval", type=float, default=0.5,
-                   help="with -f: seconds between polls (default 0.5)")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep appending records as they are written (Ctrl-C or SIGTERM stops)",
+    )
+    p.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="with -f: stop after this many seconds"
+    )
+    p.add_argument(
+        "--interval", type=float, default=0.5, help="with -f: seconds between polls (default 0.5)"
+    )
     p.set_defaults(func=cmd_merge)
 
-    sub.add_parser("launch", add_help=False,
-                   help="local multi-process launcher (pmaptap launch --help)")
+    sub.add_parser(
+        "launch", add_help=False, help="local multi-process launcher (pmaptap launch --help)"
+    )
     return parser
 
 
@@ -534,10 +620,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except OSError as e:          # unreadable file, full disk for export, ...
+    except OSError as e:  # unreadable file, full disk for export, ...
         print(f"{PROG} {command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:     # Ctrl-C during show/summary of a big file
+    except KeyboardInterrupt:  # Ctrl-C during show/summary of a big file
         print(f"{PROG} {command}: interrupted", file=sys.stderr)
         return 130
 

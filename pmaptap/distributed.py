@@ -18,6 +18,7 @@ of JAX's coordination service (``jax._src.distributed.global_state.client``),
 never device collectives: they work while devices are busy or wedged, and a
 dead peer costs a bounded timeout, not a hang.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,22 +26,28 @@ import os
 import threading
 import time
 from typing import Any, Callable
+
 from pmaptap._log import log
 from pmaptap.errors import DistributedError
 
 # Set by the launcher (and usable by hand, e.g. in a Kubernetes Job).
-ENV_COORDINATOR = "PMAPTAP_COORDINATOR"          # host:port of process 0
+ENV_COORDINATOR = "PMAPTAP_COORDINATOR"  # host:port of process 0
 ENV_COORDINATOR_BIND = "PMAPTAP_COORDINATOR_BIND"  # where process 0 listens
 ENV_NUM_PROCESSES = "PMAPTAP_NUM_PROCESSES"
 ENV_PROCESS_ID = "PMAPTAP_PROCESS_ID"
-ENV_INIT_TIMEOUT = "PMAPTAP_INIT_TIMEOUT"        # seconds to connect (default 120)
-ENV_RUN_ID_TIMEOUT = "PMAPTAP_RUN_ID_TIMEOUT"    # seconds to wait for process 0's id
+ENV_INIT_TIMEOUT = "PMAPTAP_INIT_TIMEOUT"  # seconds to connect (default 120)
+ENV_RUN_ID_TIMEOUT = "PMAPTAP_RUN_ID_TIMEOUT"  # seconds to wait for process 0's id
 
 # Environment variables by which JAX's own cluster detection
 # (jax._src.clusters) recognises a job; all must be set and non-empty.
 _CLUSTER_MARKERS: dict[str, tuple[str, ...]] = {
-    "SLURM": ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-              "SLURM_STEP_NODELIST"),
+    "SLURM": (
+        "SLURM_JOB_ID",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_STEP_NODELIST",
+    ),
     "Open MPI": ("OMPI_MCA_orte_hnp_uri",),
     # Every pod has KUBERNETES_SERVICE_HOST; only an Indexed Job is a job.
     "Kubernetes": ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"),
@@ -69,11 +76,12 @@ _close_calls: dict[str, int] = {}
 _mode: str | None = None
 
 
-
 # --------------------------------------------------------------- initialize
 
-def launcher_settings(environ: dict[str, str] | None = None
-                      ) -> tuple[str, int, int, str | None] | None:
+
+def launcher_settings(
+    environ: dict[str, str] | None = None,
+) -> tuple[str, int, int, str | None] | None:
     """(coordinator, num_processes, process_id, bind) from PMAPTAP_* or None."""
     env = os.environ if environ is None else environ
     coord = env.get(ENV_COORDINATOR)
@@ -87,15 +95,14 @@ def launcher_settings(environ: dict[str, str] | None = None
             f"{ENV_COORDINATOR}={coord!r} is set, so {ENV_NUM_PROCESSES} and "
             f"{ENV_PROCESS_ID} must be integers too ({e!r}). Start the job "
             "with `python -m pmaptap.launch`, or unset "
-            f"{ENV_COORDINATOR}.") from None
+            f"{ENV_COORDINATOR}."
+        ) from None
     if not 0 <= pid < n:
-        raise DistributedError(f"{ENV_PROCESS_ID}={pid} must be in "
-                               f"[0, {ENV_NUM_PROCESSES}={n}).")
+        raise DistributedError(f"{ENV_PROCESS_ID}={pid} must be in [0, {ENV_NUM_PROCESSES}={n}).")
     return coord, n, pid, env.get(ENV_COORDINATOR_BIND) or None
 
 
-def detect_cluster(environ: dict[str, str] | None = None
-                   ) -> tuple[str, str | None] | None:
+def detect_cluster(environ: dict[str, str] | None = None) -> tuple[str, str | None] | None:
     """(name, jax cluster_detection_method or None) of the cluster environment
     this process runs in, or None for a lone process.
 
@@ -103,6 +110,7 @@ def detect_cluster(environ: dict[str, str] | None = None
     nobody to connect to). Open MPI 5 / other MPIs without the variable JAX
     looks for are handled through mpi4py when it is installed."""
     from importlib.util import find_spec
+
     env = os.environ if environ is None else environ
     for name, keys in _CLUSTER_MARKERS.items():
         if not all(env.get(k) for k in keys):
@@ -111,11 +119,13 @@ def detect_cluster(environ: dict[str, str] | None = None
             continue
         need = _CLUSTER_NEEDS.get(name)
         if need and find_spec(need) is None:
-            log.warning(f"pmaptap: {name} job detected but JAX needs the "
-                        f"{need!r} package to bootstrap it (pip install "
-                        f"'jax[k8s]'); or set {ENV_COORDINATOR}, "
-                        f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
-                        "(see launch/k8s-indexed-job.yaml). Running alone.")
+            log.warning(
+                f"pmaptap: {name} job detected but JAX needs the "
+                f"{need!r} package to bootstrap it (pip install "
+                f"'jax[k8s]'); or set {ENV_COORDINATOR}, "
+                f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
+                "(see launch/k8s-indexed-job.yaml). Running alone."
+            )
             return None
         return name, None
     size = env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE")
@@ -130,12 +140,19 @@ def _cpu_platform() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS") or ""
     if not platforms:
         import jax
+
         platforms = jax.config.jax_platforms or ""
     if platforms:
         return platforms.split(",")[0].strip().lower() == "cpu"
     from importlib.util import find_spec
-    accel = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
-             "jax_rocm7_plugin", "libtpu")
+
+    accel = (
+        "jax_cuda12_plugin",
+        "jax_cuda13_plugin",
+        "jax_rocm60_plugin",
+        "jax_rocm7_plugin",
+        "libtpu",
+    )
     return not any(find_spec(m) is not None for m in accel)
 
 
@@ -147,12 +164,16 @@ def _use_gloo_on_cpu() -> None:
         return
     if _cpu_platform():
         import jax
+
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def initialize(*, initialization_timeout: int | None = None,
-               heartbeat_timeout_seconds: int = 100,
-               shutdown_timeout_seconds: int = 60) -> str:
+def initialize(
+    *,
+    initialization_timeout: int | None = None,
+    heartbeat_timeout_seconds: int = 100,
+    shutdown_timeout_seconds: int = 60,
+) -> str:
     """Connect this process to its job, if it is part of one.
 
     Returns the mode used: "launcher", "cluster:<name>", "single" (lone
@@ -179,21 +200,25 @@ def initialize(*, initialization_timeout: int | None = None,
                 "pmaptap.distributed.initialize() was called after JAX created "
                 "its backend (some JAX computation, jax.devices(), or "
                 "pmaptap.Session.open() ran first). Call it at the very top of "
-                "the script, right after the imports.")
+                "the script, right after the imports."
+            )
         if initialization_timeout is None:
             initialization_timeout = int(os.environ.get(ENV_INIT_TIMEOUT, "120"))
         _use_gloo_on_cpu()
         if settings is not None:
             coord, n, pid, bind = settings
             jax.distributed.initialize(
-                coordinator_address=coord, num_processes=n, process_id=pid,
+                coordinator_address=coord,
+                num_processes=n,
+                process_id=pid,
                 # Our settings are complete: keep JAX from filling gaps from
                 # a SLURM/MPI environment the launcher happens to run in.
                 cluster_detection_method="deactivate",
                 initialization_timeout=initialization_timeout,
                 heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                 shutdown_timeout_seconds=shutdown_timeout_seconds,
-                coordinator_bind_address=bind)
+                coordinator_bind_address=bind,
+            )
             _mode = "launcher"
         else:
             name, method = cluster
@@ -201,12 +226,14 @@ def initialize(*, initialization_timeout: int | None = None,
                 cluster_detection_method=method,
                 initialization_timeout=initialization_timeout,
                 heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-                shutdown_timeout_seconds=shutdown_timeout_seconds)
+                shutdown_timeout_seconds=shutdown_timeout_seconds,
+            )
             _mode = f"cluster:{name}"
         return _mode
 
 
 # --------------------------------------------------------------- helpers
+
 
 def _client() -> Any | None:
     """The coordination-service client, or None outside a multi-process job
@@ -215,18 +242,20 @@ def _client() -> Any | None:
         return None
     try:
         from jax._src import distributed as jdist
-    except ImportError:   # pragma: no cover - JAX layout changed
+    except ImportError:  # pragma: no cover - JAX layout changed
         return None
     return jdist.global_state.client
 
 
 def _process_info() -> tuple[int, int]:
     from jax._src import distributed as jdist
+
     st = jdist.global_state
     n = st.num_processes
     pid = st.process_id
-    if n is None:   # pragma: no cover - older JAX without the attribute
+    if n is None:  # pragma: no cover - older JAX without the attribute
         import jax
+
         n, pid = jax.process_count(), jax.process_index()
     return int(n), int(pid)
 
@@ -242,8 +271,8 @@ def _multi_process() -> bool:
 
 # --------------------------------------------------------------- run id
 
-def agree_run_id(make: Callable[[], str], *,
-                 timeout: float | None = None) -> str | None:
+
+def agree_run_id(make: Callable[[], str], *, timeout: float | None = None) -> str | None:
     """The run id shared by every process of the job, or None when alone.
 
     The k-th call on each process is paired with the k-th call on the others
@@ -263,9 +292,11 @@ def agree_run_id(make: Callable[[], str], *,
         try:
             client.key_value_set(key, run)
         except Exception as e:  # noqa: BLE001
-            log.warning(f"pmaptap: could not publish the run id {run!r} to "
-                        f"the other processes ({e}); they will use their "
-                        "own ids.")
+            log.warning(
+                f"pmaptap: could not publish the run id {run!r} to "
+                f"the other processes ({e}); they will use their "
+                "own ids."
+            )
         return run
     if timeout is None:
         timeout = float(os.environ.get(ENV_RUN_ID_TIMEOUT, "120"))
@@ -274,14 +305,16 @@ def agree_run_id(make: Callable[[], str], *,
     except Exception as e:  # noqa: BLE001
         own = make()
         log.warning(
-          f"pmaptap: process {pid} did not receive the run id from process 0 "
-          f"within {timeout:.0f}s ({type(e).__name__}: {e}); using {own!r}. "
-          "Open the Session on every process (process 0 included), or pass "
-          "the same Session(run=...) / PMAPTAP_RUN everywhere.")
+            f"pmaptap: process {pid} did not receive the run id from process 0 "
+            f"within {timeout:.0f}s ({type(e).__name__}: {e}); using {own!r}. "
+            "Open the Session on every process (process 0 included), or pass "
+            "the same Session(run=...) / PMAPTAP_RUN everywhere."
+        )
         return own
 
 
 # --------------------------------------------------------------- close
+
 
 def close_barrier(run: str, timeout: float) -> None:
     """Wait (at most ``timeout`` seconds) until every process has closed its
@@ -308,12 +341,13 @@ def close_barrier(run: str, timeout: float) -> None:
             k = _close_calls.get(run, 0)
             _close_calls[run] = k + 1
         prefix = f"pmaptap/{run}/closed/{k}/"
-        client.key_value_set(prefix + str(pid), str(time.time()),
-                             allow_overwrite=True)
+        client.key_value_set(prefix + str(pid), str(time.time()), allow_overwrite=True)
     except Exception as e:  # noqa: BLE001 - close must not raise
-        log.warning(f"pmaptap: could not announce the close of run {run!r} "
-                    f"to the other processes ({type(e).__name__}: {e}); not "
-                    "waiting for them.")
+        log.warning(
+            f"pmaptap: could not announce the close of run {run!r} "
+            f"to the other processes ({type(e).__name__}: {e}); not "
+            "waiting for them."
+        )
         return
     failure = _wait_at_barrier(client, f"pmaptap/{run}/close/{k}", timeout)
     if failure is None:
@@ -321,16 +355,18 @@ def close_barrier(run: str, timeout: float) -> None:
     missing = _missing_processes(client, prefix, n)
     if missing is None:
         log.warning(
-          f"pmaptap: the close barrier of run {run!r} failed "
-          f"({type(failure).__name__}: {failure}) and the coordination "
-          "service is unreachable; records of other processes may be "
-          "missing from the file.")
+            f"pmaptap: the close barrier of run {run!r} failed "
+            f"({type(failure).__name__}: {failure}) and the coordination "
+            "service is unreachable; records of other processes may be "
+            "missing from the file."
+        )
     elif missing:
         log.warning(
-          f"pmaptap: process(es) {', '.join(map(str, missing))} did not "
-          f"close run {run!r} within {timeout:g}s (process {pid} waited); "
-          "their records may be missing or still arriving in the tap file. "
-          "Raise Session(close_timeout=...) if they are just slow.")
+            f"pmaptap: process(es) {', '.join(map(str, missing))} did not "
+            f"close run {run!r} within {timeout:g}s (process {pid} waited); "
+            "their records may be missing or still arriving in the tap file. "
+            "Raise Session(close_timeout=...) if they are just slow."
+        )
     # else: everybody has closed by now (we are the late one and the barrier
     # had already timed out for the others): the file is complete.
 
@@ -341,25 +377,28 @@ def _warn_if_shut_down_early(run: str) -> None:
     try:
         import jax
         from jax._src import xla_bridge
+
         if not xla_bridge.backends_are_initialized() or jax.process_count() <= 1:
             return
     except Exception:  # noqa: BLE001
         return
-    log.warning(f"pmaptap: jax.distributed was shut down before session "
-                f"{run!r} closed, so its close could not wait for the other "
-                "processes; their records may still be arriving. Close the "
-                "session first.")
+    log.warning(
+        f"pmaptap: jax.distributed was shut down before session "
+        f"{run!r} closed, so its close could not wait for the other "
+        "processes; their records may still be arriving. Close the "
+        "session first."
+    )
 
 
-def _wait_at_barrier(client: Any, barrier_id: str,
-                     timeout: float) -> BaseException | None:
+def _wait_at_barrier(client: Any, barrier_id: str, timeout: float) -> BaseException | None:
     """The barrier wait, on a helper thread: the C++ call releases the GIL
     but does not return to Python until it ends, so waiting on it from the
     main thread would keep SIGTERM / Ctrl-C handlers from running (a peer
     that died could then only be survived by SIGKILL). Returns the failure,
     or None when every process arrived."""
-    box: list[BaseException | None] = [TimeoutError(
-        f"barrier {barrier_id!r} did not answer within {timeout:g}s")]
+    box: list[BaseException | None] = [
+        TimeoutError(f"barrier {barrier_id!r} did not answer within {timeout:g}s")
+    ]
     done = threading.Event()
 
     def wait() -> None:
@@ -371,8 +410,7 @@ def _wait_at_barrier(client: Any, barrier_id: str,
         finally:
             done.set()
 
-    threading.Thread(target=wait, daemon=True,
-                     name="pmaptap-close-barrier").start()
+    threading.Thread(target=wait, daemon=True, name="pmaptap-close-barrier").start()
     # Event.wait is interrupted for signal handlers; the margin covers the
     # service's own timeout bookkeeping.
     done.wait(timeout + 5.0)
@@ -397,6 +435,12 @@ def mode() -> str | None:
     return _mode
 
 
-__all__ = ["DistributedError", "agree_run_id", "close_barrier", "detect_cluster",
-           "initialize", "launcher_settings", "mode"]
-
+__all__ = [
+    "DistributedError",
+    "agree_run_id",
+    "close_barrier",
+    "detect_cluster",
+    "initialize",
+    "launcher_settings",
+    "mode",
+]

@@ -5,6 +5,7 @@ problem is also an ``OSError``, a bad plot request a ``ValueError``), and each
 message says what to do about it. ``TapError`` is the base of everything the
 tap pipeline reports.
 """
+
 from __future__ import annotations
 
 
@@ -15,8 +16,9 @@ class TapError(RuntimeError):
     ``path`` names the tap file when there is one; ``errors`` holds the
     underlying exceptions, oldest first."""
 
-    def __init__(self, message: str, *, path: str | None = None,
-                 errors: tuple[BaseException, ...] = ()) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, errors: tuple[BaseException, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.path = path
         self.errors = errors
@@ -27,8 +29,7 @@ class TapPathError(TapError, OSError):
     ``OSError`` (``errno`` and ``filename`` kept from the cause), so the
     ``except OSError`` that code writes around file paths catches it."""
 
-    def __init__(self, message: str, *, path: str | None = None,
-                 errno: int | None = None) -> None:
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None) -> None:
         if errno is None:
             OSError.__init__(self, message)
         else:

@@ -20,6 +20,7 @@ group, so whatever it started is stopped with it.
 Exit status: 0 if every child exited 0; otherwise the first failing child's
 code (128 + signal number for a child killed by a signal).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,12 @@ import threading
 import time
 from typing import IO, Sequence
 
-from pmaptap.distributed import (ENV_COORDINATOR, ENV_COORDINATOR_BIND,
-                          ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+from pmaptap.distributed import (
+    ENV_COORDINATOR,
+    ENV_COORDINATOR_BIND,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 
 EXIT_TIMEOUT = 124
 _POLL = 0.05
@@ -47,12 +52,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def child_env(process_id: int, processes: int, devices: int, port: int,
-              base: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(
+    process_id: int, processes: int, devices: int, port: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     # Replace (not append to) any device count the caller had set.
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "",
-                   env.get("XLA_FLAGS", "")).split()
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")
+    ).split()
     flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
     env["JAX_PLATFORMS"] = "cpu"
@@ -62,7 +69,7 @@ def child_env(process_id: int, processes: int, devices: int, port: int,
     env[ENV_COORDINATOR_BIND] = address
     env[ENV_NUM_PROCESSES] = str(processes)
     env[ENV_PROCESS_ID] = str(process_id)
-    env["PYTHONUNBUFFERED"] = "1"   # lines reach us as they are printed
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach us as they are printed
     # Children write to our pipes, never a terminal: let process 0 draw its
     # progress bar when our own stderr is one (the forwarder passes "\r").
     if "PMAPTAP_PROGRESS" not in env and _stderr_is_tty():
@@ -101,8 +108,7 @@ def _stderr_is_tty() -> bool:
 class _Forwarder(threading.Thread):
     """Copies one child stream to ours, a whole prefixed line at a time."""
 
-    def __init__(self, src: IO[bytes], dst: IO[bytes], prefix: bytes,
-                 lock: threading.Lock) -> None:
+    def __init__(self, src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock) -> None:
         super().__init__(daemon=True, name=f"forward-{prefix!r}")
         self.src, self.dst, self.prefix, self.lock = src, dst, prefix, lock
 
@@ -121,7 +127,7 @@ class _Forwarder(threading.Thread):
                     if not cut:
                         break
                     i = min(cut)
-                    end = i + (2 if buf[i:i + 2] == b"\r\n" else 1)
+                    end = i + (2 if buf[i : i + 2] == b"\r\n" else 1)
                     self._emit(buf[:end])
                     buf = buf[end:]
             if buf:
@@ -136,20 +142,28 @@ class _Forwarder(threading.Thread):
 
     def _emit(self, segment: bytes) -> None:
         if _NOISE in segment or segment == b"\r":
-            return   # gloo's per-rank chatter; a bare "\r" would print a lone prefix
+            return  # gloo's per-rank chatter; a bare "\r" would print a lone prefix
         with self.lock:
             try:
                 self.dst.write(self.prefix + segment)
                 self.dst.flush()
             except (OSError, ValueError):
-                pass   # our own output closed: keep draining the pipe
+                pass  # our own output closed: keep draining the pipe
 
 
 class Launcher:
-    def __init__(self, command: Sequence[str], *, processes: int, devices: int,
-                 timeout: float | None = None, grace: float = 5.0,
-                 stdout: IO[bytes] | None = None,
-                 stderr: IO[bytes] | None = None, restarts: int = 0) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        processes: int,
+        devices: int,
+        timeout: float | None = None,
+        grace: float = 5.0,
+        stdout: IO[bytes] | None = None,
+        stderr: IO[bytes] | None = None,
+        restarts: int = 0,
+    ) -> None:
         self.command = list(command)
         self.restarts = restarts
         self.attempt = 0
@@ -182,17 +196,19 @@ class Launcher:
                 env["PMAPTAP_ATTEMPT"] = str(self.attempt)
             try:
                 child = subprocess.Popen(
-                    self.command, env=env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True)   # own process group (see stop)
+                    self.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )  # own process group (see stop)
             except OSError as e:
                 self.stop_all(signal.SIGTERM)
-                raise SystemExit(f"[launch] cannot start {self.command[0]!r}: "
-                                 f"{e}") from None
+                raise SystemExit(f"[launch] cannot start {self.command[0]!r}: {e}") from None
             self.children.append(child)
             prefix = f"[p{i}] ".encode()
-            for src, dst in ((child.stdout, self.stdout),
-                             (child.stderr, self.stderr)):
+            for src, dst in ((child.stdout, self.stdout), (child.stderr, self.stderr)):
                 f = _Forwarder(src, dst, prefix, self._lock)
                 f.start()
                 self._forwarders.append(f)
@@ -212,18 +228,19 @@ class Launcher:
         period, then SIGKILL to any straggler left in the groups."""
         self._signal_groups(first, only_running=True)
         deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and \
-                any(c.poll() is None for c in self.children):
+        while time.monotonic() < deadline and any(c.poll() is None for c in self.children):
             time.sleep(_POLL)
         survivors = [i for i, c in enumerate(self.children) if c.poll() is None]
         if survivors:
-            self.say(f"process(es) {', '.join(map(str, survivors))} still "
-                     f"running after {self.grace:g}s; sending SIGKILL")
+            self.say(
+                f"process(es) {', '.join(map(str, survivors))} still "
+                f"running after {self.grace:g}s; sending SIGKILL"
+            )
         self._signal_groups(signal.SIGKILL, only_running=False)
         for c in self.children:
             try:
                 c.wait(timeout=5)
-            except subprocess.TimeoutExpired:   # pragma: no cover - unkillable
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
                 self.say(f"pid {c.pid} did not die after SIGKILL")
 
     # ------------------------------------------------------------ run
@@ -239,15 +256,20 @@ class Launcher:
             while True:
                 self.start()
                 rc = self._wait()
-                if rc == 0 or self._signal is not None or rc == EXIT_TIMEOUT \
-                        or self.attempt >= self.restarts:
+                if (
+                    rc == 0
+                    or self._signal is not None
+                    or rc == EXIT_TIMEOUT
+                    or self.attempt >= self.restarts
+                ):
                     return rc
                 # A process failed and the job was stopped: start it again,
                 # every process, on a fresh port (the training script
                 # resumes from its checkpoint).
                 self.attempt += 1
-                self.say(f"restarting the job (attempt {self.attempt} of "
-                         f"{self.restarts} restart(s))")
+                self.say(
+                    f"restarting the job (attempt {self.attempt} of {self.restarts} restart(s))"
+                )
                 for f in self._forwarders:
                     f.join(timeout=2)
                 self.children, self._forwarders = [], []
@@ -266,56 +288,69 @@ class Launcher:
                 self.stop_all(self._signal)
                 return 128 + self._signal
             codes = [c.poll() for c in self.children]
-            failed = [(i, rc) for i, rc in enumerate(codes)
-                      if rc is not None and rc != 0]
+            failed = [(i, rc) for i, rc in enumerate(codes) if rc is not None and rc != 0]
             if failed:
                 i, rc = failed[0]
                 running = [j for j, r in enumerate(codes) if r is None]
-                self.say(f"process {i} {_describe(rc)}"
-                         + (f"; stopping process(es) "
-                            f"{', '.join(map(str, running))}" if running else ""))
+                self.say(
+                    f"process {i} {_describe(rc)}"
+                    + (f"; stopping process(es) {', '.join(map(str, running))}" if running else "")
+                )
                 self.stop_all(signal.SIGTERM)
                 return _exit_status(rc)
             if all(rc == 0 for rc in codes):
                 # Leave nothing behind that a child started and forgot.
                 self._signal_groups(signal.SIGKILL, only_running=False)
                 return 0
-            if self.timeout is not None and \
-                    time.monotonic() - started > self.timeout:
-                self.say(f"timeout after {self.timeout:g}s; stopping all "
-                         "processes")
+            if self.timeout is not None and time.monotonic() - started > self.timeout:
+                self.say(f"timeout after {self.timeout:g}s; stopping all processes")
                 self.stop_all(signal.SIGTERM)
                 return EXIT_TIMEOUT
             time.sleep(_POLL)
 
 
-def parse_args(argv: Sequence[str], prog: str = "python -m pmaptap.launch"
-               ) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], prog: str = "python -m pmaptap.launch") -> argparse.Namespace:
     argv = list(argv)
     command: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+        argv, command = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(
         prog=prog,
         description="Run P processes x D simulated CPU devices of one JAX job "
-                    "on this machine, connected through jax.distributed on a "
-                    "loopback port.",
-        epilog=f"example: {prog} --processes 2 --devices 4 "
-               "-- python launch/train.py --steps 20")
-    p.add_argument("--processes", "-p", type=int, required=True,
-                   help="number of processes (jax.process_count())")
-    p.add_argument("--devices", "-d", type=int, required=True,
-                   help="simulated CPU devices per process")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="stop everything after S seconds (exit status 124)")
-    p.add_argument("--grace", type=float, default=5.0,
-                   help="seconds between SIGTERM and SIGKILL (default 5)")
-    p.add_argument("--restarts", type=int, default=0, metavar="K",
-                   help="when a process fails, stop the job and start it "
-                        "again, up to K times; each start gets PMAPTAP_ATTEMPT "
-                        "(0, 1, ...) so that Session(resume=True) continues "
-                        "the run")
+        "on this machine, connected through jax.distributed on a "
+        "loopback port.",
+        epilog=f"example: {prog} --processes 2 --devices 4 -- python launch/train.py --steps 20",
+    )
+    p.add_argument(
+        "--processes",
+        "-p",
+        type=int,
+        required=True,
+        help="number of processes (jax.process_count())",
+    )
+    p.add_argument(
+        "--devices", "-d", type=int, required=True, help="simulated CPU devices per process"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop everything after S seconds (exit status 124)",
+    )
+    p.add_argument(
+        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
+    )
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when a process fails, stop the job and start it "
+        "again, up to K times; each start gets PMAPTAP_ATTEMPT "
+        "(0, 1, ...) so that Session(resume=True) continues "
+        "the run",
+    )
     args = p.parse_args(argv)
     if not command:
         p.error("give the command after '--', e.g. -- python train.py")
@@ -331,14 +366,18 @@ def parse_args(argv: Sequence[str], prog: str = "python -m pmaptap.launch"
     return args
 
 
-def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m pmaptap.launch") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m pmaptap.launch") -> int:
     """Entry point of ``python -m pmaptap.launch`` (and ``pmaptap launch``,
     which passes its own ``prog``). Returns the exit status."""
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
-    return Launcher(args.command, processes=args.processes,
-                    devices=args.devices, timeout=args.timeout,
-                    grace=args.grace, restarts=args.restarts).run()
+    return Launcher(
+        args.command,
+        processes=args.processes,
+        devices=args.devices,
+        timeout=args.timeout,
+        grace=args.grace,
+        restarts=args.restarts,
+    ).run()
 
 
 if __name__ == "__main__":

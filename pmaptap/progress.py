@@ -14,6 +14,7 @@ environment variable ``PMAPTAP_PROGRESS=1``) draws even without a TTY;
 bar after ``jax.distributed.initialize`` in a multi-process job: asking JAX
 for the process index starts its backend.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,34 +27,42 @@ T = TypeVar("T")
 
 def process_index() -> int:
     import jax
+
     return jax.process_index()
 
 
-def should_draw(stream: IO[str], *, force: bool | None = None,
-                process: int | None = None) -> bool:
+def should_draw(stream: IO[str], *, force: bool | None = None, process: int | None = None) -> bool:
     """Process 0 only; then a TTY, unless forced (argument or environment)."""
     env = os.environ.get("PMAPTAP_PROGRESS", "").strip()
     if force is None and env in ("0", "1"):
         force = env == "1"
     if force is False:
-        return False          # decided without asking JAX anything
+        return False  # decided without asking JAX anything
     if (process if process is not None else process_index()) != 0:
         return False
     if force:
         return True
     try:
         return stream.isatty()
-    except (AttributeError, ValueError):   # closed or not a real stream
+    except (AttributeError, ValueError):  # closed or not a real stream
         return False
 
 
 class Progress:
     """``[#####-----] 5/10  50%  3.1 it/s  loss=0.25`` redrawn in place."""
 
-    def __init__(self, total: int | None = None, *, desc: str = "",
-                 stream: IO[str] | None = None, force: bool | None = None,
-                 process: int | None = None, width: int = 30,
-                 min_interval: float = 0.1, unit: str = "it") -> None:
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        desc: str = "",
+        stream: IO[str] | None = None,
+        force: bool | None = None,
+        process: int | None = None,
+        width: int = 30,
+        min_interval: float = 0.1,
+        unit: str = "it",
+    ) -> None:
         self.total = total
         self.desc = desc
         self.unit = unit
@@ -99,8 +108,9 @@ class Progress:
         now = time.monotonic()
         # Throttled: redrawing every step of a fast loop would cost more
         # than the step; the last step is always drawn.
-        if now - self._last_draw >= self.min_interval or \
-                (self.total is not None and self.n >= self.total):
+        if now - self._last_draw >= self.min_interval or (
+            self.total is not None and self.n >= self.total
+        ):
             self._last_draw = now
             self._draw()
 

@@ -10,6 +10,7 @@ seconds have passed since its oldest record, at ``flush()`` and at
 ``close()``. Nothing here imports JAX (tests import it with JAX made
 unimportable).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,9 +35,11 @@ SHARDED_ABOVE = 32
 def _leaf(x: Any) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype == object or a.dtype.kind in "USV" and "float" not in a.dtype.name:
-        raise TypeError(f"a tap value must be numeric (NumPy arrays, scalars or "
-                        f"dicts/lists/tuples of them), got {type(x).__name__} "
-                        f"of dtype {a.dtype}")
+        raise TypeError(
+            f"a tap value must be numeric (NumPy arrays, scalars or "
+            f"dicts/lists/tuples of them), got {type(x).__name__} "
+            f"of dtype {a.dtype}"
+        )
     return a
 
 
@@ -44,6 +47,7 @@ def _encode(value: Any, parts: list[bytes]) -> tuple[Any, Any, Any]:
     """(value, dtype, shape) with the pytree's nesting, as the session
     writes them; ``parts`` collects the bytes the value hash is taken of."""
     from pmaptap._host.encode import encode_array
+
     if isinstance(value, Mapping):
         items = sorted(value.items(), key=lambda kv: str(kv[0]))
         enc = {str(k): _encode(v, parts) for k, v in items}
@@ -69,11 +73,20 @@ class Writer:
     layout: "file", "sharded" or "auto" (sharded above SHARDED_ABOVE).
     """
 
-    def __init__(self, path: str | os.PathLike, *, run: str, process: int,
-                 processes: int | None = None, layout: str = "auto",
-                 host: str | None = None, flush_interval: float = 1.0,
-                 max_buffer: int = 1024, lock_timeout: float = 1.0,
-                 flush_timeout: float | None = 120.0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        run: str,
+        process: int,
+        processes: int | None = None,
+        layout: str = "auto",
+        host: str | None = None,
+        flush_interval: float = 1.0,
+        max_buffer: int = 1024,
+        lock_timeout: float = 1.0,
+        flush_timeout: float | None = 120.0,
+    ) -> None:
         if not isinstance(run, str) or not run:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
         if not isinstance(process, int) or isinstance(process, bool) or process < 0:
@@ -83,10 +96,11 @@ class Writer:
         if layout == "auto":
             layout = "sharded" if (processes or 0) > SHARDED_ABOVE else "file"
         from pmaptap.tapfile.runs import is_url
+
         url = is_url(path)
         self.path = path if url else os.path.abspath(os.fspath(path))
         if url:
-            layout = "sharded"      # immutable chunks (see _host/objsink.py)
+            layout = "sharded"  # immutable chunks (see _host/objsink.py)
         self.run, self.process, self.layout = run, process, layout
         self.host = host or socket.gethostname()
         self.flush_interval = flush_interval
@@ -94,26 +108,39 @@ class Writer:
         self.flush_timeout = flush_timeout
         if url:
             from pmaptap._host.objsink import ObjectSink
+
             self._sink: Any = ObjectSink(path, process=process)
         elif layout == "sharded":
             from pmaptap._host.dirsink import DirectorySink
+
             self._sink = DirectorySink(self.path, process=process)
         else:
             from pmaptap._host.sink import FileSink
-            self._sink = FileSink(self.path, lock_timeout=lock_timeout,
-                                  process=process, index_existing=True)
+
+            self._sink = FileSink(
+                self.path, lock_timeout=lock_timeout, process=process, index_existing=True
+            )
         self._buffer: list[Record] = []
         self._oldest = 0.0
         self.written = 0
-        self.lock_busy = 0      # lock attempts that timed out (then retried)
+        self.lock_busy = 0  # lock attempts that timed out (then retried)
         self.closed = False
 
     def __repr__(self) -> str:
-        return (f"Writer(path={self.path!r}, run={self.run!r}, "
-                f"process={self.process}, layout={self.layout!r})")
+        return (
+            f"Writer(path={self.path!r}, run={self.run!r}, "
+            f"process={self.process}, layout={self.layout!r})"
+        )
 
-    def write(self, name: str, step: int, value: Any, *,
-              kind: str = "replicated", device: int | None = None) -> None:
+    def write(
+        self,
+        name: str,
+        step: int,
+        value: Any,
+        *,
+        kind: str = "replicated",
+        device: int | None = None,
+    ) -> None:
         """Queue one record; written by the next flush (automatic by size
         and age, or ``flush()``/``close()``)."""
         if self.closed:
@@ -123,32 +150,43 @@ class Writer:
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
             raise ValueError(f"Writer.write({name!r}): step must be an int, got {step!r}")
         if kind not in KINDS:
-            raise ValueError(f"Writer.write({name!r}): kind must be one of {KINDS}, "
-                             f"got {kind!r}")
+            raise ValueError(f"Writer.write({name!r}): kind must be one of {KINDS}, got {kind!r}")
         if kind == "replicated" and device is not None:
-            raise ValueError(f"Writer.write({name!r}): device is for "
-                             "kind='per_device' only")
+            raise ValueError(f"Writer.write({name!r}): device is for kind='per_device' only")
         parts: list[bytes] = []
         try:
             enc, dtype, shape = _encode(value, parts)
         except TypeError as e:
             raise TypeError(f"Writer.write({name!r}): {e}") from None
         now = time.time()
-        common = dict(run=self.run, name=name, step=int(step), kind=kind,
-                      value=enc, dtype=dtype, shape=shape, process=self.process,
-                      time=now, host=self.host)
+        common = dict(
+            run=self.run,
+            name=name,
+            step=int(step),
+            kind=kind,
+            value=enc,
+            dtype=dtype,
+            shape=shape,
+            process=self.process,
+            time=now,
+            host=self.host,
+        )
         if kind == "replicated":
-            r = Record(**common, replicas=1, processes=(self.process,),
-                       vhash=hashlib.blake2b(b"".join(parts),
-                                             digest_size=8).hexdigest())
+            r = Record(
+                **common,
+                replicas=1,
+                processes=(self.process,),
+                vhash=hashlib.blake2b(b"".join(parts), digest_size=8).hexdigest(),
+            )
         else:
-            r = Record(**common, device=None if device is None else int(device),
-                       coords={})
+            r = Record(**common, device=None if device is None else int(device), coords={})
         if not self._buffer:
             self._oldest = time.monotonic()
         self._buffer.append(r)
-        if len(self._buffer) >= self.max_buffer or \
-                time.monotonic() - self._oldest >= self.flush_interval:
+        if (
+            len(self._buffer) >= self.max_buffer
+            or time.monotonic() - self._oldest >= self.flush_interval
+        ):
             self._write_buffer(timeout=0.0)
 
     def _write_buffer(self, timeout: float | None) -> None:
@@ -166,17 +204,22 @@ class Writer:
                 if deadline is not None and time.monotonic() >= deadline:
                     if timeout == 0:
                         return
-                    raise TapError(f"{self!r}: the lock stayed busy for "
-                                   f"{timeout} s; {len(self._buffer)} records "
-                                   "still buffered (flush() again)",
-                                   path=self.path) from None
+                    raise TapError(
+                        f"{self!r}: the lock stayed busy for "
+                        f"{timeout} s; {len(self._buffer)} records "
+                        "still buffered (flush() again)",
+                        path=self.path,
+                    ) from None
         self.written += len(self._buffer)
         self._buffer = []
         rejected, self._sink.rejected[:] = list(self._sink.rejected), []
         if rejected:
-            raise TapError(f"{self!r}: {len(rejected)} record(s) could not be "
-                           f"encoded and were written as pmaptap/unencodable: "
-                           f"{'; '.join(rejected[:3])}", path=self.path)
+            raise TapError(
+                f"{self!r}: {len(rejected)} record(s) could not be "
+                f"encoded and were written as pmaptap/unencodable: "
+                f"{'; '.join(rejected[:3])}",
+                path=self.path,
+            )
 
     def flush(self) -> None:
         """Write everything buffered (waits up to ``flush_timeout`` for the lock)."""

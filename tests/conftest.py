@@ -1,4 +1,5 @@
 """Shared test helpers. Every test process sees 8 simulated CPU devices."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +9,9 @@ import sys
 import textwrap
 
 # Must happen before jax is imported anywhere in the test process.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
@@ -27,6 +29,7 @@ def tap_path(tmp_path):
 def session(tap_path):
     """An open session on tap_path, closed after the test."""
     import pmaptap
+
     s = pmaptap.Session(tap_path, run="test").open()
     yield s
     s.close()
@@ -41,43 +44,74 @@ def subprocess_env(devices: int = 8, **extra: str) -> dict:
     return env
 
 
-def run_python(code: str, *, devices: int = 8, timeout: float = 120,
-               check: bool = True, **env: str) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *, devices: int = 8, timeout: float = 120, check: bool = True, **env: str
+) -> subprocess.CompletedProcess:
     """Run a dedented Python snippet in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                          env=subprocess_env(devices, **env), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=subprocess_env(devices, **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n"
-                             f"STDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n"
+            f"STDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
+        )
     return proc
 
 
-def start_python(code: str, *, devices: int = 8, stdin: bool = False,
-                 **env: str) -> subprocess.Popen:
+def start_python(
+    code: str, *, devices: int = 8, stdin: bool = False, **env: str
+) -> subprocess.Popen:
     """Start a dedented Python snippet; caller waits/kills. ``stdin=True``
     gives it a stdin pipe (to pace it from the test)."""
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
-                            env=subprocess_env(devices, **env), cwd=ROOT,
-                            stdin=subprocess.PIPE if stdin else None,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=subprocess_env(devices, **env),
+        cwd=ROOT,
+        stdin=subprocess.PIPE if stdin else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def by_key(records, *keys):
     """Index records by a tuple of fields (order-independent comparisons)."""
-    return {tuple(r.get(k) if not isinstance(r.get(k), dict) else
-                  tuple(sorted(r[k].items())) for k in keys): r for r in records}
+    return {
+        tuple(
+            r.get(k) if not isinstance(r.get(k), dict) else tuple(sorted(r[k].items()))
+            for k in keys
+        ): r
+        for r in records
+    }
 
 
 # ---------------------------------------------------------------- multi-process
 # Jobs started through the local launcher (python -m pmaptap.launch).
 
-def launch_cmd(processes: int, devices: int, command: list[str], *,
-               timeout: float | None = None,
-               grace: float | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "pmaptap.launch", "--processes", str(processes),
-           "--devices", str(devices)]
+
+def launch_cmd(
+    processes: int,
+    devices: int,
+    command: list[str],
+    *,
+    timeout: float | None = None,
+    grace: float | None = None,
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pmaptap.launch",
+        "--processes",
+        str(processes),
+        "--devices",
+        str(devices),
+    ]
     if timeout is not None:
         cmd += ["--timeout", str(timeout)]
     if grace is not None:
@@ -90,40 +124,53 @@ def python_cmd(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
-def run_launch(processes: int, devices: int, command: list[str], *,
-               timeout: float = 120, launcher_timeout: float | None = None,
-               grace: float | None = None, **env: str
-               ) -> tuple[subprocess.CompletedProcess, float]:
+def run_launch(
+    processes: int,
+    devices: int,
+    command: list[str],
+    *,
+    timeout: float = 120,
+    launcher_timeout: float | None = None,
+    grace: float | None = None,
+    **env: str,
+) -> tuple[subprocess.CompletedProcess, float]:
     """Run a launcher job to completion; returns (result, seconds taken)."""
     import time
+
     t0 = time.monotonic()
     proc = subprocess.run(
-        launch_cmd(processes, devices, command, timeout=launcher_timeout,
-                   grace=grace),
-        env=subprocess_env(1, **env), cwd=ROOT, capture_output=True,
-        text=True, timeout=timeout)
+        launch_cmd(processes, devices, command, timeout=launcher_timeout, grace=grace),
+        env=subprocess_env(1, **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - t0
 
 
-def start_launch(processes: int, devices: int, command: list[str], *,
-                 grace: float | None = None, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(launch_cmd(processes, devices, command, grace=grace),
-                            env=subprocess_env(1, **env), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def start_launch(
+    processes: int, devices: int, command: list[str], *, grace: float | None = None, **env: str
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        launch_cmd(processes, devices, command, grace=grace),
+        env=subprocess_env(1, **env),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def job_failed(proc: subprocess.CompletedProcess) -> str:
     """Assertion message showing a launcher job's output."""
-    return (f"launcher exited {proc.returncode}\nSTDOUT:\n{proc.stdout}\n"
-            f"STDERR:\n{proc.stderr}")
+    return f"launcher exited {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
 
 
 def prefixed(output: str, process: int) -> list[str]:
     """The lines a launcher forwarded from one process, prefix removed."""
     tag = f"[p{process}] "
-    return [line[len(tag):] for line in output.splitlines()
-            if line.startswith(tag)]
+    return [line[len(tag) :] for line in output.splitlines() if line.startswith(tag)]
 
 
 def pid_alive(pid: int) -> bool:
@@ -171,8 +218,7 @@ APPENDER = """
 """
 
 
-def run_released(code: str, count: int, *, timeout: float = 240,
-                 **env: str) -> list:
+def run_released(code: str, count: int, *, timeout: float = 240, **env: str) -> list:
     """Start `count` copies of a snippet that prints "ready" and then waits
     for the file env["GO"]; release them together; wait for all to exit 0.
     Stragglers are killed. Returns the finished Popen objects."""
@@ -180,7 +226,7 @@ def run_released(code: str, count: int, *, timeout: float = 240,
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        open(env["GO"], "w").close()              # release them together
+        open(env["GO"], "w").close()  # release them together
         for p in procs:
             assert p.wait(timeout) == 0, p.stderr.read()
     finally:
@@ -193,11 +239,13 @@ def run_released(code: str, count: int, *, timeout: float = 240,
 # ---------------------------------------------------------------- faults
 # Helpers of the fault-injection suite (test_faults.py, test_bad_input.py).
 
+
 def wait_for(condition, timeout: float, what: str, interval: float = 0.01):
     """Poll ``condition()`` until it returns something truthy (returned);
     AssertionError naming ``what`` after ``timeout`` seconds. For waiting on
     a real condition (a file grew, a process printed), never a fixed sleep."""
     import time
+
     deadline = time.monotonic() + timeout
     while True:
         got = condition()
@@ -218,31 +266,59 @@ def mount_namespace_available() -> bool:
     if not _MOUNT_NS:
         import shutil
         import tempfile
+
         ok = False
         if shutil.which("unshare") and hasattr(os, "geteuid") and os.geteuid() == 0:
             with tempfile.TemporaryDirectory() as d:
                 try:
-                    ok = subprocess.run(
-                        ["unshare", "-m", "--propagation", "private", "sh", "-c",
-                         f"mount -t tmpfs -o size=64k tmpfs '{d}'"],
-                        capture_output=True, timeout=30).returncode == 0
+                    ok = (
+                        subprocess.run(
+                            [
+                                "unshare",
+                                "-m",
+                                "--propagation",
+                                "private",
+                                "sh",
+                                "-c",
+                                f"mount -t tmpfs -o size=64k tmpfs '{d}'",
+                            ],
+                            capture_output=True,
+                            timeout=30,
+                        ).returncode
+                        == 0
+                    )
                 except (OSError, subprocess.SubprocessError):
                     ok = False
         _MOUNT_NS.append(ok)
     return _MOUNT_NS[0]
 
 
-def run_in_mount_namespace(setup: str, code: str, *, devices: int = 1,
-                           timeout: float = 120, **env: str
-                           ) -> subprocess.CompletedProcess:
+def run_in_mount_namespace(
+    setup: str, code: str, *, devices: int = 1, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess:
     """Run shell ``setup`` (e.g. ``mount -t tmpfs -o size=64k tmpfs "$DIR"``)
     and then a dedented Python snippet, in a private mount namespace. The
     snippet must copy out whatever the test wants to inspect: its mounts are
     gone once it exits."""
-    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-           setup + ' && exec "$0" -c "$1"', sys.executable, textwrap.dedent(code)]
-    return subprocess.run(cmd, env=subprocess_env(devices, **env), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    cmd = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        setup + ' && exec "$0" -c "$1"',
+        sys.executable,
+        textwrap.dedent(code),
+    ]
+    return subprocess.run(
+        cmd,
+        env=subprocess_env(devices, **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # ---------------------------------------------------------------- logging
@@ -253,11 +329,15 @@ def logs_warning(caplog, match: str | None = None, *, count: int | None = None):
     own messages go through logging, not the warnings module."""
     import logging
     import re
+
     with caplog.at_level(logging.WARNING, logger="pmaptap"):
         start = len(caplog.records)
         yield
-        msgs = [r.getMessage() for r in caplog.records[start:]
-                if r.name.split(".")[0] == "pmaptap" and r.levelno >= logging.WARNING]
+        msgs = [
+            r.getMessage()
+            for r in caplog.records[start:]
+            if r.name.split(".")[0] == "pmaptap" and r.levelno >= logging.WARNING
+        ]
     hits = [m for m in msgs if match is None or re.search(match, m, re.S)]
     assert hits, f"no pmaptap warning matching {match!r} was logged; got {msgs}"
     if count is not None:

@@ -10,6 +10,7 @@ and a Python expression in a file (test_core_records.py), a second open
 session, a path under a file or a directory, a non-root unwritable
 directory, appending never truncating (test_core_session.py).
 """
+
 from __future__ import annotations
 
 import ast
@@ -26,12 +27,12 @@ import pytest
 from jax import lax
 
 import pmaptap
-import pmaptap.cli
 import pmaptap._trace.layouts
+import pmaptap.cli
 from conftest import logs_warning, mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
-from pmaptap.tapfile.format import encode_line
 from pmaptap._host.sink import FileSink
+from pmaptap.tapfile.format import encode_line
 
 
 def _named(recs: list[dict], name: str) -> list[dict]:
@@ -44,23 +45,32 @@ class _Point:
     x: float
 
 
-@pytest.mark.parametrize("value, where, what", [
-    ([jnp.ones(2), b"bytes"], r"\[1\]", "bytes"),
-    ({"p": _Point(1.0)}, r"\['p'\]", "_Point"),
-    ({"o": object()}, r"\['o'\]", "object"),
-    (np.array([1, "a"], dtype=object), "the value", "dtype object"),
-    (np.array(["a", "b"]), "the value", "dtype <U1"),
-    ({"t": np.array(["2024-01-01"], dtype="datetime64[D]")}, r"\['t'\]",
-     r"dtype datetime64\[D\]"),
-])
+@pytest.mark.parametrize(
+    "value, where, what",
+    [
+        ([jnp.ones(2), b"bytes"], r"\[1\]", "bytes"),
+        ({"p": _Point(1.0)}, r"\['p'\]", "_Point"),
+        ({"o": object()}, r"\['o'\]", "object"),
+        (np.array([1, "a"], dtype=object), "the value", "dtype object"),
+        (np.array(["a", "b"]), "the value", "dtype <U1"),
+        (
+            {"t": np.array(["2024-01-01"], dtype="datetime64[D]")},
+            r"\['t'\]",
+            r"dtype datetime64\[D\]",
+        ),
+    ],
+)
 def test_non_array_leaves_are_refused_at_trace_time_naming_the_leaf(
-        session, tap_path, value, where, what) -> None:
-    for run in (lambda: pmaptap.tap(value, "bad"),                # eager
-                lambda: jax.jit(lambda: pmaptap.tap(value, "bad"))()):
+    session, tap_path, value, where, what
+) -> None:
+    for run in (
+        lambda: pmaptap.tap(value, "bad"),  # eager
+        lambda: jax.jit(lambda: pmaptap.tap(value, "bad"))(),
+    ):
         with pytest.raises(TypeError, match=rf"pmaptap.tap\('bad'\): {where} is .*{what}"):
             run()
     session.flush()
-    assert pmaptap.read(tap_path) == []       # nothing half-emitted
+    assert pmaptap.read(tap_path) == []  # nothing half-emitted
 
 
 def test_none_is_an_empty_subtree_written_as_null(session, tap_path) -> None:
@@ -82,7 +92,8 @@ def test_empty_and_zero_d_values_under_jit_and_pmap(session, tap_path) -> None:
     # Under pmap an empty leaf next to a real one travels in the packed
     # gather (zero bytes of it) and comes back with its shape.
     jax.pmap(lambda v: pmaptap.tap({"e": v[:0], "v": v}, "mix", dedup="per_device"))(
-        jnp.arange(8.0).reshape(8, 1))
+        jnp.arange(8.0).reshape(8, 1)
+    )
     session.flush()
     recs = pmaptap.read(tap_path)
     (e30,) = _named(recs, "e30")
@@ -109,14 +120,16 @@ def test_pmap_of_only_empty_inputs_is_not_run_by_jax(session, tap_path) -> None:
 
 
 # ====================================================== dtypes
-def test_64_bit_values_without_x64_are_recorded_as_jax_computes_them(
-        session, tap_path) -> None:
+def test_64_bit_values_without_x64_are_recorded_as_jax_computes_them(session, tap_path) -> None:
     # Without jax_enable_x64 JAX turns 64-bit inputs into 32-bit ones before
     # pmaptap sees them; the record says what the program computed with.
     big = np.arange(3, dtype=np.int64) + 2**33
-    out = jax.jit(lambda v: pmaptap.tap(v, "i64") + 0)(big)   # silently int32
-    jax.jit(lambda: pmaptap.tap({"f": np.float64(0.1), "c": np.complex128(1 + 2j),
-                                 "u": np.uint64(7)}, "wide"))()
+    out = jax.jit(lambda v: pmaptap.tap(v, "i64") + 0)(big)  # silently int32
+    jax.jit(
+        lambda: pmaptap.tap(
+            {"f": np.float64(0.1), "c": np.complex128(1 + 2j), "u": np.uint64(7)}, "wide"
+        )
+    )()
     session.flush()
     recs = pmaptap.read(tap_path)
     (i64,) = _named(recs, "i64")
@@ -130,24 +143,32 @@ def test_64_bit_values_without_x64_are_recorded_as_jax_computes_them(
 
 
 def test_complex_bf16_and_fp8_under_pmap_round_trip(session, tap_path) -> None:
-    x = jnp.array([[1.5, jnp.nan], [jnp.inf, -2.0]] * 4)        # (8, 2)
+    x = jnp.array([[1.5, jnp.nan], [jnp.inf, -2.0]] * 4)  # (8, 2)
 
     @jax.pmap
     def f(v):
-        return pmaptap.tap({
-            "c": lax.complex(v, -v),
-            "bf16": v.astype(jnp.bfloat16),
-            "e4m3": jnp.where(jnp.isinf(v), 448.0, v).astype(jnp.float8_e4m3fn),
-            "e5m2": v.astype(jnp.float8_e5m2),
-        }, "narrow", dedup="per_device")
+        return pmaptap.tap(
+            {
+                "c": lax.complex(v, -v),
+                "bf16": v.astype(jnp.bfloat16),
+                "e4m3": jnp.where(jnp.isinf(v), 448.0, v).astype(jnp.float8_e4m3fn),
+                "e5m2": v.astype(jnp.float8_e5m2),
+            },
+            "narrow",
+            dedup="per_device",
+        )
 
     f(x)
     session.flush()
     recs = sorted(_named(pmaptap.read(tap_path), "narrow"), key=lambda r: r["device"])
     assert len(recs) == 8
     r0, r1 = recs[0], recs[1]
-    assert r0["dtype"] == {"bf16": "bfloat16", "c": "complex64",
-                           "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+    assert r0["dtype"] == {
+        "bf16": "bfloat16",
+        "c": "complex64",
+        "e4m3": "float8_e4m3fn",
+        "e5m2": "float8_e5m2",
+    }
     assert r0["value"]["bf16"][0] == 1.5 and math.isnan(r0["value"]["bf16"][1])
     assert r1["value"]["e5m2"] == [math.inf, -2.0]
     assert r1["value"]["e4m3"] == [448.0, -2.0]
@@ -160,19 +181,28 @@ def test_complex_bf16_and_fp8_under_pmap_round_trip(session, tap_path) -> None:
 def _stats(a: np.ndarray) -> dict:
     x = np.abs(a) if np.iscomplexobj(a) else a.astype(np.float64)
     fin = np.isfinite(x)
-    return {"min": float(x[fin].min()), "max": float(x[fin].max()),
-            "mean": float(x[fin].mean()), "std": float(x[fin].std()),
-            "nan": int(np.isnan(x).sum()), "inf": int(np.isinf(x).sum())}
+    return {
+        "min": float(x[fin].min()),
+        "max": float(x[fin].max()),
+        "mean": float(x[fin].mean()),
+        "std": float(x[fin].std()),
+        "nan": int(np.isnan(x).sum()),
+        "inf": int(np.isinf(x).sum()),
+    }
 
 
 def _close(got: dict, want: dict) -> bool:
     return got.keys() == want.keys() and all(
-        got[k] == want[k] if k in ("nan", "inf") else
-        math.isclose(got[k], want[k], rel_tol=1e-5, abs_tol=1e-5) for k in want)
+        got[k] == want[k]
+        if k in ("nan", "inf")
+        else math.isclose(got[k], want[k], rel_tol=1e-5, abs_tol=1e-5)
+        for k in want
+    )
 
 
 def test_values_above_max_value_bytes_become_statistics_on_device(
-        session, tap_path, monkeypatch) -> None:
+    session, tap_path, monkeypatch
+) -> None:
     # 2 MiB of float32 (default limit 1 MiB per leaf), with more NaNs and
     # infs than one float32 counts exactly in its low part (see
     # tapfile.format.COUNT_BASE).
@@ -182,13 +212,12 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     sent: list[int] = []
     real = pmaptap._trace.layouts.deliver
 
-    def spy(spec, arrays):            # what reaches the host, in bytes
+    def spy(spec, arrays):  # what reaches the host, in bytes
         sent.append(sum(np.asarray(x).nbytes for x in arrays))
         real(spec, arrays)
 
     monkeypatch.setattr(pmaptap._trace.layouts, "deliver", spy)
-    jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]},
-                                  "act"))(a)
+    jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]}, "act"))(a)
     session.flush()
     (r,) = pmaptap.read(tap_path)
     assert r["summarized"] is True
@@ -196,17 +225,17 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     assert r["shape"] == {"big": [512, 1024], "small": [3]}
     assert _close(r["value"]["big"], _stats(a))
     assert r["value"]["big"]["nan"] == 5000 and r["value"]["big"]["inf"] == 4097
-    assert r["value"]["small"] == [-math.inf] * 3          # small leaves intact
-    assert max(sent) < 1024                   # the 2 MiB never left the device
+    assert r["value"]["small"] == [-math.inf] * 3  # small leaves intact
+    assert max(sent) < 1024  # the 2 MiB never left the device
 
 
 def test_summary_limit_is_configurable_and_per_leaf(session, tap_path):
-    f = lambda name: jax.jit(lambda v: pmaptap.tap(v, name))      # noqa: E731
+    f = lambda name: jax.jit(lambda v: pmaptap.tap(v, name))  # noqa: E731
     with pmaptap.configured(max_value_bytes=16):
-        f("at_limit")(jnp.arange(4.0))        # 16 bytes: kept whole
-        f("over")(jnp.arange(5.0))            # 20 bytes: statistics
+        f("at_limit")(jnp.arange(4.0))  # 16 bytes: kept whole
+        f("over")(jnp.arange(5.0))  # 20 bytes: statistics
     with pmaptap.configured(max_value_bytes=None):
-        f("never")(jnp.zeros((600, 1024)))    # 2.4 MB, but summaries are off
+        f("never")(jnp.zeros((600, 1024)))  # 2.4 MB, but summaries are off
     session.flush()
     recs = {r["name"]: r for r in pmaptap.read(tap_path)}
     assert recs["at_limit"]["value"] == [0.0, 1.0, 2.0, 3.0]
@@ -223,16 +252,21 @@ def test_summaries_under_pmap_vmap_and_for_every_dtype(session, tap_path) -> Non
     with pmaptap.configured(max_value_bytes=64):
         # per device: each copy's own statistics (through the gather)
         jax.pmap(lambda v: pmaptap.tap(v, "pm", dedup="per_device"))(
-            jnp.arange(8 * 32.0).reshape(8, 32))
+            jnp.arange(8 * 32.0).reshape(8, 32)
+        )
         # vmap: statistics per batch element, leading axes kept in shape
-        jax.jit(jax.vmap(lambda v: pmaptap.tap(v, "vm")))(
-            jnp.arange(3 * 40.0).reshape(3, 40))
-        jax.jit(lambda: pmaptap.tap({
-            "i": jnp.arange(100, dtype=jnp.int32) - 50,
-            "b": jnp.arange(100) % 4 == 0,
-            "c": jnp.full((20,), 3 + 4j, jnp.complex64),
-            "bf": jnp.full((100,), jnp.nan, jnp.bfloat16),
-        }, "kinds"))()
+        jax.jit(jax.vmap(lambda v: pmaptap.tap(v, "vm")))(jnp.arange(3 * 40.0).reshape(3, 40))
+        jax.jit(
+            lambda: pmaptap.tap(
+                {
+                    "i": jnp.arange(100, dtype=jnp.int32) - 50,
+                    "b": jnp.arange(100) % 4 == 0,
+                    "c": jnp.full((20,), 3 + 4j, jnp.complex64),
+                    "bf": jnp.full((100,), jnp.nan, jnp.bfloat16),
+                },
+                "kinds",
+            )
+        )()
     session.flush()
     recs = pmaptap.read(tap_path)
     for r in _named(recs, "pm"):
@@ -246,7 +280,7 @@ def test_summaries_under_pmap_vmap_and_for_every_dtype(session, tap_path) -> Non
     v = k["value"]
     assert _close(v["i"], _stats(np.arange(100) - 50))
     assert v["b"]["mean"] == 0.25 and v["b"]["max"] == 1.0
-    assert v["c"]["mean"] == 5.0 and k["dtype"]["c"] == "complex64"   # of |z|
+    assert v["c"]["mean"] == 5.0 and k["dtype"]["c"] == "complex64"  # of |z|
     # No finite element: NaN statistics (read back as float NaN), counts kept.
     assert all(math.isnan(v["bf"][s]) for s in ("min", "max", "mean", "std"))
     assert v["bf"]["nan"] == 100 and k["dtype"]["bf"] == "bfloat16"
@@ -255,8 +289,7 @@ def test_summaries_under_pmap_vmap_and_for_every_dtype(session, tap_path) -> Non
 def test_host_callback_functions_always_get_the_whole_value() -> None:
     got = []
     with pmaptap.configured(max_value_bytes=16):
-        jax.jit(lambda v: hcb.id_tap(lambda a, t: got.append(a.shape), v))(
-            jnp.zeros((100,)))
+        jax.jit(lambda v: hcb.id_tap(lambda a, t: got.append(a.shape), v))(jnp.zeros((100,)))
         hcb.barrier_wait()
     assert got == [(100,)]
 
@@ -277,8 +310,7 @@ def test_unencodable_record_never_blocks_the_ones_behind_it(tap_path, caplog) ->
     with pmaptap.Session(tap_path, run="test", close_timeout=5) as s:
         jax.jit(lambda v: pmaptap.tap({"k\udcff": v}, "bad_key"))(jnp.ones(1))
         jax.jit(lambda v: pmaptap.tap(v, "after"))(jnp.float32(2))
-        with logs_warning(caplog), \
-                pytest.raises(pmaptap.TapError, match="could not be encoded"):
+        with logs_warning(caplog), pytest.raises(pmaptap.TapError, match="could not be encoded"):
             s.flush(timeout=10)
     recs = pmaptap.read(tap_path)
     assert [r["name"] for r in recs] == ["pmaptap/unencodable", "after"]
@@ -291,18 +323,21 @@ def test_control_characters_and_long_names_round_trip(session, tap_path) -> None
         jax.jit(lambda v: pmaptap.tap(v, n))(jnp.float32(1))
     session.flush()
     with open(tap_path, "rb") as f:
-        assert f.read().count(b"\n") == 3      # one physical line each
+        assert f.read().count(b"\n") == 3  # one physical line each
     assert [r["name"] for r in pmaptap.read(tap_path)] == names
 
 
-@pytest.mark.parametrize("kwargs, exc, text", [
-    (dict(dedup=None), ValueError, "dedup must be one of"),
-    (dict(dedup="Replicated"), ValueError, "dedup must be one of"),
-    (dict(every=True), TypeError, "every must be an int"),
-    (dict(every=-2), ValueError, "every must be >= 1"),
-    (dict(every=np.int64(0)), ValueError, "every must be >= 1"),
-    (dict(every="2"), TypeError, "every must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, text",
+    [
+        (dict(dedup=None), ValueError, "dedup must be one of"),
+        (dict(dedup="Replicated"), ValueError, "dedup must be one of"),
+        (dict(every=True), TypeError, "every must be an int"),
+        (dict(every=-2), ValueError, "every must be >= 1"),
+        (dict(every=np.int64(0)), ValueError, "every must be >= 1"),
+        (dict(every="2"), TypeError, "every must be an int"),
+    ],
+)
 def test_more_bad_dedup_and_every_values(kwargs, exc, text) -> None:
     with pytest.raises(exc, match=text):
         jax.pmap(lambda v: pmaptap.tap(v, "x", **kwargs))(jnp.ones(8))
@@ -314,6 +349,7 @@ def test_pmap_of_vmap_of_scan_with_auto_dedup_and_traced_every(session, tap_path
             # identical on every device: auto -> one replicated record
             pmaptap.tap(x.sum() * 0 + i, "deep", step=i, every=2)
             return c, None
+
         lax.scan(body, 0.0, jnp.arange(5))
         return x
 
@@ -322,14 +358,14 @@ def test_pmap_of_vmap_of_scan_with_auto_dedup_and_traced_every(session, tap_path
     recs = _named(pmaptap.read(tap_path), "deep")
     # every=2 decided on device per scan step; one record per kept step,
     # carrying the vmapped batch, replicated over the 8 devices.
-    assert [(r["step"], r["kind"], r["replicas"], r["batch_dims"]) for r in recs] == \
-        [(s, "replicated", 8, 1) for s in (0, 2, 4)]
+    assert [(r["step"], r["kind"], r["replicas"], r["batch_dims"]) for r in recs] == [
+        (s, "replicated", 8, 1) for s in (0, 2, 4)
+    ]
     assert [r["value"] for r in recs] == [[0, 0], [2, 2], [4, 4]]
 
 
 # ====================================================== sessions and paths
-def test_failed_second_open_leaves_no_file_and_the_first_session_working(
-        tmp_path) -> None:
+def test_failed_second_open_leaves_no_file_and_the_first_session_working(tmp_path) -> None:
     first = tmp_path / "first.jsonl"
     s = pmaptap.Session(first, run="first").open()
     try:
@@ -339,7 +375,7 @@ def test_failed_second_open_leaves_no_file_and_the_first_session_working(
     finally:
         s.close()
     with pytest.raises(pmaptap.SessionError, match="already used"):
-        s.open()                      # a Session object opens once
+        s.open()  # a Session object opens once
     assert not (tmp_path / "second.jsonl").exists()
     assert [r["value"] for r in pmaptap.read(first)] == [3.0]
 
@@ -376,29 +412,34 @@ def test_path_problems_are_oserrors_with_their_errno(tmp_path) -> None:
     # `except OSError` around file paths (what Python code writes) catches
     # pmaptap's path errors too, and they are still TapErrors.
     import errno as errno_mod
+
     (tmp_path / "file").write_text("x")
     # (os.makedirs reports a file in the way as EEXIST or ENOTDIR)
-    cases = {str(tmp_path / "file" / "t.jsonl"): {errno_mod.EEXIST, errno_mod.ENOTDIR},
-             str(tmp_path): {errno_mod.EISDIR}}
+    cases = {
+        str(tmp_path / "file" / "t.jsonl"): {errno_mod.EEXIST, errno_mod.ENOTDIR},
+        str(tmp_path): {errno_mod.EISDIR},
+    }
     for path, code in cases.items():
         with pytest.raises(OSError) as info:
             pmaptap.Session(path).open()
         assert isinstance(info.value, pmaptap.TapPathError)
         assert isinstance(info.value, pmaptap.TapError)
         assert info.value.errno in code and info.value.filename
-        assert str(info.value).startswith(("cannot", "tap file"))   # not "[Errno N]"
+        assert str(info.value).startswith(("cannot", "tap file"))  # not "[Errno N]"
     assert pmaptap.active_session() is None
 
 
-@pytest.mark.skipif(not mount_namespace_available(),
-                    reason="needs root + unshare for a read-only bind mount")
+@pytest.mark.skipif(
+    not mount_namespace_available(), reason="needs root + unshare for a read-only bind mount"
+)
 def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> None:
     # Root ignores permission bits (the non-root case is in
     # test_core_session.py); a read-only mount stops root too.
     ro = tmp_path / "ro"
     ro.mkdir()
     proc = run_in_mount_namespace(
-        'mount --bind "$RO" "$RO" && mount -o remount,ro,bind "$RO"', """
+        'mount --bind "$RO" "$RO" && mount -o remount,ro,bind "$RO"',
+        """
         import os, pmaptap
         try:
             pmaptap.Session(os.path.join(os.environ["RO"], "t.jsonl")).open()
@@ -406,7 +447,9 @@ def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> Non
         except pmaptap.TapError as e:
             print("TAPERROR", e)
         print("active", pmaptap.active_session())
-    """, RO=str(ro))
+    """,
+        RO=str(ro),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "TAPERROR" in proc.stdout and "not writable" in proc.stdout
     assert "Read-only file system" in proc.stdout
@@ -415,15 +458,17 @@ def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> Non
 
 def test_existing_file_with_garbage_is_appended_to_never_rewritten(tmp_path, caplog) -> None:
     path = tmp_path / "old.jsonl"
-    garbage = (b"\x00\x01 binary \xff\xfe not utf-8\n"
-               b"{\"json\": \"but not a record\"}\n"
-               b"NaN\n" + b"z" * 100_000 + b"\n"
-               b"{\"run\": \"x\", \"name\": \"torn")        # no newline
+    garbage = (
+        b"\x00\x01 binary \xff\xfe not utf-8\n"
+        b'{"json": "but not a record"}\n'
+        b"NaN\n" + b"z" * 100_000 + b"\n"
+        b'{"run": "x", "name": "torn'
+    )  # no newline
     path.write_bytes(garbage)
     with pmaptap.Session(path, run="new"):
         jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(5))
     raw = path.read_bytes()
-    assert raw.startswith(garbage)                    # byte for byte
+    assert raw.startswith(garbage)  # byte for byte
     with logs_warning(caplog, r"skipped 5 invalid line.*line 1:"):
         recs = pmaptap.read(path)
     assert [(r["run"], r["value"]) for r in recs] == [("new", 5.0)]
@@ -435,33 +480,62 @@ class _Exploit:
         self.marker = marker
 
     def __reduce__(self):
-        return (open, (self.marker, "w"))     # would create the marker file
+        return (open, (self.marker, "w"))  # would create the marker file
 
 
 def test_a_malicious_tap_file_is_only_invalid_lines(tmp_path, capsys, caplog) -> None:
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.jsonl"
-    record = {"run": "r", "name": "x", "step": 0, "kind": "replicated",
-              "value": f"__import__('os').system('touch {marker}')",
-              "dtype": "float32", "shape": [], "process": 0, "time": 0.0,
-              "host": "h", "replicas": 1}
-    path.write_bytes(pickle.dumps(_Exploit(str(marker))) + b"\n"
-                     + b"!!python/object/apply:os.system ['touch " + bytes(marker) + b"']\n"
-                     + encode_line(record))
+    record = {
+        "run": "r",
+        "name": "x",
+        "step": 0,
+        "kind": "replicated",
+        "value": f"__import__('os').system('touch {marker}')",
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 0.0,
+        "host": "h",
+        "replicas": 1,
+    }
+    path.write_bytes(
+        pickle.dumps(_Exploit(str(marker)))
+        + b"\n"
+        + b"!!python/object/apply:os.system ['touch "
+        + bytes(marker)
+        + b"']\n"
+        + encode_line(record)
+    )
     with logs_warning(caplog, "skipped 2 invalid"):
         recs = pmaptap.read(path)
-    assert recs[0]["value"] == record["value"]        # a string, never run
+    assert recs[0]["value"] == record["value"]  # a string, never run
     # The command-line tools read it the same way; validate flags it.
-    codes = [pmaptap.cli.main(argv) for argv in (
-        ["show", str(path)], ["summary", str(path)], ["validate", str(path)],
-        ["export", str(path), "--csv", str(tmp_path / "out.csv")])]
+    codes = [
+        pmaptap.cli.main(argv)
+        for argv in (
+            ["show", str(path)],
+            ["summary", str(path)],
+            ["validate", str(path)],
+            ["export", str(path), "--csv", str(tmp_path / "out.csv")],
+        )
+    ]
     assert codes == [0, 0, 1, 0]
     assert "3 problem(s)" in capsys.readouterr().out
     assert not marker.exists()
 
 
-_UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle",
-                   "marshal", "shelve", "yaml", "jsonpickle"}
+_UNSAFE_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "dill",
+    "cloudpickle",
+    "marshal",
+    "shelve",
+    "yaml",
+    "jsonpickle",
+}
 
 
 def test_pmaptap_never_imports_a_deserializer_that_runs_code() -> None:
@@ -469,9 +543,13 @@ def test_pmaptap_never_imports_a_deserializer_that_runs_code() -> None:
     # the package may import pickle & co or call eval/exec/compile.
     pkg = os.path.dirname(pmaptap.__file__)
     found = []
-    sources = sorted(os.path.relpath(os.path.join(d, f), pkg)
-                     for d, _, files in os.walk(pkg) for f in files if f.endswith(".py"))
-    assert len(sources) > 30, sources      # every subpackage is walked
+    sources = sorted(
+        os.path.relpath(os.path.join(d, f), pkg)
+        for d, _, files in os.walk(pkg)
+        for f in files
+        if f.endswith(".py")
+    )
+    assert len(sources) > 30, sources  # every subpackage is walked
     for fname in sources:
         with open(os.path.join(pkg, fname), encoding="utf-8") as f:
             tree = ast.parse(f.read(), fname)
@@ -481,15 +559,16 @@ def test_pmaptap_never_imports_a_deserializer_that_runs_code() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = [(node.module or "").split(".")[0]]
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                names = [node.func.id] if node.func.id in ("eval", "exec", "compile") \
-                    else []
+                names = [node.func.id] if node.func.id in ("eval", "exec", "compile") else []
             elif isinstance(node, ast.keyword) and node.arg == "allow_pickle":
                 names = ["allow_pickle"]
             else:
                 continue
-            found += [f"{fname}:{node.lineno} {n}" for n in names
-                      if n in _UNSAFE_MODULES | {"eval", "exec", "compile",
-                                                 "allow_pickle"}]
+            found += [
+                f"{fname}:{node.lineno} {n}"
+                for n in names
+                if n in _UNSAFE_MODULES | {"eval", "exec", "compile", "allow_pickle"}
+            ]
     assert found == []
 
 
@@ -513,29 +592,33 @@ def test_files_are_created_with_the_process_umask(tmp_path, umask, lock) -> None
                 sink._lock.release()
     finally:
         os.umask(old)
-    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in
-             (path, path.parent, path.parent.parent)}
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in (path, path.parent, path.parent.parent)}
     modes[lock_file] = lock_mode
     for p, mode in modes.items():
         full = 0o777 if os.path.isdir(p) else 0o666
         assert mode == full & ~umask, (str(p), oct(mode))
-        assert not mode & stat.S_IWOTH, str(p)        # never world-writable
+        assert not mode & stat.S_IWOTH, str(p)  # never world-writable
 
 
 # ------------------------------------------------------------ configure()
 
-_GOOD_OPTIONS = {"gather": [True, False, np.bool_(True)],
-                 "verify_replicated": [True, False],
-                 "gather_max_bytes": [0, 1 << 20, np.int64(64)],
-                 "max_value_bytes": [None, 0, 4096]}
-_BAD_OPTIONS = {"gather": ["yes", 1, None, "False"],
-                "verify_replicated": ["no", 0, None],
-                "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
-                "max_value_bytes": [-1, 1.5, True, "1MiB"]}
+_GOOD_OPTIONS = {
+    "gather": [True, False, np.bool_(True)],
+    "verify_replicated": [True, False],
+    "gather_max_bytes": [0, 1 << 20, np.int64(64)],
+    "max_value_bytes": [None, 0, 4096],
+}
+_BAD_OPTIONS = {
+    "gather": ["yes", 1, None, "False"],
+    "verify_replicated": ["no", 0, None],
+    "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
+    "max_value_bytes": [-1, 1.5, True, "1MiB"],
+}
 
 
 def test_every_configure_option_is_checked_and_says_what_is_allowed():
     from pmaptap._trace.options import Options
+
     fields = {f.name for f in dataclasses.fields(Options)}
     # A new option must come with its checks (and a line in this table).
     assert set(_GOOD_OPTIONS) == set(_BAD_OPTIONS) == fields
@@ -547,9 +630,12 @@ def test_every_configure_option_is_checked_and_says_what_is_allowed():
                 got = getattr(pmaptap.configure(), name)
                 assert got == v and type(got) in (bool, int, type(None)), (name, v)
         kept = pmaptap.configure()
-        allowed = {"gather": "True or False", "verify_replicated": "True or False",
-                   "gather_max_bytes": "int >= 0",
-                   "max_value_bytes": r"int >= 0 \(bytes\) or None"}
+        allowed = {
+            "gather": "True or False",
+            "verify_replicated": "True or False",
+            "gather_max_bytes": "int >= 0",
+            "max_value_bytes": r"int >= 0 \(bytes\) or None",
+        }
         for name, values in _BAD_OPTIONS.items():
             for v in values:
                 with pytest.raises(ValueError, match=f"{name} must be (an )?{allowed[name]}"):
@@ -557,12 +643,13 @@ def test_every_configure_option_is_checked_and_says_what_is_allowed():
                 with pytest.raises(ValueError, match=name):
                     with pmaptap.configured(**{name: v}):
                         pass
-        assert pmaptap.configure() == kept        # nothing bad was kept
+        assert pmaptap.configure() == kept  # nothing bad was kept
     finally:
         pmaptap.configure(**dataclasses.asdict(before))
 
 
 # ------------------------------------------------------------ dataclass pytrees
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -575,24 +662,39 @@ class _TrainState:
 
 
 def test_registered_dataclass_pytree_is_written_with_its_field_names(session, tap_path):
-    state = _TrainState(jnp.int32(7), {"w": jnp.ones(2), "b": jnp.float32(0.5)},
-                        (jnp.zeros(1),))
+    state = _TrainState(jnp.int32(7), {"w": jnp.ones(2), "b": jnp.float32(0.5)}, (jnp.zeros(1),))
     jax.jit(lambda s: pmaptap.tap(s, "state"))(state)
-    jax.pmap(lambda v: pmaptap.tap(_TrainState(v, {"w": v}, (v > 3,)), "pm",
-                                   dedup="per_device"))(jnp.arange(8.0))
+    jax.pmap(lambda v: pmaptap.tap(_TrainState(v, {"w": v}, (v > 3,)), "pm", dedup="per_device"))(
+        jnp.arange(8.0)
+    )
     session.flush()
     recs = pmaptap.read(tap_path)
     (r,) = [r for r in recs if r["name"] == "state"]
-    assert r["value"] == {"step": 7, "params": {"b": 0.5, "w": [1.0, 1.0]},
-                          "opt_state": [[0.0]], "note": None}
-    assert r["dtype"] == {"step": "int32", "params": {"b": "float32", "w": "float32"},
-                          "opt_state": ["float32"], "note": None}
-    assert r["shape"] == {"step": [], "params": {"b": [], "w": [2]},
-                          "opt_state": [[1]], "note": None}
+    assert r["value"] == {
+        "step": 7,
+        "params": {"b": 0.5, "w": [1.0, 1.0]},
+        "opt_state": [[0.0]],
+        "note": None,
+    }
+    assert r["dtype"] == {
+        "step": "int32",
+        "params": {"b": "float32", "w": "float32"},
+        "opt_state": ["float32"],
+        "note": None,
+    }
+    assert r["shape"] == {
+        "step": [],
+        "params": {"b": [], "w": [2]},
+        "opt_state": [[1]],
+        "note": None,
+    }
     pm = {r["device"]: r["value"] for r in recs if r["name"] == "pm"}
-    assert pm == {d: {"step": float(d), "params": {"w": float(d)}, "opt_state": [d > 3],
-                      "note": None} for d in range(8)}
+    assert pm == {
+        d: {"step": float(d), "params": {"w": float(d)}, "opt_state": [d > 3], "note": None}
+        for d in range(8)
+    }
     from pmaptap.tapfile.checks import validate_file
+
     assert validate_file(tap_path).ok
 
 
@@ -600,8 +702,8 @@ def test_custom_pytree_node_without_attribute_keys_stays_a_list(session, tap_pat
     class Pair:
         def __init__(self, a, b):
             self.a, self.b = a, b
-    jax.tree_util.register_pytree_node(Pair, lambda p: ((p.a, p.b), None),
-                                       lambda _, c: Pair(*c))
+
+    jax.tree_util.register_pytree_node(Pair, lambda p: ((p.a, p.b), None), lambda _, c: Pair(*c))
     jax.jit(lambda p: pmaptap.tap(p, "pair"))(Pair(jnp.float32(1), jnp.int32(2)))
     session.flush()
     (r,) = pmaptap.read(tap_path)

@@ -1,5 +1,6 @@
 """Quick mode of every benchmark, so they cannot rot. Asserts that they run
 and report every arm, never how fast (the machines are noisy)."""
+
 from __future__ import annotations
 
 import re
@@ -11,25 +12,46 @@ from conftest import ROOT, subprocess_env
 
 def test_all_benchmarks_run_in_quick_mode():
     env = subprocess_env()
-    env.pop("XLA_FLAGS")           # each suite sets its own device count
-    proc = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    env.pop("XLA_FLAGS")  # each suite sets its own device count
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run_all.py", "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for label in ("a. per_device tap", "b. replicated tap (verified)",
-                  "b. replicated tap (verify off)", "c. 4 taps in one step",
-                  "c. 4 taps in pmaptap.group()", "d. every=100, traced step",
-                  "d. every=100, ~5 ms step", "f. demo step",
-                  "f. demo step, --tap-every 10", "every=10 decided on device",
-                  "floor: 1 raw callback from 1 device",
-                  "e. writer, 1 process", "e. writer, 8 processes, one file",
-                  "h. RSS", "added ms per step",
-                  "i. per-shard tap under jit", "i. --variant jit step, tapped",
-                  "j. id_tap (tied, program order)", "j. id_tap, callback without the tie",
-                  "pmaptap summary", "pmaptap show --name loss", "summary time ratio",
-                  "k. file", "k. sharded", "k. sharded: rate at"):
+    for label in (
+        "a. per_device tap",
+        "b. replicated tap (verified)",
+        "b. replicated tap (verify off)",
+        "c. 4 taps in one step",
+        "c. 4 taps in pmaptap.group()",
+        "d. every=100, traced step",
+        "d. every=100, ~5 ms step",
+        "f. demo step",
+        "f. demo step, --tap-every 10",
+        "every=10 decided on device",
+        "floor: 1 raw callback from 1 device",
+        "e. writer, 1 process",
+        "e. writer, 8 processes, one file",
+        "h. RSS",
+        "added ms per step",
+        "i. per-shard tap under jit",
+        "i. --variant jit step, tapped",
+        "j. id_tap (tied, program order)",
+        "j. id_tap, callback without the tie",
+        "pmaptap summary",
+        "pmaptap show --name loss",
+        "summary time ratio",
+        "k. file",
+        "k. sharded",
+        "k. sharded: rate at",
+    ):
         assert label in out, f"missing {label!r} in:\n{out}"
-    assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]   # a ratio printed
+    assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]  # a ratio printed
     # Every tap arm prints its ratio to the floor (one raw callback from one
     # device, same payload) beside its ratio to raw callbacks (issue 17).
     assert "ratio to floor" in out and "floor ms/step" in out
@@ -37,25 +59,36 @@ def test_all_benchmarks_run_in_quick_mode():
     def ratios(label: str) -> list[str]:
         line = next(ln for ln in out.splitlines() if ln.startswith(label))
         return re.findall(r"(-?\d+\.\d+|nan)x", line)
-    for label in ("a. per_device tap ", "a. per_device, transport only",
-                  "b. replicated tap (verified)", "b. replicated, transport only",
-                  "b. replicated tap (verify off)", "c. 4 taps in one step",
-                  "c. 4 taps in pmaptap.group()"):
+
+    for label in (
+        "a. per_device tap ",
+        "a. per_device, transport only",
+        "b. replicated tap (verified)",
+        "b. replicated, transport only",
+        "b. replicated tap (verify off)",
+        "c. 4 taps in one step",
+        "c. 4 taps in pmaptap.group()",
+    ):
         assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
     for label in ("d. every=100, traced step", "d. every=100, ~5 ms step"):
         line = next(ln for ln in out.splitlines() if ln.startswith(label))
         assert ratios(label) or "vanishes" in line, line
-    assert "to raw / to floor" in out          # g. both ratios per device count
+    assert "to raw / to floor" in out  # g. both ratios per device count
     for n in ("1", "2", "4"):
-        line = next(ln for ln in out.split("added ms per step", 1)[1].splitlines()
-                    if ln.startswith(n + " "))
+        line = next(
+            ln for ln in out.split("added ms per step", 1)[1].splitlines() if ln.startswith(n + " ")
+        )
         assert len(re.findall(r"(-?\d+\.\d+|nan)x", line)) == 4, line
     demo = next(ln for ln in out.splitlines() if ln.startswith("f. demo step (hidden 32"))
     # f. restated against the floor
     assert re.search(r"\d+\.\d+x step, (-?\d+\.\d+|nan)x added", demo), demo
     # k. (bench_floor.py): the pieces of a scalar tap, each against the floor.
-    for label in ("k. floor, pmaptap's primitive", "k.   + all_gather (replicated value)",
-                  "k.   replicated tap, transport only", "k.   per_device tap "):
+    for label in (
+        "k. floor, pmaptap's primitive",
+        "k.   + all_gather (replicated value)",
+        "k.   replicated tap, transport only",
+        "k.   per_device tap ",
+    ):
         assert len(ratios(label)) == 2, f"{label!r}: no wall and CPU ratio to the floor"
     # bench_read.py: both ratios against the bare orjson loop, as numbers.
     # bench_many_writers.py: every run read back exact and validate-clean.

@@ -1,6 +1,7 @@
 """The ``pmaptap`` command, run as a subprocess on files written by real
 sessions (a pmap program on 8 simulated devices), plus the progress bar and
 ``pmaptap.read(..., as_frame=True)``."""
+
 from __future__ import annotations
 
 import csv
@@ -46,7 +47,7 @@ _DEMO = """
             if s != 3:
                 pmaptap.tap(jnp.float32(0.1 / (s + 1)), "lr", step=s)
 """
-N_DEMO = 6 * (1 + 8 + 8) + 9 + 5    # loss, gnorm, params; drift; lr
+N_DEMO = 6 * (1 + 8 + 8) + 9 + 5  # loss, gnorm, params; drift; lr
 
 
 def _write_demo(path: str) -> None:
@@ -66,16 +67,23 @@ def demo_lines(demo) -> list[str]:
         return f.read().splitlines()
 
 
-def cli(*args: str, timeout: float = 60, cwd: str | None = None,
-        **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pmaptap", *args],
-                          env=subprocess_env(8, **env), cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def cli(
+    *args: str, timeout: float = 60, cwd: str | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pmaptap", *args],
+        env=subprocess_env(8, **env),
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _strict(line: str) -> dict:
     def no_constants(name):
         raise ValueError(f"non-strict JSON constant {name}")
+
     return json.loads(line, parse_constant=no_constants)
 
 
@@ -106,6 +114,7 @@ def _table(stdout: str) -> tuple[str, list[dict[str, str]]]:
 
 # ------------------------------------------------------------------ basics
 
+
 def test_demo_file_is_what_the_program_wrote(demo):
     recs = pmaptap.read(demo)
     assert len(recs) == N_DEMO
@@ -117,8 +126,9 @@ def test_help_and_console_script():
     assert out.returncode == 0
     for sub in ("show", "tail", "summary", "validate", "plot", "export", "launch"):
         assert sub in out.stdout
-    assert cli().returncode == 2               # no subcommand: usage, status 2
+    assert cli().returncode == 2  # no subcommand: usage, status 2
     from importlib.metadata import entry_points
+
     eps = {e.name: e.value for e in entry_points(group="console_scripts")}
     assert eps.get("pmaptap") == "pmaptap.cli:main"
 
@@ -132,23 +142,40 @@ def test_missing_file_and_bad_step_are_usage_errors(tmp_path):
 
 # ------------------------------------------------------------------ show
 
+
 def test_show_filters_and_aligns(demo):
     out = cli("show", demo, "--name", "gnorm", "--step", "1:2", "--device", "3")
     assert out.returncode == 0, out.stderr
     header, rows = _table(out.stdout)
-    assert header.split() == ["line", "name", "step", "kind", "proc", "device",
-                              "coords", "value", "flags"]
-    want = [r for r in pmaptap.read(demo) if r["name"] == "gnorm"
-            and r["step"] in (1, 2) and r["device"] == 3]
+    assert header.split() == [
+        "line",
+        "name",
+        "step",
+        "kind",
+        "proc",
+        "device",
+        "coords",
+        "value",
+        "flags",
+    ]
+    want = [
+        r
+        for r in pmaptap.read(demo)
+        if r["name"] == "gnorm" and r["step"] in (1, 2) and r["device"] == 3
+    ]
     assert len(rows) == len(want) == 2
     for row, rec in zip(rows, want):
-        assert (row["name"], row["step"], row["device"], row["coords"]) == \
-            ("gnorm", str(rec["step"]), "3", "dp=3")
+        assert (row["name"], row["step"], row["device"], row["coords"]) == (
+            "gnorm",
+            str(rec["step"]),
+            "3",
+            "dp=3",
+        )
         assert float(row["value"]) == pytest.approx(rec["value"], rel=1e-5)
     # Aligned: every row puts its value where the header's column starts.
     col = header.index("value")
     for line in out.stdout.splitlines()[1:]:
-        assert line[col - 2:col] == "  " and line[col] != " "
+        assert line[col - 2 : col] == "  " and line[col] != " "
 
 
 def test_show_replicated_matches_any_holder_and_marks_divergence(demo):
@@ -169,9 +196,8 @@ def test_show_json_is_strict_and_round_trips(demo, demo_lines):
     out = cli("show", demo, "--name", "loss", "--json")
     lines = out.stdout.splitlines()
     assert len(lines) == 6
-    assert [_strict(x) for x in lines] == \
-        [_strict(x) for x in demo_lines if '"name":"loss"' in x]
-    assert _strict(lines[2])["value"] == "NaN"      # the documented marker
+    assert [_strict(x) for x in lines] == [_strict(x) for x in demo_lines if '"name":"loss"' in x]
+    assert _strict(lines[2])["value"] == "NaN"  # the documented marker
 
 
 def test_show_rejects_bad_step(demo):
@@ -181,11 +207,11 @@ def test_show_rejects_bad_step(demo):
 
 # ------------------------------------------------------------------ tail
 
+
 def test_tail_prints_last_records(demo, demo_lines):
     out = cli("tail", demo, "-n", "3", "--json")
     assert out.returncode == 0, out.stderr
-    assert [_strict(x) for x in out.stdout.splitlines()] == \
-        [_strict(x) for x in demo_lines[-3:]]
+    assert [_strict(x) for x in out.stdout.splitlines()] == [_strict(x) for x in demo_lines[-3:]]
     out = cli("tail", demo, "-n", "2", "--name", "loss")
     _, rows = _table(out.stdout)
     assert [(r["name"], r["step"]) for r in rows] == [("loss", "4"), ("loss", "5")]
@@ -217,9 +243,14 @@ class _Lines:
 
 
 def _start_cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pmaptap", *args],
-                            env=subprocess_env(8), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pmaptap", *args],
+        env=subprocess_env(8),
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -266,16 +297,17 @@ def test_tail_follow_sees_a_running_writer(tmp_path):
         for step in range(5):
             assert wrote.take(1) == [f"wrote {step}"]
             recs = [json.loads(x) for x in out.take(9)]
-            assert writer.poll() is None        # the writer is still running
+            assert writer.poll() is None  # the writer is still running
             assert {r["step"] for r in recs} == {step}
-            assert sorted((r["name"], r.get("device", -1)) for r in recs) == \
-                [("gnorm", d) for d in range(8)] + [("loss", -1)]
+            assert sorted((r["name"], r.get("device", -1)) for r in recs) == [
+                ("gnorm", d) for d in range(8)
+            ] + [("loss", -1)]
             seen += recs
             writer.stdin.write("go\n")
             writer.stdin.flush()
         assert writer.wait(timeout=60) == 0, writer.stderr.read()
         assert len(seen) == 45
-        tail.send_signal(signal.SIGTERM)         # stops cleanly, status 0
+        tail.send_signal(signal.SIGTERM)  # stops cleanly, status 0
         assert tail.wait(timeout=20) == 0
         err = tail.stderr.read()
         assert "Traceback" not in err
@@ -288,13 +320,13 @@ def test_tail_follow_copes_with_a_torn_tail(tmp_path, demo_lines):
     path = str(tmp_path / "torn.jsonl")
     a, b, c = demo_lines[0], demo_lines[1], demo_lines[2]
     with open(path, "w", encoding="utf-8") as f:
-        f.write(a + "\n" + b[:40])                # b is still being written
+        f.write(a + "\n" + b[:40])  # b is still being written
     tail = _start_cli("tail", path, "-f", "-n", "5", "--json", "--interval", "0.05")
     try:
         out = _Lines(tail.stdout)
         assert [_strict(x) for x in out.take(1)] == [_strict(a)]
         with open(path, "a", encoding="utf-8") as f:
-            f.write(b[40:] + "\n")                # ... and now it is complete
+            f.write(b[40:] + "\n")  # ... and now it is complete
         assert [_strict(x) for x in out.take(1)] == [_strict(b)]
         # A writer killed mid-line: the next writer starts a new line, so the
         # torn piece becomes one bad line, reported and skipped.
@@ -303,7 +335,7 @@ def test_tail_follow_copes_with_a_torn_tail(tmp_path, demo_lines):
         with open(path, "a", encoding="utf-8") as f:
             f.write("\n" + c + "\n")
         assert [_strict(x) for x in out.take(1)] == [_strict(c)]
-        tail.send_signal(signal.SIGINT)           # Ctrl-C: clean, status 0
+        tail.send_signal(signal.SIGINT)  # Ctrl-C: clean, status 0
         assert tail.wait(timeout=20) == 0
         err = tail.stderr.read()
         assert "line 3: not valid JSON" in err and "Traceback" not in err
@@ -325,12 +357,12 @@ def test_tail_follow_stops_at_timeout_and_max_records(tmp_path, demo):
 
 # ------------------------------------------------------------------ summary
 
+
 def test_summary_per_tap(demo):
     out = cli("summary", demo)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == (f"run demo: {N_DEMO} records, 5 tap(s), processes 0, "
-                        "devices 0-7")
+    assert lines[0] == (f"run demo: {N_DEMO} records, 5 tap(s), processes 0, devices 0-7")
     _, rows = _table("\n".join(lines[1:]))
     by = {r["name"]: r for r in rows}
     assert by["gnorm"]["records"] == "48" and by["gnorm"]["devices"] == "0-7"
@@ -355,15 +387,16 @@ def test_summary_counts_duplicates_but_not_divergence(tmp_path, demo_lines):
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(demo_lines + [loss0, g, g]) + "\n")
     from pmaptap.tapfile.summary import summary_table, tap_summaries
+
     text = summary_table(pmaptap.read(path))
     assert "1 duplicate record(s)" in text and "2 duplicate record(s)" in text
     by = {s.name: s for s in tap_summaries(pmaptap.read(path))}
-    assert (by["loss"].duplicates, by["gnorm"].duplicates, by["drift"].duplicates) \
-        == (1, 2, 0)
+    assert (by["loss"].duplicates, by["gnorm"].duplicates, by["drift"].duplicates) == (1, 2, 0)
     assert by["drift"].divergent_steps == (1, 3, 5)
 
 
 # ------------------------------------------------------------------ validate
+
 
 def test_validate_clean_file(demo):
     out = cli("validate", demo)
@@ -373,17 +406,18 @@ def test_validate_clean_file(demo):
 
 
 def _line(lines, name, step, extra=""):
-    return next(x for x in lines if f'"name":"{name}","step":{step},' in x
-                and extra in x)
+    return next(x for x in lines if f'"name":"{name}","step":{step},' in x and extra in x)
 
 
 def test_validate_lists_problems_by_line(tmp_path, demo_lines):
     loss1 = _line(demo_lines, "loss", 1)
     g2 = _line(demo_lines, "gnorm", 2, '"device":4,')
-    bad_shape = _line(demo_lines, "gnorm", 3).replace(
-        '"shape":[]', '"shape":[2]').replace('"step":3', '"step":77')
-    bad_proc = loss1.replace('"process":0', '"process":"zero"').replace(
-        '"step":1', '"step":99')
+    bad_shape = (
+        _line(demo_lines, "gnorm", 3)
+        .replace('"shape":[]', '"shape":[2]')
+        .replace('"step":3', '"step":77')
+    )
+    bad_proc = loss1.replace('"process":0', '"process":"zero"').replace('"step":1', '"step":99')
     # Same replicated key, another value: a cross-process divergence, which
     # validate must NOT call a duplicate.
     other = _strict(loss1)
@@ -391,19 +425,19 @@ def test_validate_lists_problems_by_line(tmp_path, demo_lines):
     lines = list(demo_lines)
     n = len(lines)
     lines += [
-        "this is not json",                       # n+1 garbage
-        loss1,                                    # n+2 duplicate replicated
-        g2,                                       # n+3 duplicate per_device
-        bad_shape,                                # n+4 schema: value vs shape
-        bad_proc,                                 # n+5 schema: process
-        json.dumps(other, separators=(",", ":")), # n+6 divergence, fine
-        '{"name": "x"}',                          # n+7 not a record
-        "",                                       # n+8 empty line
-        '{"run":"demo","name":"loss","st',        # n+9 torn last line
+        "this is not json",  # n+1 garbage
+        loss1,  # n+2 duplicate replicated
+        g2,  # n+3 duplicate per_device
+        bad_shape,  # n+4 schema: value vs shape
+        bad_proc,  # n+5 schema: process
+        json.dumps(other, separators=(",", ":")),  # n+6 divergence, fine
+        '{"name": "x"}',  # n+7 not a record
+        "",  # n+8 empty line
+        '{"run":"demo","name":"loss","st',  # n+9 torn last line
     ]
     path = str(tmp_path / "bad.jsonl")
     with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))                 # no final newline: torn
+        f.write("\n".join(lines))  # no final newline: torn
     out = cli("validate", path)
     assert out.returncode == 1, out.stdout
     reported = {}
@@ -412,13 +446,10 @@ def test_validate_lists_problems_by_line(tmp_path, demo_lines):
         reported.setdefault(int(num), []).append(why.strip())
     first_loss1 = demo_lines.index(loss1) + 1
     first_g2 = demo_lines.index(g2) + 1
-    assert sorted(reported) == [n + 1, n + 2, n + 3, n + 4, n + 5, n + 7,
-                                n + 8, n + 9]
+    assert sorted(reported) == [n + 1, n + 2, n + 3, n + 4, n + 5, n + 7, n + 8, n + 9]
     assert reported[n + 1][0].startswith("not valid JSON")
-    assert reported[n + 2] == [f"duplicate of line {first_loss1} "
-                               "(replicated 'loss' step 1)"]
-    assert reported[n + 3] == [f"duplicate of line {first_g2} "
-                               "(per_device 'gnorm' step 2 device 4)"]
+    assert reported[n + 2] == [f"duplicate of line {first_loss1} (replicated 'loss' step 1)"]
+    assert reported[n + 3] == [f"duplicate of line {first_g2} (per_device 'gnorm' step 2 device 4)"]
     assert len(reported[n + 4]) == 1
     assert "does not match shape [2]" in reported[n + 4][0]
     assert reported[n + 5] == ["schema: process must be a non-negative integer"]
@@ -434,6 +465,7 @@ def test_validate_lists_problems_by_line(tmp_path, demo_lines):
 
 
 # ------------------------------------------------------------------ plot
+
 
 def test_plot_writes_a_png(demo, tmp_path):
     mpl_image = pytest.importorskip("matplotlib.image")
@@ -451,15 +483,18 @@ def test_plot_writes_a_png(demo, tmp_path):
 
 def test_plot_lines_per_device_and_divergent_marks(demo):
     pytest.importorskip("matplotlib")
-    from pmaptap.tapfile.plot import build_figure
     import matplotlib.pyplot as plt
+
+    from pmaptap.tapfile.plot import build_figure
+
     recs = pmaptap.read(demo)
     fig = build_figure(recs, "gnorm")
     try:
         ax = fig.axes[0]
-        assert sorted(line.get_label() for line in ax.get_lines()) == \
-            [f"device {d}" for d in range(8)]
-        assert not ax.collections                  # nothing divergent
+        assert sorted(line.get_label() for line in ax.get_lines()) == [
+            f"device {d}" for d in range(8)
+        ]
+        assert not ax.collections  # nothing divergent
     finally:
         plt.close(fig)
     fig = build_figure(recs, "drift")
@@ -482,10 +517,12 @@ def test_plot_errors_are_clear(demo, tmp_path):
     out = cli("plot", demo, "--name", "params", "-o", str(tmp_path / "x.png"))
     assert out.returncode == 2 and "non-scalar" in out.stderr
     # matplotlib missing: a None entry in sys.modules makes its import fail.
-    code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from pmaptap.cli import main\n"
-            f"sys.exit(main(['plot', {demo!r}, '--name', 'loss', '-o', "
-            f"{str(tmp_path / 'y.png')!r}]))")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from pmaptap.cli import main\n"
+        f"sys.exit(main(['plot', {demo!r}, '--name', 'loss', '-o', "
+        f"{str(tmp_path / 'y.png')!r}]))"
+    )
     proc = run_python(code, check=False)
     assert proc.returncode == 2
     assert 'pip install "pmaptap[plot]"' in proc.stderr
@@ -493,6 +530,7 @@ def test_plot_errors_are_clear(demo, tmp_path):
 
 
 # ------------------------------------------------------------------ export
+
 
 def test_export_csv_one_row_per_record(demo, tmp_path):
     out_csv = str(tmp_path / "out.csv")
@@ -502,17 +540,16 @@ def test_export_csv_one_row_per_record(demo, tmp_path):
         rows = list(csv.DictReader(f))
     recs = pmaptap.read(demo)
     assert len(rows) == len(recs) == N_DEMO
-    assert [(r["name"], int(r["step"])) for r in rows] == \
-        [(r["name"], r["step"]) for r in recs]
+    assert [(r["name"], int(r["step"])) for r in rows] == [(r["name"], r["step"]) for r in recs]
     loss = [r for r in rows if r["name"] == "loss"]
     assert math.isnan(float(loss[2]["value"]))
-    assert float(loss[0]["value"]) == pytest.approx(recs[[r["name"] for r in recs]
-                                                         .index("loss")]["value"])
+    assert float(loss[0]["value"]) == pytest.approx(
+        recs[[r["name"] for r in recs].index("loss")]["value"]
+    )
     p = next(r for r in rows if r["name"] == "params" and r["device"] == "3")
     assert p["coord.dp"] == "3" and p["kind"] == "per_device"
     assert float(p["value.b"]) > 0 and json.loads(p["value.w"]) == [0.6, 0.7]
-    assert {r["divergent"] for r in rows if r["name"] == "drift" and
-            r["step"] == "1"} == {"True"}
+    assert {r["divergent"] for r in rows if r["name"] == "drift" and r["step"] == "1"} == {"True"}
     out = cli("export", demo, "--csv", "-", "--name", "lr")
     assert out.returncode == 0
     assert len(list(csv.DictReader(io.StringIO(out.stdout)))) == 5
@@ -528,6 +565,7 @@ def test_export_csv_reads_back_with_pandas(demo, tmp_path):
 
 # ------------------------------------------------------------------ read(as_frame)
 
+
 def test_read_as_frame(demo):
     pd = pytest.importorskip("pandas")
     df = pmaptap.read(demo, as_frame=True)
@@ -536,50 +574,60 @@ def test_read_as_frame(demo):
 
 
 def test_read_as_frame_without_pandas_says_what_to_install(demo):
-    code = ("import sys; sys.modules['pandas'] = None\n"
-            "import pmaptap\n"
-            "try:\n"
-            f"    pmaptap.read({demo!r}, as_frame=True)\n"
-            "except ImportError as e:\n"
-            "    print('ERR', e)\n")
+    code = (
+        "import sys; sys.modules['pandas'] = None\n"
+        "import pmaptap\n"
+        "try:\n"
+        f"    pmaptap.read({demo!r}, as_frame=True)\n"
+        "except ImportError as e:\n"
+        "    print('ERR', e)\n"
+    )
     out = run_python(code).stdout
     assert "ERR" in out and "needs pandas" in out and "pmaptap[frame]" in out
 
 
 # ------------------------------------------------------------------ launch
 
+
 def test_launch_delegates_to_the_launcher():
-    code = ("import sys, types\n"
-            "sys.modules['pmaptap.launch'] = types.SimpleNamespace(\n"
-            "    main=lambda argv: print('ARGV', argv) or 7)\n"
-            "from pmaptap.cli import main\n"
-            "sys.exit(main(['launch', '-n', '2', 'train.py', '--help']))")
+    code = (
+        "import sys, types\n"
+        "sys.modules['pmaptap.launch'] = types.SimpleNamespace(\n"
+        "    main=lambda argv: print('ARGV', argv) or 7)\n"
+        "from pmaptap.cli import main\n"
+        "sys.exit(main(['launch', '-n', '2', 'train.py', '--help']))"
+    )
     proc = run_python(code, check=False)
     assert proc.returncode == 7
     assert "ARGV ['-n', '2', 'train.py', '--help']" in proc.stdout
-    code = ("import sys; sys.modules['pmaptap.launch'] = None\n"
-            "from pmaptap.cli import main\n"
-            "sys.exit(main(['launch']))")
+    code = (
+        "import sys; sys.modules['pmaptap.launch'] = None\n"
+        "from pmaptap.cli import main\n"
+        "sys.exit(main(['launch']))"
+    )
     proc = run_python(code, check=False)
     assert proc.returncode == 2 and "pmaptap.launch" in proc.stderr
 
 
 # ------------------------------------------------------------------ progress
 
+
 def test_progress_draws_on_process_zero_only():
     from pmaptap.progress import Progress, progress
+
     buf = io.StringIO()
-    with Progress(3, desc="train", stream=buf, force=True, process=0,
-                  min_interval=0) as bar:
+    with Progress(3, desc="train", stream=buf, force=True, process=0, min_interval=0) as bar:
         for i in range(3):
             bar.update(loss=0.5 / (i + 1))
     text = buf.getvalue()
     assert text.startswith("\rtrain: [") and text.endswith("\n")
     assert "3/3 100%" in text and "loss=0.1667" in text
     assert "#" * 30 in text.splitlines()[-1]
-    for kwargs in ({"process": 1, "force": True},     # other processes never draw
-                   {"process": 0},                     # StringIO is not a TTY
-                   {"process": 0, "force": False}):
+    for kwargs in (
+        {"process": 1, "force": True},  # other processes never draw
+        {"process": 0},  # StringIO is not a TTY
+        {"process": 0, "force": False},
+    ):
         buf = io.StringIO()
         assert list(progress(range(4), stream=buf, **kwargs)) == [0, 1, 2, 3]
         assert buf.getvalue() == "", kwargs
@@ -587,11 +635,13 @@ def test_progress_draws_on_process_zero_only():
 
 def test_progress_uses_jax_process_index_and_tty(monkeypatch):
     import pty
+
     from pmaptap.progress import Progress, should_draw
+
     master, slave = pty.openpty()
     try:
         with os.fdopen(slave, "w", closefd=False) as tty:
-            assert should_draw(tty)                 # jax.process_index() == 0
+            assert should_draw(tty)  # jax.process_index() == 0
             monkeypatch.setenv("PMAPTAP_PROGRESS", "0")
             assert not should_draw(tty)
         monkeypatch.setenv("PMAPTAP_PROGRESS", "1")
@@ -605,5 +655,5 @@ def test_progress_uses_jax_process_index_and_tty(monkeypatch):
     with Progress(100, stream=buf, force=True, min_interval=3600) as bar:
         for _ in range(100):
             bar.update()
-    assert buf.getvalue().count("\r") == 3         # first, last, close
+    assert buf.getvalue().count("\r") == 3  # first, last, close
     assert "100/100" in buf.getvalue()

@@ -6,13 +6,13 @@ session active when it ran, be written by that session before its close()
 returns, or go to stderr like a tap without a session: never nowhere, and
 never counted as an overflow drop (the queue is nowhere near its bound).
 """
+
 from __future__ import annotations
 
 import json
 import re
 
 import pmaptap
-
 from conftest import run_python
 
 _SCENARIO = """
@@ -79,7 +79,7 @@ _CONSOLE = re.compile(r"^\[pmaptap\] (\S+) step=(\d+) ")
 def test_closing_sessions_under_a_tapping_thread_loses_nothing(tmp_path):
     proc = run_python(_SCENARIO, devices=4, timeout=240, OUT=str(tmp_path))
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     seen: dict[tuple[str, int], list[str]] = {}
     drops = []
     for path in sorted(set(result["files"])):
@@ -96,26 +96,28 @@ def test_closing_sessions_under_a_tapping_thread_loses_nothing(tmp_path):
         # Taps must have been dispatched while the sessions were swapped.
         assert result["during"][rnd] >= 5, (
             f"round {rnd}: the worker barely ran during the swaps "
-            f"({result['during'][rnd]} steps of {steps})")
+            f"({result['during'][rnd]} steps of {steps})"
+        )
         for name in (f"j{rnd}", f"p{rnd}"):
             for i in range(steps):
                 where = seen.get((name, i), [])
                 if len(where) != 1:
-                    problems.setdefault(rnd, []).append(
-                        f"{name} step {i}: {where or 'nowhere'}")
+                    problems.setdefault(rnd, []).append(f"{name} step {i}: {where or 'nowhere'}")
     summary = {rnd: len(p) for rnd, p in problems.items()}
     # Drops are only ever overflow drops, and this queue is far below its
     # bound: a drop record (or warning) here is a tap lost to the race.
     assert not drops and "dropped" not in proc.stderr and not problems, (
         f"steps not written exactly once, per round: {summary}; "
         f"{[p[:10] for p in problems.values()]}; drop records: {drops}\n"
-        f"stderr:\n{proc.stderr[-3000:]}")
+        f"stderr:\n{proc.stderr[-3000:]}"
+    )
 
 
 def test_a_tap_refused_by_a_closing_session_is_printed_not_counted(tmp_path):
     # The window inside Session.close() made to last: the pipeline has shut
     # admission while the session is still the active one.
-    proc = run_python("""
+    proc = run_python(
+        """
         import os, jax, jax.numpy as jnp, pmaptap
         from pmaptap._host import routing
         s = pmaptap.Session(os.environ["TAP"], run="w").open()
@@ -128,8 +130,10 @@ def test_a_tap_refused_by_a_closing_session_is_printed_not_counted(tmp_path):
         f(jnp.float32(1), jnp.int32(1))
         jax.effects_barrier()
         routing.console().flush()
-    """, devices=1, TAP=str(tmp_path / "t.jsonl"))
-    assert [(r["name"], r["step"]) for r in pmaptap.read(tmp_path / "t.jsonl")] \
-        == [("t", 0)]
+    """,
+        devices=1,
+        TAP=str(tmp_path / "t.jsonl"),
+    )
+    assert [(r["name"], r["step"]) for r in pmaptap.read(tmp_path / "t.jsonl")] == [("t", 0)]
     assert "[pmaptap] t step=1 process=0 replicas=1: 1.0" in proc.stderr.splitlines()
     assert "dropped" not in proc.stderr

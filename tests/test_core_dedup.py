@@ -1,4 +1,5 @@
 """Dedup policies: replicated, per_device, auto, and divergence."""
+
 from __future__ import annotations
 
 import jax
@@ -51,17 +52,17 @@ def test_replicated_divergence_keeps_every_value_with_its_devices(session, tap_p
 
 
 def test_per_device_one_record_per_device_even_if_identical(session, tap_path):
-    recs = _run(lambda v: pmaptap.tap(v * 0, "z", dedup="per_device"),
-                session, tap_path, steps=2)
+    recs = _run(lambda v: pmaptap.tap(v * 0, "z", dedup="per_device"), session, tap_path, steps=2)
     z = [r for r in recs if r["name"] == "z"]
     assert len(z) == 16
-    assert sorted((r["step"], r["device"]) for r in z) == \
-        [(s, d) for s in range(2) for d in range(8)]
+    assert sorted((r["step"], r["device"]) for r in z) == [
+        (s, d) for s in range(2) for d in range(8)
+    ]
 
 
 def test_auto_identical_is_replicated_and_different_is_per_device(session, tap_path):
     def fn(v):
-        pmaptap.tap(lax.psum(v, "i"), "same")          # dedup="auto" default
+        pmaptap.tap(lax.psum(v, "i"), "same")  # dedup="auto" default
         pmaptap.tap(v, "diff")
         return v
 
@@ -76,17 +77,22 @@ def test_auto_identical_is_replicated_and_different_is_per_device(session, tap_p
 
 
 def test_nan_replicas_agree_bitwise(session, tap_path):
-    recs = _run(lambda v: pmaptap.tap(lax.pmean(v, "i") * jnp.nan, "n",
-                                      dedup="replicated"), session, tap_path)
+    recs = _run(
+        lambda v: pmaptap.tap(lax.pmean(v, "i") * jnp.nan, "n", dedup="replicated"),
+        session,
+        tap_path,
+    )
     n = [r for r in recs if r["name"] == "n"]
-    assert len(n) == 1 and n[0]["value"] != n[0]["value"]   # NaN
+    assert len(n) == 1 and n[0]["value"] != n[0]["value"]  # NaN
 
 
 def test_cond_firing_on_some_devices_is_flushed_with_fewer_replicas(session, tap_path):
     def fn(v):
-        lax.cond(lax.axis_index("i") < 3,
-                 lambda: pmaptap.tap(jnp.float32(1.0), "partial", dedup="replicated"),
-                 lambda: jnp.float32(1.0))
+        lax.cond(
+            lax.axis_index("i") < 3,
+            lambda: pmaptap.tap(jnp.float32(1.0), "partial", dedup="replicated"),
+            lambda: jnp.float32(1.0),
+        )
         return v
 
     recs = [r for r in _run(fn, session, tap_path) if r["name"] == "partial"]

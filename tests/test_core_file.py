@@ -1,5 +1,6 @@
 """The shared file: locking, many writers, torn-tail repair, stuck locks,
 write errors reported at flush."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import logs_warning, APPENDER, run_released, run_python, start_python
-
+from conftest import APPENDER, logs_warning, run_python, run_released, start_python
 
 
 def test_four_processes_append_1500_records_each(tmp_path):
@@ -24,7 +24,7 @@ def test_four_processes_append_1500_records_each(tmp_path):
     assert raw.endswith(b"\n")
     lines = raw.split(b"\n")[:-1]
     assert len(lines) == 6000
-    recs = [json.loads(l) for l in lines]        # every line whole and valid
+    recs = [json.loads(l) for l in lines]  # every line whole and valid
     for w in range(4):
         steps = sorted(r["step"] for r in recs if r["name"] == f"w{w}")
         assert steps == list(range(1500))
@@ -35,7 +35,7 @@ def test_four_processes_append_1500_records_each(tmp_path):
 def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path, caplog):
     os.makedirs(os.path.dirname(tap_path))
     with open(tap_path, "w") as f:
-        f.write('{"run": "old", "name": "x", "st')         # killed mid-line
+        f.write('{"run": "old", "name": "x", "st')  # killed mid-line
     with pmaptap.Session(tap_path, run="new"):
         jax.jit(lambda v: pmaptap.tap(v, "after"))(jnp.float32(2))
     with open(tap_path) as f:
@@ -48,14 +48,18 @@ def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path, caplog):
 
 
 def test_stuck_lock_does_not_stall_taps_and_records_follow(tap_path):
-    holder = start_python("""
+    holder = start_python(
+        """
         import os, sys, time, filelock
         lock = filelock.FileLock(os.environ["TAP"] + ".lock")
         lock.acquire()
         print("locked", flush=True)
         time.sleep(float(os.environ["HOLD"]))
         lock.release()
-    """, TAP=tap_path, HOLD="4")
+    """,
+        TAP=tap_path,
+        HOLD="4",
+    )
     try:
         os.makedirs(os.path.dirname(tap_path), exist_ok=True)
         assert holder.stdout.readline().strip() == "locked"
@@ -67,8 +71,8 @@ def test_stuck_lock_does_not_stall_taps_and_records_follow(tap_path):
                 f(jnp.float32(i)).block_until_ready()
             loop = time.monotonic() - t0
             assert loop < 3.0, f"taps stalled behind the lock ({loop:.1f}s)"
-            assert os.path.getsize(tap_path) == 0      # still locked out
-            s.flush()                                  # waits for the holder
+            assert os.path.getsize(tap_path) == 0  # still locked out
+            s.flush()  # waits for the holder
         assert holder.wait(30) == 0
     finally:
         if holder.poll() is None:
@@ -80,7 +84,8 @@ def test_stuck_lock_does_not_stall_taps_and_records_follow(tap_path):
 def test_write_errors_surface_at_flush_as_taperror(tmp_path):
     # RLIMIT_FSIZE makes writes past 4 KiB fail with EFBIG (SIGXFSZ ignored),
     # like a full disk: training must go on and the error surface at flush.
-    proc = run_python("""
+    proc = run_python(
+        """
         import os, resource, signal, warnings, jax, jax.numpy as jnp, pmaptap
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
@@ -98,7 +103,10 @@ def test_write_errors_surface_at_flush_as_taperror(tmp_path):
         except pmaptap.TapError as e:
             print("CLOSEERROR", e, flush=True)
         os._exit(0)   # XLA's own exit handlers trip over RLIMIT_FSIZE
-    """, devices=1, TAP=str(tmp_path / "t.jsonl"))
+    """,
+        devices=1,
+        TAP=str(tmp_path / "t.jsonl"),
+    )
     assert "TAPERROR" in proc.stdout and "File too large" in proc.stdout
     assert "CLOSEERROR" in proc.stdout and "not written" in proc.stdout
     assert str(tmp_path / "t.jsonl") in proc.stdout
@@ -111,8 +119,9 @@ def test_write_errors_surface_at_flush_as_taperror(tmp_path):
 
 def test_overflow_drop_newest_counts_and_reports_drops(tap_path, caplog):
     with logs_warning(caplog, "dropped"):
-        with pmaptap.Session(tap_path, overflow="drop_newest", max_pending=5,
-                             lock_timeout=0.05) as s:
+        with pmaptap.Session(
+            tap_path, overflow="drop_newest", max_pending=5, lock_timeout=0.05
+        ) as s:
             lock = filelock.FileLock(tap_path + ".lock")
             lock.acquire()
             try:
@@ -129,7 +138,7 @@ def test_overflow_drop_newest_counts_and_reports_drops(tap_path, caplog):
     meta = [r for r in recs if r["name"] == "pmaptap/dropped"]
     assert len(meta) == 1 and meta[0]["kind"] == "meta"
     assert len(data) + meta[0]["dropped_total"] == 40
-    assert [r["step"] for r in data] == list(range(len(data)))   # the oldest kept
+    assert [r["step"] for r in data] == list(range(len(data)))  # the oldest kept
 
 
 @pytest.mark.parametrize("lock", ["flock", "soft"])
@@ -137,23 +146,38 @@ def test_batches_larger_than_one_writev_and_short_writes_stay_whole(tmp_path, mo
     # One batch is one writev(2) of its lines: more lines than one call
     # takes (1024), and a kernel that writes only part of what it is given,
     # must still leave every line whole, in order, exactly once.
-    from pmaptap.tapfile.format import Record
     from pmaptap._host.sink import FileSink
+    from pmaptap.tapfile.format import Record
+
     calls = []
 
     def short(real):
         def call(fd, buffers, *offset):
             calls.append(len(buffers))
-            data = b"".join(buffers)[:777]          # at most 777 bytes a call
+            data = b"".join(buffers)[:777]  # at most 777 bytes a call
             return real(fd, [data], *offset)
+
         return call
+
     monkeypatch.setattr(os, "writev", short(os.writev))
     monkeypatch.setattr(os, "pwritev", short(os.pwritev))
     path = str(tmp_path / "w.jsonl")
     sink = FileSink(path, lock=lock, process=0)
-    recs = [Record(run="r", name="n", step=i, kind="meta", value=list(range(i % 7)),
-                   dtype="int64", shape=[i % 7], process=0, time=0.0, host="h")
-            for i in range(2500)]
+    recs = [
+        Record(
+            run="r",
+            name="n",
+            step=i,
+            kind="meta",
+            value=list(range(i % 7)),
+            dtype="int64",
+            shape=[i % 7],
+            process=0,
+            time=0.0,
+            host="h",
+        )
+        for i in range(2500)
+    ]
     sink.write(recs)
     sink.write(recs[:3])
     sink.close()

@@ -1,4 +1,5 @@
 """Record format: strict JSON, dtypes, non-finite encoding, read()."""
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from pmaptap._host.encode import encode_array
 def _strict_lines(path):
     def no_constants(name):
         raise AssertionError(f"non-standard JSON token {name}")
+
     with open(path, encoding="utf-8") as f:
         return [json.loads(line, parse_constant=no_constants) for line in f]
 
@@ -28,8 +30,20 @@ def test_every_line_is_strict_json_with_required_fields(session, tap_path):
     raw = _strict_lines(tap_path)
     assert len(raw) == 8
     for d in raw:
-        for k in ("run", "name", "step", "kind", "value", "dtype", "shape",
-                  "process", "time", "host", "device", "coords"):
+        for k in (
+            "run",
+            "name",
+            "step",
+            "kind",
+            "value",
+            "dtype",
+            "shape",
+            "process",
+            "time",
+            "host",
+            "device",
+            "coords",
+        ):
             assert k in d, k
         assert d["run"] == "test" and isinstance(d["time"], float)
     # raw encoding is documented: strings for non-finite numbers
@@ -38,16 +52,19 @@ def test_every_line_is_strict_json_with_required_fields(session, tap_path):
     assert decoded[0] == -math.inf and decoded[5] == math.inf and math.isnan(decoded[4])
 
 
-@pytest.mark.parametrize("value, dtype, expect", [
-    (jnp.array([1.5, -2.25], jnp.bfloat16), "bfloat16", [1.5, -2.25]),
-    (jnp.array([0.1], jnp.float32), "float32", [0.1]),
-    (jnp.array([1, -7], jnp.int32), "int32", [1, -7]),
-    (jnp.array([True, False]), "bool", [True, False]),
-    (jnp.array([1 + 2j], jnp.complex64), "complex64", [complex(1, 2)]),
-    (jnp.array([0.5], jnp.float16), "float16", [0.5]),
-    (jnp.array([], jnp.float32), "float32", []),
-    (jnp.float32(3.0), "float32", 3.0),
-])
+@pytest.mark.parametrize(
+    "value, dtype, expect",
+    [
+        (jnp.array([1.5, -2.25], jnp.bfloat16), "bfloat16", [1.5, -2.25]),
+        (jnp.array([0.1], jnp.float32), "float32", [0.1]),
+        (jnp.array([1, -7], jnp.int32), "int32", [1, -7]),
+        (jnp.array([True, False]), "bool", [True, False]),
+        (jnp.array([1 + 2j], jnp.complex64), "complex64", [complex(1, 2)]),
+        (jnp.array([0.5], jnp.float16), "float16", [0.5]),
+        (jnp.array([], jnp.float32), "float32", []),
+        (jnp.float32(3.0), "float32", 3.0),
+    ],
+)
 def test_dtypes_round_trip(session, tap_path, value, dtype, expect):
     jax.jit(lambda v: pmaptap.tap(v, "d"))(value)
     session.flush()
@@ -75,11 +92,28 @@ def test_name_with_quotes_newlines_and_unicode(session, tap_path):
 
 def test_read_skips_garbage_and_torn_tail_with_a_warning(tmp_path, caplog):
     p = tmp_path / "f.jsonl"
-    good = {"run": "r", "name": "a", "step": 0, "kind": "replicated", "value": 1,
-            "dtype": "int32", "shape": [], "process": 0, "time": 1.0,
-            "host": "h", "replicas": 1}
-    p.write_text(json.dumps(good) + "\nnot json\n" + json.dumps({"x": 1}) + "\n"
-                 + json.dumps(dict(good, step=1)) + "\n" + '{"run": "r", "na')
+    good = {
+        "run": "r",
+        "name": "a",
+        "step": 0,
+        "kind": "replicated",
+        "value": 1,
+        "dtype": "int32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 1,
+    }
+    p.write_text(
+        json.dumps(good)
+        + "\nnot json\n"
+        + json.dumps({"x": 1})
+        + "\n"
+        + json.dumps(dict(good, step=1))
+        + "\n"
+        + '{"run": "r", "na'
+    )
     with logs_warning(caplog, "skipped 3 invalid line"):
         recs = pmaptap.read(p)
     assert [r["step"] for r in recs] == [0, 1]
@@ -112,31 +146,37 @@ def test_json_fallback_writes_the_same_records_as_orjson(tmp_path):
         if mode == "json":
             env["PMAPTAP_NO_ORJSON"] = "1"
         run_python(code, devices=4, **env)
-        _strict_lines(path)                              # strict JSON either way
-        out[mode] = sorted(json.dumps({k: r[k] for k in keep}, sort_keys=True,
-                                      default=str)
-                           for r in pmaptap.read(path))
+        _strict_lines(path)  # strict JSON either way
+        out[mode] = sorted(
+            json.dumps({k: r[k] for k in keep}, sort_keys=True, default=str)
+            for r in pmaptap.read(path)
+        )
     assert len(out["json"]) == 4 and out["json"] == out["orjson"]
 
 
-@pytest.mark.parametrize("stacked", [
-    np.array([0.1, 1 / 3, 1e-8, -0.0, 3.4e38, 16777217.0, 2.5, 7e-45], np.float32),
-    np.array([0.1, 1 / 3, 1e-300, -0.0, 1.7e308, 2.0 ** 60], np.float64),
-    np.array([np.iinfo(np.int32).min, -1, 0, np.iinfo(np.int32).max], np.int32),
-    np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max], np.int64),
-    np.array([0, np.iinfo(np.uint64).max], np.uint64),
-    np.array([True, False, True], np.bool_),
-    np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3) / 7,
-    np.arange(24, dtype=np.int64).reshape(2, 3, 4),
-    np.array([[1.0, np.nan], [np.inf, -np.inf]], np.float32),          # non-finite
-    np.array([0.1, 2.5], ml_dtypes.bfloat16),                          # widened
-    np.array([1, 2], np.int8),                                        # not a fast dtype
-], ids=lambda a: f"{a.dtype}{list(a.shape)}")
+@pytest.mark.parametrize(
+    "stacked",
+    [
+        np.array([0.1, 1 / 3, 1e-8, -0.0, 3.4e38, 16777217.0, 2.5, 7e-45], np.float32),
+        np.array([0.1, 1 / 3, 1e-300, -0.0, 1.7e308, 2.0**60], np.float64),
+        np.array([np.iinfo(np.int32).min, -1, 0, np.iinfo(np.int32).max], np.int32),
+        np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max], np.int64),
+        np.array([0, np.iinfo(np.uint64).max], np.uint64),
+        np.array([True, False, True], np.bool_),
+        np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3) / 7,
+        np.arange(24, dtype=np.int64).reshape(2, 3, 4),
+        np.array([[1.0, np.nan], [np.inf, -np.inf]], np.float32),  # non-finite
+        np.array([0.1, 2.5], ml_dtypes.bfloat16),  # widened
+        np.array([1, 2], np.int8),  # not a fast dtype
+    ],
+    ids=lambda a: f"{a.dtype}{list(a.shape)}",
+)
 def test_encoding_gathered_rows_at_once_equals_row_by_row(stacked):
     # The gathered fast path (encode_rows) must write exactly the bytes that
     # encoding each device's copy on its own writes.
     from pmaptap._host.encode import encode_rows, encode_tree
     from pmaptap.tapfile.format import encode_line
+
     treedef = jax.tree_util.tree_structure(0)
     rows = list(range(stacked.shape[0]))[::-1]
     fast = encode_rows(treedef, [stacked], rows)
@@ -149,15 +189,18 @@ def test_encoding_gathered_rows_at_once_equals_row_by_row(stacked):
 def test_encoding_gathered_pytree_rows_equals_row_by_row():
     from pmaptap._host.encode import encode_rows, encode_tree
     from pmaptap.tapfile.format import encode_line
+
     tree = {"a": np.float32(0), "b": np.zeros(2, np.int32)}
     treedef = jax.tree_util.tree_structure(tree)
     stacked = [np.array([0.1, 0.2], np.float32), np.arange(4, dtype=np.int32).reshape(2, 2)]
     for k, enc in zip([0, 1], encode_rows(treedef, stacked, [0, 1])):
         assert encode_line({"e": enc}) == encode_line(
-            {"e": encode_tree(treedef, [a[k] for a in stacked])})
+            {"e": encode_tree(treedef, [a[k] for a in stacked])}
+        )
 
 
 # ------------------------------------------------------------ every JAX dtype
+
 
 def _every_jax_dtype() -> list[np.dtype]:
     """Every dtype JAX knows, found at run time so that a dtype a later JAX
@@ -165,13 +208,14 @@ def _every_jax_dtype() -> list[np.dtype]:
     (with float0 and the string dtype) plus every concrete scalar type
     jax.numpy exposes (in case the private set moves)."""
     from jax._src import dtypes as jax_dtypes
+
     found = set(getattr(jax_dtypes, "_jax_dtype_set", ()))
     for attr in dir(jnp):
         t = getattr(jnp, attr)
         if isinstance(t, type) and issubclass(t, np.generic):
             try:
                 found.add(np.dtype(t))
-            except TypeError:           # abstract: jnp.floating, jnp.number, ...
+            except TypeError:  # abstract: jnp.floating, jnp.number, ...
                 pass
     assert len(found) > 20, found
     return sorted(found, key=str)
@@ -187,8 +231,7 @@ def _sample(dt: np.dtype) -> np.ndarray | None:
         return np.array([int(info.min), int(info.max), max(int(info.min), 1)], dt)
     if jnp.issubdtype(dt, jnp.floating):
         info = jnp.finfo(dt)
-        return np.array([float(info.max), float(info.smallest_normal),
-                         float(info.min)], dt)
+        return np.array([float(info.max), float(info.smallest_normal), float(info.min)], dt)
     if jnp.issubdtype(dt, jnp.complexfloating):
         return np.array([1 + 2j, -0.5j, 3.25], dt)
     return None
@@ -202,8 +245,7 @@ def _wide(dt: np.dtype) -> np.dtype:
         return np.dtype(np.uint64)
     if jnp.issubdtype(dt, jnp.integer):
         return np.dtype(np.int64)
-    return np.dtype(np.complex128 if jnp.issubdtype(dt, jnp.complexfloating)
-                    else np.float64)
+    return np.dtype(np.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else np.float64)
 
 
 def _bits_equal(value, sample: np.ndarray) -> bool:
@@ -220,13 +262,11 @@ def _bits_equal(value, sample: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize("dt", _every_jax_dtype(), ids=str)
-def test_every_jax_dtype_is_written_exactly_or_refused_at_trace_time(
-        session, tap_path, dt):
+def test_every_jax_dtype_is_written_exactly_or_refused_at_trace_time(session, tap_path, dt):
     sample = _sample(dt)
-    with jax.enable_x64(True):      # 64-bit dtypes reach the tap as themselves
-        if sample is None:                         # float0, strings
-            odd = (np.zeros(3, dt) if dt.kind == "V" else
-                   np.array(["a", "b", "c"], dtype=dt))
+    with jax.enable_x64(True):  # 64-bit dtypes reach the tap as themselves
+        if sample is None:  # float0, strings
+            odd = np.zeros(3, dt) if dt.kind == "V" else np.array(["a", "b", "c"], dtype=dt)
             for value in (odd, {"ok": np.float32(1), "odd": odd}):
                 with pytest.raises(TypeError, match=r"pmaptap.tap\('odd'\)"):
                     pmaptap.tap(value, "odd")
@@ -246,18 +286,22 @@ def test_every_jax_dtype_is_written_exactly_or_refused_at_trace_time(
             # The host side still writes it (for a backend that computes it).
             value, dtype, shape = encode_array(sample)
             assert (dtype, shape) == (dt.name, [3]) and _bits_equal(value, sample)
-            pytest.skip(f"JAX itself cannot compute with {dt} on "
-                        f"{jax.default_backend()}: {str(e).splitlines()[0][:80]}")
+            pytest.skip(
+                f"JAX itself cannot compute with {dt} on "
+                f"{jax.default_backend()}: {str(e).splitlines()[0][:80]}"
+            )
         jax.jit(lambda v: pmaptap.tap(v.astype(dt), "jit"))(src)
         # Every copy differs: gathered per-device rows (a pytree of two
         # leaves: one packed collective, or one per leaf for sub-byte dtypes).
         rows = jnp.stack([jnp.roll(src, k) for k in range(8)])
-        jax.pmap(lambda v: pmaptap.tap((v.astype(dt), v[::-1].astype(dt)), "pmap",
-                                       dedup="per_device"))(rows)
+        jax.pmap(
+            lambda v: pmaptap.tap((v.astype(dt), v[::-1].astype(dt)), "pmap", dedup="per_device")
+        )(rows)
         # Replicated above gather_max_bytes: hashes compared on device.
         with pmaptap.configured(gather_max_bytes=0):
             jax.pmap(lambda v: pmaptap.tap(v.astype(dt), "hashed", dedup="replicated"))(
-                jnp.stack([src] * 8))
+                jnp.stack([src] * 8)
+            )
     session.flush()
     recs = pmaptap.read(tap_path)
     (jit,) = [r for r in recs if r["name"] == "jit"]
@@ -287,6 +331,7 @@ def test_sub_byte_integers_are_plain_json_integers(session, tap_path):
 
 def test_sub_byte_values_reach_host_callback_functions_in_their_own_dtype():
     from pmaptap import host_callback as hcb
+
     seen = []
     x = jnp.array([[1, -2], [3, -4]], jnp.int4)
     jax.pmap(lambda v: hcb.id_tap(lambda a, _: seen.append(a), v))(x)

@@ -1,4 +1,5 @@
 """Session lifecycle: open/close, paths, exit paths, console fallback."""
+
 from __future__ import annotations
 
 import os
@@ -64,29 +65,34 @@ def test_flush_after_close_and_close_twice(tap_path):
 
 
 def test_no_session_prints_readable_lines_to_stderr():
-    proc = run_python("""
+    proc = run_python(
+        """
         import jax, jax.numpy as jnp, pmaptap
         f = jax.pmap(lambda v: pmaptap.tap(v * 0.25, "loss", step=3, dedup="per_device"),
                      axis_name="dp")
         f(jnp.arange(4.0))
         jax.pmap(lambda v: pmaptap.tap(jax.lax.pmean(v, "i"), "avg"), axis_name="i")(jnp.ones(4))
         pmaptap.flush()
-    """, devices=4)
+    """,
+        devices=4,
+    )
     lines = sorted(l for l in proc.stderr.splitlines() if l.startswith("[pmaptap]"))
     assert "[pmaptap] loss step=3 process=0 device=2 dp=2: 0.5" in lines
     assert "[pmaptap] avg step=0 process=0 replicas=4: 1.0" in lines
 
 
 def test_no_session_output_is_not_lost_at_exit_without_flush():
-    proc = run_python("""
+    proc = run_python(
+        """
         import jax, jax.numpy as jnp, pmaptap
         f = jax.jit(lambda v: pmaptap.tap(v, "late"))
         for i in range(5):
             f(jnp.float32(i))
-    """, devices=1)
+    """,
+        devices=1,
+    )
     lines = [l for l in proc.stderr.splitlines() if l.startswith("[pmaptap] late")]
-    assert lines == [f"[pmaptap] late step={i} process=0 replicas=1: {float(i)}"
-                     for i in range(5)]
+    assert lines == [f"[pmaptap] late step={i} process=0 replicas=1: {float(i)}" for i in range(5)]
 
 
 _WRITER = """
@@ -146,17 +152,22 @@ def test_sigterm_writes_everything_then_dies_by_the_signal(tmp_path):
 def test_sigterm_during_close_lets_the_drain_finish_then_dies(tmp_path):
     tap = str(tmp_path / "t.jsonl")
     release = str(tmp_path / "release")
-    holder = start_python("""
+    holder = start_python(
+        """
         import os, time, filelock
         lock = filelock.FileLock(os.environ["TAP"] + ".lock"); lock.acquire()
         print("locked", flush=True)
         while not os.path.exists(os.environ["RELEASE"]):
             time.sleep(0.01)
         lock.release()
-    """, TAP=tap, RELEASE=release)
+    """,
+        TAP=tap,
+        RELEASE=release,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        child = start_python("""
+        child = start_python(
+            """
             import os, jax, jax.numpy as jnp, pmaptap
             s = pmaptap.Session(os.environ["TAP"], run="t", lock_timeout=0.1).open()
             f = jax.jit(lambda v: pmaptap.tap(v, "x"))
@@ -165,10 +176,12 @@ def test_sigterm_during_close_lets_the_drain_finish_then_dies(tmp_path):
             print("closing", flush=True)
             s.close()                      # blocked on the lock: drain in progress
             print("not reached", flush=True)
-        """, TAP=tap)
+        """,
+            TAP=tap,
+        )
         try:
             assert child.stdout.readline().strip() == "closing"
-            time.sleep(0.3)                # inside close(), waiting for the lock
+            time.sleep(0.3)  # inside close(), waiting for the lock
             child.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             assert child.poll() is None, "SIGTERM must not abandon the drain"

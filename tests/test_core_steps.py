@@ -1,4 +1,5 @@
 """Steps (automatic and explicit), `every`, control flow, vmap and grad."""
+
 from __future__ import annotations
 
 import jax
@@ -31,20 +32,24 @@ def test_scan_and_fori_loop_iterations_are_steps(session, tap_path):
         def body(c, x):
             pmaptap.tap(x, "scan")
             return c + x, None
+
         c, _ = lax.scan(body, 0.0, xs)
 
         def fbody(i, acc):
             pmaptap.tap(acc, "fori", step=i)
             return acc + 1.0
+
         return lax.fori_loop(0, 4, fbody, c)
 
     f(jnp.arange(5.0))
     session.flush()
     recs = pmaptap.read(tap_path)
-    assert [(r["step"], r["value"]) for r in _named(recs, "scan")] == \
-        [(i, float(i)) for i in range(5)]
-    assert [(r["step"], r["value"]) for r in _named(recs, "fori")] == \
-        [(i, 10.0 + i) for i in range(4)]
+    assert [(r["step"], r["value"]) for r in _named(recs, "scan")] == [
+        (i, float(i)) for i in range(5)
+    ]
+    assert [(r["step"], r["value"]) for r in _named(recs, "fori")] == [
+        (i, 10.0 + i) for i in range(4)
+    ]
 
 
 def test_while_loop_and_cond(session, tap_path):
@@ -65,6 +70,7 @@ def test_while_loop_and_cond(session, tap_path):
 def test_every_with_traced_step_skips_on_device(session, tap_path, monkeypatch):
     calls = []
     from pmaptap._host import routing
+
     real = routing.deliver
 
     def counting(spec, arrays):
@@ -79,6 +85,7 @@ def test_every_with_traced_step_skips_on_device(session, tap_path, monkeypatch):
         def body(c, i):
             pmaptap.tap(i * 10, "e", step=i, every=3)
             return c, None
+
         lax.scan(body, 0, xs)
 
     f(jnp.arange(10))
@@ -98,14 +105,13 @@ def test_every_with_python_step_and_automatic_step(session, tap_path):
     session.flush()
     recs = pmaptap.read(tap_path)
     assert [r["step"] for r in _named(recs, "py")] == [0, 2, 4]
-    assert [(r["step"], r["value"]) for r in _named(recs, "auto")] == \
-        [(0, 0.0), (4, 4.0), (8, 8.0)]
+    assert [(r["step"], r["value"]) for r in _named(recs, "auto")] == [(0, 0.0), (4, 4.0), (8, 8.0)]
 
 
 def test_grad_records_primal_and_gradient_unchanged(session, tap_path):
     def loss(w):
         h = pmaptap.tap(jnp.tanh(w), "h")
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
 
     w = jnp.array([0.1, -0.2, 0.3])
     g = jax.grad(loss)(w)
@@ -127,7 +133,7 @@ def test_checkpoint_recomputation_does_not_repeat_a_tap(session, tap_path):
     jax.jit(jax.grad(jax.checkpoint(f)))(x)
     session.flush()
     recs = _named(pmaptap.read(tap_path), "ck")
-    assert [r["step"] for r in recs] == [0, 1]     # one record per execution
+    assert [r["step"] for r in recs] == [0, 1]  # one record per execution
 
 
 def test_vmap_records_the_whole_batch_once_per_execution(session, tap_path):
@@ -152,6 +158,7 @@ def test_pmap_of_vmap_of_scan(session, tap_path):
         def body(c, xi):
             pmaptap.tap(xi, "deep", dedup="per_device")
             return c, None
+
         lax.scan(body, 0.0, x)
         return x
 
@@ -167,8 +174,7 @@ def test_pmap_of_vmap_of_scan(session, tap_path):
 
 
 def test_pytree_value(session, tap_path):
-    tree = {"w": jnp.ones((2,), jnp.float32), "b": (jnp.int32(3), None),
-            "ok": jnp.bool_(True)}
+    tree = {"w": jnp.ones((2,), jnp.float32), "b": (jnp.int32(3), None), "ok": jnp.bool_(True)}
     jax.jit(lambda t: pmaptap.tap(t, "tree"))(tree)
     session.flush()
     (r,) = _named(pmaptap.read(tap_path), "tree")
@@ -187,7 +193,7 @@ def test_tap_returns_its_input_unchanged():
 
 @pytest.mark.parametrize("kwargs, exc, text", BAD_TAP_ARGS)
 def test_bad_arguments_raise_at_trace_time(kwargs, exc, text):
-    kwargs = dict(kwargs)                 # the table is shared: do not mutate it
+    kwargs = dict(kwargs)  # the table is shared: do not mutate it
     name = kwargs.pop("name")
     with pytest.raises(exc, match=text):
         jax.jit(lambda v: pmaptap.tap(v, name, **kwargs))(jnp.ones(2))
@@ -199,7 +205,7 @@ def test_non_array_leaf_is_a_clear_type_error():
 
 
 def test_one_automatic_counter_outside_any_mapping(session, tap_path):
-    pmaptap.tap(jnp.float32(1), "e")                    # eager, on a device
+    pmaptap.tap(jnp.float32(1), "e")  # eager, on a device
     jax.jit(lambda v: pmaptap.tap(v, "e"))(jnp.float32(1))
     jax.jit(lambda v: pmaptap.tap(v, "e"))(jnp.float32(1))
     session.flush()
@@ -208,7 +214,7 @@ def test_one_automatic_counter_outside_any_mapping(session, tap_path):
 
 def test_rerunning_explicit_steps_in_one_process_keeps_every_record(session, tap_path):
     f = jax.jit(lambda v, s: pmaptap.tap(v, "again", step=s, dedup="replicated"))
-    for _ in range(2):                                   # e.g. two evaluation passes
+    for _ in range(2):  # e.g. two evaluation passes
         for s in range(3):
             f(jnp.float32(7), s)
     session.flush()
@@ -247,22 +253,27 @@ _BIG_STEPS = """
 @pytest.mark.parametrize("x64", ["off", "on"])
 def test_python_int_steps_up_to_int64_max_eager_and_jit(x64):
     import json
+
     from conftest import run_python
-    out = run_python(f"import sys; sys.argv.append({x64!r})\n" +
-                     __import__("textwrap").dedent(_BIG_STEPS)).stdout
+
+    out = run_python(
+        f"import sys; sys.argv.append({x64!r})\n" + __import__("textwrap").dedent(_BIG_STEPS)
+    ).stdout
     recs = json.loads(out.strip().splitlines()[-1])
     for s in (2**31 + 5, 2**63 - 1):
         got = sorted(n for n, step, _ in recs if step == s)
-        assert got == sorted(["eager", "jit"] + ["pmap"] * 8 + ["g1"] * 8 +
-                             ["g2", "tg"]), (s, got)
+        assert got == sorted(["eager", "jit"] + ["pmap"] * 8 + ["g1"] * 8 + ["g2", "tg"]), (s, got)
         assert [p for n, step, p in recs if n == "tg" and step == s] == ["backward"]
     assert {step for _, step, _ in recs} == {2**31 + 5, 2**63 - 1}
 
 
 @pytest.mark.parametrize("bad", [-1, 2**63, 2**64 + 3, np.uint64(2**64 - 1)])
 def test_out_of_range_python_steps_are_refused_at_trace_time(session, tap_path, bad):
-    with pytest.raises(ValueError, match=r"pmaptap.tap\('x'\): step must be >= 0 "
-                       r"and at most 2\*\*63-1"):
+    with pytest.raises(
+        ValueError,
+        match=r"pmaptap.tap\('x'\): step must be >= 0 "
+        r"and at most 2\*\*63-1",
+    ):
         pmaptap.tap(1.0, "x", step=bad)
     with pytest.raises(ValueError, match=r"pmaptap.tap\('x'\)"):
         jax.jit(lambda v: pmaptap.tap(v, "x", step=bad))(1.0)
@@ -275,38 +286,54 @@ def test_negative_traced_step_is_refused_counted_and_reported(session, tap_path,
     f(1.0, 3)
     f(2.0, -4)
     f(3.0, -5)
-    jax.pmap(lambda v, i: pmaptap.tap(v, "p", step=i, dedup="per_device"),
-             in_axes=(0, None))(jnp.arange(8.0), -1)
+    jax.pmap(lambda v, i: pmaptap.tap(v, "p", step=i, dedup="per_device"), in_axes=(0, None))(
+        jnp.arange(8.0), -1
+    )
     import logging
+
     with caplog.at_level(logging.WARNING, logger="pmaptap"):
-        session.flush()                         # reported (logged), not raised
-    texts = sorted(r.getMessage() for r in caplog.records
-                   if r.name == "pmaptap" and "refused" in r.getMessage())
+        session.flush()  # reported (logged), not raised
+    texts = sorted(
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "pmaptap" and "refused" in r.getMessage()
+    )
     assert len(texts) == 2
     assert "refused 1 callback(s) of tap 'p': traced step -1" in texts[0]
     assert "refused 2 callback(s) of tap 'x': traced step -4" in texts[1]
     recs = pmaptap.read(tap_path)
-    assert [(r["name"], r["step"], r["value"]) for r in recs
-            if r["kind"] != "meta"] == [("x", 3, 1.0)]
+    assert [(r["name"], r["step"], r["value"]) for r in recs if r["kind"] != "meta"] == [
+        ("x", 3, 1.0)
+    ]
     refused = {r["tap"]: r for r in recs if r["name"] == "pmaptap/refused"}
     assert refused["x"]["value"] == 2 and refused["x"]["example_step"] == -4
     assert refused["p"]["value"] >= 1 and refused["p"]["example_step"] == -1
     from pmaptap.tapfile.checks import validate_file
-    assert validate_file(tap_path).ok            # what was written is valid
-    session.flush()                              # reported once, not again
-    assert len([r for r in pmaptap.read(tap_path)
-                if r["name"] == "pmaptap/refused"]) == 2
+
+    assert validate_file(tap_path).ok  # what was written is valid
+    session.flush()  # reported once, not again
+    assert len([r for r in pmaptap.read(tap_path) if r["name"] == "pmaptap/refused"]) == 2
 
 
 def test_validate_flags_steps_outside_int64_range(tmp_path):
     import json
+
     from pmaptap.tapfile.checks import validate_file
-    good = {"run": "r", "name": "a", "step": 0, "kind": "replicated", "value": 1,
-            "dtype": "int32", "shape": [], "process": 0, "time": 1.0,
-            "host": "h", "replicas": 1}
+
+    good = {
+        "run": "r",
+        "name": "a",
+        "step": 0,
+        "kind": "replicated",
+        "value": 1,
+        "dtype": "int32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 1,
+    }
     p = tmp_path / "f.jsonl"
-    p.write_text("".join(json.dumps(dict(good, step=s)) + "\n"
-                         for s in (0, -3, 2**63 - 1, 2**63)))
+    p.write_text("".join(json.dumps(dict(good, step=s)) + "\n" for s in (0, -3, 2**63 - 1, 2**63)))
     report = validate_file(p)
-    assert [(line, "step" in why) for line, why in report.problems] == \
-        [(2, True), (4, True)]
+    assert [(line, "step" in why) for line, why in report.problems] == [(2, True), (4, True)]

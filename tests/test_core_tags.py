@@ -1,11 +1,13 @@
 """Device / process / coordinate tags, checked against where data lives."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pmaptap
 
@@ -41,8 +43,9 @@ def test_pmap_devices_in_reverse_order_is_exact(session, tap_path):
     def ident(v):
         return v
 
-    f = jax.pmap(lambda v: pmaptap.tap(v, "rev", dedup="per_device") * 1,
-                 axis_name="i", devices=devs)
+    f = jax.pmap(
+        lambda v: pmaptap.tap(v, "rev", dedup="per_device") * 1, axis_name="i", devices=devs
+    )
     out = f(jnp.arange(8.0))
     session.flush()
     recs = _per_device(pmaptap.read(tap_path), "rev")
@@ -53,7 +56,7 @@ def test_pmap_devices_in_reverse_order_is_exact(session, tap_path):
 
 
 def _mesh_2d():
-    devs = np.array(jax.devices()[::-1]).reshape(2, 4)   # deliberately not 0..7
+    devs = np.array(jax.devices()[::-1]).reshape(2, 4)  # deliberately not 0..7
     return Mesh(devs, ("dp", "mp"))
 
 
@@ -95,8 +98,9 @@ def test_partial_manual_shard_map_reports_null_device_not_a_guess(session, tap_p
         pmaptap.tap(v.sum(), "partial", dedup="per_device")
         return v
 
-    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"),
-                          axis_names={"dp"}))(xs)
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"}))(
+        xs
+    )
     session.flush()
     recs = [r for r in pmaptap.read(tap_path) if r["name"] == "partial"]
     assert recs, "partial-manual taps must still be recorded"
@@ -122,6 +126,7 @@ def test_placement_can_still_find_the_pmap_mesh():
     """Fails loudly when a JAX upgrade moves the concrete mesh out of reach
     (pmaptap would then write device=null everywhere under pmap)."""
     from pmaptap._trace import placement
+
     found = {}
 
     def body(v):
@@ -134,5 +139,6 @@ def test_placement_can_still_find_the_pmap_mesh():
     ids, procs = found["table"]
     assert ids == tuple(d.id for d in devs), (
         "pmaptap.placement could not read the concrete mesh from JAX's "
-        "shard_map frames; update placement._MESH_FRAME_MODULES for this JAX")
+        "shard_map frames; update placement._MESH_FRAME_MODULES for this JAX"
+    )
     assert procs == (0, 0, 0, 0)

@@ -2,6 +2,7 @@
 truncated or replaced under a running job. No writer stops, no reader dies,
 the good lines survive. (The property-based fuzzing of the same parser is in
 test_fuzz_tapfile.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,7 @@ import filelock
 import pytest
 
 import pmaptap
-from conftest import (job_failed, logs_warning, prefixed, python_cmd, start_launch,
-                      wait_for)
+from conftest import job_failed, logs_warning, prefixed, python_cmd, start_launch, wait_for
 from pmaptap.tapfile import parse
 from pmaptap.tapfile.format import Record
 
@@ -25,44 +25,85 @@ def deep_line(step: int = 1) -> bytes:
     """A line shaped like a replicated record (so the writers' dedup parses
     it) whose value nests 100,000 levels: json.loads dies on it with
     RecursionError."""
-    head = json.dumps({"run": "intruder", "name": "loss", "step": step,
-                       "kind": "replicated", "dtype": "float32", "shape": [],
-                       "process": 9, "time": 1.0, "host": "x", "replicas": 1,
-                       "vhash": "ffff"}, separators=(",", ":"))
+    head = json.dumps(
+        {
+            "run": "intruder",
+            "name": "loss",
+            "step": step,
+            "kind": "replicated",
+            "dtype": "float32",
+            "shape": [],
+            "process": 9,
+            "time": 1.0,
+            "host": "x",
+            "replicas": 1,
+            "vhash": "ffff",
+        },
+        separators=(",", ":"),
+    )
     return (head[:-1] + ',"value":' + "[" * DEEP + "]" * DEEP + "}\n").encode()
 
 
 # ------------------------------------------------------------ the parser
 
+
 @pytest.mark.parametrize("backend", ["orjson", "json"])
 def test_parser_limits_are_reported_never_raised(backend, monkeypatch):
     from pmaptap.tapfile import format as fmt
+
     if backend == "json":
         monkeypatch.setattr(fmt, "ORJSON", None)
-    good = Record(run="r", name="loss", step=1, kind="replicated", value=0.5,
-                  dtype="float32", shape=[], process=0, time=1.0, host="h",
-                  replicas=1, vhash="ab").encode().rstrip(b"\n")
+    good = (
+        Record(
+            run="r",
+            name="loss",
+            step=1,
+            kind="replicated",
+            value=0.5,
+            dtype="float32",
+            shape=[],
+            process=0,
+            time=1.0,
+            host="h",
+            replicas=1,
+            vhash="ab",
+        )
+        .encode()
+        .rstrip(b"\n")
+    )
     assert parse.parse_line(good)[1] is None
     d, why = parse.parse_line(deep_line().rstrip(b"\n"))
     assert d is None and why == f"nested deeper than {parse.MAX_DEPTH} levels (not parsed)"
     nest = lambda n: good.replace(b'"value":0.5', b'"value":' + b"[" * n + b"]" * n)
-    assert parse.parse_line(nest(parse.MAX_DEPTH - 1))[1] is None   # + the record
+    assert parse.parse_line(nest(parse.MAX_DEPTH - 1))[1] is None  # + the record
     assert "nested deeper" in parse.parse_line(nest(parse.MAX_DEPTH))[1]
     # Brackets inside strings are text, not nesting.
     assert parse.parse_line(good.replace(b'"host":"h"', b'"host":"' + b"[" * 500 + b'"'))[1] is None
     monkeypatch.setattr(parse, "MAX_LINE_BYTES", len(good) - 1)
     assert parse.parse_line(good)[1].startswith("line too long")
     monkeypatch.setattr(parse, "MAX_LINE_BYTES", 64 << 20)
-    for bad, why in [(b'"step":1', b'"step":1e400'), (b'"step":1', b'"step":' + b"7" * 5000),
-                     (b'"host":"h"', b'"host":"\\ud800"'), (b'"host":"h"', b'"host":"\xff"'),
-                     (b'"host":"h"', b'"host":"\x00"'), (b'"step":1', b'"step":NaN')]:
+    for bad, why in [
+        (b'"step":1', b'"step":1e400'),
+        (b'"step":1', b'"step":' + b"7" * 5000),
+        (b'"host":"h"', b'"host":"\\ud800"'),
+        (b'"host":"h"', b'"host":"\xff"'),
+        (b'"host":"h"', b'"host":"\x00"'),
+        (b'"step":1', b'"step":NaN'),
+    ]:
         d, problem = parse.parse_line(good.replace(bad, why))
         assert d is None and problem.startswith("not valid JSON"), (why, problem)
     # Integers past 64 bits read as floats (as orjson does), so not a step.
-    assert parse.parse_line(good.replace(b'"step":1', b'"step":' + b"1" * 25))[1] == \
-        "not a pmaptap record: step must be an integer"
-    for field, value in [("pass", [1]), ("vhash", {}), ("process", [0]),
-                         ("devices", 3), ("processes", [[0]])]:
+    assert (
+        parse.parse_line(good.replace(b'"step":1', b'"step":' + b"1" * 25))[1]
+        == "not a pmaptap record: step must be an integer"
+    )
+    for field, value in [
+        ("pass", [1]),
+        ("vhash", {}),
+        ("process", [0]),
+        ("devices", 3),
+        ("processes", [[0]]),
+    ]:
         d = json.loads(good)
         d[field] = value
         problem = parse.parse_line(json.dumps(d).encode())[1]
@@ -73,15 +114,29 @@ def test_writer_refuses_a_record_readers_would_skip(tmp_path, monkeypatch):
     """Readers' limits hold for writers too: a too-deep value becomes a
     pmaptap/unencodable record naming the problem, never an unreadable line."""
     from pmaptap._host.sink import FileSink
+
     path = str(tmp_path / "w.jsonl")
     sink = FileSink(path, process=0)
     value = 0.0
     for _ in range(parse.MAX_DEPTH):
         value = [value]
-    base = dict(run="r", kind="per_device", dtype="float32", shape=[],
-                process=0, time=1.0, host="h", device=0, coords={})
-    sink.write([Record(name="deep", step=0, value=value, **base),
-                Record(name="ok", step=0, value=1.0, **base)])
+    base = dict(
+        run="r",
+        kind="per_device",
+        dtype="float32",
+        shape=[],
+        process=0,
+        time=1.0,
+        host="h",
+        device=0,
+        coords={},
+    )
+    sink.write(
+        [
+            Record(name="deep", step=0, value=value, **base),
+            Record(name="ok", step=0, value=1.0, **base),
+        ]
+    )
     sink.close()
     recs = pmaptap.read(path)
     assert [r["name"] for r in recs] == ["pmaptap/unencodable", "ok"]
@@ -90,21 +145,41 @@ def test_writer_refuses_a_record_readers_would_skip(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------ readers
 
+
 def test_readers_skip_a_deep_line_and_validate_names_it(tmp_path, caplog):
     from test_cli import cli
+
     path = str(tmp_path / "deep.jsonl")
-    good = [Record(run="r", name="loss", step=s, kind="replicated", value=s / 2,
-                   dtype="float32", shape=[], process=0, time=1.0, host="h",
-                   replicas=2, devices=(0, 1), vhash=f"{s:04x}").encode()
-            for s in range(4)]
+    good = [
+        Record(
+            run="r",
+            name="loss",
+            step=s,
+            kind="replicated",
+            value=s / 2,
+            dtype="float32",
+            shape=[],
+            process=0,
+            time=1.0,
+            host="h",
+            replicas=2,
+            devices=(0, 1),
+            vhash=f"{s:04x}",
+        ).encode()
+        for s in range(4)
+    ]
     with open(path, "wb") as f:
         f.write(b"".join(good[:2]) + deep_line() + b"".join(good[2:]))
     with logs_warning(caplog, r"skipped 1 invalid line\(s\): line 3: nested deeper"):
         recs = pmaptap.read(path)
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
-    for args in (["show"], ["summary"], ["export", "--csv", "-"],
-                 ["tail", "-n", "2"], ["plot", "--name", "loss", "-o",
-                                       str(tmp_path / "p.png")]):
+    for args in (
+        ["show"],
+        ["summary"],
+        ["export", "--csv", "-"],
+        ["tail", "-n", "2"],
+        ["plot", "--name", "loss", "-o", str(tmp_path / "p.png")],
+    ):
         out = cli(args[0], path, *args[1:])
         assert out.returncode == 0, (args, out.stderr)
         assert "Traceback" not in out.stderr + out.stdout, args
@@ -121,22 +196,35 @@ def test_sink_notices_truncation_even_after_the_file_regrew(tmp_path, caplog):
     writes more than writer 0 had seen: writer 0 still notices (the bytes
     before its offset changed), re-reads, and the dedup stays exact."""
     from pmaptap._host.sink import FileSink
+
     path = str(tmp_path / "t.jsonl")
     a, b = FileSink(path, process=0), FileSink(path, process=1)
 
     def loss(step, p):
-        return Record(run="r", name="loss", step=step, kind="replicated",
-                      value=1.0, dtype="float32", shape=[], process=p,
-                      time=1.0, host="h", replicas=1, vhash="aa")
+        return Record(
+            run="r",
+            name="loss",
+            step=step,
+            kind="replicated",
+            value=1.0,
+            dtype="float32",
+            shape=[],
+            process=p,
+            time=1.0,
+            host="h",
+            replicas=1,
+            vhash="aa",
+        )
+
     a.write([loss(0, 0)])
-    b.write([loss(0, 1)])                      # deduplicated against a's
-    open(path, "w").close()                    # : > t.jsonl
+    b.write([loss(0, 1)])  # deduplicated against a's
+    open(path, "w").close()  # : > t.jsonl
     with logs_warning(caplog, "was truncated"):
         b.write([loss(s, 1) for s in range(1, 6)])  # below b's offset
-    assert os.path.getsize(path) > a._seen     # regrown past a's offset
+    assert os.path.getsize(path) > a._seen  # regrown past a's offset
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pmaptap"):
-        a.write([loss(s, 0) for s in range(1, 7)])   # 1-5 are b's: skipped
+        a.write([loss(s, 0) for s in range(1, 7)])  # 1-5 are b's: skipped
         a.write([loss(7, 0)])
     # One warning, once, however many writes follow.
     assert [r.getMessage().count("was truncated") for r in caplog.records] == [1]
@@ -195,9 +283,14 @@ def _job(tmp_path, between1, between2):
     launcher = start_launch(2, 2, python_cmd(_JOB), TAP=tap, DIR=str(tmp_path))
     try:
         for phase, action in (("phase1", between1), ("phase2", between2)):
-            wait_for(lambda: all(os.path.exists(tmp_path / f"{phase}-{p}")
-                                 for p in (0, 1)) or launcher.poll() is not None,
-                     120, f"both processes at {phase}")
+            wait_for(
+                lambda: (
+                    all(os.path.exists(tmp_path / f"{phase}-{p}") for p in (0, 1))
+                    or launcher.poll() is not None
+                ),
+                120,
+                f"both processes at {phase}",
+            )
             assert launcher.poll() is None, launcher.communicate()
             action(tap)
             open(tmp_path / ("go1" if phase == "phase1" else "go2"), "w").close()
@@ -214,16 +307,16 @@ def test_deep_line_appended_mid_job_costs_nothing(tmp_path, caplog):
 
     def append_deep(tap):
         offset["at"] = os.path.getsize(tap)
-        with open(tap, "ab") as f:              # like echo >>: no lock
+        with open(tap, "ab") as f:  # like echo >>: no lock
             f.write(deep_line())
+
     tap, launcher, out, err = _job(tmp_path, append_deep, lambda tap: None)
-    proc = type("P", (), {"returncode": launcher.returncode, "stdout": out,
-                          "stderr": err})
+    proc = type("P", (), {"returncode": launcher.returncode, "stdout": out, "stderr": err})
     assert launcher.returncode == 0, job_failed(proc)
     assert "Traceback" not in err and "RecursionError" not in err
     with logs_warning(caplog, "skipped 1 invalid line"):
         recs = [r for r in pmaptap.read(tap) if r["run"] != "intruder"]
-    assert _steps(recs, "loss") == list(range(6))          # once each
+    assert _steps(recs, "loss") == list(range(6))  # once each
     assert _steps(recs, "x") == sorted(list(range(6)) * 4)  # 4 devices
     for p in (0, 1):
         assert prefixed(out, p) == ["DONE"], job_failed(proc)
@@ -241,17 +334,17 @@ def test_file_truncated_or_replaced_under_a_running_job(tmp_path, how):
         lock["l"].acquire()
 
     def change_file_and_release(tap):
-        time.sleep(0.3)          # the writers try (and fail) to take the lock
+        time.sleep(0.3)  # the writers try (and fail) to take the lock
         if how == "truncate":
-            open(tap, "w").close()                   # : > run.jsonl
+            open(tap, "w").close()  # : > run.jsonl
         else:
             os.rename(tap, tap + ".old")
             if how == "replace":
                 open(tap, "w").close()
         lock["l"].release()
+
     tap, launcher, out, err = _job(tmp_path, hold_lock, change_file_and_release)
-    proc = type("P", (), {"returncode": launcher.returncode, "stdout": out,
-                          "stderr": err})
+    proc = type("P", (), {"returncode": launcher.returncode, "stdout": out, "stderr": err})
     assert launcher.returncode == 0, job_failed(proc)
     assert "Traceback" not in err
     # Everything still queued when the file changed is in the file at the

@@ -1,5 +1,6 @@
 """``pmaptap export --tensorboard``: event files read back with TensorBoard's
 own reader (EventAccumulator), once and while a writer appends (--follow)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,7 @@ import pmaptap
 from conftest import ROOT, run_python, subprocess_env, wait_for
 
 pytest.importorskip("tensorboardX")
-event_accumulator = pytest.importorskip(
-    "tensorboard.backend.event_processing.event_accumulator")
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 # A pmap program on 8 devices: a replicated scalar loss (NaN at step 1), a
 # per-device scalar, a per-device pytree with an array leaf, a replicated
@@ -47,15 +47,19 @@ _PROGRAM = """
 
 
 def export(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pmaptap", "export", *args],
-                          env=subprocess_env(1), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pmaptap", "export", *args],
+        env=subprocess_env(1),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def load_run(logdir: str):
     # size_guidance 0: keep every event (the defaults sample long series).
-    ea = event_accumulator.EventAccumulator(
-        logdir, size_guidance={"scalars": 0, "histograms": 0})
+    ea = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0, "histograms": 0})
     ea.Reload()
     return ea
 
@@ -81,28 +85,29 @@ def test_export_reads_back_with_tensorboards_reader(taps, tmp_path):
     assert set(tags["scalars"]) == (
         {"loss", "lr", "act/nonfinite"}
         | {f"gnorm/device_{d}" for d in range(8)}
-        | {f"params/b/device_{d}" for d in range(8)})
+        | {f"params/b/device_{d}" for d in range(8)}
+    )
     assert set(tags["histograms"]) == {"act"} | {f"params/w/device_{d}" for d in range(8)}
 
     recs = pmaptap.read(taps)
     loss = scalars(ea, "loss")
     assert [s for s, _ in loss] == [0, 1, 2]
-    assert math.isnan(loss[1][1])             # NaN kept, as TensorBoard keeps it
+    assert math.isnan(loss[1][1])  # NaN kept, as TensorBoard keeps it
     want = {r["step"]: r["value"] for r in recs if r["name"] == "loss"}
     assert loss[0][1] == pytest.approx(want[0]) and loss[2][1] == pytest.approx(want[2])
     # The event's wall time is when the job tapped the value.
     assert ea.Scalars("loss")[0].wall_time == pytest.approx(
-        next(r["time"] for r in recs if r["name"] == "loss"), abs=1e-3)
+        next(r["time"] for r in recs if r["name"] == "loss"), abs=1e-3
+    )
     assert scalars(ea, "lr") == [(0, 1.0), (1, 0.5), (2, 0.25)]
 
     for d in range(8):
         got = scalars(ea, f"gnorm/device_{d}")
-        want = [(r["step"], r["value"]) for r in recs
-                if r["name"] == "gnorm" and r["device"] == d]
+        want = [(r["step"], r["value"]) for r in recs if r["name"] == "gnorm" and r["device"] == d]
         assert got == [(s, pytest.approx(v)) for s, v in want]
     w3 = ea.Histograms("params/w/device_3")
     assert [h.step for h in w3] == [0, 1, 2]
-    h = w3[1].histogram_value           # device 3 holds [6, 7] + 1 at step 1
+    h = w3[1].histogram_value  # device 3 holds [6, 7] + 1 at step 1
     assert (h.num, h.min, h.max, h.sum) == (2, 7.0, 8.0, 15.0)
 
     # The inf is left out of the histogram and counted beside it.
@@ -114,8 +119,17 @@ def test_export_reads_back_with_tensorboards_reader(taps, tmp_path):
 
 
 def test_export_filters_and_keeps_per_device_series_apart(taps, tmp_path):
-    out = export(taps, "--tensorboard", str(tmp_path / "tb"), "--name", "gnorm",
-                 "--device", "5", "--step", "1:")
+    out = export(
+        taps,
+        "--tensorboard",
+        str(tmp_path / "tb"),
+        "--name",
+        "gnorm",
+        "--device",
+        "5",
+        "--step",
+        "1:",
+    )
     assert out.returncode == 0, out.stderr
     ea = load_run(str(tmp_path / "tb" / "tb_run"))
     assert ea.Tags()["scalars"] == ["gnorm/device_5"]
@@ -124,16 +138,19 @@ def test_export_filters_and_keeps_per_device_series_apart(taps, tmp_path):
 
 def test_run_ids_are_directory_names():
     from pmaptap.tapfile.tensorboard import run_dirname
+
     assert run_dirname("../../etc") == ".._.._etc"
     assert run_dirname("..") == "_.." and run_dirname("") == "_"
     assert run_dirname("a b/c") == "a_b_c"
 
 
 def test_missing_tensorboardx_names_the_extra(taps, tmp_path):
-    code = ("import sys; sys.modules['tensorboardX'] = None\n"
-            "from pmaptap.cli import main\n"
-            f"sys.exit(main(['export', {taps!r}, '--tensorboard', "
-            f"{str(tmp_path / 'tb')!r}]))")
+    code = (
+        "import sys; sys.modules['tensorboardX'] = None\n"
+        "from pmaptap.cli import main\n"
+        f"sys.exit(main(['export', {taps!r}, '--tensorboard', "
+        f"{str(tmp_path / 'tb')!r}]))"
+    )
     proc = run_python(code, check=False)
     assert proc.returncode == 2
     assert 'pip install "pmaptap[tensorboard]"' in proc.stderr
@@ -174,10 +191,15 @@ for cmd in sys.stdin:
 
 def test_follow_converts_appends_live_and_stops_on_sigint(tmp_path):
     path, tb = str(tmp_path / "live.jsonl"), str(tmp_path / "tb")
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, path],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     exporter = None
     try:
+
         def write(cmd: str) -> None:
             writer.stdin.write(cmd + "\n")
             writer.stdin.flush()
@@ -191,10 +213,24 @@ def test_follow_converts_appends_live_and_stops_on_sigint(tmp_path):
 
         # Started before the file exists: it waits for it.
         exporter = subprocess.Popen(
-            [sys.executable, "-m", "pmaptap", "export", path, "--tensorboard", tb,
-             "--follow", "--interval", "0.05"],
-            env=subprocess_env(1), cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "pmaptap",
+                "export",
+                path,
+                "--tensorboard",
+                tb,
+                "--follow",
+                "--interval",
+                "0.05",
+            ],
+            env=subprocess_env(1),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert "waiting for" in exporter.stderr.readline()
         write("go 3")
         wait_for(lambda: len(points()) == 3, 30, "the first 3 points")
@@ -204,7 +240,7 @@ def test_follow_converts_appends_live_and_stops_on_sigint(tmp_path):
         got = points()
         assert [s for s, _ in got] == list(range(7))
         assert math.isnan(got[3][1]) and got[6][1] == pytest.approx(1 / 7)
-        assert exporter.poll() is None          # still following
+        assert exporter.poll() is None  # still following
 
         exporter.send_signal(signal.SIGINT)
         _, err = exporter.communicate(timeout=30)
@@ -221,17 +257,30 @@ def test_follow_converts_appends_live_and_stops_on_sigint(tmp_path):
 
 def test_follow_stops_on_sigterm_and_timeout(tmp_path):
     path, tb = str(tmp_path / "t.jsonl"), str(tmp_path / "tb")
-    rec = {"run": "r", "name": "x", "step": 0, "kind": "replicated", "value": 1.5,
-           "dtype": "float32", "shape": [], "process": 0, "time": 1.0, "host": "h",
-           "replicas": 1}
+    rec = {
+        "run": "r",
+        "name": "x",
+        "step": 0,
+        "kind": "replicated",
+        "value": 1.5,
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 1,
+    }
     with open(path, "w") as f:
         f.write(json.dumps(rec) + "\n")
     out = export(path, "--tensorboard", tb, "--follow", "--timeout", "0.5")
     assert out.returncode == 0 and "wrote 1 records" in out.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "pmaptap", "export", path,
-                             "--tensorboard", tb + "2", "--follow"],
-                            env=subprocess_env(1), cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pmaptap", "export", path, "--tensorboard", tb + "2", "--follow"],
+        env=subprocess_env(1),
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: os.path.isdir(os.path.join(tb + "2", "r")), 30, "the run dir")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)

@@ -1,6 +1,7 @@
 """The transport fast path: gathered copies, verified replicas, tap groups.
 Records must be identical to the one-callback-per-device path; only the
 number of host calls changes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pmaptap
 from conftest import run_python
@@ -22,11 +24,13 @@ def host_calls(monkeypatch):
     """Names of the specs reaching the host, one entry per host callback."""
     calls = []
     from pmaptap._trace import layouts as emit
+
     real = emit.deliver
 
     def counting(spec, arrays):
         calls.append(spec.name)
         real(spec, arrays)
+
     monkeypatch.setattr(emit, "deliver", counting)
     return calls
 
@@ -41,8 +45,18 @@ def _step(v):
 
 
 def _comparable(records):
-    keep = ("name", "step", "kind", "value", "device", "coords", "replicas",
-            "divergent", "dtype", "shape")
+    keep = (
+        "name",
+        "step",
+        "kind",
+        "value",
+        "device",
+        "coords",
+        "replicas",
+        "divergent",
+        "dtype",
+        "shape",
+    )
     rows = [tuple((k, str(r.get(k))) for k in keep) for r in records]
     return sorted(rows)
 
@@ -64,8 +78,8 @@ def test_gathered_records_equal_per_device_callbacks(tmp_path, host_calls):
     fast_calls = len(host_calls)
     slow = _run(str(tmp_path / "slow.jsonl"), gather=False)
     assert _comparable(fast) == _comparable(slow)
-    assert fast_calls == 4 * 2                   # one per tap per step
-    assert len(host_calls) - fast_calls == 4 * 2 * 8   # one per device
+    assert fast_calls == 4 * 2  # one per tap per step
+    assert len(host_calls) - fast_calls == 4 * 2 * 8  # one per device
 
 
 def test_group_is_one_callback_per_step_with_the_same_records(tmp_path, host_calls):
@@ -75,9 +89,11 @@ def test_group_is_one_callback_per_step_with_the_same_records(tmp_path, host_cal
     assert _comparable(grouped) == _comparable(plain)
 
 
-def test_large_replicated_value_uses_hashes_and_still_finds_divergence(session, tap_path,
-                                                                         host_calls):
+def test_large_replicated_value_uses_hashes_and_still_finds_divergence(
+    session, tap_path, host_calls
+):
     with pmaptap.configured(gather_max_bytes=64):
+
         @partial(jax.pmap, axis_name="i")
         def f(v):
             big = jnp.ones(256) * lax.pmean(v, "i")
@@ -85,6 +101,7 @@ def test_large_replicated_value_uses_hashes_and_still_finds_divergence(session, 
             bad = big + (lax.axis_index("i") == 3)
             pmaptap.tap(bad, "disagree", dedup="replicated")
             return v
+
         f(jnp.arange(8.0))
     session.flush()
     recs = pmaptap.read(tap_path)
@@ -108,8 +125,14 @@ def test_2d_mesh_gathered_order_matches_devices(session, tap_path, host_calls):
     devs = np.array(jax.devices()).reshape(4, 2)[::-1, ::-1]
     mesh = Mesh(devs, ("x", "y"))
     xs = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("x", "y")))
-    jax.jit(jax.shard_map(lambda v: pmaptap.tap(v, "m", dedup="per_device"), mesh=mesh,
-                          in_specs=P("x", "y"), out_specs=P("x", "y")))(xs)
+    jax.jit(
+        jax.shard_map(
+            lambda v: pmaptap.tap(v, "m", dedup="per_device"),
+            mesh=mesh,
+            in_specs=P("x", "y"),
+            out_specs=P("x", "y"),
+        )
+    )(xs)
     session.flush()
     truth = {s.device.id: np.asarray(s.data).tolist() for s in xs.addressable_shards}
     recs = pmaptap.read(tap_path)
@@ -128,9 +151,14 @@ def test_mixed_dtype_pytree_is_packed_into_one_gather_bit_exactly(session, tap_p
     @partial(jax.pmap, axis_name="i")
     def f(v):
         i = lax.axis_index("i")
-        tree = {"f": v * 0.1, "b": i % 2 == 0, "h": (v * 0.5).astype(jnp.bfloat16),
-                "n": jnp.stack([i, -i]).astype(jnp.int32), "nan": v / 0.0,
-                "u8": i.astype(jnp.uint8)}
+        tree = {
+            "f": v * 0.1,
+            "b": i % 2 == 0,
+            "h": (v * 0.5).astype(jnp.bfloat16),
+            "n": jnp.stack([i, -i]).astype(jnp.int32),
+            "nan": v / 0.0,
+            "u8": i.astype(jnp.uint8),
+        }
         pmaptap.tap(tree, "mixed", dedup="per_device")
         return v
 
@@ -144,7 +172,7 @@ def test_mixed_dtype_pytree_is_packed_into_one_gather_bit_exactly(session, tap_p
         assert v["b"] is (d % 2 == 0)
         assert v["h"] == d * 0.5 and r["dtype"]["h"] == "bfloat16"
         assert v["n"] == [d, -d] and v["u8"] == d
-        assert (np.isnan(v["nan"]) if d == 0 else v["nan"] == np.inf)
+        assert np.isnan(v["nan"]) if d == 0 else v["nan"] == np.inf
 
 
 def test_group_leaves_big_unverified_replicated_taps_out_of_its_gather(tmp_path, host_calls):
@@ -165,10 +193,10 @@ def test_group_leaves_big_unverified_replicated_taps_out_of_its_gather(tmp_path,
 
 def test_group_decides_every_once_for_taps_sharing_a_traced_step(tmp_path, host_calls):
     def body(v, step, grouped):
-        with (pmaptap.group() if grouped else contextlib.nullcontext()):
+        with pmaptap.group() if grouped else contextlib.nullcontext():
             pmaptap.tap(v, "y", step=step, every=3, dedup="per_device")
             pmaptap.tap(lax.pmean(v, "i"), "m", step=step, every=3, dedup="replicated")
-            pmaptap.tap(v * 2, "z", step=step, dedup="per_device")       # every step
+            pmaptap.tap(v * 2, "z", step=step, dedup="per_device")  # every step
         return v
 
     def run(grouped):
@@ -196,8 +224,8 @@ def test_group_members_keep_their_records_unverified_and_big_steps(tmp_path):
     # with "verified": false, as alone; and each member's step keeps its
     # dtype (a uint32 step past 2**31 must not wrap).
     def body(v, step, grouped):
-        with (pmaptap.group() if grouped else contextlib.nullcontext()):
-            pmaptap.tap(v, "trusted", step=step, dedup="replicated")            # differs!
+        with pmaptap.group() if grouped else contextlib.nullcontext():
+            pmaptap.tap(v, "trusted", step=step, dedup="replicated")  # differs!
             pmaptap.tap(v, "trusted_every", step=step, every=2, dedup="replicated")
             pmaptap.tap(v, "y", step=step, every=2, dedup="per_device")
         return v
@@ -243,8 +271,7 @@ def _every_record_field_step(v):
     pmaptap.tap(loss, "loss", dedup="replicated")
     # vmapped taps: batch_dims 1 records of the same kinds
     jax.vmap(lambda r: pmaptap.tap(r, "vm_y", dedup="per_device"))(jnp.stack([v, v + 1]))
-    jax.vmap(lambda r: pmaptap.tap(r * 0 + loss, "vm_loss", dedup="replicated"))(
-        jnp.stack([v, v]))
+    jax.vmap(lambda r: pmaptap.tap(r * 0 + loss, "vm_loss", dedup="replicated"))(jnp.stack([v, v]))
     # leaves above max_value_bytes: statistics, summarized records
     pmaptap.tap(jnp.ones(8) * v, "big_y", dedup="per_device")
     pmaptap.tap(jnp.ones(8) * loss, "big_loss", dedup="replicated")
@@ -262,16 +289,19 @@ def test_gathered_records_equal_per_device_callbacks_in_every_field(tmp_path):
                 for i in range(3):
                     f(jnp.arange(8.0) * (i + 1))
         recs = pmaptap.read(path)
-        return sorted(repr(sorted((k, v) for k, v in r.items() if k != "time"))
-                      for r in recs)
+        return sorted(repr(sorted((k, v) for k, v in r.items() if k != "time")) for r in recs)
+
     fast = run(str(tmp_path / "fast.jsonl"), True)
     slow = run(str(tmp_path / "slow.jsonl"), False)
     assert fast == slow
     assert len(fast) == 3 * (8 + 1 + 8 + 1 + 8 + 1)
-    kinds = {(r["name"], r.get("batch_dims", 0), bool(r.get("summarized")))
-             for r in pmaptap.read(str(tmp_path / "fast.jsonl"))}
+    kinds = {
+        (r["name"], r.get("batch_dims", 0), bool(r.get("summarized")))
+        for r in pmaptap.read(str(tmp_path / "fast.jsonl"))
+    }
     assert ("vm_y", 1, False) in kinds and ("vm_loss", 1, False) in kinds
     assert ("big_y", 0, True) in kinds and ("big_loss", 0, True) in kinds
-    steps = sorted({r["step"] for r in pmaptap.read(str(tmp_path / "fast.jsonl"))
-                    if r["name"] == "y"})
+    steps = sorted(
+        {r["step"] for r in pmaptap.read(str(tmp_path / "fast.jsonl")) if r["name"] == "y"}
+    )
     assert steps == [0, 1, 2]

@@ -8,6 +8,7 @@ tail, stuck lock, EFBIG at flush, drop_newest count), test_core_session.py
 (exit paths, SIGTERM), test_nfs_lock.py (soft lock protocol),
 test_host_callback.py (a raising tap function at barrier_wait).
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,8 +25,14 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import (logs_warning, mount_namespace_available,
-                      run_in_mount_namespace, run_python, start_python, wait_for)
+from conftest import (
+    logs_warning,
+    mount_namespace_available,
+    run_in_mount_namespace,
+    run_python,
+    start_python,
+    wait_for,
+)
 from pmaptap import host_callback as hcb
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.pipeline import Pipeline
@@ -121,8 +128,11 @@ def test_sigkill_mid_write_repeated_loses_at_most_the_torn_line(tmp_path, caplog
                 # Killed at an arbitrary point of a heavy stream (often in
                 # the middle of a multi-MiB write): after 3 MiB more.
                 start = os.path.getsize(tap)
-                wait_for(lambda: os.path.getsize(tap) > start + (3 << 20), 60,
-                         f"heavy{r} to append 3 MiB")
+                wait_for(
+                    lambda: os.path.getsize(tap) > start + (3 << 20),
+                    60,
+                    f"heavy{r} to append 3 MiB",
+                )
                 p.send_signal(signal.SIGKILL)
             assert p.wait(60) == -signal.SIGKILL, p.stderr.read()
         open(stop, "w").close()
@@ -132,7 +142,7 @@ def test_sigkill_mid_write_repeated_loses_at_most_the_torn_line(tmp_path, caplog
         _kill(steady, *heavy)
     dispatched = int(out.split()[-1])
 
-    lines = _lines(tap)    # the steady writer wrote last: no torn tail
+    lines = _lines(tap)  # the steady writer wrote last: no torn tail
     valid: list[dict] = []
     torn: list[int] = []
     for i, line in enumerate(lines):
@@ -148,7 +158,7 @@ def test_sigkill_mid_write_repeated_loses_at_most_the_torn_line(tmp_path, caplog
         # first bytes), with no record glued on behind it: the next writer
         # (any process) started on a new line.
         head = b'{"run":"kill"'
-        assert lines[i][:len(head)] == head[:len(lines[i])], lines[i][:80]
+        assert lines[i][: len(head)] == head[: len(lines[i])], lines[i][:80]
         assert lines[i].find(b'{"run":', 1) == -1
         assert i + 1 < len(lines) and json.loads(lines[i + 1])
     # Nothing complete is lost: the survivor has every step, each killed
@@ -207,9 +217,9 @@ def test_sigterm_writes_every_dispatched_step(tmp_path, handler) -> None:
     seen += out.splitlines()
     dispatched = max(int(s.split()[1]) for s in seen if s.startswith("dispatched"))
     if handler == "default":
-        assert p.returncode == -signal.SIGTERM, err   # then dies by the signal
+        assert p.returncode == -signal.SIGTERM, err  # then dies by the signal
     else:
-        assert p.returncode == 3, err                 # the user's handler ran
+        assert p.returncode == 3, err  # the user's handler ran
         (msg,) = [s for s in seen if s.startswith("user handler")]
         at_handler = dict(kv.split("=") for kv in msg.split()[2:])
         assert int(at_handler["lines"]) >= 8 * int(at_handler["dispatched"])
@@ -263,13 +273,15 @@ def test_unhandled_exception_writes_everything_before_jax_tears_down(tmp_path) -
     # backends are still up, and the file is complete before they go.
     assert "JAX teardown sees 184 lines" in proc.stderr, proc.stderr
     recs = pmaptap.read(tap)
-    assert sorted((r["step"], r["device"]) for r in recs) == \
-        [(s, d) for s in range(23) for d in range(8)]
+    assert sorted((r["step"], r["device"]) for r in recs) == [
+        (s, d) for s in range(23) for d in range(8)
+    ]
 
 
 def test_os_exit_keeps_only_what_was_flushed(tmp_path) -> None:
     tap = str(tmp_path / "t.jsonl")
-    proc = run_python("""
+    proc = run_python(
+        """
         import os, filelock, jax, jax.numpy as jnp, pmaptap
         tap = os.environ["TAP"]
         s = pmaptap.Session(tap, run="osexit").open()
@@ -286,7 +298,10 @@ def test_os_exit_keeps_only_what_was_flushed(tmp_path) -> None:
         jax.effects_barrier()         # 10-19 reached pmaptap, not the file
         print("pending", s.pipeline.pending(), flush=True)
         os._exit(0)                   # no atexit handlers, no close
-    """, devices=1, TAP=tap)
+    """,
+        devices=1,
+        TAP=tap,
+    )
     assert proc.stdout.split() == ["pending", "10"]
     # os._exit skips every exit handler: what flush() wrote survives, what
     # was still queued is gone.
@@ -311,9 +326,14 @@ def test_lock_held_past_flush_interval_and_lock_timeout(tap_path, lock_timeout) 
     holder = start_python(_FLOCK_HOLDER, devices=1, stdin=True, TAP=tap_path)
     try:
         assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
-        with pmaptap.Session(tap_path, run="stuck", lock_timeout=lock_timeout,
-                             flush_interval=0.02, flush_timeout=60,
-                             close_timeout=5) as s:
+        with pmaptap.Session(
+            tap_path,
+            run="stuck",
+            lock_timeout=lock_timeout,
+            flush_interval=0.02,
+            flush_timeout=60,
+            close_timeout=5,
+        ) as s:
             f = jax.jit(lambda v: pmaptap.tap(v, "x") + 1)
             f(jnp.float32(0)).block_until_ready()
             t0 = time.monotonic()
@@ -325,8 +345,9 @@ def test_lock_held_past_flush_interval_and_lock_timeout(tap_path, lock_timeout) 
             assert loop < 5.0, f"taps stalled behind the lock ({loop:.1f}s)"
             # flush(timeout) gives up with the count and the lock's holder;
             # the records stay queued.
-            with pytest.raises(pmaptap.TapError,
-                               match=r"timed out with 200 record.*could not be acquired"):
+            with pytest.raises(
+                pmaptap.TapError, match=r"timed out with 200 record.*could not be acquired"
+            ):
                 s.flush(timeout=3 * lock_timeout + 0.3)
             assert os.path.getsize(tap_path) == 0
             holder.stdin.write("\n")
@@ -343,15 +364,16 @@ def test_lock_held_through_close_reports_the_unwritten_count(tap_path, caplog) -
     holder = start_python(_FLOCK_HOLDER, devices=1, stdin=True, TAP=tap_path)
     try:
         assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
-        s = pmaptap.Session(tap_path, run="stuck", lock_timeout=0.05,
-                            close_timeout=1.0).open()
+        s = pmaptap.Session(tap_path, run="stuck", lock_timeout=0.05, close_timeout=1.0).open()
         f = jax.jit(lambda v: pmaptap.tap(v, "x"))
         for i in range(20):
             f(jnp.float32(i))
         # close_timeout bounds the exit; what it could not write is counted
         # in the error, never dropped silently.
-        with logs_warning(caplog), \
-                pytest.raises(pmaptap.TapError, match=r"20 record\(s\) were not written"):
+        with (
+            logs_warning(caplog),
+            pytest.raises(pmaptap.TapError, match=r"20 record\(s\) were not written"),
+        ):
             s.close()
         assert pmaptap.active_session() is None
     finally:
@@ -388,8 +410,9 @@ def test_soft_lock_of_a_holder_killed_mid_run_is_broken_safely(tmp_path) -> None
     try:
         assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
         writer = start_python(_SOFT_WRITER, devices=1, TAP=tap)
-        with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.1,
-                             flush_timeout=60, close_timeout=5) as s:
+        with pmaptap.Session(
+            tap, run="soft", lock="soft", lock_timeout=0.1, flush_timeout=60, close_timeout=5
+        ) as s:
             f = jax.jit(lambda v, i: pmaptap.tap(v, "me", step=i, dedup="per_device"))
             for i in range(100):
                 f(jnp.arange(3.0) - i, i)
@@ -398,15 +421,15 @@ def test_soft_lock_of_a_holder_killed_mid_run_is_broken_safely(tmp_path) -> None
                 s.flush(timeout=0.5)
             assert writer.stdout.readline().strip() == "queued", writer.stderr.read()
             assert os.path.getsize(tap) == 0
-            holder.kill()            # dies holding the marker
+            holder.kill()  # dies holding the marker
             holder.wait(30)
             assert os.path.exists(tap + ".softlock")
-            s.flush()                # both writers race to break it
+            s.flush()  # both writers race to break it
         assert writer.stdout.readline().strip() == "done", writer.stderr.read()
         assert writer.wait(60) == 0
     finally:
         _kill(holder, *([writer] if writer else []))
-    recs = [json.loads(line) for line in _lines(tap)]   # no overlapped line
+    recs = [json.loads(line) for line in _lines(tap)]  # no overlapped line
     assert len(recs) == 200
     for name in ("me", "other"):
         assert sorted(r["step"] for r in recs if r["name"] == name) == list(range(100))
@@ -419,26 +442,28 @@ def test_soft_lock_of_another_host_is_not_broken_and_is_named(tmp_path) -> None:
     # it is alive, so it must wait, and say who holds it and what to remove.
     with open(tap + ".softlock", "w") as f:
         f.write("4242\nother-host.example\n")
-    with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.05,
-                         close_timeout=5) as s:
+    with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.05, close_timeout=5) as s:
         jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
         with pytest.raises(
-                pmaptap.TapError,
-                match=r"held by pid 4242 on host 'other-host.example'.*remove"):
+            pmaptap.TapError, match=r"held by pid 4242 on host 'other-host.example'.*remove"
+        ):
             s.flush(timeout=0.5)
         assert os.path.getsize(tap) == 0
-        os.remove(tap + ".softlock")    # the operator's fix
+        os.remove(tap + ".softlock")  # the operator's fix
         s.flush()
     assert [r["value"] for r in pmaptap.read(tap)] == [1.0]
 
 
 # ====================================================== disk full
-@pytest.mark.skipif(not mount_namespace_available(),
-                    reason="needs root + unshare to mount a private tmpfs")
+@pytest.mark.skipif(
+    not mount_namespace_available(), reason="needs root + unshare to mount a private tmpfs"
+)
 def test_full_tmpfs_keeps_records_queued_and_writes_them_when_space_is_freed(tmp_path) -> None:
     disk, out = tmp_path / "disk", tmp_path / "out.jsonl"
     disk.mkdir()
-    proc = run_in_mount_namespace('mount -t tmpfs -o size=256k tmpfs "$DIR"', """
+    proc = run_in_mount_namespace(
+        'mount -t tmpfs -o size=256k tmpfs "$DIR"',
+        """
         import os, shutil, warnings, jax, jax.numpy as jnp, pmaptap
         d = os.environ["DIR"]
         tap, filler = os.path.join(d, "t.jsonl"), os.path.join(d, "filler")
@@ -463,9 +488,12 @@ def test_full_tmpfs_keeps_records_queued_and_writes_them_when_space_is_freed(tmp
         s.flush()
         s.close()
         shutil.copy(tap, os.environ["OUT"])
-    """, DIR=str(disk), OUT=str(out))
+    """,
+        DIR=str(disk),
+        OUT=str(out),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "training True" in proc.stdout               # training unaffected
+    assert "training True" in proc.stdout  # training unaffected
     assert "TAPERROR" in proc.stdout and "No space left on device" in proc.stdout
     # Partial writes were cut back; the queued records were written after.
     recs = [json.loads(line) for line in _lines(str(out))]
@@ -477,7 +505,8 @@ def test_write_errors_keep_records_up_to_the_bound_then_count_drops(tmp_path) ->
     # RLIMIT_FSIZE as a full disk that a process can recover from: the soft
     # limit can be raised back to the (unlimited) hard limit. SIGXFSZ would
     # kill the process at the first refused write, so it is ignored.
-    proc = run_python("""
+    proc = run_python(
+        """
         import os, resource, signal, warnings, jax, jax.numpy as jnp, pmaptap
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         warnings.simplefilter("ignore")
@@ -502,7 +531,10 @@ def test_write_errors_keep_records_up_to_the_bound_then_count_drops(tmp_path) ->
             s.flush()
             s.close()
             print(name, "training", ok, "dropped", s.pipeline.dropped, flush=True)
-    """, devices=1, D=str(tmp_path))
+    """,
+        devices=1,
+        D=str(tmp_path),
+    )
     out = proc.stdout.splitlines()
     assert "keep TAPERROR True" in out and "bounded TAPERROR True" in out
     assert "keep training True dropped 0" in out
@@ -588,12 +620,20 @@ _FLOOD_STEP = re.compile(rb'\{"run":"flood","name":"flood","step":(\d+),')
 
 def test_flood_of_a_million_taps_stays_bounded_under_every_policy(tmp_path) -> None:
     n, bound = 1_000_000, 20_000
-    procs = {pol: start_python(_FLOOD, devices=1, TAP=str(tmp_path / f"{pol}.jsonl"),
-                               N=str(n), BOUND=str(bound), POLICY=pol)
-             for pol in ("block", "drop_oldest", "drop_newest")}
+    procs = {
+        pol: start_python(
+            _FLOOD,
+            devices=1,
+            TAP=str(tmp_path / f"{pol}.jsonl"),
+            N=str(n),
+            BOUND=str(bound),
+            POLICY=pol,
+        )
+        for pol in ("block", "drop_oldest", "drop_newest")
+    }
     results = {}
     try:
-        for pol, p in procs.items():      # the three run at once
+        for pol, p in procs.items():  # the three run at once
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err
             results[pol] = json.loads(out.splitlines()[-1])
@@ -615,8 +655,8 @@ def test_flood_of_a_million_taps_stays_bounded_under_every_policy(tmp_path) -> N
         meta = [json.loads(line) for line in lines if b'"pmaptap/dropped"' in line]
         assert len(steps) + len(meta) == len(lines)
         reported = sum(m["value"] for m in meta)
-        assert reported == res["dropped"]          # every drop is in the file
-        assert len(steps) + reported == n          # and nothing else is lost
+        assert reported == res["dropped"]  # every drop is in the file
+        assert len(steps) + reported == n  # and nothing else is lost
         assert len(set(steps)) == len(steps)
         if pol == "block":
             # Nothing lost; the producer waited for the disk instead.
@@ -641,11 +681,10 @@ def _tap_raises(arg, transforms):
 
 
 def _tap_exits(arg, transforms):
-    raise SystemExit(7)              # must not end the process either
+    raise SystemExit(7)  # must not end the process either
 
 
-def test_failing_host_callback_functions_never_change_the_computation(
-        session, tap_path) -> None:
+def test_failing_host_callback_functions_never_change_the_computation(session, tap_path) -> None:
     @jax.pmap
     def step(v):
         v = hcb.id_tap(_tap_raises, v * 2)
@@ -661,29 +700,34 @@ def test_failing_host_callback_functions_never_change_the_computation(
         hcb.barrier_wait()
     kinds = {type(e) for e in info.value.errors}
     assert kinds == {ValueError, SystemExit} and len(info.value.errors) == 80
-    session.flush()                  # the session's taps were not disturbed
+    session.flush()  # the session's taps were not disturbed
     recs = pmaptap.read(tap_path)
-    assert sorted((r["step"], r["device"], r["value"]) for r in recs) == \
-        [(i, d, 2.0 * (d + i)) for i in range(5) for d in range(8)]
+    assert sorted((r["step"], r["device"], r["value"]) for r in recs) == [
+        (i, d, 2.0 * (d + i)) for i in range(5) for d in range(8)
+    ]
 
 
 @pytest.mark.parametrize("stage", ["deliver", "aggregate", "sink"])
 def test_failing_host_stage_never_changes_the_computation(
-        session, tap_path, monkeypatch, stage, caplog) -> None:
+    session, tap_path, monkeypatch, stage, caplog
+) -> None:
     calls = [0]
 
     def boom(*args, **kwargs):
         calls[0] += 1
         raise OSError(errno.EIO, f"injected failure in {stage}")
 
-    target = {"deliver": (Pipeline, "ingest"), "aggregate": (Aggregator, "add_payload"),
-              "sink": (FileSink, "write")}[stage]
+    target = {
+        "deliver": (Pipeline, "ingest"),
+        "aggregate": (Aggregator, "add_payload"),
+        "sink": (FileSink, "write"),
+    }[stage]
     monkeypatch.setattr(*target, boom)
     f = jax.pmap(lambda v: pmaptap.tap(v * 2, "x", dedup="per_device") + 1)
     ref = jax.pmap(lambda v: v * 2 + 1)
     x = jnp.arange(8.0) / 3
     for i in range(5):
-        np.testing.assert_array_equal(f(x + i), ref(x + i))    # bit for bit
+        np.testing.assert_array_equal(f(x + i), ref(x + i))  # bit for bit
     # Let the failing stage see every tap before it is repaired.
     jax.effects_barrier()
     if stage == "aggregate":
@@ -692,15 +736,18 @@ def test_failing_host_stage_never_changes_the_computation(
         wait_for(lambda: calls[0] > 0, 30, f"a call of the failing {stage}")
     monkeypatch.undo()
     # Failures since the last flush are reported at this one.
-    with logs_warning(caplog), \
-            pytest.raises(pmaptap.TapError, match=f"injected failure in {stage}"):
+    with (
+        logs_warning(caplog),
+        pytest.raises(pmaptap.TapError, match=f"injected failure in {stage}"),
+    ):
         session.flush(timeout=10)
-    session.flush()                  # and only once
+    session.flush()  # and only once
     recs = pmaptap.read(tap_path)
     if stage == "sink":
         # The write failed, not the records: kept and written on retry.
-        assert sorted((r["step"], r["device"]) for r in recs) == \
-            [(i, d) for i in range(5) for d in range(8)]
+        assert sorted((r["step"], r["device"]) for r in recs) == [
+            (i, d) for i in range(5) for d in range(8)
+        ]
     else:
         # Those taps never became records; the TapError above reported it.
         assert recs == []

@@ -3,6 +3,7 @@
 JAX itself cannot run computations in a forked child (its runtime threads
 stay in the parent), so where a child "taps", it calls routing.deliver, the
 entry point that a host callback would call, with the payload of a tap."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,8 @@ def _records(path):
 
 
 def test_bare_fork_and_sys_exit_returns_at_once_and_writes_nothing_twice(tap_path):
-    out = run_python(f"""
+    out = run_python(
+        f"""
         import os, sys, time, jax, jax.numpy as jnp, pmaptap
 
         def fork_and_exit():
@@ -52,21 +54,26 @@ def test_bare_fork_and_sys_exit_returns_at_once_and_writes_nothing_twice(tap_pat
             forked = fork_and_exit()
             f(jnp.ones(3), 1).block_until_ready()
         print("child", round(forked, 3), round(bare, 3), flush=True)
-    """, devices=1)
+    """,
+        devices=1,
+    )
     line = [x for x in out.stdout.splitlines() if x.startswith("child")][0]
     _, seconds, bare = line.split()
     # Under 2 s (it took 65 s: the child's close waited for the parent's
     # threads); on a machine too loaded for that, no more than a child that
     # never had a session.
-    assert float(seconds) < max(2.0, float(bare) + 1.0), \
+    assert float(seconds) < max(2.0, float(bare) + 1.0), (
         f"the forked child took {seconds}s to exit (one without a session: {bare}s)"
+    )
     recs = _records(tap_path)
-    assert sorted(r["step"] for r in recs) == [0, 1]     # once each, by the parent
+    assert sorted(r["step"] for r in recs) == [0, 1]  # once each, by the parent
     assert {r["process"] for r in recs} == {0}
 
 
 def test_forked_child_has_no_session_prints_taps_and_may_open_its_own(tap_path):
-    out = run_python(_SPEC + f"""
+    out = run_python(
+        _SPEC
+        + f"""
 import os, sys, time, jax.numpy as jnp, pmaptap
 path = {str(tap_path)!r}
 f = jax.jit(lambda x, i: pmaptap.tap(x, "parent", step=i))
@@ -83,7 +90,9 @@ with pmaptap.Session(path, run="parent") as s:
     f(jnp.ones(2), 1).block_until_ready()
     _, status = os.waitpid(pid, 0)
     assert status == 0, status
-""", devices=1)
+""",
+        devices=1,
+    )
     assert "loose step=5" in out.stderr and "1.5" in out.stderr
     recs = _records(tap_path)
     parent = sorted(r["step"] for r in recs if r["run"] == "parent")
@@ -94,7 +103,9 @@ with pmaptap.Session(path, run="parent") as s:
 
 
 def test_multiprocessing_fork_workers_while_the_parent_taps(tap_path):
-    out = run_python(_SPEC + f"""
+    out = run_python(
+        _SPEC
+        + f"""
 import multiprocessing as mp, os, time, jax.numpy as jnp, pmaptap
 
 def work(i):
@@ -118,7 +129,10 @@ with pmaptap.Session({str(tap_path)!r}, run="job") as s:
         p.start(); p.join(20)
         assert p.exitcode == 0, p.exitcode
 print("elapsed", round(time.monotonic() - t0, 1))
-""", devices=1, timeout=180)
+""",
+        devices=1,
+        timeout=180,
+    )
     recs = _records(tap_path)
     assert sorted(r["step"] for r in recs) == list(range(12))
     assert {r["name"] for r in recs} == {"train"}
@@ -126,7 +140,11 @@ print("elapsed", round(time.monotonic() - t0, 1))
     assert float(out.stdout.split()[-1]) < 120
     # Each child's tap went to its own stderr console (not into the parent's
     # queue, whose threads a child does not have).
-    printed = {line.split("step=")[1].split()[0] for line in out.stderr.splitlines()
-               if " worker step=" in line}
-    assert {str(i) for i in range(4)} | {str(100 + s) for s in range(12)} <= printed, \
-        out.stderr[-2000:]
+    printed = {
+        line.split("step=")[1].split()[0]
+        for line in out.stderr.splitlines()
+        if " worker step=" in line
+    }
+    assert {str(i) for i in range(4)} | {str(100 + s) for s in range(12)} <= printed, out.stderr[
+        -2000:
+    ]

@@ -1,5 +1,6 @@
 """Session(path, forward=[...]): records reach user code after they are
 written (after cross-process dedup), off the writer's critical path."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def test_callable_and_clu_writer_get_every_written_record(tap_path):
             f(jnp.stack([jnp.arange(2.0) + step, jnp.arange(2.0) + 10 * step]))
     recs = pmaptap.read(tap_path)
     # The callable saw exactly the file's records, decoded like read().
-    assert sorted(json.dumps(r, sort_keys=True) for r in got) == \
-        sorted(json.dumps(r, sort_keys=True) for r in recs)
+    assert sorted(json.dumps(r, sort_keys=True) for r in got) == sorted(
+        json.dumps(r, sort_keys=True) for r in recs
+    )
     assert {r["name"] for r in got} == {"loss", "g", "tree"}
     # CLU: scalars only, grouped per step, tagged like the TensorBoard export.
     by_step: dict[int, dict] = {}
@@ -56,7 +58,7 @@ def test_callable_and_clu_writer_get_every_written_record(tap_path):
         by_step.setdefault(step, {}).update(m)
     assert sorted(by_step) == [0, 1, 2]
     assert by_step[1] == {"tree/a/device_0": 1.5, "tree/a/device_1": 1.5}
-    assert clu.flushes >= 1            # close() flushed the writer
+    assert clu.flushes >= 1  # close() flushed the writer
     # "loss" and "g" are arrays (shape [2]): not scalars, not sent to CLU.
 
 
@@ -85,7 +87,7 @@ def test_raising_forwarder_never_stops_the_file_and_is_reported_once(tap_path):
             f(jnp.float32(i), i)
         with pytest.raises(TapError, match=r"bad failed 5 time\(s\).*dashboard down"):
             s.flush()
-        s.flush()                       # reported once, then clear
+        s.flush()  # reported once, then clear
         f(jnp.float32(9), 9)
     finally:
         with pytest.raises(TapError, match="failed 1 time"):
@@ -103,13 +105,12 @@ def test_slow_forwarder_blocks_neither_taps_nor_the_file(tap_path):
         seen.append(rec["step"])
 
     f = jax.jit(lambda v, s: pmaptap.tap(v, "x", step=s))
-    s = pmaptap.Session(tap_path, run="fw", forward=[slow],
-                        forward_timeout=0.2).open()
+    s = pmaptap.Session(tap_path, run="fw", forward=[slow], forward_timeout=0.2).open()
     try:
         t0 = time.monotonic()
         for i in range(20):
             f(jnp.float32(i), i).block_until_ready()
-        s.flush()                       # written; forwarding waits only 0.2 s
+        s.flush()  # written; forwarding waits only 0.2 s
         assert time.monotonic() - t0 < 20
         assert len(pmaptap.read(tap_path)) == 20
         assert seen == []
@@ -143,7 +144,7 @@ def test_full_forward_queue_drops_oldest_and_reports(tap_path):
     finally:
         release.set()
         s.close()
-    assert len(pmaptap.read(tap_path)) == 30      # the file has them all
+    assert len(pmaptap.read(tap_path)) == 30  # the file has them all
     assert seen[-1] == 29 and len(seen) < 30
     assert s.pipeline.forwarders.dropped_total == 30 - len(seen)
 
@@ -183,8 +184,7 @@ _JOB = """
 def test_two_process_job_forwards_the_replicated_loss_once(tmp_path):
     tap, out = str(tmp_path / "job.jsonl"), str(tmp_path / "fw")
     os.makedirs(out)
-    proc, _ = run_launch(2, 2, python_cmd(_JOB), launcher_timeout=90, TAP=tap,
-                         OUT=out)
+    proc, _ = run_launch(2, 2, python_cmd(_JOB), launcher_timeout=90, TAP=tap, OUT=out)
     assert proc.returncode == 0, job_failed(proc)
     per = [json.load(open(os.path.join(out, f"p{p}.json"))) for p in (0, 1)]
     calls = [r for d in per for r in d["calls"]]
@@ -199,13 +199,14 @@ def test_two_process_job_forwards_the_replicated_loss_once(tmp_path):
     for p, d in enumerate(per):
         assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}
     file_recs = pmaptap.read(tap)
-    assert sorted(json.dumps(r, sort_keys=True) for r in calls) == \
-        sorted(json.dumps(r, sort_keys=True) for r in file_recs)
+    assert sorted(json.dumps(r, sort_keys=True) for r in calls) == sorted(
+        json.dumps(r, sort_keys=True) for r in file_recs
+    )
     # The CLU-protocol objects: the loss once per step for the job, and each
     # device's scalar once.
-    loss_points = [(s, m["loss"]) for d in per for s, m in d["scalars"]
-                   if "loss" in m]
+    loss_points = [(s, m["loss"]) for d in per for s, m in d["scalars"] if "loss" in m]
     assert sorted(loss_points) == [(0, 1.5), (1, 11.5), (2, 21.5)]
-    dev_points = [(s, k) for d in per for s, m in d["scalars"] for k in m
-                  if k.startswith("x/device_")]
+    dev_points = [
+        (s, k) for d in per for s, m in d["scalars"] for k in m if k.startswith("x/device_")
+    ]
     assert len(dev_points) == 12 and len(set(dev_points)) == 12

@@ -1,6 +1,7 @@
 """Analysis-ready data: ``pmaptap.read(..., as_frame=True)``'s tidy columns,
 ``pmaptap export --parquet`` (round trip with dtypes checked),
 ``pmaptap.per_device`` and the documented ``pandas.read_json`` one-liner."""
+
 from __future__ import annotations
 
 import math
@@ -58,39 +59,56 @@ def _check_tidy(df, recs) -> None:
     assert str(df["value.b"].dtype) == "float64"
     assert str(df["divergent"].dtype) == "bool"
     assert isinstance(df["time"].dtype, pd.DatetimeTZDtype) and str(df["time"].dt.tz) == "UTC"
-    assert list(df["name"]) == [r["name"] for r in recs]           # file order
+    assert list(df["name"]) == [r["name"] for r in recs]  # file order
 
     loss = df[df["name"] == "loss"].set_index("step")["value"]
-    assert math.isnan(loss[1]) and loss[2] == math.inf              # real floats
-    assert df.loc[df["name"] == "loss", "device"].isna().all()      # nullable
+    assert math.isnan(loss[1]) and loss[2] == math.inf  # real floats
+    assert df.loc[df["name"] == "loss", "device"].isna().all()  # nullable
     gnorm = df[(df["name"] == "gnorm") & (df["device"] == 3)]
     want = next(r for r in recs if r["name"] == "gnorm" and r["device"] == 3)
     assert gnorm["value"].iloc[0] == pytest.approx(want["value"])
     assert gnorm["coords.dp"].iloc[0] == 3
     p = df[(df["name"] == "params") & (df["device"] == 5) & (df["step"] == 0)].iloc[0]
     assert list(p["value.w"]) == [10.0, 11.0] and p["value.b"] == 42.0
-    assert math.isnan(p["value"])            # not this tap's column
+    assert math.isnan(p["value"])  # not this tap's column
     count = df[df["name"] == "count"]
     assert list(count["value"]) == [0.0, 10.0, 20.0]
     first = next(r for r in recs if r["name"] == "loss")
-    assert df.loc[df["name"] == "loss", "time"].iloc[0].timestamp() == \
-        pytest.approx(first["time"], abs=1e-5)
+    assert df.loc[df["name"] == "loss", "time"].iloc[0].timestamp() == pytest.approx(
+        first["time"], abs=1e-5
+    )
 
 
 def test_read_as_frame_has_tidy_columns(taps):
     recs = pmaptap.read(taps)
     df = pmaptap.read(taps, as_frame=True)
     _check_tidy(df, recs)
-    assert list(df.columns[:11]) == ["run", "name", "step", "pass", "kind", "process",
-                                     "device", "replicas", "divergent", "time", "host"]
+    assert list(df.columns[:11]) == [
+        "run",
+        "name",
+        "step",
+        "pass",
+        "kind",
+        "process",
+        "device",
+        "replicas",
+        "divergent",
+        "time",
+        "host",
+    ]
 
 
 def test_parquet_round_trip_keeps_dtypes(taps, tmp_path):
     pytest.importorskip("pyarrow")
     out = str(tmp_path / "t.parquet")
-    proc = subprocess.run([sys.executable, "-m", "pmaptap", "export", taps,
-                           "--parquet", out], env=subprocess_env(1), cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pmaptap", "export", taps, "--parquet", out],
+        env=subprocess_env(1),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {N} rows" in proc.stderr
     back = pd.read_parquet(out)
@@ -103,13 +121,22 @@ def test_parquet_round_trip_keeps_dtypes(taps, tmp_path):
             pd.testing.assert_series_equal(back[col], frame[col], check_names=True)
     # dtype mixes names and pytree objects: JSON text in Parquet.
     p = back[back["name"] == "params"].iloc[0]
-    assert p["dtype"] == '{"b":"float32","w":"float32"}' or \
-        p["dtype"] == '{"w":"float32","b":"float32"}'
+    assert (
+        p["dtype"] == '{"b":"float32","w":"float32"}'
+        or p["dtype"] == '{"w":"float32","b":"float32"}'
+    )
     # A filter applies as for --csv.
     out2 = str(tmp_path / "loss.parquet")
-    assert subprocess.run([sys.executable, "-m", "pmaptap", "export", taps, "--parquet",
-                           out2, "--name", "loss"], env=subprocess_env(1), cwd=ROOT,
-                          capture_output=True, timeout=60).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "pmaptap", "export", taps, "--parquet", out2, "--name", "loss"],
+            env=subprocess_env(1),
+            cwd=ROOT,
+            capture_output=True,
+            timeout=60,
+        ).returncode
+        == 0
+    )
     assert list(pd.read_parquet(out2)["step"]) == [0, 1, 2]
 
 
@@ -127,6 +154,7 @@ def test_per_device_gives_step_by_device_tables(taps, tmp_path):
     assert loss.loc[1].isna().all() and (loss.loc[2] == math.inf).all()
     # docs/api.md's recipe for the first non-finite step and device.
     import numpy as np
+
     bad = ~np.isfinite(loss)
     step = bad.any(axis=1).idxmax()
     assert (step, bad.loc[step].idxmax()) == (1, 0)
@@ -140,6 +168,7 @@ def test_per_device_gives_step_by_device_tables(taps, tmp_path):
     pytest.importorskip("pyarrow")
     out = str(tmp_path / "t.parquet")
     from pmaptap.tapfile.frame import write_parquet
+
     write_parquet(recs, out)
     pd.testing.assert_frame_equal(pd.read_parquet(out).pipe(pmaptap.per_device), both)
 
@@ -151,15 +180,18 @@ def test_read_json_one_liner_from_the_docs(taps):
     loss = df[df["name"] == "loss"].set_index("step")["value"]
     assert math.isnan(loss[1]) and loss[2] == math.inf
     with open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8") as f:
-        assert ('df["value"] = df["value"].map(lambda v: float(v) if isinstance(v, str) '
-                'else v)') in f.read()
+        assert (
+            'df["value"] = df["value"].map(lambda v: float(v) if isinstance(v, str) else v)'
+        ) in f.read()
 
 
 def test_missing_pyarrow_names_the_extra(taps, tmp_path):
-    code = ("import sys; sys.modules['pyarrow'] = None\n"
-            "from pmaptap.cli import main\n"
-            f"sys.exit(main(['export', {taps!r}, '--parquet', "
-            f"{str(tmp_path / 'x.parquet')!r}]))")
+    code = (
+        "import sys; sys.modules['pyarrow'] = None\n"
+        "from pmaptap.cli import main\n"
+        f"sys.exit(main(['export', {taps!r}, '--parquet', "
+        f"{str(tmp_path / 'x.parquet')!r}]))"
+    )
     proc = run_python(code, check=False)
     assert proc.returncode == 2 and 'pip install "pmaptap[parquet]"' in proc.stderr
     assert not os.path.exists(tmp_path / "x.parquet")

@@ -12,6 +12,7 @@ non-empty line is reported with its line number.
 Bounded to a few seconds by default; ``PMAPTAP_FUZZ_EXAMPLES=5000 pytest
 tests/test_fuzz_tapfile.py`` runs a longer search.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,15 +23,20 @@ import os
 import tempfile
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pmaptap
-from pmaptap.tapfile import checks, export, follow, format as fmt, parse, reader, summary, views
+from pmaptap.tapfile import checks, export, follow, parse, reader, summary, views
+from pmaptap.tapfile import format as fmt
 
 EXAMPLES = int(os.environ.get("PMAPTAP_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
-                suppress_health_check=[HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 # A small line limit so that "long lines" are cheap to make: the limit is
 # read at call time everywhere (parse, iter_lines, the follower).
 FUZZ_LINE_LIMIT = 4096
@@ -38,41 +44,84 @@ BACKENDS = ["orjson", "json"]
 
 
 def _rec(**over) -> dict:
-    d = {"run": "r1", "name": "loss", "step": 0, "kind": "replicated",
-         "value": 0.5, "dtype": "float32", "shape": [], "process": 0,
-         "time": 1700000000.25, "host": "h0", "replicas": 4,
-         "devices": [0, 1, 2, 3], "processes": [0], "vhash": "00ff"}
+    d = {
+        "run": "r1",
+        "name": "loss",
+        "step": 0,
+        "kind": "replicated",
+        "value": 0.5,
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 1700000000.25,
+        "host": "h0",
+        "replicas": 4,
+        "devices": [0, 1, 2, 3],
+        "processes": [0],
+        "vhash": "00ff",
+    }
     d.update(over)
     return d
 
 
 def _dev(**over) -> dict:
-    d = {"run": "r1", "name": "x", "step": 0, "kind": "per_device",
-         "value": [1.0, "NaN", "-Infinity"], "dtype": "float32", "shape": [3],
-         "process": 1, "time": 1700000000.5, "host": "h1", "device": 2,
-         "coords": {"dp": 2}}
+    d = {
+        "run": "r1",
+        "name": "x",
+        "step": 0,
+        "kind": "per_device",
+        "value": [1.0, "NaN", "-Infinity"],
+        "dtype": "float32",
+        "shape": [3],
+        "process": 1,
+        "time": 1700000000.5,
+        "host": "h1",
+        "device": 2,
+        "coords": {"dp": 2},
+    }
     d.update(over)
     return d
 
 
-CORPUS = [json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode()
-          for d in [
-              _rec(), _rec(step=1, value="NaN"), _rec(step=2, divergent=True),
-              _rec(name="grad", step=3, **{"pass": "backward"}),
-              _dev(), _dev(step=1, device=None, coords={}),
-              _dev(name="c", dtype="complex64", shape=[2],
-                   value=[[1.0, 2.0], ["NaN", 0.0]]),
-              _rec(name="tree", dtype={"a": "int32", "b": ["bool", "float16"]},
-                   shape={"a": [2], "b": [[], [1]]},
-                   value={"a": [1, 2], "b": [True, [0.25]]}),
-              _rec(name="big", summarized=True, dtype="float32", shape=[4096],
-                   value={"min": 0.0, "max": 1.0, "mean": 0.5, "std": 0.1,
-                          "nan": 0, "inf": 0}),
-              {"run": "r1", "name": "pmaptap/dropped", "step": 3, "kind": "meta",
-               "value": 7, "dtype": "int64", "shape": [], "process": 0,
-               "time": 1.0, "host": "h\u00e9 \U0001F680", "dropped_total": 7},
-              _dev(name="m", dtype="int8", shape=[2, 2], value=[[1, -2], [3, 4]]),
-          ]]
+CORPUS = [
+    json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode()
+    for d in [
+        _rec(),
+        _rec(step=1, value="NaN"),
+        _rec(step=2, divergent=True),
+        _rec(name="grad", step=3, **{"pass": "backward"}),
+        _dev(),
+        _dev(step=1, device=None, coords={}),
+        _dev(name="c", dtype="complex64", shape=[2], value=[[1.0, 2.0], ["NaN", 0.0]]),
+        _rec(
+            name="tree",
+            dtype={"a": "int32", "b": ["bool", "float16"]},
+            shape={"a": [2], "b": [[], [1]]},
+            value={"a": [1, 2], "b": [True, [0.25]]},
+        ),
+        _rec(
+            name="big",
+            summarized=True,
+            dtype="float32",
+            shape=[4096],
+            value={"min": 0.0, "max": 1.0, "mean": 0.5, "std": 0.1, "nan": 0, "inf": 0},
+        ),
+        {
+            "run": "r1",
+            "name": "pmaptap/dropped",
+            "step": 3,
+            "kind": "meta",
+            "value": 7,
+            "dtype": "int64",
+            "shape": [],
+            "process": 0,
+            "time": 1.0,
+            "host": "h\u00e9 \U0001f680",
+            "dropped_total": 7,
+        },
+        _dev(name="m", dtype="int8", shape=[2, 2], value=[[1, -2], [3, 4]]),
+    ]
+]
 assert all(len(line) < FUZZ_LINE_LIMIT for line in CORPUS)
 
 
@@ -92,6 +141,7 @@ def fuzz_env(backend: str):
 
 
 # ------------------------------------------------------------ the reference
+
 
 def _no_constant(name):
     raise ValueError(name)
@@ -116,16 +166,15 @@ def _normalized(x):
         return [_normalized(v) for v in x]
     if isinstance(x, float) and x in (float("inf"), float("-inf")):
         raise ValueError("infinite")
-    if isinstance(x, int) and not isinstance(x, bool) and not \
-            -(1 << 63) <= x < (1 << 64):
-        return float(x)            # OverflowError past the double range
+    if isinstance(x, int) and not isinstance(x, bool) and not -(1 << 63) <= x < (1 << 64):
+        return float(x)  # OverflowError past the double range
     if isinstance(x, str):
-        x.encode("utf-8")          # UnicodeEncodeError on a lone surrogate
+        x.encode("utf-8")  # UnicodeEncodeError on a lone surrogate
     return x
 
 
 def reference(raw: bytes):
-    """"empty", None (must be reported) or the record it must give."""
+    """ "empty", None (must be reported) or the record it must give."""
     if len(raw) > FUZZ_LINE_LIMIT:
         return None
     if not raw.strip():
@@ -152,6 +201,7 @@ def split_lines(data: bytes) -> list[bytes]:
 
 # ------------------------------------------------------------ the check
 
+
 class _Collect(logging.Handler):
     """pmaptap's log messages during one read (a fixture like caplog cannot
     be reset between hypothesis examples)."""
@@ -169,7 +219,7 @@ def check_file(data: bytes) -> None:
     others reported by line number."""
     lines = split_lines(data)
     want = [reference(raw) for raw in lines]
-    for raw, w in zip(lines, want):       # the parser alone
+    for raw, w in zip(lines, want):  # the parser alone
         d, problem = parse.parse_line(raw)
         if w == "empty":
             assert d is None and problem == "empty line"
@@ -199,8 +249,7 @@ def check_file(data: bytes) -> None:
         finally:
             logging.getLogger("pmaptap").removeHandler(caught)
         assert len(recs) == len(valid)
-        assert [(r["name"], r["step"]) for r in recs] == \
-            [(w["name"], w["step"]) for w in valid]
+        assert [(r["name"], r["step"]) for r in recs] == [(w["name"], w["step"]) for w in valid]
         skipped = [m for m in caught.messages if "skipped" in m]
         if bad:
             assert len(skipped) == 1 and f"skipped {bad} invalid line(s)" in skipped[0]
@@ -209,15 +258,15 @@ def check_file(data: bytes) -> None:
 
         entries, problems = views.load(path)
         assert len(entries) == len(valid)
-        assert sorted(n for n, _ in problems) == \
-            [i + 1 for i, w in enumerate(want) if w is None or w == "empty"]
+        assert sorted(n for n, _ in problems) == [
+            i + 1 for i, w in enumerate(want) if w is None or w == "empty"
+        ]
         for e in entries:
             views.row(e)
             json.loads(views.json_line(e))
         report = checks.validate_file(path)
         reported = {n for n, _ in report.problems}
-        assert all(i + 1 in reported for i, w in enumerate(want)
-                   if w is None or w == "empty")
+        assert all(i + 1 in reported for i, w in enumerate(want) if w is None or w == "empty")
         summary.summary_table(recs)
         export.write_csv(entries, io.StringIO())
 
@@ -227,8 +276,7 @@ def check_file(data: bytes) -> None:
         finally:
             lf.close()
         complete = lines if data.endswith(b"\n") else lines[:-1]
-        assert followed == [w if w not in (None, "empty") else None
-                            for w in want[:len(complete)]]
+        assert followed == [w if w not in (None, "empty") else None for w in want[: len(complete)]]
     finally:
         os.unlink(path)
 
@@ -236,38 +284,61 @@ def check_file(data: bytes) -> None:
 # ------------------------------------------------------------ strategies
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False,
-                                                          allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-        st.text(max_size=5), inner, max_size=3),
-    max_leaves=8)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 FIELDS = sorted({k for line in CORPUS for k in json.loads(line)})
 
 
 def _dump(d) -> bytes:
-    return json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode(
-        "utf-8", "surrogatepass")
+    return json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 @st.composite
 def hostile_line(draw) -> bytes:
     base = draw(st.sampled_from(CORPUS))
-    kind = draw(st.sampled_from([
-        "valid", "deep", "long", "bytes", "nul", "number", "type", "torn",
-        "splice", "flip", "dup", "brackets", "random", "surrogate"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "valid",
+                "deep",
+                "long",
+                "bytes",
+                "nul",
+                "number",
+                "type",
+                "torn",
+                "splice",
+                "flip",
+                "dup",
+                "brackets",
+                "random",
+                "surrogate",
+            ]
+        )
+    )
     if kind == "valid":
         return base
     if kind == "deep":
-        n = draw(st.sampled_from([parse.MAX_DEPTH - 2, parse.MAX_DEPTH - 1,
-                                  parse.MAX_DEPTH, 500, 3000, 100_000])
-                 | st.integers(1, 400))
+        n = draw(
+            st.sampled_from(
+                [parse.MAX_DEPTH - 2, parse.MAX_DEPTH - 1, parse.MAX_DEPTH, 500, 3000, 100_000]
+            )
+            | st.integers(1, 400)
+        )
         d = json.loads(base)
-        return _dump(d).replace(b'"value":', b'"value":' + b"[" * n + b"0" +
-                                b"]" * n + b',"v0":', 1)
+        return _dump(d).replace(
+            b'"value":', b'"value":' + b"[" * n + b"0" + b"]" * n + b',"v0":', 1
+        )
     if kind == "long":
-        n = draw(st.integers(FUZZ_LINE_LIMIT - len(base) - 40,
-                             FUZZ_LINE_LIMIT - len(base) + 40))
+        n = draw(st.integers(FUZZ_LINE_LIMIT - len(base) - 40, FUZZ_LINE_LIMIT - len(base) + 40))
         return _dump(dict(json.loads(base), pad="p" * max(n, 0)))
     if kind == "bytes":
         at = draw(st.integers(0, len(base)))
@@ -277,28 +348,41 @@ def hostile_line(draw) -> bytes:
         at = draw(st.integers(0, len(base)))
         return base[:at] + b"\x00" + base[at:]
     if kind == "number":
-        digits = draw(st.sampled_from(["9" * 19, "1" * 20, "-" + "9" * 19,
-                                       "1" * 400, "7" * 5000, "1e400", "-1e999",
-                                       "1e-400", "1" + "0" * 309, "18446744073709551615",
-                                       "18446744073709551616", "-9223372036854775809"]))
+        digits = draw(
+            st.sampled_from(
+                [
+                    "9" * 19,
+                    "1" * 20,
+                    "-" + "9" * 19,
+                    "1" * 400,
+                    "7" * 5000,
+                    "1e400",
+                    "-1e999",
+                    "1e-400",
+                    "1" + "0" * 309,
+                    "18446744073709551615",
+                    "18446744073709551616",
+                    "-9223372036854775809",
+                ]
+            )
+        )
         field = draw(st.sampled_from(["step", "value", "process", "time"]))
         d = json.loads(base)
-        return _dump(d).replace(f'"{field}":'.encode(),
-                                f'"{field}":{digits},"was":'.encode(), 1)
+        return _dump(d).replace(f'"{field}":'.encode(), f'"{field}":{digits},"was":'.encode(), 1)
     if kind == "type":
         d = json.loads(base)
         d[draw(st.sampled_from(FIELDS))] = draw(JSON_VALUES)
         return _dump(d)
     if kind == "surrogate":
-        esc = draw(st.sampled_from([b"\\ud800", b"\\udfff", b"\\ud83d\\ude00",
-                                    b"\\ud83d", b"\\\\ud800"]))
+        esc = draw(
+            st.sampled_from([b"\\ud800", b"\\udfff", b"\\ud83d\\ude00", b"\\ud83d", b"\\\\ud800"])
+        )
         return base.replace(b'"host":"', b'"host":"' + esc, 1)
     if kind == "torn":
-        return base[:draw(st.integers(0, len(base)))]
+        return base[: draw(st.integers(0, len(base)))]
     if kind == "splice":
         other = draw(st.sampled_from(CORPUS))
-        return base[:draw(st.integers(0, len(base)))] + \
-            other[draw(st.integers(0, len(other))):]
+        return base[: draw(st.integers(0, len(base)))] + other[draw(st.integers(0, len(other))) :]
     if kind == "flip":
         at = draw(st.integers(0, len(base) - 1))
         bit = draw(st.integers(0, 7))
@@ -311,8 +395,11 @@ def hostile_line(draw) -> bytes:
         return base[:b] + base[a:b] + base[b:]
     if kind == "brackets":
         at = draw(st.integers(0, len(base)))
-        return base[:at] + draw(st.sampled_from([b"[", b"{", b"[{\"a\":"])) * \
-            draw(st.integers(1, 400)) + base[at:]
+        return (
+            base[:at]
+            + draw(st.sampled_from([b"[", b"{", b'[{"a":'])) * draw(st.integers(1, 400))
+            + base[at:]
+        )
     return draw(st.binary(max_size=300)).replace(b"\n", b"")
 
 
@@ -338,8 +425,9 @@ def _file_200() -> bytes:
     for step in range(40):
         out.append(_dump(_rec(step=step, value=1.0 / (step + 1))))
         for dev in range(4):
-            out.append(_dump(_dev(step=step, device=dev, coords={"dp": dev},
-                                  value=[step, dev, 0.5])))
+            out.append(
+                _dump(_dev(step=step, device=dev, coords={"dp": dev}, value=[step, dev, 0.5]))
+            )
     return b"\n".join(out) + b"\n"
 
 
@@ -357,16 +445,16 @@ def mutated_file(draw) -> bytes:
         if op == "flip":
             data[at] ^= 1 << draw(st.integers(0, 7))
         elif op == "cut":
-            del data[at:at + draw(st.integers(1, 300))]
+            del data[at : at + draw(st.integers(1, 300))]
         elif op == "dup":
             n = draw(st.integers(1, 500))
-            data[at:at] = data[at:at + n]
+            data[at:at] = data[at : at + n]
         elif op == "brackets":
             data[at:at] = b"[" * draw(st.sampled_from([10, 200, 5000]))
         else:
             data[at:at] = draw(st.binary(min_size=1, max_size=16))
     if draw(st.booleans()):
-        data = data[:draw(st.integers(0, len(data)))]     # a cut-off copy
+        data = data[: draw(st.integers(0, len(data)))]  # a cut-off copy
     return bytes(data)
 
 

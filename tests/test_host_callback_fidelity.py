@@ -3,6 +3,7 @@ where migrating code depends on it (issue 18): program order of taps, JAX's
 jaxpr checker, eager ``call`` without recompiling, unbatched leaves under
 vmap, taps replayed under ``jax.checkpoint``, ``jit`` around ``pmap``, and the
 old error messages. Each test names the point of the issue it pins."""
+
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from pmaptap import host_callback as hcb
 
@@ -52,9 +54,9 @@ def test_taps_run_in_program_order_in_loops_and_conds(checks):
         def body(c):
             i, v = c
             w = hcb.id_tap(_recorder(seen, "w_b_1"), (big @ big).sum(), result=v)
-            w = jax.lax.cond(i % 2 == 0,
-                             lambda w: hcb.id_tap(_recorder(seen, "w_b_t"), w),
-                             lambda w: w, w)
+            w = jax.lax.cond(
+                i % 2 == 0, lambda w: hcb.id_tap(_recorder(seen, "w_b_t"), w), lambda w: w, w
+            )
             return i + 1, hcb.id_tap(_recorder(seen, "w_b_2"), w * 2)
 
         return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, z))
@@ -62,8 +64,18 @@ def test_taps_run_in_program_order_in_loops_and_conds(checks):
     i, v = jax.jit(f)(1.0, jnp.ones((400, 400)))
     hcb.barrier_wait()
     assert (int(i), float(v)) == (3, 16.0)
-    assert seen == ["A", "B", "w_b_1", "w_b_t", "w_b_2", "w_b_1", "w_b_2",
-                    "w_b_1", "w_b_t", "w_b_2"]
+    assert seen == [
+        "A",
+        "B",
+        "w_b_1",
+        "w_b_t",
+        "w_b_2",
+        "w_b_1",
+        "w_b_2",
+        "w_b_1",
+        "w_b_t",
+        "w_b_2",
+    ]
 
 
 def test_old_while_cond_example_prints_in_order(checks):
@@ -75,8 +87,12 @@ def test_old_while_cond_example_prints_in_order(checks):
 
         def body(x):
             x3 = pr(x, where="w_b_1")
-            x4 = jax.lax.cond(x % 2 == 0, lambda x: pr(x, where="w_b_t"),
-                              lambda x: pr(-1, where="w_b_f", result=x), x3)
+            x4 = jax.lax.cond(
+                x % 2 == 0,
+                lambda x: pr(x, where="w_b_t"),
+                lambda x: pr(-1, where="w_b_f", result=x),
+                x3,
+            )
             return pr(x4 + 1, where="w_b_2")
 
         return pr(jax.lax.while_loop(lambda x: x <= 3, body, x2), where="end")
@@ -84,21 +100,34 @@ def test_old_while_cond_example_prints_in_order(checks):
     assert int(jax.jit(func)(1)) == 4
     hcb.barrier_wait()
     assert s.getvalue().split("\n")[::2] == [
-        "where: 1", "where: 2", "where: w_b_1", "where: w_b_t", "where: w_b_2",
-        "where: w_b_1", "where: w_b_f", "where: w_b_2", "where: end", ""]
+        "where: 1",
+        "where: 2",
+        "where: w_b_1",
+        "where: w_b_t",
+        "where: w_b_2",
+        "where: w_b_1",
+        "where: w_b_f",
+        "where: w_b_2",
+        "where: end",
+        "",
+    ]
 
 
 def test_tied_result_is_an_identity_for_values_and_gradients(checks):
-    vals = {"f": jnp.array([-0.0, np.nan, 1.5], jnp.float32),
-            "i": jnp.array([-3, 7], jnp.int8), "b": jnp.array([True, False]),
-            "c": jnp.array([1 - 2j], jnp.complex64), "e": jnp.zeros((0,))}
+    vals = {
+        "f": jnp.array([-0.0, np.nan, 1.5], jnp.float32),
+        "i": jnp.array([-3, 7], jnp.int8),
+        "b": jnp.array([True, False]),
+        "c": jnp.array([1 - 2j], jnp.complex64),
+        "e": jnp.zeros((0,)),
+    }
     out = jax.jit(lambda v: hcb.id_tap(lambda a, t: None, v))(vals)
     for k, v in vals.items():
         assert out[k].dtype == v.dtype
-        np.testing.assert_array_equal(np.asarray(out[k]).view(np.uint8),
-                                      np.asarray(v).view(np.uint8))
-    g = jax.grad(lambda x: (hcb.id_tap(lambda a, t: None, x * 2) ** 2).sum())(
-        jnp.arange(3.0))
+        np.testing.assert_array_equal(
+            np.asarray(out[k]).view(np.uint8), np.asarray(v).view(np.uint8)
+        )
+    g = jax.grad(lambda x: (hcb.id_tap(lambda a, t: None, x * 2) ** 2).sum())(jnp.arange(3.0))
     np.testing.assert_allclose(g, 8 * np.arange(3.0))
 
 
@@ -114,27 +143,33 @@ def test_taps_and_calls_pass_jax_checks_in_every_transformation(checks):
         return hcb.call(np.sin, v, result_shape=jax.ShapeDtypeStruct(v.shape, v.dtype))
 
     cases = {
-        "call jit+cond": lambda: jax.jit(lambda x: jax.lax.cond(
-            x > 0, lambda x: hcb.call(np.sin, x, result_shape=shape),
-            lambda x: x, x))(1.0),
-        "call jit+scan": lambda: jax.jit(lambda x: jax.lax.scan(
-            lambda c, _: (call(c), None), x, None, length=3)[0])(1.0),
+        "call jit+cond": lambda: jax.jit(
+            lambda x: jax.lax.cond(
+                x > 0, lambda x: hcb.call(np.sin, x, result_shape=shape), lambda x: x, x
+            )
+        )(1.0),
+        "call jit+scan": lambda: jax.jit(
+            lambda x: jax.lax.scan(lambda c, _: (call(c), None), x, None, length=3)[0]
+        )(1.0),
         "call pmap": lambda: jax.pmap(call)(jnp.ones(8)),
         "call vmap": lambda: jax.vmap(call)(jnp.ones(3)),
         "call custom_vjp": lambda: jax.grad(_sin_with_host_vjp)(1.0),
-        "tap jit+cond": lambda: jax.jit(lambda x: jax.lax.cond(
-            x > 0, tap, lambda x: x, x))(1.0),
-        "tap jit+scan": lambda: jax.jit(lambda x: jax.lax.scan(
-            lambda c, _: (tap(c) + 1, None), x, None, length=3)[0])(1.0),
-        "tap while": lambda: jax.jit(lambda x: jax.lax.while_loop(
-            lambda x: tap(x) < 3, lambda x: tap(x) + 1, x))(0.0),
+        "tap jit+cond": lambda: jax.jit(lambda x: jax.lax.cond(x > 0, tap, lambda x: x, x))(1.0),
+        "tap jit+scan": lambda: jax.jit(
+            lambda x: jax.lax.scan(lambda c, _: (tap(c) + 1, None), x, None, length=3)[0]
+        )(1.0),
+        "tap while": lambda: jax.jit(
+            lambda x: jax.lax.while_loop(lambda x: tap(x) < 3, lambda x: tap(x) + 1, x)
+        )(0.0),
         "tap pmap": lambda: jax.pmap(tap)(jnp.ones(8)),
         "tap vmap": lambda: jax.vmap(tap)(jnp.ones(3)),
         "tap grad": lambda: jax.grad(lambda x: tap(x) * 2)(1.0),
         "tap remat": lambda: jax.grad(jax.checkpoint(lambda x: tap(x) * 2))(1.0),
-        "tap shard_map": lambda: jax.jit(jax.shard_map(
-            tap, mesh=Mesh(np.array(jax.devices()), ("d",)),
-            in_specs=P("d"), out_specs=P("d")))(jnp.ones(8)),
+        "tap shard_map": lambda: jax.jit(
+            jax.shard_map(
+                tap, mesh=Mesh(np.array(jax.devices()), ("d",)), in_specs=P("d"), out_specs=P("d")
+            )
+        )(jnp.ones(8)),
     }
     for name, run in cases.items():
         try:
@@ -171,12 +206,12 @@ def test_eager_call_compiles_nothing_per_call():
 
     x = jnp.arange(3.0)
     shape = jax.ShapeDtypeStruct((3,), jnp.float32)
-    hcb.call(np.sin, x, result_shape=shape)          # warm: device_put etc.
+    hcb.call(np.sin, x, result_shape=shape)  # warm: device_put etc.
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         outs = [hcb.call(np.sin, x, result_shape=shape) for _ in range(5)]
         during_calls = list(compiles)
-        jax.jit(lambda v: v * 3.25 + 0.5)(x)       # the listener sees compiles
+        jax.jit(lambda v: v * 3.25 + 0.5)(x)  # the listener sees compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert during_calls == [] and compiles
@@ -187,12 +222,14 @@ def test_eager_call_compiles_nothing_per_call():
 
 def test_eager_call_result_lives_where_the_argument_did():
     dev = jax.devices()[3]
-    out = hcb.call(lambda v: v * 2, jax.device_put(jnp.ones(2), dev),
-                   result_shape=jax.ShapeDtypeStruct((2,), jnp.float32))
+    out = hcb.call(
+        lambda v: v * 2,
+        jax.device_put(jnp.ones(2), dev),
+        result_shape=jax.ShapeDtypeStruct((2,), jnp.float32),
+    )
     assert out.devices() == {dev}
     seen = []
-    hcb.call(lambda v, device: seen.append(device), jax.device_put(1.0, dev),
-             call_with_device=True)
+    hcb.call(lambda v, device: seen.append(device), jax.device_put(1.0, dev), call_with_device=True)
     assert seen == [dev]
 
 
@@ -205,16 +242,19 @@ def test_unbatched_leaves_arrive_unchanged_with_batch_dim_none(checks):
 
     a, b = jnp.float32(1), jnp.arange(6.0).reshape(2, 3)
     jax.vmap(lambda x, y: hcb.id_tap(host, (x, y)), in_axes=(None, 0))(a, b)
-    jax.vmap(jax.vmap(lambda x, y: hcb.id_tap(host, (x, y)), in_axes=(None, 0)),
-             in_axes=(0, None))(jnp.arange(4.0), b[0])
+    jax.vmap(jax.vmap(lambda x, y: hcb.id_tap(host, (x, y)), in_axes=(None, 0)), in_axes=(0, None))(
+        jnp.arange(4.0), b[0]
+    )
     jax.vmap(lambda y: hcb.id_tap(host, y), in_axes=1)(b)
     hcb.barrier_wait()
     assert got == [
         (((), (2, 3)), (("batch", {"batch_dims": (None, 0)}),)),
         # innermost vmap first, as the old module listed them
-        (((4,), (3,)), (("batch", {"batch_dims": (None, 0)}),
-                        ("batch", {"batch_dims": (0, None)}))),
-        ((3, 2), (("batch", {"batch_dims": (0,)}),)),     # batch axis moved to 0
+        (
+            ((4,), (3,)),
+            (("batch", {"batch_dims": (None, 0)}), ("batch", {"batch_dims": (0, None)})),
+        ),
+        ((3, 2), (("batch", {"batch_dims": (0,)}),)),  # batch axis moved to 0
     ]
 
 
@@ -229,11 +269,11 @@ def test_checkpoint_replays_primal_taps_like_the_old_module(checks):
 
     g = jax.grad(lambda x: power3(jax.checkpoint(power3)(x)))(3.0)
     hcb.barrier_wait()
-    assert float(g) == pytest.approx(9 * 3.0 ** 8)
+    assert float(g) == pytest.approx(9 * 3.0**8)
     # inner primal, outer primal, inner again when rematerialized
-    assert s.getvalue() == ("what: x,x^2\n( 3. 9. )\n"
-                            "what: x,x^2\n( 27. 729. )\n"
-                            "what: x,x^2\n( 3. 9. )\n")
+    assert s.getvalue() == (
+        "what: x,x^2\n( 3. 9. )\nwhat: x,x^2\n( 27. 729. )\nwhat: x,x^2\n( 3. 9. )\n"
+    )
 
 
 # ------------------------------------------------------------ 6. jit around pmap
@@ -267,20 +307,22 @@ def test_callback_exception_names_the_last_failing_tap():
     with pytest.raises(hcb.CallbackException) as info:
         hcb.barrier_wait()
     msg = str(info.value)
-    assert msg.startswith("There were exceptions during callback processing. "
-                          "Last one was: ")
+    assert msg.startswith("There were exceptions during callback processing. Last one was: ")
     assert "second_bad: KeyError: 'second'" in msg.splitlines()[0]
     assert "first_bad" in msg and "ValueError: first" in msg
     assert isinstance(info.value.__cause__, ValueError)
 
 
-@pytest.mark.parametrize("kwarg,replacement", [
-    ("what", "hcb.id_print(x, what=...)"),
-    ("output_stream", "id_print"),
-    ("callback_flavor", "delete the argument"),
-    ("result_shape", "hcb.call"),
-    ("step", "functools.partial(tap_func, step=...)"),
-])
+@pytest.mark.parametrize(
+    "kwarg,replacement",
+    [
+        ("what", "hcb.id_print(x, what=...)"),
+        ("output_stream", "id_print"),
+        ("callback_flavor", "delete the argument"),
+        ("result_shape", "hcb.call"),
+        ("step", "functools.partial(tap_func, step=...)"),
+    ],
+)
 def test_removed_id_tap_keywords_name_their_replacement(kwarg, replacement):
     with pytest.raises(TypeError) as info:
         hcb.id_tap(lambda a, t: None, 1.0, **{kwarg: 1})
@@ -290,12 +332,19 @@ def test_removed_id_tap_keywords_name_their_replacement(kwarg, replacement):
 
 def test_bad_result_shape_is_a_value_error_naming_expected_and_received():
     x = jnp.ones(2, jnp.float32)
-    with pytest.raises(ValueError, match=r"returned int32\[2\] but result_shape "
-                                         r"expects float32\[3\]"):
-        hcb.call(lambda a: np.ones(2, np.int32), x,
-                 result_shape=jax.ShapeDtypeStruct((3,), jnp.float32))
-    with pytest.raises(jax.errors.JaxRuntimeError,
-                       match=r"ValueError.*returned float32\[2\] but result_shape "
-                             r"expects float32\[3\]"):
-        jax.jit(lambda v: hcb.call(lambda a: a, v, result_shape=jax.ShapeDtypeStruct(
-            (3,), jnp.float32)))(x).block_until_ready()
+    with pytest.raises(
+        ValueError,
+        match=r"returned int32\[2\] but result_shape "
+        r"expects float32\[3\]",
+    ):
+        hcb.call(
+            lambda a: np.ones(2, np.int32), x, result_shape=jax.ShapeDtypeStruct((3,), jnp.float32)
+        )
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"ValueError.*returned float32\[2\] but result_shape "
+        r"expects float32\[3\]",
+    ):
+        jax.jit(
+            lambda v: hcb.call(lambda a: a, v, result_shape=jax.ShapeDtypeStruct((3,), jnp.float32))
+        )(x).block_until_ready()

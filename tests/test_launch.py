@@ -1,6 +1,7 @@
 """The local launcher (python -m pmaptap.launch) and pmaptap.distributed's
 pure parts. The children here are plain Python (no JAX) unless a test needs
 a real job, so these run in about a second each."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ import time
 
 import pytest
 
-from conftest import (job_failed, pid_alive, prefixed, python_cmd, run_launch,
-                      start_launch)
+from conftest import job_failed, pid_alive, prefixed, python_cmd, run_launch, start_launch
 from pmaptap import distributed, launch
 
 _SHOW_ENV = """
@@ -26,9 +26,13 @@ _SHOW_ENV = """
 
 
 def test_children_get_devices_env_and_prefixed_output():
-    proc, _ = run_launch(3, 2, python_cmd(_SHOW_ENV), launcher_timeout=30,
-                         XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                                   "--xla_dump_to=/nonexistent")
+    proc, _ = run_launch(
+        3,
+        2,
+        python_cmd(_SHOW_ENV),
+        launcher_timeout=30,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_dump_to=/nonexistent",
+    )
     assert proc.returncode == 0, job_failed(proc)
     envs = []
     for p in range(3):
@@ -36,25 +40,25 @@ def test_children_get_devices_env_and_prefixed_output():
         env_lines = [line for line in out if line.startswith("ENV ")]
         assert len(env_lines) == 1, job_failed(proc)
         envs.append(json.loads(env_lines[0][4:]))
-        assert "no newline at the end" in out           # whole line, prefixed
+        assert "no newline at the end" in out  # whole line, prefixed
         assert prefixed(proc.stderr, p) == ["to stderr"]
     for p, env in enumerate(envs):
         # The device count is replaced, other XLA flags kept.
-        assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/nonexistent",
-                                            "--xla_force_host_platform_device_count=2"]
+        assert env["XLA_FLAGS"].split() == [
+            "--xla_dump_to=/nonexistent",
+            "--xla_force_host_platform_device_count=2",
+        ]
         assert env["JAX_PLATFORMS"] == "cpu"
         assert env["PMAPTAP_NUM_PROCESSES"] == "3"
         assert env["PMAPTAP_PROCESS_ID"] == str(p)
     coords = {env["PMAPTAP_COORDINATOR"] for env in envs}
     assert len(coords) == 1
     host, port = coords.pop().rsplit(":", 1)
-    assert host == "127.0.0.1" and int(port) > 0        # loopback only
-    assert {env["PMAPTAP_COORDINATOR_BIND"] for env in envs} == \
-        {f"127.0.0.1:{port}"}
+    assert host == "127.0.0.1" and int(port) > 0  # loopback only
+    assert {env["PMAPTAP_COORDINATOR_BIND"] for env in envs} == {f"127.0.0.1:{port}"}
     # Every line on stdout came from a child (the launcher's own notes go to
     # stderr).
-    assert all(line.startswith(("[p0] ", "[p1] ", "[p2] "))
-               for line in proc.stdout.splitlines())
+    assert all(line.startswith(("[p0] ", "[p1] ", "[p2] ")) for line in proc.stdout.splitlines())
 
 
 _ONE_FAILS = """
@@ -72,12 +76,10 @@ _ONE_FAILS = """
 
 
 def test_a_failing_child_stops_the_others_with_sigkill_after_grace():
-    proc, took = run_launch(2, 1, python_cmd(_ONE_FAILS), launcher_timeout=60,
-                            grace=1, timeout=60)
+    proc, took = run_launch(2, 1, python_cmd(_ONE_FAILS), launcher_timeout=60, grace=1, timeout=60)
     assert proc.returncode == 7, job_failed(proc)
-    assert took < 15, took                         # 0.5 s + 1 s grace + starts
-    assert "[launch] process 1 exited with status 7; stopping process(es) 0" \
-        in proc.stderr
+    assert took < 15, took  # 0.5 s + 1 s grace + starts
+    assert "[launch] process 1 exited with status 7; stopping process(es) 0" in proc.stderr
     assert "still running after 1s; sending SIGKILL" in proc.stderr
     pids = [line for line in prefixed(proc.stdout, 0) if line.startswith("PIDS")]
     assert pids, job_failed(proc)
@@ -90,8 +92,7 @@ def test_a_failing_child_stops_the_others_with_sigkill_after_grace():
 
 def test_timeout_stops_everything_with_status_124():
     sleeper = python_cmd("import time; print('up', flush=True); time.sleep(300)")
-    proc, took = run_launch(2, 1, sleeper, launcher_timeout=1, grace=1,
-                            timeout=60)
+    proc, took = run_launch(2, 1, sleeper, launcher_timeout=1, grace=1, timeout=60)
     assert proc.returncode == launch.EXIT_TIMEOUT, job_failed(proc)
     assert "[launch] timeout after 1s" in proc.stderr
     assert took < 15, took
@@ -108,8 +109,7 @@ _WAITS = """
 """
 
 
-@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130),
-                                        (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_to_the_launcher_stops_all_children(sig, status):
     launcher = start_launch(2, 1, python_cmd(_WAITS), grace=3)
     try:
@@ -129,9 +129,9 @@ def test_ctrl_c_or_sigterm_to_the_launcher_stops_all_children(sig, status):
             launcher.wait()
     assert launcher.returncode == status, err
     assert f"received {signal.Signals(sig).name}" in err
-    assert took < 5, took              # the children obeyed; no SIGKILL needed
+    assert took < 5, took  # the children obeyed; no SIGKILL needed
     assert "sending SIGKILL" not in err
-    if sig == signal.SIGINT:           # forwarded as Ctrl-C to each child
+    if sig == signal.SIGINT:  # forwarded as Ctrl-C to each child
         assert out.count("interrupted") == 2, out
     assert not any(pid_alive(p) for p in pids)
 
@@ -141,8 +141,9 @@ def test_usage_errors():
         launch.parse_args(["--processes", "2", "--devices", "1"])  # no command
     with pytest.raises(SystemExit):
         launch.parse_args(["--processes", "0", "--devices", "1", "--", "true"])
-    args = launch.parse_args(["-p", "2", "-d", "4", "--timeout", "9", "--",
-                              "python", "x.py", "--steps", "3"])
+    args = launch.parse_args(
+        ["-p", "2", "-d", "4", "--timeout", "9", "--", "python", "x.py", "--steps", "3"]
+    )
     assert (args.processes, args.devices, args.timeout) == (2, 4, 9.0)
     assert args.command == ["python", "x.py", "--steps", "3"]
 
@@ -155,10 +156,14 @@ def test_a_child_that_cannot_start_is_reported():
 
 # ------------------------------------------------------- pmaptap.distributed
 
+
 def test_launcher_settings_are_validated():
     assert distributed.launcher_settings({}) is None
-    env = {"PMAPTAP_COORDINATOR": "127.0.0.1:1234",
-           "PMAPTAP_NUM_PROCESSES": "2", "PMAPTAP_PROCESS_ID": "1"}
+    env = {
+        "PMAPTAP_COORDINATOR": "127.0.0.1:1234",
+        "PMAPTAP_NUM_PROCESSES": "2",
+        "PMAPTAP_PROCESS_ID": "1",
+    }
     assert distributed.launcher_settings(env) == ("127.0.0.1:1234", 2, 1, None)
     with pytest.raises(distributed.DistributedError, match="must be in"):
         distributed.launcher_settings({**env, "PMAPTAP_PROCESS_ID": "2"})
@@ -167,31 +172,46 @@ def test_launcher_settings_are_validated():
 
 
 def test_cluster_detection():
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "node[1-4]"}
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "node[1-4]",
+    }
     assert distributed.detect_cluster(slurm) == ("SLURM", None)
     # One task: nobody to connect to.
     assert distributed.detect_cluster({**slurm, "SLURM_NTASKS": "1"}) is None
-    assert distributed.detect_cluster({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://x:1"}) \
-        == ("Open MPI", None)
+    assert distributed.detect_cluster({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://x:1"}) == (
+        "Open MPI",
+        None,
+    )
     # Every pod has KUBERNETES_SERVICE_HOST; a notebook pod is not a job.
     assert distributed.detect_cluster({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) is None
     assert distributed.detect_cluster({}) is None
 
 
 def test_lone_process_needs_no_coordination(monkeypatch):
-    for k in ("PMAPTAP_COORDINATOR", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri",
-              "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS",
-              "JOB_COMPLETION_INDEX", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for k in (
+        "PMAPTAP_COORDINATOR",
+        "SLURM_JOB_ID",
+        "OMPI_MCA_orte_hnp_uri",
+        "TPU_WORKER_HOSTNAMES",
+        "MEGASCALE_COORDINATOR_ADDRESS",
+        "JOB_COMPLETION_INDEX",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+    ):
         monkeypatch.delenv(k, raising=False)
     assert distributed.initialize() == "single"
     assert distributed.agree_run_id(lambda: "x") is None
-    distributed.close_barrier("r", timeout=0.1)      # returns at once
+    distributed.close_barrier("r", timeout=0.1)  # returns at once
 
 
 def test_initialize_after_jax_started_says_what_to_do(monkeypatch):
     import jax
-    jax.devices()                                    # the backend exists now
+
+    jax.devices()  # the backend exists now
     monkeypatch.setenv("PMAPTAP_COORDINATOR", "127.0.0.1:1")
     monkeypatch.setenv("PMAPTAP_NUM_PROCESSES", "2")
     monkeypatch.setenv("PMAPTAP_PROCESS_ID", "1")
@@ -201,6 +221,7 @@ def test_initialize_after_jax_started_says_what_to_do(monkeypatch):
 
 def test_free_port_is_bindable_on_loopback():
     import socket
+
     port = launch.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
@@ -208,9 +229,11 @@ def test_free_port_is_bindable_on_loopback():
 
 
 def test_carriage_returns_are_forwarded_re_prefixed_and_gloo_chatter_dropped():
-    code = ("import sys; sys.stderr.write('\\r[#---] 1/4\\r[####] 4/4\\n'); "
-            "print('[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of "
-            "connected peer ranks is : 3'); print('real output')")
+    code = (
+        "import sys; sys.stderr.write('\\r[#---] 1/4\\r[####] 4/4\\n'); "
+        "print('[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of "
+        "connected peer ranks is : 3'); print('real output')"
+    )
     proc, _ = run_launch(1, 1, python_cmd(code), launcher_timeout=30)
     assert proc.returncode == 0, job_failed(proc)
     # A progress bar redrawn with "\r" stays in place on a terminal: each

@@ -1,6 +1,7 @@
 """The package layout's rules, checked on the source and in fresh interpreters:
 tap files are readable where JAX is not installed, and the trace side, the
 host side and the tap-file readers depend on each other only as designed."""
+
 from __future__ import annotations
 
 import ast
@@ -27,9 +28,9 @@ def _imports(package: str) -> dict[str, set[str]]:
             for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
                 if isinstance(node, ast.ImportFrom) and node.module:
                     mod = node.module
-                    if node.level:   # relative: resolve against the package
+                    if node.level:  # relative: resolve against the package
                         base = os.path.relpath(d, ROOT).split(os.sep)
-                        base = base[:len(base) - node.level + 1]
+                        base = base[: len(base) - node.level + 1]
                         mod = ".".join(base + [mod])
                     names.add(mod)
                     names.update(f"{mod}.{a.name}" for a in node.names)
@@ -40,17 +41,27 @@ def _imports(package: str) -> dict[str, set[str]]:
 
 
 def test_tapfile_imports_neither_jax_nor_the_trace_or_host_side():
-    found = {path: sorted(n for n in names if n.split(".")[0] == "jax"
-                          or n.startswith(("pmaptap._trace", "pmaptap._host")))
-             for path, names in _imports("tapfile").items()}
+    found = {
+        path: sorted(
+            n
+            for n in names
+            if n.split(".")[0] == "jax" or n.startswith(("pmaptap._trace", "pmaptap._host"))
+        )
+        for path, names in _imports("tapfile").items()
+    }
     assert len(found) >= 8, found
     assert {p: n for p, n in found.items() if n} == {}
 
 
 def test_trace_side_reaches_the_host_side_only_through_routing():
-    found = {path: sorted(n for n in names if n.startswith("pmaptap._host")
-                          and not n.startswith("pmaptap._host.routing"))
-             for path, names in _imports("_trace").items()}
+    found = {
+        path: sorted(
+            n
+            for n in names
+            if n.startswith("pmaptap._host") and not n.startswith("pmaptap._host.routing")
+        )
+        for path, names in _imports("_trace").items()
+    }
     assert {p: n for p, n in found.items() if n} == {}
 
 
@@ -58,10 +69,14 @@ def test_tap_files_are_read_without_jax(tmp_path):
     # A file copied to a laptop without JAX: the package, every tap-file
     # module and the CLI's readers still work.
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(
-        f'{{"run":"r","name":"loss","step":{s},"kind":"replicated",'
-        f'"value":{1.5 + s},"dtype":"float32","shape":[],"process":0,'
-        '"time":0,"host":"h","replicas":8}\n' for s in range(2)))
+    path.write_text(
+        "".join(
+            f'{{"run":"r","name":"loss","step":{s},"kind":"replicated",'
+            f'"value":{1.5 + s},"dtype":"float32","shape":[],"process":0,'
+            '"time":0,"host":"h","replicas":8}\n'
+            for s in range(2)
+        )
+    )
     run_python(f"""
         import sys, pkgutil
         sys.modules["jax"] = None          # any import of jax now fails
@@ -100,17 +115,22 @@ def test_import_pmaptap_is_lazy_and_the_facade_lists_the_api():
     version, unique = proc.stdout.split()
     assert unique == "True"
     from importlib.metadata import version as dist_version
+
     assert version == dist_version("pmaptap")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         import pmaptap
+
         pmaptap.nope  # noqa: B018
 
 
 def test_cli_help_needs_no_jax():
-    code = ("import sys; sys.modules['jax'] = None; sys.argv = ['pmaptap', '--help']\n"
-            "import runpy; runpy.run_module('pmaptap', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+    code = (
+        "import sys; sys.modules['jax'] = None; sys.argv = ['pmaptap', '--help']\n"
+        "import runpy; runpy.run_module('pmaptap', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert "show" in proc.stdout and "summary" in proc.stdout
 

@@ -7,6 +7,7 @@ coordinate p*D+k. launch/train.py gives global coordinate g the data shard
 make_batch(seed, step, g), so a grad_norm record tagged with device p*2048+k
 must hold the gradient norm of shard p*D+k: checked against a recomputation.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +19,16 @@ import time
 import pytest
 
 import pmaptap
-from conftest import (ROOT, job_failed, pid_alive, prefixed, python_cmd,
-                      run_launch, run_python, start_launch)
+from conftest import (
+    ROOT,
+    job_failed,
+    pid_alive,
+    prefixed,
+    python_cmd,
+    run_launch,
+    run_python,
+    start_launch,
+)
 
 STEPS = 4
 BATCH = 8
@@ -27,7 +36,8 @@ BATCH = 8
 
 def _load_train():
     spec = importlib.util.spec_from_file_location(
-        "pmaptap_train_script", os.path.join(ROOT, "launch", "train.py"))
+        "pmaptap_train_script", os.path.join(ROOT, "launch", "train.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -39,19 +49,34 @@ train = _load_train()
 def expected_step0_grad_norm(shard: int) -> float:
     """Gradient norm of data shard ``shard`` at step 0 (initial params)."""
     import jax
+
     params = train.init_params(0)
     x, y = train.make_batch(0, 0, shard, BATCH)
     return float(train.grad_norm(jax.grad(train.loss_fn)(params, x, y)))
 
 
-def run_train(tmp_path, processes: int, devices: int, variant: str,
-              *extra: str) -> tuple[list[dict], str, float]:
+def run_train(
+    tmp_path, processes: int, devices: int, variant: str, *extra: str
+) -> tuple[list[dict], str, float]:
     out = str(tmp_path / f"{variant}-{processes}x{devices}.jsonl")
     proc, took = run_launch(
-        processes, devices,
-        ["python", "launch/train.py", "--variant", variant, "--steps",
-         str(STEPS), "--batch-per-device", str(BATCH), "--out", out, *extra],
-        launcher_timeout=90)
+        processes,
+        devices,
+        [
+            "python",
+            "launch/train.py",
+            "--variant",
+            variant,
+            "--steps",
+            str(STEPS),
+            "--batch-per-device",
+            str(BATCH),
+            "--out",
+            out,
+            *extra,
+        ],
+        launcher_timeout=90,
+    )
     assert proc.returncode == 0, job_failed(proc)
     return pmaptap.read(out), proc.stdout, took
 
@@ -87,19 +112,18 @@ def test_train_job_exact_records_and_tags(jobs, job):
     for name in ("loss", "lr", "step"):
         rs = by_name[name]
         assert sorted(r["step"] for r in rs) == list(range(STEPS)), name
-        assert all(r["kind"] == "replicated" and not r.get("divergent")
-                   for r in rs), name
+        assert all(r["kind"] == "replicated" and not r.get("divergent") for r in rs), name
         # The copies that agreed: at least all of the writer's devices (the
         # core may also know the other hosts' copies), tags consistent.
         all_devices = {p * 2048 + k for p in range(P) for k in range(D)}
         for r in rs:
             p = r["process"]
-            assert {p * 2048 + k for k in range(D)} <= set(r["devices"]) \
-                <= all_devices, r
+            assert {p * 2048 + k for k in range(D)} <= set(r["devices"]) <= all_devices, r
             assert r["replicas"] == len(r["devices"]), r
             assert r["processes"] == sorted({d // 2048 for d in r["devices"]}), r
-    assert [r["value"] for r in sorted(by_name["step"], key=lambda r: r["step"])] \
-        == list(range(STEPS))
+    assert [r["value"] for r in sorted(by_name["step"], key=lambda r: r["step"])] == list(
+        range(STEPS)
+    )
     peak = 0.05
     lr0 = [r["value"] for r in by_name["lr"] if r["step"] == 0][0]
     assert lr0 == pytest.approx(peak / max(1, STEPS // 10))
@@ -110,13 +134,13 @@ def test_train_job_exact_records_and_tags(jobs, job):
     assert len(gn) == STEPS * P * D
     want = {(p * 2048 + k, p * D + k, p) for p in range(P) for k in range(D)}
     for step in range(STEPS):
-        got = [(r["device"], r["coords"]["dp"], r["process"])
-               for r in gn if r["step"] == step]
+        got = [(r["device"], r["coords"]["dp"], r["process"]) for r in gn if r["step"] == step]
         assert sorted(got) == sorted(want), (step, got)
     for r in gn:
         if r["step"] == 0:
             assert r["value"] == pytest.approx(
-                expected_step0_grad_norm(r["coords"]["dp"]), rel=1e-4), r
+                expected_step0_grad_norm(r["coords"]["dp"]), rel=1e-4
+            ), r
     # Records came from every process (each wrote its own devices' norms).
     assert {r["process"] for r in gn} == set(range(P))
 
@@ -124,19 +148,26 @@ def test_train_job_exact_records_and_tags(jobs, job):
     summary = prefixed(stdout, 0)
     run = runs.pop()
     assert f"run {run}: {STEPS * (P * D + 3)} records, 4 tap(s)" in "\n".join(summary)
-    assert not any("run " in line and "records" in line
-                   for p in range(1, P) for line in prefixed(stdout, p))
+    assert not any(
+        "run " in line and "records" in line for p in range(1, P) for line in prefixed(stdout, p)
+    )
     assert took < 60, f"job took {took:.1f}s"
 
 
 def test_variants_and_layouts_train_identically(jobs):
     """Same global batch (8 devices) => same losses, whatever the variant and
     the processes x devices split: the data-parallel maths is right."""
-    losses = {job: [r["value"] for r in sorted(
-        (r for r in jobs[job][0] if r["name"] == "loss"), key=lambda r: r["step"])]
-        for job in JOB_IDS}
+    losses = {
+        job: [
+            r["value"]
+            for r in sorted(
+                (r for r in jobs[job][0] if r["name"] == "loss"), key=lambda r: r["step"]
+            )
+        ]
+        for job in JOB_IDS
+    }
     ref = losses[JOB_IDS[0]]
-    assert ref[-1] < ref[0]                      # it does learn
+    assert ref[-1] < ref[0]  # it does learn
     for job in JOB_IDS[1:]:
         assert losses[job] == pytest.approx(ref, rel=1e-4), job
 
@@ -170,24 +201,30 @@ _DIVERGE = """
 @pytest.mark.parametrize("gather_max_bytes", [1 << 20, 0], ids=["gathered", "hashed"])
 def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
     tap = str(tmp_path / "div.jsonl")
-    proc, _ = run_launch(2, 2, python_cmd(_DIVERGE), launcher_timeout=60, TAP=tap,
-                         GMB=str(gather_max_bytes))
+    proc, _ = run_launch(
+        2, 2, python_cmd(_DIVERGE), launcher_timeout=60, TAP=tap, GMB=str(gather_max_bytes)
+    )
     assert proc.returncode == 0, job_failed(proc)
-    runs = [json.loads(line.split(" ", 1)[1]) for p in (0, 1)
-            for line in prefixed(proc.stdout, p) if line.startswith("RUNS ")]
-    assert len(runs) == 2 and runs[0] == runs[1], runs    # agreed per session
-    assert runs[0][0] != runs[0][1]                       # fresh per session
+    runs = [
+        json.loads(line.split(" ", 1)[1])
+        for p in (0, 1)
+        for line in prefixed(proc.stdout, p)
+        if line.startswith("RUNS ")
+    ]
+    assert len(runs) == 2 and runs[0] == runs[1], runs  # agreed per session
+    assert runs[0][0] != runs[0][1]  # fresh per session
 
     recs = pmaptap.read(tap)
     for run in runs[0]:
         skew = [r for r in recs if r["run"] == run and r["name"] == "skew"]
         # Both values of every step are in the file, each with its holders.
-        assert sorted((r["step"], r["value"]) for r in skew) == \
-            [(s, v) for s in range(3) for v in (0.0, 1.0)]
+        assert sorted((r["step"], r["value"]) for r in skew) == [
+            (s, v) for s in range(3) for v in (0.0, 1.0)
+        ]
         for r in skew:
             p = int(r["value"])
-            assert r["divergent"] is True                 # read() reconciles
-            assert r["processes"] == [p]                  # who held it
+            assert r["divergent"] is True  # read() reconciles
+            assert r["processes"] == [p]  # who held it
             assert r["devices"] == [p * 2048, p * 2048 + 1]
         agree = [r for r in recs if r["run"] == run and r["name"] == "agree"]
         assert sorted(r["step"] for r in agree) == [0, 1, 2]
@@ -198,8 +235,11 @@ def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
         raw = [json.loads(line) for line in f]
     for run in runs[0]:
         for step in range(3):
-            flags = [r.get("divergent", False) for r in raw if r["run"] == run
-                     and r["name"] == "skew" and r["step"] == step]
+            flags = [
+                r.get("divergent", False)
+                for r in raw
+                if r["run"] == run and r["name"] == "skew" and r["step"] == step
+            ]
             assert len(flags) == 2 and any(flags), (run, step, flags)
 
 
@@ -238,16 +278,16 @@ _SLOW_CLOSE = """
 
 
 def _closed(proc, process: int) -> dict:
-    lines = [line for line in prefixed(proc.stdout, process)
-             if line.startswith("CLOSED ")]
+    lines = [line for line in prefixed(proc.stdout, process) if line.startswith("CLOSED ")]
     assert len(lines) == 1, job_failed(proc)
     return json.loads(lines[0].split(" ", 1)[1])
 
 
 def test_close_waits_for_a_slow_process(tmp_path):
     tap = str(tmp_path / "slow.jsonl")
-    proc, _ = run_launch(2, 2, python_cmd(_SLOW_CLOSE), launcher_timeout=60,
-                         TAP=tap, SLEEP="3", CLOSE_TIMEOUT="30")
+    proc, _ = run_launch(
+        2, 2, python_cmd(_SLOW_CLOSE), launcher_timeout=60, TAP=tap, SLEEP="3", CLOSE_TIMEOUT="30"
+    )
     assert proc.returncode == 0, job_failed(proc)
     fast = _closed(proc, 0)
     # Process 0's close returned only once process 1's records (tapped 3 s
@@ -260,12 +300,13 @@ def test_close_waits_for_a_slow_process(tmp_path):
 
 def test_close_timeout_warns_and_names_the_missing_process(tmp_path):
     tap = str(tmp_path / "late.jsonl")
-    proc, _ = run_launch(2, 2, python_cmd(_SLOW_CLOSE), launcher_timeout=60,
-                         TAP=tap, SLEEP="6", CLOSE_TIMEOUT="1.5")
-    assert proc.returncode == 0, job_failed(proc)   # no hang, no exception
+    proc, _ = run_launch(
+        2, 2, python_cmd(_SLOW_CLOSE), launcher_timeout=60, TAP=tap, SLEEP="6", CLOSE_TIMEOUT="1.5"
+    )
+    assert proc.returncode == 0, job_failed(proc)  # no hang, no exception
     fast = _closed(proc, 0)
-    assert fast["took"] < 5, fast                   # bounded by the timeout
-    assert fast["late"] == 0, fast                  # it did not wait longer
+    assert fast["took"] < 5, fast  # bounded by the timeout
+    assert fast["late"] == 0, fast  # it did not wait longer
     assert len(fast["warnings"]) == 1, fast
     assert "process(es) 1 did not close" in fast["warnings"][0]
     # The late process finds everybody arrived: no warning, file complete.
@@ -297,12 +338,10 @@ _CLOSED_AT_EXIT = """
 
 def test_session_left_open_is_closed_at_exit_with_the_barrier(tmp_path):
     tap = str(tmp_path / "exit.jsonl")
-    proc, took = run_launch(2, 2, python_cmd(_CLOSED_AT_EXIT),
-                            launcher_timeout=60, TAP=tap)
+    proc, took = run_launch(2, 2, python_cmd(_CLOSED_AT_EXIT), launcher_timeout=60, TAP=tap)
     assert proc.returncode == 0, job_failed(proc)
     for p in (0, 1):
-        lines = [line for line in prefixed(proc.stdout, p)
-                 if line.startswith("AT EXIT ")]
+        lines = [line for line in prefixed(proc.stdout, p) if line.startswith("AT EXIT ")]
         assert len(lines) == 1, job_failed(proc)
         # Process 0's exit waited for process 1's late record.
         assert json.loads(lines[0][8:]) == {"x": 4, "late": 1}, lines
@@ -325,13 +364,13 @@ _SHUTDOWN_FIRST = """
 
 def test_close_after_jax_distributed_shutdown_warns(tmp_path):
     tap = str(tmp_path / "shut.jsonl")
-    proc, _ = run_launch(2, 1, python_cmd(_SHUTDOWN_FIRST), launcher_timeout=60,
-                         TAP=tap)
+    proc, _ = run_launch(2, 1, python_cmd(_SHUTDOWN_FIRST), launcher_timeout=60, TAP=tap)
     assert proc.returncode == 0, job_failed(proc)
     for p in (0, 1):
         assert "CLOSED" in prefixed(proc.stdout, p)
-        assert any("shut down before session" in line
-                   for line in prefixed(proc.stderr, p)), proc.stderr
+        assert any("shut down before session" in line for line in prefixed(proc.stderr, p)), (
+            proc.stderr
+        )
 
 
 _STUCK_IN_CLOSE = """
@@ -363,7 +402,7 @@ def test_sigterm_ends_a_close_that_waits_for_peers(tmp_path):
             assert line, launcher.stderr.read()
             if line.startswith("[p0] CLOSING "):
                 pid = int(line.split()[-1])
-        time.sleep(1.0)                     # inside the barrier by now
+        time.sleep(1.0)  # inside the barrier by now
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while pid_alive(pid) and time.monotonic() < deadline:
@@ -407,21 +446,21 @@ _DIES = """
 """
 
 
-@pytest.mark.parametrize("how,status,words",
-                         [("exit", 3, "exited with status 3"),
-                          ("sigkill", 128 + 9, "was killed by SIGKILL")])
-def test_process_dying_mid_run_stops_the_job_and_keeps_the_file(
-        tmp_path, how, status, words):
+@pytest.mark.parametrize(
+    "how,status,words",
+    [("exit", 3, "exited with status 3"), ("sigkill", 128 + 9, "was killed by SIGKILL")],
+)
+def test_process_dying_mid_run_stops_the_job_and_keeps_the_file(tmp_path, how, status, words):
     tap = str(tmp_path / "dies.jsonl")
-    proc, took = run_launch(2, 2, python_cmd(_DIES), launcher_timeout=60,
-                            grace=2, TAP=tap, HOW=how)
+    proc, took = run_launch(2, 2, python_cmd(_DIES), launcher_timeout=60, grace=2, TAP=tap, HOW=how)
     assert proc.returncode == status, job_failed(proc)
     assert f"[launch] process 1 {words}" in proc.stderr
     assert took < 30, f"launcher took {took:.1f}s to give up"
-    recs = pmaptap.read(tap)                     # readable (torn lines skipped)
+    recs = pmaptap.read(tap)  # readable (torn lines skipped)
     xs = [r for r in recs if r["name"] == "x" and r["step"] < 3]
     assert sorted((r["step"], r["device"]) for r in xs) == sorted(
-        (s, d) for s in range(3) for d in (0, 1, 2048, 2049))
+        (s, d) for s in range(3) for d in (0, 1, 2048, 2049)
+    )
     means = [r for r in recs if r["name"] == "mean" and r["step"] < 3]
     assert sorted(r["step"] for r in means) == [0, 1, 2]
 
@@ -429,11 +468,15 @@ def test_process_dying_mid_run_stops_the_job_and_keeps_the_file(
 def test_lone_process_runs_train_without_distributed(tmp_path):
     """No launcher, no cluster: initialize() does nothing, the script runs."""
     out = str(tmp_path / "alone.jsonl")
-    proc = run_python(f"""
+    proc = run_python(
+        f"""
         import sys, runpy
         sys.argv = ["train.py", "--steps", "2", "--out", {out!r}]
         runpy.run_path("launch/train.py", run_name="__main__")
-    """, devices=2, check=False)
+    """,
+        devices=2,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "mode=single processes=1 devices=2" in proc.stdout
     recs = pmaptap.read(out)
@@ -449,13 +492,31 @@ def test_train_tap_every_records_only_those_steps(tmp_path, variant):
     import sys
 
     from conftest import subprocess_env
+
     out = str(tmp_path / "every.jsonl")
 
     def train_cmd(*extra):
         return subprocess.run(
-            [sys.executable, "launch/train.py", "--variant", variant, "--steps", "7",
-             "--hidden", "8", "--out", out, "--no-summary", *extra],
-            env=subprocess_env(8), cwd=ROOT, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "launch/train.py",
+                "--variant",
+                variant,
+                "--steps",
+                "7",
+                "--hidden",
+                "8",
+                "--out",
+                out,
+                "--no-summary",
+                *extra,
+            ],
+            env=subprocess_env(8),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     proc = train_cmd("--tap-every", "3")
     assert proc.returncode == 0, proc.stderr

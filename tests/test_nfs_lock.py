@@ -3,6 +3,7 @@ where flock may not exclude across hosts. Real processes on a local disk:
 these check the protocol (marker lock, fresh descriptor and size per batch,
 independence from flock), not NFS itself. The multi-process training job
 with --lock soft is in test_multihost.py."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import APPENDER, run_released, run_python, start_python
-
+from conftest import APPENDER, run_python, run_released, start_python
 
 
 def test_soft_lock_many_processes_append_exactly(tmp_path):
@@ -25,18 +25,19 @@ def test_soft_lock_many_processes_append_exactly(tmp_path):
         raw = f.read()
     lines = raw.split(b"\n")
     assert lines[-1] == b"" and len(lines) - 1 == 900
-    recs = [json.loads(line) for line in lines[:-1]]   # no torn/overlapped line
+    recs = [json.loads(line) for line in lines[:-1]]  # no torn/overlapped line
     for w in range(3):
         steps = sorted(r["step"] for r in recs if r["name"] == f"w{w}")
         assert steps == list(range(300))
-    assert not os.path.exists(tap + ".softlock")        # released, not leaked
+    assert not os.path.exists(tap + ".softlock")  # released, not leaked
 
 
 def test_soft_lock_waits_for_the_marker_and_not_for_flock(tmp_path):
     tap = str(tmp_path / "t.jsonl")
     # Another process holds both the soft marker and the flock; it lets the
     # marker go first. Soft mode must wait exactly for the marker.
-    holder = start_python("""
+    holder = start_python(
+        """
         import filelock, os, time
         tap = os.environ["TAP"]
         hard = filelock.FileLock(tap + ".lock"); hard.acquire()
@@ -45,16 +46,17 @@ def test_soft_lock_waits_for_the_marker_and_not_for_flock(tmp_path):
         time.sleep(2); soft.release()
         print("soft released", flush=True)
         time.sleep(30)                     # keeps the flock; killed below
-    """, TAP=tap)
+    """,
+        TAP=tap,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
-        with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.2,
-                             flush_timeout=30) as s:
+        with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.2, flush_timeout=30) as s:
             jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
             time.sleep(0.5)
-            assert os.path.getsize(tap) == 0            # marker still held
+            assert os.path.getsize(tap) == 0  # marker still held
             t0 = time.monotonic()
-            s.flush()                                   # waits for the marker
+            s.flush()  # waits for the marker
             waited = time.monotonic() - t0
             assert holder.stdout.readline().strip() == "soft released"
         # Written while the flock was still held: soft mode ignores flock.
@@ -68,12 +70,16 @@ def test_soft_lock_waits_for_the_marker_and_not_for_flock(tmp_path):
 
 def test_soft_lock_reclaims_the_marker_of_a_dead_local_process(tmp_path):
     tap = str(tmp_path / "t.jsonl")
-    dead = run_python("""
+    dead = run_python(
+        """
         import filelock, os, signal
         lock = filelock.SoftFileLock(os.environ["TAP"] + ".softlock")
         lock.acquire()                # (kept referenced: no release on GC)
         os.kill(os.getpid(), signal.SIGKILL)      # dies holding the marker
-    """, check=False, TAP=tap)
+    """,
+        check=False,
+        TAP=tap,
+    )
     assert dead.returncode == -9
     assert os.path.exists(tap + ".softlock")
     with pmaptap.Session(tap, run="soft", lock="soft", flush_timeout=20) as s:
@@ -86,7 +92,8 @@ def test_filesystem_without_flock_is_reported_with_the_fix():
     # fcntl.flock failing with ENOSYS is what Lustre without -o flock and
     # some FUSE filesystems do. pmaptap must say "use lock='soft'", not wait
     # forever on filelock's silent soft fallback.
-    proc = run_python("""
+    proc = run_python(
+        """
         import errno, fcntl, os, tempfile, warnings
         def no_flock(fd, op):
             raise OSError(errno.ENOSYS, "Function not implemented")
@@ -105,7 +112,9 @@ def test_filesystem_without_flock_is_reported_with_the_fix():
             s.close()
         except pmaptap.TapError:
             pass
-    """, devices=1)
+    """,
+        devices=1,
+    )
     assert "TAPERROR" in proc.stdout, proc.stdout + proc.stderr
     assert "does not support flock" in proc.stdout
     assert "lock='soft'" in proc.stdout

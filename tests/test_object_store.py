@@ -1,6 +1,7 @@
 """Runs on an object store: a real S3-protocol server (moto in server mode)
 on loopback, started and stopped here; clients configured only through the
 standard AWS environment variables."""
+
 from __future__ import annotations
 
 import json
@@ -34,10 +35,17 @@ def s3(tmp_path_factory):
     subprocesses. A fresh bucket per module."""
     port = _free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                               "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     try:
         deadline = time.monotonic() + 60
@@ -51,6 +59,7 @@ def s3(tmp_path_factory):
                 time.sleep(0.1)
         os.environ.update(env)
         import s3fs
+
         s3fs.S3FileSystem.clear_instance_cache()
         s3fs.S3FileSystem().mkdir("taps")
         yield env
@@ -70,36 +79,46 @@ def s3(tmp_path_factory):
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pmaptap", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env=dict(os.environ, **env))
+    return subprocess.run(
+        [sys.executable, "-m", "pmaptap", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, **env),
+    )
 
 
 def test_writers_write_chunks_that_read_and_the_cli_merge(s3, tmp_path):
     import s3fs
 
     import pmaptap
+
     url = "s3://taps/side/run"
     for p in range(3):
         with pmaptap.Writer(url, run="r", process=p) as w:
             for step in range(STEPS):
                 w.write("loss", step, 0.5 * step)
                 w.write("acts", step, [p, step], kind="per_device", device=p)
-            w.flush()                 # a second chunk
+            w.flush()  # a second chunk
             w.write("loss", STEPS, 9.0 if p == 2 else 1.0)
     names = s3fs.S3FileSystem().ls("taps/side/run.d", refresh=True)
-    assert len(names) == 3 * 3       # an empty first chunk (the check at open) + 2
+    assert len(names) == 3 * 3  # an empty first chunk (the check at open) + 2
     recs = pmaptap.read(url)
     loss = [r for r in recs if r["name"] == "loss"]
-    assert sorted((r["step"], r["value"]) for r in loss) == \
-        [(s, 0.5 * s) for s in range(STEPS)] + [(STEPS, 1.0), (STEPS, 9.0)]
+    assert sorted((r["step"], r["value"]) for r in loss) == [(s, 0.5 * s) for s in range(STEPS)] + [
+        (STEPS, 1.0),
+        (STEPS, 9.0),
+    ]
     assert all(r.get("divergent") for r in loss if r["step"] == STEPS)
     assert sum(r["name"] == "acts" for r in recs) == 3 * STEPS
     v = _cli("validate", url, env=s3)
     assert v.returncode == 0 and f"OK, {len(recs)} records" in v.stdout, v
     show = _cli("show", url, "--name", "acts", "--process", "1", env=s3)
     assert show.returncode == 0 and len(show.stdout.splitlines()) == 1 + STEPS, show
-    tail = [json.loads(x) for x in _cli("tail", url, "-n", "3", "--json",
-                                        env=s3).stdout.splitlines()]
+    tail = [
+        json.loads(x) for x in _cli("tail", url, "-n", "3", "--json", env=s3).stdout.splitlines()
+    ]
     assert len(tail) == 3 and (tail[-1]["value"], tail[-1]["process"]) == (9.0, 2), tail
     merged = str(tmp_path / "merged.jsonl")
     m = _cli("merge", url, "-o", merged, env=s3)
@@ -109,17 +128,33 @@ def test_writers_write_chunks_that_read_and_the_cli_merge(s3, tmp_path):
 
 def test_four_process_job_writes_to_s3(s3):
     url = "s3://taps/job/train"
-    proc, _ = run_launch(4, 1, ["python", "launch/train.py", "--steps", str(STEPS),
-                                "--batch-per-device", "4", "--out", url],
-                         launcher_timeout=120, timeout=240, **s3)
+    proc, _ = run_launch(
+        4,
+        1,
+        [
+            "python",
+            "launch/train.py",
+            "--steps",
+            str(STEPS),
+            "--batch-per-device",
+            "4",
+            "--out",
+            url,
+        ],
+        launcher_timeout=120,
+        timeout=240,
+        **s3,
+    )
     assert proc.returncode == 0, job_failed(proc)
     import pmaptap
+
     recs = pmaptap.read(url)
     for name in ("loss", "lr", "step"):
         assert sorted(r["step"] for r in recs if r["name"] == name) == list(range(STEPS))
     gn = [r for r in recs if r["name"] == "grad_norm"]
-    assert sorted((r["step"], r["device"]) for r in gn) == \
-        sorted((s, p * 2048) for s in range(STEPS) for p in range(4))
+    assert sorted((r["step"], r["device"]) for r in gn) == sorted(
+        (s, p * 2048) for s in range(STEPS) for p in range(4)
+    )
     assert _cli("validate", url, env=s3).returncode == 0
 
 
@@ -154,10 +189,11 @@ while True:
             p.kill()
             p.wait()
     import pmaptap
+
     recs = pmaptap.read(url)
     steps = sorted(r["step"] for r in recs)
     assert steps[: committed + 1] == list(range(committed + 1)), steps
-    assert steps == list(range(len(steps)))            # whole, in order, no tears
+    assert steps == list(range(len(steps)))  # whole, in order, no tears
     assert _cli("validate", url, env=s3).returncode == 0
     # A new writer of the same run (a restarted process 0) adds chunks.
     with pmaptap.Writer(url, run="k", process=0) as w:

@@ -1,6 +1,7 @@
 """The README's ten-line example runs and prints what it says; its test
 command is what CI runs; it stays short, and every relative link in it and
 in docs/ reaches an existing file and heading."""
+
 from __future__ import annotations
 
 import glob
@@ -27,8 +28,11 @@ def test_readme_example_runs_as_documented(tmp_path):
 def test_readme_test_command_is_what_ci_runs():
     text = _read("README.md")
     block = text.split("Run the tests", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    ci = [line for line in _read(".ci/run").splitlines()
-          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    ci = [
+        line
+        for line in _read(".ci/run").splitlines()
+        if line.strip() and not line.startswith(("#", "set ", "cd "))
+    ]
     assert block.strip() == " && ".join(ci)
 
 
@@ -49,10 +53,19 @@ def _headings(path: str) -> set[str]:
 
 def test_readme_is_short_and_links_into_docs_resolve():
     assert len(_read("README.md").encode()) < 15_000
-    pages = ["README.md"] + sorted(os.path.relpath(p, ROOT)
-                                   for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-    for name in ("api", "architecture", "cli", "contributing", "faults",
-                 "host_callback", "multihost", "performance"):
+    pages = ["README.md"] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    )
+    for name in (
+        "api",
+        "architecture",
+        "cli",
+        "contributing",
+        "faults",
+        "host_callback",
+        "multihost",
+        "performance",
+    ):
         assert f"docs/{name}.md" in pages
         assert f"(docs/{name}.md" in _read("README.md"), name
     bad = []

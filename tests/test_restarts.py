@@ -1,6 +1,7 @@
 """Preempted and restarted jobs end in one clean story (issue 16.3, 16.4):
 the launcher's --restarts, launch/train.py's checkpoints, and the file's
 attempts as every reader shows them."""
+
 from __future__ import annotations
 
 import json
@@ -9,29 +10,56 @@ import subprocess
 import sys
 
 import pmaptap
+from conftest import ROOT, job_failed, subprocess_env
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.summary import summarize_file, summary_table
-
-from conftest import ROOT, job_failed, subprocess_env
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 
 def _launch(processes, devices, args, *, restarts=None, timeout=300):
-    cmd = [sys.executable, "-m", "pmaptap.launch", "-p", str(processes),
-           "-d", str(devices), "--grace", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pmaptap.launch",
+        "-p",
+        str(processes),
+        "-d",
+        str(devices),
+        "--grace",
+        "2",
+    ]
     if restarts is not None:
         cmd += ["--restarts", str(restarts)]
     env = subprocess_env(1)
     env.pop("PMAPTAP_ATTEMPT", None)
-    return subprocess.run(cmd + ["--"] + list(args), env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd + ["--"] + list(args),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _train_args(out, ckpt, steps, *extra):
-    return [sys.executable, TRAIN, "--steps", str(steps), "--out", str(out),
-            "--ckpt", str(ckpt), "--ckpt-every", "4", "--log-every", "100",
-            "--no-summary", *map(str, extra)]
+    return [
+        sys.executable,
+        TRAIN,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--ckpt",
+        str(ckpt),
+        "--ckpt-every",
+        "4",
+        "--log-every",
+        "100",
+        "--no-summary",
+        *map(str, extra),
+    ]
 
 
 def _one_per_key(recs, name):
@@ -70,8 +98,9 @@ def test_killed_process_restarted_by_the_launcher_ends_in_one_story(tmp_path):
     sums, _, _, _ = summarize_file(out)
     table = summary_table(sums)
     assert "2 attempts; restarted at step 4" in table, table
-    assert all(s.duplicates == 0 and not s.incomplete_steps and not s.divergent_steps
-               for s in sums), table
+    assert all(
+        s.duplicates == 0 and not s.incomplete_steps and not s.divergent_steps for s in sums
+    ), table
     meta = [r for r in recs if r["name"] == "pmaptap/attempt"]
     assert [(m["attempt"], m["process_count"], m["device_count"]) for m in meta] == [(1, 2, 4)]
 
@@ -93,7 +122,7 @@ def test_elastic_restart_on_another_shape_supersedes_replayed_steps_whole(tmp_pa
             by_step.setdefault(r["step"], set()).add(r["device"])
     old_devices, new_devices = by_step[0], by_step[steps - 1]
     assert len(old_devices) == 8 and len(new_devices) == 8
-    assert old_devices - new_devices      # devices the second attempt does not have
+    assert old_devices - new_devices  # devices the second attempt does not have
     # Steps 4 and 5 were written by the first attempt (the dying process
     # flushed them); after the restart only the second attempt's devices are
     # left for them, none of the first's that it lacks.
@@ -103,8 +132,11 @@ def test_elastic_restart_on_another_shape_supersedes_replayed_steps_whole(tmp_pa
     every = pmaptap.read(out, attempts="all")
     # The dying process flushed its records of steps 4 and 5 first (process
     # 0's may or may not have reached the file before it was stopped).
-    dying = {r["device"] for r in every if r["name"] == "grad_norm" and r["step"] == 4
-             and r["attempt"] == 0 and r["process"] == 1}
+    dying = {
+        r["device"]
+        for r in every
+        if r["name"] == "grad_norm" and r["step"] == 4 and r["attempt"] == 0 and r["process"] == 1
+    }
     assert len(dying) == 4 and dying - new_devices
     report = validate_file(out)
     assert report.ok and report.superseded > 8, (report.problems, report.superseded)
@@ -115,9 +147,11 @@ def test_elastic_restart_on_another_shape_supersedes_replayed_steps_whole(tmp_pa
 
 def test_launcher_restarts_a_failed_job_with_the_attempt_number(tmp_path):
     log = tmp_path / "log"
-    code = ("import os, sys; a = os.environ['PMAPTAP_ATTEMPT']; "
-            f"open({str(log)!r}, 'a').write(os.environ['PMAPTAP_PROCESS_ID'] + ':' + a + '\\n'); "
-            "sys.exit(3 if a == '0' and os.environ['PMAPTAP_PROCESS_ID'] == '1' else 0)")
+    code = (
+        "import os, sys; a = os.environ['PMAPTAP_ATTEMPT']; "
+        f"open({str(log)!r}, 'a').write(os.environ['PMAPTAP_PROCESS_ID'] + ':' + a + '\\n'); "
+        "sys.exit(3 if a == '0' and os.environ['PMAPTAP_PROCESS_ID'] == '1' else 0)"
+    )
     proc = _launch(2, 1, [sys.executable, "-c", code], restarts=2, timeout=120)
     assert proc.returncode == 0, job_failed(proc)
     lines = log.read_text().split()
@@ -135,8 +169,15 @@ def test_launcher_restarts_a_failed_job_with_the_attempt_number(tmp_path):
     assert proc.stderr.count("restarting the job") == 1
     # Without --restarts nothing is set or restarted.
     log.unlink()
-    proc = _launch(2, 1, [sys.executable, "-c", code.replace(
-        "os.environ['PMAPTAP_ATTEMPT']", "os.environ.get('PMAPTAP_ATTEMPT', '-')")])
+    proc = _launch(
+        2,
+        1,
+        [
+            sys.executable,
+            "-c",
+            code.replace("os.environ['PMAPTAP_ATTEMPT']", "os.environ.get('PMAPTAP_ATTEMPT', '-')"),
+        ],
+    )
     assert proc.returncode == 0 and sorted(log.read_text().split()) == ["0:-", "1:-"]
 
 
@@ -148,6 +189,8 @@ def test_resume_meta_record_is_valid_json(tmp_path):
     with pmaptap.Session(path, run="m", resume=True):
         pass
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [(d["name"], d.get("attempt", 0)) for d in lines] == \
-        [("pmaptap/attempt", 0), ("pmaptap/attempt", 1)]
+    assert [(d["name"], d.get("attempt", 0)) for d in lines] == [
+        ("pmaptap/attempt", 0),
+        ("pmaptap/attempt", 1),
+    ]
     assert validate_file(path).ok

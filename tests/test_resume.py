@@ -1,5 +1,6 @@
 """Resuming a run after a restart: later attempts supersede replayed steps
 (issue 16.2, 16.3)."""
+
 from __future__ import annotations
 
 import csv
@@ -22,10 +23,15 @@ from pmaptap.tapfile.views import Filter
 def _train(path, steps, offset, devices, **session):
     """A pmap'd step over ``devices`` devices tapping a per-device value and
     a replicated one; ``offset`` marks which attempt wrote a value."""
-    f = jax.pmap(lambda x, i: (pmaptap.tap(x + i + offset, "w", step=i, dedup="per_device"),
-                               pmaptap.tap(jax.lax.psum(x, "d") * 0 + i + offset, "loss",
-                                           step=i))[0],
-                 axis_name="d", devices=jax.devices()[:devices], in_axes=(0, None))
+    f = jax.pmap(
+        lambda x, i: (
+            pmaptap.tap(x + i + offset, "w", step=i, dedup="per_device"),
+            pmaptap.tap(jax.lax.psum(x, "d") * 0 + i + offset, "loss", step=i),
+        )[0],
+        axis_name="d",
+        devices=jax.devices()[:devices],
+        in_axes=(0, None),
+    )
     with pmaptap.Session(path, **session) as s:
         for i in steps:
             f(jnp.arange(float(devices)), i)
@@ -33,8 +39,12 @@ def _train(path, steps, offset, devices, **session):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "pmaptap", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pmaptap", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_resume_supersedes_replayed_steps_and_every_reader_shows_one_story(tap_path):
@@ -78,8 +88,9 @@ def test_resume_supersedes_replayed_steps_and_every_reader_shows_one_story(tap_p
     assert {x.name: x.records for x in all_sums}["w"] == 52
     # show / export / summary on the command line.
     out = _cli("show", tap_path, "--name", "loss", "--json")
-    assert [json.loads(x)["value"] for x in out.stdout.splitlines()] == \
-        [i + (100.0 if i >= 5 else 0.0) for i in range(10)]
+    assert [json.loads(x)["value"] for x in out.stdout.splitlines()] == [
+        i + (100.0 if i >= 5 else 0.0) for i in range(10)
+    ]
     out = _cli("show", tap_path, "--name", "loss", "--json", "--all-attempts")
     assert len(out.stdout.splitlines()) == 13
     out = _cli("export", tap_path, "--name", "w", "--csv", "-")
@@ -91,13 +102,16 @@ def test_resume_supersedes_replayed_steps_and_every_reader_shows_one_story(tap_p
 
 def test_resume_without_run_continues_the_last_run_of_the_file(tap_path):
     _train(tap_path, range(4), 0.0, 2, run="old")
-    _train(tap_path, range(6), 0.0, 2)                    # an automatic run id
+    _train(tap_path, range(6), 0.0, 2)  # an automatic run id
     first_run = pmaptap.read(tap_path)[-1]["run"]
     s1 = _train(tap_path, range(3, 6), 10.0, 2, resume=True)
     s2 = _train(tap_path, range(5, 7), 20.0, 2, resume=True)
     assert (s1.run, s1.attempt, s2.run, s2.attempt) == (first_run, 1, first_run, 2)
-    loss = {r["step"]: r["value"] for r in pmaptap.read(tap_path)
-            if r["name"] == "loss" and r["run"] == first_run}
+    loss = {
+        r["step"]: r["value"]
+        for r in pmaptap.read(tap_path)
+        if r["name"] == "loss" and r["run"] == first_run
+    }
     assert loss == {0: 0.0, 1: 1.0, 2: 2.0, 3: 13.0, 4: 14.0, 5: 25.0, 6: 26.0}
     sums, _, _, _ = summarize_file(tap_path)
     assert "3 attempts; restarted at steps 3, 5" in summary_table(sums)
@@ -108,8 +122,9 @@ def test_resume_without_run_continues_the_last_run_of_the_file(tap_path):
 def test_resume_on_a_new_file_is_a_first_attempt(tap_path, monkeypatch):
     s = _train(tap_path, range(2), 0.0, 2, resume=True)
     assert s.attempt == 0
-    assert not any("attempt" in r and r["kind"] != "meta"
-                   for r in pmaptap.read(tap_path, attempts="latest"))
+    assert not any(
+        "attempt" in r and r["kind"] != "meta" for r in pmaptap.read(tap_path, attempts="latest")
+    )
     monkeypatch.setenv("PMAPTAP_ATTEMPT", "3")
     s = _train(tap_path, range(1, 2), 5.0, 2, resume=True)
     assert s.attempt == 3 and s.run == pmaptap.read(tap_path)[0]["run"]
@@ -127,8 +142,10 @@ def test_elastic_restart_supersedes_a_replayed_step_as_a_whole(tap_path):
     devices = {}
     for r in w:
         devices.setdefault(r["step"], set()).add(r["device"])
-    assert devices == {**{i: set(range(8)) for i in range(3)},
-                       **{i: set(range(4)) for i in range(3, 6)}}
+    assert devices == {
+        **{i: set(range(8)) for i in range(3)},
+        **{i: set(range(4)) for i in range(3, 6)},
+    }
     assert all(r["value"] == 50.0 + r["step"] + r["device"] for r in w if r["step"] >= 3)
     report = validate_file(tap_path)
     assert report.ok and report.superseded == 8 * 3 + 3
@@ -143,21 +160,46 @@ def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path, capl
     # disagree (a divergence); step 0's values differ between attempts only
     # (a supersession, not a divergence).
     def rec(step, value, process, attempt, vhash):
-        d = {"run": "r", "name": "loss", "step": step, "kind": "replicated",
-             "value": value, "dtype": "float32", "shape": [], "process": process,
-             "time": 1.0, "host": "h", "replicas": 1, "devices": [process],
-             "processes": [process], "vhash": vhash}
+        d = {
+            "run": "r",
+            "name": "loss",
+            "step": step,
+            "kind": "replicated",
+            "value": value,
+            "dtype": "float32",
+            "shape": [],
+            "process": process,
+            "time": 1.0,
+            "host": "h",
+            "replicas": 1,
+            "devices": [process],
+            "processes": [process],
+            "vhash": vhash,
+        }
         if attempt:
             d["attempt"] = attempt
         return json.dumps(d)
+
     path = tmp_path / "t.jsonl"
-    path.write_text("\n".join([
-        rec(0, 1.0, 0, 0, "a"), rec(1, 2.0, 0, 0, "b"), rec(1, 2.0, 1, 0, "b"),
-        rec(0, 5.0, 0, 1, "c"), rec(1, 6.0, 0, 1, "d"), rec(1, 7.0, 1, 1, "e"),
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                rec(0, 1.0, 0, 0, "a"),
+                rec(1, 2.0, 0, 0, "b"),
+                rec(1, 2.0, 1, 0, "b"),
+                rec(0, 5.0, 0, 1, "c"),
+                rec(1, 6.0, 0, 1, "d"),
+                rec(1, 7.0, 1, 1, "e"),
+            ]
+        )
+        + "\n"
+    )
     recs = pmaptap.read(path)
-    assert [(r["step"], r["value"], bool(r.get("divergent"))) for r in recs] == \
-        [(0, 5.0, False), (1, 6.0, True), (1, 7.0, True)]
+    assert [(r["step"], r["value"], bool(r.get("divergent"))) for r in recs] == [
+        (0, 5.0, False),
+        (1, 6.0, True),
+        (1, 7.0, True),
+    ]
     sums, _, _, _ = summarize_file(path)
     assert sums[0].divergent_steps == (1,) and sums[0].records == 3
     assert validate_file(path).superseded == 3
@@ -171,18 +213,29 @@ def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
     from pmaptap._host.session import _last_attempt, _last_run
 
     def line(run, step, attempt=0):
-        d = {"run": run, "name": "x", "step": step, "kind": "replicated", "value": 1,
-             "dtype": "int32", "shape": [], "process": 0, "time": 1.0, "host": "h",
-             "replicas": 1}
+        d = {
+            "run": run,
+            "name": "x",
+            "step": step,
+            "kind": "replicated",
+            "value": 1,
+            "dtype": "int32",
+            "shape": [],
+            "process": 0,
+            "time": 1.0,
+            "host": "h",
+            "replicas": 1,
+        }
         if attempt:
             d["attempt"] = attempt
         return json.dumps(d, separators=(",", ":")) + "\n"
+
     path = tmp_path / "t.jsonl"
     with open(path, "w") as f:
         f.write(line("a", 0))
         f.write(line("b", 0) + line("b", 1, attempt=2) + line("a", 1, attempt=1))
-        f.write("x" * (3 << 20) + "\n")        # 3 MiB of garbage after the last record
-        f.write('{"torn')                      # and a torn last line
+        f.write("x" * (3 << 20) + "\n")  # 3 MiB of garbage after the last record
+        f.write('{"torn')  # and a torn last line
     assert _last_run(str(path)) == "a"
     assert _last_attempt(str(path), None) == ("a", 1)
     assert _last_attempt(str(path), "b") == ("b", 2)
@@ -196,10 +249,12 @@ def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path)
     from pmaptap.tapfile import tensorboard
     from pmaptap.tapfile.plot import build_figure
     from pmaptap.tapfile.views import load_matching
+
     _train(tap_path, range(6), 0.0, 8, run="p")
-    _train(tap_path, range(3, 6), 50.0, 4, run="p", resume=True)     # elastic
+    _train(tap_path, range(3, 6), 50.0, 4, run="p", resume=True)  # elastic
     want = {i: i + (50.0 if i >= 3 else 0.0) for i in range(6)}
     import matplotlib.pyplot as plt
+
     for flt, n_lines in ((Filter(), 8), (Filter(all_attempts=True), 8)):
         entries = load_matching(tap_path, flt)[0]
         fig = build_figure([e.rec for e in entries], "w")
@@ -219,6 +274,7 @@ def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path)
     ea.Reload()
     (tag,) = [t for t in ea.Tags()["scalars"] if "loss" in t]
     assert {e.step: e.value for e in ea.Scalars(tag)} == want
-    stats, _ = tensorboard.export(tap_path, tmp_path / "tb2",
-                                  Filter(names=("loss",), all_attempts=True))
+    stats, _ = tensorboard.export(
+        tap_path, tmp_path / "tb2", Filter(names=("loss",), all_attempts=True)
+    )
     assert stats.records == 9

@@ -1,5 +1,6 @@
 """The sharded layout (one file per process, merged by readers) and
 pmaptap.Writer (records from side processes, without JAX)."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ def _write(path, process, layout, values, **kw):
     with pmaptap.Writer(path, run="r", process=process, layout=layout, **kw) as w:
         for step, v in enumerate(values):
             w.write("loss", step, v)
-            w.write("acts", step, {"mean": np.float32(step), "hist": np.arange(3)},
-                    kind="per_device", device=process)
+            w.write(
+                "acts",
+                step,
+                {"mean": np.float32(step), "hist": np.arange(3)},
+                kind="per_device",
+                device=process,
+            )
     return w
 
 
@@ -32,24 +38,29 @@ def test_writers_dedup_flag_divergence_and_read_back_the_same(tmp_path, layout):
     for p in range(3):
         vals = [np.float32(0.5 * s) for s in range(STEPS)]
         if p == 2:
-            vals[3] = np.float32(9.0)          # one process disagrees at step 3
+            vals[3] = np.float32(9.0)  # one process disagrees at step 3
         _write(path, p, layout, vals)
     recs = pmaptap.read(path)
     loss = [r for r in recs if r["name"] == "loss"]
     # one record per agreed value, both values of the divergent step
-    assert sorted((r["step"], r["value"]) for r in loss) == \
-        [(0, 0.0), (1, 0.5), (2, 1.0), (3, 1.5), (3, 9.0)]
+    assert sorted((r["step"], r["value"]) for r in loss) == [
+        (0, 0.0),
+        (1, 0.5),
+        (2, 1.0),
+        (3, 1.5),
+        (3, 9.0),
+    ]
     assert [r.get("divergent", False) for r in loss if r["step"] == 3] == [True, True]
     assert not any(r.get("divergent") for r in loss if r["step"] < 3)
     acts = [r for r in recs if r["name"] == "acts"]
-    assert sorted((r["step"], r["device"]) for r in acts) == \
-        [(s, p) for s in range(STEPS) for p in range(3)]
+    assert sorted((r["step"], r["device"]) for r in acts) == [
+        (s, p) for s in range(STEPS) for p in range(3)
+    ]
     assert acts[0]["value"] == {"hist": [0, 1, 2], "mean": 0.0}
     assert acts[0]["dtype"] == {"hist": np.arange(3).dtype.name, "mean": "float32"}
     assert os.path.isdir(path + ".d") == (layout == "sharded")
     if layout == "sharded":
-        assert sorted(os.listdir(path + ".d")) == \
-            ["p00000.jsonl", "p00001.jsonl", "p00002.jsonl"]
+        assert sorted(os.listdir(path + ".d")) == ["p00000.jsonl", "p00001.jsonl", "p00002.jsonl"]
         assert not os.path.exists(path)
         # the merged stream is ordered by time
         times = [r["time"] for r in recs]
@@ -63,15 +74,16 @@ def test_sharded_run_through_every_command(tmp_path):
     cli = [sys.executable, "-m", "pmaptap"]
 
     def run(*args):
-        return subprocess.run(cli + list(args), capture_output=True, text=True,
-                              cwd=ROOT, timeout=60)
+        return subprocess.run(
+            cli + list(args), capture_output=True, text=True, cwd=ROOT, timeout=60
+        )
+
     v = run("validate", path)
     assert v.returncode == 0 and f"OK, {STEPS + 2 * STEPS} records" in v.stdout, v
     # the directory itself is accepted too
     assert run("validate", path + ".d").returncode == 0
     show = run("show", path, "--name", "loss", "--json")
-    assert [json.loads(line)["step"] for line in show.stdout.splitlines()] == \
-        list(range(STEPS))
+    assert [json.loads(line)["step"] for line in show.stdout.splitlines()] == list(range(STEPS))
     assert "loss" in run("summary", path).stdout
     tail = run("tail", path, "-n", "2", "--json")
     assert len(tail.stdout.splitlines()) == 2, tail
@@ -84,7 +96,7 @@ def test_validate_finds_a_torn_shard_line_and_names_the_shard(tmp_path, caplog):
     path = str(tmp_path / "run.jsonl")
     _write(path, 0, "sharded", [1.0, 2.0])
     with open(runs.shard_path(path, 1), "wb") as f:
-        f.write(b'{"run": "r", "name": "lo')            # killed mid-line
+        f.write(b'{"run": "r", "name": "lo')  # killed mid-line
     with logs_warning(caplog, "p00001.jsonl line 1"):
         assert len(pmaptap.read(path)) == 4
     # The same process writing again starts on a new line: only the torn
@@ -92,7 +104,7 @@ def test_validate_finds_a_torn_shard_line_and_names_the_shard(tmp_path, caplog):
     _write(path, 1, "sharded", [1.0, 2.0])
     with logs_warning(caplog, "1 invalid"):
         recs = pmaptap.read(path)
-    assert len(recs) == 6          # replicated deduped across shards: 2 + 4
+    assert len(recs) == 6  # replicated deduped across shards: 2 + 4
 
 
 def test_owner_writes_values_every_process_verified(tmp_path):
@@ -100,16 +112,29 @@ def test_owner_writes_values_every_process_verified(tmp_path):
     written by exactly one of them; a per-process one by each."""
     from pmaptap._host.dirsink import DirectorySink
     from pmaptap.tapfile.format import Record, record_key
+
     path = str(tmp_path / "run.jsonl")
     sinks = [DirectorySink(path, process=p) for p in range(4)]
 
     def rec(p, step, processes):
-        return Record(run="r", name="loss", step=step, kind="replicated",
-                      value=1.0, dtype="float32", shape=[], process=p, time=step,
-                      host="h", replicas=4, processes=processes, vhash="ab")
+        return Record(
+            run="r",
+            name="loss",
+            step=step,
+            kind="replicated",
+            value=1.0,
+            dtype="float32",
+            shape=[],
+            process=p,
+            time=step,
+            host="h",
+            replicas=4,
+            processes=processes,
+            vhash="ab",
+        )
+
     for p, s in enumerate(sinks):
-        s.write([rec(p, step, (0, 1, 2, 3)) for step in range(40)] +
-                [rec(p, 100, (p,))])
+        s.write([rec(p, step, (0, 1, 2, 3)) for step in range(40)] + [rec(p, 100, (p,))])
         s.close()
     owners = [s.lines_written - 1 for s in sinks]
     assert sum(owners) == 40 and all(o > 0 for o in owners), owners
@@ -126,7 +151,7 @@ import sys
 sys.modules["jax"] = None
 import numpy as np
 import pmaptap
-with pmaptap.Writer({str(tmp_path / 'a.jsonl')!r}, run="r", process=7,
+with pmaptap.Writer({str(tmp_path / "a.jsonl")!r}, run="r", process=7,
                     processes=64) as w:
     assert w.layout == "sharded", w
     w.write("x", 0, np.ones(2, np.float16))
@@ -140,7 +165,7 @@ with pmaptap.Writer({str(tmp_path / 'a.jsonl')!r}, run="r", process=7,
         w.write("x", 2, "text")
     except TypeError as e:
         print("refused:", e)
-print(len(pmaptap.read({str(tmp_path / 'a.jsonl')!r})))
+print(len(pmaptap.read({str(tmp_path / "a.jsonl")!r})))
 """
     out = run_python(code, devices=1)
     assert out.returncode == 0, out.stderr
@@ -152,9 +177,23 @@ print(len(pmaptap.read({str(tmp_path / 'a.jsonl')!r})))
 @pytest.mark.parametrize("layout", ["file", "sharded"])
 def test_two_process_job_exact_in_both_layouts(tmp_path, layout):
     out = str(tmp_path / "train.jsonl")
-    proc, _ = run_launch(2, 2, ["python", "launch/train.py", "--steps",
-                                str(STEPS), "--batch-per-device", "4", "--out",
-                                out, "--layout", layout], launcher_timeout=90)
+    proc, _ = run_launch(
+        2,
+        2,
+        [
+            "python",
+            "launch/train.py",
+            "--steps",
+            str(STEPS),
+            "--batch-per-device",
+            "4",
+            "--out",
+            out,
+            "--layout",
+            layout,
+        ],
+        launcher_timeout=90,
+    )
     assert proc.returncode == 0, job_failed(proc)
     recs = pmaptap.read(out)
     for name in ("loss", "lr", "step"):
@@ -163,15 +202,21 @@ def test_two_process_job_exact_in_both_layouts(tmp_path, layout):
         assert not any(r.get("divergent") for r in rs)
     gn = [r for r in recs if r["name"] == "grad_norm"]
     assert sorted((r["step"], r["device"]) for r in gn) == sorted(
-        (s, p * 2048 + k) for s in range(STEPS) for p in range(2) for k in range(2))
+        (s, p * 2048 + k) for s in range(STEPS) for p in range(2) for k in range(2)
+    )
     assert os.path.isdir(out + ".d") == (layout == "sharded")
     if layout == "sharded":
         # Each process wrote only its own shard; replicated values split
         # between their owners, none written twice.
         per = [pmaptap.read(runs.shard_path(out, p)) for p in range(2)]
         assert sum(r["kind"] == "replicated" for rs in per for r in rs) == 3 * STEPS
-    v = subprocess.run([sys.executable, "-m", "pmaptap", "validate", out],
-                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    v = subprocess.run(
+        [sys.executable, "-m", "pmaptap", "validate", out],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert v.returncode == 0, v.stdout + v.stderr
 
 
@@ -182,19 +227,39 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
     _write(path, 0, "sharded", [np.float32(s) for s in range(STEPS)])
     cli = [sys.executable, "-m", "pmaptap"]
     merged = str(tmp_path / "merged.jsonl")
-    tail = subprocess.Popen(cli + ["tail", path, "-f", "-n", "0", "--json",
-                                   "--interval", "0.05", "--timeout", "60",
-                                   "--max-records", str(2 * STEPS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
-    follow = subprocess.Popen(cli + ["merge", path, "-o", merged, "-f",
-                                     "--interval", "0.05", "--timeout", "60"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=ROOT)
+    tail = subprocess.Popen(
+        cli
+        + [
+            "tail",
+            path,
+            "-f",
+            "-n",
+            "0",
+            "--json",
+            "--interval",
+            "0.05",
+            "--timeout",
+            "60",
+            "--max-records",
+            str(2 * STEPS),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    follow = subprocess.Popen(
+        cli + ["merge", path, "-o", merged, "-f", "--interval", "0.05", "--timeout", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         # Both are polling; now a second process appears and writes (its
         # replicated values equal process 0's: not shown again).
         import time
+
         time.sleep(1.5)
         _write(path, 1, "sharded", [np.float32(s) for s in range(STEPS)])
         _write(path, 2, "sharded", [np.float32(s) for s in range(STEPS)])
@@ -202,9 +267,11 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
         got = [json.loads(line) for line in out.splitlines()]
         # -n 0: only new records: processes 1 and 2's per-device ones, and
         # no replicated duplicate of process 0's values
-        assert sorted((r["name"], r["process"]) for r in got) == \
-            sorted([("acts", 1)] * STEPS + [("acts", 2)] * STEPS), (got, err)
+        assert sorted((r["name"], r["process"]) for r in got) == sorted(
+            [("acts", 1)] * STEPS + [("acts", 2)] * STEPS
+        ), (got, err)
         import signal
+
         time.sleep(0.5)
         follow.send_signal(signal.SIGTERM)
         follow.communicate(timeout=60)
@@ -219,15 +286,21 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
     assert sorted(map(json.dumps, pmaptap.read(merged))) == sorted(map(json.dumps, want))
     # merge without -f: the same records, in the merged (time) order
     once = str(tmp_path / "once.jsonl")
-    m = subprocess.run(cli + ["merge", path, "-o", once], capture_output=True,
-                       text=True, cwd=ROOT, timeout=60)
+    m = subprocess.run(
+        cli + ["merge", path, "-o", once], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert m.returncode == 0 and f"wrote {len(want)} records" in m.stderr, m
     assert pmaptap.read(once) == want
     # refusing to overwrite a file of the run itself
     with open(path, "w"):
         pass
-    bad = subprocess.run(cli + ["merge", path + ".d", "-o", path], capture_output=True,
-                         text=True, cwd=ROOT, timeout=60)
+    bad = subprocess.run(
+        cli + ["merge", path + ".d", "-o", path],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "one of the files of run" in bad.stderr, bad
 
 
@@ -236,8 +309,9 @@ def test_auto_layout_shards_above_the_process_count(tmp_path, monkeypatch):
     import jax.numpy as jnp
 
     from pmaptap._host import session as session_mod
+
     path = str(tmp_path / "auto.jsonl")
-    with pmaptap.Session(path, run="a") as s:         # 1 process: one file
+    with pmaptap.Session(path, run="a") as s:  # 1 process: one file
         jax.jit(lambda x: pmaptap.tap(x, "x", step=0))(jnp.float32(1))
     assert s.layout == "file" and not os.path.exists(path + ".d")
     monkeypatch.setattr(session_mod, "SHARDED_ABOVE", 0)
@@ -256,9 +330,15 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
     path = str(tmp_path / "run.jsonl")
     for p in range(2):
         _write(path, p, "sharded", [np.float32(s) for s in range(STEPS)])
-    args = [sys.executable, "-m", "pmaptap", "export", path, "--tensorboard",
-            str(tmp_path / "tb")] + (["-f", "--timeout", "2", "--interval", "0.1"]
-                                     if follow else [])
+    args = [
+        sys.executable,
+        "-m",
+        "pmaptap",
+        "export",
+        path,
+        "--tensorboard",
+        str(tmp_path / "tb"),
+    ] + (["-f", "--timeout", "2", "--interval", "0.1"] if follow else [])
     out = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     # every record once: the replicated loss once per step, 2 x STEPS acts
@@ -268,13 +348,26 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
 def test_a_shard_removed_or_truncated_under_its_writer(tmp_path, caplog):
     from pmaptap._host.dirsink import DirectorySink
     from pmaptap.tapfile.format import Record
+
     path = str(tmp_path / "run.jsonl")
     sink = DirectorySink(path, process=3)
 
     def rec(step):
-        return Record(run="r", name="x", step=step, kind="per_device", value=step,
-                      dtype="int32", shape=[], process=3, time=step, host="h",
-                      device=3, coords={})
+        return Record(
+            run="r",
+            name="x",
+            step=step,
+            kind="per_device",
+            value=step,
+            dtype="int32",
+            shape=[],
+            process=3,
+            time=step,
+            host="h",
+            device=3,
+            coords={},
+        )
+
     sink.write([rec(0)])
     os.remove(sink.path)
     with logs_warning(caplog, "replaced or removed"):
@@ -296,19 +389,26 @@ def test_resume_and_forwarding_in_the_sharded_layout(tmp_path):
     forwarders get what the shard sink wrote."""
     import jax
     import jax.numpy as jnp
+
     path = str(tmp_path / "run.jsonl")
-    f = jax.pmap(lambda x, i: pmaptap.tap(x + i, "w", step=i, dedup="per_device"),
-                 axis_name="d", devices=jax.devices()[:2], in_axes=(0, None))
+    f = jax.pmap(
+        lambda x, i: pmaptap.tap(x + i, "w", step=i, dedup="per_device"),
+        axis_name="d",
+        devices=jax.devices()[:2],
+        in_axes=(0, None),
+    )
     got: list[dict] = []
     with pmaptap.Session(path, run="r", layout="sharded", forward=[got.append]):
         for i in range(4):
             f(jnp.arange(2.0), i)
-    assert sorted((r["step"], r["device"]) for r in got) == \
-        [(i, d) for i in range(4) for d in range(2)]
+    assert sorted((r["step"], r["device"]) for r in got) == [
+        (i, d) for i in range(4) for d in range(2)
+    ]
     with pmaptap.Session(path, layout="sharded", resume=True) as s:
         for i in range(2, 6):
             f(jnp.arange(2.0) + 100, i)
     assert (s.run, s.attempt) == ("r", 1)
     w = [r for r in pmaptap.read(path) if r["name"] == "w"]
-    assert sorted((r["step"], r["device"], r.get("attempt", 0)) for r in w) == \
-        [(i, d, int(i >= 2)) for i in range(6) for d in range(2)]
+    assert sorted((r["step"], r["device"], r.get("attempt", 0)) for r in w) == [
+        (i, d, int(i >= 2)) for i in range(6) for d in range(2)
+    ]

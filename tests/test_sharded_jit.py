@@ -1,21 +1,21 @@
 """Sharded arrays under plain ``jax.jit`` (GSPMD / NamedSharding, and explicit
 mesh axes under ``jax.set_mesh``): one record per shard with its exact device,
 coordinates and global ``index``, and never a gather (issue 13)."""
+
 from __future__ import annotations
 
 import json
 import re
 
-import numpy as np
-import pytest
-
-from conftest import (job_failed, python_cmd, run_launch, run_python)
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pmaptap
+from conftest import job_failed, python_cmd, run_launch, run_python
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all")
 
@@ -34,12 +34,11 @@ def _coords_of(mesh: Mesh, device_id: int) -> dict:
 
 
 def _index_of(shard, shape) -> list:
-    return [[s.start or 0, s.stop if s.stop is not None else n]
-            for s, n in zip(shard.index, shape)]
+    return [[s.start or 0, s.stop if s.stop is not None else n] for s, n in zip(shard.index, shape)]
 
 
 def _x(mesh: Mesh, spec) -> jax.Array:
-    return jax.device_put(jnp.arange(64.).reshape(8, 8), NamedSharding(mesh, spec))
+    return jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, spec))
 
 
 def _step(dedup: str, name: str = "act"):
@@ -48,6 +47,7 @@ def _step(dedup: str, name: str = "act"):
         y = jnp.sin(x) * 2
         pmaptap.tap(y, name, dedup=dedup)
         return y
+
     return step
 
 
@@ -61,13 +61,14 @@ def _check_per_device(recs: list[dict], y: jax.Array, mesh: Mesh) -> None:
         assert r["coords"] == _coords_of(mesh, shard.device.id)
         assert r["index"] == _index_of(shard, y.shape)
         assert r["shape"] == list(shard.data.shape)
-        np.testing.assert_array_equal(np.array(r["value"], np.float32),
-                                      np.asarray(shard.data))
+        np.testing.assert_array_equal(np.array(r["value"], np.float32), np.asarray(shard.data))
 
 
-@pytest.mark.parametrize("order", [None, list(range(7, -1, -1)),
-                                   [3, 6, 0, 5, 1, 7, 2, 4]],
-                         ids=["ordered", "reversed", "shuffled"])
+@pytest.mark.parametrize(
+    "order",
+    [None, list(range(7, -1, -1)), [3, 6, 0, 5, 1, 7, 2, 4]],
+    ids=["ordered", "reversed", "shuffled"],
+)
 def test_per_device_records_match_addressable_shards(tap_path, order):
     mesh = _mesh(order)
     x = _x(mesh, P("data", "model"))
@@ -109,8 +110,8 @@ def test_per_device_on_replicated_slices_names_every_device(tap_path):
 def test_explicit_axes_give_the_same_records(tap_path):
     mesh = _mesh([3, 6, 0, 5, 1, 7, 2, 4], explicit=True)
     with jax.set_mesh(mesh):
-        x = jax.device_put(jnp.arange(64.).reshape(8, 8), P("data", "model"))
-        x2 = jax.device_put(jnp.arange(64.).reshape(8, 8), P("data", None))
+        x = jax.device_put(jnp.arange(64.0).reshape(8, 8), P("data", "model"))
+        x2 = jax.device_put(jnp.arange(64.0).reshape(8, 8), P("data", None))
         with pmaptap.Session(tap_path, run="t"):
             y = _step("per_device", "pd")(x)
             y2 = _step("auto", "au")(x2)
@@ -120,16 +121,16 @@ def test_explicit_axes_give_the_same_records(tap_path):
     assert len(auto) == 4 and all(len(r["devices"]) == 2 for r in auto)
     for r in auto:
         i0, i1 = r["index"][0]
-        np.testing.assert_array_equal(np.array(r["value"], np.float32),
-                                      np.asarray(y2)[i0:i1])
+        np.testing.assert_array_equal(np.array(r["value"], np.float32), np.asarray(y2)[i0:i1])
 
 
 def _collectives(text: str) -> dict:
     return {c: len(re.findall(rf"\b{c}(-start)?\(", text)) for c in COLLECTIVES}
 
 
-@pytest.mark.parametrize("spec", [P("data", "model"), P("data", None),
-                                  P(None, "model"), P()], ids=str)
+@pytest.mark.parametrize(
+    "spec", [P("data", "model"), P("data", None), P(None, "model"), P()], ids=str
+)
 @pytest.mark.parametrize("dedup", ["per_device", "auto"])
 def test_no_added_collectives(spec, dedup):
     mesh = _mesh()
@@ -242,7 +243,7 @@ def test_tap_grad_cotangents_per_shard(tap_path):
         jax.jit(jax.grad(loss))(x)
     recs = pmaptap.read(tap_path)
     assert len(recs) == 8 and {r["device"] for r in recs} == set(range(8))
-    full = np.asarray(2 * jnp.sin(jnp.arange(64.).reshape(8, 8)))
+    full = np.asarray(2 * jnp.sin(jnp.arange(64.0).reshape(8, 8)))
     for r in recs:
         assert r["pass"] == "backward"
         (a, b), (c, d) = r["index"]
@@ -281,6 +282,7 @@ def test_untapped_removes_sharded_taps(tap_path):
 
 def test_cli_views_show_index(tap_path, capsys):
     from pmaptap import cli
+
     mesh = _mesh()
     with pmaptap.Session(tap_path, run="t"):
         _step("per_device")(_x(mesh, P("data", "model")))
@@ -291,6 +293,7 @@ def test_cli_views_show_index(tap_path, capsys):
     out_csv = tap_path + ".csv"
     cli.main(["export", tap_path, "--csv", out_csv])
     import csv
+
     with open(out_csv) as f:
         rows = list(csv.DictReader(f))
     assert {r["index"] for r in rows if r["device"] == "5"} == {"4:6,4:8"}
@@ -315,6 +318,7 @@ def test_placement_internals_still_exist():
     # The per-shard lowering reads JAX internals (see placement.py); a JAX
     # upgrade that moves them must fail here, loudly, not silently degrade.
     from pmaptap._trace import placement
+
     placement.check_shard_internals()
 
 
@@ -347,8 +351,7 @@ MULTI = """
 
 def test_two_processes_write_each_shard_once(tmp_path):
     path = str(tmp_path / "mp.jsonl")
-    proc, _ = run_launch(2, 4, python_cmd(MULTI), timeout=240,
-                         launcher_timeout=200, TAP=path)
+    proc, _ = run_launch(2, 4, python_cmd(MULTI), timeout=240, launcher_timeout=200, TAP=path)
     assert proc.returncode == 0, job_failed(proc)
     recs = pmaptap.read(path)
     line = next(l for l in proc.stdout.splitlines() if "MAP " in l)
@@ -374,16 +377,33 @@ def test_two_processes_write_each_shard_once(tmp_path):
         assert (a, b) == (0, 8)
         np.testing.assert_allclose(r["value"], np.cos(full[:, c:d]), rtol=1e-6)
     from pmaptap import cli
+
     assert cli.main(["validate", path]) == 0, json.dumps(recs[:3])
 
 
 def test_train_variant_jit_two_processes(tmp_path):
     from test_multihost import expected_step0_grad_norm
+
     out = str(tmp_path / "jit.jsonl")
-    proc, _ = run_launch(2, 4, ["python", "launch/train.py", "--variant", "jit",
-                                "--steps", "3", "--batch-per-device", "8",
-                                "--out", out, "--no-summary"],
-                         timeout=240, launcher_timeout=200)
+    proc, _ = run_launch(
+        2,
+        4,
+        [
+            "python",
+            "launch/train.py",
+            "--variant",
+            "jit",
+            "--steps",
+            "3",
+            "--batch-per-device",
+            "8",
+            "--out",
+            out,
+            "--no-summary",
+        ],
+        timeout=240,
+        launcher_timeout=200,
+    )
     assert proc.returncode == 0, job_failed(proc)
     recs = pmaptap.read(out)
     assert [r["step"] for r in recs if r["name"] == "loss"] == [0, 1, 2]
@@ -394,11 +414,12 @@ def test_train_variant_jit_two_processes(tmp_path):
             assert sorted(r["process"] for r in rs) == [0] * 4 + [1] * 4
     for r in recs:
         if r["name"] == "grad_norm" and r["step"] == 0:
-            (g, g1), = r["index"]
+            ((g, g1),) = r["index"]
             assert g1 == g + 1 and r["process"] == g // 4
             assert r["value"][0] == pytest.approx(expected_step0_grad_norm(g), rel=1e-4)
         if r["name"] == "act":
             (a, b), (c, d) = r["index"]
             assert (b - a, c, d) == (8, 0, 32) and r["process"] == a // 32
     from pmaptap import cli
+
     assert cli.main(["validate", out]) == 0

@@ -2,6 +2,7 @@
 never decoded; records not held) and ``show``/``export`` keep only matching
 records, with the same results as reading everything first: divergence is
 judged on every copy of a key, even copies a --process/--device filter drops."""
+
 from __future__ import annotations
 
 import json
@@ -11,40 +12,82 @@ import sys
 import pytest
 
 import pmaptap
-from conftest import logs_warning, ROOT, subprocess_env
+from conftest import ROOT, logs_warning, subprocess_env
 from pmaptap.tapfile import views
 from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
 
 def _rep(step, value, process, vhash, **kw):
-    d = {"run": "r", "name": "loss", "step": step, "kind": "replicated", "value": value,
-         "dtype": "float32", "shape": [], "process": process, "time": 1.0, "host": "h",
-         "replicas": 2, "devices": [2 * process, 2 * process + 1],
-         "processes": [process], "vhash": vhash}
+    d = {
+        "run": "r",
+        "name": "loss",
+        "step": step,
+        "kind": "replicated",
+        "value": value,
+        "dtype": "float32",
+        "shape": [],
+        "process": process,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 2,
+        "devices": [2 * process, 2 * process + 1],
+        "processes": [process],
+        "vhash": vhash,
+    }
     d.update(kw)
     return d
 
 
 def _dev(step, device, value, name="gnorm", **kw):
-    d = {"run": "r", "name": name, "step": step, "kind": "per_device", "value": value,
-         "dtype": "float32", "shape": [], "process": device // 2, "time": 1.0,
-         "host": "h", "device": device, "coords": {"dp": device, "mp": 0}}
+    d = {
+        "run": "r",
+        "name": name,
+        "step": step,
+        "kind": "per_device",
+        "value": value,
+        "dtype": "float32",
+        "shape": [],
+        "process": device // 2,
+        "time": 1.0,
+        "host": "h",
+        "device": device,
+        "coords": {"dp": device, "mp": 0},
+    }
     d.update(kw)
     return d
 
 
 @pytest.fixture
 def taps(tmp_path) -> str:
-    recs = [_rep(0, 1.0, 0, "a"), _rep(1, "NaN", 0, "b"),
-            _rep(2, 3.0, 0, "c"), _rep(2, 4.0, 1, "d"),          # divergent step 2
-            _rep(3, 5.0, 0, "e"), _rep(3, 5.0, 0, "e"),          # a duplicate
-            _rep(5, "Infinity", 1, "f")]                        # step 4 missing
+    recs = [
+        _rep(0, 1.0, 0, "a"),
+        _rep(1, "NaN", 0, "b"),
+        _rep(2, 3.0, 0, "c"),
+        _rep(2, 4.0, 1, "d"),  # divergent step 2
+        _rep(3, 5.0, 0, "e"),
+        _rep(3, 5.0, 0, "e"),  # a duplicate
+        _rep(5, "Infinity", 1, "f"),
+    ]  # step 4 missing
     recs += [_dev(s, d, 0.5 * d + s) for s in range(3) for d in range(4) if (s, d) != (1, 3)]
-    recs.append(_dev(2, 1, 9.0, coords={"mp": 0, "dp": 1}))      # same coords, reordered
+    recs.append(_dev(2, 1, 9.0, coords={"mp": 0, "dp": 1}))  # same coords, reordered
     recs += [_dev(s, 0, [1.0, "NaN"], name="act", shape=[2]) for s in range(2)]
-    recs.append({"run": "r", "name": "auto", "step": 0, "kind": "replicated", "value": 2.0,
-                 "dtype": "float32", "shape": [], "process": 0, "time": 1.0, "host": "h",
-                 "replicas": 4, "devices": [0, 1, 2, 3], "vhash": "z"})
+    recs.append(
+        {
+            "run": "r",
+            "name": "auto",
+            "step": 0,
+            "kind": "replicated",
+            "value": 2.0,
+            "dtype": "float32",
+            "shape": [],
+            "process": 0,
+            "time": 1.0,
+            "host": "h",
+            "replicas": 4,
+            "devices": [0, 1, 2, 3],
+            "vhash": "z",
+        }
+    )
     recs += [_dev(1, d, float(d), name="auto") for d in range(4)]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + "garbage\n")
@@ -71,11 +114,27 @@ def test_filters_keep_divergence_of_dropped_copies(taps):
     streamed, *_ = summarize_file(taps, views.Filter(names=("loss",), process=0))
     assert streamed[0].divergent_steps == (2,) and streamed[0].records == 5
     entries, *_ = views.load_matching(taps, views.Filter(names=("loss",), process=0))
-    assert [e.rec.get("divergent", False) for e in entries] == \
-        [False, False, True, False, False]
-    assert entries[2].raw["divergent"] is True            # for show --json too
-    out = subprocess.run([sys.executable, "-m", "pmaptap", "show", taps, "--name", "loss",
-                          "--process", "0", "--step", "2"], env=subprocess_env(1),
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert [e.rec.get("divergent", False) for e in entries] == [False, False, True, False, False]
+    assert entries[2].raw["divergent"] is True  # for show --json too
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pmaptap",
+            "show",
+            taps,
+            "--name",
+            "loss",
+            "--process",
+            "0",
+            "--step",
+            "2",
+        ],
+        env=subprocess_env(1),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "DIVERGENT" in out.stdout
     assert "skipped 1 invalid line" in out.stderr

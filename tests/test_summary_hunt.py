@@ -1,5 +1,6 @@
 """Summary and plot that help hunt: where the first NaN was, statistics of
 array taps, auto taps told apart from divergence, and plot options."""
+
 from __future__ import annotations
 
 import json
@@ -9,25 +10,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_cli import _table, cli
 
 import pmaptap
 from pmaptap.tapfile.summary import summarize_file, summary_table, tap_summaries
-from test_cli import _table, cli
 
 
 def _dev(step, device, value, name="g", **kw):
-    d = {"run": "r", "name": name, "step": step, "kind": "per_device", "value": value,
-         "dtype": "float32", "shape": [] if not isinstance(value, list) else [len(value)],
-         "process": 0, "time": 1.0, "host": "h", "device": device,
-         "coords": {"dp": device}}
+    d = {
+        "run": "r",
+        "name": name,
+        "step": step,
+        "kind": "per_device",
+        "value": value,
+        "dtype": "float32",
+        "shape": [] if not isinstance(value, list) else [len(value)],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "device": device,
+        "coords": {"dp": device},
+    }
     d.update(kw)
     return d
 
 
 def _rep(step, value, name="loss", **kw):
-    d = {"run": "r", "name": name, "step": step, "kind": "replicated", "value": value,
-         "dtype": "float32", "shape": [], "process": 0, "time": 1.0, "host": "h",
-         "replicas": 4, "devices": [0, 1, 2, 3], "vhash": f"{step:x}"}
+    d = {
+        "run": "r",
+        "name": name,
+        "step": step,
+        "kind": "replicated",
+        "value": value,
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 4,
+        "devices": [0, 1, 2, 3],
+        "vhash": f"{step:x}",
+    }
     d.update(kw)
     return d
 
@@ -40,13 +63,13 @@ def _write(tmp_path, recs) -> str:
 
 def test_first_nonfinite_step_and_device(tmp_path):
     recs = [_dev(s, d, 1.0 + d) for s in range(8) for d in range(4)]
-    recs[4 * 6 + 1]["value"] = "NaN"                # device 1 at step 6
-    recs[4 * 4 + 3]["value"] = "Infinity"           # device 3 at step 4: first
+    recs[4 * 6 + 1]["value"] = "NaN"  # device 1 at step 6
+    recs[4 * 4 + 3]["value"] = "Infinity"  # device 3 at step 4: first
     recs[4 * 5 + 2]["value"] = "-Infinity"
     recs += [_rep(s, "NaN" if s >= 3 else 0.5) for s in range(6)]
     path = _write(tmp_path, recs)
     streamed, _, _, _ = summarize_file(path)
-    assert streamed == tap_summaries(pmaptap.read(path))   # same on decoded
+    assert streamed == tap_summaries(pmaptap.read(path))  # same on decoded
     by = {s.name: s for s in streamed}
     assert by["g"].first_nonfinite_step == 4 and by["g"].first_nonfinite_devices == (3,)
     assert by["g"].nonfinite == 3
@@ -63,16 +86,15 @@ def test_array_taps_get_min_max_mean_and_norm(tmp_path):
     rng = np.random.default_rng(0)
     vals = {(s, d): rng.normal(size=5).round(3) for s in range(3) for d in range(2)}
     recs = [_dev(s, d, v.tolist(), name="act") for (s, d), v in vals.items()]
-    recs[-1]["value"][2] = "NaN"                     # step 2, device 1
+    recs[-1]["value"][2] = "NaN"  # step 2, device 1
     path = _write(tmp_path, recs)
     (act,), _, _, _ = summarize_file(path)
     assert act == tap_summaries(pmaptap.read(path))[0]
     every = np.concatenate(list(vals.values()))
-    finite = np.delete(every, len(every) - 3)        # the NaN'd element
+    finite = np.delete(every, len(every) - 3)  # the NaN'd element
     assert act.min == pytest.approx(finite.min()) and act.max == pytest.approx(finite.max())
     assert act.mean == pytest.approx(finite.mean())
-    last_norms = [np.linalg.norm(vals[(2, 0)]),
-                  np.linalg.norm(np.delete(vals[(2, 1)], 2))]
+    last_norms = [np.linalg.norm(vals[(2, 0)]), np.linalg.norm(np.delete(vals[(2, 1)], 2))]
     assert act.norm == pytest.approx(max(last_norms))
     assert act.first_nonfinite_step == 2 and act.first_nonfinite_devices == (1,)
     text = summary_table([act])
@@ -82,12 +104,12 @@ def test_array_taps_get_min_max_mean_and_norm(tmp_path):
     assert float(rows[0]["mean"]) == pytest.approx(finite.mean(), rel=1e-3, abs=1e-4)
 
 
-def test_auto_tap_with_differing_copies_is_per_device_data_until_it_agrees(
-        tap_path):
+def test_auto_tap_with_differing_copies_is_per_device_data_until_it_agrees(tap_path):
     # Copies differ at steps 0-2, agree at 3, differ again at 4: only step 4
     # is a divergence.
-    f = jax.pmap(lambda x: pmaptap.tap(x, "w", dedup="auto"), axis_name="i",
-                 devices=jax.devices()[:4])
+    f = jax.pmap(
+        lambda x: pmaptap.tap(x, "w", dedup="auto"), axis_name="i", devices=jax.devices()[:4]
+    )
     with pmaptap.Session(tap_path, run="auto"):
         for step in range(5):
             x = jnp.ones(4) if step == 3 else jnp.arange(4.0) + step
@@ -110,12 +132,14 @@ def test_auto_tap_with_differing_copies_is_per_device_data_until_it_agrees(
 def plt():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
+
     yield plt
     plt.close("all")
 
 
 def test_plot_marks_nonfinite_points_at_the_edge(plt):
     from pmaptap.tapfile.plot import build_figure
+
     recs = [_rep(s, v) for s, v in enumerate([1.0, math.nan, 2.0, math.inf, -math.inf, 3.0])]
     fig = build_figure(recs, "loss")
     ax = fig.axes[0]
@@ -126,6 +150,7 @@ def test_plot_marks_nonfinite_points_at_the_edge(plt):
 
 def test_plot_logy_and_smooth(plt, tmp_path):
     from pmaptap.tapfile.plot import build_figure, smoothed
+
     ys = [10.0, 8.0, math.nan, 4.0, 2.0, 1.0]
     recs = [_rep(s, v) for s, v in enumerate(ys)]
     fig = build_figure(recs, "loss", logy=True, smooth=3)
@@ -136,7 +161,7 @@ def test_plot_logy_and_smooth(plt, tmp_path):
     # Trailing mean of 3, the NaN skipped (not blanking its windows).
     want = [10.0, 9.0, 9.0, 6.0, 3.0, 7.0 / 3]
     assert np.allclose(smooth, want)
-    assert smoothed([math.nan], 2)[0] != smoothed([math.nan], 2)[0]   # NaN
+    assert smoothed([math.nan], 2)[0] != smoothed([math.nan], 2)[0]  # NaN
     raw = [line for line in ax.get_lines() if line is not lines["replicated"]]
     assert len(raw) == 1 and np.allclose(raw[0].get_ydata(), ys, equal_nan=True)
     path = _write(tmp_path, recs)
@@ -151,6 +176,7 @@ def test_plot_logy_and_smooth(plt, tmp_path):
 
 def test_plot_auto_tap_marks_divergence_only_after_agreement(plt):
     from pmaptap.tapfile.plot import build_figure
+
     recs = [_dev(s, d, float(d + s), name="w") for s in (0, 1) for d in range(2)]
     recs.append(_rep(2, 5.0, name="w"))
     recs += [_dev(3, d, float(d), name="w") for d in range(2)]
@@ -163,15 +189,16 @@ def test_plot_auto_tap_marks_divergence_only_after_agreement(plt):
 
 def test_plot_many_devices_draws_median_band_and_names_outliers(plt):
     from pmaptap.tapfile.plot import build_figure
+
     rng = np.random.default_rng(1)
     recs = []
     for s in range(20):
         for d in range(32):
             v = 1.0 + 0.01 * rng.normal()
             if d == 7 and s >= 10:
-                v += 5.0                         # one device strays
+                v += 5.0  # one device strays
             recs.append(_dev(s, d, v, name="gn"))
-    recs[5 * 32 + 3]["value"] = math.nan         # marked, not in the band
+    recs[5 * 32 + 3]["value"] = math.nan  # marked, not in the band
     fig = build_figure(recs, "gn")
     ax = fig.axes[0]
     labels = sorted(line.get_label() for line in ax.get_lines())
@@ -181,7 +208,7 @@ def test_plot_many_devices_draws_median_band_and_names_outliers(plt):
     band = [c for c in ax.collections if c.get_label() == "min-max of 32 devices"]
     assert len(band) == 1
     top = band[0].get_paths()[0].vertices[:, 1].max()
-    assert top == pytest.approx(6.0, abs=0.1)    # the band spans the outlier
+    assert top == pytest.approx(6.0, abs=0.1)  # the band spans the outlier
     assert [c.get_label() for c in ax.collections if c.get_label() == "NaN"] == ["NaN"]
     # 16 devices or fewer: one line each, as before.
     fig = build_figure([r for r in recs if r["device"] < 16], "gn")

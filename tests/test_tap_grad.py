@@ -1,4 +1,5 @@
 """pmaptap.tap_grad: cotangents recorded in the backward pass."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pmaptap
 from conftest import BAD_TAP_ARGS
@@ -29,6 +31,7 @@ def _nonfinite(value) -> bool:
 
 # ------------------------------------------------------------ values
 
+
 def test_cotangent_matches_hand_computed_gradient(session, tap_path):
     x = jnp.array([0.5, -1.0, 2.0])
 
@@ -42,7 +45,7 @@ def test_cotangent_matches_hand_computed_gradient(session, tap_path):
     (r,) = _named(pmaptap.read(tap_path), "z")
     # d/dz sum(tanh(z)^2) = 2 tanh(z) (1 - tanh(z)^2), by hand
     t = np.tanh(np.asarray(w * x, np.float64))
-    np.testing.assert_allclose(r["value"], 2 * t * (1 - t ** 2), rtol=1e-5)
+    np.testing.assert_allclose(r["value"], 2 * t * (1 - t**2), rtol=1e-5)
     assert r["pass"] == "backward" and r["step"] == 0
     assert r["dtype"] == "float32" and r["shape"] == [3]
     # ... and tap_grad leaves the gradient itself unchanged
@@ -64,8 +67,7 @@ def test_value_and_grad_and_vjp(session, tap_path):
     (gw,) = vjp_fn(jnp.array([10.0, -1.0]))
     np.testing.assert_allclose(gw, [30.0, -3.0])
     recs = _named(_read(session, tap_path), "w")
-    assert [(r["step"], r["value"]) for r in recs] == \
-        [(0, [18.0, 36.0]), (1, [30.0, -3.0])]
+    assert [(r["step"], r["value"]) for r in recs] == [(0, [18.0, 36.0]), (1, [30.0, -3.0])]
 
 
 def test_forward_is_identity_and_keeps_non_float_leaves():
@@ -94,7 +96,7 @@ def test_pytree_cotangent_with_null_where_no_gradient_reaches(session, tap_path)
 
 def test_no_record_when_no_gradient_reaches_the_value(session, tap_path):
     def loss(w):
-        pmaptap.tap_grad(w * 2.0, "unused")      # result dropped
+        pmaptap.tap_grad(w * 2.0, "unused")  # result dropped
         return jnp.sum(w)
 
     jax.grad(loss)(jnp.ones(2))
@@ -104,10 +106,11 @@ def test_no_record_when_no_gradient_reaches_the_value(session, tap_path):
 
 # ------------------------------------------------------------ tap + tap_grad
 
+
 def test_tap_and_tap_grad_on_the_same_value(session, tap_path):
     def loss(w):
         h = pmaptap.tap(pmaptap.tap_grad(jnp.sin(w), "h"), "h")
-        return jnp.sum(h ** 3)
+        return jnp.sum(h**3)
 
     w = jnp.array([0.1, 0.2])
     jax.jit(jax.grad(loss))(w)
@@ -119,20 +122,20 @@ def test_tap_and_tap_grad_on_the_same_value(session, tap_path):
     assert fwd[0]["step"] == bwd[0]["step"] == 0
     h = np.sin(np.asarray(w, np.float64))
     np.testing.assert_allclose(fwd[0]["value"], h, rtol=1e-6)
-    np.testing.assert_allclose(bwd[0]["value"], 3 * h ** 2, rtol=1e-5)
+    np.testing.assert_allclose(bwd[0]["value"], 3 * h**2, rtol=1e-5)
 
 
 # ------------------------------------------------------------ devices
 
+
 def test_pmap_per_device_cotangents_before_pmean(session, tap_path):
-    x = jnp.arange(8.0) + 1.0                      # one example per device
+    x = jnp.arange(8.0) + 1.0  # one example per device
 
     def local_loss(w, xi):
-        h = pmaptap.tap_grad(w * xi, "h")          # dedup="auto"
-        return h ** 2
+        h = pmaptap.tap_grad(w * xi, "h")  # dedup="auto"
+        return h**2
 
-    step = jax.pmap(lambda w, xi: lax.pmean(jax.grad(local_loss)(w, xi), "i"),
-                    axis_name="i")
+    step = jax.pmap(lambda w, xi: lax.pmean(jax.grad(local_loss)(w, xi), "i"), axis_name="i")
     w = 0.5
     g = step(jnp.full(8, w), x)
     recs = _named(_read(session, tap_path), "h")
@@ -140,8 +143,7 @@ def test_pmap_per_device_cotangents_before_pmean(session, tap_path):
     assert len(recs) == 8 and all(r["kind"] == "per_device" for r in recs)
     # d(h^2)/dh = 2h = 2 w x_d on the device holding x_d (pmap puts shard d on
     # jax.devices()[d]); the mean over devices is what the update sees.
-    assert {r["device"]: r["value"] for r in recs} == \
-        {d: 2 * w * float(x[d]) for d in range(8)}
+    assert {r["device"]: r["value"] for r in recs} == {d: 2 * w * float(x[d]) for d in range(8)}
     assert all(r["coords"] == {"i": r["device"]} for r in recs)
     np.testing.assert_allclose(g, np.mean(2 * w * np.asarray(x) * np.asarray(x)))
 
@@ -149,11 +151,12 @@ def test_pmap_per_device_cotangents_before_pmean(session, tap_path):
 def test_dedup_modes_on_cotangents(session, tap_path):
     def body(v):
         def loss(v):
-            same = lax.pmean(v, "i")               # identical on every device
+            same = lax.pmean(v, "i")  # identical on every device
             a = pmaptap.tap_grad(same, "auto_same")
             b = pmaptap.tap_grad(same, "per_dev", dedup="per_device")
             c = pmaptap.tap_grad(v, "repl_div", dedup="replicated")
             return a * 2.0 + b * 3.0 + c * (lax.axis_index("i") >= 6)
+
         return jax.grad(loss)(v)
 
     jax.pmap(body, axis_name="i")(jnp.arange(8.0))
@@ -173,7 +176,7 @@ def test_dedup_modes_on_cotangents(session, tap_path):
 
 @pytest.mark.parametrize("where", ["grad_inside", "grad_outside"])
 def test_shard_map_2d_mesh(session, tap_path, where):
-    devs = np.array(jax.devices()[::-1]).reshape(2, 4)    # not 0..7 on purpose
+    devs = np.array(jax.devices()[::-1]).reshape(2, 4)  # not 0..7 on purpose
     mesh = Mesh(devs, ("dp", "mp"))
     xs = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, P("dp", "mp")))
     spec = dict(mesh=mesh, in_specs=P("dp", "mp"), out_specs=P("dp", "mp"))
@@ -184,8 +187,7 @@ def test_shard_map_2d_mesh(session, tap_path, where):
     if where == "grad_inside":
         jax.jit(jax.shard_map(jax.grad(local), **spec))(xs)
     else:
-        f = jax.shard_map(lambda v: pmaptap.tap_grad(v * v, "sm", dedup="per_device") ** 2,
-                          **spec)
+        f = jax.shard_map(lambda v: pmaptap.tap_grad(v * v, "sm", dedup="per_device") ** 2, **spec)
         jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(xs)
     recs = _named(_read(session, tap_path), "sm")
     assert len(recs) == 8
@@ -193,16 +195,17 @@ def test_shard_map_2d_mesh(session, tap_path, where):
         i, j = r["coords"]["dp"], r["coords"]["mp"]
         assert r["device"] == devs[i, j].id
         v = float(np.arange(8.0).reshape(2, 4)[i, j])
-        assert r["value"] == [[2 * v * v]]                 # d(h^2)/dh = 2h
+        assert r["value"] == [[2 * v * v]]  # d(h^2)/dh = 2h
 
 
 # ------------------------------------------------------------ NaN hunting
+
 
 def _nan_loss(w, x, step=None):
     # Forward: sqrt(z^2) = |z|, finite everywhere. Backward at z == 0:
     # d sqrt(h)/dh = inf at h = 0, then d(z^2)/dz * inf = 0 * inf = NaN.
     z = pmaptap.tap_grad(w * x, "z", step=step)
-    h = pmaptap.tap_grad(z ** 2, "h", step=step)
+    h = pmaptap.tap_grad(z**2, "h", step=step)
     loss = jnp.sum(jnp.sqrt(h))
     pmaptap.tap(loss, "loss", step=step)
     return loss
@@ -216,8 +219,12 @@ def _train(step_fn, w, data):
 
 def _data():
     # Only step 2 has an example that lands exactly on z == 0.
-    return [jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0]),
-            jnp.array([2.0, 0.0]), jnp.array([-2.0, 4.0])]
+    return [
+        jnp.array([1.0, 2.0]),
+        jnp.array([3.0, -1.0]),
+        jnp.array([2.0, 0.0]),
+        jnp.array([-2.0, 4.0]),
+    ]
 
 
 def _update(w, g):
@@ -231,13 +238,13 @@ def test_nan_born_in_backward_pass_is_caught_at_its_step(session, tap_path, step
         fn = jax.jit(lambda w, x, t: _update(w, jax.grad(_nan_loss)(w, x)))
         offset = 0
     else:
-        offset = 100                                   # e.g. resuming at step 100
+        offset = 100  # e.g. resuming at step 100
         fn = jax.jit(lambda w, x, t: _update(w, jax.grad(_nan_loss)(w, x, t + offset)))
     _train(fn, jnp.float32(0.5), _data())
     recs = _read(session, tap_path)
     loss, z, h = (_named(recs, "loss", "forward"), _named(recs, "z"), _named(recs, "h"))
     assert [r["step"] for r in z] == [offset + t for t in range(4)]
-    assert not any(_nonfinite(r["value"]) for r in loss)       # forward: fine
+    assert not any(_nonfinite(r["value"]) for r in loss)  # forward: fine
     bad_z = [r["step"] for r in z if _nonfinite(r["value"])]
     bad_h = [r["step"] for r in h if _nonfinite(r["value"])]
     assert bad_z == bad_h == [offset + 2]
@@ -251,11 +258,13 @@ def test_nan_born_in_backward_pass_is_caught_at_its_step(session, tap_path, step
 
 # ------------------------------------------------------------ loops, steps
 
+
 def _scan_loss(c0, a, explicit):
     def body(carry, ai):
         i, c = carry
         h = pmaptap.tap_grad(c * ai, "scan", step=i if explicit else None)
         return (i + 1, h), None
+
     (_, c), _ = lax.scan(body, (0, c0), a)
     return c
 
@@ -270,12 +279,10 @@ def test_scan_one_backward_record_per_iteration(session, tap_path, explicit):
     by_iteration = [105.0, 35.0, 7.0, 1.0]
     if explicit:
         # step=i travels to the backward pass as a residual: forward index.
-        assert sorted((r["step"], r["value"]) for r in recs) == \
-            list(enumerate(by_iteration))
+        assert sorted((r["step"], r["value"]) for r in recs) == list(enumerate(by_iteration))
     else:
         # automatic steps count backward executions: last iteration first.
-        assert [(r["step"], r["value"]) for r in recs] == \
-            list(enumerate(by_iteration[::-1]))
+        assert [(r["step"], r["value"]) for r in recs] == list(enumerate(by_iteration[::-1]))
 
 
 def test_automatic_steps_count_backward_passes_apart_from_forward(session, tap_path):
@@ -286,11 +293,10 @@ def test_automatic_steps_count_backward_passes_apart_from_forward(session, tap_p
     fwd_only = jax.jit(loss)
     for k in range(3):
         grad(jnp.float32(k))
-        fwd_only(jnp.float32(k))           # a forward pass with no backward
+        fwd_only(jnp.float32(k))  # a forward pass with no backward
     recs = _read(session, tap_path)
     assert [r["step"] for r in _named(recs, "p", "forward")] == list(range(6))
-    assert [(r["step"], r["value"]) for r in _named(recs, "p")] == \
-        [(0, 0.0), (1, 2.0), (2, 4.0)]
+    assert [(r["step"], r["value"]) for r in _named(recs, "p")] == [(0, 0.0), (1, 2.0), (2, 4.0)]
 
 
 def test_every_on_backward_records(session, tap_path):
@@ -301,16 +307,19 @@ def test_every_on_backward_records(session, tap_path):
     def scan_loss(c0):
         def body(c, i):
             return pmaptap.tap_grad(c, "traced", step=i, every=3) * 2.0, None
+
         return lax.scan(body, c0, jnp.arange(7))[0]
 
     jax.jit(jax.grad(scan_loss))(1.0)
     # A Python step that is not a multiple of `every`: nothing compiled.
     jax.jit(jax.grad(lambda w: pmaptap.tap_grad(w, "py", step=5, every=2) * w))(1.0)
     recs = _read(session, tap_path)
-    assert [(r["step"], r["value"]) for r in _named(recs, "auto")] == \
-        [(0, 0.0), (2, 2.0), (4, 4.0)]
-    assert sorted((r["step"], r["value"]) for r in _named(recs, "traced")) == \
-        [(0, 2.0 ** 7), (3, 2.0 ** 4), (6, 2.0)]
+    assert [(r["step"], r["value"]) for r in _named(recs, "auto")] == [(0, 0.0), (2, 2.0), (4, 4.0)]
+    assert sorted((r["step"], r["value"]) for r in _named(recs, "traced")) == [
+        (0, 2.0**7),
+        (3, 2.0**4),
+        (6, 2.0),
+    ]
     assert _named(recs, "py") == []
 
 
@@ -319,19 +328,24 @@ def test_checkpoint_recomputation_does_not_repeat_backward_records(session, tap_
     pass. tap_grad sends nothing in the forward pass, so the replay adds no
     record: one backward record per backward execution, steps 0, 1, 2; the
     forward tap on the same value also writes one record per execution."""
+
     def block(w):
         h = pmaptap.tap(pmaptap.tap_grad(jnp.sin(w), "ck"), "ck")
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
 
-    policies = [jax.checkpoint(block),
-                jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)]
+    policies = [
+        jax.checkpoint(block),
+        jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable),
+    ]
     for f in policies:
         for k in range(3):
             jax.jit(jax.grad(f))(jnp.array([0.1 * (k + 1)]))
+
     # remat'd scan body (the usual layer stack), explicit steps per layer
     def stack(w):
         def body(c, i):
             return jnp.sin(pmaptap.tap_grad(c, "layer", step=i)), None
+
         return lax.scan(jax.checkpoint(body), w, jnp.arange(3))[0]
 
     gs = jax.jit(jax.grad(stack))(0.5)
@@ -367,19 +381,18 @@ def test_vmap_per_example_gradients_are_one_batched_record(session, tap_path):
 
 # ------------------------------------------------------------ higher order, jvp
 
+
 def test_second_order_reverse_mode_works_and_records_first_order(session, tap_path):
     def f(x):
         return jnp.sum(pmaptap.tap_grad(jnp.sin(x), "s") ** 2)
 
     x = jnp.array([0.3, 1.1])
     gg = jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))(x)
-    hvp = jax.jvp(jax.grad(f), (x,), (jnp.ones(2),))[1]   # forward-over-reverse
+    hvp = jax.jvp(jax.grad(f), (x,), (jnp.ones(2),))[1]  # forward-over-reverse
     hess = jax.hessian(f)(x)
-    ref_f = lambda x: jnp.sum(jnp.sin(x) ** 2)              # noqa: E731
-    np.testing.assert_allclose(gg, jax.grad(lambda x: jnp.sum(jax.grad(ref_f)(x)))(x),
-                               rtol=1e-6)
-    np.testing.assert_allclose(hvp, jax.jvp(jax.grad(ref_f), (x,), (jnp.ones(2),))[1],
-                               rtol=1e-6)
+    ref_f = lambda x: jnp.sum(jnp.sin(x) ** 2)  # noqa: E731
+    np.testing.assert_allclose(gg, jax.grad(lambda x: jnp.sum(jax.grad(ref_f)(x)))(x), rtol=1e-6)
+    np.testing.assert_allclose(hvp, jax.jvp(jax.grad(ref_f), (x,), (jnp.ones(2),))[1], rtol=1e-6)
     np.testing.assert_allclose(hess, jax.hessian(ref_f)(x), rtol=1e-6)
     recs = _named(_read(session, tap_path), "s")
     # One record per evaluation of the inner backward pass: the first-order
@@ -404,8 +417,11 @@ def test_forward_mode_is_refused_with_a_clear_error(how):
         "jacfwd": lambda: jax.jacfwd(f)(x),
         "grad_of_jvp": lambda: jax.grad(lambda x: jax.jvp(f, (x,), (x,))[1])(x),
     }[how]
-    with pytest.raises(TypeError, match=r"tap_grad\('fm'\): forward-mode .* "
-                                        r"records cotangents of reverse mode only"):
+    with pytest.raises(
+        TypeError,
+        match=r"tap_grad\('fm'\): forward-mode .* "
+        r"records cotangents of reverse mode only",
+    ):
         run()
 
 
@@ -422,17 +438,18 @@ def test_jvp_with_no_tangent_reaching_tap_grad_is_fine():
     # The tangent flows through y only; x's tap_grad sees no forward mode.
     def f(x, y):
         return pmaptap.tap_grad(x, "nt") * 2.0 + y
-    out, t = jax.jvp(lambda y: f(jnp.float32(1.0), y), (jnp.float32(1.0),),
-                     (jnp.float32(1.0),))
+
+    out, t = jax.jvp(lambda y: f(jnp.float32(1.0), y), (jnp.float32(1.0),), (jnp.float32(1.0),))
     assert float(out) == 3.0 and float(t) == 1.0
     pmaptap.flush()
 
 
 # ------------------------------------------------------------ argument checks
 
+
 @pytest.mark.parametrize("kwargs, exc, text", BAD_TAP_ARGS)
 def test_bad_arguments_raise_at_trace_time_without_any_gradient(kwargs, exc, text):
-    kwargs = dict(kwargs)                 # the table is shared: do not mutate it
+    kwargs = dict(kwargs)  # the table is shared: do not mutate it
     name = kwargs.pop("name")
     with pytest.raises(exc, match=r"pmaptap\.tap_grad.*" + text if name == "x" else text):
         jax.jit(lambda v: pmaptap.tap_grad(v, name, **kwargs))(jnp.ones(2))
@@ -454,8 +471,10 @@ def test_exported_from_the_package():
 
 # ------------------------------------------------------------ custom_jvp rules
 
+
 def _sin_tapping_its_tangent(tap):
     """sin with a custom_jvp rule that taps its primal and its tangent."""
+
     @jax.custom_jvp
     def f(x):
         return jnp.sin(x)
@@ -466,6 +485,7 @@ def _sin_tapping_its_tangent(tap):
         tap(dx, "tangent")
         tap(x, "primal")
         return jnp.sin(x), jnp.cos(x) * dx
+
     return f
 
 
@@ -495,14 +515,16 @@ def test_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp(session, t
 
 
 def test_tap_of_a_tangent_under_pmap_grad_and_vmap_jvp(session, tap_path):
-    f = _sin_tapping_its_tangent(
-        lambda v, name: pmaptap.tap(v, name, dedup="per_device"))
+    f = _sin_tapping_its_tangent(lambda v, name: pmaptap.tap(v, name, dedup="per_device"))
     xs = jnp.arange(8.0)
     g = jax.pmap(jax.grad(lambda x: 2 * f(x)))(xs)
     np.testing.assert_allclose(g, 2 * np.cos(np.arange(8.0)), rtol=1e-6)
     _, t = jax.vmap(lambda a: jax.jvp(f, (a,), (3 * a,)))(jnp.arange(3.0))
     recs = _read(session, tap_path)
-    assert {r["device"]: r["value"] for r in recs if r["name"] == "primal" and
-            r.get("device") is not None} == {d: float(d) for d in range(8)}
+    assert {
+        r["device"]: r["value"]
+        for r in recs
+        if r["name"] == "primal" and r.get("device") is not None
+    } == {d: float(d) for d in range(8)}
     (tangent,) = [r for r in recs if r["name"] == "tangent"]
     assert tangent["value"] == [0.0, 3.0, 6.0] and tangent["batch_dims"] == 1

@@ -7,6 +7,7 @@ complete when every local device that runs the tap has reported, when the
 same device reports that key again, when it has waited ``group_timeout``
 seconds (a tap under a ``cond`` that fired on some devices only), or at flush.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,10 +20,10 @@ from typing import Any, Callable
 import numpy as np
 
 from pmaptap._host import shards as shard_host
-from pmaptap._log import log
 from pmaptap._host.encode import encode_rows, encode_tree
-from pmaptap.tapfile.format import MAX_STEP, Record, new_record
+from pmaptap._log import log
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
+from pmaptap.tapfile.format import MAX_STEP, Record, new_record
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class Copy:
     device: int | None
     process: int
     leaves: list[np.ndarray]
-    key: bytes                      # bitwise identity of the value
+    key: bytes  # bitwise identity of the value
     # Per-shard taps (Layout.SHARDS): the shard's partition, its global
     # slice, the partitions holding the same slice, and per-shard summaries.
     partition: int = -1
@@ -66,13 +67,16 @@ class _Table:
         self.devices = [where.device_of(c) for c in self.coords]
         procs = [where.process_of(c) for c in self.coords]
         self.processes = [me if p is None else p for p in procs]
-        self.local = [k for k in range(n)
-                      if spec.placement.device_processes is None or procs[k] == me]
+        self.local = [
+            k for k in range(n) if spec.placement.device_processes is None or procs[k] == me
+        ]
         # Automatic steps count per device (per coordinate where the device
         # is unknown). Outside any mapping (jit, eager) there is one counter,
         # whatever device an eager value sat on.
-        self.counter_keys = [(d if d is not None else c) if spec.placement.axis_names else ()
-                             for d, c in zip(self.devices, self.coords)]
+        self.counter_keys = [
+            (d if d is not None else c) if spec.placement.axis_names else ()
+            for d, c in zip(self.devices, self.coords)
+        ]
         # Record fields of the gathered fast paths (shared, never mutated).
         self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
         self.all_devices = tuple(self.devices)
@@ -89,12 +93,13 @@ def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
     """Split a gathered uint8 payload (copies, bytes) back into stacked leaves
     (copies, *shape) of their own dtypes (see _trace/layouts.gather_packed)."""
     import ml_dtypes  # noqa: F401 - registers bfloat16/float8 with NumPy
+
     n = packed.shape[0]
     out, off = [], 0
     for dtype, shape in packing:
         dt = np.dtype(dtype)
         size = math.prod(shape) * (1 if dt == np.bool_ else dt.itemsize)
-        chunk = np.ascontiguousarray(packed[:, off:off + size])
+        chunk = np.ascontiguousarray(packed[:, off : off + size])
         off += size
         if dt == np.bool_:
             arr = chunk.astype(bool)
@@ -118,16 +123,22 @@ def _rows_identical(stacked: list[np.ndarray]) -> bool:
         if n < 2 or a.size == 0:
             continue
         raw = np.ascontiguousarray(a).tobytes()
-        if raw != raw[:len(raw) // n] * n:
+        if raw != raw[: len(raw) // n] * n:
             return False
     return True
 
 
 class Aggregator:
-    def __init__(self, run: str, process: int, host: str, *,
-                 group_timeout: float = 5.0,
-                 clock: Callable[[], float] = time.time,
-                 attempt: int = 0) -> None:
+    def __init__(
+        self,
+        run: str,
+        process: int,
+        host: str,
+        *,
+        group_timeout: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        attempt: int = 0,
+    ) -> None:
         self.run, self.process, self.host = run, process, host
         self.attempt = attempt
         self.group_timeout = group_timeout
@@ -140,8 +151,9 @@ class Aggregator:
         self._refused: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ input
-    def add(self, spec: TapSpec, coords: np.ndarray, step: int,
-            leaves: list[np.ndarray]) -> list[Record]:
+    def add(
+        self, spec: TapSpec, coords: np.ndarray, step: int, leaves: list[np.ndarray]
+    ) -> list[Record]:
         t = self._table(spec)
         k = _flat(coords, spec.placement.axis_sizes)
         c, device = t.coords[k], t.devices[k]
@@ -156,18 +168,24 @@ class Aggregator:
         if spec.placement.local_copies == 1 and not self._groups:
             # Fast path (plain jit / eager): a group of one is complete now.
             if spec.site.dedup == "per_device":
-                return [self._per_device_record(
-                    spec, int(step), self._value(spec, leaves), t.processes[k],
-                    device, t.coord_dicts[k], self.clock())]
+                return [
+                    self._per_device_record(
+                        spec,
+                        int(step),
+                        self._value(spec, leaves),
+                        t.processes[k],
+                        device,
+                        t.coord_dicts[k],
+                        self.clock(),
+                    )
+                ]
             copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
-            return [self._replicated_record_of_holders(spec, int(step), [copy],
-                                                       False)]
+            return [self._replicated_record_of_holders(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
         gkey = (spec.name, int(step), spec.site.pass_)
         group = self._groups.get(gkey)
-        if group is not None and any(cp.coords == c and cp.device == device
-                                     for cp in group.copies):
+        if group is not None and any(cp.coords == c and cp.device == device for cp in group.copies):
             # Same device again for this key (two tap sites sharing a name,
             # or a fixed Python step in a loop): close the earlier group.
             out += self._resolve(gkey, self._groups.pop(gkey))
@@ -199,8 +217,7 @@ class Aggregator:
         if layout is Layout.GATHERED:
             return self._add_gathered(spec, step, arrays[2:])
         if layout in (Layout.VERIFIED, Layout.VERIFIED_OFF):
-            return self._add_one_copy(spec, step, arrays[2:],
-                                      verified=layout is Layout.VERIFIED)
+            return self._add_one_copy(spec, step, arrays[2:], verified=layout is Layout.VERIFIED)
         raise ValueError(f"unknown payload layout {layout!r}")
 
     def _add_shard(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
@@ -221,9 +238,18 @@ class Aggregator:
             if step % site.every:
                 return []
         leaves, summaries = shard_host.summarize_leaves(site, raw)
-        copy = Copy(spec, (k,), device, place.processes[k], leaves,
-                    value_key(leaves), partition=k, index=place.index_of(k, raw),
-                    slice_key=tuple(place.holders(k)), summaries=summaries)
+        copy = Copy(
+            spec,
+            (k,),
+            device,
+            place.processes[k],
+            leaves,
+            value_key(leaves),
+            partition=k,
+            index=place.index_of(k, raw),
+            slice_key=tuple(place.holders(k)),
+            summaries=summaries,
+        )
         out: list[Record] = []
         gkey = (site.name, step, site.pass_)
         group = self._groups.get(gkey)
@@ -237,8 +263,7 @@ class Aggregator:
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
 
-    def _resolve_shards(self, spec: TapSpec, step: int,
-                        copies: list[Copy]) -> list[Record]:
+    def _resolve_shards(self, spec: TapSpec, step: int, copies: list[Copy]) -> list[Record]:
         """Records of one step's shards on this process (see _host/shards.py)."""
         place, dedup = spec.shards, spec.site.dedup
         out: list[Record] = []
@@ -256,47 +281,74 @@ class Aggregator:
                     continue
                 # Every holder in the job, this process's ones compared; the
                 # other processes' copies are compared in the file (vhash).
-                out.append(self._replicated_record(
-                    spec, step, self._shard_value(spec, cp),
-                    tuple(place.devices[j] for j in holders),
-                    tuple(sorted({place.processes[j] for j in holders})), cp.key,
-                    index=cp.index))
+                out.append(
+                    self._replicated_record(
+                        spec,
+                        step,
+                        self._shard_value(spec, cp),
+                        tuple(place.devices[j] for j in holders),
+                        tuple(sorted({place.processes[j] for j in holders})),
+                        cp.key,
+                        index=cp.index,
+                    )
+                )
                 continue
             if dedup == "auto":
                 out += [self._per_device_record_of_shard(spec, step, cp) for cp in cps]
                 continue
             for group in by_value.values():
-                extra = {"holders": [{"device": h.device, "process": h.process,
-                                      "coords": place.coords[h.partition]}
-                                     for h in group]}
-                out.append(self._replicated_record(
-                    spec, step, self._shard_value(spec, group[0]),
-                    tuple(h.device for h in group),
-                    tuple(sorted({h.process for h in group})), group[0].key,
-                    divergent=True, extra=extra, index=group[0].index))
+                extra = {
+                    "holders": [
+                        {
+                            "device": h.device,
+                            "process": h.process,
+                            "coords": place.coords[h.partition],
+                        }
+                        for h in group
+                    ]
+                }
+                out.append(
+                    self._replicated_record(
+                        spec,
+                        step,
+                        self._shard_value(spec, group[0]),
+                        tuple(h.device for h in group),
+                        tuple(sorted({h.process for h in group})),
+                        group[0].key,
+                        divergent=True,
+                        extra=extra,
+                        index=group[0].index,
+                    )
+                )
         return out
 
     def _shard_value(self, spec: TapSpec, cp: Copy) -> tuple:
         return encode_tree(spec.site.treedef, cp.leaves, cp.summaries)
 
-    def _per_device_record_of_shard(self, spec: TapSpec, step: int,
-                                    cp: Copy) -> Record:
+    def _per_device_record_of_shard(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         """The per_device record of one shard's copy (with its index)."""
         return self._per_device_record(
-            spec, step, self._shard_value(spec, cp), cp.process, cp.device,
-            spec.shards.coords[cp.partition], self.clock(), index=cp.index)
+            spec,
+            step,
+            self._shard_value(spec, cp),
+            cp.process,
+            cp.device,
+            spec.shards.coords[cp.partition],
+            self.clock(),
+            index=cp.index,
+        )
 
     def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
         """A group payload: coords, one step per member, then every member's
         gathered leaves (packed when spec.packing)."""
         m = len(spec.members)
-        coords, steps, payload = arrays[0], arrays[1:1 + m], arrays[1 + m:]
+        coords, steps, payload = arrays[0], arrays[1 : 1 + m], arrays[1 + m :]
         if spec.packing:
             payload = unpack(payload[0], spec.packing)
         out: list[Record] = []
         i = 0
         for member, step, n in zip(spec.members, steps, spec.member_leaves):
-            leaves = payload[i:i + n]
+            leaves = payload[i : i + n]
             i += n
             if member.transport.layout is Layout.VERIFIED_OFF:
                 # Written from the caller's own copy, unverified, exactly as
@@ -321,8 +373,7 @@ class Aggregator:
         if keys is None:
             # Built once per site: this runs for every gathered payload (the
             # tuples cost more than the counting on a scalar tap's path).
-            keys = t.auto_keys = [(spec.name, spec.site.pass_, t.counter_keys[k])
-                                  for k in t.local]
+            keys = t.auto_keys = [(spec.name, spec.site.pass_, t.counter_keys[k]) for k in t.local]
         if not keys:
             return 0
         get = self._counters.get
@@ -338,8 +389,7 @@ class Aggregator:
         step = self._auto_step(spec, t)
         return None if step % spec.site.every else step
 
-    def _add_gathered(self, spec: TapSpec, step: int,
-                      stacked: list[np.ndarray]) -> list[Record]:
+    def _add_gathered(self, spec: TapSpec, step: int, stacked: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
         step = self._step_or_skip(spec, t, step)
         if step is None:
@@ -353,28 +403,39 @@ class Aggregator:
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
             encoded = encode_rows(spec.site.treedef, stacked, [0], spec.site.summaries)[0]
-            return [self._replicated_record_of_all(spec, step, t, encoded,
-                                                   value_key(row0))]
+            return [self._replicated_record_of_all(spec, step, t, encoded, value_key(row0))]
         copies = []
-        for k in range(spec.placement.total_copies):      # copies disagree: key each one
+        for k in range(spec.placement.total_copies):  # copies disagree: key each one
             row = [a[k] for a in stacked]
-            copies.append(Copy(spec, t.coords[k], t.devices[k], t.processes[k],
-                               row, value_key(row)))
+            copies.append(
+                Copy(spec, t.coords[k], t.devices[k], t.processes[k], row, value_key(row))
+            )
         # Replicated / agreeing auto: every process sees all copies, writes
         # the same record(s), and the file-level index keeps one. Disagreeing
         # auto becomes per-device records: of this process's devices only.
-        return self._resolve((spec.name, step, spec.site.pass_), _Group(self.clock(), copies),
-                             local={t.coords[k] for k in t.local})
+        return self._resolve(
+            (spec.name, step, spec.site.pass_),
+            _Group(self.clock(), copies),
+            local={t.coords[k] for k in t.local},
+        )
 
-    def _add_one_copy(self, spec: TapSpec, step: int, leaves: list[np.ndarray],
-                      *, verified: bool) -> list[Record]:
+    def _add_one_copy(
+        self, spec: TapSpec, step: int, leaves: list[np.ndarray], *, verified: bool
+    ) -> list[Record]:
         t = self._table(spec)
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        return [self._replicated_record_of_all(
-            spec, step, t, self._value(spec, leaves), value_key(leaves),
-            extra=None if verified else {"verified": False})]
+        return [
+            self._replicated_record_of_all(
+                spec,
+                step,
+                t,
+                self._value(spec, leaves),
+                value_key(leaves),
+                extra=None if verified else {"verified": False},
+            )
+        ]
 
     def expire(self) -> list[Record]:
         now = self.clock()
@@ -409,27 +470,45 @@ class Aggregator:
             log.warning(
                 f"pmaptap refused {count} callback(s) of tap {name!r}: traced "
                 f"step {example} is outside 0..2**63-1 (steps are int64 >= "
-                "0); nothing was written for them.")
-            out.append(Record(
-                run=self.run, name="pmaptap/refused", step=0, kind="meta",
-                value=count, dtype="int64", shape=[], process=self.process,
-                time=self.clock(), host=self.host,
-                extra={"tap": name, "reason": "step out of range",
-                       "example_step": example}))
+                "0); nothing was written for them."
+            )
+            out.append(
+                Record(
+                    run=self.run,
+                    name="pmaptap/refused",
+                    step=0,
+                    kind="meta",
+                    value=count,
+                    dtype="int64",
+                    shape=[],
+                    process=self.process,
+                    time=self.clock(),
+                    host=self.host,
+                    extra={"tap": name, "reason": "step out of range", "example_step": example},
+                )
+            )
         return out
 
     def dropped_record(self, new: int, total: int, policy: str) -> Record:
         """The meta record of overflow drops since the last one (written at
         the next flush/close; never dropped itself)."""
         return Record(
-            run=self.run, name="pmaptap/dropped", step=total, kind="meta",
-            value=new, dtype="int64", shape=[], process=self.process,
-            time=self.clock(), host=self.host, attempt=self.attempt,
-            extra={"dropped_total": total, "policy": policy})
+            run=self.run,
+            name="pmaptap/dropped",
+            step=total,
+            kind="meta",
+            value=new,
+            dtype="int64",
+            shape=[],
+            process=self.process,
+            time=self.clock(),
+            host=self.host,
+            attempt=self.attempt,
+            extra={"dropped_total": total, "policy": policy},
+        )
 
     # ------------------------------------------------------------ dedup
-    def _resolve(self, gkey: tuple, group: _Group,
-                 local: set | None = None) -> list[Record]:
+    def _resolve(self, gkey: tuple, group: _Group, local: set | None = None) -> list[Record]:
         """Records of one complete group. ``local``: the coordinates whose
         per-device records this process writes (None: all it received)."""
         copies = sorted(group.copies, key=lambda cp: cp.coords)
@@ -441,26 +520,37 @@ class Aggregator:
         for cp in copies:
             by_value.setdefault(cp.key, []).append(cp)
         if spec.site.dedup == "per_device" or (spec.site.dedup == "auto" and len(by_value) > 1):
-            return [self._per_device_record_of_copy(spec, step, cp)
-                    for cp in copies if local is None or cp.coords in local]
+            return [
+                self._per_device_record_of_copy(spec, step, cp)
+                for cp in copies
+                if local is None or cp.coords in local
+            ]
         divergent = len(by_value) > 1
-        return [self._replicated_record_of_holders(spec, step, holders, divergent)
-                for holders in by_value.values()]
+        return [
+            self._replicated_record_of_holders(spec, step, holders, divergent)
+            for holders in by_value.values()
+        ]
 
     def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
         return encode_tree(spec.site.treedef, leaves, spec.site.summaries)
 
     # Record builders: one per kind (_per_device_record, _replicated_record,
     # dropped_record); the *_of_* helpers say what they build it from.
-    def _per_device_record_of_copy(self, spec: TapSpec, step: int,
-                                   cp: Copy) -> Record:
+    def _per_device_record_of_copy(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         """The per_device record of one device's copy (grouped path)."""
         return self._per_device_record(
-            spec, step, self._value(spec, cp.leaves), cp.process, cp.device,
-            dict(zip(spec.placement.axis_names, cp.coords)), self.clock())
+            spec,
+            step,
+            self._value(spec, cp.leaves),
+            cp.process,
+            cp.device,
+            dict(zip(spec.placement.axis_names, cp.coords)),
+            self.clock(),
+        )
 
-    def _per_device_records_of_rows(self, spec: TapSpec, t: "_Table", step: int,
-                                    encoded: list[tuple]) -> list[Record]:
+    def _per_device_records_of_rows(
+        self, spec: TapSpec, t: "_Table", step: int, encoded: list[tuple]
+    ) -> list[Record]:
         """The per_device records of a gathered payload, one per local device
         (``encoded`` in ``t.local`` order). Every field but the step, the value
         and the time is the same at every step of a site, so each record is a
@@ -473,47 +563,93 @@ class Aggregator:
         templates = t.per_device_templates.get(key)
         if templates is None:
             templates = t.per_device_templates[key] = [
-                dict(self._per_device_record(spec, 0, (None, None, None), t.processes[k],
-                                             t.devices[k], t.coord_dicts[k], 0.0).__dict__)
-                for k in t.local]
+                dict(
+                    self._per_device_record(
+                        spec,
+                        0,
+                        (None, None, None),
+                        t.processes[k],
+                        t.devices[k],
+                        t.coord_dicts[k],
+                        0.0,
+                    ).__dict__
+                )
+                for k in t.local
+            ]
         now = self.clock()
         out = []
         for template, (value, dtype, shape) in zip(templates, encoded):
             r = object.__new__(Record)
             d = r.__dict__
             d.update(template)
-            d["step"], d["value"], d["dtype"], d["shape"], d["time"] = \
-                step, value, dtype, shape, now
+            d["step"], d["value"], d["dtype"], d["shape"], d["time"] = (
+                step,
+                value,
+                dtype,
+                shape,
+                now,
+            )
             out.append(r)
         return out
 
-    def _per_device_record(self, spec: TapSpec, step: int, encoded: tuple,
-                           process: int, device: int | None, coords: dict,
-                           now: float, index: Any = None) -> Record:
+    def _per_device_record(
+        self,
+        spec: TapSpec,
+        step: int,
+        encoded: tuple,
+        process: int,
+        device: int | None,
+        coords: dict,
+        now: float,
+        index: Any = None,
+    ) -> Record:
         """The per_device record builder."""
         value, dtype, shape = encoded
         return new_record(
-            run=self.run, name=spec.name, step=step, kind="per_device",
-            value=value, dtype=dtype, shape=shape, process=process, time=now,
-            host=self.host, device=device, coords=coords,
-            batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries), index=index,
-            attempt=self.attempt)
+            run=self.run,
+            name=spec.name,
+            step=step,
+            kind="per_device",
+            value=value,
+            dtype=dtype,
+            shape=shape,
+            process=process,
+            time=now,
+            host=self.host,
+            device=device,
+            coords=coords,
+            batch_dims=spec.site.batch_dims,
+            pass_=spec.site.pass_,
+            summarized=bool(spec.site.summaries),
+            index=index,
+            attempt=self.attempt,
+        )
 
-    def _replicated_record_of_all(self, spec: TapSpec, step: int, t: _Table,
-                                  encoded: tuple, key: bytes,
-                                  extra: dict | None = None) -> Record:
+    def _replicated_record_of_all(
+        self,
+        spec: TapSpec,
+        step: int,
+        t: _Table,
+        encoded: tuple,
+        key: bytes,
+        extra: dict | None = None,
+    ) -> Record:
         """The replicated record of a value every copy of the tap site holds
         (agreement established). A copy of a per-site template, as
         ``_per_device_records_of_rows``: only the step, value, time and value
         hash change from step to step."""
-        tkey = (spec.site.batch_dims, spec.site.summaries,
-                None if extra is None else tuple(sorted(extra.items())))
+        tkey = (
+            spec.site.batch_dims,
+            spec.site.summaries,
+            None if extra is None else tuple(sorted(extra.items())),
+        )
         template = t.replicated_templates.get(tkey)
         if template is None:
-            template = t.replicated_templates[tkey] = dict(self._replicated_record(
-                spec, 0, (None, None, None), t.all_devices, t.all_processes, b"",
-                extra=extra).__dict__)
+            template = t.replicated_templates[tkey] = dict(
+                self._replicated_record(
+                    spec, 0, (None, None, None), t.all_devices, t.all_processes, b"", extra=extra
+                ).__dict__
+            )
         r = object.__new__(Record)
         d = r.__dict__
         d.update(template)
@@ -522,36 +658,71 @@ class Aggregator:
         d["vhash"] = hashlib.blake2b(key, digest_size=8).hexdigest()
         return r
 
-    def _replicated_record_of_holders(self, spec: TapSpec, step: int,
-                                      holders: list[Copy],
-                                      divergent: bool) -> Record:
+    def _replicated_record_of_holders(
+        self, spec: TapSpec, step: int, holders: list[Copy], divergent: bool
+    ) -> Record:
         """The replicated record of one value and the copies that hold it
         (all of a group, or one of a divergent group's values)."""
         extra = None
         if divergent:
             # Which coordinates held this value: the device may be unknown
             # (null) but the coordinates never are.
-            extra = {"holders": [{"device": h.device, "process": h.process,
-                                  "coords": dict(zip(spec.placement.axis_names, h.coords))}
-                                 for h in holders]}
+            extra = {
+                "holders": [
+                    {
+                        "device": h.device,
+                        "process": h.process,
+                        "coords": dict(zip(spec.placement.axis_names, h.coords)),
+                    }
+                    for h in holders
+                ]
+            }
         return self._replicated_record(
-            spec, step, self._value(spec, holders[0].leaves),
+            spec,
+            step,
+            self._value(spec, holders[0].leaves),
             tuple(h.device for h in holders),
-            tuple(sorted({h.process for h in holders})), holders[0].key,
-            divergent=divergent, extra=extra)
+            tuple(sorted({h.process for h in holders})),
+            holders[0].key,
+            divergent=divergent,
+            extra=extra,
+        )
 
-    def _replicated_record(self, spec: TapSpec, step: int, encoded: tuple,
-                           devices: tuple, processes: tuple, key: bytes, *,
-                           divergent: bool = False, extra: dict | None = None,
-                           index: Any = None) -> Record:
+    def _replicated_record(
+        self,
+        spec: TapSpec,
+        step: int,
+        encoded: tuple,
+        devices: tuple,
+        processes: tuple,
+        key: bytes,
+        *,
+        divergent: bool = False,
+        extra: dict | None = None,
+        index: Any = None,
+    ) -> Record:
         """The replicated record builder."""
         value, dtype, shape = encoded
         return new_record(
-            run=self.run, name=spec.name, step=step, kind="replicated",
-            value=value, dtype=dtype, shape=shape, process=self.process,
-            time=self.clock(), host=self.host, replicas=len(devices),
-            devices=devices, processes=processes, divergent=divergent,
-            batch_dims=spec.site.batch_dims, pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries), extra=extra, index=index,
+            run=self.run,
+            name=spec.name,
+            step=step,
+            kind="replicated",
+            value=value,
+            dtype=dtype,
+            shape=shape,
+            process=self.process,
+            time=self.clock(),
+            host=self.host,
+            replicas=len(devices),
+            devices=devices,
+            processes=processes,
+            divergent=divergent,
+            batch_dims=spec.site.batch_dims,
+            pass_=spec.site.pass_,
+            summarized=bool(spec.site.summaries),
+            extra=extra,
+            index=index,
             vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
-            attempt=self.attempt)
+            attempt=self.attempt,
+        )

@@ -1,11 +1,12 @@
 """Taps without a session: one readable line per record on stderr."""
+
 from __future__ import annotations
 
 import logging
 from typing import Sequence, TextIO
 
-from pmaptap._log import console_log
 from pmaptap._host.sink import Sink
+from pmaptap._log import console_log
 from pmaptap.tapfile.format import Record, encode_line, index_text
 
 

@@ -24,6 +24,7 @@ raises: a line that is not a record (another program's bytes, a torn line, a
 byte offset and reason kept in ``first_corrupt`` for the sink's warning. It
 costs that line only, never a write.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,6 @@ from pmaptap.tapfile.parse import parse_line
 _REPLICATED_MARK = b'"kind":"replicated"'
 
 
-
 class CrossProcessIndex:
     def __init__(self, process: int = 0, max_keys: int = 200_000) -> None:
         self.process = process
@@ -47,7 +47,7 @@ class CrossProcessIndex:
         self.divergent = 0
         # Lines that looked replicated but were not records.
         self.corrupt = 0
-        self.first_corrupt: tuple[int, str] | None = None   # (offset, why)
+        self.first_corrupt: tuple[int, str] | None = None  # (offset, why)
 
     def reset(self) -> None:
         """Forget the file's contents (it was truncated or replaced): records
@@ -63,8 +63,7 @@ class CrossProcessIndex:
         hashes.setdefault(vhash, set()).add(process)
 
     def _others(self, key: tuple) -> set[str]:
-        return {h for h, procs in self._seen.get(key, {}).items()
-                if procs - {self.process}}
+        return {h for h, procs in self._seen.get(key, {}).items() if procs - {self.process}}
 
     def observe(self, data: bytes, offset: int = 0) -> None:
         """Index replicated records among bytes other processes appended
@@ -97,7 +96,7 @@ class CrossProcessIndex:
             key = record_key(r)
             others = self._others(key)
             if r.vhash in others:
-                self.skipped += 1          # another process wrote this value
+                self.skipped += 1  # another process wrote this value
                 continue
             if others and not r.divergent:
                 r = dataclasses.replace(r, divergent=True)

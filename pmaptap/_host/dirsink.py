@@ -16,6 +16,7 @@ replicated record (a per-process tap in the copy layout, a side ``Writer``, a
 keep one copy of each value, flagging different values divergent: nothing a
 non-owner saw can be lost because the owner never saw it.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,12 @@ def mine(r: Record, process: int) -> bool:
     """Does ``process`` write ``r`` in the sharded layout? Yes, unless it is
     a replicated value that several processes verified on device and another
     of them owns."""
-    if r.kind != "replicated" or not r.processes or len(r.processes) < 2 \
-            or (r.extra and r.extra.get("verified") is False):
+    if (
+        r.kind != "replicated"
+        or not r.processes
+        or len(r.processes) < 2
+        or (r.extra and r.extra.get("verified") is False)
+    ):
         return True
     return runs.owner(record_key(r), r.processes) == process
 
@@ -43,12 +48,13 @@ class DirectorySink(Sink):
     def __init__(self, path: str, *, process: int | None = None) -> None:
         if process is None:
             import jax
+
             process = jax.process_index()
         self.process = int(process)
         self.run_path = os.path.abspath(os.fspath(path))
         self.path = prepare_path(runs.shard_path(self.run_path, self.process))
         try:
-            os.remove(self.path + ".lock")   # prepare_path's; no lock here
+            os.remove(self.path + ".lock")  # prepare_path's; no lock here
         except OSError:
             pass
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
@@ -57,8 +63,8 @@ class DirectorySink(Sink):
         self._torn = bool(size) and os.pread(self._fd, 1, size - 1) != b"\n"
         self.lines_written = 0
         self.bytes_written = 0
-        self.bytes_read = 0     # never reads another process's output
-        self.skipped = 0        # replicated values left to their owner
+        self.bytes_read = 0  # never reads another process's output
+        self.skipped = 0  # replicated values left to their owner
         self.repairs = 0
         self.replacements = 0
         self.rejected: list[str] = []
@@ -85,7 +91,7 @@ class DirectorySink(Sink):
             self.repairs += 1
         self.lines_written += len(keep)
         self.bytes_written += written
-        return keep     # what was written: the session's forwarders get these
+        return keep  # what was written: the session's forwarders get these
 
     def _reopen_if_replaced(self) -> None:
         """The shard moved away or removed under us (log rotation, a clean-up
@@ -103,9 +109,11 @@ class DirectorySink(Sink):
         self._fd = fd
         self.replacements += 1
         if self.replacements == 1:
-            log.warning(f"pmaptap: {self.path!r} was replaced or removed under "
-                        "this writer; appending continues to the file now at "
-                        "that path (counted in DirectorySink.replacements).")
+            log.warning(
+                f"pmaptap: {self.path!r} was replaced or removed under "
+                "this writer; appending continues to the file now at "
+                "that path (counted in DirectorySink.replacements)."
+            )
 
     def close(self) -> None:
         if self._fd >= 0:

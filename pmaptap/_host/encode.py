@@ -4,6 +4,7 @@ records (the format itself lives in ``pmaptap.tapfile.format``).
 Arrays up to ``_SHORT_REPR_MAX`` elements get the shortest repr of their own
 precision; non-finite floats become the format's ``NONFINITE`` markers.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,20 +12,28 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from pmaptap.tapfile.format import (COUNT_BASE, NAN, NEG_INF, ORJSON, ORJSON_OPTS,
-                                    POS_INF, SUMMARY_FIELDS, is_float_like,
-                                    is_narrow_int)
+from pmaptap.tapfile.format import (
+    COUNT_BASE,
+    NAN,
+    NEG_INF,
+    ORJSON,
+    ORJSON_OPTS,
+    POS_INF,
+    SUMMARY_FIELDS,
+    is_float_like,
+    is_narrow_int,
+)
 
 # Arrays up to this size get the shortest repr of their own precision
 # (0.1 in float32 is written 0.1, not 0.10000000149011612).
 _SHORT_REPR_MAX = 4096
 
+
 def _nonfinite_list(out: np.ndarray) -> Any:
-    out = np.asarray(out)      # a NumPy scalar (a row of a stacked 1-D leaf)
+    out = np.asarray(out)  # a NumPy scalar (a row of a stacked 1-D leaf)
     if out.dtype == np.float32 and out.size <= _SHORT_REPR_MAX:
         # shortest float32 repr for the finite elements (0.1, not 0.1000000015)
-        obj = np.array([float(str(v)) for v in out.reshape(-1)],
-                       dtype=object).reshape(out.shape)
+        obj = np.array([float(str(v)) for v in out.reshape(-1)], dtype=object).reshape(out.shape)
     else:
         obj = out.astype(np.float64).astype(object)
     obj[np.isnan(out)] = NAN
@@ -37,14 +46,17 @@ def _float_value(a: np.ndarray) -> Any:
     """float-like array -> JSON-able value (finite: a float32/64 array that
     orjson writes with the shortest repr of its own precision)."""
     if a.dtype not in (np.float32, np.float64):
-        a = a.astype(np.float32)      # bf16 / fp8 / f16 widen exactly
+        a = a.astype(np.float32)  # bf16 / fp8 / f16 widen exactly
     if not np.isfinite(a).all():
         return _nonfinite_list(a)
     if ORJSON is None:
         if a.size <= _SHORT_REPR_MAX and a.dtype == np.float32:
             # str() of a float32 is its shortest round-trip repr.
-            return np.array([float(str(v)) for v in a.reshape(-1)],
-                            dtype=np.float64).reshape(a.shape).tolist()
+            return (
+                np.array([float(str(v)) for v in a.reshape(-1)], dtype=np.float64)
+                .reshape(a.shape)
+                .tolist()
+            )
         return a.tolist()
     return a[()] if a.ndim == 0 else np.ascontiguousarray(a)
 
@@ -56,7 +68,7 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
         v = a.item()
         if dt.kind != "f" or math.isfinite(v):
             if dt == np.float32:
-                v = float(str(a[()]))      # shortest float32 repr
+                v = float(str(a[()]))  # shortest float32 repr
             return v, _dtype_name(dt), []
     if dt.kind == "b" or dt.kind in "iu":
         if ORJSON is None or a.ndim == 0:
@@ -75,8 +87,10 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
 
 
 _DTYPE_NAMES: dict = {}
-_FAST_SCALARS = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32,
-                                               np.int64, np.uint32, np.uint64, np.bool_))
+_FAST_SCALARS = frozenset(
+    np.dtype(t)
+    for t in (np.float32, np.float64, np.int32, np.int64, np.uint32, np.uint64, np.bool_)
+)
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -87,14 +101,15 @@ def _dtype_name(dt: np.dtype) -> str:
     return name
 
 
-def encode_summary(stats: np.ndarray, dtype: str,
-                   shape: tuple[int, ...]) -> tuple[dict, str, list[int]]:
+def encode_summary(
+    stats: np.ndarray, dtype: str, shape: tuple[int, ...]
+) -> tuple[dict, str, list[int]]:
     """float32[..., 8] statistics -> ({"min": ..., "nan": ...}, the original
     dtype, the original shape after any leading vmap axes of ``stats``)."""
     stats = np.asarray(stats, np.float32)
     value: dict[str, Any] = {}
     for i, field in enumerate(SUMMARY_FIELDS[:4]):
-        value[field] = _float_value(stats[..., i].copy())   # 0-d stays 0-d
+        value[field] = _float_value(stats[..., i].copy())  # 0-d stays 0-d
     for j, field in enumerate(SUMMARY_FIELDS[4:]):
         hi = stats[..., 4 + 2 * j].astype(np.int64)
         lo = stats[..., 5 + 2 * j].astype(np.int64)
@@ -105,12 +120,12 @@ def encode_summary(stats: np.ndarray, dtype: str,
 def _structure(treedef, it: Iterator[Any]) -> Any:
     """Rebuild a pytree's nesting as JSON containers."""
     import jax
+
     if jax.tree_util.treedef_is_leaf(treedef):
         return next(it) if treedef.num_leaves == 1 else None
     typ, aux = treedef.node_data()
     vals = [_structure(c, it) for c in treedef.children()]
-    if isinstance(aux, (list, tuple)) and len(aux) == len(vals) and \
-            issubclass(typ, dict):
+    if isinstance(aux, (list, tuple)) and len(aux) == len(vals) and issubclass(typ, dict):
         return {str(k): v for k, v in zip(aux, vals)}
     if hasattr(typ, "_fields"):
         return dict(zip(typ._fields, vals))
@@ -135,16 +150,16 @@ def _attribute_names(treedef) -> tuple[str, ...] | None:
         return _ATTRIBUTE_NAMES[treedef]
     except KeyError:
         pass
-    except TypeError:                 # an unhashable node's aux data
+    except TypeError:  # an unhashable node's aux data
         return None
     import jax
+
     names = None
     try:
         # Rebuild the node around placeholder leaves and read its children's
         # keys; a node that refuses placeholders keeps the list form.
         node = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
-        keyed, _ = jax.tree_util.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node)
+        keyed, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
         keys = [path[0] for path, _ in keyed]
         if keys and all(isinstance(k, jax.tree_util.GetAttrKey) for k in keys):
             names = tuple(k.name for k in keys)
@@ -154,8 +169,9 @@ def _attribute_names(treedef) -> tuple[str, ...] | None:
     return names
 
 
-def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],
-                summaries: tuple = ()) -> list[tuple[Any, Any, Any]]:
+def encode_rows(
+    treedef, stacked: list[np.ndarray], rows: list[int], summaries: tuple = ()
+) -> list[tuple[Any, Any, Any]]:
     """``encode_tree`` of row k of every stacked leaf (copies, *shape), for
     each k in ``rows``: the gathered payloads' per-copy values.
 
@@ -163,9 +179,14 @@ def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],
     once (one orjson round trip gives every scalar its shortest repr; array
     rows stay NumPy views for orjson to write), ~10x less Python per copy
     than row by row. Everything else goes row by row."""
-    if ORJSON is not None and not summaries and len(stacked) == 1 and \
-            treedef.num_nodes == 1 and treedef.num_leaves == 1:
-        a = np.ascontiguousarray(stacked[0])    # orjson takes C order only
+    if (
+        ORJSON is not None
+        and not summaries
+        and len(stacked) == 1
+        and treedef.num_nodes == 1
+        and treedef.num_leaves == 1
+    ):
+        a = np.ascontiguousarray(stacked[0])  # orjson takes C order only
         dt = a.dtype
         if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
             name, shape = _dtype_name(dt), list(a.shape[1:])
@@ -176,15 +197,13 @@ def encode_rows(treedef, stacked: list[np.ndarray], rows: list[int],
     return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
 
 
-def encode_tree(treedef, leaves: list[np.ndarray],
-                summaries: tuple = ()) -> tuple[Any, Any, Any]:
+def encode_tree(treedef, leaves: list[np.ndarray], summaries: tuple = ()) -> tuple[Any, Any, Any]:
     """(value, dtype, shape) of a pytree; ``summaries`` (TapSpec.summaries)
     marks the leaves that arrive as statistics."""
-    encoded = [encode_summary(a, *summaries[i]) if summaries and summaries[i]
-               else encode_array(a) for i, a in enumerate(leaves)]
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:   # a single array
+    encoded = [
+        encode_summary(a, *summaries[i]) if summaries and summaries[i] else encode_array(a)
+        for i, a in enumerate(leaves)
+    ]
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a single array
         return encoded[0]
-    return tuple(_structure(treedef, iter([e[i] for e in encoded]))
-                 for i in range(3))
-
-
+    return tuple(_structure(treedef, iter([e[i] for e in encoded])) for i in range(3))

@@ -10,6 +10,7 @@ that raises or is slow never delays the file or the training step. When the
 queue is full the oldest records are dropped and counted; failures and drops
 are reported once, as a TapError at the next ``flush()``/``close()``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,21 +28,29 @@ def check_targets(targets: Iterable[Any] | None) -> list[Any]:
     """Validate ``forward=`` where the user passed it (Session.__init__)."""
     if targets is None:
         return []
-    if callable(targets) or hasattr(targets, "write_scalars") or \
-            isinstance(targets, (str, bytes)) or not isinstance(targets, Iterable):
-        raise TypeError("Session: forward must be a list of forwarders, "
-                        f"got {targets!r}; wrap a single one as forward=[f]")
+    if (
+        callable(targets)
+        or hasattr(targets, "write_scalars")
+        or isinstance(targets, (str, bytes))
+        or not isinstance(targets, Iterable)
+    ):
+        raise TypeError(
+            "Session: forward must be a list of forwarders, "
+            f"got {targets!r}; wrap a single one as forward=[f]"
+        )
     out = list(targets)
     for i, t in enumerate(out):
         ws = getattr(t, "write_scalars", None)
         if ws is not None and not callable(ws):
-            raise TypeError(f"Session: forward[{i}] ({t!r}) has a "
-                            "write_scalars attribute that is not callable")
+            raise TypeError(
+                f"Session: forward[{i}] ({t!r}) has a write_scalars attribute that is not callable"
+            )
         if ws is None and not callable(t):
             raise TypeError(
                 f"Session: forward[{i}] must be a callable taking a record "
                 "dict, or an object with write_scalars(step, mapping) (the "
-                f"CLU MetricWriter protocol); got {t!r}")
+                f"CLU MetricWriter protocol); got {t!r}"
+            )
     return out
 
 
@@ -61,7 +70,7 @@ def scalar_series(rec: dict) -> Iterator[tuple[str, float]]:
         d = rec.get("device")
         suffix = f"/device_{'unknown' if d is None else d}"
     for path, v, _dtype in leaves(rec.get("value"), rec.get("dtype")):
-        if isinstance(v, (int, float)):      # bool is an int: 0/1
+        if isinstance(v, (int, float)):  # bool is an int: 0/1
             yield base + path + suffix, float(v)
 
 
@@ -114,15 +123,16 @@ class _Target:
 class Forwarders:
     """The forwarding thread of one pipeline and its bounded queue."""
 
-    def __init__(self, targets: Sequence[Any], *, max_pending: int = 100_000,
-                 name: str = "pmaptap-forward") -> None:
+    def __init__(
+        self, targets: Sequence[Any], *, max_pending: int = 100_000, name: str = "pmaptap-forward"
+    ) -> None:
         self.targets = [_Target(t) for t in targets]
         self.max_pending = max_pending
         self._queue: collections.deque[Record] = collections.deque()
         self._cond = threading.Condition()
-        self._offered = 0          # records offered (dropped ones included)
-        self._done = 0             # records forwarded or dropped
-        self._dropped = 0          # since the last report
+        self._offered = 0  # records offered (dropped ones included)
+        self._done = 0  # records forwarded or dropped
+        self._dropped = 0  # since the last report
         self.dropped_total = 0
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
@@ -205,15 +215,17 @@ class Forwarders:
         with self._cond:
             dropped, self._dropped = self._dropped, 0
         if dropped:
-            parts.append(f"{dropped} record(s) were not forwarded (the "
-                         f"forwarders fell {self.max_pending} records behind, "
-                         "or close() timed out waiting for them)")
+            parts.append(
+                f"{dropped} record(s) were not forwarded (the "
+                f"forwarders fell {self.max_pending} records behind, "
+                "or close() timed out waiting for them)"
+            )
         for t in self.targets:
             if t.failures:
-                parts.append(f"forwarder {t.name()} failed {t.failures} "
-                             f"time(s), first: {t.first_error!r}")
+                parts.append(
+                    f"forwarder {t.name()} failed {t.failures} time(s), first: {t.first_error!r}"
+                )
                 t.failures, t.first_error = 0, None
         if not parts:
             return None
-        return ("pmaptap forwarding: " + "; ".join(parts) +
-                ". The tap file holds every record.")
+        return "pmaptap forwarding: " + "; ".join(parts) + ". The tap file holds every record."

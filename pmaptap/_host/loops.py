@@ -4,6 +4,7 @@ Both take from the pipeline's ``BoundedQueue`` and never raise: a failure is
 handed to ``report`` (the pipeline's error log) and surfaces as a TapError at
 the next flush()/close().
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pmaptap._log import log
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
+from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError
 from pmaptap.tapfile.format import Record
 
@@ -29,8 +30,7 @@ class AggregateLoop:
     """Payloads -> records: NumPy conversion, steps, grouping and dedup (the
     ``Aggregator``), off the callback thread."""
 
-    def __init__(self, queue: BoundedQueue, agg: Aggregator, report: Report,
-                 *, name: str) -> None:
+    def __init__(self, queue: BoundedQueue, agg: Aggregator, report: Report, *, name: str) -> None:
         self.queue = queue
         self.agg = agg
         self.report = report
@@ -87,20 +87,29 @@ class AggregateLoop:
         if not new:
             return []
         policy = self.queue.overflow
-        log.warning(f"pmaptap dropped {new} tap event(s) (total {total}) "
-                    f"under overflow policy {policy!r}; raise "
-                    "max_pending/max_pending_bytes or use overflow='block'.")
+        log.warning(
+            f"pmaptap dropped {new} tap event(s) (total {total}) "
+            f"under overflow policy {policy!r}; raise "
+            "max_pending/max_pending_bytes or use overflow='block'."
+        )
         return [self.agg.dropped_record(new, total, policy)]
 
 
 class WriteLoop:
     """Records -> sink, in batches; a failed batch is kept and retried."""
 
-    def __init__(self, queue: BoundedQueue, sink: Sink, report: Report, *,
-                 name: str, flush_interval: float, retry_interval: float,
-                 max_batch: int,
-                 on_written: Callable[[Sequence[Record]], None] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        queue: BoundedQueue,
+        sink: Sink,
+        report: Report,
+        *,
+        name: str,
+        flush_interval: float,
+        retry_interval: float,
+        max_batch: int,
+        on_written: Callable[[Sequence[Record]], None] | None = None,
+    ) -> None:
         self.queue = queue
         # Gets what the sink wrote (after dedup), for live forwarding; it
         # must not wait (Forwarders.offer only queues).
@@ -123,8 +132,7 @@ class WriteLoop:
 
     def _run(self) -> None:
         while True:
-            batch, markers = self.queue.take_batch(self.flush_interval,
-                                                   self.max_batch)
+            batch, markers = self.queue.take_batch(self.flush_interval, self.max_batch)
             ok = self._write(batch)
             if not ok:
                 # Keep the records (in order) for a later retry; the markers
@@ -144,9 +152,11 @@ class WriteLoop:
             self.busy_since = now
         elif not self.busy_warned and now - self.busy_since >= LOCK_WAIT_WARN_S:
             self.busy_warned = True
-            log.warning(f"pmaptap: waiting {now - self.busy_since:.0f}s for the "
-                        f"lock of {getattr(self.sink, 'path', '?')}; taps keep "
-                        f"running and records stay queued ({e})")
+            log.warning(
+                f"pmaptap: waiting {now - self.busy_since:.0f}s for the "
+                f"lock of {getattr(self.sink, 'path', '?')}; taps keep "
+                f"running and records stay queued ({e})"
+            )
 
     def _write(self, batch: list[tuple[Record, int]]) -> bool:
         if not batch:
@@ -163,19 +173,24 @@ class WriteLoop:
         rejected = getattr(self.sink, "rejected", None)
         if rejected:
             # Written as pmaptap/unencodable meta records in their place.
-            self.report(TapError(
-                f"{len(rejected)} record(s) could not be encoded as JSON and "
-                f"were replaced by pmaptap/unencodable records: "
-                f"{'; '.join(rejected[:3])}"))
+            self.report(
+                TapError(
+                    f"{len(rejected)} record(s) could not be encoded as JSON and "
+                    f"were replaced by pmaptap/unencodable records: "
+                    f"{'; '.join(rejected[:3])}"
+                )
+            )
             del rejected[:]
         self.queue.written(batch)
         self.written += len(batch)
         if self.busy_since is not None:
             if self.busy_warned:
-                log.warning(f"pmaptap: got the lock of "
-                            f"{getattr(self.sink, 'path', '?')} after "
-                            f"{time.monotonic() - self.busy_since:.0f}s; "
-                            "queued records are written")
+                log.warning(
+                    f"pmaptap: got the lock of "
+                    f"{getattr(self.sink, 'path', '?')} after "
+                    f"{time.monotonic() - self.busy_since:.0f}s; "
+                    "queued records are written"
+                )
             self.busy_since, self.busy_warned = None, False
         if self.on_written is not None and wrote:
             try:

@@ -14,6 +14,7 @@ chunks, and sorts after them. Readers list ``<url>.d/`` and merge
 client's own standard environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ... for s3fs; gcsfs's for ``gs://``).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -34,6 +35,7 @@ class ObjectSink(Sink):
     def __init__(self, url: str, *, process: int | None = None) -> None:
         if process is None:
             import jax
+
             process = jax.process_index()
         self.process = int(process)
         self.path = url
@@ -51,9 +53,12 @@ class ObjectSink(Sink):
             # first chunk is cheap and says so at Session.open().
             self._put(b"")
         except Exception as e:  # noqa: BLE001 - any client error
-            raise TapPathError(f"cannot write to {url!r}: {type(e).__name__}: {e}. "
-                               "Check the bucket, the credentials and the "
-                               "endpoint (e.g. AWS_ENDPOINT_URL).", path=url) from e
+            raise TapPathError(
+                f"cannot write to {url!r}: {type(e).__name__}: {e}. "
+                "Check the bucket, the credentials and the "
+                "endpoint (e.g. AWS_ENDPOINT_URL).",
+                path=url,
+            ) from e
 
     _encode = FileSink._encode
 
@@ -69,7 +74,7 @@ class ObjectSink(Sink):
             return []
         encoded, keep = self._encode(keep)
         data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
-        self._put(data)     # raises: the pipeline retries the batch whole
+        self._put(data)  # raises: the pipeline retries the batch whole
         self.lines_written += len(keep)
         self.bytes_written += len(data)
-        return keep     # what was written: the session's forwarders get these
+        return keep  # what was written: the session's forwarders get these

@@ -11,6 +11,7 @@ dedups; the writer batches records into the sink (loops.py). Failures in
 either thread are collected in an ``ErrorLog`` and raised as ``TapError`` at
 the next ``flush()``/``close()``.
 """
+
 from __future__ import annotations
 
 import socket
@@ -19,17 +20,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pmaptap._log import log
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.forward import Forwarders
 from pmaptap._host.loops import AggregateLoop, WriteLoop
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
+from pmaptap._log import log
 from pmaptap.errors import TapError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._trace.spec import TapSpec
-
 
 
 class ErrorLog:
@@ -55,19 +55,30 @@ class ErrorLog:
 
 
 class Pipeline:
-    def __init__(self, sink: Sink, *, run: str, process: int | None = None,
-                 host: str | None = None, overflow: str = "drop_oldest",
-                 max_pending: int = 1_000_000,
-                 max_pending_bytes: int = 1 << 30,
-                 flush_interval: float = 0.02, group_timeout: float = 5.0,
-                 retry_interval: float = 0.2, max_batch: int = 20_000,
-                 forward: Sequence[Any] = (),
-                 forward_timeout: float | None = 10.0,
-                 attempt: int = 0) -> None:
-        self.queue = BoundedQueue(overflow=overflow, max_pending=max_pending,
-                                  max_pending_bytes=max_pending_bytes)
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        run: str,
+        process: int | None = None,
+        host: str | None = None,
+        overflow: str = "drop_oldest",
+        max_pending: int = 1_000_000,
+        max_pending_bytes: int = 1 << 30,
+        flush_interval: float = 0.02,
+        group_timeout: float = 5.0,
+        retry_interval: float = 0.2,
+        max_batch: int = 20_000,
+        forward: Sequence[Any] = (),
+        forward_timeout: float | None = 10.0,
+        attempt: int = 0,
+    ) -> None:
+        self.queue = BoundedQueue(
+            overflow=overflow, max_pending=max_pending, max_pending_bytes=max_pending_bytes
+        )
         if process is None:
             import jax
+
             process = jax.process_index()
         self.sink = sink
         self.run = run
@@ -78,19 +89,24 @@ class Pipeline:
         self.errors = ErrorLog()
         self.closed = False
         self.forward_timeout = forward_timeout
-        self.forwarders = Forwarders(forward, name=f"pmaptap-forward-{run}") \
-            if forward else None
+        self.forwarders = Forwarders(forward, name=f"pmaptap-forward-{run}") if forward else None
         self.abandoned = False
         self._aggregator = AggregateLoop(
-            self.queue, Aggregator(run, process, self.host,
-                                   group_timeout=group_timeout,
-                                   attempt=attempt),
-            self.errors.add, name=f"pmaptap-aggregate-{run}")
+            self.queue,
+            Aggregator(run, process, self.host, group_timeout=group_timeout, attempt=attempt),
+            self.errors.add,
+            name=f"pmaptap-aggregate-{run}",
+        )
         self._writer = WriteLoop(
-            self.queue, sink, self.errors.add, name=f"pmaptap-write-{run}",
-            flush_interval=flush_interval, retry_interval=retry_interval,
+            self.queue,
+            sink,
+            self.errors.add,
+            name=f"pmaptap-write-{run}",
+            flush_interval=flush_interval,
+            retry_interval=retry_interval,
             max_batch=max_batch,
-            on_written=self.forwarders.offer if self.forwarders else None)
+            on_written=self.forwarders.offer if self.forwarders else None,
+        )
 
     def abandon(self) -> None:
         """In a forked child: this pipeline's threads stayed in the parent,
@@ -135,8 +151,9 @@ class Pipeline:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not m.event.wait(left) or not m.failed:
                 return
-            if (give_up_on_error and self.errors) or \
-                    (deadline is not None and time.monotonic() >= deadline):
+            if (give_up_on_error and self.errors) or (
+                deadline is not None and time.monotonic() >= deadline
+            ):
                 return
             time.sleep(self.retry_interval)
 
@@ -166,19 +183,24 @@ class Pipeline:
             for e in errors:
                 text = f"{type(e).__name__}: {e}"
                 seen[text] = seen.get(text, 0) + 1
-            reasons = "; ".join(t + (f" (x{n})" if n > 1 else "")
-                                for t, n in list(seen.items())[:5])
-            msg = (f"pmaptap could not write {pending} pending record(s)"
-                   f"{' to ' + repr(path) if path else ''}: {reasons}")
+            reasons = "; ".join(
+                t + (f" (x{n})" if n > 1 else "") for t, n in list(seen.items())[:5]
+            )
+            msg = (
+                f"pmaptap could not write {pending} pending record(s)"
+                f"{' to ' + repr(path) if path else ''}: {reasons}"
+            )
             log.warning(msg)
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:
             busy = self._writer.last_busy
-            raise TapError(f"pmaptap flush timed out with {pending} record(s) "
-                           f"still queued for {path!r} (is another process "
-                           "holding the lock?). They stay queued and are "
-                           "retried." + (f" Last lock attempt: {busy}" if busy
-                                         else ""), path=path)
+            raise TapError(
+                f"pmaptap flush timed out with {pending} record(s) "
+                f"still queued for {path!r} (is another process "
+                "holding the lock?). They stay queued and are "
+                "retried." + (f" Last lock attempt: {busy}" if busy else ""),
+                path=path,
+            )
 
     def close(self, timeout: float | None = None) -> None:
         """Drain, stop both threads, close the sink. Raises TapError if
@@ -209,8 +231,7 @@ class Pipeline:
                 if self.forwarders is not None:
                     self.forwarders.close(self.forward_timeout)
                 if lost:
-                    self.errors.add(TapError(
-                        f"{lost} record(s) were not written before close"))
+                    self.errors.add(TapError(f"{lost} record(s) were not written before close"))
                 self.raise_errors()
                 self._raise_forward_problems()
 

@@ -23,6 +23,7 @@ critical section: every admitted payload is ahead of it, hence written
 before close() returns, and ``admit`` refuses later ones (returns False) so
 the caller can send them elsewhere rather than lose them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -57,7 +58,7 @@ class Stop(Marker):
 
 
 def payload_bytes(arrays: tuple[Any, ...]) -> int:
-    try:                       # NumPy arrays from host_call: the common case
+    try:  # NumPy arrays from host_call: the common case
         return 64 + sum(a.nbytes for a in arrays)
     except AttributeError:
         return 64 + sum(int(getattr(a, "nbytes", 0) or 0) for a in arrays)
@@ -68,9 +69,13 @@ def record_bytes(r: Record) -> int:
 
 
 class BoundedQueue:
-    def __init__(self, *, overflow: str = "drop_oldest",
-                 max_pending: int = 1_000_000,
-                 max_pending_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        *,
+        overflow: str = "drop_oldest",
+        max_pending: int = 1_000_000,
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
         # Validated once, where users pass it (Session); a bad value here
         # is a bug in pmaptap, not user input.
         assert overflow in OVERFLOW_POLICIES, overflow
@@ -83,9 +88,9 @@ class BoundedQueue:
         # across I/O or aggregation, so the callback only ever waits for
         # another thread's queue operation (or for room, under "block").
         self._lock = threading.Lock()
-        self._payload_cv = threading.Condition(self._lock)   # aggregator
-        self._record_cv = threading.Condition(self._lock)    # writer
-        self._space_cv = threading.Condition(self._lock)     # "block" admit
+        self._payload_cv = threading.Condition(self._lock)  # aggregator
+        self._record_cv = threading.Condition(self._lock)  # writer
+        self._space_cv = threading.Condition(self._lock)  # "block" admit
         self._aggregator = _BUSY
         self._writer = _BUSY
         self._ingress: collections.deque = collections.deque()
@@ -121,22 +126,23 @@ class BoundedQueue:
                         return True
                     continue
                 if self._aggregator == _LINGERING:
-                    self._payload_cv.notify()   # room comes from aggregating now
-                self._space_cv.wait(0.1)        # "block"
+                    self._payload_cv.notify()  # room comes from aggregating now
+                self._space_cv.wait(0.1)  # "block"
                 if not self.admitting:
-                    return False                # close() began: not its to write
+                    return False  # close() began: not its to write
             self._ingress.append((item, arrays, size))
             self._items += 1
             self._bytes += size
             if self._aggregator == _WAITING or (
-                    self._aggregator == _LINGERING and
-                    len(self._ingress) >= LINGER_MAX):
+                self._aggregator == _LINGERING and len(self._ingress) >= LINGER_MAX
+            ):
                 self._payload_cv.notify()
             return True
 
     def _over(self, size: int) -> bool:
-        return (self._items + 1 > self.max_pending or
-                (self._bytes + size > self.max_pending_bytes and self._items > 0))
+        return self._items + 1 > self.max_pending or (
+            self._bytes + size > self.max_pending_bytes and self._items > 0
+        )
 
     def _drop_oldest(self) -> bool:
         # The outbox holds the older items (already aggregated), so it is
@@ -144,8 +150,7 @@ class BoundedQueue:
         # themselves) are never dropped.
         for q in (self._outbox, self._ingress):
             for i, entry in enumerate(q):
-                if isinstance(entry, Marker) or (
-                        q is self._outbox and entry[0].kind == "meta"):
+                if isinstance(entry, Marker) or (q is self._outbox and entry[0].kind == "meta"):
                     continue
                 del q[i]
                 self._items -= 1
@@ -159,13 +164,13 @@ class BoundedQueue:
         """Queue a flush marker behind everything admitted so far."""
         with self._lock:
             self._ingress.append(marker)
-            self._payload_cv.notify()          # also ends a linger
+            self._payload_cv.notify()  # also ends a linger
 
     def shut(self, stop: Stop) -> None:
         """End admission and queue the close marker, atomically (see top)."""
         with self._lock:
             self.admitting = False
-            self._space_cv.notify_all()        # "block" waiters: refused now
+            self._space_cv.notify_all()  # "block" waiters: refused now
             self._ingress.append(stop)
             self._payload_cv.notify()
 
@@ -187,8 +192,11 @@ class BoundedQueue:
                 self._aggregator = _WAITING
                 self._payload_cv.wait(0.25)
                 self._aggregator = _BUSY
-            if self._ingress and len(self._ingress) < LINGER_MAX and \
-                    not isinstance(self._ingress[-1], Marker):
+            if (
+                self._ingress
+                and len(self._ingress) < LINGER_MAX
+                and not isinstance(self._ingress[-1], Marker)
+            ):
                 self._aggregator = _LINGERING
                 self._payload_cv.wait(linger)
                 self._aggregator = _BUSY
@@ -199,8 +207,9 @@ class BoundedQueue:
                     break
             return items
 
-    def put_records(self, recs: list[Record], marker: Marker | None,
-                    freed: tuple[int, int]) -> None:
+    def put_records(
+        self, recs: list[Record], marker: Marker | None, freed: tuple[int, int]
+    ) -> None:
         """Queue the records made from ``freed`` (payload count, bytes) and
         the marker that ended the chunk. The payloads stay counted until
         their records are queued (same critical section): freeing them first
@@ -211,7 +220,7 @@ class BoundedQueue:
             self._items -= freed[0]
             self._bytes -= freed[1]
             if freed[0] > len(recs):
-                self._space_cv.notify_all()     # net room for "block" waiters
+                self._space_cv.notify_all()  # net room for "block" waiters
             for r in recs:
                 b = record_bytes(r)
                 self._outbox.append((r, b))
@@ -220,8 +229,7 @@ class BoundedQueue:
             if marker is not None:
                 self._outbox.append(marker)
                 self._outbox_markers += 1
-            if self._writer == _WAITING or (
-                    self._writer == _LINGERING and marker is not None):
+            if self._writer == _WAITING or (self._writer == _LINGERING and marker is not None):
                 self._record_cv.notify()
 
     def new_drops(self) -> tuple[int, int]:
@@ -237,8 +245,9 @@ class BoundedQueue:
             self._space_cv.notify_all()
 
     # ------------------------------------------------------ writer side
-    def take_batch(self, linger: float, max_batch: int
-                   ) -> tuple[list[tuple[Record, int]], list[Marker]]:
+    def take_batch(
+        self, linger: float, max_batch: int
+    ) -> tuple[list[tuple[Record, int]], list[Marker]]:
         """Up to ``max_batch`` records and the marker after them, if any.
         Waits for records, then lingers up to ``linger`` to batch more lines
         per lock acquisition unless someone waits on a marker."""
@@ -248,7 +257,7 @@ class BoundedQueue:
                 self._record_cv.wait()
                 self._writer = _BUSY
             if not self._outbox_markers and len(self._outbox) < max_batch:
-                self._writer = _LINGERING       # only a marker ends it
+                self._writer = _LINGERING  # only a marker ends it
                 self._record_cv.wait(linger)
                 self._writer = _BUSY
             batch: list[tuple[Record, int]] = []

@@ -14,6 +14,7 @@ active when its callback ran, is written by that session before its close()
 returns, or is printed on stderr: never nowhere, and never counted as an
 overflow drop.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -53,8 +54,9 @@ def console() -> "Pipeline":
     global _console
     with _console_lock:
         if _console is None or not _console.admitting:
-            from pmaptap._host.pipeline import Pipeline
             from pmaptap._host.console import ConsoleSink
+            from pmaptap._host.pipeline import Pipeline
+
             _console = Pipeline(ConsoleSink(), run="console")
             # Print what is pending and stop its threads before JAX's own
             # exit handlers (registered earlier, so they run later).
@@ -64,9 +66,10 @@ def console() -> "Pipeline":
 
 def _close_console(p: "Pipeline") -> None:
     if p.closed:
-        return      # closed already, or inherited across fork (abandoned)
+        return  # closed already, or inherited across fork (abandoned)
     try:
         import jax
+
         jax.effects_barrier()
         p.close(timeout=10.0)
     except BaseException as e:  # noqa: BLE001
@@ -87,8 +90,10 @@ def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
         # exit); one more fresh console, and a word on stderr if even that
         # does not take it.
         if not console().ingest(spec, arrays):
-            log.warning(f"[pmaptap] a tap of {spec.name!r} arrived while "
-                        "pmaptap was shutting down and was not written")
+            log.warning(
+                f"[pmaptap] a tap of {spec.name!r} arrived while "
+                "pmaptap was shutting down and was not written"
+            )
     except BaseException as e:  # noqa: BLE001 - must not propagate into XLA
         try:
             s = _active
@@ -115,7 +120,7 @@ def _after_fork_in_child() -> None:
     # inherited out of the collector's reach; the child's own objects are
     # collected as usual.
     gc.freeze()
-    _console_lock = threading.Lock()   # may have been held by a parent thread
+    _console_lock = threading.Lock()  # may have been held by a parent thread
     s, _active = _active, None
     console_p, _console = _console, None
     if console_p is not None:

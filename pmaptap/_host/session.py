@@ -5,6 +5,7 @@ first-out, and JAX registers its backend clean-up when it is imported. We
 register at ``open()`` (after ``import jax``), so our close runs first, while
 the backends still exist for ``jax.effects_barrier()``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -16,16 +17,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pmaptap._log import log
 from pmaptap import distributed
-
 from pmaptap._host import routing
-from pmaptap.errors import SessionError, TapError
+from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.forward import check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
-from pmaptap._host.dirsink import DirectorySink
+from pmaptap._log import log
+from pmaptap.errors import SessionError, TapError
 from pmaptap.tapfile.runs import is_sharded, is_url
 
 # Serializes open() against close()'s clearing of the active session. The
@@ -41,12 +41,14 @@ SHARDED_ABOVE = 32
 
 def _object_commit_interval() -> float:
     from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
+
     return OBJECT_COMMIT_INTERVAL
 
 
 def choose_layout() -> str:
     """The layout "auto" picks: by process count, the same on every process."""
     import jax
+
     return "sharded" if jax.process_count() > SHARDED_ABOVE else "file"
 
 
@@ -81,6 +83,7 @@ def _last_run(path: str) -> str | None:
     """The run of the file's last record, reading back from the end (a
     restart must not parse a large file whole)."""
     from pmaptap.tapfile.parse import parse_line
+
     size = os.path.getsize(path)
     chunk = 1 << 20
     with open(path, "rb") as f:
@@ -89,7 +92,7 @@ def _last_run(path: str) -> str | None:
             f.seek(start)
             lines = f.read(size - start).split(b"\n")
             if start > 0:
-                lines = lines[1:]       # maybe the middle of a line
+                lines = lines[1:]  # maybe the middle of a line
             for raw in reversed(lines):
                 d, _ = parse_line(raw) if raw.strip() else (None, None)
                 if d is not None:
@@ -105,6 +108,7 @@ def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | 
     latest record by time)."""
     from pmaptap.tapfile.attempts import attempt_of
     from pmaptap.tapfile.reader import iter_lines
+
     last_run: str | None = None
     found: dict[str, int] = {}
     for _, d, _ in iter_lines(path):
@@ -123,6 +127,7 @@ def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
 
     from pmaptap.tapfile import parse
     from pmaptap.tapfile.attempts import attempt_of
+
     if is_sharded(path):
         return _last_attempt_merged(path, run)
     if not os.path.exists(path):
@@ -157,7 +162,7 @@ def _resume_point(path: str, run: str | None) -> tuple[str, int]:
     run = run or os.environ.get("PMAPTAP_RUN") or None
     env = _env_attempt()
     if env == 0 and run is None:
-        return default_run_id(), 0     # a launcher's first attempt: a new run
+        return default_run_id(), 0  # a launcher's first attempt: a new run
 
     def decide() -> str:
         last_run, last = _last_attempt(path, run)
@@ -178,14 +183,28 @@ def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
     import time
 
     import jax
+
     from pmaptap.tapfile.attempts import ATTEMPT_NAME
     from pmaptap.tapfile.format import Record
-    r = Record(run=p.run, name=ATTEMPT_NAME, step=attempt, kind="meta",
-               value=attempt, dtype="int64", shape=[], process=p.process,
-               time=time.time(), host=p.host, attempt=attempt,
-               extra={"process_count": jax.process_count(),
-                      "device_count": jax.device_count(),
-                      "local_device_count": jax.local_device_count()})
+
+    r = Record(
+        run=p.run,
+        name=ATTEMPT_NAME,
+        step=attempt,
+        kind="meta",
+        value=attempt,
+        dtype="int64",
+        shape=[],
+        process=p.process,
+        time=time.time(),
+        host=p.host,
+        attempt=attempt,
+        extra={
+            "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(),
+        },
+    )
     p.queue.put_records([r], None, (0, 0))
 
 
@@ -226,31 +245,45 @@ class Session:
       (pmaptap/tapfile/attempts.py). The file stays append-only.
     """
 
-    def __init__(self, path: str | os.PathLike, *, run: str | None = None,
-                 overflow: str = "drop_oldest", max_pending: int = 1_000_000,
-                 max_pending_bytes: int = 1 << 30, lock_timeout: float = 1.0,
-                 flush_timeout: float | None = 120.0,
-                 close_timeout: float = 60.0, group_timeout: float = 5.0,
-                 flush_interval: float = 0.02, lock: str = "flock",
-                 forward: Sequence[Any] | None = None,
-                 forward_timeout: float | None = 10.0,
-                 resume: bool = False, layout: str = "auto") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        run: str | None = None,
+        overflow: str = "drop_oldest",
+        max_pending: int = 1_000_000,
+        max_pending_bytes: int = 1 << 30,
+        lock_timeout: float = 1.0,
+        flush_timeout: float | None = 120.0,
+        close_timeout: float = 60.0,
+        group_timeout: float = 5.0,
+        flush_interval: float = 0.02,
+        lock: str = "flock",
+        forward: Sequence[Any] | None = None,
+        forward_timeout: float | None = 10.0,
+        resume: bool = False,
+        layout: str = "auto",
+    ) -> None:
         if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"Session: overflow must be one of "
-                             f"{OVERFLOW_POLICIES}, got {overflow!r}")
+            raise ValueError(
+                f"Session: overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}"
+            )
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"Session: run must be a non-empty str, got {run!r}")
         if run is not None and run != run.encode("utf-8", "replace").decode("utf-8"):
             # It goes on every line: one that cannot be UTF-8 would make
             # every record of the session unwritable.
-            raise ValueError(f"Session: run {run!r} is not valid Unicode text "
-                             "(a lone surrogate?); tap files are UTF-8 JSON.")
+            raise ValueError(
+                f"Session: run {run!r} is not valid Unicode text "
+                "(a lone surrogate?); tap files are UTF-8 JSON."
+            )
         if lock not in LOCK_MODES:
-            raise ValueError(f"Session: lock must be one of {LOCK_MODES} "
-                             f"(\"soft\" for NFS/Lustre/GPFS), got {lock!r}")
+            raise ValueError(
+                f"Session: lock must be one of {LOCK_MODES} "
+                f'("soft" for NFS/Lustre/GPFS), got {lock!r}'
+            )
         if layout not in LAYOUTS:
-            raise ValueError(f"Session: layout must be one of {LAYOUTS}, "
-                             f"got {layout!r}")
+            raise ValueError(f"Session: layout must be one of {LAYOUTS}, got {layout!r}")
         self.lock = lock
         self.layout = layout
         # An object-store URL (s3://, gs://) is kept as given; it always
@@ -264,22 +297,25 @@ class Session:
         self.resume = bool(resume)
         self.attempt = 0
         self._opts: dict[str, Any] = dict(
-            overflow=overflow, max_pending=max_pending,
-            max_pending_bytes=max_pending_bytes, group_timeout=group_timeout,
-            flush_interval=flush_interval, forward=check_targets(forward),
-            forward_timeout=forward_timeout)
+            overflow=overflow,
+            max_pending=max_pending,
+            max_pending_bytes=max_pending_bytes,
+            group_timeout=group_timeout,
+            flush_interval=flush_interval,
+            forward=check_targets(forward),
+            forward_timeout=forward_timeout,
+        )
         self.lock_timeout = lock_timeout
         self.flush_timeout = flush_timeout
         self.close_timeout = close_timeout
         self.pipeline: Pipeline | None = None
         self._prev_sigterm: Any = None
         self._sigterm_installed = False
-        self._phase = ""                 # "", "drain" or "barrier" (close)
+        self._phase = ""  # "", "drain" or "barrier" (close)
         self._sigterm_pending = False
 
     def __repr__(self) -> str:
-        state = "open" if self.pipeline is not None and not self.pipeline.closed \
-            else "closed"
+        state = "open" if self.pipeline is not None and not self.pipeline.closed else "closed"
         return f"Session(path={self.path!r}, run={self.run!r}, {state})"
 
     # ------------------------------------------------------------- open
@@ -290,27 +326,28 @@ class Session:
                 raise SessionError(
                     f"another pmaptap session is already open in this process: "
                     f"{current!r}. Close it (session.close() or leave "
-                    "its `with` block) before opening a new one.")
+                    "its `with` block) before opening a new one."
+                )
             if self.pipeline is not None:
-                raise SessionError(f"{self!r} was already used; create a new "
-                                   "Session to open again.")
+                raise SessionError(
+                    f"{self!r} was already used; create a new Session to open again."
+                )
             if self.layout == "auto":
                 self.layout = choose_layout()
             if self.url:
                 from pmaptap._host.objsink import ObjectSink
+
                 sink = ObjectSink(self.path)
             elif self.layout == "sharded":
                 sink = DirectorySink(self.path)
             else:
-                sink = FileSink(self.path, lock_timeout=self.lock_timeout,
-                                lock=self.lock)
+                sink = FileSink(self.path, lock_timeout=self.lock_timeout, lock=self.lock)
             try:
                 if self.resume:
                     self.run, self.attempt = _resume_point(self.path, self.run)
                 elif self.run is None:
                     self.run = default_run_id()
-                self.pipeline = Pipeline(sink, run=self.run,
-                                         attempt=self.attempt, **self._opts)
+                self.pipeline = Pipeline(sink, run=self.run, attempt=self.attempt, **self._opts)
                 if self.resume:
                     _queue_attempt_record(self.pipeline, self.attempt)
             except BaseException:
@@ -323,7 +360,7 @@ class Session:
 
     def __enter__(self) -> "Session":
         if routing.active_session() is self:
-            return self        # `s.open()` earlier, then `with s:` is fine
+            return self  # `s.open()` earlier, then `with s:` is fine
         return self.open()
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -349,8 +386,9 @@ class Session:
 
     def _require_open(self, what: str) -> Pipeline:
         if self.pipeline is None or self.pipeline.closed:
-            raise SessionError(f"{what}() on {self!r}: open it first "
-                               "(session.open() or `with Session(path):`).")
+            raise SessionError(
+                f"{what}() on {self!r}: open it first (session.open() or `with Session(path):`)."
+            )
         return self.pipeline
 
     # ------------------------------------------------------------- close
@@ -429,8 +467,10 @@ class Session:
         self._sigterm_installed = False
         try:
             if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, self._prev_sigterm
-                              if self._prev_sigterm is not None else signal.SIG_DFL)
+                signal.signal(
+                    signal.SIGTERM,
+                    self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL,
+                )
         except (ValueError, OSError):
             pass
 
@@ -463,7 +503,7 @@ class Session:
 
 def _after_fork_in_child() -> None:
     global _open_lock
-    _open_lock = threading.Lock()   # a parent thread may have held it
+    _open_lock = threading.Lock()  # a parent thread may have held it
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -471,6 +511,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _effects_barrier() -> None:
     import jax
+
     jax.effects_barrier()
 
 
@@ -482,4 +523,3 @@ def flush(timeout: float | None = -1) -> None:
         return
     _effects_barrier()
     routing.console().flush(None if timeout == -1 else timeout)
-

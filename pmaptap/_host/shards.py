@@ -12,6 +12,7 @@ per-device record. Disagreeing copies are written as for mapped axes:
 ``auto`` one per-device record each, ``replicated`` one record per distinct
 value with ``divergent`` and its ``holders``.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,6 +28,7 @@ def summarize(a: np.ndarray, batch_dims: int = 0) -> np.ndarray:
     one shard: float32[..., 8] (min, max, mean, std over finite elements,
     then NaN and inf counts split in two float32 each)."""
     import ml_dtypes  # noqa: F401 - bfloat16/float8 arrive as such
+
     lead = a.shape[:batch_dims]
     flat = a.reshape(lead + (-1,))
     if np.iscomplexobj(flat):
@@ -45,21 +47,20 @@ def summarize(a: np.ndarray, batch_dims: int = 0) -> np.ndarray:
     n = finite.sum(-1)
     denom = np.maximum(n, 1).astype(np.float32)
     mean = np.where(finite, xf, 0).sum(-1, dtype=np.float32) / denom
-    std = np.sqrt(np.where(finite, np.square(xf - mean[..., None]), 0)
-                  .sum(-1, dtype=np.float32) / denom)
+    std = np.sqrt(
+        np.where(finite, np.square(xf - mean[..., None]), 0).sum(-1, dtype=np.float32) / denom
+    )
     with np.errstate(invalid="ignore"):
         lo = np.where(finite, xf, np.inf).min(-1) if xf.shape[-1] else np.full(lead, np.inf)
         hi = np.where(finite, xf, -np.inf).max(-1) if xf.shape[-1] else np.full(lead, -np.inf)
     none = n == 0
     stats = [np.where(none, np.nan, v).astype(np.float32) for v in (lo, hi, mean, std)]
     for count in (nan.sum(-1), inf.sum(-1)):
-        stats += [(count // COUNT_BASE).astype(np.float32),
-                  (count % COUNT_BASE).astype(np.float32)]
+        stats += [(count // COUNT_BASE).astype(np.float32), (count % COUNT_BASE).astype(np.float32)]
     return np.stack(stats, -1)
 
 
-def summarize_leaves(site: Any, leaves: list[np.ndarray]
-                     ) -> tuple[list[np.ndarray], tuple]:
+def summarize_leaves(site: Any, leaves: list[np.ndarray]) -> tuple[list[np.ndarray], tuple]:
     """Statistics in place of the leaves ``site.summaries`` (a TapSite) marks,
     and the summaries tuple describing them (dtype, this shard's unbatched
     shape)."""
@@ -72,7 +73,7 @@ def summarize_leaves(site: Any, leaves: list[np.ndarray]
             marks.append(None)
         else:
             out.append(summarize(a, site.batch_dims))
-            marks.append((mark[0], tuple(a.shape[site.batch_dims:])))
+            marks.append((mark[0], tuple(a.shape[site.batch_dims :])))
     return out, tuple(marks)
 
 

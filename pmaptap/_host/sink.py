@@ -21,6 +21,7 @@ size below its last offset or different bytes just before it means truncated
 from its start for the dedup, and warns once per kind; the batch in hand and
 everything queued are written there, nothing is dropped.
 """
+
 from __future__ import annotations
 
 import abc
@@ -30,19 +31,18 @@ from typing import Sequence
 
 import filelock
 
+from pmaptap._host.crossdedup import CrossProcessIndex
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.parse import line_problem
-from pmaptap._host.crossdedup import CrossProcessIndex
 
-_IOV_MAX = 1024    # buffers per writev(2) call: Linux's UIO_MAXIOV
+_IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
 # Bytes just before the sink's last offset that it remembers: different bytes
 # there mean the file was truncated and written again past that offset. 1 KiB
 # holds a whole ordinary line, and the tail of any line holds its process and
 # time (written after the value), so a regrown file differs there.
 _MARK_BYTES = 1024
-
 
 
 class Sink(abc.ABC):
@@ -69,28 +69,42 @@ def prepare_path(path: str) -> str:
     try:
         os.makedirs(parent, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
-        raise TapPathError(f"cannot create the directory for tap file {path!r}: "
-                           f"a parent component is a file ({e}). Choose another "
-                           "path.", path=path, errno=e.errno) from e
+        raise TapPathError(
+            f"cannot create the directory for tap file {path!r}: "
+            f"a parent component is a file ({e}). Choose another "
+            "path.",
+            path=path,
+            errno=e.errno,
+        ) from e
     except PermissionError as e:
-        raise TapPathError(f"cannot create the directory for tap file {path!r}: "
-                           f"permission denied ({e}).", path=path,
-                           errno=e.errno) from e
+        raise TapPathError(
+            f"cannot create the directory for tap file {path!r}: permission denied ({e}).",
+            path=path,
+            errno=e.errno,
+        ) from e
     if os.path.isdir(path):
-        raise TapPathError(f"tap file {path!r} is a directory; give a file path "
-                           "such as 'taps/run.jsonl'.", path=path,
-                           errno=errno.EISDIR)
+        raise TapPathError(
+            f"tap file {path!r} is a directory; give a file path such as 'taps/run.jsonl'.",
+            path=path,
+            errno=errno.EISDIR,
+        )
     for target, what in ((path, "tap file"), (path + ".lock", "lock file")):
         try:
             fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             os.close(fd)
         except OSError as e:
-            hint = ("the directory is not writable" if e.errno in
-                    (errno.EACCES, errno.EPERM, errno.EROFS) else e.strerror)
-            raise TapPathError(f"cannot open {what} {target!r} for appending: "
-                               f"{hint} ({e}). pmaptap needs write access to "
-                               "the file and its directory.", path=path,
-                               errno=e.errno) from e
+            hint = (
+                "the directory is not writable"
+                if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+                else e.strerror
+            )
+            raise TapPathError(
+                f"cannot open {what} {target!r} for appending: "
+                f"{hint} ({e}). pmaptap needs write access to "
+                "the file and its directory.",
+                path=path,
+                errno=e.errno,
+            ) from e
     return path
 
 
@@ -119,9 +133,15 @@ class FileSink(Sink):
       (O_APPEND with a client's cached size could overwrite them).
     """
 
-    def __init__(self, path: str, *, lock_timeout: float = 1.0,
-                 lock: str = "flock", process: int | None = None,
-                 index_existing: bool = False) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        lock_timeout: float = 1.0,
+        lock: str = "flock",
+        process: int | None = None,
+        index_existing: bool = False,
+    ) -> None:
         # Validated once, where users pass it (Session).
         assert lock in LOCK_MODES, lock
         self.path = prepare_path(path)
@@ -130,35 +150,39 @@ class FileSink(Sink):
         if lock == "flock":
             # O_RDWR so the tail byte can be read for torn-line repair;
             # O_APPEND so every write lands at the end whatever others wrote.
-            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT,
-                               0o666)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             # No silent soft fallback where flock is missing: filelock would
             # take the pre-created, empty lock file for a marker held forever.
-            self._lock = filelock.FileLock(self.path + ".lock",
-                                           timeout=lock_timeout,
-                                           fallback_to_soft=False)
+            self._lock = filelock.FileLock(
+                self.path + ".lock", timeout=lock_timeout, fallback_to_soft=False
+            )
             st = os.fstat(self._fd)
         else:
-            self._fd = -1      # opened per batch, under the lock
-            self._lock = filelock.SoftFileLock(self.path + ".softlock",
-                                               timeout=lock_timeout)
+            self._fd = -1  # opened per batch, under the lock
+            self._lock = filelock.SoftFileLock(self.path + ".softlock", timeout=lock_timeout)
             st = os.stat(self.path)
         size = st.st_size
         # The file this sink writes to, to notice one put in its place.
         self._ident = (st.st_dev, st.st_ino)
         if process is None:
             import jax
+
             process = jax.process_index()
         self.index = CrossProcessIndex(process)
         # Bytes before this offset were already indexed (or predate us).
         # index_existing: a writer joining a run late (pmaptap.Writer) dedups
         # against what is already there, read at its first batch.
         self._seen = 0 if index_existing else size
-        self._mark = b"" if index_existing else self._read_mark(self._fd, size) \
-            if lock == "flock" else self._read_mark_at(self.path, size)
+        self._mark = (
+            b""
+            if index_existing
+            else self._read_mark(self._fd, size)
+            if lock == "flock"
+            else self._read_mark_at(self.path, size)
+        )
         self.lines_written = 0
         self.bytes_written = 0
-        self.bytes_read = 0      # others' lines read back for the dedup
+        self.bytes_read = 0  # others' lines read back for the dedup
         self.repairs = 0
         self.truncations = 0
         self.replacements = 0
@@ -180,8 +204,7 @@ class FileSink(Sink):
         fd = -1
         try:
             # soft: a fresh descriptor per batch (close-to-open, see above)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft \
-                else self._current_fd()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666) if soft else self._current_fd()
             st = os.fstat(fd)
             size = st.st_size
             self._check_same_file(fd, st)
@@ -197,14 +220,13 @@ class FileSink(Sink):
             # object (measured ~50 us a step for 8 x 4 KiB per-device taps).
             chunks = [encoded.get(id(r)) or r.encode() for r in keep]
             if chunks and size and os.pread(fd, 1, size - 1) != b"\n":
-                chunks.insert(0, b"\n")   # a killed writer left a torn line
+                chunks.insert(0, b"\n")  # a killed writer left a torn line
                 self.repairs += 1
             written = self._append(fd, size, chunks, soft)
             self.index.commit(new_keys)
             # flock: where O_APPEND put our bytes, which is past ``size`` if a
             # program that takes no lock (echo >> file) appended meanwhile.
-            self._seen = os.lseek(fd, 0, os.SEEK_CUR) if written and not soft \
-                else size + written
+            self._seen = os.lseek(fd, 0, os.SEEK_CUR) if written and not soft else size + written
             if written:
                 self._mark = _tail(self._mark, chunks)
         finally:
@@ -239,35 +261,49 @@ class FileSink(Sink):
         if ident != self._ident:
             self._ident = ident
             self.replacements += 1
-            self._restart("replaced", f"{self.path!r} was replaced (moved away "
-                          "or removed, and created again) under this writer")
+            self._restart(
+                "replaced",
+                f"{self.path!r} was replaced (moved away "
+                "or removed, and created again) under this writer",
+            )
         elif st.st_size < self._seen or (
-                self._seen and self._read_mark(fd, self._seen) != self._mark):
+            self._seen and self._read_mark(fd, self._seen) != self._mark
+        ):
             self.truncations += 1
-            self._restart("truncated", f"{self.path!r} was truncated (now "
-                          f"{st.st_size} bytes; this writer had seen "
-                          f"{self._seen}) or rewritten under this writer")
+            self._restart(
+                "truncated",
+                f"{self.path!r} was truncated (now "
+                f"{st.st_size} bytes; this writer had seen "
+                f"{self._seen}) or rewritten under this writer",
+            )
 
     def _restart(self, kind: str, what: str) -> None:
         self._seen, self._mark = 0, b""
         self.index.reset()
-        self._warn_once(kind, f"pmaptap: {what}. Appending continues to the "
-                        "file now at that path: records written before are "
-                        "wherever that file went, nothing still queued is "
-                        "lost. (Warned once per writer; counted in "
-                        f"FileSink.{'replacements' if kind == 'replaced' else 'truncations'}.)")
+        self._warn_once(
+            kind,
+            f"pmaptap: {what}. Appending continues to the "
+            "file now at that path: records written before are "
+            "wherever that file went, nothing still queued is "
+            "lost. (Warned once per writer; counted in "
+            f"FileSink.{'replacements' if kind == 'replaced' else 'truncations'}.)",
+        )
 
     def _observe(self, data: bytes, offset: int) -> None:
         before = self.index.corrupt
         self.index.observe(data, offset)
         if self.index.corrupt > before and self.index.first_corrupt:
             where, why = self.index.first_corrupt
-            self._warn_once("corrupt", (
-                f"pmaptap: {self.path!r} holds a line that is not a pmaptap "
-                f"record at byte offset {where} ({why}); it was skipped for "
-                "the cross-process dedup and costs nothing else (readers "
-                "skip and report it; 'pmaptap validate' lists every bad "
-                "line). Further ones are counted in FileSink.corrupt_lines."))
+            self._warn_once(
+                "corrupt",
+                (
+                    f"pmaptap: {self.path!r} holds a line that is not a pmaptap "
+                    f"record at byte offset {where} ({why}); it was skipped for "
+                    "the cross-process dedup and costs nothing else (readers "
+                    "skip and report it; 'pmaptap validate' lists every bad "
+                    "line). Further ones are counted in FileSink.corrupt_lines."
+                ),
+            )
 
     @property
     def corrupt_lines(self) -> int:
@@ -280,7 +316,7 @@ class FileSink(Sink):
         try:
             log.warning(message)
         except Exception:  # noqa: BLE001 - a raising handler of the
-            pass           # application's: a warning must never cost a write
+            pass  # application's: a warning must never cost a write
 
     @staticmethod
     def _read_mark(fd: int, end: int) -> bytes:
@@ -306,20 +342,20 @@ class FileSink(Sink):
             # it back behind busy Python threads costs up to the switch
             # interval (5 ms). Many small lines are joined in runs instead.
             k = -(-len(chunks) // _IOV_MAX)
-            chunks = [b"".join(chunks[i:i + k]) for i in range(0, len(chunks), k)]
+            chunks = [b"".join(chunks[i : i + k]) for i in range(0, len(chunks), k)]
         offset = size
         try:
             want = sum(map(len, chunks))
             # soft: at the size just read, never a cached one
             n = os.pwritev(fd, chunks, offset) if soft else os.writev(fd, chunks)
             offset += n
-            if n < want:   # short write: finish the rest byte-wise
+            if n < want:  # short write: finish the rest byte-wise
                 view = memoryview(b"".join(chunks))[n:]
                 while view:
                     n = os.pwrite(fd, view, offset) if soft else os.write(fd, view)
                     view, offset = view[n:], offset + n
             if soft and offset > size:
-                os.fsync(fd)   # at the server before we unlock
+                os.fsync(fd)  # at the server before we unlock
         except OSError:
             try:
                 os.ftruncate(fd, size)
@@ -349,11 +385,20 @@ class FileSink(Sink):
                 # UnicodeError is a ValueError; RecursionError: json's encoder
                 # on a pytree too deep to write.
                 self.rejected.append(f"{ascii(r.name)} step {r.step}: {e}")
-                r = Record(run=_utf8(r.run), name="pmaptap/unencodable",
-                           step=r.step, kind="meta", value=1, dtype="int64",
-                           shape=[], process=r.process, time=r.time,
-                           host=_utf8(r.host), attempt=r.attempt,
-                           extra={"tap": ascii(r.name), "error": str(e)})
+                r = Record(
+                    run=_utf8(r.run),
+                    name="pmaptap/unencodable",
+                    step=r.step,
+                    kind="meta",
+                    value=1,
+                    dtype="int64",
+                    shape=[],
+                    process=r.process,
+                    time=r.time,
+                    host=_utf8(r.host),
+                    attempt=r.attempt,
+                    extra={"tap": ascii(r.name), "error": str(e)},
+                )
                 encoded[id(r)] = r.encode()
             keep.append(r)
         return encoded, keep
@@ -363,8 +408,10 @@ class FileSink(Sink):
             # flock: a retry is one cheap system call, and filelock's 50 ms
             # default starved contending writers. soft: each retry is a file
             # creation on the (NFS) server, so keep the default there.
-            self._lock.acquire(timeout=self.lock_timeout,
-                               poll_interval=0.005 if self.lock_mode == "flock" else 0.05)
+            self._lock.acquire(
+                timeout=self.lock_timeout,
+                poll_interval=0.005 if self.lock_mode == "flock" else 0.05,
+            )
         except filelock.Timeout as e:
             raise LockBusy(self._busy_message(e)) from None
         except OSError as e:
@@ -373,7 +420,8 @@ class FileSink(Sink):
                     f"cannot lock {self.path + '.lock'!r}: this filesystem does "
                     f"not support flock ({e}). Use pmaptap.Session(path, "
                     "lock='soft') on NFS, Lustre and other shared filesystems.",
-                    path=self.path) from e
+                    path=self.path,
+                ) from e
             raise
 
     def _busy_message(self, e: BaseException) -> str:
@@ -381,14 +429,14 @@ class FileSink(Sink):
             return str(e)
         # SoftFileLock's marker starts with the holder's pid and host lines.
         try:
-            with open(self._lock.lock_file, encoding="utf-8",
-                      errors="replace") as f:
+            with open(self._lock.lock_file, encoding="utf-8", errors="replace") as f:
                 pid, host = (f.read(512).split("\n") + ["", ""])[:2]
         except OSError:
             pid = host = ""
         who = f" (held by pid {pid} on host {host!r})" if pid else ""
-        return (f"{e}{who}. If that process is gone from another host, "
-                f"remove {self._lock.lock_file!r}.")
+        return (
+            f"{e}{who}. If that process is gone from another host, remove {self._lock.lock_file!r}."
+        )
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -400,7 +448,7 @@ def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:
     """The last _MARK_BYTES of ``mark`` followed by ``chunks``."""
     out = b""
     for c in reversed(chunks):
-        out = c[-(_MARK_BYTES - len(out)):] + out
+        out = c[-(_MARK_BYTES - len(out)) :] + out
         if len(out) >= _MARK_BYTES:
             return out
     return (mark + out)[-_MARK_BYTES:]

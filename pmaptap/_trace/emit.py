@@ -10,6 +10,7 @@ it has the same semantics (allowed under ``grad``, where it sees primals,
 manual ``shard_map``/``pmap`` bodies) without its ``jax.device_put`` on XLA's
 callback thread.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -20,7 +21,7 @@ from jax import lax
 from jax.experimental import io_callback
 
 from pmaptap._trace.group import current_group
-from pmaptap._trace.layouts import emitter, choose_layout
+from pmaptap._trace.layouts import choose_layout, emitter
 from pmaptap._trace.spec import TapSpec
 
 
@@ -31,9 +32,15 @@ def axis_coords(axis_names: Sequence) -> jax.Array:
     return jnp.stack([lax.axis_index(n).astype(jnp.int32) for n in axis_names])
 
 
-
-def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
-         coords: jax.Array, step: jax.Array, *, traced_every: bool) -> None:
+def emit(
+    spec: TapSpec,
+    raw_names: tuple,
+    leaves: Sequence[jax.Array],
+    coords: jax.Array,
+    step: jax.Array,
+    *,
+    traced_every: bool,
+) -> None:
     """Send ``leaves`` to the host, tagged with ``coords`` and ``step``.
 
     With ``traced_every`` the decision ``step % every == 0`` is made on the
@@ -41,25 +48,29 @@ def emit(spec: TapSpec, raw_names: tuple, leaves: Sequence[jax.Array],
     the step must then be the same on every device, as a loop counter is.
     """
     leaves = [lax.stop_gradient(x) for x in leaves]
-    spec = choose_layout(spec, leaves)   # before our own cond below
+    spec = choose_layout(spec, leaves)  # before our own cond below
     g = current_group()
-    if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step,
-                                 traced_every):
+    if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step, traced_every):
         return
     fn = emitter(spec, tuple(raw_names))
     if traced_every:
+
         def fire():
             fn(coords, step, *leaves)
+
         lax.cond(step % spec.site.every == 0, fire, lambda: None)
     else:
         fn(coords, step, *leaves)
 
 
-
-def emit_call(host_fn: Callable[..., Sequence], coords: jax.Array,
-              leaves: Sequence[jax.Array],
-              result_avals: Sequence[jax.ShapeDtypeStruct], *,
-              what: str) -> list[jax.Array]:
+def emit_call(
+    host_fn: Callable[..., Sequence],
+    coords: jax.Array,
+    leaves: Sequence[jax.Array],
+    result_avals: Sequence[jax.ShapeDtypeStruct],
+    *,
+    what: str,
+) -> list[jax.Array]:
     """Run ``host_fn(coords, *leaves)`` on the host and return its results
     (one array per entry of ``result_avals``) into the computation.
 
@@ -95,7 +106,8 @@ def emit_call(host_fn: Callable[..., Sequence], coords: jax.Array,
             "inside the host function. If no gradient should flow through it, "
             "wrap its argument in jax.lax.stop_gradient(...); otherwise give it "
             "a derivative with jax.custom_vjp (e.g. a second host call that "
-            "computes the VJP on the host).")
+            "computes the VJP on the host)."
+        )
 
     leaves = guard(*leaves) if leaves else ()
     return list(io_callback(host_fn, avals, coords, *leaves, ordered=False))

@@ -27,6 +27,7 @@ Consequences worth knowing (tested in tests/test_tap_grad.py):
   ``_forward_mode_trace`` turns JAX's generic refusal into a message that says
   what to do, where the forward-mode trace is visible when ``tap_grad`` runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,19 +49,21 @@ FN = "pmaptap.tap_grad"
 class _Site:
     """What the backward rule needs, fixed at trace time (hashable: it is a
     ``nondiff_argnums`` argument of the custom_vjp)."""
+
     name: str
     dedup: str
     every: int
-    static_step: int | None          # a Python int step, else None
-    treedef: Any                     # structure of the tapped value
-    diff: tuple[bool, ...]           # per leaf: goes through the identity
+    static_step: int | None  # a Python int step, else None
+    treedef: Any  # structure of the tapped value
+    diff: tuple[bool, ...]  # per leaf: goes through the identity
 
 
 def _is_differentiable(leaf: Any) -> bool:
     # Only JAX values can carry a gradient; NumPy arrays and Python scalars
     # are constants to JAX, and integer/bool dtypes have float0 cotangents.
-    return (isinstance(leaf, (jax.Array, jax.core.Tracer))
-            and jnp.issubdtype(leaf.dtype, jnp.inexact))
+    return isinstance(leaf, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(
+        leaf.dtype, jnp.inexact
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -83,8 +86,15 @@ def _identity_bwd(site: _Site, steps: tuple, cts: tuple):
     # Non-differentiable leaves never entered the identity: null in the record.
     full = [_as_ct(next(it)) if d else None for d in site.diff]
     step = steps[0] if steps else site.static_step
-    send(jax.tree_util.tree_unflatten(site.treedef, full), site.name,
-         step=step, dedup=site.dedup, every=site.every, pass_="backward", fn=FN)
+    send(
+        jax.tree_util.tree_unflatten(site.treedef, full),
+        site.name,
+        step=step,
+        dedup=site.dedup,
+        every=site.every,
+        pass_="backward",
+        fn=FN,
+    )
     # Integer step: no cotangent (None is JAX's spelling of a zero one).
     return (None,) * len(steps), cts
 
@@ -104,14 +114,18 @@ def _has_tangent(leaf: Any, trace: Any) -> bool:
     from jax._src import core
     from jax._src.interpreters import ad
     from jax._src.interpreters import partial_eval as pe
+
     while isinstance(leaf, core.Tracer):
         if leaf._trace is trace:
             tangent = getattr(leaf, "tangent", None)
             # Reverse mode through jvp + partial eval (jax.checkpoint, custom_jvp
             # rules, jax_use_direct_linearize=False) has *unknown* tangents:
             # that is not forward mode, and custom_vjp handles it.
-            return (tangent is not None and type(tangent) is not ad.Zero
-                    and not isinstance(tangent, pe.JaxprTracer))
+            return (
+                tangent is not None
+                and type(tangent) is not ad.Zero
+                and not isinstance(tangent, pe.JaxprTracer)
+            )
         leaf = getattr(leaf, "primal", getattr(leaf, "val", None))
     return False
 
@@ -128,10 +142,12 @@ def _forward_mode_trace(leaves: list) -> bool:
     """
     from jax._src import core
     from jax._src.interpreters import ad
+
     trace = core.trace_ctx.trace
     while trace is not None:
-        if isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)) and \
-                any(_has_tangent(x, trace) for x in leaves):
+        if isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace)) and any(
+            _has_tangent(x, trace) for x in leaves
+        ):
             # jax.linearize (is_vjp=False) is forward mode too, but JAX only
             # fails when its linear function is *evaluated*; its transpose
             # (jax.linear_transpose) works, so let it through.
@@ -148,11 +164,11 @@ def _forward_mode_error(name: str) -> TypeError:
         "jax.hessian, whose inner pass is reverse mode). Remove tap_grad from "
         "code you differentiate forward, or compute the tangent explicitly "
         "and record it with pmaptap.tap: `y, t = jax.jvp(f, (x,), (v,)); "
-        "pmaptap.tap(t, 'tangent')`.")
+        "pmaptap.tap(t, 'tangent')`."
+    )
 
 
-def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1,
-             step: Any = None) -> T:
+def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1, step: Any = None) -> T:
     """Identity on ``x`` (an array or pytree of arrays). In the backward pass
     (``jax.grad`` / ``value_and_grad`` / ``vjp`` / ``jacrev``) it records the
     cotangent arriving at ``x``, as ``pmaptap.tap`` would record a value:
@@ -170,25 +186,34 @@ def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1,
     static_step, traced_step = check_step(step, name, FN)
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
     for path, leaf in path_leaves:
-        as_leaf(path, leaf, name, FN)      # raises for non-array leaves
+        as_leaf(path, leaf, name, FN)  # raises for non-array leaves
     leaves = [leaf for _, leaf in path_leaves]
     diff = tuple(_is_differentiable(leaf) for leaf in leaves)
     if not any(diff):
-        kinds = sorted({str(getattr(leaf, "dtype", type(leaf).__name__))
-                        for leaf in leaves}) or ["no leaves"]
+        kinds = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in leaves}) or [
+            "no leaves"
+        ]
         raise TypeError(
             f"{FN}({name!r}): no gradient can reach this value: it has no "
             f"floating-point or complex JAX array leaf (found: "
             f"{', '.join(kinds)}). Tap the float value the loss depends on, "
-            "or use pmaptap.tap to record the value itself.")
+            "or use pmaptap.tap to record the value itself."
+        )
     if taps_off() or (static_step is not None and static_step % every != 0):
-        return x   # untapped, or decided at trace time: nothing to record
+        return x  # untapped, or decided at trace time: nothing to record
     diff_leaves = [leaf for leaf, d in zip(leaves, diff) if d]
     if _forward_mode_trace(diff_leaves):
         raise _forward_mode_error(name)
-    site = _Site(name=name, dedup=dedup, every=int(every),
-                 static_step=static_step, treedef=treedef, diff=diff)
+    site = _Site(
+        name=name,
+        dedup=dedup,
+        every=int(every),
+        static_step=static_step,
+        treedef=treedef,
+        diff=diff,
+    )
     steps = () if traced_step is None else (traced_step,)
     outs = iter(_identity(site, steps, tuple(diff_leaves)))
     return jax.tree_util.tree_unflatten(
-        treedef, [next(outs) if d else leaf for leaf, d in zip(leaves, diff)])
+        treedef, [next(outs) if d else leaf for leaf, d in zip(leaves, diff)]
+    )

@@ -1,5 +1,6 @@
 """``pmaptap.group``: taps made in one block share ONE host callback per
 process, emitted when the block ends (see ``group``'s docstring)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +11,7 @@ from jax import lax
 from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 
-from pmaptap._trace.layouts import (emitter, gather_packed, is_leader, nbytes,
-                                    send_payload)
+from pmaptap._trace.layouts import emitter, gather_packed, is_leader, nbytes, send_payload
 from pmaptap._trace.options import options
 from pmaptap._trace.spec import GroupSpec, Layout, TapSpec
 
@@ -44,19 +44,26 @@ class group(contextlib.ContextDecorator):
         if exc_type is None:
             _emit_group(self._members)
 
-    def offer(self, spec: TapSpec, raw_names: tuple, leaves, coords, step,
-              traced_every: bool = False) -> bool:
-        if (_core.trace_ctx.trace is not self._trace or
-                isinstance(self._trace, _batching.BatchTrace) or
-                spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF)):
+    def offer(
+        self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
+    ) -> bool:
+        if (
+            _core.trace_ctx.trace is not self._trace
+            or isinstance(self._trace, _batching.BatchTrace)
+            or spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF)
+        ):
             return False
-        if spec.transport.layout is Layout.VERIFIED_OFF and \
-                nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes:
-            return False    # the group gathers every member: only small ones
+        if (
+            spec.transport.layout is Layout.VERIFIED_OFF
+            and nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes
+        ):
+            return False  # the group gathers every member: only small ones
         if self._members:
             first = self._members[0]
-            if (first.spec.transport.leaders != spec.transport.leaders
-                    or first.raw_names != raw_names):
+            if (
+                first.spec.transport.leaders != spec.transport.leaders
+                or first.raw_names != raw_names
+            ):
                 return False
         # Members deciding `every` on device are bucketed by (every, step):
         # each bucket gets one cond (see _emit_group).
@@ -67,12 +74,13 @@ class group(contextlib.ContextDecorator):
 
 class _Member(NamedTuple):
     """A tap waiting in a group for the block's end."""
+
     spec: TapSpec
     raw_names: tuple
     leaves: list
     coords: Any
     step: Any
-    bucket: tuple | None       # (every, id(step)) when decided on device
+    bucket: tuple | None  # (every, id(step)) when decided on device
 
 
 def current_group() -> "group | None":
@@ -101,13 +109,17 @@ def _emit_members(members: list[_Member]) -> None:
     # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
     # Members keep their layout: an unverified replicated one (VERIFIED_OFF)
     # is written from the caller's copy, as it would be alone.
-    payload, packing = gather_packed([x for m in members for x in m.leaves],
-                                      first.raw_names)
+    payload, packing = gather_packed([x for m in members for x in m.leaves], first.raw_names)
     # Each member's step travels as its own operand, in its own dtype (a
     # stacked int32 would wrap steps >= 2**31).
     steps = [m.step for m in members]
-    gspec = GroupSpec(members=tuple(m.spec for m in members),
-                      member_leaves=tuple(len(m.leaves) for m in members),
-                      packing=packing)
-    lax.cond(is_leader(first.spec, first.coords),
-             lambda: send_payload(gspec, first.coords, *steps, *payload), lambda: None)
+    gspec = GroupSpec(
+        members=tuple(m.spec for m in members),
+        member_leaves=tuple(len(m.leaves) for m in members),
+        packing=packing,
+    )
+    lax.cond(
+        is_leader(first.spec, first.coords),
+        lambda: send_payload(gspec, first.coords, *steps, *payload),
+        lambda: None,
+    )

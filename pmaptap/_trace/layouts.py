@@ -33,6 +33,7 @@ The callback itself only hands the arrays to the active pipeline (see
 ``routing.deliver``) and returns: XLA's callback thread holds the GIL and
 blocks its device, and converting or encoding there was seen to hang.
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,7 +74,7 @@ def _fixed(arrays: tuple, restore: tuple, steps: range) -> tuple:
         fixed[i] = fixed[i].astype(dtype)
     for i in steps:
         a = fixed[i]
-        if a.shape == (2,):                    # see static_step_operand
+        if a.shape == (2,):  # see static_step_operand
             fixed[i] = np.int64((int(a[0]) << 32) | int(a[1]))
     return tuple(fixed)
 
@@ -86,8 +87,11 @@ def _host_entry(spec: PayloadSpec, restore: tuple, *arrays) -> None:
 
 def _narrow(args: Sequence, skip: Sequence[bool] = ()) -> tuple[tuple, tuple]:
     """(args with sub-byte ones widened, their (index, dtype) to restore)."""
-    restore = tuple((i, np.dtype(a.dtype)) for i, a in enumerate(args)
-                    if _sub_byte(a.dtype) and not (i < len(skip) and skip[i]))
+    restore = tuple(
+        (i, np.dtype(a.dtype))
+        for i, a in enumerate(args)
+        if _sub_byte(a.dtype) and not (i < len(skip) and skip[i])
+    )
     if restore:
         args = tuple(_wire(a) for a in args)
     return tuple(args), restore
@@ -157,8 +161,7 @@ def _hash64(leaves: Sequence[jax.Array]) -> jax.Array:
             x = jnp.stack([x.real, x.imag], -1)
         w = _bits(x)
         if w.dtype == jnp.uint64:
-            w = jnp.stack([(w & 0xFFFFFFFF).astype(jnp.uint32),
-                           (w >> 32).astype(jnp.uint32)], -1)
+            w = jnp.stack([(w & 0xFFFFFFFF).astype(jnp.uint32), (w >> 32).astype(jnp.uint32)], -1)
         w = w.astype(jnp.uint32).reshape(-1)
         pos = jnp.arange(w.size, dtype=jnp.uint32)
         m1 = pos * jnp.uint32(0x9E3779B1) + jnp.uint32(2 * i + 1)
@@ -175,8 +178,9 @@ def gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
     split them again; packing is () when the leaves are gathered one by one
     (complex and sub-byte dtypes, which bitcast does not take)."""
     leaves = [jnp.asarray(x) for x in leaves]
-    if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jnp.complexfloating) or
-                              _sub_byte(x.dtype) for x in leaves):
+    if len(leaves) < 2 or any(
+        jnp.issubdtype(x.dtype, jnp.complexfloating) or _sub_byte(x.dtype) for x in leaves
+    ):
         return [_all_gather(x, raw_names) for x in leaves], ()
     parts = [lax.bitcast_convert_type(_bits(x), jnp.uint8).reshape(-1) for x in leaves]
     packed = lax.all_gather(jnp.concatenate(parts), raw_names)
@@ -194,7 +198,8 @@ def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
 def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
     """Whether this device calls back for its process (see Transport.leaders)."""
     return jnp.asarray(np.array(spec.transport.leaders))[
-        _flat_index(coords, spec.placement.axis_sizes)]
+        _flat_index(coords, spec.placement.axis_sizes)
+    ]
 
 
 def _shard_entry(spec: TapSpec, restore: tuple, place, *arrays) -> None:
@@ -205,8 +210,9 @@ def _shard_entry(spec: TapSpec, restore: tuple, place, *arrays) -> None:
     if place is None:
         deliver(spec, _fixed(arrays, restore, range(1, 2)))
         return
-    deliver(place.spec_for(spec),
-            _fixed(arrays, tuple((i + 1, d) for i, d in restore), range(2, 3)))
+    deliver(
+        place.spec_for(spec), _fixed(arrays, tuple((i + 1, d) for i, d in restore), range(2, 3))
+    )
 
 
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
@@ -215,9 +221,12 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
         summarize = tuple(bool(s) for s in spec.site.summaries)
         # Summarized leaves arrive as float32 statistics: nothing to restore.
         args, restore = _narrow((coords, step, *leaves), (False, False, *summarize))
-        shard_call(functools.partial(_shard_entry, spec, restore), *args,
-                   summarize=summarize,
-                   batch_dims=spec.site.batch_dims)
+        shard_call(
+            functools.partial(_shard_entry, spec, restore),
+            *args,
+            summarize=summarize,
+            batch_dims=spec.site.batch_dims,
+        )
         return
     if layout is Layout.COPY:
         send_payload(spec, coords, step, *leaves)
@@ -226,16 +235,19 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
 
     def gathered():
         stacked, packing = gather_packed(leaves, raw_names)
-        lax.cond(leader, lambda: send_payload(
-            spec.with_transport(layout=Layout.GATHERED, packing=packing),
-            coords, step, *stacked), lambda: None)
+        lax.cond(
+            leader,
+            lambda: send_payload(
+                spec.with_transport(layout=Layout.GATHERED, packing=packing), coords, step, *stacked
+            ),
+            lambda: None,
+        )
 
     if layout is Layout.GATHERED:
         gathered()
         return
     if layout is Layout.VERIFIED_OFF:
-        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves),
-                 lambda: None)
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves), lambda: None)
         return
     # VERIFIED: the predicate comes from gathered hashes, so it is the same
     # on every device and the collectives inside the branches are safe.
@@ -244,8 +256,7 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
 
     def one_copy():
         # Agreement was decided here, on device: the host needs the copy only.
-        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves),
-                 lambda: None)
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves), lambda: None)
 
     lax.cond(agree, one_copy, gathered)
 
@@ -256,24 +267,28 @@ def emitter(spec: TapSpec, raw_names: tuple):
     ``tap_id``), so a cache could only hit inside one trace (it never did
     over the test suite), and it kept the specs and the host_callback tap
     functions they hold alive for the life of the process."""
+
     @custom_vmap
     def emit_fn(coords, step, *leaves):
         _emit_now(spec, raw_names, coords, step, leaves)
         return coords
 
     @emit_fn.def_vmap
-    @mark_tap_vmap_rule      # transposable (taps of tangents, see primitive.py)
+    @mark_tap_vmap_rule  # transposable (taps of tangents, see primitive.py)
     def _batched(axis_size, in_batched, coords, step, *leaves):
         coords_b, step_b, *leaves_b = in_batched
         if coords_b or step_b:
             raise ValueError(
                 f"pmaptap.tap({spec.name!r}): the `step` argument is batched by "
                 "vmap; pass a step that is the same for the whole batch (e.g. "
-                "tap outside the vmap, or pass a Python int).")
+                "tap outside the vmap, or pass a Python int)."
+            )
         # Batch axes arrive at position 0. Unbatched leaves are broadcast so
         # every leaf of the record has the same leading batch axes.
-        leaves = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                  for x, b in zip(leaves, leaves_b)]
+        leaves = [
+            x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, b in zip(leaves, leaves_b)
+        ]
         emitter(spec.with_batch(), raw_names)(coords, step, *leaves)
         return coords, False
 
@@ -298,7 +313,7 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
         return spec
     dedup = spec.site.dedup
     if dedup == "replicated" and not opts.verify_replicated:
-        layout = Layout.VERIFIED_OFF     # the leader's copy alone
+        layout = Layout.VERIFIED_OFF  # the leader's copy alone
     elif nbytes(leaves) * n <= opts.gather_max_bytes:
         # Gathering the values themselves is as cheap as gathering hashes
         # when they are small, and needs a single callback.
@@ -307,5 +322,4 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
         layout = Layout.VERIFIED
     else:
         return spec
-    return spec.with_transport(layout=layout,
-                               leaders=tuple(bool(b) for b in mask))
+    return spec.with_transport(layout=layout, leaders=tuple(bool(b) for b in mask))

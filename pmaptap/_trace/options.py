@@ -3,6 +3,7 @@
 They are read when a tap is *traced*, so change them before the first call
 of a jitted/pmapped function (or re-jit): compiled code keeps what it saw.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,16 +44,13 @@ def _checked(name: str, v: Any) -> Any:
     only later and far away (``gather="yes"`` silently meant "on")."""
     if name in ("gather", "verify_replicated"):
         if not isinstance(v, (bool, np.bool_)):
-            raise ValueError(f"pmaptap.configure: {name} must be True or False; "
-                             f"got {v!r}")
+            raise ValueError(f"pmaptap.configure: {name} must be True or False; got {v!r}")
         return bool(v)
     if v is None and name == "max_value_bytes":
         return None
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) \
-            or v < 0:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
         never = " or None (never summarize)" if name == "max_value_bytes" else ""
-        raise ValueError(f"pmaptap.configure: {name} must be an int >= 0 "
-                         f"(bytes){never}; got {v!r}")
+        raise ValueError(f"pmaptap.configure: {name} must be an int >= 0 (bytes){never}; got {v!r}")
     return int(v)
 
 
@@ -63,8 +61,9 @@ def configure(**changes) -> Options:
     fields = {f.name for f in dataclasses.fields(Options)}
     unknown = set(changes) - fields
     if unknown:
-        raise TypeError(f"pmaptap.configure: unknown option(s) {sorted(unknown)}; "
-                        f"known: {sorted(fields)}")
+        raise TypeError(
+            f"pmaptap.configure: unknown option(s) {sorted(unknown)}; known: {sorted(fields)}"
+        )
     changes = {k: _checked(k, v) for k, v in changes.items()}
     prev = _current
     _current = dataclasses.replace(_current, **changes)

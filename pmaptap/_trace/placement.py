@@ -9,6 +9,7 @@ that is tracing the body, and this module is the one place that reaches for it.
 If neither source yields a mesh that matches the abstract one exactly, the
 device is reported as unknown (``None``), never guessed from ``jax.devices()``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,6 +50,7 @@ def _context_mesh():
     """The mesh set by ``jax.set_mesh`` (public while tracing only through the
     private getter; ``jax.sharding.get_mesh`` refuses inside jit)."""
     from jax._src import mesh as mesh_lib
+
     m = mesh_lib.get_concrete_mesh()
     return None if m is None or m.empty else m
 
@@ -56,6 +58,7 @@ def _context_mesh():
 def _frame_meshes():
     """Concrete meshes held by JAX's shard_map frames, innermost first."""
     from jax._src.mesh import Mesh
+
     out = []
     frame = sys._getframe(1)
     while frame is not None:
@@ -86,8 +89,9 @@ def find_concrete_mesh(names: tuple[Any, ...], sizes: tuple[int, ...]):
     return None
 
 
-def device_table(names: tuple[Any, ...], sizes: tuple[int, ...]
-                 ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+def device_table(
+    names: tuple[Any, ...], sizes: tuple[int, ...]
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     """(device ids, process indices) row-major over ``names``, or (None, None)."""
     if not names:
         return None, None
@@ -98,12 +102,10 @@ def device_table(names: tuple[Any, ...], sizes: tuple[int, ...]
     # mesh order when taken from the abstract mesh, but be explicit).
     order = [list(mesh.axis_names).index(n) for n in names]
     devs = np.transpose(mesh.devices, order).reshape(-1)
-    return (tuple(int(d.id) for d in devs),
-            tuple(int(d.process_index) for d in devs))
+    return (tuple(int(d.id) for d in devs), tuple(int(d.process_index) for d in devs))
 
 
-def local_copy_count(sizes: tuple[int, ...],
-                     processes: tuple[int, ...] | None) -> int:
+def local_copy_count(sizes: tuple[int, ...], processes: tuple[int, ...] | None) -> int:
     """How many per-device copies of one tap execution this process receives."""
     total = int(np.prod(sizes)) if sizes else 1
     if processes is None:
@@ -131,8 +133,10 @@ def eager_device(leaves) -> int | None:
 # Tracing inside these makes a collective unsafe: devices may take different
 # branches (cond/switch) or run different trip counts (while_loop), and a
 # collective that only some devices reach deadlocks. scan is uniform.
-_DIVERGENT_FLOW = (("jax._src.lax.control_flow.conditionals", None),
-                   ("jax._src.lax.control_flow.loops", "while_loop"))
+_DIVERGENT_FLOW = (
+    ("jax._src.lax.control_flow.conditionals", None),
+    ("jax._src.lax.control_flow.loops", "while_loop"),
+)
 
 
 def inside_divergent_control_flow() -> bool:
@@ -170,7 +174,9 @@ def current(leaves) -> tuple[Placement, tuple[Any, ...]]:
     ids, procs = device_table(names, sizes)
     return Placement(
         axis_names=tuple(display_axis_name(n) for n in names),
-        axis_sizes=sizes, device_ids=ids, device_processes=procs,
+        axis_sizes=sizes,
+        device_ids=ids,
+        device_processes=procs,
         local_copies=local_copy_count(sizes, procs),
         eager_device=None if names else eager_device(leaves),
     ), names
@@ -184,12 +190,14 @@ def current(leaves) -> tuple[Placement, tuple[Any, ...]]:
 # custom call, as jax.debug.inspect_array_sharding uses), and an operand
 # that gives each device its own partition number.
 
+
 def shard_context(ctx) -> tuple[tuple, tuple | None, tuple | None] | None:
     """(devices, mesh axis names, mesh axis sizes) of an automatically
     partitioned computation over more than one device, or None (single
     device, inside shard_map/pmap, or no partitioning at all). The mesh is
     None when JAX lowers without one (then records carry no coordinates)."""
     from jax._src import sharding_impls
+
     axis_context = ctx.module_context.axis_context
     if not isinstance(axis_context, sharding_impls.ShardingContext):
         return None
@@ -220,13 +228,17 @@ def inspect_operand_sharding(ctx, value, devices: tuple, callback) -> None:
 
     key = xc.encode_inspect_sharding_callback(on_hlo_sharding)
     ctx.module_context.add_keepalive(on_hlo_sharding)
-    hlo.CustomCallOp([value.type], [value],
-                     call_target_name=ir.StringAttr.get("InspectSharding"),
-                     has_side_effect=ir.BoolAttr.get(True),
-                     api_version=mlir.i32_attr(1),
-                     called_computations=ir.ArrayAttr.get([]),
-                     backend_config=ir.StringAttr.get(key),
-                     operand_layouts=None, result_layouts=None)
+    hlo.CustomCallOp(
+        [value.type],
+        [value],
+        call_target_name=ir.StringAttr.get("InspectSharding"),
+        has_side_effect=ir.BoolAttr.get(True),
+        api_version=mlir.i32_attr(1),
+        called_computations=ir.ArrayAttr.get([]),
+        backend_config=ir.StringAttr.get(key),
+        operand_layouts=None,
+        result_layouts=None,
+    )
 
 
 def partition_ids(ctx, devices: tuple):
@@ -245,8 +257,9 @@ def partition_ids(ctx, devices: tuple):
     aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
     (ty,) = mlir.aval_to_ir_types(ctx.module_context, aval)
     iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
-    sharding = NamedSharding(Mesh(np.array(devices), ("_pmaptap_partition",)),
-                             PartitionSpec("_pmaptap_partition"))
+    sharding = NamedSharding(
+        Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec("_pmaptap_partition")
+    )
     if config.use_shardy_partitioner.value:
         proto = sharding._to_sdy_sharding(1)
     else:
@@ -257,21 +270,26 @@ def partition_ids(ctx, devices: tuple):
 def check_shard_internals() -> None:
     """Raise if a JAX upgrade moved what the per-shard lowering reads (run by
     tests/test_sharded_jit.py, so it fails there, loudly)."""
+    import inspect
+
     from jax._src import callback, config, dispatch, sharding_impls
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
     from jax._src.lib.mlir.dialects import hlo
-    import inspect
+
     missing = []
-    for owner, name in ((sharding_impls, "ShardingContext"),
-                        (sharding_impls, "GSPMDSharding"),
-                        (xc, "encode_inspect_sharding_callback"),
-                        (mlir, "wrap_with_sharding_op"),
-                        (mlir, "aval_to_ir_types"),
-                        (hlo, "IotaOp"), (hlo, "CustomCallOp"),
-                        (callback, "emit_python_callback"),
-                        (dispatch, "prim_requires_devices_during_lowering"),
-                        (config, "use_shardy_partitioner")):
+    for owner, name in (
+        (sharding_impls, "ShardingContext"),
+        (sharding_impls, "GSPMDSharding"),
+        (xc, "encode_inspect_sharding_callback"),
+        (mlir, "wrap_with_sharding_op"),
+        (mlir, "aval_to_ir_types"),
+        (hlo, "IotaOp"),
+        (hlo, "CustomCallOp"),
+        (callback, "emit_python_callback"),
+        (dispatch, "prim_requires_devices_during_lowering"),
+        (config, "use_shardy_partitioner"),
+    ):
         if not hasattr(owner, name):
             missing.append(f"{owner.__name__}.{name}")
     ctx_fields = inspect.signature(sharding_impls.ShardingContext).parameters
@@ -282,5 +300,7 @@ def check_shard_internals() -> None:
     if "partitioned" not in params:
         missing.append("emit_python_callback(partitioned=)")
     if missing:
-        raise RuntimeError("pmaptap's per-shard taps rely on JAX internals that "
-                           "this JAX does not have: " + ", ".join(missing))
+        raise RuntimeError(
+            "pmaptap's per-shard taps rely on JAX internals that "
+            "this JAX does not have: " + ", ".join(missing)
+        )

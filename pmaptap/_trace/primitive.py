@@ -16,6 +16,7 @@ needs JAX's own gather/cond or send/recv plumbing, delegate to
 This module relies on ``jax._src`` internals (JAX 0.10); tests/test_primitive.py
 fails loudly if a JAX upgrade breaks it.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -59,9 +60,11 @@ def _jvp(primals, tangents, **params):
 ad.primitive_jvps[callback_p] = _jvp
 ad.primitive_transposes[callback_p] = lambda _, *args, **params: [None] * len(args)
 batching.primitive_batchers[callback_p] = partial(
-    debugging.debug_batching_rule, primitive=callback_p)
+    debugging.debug_batching_rule, primitive=callback_p
+)
 pe.partial_eval_jaxpr_custom_rules[callback_p] = partial(
-    debugging._debug_partial_eval_custom, primitive=callback_p)
+    debugging._debug_partial_eval_custom, primitive=callback_p
+)
 
 
 # --- taps of tangents (a tap inside a jax.custom_jvp rule, under grad/vjp)
@@ -87,11 +90,10 @@ def _custom_vmap_transpose(cts, *args, call, rule, in_tree, out_tree):
     if getattr(getattr(rule, "rule", rule), _TAP_RULE, False):
         return [None] * len(args)
     if _jax_transpose is not None:
-        return _jax_transpose(cts, *args, call=call, rule=rule,
-                              in_tree=in_tree, out_tree=out_tree)
+        return _jax_transpose(cts, *args, call=call, rule=rule, in_tree=in_tree, out_tree=out_tree)
     raise NotImplementedError(
-        "Transpose rule (for reverse-mode differentiation) for "
-        "'custom_vmap_call' not implemented")
+        "Transpose rule (for reverse-mode differentiation) for 'custom_vmap_call' not implemented"
+    )
 
 
 ad.primitive_transposes[custom_batching.custom_vmap_p] = _custom_vmap_transpose
@@ -101,8 +103,7 @@ def staged_for_later(leaves) -> bool:
     """Whether a value is only known in a part of the program that runs
     later: a tangent inside a ``jax.custom_jvp`` rule under grad/vjp/
     linearize, an unknown tracer of JAX's partial evaluation."""
-    return any(isinstance(x, pe.JaxprTracer) and not x.pval.is_known()
-               for x in leaves)
+    return any(isinstance(x, pe.JaxprTracer) and not x.pval.is_known() for x in leaves)
 
 
 def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
@@ -114,8 +115,9 @@ def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
     dropped by the transpose rule above under grad/vjp, which never compute
     the tangent. Emitting the tap's own operations (stop_gradient, gather,
     statistics) directly there would need a transpose rule for each."""
-    from jax.custom_batching import custom_vmap
     import jax
+    from jax.custom_batching import custom_vmap
+
     n = len(leaves)
 
     def split(args):
@@ -130,9 +132,11 @@ def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
     @mark_tap_vmap_rule
     def _batched(axis_size, in_batched, *args):
         # The body's own taps batch themselves (emit's custom_vmap rule).
-        jax.vmap(lambda *a: body(*split(a)),
-                 in_axes=[0 if b else None for b in in_batched],
-                 axis_size=axis_size)(*args)
+        jax.vmap(
+            lambda *a: body(*split(a)),
+            in_axes=[0 if b else None for b in in_batched],
+            axis_size=axis_size,
+        )(*args)
         return (), ()
 
     later(*leaves, *([] if step is None else [step]))
@@ -148,15 +152,17 @@ def _copying(host_fn):
     def run(*flat_args):
         host_fn(*[np.array(a, copy=True) for a in flat_args])
         return ()
+
     return run
 
 
 def _delegate(ctx, *args, host_fn):
     def as_debug_callback(*jax_arrays):
         host_fn(*[np.asarray(a) for a in jax_arrays])
+
     return debugging.debug_callback_lowering(
-        ctx, *args, effect=debugging.debug_effect, partitioned=False,
-        callback=as_debug_callback)
+        ctx, *args, effect=debugging.debug_effect, partitioned=False, callback=as_debug_callback
+    )
 
 
 def _lowering(ctx, *args, host_fn):
@@ -164,9 +170,10 @@ def _lowering(ctx, *args, host_fn):
     sharding: Any = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
         if set(axis_context.mesh.axis_names) != set(axis_context.manual_axes):
-            return _delegate(ctx, *args, host_fn=host_fn)   # partial-auto
+            return _delegate(ctx, *args, host_fn=host_fn)  # partial-auto
         # Fully manual: per-device semantics, the callback runs on each device.
         from jax._src import config
+
         if config.use_shardy_partitioner.value:
             sharding = cb._get_sdy_array_list_for_callbacks(ctx.avals_out)
         else:
@@ -176,9 +183,17 @@ def _lowering(ctx, *args, host_fn):
         # Automatic sharding: run once, on the full logical value.
         return _delegate(ctx, *args, host_fn=host_fn)
     result, _, _ = cb.emit_python_callback(
-        ctx, _copying(host_fn), None, list(args), ctx.avals_in, ctx.avals_out,
-        has_side_effect=True, returns_token=True, partitioned=False,
-        sharding=sharding)
+        ctx,
+        _copying(host_fn),
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=True,
+        partitioned=False,
+        sharding=sharding,
+    )
     return result
 
 

@@ -25,6 +25,7 @@ This module relies on ``jax._src`` internals (JAX 0.10) through
 placement.py and the lowering helpers below; tests/test_sharded_jit.py fails
 loudly if a JAX upgrade breaks them.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -38,8 +39,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.state import discharge as state_discharge
 
-from pmaptap._trace import placement
-from pmaptap._trace import primitive
+from pmaptap._trace import placement, primitive
 from pmaptap._trace.shards import ShardPlacement
 
 shard_call_p = core.Primitive("pmaptap_shard_call")
@@ -48,22 +48,31 @@ shard_call_p.multiple_results = True
 dispatch.prim_requires_devices_during_lowering.add(shard_call_p)
 
 
-def shard_call(host_fn: Callable[..., None], coords, step, *leaves,
-               summarize: tuple[bool, ...] = (), batch_dims: int = 0) -> None:
+def shard_call(
+    host_fn: Callable[..., None],
+    coords,
+    step,
+    *leaves,
+    summarize: tuple[bool, ...] = (),
+    batch_dims: int = 0,
+) -> None:
     """Call ``host_fn(placement, *arrays)`` on the host: per shard with a
     ``ShardPlacement`` and ``arrays = (partition, coords, step, *shards)``
     when partitioned, else once with ``placement=None`` and
     ``arrays = (coords, step, *leaves)`` where the leaves marked in
     ``summarize`` arrive as their on-device statistics."""
-    shard_call_p.bind(coords, step, *leaves, host_fn=host_fn,
-                      summarize=tuple(summarize), batch_dims=batch_dims)
+    shard_call_p.bind(
+        coords, step, *leaves, host_fn=host_fn, summarize=tuple(summarize), batch_dims=batch_dims
+    )
 
 
 @shard_call_p.def_impl
 def _impl(coords, step, *leaves, host_fn, summarize, batch_dims):
     # Eager: one concrete value on the caller's thread.
-    leaves = [_summarized(x, batch_dims) if s else x
-              for x, s in zip(leaves, summarize or (False,) * len(leaves))]
+    leaves = [
+        _summarized(x, batch_dims) if s else x
+        for x, s in zip(leaves, summarize or (False,) * len(leaves))
+    ]
     host_fn(None, *[np.array(a) for a in (coords, step, *leaves)])
     return ()
 
@@ -81,9 +90,11 @@ def _jvp(primals, tangents, **params):
 ad.primitive_jvps[shard_call_p] = _jvp
 ad.primitive_transposes[shard_call_p] = lambda _, *args, **params: [None] * len(args)
 batching.primitive_batchers[shard_call_p] = partial(
-    debugging.debug_batching_rule, primitive=shard_call_p)
+    debugging.debug_batching_rule, primitive=shard_call_p
+)
 pe.partial_eval_jaxpr_custom_rules[shard_call_p] = partial(
-    debugging._debug_partial_eval_custom, primitive=shard_call_p)
+    debugging._debug_partial_eval_custom, primitive=shard_call_p
+)
 
 
 @state_discharge.register_discharge_rule(shard_call_p)
@@ -94,6 +105,7 @@ def _discharge(in_avals, out_avals, *args, **params):
 
 def _summarized(x, batch_dims: int):
     from pmaptap._trace.tap import device_statistics
+
     fn = device_statistics
     for _ in range(batch_dims):
         fn = jax.vmap(fn)
@@ -105,24 +117,27 @@ def _lower_whole(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
     args, avals = [coords, step], list(ctx.avals_in[:2])
     for x, aval, s in zip(leaves, ctx.avals_in[2:], summarize or (False,) * len(leaves)):
         if s:
-            out_aval = jax.eval_shape(partial(_summarized, batch_dims=batch_dims),
-                                      jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            out_aval = jax.eval_shape(
+                partial(_summarized, batch_dims=batch_dims),
+                jax.ShapeDtypeStruct(aval.shape, aval.dtype),
+            )
             out_aval = core.ShapedArray(out_aval.shape, out_aval.dtype)
             sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[out_aval])
-            (x,) = mlir.lower_fun(partial(_summarized, batch_dims=batch_dims),
-                                  multiple_results=False)(sub, x)
+            (x,) = mlir.lower_fun(
+                partial(_summarized, batch_dims=batch_dims), multiple_results=False
+            )(sub, x)
             aval = out_aval
         args.append(x)
         avals.append(aval)
-    return primitive._lowering(ctx.replace(avals_in=avals), *args,
-                               host_fn=partial(host_fn, None))
+    return primitive._lowering(ctx.replace(avals_in=avals), *args, host_fn=partial(host_fn, None))
 
 
 def _lowering(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
     where = placement.shard_context(ctx)
     if where is None:
-        return _lower_whole(ctx, coords, step, *leaves, host_fn=host_fn,
-                            summarize=summarize, batch_dims=batch_dims)
+        return _lower_whole(
+            ctx, coords, step, *leaves, host_fn=host_fn, summarize=summarize, batch_dims=batch_dims
+        )
     devices, names, sizes = where
     place = ShardPlacement(
         devices=tuple(int(d.id) for d in devices),
@@ -130,16 +145,23 @@ def _lowering(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
         axis_names=tuple(placement.display_axis_name(n) for n in names or ()),
         axis_sizes=tuple(sizes or ()),
         shapes=tuple(tuple(int(s) for s in a.shape) for a in ctx.avals_in[2:]),
-        me=jax.process_index())
+        me=jax.process_index(),
+    )
     for i, x in enumerate(leaves):
-        placement.inspect_operand_sharding(ctx, x, devices,
-                                           partial(place.set_sharding, i))
+        placement.inspect_operand_sharding(ctx, x, devices, partial(place.set_sharding, i))
     pid, pid_aval = placement.partition_ids(ctx, devices)
     run = primitive._copying(partial(host_fn, place))
     result, _, _ = cb.emit_python_callback(
-        ctx.replace(avals_in=[pid_aval, *ctx.avals_in]), run, None,
-        [pid, coords, step, *leaves], [pid_aval, *ctx.avals_in], ctx.avals_out,
-        has_side_effect=True, returns_token=True, partitioned=True)
+        ctx.replace(avals_in=[pid_aval, *ctx.avals_in]),
+        run,
+        None,
+        [pid, coords, step, *leaves],
+        [pid_aval, *ctx.avals_in],
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=True,
+        partitioned=True,
+    )
     return result
 
 

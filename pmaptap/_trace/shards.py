@@ -12,6 +12,7 @@ a compilation cache), gets ``index`` None: exact or null.
 
 Pure Python: the aggregator thread reads it, JAX is not called there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,17 +21,17 @@ from typing import Any
 
 import numpy as np
 
-Index = tuple[tuple[int, int], ...]      # (start, stop) per dimension
+Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
 @dataclasses.dataclass(eq=False)
 class ShardPlacement:
-    devices: tuple[int, ...]             # device id of partition k
-    processes: tuple[int, ...]           # process index of partition k
-    axis_names: tuple[str, ...]          # mesh axes ((): no mesh known)
+    devices: tuple[int, ...]  # device id of partition k
+    processes: tuple[int, ...]  # process index of partition k
+    axis_names: tuple[str, ...]  # mesh axes ((): no mesh known)
     axis_sizes: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]  # global shape of each tapped leaf
-    me: int                              # this process
+    me: int  # this process
     # Per leaf: partition k -> its global slice, filled at compile time.
     slices: list[tuple[Index, ...] | None] = dataclasses.field(default_factory=list)
 
@@ -40,9 +41,10 @@ class ShardPlacement:
         self._lock = threading.Lock()
         self._specs: dict[int, Any] = {}
         if self.axis_names:
-            self.coords = [dict(zip(self.axis_names,
-                                    (int(c) for c in np.unravel_index(k, self.axis_sizes))))
-                           for k in range(len(self.devices))]
+            self.coords = [
+                dict(zip(self.axis_names, (int(c) for c in np.unravel_index(k, self.axis_sizes))))
+                for k in range(len(self.devices))
+            ]
         else:
             self.coords = [{} for _ in self.devices]
 
@@ -52,15 +54,19 @@ class ShardPlacement:
         ``devices``). Called from XLA's partitioner, so it never raises."""
         try:
             shape = self.shapes[leaf]
-            by_device = {d.id: idx for d, idx in
-                         sharding.devices_indices_map(shape).items()}
+            by_device = {d.id: idx for d, idx in sharding.devices_indices_map(shape).items()}
             out = []
             for dev in self.devices:
                 idx = by_device[dev]
-                out.append(tuple(
-                    (0 if s.start is None else int(s.start),
-                     n if s.stop is None else int(s.stop))
-                    for s, n in zip(idx, shape)))
+                out.append(
+                    tuple(
+                        (
+                            0 if s.start is None else int(s.start),
+                            n if s.stop is None else int(s.stop),
+                        )
+                        for s, n in zip(idx, shape)
+                    )
+                )
             self.slices[leaf] = tuple(out)
         except Exception:  # noqa: BLE001 - unknown stays unknown (null)
             self.slices[leaf] = None
@@ -95,5 +101,4 @@ class ShardPlacement:
         if any(s is None for s in self.slices):
             return [k]
         mine = tuple(s[k] for s in self.slices)
-        return [j for j in range(len(self.devices))
-                if tuple(s[j] for s in self.slices) == mine]
+        return [j for j in range(len(self.devices)) if tuple(s[j] for s in self.slices) == mine]

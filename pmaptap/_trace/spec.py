@@ -12,6 +12,7 @@ A ``GroupSpec`` describes one callback carrying several taps (``group``).
 Specs are frozen and compared by value, but nothing hashes them: the
 aggregator keys its per-site tables on ``TapSite.tap_id``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,10 @@ def next_tap_id() -> int:
 class Layout(enum.Enum):
     """How the copies of one tap execution travel (see layouts.py); the
     aggregator dispatches on it (_host/aggregate.py)."""
-    COPY = "copy"                  # one callback per device with its own value
-    GATHERED = "gathered"          # all copies stacked on axis 0, one callback per process
-    VERIFIED = "verified"          # one copy; all copies' hashes compared on device
+
+    COPY = "copy"  # one callback per device with its own value
+    GATHERED = "gathered"  # all copies stacked on axis 0, one callback per process
+    VERIFIED = "verified"  # one copy; all copies' hashes compared on device
     VERIFIED_OFF = "verified_off"  # the leader's copy, unverified
     # One callback per shard of a partitioned value under plain jit (see
     # shardcall.py); summaries, if any, made on the host per shard.
@@ -43,13 +45,14 @@ class Layout(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class TapSite:
     """The tap as written, and the value it sends."""
+
     name: str
     dedup: str
     every: int
-    treedef: Any                     # jax PyTreeDef of the tapped value
-    explicit_step: bool              # step travels as an argument
-    pass_: str = "forward"           # "forward" or "backward" (tap_grad)
-    batch_dims: int = 0              # leading axes added by vmap
+    treedef: Any  # jax PyTreeDef of the tapped value
+    explicit_step: bool  # step travels as an argument
+    pass_: str = "forward"  # "forward" or "backward" (tap_grad)
+    batch_dims: int = 0  # leading axes added by vmap
     # Per leaf: None (sent whole) or the (dtype, shape) of a leaf above
     # options().max_value_bytes whose statistics travel instead (see
     # tap.device_statistics); () when no leaf is summarized.
@@ -61,14 +64,15 @@ class TapSite:
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """The manual mesh axes at the tap and who holds each coordinate."""
-    axis_names: tuple[str, ...] = ()   # manual mesh axes, in mesh order
+
+    axis_names: tuple[str, ...] = ()  # manual mesh axes, in mesh order
     axis_sizes: tuple[int, ...] = ()
     # Device id / process index for every coordinate (row-major over
     # axis_names), or None where pmaptap cannot know: never guessed.
     device_ids: tuple[int, ...] | None = None
     device_processes: tuple[int, ...] | None = None
-    local_copies: int = 1              # copies this process receives per step
-    eager_device: int | None = None    # device of a concrete (non-traced) value
+    local_copies: int = 1  # copies this process receives per step
+    eager_device: int | None = None  # device of a concrete (non-traced) value
 
     @property
     def total_copies(self) -> int:
@@ -100,6 +104,7 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class Transport:
     """How copies travel (see layouts.py)."""
+
     layout: Layout = Layout.COPY
     leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
     # Gathered payloads packed into one uint8 array: (dtype, shape) per leaf.
@@ -125,16 +130,16 @@ class TapSpec:
         return dataclasses.replace(self, site=site)
 
     def with_transport(self, **changes: Any) -> "TapSpec":
-        return dataclasses.replace(
-            self, transport=dataclasses.replace(self.transport, **changes))
+        return dataclasses.replace(self, transport=dataclasses.replace(self.transport, **changes))
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
     """One callback carrying the gathered payloads of several taps (see
     group.py): a step per member, then every member's leaves, packed."""
+
     members: tuple[TapSpec, ...]
-    member_leaves: tuple[int, ...]   # payload leaves of each member
+    member_leaves: tuple[int, ...]  # payload leaves of each member
     packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # What routing and error messages read from any payload spec.
     name: ClassVar[str] = "pmaptap/group"

@@ -1,6 +1,7 @@
 """``pmaptap.tap``: the traced side. Checks arguments at trace time, finds the
 mapped axes and this device's coordinates, decides ``every`` for static steps
 and hands the rest to the single emission helper."""
+
 from __future__ import annotations
 
 from typing import Any, TypeVar
@@ -13,17 +14,19 @@ from pmaptap._trace import placement, primitive
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.layouts import static_step_operand
 from pmaptap._trace.options import options
-from pmaptap.tapfile.format import COUNT_BASE, MAX_STEP, encodable
 from pmaptap._trace.spec import DEDUP_MODES, Layout, TapSite, TapSpec
 from pmaptap._trace.untapped import taps_off
+from pmaptap.tapfile.format import COUNT_BASE, MAX_STEP, encodable
 
 T = TypeVar("T")
 
 
 def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
     if not isinstance(name, str):
-        raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} "
-                        f"({name!r}). Example: {fn}(x, 'loss').")
+        raise TypeError(
+            f"{fn}: name must be a str, got {type(name).__name__} "
+            f"({name!r}). Example: {fn}(x, 'loss')."
+        )
     if not name:
         raise ValueError(f"{fn}: name must be a non-empty string.")
     try:
@@ -31,19 +34,26 @@ def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
     except UnicodeEncodeError as e:
         # A lone surrogate (e.g. from os.fsdecode of a non-UTF-8 file name)
         # has no JSON/UTF-8 form: refuse it here rather than at write time.
-        raise ValueError(f"{fn}({name!r}): name is not valid Unicode text "
-                         f"({e.reason} at index {e.start}); tap files are "
-                         "UTF-8 JSON. Clean the name, e.g. "
-                         "name.encode('utf-8', 'replace').decode().") from None
+        raise ValueError(
+            f"{fn}({name!r}): name is not valid Unicode text "
+            f"({e.reason} at index {e.start}); tap files are "
+            "UTF-8 JSON. Clean the name, e.g. "
+            "name.encode('utf-8', 'replace').decode()."
+        ) from None
     if dedup not in DEDUP_MODES:
-        raise ValueError(f"{fn}({name!r}): dedup must be one of "
-                         f"{', '.join(repr(m) for m in DEDUP_MODES)}; got {dedup!r}.")
+        raise ValueError(
+            f"{fn}({name!r}): dedup must be one of "
+            f"{', '.join(repr(m) for m in DEDUP_MODES)}; got {dedup!r}."
+        )
     if isinstance(every, bool) or not isinstance(every, (int, np.integer)):
-        raise TypeError(f"{fn}({name!r}): every must be an int >= 1, got "
-                        f"{type(every).__name__} ({every!r}).")
+        raise TypeError(
+            f"{fn}({name!r}): every must be an int >= 1, got {type(every).__name__} ({every!r})."
+        )
     if every < 1:
-        raise ValueError(f"{fn}({name!r}): every must be >= 1 (1 records every "
-                         f"step, N records steps where step % N == 0); got {every}.")
+        raise ValueError(
+            f"{fn}({name!r}): every must be >= 1 (1 records every "
+            f"step, N records steps where step % N == 0); got {every}."
+        )
 
 
 def as_leaf(path, leaf, name: str, fn: str):
@@ -54,9 +64,9 @@ def as_leaf(path, leaf, name: str, fn: str):
         raise TypeError(
             f"{fn}({name!r}): {where} is a NumPy array of dtype "
             f"{leaf.dtype}; taps accept numeric and bool arrays only. Convert "
-            "it, or leave it out of the tapped value.")
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or \
-            isinstance(leaf, jax.core.Tracer):
+            "it, or leave it out of the tapped value."
+        )
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or isinstance(leaf, jax.core.Tracer):
         return leaf
     if isinstance(leaf, (bool, int, float, complex)):
         return jnp.asarray(leaf)
@@ -64,7 +74,8 @@ def as_leaf(path, leaf, name: str, fn: str):
     raise TypeError(
         f"{fn}({name!r}): {where} is a {type(leaf).__name__}; taps accept "
         "arrays, NumPy/Python numbers and pytrees (dict/list/tuple/None) of "
-        "them. Convert it, or leave it out of the tapped value.")
+        "them. Convert it, or leave it out of the tapped value."
+    )
 
 
 def check_dtype(path, leaf, name: str, fn: str) -> None:
@@ -80,14 +91,16 @@ def check_dtype(path, leaf, name: str, fn: str) -> None:
         raise TypeError(
             f"{fn}({name!r}): {where} has dtype {dt}; 1-bit integers cannot "
             "be tapped (JAX and NumPy disagree on their values). Convert it, "
-            "e.g. x.astype(jnp.int8).")
+            "e.g. x.astype(jnp.int8)."
+        )
     if not encodable(dt):
         raise TypeError(
             f"{fn}({name!r}): {where} has dtype {dt}, which tap files cannot "
             "hold; taps write bool, integer (int2/int4/uint2/uint4 included), "
             "floating (bfloat16, float8/float6/float4 variants included) and "
             "complex arrays. Convert it (e.g. x.astype(jnp.float32)), or leave "
-            "it out of the tapped value.")
+            "it out of the tapped value."
+        )
 
 
 def check_step(step: Any, name: str, fn: str):
@@ -98,19 +111,25 @@ def check_step(step: Any, name: str, fn: str):
         raise TypeError(f"{fn}({name!r}): step must be an integer, got bool.")
     if isinstance(step, (int, np.integer)):
         if not 0 <= step <= MAX_STEP:
-            raise ValueError(f"{fn}({name!r}): step must be >= 0 and at most "
-                             f"2**63-1 (steps are int64); got {step}.")
+            raise ValueError(
+                f"{fn}({name!r}): step must be >= 0 and at most "
+                f"2**63-1 (steps are int64); got {step}."
+            )
         return int(step), None
     if isinstance(step, (jax.Array, jax.core.Tracer, np.ndarray)):
         dtype = step.dtype
         if not jnp.issubdtype(dtype, jnp.integer) or step.shape != ():
-            raise TypeError(f"{fn}({name!r}): step must be an integer scalar "
-                            f"(Python int or traced int array of shape ()), got "
-                            f"{dtype}{list(step.shape)}.")
+            raise TypeError(
+                f"{fn}({name!r}): step must be an integer scalar "
+                f"(Python int or traced int array of shape ()), got "
+                f"{dtype}{list(step.shape)}."
+            )
         return None, step
-    raise TypeError(f"{fn}({name!r}): step must be None (automatic counter), a "
-                    f"Python int, or a traced integer scalar; got "
-                    f"{type(step).__name__}.")
+    raise TypeError(
+        f"{fn}({name!r}): step must be None (automatic counter), a "
+        f"Python int, or a traced integer scalar; got "
+        f"{type(step).__name__}."
+    )
 
 
 def device_statistics(x: jax.Array) -> jax.Array:
@@ -125,10 +144,10 @@ def device_statistics(x: jax.Array) -> jax.Array:
         xf = jnp.abs(x).astype(jnp.float32)
         finite = ~(nan | inf)
     elif jnp.issubdtype(x.dtype, jnp.inexact):
-        xf = x.astype(jnp.float32)       # bf16/fp8/f16 widen exactly
+        xf = x.astype(jnp.float32)  # bf16/fp8/f16 widen exactly
         nan, inf = jnp.isnan(x), jnp.isinf(x)
         finite = jnp.isfinite(x)
-    else:                                # integers and bool: all finite
+    else:  # integers and bool: all finite
         xf = x.astype(jnp.float32)
         nan = inf = jnp.zeros(x.shape, bool)
         finite = jnp.ones(x.shape, bool)
@@ -144,8 +163,10 @@ def device_statistics(x: jax.Array) -> jax.Array:
     none = n == 0
     stats = [jnp.where(none, jnp.nan, v) for v in (lo, hi, mean, std)]
     for count in (jnp.sum(nan, dtype=jnp.int32), jnp.sum(inf, dtype=jnp.int32)):
-        stats += [(count // COUNT_BASE).astype(jnp.float32),
-                  (count % COUNT_BASE).astype(jnp.float32)]
+        stats += [
+            (count // COUNT_BASE).astype(jnp.float32),
+            (count % COUNT_BASE).astype(jnp.float32),
+        ]
     return jnp.stack(stats)
 
 
@@ -169,20 +190,27 @@ def _statistics_of_big_leaves(leaves: list, compute: bool = True) -> tuple[list,
     return out, (tuple(summaries) if any(summaries) else ())
 
 
-
-
 def shards_possible(leaves) -> bool:
     """Whether this tap may see a partitioned value: traced under plain jit
     (no mapped axes) with at least one array leaf. Scalars only (a loss) keep
     the single whole-value callback: they are replicated, never sharded."""
     if placement.mapped_axes()[0]:
         return False
-    return any(isinstance(x, jax.core.Tracer) for x in leaves) and \
-        any(np.ndim(x) > 0 for x in leaves)
+    return any(isinstance(x, jax.core.Tracer) for x in leaves) and any(
+        np.ndim(x) > 0 for x in leaves
+    )
 
 
-def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
-         pass_: str = "forward", fn: str = "pmaptap.tap") -> None:
+def send(
+    x: Any,
+    name: str,
+    *,
+    step=None,
+    dedup: str = "auto",
+    every: int = 1,
+    pass_: str = "forward",
+    fn: str = "pmaptap.tap",
+) -> None:
     """Validate and emit ``x`` (no return value; shared by tap and tap_grad)."""
     check_common(name, dedup, every, fn)
     static_step, traced_step = check_step(step, name, fn)
@@ -196,9 +224,17 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
         return  # pmaptap.untapped: checked, then removed
 
     def emit_leaves(leaves: list, traced_step) -> None:
-        _emit_leaves(leaves, traced_step, static_step, name=name, dedup=dedup,
-                     every=every, treedef=treedef, explicit=step is not None,
-                     pass_=pass_)
+        _emit_leaves(
+            leaves,
+            traced_step,
+            static_step,
+            name=name,
+            dedup=dedup,
+            every=every,
+            treedef=treedef,
+            explicit=step is not None,
+            pass_=pass_,
+        )
 
     if primitive.staged_for_later(leaves):
         # A tangent inside a custom_jvp rule under grad/vjp/linearize: emit
@@ -209,17 +245,32 @@ def send(x: Any, name: str, *, step=None, dedup: str = "auto", every: int = 1,
     emit_leaves(leaves, traced_step)
 
 
-def _emit_leaves(leaves: list, traced_step, static_step: int | None, *,
-                 name: str, dedup: str, every: int, treedef, explicit: bool,
-                 pass_: str) -> None:
+def _emit_leaves(
+    leaves: list,
+    traced_step,
+    static_step: int | None,
+    *,
+    name: str,
+    dedup: str,
+    every: int,
+    treedef,
+    explicit: bool,
+    pass_: str,
+) -> None:
     per_shard = shards_possible(leaves)
     # Per-shard taps only mark big leaves: a summary of a partitioned value
     # would need an all-reduce, so their lowering decides (shardcall.py).
     sent, summaries = _statistics_of_big_leaves(leaves, compute=not per_shard)
     where, raw_names = placement.current(leaves)
-    site = TapSite(name=name, dedup=dedup, every=int(every), treedef=treedef,
-                   explicit_step=explicit, pass_=pass_,
-                   summaries=summaries)
+    site = TapSite(
+        name=name,
+        dedup=dedup,
+        every=int(every),
+        treedef=treedef,
+        explicit_step=explicit,
+        pass_=pass_,
+        summaries=summaries,
+    )
     spec = TapSpec(site=site, placement=where)
     if per_shard:
         spec = spec.with_transport(layout=Layout.SHARDS)
@@ -228,8 +279,9 @@ def _emit_leaves(leaves: list, traced_step, static_step: int | None, *,
         step_arr = traced_step
     else:
         step_arr = static_step_operand(-1 if static_step is None else static_step)
-    emit(spec, raw_names, sent, coords, step_arr,
-         traced_every=traced_step is not None and every > 1)
+    emit(
+        spec, raw_names, sent, coords, step_arr, traced_every=traced_step is not None and every > 1
+    )
 
 
 def tap(x: T, name: str, *, step=None, dedup: str = "auto", every: int = 1) -> T:

@@ -18,6 +18,7 @@ untapped trace. The state is thread-local, and ``PMAPTAP_UNTAPPED=1`` in the
 environment turns it on for the whole process (every tap removed, e.g. for a
 production run). Arguments are still checked at trace time.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,10 @@ def _env_default() -> bool:
     if val in _TRUE:
         return True
     if val not in _FALSE:
-        log.warning(f"PMAPTAP_UNTAPPED={raw!r} is not one of 1/true/yes/on or "
-                    "0/false/no/off (or empty); taps stay on.")
+        log.warning(
+            f"PMAPTAP_UNTAPPED={raw!r} is not one of 1/true/yes/on or "
+            "0/false/no/off (or empty); taps stay on."
+        )
     return False
 
 
@@ -53,11 +56,12 @@ try:
     # (JAX reads an environment variable named after the state, hence the
     # _state suffix: PMAPTAP_UNTAPPED is parsed by _env_default.)
     from jax._src import config as _jax_config
+
     _TAPS_OFF = _jax_config.bool_state(
         name="pmaptap_untapped_state",
         default=_env_default(),
         help="Remove pmaptap taps (tap, tap_grad, host_callback.id_tap/"
-             "id_print) from functions traced while set.",
+        "id_print) from functions traced while set.",
         include_in_jit_key=True,
         include_in_trace_context=True,
     )
@@ -77,14 +81,16 @@ def untapped(fn: F) -> F:
     its value), for a second, callback-free compilation of a tapped step.
     ``host_callback.call`` stays: its results are part of the computation."""
     if not callable(fn):
-        raise TypeError(f"pmaptap.untapped(fn): fn must be callable, got "
-                        f"{type(fn).__name__}")
+        raise TypeError(f"pmaptap.untapped(fn): fn must be callable, got {type(fn).__name__}")
     if _TAPS_OFF is None:  # pragma: no cover - only on an unsupported JAX
-        raise RuntimeError("pmaptap.untapped needs jax._src.config.bool_state "
-                           f"(JAX cache keys), which this JAX lacks: {_MISSING}")
+        raise RuntimeError(
+            "pmaptap.untapped needs jax._src.config.bool_state "
+            f"(JAX cache keys), which this JAX lacks: {_MISSING}"
+        )
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with _TAPS_OFF(True):
             return fn(*args, **kwargs)
+
     return wrapper  # type: ignore[return-value]

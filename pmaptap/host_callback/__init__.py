@@ -22,6 +22,7 @@ function is caught there and reported once, by the next ``barrier_wait``.
 work to the same executor and waits for the result; see
 ``_CallJob.on_callback_thread`` for why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,21 +35,31 @@ from typing import Any, Callable, TypeVar
 import jax
 import numpy as np
 
-from pmaptap._trace.emit import axis_coords, emit_call
-from pmaptap.host_callback.executor import (_Devices, _executor, _format, _name_of,
-                                           _on_executor_thread)
 from pmaptap._trace import placement, primitive
+from pmaptap._trace.emit import axis_coords, emit_call
 from pmaptap._trace.spec import Placement
 from pmaptap._trace.tap import as_leaf, check_dtype
 from pmaptap._trace.untapped import taps_off
-from pmaptap.host_callback._linked import linked_tap, tie
 from pmaptap.errors import CallbackException
+from pmaptap.host_callback._linked import linked_tap, tie
+from pmaptap.host_callback.executor import (
+    _Devices,
+    _executor,
+    _format,
+    _name_of,
+    _on_executor_thread,
+)
 
 T = TypeVar("T")
 
-__all__ = ["CallbackException", "barrier_wait", "call", "id_print", "id_tap",
-           "stop_outfeed_receiver"]
-
+__all__ = [
+    "CallbackException",
+    "barrier_wait",
+    "call",
+    "id_print",
+    "id_tap",
+    "stop_outfeed_receiver",
+]
 
 
 def barrier_wait(logging_name: str | None = None) -> None:
@@ -61,7 +72,8 @@ def barrier_wait(logging_name: str | None = None) -> None:
         raise RuntimeError(
             "pmaptap.host_callback.barrier_wait() was called from inside a tap "
             "or call function; it would wait for itself. Call it from the "
-            "thread that runs the computation.")
+            "thread that runs the computation."
+        )
     # effects_barrier returns once every callback dispatched so far has run,
     # i.e. every tap has been *queued*; the ticket taken after it covers them.
     jax.effects_barrier()
@@ -72,19 +84,24 @@ def barrier_wait(logging_name: str | None = None) -> None:
         raise _callback_exception(errors, logging_name) from errors[0][0]
 
 
-def _callback_exception(errors: list[tuple[BaseException, str]],
-                        logging_name: str | None) -> CallbackException:
+def _callback_exception(
+    errors: list[tuple[BaseException, str]], logging_name: str | None
+) -> CallbackException:
     """The old module's message ("... Last one was: ...") naming the tap
     function that raised last; the first error (``__cause__``/``original``)
     is shown in full when there were several."""
     where = f" (barrier {logging_name!r})" if logging_name else ""
     last, last_name = errors[-1]
     first, first_name = errors[0]
-    msg = (f"There were exceptions during callback processing{where}. Last one "
-           f"was: {last_name}: {type(last).__name__}: {last}")
+    msg = (
+        f"There were exceptions during callback processing{where}. Last one "
+        f"was: {last_name}: {type(last).__name__}: {last}"
+    )
     if len(errors) > 1:
-        msg += (f"\nFirst one (of {len(errors)}: it and {len(errors) - 1} more), "
-                f"in {first_name}:\n{_format(first)}")
+        msg += (
+            f"\nFirst one (of {len(errors)}: it and {len(errors) - 1} more), "
+            f"in {first_name}:\n{_format(first)}"
+        )
     else:
         msg += "\n" + _format(first)
     return CallbackException(msg, tuple(e for e, _ in errors))
@@ -104,8 +121,14 @@ class _TapConsumer:
     """The host function of one traced ``id_tap``: runs on XLA's callback
     thread (or the caller's, eagerly), so it only queues the work."""
 
-    def __init__(self, tap_func: Callable, with_device: bool,
-                 devices: _Devices, where: Placement, treedef: Any) -> None:
+    def __init__(
+        self,
+        tap_func: Callable,
+        with_device: bool,
+        devices: _Devices,
+        where: Placement,
+        treedef: Any,
+    ) -> None:
         self.tap_func = tap_func
         self.with_device = with_device
         self.devices = devices
@@ -120,8 +143,7 @@ class _TapConsumer:
             arg = jax.tree_util.tree_unflatten(self.treedef, list(arrays))
             transforms = tuple(("batch", {"batch_dims": dims}) for dims in batch_dims)
             if self.with_device:
-                self.tap_func(arg, transforms,
-                              device=self.devices.resolve(self.where, coords))
+                self.tap_func(arg, transforms, device=self.devices.resolve(self.where, coords))
             else:
                 self.tap_func(arg, transforms)
         except BaseException as e:  # noqa: BLE001 - reported by barrier_wait
@@ -132,29 +154,38 @@ class _TapConsumer:
 # take (any more): each with what to write instead.
 _REMOVED_TAP_KWARGS = {
     "what": "it is an id_print argument: use hcb.id_print(x, what=...), or "
-            "functools.partial(tap_func, what=...) to pass it to your function",
-    "output_stream": "it is an id_print argument: use hcb.id_print(x, "
-                     "output_stream=...)",
+    "functools.partial(tap_func, what=...) to pass it to your function",
+    "output_stream": "it is an id_print argument: use hcb.id_print(x, output_stream=...)",
     "threshold": "it is an id_print argument: use hcb.id_print(x, threshold=...)",
     "callback_flavor": "pmaptap has one implementation; delete the argument",
     "result_shape": "id_tap returns its argument; to get a value back from "
-                    "the host use hcb.call(f, x, result_shape=...)",
+    "the host use hcb.call(f, x, result_shape=...)",
 }
 
 
 def _removed_kwargs_error(kwargs: dict) -> TypeError:
     name = sorted(kwargs)[0]
     why = _REMOVED_TAP_KWARGS.get(
-        name, f"keyword arguments are no longer passed to the tap function: use "
-              f"functools.partial(tap_func, {name}=...) or a closure")
+        name,
+        f"keyword arguments are no longer passed to the tap function: use "
+        f"functools.partial(tap_func, {name}=...) or a closure",
+    )
     more = f" (also: {', '.join(sorted(kwargs)[1:])})" if len(kwargs) > 1 else ""
-    return TypeError(f"pmaptap.host_callback.id_tap got the removed keyword "
-                     f"argument {name!r}{more}: {why}.")
+    return TypeError(
+        f"pmaptap.host_callback.id_tap got the removed keyword argument {name!r}{more}: {why}."
+    )
 
 
-def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
-           tap_with_device: bool = False, device_index: int = 0,
-           tap_with_transform: bool = False, **kwargs: Any) -> T:
+def id_tap(
+    tap_func: Callable,
+    arg: T,
+    *,
+    result: Any = None,
+    tap_with_device: bool = False,
+    device_index: int = 0,
+    tap_with_transform: bool = False,
+    **kwargs: Any,
+) -> T:
     """Identity on ``arg`` (or returns ``result``) that calls
     ``tap_func(arg, transforms)`` on the host with ``arg`` as NumPy arrays.
 
@@ -187,8 +218,7 @@ def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
     _executor()  # start the thread here, not on XLA's callback thread
     where, raw_names = placement.current(leaves)
     consumer = _TapConsumer(tap_func, bool(tap_with_device), devices, where, treedef)
-    traced = any(isinstance(x, jax.core.Tracer) for x in
-                 leaves + jax.tree_util.tree_leaves(out))
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves + jax.tree_util.tree_leaves(out))
     if not traced:
         # Eager: the call happens now, on this thread, so the order is the
         # program's without any tie, and ``out`` is returned as it is.
@@ -199,20 +229,28 @@ def id_tap(tap_func: Callable, arg: T, *, result: Any = None,
         # in the part of the program that computes it, if any (see
         # primitive.run_later); nothing else depends on it there, so no tie.
         primitive.run_later(
-            lambda ls, _: linked_tap(consumer, axis_coords(raw_names),
-                                     [jax.lax.stop_gradient(x) for x in ls]),
-            leaves, None)
+            lambda ls, _: linked_tap(
+                consumer, axis_coords(raw_names), [jax.lax.stop_gradient(x) for x in ls]
+            ),
+            leaves,
+            None,
+        )
         return out
     # Taps see primal values: no tangent reaches the host.
-    token = linked_tap(consumer, axis_coords(raw_names),
-                       [jax.lax.stop_gradient(x) for x in leaves])
+    token = linked_tap(consumer, axis_coords(raw_names), [jax.lax.stop_gradient(x) for x in leaves])
     return tie(out, token)
 
 
 # --------------------------------------------------------------- id_print
-def _print_tap_func(arg: Any, transforms: tuple, *, device: Any = None,
-                    output_stream: Any = None, threshold: int | None = None,
-                    **kwargs: Any) -> None:
+def _print_tap_func(
+    arg: Any,
+    transforms: tuple,
+    *,
+    device: Any = None,
+    output_stream: Any = None,
+    threshold: int | None = None,
+    **kwargs: Any,
+) -> None:
     """The old module's printer: sorted ``key: value`` pairs (``what``, other
     kwargs, ``transforms`` and ``device`` when present) on one line, then the
     value with arrays via ``np.array2string(threshold=...)``."""
@@ -238,11 +276,18 @@ def _pp(v: Any, threshold: int | None, indent: int = 0, width: int = 80) -> str:
     if isinstance(v, np.ndarray):
         return np.array2string(v, threshold=threshold)
     if isinstance(v, (tuple, list, dict)):
-        open_, close = (("{", "}") if isinstance(v, dict) else
-                        ("(", ")") if isinstance(v, tuple) else ("[", "]"))
-        items = ([f"{k}=" + _pp(x, threshold, indent + 2, width)
-                  for k, x in sorted(v.items())] if isinstance(v, dict) else
-                 [_pp(x, threshold, indent + 2, width) for x in v])
+        open_, close = (
+            ("{", "}")
+            if isinstance(v, dict)
+            else ("(", ")")
+            if isinstance(v, tuple)
+            else ("[", "]")
+        )
+        items = (
+            [f"{k}=" + _pp(x, threshold, indent + 2, width) for k, x in sorted(v.items())]
+            if isinstance(v, dict)
+            else [_pp(x, threshold, indent + 2, width) for x in v]
+        )
         flat = f"{open_} " + " ".join(items) + f" {close}"
         if "\n" not in flat and indent + len(flat) <= width:
             return flat
@@ -251,27 +296,35 @@ def _pp(v: Any, threshold: int | None, indent: int = 0, width: int = 80) -> str:
     return str(v)
 
 
-def id_print(arg: T, *, result: Any = None, what: str | None = None,
-             output_stream: Any = None, threshold: int | None = None,
-             tap_with_device: bool = False, device_index: int = 0,
-             **kwargs: Any) -> T:
+def id_print(
+    arg: T,
+    *,
+    result: Any = None,
+    what: str | None = None,
+    output_stream: Any = None,
+    threshold: int | None = None,
+    tap_with_device: bool = False,
+    device_index: int = 0,
+    **kwargs: Any,
+) -> T:
     """Like ``id_tap`` with a printer: prints ``what`` and any other keyword
     arguments (sorted ``key: value``), then ``arg`` with arrays formatted by
     ``np.array2string(threshold=threshold)``, to ``output_stream.write`` or
     stdout. Returns ``arg`` (or ``result``)."""
     if what is not None:
         kwargs["what"] = what
-    printer = functools.partial(_print_tap_func, output_stream=output_stream,
-                                threshold=threshold, **kwargs)
-    return id_tap(printer, arg, result=result, tap_with_device=tap_with_device,
-                  device_index=device_index)
+    printer = functools.partial(
+        _print_tap_func, output_stream=output_stream, threshold=threshold, **kwargs
+    )
+    return id_tap(
+        printer, arg, result=result, tap_with_device=tap_with_device, device_index=device_index
+    )
 
 
 # --------------------------------------------------------------- call
 def _check_callable(f: Any, fn: str, what: str) -> None:
     if not callable(f):
-        raise TypeError(f"{fn}: {what} must be callable, got "
-                        f"{type(f).__name__} ({f!r}).")
+        raise TypeError(f"{fn}: {what} must be callable, got {type(f).__name__} ({f!r}).")
 
 
 def _result_avals(result_shape: Any, fn: str):
@@ -300,13 +353,15 @@ def _result_avals(result_shape: Any, fn: str):
 
 def _paths(treedef) -> list[str]:
     dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
-    return [jax.tree_util.keystr(p) for p, _ in
-            jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
 def _describe(treedef, avals) -> str:
-    return str(jax.tree_util.tree_unflatten(
-        treedef, [f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals]))
+    return str(
+        jax.tree_util.tree_unflatten(
+            treedef, [f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals]
+        )
+    )
 
 
 def _spreads_tuple(f: Callable, arg: Any, with_device: bool) -> bool:
@@ -334,9 +389,15 @@ def _spreads_tuple(f: Callable, arg: Any, with_device: bool) -> bool:
     return binds(len(arg)) and not binds(1)
 
 
-def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
-         result_shape_dtypes: Any = None, call_with_device: bool = False,
-         device_index: int = 0) -> Any:
+def call(
+    callback_func: Callable,
+    arg: Any,
+    *,
+    result_shape: Any = None,
+    result_shape_dtypes: Any = None,
+    call_with_device: bool = False,
+    device_index: int = 0,
+) -> Any:
     """Call ``callback_func(arg)`` on the host and return its result into the
     computation. ``result_shape`` (synonym ``result_shape_dtypes``) describes
     the result: a pytree of objects with ``shape``/``dtype`` or example
@@ -352,8 +413,7 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
     fn = "pmaptap.host_callback.call"
     _check_callable(callback_func, fn, "callback_func")
     if result_shape is not None and result_shape_dtypes is not None:
-        raise ValueError(f"{fn}: give result_shape or result_shape_dtypes "
-                         "(synonyms), not both.")
+        raise ValueError(f"{fn}: give result_shape or result_shape_dtypes (synonyms), not both.")
     shape_spec = result_shape if result_shape is not None else result_shape_dtypes
     res_treedef, res_avals = _result_avals(shape_spec, fn)
     name = _name_of(callback_func)
@@ -362,21 +422,26 @@ def call(callback_func: Callable, arg: Any, *, result_shape: Any = None,
     leaves = [as_leaf(p, x, name, fn) for p, x in path_leaves]
     # Where the call runs, for call_with_device (coords -> device id).
     where, raw_names = placement.current(leaves)
-    job = _CallJob(callback_func, where, arg_treedef, res_treedef, res_avals,
-                   with_device=bool(call_with_device),
-                   spread=_spreads_tuple(callback_func, arg, bool(call_with_device)),
-                   devices=_Devices(device_index, fn), what=what)
+    job = _CallJob(
+        callback_func,
+        where,
+        arg_treedef,
+        res_treedef,
+        res_avals,
+        with_device=bool(call_with_device),
+        spread=_spreads_tuple(callback_func, arg, bool(call_with_device)),
+        devices=_Devices(device_index, fn),
+        what=what,
+    )
     _executor()
     if not any(isinstance(x, jax.core.Tracer) for x in leaves):
         # Eager: nothing to compile. Run on the host now (after the taps
         # queued before it) and put the result where the argument was.
         outs = job.on_callback_thread(np.zeros((0,), np.int32), *leaves)
-        dev = job.devices.by_id.get(where.eager_device) if \
-            where.eager_device is not None else None
+        dev = job.devices.by_id.get(where.eager_device) if where.eager_device is not None else None
         outs = [jax.device_put(o, dev) for o in outs]
         return jax.tree_util.tree_unflatten(res_treedef, outs)
-    outs = emit_call(job.on_callback_thread, axis_coords(raw_names), leaves,
-                     res_avals, what=what)
+    outs = emit_call(job.on_callback_thread, axis_coords(raw_names), leaves, res_avals, what=what)
     return jax.tree_util.tree_unflatten(res_treedef, outs)
 
 
@@ -434,17 +499,19 @@ class _CallJob:
     def _check(self, res: Any) -> tuple:
         got_leaves, got_treedef = jax.tree_util.tree_flatten(res)
         got = [np.asarray(x) for x in got_leaves]
-        got_avals = [jax.ShapeDtypeStruct(
-            x.shape, jax.dtypes.canonicalize_dtype(x.dtype)) for x in got]
+        got_avals = [
+            jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype)) for x in got
+        ]
         if not self.res_avals and not got:
             return ()  # None, () and [] all mean "no result"
         if got_treedef != self.res_treedef or any(
-                (g.shape, g.dtype) != (e.shape, e.dtype)
-                for g, e in zip(got_avals, self.res_avals)):
+            (g.shape, g.dtype) != (e.shape, e.dtype) for g, e in zip(got_avals, self.res_avals)
+        ):
             raise ValueError(
                 f"{self.what}: the host function returned "
                 f"{_describe(got_treedef, got_avals)} but result_shape expects "
                 f"{_describe(self.res_treedef, self.res_avals)}. Fix "
                 "result_shape, or convert the result (e.g. .astype(...), "
-                ".reshape(...)).")
+                ".reshape(...))."
+            )
         return tuple(np.asarray(x, dtype=a.dtype) for x, a in zip(got, self.res_avals))

@@ -21,6 +21,7 @@ from ``pmaptap.tap`` on purpose:
 Like primitive.py this reads ``jax._src`` (JAX 0.10); tests/test_host_callback*
 fail loudly if an upgrade breaks it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -61,9 +62,13 @@ def tie(value: Any, token: jax.Array) -> Any:
     The XOR is one elementwise pass that fuses into the value's consumers; a
     ``custom_jvp`` makes it an identity for derivatives."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    idx = [i for i, x in enumerate(leaves)
-           if isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
-           and np.size(x) > 0 and jnp.dtype(x.dtype).kind in "biufc"]
+    idx = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
+        and np.size(x) > 0
+        and jnp.dtype(x.dtype).kind in "biufc"
+    ]
     if not idx:
         return value
     tied = _tie_leaves(token, *[leaves[i] for i in idx])
@@ -118,11 +123,9 @@ def _batch(args, dims, *, host_fn, batch_dims):
     if cdim is not None:
         # Coordinates never depend on a vmapped value; keep one copy.
         coords = lax.index_in_dim(coords, 0, cdim, keepdims=False)
-    moved = [x if d is None else jax.numpy.moveaxis(x, d, 0)
-             for x, d in zip(leaves, ldims)]
+    moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(leaves, ldims)]
     level = tuple(None if d is None else 0 for d in ldims)
-    out = linked_tap_p.bind(coords, *moved, host_fn=host_fn,
-                            batch_dims=batch_dims + (level,))
+    out = linked_tap_p.bind(coords, *moved, host_fn=host_fn, batch_dims=batch_dims + (level,))
     return out, [None]
 
 
@@ -159,15 +162,21 @@ pe.partial_eval_jaxpr_custom_rules[linked_tap_p] = _remat_rule
 def _lowering(ctx, *args, host_fn, batch_dims):
     def run(coords, *flat):
         # XLA's buffers are valid during the call only: copy.
-        host_fn(batch_dims, np.array(coords, copy=True),
-                *[np.array(a, copy=True) for a in flat])
+        host_fn(batch_dims, np.array(coords, copy=True), *[np.array(a, copy=True) for a in flat])
         return (_TOKEN,)
 
-    sharding = cb._callback_op_sharding(ctx.module_context.axis_context, None,
-                                        ctx.avals_out)
+    sharding = cb._callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
     result, _, _ = cb.emit_python_callback(
-        ctx, run, None, list(args), ctx.avals_in, ctx.avals_out,
-        has_side_effect=True, returns_token=False, sharding=sharding)
+        ctx,
+        run,
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=False,
+        sharding=sharding,
+    )
     return result
 
 

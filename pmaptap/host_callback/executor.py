@@ -3,6 +3,7 @@ process (the *executor*) that converts tapped arrays, resolves devices and
 runs the user's tap / print / call functions in arrival order, catching
 their errors for ``barrier_wait``. XLA's callback thread only queues work
 here (it holds the GIL and blocks its device)."""
+
 from __future__ import annotations
 
 import atexit
@@ -17,6 +18,7 @@ import numpy as np
 
 from pmaptap._log import log
 from pmaptap._trace.spec import Placement
+
 
 # --------------------------------------------------------------- executor
 class _Executor:
@@ -33,8 +35,7 @@ class _Executor:
         self._errors: list[tuple[BaseException, str]] = []
         self._stopping = False
         self.pid = os.getpid()
-        self.thread = threading.Thread(target=self._loop, daemon=True,
-                                       name="pmaptap-host-callback")
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="pmaptap-host-callback")
         self.thread.start()
 
     def submit(self, job: Callable[[], None]) -> int:
@@ -78,7 +79,7 @@ class _Executor:
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - jobs report their own
-                self.record_error(e)    # errors; this is a last resort
+                self.record_error(e)  # errors; this is a last resort
             finally:
                 del job  # drop array references before waiting again
                 with self._cv:
@@ -117,11 +118,12 @@ def _at_exit() -> None:
     try:
         jax.effects_barrier()
         if not ex.wait(ex.ticket(), timeout=30.0):
-            log.warning("[pmaptap] host_callback: tap functions still running "
-                        "at exit")
+            log.warning("[pmaptap] host_callback: tap functions still running at exit")
         for e, _ in ex.take_errors():
-            log.error("[pmaptap] host_callback: a tap function raised and no "
-                      "barrier_wait() reported it:\n" + _format(e))
+            log.error(
+                "[pmaptap] host_callback: a tap function raised and no "
+                "barrier_wait() reported it:\n" + _format(e)
+            )
     except BaseException as e:  # noqa: BLE001 - never fail the exit
         log.error(f"[pmaptap] host_callback exit handler: {e!r}")
     finally:
@@ -139,11 +141,16 @@ class _Devices:
 
     def __init__(self, device_index: int, fn: str) -> None:
         local = jax.local_devices()
-        if isinstance(device_index, bool) or not isinstance(device_index, int) \
-                or not 0 <= device_index < len(local):
-            raise ValueError(f"{fn}: device_index must be an int in "
-                             f"[0, {len(local)}) (this process's local devices); "
-                             f"got {device_index!r}.")
+        if (
+            isinstance(device_index, bool)
+            or not isinstance(device_index, int)
+            or not 0 <= device_index < len(local)
+        ):
+            raise ValueError(
+                f"{fn}: device_index must be an int in "
+                f"[0, {len(local)}) (this process's local devices); "
+                f"got {device_index!r}."
+            )
         self.by_id = {d.id: d for d in jax.devices()}
         # Under plain jit the callback carries no device identity. The old
         # CPU implementation reported local_devices()[replica_id], replica 0
@@ -163,5 +170,3 @@ class _Devices:
 def _name_of(fn: Any) -> str:
     inner = getattr(fn, "func", fn)  # functools.partial
     return getattr(inner, "__qualname__", None) or type(inner).__name__
-
-

@@ -13,6 +13,7 @@ per-device records of a replayed step must all go, including those of
 devices the new attempt does not have. Meta records (``pmaptap/dropped``,
 ``pmaptap/attempt``, ...) are facts about what happened and stay visible.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,9 +79,11 @@ def scan(path: str | os.PathLike) -> Attempts:
     its bytes)."""
     idx = Attempts()
     from pmaptap.tapfile import runs
+
     if runs.is_sharded(path):
         # A sharded run (tapfile/runs.py): its merged stream, read once.
         from pmaptap.tapfile.reader import iter_lines
+
         for _, d, _ in iter_lines(path):
             if d is not None and "attempt" in d:
                 idx.add(d)
@@ -92,7 +95,7 @@ def scan(path: str | os.PathLike) -> Attempts:
             if not raw:
                 return idx
             if len(raw) > limit and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):   # skip the rest
+                while raw and not raw.endswith(b"\n"):  # skip the rest
                     raw = f.readline(1 << 20)
                 continue
             if b'"attempt"' not in raw:
@@ -122,7 +125,7 @@ class Restarts:
             firsts[a] = step if step is not None else old
 
     def text(self, run: Any) -> str:
-        """"2 attempts; restarted at step 5" (or "" for one attempt)."""
+        """ "2 attempts; restarted at step 5" (or "" for one attempt)."""
         firsts = self._runs.get(run) or {}
         later = sorted(a for a in firsts if a > 0)
         if not later:
@@ -130,5 +133,4 @@ class Restarts:
         steps = [firsts[a] for a in later]
         shown = ", ".join("?" if s is None else str(s) for s in steps)
         n = len(later) + 1
-        return (f"{n} attempts; restarted at step{'s' if len(steps) > 1 else ''} "
-                f"{shown}")
+        return f"{n} attempts; restarted at step{'s' if len(steps) > 1 else ''} {shown}"

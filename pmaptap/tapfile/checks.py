@@ -9,6 +9,7 @@ prevented, or a file concatenated twice):
   hashes is a cross-process divergence, which is data, not a duplicate.
 - per_device: the same (run, name, step, pass, index, device, coords) twice.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ def _is_num(x: Any) -> bool:
 
 
 # ------------------------------------------------------------------ schema
+
 
 def _scalar_problem(v: Any, dtype: str) -> str | None:
     if dtype == "bool":
@@ -61,18 +63,22 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
             if problem:
                 return problem
         return None
+
     return walk(value, 0)
 
 
 def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
     """Does ``value`` have the nesting that ``dtype``/``shape`` describe?"""
     if value is None and dtype is None and shape is None:
-        return None        # a None inside a tapped pytree (no leaves)
+        return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
         return _leaf_problem(value, dtype, shape)
     if isinstance(dtype, dict):
-        if not (isinstance(value, dict) and isinstance(shape, dict) and
-                set(value) == set(dtype) == set(shape)):
+        if not (
+            isinstance(value, dict)
+            and isinstance(shape, dict)
+            and set(value) == set(dtype) == set(shape)
+        ):
             return "pytree value, dtype and shape do not have the same keys"
         for k in dtype:
             problem = value_problem(value[k], dtype[k], shape[k])
@@ -80,8 +86,11 @@ def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
                 return f"[{k}]: {problem}"
         return None
     if isinstance(dtype, list):
-        if not (isinstance(value, list) and isinstance(shape, list) and
-                len(value) == len(dtype) == len(shape)):
+        if not (
+            isinstance(value, list)
+            and isinstance(shape, list)
+            and len(value) == len(dtype) == len(shape)
+        ):
             return "pytree value, dtype and shape do not have the same length"
         for i, (v, d, s) in enumerate(zip(value, dtype, shape)):
             problem = value_problem(v, d, s)
@@ -104,7 +113,7 @@ def schema_problems(d: dict) -> list[str]:
     if not isinstance(d["host"], str):
         out.append("host must be a string")
     if "divergent" in d and d["divergent"] is not True:
-        out.append('divergent, when present, must be true')
+        out.append("divergent, when present, must be true")
     if not isinstance(d.get("pass", "forward"), str):
         out.append("pass must be a string")
     kind = d["kind"]
@@ -119,12 +128,14 @@ def schema_problems(d: dict) -> list[str]:
             out.append("replicas must be a positive integer")
         devices = d.get("devices")
         if devices is not None and (
-                not isinstance(devices, list) or
-                not all(x is None or _is_int(x) for x in devices) or
-                (_is_int(d["replicas"]) and len(devices) != d["replicas"])):
+            not isinstance(devices, list)
+            or not all(x is None or _is_int(x) for x in devices)
+            or (_is_int(d["replicas"]) and len(devices) != d["replicas"])
+        ):
             out.append("devices must list one integer-or-null per replica")
-        if "processes" in d and not (isinstance(d["processes"], list) and
-                                     all(_is_int(p) for p in d["processes"])):
+        if "processes" in d and not (
+            isinstance(d["processes"], list) and all(_is_int(p) for p in d["processes"])
+        ):
             out.append("processes must be a list of integers")
         if "vhash" in d and not isinstance(d["vhash"], str):
             out.append("vhash must be a string")
@@ -135,6 +146,7 @@ def schema_problems(d: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ duplicates
+
 
 def _canonical(x: Any) -> str:
     # sort_keys so dict order cannot hide a duplicate; default=str for the
@@ -147,8 +159,7 @@ def _coords_key(coords: Any) -> Any:
     # key and ~10x cheaper than JSON text (this runs for every per-device
     # record of a summary). Anything else falls back to the JSON text; equal
     # coordinates always take the same branch.
-    if isinstance(coords, dict) and all(
-            type(v) is int for v in coords.values()):
+    if isinstance(coords, dict) and all(type(v) is int for v in coords.values()):
         return tuple(sorted(coords.items()))
     return _canonical(coords)
 
@@ -162,7 +173,7 @@ def duplicate_key(r: dict) -> tuple | None:
         return ("replicated", *base, r.get("vhash") or _canonical(r.get("value")))
     if kind == "per_device":
         return ("per_device", *base, r.get("device"), _coords_key(r.get("coords")))
-    return None   # meta records (counters) may legitimately repeat
+    return None  # meta records (counters) may legitimately repeat
 
 
 def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
@@ -181,6 +192,7 @@ def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------------ gaps
+
 
 def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
     """(stride, missing ranges) of a tap's steps. The stride is the gcd of the
@@ -210,6 +222,7 @@ def format_gaps(stride: int, gaps: Sequence[tuple[int, int]], limit: int = 5) ->
 
 # ------------------------------------------------------------------ validate
 
+
 @dataclasses.dataclass
 class Report:
     path: str
@@ -217,7 +230,7 @@ class Report:
     records: int = 0
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     divergent_keys: int = 0
-    superseded: int = 0          # records a later attempt of a resumed run replaced
+    superseded: int = 0  # records a later attempt of a resumed run replaced
 
     @property
     def ok(self) -> bool:
@@ -234,10 +247,10 @@ def validate_file(path: str | os.PathLike) -> Report:
     raws = [e.raw for e in entries]
     for i, j in find_duplicates(raws):
         r = raws[i]
-        what = (f"{r['kind']} {r['name']!r} step {r['step']}" +
-                (f" device {r.get('device')}" if r["kind"] == "per_device" else ""))
-        report.problems.append((entries[i].line, f"duplicate of line "
-                                f"{entries[j].line} ({what})"))
+        what = f"{r['kind']} {r['name']!r} step {r['step']}" + (
+            f" device {r.get('device')}" if r["kind"] == "per_device" else ""
+        )
+        report.problems.append((entries[i].line, f"duplicate of line {entries[j].line} ({what})"))
     # Records of steps that a resumed run replayed are superseded by the
     # later attempt's (tapfile/attempts.py): history, not duplicates (their
     # keys differ in ``attempt``, so find_duplicates does not pair them).
@@ -245,7 +258,11 @@ def validate_file(path: str | os.PathLike) -> Report:
     report.superseded = sum(map(attempts.superseded, raws)) if attempts else 0
     report.problems.sort()
     report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
-    report.divergent_keys = len({duplicate_key(e.rec)[1:6] for e in entries
-                                 if e.rec.get("divergent") and
-                                 e.rec.get("kind") == "replicated"})
+    report.divergent_keys = len(
+        {
+            duplicate_key(e.rec)[1:6]
+            for e in entries
+            if e.rec.get("divergent") and e.rec.get("kind") == "replicated"
+        }
+    )
     return report

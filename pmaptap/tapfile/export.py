@@ -9,6 +9,7 @@ become ``coord.<axis>`` columns. Non-finite values are written ``nan``,
 
 Parquet (typed columns) is frame.py; TensorBoard event files tensorboard.py.
 """
+
 from __future__ import annotations
 
 import csv
@@ -19,9 +20,24 @@ from pmaptap.tapfile.format import NONFINITE, index_text
 from pmaptap.tapfile.views import Entry
 
 _MARKERS = NONFINITE
-FIXED = ("line", "run", "name", "step", "pass", "kind", "process", "device",
-         "devices", "replicas", "divergent", "index", "dtype", "shape", "time",
-         "host")
+FIXED = (
+    "line",
+    "run",
+    "name",
+    "step",
+    "pass",
+    "kind",
+    "process",
+    "device",
+    "devices",
+    "replicas",
+    "divergent",
+    "index",
+    "dtype",
+    "shape",
+    "time",
+    "host",
+)
 
 
 def _leaf(raw: Any) -> Any:
@@ -44,8 +60,7 @@ def flatten_value(value: Any, dtype: Any, prefix: str = "value") -> dict[str, An
     if isinstance(dtype, list) and isinstance(value, list):
         out = {}
         for i, v in enumerate(value):
-            out.update(flatten_value(v, dtype[i] if i < len(dtype) else None,
-                                     f"{prefix}.{i}"))
+            out.update(flatten_value(v, dtype[i] if i < len(dtype) else None, f"{prefix}.{i}"))
         return out
     return {prefix: _leaf(value)}
 
@@ -57,16 +72,23 @@ def _text(x: Any) -> str:
 def csv_row(e: Entry) -> dict[str, Any]:
     r = e.raw
     row: dict[str, Any] = {
-        "line": e.line, "run": r["run"], "name": r["name"], "step": r["step"],
-        "pass": r.get("pass", "forward"), "kind": r["kind"],
-        "process": r["process"], "device": r.get("device"),
+        "line": e.line,
+        "run": r["run"],
+        "name": r["name"],
+        "step": r["step"],
+        "pass": r.get("pass", "forward"),
+        "kind": r["kind"],
+        "process": r["process"],
+        "device": r.get("device"),
         "devices": _text(r["devices"]) if "devices" in r else None,
         "replicas": r.get("replicas"),
         "divergent": bool(e.rec.get("divergent")),
         # A shard's global slice, "start:stop" per dimension ("" if whole).
         "index": index_text(r.get("index")),
-        "dtype": _text(r["dtype"]), "shape": _text(r["shape"]),
-        "time": r["time"], "host": r["host"],
+        "dtype": _text(r["dtype"]),
+        "shape": _text(r["shape"]),
+        "time": r["time"],
+        "host": r["host"],
     }
     coords = r.get("coords")
     for axis, idx in (coords if isinstance(coords, dict) else {}).items():
@@ -85,8 +107,9 @@ def write_csv(entries: Sequence[Entry], out: IO[str]) -> int:
                 extra.setdefault(k, None)
     coords = sorted(k for k in extra if k.startswith("coord."))
     values = [k for k in extra if not k.startswith("coord.")]
-    writer = csv.DictWriter(out, fieldnames=[*FIXED, *coords, *values],
-                            restval="", lineterminator="\n")
+    writer = csv.DictWriter(
+        out, fieldnames=[*FIXED, *coords, *values], restval="", lineterminator="\n"
+    )
     writer.writeheader()
     for row in rows:
         writer.writerow({k: "" if v is None else v for k, v in row.items()})

@@ -7,6 +7,7 @@ killed writer leaves a torn line that the next writer terminates with a
 newline. So bytes after the last newline are held back until their newline
 arrives; only then is the line parsed (and reported if it is not a record).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ import time
 from typing import Any, Callable, Iterator
 
 from pmaptap.tapfile import parse, views
-from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.format import decode_record
+from pmaptap.tapfile.parse import parse_line
 
 _CHUNK = 1 << 20
 
@@ -55,7 +56,7 @@ class LineFollower:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            return          # removed: keep what we have, wait for it to return
+            return  # removed: keep what we have, wait for it to return
         if st.st_ino != self._ino or st.st_size < self._pos:
             self.close()
             self.restarted += 1
@@ -74,7 +75,7 @@ class LineFollower:
                 return
             self._pos += len(chunk)
             pieces = (self._partial + chunk).split(b"\n")
-            self._partial = pieces.pop()   # b"" when the chunk ended a line
+            self._partial = pieces.pop()  # b"" when the chunk ended a line
             if len(self._partial) > parse.MAX_LINE_BYTES:
                 # Keep one byte past the limit, enough for parse_line to
                 # report the line as too long once its newline comes: memory
@@ -99,9 +100,9 @@ class LineFollower:
             self._f = None
 
 
-def matching(lf: LineFollower, flt: views.Filter,
-             report: Callable[[int, str], None] | None = None
-             ) -> Iterator[views.Entry]:
+def matching(
+    lf: LineFollower, flt: views.Filter, report: Callable[[int, str], None] | None = None
+) -> Iterator[views.Entry]:
     """The records among the lines completed since the last poll that pass
     ``flt``, streamed (a large file is never held whole). Lines that are not
     records go to ``report(line number, problem)``; blank lines do not."""
@@ -116,10 +117,15 @@ def matching(lf: LineFollower, flt: views.Filter,
             yield views.Entry(lineno, d, rec)
 
 
-def follow(lf: LineFollower, flt: views.Filter, *, stop: threading.Event,
-           interval: float, timeout: float | None,
-           report: Callable[[int, str], None] | None = None
-           ) -> Iterator[list[views.Entry]]:
+def follow(
+    lf: LineFollower,
+    flt: views.Filter,
+    *,
+    stop: threading.Event,
+    interval: float,
+    timeout: float | None,
+    report: Callable[[int, str], None] | None = None,
+) -> Iterator[list[views.Entry]]:
     """Batches of new matching records, one per poll every ``interval``
     seconds, until ``stop`` is set or ``timeout`` seconds have passed."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -147,6 +153,7 @@ def on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
     def restore() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
     return restore
 
 
@@ -163,12 +170,13 @@ class RunFollower:
         self.path = os.fspath(path)
         self._files: dict[str, LineFollower] = {}
         self._first: dict[tuple, Any] = {}
-        self._chunks: set[str] = set()          # object store: chunks read
-        self._lines: dict[int, int] = {}        # object store: lines per process
+        self._chunks: set[str] = set()  # object store: chunks read
+        self._lines: dict[int, int] = {}  # object store: lines per process
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
         from pmaptap.tapfile.format import record_key
+
         batch: list[tuple[float, int, int, bytes]] = []
         for i, n, raw in self._new_lines():
             d, _ = parse_line(raw)
@@ -176,8 +184,7 @@ class RunFollower:
             if not isinstance(t, (int, float)) or isinstance(t, bool):
                 t = float("-inf")
             elif d.get("kind") == "replicated" and d.get("vhash"):
-                got = self._first.setdefault((record_key(d), d["vhash"]),
-                                             d.get("process"))
+                got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
                 if got != d.get("process"):
                     continue
             batch.append((float(t), i, n, raw))
@@ -191,6 +198,7 @@ class RunFollower:
         since the last poll: appended to local shards, or in chunks that
         appeared on an object store (chunks are immutable: read once)."""
         from pmaptap.tapfile import runs
+
         if runs.is_url(self.path):
             fs, _ = runs.url_fs(self.path)
             for proc, names in sorted(runs.chunks(self.path).items()):
@@ -231,4 +239,5 @@ class RunFollower:
 def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower":
     """The follower for ``path``: a sharded run's, or one file's."""
     from pmaptap.tapfile import runs
+
     return RunFollower(path) if runs.is_sharded(path) else LineFollower(path)

@@ -9,6 +9,7 @@ keep their own ``dtype`` name. A pytree value is nested JSON objects (dicts,
 namedtuples) and arrays (lists, tuples); ``dtype`` and ``shape`` then have the
 same nesting.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,7 @@ import numpy as np
 KINDS = ("replicated", "per_device", "meta")
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
 MAX_STEP = 2**63 - 1
-REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape",
-            "process", "time", "host")
+REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
 # The strings that stand for non-finite floats inside ``value`` (JSON has no
 # number form for them); the one place that names them.
 NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
@@ -38,8 +38,7 @@ def is_narrow_int(dt: np.dtype) -> bool:
     # ml_dtypes' sub-byte integers (int1/2/4, uint1/2/4): NumPy sees them as
     # opaque "V" types, but they widen exactly to int64 and are written as
     # plain JSON integers under their own dtype name.
-    return dt.kind == "V" and dt.name.startswith(("int", "uint")) and \
-        dt.fields is None
+    return dt.kind == "V" and dt.name.startswith(("int", "uint")) and dt.fields is None
 
 
 def encodable(dt: np.dtype) -> bool:
@@ -47,8 +46,7 @@ def encodable(dt: np.dtype) -> bool:
     exactly these; pmaptap.tap checks it at trace time so that a dtype the
     format cannot hold is refused there, with the tap's name, and never
     dropped on the host)."""
-    return dt.kind in "biufc" or is_narrow_int(dt) or \
-        (is_float_like(dt) and dt.fields is None)
+    return dt.kind in "biufc" or is_narrow_int(dt) or (is_float_like(dt) and dt.fields is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,23 +55,23 @@ class Record:
     name: str
     step: int
     kind: str
-    value: Any                    # already JSON-able (see encode_tree)
+    value: Any  # already JSON-able (see encode_tree)
     dtype: Any
     shape: Any
     process: int
     time: float
     host: str
-    device: int | None = None     # per_device only
-    coords: dict | None = None    # per_device only
-    replicas: int | None = None   # replicated only
+    device: int | None = None  # per_device only
+    coords: dict | None = None  # per_device only
+    replicas: int | None = None  # replicated only
     devices: tuple | None = None  # replicated: devices holding this value
     processes: tuple | None = None
     divergent: bool = False
     batch_dims: int = 0
     pass_: str = "forward"
-    extra: dict | None = None     # meta records: counters etc.
-    vhash: str | None = None      # replicated: hash of the value's bits
-    summarized: bool = False      # a leaf's value is statistics (SUMMARY_FIELDS)
+    extra: dict | None = None  # meta records: counters etc.
+    vhash: str | None = None  # replicated: hash of the value's bits
+    summarized: bool = False  # a leaf's value is statistics (SUMMARY_FIELDS)
     # A shard of a sharded value under jit: its global slice, [start, stop]
     # per dimension (a list of those per leaf for a pytree); None otherwise.
     index: list | None = None
@@ -83,10 +81,16 @@ class Record:
 
     def to_json_dict(self) -> dict:
         d: dict[str, Any] = {
-            "run": self.run, "name": self.name, "step": int(self.step),
-            "kind": self.kind, "value": self.value, "dtype": self.dtype,
-            "shape": self.shape, "process": self.process,
-            "time": round(self.time, 6), "host": self.host,
+            "run": self.run,
+            "name": self.name,
+            "step": int(self.step),
+            "kind": self.kind,
+            "value": self.value,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "process": self.process,
+            "time": round(self.time, 6),
+            "host": self.host,
         }
         if self.kind == "per_device":
             d["device"] = self.device
@@ -120,8 +124,7 @@ class Record:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Record)}
-_REQUIRED_FIELDS = frozenset(k for k, v in _FIELD_DEFAULTS.items()
-                             if v is dataclasses.MISSING)
+_REQUIRED_FIELDS = frozenset(k for k, v in _FIELD_DEFAULTS.items() if v is dataclasses.MISSING)
 
 
 def new_record(**fields: Any) -> Record:
@@ -131,15 +134,15 @@ def new_record(**fields: Any) -> Record:
     fields are required and no others are taken."""
     keys = fields.keys()
     if not (_REQUIRED_FIELDS <= keys <= _FIELD_DEFAULTS.keys()):
-        raise TypeError(f"Record fields missing {sorted(_REQUIRED_FIELDS - keys)} "
-                        f"or unknown {sorted(keys - _FIELD_DEFAULTS.keys())}")
+        raise TypeError(
+            f"Record fields missing {sorted(_REQUIRED_FIELDS - keys)} "
+            f"or unknown {sorted(keys - _FIELD_DEFAULTS.keys())}"
+        )
     r = object.__new__(Record)
     d = r.__dict__
     d.update(_FIELD_DEFAULTS)
     d.update(fields)
     return r
-
-
 
 
 def record_key(r: "dict | Record") -> tuple:
@@ -153,8 +156,14 @@ def record_key(r: "dict | Record") -> tuple:
     tapfile/attempts.py)."""
     if isinstance(r, Record):
         return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
-    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"),
-            index_key(r.get("index")), r.get("attempt", 0))
+    return (
+        r.get("run"),
+        r.get("name"),
+        r.get("step"),
+        r.get("pass", "forward"),
+        index_key(r.get("index")),
+        r.get("attempt", 0),
+    )
 
 
 def index_key(index: Any) -> Any:
@@ -165,8 +174,11 @@ def index_key(index: Any) -> Any:
 
 
 def _is_pair(p: Any) -> bool:
-    return (isinstance(p, (list, tuple)) and len(p) == 2 and
-            all(isinstance(v, int) and not isinstance(v, bool) for v in p))
+    return (
+        isinstance(p, (list, tuple))
+        and len(p) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+    )
 
 
 def index_text(index: Any, sep: str = ",") -> str:
@@ -198,6 +210,7 @@ COUNT_BASE = 4096
 try:  # orjson encodes NumPy arrays ~25x faster than json (measured: 20 us vs
     # 520 us for 1024 float32); json stays as the fallback.
     import orjson as ORJSON
+
     ORJSON_OPTS = ORJSON.OPT_SERIALIZE_NUMPY
 except ImportError:  # pragma: no cover - exercised via PMAPTAP_NO_ORJSON
     ORJSON, ORJSON_OPTS = None, 0
@@ -218,11 +231,16 @@ def encode_line(d: dict) -> bytes:
     if ORJSON is not None:
         return ORJSON.dumps(d, option=ORJSON_OPTS | ORJSON.OPT_APPEND_NEWLINE)
     # allow_nan=False: a stray non-finite float is a bug, never a bad line.
-    return (json.dumps(d, separators=(",", ":"), allow_nan=False,
-                       ensure_ascii=False, default=_json_default) + "\n").encode("utf-8")
+    return (
+        json.dumps(
+            d, separators=(",", ":"), allow_nan=False, ensure_ascii=False, default=_json_default
+        )
+        + "\n"
+    ).encode("utf-8")
 
 
 # ---------------------------------------------------------------- decoding
+
 
 def _decode_nonfinite(v: Any) -> Any:
     if isinstance(v, list):
@@ -236,8 +254,7 @@ def _decode_complex(v: Any, depth: int) -> Any:
     # Total: a value that does not have the shape's nesting of [re, im]
     # pairs is left as written (``pmaptap validate`` reports it).
     if depth == 0:
-        if isinstance(v, list) and len(v) == 2 and all(
-                isinstance(x, (int, float)) for x in v):
+        if isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v):
             return complex(v[0], v[1])
         return v
     if not isinstance(v, list):
@@ -256,8 +273,7 @@ def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
         return value
     if isinstance(dtype, dict) and isinstance(value, dict):
         shapes = shape if isinstance(shape, dict) else {}
-        return {k: _decode_value(v, dtype.get(k), shapes.get(k))
-                for k, v in value.items()}
+        return {k: _decode_value(v, dtype.get(k), shapes.get(k)) for k, v in value.items()}
     if isinstance(dtype, list) and isinstance(value, list):
         shapes = shape if isinstance(shape, list) else [None] * len(value)
         return [_decode_value(v, d, s) for v, d, s in zip(value, dtype, shapes)]
@@ -296,8 +312,7 @@ def validate_dict(d: Any) -> str | None:
         return "vhash must be a string"
     for field in ("devices", "processes"):
         ids = d.get(field)
-        if ids is not None and not (isinstance(ids, list) and
-                                    all(map(_is_scalar, ids))):
+        if ids is not None and not (isinstance(ids, list) and all(map(_is_scalar, ids))):
             return f"{field} must be a list of numbers"
     if d["kind"] == "per_device":
         if "device" not in d or "coords" not in d:

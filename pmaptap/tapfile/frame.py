@@ -23,6 +23,7 @@ strict JSON text, as the CSV export does.
 
 pandas and pyarrow are optional extras, imported only here. No JAX.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,29 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-MISSING_PANDAS = ("pmaptap.read(..., as_frame=True) needs pandas: pip install pandas "
-                  "(or 'pmaptap[frame]').")
-MISSING_PYARROW = ('pmaptap export --parquet needs pyarrow, an optional extra: '
-                   'pip install "pmaptap[parquet]" (or pip install pyarrow)')
+MISSING_PANDAS = (
+    "pmaptap.read(..., as_frame=True) needs pandas: pip install pandas (or 'pmaptap[frame]')."
+)
+MISSING_PYARROW = (
+    "pmaptap export --parquet needs pyarrow, an optional extra: "
+    'pip install "pmaptap[parquet]" (or pip install pyarrow)'
+)
 
-_FIRST = ("run", "name", "step", "pass", "kind", "process", "device", "replicas",
-          "divergent", "time", "host")
+_FIRST = (
+    "run",
+    "name",
+    "step",
+    "pass",
+    "kind",
+    "process",
+    "device",
+    "replicas",
+    "divergent",
+    "time",
+    "host",
+)
 _INTS = ("process", "device", "replicas")
-_UNDER = ("value", "coords")      # flattened into "<field>.<path>" columns
+_UNDER = ("value", "coords")  # flattened into "<field>.<path>" columns
 
 
 def _pandas() -> Any:
@@ -58,7 +73,7 @@ def _value_cells(value: Any, dtype: Any, prefix: str, out: dict[str, Any]) -> No
     elif isinstance(dtype, list) and isinstance(value, list):
         for i, v in enumerate(value):
             _value_cells(v, dtype[i] if i < len(dtype) else None, f"{prefix}.{i}", out)
-    elif isinstance(value, dict):          # summarized leaf: its statistics
+    elif isinstance(value, dict):  # summarized leaf: its statistics
         for k, v in value.items():
             out[f"{prefix}.{k}"] = v
     else:
@@ -124,24 +139,25 @@ def _column(pd: Any, col: str, cells: list) -> Any:
     if col == "pass":
         return pd.Series([c or "forward" for c in cells], dtype="str")
     kind = _number_kind(cells)
-    if (col in _INTS or col.startswith("coords.")) and \
-            all(c is None or isinstance(c, int) and not isinstance(c, bool)
-                for c in cells):
+    if (col in _INTS or col.startswith("coords.")) and all(
+        c is None or isinstance(c, int) and not isinstance(c, bool) for c in cells
+    ):
         return pd.Series(cells, dtype="Int64")
     if kind == "bool" and (col == "value" or col.startswith("value.")):
         return pd.Series(cells, dtype="boolean")
     if kind == "int":
         return pd.Series(cells, dtype="Int64")
     if kind == "float":
-        return pd.Series([float("nan") if c is None else float(c) for c in cells],
-                         dtype="float64")
-    if all(c is None or isinstance(c, str) for c in cells) and \
-            any(isinstance(c, str) for c in cells):
+        return pd.Series([float("nan") if c is None else float(c) for c in cells], dtype="float64")
+    if all(c is None or isinstance(c, str) for c in cells) and any(
+        isinstance(c, str) for c in cells
+    ):
         return pd.Series(cells, dtype="str")
     return pd.Series(cells, dtype=object)
 
 
 # ------------------------------------------------------------------ parquet
+
 
 def _json_text(c: Any) -> Any:
     if c is None:
@@ -159,6 +175,7 @@ def _json_text(c: Any) -> Any:
         if isinstance(x, dict):
             return {k: enc(v) for k, v in x.items()}
         return x
+
     return json.dumps(enc(c), separators=(",", ":"), allow_nan=False)
 
 
@@ -177,10 +194,15 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
         cells = df[col].tolist()
         try:
             pa.array(cells, from_pandas=False)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError,
-                TypeError, ValueError, OverflowError):
-            df[col] = _pandas().Series([_json_text(c) for c in cells], dtype="str",
-                                       index=df.index)
+        except (
+            pa.ArrowInvalid,
+            pa.ArrowTypeError,
+            pa.ArrowNotImplementedError,
+            TypeError,
+            ValueError,
+            OverflowError,
+        ):
+            df[col] = _pandas().Series([_json_text(c) for c in cells], dtype="str", index=df.index)
     table = pa.Table.from_pandas(df, preserve_index=False)
     pq.write_table(table, os.fspath(path))
     return len(df)
@@ -188,9 +210,10 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
 
 # ------------------------------------------------------------------ pivot
 
+
 def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
     if isinstance(dtype, str) and dtype[:1] in ("{", "["):
-        try:                       # JSON text, as a Parquet file holds it
+        try:  # JSON text, as a Parquet file holds it
             dtype = json.loads(dtype)
         except ValueError:
             return False
@@ -220,15 +243,19 @@ def per_device(frame: Any, value: str = "value") -> Any:
     NaN/inf stay as they are."""
     pd = _pandas()
     if value not in frame.columns:
-        raise KeyError(f"no column {value!r}; value columns: "
-                       f"{[c for c in frame.columns if str(c).startswith('value')]}")
+        raise KeyError(
+            f"no column {value!r}; value columns: "
+            f"{[c for c in frame.columns if str(c).startswith('value')]}"
+        )
     keys = ["run", "name", "pass", "step"]
     # Only records that have this leaf: a NaN cell is the tap's NaN only there
     # (elsewhere it is another tap's empty cell).
     path = value.split(".")[1:]
-    summarized = (frame["summarized"].fillna(False).astype(bool)
-                  if "summarized" in frame.columns else
-                  pd.Series(False, index=frame.index))
+    summarized = (
+        frame["summarized"].fillna(False).astype(bool)
+        if "summarized" in frame.columns
+        else pd.Series(False, index=frame.index)
+    )
     has = [_has_leaf(d, path, bool(s)) for d, s in zip(frame["dtype"], summarized)]
     frame = frame[has]
     per = frame[frame["kind"] == "per_device"][[*keys, "device", value]]
@@ -237,8 +264,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
         rep = frame[(frame["kind"] == "replicated") & frame["devices"].notna()]
         rep = rep[[*keys, "devices", value]].copy()
         if len(rep):
-            devices = rep["devices"].map(lambda d: json.loads(d) if isinstance(d, str)
-                                         else list(d))
+            devices = rep["devices"].map(lambda d: json.loads(d) if isinstance(d, str) else list(d))
             rep = rep.assign(device=devices).drop(columns="devices").explode("device")
             parts.append(rep)
     cells = pd.concat(parts, ignore_index=True)

@@ -2,6 +2,7 @@
 written as the single shared file, in the merged order readers use
 (tapfile/runs.py): replicated values once, bad lines skipped and counted.
 ``--follow`` keeps appending lines as the run's processes write them."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,7 @@ def _check_target(run: str, out: str) -> None:
         return
     target = os.path.realpath(out)
     if any(os.path.realpath(f) == target for f in runs.sources(run)):
-        raise ValueError(f"{out!r} is one of the files of run {run!r}; "
-                         "merge into another file")
+        raise ValueError(f"{out!r} is one of the files of run {run!r}; merge into another file")
 
 
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
@@ -52,12 +52,19 @@ def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
     return n, bad
 
 
-def merge_follow(run: str, out: str, *, stop: threading.Event, interval: float,
-                 timeout: float | None,
-                 report: Callable[[int, str], None] | None = None) -> int:
+def merge_follow(
+    run: str,
+    out: str,
+    *,
+    stop: threading.Event,
+    interval: float,
+    timeout: float | None,
+    report: Callable[[int, str], None] | None = None,
+) -> int:
     """Append the run's records to ``out`` as they are written, until
     ``stop`` or ``timeout``; returns the records written."""
     from pmaptap.tapfile.follow import RunFollower
+
     _check_target(run, out)
     follower = RunFollower(run)
     deadline = None if timeout is None else time.monotonic() + timeout

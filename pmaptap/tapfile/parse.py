@@ -27,6 +27,7 @@ orjson parses when it is installed; with ``PMAPTAP_NO_ORJSON=1`` (or without
 orjson) ``json`` does, with hooks that make it accept and refuse exactly the
 same lines and return the same values.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,9 @@ def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
     depth = 0
     for m in _TOKEN.finditer(raw):
         tok = m.group()
-        if tok[0] == 0x22:                       # '"'
+        if tok[0] == 0x22:  # '"'
             if len(tok) == 1:
-                return False                     # unterminated string
+                return False  # unterminated string
             continue
         opens = tok.count(b"[") + tok.count(b"{")
         closes = tok.count(b"]") + tok.count(b"}")
@@ -91,7 +92,7 @@ def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
 def _parse_int(text: str) -> int | float:
     if len(text) < 19:
         return int(text)
-    value = int(text)          # ValueError past 4300 digits: not read
+    value = int(text)  # ValueError past 4300 digits: not read
     if _INT_MIN <= value < _INT_END:
         return value
     try:
@@ -140,8 +141,9 @@ def _loads(raw: bytes) -> tuple[Any, str | None]:
     except UnicodeDecodeError as e:
         return None, f"not valid JSON (not UTF-8: {e})"
     try:
-        obj = json.loads(text, parse_constant=_reject_constant,
-                         parse_int=_parse_int, parse_float=_parse_float)
+        obj = json.loads(
+            text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
+        )
     except ValueError as e:
         return None, f"not valid JSON ({e})"
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
@@ -154,8 +156,9 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
     (None, why it is not a record). Never raises an Exception."""
     try:
         if len(raw) > MAX_LINE_BYTES:
-            return None, (f"line too long ({len(raw)} bytes; readers take at "
-                          f"most {MAX_LINE_BYTES})")
+            return None, (
+                f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
+            )
         if not raw.strip():
             return None, "empty line"
         if exceeds_depth(raw):
@@ -177,10 +180,11 @@ def line_problem(line: bytes) -> str | None:
     """Why readers would refuse a line a writer is about to write (too long,
     too deep), else None. Cheap for ordinary lines (two byte counts)."""
     if len(line) > MAX_LINE_BYTES:
-        return (f"the encoded record is {len(line)} bytes, more than the "
-                f"{MAX_LINE_BYTES} readers take (lower max_value_bytes or "
-                "tap smaller pieces)")
+        return (
+            f"the encoded record is {len(line)} bytes, more than the "
+            f"{MAX_LINE_BYTES} readers take (lower max_value_bytes or "
+            "tap smaller pieces)"
+        )
     if exceeds_depth(line):
-        return (f"the record nests deeper than the {MAX_DEPTH} levels readers "
-                "take")
+        return f"the record nests deeper than the {MAX_DEPTH} levels readers take"
     return None

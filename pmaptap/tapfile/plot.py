@@ -13,6 +13,7 @@ an optional extra (``pip install "pmaptap[plot]"``). With more than 16
 device series, the plot draws their median with a min-max band and only the
 outlying devices as named lines.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,13 +22,14 @@ import warnings
 from collections import defaultdict
 from typing import Sequence
 
-from pmaptap.tapfile.views import scalar
 from pmaptap.errors import PlotError
+from pmaptap.tapfile.views import scalar
 
-MISSING_MATPLOTLIB = ('pmaptap plot needs matplotlib, an optional extra: '
-                      'pip install "pmaptap[plot]" (or pip install matplotlib)')
+MISSING_MATPLOTLIB = (
+    "pmaptap plot needs matplotlib, an optional extra: "
+    'pip install "pmaptap[plot]" (or pip install matplotlib)'
+)
 _MAX_LEGEND = 16
-
 
 
 def _import_pyplot():
@@ -38,6 +40,7 @@ def _import_pyplot():
     # No display on a cluster node: render to files only.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -61,34 +64,38 @@ def smoothed(ys: Sequence[float], n: int) -> list[float]:
     NaN in the window does not blank the curve); NaN where none is finite."""
     out: list[float] = []
     for i in range(len(ys)):
-        window = [y for y in ys[max(0, i - n + 1):i + 1] if math.isfinite(y)]
+        window = [y for y in ys[max(0, i - n + 1) : i + 1] if math.isfinite(y)]
         out.append(math.fsum(window) / len(window) if window else math.nan)
     return out
 
 
-def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
-                 smooth: int = 0):
+def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smooth: int = 0):
     """The matplotlib Figure for tap ``name`` of ``records`` (decoded dicts).
     The caller closes it (``plt.close(fig)``)."""
     if smooth < 0:
-        raise PlotError(f"smooth must be a number of points >= 1 (or 0: off), "
-                        f"got {smooth}")
+        raise PlotError(f"smooth must be a number of points >= 1 (or 0: off), got {smooth}")
     recs = [r for r in records if r.get("name") == name]
     if not recs:
         names = sorted({r.get("name") for r in records})
-        raise PlotError(f"no records named {name!r}; taps in this file: "
-                        f"{', '.join(names) or '(none)'}")
+        raise PlotError(
+            f"no records named {name!r}; taps in this file: {', '.join(names) or '(none)'}"
+        )
     bad = next((r for r in recs if scalar(r.get("value")) is None), None)
     if bad is not None:
-        raise PlotError(f"tap {name!r} has non-scalar values (shape "
-                        f"{bad.get('shape')}, step {bad.get('step')}); plot "
-                        "draws scalar taps only. Try pmaptap export --csv.")
+        raise PlotError(
+            f"tap {name!r} has non-scalar values (shape "
+            f"{bad.get('shape')}, step {bad.get('step')}); plot "
+            "draws scalar taps only. Try pmaptap export --csv."
+        )
     plt = _import_pyplot()
     multi_run = len({r.get("run") for r in recs}) > 1
     auto = len({r.get("kind") for r in recs} & {"replicated", "per_device"}) == 2
     # An auto tap diverges only once its copies have agreed (see summary.py).
-    agreed = min((r["step"] for r in recs if r.get("kind") == "replicated"),
-                 default=None) if auto else None
+    agreed = (
+        min((r["step"] for r in recs if r.get("kind") == "replicated"), default=None)
+        if auto
+        else None
+    )
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     marks: list[tuple[int, float]] = []
     bad: dict[str, list[int]] = {"NaN": [], "+inf": [], "-inf": []}
@@ -97,7 +104,8 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
         if not math.isfinite(x):
             bad["NaN" if math.isnan(x) else "+inf" if x > 0 else "-inf"].append(r["step"])
         divergent = bool(r.get("divergent")) or (
-            auto and r.get("kind") == "per_device" and r["step"] > agreed)
+            auto and r.get("kind") == "per_device" and r["step"] > agreed
+        )
         if divergent:
             marks.append((r["step"], x))
         if divergent and r.get("kind") == "replicated":
@@ -108,7 +116,8 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
         series[_label(r, multi_run)].append((r["step"], x))
         if auto and r.get("kind") == "per_device":
             series[_label(dict(r, kind="replicated"), multi_run)].append(
-                (r["step"], math.nan))   # break the replicated line here too
+                (r["step"], math.nan)
+            )  # break the replicated line here too
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     devices = [lb for lb in series if "device" in lb]
     if len(devices) > _MAX_LEGEND:
@@ -117,31 +126,46 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
         keep = _band(ax, {lb: series.pop(lb) for lb in devices}, smooth)
         series.update(keep)
     for label in sorted(series, key=_device_order):
-        pts = sorted(dict(series[label]).items())   # one point per step
+        pts = sorted(dict(series[label]).items())  # one point per step
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         if smooth > 1:
-            raw, = ax.plot(xs, ys, linewidth=0.8, alpha=0.3)
-            ax.plot(xs, smoothed(ys, smooth), linewidth=1.4, label=label,
-                    color=raw.get_color())
+            (raw,) = ax.plot(xs, ys, linewidth=0.8, alpha=0.3)
+            ax.plot(xs, smoothed(ys, smooth), linewidth=1.4, label=label, color=raw.get_color())
         else:
-            ax.plot(xs, ys, marker="." if len(pts) < 50 else None,
-                    linewidth=1.2, label=label)
+            ax.plot(xs, ys, marker="." if len(pts) < 50 else None, linewidth=1.2, label=label)
     if marks:
-        ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x",
-                   color="red", s=40, zorder=5, label="divergent")
+        ax.scatter(
+            [m[0] for m in marks],
+            [m[1] for m in marks],
+            marker="x",
+            color="red",
+            s=40,
+            zorder=5,
+            label="divergent",
+        )
     if logy:
         # Values <= 0 have no place on a log axis: matplotlib masks them.
         ax.set_yscale("log", nonpositive="mask")
     # Non-finite values at the axes' edge (x in data, y in axes coordinates),
     # so a NaN step is seen where it happened rather than silently missing.
     edge = ax.get_xaxis_transform()
-    for label, y, marker, color in (("NaN", 0.98, "X", "purple"),
-                                    ("+inf", 0.98, "^", "darkorange"),
-                                    ("-inf", 0.02, "v", "darkorange")):
+    for label, y, marker, color in (
+        ("NaN", 0.98, "X", "purple"),
+        ("+inf", 0.98, "^", "darkorange"),
+        ("-inf", 0.02, "v", "darkorange"),
+    ):
         if bad[label]:
-            ax.scatter(bad[label], [y] * len(bad[label]), transform=edge,
-                       marker=marker, color=color, s=36, zorder=6,
-                       clip_on=False, label=label)
+            ax.scatter(
+                bad[label],
+                [y] * len(bad[label]),
+                transform=edge,
+                marker=marker,
+                color=color,
+                s=36,
+                zorder=6,
+                clip_on=False,
+                label=label,
+            )
     nonfinite = sum(map(len, bad.values()))
     title = name
     if nonfinite:
@@ -150,7 +174,8 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
         title += f"  [mean of {smooth}]"
     ax.set_title(title)
     from matplotlib.ticker import MaxNLocator
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are ints
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are ints
     ax.set_xlabel("step")
     ax.set_ylabel("value")
     ax.grid(True, alpha=0.3)
@@ -164,13 +189,15 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False,
 _MAX_OUTLIERS = 5
 
 
-def _band(ax, per_device: dict[str, list[tuple[int, float]]], smooth: int
-          ) -> dict[str, list[tuple[int, float]]]:
+def _band(
+    ax, per_device: dict[str, list[tuple[int, float]]], smooth: int
+) -> dict[str, list[tuple[int, float]]]:
     """Draw the per-step median and min-max band of many device series;
     return the outlying series (to be drawn as lines): devices whose mean
     distance from the median is over 3x the typical device's (the median of
     those distances), at most _MAX_OUTLIERS, farthest first."""
     import numpy as np
+
     steps = sorted({s for pts in per_device.values() for s, _ in pts})
     col = {s: i for i, s in enumerate(steps)}
     grid = np.full((len(per_device), len(steps)), np.nan)
@@ -178,26 +205,34 @@ def _band(ax, per_device: dict[str, list[tuple[int, float]]], smooth: int
     for i, lb in enumerate(labels):
         for s, y in per_device[lb]:
             grid[i, col[s]] = y
-    grid[~np.isfinite(grid)] = np.nan       # non-finite: marked at the edge
-    with warnings.catch_warnings():         # an all-NaN step: NaN, quietly
+    grid[~np.isfinite(grid)] = np.nan  # non-finite: marked at the edge
+    with warnings.catch_warnings():  # an all-NaN step: NaN, quietly
         warnings.simplefilter("ignore", RuntimeWarning)
         med = np.nanmedian(grid, axis=0)
         lo, hi = np.nanmin(grid, axis=0), np.nanmax(grid, axis=0)
         dist = np.nanmean(np.abs(grid - med), axis=1)
     typical = np.nanmedian(dist) if np.isfinite(dist).any() else np.nan
     line = smoothed(med.tolist(), smooth) if smooth > 1 else med
-    ax.fill_between(steps, lo, hi, alpha=0.2, color="tab:blue",
-                    label=f"min-max of {len(labels)} devices")
-    ax.plot(steps, line, color="tab:blue", linewidth=1.4,
-            label=f"median of {len(labels)} devices")
-    order = [i for i in np.argsort(-np.nan_to_num(dist, nan=-1.0))
-             if np.isfinite(dist[i]) and dist[i] > 3 * typical
-             and (typical > 0 or dist[i] > 0)]
+    ax.fill_between(
+        steps, lo, hi, alpha=0.2, color="tab:blue", label=f"min-max of {len(labels)} devices"
+    )
+    ax.plot(steps, line, color="tab:blue", linewidth=1.4, label=f"median of {len(labels)} devices")
+    order = [
+        i
+        for i in np.argsort(-np.nan_to_num(dist, nan=-1.0))
+        if np.isfinite(dist[i]) and dist[i] > 3 * typical and (typical > 0 or dist[i] > 0)
+    ]
     return {labels[i]: per_device[labels[i]] for i in order[:_MAX_OUTLIERS]}
 
 
-def plot_tap(records: Sequence[dict], name: str, out: str | os.PathLike, *,
-             logy: bool = False, smooth: int = 0) -> str:
+def plot_tap(
+    records: Sequence[dict],
+    name: str,
+    out: str | os.PathLike,
+    *,
+    logy: bool = False,
+    smooth: int = 0,
+) -> str:
     """Draw tap ``name`` of ``records`` (decoded dicts) into the PNG ``out``."""
     fig = build_figure(records, name, logy=logy, smooth=smooth)
     plt = _import_pyplot()

@@ -1,4 +1,5 @@
 """Reading tap files: every valid record in file order, never eval/pickle."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,14 @@ from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.format import decode_record, record_key
 from pmaptap.tapfile.parse import parse_line
 
-__all__ = ["DivergenceIndex", "iter_file_lines", "iter_lines", "parse_line", "read",
-           "reconcile_divergence"]
+__all__ = [
+    "DivergenceIndex",
+    "iter_file_lines",
+    "iter_lines",
+    "parse_line",
+    "read",
+    "reconcile_divergence",
+]
 
 _SKIP_CHUNK = 1 << 20
 
@@ -43,11 +50,16 @@ class _ReadProgress:
             if time.monotonic() - self.start < PROGRESS_DELAY_S:
                 return
             from pmaptap.progress import Progress
+
             self.size = os.fstat(self.f.fileno()).st_size
             # process=0: a reader never asks JAX which process it is.
-            self.bar = Progress(max(-(-self.size >> 20), 1), desc=f"reading "
-                                f"{os.path.basename(self.path)}", unit="MiB",
-                                process=0, min_interval=0.25)
+            self.bar = Progress(
+                max(-(-self.size >> 20), 1),
+                desc=f"reading {os.path.basename(self.path)}",
+                unit="MiB",
+                process=0,
+                min_interval=0.25,
+            )
             if not self.bar.enabled:
                 self.off = True
                 return
@@ -59,7 +71,7 @@ class _ReadProgress:
 
     def close(self) -> None:
         if self.bar is not None and self.bar.enabled:
-            if self.f.tell() >= self.size:      # read to the end: a full bar
+            if self.f.tell() >= self.size:  # read to the end: a full bar
                 self._show(self.bar.total)
             self.bar.close()
 
@@ -93,8 +105,10 @@ def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None,
                     d, problem = parse_line(raw[:-1])
                 elif len(raw) > limit:
                     size = len(raw) + _skip_line(f)
-                    d, problem = None, (f"line too long ({size} bytes or more; "
-                                        f"readers take at most {limit})")
+                    d, problem = (
+                        None,
+                        (f"line too long ({size} bytes or more; readers take at most {limit})"),
+                    )
                 else:
                     # No newline at the end of the file: a writer is still
                     # writing this line, or was killed while writing it.
@@ -116,11 +130,17 @@ def _skip_line(f: BinaryIO) -> int:
             return skipped
 
 
-def read(path: str | os.PathLike, *, as_frame: bool = False,
-         name: str | Iterable[str] | None = None,
-         step: int | str | tuple | range | None = None,
-         run: str | None = None, device: int | None = None,
-         process: int | None = None, attempts: str = "latest"):
+def read(
+    path: str | os.PathLike,
+    *,
+    as_frame: bool = False,
+    name: str | Iterable[str] | None = None,
+    step: int | str | tuple | range | None = None,
+    run: str | None = None,
+    device: int | None = None,
+    process: int | None = None,
+    attempts: str = "latest",
+):
     """All valid records of a tap file, in file order, as dicts.
 
     A run resumed after a restart (``Session(resume=True)``) holds the old
@@ -147,7 +167,7 @@ def read(path: str | os.PathLike, *, as_frame: bool = False,
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
     index = DivergenceIndex()
-    later = Attempts()    # steps a later attempt rewrote
+    later = Attempts()  # steps a later attempt rewrote
     for lineno, d, problem in iter_lines(path):
         if d is None:
             if problem != "empty line":
@@ -174,10 +194,12 @@ def read(path: str | os.PathLike, *, as_frame: bool = False,
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        log.warning(f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} "
-                    f"invalid line(s): {shown}{more}")
+        log.warning(
+            f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} invalid line(s): {shown}{more}"
+        )
     if as_frame:
         from pmaptap.tapfile.frame import to_frame
+
         return to_frame(out)
     return out
 
@@ -185,11 +207,11 @@ def read(path: str | os.PathLike, *, as_frame: bool = False,
 def _filter(name: Any, step: Any, run: Any, device: Any, process: Any) -> Any:
     """read()'s filter arguments as a views.Filter (None: no filter); a bad
     argument is a ValueError/TypeError that says what is accepted."""
-    if name is None and step is None and run is None and device is None \
-            and process is None:
+    if name is None and step is None and run is None and device is None and process is None:
         return None
     # views imports this module; imported here, on use, not at load.
     from pmaptap.tapfile.views import Filter, parse_steps
+
     if name is None:
         names: tuple = ()
     elif isinstance(name, str):
@@ -197,33 +219,45 @@ def _filter(name: Any, step: Any, run: Any, device: Any, process: Any) -> Any:
     else:
         names = tuple(name) if isinstance(name, Iterable) else ()
         if not names or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"pmaptap.read: name must be a str or a non-empty "
-                            f"list of str, got {name!r}")
+            raise TypeError(
+                f"pmaptap.read: name must be a str or a non-empty list of str, got {name!r}"
+            )
     steps: tuple = (None, None)
     if isinstance(step, bool):
-        raise TypeError(f"pmaptap.read: step must be an int, (lo, hi), 'A:B' "
-                        f"or a range, got {step!r}")
+        raise TypeError(
+            f"pmaptap.read: step must be an int, (lo, hi), 'A:B' or a range, got {step!r}"
+        )
     if isinstance(step, int):
         steps = (step, step)
     elif isinstance(step, str):
         steps = parse_steps(step)
     elif isinstance(step, range):
         if step.step != 1 or len(step) == 0:
-            raise ValueError(f"pmaptap.read: step={step!r} must be a non-empty "
-                             "range with step 1 (every=N taps: give (lo, hi))")
+            raise ValueError(
+                f"pmaptap.read: step={step!r} must be a non-empty "
+                "range with step 1 (every=N taps: give (lo, hi))"
+            )
         steps = (step.start, step.stop - 1)
-    elif isinstance(step, (tuple, list)) and len(step) == 2 and all(
-            s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in step):
+    elif (
+        isinstance(step, (tuple, list))
+        and len(step) == 2
+        and all(s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in step)
+    ):
         steps = tuple(step)
         if None not in steps and steps[0] > steps[1]:
-            raise ValueError(f"pmaptap.read: step={step!r} is empty "
-                             f"({steps[0]} > {steps[1]}); (lo, hi) includes both ends")
+            raise ValueError(
+                f"pmaptap.read: step={step!r} is empty "
+                f"({steps[0]} > {steps[1]}); (lo, hi) includes both ends"
+            )
     elif step is not None:
-        raise TypeError(f"pmaptap.read: step must be an int, (lo, hi), 'A:B' "
-                        f"or a range, got {step!r}")
-    for what, v, kind, text in (("run", run, str, "a str"),
-                                ("device", device, int, "an int (a device id)"),
-                                ("process", process, int, "an int")):
+        raise TypeError(
+            f"pmaptap.read: step must be an int, (lo, hi), 'A:B' or a range, got {step!r}"
+        )
+    for what, v, kind, text in (
+        ("run", run, str, "a str"),
+        ("device", device, int, "an int (a device id)"),
+        ("process", process, int, "an int"),
+    ):
         if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
             raise TypeError(f"pmaptap.read: {what} must be {text}, got {v!r}")
     return Filter(names=names, steps=steps, process=process, device=device, run=run)

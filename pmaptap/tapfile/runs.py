@@ -16,6 +16,7 @@ of a (key, vhash) is kept and the same value from another process is dropped,
 as the one-file writer would have skipped it. A different value from another
 process stays and is marked divergent by the usual reconciliation.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,15 @@ from typing import Callable, Iterator
 
 from pmaptap.tapfile.format import record_key
 
-__all__ = ["SHARD_SUFFIX", "shard_dir", "shard_path", "is_sharded", "sources",
-           "owner", "iter_merged"]
+__all__ = [
+    "SHARD_SUFFIX",
+    "shard_dir",
+    "shard_path",
+    "is_sharded",
+    "sources",
+    "owner",
+    "iter_merged",
+]
 
 SHARD_SUFFIX = ".d"
 _SHARD_NAME = re.compile(r"p(\d+)\.jsonl\Z")
@@ -89,8 +97,7 @@ def owner(key: tuple, processes: "tuple | list") -> int:
     procs = sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the
     # step's digits are far from uniform (one process owned none of 40 steps).
-    digest = hashlib.blake2b(repr(key).encode("utf-8", "backslashreplace"),
-                             digest_size=8).digest()
+    digest = hashlib.blake2b(repr(key).encode("utf-8", "backslashreplace"), digest_size=8).digest()
     return procs[int.from_bytes(digest, "little") % len(procs)]
 
 
@@ -105,8 +112,10 @@ def url_fs(url: str):
     try:
         import fsspec
     except ImportError:
-        raise ImportError(f"{url!r}: object stores need fsspec and the store's "
-                          "client: pip install 'pmaptap[s3]' (or [gcs])") from None
+        raise ImportError(
+            f"{url!r}: object stores need fsspec and the store's "
+            "client: pip install 'pmaptap[s3]' (or [gcs])"
+        ) from None
     return fsspec.core.url_to_fs(url)
 
 
@@ -134,12 +143,13 @@ def iter_chunks(fs, names: list[str]) -> Iterator[tuple[int, "dict | None", "str
     of one process's chunks, in order. A chunk is whole (objects are
     written at once), so every line ends with a newline."""
     from pmaptap.tapfile.parse import parse_line
+
     lineno = 0
     for name in names:
         data = fs.cat_file(name)
         lines = data.split(b"\n")
         if lines[-1] == b"":
-            lines.pop()         # the newline ending the last line (or empty)
+            lines.pop()  # the newline ending the last line (or empty)
         for raw in lines:
             lineno += 1
             d, problem = parse_line(raw)
@@ -156,21 +166,24 @@ def _streams(path, iter_file) -> list[Iterator[tuple]]:
         name = os.path.basename(f)
         for lineno, d, problem in iter_file(f):
             yield lineno, d, problem, name
+
     return [local(f) for f in sources(path)]
 
 
-def iter_merged(path: str | os.PathLike,
-                iter_file: Callable[[str], Iterator[Line]]) -> Iterator[Line]:
+def iter_merged(
+    path: str | os.PathLike, iter_file: Callable[[str], Iterator[Line]]
+) -> Iterator[Line]:
     """(position, record or None, problem or None) over every source of the
     run, merged by record time. Positions count lines of the merged stream;
     a problem names the shard file and its own line number."""
+
     def keyed(i: int, stream: Iterator[tuple]) -> Iterator[tuple]:
         t = float("-inf")
         for lineno, d, problem, name in stream:
             if d is not None:
                 tt = d.get("time")
                 if isinstance(tt, (int, float)) and not isinstance(tt, bool):
-                    t = max(t, float(tt))   # keep each source non-decreasing
+                    t = max(t, float(tt))  # keep each source non-decreasing
             elif problem is not None:
                 problem = f"{problem} ({name} line {lineno})"
             yield t, i, lineno, d, problem
@@ -179,13 +192,14 @@ def iter_merged(path: str | os.PathLike,
     first: dict[tuple, object] = {}
     pos = 0
     for _t, _i, _n, d, problem in heapq.merge(
-            *(keyed(i, st) for i, st in enumerate(_streams(path, iter_file))),
-            key=lambda x: (x[0], x[1], x[2])):
+        *(keyed(i, st) for i, st in enumerate(_streams(path, iter_file))),
+        key=lambda x: (x[0], x[1], x[2]),
+    ):
         if d is not None and d.get("kind") == "replicated" and d.get("vhash"):
             k = (record_key(d), d["vhash"])
             proc = d.get("process")
             got = first.setdefault(k, proc)
             if got != proc:
-                continue      # the same value from another process: one copy
+                continue  # the same value from another process: one copy
         pos += 1
         yield pos, d, problem

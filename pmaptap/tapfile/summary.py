@@ -1,6 +1,7 @@
 """Per-tap summaries of a list of records (as ``pmaptap.read`` returns them):
 ``summary_table(records) -> str`` for people (``pmaptap summary``, the end of a
 training run) and ``tap_summaries(records)`` for code."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,10 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, scan
-from pmaptap.tapfile.checks import (_canonical, _coords_key, count_missing, format_gaps,
-                                    step_gaps)
+from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
 from pmaptap.tapfile.format import NONFINITE
 from pmaptap.tapfile.reader import DivergenceIndex, iter_lines
-from pmaptap.tapfile.views import (Filter, Table, format_ids, format_number, id_order,
-                                   scalar)
+from pmaptap.tapfile.views import Filter, Table, format_ids, format_number, id_order, scalar
 
 
 @dataclasses.dataclass
@@ -31,16 +30,16 @@ class TapSummary:
     last_step: int
     processes: tuple[int, ...]
     devices: tuple[int | None, ...]
-    last: tuple[float, ...]        # scalar values at the last step (distinct)
-    min: float | None              # over finite scalar values
+    last: tuple[float, ...]  # scalar values at the last step (distinct)
+    min: float | None  # over finite scalar values
     max: float | None
     mean: float | None
-    nonfinite: int                 # NaN/inf scalar values
-    nonscalar: int                 # records whose value is not one number
+    nonfinite: int  # NaN/inf scalar values
+    nonscalar: int  # records whose value is not one number
     divergent_steps: tuple[int, ...]
-    stride: int                    # gcd of step differences (every=N)
+    stride: int  # gcd of step differences (every=N)
     gaps: tuple[tuple[int, int], ...]
-    missing: int                   # steps missing inside the range
+    missing: int  # steps missing inside the range
     incomplete_steps: tuple[int, ...]  # per_device steps lacking some devices
     duplicates: int
     # The lowest step holding a NaN/inf (in a scalar or an array element) and
@@ -54,7 +53,7 @@ class TapSummary:
     # dedup="auto" taps: steps whose copies differed before the tap ever
     # agreed. That is per-device data, not a divergence.
     per_device_steps: tuple[int, ...] = ()
-    restarts: str = ""             # the run's attempts ("2 attempts; restarted at step 5")
+    restarts: str = ""  # the run's attempts ("2 attempts; restarted at step 5")
 
 
 class _TapAcc:
@@ -68,18 +67,18 @@ class _TapAcc:
         self.steps: set[int] = set()
         self.processes: set = set()
         self.devices: set = set()
-        self.last_step: int | None = None     # the highest step with a scalar
+        self.last_step: int | None = None  # the highest step with a scalar
         self.last_vals: list[float] = []
         self.finite = array("d")
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
-        self.rep_keys: set[tuple] = set()     # (step, pass, attempt) of replicated records
+        self.rep_keys: set[tuple] = set()  # (step, pass, attempt) of replicated records
         self.per_device_steps: set[int] = set()
         self.per_dev: dict[int, set] = defaultdict(set)
         self.attempt_of_step: dict[int, int] = {}
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
-        self.first_bad: int | None = None     # first step with a NaN/inf
+        self.first_bad: int | None = None  # first step with a NaN/inf
         self.first_bad_devs: set = set()
         # Array elements (finite ones): running min/max/sum/count, and the
         # norm at the highest step.
@@ -102,8 +101,7 @@ class _TapAcc:
         or decoded: floats); pytrees, complex and summarized leaves are left
         to the per-record views."""
         dtype = r.get("dtype")
-        if not isinstance(v, list) or not isinstance(dtype, str) or \
-                dtype.startswith("complex"):
+        if not isinstance(v, list) or not isinstance(dtype, str) or dtype.startswith("complex"):
             return
         try:
             # float() of the markers "NaN"/"Infinity"/"-Infinity" is exact.
@@ -168,14 +166,14 @@ class _TapAcc:
             self.devices.add(dev[0])
             self.per_device_steps.add(step)
             a = get("attempt")
-            if a:       # an elastic restart may have fewer devices: compare within an attempt
+            if a:  # an elastic restart may have fewer devices: compare within an attempt
                 self.attempt_of_step[step] = a
         else:
             devs = get("devices")
             if devs:
                 self.devices.update(devs)
             if kind != "replicated":
-                return      # meta records (counters) may legitimately repeat
+                return  # meta records (counters) may legitimately repeat
             pass_ = get("pass", "forward")
             self.rep_keys.add((step, pass_, get("attempt", 0)))
             key = ("replicated", step, pass_, get("vhash") or _canonical(v))
@@ -192,8 +190,7 @@ class _TapAcc:
         if index is not None:
             probe = {"run": self.run, "name": self.name, "kind": "replicated"}
             for step, pass_, attempt in self.rep_keys:
-                if index.divergent(dict(probe, step=step, attempt=attempt,
-                                        **{"pass": pass_})):
+                if index.divergent(dict(probe, step=step, attempt=attempt, **{"pass": pass_})):
                     divergent.add(step)
         data_steps: set[int] = set()
         if "replicated" in kinds and "per_device" in kinds:
@@ -202,7 +199,7 @@ class _TapAcc:
             # agreed are a divergence; copies that differ from the start (and
             # until they first agree) are per-device data, e.g. a per-shard
             # value that happened to agree at some step.
-            agreed = min(key[0] for key in self.rep_keys)   # (step, pass, attempt)
+            agreed = min(key[0] for key in self.rep_keys)  # (step, pass, attempt)
             divergent |= {s for s in self.per_device_steps if s > agreed}
             data_steps = {s for s in self.per_device_steps if s < agreed}
         incomplete: set[int] = set()
@@ -212,31 +209,38 @@ class _TapAcc:
             for s, v in self.per_dev.items():
                 a = at.get(s, 0)
                 full[a] = max(full.get(a, 0), len(v))
-            incomplete = {s for s, v in self.per_dev.items()
-                          if len(v) < full[at.get(s, 0)]}
+            incomplete = {s for s, v in self.per_dev.items() if len(v) < full[at.get(s, 0)]}
         stride, gaps = step_gaps(self.steps)
         finite = self.finite
         count = len(finite) + self.a_count
         lo = min(min(finite, default=math.inf), self.a_min)
         hi = max(max(finite, default=-math.inf), self.a_max)
         return TapSummary(
-            run=self.run, name=self.name, kinds=kinds, records=self.records,
-            first_step=min(self.steps), last_step=max(self.steps),
-            processes=tuple(sorted((p for p in self.processes if p is not None),
-                                   key=id_order)),
+            run=self.run,
+            name=self.name,
+            kinds=kinds,
+            records=self.records,
+            first_step=min(self.steps),
+            last_step=max(self.steps),
+            processes=tuple(sorted((p for p in self.processes if p is not None), key=id_order)),
             devices=tuple(sorted(self.devices, key=id_order)),
             last=tuple(dict.fromkeys(self.last_vals)),
             min=lo if count else None,
             max=hi if count else None,
             mean=(math.fsum(finite) + self.a_sum) / count if count else None,
-            nonfinite=self.nonfinite, nonscalar=self.nonscalar,
-            divergent_steps=tuple(sorted(divergent)), stride=stride,
-            gaps=tuple(gaps), missing=count_missing(stride, gaps),
+            nonfinite=self.nonfinite,
+            nonscalar=self.nonscalar,
+            divergent_steps=tuple(sorted(divergent)),
+            stride=stride,
+            gaps=tuple(gaps),
+            missing=count_missing(stride, gaps),
             incomplete_steps=tuple(sorted(incomplete)),
             duplicates=self.duplicates,
             first_nonfinite_step=self.first_bad,
             first_nonfinite_devices=tuple(sorted(self.first_bad_devs, key=id_order)),
-            norm=self.norm, per_device_steps=tuple(sorted(data_steps)))
+            norm=self.norm,
+            per_device_steps=tuple(sorted(data_steps)),
+        )
 
 
 def _scalar(v: object) -> float | None:
@@ -279,16 +283,19 @@ class Summarizer:
 
     def summaries(self) -> list[TapSummary]:
         """One TapSummary per (run, name), runs in file order, names sorted."""
-        out = [acc.result(self._index)
-               for names in self._groups.values()
-               for _, acc in sorted(names.items())]
+        out = [
+            acc.result(self._index)
+            for names in self._groups.values()
+            for _, acc in sorted(names.items())
+        ]
         for s in out:
             s.restarts = self._restarts.text(s.run)
         return out
 
 
-def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> tuple[
-        list[TapSummary], list[tuple[int, str]], set, set]:
+def summarize_file(
+    path: str | os.PathLike, flt: Filter | None = None
+) -> tuple[list[TapSummary], list[tuple[int, str]], set, set]:
     """``pmaptap summary``: the summaries of the records of ``path`` that
     ``flt`` matches, streaming the file (records are parsed, summarized and
     dropped; values are never decoded). Also the (line, problem) list of
@@ -331,13 +338,15 @@ def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
 def _issues(s: TapSummary) -> str:
     out = []
     if s.divergent_steps:
-        out.append(f"divergent at {len(s.divergent_steps)} step(s) "
-                   f"({_steps_text(s.divergent_steps)})")
+        out.append(
+            f"divergent at {len(s.divergent_steps)} step(s) ({_steps_text(s.divergent_steps)})"
+        )
     if s.missing:
         out.append(f"{s.missing} missing step(s) ({format_gaps(s.stride, list(s.gaps))})")
     if s.incomplete_steps:
-        out.append(f"{len(s.incomplete_steps)} step(s) missing devices "
-                   f"({_steps_text(s.incomplete_steps)})")
+        out.append(
+            f"{len(s.incomplete_steps)} step(s) missing devices ({_steps_text(s.incomplete_steps)})"
+        )
     if s.duplicates:
         out.append(f"{s.duplicates} duplicate record(s)")
     if s.nonfinite:
@@ -346,8 +355,10 @@ def _issues(s: TapSummary) -> str:
             where += f" on device(s) {format_ids(list(s.first_nonfinite_devices))}"
         out.append(f"{s.nonfinite} non-finite value(s){where}")
     if s.per_device_steps:
-        out.append(f"per-device data at {len(s.per_device_steps)} step(s) "
-                   f"before the copies first agreed ({_steps_text(s.per_device_steps)})")
+        out.append(
+            f"per-device data at {len(s.per_device_steps)} step(s) "
+            f"before the copies first agreed ({_steps_text(s.per_device_steps)})"
+        )
     return "; ".join(out)
 
 
@@ -370,8 +381,20 @@ def _last(s: TapSummary) -> str:
     return lo_hi + ("+nan" if len(finite) < len(s.last) and finite else "")
 
 
-_COLUMNS = ("name", "kind", "records", "steps", "procs", "devices",
-            "last", "min", "max", "mean", "norm", "issues")
+_COLUMNS = (
+    "name",
+    "kind",
+    "records",
+    "steps",
+    "procs",
+    "devices",
+    "last",
+    "min",
+    "max",
+    "mean",
+    "norm",
+    "issues",
+)
 
 
 def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
@@ -382,31 +405,42 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     missing steps, duplicate records, and where the first NaN/inf was. Takes
     records, or the summaries of ``Summarizer.summaries()``."""
     records = list(records)
-    summaries = (records if records and isinstance(records[0], TapSummary)
-                 else tap_summaries(records))
+    summaries = (
+        records if records and isinstance(records[0], TapSummary) else tap_summaries(records)
+    )
     if not summaries:
         return "no records"
     out: list[str] = []
     for run in dict.fromkeys(s.run for s in summaries):
         group = [s for s in summaries if s.run == run]
         n = sum(s.records for s in group)
-        procs = format_ids(sorted({p for s in group for p in s.processes},
-                                  key=id_order))
+        procs = format_ids(sorted({p for s in group for p in s.processes}, key=id_order))
         devs = format_ids([d for s in group for d in s.devices])
         restarts = next((s.restarts for s in group if s.restarts), "")
-        out.append(f"run {run}: {n} records, {len(group)} tap(s), "
-                   f"processes {procs}, devices {devs}"
-                   + (f"; {restarts}" if restarts else ""))
+        out.append(
+            f"run {run}: {n} records, {len(group)} tap(s), "
+            f"processes {procs}, devices {devs}" + (f"; {restarts}" if restarts else "")
+        )
         table = Table(_COLUMNS, right={"records"})
-        rows = [{
-            "name": s.name, "kind": "+".join(s.kinds), "records": str(s.records),
-            "steps": f"{s.first_step}-{s.last_step}" if s.first_step != s.last_step
-            else str(s.first_step),
-            "procs": format_ids(s.processes), "devices": format_ids(s.devices),
-            "last": _last(s) if not s.nonscalar else "(array)",
-            "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean),
-            "norm": _num(s.norm), "issues": _issues(s) or "-",
-        } for s in group]
+        rows = [
+            {
+                "name": s.name,
+                "kind": "+".join(s.kinds),
+                "records": str(s.records),
+                "steps": f"{s.first_step}-{s.last_step}"
+                if s.first_step != s.last_step
+                else str(s.first_step),
+                "procs": format_ids(s.processes),
+                "devices": format_ids(s.devices),
+                "last": _last(s) if not s.nonscalar else "(array)",
+                "min": _num(s.min),
+                "max": _num(s.max),
+                "mean": _num(s.mean),
+                "norm": _num(s.norm),
+                "issues": _issues(s) or "-",
+            }
+            for s in group
+        ]
         table.fit(rows)
         out.append(table.header())
         out.extend(table.format(r) for r in rows)

@@ -25,6 +25,7 @@ and "wall" axes show when the job tapped the value, not when it was exported.
 tensorboardX writes the files; it is an optional extra, imported only here
 and only when an export runs. No JAX.
 """
+
 from __future__ import annotations
 
 import glob
@@ -43,9 +44,11 @@ from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.reader import iter_lines
 
-MISSING_TENSORBOARDX = ('pmaptap export --tensorboard needs tensorboardX, an optional '
-                        'extra: pip install "pmaptap[tensorboard]" (or pip install '
-                        'tensorboardX)')
+MISSING_TENSORBOARDX = (
+    "pmaptap export --tensorboard needs tensorboardX, an optional "
+    'extra: pip install "pmaptap[tensorboard]" (or pip install '
+    "tensorboardX)"
+)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
@@ -126,8 +129,10 @@ class Stats:
             extra += f"; {self.meta} meta record(s) not exported"
         if self.skipped_leaves:
             extra += f"; {self.skipped_leaves} non-numeric leaf value(s) skipped"
-        return (f"{self.records} records as {self.scalars} scalar points and "
-                f"{self.histograms} histograms in {len(self.runs)} run(s){extra}")
+        return (
+            f"{self.records} records as {self.scalars} scalar points and "
+            f"{self.histograms} histograms in {len(self.runs)} run(s){extra}"
+        )
 
 
 class TensorBoardExport:
@@ -151,9 +156,11 @@ class TensorBoardExport:
                 # Not an error: a second export of a grown file, or of several
                 # files of one run, is legitimate; but TensorBoard then shows
                 # the points of both, so say so.
-                log.warning(f"pmaptap export: {logdir} already holds event files; "
-                            "TensorBoard will show their points too (export into a "
-                            "new directory to avoid doubles)")
+                log.warning(
+                    f"pmaptap export: {logdir} already holds event files; "
+                    "TensorBoard will show their points too (export into a "
+                    "new directory to avoid doubles)"
+                )
             # flush_secs is a ceiling; follow mode flushes after each poll.
             w = self._writers[name] = self._writer_cls(logdir=logdir, flush_secs=5)
             self.stats.runs.add(name)
@@ -180,8 +187,7 @@ class TensorBoardExport:
         for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):
             self._leaf(w, base + path + suffix, v, dtype, step, wall)
 
-    def _leaf(self, w: Any, tag: str, v: Any, dtype: Any, step: int,
-              wall: float | None) -> None:
+    def _leaf(self, w: Any, tag: str, v: Any, dtype: Any, step: int, wall: float | None) -> None:
         if isinstance(v, bool) or isinstance(v, (int, float)):
             w.add_scalar(tag, float(v), step, walltime=wall)
             self.stats.scalars += 1
@@ -194,11 +200,14 @@ class TensorBoardExport:
         else:
             self.stats.skipped_leaves += 1
 
-    def _histogram(self, w: Any, tag: str, items: list, step: int,
-                   wall: float | None) -> None:
+    def _histogram(self, w: Any, tag: str, items: list, step: int, wall: float | None) -> None:
         import numpy as np
-        nums = [abs(x) if isinstance(x, complex) else float(x) for x in items
-                if isinstance(x, (int, float, complex))]
+
+        nums = [
+            abs(x) if isinstance(x, complex) else float(x)
+            for x in items
+            if isinstance(x, (int, float, complex))
+        ]
         if len(nums) < len(items):
             self.stats.skipped_leaves += 1
         arr = np.asarray(nums, dtype=np.float64)
@@ -207,8 +216,7 @@ class TensorBoardExport:
             w.add_histogram(tag, finite, step, walltime=wall)
             self.stats.histograms += 1
         if finite.size < arr.size:
-            w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step,
-                         walltime=wall)
+            w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step, walltime=wall)
             self.stats.scalars += 1
 
     def flush(self) -> None:
@@ -222,12 +230,14 @@ class TensorBoardExport:
         logging.getLogger(_X2NUM_LOGGER).removeFilter(self._quiet)
 
 
-def export(path: str | os.PathLike, outdir: str | os.PathLike,
-           flt: views.Filter) -> tuple[Stats, list[tuple[int, str]]]:
+def export(
+    path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
+) -> tuple[Stats, list[tuple[int, str]]]:
     """Convert the whole file once, streaming it (records are not held).
     Returns the counts and the (line, problem) list of lines that are not
     records. Divergence marks are not needed: every value is written."""
     from pmaptap.tapfile.attempts import Attempts, scan
+
     tb = TensorBoardExport(outdir)
     bad: list[tuple[int, str]] = []
     # Steps a later attempt of a resumed run replayed: its values only.
@@ -250,14 +260,20 @@ def export(path: str | os.PathLike, outdir: str | os.PathLike,
     return tb.stats, bad
 
 
-def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter, *,
-           interval: float = 0.5, timeout: float | None = None) -> Stats:
+def follow(
+    path: str | os.PathLike,
+    outdir: str | os.PathLike,
+    flt: views.Filter,
+    *,
+    interval: float = 0.5,
+    timeout: float | None = None,
+) -> Stats:
     """Convert what the file holds, then keep converting what writers append,
     flushing the event files after every poll so that TensorBoard shows a
     live job. Ctrl-C / SIGTERM (or ``timeout`` seconds) end it cleanly with
     every converted record flushed."""
     tb = TensorBoardExport(outdir)
-    lf = open_follower(path)     # one file, or a sharded run's shards
+    lf = open_follower(path)  # one file, or a sharded run's shards
     stop = threading.Event()
     restore = on_stop_signals(stop.set)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -268,8 +284,10 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
             tb.flush()
             if lf.restarted != restarts:
                 restarts = lf.restarted
-                log.warning(f"pmaptap export: {path} was replaced or truncated; "
-                            "converting it again from its start")
+                log.warning(
+                    f"pmaptap export: {path} was replaced or truncated; "
+                    "converting it again from its start"
+                )
             wait = interval
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -277,9 +295,11 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
                 break
             stop.wait(wait)
         if lf.pending:
-            log.warning(f"pmaptap export: the last line is unterminated "
-                        f"({len(lf.pending)} bytes: being written, or torn); "
-                        "not converted")
+            log.warning(
+                f"pmaptap export: the last line is unterminated "
+                f"({len(lf.pending)} bytes: being written, or torn); "
+                "not converted"
+            )
     finally:
         restore()
         lf.close()
@@ -287,8 +307,7 @@ def follow(path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
     return tb.stats
 
 
-def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]],
-             flt: views.Filter) -> None:
+def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: views.Filter) -> None:
     for lineno, raw in lines:
         d, problem = parse_line(raw)
         if d is None:

@@ -1,6 +1,7 @@
 """Looking at records: loading with line numbers, filters, scalar extraction
 and aligned text tables. Shared by the ``pmaptap`` subcommands; no JAX here,
 and tap files are only ever parsed as JSON (never eval/pickle)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ class Entry:
     """One valid record of a file: its 1-based line number, the record as
     written (non-finite markers kept, for re-emitting strict JSON) and the
     decoded record (floats NaN/inf, divergence reconciled)."""
+
     line: int
     raw: dict
     rec: dict
@@ -38,8 +40,9 @@ def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
     return entries, problems
 
 
-def load_matching(path: str | os.PathLike, flt: "Filter") -> tuple[
-        list[Entry], list[tuple[int, str]], set, set]:
+def load_matching(
+    path: str | os.PathLike, flt: "Filter"
+) -> tuple[list[Entry], list[tuple[int, str]], set, set]:
     """Like ``load`` but keeps only the records ``flt`` matches, filtering
     before decoding values, so memory follows the matches, not the file.
     Also returns every name and run read (to say what a file has when nothing
@@ -87,6 +90,7 @@ def mark_divergence(entries: Sequence[Entry]) -> None:
 
 # ------------------------------------------------------------------ filters
 
+
 def parse_steps(text: str) -> tuple[int | None, int | None]:
     """``"A:B"`` (inclusive both ends, either side optional) or ``"N"``."""
     try:
@@ -97,13 +101,16 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
         a = int(lo) if lo.strip() else None
         b = int(hi) if hi.strip() else None
     except ValueError:
-        raise ValueError(f"--step wants N, A:B, A: or :B with integers "
-                         f"(inclusive), got {text!r}") from None
+        raise ValueError(
+            f"--step wants N, A:B, A: or :B with integers (inclusive), got {text!r}"
+        ) from None
     if a is not None and b is not None and a > b:
         # Reversed, so empty: a typo far more often than a real request.
-        raise ValueError(f"--step {text}: the range is empty ({a} > {b}); "
-                         f"A:B includes both ends, write {b}:{a} for steps "
-                         f"{b} to {a}")
+        raise ValueError(
+            f"--step {text}: the range is empty ({a} > {b}); "
+            f"A:B includes both ends, write {b}:{a} for steps "
+            f"{b} to {a}"
+        )
     return a, b
 
 
@@ -136,8 +143,11 @@ class Filter:
             return False
         # A replicated record stands for every device/process holding the
         # value (only one process writes it), so it matches any of them.
-        if self.process is not None and self.process != r.get("process") and \
-                self.process not in (r.get("processes") or ()):
+        if (
+            self.process is not None
+            and self.process != r.get("process")
+            and self.process not in (r.get("processes") or ())
+        ):
             return False
         if self.device is not None:
             if r.get("kind") == "per_device":
@@ -147,12 +157,17 @@ class Filter:
 
     @property
     def active(self) -> bool:
-        return bool(self.names or self.steps != (None, None) or
-                    self.process is not None or self.device is not None or
-                    self.run is not None)
+        return bool(
+            self.names
+            or self.steps != (None, None)
+            or self.process is not None
+            or self.device is not None
+            or self.run is not None
+        )
 
 
 # ------------------------------------------------------------------ values
+
 
 def scalar(v: Any) -> float | None:
     """The value as a float if it is one number (bool/int/float), else None.
@@ -176,6 +191,7 @@ def format_number(x: float | int | bool) -> str:
 
 def format_value(v: Any, width: int = 60) -> str:
     """Compact text for a decoded value; long arrays are cut with '...'."""
+
     def fmt(x: Any) -> str:
         if isinstance(x, dict):
             return "{" + ", ".join(f"{k}: {fmt(y)}" for k, y in x.items()) + "}"
@@ -186,6 +202,7 @@ def format_value(v: Any, width: int = 60) -> str:
         if isinstance(x, (bool, int, float)):
             return format_number(x)
         return str(x)
+
     text = fmt(v)
     return text if len(text) <= width else text[: max(width - 3, 1)] + "..."
 
@@ -251,19 +268,22 @@ def flags_text(r: dict) -> str:
 
 # ------------------------------------------------------------------ tables
 
-COLUMNS = ("line", "name", "step", "kind", "proc", "device", "coords",
-           "value", "flags")
+COLUMNS = ("line", "name", "step", "kind", "proc", "device", "coords", "value", "flags")
 _RIGHT = {"line", "step", "proc"}
 
 
 def row(e: Entry, width: int = 60) -> dict[str, str]:
     r = e.rec
     return {
-        "line": str(e.line), "name": str(r.get("name")),
-        "step": str(r.get("step")), "kind": str(r.get("kind")),
-        "proc": str(r.get("process")), "device": device_text(r),
+        "line": str(e.line),
+        "name": str(r.get("name")),
+        "step": str(r.get("step")),
+        "kind": str(r.get("kind")),
+        "proc": str(r.get("process")),
+        "device": device_text(r),
         "coords": coords_text(r),
-        "value": format_value(r.get("value"), width), "flags": flags_text(r),
+        "value": format_value(r.get("value"), width),
+        "flags": flags_text(r),
     }
 
 
@@ -271,8 +291,7 @@ class Table:
     """Aligned columns. ``widths`` only grow, so ``tail -f`` can print rows
     as they arrive with the columns fixed by what it printed first."""
 
-    def __init__(self, columns: Sequence[str] = COLUMNS,
-                 right: Iterable[str] = _RIGHT) -> None:
+    def __init__(self, columns: Sequence[str] = COLUMNS, right: Iterable[str] = _RIGHT) -> None:
         self.columns = tuple(columns)
         self.right = frozenset(right)
         self.widths = {c: len(c) for c in self.columns}
@@ -286,8 +305,9 @@ class Table:
         out = []
         for c in self.columns:
             cell = cells[c]
-            out.append(cell.rjust(self.widths[c]) if c in self.right
-                       else cell.ljust(self.widths[c]))
+            out.append(
+                cell.rjust(self.widths[c]) if c in self.right else cell.ljust(self.widths[c])
+            )
         return "  ".join(out).rstrip()
 
     def header(self) -> str:
@@ -299,5 +319,4 @@ class Table:
 
 def json_line(e: Entry) -> str:
     """The record as one strict JSON line (non-finite markers as written)."""
-    return json.dumps(e.raw, separators=(",", ":"), allow_nan=False,
-                      ensure_ascii=False)
+    return json.dumps(e.raw, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
