@@ -24,7 +24,6 @@ no-callback step, paired per round against the floor.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -34,7 +33,7 @@ import time
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import floor_callback, machine, set_devices, table  # noqa: E402
+from benchmarks.common import floor_callback, machine, main_quick, table  # noqa: E402
 
 DEVICES = 8
 
@@ -207,8 +206,4 @@ def run(quick: bool = False) -> list[tuple]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
-    args = ap.parse_args()
-    set_devices(DEVICES)
-    run(quick=args.quick)
+    main_quick(run, DEVICES)

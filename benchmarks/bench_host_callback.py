@@ -12,13 +12,12 @@ waits for the tap. Arms, each a jitted ``scan`` whose every step taps a
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import interleaved, machine, set_devices, table  # noqa: E402
+from benchmarks.common import interleaved, machine, main_quick, table  # noqa: E402
 
 PAYLOAD = 1024  # float32 = 4 KiB
 LOOP = 100  # scan steps per call
@@ -88,8 +87,4 @@ def run(quick: bool = False) -> list[tuple]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
-    args = ap.parse_args()
-    set_devices(1)
-    run(quick=args.quick)
+    main_quick(run, 1)

@@ -7,7 +7,6 @@ against the same step untapped.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -16,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "launch")):
     if p not in sys.path:
         sys.path.insert(0, p)
-from benchmarks.common import interleaved, machine, ratio, set_devices, table  # noqa: E402
+from benchmarks.common import interleaved, machine, main_quick, ratio, table  # noqa: E402
 
 DEVICES = 8
 ROWS, COLS = 64, 128  # float32 activation: 4 KiB per shard on 4x2
@@ -129,8 +128,4 @@ def run(quick: bool = False) -> list[tuple]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
-    args = ap.parse_args()
-    set_devices(DEVICES)
-    run(quick=args.quick)
+    main_quick(run, DEVICES)

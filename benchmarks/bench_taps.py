@@ -11,7 +11,6 @@ on the same steps), also at a ~5 ms step.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -23,9 +22,9 @@ from benchmarks.common import (  # noqa: E402
     floor_callback,
     interleaved_rounds,
     machine,
+    main_quick,
     medians,
     paired,
-    set_devices,
     table,
 )
 
@@ -285,8 +284,4 @@ def run(quick: bool = False) -> list[tuple]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
-    args = ap.parse_args()
-    set_devices(DEVICES)
-    run(quick=args.quick)
+    main_quick(run, DEVICES)

@@ -14,7 +14,6 @@ step) over the floor's, both paired per round."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -27,9 +26,9 @@ from benchmarks.common import (  # noqa: E402
     floor_callback,
     interleaved_rounds,
     machine,
+    main_quick,
     medians,
     paired,
-    set_devices,
     table,
 )
 
@@ -173,8 +172,4 @@ def run(quick: bool = False) -> list[tuple]:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args()
-    set_devices(DEVICES)
-    run(quick=a.quick)
+    main_quick(run, DEVICES)

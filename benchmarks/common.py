@@ -14,6 +14,18 @@ import time
 from typing import Callable
 
 
+def main_quick(run, devices: int) -> None:
+    """A benchmark's ``__main__``: ``--quick`` (a few rounds, to check it
+    runs), ``devices`` simulated CPU devices, then ``run(quick=...)``."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a few rounds, to check it runs")
+    args = ap.parse_args()
+    set_devices(devices)
+    run(quick=args.quick)
+
+
 def set_devices(n: int) -> None:
     """Must run before jax is imported."""
     if "jax" in sys.modules:

@@ -354,19 +354,11 @@ def host_copy(params: dict[str, Any]) -> dict[str, Any]:
 def train_shard_map(args: argparse.Namespace) -> float:
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     # All devices of all processes, process by process (as jax.devices()).
     mesh = Mesh(np.array(jax.devices()), ("dp",))
-    n_local = jax.local_device_count()
-    first = jax.process_index() * n_local
-    replicated = NamedSharding(mesh, P())
-    sharded = NamedSharding(mesh, P("dp"))
-
-    def global_array(local, sharding):
-        return jax.make_array_from_process_local_data(sharding, local)
-
     body = make_body("dp", args.lr, args.steps, mark_varying=True)
     step_fn, quiet_fn = (
         jax.jit(
@@ -374,28 +366,50 @@ def train_shard_map(args: argparse.Namespace) -> float:
         )
         for b in tapped_and_quiet(body, args.tap_every)
     )
-    loss = math.nan
     # set_mesh makes the concrete mesh visible while tracing, so pmaptap can
     # name the exact device behind every coordinate.
     with jax.set_mesh(mesh):
-        start, first_step = start_params(args)
-        params = jax.tree.map(lambda a: global_array(a, replicated), start)
-        with progress_bar(args) as bar:
-            for step in range(first_step, args.steps):
-                maybe_die(args, step)
-                shards = [
-                    make_batch(args.seed, step, first + k, args.batch_per_device)
-                    for k in range(n_local)
-                ]
-                x = global_array(np.concatenate([s[0] for s in shards]), sharded)
-                y = global_array(np.concatenate([s[1] for s in shards]), sharded)
-                fn = step_fn if step % args.tap_every == 0 else quiet_fn
-                params, out = fn(params, x, y, global_array(np.int32(step), replicated))
-                save_checkpoint(args, lambda: host_copy(params), step + 1)
-                if step % args.log_every == 0 or step == args.steps - 1:
-                    loss = float(np.asarray(out.addressable_data(0)))
-                    report(bar, step, loss)
-                bar.update()
+        return train_global(args, mesh, step_fn, quiet_fn)
+
+
+def train_global(
+    args: argparse.Namespace, mesh: Any, step_fn: Callable, quiet_fn: Callable
+) -> float:
+    """The training loop over global arrays (shard_map and jit): parameters
+    replicated over ``mesh``, each batch split over its one axis, this
+    process feeding the shards of its own devices."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n_local = jax.local_device_count()
+    first = jax.process_index() * n_local
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, P(*mesh.axis_names))
+
+    def global_array(local, sharding):
+        return jax.make_array_from_process_local_data(sharding, local)
+
+    start, first_step = start_params(args)
+    params = jax.tree.map(lambda a: global_array(a, replicated), start)
+    loss = math.nan
+    with progress_bar(args) as bar:
+        for step in range(first_step, args.steps):
+            maybe_die(args, step)
+            shards = [
+                make_batch(args.seed, step, first + k, args.batch_per_device)
+                for k in range(n_local)
+            ]
+            x = global_array(np.concatenate([s[0] for s in shards]), sharded)
+            y = global_array(np.concatenate([s[1] for s in shards]), sharded)
+            fn = step_fn if step % args.tap_every == 0 else quiet_fn
+            params, out = fn(params, x, y, global_array(np.int32(step), replicated))
+            save_checkpoint(args, lambda: host_copy(params), step + 1)
+            if step % args.log_every == 0 or step == args.steps - 1:
+                loss = float(np.asarray(out.addressable_data(0)))
+                report(bar, step, loss)
+            bar.update()
     return loss
 
 
@@ -431,42 +445,14 @@ def make_jit_step(peak_lr: float, total: int, shards: int, *, taps: bool = True)
 def train_jit(args: argparse.Namespace) -> float:
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    n_local = jax.local_device_count()
-    first = jax.process_index() * n_local
-    replicated = NamedSharding(mesh, P())
-    sharded = NamedSharding(mesh, P("data"))
-
-    def global_array(local, sharding):
-        return jax.make_array_from_process_local_data(sharding, local)
-
     tapped = make_jit_step(args.lr, args.steps, jax.device_count())
     quiet = make_jit_step(args.lr, args.steps, jax.device_count(), taps=False)
     step_fn = jax.jit(tapped)
     quiet_fn = jax.jit(quiet) if args.tap_every > 1 else step_fn
-    start, first_step = start_params(args)
-    params = jax.tree.map(lambda a: global_array(a, replicated), start)
-    loss = math.nan
-    with progress_bar(args) as bar:
-        for step in range(first_step, args.steps):
-            maybe_die(args, step)
-            shards = [
-                make_batch(args.seed, step, first + k, args.batch_per_device)
-                for k in range(n_local)
-            ]
-            x = global_array(np.concatenate([s[0] for s in shards]), sharded)
-            y = global_array(np.concatenate([s[1] for s in shards]), sharded)
-            fn = step_fn if step % args.tap_every == 0 else quiet_fn
-            params, out = fn(params, x, y, global_array(np.int32(step), replicated))
-            save_checkpoint(args, lambda: host_copy(params), step + 1)
-            if step % args.log_every == 0 or step == args.steps - 1:
-                loss = float(np.asarray(out.addressable_data(0)))
-                report(bar, step, loss)
-            bar.update()
-    return loss
+    return train_global(args, mesh, step_fn, quiet_fn)
 
 
 # ---------------------------------------------------------------- main

@@ -91,6 +91,29 @@ def by_key(records, *keys):
     }
 
 
+def record_dict(**fields) -> dict:
+    """A record as the JSON object of one tap-file line, for hand-written
+    files: a scalar int32 ``1`` of tap "a" at step 0 (run "r", process 0,
+    host "h", time 1.0; ``replicas=1`` when replicated), ``fields`` replacing
+    or adding to it."""
+    d = {
+        "run": "r",
+        "name": "a",
+        "step": 0,
+        "kind": fields.get("kind", "replicated"),
+        "value": 1,
+        "dtype": "int32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+    }
+    if d["kind"] == "replicated":
+        d["replicas"] = 1
+    d.update(fields)
+    return d
+
+
 # ---------------------------------------------------------------- multi-process
 # Jobs started through the local launcher (python -m pmaptap.launch).
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import logs_warning, run_python
+from conftest import logs_warning, record_dict, run_python
 from pmaptap._host.encode import encode_array
 
 
@@ -92,19 +92,7 @@ def test_name_with_quotes_newlines_and_unicode(session, tap_path):
 
 def test_read_skips_garbage_and_torn_tail_with_a_warning(tmp_path, caplog):
     p = tmp_path / "f.jsonl"
-    good = {
-        "run": "r",
-        "name": "a",
-        "step": 0,
-        "kind": "replicated",
-        "value": 1,
-        "dtype": "int32",
-        "shape": [],
-        "process": 0,
-        "time": 1.0,
-        "host": "h",
-        "replicas": 1,
-    }
+    good = record_dict()
     p.write_text(
         json.dumps(good)
         + "\nnot json\n"

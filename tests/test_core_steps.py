@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 import pmaptap
-from conftest import BAD_TAP_ARGS
+from conftest import BAD_TAP_ARGS, record_dict
 
 
 def _named(recs, name):
@@ -320,19 +320,7 @@ def test_validate_flags_steps_outside_int64_range(tmp_path):
 
     from pmaptap.tapfile.checks import validate_file
 
-    good = {
-        "run": "r",
-        "name": "a",
-        "step": 0,
-        "kind": "replicated",
-        "value": 1,
-        "dtype": "int32",
-        "shape": [],
-        "process": 0,
-        "time": 1.0,
-        "host": "h",
-        "replicas": 1,
-    }
+    good = record_dict()
     p = tmp_path / "f.jsonl"
     p.write_text("".join(json.dumps(dict(good, step=s)) + "\n" for s in (0, -3, 2**63 - 1, 2**63)))
     report = validate_file(p)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import logs_warning
+from conftest import logs_warning, record_dict
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.summary import summarize_file, summary_table
 from pmaptap.tapfile.views import Filter
@@ -160,22 +160,16 @@ def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path, capl
     # disagree (a divergence); step 0's values differ between attempts only
     # (a supersession, not a divergence).
     def rec(step, value, process, attempt, vhash):
-        d = {
-            "run": "r",
-            "name": "loss",
-            "step": step,
-            "kind": "replicated",
-            "value": value,
-            "dtype": "float32",
-            "shape": [],
-            "process": process,
-            "time": 1.0,
-            "host": "h",
-            "replicas": 1,
-            "devices": [process],
-            "processes": [process],
-            "vhash": vhash,
-        }
+        d = record_dict(
+            name="loss",
+            step=step,
+            value=value,
+            dtype="float32",
+            process=process,
+            devices=[process],
+            processes=[process],
+            vhash=vhash,
+        )
         if attempt:
             d["attempt"] = attempt
         return json.dumps(d)
@@ -213,19 +207,7 @@ def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
     from pmaptap._host.session import _last_attempt, _last_run
 
     def line(run, step, attempt=0):
-        d = {
-            "run": run,
-            "name": "x",
-            "step": step,
-            "kind": "replicated",
-            "value": 1,
-            "dtype": "int32",
-            "shape": [],
-            "process": 0,
-            "time": 1.0,
-            "host": "h",
-            "replicas": 1,
-        }
+        d = record_dict(run=run, name="x", step=step)
         if attempt:
             d["attempt"] = attempt
         return json.dumps(d, separators=(",", ":")) + "\n"

@@ -12,49 +12,38 @@ import sys
 import pytest
 
 import pmaptap
-from conftest import ROOT, logs_warning, subprocess_env
+from conftest import ROOT, logs_warning, record_dict, subprocess_env
 from pmaptap.tapfile import views
 from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
 
 def _rep(step, value, process, vhash, **kw):
-    d = {
-        "run": "r",
-        "name": "loss",
-        "step": step,
-        "kind": "replicated",
-        "value": value,
-        "dtype": "float32",
-        "shape": [],
-        "process": process,
-        "time": 1.0,
-        "host": "h",
-        "replicas": 2,
-        "devices": [2 * process, 2 * process + 1],
-        "processes": [process],
-        "vhash": vhash,
-    }
-    d.update(kw)
-    return d
+    d = record_dict(
+        name="loss",
+        step=step,
+        value=value,
+        dtype="float32",
+        process=process,
+        replicas=2,
+        devices=[2 * process, 2 * process + 1],
+        processes=[process],
+        vhash=vhash,
+    )
+    return dict(d, **kw)
 
 
 def _dev(step, device, value, name="gnorm", **kw):
-    d = {
-        "run": "r",
-        "name": name,
-        "step": step,
-        "kind": "per_device",
-        "value": value,
-        "dtype": "float32",
-        "shape": [],
-        "process": device // 2,
-        "time": 1.0,
-        "host": "h",
-        "device": device,
-        "coords": {"dp": device, "mp": 0},
-    }
-    d.update(kw)
-    return d
+    d = record_dict(
+        name=name,
+        step=step,
+        kind="per_device",
+        value=value,
+        dtype="float32",
+        process=device // 2,
+        device=device,
+        coords={"dp": device, "mp": 0},
+    )
+    return dict(d, **kw)
 
 
 @pytest.fixture

@@ -13,46 +13,35 @@ import pytest
 from test_cli import _table, cli
 
 import pmaptap
+from conftest import record_dict
 from pmaptap.tapfile.summary import summarize_file, summary_table, tap_summaries
 
 
 def _dev(step, device, value, name="g", **kw):
-    d = {
-        "run": "r",
-        "name": name,
-        "step": step,
-        "kind": "per_device",
-        "value": value,
-        "dtype": "float32",
-        "shape": [] if not isinstance(value, list) else [len(value)],
-        "process": 0,
-        "time": 1.0,
-        "host": "h",
-        "device": device,
-        "coords": {"dp": device},
-    }
-    d.update(kw)
-    return d
+    d = record_dict(
+        name=name,
+        step=step,
+        kind="per_device",
+        value=value,
+        dtype="float32",
+        shape=[] if not isinstance(value, list) else [len(value)],
+        device=device,
+        coords={"dp": device},
+    )
+    return dict(d, **kw)
 
 
 def _rep(step, value, name="loss", **kw):
-    d = {
-        "run": "r",
-        "name": name,
-        "step": step,
-        "kind": "replicated",
-        "value": value,
-        "dtype": "float32",
-        "shape": [],
-        "process": 0,
-        "time": 1.0,
-        "host": "h",
-        "replicas": 4,
-        "devices": [0, 1, 2, 3],
-        "vhash": f"{step:x}",
-    }
-    d.update(kw)
-    return d
+    d = record_dict(
+        name=name,
+        step=step,
+        value=value,
+        dtype="float32",
+        replicas=4,
+        devices=[0, 1, 2, 3],
+        vhash=f"{step:x}",
+    )
+    return dict(d, **kw)
 
 
 def _write(tmp_path, recs) -> str:

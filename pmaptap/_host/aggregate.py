@@ -23,7 +23,7 @@ from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap._log import log
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
-from pmaptap.tapfile.format import MAX_STEP, Record, new_record
+from pmaptap.tapfile.format import MAX_STEP, Record, meta_record, new_record
 
 
 @dataclasses.dataclass
@@ -473,14 +473,11 @@ class Aggregator:
                 "0); nothing was written for them."
             )
             out.append(
-                Record(
+                meta_record(
+                    count=count,
                     run=self.run,
                     name="pmaptap/refused",
                     step=0,
-                    kind="meta",
-                    value=count,
-                    dtype="int64",
-                    shape=[],
                     process=self.process,
                     time=self.clock(),
                     host=self.host,
@@ -492,14 +489,11 @@ class Aggregator:
     def dropped_record(self, new: int, total: int, policy: str) -> Record:
         """The meta record of overflow drops since the last one (written at
         the next flush/close; never dropped itself)."""
-        return Record(
+        return meta_record(
+            count=new,
             run=self.run,
             name="pmaptap/dropped",
             step=total,
-            kind="meta",
-            value=new,
-            dtype="int64",
-            shape=[],
             process=self.process,
             time=self.clock(),
             host=self.host,
@@ -604,25 +598,16 @@ class Aggregator:
         index: Any = None,
     ) -> Record:
         """The per_device record builder."""
-        value, dtype, shape = encoded
-        return new_record(
-            run=self.run,
-            name=spec.name,
-            step=step,
-            kind="per_device",
-            value=value,
-            dtype=dtype,
-            shape=shape,
-            process=process,
-            time=now,
-            host=self.host,
+        return self._site_record(
+            spec,
+            step,
+            "per_device",
+            encoded,
+            process,
+            now,
             device=device,
             coords=coords,
-            batch_dims=spec.site.batch_dims,
-            pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries),
             index=index,
-            attempt=self.attempt,
         )
 
     def _replicated_record_of_all(
@@ -702,27 +687,50 @@ class Aggregator:
         index: Any = None,
     ) -> Record:
         """The replicated record builder."""
+        return self._site_record(
+            spec,
+            step,
+            "replicated",
+            encoded,
+            self.process,
+            self.clock(),
+            replicas=len(devices),
+            devices=devices,
+            processes=processes,
+            divergent=divergent,
+            extra=extra,
+            index=index,
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+        )
+
+    def _site_record(
+        self,
+        spec: TapSpec,
+        step: int,
+        kind: str,
+        encoded: tuple,
+        process: int,
+        now: float,
+        **fields: Any,
+    ) -> Record:
+        """The fields every record of a tap site carries (its name, pass,
+        batch dims, summaries; this run, host and attempt) plus the kind's
+        own ``fields``."""
         value, dtype, shape = encoded
         return new_record(
             run=self.run,
             name=spec.name,
             step=step,
-            kind="replicated",
+            kind=kind,
             value=value,
             dtype=dtype,
             shape=shape,
-            process=self.process,
-            time=self.clock(),
+            process=process,
+            time=now,
             host=self.host,
-            replicas=len(devices),
-            devices=devices,
-            processes=processes,
-            divergent=divergent,
             batch_dims=spec.site.batch_dims,
             pass_=spec.site.pass_,
             summarized=bool(spec.site.summaries),
-            extra=extra,
-            index=index,
-            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
             attempt=self.attempt,
+            **fields,
         )

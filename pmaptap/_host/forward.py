@@ -21,7 +21,7 @@ from typing import Any
 
 from pmaptap.tapfile.format import Record, decode_record
 from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.tensorboard import leaves
+from pmaptap.tapfile.tensorboard import leaves, tag_parts
 
 
 def check_targets(targets: Iterable[Any] | None) -> list[Any]:
@@ -59,16 +59,9 @@ def scalar_series(rec: dict) -> Iterator[tuple[str, float]]:
     ``pmaptap export --tensorboard`` tags them (``name/<leaf>``,
     ``/device_<id>`` for per-device taps, ``@backward``). Arrays, complex and
     non-numeric leaves are not scalars; meta records are pmaptap's own."""
-    kind = rec.get("kind")
-    if kind == "meta":
+    if rec.get("kind") == "meta":
         return
-    base = str(rec.get("name"))
-    if rec.get("pass", "forward") != "forward":
-        base += f"@{rec['pass']}"
-    suffix = ""
-    if kind == "per_device":
-        d = rec.get("device")
-        suffix = f"/device_{'unknown' if d is None else d}"
+    base, suffix = tag_parts(rec)
     for path, v, _dtype in leaves(rec.get("value"), rec.get("dtype")):
         if isinstance(v, (int, float)):  # bool is an int: 0/1
             yield base + path + suffix, float(v)

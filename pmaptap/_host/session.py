@@ -185,16 +185,13 @@ def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
     import jax
 
     from pmaptap.tapfile.attempts import ATTEMPT_NAME
-    from pmaptap.tapfile.format import Record
+    from pmaptap.tapfile.format import meta_record
 
-    r = Record(
+    r = meta_record(
+        count=attempt,
         run=p.run,
         name=ATTEMPT_NAME,
         step=attempt,
-        kind="meta",
-        value=attempt,
-        dtype="int64",
-        shape=[],
         process=p.process,
         time=time.time(),
         host=p.host,

@@ -34,7 +34,7 @@ import filelock
 from pmaptap._host.crossdedup import CrossProcessIndex
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
-from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.format import Record, meta_record
 from pmaptap.tapfile.parse import line_problem
 
 _IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
@@ -385,14 +385,11 @@ class FileSink(Sink):
                 # UnicodeError is a ValueError; RecursionError: json's encoder
                 # on a pytree too deep to write.
                 self.rejected.append(f"{ascii(r.name)} step {r.step}: {e}")
-                r = Record(
+                r = meta_record(
+                    count=1,
                     run=_utf8(r.run),
                     name="pmaptap/unencodable",
                     step=r.step,
-                    kind="meta",
-                    value=1,
-                    dtype="int64",
-                    shape=[],
                     process=r.process,
                     time=r.time,
                     host=_utf8(r.host),

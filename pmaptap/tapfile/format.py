@@ -145,6 +145,13 @@ def new_record(**fields: Any) -> Record:
     return r
 
 
+def meta_record(*, count: int, **fields: Any) -> Record:
+    """A ``kind="meta"`` record whose value is one int64 ``count`` (what
+    pmaptap refused, dropped or could not encode; the attempt number): the
+    value's dtype and shape are always the same, the rest is ``fields``."""
+    return Record(kind="meta", value=count, dtype="int64", shape=[], **fields)
+
+
 def record_key(r: "dict | Record") -> tuple:
     """The identity of a value in a tap file: replicated records with the same
     key hold the same value (or are divergent); per-device records add the

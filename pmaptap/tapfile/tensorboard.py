@@ -79,6 +79,20 @@ def run_dirname(run: Any) -> str:
     return "_" + name if name in ("", ".", "..") else name
 
 
+def tag_parts(rec: dict) -> tuple[str, str]:
+    """What a scalar's tag puts before and after its leaf path: the tap name
+    (``@<pass>`` for backward taps) and ``/device_<id>`` for per-device taps
+    (one series per device)."""
+    base = str(rec.get("name"))
+    if rec.get("pass", "forward") != "forward":
+        base += f"@{rec['pass']}"
+    suffix = ""
+    if rec.get("kind") == "per_device":
+        d = rec.get("device")
+        suffix = f"/device_{'unknown' if d is None else d}"
+    return base, suffix
+
+
 def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
     """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
     value's pytree nesting, which tells a pytree list from an array."""
@@ -176,13 +190,7 @@ class TensorBoardExport:
         step = rec.get("step")
         wall = rec.get("time")
         wall = float(wall) if isinstance(wall, (int, float)) else None
-        base = str(rec.get("name"))
-        if rec.get("pass", "forward") != "forward":
-            base += f"@{rec['pass']}"
-        suffix = ""
-        if kind == "per_device":
-            d = rec.get("device")
-            suffix = f"/device_{'unknown' if d is None else d}"
+        base, suffix = tag_parts(rec)
         self.stats.records += 1
         for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):
             self._leaf(w, base + path + suffix, v, dtype, step, wall)
