@@ -1,4 +1,4 @@
-"""k. Many writer processes on one run: the one-file layout against the
+"""l. Many writer processes on one run: the one-file layout against the
 sharded one (issue 14).
 
 N JAX-free processes (``pmaptap.Writer``; JAX made unimportable in them),
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     steps = a.steps or (20 if a.quick else 200)
     layouts = a.layout or ["file", "sharded"]
     print(
-        f"k. {steps} steps x (1 replicated + 1 per_device) per writer process, "
+        f"l. {steps} steps x (1 replicated + 1 per_device) per writer process, "
         f"flush every {a.flush} steps; {os.cpu_count()} cores"
     )
     rows, rates = [], {}
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
             rates[layout, n] = m["rate"]
             rows.append(
                 (
-                    f"k. {layout}",
+                    f"l. {layout}",
                     n,
                     f"{m['rate']:.0f}",
                     f"{m['took']:.1f}",
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     for layout in layouts:
         top = max(n for lay, n in rates if lay == layout)
         print(
-            f"k. {layout}: rate at {top} / rate at {base} = "
+            f"l. {layout}: rate at {top} / rate at {base} = "
             f"{rates[layout, top] / rates[layout, base]:.2f}"
         )
     return 0 if all(r[-1] == "yes" for r in rows) else 1

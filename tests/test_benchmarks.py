@@ -46,9 +46,9 @@ def test_all_benchmarks_run_in_quick_mode():
         "pmaptap summary",
         "pmaptap show --name loss",
         "summary time ratio",
-        "k. file",
-        "k. sharded",
-        "k. sharded: rate at",
+        "l. file",
+        "l. sharded",
+        "l. sharded: rate at",
     ):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]  # a ratio printed
