@@ -153,3 +153,33 @@ def test_cli_help_imports_only_what_it_needs():
         print("HEAVY", heavy)
         """)
     assert "HEAVY []" in proc.stdout, proc.stdout
+
+
+def test_the_record_format_facts_live_in_one_place():
+    # The non-finite markers and the record key are tapfile/format.py's; a
+    # second copy elsewhere would drift (they were written out three times).
+    found = []
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, ROOT)
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and node.value in ("Infinity", "-Infinity"):
+                    found.append(f"{rel}:{node.lineno} marker {node.value!r}")
+                if isinstance(node, ast.FunctionDef) and node.name == "record_key":
+                    found.append(f"{rel}:{node.lineno} def record_key")
+    assert sorted(found) == sorted(
+        [
+            f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
+            f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
+            f"pmaptap/tapfile/format.py:{_line_of('def record_key(')} def record_key",
+        ]
+    ), found
+
+
+def _line_of(text: str) -> int:
+    with open(os.path.join(PKG, "tapfile", "format.py"), encoding="utf-8") as f:
+        return next(i for i, line in enumerate(f, 1) if text in line)

@@ -31,6 +31,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from pmaptap.tapfile.format import NAN, NEG_INF, POS_INF
+
 MISSING_PANDAS = (
     "pmaptap.read(..., as_frame=True) needs pandas: pip install pandas (or 'pmaptap[frame]')."
 )
@@ -167,9 +169,9 @@ def _json_text(c: Any) -> Any:
         if isinstance(x, complex):
             return [enc(x.real), enc(x.imag)]
         if isinstance(x, float) and x != x:
-            return "NaN"
+            return NAN
         if isinstance(x, float) and x in (float("inf"), float("-inf")):
-            return "Infinity" if x > 0 else "-Infinity"
+            return POS_INF if x > 0 else NEG_INF
         if isinstance(x, list):
             return [enc(y) for y in x]
         if isinstance(x, dict):
