@@ -480,3 +480,135 @@ def test_orjson_and_json_read_every_line_alike(data):
         with fuzz_env(backend):
             results[backend] = [parse.parse_line(raw)[0] for raw in split_lines(data)]
     assert results["orjson"] == results["json"]
+
+
+# The parser's fast path (format._plainly_valid) must never accept a record
+# the full checks refuse: mutate ordinary records field by field with values
+# of every JSON type (and a few Python subclasses JSON never produces).
+_ODD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=False),
+    st.sampled_from(["", "x", "replicated", "per_device", "meta", "forward"]),
+    st.lists(st.one_of(st.integers(0, 3), st.none(), st.text(max_size=2)), max_size=3),
+    st.lists(st.lists(st.integers(0, 4), max_size=2), max_size=2),
+    st.dictionaries(st.sampled_from(["dp", "mp"]), st.integers(0, 3), max_size=2),
+)
+_PLAIN_RECORDS = [
+    {
+        "run": "r",
+        "name": "loss",
+        "step": 3,
+        "kind": "replicated",
+        "value": 1.5,
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 8,
+        "devices": [0, 1],
+        "processes": [0],
+        "vhash": "ab",
+    },
+    {
+        "run": "r",
+        "name": "g",
+        "step": 3,
+        "kind": "per_device",
+        "value": [1.0, "NaN"],
+        "dtype": "float32",
+        "shape": [2],
+        "process": 1,
+        "time": 1.0,
+        "host": "h",
+        "device": 5,
+        "coords": {"dp": 5},
+        "attempt": 1,
+    },
+    {
+        "run": "r",
+        "name": "pmaptap/dropped",
+        "step": 0,
+        "kind": "meta",
+        "value": 2,
+        "dtype": "int64",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+    },
+]
+_FIELDS = sorted({k for r in _PLAIN_RECORDS for k in r} | {"pass", "attempt", "index", "divergent"})
+
+
+def test_fast_record_check_takes_ordinary_records():
+    for r in _PLAIN_RECORDS:
+        assert fmt._plainly_valid(dict(r)), r
+        assert fmt.validate_dict(dict(r)) is None
+
+
+_ODD_SAMPLES = [
+    KeyError,  # the field removed
+    None,
+    True,
+    False,
+    0,
+    -1,
+    7,
+    2**70,
+    1.5,
+    -0.0,
+    "",
+    "x",
+    "replicated",
+    "per_device",
+    "meta",
+    [],
+    [0, 1],
+    [None, "a", 1.5, True],
+    [[0, 1]],
+    [[[0, 1]]],
+    [{"a": 1}],
+    {},
+    {"dp": 1},
+    {"dp": [1]},
+]
+
+
+def _mutated(which: int, changes) -> dict:
+    d = dict(_PLAIN_RECORDS[which])
+    for field, value in changes:
+        if value is KeyError:
+            d.pop(field, None)
+        else:
+            d[field] = value
+    return d
+
+
+def _check_fast_path(d: dict) -> None:
+    full = fmt._record_problem(d)
+    if fmt._plainly_valid(d):
+        assert full is None, d
+    assert fmt.validate_dict(d) == full
+
+
+def test_fast_record_check_accepts_only_what_full_checks_accept_one_field():
+    for which in range(len(_PLAIN_RECORDS)):
+        for field in _FIELDS:
+            for value in _ODD_SAMPLES:
+                _check_fast_path(_mutated(which, [(field, value)]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(range(len(_PLAIN_RECORDS))),
+    st.lists(
+        st.tuples(st.sampled_from(_FIELDS), st.one_of(st.sampled_from(_ODD_SAMPLES), _ODD_VALUES)),
+        min_size=2,
+        max_size=4,
+    ),
+)
+def test_fast_record_check_accepts_only_what_full_checks_accept(which, changes):
+    _check_fast_path(_mutated(which, changes))

@@ -16,9 +16,10 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
+    import numpy as np
 
 KINDS = ("replicated", "per_device", "meta")
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
@@ -226,6 +227,8 @@ if os.environ.get("PMAPTAP_NO_ORJSON"):
 
 
 def _json_default(o: Any) -> Any:
+    import numpy as np
+
     if isinstance(o, np.ndarray):
         return o.tolist()
     if isinstance(o, np.generic):
@@ -291,6 +294,49 @@ def _is_scalar(x: Any) -> bool:
     return x is None or isinstance(x, (str, int, float))
 
 
+_REQUIRED_KEYS = frozenset(REQUIRED)
+# Exact types a JSON parser returns for the scalars _is_scalar accepts.
+_SCALAR_TYPES = frozenset((type(None), str, int, float, bool))
+
+
+def _plainly_valid(d: dict) -> bool:
+    """True only for records validate_dict accepts, checked with exact type
+    tests as a JSON parser returns them (one call per field, no loops in
+    Python): the records every reader meets, so ``pmaptap summary`` of a big
+    file pays for these and not for the full checks. False means "run the
+    full checks", which then find the problem (or accept a rarer form)."""
+    if not d.keys() >= _REQUIRED_KEYS or "index" in d:
+        return False
+    name, step, kind = d["name"], d["step"], d["kind"]
+    attempt = d.get("attempt", 0)
+    if not (
+        type(name) is str
+        and name
+        and type(step) is int
+        and type(d["run"]) is str
+        and type(d.get("pass", "")) is str
+        and type(d["process"]) in _SCALAR_TYPES
+        and type(d.get("vhash", "")) is str
+        and type(attempt) is int
+        and attempt >= 0
+    ):
+        return False
+    # devices and processes (unrolled: this runs for every line read).
+    ids = d.get("devices")
+    if ids is not None and not (type(ids) is list and set(map(type, ids)) <= _SCALAR_TYPES):
+        return False
+    ids = d.get("processes")
+    if ids is not None and not (type(ids) is list and set(map(type, ids)) <= _SCALAR_TYPES):
+        return False
+    if kind == "replicated":
+        return "replicas" in d
+    if kind == "per_device":
+        return (
+            "device" in d and type(d["device"]) in _SCALAR_TYPES and type(d.get("coords")) is dict
+        )
+    return kind == "meta"
+
+
 def validate_dict(d: Any) -> str | None:
     """Why ``d`` is not a record, or None if it is one.
 
@@ -298,6 +344,13 @@ def validate_dict(d: Any) -> str | None:
     step, pass: hashable, see record_key), and fields that readers index,
     sort or iterate having a usable type. ``pmaptap validate`` checks the
     rest of the format (checks.schema_problems)."""
+    if type(d) is dict and _plainly_valid(d):
+        return None
+    return _record_problem(d)
+
+
+def _record_problem(d: Any) -> str | None:
+    """validate_dict's full checks (any input, any subclass)."""
     if not isinstance(d, dict):
         return "not a JSON object"
     missing = [k for k in REQUIRED if k not in d]

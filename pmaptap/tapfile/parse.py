@@ -35,8 +35,6 @@ import math
 import re
 from typing import Any
 
-import numpy as np
-
 from pmaptap.tapfile import format as _format
 
 MAX_LINE_BYTES = 64 << 20
@@ -52,7 +50,7 @@ _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+|"', re.DOTALL)
 # Deleting every byte but the four brackets (bytes.translate's delete table).
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_OPENERS = np.frombuffer(b"[{", np.uint8)
+_OPENERS = b"[{"
 # A \uD800-\uDFFF escape: only then can json's result hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -80,8 +78,11 @@ def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
         if depth + opens <= limit:
             depth += opens - closes
             continue
+        import numpy as np  # only for lines with more than MAX_DEPTH brackets
+
         brackets = np.frombuffer(tok.translate(None, _NOT_BRACKETS), np.uint8)
-        steps = np.where(np.isin(brackets, _OPENERS), 1, -1).astype(np.int64)
+        openers = np.frombuffer(_OPENERS, np.uint8)
+        steps = np.where(np.isin(brackets, openers), 1, -1).astype(np.int64)
         levels = depth + np.cumsum(steps)
         if int(levels.max()) > limit:
             return True
@@ -159,6 +160,20 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
             return None, (
                 f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
             )
+        # The common case first, in as few calls as possible (this runs for
+        # every line of every read): a line with at most MAX_DEPTH brackets
+        # that orjson parses into a record that passes validate_dict's
+        # exact-type checks. Anything else takes the full path below, which
+        # gives the same answer for these lines.
+        orjson = _format.ORJSON
+        if orjson is not None and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+            try:
+                d = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                pass
+            else:
+                if type(d) is dict and _format._plainly_valid(d):
+                    return d, None
         if not raw.strip():
             return None, "empty line"
         if exceeds_depth(raw):

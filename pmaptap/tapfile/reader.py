@@ -275,6 +275,9 @@ class DivergenceIndex:
         # key -> vhash -> processes; a key seen with one vhash stays a tuple
         # (vhash, process) to keep the common case small.
         self._seen: dict[tuple, Any] = {}
+        # Whether any key was seen with a second (vhash, process): only then
+        # can ``divergent`` be true (readers skip asking otherwise).
+        self.any_repeat = False
 
     def add(self, r: dict) -> None:
         if r.get("kind") != "replicated" or not r.get("vhash"):
@@ -288,6 +291,7 @@ class DivergenceIndex:
         if isinstance(got, tuple):
             if got == (vhash, proc):
                 return
+            self.any_repeat = True
             got = self._seen[key] = {got[0]: {got[1]}}
         got.setdefault(vhash, set()).add(proc)
 
