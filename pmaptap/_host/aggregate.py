@@ -128,6 +128,12 @@ def _rows_identical(stacked: list[np.ndarray]) -> bool:
     return True
 
 
+def _step(a: np.ndarray) -> int:
+    """A payload's step: a scalar, or a Python-int step >= 2**31 that
+    travelled as its (high, low) uint32 halves (layouts.static_step_operand)."""
+    return (int(a[0]) << 32) | int(a[1]) if a.shape == (2,) else int(a)
+
+
 class Aggregator:
     def __init__(
         self,
@@ -197,6 +203,17 @@ class Aggregator:
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
 
+    def add_callback(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """One host callback's arrays as they travelled: sub-byte leaves are
+        narrowed back to their own dtype first (``spec.restore`` indexes the
+        operands after a partitioned payload's leading partition number)."""
+        if spec.restore:
+            skip = 1 if isinstance(spec, TapSpec) and spec.shards is not None else 0
+            arrays = list(arrays)
+            for i, dtype in spec.restore:
+                arrays[skip + i] = arrays[skip + i].astype(dtype)
+        return self.add_payload(spec, arrays)
+
     def add_payload(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
         """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
         if isinstance(spec, GroupSpec):
@@ -204,7 +221,7 @@ class Aggregator:
         if spec.transport.layout is Layout.SHARDS and spec.shards is not None:
             return self._add_shard(spec, arrays)
         coords = arrays[0]
-        step = int(arrays[1])
+        step = _step(arrays[1])
         if spec.site.explicit_step and not 0 <= step <= MAX_STEP:
             return self._refuse(spec.site.name, step)
         layout, packing = spec.transport.layout, spec.transport.packing
@@ -225,7 +242,7 @@ class Aggregator:
         with ``spec.shards`` telling where partition k lives."""
         place, site = spec.shards, spec.site
         k = int(np.asarray(arrays[0]).reshape(-1)[0])
-        step = int(arrays[2])
+        step = _step(arrays[2])
         if site.explicit_step and not 0 <= step <= MAX_STEP:
             return self._refuse(site.name, step)
         raw = list(arrays[3:])

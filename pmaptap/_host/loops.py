@@ -62,7 +62,7 @@ class AggregateLoop:
             freed_items += 1
             freed_bytes += size
             try:
-                recs += self.agg.add_payload(spec, [np.asarray(a) for a in arrays])
+                recs += self.agg.add_callback(spec, [np.asarray(a) for a in arrays])
             except BaseException as e:  # noqa: BLE001
                 self.report(TapError(f"could not process tap {spec.name!r}: {e!r}"))
         # Drop array references now (they may pin device buffers).

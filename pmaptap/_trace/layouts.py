@@ -36,6 +36,7 @@ blocks its device, and converting or encoding there was seen to hang.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -50,39 +51,22 @@ from pmaptap._trace import placement
 from pmaptap._trace.options import options
 from pmaptap._trace.primitive import emit_callback, mark_tap_vmap_rule
 from pmaptap._trace.shardcall import shard_call
-from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec
+from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
 
 
 def static_step_operand(step: int) -> jax.Array:
     """The operand that carries a step known at trace time: int32 when it
-    fits, else its (high, low) 32-bit halves as uint32[2] (joined back on the
-    host by _fixed), so steps up to 2**63-1 travel without jax_enable_x64."""
+    fits, else its (high, low) 32-bit halves as uint32[2] (joined back by the
+    aggregator), so steps up to 2**63-1 travel without jax_enable_x64."""
     if step < 2**31:
         return jnp.asarray(step, jnp.int32)
     return jnp.asarray(np.array([step >> 32, step & 0xFFFFFFFF], np.uint32))
 
 
-def _fixed(arrays: tuple, restore: tuple, steps: range) -> tuple:
-    """The payload as the host expects it: sub-byte leaves narrowed back to
-    their own dtype (``restore``: (index, dtype) pairs, see _wire), and each
-    step that travelled as uint32 halves joined. Exact, so it cannot raise
-    on values that came from those very dtypes."""
-    if not restore and all(arrays[i].shape != (2,) for i in steps):
-        return arrays
-    fixed = list(arrays)
-    for i, dtype in restore:
-        fixed[i] = fixed[i].astype(dtype)
-    for i in steps:
-        a = fixed[i]
-        if a.shape == (2,):  # see static_step_operand
-            fixed[i] = np.int64((int(a[0]) << 32) | int(a[1]))
-    return tuple(fixed)
-
-
-def _host_entry(spec: PayloadSpec, restore: tuple, *arrays) -> None:
-    # Runs on XLA's callback thread. `deliver` never raises.
-    steps = range(1, 1 + (len(spec.members) if isinstance(spec, GroupSpec) else 1))
-    deliver(spec, _fixed(arrays, restore, steps))
+def _host_entry(spec: PayloadSpec, *arrays) -> None:
+    # Runs on XLA's callback thread: only hands over (`deliver` never raises).
+    # Narrowing sub-byte leaves and joining split steps is the aggregator's.
+    deliver(spec, arrays)
 
 
 def _narrow(args: Sequence, skip: Sequence[bool] = ()) -> tuple[tuple, tuple]:
@@ -101,7 +85,13 @@ def send_payload(spec: PayloadSpec, *args) -> None:
     # Sub-byte operands travel widened (see _wire) and are narrowed back on
     # the host, so records and host_callback functions see their own dtype.
     args, restore = _narrow(args)
-    emit_callback(functools.partial(_host_entry, spec, restore), *args)
+    if restore:
+        spec = (
+            spec.with_transport(restore=restore)
+            if isinstance(spec, TapSpec)
+            else dataclasses.replace(spec, restore=restore)
+        )
+    emit_callback(functools.partial(_host_entry, spec), *args)
 
 
 def _sub_byte(dtype) -> bool:
@@ -202,17 +192,12 @@ def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
     ]
 
 
-def _shard_entry(spec: TapSpec, restore: tuple, place, *arrays) -> None:
+def _shard_entry(spec: TapSpec, place, *arrays) -> None:
     # XLA's callback thread, as _host_entry. ``place`` is None when the
     # computation was not partitioned: the payload is then one whole copy
     # (the aggregator treats it as Layout.COPY). A partitioned payload
-    # starts with the partition index, one place before ``restore``'s.
-    if place is None:
-        deliver(spec, _fixed(arrays, restore, range(1, 2)))
-        return
-    deliver(
-        place.spec_for(spec), _fixed(arrays, tuple((i + 1, d) for i, d in restore), range(2, 3))
-    )
+    # starts with the partition index.
+    deliver(spec if place is None else place.spec_for(spec), arrays)
 
 
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
@@ -222,7 +207,7 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
         # Summarized leaves arrive as float32 statistics: nothing to restore.
         args, restore = _narrow((coords, step, *leaves), (False, False, *summarize))
         shard_call(
-            functools.partial(_shard_entry, spec, restore),
+            functools.partial(_shard_entry, spec.with_transport(restore=restore)),
             *args,
             summarize=summarize,
             batch_dims=spec.site.batch_dims,

@@ -109,6 +109,9 @@ class Transport:
     leaders: tuple[bool, ...] | None = None  # per flat coord: calls back for its process
     # Gathered payloads packed into one uint8 array: (dtype, shape) per leaf.
     packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Sub-byte operands travel widened (layouts._wire): (operand index, own
+    # dtype) pairs, narrowed back by the aggregator, off XLA's thread.
+    restore: tuple[tuple[int, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,10 @@ class TapSpec:
         site = dataclasses.replace(self.site, batch_dims=self.site.batch_dims + 1)
         return dataclasses.replace(self, site=site)
 
+    @property
+    def restore(self) -> tuple[tuple[int, Any], ...]:
+        return self.transport.restore
+
     def with_transport(self, **changes: Any) -> "TapSpec":
         return dataclasses.replace(self, transport=dataclasses.replace(self.transport, **changes))
 
@@ -141,6 +148,7 @@ class GroupSpec:
     members: tuple[TapSpec, ...]
     member_leaves: tuple[int, ...]  # payload leaves of each member
     packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    restore: tuple[tuple[int, Any], ...] = ()  # as Transport.restore
     # What routing and error messages read from any payload spec.
     name: ClassVar[str] = "pmaptap/group"
 
