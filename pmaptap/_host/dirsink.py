@@ -69,17 +69,24 @@ class DirectorySink(Sink):
         self.replacements = 0
         self.rejected: list[str] = []
 
-    # One encoder for both sinks: a record that cannot be encoded becomes a
+    # One encoder for every sink: a record that cannot be encoded becomes a
     # pmaptap/unencodable meta record (see FileSink._encode).
     _encode = FileSink._encode
 
-    def write(self, records: Sequence[Record]) -> list[Record]:
+    def own_lines(self, records: Sequence[Record]) -> tuple[list[Record], list[bytes]]:
+        """The records this process writes (``mine``) and their lines;
+        the others are counted in ``skipped``. Shared by the object sink."""
         keep = [r for r in records if mine(r, self.process)]
         self.skipped += len(records) - len(keep)
         if not keep:
-            return []
+            return [], []
         encoded, keep = self._encode(keep)
-        chunks = [encoded.get(id(r)) or r.encode() for r in keep]
+        return keep, [encoded.get(id(r)) or r.encode() for r in keep]
+
+    def write(self, records: Sequence[Record]) -> list[Record]:
+        keep, chunks = self.own_lines(records)
+        if not keep:
+            return []
         if self._torn:
             chunks.insert(0, b"\n")
         self._reopen_if_replaced()

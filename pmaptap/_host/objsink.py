@@ -21,7 +21,7 @@ import secrets
 import time
 from typing import Sequence
 
-from pmaptap._host.dirsink import mine
+from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.sink import FileSink, Sink
 from pmaptap.errors import TapPathError
 from pmaptap.tapfile import runs
@@ -67,13 +67,13 @@ class ObjectSink(Sink):
         self.fs.pipe_file(name, data)
         self.seq += 1
 
+    own_lines = DirectorySink.own_lines
+
     def write(self, records: Sequence[Record]) -> list[Record]:
-        keep = [r for r in records if mine(r, self.process)]
-        self.skipped += len(records) - len(keep)
+        keep, chunks = self.own_lines(records)
         if not keep:
             return []
-        encoded, keep = self._encode(keep)
-        data = b"".join(encoded.get(id(r)) or r.encode() for r in keep)
+        data = b"".join(chunks)
         self._put(data)  # raises: the pipeline retries the batch whole
         self.lines_written += len(keep)
         self.bytes_written += len(data)
