@@ -91,18 +91,38 @@ def scan(path: str | os.PathLike) -> Attempts:
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
         while True:
-            raw = f.readline(limit + 1)
-            if not raw:
+            # A block of whole lines (or a partial last one); only a block
+            # that mentions "attempt" is looked at line by line.
+            block = f.read(_SCAN_BYTES)
+            if not block:
                 return idx
-            if len(raw) > limit and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):  # skip the rest
-                    raw = f.readline(1 << 20)
+            if not block.endswith(b"\n"):
+                block += f.readline(limit + 1)
+            if b'"attempt"' not in block:
+                if len(block) > limit and not block.endswith(b"\n"):
+                    _skip_rest(f)
                 continue
-            if b'"attempt"' not in raw:
-                continue
-            d, _ = parse_line(raw.rstrip(b"\n"))
-            if d is not None:
-                idx.add(d)
+            for raw in block.split(b"\n"):
+                if len(raw) > limit:  # an over-long line: not read
+                    continue
+                if b'"attempt"' not in raw:
+                    continue
+                d, _ = parse_line(raw)
+                if d is not None:
+                    idx.add(d)
+            if len(block) > limit and not block.endswith(b"\n"):
+                _skip_rest(f)
+
+
+_SCAN_BYTES = 1 << 20
+
+
+def _skip_rest(f: Any) -> None:
+    """Read past the rest of an over-long line."""
+    while True:
+        raw = f.readline(1 << 20)
+        if not raw or raw.endswith(b"\n"):
+            return
 
 
 class Restarts:

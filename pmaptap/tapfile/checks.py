@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
+from itertools import compress
 from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.attempts import index_records
@@ -199,12 +201,13 @@ def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
     differences between recorded steps, so ``every=N`` taps (steps 0, N, 2N)
     have no gaps; a missing range (lo, hi) holds lo, lo+stride, ..., hi."""
     s = sorted(set(steps))
-    stride = 0
-    for a, b in zip(s, s[1:]):
-        stride = math.gcd(stride, b - a)
+    # C-level passes (a summary of a long run has 100,000s of steps).
+    diffs = list(map(operator.sub, s[1:], s))
+    stride = math.gcd(*diffs)
     if stride == 0:
         return 1, []
-    gaps = [(a + stride, b - stride) for a, b in zip(s, s[1:]) if b - a > stride]
+    wide = compress(zip(s, s[1:]), map(stride.__lt__, diffs))
+    gaps = [(a + stride, b - stride) for a, b in wide]
     return stride, gaps
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
+from itertools import chain, compress, repeat
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
@@ -335,6 +337,97 @@ def _plainly_valid(d: dict) -> bool:
             "device" in d and type(d["device"]) in _SCALAR_TYPES and type(d.get("coords")) is dict
         )
     return kind == "meta"
+
+
+def all_plainly_valid(ds: list) -> bool:
+    """Whether ``type(d) is dict and _plainly_valid(d)`` holds for every d
+    of ``ds`` (a JSON parser's results), checked a field at a time over the
+    whole list in C-level passes (map/set/compress) instead of a Python call
+    per record: ~3x cheaper, which ``pmaptap summary`` of a large file needs.
+    The same conjunction as _plainly_valid, field by field; keep the two in
+    step (tests/test_read_batch.py compares them on odd records). False
+    means "some record is not plainly valid": the caller then asks
+    _plainly_valid (and the full checks) one record at a time."""
+    if not ds:
+        return True
+    if set(map(type, ds)) != _DICT_ONLY:
+        return False
+    # Presence: a C-level membership test per key (a keys-view comparison
+    # per record costs ~4x more); the five fields read below raise KeyError.
+    for key in _PRESENT_ONLY:
+        if not all(map(dict.__contains__, ds, repeat(key))):
+            return False
+    has = _has_key(ds)
+    if has("index"):
+        return False
+    try:
+        names = list(map(_GET_NAME, ds))
+        steps = map(_GET_STEP, ds)
+        runs = map(_GET_RUN, ds)
+        processes = map(_GET_PROCESS, ds)
+        kinds = list(map(_GET_KIND, ds))
+    except KeyError:
+        return False
+    if set(map(type, names)) != _STR_ONLY or not all(names):
+        return False
+    if set(map(type, steps)) != _INT_ONLY or set(map(type, runs)) != _STR_ONLY:
+        return False
+    if not set(map(type, processes)) <= _SCALAR_TYPES:
+        return False
+    # Optional fields: typed only where some record has them.
+    for field in ("pass", "vhash"):
+        if has(field):
+            if not set(map(type, map(dict.get, ds, repeat(field), repeat("")))) <= _STR_ONLY:
+                return False
+    if has("attempt"):
+        attempts = list(map(dict.get, ds, repeat("attempt"), repeat(0)))
+        if set(map(type, attempts)) != _INT_ONLY or min(attempts) < 0:
+            return False
+    for field in ("devices", "processes"):
+        if not has(field):
+            continue
+        ids = list(map(dict.get, ds, repeat(field)))
+        if not set(map(type, ids)) <= _LIST_OR_NONE:
+            return False
+        if not set(map(type, chain.from_iterable(filter(None, ids)))) <= _SCALAR_TYPES:
+            return False
+    if set(map(type, kinds)) != _STR_ONLY:
+        return False
+    present = set(kinds)
+    if not present <= _KIND_SET:
+        return False
+    if "replicated" in present:
+        rep = compress(ds, map("replicated".__eq__, kinds))
+        if not all(map(dict.__contains__, rep, repeat("replicas"))):
+            return False
+    if "per_device" in present:
+        pd = list(compress(ds, map("per_device".__eq__, kinds)))
+        devices = map(dict.get, pd, repeat("device"), repeat(_ABSENT))
+        if not set(map(type, devices)) <= _SCALAR_TYPES:
+            return False
+        if set(map(type, map(dict.get, pd, repeat("coords")))) != _DICT_ONLY:
+            return False
+    return True
+
+
+def _has_key(ds: list) -> Any:
+    """key -> whether some record of ``ds`` has it (one C-level pass)."""
+    return lambda key: any(map(dict.__contains__, ds, repeat(key)))
+
+
+_PRESENT_ONLY = ("value", "dtype", "shape", "time", "host")
+_DICT_ONLY = frozenset((dict,))
+_STR_ONLY = frozenset((str,))
+_INT_ONLY = frozenset((int,))
+_LIST_OR_NONE = frozenset((list, type(None)))
+_KIND_SET = frozenset(KINDS)
+_GET_NAME = operator.itemgetter("name")
+_GET_STEP = operator.itemgetter("step")
+_GET_RUN = operator.itemgetter("run")
+_GET_PROCESS = operator.itemgetter("process")
+_GET_KIND = operator.itemgetter("kind")
+# A default no JSON value has: its type is none of _SCALAR_TYPES.
+_ABSENT = object()
 
 
 def validate_dict(d: Any) -> str | None:
