@@ -15,10 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import operator
 import os
-from itertools import chain, compress, repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
     import numpy as np
@@ -303,131 +301,77 @@ _SCALAR_TYPES = frozenset((type(None), str, int, float, bool))
 
 def _plainly_valid(d: dict) -> bool:
     """True only for records validate_dict accepts, checked with exact type
-    tests as a JSON parser returns them (one call per field, no loops in
-    Python): the records every reader meets, so ``pmaptap summary`` of a big
-    file pays for these and not for the full checks. False means "run the
-    full checks", which then find the problem (or accept a rarer form)."""
-    if not d.keys() >= _REQUIRED_KEYS or "index" in d:
-        return False
-    name, step, kind = d["name"], d["step"], d["kind"]
-    attempt = d.get("attempt", 0)
-    if not (
-        type(name) is str
-        and name
-        and type(step) is int
-        and type(d["run"]) is str
-        and type(d.get("pass", "")) is str
-        and type(d["process"]) in _SCALAR_TYPES
-        and type(d.get("vhash", "")) is str
-        and type(attempt) is int
-        and attempt >= 0
-    ):
-        return False
-    # devices and processes (unrolled: this runs for every line read).
-    ids = d.get("devices")
-    if ids is not None and not (type(ids) is list and set(map(type, ids)) <= _SCALAR_TYPES):
-        return False
-    ids = d.get("processes")
-    if ids is not None and not (type(ids) is list and set(map(type, ids)) <= _SCALAR_TYPES):
-        return False
-    if kind == "replicated":
-        return "replicas" in d
-    if kind == "per_device":
-        return (
-            "device" in d and type(d["device"]) in _SCALAR_TYPES and type(d.get("coords")) is dict
-        )
-    return kind == "meta"
+    tests as a JSON parser returns them: the records every reader meets, so
+    ``pmaptap summary`` of a big file pays for these and not for the full
+    checks. False means "run the full checks", which then find the problem
+    (or accept a rarer form). The checks themselves: first_not_plain."""
+    return first_not_plain((d,)) == 1
 
 
-def all_plainly_valid(ds: list) -> bool:
-    """Whether ``type(d) is dict and _plainly_valid(d)`` holds for every d
-    of ``ds`` (a JSON parser's results), checked a field at a time over the
-    whole list in C-level passes (map/set/compress) instead of a Python call
-    per record: ~3x cheaper, which ``pmaptap summary`` of a large file needs.
-    The same conjunction as _plainly_valid, field by field; keep the two in
-    step (tests/test_read_batch.py compares them on odd records). False
-    means "some record is not plainly valid": the caller then asks
-    _plainly_valid (and the full checks) one record at a time."""
-    if not ds:
-        return True
-    if set(map(type, ds)) != _DICT_ONLY:
-        return False
-    # Presence: a C-level membership test per key (a keys-view comparison
-    # per record costs ~4x more); the five fields read below raise KeyError.
-    for key in _PRESENT_ONLY:
-        if not all(map(dict.__contains__, ds, repeat(key))):
-            return False
-    has = _has_key(ds)
-    if has("index"):
-        return False
-    try:
-        names = list(map(_GET_NAME, ds))
-        steps = map(_GET_STEP, ds)
-        runs = map(_GET_RUN, ds)
-        processes = map(_GET_PROCESS, ds)
-        kinds = list(map(_GET_KIND, ds))
-    except KeyError:
-        return False
-    if set(map(type, names)) != _STR_ONLY or not all(names):
-        return False
-    if set(map(type, steps)) != _INT_ONLY or set(map(type, runs)) != _STR_ONLY:
-        return False
-    if not set(map(type, processes)) <= _SCALAR_TYPES:
-        return False
-    # Optional fields: typed only where some record has them.
-    for field in ("pass", "vhash"):
-        if has(field):
-            if not set(map(type, map(dict.get, ds, repeat(field), repeat("")))) <= _STR_ONLY:
-                return False
-    if has("attempt"):
-        attempts = list(map(dict.get, ds, repeat("attempt"), repeat(0)))
-        if set(map(type, attempts)) != _INT_ONLY or min(attempts) < 0:
-            return False
-    for field in ("devices", "processes"):
-        if not has(field):
-            continue
-        ids = list(map(dict.get, ds, repeat(field)))
-        if not set(map(type, ids)) <= _LIST_OR_NONE:
-            return False
-        if not set(map(type, chain.from_iterable(filter(None, ids)))) <= _SCALAR_TYPES:
-            return False
-    if set(map(type, kinds)) != _STR_ONLY:
-        return False
-    present = set(kinds)
-    if not present <= _KIND_SET:
-        return False
-    if "replicated" in present:
-        rep = compress(ds, map("replicated".__eq__, kinds))
-        if not all(map(dict.__contains__, rep, repeat("replicas"))):
-            return False
-    if "per_device" in present:
-        pd = list(compress(ds, map("per_device".__eq__, kinds)))
-        devices = map(dict.get, pd, repeat("device"), repeat(_ABSENT))
-        if not set(map(type, devices)) <= _SCALAR_TYPES:
-            return False
-        if set(map(type, map(dict.get, pd, repeat("coords")))) != _DICT_ONLY:
-            return False
-    return True
-
-
-def _has_key(ds: list) -> Any:
-    """key -> whether some record of ``ds`` has it (one C-level pass)."""
-    return lambda key: any(map(dict.__contains__, ds, repeat(key)))
-
-
-_PRESENT_ONLY = ("value", "dtype", "shape", "time", "host")
-_DICT_ONLY = frozenset((dict,))
-_STR_ONLY = frozenset((str,))
-_INT_ONLY = frozenset((int,))
-_LIST_OR_NONE = frozenset((list, type(None)))
-_KIND_SET = frozenset(KINDS)
-_GET_NAME = operator.itemgetter("name")
-_GET_STEP = operator.itemgetter("step")
-_GET_RUN = operator.itemgetter("run")
-_GET_PROCESS = operator.itemgetter("process")
-_GET_KIND = operator.itemgetter("kind")
-# A default no JSON value has: its type is none of _SCALAR_TYPES.
-_ABSENT = object()
+def first_not_plain(ds: Sequence[Any], start: int = 0) -> int:
+    """The index of the first item of ``ds`` from ``start`` on that is not
+    a plainly valid record (see _plainly_valid), len(ds) if there is none.
+    One Python loop with every check inline (no call per record, no loop
+    per field): this runs for every line of every read."""
+    scalar = _SCALAR_TYPES
+    i = start
+    for i in range(start, len(ds)):
+        d = ds[i]
+        if type(d) is not dict:
+            return i
+        try:
+            name, step, kind, run, process = (
+                d["name"],
+                d["step"],
+                d["kind"],
+                d["run"],
+                d["process"],
+            )
+        except KeyError:
+            return i
+        if not (
+            "value" in d
+            and "dtype" in d
+            and "shape" in d
+            and "time" in d
+            and "host" in d
+            and "index" not in d
+            and type(name) is str
+            and name
+            and type(step) is int
+            and type(run) is str
+            and type(process) in scalar
+        ):
+            return i
+        # Optional fields, each tested for presence first (most records
+        # have few of them).
+        if "pass" in d and type(d["pass"]) is not str:
+            return i
+        if "vhash" in d and type(d["vhash"]) is not str:
+            return i
+        if "attempt" in d:
+            attempt = d["attempt"]
+            if type(attempt) is not int or attempt < 0:
+                return i
+        ids = d.get("devices")
+        if ids is not None and not (type(ids) is list and set(map(type, ids)) <= scalar):
+            return i
+        ids = d.get("processes")
+        if ids is not None and not (type(ids) is list and set(map(type, ids)) <= scalar):
+            return i
+        if kind == "per_device":
+            if "device" not in d or type(d["device"]) not in scalar:
+                return i
+            if type(d.get("coords")) is not dict:
+                return i
+        elif kind == "replicated":
+            if "replicas" not in d:
+                return i
+        elif kind != "meta":
+            return i
+    else:
+        return len(ds)
+    return len(ds)
 
 
 def validate_dict(d: Any) -> str | None:

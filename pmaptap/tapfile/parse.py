@@ -191,15 +191,16 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
         return None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
 
 
-def parse_block(block: bytes) -> tuple[list[dict | None], dict[int, str]]:
+Parsed = tuple[list, dict]
+
+
+def parse_block(block: bytes) -> Parsed:
     """``parse_lines(block.split(b"\\n"))``: the lines of a block of a file
     (without the newline ending its last line)."""
     return parse_lines(block.split(b"\n"), block)
 
 
-def parse_lines(
-    lines: list[bytes], joined: bytes | None = None
-) -> tuple[list[dict | None], dict[int, str]]:
+def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
     """``parse_line`` of every line of ``lines`` (each without its newline),
     many lines per call: (records, problems), ``records[i]`` the record of
     ``lines[i]`` or None, ``problems[i]`` why it is not one. Exactly
@@ -210,7 +211,7 @@ def parse_lines(
     Python call per line: every line short and shallow enough (byte counts),
     one orjson call per line through ``map`` (each line parsed on its own,
     so a line can never borrow bytes from its neighbour), then the plain
-    record checks a field at a time (format.all_plainly_valid). Anything
+    record checks in one loop (format.first_not_plain). Anything
     else (a line orjson refuses, a record that is not plainly valid, a long
     or bracket-heavy line, no orjson) takes parse_line one line at a time,
     which is the definition. ``joined``: ``b"\\n".join(lines)`` if the
@@ -227,25 +228,25 @@ def parse_lines(
             records = list(map(orjson.loads, lines))
         except orjson.JSONDecodeError:
             return _one_by_one(lines)
-        if _format.all_plainly_valid(records):
+        n = len(records)
+        i = _format.first_not_plain(records)
+        if i == n:
             return records, {}
         # Some record is odd (or not a record): the plain ones stand, the
         # rest get parse_line's full path and its exact reason.
         problems: dict[int, str] = {}
-        plain = _format._plainly_valid
-        for i, d in enumerate(records):
-            if type(d) is dict and plain(d):
-                continue
+        while i < n:
             d, problem = parse_line(lines[i])
             records[i] = d
             if problem is not None:
                 problems[i] = problem
+            i = _format.first_not_plain(records, i + 1)
         return records, problems
     except Exception:  # noqa: BLE001 - the contract: no line raises
         return _one_by_one(lines)
 
 
-def _one_by_one(lines: list[bytes]) -> tuple[list[dict | None], dict[int, str]]:
+def _one_by_one(lines: list[bytes]) -> Parsed:
     records: list[dict | None] = []
     problems: dict[int, str] = {}
     for i, raw in enumerate(lines):

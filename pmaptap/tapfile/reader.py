@@ -143,8 +143,8 @@ def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
     """The lines of one file as batches ``(first, records, problems)``:
     ``records[i]`` is line ``first + i`` as a record (undecoded) or None,
     ``problems`` maps the line number of each line that is not a record to
-    why (parse.parse_lines; an empty line is one). What each line becomes is
-    exactly what parse.parse_line says, plus what only the file shows: a
+    why (parse.parse_lines; an empty line is one). What each line becomes
+    is exactly what parse.parse_line says, plus what only the file shows: a
     line longer than parse.MAX_LINE_BYTES is reported without being held in
     memory past that limit, and a last line without a newline that is not
     valid JSON is a torn line (a writer still writing it, or killed). A long
@@ -184,7 +184,7 @@ def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
                             last = (d, problem)
                 if buf:
                     records, where = parse.parse_block(buf[:-1])
-                    problems = {lineno + i: why for i, why in where.items()}
+                    problems = {lineno + i: why for i, why in where.items()} if where else {}
                 else:
                     records, problems = [], {}
                 if last is not None:
@@ -364,9 +364,12 @@ class DivergenceIndex:
         if self._seen.setdefault(key, entry) is not entry:
             self._repeat(key, entry)
 
-    def add_many(self, rs: list[dict]) -> None:
-        """``add(r)`` for every r of ``rs`` (replicated records): one
-        dict pass for the usual batch (each with a vhash, no index)."""
+    def add_many(
+        self, rs: list[dict], run: Any = None, name: Any = None, steps: list | None = None
+    ) -> None:
+        """``add(r)`` for every r of ``rs`` (replicated records; if given,
+        all of ``run`` and ``name``, at ``steps``): one dict pass for the
+        usual batch (each with a vhash, no index)."""
         vhashes = list(map(dict.get, rs, repeat("vhash")))
         if not all(vhashes) or any(map(dict.__contains__, rs, repeat("index"))):
             for r in rs:
@@ -374,9 +377,9 @@ class DivergenceIndex:
             return
         keys = list(
             zip(
-                map(dict.get, rs, repeat("run")),
-                map(dict.get, rs, repeat("name")),
-                map(dict.get, rs, repeat("step")),
+                repeat(run) if run is not None else map(dict.get, rs, repeat("run")),
+                repeat(name) if name is not None else map(dict.get, rs, repeat("name")),
+                steps if steps is not None else map(dict.get, rs, repeat("step")),
                 map(dict.get, rs, repeat("pass"), repeat("forward")),
                 repeat(None),  # index_key of no index
                 map(dict.get, rs, repeat("attempt"), repeat(0)),

@@ -11,9 +11,9 @@ import math
 import os
 from array import array
 from collections import Counter
-from itertools import chain, compress, repeat
-from operator import is_, itemgetter
-from typing import Callable, Iterable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import itemgetter
+from typing import Any, Iterable, Iterator, Sequence
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
@@ -86,6 +86,13 @@ class _TapAcc:
         self.pd_keys: dict[tuple, tuple] = {}
         self.pd_count: Counter = Counter()
         self.pd_passes = False  # whether pd_keys holds another pass
+        # The key of a per-device record is (step, device) when its
+        # coordinates are its device's usual ones (dev_coords: the first
+        # integer coordinates seen for that device), else (step, device, id
+        # of checks._coords_key(coords)): cheaper to build, hash and keep
+        # than the coordinates, and equal exactly when theirs are.
+        self.dev_coords: dict = {}
+        self.ck_ids: dict = {}
         self.attempt_of_step: dict[int, int] = {}
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
@@ -185,10 +192,9 @@ class _TapAcc:
             if a:  # an elastic restart may have fewer devices: compare within an attempt
                 self.attempt_of_step[step] = a
             pass_ = get("pass", "forward")
-            if pass_ == "forward":
-                key: tuple = (step, dev, _coords_key(r["coords"]))
-            else:
-                key = (step, dev, _coords_key(r["coords"]), pass_)
+            key: tuple = self._pd_key(step, dev, r["coords"])
+            if pass_ != "forward":
+                key = (*key, pass_)
                 self.pd_passes = True
             if self.pd_keys.setdefault(key, key) is not key:
                 self.duplicates += 1
@@ -209,82 +215,105 @@ class _TapAcc:
         if len(self.dup_keys) == n:
             self.duplicates += 1
 
-    def add_many(self, rs: list[dict], kinds: list) -> None:
-        """``add(r)`` for each r of ``rs`` (``kinds``: their kinds), in a
-        few C-level passes per field where the batch is the usual one: every
-        value one finite number, per-device records in the forward pass with
-        at most one integer mesh coordinate, replicated ones with a vhash.
-        Anything else takes ``add``/``_key`` a record at a time. The result
-        is the same either way (tests/test_read_batch.py)."""
-        values = list(map(_GET_VALUE, rs))
-        if not set(map(type, values)) <= _NUMBER_TYPES or not _all_finite(values):
-            for r in rs:
-                self.add(r)
-            return
-        steps = list(map(_GET_STEP, rs))
-        n = len(rs)
-        kset = set(kinds)
-        self.kinds |= kset
-        self.records += n
-        processes = self.processes
-        processes.update(map(_GET_PROCESS, rs))
-        processes.update(chain.from_iterable(filter(None, map(dict.get, rs, _rep("processes")))))
-        self.divergent.update(compress(steps, map(dict.get, rs, _rep("divergent"))))
-        # Scalars: the values at the highest step (in file order), finite ones.
-        top = max(steps)
-        last = self.last_step
-        if last is None or top > last:
-            self.last_step = top
-            self.last_vals = list(compress(values, map(top.__eq__, steps)))
-        elif top == last:
-            self.last_vals.extend(compress(values, map(top.__eq__, steps)))
-        self.finite.extend(values)
-        if len(kset) == 1:
-            (kind,) = kset
-            self._keys_many(kind, rs, steps)
-            return
-        for kind in kset:
-            picked = list(map(kind.__eq__, kinds))
-            self._keys_many(kind, list(compress(rs, picked)), list(compress(steps, picked)))
+    def _pd_key(self, step: int, dev: Any, coords: Any) -> tuple:
+        """A per-device record's key in pd_keys (see dev_coords)."""
+        usual = self.dev_coords.get(dev)
+        if usual is not None and coords == usual and _int_values(coords):
+            return (step, dev)
+        ckey = _coords_key(coords)
+        if usual is None and type(ckey) is tuple:
+            # checks._coords_key gives a tuple for integer coordinates only.
+            self.dev_coords[dev] = coords
+            return (step, dev)
+        ids = self.ck_ids
+        return (step, dev, ids.setdefault(ckey, len(ids)))
 
-    def _keys_many(self, kind: str, rs: list[dict], steps: list[int]) -> None:
-        """``_key`` for records of one kind."""
-        if kind == "per_device":
-            coords = list(map(_GET_COORDS, rs))
-            if any(map(dict.__contains__, rs, _rep("pass"))) or not _simple_coords(coords):
-                for r, step in zip(rs, steps):
-                    self._key(r, kind, step)
-                return
-            devs = list(map(_GET_DEVICE, rs))
-            self.devices.update(devs)
-            attempts = list(map(dict.get, rs, _rep("attempt")))
-            if any(attempts):
-                self.attempt_of_step.update(compress(zip(steps, attempts), attempts))
-            # One coordinate (or none): its item tuple is _coords_key's key.
-            keys = list(zip(steps, devs, map(tuple, map(dict.items, coords))))
-            new = list(map(is_, map(self.pd_keys.setdefault, keys, keys), keys))
-            added = new.count(True)
-            self.duplicates += len(keys) - added
-            if added == len(keys):
-                self.pd_count.update(steps)
-            else:
-                self.pd_count.update(compress(steps, new))
-            return
-        self.steps.update(steps)
-        self.devices.update(chain.from_iterable(filter(None, map(dict.get, rs, _rep("devices")))))
-        if kind != "replicated":
-            return
-        vhashes = list(map(dict.get, rs, _rep("vhash")))
-        if not all(vhashes):
-            for r, step in zip(rs, steps):
-                self._key(r, kind, step)
-            return
-        passes = list(map(dict.get, rs, _rep("pass"), _rep("forward")))
-        self.rep_keys.update(zip(steps, passes, map(dict.get, rs, _rep("attempt"), _rep(0))))
-        keys = self.dup_keys
-        n = len(keys)
-        keys.update(zip(steps, passes, vhashes))
-        self.duplicates += len(rs) - (len(keys) - n)
+    def add_many(self, rs: list[dict]) -> None:
+        """``add(r)`` for each r of ``rs`` (records every reader accepts,
+        format.first_not_plain), in one loop with the usual record's work
+        inline: a finite number in the forward pass, not marked divergent,
+        a per-device one at its device's usual coordinates, a replicated
+        one with a vhash. Any other record takes ``add`` itself, in its
+        place. The result is the same (tests/test_read_batch.py)."""
+        kinds = self.kinds
+        processes = self.processes
+        pd_keys = self.pd_keys
+        dev_coords = self.dev_coords
+        steps = self.steps
+        devices = self.devices
+        finite = self.finite.append
+        rep_keys = self.rep_keys
+        dup_keys = self.dup_keys
+        attempt_of_step = self.attempt_of_step
+        last, last_vals = self.last_step, self.last_vals
+        new_steps: list[int] = []  # steps of new per-device keys
+        added = dups = 0
+        prev_kind = None
+        for r in rs:
+            v = r["value"]
+            step = r["step"]
+            kind = r["kind"]
+            tv = type(v)
+            usual = (tv is float or tv is int) and v - v == 0
+            if usual and kind == "per_device":
+                dev = r["device"]
+                coords = r["coords"]
+                if coords != dev_coords.get(dev):
+                    usual = False
+                else:
+                    for c in coords.values():  # _int_values, inline
+                        if type(c) is not int:
+                            usual = False
+                            break
+            elif usual and kind == "replicated":
+                vhash = r.get("vhash")
+                usual = bool(vhash)
+            if not usual or "pass" in r or "divergent" in r:
+                self.records += added
+                self.duplicates += dups
+                self.last_step, self.last_vals = last, last_vals
+                added = dups = 0
+                self.add(r)
+                last, last_vals = self.last_step, self.last_vals
+                continue
+            added += 1
+            if kind != prev_kind:
+                kinds.add(kind)
+                prev_kind = kind
+            processes.add(r["process"])
+            procs = r.get("processes")
+            if procs:
+                processes.update(procs)
+            if last is None or step > last:
+                last, last_vals = step, [v]
+            elif step == last:
+                last_vals.append(v)
+            finite(v)
+            if kind == "per_device":
+                a = r.get("attempt")
+                if a:
+                    attempt_of_step[step] = a
+                key = (step, dev)
+                if pd_keys.setdefault(key, key) is key:
+                    new_steps.append(step)
+                else:
+                    dups += 1
+                continue
+            steps.add(step)
+            devs = r.get("devices")
+            if devs:
+                devices.update(devs)
+            if kind == "replicated":
+                rep_keys.add((step, "forward", r.get("attempt", 0)))
+                dup = (step, "forward", vhash)
+                if dup in dup_keys:
+                    dups += 1
+                else:
+                    dup_keys.add(dup)
+        self.records += added
+        self.duplicates += dups
+        self.last_step, self.last_vals = last, last_vals
+        self.pd_count.update(new_steps)
 
     def result(self, index: DivergenceIndex | None) -> TapSummary:
         kinds = tuple(sorted(self.kinds))
@@ -356,36 +385,15 @@ class _TapAcc:
         )
 
 
-_GET_VALUE = itemgetter("value")
-_GET_STEP = itemgetter("step")
-_GET_KIND = itemgetter("kind")
 _GET_NAME = itemgetter("name")
-_GET_PROCESS = itemgetter("process")
-_GET_DEVICE = itemgetter("device")
-_GET_COORDS = itemgetter("coords")
-_NUMBER_TYPES = frozenset((float, int))
-_INT_ONLY = frozenset((int,))
-_rep = repeat
+_GET_KIND = itemgetter("kind")
 
 
-def _all_finite(values: list) -> bool:
-    """Whether every number of ``values`` is finite (a decoded record's NaN
-    or inf is a float; one read as written is a marker string)."""
-    try:
-        total = math.fsum(values)
-    except (OverflowError, ValueError):
-        return False
-    return total - total == 0
-
-
-def _simple_coords(coords: list) -> bool:
-    """Whether every per-device record's coordinates are a dict of at most
-    one integer: then ``tuple(coords.items())`` is checks._coords_key."""
-    return (
-        set(map(type, coords)) == {dict}
-        and set(map(len, coords)) <= {0, 1}
-        and set(map(type, chain.from_iterable(map(dict.values, coords)))) <= _INT_ONLY
-    )
+def _int_values(coords: Any) -> bool:
+    for c in coords.values():
+        if type(c) is not int:
+            return False
+    return True
 
 
 def _scalar(v: object) -> float | None:
@@ -431,30 +439,32 @@ class Summarizer:
         acc.add(r)
 
     def add_batch(self, rs: list[dict]) -> None:
-        """``add(r)`` for every r of ``rs``, a tap at a time: the same
-        summaries, with the per-record work done in C-level passes over
-        each tap's part of the batch (``pmaptap summary`` of a large file)."""
+        """``add(r)`` for every r of ``rs`` (records every reader accepts,
+        format.first_not_plain), a tap at a time: the same summaries, with
+        each tap's part of the batch in one tight loop (``pmaptap summary``
+        of a large file)."""
         if not rs:
             return
+        names = list(map(_GET_NAME, rs))
         runs = list(map(dict.get, rs, repeat("run"), repeat("")))
-        first_run = runs[0]
-        if runs.count(first_run) == len(runs):
-            names = list(map(_GET_NAME, rs))
-            groups = _group(rs, names, lambda name: (first_run, name))
+        if runs.count(runs[0]) == len(runs):
+            groups = _group(rs, names)
+            keys = [(runs[0], name) for name, _ in groups]
         else:
-            groups = _group(rs, list(zip(runs, map(_GET_NAME, rs))), lambda key: key)
+            groups = _group(rs, list(zip(runs, names)))
+            keys = [key for key, _ in groups]
         index = self._index
-        for (run, name), part in groups:
-            kinds = list(map(_GET_KIND, part))
+        for (run, name), (_, part) in zip(keys, groups):
             by_run = self._groups.get(run)
             if by_run is None:
                 by_run = self._groups[run] = {}
             acc = by_run.get(name)
             if acc is None:
                 acc = by_run[name] = _TapAcc(run, name)
-            acc.add_many(part, kinds)
+            acc.add_many(part)
+            kinds = list(map(_GET_KIND, part))
             if index is not None and "replicated" in kinds:
-                index.add_many(list(compress(part, map("replicated".__eq__, kinds))))
+                index.add_many(list(compress(part, map("replicated".__eq__, kinds))), run, name)
             if "meta" in kinds or any(map(dict.__contains__, part, repeat("attempt"))):
                 for r in part:
                     if "attempt" in r or r["kind"] == "meta":
@@ -476,16 +486,16 @@ class Summarizer:
         return out
 
 
-def _group(rs: list[dict], keys: list, key_of: Callable) -> list[tuple[tuple, list[dict]]]:
-    """``rs`` split by ``keys`` (one per record), each part in file order,
-    parts in the order their keys first appear; ``key_of`` turns a key into
-    (run, name). A few taps per batch (the usual case) take one C-level pass
-    each; many take one Python pass in all."""
+def _group(rs: list[dict], keys: list) -> list[tuple[Any, list[dict]]]:
+    """``rs`` split by ``keys`` (one per record, str or tuples of str):
+    (key, records) per key, each part in file order, parts in the order
+    their keys first appear. A few taps per batch (the usual case) take a
+    few C-level passes each; many take one Python pass in all."""
     distinct = list(dict.fromkeys(keys))
     if len(distinct) == 1:
-        return [(key_of(distinct[0]), rs)]
+        return [(distinct[0], rs)]
     if len(distinct) <= 8:
-        return [(key_of(k), list(compress(rs, map(k.__eq__, keys)))) for k in distinct]
+        return [(k, list(compress(rs, map(k.__eq__, keys)))) for k in distinct]
     parts: dict = {}
     for k, r in zip(keys, rs):
         part = parts.get(k)
@@ -493,7 +503,7 @@ def _group(rs: list[dict], keys: list, key_of: Callable) -> list[tuple[tuple, li
             parts[k] = [r]
         else:
             part.append(r)
-    return [(key_of(k), part) for k, part in parts.items()]
+    return list(parts.items())
 
 
 def summarize_file(
