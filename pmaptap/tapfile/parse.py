@@ -194,12 +194,6 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
 Parsed = tuple[list, dict]
 
 
-def parse_block(block: bytes) -> Parsed:
-    """``parse_lines(block.split(b"\\n"))``: the lines of a block of a file
-    (without the newline ending its last line)."""
-    return parse_lines(block.split(b"\n"), block)
-
-
 def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
     """``parse_line`` of every line of ``lines`` (each without its newline),
     many lines per call: (records, problems), ``records[i]`` the record of
@@ -217,16 +211,8 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
     which is the definition. ``joined``: ``b"\\n".join(lines)`` if the
     caller has it."""
     try:
-        orjson = _format.ORJSON
-        if orjson is None or not lines:
-            return _one_by_one(lines)
-        if joined is None:
-            joined = b"\n".join(lines)
-        if max(map(len, lines)) > MAX_LINE_BYTES or _max_openers(joined) > MAX_DEPTH:
-            return _one_by_one(lines)
-        try:
-            records = list(map(orjson.loads, lines))
-        except orjson.JSONDecodeError:
+        records = load_lines(lines, joined)
+        if records is None:
             return _one_by_one(lines)
         n = len(records)
         i = _format.first_not_plain(records)
@@ -244,6 +230,27 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
         return records, problems
     except Exception:  # noqa: BLE001 - the contract: no line raises
         return _one_by_one(lines)
+
+
+def load_lines(lines: list[bytes], joined: bytes | None = None) -> list | None:
+    """What orjson makes of each line, when every line is one parse_line
+    would hand straight to orjson (short, at most MAX_DEPTH opening
+    brackets) and orjson takes every one; else None. Not yet records: a
+    reader that checks the records it knows itself (``pmaptap summary``)
+    starts here and gives every other line to parse_line."""
+    orjson = _format.ORJSON
+    if orjson is None or not lines:
+        return None
+    if joined is None:
+        joined = b"\n".join(lines)
+    if len(joined) > MAX_LINE_BYTES and max(map(len, lines)) > MAX_LINE_BYTES:
+        return None
+    if _max_openers(joined) > MAX_DEPTH:
+        return None
+    try:
+        return list(map(orjson.loads, lines))
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _one_by_one(lines: list[bytes]) -> Parsed:

@@ -139,7 +139,7 @@ BATCH_BYTES = 1 << 16
 Batch = tuple[int, list, dict]
 
 
-def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
+def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Iterator[Batch]:
     """The lines of one file as batches ``(first, records, problems)``:
     ``records[i]`` is line ``first + i`` as a record (undecoded) or None,
     ``problems`` maps the line number of each line that is not a record to
@@ -148,7 +148,14 @@ def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
     line longer than parse.MAX_LINE_BYTES is reported without being held in
     memory past that limit, and a last line without a newline that is not
     valid JSON is a torn line (a writer still writing it, or killed). A long
-    read draws a progress bar on a terminal (see _ReadProgress)."""
+    read draws a progress bar on a terminal (see _ReadProgress).
+
+    ``unchecked``: a batch whose lines orjson takes as they are comes as
+    ``(first, values, {}, lines)``, what orjson made of each line, not yet
+    checked as records (parse.load_lines: for a reader that checks them
+    itself and hands any other line to parse.parse_line); every other batch
+    comes as ``(first, records, problems, None)``. Without it, batches are
+    ``(first, records, problems)``."""
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
         progress = _ReadProgress(f, path)
@@ -182,16 +189,27 @@ def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
                             if problem is not None and problem.startswith("not valid JSON"):
                                 problem = "torn last line (no newline)"
                             last = (d, problem)
+                records: list = []
+                where: dict = {}
                 if buf:
-                    records, where = parse.parse_block(buf[:-1])
-                    problems = {lineno + i: why for i, why in where.items()} if where else {}
-                else:
-                    records, problems = [], {}
+                    block = buf[:-1]
+                    lines = block.split(b"\n")
+                    values = parse.load_lines(lines, block) if unchecked else None
+                    if values is not None:
+                        yield lineno, values, {}, lines
+                        lineno += len(values)
+                    else:
+                        records, where = parse.parse_lines(lines, block)
+                problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:
                         problems[lineno + len(records)] = last[1]
                     records.append(last[0])
-                yield lineno, records, problems
+                if unchecked:
+                    if records:
+                        yield lineno, records, problems, None
+                else:
+                    yield lineno, records, problems
                 lineno += len(records)
         finally:
             progress.close()

@@ -12,13 +12,14 @@ import os
 from array import array
 from collections import Counter
 from itertools import compress, repeat
-from operator import itemgetter
 from typing import Any, Iterable, Iterator, Sequence
 
-from pmaptap.tapfile.attempts import Attempts, Restarts, scan
+from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
-from pmaptap.tapfile.format import NONFINITE
-from pmaptap.tapfile.reader import DivergenceIndex, iter_batches
+from pmaptap.tapfile.format import _SCALAR_TYPES, NONFINITE
+from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.reader import DivergenceIndex, iter_batches, iter_file_batches
+from pmaptap.tapfile.runs import is_sharded
 from pmaptap.tapfile.views import Filter, Table, format_ids, format_number, id_order, scalar
 
 
@@ -77,13 +78,12 @@ class _TapAcc:
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
         self.rep_keys: set[tuple] = set()  # (step, pass, attempt) of replicated records
-        # Per-device records: the distinct (step, device, coords key) written
-        # in the forward pass, (step, device, coords key, pass) in another,
-        # each mapped to itself (so that setdefault tells a new key, the one
-        # given, from one seen before); a record adding nothing here is a
-        # duplicate. pd_count: step -> its forward keys, while no other pass
-        # was seen (then result() counts from pd_keys).
-        self.pd_keys: dict[tuple, tuple] = {}
+        # Per-device records: the distinct keys (_pd_key: step, device and
+        # coordinates) written in the forward pass, (key, pass) in another;
+        # a record adding nothing here is a duplicate. pd_count: step -> its
+        # forward keys, while no other pass was seen (then result() counts
+        # from pd_keys).
+        self.pd_keys: set = set()
         self.pd_count: Counter = Counter()
         self.pd_passes = False  # whether pd_keys holds another pass
         # The key of a per-device record is (step, device) when its
@@ -192,13 +192,15 @@ class _TapAcc:
             if a:  # an elastic restart may have fewer devices: compare within an attempt
                 self.attempt_of_step[step] = a
             pass_ = get("pass", "forward")
-            key: tuple = self._pd_key(step, dev, r["coords"])
+            key = self._pd_key(step, dev, r["coords"])
             if pass_ != "forward":
-                key = (*key, pass_)
+                key = (key, pass_)
                 self.pd_passes = True
-            if self.pd_keys.setdefault(key, key) is not key:
+            if key in self.pd_keys:
                 self.duplicates += 1
-            elif pass_ == "forward":
+                return
+            self.pd_keys.add(key)
+            if pass_ == "forward":
                 self.pd_count[step] += 1
             return
         self.steps.add(step)
@@ -215,112 +217,31 @@ class _TapAcc:
         if len(self.dup_keys) == n:
             self.duplicates += 1
 
-    def _pd_key(self, step: int, dev: Any, coords: Any) -> tuple:
-        """A per-device record's key in pd_keys (see dev_coords)."""
+    def _pd_key(self, step: int, dev: Any, coords: Any) -> Any:
+        """A per-device record's key in pd_keys (see dev_coords): for a
+        device at its usual coordinates ``step << 20 | device`` (devices
+        are registered there only if ints in [0, _DEV_LIMIT); an equal id
+        such as 1.0 or True is the same device, as it is in the tuple keys
+        otherwise used), else (step, device, id of the coordinates)."""
         usual = self.dev_coords.get(dev)
         if usual is not None and coords == usual and _int_values(coords):
-            return (step, dev)
+            return step << 20 | int(dev)
         ckey = _coords_key(coords)
-        if usual is None and type(ckey) is tuple:
+        if usual is None and type(ckey) is tuple and type(dev) is int and 0 <= dev < _DEV_LIMIT:
             # checks._coords_key gives a tuple for integer coordinates only.
             self.dev_coords[dev] = coords
-            return (step, dev)
+            return step << 20 | dev
         ids = self.ck_ids
         return (step, dev, ids.setdefault(ckey, len(ids)))
-
-    def add_many(self, rs: list[dict]) -> None:
-        """``add(r)`` for each r of ``rs`` (records every reader accepts,
-        format.first_not_plain), in one loop with the usual record's work
-        inline: a finite number in the forward pass, not marked divergent,
-        a per-device one at its device's usual coordinates, a replicated
-        one with a vhash. Any other record takes ``add`` itself, in its
-        place. The result is the same (tests/test_read_batch.py)."""
-        kinds = self.kinds
-        processes = self.processes
-        pd_keys = self.pd_keys
-        dev_coords = self.dev_coords
-        steps = self.steps
-        devices = self.devices
-        finite = self.finite.append
-        rep_keys = self.rep_keys
-        dup_keys = self.dup_keys
-        attempt_of_step = self.attempt_of_step
-        last, last_vals = self.last_step, self.last_vals
-        new_steps: list[int] = []  # steps of new per-device keys
-        added = dups = 0
-        prev_kind = None
-        for r in rs:
-            v = r["value"]
-            step = r["step"]
-            kind = r["kind"]
-            tv = type(v)
-            usual = (tv is float or tv is int) and v - v == 0
-            if usual and kind == "per_device":
-                dev = r["device"]
-                coords = r["coords"]
-                if coords != dev_coords.get(dev):
-                    usual = False
-                else:
-                    for c in coords.values():  # _int_values, inline
-                        if type(c) is not int:
-                            usual = False
-                            break
-            elif usual and kind == "replicated":
-                vhash = r.get("vhash")
-                usual = bool(vhash)
-            if not usual or "pass" in r or "divergent" in r:
-                self.records += added
-                self.duplicates += dups
-                self.last_step, self.last_vals = last, last_vals
-                added = dups = 0
-                self.add(r)
-                last, last_vals = self.last_step, self.last_vals
-                continue
-            added += 1
-            if kind != prev_kind:
-                kinds.add(kind)
-                prev_kind = kind
-            processes.add(r["process"])
-            procs = r.get("processes")
-            if procs:
-                processes.update(procs)
-            if last is None or step > last:
-                last, last_vals = step, [v]
-            elif step == last:
-                last_vals.append(v)
-            finite(v)
-            if kind == "per_device":
-                a = r.get("attempt")
-                if a:
-                    attempt_of_step[step] = a
-                key = (step, dev)
-                if pd_keys.setdefault(key, key) is key:
-                    new_steps.append(step)
-                else:
-                    dups += 1
-                continue
-            steps.add(step)
-            devs = r.get("devices")
-            if devs:
-                devices.update(devs)
-            if kind == "replicated":
-                rep_keys.add((step, "forward", r.get("attempt", 0)))
-                dup = (step, "forward", vhash)
-                if dup in dup_keys:
-                    dups += 1
-                else:
-                    dup_keys.add(dup)
-        self.records += added
-        self.duplicates += dups
-        self.last_step, self.last_vals = last, last_vals
-        self.pd_count.update(new_steps)
 
     def result(self, index: DivergenceIndex | None) -> TapSummary:
         kinds = tuple(sorted(self.kinds))
         # step -> how many distinct (device, coords key) wrote it, over passes
         per_dev = self.pd_count
         if self.pd_passes:
-            per_dev = Counter(k[0] for k in {k[:3] for k in self.pd_keys})
+            # (key, pass) pairs hold their forward key: counted once.
+            bases = {k[0] if type(k) is tuple and len(k) == 2 else k for k in self.pd_keys}
+            per_dev = Counter(k >> 20 if type(k) is int else k[0] for k in bases)
         per_device_steps = set(per_dev)
         devices = self.devices
         steps = self.steps | per_device_steps
@@ -385,8 +306,14 @@ class _TapAcc:
         )
 
 
-_GET_NAME = itemgetter("name")
-_GET_KIND = itemgetter("kind")
+# A default no JSON value has (a record without the field).
+_ABSENT = object()
+# A device id below this makes the per-device key one int (see _pd_key).
+_DEV_LIMIT = 1 << 20
+
+
+def _scalars(ids: list, scalar: frozenset) -> bool:
+    return set(map(type, ids)) <= scalar
 
 
 def _int_values(coords: Any) -> bool:
@@ -417,6 +344,7 @@ class Summarizer:
         self._groups: dict[str, dict[str, _TapAcc]] = {}
         self._index = DivergenceIndex() if reconcile else None
         self._restarts = Restarts()
+        self.resumed = False  # whether a record of a later attempt was added
 
     def see(self, r: dict) -> None:
         if self._index is not None:
@@ -429,6 +357,8 @@ class Summarizer:
         # session writes): skip the rest, most of a file.
         if "attempt" in r or r["kind"] == "meta":
             self._restarts.add(r)
+            if attempt_of(r) and r["kind"] != "meta":
+                self.resumed = True  # a later attempt's record (see Attempts)
         run = r.get("run", "")
         names = self._groups.get(run)
         if names is None:
@@ -438,37 +368,206 @@ class Summarizer:
             acc = names[r["name"]] = _TapAcc(run, r["name"])
         acc.add(r)
 
-    def add_batch(self, rs: list[dict]) -> None:
-        """``add(r)`` for every r of ``rs`` (records every reader accepts,
-        format.first_not_plain), a tap at a time: the same summaries, with
-        each tap's part of the batch in one tight loop (``pmaptap summary``
-        of a large file)."""
+    def add_batch(
+        self, rs: list, lines: list[bytes] | None = None, first: int = 1, bad: list | None = None
+    ) -> None:
+        """``add(r)`` for every r of ``rs``, a tap at a time, each tap's
+        part in one tight loop (``pmaptap summary`` of a large file): the
+        same summaries.
+
+        ``rs``: records every reader accepts (format.first_not_plain), or,
+        with ``lines``, what orjson made of each of those lines (line
+        ``first`` on), not yet checked as records: then an item this loop
+        does not take as a usual record goes through parse.parse_line, the
+        one definition, and is added from there or its (line, problem)
+        appended to ``bad``."""
         if not rs:
             return
-        names = list(map(_GET_NAME, rs))
-        runs = list(map(dict.get, rs, repeat("run"), repeat("")))
-        if runs.count(runs[0]) == len(runs):
-            groups = _group(rs, names)
-            keys = [(runs[0], name) for name, _ in groups]
-        else:
-            groups = _group(rs, list(zip(runs, names)))
-            keys = [key for key, _ in groups]
-        index = self._index
-        for (run, name), (_, part) in zip(keys, groups):
+        if lines is not None and set(map(type, rs)) != {dict}:
+            rs, lines = _checked(rs, lines, first, bad)
+        try:
+            names = list(map(dict.get, rs, repeat("name")))
+            # A record without a run is no record: None, which is no str.
+            runs = list(map(dict.get, rs, repeat("run")))
+            if runs.count(runs[0]) == len(runs):
+                groups = _group(rs, names)
+                keys = [(runs[0], group[0]) for group in groups]
+            else:
+                groups = _group(rs, list(zip(runs, names)))
+                keys = [group[0] for group in groups]
+        except TypeError:  # an unhashable name or run: not a record
+            rs, lines = _checked(rs, lines, first, bad)
+            for r in rs:
+                self.add(r)
+            return
+        for (run, name), (_, part, where) in zip(keys, groups):
+            if type(run) is not str or type(name) is not str or not name:
+                # Not records (or not plain ones): each on its own.
+                for r, i in zip(part, where):
+                    self._odd(r, i, lines, first, bad)
+                continue
             by_run = self._groups.get(run)
             if by_run is None:
                 by_run = self._groups[run] = {}
             acc = by_run.get(name)
             if acc is None:
                 acc = by_run[name] = _TapAcc(run, name)
-            acc.add_many(part)
-            kinds = list(map(_GET_KIND, part))
-            if index is not None and "replicated" in kinds:
-                index.add_many(list(compress(part, map("replicated".__eq__, kinds))), run, name)
-            if "meta" in kinds or any(map(dict.__contains__, part, repeat("attempt"))):
-                for r in part:
-                    if "attempt" in r or r["kind"] == "meta":
-                        self._restarts.add(r)
+            self._add_part(acc, part, where, lines, first, bad)
+
+    def _odd(
+        self, r: Any, i: int, lines: list[bytes] | None, first: int, bad: list | None
+    ) -> None:
+        """A batch item the tight loop does not take: a checked record is
+        added as ``add`` adds it; an unchecked one is parsed again by
+        parse_line, the definition, and added or reported."""
+        if lines is not None:
+            r, problem = parse_line(lines[i])
+            if r is None:
+                if bad is not None:
+                    bad.append((first + i, problem or "invalid"))
+                return
+        self.add(r)
+
+    def _add_part(
+        self,
+        acc: _TapAcc,
+        part: list,
+        where: list[int],
+        lines: list[bytes] | None,
+        first: int,
+        bad: list | None,
+    ) -> None:
+        """``add`` of each item of one tap's part of a batch (all of the
+        tap's run and name), the usual records inline: a finite number in
+        the forward pass of the first attempt, not marked divergent, a
+        per-device one at its device's usual coordinates, a replicated one
+        with a vhash. The conditions imply every check format.validate_dict
+        makes (an item that fails one is _odd). Any other item is _odd, in
+        its place, so the file order the summary keeps is kept."""
+        scalar = _SCALAR_TYPES
+        kinds = acc.kinds
+        processes = acc.processes
+        pd_keys = acc.pd_keys
+        dev_coords = acc.dev_coords
+        steps = acc.steps
+        devices = acc.devices
+        values: list[float] = []  # finite values, for acc.finite
+        rep_keys = acc.rep_keys
+        dup_keys = acc.dup_keys
+        index = self._index
+        seen = index._seen if index is not None else None
+        run, name = acc.run, acc.name
+        last, last_vals = acc.last_step, acc.last_vals
+        new_steps: list[int] = []  # steps of new per-device keys
+        added = dups = 0
+        prev_kind = prev_proc = None
+        # orjson never makes a NaN or inf: only checked records (decoded
+        # ones) need the finite test.
+        decoded = lines is None
+        for r, i in zip(part, where):
+            # The group's run and name are present; these four and dtype,
+            # shape, time and host make the ten required fields. The usual
+            # record has no other field than its kind's (so no pass,
+            # attempt, index, divergent...): checked by counting its keys.
+            try:
+                v = r["value"]
+                step = r["step"]
+                kind = r["kind"]
+                proc = r["process"]
+            except KeyError:
+                kind = None
+            else:
+                tv = type(v)
+                if not (
+                    (tv is float or tv is int)
+                    and (not decoded or v - v == 0)
+                    and type(step) is int
+                    and type(proc) in scalar
+                    and "dtype" in r
+                    and "shape" in r
+                    and "time" in r
+                    and "host" in r
+                ):
+                    kind = None
+            if kind == "per_device":
+                # Twelve fields: the ten, device and coords.
+                try:
+                    dev = r["device"]
+                    coords = r["coords"]
+                    usual = len(r) == 12 and coords == dev_coords[dev]
+                except (KeyError, TypeError):  # unknown or unhashable device
+                    usual = False
+                if usual:
+                    for c in coords.values():  # _int_values, inline
+                        if type(c) is not int:
+                            usual = False
+                            break
+                if usual:
+                    # _pd_key of a device at its usual coordinates
+                    key = step << 20 | (dev if type(dev) is int else int(dev))
+                    if key in pd_keys:
+                        dups += 1
+                    else:
+                        pd_keys.add(key)
+                        new_steps.append(step)
+            elif kind == "replicated":
+                vhash = r.get("vhash")
+                devs = r.get("devices")
+                procs = r.get("processes")
+                usual = (
+                    type(vhash) is str
+                    and vhash != ""
+                    and "replicas" in r
+                    and len(r) == 12 + (devs is not None) + (procs is not None)
+                    and (devs is None or type(devs) is list and _scalars(devs, scalar))
+                    and (procs is None or type(procs) is list and _scalars(procs, scalar))
+                )
+                if usual:
+                    if procs:
+                        processes.update(procs)
+                    steps.add(step)
+                    if devs:
+                        devices.update(devs)
+                    rep_keys.add((step, "forward", 0))
+                    dup = (step, "forward", vhash)
+                    if dup in dup_keys:
+                        dups += 1
+                    else:
+                        dup_keys.add(dup)
+                    if seen is not None:
+                        # DivergenceIndex.add, inline (record_key of this record).
+                        entry = (vhash, proc)
+                        dkey = (run, name, step, "forward", None, 0)
+                        if seen.setdefault(dkey, entry) is not entry:
+                            index._repeat(dkey, entry)
+            else:
+                usual = False
+            if not usual:
+                acc.records += added
+                acc.duplicates += dups
+                acc.last_step, acc.last_vals = last, last_vals
+                added = dups = 0
+                self._odd(r, i, lines, first, bad)
+                last, last_vals = acc.last_step, acc.last_vals
+                continue
+            # What every usual record adds (the key parts are done above).
+            added += 1
+            if kind is not prev_kind:
+                kinds.add(kind)
+                prev_kind = kind
+            if proc is not prev_proc:  # small ints are one object each
+                processes.add(proc)
+                prev_proc = proc
+            if last is None or step > last:
+                last, last_vals = step, [v]
+            elif step == last:
+                last_vals.append(v)
+            values.append(v)
+        acc.records += added
+        acc.duplicates += dups
+        acc.last_step, acc.last_vals = last, last_vals
+        acc.pd_count.update(new_steps)
+        acc.finite.extend(values)
 
     def names_and_runs(self) -> tuple[set, set]:
         """The names and runs of the records added."""
@@ -486,24 +585,48 @@ class Summarizer:
         return out
 
 
-def _group(rs: list[dict], keys: list) -> list[tuple[Any, list[dict]]]:
-    """``rs`` split by ``keys`` (one per record, str or tuples of str):
-    (key, records) per key, each part in file order, parts in the order
-    their keys first appear. A few taps per batch (the usual case) take a
-    few C-level passes each; many take one Python pass in all."""
+def _group(rs: list, keys: list) -> list[tuple[Any, list, list[int]]]:
+    """``rs`` split by ``keys`` (one per item, hashable): (key, items,
+    their positions in ``rs``) per key, each part in order, parts in the
+    order their keys first appear. A few taps per batch (the usual case)
+    take a few C-level passes each; many take one Python pass in all."""
     distinct = list(dict.fromkeys(keys))
     if len(distinct) == 1:
-        return [(distinct[0], rs)]
-    if len(distinct) <= 8:
-        return [(k, list(compress(rs, map(k.__eq__, keys)))) for k in distinct]
+        return [(distinct[0], rs, range(len(rs)))]
+    if len(distinct) <= 8 and all(type(k) is str for k in distinct):
+        out = []
+        for k in distinct:
+            picked = list(map(k.__eq__, keys))
+            out.append((k, list(compress(rs, picked)), list(compress(range(len(rs)), picked))))
+        return out
     parts: dict = {}
-    for k, r in zip(keys, rs):
+    for i, (k, r) in enumerate(zip(keys, rs)):
         part = parts.get(k)
         if part is None:
-            parts[k] = [r]
+            parts[k] = ([r], [i])
         else:
-            part.append(r)
-    return list(parts.items())
+            part[0].append(r)
+            part[1].append(i)
+    return [(k, a, b) for k, (a, b) in parts.items()]
+
+
+def _checked(
+    rs: list, lines: list[bytes] | None, first: int, bad: list | None
+) -> tuple[list, None]:
+    """The records among unchecked items, each as parse.parse_line makes it
+    (the others' (line, problem) appended to ``bad``); checked ones as they
+    are."""
+    if lines is None:
+        return rs, None
+    out = []
+    for i, raw in enumerate(lines):
+        d, problem = parse_line(raw)
+        if d is None:
+            if bad is not None:
+                bad.append((first + i, problem or "invalid"))
+        else:
+            out.append(d)
+    return out, None
 
 
 def summarize_file(
@@ -514,6 +637,15 @@ def summarize_file(
     dropped; values are never decoded). Also the (line, problem) list of
     lines that are not records and every name and run read."""
     flt = flt or Filter()
+    if not flt.active and not flt.all_attempts and not is_sharded(path):
+        # The common case in one pass, assuming the run was never resumed;
+        # a record of a later attempt means it was: then the pass below,
+        # which first finds what later attempts superseded.
+        with _collector_paused():
+            acc, bad = _summarize_plain(path)
+        if not acc.resumed:
+            names, runs = acc.names_and_runs()
+            return acc.summaries(), bad, names, runs
     acc = Summarizer()
     # What a later attempt of a resumed run replaced is not part of the story.
     attempts = scan(path) if not flt.all_attempts else Attempts()
@@ -555,6 +687,23 @@ def summarize_file(
             acc.add_batch(matched)
     added_names, added_runs = acc.names_and_runs()
     return acc.summaries(), bad, names | added_names, runs | added_runs
+
+
+def _summarize_plain(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
+    """Every record of one file, orjson's values straight into add_batch,
+    which checks the usual records itself (parse_line the rest)."""
+    acc = Summarizer()
+    bad: list[tuple[int, str]] = []
+    for first, items, problems, lines in iter_file_batches(path, unchecked=True):
+        if lines is not None:
+            acc.add_batch(items, lines, first, bad)
+            continue
+        if problems:
+            bad.extend(problems.items())
+            items = [d for d in items if d is not None]
+        acc.add_batch(items)
+    bad.sort()  # found a tap at a time: back in line order
+    return acc, bad
 
 
 @contextlib.contextmanager
