@@ -414,9 +414,7 @@ class Summarizer:
                 acc = by_run[name] = _TapAcc(run, name)
             self._add_part(acc, part, where, lines, first, bad)
 
-    def _odd(
-        self, r: Any, i: int, lines: list[bytes] | None, first: int, bad: list | None
-    ) -> None:
+    def _odd(self, r: Any, i: int, lines: list[bytes] | None, first: int, bad: list | None) -> None:
         """A batch item the tight loop does not take: a checked record is
         added as ``add`` adds it; an unchecked one is parsed again by
         parse_line, the definition, and added or reported."""
