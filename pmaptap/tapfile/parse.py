@@ -208,8 +208,8 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
     record checks in one loop (format.first_not_plain). Anything
     else (a line orjson refuses, a record that is not plainly valid, a long
     or bracket-heavy line, no orjson) takes parse_line one line at a time,
-    which is the definition. ``joined``: ``b"\\n".join(lines)`` if the
-    caller has it."""
+    which is the definition. ``joined``: ``b"\\n".join(lines)`` (maybe with
+    a newline after), if the caller has it."""
     try:
         records = load_lines(lines, joined)
         if records is None:
@@ -266,11 +266,15 @@ def _one_by_one(lines: list[bytes]) -> Parsed:
 
 def _max_openers(joined: bytes) -> int:
     """An upper bound of the opening brackets on any one line of ``joined``
-    (lines joined by newlines): parse_line's fast-path test (``[`` plus
+    (lines joined by newlines, maybe one more at the end): parse_line's fast-path test (``[`` plus
     ``{`` at most MAX_DEPTH) holds for every line when this is at most
     MAX_DEPTH. One C pass keeps just the brackets and line ends (cheaper
     than counting line by line)."""
     kept = joined.translate(None, _NOT_BRACKETS_OR_NEWLINE)
+    # The longest run of brackets between two newlines, found by a C scan:
+    # none longer than MAX_DEPTH is the usual answer.
+    if re.search(rb"[^\n]{%d}" % (MAX_DEPTH + 1), kept) is None:
+        return MAX_DEPTH
     return max(map(len, kept.split(b"\n")))
 
 

@@ -6,10 +6,8 @@ import os
 import time
 from collections.abc import Iterable
 from itertools import count, repeat
-from operator import is_
 from typing import Any, BinaryIO, Iterator
 
-from pmaptap._log import log
 from pmaptap.tapfile import parse, runs
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.format import decode_record, record_key
@@ -192,8 +190,10 @@ def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Itera
                 records: list = []
                 where: dict = {}
                 if buf:
-                    block = buf[:-1]
-                    lines = block.split(b"\n")
+                    # buf ends with a newline: the split's last item is empty.
+                    lines = buf.split(b"\n")
+                    lines.pop()
+                    block = buf
                     values = parse.load_lines(lines, block) if unchecked else None
                     if values is not None:
                         yield lineno, values, {}, lines
@@ -289,6 +289,8 @@ def read(
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        from pmaptap._log import log  # on use: a read that skips nothing loads no logging
+
         log.warning(
             f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} invalid line(s): {shown}{more}"
         )
@@ -367,66 +369,54 @@ class DivergenceIndex:
     per replicated key, never the records."""
 
     def __init__(self) -> None:
-        # key -> vhash -> processes; a key seen with one vhash stays a tuple
-        # (vhash, process) to keep the common case small.
-        self._seen: dict[tuple, Any] = {}
+        # (run, name, pass, index, attempt) -> step -> what was seen there:
+        # (vhash, process) while one of each, then {vhash: processes}. By
+        # step within the rest of the key: a small int per step, not a
+        # tuple per record, for a summary of a long run.
+        self._seen: dict[tuple, dict[Any, Any]] = {}
         # Whether any key was seen with a second (vhash, process): only then
         # can ``divergent`` be true (readers skip asking otherwise).
         self.any_repeat = False
 
+    def steps_of(
+        self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
+    ) -> dict[Any, Any]:
+        """The step -> entry map of one (run, name, pass, index key,
+        attempt): record_key without its step. A reader that adds many
+        records of one such key (``pmaptap summary``) sets entries there
+        directly: ``setdefault(step, (vhash, process))``, and ``repeat`` when
+        that returns another entry."""
+        key = (run, name, pass_, index, attempt)
+        steps = self._seen.get(key)
+        if steps is None:
+            steps = self._seen[key] = {}
+        return steps
+
     def add(self, r: dict) -> None:
         if r.get("kind") != "replicated" or not r.get("vhash"):
             return
-        key = record_key(r)
+        run, name, step, pass_, index, attempt = record_key(r)
+        steps = self.steps_of(run, name, pass_, index, attempt)
         entry = (r["vhash"], r.get("process"))
-        if self._seen.setdefault(key, entry) is not entry:
-            self._repeat(key, entry)
+        if steps.setdefault(step, entry) is not entry:
+            self.repeat(steps, step, entry)
 
-    def add_many(
-        self, rs: list[dict], run: Any = None, name: Any = None, steps: list | None = None
-    ) -> None:
-        """``add(r)`` for every r of ``rs`` (replicated records; if given,
-        all of ``run`` and ``name``, at ``steps``): one dict pass for the
-        usual batch (each with a vhash, no index)."""
-        vhashes = list(map(dict.get, rs, repeat("vhash")))
-        if not all(vhashes) or any(map(dict.__contains__, rs, repeat("index"))):
-            for r in rs:
-                self.add(r)
-            return
-        keys = list(
-            zip(
-                repeat(run) if run is not None else map(dict.get, rs, repeat("run")),
-                repeat(name) if name is not None else map(dict.get, rs, repeat("name")),
-                steps if steps is not None else map(dict.get, rs, repeat("step")),
-                map(dict.get, rs, repeat("pass"), repeat("forward")),
-                repeat(None),  # index_key of no index
-                map(dict.get, rs, repeat("attempt"), repeat(0)),
-            )
-        )
-        entries = list(zip(vhashes, map(dict.get, rs, repeat("process"))))
-        # setdefault inserts each new key's entry and returns it; an entry
-        # that comes back not as given met a key seen before, which add's
-        # own logic then takes (in order, against the current entry).
-        got = list(map(self._seen.setdefault, keys, entries))
-        if all(map(is_, got, entries)):
-            return
-        for key, entry, g in zip(keys, entries, got):
-            if g is not entry:
-                self._repeat(key, entry)
-
-    def _repeat(self, key: tuple, entry: tuple) -> None:
-        got = self._seen[key]
+    def repeat(self, steps: dict, step: Any, entry: tuple) -> None:
+        """``entry`` (vhash, process) met another one at ``step``."""
+        got = steps[step]
         if isinstance(got, tuple):
             if got == entry:
                 return
             self.any_repeat = True
-            got = self._seen[key] = {got[0]: {got[1]}}
+            got = steps[step] = {got[0]: {got[1]}}
         got.setdefault(entry[0], set()).add(entry[1])
 
     def divergent(self, r: dict) -> bool:
         if r.get("kind") != "replicated":
             return False
-        got = self._seen.get(record_key(r))
+        run, name, step, pass_, index, attempt = record_key(r)
+        steps = self._seen.get((run, name, pass_, index, attempt))
+        got = steps.get(step) if steps is not None else None
         if not isinstance(got, dict):
             return False
         return len(got) > 1 and len(set().union(*got.values())) > 1

@@ -19,7 +19,6 @@ process stays and is marked divergent by the usual reconciliation.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import os
 import re
@@ -97,6 +96,8 @@ def owner(key: tuple, processes: "tuple | list") -> int:
     procs = sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the
     # step's digits are far from uniform (one process owned none of 40 steps).
+    import hashlib  # on use: readers of one file start faster
+
     digest = hashlib.blake2b(repr(key).encode("utf-8", "backslashreplace"), digest_size=8).digest()
     return procs[int.from_bytes(digest, "little") % len(procs)]
 

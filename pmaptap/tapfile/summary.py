@@ -11,7 +11,7 @@ import math
 import os
 from array import array
 from collections import Counter
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from typing import Any, Iterable, Iterator, Sequence
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
@@ -78,6 +78,7 @@ class _TapAcc:
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
         self.rep_keys: set[tuple] = set()  # (step, pass, attempt) of replicated records
+        self.rep_steps: set[int] = set()  # those of pass forward and attempt 0: their steps
         # Per-device records: the distinct keys (_pd_key: step, device and
         # coordinates) written in the forward pass, (key, pass) in another;
         # a record adding nothing here is a duplicate. pd_count: step -> its
@@ -85,6 +86,11 @@ class _TapAcc:
         # from pd_keys).
         self.pd_keys: set = set()
         self.pd_count: Counter = Counter()
+        # The forward keys of devices below _MASK_DEVICES at their usual
+        # coordinates, the most common ones, kept as step -> bit mask of
+        # devices: a few bytes a step instead of an int and a set slot a
+        # record (and the memory pages that go with them).
+        self.pd_masks: dict[int, int] = {}
         self.pd_passes = False  # whether pd_keys holds another pass
         # The key of a per-device record is (step, device) when its
         # coordinates are its device's usual ones (dev_coords: the first
@@ -193,6 +199,14 @@ class _TapAcc:
                 self.attempt_of_step[step] = a
             pass_ = get("pass", "forward")
             key = self._pd_key(step, dev, r["coords"])
+            if pass_ == "forward" and type(key) is int and key & _DEV_MASK < _MASK_DEVICES:
+                bit = 1 << (key & _DEV_MASK)
+                mask = self.pd_masks.get(step, 0)
+                if mask & bit:
+                    self.duplicates += 1
+                else:
+                    self.pd_masks[step] = mask | bit
+                return
             if pass_ != "forward":
                 key = (key, pass_)
                 self.pd_passes = True
@@ -237,10 +251,14 @@ class _TapAcc:
     def result(self, index: DivergenceIndex | None) -> TapSummary:
         kinds = tuple(sorted(self.kinds))
         # step -> how many distinct (device, coords key) wrote it, over passes
-        per_dev = self.pd_count
+        per_dev = Counter(self.pd_count)
+        for s, mask in self.pd_masks.items():
+            per_dev[s] += mask.bit_count()
         if self.pd_passes:
             # (key, pass) pairs hold their forward key: counted once.
             bases = {k[0] if type(k) is tuple and len(k) == 2 else k for k in self.pd_keys}
+            for s, mask in self.pd_masks.items():
+                bases.update(s << 20 | d for d in range(mask.bit_length()) if mask >> d & 1)
             per_dev = Counter(k >> 20 if type(k) is int else k[0] for k in bases)
         per_device_steps = set(per_dev)
         devices = self.devices
@@ -248,7 +266,8 @@ class _TapAcc:
         divergent = set(self.divergent)
         if index is not None and index.any_repeat:
             probe = {"run": self.run, "name": self.name, "kind": "replicated"}
-            for step, pass_, attempt in self.rep_keys:
+            fast = ((step, "forward", 0) for step in self.rep_steps)
+            for step, pass_, attempt in chain(self.rep_keys, fast):
                 if index.divergent(dict(probe, step=step, attempt=attempt, **{"pass": pass_})):
                     divergent.add(step)
         data_steps: set[int] = set()
@@ -258,7 +277,8 @@ class _TapAcc:
             # agreed are a divergence; copies that differ from the start (and
             # until they first agree) are per-device data, e.g. a per-shard
             # value that happened to agree at some step.
-            agreed = min(key[0] for key in self.rep_keys)  # (step, pass, attempt)
+            # the (step, pass, attempt) keys and the steps of the plain ones
+            agreed = min(chain((key[0] for key in self.rep_keys), self.rep_steps))
             divergent |= {s for s in per_device_steps if s > agreed}
             data_steps = {s for s in per_device_steps if s < agreed}
         incomplete: set[int] = set()
@@ -310,6 +330,9 @@ class _TapAcc:
 _ABSENT = object()
 # A device id below this makes the per-device key one int (see _pd_key).
 _DEV_LIMIT = 1 << 20
+_DEV_MASK = _DEV_LIMIT - 1
+# Devices below this are kept in per-step bit masks (_TapAcc.pd_masks).
+_MASK_DEVICES = 1024
 
 
 def _scalars(ids: list, scalar: frozenset) -> bool:
@@ -446,15 +469,16 @@ class Summarizer:
         kinds = acc.kinds
         processes = acc.processes
         pd_keys = acc.pd_keys
+        masks = acc.pd_masks
         dev_coords = acc.dev_coords
         steps = acc.steps
         devices = acc.devices
         values: list[float] = []  # finite values, for acc.finite
-        rep_keys = acc.rep_keys
+        rep_steps = acc.rep_steps
         dup_keys = acc.dup_keys
         index = self._index
-        seen = index._seen if index is not None else None
-        run, name = acc.run, acc.name
+        # DivergenceIndex entries of this tap's forward, first-attempt steps.
+        seen = index.steps_of(acc.run, acc.name) if index is not None else None
         last, last_vals = acc.last_step, acc.last_vals
         new_steps: list[int] = []  # steps of new per-device keys
         added = dups = 0
@@ -476,11 +500,12 @@ class Summarizer:
                 kind = None
             else:
                 tv = type(v)
+                tp = type(proc)
                 if not (
                     (tv is float or tv is int)
                     and (not decoded or v - v == 0)
                     and type(step) is int
-                    and type(proc) in scalar
+                    and (tp is int or tp in scalar)
                     and "dtype" in r
                     and "shape" in r
                     and "time" in r
@@ -495,19 +520,29 @@ class Summarizer:
                     usual = len(r) == 12 and coords == dev_coords[dev]
                 except (KeyError, TypeError):  # unknown or unhashable device
                     usual = False
+                if usual:  # _int_values, inline (one axis the quickest)
+                    try:
+                        (c,) = coords.values()
+                        usual = type(c) is int
+                    except ValueError:
+                        usual = _int_values(coords)
                 if usual:
-                    for c in coords.values():  # _int_values, inline
-                        if type(c) is not int:
-                            usual = False
-                            break
-                if usual:
-                    # _pd_key of a device at its usual coordinates
-                    key = step << 20 | (dev if type(dev) is int else int(dev))
-                    if key in pd_keys:
-                        dups += 1
+                    # _pd_key of a device at its usual coordinates, and _key
+                    d = dev if type(dev) is int else int(dev)
+                    if d < _MASK_DEVICES:
+                        bit = 1 << d
+                        mask = masks.get(step, 0)
+                        if mask & bit:
+                            dups += 1
+                        else:
+                            masks[step] = mask | bit
                     else:
-                        pd_keys.add(key)
-                        new_steps.append(step)
+                        key = step << 20 | d
+                        if key in pd_keys:
+                            dups += 1
+                        else:
+                            pd_keys.add(key)
+                            new_steps.append(step)
             elif kind == "replicated":
                 vhash = r.get("vhash")
                 devs = r.get("devices")
@@ -526,18 +561,16 @@ class Summarizer:
                     steps.add(step)
                     if devs:
                         devices.update(devs)
-                    rep_keys.add((step, "forward", 0))
+                    rep_steps.add(step)
                     dup = (step, "forward", vhash)
                     if dup in dup_keys:
                         dups += 1
                     else:
                         dup_keys.add(dup)
-                    if seen is not None:
-                        # DivergenceIndex.add, inline (record_key of this record).
+                    if seen is not None:  # DivergenceIndex.add, inline
                         entry = (vhash, proc)
-                        dkey = (run, name, step, "forward", None, 0)
-                        if seen.setdefault(dkey, entry) is not entry:
-                            index._repeat(dkey, entry)
+                        if seen.setdefault(step, entry) is not entry:
+                            index.repeat(seen, step, entry)
             else:
                 usual = False
             if not usual:
@@ -550,7 +583,7 @@ class Summarizer:
                 continue
             # What every usual record adds (the key parts are done above).
             added += 1
-            if kind is not prev_kind:
+            if kind != prev_kind:
                 kinds.add(kind)
                 prev_kind = kind
             if proc is not prev_proc:  # small ints are one object each
