@@ -16,6 +16,7 @@ from conftest import record_dict
 from pmaptap.tapfile import format as fmt
 from pmaptap.tapfile import parse, reader
 from pmaptap.tapfile.attempts import index_records
+from pmaptap.tapfile.checks import _canonical, _coords_key
 from pmaptap.tapfile.summary import Summarizer, summarize_file, summary_table
 
 HOSTILE = [
@@ -231,6 +232,51 @@ def _reference_summary(path):
     return acc.summaries(), bad
 
 
+def _keys_from_scratch(path) -> dict:
+    """(run, name) -> (duplicates, incomplete steps, per-device steps) as
+    summary defines them, computed here in the plainest way (the summary's
+    own keys are bit masks and ints: this checks them): a per-device record
+    repeats (step, pass, device, coordinates), a replicated one (step, pass,
+    vhash or value); a per-device tap's step lacks devices when it has fewer
+    distinct (device, coordinates) than its attempt's fullest step."""
+    lines = _lines_one_at_a_time(path)
+    records = [d for _, d, _ in lines if d is not None]
+    later = index_records(records)
+    seen: dict = {}
+    out: dict = {}
+    for r in records:
+        if later.superseded(r) or r["kind"] == "meta":
+            continue
+        tap = (r["run"], r["name"])
+        dups, per_step, kinds, attempt_of = out.setdefault(tap, [0, {}, set(), {}])
+        kinds.add(r["kind"])
+        pass_ = r.get("pass", "forward")
+        if r["kind"] == "per_device":
+            who = (r["device"], _coords_key(r["coords"]))
+            key = (r["step"], pass_, who)
+            per_step.setdefault(r["step"], set()).add(who)
+            if r.get("attempt"):
+                attempt_of[r["step"]] = r["attempt"]
+        else:
+            key = (r["step"], pass_, r.get("vhash") or _canonical(r["value"]))
+        if (tap, r["kind"], key) in seen:
+            out[tap][0] += 1
+        seen[(tap, r["kind"], key)] = True
+    result = {}
+    for tap, (dups, per_step, kinds, attempt_of) in out.items():
+        full: dict = {}
+        for step, who in per_step.items():
+            a = attempt_of.get(step, 0)
+            full[a] = max(full.get(a, 0), len(who))
+        incomplete = ()
+        if kinds == {"per_device"}:
+            incomplete = tuple(
+                sorted(s for s, who in per_step.items() if len(who) < full[attempt_of.get(s, 0)])
+            )
+        result[tap] = (dups, incomplete, set(per_step))
+    return result
+
+
 def _job_records(rnd: random.Random) -> list[dict]:
     recs = []
     for s in range(40):
@@ -290,6 +336,13 @@ def test_summary_fast_path_equals_the_line_at_a_time_summary(tmp_path, monkeypat
     assert bad == want_bad
     assert summary_table(got) == summary_table(want)
     assert names == {s.name for s in want} and runs == {s.run for s in want}
+    scratch = _keys_from_scratch(path)
+    for s in got:
+        if s.kinds == ("meta",):
+            continue
+        dups, incomplete, pd_steps = scratch[(s.run, s.name)]
+        assert (s.duplicates, s.incomplete_steps) == (dups, incomplete), s.name
+        assert pd_steps <= set(range(s.first_step, s.last_step + 1))
     # What the file holds shows up: NaN/inf, divergence, duplicates, restarts.
     by = {(s.run, s.name): s for s in got}
     assert by[("r", "g")].first_nonfinite_step == 17
