@@ -547,7 +547,8 @@ def test_export_csv_one_row_per_record(demo, tmp_path):
         recs[[r["name"] for r in recs].index("loss")]["value"]
     )
     p = next(r for r in rows if r["name"] == "params" and r["device"] == "3")
-    assert p["coord.dp"] == "3" and p["kind"] == "per_device"
+    # Coordinates are named as in frames and Parquet (coords.<axis>).
+    assert p["coords.dp"] == "3" and p["kind"] == "per_device" and "coord.dp" not in p
     assert float(p["value.b"]) > 0 and json.loads(p["value.w"]) == [0.6, 0.7]
     assert {r["divergent"] for r in rows if r["name"] == "drift" and r["step"] == "1"} == {"True"}
     out = cli("export", demo, "--csv", "-", "--name", "lr")

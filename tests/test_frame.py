@@ -195,3 +195,41 @@ def test_missing_pyarrow_names_the_extra(taps, tmp_path):
     proc = run_python(code, check=False)
     assert proc.returncode == 2 and 'pip install "pmaptap[parquet]"' in proc.stderr
     assert not os.path.exists(tmp_path / "x.parquet")
+
+
+def test_csv_frame_and_parquet_name_coordinates_alike(tmp_path):
+    """One naming of coordinate columns (format.coords_column) for the CSV
+    export and the frame (Parquet writes the frame's columns)."""
+    import csv
+    import json as _json
+
+    from test_cli import cli
+
+    from conftest import record_dict
+    from pmaptap.tapfile.format import coords_column
+
+    path = tmp_path / "mesh.jsonl"
+    recs = [
+        record_dict(
+            name="g",
+            step=s,
+            kind="per_device",
+            value=1.0 * d,
+            dtype="float32",
+            device=d,
+            coords={"dp": d // 2, "mp": d % 2},
+        )
+        for s in range(2)
+        for d in range(4)
+    ]
+    path.write_text("".join(_json.dumps(r) + "\n" for r in recs))
+    out = cli("export", str(path), "--csv", str(tmp_path / "g.csv"))
+    assert out.returncode == 0, out.stderr
+    with open(tmp_path / "g.csv", newline="") as f:
+        header = next(csv.reader(f))
+    frame = pmaptap.read(path, as_frame=True)
+    want = [coords_column("dp"), coords_column("mp")]
+    assert want == ["coords.dp", "coords.mp"]
+    assert [c for c in header if "coord" in c] == want
+    assert [c for c in frame.columns if "coord" in c] == want
+    assert list(frame["coords.mp"]) == [d % 2 for _ in range(2) for d in range(4)]

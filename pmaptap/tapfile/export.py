@@ -4,7 +4,8 @@ Scalar values (and the scalar leaves of a pytree value) become numeric
 columns: ``value`` for a plain value, ``value.<key>`` / ``value.<index>`` for
 pytree leaves, so a spreadsheet or ``pandas.read_csv`` can use them directly.
 An array leaf is kept as its strict-JSON text in its column. Coordinates
-become ``coord.<axis>`` columns. Non-finite values are written ``nan``,
+become ``coords.<axis>`` columns (format.coords_column, as in frames and
+Parquet). Non-finite values are written ``nan``,
 ``inf``, ``-inf``, which pandas and most tools read back as floats.
 
 Parquet (typed columns) is frame.py; TensorBoard event files tensorboard.py.
@@ -16,7 +17,7 @@ import csv
 import json
 from typing import IO, Any, Sequence
 
-from pmaptap.tapfile.format import NONFINITE, index_text
+from pmaptap.tapfile.format import COORDS_COLUMN_PREFIX, NONFINITE, coords_column, index_text
 from pmaptap.tapfile.views import Entry
 
 _MARKERS = NONFINITE
@@ -92,7 +93,7 @@ def csv_row(e: Entry) -> dict[str, Any]:
     }
     coords = r.get("coords")
     for axis, idx in (coords if isinstance(coords, dict) else {}).items():
-        row[f"coord.{axis}"] = idx
+        row[coords_column(axis)] = idx
     row.update(flatten_value(r["value"], r["dtype"]))
     return row
 
@@ -105,8 +106,8 @@ def write_csv(entries: Sequence[Entry], out: IO[str]) -> int:
         for k in row:
             if k not in FIXED:
                 extra.setdefault(k, None)
-    coords = sorted(k for k in extra if k.startswith("coord."))
-    values = [k for k in extra if not k.startswith("coord.")]
+    coords = sorted(k for k in extra if k.startswith(COORDS_COLUMN_PREFIX))
+    values = [k for k in extra if not k.startswith(COORDS_COLUMN_PREFIX)]
     writer = csv.DictWriter(
         out, fieldnames=[*FIXED, *coords, *values], restval="", lineterminator="\n"
     )

@@ -31,6 +31,17 @@ NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
 NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
 
 
+# Tables of records (the CSV export, read(as_frame=True), Parquet) name a
+# per-device record's mesh coordinate on axis A "coords.A" (the record's
+# field and the axis): the one definition, shared by all of them.
+COORDS_COLUMN_PREFIX = "coords."
+
+
+def coords_column(axis: Any) -> str:
+    """The table column of the mesh coordinate on ``axis``."""
+    return f"{COORDS_COLUMN_PREFIX}{axis}"
+
+
 def is_float_like(dt: np.dtype) -> bool:
     return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)
 

@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from pmaptap.tapfile.format import NAN, NEG_INF, POS_INF
+from pmaptap.tapfile.format import COORDS_COLUMN_PREFIX, NAN, NEG_INF, POS_INF, coords_column
 
 MISSING_PANDAS = (
     "pmaptap.read(..., as_frame=True) needs pandas: pip install pandas (or 'pmaptap[frame]')."
@@ -87,7 +87,7 @@ def _row(r: dict) -> dict[str, Any]:
     coords = r.get("coords")
     if isinstance(coords, dict):
         for axis, i in coords.items():
-            row[f"coords.{axis}"] = i
+            row[coords_column(axis)] = i
     _value_cells(r.get("value"), r.get("dtype"), "value", row)
     return row
 
@@ -119,7 +119,7 @@ def to_frame(records: Iterable[dict]) -> Any:
     names: dict[str, None] = dict.fromkeys(_FIRST)
     for row in rows:
         names.update(dict.fromkeys(row))
-    coords = sorted(k for k in names if k.startswith("coords."))
+    coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
     values = [k for k in names if k == "value" or k.startswith("value.")]
     rest = [k for k in names if k not in _FIRST and k not in coords and k not in values]
     columns: dict[str, Any] = {}
@@ -141,7 +141,7 @@ def _column(pd: Any, col: str, cells: list) -> Any:
     if col == "pass":
         return pd.Series([c or "forward" for c in cells], dtype="str")
     kind = _number_kind(cells)
-    if (col in _INTS or col.startswith("coords.")) and all(
+    if (col in _INTS or col.startswith(COORDS_COLUMN_PREFIX)) and all(
         c is None or isinstance(c, int) and not isinstance(c, bool) for c in cells
     ):
         return pd.Series(cells, dtype="Int64")
