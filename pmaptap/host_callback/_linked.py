@@ -35,6 +35,8 @@ from jax._src import core, debugging
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 
+from pmaptap._trace import primitive
+
 linked_tap_p = core.Primitive("pmaptap_hcb_tap")
 linked_tap_p.multiple_results = True
 
@@ -160,6 +162,12 @@ pe.partial_eval_jaxpr_custom_rules[linked_tap_p] = _remat_rule
 
 
 def _lowering(ctx, *args, host_fn, batch_dims):
+    if primitive.recomputed_while_predicate(ctx):
+        # The second evaluation of a batched while predicate: the callback
+        # already ran for these values in the loop's condition. The token is
+        # 0 either way.
+        return [mlir.ir_constant(_TOKEN)]
+
     def run(coords, *flat):
         # XLA's buffers are valid during the call only: copy.
         host_fn(batch_dims, np.array(coords, copy=True), *[np.array(a, copy=True) for a in flat])
@@ -180,4 +188,5 @@ def _lowering(ctx, *args, host_fn, batch_dims):
     return result
 
 
-mlir.register_lowering(linked_tap_p, _lowering)
+# cacheable=False: the rule needs the caller's name stack.
+mlir.register_lowering(linked_tap_p, _lowering, cacheable=False)
