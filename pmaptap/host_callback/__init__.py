@@ -8,12 +8,12 @@ Old code keeps working after changing only the import::
     y = hcb.call(np.linalg.eigvals, m, result_shape=...)
     hcb.barrier_wait()               # taps done; raises CallbackException once
 
-How it is built (see docs/architecture.md): ``id_tap``/``id_print`` go through
-``pmaptap._trace.tap.send`` and so through the one emission helper in ``emit.py``,
-with a ``consumer`` that replaces the session pipeline. The consumer runs on
-XLA's callback thread, which holds the GIL and blocks its device, so it only
-appends the payload to a queue. One background thread per process (the
-*executor*, created lazily) converts arrays, resolves the device and runs
+How it is built (see docs/host_callback.md): ``id_tap``/``id_print`` bind
+their own primitive (``_linked.py``), an identity whose lowering ties the
+returned value to the host call and whose rules are the old module's. Its
+host function runs on XLA's callback thread, which holds the GIL and blocks
+its device, so it only appends the payload to a queue. One background thread
+per process (the *executor*, created lazily) resolves the device and runs
 the user's functions, in the order the callbacks arrived. A raising tap
 function is caught there and reported once, by the next ``barrier_wait``.
 
