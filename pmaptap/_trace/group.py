@@ -129,7 +129,9 @@ def auto_offer(
         return False
     if spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF):
         return False  # checked before creating anything for this trace
-    collector = traceend.deferred(trace, (_Collector, raw_names, spec.transport.leaders), _Collector)
+    collector = traceend.deferred(
+        trace, (_Collector, raw_names, spec.transport.leaders), _Collector
+    )
     return collector.offer(spec, raw_names, leaves, coords, step, traced_every)
 
 
@@ -203,8 +205,7 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
         steps, flat = split(args)
         # As a single tap's rule: batch axes at 0, unbatched leaves broadcast.
         flat = [
-            x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
-            for x, b in zip(flat, leaves_b)
+            x if b else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, b in zip(flat, leaves_b)
         ]
         batched = tuple(s.with_batch() for s in specs)
         _group_fn(batched, raw_names, n_leaves)(coords, *steps, *flat)

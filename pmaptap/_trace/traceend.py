@@ -63,7 +63,8 @@ def owned_by(trace: Any, values) -> bool:
     itself (constants are fine): only those can be bound at its end exactly
     as they could be now."""
     return all(
-        not isinstance(v, core.Tracer) or (isinstance(v, pe.DynamicJaxprTracer) and v._trace is trace)
+        not isinstance(v, core.Tracer)
+        or (isinstance(v, pe.DynamicJaxprTracer) and v._trace is trace)
         for v in values
     )
 
