@@ -1,0 +1,310 @@
+"""Automatic grouping (issue 17): the taps of one traced body that are not in
+a ``pmaptap.group()`` block share ONE gather + cond + host callback, emitted
+when the body's trace ends. Records must be exactly those of the same taps
+emitted one by one (``configure(auto_group=False)``); only the number of
+callbacks changes."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pmaptap
+from pmaptap._trace import traceend
+from pmaptap._trace.primitive import callback_p
+
+
+def _subjaxprs(value):
+    if isinstance(value, ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _subjaxprs(v)
+
+
+def count_callbacks(jaxpr) -> int:
+    """pmaptap host-callback equations in ``jaxpr`` and every jaxpr nested
+    in its equations' parameters (pmap/shard_map/jit bodies, cond branches,
+    scan bodies, custom_vmap calls)."""
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive is callback_p
+        for p in eqn.params.values():
+            n += sum(count_callbacks(j) for j in _subjaxprs(p))
+    return n
+
+
+def _records(path) -> list[str]:
+    """The records without their wall-clock time, comparable as a multiset."""
+    out = []
+    for r in pmaptap.read(path):
+        d = r.to_dict() if hasattr(r, "to_dict") else dict(r)
+        d.pop("time", None)
+        out.append(json.dumps(d, sort_keys=True, default=str))
+    return sorted(out)
+
+
+def _run(tmp_path, make, args, *, auto: bool, steps: int = 2, tag: str = ""):
+    """(records, callbacks in the traced program) of ``make()`` called
+    ``steps`` times on ``args``. ``make`` must wrap a fresh function each
+    time: JAX caches traces per function, and options are read at trace
+    time."""
+    path = tmp_path / f"{tag}{'auto' if auto else 'one'}.jsonl"
+    with pmaptap.configured(auto_group=auto):
+        f = make()
+        n = count_callbacks(jax.make_jaxpr(f)(*args))
+        with pmaptap.Session(str(path), run="ag"):
+            for _ in range(steps):
+                jax.block_until_ready(f(*args))
+    return _records(path), n
+
+
+def _four_taps(v):
+    loss = lax.pmean(jnp.sum(v), "i")
+    pmaptap.tap(loss, "loss", dedup="replicated")
+    pmaptap.tap(v, "act", dedup="per_device")
+    pmaptap.tap({"a": v * 2, "b": jnp.int32(3)}, "tree")
+    # Diverges on device 3 only: a verified replicated tap must flag it.
+    pmaptap.tap(loss + (lax.axis_index("i") == 3), "diverges", dedup="replicated")
+    return v
+
+
+def test_n_ungrouped_taps_in_a_pmap_step_are_one_callback_with_the_same_records(tmp_path):
+    args = (jnp.arange(8.0),)
+
+    def make():
+        return jax.pmap(lambda v: _four_taps(v), axis_name="i")
+
+    auto, n_auto = _run(tmp_path, make, args, auto=True)
+    one, n_one = _run(tmp_path, make, args, auto=False)
+    assert n_auto == 1
+    assert n_one == 4  # auto_group off: one callback per tap, as before
+    assert auto == one
+    diverged = [json.loads(r) for r in auto if '"diverges"' in r]
+    assert diverged and all(r["divergent"] for r in diverged)
+    assert len([r for r in auto if '"name": "act"' in r]) == 2 * 8
+
+
+def test_n_ungrouped_taps_in_a_shard_map_step_are_one_callback(tmp_path):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    xs = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("x", "y")))
+
+    def body(v):
+        m = lax.pmean(jnp.sum(v), ("x", "y"))
+        for k in range(16):
+            pmaptap.tap(m * k if k % 2 else v * (k + 1), f"t{k}", dedup="auto")
+        return v
+
+    def make():
+        return jax.jit(
+            jax.shard_map(lambda v: body(v), mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y"))
+        )
+
+    auto, n_auto = _run(tmp_path, make, (xs,), auto=True)
+    one, n_one = _run(tmp_path, make, (xs,), auto=False)
+    assert (n_auto, n_one) == (1, 16)
+    assert auto == one and len(auto) == 2 * (8 * 8 + 8)
+
+
+def test_taps_in_a_scan_body_and_in_the_step_are_grouped_per_trace(tmp_path):
+    def body(v):
+        pmaptap.tap(v, "outer_a", dedup="per_device")
+
+        def inner(c, x):
+            pmaptap.tap(c, "in_carry", dedup="per_device")
+            pmaptap.tap(lax.pmean(c, "i"), "in_mean", dedup="replicated")
+            pmaptap.tap(x, "in_x")
+            return c + x, None
+
+        c, _ = lax.scan(inner, v, jnp.arange(3.0))
+        pmaptap.tap(c, "outer_b", dedup="per_device")
+        return c
+
+    def make():
+        return jax.pmap(lambda v: body(v), axis_name="i")
+
+    args = (jnp.arange(8.0),)
+    auto, n_auto = _run(tmp_path, make, args, auto=True)
+    one, n_one = _run(tmp_path, make, args, auto=False)
+    assert (n_auto, n_one) == (2, 5)  # one in the scan body, one in the step
+    assert auto == one
+    steps = sorted({json.loads(r)["step"] for r in auto if '"in_carry"' in r})
+    assert steps == list(range(6))  # 3 iterations x 2 calls, automatic steps
+
+
+def test_taps_under_grad_and_vmap_keep_their_records(tmp_path):
+    def body(v):
+        def loss(w):
+            pmaptap.tap(w, "w_in_grad", dedup="per_device")  # JVP/linearize trace
+            pmaptap.tap(jnp.sin(w), "sin_in_grad", dedup="per_device")
+            return jnp.sum(jnp.sin(w) ** 2)
+
+        g = jax.grad(loss)(v)
+        jax.vmap(lambda e: pmaptap.tap(e * 2, "in_vmap", dedup="per_device"))(jnp.stack([v, g]))
+        pmaptap.tap(g, "g", dedup="per_device")
+        pmaptap.tap(lax.pmean(g, "i"), "g_mean", dedup="replicated")
+        return g
+
+    def make():
+        return jax.pmap(lambda v: body(v), axis_name="i")
+
+    args = (jnp.arange(8.0),)
+    auto, n_auto = _run(tmp_path, make, args, auto=True)
+    one, n_one = _run(tmp_path, make, args, auto=False)
+    assert auto == one
+    # g and g_mean share one callback; the taps under grad and vmap are not
+    # deferred (their traces are not plain staging traces).
+    assert n_one - n_auto == 1
+    vm = [json.loads(r) for r in auto if '"in_vmap"' in r]
+    assert len(vm) == 2 * 8 and all(r["shape"] == [2] for r in vm)
+
+
+def test_a_vmapped_and_rematerialized_step_writes_each_record_once(tmp_path):
+    # The group's callback is wrapped like a single tap's: vmap(jit(step))
+    # batches it into one callback, and jax.checkpoint does not replay it in
+    # the backward pass. Before, an explicit group() under remat + grad wrote
+    # every record twice, and one under vmap(jit) made one callback per
+    # element with unbatched records.
+    def step(v):
+        pmaptap.tap(v, "a", dedup="per_device")
+        pmaptap.tap(v * 2, "b", dedup="per_device")
+        return jnp.sin(v)
+
+    def body(v, grouped):
+        def loss(w):
+            f = pmaptap.group()(step) if grouped else step
+            return jnp.sum(jax.checkpoint(f)(w))
+
+        g = jax.grad(loss)(v)
+        jax.vmap(jax.jit(pmaptap.group()(step) if grouped else step))(jnp.stack([v, g, v]))
+        return g
+
+    for grouped in (False, True):
+
+        def make(grouped=grouped):
+            return jax.pmap(partial(body, grouped=grouped), axis_name="i")
+
+        args = (jnp.arange(8.0),)
+        auto, n_auto = _run(tmp_path, make, args, auto=True, tag=f"g{grouped}")
+        one, _ = _run(tmp_path, make, args, auto=False, tag=f"g{grouped}")
+        assert auto == one
+        assert n_auto == 2  # remat body, the vmapped jit body
+        recs = [json.loads(r) for r in auto]
+        assert len(recs) == 2 * 2 * 2 * 8  # 2 steps x (remat + vmap) x 2 taps x 8
+        assert sorted({tuple(r["shape"]) for r in recs}) == [(), (3,)]
+
+
+def test_traced_every_is_decided_once_for_the_trace(tmp_path):
+    def body(v, step):
+        pmaptap.tap(v, "y", step=step, every=3, dedup="per_device")
+        pmaptap.tap(lax.pmean(v, "i"), "m", step=step, every=3, dedup="replicated")
+        pmaptap.tap(v * 2, "z", step=step, dedup="per_device")
+        return v
+
+    calls = {}
+    for auto in (True, False):
+        path = tmp_path / f"e{auto}.jsonl"
+        with pmaptap.configured(auto_group=auto):
+            f = jax.pmap(lambda v, s: body(v, s), axis_name="i", in_axes=(0, None))
+            calls[auto] = count_callbacks(jax.make_jaxpr(f)(jnp.arange(8.0), jnp.int32(0)))
+            with pmaptap.Session(str(path), run="e"):
+                for s in range(7):
+                    f(jnp.arange(8.0) + s, jnp.int32(s))
+        calls[auto, "recs"] = _records(path)
+    assert calls[True, "recs"] == calls[False, "recs"]
+    # y and m share one cond and callback; z (every step) is alone in its
+    # own bucket.
+    assert (calls[True], calls[False]) == (2, 3)
+    ys = [json.loads(r) for r in calls[True, "recs"] if '"name": "y"' in r]
+    assert sorted({r["step"] for r in ys}) == [0, 3, 6] and len(ys) == 3 * 8
+
+
+def test_explicit_group_and_automatic_grouping_side_by_side(tmp_path):
+    def body(v):
+        with pmaptap.group():
+            pmaptap.tap(v, "g1", dedup="per_device")
+            pmaptap.tap(v + 1, "g2", dedup="per_device")
+        pmaptap.tap(v + 2, "a1", dedup="per_device")
+        pmaptap.tap(v + 3, "a2", dedup="per_device")
+        return v
+
+    def make():
+        return jax.pmap(lambda v: body(v), axis_name="i")
+
+    auto, n_auto = _run(tmp_path, make, (jnp.arange(8.0),), auto=True)
+    one, n_one = _run(tmp_path, make, (jnp.arange(8.0),), auto=False)
+    assert (n_auto, n_one) == (2, 3) and auto == one
+
+
+def test_taps_in_cond_branches_stay_per_device_copies(tmp_path):
+    # Inside cond/while bodies devices may diverge: no collective, so no
+    # group either (one callback per device, as before).
+    def body(v):
+        def yes(w):
+            pmaptap.tap(w, "c1", dedup="per_device")
+            pmaptap.tap(w * 2, "c2", dedup="per_device")
+            return w
+
+        return lax.cond(v > 3, yes, lambda w: w, v)
+
+    def make():
+        return jax.pmap(lambda v: body(v), axis_name="i")
+
+    auto, n_auto = _run(tmp_path, make, (jnp.arange(8.0),), auto=True)
+    one, n_one = _run(tmp_path, make, (jnp.arange(8.0),), auto=False)
+    assert n_auto == n_one == 2 and auto == one
+    assert len(auto) == 2 * 2 * 4
+
+
+def test_auto_group_option_is_checked():
+    with pytest.raises(ValueError, match="auto_group must be True or False"):
+        pmaptap.configure(auto_group="yes")
+    assert pmaptap.options().auto_group is True
+
+
+def test_trace_end_hook_still_sits_where_jax_ends_a_trace():
+    # Automatic grouping needs to run just before a DynamicJaxprTrace becomes
+    # a jaxpr. On JAX 0.10 that is JaxprStackFrame.to_jaxpr(frame, trace,
+    # out_tracers, debug_info, source_info). If this fails after a JAX
+    # upgrade, find where partial_eval now turns a trace's equations into a
+    # Jaxpr and move the hook in pmaptap/_trace/traceend.py there.
+    from jax._src.interpreters import partial_eval as pe
+
+    assert traceend.installed(), "pmaptap/_trace/traceend.py found no JaxprStackFrame.to_jaxpr"
+    hooked = pe.JaxprStackFrame.to_jaxpr
+    assert getattr(hooked, "_pmaptap_trace_end_hook", False)
+    params = list(inspect.signature(hooked.__wrapped__).parameters)
+    assert params[:3] == ["self", "trace", "out_tracers"], params
+    assert "frame.to_jaxpr(trace" in inspect.getsource(pe.trace_to_jaxpr_dynamic)
+    assert inspect.getsource(pe).count("trace.frame.to_jaxpr(trace") >= 3
+
+    # And it works end to end: work deferred for a trace is bound into it.
+    seen = []
+
+    class Probe:
+        def flush(self):
+            seen.append(type(traceend.core.trace_ctx.trace).__name__)
+            pmaptap.tap(jnp.float32(1.0), "probe")
+
+    def f(x):
+        traceend.deferred(traceend.staging_trace(), "probe", Probe)
+        return x + 1
+
+    with pmaptap.configured(auto_group=False):
+        jaxpr = jax.make_jaxpr(f)(1.0)
+    assert seen == ["DynamicJaxprTrace"]
+    assert count_callbacks(jaxpr) == 1
