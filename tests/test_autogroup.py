@@ -308,3 +308,33 @@ def test_trace_end_hook_still_sits_where_jax_ends_a_trace():
         jaxpr = jax.make_jaxpr(f)(1.0)
     assert seen == ["DynamicJaxprTrace"]
     assert count_callbacks(jaxpr) == 1
+
+
+def test_a_scan_body_closing_over_the_traced_step_is_grouped(tmp_path):
+    # The step is a tracer of the enclosing pmap body, closed over by the
+    # scan body: its taps still share one callback per `every` bucket.
+    def body(v, step):
+        def inner(c, _):
+            pmaptap.tap(c, "c", step=step, dedup="per_device")
+            pmaptap.tap(c * 2, "d", step=step, dedup="per_device")
+            pmaptap.tap(lax.pmean(c, "i"), "m", step=step, every=2, dedup="replicated")
+            pmaptap.tap(c + 1, "n", step=step, every=2, dedup="per_device")
+            return c + 1, None
+
+        c, _ = lax.scan(inner, v, None, length=1)
+        return c
+
+    recs, calls = {}, {}
+    for auto in (True, False):
+        path = tmp_path / f"s{auto}.jsonl"
+        with pmaptap.configured(auto_group=auto):
+            f = jax.pmap(lambda v, s: body(v, s), axis_name="i", in_axes=(0, None))
+            calls[auto] = count_callbacks(jax.make_jaxpr(f)(jnp.arange(8.0), jnp.int32(0)))
+            with pmaptap.Session(str(path), run="s"):
+                for s in range(4):
+                    f(jnp.arange(8.0) + s, jnp.int32(s))
+        recs[auto] = _records(path)
+    assert (calls[True], calls[False]) == (2, 4)
+    assert recs[True] == recs[False]
+    ms = [json.loads(r) for r in recs[True] if '"name": "m"' in r]
+    assert sorted(r["step"] for r in ms) == [0, 2]

@@ -119,13 +119,14 @@ def auto_offer(
     it shares one callback with the trace's other such taps (one gather, one
     cond, one callback a step instead of one each). False (emit it now, as
     before) unless automatic grouping is on, the hook is installed, and the
-    current trace is a plain staging trace that owns every traced operand:
+    current trace is a plain staging trace and every traced operand is a
+    staging tracer (its own, or one it closes over, such as a step):
     under grad's linearization, vmap's batching or eager execution nothing
     is deferred."""
     if not options().auto_group or not traceend.installed():
         return False
     trace = traceend.staging_trace()
-    if trace is None or not traceend.owned_by(trace, [*leaves, coords, step]):
+    if trace is None or not traceend.stageable([*leaves, coords, step]):
         return False
     if spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF):
         return False  # checked before creating anything for this trace

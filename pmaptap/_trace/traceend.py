@@ -58,14 +58,14 @@ def staging_trace() -> Any | None:
     return None
 
 
-def owned_by(trace: Any, values) -> bool:
-    """Whether every traced value in ``values`` is a tracer of ``trace``
-    itself (constants are fine): only those can be bound at its end exactly
-    as they could be now."""
+def stageable(values) -> bool:
+    """Whether every traced value in ``values`` is a staging tracer (of this
+    trace, or of an enclosing one that this trace closes over: JAX lifts
+    those into the jaxpr the same way whenever they are first used, now or
+    at the trace's end); constants are fine. A value of any other
+    transformation (a JVP or batch tracer) keeps its tap immediate."""
     return all(
-        not isinstance(v, core.Tracer)
-        or (isinstance(v, pe.DynamicJaxprTracer) and v._trace is trace)
-        for v in values
+        not isinstance(v, core.Tracer) or isinstance(v, pe.DynamicJaxprTracer) for v in values
     )
 
 
