@@ -250,24 +250,88 @@ def test_explicit_group_and_automatic_grouping_side_by_side(tmp_path):
     assert (n_auto, n_one) == (2, 3) and auto == one
 
 
-def test_taps_in_cond_branches_stay_per_device_copies(tmp_path):
-    # Inside cond/while bodies devices may diverge: no collective, so no
-    # group either (one callback per device, as before).
+def _count_prims(jaxpr, name: str) -> int:
+    if isinstance(jaxpr, ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for p in eqn.params.values():
+            n += sum(_count_prims(j, name) for j in _subjaxprs(p))
+    return n
+
+
+@pytest.fixture
+def deliveries(monkeypatch):
+    """Names of the specs reaching the host, one per host callback."""
+    from pmaptap._trace import layouts
+
+    calls, real = [], layouts.deliver
+
+    def counting(spec, arrays):
+        calls.append(spec.name)
+        real(spec, arrays)
+
+    monkeypatch.setattr(layouts, "deliver", counting)
+    return calls
+
+
+def test_taps_in_cond_and_while_bodies_share_one_callback_per_device(tmp_path, deliveries):
+    # Inside cond/while bodies devices may diverge, so these taps call back
+    # from every device with no collective; grouped, each device makes ONE
+    # callback for all of them instead of one per tap.
     def body(v):
         def yes(w):
             pmaptap.tap(w, "c1", dedup="per_device")
             pmaptap.tap(w * 2, "c2", dedup="per_device")
+            pmaptap.tap(w * 0 + 1, "c3")  # equal wherever it fires
             return w
 
-        return lax.cond(v > 3, yes, lambda w: w, v)
+        def loop(c):
+            pmaptap.tap(c[0], "w1", dedup="per_device")
+            pmaptap.tap(c[0] * 3, "w2", dedup="per_device")
+            return c[0] + 1, c[1] + 1
+
+        w = lax.cond(v > 3, yes, lambda w: w, v)
+        return lax.while_loop(lambda c: c[1] < v, loop, (w, jnp.float32(0)))[0]
 
     def make():
         return jax.pmap(lambda v: body(v), axis_name="i")
 
-    auto, n_auto = _run(tmp_path, make, (jnp.arange(8.0),), auto=True)
-    one, n_one = _run(tmp_path, make, (jnp.arange(8.0),), auto=False)
-    assert n_auto == n_one == 2 and auto == one
-    assert len(auto) == 2 * 2 * 4
+    args = (jnp.arange(8.0) % 3 + 2,)
+    auto, n_auto = _run(tmp_path, make, args, auto=True)
+    calls_auto, deliveries[:] = list(deliveries), []
+    one, n_one = _run(tmp_path, make, args, auto=False)
+    assert (n_auto, n_one) == (2, 5)
+    assert auto == one
+    # 2 steps: the cond fires on the devices with v > 3 (values 4: 2 of 8);
+    # the loop runs v times on every device (2, 3 or 4).
+    loops = int(sum(args[0]))
+    assert len(calls_auto) == 2 * (2 + loops)
+    assert len(deliveries) == 2 * (3 * 2 + 2 * loops)
+    with pmaptap.configured(auto_group=True):
+        grouped = jax.make_jaxpr(make())(*args)
+    assert _count_prims(grouped, "all_gather") == 0  # no collective where devices diverge
+
+
+def test_scalar_taps_under_plain_jit_share_one_callback(tmp_path, deliveries):
+    def step(x):
+        loss = jnp.sum(x**2)
+        pmaptap.tap(loss, "loss")
+        pmaptap.tap(jnp.float32(0.1), "lr")
+        pmaptap.tap(jnp.sqrt(loss), "norm")
+        return x - 0.1 * x
+
+    def make():
+        return jax.jit(lambda x: step(x))
+
+    args = (jnp.arange(4.0),)
+    auto, n_auto = _run(tmp_path, make, args, auto=True, steps=3)
+    calls_auto, deliveries[:] = list(deliveries), []
+    one, n_one = _run(tmp_path, make, args, auto=False, steps=3)
+    assert (n_auto, n_one) == (1, 3)
+    assert auto == one and len(auto) == 3 * 3
+    assert calls_auto == ["pmaptap/group"] * 3 and len(deliveries) == 3 * 3
 
 
 def test_auto_group_option_is_checked():
@@ -338,3 +402,29 @@ def test_a_scan_body_closing_over_the_traced_step_is_grouped(tmp_path):
     assert recs[True] == recs[False]
     ms = [json.loads(r) for r in recs[True] if '"name": "m"' in r]
     assert sorted(r["step"] for r in ms) == [0, 2]
+
+
+def test_grouped_sub_byte_and_narrow_dtypes_keep_their_values(tmp_path):
+    # Sub-byte operands travel widened and are narrowed back on the host by
+    # operand index: in a group those indexes span every member's operands.
+    def step(x):
+        # Scalars: under plain jit an array may be sharded, and per-shard
+        # taps keep one callback per shard.
+        pmaptap.tap(-x[3].astype(jnp.int4), "i4")
+        pmaptap.tap(x[1].astype(jnp.bfloat16) / 3, "bf16")
+        pmaptap.tap(x[3].astype(jnp.float4_e2m1fn), "f4")
+        pmaptap.tap((x[2] > 1).astype(jnp.uint2) * 3, "u2")
+        return x
+
+    def make():
+        return jax.jit(lambda x: step(x))
+
+    args = (jnp.arange(4.0),)
+    auto, n_auto = _run(tmp_path, make, args, auto=True)
+    one, n_one = _run(tmp_path, make, args, auto=False)
+    assert (n_auto, n_one) == (1, 4)
+    assert auto == one
+    dtypes = {json.loads(r)["name"]: json.loads(r)["dtype"] for r in auto}
+    assert dtypes == {"i4": "int4", "bf16": "bfloat16", "f4": "float4_e2m1fn", "u2": "uint2"}
+    values = {json.loads(r)["name"]: json.loads(r)["value"] for r in auto}
+    assert (values["i4"], values["f4"], values["u2"]) == (-3, 3.0, 3)

@@ -35,19 +35,25 @@ class _Member(NamedTuple):
 
 
 class _Collector:
-    """Taps of one trace waiting to share a callback."""
+    """Taps of one trace waiting to share a callback: gathered ones (one
+    callback per process, from its leader), or with ``copies`` taps that
+    call back from every device (automatic grouping only: the ``copy``
+    layout, where no collective may run), which then share one callback per
+    device."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: bool = False) -> None:
         self._trace = _core.trace_ctx.trace
+        self._copies = copies
         self._members: list[_Member] = []
 
     def offer(
         self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
     ) -> bool:
+        layouts = (Layout.COPY,) if self._copies else (Layout.GATHERED, Layout.VERIFIED_OFF)
         if (
             _core.trace_ctx.trace is not self._trace
             or isinstance(self._trace, _batching.BatchTrace)
-            or spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF)
+            or spec.transport.layout not in layouts
         ):
             return False
         if (
@@ -72,7 +78,7 @@ class _Collector:
     def flush(self) -> None:
         members, self._members = self._members, []
         if members:
-            _emit_group(members)
+            _emit_group(members, self._copies)
 
 
 class group(_Collector, contextlib.ContextDecorator):
@@ -128,38 +134,49 @@ def auto_offer(
     trace = traceend.staging_trace()
     if trace is None or not traceend.stageable([*leaves, coords, step]):
         return False
-    if spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF):
-        return False  # checked before creating anything for this trace
+    layout = spec.transport.layout
+    if layout in (Layout.GATHERED, Layout.VERIFIED_OFF):
+        copies = False
+    elif layout is Layout.COPY:
+        # One callback per device (cond/while bodies, plain jit, no
+        # gathering): the trace's such taps share it.
+        copies = True
+    else:
+        return False  # per-shard taps: one callback per shard, as they are
     collector = traceend.deferred(
-        trace, (_Collector, raw_names, spec.transport.leaders), _Collector
+        trace,
+        (_Collector, copies, raw_names, spec.transport.leaders),
+        lambda: _Collector(copies),
     )
     return collector.offer(spec, raw_names, leaves, coords, step, traced_every)
 
 
-def _emit_group(members: list[_Member]) -> None:
+def _emit_group(members: list[_Member], copies: bool = False) -> None:
     buckets: dict[tuple | None, list[_Member]] = {}
     for m in members:
         buckets.setdefault(m.bucket, []).append(m)
     for key, bucket in buckets.items():
         if key is None:
-            _emit_members(bucket)
+            _emit_members(bucket, copies)
             continue
         every, step = key[0], bucket[0].step
-        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b), lambda: None)
+        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b, copies), lambda: None)
 
 
-def _emit_members(members: list[_Member]) -> None:
+def _emit_members(members: list[_Member], copies: bool) -> None:
     first = members[0]
     if len(members) == 1:
         emitter(first.spec, first.raw_names)(first.coords, first.step, *first.leaves)
         return
     n_leaves = tuple(len(m.leaves) for m in members)
-    _group_fn(tuple(m.spec for m in members), first.raw_names, n_leaves)(
+    _group_fn(tuple(m.spec for m in members), first.raw_names, n_leaves, copies)(
         first.coords, *[m.step for m in members], *[x for m in members for x in m.leaves]
     )
 
 
-def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...]):
+def _group_fn(
+    specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...], copies: bool
+):
     """The group's counterpart of ``emitter`` (layouts.py): emits the
     members' one payload, wrapped in ``custom_vmap`` for the same two
     reasons as a single tap's: a vmap of the traced step
@@ -176,6 +193,12 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
     @custom_vmap
     def emit_fn(coords, *args):
         steps, flat = split(args)
+        if copies:
+            # Every device calls back with its own copies of all members
+            # (the aggregator takes each as that member's own callback).
+            gspec = GroupSpec(members=specs, member_leaves=n_leaves)
+            send_payload(gspec, coords, *steps, *flat)
+            return coords
         # Every member is gathered (small by construction), all in ONE packed
         # all_gather: each collective costs ~0.1 ms here, the bytes almost
         # nothing. Members keep their layout: an unverified replicated one
@@ -209,7 +232,7 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
             x if b else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, b in zip(flat, leaves_b)
         ]
         batched = tuple(s.with_batch() for s in specs)
-        _group_fn(batched, raw_names, n_leaves)(coords, *steps, *flat)
+        _group_fn(batched, raw_names, n_leaves, copies)(coords, *steps, *flat)
         return coords, False
 
     return emit_fn
