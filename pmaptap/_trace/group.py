@@ -1,6 +1,7 @@
-"""Taps that share ONE host callback per process: ``pmaptap.group`` (a block
-the user marks) and automatic grouping (every other tap of a trace, emitted
-when the trace ends, see ``auto_offer`` and traceend.py)."""
+"""Taps that share ONE host callback (per process when gathered, per device
+for the ``copy`` layout): ``pmaptap.group`` (a block the user marks) and
+automatic grouping (every other tap of a trace, emitted when the trace ends,
+see ``auto_offer`` and traceend.py)."""
 
 from __future__ import annotations
 
