@@ -14,8 +14,10 @@ are the cost of that piece:
   tap                          with the host pipeline: aggregation, records,
                                JSON, the file (a flush() per round)
 
-Then 4 and 16 scalar taps in one step (half replicated, half per_device),
-apart and in one ``pmaptap.group()``, against one floor callback carrying
+Then 4 and 16 scalar taps in one step (half replicated, half per_device):
+written apart (automatic grouping on, the default: one callback for the
+step's taps), apart with ``auto_group=False`` (one gather + cond + callback
+each), and in one ``pmaptap.group()``, against one floor callback carrying
 all their values.
 
 Wall time and this process's CPU time, both as added cost per step over the
@@ -106,7 +108,10 @@ def run(quick: bool = False) -> list[tuple]:
         if kind == "tap_rep_unverified":
             with pmaptap.configured(verify_replicated=False):
                 fn(x).block_until_ready()  # trace now, with the option
-        full = kind.startswith(("tap", "group")) and not kind.endswith("@transport")
+        if kind.startswith("onex"):
+            with pmaptap.configured(auto_group=False):
+                fn(x).block_until_ready()
+        full = kind.startswith(("tap", "group", "one")) and not kind.endswith("@transport")
 
         def go():
             xport["drop"] = kind.endswith("@transport")
@@ -135,9 +140,11 @@ def run(quick: bool = False) -> list[tuple]:
         "tap_per",
         "floorx4",
         "tapsx4",
+        "onex4",
         "groupx4",
         "floorx16",
         "tapsx16",
+        "onex16",
         "groupx16",
     ]
     arms = {k: make(k) for k in kinds}
@@ -183,7 +190,8 @@ def run(quick: bool = False) -> list[tuple]:
     for n in (4, 16):
         for k, label in (
             (f"floorx{n}", f"floor: 1 raw callback, {n} values"),
-            (f"tapsx{n}", f"  {n} scalar taps"),
+            (f"tapsx{n}", f"  {n} scalar taps (automatic grouping)"),
+            (f"onex{n}", f"  {n} scalar taps, auto_group=False"),
             (f"groupx{n}", f"  {n} scalar taps in pmaptap.group()"),
         ):
             rows.append(

@@ -5,7 +5,8 @@ from the first device, inside lax.cond, with the same payload as pmaptap's
 one callback), both measured in the same run and paired per round.
 
 Arms (issue 8): a. per_device, b. replicated (verified and unverified),
-c. four taps in one step, d. every=100 with a traced step (its floor fires
+c. four taps in one step (automatic grouping, the default; with
+``auto_group=False``; in ``pmaptap.group()``), d. every=100 with a traced step (its floor fires
 on the same steps), also at a ~5 ms step.
 """
 
@@ -103,7 +104,7 @@ def run(quick: bool = False) -> list[tuple]:
                 pmaptap.tap(y, "a_per", dedup="per_device")
             elif kind in ("tap_rep", "tap_rep_unverified"):
                 pmaptap.tap(loss, "b_rep", dedup="replicated")
-            elif kind in ("tap4", "tap4_group"):
+            elif kind in ("tap4", "tap4_group", "tap4_one"):
                 with pmaptap.group() if kind == "tap4_group" else contextlib.nullcontext():
                     pmaptap.tap(y, "c_y", dedup="per_device")
                     pmaptap.tap(loss, "c_loss", dedup="replicated")
@@ -117,6 +118,9 @@ def run(quick: bool = False) -> list[tuple]:
         if kind == "tap_rep_unverified":
             with pmaptap.configured(verify_replicated=False):
                 fn(x, jnp.int32(1)).block_until_ready()  # trace now, with the option
+        if kind == "tap4_one":
+            with pmaptap.configured(auto_group=False):
+                fn(x, jnp.int32(1)).block_until_ready()  # each tap its own callback
         return fn
 
     counter = {"step": 0}
@@ -157,6 +161,7 @@ def run(quick: bool = False) -> list[tuple]:
             "tap_rep",
             "tap_rep_unverified",
             "tap4",
+            "tap4_one",
             "tap4_group",
             "tap_per@transport",
             "tap_rep@transport",
@@ -221,6 +226,13 @@ def run(quick: bool = False) -> list[tuple]:
             "raw4",
             "floor4",
             f"cost = {paired(t, 'tap4', 'tap_per', 'base'):.2f}x one tap",
+        ),
+        row(
+            "c. 4 taps, auto_group=False",
+            "tap4_one",
+            "raw4",
+            "floor4",
+            f"cost = {paired(t, 'tap4_one', 'tap_per', 'base'):.2f}x one tap",
         ),
         row(
             "c. 4 taps in pmaptap.group()",

@@ -607,12 +607,14 @@ _GOOD_OPTIONS = {
     "verify_replicated": [True, False],
     "gather_max_bytes": [0, 1 << 20, np.int64(64)],
     "max_value_bytes": [None, 0, 4096],
+    "auto_group": [True, False, np.bool_(False)],
 }
 _BAD_OPTIONS = {
     "gather": ["yes", 1, None, "False"],
     "verify_replicated": ["no", 0, None],
     "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
     "max_value_bytes": [-1, 1.5, True, "1MiB"],
+    "auto_group": ["on", 1, None],
 }
 
 
@@ -635,6 +637,7 @@ def test_every_configure_option_is_checked_and_says_what_is_allowed():
             "verify_replicated": "True or False",
             "gather_max_bytes": "int >= 0",
             "max_value_bytes": r"int >= 0 \(bytes\) or None",
+            "auto_group": "True or False",
         }
         for name, values in _BAD_OPTIONS.items():
             for v in values:

@@ -28,6 +28,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "b. replicated tap (verified)",
         "b. replicated tap (verify off)",
         "c. 4 taps in one step",
+        "c. 4 taps, auto_group=False",
         "c. 4 taps in pmaptap.group()",
         "d. every=100, traced step",
         "d. every=100, ~5 ms step",
@@ -67,6 +68,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "b. replicated, transport only",
         "b. replicated tap (verify off)",
         "c. 4 taps in one step",
+        "c. 4 taps, auto_group=False",
         "c. 4 taps in pmaptap.group()",
     ):
         assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
@@ -88,6 +90,8 @@ def test_all_benchmarks_run_in_quick_mode():
         "k.   + all_gather (replicated value)",
         "k.   replicated tap, transport only",
         "k.   per_device tap ",
+        "k.   16 scalar taps (automatic grouping)",
+        "k.   16 scalar taps, auto_group=False",
     ):
         assert len(ratios(label)) == 2, f"{label!r}: no wall and CPU ratio to the floor"
     # bench_read.py: both ratios against the bare orjson loop, as numbers.

@@ -61,11 +61,12 @@ def _comparable(records):
     return sorted(rows)
 
 
-def _run(tap_path, gather, grouped=False, steps=2):
+def _run(tap_path, gather, grouped=False, steps=2, auto_group=False):
     # A fresh function object each run: JAX caches traces per function, and
-    # the options are read when a tap is traced.
+    # the options are read when a tap is traced. Automatic grouping is off
+    # unless asked: these tests count each tap's own transport.
     body = pmaptap.group()(_step) if grouped else (lambda v: _step(v))
-    with pmaptap.configured(gather=gather):
+    with pmaptap.configured(gather=gather, auto_group=auto_group):
         f = jax.pmap(body, axis_name="i")
         with pmaptap.Session(tap_path, run="fp"):
             for i in range(steps):
@@ -202,7 +203,8 @@ def test_group_decides_every_once_for_taps_sharing_a_traced_step(tmp_path, host_
     def run(grouped):
         path = str(tmp_path / f"e{grouped}.jsonl")
         f = jax.pmap(partial(body, grouped=grouped), axis_name="i", in_axes=(0, None))
-        with pmaptap.Session(path, run="e"):
+        # Without the block, each tap alone (automatic grouping off).
+        with pmaptap.configured(auto_group=False), pmaptap.Session(path, run="e"):
             for s in range(7):
                 f(jnp.arange(8.0) + s, jnp.int32(s))
         return pmaptap.read(path)

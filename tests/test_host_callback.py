@@ -523,7 +523,9 @@ def test_id_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp():
     assert float(jax.grad(f)(0.5)) == pytest.approx(np.cos(0.5))
     assert float(jax.vjp(f, 0.25)[1](1.0)[0]) == pytest.approx(np.cos(0.25))
     hcb.barrier_wait()
-    assert seen == [("primal", 0.5), ("primal", 0.25)]  # no tangent in reverse mode
+    # the tapped tangent is not used: its cotangent is zero and, as in the old
+    # module, nothing is tapped for it (see test_host_callback_fidelity for a used one)
+    assert seen == [("primal", 0.5), ("primal", 0.25)]
     seen.clear()
     _, t = jax.jvp(f, (1.0,), (2.0,))
     hcb.barrier_wait()

@@ -258,6 +258,114 @@ def test_unbatched_leaves_arrive_unchanged_with_batch_dim_none(checks):
     ]
 
 
+# ------------------------------------------------------------ 3. taps of tangents
+def _scan_of_custom_jvp(s: io.StringIO):
+    """The old module's test_tap_scan_custom_jvp: a custom_jvp rule that
+    prints its tangent, summed by a scan."""
+
+    @jax.custom_jvp
+    def f(x):
+        return x * hcb.id_print(x, output_stream=s, what="x")
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (x_dot,) = primals, tangents
+        return f(x), 3.0 * x * hcb.id_print(x_dot, output_stream=s, what="x_dot")
+
+    def g(x):
+        return jax.lax.scan(lambda c, v: (c + f(v), 0.0), np.zeros(x.shape[1:]), x)[0]
+
+    return f, g
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_tangent_tap_in_custom_jvp_rule_prints_the_cotangent_under_grad(checks, jit):
+    """Reverse mode taps the cotangent flowing into the tapped tangent
+    (3 * x * 1 = 2.1 here), with transforms ['transpose'], word for word as
+    the old module printed it."""
+    s = io.StringIO()
+    _, g = _scan_of_custom_jvp(s)
+    grad = jax.jit(jax.grad(g)) if jit else jax.grad(g)
+    np.testing.assert_allclose(grad(np.full((2,), 0.7, np.float32)), [2.1, 2.1], rtol=1e-6)
+    hcb.barrier_wait()
+    assert s.getvalue() == (
+        "what: x\n0.7\nwhat: x\n0.7\n"
+        "transforms: ['transpose'] what: x_dot\n2.1\n"
+        "transforms: ['transpose'] what: x_dot\n2.1\n"
+    )
+
+
+def test_tangent_tap_cotangent_under_vjp_vmap_pmap_and_its_transforms(checks):
+    seen = []
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        dx = hcb.id_tap(lambda v, t: seen.append((np.asarray(v).tolist(), t)), dx)
+        return jnp.sin(x), jnp.cos(x) * dx
+
+    _, pullback = jax.vjp(lambda x: 5.0 * f(x), 0.25)
+    assert float(pullback(2.0)[0]) == pytest.approx(10.0 * np.cos(0.25))
+    hcb.barrier_wait()
+    # the cotangent of dx: cos(x) * (5 * 2)
+    assert seen[0][0] == pytest.approx(10.0 * np.cos(0.25))
+    assert seen[0][1] == (("transpose", {}),)
+    seen.clear()
+    xs = jnp.array([0.5, 1.0])
+    np.testing.assert_allclose(jax.vmap(jax.grad(f))(xs), np.cos(xs), rtol=1e-6)
+    hcb.barrier_wait()
+    ((value, transforms),) = seen
+    np.testing.assert_allclose(value, np.cos(xs), rtol=1e-6)
+    assert transforms == (("transpose", {}), ("batch", {"batch_dims": (0,)}))
+    seen.clear()
+    np.testing.assert_allclose(jax.pmap(jax.grad(f))(xs), np.cos(xs), rtol=1e-6)
+    hcb.barrier_wait()  # under pmap: once per device, each its own cotangent
+    assert sorted(v for v, _ in seen) == pytest.approx(sorted(np.cos([0.5, 1.0])))
+    assert [t for _, t in seen] == [(("transpose", {}),)] * 2
+
+
+def test_tangent_tap_under_jvp_and_linearize_prints_the_tangent(checks):
+    """Forward mode: the tangent itself, no transforms, as the old module's
+    documented print_tangents example printed ("what: tangents ( 0.1 0.6 )")."""
+    s = io.StringIO()
+
+    @jax.custom_jvp
+    def print_tangents(arg):
+        return None
+
+    @print_tangents.defjvp
+    def print_tangents_jvp(primals, tangents):
+        (arg_dot,) = tangents
+        hcb.id_print(arg_dot, what="tangents", output_stream=s)
+        return primals, tangents
+
+    def power3_with_tangents(x):
+        y = x * x
+        hcb.id_print((x, y), what="x,x^2", output_stream=s)
+        print_tangents((x, y))
+        return y * x
+
+    _, t = jax.jvp(power3_with_tangents, (3.0,), (0.1,))
+    hcb.barrier_wait()
+    assert float(t) == pytest.approx(2.7)
+    assert s.getvalue() == "what: x,x^2\n( 3. 9. )\nwhat: tangents\n( 0.1 0.6 )\n"
+    s.truncate(0)
+    s.seek(0)
+    _, g = _scan_of_custom_jvp(s)
+    _, lin = jax.linearize(g, np.full((2,), 0.7, np.float32))
+    hcb.barrier_wait()
+    assert s.getvalue() == "what: x\n0.7\nwhat: x\n0.7\n"  # primals while linearizing
+    s.truncate(0)
+    s.seek(0)
+    assert float(lin(np.full((2,), 0.5, np.float32))) == pytest.approx(2 * 3 * 0.7 * 0.5)
+    hcb.barrier_wait()
+    assert s.getvalue() == "what: x_dot\n0.5\nwhat: x_dot\n0.5\n"  # then the tangents
+
+
 # ------------------------------------------------------------ 8. remat
 def test_checkpoint_replays_primal_taps_like_the_old_module(checks):
     s = io.StringIO()

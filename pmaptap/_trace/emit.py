@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import io_callback
 
-from pmaptap._trace.group import current_group
+from pmaptap._trace.group import auto_offer, current_group
 from pmaptap._trace.layouts import choose_layout, emitter
 from pmaptap._trace.spec import TapSpec
 
@@ -52,6 +52,8 @@ def emit(
     g = current_group()
     if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step, traced_every):
         return
+    if auto_offer(spec, tuple(raw_names), leaves, coords, step, traced_every):
+        return  # emitted with the trace's other taps when it ends
     fn = emitter(spec, tuple(raw_names))
     if traced_every:
 

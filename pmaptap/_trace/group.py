@@ -1,5 +1,7 @@
-"""``pmaptap.group``: taps made in one block share ONE host callback per
-process, emitted when the block ends (see ``group``'s docstring)."""
+"""Taps that share ONE host callback (per process when gathered, per device
+for the ``copy`` layout): ``pmaptap.group`` (a block the user marks) and
+automatic grouping (every other tap of a trace, emitted when the trace ends,
+see ``auto_offer`` and traceend.py)."""
 
 from __future__ import annotations
 
@@ -7,50 +9,52 @@ import contextlib
 import threading
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 from jax import lax
 from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
+from jax.custom_batching import custom_vmap
 
+from pmaptap._trace import traceend
 from pmaptap._trace.layouts import emitter, gather_packed, is_leader, nbytes, send_payload
 from pmaptap._trace.options import options
+from pmaptap._trace.primitive import mark_tap_vmap_rule
 from pmaptap._trace.spec import GroupSpec, Layout, TapSpec
 
 _local = threading.local()
 
 
-class group(contextlib.ContextDecorator):
-    """``with pmaptap.group():`` (or ``@pmaptap.group()``) inside a traced
-    step: the taps made directly in the block share ONE host callback per
-    process, emitted when the block ends, instead of one each.
+class _Member(NamedTuple):
+    """A tap waiting in a group for the block's (or the trace's) end."""
 
-    Only taps at the block's own trace level join (a tap inside a nested
-    scan/cond/vmap body is emitted on its own as usual), and only those on
-    the fast path (mapped axes, small enough to gather). Taps with a traced
-    ``step`` and ``every > 1`` join too: those sharing the same step and
-    ``every`` are decided by ONE on-device ``step % every == 0`` and share
-    one callback, so a logging block costs one never-firing branch on the
-    steps it skips, not one per tap. Records are exactly those of separate
-    taps.
-    """
+    spec: TapSpec
+    raw_names: tuple
+    leaves: list
+    coords: Any
+    step: Any
+    bucket: tuple | None  # (every, id(step)) when decided on device
 
-    def __enter__(self) -> "group":
+
+class _Collector:
+    """Taps of one trace waiting to share a callback: gathered ones (one
+    callback per process, from its leader), or with ``copies`` taps that
+    call back from every device (automatic grouping only: the ``copy``
+    layout, where no collective may run), which then share one callback per
+    device."""
+
+    def __init__(self, copies: bool = False) -> None:
         self._trace = _core.trace_ctx.trace
+        self._copies = copies
         self._members: list[_Member] = []
-        _local.__dict__.setdefault("stack", []).append(self)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        _local.stack.pop()
-        if exc_type is None:
-            _emit_group(self._members)
 
     def offer(
         self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
     ) -> bool:
+        layouts = (Layout.COPY,) if self._copies else (Layout.GATHERED, Layout.VERIFIED_OFF)
         if (
             _core.trace_ctx.trace is not self._trace
             or isinstance(self._trace, _batching.BatchTrace)
-            or spec.transport.layout not in (Layout.GATHERED, Layout.VERIFIED_OFF)
+            or spec.transport.layout not in layouts
         ):
             return False
         if (
@@ -66,21 +70,48 @@ class group(contextlib.ContextDecorator):
             ):
                 return False
         # Members deciding `every` on device are bucketed by (every, step):
-        # each bucket gets one cond (see _emit_group).
+        # each bucket gets one cond (see _emit_group). The member holds the
+        # step, so its id stays unique while the group waits.
         bucket = (spec.site.every, id(step)) if traced_every else None
         self._members.append(_Member(spec, raw_names, list(leaves), coords, step, bucket))
         return True
 
+    def flush(self) -> None:
+        members, self._members = self._members, []
+        if members:
+            _emit_group(members, self._copies)
 
-class _Member(NamedTuple):
-    """A tap waiting in a group for the block's end."""
 
-    spec: TapSpec
-    raw_names: tuple
-    leaves: list
-    coords: Any
-    step: Any
-    bucket: tuple | None  # (every, id(step)) when decided on device
+class group(_Collector, contextlib.ContextDecorator):
+    """``with pmaptap.group():`` (or ``@pmaptap.group()``) inside a traced
+    step: the taps made directly in the block share ONE host callback per
+    process, emitted when the block ends, instead of one each.
+
+    Only taps at the block's own trace level join (a tap inside a nested
+    scan/cond/vmap body is emitted on its own as usual), and only those on
+    the fast path (mapped axes, small enough to gather). Taps with a traced
+    ``step`` and ``every > 1`` join too: those sharing the same step and
+    ``every`` are decided by ONE on-device ``step % every == 0`` and share
+    one callback, so a logging block costs one never-firing branch on the
+    steps it skips, not one per tap. Records are exactly those of separate
+    taps.
+
+    With automatic grouping on (``pmaptap.configure(auto_group=True)``, the
+    default) the taps of a traced body share a callback without a block;
+    ``group()`` still marks where that callback goes.
+    """
+
+    def __enter__(self) -> "group":
+        _Collector.__init__(self)
+        _local.__dict__.setdefault("stack", []).append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _local.stack.pop()
+        if exc_type is None:
+            self.flush()
+        else:
+            self._members = []
 
 
 def current_group() -> "group | None":
@@ -88,38 +119,121 @@ def current_group() -> "group | None":
     return stack[-1] if stack else None
 
 
-def _emit_group(members: list[_Member]) -> None:
+def auto_offer(
+    spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
+) -> bool:
+    """Defer a tap not in a ``group()`` block to the end of its trace, where
+    it shares one callback with the trace's other such taps (one gather, one
+    cond, one callback a step instead of one each). False (emit it now, as
+    before) unless automatic grouping is on, the hook is installed, and the
+    current trace is a plain staging trace and every traced operand is a
+    staging tracer (its own, or one it closes over, such as a step):
+    under grad's linearization, vmap's batching or eager execution nothing
+    is deferred."""
+    if not options().auto_group or not traceend.installed():
+        return False
+    trace = traceend.staging_trace()
+    if trace is None or not traceend.stageable([*leaves, coords, step]):
+        return False
+    layout = spec.transport.layout
+    if layout in (Layout.GATHERED, Layout.VERIFIED_OFF):
+        copies = False
+    elif layout is Layout.COPY:
+        # One callback per device (cond/while bodies, plain jit, no
+        # gathering): the trace's such taps share it.
+        copies = True
+    else:
+        return False  # per-shard taps: one callback per shard, as they are
+    collector = traceend.deferred(
+        trace,
+        (_Collector, copies, raw_names, spec.transport.leaders),
+        lambda: _Collector(copies),
+    )
+    return collector.offer(spec, raw_names, leaves, coords, step, traced_every)
+
+
+def _emit_group(members: list[_Member], copies: bool = False) -> None:
     buckets: dict[tuple | None, list[_Member]] = {}
     for m in members:
         buckets.setdefault(m.bucket, []).append(m)
     for key, bucket in buckets.items():
         if key is None:
-            _emit_members(bucket)
+            _emit_members(bucket, copies)
             continue
         every, step = key[0], bucket[0].step
-        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b), lambda: None)
+        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b, copies), lambda: None)
 
 
-def _emit_members(members: list[_Member]) -> None:
+def _emit_members(members: list[_Member], copies: bool) -> None:
     first = members[0]
     if len(members) == 1:
         emitter(first.spec, first.raw_names)(first.coords, first.step, *first.leaves)
         return
-    # Every member is gathered (small by construction), all in ONE packed
-    # all_gather: each collective costs ~0.1 ms here, the bytes almost nothing.
-    # Members keep their layout: an unverified replicated one (VERIFIED_OFF)
-    # is written from the caller's copy, as it would be alone.
-    payload, packing = gather_packed([x for m in members for x in m.leaves], first.raw_names)
-    # Each member's step travels as its own operand, in its own dtype (a
-    # stacked int32 would wrap steps >= 2**31).
-    steps = [m.step for m in members]
-    gspec = GroupSpec(
-        members=tuple(m.spec for m in members),
-        member_leaves=tuple(len(m.leaves) for m in members),
-        packing=packing,
+    n_leaves = tuple(len(m.leaves) for m in members)
+    _group_fn(tuple(m.spec for m in members), first.raw_names, n_leaves, copies)(
+        first.coords, *[m.step for m in members], *[x for m in members for x in m.leaves]
     )
-    lax.cond(
-        is_leader(first.spec, first.coords),
-        lambda: send_payload(gspec, first.coords, *steps, *payload),
-        lambda: None,
-    )
+
+
+def _group_fn(
+    specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...], copies: bool
+):
+    """The group's counterpart of ``emitter`` (layouts.py): emits the
+    members' one payload, wrapped in ``custom_vmap`` for the same two
+    reasons as a single tap's: a vmap of the traced step
+    (``vmap(jit(step))``) makes ONE callback holding the whole batch (records
+    as separate taps would have, ``batch_dims`` counted), not one per
+    element; and ``jax.checkpoint`` does not replay the callback when it
+    recomputes the forward pass (before this wrapper, a ``group()`` under
+    remat + grad wrote every record twice)."""
+    m = len(specs)
+
+    def split(args):
+        return args[:m], args[m:]
+
+    @custom_vmap
+    def emit_fn(coords, *args):
+        steps, flat = split(args)
+        if copies:
+            # Every device calls back with its own copies of all members
+            # (the aggregator takes each as that member's own callback).
+            gspec = GroupSpec(members=specs, member_leaves=n_leaves)
+            send_payload(gspec, coords, *steps, *flat)
+            return coords
+        # Every member is gathered (small by construction), all in ONE packed
+        # all_gather: each collective costs ~0.1 ms here, the bytes almost
+        # nothing. Members keep their layout: an unverified replicated one
+        # (VERIFIED_OFF) is written from the caller's copy, as it would be
+        # alone. Each member's step travels as its own operand, in its own
+        # dtype (a stacked int32 would wrap steps >= 2**31).
+        payload, packing = gather_packed(list(flat), raw_names)
+        gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)
+        lax.cond(
+            is_leader(specs[0], coords),
+            lambda: send_payload(gspec, coords, *steps, *payload),
+            lambda: None,
+        )
+        return coords
+
+    @emit_fn.def_vmap
+    @mark_tap_vmap_rule  # transposable (taps of tangents, see primitive.py)
+    def _batched(axis_size, in_batched, coords, *args):
+        coords_b, rest_b = in_batched[0], in_batched[1:]
+        steps_b, leaves_b = split(rest_b)
+        if coords_b or any(steps_b):
+            raise ValueError(
+                f"pmaptap.tap({specs[0].name!r}) (and the taps grouped with it): "
+                "the `step` argument is batched by vmap; pass a step that is the "
+                "same for the whole batch (e.g. tap outside the vmap, or pass a "
+                "Python int)."
+            )
+        steps, flat = split(args)
+        # As a single tap's rule: batch axes at 0, unbatched leaves broadcast.
+        flat = [
+            x if b else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, b in zip(flat, leaves_b)
+        ]
+        batched = tuple(s.with_batch() for s in specs)
+        _group_fn(batched, raw_names, n_leaves, copies)(coords, *steps, *flat)
+        return coords, False
+
+    return emit_fn

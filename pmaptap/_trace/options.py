@@ -29,6 +29,11 @@ class Options:
     # "summarized": true (see tap.device_statistics). None: always send whole values.
     # host_callback.id_tap functions always receive the whole value.
     max_value_bytes: int | None = 1 << 20
+    # Taps of one traced body (jit/pmap/shard_map step, scan/cond/while or
+    # remat body) that are not in a pmaptap.group() block share ONE
+    # gather + cond + callback, emitted when the body's trace ends (see
+    # group.auto_offer). Off: one each, where each tap is written.
+    auto_group: bool = True
 
 
 _current = Options()
@@ -42,7 +47,7 @@ def _checked(name: str, v: Any) -> Any:
     """``v`` as option ``name`` takes it, or ValueError saying what is
     allowed: options are read at trace time, so a wrong one would surface
     only later and far away (``gather="yes"`` silently meant "on")."""
-    if name in ("gather", "verify_replicated"):
+    if name in ("gather", "verify_replicated", "auto_group"):
         if not isinstance(v, (bool, np.bool_)):
             raise ValueError(f"pmaptap.configure: {name} must be True or False; got {v!r}")
         return bool(v)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 from jax._src import callback as cb
-from jax._src import core, custom_batching, debugging, sharding_impls
+from jax._src import core, custom_batching, debugging, sharding_impls, source_info_util
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib import xla_client as xc
@@ -97,6 +97,11 @@ def _custom_vmap_transpose(cts, *args, call, rule, in_tree, out_tree):
 
 
 ad.primitive_transposes[custom_batching.custom_vmap_p] = _custom_vmap_transpose
+# emit.py's custom_vmap wraps every tap; JAX would lower each call once,
+# cached with an empty name stack, and reuse it, hiding a batched while
+# predicate's second evaluation from the callback inside
+# (recomputed_while_predicate). Lowered inline instead, like callback_p.
+mlir._uncacheable_primitives.add(custom_batching.custom_vmap_p)
 
 
 def staged_for_later(leaves) -> bool:
@@ -142,6 +147,35 @@ def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
     later(*leaves, *([] if step is None else [step]))
 
 
+# --- the batched predicate of a while_loop, lowered twice
+# With a batched predicate (vmap of a while_loop whose condition depends on
+# the batch), JAX's while lowering emits the condition jaxpr twice: in the
+# loop's condition region (name stack ".../while/cond") and again in its body
+# (".../while/body_pred") to select which batch elements advance, on the same
+# carry values. A host callback in the condition would run twice per
+# iteration; the second copy only repeats the first, so the callback
+# lowerings emit nothing there. This needs the real name stack, which JAX
+# gives only to lowerings it does not cache (register_lowering(...,
+# cacheable=False)); control flow nested inside the condition (jit, while,
+# cond, scan) is lowered once with an empty name stack and reused, so a
+# callback inside it still runs twice (docs/host_callback.md).
+# tests/test_while_predicate.py fails loudly if JAX renames the scope.
+_WHILE_SCOPE, _PRED_SCOPE = "while", "body_pred"
+
+
+def recomputed_while_predicate(ctx: Any) -> bool:
+    """Whether this lowering is inside the second evaluation of a batched
+    while_loop predicate (see above); its callbacks are duplicates."""
+    stack = ctx.name_stack.stack
+    return any(
+        isinstance(a, source_info_util.Scope)
+        and isinstance(b, source_info_util.Scope)
+        and a.name == _WHILE_SCOPE
+        and b.name == _PRED_SCOPE
+        for a, b in zip(stack, stack[1:])
+    )
+
+
 @state_discharge.register_discharge_rule(callback_p)
 def _discharge(in_avals, out_avals, *args, **params):
     del in_avals, out_avals
@@ -157,6 +191,9 @@ def _copying(host_fn):
 
 
 def _delegate(ctx, *args, host_fn):
+    if recomputed_while_predicate(ctx):
+        return []
+
     def as_debug_callback(*jax_arrays):
         host_fn(*[np.asarray(a) for a in jax_arrays])
 
@@ -166,6 +203,8 @@ def _delegate(ctx, *args, host_fn):
 
 
 def _lowering(ctx, *args, host_fn):
+    if recomputed_while_predicate(ctx):
+        return []
     axis_context = ctx.module_context.axis_context
     sharding: Any = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
@@ -197,6 +236,8 @@ def _lowering(ctx, *args, host_fn):
     return result
 
 
-mlir.register_lowering(callback_p, _lowering, platform="cpu")
-mlir.register_lowering(callback_p, _lowering, platform="gpu")
+# cacheable=False: the rule needs the caller's name stack (see
+# recomputed_while_predicate); a cached lowering gets an empty one.
+mlir.register_lowering(callback_p, _lowering, platform="cpu", cacheable=False)
+mlir.register_lowering(callback_p, _lowering, platform="gpu", cacheable=False)
 mlir.register_lowering(callback_p, _delegate, platform="tpu", cacheable=False)

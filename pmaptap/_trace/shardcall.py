@@ -114,6 +114,8 @@ def _summarized(x, batch_dims: int):
 
 def _lower_whole(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
     """Not partitioned: summaries on device, then ``callback_p``'s lowering."""
+    if primitive.recomputed_while_predicate(ctx):
+        return []  # a duplicate (see primitive.recomputed_while_predicate)
     args, avals = [coords, step], list(ctx.avals_in[:2])
     for x, aval, s in zip(leaves, ctx.avals_in[2:], summarize or (False,) * len(leaves)):
         if s:
@@ -133,6 +135,8 @@ def _lower_whole(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
 
 
 def _lowering(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
+    if primitive.recomputed_while_predicate(ctx):
+        return []  # a duplicate (see primitive.recomputed_while_predicate)
     where = placement.shard_context(ctx)
     if where is None:
         return _lower_whole(
@@ -165,7 +169,8 @@ def _lowering(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
     return result
 
 
-mlir.register_lowering(shard_call_p, _lowering, platform="cpu")
-mlir.register_lowering(shard_call_p, _lowering, platform="gpu")
+# cacheable=False: the rule needs the caller's name stack.
+mlir.register_lowering(shard_call_p, _lowering, platform="cpu", cacheable=False)
+mlir.register_lowering(shard_call_p, _lowering, platform="gpu", cacheable=False)
 # TPU: no partitioned python callbacks; the whole value, as before.
 mlir.register_lowering(shard_call_p, _lower_whole, platform="tpu", cacheable=False)

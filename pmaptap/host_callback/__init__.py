@@ -8,12 +8,12 @@ Old code keeps working after changing only the import::
     y = hcb.call(np.linalg.eigvals, m, result_shape=...)
     hcb.barrier_wait()               # taps done; raises CallbackException once
 
-How it is built (see docs/architecture.md): ``id_tap``/``id_print`` go through
-``pmaptap._trace.tap.send`` and so through the one emission helper in ``emit.py``,
-with a ``consumer`` that replaces the session pipeline. The consumer runs on
-XLA's callback thread, which holds the GIL and blocks its device, so it only
-appends the payload to a queue. One background thread per process (the
-*executor*, created lazily) converts arrays, resolves the device and runs
+How it is built (see docs/host_callback.md): ``id_tap``/``id_print`` bind
+their own primitive (``_linked.py``), an identity whose lowering ties the
+returned value to the host call and whose rules are the old module's. Its
+host function runs on XLA's callback thread, which holds the GIL and blocks
+its device, so it only appends the payload to a queue. One background thread
+per process (the *executor*, created lazily) resolves the device and runs
 the user's functions, in the order the callbacks arrived. A raising tap
 function is caught there and reported once, by the next ``barrier_wait``.
 
@@ -35,13 +35,13 @@ from typing import Any, Callable, TypeVar
 import jax
 import numpy as np
 
-from pmaptap._trace import placement, primitive
+from pmaptap._trace import placement
 from pmaptap._trace.emit import axis_coords, emit_call
 from pmaptap._trace.spec import Placement
 from pmaptap._trace.tap import as_leaf, check_dtype
 from pmaptap._trace.untapped import taps_off
 from pmaptap.errors import CallbackException
-from pmaptap.host_callback._linked import linked_tap, tie
+from pmaptap.host_callback._linked import can_tie, linked_tap
 from pmaptap.host_callback.executor import (
     _Devices,
     _executor,
@@ -135,13 +135,17 @@ class _TapConsumer:
         self.where = where
         self.treedef = treedef
 
-    def __call__(self, batch_dims: tuple, coords: Any, *arrays: Any) -> None:
-        _executor().submit(functools.partial(self._run, batch_dims, coords, arrays))
+    def __call__(self, transforms: tuple, coords: Any, *arrays: Any) -> None:
+        _executor().submit(functools.partial(self._run, transforms, coords, arrays))
 
-    def _run(self, batch_dims: tuple, coords: Any, arrays: tuple) -> None:
+    def _run(self, packed: tuple, coords: Any, arrays: tuple) -> None:
         try:
             arg = jax.tree_util.tree_unflatten(self.treedef, list(arrays))
-            transforms = tuple(("batch", {"batch_dims": dims}) for dims in batch_dims)
+            # The old module's form: ("batch", {"batch_dims": ...}) and
+            # ("transpose", {}), in the order they were applied.
+            transforms = tuple(
+                (t[0], {"batch_dims": t[1]} if t[0] == "batch" else {}) for t in packed
+            )
             if self.with_device:
                 self.tap_func(arg, transforms, device=self.devices.resolve(self.where, coords))
             else:
@@ -224,21 +228,21 @@ def id_tap(
         # program's without any tie, and ``out`` is returned as it is.
         consumer((), np.zeros((0,), np.int32), *[np.asarray(x) for x in leaves])
         return out
-    if primitive.staged_for_later(leaves):
-        # A tangent inside a custom_jvp rule under grad/vjp/linearize: tapped
-        # in the part of the program that computes it, if any (see
-        # primitive.run_later); nothing else depends on it there, so no tie.
-        primitive.run_later(
-            lambda ls, _: linked_tap(
-                consumer, axis_coords(raw_names), [jax.lax.stop_gradient(x) for x in ls]
-            ),
-            leaves,
-            None,
-        )
-        return out
-    # Taps see primal values: no tangent reaches the host.
-    token = linked_tap(consumer, axis_coords(raw_names), [jax.lax.stop_gradient(x) for x in leaves])
-    return tie(out, token)
+    # The value returned goes through the primitive, which ties it to the
+    # host call (program order) and, when ``arg`` is a tangent in a
+    # custom_jvp rule under grad, makes reverse mode tap its cotangent
+    # (see _linked.py).
+    coords = axis_coords(raw_names)
+    if result is None:
+        outs, _ = linked_tap(consumer, coords, leaves)
+        tied = [o if can_tie(x) else x for x, o in zip(jax.tree_util.tree_leaves(arg), outs)]
+        return jax.tree_util.tree_unflatten(treedef, tied)
+    res_leaves, res_treedef = jax.tree_util.tree_flatten(result)
+    idx = [i for i, x in enumerate(res_leaves) if can_tie(x)]
+    _, passed = linked_tap(consumer, coords, leaves, [res_leaves[i] for i in idx])
+    for i, x in zip(idx, passed):
+        res_leaves[i] = x
+    return jax.tree_util.tree_unflatten(res_treedef, res_leaves)
 
 
 # --------------------------------------------------------------- id_print

@@ -1,0 +1,125 @@
+"""Run deferred emission at the end of a jaxpr trace: the hook behind
+automatic grouping (group.py, ``auto_offer``).
+
+Why a hook into JAX: automatic grouping gathers the ungrouped taps of one
+trace (a jit/pmap/shard_map body, a scan/while/cond body, a remat body:
+each is its own ``DynamicJaxprTrace``) and must emit their one shared
+callback after the last of them and before the trace becomes a jaxpr. JAX
+has no public "trace is ending" callback. On JAX 0.10 every such trace ends
+in ``JaxprStackFrame.to_jaxpr(frame, trace, out_tracers, ...)``
+(``trace_to_jaxpr_dynamic``, the cached ``trace_to_jaxpr``, the lowering of
+high-level jaxprs, ``DynamicJaxprTrace.to_jaxpr`` used by remat and
+linearize), before it snapshots the frame's equations and constants. We wrap
+that one method: when a trace with deferred work reaches it, the work is
+bound under that trace (made current again) and then JAX builds the jaxpr as
+usual, with it.
+
+This is the only place that hooks JAX's tracing; it reads nothing else.
+``tests/test_autogroup.py::test_trace_end_hook_still_sits_where_jax_ends_a_trace``
+fails loudly if a JAX upgrade moves it. Should the method be gone, nothing
+is hooked (``installed()`` is False) and taps are emitted one by one, as
+before automatic grouping: slower, never lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Protocol
+
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
+
+class Deferred(Protocol):
+    def flush(self) -> None: ...
+
+
+_lock = threading.Lock()
+# trace -> the objects whose flush() emits its deferred work. Weakly keyed,
+# so a trace that JAX drops without ending it (its function raised) does not
+# stay here through its key; its deferred values (tracers, which refer to
+# it) do keep it alive until the process ends: small, and only after an
+# error that already aborted that compilation.
+_pending: "weakref.WeakKeyDictionary[Any, dict[Any, Deferred]]" = weakref.WeakKeyDictionary()
+_HOOKED = "_pmaptap_trace_end_hook"
+
+
+def staging_trace() -> Any | None:
+    """The current trace if it is a plain staging trace (a jaxpr being built
+    for jit/pmap/shard_map, a control-flow or remat body), else None.
+
+    Linearize's and the new remat's tangent traces are DynamicJaxprTraces
+    too, with a ``tag``: their jaxprs are built and replayed by JAX's own
+    transformation machinery, so nothing is deferred there."""
+    t = core.trace_ctx.trace
+    if type(t) is pe.DynamicJaxprTrace and getattr(t, "tag", None) is None:
+        return t
+    return None
+
+
+def stageable(values) -> bool:
+    """Whether every traced value in ``values`` is a staging tracer (of this
+    trace, or of an enclosing one that this trace closes over: JAX lifts
+    those into the jaxpr the same way whenever they are first used, now or
+    at the trace's end); constants are fine. A value of any other
+    transformation (a JVP or batch tracer) keeps its tap immediate."""
+    return all(
+        not isinstance(v, core.Tracer) or isinstance(v, pe.DynamicJaxprTracer) for v in values
+    )
+
+
+def deferred(trace: Any, key: Any, make: Callable[[], Deferred]) -> Deferred:
+    """The object deferred under ``key`` for ``trace``'s end, made by
+    ``make()`` on first use; its ``flush()`` runs, with ``trace`` current,
+    just before the trace becomes a jaxpr."""
+    with _lock:
+        per_trace = _pending.get(trace)
+        if per_trace is None:
+            per_trace = _pending[trace] = {}
+        obj = per_trace.get(key)
+        if obj is None:
+            obj = per_trace[key] = make()
+        return obj
+
+
+def _flush(trace: Any) -> None:
+    # Deferred work may trace more (a cond, a custom_vmap body: their own
+    # traces, ending here too); anything deferred for THIS trace while
+    # flushing is flushed as well.
+    while True:
+        with _lock:
+            per_trace = _pending.pop(trace, None)
+        if not per_trace:
+            return
+        with core.set_current_trace(trace):
+            for obj in per_trace.values():
+                obj.flush()
+
+
+def _install() -> bool:
+    frame_cls = getattr(pe, "JaxprStackFrame", None)
+    original = getattr(frame_cls, "to_jaxpr", None)
+    if original is None:
+        return False
+    if getattr(original, _HOOKED, False):
+        return True  # this module was imported again (a reload): once only
+
+    def to_jaxpr(self, trace, *args, **kwargs):
+        if _pending:  # nothing deferred anywhere: one check, no lock
+            _flush(trace)
+        return original(self, trace, *args, **kwargs)
+
+    setattr(to_jaxpr, _HOOKED, True)
+    to_jaxpr.__wrapped__ = original  # type: ignore[attr-defined]
+    to_jaxpr.__doc__ = original.__doc__
+    frame_cls.to_jaxpr = to_jaxpr
+    return True
+
+
+_installed = _install()
+
+
+def installed() -> bool:
+    """Whether the trace-end hook is in place (else nothing is deferred)."""
+    return _installed
