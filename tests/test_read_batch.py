@@ -382,3 +382,26 @@ def test_summary_of_a_file_of_usual_records_takes_the_fast_path(tmp_path, monkey
     assert calls == {"parse_line": 4, "add": 4}
     want, _ = _reference_summary(path)
     assert got == want and bad == []
+
+
+def test_without_orjson_every_batch_takes_the_json_path(tmp_path, monkeypatch):
+    """PMAPTAP_NO_ORJSON (or no orjson): the same lines, records, problems
+    and summary, parsed by json line by line."""
+    rnd = random.Random(7)
+    lines = [_line(r) for r in _job_records(rnd)]
+    for _ in range(6):
+        lines.insert(rnd.randrange(len(lines)), rnd.choice(HOSTILE))
+    path = _write(tmp_path / "t.jsonl", lines, b'{"torn')
+
+    def gist(problem):  # the parsers word a JSON error each their own way
+        return problem if problem is None else problem.split(" (")[0]
+
+    def read_all():
+        got = [(n, d, gist(p)) for n, d, p in reader.iter_file_lines(path)]
+        summaries, bad, names, runs = summarize_file(path)
+        return got, summaries, [(n, gist(p)) for n, p in bad], names, runs
+
+    with_orjson = read_all()
+    monkeypatch.setattr(fmt, "ORJSON", None)
+    assert parse.load_lines(lines) is None
+    assert read_all() == with_orjson
