@@ -335,10 +335,6 @@ _DEV_MASK = _DEV_LIMIT - 1
 _MASK_DEVICES = 1024
 
 
-def _scalars(ids: list, scalar: frozenset) -> bool:
-    return set(map(type, ids)) <= scalar
-
-
 def _int_values(coords: Any) -> bool:
     for c in coords.values():
         if type(c) is not int:
@@ -552,8 +548,8 @@ class Summarizer:
                     and vhash != ""
                     and "replicas" in r
                     and len(r) == 12 + (devs is not None) + (procs is not None)
-                    and (devs is None or type(devs) is list and _scalars(devs, scalar))
-                    and (procs is None or type(procs) is list and _scalars(procs, scalar))
+                    and (devs is None or type(devs) is list and set(map(type, devs)) <= scalar)
+                    and (procs is None or type(procs) is list and set(map(type, procs)) <= scalar)
                 )
                 if usual:
                     if procs:
