@@ -35,6 +35,30 @@ def session(tap_path):
     s.close()
 
 
+@pytest.fixture
+def hcb_drained():
+    """host_callback tests start and end with nothing queued and no
+    unreported tap error: a test that leaves one behind fails here, not in a
+    neighbour (files use it through ``pytestmark``)."""
+    from pmaptap import host_callback as hcb
+
+    hcb.barrier_wait()
+    yield
+    hcb.barrier_wait()
+
+
+@pytest.fixture
+def checks():
+    """JAX's own jaxpr checker (``jax_enable_checks``) on for the test,
+    restored after it."""
+    import jax
+
+    before = jax.config.jax_enable_checks
+    jax.config.update("jax_enable_checks", True)
+    yield
+    jax.config.update("jax_enable_checks", before)
+
+
 def subprocess_env(devices: int = 8, **extra: str) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

@@ -22,14 +22,7 @@ import pytest
 import pmaptap
 from pmaptap import host_callback as hcb
 
-
-@pytest.fixture(autouse=True)
-def _drained():
-    """Every test starts and ends with nothing queued and no unreported
-    tap error: a test that leaves one behind fails here, not in a neighbour."""
-    hcb.barrier_wait()
-    yield
-    hcb.barrier_wait()
+pytestmark = pytest.mark.usefixtures("hcb_drained")
 
 
 def _shard_values(out) -> dict:

@@ -18,21 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from pmaptap import host_callback as hcb
 
-
-@pytest.fixture(autouse=True)
-def _drained():
-    hcb.barrier_wait()
-    yield
-    hcb.barrier_wait()
-
-
-@pytest.fixture
-def checks():
-    """JAX's own jaxpr checker on for the test, restored after it."""
-    before = jax.config.jax_enable_checks
-    jax.config.update("jax_enable_checks", True)
-    yield
-    jax.config.update("jax_enable_checks", before)
+pytestmark = pytest.mark.usefixtures("hcb_drained")
 
 
 def _recorder(log: list, label: str):

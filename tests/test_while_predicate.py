@@ -21,20 +21,7 @@ import pmaptap
 from pmaptap import host_callback as hcb
 from pmaptap._trace import primitive
 
-
-@pytest.fixture(autouse=True)
-def _drained():
-    hcb.barrier_wait()
-    yield
-    hcb.barrier_wait()
-
-
-@pytest.fixture
-def checks():
-    before = jax.config.jax_enable_checks
-    jax.config.update("jax_enable_checks", True)
-    yield
-    jax.config.update("jax_enable_checks", before)
+pytestmark = pytest.mark.usefixtures("hcb_drained")
 
 
 def _maybe_jit(f, jit: bool):
