@@ -11,6 +11,7 @@ and its readers, never JAX). docs/architecture.md draws the path of a value.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 # public name -> (module, attribute); attribute None means the module itself.
@@ -64,6 +65,16 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__) | {"__version__"})
+
+
+if "jax" in sys.modules:
+    # pmaptap.untapped's switch is a JAX configuration state that JAX's jit
+    # cache keys include. Registered in the middle of a trace (at the first
+    # tap), it would change the key of the very function being traced, whose
+    # next call would then trace and compile it again. JAX is loaded already,
+    # so registering it now costs no import of JAX (Session.open registers it
+    # too, for scripts that import JAX after pmaptap).
+    importlib.import_module("pmaptap._trace.untapped")
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see

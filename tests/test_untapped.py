@@ -141,3 +141,32 @@ def test_environment_variable_values(value, records, warned):
     )
     assert f"records {records}" in proc.stdout
     assert ("PMAPTAP_UNTAPPED='maybe' is not one of" in proc.stderr) is warned
+
+
+@pytest.mark.parametrize(
+    "imports", ["import jax, jax.numpy as jnp, pmaptap", "import pmaptap, jax, jax.numpy as jnp"]
+)
+def test_first_tapped_step_is_traced_once(imports):
+    # The untapped switch is a JAX state keyed into jit caches; registered in
+    # the middle of the first tapped trace it changed that function's cache
+    # key, and every user's first step was traced and compiled twice.
+    out = run_python(
+        f"""
+        {imports}
+        import tempfile
+        traces = []
+
+        @jax.jit
+        def step(x):
+            traces.append(1)
+            pmaptap.tap(x.sum(), "loss")
+            return x * 2
+
+        path = tempfile.mktemp(suffix=".jsonl")
+        with pmaptap.Session(path):
+            for _ in range(3):
+                step(jnp.ones(4)).block_until_ready()
+        print("traces", len(traces), "records", len(pmaptap.read(path)))
+        """
+    ).stdout
+    assert "traces 1 records 3" in out, out

@@ -329,6 +329,9 @@ class Session:
                 raise SessionError(
                     f"{self!r} was already used; create a new Session to open again."
                 )
+            # Before the first tapped step is traced: see pmaptap/__init__.py.
+            import pmaptap._trace.untapped  # noqa: F401
+
             if self.layout == "auto":
                 self.layout = choose_layout()
             if self.url:
