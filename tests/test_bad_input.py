@@ -605,6 +605,7 @@ def test_files_are_created_with_the_process_umask(tmp_path, umask, lock) -> None
 _GOOD_OPTIONS = {
     "gather": [True, False, np.bool_(True)],
     "verify_replicated": [True, False],
+    "prove_replicated": [True, False, np.bool_(False)],
     "gather_max_bytes": [0, 1 << 20, np.int64(64)],
     "max_value_bytes": [None, 0, 4096],
     "auto_group": [True, False, np.bool_(False)],
@@ -612,6 +613,7 @@ _GOOD_OPTIONS = {
 _BAD_OPTIONS = {
     "gather": ["yes", 1, None, "False"],
     "verify_replicated": ["no", 0, None],
+    "prove_replicated": ["off", 0, None],
     "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
     "max_value_bytes": [-1, 1.5, True, "1MiB"],
     "auto_group": ["on", 1, None],
@@ -635,6 +637,7 @@ def test_every_configure_option_is_checked_and_says_what_is_allowed():
         allowed = {
             "gather": "True or False",
             "verify_replicated": "True or False",
+            "prove_replicated": "True or False",
             "gather_max_bytes": "int >= 0",
             "max_value_bytes": r"int >= 0 \(bytes\) or None",
             "auto_group": "True or False",

@@ -89,6 +89,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "k. floor, pmaptap's primitive",
         "k.   + all_gather (replicated value)",
         "k.   replicated tap, transport only",
+        "k.   replicated tap, prove_replicated=False",
         "k.   per_device tap ",
         "k.   16 scalar taps (automatic grouping)",
         "k.   16 scalar taps, auto_group=False",

@@ -25,6 +25,10 @@ from pmaptap._log import log
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 from pmaptap.tapfile.format import MAX_STEP, Record, meta_record, new_record
 
+# Payloads holding the leader's own copy of a replicated tap: unverified
+# (VERIFIED_OFF) or proven replicated at trace time (PROVEN, _trace/invariant.py).
+_LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
+
 
 @dataclasses.dataclass
 class Copy:
@@ -233,8 +237,11 @@ class Aggregator:
             return self.add(spec, coords, step, arrays[2:])
         if layout is Layout.GATHERED:
             return self._add_gathered(spec, step, arrays[2:])
-        if layout in (Layout.VERIFIED, Layout.VERIFIED_OFF):
-            return self._add_one_copy(spec, step, arrays[2:], verified=layout is Layout.VERIFIED)
+        if layout in (Layout.VERIFIED, *_LEADER_COPY):
+            # PROVEN: replication shown at trace time counts as verified.
+            return self._add_one_copy(
+                spec, step, arrays[2:], verified=layout is not Layout.VERIFIED_OFF
+            )
         raise ValueError(f"unknown payload layout {layout!r}")
 
     def _add_shard(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
@@ -367,10 +374,11 @@ class Aggregator:
         for member, step, n in zip(spec.members, steps, spec.member_leaves):
             leaves = payload[i : i + n]
             i += n
-            if member.transport.layout is Layout.VERIFIED_OFF:
-                # Written from the caller's own copy, unverified, exactly as
-                # the tap alone would be (the others were gathered for the
-                # group's other members, not to check this one).
+            if spec.gathered and member.transport.layout in _LEADER_COPY:
+                # Written from the caller's own copy (unverified, or proven
+                # at trace time), exactly as the tap alone would be (the
+                # others were gathered for the group's other members, not to
+                # check this one). Ungathered groups carry that copy only.
                 row = _flat(coords, member.placement.axis_sizes)
                 leaves = [a[row] for a in leaves]
             out += self.add_payload(member, [coords, step, *leaves])

@@ -48,7 +48,7 @@ def emit(
     the step must then be the same on every device, as a loop counter is.
     """
     leaves = [lax.stop_gradient(x) for x in leaves]
-    spec = choose_layout(spec, leaves)  # before our own cond below
+    spec = choose_layout(spec, leaves, raw_names)  # before our own cond below
     g = current_group()
     if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step, traced_every):
         return

@@ -23,6 +23,11 @@ from pmaptap._trace.spec import GroupSpec, Layout, TapSpec
 
 _local = threading.local()
 
+# Members written from the leader's own copy (no comparison of copies):
+# unverified, or proven replicated at trace time. A group of only these
+# needs no collective at all.
+_LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
+
 
 class _Member(NamedTuple):
     """A tap waiting in a group for the block's (or the trace's) end."""
@@ -50,7 +55,7 @@ class _Collector:
     def offer(
         self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
     ) -> bool:
-        layouts = (Layout.COPY,) if self._copies else (Layout.GATHERED, Layout.VERIFIED_OFF)
+        layouts = (Layout.COPY,) if self._copies else (Layout.GATHERED, *_LEADER_COPY)
         if (
             _core.trace_ctx.trace is not self._trace
             or isinstance(self._trace, _batching.BatchTrace)
@@ -58,7 +63,7 @@ class _Collector:
         ):
             return False
         if (
-            spec.transport.layout is Layout.VERIFIED_OFF
+            spec.transport.layout in _LEADER_COPY
             and nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes
         ):
             return False  # the group gathers every member: only small ones
@@ -136,7 +141,7 @@ def auto_offer(
     if trace is None or not traceend.stageable([*leaves, coords, step]):
         return False
     layout = spec.transport.layout
-    if layout in (Layout.GATHERED, Layout.VERIFIED_OFF):
+    if layout is Layout.GATHERED or layout in _LEADER_COPY:
         copies = False
     elif layout is Layout.COPY:
         # One callback per device (cond/while bodies, plain jit, no
@@ -200,11 +205,22 @@ def _group_fn(
             gspec = GroupSpec(members=specs, member_leaves=n_leaves)
             send_payload(gspec, coords, *steps, *flat)
             return coords
+        if all(s.transport.layout in _LEADER_COPY for s in specs):
+            # Nothing to compare or collect: the leader sends its own copy
+            # of every member (a step's proven loss and norms cost no
+            # collective, as each alone would not).
+            gspec = GroupSpec(members=specs, member_leaves=n_leaves, gathered=False)
+            lax.cond(
+                is_leader(specs[0], coords),
+                lambda: send_payload(gspec, coords, *steps, *flat),
+                lambda: None,
+            )
+            return coords
         # Every member is gathered (small by construction), all in ONE packed
         # all_gather: each collective costs ~0.1 ms here, the bytes almost
-        # nothing. Members keep their layout: an unverified replicated one
-        # (VERIFIED_OFF) is written from the caller's copy, as it would be
-        # alone. Each member's step travels as its own operand, in its own
+        # nothing. Members keep their layout: an unverified or proven
+        # replicated one (VERIFIED_OFF, PROVEN) is written from the caller's
+        # copy, as it would be alone. Each member's step travels as its own operand, in its own
         # dtype (a stacked int32 would wrap steps >= 2**31).
         payload, packing = gather_packed(list(flat), raw_names)
         gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)

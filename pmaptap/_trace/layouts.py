@@ -16,6 +16,12 @@ a mapped axis we avoid one callback per device:
   of each copy's bits; if all agree, the leader sends its one copy; if not,
   the full copies are gathered so every distinct value can be written.
   "verified_off" (``verify_replicated=False``): the leader's copy.
+- "proven": a replicated (or auto) tap whose value JAX shows at trace time
+  to be the same on every device (``placement.proven_invariant``: the
+  output of a pmean over all the tap's axes, pure arithmetic on such
+  values). Nothing to compare, so no collective: the leader sends its copy
+  as for "verified_off", and it is written as a verified one (the proof is
+  the verification). ``prove_replicated=False`` compares copies anyway.
 - "copy": one callback per device (payloads too big to gather, placement
   unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
   ``while_loop``, where devices may diverge and a collective that only some
@@ -231,7 +237,7 @@ def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     if layout is Layout.GATHERED:
         gathered()
         return
-    if layout is Layout.VERIFIED_OFF:
+    if layout in (Layout.VERIFIED_OFF, Layout.PROVEN):
         lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves), lambda: None)
         return
     # VERIFIED: the predicate comes from gathered hashes, so it is the same
@@ -284,8 +290,10 @@ def nbytes(leaves: Sequence) -> int:
     return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
-def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
-    """Pick the transport for this tap site (see module docstring)."""
+def choose_layout(spec: TapSpec, leaves: Sequence, raw_names: Sequence = ()) -> TapSpec:
+    """Pick the transport for this tap site (see module docstring).
+    ``raw_names``: the JAX names of the manual axes (what the proof of
+    replication checks collectives against)."""
     opts = options()
     where = spec.placement
     if not where.axis_names or not opts.gather:
@@ -298,7 +306,15 @@ def choose_layout(spec: TapSpec, leaves: Sequence) -> TapSpec:
         return spec
     dedup = spec.site.dedup
     if dedup == "replicated" and not opts.verify_replicated:
-        layout = Layout.VERIFIED_OFF  # the leader's copy alone
+        layout = Layout.VERIFIED_OFF  # the leader's copy alone, said unverified
+    elif (
+        dedup != "per_device"
+        and opts.prove_replicated
+        and placement.proven_invariant(leaves, tuple(raw_names))
+    ):
+        # Replicated by construction: an auto tap ("replicated if the
+        # copies agree") is then replicated too, and written as one.
+        layout = Layout.PROVEN
     elif nbytes(leaves) * n <= opts.gather_max_bytes:
         # Gathering the values themselves is as cheap as gathering hashes
         # when they are small, and needs a single callback.

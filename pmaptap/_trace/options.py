@@ -24,6 +24,12 @@ class Options:
     # one copy (plus the hashes). Off: send one copy unverified (cheapest;
     # a divergence between replicas then goes unnoticed).
     verify_replicated: bool = True
+    # Replicated (and auto) taps whose value JAX shows at trace time to be
+    # the same on every device (the output of a pmean/psum over all the
+    # tap's axes, and pure arithmetic on such values; see
+    # _trace/invariant.py) send the leader's copy without comparing copies:
+    # the comparison could not find a difference. Off: always compare.
+    prove_replicated: bool = True
     # A leaf bigger than this (bytes of one copy, one vmap element) is not
     # sent: its statistics are computed on device and the record says
     # "summarized": true (see tap.device_statistics). None: always send whole values.
@@ -47,7 +53,7 @@ def _checked(name: str, v: Any) -> Any:
     """``v`` as option ``name`` takes it, or ValueError saying what is
     allowed: options are read at trace time, so a wrong one would surface
     only later and far away (``gather="yes"`` silently meant "on")."""
-    if name in ("gather", "verify_replicated", "auto_group"):
+    if name in ("gather", "verify_replicated", "prove_replicated", "auto_group"):
         if not isinstance(v, (bool, np.bool_)):
             raise ValueError(f"pmaptap.configure: {name} must be True or False; got {v!r}")
         return bool(v)

@@ -37,6 +37,9 @@ class Layout(enum.Enum):
     GATHERED = "gathered"  # all copies stacked on axis 0, one callback per process
     VERIFIED = "verified"  # one copy; all copies' hashes compared on device
     VERIFIED_OFF = "verified_off"  # the leader's copy, unverified
+    # The leader's copy of a value proven identical on every device at trace
+    # time (invariant.py): sent as VERIFIED_OFF, written as VERIFIED.
+    PROVEN = "proven"
     # One callback per shard of a partitioned value under plain jit (see
     # shardcall.py); summaries, if any, made on the host per shard.
     SHARDS = "shards"
@@ -149,6 +152,9 @@ class GroupSpec:
     member_leaves: tuple[int, ...]  # payload leaves of each member
     packing: tuple[tuple[str, tuple[int, ...]], ...] = ()
     restore: tuple[tuple[int, Any], ...] = ()  # as Transport.restore
+    # False when every member is sent from the leader's own copy (all
+    # PROVEN or VERIFIED_OFF): nothing was gathered, leaves are that copy.
+    gathered: bool = True
     # What routing and error messages read from any payload spec.
     name: ClassVar[str] = "pmaptap/group"
 

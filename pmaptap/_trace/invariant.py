@@ -1,0 +1,252 @@
+"""Trace-time proof that a tapped value is the same on every device along
+the tap's manual axes (owned by placement.py: with it, the only code that
+reads JAX internals about the mesh and the trace being built).
+
+Why: a ``dedup="replicated"`` tap compares its copies on the host (an
+``all_gather`` of the values or of their hashes). That gather is a second
+rendezvous of every device after the step's own ``pmean``; on a scalar loss
+it is most of what the tap costs above one raw callback per host. When JAX
+itself shows that the value cannot differ between devices, the comparison
+cannot find anything and is skipped (``Layout.PROVEN``).
+
+Two sources, both read from JAX 0.10 internals:
+
+a. JAX's varying-manual-axes typing (``shard_map(check_vma=True)``, the
+   default): ``core.typeof(x).mat`` names the axes along which ``x`` may
+   vary (``varying``) or holds partial sums (``unreduced``, ``reduced``).
+   With ``check_vma`` off (pmap is shard_map with ``check_vma=False``) every
+   set is empty whatever the value: it proves nothing there, and it is
+   trusted only when no enclosing shard_map turned the checking off.
+b. A conservative walk back through the equations being recorded: each
+   ``DynamicJaxprTracer`` knows the equation that made it (``parent``, whose
+   ``in_tracers`` are the operands). A value is invariant if it is a literal
+   or a concrete constant, the output of an all-reduce (psum, pmax, pmin,
+   all_gather) over every one of the tap's axes, or the output of a
+   whitelisted pure primitive whose operands are all invariant. Anything
+   else (the trace's inputs, ``axis_index``, partial collectives,
+   permutations, callbacks, random bits, primitives with inner jaxprs,
+   unknown primitives, values of another trace) is not proven.
+
+Nothing here may fail a user's trace: any exception means "not proven", and
+the tap falls back to comparing its copies.
+``tests/test_prove.py::test_jax_internals_the_proof_reads_are_still_there``
+fails loudly if a JAX upgrade moves what is read here.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any, Sequence
+
+# All-reduce collectives: every participant ends with the same value when
+# the reduction covers all of the tap's axes (and no axis_index_groups).
+# The parameter naming the axes differs between them.
+_ALL_REDUCE = {
+    "psum": "axes",
+    "psum_invariant": "axes",
+    "pmax": "axes",
+    "pmin": "axes",
+    "all_gather": "axis_name",
+    "all_gather_invariant": "axis_name",
+}
+
+# Pure primitives: deterministic functions of their operands alone, with no
+# inner jaxpr, no effects, no device-dependent behaviour. Same operands on
+# every device, same result. Listed by name (stable across JAX releases;
+# an unknown name is simply not proven).
+_PURE = frozenset(
+    """
+    neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic
+    sin cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs
+    pow integer_pow square add sub mul div rem max min atan2 nextafter
+    and or xor not shift_left shift_right_arithmetic shift_right_logical
+    population_count clz eq ne lt le gt ge select_n clamp
+    convert_element_type bitcast_convert_type reduce_precision
+    real imag conj complex erf erfc erf_inv lgamma digamma
+    reshape broadcast_in_dim squeeze expand_dims transpose slice dynamic_slice
+    dynamic_update_slice gather concatenate pad rev iota copy copy_p
+    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor
+    argmax argmin cumsum cumprod cummax cummin cumlogsumexp sort
+    dot_general stop_gradient pvary
+    """.split()
+)
+
+# Equations visited per proof before giving up (not proven): the tapped
+# value of a big step may sit behind thousands of equations.
+MAX_EQUATIONS = 512
+
+_lock = threading.Lock()
+# trace -> {Var: proven}: a Var's answer never changes, and the taps of one
+# body (an automatic group, a pytree's leaves) share most of their history.
+_memo: "weakref.WeakKeyDictionary[Any, dict[Any, bool]]" = weakref.WeakKeyDictionary()
+
+
+def proven_invariant(leaves: Sequence[Any], axis_names: Sequence[Any]) -> bool:
+    """True only if every leaf is provably identical on every device along
+    ``axis_names`` (the raw JAX names of the tap's manual axes)."""
+    try:
+        axes = frozenset(axis_names)
+        if not axes:
+            return False
+        return all(_leaf_invariant(x, axes) for x in leaves)
+    except Exception:  # never fail a user's trace over an optimisation
+        return False
+
+
+def _leaf_invariant(x: Any, axes: frozenset) -> bool:
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    if not isinstance(x, core.Tracer):
+        return True  # a concrete value baked into the program
+    if _vma_trusted():
+        mat = getattr(core.typeof(x), "mat", None)
+        if mat is not None and not (mat.varying | mat.unreduced | mat.reduced) & axes:
+            return True
+    trace = core.trace_ctx.trace
+    if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not trace:
+        return False  # another transformation's value, or an enclosing trace's
+    with _lock:
+        memo = _memo.get(trace)
+        if memo is None:
+            memo = _memo[trace] = {}
+    return _walk(x, axes, trace.frame, memo)
+
+
+def _vma_trusted() -> bool:
+    """Whether JAX's varying-axes typing is on for every manual axis now: on
+    in the innermost shard_map and not turned off by an enclosing one."""
+    from jax._src import config
+
+    if not config._check_vma.value:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "jax._src.shard_map":
+            if frame.f_locals.get("check_vma", True) is False:
+                return False
+        frame = frame.f_back
+    return True
+
+
+def _walk(root: Any, axes: frozenset, frame: Any, memo: dict) -> bool:
+    """The dataflow proof (source b), iterative so deep chains cannot hit
+    Python's recursion limit; answers are memoized per Var."""
+    from jax._src import core
+
+    budget = MAX_EQUATIONS
+    stack = [root]
+    while stack:
+        t = stack[-1]
+        var = t.val
+        if isinstance(var, core.Literal):
+            stack.pop()
+            continue
+        known = memo.get(var)
+        if known is not None:
+            stack.pop()
+            if not known:
+                return False
+            continue
+        verdict, pending = _step(t, var, axes, frame, memo)
+        if verdict is None:  # operands to prove first
+            budget -= 1
+            if budget < 0:
+                return False  # not proven; nothing memoized as false
+            stack.extend(pending)
+            continue
+        memo[var] = verdict
+        stack.pop()
+        if not verdict:
+            # The values still on the stack are not all dependents of this
+            # one (siblings wait there too): only its own answer is kept.
+            return False
+    return True
+
+
+def _step(t: Any, var: Any, axes: frozenset, frame: Any, memo: dict):
+    """(True/False, ()) when ``t`` is decided, or (None, operands) when its
+    operands must be proven first."""
+    from jax._src import core
+
+    eqn = t.parent
+    if eqn is None:
+        # An input of the trace (a pmap argument) or a constant; a constant
+        # that is itself a tracer is a value closed over from an enclosing
+        # trace: not proven.
+        if var in frame.constvar_to_val:
+            return not isinstance(frame.constvar_to_val[var], core.Tracer), ()
+        return False, ()
+    name = eqn.primitive.name
+    param = _ALL_REDUCE.get(name)
+    if param is not None:
+        names = eqn.params.get(param)
+        names = names if isinstance(names, (tuple, list)) else (names,)
+        named = {n for n in names if not isinstance(n, int)}
+        ok = eqn.params.get("axis_index_groups") is None and axes <= named
+        return ok, ()
+    if name not in _PURE or eqn.effects:
+        return False, ()
+    pending = []
+    for i in eqn.in_tracers:
+        if isinstance(i.val, core.Literal):
+            continue
+        known = memo.get(i.val)
+        if known is False:
+            return False, ()
+        if known is None:
+            pending.append(i)
+    if not pending:
+        return True, ()
+    return None, pending
+
+
+def check_internals() -> None:
+    """Raise if a JAX upgrade moved what the proof reads (run by
+    tests/test_prove.py, so that it fails there, loudly, rather than every
+    replicated tap silently falling back to comparing copies)."""
+    import inspect
+
+    from jax._src import config, core, shard_map
+    from jax._src.interpreters import partial_eval as pe
+
+    missing = []
+    for owner, name in (
+        (config, "_check_vma"),
+        (core, "typeof"),
+        (core, "ManualAxisType"),
+        (core, "Literal"),
+        (core, "trace_ctx"),
+        (pe, "DynamicJaxprTracer"),
+        (pe, "DynamicJaxprTrace"),
+        (pe, "TracingEqn"),
+        (pe, "JaxprStackFrame"),
+        (shard_map, "_shard_map_staging"),
+    ):
+        if not hasattr(owner, name):
+            missing.append(f"{owner.__name__}.{name}")
+    for cls, slots in (
+        (getattr(pe, "DynamicJaxprTracer", None), ("val", "parent")),
+        (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val",)),
+        (getattr(core, "ManualAxisType", None), ("varying", "unreduced", "reduced")),
+    ):
+        have = set(getattr(cls, "__slots__", ()))
+        missing += [f"{getattr(cls, '__name__', cls)}.{s}" for s in slots if s not in have]
+    tracing_eqn = getattr(pe, "TracingEqn", None)
+    if tracing_eqn is not None:
+        fields = inspect.signature(tracing_eqn).parameters
+        missing += [
+            f"TracingEqn.{f}"
+            for f in ("in_tracers", "primitive", "params", "effects")
+            if f not in fields
+        ]
+    staging = getattr(shard_map, "_shard_map_staging", None)
+    if staging is not None and "check_vma" not in inspect.signature(staging).parameters:
+        missing.append("_shard_map_staging(check_vma=)")
+    if missing:
+        raise RuntimeError(
+            "pmaptap's trace-time proof of replication relies on JAX internals "
+            "that this JAX does not have: " + ", ".join(missing)
+        )
