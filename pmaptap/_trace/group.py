@@ -210,20 +210,17 @@ def _group_fn(
             # of every member (a step's proven loss and norms cost no
             # collective, as each alone would not).
             gspec = GroupSpec(members=specs, member_leaves=n_leaves, gathered=False)
-            lax.cond(
-                is_leader(specs[0], coords),
-                lambda: send_payload(gspec, coords, *steps, *flat),
-                lambda: None,
-            )
-            return coords
-        # Every member is gathered (small by construction), all in ONE packed
-        # all_gather: each collective costs ~0.1 ms here, the bytes almost
-        # nothing. Members keep their layout: an unverified or proven
-        # replicated one (VERIFIED_OFF, PROVEN) is written from the caller's
-        # copy, as it would be alone. Each member's step travels as its own operand, in its own
-        # dtype (a stacked int32 would wrap steps >= 2**31).
-        payload, packing = gather_packed(list(flat), raw_names)
-        gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)
+            payload = list(flat)
+        else:
+            # Every member is gathered (small by construction), all in ONE
+            # packed all_gather: each collective costs ~0.1 ms here, the
+            # bytes almost nothing. Members keep their layout: an unverified
+            # or proven replicated one (VERIFIED_OFF, PROVEN) is written from
+            # the caller's copy, as it would be alone. Each member's step
+            # travels as its own operand, in its own dtype (a stacked int32
+            # would wrap steps >= 2**31).
+            payload, packing = gather_packed(list(flat), raw_names)
+            gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)
         lax.cond(
             is_leader(specs[0], coords),
             lambda: send_payload(gspec, coords, *steps, *payload),
