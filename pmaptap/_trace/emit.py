@@ -18,9 +18,10 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as _core
 from jax.experimental import io_callback
 
-from pmaptap._trace.group import auto_offer, current_group
+from pmaptap._trace.group import auto_offer, auto_step_key, current_group, settle
 from pmaptap._trace.layouts import choose_layout, emitter
 from pmaptap._trace.spec import TapSpec
 
@@ -54,6 +55,8 @@ def emit(
         return
     if auto_offer(spec, tuple(raw_names), leaves, coords, step, traced_every):
         return  # emitted with the trace's other taps when it ends
+    # Deferred taps of the same name (automatic steps) run first: they came first.
+    settle({auto_step_key(spec)}, _core.trace_ctx.trace)
     fn = emitter(spec, tuple(raw_names))
     if traced_every:
 

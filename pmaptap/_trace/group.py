@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -40,6 +41,43 @@ class _Member(NamedTuple):
     bucket: tuple | None  # (every, id(step)) when decided on device
 
 
+def auto_step_key(spec: TapSpec) -> tuple | None:
+    """What the host's automatic step counter is kept per (name, pass), for
+    a tap without a ``step``; None for a tap with one (its records do not
+    depend on the order its callback runs in)."""
+    return None if spec.site.explicit_step else (spec.site.name, spec.site.pass_)
+
+
+# trace -> automatic-step keys that were emitted inside a body nested in
+# it (a scan/cond body, an inner jit): such a body may be bound again later
+# in the trace from JAX's caches, with no trace-time event, so a tap of the
+# same key in the enclosing trace is not deferred past it.
+_nested_keys: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+_nested_lock = threading.Lock()
+
+
+def settle(keys: set, trace: Any, exclude: Any = None) -> None:
+    """Keep automatic step counters in program order: the host numbers a
+    name's taps without a ``step`` in the order their callbacks run, so a
+    tap deferred to its trace's end must not run after a later tap of the
+    same (name, pass). Called just before taps with ``keys`` are emitted
+    (with ``trace`` current, or at ``trace``'s end): deferred taps holding
+    one of them in ``trace`` or an enclosing trace are emitted now (there,
+    before the equation being built), and the enclosing traces remember
+    the keys (see ``_nested_keys``)."""
+    keys = {k for k in keys if k is not None}
+    if not keys:
+        return
+    for depth, t in enumerate(traceend.enclosing(trace)):
+        for obj in traceend.pending(t):
+            if obj is not exclude and isinstance(obj, _Collector) and obj.auto_keys & keys:
+                with _core.set_current_trace(t):
+                    obj.flush()
+        if depth and traceend.staging_trace_type(t):
+            with _nested_lock:
+                _nested_keys.setdefault(t, set()).update(keys)
+
+
 class _Collector:
     """Taps of one trace waiting to share a callback: gathered ones (one
     callback per process, from its leader), or with ``copies`` taps that
@@ -51,6 +89,7 @@ class _Collector:
         self._trace = _core.trace_ctx.trace
         self._copies = copies
         self._members: list[_Member] = []
+        self.auto_keys: set = set()  # see settle()
 
     def offer(
         self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
@@ -79,11 +118,14 @@ class _Collector:
         # step, so its id stays unique while the group waits.
         bucket = (spec.site.every, id(step)) if traced_every else None
         self._members.append(_Member(spec, raw_names, list(leaves), coords, step, bucket))
+        self.auto_keys.add(auto_step_key(spec))
         return True
 
     def flush(self) -> None:
         members, self._members = self._members, []
+        keys, self.auto_keys = self.auto_keys, set()
         if members:
+            settle(keys, self._trace, exclude=self)
             _emit_group(members, self._copies)
 
 
@@ -140,6 +182,11 @@ def auto_offer(
     trace = traceend.staging_trace()
     if trace is None or not traceend.stageable([*leaves, coords, step]):
         return False
+    key = auto_step_key(spec)
+    if key is not None:
+        with _nested_lock:
+            if key in _nested_keys.get(trace, ()):
+                return False  # see _nested_keys: emitted now, in order
     layout = spec.transport.layout
     if layout is Layout.GATHERED or layout in _LEADER_COPY:
         copies = False
@@ -154,6 +201,13 @@ def auto_offer(
         (_Collector, copies, raw_names, spec.transport.leaders),
         lambda: _Collector(copies),
     )
+    if key is not None:
+        # This trace's other collectors (other layouts) emit their taps of
+        # the same key first: they were made before this one.
+        for obj in traceend.pending(trace):
+            if obj is not collector and isinstance(obj, _Collector) and key in obj.auto_keys:
+                with _core.set_current_trace(trace):
+                    obj.flush()
     return collector.offer(spec, raw_names, leaves, coords, step, traced_every)
 
 

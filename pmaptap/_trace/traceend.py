@@ -58,6 +58,11 @@ def staging_trace() -> Any | None:
     return None
 
 
+def staging_trace_type(t: Any) -> bool:
+    """Whether ``t`` is a plain staging trace (see ``staging_trace``)."""
+    return type(t) is pe.DynamicJaxprTrace and getattr(t, "tag", None) is None
+
+
 def stageable(values) -> bool:
     """Whether every traced value in ``values`` is a staging tracer (of this
     trace, or of an enclosing one that this trace closes over: JAX lifts
@@ -81,6 +86,20 @@ def deferred(trace: Any, key: Any, make: Callable[[], Deferred]) -> Deferred:
         if obj is None:
             obj = per_trace[key] = make()
         return obj
+
+
+def pending(trace: Any) -> list[Deferred]:
+    """The objects deferred for ``trace``'s end, still waiting (a copy)."""
+    with _lock:
+        return list(_pending.get(trace, {}).values())
+
+
+def enclosing(trace: Any):
+    """``trace`` and the traces it is nested in (innermost first): a scan
+    body's trace, then the jit body that called lax.scan, and so on."""
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
 
 
 def _flush(trace: Any) -> None:
