@@ -103,7 +103,11 @@ def _leaf_invariant(x: Any, axes: frozenset) -> bool:
         return True  # a concrete value baked into the program
     if _vma_trusted():
         mat = getattr(core.typeof(x), "mat", None)
-        if mat is not None and not (mat.varying | mat.unreduced | mat.reduced) & axes:
+        if (
+            mat is not None
+            and not (mat.varying | mat.unreduced | mat.reduced) & axes
+            and not _from_host(x)
+        ):
             return True
     trace = core.trace_ctx.trace
     if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not trace:
@@ -113,6 +117,89 @@ def _leaf_invariant(x: Any, axes: frozenset) -> bool:
         if memo is None:
             memo = _memo[trace] = {}
     return _walk(x, axes, trace.frame, memo)
+
+
+def _is_host_eqn(primitive: Any) -> bool:
+    # A host callback's result is typed invariant when its operands are,
+    # yet each device calls the host on its own and may get its own answer
+    # (io_callback, pure_callback, host_callback.call): JAX's typing
+    # cannot see that. (Not every effect: collectives carry one too.)
+    # pmaptap's own taps return their operand (or nothing) on the device,
+    # as jax.debug.callback returns nothing: no host answer flows out.
+    if primitive.name in _NO_HOST_ANSWER:
+        return False
+    return "callback" in primitive.name
+
+
+_NO_HOST_ANSWER = frozenset({"pmaptap_callback", "pmaptap_hcb_tap", "debug_callback"})
+
+
+def _jaxpr_calls_host(jaxpr: Any, budget: list) -> bool:
+    from jax._src import core
+
+    if isinstance(jaxpr, core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        budget[0] -= 1
+        if budget[0] < 0 or _is_host_eqn(eqn.primitive):
+            return True
+        if any(_jaxpr_calls_host(j, budget) for j in _inner_jaxprs(eqn.params)):
+            return True
+    return False
+
+
+def _inner_jaxprs(params: Any):
+    from jax._src import core
+
+    for v in params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(j, (core.Jaxpr, core.ClosedJaxpr)):
+                yield j
+
+
+def _from_host(x: Any) -> bool:
+    """Whether ``x`` may depend on a host callback's result (or the walk
+    cannot tell): then JAX's varying-axes typing proves nothing for it. A
+    bounded walk back through every equation (inner jaxprs included) and
+    through values closed over from enclosing traces."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    budget = [MAX_EQUATIONS * 4]
+    seen: set = set()
+    stack = [x]
+    while stack:
+        t = stack.pop()
+        if not isinstance(t, core.Tracer):
+            continue
+        if not isinstance(t, pe.DynamicJaxprTracer):
+            inner = getattr(t, "primal", None)
+            if inner is None:
+                inner = getattr(t, "val", None)
+            if inner is None:
+                return True  # a transformation whose value cannot be read
+            stack.append(inner)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        eqn = t.parent
+        if eqn is None:
+            if isinstance(t.val, core.Literal):
+                continue
+            consts = t._trace.frame.constvar_to_val
+            if t.val in consts:
+                stack.append(consts[t.val])  # closed over: its own history
+            continue
+        if _is_host_eqn(eqn.primitive):
+            return True
+        if any(_jaxpr_calls_host(j, budget) for j in _inner_jaxprs(eqn.params)):
+            return True
+        stack.extend(eqn.in_tracers)
+    return False
 
 
 def _vma_trusted() -> bool:
