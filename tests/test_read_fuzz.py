@@ -116,12 +116,50 @@ def _job(rnd: random.Random) -> list[dict]:
         recs.append(_pd(rnd, run, "g", 2, 1.0, 1.0))  # device 1.0 is device 1
         recs.append(_pd(rnd, run, "g", 3, 1, 1.0, coords={"dp": 1.0}))
         recs.append(_pd(rnd, run, "g", 3, 1, 1.0, coords={"dp": 1, "mp": 0}))
+    if rnd.random() < 0.5:
+        recs += _odd_ids(rnd, runs[0], steps)
     if rnd.random() < 0.5:  # restarted at step k: attempt 1 replays the rest
         k = rnd.randrange(1, steps)
         again = [dict(r, attempt=1) for r in recs if r["step"] >= k and r["kind"] != "meta"]
         meta = record_dict(kind="meta", name="pmaptap/attempt", value=1, attempt=1, step=k)
         recs += [meta] + again[: rnd.randrange(len(again) + 1)]
     return recs
+
+
+def _odd_ids(rnd: random.Random, run: str, steps: int) -> list[dict]:
+    """Valid records with ids and steps writers rarely make: equal ids of
+    other types (1.0, True), unknown ones (None), text, the extreme steps."""
+    ids = [0, 1, 1.0, True, None, "p", 2.5, 2**40]
+    out = []
+    for _ in range(rnd.randrange(1, 12)):
+        step = rnd.choice([0, 1, steps - 1, -5, 2**63 - 1, 2**64 - 1])
+        if rnd.random() < 0.5:
+            out.append(
+                _pd(
+                    rnd,
+                    run,
+                    rnd.choice(["g", "odd"]),
+                    step,
+                    rnd.choice(ids),
+                    rnd.choice([1.5, True, 2**64 - 1, -(2**63)]),
+                    process=rnd.choice(ids),
+                    coords=rnd.choice([{}, {"dp": 1}, {"dp": True}, {"b": 1, "a": 0}]),
+                )
+            )
+        else:
+            out.append(
+                _rp(
+                    rnd,
+                    run,
+                    rnd.choice(["loss", "odd"]),
+                    step,
+                    rnd.choice([1.5, False, 2**64 - 1]),
+                    process=rnd.choice(ids),
+                    devices=rnd.sample(ids, 3),
+                    processes=rnd.sample(ids, 2),
+                )
+            )
+    return out
 
 
 def _escape_key(line: str, key: str) -> str:
@@ -233,11 +271,13 @@ def _reference_read(path, flt: Filter | None) -> list[dict]:
     for d in keyed:
         if flt is not None and not flt(d):
             continue
-        if later.superseded(d):
+        if later.superseded(d) and not (flt is not None and flt.all_attempts):
             continue
         r = decode_record(d)
         if index.divergent(r):
             r["divergent"] = True
+        if flt is not None and flt.all_attempts:
+            r.setdefault("attempt", 0)
         out.append(r)
     return out
 
@@ -249,7 +289,7 @@ def _reference_summary(path, flt: Filter):
     later = index_records(recs)
     acc = Summarizer()
     for d in recs:
-        if later.superseded(d):
+        if later.superseded(d) and not flt.all_attempts:
             continue
         if flt(d):
             acc.add(d)
@@ -261,7 +301,7 @@ def _reference_summary(path, flt: Filter):
 def _filters(recs: list[dict], rnd: random.Random) -> list[Filter]:
     names = sorted({d["name"] for d in recs})
     runs = sorted({d["run"] for d in recs})
-    out = [Filter()]
+    out = [Filter(), Filter(all_attempts=True)]
     if names:
         out.append(Filter(names=tuple(rnd.sample(names, min(2, len(names))))))
         out.append(Filter(steps=(rnd.randrange(0, 6), rnd.randrange(6, 20)), run=runs[0]))
@@ -271,7 +311,7 @@ def _filters(recs: list[dict], rnd: random.Random) -> list[Filter]:
 
 
 def _read_kwargs(flt: Filter) -> dict:
-    kw: dict = {}
+    kw: dict = {"attempts": "all" if flt.all_attempts else "latest"}
     if flt.names:
         kw["name"] = list(flt.names)
     if flt.steps != (None, None):
@@ -316,7 +356,8 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
     for flt in _filters(recs, rnd):
         # 3. pmaptap.read with the filter's arguments.
         got = reader.read(path, **_read_kwargs(flt))
-        assert _dump(got) == _dump(_reference_read(path, flt if flt.active else None)), flt
+        ref_flt = flt if flt.active or flt.all_attempts else None
+        assert _dump(got) == _dump(_reference_read(path, ref_flt)), flt
 
         # 4. pmaptap summary: the fast path (no filter) or the filtered pass.
         summaries, sbad, names, runs = summarize_file(path, flt)
@@ -329,7 +370,7 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
 
         # 5. export --csv: one row per record the filter shows.
         entries, _, _, _ = load_matching(path, flt)
-        assert write_csv(entries, io.StringIO()) == len(_reference_read(path, flt))
+        assert write_csv(entries, io.StringIO()) == len(_reference_read(path, ref_flt))
 
     # 6. validate: every line that is not a record is reported, every record counted.
     report = validate_file(path)
@@ -395,3 +436,22 @@ def test_an_escaped_attempt_key_supersedes_in_summary_as_in_read(tmp_path):
     (s,), bad, _, _ = summarize_file(path)
     assert bad == [] and s.records == 4 and s.max == 99.0
     assert validate_file(path).superseded == 1
+
+
+def test_summary_fast_path_keeps_the_writers_process_id_first(tmp_path):
+    """Equal ids of other types (process ``true``, processes ``[1]``): a set
+    keeps the first one added, and ``add`` adds the writer's process before
+    ``processes``; the fast path added them the other way round, so
+    ``pmaptap summary`` showed process 1 where the line-at-a-time path
+    showed True."""
+    lines = [
+        json.dumps(
+            record_dict(name="x", step=s, value=0.5, vhash=str(s), process=True, processes=[1])
+        )
+        for s in range(3)
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    (got,), _, _, _ = summarize_file(path)
+    (want,) = _reference_summary(path, Filter())
+    assert [type(p) for p in got.processes] == [type(p) for p in want.processes] == [bool]

@@ -555,6 +555,9 @@ class Summarizer:
                 )
                 if usual:
                     if procs:
+                        # The writer's process first, as ``add`` does: of
+                        # equal ids (1, 1.0, True) the set keeps the first.
+                        processes.add(proc)
                         processes.update(procs)
                     steps.add(step)
                     if devs:
