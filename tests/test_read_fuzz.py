@@ -189,7 +189,7 @@ def _render(rnd: random.Random, r: dict) -> bytes:
 
 
 def _hostile(rnd: random.Random, good: bytes) -> bytes:
-    kind = rnd.randrange(15)
+    kind = rnd.randrange(16)
     if kind == 0:
         return good[: rnd.randrange(len(good))]  # truncated
     if kind == 1:
@@ -219,6 +219,10 @@ def _hostile(rnd: random.Random, good: bytes) -> bytes:
         return b'{"step": 1e400, "x": 1' + b"0" * 400 + b"}"
     if kind == 13:
         return good.replace(b'"name"', b'"name\\u0000"', 1)
+    if kind == 14:  # unhashable identity fields
+        return good.replace(b'"name":', b'"name":["x"],"n":', 1).replace(
+            b'"run":', b'"run":{"a":1},"r":', 1
+        )
     return good + b" garbage"
 
 
