@@ -98,14 +98,14 @@ def scan(path: str | os.PathLike) -> Attempts:
                 return idx
             if not block.endswith(b"\n"):
                 block += f.readline(limit + 1)
-            if b'"attempt"' not in block:
+            if not _may_hold_attempt(block):
                 if len(block) > limit and not block.endswith(b"\n"):
                     _skip_rest(f)
                 continue
             for raw in block.split(b"\n"):
                 if len(raw) > limit:  # an over-long line: not read
                     continue
-                if b'"attempt"' not in raw:
+                if not _may_hold_attempt(raw):
                     continue
                 d, _ = parse_line(raw)
                 if d is not None:
@@ -115,6 +115,13 @@ def scan(path: str | os.PathLike) -> Attempts:
 
 
 _SCAN_BYTES = 1 << 20
+
+
+def _may_hold_attempt(raw: bytes) -> bool:
+    """Whether a line (or block) may hold an ``attempt`` key: spelled as is,
+    or with a ``\\uXXXX`` escape, which JSON allows in any key and the parser
+    reads as the same key (the only escape that stands for a letter)."""
+    return b'"attempt"' in raw or b"\\u" in raw
 
 
 def _skip_rest(f: Any) -> None:

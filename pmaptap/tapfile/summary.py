@@ -404,6 +404,8 @@ class Summarizer:
             return
         if lines is not None and set(map(type, rs)) != {dict}:
             rs, lines = _checked(rs, lines, first, bad)
+            if not rs:  # no line of the batch was a record (``5``, ``[1]``)
+                return
         try:
             names = list(map(dict.get, rs, repeat("name")))
             # A record without a run is no record: None, which is no str.
@@ -553,6 +555,9 @@ class Summarizer:
                 )
                 if usual:
                     if procs:
+                        # The writer's process first, as ``add`` does: of
+                        # equal ids (1, 1.0, True) the set keeps the first.
+                        processes.add(proc)
                         processes.update(procs)
                     steps.add(step)
                     if devs:
