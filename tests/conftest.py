@@ -138,6 +138,34 @@ def record_dict(**fields) -> dict:
     return d
 
 
+def per_device_dict(step: int, device, value, name: str = "g", **fields) -> dict:
+    """A per_device float32 record of ``device`` on mesh axis "dp"."""
+    base = dict(
+        name=name,
+        step=step,
+        kind="per_device",
+        value=value,
+        dtype="float32",
+        device=device,
+        coords={"dp": device},
+    )
+    return record_dict(**{**base, **fields})
+
+
+def replicated_dict(step: int, value, name: str = "loss", **fields) -> dict:
+    """A replicated float32 record seen by devices 0-3, its vhash the step's."""
+    base = dict(
+        name=name,
+        step=step,
+        value=value,
+        dtype="float32",
+        replicas=4,
+        devices=[0, 1, 2, 3],
+        vhash=f"{step:x}",
+    )
+    return record_dict(**{**base, **fields})
+
+
 # ---------------------------------------------------------------- multi-process
 # Jobs started through the local launcher (python -m pmaptap.launch).
 

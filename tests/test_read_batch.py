@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from conftest import record_dict
+from conftest import per_device_dict, record_dict, replicated_dict
 from pmaptap.tapfile import format as fmt
 from pmaptap.tapfile import parse, reader
 from pmaptap.tapfile.attempts import index_records
@@ -44,33 +44,11 @@ def _rec(**kw) -> dict:
 
 
 def _pd(step, dev, value, name="g", **kw):
-    fields = dict(
-        name=name,
-        step=step,
-        kind="per_device",
-        value=value,
-        dtype="float32",
-        device=dev,
-        coords={"dp": dev},
-        process=int(dev) // 2,
-    )
-    fields.update(kw)
-    return _rec(**fields)
+    return per_device_dict(step, dev, value, name, **{"process": int(dev) // 2, **kw})
 
 
 def _rp(step, value, name="loss", **kw):
-    fields = dict(
-        name=name,
-        step=step,
-        value=value,
-        dtype="float32",
-        replicas=4,
-        devices=[0, 1, 2, 3],
-        processes=[0, 1],
-        vhash=f"{step:x}",
-    )
-    fields.update(kw)
-    return _rec(**fields)
+    return replicated_dict(step, value, name, **{"processes": [0, 1], **kw})
 
 
 # Records that are valid but not "plain", or not valid: each must get

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import pmaptap
-from conftest import ROOT, logs_warning, record_dict, subprocess_env
+from conftest import ROOT, logs_warning, per_device_dict, record_dict, subprocess_env
 from pmaptap.tapfile import views
 from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
@@ -33,17 +33,8 @@ def _rep(step, value, process, vhash, **kw):
 
 
 def _dev(step, device, value, name="gnorm", **kw):
-    d = record_dict(
-        name=name,
-        step=step,
-        kind="per_device",
-        value=value,
-        dtype="float32",
-        process=device // 2,
-        device=device,
-        coords={"dp": device, "mp": 0},
-    )
-    return dict(d, **kw)
+    fields = {"process": device // 2, "coords": {"dp": device, "mp": 0}, **kw}
+    return per_device_dict(step, device, value, name, **fields)
 
 
 @pytest.fixture

@@ -13,35 +13,17 @@ import pytest
 from test_cli import _table, cli
 
 import pmaptap
-from conftest import record_dict
+from conftest import per_device_dict, replicated_dict
 from pmaptap.tapfile.summary import summarize_file, summary_table, tap_summaries
 
 
 def _dev(step, device, value, name="g", **kw):
-    d = record_dict(
-        name=name,
-        step=step,
-        kind="per_device",
-        value=value,
-        dtype="float32",
-        shape=[] if not isinstance(value, list) else [len(value)],
-        device=device,
-        coords={"dp": device},
-    )
-    return dict(d, **kw)
+    shape = [] if not isinstance(value, list) else [len(value)]
+    return per_device_dict(step, device, value, name, **{"shape": shape, **kw})
 
 
 def _rep(step, value, name="loss", **kw):
-    d = record_dict(
-        name=name,
-        step=step,
-        value=value,
-        dtype="float32",
-        replicas=4,
-        devices=[0, 1, 2, 3],
-        vhash=f"{step:x}",
-    )
-    return dict(d, **kw)
+    return replicated_dict(step, value, name, **kw)
 
 
 def _write(tmp_path, recs) -> str:
