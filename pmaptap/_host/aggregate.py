@@ -23,7 +23,7 @@ from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap._log import log
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
-from pmaptap.tapfile.format import MAX_STEP, Record, meta_record, new_record
+from pmaptap.tapfile.format import MAX_STEP, ORJSON, Record, meta_record, new_record
 
 # Payloads holding the leader's own copy of a replicated tap: unverified
 # (VERIFIED_OFF) or proven replicated at trace time (PROVEN, _trace/invariant.py).
@@ -90,6 +90,9 @@ class _Table:
         # Per-device record templates of the gathered path, per (batch_dims,
         # summaries) of the spec (see Aggregator._per_device_records_of_rows).
         self.per_device_templates: dict[tuple, list[dict]] = {}
+        # (template key, dtype) -> per device, its line cut around the step,
+        # the value and the time (None where it cannot be: _line_pieces).
+        self.per_device_lines: dict[tuple, list] = {}
         self.replicated_templates: dict[tuple, dict] = {}
 
 
@@ -422,8 +425,11 @@ class Aggregator:
         if spec.site.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
-            encoded = encode_rows(spec.site.treedef, stacked, t.local, spec.site.summaries)
-            return self._per_device_records_of_rows(spec, t, step, encoded)
+            texts: list[bytes] = []
+            encoded = encode_rows(
+                spec.site.treedef, stacked, t.local, spec.site.summaries, texts=texts
+            )
+            return self._per_device_records_of_rows(spec, t, step, encoded, texts)
         if _rows_identical(stacked):
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
@@ -568,7 +574,12 @@ class Aggregator:
         )
 
     def _per_device_records_of_rows(
-        self, spec: TapSpec, t: "_Table", step: int, encoded: list[tuple]
+        self,
+        spec: TapSpec,
+        t: "_Table",
+        step: int,
+        encoded: list[tuple],
+        texts: list[bytes] | None = None,
     ) -> list[Record]:
         """The per_device records of a gathered payload, one per local device
         (``encoded`` in ``t.local`` order). Every field but the step, the value
@@ -609,6 +620,22 @@ class Aggregator:
                 now,
             )
             out.append(r)
+        if texts and len(texts) == len(out):
+            # Scalars of one dtype (encode_rows' fast path): each line is the
+            # site's per-device line with the step, value and time put in,
+            # instead of a dict per record and one orjson call each. That
+            # encoding was most of what a scalar per_device tap costs the
+            # host above handing its values over (issue 17).
+            lkey = (key, out[0].dtype)
+            pieces = t.per_device_lines.get(lkey)
+            if pieces is None:
+                pieces = t.per_device_lines[lkey] = [
+                    _line_pieces(tpl, out[0].dtype, out[0].shape) for tpl in templates
+                ]
+            if all(pieces):
+                step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(now, 6))
+                for r, (p0, p1, p2, p3), text in zip(out, pieces, texts):
+                    r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
         return out
 
     def _per_device_record(
@@ -759,3 +786,48 @@ class Aggregator:
             attempt=self.attempt,
             **fields,
         )
+
+
+# Sentinels put in a template record where the step, the value and the
+# time go; each must appear exactly once, after its key, in the encoded line
+# (a name or host that happens to contain one just keeps the ordinary path).
+_STEP_SENTINEL = -4242424242424242
+_VALUE_SENTINEL = "\x01pmaptap-value\x01"
+_TIME_SENTINEL = -4242424242.424242
+
+
+def _line_pieces(template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
+    """The encoded line of a per_device record built from ``template``, cut
+    into the four pieces around its step, value and time, or None when it
+    cannot be cut unambiguously (then records are encoded one by one).
+    Cut from ``Record.encode`` itself, so the joined line is byte for byte
+    the one that encoding would write (tests/test_fast_lines.py)."""
+    if ORJSON is None:
+        return None
+    r = object.__new__(Record)
+    d = r.__dict__
+    d.update(template)
+    d["step"], d["value"], d["dtype"], d["shape"], d["time"] = (
+        _STEP_SENTINEL,
+        _VALUE_SENTINEL,
+        dtype,
+        shape,
+        _TIME_SENTINEL,
+    )
+    line = r.encode()
+    cuts = []
+    for key, value in (
+        (b'"step":', _STEP_SENTINEL),
+        (b'"value":', _VALUE_SENTINEL),
+        (b'"time":', _TIME_SENTINEL),
+    ):
+        text = ORJSON.dumps(value)
+        probe = key + text
+        if line.count(probe) != 1 or line.count(text) != 1:
+            return None
+        start = line.index(probe) + len(key)
+        cuts.append((start, start + len(text)))
+    (s0, e0), (s1, e1), (s2, e2) = cuts
+    if not (e0 <= s1 and e1 <= s2):
+        return None
+    return line[:s0], line[e0:s1], line[e1:s2], line[e2:]

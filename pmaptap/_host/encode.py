@@ -170,7 +170,11 @@ def _attribute_names(treedef) -> tuple[str, ...] | None:
 
 
 def encode_rows(
-    treedef, stacked: list[np.ndarray], rows: list[int], summaries: tuple = ()
+    treedef,
+    stacked: list[np.ndarray],
+    rows: list[int],
+    summaries: tuple = (),
+    texts: list[bytes] | None = None,
 ) -> list[tuple[Any, Any, Any]]:
     """``encode_tree`` of row k of every stacked leaf (copies, *shape), for
     each k in ``rows``: the gathered payloads' per-copy values.
@@ -178,7 +182,12 @@ def encode_rows(
     A single finite float32/float64/int/bool leaf is encoded for all rows at
     once (one orjson round trip gives every scalar its shortest repr; array
     rows stay NumPy views for orjson to write), ~10x less Python per copy
-    than row by row. Everything else goes row by row."""
+    than row by row. Everything else goes row by row.
+
+    On that one-round-trip path, ``texts`` (when given) also receives each
+    row's value as the JSON text orjson wrote for it (numbers and booleans
+    hold no comma), for records whose lines are built from a template
+    (aggregate.py ``_line_pieces``); elsewhere it stays empty."""
     if (
         ORJSON is not None
         and not summaries
@@ -191,7 +200,11 @@ def encode_rows(
         if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
             name, shape = _dtype_name(dt), list(a.shape[1:])
             if a.ndim == 1:
-                vals = ORJSON.loads(ORJSON.dumps(a, option=ORJSON_OPTS))
+                raw = ORJSON.dumps(a, option=ORJSON_OPTS)
+                vals = ORJSON.loads(raw)
+                if texts is not None:
+                    parts = raw[1:-1].split(b",")
+                    texts.extend(parts[k] for k in rows)
                 return [(vals[k], name, shape) for k in rows]
             return [(a[k], name, shape) for k in rows]
     return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]

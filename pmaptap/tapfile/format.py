@@ -132,7 +132,10 @@ class Record:
         return d
 
     def encode(self) -> bytes:
-        return encode_line(self.to_json_dict())
+        # The aggregator may have built this record's line already, from a
+        # per-site template (the same bytes: _host/aggregate.py _line_pieces).
+        line = self.__dict__.get("_line")
+        return line if line is not None else encode_line(self.to_json_dict())
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Record)}
