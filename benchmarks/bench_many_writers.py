@@ -252,6 +252,20 @@ def model(quick: bool) -> None:
     )
 
 
+COLUMNS = (
+    "layout",
+    "N",
+    "records/s",
+    "s",
+    "read back/proc",
+    "run size",
+    "p99 lag ms",
+    "max lag ms",
+    "lock timeouts",
+    "exact+valid",
+)
+
+
 def _files(path: str) -> list[str]:
     from pmaptap.tapfile import runs
 
@@ -308,42 +322,9 @@ def main(argv=None) -> int:
                     "yes" if m["exact"] else "NO: " + m["counts"],
                 )
             )
-            print(
-                table(
-                    rows[-1:],
-                    (
-                        "layout",
-                        "N",
-                        "records/s",
-                        "s",
-                        "read back/proc",
-                        "run size",
-                        "p99 lag ms",
-                        "max lag ms",
-                        "lock timeouts",
-                        "exact+valid",
-                    ),
-                ),
-                flush=True,
-            )
+            print(table(rows[-1:], COLUMNS), flush=True)
     print()
-    print(
-        table(
-            rows,
-            (
-                "layout",
-                "N",
-                "records/s",
-                "s",
-                "read back/proc",
-                "run size",
-                "p99 lag ms",
-                "max lag ms",
-                "lock timeouts",
-                "exact+valid",
-            ),
-        )
-    )
+    print(table(rows, COLUMNS))
     base = 32 if 32 in ns else ns[0]
     for layout in layouts:
         top = max(n for lay, n in rates if lay == layout)

@@ -137,6 +137,13 @@ def make_batch(seed: int, step: int, device_index: int, n: int):
     return x, y
 
 
+def local_batches(args, step: int, first: int, n_local: int):
+    """(xs, ys): this process's ``n_local`` device shards of a step, each a
+    list in local device order (global device indices from ``first``)."""
+    shards = [make_batch(args.seed, step, first + k, args.batch_per_device) for k in range(n_local)]
+    return [s[0] for s in shards], [s[1] for s in shards]
+
+
 def loss_fn(params, x, y):
     """Mean squared error of a one-hidden-layer tanh MLP."""
     import jax.numpy as jnp
@@ -326,12 +333,8 @@ def train_pmap(args: argparse.Namespace) -> float:
     with progress_bar(args) as bar:
         for step in range(first_step, args.steps):
             maybe_die(args, step)
-            shards = [
-                make_batch(args.seed, step, first + k, args.batch_per_device)
-                for k in range(n_local)
-            ]
-            x = np.stack([s[0] for s in shards])
-            y = np.stack([s[1] for s in shards])
+            xs, ys = local_batches(args, step, first, n_local)
+            x, y = np.stack(xs), np.stack(ys)
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
             params, losses = fn(params, x, y, np.int32(step))
             save_checkpoint(
@@ -397,12 +400,9 @@ def train_global(
     with progress_bar(args) as bar:
         for step in range(first_step, args.steps):
             maybe_die(args, step)
-            shards = [
-                make_batch(args.seed, step, first + k, args.batch_per_device)
-                for k in range(n_local)
-            ]
-            x = global_array(np.concatenate([s[0] for s in shards]), sharded)
-            y = global_array(np.concatenate([s[1] for s in shards]), sharded)
+            xs, ys = local_batches(args, step, first, n_local)
+            x = global_array(np.concatenate(xs), sharded)
+            y = global_array(np.concatenate(ys), sharded)
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
             params, out = fn(params, x, y, global_array(np.int32(step), replicated))
             save_checkpoint(args, lambda: host_copy(params), step + 1)

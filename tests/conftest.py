@@ -199,6 +199,21 @@ def python_cmd(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
+def train_argv(out: str, *extra: str, steps: int, batch: int = 4) -> list[str]:
+    """The command of the demo training job (launch/train.py) writing ``out``."""
+    return [
+        "python",
+        "launch/train.py",
+        "--steps",
+        str(steps),
+        "--batch-per-device",
+        str(batch),
+        "--out",
+        out,
+        *extra,
+    ]
+
+
 def run_launch(
     processes: int,
     devices: int,

@@ -28,6 +28,7 @@ from conftest import (
     run_launch,
     run_python,
     start_launch,
+    train_argv,
 )
 
 STEPS = 4
@@ -62,19 +63,7 @@ def run_train(
     proc, took = run_launch(
         processes,
         devices,
-        [
-            "python",
-            "launch/train.py",
-            "--variant",
-            variant,
-            "--steps",
-            str(STEPS),
-            "--batch-per-device",
-            str(BATCH),
-            "--out",
-            out,
-            *extra,
-        ],
+        train_argv(out, "--variant", variant, *extra, steps=STEPS, batch=BATCH),
         launcher_timeout=90,
     )
     assert proc.returncode == 0, job_failed(proc)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, job_failed, run_launch, start_python
+from conftest import ROOT, job_failed, run_launch, start_python, train_argv
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is in the test extra")
 pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
@@ -131,16 +131,7 @@ def test_four_process_job_writes_to_s3(s3):
     proc, _ = run_launch(
         4,
         1,
-        [
-            "python",
-            "launch/train.py",
-            "--steps",
-            str(STEPS),
-            "--batch-per-device",
-            "4",
-            "--out",
-            url,
-        ],
+        train_argv(url, steps=STEPS),
         launcher_timeout=120,
         timeout=240,
         **s3,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import ROOT, job_failed, logs_warning, run_launch, run_python
+from conftest import ROOT, job_failed, logs_warning, run_launch, run_python, train_argv
 from pmaptap.tapfile import runs
 
 STEPS = 4
@@ -180,18 +180,7 @@ def test_two_process_job_exact_in_both_layouts(tmp_path, layout):
     proc, _ = run_launch(
         2,
         2,
-        [
-            "python",
-            "launch/train.py",
-            "--steps",
-            str(STEPS),
-            "--batch-per-device",
-            "4",
-            "--out",
-            out,
-            "--layout",
-            layout,
-        ],
+        train_argv(out, "--layout", layout, steps=STEPS),
         launcher_timeout=90,
     )
     assert proc.returncode == 0, job_failed(proc)

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
-from conftest import job_failed, python_cmd, run_launch, run_python
+from conftest import job_failed, python_cmd, run_launch, run_python, train_argv
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all")
 
@@ -388,19 +388,7 @@ def test_train_variant_jit_two_processes(tmp_path):
     proc, _ = run_launch(
         2,
         4,
-        [
-            "python",
-            "launch/train.py",
-            "--variant",
-            "jit",
-            "--steps",
-            "3",
-            "--batch-per-device",
-            "8",
-            "--out",
-            out,
-            "--no-summary",
-        ],
+        train_argv(out, "--variant", "jit", "--no-summary", steps=3, batch=8),
         timeout=240,
         launcher_timeout=200,
     )

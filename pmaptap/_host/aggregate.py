@@ -609,17 +609,7 @@ class Aggregator:
         now = self.clock()
         out = []
         for template, (value, dtype, shape) in zip(templates, encoded):
-            r = object.__new__(Record)
-            d = r.__dict__
-            d.update(template)
-            d["step"], d["value"], d["dtype"], d["shape"], d["time"] = (
-                step,
-                value,
-                dtype,
-                shape,
-                now,
-            )
-            out.append(r)
+            out.append(_from_template(template, step, value, dtype, shape, now))
         if texts and len(texts) == len(out):
             # Scalars of one dtype (encode_rows' fast path): each line is the
             # site's per-device line with the step, value and time put in,
@@ -788,6 +778,18 @@ class Aggregator:
         )
 
 
+def _from_template(
+    template: dict, step: Any, value: Any, dtype: Any, shape: Any, now: float
+) -> Record:
+    """A per_device record: ``template`` (a record's fields) with its step,
+    value, dtype, shape and time, without the dataclass constructor."""
+    r = object.__new__(Record)
+    d = r.__dict__
+    d.update(template)
+    d["step"], d["value"], d["dtype"], d["shape"], d["time"] = step, value, dtype, shape, now
+    return r
+
+
 # Sentinels put in a template record where the step, the value and the
 # time go; each must appear exactly once, after its key, in the encoded line
 # (a name or host that happens to contain one just keeps the ordinary path).
@@ -804,17 +806,9 @@ def _line_pieces(template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | 
     the one that encoding would write (tests/test_fast_lines.py)."""
     if ORJSON is None:
         return None
-    r = object.__new__(Record)
-    d = r.__dict__
-    d.update(template)
-    d["step"], d["value"], d["dtype"], d["shape"], d["time"] = (
-        _STEP_SENTINEL,
-        _VALUE_SENTINEL,
-        dtype,
-        shape,
-        _TIME_SENTINEL,
-    )
-    line = r.encode()
+    line = _from_template(
+        template, _STEP_SENTINEL, _VALUE_SENTINEL, dtype, shape, _TIME_SENTINEL
+    ).encode()
     cuts = []
     for key, value in (
         (b'"step":', _STEP_SENTINEL),

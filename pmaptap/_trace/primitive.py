@@ -47,24 +47,33 @@ def _impl(*args, host_fn):
     return ()
 
 
-@callback_p.def_effectful_abstract_eval
-def _abstract_eval(*avals, host_fn):
-    del avals, host_fn
-    return [], {debugging.debug_effect}
+def register_tap_rules(prim: core.Primitive) -> None:
+    """The transformation rules of a host-callback primitive that returns
+    nothing (``callback_p``, shardcall.py's ``shard_call_p``): the effect and
+    partial-eval rule of ``debug_callback_p``, a JVP that taps the primals,
+    no cotangent, the batching of ``jax.debug.callback``, and a state
+    discharge that keeps the call."""
+
+    def abstract_eval(*avals, **params):
+        return [], {debugging.debug_effect}
+
+    def jvp(primals, tangents, **params):
+        return prim.bind(*primals, **params), []
+
+    def discharge(in_avals, out_avals, *args, **params):
+        return args, prim.bind(*args, **params)
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = lambda _, *args, **params: [None] * len(args)
+    batching.primitive_batchers[prim] = partial(debugging.debug_batching_rule, primitive=prim)
+    pe.partial_eval_jaxpr_custom_rules[prim] = partial(
+        debugging._debug_partial_eval_custom, primitive=prim
+    )
+    state_discharge.register_discharge_rule(prim)(discharge)
 
 
-def _jvp(primals, tangents, **params):
-    return callback_p.bind(*primals, **params), []
-
-
-ad.primitive_jvps[callback_p] = _jvp
-ad.primitive_transposes[callback_p] = lambda _, *args, **params: [None] * len(args)
-batching.primitive_batchers[callback_p] = partial(
-    debugging.debug_batching_rule, primitive=callback_p
-)
-pe.partial_eval_jaxpr_custom_rules[callback_p] = partial(
-    debugging._debug_partial_eval_custom, primitive=callback_p
-)
+register_tap_rules(callback_p)
 
 
 # --- taps of tangents (a tap inside a jax.custom_jvp rule, under grad/vjp)
@@ -174,12 +183,6 @@ def recomputed_while_predicate(ctx: Any) -> bool:
         and b.name == _PRED_SCOPE
         for a, b in zip(stack, stack[1:])
     )
-
-
-@state_discharge.register_discharge_rule(callback_p)
-def _discharge(in_avals, out_avals, *args, **params):
-    del in_avals, out_avals
-    return args, callback_p.bind(*args, **params)
 
 
 def _copying(host_fn):

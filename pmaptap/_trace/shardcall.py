@@ -34,10 +34,8 @@ from typing import Callable
 import jax
 import numpy as np
 from jax._src import callback as cb
-from jax._src import core, debugging, dispatch
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.state import discharge as state_discharge
+from jax._src import core, dispatch
+from jax._src.interpreters import mlir
 
 from pmaptap._trace import placement, primitive
 from pmaptap._trace.shards import ShardPlacement
@@ -77,30 +75,7 @@ def _impl(coords, step, *leaves, host_fn, summarize, batch_dims):
     return ()
 
 
-@shard_call_p.def_effectful_abstract_eval
-def _abstract_eval(*avals, **params):
-    del avals, params
-    return [], {debugging.debug_effect}
-
-
-def _jvp(primals, tangents, **params):
-    return shard_call_p.bind(*primals, **params), []
-
-
-ad.primitive_jvps[shard_call_p] = _jvp
-ad.primitive_transposes[shard_call_p] = lambda _, *args, **params: [None] * len(args)
-batching.primitive_batchers[shard_call_p] = partial(
-    debugging.debug_batching_rule, primitive=shard_call_p
-)
-pe.partial_eval_jaxpr_custom_rules[shard_call_p] = partial(
-    debugging._debug_partial_eval_custom, primitive=shard_call_p
-)
-
-
-@state_discharge.register_discharge_rule(shard_call_p)
-def _discharge(in_avals, out_avals, *args, **params):
-    del in_avals, out_avals
-    return args, shard_call_p.bind(*args, **params)
+primitive.register_tap_rules(shard_call_p)
 
 
 def _summarized(x, batch_dims: int):
