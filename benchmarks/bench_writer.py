@@ -33,7 +33,7 @@ import numpy as np, jax
 from benchmarks.common import rss_mib
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.sink import FileSink
-from pmaptap._trace.spec import Placement, TapSite, TapSpec
+from pmaptap._common.spec import Placement, TapSite, TapSpec
 
 n, path, go = int(os.environ["N"]), os.environ["TAP"], os.environ.get("GO")
 mode = os.environ.get("MODE", "rate")

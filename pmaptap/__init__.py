@@ -74,7 +74,7 @@ if "jax" in sys.modules:
     # next call would then trace and compile it again. JAX is loaded already,
     # so registering it now costs no import of JAX (Session.open registers it
     # too, for scripts that import JAX after pmaptap).
-    importlib.import_module("pmaptap._trace.untapped")
+    importlib.import_module("pmaptap._common.switch")
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see

@@ -36,6 +36,7 @@ from pmaptap.errors import CliError
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap.tapfile import views
     from pmaptap.tapfile.follow import LineFollower, RunFollower
+    from pmaptap.tapfile.query import Filter
 
 PROG = "pmaptap"
 
@@ -65,14 +66,14 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
         )
 
 
-def _filter(args: argparse.Namespace) -> views.Filter:
-    from pmaptap.tapfile import views
+def _filter(args: argparse.Namespace) -> Filter:
+    from pmaptap.tapfile.query import Filter, parse_steps
 
     try:
-        steps = views.parse_steps(args.step) if args.step else (None, None)
+        steps = parse_steps(args.step) if args.step else (None, None)
     except ValueError as e:
         raise CliError(str(e)) from None
-    return views.Filter(
+    return Filter(
         names=tuple(args.name or ()),
         steps=steps,
         process=args.process,
@@ -82,7 +83,7 @@ def _filter(args: argparse.Namespace) -> views.Filter:
     )
 
 
-def _select(path: str, command: str, flt: views.Filter) -> list[views.Entry]:
+def _select(path: str, command: str, flt: Filter) -> list[views.Entry]:
     """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
     is an error and an empty result is said, both listing what the file has."""
     from pmaptap.tapfile import views
@@ -99,7 +100,7 @@ def _present(values: set) -> str:
     return ", ".join(sorted(map(str, values))) or "(none)"
 
 
-def _no_match(command: str, path: str, flt: views.Filter, names: set, runs: set) -> None:
+def _no_match(command: str, path: str, flt: Filter, names: set, runs: set) -> None:
     """Raise for a --name/--run the file does not have (as ``plot`` does);
     otherwise say on stderr that nothing matched, with what is there."""
     have = f"taps in this file: {_present(names)}; runs: {_present(runs)}"
@@ -306,7 +307,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         lf.close()
 
 
-def _tail(args: argparse.Namespace, flt: views.Filter, lf: "LineFollower | RunFollower") -> int:
+def _tail(args: argparse.Namespace, flt: Filter, lf: "LineFollower | RunFollower") -> int:
     from pmaptap.tapfile.follow import follow, matching, on_stop_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.

@@ -66,7 +66,7 @@ import os, signal
 import numpy as np, jax
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.sink import FileSink
-from pmaptap._trace.spec import Placement, TapSite, TapSpec
+from pmaptap._common.spec import Placement, TapSite, TapSpec
 
 sink = FileSink(os.environ["TAP"], lock_timeout=0.05, process=0)
 if os.environ["MODE"] == "tear":
@@ -567,7 +567,7 @@ import json, os, threading, time
 import numpy as np, jax, filelock
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.sink import FileSink
-from pmaptap._trace.spec import Placement, TapSite, TapSpec
+from pmaptap._common.spec import Placement, TapSite, TapSpec
 
 n, bound, policy = int(os.environ["N"]), int(os.environ["BOUND"]), os.environ["POLICY"]
 path = os.environ["TAP"]

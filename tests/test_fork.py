@@ -15,7 +15,7 @@ from conftest import run_python
 _SPEC = """
 import jax, numpy as np
 from pmaptap._host import routing
-from pmaptap._trace.spec import Placement, TapSite, TapSpec
+from pmaptap._common.spec import Placement, TapSite, TapSpec
 def spec(name):
     return TapSpec(TapSite(name=name, dedup="per_device", every=1,
                            treedef=jax.tree_util.tree_structure(0.0),

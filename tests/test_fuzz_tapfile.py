@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pmaptap
-from pmaptap.tapfile import checks, export, follow, parse, reader, summary, views
+from pmaptap.tapfile import checks, export, follow, parse, summary, views
 from pmaptap.tapfile import format as fmt
+from pmaptap.tapfile.lines import iter_lines
 
 EXAMPLES = int(os.environ.get("PMAPTAP_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
@@ -232,7 +233,7 @@ def check_file(data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        got = list(reader.iter_lines(path))
+        got = list(iter_lines(path))
         assert [n for n, _, _ in got] == list(range(1, len(lines) + 1))
         for (n, d, problem), w in zip(got, want):
             if w is None or w == "empty":

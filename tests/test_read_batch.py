@@ -14,9 +14,11 @@ import pytest
 
 from conftest import per_device_dict, record_dict, replicated_dict
 from pmaptap.tapfile import format as fmt
-from pmaptap.tapfile import parse, reader
+from pmaptap.tapfile import lines as tapfile_lines
+from pmaptap.tapfile import parse
 from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.checks import _canonical, _coords_key
+from pmaptap.tapfile.lines import iter_file_batches, iter_file_lines
 from pmaptap.tapfile.summary import Summarizer, summarize_file, summary_table
 
 HOSTILE = [
@@ -168,12 +170,12 @@ def _lines_one_at_a_time(path) -> list[tuple[int, dict | None, str | None]]:
 
 @pytest.mark.parametrize("tail", [b"", b'{"run": "r", "na', b"\x00\x00"])
 def test_batched_reader_gives_every_line_as_the_definition(tmp_path, monkeypatch, tail):
-    monkeypatch.setattr(reader, "BATCH_BYTES", 700)  # many batches, lines across them
+    monkeypatch.setattr(tapfile_lines, "BATCH_BYTES", 700)  # many batches, lines across them
     monkeypatch.setattr(parse, "MAX_LINE_BYTES", 3000)
     lines = _mixed_lines(1, 300)
     lines.insert(57, b'{"x": "' + b"y" * 5000 + b'"}')  # over-long, mid-file
     path = _write(tmp_path / "t.jsonl", lines, tail)
-    got = list(reader.iter_file_lines(path))
+    got = list(iter_file_lines(path))
     want = _lines_one_at_a_time(path)
     assert len(got) == len(want) == len(lines) + (1 if tail else 0)
     for (n, d, problem), (wn, wd, wproblem) in zip(got, want):
@@ -185,7 +187,7 @@ def test_batched_reader_gives_every_line_as_the_definition(tmp_path, monkeypatch
             assert problem == wproblem
     # The unchecked batches cover the same lines, in order.
     seen = []
-    for first, items, problems, raw in reader.iter_file_batches(path, unchecked=True):
+    for first, items, problems, raw in iter_file_batches(path, unchecked=True):
         assert [n for n, _, _ in got[first - 1 : first - 1 + len(items)]] == list(
             range(first, first + len(items))
         )
@@ -307,7 +309,7 @@ def test_summary_fast_path_equals_the_line_at_a_time_summary(tmp_path, monkeypat
         lines.insert(rnd.randrange(len(lines)), rnd.choice(HOSTILE))
     tail = rnd.choice([b"", b'{"run": "r", "name": "g", "st'])  # a torn last line
     path = _write(tmp_path / "t.jsonl", lines, tail)
-    monkeypatch.setattr(reader, "BATCH_BYTES", rnd.choice([300, 2000, 1 << 16]))
+    monkeypatch.setattr(tapfile_lines, "BATCH_BYTES", rnd.choice([300, 2000, 1 << 16]))
     got, bad, names, runs = summarize_file(path)
     want, want_bad = _reference_summary(path)
     assert [dataclasses.asdict(s) for s in got] == [dataclasses.asdict(s) for s in want]
@@ -375,7 +377,7 @@ def test_without_orjson_every_batch_takes_the_json_path(tmp_path, monkeypatch):
         return problem if problem is None else problem.split(" (")[0]
 
     def read_all():
-        got = [(n, d, gist(p)) for n, d, p in reader.iter_file_lines(path)]
+        got = [(n, d, gist(p)) for n, d, p in iter_file_lines(path)]
         summaries, bad, names, runs = summarize_file(path)
         return got, summaries, [(n, gist(p)) for n, p in bad], names, runs
 

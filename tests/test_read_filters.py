@@ -14,7 +14,7 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, subprocess_env
-from pmaptap.tapfile import reader
+from pmaptap.tapfile import lines
 
 
 def _records() -> list[dict]:
@@ -135,8 +135,8 @@ def test_long_read_draws_a_progress_bar_when_forced(tmp_path, monkeypatch, capsy
     p = tmp_path / "big.jsonl"
     line = json.dumps(_records()[0]) + "\n"
     p.write_text(line * (3 * (1 << 20) // len(line)))  # ~3 MiB
-    monkeypatch.setattr(reader, "PROGRESS_DELAY_S", 0.0)
-    monkeypatch.setattr(reader, "_PROGRESS_EVERY", 64)
+    monkeypatch.setattr(lines, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(lines, "_PROGRESS_EVERY", 64)
     monkeypatch.setenv("PMAPTAP_PROGRESS", "1")
     assert len(pmaptap.read(p, step=0)) > 1000
     err = capsys.readouterr().err
@@ -152,8 +152,8 @@ def test_progress_bar_on_a_real_terminal_only_after_the_delay(tmp_path):
     line = json.dumps(_records()[0]) + "\n"
     p.write_text(line * (2 * (1 << 20) // len(line)))
     code = (
-        f"import sys; from pmaptap.tapfile import reader\n"
-        f"reader.PROGRESS_DELAY_S = float(sys.argv[1]); reader._PROGRESS_EVERY = 64\n"
+        f"import sys; from pmaptap.tapfile import lines\n"
+        f"lines.PROGRESS_DELAY_S = float(sys.argv[1]); lines._PROGRESS_EVERY = 64\n"
         f"from pmaptap.cli import main\n"
         f"sys.exit(main(['summary', {str(p)!r}]))"
     )

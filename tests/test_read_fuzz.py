@@ -18,14 +18,17 @@ import pytest
 from test_read_batch import _lines_one_at_a_time
 
 from conftest import record_dict
+from pmaptap.tapfile import lines as tapfile_lines
 from pmaptap.tapfile import parse, reader
 from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.checks import validate_file
+from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.export import write_csv
 from pmaptap.tapfile.format import decode_record
-from pmaptap.tapfile.reader import DivergenceIndex
+from pmaptap.tapfile.lines import iter_file_lines
+from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.summary import Summarizer, summarize_file, summary_table
-from pmaptap.tapfile.views import Filter, load_matching
+from pmaptap.tapfile.views import load_matching
 
 # Small enough that the fuzzer's over-long lines are cheap to build.
 LIMIT = 3000
@@ -336,7 +339,7 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
     path = tmp_path / "t.jsonl"
     path.write_bytes(data)
     monkeypatch.setattr(parse, "MAX_LINE_BYTES", LIMIT)
-    monkeypatch.setattr(reader, "BATCH_BYTES", _batch_size(rnd, data))
+    monkeypatch.setattr(tapfile_lines, "BATCH_BYTES", _batch_size(rnd, data))
 
     # 1. parse_lines (and load_lines' values) == parse_line, line by line.
     lines = data.split(b"\n")
@@ -347,7 +350,7 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
 
     # 2. The batched reader: every line as the definition.
     want_lines = _lines_one_at_a_time(path)
-    got_lines = list(reader.iter_file_lines(path))
+    got_lines = list(iter_file_lines(path))
     assert len(got_lines) == len(want_lines) == data.count(b"\n") + (not data.endswith(b"\n"))
     for (n, d, p), (wn, wd, wp) in zip(got_lines, want_lines):
         assert n == wn and _dump(d) == _dump(wd), n
@@ -404,7 +407,7 @@ def test_fuzz_degenerate_files(tmp_path, data):
     path = tmp_path / "t.jsonl"
     path.write_bytes(data)
     want = _lines_one_at_a_time(path)
-    assert [(n, d, p) for n, d, p in reader.iter_file_lines(path)] == want
+    assert [(n, d, p) for n, d, p in iter_file_lines(path)] == want
     summaries, bad, names, runs = summarize_file(path)
     assert summaries == [] and names == set() and runs == set()
     assert bad == [(n, p) for n, d, p in want if d is None]

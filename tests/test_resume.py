@@ -16,8 +16,8 @@ import pytest
 import pmaptap
 from conftest import logs_warning, record_dict
 from pmaptap.tapfile.checks import validate_file
+from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.summary import summarize_file, summary_table
-from pmaptap.tapfile.views import Filter
 
 
 def _train(path, steps, offset, devices, **session):

@@ -14,6 +14,7 @@ import pytest
 import pmaptap
 from conftest import ROOT, logs_warning, per_device_dict, record_dict, subprocess_env
 from pmaptap.tapfile import views
+from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
 
@@ -91,9 +92,9 @@ def test_streaming_summary_equals_summary_of_read_records(taps, caplog):
 
 def test_filters_keep_divergence_of_dropped_copies(taps):
     # Only process 0's copy of step 2 matches, but process 1 disagreed.
-    streamed, *_ = summarize_file(taps, views.Filter(names=("loss",), process=0))
+    streamed, *_ = summarize_file(taps, Filter(names=("loss",), process=0))
     assert streamed[0].divergent_steps == (2,) and streamed[0].records == 5
-    entries, *_ = views.load_matching(taps, views.Filter(names=("loss",), process=0))
+    entries, *_ = views.load_matching(taps, Filter(names=("loss",), process=0))
     assert [e.rec.get("divergent", False) for e in entries] == [False, False, True, False, False]
     assert entries[2].raw["divergent"] is True  # for show --json too
     out = subprocess.run(

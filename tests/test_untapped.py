@@ -111,12 +111,12 @@ def test_environment_variable_removes_every_tap_of_the_process():
 def test_untapped_state_exists_on_this_jax():
     # pmaptap.untapped rests on a JAX-internal config state keyed into JAX's
     # caches; a JAX upgrade that moves it must fail here, loudly.
-    from pmaptap._trace.untapped import _MISSING, _TAPS_OFF
+    from pmaptap._common.switch import _MISSING, _TAPS_OFF
 
     assert _TAPS_OFF is not None, _MISSING
     with _TAPS_OFF(True):
         assert pmaptap.untapped.__module__ == "pmaptap._trace.untapped"
-        from pmaptap._trace.untapped import taps_off
+        from pmaptap._common.switch import taps_off
 
         assert taps_off()
     assert not taps_off()

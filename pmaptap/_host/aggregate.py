@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap._log import log
-from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 from pmaptap.tapfile.format import MAX_STEP, ORJSON, Record, meta_record, new_record
 
 # Payloads holding the leader's own copy of a replicated tap: unverified
@@ -615,7 +615,7 @@ class Aggregator:
             # site's per-device line with the step, value and time put in,
             # instead of a dict per record and one orjson call each. That
             # encoding was most of what a scalar per_device tap costs the
-            # host above handing its values over (issue 17).
+            # host above handing its values over (docs/performance.md, per_device).
             lkey = (key, out[0].dtype)
             pieces = t.per_device_lines.get(lkey)
             if pieces is None:

@@ -29,7 +29,7 @@ from pmaptap._log import log
 from pmaptap.errors import TapError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pmaptap._trace.spec import TapSpec
+    from pmaptap._common.spec import TapSpec
 
 
 class ErrorLog:

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from pmaptap._log import log
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pmaptap._common.spec import TapSpec
     from pmaptap._host.pipeline import Pipeline
     from pmaptap._host.session import Session
-    from pmaptap._trace.spec import TapSpec
 
 # Guards the creation of the console pipeline only; the callback path reads
 # ``_active`` without it (one reference read is atomic in Python).

@@ -107,7 +107,7 @@ def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | 
     chunks): the merged stream read once (the last run is that of the
     latest record by time)."""
     from pmaptap.tapfile.attempts import attempt_of
-    from pmaptap.tapfile.reader import iter_lines
+    from pmaptap.tapfile.lines import iter_lines
 
     last_run: str | None = None
     found: dict[str, int] = {}
@@ -329,8 +329,8 @@ class Session:
                 raise SessionError(
                     f"{self!r} was already used; create a new Session to open again."
                 )
-            # Before the first tapped step is traced: see pmaptap/__init__.py.
-            import pmaptap._trace.untapped  # noqa: F401
+            # Before the first tapped step is traced: see _common/switch.py.
+            import pmaptap._common.switch  # noqa: F401
 
             if self.layout == "auto":
                 self.layout = choose_layout()

@@ -24,7 +24,7 @@ from pmaptap.tapfile.format import COUNT_BASE
 
 
 def summarize(a: np.ndarray, batch_dims: int = 0) -> np.ndarray:
-    """NumPy twin of ``tap.device_statistics`` over the trailing (unbatched) axes of
+    """NumPy twin of ``stats.device_statistics`` over the trailing (unbatched) axes of
     one shard: float32[..., 8] (min, max, mean, std over finite elements,
     then NaN and inf counts split in two float32 each)."""
     import ml_dtypes  # noqa: F401 - bfloat16/float8 arrive as such

@@ -21,9 +21,9 @@ from jax import lax
 from jax._src import core as _core
 from jax.experimental import io_callback
 
+from pmaptap._common.spec import TapSpec
 from pmaptap._trace.group import auto_offer, auto_step_key, current_group, settle
 from pmaptap._trace.layouts import choose_layout, emitter
-from pmaptap._trace.spec import TapSpec
 
 
 def axis_coords(axis_names: Sequence) -> jax.Array:

@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from pmaptap._trace.tap import as_leaf, check_common, check_step, send
-from pmaptap._trace.untapped import taps_off
+from pmaptap._common.switch import taps_off
+from pmaptap._trace.arguments import as_leaf, check_common, check_step
+from pmaptap._trace.tap import send
 
 T = TypeVar("T")
 FN = "pmaptap.tap_grad"

@@ -16,11 +16,11 @@ from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 from jax.custom_batching import custom_vmap
 
+from pmaptap._common.spec import GroupSpec, Layout, TapSpec
 from pmaptap._trace import traceend
 from pmaptap._trace.layouts import emitter, gather_packed, is_leader, nbytes, send_payload
 from pmaptap._trace.options import options
 from pmaptap._trace.primitive import mark_tap_vmap_rule
-from pmaptap._trace.spec import GroupSpec, Layout, TapSpec
 
 _local = threading.local()
 

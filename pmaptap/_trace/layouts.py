@@ -52,12 +52,12 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
+from pmaptap._common.spec import Layout, PayloadSpec, TapSpec
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement
 from pmaptap._trace.options import options
 from pmaptap._trace.primitive import emit_callback, mark_tap_vmap_rule
 from pmaptap._trace.shardcall import shard_call
-from pmaptap._trace.spec import Layout, PayloadSpec, TapSpec
 
 
 def static_step_operand(step: int) -> jax.Array:

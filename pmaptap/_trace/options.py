@@ -32,7 +32,7 @@ class Options:
     prove_replicated: bool = True
     # A leaf bigger than this (bytes of one copy, one vmap element) is not
     # sent: its statistics are computed on device and the record says
-    # "summarized": true (see tap.device_statistics). None: always send whole values.
+    # "summarized": true (see stats.device_statistics). None: always send whole values.
     # host_callback.id_tap functions always receive the whole value.
     max_value_bytes: int | None = 1 << 20
     # Taps of one traced body (jit/pmap/shard_map step, scan/cond/while or

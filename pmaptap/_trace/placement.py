@@ -18,11 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from pmaptap._common.spec import Placement
+
 # The trace-time proof that a value is the same on every device (what a
 # replicated tap needs to skip comparing its copies) reads the trace being
 # built; it lives in the sibling invariant.py, re-exported here.
 from pmaptap._trace.invariant import proven_invariant as proven_invariant
-from pmaptap._trace.spec import Placement
 
 # JAX's name for the axis of a pmap called without axis_name. Records show it
 # as "pmap" so users do not see an internal identifier.

@@ -37,8 +37,8 @@ from jax._src import callback as cb
 from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 
+from pmaptap._common.shard_placement import ShardPlacement
 from pmaptap._trace import placement, primitive
-from pmaptap._trace.shards import ShardPlacement
 
 shard_call_p = core.Primitive("pmaptap_shard_call")
 shard_call_p.multiple_results = True
@@ -79,7 +79,7 @@ primitive.register_tap_rules(shard_call_p)
 
 
 def _summarized(x, batch_dims: int):
-    from pmaptap._trace.tap import device_statistics
+    from pmaptap._trace.stats import device_statistics
 
     fn = device_statistics
     for _ in range(batch_dims):

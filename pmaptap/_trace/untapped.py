@@ -22,58 +22,11 @@ production run). Arguments are still checked at trace time.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, TypeVar
 
-from pmaptap._log import log
+from pmaptap._common.switch import _MISSING, _TAPS_OFF
 
 F = TypeVar("F", bound=Callable)
-
-_TRUE = ("1", "true", "yes", "on", "y", "t")
-_FALSE = ("", "0", "false", "no", "off", "n", "f")
-
-
-def _env_default() -> bool:
-    """PMAPTAP_UNTAPPED, read here rather than by JAX: empty means unset,
-    and a value that is neither true nor false warns instead of breaking
-    ``import pmaptap`` (the launcher and the CLI import it too)."""
-    raw = os.environ.get("PMAPTAP_UNTAPPED", "")
-    val = raw.strip().lower()
-    if val in _TRUE:
-        return True
-    if val not in _FALSE:
-        log.warning(
-            f"PMAPTAP_UNTAPPED={raw!r} is not one of 1/true/yes/on or "
-            "0/false/no/off (or empty); taps stay on."
-        )
-    return False
-
-
-try:
-    # JAX internals: a config state that JAX's caches key on (public
-    # jax.config cannot define new states); test_untapped pins this. Should
-    # a JAX upgrade move it, taps keep working and only untapped() refuses.
-    # (JAX reads an environment variable named after the state, hence the
-    # _state suffix: PMAPTAP_UNTAPPED is parsed by _env_default.)
-    from jax._src import config as _jax_config
-
-    _TAPS_OFF = _jax_config.bool_state(
-        name="pmaptap_untapped_state",
-        default=_env_default(),
-        help="Remove pmaptap taps (tap, tap_grad, host_callback.id_tap/"
-        "id_print) from functions traced while set.",
-        include_in_jit_key=True,
-        include_in_trace_context=True,
-    )
-    _MISSING = ""
-except (ImportError, AttributeError, TypeError, ValueError) as e:  # pragma: no cover
-    _TAPS_OFF = None
-    _MISSING = f"{type(e).__name__}: {e}"
-
-
-def taps_off() -> bool:
-    """Whether taps traced now are removed."""
-    return _TAPS_OFF is not None and bool(_TAPS_OFF.value)
 
 
 def untapped(fn: F) -> F:

@@ -35,11 +35,11 @@ from typing import Any, Callable, TypeVar
 import jax
 import numpy as np
 
+from pmaptap._common.spec import Placement
+from pmaptap._common.switch import taps_off
 from pmaptap._trace import placement
+from pmaptap._trace.arguments import as_leaf, check_dtype
 from pmaptap._trace.emit import axis_coords, emit_call
-from pmaptap._trace.spec import Placement
-from pmaptap._trace.tap import as_leaf, check_dtype
-from pmaptap._trace.untapped import taps_off
 from pmaptap.errors import CallbackException
 from pmaptap.host_callback._linked import can_tie, linked_tap
 from pmaptap.host_callback.executor import (

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from pmaptap._common.spec import Placement
 from pmaptap._log import log
-from pmaptap._trace.spec import Placement
 
 
 # --------------------------------------------------------------- executor

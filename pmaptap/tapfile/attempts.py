@@ -82,7 +82,7 @@ def scan(path: str | os.PathLike) -> Attempts:
 
     if runs.is_sharded(path):
         # A sharded run (tapfile/runs.py): its merged stream, read once.
-        from pmaptap.tapfile.reader import iter_lines
+        from pmaptap.tapfile.lines import iter_lines
 
         for _, d, _ in iter_lines(path):
             if d is not None and "attempt" in d:

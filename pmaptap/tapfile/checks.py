@@ -1,8 +1,8 @@
 """Checks on tap files beyond "is it a record": the strict schema of the
-record format (records.py), duplicates, missing steps. Used by
+record format (format.py), duplicates, missing steps. Used by
 ``pmaptap validate`` and ``pmaptap summary``.
 
-Duplicates (what the cross-process dedup in xdedup.py should have
+Duplicates (what the cross-process dedup in _host/crossdedup.py should have
 prevented, or a file concatenated twice):
 - replicated: the same (run, name, step, pass) with the same ``vhash`` (or the
   same value where there is no hash) twice. The same key with *different*

@@ -51,7 +51,7 @@ def _leaf(raw: Any) -> Any:
 
 def flatten_value(value: Any, dtype: Any, prefix: str = "value") -> dict[str, Any]:
     """Column -> cell for a value as written in the file; ``dtype`` has the
-    value's pytree nesting (records.py), which tells a pytree list from an
+    value's pytree nesting (format.py), which tells a pytree list from an
     array (whose dtype is one string)."""
     if isinstance(dtype, dict) and isinstance(value, dict):
         out: dict[str, Any] = {}

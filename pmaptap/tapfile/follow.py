@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 from pmaptap.tapfile import parse, views
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.query import Filter
 
 _CHUNK = 1 << 20
 
@@ -101,7 +102,7 @@ class LineFollower:
 
 
 def matching(
-    lf: LineFollower, flt: views.Filter, report: Callable[[int, str], None] | None = None
+    lf: LineFollower, flt: Filter, report: Callable[[int, str], None] | None = None
 ) -> Iterator[views.Entry]:
     """The records among the lines completed since the last poll that pass
     ``flt``, streamed (a large file is never held whole). Lines that are not
@@ -119,7 +120,7 @@ def matching(
 
 def follow(
     lf: LineFollower,
-    flt: views.Filter,
+    flt: Filter,
     *,
     stop: threading.Event,
     interval: float,

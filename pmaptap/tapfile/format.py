@@ -227,7 +227,7 @@ def valid_index(index: Any, depth: int = 0) -> bool:
 
 
 # A leaf above options().max_value_bytes travels as float32[8] statistics
-# computed on device (tap.device_statistics): min, max, mean, std over the finite
+# computed on device (stats.device_statistics): min, max, mean, std over the finite
 # elements (of |z| for complex), then the NaN and inf counts, each as two
 # float32 (count // COUNT_BASE, count % COUNT_BASE) so that counts up to 2**31
 # stay exact, which one float32 (24-bit mantissa) would not.

@@ -13,8 +13,8 @@ from typing import Callable
 
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.format import encode_line
+from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.reader import iter_lines
 
 
 def _check_target(run: str, out: str) -> None:

@@ -16,11 +16,13 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
+from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import _SCALAR_TYPES, NONFINITE
+from pmaptap.tapfile.lines import iter_batches, iter_file_batches
 from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.reader import DivergenceIndex, iter_batches, iter_file_batches
+from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.runs import is_sharded
-from pmaptap.tapfile.views import Filter, Table, format_ids, format_number, id_order, scalar
+from pmaptap.tapfile.views import Table, format_ids, format_number, id_order, scalar
 
 
 @dataclasses.dataclass

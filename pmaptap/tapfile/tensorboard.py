@@ -38,11 +38,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pmaptap._log import log
-from pmaptap.tapfile import views
 from pmaptap.tapfile.follow import on_stop_signals, open_follower
 from pmaptap.tapfile.format import decode_record
+from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.reader import iter_lines
+from pmaptap.tapfile.query import Filter
 
 MISSING_TENSORBOARDX = (
     "pmaptap export --tensorboard needs tensorboardX, an optional "
@@ -239,7 +239,7 @@ class TensorBoardExport:
 
 
 def export(
-    path: str | os.PathLike, outdir: str | os.PathLike, flt: views.Filter
+    path: str | os.PathLike, outdir: str | os.PathLike, flt: Filter
 ) -> tuple[Stats, list[tuple[int, str]]]:
     """Convert the whole file once, streaming it (records are not held).
     Returns the counts and the (line, problem) list of lines that are not
@@ -271,7 +271,7 @@ def export(
 def follow(
     path: str | os.PathLike,
     outdir: str | os.PathLike,
-    flt: views.Filter,
+    flt: Filter,
     *,
     interval: float = 0.5,
     timeout: float | None = None,
@@ -315,7 +315,7 @@ def follow(
     return tb.stats
 
 
-def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: views.Filter) -> None:
+def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Filter) -> None:
     for lineno, raw in lines:
         d, problem = parse_line(raw)
         if d is None:

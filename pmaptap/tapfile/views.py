@@ -11,8 +11,10 @@ import os
 from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.attempts import Attempts
+from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
 from pmaptap.tapfile.format import decode_record, index_text
-from pmaptap.tapfile.reader import DivergenceIndex, iter_lines, reconcile_divergence
+from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.query import Filter
 
 
 @dataclasses.dataclass
@@ -89,81 +91,6 @@ def mark_divergence(entries: Sequence[Entry]) -> None:
 
 
 # ------------------------------------------------------------------ filters
-
-
-def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``"A:B"`` (inclusive both ends, either side optional) or ``"N"``."""
-    try:
-        if ":" not in text:
-            n = int(text)
-            return n, n
-        lo, hi = text.split(":", 1)
-        a = int(lo) if lo.strip() else None
-        b = int(hi) if hi.strip() else None
-    except ValueError:
-        raise ValueError(
-            f"--step wants N, A:B, A: or :B with integers (inclusive), got {text!r}"
-        ) from None
-    if a is not None and b is not None and a > b:
-        # Reversed, so empty: a typo far more often than a real request.
-        raise ValueError(
-            f"--step {text}: the range is empty ({a} > {b}); "
-            f"A:B includes both ends, write {b}:{a} for steps "
-            f"{b} to {a}"
-        )
-    return a, b
-
-
-@dataclasses.dataclass
-class Filter:
-    names: tuple[str, ...] = ()
-    steps: tuple[int | None, int | None] = (None, None)
-    process: int | None = None
-    device: int | None = None
-    run: str | None = None
-    # Show the records that a later attempt of a resumed run superseded too
-    # (tapfile/attempts.py); by default only the latest attempt's.
-    all_attempts: bool = False
-
-    def key_match(self, r: dict) -> bool:
-        """The part of the filter on a record's identity (name, run, step):
-        every record of a key matches it or none does."""
-        if self.names and r.get("name") not in self.names:
-            return False
-        if self.run is not None and r.get("run") != self.run:
-            return False
-        lo, hi = self.steps
-        step = r.get("step")
-        return not (lo is not None and step < lo or hi is not None and step > hi)
-
-    def __call__(self, r: dict) -> bool:
-        # Only fields outside ``value``: a record as written (values not
-        # decoded yet) matches exactly as its decoded form does.
-        if not self.key_match(r):
-            return False
-        # A replicated record stands for every device/process holding the
-        # value (only one process writes it), so it matches any of them.
-        if (
-            self.process is not None
-            and self.process != r.get("process")
-            and self.process not in (r.get("processes") or ())
-        ):
-            return False
-        if self.device is not None:
-            if r.get("kind") == "per_device":
-                return r.get("device") == self.device
-            return self.device in (r.get("devices") or ())
-        return True
-
-    @property
-    def active(self) -> bool:
-        return bool(
-            self.names
-            or self.steps != (None, None)
-            or self.process is not None
-            or self.device is not None
-            or self.run is not None
-        )
 
 
 # ------------------------------------------------------------------ values

@@ -58,7 +58,7 @@ class TapSite:
     batch_dims: int = 0  # leading axes added by vmap
     # Per leaf: None (sent whole) or the (dtype, shape) of a leaf above
     # options().max_value_bytes whose statistics travel instead (see
-    # tap.device_statistics); () when no leaf is summarized.
+    # stats.device_statistics); () when no leaf is summarized.
     summaries: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
     # One per traced tap: what the aggregator keys its per-site tables on.
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
@@ -122,7 +122,7 @@ class TapSpec:
     site: TapSite
     placement: Placement
     transport: Transport = Transport()
-    # Layout.SHARDS on the host side: the ShardPlacement (_trace/shards.py) of
+    # Layout.SHARDS on the host side: the ShardPlacement (_common/shard_placement.py) of
     # the lowering a payload came from; None at trace time.
     shards: Any = None
 

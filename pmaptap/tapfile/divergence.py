@@ -1,0 +1,81 @@
+"""Divergence across processes: which replicated keys a file holds with
+different values from different processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pmaptap.tapfile.format import record_key
+
+
+class DivergenceIndex:
+    """Which replicated keys (run, name, step, pass) the file holds with more
+    than one value from more than one process: ``add`` every replicated
+    record seen, then ask ``divergent``. The first writer of a key could not
+    know that a later process would disagree (see _host/crossdedup.py); one process
+    re-writing a key with new values is not divergence. Holds one small entry
+    per replicated key, never the records."""
+
+    def __init__(self) -> None:
+        # (run, name, pass, index, attempt) -> step -> what was seen there:
+        # (vhash, process) while one of each, then {vhash: processes}. By
+        # step within the rest of the key: a small int per step, not a
+        # tuple per record, for a summary of a long run.
+        self._seen: dict[tuple, dict[Any, Any]] = {}
+        # Whether any key was seen with a second (vhash, process): only then
+        # can ``divergent`` be true (readers skip asking otherwise).
+        self.any_repeat = False
+
+    def steps_of(
+        self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
+    ) -> dict[Any, Any]:
+        """The step -> entry map of one (run, name, pass, index key,
+        attempt): record_key without its step. A reader that adds many
+        records of one such key (``pmaptap summary``) sets entries there
+        directly: ``setdefault(step, (vhash, process))``, and ``repeat`` when
+        that returns another entry."""
+        key = (run, name, pass_, index, attempt)
+        steps = self._seen.get(key)
+        if steps is None:
+            steps = self._seen[key] = {}
+        return steps
+
+    def add(self, r: dict) -> None:
+        if r.get("kind") != "replicated" or not r.get("vhash"):
+            return
+        run, name, step, pass_, index, attempt = record_key(r)
+        steps = self.steps_of(run, name, pass_, index, attempt)
+        entry = (r["vhash"], r.get("process"))
+        if steps.setdefault(step, entry) is not entry:
+            self.repeat(steps, step, entry)
+
+    def repeat(self, steps: dict, step: Any, entry: tuple) -> None:
+        """``entry`` (vhash, process) met another one at ``step``."""
+        got = steps[step]
+        if isinstance(got, tuple):
+            if got == entry:
+                return
+            self.any_repeat = True
+            got = steps[step] = {got[0]: {got[1]}}
+        got.setdefault(entry[0], set()).add(entry[1])
+
+    def divergent(self, r: dict) -> bool:
+        if r.get("kind") != "replicated":
+            return False
+        run, name, step, pass_, index, attempt = record_key(r)
+        steps = self._seen.get((run, name, pass_, index, attempt))
+        got = steps.get(step) if steps is not None else None
+        if not isinstance(got, dict):
+            return False
+        return len(got) > 1 and len(set().union(*got.values())) > 1
+
+
+def reconcile_divergence(records: list[dict]) -> None:
+    """Mark every replicated record of a key that the file holds with
+    different values from different processes ``divergent`` (DivergenceIndex)."""
+    index = DivergenceIndex()
+    for r in records:
+        index.add(r)
+    for r in records:
+        if index.divergent(r):
+            r["divergent"] = True

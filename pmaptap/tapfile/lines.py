@@ -1,0 +1,216 @@
+"""The lines of a tap file (or of a sharded run's merged stream), each as
+(line number, record or None, problem or None), read in batches of whole
+lines: the one place that iterates a tap file's lines for every reader."""
+
+from __future__ import annotations
+
+import os
+import time
+from itertools import count, repeat
+from typing import Any, BinaryIO, Iterator
+
+from pmaptap.tapfile import parse, runs
+from pmaptap.tapfile.parse import parse_line
+
+_SKIP_CHUNK = 1 << 20
+
+
+# A read that has taken this long shows a progress bar on a terminal.
+PROGRESS_DELAY_S = 2.0
+
+
+# Lines between two looks at the clock. Reads now go a batch (BATCH_BYTES)
+# at a time and look once per batch; kept for callers that set it.
+_PROGRESS_EVERY = 8192
+
+
+class _ReadProgress:
+    """A bar of bytes read, on stderr, only once a read has lasted
+    PROGRESS_DELAY_S and only where a person watches (a TTY; the
+    PMAPTAP_PROGRESS environment variable forces it on or off)."""
+
+    def __init__(self, f: BinaryIO, path: str | os.PathLike) -> None:
+        self.f = f
+        self.path = os.fspath(path)
+        self.start = time.monotonic()
+        self.bar: Any = None
+        self.off = False
+
+    def tick(self) -> None:
+        if self.off:
+            return
+        if self.bar is None:
+            if time.monotonic() - self.start < PROGRESS_DELAY_S:
+                return
+            from pmaptap.progress import Progress
+
+            self.size = os.fstat(self.f.fileno()).st_size
+            # process=0: a reader never asks JAX which process it is.
+            self.bar = Progress(
+                max(-(-self.size >> 20), 1),
+                desc=f"reading {os.path.basename(self.path)}",
+                unit="MiB",
+                process=0,
+                min_interval=0.25,
+            )
+            if not self.bar.enabled:
+                self.off = True
+                return
+        self._show(self.f.tell() >> 20)
+
+    def _show(self, mib: int) -> None:
+        if mib > self.bar.n:
+            self.bar.update(mib - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None and self.bar.enabled:
+            if self.f.tell() >= self.size:  # read to the end: a full bar
+                self._show(self.bar.total)
+            self.bar.close()
+
+
+def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line number, record or None, problem or None) for every line, read a
+    line at a time: a line longer than parse.MAX_LINE_BYTES is reported
+    without being held in memory. A run in the sharded layout (``path.d/``)
+    is read as one stream merged from its shards (tapfile/runs.py)."""
+    if runs.is_sharded(path):
+        return runs.iter_merged(path, iter_file_lines)
+    return iter_file_lines(path)
+
+
+def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
+    """``iter_lines`` as batches (see iter_file_batches): a run in the
+    sharded layout is its merged stream cut into batches."""
+    if not runs.is_sharded(path):
+        return iter_file_batches(path)
+    return _batched(iter_lines(path))
+
+
+def _batched(
+    lines: Iterator[tuple[int, dict | None, str | None]], size: int = 512
+) -> Iterator[Batch]:
+    # The merged stream of a sharded run numbers lines by their position in
+    # it, consecutively, so one batch is a run of consecutive numbers.
+    records: list = []
+    problems: dict = {}
+    first = 1
+    for lineno, d, problem in lines:
+        if not records:
+            first = lineno
+        records.append(d)
+        if problem is not None:
+            problems[lineno] = problem
+        if len(records) == size:
+            yield first, records, problems
+            records, problems = [], {}
+    if records:
+        yield first, records, problems
+
+
+def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
+    """``iter_lines`` of one file. A long read draws a progress bar on a
+    terminal (see _ReadProgress)."""
+    for first, records, problems in iter_file_batches(path):
+        if not problems:
+            yield from zip(count(first), records, repeat(None))
+            continue
+        for i, d in enumerate(records):
+            yield first + i, d, problems.get(first + i)
+
+
+# Bytes read per batch: ~300 records of a training job. Small enough that a
+# batch's records are still in the CPU cache when the reader walks them
+# again (1 MiB batches were ~2x slower in the summary benchmark).
+BATCH_BYTES = 1 << 16
+
+
+Batch = tuple[int, list, dict]
+
+
+def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Iterator[Batch]:
+    """The lines of one file as batches ``(first, records, problems)``:
+    ``records[i]`` is line ``first + i`` as a record (undecoded) or None,
+    ``problems`` maps the line number of each line that is not a record to
+    why (parse.parse_lines; an empty line is one). What each line becomes
+    is exactly what parse.parse_line says, plus what only the file shows: a
+    line longer than parse.MAX_LINE_BYTES is reported without being held in
+    memory past that limit, and a last line without a newline that is not
+    valid JSON is a torn line (a writer still writing it, or killed). A long
+    read draws a progress bar on a terminal (see _ReadProgress).
+
+    ``unchecked``: a batch whose lines orjson takes as they are comes as
+    ``(first, values, {}, lines)``, what orjson made of each line, not yet
+    checked as records (parse.load_lines: for a reader that checks them
+    itself and hands any other line to parse.parse_line); every other batch
+    comes as ``(first, records, problems, None)``. Without it, batches are
+    ``(first, records, problems)``."""
+    limit = parse.MAX_LINE_BYTES
+    with open(path, "rb") as f:
+        progress = _ReadProgress(f, path)
+        try:
+            lineno = 1
+            while True:
+                buf = f.read(BATCH_BYTES)
+                if not buf:
+                    return
+                progress.tick()
+                last: tuple[dict | None, str | None] | None = None
+                if buf[-1] != 0x0A:
+                    # Finish the batch's last line (readline stops at its
+                    # newline, or once the line is over the limit).
+                    start = buf.rfind(b"\n") + 1
+                    rest = f.readline(limit + 1 - (len(buf) - start))
+                    if rest.endswith(b"\n"):
+                        buf += rest
+                    else:
+                        raw = buf[start:] + rest
+                        buf = buf[:start]
+                        if len(raw) > limit:
+                            size = len(raw) + _skip_line(f)
+                            why = f"{size} bytes or more; readers take at most {limit}"
+                            last = (None, f"line too long ({why})")
+                        else:
+                            # No newline at the end of the file: a writer is
+                            # still writing this line, or was killed while
+                            # writing it.
+                            d, problem = parse_line(raw)
+                            if problem is not None and problem.startswith("not valid JSON"):
+                                problem = "torn last line (no newline)"
+                            last = (d, problem)
+                records: list = []
+                where: dict = {}
+                if buf:
+                    # buf ends with a newline: the split's last item is empty.
+                    lines = buf.split(b"\n")
+                    lines.pop()
+                    block = buf
+                    values = parse.load_lines(lines, block) if unchecked else None
+                    if values is not None:
+                        yield lineno, values, {}, lines
+                        lineno += len(values)
+                    else:
+                        records, where = parse.parse_lines(lines, block)
+                problems = {lineno + i: why for i, why in where.items()} if where else {}
+                if last is not None:
+                    if last[1] is not None:
+                        problems[lineno + len(records)] = last[1]
+                    records.append(last[0])
+                if unchecked:
+                    if records:
+                        yield lineno, records, problems, None
+                else:
+                    yield lineno, records, problems
+                lineno += len(records)
+        finally:
+            progress.close()
+
+
+def _skip_line(f: BinaryIO) -> int:
+    """Read past the rest of an over-long line; returns the bytes skipped."""
+    skipped = 0
+    while True:
+        chunk = f.readline(_SKIP_CHUNK)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
