@@ -36,6 +36,30 @@ def session(tap_path):
 
 
 @pytest.fixture
+def spy_deliveries(monkeypatch):
+    """Watch what reaches the host: ``spy_deliveries(what)`` returns a list
+    that gets ``what(spec, arrays)`` for every host callback of pmaptap.tap
+    (the spec's name by default; with ``extend=True`` ``what`` returns
+    several items), the callback still delivered as usual."""
+    from pmaptap._trace import layouts
+
+    real = layouts.deliver
+
+    def install(what=lambda spec, arrays: spec.name, extend=False):
+        seen: list = []
+
+        def spy(spec, arrays):
+            (seen.extend if extend else seen.append)(what(spec, arrays))
+            real(spec, arrays)
+
+        # layouts.py imported deliver by name: its entry point is spied on.
+        monkeypatch.setattr(layouts, "deliver", spy)
+        return seen
+
+    return install
+
+
+@pytest.fixture
 def hcb_drained():
     """host_callback tests start and end with nothing queued and no
     unreported tap error: a test that leaves one behind fails here, not in a

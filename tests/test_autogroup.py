@@ -262,18 +262,9 @@ def _count_prims(jaxpr, name: str) -> int:
 
 
 @pytest.fixture
-def deliveries(monkeypatch):
+def deliveries(spy_deliveries):
     """Names of the specs reaching the host, one per host callback."""
-    from pmaptap._trace import layouts
-
-    calls, real = [], layouts.deliver
-
-    def counting(spec, arrays):
-        calls.append(spec.name)
-        real(spec, arrays)
-
-    monkeypatch.setattr(layouts, "deliver", counting)
-    return calls
+    return spy_deliveries()
 
 
 def test_taps_in_cond_and_while_bodies_share_one_callback_per_device(tmp_path, deliveries):

@@ -201,7 +201,7 @@ def _close(got: dict, want: dict) -> bool:
 
 
 def test_values_above_max_value_bytes_become_statistics_on_device(
-    session, tap_path, monkeypatch
+    session, tap_path, spy_deliveries
 ) -> None:
     # 2 MiB of float32 (default limit 1 MiB per leaf), with more NaNs and
     # infs than one float32 counts exactly in its low part (see
@@ -209,14 +209,8 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     a = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
     a.reshape(-1)[:5000] = np.nan
     a.reshape(-1)[5000:9097] = -np.inf
-    sent: list[int] = []
-    real = pmaptap._trace.layouts.deliver
-
-    def spy(spec, arrays):  # what reaches the host, in bytes
-        sent.append(sum(np.asarray(x).nbytes for x in arrays))
-        real(spec, arrays)
-
-    monkeypatch.setattr(pmaptap._trace.layouts, "deliver", spy)
+    # what reaches the host, in bytes
+    sent = spy_deliveries(lambda spec, arrays: sum(np.asarray(x).nbytes for x in arrays))
     jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]}, "act"))(a)
     session.flush()
     (r,) = pmaptap.read(tap_path)

@@ -67,18 +67,8 @@ def test_while_loop_and_cond(session, tap_path):
     assert [r["value"] for r in _named(recs, "c")] == [5.0]
 
 
-def test_every_with_traced_step_skips_on_device(session, tap_path, monkeypatch):
-    calls = []
-    from pmaptap._host import routing
-
-    real = routing.deliver
-
-    def counting(spec, arrays):
-        calls.append(spec.name)
-        real(spec, arrays)
-
-    # layouts.py imported deliver by name; count host calls at that entry point.
-    monkeypatch.setattr("pmaptap._trace.layouts.deliver", counting)
+def test_every_with_traced_step_skips_on_device(session, tap_path, spy_deliveries):
+    calls = spy_deliveries()
 
     @jax.jit
     def f(xs):

@@ -20,19 +20,9 @@ from conftest import run_python
 
 
 @pytest.fixture
-def host_calls(monkeypatch):
+def host_calls(spy_deliveries):
     """Names of the specs reaching the host, one entry per host callback."""
-    calls = []
-    from pmaptap._trace import layouts as emit
-
-    real = emit.deliver
-
-    def counting(spec, arrays):
-        calls.append(spec.name)
-        real(spec, arrays)
-
-    monkeypatch.setattr(emit, "deliver", counting)
-    return calls
+    return spy_deliveries()
 
 
 def _step(v):

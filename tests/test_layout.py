@@ -183,3 +183,115 @@ def test_the_record_format_facts_live_in_one_place():
 def _line_of(text: str) -> int:
     with open(os.path.join(PKG, "tapfile", "format.py"), encoding="utf-8") as f:
         return next(i for i, line in enumerate(f, 1) if text in line)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """pmaptap module -> the pmaptap modules it imports, at module level or
+    inside functions (an import on first use is still a dependency); imports
+    under ``if TYPE_CHECKING:`` are left out (they never run)."""
+    mods = {}
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts.pop()
+                mods[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for mod, path in mods.items():
+        is_pkg = path.endswith("__init__.py")
+        out: set[str] = set()
+
+        class Visitor(ast.NodeVisitor):
+            def visit_If(self, node: ast.If) -> None:
+                t = node.test
+                if "TYPE_CHECKING" in (getattr(t, "id", None), getattr(t, "attr", None)):
+                    for n in node.orelse:
+                        self.visit(n)
+                    return
+                self.generic_visit(node)
+
+            def visit_Import(self, node: ast.Import) -> None:
+                out.update(resolve(a.name) for a in node.names if a.name.startswith("pmaptap"))
+
+            def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.startswith("pmaptap"):
+                    for a in node.names:
+                        out.add(resolve(f"{target}.{a.name}"))
+
+        Visitor().visit(ast.parse(open(path, encoding="utf-8").read()))
+        # The facade (pmaptap/__init__.py) loads public modules by name on
+        # first use; a package's own __init__ is not a dependency of its
+        # modules.
+        graph[mod] = {m for m in out if m and m != mod and m != "pmaptap"}
+    return graph
+
+
+def test_no_import_circle_among_pmaptap_modules():
+    graph = _module_graph()
+    assert len(graph) > 50, sorted(graph)
+    # Tarjan's strongly connected components: any with two or more modules
+    # is a circle (modules that import each other, directly or round about).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_the_seam_holds_both_ways():
+    # The host side and the readers never import the trace side (what both
+    # need lives in pmaptap/_common, which imports neither side); the trace
+    # side reaches the host side only through routing (test above).
+    graph = _module_graph()
+    found = {
+        m: sorted(d for d in deps if d.startswith("pmaptap._trace"))
+        for m, deps in graph.items()
+        if m.startswith(("pmaptap._host", "pmaptap.tapfile", "pmaptap._common"))
+    }
+    assert {m: d for m, d in found.items() if d} == {}
+    common = {
+        m: sorted(d for d in deps if d.startswith(("pmaptap._host", "pmaptap._trace")))
+        for m, deps in graph.items()
+        if m.startswith("pmaptap._common")
+    }
+    assert len(common) >= 3 and {m: d for m, d in common.items() if d} == {}

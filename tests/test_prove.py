@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
+from pmaptap._common.spec import Layout
 from pmaptap._trace import invariant, placement
-from pmaptap._trace.spec import Layout
 
 
 def test_jax_internals_the_proof_reads_are_still_there():
@@ -27,25 +27,17 @@ def test_jax_internals_the_proof_reads_are_still_there():
 
 
 @pytest.fixture
-def layouts(monkeypatch):
+def layouts(spy_deliveries):
     """(name, layout) of every tap payload reaching the host, group members
     one by one (with ("<group>", gathered) before them)."""
-    seen = []
-    from pmaptap._trace import layouts as emit
 
-    real = emit.deliver
-
-    def spy(spec, arrays):
+    def what(spec, arrays):
         members = getattr(spec, "members", None)
         if members is None:
-            seen.append((spec.name, spec.transport.layout))
-        else:
-            seen.append(("<group>", spec.gathered))
-            seen.extend((m.name, m.transport.layout) for m in members)
-        real(spec, arrays)
+            return [(spec.name, spec.transport.layout)]
+        return [("<group>", spec.gathered)] + [(m.name, m.transport.layout) for m in members]
 
-    monkeypatch.setattr(emit, "deliver", spy)
-    return seen
+    return spy_deliveries(what, extend=True)
 
 
 def _loss_step(v):
