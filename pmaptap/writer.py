@@ -22,14 +22,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from pmaptap.errors import LockBusy, TapError
-from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.format import VALUE_KINDS, Record
 
 __all__ = ["Writer"]
-
-KINDS = ("replicated", "per_device")
-LAYOUTS = ("auto", "file", "sharded")
-# layout="auto" shards when ``processes`` is above this (as Session does).
-SHARDED_ABOVE = 32
 
 
 def _leaf(x: Any) -> np.ndarray:
@@ -91,11 +86,11 @@ class Writer:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
         if not isinstance(process, int) or isinstance(process, bool) or process < 0:
             raise ValueError(f"Writer: process must be an int >= 0, got {process!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"Writer: layout must be one of {LAYOUTS}, got {layout!r}")
-        if layout == "auto":
-            layout = "sharded" if (processes or 0) > SHARDED_ABOVE else "file"
-        from pmaptap.tapfile.runs import is_url
+        from pmaptap.tapfile.runs import FILE_LAYOUTS, file_layout, is_url
+
+        if layout not in FILE_LAYOUTS:
+            raise ValueError(f"Writer: layout must be one of {FILE_LAYOUTS}, got {layout!r}")
+        layout = file_layout(layout, processes or 0)
 
         url = is_url(path)
         self.path = path if url else os.path.abspath(os.fspath(path))
@@ -149,8 +144,10 @@ class Writer:
             raise ValueError(f"Writer.write: name must be a non-empty str, got {name!r}")
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
             raise ValueError(f"Writer.write({name!r}): step must be an int, got {step!r}")
-        if kind not in KINDS:
-            raise ValueError(f"Writer.write({name!r}): kind must be one of {KINDS}, got {kind!r}")
+        if kind not in VALUE_KINDS:
+            raise ValueError(
+                f"Writer.write({name!r}): kind must be one of {VALUE_KINDS}, got {kind!r}"
+            )
         if kind == "replicated" and device is not None:
             raise ValueError(f"Writer.write({name!r}): device is for kind='per_device' only")
         parts: list[bytes] = []

@@ -297,13 +297,11 @@ def test_auto_layout_shards_above_the_process_count(tmp_path, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from pmaptap._host import session as session_mod
-
     path = str(tmp_path / "auto.jsonl")
     with pmaptap.Session(path, run="a") as s:  # 1 process: one file
         jax.jit(lambda x: pmaptap.tap(x, "x", step=0))(jnp.float32(1))
     assert s.layout == "file" and not os.path.exists(path + ".d")
-    monkeypatch.setattr(session_mod, "SHARDED_ABOVE", 0)
+    monkeypatch.setattr(runs, "SHARDED_ABOVE", 0)
     with pmaptap.Session(path, run="a") as s:
         jax.jit(lambda x: pmaptap.tap(x, "x", step=1))(jnp.float32(2))
     assert s.layout == "sharded" and os.path.isfile(runs.shard_path(path, 0))

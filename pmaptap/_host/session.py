@@ -26,6 +26,7 @@ from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
 from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError
+from pmaptap.tapfile import runs
 from pmaptap.tapfile.runs import is_sharded, is_url
 
 # Serializes open() against close()'s clearing of the active session. The
@@ -33,23 +34,11 @@ from pmaptap.tapfile.runs import is_sharded, is_url
 _open_lock = threading.Lock()
 active_session = routing.active_session
 
-LAYOUTS = ("auto", "file", "sharded")
-# layout="auto" shards a job with more processes than this. At 32 writers the
-# shared file still keeps up (docs/performance.md); at 128 its lock collapses.
-SHARDED_ABOVE = 32
-
 
 def _object_commit_interval() -> float:
     from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
 
     return OBJECT_COMMIT_INTERVAL
-
-
-def choose_layout() -> str:
-    """The layout "auto" picks: by process count, the same on every process."""
-    import jax
-
-    return "sharded" if jax.process_count() > SHARDED_ABOVE else "file"
 
 
 def _new_run_id() -> str:
@@ -223,7 +212,7 @@ class Session:
       "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
       no lock, nothing read back; readers merge: docs/multihost.md) or
       "auto" (default): "sharded" when the job has more than
-      ``SHARDED_ABOVE`` processes, else "file".
+      ``tapfile.runs.SHARDED_ABOVE`` processes, else "file".
     forward: forwarders that receive every record this process writes to the
       file, after cross-process dedup (a replicated value reaches them from
       one process of the job): callables taking the record dict (as
@@ -279,8 +268,8 @@ class Session:
                 f"Session: lock must be one of {LOCK_MODES} "
                 f'("soft" for NFS/Lustre/GPFS), got {lock!r}'
             )
-        if layout not in LAYOUTS:
-            raise ValueError(f"Session: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in runs.FILE_LAYOUTS:
+            raise ValueError(f"Session: layout must be one of {runs.FILE_LAYOUTS}, got {layout!r}")
         self.lock = lock
         self.layout = layout
         # An object-store URL (s3://, gs://) is kept as given; it always
@@ -333,7 +322,9 @@ class Session:
             import pmaptap._common.switch  # noqa: F401
 
             if self.layout == "auto":
-                self.layout = choose_layout()
+                import jax
+
+                self.layout = runs.file_layout("auto", jax.process_count())
             if self.url:
                 from pmaptap._host.objsink import ObjectSink
 

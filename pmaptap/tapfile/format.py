@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faste
     import numpy as np
 
 KINDS = ("replicated", "per_device", "meta")
+# The kinds that carry a tapped value (meta records carry counters).
+VALUE_KINDS = KINDS[:2]
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
 MAX_STEP = 2**63 - 1
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")

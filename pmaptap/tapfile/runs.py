@@ -37,6 +37,23 @@ __all__ = [
 ]
 
 SHARD_SUFFIX = ".d"
+
+# How a run is stored (Session(layout=...), Writer(layout=...)): one shared
+# file, or one file per process under <path>.d/; "auto" picks by job size.
+FILE_LAYOUTS = ("auto", "file", "sharded")
+# "auto" shards a job with more processes than this. At 32 writers the shared
+# file still keeps up (docs/performance.md); at 128 its lock collapses.
+SHARDED_ABOVE = 32
+
+
+def file_layout(layout: str, processes: int) -> str:
+    """``layout`` with "auto" resolved for a job of ``processes`` processes
+    (the same answer on every process of the job)."""
+    if layout == "auto":
+        return "sharded" if processes > SHARDED_ABOVE else "file"
+    return layout
+
+
 _SHARD_NAME = re.compile(r"p(\d+)\.jsonl\Z")
 
 Line = tuple[int, "dict | None", "str | None"]
