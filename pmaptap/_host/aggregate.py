@@ -23,7 +23,15 @@ from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_i
 from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap._log import log
-from pmaptap.tapfile.format import MAX_STEP, ORJSON, Record, meta_record, new_record
+from pmaptap.tapfile.format import (
+    MAX_STEP,
+    META_DROPPED,
+    META_REFUSED,
+    ORJSON,
+    Record,
+    meta_record,
+    new_record,
+)
 
 # Payloads holding the leader's own copy of a replicated tap: unverified
 # (VERIFIED_OFF) or proven replicated at trace time (PROVEN, _trace/invariant.py).
@@ -507,7 +515,7 @@ class Aggregator:
                 meta_record(
                     count=count,
                     run=self.run,
-                    name="pmaptap/refused",
+                    name=META_REFUSED,
                     step=0,
                     process=self.process,
                     time=self.clock(),
@@ -523,7 +531,7 @@ class Aggregator:
         return meta_record(
             count=new,
             run=self.run,
-            name="pmaptap/dropped",
+            name=META_DROPPED,
             step=total,
             process=self.process,
             time=self.clock(),

@@ -34,7 +34,7 @@ import filelock
 from pmaptap._host.crossdedup import CrossProcessIndex
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
-from pmaptap.tapfile.format import Record, meta_record
+from pmaptap.tapfile.format import META_UNENCODABLE, Record, meta_record
 from pmaptap.tapfile.parse import line_problem
 
 _IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
@@ -388,7 +388,7 @@ class FileSink(Sink):
                 r = meta_record(
                     count=1,
                     run=_utf8(r.run),
-                    name="pmaptap/unencodable",
+                    name=META_UNENCODABLE,
                     step=r.step,
                     process=r.process,
                     time=r.time,

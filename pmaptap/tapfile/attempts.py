@@ -20,10 +20,11 @@ import os
 from typing import Any, Iterable
 
 from pmaptap.tapfile import parse
+from pmaptap.tapfile.format import META_ATTEMPT
 from pmaptap.tapfile.parse import parse_line
 
 # The meta record a resumed session writes when it opens (process 0 only).
-ATTEMPT_NAME = "pmaptap/attempt"
+ATTEMPT_NAME = META_ATTEMPT
 ATTEMPT_MODES = ("latest", "all")
 
 

@@ -24,6 +24,14 @@ if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faste
 KINDS = ("replicated", "per_device", "meta")
 # The kinds that carry a tapped value (meta records carry counters).
 VALUE_KINDS = KINDS[:2]
+# The names of the meta records pmaptap writes: facts about the run (kind
+# "meta"), never a tapped value; a reader keeps them visible whatever the
+# attempt. The one registry: writers and readers name them from here.
+META_DROPPED = "pmaptap/dropped"  # values the bounded queue dropped, counted
+META_REFUSED = "pmaptap/refused"  # a tap the host could not record (and why)
+META_UNENCODABLE = "pmaptap/unencodable"  # a record replaced: it could not be encoded
+META_ATTEMPT = "pmaptap/attempt"  # a resumed run's attempt began here
+META_NAMES = (META_DROPPED, META_REFUSED, META_UNENCODABLE, META_ATTEMPT)
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
 MAX_STEP = 2**63 - 1
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
