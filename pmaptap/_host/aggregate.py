@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pmaptap._host import shards as shard_host
-from pmaptap._host.encode import encode_rows, encode_tree
+from pmaptap._host.encode import encode_rows, encode_tree, value_key
 from pmaptap._log import log
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 from pmaptap.tapfile.format import MAX_STEP, ORJSON, Record, meta_record, new_record
@@ -50,14 +50,6 @@ class Copy:
 class _Group:
     first: float
     copies: list[Copy]
-
-
-def value_key(leaves: list[np.ndarray]) -> bytes:
-    parts = []
-    for a in leaves:
-        parts.append(f"{a.dtype.str}{a.shape}|".encode())
-        parts.append(np.ascontiguousarray(a).tobytes())
-    return b"".join(parts)
 
 
 class _Table:

@@ -16,7 +16,7 @@ from pmaptap._trace.layouts import static_step_operand
 from pmaptap._trace.options import options
 from pmaptap._trace.spec import DEDUP_MODES, Layout, TapSite, TapSpec
 from pmaptap._trace.untapped import taps_off
-from pmaptap.tapfile.format import COUNT_BASE, MAX_STEP, encodable
+from pmaptap.tapfile.format import COUNT_BASE, check_step_range, encodable
 
 T = TypeVar("T")
 
@@ -110,12 +110,7 @@ def check_step(step: Any, name: str, fn: str):
     if isinstance(step, bool):
         raise TypeError(f"{fn}({name!r}): step must be an integer, got bool.")
     if isinstance(step, (int, np.integer)):
-        if not 0 <= step <= MAX_STEP:
-            raise ValueError(
-                f"{fn}({name!r}): step must be >= 0 and at most "
-                f"2**63-1 (steps are int64); got {step}."
-            )
-        return int(step), None
+        return check_step_range(step, f"{fn}({name!r})"), None
     if isinstance(step, (jax.Array, jax.core.Tracer, np.ndarray)):
         dtype = step.dtype
         if not jnp.issubdtype(dtype, jnp.integer) or step.shape != ():
