@@ -35,7 +35,7 @@ from pmaptap.errors import CliError
 # read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap.tapfile import views
-    from pmaptap.tapfile.follow import LineFollower, RunFollower
+    from pmaptap.tapfile.follow import LineFollower, PendingFollower, RunFollower
     from pmaptap.tapfile.query import Filter
 
 PROG = "pmaptap"
@@ -47,12 +47,34 @@ PROG = "pmaptap"
 def _check_file(path: str) -> None:
     from pmaptap.tapfile import runs
 
+    if runs.is_url(path):
+        try:
+            runs.chunks(path)  # a missing bucket or prefix: as a missing file
+        except FileNotFoundError as e:
+            raise CliError(e.strerror) from None
+        return
     if runs.is_sharded(path):
         return  # a sharded run (path.d/): read merged, as one file
     if not os.path.exists(path):
         raise CliError(f"no such file: {path}")
     if os.path.isdir(path):
         raise CliError(f"{path} is a directory; give the tap file (.jsonl)")
+
+
+def _check_followed(path: str, command: str) -> None:
+    """``_check_file`` for a command that follows the run (``-f``): a run
+    that does not exist yet (no file, no ``path.d/``, no chunks) is waited
+    for, in whichever layout it appears (tapfile/follow.py)."""
+    from pmaptap.tapfile import runs
+
+    if runs.is_url(path):
+        missing = not runs.chunks(path, missing_ok=True)
+    else:
+        missing = not (os.path.exists(path) or runs.is_sharded(path))
+    if missing:
+        print(f"{PROG} {command}: waiting for {path} to appear", file=sys.stderr)
+    else:
+        _check_file(path)
 
 
 def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
@@ -242,13 +264,8 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import tensorboard
 
     flt = _filter(args)
-    from pmaptap.tapfile.runs import is_sharded
-
-    if args.follow and not is_sharded(args.file):
-        if not os.path.exists(args.file):
-            print(f"{PROG} export: waiting for {args.file} to appear", file=sys.stderr)
-        elif os.path.isdir(args.file):
-            _check_file(args.file)
+    if args.follow:
+        _check_followed(args.file, "export")
     else:
         _check_file(args.file)
     if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
@@ -290,10 +307,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
     every new one until a signal, the timeout or the count."""
     from pmaptap.tapfile.follow import open_follower
 
-    if not args.follow:
+    if args.follow:
+        _check_followed(args.file, "tail")
+    else:
         _check_file(args.file)
-    elif not os.path.exists(args.file):
-        print(f"{PROG} tail: waiting for {args.file} to appear", file=sys.stderr)
     lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
@@ -307,7 +324,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
         lf.close()
 
 
-def _tail(args: argparse.Namespace, flt: Filter, lf: "LineFollower | RunFollower") -> int:
+def _tail(
+    args: argparse.Namespace,
+    flt: Filter,
+    lf: "LineFollower | RunFollower | PendingFollower",
+) -> int:
     from pmaptap.tapfile.follow import follow, matching, on_stop_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.

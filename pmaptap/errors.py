@@ -34,14 +34,16 @@ class TapPathError(TapError, OSError):
             OSError.__init__(self, message)
         else:
             OSError.__init__(self, errno, message)
+        self.message = message
         self.filename = path
         self.path = path
         self.errors = ()
 
     def __str__(self) -> str:
-        # OSError's "[Errno N] msg: 'path'" would repeat the path the message
-        # already names.
-        return self.strerror if self.errno is not None else OSError.__str__(self)
+        # The message, always: OSError's own str becomes "[Errno N] msg:
+        # 'path'" once ``filename`` is set, and "[Errno None] None: 'path'"
+        # (the message lost) when there is no errno, as for an object store.
+        return self.message
 
 
 class LockBusy(TapError):

@@ -22,13 +22,37 @@ from typing import Any, Mapping
 import numpy as np
 
 from pmaptap.errors import LockBusy, TapError
-from pmaptap.tapfile.format import VALUE_KINDS, Record
+from pmaptap.tapfile.format import VALUE_KINDS, Record, check_step_range
 
 __all__ = ["Writer"]
 
 
+# A Python number has no dtype of its own. A session's tap of one gets the
+# dtype JAX gives it (x64 off: float32, int32, complex64), and a replicated
+# value's hash covers its dtype, so a side process writing 2.0 as float64
+# would be flagged divergent from the job's float32 2.0. So a Writer gives it
+# the same dtype; only a number that dtype cannot hold (an int past int32, a
+# float past float32's range) keeps 64 bits. np.float64(x) stays float64.
+_PYTHON_NUMBER_DTYPES = {int: np.int32, float: np.float32, complex: np.complex64}
+
+
+def _python_number(x: Any) -> np.ndarray | None:
+    dtype = _PYTHON_NUMBER_DTYPES.get(type(x))
+    if dtype is None:  # bool is bool; NumPy scalars keep their own dtype
+        return None
+    if dtype is np.int32:
+        info = np.iinfo(np.int32)
+        return np.asarray(x, np.int32 if info.min <= x <= info.max else None)
+    with np.errstate(over="ignore"):
+        a = np.asarray(x, dtype)
+    big = np.isinf(a).any() and not np.isinf(np.asarray(x)).any()
+    return np.asarray(x) if big else a
+
+
 def _leaf(x: Any) -> np.ndarray:
-    a = np.asarray(x)
+    a = _python_number(x)
+    if a is None:
+        a = np.asarray(x)
     if a.dtype == object or a.dtype.kind in "USV" and "float" not in a.dtype.name:
         raise TypeError(
             f"a tap value must be numeric (NumPy arrays, scalars or "
@@ -38,21 +62,21 @@ def _leaf(x: Any) -> np.ndarray:
     return a
 
 
-def _encode(value: Any, parts: list[bytes]) -> tuple[Any, Any, Any]:
+def _encode(value: Any, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
     """(value, dtype, shape) with the pytree's nesting, as the session
-    writes them; ``parts`` collects the bytes the value hash is taken of."""
+    writes them; ``leaves`` collects the leaves, in the session's order, for
+    the value hash."""
     from pmaptap._host.encode import encode_array
 
     if isinstance(value, Mapping):
         items = sorted(value.items(), key=lambda kv: str(kv[0]))
-        enc = {str(k): _encode(v, parts) for k, v in items}
+        enc = {str(k): _encode(v, leaves) for k, v in items}
         return tuple({k: e[i] for k, e in enc.items()} for i in range(3))
     if isinstance(value, (list, tuple)):
-        enc = [_encode(v, parts) for v in value]
+        enc = [_encode(v, leaves) for v in value]
         return tuple([e[i] for e in enc] for i in range(3))
     a = _leaf(value)
-    parts.append(f"{a.dtype.str}{a.shape}|".encode())
-    parts.append(np.ascontiguousarray(a).tobytes())
+    leaves.append(a)
     return encode_array(a)
 
 
@@ -144,22 +168,23 @@ class Writer:
             raise ValueError(f"Writer.write: name must be a non-empty str, got {name!r}")
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
             raise ValueError(f"Writer.write({name!r}): step must be an int, got {step!r}")
+        step = check_step_range(step, f"Writer.write({name!r})")  # as a tap's
         if kind not in VALUE_KINDS:
             raise ValueError(
                 f"Writer.write({name!r}): kind must be one of {VALUE_KINDS}, got {kind!r}"
             )
         if kind == "replicated" and device is not None:
             raise ValueError(f"Writer.write({name!r}): device is for kind='per_device' only")
-        parts: list[bytes] = []
+        leaves: list[np.ndarray] = []
         try:
-            enc, dtype, shape = _encode(value, parts)
+            enc, dtype, shape = _encode(value, leaves)
         except TypeError as e:
             raise TypeError(f"Writer.write({name!r}): {e}") from None
         now = time.time()
         common = dict(
             run=self.run,
             name=name,
-            step=int(step),
+            step=step,
             kind=kind,
             value=enc,
             dtype=dtype,
@@ -169,11 +194,13 @@ class Writer:
             host=self.host,
         )
         if kind == "replicated":
+            from pmaptap._host.encode import value_key
+
             r = Record(
                 **common,
                 replicas=1,
                 processes=(self.process,),
-                vhash=hashlib.blake2b(b"".join(parts), digest_size=8).hexdigest(),
+                vhash=hashlib.blake2b(value_key(leaves), digest_size=8).hexdigest(),
             )
         else:
             r = Record(**common, device=None if device is None else int(device), coords={})

@@ -708,3 +708,84 @@ def test_custom_pytree_node_without_attribute_keys_stays_a_list(session, tap_pat
     session.flush()
     (r,) = pmaptap.read(tap_path)
     assert r["value"] == [1.0, 2] and r["dtype"] == ["float32", "int32"]
+
+
+# ====================================================== side writers, merge
+def test_writer_refuses_the_steps_a_tap_refuses(tmp_path) -> None:
+    """Steps outside 0..2**63-1: refused by Writer.write as by a tap (one
+    check, one message), never written for validate to reject later."""
+    path = str(tmp_path / "w.jsonl")
+    with pmaptap.Writer(path, run="r", process=3) as w:
+        for bad in (-1, 2**63, np.int64(-5)):
+            with pytest.raises(ValueError) as got:
+                w.write("x", bad, 1.0)
+            with pytest.raises(ValueError) as want:
+                jax.jit(lambda v, s=bad: pmaptap.tap(v, "x", step=s))(1.0)
+            assert str(got.value) == str(want.value).replace(
+                "pmaptap.tap('x')", "Writer.write('x')"
+            )
+        w.write("x", 2**63 - 1, 1.0)
+    assert [r["step"] for r in pmaptap.read(path)] == [2**63 - 1]
+    assert pmaptap.cli.main(["validate", path]) == 0
+
+
+def test_writer_python_numbers_agree_with_the_jobs_values(tmp_path) -> None:
+    """A side Writer's Python numbers get the dtype a tap gives them (float32,
+    int32), so the job's float32 2.0 and a Writer's 2.0 are one value, not
+    divergent; a different value still is."""
+    path = str(tmp_path / "run.jsonl")
+    tree = {"a": 2.0, "b": [1, 3.5]}
+    f = jax.pmap(
+        lambda x: [
+            pmaptap.tap(lax.pmean(x, "i"), "lr", step=0, dedup="replicated"),
+            pmaptap.tap(tree, "tree", step=0, dedup="replicated"),
+            pmaptap.tap(3, "count", step=0, dedup="replicated"),
+        ],
+        axis_name="i",
+    )
+    with pmaptap.Session(path, run="r"):
+        jax.block_until_ready(f(jnp.full((jax.local_device_count(),), 2.0, jnp.float32)))
+    with pmaptap.Writer(path, run="r", process=100) as w:
+        w.write("lr", 0, 2.0)
+        w.write("tree", 0, tree)
+        w.write("count", 0, 3)
+        w.write("lr", 1, np.float64(2.0))  # a NumPy value keeps its dtype
+    with pmaptap.Writer(path, run="r", process=101) as w:
+        w.write("lr", 1, 2.5)  # another value: divergent from process 100's
+    recs = pmaptap.read(path)
+    step0 = [r for r in recs if r["step"] == 0]
+    # One record per tap: the Writer's equal values were deduplicated.
+    assert sorted(r["name"] for r in step0) == ["count", "lr", "tree"], step0
+    assert not any(r.get("divergent") for r in step0)
+    assert {r["process"] for r in step0} == {0}
+    step1 = sorted((r["process"], r["dtype"], r.get("divergent")) for r in recs if r["step"] == 1)
+    assert step1 == [(100, "float64", True), (101, "float32", True)]
+
+
+def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    path = str(tmp_path / "run.jsonl")
+    for p in (0, 1):
+        with pmaptap.Writer(path, run="r", process=p, layout="sharded") as w:
+            w.write("x", 0, float(p), kind="per_device", device=p)
+    before = sorted(os.listdir(path + ".d"))
+    for out, extra in (
+        ("run.jsonl.d/p00009.jsonl", []),  # a new shard of the run itself
+        ("run.jsonl.d/sub/m.jsonl", []),
+        ("run.jsonl.d/p00009.jsonl", ["-f", "--timeout", "1"]),
+    ):
+        m = subprocess.run(
+            [sys.executable, "-m", "pmaptap", "merge", path, "-o", out, *extra],
+            capture_output=True,
+            text=True,
+            cwd=str(tmp_path),
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=60,
+        )
+        assert m.returncode == 2 and "shard directory of run" in m.stderr, m
+    assert sorted(os.listdir(path + ".d")) == before
+    assert len(pmaptap.read(path)) == 2

@@ -344,6 +344,31 @@ def test_tail_follow_copes_with_a_torn_tail(tmp_path, demo_lines):
         _stop(tail)
 
 
+def test_tail_follow_started_before_a_sharded_run_sees_its_shards(tmp_path):
+    """``tail -f RUN`` started before anything exists, then the run appears
+    in the sharded layout (``RUN.d/`` only, never ``RUN``): its records are
+    shown as the processes write them, a shard that appears later too."""
+    path = str(tmp_path / "live" / "run.jsonl")
+    tail = _start_cli("tail", path, "-f", "--json", "--interval", "0.05", "--timeout", "120")
+    try:
+        assert "waiting for" in tail.stderr.readline()
+        out = _Lines(tail.stdout)
+        for process in (0, 1):
+            with pmaptap.Writer(path, run="r", process=process, layout="sharded") as w:
+                for step in range(3):
+                    w.write("acts", step, float(10 * process + step), kind="per_device")
+            assert not os.path.exists(path) and os.path.isdir(path + ".d")
+            got = [json.loads(x) for x in out.take(3)]
+            assert [(r["process"], r["step"], r["value"]) for r in got] == [
+                (process, s, 10.0 * process + s) for s in range(3)
+            ], got
+        tail.send_signal(signal.SIGTERM)
+        assert tail.wait(timeout=20) == 0
+        assert "Traceback" not in tail.stderr.read()
+    finally:
+        _stop(tail)
+
+
 def test_tail_follow_stops_at_timeout_and_max_records(tmp_path, demo):
     t0 = time.monotonic()
     out = cli("tail", demo, "-f", "-n", "2", "--timeout", "1", "--json")

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import filelock
 import pytest
 
 import pmaptap
-from conftest import job_failed, logs_warning, prefixed, python_cmd, start_launch, wait_for
+from conftest import ROOT, job_failed, logs_warning, prefixed, python_cmd, start_launch, wait_for
 from pmaptap.tapfile import parse
 from pmaptap.tapfile.format import Record
 
@@ -360,3 +362,44 @@ def test_file_truncated_or_replaced_under_a_running_job(tmp_path, how):
     for p in (0, 1):
         text = "\n".join(prefixed(err, p))
         assert text.count(word) == 1, text
+
+
+def test_torn_shard_tail_under_a_running_session_costs_only_that_line(tmp_path, caplog):
+    """Sharded layout: the session's own shard stops ending in a newline
+    while it runs (another program's bytes without one; a truncation in the
+    middle of a line). The next batch starts on a new line: every record the
+    session wrote after it is read back, only the torn line is lost."""
+    import jax
+    import jax.numpy as jnp
+
+    from pmaptap.tapfile import runs
+
+    tap = str(tmp_path / "run.jsonl")
+    f = jax.jit(lambda x, i: pmaptap.tap(x, "y", step=i, dedup="replicated"))
+    with pmaptap.Session(tap, run="r", layout="sharded", flush_interval=0.01) as s:
+        shard = runs.shard_path(tap, 0)
+
+        def steps(lo, hi):
+            for i in range(lo, hi):
+                f(jnp.float32(i), i).block_until_ready()
+            s.flush()
+
+        steps(0, 3)
+        with open(shard, "ab") as out:  # like printf >> shard: no newline
+            out.write(b'{"run": "intruder", "na')
+        steps(3, 6)
+        size = os.path.getsize(shard)
+        last = open(shard, "rb").read().rstrip(b"\n").rfind(b"\n") + 1
+        os.truncate(shard, (last + size) // 2)  # step 5's line cut in half
+        steps(6, 9)
+    with logs_warning(caplog, "skipped 2 invalid line"):
+        recs = pmaptap.read(tap)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4, 6, 7, 8]
+    v = subprocess.run(
+        [sys.executable, "-m", "pmaptap", "validate", tap],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert v.returncode == 1 and v.stdout.count("p00000.jsonl line") == 2, v.stdout

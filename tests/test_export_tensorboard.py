@@ -144,6 +144,34 @@ def test_run_ids_are_directory_names():
     assert run_dirname("a b/c") == "a_b_c"
 
 
+def test_long_and_colliding_run_ids_get_their_own_bounded_directories(tmp_path):
+    """A 10,000-character run id (cut, with a hash of the whole id) no longer
+    fails the export of every run after it (File name too long); two long ids
+    that differ only at their end, and two ids made safe to the same name,
+    keep their series apart."""
+    from pmaptap.tapfile.tensorboard import RUN_DIRNAME_MAX
+
+    path = str(tmp_path / "runs.jsonl")
+    ids = ["x" * 10_000 + "1", "x" * 10_000 + "2", "a b", "a_b", "short"]
+    for i, run in enumerate(ids):
+        with pmaptap.Writer(path, run=run, process=i, layout="file") as w:
+            for step in range(2):
+                w.write("loss", step, float(i))
+    tb = str(tmp_path / "tb")
+    out = export(path, "--tensorboard", tb)
+    assert out.returncode == 0, out.stderr[-300:]
+    assert f"in {len(ids)} run(s)" in out.stderr, out.stderr[-300:]
+    names = sorted(os.listdir(tb))
+    assert len(names) == len(ids), names
+    assert all(len(n) <= RUN_DIRNAME_MAX for n in names), [len(n) for n in names]
+    assert sum(n.startswith("x" * 100) for n in names) == 2  # still recognizable
+    assert "short" in names and "a_b" in names
+    # Each directory holds exactly one run's series (its value is its index).
+    got = sorted(scalars(load_run(os.path.join(tb, n)), "loss")[0][1] for n in names)
+    assert got == [float(i) for i in range(len(ids))]
+    assert scalars(load_run(os.path.join(tb, "short")), "loss") == [(0, 4.0), (1, 4.0)]
+
+
 def test_missing_tensorboardx_names_the_extra(taps, tmp_path):
     code = (
         "import sys; sys.modules['tensorboardX'] = None\n"

@@ -190,3 +190,45 @@ while True:
     with pmaptap.Writer(url, run="k", process=0) as w:
         w.write("y", 1000, 1.0)
     assert len(pmaptap.read(url)) == len(recs) + 1
+
+
+def test_a_missing_bucket_or_run_is_an_error_that_says_why(s3, tmp_path):
+    """No such bucket, or no run under the prefix: read() and every command
+    fail as for a missing local file (exit 2), and errors keep the store's
+    own reason instead of '[Errno None] None'."""
+    import pmaptap
+
+    for open_ in (
+        lambda: pmaptap.Writer("s3://nobucket/run", run="r", process=0),
+        lambda: pmaptap.Session("s3://nobucket/run", run="r").open(),
+    ):
+        with pytest.raises(pmaptap.TapPathError) as e:
+            open_()
+        assert "Errno None" not in str(e.value), e.value
+        assert "'s3://nobucket/run'" in str(e.value)
+        assert "bucket does not exist" in str(e.value), e.value
+        assert e.value.filename == "s3://nobucket/run"
+    local = _cli("validate", str(tmp_path / "absent.jsonl"), env=s3)
+    assert local.returncode == 2 and "no such file" in local.stderr, local
+    for url, why in (
+        ("s3://no-such-bucket/x", "bucket does not exist"),
+        ("s3://taps/nothing/here", "s3://taps/nothing/here.d/"),
+    ):
+        with pytest.raises(FileNotFoundError, match=f"no such run: {url}") as e:
+            pmaptap.read(url)
+        assert why in str(e.value)
+        for args in (
+            ["validate", url],
+            ["show", url],
+            ["summary", url],
+            ["tail", url],
+            ["merge", url, "-o", str(tmp_path / "m.jsonl")],
+            ["export", url, "--csv", str(tmp_path / "m.csv")],
+        ):
+            out = _cli(*args, env=s3)
+            assert out.returncode == 2, (args, out)
+            assert f"error: no such run: {url}" in out.stderr and why in out.stderr, out
+            assert "Traceback" not in out.stderr and "OK" not in out.stdout
+    # Following waits for a run that does not exist yet, as for a local file.
+    tail = _cli("tail", "s3://taps/later/run", "-f", "--timeout", "1", env=s3)
+    assert tail.returncode == 0 and "waiting for s3://taps/later/run" in tail.stderr, tail

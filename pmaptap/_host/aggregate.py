@@ -21,7 +21,7 @@ import numpy as np
 
 from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
 from pmaptap._host import shards as shard_host
-from pmaptap._host.encode import encode_rows, encode_tree
+from pmaptap._host.encode import encode_rows, encode_tree, value_key
 from pmaptap._log import log
 from pmaptap.tapfile.format import (
     MAX_STEP,
@@ -58,14 +58,6 @@ class Copy:
 class _Group:
     first: float
     copies: list[Copy]
-
-
-def value_key(leaves: list[np.ndarray]) -> bytes:
-    parts = []
-    for a in leaves:
-        parts.append(f"{a.dtype.str}{a.shape}|".encode())
-        parts.append(np.ascontiguousarray(a).tobytes())
-    return b"".join(parts)
 
 
 class _Table:

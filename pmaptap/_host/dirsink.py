@@ -58,9 +58,9 @@ class DirectorySink(Sink):
         except OSError:
             pass
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
-        size = os.fstat(self._fd).st_size
-        # A previous writer of this shard killed mid-line: start on a new line.
-        self._torn = bool(size) and os.pread(self._fd, 1, size - 1) != b"\n"
+        # Where this sink's last write left the shard, ending in "\n"; None:
+        # not known (just opened, or replaced), so its last byte is read.
+        self._end: int | None = None
         self.lines_written = 0
         self.bytes_written = 0
         self.bytes_read = 0  # never reads another process's output
@@ -87,33 +87,42 @@ class DirectorySink(Sink):
         keep, chunks = self.own_lines(records)
         if not keep:
             return []
-        if self._torn:
+        size = self._reopen_if_replaced().st_size
+        # Only this process writes the shard, so it ends where our last write
+        # left it, on a newline, unless something else changed it: a writer
+        # of this shard killed mid-line before we opened, another program's
+        # bytes, a truncation mid-line, a failed write not cut back. Only
+        # then is its last byte read; a torn tail gets a newline first, or
+        # the next record would be glued onto it and lost with it.
+        torn = size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
+        if torn:
             chunks.insert(0, b"\n")
-        self._reopen_if_replaced()
-        size = os.fstat(self._fd).st_size
         # All or nothing (cut back on failure); the pipeline retries it whole.
         written = FileSink._append(self._fd, size, chunks, False)
-        if self._torn:
-            self._torn = False
-            self.repairs += 1
+        # (Bytes another program appends between the fstat and the write
+        # make the next size differ from this: a look at the tail, no more.)
+        self._end = size + written
+        self.repairs += torn
         self.lines_written += len(keep)
         self.bytes_written += written
         return keep  # what was written: the session's forwarders get these
 
-    def _reopen_if_replaced(self) -> None:
+    def _reopen_if_replaced(self) -> os.stat_result:
         """The shard moved away or removed under us (log rotation, a clean-up
         script): write to the file now at the path, as FileSink does, and
-        say so once. Truncation needs nothing: O_APPEND writes at the end."""
+        say so once. Truncation needs nothing: O_APPEND writes at the end.
+        Returns the stat of the file written to."""
         try:
             st = os.stat(self.path)
             mine = os.fstat(self._fd)
             if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                return
+                return mine
         except FileNotFoundError:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
         os.close(self._fd)
         self._fd = fd
+        self._end = None
         self.replacements += 1
         if self.replacements == 1:
             log.warning(
@@ -121,6 +130,7 @@ class DirectorySink(Sink):
                 "this writer; appending continues to the file now at "
                 "that path (counted in DirectorySink.replacements)."
             )
+        return os.fstat(fd)
 
     def close(self) -> None:
         if self._fd >= 0:

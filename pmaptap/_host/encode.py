@@ -29,6 +29,18 @@ from pmaptap.tapfile.format import (
 _SHORT_REPR_MAX = 4096
 
 
+def value_key(leaves: list[np.ndarray]) -> bytes:
+    """The bitwise identity of a value: each leaf's dtype, shape and bytes.
+    Copies are compared by it, and a replicated record's ``vhash`` is its
+    blake2b digest, for a session's records and a ``Writer``'s alike: equal
+    values of one dtype hash alike, whichever wrote them."""
+    parts = []
+    for a in leaves:
+        parts.append(f"{a.dtype.str}{a.shape}|".encode())
+        parts.append(np.ascontiguousarray(a).tobytes())
+    return b"".join(parts)
+
+
 def _nonfinite_list(out: np.ndarray) -> Any:
     out = np.asarray(out)  # a NumPy scalar (a row of a stacked 1-D leaf)
     if out.dtype == np.float32 and out.size <= _SHORT_REPR_MAX:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pmaptap._common.spec import DEDUP_MODES
-from pmaptap.tapfile.format import MAX_STEP, encodable
+from pmaptap.tapfile.format import check_step_range, encodable
 
 
 def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
@@ -103,12 +103,7 @@ def check_step(step: Any, name: str, fn: str):
     if isinstance(step, bool):
         raise TypeError(f"{fn}({name!r}): step must be an integer, got bool.")
     if isinstance(step, (int, np.integer)):
-        if not 0 <= step <= MAX_STEP:
-            raise ValueError(
-                f"{fn}({name!r}): step must be >= 0 and at most "
-                f"2**63-1 (steps are int64); got {step}."
-            )
-        return int(step), None
+        return check_step_range(step, f"{fn}({name!r})"), None
     if isinstance(step, (jax.Array, jax.core.Tracer, np.ndarray)):
         dtype = step.dtype
         if not jnp.issubdtype(dtype, jnp.integer) or step.shape != ():

@@ -202,7 +202,7 @@ class RunFollower:
 
         if runs.is_url(self.path):
             fs, _ = runs.url_fs(self.path)
-            for proc, names in sorted(runs.chunks(self.path).items()):
+            for proc, names in sorted(runs.chunks(self.path, missing_ok=True).items()):
                 for name in names:
                     if name in self._chunks:
                         continue
@@ -237,8 +237,53 @@ class RunFollower:
             lf.close()
 
 
-def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower":
-    """The follower for ``path``: a sharded run's, or one file's."""
+class PendingFollower:
+    """The follower of a run that does not exist yet: nothing at ``path``,
+    no ``path.d/``. Which layout the run will have is unknown until its
+    first writer opens it (a sharded session creates ``path.d/`` and never
+    ``path``), so every poll looks for both and then becomes the follower of
+    what appeared (``open_follower``'s choice, made then)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._inner: "LineFollower | RunFollower | None" = None
+
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        if self._inner is None:
+            from pmaptap.tapfile import runs
+
+            if runs.is_sharded(self.path):
+                self._inner = RunFollower(self.path)
+            elif os.path.exists(self.path):
+                self._inner = LineFollower(self.path)
+            else:
+                return
+        yield from self._inner.poll()
+
+    @property
+    def restarted(self) -> int:
+        return 0 if self._inner is None else self._inner.restarted
+
+    @property
+    def exists(self) -> bool:
+        return self._inner is not None and self._inner.exists
+
+    @property
+    def pending(self) -> bytes:
+        return b"" if self._inner is None else self._inner.pending
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+
+
+def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | PendingFollower":
+    """The follower for ``path``: a sharded run's, one file's, or, while
+    neither exists, one that waits to see which appears."""
     from pmaptap.tapfile import runs
 
-    return RunFollower(path) if runs.is_sharded(path) else LineFollower(path)
+    if runs.is_sharded(path):
+        return RunFollower(path)
+    if os.path.exists(path):
+        return LineFollower(path)
+    return PendingFollower(path)

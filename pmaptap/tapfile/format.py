@@ -34,6 +34,19 @@ META_ATTEMPT = "pmaptap/attempt"  # a resumed run's attempt began here
 META_NAMES = (META_DROPPED, META_REFUSED, META_UNENCODABLE, META_ATTEMPT)
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
 MAX_STEP = 2**63 - 1
+
+
+def check_step_range(step: int, where: str) -> int:
+    """An integer step given on the host (a tap's Python int, a ``Writer``'s
+    step) as int, or ``ValueError`` naming ``where``: readers reject any
+    record whose step is outside 0..MAX_STEP, so it is never written."""
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(
+            f"{where}: step must be >= 0 and at most 2**63-1 (steps are int64); got {step}."
+        )
+    return int(step)
+
+
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
 # The strings that stand for non-finite floats inside ``value`` (JSON has no
 # number form for them); the one place that names them.

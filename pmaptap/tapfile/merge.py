@@ -18,11 +18,20 @@ from pmaptap.tapfile.parse import parse_line
 
 
 def _check_target(run: str, out: str) -> None:
+    """Refuse an output that is one of the run's files, or anywhere in its
+    shard directory: ``-o RUN.d/p00009.jsonl`` would become a shard of the
+    run itself, read back with every record twice."""
     if runs.is_url(run):
         return
     target = os.path.realpath(out)
     if any(os.path.realpath(f) == target for f in runs.sources(run)):
         raise ValueError(f"{out!r} is one of the files of run {run!r}; merge into another file")
+    shards = os.path.realpath(runs.shard_dir(run))
+    if os.path.commonpath([shards, target]) == shards:
+        raise ValueError(
+            f"{out!r} is inside {shards!r}, the shard directory of run "
+            f"{run!r}; merge into a file outside it"
+        )
 
 
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:

@@ -19,6 +19,7 @@ process stays and is marked divergent by the usual reconciliation.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
 import re
@@ -140,19 +141,31 @@ def url_fs(url: str):
 _CHUNK_NAME = re.compile(r"p(\d+)-[0-9]+-[0-9a-f]+-[0-9]+\.jsonl\Z")
 
 
-def chunks(url: str) -> dict[int, list[str]]:
+def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
     """process -> its committed chunks in write order (names sort by writer
-    start time, then sequence number)."""
+    start time, then sequence number).
+
+    A run with no chunk at all (no such bucket, no such prefix) raises
+    ``FileNotFoundError`` naming the URL and the store's own reason, as a
+    missing local file does: every writer puts an empty chunk there when it
+    opens, so a run that was ever opened has one. ``missing_ok`` (a follower
+    waiting for the run to start) returns ``{}`` instead."""
     fs, prefix = url_fs(url)
+    where = prefix + SHARD_SUFFIX
     try:
-        names = fs.ls(prefix + SHARD_SUFFIX, detail=False, refresh=True)
-    except FileNotFoundError:
-        return {}
+        names = fs.ls(where, detail=False, refresh=True)
+        why = "no chunks there"
+    except FileNotFoundError as e:
+        names, why = [], str(e) or "not found"
     out: dict[int, list[str]] = {}
     for n in sorted(names):
         m = _CHUNK_NAME.match(n.rsplit("/", 1)[-1])
         if m:
             out.setdefault(int(m.group(1)), []).append(n)
+    if not out and not missing_ok:
+        raise FileNotFoundError(
+            errno.ENOENT, f"no such run: {url} (nothing under {url}{SHARD_SUFFIX}/: {why})"
+        )
     return out
 
 

@@ -72,11 +72,33 @@ class _QuietNonFinite(logging.Filter):
 _X2NUM_LOGGER = "tensorboardX.x2num"
 
 
+# Characters of a run's directory name at most: file systems refuse names
+# past 255 bytes (NAME_MAX), and the name is ASCII. A longer one is cut and
+# ends in a hash of the whole run id, so two long ids that share their first
+# characters still get two directories.
+RUN_DIRNAME_MAX = 128
+_RUN_HASH_HEX = 16
+
+
 def run_dirname(run: Any) -> str:
     """A run id as one directory name: never a path (no separators, not
-    ``.``/``..``), so a hand-edited run id cannot write outside DIR."""
-    name = _UNSAFE.sub("_", str(run))
-    return "_" + name if name in ("", ".", "..") else name
+    ``.``/``..``), so a hand-edited run id cannot write outside DIR; at most
+    RUN_DIRNAME_MAX characters, so a long one cannot fail the export
+    (``File name too long``): its first characters, then ``-`` and a hash
+    of the whole id."""
+    text = str(run)
+    name = _UNSAFE.sub("_", text)
+    name = "_" + name if name in ("", ".", "..") else name
+    return name if len(name) <= RUN_DIRNAME_MAX else _hashed(name, text)
+
+
+def _hashed(name: str, run_id: str) -> str:
+    """``name`` cut to leave room for ``-`` and a hash of the whole run id."""
+    import hashlib
+
+    data = run_id.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(data, digest_size=_RUN_HASH_HEX // 2).hexdigest()
+    return name[: RUN_DIRNAME_MAX - _RUN_HASH_HEX - 1] + "-" + digest
 
 
 def tag_parts(rec: dict) -> tuple[str, str]:
@@ -162,9 +184,13 @@ class TensorBoardExport:
         logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
 
     def _writer(self, run: Any) -> Any:
-        name = run_dirname(run)
-        w = self._writers.get(name)
+        w = self._writers.get(run)
         if w is None:
+            name = run_dirname(run)
+            if name in self.stats.runs:
+                # Another run id of this file made the same name ("a b" and
+                # "a_b"): this one's series must not land in that run.
+                name = _hashed(name, str(run))
             logdir = os.path.join(self.outdir, name)
             if glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
                 # Not an error: a second export of a grown file, or of several
@@ -176,7 +202,7 @@ class TensorBoardExport:
                     "new directory to avoid doubles)"
                 )
             # flush_secs is a ceiling; follow mode flushes after each poll.
-            w = self._writers[name] = self._writer_cls(logdir=logdir, flush_secs=5)
+            w = self._writers[run] = self._writer_cls(logdir=logdir, flush_secs=5)
             self.stats.runs.add(name)
         return w
 
