@@ -231,7 +231,8 @@ class Session:
       mapping)`` (CLU's MetricWriter; real scalar leaves only, one call per
       step). They run on their own thread with a bounded queue; failures and
       drops are reported as TapError at the next flush()/close().
-    forward_timeout: seconds flush()/close() wait for forwarders to catch up.
+    forward_timeout: the most seconds flush()/close() wait for forwarders to
+      catch up and flush (their flush() too runs on their thread).
     resume: continue a run after a restart. The run is ``run``, else
       PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
       none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
