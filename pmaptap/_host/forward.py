@@ -85,8 +85,11 @@ def _as_read(r: Record) -> dict:
 class _Target:
     """One forwarder and what happened to it since the last report."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, lock: threading.Condition) -> None:
         self.obj = obj
+        # The Forwarders' lock: failures are counted on the forwarding thread
+        # and taken by problems() on the caller's.
+        self.lock = lock
         self.scalars = getattr(obj, "write_scalars", None)
         # The CLU protocol's flush(), called on the forwarding thread.
         fl = getattr(obj, "flush", None) if self.scalars is not None else None
@@ -119,10 +122,11 @@ class _Target:
             self._call(self.scalars, step, mapping)
 
     def fail(self, e: BaseException) -> None:
-        self.failures += 1
-        self.failures_total += 1
-        if self.first_error is None:
-            self.first_error = e
+        with self.lock:
+            self.failures += 1
+            self.failures_total += 1
+            if self.first_error is None:
+                self.first_error = e
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -158,10 +162,10 @@ class Forwarders:
     def __init__(
         self, targets: Sequence[Any], *, max_pending: int = 100_000, name: str = "pmaptap-forward"
     ) -> None:
-        self.targets = [_Target(t) for t in targets]
+        self._cond = threading.Condition()
+        self.targets = [_Target(t, self._cond) for t in targets]
         self.max_pending = max_pending
         self._queue: collections.deque[Record] = collections.deque()
-        self._cond = threading.Condition()
         self._offered = 0  # records offered (dropped ones included)
         self._done = 0  # records forwarded or not forwarded (counted)
         self._hand = 0  # records the thread took off the queue, not yet done
@@ -175,6 +179,7 @@ class Forwarders:
         # gives up on it: "forwarder X" or "forwarder X's flush()".
         self._busy = ""
         self._died: BaseException | None = None
+        self._died_unreported: BaseException | None = None
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
@@ -213,7 +218,7 @@ class Forwarders:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - a bug of ours: reported, waits end
             with self._cond:
-                self._died = e
+                self._died = self._died_unreported = e
                 self._cond.notify_all()
 
     def _loop(self) -> None:
@@ -305,10 +310,12 @@ class Forwarders:
             self._hand = 0
             if left:
                 self._not_forwarded(left, overflow=False)
-            if not drained and self._died is None:
+            if not drained:
                 busy = f": {self._busy} had not returned" if self._busy else ""
                 self._close_note = (
-                    f"close() stopped waiting after forward_timeout={timeout} s{busy}"
+                    "the forwarding thread had stopped"
+                    if self._died is not None
+                    else f"close() stopped waiting after forward_timeout={timeout} s{busy}"
                 )
             self._cond.notify_all()
         # An idle thread ends at once; one stuck in a forwarder is a daemon
@@ -322,7 +329,12 @@ class Forwarders:
             overflowed, self._overflowed = self._overflowed, 0
             abandoned, self._abandoned = self._abandoned, 0
             note, self._close_note = self._close_note, ""
-            died = self._died
+            died, self._died_unreported = self._died_unreported, None
+            failed = []
+            for t in self.targets:
+                if t.failures:
+                    failed.append((t, t.failures, t.first_error))
+                    t.failures, t.first_error = 0, None
         if overflowed:
             parts.append(
                 f"{overflowed} record(s) were not forwarded (the forwarders fell "
@@ -336,12 +348,8 @@ class Forwarders:
             parts.append(note)
         if died is not None:
             parts.append(f"the forwarding thread stopped: {died!r}")
-        for t in self.targets:
-            if t.failures:
-                parts.append(
-                    f"forwarder {t.name()} failed {t.failures} time(s), first: {t.first_error!r}"
-                )
-                t.failures, t.first_error = 0, None
+        for t, n, first in failed:
+            parts.append(f"forwarder {t.name()} failed {n} time(s), first: {first!r}")
         if not parts:
             return None
         return "pmaptap forwarding: " + "; ".join(parts) + ". The tap file holds every record."
