@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import job_failed, python_cmd, run_launch
+from conftest import job_failed, python_cmd, run_launch, wait_for
 from pmaptap.errors import TapError
 
 
@@ -175,9 +175,11 @@ def test_forwarder_flush_that_blocks_holds_neither_flush_nor_close(tap_path):
     try:
         for i in range(3):
             f(jnp.float32(i), i).block_until_ready()
+        wait_for(lambda: len(clu.scalars) == 3, 60, "the 3 records forwarded")
         s.flush()  # written; the forwarders get forward_timeout, no more
         assert len(pmaptap.read(tap_path)) == 3
-        assert clu.in_flush.is_set() and not clu.flush_returned.is_set()
+        # flush() asked for the forwarder's flush() and returned without it.
+        assert clu.in_flush.wait(60) and not clu.flush_returned.is_set()
         with pytest.raises(TapError, match=r"BlockingFlush's flush\(\) had not returned") as e:
             s.close()
         assert "forward_timeout=0.5" in str(e.value) and "not forwarded" not in str(e.value)
@@ -239,6 +241,7 @@ def test_not_forwarded_count_includes_the_records_in_the_threads_hands(tap_path)
         for i in range(30):
             f(jnp.float32(i), i).block_until_ready()
         s.flush()
+        wait_for(lambda: len(started) == 5, 60, "the forwarder blocked on its 5th record")
         with pytest.raises(TapError, match=r"(\d+) record\(s\) were not forwarded") as e:
             s.close()
         done_at_close = len(returned)
