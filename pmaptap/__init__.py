@@ -35,6 +35,14 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "host_callback": ("pmaptap.host_callback", None),
 }
 __all__ = sorted(_PUBLIC)
+# Public submodules, loaded on first attribute access like the names above, so
+# that ``import pmaptap; pmaptap.distributed.initialize()`` works as
+# ``jax.distributed.initialize()`` does. Not in __all__: a star import would
+# load every one of them (JAX with host_callback, the launcher, the CLI).
+# tests/test_layout.py checks that this lists every public submodule.
+_SUBMODULES = frozenset(
+    {"cli", "distributed", "errors", "host_callback", "launch", "progress", "tapfile", "writer"}
+)
 
 
 def _package_version() -> str:
@@ -52,6 +60,9 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         v = globals()["__version__"] = _package_version()
         return v
+    if name in _SUBMODULES and name not in _PUBLIC:
+        # import_module binds the submodule on this package itself.
+        return importlib.import_module(f"pmaptap.{name}")
     try:
         module, attr = _PUBLIC[name]
     except KeyError:
@@ -64,7 +75,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | {"__version__"})
+    return sorted(set(globals()) | set(__all__) | _SUBMODULES | {"__version__"})
 
 
 if "jax" in sys.modules:
@@ -78,7 +89,16 @@ if "jax" in sys.modules:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from pmaptap import host_callback
+    from pmaptap import (
+        cli,
+        distributed,
+        errors,
+        host_callback,
+        launch,
+        progress,
+        tapfile,
+        writer,
+    )
     from pmaptap._host.session import Session, active_session, flush
     from pmaptap._trace.grad import tap_grad
     from pmaptap._trace.group import group

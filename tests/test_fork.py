@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_python
+import pytest
+
+from conftest import job_failed, prefixed, python_cmd, run_launch, run_python
 
 # A per-device tap's payload as a host callback hands it over (no mesh):
 # coordinates, step, value.
@@ -148,3 +150,171 @@ print("elapsed", round(time.monotonic() - t0, 1))
     assert {str(i) for i in range(4)} | {str(100 + s) for s in range(12)} <= printed, out.stderr[
         -2000:
     ]
+
+
+# The parent: tapped pmap steps over 8 devices with a session open, then a
+# bare os.fork() whose child leaves through the interpreter (sys.exit, so
+# every atexit handler runs: JAX's, pmaptap's, the child's own). The wait is
+# bounded: a child still there after 90 s is killed and reported as hung.
+_PMAP_FORK = """
+import atexit, os, sys, time, jax, jax.numpy as jnp, pmaptap
+path, mode, marker = {path!r}, {mode!r}, {marker!r}
+
+def body(x):
+    pmaptap.tap(jax.lax.pmean(x, "i"), "loss", dedup="replicated")
+    pmaptap.tap(x, "x", dedup="per_device")
+    return x * 2
+
+f = jax.pmap(body, axis_name="i")
+with pmaptap.Session(path, run="parent") as s:
+    for step in range(4):
+        y = f(jnp.arange(8.0) + step)      # maybe still queued at fork
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        atexit.register(lambda: open(marker, "w").write("child atexit ran"))
+        if mode == "own_session":
+            with pmaptap.Session(path, run="child", close_timeout=30):
+                child_tap("mine", 7, 2.5)
+        sys.exit(3)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print("CHILD", os.waitstatus_to_exitcode(status),
+                  round(time.monotonic() - t0, 2), flush=True)
+            break
+        if time.monotonic() - t0 > 90:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("CHILD HUNG", flush=True)
+            break
+        time.sleep(0.05)
+    for step in range(4, 6):
+        y = f(jnp.arange(8.0) + step)
+"""
+
+
+@pytest.mark.parametrize("mode", ["bare", "own_session"])
+def test_child_forked_after_pmap_steps_exits_through_the_interpreter_at_once(
+    tmp_path, tap_path, mode
+):
+    # It hung in JAX's own atexit (clean_up -> effects_barrier, waiting on
+    # the parent's runtime) for > 90 s, or aborted in the interpreter's
+    # teardown ("LLVM ERROR: pthread_join failed", SIGABRT).
+    marker = str(tmp_path / "child-exited")
+    out = run_python(
+        _SPEC + _PMAP_FORK.format(path=str(tap_path), mode=mode, marker=marker),
+        timeout=300,
+    )
+    line = next(x for x in out.stdout.splitlines() if x.startswith("CHILD"))
+    assert "HUNG" not in line, f"the forked child hung at exit:\n{out.stderr[-3000:]}"
+    _, code, _seconds = line.split()
+    # Its own exit status, after its own exit handlers: through the interpreter.
+    assert int(code) == 3, (line, out.stderr[-3000:])
+    assert open(marker).read() == "child atexit ran"
+    assert "pthread_join" not in out.stderr
+    recs = _records(tap_path)
+    parent = [r for r in recs if r["run"] == "parent"]
+    # Every step of the parent once: one loss and 8 per-device copies.
+    assert sorted(r["step"] for r in parent if r["name"] == "loss") == list(range(6))
+    xs = sorted((r["step"], r["device"]) for r in parent if r["name"] == "x")
+    assert xs == [(s, d) for s in range(6) for d in range(8)]
+    assert {r["process"] for r in parent} == {0}
+    child = [(r["name"], r["step"], r["value"]) for r in recs if r["run"] == "child"]
+    assert child == ([("mine", 7, 2.5)] if mode == "own_session" else [])
+
+
+_JOB_FORK = """
+    import os, sys, time, jax, jax.numpy as jnp, pmaptap, pmaptap.distributed as dist
+    dist.initialize()
+    p = jax.process_index()
+
+    def body(x):
+        pmaptap.tap(jax.lax.pmean(x, "i"), "loss", dedup="replicated")
+        pmaptap.tap(x, "x", dedup="per_device")
+        return x
+
+    f = jax.pmap(body, axis_name="i")
+    n = jax.local_device_count()
+    with pmaptap.Session(os.environ["TAP"]):
+        for step in range(3):
+            f(jnp.arange(n, dtype=jnp.float32) + 2 * p + 10 * step)
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)       # the coordination client is the parent's too
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+                break
+            if time.monotonic() - t0 > 90:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                print("CHILD HUNG", flush=True)
+                break
+            time.sleep(0.05)
+        for step in range(3, 5):
+            f(jnp.arange(n, dtype=jnp.float32) + 2 * p + 10 * step)
+"""
+
+
+def test_children_forked_in_a_two_process_job_exit_at_once(tmp_path):
+    # Both children hung at exit (> 90 s) in a 2-process job: JAX's exit
+    # handler waited on the parent's runtime, and would have shut down the
+    # parent's coordination client.
+    tap = str(tmp_path / "job.jsonl")
+    proc, _ = run_launch(2, 2, python_cmd(_JOB_FORK), timeout=400, launcher_timeout=300, TAP=tap)
+    assert proc.returncode == 0, job_failed(proc)
+    for p in (0, 1):
+        assert prefixed(proc.stdout, p) == ["CHILD 0"], job_failed(proc)
+    recs = _records(tap)
+    assert sorted(r["step"] for r in recs if r["name"] == "loss") == list(range(5))
+    xs = [(r["step"], r["device"]) for r in recs if r["name"] == "x"]
+    assert len(xs) == len(set(xs)) == 20  # 5 steps x 4 devices, once each
+    assert sorted({s for s, _ in xs}) == list(range(5))
+
+
+def test_jax_exit_internals_the_fork_hook_reads_are_still_there():
+    # pmaptap/_host/forked.py unregisters JAX's exit handlers in a child
+    # forked after the runtime started, and keeps the runtime's objects alive
+    # there. If a JAX upgrade renames or moves them, this says what to update
+    # (the child would hang or abort at exit again). A profile hook, installed
+    # by the first exit handler to run, names the JAX handlers that run after
+    # it: in the parent both, in the child (sys.exit) neither.
+    out = run_python(
+        """
+        import atexit, os, sys, jax, jax.numpy as jnp
+        import pmaptap._host.forked as forked
+        from jax._src import api, dispatch, distributed, xla_bridge
+        from jax._src.interpreters import mlir
+        assert isinstance(xla_bridge._backends, dict)
+        assert hasattr(distributed.global_state, "client")
+        assert mlir.global_thread_pool is not None
+        WATCH = {api.clean_up.__code__: "clean_up",
+                 dispatch.wait_for_tokens.__code__: "wait_for_tokens"}
+
+        def watch():
+            def hook(frame, event, arg):
+                if event == "call" and frame.f_code in WATCH:
+                    who = "child" if os.getpid() != parent else "parent"
+                    os.write(1, f"{who} ran {WATCH[frame.f_code]}\\n".encode())
+            sys.setprofile(hook)
+
+        parent = os.getpid()
+        assert not forked._runtime_started()
+        jnp.ones(2).block_until_ready()
+        assert forked._runtime_started()
+        sys.stdout.flush()
+        pid = os.fork()
+        atexit.register(watch)     # registered last: runs first, in both
+        if pid == 0:
+            assert forked._inherited_runtime
+            sys.exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert not forked._inherited_runtime
+        """,
+        devices=1,
+    )
+    ran = sorted(line for line in out.stdout.splitlines() if " ran " in line)
+    assert ran == ["parent ran clean_up", "parent ran wait_for_tokens"], out.stdout

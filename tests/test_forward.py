@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import time
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import job_failed, python_cmd, run_launch
+from conftest import job_failed, python_cmd, run_launch, wait_for
 from pmaptap.errors import TapError
 
 
@@ -147,6 +148,116 @@ def test_full_forward_queue_drops_oldest_and_reports(tap_path):
     assert len(pmaptap.read(tap_path)) == 30  # the file has them all
     assert seen[-1] == 29 and len(seen) < 30
     assert s.pipeline.forwarders.dropped_total == 30 - len(seen)
+
+
+class BlockingFlush(CluLike):
+    """A CLU-protocol writer whose flush() blocks (a dashboard that hangs)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+        self.in_flush = threading.Event()
+        self.flush_returned = threading.Event()
+
+    def flush(self) -> None:
+        self.in_flush.set()
+        self.release.wait(60)
+        self.flush_returned.set()
+
+
+def test_forwarder_flush_that_blocks_holds_neither_flush_nor_close(tap_path):
+    # The forwarder's flush() ran on the caller's thread: Session.flush() and
+    # close() blocked as long as it did, whatever forward_timeout said.
+    release = threading.Event()
+    clu = BlockingFlush(release)
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "loss", step=s))
+    s = pmaptap.Session(tap_path, run="fw", forward=[clu], forward_timeout=0.5).open()
+    try:
+        for i in range(3):
+            f(jnp.float32(i), i).block_until_ready()
+        wait_for(lambda: len(clu.scalars) == 3, 60, "the 3 records forwarded")
+        s.flush()  # written; the forwarders get forward_timeout, no more
+        assert len(pmaptap.read(tap_path)) == 3
+        # flush() asked for the forwarder's flush() and returned without it.
+        assert clu.in_flush.wait(60) and not clu.flush_returned.is_set()
+        with pytest.raises(TapError, match=r"BlockingFlush's flush\(\) had not returned") as e:
+            s.close()
+        assert "forward_timeout=0.5" in str(e.value) and "not forwarded" not in str(e.value)
+        # close() returned while the forwarder's flush() was still blocked.
+        assert not clu.flush_returned.is_set()
+    finally:
+        release.set()
+        s.close()
+    assert sorted(st for st, _ in clu.scalars) == [0, 1, 2]
+    assert len(pmaptap.read(tap_path)) == 3
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()], ids=repr)
+def test_forwarder_raising_systemexit_or_keyboardinterrupt_is_named_and_forwarding_goes_on(
+    tap_path, exc
+):
+    # It killed the forwarding thread (a traceback on stderr), and close()
+    # blamed "fell behind" without naming it.
+    seen, got = [], []
+
+    def quits(rec):
+        seen.append(rec["step"])
+        if rec["step"] == 2:
+            raise exc
+
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "x", step=s))
+    s = pmaptap.Session(tap_path, run="fw", forward=[quits, got.append]).open()
+    try:
+        for i in range(6):
+            f(jnp.float32(i), i).block_until_ready()
+    finally:
+        with pytest.raises(TapError) as e:
+            s.close()
+    msg = str(e.value)
+    assert f"quits failed 1 time(s), first: {exc!r}" in msg, msg
+    assert "not forwarded" not in msg and "behind" not in msg, msg
+    assert s.pipeline.forwarders.thread.is_alive() is False
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]
+
+
+def test_not_forwarded_count_includes_the_records_in_the_threads_hands(tap_path):
+    # close() counted only what was still queued, not the batch the thread
+    # had taken (90 reported, 539 true). Now: every record whose forwarding
+    # had not completed when close() stopped waiting, and nothing is handed
+    # over after that.
+    release = threading.Event()
+    started, returned = [], []
+
+    def stuck(rec):
+        started.append(rec["step"])
+        if len(started) == 5:
+            release.wait(60)
+        returned.append(rec["step"])
+
+    f = jax.jit(lambda v, s: pmaptap.tap(v, "x", step=s))
+    s = pmaptap.Session(tap_path, run="fw", forward=[stuck], forward_timeout=0.5).open()
+    try:
+        for i in range(30):
+            f(jnp.float32(i), i).block_until_ready()
+        s.flush()
+        wait_for(lambda: len(started) == 5, 60, "the forwarder blocked on its 5th record")
+        with pytest.raises(TapError, match=r"(\d+) record\(s\) were not forwarded") as e:
+            s.close()
+        done_at_close = len(returned)
+    finally:
+        release.set()
+        s.close()
+    reported = int(re.search(r"(\d+) record\(s\) were not forwarded", str(e.value)).group(1))
+    assert done_at_close == 4
+    assert reported == 30 - done_at_close, str(e.value)
+    assert re.search(r"forwarder \S*\.stuck had not returned", str(e.value)), str(e.value)
+    fw = s.pipeline.forwarders
+    fw.thread.join(30)
+    assert not fw.thread.is_alive()
+    # The blocked call finished after close(); no other call began.
+    assert started == [0, 1, 2, 3, 4] and fw.dropped_total == reported
+    assert len(pmaptap.read(tap_path)) == 30
 
 
 @pytest.mark.parametrize("bad", ["x", 3, [3], print])

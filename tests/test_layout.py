@@ -123,6 +123,48 @@ def test_import_pmaptap_is_lazy_and_the_facade_lists_the_api():
         pmaptap.nope  # noqa: B018
 
 
+def test_public_submodules_are_attributes_of_the_package():
+    # Scripts written like `jax.distributed.initialize()` use
+    # `pmaptap.distributed.initialize()` after a bare `import pmaptap`: every
+    # public submodule is an attribute, loaded on first access (it was an
+    # AttributeError once the facade became lazy), and so is every module of
+    # pmaptap.tapfile. The JAX-free ones load without JAX, and `import
+    # pmaptap` alone still loads none of them.
+    proc = run_python("""
+        import pkgutil, sys
+        sys.modules["jax"] = None          # any import of jax now fails
+        import pmaptap
+        public = sorted(m.name for m in pkgutil.iter_modules(pmaptap.__path__)
+                        if not m.name.startswith("_"))
+        print("PUBLIC", public)
+        assert not [m for m in public if "pmaptap." + m in sys.modules]
+        for name in public:
+            if name == "host_callback":
+                continue                   # the one that needs JAX: below
+            mod = getattr(pmaptap, name)
+            assert mod is sys.modules["pmaptap." + name], name
+            assert name in dir(pmaptap), name
+        assert sorted(pmaptap._SUBMODULES) == public, (sorted(pmaptap._SUBMODULES), public)
+        assert pmaptap.distributed.launcher_settings({}) is None
+        assert issubclass(pmaptap.errors.TapError, Exception)
+        assert callable(pmaptap.launch.main) and callable(pmaptap.cli.main)
+        assert callable(pmaptap.writer.Writer)
+        tapfile = sorted(m.name for m in pkgutil.iter_modules(pmaptap.tapfile.__path__))
+        assert sorted(pmaptap.tapfile._SUBMODULES) == tapfile, tapfile
+        for name in tapfile:
+            assert getattr(pmaptap.tapfile, name) is sys.modules["pmaptap.tapfile." + name]
+        assert callable(pmaptap.tapfile.reader.read)
+        assert "jax" not in [k for k, v in sys.modules.items() if v is not None]
+        """)
+    assert "'distributed'" in proc.stdout and "'tapfile'" in proc.stdout, proc.stdout
+    # With JAX: the script of the issue, and host_callback.
+    run_python("""
+        import pmaptap
+        assert pmaptap.distributed.initialize() == "single"
+        assert callable(pmaptap.host_callback.id_tap)
+        """)
+
+
 def test_cli_help_needs_no_jax():
     code = (
         "import sys; sys.modules['jax'] = None; sys.argv = ['pmaptap', '--help']\n"

@@ -9,6 +9,12 @@ references to a bounded queue: the forwarders run on their own thread, so one
 that raises or is slow never delays the file or the training step. When the
 queue is full the oldest records are dropped and counted; failures and drops
 are reported once, as a TapError at the next ``flush()``/``close()``.
+
+Everything a forwarder does runs on that thread, its ``flush()`` included:
+the caller of ``flush()``/``close()`` only waits, at most ``forward_timeout``,
+so a forwarder that blocks cannot hold the training thread. A forwarder may
+raise anything (``SystemExit`` and ``KeyboardInterrupt`` included): it is
+counted and named, and the thread goes on with the next record.
 """
 
 from __future__ import annotations
@@ -79,9 +85,15 @@ def _as_read(r: Record) -> dict:
 class _Target:
     """One forwarder and what happened to it since the last report."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, lock: threading.Condition) -> None:
         self.obj = obj
+        # The Forwarders' lock: failures are counted on the forwarding thread
+        # and taken by problems() on the caller's.
+        self.lock = lock
         self.scalars = getattr(obj, "write_scalars", None)
+        # The CLU protocol's flush(), called on the forwarding thread.
+        fl = getattr(obj, "flush", None) if self.scalars is not None else None
+        self.flush = fl if callable(fl) else None
         self.failures = 0
         self.first_error: BaseException | None = None
         self.failures_total = 0
@@ -90,9 +102,13 @@ class _Target:
         obj = self.obj
         return getattr(obj, "__qualname__", None) or type(obj).__qualname__
 
-    def deliver(self, dicts: list[dict]) -> None:
+    def deliver(self, dicts: list[dict], stopped: Callable[[], bool]) -> None:
+        """Hand ``dicts`` over; ``stopped()`` is asked before each call, so
+        nothing is handed over once close() stopped waiting."""
         if self.scalars is None:
             for d in dicts:
+                if stopped():
+                    return
                 self._call(self.obj, d)
             return
         # CLU's protocol writes one step's scalars at a time.
@@ -101,32 +117,69 @@ class _Target:
             for tag, v in scalar_series(d):
                 per_step.setdefault(d.get("step"), {})[tag] = v
         for step, mapping in per_step.items():
+            if stopped():
+                return
             self._call(self.scalars, step, mapping)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - counted, reported at flush/close
+    def fail(self, e: BaseException) -> None:
+        with self.lock:
             self.failures += 1
             self.failures_total += 1
             if self.first_error is None:
                 self.first_error = e
 
+    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - counted, reported at flush/close
+            # SystemExit/KeyboardInterrupt too: raised by a forwarder on this
+            # thread they are its failure, not a request to stop the process
+            # (a signal's KeyboardInterrupt goes to the main thread).
+            self.fail(e)
+
+
+def _units(batch: list[Record]) -> Iterator[list[Record]]:
+    """Runs of consecutive records of one step: the unit the thread forwards
+    and counts (a CLU writer gets one write_scalars per unit)."""
+    unit: list[Record] = []
+    for r in batch:
+        if unit and r.step != unit[0].step:
+            yield unit
+            unit = []
+        unit.append(r)
+    if unit:
+        yield unit
+
 
 class Forwarders:
-    """The forwarding thread of one pipeline and its bounded queue."""
+    """The forwarding thread of one pipeline and its bounded queue.
+
+    Counting: every record offered is, in the end, either forwarded (handed to
+    every forwarder, each call returned or raised) or not forwarded: dropped
+    from a full queue, or still queued or in the thread's hands when close()
+    stopped waiting. ``problems()`` reports the latter, exactly."""
 
     def __init__(
         self, targets: Sequence[Any], *, max_pending: int = 100_000, name: str = "pmaptap-forward"
     ) -> None:
-        self.targets = [_Target(t) for t in targets]
+        self._cond = threading.Condition()
+        self.targets = [_Target(t, self._cond) for t in targets]
         self.max_pending = max_pending
         self._queue: collections.deque[Record] = collections.deque()
-        self._cond = threading.Condition()
         self._offered = 0  # records offered (dropped ones included)
-        self._done = 0  # records forwarded or dropped
-        self._dropped = 0  # since the last report
-        self.dropped_total = 0
+        self._done = 0  # records forwarded or not forwarded (counted)
+        self._hand = 0  # records the thread took off the queue, not yet done
+        self._overflowed = 0  # dropped from a full queue, since the last report
+        self._abandoned = 0  # left when close() stopped waiting, ditto
+        self._close_note = ""  # why close() stopped waiting, for the report
+        self.dropped_total = 0  # every record not forwarded, ever
+        self._flush_asked = 0  # flush rounds asked for by drain()
+        self._flush_done = 0  # flush rounds the thread completed
+        # What the thread is doing right now, for the report when close()
+        # gives up on it: "forwarder X" or "forwarder X's flush()".
+        self._busy = ""
+        self._died: BaseException | None = None
+        self._died_unreported: BaseException | None = None
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
@@ -135,90 +188,168 @@ class Forwarders:
         """Called by the writer thread after a successful write: O(records),
         never waits for a forwarder."""
         with self._cond:
+            self._offered += len(records)
             if self._stop:
-                self._drop(len(records))
-                self._offered += len(records)
+                self._not_forwarded(len(records), overflow=False)
                 return
             self._queue.extend(records)
-            self._offered += len(records)
             over = len(self._queue) - self.max_pending
             if over > 0:
                 for _ in range(over):
                     self._queue.popleft()
-                self._drop(over)
+                self._not_forwarded(over, overflow=True)
             self._cond.notify_all()
 
-    def _drop(self, n: int) -> None:
-        self._dropped += n
+    def _not_forwarded(self, n: int, *, overflow: bool) -> None:
+        # Under self._cond.
+        if overflow:
+            self._overflowed += n
+        else:
+            self._abandoned += n
         self.dropped_total += n
         self._done += n
 
+    def _stopped(self) -> bool:
+        return self._stop  # one attribute read: no lock needed
+
+    # ------------------------------------------------------ the thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a bug of ours: reported, waits end
+            with self._cond:
+                self._died = self._died_unreported = e
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
+                while not (self._queue or self._stop or self._flush_done < self._flush_asked):
                     self._cond.wait()
-                if not self._queue and self._stop:
+                if self._stop:
                     return
                 batch = list(self._queue)
                 self._queue.clear()
-            try:
-                dicts = [_as_read(r) for r in batch]
-                for t in self.targets:
-                    t.deliver(dicts)
-            except Exception as e:  # noqa: BLE001 - e.g. a record that will not decode
-                for t in self.targets:
-                    t.failures += 1
-                    t.first_error = t.first_error or e
+                self._hand = len(batch)
+                flush_round = self._flush_asked
+            if batch:
+                self._forward(batch)
+                continue  # records first; a flush asked meanwhile comes after them
+            for t in self.targets:
+                if t.flush is not None and not self._stop:
+                    self._set_busy(f"forwarder {t.name()}'s flush()")
+                    t._call(t.flush)
             with self._cond:
-                self._done += len(batch)
+                self._busy = ""
+                self._flush_done = flush_round
                 self._cond.notify_all()
 
+    def _set_busy(self, what: str) -> None:
+        with self._cond:
+            self._busy = what
+
+    def _forward(self, batch: list[Record]) -> None:
+        for unit in _units(batch):
+            dicts = []
+            for r in unit:
+                try:
+                    dicts.append(_as_read(r))
+                except BaseException as e:  # noqa: BLE001 - e.g. a record that will not decode
+                    for t in self.targets:
+                        t.fail(e)
+            for t in self.targets:
+                if self._stop:
+                    return  # close() counted this unit and the rest
+                self._set_busy(f"forwarder {t.name()}")
+                t.deliver(dicts, self._stopped)
+            with self._cond:
+                self._busy = ""
+                if self._stop:
+                    return  # close() stopped waiting first: counted there
+                self._done += len(unit)
+                self._hand -= len(unit)
+                self._cond.notify_all()
+
+    # ------------------------------------------------- flush / close
+    def _wait(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        # Under self._cond. False at the deadline, or if the thread is gone.
+        while not done():
+            if self._died is not None or not self.thread.is_alive():
+                return False
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
     def drain(self, timeout: float | None) -> bool:
-        """Wait until everything offered so far was forwarded (or dropped)."""
+        """Wait until everything offered so far was forwarded (or dropped),
+        then until the forwarders' flush() returned: at most ``timeout`` in
+        all. Nothing of a forwarder runs on the caller's thread."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             target = self._offered
-            while self._done < target:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        for t in self.targets:
-            fl = getattr(t.obj, "flush", None) if t.scalars is not None else None
-            if callable(fl):
-                t._call(fl)
-        return True
+            if not self._wait(lambda: self._done >= target, deadline):
+                return False
+            if not any(t.flush is not None for t in self.targets):
+                return True
+            self._flush_asked += 1
+            want = self._flush_asked
+            self._cond.notify_all()
+            return self._wait(lambda: self._flush_done >= want, deadline)
 
     def close(self, timeout: float | None) -> None:
-        """Forward what is queued (up to ``timeout``), then stop; what is
-        still queued then is counted as dropped."""
-        self.drain(timeout)
+        """Forward what is queued and flush (up to ``timeout`` in all), then
+        stop; what is still queued or in the thread's hands then is counted
+        as not forwarded, and the thread hands nothing more over."""
+        drained = self.drain(timeout)
         with self._cond:
             self._stop = True
-            left = len(self._queue)
+            left = len(self._queue) + self._hand
             self._queue.clear()
-            self._drop(left)
+            self._hand = 0
+            if left:
+                self._not_forwarded(left, overflow=False)
+            if not drained:
+                busy = f": {self._busy} had not returned" if self._busy else ""
+                self._close_note = (
+                    "the forwarding thread had stopped"
+                    if self._died is not None
+                    else f"close() stopped waiting after forward_timeout={timeout} s{busy}"
+                )
             self._cond.notify_all()
-        self.thread.join(1.0)
+        # An idle thread ends at once; one stuck in a forwarder is a daemon
+        # and is not waited for.
+        self.thread.join(1.0 if drained else 0.0)
 
     def problems(self) -> str | None:
         """What went wrong since the last call, as one message, or None."""
         parts = []
         with self._cond:
-            dropped, self._dropped = self._dropped, 0
-        if dropped:
+            overflowed, self._overflowed = self._overflowed, 0
+            abandoned, self._abandoned = self._abandoned, 0
+            note, self._close_note = self._close_note, ""
+            died, self._died_unreported = self._died_unreported, None
+            failed = []
+            for t in self.targets:
+                if t.failures:
+                    failed.append((t, t.failures, t.first_error))
+                    t.failures, t.first_error = 0, None
+        if overflowed:
             parts.append(
-                f"{dropped} record(s) were not forwarded (the "
-                f"forwarders fell {self.max_pending} records behind, "
-                "or close() timed out waiting for them)"
+                f"{overflowed} record(s) were not forwarded (the forwarders fell "
+                f"{self.max_pending} records behind and the oldest were dropped)"
             )
-        for t in self.targets:
-            if t.failures:
-                parts.append(
-                    f"forwarder {t.name()} failed {t.failures} time(s), first: {t.first_error!r}"
-                )
-                t.failures, t.first_error = 0, None
+        if abandoned:
+            parts.append(
+                f"{abandoned} record(s) were not forwarded ({note or 'offered after close()'})"
+            )
+        elif note:
+            parts.append(note)
+        if died is not None:
+            parts.append(f"the forwarding thread stopped: {died!r}")
+        for t, n, first in failed:
+            parts.append(f"forwarder {t.name()} failed {n} time(s), first: {first!r}")
         if not parts:
             return None
         return "pmaptap forwarding: " + "; ".join(parts) + ". The tap file holds every record."

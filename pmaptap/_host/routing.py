@@ -23,6 +23,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from pmaptap._host.forked import effects_barrier
 from pmaptap._log import log
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,9 +69,7 @@ def _close_console(p: "Pipeline") -> None:
     if p.closed:
         return  # closed already, or inherited across fork (abandoned)
     try:
-        import jax
-
-        jax.effects_barrier()
+        effects_barrier()
         p.close(timeout=10.0)
     except BaseException as e:  # noqa: BLE001
         log.error(f"[pmaptap] console output incomplete at exit: {e}")

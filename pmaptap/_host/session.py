@@ -20,6 +20,7 @@ from typing import Any
 from pmaptap import distributed
 from pmaptap._host import routing
 from pmaptap._host.dirsink import DirectorySink
+from pmaptap._host.forked import effects_barrier
 from pmaptap._host.forward import check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
@@ -220,7 +221,8 @@ class Session:
       mapping)`` (CLU's MetricWriter; real scalar leaves only, one call per
       step). They run on their own thread with a bounded queue; failures and
       drops are reported as TapError at the next flush()/close().
-    forward_timeout: seconds flush()/close() wait for forwarders to catch up.
+    forward_timeout: the most seconds flush()/close() wait for forwarders to
+      catch up and flush (their flush() too runs on their thread).
     resume: continue a run after a restart. The run is ``run``, else
       PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
       none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
@@ -372,7 +374,7 @@ class Session:
         p = self._require_open("flush")
         if timeout == -1:
             timeout = self.flush_timeout
-        _effects_barrier()
+        effects_barrier()
         p.flush(timeout)
 
     def _require_open(self, what: str) -> Pipeline:
@@ -392,7 +394,7 @@ class Session:
         try:
             self._phase = "drain"
             try:
-                _effects_barrier()
+                effects_barrier()
             finally:
                 p.close(timeout=self.close_timeout)
         finally:
@@ -500,17 +502,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _effects_barrier() -> None:
-    import jax
-
-    jax.effects_barrier()
-
-
 def flush(timeout: float | None = -1) -> None:
     """Flush the active session, or the stderr console pipeline if none."""
     s = routing.active_session()
     if s is not None:
         s.flush(timeout)
         return
-    _effects_barrier()
+    effects_barrier()
     routing.console().flush(None if timeout == -1 else timeout)
