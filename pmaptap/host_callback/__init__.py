@@ -36,12 +36,12 @@ import jax
 import numpy as np
 
 from pmaptap._trace import placement
-from pmaptap._trace.emit import axis_coords, emit_call
+from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.spec import Placement
 from pmaptap._trace.tap import as_leaf, check_dtype
 from pmaptap._trace.untapped import taps_off
 from pmaptap.errors import CallbackException
-from pmaptap.host_callback._linked import can_tie, linked_tap
+from pmaptap.host_callback._linked import can_tie, linked_call, linked_tap
 from pmaptap.host_callback.executor import (
     _Devices,
     _executor,
@@ -445,7 +445,7 @@ def call(
         dev = job.devices.by_id.get(where.eager_device) if where.eager_device is not None else None
         outs = [jax.device_put(o, dev) for o in outs]
         return jax.tree_util.tree_unflatten(res_treedef, outs)
-    outs = emit_call(job.on_callback_thread, axis_coords(raw_names), leaves, res_avals, what=what)
+    outs = linked_call(job.on_callback_thread, axis_coords(raw_names), leaves, res_avals, what=what)
     return jax.tree_util.tree_unflatten(res_treedef, outs)
 
 
