@@ -38,7 +38,7 @@ import numpy as np
 from pmaptap._trace import placement
 from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.spec import Placement
-from pmaptap._trace.tap import as_leaf, check_dtype
+from pmaptap._trace.tap import as_leaf, check_dtype, is_key
 from pmaptap._trace.untapped import taps_off
 from pmaptap.errors import CallbackException
 from pmaptap.host_callback._linked import can_tie, linked_call, linked_tap
@@ -175,8 +175,11 @@ def _removed_kwargs_error(kwargs: dict) -> TypeError:
         f"functools.partial(tap_func, {name}=...) or a closure",
     )
     more = f" (also: {', '.join(sorted(kwargs)[1:])})" if len(kwargs) > 1 else ""
+    # The old module's words ("Support for **kwargs in ``id_tap`` has been
+    # removed") stay in the message: code and tests that match them keep working.
     return TypeError(
-        f"pmaptap.host_callback.id_tap got the removed keyword argument {name!r}{more}: {why}."
+        f"pmaptap.host_callback.id_tap got the removed keyword argument {name!r}{more}: {why}. "
+        "(Support for **kwargs in ``id_tap`` has been removed.)"
     )
 
 
@@ -235,14 +238,29 @@ def id_tap(
     coords = axis_coords(raw_names)
     if result is None:
         outs, _ = linked_tap(consumer, coords, leaves)
-        tied = [o if can_tie(x) else x for x, o in zip(jax.tree_util.tree_leaves(arg), outs)]
+        tied = [_untie(x, o) for x, o in zip(jax.tree_util.tree_leaves(arg), outs)]
         return jax.tree_util.tree_unflatten(treedef, tied)
     res_leaves, res_treedef = jax.tree_util.tree_flatten(result)
-    idx = [i for i, x in enumerate(res_leaves) if can_tie(x)]
-    _, passed = linked_tap(consumer, coords, leaves, [res_leaves[i] for i in idx])
+    idx = [i for i, x in enumerate(res_leaves) if can_tie(_tie_data(x))]
+    _, passed = linked_tap(consumer, coords, leaves, [_tie_data(res_leaves[i]) for i in idx])
     for i, x in zip(idx, passed):
-        res_leaves[i] = x
+        res_leaves[i] = _untie(res_leaves[i], x)
     return jax.tree_util.tree_unflatten(res_treedef, res_leaves)
+
+
+def _tie_data(x: Any) -> Any:
+    # A typed PRNG key is tied through its key data (see _untie).
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def _untie(original: Any, tied: Any) -> Any:
+    """What ``id_tap`` returns for a leaf: ``tied`` (the leaf's value, or a
+    key's data, through the primitive) in the leaf's own type, or the leaf
+    itself where no tie applies (Python scalars keep their type, empty and
+    non-numeric arrays)."""
+    if is_key(original):
+        return jax.random.wrap_key_data(tied, impl=jax.random.key_impl(original))
+    return tied if can_tie(original) else original
 
 
 # --------------------------------------------------------------- id_print
@@ -346,10 +364,15 @@ def _result_avals(result_shape: Any, fn: str):
                 raise TypeError(type(leaf).__name__)
             dtype = jax.dtypes.canonicalize_dtype(dtype)
         except Exception:  # noqa: BLE001 - rephrased below
+            # The old module's words ("The values must be either numeric
+            # scalars, or must have 'shape' and 'dtype' attributes") stay in
+            # the message for code and tests that match them.
             raise ValueError(
                 f"{fn}: result_shape{path} is {leaf!r}; each leaf must have "
                 "`shape` and `dtype` (jax.ShapeDtypeStruct, an example array) "
-                "or be a numeric scalar. Use None or () for no result."
+                "or be a numeric scalar. Use None or () for no result. (The "
+                "values must be either numeric scalars, or must have 'shape' "
+                "and 'dtype' attributes.)"
             ) from None
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
     return treedef, avals
