@@ -10,17 +10,17 @@ Old code keeps working after changing only the import::
 
 How it is built (see docs/host_callback.md): ``id_tap``/``id_print`` bind
 their own primitive (``_linked.py``), an identity whose lowering ties the
-returned value to the host call and whose rules are the old module's. Its
-host function runs on XLA's callback thread, which holds the GIL and blocks
-its device, so it only appends the payload to a queue. One background thread
+returned value to the host call and whose rules are the old module's;
+``call`` binds a second one that returns the host's answer. Both carry one
+ordered effect, so JAX threads a token through every tap, print and call of
+a computation: they run in program order on each device. Their host
+function runs on XLA's callback thread, which holds the GIL and blocks its
+device, so a tap only appends the payload to a queue. One background thread
 per process (the *executor*, created lazily) resolves the device and runs
 the user's functions, in the order the callbacks arrived. A raising tap
 function is caught there and reported once, by the next ``barrier_wait``.
-
-``call`` needs an answer from the host, so it goes through ``emit_call``
-(``io_callback`` under ``custom_jvp``). The callback thread still hands the
-work to the same executor and waits for the result; see
-``_CallJob.on_callback_thread`` for why.
+``call``'s callback thread hands the work to the same executor and waits
+for the result; see ``_CallJob.on_callback_thread`` for why.
 """
 
 from __future__ import annotations
@@ -196,9 +196,11 @@ def id_tap(
     """Identity on ``arg`` (or returns ``result``) that calls
     ``tap_func(arg, transforms)`` on the host with ``arg`` as NumPy arrays.
 
-    The returned value depends on the host call, so whatever uses it runs
-    after ``tap_func`` was dispatched: taps follow the program's data flow
-    (in loops and conds too). ``transforms`` is ``()`` under plain jit and one
+    Taps, prints and calls of one computation run in program order on each
+    device, whether or not data flows between them (in loops, conds, nested
+    jit and under vmap too), and the returned value depends on the host
+    call, so whatever uses it runs after ``tap_func`` was dispatched. A
+    typed PRNG key is tapped as its key data. ``transforms`` is ``()`` under plain jit and one
     ``("batch", {"batch_dims": (0 or None, ...)})`` per enclosing ``vmap``,
     innermost first (``None``: that leaf was not batched and arrives as is).
     ``tap_with_device=True`` adds ``device=`` (the jax Device the value lived

@@ -112,7 +112,9 @@ for _kind in (
 
 linked_tap_p = core.Primitive("pmaptap_hcb_tap")
 linked_tap_p.multiple_results = True
-linked_call_p = core.Primitive("pmaptap_hcb_call")
+# "callback" in the name: the replication prover (_trace/invariant.py) treats
+# such a primitive's result as a host answer that may differ per device.
+linked_call_p = core.Primitive("pmaptap_hcb_call_callback")
 linked_call_p.multiple_results = True
 
 _TOKEN_AVAL = core.ShapedArray((), np.int32)
