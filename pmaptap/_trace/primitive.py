@@ -145,8 +145,9 @@ def run_later(body: Callable[..., None], leaves: list, step: Any, name: str) -> 
     That call goes where JAX puts the rest of the tangent computation: run
     when that part runs (jax.jvp of a linearized function, jax.linearize),
     refused, naming the tap ``name``, by the transpose rule above under
-    grad/vjp, which never compute the tangent. Emitting the tap's own operations (stop_gradient, gather,
-    statistics) directly there would need a transpose rule for each."""
+    grad/vjp, which never compute the tangent. Emitting the tap's own
+    operations (stop_gradient, gather, statistics) directly there would
+    need a transpose rule for each."""
     import jax
     from jax.custom_batching import custom_vmap
 
