@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
+from conftest import job_failed, prefixed, python_cmd, run_launch
 from pmaptap import host_callback as hcb
 
 pytestmark = pytest.mark.usefixtures("hcb_drained")
@@ -290,3 +292,65 @@ def test_errors_keep_the_old_modules_words():
         with pytest.raises(ValueError, match=old) as info:
             hcb.call(lambda x: x, 3.0, result_shape=bad)
         assert "jax.ShapeDtypeStruct" in str(info.value)
+
+
+def test_eager_taps_and_calls_follow_the_taps_of_dispatched_computations():
+    """Program order across dispatches: a jitted step's taps, then an eager
+    id_tap and call (run on the caller's thread, after waiting for the
+    taps dispatched before them)."""
+    seen: list[str] = []
+
+    @jax.jit
+    def step(x):
+        y = x
+        for _ in range(5):
+            y = jnp.sin(y @ y)
+        hcb.id_tap(lambda a, t: seen.append("jit"), y)
+        return y
+
+    x = jnp.ones((200, 200)) * 1e-3
+    for i in range(3):
+        step(x)
+        hcb.id_tap(lambda a, t, i=i: seen.append(f"eager{i}"), 1.0)
+        hcb.call(lambda v, i=i: seen.append(f"call{i}"), 1.0)
+    hcb.barrier_wait()
+    assert seen == [s for i in range(3) for s in ("jit", f"eager{i}", f"call{i}")]
+
+
+_MULTI_PROCESS = """
+    import json
+    import jax, jax.numpy as jnp, pmaptap.distributed as dist
+    from pmaptap import host_callback as hcb
+    dist.initialize()
+    seen = []
+
+    def body(x):
+        for i in range(4):
+            hcb.id_tap(lambda a, t, i=i, device=None: seen.append((device.id, i)),
+                       jnp.sin(x) + i, tap_with_device=True)
+        return hcb.call(lambda v: v * 2, x, result_shape=x)
+
+    f = jax.pmap(body, axis_name="i")
+    for step in range(2):
+        out = f(jnp.ones((jax.local_device_count(), 100)) * (step + 1))
+    jax.jit(lambda v: hcb.id_tap(lambda a, t: seen.append(("jit", 0)), v))(1.0)
+    hcb.barrier_wait()
+    by = {}
+    for d, i in seen:
+        by.setdefault(str(d), []).append(i)
+    print("SEEN", json.dumps(by), float(out.sum()), flush=True)
+"""
+
+
+def test_taps_in_program_order_in_a_multi_process_pmap():
+    """JAX threads the ordered effect's token through computations of each
+    process (its own code warns that this "might still be buggy in a
+    multi-process SPMD scenario"): two processes of two devices each."""
+    proc, _ = run_launch(2, 2, python_cmd(_MULTI_PROCESS), launcher_timeout=120)
+    assert proc.returncode == 0, job_failed(proc)
+    for p in (0, 1):
+        (line,) = [ln for ln in prefixed(proc.stdout, p) if ln.startswith("SEEN")]
+        by, total = line.split(" ", 1)[1].rsplit(" ", 1)
+        devices = [str(p * 2048 + k) for k in (0, 1)]
+        assert json.loads(by) == {**{d: [0, 1, 2, 3] * 2 for d in devices}, "jit": [0]}
+        assert float(total) == 2 * 2 * 100 * 2.0

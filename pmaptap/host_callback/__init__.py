@@ -41,7 +41,7 @@ from pmaptap._trace.spec import Placement
 from pmaptap._trace.tap import as_leaf, check_dtype, is_key
 from pmaptap._trace.untapped import taps_off
 from pmaptap.errors import CallbackException
-from pmaptap.host_callback._linked import can_tie, linked_call, linked_tap
+from pmaptap.host_callback._linked import after_dispatched, can_tie, linked_call, linked_tap
 from pmaptap.host_callback.executor import (
     _Devices,
     _executor,
@@ -229,8 +229,9 @@ def id_tap(
     consumer = _TapConsumer(tap_func, bool(tap_with_device), devices, where, treedef)
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves + jax.tree_util.tree_leaves(out))
     if not traced:
-        # Eager: the call happens now, on this thread, so the order is the
-        # program's without any tie, and ``out`` is returned as it is.
+        # Eager: the call happens now, on this thread, after the taps of the
+        # computations dispatched before, and ``out`` is returned as it is.
+        after_dispatched()
         consumer((), np.zeros((0,), np.int32), *[np.asarray(x) for x in leaves])
         return out
     # The value returned goes through the primitive, which ties it to the
@@ -465,7 +466,9 @@ def call(
     _executor()
     if not any(isinstance(x, jax.core.Tracer) for x in leaves):
         # Eager: nothing to compile. Run on the host now (after the taps
-        # queued before it) and put the result where the argument was.
+        # of what was dispatched before) and put the result where the
+        # argument was.
+        after_dispatched()
         outs = job.on_callback_thread(np.zeros((0,), np.int32), *leaves)
         dev = job.devices.by_id.get(where.eager_device) if where.eager_device is not None else None
         outs = [jax.device_put(o, dev) for o in outs]

@@ -176,6 +176,18 @@ def linked_call(
     )
 
 
+def after_dispatched() -> None:
+    """Called before an eager tap or call runs on the caller's thread: wait
+    until the taps and calls of the computations this thread dispatched
+    before have run (JAX keeps the last ``ORDERED`` token of each thread).
+    XLA's CPU client runs such computations before dispatch returns, so this
+    returns at once there; an asynchronous backend would otherwise let the
+    eager tap overtake them."""
+    token = dispatch.runtime_tokens.current_tokens.get(ORDERED)
+    if token is not None:
+        token.block_until_ready()
+
+
 def _in_while_condition() -> bool:
     """Whether JAX is tracing (a function called from) a ``while_loop``
     condition, where an ordered effect under a batched predicate makes JAX
