@@ -354,3 +354,25 @@ def test_taps_in_program_order_in_a_multi_process_pmap():
         devices = [str(p * 2048 + k) for k in (0, 1)]
         assert json.loads(by) == {**{d: [0, 1, 2, 3] * 2 for d in devices}, "jit": [0]}
         assert float(total) == 2 * 2 * 100 * 2.0
+
+
+def test_primal_tapped_with_a_tangent_as_result_runs_once_under_grad():
+    """``dx = id_tap(f, x, result=dx)`` in a custom_jvp rule: the tap sits in
+    the linear part under grad (its result is a tangent); its primal value
+    is tapped there once, not dropped."""
+    seen = []
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        dx = hcb.id_tap(lambda a, t: seen.append((float(a), t)), x, result=dx)
+        return jnp.sin(x), jnp.cos(x) * dx
+
+    assert float(jax.grad(f)(0.5)) == pytest.approx(np.cos(0.5))
+    assert float(jax.jit(jax.grad(f))(0.25)) == pytest.approx(np.cos(0.25))
+    hcb.barrier_wait()
+    assert seen == [(0.5, ()), (0.25, ())]
