@@ -19,7 +19,6 @@ fails loudly if a JAX upgrade breaks it.
 
 from __future__ import annotations
 
-import functools
 from functools import partial
 from typing import Any, Callable
 
@@ -90,17 +89,18 @@ _TAP_RULE = "_pmaptap_tap_rule"
 _jax_transpose = ad.primitive_transposes.get(custom_batching.custom_vmap_p)
 
 
-def mark_tap_vmap_rule(rule: Callable, name: str | None = None) -> Callable:
+def mark_tap_vmap_rule(rule: Callable, name: str = "") -> Callable:
     """Mark a ``custom_vmap`` rule as a tap's (see _custom_vmap_transpose);
     ``name`` is the tap's, for the error. ``ClosedRule`` copies the
     function's ``__dict__``, so the mark survives."""
-    setattr(rule, _TAP_RULE, name or "a tap")
+    setattr(rule, _TAP_RULE, name)
     return rule
 
 
-def tangent_tap_error(name: str) -> TypeError:
+def _tangent_tap_error(name: str) -> TypeError:
+    tap = f"pmaptap.tap({name!r})" if name else "A pmaptap tap"
     return TypeError(
-        f"pmaptap.tap({name!r}) taps a tangent inside a jax.custom_jvp rule, "
+        f"{tap} taps a tangent inside a jax.custom_jvp rule, "
         "and reverse mode (jax.grad, jax.vjp, jax.linear_transpose) reached "
         "it. Reverse mode never computes that tangent and pmaptap.tap "
         "returns its argument untouched, so no cotangent flows through it: "
@@ -115,7 +115,7 @@ def tangent_tap_error(name: str) -> TypeError:
 def _custom_vmap_transpose(cts, *args, call, rule, in_tree, out_tree):
     name = getattr(getattr(rule, "rule", rule), _TAP_RULE, None)
     if name is not None:
-        raise tangent_tap_error(name)
+        raise _tangent_tap_error(name)
     if _jax_transpose is not None:
         return _jax_transpose(cts, *args, call=call, rule=rule, in_tree=in_tree, out_tree=out_tree)
     raise NotImplementedError(
@@ -162,7 +162,7 @@ def run_later(body: Callable[..., None], leaves: list, step: Any, name: str) -> 
         return ()
 
     @later.def_vmap
-    @functools.partial(mark_tap_vmap_rule, name=name)
+    @partial(mark_tap_vmap_rule, name=name)
     def _batched(axis_size, in_batched, *args):
         # The body's own taps batch themselves (emit's custom_vmap rule).
         jax.vmap(
