@@ -1,26 +1,64 @@
-"""What program order costs ``host_callback.id_tap`` (issue 18, point 1).
+"""What program order costs ``host_callback.id_tap`` (issues 18 and 28).
 
-``id_tap`` returns its value tied to the host callback (an int32 token XORed
-into it, see pmaptap/host_callback/_linked.py), so the next step of a loop
-waits for the tap. Arms, each a jitted ``scan`` whose every step taps a
-4 KiB value and feeds it to the next step:
+Two ties (see pmaptap/host_callback/_linked.py): the value ``id_tap``
+returns is XORed with an int32 token the callback returns (whatever uses it
+waits for the tap), and every tap, print and call of a computation carries
+one ordered effect, so JAX threads an XLA token through them (they run in
+program order even with no data path between them).
+
+Two loops, each a jitted ``scan`` of LOOP steps on a 4 KiB value:
+
+chain: every step taps the value and feeds the tapped value to the next step
   base       no tap
   raw        jax.debug.callback(noop, y)
-  untied     id_tap's callback with the tie removed (the old behaviour)
-  tied       id_tap as shipped
+  untied     id_tap's callback with neither tie
+  unordered  the XOR tie only (id_tap before issue 28)
+  tied       id_tap as shipped (XOR tie and token)
+independent: every step makes TAPS taps of different values and uses none
+of their results (the case the token orders)
+  base, unordered, tied   as above
+
+Arms run interleaved in one process; the cost of the token is reported as
+the per-round ratio of added costs (tied over unordered, ``paired``), its
+median and range over rounds: on a busy machine compare ratios, not times.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import interleaved, machine, main_quick, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    interleaved_rounds,
+    machine,
+    main_quick,
+    medians,
+    table,
+)
 
 PAYLOAD = 1024  # float32 = 4 KiB
 LOOP = 100  # scan steps per call
+TAPS = 4  # independent taps per step
+
+
+def _ratios(times: dict, arm: str, ref: str) -> list[float]:
+    """Per round: added cost of ``arm`` over that of ``ref`` (over base)."""
+    out = []
+    for a, r, b in zip(times[arm], times[ref], times["base"]):
+        if r - b > 0:
+            out.append((a - b) / (r - b))
+    return out
+
+
+def _spread(rs: list[float]) -> str:
+    if not rs:
+        return "nan"
+    rs = sorted(rs)
+    return f"{rs[len(rs) // 2]:.2f}x ({rs[0]:.2f}-{rs[-1]:.2f})"
 
 
 def run(quick: bool = False) -> list[tuple]:
@@ -37,26 +75,38 @@ def run(quick: bool = False) -> list[tuple]:
     def noop_tap(arg, transforms):
         return None
 
-    def make(kind):
+    @contextlib.contextmanager
+    def variant(kind):
+        """The arms' id_tap: the ties are emitted while the function is
+        traced and lowered (_linked.linked_tap binds the ordered effect,
+        _linked._xor_token is the XOR), so they are swapped for that time."""
+        real_tie, real_bind = _linked._xor_token, hcb.linked_tap
+        if kind == "untied":
+            _linked._xor_token = lambda value, token: value
+        if kind in ("untied", "unordered"):
+            hcb.linked_tap = functools.partial(real_bind, ordered=False)
+        try:
+            yield
+        finally:
+            _linked._xor_token, hcb.linked_tap = real_tie, real_bind
+
+    def make(kind, independent):
         def step(y, _):
             y = jnp.tanh(y) * 1.0001
             if kind == "raw":
                 jax.debug.callback(lambda v: None, y)
-            elif kind in ("tied", "untied"):
+            elif kind != "base" and independent:
+                for i in range(TAPS):
+                    hcb.id_tap(noop_tap, y * (i + 2))
+            elif kind != "base":
                 y = hcb.id_tap(noop_tap, y)
             return y, None
 
         def loop(v):
             return lax.scan(step, v, None, length=LOOP)[0]
 
-        # The tie is emitted by the primitive's lowering (_linked._xor_token).
-        real_tie = _linked._xor_token
-        if kind == "untied":
-            _linked._xor_token = lambda value, token: value
-        try:
-            return jax.jit(loop).lower(x).compile()  # lowered now, with the patch
-        finally:
-            _linked._xor_token = real_tie
+        with variant(kind):
+            return jax.jit(loop).lower(x).compile()  # traced and lowered now
 
     def arm(fn):
         def go():
@@ -68,23 +118,51 @@ def run(quick: bool = False) -> list[tuple]:
 
         return go
 
-    kinds = ("base", "raw", "untied", "tied")
-    med = interleaved({k: arm(make(k)) for k in kinds}, rounds=rounds, steps=calls)
-    per_tap = {k: (med[k] - med["base"]) / LOOP * 1e3 for k in kinds}
+    chain_kinds = ("base", "raw", "untied", "unordered", "tied")
+    chain = interleaved_rounds(
+        {k: arm(make(k, False)) for k in chain_kinds}, rounds=rounds, steps=calls
+    )
+    indep_kinds = ("base", "unordered", "tied")
+    indep = interleaved_rounds(
+        {k: arm(make(k, True)) for k in indep_kinds}, rounds=rounds, steps=calls
+    )
+    med, imed = medians(chain), medians(indep)
+    per_tap = {k: (med[k] - med["base"]) / LOOP * 1e3 for k in chain_kinds}
+    per_step = {k: (imed[k] - imed["base"]) / LOOP * 1e3 for k in indep_kinds}
     rows = [
         (
             "j. id_tap (tied, program order)",
             f"{per_tap['tied']:.4f}",
-            f"{per_tap['tied'] - per_tap['untied']:+.4f} ms vs untied",
+            f"{_spread(_ratios(chain, 'tied', 'unordered'))} of unordered",
+        ),
+        (
+            "j. id_tap, XOR tie only (unordered)",
+            f"{per_tap['unordered']:.4f}",
+            f"{_spread(_ratios(chain, 'unordered', 'untied'))} of untied",
         ),
         ("j. id_tap, callback without the tie", f"{per_tap['untied']:.4f}", "-"),
         ("j. raw jax.debug.callback", f"{per_tap['raw']:.4f}", "-"),
+        (
+            f"j. {TAPS} independent id_taps (ordered)",
+            f"{per_step['tied']:.4f}",
+            f"{_spread(_ratios(indep, 'tied', 'unordered'))} of unordered",
+        ),
+        (
+            f"j. {TAPS} independent id_taps (unordered)",
+            f"{per_step['unordered']:.4f}",
+            "-",
+        ),
     ]
     print(
-        f"jit(scan) of {LOOP} steps, {PAYLOAD * 4 // 1024} KiB tapped per step; "
-        f"no-tap step {med['base'] / LOOP * 1e3:.4f} ms; {machine()}"
+        f"jit(scan) of {LOOP} steps, {PAYLOAD * 4 // 1024} KiB per tap; no-tap step "
+        f"{med['base'] / LOOP * 1e3:.4f} ms; {rounds} rounds; {machine()}"
     )
-    print(table(rows, ("arm", "added ms per tap", "cost of the tie")))
+    print(
+        table(
+            rows,
+            ("arm", "added ms per step", "added cost: median ratio (range over rounds)"),
+        )
+    )
     return rows
 
 

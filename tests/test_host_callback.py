@@ -500,6 +500,9 @@ def test_tap_function_is_freed_with_its_compiled_function():
 
 
 def test_id_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp():
+    """Issue 28: under grad/vjp an unused tapped tangent is tapped as its
+    cotangent, zeros, marked 'transpose' (the old module's transpose rule
+    instantiated zeros); it used to vanish without a word."""
     seen = []
 
     @jax.custom_jvp
@@ -509,21 +512,27 @@ def test_id_tap_of_a_tangent_in_a_custom_jvp_rule_under_grad_vjp_and_jvp():
     @f.defjvp
     def f_jvp(primals, tangents):
         (x,), (dx,) = primals, tangents
-        hcb.id_tap(lambda v, _: seen.append(("tangent", float(v))), dx)
-        hcb.id_tap(lambda v, _: seen.append(("primal", float(v))), x)
+        hcb.id_tap(lambda v, t: seen.append(("tangent", float(v), t)), dx)
+        hcb.id_tap(lambda v, t: seen.append(("primal", float(v), t)), x)
         return jnp.sin(x), jnp.cos(x) * dx
 
     assert float(jax.grad(f)(0.5)) == pytest.approx(np.cos(0.5))
     assert float(jax.vjp(f, 0.25)[1](1.0)[0]) == pytest.approx(np.cos(0.25))
     hcb.barrier_wait()
-    # the tapped tangent is not used: its cotangent is zero and, as in the old
-    # module, nothing is tapped for it (see test_host_callback_fidelity for a used one)
-    assert seen == [("primal", 0.5), ("primal", 0.25)]
+    # the tapped tangent is not used: its cotangent is zero (see
+    # test_host_callback_fidelity for a used one)
+    transposed = (("transpose", {}),)
+    assert seen == [
+        ("primal", 0.5, ()),
+        ("tangent", 0.0, transposed),
+        ("primal", 0.25, ()),
+        ("tangent", 0.0, transposed),
+    ]
     seen.clear()
     _, t = jax.jvp(f, (1.0,), (2.0,))
     hcb.barrier_wait()
     assert float(t) == pytest.approx(2 * np.cos(1.0))
-    assert sorted(seen) == [("primal", 1.0), ("tangent", 2.0)]
+    assert seen == [("tangent", 2.0, ()), ("primal", 1.0, ())]
 
 
 def test_id_tap_refuses_a_dtype_tap_files_cannot_hold_at_trace_time():

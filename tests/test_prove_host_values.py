@@ -28,13 +28,17 @@ def _host_value(kind: str):
     out = jax.ShapeDtypeStruct((), jnp.float32)
     if kind == "io_callback":
         return lambda: io_callback(host, out, jnp.float32(0), ordered=False)
+    if kind == "hcb_call":
+        from pmaptap import host_callback as hcb
+
+        return lambda: hcb.call(host, jnp.float32(0), result_shape=out)
     if kind == "pure_callback":
         return lambda: jax.pure_callback(host, out, jnp.float32(0))
     # inside a nested jit: the callback sits in an inner jaxpr
     return jax.jit(lambda: jax.pure_callback(host, out, jnp.float32(0)) * 2)
 
 
-@pytest.mark.parametrize("kind", ["io_callback", "pure_callback", "nested_jit"])
+@pytest.mark.parametrize("kind", ["io_callback", "pure_callback", "nested_jit", "hcb_call"])
 def test_a_host_callback_result_is_not_proven_replicated(tmp_path, kind):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     value = _host_value(kind)

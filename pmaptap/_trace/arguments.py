@@ -49,7 +49,15 @@ def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
         )
 
 
+def is_key(leaf: Any) -> bool:
+    """Whether ``leaf`` is a typed PRNG key array (``jax.random.key``)."""
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def as_leaf(path, leaf, name: str, fn: str):
+    """``leaf`` as a value a tap can send (numbers become arrays, typed PRNG
+    keys their key data), or a TypeError naming the tap and the leaf."""
     if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "OSUMm":
         # object / bytes / str / datetime arrays: JAX would refuse them
         # too, but without naming the tap or the leaf.
@@ -59,6 +67,10 @@ def as_leaf(path, leaf, name: str, fn: str):
             f"{leaf.dtype}; taps accept numeric and bool arrays only. Convert "
             "it, or leave it out of the tapped value."
         )
+    if is_key(leaf):
+        # A typed PRNG key (jax.random.key) has no NumPy dtype: its key data
+        # (uint32) is what the host receives, as the old host_callback did.
+        return jax.random.key_data(leaf)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or isinstance(leaf, jax.core.Tracer):
         return leaf
     if isinstance(leaf, (bool, int, float, complex)):

@@ -1,8 +1,7 @@
-"""The entry points of emission: everything traced (``tap``, ``tap_grad``,
-the host_callback shims) ends here. ``emit`` for values that only travel to
-the host (through a transport layout, see layouts.py, or a ``group``),
-``emit_call`` for the one case where the host must answer with a value
-(``host_callback.call``).
+"""The entry point of emission: everything ``tap`` and ``tap_grad`` trace
+ends here. ``emit`` sends values that only travel to the host (through a
+transport layout, see layouts.py, or a ``group``). The old host_callback API
+has its own primitives, in program order (host_callback/_linked.py).
 
 Why our own callback primitive (primitive.py, ``emit_callback``) and not ``jax.debug.callback``:
 it has the same semantics (allowed under ``grad``, where it sees primals,
@@ -13,13 +12,12 @@ callback thread.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as _core
-from jax.experimental import io_callback
 
 from pmaptap._common.spec import TapSpec
 from pmaptap._trace.group import auto_offer, auto_step_key, current_group, settle
@@ -66,53 +64,3 @@ def emit(
         lax.cond(step % spec.site.every == 0, fire, lambda: None)
     else:
         fn(coords, step, *leaves)
-
-
-def emit_call(
-    host_fn: Callable[..., Sequence],
-    coords: jax.Array,
-    leaves: Sequence[jax.Array],
-    result_avals: Sequence[jax.ShapeDtypeStruct],
-    *,
-    what: str,
-) -> list[jax.Array]:
-    """Run ``host_fn(coords, *leaves)`` on the host and return its results
-    (one array per entry of ``result_avals``) into the computation.
-
-    ``host_fn`` runs on XLA's callback thread and blocks the device until it
-    returns; it must return arrays matching ``result_avals`` exactly, or raise
-    (which fails the computation with that message).
-
-    Why ``io_callback(ordered=False)`` and not ``pure_callback``: the old
-    ``host_callback.call`` always ran, once per execution and device.
-    ``pure_callback`` is declared side-effect free, so JAX drops it when its
-    result is unused (checked on JAX 0.10: zero host calls) and may repeat it
-    under remat. ``io_callback`` keeps it; unordered, it is allowed inside
-    ``pmap``/``shard_map`` bodies (once per device, with the local value) and
-    batches under ``vmap`` as one host call per element, which is what a
-    host function written for one unbatched argument expects.
-
-    Why a ``custom_jvp`` identity on the arguments: JAX cannot differentiate
-    a host function. Its rule runs only when a non-zero tangent reaches the
-    call, and replaces JAX's generic refusal with one that says what to do.
-    The callback itself stays outside the ``custom_jvp``: JAX's jaxpr checker
-    (``jax_enable_checks``) refuses an ``io_callback`` effect inside one.
-    """
-    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in result_avals)
-
-    @jax.custom_jvp
-    def guard(*leaves):
-        return leaves
-
-    @guard.defjvp
-    def _no_derivative(primals, tangents):
-        raise NotImplementedError(
-            f"{what}: cannot differentiate through a host call, JAX cannot see "
-            "inside the host function. If no gradient should flow through it, "
-            "wrap its argument in jax.lax.stop_gradient(...); otherwise give it "
-            "a derivative with jax.custom_vjp (e.g. a second host call that "
-            "computes the VJP on the host)."
-        )
-
-    leaves = guard(*leaves) if leaves else ()
-    return list(io_callback(host_fn, avals, coords, *leaves, ordered=False))

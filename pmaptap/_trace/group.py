@@ -283,7 +283,7 @@ def _group_fn(
         return coords
 
     @emit_fn.def_vmap
-    @mark_tap_vmap_rule  # transposable (taps of tangents, see primitive.py)
+    @mark_tap_vmap_rule  # a tap's rule (taps of tangents: see primitive.py)
     def _batched(axis_size, in_batched, coords, *args):
         coords_b, rest_b = in_batched[0], in_batched[1:]
         steps_b, leaves_b = split(rest_b)

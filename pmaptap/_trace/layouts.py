@@ -265,7 +265,7 @@ def emitter(spec: TapSpec, raw_names: tuple):
         return coords
 
     @emit_fn.def_vmap
-    @mark_tap_vmap_rule  # transposable (taps of tangents, see primitive.py)
+    @mark_tap_vmap_rule  # a tap's rule (taps of tangents: see primitive.py)
     def _batched(axis_size, in_batched, coords, step, *leaves):
         coords_b, step_b, *leaves_b = in_batched
         if coords_b or step_b:

@@ -79,25 +79,43 @@ register_tap_rules(callback_p)
 # --- taps of tangents (a tap inside a jax.custom_jvp rule, under grad/vjp)
 # emit.py wraps the callback primitive in jax.custom_vmap. Under reverse mode a tap of a
 # tangent sits in the linear part of the program, which JAX transposes, and
-# JAX has no transpose rule for custom_vmap_call at all. For a tap the rule
-# is the primitive's own: nothing flows back and the call is not replayed
-# backward; JAX never computes that tangent in reverse mode, so there is no
-# value to record (jax.debug.callback behaves alike). Other custom_vmap
-# functions keep JAX's behaviour.
+# JAX has no transpose rule for custom_vmap_call at all. Reverse mode never
+# computes that tangent, and pmaptap.tap returns its argument untouched, so
+# no cotangent flows through the tap either: there is nothing to record.
+# Dropping the tap would lose it without a word (issue 28), so the rule
+# refuses, at trace time, naming the tap and what records a cotangent
+# (pmaptap.tap_grad). Other custom_vmap functions keep JAX's behaviour.
 _TAP_RULE = "_pmaptap_tap_rule"
 _jax_transpose = ad.primitive_transposes.get(custom_batching.custom_vmap_p)
 
 
-def mark_tap_vmap_rule(rule: Callable) -> Callable:
-    """Mark a ``custom_vmap`` rule as a tap's (see _custom_vmap_transpose).
-    ``ClosedRule`` copies the function's ``__dict__``, so the mark survives."""
-    setattr(rule, _TAP_RULE, True)
+def mark_tap_vmap_rule(rule: Callable, name: str = "") -> Callable:
+    """Mark a ``custom_vmap`` rule as a tap's (see _custom_vmap_transpose);
+    ``name`` is the tap's, for the error. ``ClosedRule`` copies the
+    function's ``__dict__``, so the mark survives."""
+    setattr(rule, _TAP_RULE, name)
     return rule
 
 
+def _tangent_tap_error(name: str) -> TypeError:
+    tap = f"pmaptap.tap({name!r})" if name else "A pmaptap tap"
+    return TypeError(
+        f"{tap} taps a tangent inside a jax.custom_jvp rule, "
+        "and reverse mode (jax.grad, jax.vjp, jax.linear_transpose) reached "
+        "it. Reverse mode never computes that tangent and pmaptap.tap "
+        "returns its argument untouched, so no cotangent flows through it: "
+        "there is nothing to record. To record the cotangent, wrap the value "
+        "it belongs to: `y = pmaptap.tap_grad(y, 'name')` (or use "
+        "pmaptap.host_callback.id_tap and use its result); to record "
+        "tangents, differentiate with jax.jvp; or move the tap out of the "
+        "jvp rule."
+    )
+
+
 def _custom_vmap_transpose(cts, *args, call, rule, in_tree, out_tree):
-    if getattr(getattr(rule, "rule", rule), _TAP_RULE, False):
-        return [None] * len(args)
+    name = getattr(getattr(rule, "rule", rule), _TAP_RULE, None)
+    if name is not None:
+        raise _tangent_tap_error(name)
     if _jax_transpose is not None:
         return _jax_transpose(cts, *args, call=call, rule=rule, in_tree=in_tree, out_tree=out_tree)
     raise NotImplementedError(
@@ -120,15 +138,16 @@ def staged_for_later(leaves) -> bool:
     return any(isinstance(x, pe.JaxprTracer) and not x.pval.is_known() for x in leaves)
 
 
-def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
+def run_later(body: Callable[..., None], leaves: list, step: Any, name: str) -> None:
     """Trace ``body(leaves, step)`` (which emits taps) as ONE custom_vmap
     call whose inputs are the values that are not known yet.
 
     That call goes where JAX puts the rest of the tangent computation: run
     when that part runs (jax.jvp of a linearized function, jax.linearize),
-    dropped by the transpose rule above under grad/vjp, which never compute
-    the tangent. Emitting the tap's own operations (stop_gradient, gather,
-    statistics) directly there would need a transpose rule for each."""
+    refused, naming the tap ``name``, by the transpose rule above under
+    grad/vjp, which never compute the tangent. Emitting the tap's own
+    operations (stop_gradient, gather, statistics) directly there would
+    need a transpose rule for each."""
     import jax
     from jax.custom_batching import custom_vmap
 
@@ -143,7 +162,7 @@ def run_later(body: Callable[..., None], leaves: list, step: Any) -> None:
         return ()
 
     @later.def_vmap
-    @mark_tap_vmap_rule
+    @partial(mark_tap_vmap_rule, name=name)
     def _batched(axis_size, in_batched, *args):
         # The body's own taps batch themselves (emit's custom_vmap rule).
         jax.vmap(

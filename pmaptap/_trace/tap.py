@@ -69,8 +69,9 @@ def send(
     if primitive.staged_for_later(leaves):
         # A tangent inside a custom_jvp rule under grad/vjp/linearize: emit
         # it in the part of the program that runs later (see
-        # primitive.run_later), as jax.debug.callback would be.
-        primitive.run_later(emit_leaves, leaves, traced_step)
+        # primitive.run_later), as jax.debug.callback would be; refused
+        # with a message naming the tap if reverse mode reaches it.
+        primitive.run_later(emit_leaves, leaves, traced_step, name)
         return
     emit_leaves(leaves, traced_step)
 

@@ -10,17 +10,17 @@ Old code keeps working after changing only the import::
 
 How it is built (see docs/host_callback.md): ``id_tap``/``id_print`` bind
 their own primitive (``_linked.py``), an identity whose lowering ties the
-returned value to the host call and whose rules are the old module's. Its
-host function runs on XLA's callback thread, which holds the GIL and blocks
-its device, so it only appends the payload to a queue. One background thread
+returned value to the host call and whose rules are the old module's;
+``call`` binds a second one that returns the host's answer. Both carry one
+ordered effect, so JAX threads a token through every tap, print and call of
+a computation: they run in program order on each device. Their host
+function runs on XLA's callback thread, which holds the GIL and blocks its
+device, so a tap only appends the payload to a queue. One background thread
 per process (the *executor*, created lazily) resolves the device and runs
 the user's functions, in the order the callbacks arrived. A raising tap
 function is caught there and reported once, by the next ``barrier_wait``.
-
-``call`` needs an answer from the host, so it goes through ``emit_call``
-(``io_callback`` under ``custom_jvp``). The callback thread still hands the
-work to the same executor and waits for the result; see
-``_CallJob.on_callback_thread`` for why.
+``call``'s callback thread hands the work to the same executor and waits
+for the result; see ``_CallJob.on_callback_thread`` for why.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import numpy as np
 from pmaptap._common.spec import Placement
 from pmaptap._common.switch import taps_off
 from pmaptap._trace import placement
-from pmaptap._trace.arguments import as_leaf, check_dtype
-from pmaptap._trace.emit import axis_coords, emit_call
+from pmaptap._trace.arguments import as_leaf, check_dtype, is_key
+from pmaptap._trace.emit import axis_coords
 from pmaptap.errors import CallbackException
-from pmaptap.host_callback._linked import can_tie, linked_tap
+from pmaptap.host_callback._linked import after_dispatched, can_tie, linked_call, linked_tap
 from pmaptap.host_callback.executor import (
     _Devices,
     _executor,
@@ -175,8 +175,11 @@ def _removed_kwargs_error(kwargs: dict) -> TypeError:
         f"functools.partial(tap_func, {name}=...) or a closure",
     )
     more = f" (also: {', '.join(sorted(kwargs)[1:])})" if len(kwargs) > 1 else ""
+    # The old module's words ("Support for **kwargs in ``id_tap`` has been
+    # removed") stay in the message: code and tests that match them keep working.
     return TypeError(
-        f"pmaptap.host_callback.id_tap got the removed keyword argument {name!r}{more}: {why}."
+        f"pmaptap.host_callback.id_tap got the removed keyword argument {name!r}{more}: {why}. "
+        "(Support for **kwargs in ``id_tap`` has been removed.)"
     )
 
 
@@ -193,9 +196,11 @@ def id_tap(
     """Identity on ``arg`` (or returns ``result``) that calls
     ``tap_func(arg, transforms)`` on the host with ``arg`` as NumPy arrays.
 
-    The returned value depends on the host call, so whatever uses it runs
-    after ``tap_func`` was dispatched: taps follow the program's data flow
-    (in loops and conds too). ``transforms`` is ``()`` under plain jit and one
+    Taps, prints and calls of one computation run in program order on each
+    device, whether or not data flows between them (in loops, conds, nested
+    jit and under vmap too), and the returned value depends on the host
+    call, so whatever uses it runs after ``tap_func`` was dispatched. A
+    typed PRNG key is tapped as its key data. ``transforms`` is ``()`` under plain jit and one
     ``("batch", {"batch_dims": (0 or None, ...)})`` per enclosing ``vmap``,
     innermost first (``None``: that leaf was not batched and arrives as is).
     ``tap_with_device=True`` adds ``device=`` (the jax Device the value lived
@@ -224,8 +229,9 @@ def id_tap(
     consumer = _TapConsumer(tap_func, bool(tap_with_device), devices, where, treedef)
     traced = any(isinstance(x, jax.core.Tracer) for x in leaves + jax.tree_util.tree_leaves(out))
     if not traced:
-        # Eager: the call happens now, on this thread, so the order is the
-        # program's without any tie, and ``out`` is returned as it is.
+        # Eager: the call happens now, on this thread, after the taps of the
+        # computations dispatched before, and ``out`` is returned as it is.
+        after_dispatched()
         consumer((), np.zeros((0,), np.int32), *[np.asarray(x) for x in leaves])
         return out
     # The value returned goes through the primitive, which ties it to the
@@ -235,14 +241,29 @@ def id_tap(
     coords = axis_coords(raw_names)
     if result is None:
         outs, _ = linked_tap(consumer, coords, leaves)
-        tied = [o if can_tie(x) else x for x, o in zip(jax.tree_util.tree_leaves(arg), outs)]
+        tied = [_untie(x, o) for x, o in zip(jax.tree_util.tree_leaves(arg), outs)]
         return jax.tree_util.tree_unflatten(treedef, tied)
     res_leaves, res_treedef = jax.tree_util.tree_flatten(result)
-    idx = [i for i, x in enumerate(res_leaves) if can_tie(x)]
-    _, passed = linked_tap(consumer, coords, leaves, [res_leaves[i] for i in idx])
+    idx = [i for i, x in enumerate(res_leaves) if can_tie(_tie_data(x))]
+    _, passed = linked_tap(consumer, coords, leaves, [_tie_data(res_leaves[i]) for i in idx])
     for i, x in zip(idx, passed):
-        res_leaves[i] = x
+        res_leaves[i] = _untie(res_leaves[i], x)
     return jax.tree_util.tree_unflatten(res_treedef, res_leaves)
+
+
+def _tie_data(x: Any) -> Any:
+    # A typed PRNG key is tied through its key data (see _untie).
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def _untie(original: Any, tied: Any) -> Any:
+    """What ``id_tap`` returns for a leaf: ``tied`` (the leaf's value, or a
+    key's data, through the primitive) in the leaf's own type, or the leaf
+    itself where no tie applies (Python scalars keep their type, empty and
+    non-numeric arrays)."""
+    if is_key(original):
+        return jax.random.wrap_key_data(tied, impl=jax.random.key_impl(original))
+    return tied if can_tie(original) else original
 
 
 # --------------------------------------------------------------- id_print
@@ -346,10 +367,15 @@ def _result_avals(result_shape: Any, fn: str):
                 raise TypeError(type(leaf).__name__)
             dtype = jax.dtypes.canonicalize_dtype(dtype)
         except Exception:  # noqa: BLE001 - rephrased below
+            # The old module's words ("The values must be either numeric
+            # scalars, or must have 'shape' and 'dtype' attributes") stay in
+            # the message for code and tests that match them.
             raise ValueError(
                 f"{fn}: result_shape{path} is {leaf!r}; each leaf must have "
                 "`shape` and `dtype` (jax.ShapeDtypeStruct, an example array) "
-                "or be a numeric scalar. Use None or () for no result."
+                "or be a numeric scalar. Use None or () for no result. (The "
+                "values must be either numeric scalars, or must have 'shape' "
+                "and 'dtype' attributes.)"
             ) from None
         avals.append(jax.ShapeDtypeStruct(shape, dtype))
     return treedef, avals
@@ -440,12 +466,14 @@ def call(
     _executor()
     if not any(isinstance(x, jax.core.Tracer) for x in leaves):
         # Eager: nothing to compile. Run on the host now (after the taps
-        # queued before it) and put the result where the argument was.
+        # of what was dispatched before) and put the result where the
+        # argument was.
+        after_dispatched()
         outs = job.on_callback_thread(np.zeros((0,), np.int32), *leaves)
         dev = job.devices.by_id.get(where.eager_device) if where.eager_device is not None else None
         outs = [jax.device_put(o, dev) for o in outs]
         return jax.tree_util.tree_unflatten(res_treedef, outs)
-    outs = emit_call(job.on_callback_thread, axis_coords(raw_names), leaves, res_avals, what=what)
+    outs = linked_call(job.on_callback_thread, axis_coords(raw_names), leaves, res_avals, what=what)
     return jax.tree_util.tree_unflatten(res_treedef, outs)
 
 

@@ -1,26 +1,52 @@
-"""``linked_tap``: the host callback behind ``id_tap``/``id_print``, one
-primitive that, like the old module's, is the identity on the values it
-carries: the tapped leaves (sent to the host) and, with ``id_tap(...,
-result=...)``, the leaves of ``result`` (passed through unsent).
+"""The two primitives behind ``pmaptap.host_callback``: ``linked_tap_p``
+(``id_tap``/``id_print``) and ``linked_call_p`` (``call``), and the effect
+that puts all of them in program order.
 
-Program order. Its lowering makes every returned leaf depend on the host
-call (an XOR with a token, ``int32`` 0, the callback returns), so nothing
-that uses the value ``id_tap`` returns runs before the callback, and the taps
-of one device run in the order the program's data flow gives them, inside
-loops and conds too: the old module's promise ("executed before the returned
-value is used"). That costs a 4-byte result per callback and one fused
-elementwise pass, which is why ``pmaptap.tap`` does not pay it
-(benchmarks/bench_host_callback.py).
+``linked_tap_p`` is, like the old module's primitive, the identity on the
+values it carries: the tapped leaves (sent to the host) and, with
+``id_tap(..., result=...)``, the leaves of ``result`` (passed through unsent).
 
-Transformation rules, the old module's, different from ``pmaptap.tap`` on
-purpose:
+Program order, two ties:
+
+- Between host calls: both primitives carry ``ORDERED``, an *ordered* JAX
+  effect of our own, so JAX threads one XLA token through every tap, print
+  and call of a computation, into and out of ``jit``/``pmap``/``shard_map``
+  bodies, ``scan``/``while``/``cond`` bodies and nested ``jit`` (the old
+  module threaded its own token the same way). The callbacks of one device
+  run in program order, whether or not data flows between them; without it
+  XLA's CPU runtime ran eight independent taps as 1, 7, 6, 5, 4, 3, 2, 0.
+  The effect is declared *shardable* (JAX refuses other ordered effects on
+  more than one device): each device runs its own chain, devices among
+  themselves in no fixed order. JAX also passes the token from one
+  dispatched computation to the next, so taps of consecutive steps stay in
+  order too.
+- With the value: the lowering makes every returned leaf depend on the host
+  call (an XOR with an ``int32`` 0 the callback returns), so nothing that
+  uses the value ``id_tap`` returns runs before the callback: the old
+  module's promise ("executed before the returned value is used").
+
+Both cost a little per tap (benchmarks/bench_host_callback.py), which is why
+``pmaptap.tap`` pays neither.
+
+One exception: a tap or call batched inside a ``while_loop`` *condition*
+(vmap with a batched predicate) is bound unordered (the XOR tie stays).
+JAX 0.10 lowers a loop whose condition has an ordered effect by evaluating
+the condition inside the body, and with a batched predicate that lowering
+drops the select that stops finished elements: the loop would return wrong
+values (checked with ``jax.debug.print(ordered=True)``). A loop runs its
+condition and body one after the other anyway; only the order of the first
+condition's taps against taps before the loop is lost there.
+
+Transformation rules of ``linked_tap_p``, the old module's, different from
+``pmaptap.tap`` on purpose:
 
 - jvp: the primal values are tapped, tangents pass through (taps see primal
   values; derivatives of the identity are the identity).
 - transpose: the primitive only appears in the linear part of a program when
   it taps a tangent (an ``id_tap`` of a tangent inside a ``jax.custom_jvp``
   rule, under grad/vjp/linearize). Reverse mode then taps the cotangents of
-  the tapped leaves, with ``("transpose",)`` appended to the transforms;
+  the tapped leaves, with ``("transpose",)`` appended to the transforms
+  (zeros when the tap's result is not used, as the old module did);
   applied forward (``jax.linearize``'s function) it taps the tangent itself.
 - vmap: one callback with the whole batch; a batched argument gets its batch
   axis at position 0, an unbatched one travels unchanged, and each vmap level
@@ -31,12 +57,22 @@ purpose:
 - a batched ``while_loop`` predicate is lowered twice by JAX; the second copy
   emits no callback (primitive.recomputed_while_predicate).
 
+``linked_call_p`` needs an answer from the host: not differentiable (its jvp
+rule says what to do instead), and under vmap one call per element, in
+order (a sequential ``lax.map``), which is what a host function written for
+one unbatched argument expects. Why not ``io_callback``: its ordered form
+has its own effect (so calls would not be ordered with taps), refuses vmap
+and is not allowed in ``custom_vjp``/``custom_jvp`` functions; its unordered
+form orders nothing. Why not ``pure_callback``: JAX drops it when its result
+is unused and may repeat it, where the old ``call`` ran once per execution.
+
 Like primitive.py this reads ``jax._src`` (JAX 0.10); tests/test_host_callback*
 and tests/test_while_predicate.py fail loudly if an upgrade breaks it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,14 +80,42 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import callback as cb
-from jax._src import core, debugging
+from jax._src import core, debugging, dispatch, effects
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 
 from pmaptap._trace import primitive
 
+
+class _HostCallbackOrder(effects.Effect):
+    """The effect of every tap, print and call of ``pmaptap.host_callback``:
+    ordered (JAX threads a token through them) and allowed wherever
+    ``jax.debug.callback``'s effect is (control flow, custom_jvp/custom_vjp,
+    checkpoint, kept by partial eval), which keeps the jaxprs acceptable to
+    JAX's checker (``jax_enable_checks``)."""
+
+    def __str__(self) -> str:
+        return "pmaptap.host_callback"
+
+
+ORDERED = _HostCallbackOrder()
+for _kind in (
+    effects.ordered_effects,
+    effects.shardable_ordered_effects,
+    effects.lowerable_effects,
+    effects.control_flow_allowed_effects,
+    effects.custom_derivatives_allowed_effects,
+    effects.remat_allowed_effects,
+    effects.partial_eval_kept_effects,
+):
+    _kind.add_type(_HostCallbackOrder)
+
 linked_tap_p = core.Primitive("pmaptap_hcb_tap")
 linked_tap_p.multiple_results = True
+# "callback" in the name: the replication prover (_trace/invariant.py) treats
+# such a primitive's result as a host answer that may differ per device.
+linked_call_p = core.Primitive("pmaptap_hcb_call_callback")
+linked_call_p.multiple_results = True
 
 _TOKEN_AVAL = core.ShapedArray((), np.int32)
 _TOKEN = np.zeros((), np.int32)
@@ -63,14 +127,80 @@ HostFn = Callable[..., None]
 
 
 def linked_tap(
-    host_fn: HostFn, coords: Any, tapped: Sequence[Any], passed: Sequence[Any] = ()
+    host_fn: HostFn,
+    coords: Any,
+    tapped: Sequence[Any],
+    passed: Sequence[Any] = (),
+    *,
+    ordered: bool = True,
 ) -> tuple[list, list]:
     """Bind the primitive: ``host_fn`` gets ``tapped``; returns
-    ``(tapped, passed)``, the same values, tied to the host call."""
+    ``(tapped, passed)``, the same values, tied to the host call.
+    ``ordered=False`` leaves the call out of the program-order chain (only
+    benchmarks/bench_host_callback.py uses it, to measure the chain)."""
     outs = linked_tap_p.bind(
-        coords, *tapped, *passed, host_fn=host_fn, transforms=(), ntap=len(tapped)
+        coords,
+        *tapped,
+        *passed,
+        host_fn=host_fn,
+        transforms=(),
+        ntap=len(tapped),
+        ordered=ordered,
     )
     return list(outs[: len(tapped)]), list(outs[len(tapped) :])
+
+
+def linked_call(
+    host_fn: Callable[..., Sequence],
+    coords: Any,
+    leaves: Sequence[Any],
+    result_avals: Sequence[Any],
+    *,
+    what: str,
+) -> list:
+    """Run ``host_fn(coords, *leaves)`` on the host, in program order with
+    the taps, and return its results (one array per entry of
+    ``result_avals``; ``host_fn`` must return exactly those or raise, which
+    fails the computation with its message). ``what`` names the call in the
+    error raised when something differentiates through it."""
+    avals = tuple(core.ShapedArray(tuple(a.shape), a.dtype) for a in result_avals)
+    return list(
+        linked_call_p.bind(
+            coords,
+            *leaves,
+            host_fn=host_fn,
+            result_avals=avals,
+            what=what,
+            ordered=True,
+        )
+    )
+
+
+def after_dispatched() -> None:
+    """Called before an eager tap or call runs on the caller's thread: wait
+    until the taps and calls of the computations this thread dispatched
+    before have run (JAX keeps the last ``ORDERED`` token of each thread).
+    XLA's CPU client runs such computations before dispatch returns, so this
+    returns at once there; an asynchronous backend would otherwise let the
+    eager tap overtake them."""
+    token = dispatch.runtime_tokens.current_tokens.get(ORDERED)
+    if token is not None:
+        token.block_until_ready()
+
+
+def _in_while_condition() -> bool:
+    """Whether JAX is tracing (a function called from) a ``while_loop``
+    condition, where an ordered effect under a batched predicate makes JAX
+    0.10 compute wrong values (see the module doc). Reads the chain of
+    traces (``parent_trace``) and the name JAX gives a condition's trace."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        frame = getattr(trace, "frame", None)
+        info = getattr(frame, "debug_info", None)
+        if getattr(info, "traced_for", None) == "while_cond":
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def can_tie(x: Any) -> bool:
@@ -100,19 +230,23 @@ def _xor_token(x: jax.Array, token: jax.Array) -> jax.Array:
 
 
 @linked_tap_p.def_impl
-def _impl(coords, *args, host_fn, transforms, ntap):
+def _impl(coords, *args, host_fn, transforms, ntap, ordered):
     # Eager: the caller's thread, concrete values; nothing to order.
+    del ordered
     host_fn(transforms, np.asarray(coords), *[np.asarray(a) for a in args[:ntap]])
     return list(args)
 
 
+def _effects(ordered: bool) -> set:
+    # Unordered (see _in_while_condition): debug_callback's effect, allowed
+    # in the same places.
+    return {ORDERED if ordered else debugging.debug_effect}
+
+
 @linked_tap_p.def_effectful_abstract_eval
-def _abstract_eval(coords, *avals, host_fn, transforms, ntap):
+def _abstract_eval(coords, *avals, host_fn, transforms, ntap, ordered):
     del coords, host_fn, transforms, ntap
-    # debug_effect: allowed wherever debug_callback is (custom_jvp/vjp, cond,
-    # while, scan, checkpoint, pmap, shard_map), which keeps the jaxprs
-    # acceptable to JAX's checker (jax_enable_checks).
-    return list(avals), {debugging.debug_effect}
+    return list(avals), _effects(ordered)
 
 
 def _jvp(primals, tangents, **params):
@@ -120,24 +254,27 @@ def _jvp(primals, tangents, **params):
     return linked_tap_p.bind(*primals, **params), list(tangents[1:])
 
 
-def _transpose(cts, coords, *args, host_fn, transforms, ntap):
-    """Reached only when a tapped leaf is a tangent (see the module doc):
-    tap the cotangents of the tapped leaves; passed leaves' cotangents pass
-    through. Leaves that are not linear (primal values tapped beside a
-    tangent) get no cotangent. If the tap's result is not used, its
-    cotangent is a symbolic zero and nothing is tapped, as the old module
-    had no effect then ("at least one of the returned values must be
-    used")."""
+def _transpose(cts, coords, *args, host_fn, transforms, ntap, ordered):
+    """Reached only when a leaf is a tangent (see the module doc): tap the
+    cotangents of the tapped leaves; passed leaves' cotangents pass through.
+    A cotangent that is a symbolic zero (the tap's result is not used) is
+    tapped as zeros, as the old module did: the tap never vanishes. Tapped
+    leaves that are not linear (primal values tapped with ``result=`` a
+    tangent) are tapped as they are: this is where they run."""
     tap_cts, pass_cts = list(cts[:ntap]), list(cts[ntap:])
-    linear = any(ad.is_undefined_primal(a) for a in args[:ntap])
-    if linear and not all(type(ct) is ad.Zero for ct in tap_cts):
+    params = dict(host_fn=host_fn, ntap=ntap, ordered=ordered)
+    if any(ad.is_undefined_primal(a) for a in args[:ntap]):
         tap_cts = linked_tap_p.bind(
             coords,
-            *[ad.instantiate_zeros(ct) for ct in tap_cts],
-            host_fn=host_fn,
+            *[
+                ad.instantiate_zeros(ct) if type(ct) is ad.Zero or ad.is_undefined_primal(a) else ct
+                for ct, a in zip(tap_cts, args)
+            ],
             transforms=transforms + (("transpose",),),
-            ntap=ntap,
+            **params,
         )
+    else:
+        linked_tap_p.bind(coords, *args[:ntap], transforms=transforms, **params)
     outs = [*tap_cts, *pass_cts]
     return [None] + [ct if ad.is_undefined_primal(a) else None for ct, a in zip(outs, args)]
 
@@ -153,7 +290,7 @@ def _batched_args(args, dims):
     return coords, moved, tuple(None if d is None else 0 for d in ldims)
 
 
-def _batch(args, dims, *, host_fn, transforms, ntap):
+def _batch(args, dims, *, host_fn, transforms, ntap, ordered):
     coords, moved, level = _batched_args(args, dims)
     out = linked_tap_p.bind(
         coords,
@@ -161,6 +298,7 @@ def _batch(args, dims, *, host_fn, transforms, ntap):
         host_fn=host_fn,
         transforms=transforms + (("batch", level[:ntap]),),
         ntap=ntap,
+        ordered=ordered and not _in_while_condition(),
     )
     return out, list(level)
 
@@ -186,45 +324,100 @@ def _remat_rule(saveable, unks_in, inst_in, eqn):
 pe.partial_eval_jaxpr_custom_rules[linked_tap_p] = _remat_rule
 
 
-def _emit(ctx, args, host_fn, transforms):
-    """The host callback; returns its token. Nothing in the second evaluation
-    of a batched while predicate, where the callback already ran for the same
-    values in the loop's condition (the token is 0 either way)."""
-    if primitive.recomputed_while_predicate(ctx):
-        return mlir.ir_constant(_TOKEN)
+# --------------------------------------------------------------- call
+def _call_abstract_eval(coords, *avals, host_fn, result_avals, what, ordered):
+    del coords, avals, host_fn, what
+    return list(result_avals), _effects(ordered)
 
+
+def _call_jvp(primals, tangents, *, what, **params):
+    # Only reached when a non-zero tangent reaches the call (JAX skips the
+    # rule otherwise), so stop_gradient'ed arguments pass.
+    raise NotImplementedError(
+        f"{what}: cannot differentiate through a host call, JAX cannot see "
+        "inside the host function. If no gradient should flow through it, "
+        "wrap its argument in jax.lax.stop_gradient(...); otherwise give it "
+        "a derivative with jax.custom_vjp (e.g. a second host call that "
+        "computes the VJP on the host)."
+    )
+
+
+def _call_batch(args, dims, *, ordered, **params):
+    """One call per element, in order: a host function written for one
+    unbatched argument gets one (the old ``call`` raised under vmap)."""
+    coords, moved, level = _batched_args(args, dims)
+    batched = [x for x, d in zip(moved, level) if d is not None]
+    ordered = ordered and not _in_while_condition()
+
+    def one(elements):
+        it = iter(elements)
+        leaves = [next(it) if d is not None else x for x, d in zip(moved, level)]
+        return linked_call_p.bind(coords, *leaves, ordered=ordered, **params)
+
+    outs = lax.map(one, batched)
+    return outs, [0] * len(outs)
+
+
+linked_call_p.def_effectful_abstract_eval(_call_abstract_eval)
+linked_call_p.def_impl(functools.partial(dispatch.apply_primitive, linked_call_p))
+ad.primitive_jvps[linked_call_p] = _call_jvp
+batching.primitive_batchers[linked_call_p] = _call_batch
+
+
+# --------------------------------------------------------------- lowering
+def _emit(ctx, args, run, avals_out, ordered):
+    """The host callback ``run(*args)``; returns its results. In the chain of
+    ``ORDERED`` tokens when ``ordered``. Nothing in the second evaluation of
+    a batched while predicate, where the callback already ran for the same
+    values in the loop's condition (zeros returned: the tap's token is 0
+    either way)."""
+    if primitive.recomputed_while_predicate(ctx):
+        if ordered:
+            ctx.set_tokens_out(ctx.tokens_in)
+        return [mlir.ir_constant(np.zeros(a.shape, a.dtype)) for a in avals_out]
+    avals_in = ctx.avals_in[: len(args)]
+    sub = ctx.replace(avals_in=avals_in, avals_out=list(avals_out))
+    sharding = cb._callback_op_sharding(ctx.module_context.axis_context, None, sub.avals_out)
+    results, token, _ = cb.emit_python_callback(
+        sub,
+        run,
+        ctx.tokens_in.get(ORDERED) if ordered else None,
+        list(args),
+        avals_in,
+        sub.avals_out,
+        has_side_effect=True,
+        returns_token=ordered,
+        sharding=sharding,
+    )
+    if ordered:
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: token})))
+    return results
+
+
+def _lowering(ctx, coords, *leaves, host_fn, transforms, ntap, ordered):
     def run(coords, *flat):
         # XLA's buffers are valid during the call only: copy.
         host_fn(transforms, np.array(coords, copy=True), *[np.array(a, copy=True) for a in flat])
         return (_TOKEN,)
 
-    avals_in = ctx.avals_in[: len(args)]
-    ctx = ctx.replace(avals_in=avals_in, avals_out=[_TOKEN_AVAL])
-    sharding = cb._callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
-    (token,), _, _ = cb.emit_python_callback(
-        ctx,
-        run,
-        None,
-        list(args),
-        avals_in,
-        ctx.avals_out,
-        has_side_effect=True,
-        returns_token=False,
-        sharding=sharding,
-    )
-    return token
-
-
-def _lowering(ctx, coords, *leaves, host_fn, transforms, ntap):
-    token = _emit(ctx, (coords, *leaves[:ntap]), host_fn, transforms)
+    (token,) = _emit(ctx, (coords, *leaves[:ntap]), run, [_TOKEN_AVAL], ordered)
     outs = []
     for x, aval in zip(leaves, ctx.avals_in[1:]):
         if aval.size and jnp.dtype(aval.dtype).kind in "biufc":
-            sub = ctx.replace(primitive=None, avals_in=[aval, _TOKEN_AVAL], avals_out=[aval])
+            # tokens_out=None: lower_fun sets its own (the XOR has no effect).
+            sub = ctx.replace(
+                primitive=None, avals_in=[aval, _TOKEN_AVAL], avals_out=[aval], tokens_out=None
+            )
             (x,) = mlir.lower_fun(_xor_token, multiple_results=False)(sub, x, token)
         outs.append(x)
     return outs
 
 
-# cacheable=False: the rule needs the caller's name stack.
+def _call_lowering(ctx, coords, *leaves, host_fn, result_avals, what, ordered):
+    del what
+    return _emit(ctx, (coords, *leaves), host_fn, result_avals, ordered)
+
+
+# cacheable=False: the rules need the caller's name stack.
 mlir.register_lowering(linked_tap_p, _lowering, cacheable=False)
+mlir.register_lowering(linked_call_p, _call_lowering, cacheable=False)
