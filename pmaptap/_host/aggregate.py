@@ -759,6 +759,12 @@ class Aggregator:
         batch dims, summaries; this run, host and attempt) plus the kind's
         own ``fields``."""
         value, dtype, shape = encoded
+        if spec.shards is not None:
+            # A shard: the global shape its index lies in (pmaptap.assemble).
+            shapes = spec.shards.shapes
+            fields["global_shape"] = (
+                list(shapes[0]) if len(shapes) == 1 else [list(s) for s in shapes]
+            )
         return new_record(
             run=self.run,
             name=spec.name,

@@ -1,8 +1,10 @@
 """Write-side encoding: NumPy leaves and pytrees -> JSON-able values for
 records (the format itself lives in ``pmaptap.tapfile.format``).
 
-Arrays up to ``_SHORT_REPR_MAX`` elements get the shortest repr of their own
-precision; non-finite floats become the format's ``NONFINITE`` markers.
+Leaves above ``INLINE_MAX_BYTES`` are handed to the writer as ``RawArray``s,
+stored as their bytes (tapfile/arrays.py). Arrays up to ``_SHORT_REPR_MAX``
+elements get the shortest repr of their own precision; non-finite floats
+become the format's ``NONFINITE`` markers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, RawArray
 from pmaptap.tapfile.format import (
     COUNT_BASE,
     NAN,
@@ -20,6 +23,7 @@ from pmaptap.tapfile.format import (
     ORJSON_OPTS,
     POS_INF,
     SUMMARY_FIELDS,
+    encodable,
     is_float_like,
     is_narrow_int,
 )
@@ -63,6 +67,10 @@ def _float_value(a: np.ndarray) -> Any:
 
 def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
     dt = a.dtype
+    if a.nbytes > INLINE_MAX_BYTES and encodable(dt):
+        # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
+        # no per-element work here.
+        return RawArray(np.ascontiguousarray(a)), _dtype_name(dt), list(a.shape)
     if a.ndim == 0 and dt in _FAST_SCALARS:
         # Scalars are most taps (losses, norms, steps): skip the array path.
         v = a.item()
@@ -206,6 +214,8 @@ def encode_rows(
                     parts = raw[1:-1].split(b",")
                     texts.extend(parts[k] for k in rows)
                 return [(vals[k], name, shape) for k in rows]
+            if a[0].nbytes > INLINE_MAX_BYTES:
+                return [(RawArray(a[k]), name, shape) for k in rows]
             return [(a[k], name, shape) for k in rows]
     return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
 
