@@ -47,8 +47,9 @@ INLINE_MAX_BYTES = 1024
 BYTES_SUFFIX = ".bytes"
 REF_KEYS = ("file", "offset", "nbytes")
 
-# ml_dtypes' types are opaque to NumPy's .npy header ("|V2"): written as the
-# unsigned integer of the same width so that NumPy alone reads their bits.
+# ml_dtypes' types are not NumPy's own: their .npy descr ("<V2", "<f1") is
+# one NumPy cannot read back. Written as the unsigned integer of the same
+# width, so that NumPy alone reads their bits.
 _UINT_OF_WIDTH = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
@@ -158,7 +159,7 @@ def split_raw(value: Any, dtype: Any) -> tuple[Any, Any]:
 
 def npy_descr(dtype: Any) -> str:
     """The ``.npy`` header's descr of a leaf dtype (see _UINT_OF_WIDTH)."""
-    if dtype.kind == "V":
+    if dtype.isbuiltin == 2:  # a user-defined type (ml_dtypes): its bits
         return _UINT_OF_WIDTH[dtype.itemsize]
     return dtype.str
 
@@ -331,12 +332,20 @@ class ByteStore:
                 from pmaptap.tapfile.runs import url_fs
 
                 self._fs = url_fs(self.root)[0]
-            data = bytearray(self._fs.cat_file(where, start=start, end=end))
+            try:
+                data = bytearray(self._fs.cat_file(where, start=start, end=end))
+            except OSError as e:
+                self._sizes.pop(where, None)
+                raise MissingBytes(self.missing_problem(ref) or str(e)) from None
         else:
             data = bytearray(end - start)  # writable: the array read() returns
-            with open(where, "rb") as f:
-                f.seek(start)
-                n = f.readinto(data)
+            try:
+                with open(where, "rb") as f:
+                    f.seek(start)
+                    n = f.readinto(data)
+            except OSError as e:
+                self._sizes.pop(where, None)
+                raise MissingBytes(self.missing_problem(ref) or str(e)) from None
             if n != len(data):
                 del data[n:]
         if len(data) != end - start:
@@ -401,8 +410,9 @@ def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
 
 
 def load_value(d: dict, store: ByteStore) -> Any:
-    """``d["value"]`` with every stored leaf loaded (``d`` decoded or as
-    written); MissingBytes names the first leaf that cannot be."""
+    """``d["value"]`` with every stored leaf loaded (``d`` decoded:
+    decode_record, for its inline leaves); MissingBytes names the first
+    leaf that cannot be."""
     field = d.get("bytes")
     dtype, shape = d.get("dtype"), d.get("shape")
     if is_ref(field):

@@ -289,7 +289,7 @@ def read(
             # line whose bytes are not there is reported and skipped.
             store = store or ByteStore(path)
             try:
-                r["value"] = load_value(d, store)
+                r["value"] = load_value(r, store)
             except (MissingBytes, OSError) as e:
                 bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
                 continue
