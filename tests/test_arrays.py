@@ -310,7 +310,8 @@ def test_assemble_a_two_process_job_in_both_layouts(tmp_path):
     with open(path) as f, open(part, "w") as g:
         g.writelines(line for line in f if '"process":1,' not in line)
     with pytest.raises(
-        ValueError, match=r"'act' step 0 .*no record holds the slice\(s\) \[32:48,0:32\]"
+        ValueError,
+        match=r"'act' step 0 .*no record holds the slice\(s\) \[32:64,0:32\]; \[32:64,32:64\] of",
     ):
         pmaptap.assemble(part, "act", 0)
 
