@@ -47,6 +47,7 @@ def _encode(value: Any, parts: list[bytes]) -> tuple[Any, Any, Any]:
     """(value, dtype, shape) with the pytree's nesting, as the session
     writes them; ``parts`` collects the bytes the value hash is taken of."""
     from pmaptap._host.encode import encode_array
+    from pmaptap.tapfile.arrays import INLINE_MAX_BYTES
 
     if isinstance(value, Mapping):
         items = sorted(value.items(), key=lambda kv: str(kv[0]))
@@ -58,6 +59,10 @@ def _encode(value: Any, parts: list[bytes]) -> tuple[Any, Any, Any]:
     a = _leaf(value)
     parts.append(f"{a.dtype.str}{a.shape}|".encode())
     parts.append(np.ascontiguousarray(a).tobytes())
+    if a.nbytes > INLINE_MAX_BYTES:
+        # Stored as bytes at the next flush: a copy, so that the caller's
+        # array changing meanwhile cannot change what its hash says.
+        a = a.copy()
     return encode_array(a)
 
 

@@ -480,3 +480,33 @@ def test_bytes_leaves_walks_pytree_references(stored_run):
     (d,) = [d for d in _lines(stored_run) if d["name"] == "tree"][:1]
     leaves = list(byte_leaves(d["bytes"], d["dtype"], d["shape"]))
     assert [(p, dt, sh) for p, _ref, dt, sh in leaves] == [("/w", "float32", [32, 32])]
+
+
+def test_references_never_reach_outside_the_run_directory(tmp_path, caplog, capsys):
+    secret = tmp_path / "secret.npy"
+    np.save(secret, np.arange(300, dtype=np.float64))
+    run = tmp_path / "runs"
+    run.mkdir()
+    path = str(run / "run.jsonl")
+    line = {
+        "run": "r",
+        "name": "x",
+        "step": 0,
+        "kind": "replicated",
+        "value": None,
+        "dtype": "float64",
+        "shape": [300],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 1,
+        "bytes": {"file": "../secret.npy", "offset": 0, "nbytes": os.path.getsize(secret)},
+    }
+    with open(path, "w") as f:
+        f.write(json.dumps(line) + "\n")
+    with logs_warning(caplog, r"line 1: 'x' step 0: .*not inside the run's directory"):
+        assert pmaptap.read(path) == []
+    assert cli.main(["validate", path]) == 1
+    assert "bytes.file must be a path inside the run's directory" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not inside the run's directory"):
+        pmaptap.assemble(path, "x", 0)

@@ -286,6 +286,11 @@ class ByteStore:
         self._sizes: dict[str, int | None] = {}
 
     def _where(self, ref: dict) -> str:
+        name = ref["file"]
+        if name.startswith("/") or "\\" in name or ".." in name.split("/"):
+            # A tap file is data: its references never reach outside the
+            # run's directory.
+            raise MissingBytes(f"its bytes' file {name!r} is not inside the run's directory")
         if self.url:
             return self.root + "/" + ref["file"]
         return os.path.join(self.root, *ref["file"].split("/"))
@@ -309,7 +314,10 @@ class ByteStore:
         """Why ``ref``'s bytes cannot be read (None: they are all there).
         Sizes are cached: a file growing under a live run is re-checked
         only when a reference reaches past what was seen."""
-        where = self._where(ref)
+        try:
+            where = self._where(ref)
+        except MissingBytes as e:
+            return str(e)
         size = self._size(where)
         end = ref["offset"] + ref["nbytes"]
         if size is not None and size < end:
