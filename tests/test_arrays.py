@@ -510,3 +510,12 @@ def test_references_never_reach_outside_the_run_directory(tmp_path, caplog, caps
     assert "bytes.file must be a path inside the run's directory" in capsys.readouterr().out
     with pytest.raises(ValueError, match="not inside the run's directory"):
         pmaptap.assemble(path, "x", 0)
+    # Bytes are only ever read into the numeric dtypes a record holds, never
+    # as objects (pointers).
+    os.replace(secret, run / "run.jsonl.npy")
+    line["dtype"] = "object"
+    line["bytes"]["file"] = "run.jsonl.npy"
+    with open(path, "w") as f:
+        f.write(json.dumps(line) + "\n")
+    with logs_warning(caplog, r"line 1: 'x' step 0: dtype 'object' is not one a record holds"):
+        assert pmaptap.read(path) == []

@@ -371,11 +371,15 @@ class MissingBytes(ValueError):
     """A record's stored bytes are missing or not what its line says."""
 
 
-def numpy_dtype(name: str) -> Any:
+def numpy_dtype(name: Any) -> Any:
+    """The NumPy dtype of a record's leaf ``dtype`` name, one the format holds
+    (format.encodable) and nothing else: bytes are never read as objects."""
     import numpy as np
 
+    from pmaptap.tapfile.format import encodable  # (format imports this module)
+
     try:
-        return np.dtype(name)
+        dt = np.dtype(name)
     except TypeError:
         try:
             import ml_dtypes
@@ -383,7 +387,13 @@ def numpy_dtype(name: str) -> Any:
             raise MissingBytes(
                 f"dtype {name!r} needs the ml_dtypes package (pip install ml_dtypes)"
             ) from None
-        return np.dtype(getattr(ml_dtypes, name))
+        t = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
+        if t is None:
+            raise MissingBytes(f"dtype {name!r} is not one a record holds") from None
+        dt = np.dtype(t)
+    if not isinstance(name, str) or not encodable(dt) or dt.name != name:
+        raise MissingBytes(f"dtype {name!r} is not one a record holds")
+    return dt
 
 
 def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:

@@ -7,7 +7,8 @@ them back into floats. Complex numbers are ``[re, im]`` pairs (the ``dtype``
 says complex). bfloat16 / float8 / float16 are widened to float for JSON but
 keep their own ``dtype`` name. A pytree value is nested JSON objects (dicts,
 namedtuples) and arrays (lists, tuples); ``dtype`` and ``shape`` then have the
-same nesting.
+same nesting. An array leaf above 1 KiB is not in the line: ``value`` is null
+there and ``bytes`` says where its exact bytes are (tapfile/arrays.py).
 """
 
 from __future__ import annotations
