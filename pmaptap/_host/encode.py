@@ -67,10 +67,6 @@ def _float_value(a: np.ndarray) -> Any:
 
 def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
     dt = a.dtype
-    if a.nbytes > INLINE_MAX_BYTES and encodable(dt):
-        # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
-        # no per-element work here.
-        return RawArray(np.ascontiguousarray(a)), _dtype_name(dt), list(a.shape)
     if a.ndim == 0 and dt in _FAST_SCALARS:
         # Scalars are most taps (losses, norms, steps): skip the array path.
         v = a.item()
@@ -78,6 +74,10 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
             if dt == np.float32:
                 v = float(str(a[()]))  # shortest float32 repr
             return v, _dtype_name(dt), []
+    if a.nbytes > INLINE_MAX_BYTES and encodable(dt):
+        # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
+        # no per-element work here.
+        return RawArray(np.ascontiguousarray(a)), _dtype_name(dt), list(a.shape)
     if dt.kind == "b" or dt.kind in "iu":
         if ORJSON is None or a.ndim == 0:
             value = a.tolist()
@@ -205,6 +205,10 @@ def encode_rows(
     ):
         a = np.ascontiguousarray(stacked[0])  # orjson takes C order only
         dt = a.dtype
+        if dt in _FAST_SCALARS and a.ndim > 1 and a[0].nbytes > INLINE_MAX_BYTES:
+            # Rows stored as bytes (no finiteness check, no JSON).
+            name, shape = _dtype_name(dt), list(a.shape[1:])
+            return [(RawArray(a[k]), name, shape) for k in rows]
         if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
             name, shape = _dtype_name(dt), list(a.shape[1:])
             if a.ndim == 1:
@@ -214,8 +218,6 @@ def encode_rows(
                     parts = raw[1:-1].split(b",")
                     texts.extend(parts[k] for k in rows)
                 return [(vals[k], name, shape) for k in rows]
-            if a[0].nbytes > INLINE_MAX_BYTES:
-                return [(RawArray(a[k]), name, shape) for k in rows]
             return [(a[k], name, shape) for k in rows]
     return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
 
