@@ -98,7 +98,7 @@ def run(quick: bool = False) -> list[tuple]:
 
     rows = [
         (
-            "k. 2 MiB sharded activation, stored as bytes",
+            "m. 2 MiB sharded activation, stored as bytes",
             "raw partitioned callback",
             f"{med['tap'] * 1e3:.3f}",
             f"{med['raw'] * 1e3:.3f}",
@@ -106,7 +106,7 @@ def run(quick: bool = False) -> list[tuple]:
             "8 shards of 256 KiB, per_device; added cost, paired rounds",
         ),
         (
-            "k. bytes on disk per array byte",
+            "m. bytes on disk per array byte",
             "the raw array",
             "",
             "",
