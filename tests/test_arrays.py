@@ -281,6 +281,11 @@ ASSEMBLE_JOB = """
 """
 
 
+def _shard_files(path: str) -> list[str]:
+    d = path + ".d"
+    return [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.endswith(".jsonl")]
+
+
 def test_assemble_a_two_process_job_in_both_layouts(tmp_path):
     path, sharded = str(tmp_path / "mp.jsonl"), str(tmp_path / "sh.jsonl")
     proc, _ = run_launch(
@@ -301,6 +306,14 @@ def test_assemble_a_two_process_job_in_both_layouts(tmp_path):
             assert act.dtype == np.float32 and np.array_equal(act, want_act), p
             w = pmaptap.assemble(p, "tree", step, leaf="w")
             assert np.array_equal(w, want_w), p
+        # Every stored byte is pointed at exactly once: a replicated slice
+        # held on both processes had its bytes written by one of them only
+        # (one file: after the cross-process dedup; sharded: its owner).
+        lines = _lines(p) if p == path else sum((_lines(f) for f in _shard_files(p)), [])
+        refs = [ref for d in lines for _, ref, _, _ in byte_leaves(d["bytes"], d["dtype"], None)]
+        on_disk = sum(os.path.getsize(os.path.join(p + ".bytes", f)) for f in files)
+        assert sum(r["nbytes"] for r in refs) == on_disk, p
+        assert len({(r["file"], r["offset"]) for r in refs}) == len(refs)
         recs = pmaptap.read(p, name="act")
         assert sorted({r["process"] for r in recs}) == [0, 1]
         assert all(r["global_shape"] == [64, 64] for r in recs)
