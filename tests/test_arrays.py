@@ -532,3 +532,38 @@ def test_references_never_reach_outside_the_run_directory(tmp_path, caplog, caps
         f.write(json.dumps(line) + "\n")
     with logs_warning(caplog, r"line 1: 'x' step 0: dtype 'object' is not one a record holds"):
         assert pmaptap.read(path) == []
+
+
+def test_queued_records_count_the_bytes_of_their_stored_arrays(tap_path, caplog):
+    # 10 arrays of 1 MiB against max_pending_bytes=3 MiB while the writer
+    # cannot write: the records waiting for it hold their arrays, so at most
+    # 3 are kept (counted as 256 bytes each they would all be).
+    import filelock
+
+    with logs_warning(caplog, "dropped"):
+        with pmaptap.Session(
+            tap_path,
+            overflow="drop_newest",
+            max_pending_bytes=3 << 20,
+            lock_timeout=0.05,
+        ) as s:
+            lock = filelock.FileLock(tap_path + ".lock")
+            lock.acquire()
+            try:
+                f = jax.jit(lambda v, i: pmaptap.tap(v + i, "big", step=i))
+                for i in range(10):
+                    f(jnp.zeros(1 << 18, jnp.float32), i)  # 1 MiB
+                    jax.effects_barrier()
+                    # Time for the aggregator to take it (it lingers ~20 ms):
+                    # from then on only its record waits, holding the array.
+                    time.sleep(0.15)
+                time.sleep(0.5)
+            finally:
+                lock.release()
+            s.flush()
+    recs = pmaptap.read(tap_path)
+    data = [r for r in recs if r["name"] == "big"]
+    (meta,) = [r for r in recs if r["name"] == "pmaptap/dropped"]
+    assert len(data) <= 3 and len(data) + meta["dropped_total"] == 10
+    for r in data:
+        assert np.array_equal(r["value"], np.full(1 << 18, r["step"], np.float32))
