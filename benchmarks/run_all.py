@@ -17,6 +17,7 @@ SUITES = (
     "bench_writer.py",
     "bench_scaling.py",
     "bench_sharded.py",
+    "bench_arrays.py",
     "bench_host_callback.py",
     "bench_read.py",
     "bench_many_writers.py",

@@ -27,6 +27,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "active_session": ("pmaptap._host.session", "active_session"),
     "flush": ("pmaptap._host.session", "flush"),
     "read": ("pmaptap.tapfile.reader", "read"),
+    "assemble": ("pmaptap.tapfile.assemble", "assemble"),
     "Writer": ("pmaptap.writer", "Writer"),
     "per_device": ("pmaptap.tapfile.frame", "per_device"),
     "TapError": ("pmaptap.errors", "TapError"),
@@ -106,6 +107,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from pmaptap._trace.tap import tap
     from pmaptap._trace.untapped import untapped
     from pmaptap.errors import SessionError, TapError, TapPathError
+    from pmaptap.tapfile.assemble import assemble
     from pmaptap.tapfile.frame import per_device
     from pmaptap.tapfile.reader import read
     from pmaptap.writer import Writer

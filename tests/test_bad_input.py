@@ -203,7 +203,7 @@ def _close(got: dict, want: dict) -> bool:
 def test_values_above_max_value_bytes_become_statistics_on_device(
     session, tap_path, spy_deliveries
 ) -> None:
-    # 2 MiB of float32 (default limit 1 MiB per leaf), with more NaNs and
+    # 2 MiB of float32 (above a 1 MiB limit per leaf), with more NaNs and
     # infs than one float32 counts exactly in its low part (see
     # tapfile.format.COUNT_BASE).
     a = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
@@ -211,7 +211,8 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     a.reshape(-1)[5000:9097] = -np.inf
     # what reaches the host, in bytes
     sent = spy_deliveries(lambda spec, arrays: sum(np.asarray(x).nbytes for x in arrays))
-    jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]}, "act"))(a)
+    with pmaptap.configured(max_value_bytes=1 << 20):
+        jax.jit(lambda v: pmaptap.tap({"big": v, "small": v.reshape(-1)[5000:5003]}, "act"))(a)
     session.flush()
     (r,) = pmaptap.read(tap_path)
     assert r["summarized"] is True
@@ -221,6 +222,17 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
     assert r["value"]["big"]["nan"] == 5000 and r["value"]["big"]["inf"] == 4097
     assert r["value"]["small"] == [-math.inf] * 3  # small leaves intact
     assert max(sent) < 1024  # the 2 MiB never left the device
+
+
+def test_default_limit_sends_a_2_mib_leaf_whole_as_bytes(session, tap_path):
+    # max_value_bytes is 16 MiB by default since values are stored as their
+    # bytes (tapfile/arrays.py): a 2 MiB activation arrives exact.
+    assert pmaptap.options().max_value_bytes == 16 << 20
+    a = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)
+    jax.jit(lambda v: pmaptap.tap(v, "act"))(a)
+    session.flush()
+    (r,) = pmaptap.read(tap_path)
+    assert not r.get("summarized") and r["value"].tobytes() == a.tobytes()
 
 
 def test_summary_limit_is_configurable_and_per_leaf(session, tap_path):

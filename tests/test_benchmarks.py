@@ -42,6 +42,8 @@ def test_all_benchmarks_run_in_quick_mode():
         "added ms per step",
         "i. per-shard tap under jit",
         "i. --variant jit step, tapped",
+        "m. 2 MiB sharded activation, stored as bytes",
+        "m. bytes on disk per array byte",
         "j. id_tap (tied, program order)",
         "j. id_tap, callback without the tie",
         "pmaptap summary",

@@ -232,3 +232,49 @@ def test_a_missing_bucket_or_run_is_an_error_that_says_why(s3, tmp_path):
     # Following waits for a run that does not exist yet, as for a local file.
     tail = _cli("tail", "s3://taps/later/run", "-f", "--timeout", "1", env=s3)
     assert tail.returncode == 0 and "waiting for s3://taps/later/run" in tail.stderr, tail
+
+
+def test_stored_array_values_are_objects_put_before_their_chunk(s3):
+    """Array values above INLINE_MAX_BYTES on an object store: one object of
+    bytes per batch under <url>.bytes/, put before the chunk whose lines
+    point at it; read, assemble, validate and show use them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import s3fs
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pmaptap
+
+    url = "s3://taps/arrays/run"
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    x = jax.device_put(jnp.arange(64.0 * 64).reshape(64, 64), NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def step(v, i):
+        y = jnp.sin(v) + i
+        pmaptap.tap(y, "act", step=i, dedup="per_device")
+        pmaptap.tap(y.sum(), "loss", step=i)
+        return y
+
+    with pmaptap.Session(url, run="a") as s:
+        ys = []
+        for i in range(2):
+            ys.append(np.asarray(step(x, i)))
+            s.flush()  # a chunk (and its bytes object) per step
+    fs = s3fs.S3FileSystem()
+    blobs = fs.ls("taps/arrays/run.bytes", refresh=True)
+    chunks = [n for n in fs.ls("taps/arrays/run.d", refresh=True) if fs.size(n)]
+    assert len(blobs) == 2 and all(n.endswith(".bin") for n in blobs), blobs
+    # Each object of bytes is named after the chunk that points at it.
+    assert sorted(n.rsplit("/", 1)[1][:-4] for n in blobs) == sorted(
+        n.rsplit("/", 1)[1][: -len(".jsonl")] for n in chunks
+    )
+    for i, y in enumerate(ys):
+        assert np.array_equal(pmaptap.assemble(url, "act", i), y)
+    recs = pmaptap.read(url, name="act")
+    assert len(recs) == 16 and all(isinstance(r["value"], np.ndarray) for r in recs)
+    assert _cli("validate", url, env=s3).returncode == 0
+    show = _cli("show", url, "--name", "act", "--step", "1", env=s3)
+    assert show.returncode == 0 and show.stdout.count("<float32[16,64] as bytes>") == 8, show

@@ -271,7 +271,9 @@ class Aggregator:
             device,
             place.processes[k],
             leaves,
-            value_key(leaves),
+            # per_device shards are never compared: no copy of their bytes
+            # for a key (a 2 MiB activation is two 2 MiB copies a step).
+            b"" if site.dedup == "per_device" else value_key(leaves),
             partition=k,
             index=place.index_of(k, raw),
             slice_key=tuple(place.holders(k)),
@@ -759,6 +761,12 @@ class Aggregator:
         batch dims, summaries; this run, host and attempt) plus the kind's
         own ``fields``."""
         value, dtype, shape = encoded
+        if spec.shards is not None:
+            # A shard: the global shape its index lies in (pmaptap.assemble).
+            shapes = spec.shards.shapes
+            fields["global_shape"] = (
+                list(shapes[0]) if len(shapes) == 1 else [list(s) for s in shapes]
+            )
         return new_record(
             run=self.run,
             name=spec.name,

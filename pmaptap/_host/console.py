@@ -7,7 +7,9 @@ from typing import Sequence, TextIO
 
 from pmaptap._host.sink import Sink
 from pmaptap._log import console_log
+from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.format import Record, encode_line, index_text
+from pmaptap.tapfile.rawarray import has_raw
 
 
 def format_console(r: Record) -> str:
@@ -25,6 +27,9 @@ def format_console(r: Record) -> str:
         parts.append(f"pass={r.pass_}")
     text = " ".join(parts)
     value = r.value if r.kind != "meta" else r.extra
+    if r.kind != "meta" and has_raw(value, r.dtype):
+        # A big array: its dtype and shape, not megabytes of numbers.
+        value = str(shown_value(value, r.dtype, r.shape))
     # Through JSON so NumPy arrays print as plain lists ([0.5, 1.0]).
     shown = encode_line({"v": value}).decode("utf-8").strip()[5:-1]
     if len(shown) > 200:

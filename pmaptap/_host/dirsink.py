@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from pmaptap._host.blobs import BlobFile
 from pmaptap._host.sink import FileSink, Sink, prepare_path
 from pmaptap._log import log
 from pmaptap.tapfile import runs
@@ -72,6 +73,9 @@ class DirectorySink(Sink):
     # One encoder for every sink: a record that cannot be encoded becomes a
     # pmaptap/unencodable meta record (see FileSink._encode).
     _encode = FileSink._encode
+
+    def _blob_file(self) -> BlobFile:
+        return BlobFile(self.run_path, self.process)
 
     def own_lines(self, records: Sequence[Record]) -> tuple[list[Record], list[bytes]]:
         """The records this process writes (``mine``) and their lines;
@@ -136,3 +140,5 @@ class DirectorySink(Sink):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._blobs is not None:
+            self._blobs.close()

@@ -1,8 +1,10 @@
 """Write-side encoding: NumPy leaves and pytrees -> JSON-able values for
 records (the format itself lives in ``pmaptap.tapfile.format``).
 
-Arrays up to ``_SHORT_REPR_MAX`` elements get the shortest repr of their own
-precision; non-finite floats become the format's ``NONFINITE`` markers.
+Leaves above ``INLINE_MAX_BYTES`` are handed to the writer as ``RawArray``s,
+stored as their bytes (tapfile/arrays.py). Arrays up to ``_SHORT_REPR_MAX``
+elements get the shortest repr of their own precision; non-finite floats
+become the format's ``NONFINITE`` markers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pmaptap.tapfile.arrays import INLINE_MAX_BYTES
 from pmaptap.tapfile.format import (
     COUNT_BASE,
     NAN,
@@ -20,9 +23,11 @@ from pmaptap.tapfile.format import (
     ORJSON_OPTS,
     POS_INF,
     SUMMARY_FIELDS,
+    encodable,
     is_float_like,
     is_narrow_int,
 )
+from pmaptap.tapfile.rawarray import RawArray
 
 # Arrays up to this size get the shortest repr of their own precision
 # (0.1 in float32 is written 0.1, not 0.10000000149011612).
@@ -82,6 +87,10 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
             if dt == np.float32:
                 v = float(str(a[()]))  # shortest float32 repr
             return v, _dtype_name(dt), []
+    if a.nbytes > INLINE_MAX_BYTES and encodable(dt):
+        # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
+        # no per-element work here.
+        return RawArray(np.ascontiguousarray(a)), _dtype_name(dt), list(a.shape)
     if dt.kind == "b" or dt.kind in "iu":
         if ORJSON is None or a.ndim == 0:
             value = a.tolist()
@@ -209,6 +218,10 @@ def encode_rows(
     ):
         a = np.ascontiguousarray(stacked[0])  # orjson takes C order only
         dt = a.dtype
+        if dt in _FAST_SCALARS and a.ndim > 1 and a[0].nbytes > INLINE_MAX_BYTES:
+            # Rows stored as bytes (no finiteness check, no JSON).
+            name, shape = _dtype_name(dt), list(a.shape[1:])
+            return [(RawArray(a[k]), name, shape) for k in rows]
         if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
             name, shape = _dtype_name(dt), list(a.shape[1:])
             if a.ndim == 1:

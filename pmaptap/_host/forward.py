@@ -25,8 +25,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from pmaptap.tapfile.arrays import load_value
 from pmaptap.tapfile.format import Record, decode_record
 from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.rawarray import raw_leaves
 from pmaptap.tapfile.tensorboard import leaves, tag_parts
 
 
@@ -79,7 +81,23 @@ def _as_read(r: Record) -> dict:
     d, problem = parse_line(r.encode())
     if d is None:
         raise ValueError(f"record {r.name!r} step {r.step}: {problem}")
-    return decode_record(d)
+    out = decode_record(d)
+    if "bytes" in d:
+        # Stored values as read() returns them (ndarrays), from the arrays
+        # the record still holds: the forwarder reads nothing back.
+        held = {(x.ref["file"], x.ref["offset"]): x.array for x in raw_leaves(r.value, r.dtype)}
+        out["value"] = load_value(out, _Held(held))
+    return out
+
+
+class _Held:
+    """load_value's store for a record's own arrays (forwarders)."""
+
+    def __init__(self, held: dict) -> None:
+        self.held = held
+
+    def load_leaf(self, ref: dict, dtype: str, shape: Any) -> Any:
+        return self.held[(ref["file"], ref["offset"])]
 
 
 class _Target:

@@ -21,11 +21,14 @@ import secrets
 import time
 from typing import Sequence
 
+from pmaptap._host.blobs import object_blob
 from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.sink import FileSink, Sink
 from pmaptap.errors import TapPathError
 from pmaptap.tapfile import runs
+from pmaptap.tapfile.arrays import BYTES_SUFFIX
 from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.rawarray import RawArray
 
 # Seconds the writer thread gathers records into one chunk (one PUT).
 OBJECT_COMMIT_INTERVAL = 2.0
@@ -41,6 +44,11 @@ class ObjectSink(Sink):
         self.path = url
         self.fs, self.prefix = runs.url_fs(url)
         self.directory = self.prefix + runs.SHARD_SUFFIX
+        # Stored values (tapfile/arrays.py): objects under <prefix>.bytes/,
+        # named in lines relative to the prefix's parent.
+        self.bytes_prefix = self.prefix + BYTES_SUFFIX
+        self.bytes_rel = self.prefix.rsplit("/", 1)[-1] + BYTES_SUFFIX
+        self.blob_bytes_written = 0
         self.writer_id = f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
         self.seq = 0
         self.lines_written = 0
@@ -66,6 +74,20 @@ class ObjectSink(Sink):
         name = f"{self.directory}/p{self.process:05d}-{self.writer_id}-{self.seq:09d}.jsonl"
         self.fs.pipe_file(name, data)
         self.seq += 1
+
+    def _store_raws(self, raws: Sequence[RawArray]) -> None:
+        """The batch's stored values as ONE new object
+        ``<url>.bytes/p<process>-<writer id>-<seq>.bin``, put before the
+        chunk of lines that points at it (a crash in between leaves an
+        object nobody points at); references set only once it is there."""
+        if not raws:
+            return
+        base = f"p{self.process:05d}-{self.writer_id}-{self.seq:09d}.bin"
+        data, refs = object_blob(raws, f"{self.bytes_rel}/{base}")
+        self.fs.pipe_file(f"{self.bytes_prefix}/{base}", data)
+        for raw, ref in zip(raws, refs):
+            raw.ref = ref
+        self.blob_bytes_written += len(data)
 
     own_lines = DirectorySink.own_lines
 

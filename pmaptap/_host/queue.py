@@ -31,6 +31,7 @@ import threading
 from typing import Any
 
 from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.rawarray import RawArray, raw_leaves
 
 OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
 
@@ -65,7 +66,12 @@ def payload_bytes(arrays: tuple[Any, ...]) -> int:
 
 
 def record_bytes(r: Record) -> int:
-    return 256 + (len(str(r.value)) if r.kind == "meta" else 0)
+    v = r.value
+    if type(v) is RawArray:  # a stored value: its bytes wait in the queue
+        return 256 + v.array.nbytes
+    if type(v) in (dict, list) and type(r.dtype) is not str:
+        return 256 + sum(x.array.nbytes for x in raw_leaves(v, r.dtype))
+    return 256 + (len(str(v)) if r.kind == "meta" else 0)
 
 
 class BoundedQueue:

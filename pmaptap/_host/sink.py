@@ -31,11 +31,13 @@ from typing import Sequence
 
 import filelock
 
+from pmaptap._host.blobs import BlobFile, has_unstored, unstored
 from pmaptap._host.crossdedup import CrossProcessIndex
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import META_UNENCODABLE, Record, meta_record
 from pmaptap.tapfile.parse import line_problem
+from pmaptap.tapfile.rawarray import RawArray
 
 _IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
 # Bytes just before the sink's last offset that it remembers: different bytes
@@ -46,6 +48,20 @@ _MARK_BYTES = 1024
 
 
 class Sink(abc.ABC):
+    # The writer's byte file for array values stored as bytes (local
+    # layouts; created on first use: _host/blobs.py).
+    _blobs: BlobFile | None = None
+
+    def _blob_file(self) -> BlobFile:
+        raise NotImplementedError
+
+    def _store_raws(self, raws: Sequence[RawArray]) -> None:
+        """Give ``raws`` their place (write their bytes) before their lines."""
+        if raws:
+            if self._blobs is None:
+                self._blobs = self._blob_file()
+            self._blobs.store(raws)
+
     @abc.abstractmethod
     def write(self, records: Sequence[Record]) -> Sequence[Record] | None:
         """Write all of ``records`` or raise (then none or all were written).
@@ -168,6 +184,7 @@ class FileSink(Sink):
             import jax
 
             process = jax.process_index()
+        self.process = int(process)
         self.index = CrossProcessIndex(process)
         # Bytes before this offset were already indexed (or predate us).
         # index_existing: a writer joining a run late (pmaptap.Writer) dedups
@@ -197,8 +214,10 @@ class FileSink(Sink):
         another process wrote, and unencodable ones are replaced."""
         if not records:
             return []
-        # Encode outside the lock; only the dedup decision needs it.
-        encoded, records = self._encode(records)
+        # Encode outside the lock; only the dedup decision needs it. Stored
+        # values of replicated records wait for it: another process may
+        # have written the value already, and then its bytes are not needed.
+        encoded, records = self._encode(records, defer_replicated=True)
         self._acquire()
         soft = self.lock_mode == "soft"
         fd = -1
@@ -215,6 +234,8 @@ class FileSink(Sink):
                 self._mark = (self._mark + new_bytes)[-_MARK_BYTES:]
                 self._seen = size
             keep, new_keys = self.index.plan(records)
+            if any(id(r) not in encoded for r in keep):
+                keep = self._encode_deferred(keep, encoded)
             # A list of lines, not one joined buffer: writev hands them to
             # the kernel without first copying megabytes into a new bytes
             # object (measured ~50 us a step for 8 x 4 KiB per-device taps).
@@ -364,15 +385,44 @@ class FileSink(Sink):
             raise
         return offset - size
 
-    def _encode(self, records: Sequence[Record]) -> tuple[dict, list[Record]]:
+    def _blob_file(self) -> BlobFile:
+        return BlobFile(self.path, self.process, sync=self.lock_mode == "soft")
+
+    def _encode_deferred(self, keep: list[Record], encoded: dict) -> list[Record]:
+        """Store and encode the deferred records the dedup kept (under the
+        lock; ``encoded`` gains their lines); ``keep`` with any unencodable
+        one replaced."""
+        out = []
+        for r in keep:
+            if id(r) in encoded:
+                out.append(r)
+                continue
+            lines, (r2,) = self._encode([r])
+            encoded.update(lines)
+            out.append(r2)
+        return out
+
+    def _encode(
+        self, records: Sequence[Record], defer_replicated: bool = False
+    ) -> tuple[dict, list[Record]]:
         """Encode every record. One that cannot be (a str that is not valid
         UTF-8, e.g. a lone surrogate from os.fsdecode in a pytree key) is
         replaced by a ``pmaptap/unencodable`` meta record that names it:
         raising would make the pipeline retry the whole batch forever, and
-        nothing queued behind it would ever be written."""
+        nothing queued behind it would ever be written.
+
+        Values stored as bytes get their place first (their bytes are
+        written before any line points at them); ``defer_replicated``
+        leaves replicated ones unstored and unencoded (not in the dict)."""
+        self._store_raws(
+            unstored(r for r in records if not (defer_replicated and r.kind == "replicated"))
+        )
         encoded: dict[int, bytes] = {}
         keep: list[Record] = []
         for r in records:
+            if defer_replicated and r.kind == "replicated" and has_unstored(r):
+                keep.append(r)
+                continue
             try:
                 line = r.encode()
                 # Readers refuse lines past parse.MAX_LINE_BYTES/MAX_DEPTH: never
@@ -439,6 +489,8 @@ class FileSink(Sink):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._blobs is not None:
+            self._blobs.close()
 
 
 def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:

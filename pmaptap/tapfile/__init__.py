@@ -11,6 +11,8 @@ from typing import Any
 # tests/test_layout.py checks that this lists every module here.
 _SUBMODULES = frozenset(
     {
+        "arrays",
+        "assemble",
         "attempts",
         "checks",
         "divergence",
@@ -23,6 +25,7 @@ _SUBMODULES = frozenset(
         "parse",
         "plot",
         "query",
+        "rawarray",
         "reader",
         "runs",
         "summary",

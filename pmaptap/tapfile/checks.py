@@ -20,6 +20,7 @@ import os
 from itertools import compress
 from typing import Any, Iterable, Sequence
 
+from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
 from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.format import MAX_STEP, NONFINITE, record_key
 from pmaptap.tapfile.views import load
@@ -69,12 +70,17 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
     return walk(value, 0)
 
 
-def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
-    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?"""
+def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
+    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
+    ``stored``: the record's ``bytes`` field, whose leaves are null in
+    ``value`` (tapfile/arrays.py checks the references themselves)."""
     if value is None and dtype is None and shape is None:
         return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
+        if value is None and is_ref(stored):
+            return None
         return _leaf_problem(value, dtype, shape)
+    sub = stored if isinstance(stored, (dict, list)) else None
     if isinstance(dtype, dict):
         if not (
             isinstance(value, dict)
@@ -83,7 +89,9 @@ def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
         ):
             return "pytree value, dtype and shape do not have the same keys"
         for k in dtype:
-            problem = value_problem(value[k], dtype[k], shape[k])
+            problem = value_problem(
+                value[k], dtype[k], shape[k], sub.get(k) if isinstance(sub, dict) else None
+            )
             if problem:
                 return f"[{k}]: {problem}"
         return None
@@ -94,8 +102,9 @@ def value_problem(value: Any, dtype: Any, shape: Any) -> str | None:
             and len(value) == len(dtype) == len(shape)
         ):
             return "pytree value, dtype and shape do not have the same length"
-        for i, (v, d, s) in enumerate(zip(value, dtype, shape)):
-            problem = value_problem(v, d, s)
+        subs = sub if isinstance(sub, list) and len(sub) == len(dtype) else [None] * len(dtype)
+        for i, (v, d, s, b) in enumerate(zip(value, dtype, shape, subs)):
+            problem = value_problem(v, d, s, b)
             if problem:
                 return f"[{i}]: {problem}"
         return None
@@ -141,10 +150,23 @@ def schema_problems(d: dict) -> list[str]:
             out.append("processes must be a list of integers")
         if "vhash" in d and not isinstance(d["vhash"], str):
             out.append("vhash must be a string")
-    problem = value_problem(d["value"], d["dtype"], d["shape"])
+    problem = field_problem(d)
     if problem:
         out.append(problem)
+    problem = value_problem(d["value"], d["dtype"], d["shape"], d.get("bytes"))
+    if problem:
+        out.append(problem)
+    if "global_shape" in d and not _global_shape_ok(d["global_shape"]):
+        out.append("global_shape must be a list of non-negative integers (a list per leaf)")
     return out
+
+
+def _global_shape_ok(g: Any) -> bool:
+    if isinstance(g, list) and all(_is_int(n) and n >= 0 for n in g):
+        return True
+    return isinstance(g, list) and all(
+        isinstance(x, list) and all(_is_int(n) and n >= 0 for n in x) for x in g
+    )
 
 
 # ------------------------------------------------------------------ duplicates
@@ -244,9 +266,18 @@ def validate_file(path: str | os.PathLike) -> Report:
     entries, bad = load(path)
     report = Report(os.fspath(path), records=len(entries))
     report.problems.extend(bad)
+    store = None
     for e in entries:
         for problem in schema_problems(e.raw):
             report.problems.append((e.line, f"schema: {problem}"))
+        if "bytes" in e.raw:
+            # Stored values: their bytes are there (sizes, not contents:
+            # one stat per byte file, whatever the run's size).
+            store = store or ByteStore(path)
+            for leaf, ref, _dt, _sh in byte_leaves(e.raw["bytes"], e.raw["dtype"], e.raw["shape"]):
+                missing = store.missing_problem(ref)
+                if missing:
+                    report.problems.append((e.line, f"bytes{leaf}: {missing}"))
     raws = [e.raw for e in entries]
     for i, j in find_duplicates(raws):
         r = raws[i]

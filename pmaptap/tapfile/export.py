@@ -95,6 +95,10 @@ def csv_row(e: Entry) -> dict[str, Any]:
     for axis, idx in (coords if isinstance(coords, dict) else {}).items():
         row[coords_column(axis)] = idx
     row.update(flatten_value(r["value"], r["dtype"]))
+    if "bytes" in r:
+        # A value stored as bytes (tapfile/arrays.py): where they are, not
+        # megabytes of numbers in a cell (its value cell is null).
+        row["bytes"] = _text(r["bytes"])
     return row
 
 

@@ -7,7 +7,8 @@ them back into floats. Complex numbers are ``[re, im]`` pairs (the ``dtype``
 says complex). bfloat16 / float8 / float16 are widened to float for JSON but
 keep their own ``dtype`` name. A pytree value is nested JSON objects (dicts,
 namedtuples) and arrays (lists, tuples); ``dtype`` and ``shape`` then have the
-same nesting.
+same nesting. An array leaf above 1 KiB is not in the line: ``value`` is null
+there and ``bytes`` says where its exact bytes are (tapfile/arrays.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 import math
 import os
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+from pmaptap.tapfile.rawarray import RawArray, has_raw, split_raw
 
 if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
     import numpy as np
@@ -110,6 +113,9 @@ class Record:
     # A shard of a sharded value under jit: its global slice, [start, stop]
     # per dimension (a list of those per leaf for a pytree); None otherwise.
     index: list | None = None
+    # A shard's global array shape (a list per leaf for a pytree, as index):
+    # what pmaptap.assemble fills from the shards' indexes.
+    global_shape: list | None = None
     # The attempt of a resumed run that wrote it (Session(resume=True)); 0,
     # the first attempt, is not written.
     attempt: int = 0
@@ -121,12 +127,20 @@ class Record:
     _line: ClassVar[bytes | None] = None
 
     def to_json_dict(self) -> dict:
+        value, stored = self.value, None
+        dtype = self.dtype
+        if type(value) is RawArray or (
+            type(value) in (dict, list) and type(dtype) is not str and has_raw(value, dtype)
+        ):
+            # Leaves stored as bytes (tapfile/arrays.py): null here, their
+            # place in "bytes".
+            value, stored = split_raw(value, self.dtype)
         d: dict[str, Any] = {
             "run": self.run,
             "name": self.name,
             "step": int(self.step),
             "kind": self.kind,
-            "value": self.value,
+            "value": value,
             "dtype": self.dtype,
             "shape": self.shape,
             "process": self.process,
@@ -146,6 +160,10 @@ class Record:
                 d["vhash"] = self.vhash
         if self.index is not None:
             d["index"] = self.index
+        if self.global_shape is not None:
+            d["global_shape"] = self.global_shape
+        if stored is not None:
+            d["bytes"] = stored
         if self.divergent:
             d["divergent"] = True
         if self.batch_dims:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import decode_record
@@ -33,8 +34,12 @@ def read(
     step), ``attempts="all"`` returns every record, each with its
     ``attempt`` field (0 for the first attempt).
 
-    Lines that are not valid records (garbage, a torn last line from a killed
-    writer) are skipped with one warning (the "pmaptap" logger) that lists
+    A value stored as bytes (an array above tapfile/arrays.INLINE_MAX_BYTES)
+    comes back as an ndarray of its own dtype and shape, bit for bit; inline
+    arrays as nested lists: ``np.asarray(r["value"], dtype=r["dtype"])``
+    takes both. Lines that are not valid records (garbage, a torn last line
+    from a killed writer, a line whose stored bytes are missing) are skipped
+    with one warning (the "pmaptap" logger) that lists
     them. Non-finite numbers come back as float NaN/inf. ``as_frame=True``
     returns a tidy pandas DataFrame, one row per record (columns:
     pmaptap/tapfile/frame.py).
@@ -50,6 +55,7 @@ def read(
     flt = read_filter(name, step, run, device, process)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
+    store = None
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
     for lineno, d, problem in iter_lines(path):
@@ -66,7 +72,17 @@ def read(
         later.add(d)
         if flt is not None and not flt(d):
             continue
-        out.append(decode_record(d))
+        r = decode_record(d)
+        if "bytes" in d:
+            # A value stored as bytes: loaded as an ndarray of its dtype. A
+            # line whose bytes are not there is reported and skipped.
+            store = store or ByteStore(path)
+            try:
+                r["value"] = load_value(r, store)
+            except (MissingBytes, OSError) as e:
+                bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+                continue
+        out.append(r)
     for r in out:
         if index.divergent(r):
             r["divergent"] = True

@@ -10,7 +10,9 @@ Layout, so that TensorBoard's run selector and tag groups line up with taps:
   ``/device_<id>`` for per-device taps); a summarized leaf (a value too large
   to send, kept as statistics) becomes its statistics' series
   ``.../min``, ``.../max``, ...;
-- an array leaf is a histogram under the same tag. A histogram has no bucket
+- an array leaf is a histogram under the same tag (a value stored as bytes
+  is loaded for it one record at a time; one whose bytes are missing is
+  reported and skipped). A histogram has no bucket
   for NaN/inf, so they are left out of it and their count goes to the scalar
   series ``<tag>/nonfinite`` at that step (a point only where there were any);
 - non-finite scalars are written as the float NaN/inf, which TensorBoard
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pmaptap._log import log
+from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.follow import on_stop_signals, open_follower
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.lines import iter_lines
@@ -175,8 +178,10 @@ class TensorBoardExport:
     """Writes decoded records to event files under ``outdir``: one tensorboardX
     SummaryWriter per run, opened when the run's first record comes."""
 
-    def __init__(self, outdir: str | os.PathLike) -> None:
+    def __init__(self, outdir: str | os.PathLike, path: str | os.PathLike = "") -> None:
         self._writer_cls = _import_writer()
+        self.path = path  # the tap file: where its stored values are
+        self._store: ByteStore | None = None
         self.outdir = os.fspath(outdir)
         self._writers: dict[str, Any] = {}
         self.stats = Stats()
@@ -231,6 +236,8 @@ class TensorBoardExport:
             self.stats.scalars += 2
         elif isinstance(v, list):
             self._histogram(w, tag, _flat(v), step, wall)
+        elif hasattr(v, "dtype") and hasattr(v, "shape"):  # a stored value, loaded
+            self._array_histogram(w, tag, v, step, wall)
         else:
             self.stats.skipped_leaves += 1
 
@@ -253,6 +260,37 @@ class TensorBoardExport:
             w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step, walltime=wall)
             self.stats.scalars += 1
 
+    def _array_histogram(self, w: Any, tag: str, a: Any, step: int, wall: float | None) -> None:
+        import numpy as np
+
+        if a.dtype.kind == "c":
+            arr = np.abs(a).astype(np.float64).ravel()
+        elif a.dtype.kind in "biuf" or a.dtype.kind == "V":
+            arr = a.astype(np.float64).ravel()  # bfloat16 / float8 widen exactly
+        else:
+            self.stats.skipped_leaves += 1
+            return
+        finite = arr[np.isfinite(arr)]
+        if finite.size:
+            w.add_histogram(tag, finite, step, walltime=wall)
+            self.stats.histograms += 1
+        if finite.size < arr.size:
+            w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step, walltime=wall)
+            self.stats.scalars += 1
+
+    def load(self, d: dict, rec: dict) -> str | None:
+        """Load ``rec``'s stored leaves (``d`` as written) for histograms, one
+        record at a time; the problem if its bytes are missing."""
+        if "bytes" not in d:
+            return None
+        if self._store is None:
+            self._store = ByteStore(self.path)
+        try:
+            rec["value"] = load_value(rec, self._store)
+        except (MissingBytes, OSError) as e:
+            return f"{d['name']!r} step {d['step']}: {e}"
+        return None
+
     def flush(self) -> None:
         for w in self._writers.values():
             w.flush()
@@ -272,7 +310,7 @@ def export(
     records. Divergence marks are not needed: every value is written."""
     from pmaptap.tapfile.attempts import Attempts, scan
 
-    tb = TensorBoardExport(outdir)
+    tb = TensorBoardExport(outdir, path)
     bad: list[tuple[int, str]] = []
     # Steps a later attempt of a resumed run replayed: its values only.
     attempts = scan(path) if not flt.all_attempts else Attempts()
@@ -288,6 +326,10 @@ def export(
                 continue
             rec = decode_record(d)
             if flt(rec):
+                problem = tb.load(d, rec)
+                if problem:
+                    bad.append((lineno, problem))
+                    continue
                 tb.add(rec)
     finally:
         tb.close()
@@ -306,7 +348,7 @@ def follow(
     flushing the event files after every poll so that TensorBoard shows a
     live job. Ctrl-C / SIGTERM (or ``timeout`` seconds) end it cleanly with
     every converted record flushed."""
-    tb = TensorBoardExport(outdir)
+    tb = TensorBoardExport(outdir, path)
     lf = open_follower(path)  # one file, or a sharded run's shards
     stop = threading.Event()
     restore = on_stop_signals(stop.set)
@@ -350,4 +392,8 @@ def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Fil
             continue
         rec = decode_record(d)
         if flt(rec):
+            problem = tb.load(d, rec)
+            if problem:
+                log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
+                continue
             tb.add(rec)

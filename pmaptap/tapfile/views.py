@@ -10,6 +10,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.attempts import Attempts
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
 from pmaptap.tapfile.format import decode_record, index_text
@@ -209,7 +210,12 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
         "proc": str(r.get("process")),
         "device": device_text(r),
         "coords": coords_text(r),
-        "value": format_value(r.get("value"), width),
+        "value": format_value(
+            shown_value(r.get("value"), r.get("dtype"), r.get("shape"), r["bytes"])
+            if "bytes" in r
+            else r.get("value"),
+            width,
+        ),
         "flags": flags_text(r),
     }
 

@@ -1,0 +1,139 @@
+"""The write side of array values stored as bytes (format: tapfile/arrays.py).
+
+Every sink gives each of its records' RawArray leaves a place before it
+encodes the record's line, in the writer thread:
+
+- ``BlobFile`` (the one-file and sharded layouts): one append-only file per
+  writer, ``<run>.bytes/p<process>-<writer id>.bin``, that only this writer
+  ever writes, so no lock is taken for it: a process's bytes never wait on
+  another's. The bytes are written (one writev of the .npy headers and the
+  arrays' own buffers, no copy) before the lines that point at them, so a
+  writer killed in between leaves bytes nobody points at, never a line
+  pointing at bytes that are not there.
+- the object sink puts one ``<run>.bytes/p<process>-<writer id>-<seq>.bin``
+  object per batch before the batch's chunk of lines (``objects_blob``).
+
+A value's bytes are written once: a batch retried after a failed line write
+keeps the references it got (RawArray.ref).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Iterable, Sequence
+
+from pmaptap.tapfile.arrays import bytes_dir, npy_chunks, run_root
+from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.rawarray import RawArray, has_raw, raw_leaves
+
+_IOV_MAX = 1024
+
+
+def new_writer_id() -> str:
+    """Start time (ms) and a random token: a restarted process never
+    appends to (or overwrites) an earlier writer's file, and sorts after it."""
+    return f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
+
+
+def unstored(records: Iterable[Record]) -> list[RawArray]:
+    """The RawArray leaves of ``records`` that have no place yet."""
+    out: list[RawArray] = []
+    for r in records:
+        v = r.value
+        if type(v) is RawArray:
+            if v.ref is None:
+                out.append(v)
+        elif type(v) in (dict, list) and type(r.dtype) is not str and has_raw(v, r.dtype):
+            out.extend(x for x in raw_leaves(v, r.dtype) if x.ref is None)
+    return out
+
+
+def has_unstored(r: Record) -> bool:
+    return bool(unstored((r,)))
+
+
+class BlobFile:
+    """One writer's byte file beside a local run (created on first use)."""
+
+    def __init__(self, run_path: str, process: int, *, sync: bool = False) -> None:
+        self.directory = bytes_dir(run_path)
+        self.root = run_root(run_path)
+        self.name = f"p{int(process):05d}-{new_writer_id()}.bin"
+        self.path = os.path.join(self.directory, self.name)
+        self.rel = os.path.relpath(self.path, self.root).replace(os.sep, "/")
+        # lock="soft" (NFS): fsync before the lines are written, so a host
+        # that reads a line also finds its bytes at the server.
+        self.sync = sync
+        self._fd = -1
+        self.bytes_written = 0
+
+    def store(self, raws: Sequence[RawArray]) -> None:
+        """Append the .npy of each of ``raws`` and set their references; all
+        or nothing (a failed write is cut back and raises)."""
+        if not raws:
+            return
+        if self._fd < 0:
+            os.makedirs(self.directory, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        start = os.fstat(self._fd).st_size
+        chunks, refs, off = [], [], start
+        for raw in raws:
+            parts = npy_chunks(raw)
+            n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+            chunks += parts
+            refs.append({"file": self.rel, "offset": off, "nbytes": n})
+            off += n
+        try:
+            _write_all(self._fd, chunks, off - start)
+            if self.sync:
+                os.fsync(self._fd)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise
+        for raw, ref in zip(raws, refs):
+            raw.ref = ref
+        self.bytes_written += off - start
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _write_all(fd: int, chunks: list, want: int) -> None:
+    done = 0
+    while chunks:
+        n = os.writev(fd, chunks[:_IOV_MAX])
+        done += n
+        # Drop what was written (short writes: keep the rest of a chunk).
+        while chunks and n >= _len(chunks[0]):
+            n -= _len(chunks[0])
+            chunks.pop(0)
+        if n:
+            chunks[0] = memoryview(chunks[0])[n:]
+    assert done == want, (done, want)
+
+
+def _len(c) -> int:
+    return len(c) if isinstance(c, bytes) else c.nbytes
+
+
+def object_blob(raws: Sequence[RawArray], rel: str) -> tuple[bytes, list[dict]]:
+    """One object holding the .npy of each of ``raws``, and their references
+    into it (``rel``: the object's name relative to the run's directory);
+    the caller sets them once the object is stored."""
+    parts: list = []
+    off = 0
+    refs = []
+    for raw in raws:
+        chunk = npy_chunks(raw)
+        n = sum(_len(p) for p in chunk)
+        parts += chunk
+        refs.append({"file": rel, "offset": off, "nbytes": n})
+        off += n
+    return b"".join(parts), refs

@@ -1,0 +1,393 @@
+"""Array values stored as bytes beside the tap file (the ``bytes`` field).
+
+A leaf bigger than ``INLINE_MAX_BYTES`` is not written as JSON numbers: its
+raw bytes go to an append-only file of the writer that wrote it, and the
+record's line says where. The line keeps every other field; at that leaf
+``value`` is ``null`` and ``bytes`` (with the nesting of ``dtype``: a
+single reference for a one-leaf value, an object/array of references and
+nulls for a pytree) holds::
+
+    {"file": "run.jsonl.bytes/p00000-1733068800000-a1b2c3.bin",
+     "offset": 262272, "nbytes": 262272}
+
+``file`` is relative to the directory of the tap file (for an object-store
+run, of its URL); at ``offset`` a complete NumPy ``.npy`` (format 1.0) array
+of ``nbytes`` bytes, header included, holds the leaf's exact bits. NumPy
+reads it alone::
+
+    with open(os.path.join(os.path.dirname(tap_path), ref["file"]), "rb") as f:
+        f.seek(ref["offset"])
+        a = np.load(f)
+
+For the dtypes NumPy does not name (bfloat16, float8_*, int4, ...) the
+``.npy`` header says the unsigned integer of the same width (their bits,
+exactly); ``a.view(ml_dtypes.<dtype>)`` (or ``load_leaf``) gives the value.
+The record's ``dtype`` and ``shape`` are the leaf's own.
+
+A writer appends a value's bytes BEFORE the line that points at them, so a
+process killed in between leaves bytes nobody points at, never a line
+without its bytes. A reader that still meets a reference past the end of
+its file (the file was truncated, moved, or lost) reports that record and
+goes on (``missing_problem``).
+
+No JAX here; NumPy only where a value is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+from pmaptap.tapfile.rawarray import RawArray
+
+# Leaves of more bytes than this are stored as bytes (one copy, one vmap
+# row). Below it the JSON numbers are about as cheap and readable in the
+# line itself; above it JSON costs 2.7x the bytes on disk and ~300x the time
+# of a raw write (docs/architecture.md, "Array values").
+INLINE_MAX_BYTES = 1024
+# The directory beside a tap file that holds its writers' byte files.
+BYTES_SUFFIX = ".bytes"
+REF_KEYS = ("file", "offset", "nbytes")
+
+# ml_dtypes' types are not NumPy's own: their .npy descr ("<V2", "<f1") is
+# one NumPy cannot read back. Written as the unsigned integer of the same
+# width, so that NumPy alone reads their bits.
+_UINT_OF_WIDTH = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+class Stored:
+    """A stored leaf where a reader shows a value without loading it
+    (``pmaptap show``, the console): ``<float32[256,256] as bytes>``."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: Any, shape: Any) -> None:
+        self.dtype, self.shape = dtype, shape
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape)) if isinstance(self.shape, list) else "?"
+        return f"<{self.dtype}[{dims}] as bytes>"
+
+    __repr__ = __str__
+
+
+def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None) -> Any:
+    """``value`` with a ``Stored`` at each leaf stored as bytes: by the
+    ``bytes`` field as written, or at each RawArray (writer side)."""
+    if type(value) is RawArray or (value is None and is_ref(field)):
+        return Stored(dtype, shape)
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        shapes = shape if isinstance(shape, dict) else {}
+        f = field if isinstance(field, dict) else {}
+        return {k: shown_value(v, dtype.get(k), shapes.get(k), f.get(k)) for k, v in value.items()}
+    if isinstance(dtype, list) and isinstance(value, list):
+        shapes = shape if isinstance(shape, list) else [None] * len(value)
+        f = field if isinstance(field, list) else [None] * len(value)
+        return [shown_value(*x) for x in zip(value, dtype, shapes, f)]
+    return value
+
+
+def is_ref(x: Any) -> bool:
+    return (
+        type(x) is dict
+        and len(x) == 3
+        and type(x.get("file")) is str
+        and bool(x["file"])
+        and all(type(x.get(k)) is int and x[k] >= 0 for k in ("offset", "nbytes"))
+    )
+
+
+# ---------------------------------------------------------------- writing
+
+
+def npy_descr(dtype: Any) -> str:
+    """The ``.npy`` header's descr of a leaf dtype (see _UINT_OF_WIDTH)."""
+    if dtype.isbuiltin == 2:  # a user-defined type (ml_dtypes): its bits
+        return _UINT_OF_WIDTH[dtype.itemsize]
+    return dtype.str
+
+
+_HEADERS: dict[tuple, bytes] = {}
+
+
+def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` format 1.0 header of a C-order array (cached per dtype
+    and shape: a step's shards mostly share one)."""
+    key = (dtype, shape)
+    h = _HEADERS.get(key)
+    if h is None:
+        import io
+
+        import numpy as np
+
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            buf, {"descr": npy_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+        )
+        h = _HEADERS[key] = buf.getvalue()
+    return h
+
+
+def npy_chunks(raw: RawArray) -> list:
+    """The ``.npy`` of one leaf as buffers for writev (header, raw bytes: no
+    copy of the array's bytes)."""
+    a = raw.array
+    body = memoryview(a.reshape(-1).view("u1")) if a.size else b""
+    return [npy_header(a.dtype, a.shape), body]
+
+
+# ---------------------------------------------------------------- reading
+
+
+def byte_leaves(field: Any, dtype: Any, shape: Any, path: str = "") -> Iterator[tuple]:
+    """(leaf path, reference, leaf dtype, leaf shape) of each stored leaf of
+    a record's ``bytes`` field (``dtype`` gives its nesting); the path is
+    "" for a one-leaf value, else ``/key/0/...``."""
+    if is_ref(field):
+        yield path, field, dtype, shape
+    elif isinstance(field, dict) and isinstance(dtype, dict):
+        shapes = shape if isinstance(shape, dict) else {}
+        for k, f in field.items():
+            yield from byte_leaves(f, dtype.get(k), shapes.get(k), f"{path}/{k}")
+    elif isinstance(field, list) and isinstance(dtype, list):
+        shapes = shape if isinstance(shape, list) else [None] * len(field)
+        for i, (f, d, s) in enumerate(zip(field, dtype, shapes)):
+            yield from byte_leaves(f, d, s, f"{path}/{i}")
+
+
+def field_problem(d: dict) -> str | None:
+    """What is wrong with a record's ``bytes`` field as written (None: fine,
+    or no field)."""
+    if "bytes" not in d:
+        return None
+    field, dtype, shape, value = d["bytes"], d.get("dtype"), d.get("shape"), d.get("value")
+
+    def walk(f: Any, dt: Any, v: Any) -> str | None:
+        if f is None:
+            return None
+        if isinstance(dt, str):
+            if not is_ref(f):
+                return "bytes must be {file, offset, nbytes} (or null) at each leaf"
+            if v is not None:
+                return "a leaf stored as bytes has value null"
+            if os.path.isabs(f["file"]) or ".." in f["file"].split("/"):
+                return "bytes.file must be a path inside the run's directory"
+            return None
+        if isinstance(dt, dict) and isinstance(f, dict) and isinstance(v, dict):
+            if not set(f) <= set(dt):
+                return "bytes and dtype do not have the same keys"
+            for k in f:
+                p = walk(f[k], dt[k], v.get(k))
+                if p:
+                    return p
+            return None
+        if isinstance(dt, list) and isinstance(f, list) and isinstance(v, list):
+            if len(f) != len(dt):
+                return "bytes and dtype do not have the same length"
+            for x, y, z in zip(f, dt, v):
+                p = walk(x, y, z)
+                if p:
+                    return p
+            return None
+        return "bytes does not have the nesting of dtype"
+
+    problem = walk(field, dtype, value)
+    if problem is None and not any(True for _ in byte_leaves(field, dtype, shape)):
+        return "bytes holds no reference"
+    return problem
+
+
+def run_root(path: str | os.PathLike) -> str:
+    """The directory (or URL prefix) that ``bytes.file`` is relative to: that
+    of the run's tap file (``path``, or its ``.d`` directory)."""
+    p = os.fspath(path)
+    if "://" in p and not p.startswith("file://"):
+        return p.rstrip("/").rsplit("/", 1)[0]
+    p = os.path.abspath(p)
+    if p.endswith(".d") and os.path.isdir(p):
+        p = p[:-2]
+    return os.path.dirname(p)
+
+
+def bytes_dir(path: str | os.PathLike) -> str:
+    """Where the writers of the run at ``path`` put their byte files."""
+    p = os.fspath(path)
+    if "://" in p and not p.startswith("file://"):
+        return p.rstrip("/") + BYTES_SUFFIX
+    return os.path.abspath(p) + BYTES_SUFFIX
+
+
+class ByteStore:
+    """Reads stored leaves of one run (a local directory or an fsspec URL),
+    one at a time; remembers file sizes so that checking many references
+    costs one stat per file."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.root = run_root(path)
+        self.url = "://" in self.root and not self.root.startswith("file://")
+        self._fs: Any = None
+        self._sizes: dict[str, int | None] = {}
+
+    def _where(self, ref: dict) -> str:
+        name = ref["file"]
+        if name.startswith("/") or "\\" in name or ".." in name.split("/"):
+            # A tap file is data: its references never reach outside the
+            # run's directory.
+            raise MissingBytes(f"its bytes' file {name!r} is not inside the run's directory")
+        if self.url:
+            return self.root + "/" + ref["file"]
+        return os.path.join(self.root, *ref["file"].split("/"))
+
+    def _size(self, where: str) -> int | None:
+        if where not in self._sizes:
+            try:
+                if self.url:
+                    if self._fs is None:
+                        from pmaptap.tapfile.runs import url_fs
+
+                        self._fs = url_fs(self.root)[0]
+                    self._sizes[where] = int(self._fs.size(where))
+                else:
+                    self._sizes[where] = os.stat(where).st_size
+            except (OSError, FileNotFoundError):
+                self._sizes[where] = None
+        return self._sizes[where]
+
+    def missing_problem(self, ref: dict) -> str | None:
+        """Why ``ref``'s bytes cannot be read (None: they are all there).
+        Sizes are cached: a file growing under a live run is re-checked
+        only when a reference reaches past what was seen."""
+        try:
+            where = self._where(ref)
+        except MissingBytes as e:
+            return str(e)
+        size = self._size(where)
+        end = ref["offset"] + ref["nbytes"]
+        if size is not None and size < end:
+            self._sizes.pop(where, None)
+            size = self._size(where)
+        if size is None:
+            return f"its bytes' file {ref['file']!r} is missing"
+        if size < end:
+            return (
+                f"its bytes {ref['file']!r} [{ref['offset']}, {end}) are past the end "
+                f"of that file ({size} bytes): the writer was killed, or the file cut"
+            )
+        return None
+
+    def read_ref(self, ref: dict) -> bytes:
+        where = self._where(ref)
+        start, end = ref["offset"], ref["offset"] + ref["nbytes"]
+        if self.url:
+            if self._fs is None:
+                from pmaptap.tapfile.runs import url_fs
+
+                self._fs = url_fs(self.root)[0]
+            try:
+                data = bytearray(self._fs.cat_file(where, start=start, end=end))
+            except OSError as e:
+                self._sizes.pop(where, None)
+                raise MissingBytes(self.missing_problem(ref) or str(e)) from None
+        else:
+            data = bytearray(end - start)  # writable: the array read() returns
+            try:
+                with open(where, "rb") as f:
+                    f.seek(start)
+                    n = f.readinto(data)
+            except OSError as e:
+                self._sizes.pop(where, None)
+                raise MissingBytes(self.missing_problem(ref) or str(e)) from None
+            if n != len(data):
+                del data[n:]
+        if len(data) != end - start:
+            raise MissingBytes(self.missing_problem(ref) or "its bytes are cut short")
+        return data
+
+    def load_leaf(self, ref: dict, dtype: str, shape: Any) -> Any:
+        """The stored leaf as an ndarray of its own ``dtype`` (bfloat16 etc.
+        through ml_dtypes) and ``shape``; MissingBytes if its bytes are not
+        all there or are not the ``.npy`` the record describes."""
+        return decode_npy(self.read_ref(ref), dtype, shape)
+
+
+class MissingBytes(ValueError):
+    """A record's stored bytes are missing or not what its line says."""
+
+
+def numpy_dtype(name: Any) -> Any:
+    """The NumPy dtype of a record's leaf ``dtype`` name, one the format holds
+    (format.encodable) and nothing else: bytes are never read as objects."""
+    import numpy as np
+
+    from pmaptap.tapfile.format import encodable
+
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - ml_dtypes comes with jax
+            raise MissingBytes(
+                f"dtype {name!r} needs the ml_dtypes package (pip install ml_dtypes)"
+            ) from None
+        t = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
+        if t is None:
+            raise MissingBytes(f"dtype {name!r} is not one a record holds") from None
+        dt = np.dtype(t)
+    if not isinstance(name, str) or not encodable(dt) or dt.name != name:
+        raise MissingBytes(f"dtype {name!r} is not one a record holds")
+    return dt
+
+
+def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
+    """One ``.npy`` (header and data) -> the array of the record's dtype and
+    shape, exact bits; MissingBytes if it is not that."""
+    import io
+
+    import numpy as np
+
+    f = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(f)
+        if version != (1, 0):
+            raise ValueError(f".npy version {version}")
+        got_shape, fortran, got = np.lib.format.read_array_header_1_0(f)
+    except ValueError as e:
+        raise MissingBytes(f"its bytes are not a .npy array ({e})") from None
+    dt = numpy_dtype(dtype)
+    if fortran or list(got_shape) != list(shape) or got.itemsize != dt.itemsize:
+        raise MissingBytes(
+            f"its bytes hold {got}{list(got_shape)}, not the line's {dtype}{list(shape)}"
+        )
+    start = f.tell()
+    n = dt.itemsize
+    for s in got_shape:
+        n *= s
+    if len(data) - start != n:
+        raise MissingBytes(f"its bytes hold {len(data) - start} data bytes, not {n}")
+    return np.frombuffer(data, dtype=dt, count=n // dt.itemsize if n else 0, offset=start).reshape(
+        got_shape
+    )
+
+
+def load_value(d: dict, store: ByteStore) -> Any:
+    """``d["value"]`` with every stored leaf loaded (``d`` decoded:
+    decode_record, for its inline leaves); MissingBytes names the first
+    leaf that cannot be."""
+    field = d.get("bytes")
+    dtype, shape = d.get("dtype"), d.get("shape")
+    if is_ref(field):
+        return store.load_leaf(field, dtype, shape)
+
+    def fill(v: Any, f: Any, dt: Any, sh: Any) -> Any:
+        if is_ref(f):
+            return store.load_leaf(f, dt, sh)
+        if isinstance(f, dict) and isinstance(v, dict):
+            shapes = sh if isinstance(sh, dict) else {}
+            return {k: fill(x, f.get(k), dt.get(k), shapes.get(k)) for k, x in v.items()}
+        if isinstance(f, list) and isinstance(v, list):
+            shapes = sh if isinstance(sh, list) else [None] * len(v)
+            return [fill(x, y, z, s) for x, y, z, s in zip(v, f, dt, shapes)]
+        return v
+
+    return fill(d.get("value"), field, dtype, shape)

@@ -1,0 +1,67 @@
+"""A leaf on its way to be stored as bytes (tapfile/arrays.py says how they
+are stored and read): the aggregator wraps the array, the writer stores its
+bytes and the record's line then points at them. Imports nothing of
+pmaptap's, so the record type (format.py) can hold one."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+
+class RawArray:
+    """A leaf travelling to the writer as its NumPy array (C order). The
+    sink stores its bytes and sets ``ref`` (once: a retried batch does not
+    write them again); the line then carries ``ref`` in ``bytes``."""
+
+    __slots__ = ("array", "ref")
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+        self.ref: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def __repr__(self) -> str:
+        a = self.array
+        return f"RawArray({a.dtype.name}{list(a.shape)})"
+
+
+def has_raw(value: Any, dtype: Any) -> bool:
+    """Does a record's value (as the aggregator built it) hold a RawArray?
+    Walks the pytree by ``dtype``'s nesting, never into an inline leaf."""
+    if type(value) is RawArray:
+        return True
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        return any(has_raw(value.get(k), d) for k, d in dtype.items())
+    if isinstance(dtype, list) and isinstance(value, list):
+        return any(has_raw(v, d) for v, d in zip(value, dtype))
+    return False
+
+
+def raw_leaves(value: Any, dtype: Any) -> Iterator[RawArray]:
+    if type(value) is RawArray:
+        yield value
+    elif isinstance(dtype, dict) and isinstance(value, dict):
+        for k, d in dtype.items():
+            yield from raw_leaves(value.get(k), d)
+    elif isinstance(dtype, list) and isinstance(value, list):
+        for v, d in zip(value, dtype):
+            yield from raw_leaves(v, d)
+
+
+def split_raw(value: Any, dtype: Any) -> tuple[Any, Any]:
+    """(value with null at each stored leaf, the ``bytes`` field) of a value
+    whose RawArray leaves have been stored (their ``ref`` set)."""
+    if type(value) is RawArray:
+        if value.ref is None:
+            raise ValueError(f"{value!r} was not stored before its line was encoded")
+        return None, value.ref
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        pairs = {k: split_raw(v, dtype.get(k)) for k, v in value.items()}
+        return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+    if isinstance(dtype, list) and isinstance(value, list):
+        pairs = [split_raw(v, d) for v, d in zip(value, dtype)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    return value, None
