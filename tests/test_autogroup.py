@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from pmaptap._trace import traceend
 from pmaptap._trace.primitive import callback_p
+from pmaptap._trace.shardcall import shard_call_p
 
 
 def _subjaxprs(value):
@@ -37,12 +38,13 @@ def _subjaxprs(value):
 def count_callbacks(jaxpr) -> int:
     """pmaptap host-callback equations in ``jaxpr`` and every jaxpr nested
     in its equations' parameters (pmap/shard_map/jit bodies, cond branches,
-    scan bodies, custom_vmap calls)."""
+    scan bodies, custom_vmap calls): ``callback_p``, and ``shard_call_p``
+    for taps under plain jit."""
     if isinstance(jaxpr, ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive is callback_p
+        n += eqn.primitive is callback_p or eqn.primitive is shard_call_p
         for p in eqn.params.values():
             n += sum(count_callbacks(j) for j in _subjaxprs(p))
     return n

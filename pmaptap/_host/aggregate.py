@@ -23,7 +23,7 @@ from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree
 from pmaptap._log import log
 from pmaptap._trace.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
-from pmaptap.tapfile.format import MAX_STEP, ORJSON, Record, meta_record, new_record
+from pmaptap.tapfile.format import COPIES_SEEN, MAX_STEP, ORJSON, Record, meta_record, new_record
 
 # Payloads holding the leader's own copy of a replicated tap: unverified
 # (VERIFIED_OFF) or proven replicated at trace time (PROVEN, _trace/invariant.py).
@@ -215,7 +215,11 @@ class Aggregator:
         narrowed back to their own dtype first (``spec.restore`` indexes the
         operands after a partitioned payload's leading partition number)."""
         if spec.restore:
-            skip = 1 if isinstance(spec, TapSpec) and spec.shards is not None else 0
+            skip = (
+                1
+                if (spec.partitioned if isinstance(spec, GroupSpec) else spec.shards is not None)
+                else 0
+            )
             arrays = list(arrays)
             for i, dtype in spec.restore:
                 arrays[skip + i] = arrays[skip + i].astype(dtype)
@@ -225,7 +229,9 @@ class Aggregator:
         """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
         if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
-        if spec.transport.layout is Layout.SHARDS and spec.shards is not None:
+        if spec.shards is not None:
+            if spec.transport.layout is Layout.WHOLE:
+                return self._add_whole(spec, arrays)
             return self._add_shard(spec, arrays)
         coords = arrays[0]
         step = _step(arrays[1])
@@ -234,8 +240,8 @@ class Aggregator:
         layout, packing = spec.transport.layout, spec.transport.packing
         if packing:
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
-        if layout in (Layout.COPY, Layout.SHARDS):
-            # SHARDS without a placement: the computation was not
+        if layout in (Layout.COPY, Layout.SHARDS, Layout.WHOLE):
+            # SHARDS / WHOLE without a placement: the computation was not
             # partitioned, one whole copy came (summarized on device).
             return self.add(spec, coords, step, arrays[2:])
         if layout is Layout.GATHERED:
@@ -289,6 +295,51 @@ class Aggregator:
         if len(group.copies) >= max(1, place.local_count):
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
+
+    def _add_whole(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """A scalar tap under plain jit on several devices (Layout.WHOLE):
+        (partition, coords, step, *leaves). Every device holds the value;
+        only partition 0's copy is read (in a partitioned group every device
+        carries one: the others are skipped here), and the record names every
+        device of the computation and says one copy was seen."""
+        place, site = spec.shards, spec.site
+        if int(np.asarray(arrays[0]).reshape(-1)[0]) != 0:
+            return []
+        step = _step(arrays[2])
+        if site.explicit_step and not 0 <= step <= MAX_STEP:
+            return self._refuse(site.name, step)
+        if not site.explicit_step:
+            # One counter, as for any tap outside a mapping (see _Table).
+            ckey = (site.name, site.pass_, ())
+            step = self._counters.get(ckey, 0)
+            self._counters[ckey] = step + 1
+            if step % site.every:
+                return []
+        leaves = list(arrays[3:])
+        if site.dedup == "per_device":
+            # The one copy read is device 0's: exactly that device's record.
+            return [
+                self._per_device_record(
+                    spec,
+                    step,
+                    self._value(spec, leaves),
+                    place.processes[0],
+                    place.devices[0],
+                    place.coords[0],
+                    self.clock(),
+                )
+            ]
+        return [
+            self._replicated_record(
+                spec,
+                step,
+                self._value(spec, leaves),
+                place.devices,
+                tuple(sorted(set(place.processes))),
+                value_key(leaves),
+                extra={COPIES_SEEN: 1},
+            )
+        ]
 
     def _resolve_shards(self, spec: TapSpec, step: int, copies: list[Copy]) -> list[Record]:
         """Records of one step's shards on this process (see _host/shards.py)."""
@@ -367,7 +418,11 @@ class Aggregator:
 
     def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
         """A group payload: coords, one step per member, then every member's
-        gathered leaves (packed when spec.packing)."""
+        gathered leaves (packed when spec.packing); a partitioned one (taps
+        under plain jit) starts with the partition number, which every
+        member's payload gets too."""
+        if spec.partitioned:
+            pid, arrays = arrays[0], arrays[1:]
         m = len(spec.members)
         coords, steps, payload = arrays[0], arrays[1 : 1 + m], arrays[1 + m :]
         if spec.packing:
@@ -384,7 +439,10 @@ class Aggregator:
                 # check this one). Ungathered groups carry that copy only.
                 row = _flat(coords, member.placement.axis_sizes)
                 leaves = [a[row] for a in leaves]
-            out += self.add_payload(member, [coords, step, *leaves])
+            if spec.partitioned:
+                out += self.add_payload(member, [pid, coords, step, *leaves])
+            else:
+                out += self.add_payload(member, [coords, step, *leaves])
         return out
 
     def _table(self, spec: TapSpec) -> "_Table":

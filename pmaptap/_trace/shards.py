@@ -1,5 +1,7 @@
-"""Where each shard of a tapped value lives: one ``ShardPlacement`` per
-lowering of a per-shard tap (see shardcall.py), read by the aggregator.
+"""Where each shard of a tapped value lives: one ``ShardPlacement`` per tap
+per lowering of a call under plain jit (see shardcall.py), read by the
+aggregator. A scalar tap's placement (``Layout.WHOLE``) names the devices
+and processes of the computation; its slices stay unknown (unused).
 
 Identity is exact by construction. Every callback carries its partition
 number ``k`` (see placement.partition_ids), so its device is
@@ -16,7 +18,6 @@ Pure Python: the aggregator thread reads it, JAX is not called there.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
@@ -38,8 +39,6 @@ class ShardPlacement:
     def __post_init__(self) -> None:
         self.slices = [None] * len(self.shapes)
         self.local_count = sum(1 for p in self.processes if p == self.me)
-        self._lock = threading.Lock()
-        self._specs: dict[int, Any] = {}
         if self.axis_names:
             self.coords = [
                 dict(zip(self.axis_names, (int(c) for c in np.unravel_index(k, self.axis_sizes))))
@@ -72,15 +71,6 @@ class ShardPlacement:
             self.slices[leaf] = None
 
     # -------------------------------------------------- host side
-    def spec_for(self, spec: Any) -> Any:
-        """``spec`` bound to this placement (cached: one per tap site)."""
-        s = self._specs.get(spec.site.tap_id)
-        if s is None or s.site is not spec.site:
-            with self._lock:
-                s = dataclasses.replace(spec, shards=self)
-                self._specs[spec.site.tap_id] = s
-        return s
-
     def index_of(self, k: int, leaves: list[np.ndarray]) -> list | None:
         """The record's ``index`` for partition ``k``: [[start, stop], ...]
         for one leaf, a list of those for several; None when any leaf's slice
