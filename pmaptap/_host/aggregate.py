@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import math
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -159,6 +160,10 @@ class Aggregator:
         self._counters: dict[tuple, int] = {}
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
+        # Per-shard taps: per ShardPlacement (one per tap per lowering, so
+        # dropped with its executable), per (site, partition): the record
+        # template of its per_device records.
+        self._shard_templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Payloads refused for a traced step outside 0..2**63-1, per tap
         # name: [count, first bad step]; reported by refused_records().
         self._refused: dict[str, list[int]] = {}
@@ -271,6 +276,10 @@ class Aggregator:
             if step % site.every:
                 return []
         leaves, summaries = shard_host.summarize_leaves(site, raw)
+        if site.dedup == "per_device":
+            # Nothing to compare: the shard's record now, without waiting
+            # for the step's other shards.
+            return [self._per_device_record_of_shard_now(spec, step, k, raw, leaves, summaries)]
         copy = Copy(
             spec,
             (k,),
@@ -415,6 +424,41 @@ class Aggregator:
             self.clock(),
             index=cp.index,
         )
+
+    def _per_device_record_of_shard_now(
+        self,
+        spec: TapSpec,
+        step: int,
+        k: int,
+        raw: list[np.ndarray],
+        leaves: list[np.ndarray],
+        summaries: tuple,
+    ) -> Record:
+        """The per_device record of partition ``k``'s shard, a copy of the
+        partition's template (as ``_per_device_records_of_rows``: every field
+        but the step, value and time is fixed for a lowering's partition; a
+        step of many sharded taps makes one record per tap per device)."""
+        place = spec.shards
+        per = self._shard_templates.get(place)
+        if per is None:
+            per = self._shard_templates[place] = {}
+        tkey = (spec.site.tap_id, spec.site.batch_dims, k)
+        template = per.get(tkey)
+        if template is None:
+            template = per[tkey] = dict(
+                self._per_device_record(
+                    spec,
+                    0,
+                    (None, None, None),
+                    place.processes[k],
+                    place.devices[k],
+                    place.coords[k],
+                    0.0,
+                    index=place.index_of(k, raw),
+                ).__dict__
+            )
+        value, dtype, shape = encode_tree(spec.site.treedef, leaves, summaries)
+        return _from_template(template, step, value, dtype, shape, self.clock())
 
     def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
         """A group payload: coords, one step per member, then every member's

@@ -39,6 +39,7 @@ class ShardPlacement:
     def __post_init__(self) -> None:
         self.slices = [None] * len(self.shapes)
         self.local_count = sum(1 for p in self.processes if p == self.me)
+        self._holders: dict[int, list[int]] = {}  # holders(), once slices are known
         if self.axis_names:
             self.coords = [
                 dict(zip(self.axis_names, (int(c) for c in np.unravel_index(k, self.axis_sizes))))
@@ -69,6 +70,7 @@ class ShardPlacement:
             self.slices[leaf] = tuple(out)
         except Exception:  # noqa: BLE001 - unknown stays unknown (null)
             self.slices[leaf] = None
+        self._holders = {}
 
     # -------------------------------------------------- host side
     def index_of(self, k: int, leaves: list[np.ndarray]) -> list | None:
@@ -90,5 +92,12 @@ class ShardPlacement:
         process's), in partition order; ``[k]`` when slices are unknown."""
         if any(s is None for s in self.slices):
             return [k]
-        mine = tuple(s[k] for s in self.slices)
-        return [j for j in range(len(self.devices)) if tuple(s[j] for s in self.slices) == mine]
+        out = self._holders.get(k)
+        if out is None:
+            # Once per partition: the slices are fixed once compiled, and
+            # this runs for every shard of every step.
+            mine = tuple(s[k] for s in self.slices)
+            out = self._holders[k] = [
+                j for j in range(len(self.devices)) if tuple(s[j] for s in self.slices) == mine
+            ]
+        return out
