@@ -147,6 +147,8 @@ def test_group_block_makes_one_host_call_without_auto_grouping(tmp_path):
             jax.jit(step)(x)
         ungrouped = lambda x: [pmaptap.tap(x * k, f"t{k}", dedup="per_device") for k in range(16)]
         assert host_calls(ungrouped, x) == {"partitioned": 16, "whole": 0}
+    # The same 16 taps with automatic grouping (the default), no block.
+    assert host_calls(lambda v: ungrouped(v) and v, x) == {"partitioned": 1, "whole": 0}
     recs = pmaptap.read(str(tmp_path / "g.jsonl"))
     assert len(recs) == 16 * 8 + 1
     for r in recs:
