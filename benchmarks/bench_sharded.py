@@ -2,7 +2,9 @@
 4x2 mesh: one tap of a sharded activation against a payload-equal raw
 ``jax.debug.callback(partitioned=True)`` (one call per shard, no gather
 either); 16 per-shard taps in one step against ONE raw partitioned callback
-carrying the 16 arrays (issue 26: they share one call per device); and the
+carrying the 16 arrays (issue 26: they share one call per device); the
+step of launch/flax_train.py (Flax NNX, data x tensor parallel) tapped,
+untapped and with raw partitioned callbacks at the same places; and the
 step of ``launch/train.py --variant jit`` with its taps
 against the same step untapped.
 """
@@ -144,6 +146,35 @@ def run(quick: bool = False) -> list[tuple]:
         return go
 
     train_med = interleaved({k: train_arm(k) for k in fns}, rounds=rounds, steps=steps)
+
+    # launch/flax_train.py's step (Flax NNX, data x tensor parallel on the
+    # 4x2 mesh): tapped (its 6 taps), with raw partitioned callbacks at the
+    # same places, and untapped.
+    import flax_train
+
+    flax_arms = {}
+    for taps in ("none", "raw", "pmaptap"):
+        fargs = flax_train.parse_args(["--taps", taps, "--params-every", "1000000"])
+        model, opt = flax_train.create(fargs, mesh)
+        fstep = flax_train.make_train_step(fargs)
+        fx, ft = flax_train.batch(fargs, 0, mesh)
+
+        def flax_arm(fstep=fstep, model=model, opt=opt, fx=fx, ft=ft, taps=taps):
+            def go():
+                loss = None
+                with jax.set_mesh(mesh):
+                    for i in range(steps):
+                        loss = fstep(model, opt, fx, ft, jnp.int32(i))
+                loss.block_until_ready()
+                if taps == "pmaptap":
+                    session.flush()
+                else:
+                    jax.effects_barrier()
+
+            return go
+
+        flax_arms[taps] = flax_arm()
+    flax_med = interleaved(flax_arms, rounds=rounds, steps=steps)
     session.close()
 
     t = tap_med
@@ -172,6 +203,22 @@ def run(quick: bool = False) -> list[tuple]:
             f"{train_med['untapped'] * 1e3:.3f}",
             f"{train_med['tapped'] / train_med['untapped']:.2f}x step time",
             "loss + 8 grad norms + 8 activation shards",
+        ),
+        (
+            "i. flax_train.py step, tapped",
+            "same step untapped",
+            f"{flax_med['pmaptap'] * 1e3:.3f}",
+            f"{flax_med['none'] * 1e3:.3f}",
+            f"{flax_med['pmaptap'] / flax_med['none']:.2f}x step time",
+            "h+y+loss 1 call/device, dh 1/device, grad_norm 1 (device 0)",
+        ),
+        (
+            "i. flax_train.py step, tapped",
+            "same step, raw partitioned callbacks",
+            f"{flax_med['pmaptap'] * 1e3:.3f}",
+            f"{flax_med['raw'] * 1e3:.3f}",
+            f"{ratio(flax_med, 'pmaptap', 'raw', 'none'):.2f}x",
+            "raw: jax.debug.callback(partitioned=True) of h, y, (loss, norm)",
         ),
     ]
     print(

@@ -42,6 +42,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "added ms per step",
         "i. per-shard tap under jit",
         "i. 16 per-shard taps in a step",
+        "i. flax_train.py step, tapped",
         "i. --variant jit step, tapped",
         "j. id_tap (tied, program order)",
         "j. id_tap, callback without the tie",
