@@ -99,6 +99,15 @@ def test_sharded_and_scalar_taps_of_a_step_are_one_host_call(tmp_path):
     # its own cond, which is the second); one by one: a callback per tap.
     assert calls[True] == {"partitioned": 2, "whole": 0}, calls
     assert calls[False] == {"partitioned": 8, "whole": 2}, calls
+    # Grouping adds no collective: each device sends what it holds.
+    texts = []
+    for auto in (True, False):
+        with pmaptap.configured(auto_group=auto):
+            f = jax.jit(lambda x, i: _ten_taps(x, i))
+            texts.append(f.lower(*args(0)).compile().as_text())
+    for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+        n = [len(re.findall(rf"\b{op}(-start)?\(", t)) for t in texts]
+        assert n[0] == n[1], (op, n)
     assert recs[True] == recs[False]
     got = [json.loads(r) for r in recs[True]]
     per_tap = {}
@@ -288,3 +297,27 @@ def test_two_processes_grouped_step_and_replicated_scalar(tmp_path):
             assert r["processes"] == [0, 1] and sorted(r["devices"]) == devices
             assert r["replicas"] == 8 and r["copies_seen"] == 1 and r["process"] == 0
             assert r["value"] == pytest.approx(float(np.mean(np.sin(np.arange(64.0)))), rel=1e-4)
+
+
+def test_a_vmapped_scalar_riding_in_a_partitioned_call_is_read_whole(tmp_path):
+    # vmap of a jitted step: its grouped scalar tap gains the batch axis,
+    # which may be split over the devices; partition 0 must still read the
+    # whole batch (the scalar's operand is made replicated).
+    mesh = _mesh()
+    x = _x(mesh)
+
+    def step(row):
+        pmaptap.tap(row, "row", dedup="per_device")
+        pmaptap.tap(jnp.sum(row), "rowsum")
+        return row
+
+    f = jax.jit(jax.vmap(jax.jit(step)))
+    assert host_calls(jax.vmap(jax.jit(step)), x) == {"partitioned": 1, "whole": 0}
+    path = str(tmp_path / "v.jsonl")
+    with pmaptap.Session(path, run="v"):
+        jax.block_until_ready(f(x))
+    recs = pmaptap.read(path)
+    (r,) = [r for r in recs if r["name"] == "rowsum"]
+    assert r["batch_dims"] == 1 and r["shape"] == [8]
+    np.testing.assert_array_equal(r["value"], np.arange(64.0).reshape(8, 8).sum(1))
+    assert len([r for r in recs if r["name"] == "row"]) == 8

@@ -181,6 +181,14 @@ def _lowering(ctx, coords, *args, entry, members, summarize, batch_dims):
         return _lower_whole(
             ctx, coords, *args, host_fn=lambda *a: fn(_FIRST_PARTITION, *a), **params
         )
+    # Scalar members ride along, read from partition 0: each device must
+    # hold the whole value (see placement.replicated).
+    leaves, i = list(leaves), 0
+    for n, per_shard in members:
+        if not per_shard:
+            for j in range(i, i + n):
+                leaves[j] = placement.replicated(ctx, leaves[j], leaf_avals[j], devices)
+        i += n
     pid, pid_aval = placement.partition_ids(ctx, devices)
     result, _, _ = cb.emit_python_callback(
         ctx.replace(avals_in=[pid_aval, *ctx.avals_in]),
