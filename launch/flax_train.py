@@ -16,10 +16,10 @@ written where the values live, never gathered:
   ``--params-every`` steps ``params``, the ``nnx.State`` of the parameters
   (written with its names: ``{"fc1": {"kernel": {"value": ...}}, ...}``).
 
-The forward taps and the loss share one ``pmaptap.group()`` inside the
-differentiated function, so a step makes one partitioned host call per
-device for them (plus one for ``dh`` in the backward program and one for the
-step's own taps).
+The taps of a step, those inside the differentiated function included, share
+one partitioned host call per device (automatic grouping); ``dh`` is written
+from the backward program, its own call, and ``params`` from its own
+``every`` branch.
 
     python -m pmaptap.launch --processes 2 --devices 4 -- \\
         python launch/flax_train.py --steps 20 --out out/flax.jsonl
@@ -162,14 +162,9 @@ def make_train_step(args: argparse.Namespace):
 
     def train_step(model, opt, x, t, step):
         def loss_fn(m):
-            # The forward taps (in __call__) and the loss share one group:
-            # inside the differentiated function nothing is grouped unless
-            # asked (JAX's own trace), and one host call per device beats
-            # one per tap.
-            with pmaptap.group():
-                loss = jnp.mean((m(x) - t) ** 2)
-                if args.taps == "pmaptap":
-                    pmaptap.tap(loss, "loss", step=step)
+            loss = jnp.mean((m(x) - t) ** 2)
+            if args.taps == "pmaptap":
+                pmaptap.tap(loss, "loss", step=step)
             return loss
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)

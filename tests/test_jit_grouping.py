@@ -321,3 +321,39 @@ def test_a_vmapped_scalar_riding_in_a_partitioned_call_is_read_whole(tmp_path):
     assert r["batch_dims"] == 1 and r["shape"] == [8]
     np.testing.assert_array_equal(r["value"], np.arange(64.0).reshape(8, 8).sum(1))
     assert len([r for r in recs if r["name"] == "row"]) == 8
+
+
+def test_taps_inside_the_differentiated_function_join_the_step_call(tmp_path):
+    # Taps in a model's forward pass run inside grad's trace (as in a Flax
+    # train step): they wait for the jitted step's end like its own taps,
+    # and all of them share one partitioned call.
+    mesh = _mesh()
+    x = _x(mesh)
+
+    def step(x):
+        def loss_fn(w):
+            h = jnp.sin(w)
+            pmaptap.tap(h, "h", dedup="per_device")
+            loss = jnp.mean(h**2)
+            pmaptap.tap(loss, "loss_in")
+            return loss
+
+        loss, g = jax.value_and_grad(loss_fn)(x)
+        pmaptap.tap(g, "g", dedup="per_device")
+        pmaptap.tap(loss, "loss")
+        return g
+
+    calls, recs = {}, {}
+    for auto in (True, False):
+        with pmaptap.configured(auto_group=auto):
+            calls[auto] = host_calls(lambda x: step(x), x)
+            recs[auto] = _run(
+                tmp_path / f"d{auto}.jsonl", jax.jit(lambda x: step(x)), lambda s: (x,)
+            )
+    assert calls == {
+        True: {"partitioned": 1, "whole": 0},
+        False: {"partitioned": 2, "whole": 2},
+    }, calls
+    assert recs[True] == recs[False]
+    names = [json.loads(r)["name"] for r in recs[True]]
+    assert {n: names.count(n) for n in set(names)} == {"h": 24, "g": 24, "loss_in": 3, "loss": 3}

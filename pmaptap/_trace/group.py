@@ -111,18 +111,28 @@ class _Collector:
     callback per device, or taps under plain jit, which share one
     ``shard_call``. A ``group()`` block takes the kind of its first tap."""
 
-    def __init__(self, kind: str | None = None) -> None:
-        self._trace = _core.trace_ctx.trace
+    def __init__(self, kind: str | None = None, trace: Any = None) -> None:
+        # The trace its taps are emitted in (a group(): the current one).
+        self._trace = _core.trace_ctx.trace if trace is None else trace
         self._kind = kind
         self._members: list[_Member] = []
         self.auto_keys: set = set()  # see settle()
 
     def offer(
-        self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
+        self,
+        spec: TapSpec,
+        raw_names: tuple,
+        leaves,
+        coords,
+        step,
+        traced_every: bool = False,
+        trace: Any = None,
     ) -> bool:
+        """Take the tap if it fits; ``trace``: the trace it is emitted in
+        (default: the current one)."""
         kind = kind_of(spec.transport.layout)
         if (
-            _core.trace_ctx.trace is not self._trace
+            (_core.trace_ctx.trace if trace is None else trace) is not self._trace
             or isinstance(self._trace, _batching.BatchTrace)
             or kind is None
             or kind != (self._kind or kind)
@@ -204,13 +214,15 @@ def auto_offer(
     it shares one callback with the trace's other such taps (one gather, one
     cond, one callback a step instead of one each). False (emit it now, as
     before) unless automatic grouping is on, the hook is installed, and the
-    current trace is a plain staging trace and every traced operand is a
-    staging tracer (its own, or one it closes over, such as a step):
-    under grad's linearization, vmap's batching or eager execution nothing
-    is deferred."""
+    current trace is a plain staging trace (or a grad/jvp trace directly in
+    one: the tap waits for the enclosing trace's end, see
+    traceend.staging_target) and every traced operand is a staging tracer
+    (its own, or one it closes over, such as a step): under vmap's batching
+    or eager execution nothing is deferred."""
     if not options().auto_group or not traceend.installed():
         return False
-    trace = traceend.staging_trace()
+    # The step's staging trace, also from inside grad/jvp (staging_target).
+    trace = traceend.staging_target()
     if trace is None or not traceend.stageable([*leaves, coords, step]):
         return False
     key = auto_step_key(spec)
@@ -227,7 +239,7 @@ def auto_offer(
     collector = traceend.deferred(
         trace,
         (_Collector, kind, raw_names, spec.transport.leaders),
-        lambda: _Collector(kind),
+        lambda: _Collector(kind, trace),
     )
     if key is not None:
         # This trace's other collectors (other layouts) emit their taps of
@@ -236,7 +248,7 @@ def auto_offer(
             if obj is not collector and isinstance(obj, _Collector) and key in obj.auto_keys:
                 with _core.set_current_trace(trace):
                     obj.flush()
-    return collector.offer(spec, raw_names, leaves, coords, step, traced_every)
+    return collector.offer(spec, raw_names, leaves, coords, step, traced_every, trace=trace)
 
 
 def _emit_group(members: list[_Member], kind: str) -> None:
