@@ -210,7 +210,7 @@ def run(quick: bool = False) -> list[tuple]:
             f"{flax_med['pmaptap'] * 1e3:.3f}",
             f"{flax_med['none'] * 1e3:.3f}",
             f"{flax_med['pmaptap'] / flax_med['none']:.2f}x step time",
-            "h+y+loss 1 call/device, dh 1/device, grad_norm 1 (device 0)",
+            "h, y, loss, grad_norm: 1 call/device; dh (backward): 1/device",
         ),
         (
             "i. flax_train.py step, tapped",
