@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from pmaptap._trace import traceend
 from pmaptap._trace.primitive import callback_p
+from pmaptap._trace.shardcall import shard_call_p
 
 
 def _subjaxprs(value):
@@ -37,12 +38,13 @@ def _subjaxprs(value):
 def count_callbacks(jaxpr) -> int:
     """pmaptap host-callback equations in ``jaxpr`` and every jaxpr nested
     in its equations' parameters (pmap/shard_map/jit bodies, cond branches,
-    scan bodies, custom_vmap calls)."""
+    scan bodies, custom_vmap calls): ``callback_p``, and ``shard_call_p``
+    for taps under plain jit."""
     if isinstance(jaxpr, ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive is callback_p
+        n += eqn.primitive is callback_p or eqn.primitive is shard_call_p
         for p in eqn.params.values():
             n += sum(count_callbacks(j) for j in _subjaxprs(p))
     return n
@@ -166,9 +168,11 @@ def test_taps_under_grad_and_vmap_keep_their_records(tmp_path):
     auto, n_auto = _run(tmp_path, make, args, auto=True)
     one, n_one = _run(tmp_path, make, args, auto=False)
     assert auto == one
-    # g and g_mean share one callback; the taps under grad and vmap are not
-    # deferred (their traces are not plain staging traces).
-    assert n_one - n_auto == 1
+    # The taps inside the differentiated function (grad's linearize trace,
+    # directly in the pmap body) wait for the body's end with g and g_mean:
+    # the four share one callback; the tap under vmap is not deferred (its
+    # operands are batched).
+    assert (n_one, n_auto) == (5, 2)
     vm = [json.loads(r) for r in auto if '"in_vmap"' in r]
     assert len(vm) == 2 * 8 and all(r["shape"] == [2] for r in vm)
 
@@ -419,3 +423,29 @@ def test_grouped_sub_byte_and_narrow_dtypes_keep_their_values(tmp_path):
     assert dtypes == {"i4": "int4", "bf16": "bfloat16", "f4": "float4_e2m1fn", "u2": "uint2"}
     values = {json.loads(r)["name"]: json.loads(r)["value"] for r in auto}
     assert (values["i4"], values["f4"], values["u2"]) == (-3, 3.0, 3)
+
+
+def test_taps_inside_grad_wait_for_the_enclosing_trace():
+    # Automatic grouping looks through JAX's forward-differentiation traces
+    # (traceend.staging_target): if a JAX upgrade renames them, taps inside
+    # grad would silently stop being grouped; this says where to look.
+    from jax._src.interpreters import ad
+
+    assert traceend._DIFFERENTIATION_TRACES, "ad.LinearizeTrace / ad.JVPTrace are gone"
+    seen = []
+
+    def f(x):
+        def loss(w):
+            seen.append((type(traceend.core.trace_ctx.trace), traceend.staging_target()))
+            return jnp.sum(w**2)
+
+        jax.grad(loss)(x)
+        jax.jvp(loss, (x,), (x,))
+        seen.append(("body", traceend.staging_trace()))
+        return x
+
+    jax.make_jaxpr(f)(jnp.ones(3))
+    body = seen[-1][1]
+    assert body is not None
+    assert [t for t, _ in seen[:2]] == [ad.LinearizeTrace, ad.JVPTrace]
+    assert all(target is body for _, target in seen[:2])

@@ -41,6 +41,8 @@ def test_all_benchmarks_run_in_quick_mode():
         "h. RSS",
         "added ms per step",
         "i. per-shard tap under jit",
+        "i. 16 per-shard taps in a step",
+        "i. flax_train.py step, tapped",
         "i. --variant jit step, tapped",
         "m. 2 MiB sharded activation, stored as bytes",
         "m. bytes on disk per array byte",

@@ -1,5 +1,7 @@
-"""Where each shard of a tapped value lives: one ``ShardPlacement`` per
-lowering of a per-shard tap (see shardcall.py), read by the aggregator.
+"""Where each shard of a tapped value lives: one ``ShardPlacement`` per tap
+per lowering of a call under plain jit (see shardcall.py), read by the
+aggregator. A scalar tap's placement (``Layout.WHOLE``) names the devices
+and processes of the computation; its slices stay unknown (unused).
 
 Identity is exact by construction. Every callback carries its partition
 number ``k`` (see placement.partition_ids), so its device is
@@ -16,7 +18,6 @@ Pure Python: the aggregator thread reads it, JAX is not called there.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
@@ -38,8 +39,7 @@ class ShardPlacement:
     def __post_init__(self) -> None:
         self.slices = [None] * len(self.shapes)
         self.local_count = sum(1 for p in self.processes if p == self.me)
-        self._lock = threading.Lock()
-        self._specs: dict[int, Any] = {}
+        self._holders: dict[int, list[int]] = {}  # holders(), once slices are known
         if self.axis_names:
             self.coords = [
                 dict(zip(self.axis_names, (int(c) for c in np.unravel_index(k, self.axis_sizes))))
@@ -70,17 +70,9 @@ class ShardPlacement:
             self.slices[leaf] = tuple(out)
         except Exception:  # noqa: BLE001 - unknown stays unknown (null)
             self.slices[leaf] = None
+        self._holders = {}
 
     # -------------------------------------------------- host side
-    def spec_for(self, spec: Any) -> Any:
-        """``spec`` bound to this placement (cached: one per tap site)."""
-        s = self._specs.get(spec.site.tap_id)
-        if s is None or s.site is not spec.site:
-            with self._lock:
-                s = dataclasses.replace(spec, shards=self)
-                self._specs[spec.site.tap_id] = s
-        return s
-
     def index_of(self, k: int, leaves: list[np.ndarray]) -> list | None:
         """The record's ``index`` for partition ``k``: [[start, stop], ...]
         for one leaf, a list of those for several; None when any leaf's slice
@@ -100,5 +92,12 @@ class ShardPlacement:
         process's), in partition order; ``[k]`` when slices are unknown."""
         if any(s is None for s in self.slices):
             return [k]
-        mine = tuple(s[k] for s in self.slices)
-        return [j for j in range(len(self.devices)) if tuple(s[j] for s in self.slices) == mine]
+        out = self._holders.get(k)
+        if out is None:
+            # Once per partition: the slices are fixed once compiled, and
+            # this runs for every shard of every step.
+            mine = tuple(s[k] for s in self.slices)
+            out = self._holders[k] = [
+                j for j in range(len(self.devices)) if tuple(s[j] for s in self.slices) == mine
+            ]
+        return out

@@ -43,6 +43,14 @@ class Layout(enum.Enum):
     # One callback per shard of a partitioned value under plain jit (see
     # shardcall.py); summaries, if any, made on the host per shard.
     SHARDS = "shards"
+    # A tap of scalars under plain jit: replicated on every device of the
+    # computation by construction. Its callback reads ONE copy, the first
+    # device's (partition 0); the record names every device of the
+    # computation's device assignment and says one copy was seen
+    # (``copies_seen``). Emitted through shardcall.py too (it is the lowering
+    # that knows the device assignment), alone or riding in the partitioned
+    # callback of the step's per-shard taps.
+    WHOLE = "whole"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +153,10 @@ class TapSpec:
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-    """One callback carrying the gathered payloads of several taps (see
-    group.py): a step per member, then every member's leaves, packed."""
+    """One callback carrying the payloads of several taps (see group.py):
+    coords, a step per member, then every member's leaves (gathered and
+    packed, the leader's copies, one device's own copies, or one device's
+    shards under plain jit)."""
 
     members: tuple[TapSpec, ...]
     member_leaves: tuple[int, ...]  # payload leaves of each member
@@ -155,6 +165,11 @@ class GroupSpec:
     # False when every member is sent from the leader's own copy (all
     # PROVEN or VERIFIED_OFF): nothing was gathered, leaves are that copy.
     gathered: bool = True
+    # Taps under plain jit (SHARDS / WHOLE members) bound to the placement of
+    # a multi-device lowering (shardcall.py): the payload starts with the
+    # partition number (coords, the steps and the leaves follow, one
+    # device's shard of each), and each member's ``shards`` is set.
+    partitioned: bool = False
     # What routing and error messages read from any payload spec.
     name: ClassVar[str] = "pmaptap/group"
 

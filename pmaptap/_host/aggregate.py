@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import math
 import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, encode_tree, value_key
 from pmaptap._log import log
 from pmaptap.tapfile.format import (
+    COPIES_SEEN,
     MAX_STEP,
     META_DROPPED,
     META_REFUSED,
@@ -159,6 +161,10 @@ class Aggregator:
         self._counters: dict[tuple, int] = {}
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
+        # Per-shard taps: per ShardPlacement (one per tap per lowering, so
+        # dropped with its executable), per (site, partition): the record
+        # template of its per_device records.
+        self._shard_templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Payloads refused for a traced step outside 0..2**63-1, per tap
         # name: [count, first bad step]; reported by refused_records().
         self._refused: dict[str, list[int]] = {}
@@ -215,7 +221,11 @@ class Aggregator:
         narrowed back to their own dtype first (``spec.restore`` indexes the
         operands after a partitioned payload's leading partition number)."""
         if spec.restore:
-            skip = 1 if isinstance(spec, TapSpec) and spec.shards is not None else 0
+            skip = (
+                1
+                if (spec.partitioned if isinstance(spec, GroupSpec) else spec.shards is not None)
+                else 0
+            )
             arrays = list(arrays)
             for i, dtype in spec.restore:
                 arrays[skip + i] = arrays[skip + i].astype(dtype)
@@ -225,7 +235,9 @@ class Aggregator:
         """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
         if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
-        if spec.transport.layout is Layout.SHARDS and spec.shards is not None:
+        if spec.shards is not None:
+            if spec.transport.layout is Layout.WHOLE:
+                return self._add_whole(spec, arrays)
             return self._add_shard(spec, arrays)
         coords = arrays[0]
         step = _step(arrays[1])
@@ -234,8 +246,8 @@ class Aggregator:
         layout, packing = spec.transport.layout, spec.transport.packing
         if packing:
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
-        if layout in (Layout.COPY, Layout.SHARDS):
-            # SHARDS without a placement: the computation was not
+        if layout in (Layout.COPY, Layout.SHARDS, Layout.WHOLE):
+            # SHARDS / WHOLE without a placement: the computation was not
             # partitioned, one whole copy came (summarized on device).
             return self.add(spec, coords, step, arrays[2:])
         if layout is Layout.GATHERED:
@@ -265,6 +277,10 @@ class Aggregator:
             if step % site.every:
                 return []
         leaves, summaries = shard_host.summarize_leaves(site, raw)
+        if site.dedup == "per_device":
+            # Nothing to compare: the shard's record now, without waiting
+            # for the step's other shards.
+            return [self._per_device_record_of_shard_now(spec, step, k, raw, leaves, summaries)]
         copy = Copy(
             spec,
             (k,),
@@ -291,6 +307,51 @@ class Aggregator:
         if len(group.copies) >= max(1, place.local_count):
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
+
+    def _add_whole(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
+        """A scalar tap under plain jit on several devices (Layout.WHOLE):
+        (partition, coords, step, *leaves). Every device holds the value;
+        only partition 0's copy is read (in a partitioned group every device
+        carries one: the others are skipped here), and the record names every
+        device of the computation and says one copy was seen."""
+        place, site = spec.shards, spec.site
+        if int(np.asarray(arrays[0]).reshape(-1)[0]) != 0:
+            return []
+        step = _step(arrays[2])
+        if site.explicit_step and not 0 <= step <= MAX_STEP:
+            return self._refuse(site.name, step)
+        if not site.explicit_step:
+            # One counter, as for any tap outside a mapping (see _Table).
+            ckey = (site.name, site.pass_, ())
+            step = self._counters.get(ckey, 0)
+            self._counters[ckey] = step + 1
+            if step % site.every:
+                return []
+        leaves = list(arrays[3:])
+        if site.dedup == "per_device":
+            # The one copy read is device 0's: exactly that device's record.
+            return [
+                self._per_device_record(
+                    spec,
+                    step,
+                    self._value(spec, leaves),
+                    place.processes[0],
+                    place.devices[0],
+                    place.coords[0],
+                    self.clock(),
+                )
+            ]
+        return [
+            self._replicated_record(
+                spec,
+                step,
+                self._value(spec, leaves),
+                place.devices,
+                tuple(sorted(set(place.processes))),
+                value_key(leaves),
+                extra={COPIES_SEEN: 1},
+            )
+        ]
 
     def _resolve_shards(self, spec: TapSpec, step: int, copies: list[Copy]) -> list[Record]:
         """Records of one step's shards on this process (see _host/shards.py)."""
@@ -367,9 +428,48 @@ class Aggregator:
             index=cp.index,
         )
 
+    def _per_device_record_of_shard_now(
+        self,
+        spec: TapSpec,
+        step: int,
+        k: int,
+        raw: list[np.ndarray],
+        leaves: list[np.ndarray],
+        summaries: tuple,
+    ) -> Record:
+        """The per_device record of partition ``k``'s shard, a copy of the
+        partition's template (as ``_per_device_records_of_rows``: every field
+        but the step, value and time is fixed for a lowering's partition; a
+        step of many sharded taps makes one record per tap per device)."""
+        place = spec.shards
+        per = self._shard_templates.get(place)
+        if per is None:
+            per = self._shard_templates[place] = {}
+        tkey = (spec.site.tap_id, spec.site.batch_dims, k)
+        template = per.get(tkey)
+        if template is None:
+            template = per[tkey] = dict(
+                self._per_device_record(
+                    spec,
+                    0,
+                    (None, None, None),
+                    place.processes[k],
+                    place.devices[k],
+                    place.coords[k],
+                    0.0,
+                    index=place.index_of(k, raw),
+                ).__dict__
+            )
+        value, dtype, shape = encode_tree(spec.site.treedef, leaves, summaries)
+        return _from_template(template, step, value, dtype, shape, self.clock())
+
     def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
         """A group payload: coords, one step per member, then every member's
-        gathered leaves (packed when spec.packing)."""
+        gathered leaves (packed when spec.packing); a partitioned one (taps
+        under plain jit) starts with the partition number, which every
+        member's payload gets too."""
+        if spec.partitioned:
+            pid, arrays = arrays[0], arrays[1:]
         m = len(spec.members)
         coords, steps, payload = arrays[0], arrays[1 : 1 + m], arrays[1 + m :]
         if spec.packing:
@@ -386,7 +486,10 @@ class Aggregator:
                 # check this one). Ungathered groups carry that copy only.
                 row = _flat(coords, member.placement.axis_sizes)
                 leaves = [a[row] for a in leaves]
-            out += self.add_payload(member, [coords, step, *leaves])
+            if spec.partitioned:
+                out += self.add_payload(member, [pid, coords, step, *leaves])
+            else:
+                out += self.add_payload(member, [coords, step, *leaves])
         return out
 
     def _table(self, spec: TapSpec) -> "_Table":
@@ -761,8 +864,10 @@ class Aggregator:
         batch dims, summaries; this run, host and attempt) plus the kind's
         own ``fields``."""
         value, dtype, shape = encoded
-        if spec.shards is not None:
+        if spec.shards is not None and spec.transport.layout is Layout.SHARDS:
             # A shard: the global shape its index lies in (pmaptap.assemble).
+            # A whole value read from one device (Layout.WHOLE, a scalar) is
+            # no shard and has none.
             shapes = spec.shards.shapes
             fields["global_shape"] = (
                 list(shapes[0]) if len(shapes) == 1 else [list(s) for s in shapes]

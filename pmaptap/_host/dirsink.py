@@ -12,7 +12,9 @@ every holding process verified on device (the gathered and verified layouts;
 ``processes`` then names them all, and all of them build the same record) is
 written only by its owner, ``runs.owner(key, processes)``. Any other
 replicated record (a per-process tap in the copy layout, a side ``Writer``, a
-``verified_off`` copy) is written by each process that has it, and readers
+``verified_off`` copy, a scalar under plain jit read from one device only:
+``copies_seen``, whose ``processes`` name holders that never saw it) is
+written by each process that has it, and readers
 keep one copy of each value, flagging different values divergent: nothing a
 non-owner saw can be lost because the owner never saw it.
 """
@@ -26,7 +28,7 @@ from pmaptap._host.blobs import BlobFile
 from pmaptap._host.sink import FileSink, Sink, prepare_path
 from pmaptap._log import log
 from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import Record, record_key
+from pmaptap.tapfile.format import COPIES_SEEN, Record, record_key
 
 
 def mine(r: Record, process: int) -> bool:
@@ -37,7 +39,7 @@ def mine(r: Record, process: int) -> bool:
         r.kind != "replicated"
         or not r.processes
         or len(r.processes) < 2
-        or (r.extra and r.extra.get("verified") is False)
+        or (r.extra and (r.extra.get("verified") is False or COPIES_SEEN in r.extra))
     ):
         return True
     return runs.owner(record_key(r), r.processes) == process

@@ -152,41 +152,57 @@ def _structure(treedef, it: Iterator[Any]) -> Any:
         return dict(zip(typ._fields, vals))
     if typ in (list, tuple):
         return vals
-    names = _attribute_names(treedef)
+    names = _child_names(treedef)
     if names is not None and len(names) == len(vals):
         return dict(zip(names, vals))
-    # Custom pytree node without attribute keys: children in flatten order.
+    # A list-like custom node (indexed, or keys without names): its
+    # children in flatten order.
     return vals
 
 
-_ATTRIBUTE_NAMES: dict = {}
+_CHILD_NAMES: dict = {}
 
 
-def _attribute_names(treedef) -> tuple[str, ...] | None:
-    """The field names of a custom pytree node whose children are attributes
-    (``jax.tree_util.register_dataclass``, flax-style TrainStates, any node
-    registered with GetAttrKey keys), so it is written as an object like a
-    dict or namedtuple; None for other nodes. Cached per node treedef."""
+def _child_names(treedef) -> tuple[str, ...] | None:
+    """The names of a custom pytree node's children from their key paths
+    (``jax.tree_util.tree_flatten_with_path``), so the node is written as an
+    object like a dict: ``GetAttrKey`` names (``register_dataclass``, Flax
+    ``nnx.Variable``'s ``value``, flax-style TrainStates) and ``DictKey``
+    keys as text (Flax ``nnx.State``, any ``register_pytree_with_keys``
+    node keyed by name). None, and the node stays an array, when any child
+    has another key (``SequenceKey``, ``FlattenedIndexKey``, a key type of
+    the user's) or two children would get the same name. Cached per node
+    treedef."""
     try:
-        return _ATTRIBUTE_NAMES[treedef]
+        return _CHILD_NAMES[treedef]
     except KeyError:
         pass
     except TypeError:  # an unhashable node's aux data
         return None
     import jax
 
+    tu = jax.tree_util
     names = None
     try:
         # Rebuild the node around placeholder leaves and read its children's
         # keys; a node that refuses placeholders keeps the list form.
-        node = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
-        keyed, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-        keys = [path[0] for path, _ in keyed]
-        if keys and all(isinstance(k, jax.tree_util.GetAttrKey) for k in keys):
-            names = tuple(k.name for k in keys)
+        node = tu.tree_unflatten(treedef, range(treedef.num_leaves))
+        children, _ = tu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        found = []
+        for path, _ in children:
+            key = path[0] if path else None
+            if isinstance(key, tu.GetAttrKey):
+                found.append(key.name)
+            elif isinstance(key, tu.DictKey):
+                found.append(str(key.key))
+            else:
+                found = None
+                break
+        if found and len(set(found)) == len(found) and len(found) == len(treedef.children()):
+            names = tuple(found)
     except Exception:  # noqa: BLE001 - user code in the node's unflatten
         names = None
-    _ATTRIBUTE_NAMES[treedef] = names
+    _CHILD_NAMES[treedef] = names
     return names
 
 

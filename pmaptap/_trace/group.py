@@ -1,7 +1,7 @@
 """Taps that share ONE host callback (per process when gathered, per device
-for the ``copy`` layout): ``pmaptap.group`` (a block the user marks) and
-automatic grouping (every other tap of a trace, emitted when the trace ends,
-see ``auto_offer`` and traceend.py)."""
+for the ``copy`` layout and for taps under plain jit): ``pmaptap.group`` (a
+block the user marks) and automatic grouping (every other tap of a trace,
+emitted when the trace ends, see ``auto_offer`` and traceend.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from jax.custom_batching import custom_vmap
 
 from pmaptap._common.spec import GroupSpec, Layout, TapSpec
 from pmaptap._trace import traceend
-from pmaptap._trace.layouts import emitter, gather_packed, is_leader, nbytes, send_payload
+from pmaptap._trace.layouts import (
+    emitter,
+    gather_packed,
+    is_leader,
+    jit_call,
+    nbytes,
+    send_payload,
+)
 from pmaptap._trace.options import options
 from pmaptap._trace.primitive import mark_tap_vmap_rule
 
@@ -28,6 +35,24 @@ _local = threading.local()
 # unverified, or proven replicated at trace time. A group of only these
 # needs no collective at all.
 _LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
+
+# What a collector gathers, by the layout of its members: GATHERED (gathered
+# and leader-copy taps under mapped axes: one callback per process), COPY
+# (taps calling back from every device: one callback per device) and JIT
+# (taps under plain jit, per-shard and scalar: one shard_call, so one
+# partitioned callback per device, or one from device 0 for scalars only).
+GATHERED, COPIES, JIT = "gathered", "copies", "jit"
+
+
+def kind_of(layout: Layout) -> str | None:
+    """The collector kind a tap of ``layout`` joins (None: never grouped)."""
+    if layout is Layout.GATHERED or layout in _LEADER_COPY:
+        return GATHERED
+    if layout is Layout.COPY:
+        return COPIES
+    if layout in (Layout.SHARDS, Layout.WHOLE):
+        return JIT
+    return None
 
 
 class _Member(NamedTuple):
@@ -79,26 +104,39 @@ def settle(keys: set, trace: Any, exclude: Any = None) -> None:
 
 
 class _Collector:
-    """Taps of one trace waiting to share a callback: gathered ones (one
-    callback per process, from its leader), or with ``copies`` taps that
-    call back from every device (automatic grouping only: the ``copy``
-    layout, where no collective may run), which then share one callback per
-    device."""
+    """Taps of one trace waiting to share a callback, all of one ``kind``
+    (see ``kind_of``): gathered ones (one callback per process, from its
+    leader), ``copy`` ones that call back from every device (automatic
+    grouping only: where no collective may run), which then share one
+    callback per device, or taps under plain jit, which share one
+    ``shard_call``. A ``group()`` block takes the kind of its first tap."""
 
-    def __init__(self, copies: bool = False) -> None:
-        self._trace = _core.trace_ctx.trace
-        self._copies = copies
+    def __init__(self, kind: str | None = None, trace: Any = None) -> None:
+        # The trace its taps are emitted in (a group(): the current one).
+        self._trace = _core.trace_ctx.trace if trace is None else trace
+        self._kind = kind
         self._members: list[_Member] = []
         self.auto_keys: set = set()  # see settle()
 
     def offer(
-        self, spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
+        self,
+        spec: TapSpec,
+        raw_names: tuple,
+        leaves,
+        coords,
+        step,
+        traced_every: bool = False,
+        trace: Any = None,
     ) -> bool:
-        layouts = (Layout.COPY,) if self._copies else (Layout.GATHERED, *_LEADER_COPY)
+        """Take the tap if it fits; ``trace``: the trace it is emitted in
+        (default: the current one)."""
+        kind = kind_of(spec.transport.layout)
         if (
-            _core.trace_ctx.trace is not self._trace
+            (_core.trace_ctx.trace if trace is None else trace) is not self._trace
             or isinstance(self._trace, _batching.BatchTrace)
-            or spec.transport.layout not in layouts
+            or kind is None
+            or kind != (self._kind or kind)
+            or (self._kind is None and kind == COPIES)  # group(): as before, not copies
         ):
             return False
         if (
@@ -111,6 +149,7 @@ class _Collector:
             if (
                 first.spec.transport.leaders != spec.transport.leaders
                 or first.raw_names != raw_names
+                or kind_of(first.spec.transport.layout) != kind
             ):
                 return False
         # Members deciding `every` on device are bucketed by (every, step):
@@ -126,17 +165,19 @@ class _Collector:
         keys, self.auto_keys = self.auto_keys, set()
         if members:
             settle(keys, self._trace, exclude=self)
-            _emit_group(members, self._copies)
+            _emit_group(members, kind_of(members[0].spec.transport.layout))
 
 
 class group(_Collector, contextlib.ContextDecorator):
     """``with pmaptap.group():`` (or ``@pmaptap.group()``) inside a traced
     step: the taps made directly in the block share ONE host callback per
-    process, emitted when the block ends, instead of one each.
+    process, emitted when the block ends, instead of one each (under plain
+    jit: one callback per device carrying every tap's shard, or one from
+    device 0 when every tap is a scalar).
 
     Only taps at the block's own trace level join (a tap inside a nested
     scan/cond/vmap body is emitted on its own as usual), and only those on
-    the fast path (mapped axes, small enough to gather). Taps with a traced
+    the fast path (mapped axes, small enough to gather) or under plain jit. Taps with a traced
     ``step`` and ``every > 1`` join too: those sharing the same step and
     ``every`` are decided by ONE on-device ``step % every == 0`` and share
     one callback, so a logging block costs one never-firing branch on the
@@ -149,7 +190,7 @@ class group(_Collector, contextlib.ContextDecorator):
     """
 
     def __enter__(self) -> "group":
-        _Collector.__init__(self)
+        _Collector.__init__(self)  # kind: its first tap's
         _local.__dict__.setdefault("stack", []).append(self)
         return self
 
@@ -173,13 +214,15 @@ def auto_offer(
     it shares one callback with the trace's other such taps (one gather, one
     cond, one callback a step instead of one each). False (emit it now, as
     before) unless automatic grouping is on, the hook is installed, and the
-    current trace is a plain staging trace and every traced operand is a
-    staging tracer (its own, or one it closes over, such as a step):
-    under grad's linearization, vmap's batching or eager execution nothing
-    is deferred."""
+    current trace is a plain staging trace (or a grad/jvp trace directly in
+    one: the tap waits for the enclosing trace's end, see
+    traceend.staging_target) and every traced operand is a staging tracer
+    (its own, or one it closes over, such as a step): under vmap's batching
+    or eager execution nothing is deferred."""
     if not options().auto_group or not traceend.installed():
         return False
-    trace = traceend.staging_trace()
+    # The step's staging trace, also from inside grad/jvp (staging_target).
+    trace = traceend.staging_target()
     if trace is None or not traceend.stageable([*leaves, coords, step]):
         return False
     key = auto_step_key(spec)
@@ -187,19 +230,16 @@ def auto_offer(
         with _nested_lock:
             if key in _nested_keys.get(trace, ()):
                 return False  # see _nested_keys: emitted now, in order
-    layout = spec.transport.layout
-    if layout is Layout.GATHERED or layout in _LEADER_COPY:
-        copies = False
-    elif layout is Layout.COPY:
-        # One callback per device (cond/while bodies, plain jit, no
-        # gathering): the trace's such taps share it.
-        copies = True
-    else:
-        return False  # per-shard taps: one callback per shard, as they are
+    kind = kind_of(spec.transport.layout)
+    if kind is None:
+        return False
+    # COPY: one callback per device (cond/while bodies, no gathering);
+    # JIT: per-shard and scalar taps under plain jit. The trace's such taps
+    # share it.
     collector = traceend.deferred(
         trace,
-        (_Collector, copies, raw_names, spec.transport.leaders),
-        lambda: _Collector(copies),
+        (_Collector, kind, raw_names, spec.transport.leaders),
+        lambda: _Collector(kind, trace),
     )
     if key is not None:
         # This trace's other collectors (other layouts) emit their taps of
@@ -208,35 +248,33 @@ def auto_offer(
             if obj is not collector and isinstance(obj, _Collector) and key in obj.auto_keys:
                 with _core.set_current_trace(trace):
                     obj.flush()
-    return collector.offer(spec, raw_names, leaves, coords, step, traced_every)
+    return collector.offer(spec, raw_names, leaves, coords, step, traced_every, trace=trace)
 
 
-def _emit_group(members: list[_Member], copies: bool = False) -> None:
+def _emit_group(members: list[_Member], kind: str) -> None:
     buckets: dict[tuple | None, list[_Member]] = {}
     for m in members:
         buckets.setdefault(m.bucket, []).append(m)
     for key, bucket in buckets.items():
         if key is None:
-            _emit_members(bucket, copies)
+            _emit_members(bucket, kind)
             continue
         every, step = key[0], bucket[0].step
-        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b, copies), lambda: None)
+        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b, kind), lambda: None)
 
 
-def _emit_members(members: list[_Member], copies: bool) -> None:
+def _emit_members(members: list[_Member], kind: str) -> None:
     first = members[0]
     if len(members) == 1:
         emitter(first.spec, first.raw_names)(first.coords, first.step, *first.leaves)
         return
     n_leaves = tuple(len(m.leaves) for m in members)
-    _group_fn(tuple(m.spec for m in members), first.raw_names, n_leaves, copies)(
+    _group_fn(tuple(m.spec for m in members), first.raw_names, n_leaves, kind)(
         first.coords, *[m.step for m in members], *[x for m in members for x in m.leaves]
     )
 
 
-def _group_fn(
-    specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...], copies: bool
-):
+def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...], kind: str):
     """The group's counterpart of ``emitter`` (layouts.py): emits the
     members' one payload, wrapped in ``custom_vmap`` for the same two
     reasons as a single tap's: a vmap of the traced step
@@ -253,7 +291,12 @@ def _group_fn(
     @custom_vmap
     def emit_fn(coords, *args):
         steps, flat = split(args)
-        if copies:
+        if kind == JIT:
+            # Under plain jit: one shard_call carrying every member (each
+            # device its own shard of each; scalars read from device 0).
+            jit_call(specs, n_leaves, coords, steps, flat)
+            return coords
+        if kind == COPIES:
             # Every device calls back with its own copies of all members
             # (the aggregator takes each as that member's own callback).
             gspec = GroupSpec(members=specs, member_leaves=n_leaves)
@@ -300,7 +343,7 @@ def _group_fn(
             x if b else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, b in zip(flat, leaves_b)
         ]
         batched = tuple(s.with_batch() for s in specs)
-        _group_fn(batched, raw_names, n_leaves, copies)(coords, *steps, *flat)
+        _group_fn(batched, raw_names, n_leaves, kind)(coords, *steps, *flat)
         return coords, False
 
     return emit_fn

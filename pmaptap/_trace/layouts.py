@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from pmaptap._common.spec import Layout, PayloadSpec, TapSpec
+from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement
 from pmaptap._trace.options import options
@@ -198,26 +198,71 @@ def is_leader(spec: TapSpec, coords: jax.Array) -> jax.Array:
     ]
 
 
-def _shard_entry(spec: TapSpec, place, *arrays) -> None:
-    # XLA's callback thread, as _host_entry. ``place`` is None when the
-    # computation was not partitioned: the payload is then one whole copy
-    # (the aggregator treats it as Layout.COPY). A partitioned payload
-    # starts with the partition index.
-    deliver(spec if place is None else place.spec_for(spec), arrays)
+def jit_call(
+    specs: Sequence[TapSpec], counts: Sequence[int], coords, steps: Sequence, flat: Sequence
+) -> None:
+    """Emit the taps ``specs`` under plain jit (SHARDS / WHOLE layouts) as
+    ONE ``shard_call``: ``steps`` one per spec, ``flat`` every spec's leaves
+    in order (``counts[i]`` of spec i). One spec is a single tap's payload, several a group's
+    (``GroupSpec``); on a partitioned computation each device makes one call
+    with its shard of every member (see shardcall.py)."""
+    specs, counts = tuple(specs), tuple(counts)
+    summarize = tuple(
+        bool(s.site.summaries and s.site.summaries[i])
+        for s, n in zip(specs, counts)
+        for i in range(n)
+    )
+    # Summarized leaves arrive as float32 statistics: nothing to restore.
+    skip = (False,) * (1 + len(specs)) + summarize
+    args, restore = _narrow((coords, *steps, *flat), skip)
+    m = len(specs)
+    shard_call(
+        functools.partial(_jit_entry, specs, counts, restore),
+        args[0],
+        args[1 : 1 + m],
+        args[1 + m :],
+        members=tuple((n, s.transport.layout is Layout.SHARDS) for s, n in zip(specs, counts)),
+        summarize=summarize,
+        batch_dims=specs[0].site.batch_dims,
+    )
+
+
+def _jit_entry(specs: tuple, counts: tuple, restore: tuple, places):
+    """The host function of a ``jit_call``, made when it is lowered: the
+    payload's spec is bound to that lowering's placements (one per tap) here,
+    once, not on XLA's callback thread at every call."""
+    if places is None:
+        # Not partitioned: one whole copy (the aggregator treats each tap
+        # as Layout.COPY).
+        if len(specs) == 1:
+            spec: PayloadSpec = specs[0].with_transport(restore=restore)
+        else:
+            spec = GroupSpec(members=specs, member_leaves=counts, gathered=False, restore=restore)
+    else:
+        bound = tuple(dataclasses.replace(s, shards=p) for s, p in zip(specs, places))
+        if len(bound) == 1:
+            spec = bound[0].with_transport(restore=restore)
+        else:
+            spec = GroupSpec(
+                members=bound,
+                member_leaves=counts,
+                gathered=False,
+                restore=restore,
+                partitioned=True,
+            )
+
+    def entry(*arrays) -> None:
+        # XLA's callback thread, as _host_entry. A partitioned payload starts
+        # with the partition number.
+        deliver(spec, arrays)
+
+    return entry
 
 
 def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     layout = spec.transport.layout
-    if layout is Layout.SHARDS:
-        summarize = tuple(bool(s) for s in spec.site.summaries)
-        # Summarized leaves arrive as float32 statistics: nothing to restore.
-        args, restore = _narrow((coords, step, *leaves), (False, False, *summarize))
-        shard_call(
-            functools.partial(_shard_entry, spec.with_transport(restore=restore)),
-            *args,
-            summarize=summarize,
-            batch_dims=spec.site.batch_dims,
-        )
+    if layout in (Layout.SHARDS, Layout.WHOLE):
+        jit_call((spec,), (len(leaves),), coords, (step,), leaves)
         return
     if layout is Layout.COPY:
         send_payload(spec, coords, step, *leaves)

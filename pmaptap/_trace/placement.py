@@ -272,6 +272,24 @@ def partition_ids(ctx, devices: tuple):
     return mlir.wrap_with_sharding_op(ctx, iota, aval, proto), aval
 
 
+def replicated(ctx, value, aval, devices: tuple):
+    """``value`` constrained to be replicated on every device of the
+    computation: a scalar tap's operand in a partitioned callback, so each
+    device's copy is the whole value (already so for a 0-d value, which no
+    sharding splits; a vmapped scalar's batch axis might be split, and is
+    then gathered, as the non-partitioned callback would)."""
+    from jax._src import config
+    from jax._src.interpreters import mlir
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec())
+    if config.use_shardy_partitioner.value:
+        proto = sharding._to_sdy_sharding(len(aval.shape))
+    else:
+        proto = sharding._to_xla_hlo_sharding(len(aval.shape)).to_proto()
+    return mlir.wrap_with_sharding_op(ctx, value, aval, proto)
+
+
 def check_shard_internals() -> None:
     """Raise if a JAX upgrade moved what the per-shard lowering reads (run by
     tests/test_sharded_jit.py, so it fails there, loudly)."""

@@ -1,6 +1,6 @@
 """``shard_call``: the host callback of taps outside any mapped axis (plain
-``jit``), which calls back once per shard when the computation is
-partitioned over several devices, and never gathers.
+``jit``), which calls back once per device with its own shards when the
+computation is partitioned over several devices, and never gathers.
 
 Why a second primitive: whether a jit computation is partitioned, and over
 which devices, is known only when it is lowered (the same traced step runs
@@ -10,12 +10,18 @@ XLA's partitioner has chosen it. So the decision is taken in the lowering:
 - partitioned over several devices: a *partitioned* XLA python callback
   (the one ``jax.debug.callback(partitioned=True)`` uses), which XLA
   partitions like its operands, so each device calls back with its own shard
-  and nothing moves between devices. Beside the value travels a tiny
+  and nothing moves between devices. Beside the values travels a tiny
   ``iota(n)`` tiled over all devices: each callback receives its own
-  partition number, hence its exact device (placement.partition_ids). The
+  partition number, hence its exact device (placement.partition_ids). Each
   operand's sharding is reported at compile time (InspectSharding) into a
-  ``ShardPlacement`` made for this lowering, which maps the partition to
-  the shard's global slice and mesh coordinates.
+  ``ShardPlacement`` per tap made for this lowering, which maps the
+  partition to the shard's global slice and mesh coordinates.
+- ONE call carries every tap of a traced step (group.py collects them: the
+  taps of a ``group()`` block, or of the trace, at its end): per-shard taps
+  and scalar ones (``Layout.WHOLE``, replicated by construction, whose
+  copy on every device rides along and is read from partition 0 only). A
+  step of scalars only is one non-partitioned callback from device 0, as
+  ``jax.debug.callback`` makes; its placements still name every device.
 - otherwise (one device, or inside shard_map/pmap): ``callback_p``'s own
   lowering, after computing ``max_value_bytes`` summaries on the device as
   ``tap`` did before (on a partitioned value a summary of the whole array
@@ -29,7 +35,7 @@ loudly if a JAX upgrade breaks them.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -45,33 +51,61 @@ shard_call_p.multiple_results = True
 # The lowering needs the device assignment (ShardingContext.device_assignment).
 dispatch.prim_requires_devices_during_lowering.add(shard_call_p)
 
+# The partition number of a payload read from the first device only (a
+# computation with no per-shard member: one non-partitioned callback, which
+# XLA runs on device 0 of the assignment).
+_FIRST_PARTITION = np.zeros((1,), np.uint32)
+
+Entry = Callable[[Any], Callable[..., None]]
+
 
 def shard_call(
-    host_fn: Callable[..., None],
+    entry: Entry,
     coords,
-    step,
-    *leaves,
+    steps: Sequence,
+    leaves: Sequence,
+    *,
+    members: tuple[tuple[int, bool], ...],
     summarize: tuple[bool, ...] = (),
     batch_dims: int = 0,
 ) -> None:
-    """Call ``host_fn(placement, *arrays)`` on the host: per shard with a
-    ``ShardPlacement`` and ``arrays = (partition, coords, step, *shards)``
-    when partitioned, else once with ``placement=None`` and
-    ``arrays = (coords, step, *leaves)`` where the leaves marked in
-    ``summarize`` arrive as their on-device statistics."""
+    """One host call carrying the taps ``members`` of a step under plain jit:
+    per member ``(number of leaves, per_shard)``, its step in ``steps`` and
+    its leaves, in order, in ``leaves``.
+
+    ``entry(places)`` is called when the call is lowered (eagerly: when it
+    runs) and returns the host function, which receives NumPy arrays:
+
+    - ``places`` a tuple of ``ShardPlacement`` (one per member, for a
+      computation partitioned over several devices): ``(partition, coords,
+      *steps, *leaves)``, one call per device with its own shard of each
+      per-shard member when any member is per-shard, else one call from
+      device 0 (partition 0) with the whole values;
+    - ``places`` None (one device, inside shard_map/pmap, eager):
+      ``(coords, *steps, *leaves)`` once, the leaves marked in
+      ``summarize`` as their on-device statistics.
+    """
     shard_call_p.bind(
-        coords, step, *leaves, host_fn=host_fn, summarize=tuple(summarize), batch_dims=batch_dims
+        coords,
+        *steps,
+        *leaves,
+        entry=entry,
+        members=tuple(members),
+        summarize=tuple(summarize),
+        batch_dims=batch_dims,
     )
 
 
 @shard_call_p.def_impl
-def _impl(coords, step, *leaves, host_fn, summarize, batch_dims):
+def _impl(coords, *args, entry, members, summarize, batch_dims):
     # Eager: one concrete value on the caller's thread.
+    m = len(members)
+    steps, leaves = args[:m], args[m:]
     leaves = [
         _summarized(x, batch_dims) if s else x
         for x, s in zip(leaves, summarize or (False,) * len(leaves))
     ]
-    host_fn(None, *[np.array(a) for a in (coords, step, *leaves)])
+    entry(None)(*[np.array(a) for a in (coords, *steps, *leaves)])
     return ()
 
 
@@ -87,12 +121,13 @@ def _summarized(x, batch_dims: int):
     return fn(x)
 
 
-def _lower_whole(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
-    """Not partitioned: summaries on device, then ``callback_p``'s lowering."""
-    if primitive.recomputed_while_predicate(ctx):
-        return []  # a duplicate (see primitive.recomputed_while_predicate)
-    args, avals = [coords, step], list(ctx.avals_in[:2])
-    for x, aval, s in zip(leaves, ctx.avals_in[2:], summarize or (False,) * len(leaves)):
+def _lower_whole(ctx, coords, *args, host_fn, members, summarize, batch_dims):
+    """Not partitioned: summaries on device, then ``callback_p``'s lowering
+    (once, with the whole values; on device 0 of a multi-device computation)."""
+    m = len(members)
+    steps, leaves = args[:m], args[m:]
+    operands, avals = [coords, *steps], list(ctx.avals_in[: 1 + m])
+    for x, aval, s in zip(leaves, ctx.avals_in[1 + m :], summarize or (False,) * len(leaves)):
         if s:
             out_aval = jax.eval_shape(
                 partial(_summarized, batch_dims=batch_dims),
@@ -104,37 +139,62 @@ def _lower_whole(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
                 partial(_summarized, batch_dims=batch_dims), multiple_results=False
             )(sub, x)
             aval = out_aval
-        args.append(x)
+        operands.append(x)
         avals.append(aval)
-    return primitive._lowering(ctx.replace(avals_in=avals), *args, host_fn=partial(host_fn, None))
+    return primitive._lowering(ctx.replace(avals_in=avals), *operands, host_fn=host_fn)
 
 
-def _lowering(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
+def _lowering(ctx, coords, *args, entry, members, summarize, batch_dims):
     if primitive.recomputed_while_predicate(ctx):
         return []  # a duplicate (see primitive.recomputed_while_predicate)
+    params = dict(members=members, summarize=summarize, batch_dims=batch_dims)
     where = placement.shard_context(ctx)
     if where is None:
-        return _lower_whole(
-            ctx, coords, step, *leaves, host_fn=host_fn, summarize=summarize, batch_dims=batch_dims
-        )
+        return _lower_whole(ctx, coords, *args, host_fn=entry(None), **params)
     devices, names, sizes = where
-    place = ShardPlacement(
+    m = len(members)
+    steps, leaves = args[:m], args[m:]
+    leaf_avals = ctx.avals_in[1 + m :]
+    common = dict(
         devices=tuple(int(d.id) for d in devices),
         processes=tuple(int(d.process_index) for d in devices),
         axis_names=tuple(placement.display_axis_name(n) for n in names or ()),
         axis_sizes=tuple(sizes or ()),
-        shapes=tuple(tuple(int(s) for s in a.shape) for a in ctx.avals_in[2:]),
         me=jax.process_index(),
     )
-    for i, x in enumerate(leaves):
-        placement.inspect_operand_sharding(ctx, x, devices, partial(place.set_sharding, i))
+    places, i = [], 0
+    for n, per_shard in members:
+        place = ShardPlacement(
+            shapes=tuple(tuple(int(s) for s in a.shape) for a in leaf_avals[i : i + n]),
+            **common,
+        )
+        if per_shard:
+            for j, x in enumerate(leaves[i : i + n]):
+                placement.inspect_operand_sharding(ctx, x, devices, partial(place.set_sharding, j))
+        places.append(place)
+        i += n
+    fn = entry(tuple(places))
+    if not any(per_shard for _, per_shard in members):
+        # Scalars only (replicated by construction): ONE copy is enough, so
+        # one callback from device 0 rather than one per device; the
+        # placements still name every device that holds them.
+        return _lower_whole(
+            ctx, coords, *args, host_fn=lambda *a: fn(_FIRST_PARTITION, *a), **params
+        )
+    # Scalar members ride along, read from partition 0: each device must
+    # hold the whole value (see placement.replicated).
+    leaves, i = list(leaves), 0
+    for n, per_shard in members:
+        if not per_shard:
+            for j in range(i, i + n):
+                leaves[j] = placement.replicated(ctx, leaves[j], leaf_avals[j], devices)
+        i += n
     pid, pid_aval = placement.partition_ids(ctx, devices)
-    run = primitive._copying(partial(host_fn, place))
     result, _, _ = cb.emit_python_callback(
         ctx.replace(avals_in=[pid_aval, *ctx.avals_in]),
-        run,
+        primitive._copying(fn),
         None,
-        [pid, coords, step, *leaves],
+        [pid, coords, *steps, *leaves],
         [pid_aval, *ctx.avals_in],
         ctx.avals_out,
         has_side_effect=True,
@@ -144,8 +204,20 @@ def _lowering(ctx, coords, step, *leaves, host_fn, summarize, batch_dims):
     return result
 
 
+def _lower_tpu(ctx, coords, *args, entry, members, summarize, batch_dims):
+    # TPU: no partitioned python callbacks; the whole values, as before.
+    return _lower_whole(
+        ctx,
+        coords,
+        *args,
+        host_fn=entry(None),
+        members=members,
+        summarize=summarize,
+        batch_dims=batch_dims,
+    )
+
+
 # cacheable=False: the rule needs the caller's name stack.
 mlir.register_lowering(shard_call_p, _lowering, platform="cpu", cacheable=False)
 mlir.register_lowering(shard_call_p, _lowering, platform="gpu", cacheable=False)
-# TPU: no partitioned python callbacks; the whole value, as before.
-mlir.register_lowering(shard_call_p, _lower_whole, platform="tpu", cacheable=False)
+mlir.register_lowering(shard_call_p, _lower_tpu, platform="tpu", cacheable=False)

@@ -20,15 +20,17 @@ from pmaptap._trace.stats import statistics_of_big_leaves
 T = TypeVar("T")
 
 
-def shards_possible(leaves) -> bool:
-    """Whether this tap may see a partitioned value: traced under plain jit
-    (no mapped axes) with at least one array leaf. Scalars only (a loss) keep
-    the single whole-value callback: they are replicated, never sharded."""
+def jit_layout(leaves) -> Layout | None:
+    """The layout of a tap traced under plain jit (no mapped axes, a traced
+    leaf), whose lowering decides per device (shardcall.py): SHARDS when a
+    leaf is an array that may be partitioned, WHOLE when every leaf is a
+    scalar (a loss: replicated, never sharded; one copy is read). None
+    elsewhere (mapped axes, eager)."""
     if placement.mapped_axes()[0]:
-        return False
-    return any(isinstance(x, jax.core.Tracer) for x in leaves) and any(
-        np.ndim(x) > 0 for x in leaves
-    )
+        return None
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    return Layout.SHARDS if any(np.ndim(x) > 0 for x in leaves) else Layout.WHOLE
 
 
 def send(
@@ -88,10 +90,10 @@ def _emit_leaves(
     explicit: bool,
     pass_: str,
 ) -> None:
-    per_shard = shards_possible(leaves)
+    jit = jit_layout(leaves)
     # Per-shard taps only mark big leaves: a summary of a partitioned value
     # would need an all-reduce, so their lowering decides (shardcall.py).
-    sent, summaries = statistics_of_big_leaves(leaves, compute=not per_shard)
+    sent, summaries = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
     where, raw_names = placement.current(leaves)
     site = TapSite(
         name=name,
@@ -103,8 +105,8 @@ def _emit_leaves(
         summaries=summaries,
     )
     spec = TapSpec(site=site, placement=where)
-    if per_shard:
-        spec = spec.with_transport(layout=Layout.SHARDS)
+    if jit is not None:
+        spec = spec.with_transport(layout=jit)
     coords = axis_coords(raw_names)
     if traced_step is not None:
         step_arr = traced_step

@@ -14,7 +14,8 @@ that one method: when a trace with deferred work reaches it, the work is
 bound under that trace (made current again) and then JAX builds the jaxpr as
 usual, with it.
 
-This is the only place that hooks JAX's tracing; it reads nothing else.
+This is the only place that hooks JAX's tracing; beside the hook it reads
+only trace types and their ``parent_trace`` (``staging_target``).
 ``tests/test_autogroup.py::test_trace_end_hook_still_sits_where_jax_ends_a_trace``
 fails loudly if a JAX upgrade moves it. Should the method be gone, nothing
 is hooked (``installed()`` is False) and taps are emitted one by one, as
@@ -28,7 +29,15 @@ import weakref
 from typing import Any, Callable, Protocol
 
 from jax._src import core
+from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
+
+# Forward differentiation traces whose primal values live in the enclosing
+# trace (see staging_target); absent ones (a JAX that renamed them) are
+# simply never looked through.
+_DIFFERENTIATION_TRACES = tuple(
+    t for t in (getattr(ad, "LinearizeTrace", None), getattr(ad, "JVPTrace", None)) if t
+)
 
 
 class Deferred(Protocol):
@@ -55,6 +64,27 @@ def staging_trace() -> Any | None:
     t = core.trace_ctx.trace
     if type(t) is pe.DynamicJaxprTrace and getattr(t, "tag", None) is None:
         return t
+    return None
+
+
+def staging_target() -> Any | None:
+    """The staging trace whose end a tap made now may wait for: the current
+    trace if it is a plain staging trace; under ``grad``/``vjp``/``jvp``/
+    ``linearize`` traced inside one (JAX's ``LinearizeTrace`` or ``JVPTrace``
+    directly in a jit/pmap/shard_map body, as Flax's ``nnx.value_and_grad``
+    in a jitted step), that enclosing staging trace. There a tap's
+    ``stop_gradient``-ed operands are already that trace's tracers, and the
+    tap's differentiation rule would bind its callback on the primals there
+    anyway. None elsewhere (vmap's batching, eager, a remat or linearize
+    tangent trace, nested transformations)."""
+    t = staging_trace()
+    if t is not None:
+        return t
+    cur = core.trace_ctx.trace
+    if isinstance(cur, _DIFFERENTIATION_TRACES):
+        parent = getattr(cur, "parent_trace", None)
+        if staging_trace_type(parent):
+            return parent
     return None
 
 

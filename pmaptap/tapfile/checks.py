@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
 from pmaptap.tapfile.attempts import index_records
-from pmaptap.tapfile.format import MAX_STEP, NONFINITE, record_key
+from pmaptap.tapfile.format import COPIES_SEEN, MAX_STEP, NONFINITE, record_key
 from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
@@ -150,6 +150,11 @@ def schema_problems(d: dict) -> list[str]:
             out.append("processes must be a list of integers")
         if "vhash" in d and not isinstance(d["vhash"], str):
             out.append("vhash must be a string")
+        seen = d.get(COPIES_SEEN)
+        if COPIES_SEEN in d and not (
+            _is_int(seen) and 1 <= seen and (not _is_int(d["replicas"]) or seen <= d["replicas"])
+        ):
+            out.append(f"{COPIES_SEEN}, when present, must be an integer from 1 to replicas")
     problem = field_problem(d)
     if problem:
         out.append(problem)

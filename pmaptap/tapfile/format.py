@@ -7,8 +7,15 @@ them back into floats. Complex numbers are ``[re, im]`` pairs (the ``dtype``
 says complex). bfloat16 / float8 / float16 are widened to float for JSON but
 keep their own ``dtype`` name. A pytree value is nested JSON objects (dicts,
 namedtuples) and arrays (lists, tuples); ``dtype`` and ``shape`` then have the
-same nesting. An array leaf above 1 KiB is not in the line: ``value`` is null
-there and ``bytes`` says where its exact bytes are (tapfile/arrays.py).
+same nesting. Custom pytree nodes follow their key paths
+(``jax.tree_util.tree_flatten_with_path``): a node whose children all have
+names (``DictKey``, ``GetAttrKey``: ``register_dataclass`` classes, Flax
+``nnx.State`` and ``nnx.Variable``, any ``register_pytree_with_keys`` node
+keyed that way) is an object keyed by those names (``str()`` of a
+``DictKey``'s key); a list-like node (``SequenceKey``, ``FlattenedIndexKey``,
+other key types, repeated names) is an array in flatten order. An array leaf
+above 1 KiB is not in the line: ``value`` is null there and ``bytes`` says
+where its exact bytes are (tapfile/arrays.py).
 """
 
 from __future__ import annotations
@@ -55,6 +62,12 @@ REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process",
 # number form for them); the one place that names them.
 NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
 NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
+# Replicated records only, absent unless fewer copies were read than
+# ``replicas`` (the devices named in ``devices``) hold: how many were read.
+# A scalar tapped under plain jit is replicated on every device of the
+# computation by its sharding; one copy (device 0's) is read, the others
+# are neither seen nor compared. An integer from 1 to ``replicas``.
+COPIES_SEEN = "copies_seen"
 
 
 # Tables of records (the CSV export, read(as_frame=True), Parquet) name a
