@@ -347,6 +347,10 @@ class Session:
                     self.run, self.attempt = _resume_point(self.path, self.run)
                 elif self.run is None:
                     self.run = default_run_id()
+                if isinstance(sink, FileSink):
+                    start = distributed.session_start(self.run, self.attempt, sink.opened_size)
+                    if start is not None:
+                        sink.index_from(start)
                 self.pipeline = Pipeline(sink, run=self.run, attempt=self.attempt, **self._opts)
                 if self.resume:
                     _queue_attempt_record(self.pipeline, self.attempt)
