@@ -200,9 +200,10 @@ def test_resume_meta_record_is_valid_json(tmp_path):
 # Issue 24.2: a job launched again on a run that failed for good. Each
 # process taps a per-device value and a replicated one (value: 100 x launch
 # + step, so every record says which launch wrote it). Launch 1's process 1
-# fails at step 6 on every attempt (process 0 waits for the launcher's
-# SIGTERM), so its --restarts run out; each attempt after the first, and
-# launch 2, start from a checkpoint at step 4.
+# fails at step 6 on every attempt, once both have flushed steps before it
+# (process 0 then waits for the launcher's SIGTERM), so its --restarts run
+# out; each attempt after the first, and launch 2, start from a checkpoint at
+# step 4.
 _RELAUNCH = """
     import os, time, jax, jax.numpy as jnp, pmaptap
     from pmaptap import distributed
@@ -225,9 +226,14 @@ _RELAUNCH = """
         for i in range(start, 10):
             if i == die:
                 s.flush()
-                if jax.process_index() == 1:
-                    os._exit(3)  # a hard failure: no close, no exit handlers
-                time.sleep(120)  # until the launcher's SIGTERM
+                # Process 1 fails once process 0 has written its steps too.
+                flushed = f"{os.environ['TAP']}.{launch}.{attempt}.flushed"
+                if jax.process_index() == 0:
+                    open(flushed, "w").close()
+                    time.sleep(120)  # until the launcher's SIGTERM
+                while not os.path.exists(flushed):
+                    time.sleep(0.05)
+                os._exit(3)  # a hard failure: no close, no exit handlers
             f(x, i)
 """
 

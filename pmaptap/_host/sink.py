@@ -7,7 +7,9 @@ Each batch is encoded outside the lock, then written with a single
 ``FileLock(path + ".lock")``: no line is torn or interleaved by another
 process. A writer killed mid-line leaves a file that does not end in a
 newline; the next batch (from any process) starts with one, so at most that
-torn line is lost. The lock only waits ``lock_timeout`` per attempt: a stuck
+torn line is lost. The cross-process dedup indexes what the others appended
+from the run's start in the file (``index_from``), whenever this process
+opened. The lock only waits ``lock_timeout`` per attempt: a stuck
 holder makes ``write`` raise ``LockBusy`` and the pipeline retries later
 while taps keep returning.
 
