@@ -172,8 +172,6 @@ def make_train_step(args: argparse.Namespace):
         if args.taps == "pmaptap":
             pmaptap.tap(gnorm, "grad_norm", step=step)
             pmaptap.tap(nnx.state(model, nnx.Param), "params", step=step, every=args.params_every)
-            # TODO(assemble): issue 26 point 3 adds pmaptap.assemble(path,
-            # name, step); main() reads the sharded `h` back with it.
         elif args.taps == "raw":
             jax.debug.callback(noop, loss, gnorm, partitioned=True)
         opt.update(model, grads)
@@ -202,7 +200,15 @@ def batch(args: argparse.Namespace, step: int, mesh: Any):
     )
 
 
-def check(path: str, run: str, steps: int, mesh: Any, params_every: int) -> list[str]:
+def check(
+    path: str,
+    run: str,
+    steps: int,
+    mesh: Any,
+    params_every: int,
+    batch_per_device: int,
+    hidden: int,
+) -> list[str]:
     """Read the run back (process 0) and list what is missing or wrong."""
     import numpy as np
 
@@ -221,19 +227,22 @@ def check(path: str, run: str, steps: int, mesh: Any, params_every: int) -> list
     for r in loss:
         if r.get("replicas") != n_dev or r.get("copies_seen") != 1:
             problems.append(f"loss record without every device: {r}")
-    for name in ("h", "dh"):
+    rows = batch_per_device * mesh.shape["data"]
+    for name, backward in (("h", False), ("dh", True)):
         for step in range(steps):
             rs = [r for r in by(name) if r["step"] == step]
             if len({r["device"] for r in rs}) != n_dev:
                 problems.append(f"{name} step {step}: {len(rs)} shards")
                 continue
-            shape = [max(r["index"][d][1] for r in rs) for d in range(2)]
-            cover = np.zeros(shape, int)
-            for r in rs:
-                (a, b), (c, d) = r["index"]
-                cover[a:b, c:d] += 1
-            if not (cover == 1).all():
-                problems.append(f"{name} step {step}: shards do not tile the array")
+            # The global array from every process's shards (a missing or
+            # overlapping slice is an error naming it).
+            try:
+                g = pmaptap.assemble(path, name, step, run=run, backward=backward)
+            except ValueError as e:
+                problems.append(f"{name} step {step}: {e}")
+                continue
+            if g.shape != (rows, hidden) or not np.isfinite(g).all():
+                problems.append(f"{name} step {step}: assembled {g.dtype}{list(g.shape)}")
     params = by("params")
     if [r["step"] for r in params] and not all(
         isinstance(r["value"], dict) and set(r["value"]) == {"fc1", "fc2"} for r in params
@@ -242,10 +251,6 @@ def check(path: str, run: str, steps: int, mesh: Any, params_every: int) -> list
     want = sorted({s for s in range(steps) if s % params_every == 0})
     if sorted({r["step"] for r in params}) != want:
         problems.append(f"params steps {sorted({r['step'] for r in params})}, wanted {want}")
-    # TODO(assemble): wire pmaptap.assemble here after the merge: the last
-    # step's global `h` from its shards (every process's), e.g.
-    #   h = pmaptap.assemble(path, "h", step=steps - 1, run=run)
-    #   assert h.shape == (rows, hidden)
     print(
         f"read back {len(recs)} records: "
         + ", ".join(f"{n} {len(by(n))}" for n in ("loss", "grad_norm", "h", "dh", "y", "params")),
@@ -281,7 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     session.close()  # every process's records are in the file after this
     if jax.process_index() != 0 or args.no_check:
         return 0
-    problems = check(args.out, run, args.steps, mesh, args.params_every)
+    problems = check(
+        args.out, run, args.steps, mesh, args.params_every, args.batch_per_device, args.hidden
+    )
     for p in problems:
         print(f"PROBLEM {p}", flush=True)
     print("READBACK ok" if not problems else "READBACK failed", flush=True)

@@ -497,11 +497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     # A restarted attempt (the launcher's --restarts sets PMAPTAP_ATTEMPT) or
     # a job resuming from a checkpoint continues the tap run: its records of
-    # replayed steps supersede the earlier attempt's.
+    # replayed steps supersede the earlier attempt's. A launcher's attempt 0
+    # with a checkpoint too (the job launched again after its restarts ran
+    # out): with --run the session continues that run above its attempts,
+    # without it a new run starts (Session(resume=True) decides).
     attempt = os.environ.get("PMAPTAP_ATTEMPT", "")
-    resume = attempt not in ("", "0") or bool(
-        attempt == "" and ckpt_path(args) and os.path.exists(ckpt_path(args))
-    )
+    resume = attempt not in ("", "0") or bool(ckpt_path(args) and os.path.exists(ckpt_path(args)))
     with pmaptap.Session(
         args.out, run=args.run, lock=args.lock, resume=resume, layout=args.layout
     ) as session:

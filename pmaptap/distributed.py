@@ -73,6 +73,7 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 _close_calls: dict[str, int] = {}
+_open_calls: dict[tuple[str, int], int] = {}
 _mode: str | None = None
 
 
@@ -313,6 +314,48 @@ def agree_run_id(make: Callable[[], str], *, timeout: float | None = None) -> st
         return own
 
 
+# --------------------------------------------------------------- session start
+
+
+def session_start(run: str, attempt: int, offset: int) -> int | None:
+    """Where this session's part of the shared file starts, the same on every
+    process: the file's size when the job's *first* process opened it, or
+    None when alone (or when the coordination service cannot say).
+
+    Nothing of this session can be in the file before that offset, and a
+    process that opens later (a slow setup, no collective holding the
+    processes together) must index everything since it for the cross-process
+    dedup, or it writes every replicated value again. First come, first
+    served: each process offers its own size under one key with
+    ``key_value_set`` (which refuses to overwrite), and whoever is refused
+    reads the winner's. So nobody waits for anybody, process 0 included.
+    The k-th session of ``(run, attempt)`` on each process is paired with
+    the k-th on the others, as in ``close_barrier``.
+    """
+    client = _client()
+    if client is None or not _multi_process():
+        return None
+    with _state_lock:
+        k = _open_calls.get((run, attempt), 0)
+        _open_calls[(run, attempt)] = k + 1
+    key = f"pmaptap/{run}/opened/{attempt}/{k}"
+    try:
+        client.key_value_set(key, str(int(offset)))
+        return int(offset)
+    except Exception:  # noqa: BLE001 - refused: another process was first
+        pass
+    try:
+        return int(client.key_value_try_get(key))
+    except Exception as e:  # noqa: BLE001 - open must not fail for this
+        log.warning(
+            f"pmaptap: could not agree with the other processes where run "
+            f"{run!r} starts in the tap file ({type(e).__name__}: {e}); "
+            "replicated values they wrote before this process opened may be "
+            "written again."
+        )
+        return None
+
+
 # --------------------------------------------------------------- close
 
 
@@ -443,4 +486,5 @@ __all__ = [
     "initialize",
     "launcher_settings",
     "mode",
+    "session_start",
 ]

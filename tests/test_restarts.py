@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pmaptap
 from conftest import ROOT, job_failed, subprocess_env
@@ -17,7 +18,7 @@ from pmaptap.tapfile.summary import summarize_file, summary_table
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 
-def _launch(processes, devices, args, *, restarts=None, timeout=300):
+def _launch(processes, devices, args, *, restarts=None, timeout=300, env=None):
     cmd = [
         sys.executable,
         "-m",
@@ -31,11 +32,11 @@ def _launch(processes, devices, args, *, restarts=None, timeout=300):
     ]
     if restarts is not None:
         cmd += ["--restarts", str(restarts)]
-    env = subprocess_env(1)
-    env.pop("PMAPTAP_ATTEMPT", None)
+    job_env = subprocess_env(1, **(env or {}))
+    job_env.pop("PMAPTAP_ATTEMPT", None)
     return subprocess.run(
         cmd + ["--"] + list(args),
-        env=env,
+        env=job_env,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -194,3 +195,82 @@ def test_resume_meta_record_is_valid_json(tmp_path):
         ("pmaptap/attempt", 1),
     ]
     assert validate_file(path).ok
+
+
+# Issue 24.2: a job launched again on a run that failed for good. Each
+# process taps a per-device value and a replicated one (value: 100 x launch
+# + step, so every record says which launch wrote it). Launch 1's process 1
+# fails at step 6 on every attempt, once both have flushed steps before it
+# (process 0 then waits for the launcher's SIGTERM), so its --restarts run
+# out; each attempt after the first, and launch 2, start from a checkpoint at
+# step 4.
+_RELAUNCH = """
+    import os, time, jax, jax.numpy as jnp, pmaptap
+    from pmaptap import distributed
+    distributed.initialize()
+    launch, attempt = int(os.environ["LAUNCH"]), int(os.environ["PMAPTAP_ATTEMPT"])
+    die = int(os.environ.get("DIE_AT", "-1"))
+    start = 0 if (launch, attempt) == (1, 0) else 4
+    f = jax.pmap(
+        lambda x, i: (
+            pmaptap.tap(x + i, "w", step=i, dedup="per_device"),
+            pmaptap.tap(x * 0 + i + 100 * launch, "loss", step=i, dedup="replicated"),
+        )[0],
+        axis_name="d",
+        devices=jax.local_devices(),
+        in_axes=(0, None),
+    )
+    x = jnp.arange(jax.local_device_count(), dtype=jnp.float32) + 100 * launch
+    with pmaptap.Session(os.environ["TAP"], resume=True) as s:
+        print("ATTEMPT", s.attempt, flush=True)
+        for i in range(start, 10):
+            if i == die:
+                s.flush()
+                # Process 1 fails once process 0 has written its steps too.
+                flushed = f"{os.environ['TAP']}.{launch}.{attempt}.flushed"
+                if jax.process_index() == 0:
+                    open(flushed, "w").close()
+                    time.sleep(120)  # until the launcher's SIGTERM
+                while not os.path.exists(flushed):
+                    time.sleep(0.05)
+                os._exit(3)  # a hard failure: no close, no exit handlers
+            f(x, i)
+"""
+
+
+def test_a_job_launched_again_on_its_run_continues_above_every_attempt(tmp_path):
+    out = tmp_path / "t.jsonl"
+    env = dict(TAP=str(out), PMAPTAP_RUN="fixed")
+    cmd = [sys.executable, "-c", textwrap.dedent(_RELAUNCH)]
+    first = _launch(2, 2, cmd, restarts=1, env=dict(env, LAUNCH="1", DIE_AT="6"))
+    assert first.returncode == 3, job_failed(first)  # out of restarts
+    # Launched again: the launcher numbers this attempt 0, the file's run
+    # already has attempts 0 and 1; the session continues above both, and
+    # every process agrees.
+    second = _launch(2, 2, cmd, restarts=1, env=dict(env, LAUNCH="2"))
+    assert second.returncode == 0, job_failed(second)
+    assert second.stdout.count("ATTEMPT 2") == 2, second.stdout
+
+    recs = pmaptap.read(out)
+    want = {s: 100 * (2 if s >= 4 else 1) for s in range(10)}
+    assert {r["step"]: r["value"] - r["step"] for r in recs if r["name"] == "loss"} == want
+    assert _one_per_key(recs, "loss") == {(s, None) for s in range(10)}
+    w = [r for r in recs if r["name"] == "w"]
+    # Each process's devices, in order: their local index is in the value.
+    local = {}
+    for p in (0, 1):
+        mine = sorted({r["device"] for r in w if r["process"] == p})
+        assert len(mine) == 2
+        local.update({d: i for i, d in enumerate(mine)})
+    assert _one_per_key(recs, "w") == {(s, d) for s in range(10) for d in local}
+    for r in w:
+        launch = 2 if r["step"] >= 4 else 1
+        assert r["value"] == local[r["device"]] + r["step"] + 100 * launch, r
+        assert r.get("attempt", 0) == (2 if launch == 2 else 0), r
+    report = validate_file(out)
+    assert report.ok, report.problems
+    # Launch 1's records of steps 4 and 5 (both its attempts) are history.
+    every = pmaptap.read(out, attempts="all")
+    old = [r for r in every if r["kind"] != "meta" and r["step"] >= 4 and r["attempt"] < 2]
+    assert {(r["step"], r["attempt"]) for r in old} == {(s, a) for s in (4, 5) for a in (0, 1)}
+    assert report.superseded == len(old)

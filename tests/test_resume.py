@@ -260,3 +260,24 @@ def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path)
         tap_path, tmp_path / "tb2", Filter(names=("loss",), all_attempts=True)
     )
     assert stats.records == 9
+
+
+def test_resume_numbered_0_by_the_environment_still_continues_above_the_file(tap_path, monkeypatch):
+    """PMAPTAP_ATTEMPT is a floor: a resumed session of a run that already
+    has attempts continues above them (issue 24.2), never as a second attempt
+    0 (plain duplicates) or below an attempt that would hide it."""
+    _train(tap_path, range(6), 0.0, 2, run="r")
+    monkeypatch.setenv("PMAPTAP_ATTEMPT", "0")
+    s1 = _train(tap_path, range(3, 6), 10.0, 2, run="r", resume=True)
+    monkeypatch.setenv("PMAPTAP_ATTEMPT", "5")
+    s2 = _train(tap_path, range(4, 6), 20.0, 2, run="r", resume=True)
+    monkeypatch.setenv("PMAPTAP_ATTEMPT", "1")
+    s3 = _train(tap_path, range(5, 7), 30.0, 2, run="r", resume=True)
+    assert (s1.attempt, s2.attempt, s3.attempt) == (1, 5, 6)
+    loss = {r["step"]: r["value"] for r in pmaptap.read(tap_path) if r["name"] == "loss"}
+    assert loss == {0: 0.0, 1: 1.0, 2: 2.0, 3: 13.0, 4: 24.0, 5: 35.0, 6: 36.0}
+    report = validate_file(tap_path)
+    assert report.ok and report.superseded == 3 * 3 + 2 * 3 + 1 * 3, (
+        report.problems,
+        report.superseded,
+    )

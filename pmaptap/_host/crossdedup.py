@@ -2,7 +2,9 @@
 
 Every process of a job taps the same replicated value (a loss after ``pmean``)
 and would append it once each. Under the file lock, before writing a batch, a
-``FileSink`` reads what the *other* processes appended since its last look and
+``FileSink`` reads what the *other* processes appended since its last look
+(its first look: since the run's start in the file, which the processes
+agree on at open, so one that opens late knows what the others wrote) and
 remembers, per (run, name, step, pass), the value hashes (``vhash``) already in
 the file. A replicated record whose key is there with the same hash is
 skipped; with a different hash it is written with ``"divergent": true``. So

@@ -148,7 +148,14 @@ def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
 def _resume_point(path: str, run: str | None) -> tuple[str, int]:
     """The (run, attempt) a resumed session continues, the same on every
     process of a job: process 0 reads the file and tells the others through
-    the coordination service (agree_run_id), as for a fresh run id."""
+    the coordination service (agree_run_id), as for a fresh run id.
+
+    The attempt is above every attempt the run already has in the file,
+    whoever numbers it: PMAPTAP_ATTEMPT is a floor, not the answer. A
+    launcher started again on a run whose restarts ran out numbers its
+    first attempt 0 again; taken as is, the run's earlier attempt 1 would
+    supersede the new records of every step it wrote, and the new ones
+    would duplicate those of the earlier attempt 0."""
     run = run or os.environ.get("PMAPTAP_RUN") or None
     env = _env_attempt()
     if env == 0 and run is None:
@@ -157,7 +164,7 @@ def _resume_point(path: str, run: str | None) -> tuple[str, int]:
     def decide() -> str:
         last_run, last = _last_attempt(path, run)
         chosen = last_run or _new_run_id()
-        attempt = env if env is not None else (0 if last is None else last + 1)
+        attempt = max(env or 0, 0 if last is None else last + 1)
         return f"{attempt}:{chosen}"
 
     agreed = distributed.agree_run_id(decide) or decide()
@@ -226,9 +233,10 @@ class Session:
     resume: continue a run after a restart. The run is ``run``, else
       PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
       none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
-      attempt number is PMAPTAP_ATTEMPT (``python -m pmaptap.launch
-      --restarts`` sets it), else one more than the file's last attempt of
-      that run. Records then carry ``"attempt": N``, and readers show, for a
+      attempt number is one more than the run's highest attempt in the file
+      (0 if it has none), or PMAPTAP_ATTEMPT (``python -m pmaptap.launch
+      --restarts`` sets it) if that is higher; process 0 decides it for the
+      whole job. Records then carry ``"attempt": N``, and readers show, for a
       step written by several attempts, only the latest one's
       (pmaptap/tapfile/attempts.py). The file stays append-only.
     """
@@ -340,6 +348,10 @@ class Session:
                     self.run, self.attempt = _resume_point(self.path, self.run)
                 elif self.run is None:
                     self.run = default_run_id()
+                if isinstance(sink, FileSink):
+                    start = distributed.session_start(self.run, self.attempt, sink.opened_size)
+                    if start is not None:
+                        sink.index_from(start)
                 self.pipeline = Pipeline(sink, run=self.run, attempt=self.attempt, **self._opts)
                 if self.resume:
                     _queue_attempt_record(self.pipeline, self.attempt)

@@ -7,7 +7,9 @@ Each batch is encoded outside the lock, then written with a single
 ``FileLock(path + ".lock")``: no line is torn or interleaved by another
 process. A writer killed mid-line leaves a file that does not end in a
 newline; the next batch (from any process) starts with one, so at most that
-torn line is lost. The lock only waits ``lock_timeout`` per attempt: a stuck
+torn line is lost. The cross-process dedup indexes what the others appended
+from the run's start in the file (``index_from``), whenever this process
+opened. The lock only waits ``lock_timeout`` per attempt: a stuck
 holder makes ``write`` raise ``LockBusy`` and the pipeline retries later
 while taps keep returning.
 
@@ -36,7 +38,7 @@ from pmaptap._host.crossdedup import CrossProcessIndex
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
 from pmaptap.tapfile.format import META_UNENCODABLE, Record, meta_record
-from pmaptap.tapfile.parse import line_problem
+from pmaptap.tapfile.parse import MAX_LINE_BYTES, line_problem
 from pmaptap.tapfile.rawarray import RawArray
 
 _IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
@@ -45,6 +47,8 @@ _IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
 # holds a whole ordinary line, and the tail of any line holds its process and
 # time (written after the value), so a regrown file differs there.
 _MARK_BYTES = 1024
+# Bytes read back per pread when indexing what others appended.
+_READ_CHUNK = 16 << 20
 
 
 class Sink(abc.ABC):
@@ -186,10 +190,15 @@ class FileSink(Sink):
             process = jax.process_index()
         self.process = int(process)
         self.index = CrossProcessIndex(process)
+        # The file's size when this sink opened it: where this process's part
+        # of the run starts at the earliest (see index_from).
+        self.opened_size = size
         # Bytes before this offset were already indexed (or predate us).
         # index_existing: a writer joining a run late (pmaptap.Writer) dedups
         # against what is already there, read at its first batch.
         self._seen = 0 if index_existing else size
+        # _seen may fall inside a line (index_from): skip to its end first.
+        self._mid_line = False
         self._mark = (
             b""
             if index_existing
@@ -218,6 +227,7 @@ class FileSink(Sink):
         # values of replicated records wait for it: another process may
         # have written the value already, and then its bytes are not needed.
         encoded, records = self._encode(records, defer_replicated=True)
+        self._read_ahead()
         self._acquire()
         soft = self.lock_mode == "soft"
         fd = -1
@@ -228,11 +238,7 @@ class FileSink(Sink):
             size = st.st_size
             self._check_same_file(fd, st)
             if size > self._seen:
-                new_bytes = os.pread(fd, size - self._seen, self._seen)
-                self.bytes_read += len(new_bytes)
-                self._observe(new_bytes, self._seen)
-                self._mark = (self._mark + new_bytes)[-_MARK_BYTES:]
-                self._seen = size
+                self._catch_up(fd, size)
             keep, new_keys = self.index.plan(records)
             if any(id(r) not in encoded for r in keep):
                 keep = self._encode_deferred(keep, encoded)
@@ -257,6 +263,78 @@ class FileSink(Sink):
         self.lines_written += len(keep)
         self.bytes_written += written
         return keep
+
+    def index_from(self, offset: int) -> None:
+        """Index, at the next batch, every line appended since ``offset``:
+        where this session's run starts in the file, agreed by the job's
+        processes when they open (``distributed.session_start``). A process
+        that opens after the others have written must know their replicated
+        values, or it writes each one again; reading from there, not from
+        byte 0, costs only what the job wrote since it started, however
+        long the file was before. Call before the first ``write``."""
+        if offset > self.opened_size or offset < 0:
+            # Not this file's offset (it was truncated or replaced between
+            # the first process's open and ours): all of this file is new.
+            offset = 0
+        if offset >= self._seen:
+            return
+        self._seen = offset
+        self._mark = (
+            self._read_mark(self._fd, offset)
+            if self.lock_mode == "flock"
+            else self._read_mark_at(self.path, offset)
+        )
+        self._mid_line = bool(offset) and not self._mark.endswith(b"\n")
+
+    def _read_ahead(self) -> None:
+        """Index a long stretch that others appended (a late opener's
+        catch-up, a writer that fell far behind) *before* taking the lock,
+        so the other writers do not wait while this one reads: lines already
+        in the file never change (it is append-only, under the lock), and a
+        truncation meanwhile is caught under the lock by the mark. Whole
+        lines only; the rest is read under the lock as usual. flock mode
+        only: on NFS (soft) only the lock holder's view of the file is
+        trusted."""
+        if self.lock_mode != "flock":
+            return
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return
+        if size - self._seen > _READ_CHUNK:
+            self._catch_up(self._fd, size, whole_lines=True)
+
+    def _catch_up(self, fd: int, size: int, whole_lines: bool = False) -> None:
+        """Index the lines others appended between ``_seen`` and ``size``, a
+        bounded chunk at a time (a late opener may have megabytes to read),
+        never splitting a line between two chunks. ``whole_lines``: leave a
+        partial last line (and ``_seen`` before it) for the next call."""
+        pos, carry = self._seen, b""
+        while pos < size:
+            data = os.pread(fd, min(_READ_CHUNK, size - pos), pos)
+            if not data:
+                break  # cut under us by a program that takes no lock
+            self.bytes_read += len(data)
+            pos += len(data)
+            buf = carry + data
+            if self._mid_line:  # the rest of a line begun before _seen
+                cut = buf.find(b"\n")
+                skip = len(buf) if cut < 0 else cut + 1
+                self._mid_line = cut < 0
+                self._mark = (self._mark + buf[:skip])[-_MARK_BYTES:]
+                self._seen = pos - len(buf) + skip
+                buf = buf[skip:]
+            # Whole lines now; a partial last one waits for the next chunk
+            # (unless it is already longer than any line a reader keeps).
+            last = pos >= size and not whole_lines
+            cut = len(buf) if last else buf.rfind(b"\n") + 1
+            if len(buf) - cut > MAX_LINE_BYTES:
+                cut = len(buf)
+            start = pos - len(buf)
+            self._observe(buf[:cut], start)
+            carry = buf[cut:]
+            self._seen = start + cut
+            self._mark = (self._mark + buf[:cut])[-_MARK_BYTES:]
 
     # ------------------------------------------ the file under our feet
     def _current_fd(self) -> int:
@@ -299,7 +377,7 @@ class FileSink(Sink):
             )
 
     def _restart(self, kind: str, what: str) -> None:
-        self._seen, self._mark = 0, b""
+        self._seen, self._mark, self._mid_line = 0, b"", False
         self.index.reset()
         self._warn_once(
             kind,
