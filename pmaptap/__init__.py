@@ -33,6 +33,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "TapPathError": ("pmaptap.errors", "TapPathError"),
     "SessionError": ("pmaptap.errors", "SessionError"),
     "host_callback": ("pmaptap.host_callback", None),
+    "forwarders": ("pmaptap.forwarders", None),
 }
 __all__ = sorted(_PUBLIC)
 
@@ -78,7 +79,7 @@ if "jax" in sys.modules:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from pmaptap import host_callback
+    from pmaptap import forwarders, host_callback
     from pmaptap._host.session import Session, active_session, flush
     from pmaptap._trace.grad import tap_grad
     from pmaptap._trace.group import group
