@@ -240,7 +240,7 @@ def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path)
     for flt, n_lines in ((Filter(), 8), (Filter(all_attempts=True), 8)):
         entries = load_matching(tap_path, flt)[0]
         fig = build_figure([e.rec for e in entries], "w")
-        lines = fig.axes[0].get_lines()
+        lines = [line for ax in fig.axes for line in ax.get_lines()]  # a panel each
         assert len(lines) == n_lines
         xs = sorted(len(line.get_xdata()) for line in lines)
         # Devices 4-7 exist only for steps 0-2 unless every attempt is shown.
