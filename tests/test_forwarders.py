@@ -205,12 +205,19 @@ def test_wandb_forwarder_offline(tap_path, tmp_path, monkeypatch):
     )
     try:
         _train(tap_path, range(4), forward=[pmaptap.forwarders.WandB()], run="wb")
+        # A restart replaying steps 2-3 (a fresh forwarder, as in a new process).
+        fw = pmaptap.forwarders.WandB()
+        _train(tap_path, range(2, 4), 100.0, [fw], run="wb", resume=True)
     finally:
         run.finish()
     (run_dir,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*"))
     rows = _wandb_history(run_dir)
-    # One row per step: the loss and the 8 devices' series together.
-    assert [r["pmaptap/step"] for r in rows] == [0, 1, 2, 3]
+    # One row per step: the loss and the 8 devices' series together; W&B
+    # cannot rewrite the replayed steps, they come again, the restart marked.
+    assert [r["pmaptap/step"] for r in rows] == [0, 1, 2, 3, 2, 3]
+    assert [r.get("pmaptap/attempt") for r in rows] == [None] * 4 + [1, None]
+    assert [(r["loss"], r["gn/device_1"]) for r in rows[4:]] == [(102, 103), (103, 104)]
+    rows = rows[:4]
     for r in rows:
         s = r["pmaptap/step"]
         assert _same(_wval(r["loss"]), _loss(s))
@@ -218,7 +225,6 @@ def test_wandb_forwarder_offline(tap_path, tmp_path, monkeypatch):
             f"gn/device_{d}": d + s for d in range(8)
         }
         assert not any(k.startswith("w") for k in r)  # arrays are not metrics
-        assert "pmaptap/attempt" not in r  # a first attempt
 
 
 # ------------------------------------------------------------------ MLflow

@@ -373,7 +373,8 @@ def export(
     records. Divergence marks are not needed: every value is written."""
     from pmaptap.tapfile.attempts import Attempts, scan
 
-    tb = TensorBoardExport(outdir, purge=not flt.all_attempts)
+    # The superseded records are left out below: nothing to purge.
+    tb = TensorBoardExport(outdir, purge=False)
     bad: list[tuple[int, str]] = []
     # Steps a later attempt of a resumed run replayed: its values only.
     attempts = scan(path) if not flt.all_attempts else Attempts()
