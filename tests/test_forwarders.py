@@ -251,6 +251,11 @@ def test_mlflow_forwarder_logs_into_the_users_run_by_id(tap_path, tmp_path):
             with pmaptap.Session(tap_path, run="ml", forward=[fw]):
                 f(jnp.arange(2.0))
             _train(tap_path, range(4), forward=[fw], run="ml")
+            # A backward tap's tag (g@backward): MLflow refuses '@'.
+            rec = {"name": "g", "step": 7, "kind": "replicated", "dtype": "float32"}
+            fw({**rec, "value": 0.5, "time": 1.0})
+            fw({**rec, "value": 0.25, "time": 1.0, "pass": "backward"})
+            fw.flush()
         run_id = active.info.run_id
     finally:
         mlflow.set_tracking_uri(None)
@@ -272,6 +277,9 @@ def test_mlflow_forwarder_logs_into_the_users_run_by_id(tap_path, tmp_path):
         (m,) = client.get_metric_history(run_id, f"split/divergent/device_{d}")
         assert (m.step, m.value) == (0, float(d))
     assert client.get_metric_history(run_id, "split") == []
+    assert [m.value for m in client.get_metric_history(run_id, "g")] == [0.5]
+    (m,) = client.get_metric_history(run_id, "g_backward")
+    assert (m.step, m.value, m.timestamp) == (7, 0.25, 1000)
 
 
 def test_mlflow_forwarder_of_a_resumed_run_marks_the_restart(tap_path, tmp_path):
