@@ -34,6 +34,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "TapPathError": ("pmaptap.errors", "TapPathError"),
     "SessionError": ("pmaptap.errors", "SessionError"),
     "host_callback": ("pmaptap.host_callback", None),
+    "forwarders": ("pmaptap.forwarders", None),
 }
 __all__ = sorted(_PUBLIC)
 # Public submodules, loaded on first attribute access like the names above, so
@@ -42,7 +43,17 @@ __all__ = sorted(_PUBLIC)
 # load every one of them (JAX with host_callback, the launcher, the CLI).
 # tests/test_layout.py checks that this lists every public submodule.
 _SUBMODULES = frozenset(
-    {"cli", "distributed", "errors", "host_callback", "launch", "progress", "tapfile", "writer"}
+    {
+        "cli",
+        "distributed",
+        "errors",
+        "forwarders",
+        "host_callback",
+        "launch",
+        "progress",
+        "tapfile",
+        "writer",
+    }
 )
 
 
@@ -94,6 +105,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         cli,
         distributed,
         errors,
+        forwarders,
         host_callback,
         launch,
         progress,

@@ -145,10 +145,10 @@ def _count(text: str) -> int:
     return n
 
 
-def _print_table(entries: Sequence[views.Entry], width: int) -> None:
+def _print_table(entries: Sequence[views.Entry], width: int, *, attempts: bool = False) -> None:
     from pmaptap.tapfile import views
 
-    table = views.Table()
+    table = views.Table(views.COLUMNS_ALL_ATTEMPTS if attempts else views.COLUMNS)
     rows = [views.row(e, width) for e in entries]
     table.fit(rows)
     print(table.header())
@@ -170,9 +170,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         for e in entries:
-            print(views.json_line(e))
+            print(views.json_line(e, attempt=flt.all_attempts))
     else:
-        _print_table(entries, args.width)
+        _print_table(entries, args.width, attempts=flt.all_attempts)
     return 0
 
 

@@ -515,11 +515,13 @@ def test_plot_lines_per_device_and_divergent_marks(demo):
     recs = pmaptap.read(demo)
     fig = build_figure(recs, "gnorm")
     try:
-        ax = fig.axes[0]
-        assert sorted(line.get_label() for line in ax.get_lines()) == [
-            f"device {d}" for d in range(8)
-        ]
-        assert not ax.collections  # nothing divergent
+        # 8 devices: a panel each (8 lines in one axes could not be told
+        # apart), in device order, sharing the value axis.
+        assert [ax.get_title() for ax in fig.axes] == [f"device {d}" for d in range(8)]
+        for d, ax in enumerate(fig.axes):
+            assert [line.get_label() for line in ax.get_lines()] == [f"device {d}"]
+            assert not ax.collections  # nothing divergent
+        assert fig.axes[0].get_ylim() == fig.axes[7].get_ylim()
     finally:
         plt.close(fig)
     fig = build_figure(recs, "drift")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import APPENDER, logs_warning, run_python, run_released, start_python
+from conftest import APPENDER, ROOT, logs_warning, run_python, run_released, start_python
 
 
 def test_four_processes_append_1500_records_each(tmp_path):
@@ -139,6 +139,34 @@ def test_overflow_drop_newest_counts_and_reports_drops(tap_path, caplog):
     assert len(meta) == 1 and meta[0]["kind"] == "meta"
     assert len(data) + meta[0]["dropped_total"] == 40
     assert [r["step"] for r in data] == list(range(len(data)))  # the oldest kept
+
+
+def test_overflow_drops_are_warned_and_recorded_not_raised(tap_path, caplog):
+    # Dropping is the overflow policy doing what it was chosen for (the
+    # default, drop_oldest, keeps training from blocking), not a failure:
+    # close() returns, the drops are a warning and a pmaptap/dropped record,
+    # and docs/api.md's errors table says so (it promised a TapError).
+    s = pmaptap.Session(tap_path, max_pending=5, lock_timeout=0.05).open()
+    with logs_warning(caplog, "dropped"):
+        lock = filelock.FileLock(tap_path + ".lock")
+        lock.acquire()
+        try:
+            f = jax.jit(lambda v: pmaptap.tap(v, "x"))
+            for i in range(40):
+                f(jnp.float32(i))
+            jax.effects_barrier()
+            time.sleep(0.3)
+        finally:
+            lock.release()
+        s.close()  # no TapError
+    recs = pmaptap.read(tap_path)
+    (meta,) = [r for r in recs if r["name"] == "pmaptap/dropped"]
+    assert meta["policy"] == "drop_oldest" and meta["dropped_total"] > 0
+    assert len([r for r in recs if r["name"] == "x"]) + meta["dropped_total"] == 40
+    api = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
+    (row,) = [ln for ln in api.splitlines() if ln.startswith("| `TapError` |")]
+    assert "dropped" not in row
+    assert "overflow policy's drops are not an error" in api
 
 
 @pytest.mark.parametrize("lock", ["flock", "soft"])

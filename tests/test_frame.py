@@ -140,6 +140,31 @@ def test_parquet_round_trip_keeps_dtypes(taps, tmp_path):
     assert list(pd.read_parquet(out2)["step"]) == [0, 1, 2]
 
 
+def test_parquet_keeps_nan_as_a_float_nan_and_empty_cells_null(taps, tmp_path):
+    # The NaN hunt in pyarrow/polars/duckdb: a NaN loss was written as null
+    # (pyarrow's from_pandas makes every NaN null), so none of them found it.
+    pq = pytest.importorskip("pyarrow.parquet")
+    pc = pytest.importorskip("pyarrow.compute")
+    from pmaptap.tapfile.frame import write_parquet
+
+    out = str(tmp_path / "nan.parquet")
+    recs = pmaptap.read(taps)
+    write_parquet(recs, out)
+    table = pq.read_table(out)
+    names, steps = table.column("name").to_pylist(), table.column("step").to_pylist()
+    value = table.column("value")
+    loss = {s: v for n, s, v in zip(names, steps, value.to_pylist()) if n == "loss"}
+    assert math.isnan(loss[1]) and loss[2] == math.inf and loss[0] == pytest.approx(7.5)
+    assert pc.sum(pc.is_nan(value)).as_py() == 1  # found by a NaN search
+    # A row of another tap ("params" has value.w/value.b) is null, not NaN.
+    is_params = [n == "params" for n in names]
+    nulls = value.is_null().to_pylist()
+    assert [x for x, p in zip(nulls, is_params) if p] == [True] * sum(is_params)
+    assert not any(x for x, p in zip(nulls, is_params) if not p)
+    b = table.column("value.b").to_pylist()
+    assert [v is None for v in b] == [not p for p in is_params]
+
+
 def test_per_device_gives_step_by_device_tables(taps, tmp_path):
     recs = pmaptap.read(taps)
     df = pmaptap.read(taps, as_frame=True)

@@ -240,7 +240,7 @@ def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path)
     for flt, n_lines in ((Filter(), 8), (Filter(all_attempts=True), 8)):
         entries = load_matching(tap_path, flt)[0]
         fig = build_figure([e.rec for e in entries], "w")
-        lines = fig.axes[0].get_lines()
+        lines = [line for ax in fig.axes for line in ax.get_lines()]  # a panel each
         assert len(lines) == n_lines
         xs = sorted(len(line.get_xdata()) for line in lines)
         # Devices 4-7 exist only for steps 0-2 unless every attempt is shown.
@@ -280,4 +280,36 @@ def test_resume_numbered_0_by_the_environment_still_continues_above_the_file(tap
     assert report.ok and report.superseded == 3 * 3 + 2 * 3 + 1 * 3, (
         report.problems,
         report.superseded,
+    )
+
+
+def test_show_all_attempts_names_the_attempt_of_every_record(tap_path):
+    _train(tap_path, range(3), 0.0, 2, run="s")
+    _train(tap_path, range(1, 3), 100.0, 2, run="s", resume=True)
+    out = _cli("show", tap_path, "--name", "loss", "--json", "--all-attempts")
+    got = [(r["step"], r["attempt"], r["value"]) for r in map(json.loads, out.stdout.split())]
+    # attempt 0 written out too, as read(path, attempts="all") gives it.
+    assert got == [(0, 0, 0.0), (1, 0, 1.0), (2, 0, 2.0), (1, 1, 101.0), (2, 1, 102.0)]
+    assert got == [
+        (r["step"], r["attempt"], r["value"])
+        for r in pmaptap.read(tap_path, attempts="all")
+        if r["name"] == "loss"
+    ]
+    # The table has an attempt column, only with --all-attempts.
+    out = _cli("show", tap_path, "--name", "loss", "--all-attempts")
+    header, *rows = out.stdout.splitlines()
+    cols = header.split()
+    assert cols[:4] == ["line", "name", "step", "attempt"], header
+    assert [(r.split()[2], r.split()[3]) for r in rows] == [
+        ("0", "0"),
+        ("1", "0"),
+        ("2", "0"),
+        ("1", "1"),
+        ("2", "1"),
+    ]
+    header = _cli("show", tap_path, "--name", "loss").stdout.splitlines()[0]
+    assert "attempt" not in header.split()
+    out = _cli("show", tap_path, "--name", "loss", "--json")
+    assert all(
+        "attempt" not in json.loads(x) or json.loads(x)["attempt"] == 1 for x in out.stdout.split()
     )

@@ -181,6 +181,25 @@ def test_plot_many_devices_draws_median_band_and_names_outliers(plt):
     top = band[0].get_paths()[0].vertices[:, 1].max()
     assert top == pytest.approx(6.0, abs=0.1)  # the band spans the outlier
     assert [c.get_label() for c in ax.collections if c.get_label() == "NaN"] == ["NaN"]
-    # 16 devices or fewer: one line each, as before.
+    # 5-16 devices: a panel and a line each.
     fig = build_figure([r for r in recs if r["device"] < 16], "gn")
-    assert len(fig.axes[0].get_lines()) == 16
+    assert [len(ax.get_lines()) for ax in fig.axes] == [1] * 16
+
+
+def test_plot_of_a_few_devices_draws_small_multiples_with_their_own_marks(plt):
+    from pmaptap.tapfile.plot import build_figure
+
+    recs = [_dev(s, d, float(s + d), name="gn") for s in range(6) for d in range(8)]
+    recs[3 * 8 + 5]["value"] = math.nan  # device 5, step 3
+    fig = build_figure(recs, "gn")
+    assert len(fig.axes) == 8
+    for d, ax in enumerate(fig.axes):
+        assert ax.get_title() == f"device {d}"
+        (line,) = ax.get_lines()
+        assert list(line.get_xdata()) == list(range(6))
+        nan = [c for c in ax.collections if c.get_label() == "NaN"]
+        assert [c.get_offsets()[:, 0].tolist() for c in nan] == ([[3]] if d == 5 else [])
+    assert "1 non-finite value(s)" in fig._suptitle.get_text()
+    # Up to 4 devices: one axes, a line each.
+    fig = build_figure([r for r in recs if r["device"] < 4], "gn")
+    assert len(fig.axes) == 1 and len(fig.axes[0].get_lines()) == 4

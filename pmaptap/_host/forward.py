@@ -62,14 +62,15 @@ def check_targets(targets: Iterable[Any] | None) -> list[Any]:
     return out
 
 
-def scalar_series(rec: dict) -> Iterator[tuple[str, float]]:
+def scalar_series(rec: dict, *, mark_divergent: bool = False) -> Iterator[tuple[str, float]]:
     """(tag, value) of each real scalar leaf of a decoded record, tagged as
     ``pmaptap export --tensorboard`` tags them (``name/<leaf>``,
-    ``/device_<id>`` for per-device taps, ``@backward``). Arrays, complex and
-    non-numeric leaves are not scalars; meta records are pmaptap's own."""
+    ``/device_<id>`` for per-device taps, ``@backward``; ``mark_divergent``:
+    see ``tag_parts``). Arrays, complex and non-numeric leaves are not
+    scalars; meta records are pmaptap's own."""
     if rec.get("kind") == "meta":
         return
-    base, suffix = tag_parts(rec)
+    base, suffix = tag_parts(rec, mark_divergent=mark_divergent)
     for path, v, _dtype in leaves(rec.get("value"), rec.get("dtype")):
         if isinstance(v, (int, float)):  # bool is an int: 0/1
             yield base + path + suffix, float(v)
@@ -109,8 +110,10 @@ class _Target:
         # and taken by problems() on the caller's.
         self.lock = lock
         self.scalars = getattr(obj, "write_scalars", None)
-        # The CLU protocol's flush(), called on the forwarding thread.
-        fl = getattr(obj, "flush", None) if self.scalars is not None else None
+        # A CLU writer's flush(), or a callable forwarder's that buffers
+        # (pmaptap.forwarders: a step's metrics wait for the next step);
+        # called on the forwarding thread, never on the caller's.
+        fl = getattr(obj, "flush", None)
         self.flush = fl if callable(fl) else None
         self.failures = 0
         self.first_error: BaseException | None = None

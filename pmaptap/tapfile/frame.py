@@ -17,7 +17,9 @@ One row per record, in file order. Columns:
 - ``devices``/``processes`` (the holders of a replicated value), ``dtype``,
   ``shape`` and any other field as read.
 
-Parquet stores what it can natively (numbers, text, lists of one type);
+Parquet stores what it can natively (numbers, text, lists of one type;
+in a float column a NaN or inf of the tap is the float NaN/inf, an empty
+cell is null);
 a column it cannot (scalars mixed with arrays, complex numbers) is written as
 strict JSON text, as the CSV export does.
 
@@ -112,8 +114,10 @@ def _number_kind(cells: list) -> str | None:
     return "float" if kinds else None
 
 
-def to_frame(records: Iterable[dict]) -> Any:
-    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts)."""
+def to_frame(records: Iterable[dict], *, _empty: dict[str, list[bool]] | None = None) -> Any:
+    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts).
+    ``_empty`` (write_parquet): filled with the empty cells of each float
+    column, which the frame holds as NaN like the tap's own NaN values."""
     pd = _pandas()
     rows = [_row(r) for r in records]
     names: dict[str, None] = dict.fromkeys(_FIRST)
@@ -126,6 +130,8 @@ def to_frame(records: Iterable[dict]) -> Any:
     for col in (*_FIRST, *coords, *values, *rest):
         cells = [row.get(col) for row in rows]
         columns[col] = _column(pd, col, cells)
+        if _empty is not None and columns[col].dtype == "float64" and col != "time":
+            _empty[col] = [c is None for c in cells]
     return pd.DataFrame(columns, index=pd.RangeIndex(len(rows)))
 
 
@@ -189,7 +195,10 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError(MISSING_PYARROW) from e
-    df = to_frame(records)
+    import numpy as np
+
+    empty: dict[str, list[bool]] = {}
+    df = to_frame(records, _empty=empty)
     for col in df.columns:
         if df[col].dtype != object:
             continue
@@ -206,6 +215,12 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
         ):
             df[col] = _pandas().Series([_json_text(c) for c in cells], dtype="str", index=df.index)
     table = pa.Table.from_pandas(df, preserve_index=False)
+    for col, mask in empty.items():
+        # from_pandas makes every NaN null, the tap's NaN loss included (then
+        # no reader of the file finds a NaN): only empty cells are null.
+        i = table.schema.get_field_index(col)
+        arr = pa.array(df[col].to_numpy(), type=pa.float64(), mask=np.array(mask, dtype=bool))
+        table = table.set_column(i, table.schema.field(i), arr)
     pq.write_table(table, os.fspath(path))
     return len(df)
 

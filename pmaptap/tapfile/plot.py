@@ -1,6 +1,8 @@
 """``pmaptap plot``: a PNG line plot of one tap's value against its step.
 
-One line for a replicated tap, one line per device for a per-device tap.
+One line for a replicated tap, one line per device for a per-device tap:
+up to 4 devices in one axes; 5-16 as small multiples, one panel per
+device sharing both axes (8 overlapping lines could not be told apart).
 Divergent points are marked with red crosses: replicated records flagged
 ``divergent`` (copies disagreed; every distinct value is drawn), and, for a
 ``dedup="auto"`` tap (a name with both kinds of records), the per-device
@@ -30,6 +32,9 @@ MISSING_MATPLOTLIB = (
     'pip install "pmaptap[plot]" (or pip install matplotlib)'
 )
 _MAX_LEGEND = 16
+# More device series than this are drawn as small multiples (a panel each),
+# up to _MAX_LEGEND; past that, as a median and band.
+_MAX_LINES = 4
 
 
 def _import_pyplot():
@@ -97,34 +102,98 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
         else None
     )
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    marks: list[tuple[int, float]] = []
-    bad: dict[str, list[int]] = {"NaN": [], "+inf": [], "-inf": []}
+    # Per series: divergent points and the steps of non-finite values, so a
+    # panel of the small multiples draws its own.
+    marks: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    bad: dict[str, dict[str, list[int]]] = defaultdict(lambda: {k: [] for k in _NONFINITE})
     for r in recs:
+        label = _label(r, multi_run)
         x = scalar(r["value"])
         if not math.isfinite(x):
-            bad["NaN" if math.isnan(x) else "+inf" if x > 0 else "-inf"].append(r["step"])
+            bad[label]["NaN" if math.isnan(x) else "+inf" if x > 0 else "-inf"].append(r["step"])
         divergent = bool(r.get("divergent")) or (
             auto and r.get("kind") == "per_device" and r["step"] > agreed
         )
         if divergent:
-            marks.append((r["step"], x))
+            marks[label].append((r["step"], x))
         if divergent and r.get("kind") == "replicated":
             # A divergent replicated step has several values and no single
             # "replicated" point: it is drawn by its marks, and a NaN breaks
             # the line there instead of bridging the disagreement.
             x = math.nan
-        series[_label(r, multi_run)].append((r["step"], x))
+        series[label].append((r["step"], x))
         if auto and r.get("kind") == "per_device":
             series[_label(dict(r, kind="replicated"), multi_run)].append(
                 (r["step"], math.nan)
             )  # break the replicated line here too
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    nonfinite = sum(len(v) for b in bad.values() for v in b.values())
+    title = name
+    if nonfinite:
+        title += f"  ({nonfinite} non-finite value(s), marked at the edge)"
+    if smooth > 1:
+        title += f"  [mean of {smooth}]"
     devices = [lb for lb in series if "device" in lb]
+    if _MAX_LINES < len(devices) <= _MAX_LEGEND:
+        return _small_multiples(plt, series, marks, bad, title, logy=logy, smooth=smooth)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if len(devices) > _MAX_LEGEND:
-        # Too many devices for one line each: their median, the min-max band
-        # around it, and only the devices that stray from it drawn and named.
+        # Too many devices even for a panel each: their median, the min-max
+        # band around it, and only the devices that stray from it drawn and
+        # named.
         keep = _band(ax, {lb: series.pop(lb) for lb in devices}, smooth)
         series.update(keep)
+    every_mark = [m for lb in marks for m in marks[lb]]
+    every_bad = {k: [s for b in bad.values() for s in b[k]] for k in _NONFINITE}
+    _draw(ax, series, every_mark, every_bad, logy=logy, smooth=smooth)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("value")
+    if len(series) + bool(every_mark) <= _MAX_LEGEND:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+_NONFINITE = ("NaN", "+inf", "-inf")
+
+
+def _small_multiples(plt, series, marks, bad, title: str, *, logy: bool, smooth: int):
+    """One panel per series (5-16 devices: one line each in one axes would
+    be a tangle), sharing both axes so the devices compare at a glance."""
+    labels = sorted(series, key=_device_order)
+    ncols = 4
+    nrows = math.ceil(len(labels) / ncols)
+    fig, axes = plt.subplots(
+        nrows,
+        ncols,
+        figsize=(3.2 * ncols, 2.3 * nrows + 0.7),
+        dpi=100,
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+    )
+    flat = axes.ravel()
+    for ax, label in zip(flat, labels):
+        _draw(
+            ax, {label: series[label]}, marks.get(label, []), bad[label], logy=logy, smooth=smooth
+        )
+        ax.set_title(label, fontsize="small")
+        if marks.get(label) or any(bad[label].values()):
+            ax.legend(fontsize="x-small")
+    for ax in flat[len(labels) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("value")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _draw(ax, series, marks, bad, *, logy: bool, smooth: int) -> None:
+    """The lines of ``series``, the divergent ``marks`` and the non-finite
+    steps ``bad`` in one axes."""
     for label in sorted(series, key=_device_order):
         pts = sorted(dict(series[label]).items())  # one point per step
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -166,23 +235,10 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
                 clip_on=False,
                 label=label,
             )
-    nonfinite = sum(map(len, bad.values()))
-    title = name
-    if nonfinite:
-        title += f"  ({nonfinite} non-finite value(s), marked at the edge)"
-    if smooth > 1:
-        title += f"  [mean of {smooth}]"
-    ax.set_title(title)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are ints
-    ax.set_xlabel("step")
-    ax.set_ylabel("value")
     ax.grid(True, alpha=0.3)
-    if len(series) + bool(marks) <= _MAX_LEGEND:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
 
 
 # At most this many outlying devices are drawn and named over the band.

@@ -21,6 +21,14 @@ Layout, so that TensorBoard's run selector and tag groups line up with taps:
   array is a histogram of the magnitudes;
 - a backward-pass record (``tap_grad``) gets ``@backward`` after its name.
 
+A resumed run (``Session(resume=True)``) replays the steps after its
+checkpoint. When a record of a later attempt comes at a step at or below
+what the run's series already hold (``--follow`` converting a restart as it
+happens, or the live ``pmaptap.forwarders.TensorBoard`` of a resumed job),
+the run's writer is reopened with TensorBoard's ``purge_step`` at that step:
+TensorBoard then drops the earlier attempt's points from that step on, so
+its view ends with one point per step, as the batch readers show.
+
 The record's ``time`` is the event's wall time, so TensorBoard's "relative"
 and "wall" axes show when the job tapped the value, not when it was exported.
 
@@ -31,6 +39,7 @@ and only when an export runs. No JAX.
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import re
@@ -41,6 +50,7 @@ from typing import Any
 
 from pmaptap._log import log
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
+from pmaptap.tapfile.attempts import attempt_of
 from pmaptap.tapfile.follow import on_stop_signals, open_follower
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.lines import iter_lines
@@ -104,10 +114,13 @@ def _hashed(name: str, run_id: str) -> str:
     return name[: RUN_DIRNAME_MAX - _RUN_HASH_HEX - 1] + "-" + digest
 
 
-def tag_parts(rec: dict) -> tuple[str, str]:
+def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     """What a scalar's tag puts before and after its leaf path: the tap name
     (``@<pass>`` for backward taps) and ``/device_<id>`` for per-device taps
-    (one series per device)."""
+    (one series per device). With ``mark_divergent``, each copy of a
+    divergent replicated value (its devices disagreed) goes to its own series
+    ``/divergent/device_<first holder>`` instead of the tap's, which a live
+    dashboard would otherwise show as one value of the step chosen at random."""
     base = str(rec.get("name"))
     if rec.get("pass", "forward") != "forward":
         base += f"@{rec['pass']}"
@@ -115,7 +128,19 @@ def tag_parts(rec: dict) -> tuple[str, str]:
     if rec.get("kind") == "per_device":
         d = rec.get("device")
         suffix = f"/device_{'unknown' if d is None else d}"
+    elif mark_divergent and rec.get("divergent"):
+        suffix = f"/divergent/device_{_first_holder(rec)}"
     return base, suffix
+
+
+def _first_holder(rec: dict) -> str:
+    ids = [
+        h.get("device")
+        for h in rec.get("holders") or ()
+        if isinstance(h, dict) and isinstance(h.get("device"), int)
+    ]
+    ids += [d for d in rec.get("devices") or () if isinstance(d, int)]
+    return str(min(ids)) if ids else "unknown"
 
 
 def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
@@ -156,6 +181,7 @@ class Stats:
         self.histograms = 0
         self.skipped_leaves = 0
         self.meta = 0
+        self.superseded = 0  # late lines of an attempt a later one replaced
         self.runs: set[str] = set()
         # Every name and run read (filtered out or not), to list them when
         # nothing matched.
@@ -166,6 +192,8 @@ class Stats:
         extra = ""
         if self.meta:
             extra += f"; {self.meta} meta record(s) not exported"
+        if self.superseded:
+            extra += f"; {self.superseded} record(s) superseded by a later attempt"
         if self.skipped_leaves:
             extra += f"; {self.skipped_leaves} non-numeric leaf value(s) skipped"
         return (
@@ -174,41 +202,109 @@ class Stats:
         )
 
 
+# Event files opened by this process, for names that differ (see _open): one
+# count for every export and forwarder of the process.
+_FILE_IDS = itertools.count(1)
+
+
+class _Attempt:
+    """The latest attempt a run's writer wrote: its number, the step it
+    started at (what it purged from) and the highest step since."""
+
+    def __init__(self, attempt: int, first: int, last: int) -> None:
+        self.attempt, self.first, self.last = attempt, first, last
+
+
 class TensorBoardExport:
     """Writes decoded records to event files under ``outdir``: one tensorboardX
     SummaryWriter per run, opened when the run's first record comes."""
 
-    def __init__(self, outdir: str | os.PathLike, path: str | os.PathLike = "") -> None:
+    def __init__(
+        self,
+        outdir: str | os.PathLike,
+        path: str | os.PathLike = "",
+        *,
+        purge: bool = True,
+        mark_divergent: bool = False,
+    ) -> None:
         self._writer_cls = _import_writer()
         self.path = path  # the tap file: where its stored values are
         self._store: ByteStore | None = None
         self.outdir = os.fspath(outdir)
         self._writers: dict[str, Any] = {}
+        self._logdirs: dict[Any, str] = {}
+        # run -> its _Attempt: what the run's writer wrote, to purge when a
+        # later attempt replays steps (off for --all-attempts).
+        self._attempts: dict[Any, _Attempt] = {}
+        self._purge = purge
+        self._mark_divergent = mark_divergent
         self.stats = Stats()
         self._quiet = _QuietNonFinite()
         logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
 
-    def _writer(self, run: Any) -> Any:
-        w = self._writers.get(run)
-        if w is None:
+    def _logdir(self, run: Any) -> str:
+        logdir = self._logdirs.get(run)
+        if logdir is None:
             name = run_dirname(run)
             if name in self.stats.runs:
                 # Another run id of this file made the same name ("a b" and
                 # "a_b"): this one's series must not land in that run.
                 name = _hashed(name, str(run))
-            logdir = os.path.join(self.outdir, name)
-            if glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-                # Not an error: a second export of a grown file, or of several
-                # files of one run, is legitimate; but TensorBoard then shows
-                # the points of both, so say so.
-                log.warning(
-                    f"pmaptap export: {logdir} already holds event files; "
-                    "TensorBoard will show their points too (export into a "
-                    "new directory to avoid doubles)"
-                )
-            # flush_secs is a ceiling; follow mode flushes after each poll.
-            w = self._writers[run] = self._writer_cls(logdir=logdir, flush_secs=5)
+            logdir = self._logdirs[run] = os.path.join(self.outdir, name)
             self.stats.runs.add(name)
+        return logdir
+
+    def _open(self, run: Any, purge_step: int | None, warn: bool = True) -> Any:
+        logdir = self._logdir(run)
+        if warn and purge_step is None and glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+            # Not an error: a second export of a grown file, or of several
+            # files of one run, is legitimate; but TensorBoard then shows
+            # the points of both, so say so.
+            log.warning(
+                f"pmaptap export: {logdir} already holds event files; "
+                "TensorBoard will show their points too (export into a "
+                "new directory to avoid doubles)"
+            )
+        # tensorboardX names a file by the second it was opened and the
+        # host: a writer reopened (purge) within that second would replace
+        # the file before it. The suffix keeps the names apart and in the
+        # order TensorBoard must read them.
+        suffix = f".{os.getpid()}.{next(_FILE_IDS):06d}"
+        # flush_secs is a ceiling; follow mode flushes after each poll.
+        return self._writer_cls(
+            logdir=logdir, flush_secs=5, purge_step=purge_step, filename_suffix=suffix
+        )
+
+    def _writer(self, rec: dict) -> Any:
+        """The writer for ``rec``'s run, None when a later attempt already
+        replaced ``rec``'s step."""
+        run = rec.get("run")
+        w = self._writers.get(run)
+        if not self._purge:
+            if w is None:
+                w = self._writers[run] = self._open(run, None)
+            return w
+        step, attempt = rec.get("step"), attempt_of(rec)
+        st = self._attempts.get(run)
+        if st is None or attempt > st.attempt:
+            # The first record of a later attempt (or, in a fresh process,
+            # the first record it sees of a resumed run, whose earlier
+            # attempts' points may already be in the directory): from its
+            # step on, TensorBoard must show this attempt's points only.
+            replays = attempt > 0 and (st is None or step <= st.last)
+            if w is not None and replays:
+                w.close()
+            if w is None or replays:
+                purge_step = step if replays else None
+                w = self._writers[run] = self._open(run, purge_step, warn=st is None)
+            last = step if st is None or replays else max(st.last, step)
+            self._attempts[run] = _Attempt(attempt, step, last)
+            return w
+        if attempt < st.attempt and step >= st.first:
+            return None  # a late line of an earlier attempt, superseded
+        st.last = max(st.last, step)
+        if w is None:  # written to before close(): carry on, no purge
+            w = self._writers[run] = self._open(run, None, warn=False)
         return w
 
     def add(self, rec: dict) -> None:
@@ -217,11 +313,14 @@ class TensorBoardExport:
         if kind == "meta":
             self.stats.meta += 1
             return
-        w = self._writer(rec.get("run"))
+        w = self._writer(rec)
+        if w is None:
+            self.stats.superseded += 1
+            return
         step = rec.get("step")
         wall = rec.get("time")
         wall = float(wall) if isinstance(wall, (int, float)) else None
-        base, suffix = tag_parts(rec)
+        base, suffix = tag_parts(rec, mark_divergent=self._mark_divergent)
         self.stats.records += 1
         for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):
             self._leaf(w, base + path + suffix, v, dtype, step, wall)
@@ -295,10 +394,17 @@ class TensorBoardExport:
         for w in self._writers.values():
             w.flush()
 
-    def close(self) -> None:
+    def close_files(self) -> None:
+        """Every event written on disk: tensorboardX's ``flush()`` does not
+        wait for the events its writer thread has not taken yet, ``close()``
+        does. A later ``add`` opens a new event file of the run (TensorBoard
+        reads a directory's files in order)."""
         for w in self._writers.values():
             w.close()
         self._writers.clear()
+
+    def close(self) -> None:
+        self.close_files()
         logging.getLogger(_X2NUM_LOGGER).removeFilter(self._quiet)
 
 
@@ -310,7 +416,8 @@ def export(
     records. Divergence marks are not needed: every value is written."""
     from pmaptap.tapfile.attempts import Attempts, scan
 
-    tb = TensorBoardExport(outdir, path)
+    # The superseded records are left out below: nothing to purge.
+    tb = TensorBoardExport(outdir, path, purge=False)
     bad: list[tuple[int, str]] = []
     # Steps a later attempt of a resumed run replayed: its values only.
     attempts = scan(path) if not flt.all_attempts else Attempts()
@@ -347,8 +454,10 @@ def follow(
     """Convert what the file holds, then keep converting what writers append,
     flushing the event files after every poll so that TensorBoard shows a
     live job. Ctrl-C / SIGTERM (or ``timeout`` seconds) end it cleanly with
-    every converted record flushed."""
-    tb = TensorBoardExport(outdir, path)
+    every converted record flushed. A restarted run's replayed steps
+    replace the earlier attempt's points (``purge_step``) unless
+    ``flt.all_attempts``."""
+    tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
     stop = threading.Event()
     restore = on_stop_signals(stop.set)

@@ -11,7 +11,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import shown_value
-from pmaptap.tapfile.attempts import Attempts
+from pmaptap.tapfile.attempts import Attempts, attempt_of
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
 from pmaptap.tapfile.format import decode_record, index_text
 from pmaptap.tapfile.lines import iter_lines
@@ -197,7 +197,10 @@ def flags_text(r: dict) -> str:
 # ------------------------------------------------------------------ tables
 
 COLUMNS = ("line", "name", "step", "kind", "proc", "device", "coords", "value", "flags")
-_RIGHT = {"line", "step", "proc"}
+# --all-attempts: which attempt wrote each record (a replayed step shows
+# once per attempt).
+COLUMNS_ALL_ATTEMPTS = COLUMNS[:3] + ("attempt",) + COLUMNS[3:]
+_RIGHT = {"line", "step", "attempt", "proc"}
 
 
 def row(e: Entry, width: int = 60) -> dict[str, str]:
@@ -206,6 +209,7 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
         "line": str(e.line),
         "name": str(r.get("name")),
         "step": str(r.get("step")),
+        "attempt": str(attempt_of(r)),
         "kind": str(r.get("kind")),
         "proc": str(r.get("process")),
         "device": device_text(r),
@@ -250,6 +254,9 @@ class Table:
         return self._line(r)
 
 
-def json_line(e: Entry) -> str:
-    """The record as one strict JSON line (non-finite markers as written)."""
-    return json.dumps(e.raw, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+def json_line(e: Entry, *, attempt: bool = False) -> str:
+    """The record as one strict JSON line (non-finite markers as written);
+    ``attempt``: with its ``attempt`` field even where the file leaves it out
+    (0, a first attempt), as ``read(path, attempts="all")`` gives it."""
+    raw = {**e.raw, "attempt": attempt_of(e.raw)} if attempt else e.raw
+    return json.dumps(raw, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
