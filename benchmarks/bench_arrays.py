@@ -17,7 +17,17 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import interleaved_rounds, machine, main_quick, medians, paired, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    activation_step,
+    interleaved_rounds,
+    machine,
+    main_quick,
+    medians,
+    paired,
+    sharded_linspace,
+    steps_arm,
+    table,
+)
 
 DEVICES = 8
 ROWS, COLS = 1024, 512  # float32: 2 MiB, shards of 256x256 (256 KiB) on 4x2
@@ -33,54 +43,26 @@ def _disk_bytes(path: str) -> int:
 
 def run(quick: bool = False) -> list[tuple]:
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     import pmaptap
 
     rounds, steps = (3, 4) if quick else (15, 20)
     tmp = tempfile.mkdtemp(prefix="pmaptap-bench-arrays-")
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    x = jax.device_put(
-        jnp.linspace(0.0, 1.0, ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS),
-        NamedSharding(mesh, P("data", "model")),
-    )
-
-    def noop(*_):
-        return None
-
-    def make(kind):
-        @jax.jit
-        def step(v):
-            y = jnp.tanh(v) * 1.0001
-            if kind == "raw":
-                jax.debug.callback(noop, y, partitioned=True)
-            elif kind == "tap":
-                pmaptap.tap(y, "act", dedup="per_device")
-            return y
-
-        return step
+    x = sharded_linspace(mesh, ROWS, COLS)
 
     path = os.path.join(tmp, "bench.jsonl")
     session = pmaptap.Session(path, run="bench").open()
 
-    def arm(fn, flush):
-        def go():
-            y = None
-            for _ in range(steps):
-                y = fn(x)
-            y.block_until_ready()
-            if flush:
-                session.flush()
-            else:
-                jax.effects_barrier()
-
-        return go
-
     times = interleaved_rounds(
-        {k: arm(make(k), flush=k == "tap") for k in ("base", "raw", "tap")},
+        {
+            k: steps_arm(
+                activation_step(k), x, steps, session.flush if k == "tap" else jax.effects_barrier
+            )
+            for k in ("base", "raw", "tap")
+        },
         rounds=rounds,
         steps=steps,
     )
@@ -90,7 +72,7 @@ def run(quick: bool = False) -> list[tuple]:
     # Bytes on disk per byte of the array: a fresh run of this tap alone.
     disk_path = os.path.join(tmp, "disk.jsonl")
     n = 4 if quick else 20
-    fn = make("tap")
+    fn = activation_step("tap")
     with pmaptap.Session(disk_path, run="disk"):
         for _ in range(n):
             fn(x)

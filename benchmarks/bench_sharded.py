@@ -19,7 +19,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "launch")):
     if p not in sys.path:
         sys.path.insert(0, p)
-from benchmarks.common import interleaved, machine, main_quick, ratio, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    activation_step,
+    interleaved,
+    machine,
+    main_quick,
+    ratio,
+    sharded_linspace,
+    steps_arm,
+    table,
+)
 
 DEVICES = 8
 ROWS, COLS = 64, 128  # float32 activation: 4 KiB per shard on 4x2
@@ -41,41 +50,19 @@ def run(quick: bool = False) -> list[tuple]:
     tmp = tempfile.mkdtemp(prefix="pmaptap-bench-")
     session = pmaptap.Session(os.path.join(tmp, "bench.jsonl"), run="bench").open()
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    x = jax.device_put(
-        jnp.linspace(0.0, 1.0, ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS),
-        NamedSharding(mesh, P("data", "model")),
-    )
+    x = sharded_linspace(mesh, ROWS, COLS)
 
     def noop(*_):
         return None
 
-    def make(kind):
-        @jax.jit
-        def step(v):
-            y = jnp.tanh(v) * 1.0001
-            if kind == "raw":
-                jax.debug.callback(noop, y, partitioned=True)
-            elif kind == "tap":
-                pmaptap.tap(y, "act", dedup="per_device")
-            return y
-
-        return step
-
-    def arm(fn, flush):
-        def go():
-            y = None
-            for _ in range(steps):
-                y = fn(x)
-            y.block_until_ready()
-            if flush:
-                session.flush()
-            else:
-                jax.effects_barrier()
-
-        return go
+    def finish(flush):
+        return session.flush if flush else jax.effects_barrier
 
     tap_med = interleaved(
-        {k: arm(make(k), flush=k == "tap") for k in ("base", "raw", "tap")},
+        {
+            k: steps_arm(activation_step(k), x, steps, finish(k == "tap"))
+            for k in ("base", "raw", "tap")
+        },
         rounds=rounds,
         steps=steps,
     )
@@ -83,12 +70,7 @@ def run(quick: bool = False) -> list[tuple]:
     # 16 per-shard taps in one step against ONE raw partitioned callback
     # carrying the same 16 arrays (issue 26: the taps of a step share one
     # partitioned callback per device; before, one per tap).
-    xs16 = jax.device_put(
-        jnp.linspace(0.0, 1.0, SMALL_ROWS * SMALL_COLS, dtype=jnp.float32).reshape(
-            SMALL_ROWS, SMALL_COLS
-        ),
-        NamedSharding(mesh, P("data", "model")),
-    )
+    xs16 = sharded_linspace(mesh, SMALL_ROWS, SMALL_COLS)
 
     def make16(kind):
         @jax.jit
@@ -103,21 +85,11 @@ def run(quick: bool = False) -> list[tuple]:
 
         return step
 
-    def arm16(fn, flush):
-        def go():
-            y = None
-            for _ in range(steps):
-                y = fn(xs16)
-            y.block_until_ready()
-            if flush:
-                session.flush()
-            else:
-                jax.effects_barrier()
-
-        return go
-
     many_med = interleaved(
-        {k: arm16(make16(k), flush=k == "tap16") for k in ("base16", "raw16", "tap16")},
+        {
+            k: steps_arm(make16(k), xs16, steps, finish(k == "tap16"))
+            for k in ("base16", "raw16", "tap16")
+        },
         rounds=rounds,
         steps=steps,
     )

@@ -117,6 +117,57 @@ def _nothing(*_) -> None:
     return None
 
 
+def sharded_linspace(mesh, rows: int, cols: int):
+    """A float32 (rows, cols) array sharded over both axes of a 2-D mesh:
+    the activation of the per-shard benchmarks."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.device_put(
+        jnp.linspace(0.0, 1.0, rows * cols, dtype=jnp.float32).reshape(rows, cols),
+        NamedSharding(mesh, P(*mesh.axis_names)),
+    )
+
+
+def activation_step(kind: str):
+    """A jitted step making an activation of its input: ``"base"`` taps
+    nothing, ``"raw"`` hands it to a raw ``jax.debug.callback(partitioned=
+    True)`` (one call per shard, doing nothing), ``"tap"`` taps it per
+    device with pmaptap (one record per shard)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pmaptap
+
+    @jax.jit
+    def step(v):
+        y = jnp.tanh(v) * 1.0001
+        if kind == "raw":
+            jax.debug.callback(_nothing, y, partitioned=True)
+        elif kind == "tap":
+            pmaptap.tap(y, "act", dedup="per_device")
+        return y
+
+    return step
+
+
+def steps_arm(fn, x, steps: int, finish: Callable[[], None]) -> Callable[[], None]:
+    """One round of an arm: ``steps`` calls of ``fn(x)``, the last result
+    waited for, then ``finish()`` (a session's flush, whose records and
+    bytes are then written, or ``jax.effects_barrier`` for raw callbacks)."""
+
+    def go() -> None:
+        y = None
+        for _ in range(steps):
+            y = fn(x)
+        y.block_until_ready()
+        finish()
+
+    return go
+
+
 def machine() -> str:
     import jax
 

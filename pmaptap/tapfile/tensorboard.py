@@ -350,14 +350,7 @@ class TensorBoardExport:
         ]
         if len(nums) < len(items):
             self.stats.skipped_leaves += 1
-        arr = np.asarray(nums, dtype=np.float64)
-        finite = arr[np.isfinite(arr)]
-        if finite.size:
-            w.add_histogram(tag, finite, step, walltime=wall)
-            self.stats.histograms += 1
-        if finite.size < arr.size:
-            w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step, walltime=wall)
-            self.stats.scalars += 1
+        self._add_histogram(w, tag, np.asarray(nums, dtype=np.float64), step, wall)
 
     def _array_histogram(self, w: Any, tag: str, a: Any, step: int, wall: float | None) -> None:
         import numpy as np
@@ -369,6 +362,14 @@ class TensorBoardExport:
         else:
             self.stats.skipped_leaves += 1
             return
+        self._add_histogram(w, tag, arr, step, wall)
+
+    def _add_histogram(self, w: Any, tag: str, arr: Any, step: int, wall: float | None) -> None:
+        """A histogram of ``arr``'s finite values (float64), and how many are
+        not finite as the scalar ``<tag>/nonfinite``: TensorBoard's histogram
+        takes finite numbers only."""
+        import numpy as np
+
         finite = arr[np.isfinite(arr)]
         if finite.size:
             w.add_histogram(tag, finite, step, walltime=wall)
