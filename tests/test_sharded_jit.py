@@ -107,6 +107,44 @@ def test_per_device_on_replicated_slices_names_every_device(tap_path):
     _check_per_device(pmaptap.read(tap_path), y, mesh)
 
 
+@pytest.mark.parametrize("dedup", ["per_device", "auto", "replicated"])
+def test_uneven_sharding_writes_no_padding_and_crops_padded_tiles(tap_path, dedup):
+    # 2 and 5 rows over the 4-way "data" axis: XLA pads every tile to
+    # ceil(rows / 4) rows, the last tiles past the end. Those devices hold no
+    # element of the value (nothing may be written for them) and the tile
+    # cut by the end holds fewer rows than it carries (only those are the
+    # value); every record says which slice it is.
+    mesh = _mesh()
+    x = _x(mesh, P("data", "model"))
+
+    @jax.jit
+    def step(v):
+        pmaptap.tap(v[:2, :2], "two", dedup=dedup, step=0)
+        pmaptap.tap(v[:5, :] * 1.0, "five", dedup=dedup, step=0)
+        return v
+
+    with pmaptap.Session(tap_path, run="t"):
+        step(x)
+    want = {"two": np.arange(64.0).reshape(8, 8)[:2, :2], "five": np.arange(64.0).reshape(8, 8)[:5]}
+    recs = pmaptap.read(tap_path)
+    for name, full in want.items():
+        rs = [r for r in recs if r["name"] == name]
+        cover = np.zeros(full.shape, int)
+        for r in rs:
+            (a, b), (c, d) = r["index"]
+            assert r["global_shape"] == list(full.shape)
+            assert r["shape"] == [b - a, d - c], r
+            np.testing.assert_array_equal(np.array(r["value"], np.float64), full[a:b, c:d])
+            cover[a:b, c:d] += 1 if dedup != "per_device" else 0
+        if dedup != "per_device":  # each slice once, whatever holds it
+            assert (cover == 1).all(), (name, cover)
+        np.testing.assert_array_equal(pmaptap.assemble(tap_path, name, 0), full)
+    # devices past the end (rows 2..3 of "two" over 4 tiles: devices 4-7)
+    # wrote nothing for "two"
+    held = {d for r in recs if r["name"] == "two" for d in r.get("devices") or [r.get("device")]}
+    assert held == {0, 1, 2, 3}, held
+
+
 def test_explicit_axes_give_the_same_records(tap_path):
     mesh = _mesh([3, 6, 0, 5, 1, 7, 2, 4], explicit=True)
     with jax.set_mesh(mesh):

@@ -54,25 +54,39 @@ class ShardPlacement:
         ``devices``). Called from XLA's partitioner, so it never raises."""
         try:
             shape = self.shapes[leaf]
-            by_device = {d.id: idx for d, idx in sharding.devices_indices_map(shape).items()}
-            out = []
-            for dev in self.devices:
-                idx = by_device[dev]
-                out.append(
-                    tuple(
-                        (
-                            0 if s.start is None else int(s.start),
-                            n if s.stop is None else int(s.stop),
-                        )
-                        for s, n in zip(idx, shape)
-                    )
-                )
-            self.slices[leaf] = tuple(out)
+            by_device = _slices_by_device(sharding, shape)
+            self.slices[leaf] = tuple(by_device[dev] for dev in self.devices)
         except Exception:  # noqa: BLE001 - unknown stays unknown (null)
             self.slices[leaf] = None
         self._holders = {}
 
     # -------------------------------------------------- host side
+    def padding(self, k: int) -> bool:
+        """Whether partition ``k`` holds no element of any tapped leaf: an
+        uneven sharding's last tiles hold only XLA's padding, and its bytes
+        are no value (never written)."""
+        if not self.slices or any(s is None for s in self.slices):
+            return False
+        return all(any(b <= s for s, b in leaf[k]) for leaf in self.slices)
+
+    def local_expected(self) -> int:
+        """How many of this process's partitions send a shard worth waiting
+        for (padding-only partitions are dropped on arrival)."""
+        return sum(1 for k, p in enumerate(self.processes) if p == self.me and not self.padding(k))
+
+    def crop(self, k: int, leaves: list[np.ndarray]) -> list[np.ndarray]:
+        """Partition ``k``'s shards without XLA's padding: under an uneven
+        sharding a tile is padded to the size of the others, and only the
+        part inside the global shape is the value."""
+        out = []
+        for leaf, a in zip(self.slices, leaves):
+            if leaf is not None and np.ndim(a) == len(leaf[k]):
+                extent = tuple(max(0, b - s) for s, b in leaf[k])
+                if extent != np.shape(a) and all(e <= n for e, n in zip(extent, np.shape(a))):
+                    a = a[tuple(slice(0, e) for e in extent)]
+            out.append(a)
+        return out
+
     def index_of(self, k: int, leaves: list[np.ndarray]) -> list | None:
         """The record's ``index`` for partition ``k``: [[start, stop], ...]
         for one leaf, a list of those for several; None when any leaf's slice
@@ -101,3 +115,37 @@ class ShardPlacement:
                 j for j in range(len(self.devices)) if tuple(s[j] for s in self.slices) == mine
             ]
         return out
+
+
+def _slices_by_device(sharding: Any, shape: tuple[int, ...]) -> dict[int, Index]:
+    """device id -> its global slice of an array of ``shape`` under
+    ``sharding``. JAX's devices_indices_map refuses an uneven tiling (2 rows
+    over 4 devices), which XLA compiles by padding every tile to the same
+    size, the last ones past the end: the tiles of a shape made divisible
+    (each dimension times the device count: a mesh's tile counts divide it)
+    give each device's tile coordinate, and its slice is that tile of the
+    padded shape cut at the real one (empty for padding only)."""
+    try:
+        return {
+            d.id: tuple(
+                (0 if s.start is None else int(s.start), n if s.stop is None else int(s.stop))
+                for s, n in zip(idx, shape)
+            )
+            for d, idx in sharding.devices_indices_map(shape).items()
+        }
+    except ValueError:  # IndivisibleError: an uneven tiling
+        pass
+    count = len(sharding.device_set)
+    big = tuple(max(n, 1) * count for n in shape)
+    out = {}
+    for d, idx in sharding.devices_indices_map(big).items():
+        box = []
+        for s, n, nb in zip(idx, shape, big):
+            start = 0 if s.start is None else int(s.start)
+            stop = nb if s.stop is None else int(s.stop)
+            tiles = nb // (stop - start)
+            size = -(-n // tiles)  # XLA's tile: ceil(n / tiles), padded
+            c = start // (stop - start)
+            box.append((min(c * size, n), min((c + 1) * size, n)))
+        out[d.id] = tuple(box)
+    return out

@@ -267,7 +267,9 @@ class Aggregator:
         step = _step(arrays[2])
         if site.explicit_step and not 0 <= step <= MAX_STEP:
             return self._refuse(site.name, step)
-        raw = list(arrays[3:])
+        if place.padding(k):
+            return []  # an uneven sharding's padding tile: no element of the value
+        raw = place.crop(k, list(arrays[3:]))
         device = place.devices[k]
         if not site.explicit_step:
             # Counted per device: each device runs every execution once, in order.
@@ -304,7 +306,7 @@ class Aggregator:
         if group is None:
             group = self._groups[gkey] = _Group(self.clock(), [])
         group.copies.append(copy)
-        if len(group.copies) >= max(1, place.local_count):
+        if len(group.copies) >= max(1, place.local_expected()):
             out += self._resolve(gkey, self._groups.pop(gkey))
         return out
 
