@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import subprocess
@@ -17,6 +18,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_sources(sub: str = "") -> list[tuple[str, ast.Module]]:
+    """(path from the repository root, parsed module) of every .py file of
+    the pmaptap package, or of its subpackage ``sub``, in path order: what
+    the tests that read the source itself walk."""
+    import ast
+
+    top = os.path.join(ROOT, "pmaptap", sub)
+    paths = sorted(
+        os.path.join(d, f) for d, _, files in os.walk(top) for f in files if f.endswith(".py")
+    )
+    return [(os.path.relpath(p, ROOT), ast.parse(open(p, encoding="utf-8").read())) for p in paths]
 
 
 @pytest.fixture

@@ -12,63 +12,52 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conftest import ROOT
-
-PKG = os.path.join(ROOT, "pmaptap")
+from conftest import package_sources
 
 
 def _uses() -> dict[tuple[str, str | None], list[str]]:
     """(jax._src module, attribute or None) -> where the package uses it."""
     uses: dict[tuple[str, str | None], list[str]] = {}
-    for d, _, files in os.walk(PKG):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(d, f)
-            rel = os.path.relpath(path, ROOT)
-            tree = ast.parse(open(path, encoding="utf-8").read())
-            alias: dict[str, str] = {}  # local name -> jax._src module
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
-                    for a in node.names:
-                        full = f"{node.module}.{a.name}"
-                        if importlib.util.find_spec(full.rsplit(".", 1)[0]) and _is_module(full):
-                            alias[a.asname or a.name] = full
-                        else:  # a name imported from a module
-                            uses.setdefault((node.module, a.name), []).append(
-                                f"{rel}:{node.lineno}"
-                            )
-                elif isinstance(node, ast.Import):
-                    for a in node.names:
-                        if a.name.startswith("jax._src"):
-                            uses.setdefault((a.name, None), []).append(f"{rel}:{node.lineno}")
-            for node in ast.walk(tree):
-                if (
-                    isinstance(node, ast.Attribute)
-                    and isinstance(node.value, ast.Name)
-                    and node.value.id in alias
-                ):
-                    key = (alias[node.value.id], node.attr)
-                    uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
-                elif (  # getattr(pe, "JaxprStackFrame", None): read by name
-                    isinstance(node, ast.Call)
-                    and getattr(node.func, "id", None) == "getattr"
-                    and len(node.args) >= 2
-                    and isinstance(node.args[0], ast.Name)
-                    and node.args[0].id in alias
-                    and isinstance(node.args[1], ast.Constant)
-                ):
-                    key = (alias[node.args[0].id], node.args[1].value)
-                    uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
-            for mod in alias.values():
-                uses.setdefault((mod, None), []).append(rel)
+    for rel, tree in package_sources():
+        alias: dict[str, str] = {}  # local name -> jax._src module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if importlib.util.find_spec(full.rsplit(".", 1)[0]) and _is_module(full):
+                        alias[a.asname or a.name] = full
+                    else:  # a name imported from a module
+                        uses.setdefault((node.module, a.name), []).append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("jax._src"):
+                        uses.setdefault((a.name, None), []).append(f"{rel}:{node.lineno}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in alias
+            ):
+                key = (alias[node.value.id], node.attr)
+                uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
+            elif (  # getattr(pe, "JaxprStackFrame", None): read by name
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "getattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in alias
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                key = (alias[node.args[0].id], node.args[1].value)
+                uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
+        for mod in alias.values():
+            uses.setdefault((mod, None), []).append(rel)
     return uses
 
 

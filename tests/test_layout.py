@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, package_sources, run_python
 
 PKG = os.path.join(ROOT, "pmaptap")
 
@@ -19,24 +19,20 @@ PKG = os.path.join(ROOT, "pmaptap")
 def _imports(package: str) -> dict[str, set[str]]:
     """module path -> the pmaptap modules it imports (absolute names)."""
     out = {}
-    for d, _, files in os.walk(os.path.join(PKG, package)):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(d, f)
-            names = set()
-            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    mod = node.module
-                    if node.level:  # relative: resolve against the package
-                        base = os.path.relpath(d, ROOT).split(os.sep)
-                        base = base[: len(base) - node.level + 1]
-                        mod = ".".join(base + [mod])
-                    names.add(mod)
-                    names.update(f"{mod}.{a.name}" for a in node.names)
-                elif isinstance(node, ast.Import):
-                    names.update(a.name for a in node.names)
-            out[os.path.relpath(path, ROOT)] = names
+    for rel, tree in package_sources(package):
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mod = node.module
+                if node.level:  # relative: resolve against the package
+                    base = os.path.dirname(rel).split(os.sep)
+                    base = base[: len(base) - node.level + 1]
+                    mod = ".".join(base + [mod])
+                names.add(mod)
+                names.update(f"{mod}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        out[rel] = names
     return out
 
 
@@ -201,18 +197,12 @@ def test_the_record_format_facts_live_in_one_place():
     # The non-finite markers and the record key are tapfile/format.py's; a
     # second copy elsewhere would drift (they were written out three times).
     found = []
-    for d, _, files in os.walk(PKG):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(d, f)
-            rel = os.path.relpath(path, ROOT)
-            tree = ast.parse(open(path, encoding="utf-8").read())
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Constant) and node.value in ("Infinity", "-Infinity"):
-                    found.append(f"{rel}:{node.lineno} marker {node.value!r}")
-                if isinstance(node, ast.FunctionDef) and node.name == "record_key":
-                    found.append(f"{rel}:{node.lineno} def record_key")
+    for rel, tree in package_sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in ("Infinity", "-Infinity"):
+                found.append(f"{rel}:{node.lineno} marker {node.value!r}")
+            if isinstance(node, ast.FunctionDef) and node.name == "record_key":
+                found.append(f"{rel}:{node.lineno} def record_key")
     assert sorted(found) == sorted(
         [
             f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
@@ -232,14 +222,13 @@ def _module_graph() -> dict[str, set[str]]:
     inside functions (an import on first use is still a dependency); imports
     under ``if TYPE_CHECKING:`` are left out (they never run)."""
     mods = {}
-    for d, _, files in os.walk(PKG):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(d, f)
-                parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
-                if parts[-1] == "__init__":
-                    parts.pop()
-                mods[".".join(parts)] = path
+    trees = {}
+    for rel, tree in package_sources():
+        parts = rel[:-3].split(os.sep)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = rel
+        trees[rel] = tree
     graph: dict[str, set[str]] = {}
 
     def resolve(name: str) -> str | None:
@@ -274,7 +263,7 @@ def _module_graph() -> dict[str, set[str]]:
                     for a in node.names:
                         out.add(resolve(f"{target}.{a.name}"))
 
-        Visitor().visit(ast.parse(open(path, encoding="utf-8").read()))
+        Visitor().visit(trees[path])
         # The facade (pmaptap/__init__.py) loads public modules by name on
         # first use; a package's own __init__ is not a dependency of its
         # modules.
