@@ -41,7 +41,7 @@ __all__ = sorted(_PUBLIC)
 # that ``import pmaptap; pmaptap.distributed.initialize()`` works as
 # ``jax.distributed.initialize()`` does. Not in __all__: a star import would
 # load every one of them (JAX with host_callback, the launcher, the CLI).
-# tests/test_layout.py checks that this lists every public submodule.
+# tests/project/test_layout.py checks that this lists every public submodule.
 _SUBMODULES = frozenset(
     {
         "cli",

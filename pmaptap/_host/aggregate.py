@@ -918,7 +918,7 @@ def _line_pieces(template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | 
     into the four pieces around its step, value and time, or None when it
     cannot be cut unambiguously (then records are encoded one by one).
     Cut from ``Record.encode`` itself, so the joined line is byte for byte
-    the one that encoding would write (tests/test_fast_lines.py)."""
+    the one that encoding would write (tests/trace/test_fast_lines.py)."""
     if ORJSON is None:
         return None
     line = _from_template(

@@ -29,7 +29,7 @@ other exit handlers, the user's and pmaptap's, run as usual.
 
 A child forked before the runtime started owns a fresh JAX and is left alone.
 The names read from JAX are guarded by
-``tests/test_fork.py::test_jax_exit_internals_the_fork_hook_reads_are_still_there``.
+``tests/host/test_fork.py::test_jax_exit_internals_the_fork_hook_reads_are_still_there``.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def _after_fork_in_child() -> None:
     # The parent's objects are the parent's: a garbage collection in the
     # child that finalizes inherited JAX objects (their runtime threads did not
     # survive the fork) crashed the child at exit (SIGSEGV while
-    # "Garbage-collecting", tests/test_fork.py). Freezing moves everything
+    # "Garbage-collecting", tests/host/test_fork.py). Freezing moves everything
     # inherited out of the collector's reach; the child's own objects are
     # collected as usual.
     gc.freeze()

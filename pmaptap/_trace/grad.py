@@ -8,7 +8,7 @@ record goes through the same checks, tagging, dedup, step counters and
 ``every`` as ``tap`` (the aggregator keys automatic steps by
 (name, pass, device), so backward records count on their own).
 
-Consequences worth knowing (tested in tests/test_tap_grad.py):
+Consequences worth knowing (tested in tests/trace/test_tap_grad.py):
 
 - One record per execution of the backward pass through this point. Under
   ``jax.checkpoint`` the recomputed forward pass has nothing to replay: the
@@ -137,7 +137,7 @@ def _forward_mode_trace(leaves: list) -> bool:
 
     Relies on JAX 0.10 internals (``core.trace_ctx``, ``ad.JVPTrace`` /
     ``LinearizeTrace``, ``parent_trace``): a call is processed by the current
-    trace first, then by each parent in turn. tests/test_tap_grad.py checks
+    trace first, then by each parent in turn. tests/trace/test_tap_grad.py checks
     the message under jvp and jacfwd, so an upgrade that breaks this fails
     there (and users then see JAX's own error, never a wrong result).
     """

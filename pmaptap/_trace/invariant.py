@@ -29,7 +29,7 @@ b. A conservative walk back through the equations being recorded: each
 
 Nothing here may fail a user's trace: any exception means "not proven", and
 the tap falls back to comparing its copies.
-``tests/test_prove.py::test_jax_internals_the_proof_reads_are_still_there``
+``tests/trace/test_prove.py::test_jax_internals_the_proof_reads_are_still_there``
 fails loudly if a JAX upgrade moves what is read here.
 """
 
@@ -292,7 +292,7 @@ def _step(t: Any, var: Any, axes: frozenset, frame: Any, memo: dict):
 
 def check_internals() -> None:
     """Raise if a JAX upgrade moved what the proof reads (run by
-    tests/test_prove.py, so that it fails there, loudly, rather than every
+    tests/trace/test_prove.py, so that it fails there, loudly, rather than every
     replicated tap silently falling back to comparing copies)."""
     import inspect
 

@@ -33,7 +33,7 @@ no element index. Our rule instead emits *one* callback carrying the whole
 batch, and counts the vmapped axes in ``TapSpec.batch_dims`` (nested vmaps
 stack, outermost first). The wrapper also keeps ``jax.checkpoint`` from
 replaying the tap when it recomputes the forward pass
-(tests/test_primitive.py shows the bare primitive is replayed).
+(tests/trace/test_primitive.py shows the bare primitive is replayed).
 
 The callback itself only hands the arrays to the active pipeline (see
 ``routing.deliver``) and returns: XLA's callback thread holds the GIL and

@@ -292,7 +292,7 @@ def replicated(ctx, value, aval, devices: tuple):
 
 def check_shard_internals() -> None:
     """Raise if a JAX upgrade moved what the per-shard lowering reads (run by
-    tests/test_sharded_jit.py, so it fails there, loudly)."""
+    tests/trace/test_sharded_jit.py, so it fails there, loudly)."""
     import inspect
 
     from jax._src import callback, config, dispatch, sharding_impls

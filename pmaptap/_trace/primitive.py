@@ -13,7 +13,7 @@ during the call). Partial-auto shard_map contexts and TPU, where the callback
 needs JAX's own gather/cond or send/recv plumbing, delegate to
 ``debug_callback``'s lowering.
 
-This module relies on ``jax._src`` internals (JAX 0.10); tests/test_primitive.py
+This module relies on ``jax._src`` internals (JAX 0.10); tests/trace/test_primitive.py
 fails loudly if a JAX upgrade breaks it.
 """
 
@@ -187,7 +187,7 @@ def run_later(body: Callable[..., None], leaves: list, step: Any, name: str) -> 
 # cacheable=False)); control flow nested inside the condition (jit, while,
 # cond, scan) is lowered once with an empty name stack and reused, so a
 # callback inside it still runs twice (docs/host_callback.md).
-# tests/test_while_predicate.py fails loudly if JAX renames the scope.
+# tests/trace/test_while_predicate.py fails loudly if JAX renames the scope.
 _WHILE_SCOPE, _PRED_SCOPE = "while", "body_pred"
 
 

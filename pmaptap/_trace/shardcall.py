@@ -28,7 +28,7 @@ XLA's partitioner has chosen it. So the decision is taken in the lowering:
   would need an all-reduce, so there the host summarizes each shard).
 
 This module relies on ``jax._src`` internals (JAX 0.10) through
-placement.py and the lowering helpers below; tests/test_sharded_jit.py fails
+placement.py and the lowering helpers below; tests/trace/test_sharded_jit.py fails
 loudly if a JAX upgrade breaks them.
 """
 

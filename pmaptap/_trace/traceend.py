@@ -16,7 +16,7 @@ usual, with it.
 
 This is the only place that hooks JAX's tracing; beside the hook it reads
 only trace types and their ``parent_trace`` (``staging_target``).
-``tests/test_autogroup.py::test_trace_end_hook_still_sits_where_jax_ends_a_trace``
+``tests/trace/test_autogroup.py::test_trace_end_hook_still_sits_where_jax_ends_a_trace``
 fails loudly if a JAX upgrade moves it. Should the method be gone, nothing
 is hooked (``installed()`` is False) and taps are emitted one by one, as
 before automatic grouping: slower, never lost.

@@ -67,7 +67,7 @@ form orders nothing. Why not ``pure_callback``: JAX drops it when its result
 is unused and may repeat it, where the old ``call`` ran once per execution.
 
 Like primitive.py this reads ``jax._src`` (JAX 0.10); tests/test_host_callback*
-and tests/test_while_predicate.py fail loudly if an upgrade breaks it.
+and tests/trace/test_while_predicate.py fail loudly if an upgrade breaks it.
 """
 
 from __future__ import annotations

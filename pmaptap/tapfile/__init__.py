@@ -8,7 +8,7 @@ from typing import Any
 # The modules of this package, loaded on first attribute access, so that
 # ``import pmaptap; pmaptap.tapfile.reader.read(path)`` works without an
 # import of each (as the pmaptap package does for its own submodules).
-# tests/test_layout.py checks that this lists every module here.
+# tests/project/test_layout.py checks that this lists every module here.
 _SUBMODULES = frozenset(
     {
         "arrays",

@@ -198,7 +198,7 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
     """``parse_line`` of every line of ``lines`` (each without its newline),
     many lines per call: (records, problems), ``records[i]`` the record of
     ``lines[i]`` or None, ``problems[i]`` why it is not one. Exactly
-    parse_line's answers (tests/test_read_batch.py checks it on hostile
+    parse_line's answers (tests/tapfile/test_read_batch.py checks it on hostile
     lines); never raises an Exception.
 
     The common case costs a few C-level passes over the list instead of a

@@ -1,6 +1,6 @@
 """Array values stored as bytes (tapfile/arrays.py) and pmaptap.assemble:
 bit-exact for every dtype, crash-safe, in the one-file and sharded layouts
-(object stores: tests/test_object_store.py), and every reader on them."""
+(object stores: tests/host/test_object_store.py), and every reader on them."""
 
 from __future__ import annotations
 

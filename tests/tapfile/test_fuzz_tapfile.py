@@ -10,7 +10,7 @@ tapfile/parse.py) calls a record is returned, equal to it; every other
 non-empty line is reported with its line number.
 
 Bounded to a few seconds by default; ``PMAPTAP_FUZZ_EXAMPLES=5000 pytest
-tests/test_fuzz_tapfile.py`` runs a longer search.
+tests/tapfile/test_fuzz_tapfile.py`` runs a longer search.
 """
 
 from __future__ import annotations

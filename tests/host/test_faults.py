@@ -3,7 +3,7 @@ and os._exit, stuck and stale locks, full disks, tap floods, and failures
 inside the host side. Real signals and kills happen in subprocesses. Each
 test fails if the guarantee it names breaks; docs/faults.md is the table.
 
-Builds on, and does not repeat: tests/test_core_file.py (many writers, torn
+Builds on, and does not repeat: tests/host/test_core_file.py (many writers, torn
 tail, stuck lock, EFBIG at flush, drop_newest count), test_core_session.py
 (exit paths, SIGTERM), test_nfs_lock.py (soft lock protocol),
 test_host_callback.py (a raising tap function at barrier_wait).
