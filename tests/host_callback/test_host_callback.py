@@ -390,7 +390,8 @@ def test_call_pytree_result_and_python_scalar_shape():
 
 def test_id_tap_result_is_returned_and_not_sent(monkeypatch):
     got, sent = [], []
-    consumer = hcb._TapConsumer
+    from pmaptap.host_callback._taps import _TapConsumer as consumer
+
     original = consumer.__call__
 
     def recording(self, batch_dims, coords, *arrays):
