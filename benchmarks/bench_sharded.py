@@ -39,8 +39,8 @@ SMALL_ROWS, SMALL_COLS = 8, 16  # each: 2x8 floats per shard on 4x2
 def run(quick: bool = False) -> list[tuple]:
     import jax
     import jax.numpy as jnp
+    import model as demo
     import numpy as np
-    import train
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -97,12 +97,12 @@ def run(quick: bool = False) -> list[tuple]:
     # The --variant jit training step: 1-D "data" mesh, params replicated.
     dmesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shd = NamedSharding(dmesh, P()), NamedSharding(dmesh, P("data"))
-    params = jax.device_put(train.init_params(0), rep)
-    xs, ys = zip(*(train.make_batch(0, 0, k, 8) for k in range(DEVICES)))
+    params = jax.device_put(demo.init_params(0), rep)
+    xs, ys = zip(*(demo.make_batch(0, 0, k, 8) for k in range(DEVICES)))
     bx = jax.device_put(np.concatenate(xs), shd)
     by = jax.device_put(np.concatenate(ys), shd)
     fns = {
-        name: jax.jit(train.make_jit_step(0.05, 1000, DEVICES, taps=name == "tapped"))
+        name: jax.jit(demo.make_jit_step(0.05, 1000, DEVICES, taps=name == "tapped"))
         for name in ("untapped", "tapped")
     }
 

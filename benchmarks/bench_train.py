@@ -38,8 +38,8 @@ DEVICES = 8
 def run(quick: bool = False) -> list[tuple]:
     import jax
     import jax.numpy as jnp
+    import model as demo
     import numpy as np
-    import train
     from jax import lax
 
     import pmaptap
@@ -53,7 +53,7 @@ def run(quick: bool = False) -> list[tuple]:
         # from one device, with the arrays pmaptap's grouped callback carries
         # (built by broadcasting: the floor has no collective).
         vals = []
-        out = train.make_step(
+        out = demo.make_step(
             "dp", 0.05, 1000, mark_varying=False, tap=lambda v, *a, **k: vals.append(v)
         )(params, x, y, step)
         stacked = [jnp.broadcast_to(v, (DEVICES,) + jnp.shape(v)) for v in vals]
@@ -75,26 +75,24 @@ def run(quick: bool = False) -> list[tuple]:
     for label, hidden, batch, every, where, with_floor in configs:
         # Fewer steps per round for the slow step: about 1 s per arm-round.
         n_steps = steps if hidden < 2048 else max(1, steps // 4)
-        params = jax.tree.map(lambda a: np.stack([a] * DEVICES), train.init_params(0, hidden))
-        shards = [train.make_batch(0, 0, k, batch) for k in range(DEVICES)]
+        params = jax.tree.map(lambda a: np.stack([a] * DEVICES), demo.init_params(0, hidden))
+        shards = [demo.make_batch(0, 0, k, batch) for k in range(DEVICES)]
         x = np.stack([s[0] for s in shards])
         y = np.stack([s[1] for s in shards])
 
         def pmapped(body):
             return jax.pmap(body, axis_name="dp", in_axes=(0, 0, 0, None))
 
-        plain = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False, taps=False))
+        plain = pmapped(demo.make_body("dp", 0.05, 1000, mark_varying=False, taps=False))
         if where == "host":
             # launch/train.py --tap-every: a tapped and an untapped compilation
             loud, quiet = map(
                 pmapped,
-                train.tapped_and_quiet(
-                    train.make_body("dp", 0.05, 1000, mark_varying=False), every
-                ),
+                demo.tapped_and_quiet(demo.make_body("dp", 0.05, 1000, mark_varying=False), every),
             )
             tapped = lambda s, loud=loud, quiet=quiet: loud if s % every == 0 else quiet
         else:
-            fn = pmapped(train.make_body("dp", 0.05, 1000, mark_varying=False, every=every))
+            fn = pmapped(demo.make_body("dp", 0.05, 1000, mark_varying=False, every=every))
             tapped = lambda s, fn=fn: fn
         pick = {"untapped": lambda s: plain, "tapped": tapped}
         if with_floor:

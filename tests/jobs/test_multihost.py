@@ -35,25 +35,25 @@ STEPS = 4
 BATCH = 8
 
 
-def _load_train():
+def _load_model():
     spec = importlib.util.spec_from_file_location(
-        "pmaptap_train_script", os.path.join(ROOT, "launch", "train.py")
+        "pmaptap_demo_model", os.path.join(ROOT, "launch", "model.py")
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-train = _load_train()
+model = _load_model()  # launch/train.py's model and data
 
 
 def expected_step0_grad_norm(shard: int) -> float:
     """Gradient norm of data shard ``shard`` at step 0 (initial params)."""
     import jax
 
-    params = train.init_params(0)
-    x, y = train.make_batch(0, 0, shard, BATCH)
-    return float(train.grad_norm(jax.grad(train.loss_fn)(params, x, y)))
+    params = model.init_params(0)
+    x, y = model.make_batch(0, 0, shard, BATCH)
+    return float(model.grad_norm(jax.grad(model.loss_fn)(params, x, y)))
 
 
 def run_train(
