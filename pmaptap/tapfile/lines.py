@@ -75,8 +75,17 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str 
     without being held in memory. A run in the sharded layout (``path.d/``)
     is read as one stream merged from its shards (tapfile/runs.py)."""
     if runs.is_sharded(path):
-        return runs.iter_merged(path, iter_file_lines)
+        return _flat(runs.iter_merged(path, read_at))
     return iter_file_lines(path)
+
+
+def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, dict | None, str | None]]:
+    for first, records, problems in batches:
+        if not problems:
+            yield from zip(count(first), records, repeat(None))
+            continue
+        for i, d in enumerate(records):
+            yield first + i, d, problems.get(first + i)
 
 
 def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
@@ -84,39 +93,13 @@ def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
     sharded layout is its merged stream cut into batches."""
     if not runs.is_sharded(path):
         return iter_file_batches(path)
-    return _batched(iter_lines(path))
-
-
-def _batched(
-    lines: Iterator[tuple[int, dict | None, str | None]], size: int = 512
-) -> Iterator[Batch]:
-    # The merged stream of a sharded run numbers lines by their position in
-    # it, consecutively, so one batch is a run of consecutive numbers.
-    records: list = []
-    problems: dict = {}
-    first = 1
-    for lineno, d, problem in lines:
-        if not records:
-            first = lineno
-        records.append(d)
-        if problem is not None:
-            problems[lineno] = problem
-        if len(records) == size:
-            yield first, records, problems
-            records, problems = [], {}
-    if records:
-        yield first, records, problems
+    return runs.iter_merged(path, read_at)
 
 
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """``iter_lines`` of one file. A long read draws a progress bar on a
     terminal (see _ReadProgress)."""
-    for first, records, problems in iter_file_batches(path):
-        if not problems:
-            yield from zip(count(first), records, repeat(None))
-            continue
-        for i, d in enumerate(records):
-            yield first + i, d, problems.get(first + i)
+    return _flat(iter_file_batches(path))
 
 
 # Bytes read per batch: ~300 records of a training job. Small enough that a
@@ -145,52 +128,28 @@ def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Itera
     itself and hands any other line to parse.parse_line); every other batch
     comes as ``(first, records, problems, None)``. Without it, batches are
     ``(first, records, problems)``."""
-    limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
         progress = _ReadProgress(f, path)
         try:
             lineno = 1
             while True:
-                buf = f.read(BATCH_BYTES)
-                if not buf:
+                block = read_block(f, BATCH_BYTES)
+                if block is None:
                     return
                 progress.tick()
-                last: tuple[dict | None, str | None] | None = None
-                if buf[-1] != 0x0A:
-                    # Finish the batch's last line (readline stops at its
-                    # newline, or once the line is over the limit).
-                    start = buf.rfind(b"\n") + 1
-                    rest = f.readline(limit + 1 - (len(buf) - start))
-                    if rest.endswith(b"\n"):
-                        buf += rest
-                    else:
-                        raw = buf[start:] + rest
-                        buf = buf[:start]
-                        if len(raw) > limit:
-                            size = len(raw) + _skip_line(f)
-                            why = f"{size} bytes or more; readers take at most {limit}"
-                            last = (None, f"line too long ({why})")
-                        else:
-                            # No newline at the end of the file: a writer is
-                            # still writing this line, or was killed while
-                            # writing it.
-                            d, problem = parse_line(raw)
-                            if problem is not None and problem.startswith("not valid JSON"):
-                                problem = "torn last line (no newline)"
-                            last = (d, problem)
+                buf, last = block
                 records: list = []
                 where: dict = {}
                 if buf:
                     # buf ends with a newline: the split's last item is empty.
                     lines = buf.split(b"\n")
                     lines.pop()
-                    block = buf
-                    values = parse.load_lines(lines, block) if unchecked else None
+                    values = parse.load_lines(lines, buf) if unchecked else None
                     if values is not None:
                         yield lineno, values, {}, lines
                         lineno += len(values)
                     else:
-                        records, where = parse.parse_lines(lines, block)
+                        records, where = parse.parse_lines(lines, buf)
                 problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:
@@ -204,6 +163,74 @@ def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Itera
                 lineno += len(records)
         finally:
             progress.close()
+
+
+def read_block(
+    f: BinaryIO, size: int
+) -> "tuple[bytes, tuple[dict | None, str | None] | None] | None":
+    """The next ``size`` bytes of ``f`` or so, as whole lines: ``(buf,
+    last)``, ``buf`` the bytes of whole lines (each ending with a newline,
+    maybe none), ``last`` the record/problem of a line that ends the block
+    without a newline (None if there is none); None at the end of the file.
+
+    What only the file shows is decided here: a line longer than
+    parse.MAX_LINE_BYTES is reported without being held in memory past that
+    limit (and ``f`` is left after it), and a last line without a newline
+    that is not valid JSON is a torn line (a writer still writing it, or
+    killed). The one home of those rules for every reader of local files
+    (iter_file_batches, and the merge of a sharded run, which re-opens each
+    shard at the offset where this left it)."""
+    limit = parse.MAX_LINE_BYTES
+    buf = f.read(size)
+    if not buf:
+        return None
+    last: tuple[dict | None, str | None] | None = None
+    if buf[-1] != 0x0A:
+        # Finish the block's last line (readline stops at its newline, or
+        # once the line is over the limit).
+        start = buf.rfind(b"\n") + 1
+        rest = f.readline(limit + 1 - (len(buf) - start))
+        if rest.endswith(b"\n"):
+            buf += rest
+        else:
+            raw = buf[start:] + rest
+            buf = buf[:start]
+            if len(raw) > limit:
+                size = len(raw) + _skip_line(f)
+                why = f"{size} bytes or more; readers take at most {limit}"
+                last = (None, f"line too long ({why})")
+            else:
+                # No newline at the end of the file: a writer is still
+                # writing this line, or was killed while writing it.
+                d, problem = parse_line(raw)
+                if problem is not None and problem.startswith("not valid JSON"):
+                    problem = "torn last line (no newline)"
+                last = (d, problem)
+    return buf, last
+
+
+def read_at(path: str, offset: int, size: int) -> tuple[list, dict, int]:
+    """About ``size`` bytes of whole lines of ``path`` from ``offset``, read
+    with the file open only meanwhile (the merge of a sharded run holds no
+    shard open between pieces): (records, problems by index in records,
+    the offset after them); no records at the end of the file."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        block = read_block(f, size)
+        if block is None:
+            return [], {}, offset
+        buf, last = block
+        records: list = []
+        problems: dict = {}
+        if buf:
+            lines = buf.split(b"\n")
+            lines.pop()  # buf ends with a newline
+            records, problems = parse.parse_lines(lines, buf)
+        if last is not None:
+            if last[1] is not None:
+                problems[len(records)] = last[1]
+            records.append(last[0])
+        return records, problems, f.tell()
 
 
 def _skip_line(f: BinaryIO) -> int:

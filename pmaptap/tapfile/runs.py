@@ -19,6 +19,7 @@ process stays and is marked divergent by the usual reconciliation.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import heapq
 import os
@@ -35,6 +36,7 @@ __all__ = [
     "sources",
     "owner",
     "iter_merged",
+    "MERGE_BYTES",
 ]
 
 SHARD_SUFFIX = ".d"
@@ -169,68 +171,220 @@ def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
     return out
 
 
-def iter_chunks(fs, names: list[str]) -> Iterator[tuple[int, "dict | None", "str | None", str]]:
-    """(line number, record or None, problem or None, chunk) over the lines
-    of one process's chunks, in order. A chunk is whole (objects are
-    written at once), so every line ends with a newline."""
-    from pmaptap.tapfile.parse import parse_line
+# What the merge of a sharded run holds, all sources together: each source
+# (a shard, or a process's chunks on an object store) is read a piece at a
+# time, MERGE_BYTES / sources bytes of lines per piece (within the bounds
+# below, and at least one whole line), and a local shard is open only while
+# a piece is read. So open files stay at one and memory at a few times
+# MERGE_BYTES however many shards there are.
+MERGE_BYTES = 8 << 20
+MIN_PIECE_BYTES = 2 << 10
+MAX_PIECE_BYTES = 64 << 10
+# Object-store chunks fetched at once (each source also fetches its next
+# chunk while its current one is merged): a round trip each, so in parallel.
+FETCH_THREADS = 16
+# Records per batch of the merged stream.
+MERGED_BATCH = 512
 
-    lineno = 0
-    for name in names:
-        data = fs.cat_file(name)
-        lines = data.split(b"\n")
-        if lines[-1] == b"":
-            lines.pop()  # the newline ending the last line (or empty)
-        for raw in lines:
-            lineno += 1
-            d, problem = parse_line(raw)
-            yield lineno, d, problem, name.rsplit("/", 1)[-1]
-
-
-def _streams(path, iter_file) -> list[Iterator[tuple]]:
-    """One (line number, record, problem, source name) iterator per source."""
-    if is_url(path):
-        fs, _ = url_fs(os.fspath(path))
-        return [iter_chunks(fs, names) for _, names in sorted(chunks(path).items())]
-
-    def local(f: str) -> Iterator[tuple]:
-        name = os.path.basename(f)
-        for lineno, d, problem in iter_file(f):
-            yield lineno, d, problem, name
-
-    return [local(f) for f in sources(path)]
+# (path, offset, bytes) -> (records, problems by index, offset after them):
+# lines.read_at, passed in (lines imports this module).
+ReadAt = Callable[[str, int, int], tuple[list, dict, int]]
+Batch = tuple[int, list, dict]
+_NUMBER = (int, float)
 
 
-def iter_merged(
-    path: str | os.PathLike, iter_file: Callable[[str], Iterator[Line]]
-) -> Iterator[Line]:
-    """(position, record or None, problem or None) over every source of the
-    run, merged by record time. Positions count lines of the merged stream;
-    a problem names the shard file and its own line number."""
+class _Source:
+    """One source of the merge, read a piece at a time: the records of the
+    current piece, each one's merge key (record time, kept non-decreasing),
+    and how far the merge has taken them."""
 
-    def keyed(i: int, stream: Iterator[tuple]) -> Iterator[tuple]:
-        t = float("-inf")
-        for lineno, d, problem, name in stream:
+    name = ""
+
+    def __init__(self) -> None:
+        self.t = float("-inf")
+        self.lineno = 1  # of records[0] in the source
+        self.records: list = []
+        self.problems: dict = {}
+        self.keys: list = []
+        self.pos = 0
+        self.plain = True  # no problem and no replicated value in the piece
+
+    def piece(self) -> "tuple[list, dict] | None":
+        raise NotImplementedError
+
+    def load(self) -> bool:
+        """The next piece; False once the source is read."""
+        self.lineno += len(self.records)
+        got = self.piece()
+        if got is None:
+            self.records, self.keys = [], []
+            return False
+        records, problems = got
+        t = self.t
+        keys = []
+        plain = not problems
+        for d in records:
             if d is not None:
                 tt = d.get("time")
-                if isinstance(tt, (int, float)) and not isinstance(tt, bool):
-                    t = max(t, float(tt))  # keep each source non-decreasing
-            elif problem is not None:
-                problem = f"{problem} ({name} line {lineno})"
-            yield t, i, lineno, d, problem
+                if type(tt) in _NUMBER and tt > t:
+                    t = float(tt)
+                if plain and d.get("kind") == "replicated" and d.get("vhash"):
+                    plain = False
+            keys.append(t)
+        self.t = t
+        self.records, self.problems, self.keys = records, problems, keys
+        self.pos = 0
+        self.plain = plain
+        return True
 
+
+class _FileSource(_Source):
+    def __init__(self, path: str, read_at: ReadAt, size: int) -> None:
+        super().__init__()
+        self.path, self.name = path, os.path.basename(path)
+        self.offset = 0
+        self.size = size
+        self.read_at = read_at
+
+    def piece(self) -> "tuple[list, dict] | None":
+        records, problems, self.offset = self.read_at(self.path, self.offset, self.size)
+        return (records, problems) if records else None
+
+
+class _ChunkSource(_Source):
+    """A process's chunks on an object store, in order; the next chunk is
+    fetched (by the merge's thread pool) while this one is merged. A chunk
+    is whole (objects are written at once), so every line ends with a
+    newline."""
+
+    def __init__(self, fs, names: list[str], pool, size: int) -> None:
+        super().__init__()
+        self.fs, self.pool, self.size = fs, pool, size
+        self.todo = list(reversed(names))
+        self.data = b""
+        self.off = 0
+        self.fut = None
+        self._fetch()
+
+    def _fetch(self) -> None:
+        if self.todo:
+            name = self.todo.pop()
+            self.fut = (name, self.pool.submit(self.fs.cat_file, name))
+        else:
+            self.fut = None
+
+    def piece(self) -> "tuple[list, dict] | None":
+        from pmaptap.tapfile.parse import parse_lines
+
+        data = self.data
+        while self.off >= len(data):
+            if self.fut is None:
+                return None
+            name, fut = self.fut
+            self.data = data = fut.result()
+            self.name = name.rsplit("/", 1)[-1]
+            self.off = 0
+            self._fetch()
+        # A piece of whole lines, about ``size`` bytes.
+        end = data.find(b"\n", min(self.off + self.size, len(data)) - 1)
+        end = len(data) if end < 0 else end + 1
+        lines = data[self.off : end].split(b"\n")
+        self.off = end
+        if lines[-1] == b"":
+            lines.pop()  # the newline ending the piece's last line
+        return parse_lines(lines)
+
+
+def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
+    """One source per shard (and the shared file), or per process's chunks."""
+    if is_url(path):
+        fs, _ = url_fs(os.fspath(path))
+        found = sorted(chunks(path).items())
+        size = _piece_bytes(len(found))
+        from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
+
+        pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
+        pool_box.append(pool)
+        return [_ChunkSource(fs, names, pool, size) for _, names in found]
+    files = sources(path)
+    size = _piece_bytes(len(files))
+    return [_FileSource(f, read_at, size) for f in files]
+
+
+def _piece_bytes(n: int) -> int:
+    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // max(n, 1)))
+
+
+def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
+    """Batches ``(first, records, problems)`` of every source of the run
+    merged by record time (ties: the shared file, then shards in process
+    order, each in its own order), as lines.iter_file_batches gives one
+    file. Positions count lines of the merged stream; a problem names the
+    shard file (or chunk) and its own line number there.
+
+    Each source is read a piece at a time (see MERGE_BYTES) and the merge
+    takes from the source with the earliest head every record that comes
+    before the head of every other source, as one slice (bisect on the
+    piece's keys): the heap is touched once per run of records, not once
+    per record."""
+    pool_box: list = []
+    try:
+        srcs = _sources(path, read_at, pool_box)
+        heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.load()]
+        heapq.heapify(heap)
+        yield from _merge(srcs, heap)
+    finally:
+        for pool in pool_box:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _merge(srcs: list[_Source], heap: list) -> Iterator[Batch]:
     # key + vhash -> the process that wrote it first
     first: dict[tuple, object] = {}
-    pos = 0
-    for _t, _i, _n, d, problem in heapq.merge(
-        *(keyed(i, st) for i, st in enumerate(_streams(path, iter_file))),
-        key=lambda x: (x[0], x[1], x[2]),
-    ):
-        if d is not None and d.get("kind") == "replicated" and d.get("vhash"):
-            k = (record_key(d), d["vhash"])
-            proc = d.get("process")
-            got = first.setdefault(k, proc)
-            if got != proc:
-                continue  # the same value from another process: one copy
-        pos += 1
-        yield pos, d, problem
+    out: list = []
+    problems: dict = {}
+    pos = 0  # of the last line given out
+    start = 1
+    heapreplace, heappop = heapq.heapreplace, heapq.heappop
+    while heap:
+        i = heap[0][1]
+        s = srcs[i]
+        keys = s.keys
+        if len(heap) == 1:
+            end = len(keys)
+        else:
+            nt, ni = heap[1] if len(heap) == 2 or heap[1] < heap[2] else heap[2]
+            # Every record before (nt, ni): at least the head, which is.
+            end = (bisect.bisect_right if i < ni else bisect.bisect_left)(keys, nt, s.pos)
+        if s.plain:
+            out.extend(s.records[s.pos : end])
+            pos += end - s.pos
+        else:
+            recs, probs = s.records, s.problems
+            for j in range(s.pos, end):
+                d = recs[j]
+                if d is None:
+                    pos += 1
+                    out.append(None)
+                    why = probs.get(j)
+                    if why is not None:
+                        problems[pos] = f"{why} ({s.name} line {s.lineno + j})"
+                    continue
+                if d.get("kind") == "replicated" and d.get("vhash"):
+                    proc = d.get("process")
+                    if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
+                        continue  # the same value from another process: one copy
+                pos += 1
+                out.append(d)
+        s.pos = end
+        if end < len(keys):
+            heapreplace(heap, (keys[end], i))
+        elif s.load():
+            heapreplace(heap, (s.keys[0], i))
+        else:
+            heappop(heap)
+        if len(out) >= MERGED_BATCH:
+            yield start, out, problems
+            start, out, problems = pos + 1, [], {}
+    if out:
+        yield start, out, problems
