@@ -1,0 +1,104 @@
+"""Reading sharded runs of any size (issue 29): open files and memory that do
+not depend on the shard count, the same answers as the definition of the
+merge (every line of every shard by time, then process, then line; the first
+copy of a replicated value kept), which benchmarks/bench_read_scale.py
+writes as one file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_python
+
+_CHILD = """
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from benchmarks.bench_read_scale import generate, reference
+import pmaptap
+from pmaptap.cli import main
+
+tmp = sys.argv[1] if len(sys.argv) > 1 else {tmp!r}
+run, ref, bad = tmp + "/run.jsonl", tmp + "/ref.jsonl", tmp + "/bad.jsonl"
+generate(run, {shards}, {steps})
+generate(bad, {shards}, {steps}, bad=True)
+reference(ref, {shards}, {steps})
+
+def cli(*args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return code, out.getvalue()
+
+got = {{}}
+got["read_equal"] = pmaptap.read(run) == pmaptap.read(ref)
+got["records"] = len(pmaptap.read(run))
+for name, args in (
+    ("summary", ["summary"]),
+    ("validate", ["validate"]),
+    ("show", ["show", "--name", "loss"]),
+    ("show_json", ["show", "--name", "grad_norm", "--step", "1", "--json"]),
+):
+    a = cli(*args[:1], run, *args[1:])
+    b = cli(*args[:1], ref, *args[1:])
+    got[name] = [a[0], a[1].replace(run, "RUN"), b[0], b[1].replace(ref, "RUN")]
+got["bad_validate"] = cli("validate", bad)
+got["bad_read"] = len(pmaptap.read(bad))
+got["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(got))
+"""
+
+
+def test_4096_shards_read_under_a_256_open_file_limit(tmp_path):
+    """Every reader of a 4,096-shard run works with 256 open files allowed,
+    gives the answers of the same run written as one file in merge order,
+    and stays under 300 MiB (before: [Errno 24] Too many open files, every
+    shard open at once)."""
+    proc = run_python(_CHILD.format(tmp=str(tmp_path), shards=4096, steps=3), timeout=600)
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["read_equal"] and got["records"] == 4096 * 3 + 4, got["records"]
+    for name in ("summary", "validate", "show", "show_json"):
+        code, text, ref_code, ref_text = got[name]
+        assert (code, text) == (ref_code, ref_text), name
+        assert code == 0 and text, name
+    assert "12292 records" in got["validate"][1]
+    assert "divergent" in got["summary"][1]
+    # The show of one step has every process's record, in merge order.
+    rows = [json.loads(x) for x in got["show_json"][1].splitlines()]
+    assert [r["process"] for r in rows] == sorted(range(4096), key=lambda p: (p % 13, p))
+    # Bad lines cost only themselves, named by shard and line.
+    code, text = got["bad_validate"]
+    assert code == 1, text
+    assert "p00017.jsonl line 4" in text and "not valid JSON" in text, text
+    assert "p04095.jsonl line 7" in text and "torn last line" in text, text
+    assert got["bad_read"] == got["records"]
+    assert got["rss_mib"] <= 300, got["rss_mib"]
+
+
+@pytest.mark.parametrize("piece", [1, 700])
+def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog, piece):
+    """Pieces of one line (and of a few) re-open each shard at the offset the
+    last piece ended: the merge, the torn last line and the garbage line
+    come out as with whole files."""
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(ROOT)
+    import pmaptap
+    from benchmarks.bench_read_scale import generate, reference
+    from pmaptap.tapfile import lines, runs
+
+    run, ref, bad = (str(tmp_path / n) for n in ("run.jsonl", "ref.jsonl", "bad.jsonl"))
+    generate(run, 40, 12)
+    generate(bad, 40, 12, bad=True)
+    reference(ref, 40, 12)
+    whole = pmaptap.read(ref)
+    bad_whole = list(lines.iter_lines(bad))
+    monkeypatch.setattr(runs, "MIN_PIECE_BYTES", piece)
+    monkeypatch.setattr(runs, "MAX_PIECE_BYTES", piece)
+    assert pmaptap.read(run) == whole
+    cut = list(lines.iter_lines(bad))
+    assert cut == bad_whole
+    problems = [(n, why) for n, d, why in cut if d is None]
+    assert len(problems) == 2 and "p00017.jsonl line 13" in problems[0][1], problems
+    assert "torn last line" in problems[1][1] and "p00039.jsonl line 25" in problems[1][1]
