@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from conftest import run_python
+import pmaptap
+from conftest import logs_warning, run_python
 
 _CHILD = """
 import contextlib, io, json, resource, sys
@@ -102,3 +103,71 @@ def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog
     problems = [(n, why) for n, d, why in cut if d is None]
     assert len(problems) == 2 and "p00017.jsonl line 13" in problems[0][1], problems
     assert "torn last line" in problems[1][1] and "p00039.jsonl line 25" in problems[1][1]
+
+
+def _record(step: int, process: int = 3):
+    from pmaptap.tapfile.format import Record
+
+    return Record(
+        run="r",
+        name="x",
+        step=step,
+        kind="per_device",
+        value=step,
+        dtype="int32",
+        shape=[],
+        process=process,
+        time=step,
+        host="h",
+        device=process,
+        coords={},
+    )
+
+
+def test_shard_writes_look_up_no_path_per_batch(tmp_path, monkeypatch):
+    """A batch of the sharded layout costs an fstat of the open shard, not a
+    stat of its path (a metadata round trip on NFS/Lustre): 50 batches, no
+    path looked up (before: one per batch)."""
+    import os
+
+    from pmaptap._host.dirsink import DirectorySink
+
+    path = str(tmp_path / "run.jsonl")
+    sink = DirectorySink(path, process=3)
+    looked: list = []
+    stat = os.stat
+
+    def counting_stat(p, *a, **kw):
+        looked.append(os.fspath(p))
+        return stat(p, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    for step in range(50):
+        sink.write([_record(step)])
+    monkeypatch.undo()
+    sink.close()
+    assert sink.path not in looked, len(looked)
+    assert [r["step"] for r in pmaptap.read(path)] == list(range(50))
+
+
+def test_a_rotated_shard_moves_its_writer_within_the_path_check(tmp_path, monkeypatch, caplog):
+    """A shard renamed away (log rotation) is seen by the stat of its path
+    made every PATH_CHECK_S: the writer moves to a new file at the path, and
+    the records written before and after are all read."""
+    import os
+    import time
+
+    from pmaptap._host import dirsink
+
+    monkeypatch.setattr(dirsink, "PATH_CHECK_S", 0.2)
+    path = str(tmp_path / "run.jsonl")
+    sink = dirsink.DirectorySink(path, process=3)
+    sink.write([_record(0)])
+    os.rename(sink.path, sink.path + ".1")
+    time.sleep(0.3)
+    with logs_warning(caplog, "replaced or removed"):
+        sink.write([_record(1)])
+    sink.close()
+    assert sink.replacements == 1
+    assert [r["step"] for r in pmaptap.read(path)] == [1]
+    assert [r["step"] for r in pmaptap.read(sink.path + ".1")] == [0]
