@@ -232,3 +232,26 @@ def test_a_missing_bucket_or_run_is_an_error_that_says_why(s3, tmp_path):
     # Following waits for a run that does not exist yet, as for a local file.
     tail = _cli("tail", "s3://taps/later/run", "-f", "--timeout", "1", env=s3)
     assert tail.returncode == 0 and "waiting for s3://taps/later/run" in tail.stderr, tail
+
+
+def test_a_writer_on_a_store_gathers_like_a_session(s3, monkeypatch):
+    """A Writer's automatic flush on an object store waits the object
+    commit interval, as a session's writer thread does: 20 writes asking
+    for a flush after 0 s make one chunk, not 20 PUTs; flush() still
+    commits at once."""
+    import s3fs
+
+    import pmaptap
+    from pmaptap._host import objsink
+
+    monkeypatch.setattr(objsink, "OBJECT_COMMIT_INTERVAL", 60.0)
+    url = "s3://taps/gather/run"
+    with pmaptap.Writer(url, run="r", process=0, flush_interval=0.0) as w:
+        for step in range(20):
+            w.write("loss", step, float(step))
+        assert w.pending == 20
+        w.flush()
+        assert w.pending == 0
+    names = s3fs.S3FileSystem().ls("taps/gather/run.d", refresh=True)
+    assert len(names) == 2, names  # the empty chunk written at open + one
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(20))
