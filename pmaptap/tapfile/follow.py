@@ -22,6 +22,10 @@ from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
 
 _CHUNK = 1 << 20
+# Seconds between two listings of a whole object-store run by a follower
+# (to find processes that started since); the polls between list each known
+# process's new chunks only.
+RELIST_S = 30.0
 
 
 class LineFollower:
@@ -173,6 +177,9 @@ class RunFollower:
         self._first: dict[tuple, Any] = {}
         self._chunks: set[str] = set()  # object store: chunks read
         self._lines: dict[int, int] = {}  # object store: lines per process
+        self._last: dict[int, str] = {}  # object store: last chunk per process
+        self._relist_at = 0.0
+        self._pool: Any = None
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
@@ -202,11 +209,13 @@ class RunFollower:
 
         if runs.is_url(self.path):
             fs, _ = runs.url_fs(self.path)
-            for proc, names in sorted(runs.chunks(self.path, missing_ok=True).items()):
+            for proc, names in sorted(self._list_chunks().items()):
                 for name in names:
                     if name in self._chunks:
                         continue
                     self._chunks.add(name)
+                    if name > self._last.get(proc, ""):
+                        self._last[proc] = name
                     for raw in fs.cat_file(name).split(b"\n"):
                         if raw:
                             self._lines[proc] = self._lines.get(proc, 0) + 1
@@ -218,6 +227,29 @@ class RunFollower:
         for i, lf in enumerate(self._files.values()):
             for n, raw in lf.poll():
                 yield i, n, raw
+
+    def _list_chunks(self) -> dict[int, list[str]]:
+        """The chunks to look at this poll. Every chunk name sorts after
+        the earlier ones of its process (runs.chunks), so once a process is
+        known a listing that starts after its last chunk finds its new ones
+        (runs.chunks_after, concurrently); the whole prefix is listed at
+        the first poll and then every RELIST_S seconds, to find processes
+        that started since."""
+        from pmaptap.tapfile import runs
+
+        now = time.monotonic()
+        if self._last and now < self._relist_at:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(
+                    max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-list"
+                )
+            found = runs.chunks_after(self.path, dict(self._last), self._pool)
+            if found is not None:
+                return found
+        self._relist_at = now + RELIST_S
+        return runs.chunks(self.path, missing_ok=True)
 
     @property
     def restarted(self) -> int:
@@ -235,6 +267,8 @@ class RunFollower:
     def close(self) -> None:
         for lf in self._files.values():
             lf.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class PendingFollower:

@@ -171,6 +171,41 @@ def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
     return out
 
 
+def chunks_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[str]] | None":
+    """process -> its chunks named after ``last[process]`` (a chunk name as
+    ``chunks`` gives it), for the processes in ``last`` only: one small
+    listing per process with a start-after marker, so a follower's poll
+    costs the same at the first minute and the tenth hour of a run, instead
+    of a listing of every chunk so far. None where the store's client has no
+    such listing (then ``chunks`` lists everything). ``pool``: an executor
+    that runs the listings concurrently."""
+    fs, prefix = url_fs(url)
+    call = getattr(fs, "call_s3", None)
+    if call is None or not hasattr(fs, "split_path"):
+        return None
+    bucket, key, _ = fs.split_path(prefix + SHARD_SUFFIX)
+
+    def listing(item: tuple[int, str]) -> tuple[int, list[str]]:
+        proc, after = item
+        kw = {
+            "Bucket": bucket,
+            "Prefix": f"{key}/p{proc:05d}-",
+            "StartAfter": after.split("/", 1)[1] if after.startswith(bucket + "/") else after,
+        }
+        names: list[str] = []
+        while True:
+            out = call("list_objects_v2", **kw)
+            names.extend(f"{bucket}/{o['Key']}" for o in out.get("Contents", ()))
+            if not out.get("IsTruncated"):
+                break
+            kw["ContinuationToken"] = out["NextContinuationToken"]
+        return proc, [n for n in sorted(names) if _CHUNK_NAME.match(n.rsplit("/", 1)[-1])]
+
+    items = sorted(last.items())
+    found = pool.map(listing, items) if pool is not None else map(listing, items)
+    return {proc: names for proc, names in found if names}
+
+
 # What the merge of a sharded run holds, all sources together: each source
 # (a shard, or a process's chunks on an object store) is read a piece at a
 # time, MERGE_BYTES / sources bytes of lines per piece (within the bounds
