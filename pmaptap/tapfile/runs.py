@@ -112,8 +112,12 @@ def owner(key: tuple, processes: "tuple | list") -> int:
     """The one process among ``processes`` that writes a replicated value
     they all verified on device. A stable hash (not Python's salted
     ``hash``), so every process picks the same owner, and by key, so the
-    writing is spread over the processes instead of all on one."""
-    procs = sorted(processes)
+    writing is spread over the processes instead of all on one.
+
+    ``processes`` as every holder builds it: sorted (the aggregator's
+    holders, aggregate.py), so it is indexed as it is, not sorted again for
+    every record (that cost grew with the job: N log N a record)."""
+    procs = processes if type(processes) is tuple else sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the
     # step's digits are far from uniform (one process owned none of 40 steps).
     import hashlib  # on use: readers of one file start faster
