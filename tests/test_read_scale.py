@@ -171,3 +171,123 @@ def test_a_rotated_shard_moves_its_writer_within_the_path_check(tmp_path, monkey
     assert sink.replacements == 1
     assert [r["step"] for r in pmaptap.read(path)] == [1]
     assert [r["step"] for r in pmaptap.read(sink.path + ".1")] == [0]
+
+
+def test_a_replicated_record_of_4096_processes_stays_small(tmp_path):
+    """The holders of a value verified by 4,096 processes x 8 devices are
+    written as ranges text: the line stays under 1 KB (a list was ~180 KB),
+    every reader takes it (read gives the lists, filters match a holder,
+    summary names them, validate is clean) and the owner alone writes it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.format import Record
+
+    procs, devs = tuple(range(4096)), tuple(range(4096 * 8))
+    path = str(tmp_path / "run.jsonl")
+
+    def rec(process, step, value=0.5):
+        return Record(
+            run="r",
+            name="loss",
+            step=step,
+            kind="replicated",
+            value=value,
+            dtype="float32",
+            shape=[],
+            process=process,
+            time=float(step),
+            host=f"h{process}",
+            replicas=len(devs),
+            devices=devs,
+            processes=procs,
+            vhash=f"{step:016x}",
+        )
+
+    line = rec(0, 0).encode()
+    assert len(line) < 1024, len(line)
+    assert b'"processes":"0-4095"' in line and b'"devices":"0-32767"' in line
+    d, problem = parse.parse_line(line.rstrip(b"\n"))
+    assert problem is None and d["processes"] == "0-4095"
+    # 8 of the 4,096 processes write their shards; each record has one owner.
+    written = 0
+    for p in range(8):
+        sink = DirectorySink(path, process=p)
+        sink.write([rec(p, s) for s in range(64)])
+        written += sink.lines_written
+        sink.close()
+    recs = pmaptap.read(path)
+    assert len(recs) == written and 0 < written < 64, written
+    assert recs[0]["processes"] == list(procs) and recs[0]["devices"] == list(devs)
+    assert len(pmaptap.read(path, process=4000)) == written
+    assert len(pmaptap.read(path, device=30000)) == written
+    assert pmaptap.read(path, device=40000) == []
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "pmaptap", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+
+    v = cli("validate", path)
+    assert v.returncode == 0 and f"OK, {written} records" in v.stdout, v
+    s = cli("summary", path)
+    assert "0-4095" in s.stdout and "0-32767" in s.stdout, s.stdout
+    show = cli("show", path, "--process", "17")
+    assert show.returncode == 0 and "0-32767" in show.stdout, show.stdout
+
+
+def test_holders_ranges_text_is_strict(tmp_path):
+    """Ranges text is taken only in its one form (ascending, disjoint,
+    decimal without leading zeros); anything else costs only its line,
+    named as a bad ``processes``/``devices``, in parse_line and in the
+    batch parser alike."""
+    import orjson
+
+    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.format import holder_ids, holders_field
+
+    base = {
+        "run": "r",
+        "name": "x",
+        "step": 0,
+        "kind": "replicated",
+        "value": 1.0,
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 1,
+        "vhash": "0",
+    }
+    good = ["0", "0-3", "0-3,5", "7,9-4095", "0-32767"]
+    bad = ["", "3-1", "1,1", "2,1", "01", "a", "1-", "-1", "0-3,3", " 1", "1.5", "1" * 25]
+    bad += ["0-9999999999999999", "0-1048576"]  # more ids than a reader expands
+    lines = []
+    for field in ("processes", "devices"):
+        for text in good + bad:
+            lines.append(orjson.dumps({**base, field: text}))
+    one = [parse.parse_line(x) for x in lines]
+    records, problems = parse.parse_lines(list(lines))
+    assert [d for d, _ in one] == records
+    assert {i: p for i, (_, p) in enumerate(one) if p} == problems
+    n = len(good) + len(bad)
+    for k, field in enumerate(("processes", "devices")):
+        for i, text in enumerate(good + bad):
+            d, problem = one[k * n + i]
+            if text in good:
+                assert problem is None, (field, text, problem)
+            else:
+                assert problem is not None and field in problem, (field, text, problem)
+    assert holders_field(tuple(range(17))) == "0-16"
+    assert holders_field(tuple(range(16))) == list(range(16))  # small: the list
+    assert holders_field((0, 1, *range(5, 40), 50)) == "0-1,5-39,50"
+    assert holders_field(tuple(range(20, 0, -1))) == list(range(20, 0, -1))  # not ascending
+    assert holder_ids("0-1,5-7,50") == [0, 1, 5, 6, 7, 50]
