@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import decode_record
-from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.lines import collector_paused, iter_lines
 from pmaptap.tapfile.query import read_filter
 
 __all__ = ["read"]
@@ -52,21 +52,23 @@ def read(
     bad: list[tuple[int, str]] = []
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
-    for lineno, d, problem in iter_lines(path):
-        if d is None:
-            if problem != "empty line":
-                bad.append((lineno, problem or "invalid"))
-            continue
-        if flt is not None and not flt.key_match(d):
-            continue
-        # Judged on every copy of a matched step, also those the device or
-        # process filter leaves out: a copy filtered out still disagrees, and
-        # an elastic restart supersedes a step on every device.
-        index.add(d)
-        later.add(d)
-        if flt is not None and not flt(d):
-            continue
-        out.append(decode_record(d))
+    with collector_paused():
+        for lineno, d, problem in iter_lines(path):
+            if d is None:
+                if problem != "empty line":
+                    bad.append((lineno, problem or "invalid"))
+                continue
+            if flt is not None and not flt.key_match(d):
+                continue
+            # Judged on every copy of a matched step, also those the device
+            # or process filter leaves out: a copy filtered out still
+            # disagrees, and an elastic restart supersedes a step on every
+            # device.
+            index.add(d)
+            later.add(d)
+            if flt is not None and not flt(d):
+                continue
+            out.append(decode_record(d))
     for r in out:
         if index.divergent(r):
             r["divergent"] = True

@@ -216,7 +216,7 @@ def chunks_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[s
 # below, and at least one whole line), and a local shard is open only while
 # a piece is read. So open files stay at one and memory at a few times
 # MERGE_BYTES however many shards there are.
-MERGE_BYTES = 8 << 20
+MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 2 << 10
 MAX_PIECE_BYTES = 64 << 10
 # Object-store chunks fetched at once (each source also fetches its next
@@ -232,48 +232,71 @@ Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
 
 
+class _Bad:
+    """A line of a source that is not a record, in the merge: its problem,
+    already naming the source and line."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
 class _Source:
-    """One source of the merge, read a piece at a time: the records of the
-    current piece, each one's merge key (record time, kept non-decreasing),
-    and how far the merge has taken them."""
+    """One source of the merge, read a piece at a time: the records loaded
+    and not yet merged, each one's merge key (record time, kept
+    non-decreasing), and how far the merge has taken them."""
 
     name = ""
 
     def __init__(self) -> None:
         self.t = float("-inf")
-        self.lineno = 1  # of records[0] in the source
+        self.lineno = 1  # of the next line read from the source
         self.records: list = []
-        self.problems: dict = {}
+        self.problems: dict = {}  # index in records -> problem, named
         self.keys: list = []
-        self.pos = 0
-        self.plain = True  # no problem and no replicated value in the piece
+        self.pos = 0  # records[:pos] are merged
+        self.last_piece = 0  # records in the last piece read
+        self.done = False
+        self.special = False  # a problem or a replicated value loaded
 
     def piece(self) -> "tuple[list, dict] | None":
         raise NotImplementedError
 
-    def load(self) -> bool:
-        """The next piece; False once the source is read."""
-        self.lineno += len(self.records)
+    def extend(self) -> bool:
+        """Drop what the merge took and append the next piece (False, and
+        ``done``, once the source is read)."""
+        pos = self.pos
+        if pos:
+            self.records = self.records[pos:]
+            self.keys = self.keys[pos:]
+            if self.problems:
+                self.problems = {j - pos: w for j, w in self.problems.items() if j >= pos}
+            self.pos = 0
         got = self.piece()
         if got is None:
-            self.records, self.keys = [], []
+            self.done = True
             return False
         records, problems = got
+        base = len(self.records)
+        for j, why in problems.items():
+            self.problems[base + j] = f"{why} ({self.name} line {self.lineno + j})"
+        self.lineno += len(records)
         t = self.t
-        keys = []
-        plain = not problems
+        keys = self.keys
+        special = bool(problems) or (self.special and base > 0)
         for d in records:
             if d is not None:
                 tt = d.get("time")
                 if type(tt) in _NUMBER and tt > t:
                     t = float(tt)
-                if plain and d.get("kind") == "replicated" and d.get("vhash"):
-                    plain = False
+                if not special and d.get("kind") == "replicated" and d.get("vhash"):
+                    special = True
             keys.append(t)
         self.t = t
-        self.records, self.problems, self.keys = records, problems, keys
-        self.pos = 0
-        self.plain = plain
+        self.records += records
+        self.special = special
+        self.last_piece = len(records)
         return True
 
 
@@ -359,71 +382,103 @@ def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     merged by record time (ties: the shared file, then shards in process
     order, each in its own order), as lines.iter_file_batches gives one
     file. Positions count lines of the merged stream; a problem names the
-    shard file (or chunk) and its own line number there.
-
-    Each source is read a piece at a time (see MERGE_BYTES) and the merge
-    takes from the source with the earliest head every record that comes
-    before the head of every other source, as one slice (bisect on the
-    piece's keys): the heap is touched once per run of records, not once
-    per record."""
+    shard file (or chunk) and its own line number there. See _merge."""
     pool_box: list = []
     try:
         srcs = _sources(path, read_at, pool_box)
-        heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.load()]
-        heapq.heapify(heap)
-        yield from _merge(srcs, heap)
+        for s in srcs:
+            s.extend()
+        yield from _merge(srcs)
     finally:
         for pool in pool_box:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _merge(srcs: list[_Source], heap: list) -> Iterator[Batch]:
-    # key + vhash -> the process that wrote it first
-    first: dict[tuple, object] = {}
-    out: list = []
-    problems: dict = {}
+def _merge(srcs: list[_Source]) -> Iterator[Batch]:
+    """The merge, in rounds. Each source holds at most about one and a half
+    pieces (see MERGE_BYTES). A round takes every loaded record that must
+    come before anything not loaded yet: the watermark W is the smallest
+    last loaded key of a source not read to its end (M: the first such
+    source), and a record goes if its key is below W, or equal to W in a
+    source up to M (a later source's W-keyed records wait: M may have more).
+    The round's records, one sorted slice per source in source order, are
+    put in order by one stable sort on the keys (C, not a heap operation a
+    record), then sources that ran low read their next piece. Every round
+    empties M, so each ends with at least one piece read."""
+    inf = float("inf")
+    lasts = [s.keys[-1] if s.keys and not s.done else inf for s in srcs]
+    heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.keys]
+    heapq.heapify(heap)
+    heappop, heappush = heapq.heappop, heapq.heappush
+    right, left = bisect.bisect_right, bisect.bisect_left
+    first: dict[tuple, object] = {}  # key + vhash -> the process that wrote it first
     pos = 0  # of the last line given out
-    start = 1
-    heapreplace, heappop = heapq.heapreplace, heapq.heappop
     while heap:
-        i = heap[0][1]
-        s = srcs[i]
-        keys = s.keys
-        if len(heap) == 1:
-            end = len(keys)
+        w = min(lasts)
+        m = lasts.index(w)
+        keys_in: list = []
+        recs_in: list = []
+        special = False
+        back = []
+        # Only sources whose next record is at most W take part.
+        while heap and heap[0][0] <= w:
+            i = heappop(heap)[1]
+            s = srcs[i]
+            keys, p = s.keys, s.pos
+            cut = (right if i <= m else left)(keys, w, p)
+            if cut > p:
+                keys_in += keys[p:cut]
+                recs = s.records[p:cut]
+                if s.problems:
+                    for j, why in s.problems.items():
+                        if p <= j < cut:
+                            recs[j - p] = _Bad(why)
+                recs_in += recs
+                special = special or s.special
+                s.pos = cut
+            left_over = len(keys) - cut
+            if not s.done and left_over * 2 < max(s.last_piece, 1):
+                s.extend()
+                keys = s.keys
+                lasts[i] = keys[-1] if keys and not s.done else inf
+            elif s.done:
+                lasts[i] = inf
+            if s.pos < len(keys):
+                back.append((keys[s.pos], i))
+        for item in back:
+            heappush(heap, item)
+        if not recs_in:
+            continue
+        order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
+        merged = [recs_in[k] for k in order]
+        start = pos + 1
+        if not special:
+            pos += len(merged)
+            out = merged
+            problems: dict = {}
         else:
-            nt, ni = heap[1] if len(heap) == 2 or heap[1] < heap[2] else heap[2]
-            # Every record before (nt, ni): at least the head, which is.
-            end = (bisect.bisect_right if i < ni else bisect.bisect_left)(keys, nt, s.pos)
-        if s.plain:
-            out.extend(s.records[s.pos : end])
-            pos += end - s.pos
-        else:
-            recs, probs = s.records, s.problems
-            for j in range(s.pos, end):
-                d = recs[j]
-                if d is None:
+            out = []
+            problems = {}
+            for d in merged:
+                if type(d) is dict:
+                    if "vhash" in d and d.get("kind") == "replicated" and d["vhash"]:
+                        proc = d.get("process")
+                        if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
+                            continue  # the same value from another process: one copy
+                    pos += 1
+                    out.append(d)
+                else:
                     pos += 1
                     out.append(None)
-                    why = probs.get(j)
-                    if why is not None:
-                        problems[pos] = f"{why} ({s.name} line {s.lineno + j})"
-                    continue
-                if d.get("kind") == "replicated" and d.get("vhash"):
-                    proc = d.get("process")
-                    if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
-                        continue  # the same value from another process: one copy
-                pos += 1
-                out.append(d)
-        s.pos = end
-        if end < len(keys):
-            heapreplace(heap, (keys[end], i))
-        elif s.load():
-            heapreplace(heap, (s.keys[0], i))
-        else:
-            heappop(heap)
-        if len(out) >= MERGED_BATCH:
-            yield start, out, problems
-            start, out, problems = pos + 1, [], {}
-    if out:
-        yield start, out, problems
+                    if d is not None:
+                        problems[pos] = d.why
+        found = iter(problems.items())  # in line order
+        ahead = next(found, None)
+        for k in range(0, len(out), MERGED_BATCH):
+            part = out[k : k + MERGED_BATCH]
+            end = start + k + len(part)
+            mine = {}
+            while ahead is not None and ahead[0] < end:
+                mine[ahead[0]] = ahead[1]
+                ahead = next(found, None)
+            yield start + k, part, mine

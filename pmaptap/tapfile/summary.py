@@ -4,20 +4,19 @@ training run) and ``tap_summaries(records)`` for code."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import os
 from array import array
 from collections import Counter
 from itertools import chain, compress, repeat
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import _SCALAR_TYPES, NONFINITE, holder_ids
+from pmaptap.tapfile.lines import collector_paused as _collector_paused
 from pmaptap.tapfile.lines import iter_batches, iter_file_batches
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
@@ -751,24 +750,6 @@ def _summarize_plain(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[in
         acc.add_batch(items)
     bad.sort()  # found a tap at a time: back in line order
     return acc, bad
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        # Everything allocated meanwhile still counts as young: re-enabled
-        # as is, the collector's next pass would walk all of it (0.2-0.3 s
-        # after a 300,000-record file). freeze() + unfreeze() files it with
-        # the oldest objects instead (and resets the young count), where
-        # only an eventual full collection looks; nothing is kept alive.
-        gc.freeze()
-        gc.unfreeze()
-        if enabled:
-            gc.enable()
 
 
 def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
