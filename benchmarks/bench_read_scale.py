@@ -44,7 +44,10 @@ _BARE = (
     "for name in sorted(os.listdir(d)):\n"
     "    with open(os.path.join(d, name), 'rb') as f:\n"
     "        for line in f:\n"
-    "            orjson.loads(line)\n"
+    "            try:\n"
+    "                orjson.loads(line)\n"
+    "            except orjson.JSONDecodeError:\n"
+    "                pass\n"
     "            n += 1\n"
     "print(n)\n"
 )

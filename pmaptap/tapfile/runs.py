@@ -217,7 +217,7 @@ def chunks_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[s
 # a piece is read. So open files stay at one and memory at a few times
 # MERGE_BYTES however many shards there are.
 MERGE_BYTES = 4 << 20
-MIN_PIECE_BYTES = 2 << 10
+MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
 # Object-store chunks fetched at once (each source also fetches its next
 # chunk while its current one is merged): a round trip each, so in parallel.
