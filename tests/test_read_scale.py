@@ -79,9 +79,9 @@ def test_4096_shards_read_under_a_256_open_file_limit(tmp_path):
 
 @pytest.mark.parametrize("piece", [1, 700])
 def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog, piece):
-    """Pieces of one line (and of a few) re-open each shard at the offset the
-    last piece ended: the merge, the torn last line and the garbage line
-    come out as with whole files."""
+    """Reads and pieces of one line (and of a few) re-open each shard at the
+    offset the last read ended: the merge, the torn last line and the
+    garbage line come out as with whole files."""
     from conftest import ROOT
 
     monkeypatch.syspath_prepend(ROOT)
@@ -95,8 +95,8 @@ def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog
     reference(ref, 40, 12)
     whole = pmaptap.read(ref)
     bad_whole = list(lines.iter_lines(bad))
-    monkeypatch.setattr(runs, "MIN_PIECE_BYTES", piece)
-    monkeypatch.setattr(runs, "MAX_PIECE_BYTES", piece)
+    for bound in ("MIN_PIECE_BYTES", "MAX_PIECE_BYTES", "MIN_READ_BYTES", "MAX_READ_BYTES"):
+        monkeypatch.setattr(runs, bound, piece)
     assert pmaptap.read(run) == whole
     cut = list(lines.iter_lines(bad))
     assert cut == bad_whole

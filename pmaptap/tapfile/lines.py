@@ -234,28 +234,20 @@ def read_block(
     return buf, last
 
 
-def read_at(path: str, offset: int, size: int) -> tuple[list, dict, int]:
-    """About ``size`` bytes of whole lines of ``path`` from ``offset``, read
-    with the file open only meanwhile (the merge of a sharded run holds no
-    shard open between pieces): (records, problems by index in records,
-    the offset after them); no records at the end of the file."""
+def read_at(
+    path: str, offset: int, size: int
+) -> "tuple[bytes, tuple[dict | None, str | None] | None, int]":
+    """``read_block`` of ``path`` at ``offset``, the file open only
+    meanwhile (the merge of a sharded run holds no shard open between
+    reads): (bytes of whole lines, the line ending the block without a
+    newline as (record, problem) or None, the offset after them)."""
     with open(path, "rb") as f:
         f.seek(offset)
         block = read_block(f, size)
         if block is None:
-            return [], {}, offset
+            return b"", None, offset
         buf, last = block
-        records: list = []
-        problems: dict = {}
-        if buf:
-            lines = buf.split(b"\n")
-            lines.pop()  # buf ends with a newline
-            records, problems = parse.parse_lines(lines, buf)
-        if last is not None:
-            if last[1] is not None:
-                problems[len(records)] = last[1]
-            records.append(last[0])
-        return records, problems, f.tell()
+        return buf, last, f.tell()
 
 
 def _skip_line(f: BinaryIO) -> int:

@@ -210,26 +210,44 @@ def chunks_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[s
     return {proc: names for proc, names in found if names}
 
 
-# What the merge of a sharded run holds, all sources together: each source
-# (a shard, or a process's chunks on an object store) is read a piece at a
+# What the merge of a sharded run holds, all sources together. Each source
+# (a shard, or a process's chunks on an object store) is parsed a piece at a
 # time, MERGE_BYTES / sources bytes of lines per piece (within the bounds
-# below, and at least one whole line), and a local shard is open only while
-# a piece is read. So open files stay at one and memory at a few times
-# MERGE_BYTES however many shards there are.
+# below, and at least one whole line); a shard's bytes are read READ_BYTES /
+# sources at a time (within its bounds), the file open only meanwhile, and
+# kept as bytes until parsed. So one file is open at a time, and memory
+# (parsed records are ~8x their bytes) stays near 100 MiB up to ~16,000
+# shards: past that each shard's one line and 4 KiB read show.
 MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
+READ_BYTES = 32 << 20
+MIN_READ_BYTES = 4 << 10
+MAX_READ_BYTES = 1 << 20
 # Object-store chunks fetched at once (each source also fetches its next
 # chunk while its current one is merged): a round trip each, so in parallel.
 FETCH_THREADS = 16
 # Records per batch of the merged stream.
 MERGED_BATCH = 512
 
-# (path, offset, bytes) -> (records, problems by index, offset after them):
+# (path, offset, bytes) -> (bytes of whole lines, the record/problem of a
+# line ending the block without a newline or None, offset after them):
 # lines.read_at, passed in (lines imports this module).
-ReadAt = Callable[[str, int, int], tuple[list, dict, int]]
+ReadAt = Callable[[str, int, int], tuple[bytes, "tuple | None", int]]
 Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
+
+
+def _cut(data: bytes, off: int, size: int) -> tuple[list[bytes], bytes, int]:
+    """The lines of about ``size`` bytes of ``data`` from ``off`` (whole
+    lines), their bytes, and the offset after them."""
+    end = data.find(b"\n", min(off + size, len(data)) - 1)
+    end = len(data) if end < 0 else end + 1
+    block = data[off:end]
+    lines = block.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # the newline ending the piece's last line
+    return lines, block, end
 
 
 class _Bad:
@@ -301,16 +319,30 @@ class _Source:
 
 
 class _FileSource(_Source):
-    def __init__(self, path: str, read_at: ReadAt, size: int) -> None:
+    def __init__(self, path: str, read_at: ReadAt, size: int, read_size: int) -> None:
         super().__init__()
         self.path, self.name = path, os.path.basename(path)
-        self.offset = 0
-        self.size = size
+        self.offset = 0  # in the file, of the next read
+        self.size, self.read_size = size, read_size
         self.read_at = read_at
+        self.data = b""  # whole lines read, parsed from ``off`` on
+        self.off = 0
+        self.tail: "tuple | None" = None  # read_block's last line, after data
 
     def piece(self) -> "tuple[list, dict] | None":
-        records, problems, self.offset = self.read_at(self.path, self.offset, self.size)
-        return (records, problems) if records else None
+        from pmaptap.tapfile.parse import parse_lines
+
+        if self.off >= len(self.data):
+            if self.tail is not None:
+                d, why = self.tail
+                self.tail = None
+                return [d], ({} if why is None else {0: why})
+            self.data, self.tail, self.offset = self.read_at(self.path, self.offset, self.read_size)
+            self.off = 0
+            if not self.data:
+                return self.piece() if self.tail is not None else None
+        lines, block, self.off = _cut(self.data, self.off, self.size)
+        return parse_lines(lines, block)
 
 
 class _ChunkSource(_Source):
@@ -347,14 +379,8 @@ class _ChunkSource(_Source):
             self.name = name.rsplit("/", 1)[-1]
             self.off = 0
             self._fetch()
-        # A piece of whole lines, about ``size`` bytes.
-        end = data.find(b"\n", min(self.off + self.size, len(data)) - 1)
-        end = len(data) if end < 0 else end + 1
-        lines = data[self.off : end].split(b"\n")
-        self.off = end
-        if lines[-1] == b"":
-            lines.pop()  # the newline ending the piece's last line
-        return parse_lines(lines)
+        lines, block, self.off = _cut(data, self.off, self.size)
+        return parse_lines(lines, block)
 
 
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
@@ -370,7 +396,9 @@ def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
         return [_ChunkSource(fs, names, pool, size) for _, names in found]
     files = sources(path)
     size = _piece_bytes(len(files))
-    return [_FileSource(f, read_at, size) for f in files]
+    n = max(len(files), 1)
+    read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // n))
+    return [_FileSource(f, read_at, size, read_size) for f in files]
 
 
 def _piece_bytes(n: int) -> int:
