@@ -16,15 +16,11 @@ from conftest import logs_warning, run_python
 _CHILD = """
 import contextlib, io, json, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-from benchmarks.bench_read_scale import generate, reference
 import pmaptap
 from pmaptap.cli import main
 
-tmp = sys.argv[1] if len(sys.argv) > 1 else {tmp!r}
+tmp = {tmp!r}
 run, ref, bad = tmp + "/run.jsonl", tmp + "/ref.jsonl", tmp + "/bad.jsonl"
-generate(run, {shards}, {steps})
-generate(bad, {shards}, {steps}, bad=True)
-reference(ref, {shards}, {steps})
 
 def cli(*args):
     out = io.StringIO()
@@ -56,7 +52,19 @@ def test_4096_shards_read_under_a_256_open_file_limit(tmp_path):
     gives the answers of the same run written as one file in merge order,
     and stays under 300 MiB (before: [Errno 24] Too many open files, every
     shard open at once)."""
-    proc = run_python(_CHILD.format(tmp=str(tmp_path), shards=4096, steps=3), timeout=600)
+    # The runs are built in another process: the peak RSS measured is the
+    # readers'.
+    run_python(
+        f"""
+        from benchmarks.bench_read_scale import generate, reference
+        tmp = {str(tmp_path)!r}
+        generate(tmp + "/run.jsonl", 4096, 3)
+        generate(tmp + "/bad.jsonl", 4096, 3, bad=True)
+        reference(tmp + "/ref.jsonl", 4096, 3)
+        """,
+        timeout=600,
+    )
+    proc = run_python(_CHILD.format(tmp=str(tmp_path)), timeout=600)
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["read_equal"] and got["records"] == 4096 * 3 + 4, got["records"]
     for name in ("summary", "validate", "show", "show_json"):
