@@ -299,3 +299,40 @@ def test_holders_ranges_text_is_strict(tmp_path):
     assert holders_field((0, 1, *range(5, 40), 50)) == "0-1,5-39,50"
     assert holders_field(tuple(range(20, 0, -1))) == list(range(20, 0, -1))  # not ascending
     assert holder_ids("0-1,5-7,50") == [0, 1, 5, 6, 7, 50]
+
+
+def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatch):
+    """tail -f / merge -f of a local sharded run list path.d/ only when it
+    changed (its mtime; anyway while it changed in the last second): quiet
+    polls of a run's shards cost a stat of the directory, not a listing of
+    every shard; a shard created later is still found at the next poll."""
+    import json
+    import os
+
+    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap.tapfile import follow
+
+    path = str(tmp_path / "run.jsonl")
+    for p in range(2):
+        sink = DirectorySink(path, process=p)
+        sink.write([_record(0, p)])
+        sink.close()
+    old = os.stat(path + ".d").st_mtime - 60
+    os.utime(path + ".d", (old, old))
+    listed = []
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: listed.append(d) or listdir(d))
+    f = follow.RunFollower(path)
+
+    def procs():
+        return sorted(json.loads(raw)["process"] for _, raw in f.poll())
+
+    assert procs() == [0, 1] and len(listed) == 1
+    for _ in range(3):
+        assert procs() == []
+    assert len(listed) == 1
+    sink = DirectorySink(path, process=2)
+    sink.write([_record(0, 2)])
+    sink.close()
+    assert procs() == [2] and len(listed) == 2
+    f.close()

@@ -180,6 +180,7 @@ class RunFollower:
         self._last: dict[int, str] = {}  # object store: last chunk per process
         self._relist_at = 0.0
         self._pool: Any = None
+        self._dir_key: Any = ()  # local: (inode, mtime) of path.d when listed
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
@@ -221,12 +222,36 @@ class RunFollower:
                             self._lines[proc] = self._lines.get(proc, 0) + 1
                             yield proc, self._lines[proc], raw
             return
-        for f in runs.sources(self.path):
+        for f in self._local_sources():
             if f not in self._files:
                 self._files[f] = LineFollower(f)
         for i, lf in enumerate(self._files.values()):
             for n, raw in lf.poll():
                 yield i, n, raw
+
+    def _local_sources(self) -> list[str]:
+        """The run's files to add this poll: the shard directory is listed
+        only when it changed (a shard created or removed changes its mtime),
+        so a poll of a quiet directory of 4,096 shards costs one stat, not
+        a listing; the shared file is looked for until it appears."""
+        from pmaptap.tapfile import runs
+
+        base, directory = runs.base_and_directory(self.path)
+        try:
+            st = os.stat(directory)
+            key: Any = (st.st_ino, st.st_mtime_ns)
+            # A file system stamps times at a clock tick (ms), so two
+            # creations within one tick leave one mtime: a directory that
+            # changed in the last second is listed anyway.
+            recent = time.time() - st.st_mtime < 1.0
+        except (FileNotFoundError, NotADirectoryError):
+            key, recent = None, False
+        if key != self._dir_key or recent:
+            self._dir_key = key
+            return runs.sources(self.path)
+        if base is not None and base not in self._files and os.path.isfile(base):
+            return [base]
+        return []
 
     def _list_chunks(self) -> dict[int, list[str]]:
         """The chunks to look at this poll. Every chunk name sorts after

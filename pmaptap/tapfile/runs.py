@@ -98,14 +98,19 @@ def is_sharded(path: str | os.PathLike) -> bool:
 def sources(path: str | os.PathLike) -> list[str]:
     """Every file that holds records of the run at ``path``: the one shared
     file (if any process wrote there) and each shard, in process order."""
+    base, directory = base_and_directory(path)
+    out = [base] if base and os.path.isfile(base) else []
+    return out + _shards(directory)
+
+
+def base_and_directory(path: str | os.PathLike) -> "tuple[str | None, str]":
+    """The run's one shared file (None when ``path`` names a directory not
+    ending in ``.d``) and its shard directory."""
     path = os.fspath(path)
     if os.path.isdir(path):
         base = path[: -len(SHARD_SUFFIX)] if path.endswith(SHARD_SUFFIX) else None
-        directory = path
-    else:
-        base, directory = path, path + SHARD_SUFFIX
-    out = [base] if base and os.path.isfile(base) else []
-    return out + _shards(directory)
+        return base, path
+    return path, path + SHARD_SUFFIX
 
 
 def owner(key: tuple, processes: "tuple | list") -> int:
