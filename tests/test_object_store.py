@@ -254,7 +254,22 @@ def test_a_writer_on_a_store_gathers_like_a_session(s3, monkeypatch):
         assert w.pending == 0
     names = s3fs.S3FileSystem().ls("taps/gather/run.d", refresh=True)
     assert len(names) == 2, names  # the empty chunk written at open + one
-    assert [r["step"] for r in pmaptap.read(url)] == list(range(20))
+    # Readers fetch the chunk with records only (the listing gives sizes).
+    fetched = []
+    cat_file = s3fs.S3FileSystem._cat_file
+
+    async def counting(self, name, *a, **k):
+        fetched.append(name)
+        return await cat_file(self, name, *a, **k)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counting)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind it when made
+    try:
+        assert [r["step"] for r in pmaptap.read(url)] == list(range(20))
+    finally:
+        monkeypatch.undo()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert len(fetched) == 1, fetched
 
 
 def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):

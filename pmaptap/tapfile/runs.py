@@ -152,7 +152,7 @@ def url_fs(url: str):
 _CHUNK_NAME = re.compile(r"p(\d+)-[0-9]+-[0-9a-f]+-[0-9]+\.jsonl\Z")
 
 
-def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
+def chunks(url: str, *, missing_ok: bool = False, empty: bool = True) -> dict[int, list[str]]:
     """process -> its committed chunks in write order (names sort by writer
     start time, then sequence number).
 
@@ -160,20 +160,26 @@ def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
     ``FileNotFoundError`` naming the URL and the store's own reason, as a
     missing local file does: every writer puts an empty chunk there when it
     opens, so a run that was ever opened has one. ``missing_ok`` (a follower
-    waiting for the run to start) returns ``{}`` instead."""
+    waiting for the run to start) returns ``{}`` instead. ``empty=False``
+    leaves out empty chunks (those writers put at open: nothing to fetch;
+    the run still exists)."""
     fs, prefix = url_fs(url)
     where = prefix + SHARD_SUFFIX
     try:
-        names = fs.ls(where, detail=False, refresh=True)
+        entries = fs.ls(where, detail=True, refresh=True)
         why = "no chunks there"
     except FileNotFoundError as e:
-        names, why = [], str(e) or "not found"
+        entries, why = [], str(e) or "not found"
     out: dict[int, list[str]] = {}
-    for n in sorted(names):
+    found = False
+    for e in sorted(entries, key=lambda e: e["name"]):
+        n = e["name"]
         m = _CHUNK_NAME.match(n.rsplit("/", 1)[-1])
         if m:
-            out.setdefault(int(m.group(1)), []).append(n)
-    if not out and not missing_ok:
+            found = True
+            if empty or e.get("size") != 0:
+                out.setdefault(int(m.group(1)), []).append(n)
+    if not found and not missing_ok:
         raise FileNotFoundError(
             errno.ENOENT, f"no such run: {url} (nothing under {url}{SHARD_SUFFIX}/: {why})"
         )
@@ -393,7 +399,7 @@ def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
     """One source per shard (and the shared file), or per process's chunks."""
     if is_url(path):
         fs, _ = url_fs(os.fspath(path))
-        found = sorted(chunks(path).items())
+        found = sorted(chunks(path, empty=False).items())
         size = _piece_bytes(len(found))
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
