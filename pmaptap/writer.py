@@ -89,7 +89,9 @@ class Writer:
     """Write tap records into a run from any process, JAX or not.
 
     path: the run's tap file as given to ``Session``, or an object-store
-      URL (``s3://bucket/prefix/run``: immutable chunks, one per flush).
+      URL (``s3://bucket/prefix/run``: immutable chunks, one per flush;
+      there the automatic flush waits at least OBJECT_COMMIT_INTERVAL, as a
+      session's does).
     run: the run id (the JAX job's: e.g. pass it on in ``PMAPTAP_RUN``).
     process: this writer's process number; unique in the run (a side
       process takes a number the JAX job does not use).
@@ -127,6 +129,12 @@ class Writer:
             layout = "sharded"  # immutable chunks (see _host/objsink.py)
         self.run, self.process, self.layout = run, process, layout
         self.host = host or socket.gethostname()
+        if url:
+            # One PUT per batch: gather like a session does on a store
+            # (flush() and close() still write at once).
+            from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
+
+            flush_interval = max(flush_interval, OBJECT_COMMIT_INTERVAL)
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
         self.flush_timeout = flush_timeout

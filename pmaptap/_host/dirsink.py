@@ -22,6 +22,7 @@ non-owner saw can be lost because the owner never saw it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Sequence
 
 from pmaptap._host.blobs import BlobFile
@@ -29,6 +30,12 @@ from pmaptap._host.sink import FileSink, Sink, prepare_path
 from pmaptap._log import log
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.format import COPIES_SEEN, Record, record_key
+
+# Seconds between two looks at the shard's path (a stat by name: a server
+# round trip on NFS/Lustre) to see whether it was renamed away (log
+# rotation). Every batch looks at the open file only (fstat: its size for the
+# torn-tail check, its link count for a removal), which the client answers.
+PATH_CHECK_S = 5.0
 
 
 def mine(r: Record, process: int) -> bool:
@@ -64,6 +71,7 @@ class DirectorySink(Sink):
         # Where this sink's last write left the shard, ending in "\n"; None:
         # not known (just opened, or replaced), so its last byte is read.
         self._end: int | None = None
+        self._next_path_check = time.monotonic() + PATH_CHECK_S
         self.lines_written = 0
         self.bytes_written = 0
         self.bytes_read = 0  # never reads another process's output
@@ -117,10 +125,19 @@ class DirectorySink(Sink):
         """The shard moved away or removed under us (log rotation, a clean-up
         script): write to the file now at the path, as FileSink does, and
         say so once. Truncation needs nothing: O_APPEND writes at the end.
-        Returns the stat of the file written to."""
+        Returns the stat of the file written to.
+
+        A batch costs one fstat of the open file. A removed shard shows at
+        once (no link left); one renamed away is seen by a stat of the path,
+        made at most every PATH_CHECK_S seconds, so a rotation moves the
+        writer to the new file within that time."""
+        mine = os.fstat(self._fd)
+        now = time.monotonic()
+        if mine.st_nlink > 0 and now < self._next_path_check:
+            return mine
+        self._next_path_check = now + PATH_CHECK_S
         try:
             st = os.stat(self.path)
-            mine = os.fstat(self._fd)
             if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                 return mine
         except FileNotFoundError:

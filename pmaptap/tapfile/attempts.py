@@ -81,14 +81,26 @@ def scan(path: str | os.PathLike) -> Attempts:
     idx = Attempts()
     from pmaptap.tapfile import runs
 
-    if runs.is_sharded(path):
-        # A sharded run (tapfile/runs.py): its merged stream, read once.
+    if runs.is_url(path):
+        # An object-store run (tapfile/runs.py): its merged stream, read once.
         from pmaptap.tapfile.lines import iter_lines
 
         for _, d, _ in iter_lines(path):
             if d is not None and "attempt" in d:
                 idx.add(d)
         return idx
+    if runs.is_sharded(path):
+        # Attempts.add takes records in any order, and a replicated copy
+        # the merge drops holds the same attempt as the copy it keeps: each
+        # source on its own, one file open at a time, no merge.
+        for f in runs.sources(path):
+            _scan_file(idx, f)
+        return idx
+    _scan_file(idx, path)
+    return idx
+
+
+def _scan_file(idx: Attempts, path: str | os.PathLike) -> None:
     limit = parse.MAX_LINE_BYTES
     with open(path, "rb") as f:
         while True:
@@ -96,7 +108,7 @@ def scan(path: str | os.PathLike) -> Attempts:
             # that mentions "attempt" is looked at line by line.
             block = f.read(_SCAN_BYTES)
             if not block:
-                return idx
+                return
             if not block.endswith(b"\n"):
                 block += f.readline(limit + 1)
             if not _may_hold_attempt(block):

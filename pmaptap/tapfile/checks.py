@@ -22,7 +22,14 @@ from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
 from pmaptap.tapfile.attempts import index_records
-from pmaptap.tapfile.format import COPIES_SEEN, MAX_STEP, NONFINITE, record_key
+from pmaptap.tapfile.format import (
+    COPIES_SEEN,
+    MAX_STEP,
+    NONFINITE,
+    holders_count,
+    id_ranges,
+    record_key,
+)
 from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
@@ -137,17 +144,24 @@ def schema_problems(d: dict) -> list[str]:
     elif kind == "replicated":
         if not _is_int(d["replicas"]) or d["replicas"] < 1:
             out.append("replicas must be a positive integer")
+        # Either form of the holders (format.holders_field): a list, or
+        # ranges text past RANGES_ABOVE ids.
         devices = d.get("devices")
         if devices is not None and (
-            not isinstance(devices, list)
-            or not all(x is None or _is_int(x) for x in devices)
-            or (_is_int(d["replicas"]) and len(devices) != d["replicas"])
+            not (
+                isinstance(devices, list)
+                and all(x is None or _is_int(x) for x in devices)
+                or id_ranges(devices) is not None
+            )
+            or (_is_int(d["replicas"]) and holders_count(devices) != d["replicas"])
         ):
             out.append("devices must list one integer-or-null per replica")
         if "processes" in d and not (
-            isinstance(d["processes"], list) and all(_is_int(p) for p in d["processes"])
+            isinstance(d["processes"], list)
+            and all(_is_int(p) for p in d["processes"])
+            or id_ranges(d["processes"]) is not None
         ):
-            out.append("processes must be a list of integers")
+            out.append("processes must be a list of integers (or their ranges text)")
         if "vhash" in d and not isinstance(d["vhash"], str):
             out.append("vhash must be a string")
         seen = d.get(COPIES_SEEN)

@@ -22,6 +22,10 @@ from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
 
 _CHUNK = 1 << 20
+# Seconds between two listings of a whole object-store run by a follower
+# (to find processes that started since); the polls between list each known
+# process's new chunks only.
+RELIST_S = 30.0
 
 
 class LineFollower:
@@ -173,6 +177,10 @@ class RunFollower:
         self._first: dict[tuple, Any] = {}
         self._chunks: set[str] = set()  # object store: chunks read
         self._lines: dict[int, int] = {}  # object store: lines per process
+        self._last: dict[int, str] = {}  # object store: last chunk per process
+        self._relist_at = 0.0
+        self._pool: Any = None
+        self._dir_key: Any = ()  # local: (inode, mtime) of path.d when listed
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
@@ -202,22 +210,71 @@ class RunFollower:
 
         if runs.is_url(self.path):
             fs, _ = runs.url_fs(self.path)
-            for proc, names in sorted(runs.chunks(self.path, missing_ok=True).items()):
+            for proc, names in sorted(self._list_chunks().items()):
                 for name in names:
                     if name in self._chunks:
                         continue
                     self._chunks.add(name)
+                    if name > self._last.get(proc, ""):
+                        self._last[proc] = name
                     for raw in fs.cat_file(name).split(b"\n"):
                         if raw:
                             self._lines[proc] = self._lines.get(proc, 0) + 1
                             yield proc, self._lines[proc], raw
             return
-        for f in runs.sources(self.path):
+        for f in self._local_sources():
             if f not in self._files:
                 self._files[f] = LineFollower(f)
         for i, lf in enumerate(self._files.values()):
             for n, raw in lf.poll():
                 yield i, n, raw
+
+    def _local_sources(self) -> list[str]:
+        """The run's files to add this poll: the shard directory is listed
+        only when it changed (a shard created or removed changes its mtime),
+        so a poll of a quiet directory of 4,096 shards costs one stat, not
+        a listing; the shared file is looked for until it appears."""
+        from pmaptap.tapfile import runs
+
+        base, directory = runs.base_and_directory(self.path)
+        try:
+            st = os.stat(directory)
+            key: Any = (st.st_ino, st.st_mtime_ns)
+            # A file system stamps times at a clock tick (ms), so two
+            # creations within one tick leave one mtime: a directory that
+            # changed in the last second is listed anyway.
+            recent = time.time() - st.st_mtime < 1.0
+        except (FileNotFoundError, NotADirectoryError):
+            key, recent = None, False
+        if key != self._dir_key or recent:
+            self._dir_key = key
+            return runs.sources(self.path)
+        if base is not None and base not in self._files and os.path.isfile(base):
+            return [base]
+        return []
+
+    def _list_chunks(self) -> dict[int, list[str]]:
+        """The chunks to look at this poll. Every chunk name sorts after
+        the earlier ones of its process (runs.chunks), so once a process is
+        known a listing that starts after its last chunk finds its new ones
+        (runs.chunks_after, concurrently); the whole prefix is listed at
+        the first poll and then every RELIST_S seconds, to find processes
+        that started since."""
+        from pmaptap.tapfile import runs
+
+        now = time.monotonic()
+        if self._last and now < self._relist_at:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(
+                    max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-list"
+                )
+            found = runs.chunks_after(self.path, dict(self._last), self._pool)
+            if found is not None:
+                return found
+        self._relist_at = now + RELIST_S
+        return runs.chunks(self.path, missing_ok=True)
 
     @property
     def restarted(self) -> int:
@@ -235,6 +292,8 @@ class RunFollower:
     def close(self) -> None:
         for lf in self._files.values():
             lf.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class PendingFollower:

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from pmaptap.tapfile.rawarray import RawArray, has_raw, split_raw
@@ -68,6 +69,85 @@ NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
 # computation by its sharding; one copy (device 0's) is read, the others
 # are neither seen nor compared. An integer from 1 to ``replicas``.
 COPIES_SEEN = "copies_seen"
+
+
+# The holders of a replicated value (its ``devices`` and ``processes``): a
+# list of ids, or, past RANGES_ABOVE ids that are all integers, their ranges
+# as text ("0-4095", "0-3,8-11", ascending, disjoint), so that a record's
+# size and the work each reader does with it stay the same at 4,096
+# processes as at 2 (a list of 4,096 ids is ~20 KB a line). Readers take
+# both forms; decode_record (pmaptap.read, show) gives the list.
+RANGES_ABOVE = 16
+# At most this many ids in one ranges text: a reader expands them (read()'s
+# lists), and a hostile "0-9999999999" must cost only its line.
+MAX_HOLDERS = 1 << 20
+_RANGES_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,18})(?:-(?:0|[1-9][0-9]{0,18}))?")
+
+
+def holders_field(ids: "tuple | list") -> "list | str":
+    """The ``devices``/``processes`` field for ``ids`` as written: the list,
+    or its ranges text past RANGES_ABOVE integer ids that are ascending
+    and distinct (a holder set as the aggregator builds it)."""
+    if len(ids) <= RANGES_ABOVE or not all(type(i) is int and i >= 0 for i in ids):
+        return list(ids)
+    parts = []
+    start = prev = ids[0]
+    for i in ids[1:]:
+        if i <= prev:
+            return list(ids)  # not ascending: the list says it as it is
+        if i != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = i
+        prev = i
+    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
+    """The inclusive (first, last) ranges of a holders text, None if
+    ``text`` is not one (not ascending and disjoint, not the form, or more
+    than MAX_HOLDERS ids)."""
+    if type(text) is not str or not text:
+        return None
+    out: list[tuple[int, int]] = []
+    prev = -1
+    count = 0
+    for part in text.split(","):
+        if not _RANGES_TEXT.fullmatch(part):
+            return None
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        count += b - a + 1
+        if a <= prev or b < a or count > MAX_HOLDERS:
+            return None
+        out.append((a, b))
+        prev = b
+    return out
+
+
+def holder_ids(v: Any) -> list:
+    """The ids of a ``devices``/``processes`` field in either form (a list
+    as it is; ranges text expanded)."""
+    ranges = id_ranges(v) if type(v) is str else None
+    if ranges is None:
+        return v if isinstance(v, list) else []
+    return [i for a, b in ranges for i in range(a, b + 1)]
+
+
+def holds(v: Any, x: Any) -> bool:
+    """Whether a ``devices``/``processes`` field (either form) names ``x``,
+    without expanding ranges."""
+    if type(v) is str:
+        if not isinstance(x, int) or isinstance(x, bool):
+            return False
+        return any(a <= x <= b for a, b in id_ranges(v) or ())
+    return x in (v or ())
+
+
+def holders_count(v: Any) -> int:
+    if type(v) is str:
+        return sum(b - a + 1 for a, b in id_ranges(v) or ())
+    return len(v) if isinstance(v, list) else 0
 
 
 # Tables of records (the CSV export, read(as_frame=True), Parquet) name a
@@ -166,9 +246,9 @@ class Record:
         elif self.kind == "replicated":
             d["replicas"] = self.replicas
             if self.devices is not None:
-                d["devices"] = list(self.devices)
+                d["devices"] = holders_field(self.devices)
             if self.processes is not None:
-                d["processes"] = list(self.processes)
+                d["processes"] = holders_field(self.processes)
             if self.vhash:
                 d["vhash"] = self.vhash
         if self.index is not None:
@@ -428,10 +508,14 @@ def first_not_plain(ds: Sequence[Any], start: int = 0) -> int:
             if type(attempt) is not int or attempt < 0:
                 return i
         ids = d.get("devices")
-        if ids is not None and not (type(ids) is list and set(map(type, ids)) <= scalar):
+        if ids is not None and not (
+            type(ids) is list and set(map(type, ids)) <= scalar or id_ranges(ids) is not None
+        ):
             return i
         ids = d.get("processes")
-        if ids is not None and not (type(ids) is list and set(map(type, ids)) <= scalar):
+        if ids is not None and not (
+            type(ids) is list and set(map(type, ids)) <= scalar or id_ranges(ids) is not None
+        ):
             return i
         if kind == "per_device":
             if "device" not in d or type(d["device"]) not in scalar:
@@ -483,8 +567,11 @@ def _record_problem(d: Any) -> str | None:
         return "vhash must be a string"
     for field in ("devices", "processes"):
         ids = d.get(field)
-        if ids is not None and not (isinstance(ids, list) and all(map(_is_scalar, ids))):
-            return f"{field} must be a list of numbers"
+        if ids is None or (isinstance(ids, list) and all(map(_is_scalar, ids))):
+            continue
+        if id_ranges(ids) is None:
+            return f'{field} must be a list of numbers or ranges text ("0-4095,4100")'
+
     if d["kind"] == "per_device":
         if "device" not in d or "coords" not in d:
             return "per_device record without device/coords"
@@ -505,4 +592,7 @@ def _record_problem(d: Any) -> str | None:
 def decode_record(d: dict) -> dict:
     d = dict(d)
     d["value"] = _decode_value(d["value"], d.get("dtype"), d.get("shape"))
+    for field in ("devices", "processes"):
+        if type(d.get(field)) is str:
+            d[field] = holder_ids(d[field])
     return d

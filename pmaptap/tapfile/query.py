@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+from pmaptap.tapfile.format import holds
+
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
     """``"A:B"`` (inclusive both ends, either side optional) or ``"N"``."""
@@ -63,13 +65,13 @@ class Filter:
         if (
             self.process is not None
             and self.process != r.get("process")
-            and self.process not in (r.get("processes") or ())
+            and not holds(r.get("processes"), self.process)
         ):
             return False
         if self.device is not None:
             if r.get("kind") == "per_device":
                 return r.get("device") == self.device
-            return self.device in (r.get("devices") or ())
+            return holds(r.get("devices"), self.device)
         return True
 
     @property

@@ -9,7 +9,7 @@ from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import decode_record
-from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.lines import collector_paused, iter_lines
 from pmaptap.tapfile.query import read_filter
 
 __all__ = ["read"]
@@ -58,31 +58,33 @@ def read(
     store = None
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
-    for lineno, d, problem in iter_lines(path):
-        if d is None:
-            if problem != "empty line":
-                bad.append((lineno, problem or "invalid"))
-            continue
-        if flt is not None and not flt.key_match(d):
-            continue
-        # Judged on every copy of a matched step, also those the device or
-        # process filter leaves out: a copy filtered out still disagrees, and
-        # an elastic restart supersedes a step on every device.
-        index.add(d)
-        later.add(d)
-        if flt is not None and not flt(d):
-            continue
-        r = decode_record(d)
-        if "bytes" in d:
-            # A value stored as bytes: loaded as an ndarray of its dtype. A
-            # line whose bytes are not there is reported and skipped.
-            store = store or ByteStore(path)
-            try:
-                r["value"] = load_value(r, store)
-            except (MissingBytes, OSError) as e:
-                bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+    with collector_paused():
+        for lineno, d, problem in iter_lines(path):
+            if d is None:
+                if problem != "empty line":
+                    bad.append((lineno, problem or "invalid"))
                 continue
-        out.append(r)
+            if flt is not None and not flt.key_match(d):
+                continue
+            # Judged on every copy of a matched step, also those the device
+            # or process filter leaves out: a copy filtered out still
+            # disagrees, and an elastic restart supersedes a step on every
+            # device.
+            index.add(d)
+            later.add(d)
+            if flt is not None and not flt(d):
+                continue
+            r = decode_record(d)
+            if "bytes" in d:
+                # A value stored as bytes: loaded as an ndarray of its dtype.
+                # A line whose bytes are not there is reported and skipped.
+                store = store or ByteStore(path)
+                try:
+                    r["value"] = load_value(r, store)
+                except (MissingBytes, OSError) as e:
+                    bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+                    continue
+            out.append(r)
     for r in out:
         if index.divergent(r):
             r["divergent"] = True

@@ -19,6 +19,7 @@ process stays and is marked divergent by the usual reconciliation.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import heapq
 import os
@@ -35,6 +36,7 @@ __all__ = [
     "sources",
     "owner",
     "iter_merged",
+    "MERGE_BYTES",
 ]
 
 SHARD_SUFFIX = ".d"
@@ -96,22 +98,31 @@ def is_sharded(path: str | os.PathLike) -> bool:
 def sources(path: str | os.PathLike) -> list[str]:
     """Every file that holds records of the run at ``path``: the one shared
     file (if any process wrote there) and each shard, in process order."""
+    base, directory = base_and_directory(path)
+    out = [base] if base and os.path.isfile(base) else []
+    return out + _shards(directory)
+
+
+def base_and_directory(path: str | os.PathLike) -> "tuple[str | None, str]":
+    """The run's one shared file (None when ``path`` names a directory not
+    ending in ``.d``) and its shard directory."""
     path = os.fspath(path)
     if os.path.isdir(path):
         base = path[: -len(SHARD_SUFFIX)] if path.endswith(SHARD_SUFFIX) else None
-        directory = path
-    else:
-        base, directory = path, path + SHARD_SUFFIX
-    out = [base] if base and os.path.isfile(base) else []
-    return out + _shards(directory)
+        return base, path
+    return path, path + SHARD_SUFFIX
 
 
 def owner(key: tuple, processes: "tuple | list") -> int:
     """The one process among ``processes`` that writes a replicated value
     they all verified on device. A stable hash (not Python's salted
     ``hash``), so every process picks the same owner, and by key, so the
-    writing is spread over the processes instead of all on one."""
-    procs = sorted(processes)
+    writing is spread over the processes instead of all on one.
+
+    ``processes`` as every holder builds it: sorted (the aggregator's
+    holders, aggregate.py), so it is indexed as it is, not sorted again for
+    every record (that cost grew with the job: N log N a record)."""
+    procs = processes if type(processes) is tuple else sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the
     # step's digits are far from uniform (one process owned none of 40 steps).
     import hashlib  # on use: readers of one file start faster
@@ -141,7 +152,7 @@ def url_fs(url: str):
 _CHUNK_NAME = re.compile(r"p(\d+)-[0-9]+-[0-9a-f]+-[0-9]+\.jsonl\Z")
 
 
-def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
+def chunks(url: str, *, missing_ok: bool = False, empty: bool = True) -> dict[int, list[str]]:
     """process -> its committed chunks in write order (names sort by writer
     start time, then sequence number).
 
@@ -149,88 +160,365 @@ def chunks(url: str, *, missing_ok: bool = False) -> dict[int, list[str]]:
     ``FileNotFoundError`` naming the URL and the store's own reason, as a
     missing local file does: every writer puts an empty chunk there when it
     opens, so a run that was ever opened has one. ``missing_ok`` (a follower
-    waiting for the run to start) returns ``{}`` instead."""
+    waiting for the run to start) returns ``{}`` instead. ``empty=False``
+    leaves out empty chunks (those writers put at open: nothing to fetch;
+    the run still exists)."""
     fs, prefix = url_fs(url)
     where = prefix + SHARD_SUFFIX
     try:
-        names = fs.ls(where, detail=False, refresh=True)
+        entries = fs.ls(where, detail=True, refresh=True)
         why = "no chunks there"
     except FileNotFoundError as e:
-        names, why = [], str(e) or "not found"
+        entries, why = [], str(e) or "not found"
     out: dict[int, list[str]] = {}
-    for n in sorted(names):
+    found = False
+    for e in sorted(entries, key=lambda e: e["name"]):
+        n = e["name"]
         m = _CHUNK_NAME.match(n.rsplit("/", 1)[-1])
         if m:
-            out.setdefault(int(m.group(1)), []).append(n)
-    if not out and not missing_ok:
+            found = True
+            if empty or e.get("size") != 0:
+                out.setdefault(int(m.group(1)), []).append(n)
+    if not found and not missing_ok:
         raise FileNotFoundError(
             errno.ENOENT, f"no such run: {url} (nothing under {url}{SHARD_SUFFIX}/: {why})"
         )
     return out
 
 
-def iter_chunks(fs, names: list[str]) -> Iterator[tuple[int, "dict | None", "str | None", str]]:
-    """(line number, record or None, problem or None, chunk) over the lines
-    of one process's chunks, in order. A chunk is whole (objects are
-    written at once), so every line ends with a newline."""
-    from pmaptap.tapfile.parse import parse_line
+def chunks_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[str]] | None":
+    """process -> its chunks named after ``last[process]`` (a chunk name as
+    ``chunks`` gives it), for the processes in ``last`` only: one small
+    listing per process with a start-after marker, so a follower's poll
+    costs the same at the first minute and the tenth hour of a run, instead
+    of a listing of every chunk so far. None where the store's client has no
+    such listing (then ``chunks`` lists everything). ``pool``: an executor
+    that runs the listings concurrently."""
+    fs, prefix = url_fs(url)
+    call = getattr(fs, "call_s3", None)
+    if call is None or not hasattr(fs, "split_path"):
+        return None
+    bucket, key, _ = fs.split_path(prefix + SHARD_SUFFIX)
 
-    lineno = 0
-    for name in names:
-        data = fs.cat_file(name)
-        lines = data.split(b"\n")
-        if lines[-1] == b"":
-            lines.pop()  # the newline ending the last line (or empty)
-        for raw in lines:
-            lineno += 1
-            d, problem = parse_line(raw)
-            yield lineno, d, problem, name.rsplit("/", 1)[-1]
+    def listing(item: tuple[int, str]) -> tuple[int, list[str]]:
+        proc, after = item
+        kw = {
+            "Bucket": bucket,
+            "Prefix": f"{key}/p{proc:05d}-",
+            "StartAfter": after.split("/", 1)[1] if after.startswith(bucket + "/") else after,
+        }
+        names: list[str] = []
+        while True:
+            out = call("list_objects_v2", **kw)
+            names.extend(f"{bucket}/{o['Key']}" for o in out.get("Contents", ()))
+            if not out.get("IsTruncated"):
+                break
+            kw["ContinuationToken"] = out["NextContinuationToken"]
+        return proc, [n for n in sorted(names) if _CHUNK_NAME.match(n.rsplit("/", 1)[-1])]
+
+    items = sorted(last.items())
+    found = pool.map(listing, items) if pool is not None else map(listing, items)
+    return {proc: names for proc, names in found if names}
 
 
-def _streams(path, iter_file) -> list[Iterator[tuple]]:
-    """One (line number, record, problem, source name) iterator per source."""
-    if is_url(path):
-        fs, _ = url_fs(os.fspath(path))
-        return [iter_chunks(fs, names) for _, names in sorted(chunks(path).items())]
+# What the merge of a sharded run holds, all sources together. Each source
+# (a shard, or a process's chunks on an object store) is parsed a piece at a
+# time, MERGE_BYTES / sources bytes of lines per piece (within the bounds
+# below, and at least one whole line); a shard's bytes are read READ_BYTES /
+# sources at a time (within its bounds), the file open only meanwhile, and
+# kept as bytes until parsed. So one file is open at a time, and memory
+# (parsed records are ~8x their bytes) stays within ~150 MiB up to ~16,000
+# shards (the merge alone of 4,096 shards: 136 MiB peak); past that each
+# shard's one line and 4 KiB read show.
+MERGE_BYTES = 4 << 20
+MIN_PIECE_BYTES = 1 << 10
+MAX_PIECE_BYTES = 64 << 10
+READ_BYTES = 32 << 20
+MIN_READ_BYTES = 4 << 10
+MAX_READ_BYTES = 1 << 20
+# Object-store chunks fetched at once (each source also fetches its next
+# chunk while its current one is merged): a round trip each, so in parallel.
+FETCH_THREADS = 16
+# Records per batch of the merged stream.
+MERGED_BATCH = 512
 
-    def local(f: str) -> Iterator[tuple]:
-        name = os.path.basename(f)
-        for lineno, d, problem in iter_file(f):
-            yield lineno, d, problem, name
+# (path, offset, bytes) -> (bytes of whole lines, the record/problem of a
+# line ending the block without a newline or None, offset after them):
+# lines.read_at, passed in (lines imports this module).
+ReadAt = Callable[[str, int, int], tuple[bytes, "tuple | None", int]]
+Batch = tuple[int, list, dict]
+_NUMBER = (int, float)
 
-    return [local(f) for f in sources(path)]
+
+def _cut(data: bytes, off: int, size: int) -> tuple[list[bytes], bytes, int]:
+    """The lines of about ``size`` bytes of ``data`` from ``off`` (whole
+    lines), their bytes, and the offset after them."""
+    end = data.find(b"\n", min(off + size, len(data)) - 1)
+    end = len(data) if end < 0 else end + 1
+    block = data[off:end]
+    lines = block.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # the newline ending the piece's last line
+    return lines, block, end
 
 
-def iter_merged(
-    path: str | os.PathLike, iter_file: Callable[[str], Iterator[Line]]
-) -> Iterator[Line]:
-    """(position, record or None, problem or None) over every source of the
-    run, merged by record time. Positions count lines of the merged stream;
-    a problem names the shard file and its own line number."""
+class _Bad:
+    """A line of a source that is not a record, in the merge: its problem,
+    already naming the source and line."""
 
-    def keyed(i: int, stream: Iterator[tuple]) -> Iterator[tuple]:
-        t = float("-inf")
-        for lineno, d, problem, name in stream:
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class _Source:
+    """One source of the merge, read a piece at a time: the records loaded
+    and not yet merged, each one's merge key (record time, kept
+    non-decreasing), and how far the merge has taken them."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.t = float("-inf")
+        self.lineno = 1  # of the next line read from the source
+        self.records: list = []
+        self.problems: dict = {}  # index in records -> problem, named
+        self.keys: list = []
+        self.pos = 0  # records[:pos] are merged
+        self.last_piece = 0  # records in the last piece read
+        self.done = False
+        self.special = False  # a problem or a replicated value loaded
+
+    def piece(self) -> "tuple[list, dict] | None":
+        raise NotImplementedError
+
+    def extend(self) -> bool:
+        """Drop what the merge took and append the next piece (False, and
+        ``done``, once the source is read)."""
+        pos = self.pos
+        if pos:
+            self.records = self.records[pos:]
+            self.keys = self.keys[pos:]
+            if self.problems:
+                self.problems = {j - pos: w for j, w in self.problems.items() if j >= pos}
+            self.pos = 0
+        got = self.piece()
+        if got is None:
+            self.done = True
+            return False
+        records, problems = got
+        base = len(self.records)
+        for j, why in problems.items():
+            self.problems[base + j] = f"{why} ({self.name} line {self.lineno + j})"
+        self.lineno += len(records)
+        t = self.t
+        keys = self.keys
+        special = bool(problems) or (self.special and base > 0)
+        for d in records:
             if d is not None:
                 tt = d.get("time")
-                if isinstance(tt, (int, float)) and not isinstance(tt, bool):
-                    t = max(t, float(tt))  # keep each source non-decreasing
-            elif problem is not None:
-                problem = f"{problem} ({name} line {lineno})"
-            yield t, i, lineno, d, problem
+                if type(tt) in _NUMBER and tt > t:
+                    t = float(tt)
+                if not special and d.get("kind") == "replicated" and d.get("vhash"):
+                    special = True
+            keys.append(t)
+        self.t = t
+        self.records += records
+        self.special = special
+        self.last_piece = len(records)
+        return True
 
-    # key + vhash -> the process that wrote it first
-    first: dict[tuple, object] = {}
-    pos = 0
-    for _t, _i, _n, d, problem in heapq.merge(
-        *(keyed(i, st) for i, st in enumerate(_streams(path, iter_file))),
-        key=lambda x: (x[0], x[1], x[2]),
-    ):
-        if d is not None and d.get("kind") == "replicated" and d.get("vhash"):
-            k = (record_key(d), d["vhash"])
-            proc = d.get("process")
-            got = first.setdefault(k, proc)
-            if got != proc:
-                continue  # the same value from another process: one copy
-        pos += 1
-        yield pos, d, problem
+
+class _FileSource(_Source):
+    def __init__(self, path: str, read_at: ReadAt, size: int, read_size: int) -> None:
+        super().__init__()
+        self.path, self.name = path, os.path.basename(path)
+        self.offset = 0  # in the file, of the next read
+        self.size, self.read_size = size, read_size
+        self.read_at = read_at
+        self.data = b""  # whole lines read, parsed from ``off`` on
+        self.off = 0
+        self.tail: "tuple | None" = None  # read_block's last line, after data
+
+    def piece(self) -> "tuple[list, dict] | None":
+        from pmaptap.tapfile.parse import parse_lines
+
+        if self.off >= len(self.data):
+            if self.tail is not None:
+                d, why = self.tail
+                self.tail = None
+                return [d], ({} if why is None else {0: why})
+            self.data, self.tail, self.offset = self.read_at(self.path, self.offset, self.read_size)
+            self.off = 0
+            if not self.data:
+                return self.piece() if self.tail is not None else None
+        lines, block, self.off = _cut(self.data, self.off, self.size)
+        return parse_lines(lines, block)
+
+
+class _ChunkSource(_Source):
+    """A process's chunks on an object store, in order; the next chunk is
+    fetched (by the merge's thread pool) while this one is merged. A chunk
+    is whole (objects are written at once), so every line ends with a
+    newline."""
+
+    def __init__(self, fs, names: list[str], pool, size: int) -> None:
+        super().__init__()
+        self.fs, self.pool, self.size = fs, pool, size
+        self.todo = list(reversed(names))
+        self.data = b""
+        self.off = 0
+        self.fut = None
+        self._fetch()
+
+    def _fetch(self) -> None:
+        if self.todo:
+            name = self.todo.pop()
+            self.fut = (name, self.pool.submit(self.fs.cat_file, name))
+        else:
+            self.fut = None
+
+    def piece(self) -> "tuple[list, dict] | None":
+        from pmaptap.tapfile.parse import parse_lines
+
+        data = self.data
+        while self.off >= len(data):
+            if self.fut is None:
+                return None
+            name, fut = self.fut
+            self.data = data = fut.result()
+            self.name = name.rsplit("/", 1)[-1]
+            self.off = 0
+            self._fetch()
+        lines, block, self.off = _cut(data, self.off, self.size)
+        return parse_lines(lines, block)
+
+
+def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
+    """One source per shard (and the shared file), or per process's chunks."""
+    if is_url(path):
+        fs, _ = url_fs(os.fspath(path))
+        found = sorted(chunks(path, empty=False).items())
+        size = _piece_bytes(len(found))
+        from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
+
+        pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
+        pool_box.append(pool)
+        return [_ChunkSource(fs, names, pool, size) for _, names in found]
+    files = sources(path)
+    size = _piece_bytes(len(files))
+    n = max(len(files), 1)
+    read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // n))
+    return [_FileSource(f, read_at, size, read_size) for f in files]
+
+
+def _piece_bytes(n: int) -> int:
+    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // max(n, 1)))
+
+
+def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
+    """Batches ``(first, records, problems)`` of every source of the run
+    merged by record time (ties: the shared file, then shards in process
+    order, each in its own order), as lines.iter_file_batches gives one
+    file. Positions count lines of the merged stream; a problem names the
+    shard file (or chunk) and its own line number there. See _merge."""
+    pool_box: list = []
+    try:
+        srcs = _sources(path, read_at, pool_box)
+        for s in srcs:
+            s.extend()
+        yield from _merge(srcs)
+    finally:
+        for pool in pool_box:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _merge(srcs: list[_Source]) -> Iterator[Batch]:
+    """The merge, in rounds. Each source holds at most about one and a half
+    pieces (see MERGE_BYTES). A round takes every loaded record that must
+    come before anything not loaded yet: the watermark W is the smallest
+    last loaded key of a source not read to its end (M: the first such
+    source), and a record goes if its key is below W, or equal to W in a
+    source up to M (a later source's W-keyed records wait: M may have more).
+    The round's records, one sorted slice per source in source order, are
+    put in order by one stable sort on the keys (C, not a heap operation a
+    record), then sources that ran low read their next piece. Every round
+    empties M, so each ends with at least one piece read."""
+    inf = float("inf")
+    lasts = [s.keys[-1] if s.keys and not s.done else inf for s in srcs]
+    heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.keys]
+    heapq.heapify(heap)
+    heappop, heappush = heapq.heappop, heapq.heappush
+    right, left = bisect.bisect_right, bisect.bisect_left
+    first: dict[tuple, object] = {}  # key + vhash -> the process that wrote it first
+    pos = 0  # of the last line given out
+    while heap:
+        w = min(lasts)
+        m = lasts.index(w)
+        keys_in: list = []
+        recs_in: list = []
+        special = False
+        back = []
+        # Only sources whose next record is at most W take part.
+        while heap and heap[0][0] <= w:
+            i = heappop(heap)[1]
+            s = srcs[i]
+            keys, p = s.keys, s.pos
+            cut = (right if i <= m else left)(keys, w, p)
+            if cut > p:
+                keys_in += keys[p:cut]
+                recs = s.records[p:cut]
+                if s.problems:
+                    for j, why in s.problems.items():
+                        if p <= j < cut:
+                            recs[j - p] = _Bad(why)
+                recs_in += recs
+                special = special or s.special
+                s.pos = cut
+            left_over = len(keys) - cut
+            if not s.done and left_over * 2 < max(s.last_piece, 1):
+                s.extend()
+                keys = s.keys
+                lasts[i] = keys[-1] if keys and not s.done else inf
+            elif s.done:
+                lasts[i] = inf
+            if s.pos < len(keys):
+                back.append((keys[s.pos], i))
+        for item in back:
+            heappush(heap, item)
+        if not recs_in:
+            continue
+        order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
+        merged = [recs_in[k] for k in order]
+        start = pos + 1
+        if not special:
+            pos += len(merged)
+            out = merged
+            problems: dict = {}
+        else:
+            out = []
+            problems = {}
+            for d in merged:
+                if type(d) is dict:
+                    if "vhash" in d and d.get("kind") == "replicated" and d["vhash"]:
+                        proc = d.get("process")
+                        if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
+                            continue  # the same value from another process: one copy
+                    pos += 1
+                    out.append(d)
+                else:
+                    pos += 1
+                    out.append(None)
+                    if d is not None:
+                        problems[pos] = d.why
+        found = iter(problems.items())  # in line order
+        ahead = next(found, None)
+        for k in range(0, len(out), MERGED_BATCH):
+            part = out[k : k + MERGED_BATCH]
+            end = start + k + len(part)
+            mine = {}
+            while ahead is not None and ahead[0] < end:
+                mine[ahead[0]] = ahead[1]
+                ahead = next(found, None)
+            yield start + k, part, mine

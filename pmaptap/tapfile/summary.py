@@ -4,20 +4,19 @@ training run) and ``tap_summaries(records)`` for code."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import os
 from array import array
 from collections import Counter
 from itertools import chain, compress, repeat
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import _SCALAR_TYPES, NONFINITE
+from pmaptap.tapfile.format import _SCALAR_TYPES, NONFINITE, holder_ids
+from pmaptap.tapfile.lines import collector_paused as _collector_paused
 from pmaptap.tapfile.lines import iter_batches, iter_file_batches
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
@@ -74,6 +73,10 @@ class _TapAcc:
         self.steps: set[int] = set()  # of replicated and meta records
         self.processes: set = set()
         self.devices: set = set()
+        # (devices?, text): holders written as ranges text (format.
+        # holders_field), kept as text per record so that a record of a
+        # 4,096-process job costs the same as one of 2.
+        self.holder_texts: set = set()
         self.last_step: int | None = None  # the highest step with a scalar
         self.last_vals: list[float] = []
         self.finite = array("d")
@@ -163,7 +166,10 @@ class _TapAcc:
         self.processes.add(r["process"])
         procs = get("processes")
         if procs:
-            self.processes.update(procs)
+            if type(procs) is str:  # ranges text: expanded once, in result()
+                self.holder_texts.add((False, procs))
+            else:
+                self.processes.update(procs)
         if "divergent" in r and r["divergent"]:
             self.divergent.add(step)
         v = r["value"]
@@ -222,7 +228,10 @@ class _TapAcc:
         self.steps.add(step)
         devs = get("devices")
         if devs:
-            self.devices.update(devs)
+            if type(devs) is str:
+                self.holder_texts.add((True, devs))
+            else:
+                self.devices.update(devs)
         if kind != "replicated":
             return  # meta records (counters) may legitimately repeat
         pass_ = get("pass", "forward")
@@ -263,6 +272,9 @@ class _TapAcc:
                 bases.update(s << 20 | d for d in range(mask.bit_length()) if mask >> d & 1)
             per_dev = Counter(k >> 20 if type(k) is int else k[0] for k in bases)
         per_device_steps = set(per_dev)
+        for is_devices, text in self.holder_texts:
+            (self.devices if is_devices else self.processes).update(holder_ids(text))
+        self.holder_texts.clear()
         devices = self.devices
         steps = self.steps | per_device_steps
         divergent = set(self.divergent)
@@ -738,24 +750,6 @@ def _summarize_plain(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[in
         acc.add_batch(items)
     bad.sort()  # found a tap at a time: back in line order
     return acc, bad
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        # Everything allocated meanwhile still counts as young: re-enabled
-        # as is, the collector's next pass would walk all of it (0.2-0.3 s
-        # after a 300,000-record file). freeze() + unfreeze() files it with
-        # the oldest objects instead (and resets the young count), where
-        # only an eventual full collection looks; nothing is kept alive.
-        gc.freeze()
-        gc.unfreeze()
-        if enabled:
-            gc.enable()
 
 
 def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:

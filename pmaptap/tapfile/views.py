@@ -168,7 +168,10 @@ def device_text(r: dict) -> str:
     if r.get("kind") == "per_device":
         d = r.get("device")
         return "?" if d is None else str(d)
-    return format_ids(list(r.get("devices") or ()))
+    devices = r.get("devices")
+    if type(devices) is str:  # ranges text as written (format.holders_field)
+        return devices
+    return format_ids(list(devices or ()))
 
 
 def coords_text(r: dict) -> str:

@@ -278,3 +278,86 @@ def test_stored_array_values_are_objects_put_before_their_chunk(s3):
     assert _cli("validate", url, env=s3).returncode == 0
     show = _cli("show", url, "--name", "act", "--step", "1", env=s3)
     assert show.returncode == 0 and show.stdout.count("<float32[16,64] as bytes>") == 8, show
+
+
+def test_a_writer_on_a_store_gathers_like_a_session(s3, monkeypatch):
+    """A Writer's automatic flush on an object store waits the object
+    commit interval, as a session's writer thread does: 20 writes asking
+    for a flush after 0 s make one chunk, not 20 PUTs; flush() still
+    commits at once."""
+    import s3fs
+
+    import pmaptap
+    from pmaptap._host import objsink
+
+    monkeypatch.setattr(objsink, "OBJECT_COMMIT_INTERVAL", 60.0)
+    url = "s3://taps/gather/run"
+    with pmaptap.Writer(url, run="r", process=0, flush_interval=0.0) as w:
+        for step in range(20):
+            w.write("loss", step, float(step))
+        assert w.pending == 20
+        w.flush()
+        assert w.pending == 0
+    names = s3fs.S3FileSystem().ls("taps/gather/run.d", refresh=True)
+    assert len(names) == 2, names  # the empty chunk written at open + one
+    # Readers fetch the chunk with records only (the listing gives sizes).
+    fetched = []
+    cat_file = s3fs.S3FileSystem._cat_file
+
+    async def counting(self, name, *a, **k):
+        fetched.append(name)
+        return await cat_file(self, name, *a, **k)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counting)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances bind it when made
+    try:
+        assert [r["step"] for r in pmaptap.read(url)] == list(range(20))
+    finally:
+        monkeypatch.undo()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert len(fetched) == 1, fetched
+
+
+def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
+    """tail -f / merge -f on a store: after the first poll, a poll lists
+    each known process's chunks after its last one (a start-after marker)
+    instead of every chunk of the run; the whole run is listed again only
+    every RELIST_S, which finds a process that started late."""
+    import json
+
+    import pmaptap
+    from pmaptap.tapfile import follow, runs
+
+    full, after = [], []
+    chunks, chunks_after = runs.chunks, runs.chunks_after
+    monkeypatch.setattr(runs, "chunks", lambda *a, **k: full.append(1) or chunks(*a, **k))
+    monkeypatch.setattr(
+        runs, "chunks_after", lambda *a, **k: after.append(1) or chunks_after(*a, **k)
+    )
+    url = "s3://taps/follow/run"
+    writers = [pmaptap.Writer(url, run="r", process=p) for p in range(2)]
+
+    def write(ws, step):
+        for w in ws:
+            w.write("x", step, float(step), kind="per_device", device=w.process)
+            w.flush()
+
+    write(writers, 0)
+    f = follow.RunFollower(url)
+
+    def steps():
+        return sorted((d["step"], d["process"]) for _, raw in f.poll() for d in [json.loads(raw)])
+
+    assert steps() == [(0, 0), (0, 1)] and len(full) == 1
+    for step in (1, 2):
+        write(writers, step)
+        assert steps() == [(step, 0), (step, 1)]
+    assert len(full) == 1 and len(after) == 2
+    late = pmaptap.Writer(url, run="r", process=2)
+    write([late], 3)
+    assert steps() == []  # not known yet: found by the next full listing
+    f._relist_at = 0.0  # as RELIST_S seconds later
+    assert steps() == [(3, 2)] and len(full) == 2
+    f.close()
+    for w in writers + [late]:
+        w.close()

@@ -1,0 +1,393 @@
+"""Reading sharded runs (issue 29): ``pmaptap.read``, ``summary`` and
+``validate`` of a run of many shards against a bare orjson loop over the
+same shard files, each command in a fresh process (interpreter start-up
+included on both sides), as bench_read.py does for one file.
+
+Arms:
+- m. 256 shards: read / summary / validate, ratio to the bare loop (target
+  <= 3x each); the same records as one file, for comparison;
+- n. 4,096 shards under ``ulimit -n 256``: read / summary / validate / show
+  work, peak RSS (target <= 300 MiB);
+- o. an object-store run of 32 processes (a loopback moto server, as
+  tests/host/test_object_store.py uses) against the same run on local disk
+  (target <= 3x); only where moto and s3fs are installed.
+
+The runs are generated without JAX (``generate``): per step and process a
+per-device value and a replicated value every process writes (deduped by
+the reader), times interleaved across shards. ``reference`` writes the same
+run as one file in the order the merge must give (sort by time, then
+process, then line; first copy of a replicated value kept): the definition
+tests/tapfile/test_read_scale.py compares the merge with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from benchmarks.common import table  # noqa: E402
+
+T0 = 1.8e9
+
+_BARE = (
+    "import sys, os, orjson\n"
+    "n = 0\n"
+    "d = sys.argv[1]\n"
+    "for name in sorted(os.listdir(d)):\n"
+    "    with open(os.path.join(d, name), 'rb') as f:\n"
+    "        for line in f:\n"
+    "            try:\n"
+    "                orjson.loads(line)\n"
+    "            except orjson.JSONDecodeError:\n"
+    "                pass\n"
+    "            n += 1\n"
+    "print(n)\n"
+)
+_BARE_FILE = (
+    "import sys, orjson\n"
+    "n = 0\n"
+    "with open(sys.argv[1], 'rb') as f:\n"
+    "    for line in f:\n"
+    "        orjson.loads(line)\n"
+    "        n += 1\n"
+    "print(n)\n"
+)
+
+
+def records(shards: int, steps: int, devices: int = 1) -> list[list[dict]]:
+    """The records of each shard, in its write order."""
+    out = []
+    for p in range(shards):
+        mine = []
+        for s in range(steps):
+            # Processes write each step at slightly different times (and
+            # some at the same time: ties go by process).
+            t = T0 + s * 0.1 + (p % 13) * 1e-4
+            value = 1.0 / (s + 1)
+            if p == 5 and s == 1:
+                value = 7.0  # one process disagrees: divergent
+            mine.append(
+                {
+                    "run": "bench",
+                    "name": "loss",
+                    "step": s,
+                    "kind": "replicated",
+                    "value": value,
+                    "dtype": "float32",
+                    "shape": [],
+                    "process": p,
+                    "time": t,
+                    "host": f"node-{p}",
+                    "replicas": devices,
+                    "devices": list(range(p * devices, (p + 1) * devices)),
+                    "processes": [p],
+                    "vhash": f"{hash(value) & 0xFFFFFFFF:016x}",
+                }
+            )
+            for d in range(p * devices, (p + 1) * devices):
+                mine.append(
+                    {
+                        "run": "bench",
+                        "name": "grad_norm",
+                        "step": s,
+                        "kind": "per_device",
+                        "value": 0.5 + d + s * 1e-4,
+                        "dtype": "float32",
+                        "shape": [],
+                        "process": p,
+                        "time": t,
+                        "host": f"node-{p}",
+                        "device": d,
+                        "coords": {"dp": d},
+                    }
+                )
+        out.append(mine)
+    return out
+
+
+def generate(path: str, shards: int, steps: int, devices: int = 1, bad: bool = False) -> int:
+    """A sharded run ``path.d/p*.jsonl``; returns its size in bytes. ``bad``:
+    a garbage line in shard 17's middle and a torn last line in the last
+    shard (a writer killed mid-line)."""
+    import orjson
+
+    d = path + ".d"
+    os.makedirs(d, exist_ok=True)
+    size = 0
+    for p, mine in enumerate(records(shards, steps, devices)):
+        lines = [orjson.dumps(r) + b"\n" for r in mine]
+        if bad and p == 17 % shards:
+            lines.insert(len(lines) // 2, b"garbage, not JSON\n")
+        if bad and p == shards - 1:
+            lines.append(b'{"run": "bench", "name": "lo')
+        data = b"".join(lines)
+        with open(os.path.join(d, f"p{p:05d}.jsonl"), "wb") as f:
+            f.write(data)
+        size += len(data)
+    return size
+
+
+def reference(path: str, shards: int, steps: int, devices: int = 1) -> None:
+    """The run of ``generate`` (without bad lines) as one file, in the order
+    the merge gives: by time, then process, then line; a replicated value
+    another process already wrote is left out (the one-file writer skips
+    it)."""
+    import orjson
+
+    rows = [
+        (r["time"], p, i, r)
+        for p, mine in enumerate(records(shards, steps, devices))
+        for i, r in enumerate(mine)
+    ]
+    rows.sort(key=lambda x: x[:3])
+    seen = set()
+    with open(path, "wb") as f:
+        for *_, r in rows:
+            if r["kind"] == "replicated":
+                k = (r["name"], r["step"], r["vhash"])
+                if k in seen:
+                    continue
+                seen.add(k)
+            f.write(orjson.dumps(r) + b"\n")
+
+
+_LIMITED = (
+    "import resource, runpy, sys\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+    "sys.argv = ['pmaptap'] + sys.argv[1:]\n"
+    "runpy.run_module('pmaptap', run_name='__main__')\n"
+)
+_READ = "import sys, pmaptap\nprint(len(pmaptap.read(sys.argv[1])))\n"
+_READ_LIMITED = (
+    "import resource, sys\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+    "import pmaptap\n"
+    "print(len(pmaptap.read(sys.argv[1])))\n"
+)
+
+
+def _make(fn: str, *args) -> int:
+    """``fn(*args)`` of this module in a child process: a reader measured
+    later is forked from this process, and its peak RSS counts this
+    process's pages at the fork (the runs are built in memory)."""
+    code = f"from benchmarks.bench_read_scale import {fn}; import sys; print({fn}(*{args!r}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    got = out.stdout.decode().strip()
+    return int(got) if got.isdigit() else 0
+
+
+def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one command in its own process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if code not in (0, 1):  # validate exits 1 on a run with bad lines
+        raise RuntimeError(f"{cmd} failed ({code}): {err[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def _rounds(arms: dict, rounds: int, env=None) -> tuple[dict, dict]:
+    walls: dict = {k: [] for k in arms}
+    rss: dict = {}
+    for _ in range(rounds):
+        for name, cmd in arms.items():
+            w, peak = measure(cmd, env)
+            walls[name].append(w)
+            rss[name] = max(peak, rss.get(name, 0.0))
+    return walls, rss
+
+
+def _report(title: str, walls: dict, rss: dict, base: str) -> None:
+    b = statistics.median(walls[base])
+    rows = []
+    for name, ts in walls.items():
+        t = statistics.median(ts)
+        rows.append(
+            (
+                name,
+                f"{t:.2f} s ({min(ts):.2f}-{max(ts):.2f})",
+                f"{t / b:.2f}x",
+                f"{rss[name]:.0f} MiB",
+            )
+        )
+    print(title)
+    print(table(rows, ("command", "time", "vs base", "peak RSS")))
+
+
+def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError:
+        print("o. object store: skipped (moto[server] and s3fs not installed)")
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(tmp, "moto.log"), "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    env = dict(
+        os.environ,
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server did not start") from None
+                time.sleep(0.1)
+        local = os.path.join(tmp, "os-local.jsonl")
+        url = "s3://taps/run"
+        # Each process writes its run through real Writers: several chunks a
+        # process on the store, one shard on disk.
+        write = (
+            "import sys, s3fs, pmaptap\n"
+            "local, url = sys.argv[1:3]\n"
+            "procs, steps = int(sys.argv[3]), int(sys.argv[4])\n"
+            "s3fs.S3FileSystem().mkdir('taps')\n"
+            "for p in range(procs):\n"
+            "    for where in (local, url):\n"
+            "        with pmaptap.Writer(where, run='r', process=p, layout='sharded') as w:\n"
+            "            for s in range(steps):\n"
+            "                w.write('gn', s, float(p + s), kind='per_device', device=p)\n"
+            "                if s % (steps // 4 or 1) == 0:\n"
+            "                    w.flush()\n"
+        )
+        subprocess.run(
+            [sys.executable, "-c", write, local, url, str(procs), str(steps)],
+            cwd=ROOT,
+            env=env,
+            check=True,
+        )
+        arms = {
+            "o. object store, pmaptap.read": [sys.executable, "-c", _READ, url],
+            "o. local disk, pmaptap.read": [sys.executable, "-c", _READ, local],
+        }
+        walls, rss = _rounds(arms, rounds, env)
+        _report(
+            f"o. {procs} processes x {steps} steps, object store vs disk:",
+            walls,
+            rss,
+            "o. local disk, pmaptap.read",
+        )
+        r = statistics.median(walls["o. object store, pmaptap.read"]) / statistics.median(
+            walls["o. local disk, pmaptap.read"]
+        )
+        print(f"o. object store read ratio: {r:.2f}x the same run on disk (target <= 3x)")
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--quick", action="store_true", help="small runs, one round: checks that it runs"
+    )
+    ap.add_argument("--rounds", type=int)
+    a = ap.parse_args(argv)
+    rounds = a.rounds or (1 if a.quick else 5)
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        # m. 256 shards, 102,400 lines (quick: 2,560).
+        shards, steps = 256, (5 if a.quick else 200)
+        path = os.path.join(tmp, "m.jsonl")
+        size = _make("generate", path, shards, steps)
+        one = os.path.join(tmp, "m-one.jsonl")
+        _make("reference", one, shards, steps)
+        arms = {
+            "m. bare orjson loop (shards)": [py, "-c", _BARE, path + ".d"],
+            "m. sharded: pmaptap.read": [py, "-c", _READ, path],
+            "m. sharded: pmaptap summary": [py, "-m", "pmaptap", "summary", path],
+            "m. sharded: pmaptap validate": [py, "-m", "pmaptap", "validate", path],
+            "m. bare orjson loop (one file)": [py, "-c", _BARE_FILE, one],
+            "m. one file: pmaptap.read": [py, "-c", _READ, one],
+            "m. one file: pmaptap summary": [py, "-m", "pmaptap", "summary", one],
+            "m. one file: pmaptap validate": [py, "-m", "pmaptap", "validate", one],
+        }
+        walls, rss = _rounds(arms, rounds)
+        _report(
+            f"m. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB; median (range) "
+            f"of {rounds} round(s), fresh processes",
+            walls,
+            rss,
+            "m. bare orjson loop (shards)",
+        )
+        bare = statistics.median(walls["m. bare orjson loop (shards)"])
+        bare1 = statistics.median(walls["m. bare orjson loop (one file)"])
+        print(
+            "m. ratios to the bare loop over the same files (target <= 3x): "
+            + ", ".join(
+                f"{k[3:]} {statistics.median(walls[k]) / base:.2f}x"
+                for k, base in (
+                    ("m. sharded: pmaptap.read", bare),
+                    ("m. sharded: pmaptap summary", bare),
+                    ("m. sharded: pmaptap validate", bare),
+                    ("m. one file: pmaptap.read", bare1),
+                    ("m. one file: pmaptap summary", bare1),
+                    ("m. one file: pmaptap validate", bare1),
+                )
+            )
+        )
+        # n. 4,096 shards under ulimit -n 256.
+        shards, steps = 4096, (2 if a.quick else 25)
+        path = os.path.join(tmp, "n.jsonl")
+        size = _make("generate", path, shards, steps, 1, True)
+        arms = {
+            "n. bare orjson loop": [py, "-c", _BARE, path + ".d"],
+            "n. pmaptap.read, ulimit -n 256": [py, "-c", _READ_LIMITED, path],
+            "n. summary, ulimit -n 256": [py, "-c", _LIMITED, "summary", path],
+            "n. validate, ulimit -n 256": [py, "-c", _LIMITED, "validate", path],
+            "n. show --name loss, ulimit -n 256": [
+                py,
+                "-c",
+                _LIMITED,
+                "show",
+                path,
+                "--name",
+                "loss",
+            ],
+        }
+        walls, rss = _rounds(arms, 1)
+        _report(
+            f"n. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB, "
+            "under ulimit -n 256",
+            walls,
+            rss,
+            "n. bare orjson loop",
+        )
+        peak = max(v for k, v in rss.items() if "256" in k)
+        print(f"n. 4096 shards: every reader ran; peak RSS {peak:.0f} MiB (target <= 300 MiB)")
+        _object_store(tmp, 32, 8 if a.quick else 200, rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

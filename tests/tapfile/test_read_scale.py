@@ -1,0 +1,341 @@
+"""Reading sharded runs of any size (issue 29): open files and memory that do
+not depend on the shard count, the same answers as the definition of the
+merge (every line of every shard by time, then process, then line; the first
+copy of a replicated value kept), which benchmarks/bench_read_scale.py
+writes as one file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pmaptap
+from conftest import logs_warning, run_python
+
+_CHILD = """
+import contextlib, io, json, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+import pmaptap
+from pmaptap.cli import main
+
+tmp = {tmp!r}
+run, ref, bad = tmp + "/run.jsonl", tmp + "/ref.jsonl", tmp + "/bad.jsonl"
+
+def cli(*args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return code, out.getvalue()
+
+got = {{}}
+got["read_equal"] = pmaptap.read(run) == pmaptap.read(ref)
+got["records"] = len(pmaptap.read(run))
+for name, args in (
+    ("summary", ["summary"]),
+    ("validate", ["validate"]),
+    ("show", ["show", "--name", "loss"]),
+    ("show_json", ["show", "--name", "grad_norm", "--step", "1", "--json"]),
+):
+    a = cli(*args[:1], run, *args[1:])
+    b = cli(*args[:1], ref, *args[1:])
+    got[name] = [a[0], a[1].replace(run, "RUN"), b[0], b[1].replace(ref, "RUN")]
+got["bad_validate"] = cli("validate", bad)
+got["bad_read"] = len(pmaptap.read(bad))
+# The peak of this process's own memory (VmHWM: ru_maxrss would count the
+# pages of the test process it was forked from).
+hwm = [x for x in open("/proc/self/status") if x.startswith("VmHWM:")][0]
+got["rss_mib"] = int(hwm.split()[1]) / 1024
+print(json.dumps(got))
+"""
+
+
+def test_4096_shards_read_under_a_256_open_file_limit(tmp_path):
+    """Every reader of a 4,096-shard run works with 256 open files allowed,
+    gives the answers of the same run written as one file in merge order,
+    and stays under 300 MiB (before: [Errno 24] Too many open files, every
+    shard open at once)."""
+    # The runs are built in another process: the peak RSS measured is the
+    # readers'.
+    run_python(
+        f"""
+        from benchmarks.bench_read_scale import generate, reference
+        tmp = {str(tmp_path)!r}
+        generate(tmp + "/run.jsonl", 4096, 3)
+        generate(tmp + "/bad.jsonl", 4096, 3, bad=True)
+        reference(tmp + "/ref.jsonl", 4096, 3)
+        """,
+        timeout=600,
+    )
+    proc = run_python(_CHILD.format(tmp=str(tmp_path)), timeout=600)
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["read_equal"] and got["records"] == 4096 * 3 + 4, got["records"]
+    for name in ("summary", "validate", "show", "show_json"):
+        code, text, ref_code, ref_text = got[name]
+        assert (code, text) == (ref_code, ref_text), name
+        assert code == 0 and text, name
+    assert "12292 records" in got["validate"][1]
+    assert "divergent" in got["summary"][1]
+    # The show of one step has every process's record, in merge order.
+    rows = [json.loads(x) for x in got["show_json"][1].splitlines()]
+    assert [r["process"] for r in rows] == sorted(range(4096), key=lambda p: (p % 13, p))
+    # Bad lines cost only themselves, named by shard and line.
+    code, text = got["bad_validate"]
+    assert code == 1, text
+    assert "p00017.jsonl line 4" in text and "not valid JSON" in text, text
+    assert "p04095.jsonl line 7" in text and "torn last line" in text, text
+    assert got["bad_read"] == got["records"]
+    assert got["rss_mib"] <= 300, got["rss_mib"]
+
+
+@pytest.mark.parametrize("piece", [1, 700])
+def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog, piece):
+    """Reads and pieces of one line (and of a few) re-open each shard at the
+    offset the last read ended: the merge, the torn last line and the
+    garbage line come out as with whole files."""
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(ROOT)
+    import pmaptap
+    from benchmarks.bench_read_scale import generate, reference
+    from pmaptap.tapfile import lines, runs
+
+    run, ref, bad = (str(tmp_path / n) for n in ("run.jsonl", "ref.jsonl", "bad.jsonl"))
+    generate(run, 40, 12)
+    generate(bad, 40, 12, bad=True)
+    reference(ref, 40, 12)
+    whole = pmaptap.read(ref)
+    bad_whole = list(lines.iter_lines(bad))
+    for bound in ("MIN_PIECE_BYTES", "MAX_PIECE_BYTES", "MIN_READ_BYTES", "MAX_READ_BYTES"):
+        monkeypatch.setattr(runs, bound, piece)
+    assert pmaptap.read(run) == whole
+    cut = list(lines.iter_lines(bad))
+    assert cut == bad_whole
+    problems = [(n, why) for n, d, why in cut if d is None]
+    assert len(problems) == 2 and "p00017.jsonl line 13" in problems[0][1], problems
+    assert "torn last line" in problems[1][1] and "p00039.jsonl line 25" in problems[1][1]
+
+
+def _record(step: int, process: int = 3):
+    from pmaptap.tapfile.format import Record
+
+    return Record(
+        run="r",
+        name="x",
+        step=step,
+        kind="per_device",
+        value=step,
+        dtype="int32",
+        shape=[],
+        process=process,
+        time=step,
+        host="h",
+        device=process,
+        coords={},
+    )
+
+
+def test_shard_writes_look_up_no_path_per_batch(tmp_path, monkeypatch):
+    """A batch of the sharded layout costs an fstat of the open shard, not a
+    stat of its path (a metadata round trip on NFS/Lustre): 50 batches, no
+    path looked up (before: one per batch)."""
+    import os
+
+    from pmaptap._host.dirsink import DirectorySink
+
+    path = str(tmp_path / "run.jsonl")
+    sink = DirectorySink(path, process=3)
+    looked: list = []
+    stat = os.stat
+
+    def counting_stat(p, *a, **kw):
+        looked.append(os.fspath(p))
+        return stat(p, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    for step in range(50):
+        sink.write([_record(step)])
+    monkeypatch.undo()
+    sink.close()
+    assert sink.path not in looked, len(looked)
+    assert [r["step"] for r in pmaptap.read(path)] == list(range(50))
+
+
+def test_a_rotated_shard_moves_its_writer_within_the_path_check(tmp_path, monkeypatch, caplog):
+    """A shard renamed away (log rotation) is seen by the stat of its path
+    made every PATH_CHECK_S: the writer moves to a new file at the path, and
+    the records written before and after are all read."""
+    import os
+    import time
+
+    from pmaptap._host import dirsink
+
+    monkeypatch.setattr(dirsink, "PATH_CHECK_S", 0.2)
+    path = str(tmp_path / "run.jsonl")
+    sink = dirsink.DirectorySink(path, process=3)
+    sink.write([_record(0)])
+    os.rename(sink.path, sink.path + ".1")
+    time.sleep(0.3)
+    with logs_warning(caplog, "replaced or removed"):
+        sink.write([_record(1)])
+    sink.close()
+    assert sink.replacements == 1
+    assert [r["step"] for r in pmaptap.read(path)] == [1]
+    assert [r["step"] for r in pmaptap.read(sink.path + ".1")] == [0]
+
+
+def test_a_replicated_record_of_4096_processes_stays_small(tmp_path):
+    """The holders of a value verified by 4,096 processes x 8 devices are
+    written as ranges text: the line stays under 1 KB (a list was ~180 KB),
+    every reader takes it (read gives the lists, filters match a holder,
+    summary names them, validate is clean) and the owner alone writes it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.format import Record
+
+    procs, devs = tuple(range(4096)), tuple(range(4096 * 8))
+    path = str(tmp_path / "run.jsonl")
+
+    def rec(process, step, value=0.5):
+        return Record(
+            run="r",
+            name="loss",
+            step=step,
+            kind="replicated",
+            value=value,
+            dtype="float32",
+            shape=[],
+            process=process,
+            time=float(step),
+            host=f"h{process}",
+            replicas=len(devs),
+            devices=devs,
+            processes=procs,
+            vhash=f"{step:016x}",
+        )
+
+    line = rec(0, 0).encode()
+    assert len(line) < 1024, len(line)
+    assert b'"processes":"0-4095"' in line and b'"devices":"0-32767"' in line
+    d, problem = parse.parse_line(line.rstrip(b"\n"))
+    assert problem is None and d["processes"] == "0-4095"
+    # 8 of the 4,096 processes write their shards; each record has one owner.
+    written = 0
+    for p in range(8):
+        sink = DirectorySink(path, process=p)
+        sink.write([rec(p, s) for s in range(64)])
+        written += sink.lines_written
+        sink.close()
+    recs = pmaptap.read(path)
+    assert len(recs) == written and 0 < written < 64, written
+    assert recs[0]["processes"] == list(procs) and recs[0]["devices"] == list(devs)
+    assert len(pmaptap.read(path, process=4000)) == written
+    assert len(pmaptap.read(path, device=30000)) == written
+    assert pmaptap.read(path, device=40000) == []
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "pmaptap", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+
+    v = cli("validate", path)
+    assert v.returncode == 0 and f"OK, {written} records" in v.stdout, v
+    s = cli("summary", path)
+    assert "0-4095" in s.stdout and "0-32767" in s.stdout, s.stdout
+    show = cli("show", path, "--process", "17")
+    assert show.returncode == 0 and "0-32767" in show.stdout, show.stdout
+
+
+def test_holders_ranges_text_is_strict(tmp_path):
+    """Ranges text is taken only in its one form (ascending, disjoint,
+    decimal without leading zeros); anything else costs only its line,
+    named as a bad ``processes``/``devices``, in parse_line and in the
+    batch parser alike."""
+    import orjson
+
+    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.format import holder_ids, holders_field
+
+    base = {
+        "run": "r",
+        "name": "x",
+        "step": 0,
+        "kind": "replicated",
+        "value": 1.0,
+        "dtype": "float32",
+        "shape": [],
+        "process": 0,
+        "time": 1.0,
+        "host": "h",
+        "replicas": 1,
+        "vhash": "0",
+    }
+    good = ["0", "0-3", "0-3,5", "7,9-4095", "0-32767"]
+    bad = ["", "3-1", "1,1", "2,1", "01", "a", "1-", "-1", "0-3,3", " 1", "1.5", "1" * 25]
+    bad += ["0-9999999999999999", "0-1048576"]  # more ids than a reader expands
+    lines = []
+    for field in ("processes", "devices"):
+        for text in good + bad:
+            lines.append(orjson.dumps({**base, field: text}))
+    one = [parse.parse_line(x) for x in lines]
+    records, problems = parse.parse_lines(list(lines))
+    assert [d for d, _ in one] == records
+    assert {i: p for i, (_, p) in enumerate(one) if p} == problems
+    n = len(good) + len(bad)
+    for k, field in enumerate(("processes", "devices")):
+        for i, text in enumerate(good + bad):
+            d, problem = one[k * n + i]
+            if text in good:
+                assert problem is None, (field, text, problem)
+            else:
+                assert problem is not None and field in problem, (field, text, problem)
+    assert holders_field(tuple(range(17))) == "0-16"
+    assert holders_field(tuple(range(16))) == list(range(16))  # small: the list
+    assert holders_field((0, 1, *range(5, 40), 50)) == "0-1,5-39,50"
+    assert holders_field(tuple(range(20, 0, -1))) == list(range(20, 0, -1))  # not ascending
+    assert holder_ids("0-1,5-7,50") == [0, 1, 5, 6, 7, 50]
+
+
+def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatch):
+    """tail -f / merge -f of a local sharded run list path.d/ only when it
+    changed (its mtime; anyway while it changed in the last second): quiet
+    polls of a run's shards cost a stat of the directory, not a listing of
+    every shard; a shard created later is still found at the next poll."""
+    import json
+    import os
+
+    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap.tapfile import follow
+
+    path = str(tmp_path / "run.jsonl")
+    for p in range(2):
+        sink = DirectorySink(path, process=p)
+        sink.write([_record(0, p)])
+        sink.close()
+    old = os.stat(path + ".d").st_mtime - 60
+    os.utime(path + ".d", (old, old))
+    listed = []
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: listed.append(d) or listdir(d))
+    f = follow.RunFollower(path)
+
+    def procs():
+        return sorted(json.loads(raw)["process"] for _, raw in f.poll())
+
+    assert procs() == [0, 1] and len(listed) == 1
+    for _ in range(3):
+        assert procs() == []
+    assert len(listed) == 1
+    sink = DirectorySink(path, process=2)
+    sink.write([_record(0, 2)])
+    sink.close()
+    assert procs() == [2] and len(listed) == 2
+    f.close()
