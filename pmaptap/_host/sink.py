@@ -46,10 +46,20 @@ _MARK_BYTES = 1024
 
 
 class Sink(abc.ABC):
+    # Positions, in the last write()'s input, of the replicated records the
+    # sink did not write because another process of the job writes them
+    # (cross-process dedup, the sharded owner rule). The write loop needs them
+    # to forward what this process computed, not only what it wrote
+    # (``Session(forward_replicated=...)``, _host/forward.py).
+    left: Sequence[int] = ()
+
     @abc.abstractmethod
     def write(self, records: Sequence[Record]) -> Sequence[Record] | None:
         """Write all of ``records`` or raise (then none or all were written).
-        A sink that filters (cross-process dedup) returns what it wrote."""
+        A sink that filters (cross-process dedup) returns what it wrote, in
+        order, one record per input record not in ``left`` (a record may come
+        back replaced: flagged divergent, or an unencodable one's meta
+        record)."""
 
     def close(self) -> None:
         pass
@@ -194,7 +204,9 @@ class FileSink(Sink):
     def write(self, records: Sequence[Record]) -> list[Record]:
         """Append ``records`` (all or none; raises otherwise) and return the
         ones actually written: cross-process dedup skips replicated values
-        another process wrote, and unencodable ones are replaced."""
+        another process wrote (their positions in ``left``), and unencodable
+        ones are replaced."""
+        self.left = []
         if not records:
             return []
         # Encode outside the lock; only the dedup decision needs it.
@@ -214,7 +226,8 @@ class FileSink(Sink):
                 self._observe(new_bytes, self._seen)
                 self._mark = (self._mark + new_bytes)[-_MARK_BYTES:]
                 self._seen = size
-            keep, new_keys = self.index.plan(records)
+            left: list[int] = []
+            keep, new_keys = self.index.plan(records, left)
             # A list of lines, not one joined buffer: writev hands them to
             # the kernel without first copying megabytes into a new bytes
             # object (measured ~50 us a step for 8 x 4 KiB per-device taps).
@@ -233,6 +246,7 @@ class FileSink(Sink):
             if soft and fd >= 0:
                 os.close(fd)
             self._lock.release()
+        self.left = left
         self.lines_written += len(keep)
         self.bytes_written += written
         return keep
