@@ -160,19 +160,36 @@ def _print_table(entries: Sequence[views.Entry], width: int) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """Streams: a first pass indexes divergence and attempts, a second prints
+    (--json) or fits the columns, a third prints the table; nothing holds the
+    records (tapfile/stream.py)."""
     from pmaptap.tapfile import views
+    from pmaptap.tapfile.stream import first_pass
 
     flt = _filter(args)
-    entries = _select(args.file, "show", flt)
-    if args.limit:
-        entries = entries[: args.limit]
-    if not entries:
-        return 0
+    _check_file(args.file)
+    fp = first_pass(args.file, flt)
+    _report_skipped(fp.problems, args.file, "show")
+
+    def entries():
+        return views.iter_entries(args.file, flt, fp, args.limit)
+
+    shown = 0
     if args.json:
-        for e in entries:
+        for e in entries():
             print(views.json_line(e))
+            shown += 1
     else:
-        _print_table(entries, args.width)
+        table = views.Table()
+        for e in entries():
+            table.fit((views.row(e, args.width),))
+            shown += 1
+        if shown:
+            print(table.header())
+            for e in entries():
+                print(table.format(views.row(e, args.width)))
+    if not shown:
+        _no_match("show", args.file, flt, fp.names, fp.runs)
     return 0
 
 

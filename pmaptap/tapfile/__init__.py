@@ -25,6 +25,7 @@ _SUBMODULES = frozenset(
         "query",
         "reader",
         "runs",
+        "stream",
         "summary",
         "tensorboard",
         "views",

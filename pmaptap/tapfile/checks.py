@@ -20,9 +20,7 @@ import os
 from itertools import compress
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.format import MAX_STEP, NONFINITE, record_key
-from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
 
@@ -240,32 +238,84 @@ class Report:
         return not self.problems
 
 
+class FirstCopies:
+    """``find_duplicates`` one record at a time, holding small per-key state
+    (never a record): ``add(r, line)`` returns the line of r's first copy
+    if r repeats an earlier record (duplicate_key), else None. By key without
+    its step, then by step: an int per per-device record, a (vhash, line)
+    per replicated one."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple, dict] = {}
+
+    def add(self, r: dict, line: int) -> int | None:
+        key = duplicate_key(r)
+        if key is None:
+            return None
+        # key = (kind, run, name, step, pass, index, attempt, *rest)
+        step = key[3]
+        if key[0] == "replicated":
+            value = key[7]
+            steps = self._keys.setdefault(key[:3] + key[4:7], {})
+            got = steps.get(step)
+            if got is None:
+                steps[step] = (value, line)
+                return None
+            if isinstance(got, tuple):
+                if got[0] == value:
+                    return got[1]
+                got = steps[step] = {got[0]: got[1]}
+            first = got.get(value)
+            if first is None:
+                got[value] = line
+            return first
+        steps = self._keys.setdefault(key[:3] + key[4:], {})
+        first = steps.get(step)
+        if first is None:
+            steps[step] = line
+        return first
+
+
 def validate_file(path: str | os.PathLike) -> Report:
-    entries, bad = load(path)
-    report = Report(os.fspath(path), records=len(entries))
-    report.problems.extend(bad)
-    for e in entries:
-        for problem in schema_problems(e.raw):
-            report.problems.append((e.line, f"schema: {problem}"))
-    raws = [e.raw for e in entries]
-    for i, j in find_duplicates(raws):
-        r = raws[i]
-        what = f"{r['kind']} {r['name']!r} step {r['step']}" + (
-            f" device {r.get('device')}" if r["kind"] == "per_device" else ""
-        )
-        report.problems.append((entries[i].line, f"duplicate of line {entries[j].line} ({what})"))
+    """Every problem of a file, in one streaming pass (plus a scan of the
+    lines that mention an attempt, for a resumed run): its state is per key
+    (FirstCopies, DivergenceIndex), never the records."""
+    from pmaptap.tapfile.attempts import scan
+    from pmaptap.tapfile.divergence import DivergenceIndex
+    from pmaptap.tapfile.lines import iter_lines
+
+    report = Report(os.fspath(path))
+    problems = report.problems
     # Records of steps that a resumed run replayed are superseded by the
     # later attempt's (tapfile/attempts.py): history, not duplicates (their
-    # keys differ in ``attempt``, so find_duplicates does not pair them).
-    attempts = index_records(raws)
-    report.superseded = sum(map(attempts.superseded, raws)) if attempts else 0
-    report.problems.sort()
-    report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
-    report.divergent_keys = len(
-        {
-            duplicate_key(e.rec)[1:6]
-            for e in entries
-            if e.rec.get("divergent") and e.rec.get("kind") == "replicated"
-        }
-    )
+    # keys differ in ``attempt``, so FirstCopies does not pair them).
+    attempts = scan(path)
+    superseded = attempts.superseded if attempts else None
+    firsts = FirstCopies()
+    index = DivergenceIndex()
+    flagged: set = set()  # keys of replicated records the file flags divergent
+    records = lineno = 0
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            problems.append((lineno, problem or "invalid"))
+            continue
+        records += 1
+        for p in schema_problems(d):
+            problems.append((lineno, f"schema: {p}"))
+        first = firsts.add(d, lineno)
+        if first is not None:
+            what = f"{d['kind']} {d['name']!r} step {d['step']}" + (
+                f" device {d.get('device')}" if d["kind"] == "per_device" else ""
+            )
+            problems.append((lineno, f"duplicate of line {first} ({what})"))
+        index.add(d)
+        if d.get("divergent") and d.get("kind") == "replicated":
+            flagged.add(record_key(d)[:5])
+        if superseded is not None and superseded(d):
+            report.superseded += 1
+    report.records = records
+    report.lines = lineno
+    problems.sort()
+    flagged.update(key[:5] for key in index.divergent_keys())
+    report.divergent_keys = len(flagged)
     return report

@@ -112,21 +112,58 @@ def _number_kind(cells: list) -> str | None:
     return "float" if kinds else None
 
 
+class FrameBuilder:
+    """``to_frame`` one record at a time: each record's cells go straight
+    into their columns (a missing cell is None), so a reader that streams a
+    file holds the columns, never the records or their rows. Short text
+    cells (run, name, kind, host, dtype, ...) are shared: a file repeats a
+    few of them on every line."""
+
+    def __init__(self) -> None:
+        self._pd = _pandas()  # the error at once, before a file is read
+        self.n = 0
+        self._cells: dict[str, list] = {col: [] for col in _FIRST}
+        self._texts: dict[str, str] = {}
+
+    def add(self, r: dict) -> None:
+        n = self.n
+        cells = self._cells
+        texts = self._texts
+        for col, v in _row(r).items():
+            column = cells.get(col)
+            if column is None:
+                column = cells[col] = [None] * n
+            elif len(column) < n:
+                column.extend([None] * (n - len(column)))
+            if type(v) is str and len(v) <= 64:
+                v = texts.setdefault(v, v)
+            column.append(v)
+        self.n = n + 1
+
+    def frame(self) -> Any:
+        """The DataFrame; the builder is spent (its cells go column by column
+        into pandas, each list freed once its column is made)."""
+        pd, n, cells = self._pd, self.n, self._cells
+        for column in cells.values():
+            if len(column) < n:
+                column.extend([None] * (n - len(column)))
+        names = list(cells)
+        coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
+        values = [k for k in names if k == "value" or k.startswith("value.")]
+        rest = [k for k in names if k not in _FIRST and k not in coords and k not in values]
+        columns: dict[str, Any] = {}
+        for col in (*_FIRST, *coords, *values, *rest):
+            columns[col] = _column(pd, col, cells.pop(col))
+        self._texts = {}
+        return pd.DataFrame(columns, index=pd.RangeIndex(n))
+
+
 def to_frame(records: Iterable[dict]) -> Any:
     """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts)."""
-    pd = _pandas()
-    rows = [_row(r) for r in records]
-    names: dict[str, None] = dict.fromkeys(_FIRST)
-    for row in rows:
-        names.update(dict.fromkeys(row))
-    coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
-    values = [k for k in names if k == "value" or k.startswith("value.")]
-    rest = [k for k in names if k not in _FIRST and k not in coords and k not in values]
-    columns: dict[str, Any] = {}
-    for col in (*_FIRST, *coords, *values, *rest):
-        cells = [row.get(col) for row in rows]
-        columns[col] = _column(pd, col, cells)
-    return pd.DataFrame(columns, index=pd.RangeIndex(len(rows)))
+    builder = FrameBuilder()
+    for r in records:
+        builder.add(r)
+    return builder.frame()
 
 
 def _column(pd: Any, col: str, cells: list) -> Any:

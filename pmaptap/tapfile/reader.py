@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.query import read_filter
+from pmaptap.tapfile.query import Filter, read_filter
 
 __all__ = ["read"]
 
@@ -48,6 +49,8 @@ def read(
     """
     check_mode(attempts)
     flt = read_filter(name, step, run, device, process)
+    if as_frame:
+        return _frame(path, flt, attempts)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
     index = DivergenceIndex()
@@ -75,6 +78,11 @@ def read(
             r.setdefault("attempt", 0)
     elif later:
         out = [r for r in out if not later.superseded(r)]
+    _warn_skipped(path, bad)
+    return out
+
+
+def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
@@ -83,8 +91,24 @@ def read(
         log.warning(
             f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} invalid line(s): {shown}{more}"
         )
-    if as_frame:
-        from pmaptap.tapfile.frame import to_frame
 
-        return to_frame(out)
-    return out
+
+def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
+    """``read(..., as_frame=True)``, streamed: the file is read twice
+    (tapfile/stream.py), and each record goes into the frame's columns as it
+    is decoded, so neither the records nor their rows are ever held."""
+    from pmaptap.tapfile.frame import FrameBuilder
+    from pmaptap.tapfile.stream import first_pass, matching
+
+    builder = FrameBuilder()  # pandas missing: said before the file is read
+    fp = first_pass(path, flt)
+    _warn_skipped(path, [(n, why) for n, why in fp.problems if why != "empty line"])
+    every = attempts == "all"
+    for _, d, divergent in matching(path, flt, fp, all_attempts=every):
+        r = decode_record(d)
+        if divergent:
+            r["divergent"] = True
+        if every:
+            r.setdefault("attempt", 0)
+        builder.add(r)
+    return builder.frame()

@@ -8,13 +8,14 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from pmaptap.tapfile.attempts import Attempts
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
 from pmaptap.tapfile.format import decode_record, index_text
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.stream import FirstPass, matching
 
 
 @dataclasses.dataclass
@@ -78,6 +79,24 @@ def load_matching(
         # supersession is judged on the same records as any other's.
         entries = [e for e in entries if not attempts.superseded(e.raw)]
     return entries, problems, names, runs
+
+
+def iter_entries(
+    path: str | os.PathLike, flt: "Filter", fp: "FirstPass", limit: int = 0
+) -> Iterator[Entry]:
+    """``load_matching``'s entries, streamed: the second pass over the file
+    after ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
+    n = 0
+    for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
+        e = Entry(lineno, d, decode_record(d))
+        if divergent:
+            e.rec["divergent"] = True
+            if not d.get("divergent"):
+                e.raw = dict(d, divergent=True)
+        yield e
+        n += 1
+        if n == limit:
+            return
 
 
 def mark_divergence(entries: Sequence[Entry]) -> None:

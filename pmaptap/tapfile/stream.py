@@ -1,0 +1,87 @@
+"""Reading a file twice instead of holding it: the first pass of a streaming
+reader.
+
+A record's divergence depends on every copy of its key (DivergenceIndex), and
+whether a later attempt superseded it on every record of its step
+(Attempts), wherever they sit in the file. Readers that print or build
+something from a file larger than memory should hold neither the records nor
+their output, so they read it twice: ``first_pass`` parses every line and
+keeps only the small per-key indexes (never a record, never a decoded value),
+then ``matching`` reads the file again and yields each record to show, in file
+order, with exact answers for both. ``pmaptap show``, ``read(...,
+as_frame=True)`` and ``export --csv`` read this way; ``pmaptap validate`` and
+``summary`` need one pass (their state is per key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+from pmaptap.tapfile.attempts import Attempts
+from pmaptap.tapfile.divergence import DivergenceIndex
+from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.query import Filter
+
+
+@dataclasses.dataclass
+class FirstPass:
+    """What the first pass learned: the indexes, every line that is not a
+    record (line, why; empty lines included), and every name and run read
+    (to say what a file holds when nothing matched)."""
+
+    index: DivergenceIndex = dataclasses.field(default_factory=DivergenceIndex)
+    attempts: Attempts = dataclasses.field(default_factory=Attempts)
+    problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    names: set = dataclasses.field(default_factory=set)
+    runs: set = dataclasses.field(default_factory=set)
+    # The file's last line then, and whether it was a record: a second pass
+    # over a file still being written stops there, so it shows what the
+    # first pass indexed (a torn last line completed meanwhile included).
+    lines: int = 0
+    last_bad: bool = False
+
+
+def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
+    """Index every record of a key ``flt`` matches (``key_match``): the
+    device and process filter leaves none out, since a copy filtered out
+    still disagrees, and an elastic restart supersedes a step on every
+    device."""
+    fp = FirstPass()
+    index, attempts, names, runs = fp.index, fp.attempts, fp.names, fp.runs
+    lineno = 0
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            fp.problems.append((lineno, problem or "invalid"))
+            continue
+        names.add(d["name"])
+        runs.add(d["run"])
+        if flt is not None and not flt.key_match(d):
+            continue
+        index.add(d)
+        attempts.add(d)
+    fp.lines = lineno
+    fp.last_bad = bool(fp.problems) and fp.problems[-1][0] == lineno
+    return fp
+
+
+def matching(
+    path: str | os.PathLike, flt: Filter | None, fp: FirstPass, *, all_attempts: bool
+) -> Iterator[tuple[int, dict, bool]]:
+    """(line, record as written, divergent) for each record ``flt`` keeps, in
+    file order, leaving out what a later attempt superseded unless
+    ``all_attempts``. ``divergent``: the file holds the record's key with
+    other values from other processes (its own flag aside)."""
+    index, attempts = fp.index, fp.attempts
+    check_div = index.any_repeat
+    check_later = bool(attempts) and not all_attempts
+    last, last_bad = fp.lines, fp.last_bad
+    for lineno, d, _ in iter_lines(path):
+        if lineno >= last and (lineno > last or last_bad):
+            return
+        if d is None or (flt is not None and not flt(d)):
+            continue
+        if check_later and attempts.superseded(d):
+            continue
+        yield lineno, d, check_div and index.divergent(d)
