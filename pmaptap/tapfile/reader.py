@@ -111,4 +111,5 @@ def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
         if every:
             r.setdefault("attempt", 0)
         builder.add(r)
+    del fp  # the indexes: their memory serves the frame's columns
     return builder.frame()

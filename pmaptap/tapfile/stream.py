@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from pmaptap.tapfile.attempts import Attempts
 from pmaptap.tapfile.divergence import DivergenceIndex
+from pmaptap.tapfile.format import record_key
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
 
@@ -31,7 +32,10 @@ class FirstPass:
     record (line, why; empty lines included), and every name and run read
     (to say what a file holds when nothing matched)."""
 
-    index: DivergenceIndex = dataclasses.field(default_factory=DivergenceIndex)
+    # The record_key of every divergent replicated key: what the first
+    # pass's DivergenceIndex found, kept without the index (an entry per
+    # replicated key), which is dropped before the second pass.
+    divergent: set = dataclasses.field(default_factory=set)
     attempts: Attempts = dataclasses.field(default_factory=Attempts)
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     names: set = dataclasses.field(default_factory=set)
@@ -49,7 +53,8 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
     still disagrees, and an elastic restart supersedes a step on every
     device."""
     fp = FirstPass()
-    index, attempts, names, runs = fp.index, fp.attempts, fp.names, fp.runs
+    index = DivergenceIndex()
+    attempts, names, runs = fp.attempts, fp.names, fp.runs
     lineno = 0
     for lineno, d, problem in iter_lines(path):
         if d is None:
@@ -61,6 +66,7 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
             continue
         index.add(d)
         attempts.add(d)
+    fp.divergent = set(index.divergent_keys())
     fp.lines = lineno
     fp.last_bad = bool(fp.problems) and fp.problems[-1][0] == lineno
     return fp
@@ -73,8 +79,7 @@ def matching(
     file order, leaving out what a later attempt superseded unless
     ``all_attempts``. ``divergent``: the file holds the record's key with
     other values from other processes (its own flag aside)."""
-    index, attempts = fp.index, fp.attempts
-    check_div = index.any_repeat
+    divergent, attempts = fp.divergent, fp.attempts
     check_later = bool(attempts) and not all_attempts
     last, last_bad = fp.lines, fp.last_bad
     for lineno, d, _ in iter_lines(path):
@@ -84,4 +89,8 @@ def matching(
             continue
         if check_later and attempts.superseded(d):
             continue
-        yield lineno, d, check_div and index.divergent(d)
+        yield (
+            lineno,
+            d,
+            bool(divergent) and d.get("kind") == "replicated" and record_key(d) in divergent,
+        )
