@@ -261,10 +261,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_tensorboard(args)
     if args.parquet:
         return _export_parquet(args)
+    from pmaptap.tapfile import views
     from pmaptap.tapfile.export import write_csv
+    from pmaptap.tapfile.stream import first_pass
 
     flt = _filter(args)
-    entries = _select(args.file, "export", flt)
+    _check_file(args.file)
+    fp = first_pass(args.file, flt)
+    _report_skipped(fp.problems, args.file, "export")
+
+    def entries():
+        # Streamed: one pass for the header's columns, one for the rows.
+        return views.iter_entries(args.file, flt, fp)
+
+    if not any(True for _ in entries()):
+        _no_match("export", args.file, flt, fp.names, fp.runs)
     if args.csv == "-":
         n = write_csv(entries, sys.stdout)
     else:

@@ -109,6 +109,23 @@ def _run(fn, *a) -> tuple[str, str, str | None]:
 
 def _show_argv(path, flt: Filter, *, json_mode: bool, limit: int, width: int) -> list[str]:
     argv = ["show", str(path), "--limit", str(limit), "--width", str(width)]
+    argv += _filter_argv(flt)
+    if json_mode:
+        argv.append("--json")
+    return argv
+
+
+def _reference_export_csv(args: argparse.Namespace) -> None:
+    """``export --csv -`` as it was: load_matching holds every entry."""
+    import sys
+
+    entries = cli._select(args.file, "export", cli._filter(args))
+    n = write_csv(entries, sys.stdout)
+    print(f"wrote {n} rows to {args.csv}", file=sys.stderr)
+
+
+def _filter_argv(flt: Filter) -> list[str]:
+    argv: list[str] = []
     for n in flt.names:
         argv += ["--name", n]
     lo, hi = flt.steps
@@ -119,8 +136,6 @@ def _show_argv(path, flt: Filter, *, json_mode: bool, limit: int, width: int) ->
             argv += [f"--{k}", str(getattr(flt, k))]
     if flt.all_attempts:
         argv.append("--all-attempts")
-    if json_mode:
-        argv.append("--json")
     return argv
 
 
@@ -162,12 +177,21 @@ def test_streaming_readers_equal_their_in_memory_definitions(tmp_path, monkeypat
                 assert got[0] == want[0]
             else:
                 assert got[:2] == want[:2], argv
-        # export --csv streams the same entries as load_matching held.
+        # export --csv streams (two passes over the entries, no row held)
+        # what it wrote from the entries load_matching held.
         fp = stream.first_pass(path, flt)
         a, b = io.StringIO(), io.StringIO()
-        write_csv(views.iter_entries(path, flt, fp), a)
-        write_csv(views.load_matching(path, flt)[0], b)
+        assert write_csv(lambda: views.iter_entries(path, flt, fp), a) == write_csv(
+            views.load_matching(path, flt)[0], b
+        )
         assert a.getvalue() == b.getvalue()
+        csv_argv = ["export", str(path), "--csv", "-", *_filter_argv(flt)]
+        got = _run(cli.main, csv_argv)
+        want = _run(_reference_export_csv, parser.parse_args(csv_argv))
+        if want[2] is not None:
+            assert got[1].endswith(f"error: {want[2]}\n") and got[0] == want[0], csv_argv
+        else:
+            assert got[:2] == want[:2], csv_argv
         # read(..., as_frame=True): built while streaming, the frame of the
         # list read() returns.
         pytest.importorskip("pandas")
