@@ -34,6 +34,8 @@ from pmaptap.errors import CliError
 # views (and through it NumPy and orjson) is imported by the commands that
 # read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable, Iterator
+
     from pmaptap.tapfile import views
     from pmaptap.tapfile.follow import LineFollower, PendingFollower, RunFollower
     from pmaptap.tapfile.query import Filter
@@ -105,17 +107,25 @@ def _filter(args: argparse.Namespace) -> Filter:
     )
 
 
-def _select(path: str, command: str, flt: Filter) -> list[views.Entry]:
-    """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
-    is an error and an empty result is said, both listing what the file has."""
+def _select_streamed(path: str, command: str, flt: Filter) -> "Callable[[], Iterator[views.Entry]]":
+    """The records of ``path`` that ``flt`` keeps, as a function that
+    streams them afresh on each call (tapfile/stream.py: the first pass is
+    done here, once; nothing holds the records). An unknown --name or --run
+    is an error and an empty result is said, both listing what the file
+    has."""
     from pmaptap.tapfile import views
+    from pmaptap.tapfile.stream import first_pass
 
     _check_file(path)
-    picked, bad, names, runs = views.load_matching(path, flt)
-    _report_skipped(bad, path, command)
-    if not picked:
-        _no_match(command, path, flt, names, runs)
-    return picked
+    fp = first_pass(path, flt)
+    _report_skipped(fp.problems, path, command)
+
+    def entries() -> "Iterator[views.Entry]":
+        return views.iter_entries(path, flt, fp)
+
+    if not any(True for _ in views.iter_entries(path, flt, fp, 1)):
+        _no_match(command, path, flt, fp.names, fp.runs)
+    return entries
 
 
 def _present(values: set) -> str:
@@ -244,10 +254,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     flt = _filter(args)
     flt.names = ()  # plot_tap picks the name and lists the others if absent
-    recs = [e.rec for e in _select(args.file, "plot", flt)]
-    out = args.output or f"{args.name[0].replace('/', '_')}.png"
+    name = args.name[0]
+    # Streamed: the plotted tap's records, and one record of each other tap
+    # for plot_tap's list of what the file holds (never the whole file).
+    recs: list[dict] = []
+    others: set = set()
+    for e in _select_streamed(args.file, "plot", flt)():
+        r = e.rec
+        if r.get("name") == name:
+            recs.append(r)
+        elif r.get("name") not in others:
+            others.add(r.get("name"))
+            recs.append(r)
+    out = args.output or f"{name.replace('/', '_')}.png"
     try:
-        plot_tap(recs, args.name[0], out, logy=args.logy, smooth=args.smooth)
+        plot_tap(recs, name, out, logy=args.logy, smooth=args.smooth)
     except (PlotError, ImportError) as e:
         raise CliError(str(e)) from None
     print(f"wrote {out}", file=sys.stderr)
@@ -261,21 +282,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_tensorboard(args)
     if args.parquet:
         return _export_parquet(args)
-    from pmaptap.tapfile import views
     from pmaptap.tapfile.export import write_csv
-    from pmaptap.tapfile.stream import first_pass
 
-    flt = _filter(args)
-    _check_file(args.file)
-    fp = first_pass(args.file, flt)
-    _report_skipped(fp.problems, args.file, "export")
-
-    def entries():
-        # Streamed: one pass for the header's columns, one for the rows.
-        return views.iter_entries(args.file, flt, fp)
-
-    if not any(True for _ in entries()):
-        _no_match("export", args.file, flt, fp.names, fp.runs)
+    # Streamed: one pass for the header's columns, one for the rows.
+    entries = _select_streamed(args.file, "export", _filter(args))
     if args.csv == "-":
         n = write_csv(entries, sys.stdout)
     else:
@@ -317,13 +327,13 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
 def _export_parquet(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import frame
 
-    flt = _filter(args)
-    entries = _select(args.file, "export", flt)
+    entries = _select_streamed(args.file, "export", _filter(args))
     parent = os.path.dirname(os.path.abspath(args.parquet))
     if not os.path.isdir(parent):
         raise CliError(f"cannot write {args.parquet}: no directory {parent}")
     try:
-        n = frame.write_parquet([e.rec for e in entries], args.parquet)
+        # The frame is built while streaming (frame.FrameBuilder).
+        n = frame.write_parquet((e.rec for e in entries()), args.parquet)
     except ImportError as e:
         raise CliError(str(e)) from None
     print(f"wrote {n} rows to {args.parquet}", file=sys.stderr)

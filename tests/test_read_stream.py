@@ -81,10 +81,20 @@ def _reference_frame(records: list[dict]):
     return pd.DataFrame(columns, index=pd.RangeIndex(len(rows)))
 
 
+def _reference_select(path, command: str, flt: Filter) -> list:
+    """The commands' ``_select`` as it was: every matching entry in memory."""
+    cli._check_file(path)
+    picked, bad, names, runs = views.load_matching(path, flt)
+    cli._report_skipped(bad, path, command)
+    if not picked:
+        cli._no_match(command, path, flt, names, runs)
+    return picked
+
+
 def _reference_show(args: argparse.Namespace) -> None:
     """``cmd_show`` as it was: load_matching holds every matched entry."""
     flt = cli._filter(args)
-    entries = cli._select(args.file, "show", flt)
+    entries = _reference_select(args.file, "show", flt)
     if args.limit:
         entries = entries[: args.limit]
     if not entries:
@@ -119,7 +129,7 @@ def _reference_export_csv(args: argparse.Namespace) -> None:
     """``export --csv -`` as it was: load_matching holds every entry."""
     import sys
 
-    entries = cli._select(args.file, "export", cli._filter(args))
+    entries = _reference_select(args.file, "export", cli._filter(args))
     n = write_csv(entries, sys.stdout)
     print(f"wrote {n} rows to {args.csv}", file=sys.stderr)
 
@@ -307,3 +317,38 @@ def test_frame_builder_cells_equal_the_plain_cells():
     # The shared lists hold what the records held.
     assert want["shape"].tolist() == [r["shape"] for r in rows]
     assert isinstance(pd.DataFrame, type)
+
+
+def _reference_plot(args: argparse.Namespace) -> None:
+    """``cmd_plot`` as it was: every record of the file in memory."""
+    from pmaptap.tapfile.plot import PlotError, plot_tap
+
+    flt = cli._filter(args)
+    flt.names = ()
+    recs = [e.rec for e in _reference_select(args.file, "plot", flt)]
+    try:
+        plot_tap(recs, args.name[0], args.output, logy=args.logy, smooth=args.smooth)
+    except PlotError as e:
+        raise CliError(str(e)) from None
+
+
+@pytest.mark.parametrize("name", ["loss", "g", "nope"])
+def test_streamed_plot_draws_what_the_whole_file_drew(tmp_path, name):
+    """``plot`` keeps the plotted tap's records and one of each other tap
+    (for the list of what the file holds), and draws the same PNG."""
+    pytest.importorskip("matplotlib")
+    from test_read_batch import _job_records, _line, _resumed
+
+    path = tmp_path / "job.jsonl"
+    recs = _resumed([r for r in _job_records(random.Random(3)) if r["name"] != "big"])
+    path.write_bytes(b"".join(_line(r) + b"\n" for r in recs))
+    got_png, want_png = tmp_path / "got.png", tmp_path / "want.png"
+    argv = ["plot", str(path), "--name", name, "--step", "2:35"]
+    got = _run(cli.main, [*argv, "-o", str(got_png)])
+    want = _run(_reference_plot, cli.build_parser().parse_args([*argv, "-o", str(want_png)]))
+    if name == "nope":
+        assert not got_png.exists() and "no records named 'nope'" in got[1], got
+        assert want[2] is not None and got[1].endswith(f"error: {want[2]}\n")
+        return
+    assert want[2] is None and got[0] == want[0], (got, want)
+    assert got_png.read_bytes() == want_png.read_bytes()

@@ -50,7 +50,9 @@ def load_matching(
     before decoding values, so memory follows the matches, not the file.
     Also returns every name and run read (to say what a file has when nothing
     matched). Divergence is judged on all records of a matched key, those the
-    process/device filter drops included, as ``load`` then filtering would."""
+    process/device filter drops included, as ``load`` then filtering would.
+    Holds the matches: the commands stream instead (``iter_entries``);
+    this and ``load`` stay as the definitions they are tested against."""
     entries: list[Entry] = []
     problems: list[tuple[int, str]] = []
     names: set = set()
