@@ -6,10 +6,11 @@ whether a later attempt superseded it on every record of its step
 (Attempts), wherever they sit in the file. Readers that print or build
 something from a file larger than memory should hold neither the records nor
 their output, so they read it twice: ``first_pass`` parses every line and
-keeps only the small per-key indexes (never a record, never a decoded value),
-then ``matching`` reads the file again and yields each record to show, in file
-order, with exact answers for both. ``pmaptap show``, ``read(...,
-as_frame=True)`` and ``export --csv`` read this way; ``pmaptap validate`` and
+keeps only the small per-key indexes (and the matched records while they are
+few, KEEP_RECORDS; never a decoded value), then ``matching`` reads the file again (or walks the matched records the first
+pass kept, when they are few) and yields each record to show, in file order,
+with exact answers for both. ``pmaptap show``, ``export``, ``plot`` and
+``read(..., as_frame=True)`` read this way; ``pmaptap validate`` and
 ``summary`` need one pass (their state is per key).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from pmaptap.tapfile.attempts import Attempts
 from pmaptap.tapfile.divergence import DivergenceIndex
@@ -45,6 +47,16 @@ class FirstPass:
     # first pass indexed (a torn last line completed meanwhile included).
     lines: int = 0
     last_bad: bool = False
+    # The matched records themselves, (line, record as written), while they
+    # are few (KEEP_RECORDS): then the "second pass" walks them instead of
+    # reading the file again (a filtered ``show`` reads once). None: more
+    # matched, and the second pass reads the file.
+    kept: list[tuple[int, dict]] | None = dataclasses.field(default_factory=list)
+
+
+# Matched records the first pass keeps for the second (~1 KiB each as
+# parsed dicts): a narrow filter then costs one read of the file.
+KEEP_RECORDS = 20_000
 
 
 def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
@@ -54,7 +66,7 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
     device."""
     fp = FirstPass()
     index = DivergenceIndex()
-    attempts, names, runs = fp.attempts, fp.names, fp.runs
+    attempts, names, runs, kept = fp.attempts, fp.names, fp.runs, fp.kept
     lineno = 0
     for lineno, d, problem in iter_lines(path):
         if d is None:
@@ -66,6 +78,12 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
             continue
         index.add(d)
         attempts.add(d)
+        if kept is not None and (flt is None or flt(d)):
+            if len(kept) < KEEP_RECORDS:
+                kept.append((lineno, d))
+            else:
+                kept = None
+    fp.kept = kept
     fp.divergent = set(index.divergent_keys())
     fp.lines = lineno
     fp.last_bad = bool(fp.problems) and fp.problems[-1][0] == lineno
@@ -82,7 +100,12 @@ def matching(
     divergent, attempts = fp.divergent, fp.attempts
     check_later = bool(attempts) and not all_attempts
     last, last_bad = fp.lines, fp.last_bad
-    for lineno, d, _ in iter_lines(path):
+    if fp.kept is not None:
+        lines: Iterator[tuple[int, dict | None, Any]] = iter(fp.kept)
+        flt = None  # the kept records matched it
+    else:
+        lines = iter_lines(path)
+    for lineno, d, *_ in lines:
         if lineno >= last and (lineno > last or last_bad):
             return
         if d is None or (flt is not None and not flt(d)):
