@@ -1,5 +1,6 @@
 """Session(path, forward=[...]): records reach user code after they are
-written (after cross-process dedup), off the writer's critical path."""
+written, off the writer's critical path; in a multi-process job process 0
+forwards every replicated record of the job (forward_replicated)."""
 
 from __future__ import annotations
 

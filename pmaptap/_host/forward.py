@@ -6,10 +6,11 @@ Which records a process forwards (``forward_replicated``, see
 always; replicated records by default on process 0 only, all of them, the
 ones the dedup left to another process's write included: process 0 computed
 each itself, so the job's whole curve reaches the process where users
-configure their dashboards, once. The writer thread calls the pipeline's
-offer after a batch was written (the file first, then forwarding), with
-every record of the batch and whether this process wrote it. ``offer`` only appends
-references to a bounded queue: the forwarders run on their own thread, so one
+configure their dashboards, once. The writer thread hands the pipeline
+every record of a batch once it is written (the file first, then
+forwarding), each with whether this process wrote it; ``select`` picks
+what to forward and ``Forwarders.offer`` only appends references to a
+bounded queue: the forwarders run on their own thread, so one
 that raises or is slow never delays the file or the training step. When the
 queue is full the oldest records are dropped and counted; failures and drops
 are reported once, as a TapError at the next ``flush()``/``close()``.

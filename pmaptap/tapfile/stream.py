@@ -7,9 +7,9 @@ whether a later attempt superseded it on every record of its step
 something from a file larger than memory should hold neither the records nor
 their output, so they read it twice: ``first_pass`` parses every line and
 keeps only the small per-key indexes (and the matched records while they are
-few, KEEP_RECORDS; never a decoded value), then ``matching`` reads the file again (or walks the matched records the first
-pass kept, when they are few) and yields each record to show, in file order,
-with exact answers for both. ``pmaptap show``, ``export``, ``plot`` and
+few, KEEP_RECORDS; never a decoded value), then ``matching`` reads the file
+again (or walks the records the first pass kept) and yields each record to
+show, in file order, with exact answers for both. ``pmaptap show``, ``export``, ``plot`` and
 ``read(..., as_frame=True)`` read this way; ``pmaptap validate`` and
 ``summary`` need one pass (their state is per key).
 """
