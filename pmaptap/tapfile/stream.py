@@ -55,7 +55,8 @@ class FirstPass:
 
 
 # Matched records the first pass keeps for the second (~1 KiB each as
-# parsed dicts): a narrow filter then costs one read of the file.
+# parsed dicts) when a filter is given: a narrow one then costs one read of
+# the file.
 KEEP_RECORDS = 20_000
 
 
@@ -65,6 +66,10 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
     still disagrees, and an elastic restart supersedes a step on every
     device."""
     fp = FirstPass()
+    if flt is None or not flt.active:
+        # Everything matches: more than KEEP_RECORDS in any file worth
+        # streaming, so keeping would only cost memory on the way.
+        fp.kept = None
     index = DivergenceIndex()
     attempts, names, runs, kept = fp.attempts, fp.names, fp.runs, fp.kept
     lineno = 0
