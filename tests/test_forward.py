@@ -392,3 +392,29 @@ def test_process0_forwards_the_whole_replicated_curve_once(tmp_path, layout):
 def test_forward_replicated_is_checked(tap_path):
     with pytest.raises(ValueError, match="forward_replicated must be one of"):
         pmaptap.Session(tap_path, forward_replicated="process_0")
+
+
+def test_forward_replicated_all_gives_every_process_its_own_copy(tmp_path):
+    """forward_replicated="all": each process forwards every replicated
+    record it computed (its own "process"), whoever wrote the line."""
+    steps = 6
+    tap, out = str(tmp_path / "job.jsonl"), str(tmp_path / "fw")
+    os.makedirs(out)
+    proc, _ = run_launch(
+        2,
+        2,
+        python_cmd(_JOB),
+        launcher_timeout=90,
+        TAP=tap,
+        OUT=out,
+        STEPS=str(steps),
+        OPTS=json.dumps({"forward_replicated": "all"}),
+    )
+    assert proc.returncode == 0, job_failed(proc)
+    for p in (0, 1):
+        d = json.load(open(os.path.join(out, f"p{p}.json")))
+        loss = [r for r in d["calls"] if r["name"] == "loss"]
+        assert sorted(r["step"] for r in loss) == list(range(steps))
+        assert {r["process"] for r in loss} == {p}
+        assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}
+    assert sorted(r["step"] for r in pmaptap.read(tap) if r["name"] == "loss") == list(range(steps))
