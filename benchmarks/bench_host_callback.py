@@ -67,7 +67,7 @@ def run(quick: bool = False) -> list[tuple]:
     from jax import lax
 
     import pmaptap.host_callback as hcb
-    from pmaptap.host_callback import _linked
+    from pmaptap.host_callback import _linked, _taps
 
     rounds, calls = (3, 2) if quick else (15, 10)
     x = jnp.linspace(0.0, 1.0, PAYLOAD, dtype=jnp.float32)
@@ -78,17 +78,17 @@ def run(quick: bool = False) -> list[tuple]:
     @contextlib.contextmanager
     def variant(kind):
         """The arms' id_tap: the ties are emitted while the function is
-        traced and lowered (_linked.linked_tap binds the ordered effect,
+        traced and lowered (_taps.linked_tap, as id_tap calls it, binds the ordered effect;
         _linked._xor_token is the XOR), so they are swapped for that time."""
-        real_tie, real_bind = _linked._xor_token, hcb.linked_tap
+        real_tie, real_bind = _linked._xor_token, _taps.linked_tap
         if kind == "untied":
             _linked._xor_token = lambda value, token: value
         if kind in ("untied", "unordered"):
-            hcb.linked_tap = functools.partial(real_bind, ordered=False)
+            _taps.linked_tap = functools.partial(real_bind, ordered=False)
         try:
             yield
         finally:
-            _linked._xor_token, hcb.linked_tap = real_tie, real_bind
+            _linked._xor_token, _taps.linked_tap = real_tie, real_bind
 
     def make(kind, independent):
         def step(y, _):

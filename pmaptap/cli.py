@@ -34,6 +34,8 @@ from pmaptap.errors import CliError
 # views (and through it NumPy and orjson) is imported by the commands that
 # read, not here: `pmaptap --help` and argument errors stay fast.
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable, Iterator
+
     from pmaptap.tapfile import views
     from pmaptap.tapfile.follow import LineFollower, PendingFollower, RunFollower
     from pmaptap.tapfile.query import Filter
@@ -105,17 +107,25 @@ def _filter(args: argparse.Namespace) -> Filter:
     )
 
 
-def _select(path: str, command: str, flt: Filter) -> list[views.Entry]:
-    """The records of ``path`` that ``flt`` keeps; an unknown --name or --run
-    is an error and an empty result is said, both listing what the file has."""
+def _select_streamed(path: str, command: str, flt: Filter) -> "Callable[[], Iterator[views.Entry]]":
+    """The records of ``path`` that ``flt`` keeps, as a function that
+    streams them afresh on each call (tapfile/stream.py: the first pass is
+    done here, once; nothing holds the records). An unknown --name or --run
+    is an error and an empty result is said, both listing what the file
+    has."""
     from pmaptap.tapfile import views
+    from pmaptap.tapfile.stream import first_pass
 
     _check_file(path)
-    picked, bad, names, runs = views.load_matching(path, flt)
-    _report_skipped(bad, path, command)
-    if not picked:
-        _no_match(command, path, flt, names, runs)
-    return picked
+    fp = first_pass(path, flt)
+    _report_skipped(fp.problems, path, command)
+
+    def entries() -> "Iterator[views.Entry]":
+        return views.iter_entries(path, flt, fp)
+
+    if not any(True for _ in views.iter_entries(path, flt, fp, 1)):
+        _no_match(command, path, flt, fp.names, fp.runs)
+    return entries
 
 
 def _present(values: set) -> str:
@@ -145,34 +155,40 @@ def _count(text: str) -> int:
     return n
 
 
-def _print_table(entries: Sequence[views.Entry], width: int, *, attempts: bool = False) -> None:
-    from pmaptap.tapfile import views
-
-    table = views.Table(views.COLUMNS_ALL_ATTEMPTS if attempts else views.COLUMNS)
-    rows = [views.row(e, width) for e in entries]
-    table.fit(rows)
-    print(table.header())
-    for r in rows:
-        print(table.format(r))
-
-
 # ------------------------------------------------------------------ commands
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """Streams: a first pass indexes divergence and attempts, a second prints
+    (--json) or fits the columns, a third prints the table; nothing holds the
+    records (tapfile/stream.py)."""
     from pmaptap.tapfile import views
+    from pmaptap.tapfile.stream import first_pass
 
     flt = _filter(args)
-    entries = _select(args.file, "show", flt)
-    if args.limit:
-        entries = entries[: args.limit]
-    if not entries:
-        return 0
+    _check_file(args.file)
+    fp = first_pass(args.file, flt)
+    _report_skipped(fp.problems, args.file, "show")
+
+    def entries():
+        return views.iter_entries(args.file, flt, fp, args.limit)
+
+    shown = 0
     if args.json:
-        for e in entries:
+        for e in entries():
             print(views.json_line(e, attempt=flt.all_attempts))
+            shown += 1
     else:
-        _print_table(entries, args.width, attempts=flt.all_attempts)
+        table = views.Table(views.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else views.COLUMNS)
+        for e in entries():
+            table.fit((views.row(e, args.width),))
+            shown += 1
+        if shown:
+            print(table.header())
+            for e in entries():
+                print(table.format(views.row(e, args.width)))
+    if not shown:
+        _no_match("show", args.file, flt, fp.names, fp.runs)
     return 0
 
 
@@ -229,10 +245,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     flt = _filter(args)
     flt.names = ()  # plot_tap picks the name and lists the others if absent
-    recs = [e.rec for e in _select(args.file, "plot", flt)]
-    out = args.output or f"{args.name[0].replace('/', '_')}.png"
+    name = args.name[0]
+    # Streamed: the plotted tap's records, and one record of each other tap
+    # for plot_tap's list of what the file holds (never the whole file).
+    recs: list[dict] = []
+    others: set = set()
+    for e in _select_streamed(args.file, "plot", flt)():
+        r = e.rec
+        if r.get("name") == name:
+            recs.append(r)
+        elif r.get("name") not in others:
+            others.add(r.get("name"))
+            recs.append(r)
+    out = args.output or f"{name.replace('/', '_')}.png"
     try:
-        plot_tap(recs, args.name[0], out, logy=args.logy, smooth=args.smooth)
+        plot_tap(recs, name, out, logy=args.logy, smooth=args.smooth)
     except (PlotError, ImportError) as e:
         raise CliError(str(e)) from None
     print(f"wrote {out}", file=sys.stderr)
@@ -248,8 +275,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_parquet(args)
     from pmaptap.tapfile.export import write_csv
 
-    flt = _filter(args)
-    entries = _select(args.file, "export", flt)
+    # Streamed: one pass for the header's columns, one for the rows.
+    entries = _select_streamed(args.file, "export", _filter(args))
     if args.csv == "-":
         n = write_csv(entries, sys.stdout)
     else:
@@ -291,13 +318,13 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
 def _export_parquet(args: argparse.Namespace) -> int:
     from pmaptap.tapfile import frame
 
-    flt = _filter(args)
-    entries = _select(args.file, "export", flt)
+    entries = _select_streamed(args.file, "export", _filter(args))
     parent = os.path.dirname(os.path.abspath(args.parquet))
     if not os.path.isdir(parent):
         raise CliError(f"cannot write {args.parquet}: no directory {parent}")
     try:
-        n = frame.write_parquet([e.rec for e in entries], args.parquet)
+        # The frame is built while streaming (frame.FrameBuilder).
+        n = frame.write_parquet((e.rec for e in entries()), args.parquet)
     except ImportError as e:
         raise CliError(str(e)) from None
     print(f"wrote {n} rows to {args.parquet}", file=sys.stderr)

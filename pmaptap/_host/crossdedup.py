@@ -84,14 +84,17 @@ class CrossProcessIndex:
             if d.get("vhash"):
                 self._remember(record_key(d), d["vhash"], d["process"])
 
-    def plan(self, records: Sequence[Record]) -> tuple[list[Record], list[tuple]]:
+    def plan(
+        self, records: Sequence[Record], left: list[int] | None = None
+    ) -> tuple[list[Record], list[tuple]]:
         """Which records to write: replicated ones already in the file are
-        dropped, disagreeing ones flagged. Returns (records, keys to commit);
-        call ``commit`` only once the write succeeded, so a failed write is
-        retried in full rather than remembered as done."""
+        dropped (their positions appended to ``left``), disagreeing ones
+        flagged. Returns (records, keys to commit); call ``commit`` only once
+        the write succeeded, so a failed write is retried in full rather than
+        remembered as done."""
         out: list[Record] = []
         new: list[tuple] = []
-        for r in records:
+        for i, r in enumerate(records):
             if r.kind != "replicated" or not r.vhash:
                 out.append(r)
                 continue
@@ -99,6 +102,8 @@ class CrossProcessIndex:
             others = self._others(key)
             if r.vhash in others:
                 self.skipped += 1  # another process wrote this value
+                if left is not None:
+                    left.append(i)
                 continue
             if others and not r.divergent:
                 r = dataclasses.replace(r, divergent=True)

@@ -89,9 +89,16 @@ class DirectorySink(Sink):
 
     def own_lines(self, records: Sequence[Record]) -> tuple[list[Record], list[bytes]]:
         """The records this process writes (``mine``) and their lines;
-        the others are counted in ``skipped``. Shared by the object sink."""
-        keep = [r for r in records if mine(r, self.process)]
-        self.skipped += len(records) - len(keep)
+        the others are counted in ``skipped`` and their positions kept in
+        ``left``. Shared by the object sink."""
+        keep = []
+        self.left = []
+        for i, r in enumerate(records):
+            if mine(r, self.process):
+                keep.append(r)
+            else:
+                self.left.append(i)
+        self.skipped += len(self.left)
         if not keep:
             return [], []
         encoded, keep = self._encode(keep)

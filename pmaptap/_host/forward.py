@@ -1,11 +1,16 @@
-"""Live forwarding: ``Session(path, forward=[...])`` hands every record this
-process wrote to the file to user code (a logger, a dashboard, a CLU
-``MetricWriter``).
+"""Live forwarding: ``Session(path, forward=[...])`` hands the records of a
+job to user code (a logger, a dashboard, a CLU ``MetricWriter``).
 
-The writer thread calls ``Forwarders.offer`` with what ``FileSink.write``
-actually appended, i.e. after cross-process dedup, so a replicated loss is
-forwarded by exactly one process of the job. ``offer`` only appends
-references to a bounded queue: the forwarders run on their own thread, so one
+Which records a process forwards (``forward_replicated``, see
+``select``): its own devices' per-device records (and its meta records)
+always; replicated records by default on process 0 only, all of them, the
+ones the dedup left to another process's write included: process 0 computed
+each itself, so the job's whole curve reaches the process where users
+configure their dashboards, once. The writer thread hands the pipeline
+every record of a batch once it is written (the file first, then
+forwarding), each with whether this process wrote it; ``select`` picks
+what to forward and ``Forwarders.offer`` only appends references to a
+bounded queue: the forwarders run on their own thread, so one
 that raises or is slow never delays the file or the training step. When the
 queue is full the oldest records are dropped and counted; failures and drops
 are reported once, as a TapError at the next ``flush()``/``close()``.
@@ -30,6 +35,35 @@ from pmaptap.tapfile.format import Record, decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.rawarray import raw_leaves
 from pmaptap.tapfile.tensorboard import leaves, tag_parts
+
+# Session(forward_replicated=...): which replicated records a process forwards.
+#   "process0": process 0 forwards every replicated record it computed (the
+#     job's curve, once), the others none (the default);
+#   "written": each process forwards the ones it wrote to the file (after the
+#     cross-process dedup: each value once in the job, split over processes);
+#   "all": every process forwards every replicated record it computed.
+FORWARD_REPLICATED = ("process0", "written", "all")
+
+
+def check_replicated(policy: Any) -> str:
+    """Validate ``forward_replicated=`` where the user passed it."""
+    if policy not in FORWARD_REPLICATED:
+        raise ValueError(
+            f"Session: forward_replicated must be one of {FORWARD_REPLICATED}, got {policy!r}"
+        )
+    return policy
+
+
+def select(decided: Sequence[tuple[Record, bool]], process: int, policy: str) -> list[Record]:
+    """The records of a written batch that this process forwards under
+    ``policy`` (FORWARD_REPLICATED), in order. ``decided``: each record with
+    whether this process wrote it (only replicated records are ever left to
+    another process)."""
+    if policy == "written":
+        return [r for r, wrote in decided if wrote]
+    if policy == "all" or process == 0:
+        return [r for r, _ in decided]
+    return [r for r, _ in decided if r.kind != "replicated"]
 
 
 def check_targets(targets: Iterable[Any] | None) -> list[Any]:

@@ -108,11 +108,13 @@ class WriteLoop:
         flush_interval: float,
         retry_interval: float,
         max_batch: int,
-        on_written: Callable[[Sequence[Record]], None] | None = None,
+        on_written: Callable[[list[tuple[Record, bool]]], None] | None = None,
     ) -> None:
         self.queue = queue
-        # Gets what the sink wrote (after dedup), for live forwarding; it
-        # must not wait (Forwarders.offer only queues).
+        # Gets, for live forwarding, every record of a written batch in order
+        # with whether this process wrote it (False: a replicated value the
+        # dedup left to another process); it must not wait (Forwarders.offer
+        # only queues).
         self.on_written = on_written
         self.sink = sink
         self.report = report
@@ -162,7 +164,8 @@ class WriteLoop:
         if not batch:
             return True
         try:
-            wrote = self.sink.write([r for r, _ in batch])
+            records = [r for r, _ in batch]
+            wrote = self.sink.write(records)
         except LockBusy as e:
             self.last_busy = str(e)
             self._lock_wait(e)
@@ -192,9 +195,33 @@ class WriteLoop:
                     "queued records are written"
                 )
             self.busy_since, self.busy_warned = None, False
-        if self.on_written is not None and wrote:
+        if self.on_written is not None:
             try:
-                self.on_written(wrote)
+                self.on_written(_decided(records, wrote, getattr(self.sink, "left", ())))
             except BaseException as e:  # noqa: BLE001 - the file has them
                 self.report(TapError(f"could not forward written records: {e!r}"))
         return True
+
+
+def _decided(
+    records: list[Record], wrote: Sequence[Record] | None, left: Sequence[int]
+) -> list[tuple[Record, bool]]:
+    """Each record of a written batch, in order, with whether this process
+    wrote it: the sink's output (which may have replaced a record: flagged
+    divergent, or an unencodable one's meta record) where it wrote one, the
+    record as computed where it left it to another process. A sink that
+    returns None wrote everything as given."""
+    if wrote is None:
+        return [(r, True) for r in records]
+    skip = set(left)
+    out: list[tuple[Record, bool]] = []
+    it = iter(wrote)
+    for i, r in enumerate(records):
+        if i in skip:
+            out.append((r, False))
+        else:
+            w = next(it, None)
+            if w is None:  # a sink that broke the contract: forward what it wrote
+                return [(w, True) for w in wrote]
+            out.append((w, True))
+    return out

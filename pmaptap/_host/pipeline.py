@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pmaptap._host.aggregate import Aggregator
-from pmaptap._host.forward import Forwarders
+from pmaptap._host.forward import Forwarders, select
 from pmaptap._host.loops import AggregateLoop, WriteLoop
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
@@ -30,6 +30,7 @@ from pmaptap.errors import TapError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._common.spec import TapSpec
+    from pmaptap.tapfile.format import Record
 
 
 class ErrorLog:
@@ -71,6 +72,7 @@ class Pipeline:
         max_batch: int = 20_000,
         forward: Sequence[Any] = (),
         forward_timeout: float | None = 10.0,
+        forward_replicated: str = "process0",
         attempt: int = 0,
     ) -> None:
         self.queue = BoundedQueue(
@@ -90,6 +92,7 @@ class Pipeline:
         self.closed = False
         self.forward_timeout = forward_timeout
         self.forwarders = Forwarders(forward, name=f"pmaptap-forward-{run}") if forward else None
+        self.forward_replicated = forward_replicated
         self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue,
@@ -105,8 +108,16 @@ class Pipeline:
             flush_interval=flush_interval,
             retry_interval=retry_interval,
             max_batch=max_batch,
-            on_written=self.forwarders.offer if self.forwarders else None,
+            on_written=self._offer if self.forwarders else None,
         )
+
+    def _offer(self, decided: list[tuple["Record", bool]]) -> None:
+        # On the writer thread, after a successful write: only queues.
+        fw = self.forwarders
+        if fw is not None:
+            records = select(decided, self.process, self.forward_replicated)
+            if records:
+                fw.offer(records)
 
     def abandon(self) -> None:
         """In a forked child: this pipeline's threads stayed in the parent,

@@ -21,7 +21,7 @@ from pmaptap import distributed
 from pmaptap._host import routing
 from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.forked import effects_barrier
-from pmaptap._host.forward import check_targets
+from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.sink import LOCK_MODES, FileSink
@@ -221,13 +221,20 @@ class Session:
       no lock, nothing read back; readers merge: docs/multihost.md) or
       "auto" (default): "sharded" when the job has more than
       ``tapfile.runs.SHARDED_ABOVE`` processes, else "file".
-    forward: forwarders that receive every record this process writes to the
-      file, after cross-process dedup (a replicated value reaches them from
-      one process of the job): callables taking the record dict (as
-      pmaptap.read returns it), or objects with ``write_scalars(step,
-      mapping)`` (CLU's MetricWriter; real scalar leaves only, one call per
-      step). They run on their own thread with a bounded queue; failures and
-      drops are reported as TapError at the next flush()/close().
+    forward: forwarders that receive this process's records once they are
+      written to the file: its own devices' per-device records, and (see
+      forward_replicated) the job's replicated records on process 0:
+      callables taking the record dict (as pmaptap.read returns it), or
+      objects with ``write_scalars(step, mapping)`` (CLU's MetricWriter; real
+      scalar leaves only, one call per step). They run on their own thread
+      with a bounded queue; failures and drops are reported as TapError at
+      the next flush()/close().
+    forward_replicated: which replicated records reach this process's
+      forwarders. "process0" (default): on process 0 every replicated record
+      it computed, each once, whichever process wrote it to the file; on the
+      other processes none. "written": those this process wrote (each value
+      once in the job, split over the processes). "all": every replicated
+      record this process computed (each process forwards its own copy).
     forward_timeout: the most seconds flush()/close() wait for forwarders to
       catch up and flush (their flush() too runs on their thread).
     resume: continue a run after a restart. The run is ``run``, else
@@ -257,6 +264,7 @@ class Session:
         lock: str = "flock",
         forward: Sequence[Any] | None = None,
         forward_timeout: float | None = 10.0,
+        forward_replicated: str = "process0",
         resume: bool = False,
         layout: str = "auto",
     ) -> None:
@@ -300,6 +308,7 @@ class Session:
             flush_interval=flush_interval,
             forward=check_targets(forward),
             forward_timeout=forward_timeout,
+            forward_replicated=check_replicated(forward_replicated),
         )
         self.lock_timeout = lock_timeout
         self.flush_timeout = flush_timeout

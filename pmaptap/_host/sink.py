@@ -66,10 +66,20 @@ class Sink(abc.ABC):
                 self._blobs = self._blob_file()
             self._blobs.store(raws)
 
+    # Positions, in the last write()'s input, of the replicated records the
+    # sink did not write because another process of the job writes them
+    # (cross-process dedup, the sharded owner rule). The write loop needs them
+    # to forward what this process computed, not only what it wrote
+    # (``Session(forward_replicated=...)``, _host/forward.py).
+    left: Sequence[int] = ()
+
     @abc.abstractmethod
     def write(self, records: Sequence[Record]) -> Sequence[Record] | None:
         """Write all of ``records`` or raise (then none or all were written).
-        A sink that filters (cross-process dedup) returns what it wrote."""
+        A sink that filters (cross-process dedup) returns what it wrote, in
+        order, one record per input record not in ``left`` (a record may come
+        back replaced: flagged divergent, or an unencodable one's meta
+        record)."""
 
     def close(self) -> None:
         pass
@@ -220,7 +230,9 @@ class FileSink(Sink):
     def write(self, records: Sequence[Record]) -> list[Record]:
         """Append ``records`` (all or none; raises otherwise) and return the
         ones actually written: cross-process dedup skips replicated values
-        another process wrote, and unencodable ones are replaced."""
+        another process wrote (their positions in ``left``), and unencodable
+        ones are replaced."""
+        self.left = []
         if not records:
             return []
         # Encode outside the lock; only the dedup decision needs it. Stored
@@ -239,7 +251,8 @@ class FileSink(Sink):
             self._check_same_file(fd, st)
             if size > self._seen:
                 self._catch_up(fd, size)
-            keep, new_keys = self.index.plan(records)
+            left: list[int] = []
+            keep, new_keys = self.index.plan(records, left)
             if any(id(r) not in encoded for r in keep):
                 keep = self._encode_deferred(keep, encoded)
             # A list of lines, not one joined buffer: writev hands them to
@@ -260,6 +273,7 @@ class FileSink(Sink):
             if soft and fd >= 0:
                 os.close(fd)
             self._lock.release()
+        self.left = left
         self.lines_written += len(keep)
         self.bytes_written += written
         return keep

@@ -28,6 +28,7 @@ _SUBMODULES = frozenset(
         "rawarray",
         "reader",
         "runs",
+        "stream",
         "summary",
         "tensorboard",
         "views",

@@ -21,7 +21,6 @@ from itertools import compress
 from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
-from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.format import (
     COPIES_SEEN,
     MAX_STEP,
@@ -30,7 +29,6 @@ from pmaptap.tapfile.format import (
     id_ranges,
     record_key,
 )
-from pmaptap.tapfile.views import load
 
 _MARKERS = tuple(NONFINITE)
 
@@ -118,9 +116,73 @@ def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str
     return f"dtype must be a string or a pytree of strings, got {dtype!r}"
 
 
+def _fields_clean(d: dict) -> bool:
+    """True only where ``schema_problems`` finds nothing wrong outside the
+    value: its checks with exact type tests, inline, for the records every
+    file is made of (``validate`` runs this on every line). False means
+    "run the full checks"."""
+    step, process, t = d["step"], d["process"], d["time"]
+    if not (
+        type(step) is int
+        and 0 <= step <= MAX_STEP
+        and type(process) is int
+        and process >= 0
+        and type(t) is float
+        and t - t == 0.0  # finite
+        and type(d["host"]) is str
+        and d.get("divergent", True) is True
+        and type(d.get("pass", "forward")) is str
+    ):
+        return False
+    kind = d["kind"]
+    if kind == "per_device":
+        device = d["device"]
+        if device is not None and type(device) is not int or type(d["coords"]) is not dict:
+            return False
+        for v in d["coords"].values():
+            if type(v) is not int:
+                return False
+        return True
+    if kind == "replicated":
+        replicas = d["replicas"]
+        if type(replicas) is not int or replicas < 1:
+            return False
+        devices = d.get("devices")
+        if devices is not None:
+            if type(devices) is not list or len(devices) != replicas:
+                return False
+            for x in devices:
+                if x is not None and type(x) is not int:
+                    return False
+        if "processes" in d:
+            processes = d["processes"]
+            if type(processes) is not list:
+                return False
+            for x in processes:
+                if type(x) is not int:
+                    return False
+        return "vhash" not in d or type(d["vhash"]) is str
+    return kind == "meta"
+
+
 def schema_problems(d: dict) -> list[str]:
     """Violations of the record format in a dict that already passed
     ``records.validate_dict`` (which only checks what readers rely on)."""
+    # The fast path covers the fields of plain records; a record with a
+    # stored value, a shard's global shape or copies_seen takes every check.
+    if "bytes" not in d and "global_shape" not in d and COPIES_SEEN not in d and _fields_clean(d):
+        dtype, shape = d["dtype"], d["shape"]
+        if type(dtype) is str and type(shape) is list and not shape:
+            # A scalar (complex ones are pairs: the full walk). A float in a
+            # float dtype first: most lines of a file.
+            t = type(d["value"])
+            if (t is float or t is int) and dtype.startswith(("float", "bfloat")):
+                return []
+            if not dtype.startswith("complex"):
+                problem = _scalar_problem(d["value"], dtype)
+                return [problem] if problem else []
+        problem = value_problem(d["value"], dtype, shape)
+        return [problem] if problem else []
     out: list[str] = []
     if not 0 <= d["step"] <= MAX_STEP:
         out.append(f"step must be from 0 to 2**63-1, got {d['step']}")
@@ -202,21 +264,39 @@ def _coords_key(coords: Any) -> Any:
     # key and ~10x cheaper than JSON text (this runs for every per-device
     # record of a summary). Anything else falls back to the JSON text; equal
     # coordinates always take the same branch.
+    if type(coords) is dict and len(coords) == 1:  # one mesh axis: no sort
+        item = next(iter(coords.items()))
+        if type(item[1]) is int:
+            return (item,)
     if isinstance(coords, dict) and all(type(v) is int for v in coords.values()):
         return tuple(sorted(coords.items()))
     return _canonical(coords)
 
 
-def duplicate_key(r: dict) -> tuple | None:
+def duplicate_parts(r: dict) -> tuple | None:
+    """duplicate_key as (key without step and value, step, value): the
+    value is the replicated value's hash (or its text), None for a
+    per-device record (its device and coordinates are in the key)."""
     # Shards of one value (``index``) are different values, never duplicates:
     # record_key holds the index.
-    base = record_key(r)
+    run, name, step, pass_, index, attempt = record_key(r)
     kind = r.get("kind")
     if kind == "replicated":
-        return ("replicated", *base, r.get("vhash") or _canonical(r.get("value")))
+        value = r.get("vhash") or _canonical(r.get("value"))
+        return ("replicated", run, name, pass_, index, attempt), step, value
     if kind == "per_device":
-        return ("per_device", *base, r.get("device"), _coords_key(r.get("coords")))
+        device, coords = r.get("device"), _coords_key(r.get("coords"))
+        return ("per_device", run, name, pass_, index, attempt, device, coords), step, None
     return None  # meta records (counters) may legitimately repeat
+
+
+def duplicate_key(r: dict) -> tuple | None:
+    parts = duplicate_parts(r)
+    if parts is None:
+        return None
+    (kind, run, name, pass_, index, attempt, *rest), step, value = parts
+    key = (kind, run, name, step, pass_, index, attempt, *rest)
+    return key if value is None else (*key, value)
 
 
 def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
@@ -281,41 +361,96 @@ class Report:
         return not self.problems
 
 
+class FirstCopies:
+    """``find_duplicates`` one record at a time, holding small per-key state
+    (never a record): ``add(r, line)`` returns the line of r's first copy
+    if r repeats an earlier record (duplicate_key), else None. By key without
+    its step, then by step: an int per per-device record, a (vhash, line)
+    per replicated one."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple, dict] = {}
+
+    def add(self, r: dict, line: int) -> int | None:
+        parts = duplicate_parts(r)
+        if parts is None:
+            return None
+        group, step, value = parts
+        steps = self._keys.get(group)
+        if steps is None:
+            steps = self._keys[group] = {}
+        if value is not None:  # replicated
+            got = steps.get(step)
+            if got is None:
+                steps[step] = (value, line)
+                return None
+            if isinstance(got, tuple):
+                if got[0] == value:
+                    return got[1]
+                got = steps[step] = {got[0]: got[1]}
+            first = got.get(value)
+            if first is None:
+                got[value] = line
+            return first
+        first = steps.get(step)
+        if first is None:
+            steps[step] = line
+        return first
+
+
 def validate_file(path: str | os.PathLike) -> Report:
-    entries, bad = load(path)
-    report = Report(os.fspath(path), records=len(entries))
-    report.problems.extend(bad)
-    store = None
-    for e in entries:
-        for problem in schema_problems(e.raw):
-            report.problems.append((e.line, f"schema: {problem}"))
-        if "bytes" in e.raw:
-            # Stored values: their bytes are there (sizes, not contents:
-            # one stat per byte file, whatever the run's size).
-            store = store or ByteStore(path)
-            for leaf, ref, _dt, _sh in byte_leaves(e.raw["bytes"], e.raw["dtype"], e.raw["shape"]):
-                missing = store.missing_problem(ref)
-                if missing:
-                    report.problems.append((e.line, f"bytes{leaf}: {missing}"))
-    raws = [e.raw for e in entries]
-    for i, j in find_duplicates(raws):
-        r = raws[i]
-        what = f"{r['kind']} {r['name']!r} step {r['step']}" + (
-            f" device {r.get('device')}" if r["kind"] == "per_device" else ""
-        )
-        report.problems.append((entries[i].line, f"duplicate of line {entries[j].line} ({what})"))
+    """Every problem of a file, in one streaming pass (plus a scan of the
+    lines that mention an attempt, for a resumed run): its state is per key
+    (FirstCopies, DivergenceIndex), never the records."""
+    from pmaptap.tapfile.attempts import scan
+    from pmaptap.tapfile.divergence import DivergenceIndex
+    from pmaptap.tapfile.lines import iter_batches
+
+    report = Report(os.fspath(path))
+    problems = report.problems
     # Records of steps that a resumed run replayed are superseded by the
     # later attempt's (tapfile/attempts.py): history, not duplicates (their
-    # keys differ in ``attempt``, so find_duplicates does not pair them).
-    attempts = index_records(raws)
-    report.superseded = sum(map(attempts.superseded, raws)) if attempts else 0
-    report.problems.sort()
-    report.lines = max([e.line for e in entries] + [n for n, _ in bad] + [0])
-    report.divergent_keys = len(
-        {
-            duplicate_key(e.rec)[1:6]
-            for e in entries
-            if e.rec.get("divergent") and e.rec.get("kind") == "replicated"
-        }
-    )
+    # keys differ in ``attempt``, so FirstCopies does not pair them).
+    attempts = scan(path)
+    superseded = attempts.superseded if attempts else None
+    firsts = FirstCopies()
+    index = DivergenceIndex()
+    flagged: set = set()  # keys of replicated records the file flags divergent
+    records = lines = 0
+    store = None
+    add_first, add_index = firsts.add, index.add
+    for first_line, batch, bad in iter_batches(path):
+        lines = first_line + len(batch) - 1
+        for lineno, d in enumerate(batch, first_line):
+            if d is None:
+                problems.append((lineno, bad.get(lineno) or "invalid"))
+                continue
+            records += 1
+            for p in schema_problems(d):
+                problems.append((lineno, f"schema: {p}"))
+            if "bytes" in d:
+                # Stored values: their bytes are there (sizes, not contents:
+                # one stat per byte file, whatever the run's size).
+                store = store or ByteStore(path)
+                for leaf, ref, _dt, _sh in byte_leaves(d["bytes"], d["dtype"], d["shape"]):
+                    missing = store.missing_problem(ref)
+                    if missing:
+                        problems.append((lineno, f"bytes{leaf}: {missing}"))
+            first = add_first(d, lineno)
+            if first is not None:
+                what = f"{d['kind']} {d['name']!r} step {d['step']}" + (
+                    f" device {d.get('device')}" if d["kind"] == "per_device" else ""
+                )
+                problems.append((lineno, f"duplicate of line {first} ({what})"))
+            if d["kind"] == "replicated":
+                add_index(d)
+                if d.get("divergent"):
+                    flagged.add(record_key(d)[:5])
+            if superseded is not None and superseded(d):
+                report.superseded += 1
+    report.records = records
+    report.lines = lines
+    problems.sort()
+    flagged.update(key[:5] for key in index.divergent_keys())
+    report.divergent_keys = len(flagged)
     return report

@@ -69,6 +69,15 @@ class DivergenceIndex:
             return False
         return len(got) > 1 and len(set().union(*got.values())) > 1
 
+    def divergent_keys(self):
+        """The record_key of every divergent key, as ``divergent`` judges."""
+        if not self.any_repeat:
+            return
+        for (run, name, pass_, index, attempt), steps in self._seen.items():
+            for step, got in steps.items():
+                if isinstance(got, dict) and len(got) > 1 and len(set().union(*got.values())) > 1:
+                    yield (run, name, step, pass_, index, attempt)
+
 
 def reconcile_divergence(records: list[dict]) -> None:
     """Mark every replicated record of a key that the file holds with

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable, Iterable
 from typing import IO, Any, Sequence
 
 from pmaptap.tapfile.format import COORDS_COLUMN_PREFIX, NONFINITE, coords_column, index_text
@@ -102,12 +103,22 @@ def csv_row(e: Entry) -> dict[str, Any]:
     return row
 
 
-def write_csv(entries: Sequence[Entry], out: IO[str]) -> int:
-    """Write one row per entry; returns the number of rows."""
-    rows = [csv_row(e) for e in entries]
+def write_csv(entries: Sequence[Entry] | Callable[[], Iterable[Entry]], out: IO[str]) -> int:
+    """Write one row per entry; returns the number of rows. ``entries``
+    may be a function that gives them afresh on each call (a streaming
+    reader): then the header's columns are found in one pass and the rows
+    written in a second, and no row is held."""
+    if callable(entries):
+        fresh = entries
+    else:
+        held = list(entries)
+
+        def fresh() -> Iterable[Entry]:
+            return held
+
     extra: dict[str, None] = {}
-    for row in rows:
-        for k in row:
+    for e in fresh():
+        for k in csv_row(e):
             if k not in FIXED:
                 extra.setdefault(k, None)
     coords = sorted(k for k in extra if k.startswith(COORDS_COLUMN_PREFIX))
@@ -116,6 +127,8 @@ def write_csv(entries: Sequence[Entry], out: IO[str]) -> int:
         out, fieldnames=[*FIXED, *coords, *values], restval="", lineterminator="\n"
     )
     writer.writeheader()
-    for row in rows:
-        writer.writerow({k: "" if v is None else v for k, v in row.items()})
-    return len(rows)
+    n = 0
+    for e in fresh():
+        writer.writerow({k: "" if v is None else v for k, v in csv_row(e).items()})
+        n += 1
+    return n

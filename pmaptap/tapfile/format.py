@@ -318,13 +318,15 @@ def record_key(r: "dict | Record") -> tuple:
     tapfile/attempts.py)."""
     if isinstance(r, Record):
         return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
+    get = r.get  # once per record of every read: no call it can spare
+    index = get("index")
     return (
-        r.get("run"),
-        r.get("name"),
-        r.get("step"),
-        r.get("pass", "forward"),
-        index_key(r.get("index")),
-        r.get("attempt", 0),
+        get("run"),
+        get("name"),
+        get("step"),
+        get("pass", "forward"),
+        index if index is None else index_key(index),
+        get("attempt", 0),
     )
 
 

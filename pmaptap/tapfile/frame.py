@@ -28,8 +28,10 @@ pandas and pyarrow are optional extras, imported only here. No JAX.
 
 from __future__ import annotations
 
+import array
 import json
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -114,25 +116,316 @@ def _number_kind(cells: list) -> str | None:
     return "float" if kinds else None
 
 
-def to_frame(records: Iterable[dict], *, _empty: dict[str, list[bool]] | None = None) -> Any:
+_INT64 = (-(1 << 63), 1 << 63)
+# Columns whose equal lists of ints are one list object in a frame built
+# while streaming (FrameBuilder): a file repeats a few shapes and holder
+# lists on every line, and 300,000 copies of ``[]`` alone cost 20 MB.
+# Copy such a cell before changing it in place.
+_SHARED_LISTS = frozenset({"shape", "devices", "processes"})
+# Distinct cells a text column codes before it keeps plain cells (vhash).
+_MAX_CODES = 1 << 17
+_NOT_CODED = object()
+
+
+def _wider(data: array.array, v: int) -> array.array:
+    """``data`` (signed ints) copied into the narrowest wider array that
+    holds ``v`` (within int64: callers check)."""
+    for code in ("h", "i", "q"):
+        if array.array(code).itemsize > data.itemsize:
+            bits = 8 * array.array(code).itemsize - 1
+            if -(1 << bits) <= v < 1 << bits:
+                return array.array(code, data)
+    raise OverflowError(v)
+
+
+class _Cells:
+    """One column's cells while a frame is built, compact while they allow:
+    floats in an ``array('d')``, ints within int64 in an int array only as
+    wide as its largest value (a None cell flagged in ``none``, made at the
+    first one), text and None as codes into a table of distinct cells (a
+    list of ints too, in the columns of ``_SHARED_LISTS``), anything else
+    in a list. ``cells()`` gives back equal cells, so the frame is the one
+    ``_column`` makes of the plain cells."""
+
+    __slots__ = ("kind", "data", "none", "table", "codes", "_shared", "_lists")
+
+    def __init__(self, n: int, shared: dict, col: str) -> None:
+        # kind None: only None cells so far (``n`` of them); "f", "q"; "c":
+        # codes into ``table`` (text, None, a shared list's tuple); "o".
+        self.kind: str | None = None
+        self.data: Any = n
+        self.none: bytearray | None = None
+        self.table: list = []
+        self.codes: dict = {}
+        self._shared = shared
+        self._lists = col in _SHARED_LISTS
+
+    def _key(self, v: Any, t: type) -> Any:
+        # What a "c" column can hold: never two equal keys of different
+        # cells (no numbers: True == 1 == 1.0), so the dict is exact.
+        if t is str or v is None:
+            return v
+        if t is list and self._lists and all(type(x) is int for x in v):
+            return tuple(v)
+        return _NOT_CODED
+
+    def _append(self, v: Any) -> None:
+        try:
+            self.data.append(v)
+        except OverflowError:  # an int past the array's width: widen it
+            self.data = _wider(self.data, v)
+            self.data.append(v)
+        if self.none is not None:
+            self.none.append(0)
+
+    def add(self, v: Any) -> None:
+        kind = self.kind
+        t = type(v)
+        if kind == "f" and t is float or kind == "q" and t is int and _INT64[0] <= v < _INT64[1]:
+            self._append(v)
+        elif kind == "c" and self._code(v, t):
+            pass
+        elif v is None and kind is None:
+            self.data += 1
+        elif v is None and (kind == "f" or kind == "q"):
+            if self.none is None:
+                self.none = bytearray(len(self.data))
+            self.data.append(0)
+            self.none.append(1)
+        elif kind == "o":
+            self.data.append(self._compact(v, t))
+        elif kind is None and (t is float or t is int and _INT64[0] <= v < _INT64[1]):
+            n = self.data
+            self.kind = "f" if t is float else "q"
+            self.data = array.array("d", bytes(8 * n)) if t is float else array.array("b", bytes(n))
+            self.none = bytearray(b"\x01" * n) if n else None
+            self.add(v)
+        elif kind is None and self._key(v, t) is not _NOT_CODED:
+            n = self.data
+            self.kind, self.data, self.table, self.codes = "c", array.array("b"), [], {}
+            for _ in range(n):
+                self._code(None, type(None))
+            self._code(v, t)
+        else:
+            cells = self.cells()
+            self.kind, self.data, self.none = "o", [], None
+            self.table, self.codes = [], {}
+            for c in cells:
+                self.data.append(self._compact(c, type(c)))
+            self.data.append(self._compact(v, t))
+
+    def _code(self, v: Any, t: type) -> bool:
+        key = self._key(v, t)
+        if key is _NOT_CODED:
+            return False
+        code = self.codes.get(key)
+        if code is None:
+            if len(self.table) >= _MAX_CODES:
+                return False
+            code = self.codes[key] = len(self.table)
+            self.table.append(key)
+        self._append(code)
+        return True
+
+    def _compact(self, v: Any, t: type) -> Any:
+        if t is str and len(v) <= 64:
+            return self._shared.setdefault(v, v) if len(self._shared) < 100_000 else v
+        if t is list and self._lists and all(type(x) is int for x in v):
+            key = tuple(v)
+            return self._shared.setdefault(key, key) if len(self._shared) < 100_000 else key
+        return v
+
+    def empty_mask(self) -> Any:
+        """Which cells are None (missing), as a bool array."""
+        import numpy as np
+
+        if self.kind in ("f", "q"):
+            if self.none is None:
+                return np.zeros(len(self.data), bool)
+            return np.frombuffer(self.none, dtype=bool).copy()
+        return np.array([c is None for c in self.cells()], dtype=bool)
+
+    def _numbers(self) -> Any:
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype=np.dtype(self.data.typecode))
+
+    def series(self, pd: Any, col: str) -> Any:
+        """``_column(pd, col, self.cells())``, without making the cells of
+        a float or int64 column: NumPy straight from the arrays, NaN or
+        <NA> where a cell is None, as ``_column`` makes of those cells."""
+        kind = self.kind
+        if kind is None and col == "divergent":  # no record says so: all False
+            import numpy as np
+
+            return pd.Series(np.zeros(self.data, dtype=bool), dtype=bool)
+        if kind is None and col == "pass":  # no record has one: all "forward"
+            self.kind, self.table = "c", [None]
+            self.data = array.array("b", bytes(self.data))
+            kind = "c"
+        if kind == "c" and col not in ("time", "divergent"):
+            series = self._text_series(pd, col)
+            if series is not None:
+                return series
+        if kind not in ("f", "q") or col in ("divergent", "pass"):
+            return _column(pd, col, self.cells())
+        import numpy as np
+
+        values = self._numbers()
+        n = len(values)
+        mask = np.zeros(n, bool) if self.none is None else np.frombuffer(self.none, dtype=bool)
+        if col == "time" or kind == "f":
+            out = values.astype("float64")  # a copy
+            out[mask] = np.nan
+            if col == "time":
+                return pd.to_datetime(pd.Series(out, dtype="float64"), unit="s", utc=True)
+            return pd.Series(out, dtype="float64")
+        if col == "step" and not mask.any():
+            return pd.Series(values.astype("int64"), dtype="int64")
+        return pd.Series(pd.arrays.IntegerArray(values.astype("int64"), mask.copy()))
+
+    def _text_series(self, pd: Any, col: str) -> Any:
+        """A text column (``_column``'s "str" Series) straight from the
+        codes, as an Arrow dictionary decoded once: no list of cells, no
+        object array. None where pandas' text is not Arrow's."""
+        table = self.table
+        if col == "pass":
+            table = [c or "forward" for c in table]
+        if not all(c is None or type(c) is str for c in table):
+            return None
+        if not any(type(c) is str for c in table):
+            return None
+        pa = _arrow()
+        if pa is None:
+            return None
+        dtype = pd.Series(["x"], dtype="str").dtype
+        if getattr(dtype, "storage", None) != "pyarrow":
+            return None
+
+        codes = pa.array(self._numbers())
+        words = pa.array(table, type=pa.large_string())
+        text = pa.DictionaryArray.from_arrays(codes, words).cast(pa.large_string())
+        return pd.Series(text.to_pandas(types_mapper={pa.large_string(): dtype}.get))
+
+    def cells(self) -> list:
+        kind, data = self.kind, self.data
+        if kind is None:
+            return [None] * data
+        if kind == "c":
+            # A tuple is always a list of ints kept compact (decoded JSON
+            # holds no tuples), given back as one list per value.
+            table = [list(c) if type(c) is tuple else c for c in self.table]
+            return [table[i] for i in data]
+        if kind in ("f", "q"):
+            if self.none is None:
+                return data.tolist()
+            return [None if m else x for x, m in zip(data.tolist(), self.none)]
+        if kind == "o":
+            if not self._lists:
+                return list(data)
+            # A tuple here is always a list of ints kept compact (decoded
+            # JSON holds no tuples), given back as one list per value.
+            lists: dict = {}
+            return [lists.setdefault(c, list(c)) if type(c) is tuple else c for c in data]
+        raise AssertionError(kind)
+
+
+class FrameBuilder:
+    """``to_frame`` one record at a time: each record's cells go straight
+    into compact columns (``_Cells``; a missing cell is None), so a reader
+    that streams a file holds the columns, never the records or their rows,
+    and each column becomes plain cells only while pandas converts it."""
+
+    def __init__(self) -> None:
+        self._pd = _pandas()  # the error at once, before a file is read
+        self.n = 0
+        self._shared: dict = {}
+        self._cells: dict[str, _Cells] = {col: _Cells(0, self._shared, col) for col in _FIRST}
+        self._filled: dict[str, int] = dict.fromkeys(_FIRST, 0)
+
+    def add(self, r: dict) -> None:
+        n = self.n
+        cells, filled = self._cells, self._filled
+        for col, v in _row(r).items():
+            column = cells.get(col)
+            if column is None:
+                column = cells[col] = _Cells(n, self._shared, col)
+            else:
+                for _ in range(n - filled[col]):
+                    column.add(None)
+            column.add(v)
+            filled[col] = n + 1
+        self.n = n + 1
+
+    def frame(self, empty: dict[str, Any] | None = None) -> Any:
+        """The DataFrame; the builder is spent (its columns go one by one
+        into pandas, each freed once converted). ``empty``: filled with the
+        mask of the empty cells of each float column (they and the tap's own
+        NaN values are both NaN in the frame; Parquet keeps them apart)."""
+        pd, n, cells, filled = self._pd, self.n, self._cells, self._filled
+        names = list(cells)
+        coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
+        values = [k for k in names if k == "value" or k.startswith("value.")]
+        rest = [k for k in names if k not in _FIRST and k not in coords and k not in values]
+        order = (*_FIRST, *coords, *values, *rest)
+        for column in cells.values():
+            column.codes = {}  # only add() needs them: free them first
+        pool = _arrow_pool()
+        # Column by column into the frame, not one DataFrame(dict) at the
+        # end: that copies every numeric column into one block at the peak.
+        # (Past ~100 columns pandas warns of a fragmented frame: then the
+        # dict, consolidated once.)
+        one_by_one = len(order) <= 90
+        # The conversions that need the most room first, while the least is
+        # in use: the times (pandas' datetime conversion makes several
+        # copies), then text of many distinct cells (a value hash).
+        first = sorted(order, key=lambda c: (c != "time", -len(cells[c].table)))
+        columns: dict[str, Any] = {}
+        for col in first:
+            column = cells.pop(col)
+            for _ in range(n - filled[col]):
+                column.add(None)
+            # (Text columns never become float: no mask to build for them.)
+            wants_mask = empty is not None and col != "time" and column.kind != "c"
+            mask = column.empty_mask() if wants_mask else None
+            columns[col] = column.series(pd, col)
+            if mask is not None and columns[col].dtype == "float64":
+                empty[col] = mask
+            del column
+            if pool is not None:
+                # pyarrow (pandas' text columns) keeps what a conversion
+                # freed in its own pool: give it back before the next one.
+                pool.release_unused()
+        self._shared.clear()
+        if not one_by_one:
+            return pd.DataFrame({col: columns.pop(col) for col in order}, index=pd.RangeIndex(n))
+        df = pd.DataFrame(index=pd.RangeIndex(n))
+        for col in order:
+            df[col] = columns.pop(col)
+        return df
+
+
+def _arrow() -> Any:
+    """pyarrow if pandas loaded it (its text columns), else None."""
+    return sys.modules.get("pyarrow")
+
+
+def _arrow_pool() -> Any:
+    pa = _arrow()
+    try:
+        return pa.default_memory_pool() if pa is not None else None
+    except Exception:  # noqa: BLE001 - an optimization only
+        return None
+
+
+def to_frame(records: Iterable[dict], *, _empty: dict[str, Any] | None = None) -> Any:
     """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts).
     ``_empty`` (write_parquet): filled with the empty cells of each float
     column, which the frame holds as NaN like the tap's own NaN values."""
-    pd = _pandas()
-    rows = [_row(r) for r in records]
-    names: dict[str, None] = dict.fromkeys(_FIRST)
-    for row in rows:
-        names.update(dict.fromkeys(row))
-    coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
-    values = [k for k in names if k == "value" or k.startswith("value.")]
-    rest = [k for k in names if k not in _FIRST and k not in coords and k not in values]
-    columns: dict[str, Any] = {}
-    for col in (*_FIRST, *coords, *values, *rest):
-        cells = [row.get(col) for row in rows]
-        columns[col] = _column(pd, col, cells)
-        if _empty is not None and columns[col].dtype == "float64" and col != "time":
-            _empty[col] = [c is None for c in cells]
-    return pd.DataFrame(columns, index=pd.RangeIndex(len(rows)))
+    builder = FrameBuilder()
+    for r in records:
+        builder.add(r)
+    return builder.frame(_empty)
 
 
 def _column(pd: Any, col: str, cells: list) -> Any:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.lines import collector_paused, iter_lines
-from pmaptap.tapfile.query import read_filter
+from pmaptap.tapfile.query import Filter, read_filter
 
 __all__ = ["read"]
 
@@ -53,6 +54,8 @@ def read(
     """
     check_mode(attempts)
     flt = read_filter(name, step, run, device, process)
+    if as_frame:
+        return _frame(path, flt, attempts)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
     store = None
@@ -93,6 +96,11 @@ def read(
             r.setdefault("attempt", 0)
     elif later:
         out = [r for r in out if not later.superseded(r)]
+    _warn_skipped(path, bad)
+    return out
+
+
+def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
     if bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
@@ -101,8 +109,36 @@ def read(
         log.warning(
             f"pmaptap.read({os.fspath(path)!r}) skipped {len(bad)} invalid line(s): {shown}{more}"
         )
-    if as_frame:
-        from pmaptap.tapfile.frame import to_frame
 
-        return to_frame(out)
-    return out
+
+def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
+    """``read(..., as_frame=True)``, streamed: the file is read twice
+    (tapfile/stream.py), and each record goes into the frame's columns as it
+    is decoded, so neither the records nor their rows are ever held."""
+    from pmaptap.tapfile.frame import FrameBuilder
+    from pmaptap.tapfile.stream import first_pass, matching
+
+    builder = FrameBuilder()  # pandas missing: said before the file is read
+    fp = first_pass(path, flt)
+    _warn_skipped(path, [(n, why) for n, why in fp.problems if why != "empty line"])
+    every = attempts == "all"
+    store = None
+    bad: list[tuple[int, str]] = []
+    for lineno, d, divergent in matching(path, flt, fp, all_attempts=every):
+        r = decode_record(d)
+        if "bytes" in d:
+            # A value stored as bytes: loaded as an ndarray, as read() does.
+            store = store or ByteStore(path)
+            try:
+                r["value"] = load_value(r, store)
+            except (MissingBytes, OSError) as e:
+                bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+                continue
+        if divergent:
+            r["divergent"] = True
+        if every:
+            r.setdefault("attempt", 0)
+        builder.add(r)
+    _warn_skipped(path, bad)
+    del fp  # the indexes: their memory serves the frame's columns
+    return builder.frame()

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.attempts import Attempts, attempt_of
@@ -16,6 +16,7 @@ from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
 from pmaptap.tapfile.format import decode_record, index_text
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.stream import FirstPass, matching
 
 
 @dataclasses.dataclass
@@ -50,7 +51,9 @@ def load_matching(
     before decoding values, so memory follows the matches, not the file.
     Also returns every name and run read (to say what a file has when nothing
     matched). Divergence is judged on all records of a matched key, those the
-    process/device filter drops included, as ``load`` then filtering would."""
+    process/device filter drops included, as ``load`` then filtering would.
+    Holds the matches: the commands stream instead (``iter_entries``);
+    this and ``load`` stay as the definitions they are tested against."""
     entries: list[Entry] = []
     problems: list[tuple[int, str]] = []
     names: set = set()
@@ -79,6 +82,24 @@ def load_matching(
         # supersession is judged on the same records as any other's.
         entries = [e for e in entries if not attempts.superseded(e.raw)]
     return entries, problems, names, runs
+
+
+def iter_entries(
+    path: str | os.PathLike, flt: "Filter", fp: "FirstPass", limit: int = 0
+) -> Iterator[Entry]:
+    """``load_matching``'s entries, streamed: the second pass over the file
+    after ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
+    n = 0
+    for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
+        e = Entry(lineno, d, decode_record(d))
+        if divergent:
+            e.rec["divergent"] = True
+            if not d.get("divergent"):
+                e.raw = dict(d, divergent=True)
+        yield e
+        n += 1
+        if n == limit:
+            return
 
 
 def mark_divergence(entries: Sequence[Entry]) -> None:

@@ -1,5 +1,6 @@
 """Session(path, forward=[...]): records reach user code after they are
-written (after cross-process dedup), off the writer's critical path."""
+written, off the writer's critical path; in a multi-process job process 0
+forwards every replicated record of the job (forward_replicated)."""
 
 from __future__ import annotations
 
@@ -283,8 +284,9 @@ _JOB = """
         return x
 
     f = jax.pmap(body, axis_name="i")
-    with pmaptap.Session(os.environ["TAP"], forward=[calls.append, Clu()]):
-        for step in range(3):
+    opts = json.loads(os.environ.get("OPTS", "{}"))
+    with pmaptap.Session(os.environ["TAP"], forward=[calls.append, Clu()], **opts):
+        for step in range(int(os.environ.get("STEPS", "3"))):
             f(jnp.arange(jax.local_device_count(), dtype=jnp.float32)
               + 2 * p + 10 * step)
     with open(os.path.join(os.environ["OUT"], f"p{p}.json"), "w") as fh:
@@ -293,9 +295,19 @@ _JOB = """
 
 
 def test_two_process_job_forwards_the_replicated_loss_once(tmp_path):
+    """forward_replicated="written": each process forwards what it wrote,
+    so the job's records reach the two processes' forwarders once in all."""
     tap, out = str(tmp_path / "job.jsonl"), str(tmp_path / "fw")
     os.makedirs(out)
-    proc, _ = run_launch(2, 2, python_cmd(_JOB), launcher_timeout=90, TAP=tap, OUT=out)
+    proc, _ = run_launch(
+        2,
+        2,
+        python_cmd(_JOB),
+        launcher_timeout=90,
+        TAP=tap,
+        OUT=out,
+        OPTS=json.dumps({"forward_replicated": "written"}),
+    )
     assert proc.returncode == 0, job_failed(proc)
     per = [json.load(open(os.path.join(out, f"p{p}.json"))) for p in (0, 1)]
     calls = [r for d in per for r in d["calls"]]
@@ -321,3 +333,88 @@ def test_two_process_job_forwards_the_replicated_loss_once(tmp_path):
         (s, k) for d in per for s, m in d["scalars"] for k in m if k.startswith("x/device_")
     ]
     assert len(dev_points) == 12 and len(set(dev_points)) == 12
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_process0_forwards_the_whole_replicated_curve_once(tmp_path, layout):
+    """The default: process 0's forwarders get every replicated step of the
+    job exactly once, whichever process wrote it to the file (the dedup
+    splits the writing over both); process 1's get none. Per-device records
+    reach the forwarders of the process that holds the device."""
+    steps = 30
+    tap, out = str(tmp_path / "job.jsonl"), str(tmp_path / "fw")
+    os.makedirs(out)
+    proc, _ = run_launch(
+        2,
+        2,
+        python_cmd(_JOB),
+        launcher_timeout=150,
+        timeout=240,
+        TAP=tap,
+        OUT=out,
+        STEPS=str(steps),
+        OPTS=json.dumps({"layout": layout}),
+    )
+    assert proc.returncode == 0, job_failed(proc)
+    per = [json.load(open(os.path.join(out, f"p{p}.json"))) for p in (0, 1)]
+    loss0 = [r for r in per[0]["calls"] if r["name"] == "loss"]
+    assert sorted(r["step"] for r in loss0) == list(range(steps))
+    assert {r["step"]: r["value"] for r in loss0} == {s: 1.5 + 10 * s for s in range(steps)}
+    assert [r for r in per[1]["calls"] if r["kind"] == "replicated"] == []
+    file_loss = [r for r in pmaptap.read(tap) if r["name"] == "loss"]
+    # The file holds each step once, and process 1 wrote some of them: the
+    # case that used to cost process 0 part of its curve.
+    assert sorted(r["step"] for r in file_loss) == list(range(steps))
+    assert 1 in {r["process"] for r in file_loss}, "process 1 wrote no loss record"
+    # What process 0 forwarded is the file's loss, as process 0 computed it
+    # (its own "process" and "time" where process 1 wrote the line).
+
+    def same(r):
+        return json.dumps({k: v for k, v in r.items() if k not in ("process", "time")})
+
+    assert sorted(map(same, loss0)) == sorted(map(same, file_loss))
+    assert {r["process"] for r in loss0} == {0}
+    points = [(s, m["loss"]) for s, m in per[0]["scalars"] if "loss" in m]
+    assert sorted(points) == [(s, 1.5 + 10 * s) for s in range(steps)]
+    assert not any("loss" in m for _, m in per[1]["scalars"])
+    # Per-device records: each device's step once, on its own process.
+    for p, d in enumerate(per):
+        xs = [(r["step"], r["device"]) for r in d["calls"] if r["name"] == "x"]
+        assert len(xs) == 2 * steps and len(set(xs)) == 2 * steps
+        assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}
+    file_x = [r for r in pmaptap.read(tap) if r["name"] == "x"]
+    forwarded_x = [r for d in per for r in d["calls"] if r["name"] == "x"]
+    assert sorted(json.dumps(r, sort_keys=True) for r in forwarded_x) == sorted(
+        json.dumps(r, sort_keys=True) for r in file_x
+    )
+
+
+def test_forward_replicated_is_checked(tap_path):
+    with pytest.raises(ValueError, match="forward_replicated must be one of"):
+        pmaptap.Session(tap_path, forward_replicated="process_0")
+
+
+def test_forward_replicated_all_gives_every_process_its_own_copy(tmp_path):
+    """forward_replicated="all": each process forwards every replicated
+    record it computed (its own "process"), whoever wrote the line."""
+    steps = 6
+    tap, out = str(tmp_path / "job.jsonl"), str(tmp_path / "fw")
+    os.makedirs(out)
+    proc, _ = run_launch(
+        2,
+        2,
+        python_cmd(_JOB),
+        launcher_timeout=90,
+        TAP=tap,
+        OUT=out,
+        STEPS=str(steps),
+        OPTS=json.dumps({"forward_replicated": "all"}),
+    )
+    assert proc.returncode == 0, job_failed(proc)
+    for p in (0, 1):
+        d = json.load(open(os.path.join(out, f"p{p}.json")))
+        loss = [r for r in d["calls"] if r["name"] == "loss"]
+        assert sorted(r["step"] for r in loss) == list(range(steps))
+        assert {r["process"] for r in loss} == {p}
+        assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}
+    assert sorted(r["step"] for r in pmaptap.read(tap) if r["name"] == "loss") == list(range(steps))

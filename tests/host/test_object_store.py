@@ -361,3 +361,38 @@ def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
     f.close()
     for w in writers + [late]:
         w.close()
+
+
+def test_process0_forwards_every_replicated_step_on_an_object_store(s3, tmp_path):
+    """On an object store (the sharded layout as chunks) the owner rule
+    spreads the writing of the loss over both processes; process 0's
+    forwarders still get every step once, process 1's none."""
+    from test_forward import _JOB
+
+    from conftest import python_cmd
+
+    steps, url, out = 12, "s3://taps/job/forward", str(tmp_path / "fw")
+    os.makedirs(out)
+    proc, _ = run_launch(
+        2,
+        2,
+        python_cmd(_JOB),
+        launcher_timeout=150,
+        timeout=240,
+        TAP=url,
+        OUT=out,
+        STEPS=str(steps),
+        **s3,
+    )
+    assert proc.returncode == 0, job_failed(proc)
+    import pmaptap
+
+    per = [json.load(open(os.path.join(out, f"p{p}.json"))) for p in (0, 1)]
+    loss0 = sorted(r["step"] for r in per[0]["calls"] if r["name"] == "loss")
+    assert loss0 == list(range(steps))
+    assert [r for r in per[1]["calls"] if r["kind"] == "replicated"] == []
+    file_loss = [r for r in pmaptap.read(url) if r["name"] == "loss"]
+    assert sorted(r["step"] for r in file_loss) == list(range(steps))
+    assert {r["process"] for r in file_loss} == {0, 1}, "the owner rule gave one process all"
+    for p, d in enumerate(per):
+        assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}

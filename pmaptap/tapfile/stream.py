@@ -1,0 +1,124 @@
+"""Reading a file twice instead of holding it: the first pass of a streaming
+reader.
+
+A record's divergence depends on every copy of its key (DivergenceIndex), and
+whether a later attempt superseded it on every record of its step
+(Attempts), wherever they sit in the file. Readers that print or build
+something from a file larger than memory should hold neither the records nor
+their output, so they read it twice: ``first_pass`` parses every line and
+keeps only the small per-key indexes (and the matched records while they are
+few, KEEP_RECORDS; never a decoded value), then ``matching`` reads the file
+again (or walks the records the first pass kept) and yields each record to
+show, in file order, with exact answers for both. ``pmaptap show``, ``export``, ``plot`` and
+``read(..., as_frame=True)`` read this way; ``pmaptap validate`` and
+``summary`` need one pass (their state is per key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from pmaptap.tapfile.attempts import Attempts
+from pmaptap.tapfile.divergence import DivergenceIndex
+from pmaptap.tapfile.format import record_key
+from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.query import Filter
+
+
+@dataclasses.dataclass
+class FirstPass:
+    """What the first pass learned: the indexes, every line that is not a
+    record (line, why; empty lines included), and every name and run read
+    (to say what a file holds when nothing matched)."""
+
+    # The record_key of every divergent replicated key: what the first
+    # pass's DivergenceIndex found, kept without the index (an entry per
+    # replicated key), which is dropped before the second pass.
+    divergent: set = dataclasses.field(default_factory=set)
+    attempts: Attempts = dataclasses.field(default_factory=Attempts)
+    problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    names: set = dataclasses.field(default_factory=set)
+    runs: set = dataclasses.field(default_factory=set)
+    # The file's last line then, and whether it was a record: a second pass
+    # over a file still being written stops there, so it shows what the
+    # first pass indexed (a torn last line completed meanwhile included).
+    lines: int = 0
+    last_bad: bool = False
+    # The matched records themselves, (line, record as written), while they
+    # are few (KEEP_RECORDS): then the "second pass" walks them instead of
+    # reading the file again (a filtered ``show`` reads once). None: more
+    # matched, and the second pass reads the file.
+    kept: list[tuple[int, dict]] | None = dataclasses.field(default_factory=list)
+
+
+# Matched records the first pass keeps for the second (~1 KiB each as
+# parsed dicts) when a filter is given: a narrow one then costs one read of
+# the file.
+KEEP_RECORDS = 20_000
+
+
+def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
+    """Index every record of a key ``flt`` matches (``key_match``): the
+    device and process filter leaves none out, since a copy filtered out
+    still disagrees, and an elastic restart supersedes a step on every
+    device."""
+    fp = FirstPass()
+    if flt is None or not flt.active:
+        # Everything matches: more than KEEP_RECORDS in any file worth
+        # streaming, so keeping would only cost memory on the way.
+        fp.kept = None
+    index = DivergenceIndex()
+    attempts, names, runs, kept = fp.attempts, fp.names, fp.runs, fp.kept
+    lineno = 0
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            fp.problems.append((lineno, problem or "invalid"))
+            continue
+        names.add(d["name"])
+        runs.add(d["run"])
+        if flt is not None and not flt.key_match(d):
+            continue
+        index.add(d)
+        attempts.add(d)
+        if kept is not None and (flt is None or flt(d)):
+            if len(kept) < KEEP_RECORDS:
+                kept.append((lineno, d))
+            else:
+                kept = None
+    fp.kept = kept
+    fp.divergent = set(index.divergent_keys())
+    fp.lines = lineno
+    fp.last_bad = bool(fp.problems) and fp.problems[-1][0] == lineno
+    return fp
+
+
+def matching(
+    path: str | os.PathLike, flt: Filter | None, fp: FirstPass, *, all_attempts: bool
+) -> Iterator[tuple[int, dict, bool]]:
+    """(line, record as written, divergent) for each record ``flt`` keeps, in
+    file order, leaving out what a later attempt superseded unless
+    ``all_attempts``. ``divergent``: the file holds the record's key with
+    other values from other processes (its own flag aside)."""
+    divergent, attempts = fp.divergent, fp.attempts
+    check_later = bool(attempts) and not all_attempts
+    last, last_bad = fp.lines, fp.last_bad
+    if fp.kept is not None:
+        lines: Iterator[tuple[int, dict | None, Any]] = iter(fp.kept)
+        flt = None  # the kept records matched it
+    else:
+        lines = iter_lines(path)
+    for lineno, d, *_ in lines:
+        if lineno >= last and (lineno > last or last_bad):
+            return
+        if d is None or (flt is not None and not flt(d)):
+            continue
+        if check_later and attempts.superseded(d):
+            continue
+        yield (
+            lineno,
+            d,
+            bool(divergent) and d.get("kind") == "replicated" and record_key(d) in divergent,
+        )
