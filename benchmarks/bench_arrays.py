@@ -41,6 +41,24 @@ def _disk_bytes(path: str) -> int:
     return total
 
 
+def _plain_write_ms(path: str, nbytes: int, n: int) -> float:
+    import statistics
+    import time
+
+    data = os.urandom(nbytes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            os.write(fd, data)
+            times.append(time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return statistics.median(times) * 1e3
+
+
 def run(quick: bool = False) -> list[tuple]:
     import jax
     import numpy as np
@@ -78,6 +96,11 @@ def run(quick: bool = False) -> list[tuple]:
             fn(x)
     on_disk = _disk_bytes(disk_path) / (n * ROWS * COLS * 4)
 
+    # The disk's own price of those bytes: one plain os.write of the array's
+    # size per step to a file beside the tap file (on a disk whose writeback
+    # throttles, this alone can exceed the raw callback's whole cost).
+    write_ms = _plain_write_ms(os.path.join(tmp, "plain.bin"), ROWS * COLS * 4, n * 5)
+
     rows = [
         (
             "m. 2 MiB sharded activation, stored as bytes",
@@ -86,6 +109,14 @@ def run(quick: bool = False) -> list[tuple]:
             f"{med['raw'] * 1e3:.3f}",
             f"{paired(times, 'tap', 'raw', 'base'):.2f}x",
             "8 shards of 256 KiB, per_device; added cost, paired rounds",
+        ),
+        (
+            "m. the disk alone: os.write of 2 MiB",
+            "",
+            f"{write_ms:.3f}",
+            "",
+            "",
+            "median per step, same directory: what storing the bytes costs at least",
         ),
         (
             "m. bytes on disk per array byte",

@@ -45,6 +45,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "i. flax_train.py step, tapped",
         "i. --variant jit step, tapped",
         "m. 2 MiB sharded activation, stored as bytes",
+        "m. the disk alone: os.write of 2 MiB",
         "m. bytes on disk per array byte",
         "j. id_tap (tied, program order)",
         "j. id_tap, callback without the tie",
