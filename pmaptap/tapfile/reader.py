@@ -79,13 +79,8 @@ def read(
                 continue
             r = decode_record(d)
             if "bytes" in d:
-                # A value stored as bytes: loaded as an ndarray of its dtype.
-                # A line whose bytes are not there is reported and skipped.
                 store = store or ByteStore(path)
-                try:
-                    r["value"] = load_value(r, store)
-                except (MissingBytes, OSError) as e:
-                    bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+                if not _load_stored(r, d, store, lineno, bad):
                     continue
             out.append(r)
     for r in out:
@@ -98,6 +93,18 @@ def read(
         out = [r for r in out if not later.superseded(r)]
     _warn_skipped(path, bad)
     return out
+
+
+def _load_stored(r: dict, d: dict, store: ByteStore, lineno: int, bad: list) -> bool:
+    """Put a stored value (``d``, the line as written, has ``bytes``) into
+    the decoded record ``r`` as an ndarray of its dtype; False (and the line
+    named in ``bad``) when its bytes are not there: it is skipped."""
+    try:
+        r["value"] = load_value(r, store)
+    except (MissingBytes, OSError) as e:
+        bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+        return False
+    return True
 
 
 def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
@@ -127,12 +134,8 @@ def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=every):
         r = decode_record(d)
         if "bytes" in d:
-            # A value stored as bytes: loaded as an ndarray, as read() does.
             store = store or ByteStore(path)
-            try:
-                r["value"] = load_value(r, store)
-            except (MissingBytes, OSError) as e:
-                bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+            if not _load_stored(r, d, store, lineno, bad):
                 continue
         if divergent:
             r["divergent"] = True
