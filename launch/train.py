@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
 
     import pmaptap
-    from pmaptap.tapfile.summary import summary_table
+    from pmaptap.tapfile.summary_table import summary_table
 
     log(
         f"pmaptap train: variant={args.variant} mode={mode} "

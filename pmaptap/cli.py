@@ -193,7 +193,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.summary import summarize_file, summary_table
+    from pmaptap.tapfile.summary_batch import summarize_file
+    from pmaptap.tapfile.summary_table import summary_table
 
     flt = _filter(args)
     _check_file(args.file)

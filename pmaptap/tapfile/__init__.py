@@ -30,6 +30,8 @@ _SUBMODULES = frozenset(
         "runs",
         "stream",
         "summary",
+        "summary_batch",
+        "summary_table",
         "tensorboard",
         "views",
     }

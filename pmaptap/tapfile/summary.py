@@ -1,27 +1,27 @@
 """Per-tap summaries of a list of records (as ``pmaptap.read`` returns them):
-``summary_table(records) -> str`` for people (``pmaptap summary``, the end of a
-training run) and ``tap_summaries(records)`` for code."""
+``tap_summaries(records)`` for code; summary_table.py's
+``summary_table(records) -> str`` for people (``pmaptap summary``, the end of
+a training run).
+
+This is the reference path: ``Summarizer.add``, one record at a time, into a
+tap's ``_TapAcc``. summary_batch.py holds the fast batched path that
+``pmaptap summary`` takes (``BatchSummarizer.add_batch``, ``summarize_file``),
+which must give the same summaries."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from array import array
 from collections import Counter
-from itertools import chain, compress, repeat
-from typing import Any, Iterable, Sequence
+from itertools import chain, compress
+from typing import Any, Iterable
 
-from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
-from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, format_gaps, step_gaps
+from pmaptap.tapfile.attempts import Restarts, attempt_of
+from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import _SCALAR_TYPES, NONFINITE, holder_ids
-from pmaptap.tapfile.lines import collector_paused as _collector_paused
-from pmaptap.tapfile.lines import iter_batches, iter_file_batches
-from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.runs import is_sharded
-from pmaptap.tapfile.views import Table, format_ids, format_number, id_order, scalar
+from pmaptap.tapfile.format import NONFINITE, holder_ids
+from pmaptap.tapfile.views import id_order, scalar
 
 
 @dataclasses.dataclass
@@ -62,9 +62,10 @@ class TapSummary:
 
 class _TapAcc:
     """One tap's summary, built from its records in file order, one at a
-    time (``add``) or a batch at a time (``add_many``, the same result in a
-    few C-level passes per batch): what it keeps grows with the tap's
-    distinct steps and devices, not with its values."""
+    time (``add``) or a batch at a time (summary_batch.py's
+    ``BatchSummarizer._add_part``, the same result in a few C-level passes
+    per batch): what it keeps grows with the tap's distinct steps and
+    devices, not with its values."""
 
     def __init__(self, run: str, name: str) -> None:
         self.run, self.name = run, name
@@ -401,220 +402,6 @@ class Summarizer:
             acc = names[r["name"]] = _TapAcc(run, r["name"])
         acc.add(r)
 
-    def add_batch(
-        self, rs: list, lines: list[bytes] | None = None, first: int = 1, bad: list | None = None
-    ) -> None:
-        """``add(r)`` for every r of ``rs``, a tap at a time, each tap's
-        part in one tight loop (``pmaptap summary`` of a large file): the
-        same summaries.
-
-        ``rs``: records every reader accepts (format.first_not_plain), or,
-        with ``lines``, what orjson made of each of those lines (line
-        ``first`` on), not yet checked as records: then an item this loop
-        does not take as a usual record goes through parse.parse_line, the
-        one definition, and is added from there or its (line, problem)
-        appended to ``bad``."""
-        if not rs:
-            return
-        if lines is not None and set(map(type, rs)) != {dict}:
-            rs, lines = _checked(rs, lines, first, bad)
-            if not rs:  # no line of the batch was a record (``5``, ``[1]``)
-                return
-        try:
-            names = list(map(dict.get, rs, repeat("name")))
-            # A record without a run is no record: None, which is no str.
-            runs = list(map(dict.get, rs, repeat("run")))
-            if runs.count(runs[0]) == len(runs):
-                groups = _group(rs, names)
-                keys = [(runs[0], group[0]) for group in groups]
-            else:
-                groups = _group(rs, list(zip(runs, names)))
-                keys = [group[0] for group in groups]
-        except TypeError:  # an unhashable name or run: not a record
-            rs, lines = _checked(rs, lines, first, bad)
-            for r in rs:
-                self.add(r)
-            return
-        for (run, name), (_, part, where) in zip(keys, groups):
-            if type(run) is not str or type(name) is not str or not name:
-                # Not records (or not plain ones): each on its own.
-                for r, i in zip(part, where):
-                    self._odd(r, i, lines, first, bad)
-                continue
-            by_run = self._groups.get(run)
-            if by_run is None:
-                by_run = self._groups[run] = {}
-            acc = by_run.get(name)
-            if acc is None:
-                acc = by_run[name] = _TapAcc(run, name)
-            self._add_part(acc, part, where, lines, first, bad)
-
-    def _odd(self, r: Any, i: int, lines: list[bytes] | None, first: int, bad: list | None) -> None:
-        """A batch item the tight loop does not take: a checked record is
-        added as ``add`` adds it; an unchecked one is parsed again by
-        parse_line, the definition, and added or reported."""
-        if lines is not None:
-            r, problem = parse_line(lines[i])
-            if r is None:
-                if bad is not None:
-                    bad.append((first + i, problem or "invalid"))
-                return
-        self.add(r)
-
-    def _add_part(
-        self,
-        acc: _TapAcc,
-        part: list,
-        where: list[int],
-        lines: list[bytes] | None,
-        first: int,
-        bad: list | None,
-    ) -> None:
-        """``add`` of each item of one tap's part of a batch (all of the
-        tap's run and name), the usual records inline: a finite number in
-        the forward pass of the first attempt, not marked divergent, a
-        per-device one at its device's usual coordinates, a replicated one
-        with a vhash. The conditions imply every check format.validate_dict
-        makes (an item that fails one is _odd). Any other item is _odd, in
-        its place, so the file order the summary keeps is kept."""
-        scalar = _SCALAR_TYPES
-        kinds = acc.kinds
-        processes = acc.processes
-        pd_keys = acc.pd_keys
-        masks = acc.pd_masks
-        dev_coords = acc.dev_coords
-        steps = acc.steps
-        devices = acc.devices
-        values: list[float] = []  # finite values, for acc.finite
-        rep_steps = acc.rep_steps
-        dup_keys = acc.dup_keys
-        index = self._index
-        # DivergenceIndex entries of this tap's forward, first-attempt steps.
-        seen = index.steps_of(acc.run, acc.name) if index is not None else None
-        last, last_vals = acc.last_step, acc.last_vals
-        new_steps: list[int] = []  # steps of new per-device keys
-        added = dups = 0
-        prev_kind = prev_proc = None
-        # orjson never makes a NaN or inf: only checked records (decoded
-        # ones) need the finite test.
-        decoded = lines is None
-        for r, i in zip(part, where):
-            # The group's run and name are present; these four and dtype,
-            # shape, time and host make the ten required fields. The usual
-            # record has no other field than its kind's (so no pass,
-            # attempt, index, divergent...): checked by counting its keys.
-            try:
-                v = r["value"]
-                step = r["step"]
-                kind = r["kind"]
-                proc = r["process"]
-            except KeyError:
-                kind = None
-            else:
-                tv = type(v)
-                tp = type(proc)
-                if not (
-                    (tv is float or tv is int)
-                    and (not decoded or v - v == 0)
-                    and type(step) is int
-                    and (tp is int or tp in scalar)
-                    and "dtype" in r
-                    and "shape" in r
-                    and "time" in r
-                    and "host" in r
-                ):
-                    kind = None
-            if kind == "per_device":
-                # Twelve fields: the ten, device and coords.
-                try:
-                    dev = r["device"]
-                    coords = r["coords"]
-                    usual = len(r) == 12 and coords == dev_coords[dev]
-                except (KeyError, TypeError):  # unknown or unhashable device
-                    usual = False
-                if usual:  # _int_values, inline (one axis the quickest)
-                    try:
-                        (c,) = coords.values()
-                        usual = type(c) is int
-                    except ValueError:
-                        usual = _int_values(coords)
-                if usual:
-                    # _pd_key of a device at its usual coordinates, and _key
-                    d = dev if type(dev) is int else int(dev)
-                    if d < _MASK_DEVICES:
-                        bit = 1 << d
-                        mask = masks.get(step, 0)
-                        if mask & bit:
-                            dups += 1
-                        else:
-                            masks[step] = mask | bit
-                    else:
-                        key = step << 20 | d
-                        if key in pd_keys:
-                            dups += 1
-                        else:
-                            pd_keys.add(key)
-                            new_steps.append(step)
-            elif kind == "replicated":
-                vhash = r.get("vhash")
-                devs = r.get("devices")
-                procs = r.get("processes")
-                usual = (
-                    type(vhash) is str
-                    and vhash != ""
-                    and "replicas" in r
-                    and len(r) == 12 + (devs is not None) + (procs is not None)
-                    and (devs is None or type(devs) is list and set(map(type, devs)) <= scalar)
-                    and (procs is None or type(procs) is list and set(map(type, procs)) <= scalar)
-                )
-                if usual:
-                    if procs:
-                        # The writer's process first, as ``add`` does: of
-                        # equal ids (1, 1.0, True) the set keeps the first.
-                        processes.add(proc)
-                        processes.update(procs)
-                    steps.add(step)
-                    if devs:
-                        devices.update(devs)
-                    rep_steps.add(step)
-                    dup = (step, "forward", vhash)
-                    if dup in dup_keys:
-                        dups += 1
-                    else:
-                        dup_keys.add(dup)
-                    if seen is not None:  # DivergenceIndex.add, inline
-                        entry = (vhash, proc)
-                        if seen.setdefault(step, entry) is not entry:
-                            index.repeat(seen, step, entry)
-            else:
-                usual = False
-            if not usual:
-                acc.records += added
-                acc.duplicates += dups
-                acc.last_step, acc.last_vals = last, last_vals
-                added = dups = 0
-                self._odd(r, i, lines, first, bad)
-                last, last_vals = acc.last_step, acc.last_vals
-                continue
-            # What every usual record adds (the key parts are done above).
-            added += 1
-            if kind != prev_kind:
-                kinds.add(kind)
-                prev_kind = kind
-            if proc is not prev_proc:  # small ints are one object each
-                processes.add(proc)
-                prev_proc = proc
-            if last is None or step > last:
-                last, last_vals = step, [v]
-            elif step == last:
-                last_vals.append(v)
-            values.append(v)
-        acc.records += added
-        acc.duplicates += dups
-        acc.last_step, acc.last_vals = last, last_vals
-        acc.pd_count.update(new_steps)
-        acc.finite.extend(values)
-
     def names_and_runs(self) -> tuple[set, set]:
         """The names and runs of the records added."""
         return {n for names in self._groups.values() for n in names}, set(self._groups)
@@ -631,248 +418,9 @@ class Summarizer:
         return out
 
 
-def _group(rs: list, keys: list) -> list[tuple[Any, list, list[int]]]:
-    """``rs`` split by ``keys`` (one per item, hashable): (key, items,
-    their positions in ``rs``) per key, each part in order, parts in the
-    order their keys first appear. A few taps per batch (the usual case)
-    take a few C-level passes each; many take one Python pass in all."""
-    distinct = list(dict.fromkeys(keys))
-    if len(distinct) == 1:
-        return [(distinct[0], rs, range(len(rs)))]
-    if len(distinct) <= 8 and all(type(k) is str for k in distinct):
-        out = []
-        for k in distinct:
-            picked = list(map(k.__eq__, keys))
-            out.append((k, list(compress(rs, picked)), list(compress(range(len(rs)), picked))))
-        return out
-    parts: dict = {}
-    for i, (k, r) in enumerate(zip(keys, rs)):
-        part = parts.get(k)
-        if part is None:
-            parts[k] = ([r], [i])
-        else:
-            part[0].append(r)
-            part[1].append(i)
-    return [(k, a, b) for k, (a, b) in parts.items()]
-
-
-def _checked(
-    rs: list, lines: list[bytes] | None, first: int, bad: list | None
-) -> tuple[list, None]:
-    """The records among unchecked items, each as parse.parse_line makes it
-    (the others' (line, problem) appended to ``bad``); checked ones as they
-    are."""
-    if lines is None:
-        return rs, None
-    out = []
-    for i, raw in enumerate(lines):
-        d, problem = parse_line(raw)
-        if d is None:
-            if bad is not None:
-                bad.append((first + i, problem or "invalid"))
-        else:
-            out.append(d)
-    return out, None
-
-
-def summarize_file(
-    path: str | os.PathLike, flt: Filter | None = None
-) -> tuple[list[TapSummary], list[tuple[int, str]], set, set]:
-    """``pmaptap summary``: the summaries of the records of ``path`` that
-    ``flt`` matches, streaming the file (records are parsed, summarized and
-    dropped; values are never decoded). Also the (line, problem) list of
-    lines that are not records and every name and run read."""
-    flt = flt or Filter()
-    if not flt.active and not flt.all_attempts and not is_sharded(path):
-        # The common case in one pass, assuming the run was never resumed;
-        # a record of a later attempt means it was: then the pass below,
-        # which first finds what later attempts superseded.
-        with _collector_paused():
-            acc, bad = _summarize_plain(path)
-        if not acc.resumed:
-            names, runs = acc.names_and_runs()
-            return acc.summaries(), bad, names, runs
-    acc = Summarizer()
-    # What a later attempt of a resumed run replaced is not part of the story.
-    attempts = scan(path) if not flt.all_attempts else Attempts()
-    bad: list[tuple[int, str]] = []
-    names: set = set()
-    runs: set = set()
-    everything = not flt.active
-    resumed = bool(attempts)
-    # The loop allocates a few small objects per line and frees the record,
-    # creating no reference cycles; the cyclic collector would still walk the
-    # growing per-tap sets again and again (a third of the time of a large
-    # file), so it waits until the file is read.
-    with _collector_paused():
-        for _, records, problems in iter_batches(path):
-            if problems:
-                bad.extend(problems.items())
-                records = [d for d in records if d is not None]
-            if resumed:
-                kept = []
-                for d in records:
-                    if attempts.superseded(d):
-                        names.add(d["name"])
-                        runs.add(d["run"])
-                    else:
-                        kept.append(d)
-                records = kept
-            if everything:
-                acc.add_batch(records)
-                continue
-            matched = []
-            for d in records:
-                if flt(d):
-                    matched.append(d)
-                    continue
-                names.add(d["name"])
-                runs.add(d["run"])
-                if flt.key_match(d):
-                    acc.see(d)
-            acc.add_batch(matched)
-    added_names, added_runs = acc.names_and_runs()
-    return acc.summaries(), bad, names | added_names, runs | added_runs
-
-
-def _summarize_plain(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
-    """Every record of one file, orjson's values straight into add_batch,
-    which checks the usual records itself (parse_line the rest)."""
-    acc = Summarizer()
-    bad: list[tuple[int, str]] = []
-    for first, items, problems, lines in iter_file_batches(path, unchecked=True):
-        if lines is not None:
-            acc.add_batch(items, lines, first, bad)
-            continue
-        if problems:
-            bad.extend(problems.items())
-            items = [d for d in items if d is not None]
-        acc.add_batch(items)
-    bad.sort()  # found a tap at a time: back in line order
-    return acc, bad
-
-
 def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
     """One TapSummary per (run, name), runs in file order, names sorted."""
     acc = Summarizer()
     for r in records:
         acc.add(r)
     return acc.summaries()
-
-
-def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
-    shown = ",".join(map(str, steps[:limit]))
-    return shown + (",..." if len(steps) > limit else "")
-
-
-def _issues(s: TapSummary) -> str:
-    out = []
-    if s.divergent_steps:
-        out.append(
-            f"divergent at {len(s.divergent_steps)} step(s) ({_steps_text(s.divergent_steps)})"
-        )
-    if s.missing:
-        out.append(f"{s.missing} missing step(s) ({format_gaps(s.stride, list(s.gaps))})")
-    if s.incomplete_steps:
-        out.append(
-            f"{len(s.incomplete_steps)} step(s) missing devices ({_steps_text(s.incomplete_steps)})"
-        )
-    if s.duplicates:
-        out.append(f"{s.duplicates} duplicate record(s)")
-    if s.nonfinite:
-        where = f", first at step {s.first_nonfinite_step}"
-        if s.first_nonfinite_devices:
-            where += f" on device(s) {format_ids(list(s.first_nonfinite_devices))}"
-        out.append(f"{s.nonfinite} non-finite value(s){where}")
-    if s.per_device_steps:
-        out.append(
-            f"per-device data at {len(s.per_device_steps)} step(s) "
-            f"before the copies first agreed ({_steps_text(s.per_device_steps)})"
-        )
-    return "; ".join(out)
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else format_number(x)
-
-
-def _last(s: TapSummary) -> str:
-    if not s.last:
-        return "-"
-    if len(s.last) == 1:
-        return format_number(s.last[0])
-    finite = [x for x in s.last if math.isfinite(x)]
-    if not finite:
-        lo_hi = "nan"
-    elif min(finite) == max(finite):
-        lo_hi = format_number(finite[0])
-    else:
-        lo_hi = f"{format_number(min(finite))}..{format_number(max(finite))}"
-    return lo_hi + ("+nan" if len(finite) < len(s.last) and finite else "")
-
-
-_COLUMNS = (
-    "name",
-    "kind",
-    "records",
-    "steps",
-    "procs",
-    "devices",
-    "last",
-    "min",
-    "max",
-    "mean",
-    "norm",
-    "issues",
-)
-
-
-def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
-    """A per-tap text table: record count, step range, processes and devices
-    seen, last/min/max/mean of scalar values and, for array taps, min/max/mean
-    over their finite elements and the L2 norm at the last step; divergences
-    (of replicated values, and of auto taps whose copies had agreed before),
-    missing steps, duplicate records, and where the first NaN/inf was. Takes
-    records, or the summaries of ``Summarizer.summaries()``."""
-    records = list(records)
-    summaries = (
-        records if records and isinstance(records[0], TapSummary) else tap_summaries(records)
-    )
-    if not summaries:
-        return "no records"
-    out: list[str] = []
-    for run in dict.fromkeys(s.run for s in summaries):
-        group = [s for s in summaries if s.run == run]
-        n = sum(s.records for s in group)
-        procs = format_ids(sorted({p for s in group for p in s.processes}, key=id_order))
-        devs = format_ids([d for s in group for d in s.devices])
-        restarts = next((s.restarts for s in group if s.restarts), "")
-        out.append(
-            f"run {run}: {n} records, {len(group)} tap(s), "
-            f"processes {procs}, devices {devs}" + (f"; {restarts}" if restarts else "")
-        )
-        table = Table(_COLUMNS, right={"records"})
-        rows = [
-            {
-                "name": s.name,
-                "kind": "+".join(s.kinds),
-                "records": str(s.records),
-                "steps": f"{s.first_step}-{s.last_step}"
-                if s.first_step != s.last_step
-                else str(s.first_step),
-                "procs": format_ids(s.processes),
-                "devices": format_ids(s.devices),
-                "last": _last(s) if not s.nonscalar else "(array)",
-                "min": _num(s.min),
-                "max": _num(s.max),
-                "mean": _num(s.mean),
-                "norm": _num(s.norm),
-                "issues": _issues(s) or "-",
-            }
-            for s in group
-        ]
-        table.fit(rows)
-        out.append(table.header())
-        out.extend(table.format(r) for r in rows)
-        out.append("")
-    return "\n".join(out).rstrip("\n")

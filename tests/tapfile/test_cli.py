@@ -411,7 +411,8 @@ def test_summary_counts_duplicates_but_not_divergence(tmp_path, demo_lines):
     g = next(x for x in demo_lines if '"name":"gnorm","step":1' in x)
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(demo_lines + [loss0, g, g]) + "\n")
-    from pmaptap.tapfile.summary import summary_table, tap_summaries
+    from pmaptap.tapfile.summary import tap_summaries
+    from pmaptap.tapfile.summary_table import summary_table
 
     text = summary_table(pmaptap.read(path))
     assert "1 duplicate record(s)" in text and "2 duplicate record(s)" in text

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pmaptap
-from pmaptap.tapfile import checks, export, follow, parse, summary, views
+from pmaptap.tapfile import checks, export, follow, parse, views
 from pmaptap.tapfile import format as fmt
+from pmaptap.tapfile import summary_table as summary
 from pmaptap.tapfile.lines import iter_lines
 
 EXAMPLES = int(os.environ.get("PMAPTAP_FUZZ_EXAMPLES", "40"))

@@ -19,7 +19,9 @@ from pmaptap.tapfile import parse
 from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.checks import _canonical, _coords_key
 from pmaptap.tapfile.lines import iter_file_batches, iter_file_lines
-from pmaptap.tapfile.summary import Summarizer, summarize_file, summary_table
+from pmaptap.tapfile.summary import Summarizer
+from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary_table import summary_table
 
 HOSTILE = [
     b"",
@@ -352,7 +354,7 @@ def test_summary_of_a_file_of_usual_records_takes_the_fast_path(tmp_path, monkey
         calls["add"] += 1
         return real_add(self, r)
 
-    from pmaptap.tapfile import summary
+    from pmaptap.tapfile import summary_batch as summary
 
     monkeypatch.setattr(summary, "parse_line", counting_parse)
     monkeypatch.setattr(Summarizer, "add", counting_add)

@@ -1,0 +1,129 @@
+"""The per-tap text table of ``pmaptap summary`` and of the end of a training
+run: ``summary_table(records or summaries) -> str``."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from pmaptap.tapfile.checks import format_gaps
+from pmaptap.tapfile.summary import TapSummary, tap_summaries
+from pmaptap.tapfile.views import Table, format_ids, format_number, id_order
+
+
+def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
+    shown = ",".join(map(str, steps[:limit]))
+    return shown + (",..." if len(steps) > limit else "")
+
+
+def _issues(s: TapSummary) -> str:
+    out = []
+    if s.divergent_steps:
+        out.append(
+            f"divergent at {len(s.divergent_steps)} step(s) ({_steps_text(s.divergent_steps)})"
+        )
+    if s.missing:
+        out.append(f"{s.missing} missing step(s) ({format_gaps(s.stride, list(s.gaps))})")
+    if s.incomplete_steps:
+        out.append(
+            f"{len(s.incomplete_steps)} step(s) missing devices ({_steps_text(s.incomplete_steps)})"
+        )
+    if s.duplicates:
+        out.append(f"{s.duplicates} duplicate record(s)")
+    if s.nonfinite:
+        where = f", first at step {s.first_nonfinite_step}"
+        if s.first_nonfinite_devices:
+            where += f" on device(s) {format_ids(list(s.first_nonfinite_devices))}"
+        out.append(f"{s.nonfinite} non-finite value(s){where}")
+    if s.per_device_steps:
+        out.append(
+            f"per-device data at {len(s.per_device_steps)} step(s) "
+            f"before the copies first agreed ({_steps_text(s.per_device_steps)})"
+        )
+    return "; ".join(out)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else format_number(x)
+
+
+def _last(s: TapSummary) -> str:
+    if not s.last:
+        return "-"
+    if len(s.last) == 1:
+        return format_number(s.last[0])
+    finite = [x for x in s.last if math.isfinite(x)]
+    if not finite:
+        lo_hi = "nan"
+    elif min(finite) == max(finite):
+        lo_hi = format_number(finite[0])
+    else:
+        lo_hi = f"{format_number(min(finite))}..{format_number(max(finite))}"
+    return lo_hi + ("+nan" if len(finite) < len(s.last) and finite else "")
+
+
+_COLUMNS = (
+    "name",
+    "kind",
+    "records",
+    "steps",
+    "procs",
+    "devices",
+    "last",
+    "min",
+    "max",
+    "mean",
+    "norm",
+    "issues",
+)
+
+
+def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
+    """A per-tap text table: record count, step range, processes and devices
+    seen, last/min/max/mean of scalar values and, for array taps, min/max/mean
+    over their finite elements and the L2 norm at the last step; divergences
+    (of replicated values, and of auto taps whose copies had agreed before),
+    missing steps, duplicate records, and where the first NaN/inf was. Takes
+    records, or the summaries of ``Summarizer.summaries()``."""
+    records = list(records)
+    summaries = (
+        records if records and isinstance(records[0], TapSummary) else tap_summaries(records)
+    )
+    if not summaries:
+        return "no records"
+    out: list[str] = []
+    for run in dict.fromkeys(s.run for s in summaries):
+        group = [s for s in summaries if s.run == run]
+        n = sum(s.records for s in group)
+        procs = format_ids(sorted({p for s in group for p in s.processes}, key=id_order))
+        devs = format_ids([d for s in group for d in s.devices])
+        restarts = next((s.restarts for s in group if s.restarts), "")
+        out.append(
+            f"run {run}: {n} records, {len(group)} tap(s), "
+            f"processes {procs}, devices {devs}" + (f"; {restarts}" if restarts else "")
+        )
+        table = Table(_COLUMNS, right={"records"})
+        rows = [
+            {
+                "name": s.name,
+                "kind": "+".join(s.kinds),
+                "records": str(s.records),
+                "steps": f"{s.first_step}-{s.last_step}"
+                if s.first_step != s.last_step
+                else str(s.first_step),
+                "procs": format_ids(s.processes),
+                "devices": format_ids(s.devices),
+                "last": _last(s) if not s.nonscalar else "(array)",
+                "min": _num(s.min),
+                "max": _num(s.max),
+                "mean": _num(s.mean),
+                "norm": _num(s.norm),
+                "issues": _issues(s) or "-",
+            }
+            for s in group
+        ]
+        table.fit(rows)
+        out.append(table.header())
+        out.extend(table.format(r) for r in rows)
+        out.append("")
+    return "\n".join(out).rstrip("\n")
