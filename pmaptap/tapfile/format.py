@@ -213,7 +213,7 @@ class Record:
     # the first attempt, is not written.
     attempt: int = 0
     # Not a field: the encoded line, when the aggregator built it from a
-    # per-site template (_host/aggregate.py _line_pieces); set in the
+    # per-site template (_host/records.py _line_pieces); set in the
     # instance dict of those records only. A class default rather than
     # self.__dict__.get(): reading __dict__ would make CPython build a dict
     # for every other record (measured: the writer stage 320k -> 180k rec/s).
@@ -273,7 +273,7 @@ class Record:
 
     def encode(self) -> bytes:
         # The aggregator may have built this record's line already, from a
-        # per-site template (the same bytes: _host/aggregate.py _line_pieces).
+        # per-site template (the same bytes: _host/records.py _line_pieces).
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 

@@ -120,7 +120,7 @@ def owner(key: tuple, processes: "tuple | list") -> int:
     writing is spread over the processes instead of all on one.
 
     ``processes`` as every holder builds it: sorted (the aggregator's
-    holders, aggregate.py), so it is indexed as it is, not sorted again for
+    holders, aggregate.py and records.py), so it is indexed as it is, not sorted again for
     every record (that cost grew with the job: N log N a record)."""
     procs = processes if type(processes) is tuple else sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the

@@ -1,5 +1,5 @@
 """Per-device scalar records whose lines the aggregator builds from a
-per-site template (aggregate.py ``_line_pieces``): every such line must be
+per-site template (records.py ``_line_pieces``): every such line must be
 byte for byte the line ``Record.to_json_dict`` + ``encode_line`` would write,
 for every dtype, value and site, and a site whose template cannot be cut
 keeps the ordinary encoding."""
@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 import pmaptap._host.sink as sink_mod
 from conftest import run_python
-from pmaptap._host import aggregate
+from pmaptap._host.records import _STEP_SENTINEL, _line_pieces
 from pmaptap.tapfile.format import Record, encode_line, new_record
 
 
@@ -92,7 +92,7 @@ def test_non_finite_values_and_ambiguous_sites_keep_the_ordinary_encoding(
     session, tap_path, written
 ):
     # A name holding the step sentinel's text cannot be cut unambiguously.
-    tricky = f'"step":{aggregate._STEP_SENTINEL}'
+    tricky = f'"step":{_STEP_SENTINEL}'
 
     def body(v):
         pmaptap.tap(v[0], tricky, dedup="per_device")
@@ -123,7 +123,7 @@ def test_line_pieces_rebuild_the_sentinel_line():
         device=3,
         coords={"dp": 3},
     )
-    pieces = aggregate._line_pieces(dict(rec.__dict__), "float32", [])
+    pieces = _line_pieces(dict(rec.__dict__), "float32", [])
     assert pieces is not None
     line = b"".join((pieces[0], b"12", pieces[1], b"0.5", pieces[2], b"3.25", pieces[3]))
     assert line == encode_line(

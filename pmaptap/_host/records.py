@@ -1,0 +1,388 @@
+"""The record factory of the aggregator: the per-site tables and record
+templates, the builders of per_device and replicated records, and the
+encoded line of a per_device record cut around its step, value and time
+(``_line_pieces``). ``RecordFactory`` is ``Aggregator``'s base class
+(aggregate.py): its builders read the aggregator's ``run``, ``process``,
+``host``, ``attempt``, ``clock`` and ``_shard_templates``."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._host.encode import encode_tree
+from pmaptap._host.payload import Copy
+from pmaptap.tapfile.format import ORJSON, Record, new_record
+
+
+class _Table:
+    """Per tap site: coordinates, device, process and counter key of every
+    flat coordinate, and which of them are local (computed once)."""
+
+    def __init__(self, spec: TapSpec, me: int) -> None:
+        where = spec.placement
+        n = where.total_copies
+        self.coords = [where.coords_of(k) for k in range(n)]
+        self.devices = [where.device_of(c) for c in self.coords]
+        procs = [where.process_of(c) for c in self.coords]
+        self.processes = [me if p is None else p for p in procs]
+        self.local = [
+            k for k in range(n) if spec.placement.device_processes is None or procs[k] == me
+        ]
+        # Automatic steps count per device (per coordinate where the device
+        # is unknown). Outside any mapping (jit, eager) there is one counter,
+        # whatever device an eager value sat on.
+        self.counter_keys = [
+            (d if d is not None else c) if spec.placement.axis_names else ()
+            for d, c in zip(self.devices, self.coords)
+        ]
+        # Record fields of the gathered fast paths (shared, never mutated).
+        self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
+        self.all_devices = tuple(self.devices)
+        self.all_processes = tuple(sorted(set(self.processes)))
+        # Counter keys of the local devices, for _auto_step (built on first use).
+        self.auto_keys: list[tuple] | None = None
+        # Per-device record templates of the gathered path, per (batch_dims,
+        # summaries) of the spec (see RecordFactory._per_device_records_of_rows).
+        self.per_device_templates: dict[tuple, list[dict]] = {}
+        # (template key, dtype) -> per device, its line cut around the step,
+        # the value and the time (None where it cannot be: _line_pieces).
+        self.per_device_lines: dict[tuple, list] = {}
+        self.replicated_templates: dict[tuple, dict] = {}
+
+
+class RecordFactory:
+    """The record builders (the base class of ``Aggregator``, whose state
+    they read: see the module's docstring)."""
+
+    def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
+        return encode_tree(spec.site.treedef, leaves, spec.site.summaries)
+
+    # Record builders: one per kind (_per_device_record, _replicated_record;
+    # Aggregator.dropped_record); the *_of_* helpers say what they build it from.
+    def _per_device_record_of_copy(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+        """The per_device record of one device's copy (grouped path)."""
+        return self._per_device_record(
+            spec,
+            step,
+            self._value(spec, cp.leaves),
+            cp.process,
+            cp.device,
+            dict(zip(spec.placement.axis_names, cp.coords)),
+            self.clock(),
+        )
+
+    def _per_device_records_of_rows(
+        self,
+        spec: TapSpec,
+        t: "_Table",
+        step: int,
+        encoded: list[tuple],
+        texts: list[bytes] | None = None,
+    ) -> list[Record]:
+        """The per_device records of a gathered payload, one per local device
+        (``encoded`` in ``t.local`` order). Every field but the step, the value
+        and the time is the same at every step of a site, so each record is a
+        copy of a per-device template built (and checked) once by
+        ``_per_device_record``: about half the cost of building each record
+        field by field, on the path of every gathered per_device tap."""
+        # Fixed per site today; keyed anyway, so that a variant of a spec
+        # (with_batch) could never take another's template.
+        key = (spec.site.batch_dims, spec.site.summaries)
+        templates = t.per_device_templates.get(key)
+        if templates is None:
+            templates = t.per_device_templates[key] = [
+                dict(
+                    self._per_device_record(
+                        spec,
+                        0,
+                        (None, None, None),
+                        t.processes[k],
+                        t.devices[k],
+                        t.coord_dicts[k],
+                        0.0,
+                    ).__dict__
+                )
+                for k in t.local
+            ]
+        now = self.clock()
+        out = []
+        for template, (value, dtype, shape) in zip(templates, encoded):
+            out.append(_from_template(template, step, value, dtype, shape, now))
+        if texts and len(texts) == len(out):
+            # Scalars of one dtype (encode_rows' fast path): each line is the
+            # site's per-device line with the step, value and time put in,
+            # instead of a dict per record and one orjson call each. That
+            # encoding was most of what a scalar per_device tap costs the
+            # host above handing its values over (docs/performance.md, per_device).
+            lkey = (key, out[0].dtype)
+            pieces = t.per_device_lines.get(lkey)
+            if pieces is None:
+                pieces = t.per_device_lines[lkey] = [
+                    _line_pieces(tpl, out[0].dtype, out[0].shape) for tpl in templates
+                ]
+            if all(pieces):
+                step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(now, 6))
+                for r, (p0, p1, p2, p3), text in zip(out, pieces, texts):
+                    r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
+        return out
+
+    def _per_device_record(
+        self,
+        spec: TapSpec,
+        step: int,
+        encoded: tuple,
+        process: int,
+        device: int | None,
+        coords: dict,
+        now: float,
+        index: Any = None,
+    ) -> Record:
+        """The per_device record builder."""
+        return self._site_record(
+            spec,
+            step,
+            "per_device",
+            encoded,
+            process,
+            now,
+            device=device,
+            coords=coords,
+            index=index,
+        )
+
+    def _replicated_record_of_all(
+        self,
+        spec: TapSpec,
+        step: int,
+        t: _Table,
+        encoded: tuple,
+        key: bytes,
+        extra: dict | None = None,
+    ) -> Record:
+        """The replicated record of a value every copy of the tap site holds
+        (agreement established). A copy of a per-site template, as
+        ``_per_device_records_of_rows``: only the step, value, time and value
+        hash change from step to step."""
+        tkey = (
+            spec.site.batch_dims,
+            spec.site.summaries,
+            None if extra is None else tuple(sorted(extra.items())),
+        )
+        template = t.replicated_templates.get(tkey)
+        if template is None:
+            template = t.replicated_templates[tkey] = dict(
+                self._replicated_record(
+                    spec, 0, (None, None, None), t.all_devices, t.all_processes, b"", extra=extra
+                ).__dict__
+            )
+        r = object.__new__(Record)
+        d = r.__dict__
+        d.update(template)
+        d["step"], d["time"] = step, self.clock()
+        d["value"], d["dtype"], d["shape"] = encoded
+        d["vhash"] = hashlib.blake2b(key, digest_size=8).hexdigest()
+        return r
+
+    def _replicated_record_of_holders(
+        self, spec: TapSpec, step: int, holders: list[Copy], divergent: bool
+    ) -> Record:
+        """The replicated record of one value and the copies that hold it
+        (all of a group, or one of a divergent group's values)."""
+        extra = None
+        if divergent:
+            # Which coordinates held this value: the device may be unknown
+            # (null) but the coordinates never are.
+            extra = {
+                "holders": [
+                    {
+                        "device": h.device,
+                        "process": h.process,
+                        "coords": dict(zip(spec.placement.axis_names, h.coords)),
+                    }
+                    for h in holders
+                ]
+            }
+        return self._replicated_record(
+            spec,
+            step,
+            self._value(spec, holders[0].leaves),
+            tuple(h.device for h in holders),
+            tuple(sorted({h.process for h in holders})),
+            holders[0].key,
+            divergent=divergent,
+            extra=extra,
+        )
+
+    def _replicated_record(
+        self,
+        spec: TapSpec,
+        step: int,
+        encoded: tuple,
+        devices: tuple,
+        processes: tuple,
+        key: bytes,
+        *,
+        divergent: bool = False,
+        extra: dict | None = None,
+        index: Any = None,
+    ) -> Record:
+        """The replicated record builder."""
+        return self._site_record(
+            spec,
+            step,
+            "replicated",
+            encoded,
+            self.process,
+            self.clock(),
+            replicas=len(devices),
+            devices=devices,
+            processes=processes,
+            divergent=divergent,
+            extra=extra,
+            index=index,
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+        )
+
+    def _site_record(
+        self,
+        spec: TapSpec,
+        step: int,
+        kind: str,
+        encoded: tuple,
+        process: int,
+        now: float,
+        **fields: Any,
+    ) -> Record:
+        """The fields every record of a tap site carries (its name, pass,
+        batch dims, summaries; this run, host and attempt) plus the kind's
+        own ``fields``."""
+        value, dtype, shape = encoded
+        if spec.shards is not None and spec.transport.layout is Layout.SHARDS:
+            # A shard: the global shape its index lies in (pmaptap.assemble).
+            # A whole value read from one device (Layout.WHOLE, a scalar) is
+            # no shard and has none.
+            shapes = spec.shards.shapes
+            fields["global_shape"] = (
+                list(shapes[0]) if len(shapes) == 1 else [list(s) for s in shapes]
+            )
+        return new_record(
+            run=self.run,
+            name=spec.name,
+            step=step,
+            kind=kind,
+            value=value,
+            dtype=dtype,
+            shape=shape,
+            process=process,
+            time=now,
+            host=self.host,
+            batch_dims=spec.site.batch_dims,
+            pass_=spec.site.pass_,
+            summarized=bool(spec.site.summaries),
+            attempt=self.attempt,
+            **fields,
+        )
+
+    def _shard_value(self, spec: TapSpec, cp: Copy) -> tuple:
+        return encode_tree(spec.site.treedef, cp.leaves, cp.summaries)
+
+    def _per_device_record_of_shard(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+        """The per_device record of one shard's copy (with its index)."""
+        return self._per_device_record(
+            spec,
+            step,
+            self._shard_value(spec, cp),
+            cp.process,
+            cp.device,
+            spec.shards.coords[cp.partition],
+            self.clock(),
+            index=cp.index,
+        )
+
+    def _per_device_record_of_shard_now(
+        self,
+        spec: TapSpec,
+        step: int,
+        k: int,
+        raw: list[np.ndarray],
+        leaves: list[np.ndarray],
+        summaries: tuple,
+    ) -> Record:
+        """The per_device record of partition ``k``'s shard, a copy of the
+        partition's template (as ``_per_device_records_of_rows``: every field
+        but the step, value and time is fixed for a lowering's partition; a
+        step of many sharded taps makes one record per tap per device)."""
+        place = spec.shards
+        per = self._shard_templates.get(place)
+        if per is None:
+            per = self._shard_templates[place] = {}
+        tkey = (spec.site.tap_id, spec.site.batch_dims, k)
+        template = per.get(tkey)
+        if template is None:
+            template = per[tkey] = dict(
+                self._per_device_record(
+                    spec,
+                    0,
+                    (None, None, None),
+                    place.processes[k],
+                    place.devices[k],
+                    place.coords[k],
+                    0.0,
+                    index=place.index_of(k, raw),
+                ).__dict__
+            )
+        value, dtype, shape = encode_tree(spec.site.treedef, leaves, summaries)
+        return _from_template(template, step, value, dtype, shape, self.clock())
+
+
+def _from_template(
+    template: dict, step: Any, value: Any, dtype: Any, shape: Any, now: float
+) -> Record:
+    """A per_device record: ``template`` (a record's fields) with its step,
+    value, dtype, shape and time, without the dataclass constructor."""
+    r = object.__new__(Record)
+    d = r.__dict__
+    d.update(template)
+    d["step"], d["value"], d["dtype"], d["shape"], d["time"] = step, value, dtype, shape, now
+    return r
+
+
+# Sentinels put in a template record where the step, the value and the
+# time go; each must appear exactly once, after its key, in the encoded line
+# (a name or host that happens to contain one just keeps the ordinary path).
+_STEP_SENTINEL = -4242424242424242
+_VALUE_SENTINEL = "\x01pmaptap-value\x01"
+_TIME_SENTINEL = -4242424242.424242
+
+
+def _line_pieces(template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
+    """The encoded line of a per_device record built from ``template``, cut
+    into the four pieces around its step, value and time, or None when it
+    cannot be cut unambiguously (then records are encoded one by one).
+    Cut from ``Record.encode`` itself, so the joined line is byte for byte
+    the one that encoding would write (tests/trace/test_fast_lines.py)."""
+    if ORJSON is None:
+        return None
+    line = _from_template(
+        template, _STEP_SENTINEL, _VALUE_SENTINEL, dtype, shape, _TIME_SENTINEL
+    ).encode()
+    cuts = []
+    for key, value in (
+        (b'"step":', _STEP_SENTINEL),
+        (b'"value":', _VALUE_SENTINEL),
+        (b'"time":', _TIME_SENTINEL),
+    ):
+        text = ORJSON.dumps(value)
+        probe = key + text
+        if line.count(probe) != 1 or line.count(text) != 1:
+            return None
+        start = line.index(probe) + len(key)
+        cuts.append((start, start + len(text)))
+    (s0, e0), (s1, e1), (s2, e2) = cuts
+    if not (e0 <= s1 and e1 <= s2):
+        return None
+    return line[:s0], line[e0:s1], line[e1:s2], line[e2:]
