@@ -138,20 +138,16 @@ class Writer:
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
         self.flush_timeout = flush_timeout
-        if url:
-            from pmaptap._host.objsink import ObjectSink
+        from pmaptap._host.sinks import open_sink
 
-            self._sink: Any = ObjectSink(path, process=process)
-        elif layout == "sharded":
-            from pmaptap._host.dirsink import DirectorySink
-
-            self._sink = DirectorySink(self.path, process=process)
-        else:
-            from pmaptap._host.sink import FileSink
-
-            self._sink = FileSink(
-                self.path, lock_timeout=lock_timeout, process=process, index_existing=True
-            )
+        self._sink: Any = open_sink(
+            self.path,
+            layout,
+            url=url,
+            process=process,
+            lock_timeout=lock_timeout,
+            index_existing=True,
+        )
         self._buffer: list[Record] = []
         self._oldest = 0.0
         self.written = 0

@@ -9,9 +9,7 @@ the backends still exist for ``jax.effects_barrier()``.
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
-import secrets
 import signal
 import threading
 from collections.abc import Sequence
@@ -19,16 +17,17 @@ from typing import Any
 
 from pmaptap import distributed
 from pmaptap._host import routing
-from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.forked import effects_barrier
 from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
+from pmaptap._host.runid import _queue_attempt_record, _resume_point, default_run_id
 from pmaptap._host.sink import LOCK_MODES, FileSink
+from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError
 from pmaptap.tapfile import runs
-from pmaptap.tapfile.runs import is_sharded, is_url
+from pmaptap.tapfile.runs import is_url
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
@@ -40,166 +39,6 @@ def _object_commit_interval() -> float:
     from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
 
     return OBJECT_COMMIT_INTERVAL
-
-
-def _new_run_id() -> str:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{secrets.token_hex(3)}"
-
-
-def default_run_id() -> str:
-    """PMAPTAP_RUN if set; in a multi-process job an id agreed through JAX's
-    coordination service; otherwise a fresh timestamped id."""
-    env = os.environ.get("PMAPTAP_RUN")
-    if env:
-        return env
-    return distributed.agree_run_id(_new_run_id) or _new_run_id()
-
-
-def _env_attempt() -> int | None:
-    text = os.environ.get("PMAPTAP_ATTEMPT")
-    if not text:
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"PMAPTAP_ATTEMPT must be a whole number >= 0, got {text!r}")
-    return n
-
-
-def _last_run(path: str) -> str | None:
-    """The run of the file's last record, reading back from the end (a
-    restart must not parse a large file whole)."""
-    from pmaptap.tapfile.parse import parse_line
-
-    size = os.path.getsize(path)
-    chunk = 1 << 20
-    with open(path, "rb") as f:
-        while True:
-            start = max(0, size - chunk)
-            f.seek(start)
-            lines = f.read(size - start).split(b"\n")
-            if start > 0:
-                lines = lines[1:]  # maybe the middle of a line
-            for raw in reversed(lines):
-                d, _ = parse_line(raw) if raw.strip() else (None, None)
-                if d is not None:
-                    return d["run"]
-            if start == 0:
-                return None
-            chunk *= 4
-
-
-def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | None]:
-    """``_last_attempt`` of a sharded run (local shards or object-store
-    chunks): the merged stream read once (the last run is that of the
-    latest record by time)."""
-    from pmaptap.tapfile.attempts import attempt_of
-    from pmaptap.tapfile.lines import iter_lines
-
-    last_run: str | None = None
-    found: dict[str, int] = {}
-    for _, d, _ in iter_lines(path):
-        if d is not None:
-            last_run = d["run"]
-            found[d["run"]] = max(found.get(d["run"], 0), attempt_of(d))
-    run = run or last_run
-    return run, found.get(run) if run is not None else None
-
-
-def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
-    """(``run``, else the last run in the file; its highest attempt, or None
-    if the file holds no record of it). Only lines holding the run's JSON
-    text are parsed."""
-    import json
-
-    from pmaptap.tapfile import parse
-    from pmaptap.tapfile.attempts import attempt_of
-
-    if is_sharded(path):
-        return _last_attempt_merged(path, run)
-    if not os.path.exists(path):
-        return run, None
-    if run is None:
-        run = _last_run(path)
-        if run is None:
-            return None, None
-    needle = json.dumps(run, ensure_ascii=False).encode("utf-8")
-    found: int | None = None
-    limit = parse.MAX_LINE_BYTES
-    with open(path, "rb") as f:
-        while True:
-            raw = f.readline(limit + 1)
-            if not raw:
-                return run, found
-            if len(raw) > limit and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):
-                    raw = f.readline(1 << 20)
-                continue
-            if needle not in raw:
-                continue
-            d, _ = parse.parse_line(raw.rstrip(b"\n"))
-            if d is not None and d["run"] == run:
-                found = max(found or 0, attempt_of(d))
-
-
-def _resume_point(path: str, run: str | None) -> tuple[str, int]:
-    """The (run, attempt) a resumed session continues, the same on every
-    process of a job: process 0 reads the file and tells the others through
-    the coordination service (agree_run_id), as for a fresh run id.
-
-    The attempt is above every attempt the run already has in the file,
-    whoever numbers it: PMAPTAP_ATTEMPT is a floor, not the answer. A
-    launcher started again on a run whose restarts ran out numbers its
-    first attempt 0 again; taken as is, the run's earlier attempt 1 would
-    supersede the new records of every step it wrote, and the new ones
-    would duplicate those of the earlier attempt 0."""
-    run = run or os.environ.get("PMAPTAP_RUN") or None
-    env = _env_attempt()
-    if env == 0 and run is None:
-        return default_run_id(), 0  # a launcher's first attempt: a new run
-
-    def decide() -> str:
-        last_run, last = _last_attempt(path, run)
-        chosen = last_run or _new_run_id()
-        attempt = max(env or 0, 0 if last is None else last + 1)
-        return f"{attempt}:{chosen}"
-
-    agreed = distributed.agree_run_id(decide) or decide()
-    attempt, _, chosen = agreed.partition(":")
-    return chosen, int(attempt)
-
-
-def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
-    """The ``pmaptap/attempt`` meta record (process 0 only): which attempt
-    this is and the job's shape, so readers can tell the restarts apart."""
-    if p.process != 0:
-        return
-    import time
-
-    import jax
-
-    from pmaptap.tapfile.attempts import ATTEMPT_NAME
-    from pmaptap.tapfile.format import meta_record
-
-    r = meta_record(
-        count=attempt,
-        run=p.run,
-        name=ATTEMPT_NAME,
-        step=attempt,
-        process=p.process,
-        time=time.time(),
-        host=p.host,
-        attempt=attempt,
-        extra={
-            "process_count": jax.process_count(),
-            "device_count": jax.device_count(),
-            "local_device_count": jax.local_device_count(),
-        },
-    )
-    p.queue.put_records([r], None, (0, 0))
 
 
 class Session:
@@ -344,14 +183,13 @@ class Session:
                 import jax
 
                 self.layout = runs.file_layout("auto", jax.process_count())
-            if self.url:
-                from pmaptap._host.objsink import ObjectSink
-
-                sink = ObjectSink(self.path)
-            elif self.layout == "sharded":
-                sink = DirectorySink(self.path)
-            else:
-                sink = FileSink(self.path, lock_timeout=self.lock_timeout, lock=self.lock)
+            sink = open_sink(
+                self.path,
+                self.layout,
+                url=self.url,
+                lock_timeout=self.lock_timeout,
+                lock=self.lock,
+            )
             try:
                 if self.resume:
                     self.run, self.attempt = _resume_point(self.path, self.run)

@@ -205,7 +205,7 @@ def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path, capl
 
 
 def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
-    from pmaptap._host.session import _last_attempt, _last_run
+    from pmaptap._host.runid import _last_attempt, _last_run
 
     def line(run, step, attempt=0):
         d = record_dict(run=run, name="x", step=step)
