@@ -18,26 +18,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import BARE_ORJSON_LOOP, measure_process, table  # noqa: E402
 
 DEVICES = 8
-_BARE = (
-    "import sys, orjson\n"
-    "n = 0\n"
-    "with open(sys.argv[1], 'rb') as f:\n"
-    "    for line in f:\n"
-    "        orjson.loads(line)\n"
-    "        n += 1\n"
-    "print(n)\n"
-)
+_BARE = BARE_ORJSON_LOOP
 _FRAME = "import sys, pmaptap\ndf = pmaptap.read(sys.argv[1], as_frame=True)\nprint(len(df))\n"
 # Peak RSS limits (MiB), checked on every run (issue 27.4: show and validate
 # held the file, 755 and 649 MiB on a 52 MiB file).
@@ -105,16 +95,7 @@ def generate(path: str, records: int) -> int:
 
 def measure(cmd: list[str]) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one command in its own process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd} failed ({proc.returncode}): {err[-2000:]}")
-    # ru_maxrss is in KiB on Linux.
-    return wall, usage.ru_maxrss / 1024
+    return measure_process(cmd, cwd=ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:

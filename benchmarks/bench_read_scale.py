@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import BARE_ORJSON_LOOP, measure_process, table  # noqa: E402
 
 T0 = 1.8e9
 
@@ -51,15 +51,7 @@ _BARE = (
     "            n += 1\n"
     "print(n)\n"
 )
-_BARE_FILE = (
-    "import sys, orjson\n"
-    "n = 0\n"
-    "with open(sys.argv[1], 'rb') as f:\n"
-    "    for line in f:\n"
-    "        orjson.loads(line)\n"
-    "        n += 1\n"
-    "print(n)\n"
-)
+_BARE_FILE = BARE_ORJSON_LOOP
 
 
 def records(shards: int, steps: int, devices: int = 1) -> list[list[dict]]:
@@ -186,17 +178,8 @@ def _make(fn: str, *args) -> int:
 
 def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one command in its own process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    code = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if code not in (0, 1):  # validate exits 1 on a run with bad lines
-        raise RuntimeError(f"{cmd} failed ({code}): {err[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    # validate exits 1 on a run with bad lines
+    return measure_process(cmd, cwd=ROOT, env=env, ok=(0, 1))
 
 
 def _rounds(arms: dict, rounds: int, env=None) -> tuple[dict, dict]:

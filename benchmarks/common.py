@@ -192,3 +192,37 @@ def rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+# The reading benchmarks' yardstick: orjson over every line of one file, in
+# a fresh interpreter (``python -c BARE_ORJSON_LOOP FILE``), nothing checked.
+BARE_ORJSON_LOOP = (
+    "import sys, orjson\n"
+    "n = 0\n"
+    "with open(sys.argv[1], 'rb') as f:\n"
+    "    for line in f:\n"
+    "        orjson.loads(line)\n"
+    "        n += 1\n"
+    "print(n)\n"
+)
+
+
+def measure_process(
+    cmd: list[str], *, cwd: str, env: dict | None = None, ok: tuple[int, ...] = (0,)
+) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one command in its own process; a
+    RuntimeError with its stderr if it exits with a status not in ``ok``."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if code not in ok:
+        raise RuntimeError(f"{cmd} failed ({code}): {err[-2000:]}")
+    # ru_maxrss is in KiB on Linux.
+    return wall, usage.ru_maxrss / 1024
