@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 
 import pmaptap
-from conftest import ROOT, job_failed, logs_warning, run_launch, run_python, train_argv
+from conftest import (
+    ROOT,
+    holds_open,
+    job_failed,
+    logs_warning,
+    run_launch,
+    run_python,
+    train_argv,
+    wait_for,
+)
 from pmaptap.tapfile import runs
 
 STEPS = 4
@@ -245,11 +254,12 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
         cwd=ROOT,
     )
     try:
-        # Both are polling; now a second process appears and writes (its
-        # replicated values equal process 0's: not shown again).
-        import time
-
-        time.sleep(1.5)
+        # Both are following process 0's shard (each holds it open: seen in
+        # /proc, not hoped for after a sleep); now a second process appears
+        # and writes (its replicated values equal process 0's: not shown again).
+        shard0 = runs.shard_path(path, 0)
+        for proc in (tail, follow):
+            wait_for(lambda p=proc: holds_open(p.pid, shard0), 60, "the follower to open shard 0")
         _write(path, 1, "sharded", [np.float32(s) for s in range(STEPS)])
         _write(path, 2, "sharded", [np.float32(s) for s in range(STEPS)])
         out, err = tail.communicate(timeout=90)
@@ -261,7 +271,15 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
         ), (got, err)
         import signal
 
-        time.sleep(0.5)
+        def merged_lines() -> int:
+            if not os.path.exists(merged):
+                return 0
+            with open(merged, "rb") as f:
+                return sum(1 for line in f if line.endswith(b"\n"))
+
+        # merge -f has written every record (seen in its output, not hoped
+        # for after a sleep) before it is stopped.
+        wait_for(lambda: merged_lines() >= 4 * STEPS, 60, "merge -f to write every record")
         follow.send_signal(signal.SIGTERM)
         follow.communicate(timeout=60)
     finally:
