@@ -28,12 +28,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import BARE_ORJSON_LOOP, measure_process, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    BARE_ORJSON_LOOP,
+    loopback_s3,
+    measure_process,
+    table,
+)
 
 T0 = 1.8e9
 
@@ -217,34 +221,8 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
     except ImportError:
         print("o. object store: skipped (moto[server] and s3fs not installed)")
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.path.join(tmp, "moto.log"), "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    env = dict(
-        os.environ,
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="test",
-        AWS_SECRET_ACCESS_KEY="test",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.1)
+    with loopback_s3(os.path.join(tmp, "moto.log")) as s3_env:
+        env = dict(os.environ, **s3_env)
         local = os.path.join(tmp, "os-local.jsonl")
         url = "s3://taps/run"
         # Each process writes its run through real Writers: several chunks a
@@ -283,10 +261,6 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
             walls["o. local disk, pmaptap.read"]
         )
         print(f"o. object store read ratio: {r:.2f}x the same run on disk (target <= 3x)")
-    finally:
-        server.terminate()
-        server.wait(10)
-        log.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 
@@ -226,3 +228,46 @@ def measure_process(
         raise RuntimeError(f"{cmd} failed ({code}): {err[-2000:]}")
     # ru_maxrss is in KiB on Linux.
     return wall, usage.ru_maxrss / 1024
+
+
+@contextmanager
+def loopback_s3(log_path: str) -> Iterator[dict[str, str]]:
+    """A real S3-protocol server (moto in server mode) on a free loopback
+    port for the duration: yields the environment (endpoint and test
+    credentials) a client process needs; the server is stopped after. Used
+    by the object-store tests and benchmarks alike."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("moto server did not start") from None
+                    time.sleep(0.1)
+            yield {
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+        finally:
+            server.terminate()
+            try:
+                server.wait(10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
+from benchmarks.common import loopback_s3
 from conftest import ROOT, job_failed, run_launch, start_python, train_argv
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is in the test extra")
@@ -22,60 +21,26 @@ pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
 STEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """The server's environment: AWS_ENDPOINT_URL and test credentials, set
     in this process (for pmaptap.read and s3fs here) and returned for
     subprocesses. A fresh bucket per module."""
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.1)
-        os.environ.update(env)
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir("taps")
-        yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.terminate()
+    with loopback_s3(str(tmp_path_factory.mktemp("moto") / "moto.log")) as env:
+        saved = {k: os.environ.get(k) for k in env}
         try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+            os.environ.update(env)
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem().mkdir("taps")
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
