@@ -450,18 +450,27 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
     heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.keys]
     heapq.heapify(heap)
     heappop, heappush = heapq.heappop, heapq.heappush
+    # The watermark: the smallest of ``lasts`` (ties: the first source), from
+    # a heap whose entries go stale as lasts change (a round is often one
+    # source's piece: a scan of every source a round was most of the time
+    # of a merge of thousands of shards).
+    marks = [(last, i) for i, last in enumerate(lasts) if last != inf]
+    heapq.heapify(marks)
     right, left = bisect.bisect_right, bisect.bisect_left
     first: dict[tuple, object] = {}  # key + vhash -> the process that wrote it first
     pos = 0  # of the last line given out
     while heap:
-        w = min(lasts)
-        m = lasts.index(w)
+        while marks and lasts[marks[0][1]] != marks[0][0]:
+            heappop(marks)
+        w, m = marks[0] if marks else (inf, 0)
         keys_in: list = []
         recs_in: list = []
         special = False
         back = []
-        # Only sources whose next record is at most W take part.
-        while heap and heap[0][0] <= w:
+        # Only sources whose next record is below W, or at W up to M, take
+        # part: a later source whose next record is at W would take nothing.
+        wm = (w, m)
+        while heap and heap[0] <= wm:
             i = heappop(heap)[1]
             s = srcs[i]
             keys, p = s.keys, s.pos
@@ -480,7 +489,11 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
             if not s.done and left_over * 2 < max(s.last_piece, 1):
                 s.extend()
                 keys = s.keys
-                lasts[i] = keys[-1] if keys and not s.done else inf
+                last = keys[-1] if keys and not s.done else inf
+                if last != lasts[i]:
+                    lasts[i] = last
+                    if last != inf:
+                        heappush(marks, (last, i))
             elif s.done:
                 lasts[i] = inf
             if s.pos < len(keys):
