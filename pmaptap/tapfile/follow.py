@@ -38,8 +38,12 @@ class LineFollower:
     start, since its old offsets mean nothing any more.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, keep_open: bool = True) -> None:
         self.path = os.fspath(path)
+        # keep_open=False: the file is open only inside poll() (a follower
+        # of thousands of shards holds none of them between polls, so the
+        # open-file limit does not bound the run it can follow).
+        self.keep_open = keep_open
         self._f = None
         self._ino: int | None = None
         self._pos = 0
@@ -57,6 +61,21 @@ class LineFollower:
         self._pos, self._partial, self.lineno = 0, b"", 0
         return True
 
+    def _reopen(self) -> bool:
+        """Open the file again (keep_open=False) where the last poll left
+        it; a replaced (new inode) or truncated file is read from its start."""
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return False  # removed: keep what we have, wait for it to return
+        st = os.fstat(f.fileno())
+        if st.st_ino != self._ino or st.st_size < self._pos:
+            f.close()
+            self.restarted += 1
+            return self._open()
+        self._f = f
+        return True
+
     def _check_replaced(self) -> None:
         try:
             st = os.stat(self.path)
@@ -68,11 +87,23 @@ class LineFollower:
             self._open()
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        if self._f is None and not self._open():
+        if self.keep_open:
+            if self._f is None and not self._open():
+                return
+            self._check_replaced()
+            if self._f is None:
+                return
+            yield from self._read()
             return
-        self._check_replaced()
-        if self._f is None:
+        if not (self._open() if self._ino is None else self._reopen()):
             return
+        try:
+            yield from self._read()
+        finally:
+            self._f.close()
+            self._f = None
+
+    def _read(self) -> Iterator[tuple[int, bytes]]:
         while True:
             self._f.seek(self._pos)
             chunk = self._f.read(_CHUNK)
@@ -92,7 +123,7 @@ class LineFollower:
 
     @property
     def exists(self) -> bool:
-        return self._f is not None
+        return self._f is not None if self.keep_open else self._ino is not None
 
     @property
     def pending(self) -> bytes:
@@ -224,7 +255,7 @@ class RunFollower:
             return
         for f in self._local_sources():
             if f not in self._files:
-                self._files[f] = LineFollower(f)
+                self._files[f] = LineFollower(f, keep_open=False)
         for i, lf in enumerate(self._files.values()):
             for n, raw in lf.poll():
                 yield i, n, raw

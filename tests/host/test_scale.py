@@ -14,7 +14,6 @@ import pytest
 import pmaptap
 from conftest import (
     ROOT,
-    holds_open,
     job_failed,
     logs_warning,
     run_launch,
@@ -232,14 +231,14 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
             path,
             "-f",
             "-n",
-            "0",
+            "1",
             "--json",
             "--interval",
             "0.05",
             "--timeout",
             "60",
             "--max-records",
-            str(2 * STEPS),
+            str(1 + 2 * STEPS),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -253,29 +252,30 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
         text=True,
         cwd=ROOT,
     )
+    def merged_lines() -> int:
+        if not os.path.exists(merged):
+            return 0
+        with open(merged, "rb") as f:
+            return sum(1 for line in f if line.endswith(b"\n"))
+
     try:
-        # Both are following process 0's shard (each holds it open: seen in
-        # /proc, not hoped for after a sleep); now a second process appears
-        # and writes (its replicated values equal process 0's: not shown again).
-        shard0 = runs.shard_path(path, 0)
-        for proc in (tail, follow):
-            wait_for(lambda p=proc: holds_open(p.pid, shard0), 60, "the follower to open shard 0")
+        # Both have read process 0's shard (seen in their output, not hoped
+        # for after a sleep: tail printed the last record, merge -f wrote
+        # every one); now two more processes appear and write (their
+        # replicated values equal process 0's: not shown again).
+        first = json.loads(tail.stdout.readline())
+        assert (first["name"], first["process"], first["step"]) == ("acts", 0, STEPS - 1)
+        wait_for(lambda: merged_lines() >= 2 * STEPS, 60, "merge -f to read process 0's shard")
         _write(path, 1, "sharded", [np.float32(s) for s in range(STEPS)])
         _write(path, 2, "sharded", [np.float32(s) for s in range(STEPS)])
         out, err = tail.communicate(timeout=90)
         got = [json.loads(line) for line in out.splitlines()]
-        # -n 0: only new records: processes 1 and 2's per-device ones, and
-        # no replicated duplicate of process 0's values
+        # After the initial record, only new records: processes 1 and 2's
+        # per-device ones, and no replicated duplicate of process 0's values
         assert sorted((r["name"], r["process"]) for r in got) == sorted(
             [("acts", 1)] * STEPS + [("acts", 2)] * STEPS
         ), (got, err)
         import signal
-
-        def merged_lines() -> int:
-            if not os.path.exists(merged):
-                return 0
-            with open(merged, "rb") as f:
-                return sum(1 for line in f if line.endswith(b"\n"))
 
         # merge -f has written every record (seen in its output, not hoped
         # for after a sleep) before it is stopped.
