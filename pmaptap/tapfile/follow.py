@@ -22,6 +22,9 @@ from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
 
 _CHUNK = 1 << 20
+# The first poll of a local sharded run merges its shards holding about
+# this many bytes of lines in all (a chunk of each shard, at least 4 KiB).
+FIRST_POLL_BYTES = 32 << 20
 # Seconds between two listings of a whole object-store run by a follower
 # (to find processes that started since); the polls between list each known
 # process's new chunks only.
@@ -38,12 +41,16 @@ class LineFollower:
     start, since its old offsets mean nothing any more.
     """
 
-    def __init__(self, path: str | os.PathLike, keep_open: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, keep_open: bool = True, chunk: int = _CHUNK
+    ) -> None:
         self.path = os.fspath(path)
-        # keep_open=False: the file is open only inside poll() (a follower
-        # of thousands of shards holds none of them between polls, so the
-        # open-file limit does not bound the run it can follow).
+        # keep_open=False: the file is open only while a chunk is read (a
+        # follower of thousands of shards holds none of them between polls
+        # or between chunks, so the open-file limit does not bound the run
+        # it can follow); ``chunk`` bytes a read.
         self.keep_open = keep_open
+        self.chunk = chunk
         self._f = None
         self._ino: int | None = None
         self._pos = 0
@@ -61,20 +68,35 @@ class LineFollower:
         self._pos, self._partial, self.lineno = 0, b"", 0
         return True
 
-    def _reopen(self) -> bool:
-        """Open the file again (keep_open=False) where the last poll left
-        it; a replaced (new inode) or truncated file is read from its start."""
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            return False  # removed: keep what we have, wait for it to return
-        st = os.fstat(f.fileno())
-        if st.st_ino != self._ino or st.st_size < self._pos:
-            f.close()
-            self.restarted += 1
-            return self._open()
-        self._f = f
-        return True
+    def _read_closed(self) -> Iterator[bytes]:
+        """keep_open=False: chunks from where the last read stopped, the
+        file opened for each and closed before it is handed on. A file
+        replaced (new inode) or truncated since the last poll is read from
+        its start; one replaced during this poll waits for the next."""
+        first = True
+        while True:
+            try:
+                f = open(self.path, "rb")
+            except FileNotFoundError:
+                return  # removed: keep what we have, wait for it to return
+            with f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._ino or st.st_size < self._pos:
+                    if not first:
+                        return
+                    if self._ino is not None:
+                        self.restarted += 1
+                    self._ino = st.st_ino
+                    self._pos, self._partial, self.lineno = 0, b"", 0
+                f.seek(self._pos)
+                chunk = f.read(self.chunk)
+            first = False
+            if not chunk:
+                return
+            self._pos += len(chunk)
+            yield chunk
+            if len(chunk) < self.chunk:
+                return  # the end of the file as it was: no second open to see it
 
     def _check_replaced(self) -> None:
         try:
@@ -87,29 +109,26 @@ class LineFollower:
             self._open()
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        if self.keep_open:
-            if self._f is None and not self._open():
-                return
-            self._check_replaced()
-            if self._f is None:
-                return
-            yield from self._read()
-            return
-        if not (self._open() if self._ino is None else self._reopen()):
-            return
-        try:
-            yield from self._read()
-        finally:
-            self._f.close()
-            self._f = None
+        if not self.keep_open:
+            return self._lines(self._read_closed())
+        if self._f is None and not self._open():
+            return iter(())
+        self._check_replaced()
+        if self._f is None:
+            return iter(())
+        return self._lines(self._read_open())
 
-    def _read(self) -> Iterator[tuple[int, bytes]]:
+    def _read_open(self) -> Iterator[bytes]:
         while True:
             self._f.seek(self._pos)
-            chunk = self._f.read(_CHUNK)
+            chunk = self._f.read(self.chunk)
             if not chunk:
                 return
             self._pos += len(chunk)
+            yield chunk
+
+    def _lines(self, chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+        for chunk in chunks:
             pieces = (self._partial + chunk).split(b"\n")
             self._partial = pieces.pop()  # b"" when the chunk ended a line
             if len(self._partial) > parse.MAX_LINE_BYTES:
@@ -199,8 +218,10 @@ class RunFollower:
     batch ordered by record time, with a replicated value that another
     process also wrote given once (as ``pmaptap.read`` does). A shard that
     appears later (a process that started late) is picked up at the next
-    poll. Each poll holds its batch in memory: the first one is the whole
-    run so far."""
+    poll. The first poll of local shards merges them a chunk of each at a
+    time (bounded memory, see FIRST_POLL_BYTES); a later poll holds its
+    batch (the lines completed since the last) in memory, as does the first
+    poll of an object-store run."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
@@ -212,26 +233,67 @@ class RunFollower:
         self._relist_at = 0.0
         self._pool: Any = None
         self._dir_key: Any = ()  # local: (inode, mtime) of path.d when listed
+        self._polled = False
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        from pmaptap.tapfile.format import record_key
+        from pmaptap.tapfile import runs
 
+        if not self._polled and not runs.is_url(self.path):
+            self._polled = True
+            yield from self._first_poll()
+            return
+        self._polled = True
         batch: list[tuple[float, int, int, bytes]] = []
         for i, n, raw in self._new_lines():
-            d, _ = parse_line(raw)
-            t = d.get("time") if d is not None else None
-            if not isinstance(t, (int, float)) or isinstance(t, bool):
-                t = float("-inf")
-            elif d.get("kind") == "replicated" and d.get("vhash"):
-                got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
-                if got != d.get("process"):
-                    continue
-            batch.append((float(t), i, n, raw))
+            t = self._time_unless_copy(raw)
+            if t is not None:
+                batch.append((t, i, n, raw))
         batch.sort(key=lambda x: x[:3])
         for _t, _i, _n, raw in batch:
             self.lineno += 1
             yield self.lineno, raw
+
+    def _time_unless_copy(self, raw: bytes) -> float | None:
+        """A line's record time (-inf for a line without one), or None for
+        a replicated value another process's line already gave."""
+        from pmaptap.tapfile.format import record_key
+
+        d, _ = parse_line(raw)
+        t = d.get("time") if d is not None else None
+        if not isinstance(t, (int, float)) or isinstance(t, bool):
+            return float("-inf")
+        if d.get("kind") == "replicated" and d.get("vhash"):
+            got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
+            if got != d.get("process"):
+                return None
+        return float(t)
+
+    def _first_poll(self) -> Iterator[tuple[int, bytes]]:
+        """The run so far (local shards), merged a chunk of each shard at a
+        time instead of held whole: memory bounded by FIRST_POLL_BYTES
+        whatever the run's size, one file open at a time. Lines come by
+        their shard's running largest time, ties by shard and line, as
+        ``pmaptap.read`` orders them."""
+        import heapq
+
+        paths = self._local_sources()
+        chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1)))
+        for f in paths:
+            self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
+        streams = [self._stream(i, lf) for i, lf in enumerate(self._files.values())]
+        for _t, _i, _n, raw in heapq.merge(*streams):
+            self.lineno += 1
+            yield self.lineno, raw
+
+    def _stream(self, i: int, lf: "LineFollower") -> Iterator[tuple[float, int, int, bytes]]:
+        t = float("-inf")
+        for n, raw in lf.poll():
+            got = self._time_unless_copy(raw)
+            if got is None:
+                continue
+            t = max(t, got)
+            yield t, i, n, raw
 
     def _new_lines(self) -> Iterator[tuple[int, int, bytes]]:
         """(source number, line number in it, bytes) of lines completed

@@ -406,3 +406,42 @@ def test_following_400_shards_under_a_64_open_file_limit(tmp_path):
     assert got["appended"] == [7, 350], got["appended"]  # by time
     assert got["replaced"] == [9, 9] and got["restarted"] == 1, got
     assert got["open_fds"] < 10, got["open_fds"]
+
+
+def test_tail_of_a_large_sharded_run_holds_a_chunk_of_each_shard(tmp_path):
+    """The first poll of a follower (``pmaptap tail``, ``merge -f``) merges
+    the shards a chunk of each at a time: tail of a 64-shard, ~100 MB run
+    with a 4 MiB bound stays far below the run's size (before: every line
+    of the run held at once, ~125 MiB peak) and prints what the same run
+    written as one file prints."""
+    run_python(
+        f"""
+        from benchmarks.bench_read_scale import generate, reference
+        tmp = {str(tmp_path)!r}
+        generate(tmp + "/run.jsonl", 64, 3500)
+        reference(tmp + "/ref.jsonl", 64, 3500)
+        """,
+        timeout=600,
+    )
+    child = f"""
+import contextlib, io, json
+from pmaptap.cli import main
+from pmaptap.tapfile import follow
+follow.FIRST_POLL_BYTES = 4 << 20  # a 4 MiB bound, on a run 24x that
+tmp = {str(tmp_path)!r}
+got = []
+for path in (tmp + "/run.jsonl", tmp + "/ref.jsonl"):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["tail", path, "-n", "20", "--json"])
+    hwm = [x for x in open("/proc/self/status") if x.startswith("VmHWM:")][0]
+    got.append([code, out.getvalue(), int(hwm.split()[1]) / 1024])
+print(json.dumps(got))
+"""
+    proc = run_python(child, timeout=600)
+    (code, text, rss), (ref_code, ref_text, _) = json.loads(proc.stdout.splitlines()[-1])
+    assert code == ref_code == 0
+    assert text == ref_text and len(text.splitlines()) == 20
+    size = sum(f.stat().st_size for f in (tmp_path / "run.jsonl.d").iterdir())
+    assert size > 90e6, size
+    assert rss < 75, rss
