@@ -149,6 +149,30 @@ def holders_count(v: Any) -> int:
     return len(v) if isinstance(v, list) else 0
 
 
+# The columns of a table of records, in their order: the one list. The CSV
+# export (export.FIXED) and read(as_frame=True)/Parquet (frame.py) start
+# with them and ``show``'s text table (views.COLUMNS) picks from them, each
+# adding or leaving out columns relative to this list (the reason beside
+# each); after them come a per-device record's mesh coordinates
+# (coords_column), its value (``value``, ``value.<leaf>``), then any other
+# field.
+RECORD_COLUMNS = (
+    "run",
+    "name",
+    "step",
+    "pass",
+    "kind",
+    "process",
+    "device",
+    "devices",
+    "replicas",
+    "divergent",
+    "index",
+    "dtype",
+    "shape",
+    "time",
+    "host",
+)
 # Tables of records (the CSV export, read(as_frame=True), Parquet) name a
 # per-device record's mesh coordinate on axis A "coords.A" (the record's
 # field and the axis): the one definition, shared by all of them.
@@ -552,12 +576,10 @@ class FieldRule:
 
 
 _REP, _PD = ("replicated",), ("per_device",)
-# The table, in the order the checks report a problem: the fields every
-# record has (REQUIRED), then the optional ones and those of one kind.
-# Fields not here (batch_dims, summarized, a meta record's counters) are
-# not checked.
+# The table, in the order validate_dict looks for a problem (it names the
+# first it finds). Fields not here (batch_dims, summarized, a meta
+# record's counters) are not checked.
 RULES: tuple[FieldRule, ...] = (
-    FieldRule("run", _STR, must="a string", required=True),
     FieldRule("name", _STR, bool, "a non-empty string", required=True),
     FieldRule(
         "step",
@@ -568,9 +590,11 @@ RULES: tuple[FieldRule, ...] = (
         strict_problem="step must be from 0 to 2**63-1, got {v}",
     ),
     FieldRule("kind", _STR, KINDS.__contains__, f"one of {KINDS}", required=True),
+    FieldRule("run", _STR, must="a string", required=True),
     FieldRule("value", required=True),
     FieldRule("dtype", required=True),
     FieldRule("shape", required=True),
+    FieldRule("pass", _STR, must="a string"),
     FieldRule(
         "process",
         _SCALAR_TYPES,
@@ -591,7 +615,6 @@ RULES: tuple[FieldRule, ...] = (
         strict=lambda v, d: isinstance(v, str),
         strict_problem="host must be a string",
     ),
-    FieldRule("pass", _STR, must="a string"),
     FieldRule("vhash", _STR, must="a string"),
     FieldRule(
         "devices",
@@ -667,7 +690,12 @@ RULES: tuple[FieldRule, ...] = (
 )
 RULE = {r.name: r for r in RULES}
 # What the checks use, made once here (never per record).
-REQUIRED = tuple(r.name for r in RULES if r.required and r.kinds == KINDS)
+# The fields every record has, in the order a line holds them (Record's).
+REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(Record)
+    if f.name in RULE and RULE[f.name].required and RULE[f.name].kinds == KINDS
+)
 _REQUIRED_KEYS = frozenset(REQUIRED)
 # Every field a record of each kind must have (REQUIRED first).
 REQUIRED_BY_KIND = {
