@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import os
 import subprocess
@@ -258,3 +260,50 @@ def test_csv_frame_and_parquet_name_coordinates_alike(tmp_path):
     assert [c for c in header if "coord" in c] == want
     assert [c for c in frame.columns if "coord" in c] == want
     assert list(frame["coords.mp"]) == [d % 2 for _ in range(2) for d in range(4)]
+
+
+def test_tables_of_records_share_the_record_columns(tmp_path):
+    """One list of a record table's columns (format.RECORD_COLUMNS): the CSV
+    export starts with it after the line, the frame (and Parquet) with the
+    columns it types, ``show`` picks from it; each in this order."""
+    import csv
+
+    from test_cli import cli
+
+    from conftest import per_device_dict, replicated_dict
+    from pmaptap.tapfile.export import FIXED, csv_row
+    from pmaptap.tapfile.format import RECORD_COLUMNS
+    from pmaptap.tapfile.views import load
+
+    path = tmp_path / "cols.jsonl"
+    recs = [
+        replicated_dict(0, 0.5, processes=[0], divergent=True, index=[[0, 1]], **{"pass": "b"}),
+        per_device_dict(0, 1, 0.25),
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    record_columns = [
+        *("run", "name", "step", "pass", "kind", "process", "device", "devices"),
+        *("replicas", "divergent", "index", "dtype", "shape", "time", "host"),
+    ]
+    assert list(RECORD_COLUMNS) == record_columns
+    out = cli("export", str(path), "--csv", "-")
+    assert out.returncode == 0, out.stderr
+    header = next(csv.reader(io.StringIO(out.stdout)))
+    assert header == ["line", *record_columns, "coords.dp", "value"]
+    # Every record column has its cell in a row (none left to the default).
+    for e in load(path)[0]:
+        assert set(FIXED) <= csv_row(e).keys()
+    frame = pmaptap.read(path, as_frame=True)
+    typed = [c for c in record_columns if c not in ("devices", "index", "dtype", "shape")]
+    assert list(frame.columns) == [
+        *typed,
+        "coords.dp",
+        "value",
+        *("dtype", "shape", "devices", "vhash", "processes", "index"),
+    ]
+    out = cli("show", str(path))
+    assert out.stdout.split("\n")[0].split() == [
+        *("line", "name", "step", "kind", "proc", "device", "coords", "value", "flags")
+    ]
+    out = cli("show", "--all-attempts", str(path))
+    assert out.stdout.split("\n")[0].split()[:5] == ["line", "name", "step", "attempt", "kind"]
