@@ -576,6 +576,23 @@ class FieldRule:
 
 
 _REP, _PD = ("replicated",), ("per_device",)
+
+
+def _holders_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
+    """The rule of a holders field (``devices``, ``processes``): readers take
+    either form (holders_field) in any record; the format's own rule is a
+    replicated record's."""
+    return FieldRule(
+        name,
+        frozenset((type(None), list, str)),
+        _holders_ok,
+        'a list of numbers or ranges text ("0-4095,4100")',
+        kinds=_REP,
+        strict=strict,
+        strict_problem=problem,
+    )
+
+
 # The table, in the order validate_dict looks for a problem (it names the
 # first it finds). Fields not here (batch_dims, summarized, a meta
 # record's counters) are not checked.
@@ -616,23 +633,15 @@ RULES: tuple[FieldRule, ...] = (
         strict_problem="host must be a string",
     ),
     FieldRule("vhash", _STR, must="a string"),
-    FieldRule(
+    _holders_rule(
         "devices",
-        frozenset((type(None), list, str)),
-        _holders_ok,
-        'a list of numbers or ranges text ("0-4095,4100")',
-        kinds=_REP,
-        strict=_strict_devices,
-        strict_problem="devices must list one integer-or-null per replica",
+        _strict_devices,
+        "devices must list one integer-or-null per replica",
     ),
-    FieldRule(
+    _holders_rule(
         "processes",
-        frozenset((type(None), list, str)),
-        _holders_ok,
-        'a list of numbers or ranges text ("0-4095,4100")',
-        kinds=_REP,
-        strict=lambda v, d: _strict_holders(v, _is_int),
-        strict_problem="processes must be a list of integers (or their ranges text)",
+        lambda v, d: _strict_holders(v, _is_int),
+        "processes must be a list of integers (or their ranges text)",
     ),
     FieldRule(
         "device",
