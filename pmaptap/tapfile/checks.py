@@ -22,23 +22,16 @@ from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
 from pmaptap.tapfile.format import (
-    COPIES_SEEN,
     MAX_STEP,
     NONFINITE,
-    holders_count,
-    id_ranges,
+    NOT_CLEAN,
+    STRICT_RULES,
+    _is_int,
+    _is_num,
     record_key,
 )
 
 _MARKERS = tuple(NONFINITE)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # ------------------------------------------------------------------ schema
@@ -121,6 +114,9 @@ def _fields_clean(d: dict) -> bool:
     value: its checks with exact type tests, inline, for the records every
     file is made of (``validate`` runs this on every line). False means
     "run the full checks"."""
+    # format.RULES' strict rules, hand-inlined (a loop over the table costs
+    # every line of a validate); tests/tapfile/test_record_rules.py checks
+    # that schema_problems flags what any strict rule refuses.
     step, process, t = d["step"], d["process"], d["time"]
     if not (
         type(step) is int
@@ -167,10 +163,11 @@ def _fields_clean(d: dict) -> bool:
 
 def schema_problems(d: dict) -> list[str]:
     """Violations of the record format in a dict that already passed
-    ``records.validate_dict`` (which only checks what readers rely on)."""
+    ``format.validate_dict`` (which only checks what readers rely on)."""
     # The fast path covers the fields of plain records; a record with a
-    # stored value, a shard's global shape or copies_seen takes every check.
-    if "bytes" not in d and "global_shape" not in d and COPIES_SEEN not in d and _fields_clean(d):
+    # field it leaves to the full checks (format.NOT_CLEAN: a stored
+    # value, a shard's global shape, copies_seen) takes every check.
+    if d.keys().isdisjoint(NOT_CLEAN) and _fields_clean(d):
         dtype, shape = d["dtype"], d["shape"]
         if type(dtype) is str and type(shape) is list and not shape:
             # A scalar (complex ones are pairs: the full walk). A float in a
@@ -183,71 +180,20 @@ def schema_problems(d: dict) -> list[str]:
                 return [problem] if problem else []
         problem = value_problem(d["value"], dtype, shape)
         return [problem] if problem else []
-    out: list[str] = []
-    if not 0 <= d["step"] <= MAX_STEP:
-        out.append(f"step must be from 0 to 2**63-1, got {d['step']}")
-    if not _is_int(d["process"]) or d["process"] < 0:
-        out.append("process must be a non-negative integer")
-    if not _is_num(d["time"]) or not math.isfinite(d["time"]):
-        out.append("time must be a finite number (unix seconds)")
-    if not isinstance(d["host"], str):
-        out.append("host must be a string")
-    if "divergent" in d and d["divergent"] is not True:
-        out.append("divergent, when present, must be true")
-    if not isinstance(d.get("pass", "forward"), str):
-        out.append("pass must be a string")
+    # The format's rule of each field (format.RULES) the record's kind has.
     kind = d["kind"]
-    if kind == "per_device":
-        if d["device"] is not None and not _is_int(d["device"]):
-            out.append("device must be an integer or null")
-        coords = d["coords"]
-        if not isinstance(coords, dict) or not all(_is_int(v) for v in coords.values()):
-            out.append("coords must be an object of axis name -> integer index")
-    elif kind == "replicated":
-        if not _is_int(d["replicas"]) or d["replicas"] < 1:
-            out.append("replicas must be a positive integer")
-        # Either form of the holders (format.holders_field): a list, or
-        # ranges text past RANGES_ABOVE ids.
-        devices = d.get("devices")
-        if devices is not None and (
-            not (
-                isinstance(devices, list)
-                and all(x is None or _is_int(x) for x in devices)
-                or id_ranges(devices) is not None
-            )
-            or (_is_int(d["replicas"]) and holders_count(devices) != d["replicas"])
-        ):
-            out.append("devices must list one integer-or-null per replica")
-        if "processes" in d and not (
-            isinstance(d["processes"], list)
-            and all(_is_int(p) for p in d["processes"])
-            or id_ranges(d["processes"]) is not None
-        ):
-            out.append("processes must be a list of integers (or their ranges text)")
-        if "vhash" in d and not isinstance(d["vhash"], str):
-            out.append("vhash must be a string")
-        seen = d.get(COPIES_SEEN)
-        if COPIES_SEEN in d and not (
-            _is_int(seen) and 1 <= seen and (not _is_int(d["replicas"]) or seen <= d["replicas"])
-        ):
-            out.append(f"{COPIES_SEEN}, when present, must be an integer from 1 to replicas")
+    out = [
+        rule.strict_problem.format(v=d[rule.name])
+        for rule in STRICT_RULES
+        if rule.name in d and kind in rule.kinds and not rule.strict(d[rule.name], d)
+    ]
     problem = field_problem(d)
     if problem:
         out.append(problem)
     problem = value_problem(d["value"], d["dtype"], d["shape"], d.get("bytes"))
     if problem:
         out.append(problem)
-    if "global_shape" in d and not _global_shape_ok(d["global_shape"]):
-        out.append("global_shape must be a list of non-negative integers (a list per leaf)")
     return out
-
-
-def _global_shape_ok(g: Any) -> bool:
-    if isinstance(g, list) and all(_is_int(n) and n >= 0 for n in g):
-        return True
-    return isinstance(g, list) and all(
-        isinstance(x, list) and all(_is_int(n) and n >= 0 for n in x) for x in g
-    )
 
 
 # ------------------------------------------------------------------ duplicates

@@ -18,28 +18,19 @@ import json
 from collections.abc import Callable, Iterable
 from typing import IO, Any, Sequence
 
-from pmaptap.tapfile.format import COORDS_COLUMN_PREFIX, NONFINITE, coords_column, index_text
+from pmaptap.tapfile.format import (
+    COORDS_COLUMN_PREFIX,
+    NONFINITE,
+    RECORD_COLUMNS,
+    coords_column,
+    index_text,
+)
 from pmaptap.tapfile.views import Entry
 
 _MARKERS = NONFINITE
-FIXED = (
-    "line",
-    "run",
-    "name",
-    "step",
-    "pass",
-    "kind",
-    "process",
-    "device",
-    "devices",
-    "replicas",
-    "divergent",
-    "index",
-    "dtype",
-    "shape",
-    "time",
-    "host",
-)
+# The record columns, after the line each row came from (a CSV of a file
+# says where in the file each record is).
+FIXED = ("line", *RECORD_COLUMNS)
 
 
 def _leaf(raw: Any) -> Any:

@@ -25,7 +25,7 @@ import json
 import math
 import os
 import re
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from pmaptap.tapfile.rawarray import RawArray, has_raw, split_raw
 
@@ -58,7 +58,6 @@ def check_step_range(step: int, where: str) -> int:
     return int(step)
 
 
-REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
 # The strings that stand for non-finite floats inside ``value`` (JSON has no
 # number form for them); the one place that names them.
 NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
@@ -150,6 +149,30 @@ def holders_count(v: Any) -> int:
     return len(v) if isinstance(v, list) else 0
 
 
+# The columns of a table of records, in their order: the one list. The CSV
+# export (export.FIXED) and read(as_frame=True)/Parquet (frame.py) start
+# with them and ``show``'s text table (views.COLUMNS) picks from them, each
+# adding or leaving out columns relative to this list (the reason beside
+# each); after them come a per-device record's mesh coordinates
+# (coords_column), its value (``value``, ``value.<leaf>``), then any other
+# field.
+RECORD_COLUMNS = (
+    "run",
+    "name",
+    "step",
+    "pass",
+    "kind",
+    "process",
+    "device",
+    "devices",
+    "replicas",
+    "divergent",
+    "index",
+    "dtype",
+    "shape",
+    "time",
+    "host",
+)
 # Tables of records (the CSV export, read(as_frame=True), Parquet) name a
 # per-device record's mesh coordinate on axis A "coords.A" (the record's
 # field and the axis): the one definition, shared by all of them.
@@ -446,13 +469,256 @@ def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
     return _decode_nonfinite(value)
 
 
+# ---------------------------------------------------------------- the rules
+#
+# What a record is, field by field, in one table (RULES): validate_dict's
+# full checks and checks.schema_problems' per-field checks are made from it;
+# the fast checks (first_not_plain here, checks._fields_clean and
+# summary_batch.BatchSummarizer._add_part) are hand-inlined copies of it for
+# speed (a loop over the table costs every line of every read), and
+# tests/tapfile/test_record_rules.py derives from the table a record
+# breaking each rule and checks that each of them refuses it.
+
+
 def _is_scalar(x: Any) -> bool:
     return x is None or isinstance(x, (str, int, float))
 
 
-_REQUIRED_KEYS = frozenset(REQUIRED)
-# Exact types a JSON parser returns for the scalars _is_scalar accepts.
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# The exact types a JSON parser returns for a field readers only compare,
+# hash and print (process, device, a holder id): any JSON scalar.
 _SCALAR_TYPES = frozenset((type(None), str, int, float, bool))
+_STR = frozenset((str,))
+_INT = frozenset((int,))
+
+
+def _holders_ok(ids: Any) -> bool:
+    """A ``devices``/``processes`` field as readers take it: absent or null,
+    a list of scalars, or ranges text (holders_field)."""
+    return (
+        ids is None
+        or isinstance(ids, list)
+        and all(map(_is_scalar, ids))
+        or id_ranges(ids) is not None
+    )
+
+
+def _strict_holders(ids: Any, element: Any) -> bool:
+    return isinstance(ids, list) and all(map(element, ids)) or id_ranges(ids) is not None
+
+
+def _strict_devices(ids: Any, d: dict) -> bool:
+    # One holder per replica, in either form of the holders.
+    replicas = d["replicas"]
+    return ids is None or (
+        _strict_holders(ids, lambda x: x is None or _is_int(x))
+        and (not _is_int(replicas) or holders_count(ids) == replicas)
+    )
+
+
+def _strict_copies_seen(seen: Any, d: dict) -> bool:
+    replicas = d["replicas"]
+    return _is_int(seen) and 1 <= seen and (not _is_int(replicas) or seen <= replicas)
+
+
+def _global_shape_ok(g: Any, d: dict | None = None) -> bool:
+    if isinstance(g, list) and all(_is_int(n) and n >= 0 for n in g):
+        return True
+    return isinstance(g, list) and all(
+        isinstance(x, list) and all(_is_int(n) and n >= 0 for n in x) for x in g
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldRule:
+    """One field of a record: what readers need of it (``types``, ``ok``:
+    validate_dict) and what the format says beyond that (``strict``:
+    ``pmaptap validate``, checks.schema_problems)."""
+
+    name: str
+    # The JSON types readers take, as a parser returns them (the fast
+    # checks test the exact type; the full checks take subclasses, but
+    # never a bool for an int); None: any value.
+    types: frozenset | None = None
+    # What a value of those types must also be (None: nothing more).
+    ok: Callable[[Any], bool] | None = None
+    must: str = ""  # validate_dict's problem: "<name> must be <must>"
+    # The kinds of record the field belongs to. A required field is in
+    # every record of those kinds and checked there only; readers check an
+    # optional field in any record that has it; the strict check runs in
+    # those kinds only.
+    kinds: tuple = KINDS
+    required: bool = False
+    # first_not_plain takes records with this field (False: they take the
+    # full checks); checks._fields_clean likewise.
+    plain: bool = True
+    clean: bool = True
+    # The format's own rule, checked on records readers take (the record
+    # is the second argument), and its problem (str.format'ed with v=).
+    strict: Callable[[Any, dict], bool] | None = None
+    strict_problem: str = ""
+
+    def accepts(self, v: Any) -> bool:
+        """Whether readers take ``v`` in this field (validate_dict)."""
+        types = self.types
+        if types is not None and not (
+            isinstance(v, tuple(types)) and (bool in types or not isinstance(v, bool))
+        ):
+            return False
+        return self.ok is None or bool(self.ok(v))
+
+
+_REP, _PD = ("replicated",), ("per_device",)
+
+
+def _holders_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
+    """The rule of a holders field (``devices``, ``processes``): readers take
+    either form (holders_field) in any record; the format's own rule is a
+    replicated record's."""
+    return FieldRule(
+        name,
+        frozenset((type(None), list, str)),
+        _holders_ok,
+        'a list of numbers or ranges text ("0-4095,4100")',
+        kinds=_REP,
+        strict=strict,
+        strict_problem=problem,
+    )
+
+
+# The table, in the order validate_dict looks for a problem (it names the
+# first it finds). Fields not here (batch_dims, summarized, a meta
+# record's counters) are not checked.
+RULES: tuple[FieldRule, ...] = (
+    FieldRule("name", _STR, bool, "a non-empty string", required=True),
+    FieldRule(
+        "step",
+        _INT,
+        must="an integer",
+        required=True,
+        strict=lambda v, d: 0 <= v <= MAX_STEP,
+        strict_problem="step must be from 0 to 2**63-1, got {v}",
+    ),
+    FieldRule("kind", _STR, KINDS.__contains__, f"one of {KINDS}", required=True),
+    FieldRule("run", _STR, must="a string", required=True),
+    FieldRule("value", required=True),
+    FieldRule("dtype", required=True),
+    FieldRule("shape", required=True),
+    FieldRule("pass", _STR, must="a string"),
+    FieldRule(
+        "process",
+        _SCALAR_TYPES,
+        must="a number",
+        required=True,
+        strict=lambda v, d: _is_int(v) and v >= 0,
+        strict_problem="process must be a non-negative integer",
+    ),
+    FieldRule(
+        "time",
+        required=True,
+        strict=lambda v, d: _is_num(v) and math.isfinite(v),
+        strict_problem="time must be a finite number (unix seconds)",
+    ),
+    FieldRule(
+        "host",
+        required=True,
+        strict=lambda v, d: isinstance(v, str),
+        strict_problem="host must be a string",
+    ),
+    FieldRule("vhash", _STR, must="a string"),
+    _holders_rule(
+        "devices",
+        _strict_devices,
+        "devices must list one integer-or-null per replica",
+    ),
+    _holders_rule(
+        "processes",
+        lambda v, d: _strict_holders(v, _is_int),
+        "processes must be a list of integers (or their ranges text)",
+    ),
+    FieldRule(
+        "device",
+        _SCALAR_TYPES,
+        must="a number or null",
+        kinds=_PD,
+        required=True,
+        strict=lambda v, d: v is None or _is_int(v),
+        strict_problem="device must be an integer or null",
+    ),
+    FieldRule(
+        "coords",
+        frozenset((dict,)),
+        must="an object",
+        kinds=_PD,
+        required=True,
+        strict=lambda v, d: all(map(_is_int, v.values())),
+        strict_problem="coords must be an object of axis name -> integer index",
+    ),
+    FieldRule(
+        "replicas",
+        kinds=_REP,
+        required=True,
+        strict=lambda v, d: _is_int(v) and v >= 1,
+        strict_problem="replicas must be a positive integer",
+    ),
+    FieldRule("attempt", _INT, lambda v: v >= 0, "a non-negative integer"),
+    FieldRule(
+        "index",
+        frozenset((list,)),
+        valid_index,
+        "[[start, stop], ...] (a list of those per leaf)",
+        plain=False,
+    ),
+    FieldRule(
+        "divergent",
+        strict=lambda v, d: v is True,
+        strict_problem="divergent, when present, must be true",
+    ),
+    FieldRule(
+        COPIES_SEEN,
+        kinds=_REP,
+        clean=False,
+        strict=_strict_copies_seen,
+        strict_problem=f"{COPIES_SEEN}, when present, must be an integer from 1 to replicas",
+    ),
+    FieldRule(
+        "global_shape",
+        clean=False,
+        strict=_global_shape_ok,
+        strict_problem="global_shape must be a list of non-negative integers (a list per leaf)",
+    ),
+    # A stored value's references: tapfile/arrays.py field_problem checks them.
+    FieldRule("bytes", clean=False),
+)
+RULE = {r.name: r for r in RULES}
+# What the checks use, made once here (never per record).
+# The fields every record has, in the order a line holds them (Record's).
+REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(Record)
+    if f.name in RULE and RULE[f.name].required and RULE[f.name].kinds == KINDS
+)
+_REQUIRED_KEYS = frozenset(REQUIRED)
+# Every field a record of each kind must have (REQUIRED first).
+REQUIRED_BY_KIND = {
+    kind: REQUIRED + tuple(r.name for r in RULES if r.required and r.kinds == (kind,))
+    for kind in KINDS
+}
+# What validate_dict checks: a field's type or condition, a kind's fields.
+_READER_RULES = tuple(
+    r for r in RULES if r.types is not None or r.ok is not None or r.required and r.kinds != KINDS
+)
+STRICT_RULES = tuple(r for r in RULES if r.strict is not None)
+# Fields whose records the fast checks leave to the full ones.
+NOT_PLAIN = frozenset(r.name for r in RULES if not r.plain)
+NOT_CLEAN = frozenset(r.name for r in RULES if not r.clean)
 
 
 def _plainly_valid(d: dict) -> bool:
@@ -469,6 +735,11 @@ def first_not_plain(ds: Sequence[Any], start: int = 0) -> int:
     a plainly valid record (see _plainly_valid), len(ds) if there is none.
     One Python loop with every check inline (no call per record, no loop
     per field): this runs for every line of every read."""
+    # RULES, hand-inlined (measured: a loop over the table's fields takes
+    # ~1.5x as long): the required fields of every record and of each kind, exact
+    # types from the table's type sets (scalar: _SCALAR_TYPES), and no
+    # field that is not plain (NOT_PLAIN: index). test_record_rules.py
+    # checks that it refuses what any rule of the table refuses.
     scalar = _SCALAR_TYPES
     i = start
     for i in range(start, len(ds)):
@@ -539,55 +810,34 @@ def validate_dict(d: Any) -> str | None:
 
     Checks what every reader relies on: the record's identity (run, name,
     step, pass: hashable, see record_key), and fields that readers index,
-    sort or iterate having a usable type. ``pmaptap validate`` checks the
-    rest of the format (checks.schema_problems)."""
+    sort or iterate having a usable type (RULES). ``pmaptap validate``
+    checks the rest of the format (checks.schema_problems)."""
     if type(d) is dict and _plainly_valid(d):
         return None
     return _record_problem(d)
 
 
 def _record_problem(d: Any) -> str | None:
-    """validate_dict's full checks (any input, any subclass)."""
+    """validate_dict's full checks (any input, any subclass): RULES in
+    their order, the first problem found."""
     if not isinstance(d, dict):
         return "not a JSON object"
     missing = [k for k in REQUIRED if k not in d]
     if missing:
         return "missing field(s): " + ", ".join(missing)
-    if not isinstance(d["name"], str) or not d["name"]:
-        return "name must be a non-empty string"
-    if not isinstance(d["step"], int) or isinstance(d["step"], bool):
-        return "step must be an integer"
-    if d["kind"] not in KINDS:
-        return f"kind must be one of {KINDS}"
-    if not isinstance(d["run"], str):
-        return "run must be a string"
-    if not isinstance(d.get("pass", "forward"), str):
-        return "pass must be a string"
-    if not _is_scalar(d["process"]):
-        return "process must be a number"
-    if not isinstance(d.get("vhash", ""), str):
-        return "vhash must be a string"
-    for field in ("devices", "processes"):
-        ids = d.get(field)
-        if ids is None or (isinstance(ids, list) and all(map(_is_scalar, ids))):
+    kind = d["kind"]
+    for rule in _READER_RULES:
+        name = rule.name
+        if rule.required and rule.kinds != KINDS:
+            if kind not in rule.kinds:
+                continue  # not this kind's field: readers never look at it
+            own = REQUIRED_BY_KIND[kind][len(REQUIRED) :]
+            if any(f not in d for f in own):
+                return f"{kind} record without {'/'.join(own)}"
+        elif name not in d:
             continue
-        if id_ranges(ids) is None:
-            return f'{field} must be a list of numbers or ranges text ("0-4095,4100")'
-
-    if d["kind"] == "per_device":
-        if "device" not in d or "coords" not in d:
-            return "per_device record without device/coords"
-        if not _is_scalar(d["device"]):
-            return "device must be a number or null"
-        if not isinstance(d["coords"], dict):
-            return "coords must be an object"
-    if d["kind"] == "replicated" and "replicas" not in d:
-        return "replicated record without replicas"
-    attempt = d.get("attempt", 0)
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        return "attempt must be a non-negative integer"
-    if "index" in d and not valid_index(d["index"]):
-        return "index must be [[start, stop], ...] (a list of those per leaf)"
+        if not rule.accepts(d[name]):
+            return f"{name} must be {rule.must}"
     return None
 
 

@@ -35,7 +35,14 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from pmaptap.tapfile.format import COORDS_COLUMN_PREFIX, NAN, NEG_INF, POS_INF, coords_column
+from pmaptap.tapfile.format import (
+    COORDS_COLUMN_PREFIX,
+    NAN,
+    NEG_INF,
+    POS_INF,
+    RECORD_COLUMNS,
+    coords_column,
+)
 
 MISSING_PANDAS = (
     "pmaptap.read(..., as_frame=True) needs pandas: pip install pandas (or 'pmaptap[frame]')."
@@ -45,19 +52,12 @@ MISSING_PYARROW = (
     'pip install "pmaptap[parquet]" (or pip install pyarrow)'
 )
 
-_FIRST = (
-    "run",
-    "name",
-    "step",
-    "pass",
-    "kind",
-    "process",
-    "device",
-    "replicas",
-    "divergent",
-    "time",
-    "host",
-)
+# The record columns the frame types itself, first. The holders, index,
+# dtype and shape are left out of that list: a frame keeps them as read
+# (lists, a pytree's nesting), after the values, with any other field, in
+# the order the records first have them.
+_AS_READ = ("devices", "index", "dtype", "shape")
+_FIRST = tuple(c for c in RECORD_COLUMNS if c not in _AS_READ)
 _INTS = ("process", "device", "replicas")
 _UNDER = ("value", "coords")  # flattened into "<field>.<path>" columns
 

@@ -16,13 +16,19 @@ from itertools import compress, repeat
 from typing import Any
 
 from pmaptap.tapfile.attempts import Attempts, scan
-from pmaptap.tapfile.format import _SCALAR_TYPES
+from pmaptap.tapfile.format import _SCALAR_TYPES, REQUIRED_BY_KIND
 from pmaptap.tapfile.lines import collector_paused as _collector_paused
 from pmaptap.tapfile.lines import iter_batches, iter_file_batches
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.runs import is_sharded
 from pmaptap.tapfile.summary import _MASK_DEVICES, Summarizer, TapSummary, _int_values, _TapAcc
+
+# The fields of a usual record of each kind (format.RULES): those its kind
+# requires and, for a replicated one, its vhash; nothing else (no pass,
+# attempt, index, divergent...), which _add_part checks by counting keys.
+_USUAL_PER_DEVICE = len(REQUIRED_BY_KIND["per_device"])
+_USUAL_REPLICATED = len(REQUIRED_BY_KIND["replicated"]) + 1
 
 
 class BatchSummarizer(Summarizer):
@@ -104,7 +110,11 @@ class BatchSummarizer(Summarizer):
         with a vhash. The conditions imply every check format.validate_dict
         makes (an item that fails one is _odd). Any other item is _odd, in
         its place, so the file order the summary keeps is kept."""
+        # format.RULES, hand-inlined with the table's constants (the tap's
+        # hot loop); tests/tapfile/test_record_rules.py checks that an item
+        # breaking any rule of the table is _odd here.
         scalar = _SCALAR_TYPES
+        n_per_device, n_replicated = _USUAL_PER_DEVICE, _USUAL_REPLICATED
         kinds = acc.kinds
         processes = acc.processes
         pd_keys = acc.pd_keys
@@ -127,7 +137,7 @@ class BatchSummarizer(Summarizer):
         decoded = lines is None
         for r, i in zip(part, where):
             # The part's run and name are present; these four and dtype,
-            # shape, time and host make the ten required fields. The usual
+            # shape, time and host make format.REQUIRED. The usual
             # record has no other field than its kind's (so no pass,
             # attempt, index, divergent...): checked by counting its keys.
             try:
@@ -152,11 +162,11 @@ class BatchSummarizer(Summarizer):
                 ):
                     kind = None
             if kind == "per_device":
-                # Twelve fields: the ten, device and coords.
+                # REQUIRED, device and coords.
                 try:
                     dev = r["device"]
                     coords = r["coords"]
-                    usual = len(r) == 12 and coords == dev_coords[dev]
+                    usual = len(r) == n_per_device and coords == dev_coords[dev]
                 except (KeyError, TypeError):  # unknown or unhashable device
                     usual = False
                 if usual:  # _int_values, inline (one axis the quickest)
@@ -190,7 +200,7 @@ class BatchSummarizer(Summarizer):
                     type(vhash) is str
                     and vhash != ""
                     and "replicas" in r
-                    and len(r) == 12 + (devs is not None) + (procs is not None)
+                    and len(r) == n_replicated + (devs is not None) + (procs is not None)
                     and (devs is None or type(devs) is list and set(map(type, devs)) <= scalar)
                     and (procs is None or type(procs) is list and set(map(type, procs)) <= scalar)
                 )

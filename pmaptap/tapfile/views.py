@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.attempts import Attempts, attempt_of
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
-from pmaptap.tapfile.format import decode_record, index_text
+from pmaptap.tapfile.format import RECORD_COLUMNS, decode_record, index_text
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.stream import FirstPass, matching
@@ -220,10 +220,23 @@ def flags_text(r: dict) -> str:
 
 # ------------------------------------------------------------------ tables
 
-COLUMNS = ("line", "name", "step", "kind", "proc", "device", "coords", "value", "flags")
+# ``show``'s table, made from format.RECORD_COLUMNS to fit a terminal: the
+# line, the record columns one looks a record up by, in their order
+# (``process`` as "proc"), then text that folds several fields: coords (with
+# a shard's index), the value, flags (divergent, pass, replicas). Left out:
+# run, the holders, dtype, shape, time, host (``show --json`` has them).
+_SHOWN = {"name": "name", "step": "step", "kind": "kind", "process": "proc", "device": "device"}
+COLUMNS = (
+    "line",
+    *(_SHOWN[c] for c in RECORD_COLUMNS if c in _SHOWN),
+    "coords",
+    "value",
+    "flags",
+)
 # --all-attempts: which attempt wrote each record (a replayed step shows
-# once per attempt).
-COLUMNS_ALL_ATTEMPTS = COLUMNS[:3] + ("attempt",) + COLUMNS[3:]
+# once per attempt), after its step.
+_AFTER_STEP = COLUMNS.index("step") + 1
+COLUMNS_ALL_ATTEMPTS = (*COLUMNS[:_AFTER_STEP], "attempt", *COLUMNS[_AFTER_STEP:])
 _RIGHT = {"line", "step", "attempt", "proc"}
 
 

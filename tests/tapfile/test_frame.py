@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import os
 import subprocess
@@ -258,3 +260,45 @@ def test_csv_frame_and_parquet_name_coordinates_alike(tmp_path):
     assert [c for c in header if "coord" in c] == want
     assert [c for c in frame.columns if "coord" in c] == want
     assert list(frame["coords.mp"]) == [d % 2 for _ in range(2) for d in range(4)]
+
+
+def test_tables_of_records_share_the_record_columns(tmp_path):
+    """One list of a record table's columns (format.RECORD_COLUMNS): the CSV
+    export starts with it after the line, the frame (and Parquet) with the
+    columns it types, ``show`` picks from it; each in this order."""
+    import csv
+
+    from test_cli import cli
+
+    from conftest import per_device_dict, replicated_dict
+    from pmaptap.tapfile.export import FIXED, csv_row
+    from pmaptap.tapfile.format import RECORD_COLUMNS
+    from pmaptap.tapfile.views import load
+
+    path = tmp_path / "cols.jsonl"
+    recs = [
+        replicated_dict(0, 0.5, processes=[0], divergent=True, index=[[0, 1]], **{"pass": "b"}),
+        per_device_dict(0, 1, 0.25),
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = cli("export", str(path), "--csv", "-")
+    assert out.returncode == 0, out.stderr
+    header = next(csv.reader(io.StringIO(out.stdout)))
+    assert header == ["line", *RECORD_COLUMNS, "coords.dp", "value"]
+    # Every record column has its cell in a row (none left to the default).
+    for e in load(path)[0]:
+        assert set(FIXED) <= csv_row(e).keys()
+    frame = pmaptap.read(path, as_frame=True)
+    # test_read_as_frame_has_tidy_columns pins the typed columns' names.
+    typed = [c for c in RECORD_COLUMNS if c not in ("devices", "index", "dtype", "shape")]
+    assert list(frame.columns) == [
+        *typed,
+        "coords.dp",
+        "value",
+        *("dtype", "shape", "devices", "vhash", "processes", "index"),
+    ]
+    out = cli("show", str(path))
+    header = "line name step kind proc device coords value flags"
+    assert out.stdout.split("\n")[0].split() == header.split()
+    out = cli("show", "--all-attempts", str(path))
+    assert out.stdout.split("\n")[0].split()[:5] == ["line", "name", "step", "attempt", "kind"]
