@@ -252,6 +252,7 @@ def test_tail_follow_and_merge_follow_a_live_sharded_run(tmp_path):
         text=True,
         cwd=ROOT,
     )
+
     def merged_lines() -> int:
         if not os.path.exists(merged):
             return 0
