@@ -432,6 +432,26 @@ def record_key(r: "dict | Record") -> tuple:
     )
 
 
+def step_key(r: dict) -> tuple:
+    """A record's step of a tap, (run, name, step, pass): ``record_key``'s
+    first four fields, every shard and every attempt of that step. The unit
+    a later attempt of a resumed run supersedes (tapfile/attempts.py)."""
+    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+
+
+def split_step(key: tuple) -> tuple[tuple, Any]:
+    """A ``record_key`` as (the key less its step, the step): the rest is
+    (run, name, pass, index, attempt), for an index that keeps one such
+    key's steps together as small ints (tapfile/divergence.py).
+    ``key_with_step`` gives the key back."""
+    return key[:2] + key[3:], key[2]
+
+
+def key_with_step(rest: tuple, step: Any) -> tuple:
+    """The ``record_key`` of ``rest`` (``split_step``) at ``step``."""
+    return (*rest[:2], step, *rest[2:])
+
+
 def index_key(index: Any) -> Any:
     """A hashable form of a record's ``index`` (None when it has none)."""
     if isinstance(index, (list, tuple)):
