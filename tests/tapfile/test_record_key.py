@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
+from conftest import record_dict
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.format import (
@@ -49,20 +50,7 @@ def test_the_parts_of_record_key_are_its_own():
         assert index.steps_of(*rest) == {step: ("h", 0)}
         index.add(dict(d, kind="replicated", vhash="g", process=1))
         assert list(index.divergent_keys()) == [key]
-    rec = new_record(
-        run="r",
-        name="a",
-        step=5,
-        kind="replicated",
-        value=1,
-        dtype="int32",
-        shape=[],
-        process=0,
-        time=0.0,
-        host="h",
-        index=[[0, 2]],
-        attempt=3,
-    )
+    rec = new_record(**record_dict(step=5, index=[[0, 2]], attempt=3))
     assert record_key(rec) == record_key(json.loads(rec.encode()))
     assert record_key(Record.from_template(rec.template(), 6, 2, "int32", [], 1.0))[2] == 6
 

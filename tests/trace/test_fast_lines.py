@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import pmaptap
 import pmaptap._host.sink as sink_mod
-from conftest import run_python
+from conftest import record_dict, run_python
 from pmaptap.tapfile.format import _STEP_SENTINEL, MAX_STEP, Record, encode_line, new_record
 
 
@@ -108,48 +108,27 @@ def test_non_finite_values_and_ambiguous_sites_keep_the_ordinary_encoding(
     assert any(np.isnan(r["value"]) for r in recs if r["name"] == "inf")  # 0/0 on device 0
 
 
+def _per_device_template(**fields) -> dict:
+    """The fields of a float32 per_device record of device 3 (else
+    conftest.record_dict's), for Record.line_pieces / from_template."""
+    base = {"kind": "per_device", "dtype": "float32", "process": 1, "device": 3}
+    return new_record(**record_dict(**{**base, "coords": {"dp": 3}, **fields})).template()
+
+
 def test_line_pieces_rebuild_the_sentinel_line():
-    rec = new_record(
-        run="r",
-        name="a",
-        step=0,
-        kind="per_device",
-        value=0,
-        dtype="float32",
-        shape=[],
-        process=1,
-        time=0.0,
-        host="h",
-        device=3,
-        coords={"dp": 3},
-    )
-    pieces = Record.line_pieces(rec.template(), "float32", [])
+    template = _per_device_template()
+    pieces = Record.line_pieces(template, "float32", [])
     assert pieces is not None
     line = b"".join((pieces[0], b"12", pieces[1], b"0.5", pieces[2], b"3.25", pieces[3]))
-    assert line == encode_line(
-        Record(**dict(rec.__dict__, step=12, value=0.5, time=3.25)).to_json_dict()
-    )
+    want = Record(**dict(template, step=12, value=0.5, time=3.25))
+    assert line == encode_line(want.to_json_dict())
 
 
 def test_put_lines_write_what_encode_writes():
     # The step and time formatting of the fast line lives in put_lines, the
     # rest in the pieces: together, each record's line is its own encoding,
     # at the step's and time's extremes too.
-    template = new_record(
-        run="r",
-        name='n\u00e9 "q" \\ x',
-        step=0,
-        kind="per_device",
-        value=0,
-        dtype="float32",
-        shape=[],
-        process=1,
-        time=0.0,
-        host="h",
-        device=3,
-        coords={"dp": 3, "mp": 0},
-        attempt=2,
-    ).template()
+    template = _per_device_template(name='n\u00e9 "q" \\ x', coords={"dp": 3, "mp": 0}, attempt=2)
     values = [0.1, -2.5, 1e20, 7, True]
     pieces = [Record.line_pieces(template, "float32", [])] * len(values)
     assert pieces[0] is not None
