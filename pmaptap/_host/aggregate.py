@@ -64,6 +64,9 @@ class Aggregator(RecordFactory):
         self.group_timeout = group_timeout
         self.clock = clock
         self._counters: dict[tuple, int] = {}
+        # (name, step, pass) -> the copies awaiting comparison: record_key
+        # (format.py) less what one aggregator shares (run, attempt) and what
+        # the copies carry (a shard's index): the records do not exist yet.
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
         # Per-shard taps: per ShardPlacement (one per tap per lowering, so

@@ -5,11 +5,11 @@ and would append it once each. Under the file lock, before writing a batch, a
 ``FileSink`` reads what the *other* processes appended since its last look
 (its first look: since the run's start in the file, which the processes
 agree on at open, so one that opens late knows what the others wrote) and
-remembers, per (run, name, step, pass), the value hashes (``vhash``) already in
-the file. A replicated record whose key is there with the same hash is
-skipped; with a different hash it is written with ``"divergent": true``. So
-whichever process gets there first writes the record, and no process needs to
-stay alive for the others.
+remembers, per ``record_key`` (run, name, step, pass, shard index, attempt),
+the value hashes (``vhash``) already in the file. A replicated record whose
+key is there with the same hash is skipped; with a different hash it is
+written with ``"divergent": true``. So whichever process gets there first
+writes the record, and no process needs to stay alive for the others.
 
 Only *other* processes' records count: the same process writing a key again
 (a loop re-run with the same explicit steps) is data, not a duplicate.

@@ -224,7 +224,7 @@ def encode_rows(
     On that one-round-trip path, ``texts`` (when given) also receives each
     row's value as the JSON text orjson wrote for it (numbers and booleans
     hold no comma), for records whose lines are built from a template
-    (records.py ``_line_pieces``); elsewhere it stays empty."""
+    (``Record.put_lines`` in tapfile/format.py); elsewhere it stays empty."""
     if (
         ORJSON is not None
         and not summaries

@@ -1,7 +1,9 @@
 """The record factory of the aggregator: the per-site tables and record
-templates, the builders of per_device and replicated records, and the
-encoded line of a per_device record cut around its step, value and time
-(``_line_pieces``). ``RecordFactory`` is ``Aggregator``'s base class
+templates, and the builders of per_device and replicated records. How a
+record is copied from a template and how a per_device record's line is cut
+around its step, value and time are ``Record``'s own (tapfile/format.py:
+``Record.template``, ``from_template``, ``line_pieces``, ``put_lines``);
+this module decides when. ``RecordFactory`` is ``Aggregator``'s base class
 (aggregate.py): its builders read the aggregator's ``run``, ``process``,
 ``host``, ``attempt``, ``clock`` and ``_shard_templates``."""
 
@@ -15,7 +17,7 @@ import numpy as np
 from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._host.encode import encode_tree
 from pmaptap._host.payload import Copy
-from pmaptap.tapfile.format import ORJSON, Record, new_record
+from pmaptap.tapfile.format import Record, new_record
 
 
 class _Table:
@@ -49,7 +51,7 @@ class _Table:
         # summaries) of the spec (see RecordFactory._per_device_records_of_rows).
         self.per_device_templates: dict[tuple, list[dict]] = {}
         # (template key, dtype) -> per device, its line cut around the step,
-        # the value and the time (None where it cannot be: _line_pieces).
+        # the value and the time (None where it cannot be: Record.line_pieces).
         self.per_device_lines: dict[tuple, list] = {}
         self.replicated_templates: dict[tuple, dict] = {}
 
@@ -87,31 +89,31 @@ class RecordFactory:
         (``encoded`` in ``t.local`` order). Every field but the step, the value
         and the time is the same at every step of a site, so each record is a
         copy of a per-device template built (and checked) once by
-        ``_per_device_record``: about half the cost of building each record
-        field by field, on the path of every gathered per_device tap."""
+        ``_per_device_record`` (``Record.from_template``: about half the cost
+        of building each record field by field)."""
         # Fixed per site today; keyed anyway, so that a variant of a spec
         # (with_batch) could never take another's template.
         key = (spec.site.batch_dims, spec.site.summaries)
         templates = t.per_device_templates.get(key)
         if templates is None:
             templates = t.per_device_templates[key] = [
-                dict(
-                    self._per_device_record(
-                        spec,
-                        0,
-                        (None, None, None),
-                        t.processes[k],
-                        t.devices[k],
-                        t.coord_dicts[k],
-                        0.0,
-                    ).__dict__
-                )
+                self._per_device_record(
+                    spec,
+                    0,
+                    (None, None, None),
+                    t.processes[k],
+                    t.devices[k],
+                    t.coord_dicts[k],
+                    0.0,
+                ).template()
                 for k in t.local
             ]
         now = self.clock()
-        out = []
-        for template, (value, dtype, shape) in zip(templates, encoded):
-            out.append(_from_template(template, step, value, dtype, shape, now))
+        from_template = Record.from_template
+        out = [
+            from_template(template, step, value, dtype, shape, now)
+            for template, (value, dtype, shape) in zip(templates, encoded)
+        ]
         if texts and len(texts) == len(out):
             # Scalars of one dtype (encode_rows' fast path): each line is the
             # site's per-device line with the step, value and time put in,
@@ -122,12 +124,10 @@ class RecordFactory:
             pieces = t.per_device_lines.get(lkey)
             if pieces is None:
                 pieces = t.per_device_lines[lkey] = [
-                    _line_pieces(tpl, out[0].dtype, out[0].shape) for tpl in templates
+                    Record.line_pieces(tpl, out[0].dtype, out[0].shape) for tpl in templates
                 ]
             if all(pieces):
-                step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(now, 6))
-                for r, (p0, p1, p2, p3), text in zip(out, pieces, texts):
-                    r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
+                Record.put_lines(out, pieces, texts, step, now)
         return out
 
     def _per_device_record(
@@ -174,18 +174,19 @@ class RecordFactory:
         )
         template = t.replicated_templates.get(tkey)
         if template is None:
-            template = t.replicated_templates[tkey] = dict(
-                self._replicated_record(
-                    spec, 0, (None, None, None), t.all_devices, t.all_processes, b"", extra=extra
-                ).__dict__
-            )
-        r = object.__new__(Record)
-        d = r.__dict__
-        d.update(template)
-        d["step"], d["time"] = step, self.clock()
-        d["value"], d["dtype"], d["shape"] = encoded
-        d["vhash"] = hashlib.blake2b(key, digest_size=8).hexdigest()
-        return r
+            template = t.replicated_templates[tkey] = self._replicated_record(
+                spec, 0, (None, None, None), t.all_devices, t.all_processes, b"", extra=extra
+            ).template()
+        value, dtype, shape = encoded
+        return Record.from_template(
+            template,
+            step,
+            value,
+            dtype,
+            shape,
+            self.clock(),
+            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+        )
 
     def _replicated_record_of_holders(
         self, spec: TapSpec, step: int, holders: list[Copy], divergent: bool
@@ -323,66 +324,15 @@ class RecordFactory:
         tkey = (spec.site.tap_id, spec.site.batch_dims, k)
         template = per.get(tkey)
         if template is None:
-            template = per[tkey] = dict(
-                self._per_device_record(
-                    spec,
-                    0,
-                    (None, None, None),
-                    place.processes[k],
-                    place.devices[k],
-                    place.coords[k],
-                    0.0,
-                    index=place.index_of(k, raw),
-                ).__dict__
-            )
+            template = per[tkey] = self._per_device_record(
+                spec,
+                0,
+                (None, None, None),
+                place.processes[k],
+                place.devices[k],
+                place.coords[k],
+                0.0,
+                index=place.index_of(k, raw),
+            ).template()
         value, dtype, shape = encode_tree(spec.site.treedef, leaves, summaries)
-        return _from_template(template, step, value, dtype, shape, self.clock())
-
-
-def _from_template(
-    template: dict, step: Any, value: Any, dtype: Any, shape: Any, now: float
-) -> Record:
-    """A per_device record: ``template`` (a record's fields) with its step,
-    value, dtype, shape and time, without the dataclass constructor."""
-    r = object.__new__(Record)
-    d = r.__dict__
-    d.update(template)
-    d["step"], d["value"], d["dtype"], d["shape"], d["time"] = step, value, dtype, shape, now
-    return r
-
-
-# Sentinels put in a template record where the step, the value and the
-# time go; each must appear exactly once, after its key, in the encoded line
-# (a name or host that happens to contain one just keeps the ordinary path).
-_STEP_SENTINEL = -4242424242424242
-_VALUE_SENTINEL = "\x01pmaptap-value\x01"
-_TIME_SENTINEL = -4242424242.424242
-
-
-def _line_pieces(template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
-    """The encoded line of a per_device record built from ``template``, cut
-    into the four pieces around its step, value and time, or None when it
-    cannot be cut unambiguously (then records are encoded one by one).
-    Cut from ``Record.encode`` itself, so the joined line is byte for byte
-    the one that encoding would write (tests/trace/test_fast_lines.py)."""
-    if ORJSON is None:
-        return None
-    line = _from_template(
-        template, _STEP_SENTINEL, _VALUE_SENTINEL, dtype, shape, _TIME_SENTINEL
-    ).encode()
-    cuts = []
-    for key, value in (
-        (b'"step":', _STEP_SENTINEL),
-        (b'"value":', _VALUE_SENTINEL),
-        (b'"time":', _TIME_SENTINEL),
-    ):
-        text = ORJSON.dumps(value)
-        probe = key + text
-        if line.count(probe) != 1 or line.count(text) != 1:
-            return None
-        start = line.index(probe) + len(key)
-        cuts.append((start, start + len(text)))
-    (s0, e0), (s1, e1), (s2, e2) = cuts
-    if not (e0 <= s1 and e1 <= s2):
-        return None
-    return line[:s0], line[e0:s1], line[e1:s2], line[e2:]
+        return Record.from_template(template, step, value, dtype, shape, self.clock())

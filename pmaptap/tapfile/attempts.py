@@ -4,8 +4,8 @@ A run restarted from a checkpoint (``Session(resume=True)``) replays the
 steps after the checkpoint. Its records carry ``"attempt": N`` (N >= 1; the
 first attempt writes no field, i.e. 0) and the file stays append-only, so
 the old attempt's records for the replayed steps are still there. Readers
-show one story: for each (run, name, step, pass), only the records of the
-latest attempt that wrote that step are visible.
+show one story: for each (run, name, step, pass) (format.step_key), only
+the records of the latest attempt that wrote that step are visible.
 
 The unit is the step, not the device: an attempt may run on another number
 of processes or devices (an elastic restart), and then the old attempt's
@@ -20,7 +20,7 @@ import os
 from typing import Any, Iterable
 
 from pmaptap.tapfile import parse
-from pmaptap.tapfile.format import META_ATTEMPT
+from pmaptap.tapfile.format import META_ATTEMPT, step_key
 from pmaptap.tapfile.parse import parse_line
 
 # The meta record a resumed session writes when it opens (process 0 only).
@@ -31,10 +31,6 @@ ATTEMPT_MODES = ("latest", "all")
 def attempt_of(r: dict) -> int:
     a = r.get("attempt", 0)
     return a if isinstance(a, int) and not isinstance(a, bool) else 0
-
-
-def step_key(r: dict) -> tuple:
-    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
 
 
 def check_mode(attempts: str) -> str:

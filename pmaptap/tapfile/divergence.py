@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pmaptap.tapfile.format import record_key
+from pmaptap.tapfile.format import key_with_step, record_key, split_step
 
 
 class DivergenceIndex:
-    """Which replicated keys (run, name, step, pass) the file holds with more
+    """Which replicated keys (``record_key``) the file holds with more
     than one value from more than one process: ``add`` every replicated
     record seen, then ask ``divergent``. The first writer of a key could not
     know that a later process would disagree (see _host/crossdedup.py); one process
@@ -17,8 +17,9 @@ class DivergenceIndex:
     per replicated key, never the records."""
 
     def __init__(self) -> None:
-        # (run, name, pass, index, attempt) -> step -> what was seen there:
-        # (vhash, process) while one of each, then {vhash: processes}. By
+        # split_step's rest of a key (run, name, pass, index, attempt) ->
+        # step -> what was seen there: (vhash, process) while one of each,
+        # then {vhash: processes}. By
         # step within the rest of the key: a small int per step, not a
         # tuple per record, for a summary of a long run.
         self._seen: dict[tuple, dict[Any, Any]] = {}
@@ -34,17 +35,20 @@ class DivergenceIndex:
         records of one such key (``pmaptap summary``) sets entries there
         directly: ``setdefault(step, (vhash, process))``, and ``repeat`` when
         that returns another entry."""
-        key = (run, name, pass_, index, attempt)
-        steps = self._seen.get(key)
+        # The parameters are split_step's rest of a key, in its order.
+        return self._steps((run, name, pass_, index, attempt))
+
+    def _steps(self, rest: tuple) -> dict[Any, Any]:
+        steps = self._seen.get(rest)
         if steps is None:
-            steps = self._seen[key] = {}
+            steps = self._seen[rest] = {}
         return steps
 
     def add(self, r: dict) -> None:
         if r.get("kind") != "replicated" or not r.get("vhash"):
             return
-        run, name, step, pass_, index, attempt = record_key(r)
-        steps = self.steps_of(run, name, pass_, index, attempt)
+        rest, step = split_step(record_key(r))
+        steps = self._steps(rest)
         entry = (r["vhash"], r.get("process"))
         if steps.setdefault(step, entry) is not entry:
             self.repeat(steps, step, entry)
@@ -62,8 +66,8 @@ class DivergenceIndex:
     def divergent(self, r: dict) -> bool:
         if r.get("kind") != "replicated":
             return False
-        run, name, step, pass_, index, attempt = record_key(r)
-        steps = self._seen.get((run, name, pass_, index, attempt))
+        rest, step = split_step(record_key(r))
+        steps = self._seen.get(rest)
         got = steps.get(step) if steps is not None else None
         if not isinstance(got, dict):
             return False
@@ -73,10 +77,10 @@ class DivergenceIndex:
         """The record_key of every divergent key, as ``divergent`` judges."""
         if not self.any_repeat:
             return
-        for (run, name, pass_, index, attempt), steps in self._seen.items():
+        for rest, steps in self._seen.items():
             for step, got in steps.items():
                 if isinstance(got, dict) and len(got) > 1 and len(set().union(*got.values())) > 1:
-                    yield (run, name, step, pass_, index, attempt)
+                    yield key_with_step(rest, step)
 
 
 def reconcile_divergence(records: list[dict]) -> None:

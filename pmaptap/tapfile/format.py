@@ -236,10 +236,10 @@ class Record:
     # the first attempt, is not written.
     attempt: int = 0
     # Not a field: the encoded line, when the aggregator built it from a
-    # per-site template (_host/records.py _line_pieces); set in the
-    # instance dict of those records only. A class default rather than
-    # self.__dict__.get(): reading __dict__ would make CPython build a dict
-    # for every other record (measured: the writer stage 320k -> 180k rec/s).
+    # per-site template (put_lines below); set in the instance dict of
+    # those records only. A class default rather than self.__dict__.get():
+    # reading __dict__ would make CPython build a dict for every other
+    # record (measured: the writer stage 320k -> 180k rec/s).
     _line: ClassVar[bytes | None] = None
 
     def to_json_dict(self) -> dict:
@@ -296,9 +296,111 @@ class Record:
 
     def encode(self) -> bytes:
         # The aggregator may have built this record's line already, from a
-        # per-site template (the same bytes: _host/records.py _line_pieces).
+        # per-site template (the same bytes: put_lines).
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
+
+    # The aggregator's fast path (_host/records.py). Every field of a tap
+    # site's record but its step, value and time (and a replicated value's
+    # hash) is the same at every step, so the aggregator builds one record
+    # per site and device once, keeps its fields (``template``) and makes
+    # each later record a copy of them (``from_template``): about half the
+    # cost of building a record field by field, on the path of every
+    # gathered tap. Scalar per_device records of a site also get their line
+    # without a dict and an orjson call each: the site's line is cut once
+    # around the step, value and time (``line_pieces``) and each record's
+    # line is those pieces joined around its own (``put_lines``); encoding
+    # record by record was most of what such a tap cost the host
+    # (docs/performance.md, per_device). tests/trace/test_fast_lines.py
+    # proves the joined line equals ``encode_line(to_json_dict())``. These
+    # write the instance dict of a frozen dataclass, so they live here,
+    # beside the fields they fill (tests/project/test_layout.py keeps every
+    # other module off ``__dict__``).
+
+    def template(self) -> dict:
+        """This record's fields, for ``from_template`` (a copy: the record
+        stays as it is)."""
+        fields = dict(self.__dict__)
+        fields.pop("_line", None)  # a line belongs to one record, never its copies
+        return fields
+
+    @classmethod
+    def from_template(
+        cls,
+        template: dict,
+        step: Any,
+        value: Any,
+        dtype: Any,
+        shape: Any,
+        time: float,
+        vhash: str | None = None,
+    ) -> Record:
+        """A record with ``template``'s fields (``Record.template``) and
+        this step, value, dtype, shape, time and, when given, value hash:
+        filled directly, without the frozen dataclass constructor."""
+        r = object.__new__(cls)
+        d = r.__dict__
+        d.update(template)
+        d["step"], d["value"], d["dtype"], d["shape"], d["time"] = step, value, dtype, shape, time
+        if vhash is not None:
+            d["vhash"] = vhash
+        return r
+
+    @classmethod
+    def line_pieces(cls, template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
+        """The encoded line of a record built from ``template`` with this
+        dtype and shape, cut into the four pieces around its step, value and
+        time (for ``put_lines``), or None when it cannot be cut
+        unambiguously (a name or host that contains a sentinel; no orjson):
+        then records are encoded one by one. Cut from ``encode`` itself, so
+        the joined line is byte for byte the one it would write."""
+        if ORJSON is None:
+            return None
+        line = cls.from_template(
+            template, _STEP_SENTINEL, _VALUE_SENTINEL, dtype, shape, _TIME_SENTINEL
+        ).encode()
+        cuts = []
+        for key, value in (
+            (b'"step":', _STEP_SENTINEL),
+            (b'"value":', _VALUE_SENTINEL),
+            (b'"time":', _TIME_SENTINEL),
+        ):
+            text = ORJSON.dumps(value)
+            probe = key + text
+            if line.count(probe) != 1 or line.count(text) != 1:
+                return None
+            start = line.index(probe) + len(key)
+            cuts.append((start, start + len(text)))
+        (s0, e0), (s1, e1), (s2, e2) = cuts
+        if not (e0 <= s1 and e1 <= s2):
+            return None
+        return line[:s0], line[e0:s1], line[e1:s2], line[e2:]
+
+    @staticmethod
+    def put_lines(
+        records: Sequence[Record],
+        pieces: Sequence[tuple[bytes, ...]],
+        texts: Sequence[bytes],
+        step: int,
+        time: float,
+    ) -> None:
+        """Give each of ``records`` (one step's, built from templates at
+        ``time``) its encoded line: its ``line_pieces`` joined around the
+        step, its value's JSON text (``texts``, in order) and the time,
+        written as ``to_json_dict`` writes them. One call per step, not per
+        record: this runs for every gathered scalar per_device tap."""
+        step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(time, 6))
+        for r, (p0, p1, p2, p3), text in zip(records, pieces, texts):
+            r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
+
+
+# Sentinels put in a template record where the step, the value and the time
+# go (Record.line_pieces); each must appear exactly once, after its key, in
+# the encoded line (a name or host that happens to contain one just keeps
+# the ordinary path).
+_STEP_SENTINEL = -4242424242424242
+_VALUE_SENTINEL = "\x01pmaptap-value\x01"
+_TIME_SENTINEL = -4242424242.424242
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Record)}
@@ -351,6 +453,26 @@ def record_key(r: "dict | Record") -> tuple:
         index if index is None else index_key(index),
         get("attempt", 0),
     )
+
+
+def step_key(r: dict) -> tuple:
+    """A record's step of a tap, (run, name, step, pass): ``record_key``'s
+    first four fields, every shard and every attempt of that step. The unit
+    a later attempt of a resumed run supersedes (tapfile/attempts.py)."""
+    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+
+
+def split_step(key: tuple) -> tuple[tuple, Any]:
+    """A ``record_key`` as (the key less its step, the step): the rest is
+    (run, name, pass, index, attempt), for an index that keeps one such
+    key's steps together as small ints (tapfile/divergence.py).
+    ``key_with_step`` gives the key back."""
+    return key[:2] + key[3:], key[2]
+
+
+def key_with_step(rest: tuple, step: Any) -> tuple:
+    """The ``record_key`` of ``rest`` (``split_step``) at ``step``."""
+    return (*rest[:2], step, *rest[2:])
 
 
 def index_key(index: Any) -> Any:

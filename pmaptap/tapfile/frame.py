@@ -557,6 +557,8 @@ def per_device(frame: Any, value: str = "value") -> Any:
             f"no column {value!r}; value columns: "
             f"{[c for c in frame.columns if str(c).startswith('value')]}"
         )
+    # record_key's (format.py) run, name, pass and step as columns; not its
+    # index or attempt: a cell is one device's value, the last record wins.
     keys = ["run", "name", "pass", "step"]
     # Only records that have this leaf: a NaN cell is the tap's NaN only there
     # (elsewhere it is another tap's empty cell).

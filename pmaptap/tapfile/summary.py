@@ -20,7 +20,7 @@ from typing import Any, Iterable
 from pmaptap.tapfile.attempts import Restarts, attempt_of
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import NONFINITE, holder_ids
+from pmaptap.tapfile.format import NONFINITE, holder_ids, index_key
 from pmaptap.tapfile.views import id_order, scalar
 
 
@@ -83,7 +83,8 @@ class _TapAcc:
         self.finite = array("d")
         self.nonfinite = self.nonscalar = 0
         self.divergent: set[int] = set()
-        self.rep_keys: set[tuple] = set()  # (step, pass, attempt) of replicated records
+        # (step, pass, attempt[, shard index]) of replicated records
+        self.rep_keys: set[tuple] = set()
         self.rep_steps: set[int] = set()  # those of pass forward and attempt 0: their steps
         # Per-device records: the distinct keys (_pd_key: step, device and
         # coordinates) written in the forward pass, (key, pass) in another;
@@ -235,9 +236,20 @@ class _TapAcc:
                 self.devices.update(devs)
         if kind != "replicated":
             return  # meta records (counters) may legitimately repeat
+        # record_key (format.py) less the run and name every record of this
+        # tap shares; a shard's index only where there is one, so that the
+        # usual record's keys stay the ones summary_batch.py adds inline.
         pass_ = get("pass", "forward")
-        self.rep_keys.add((step, pass_, get("attempt", 0)))
         key = (step, pass_, get("vhash") or _canonical(r["value"]))
+        shard = get("index")
+        if shard is None:
+            self.rep_keys.add((step, pass_, get("attempt", 0)))
+        else:
+            # Shards of one value are different values: neither duplicates
+            # of each other nor, differing, a divergence.
+            shard = index_key(shard)
+            self.rep_keys.add((step, pass_, get("attempt", 0), shard))
+            key += (shard,)
         n = len(self.dup_keys)
         self.dup_keys.add(key)
         if len(self.dup_keys) == n:
@@ -282,8 +294,11 @@ class _TapAcc:
         if index is not None and index.any_repeat:
             probe = {"run": self.run, "name": self.name, "kind": "replicated"}
             fast = ((step, "forward", 0) for step in self.rep_steps)
-            for step, pass_, attempt in chain(self.rep_keys, fast):
-                if index.divergent(dict(probe, step=step, attempt=attempt, **{"pass": pass_})):
+            for step, pass_, attempt, *shard in chain(self.rep_keys, fast):
+                at = dict(probe, step=step, attempt=attempt, **{"pass": pass_})
+                if shard:
+                    at["index"] = shard[0]
+                if index.divergent(at):
                     divergent.add(step)
         data_steps: set[int] = set()
         if "replicated" in kinds and "per_device" in kinds:

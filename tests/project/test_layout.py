@@ -212,6 +212,36 @@ def test_the_record_format_facts_live_in_one_place():
     ), found
 
 
+# The uses of ``__dict__`` outside tapfile/format.py that are not a
+# Record's, by file and the object read: group.py keeps a thread-local's
+# stack there (threading.local has no setdefault of its own).
+_DICT_USES_ELSEWHERE = {("pmaptap/_trace/group.py", "_local")}
+
+
+def test_only_format_py_touches_a_records_instance_dict():
+    # Record is a frozen dataclass; its fast paths (filling a record from a
+    # template, its pre-encoded line) write the instance dict directly and
+    # live in tapfile/format.py beside the fields they fill. A module that
+    # reads or writes a Record's __dict__ itself (as _host/records.py once
+    # did) builds records format.py cannot see or keep in step.
+    found = []
+    for rel, tree in package_sources():
+        if rel == os.path.join("pmaptap", "tapfile", "format.py"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+                owner = node.value.id if isinstance(node.value, ast.Name) else ast.unparse(node)
+                if (rel.replace(os.sep, "/"), owner) not in _DICT_USES_ELSEWHERE:
+                    found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "vars"
+            ):
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
 def _line_of(text: str) -> int:
     with open(os.path.join(PKG, "tapfile", "format.py"), encoding="utf-8") as f:
         return next(i for i, line in enumerate(f, 1) if text in line)

@@ -219,7 +219,7 @@ def _keys_from_scratch(path) -> dict:
     summary defines them, computed here in the plainest way (the summary's
     own keys are bit masks and ints: this checks them): a per-device record
     repeats (step, pass, device, coordinates), a replicated one (step, pass,
-    vhash or value); a per-device tap's step lacks devices when it has fewer
+    vhash or value, index); a per-device tap's step lacks devices when it has fewer
     distinct (device, coordinates) than its attempt's fullest step."""
     lines = _lines_one_at_a_time(path)
     records = [d for _, d, _ in lines if d is not None]
@@ -240,7 +240,10 @@ def _keys_from_scratch(path) -> dict:
             if r.get("attempt"):
                 attempt_of[r["step"]] = r["attempt"]
         else:
-            key = (r["step"], pass_, r.get("vhash") or _canonical(r["value"]))
+            # Shards of one value are different values (record_key holds the
+            # index, as checks.duplicate_key does): never each other's copies.
+            value = r.get("vhash") or _canonical(r["value"])
+            key = (r["step"], pass_, value, str(r.get("index")))
         if (tap, r["kind"], key) in seen:
             out[tap][0] += 1
         seen[(tap, r["kind"], key)] = True

@@ -1,5 +1,5 @@
 """Per-device scalar records whose lines the aggregator builds from a
-per-site template (records.py ``_line_pieces``): every such line must be
+per-site template (format.py ``Record.line_pieces`` / ``put_lines``): every such line must be
 byte for byte the line ``Record.to_json_dict`` + ``encode_line`` would write,
 for every dtype, value and site, and a site whose template cannot be cut
 keeps the ordinary encoding."""
@@ -9,15 +9,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orjson
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
 import pmaptap._host.sink as sink_mod
-from conftest import run_python
-from pmaptap._host.records import _STEP_SENTINEL, _line_pieces
-from pmaptap.tapfile.format import Record, encode_line, new_record
+from conftest import record_dict, run_python
+from pmaptap.tapfile.format import _STEP_SENTINEL, MAX_STEP, Record, encode_line, new_record
 
 
 @pytest.fixture
@@ -108,27 +108,41 @@ def test_non_finite_values_and_ambiguous_sites_keep_the_ordinary_encoding(
     assert any(np.isnan(r["value"]) for r in recs if r["name"] == "inf")  # 0/0 on device 0
 
 
+def _per_device_template(**fields) -> dict:
+    """The fields of a float32 per_device record of device 3 (else
+    conftest.record_dict's), for Record.line_pieces / from_template."""
+    base = {"kind": "per_device", "dtype": "float32", "process": 1, "device": 3}
+    return new_record(**record_dict(**{**base, "coords": {"dp": 3}, **fields})).template()
+
+
 def test_line_pieces_rebuild_the_sentinel_line():
-    rec = new_record(
-        run="r",
-        name="a",
-        step=0,
-        kind="per_device",
-        value=0,
-        dtype="float32",
-        shape=[],
-        process=1,
-        time=0.0,
-        host="h",
-        device=3,
-        coords={"dp": 3},
-    )
-    pieces = _line_pieces(dict(rec.__dict__), "float32", [])
+    template = _per_device_template()
+    pieces = Record.line_pieces(template, "float32", [])
     assert pieces is not None
     line = b"".join((pieces[0], b"12", pieces[1], b"0.5", pieces[2], b"3.25", pieces[3]))
-    assert line == encode_line(
-        Record(**dict(rec.__dict__, step=12, value=0.5, time=3.25)).to_json_dict()
-    )
+    want = Record(**dict(template, step=12, value=0.5, time=3.25))
+    assert line == encode_line(want.to_json_dict())
+
+
+def test_put_lines_write_what_encode_writes():
+    # The step and time formatting of the fast line lives in put_lines, the
+    # rest in the pieces: together, each record's line is its own encoding,
+    # at the step's and time's extremes too.
+    template = _per_device_template(name='n\u00e9 "q" \\ x', coords={"dp": 3, "mp": 0}, attempt=2)
+    values = [0.1, -2.5, 1e20, 7, True]
+    pieces = [Record.line_pieces(template, "float32", [])] * len(values)
+    assert pieces[0] is not None
+    for step, now in ((0, 0.0), (2**40 + 3, 1764600000.1234567), (MAX_STEP, 3.25)):
+        recs = [Record.from_template(template, step, v, "float32", [], now) for v in values]
+        Record.put_lines(recs, pieces, [orjson.dumps(v) for v in values], step, now)
+        for r in recs:
+            assert r.__dict__.get("_line") is not None
+            assert r.encode() == encode_line(r.to_json_dict()), r
+    # A template taken from a record that has its line never hands the line
+    # on: a copy with another value encodes its own.
+    again = Record.from_template(recs[0].template(), 5, 1.5, "float32", [], 1.0)
+    assert again.encode() == encode_line(again.to_json_dict())
+    assert b'"value":1.5' in again.encode()
 
 
 def test_64_bit_scalars_under_x64():
