@@ -41,7 +41,7 @@ class Layout(enum.Enum):
     # time (invariant.py): sent as VERIFIED_OFF, written as VERIFIED.
     PROVEN = "proven"
     # One callback per shard of a partitioned value under plain jit (see
-    # shardcall.py); summaries, if any, made on the host per shard.
+    # shardcall.py); statistics of big leaves, if any, made on the host per shard.
     SHARDS = "shards"
     # A tap of scalars under plain jit: replicated on every device of the
     # computation by construction. Its callback reads ONE copy, the first
@@ -66,8 +66,8 @@ class TapSite:
     batch_dims: int = 0  # leading axes added by vmap
     # Per leaf: None (sent whole) or the (dtype, shape) of a leaf above
     # options().max_value_bytes whose statistics travel instead (see
-    # stats.device_statistics); () when no leaf is summarized.
-    summaries: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
+    # stats.device_statistics); () when every leaf is sent whole.
+    as_statistics: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
     # One per traced tap: what the aggregator keys its per-site tables on.
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 

@@ -1,11 +1,13 @@
-"""Per-process grouping of per-device copies, and the dedup policies.
+"""Per-process collection of per-device copies, and the dedup policies.
 
 Pure logic, no threads: ``Aggregator.add`` takes one callback's payload
 (already converted to NumPy by the aggregator thread) and returns the records
-that became complete. A group is one (name, step, pass) on this process; it is
+that became complete. Pending copies are those of one (name, step, pass) on
+this process whose other copies are still arriving (``_Pending``); they are
 complete when every local device that runs the tap has reported, when the
-same device reports that key again, when it has waited ``group_timeout``
+same device reports that key again, when they have waited ``group_timeout``
 seconds (a tap under a ``cond`` that fired on some devices only), or at flush.
+(Not a ``pmaptap.group()``: that is several taps sent in one callback.)
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ from pmaptap.tapfile.format import (
 
 
 @dataclasses.dataclass
-class _Group:
+class _Pending:
+    """The copies of one value that arrived so far, waiting for the rest
+    (``first``: when the first came, for ``group_timeout``)."""
+
     first: float
     copies: list[Copy]
 
@@ -67,7 +72,7 @@ class Aggregator(RecordFactory):
         # (name, step, pass) -> the copies awaiting comparison: record_key
         # (format.py) less what one aggregator shares (run, attempt) and what
         # the copies carry (a shard's index): the records do not exist yet.
-        self._groups: OrderedDict[tuple, _Group] = OrderedDict()
+        self._pending: OrderedDict[tuple, _Pending] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
         # Per-shard taps: per ShardPlacement (one per tap per lowering, so
         # dropped with its executable), per (site, partition): the record
@@ -92,8 +97,8 @@ class Aggregator(RecordFactory):
             self._counters[ckey] = step + 1
             if step % spec.site.every:
                 return []
-        if spec.placement.local_copies == 1 and not self._groups:
-            # Fast path (plain jit / eager): a group of one is complete now.
+        if spec.placement.local_copies == 1 and not self._pending:
+            # Fast path (plain jit / eager): a value of one copy is complete now.
             if spec.site.dedup == "per_device":
                 return [
                     self._per_device_record(
@@ -110,18 +115,20 @@ class Aggregator(RecordFactory):
             return [self._replicated_record_of_holders(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
-        gkey = (spec.name, int(step), spec.site.pass_)
-        group = self._groups.get(gkey)
-        if group is not None and any(cp.coords == c and cp.device == device for cp in group.copies):
+        pkey = (spec.name, int(step), spec.site.pass_)
+        pending = self._pending.get(pkey)
+        if pending is not None and any(
+            cp.coords == c and cp.device == device for cp in pending.copies
+        ):
             # Same device again for this key (two tap sites sharing a name,
-            # or a fixed Python step in a loop): close the earlier group.
-            out += self._resolve(gkey, self._groups.pop(gkey))
-            group = None
-        if group is None:
-            group = self._groups[gkey] = _Group(self.clock(), [])
-        group.copies.append(copy)
-        if len(group.copies) >= spec.placement.local_copies:
-            out += self._resolve(gkey, self._groups.pop(gkey))
+            # or a fixed Python step in a loop): complete the earlier copies.
+            out += self._resolve(pkey, self._pending.pop(pkey))
+            pending = None
+        if pending is None:
+            pending = self._pending[pkey] = _Pending(self.clock(), [])
+        pending.copies.append(copy)
+        if len(pending.copies) >= spec.placement.local_copies:
+            out += self._resolve(pkey, self._pending.pop(pkey))
         return out
 
     def add_callback(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
@@ -147,7 +154,7 @@ class Aggregator(RecordFactory):
             arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
         if layout in (Layout.COPY, Layout.SHARDS, Layout.WHOLE):
             # SHARDS / WHOLE without a placement: the computation was not
-            # partitioned, one whole copy came (summarized on device).
+            # partitioned, one whole copy came (big leaves: statistics made on device).
             return self.add(spec, coords, step, arrays[2:])
         if layout is Layout.GATHERED:
             return self._add_gathered(spec, step, arrays[2:])
@@ -177,11 +184,11 @@ class Aggregator(RecordFactory):
             self._counters[ckey] = step + 1
             if step % site.every:
                 return []
-        leaves, summaries = shard_host.summarize_leaves(site, raw)
+        leaves, as_statistics = shard_host.statistics_of_leaves(site, raw)
         if site.dedup == "per_device":
             # Nothing to compare: the shard's record now, without waiting
             # for the step's other shards.
-            return [self._per_device_record_of_shard_now(spec, step, k, raw, leaves, summaries)]
+            return [self._per_device_record_of_shard_now(spec, step, k, raw, leaves, as_statistics)]
         copy = Copy(
             spec,
             (k,),
@@ -194,19 +201,19 @@ class Aggregator(RecordFactory):
             partition=k,
             index=place.index_of(k, raw),
             slice_key=tuple(place.holders(k)),
-            summaries=summaries,
+            as_statistics=as_statistics,
         )
         out: list[Record] = []
-        gkey = (site.name, step, site.pass_)
-        group = self._groups.get(gkey)
-        if group is not None and any(cp.device == device for cp in group.copies):
-            out += self._resolve(gkey, self._groups.pop(gkey))
-            group = None
-        if group is None:
-            group = self._groups[gkey] = _Group(self.clock(), [])
-        group.copies.append(copy)
-        if len(group.copies) >= max(1, place.local_expected()):
-            out += self._resolve(gkey, self._groups.pop(gkey))
+        pkey = (site.name, step, site.pass_)
+        pending = self._pending.get(pkey)
+        if pending is not None and any(cp.device == device for cp in pending.copies):
+            out += self._resolve(pkey, self._pending.pop(pkey))
+            pending = None
+        if pending is None:
+            pending = self._pending[pkey] = _Pending(self.clock(), [])
+        pending.copies.append(copy)
+        if len(pending.copies) >= max(1, place.local_expected()):
+            out += self._resolve(pkey, self._pending.pop(pkey))
         return out
 
     def _add_whole(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
@@ -287,7 +294,7 @@ class Aggregator(RecordFactory):
             if dedup == "auto":
                 out += [self._per_device_record_of_shard(spec, step, cp) for cp in cps]
                 continue
-            for group in by_value.values():
+            for alike in by_value.values():
                 extra = {
                     "holders": [
                         {
@@ -295,20 +302,20 @@ class Aggregator(RecordFactory):
                             "process": h.process,
                             "coords": place.coords[h.partition],
                         }
-                        for h in group
+                        for h in alike
                     ]
                 }
                 out.append(
                     self._replicated_record(
                         spec,
                         step,
-                        self._shard_value(spec, group[0]),
-                        tuple(h.device for h in group),
-                        tuple(sorted({h.process for h in group})),
-                        group[0].key,
+                        self._shard_value(spec, alike[0]),
+                        tuple(h.device for h in alike),
+                        tuple(sorted({h.process for h in alike})),
+                        alike[0].key,
                         divergent=True,
                         extra=extra,
-                        index=group[0].index,
+                        index=alike[0].index,
                     )
                 )
         return out
@@ -382,13 +389,13 @@ class Aggregator(RecordFactory):
             # leaders write theirs. No value comparison needed.
             texts: list[bytes] = []
             encoded = encode_rows(
-                spec.site.treedef, stacked, t.local, spec.site.summaries, texts=texts
+                spec.site.treedef, stacked, t.local, spec.site.as_statistics, texts=texts
             )
             return self._per_device_records_of_rows(spec, t, step, encoded, texts)
         if _rows_identical(stacked):
             # Every copy agrees (the common case): one record held by all.
             row0 = [a[0] for a in stacked]
-            encoded = encode_rows(spec.site.treedef, stacked, [0], spec.site.summaries)[0]
+            encoded = encode_rows(spec.site.treedef, stacked, [0], spec.site.as_statistics)[0]
             return [self._replicated_record_of_all(spec, step, t, encoded, value_key(row0))]
         copies = []
         for k in range(spec.placement.total_copies):  # copies disagree: key each one
@@ -401,7 +408,7 @@ class Aggregator(RecordFactory):
         # auto becomes per-device records: of this process's devices only.
         return self._resolve(
             (spec.name, step, spec.site.pass_),
-            _Group(self.clock(), copies),
+            _Pending(self.clock(), copies),
             local={t.coords[k] for k in t.local},
         )
 
@@ -426,18 +433,18 @@ class Aggregator(RecordFactory):
     def expire(self) -> list[Record]:
         now = self.clock()
         out: list[Record] = []
-        while self._groups:
-            gkey, group = next(iter(self._groups.items()))
-            if now - group.first < self.group_timeout:
+        while self._pending:
+            pkey, pending = next(iter(self._pending.items()))
+            if now - pending.first < self.group_timeout:
                 break
-            out += self._resolve(gkey, self._groups.pop(gkey))
+            out += self._resolve(pkey, self._pending.pop(pkey))
         return out
 
     def finalize_all(self) -> list[Record]:
         out: list[Record] = []
-        while self._groups:
-            gkey, group = self._groups.popitem(last=False)
-            out += self._resolve(gkey, group)
+        while self._pending:
+            pkey, pending = self._pending.popitem(last=False)
+            out += self._resolve(pkey, pending)
         return out + self.refused_records()
 
     def _refuse(self, name: str, step: int) -> list[Record]:
@@ -488,12 +495,13 @@ class Aggregator(RecordFactory):
         )
 
     # ------------------------------------------------------------ dedup
-    def _resolve(self, gkey: tuple, group: _Group, local: set | None = None) -> list[Record]:
-        """Records of one complete group. ``local``: the coordinates whose
+    def _resolve(self, pkey: tuple, pending: _Pending, local: set | None = None) -> list[Record]:
+        """Records of one value's copies, all arrived (or waited for long
+        enough). ``local``: the coordinates whose
         per-device records this process writes (None: all it received)."""
-        copies = sorted(group.copies, key=lambda cp: cp.coords)
+        copies = sorted(pending.copies, key=lambda cp: cp.coords)
         spec = copies[0].spec
-        step = gkey[1]
+        step = pkey[1]
         if spec.shards is not None:
             return self._resolve_shards(spec, step, copies)
         by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()

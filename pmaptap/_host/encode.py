@@ -122,7 +122,7 @@ def _dtype_name(dt: np.dtype) -> str:
     return name
 
 
-def encode_summary(
+def encode_statistics(
     stats: np.ndarray, dtype: str, shape: tuple[int, ...]
 ) -> tuple[dict, str, list[int]]:
     """float32[..., 8] statistics -> ({"min": ..., "nan": ...}, the original
@@ -210,7 +210,7 @@ def encode_rows(
     treedef,
     stacked: list[np.ndarray],
     rows: list[int],
-    summaries: tuple = (),
+    as_statistics: tuple = (),
     texts: list[bytes] | None = None,
 ) -> list[tuple[Any, Any, Any]]:
     """``encode_tree`` of row k of every stacked leaf (copies, *shape), for
@@ -227,7 +227,7 @@ def encode_rows(
     (``Record.put_lines`` in tapfile/format.py); elsewhere it stays empty."""
     if (
         ORJSON is not None
-        and not summaries
+        and not as_statistics
         and len(stacked) == 1
         and treedef.num_nodes == 1
         and treedef.num_leaves == 1
@@ -248,14 +248,18 @@ def encode_rows(
                     texts.extend(parts[k] for k in rows)
                 return [(vals[k], name, shape) for k in rows]
             return [(a[k], name, shape) for k in rows]
-    return [encode_tree(treedef, [x[k] for x in stacked], summaries) for k in rows]
+    return [encode_tree(treedef, [x[k] for x in stacked], as_statistics) for k in rows]
 
 
-def encode_tree(treedef, leaves: list[np.ndarray], summaries: tuple = ()) -> tuple[Any, Any, Any]:
-    """(value, dtype, shape) of a pytree; ``summaries`` (TapSpec.summaries)
+def encode_tree(
+    treedef, leaves: list[np.ndarray], as_statistics: tuple = ()
+) -> tuple[Any, Any, Any]:
+    """(value, dtype, shape) of a pytree; ``as_statistics`` (TapSite.as_statistics)
     marks the leaves that arrive as statistics."""
     encoded = [
-        encode_summary(a, *summaries[i]) if summaries and summaries[i] else encode_array(a)
+        encode_statistics(a, *as_statistics[i])
+        if as_statistics and as_statistics[i]
+        else encode_array(a)
         for i, a in enumerate(leaves)
     ]
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a single array

@@ -27,7 +27,7 @@ LOCK_WAIT_WARN_S = 10.0
 
 
 class AggregateLoop:
-    """Payloads -> records: NumPy conversion, steps, grouping and dedup (the
+    """Payloads -> records: NumPy conversion, steps, collecting each value's copies and dedup (the
     ``Aggregator``), off the callback thread."""
 
     def __init__(self, queue: BoundedQueue, agg: Aggregator, report: Report, *, name: str) -> None:

@@ -27,11 +27,12 @@ class Copy:
     leaves: list[np.ndarray]
     key: bytes  # bitwise identity of the value
     # Per-shard taps (Layout.SHARDS): the shard's partition, its global
-    # slice, the partitions holding the same slice, and per-shard summaries.
+    # slice, the partitions holding the same slice, and which leaves are
+    # statistics made on the host for this shard (TapSite.as_statistics's form).
     partition: int = -1
     index: Any = None
     slice_key: Any = None
-    summaries: tuple = ()
+    as_statistics: tuple = ()
 
 
 def restore(spec: PayloadSpec, arrays: list[np.ndarray]) -> list[np.ndarray]:

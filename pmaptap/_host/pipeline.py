@@ -6,10 +6,10 @@ two threads and answers flush() and close().
 
 The callback thread only queues (it must return at once: it blocks its
 device and holds the GIL); the bound and the overflow policy are in
-queue.py. The aggregator converts arrays to NumPy, assigns steps, groups and
-dedups; the writer batches records into the sink (loops.py). Failures in
-either thread are collected in an ``ErrorLog`` and raised as ``TapError`` at
-the next ``flush()``/``close()``.
+queue.py. The aggregator converts arrays to NumPy, assigns steps, collects
+each value's copies and dedups; the writer batches records into the sink
+(loops.py). Failures in either thread are collected in an ``ErrorLog`` and
+raised as ``TapError`` at the next ``flush()``/``close()``.
 """
 
 from __future__ import annotations

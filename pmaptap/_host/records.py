@@ -48,7 +48,7 @@ class _Table:
         # Counter keys of the local devices, for _auto_step (built on first use).
         self.auto_keys: list[tuple] | None = None
         # Per-device record templates of the gathered path, per (batch_dims,
-        # summaries) of the spec (see RecordFactory._per_device_records_of_rows).
+        # leaves sent as statistics) of the spec (see RecordFactory._per_device_records_of_rows).
         self.per_device_templates: dict[tuple, list[dict]] = {}
         # (template key, dtype) -> per device, its line cut around the step,
         # the value and the time (None where it cannot be: Record.line_pieces).
@@ -61,7 +61,7 @@ class RecordFactory:
     they read: see the module's docstring)."""
 
     def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
-        return encode_tree(spec.site.treedef, leaves, spec.site.summaries)
+        return encode_tree(spec.site.treedef, leaves, spec.site.as_statistics)
 
     # Record builders: one per kind (_per_device_record, _replicated_record;
     # Aggregator.dropped_record); the *_of_* helpers say what they build it from.
@@ -93,7 +93,7 @@ class RecordFactory:
         of building each record field by field)."""
         # Fixed per site today; keyed anyway, so that a variant of a spec
         # (with_batch) could never take another's template.
-        key = (spec.site.batch_dims, spec.site.summaries)
+        key = (spec.site.batch_dims, spec.site.as_statistics)
         templates = t.per_device_templates.get(key)
         if templates is None:
             templates = t.per_device_templates[key] = [
@@ -169,7 +169,7 @@ class RecordFactory:
         hash change from step to step."""
         tkey = (
             spec.site.batch_dims,
-            spec.site.summaries,
+            spec.site.as_statistics,
             None if extra is None else tuple(sorted(extra.items())),
         )
         template = t.replicated_templates.get(tkey)
@@ -192,7 +192,7 @@ class RecordFactory:
         self, spec: TapSpec, step: int, holders: list[Copy], divergent: bool
     ) -> Record:
         """The replicated record of one value and the copies that hold it
-        (all of a group, or one of a divergent group's values)."""
+        (all of a step's copies, or those of one of its divergent values)."""
         extra = None
         if divergent:
             # Which coordinates held this value: the device may be unknown
@@ -259,7 +259,7 @@ class RecordFactory:
         **fields: Any,
     ) -> Record:
         """The fields every record of a tap site carries (its name, pass,
-        batch dims, summaries; this run, host and attempt) plus the kind's
+        batch dims, leaves sent as statistics; this run, host and attempt) plus the kind's
         own ``fields``."""
         value, dtype, shape = encoded
         if spec.shards is not None and spec.transport.layout is Layout.SHARDS:
@@ -283,13 +283,13 @@ class RecordFactory:
             host=self.host,
             batch_dims=spec.site.batch_dims,
             pass_=spec.site.pass_,
-            summarized=bool(spec.site.summaries),
+            summarized=bool(spec.site.as_statistics),
             attempt=self.attempt,
             **fields,
         )
 
     def _shard_value(self, spec: TapSpec, cp: Copy) -> tuple:
-        return encode_tree(spec.site.treedef, cp.leaves, cp.summaries)
+        return encode_tree(spec.site.treedef, cp.leaves, cp.as_statistics)
 
     def _per_device_record_of_shard(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         """The per_device record of one shard's copy (with its index)."""
@@ -311,7 +311,7 @@ class RecordFactory:
         k: int,
         raw: list[np.ndarray],
         leaves: list[np.ndarray],
-        summaries: tuple,
+        as_statistics: tuple,
     ) -> Record:
         """The per_device record of partition ``k``'s shard, a copy of the
         partition's template (as ``_per_device_records_of_rows``: every field
@@ -334,5 +334,5 @@ class RecordFactory:
                 0.0,
                 index=place.index_of(k, raw),
             ).template()
-        value, dtype, shape = encode_tree(spec.site.treedef, leaves, summaries)
+        value, dtype, shape = encode_tree(spec.site.treedef, leaves, as_statistics)
         return Record.from_template(template, step, value, dtype, shape, self.clock())

@@ -51,7 +51,8 @@ class Session:
     lock_timeout: seconds one lock attempt waits before the writer retries.
     flush_timeout: seconds flush() waits for a busy lock before TapError.
     close_timeout: seconds close() waits to drain (and for peers, multi-process).
-    group_timeout: seconds a step waits for missing device copies.
+    group_timeout: seconds the copies of a step's value wait for the missing
+      device copies (a tap under a cond that fired on some devices only).
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
       pmaptap._host.sink.FileSink). Every process of a job must use the same mode.

@@ -1,6 +1,6 @@
 """Host side of per-shard taps (layout "shards", see _trace/shardcall.py):
-per-shard statistics for ``max_value_bytes`` and the grouping of one step's
-shards into records.
+per-shard statistics for ``max_value_bytes`` and the records of one step's
+shards, slice by slice.
 
 Dedup of shards: ``per_device`` writes every shard that arrived. ``auto`` and
 ``replicated`` compare the copies of each slice (devices holding the same
@@ -23,7 +23,7 @@ import numpy as np
 from pmaptap.tapfile.format import COUNT_BASE
 
 
-def summarize(a: np.ndarray, batch_dims: int = 0) -> np.ndarray:
+def host_statistics(a: np.ndarray, batch_dims: int = 0) -> np.ndarray:
     """NumPy twin of ``stats.device_statistics`` over the trailing (unbatched) axes of
     one shard: float32[..., 8] (min, max, mean, std over finite elements,
     then NaN and inf counts split in two float32 each)."""
@@ -60,26 +60,26 @@ def summarize(a: np.ndarray, batch_dims: int = 0) -> np.ndarray:
     return np.stack(stats, -1)
 
 
-def summarize_leaves(site: Any, leaves: list[np.ndarray]) -> tuple[list[np.ndarray], tuple]:
-    """Statistics in place of the leaves ``site.summaries`` (a TapSite) marks,
-    and the summaries tuple describing them (dtype, this shard's unbatched
+def statistics_of_leaves(site: Any, leaves: list[np.ndarray]) -> tuple[list[np.ndarray], tuple]:
+    """Statistics in place of the leaves ``site.as_statistics`` (a TapSite) marks,
+    and the tuple marking them in the same form (dtype, this shard's unbatched
     shape)."""
-    if not site.summaries:
+    if not site.as_statistics:
         return leaves, ()
     out, marks = [], []
-    for a, mark in zip(leaves, site.summaries):
+    for a, mark in zip(leaves, site.as_statistics):
         if mark is None:
             out.append(a)
             marks.append(None)
         else:
-            out.append(summarize(a, site.batch_dims))
+            out.append(host_statistics(a, site.batch_dims))
             marks.append((mark[0], tuple(a.shape[site.batch_dims :])))
     return out, tuple(marks)
 
 
 def by_slice(copies: list) -> "OrderedDict[Any, list]":
-    """Copies grouped by the slice they hold (their ``index``), in
-    partition order; unknown slices (None) group together."""
+    """Copies by the slice they hold (their ``index``), in partition
+    order; unknown slices (None) go together."""
     out: OrderedDict[Any, list] = OrderedDict()
     for cp in sorted(copies, key=lambda c: c.partition):
         out.setdefault(cp.slice_key, []).append(cp)

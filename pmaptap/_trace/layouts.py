@@ -207,13 +207,13 @@ def jit_call(
     (``GroupSpec``); on a partitioned computation each device makes one call
     with its shard of every member (see shardcall.py)."""
     specs, counts = tuple(specs), tuple(counts)
-    summarize = tuple(
-        bool(s.site.summaries and s.site.summaries[i])
+    as_statistics = tuple(
+        bool(s.site.as_statistics and s.site.as_statistics[i])
         for s, n in zip(specs, counts)
         for i in range(n)
     )
-    # Summarized leaves arrive as float32 statistics: nothing to restore.
-    skip = (False,) * (1 + len(specs)) + summarize
+    # Leaves sent as statistics arrive as float32: nothing to restore.
+    skip = (False,) * (1 + len(specs)) + as_statistics
     args, restore = _narrow((coords, *steps, *flat), skip)
     m = len(specs)
     shard_call(
@@ -222,7 +222,7 @@ def jit_call(
         args[1 : 1 + m],
         args[1 + m :],
         members=tuple((n, s.transport.layout is Layout.SHARDS) for s, n in zip(specs, counts)),
-        summarize=summarize,
+        as_statistics=as_statistics,
         batch_dims=specs[0].site.batch_dims,
     )
 

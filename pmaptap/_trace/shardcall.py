@@ -23,9 +23,9 @@ XLA's partitioner has chosen it. So the decision is taken in the lowering:
   step of scalars only is one non-partitioned callback from device 0, as
   ``jax.debug.callback`` makes; its placements still name every device.
 - otherwise (one device, or inside shard_map/pmap): ``callback_p``'s own
-  lowering, after computing ``max_value_bytes`` summaries on the device as
-  ``tap`` did before (on a partitioned value a summary of the whole array
-  would need an all-reduce, so there the host summarizes each shard).
+  lowering, after computing ``max_value_bytes`` statistics on the device as
+  ``tap`` did before (on a partitioned value statistics of the whole array
+  would need an all-reduce, so there the host computes them per shard).
 
 This module relies on ``jax._src`` internals (JAX 0.10) through
 placement.py and the lowering helpers below; tests/trace/test_sharded_jit.py fails
@@ -66,7 +66,7 @@ def shard_call(
     leaves: Sequence,
     *,
     members: tuple[tuple[int, bool], ...],
-    summarize: tuple[bool, ...] = (),
+    as_statistics: tuple[bool, ...] = (),
     batch_dims: int = 0,
 ) -> None:
     """One host call carrying the taps ``members`` of a step under plain jit:
@@ -83,7 +83,7 @@ def shard_call(
       device 0 (partition 0) with the whole values;
     - ``places`` None (one device, inside shard_map/pmap, eager):
       ``(coords, *steps, *leaves)`` once, the leaves marked in
-      ``summarize`` as their on-device statistics.
+      ``as_statistics`` as their on-device statistics.
     """
     shard_call_p.bind(
         coords,
@@ -91,19 +91,19 @@ def shard_call(
         *leaves,
         entry=entry,
         members=tuple(members),
-        summarize=tuple(summarize),
+        as_statistics=tuple(as_statistics),
         batch_dims=batch_dims,
     )
 
 
 @shard_call_p.def_impl
-def _impl(coords, *args, entry, members, summarize, batch_dims):
+def _impl(coords, *args, entry, members, as_statistics, batch_dims):
     # Eager: one concrete value on the caller's thread.
     m = len(members)
     steps, leaves = args[:m], args[m:]
     leaves = [
-        _summarized(x, batch_dims) if s else x
-        for x, s in zip(leaves, summarize or (False,) * len(leaves))
+        _statistics(x, batch_dims) if s else x
+        for x, s in zip(leaves, as_statistics or (False,) * len(leaves))
     ]
     entry(None)(*[np.array(a) for a in (coords, *steps, *leaves)])
     return ()
@@ -112,7 +112,7 @@ def _impl(coords, *args, entry, members, summarize, batch_dims):
 primitive.register_tap_rules(shard_call_p)
 
 
-def _summarized(x, batch_dims: int):
+def _statistics(x, batch_dims: int):
     from pmaptap._trace.stats import device_statistics
 
     fn = device_statistics
@@ -121,22 +121,22 @@ def _summarized(x, batch_dims: int):
     return fn(x)
 
 
-def _lower_whole(ctx, coords, *args, host_fn, members, summarize, batch_dims):
-    """Not partitioned: summaries on device, then ``callback_p``'s lowering
+def _lower_whole(ctx, coords, *args, host_fn, members, as_statistics, batch_dims):
+    """Not partitioned: statistics on device, then ``callback_p``'s lowering
     (once, with the whole values; on device 0 of a multi-device computation)."""
     m = len(members)
     steps, leaves = args[:m], args[m:]
     operands, avals = [coords, *steps], list(ctx.avals_in[: 1 + m])
-    for x, aval, s in zip(leaves, ctx.avals_in[1 + m :], summarize or (False,) * len(leaves)):
+    for x, aval, s in zip(leaves, ctx.avals_in[1 + m :], as_statistics or (False,) * len(leaves)):
         if s:
             out_aval = jax.eval_shape(
-                partial(_summarized, batch_dims=batch_dims),
+                partial(_statistics, batch_dims=batch_dims),
                 jax.ShapeDtypeStruct(aval.shape, aval.dtype),
             )
             out_aval = core.ShapedArray(out_aval.shape, out_aval.dtype)
             sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[out_aval])
             (x,) = mlir.lower_fun(
-                partial(_summarized, batch_dims=batch_dims), multiple_results=False
+                partial(_statistics, batch_dims=batch_dims), multiple_results=False
             )(sub, x)
             aval = out_aval
         operands.append(x)
@@ -144,10 +144,10 @@ def _lower_whole(ctx, coords, *args, host_fn, members, summarize, batch_dims):
     return primitive._lowering(ctx.replace(avals_in=avals), *operands, host_fn=host_fn)
 
 
-def _lowering(ctx, coords, *args, entry, members, summarize, batch_dims):
+def _lowering(ctx, coords, *args, entry, members, as_statistics, batch_dims):
     if primitive.recomputed_while_predicate(ctx):
         return []  # a duplicate (see primitive.recomputed_while_predicate)
-    params = dict(members=members, summarize=summarize, batch_dims=batch_dims)
+    params = dict(members=members, as_statistics=as_statistics, batch_dims=batch_dims)
     where = placement.shard_context(ctx)
     if where is None:
         return _lower_whole(ctx, coords, *args, host_fn=entry(None), **params)
@@ -204,7 +204,7 @@ def _lowering(ctx, coords, *args, entry, members, summarize, batch_dims):
     return result
 
 
-def _lower_tpu(ctx, coords, *args, entry, members, summarize, batch_dims):
+def _lower_tpu(ctx, coords, *args, entry, members, as_statistics, batch_dims):
     # TPU: no partitioned python callbacks; the whole values, as before.
     return _lower_whole(
         ctx,
@@ -212,7 +212,7 @@ def _lower_tpu(ctx, coords, *args, entry, members, summarize, batch_dims):
         *args,
         host_fn=entry(None),
         members=members,
-        summarize=summarize,
+        as_statistics=as_statistics,
         batch_dims=batch_dims,
     )
 

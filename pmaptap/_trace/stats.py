@@ -53,18 +53,18 @@ def device_statistics(x: jax.Array) -> jax.Array:
 def statistics_of_big_leaves(leaves: list, compute: bool = True) -> tuple[list, tuple]:
     """Replace every leaf above options().max_value_bytes by its statistics
     (decided at trace time, so the big array never leaves the device).
-    Returns (leaves to send, TapSpec.summaries). ``compute=False`` only
+    Returns (leaves to send, TapSite.as_statistics). ``compute=False`` only
     marks them (per-shard taps: the lowering decides, see shardcall.py)."""
     limit = options().max_value_bytes
     if limit is None:
         return leaves, ()
-    out, summaries = [], []
+    out, as_statistics = [], []
     for x in leaves:
         dtype = jnp.dtype(x.dtype)
         if int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize > limit:
             out.append(device_statistics(jnp.asarray(x)) if compute else x)
-            summaries.append((dtype.name, tuple(int(d) for d in np.shape(x))))
+            as_statistics.append((dtype.name, tuple(int(d) for d in np.shape(x))))
         else:
             out.append(x)
-            summaries.append(None)
-    return out, (tuple(summaries) if any(summaries) else ())
+            as_statistics.append(None)
+    return out, (tuple(as_statistics) if any(as_statistics) else ())

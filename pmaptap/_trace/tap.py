@@ -91,9 +91,9 @@ def _emit_leaves(
     pass_: str,
 ) -> None:
     jit = jit_layout(leaves)
-    # Per-shard taps only mark big leaves: a summary of a partitioned value
+    # Per-shard taps only mark big leaves: statistics of a partitioned value
     # would need an all-reduce, so their lowering decides (shardcall.py).
-    sent, summaries = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
+    sent, as_statistics = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
     where, raw_names = placement.current(leaves)
     site = TapSite(
         name=name,
@@ -102,7 +102,7 @@ def _emit_leaves(
         treedef=treedef,
         explicit_step=explicit,
         pass_=pass_,
-        summaries=summaries,
+        as_statistics=as_statistics,
     )
     spec = TapSpec(site=site, placement=where)
     if jit is not None:

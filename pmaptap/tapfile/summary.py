@@ -390,7 +390,8 @@ class Summarizer:
     records from ``pmaptap.read`` already carry that mark."""
 
     def __init__(self, reconcile: bool = True) -> None:
-        self._groups: dict[str, dict[str, _TapAcc]] = {}
+        # The accumulators by run and name (runs in file order).
+        self._taps: dict[str, dict[str, _TapAcc]] = {}
         self._index = DivergenceIndex() if reconcile else None
         self._restarts = Restarts()
         self.resumed = False  # whether a record of a later attempt was added
@@ -409,9 +410,9 @@ class Summarizer:
             if attempt_of(r) and r["kind"] != "meta":
                 self.resumed = True  # a later attempt's record (see Attempts)
         run = r.get("run", "")
-        names = self._groups.get(run)
+        names = self._taps.get(run)
         if names is None:
-            names = self._groups[run] = {}
+            names = self._taps[run] = {}
         acc = names.get(r["name"])
         if acc is None:
             acc = names[r["name"]] = _TapAcc(run, r["name"])
@@ -419,13 +420,13 @@ class Summarizer:
 
     def names_and_runs(self) -> tuple[set, set]:
         """The names and runs of the records added."""
-        return {n for names in self._groups.values() for n in names}, set(self._groups)
+        return {n for names in self._taps.values() for n in names}, set(self._taps)
 
     def summaries(self) -> list[TapSummary]:
         """One TapSummary per (run, name), runs in file order, names sorted."""
         out = [
             acc.result(self._index)
-            for names in self._groups.values()
+            for names in self._taps.values()
             for _, acc in sorted(names.items())
         ]
         for s in out:

@@ -74,9 +74,9 @@ class BatchSummarizer(Summarizer):
                 for r, i in zip(part, where):
                     self._odd(r, i, lines, first, bad)
                 continue
-            by_run = self._groups.get(run)
+            by_run = self._taps.get(run)
             if by_run is None:
-                by_run = self._groups[run] = {}
+                by_run = self._taps[run] = {}
             acc = by_run.get(name)
             if acc is None:
                 acc = by_run[name] = _TapAcc(run, name)

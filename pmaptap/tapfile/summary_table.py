@@ -93,13 +93,13 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
         return "no records"
     out: list[str] = []
     for run in dict.fromkeys(s.run for s in summaries):
-        group = [s for s in summaries if s.run == run]
-        n = sum(s.records for s in group)
-        procs = format_ids(sorted({p for s in group for p in s.processes}, key=id_order))
-        devs = format_ids([d for s in group for d in s.devices])
-        restarts = next((s.restarts for s in group if s.restarts), "")
+        of_run = [s for s in summaries if s.run == run]
+        n = sum(s.records for s in of_run)
+        procs = format_ids(sorted({p for s in of_run for p in s.processes}, key=id_order))
+        devs = format_ids([d for s in of_run for d in s.devices])
+        restarts = next((s.restarts for s in of_run if s.restarts), "")
         out.append(
-            f"run {run}: {n} records, {len(group)} tap(s), "
+            f"run {run}: {n} records, {len(of_run)} tap(s), "
             f"processes {procs}, devices {devs}" + (f"; {restarts}" if restarts else "")
         )
         table = Table(_COLUMNS, right={"records"})
@@ -120,7 +120,7 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
                 "norm": _num(s.norm),
                 "issues": _issues(s) or "-",
             }
-            for s in group
+            for s in of_run
         ]
         table.fit(rows)
         out.append(table.header())

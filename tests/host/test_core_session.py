@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
-import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import run_python, start_python
+from conftest import run_python, start_python, wait_for
 
 
 def test_second_open_names_the_open_session(tap_path, tmp_path):
@@ -128,12 +128,31 @@ def test_everything_dispatched_is_written_on_exit_paths(tmp_path, mode):
     assert sorted({r["step"] for r in recs}) == list(range(20))
 
 
+def _highest_step_written(path: str) -> int:
+    """The highest step among the whole lines of a file being written (-1
+    if none yet)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return -1
+    steps = [-1]
+    for line in data.split(b"\n")[:-1]:  # the last piece may be half a line
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(steps)
+
+
 def test_sigterm_writes_everything_then_dies_by_the_signal(tmp_path):
     tap = str(tmp_path / "t.jsonl")
     p = start_python(_WRITER, TAP=tap, MODE="sigterm")
     try:
         assert p.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
+        # The signal comes while the loop taps: its records (steps 20 on)
+        # are reaching the file.
+        wait_for(lambda: _highest_step_written(tap) >= 20, 120, "the loop's records in the file")
         p.send_signal(signal.SIGTERM)
         p.wait(60)
     finally:
@@ -168,11 +187,33 @@ def test_sigterm_during_close_lets_the_drain_finish_then_dies(tmp_path):
         assert holder.stdout.readline().strip() == "locked"
         child = start_python(
             """
-            import os, jax, jax.numpy as jnp, pmaptap
+            import os, sys, threading, time, jax, jax.numpy as jnp, pmaptap
             s = pmaptap.Session(os.environ["TAP"], run="t", lock_timeout=0.1).open()
             f = jax.jit(lambda v: pmaptap.tap(v, "x"))
             for i in range(30):
                 f(jnp.float32(i))
+
+            def draining():
+                # The main thread's stack (module, function; co_qualname is
+                # 3.11+): Session.close -> Pipeline.close, the drain.
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                names = set()
+                while frame is not None:
+                    code = frame.f_code
+                    names.add((os.path.basename(code.co_filename), code.co_name))
+                    frame = frame.f_back
+                return {("session.py", "close"), ("pipeline.py", "close")} <= names
+
+            def report():
+                while not draining():
+                    time.sleep(0.01)
+                print("draining", flush=True)
+                while not s._sigterm_pending:  # the handler ran and deferred
+                    time.sleep(0.01)
+                if draining():
+                    print("deferred, still draining", flush=True)
+
+            threading.Thread(target=report, daemon=True).start()
             print("closing", flush=True)
             s.close()                      # blocked on the lock: drain in progress
             print("not reached", flush=True)
@@ -181,9 +222,11 @@ def test_sigterm_during_close_lets_the_drain_finish_then_dies(tmp_path):
         )
         try:
             assert child.stdout.readline().strip() == "closing"
-            time.sleep(0.3)  # inside close(), waiting for the lock
+            # Observably inside close(), waiting for the lock (not just about
+            # to call it: SIGTERM before close() would take another path).
+            assert child.stdout.readline().strip() == "draining", child.stderr.read()
             child.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            assert child.stdout.readline().strip() == "deferred, still draining"
             assert child.poll() is None, "SIGTERM must not abandon the drain"
             open(release, "w").close()
             child.wait(60)

@@ -364,7 +364,7 @@ def test_close_after_jax_distributed_shutdown_warns(tmp_path):
 
 _STUCK_IN_CLOSE = """
     import jax, jax.numpy as jnp, pmaptap, pmaptap.distributed as dist
-    import os, time
+    import os, sys, threading, time
     dist.initialize()
     s = pmaptap.Session(os.environ["TAP"], close_timeout=60).open()
     f = jax.pmap(lambda x: pmaptap.tap(x, "x", dedup="per_device"), axis_name="i")
@@ -372,6 +372,26 @@ _STUCK_IN_CLOSE = """
     s.flush()                               # its records are in the file
     if jax.process_index() == 1:
         time.sleep(60)                      # never closes in time
+
+    def report_barrier():
+        # Say when the main thread waits at the close barrier: its stack
+        # (module, function) holds Session.close -> close_barrier ->
+        # Event.wait (the barrier itself runs on a helper thread).
+        main = threading.main_thread().ident
+        want = {("session.py", "close"), ("distributed.py", "close_barrier"),
+                ("threading.py", "wait")}
+        while True:
+            frame, names = sys._current_frames().get(main), set()
+            while frame is not None:
+                code = frame.f_code
+                names.add((os.path.basename(code.co_filename), code.co_name))
+                frame = frame.f_back
+            if want <= names:
+                print("IN BARRIER", flush=True)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=report_barrier, daemon=True).start()
     print(f"CLOSING {os.getpid()}", flush=True)
     s.close()
     print("CLOSED", flush=True)
@@ -391,7 +411,10 @@ def test_sigterm_ends_a_close_that_waits_for_peers(tmp_path):
             assert line, launcher.stderr.read()
             if line.startswith("[p0] CLOSING "):
                 pid = int(line.split()[-1])
-        time.sleep(1.0)  # inside the barrier by now
+        # Observably waiting at the barrier (process 0 reports its own stack).
+        while line.strip() != "[p0] IN BARRIER":
+            line = launcher.stdout.readline()
+            assert line, launcher.stderr.read()
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while pid_alive(pid) and time.monotonic() < deadline:

@@ -235,13 +235,13 @@ def test_default_limit_sends_a_2_mib_leaf_whole_as_bytes(session, tap_path):
     assert not r.get("summarized") and r["value"].tobytes() == a.tobytes()
 
 
-def test_summary_limit_is_configurable_and_per_leaf(session, tap_path):
+def test_statistics_limit_is_configurable_and_per_leaf(session, tap_path):
     f = lambda name: jax.jit(lambda v: pmaptap.tap(v, name))  # noqa: E731
     with pmaptap.configured(max_value_bytes=16):
         f("at_limit")(jnp.arange(4.0))  # 16 bytes: kept whole
         f("over")(jnp.arange(5.0))  # 20 bytes: statistics
     with pmaptap.configured(max_value_bytes=None):
-        f("never")(jnp.zeros((600, 1024)))  # 2.4 MB, but summaries are off
+        f("never")(jnp.zeros((600, 1024)))  # 2.4 MB, but statistics are off
     session.flush()
     recs = {r["name"]: r for r in pmaptap.read(tap_path)}
     assert recs["at_limit"]["value"] == [0.0, 1.0, 2.0, 3.0]
@@ -254,7 +254,7 @@ def test_summary_limit_is_configurable_and_per_leaf(session, tap_path):
             pmaptap.configure(max_value_bytes=bad)
 
 
-def test_summaries_under_pmap_vmap_and_for_every_dtype(session, tap_path) -> None:
+def test_statistics_under_pmap_vmap_and_for_every_dtype(session, tap_path) -> None:
     with pmaptap.configured(max_value_bytes=64):
         # per device: each copy's own statistics (through the gather)
         jax.pmap(lambda v: pmaptap.tap(v, "pm", dedup="per_device"))(

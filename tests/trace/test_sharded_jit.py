@@ -288,7 +288,7 @@ def test_tap_grad_cotangents_per_shard(tap_path):
         np.testing.assert_allclose(np.array(r["value"]), full[a:b, c:d], rtol=1e-6)
 
 
-def test_max_value_bytes_summarizes_each_shard(tap_path):
+def test_max_value_bytes_makes_statistics_of_each_shard(tap_path):
     mesh = _mesh()
     x = _x(mesh, P("data", "model"))
     with pmaptap.configured(max_value_bytes=16):
