@@ -13,11 +13,14 @@ import pytest
 import pmaptap
 from conftest import logs_warning, run_python
 
-_CHILD = """
-import contextlib, io, json, resource, sys
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+# A child reading tmp's run.jsonl (and ref.jsonl, bad.jsonl) under an
+# open-file limit; ``cli(...)`` runs the pmaptap command in it.
+_CHILD_START = """
+import contextlib, io, json, os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
 import pmaptap
 from pmaptap.cli import main
+from pmaptap.tapfile import follow
 
 tmp = {tmp!r}
 run, ref, bad = tmp + "/run.jsonl", tmp + "/ref.jsonl", tmp + "/bad.jsonl"
@@ -29,6 +32,9 @@ def cli(*args):
     return code, out.getvalue()
 
 got = {{}}
+"""
+
+_CHILD = """
 got["read_equal"] = pmaptap.read(run) == pmaptap.read(ref)
 got["records"] = len(pmaptap.read(run))
 for name, args in (
@@ -67,7 +73,7 @@ def test_4096_shards_read_under_a_256_open_file_limit(tmp_path):
         """,
         timeout=600,
     )
-    proc = run_python(_CHILD.format(tmp=str(tmp_path)), timeout=600)
+    proc = run_python((_CHILD_START + _CHILD).format(tmp=str(tmp_path), limit=256), timeout=600)
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["read_equal"] and got["records"] == 4096 * 3 + 4, got["records"]
     for name in ("summary", "validate", "show", "show_json"):
@@ -341,22 +347,22 @@ def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatc
     f.close()
 
 
+def _run_and_reference(tmp_path, shards: int, steps: int) -> None:
+    """tmp_path/run.jsonl, a generated run of ``shards`` shards, and
+    ref.jsonl, the same run as one file in merge order; built in another
+    process so that a reader's peak memory measured later is its own."""
+    run_python(
+        f"""
+        from benchmarks.bench_read_scale import generate, reference
+        tmp = {str(tmp_path)!r}
+        generate(tmp + "/run.jsonl", {shards}, {steps})
+        reference(tmp + "/ref.jsonl", {shards}, {steps})
+        """,
+        timeout=600,
+    )
+
+
 _FOLLOW_CHILD = """
-import contextlib, io, json, os, resource, sys
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-from pmaptap.cli import main
-from pmaptap.tapfile import follow
-
-tmp = {tmp!r}
-run, ref = tmp + "/run.jsonl", tmp + "/ref.jsonl"
-
-def cli(*args):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(list(args))
-    return code, out.getvalue()
-
-got = {{}}
 got["tail"] = [cli("tail", p, "-n", "7", "--json") for p in (run, ref)]
 f = follow.RunFollower(run)
 got["first"] = sum(1 for _ in f.poll())
@@ -385,16 +391,10 @@ def test_following_400_shards_under_a_64_open_file_limit(tmp_path):
     shard stayed open between polls, [Errno 24] past the limit). Appended
     lines are found where the last poll left each shard; a replaced shard
     is read again from its start."""
-    run_python(
-        f"""
-        from benchmarks.bench_read_scale import generate, reference
-        tmp = {str(tmp_path)!r}
-        generate(tmp + "/run.jsonl", 400, 2)
-        reference(tmp + "/ref.jsonl", 400, 2)
-        """,
-        timeout=600,
+    _run_and_reference(tmp_path, 400, 2)
+    proc = run_python(
+        (_CHILD_START + _FOLLOW_CHILD).format(tmp=str(tmp_path), limit=64), timeout=600
     )
-    proc = run_python(_FOLLOW_CHILD.format(tmp=str(tmp_path)), timeout=600)
     got = json.loads(proc.stdout.splitlines()[-1])
     (code, text), (ref_code, ref_text) = got["tail"]
     assert code == ref_code == 0
@@ -414,15 +414,7 @@ def test_tail_of_a_large_sharded_run_holds_a_chunk_of_each_shard(tmp_path):
     with a 4 MiB bound stays far below the run's size (before: every line
     of the run held at once, ~125 MiB peak) and prints what the same run
     written as one file prints."""
-    run_python(
-        f"""
-        from benchmarks.bench_read_scale import generate, reference
-        tmp = {str(tmp_path)!r}
-        generate(tmp + "/run.jsonl", 64, 3500)
-        reference(tmp + "/ref.jsonl", 64, 3500)
-        """,
-        timeout=600,
-    )
+    _run_and_reference(tmp_path, 64, 3500)
     child = f"""
 import contextlib, io, json
 from pmaptap.cli import main
