@@ -34,6 +34,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
     BARE_ORJSON_LOOP,
+    compile_bytecode,
     loopback_s3,
     measure_process,
     table,
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int)
     a = ap.parse_args(argv)
     rounds = a.rounds or (1 if a.quick else 5)
+    compile_bytecode()  # readers start as an installed package's do
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         # m. 256 shards, 102,400 lines (quick: 2,560).
