@@ -237,6 +237,36 @@ def python_cmd(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
+def demo_model():
+    """launch/model.py, the demo job's model and data (launch/ is no
+    package: loaded by path, once)."""
+    global _DEMO_MODEL
+    if _DEMO_MODEL is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "pmaptap_demo_model", os.path.join(ROOT, "launch", "model.py")
+        )
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _DEMO_MODEL = mod
+    return _DEMO_MODEL
+
+
+_DEMO_MODEL = None
+
+
+def expected_step0_grad_norm(shard: int, batch: int) -> float:
+    """The demo job's gradient norm of data shard ``shard`` at step 0 (initial
+    params, ``batch`` examples a device): what its grad_norm tap must hold."""
+    import jax
+
+    model = demo_model()
+    params = model.init_params(0)
+    x, y = model.make_batch(0, 0, shard, batch)
+    return float(model.grad_norm(jax.grad(model.loss_fn)(params, x, y)))
+
+
 def train_argv(out: str, *extra: str, steps: int, batch: int = 4) -> list[str]:
     """The command of the demo training job (launch/train.py) writing ``out``."""
     return [

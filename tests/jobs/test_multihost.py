@@ -10,7 +10,6 @@ must hold the gradient norm of shard p*D+k: checked against a recomputation.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import pytest
 import pmaptap
 from conftest import (
     ROOT,
+    expected_step0_grad_norm,
     job_failed,
     pid_alive,
     prefixed,
@@ -33,27 +33,6 @@ from conftest import (
 
 STEPS = 4
 BATCH = 8
-
-
-def _load_model():
-    spec = importlib.util.spec_from_file_location(
-        "pmaptap_demo_model", os.path.join(ROOT, "launch", "model.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-model = _load_model()  # launch/train.py's model and data
-
-
-def expected_step0_grad_norm(shard: int) -> float:
-    """Gradient norm of data shard ``shard`` at step 0 (initial params)."""
-    import jax
-
-    params = model.init_params(0)
-    x, y = model.make_batch(0, 0, shard, BATCH)
-    return float(model.grad_norm(jax.grad(model.loss_fn)(params, x, y)))
 
 
 def run_train(
@@ -128,7 +107,7 @@ def test_train_job_exact_records_and_tags(jobs, job):
     for r in gn:
         if r["step"] == 0:
             assert r["value"] == pytest.approx(
-                expected_step0_grad_norm(r["coords"]["dp"]), rel=1e-4
+                expected_step0_grad_norm(r["coords"]["dp"], BATCH), rel=1e-4
             ), r
     # Records came from every process (each wrote its own devices' norms).
     assert {r["process"] for r in gn} == set(range(P))
