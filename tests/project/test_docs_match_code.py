@@ -1,5 +1,6 @@
 """docs/architecture.md draws the code: every file it names exists, and every
-``file.py: name`` it points at is defined in that file. A rename or a move
+``file.py: name`` it points at is defined in that file (``Class.member`` in
+that class). A rename or a move
 that forgets the drawing fails here instead of misleading the next reader."""
 
 from __future__ import annotations
@@ -53,6 +54,34 @@ def _defined(path: str) -> set[str]:
     return names
 
 
+def _members(path: str) -> dict[str, set[str]]:
+    """class -> the names its body defines, and those of its bases defined
+    in the same file (methods, properties, class attributes)."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    own: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            names = own.setdefault(node.name, set())
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+
+    def every(cls: str, seen: frozenset = frozenset()) -> set[str]:
+        out = set(own.get(cls, ()))
+        for b in bases.get(cls, ()):
+            if b not in seen:
+                out |= every(b, seen | {cls})
+        return out
+
+    return {cls: every(cls) for cls in own}
+
+
 def test_every_file_and_name_the_architecture_draws_exists():
     text = open(DOC, encoding="utf-8").read()
     files = _files()
@@ -67,9 +96,14 @@ def test_every_file_and_name_the_architecture_draws_exists():
             wrong.append(f"line {line}: {ref} names {len(where)} files {where}")
             continue
         for name in re.split(r"\s*(?:->|/|,)\s*", names or ""):
-            # "Class.method" is checked by its class; a name is defined in
-            # the file (def, class or assignment).
-            if name and name.split(".")[0] not in _defined(where[0]):
-                wrong.append(f"line {line}: {where[0]} defines no {name.split('.')[0]!r}")
+            # A name is defined in the file (def, class or assignment);
+            # "Class.member" is defined in that class (or a base in the file).
+            if not name:
+                continue
+            top, _, member = name.partition(".")
+            if top not in _defined(where[0]):
+                wrong.append(f"line {line}: {where[0]} defines no {top!r}")
+            elif member and member.split(".")[0] not in _members(where[0]).get(top, ()):
+                wrong.append(f"line {line}: {where[0]}: {top} defines no {member!r}")
     assert seen > 60, seen
     assert wrong == []
