@@ -219,9 +219,9 @@ class RunFollower:
     process also wrote given once (as ``pmaptap.read`` does). A shard that
     appears later (a process that started late) is picked up at the next
     poll. The first poll of local shards merges them a chunk of each at a
-    time (bounded memory, see FIRST_POLL_BYTES); a later poll holds its
-    batch (the lines completed since the last) in memory, as does the first
-    poll of an object-store run."""
+    time (bounded memory, see FIRST_POLL_BYTES), an object-store run's a
+    chunk of each process at a time; a later poll holds its batch (the
+    lines completed since the last) in memory."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
@@ -239,9 +239,12 @@ class RunFollower:
     def poll(self) -> Iterator[tuple[int, bytes]]:
         from pmaptap.tapfile import runs
 
-        if not self._polled and not runs.is_url(self.path):
+        if not self._polled:
             self._polled = True
-            yield from self._first_poll()
+            if runs.is_url(self.path):
+                yield from self._first_poll_store()
+            else:
+                yield from self._first_poll()
             return
         self._polled = True
         batch: list[tuple[float, int, int, bytes]] = []
@@ -281,14 +284,64 @@ class RunFollower:
         chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1)))
         for f in paths:
             self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
-        streams = [self._stream(i, lf) for i, lf in enumerate(self._files.values())]
+        streams = [self._stream(i, lf.poll()) for i, lf in enumerate(self._files.values())]
         for _t, _i, _n, raw in heapq.merge(*streams):
             self.lineno += 1
             yield self.lineno, raw
 
-    def _stream(self, i: int, lf: "LineFollower") -> Iterator[tuple[float, int, int, bytes]]:
+    def _first_poll_store(self) -> Iterator[tuple[int, bytes]]:
+        """The run so far on an object store, merged as local shards are
+        (``_first_poll``): one chunk of each process held at a time, and its
+        next chunk fetched (by a pool of FETCH_THREADS) while it is merged."""
+        import heapq
+
+        from pmaptap.tapfile import runs
+
+        fs, _ = runs.url_fs(self.path)
+        found = sorted(self._list_chunks().items())
+        pool = self._fetch_pool()
+        streams = [
+            self._stream(i, self._chunk_lines(fs, pool, proc, names))
+            for i, (proc, names) in enumerate(found)
+        ]
+        for _t, _i, _n, raw in heapq.merge(*streams):
+            self.lineno += 1
+            yield self.lineno, raw
+
+    def _chunk_lines(self, fs, pool, proc: int, names: list[str]) -> Iterator[tuple[int, bytes]]:
+        """(line number, bytes) of a process's chunks in order, the next
+        chunk fetched while this one is read."""
+        fut = pool.submit(fs.cat_file, names[0]) if names else None
+        for k, name in enumerate(names):
+            data = fut.result()
+            fut = pool.submit(fs.cat_file, names[k + 1]) if k + 1 < len(names) else None
+            self._chunks.add(name)
+            if name > self._last.get(proc, ""):
+                self._last[proc] = name
+            for raw in data.split(b"\n"):
+                if raw:
+                    n = self._lines[proc] = self._lines.get(proc, 0) + 1
+                    yield n, raw
+
+    def _fetch_pool(self):
+        from pmaptap.tapfile import runs
+
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(
+                max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-list"
+            )
+        return self._pool
+
+    def _stream(
+        self, i: int, lines: Iterator[tuple[int, bytes]]
+    ) -> Iterator[tuple[float, int, int, bytes]]:
+        """(merge key, source, line number, bytes) of a source's lines, the
+        key its running largest record time (``pmaptap.read``'s order); a
+        replicated value another source gave first is left out."""
         t = float("-inf")
-        for n, raw in lf.poll():
+        for n, raw in lines:
             got = self._time_unless_copy(raw)
             if got is None:
                 continue
@@ -357,13 +410,7 @@ class RunFollower:
 
         now = time.monotonic()
         if self._last and now < self._relist_at:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(
-                    max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-list"
-                )
-            found = runs.chunks_after(self.path, dict(self._last), self._pool)
+            found = runs.chunks_after(self.path, dict(self._last), self._fetch_pool())
             if found is not None:
                 return found
         self._relist_at = now + RELIST_S

@@ -328,6 +328,49 @@ def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
         w.close()
 
 
+def test_a_store_followers_first_poll_is_the_run_in_read_order(s3, monkeypatch):
+    """The first poll of a follower of a store run (``tail``, ``merge -f``)
+    merges the processes' chunks one chunk of each at a time, in the order
+    ``pmaptap.read`` gives (each process's running largest time, then
+    process), a replicated value once; each chunk fetched once."""
+    import json
+
+    import pmaptap
+    from pmaptap.tapfile import follow, runs
+
+    url = "s3://taps/first-poll/run"
+    writers = [pmaptap.Writer(url, run="r", process=p) for p in range(3)]
+    for step in range(6):
+        for w in writers:
+            w.write("loss", step, 1.0 / (step + 1))  # every process: one copy kept
+            w.write("x", step, float(step + w.process), kind="per_device", device=w.process)
+            w.flush()  # a chunk a step
+    for w in writers:
+        w.close()
+    fetched = []
+    fs, _ = runs.url_fs(url)
+    cat = fs.cat_file  # the follower's instance: fsspec caches it per store
+    monkeypatch.setattr(fs, "cat_file", lambda p, *a, **k: fetched.append(p) or cat(p, *a, **k))
+
+    f = follow.RunFollower(url)
+    lines = f.poll()
+    got = [json.loads(next(lines)[1])]
+    # Before the first line: each process's first chunks (the empty one a
+    # Writer puts at open, the first with records) and the next one being
+    # fetched, not the run (before: every chunk fetched and held).
+    early = len(fetched)
+    got += [json.loads(raw) for _, raw in lines]
+    f.close()
+    monkeypatch.undo()
+    want = pmaptap.read(url)
+    key = ("name", "step", "process", "time")
+    assert [tuple(d[k] for k in key) for d in got] == [tuple(r[k] for k in key) for r in want]
+    assert sum(d["name"] == "loss" for d in got) == 6
+    assert early <= 3 * 3 < 2 * 3 * 3 <= len(fetched), (early, fetched)
+    # Every chunk once, none twice.
+    assert len(fetched) == len(set(fetched)) == sum(map(len, runs.chunks(url).values()))
+
+
 def test_process0_forwards_every_replicated_step_on_an_object_store(s3, tmp_path):
     """On an object store (the sharded layout as chunks) the owner rule
     spreads the writing of the loss over both processes; process 0's
