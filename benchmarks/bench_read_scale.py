@@ -208,6 +208,21 @@ def _rounds(arms: dict, rounds: int, env=None) -> tuple[dict, dict]:
     return walls, rss
 
 
+def _paired(arms: dict, bases: dict, rounds: int) -> tuple[dict, dict]:
+    """Per round and arm, the arm's bare loop (``bases[arm]``) run right
+    before it: the ratio of each pair, so that both meet the same load.
+    -> (ratios by arm, peak RSS by arm)."""
+    ratios: dict = {k: [] for k in arms}
+    rss: dict = {}
+    for _ in range(rounds):
+        for name, cmd in arms.items():
+            b, _ = measure(bases[name])
+            w, peak = measure(cmd)
+            ratios[name].append(w / b)
+            rss[name] = max(peak, rss.get(name, 0.0))
+    return ratios, rss
+
+
 def _report(title: str, walls: dict, rss: dict, base: str) -> None:
     b = statistics.median(walls[base])
     rows = []
@@ -316,20 +331,22 @@ def main(argv: list[str] | None = None) -> int:
             rss,
             "m. bare orjson loop (shards)",
         )
-        bare = statistics.median(walls["m. bare orjson loop (shards)"])
-        bare1 = statistics.median(walls["m. bare orjson loop (one file)"])
+        # The ratios, each command paired with its bare loop run just
+        # before it in every round (the bare loop's own time swings by a
+        # third between rounds on a shared box).
+        bare, bare1 = arms["m. bare orjson loop (shards)"], arms["m. bare orjson loop (one file)"]
+        measured = [k for k in arms if "bare" not in k]
+        ratios, _ = _paired(
+            {k: arms[k] for k in measured},
+            {k: bare if "sharded" in k else bare1 for k in measured},
+            rounds,
+        )
         print(
-            "m. ratios to the bare loop over the same files (target <= 3x): "
+            "m. ratios to the bare loop over the same files, paired rounds, "
+            "median (range) (target <= 3x): "
             + ", ".join(
-                f"{k[3:]} {statistics.median(walls[k]) / base:.2f}x"
-                for k, base in (
-                    ("m. sharded: pmaptap.read", bare),
-                    ("m. sharded: pmaptap summary", bare),
-                    ("m. sharded: pmaptap validate", bare),
-                    ("m. one file: pmaptap.read", bare1),
-                    ("m. one file: pmaptap summary", bare1),
-                    ("m. one file: pmaptap validate", bare1),
-                )
+                f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+                for k, r in ratios.items()
             )
         )
         # n. 4,096 shards under ulimit -n 256.
