@@ -41,10 +41,10 @@ def _resolve(ref: str, files: dict[str, list[str]]) -> list[str]:
     return [p for p in files.get(name, []) if p.endswith(os.sep + ref) or p == ref]
 
 
-def _defined(path: str) -> set[str]:
-    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+def _names(nodes) -> set[str]:
+    """The names these statements define: def, class, assignment."""
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
@@ -52,6 +52,11 @@ def _defined(path: str) -> set[str]:
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
     return names
+
+
+def _defined(path: str) -> set[str]:
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    return _names(ast.walk(tree))
 
 
 def _members(path: str) -> dict[str, set[str]]:
@@ -62,15 +67,8 @@ def _members(path: str) -> dict[str, set[str]]:
     bases: dict[str, list[str]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
-            names = own.setdefault(node.name, set())
+            own.setdefault(node.name, set()).update(_names(node.body))
             bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
-            for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    names.add(item.name)
-                elif isinstance(item, ast.Assign):
-                    names.update(t.id for t in item.targets if isinstance(t, ast.Name))
-                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    names.add(item.target.id)
 
     def every(cls: str, seen: frozenset = frozenset()) -> set[str]:
         out = set(own.get(cls, ()))
