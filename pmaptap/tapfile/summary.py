@@ -209,6 +209,12 @@ class _TapAcc:
                 self.attempt_of_step[step] = a
             pass_ = get("pass", "forward")
             key = self._pd_key(step, dev, r["coords"])
+            if a:
+                # A later attempt's replay of a step is not a duplicate of
+                # the step it superseded (--all-attempts shows both), as in
+                # checks.duplicate_key; the usual (attempt 0) keys are the
+                # ones summary_batch.py adds inline.
+                key = (key, ("attempt", a))
             if pass_ == "forward" and type(key) is int and key & _DEV_MASK < _MASK_DEVICES:
                 bit = 1 << (key & _DEV_MASK)
                 mask = self.pd_masks.get(step, 0)
@@ -241,6 +247,9 @@ class _TapAcc:
         # usual record's keys stay the ones summary_batch.py adds inline.
         pass_ = get("pass", "forward")
         key = (step, pass_, get("vhash") or _canonical(r["value"]))
+        attempt = get("attempt", 0)
+        if attempt:
+            key += (("attempt", attempt),)  # a replay: see the per_device case
         shard = get("index")
         if shard is None:
             self.rep_keys.add((step, pass_, get("attempt", 0)))

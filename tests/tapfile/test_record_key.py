@@ -113,3 +113,36 @@ def test_summary_finds_a_divergent_shard_as_read_does(tmp_path):
     assert [r["step"] for r in pmaptap.read(path) if r.get("divergent")] == [1, 1]
     (s,), bad, _, _ = summarize_file(path)
     assert bad == [] and s.divergent_steps == (1,) and s.duplicates == 0
+
+
+def test_summary_of_all_attempts_calls_no_replay_a_duplicate(tmp_path):
+    """``pmaptap summary --all-attempts`` of a resumed run: a later attempt's
+    replay of a step is not a duplicate of the step it superseded (attempt
+    is part of record_key, as validate keys it), while the same record twice
+    within one attempt still is (before: every replayed step counted as a
+    duplicate, per-device and replicated alike, where validate said OK)."""
+    from pmaptap.tapfile.query import Filter
+
+    path = tmp_path / "resumed.jsonl"
+    lines = []
+    for attempt in (0, 1):
+        for step in (0, 1):
+            extra = {"attempt": attempt} if attempt else {}
+            lines.append(record_dict(name="loss", step=step, vhash="ab" * 8, **extra))
+            lines.append(
+                record_dict(name="g", step=step, kind="per_device", device=0, coords={}, **extra)
+            )
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    summaries, bad, _, _ = summarize_file(path, Filter(all_attempts=True))
+    assert not bad and {s.name: (s.records, s.duplicates) for s in summaries} == {
+        "loss": (4, 0),
+        "g": (4, 0),
+    }
+    report = validate_file(path)
+    assert report.ok and report.superseded == 4
+    # The same replay twice is a duplicate, in summary as in validate.
+    with path.open("a") as f:
+        f.write(json.dumps(lines[-1]) + "\n" + json.dumps(lines[-2]) + "\n")
+    summaries, _, _, _ = summarize_file(path, Filter(all_attempts=True))
+    assert {s.name: s.duplicates for s in summaries} == {"loss": 1, "g": 1}
+    assert sum("duplicate of line" in why for _, why in validate_file(path).problems) == 2
