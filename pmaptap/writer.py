@@ -67,7 +67,7 @@ def _encode(value: Any, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
     writes them; ``leaves`` collects the leaves, in the session's order, for
     the value hash."""
     from pmaptap._host.encode import encode_array
-    from pmaptap.tapfile.arrays import INLINE_MAX_BYTES
+    from pmaptap.tapfile.arrays import stored_as_bytes
 
     if isinstance(value, Mapping):
         items = sorted(value.items(), key=lambda kv: str(kv[0]))
@@ -77,7 +77,7 @@ def _encode(value: Any, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
         enc = [_encode(v, leaves) for v in value]
         return tuple([e[i] for e in enc] for i in range(3))
     a = _leaf(value)
-    if a.nbytes > INLINE_MAX_BYTES:
+    if stored_as_bytes(a.nbytes, a.dtype):
         # Stored as bytes at the next flush: a copy, so that the caller's
         # array changing meanwhile cannot change what is written.
         a = a.copy()

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from pmaptap.tapfile.arrays import INLINE_MAX_BYTES
+from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, stored_as_bytes
 from pmaptap.tapfile.format import (
     COUNT_BASE,
     NAN,
@@ -87,10 +87,12 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
             if dt == np.float32:
                 v = float(str(a[()]))  # shortest float32 repr
             return v, _dtype_name(dt), []
-    if a.nbytes > INLINE_MAX_BYTES and encodable(dt):
+    if stored_as_bytes(a.nbytes, dt) and encodable(dt):
         # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
         # no per-element work here.
-        return RawArray(np.ascontiguousarray(a)), _dtype_name(dt), list(a.shape)
+        # (ascontiguousarray would make a 0-d leaf 1-d.)
+        a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        return RawArray(a), _dtype_name(dt), list(a.shape)
     if dt.kind == "b" or dt.kind in "iu":
         if ORJSON is None or a.ndim == 0:
             value = a.tolist()

@@ -45,6 +45,19 @@ from pmaptap.tapfile.rawarray import RawArray
 # line itself; above it JSON costs 2.7x the bytes on disk and ~300x the time
 # of a raw write (docs/architecture.md, "Array values").
 INLINE_MAX_BYTES = 1024
+
+
+def stored_as_bytes(nbytes: int, dtype: Any) -> bool:
+    """Whether a leaf of ``nbytes`` bytes of ``dtype`` is stored as bytes
+    rather than written as JSON numbers: above INLINE_MAX_BYTES, and at any
+    size where JSON numbers (doubles) cannot hold its values exactly: the
+    extended precision of ``longdouble``/``clongdouble`` (float128 and
+    complex256 on x86), which the line would round."""
+    return nbytes > INLINE_MAX_BYTES or (
+        (dtype.kind == "f" and dtype.itemsize > 8) or (dtype.kind == "c" and dtype.itemsize > 16)
+    )
+
+
 # The directory beside a tap file that holds its writers' byte files.
 BYTES_SUFFIX = ".bytes"
 REF_KEYS = ("file", "offset", "nbytes")

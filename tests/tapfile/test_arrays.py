@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from conftest import job_failed, logs_warning, python_cmd, run_launch, start_python, wait_for
 from pmaptap import cli
-from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, ByteStore, byte_leaves
+from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, ByteStore, byte_leaves, stored_as_bytes
 from pmaptap.tapfile.format import encodable, is_narrow_int
 
 # ------------------------------------------------------------ helpers
@@ -105,11 +105,19 @@ def test_every_dtype_round_trips_bit_for_bit_through_the_bytes(tmp_path, layout)
         assert _same_bits(np.asarray(r["value"], dtype=r["dtype"]), a), name
         tree = recs[(name, 1)]
         assert _same_bits(tree["value"]["big"], a.reshape(-1, 1)), name
+        if stored_as_bytes(a[:2].nbytes, a.dtype):
+            # longdouble / clongdouble: JSON would round them, so bytes at
+            # any size.
+            assert raw[(name, 1)]["value"]["small"] is None, name
+            assert raw[(name, 1)]["bytes"]["small"] is not None, name
+            assert _same_bits(tree["value"]["small"], a[:2]), name
+            continue
         assert raw[(name, 1)]["value"]["small"] is not None  # small leaves stay inline
         assert raw[(name, 1)]["bytes"]["small"] is None
         if a.dtype.isbuiltin != 2 and a.dtype.itemsize <= 8:
-            # Inline JSON is exact for NumPy's own dtypes but longdouble,
-            # for these values (-0.0 and a denormal, no NaN payload).
+            # Inline JSON is exact for NumPy's own dtypes (longdouble is
+            # stored as bytes), for these values (-0.0 and a denormal, no
+            # NaN payload).
             assert _same_bits(np.asarray(tree["value"]["small"], dtype=name), a[:2]), name
     assert cli.main(["validate", path]) == 0
 
@@ -188,6 +196,38 @@ def test_small_values_stay_inline(session, tap_path):
     by = {d["name"]: d for d in _lines(tap_path)}
     assert "bytes" not in by["small"] and by["small"]["value"] == small.tolist()
     assert by["big"]["value"] is None and "bytes" in by["big"]
+
+
+@pytest.mark.skipif(
+    np.finfo(np.longdouble).nmant <= np.finfo(np.float64).nmant,
+    reason="longdouble is a double on this platform: JSON holds it exactly",
+)
+def test_extended_precision_values_are_stored_exactly_at_any_size(tmp_path):
+    """A Writer's longdouble / clongdouble leaves (float128 / complex256 on
+    x86), scalars included, are stored as bytes: JSON numbers (doubles) would
+    round them (before: written inline narrowed to float32, 1/3 read back
+    as 0.33333334). A small float64 stays inline."""
+    third = np.longdouble(1) / np.longdouble(3)
+    path = str(tmp_path / "ld.jsonl")
+    values = {
+        "x": third,
+        "y": np.array([third, 2 * third]),
+        "z": np.clongdouble(third + 1j * third),
+        "f": np.float64(1 / 3),
+    }
+    with pmaptap.Writer(path, run="r", process=0) as w:
+        for name, v in values.items():
+            w.write(name, 0, v)
+    by = {d["name"]: d for d in _lines(path)}
+    assert all(by[n]["value"] is None and "bytes" in by[n] for n in "xyz")
+    assert by["x"]["dtype"] == np.dtype(np.longdouble).name and by["x"]["shape"] == []
+    assert by["f"]["value"] == 1 / 3 and "bytes" not in by["f"]
+    got = {r["name"]: r["value"] for r in pmaptap.read(path)}
+    for name in "xyz":
+        want = np.asarray(values[name])
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape
+        assert got[name].tobytes() == want.tobytes(), name
+    assert cli.main(["validate", path]) == 0
 
 
 # ------------------------------------------------------------ assemble
