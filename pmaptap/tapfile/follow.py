@@ -260,17 +260,20 @@ class RunFollower:
     def _time_unless_copy(self, raw: bytes) -> float | None:
         """A line's record time (-inf for a line without one), or None for
         a replicated value another process's line already gave."""
+        d, _ = parse_line(raw)
+        return None if self._is_copy(d) else _time_of(d)
+
+    def _is_copy(self, d: dict | None) -> bool:
+        """Whether ``d`` is a replicated value that another process's line
+        gave first (the first to be asked about a value is its first copy)."""
         from pmaptap.tapfile.format import record_key
 
-        d, _ = parse_line(raw)
-        t = d.get("time") if d is not None else None
-        if not isinstance(t, (int, float)) or isinstance(t, bool):
-            return float("-inf")
-        if d.get("kind") == "replicated" and d.get("vhash"):
-            got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
-            if got != d.get("process"):
-                return None
-        return float(t)
+        if d is None or d.get("kind") != "replicated" or not d.get("vhash"):
+            return False
+        if _time_of(d) == float("-inf"):
+            return False  # as before: a line without a time is never deduped
+        got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
+        return got != d.get("process")
 
     def _first_poll(self) -> Iterator[tuple[int, bytes]]:
         """The run so far (local shards), merged a chunk of each shard at a
@@ -285,7 +288,15 @@ class RunFollower:
         for f in paths:
             self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
         streams = [self._stream(i, lf.poll()) for i, lf in enumerate(self._files.values())]
-        for _t, _i, _n, raw in heapq.merge(*streams):
+        yield from self._merged(heapq.merge(*streams))
+
+    def _merged(self, lines: Iterator[tuple]) -> Iterator[tuple[int, bytes]]:
+        """The lines of the first poll's merge, numbered, a replicated value
+        another process gave earlier in merged order left out (as read()
+        leaves it out: the dedup follows the merge, not the reading)."""
+        for _t, _i, _n, raw, d in lines:
+            if self._is_copy(d):
+                continue
             self.lineno += 1
             yield self.lineno, raw
 
@@ -304,14 +315,19 @@ class RunFollower:
             self._stream(i, self._chunk_lines(fs, pool, proc, names))
             for i, (proc, names) in enumerate(found)
         ]
-        for _t, _i, _n, raw in heapq.merge(*streams):
-            self.lineno += 1
-            yield self.lineno, raw
+        yield from self._merged(heapq.merge(*streams))
 
     def _chunk_lines(self, fs, pool, proc: int, names: list[str]) -> Iterator[tuple[int, bytes]]:
         """(line number, bytes) of a process's chunks in order, the next
-        chunk fetched while this one is read."""
+        chunk fetched while this one is read. The first chunk is asked for
+        now, not when the merge first pulls (which would be one process
+        after another)."""
         fut = pool.submit(fs.cat_file, names[0]) if names else None
+        return self._chunk_lines_from(fs, pool, proc, names, fut)
+
+    def _chunk_lines_from(
+        self, fs, pool, proc: int, names: list[str], fut
+    ) -> Iterator[tuple[int, bytes]]:
         for k, name in enumerate(names):
             data = fut.result()
             fut = pool.submit(fs.cat_file, names[k + 1]) if k + 1 < len(names) else None
@@ -336,17 +352,17 @@ class RunFollower:
 
     def _stream(
         self, i: int, lines: Iterator[tuple[int, bytes]]
-    ) -> Iterator[tuple[float, int, int, bytes]]:
-        """(merge key, source, line number, bytes) of a source's lines, the
-        key its running largest record time (``pmaptap.read``'s order); a
-        replicated value another source gave first is left out."""
+    ) -> Iterator[tuple[float, int, int, bytes, Any]]:
+        """(merge key, source, line number, bytes, record or None) of a
+        source's lines, the key its running largest record time
+        (``pmaptap.read``'s order)."""
         t = float("-inf")
         for n, raw in lines:
-            got = self._time_unless_copy(raw)
-            if got is None:
-                continue
-            t = max(t, got)
-            yield t, i, n, raw
+            # Every line counts for the running time, a copy the merge will
+            # drop included (as the merge of read() counts it).
+            d, _ = parse_line(raw)
+            t = max(t, _time_of(d))
+            yield t, i, n, raw, d
 
     def _new_lines(self) -> Iterator[tuple[int, int, bytes]]:
         """(source number, line number in it, bytes) of lines completed
@@ -486,3 +502,11 @@ def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | Pend
     if os.path.exists(path):
         return LineFollower(path)
     return PendingFollower(path)
+
+
+def _time_of(d: dict | None) -> float:
+    """A record's time as the merge orders it (-inf without a numeric one)."""
+    t = d.get("time") if d is not None else None
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return float("-inf")
+    return float(t)

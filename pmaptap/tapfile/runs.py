@@ -470,8 +470,13 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
         # Only sources whose next record is below W, or at W up to M, take
         # part: a later source whose next record is at W would take nothing.
         wm = (w, m)
+        taking = []
         while heap and heap[0] <= wm:
-            i = heappop(heap)[1]
+            taking.append(heappop(heap)[1])
+        # In source order: the stable sort below breaks ties of keys by the
+        # order the slices are laid out (the heap gives them by first key).
+        taking.sort()
+        for i in taking:
             s = srcs[i]
             keys, p = s.keys, s.pos
             cut = (right if i <= m else left)(keys, w, p)

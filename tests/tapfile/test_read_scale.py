@@ -7,6 +7,7 @@ writes as one file."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -437,3 +438,95 @@ print(json.dumps(got))
     size = sum(f.stat().st_size for f in (tmp_path / "run.jsonl.d").iterdir())
     assert size > 90e6, size
     assert rss < 75, rss
+
+
+def _merge_definition(shards: list[list[dict]]) -> list[dict]:
+    """The merge's definition: every line by its shard's running largest
+    time, then shard, then line; a replicated value another shard gave
+    earlier in that order left out."""
+    from pmaptap.tapfile.format import record_key
+
+    rows = []
+    for i, recs in enumerate(shards):
+        t = float("-inf")
+        for n, d in enumerate(recs):
+            t = max(t, d["time"])
+            rows.append((t, i, n, d))
+    rows.sort(key=lambda x: x[:3])
+    first: dict = {}
+    out = []
+    for *_, d in rows:
+        if d["kind"] == "replicated":
+            key = (record_key(d), d["vhash"])
+            if first.setdefault(key, d["process"]) != d["process"]:
+                continue
+        out.append(d)
+    return out
+
+
+def _shard_record(process: int, n: int, time: float, replicated: bool) -> dict:
+    d = {"run": "r", "step": 0, "value": 1.0, "dtype": "float32", "shape": []}
+    d.update(process=process, host="h", time=time)
+    if replicated:
+        d.update(name="loss", kind="replicated", replicas=1, vhash="00000000000000aa")
+    else:
+        d.update(name=f"g{process}_{n}", kind="per_device", device=process, coords={})
+    return d
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        # Equal keys in two shards: by shard (before, read() gave them in the
+        # order the shards' first keys came).
+        [[5, 6, 8], [3, 6, 9]],
+        # A copy read early in one shard but later in merged order: the
+        # earlier one in merged order is kept (before, by the follower: the
+        # one its merge pulled first).
+        [[1, "R100"], [40, "R50"]],
+        # A dropped copy's time still moves its shard's running time.
+        [["R5", 15], ["R20", 8]],
+    ],
+    ids=["ties", "copy-order", "copy-time"],
+)
+def test_read_and_a_followers_first_poll_follow_the_merge_definition(tmp_path, times):
+    import random
+
+    from pmaptap.tapfile import follow, lines, runs
+
+    def build(path, spec) -> list[list[dict]]:
+        os.makedirs(path + ".d")
+        shards = []
+        for p, ts in enumerate(spec):
+            recs = [
+                _shard_record(p, n, float(str(t).lstrip("R")), str(t).startswith("R"))
+                for n, t in enumerate(ts)
+            ]
+            with open(runs.shard_path(path, p), "w") as f:
+                f.writelines(json.dumps(d) + "\n" for d in recs)
+            shards.append(recs)
+        return shards
+
+    rnd = random.Random(len(str(times)))
+    cases = [times] + [
+        [
+            [("R" if rnd.random() < 0.3 else "") + str(rnd.randint(0, 6)) for _ in range(5)]
+            for _ in range(rnd.randint(2, 4))
+        ]
+        for _ in range(40)
+    ]
+    for k, spec in enumerate(cases):
+        path = str(tmp_path / f"run{k}.jsonl")
+        want = [(d["name"], d["process"], d["time"]) for d in _merge_definition(build(path, spec))]
+        merged = [
+            (d["name"], d["process"], d["time"])
+            for _, recs, _ in runs.iter_merged(path, lines.read_at)
+            for d in recs
+        ]
+        first_poll = [
+            (d["name"], d["process"], d["time"])
+            for _, raw in follow.RunFollower(path).poll()
+            for d in [json.loads(raw)]
+        ]
+        assert merged == want, spec
+        assert first_poll == want, spec
