@@ -42,8 +42,22 @@ def value_key(leaves: list[np.ndarray]) -> bytes:
     parts = []
     for a in leaves:
         parts.append(f"{a.dtype.str}{a.shape}|".encode())
-        parts.append(np.ascontiguousarray(a).tobytes())
+        parts.append(_value_bytes(a))
     return b"".join(parts)
+
+
+# x87 extended precision (longdouble on x86): 10 bytes of value in a
+# 16-byte slot whose other 6 bytes are whatever was in memory, so two equal
+# values can differ there; only the 10 are the value.
+_X87 = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
+
+
+def _value_bytes(a: np.ndarray) -> bytes:
+    raw = np.ascontiguousarray(a)
+    dt = raw.dtype
+    if _X87 and dt.kind in "fc" and dt.itemsize == (16 if dt.kind == "f" else 32):
+        return raw.view(np.uint8).reshape(-1, 16)[:, :10].tobytes()
+    return raw.tobytes()
 
 
 def _nonfinite_list(out: np.ndarray) -> Any:
