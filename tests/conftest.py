@@ -414,25 +414,6 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.01):
         time.sleep(interval)
 
 
-def holds_open(pid: int, path: str) -> bool:
-    """Whether process ``pid`` has ``path`` open now (its /proc fd table): an
-    observable sign that a follower has found a file, where a sleep would
-    only hope it had."""
-    want = os.path.realpath(path)
-    fds = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(fds)
-    except OSError:
-        return False
-    for fd in names:
-        try:
-            if os.readlink(os.path.join(fds, fd)) == want:
-                return True
-        except OSError:
-            continue
-    return False
-
-
 _MOUNT_NS: list[bool] = []
 
 
