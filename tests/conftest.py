@@ -176,6 +176,25 @@ def record_dict(**fields) -> dict:
     return d
 
 
+def shard_record(step: int, process: int = 3):
+    """A per_device ``Record`` of tap "x" at ``step`` from ``process`` (value
+    and time the step), as a shard writer in the tests writes it."""
+    from pmaptap.tapfile.format import Record
+
+    return Record(
+        **record_dict(
+            name="x",
+            kind="per_device",
+            step=step,
+            value=step,
+            time=step,
+            process=process,
+            device=process,
+            coords={},
+        )
+    )
+
+
 def per_device_dict(step: int, device, value, name: str = "g", **fields) -> dict:
     """A per_device float32 record of ``device`` on mesh axis "dp"."""
     base = dict(

@@ -346,7 +346,7 @@ class RunFollower:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(
-                max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-list"
+                max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-follow"
             )
         return self._pool
 

@@ -18,6 +18,7 @@ from conftest import (
     logs_warning,
     run_launch,
     run_python,
+    shard_record,
     train_argv,
     wait_for,
 )
@@ -353,27 +354,10 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
 
 def test_a_shard_removed_or_truncated_under_its_writer(tmp_path, caplog):
     from pmaptap._host.dirsink import DirectorySink
-    from pmaptap.tapfile.format import Record
 
     path = str(tmp_path / "run.jsonl")
     sink = DirectorySink(path, process=3)
-
-    def rec(step):
-        return Record(
-            run="r",
-            name="x",
-            step=step,
-            kind="per_device",
-            value=step,
-            dtype="int32",
-            shape=[],
-            process=3,
-            time=step,
-            host="h",
-            device=3,
-            coords={},
-        )
-
+    rec = shard_record
     sink.write([rec(0)])
     os.remove(sink.path)
     with logs_warning(caplog, "replaced or removed"):

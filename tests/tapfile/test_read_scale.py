@@ -12,7 +12,7 @@ import os
 import pytest
 
 import pmaptap
-from conftest import logs_warning, run_python
+from conftest import logs_warning, record_dict, run_python, shard_record
 
 # A child reading tmp's run.jsonl (and ref.jsonl, bad.jsonl) under an
 # open-file limit; ``cli(...)`` runs the pmaptap command in it.
@@ -123,25 +123,6 @@ def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog
     assert "torn last line" in problems[1][1] and "p00039.jsonl line 25" in problems[1][1]
 
 
-def _record(step: int, process: int = 3):
-    from pmaptap.tapfile.format import Record
-
-    return Record(
-        run="r",
-        name="x",
-        step=step,
-        kind="per_device",
-        value=step,
-        dtype="int32",
-        shape=[],
-        process=process,
-        time=step,
-        host="h",
-        device=process,
-        coords={},
-    )
-
-
 def test_shard_writes_look_up_no_path_per_batch(tmp_path, monkeypatch):
     """A batch of the sharded layout costs an fstat of the open shard, not a
     stat of its path (a metadata round trip on NFS/Lustre): 50 batches, no
@@ -161,7 +142,7 @@ def test_shard_writes_look_up_no_path_per_batch(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "stat", counting_stat)
     for step in range(50):
-        sink.write([_record(step)])
+        sink.write([shard_record(step)])
     monkeypatch.undo()
     sink.close()
     assert sink.path not in looked, len(looked)
@@ -180,11 +161,11 @@ def test_a_rotated_shard_moves_its_writer_within_the_path_check(tmp_path, monkey
     monkeypatch.setattr(dirsink, "PATH_CHECK_S", 0.2)
     path = str(tmp_path / "run.jsonl")
     sink = dirsink.DirectorySink(path, process=3)
-    sink.write([_record(0)])
+    sink.write([shard_record(0)])
     os.rename(sink.path, sink.path + ".1")
     time.sleep(0.3)
     with logs_warning(caplog, "replaced or removed"):
-        sink.write([_record(1)])
+        sink.write([shard_record(1)])
     sink.close()
     assert sink.replacements == 1
     assert [r["step"] for r in pmaptap.read(path)] == [1]
@@ -325,7 +306,7 @@ def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatc
     path = str(tmp_path / "run.jsonl")
     for p in range(2):
         sink = DirectorySink(path, process=p)
-        sink.write([_record(0, p)])
+        sink.write([shard_record(0, p)])
         sink.close()
     old = os.stat(path + ".d").st_mtime - 60
     os.utime(path + ".d", (old, old))
@@ -342,7 +323,7 @@ def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatc
         assert procs() == []
     assert len(listed) == 1
     sink = DirectorySink(path, process=2)
-    sink.write([_record(0, 2)])
+    sink.write([shard_record(0, 2)])
     sink.close()
     assert procs() == [2] and len(listed) == 2
     f.close()
@@ -465,13 +446,12 @@ def _merge_definition(shards: list[list[dict]]) -> list[dict]:
 
 
 def _shard_record(process: int, n: int, time: float, replicated: bool) -> dict:
-    d = {"run": "r", "step": 0, "value": 1.0, "dtype": "float32", "shape": []}
-    d.update(process=process, host="h", time=time)
+    common = {"value": 1.0, "dtype": "float32", "process": process, "time": time}
     if replicated:
-        d.update(name="loss", kind="replicated", replicas=1, vhash="00000000000000aa")
-    else:
-        d.update(name=f"g{process}_{n}", kind="per_device", device=process, coords={})
-    return d
+        return record_dict(name="loss", vhash="00" * 7 + "aa", **common)
+    return record_dict(
+        name=f"g{process}_{n}", kind="per_device", device=process, coords={}, **common
+    )
 
 
 @pytest.mark.parametrize(
