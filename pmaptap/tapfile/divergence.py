@@ -89,6 +89,17 @@ def reconcile_divergence(records: list[dict]) -> None:
     index = DivergenceIndex()
     for r in records:
         index.add(r)
+    mark_divergent(records, index)
+
+
+def mark_divergent(records: list[dict], index: DivergenceIndex) -> None:
+    """Set ``divergent`` on each of ``records`` that ``index.divergent``
+    calls divergent, asking only where it can be: a key of a divergent
+    name (divergence is rare, and a read holds many records)."""
+    if not index.any_repeat:
+        return
+    keys = set(index.divergent_keys())
+    names = {k[1] for k in keys}
     for r in records:
-        if index.divergent(r):
+        if r.get("kind") == "replicated" and r.get("name") in names and record_key(r) in keys:
             r["divergent"] = True

@@ -963,6 +963,21 @@ def _record_problem(d: Any) -> str | None:
     return None
 
 
+def decode_owned(d: dict) -> dict:
+    """``decode_record(d)`` for a ``d`` the caller gives up (a record just
+    parsed, held nowhere else): ``d`` itself where decoding would change
+    nothing in it (a number as value, holders as lists: most records), so
+    the common record is not copied; else decode_record's new dict."""
+    v = d["value"]
+    if (
+        (type(v) is float or type(v) is int)
+        and type(d.get("devices")) is not str
+        and type(d.get("processes")) is not str
+    ):
+        return d
+    return decode_record(d)
+
+
 def decode_record(d: dict) -> dict:
     d = dict(d)
     d["value"] = _decode_value(d["value"], d.get("dtype"), d.get("shape"))

@@ -8,9 +8,9 @@ from typing import Any
 
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import Attempts, check_mode
-from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import decode_record
-from pmaptap.tapfile.lines import collector_paused, iter_lines
+from pmaptap.tapfile.divergence import DivergenceIndex, mark_divergent
+from pmaptap.tapfile.format import decode_owned, decode_record
+from pmaptap.tapfile.lines import collector_paused, iter_batches
 from pmaptap.tapfile.query import Filter, read_filter
 
 __all__ = ["read"]
@@ -62,30 +62,47 @@ def read(
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
     with collector_paused():
-        for lineno, d, problem in iter_lines(path):
-            if d is None:
-                if problem != "empty line":
-                    bad.append((lineno, problem or "invalid"))
+        for first, records, problems in iter_batches(path):
+            if flt is None and not problems and None not in records:
+                # The common batch, in one loop with no call per record it
+                # can spare: every line a record, none filtered out.
+                for d in records:
+                    if d.get("kind") == "replicated" and d.get("vhash"):
+                        index.add(d)
+                    if "attempt" in d:
+                        later.add(d)
+                    if "bytes" in d:
+                        store = store or ByteStore(path)
+                        r = decode_record(d)
+                        if _load_stored(r, d, store, first, bad):
+                            out.append(r)
+                    else:
+                        out.append(decode_owned(d))
+                    first += 1
                 continue
-            if flt is not None and not flt.key_match(d):
-                continue
-            # Judged on every copy of a matched step, also those the device
-            # or process filter leaves out: a copy filtered out still
-            # disagrees, and an elastic restart supersedes a step on every
-            # device.
-            index.add(d)
-            later.add(d)
-            if flt is not None and not flt(d):
-                continue
-            r = decode_record(d)
-            if "bytes" in d:
-                store = store or ByteStore(path)
-                if not _load_stored(r, d, store, lineno, bad):
+            for lineno, d in enumerate(records, first):
+                if d is None:
+                    problem = problems.get(lineno)
+                    if problem != "empty line":
+                        bad.append((lineno, problem or "invalid"))
                     continue
-            out.append(r)
-    for r in out:
-        if index.divergent(r):
-            r["divergent"] = True
+                if flt is not None and not flt.key_match(d):
+                    continue
+                # Judged on every copy of a matched step, also those the
+                # device or process filter leaves out: a copy filtered out
+                # still disagrees, and an elastic restart supersedes a step
+                # on every device.
+                index.add(d)
+                later.add(d)
+                if flt is not None and not flt(d):
+                    continue
+                r = decode_record(d)
+                if "bytes" in d:
+                    store = store or ByteStore(path)
+                    if not _load_stored(r, d, store, lineno, bad):
+                        continue
+                out.append(r)
+    mark_divergent(out, index)
     if attempts == "all":
         for r in out:
             r.setdefault("attempt", 0)
