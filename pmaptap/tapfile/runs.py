@@ -27,6 +27,7 @@ import re
 from typing import Callable, Iterator
 
 from pmaptap.tapfile.format import record_key
+from pmaptap.tapfile.speedups import SPEEDUPS
 
 __all__ = [
     "SHARD_SUFFIX",
@@ -285,6 +286,9 @@ class _Source:
         self.records: list = []
         self.problems: dict = {}  # index in records -> problem, named
         self.keys: list = []
+        # With SPEEDUPS, each record's part in the round (_speedups.c
+        # time_keys): problems and replicated values are there, not below.
+        self.infos: list = []
         self.pos = 0  # records[:pos] are merged
         self.last_piece = 0  # records in the last piece read
         self.done = False
@@ -298,8 +302,10 @@ class _Source:
         ``done``, once the source is read)."""
         pos = self.pos
         if pos:
-            self.records = self.records[pos:]
-            self.keys = self.keys[pos:]
+            # In place: a copy of what is left would touch every record again.
+            del self.records[:pos]
+            del self.keys[:pos]
+            del self.infos[:pos]
             if self.problems:
                 self.problems = {j - pos: w for j, w in self.problems.items() if j >= pos}
             self.pos = 0
@@ -309,9 +315,20 @@ class _Source:
             return False
         records, problems = got
         base = len(self.records)
-        for j, why in problems.items():
-            self.problems[base + j] = f"{why} ({self.name} line {self.lineno + j})"
         self.lineno += len(records)
+        if SPEEDUPS is not None:
+            # The loop below in C (tapfile/_speedups.c), which also takes
+            # each record's part in the merge round while it is fresh; a
+            # line that is no record is its _Bad there.
+            infos = self.infos
+            self.t = SPEEDUPS.time_keys(records, self.t, self.keys, infos, record_key)
+            for j, why in problems.items():
+                infos[base + j] = _Bad(f"{why} ({self.name} line {self.lineno - len(records) + j})")
+            self.records += records
+            self.last_piece = len(records)
+            return True
+        for j, why in problems.items():
+            self.problems[base + j] = f"{why} ({self.name} line {self.lineno - len(records) + j})"
         t = self.t
         keys = self.keys
         special = bool(problems) or (self.special and base > 0)
@@ -459,6 +476,7 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
     right, left = bisect.bisect_right, bisect.bisect_left
     first: dict[tuple, object] = {}  # key + vhash -> the process that wrote it first
     pos = 0  # of the last line given out
+    parts: "list | None" = [] if SPEEDUPS is not None else None
     while heap:
         while marks and lasts[marks[0][1]] != marks[0][0]:
             heappop(marks)
@@ -466,7 +484,6 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
         keys_in: list = []
         recs_in: list = []
         special = False
-        back = []
         # Only sources whose next record is below W, or at W up to M, take
         # part: a later source whose next record is at W would take nothing.
         wm = (w, m)
@@ -480,7 +497,9 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
             s = srcs[i]
             keys, p = s.keys, s.pos
             cut = (right if i <= m else left)(keys, w, p)
-            if cut > p:
+            if cut > p and parts is not None:
+                parts.append((s.records, keys, s.infos, p, cut))
+            elif cut > p:
                 keys_in += keys[p:cut]
                 recs = s.records[p:cut]
                 if s.problems:
@@ -489,9 +508,22 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
                             recs[j - p] = _Bad(why)
                 recs_in += recs
                 special = special or s.special
-                s.pos = cut
-            left_over = len(keys) - cut
-            if not s.done and left_over * 2 < max(s.last_piece, 1):
+            s.pos = cut
+        start = pos + 1
+        if parts:
+            # The round in C (tapfile/_speedups.c): the sort and the loop
+            # below, touching only the records that go out. Before any
+            # source reads its next piece (which drops what was taken).
+            out, problems, pos = SPEEDUPS.merge_round(parts, first, pos)
+            parts.clear()
+        elif recs_in:
+            out, problems, pos = _merge_round(keys_in, recs_in, special, first, pos)
+        else:
+            out, problems = [], {}
+        for i in taking:
+            s = srcs[i]
+            keys = s.keys
+            if not s.done and (len(keys) - s.pos) * 2 < max(s.last_piece, 1):
                 s.extend()
                 keys = s.keys
                 last = keys[-1] if keys and not s.done else inf
@@ -502,41 +534,48 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
             elif s.done:
                 lasts[i] = inf
             if s.pos < len(keys):
-                back.append((keys[s.pos], i))
-        for item in back:
-            heappush(heap, item)
-        if not recs_in:
-            continue
-        order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
-        merged = [recs_in[k] for k in order]
-        start = pos + 1
-        if not special:
-            pos += len(merged)
-            out = merged
-            problems: dict = {}
+                heappush(heap, (keys[s.pos], i))
+        if out:
+            yield from _batches(start, out, problems)
+
+
+def _merge_round(
+    keys_in: list, recs_in: list, special: bool, first: dict, pos: int
+) -> tuple[list, dict, int]:
+    """A round's records (slices laid out in source order, a _Bad for a
+    line that is no record) in merged order: (records, problems by
+    position, the last position)."""
+    order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
+    merged = [recs_in[k] for k in order]
+    if not special:
+        return merged, {}, pos + len(merged)
+    out = []
+    problems = {}
+    for d in merged:
+        if type(d) is dict:
+            if "vhash" in d and d.get("kind") == "replicated" and d["vhash"]:
+                proc = d.get("process")
+                if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
+                    continue  # the same value from another process: one copy
+            pos += 1
+            out.append(d)
         else:
-            out = []
-            problems = {}
-            for d in merged:
-                if type(d) is dict:
-                    if "vhash" in d and d.get("kind") == "replicated" and d["vhash"]:
-                        proc = d.get("process")
-                        if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
-                            continue  # the same value from another process: one copy
-                    pos += 1
-                    out.append(d)
-                else:
-                    pos += 1
-                    out.append(None)
-                    if d is not None:
-                        problems[pos] = d.why
-        found = iter(problems.items())  # in line order
-        ahead = next(found, None)
-        for k in range(0, len(out), MERGED_BATCH):
-            part = out[k : k + MERGED_BATCH]
-            end = start + k + len(part)
-            mine = {}
-            while ahead is not None and ahead[0] < end:
-                mine[ahead[0]] = ahead[1]
-                ahead = next(found, None)
-            yield start + k, part, mine
+            pos += 1
+            out.append(None)
+            if d is not None:
+                problems[pos] = d.why
+    return out, problems, pos
+
+
+def _batches(start: int, out: list, problems: dict) -> Iterator[Batch]:
+    """A round's records as batches of at most MERGED_BATCH."""
+    found = iter(problems.items())  # in line order
+    ahead = next(found, None)
+    for k in range(0, len(out), MERGED_BATCH):
+        part = out[k : k + MERGED_BATCH]
+        end = start + k + len(part)
+        mine = {}
+        while ahead is not None and ahead[0] < end:
+            mine[ahead[0]] = ahead[1]
+            ahead = next(found, None)
+        yield start + k, part, mine

@@ -1,0 +1,558 @@
+/* The per-line and per-record loops of reading a tap file, in C.
+
+   Optional: pmaptap/tapfile/speedups.py loads this module when it was
+   built (setup.py builds it where a C compiler is found) and the pure
+   Python loops run otherwise, or with PMAPTAP_NO_SPEEDUPS=1. Each function
+   here is a copy of one Python loop, named beside it, and gives the same
+   answer for every input (tests/tapfile/test_speedups.py runs both on
+   hostile lines and random runs):
+
+   - plain_records: parse.load_lines + format.first_not_plain, one line at
+     a time: a line becomes a record here only when parse_line's own fast
+     path would take it (short, at most max_depth opening brackets, orjson
+     takes it, a plainly valid record); every other line is left to
+     parse_line, the definition, by the caller.
+   - first_not_plain: format.first_not_plain.
+   - time_keys: the merge key loop of runs._Source.extend.
+   - merge_round: a round of runs._merge (its sort, and the loop that keeps
+     the first copy of a replicated value).
+
+   Nothing here decides what a record is: these are the fast checks that
+   send anything unusual to the Python definitions. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *k_name, *k_step, *k_kind, *k_run, *k_process, *k_value, *k_dtype, *k_shape,
+    *k_time, *k_host, *k_index, *k_pass, *k_vhash, *k_attempt, *k_devices, *k_processes,
+    *k_device, *k_coords, *k_replicas, *k_per_device, *k_replicated, *k_meta, *k_why;
+static PyObject *zero;
+
+/* type(o) in format._SCALAR_TYPES: exactly None, str, int, float, bool. */
+static int
+is_scalar(PyObject *o)
+{
+    PyTypeObject *t = Py_TYPE(o);
+    return o == Py_None || t == &PyUnicode_Type || t == &PyLong_Type || t == &PyFloat_Type ||
+           t == &PyBool_Type;
+}
+
+/* A devices/processes field as first_not_plain takes it: absent or null, a
+   list of scalars, or text id_ranges reads. 1 yes, 0 no, -1 error. */
+static int
+holders_ok(PyObject *ids, PyObject *id_ranges)
+{
+    if (ids == NULL || ids == Py_None) {
+        return 1;
+    }
+    if (PyList_CheckExact(ids)) {
+        Py_ssize_t n = PyList_GET_SIZE(ids);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (!is_scalar(PyList_GET_ITEM(ids, j))) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    if (!PyUnicode_CheckExact(ids)) {
+        return 0;
+    }
+    PyObject *got = PyObject_CallOneArg(id_ranges, ids);
+    if (got == NULL) {
+        return -1;
+    }
+    int ok = got != Py_None;
+    Py_DECREF(got);
+    return ok;
+}
+
+/* Exactly str and equal to the interned ``want``. */
+static int
+str_is(PyObject *o, PyObject *want)
+{
+    return o == want || (PyUnicode_CheckExact(o) && PyUnicode_Compare(o, want) == 0);
+}
+
+/* d[key] or NULL (no error set) when missing; -1 into *err on a failed lookup. */
+static PyObject *
+get(PyObject *d, PyObject *key, int *err)
+{
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL && PyErr_Occurred()) {
+        *err = 1;
+    }
+    return v;
+}
+
+/* format.first_not_plain for one item: 1 a plainly valid record, 0 not, -1
+   error. The same checks in the same terms (see format.first_not_plain). */
+static int
+plain(PyObject *d, PyObject *id_ranges)
+{
+    int err = 0;
+    if (!PyDict_CheckExact(d)) {
+        return 0;
+    }
+    PyObject *name = get(d, k_name, &err);
+    PyObject *step = get(d, k_step, &err);
+    PyObject *kind = get(d, k_kind, &err);
+    PyObject *run = get(d, k_run, &err);
+    PyObject *process = get(d, k_process, &err);
+    if (err) {
+        return -1;
+    }
+    if (name == NULL || step == NULL || kind == NULL || run == NULL || process == NULL) {
+        return 0;
+    }
+    if (!PyUnicode_CheckExact(name) || PyUnicode_GET_LENGTH(name) == 0 ||
+        !PyLong_CheckExact(step) || !PyUnicode_CheckExact(run) || !is_scalar(process)) {
+        return 0;
+    }
+    PyObject *must[] = {k_value, k_dtype, k_shape, k_time, k_host};
+    for (size_t j = 0; j < sizeof(must) / sizeof(must[0]); j++) {
+        int has = PyDict_Contains(d, must[j]);
+        if (has <= 0) {
+            return has;
+        }
+    }
+    int has = PyDict_Contains(d, k_index);
+    if (has != 0) {
+        return has < 0 ? -1 : 0;
+    }
+    PyObject *v = get(d, k_pass, &err);
+    if (v != NULL && !PyUnicode_CheckExact(v)) {
+        return 0;
+    }
+    v = get(d, k_vhash, &err);
+    if (v != NULL && !PyUnicode_CheckExact(v)) {
+        return 0;
+    }
+    v = get(d, k_attempt, &err);
+    if (err) {
+        return -1;
+    }
+    if (v != NULL) {
+        if (!PyLong_CheckExact(v)) {
+            return 0;
+        }
+        int negative = PyObject_RichCompareBool(v, zero, Py_LT);
+        if (negative != 0) {
+            return negative < 0 ? -1 : 0;
+        }
+    }
+    PyObject *fields[] = {k_devices, k_processes};
+    for (size_t j = 0; j < 2; j++) {
+        v = get(d, fields[j], &err);
+        if (err) {
+            return -1;
+        }
+        int ok = holders_ok(v, id_ranges);
+        if (ok <= 0) {
+            return ok;
+        }
+    }
+    if (str_is(kind, k_per_device)) {
+        v = get(d, k_device, &err);
+        if (err) {
+            return -1;
+        }
+        if (v == NULL || !is_scalar(v)) {
+            return 0;
+        }
+        v = get(d, k_coords, &err);
+        if (err) {
+            return -1;
+        }
+        return v != NULL && PyDict_CheckExact(v);
+    }
+    if (str_is(kind, k_replicated)) {
+        return PyDict_Contains(d, k_replicas);
+    }
+    return str_is(kind, k_meta);
+}
+
+/* first_not_plain(records, start, id_ranges) -> int */
+static PyObject *
+first_not_plain(PyObject *self, PyObject *args)
+{
+    PyObject *records, *id_ranges;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!nO:first_not_plain", &PyList_Type, &records, &start,
+                          &id_ranges)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    for (Py_ssize_t i = start < 0 ? 0 : start; i < n; i++) {
+        PyObject *d = PyList_GET_ITEM(records, i);
+        Py_INCREF(d);
+        int ok = plain(d, id_ranges);
+        Py_DECREF(d);
+        if (ok < 0) {
+            return NULL;
+        }
+        if (!ok) {
+            return PyLong_FromSsize_t(i);
+        }
+        n = PyList_GET_SIZE(records);  /* a callback may have changed it */
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+/* The opening brackets of a line, counted until they pass ``limit``. */
+static Py_ssize_t
+openers(const char *p, Py_ssize_t n, Py_ssize_t limit)
+{
+    Py_ssize_t count = 0;
+    Py_ssize_t j = 0;
+    while (j < n) {
+        /* In blocks, so the compiler can vectorize the count. */
+        Py_ssize_t end = j + 4096 < n ? j + 4096 : n;
+        for (; j < end; j++) {
+            count += (p[j] == '[') + (p[j] == '{');
+        }
+        if (count > limit) {
+            break;
+        }
+    }
+    return count;
+}
+
+/* plain_records(lines, loads, decode_error, max_depth, max_line, id_ranges)
+   -> (records, slow): records[i] what loads made of lines[i] where that is
+   a plainly valid record, else None with i in slow (ascending). */
+static PyObject *
+plain_records(PyObject *self, PyObject *args)
+{
+    PyObject *lines, *loads, *decode_error, *id_ranges;
+    Py_ssize_t max_depth, max_line;
+    if (!PyArg_ParseTuple(args, "O!OOnnO:plain_records", &PyList_Type, &lines, &loads,
+                          &decode_error, &max_depth, &max_line, &id_ranges)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(lines);
+    PyObject *records = PyList_New(n);
+    PyObject *slow = PyList_New(0);
+    if (records == NULL || slow == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *line = PyList_GET_ITEM(lines, i);
+        PyObject *d = NULL;
+        if (PyBytes_CheckExact(line)) {
+            Py_ssize_t len = PyBytes_GET_SIZE(line);
+            if (len <= max_line && (len <= max_depth ||
+                                    openers(PyBytes_AS_STRING(line), len, max_depth) <= max_depth)) {
+                d = PyObject_CallOneArg(loads, line);
+                if (d == NULL) {
+                    if (!PyErr_ExceptionMatches(decode_error)) {
+                        goto fail;
+                    }
+                    PyErr_Clear();
+                }
+                else {
+                    int ok = plain(d, id_ranges);
+                    if (ok < 0) {
+                        Py_DECREF(d);
+                        goto fail;
+                    }
+                    if (!ok) {
+                        Py_CLEAR(d);
+                    }
+                }
+            }
+        }
+        if (d == NULL) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(slow, at) < 0) {
+                Py_XDECREF(at);
+                goto fail;
+            }
+            Py_DECREF(at);
+            Py_INCREF(Py_None);
+            d = Py_None;
+        }
+        PyList_SET_ITEM(records, i, d);
+    }
+    PyObject *out = PyTuple_Pack(2, records, slow);
+    Py_DECREF(records);
+    Py_DECREF(slow);
+    return out;
+fail:
+    Py_XDECREF(records);
+    Py_XDECREF(slow);
+    return NULL;
+}
+
+/* time_keys(records, t, keys, infos, record_key) -> t: for each record
+   (None for a line that is none), append to ``keys`` the running largest
+   record time (a time that is no int or float counts as none: runs._Source
+   .extend's loop), and to ``infos`` what merge_round needs of it, taken
+   now while the record is fresh in the cache: ((record_key, vhash),
+   process) for a replicated record with a vhash, else None. */
+static PyObject *
+time_keys(PyObject *self, PyObject *args)
+{
+    PyObject *records, *t, *keys, *infos, *record_key;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O:time_keys", &PyList_Type, &records, &PyFloat_Type, &t,
+                          &PyList_Type, &keys, &PyList_Type, &infos, &record_key)) {
+        return NULL;
+    }
+    Py_INCREF(t);
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyList_GET_ITEM(records, i);
+        PyObject *info = Py_None;
+        Py_INCREF(info);
+        if (d != Py_None) {
+            if (!PyDict_Check(d)) {
+                PyErr_SetString(PyExc_TypeError, "time_keys: a record is not a dict");
+                goto fail_info;
+            }
+            int err = 0;
+            PyObject *tt = get(d, k_time, &err);
+            if (err) {
+                goto fail_info;
+            }
+            if (tt != NULL && PyFloat_CheckExact(tt)) {
+                if (PyFloat_AS_DOUBLE(tt) > PyFloat_AS_DOUBLE(t)) {
+                    Py_INCREF(tt);
+                    Py_SETREF(t, tt);
+                }
+            }
+            else if (tt != NULL && PyLong_CheckExact(tt)) {
+                int greater = PyObject_RichCompareBool(tt, t, Py_GT);
+                if (greater < 0) {
+                    goto fail_info;
+                }
+                if (greater) {
+                    double x = PyLong_AsDouble(tt);
+                    if (x == -1.0 && PyErr_Occurred()) {
+                        goto fail_info;
+                    }
+                    PyObject *f = PyFloat_FromDouble(x);
+                    if (f == NULL) {
+                        goto fail_info;
+                    }
+                    Py_SETREF(t, f);
+                }
+            }
+            PyObject *kind = get(d, k_kind, &err);
+            PyObject *vhash = get(d, k_vhash, &err);
+            if (err) {
+                goto fail_info;
+            }
+            if (kind != NULL && vhash != NULL) {
+                int eq = PyObject_RichCompareBool(kind, k_replicated, Py_EQ);
+                int truth = eq > 0 ? PyObject_IsTrue(vhash) : 0;
+                if (eq < 0 || truth < 0) {
+                    goto fail_info;
+                }
+                if (truth) {
+                    PyObject *proc = get(d, k_process, &err);
+                    if (err) {
+                        goto fail_info;
+                    }
+                    PyObject *rk = PyObject_CallOneArg(record_key, d);
+                    if (rk == NULL) {
+                        goto fail_info;
+                    }
+                    PyObject *key = PyTuple_Pack(2, rk, vhash);
+                    Py_DECREF(rk);
+                    if (key == NULL) {
+                        goto fail_info;
+                    }
+                    Py_SETREF(info, PyTuple_Pack(2, key, proc == NULL ? Py_None : proc));
+                    Py_DECREF(key);
+                    if (info == NULL) {
+                        goto fail;
+                    }
+                }
+            }
+        }
+        int bad = PyList_Append(keys, t) < 0 || PyList_Append(infos, info) < 0;
+        Py_DECREF(info);
+        if (bad) {
+            goto fail;
+        }
+        continue;
+    fail_info:
+        Py_DECREF(info);
+        goto fail;
+    }
+    return t;
+fail:
+    Py_DECREF(t);
+    return NULL;
+}
+
+/* One record of a merge round: its key, and where it is. */
+typedef struct {
+    double key;
+    Py_ssize_t seq; /* in the round, slices laid out in source order */
+    Py_ssize_t part;
+    Py_ssize_t at;
+} Taken;
+
+static int
+taken_order(const void *a, const void *b)
+{
+    const Taken *x = a, *y = b;
+    if (x->key < y->key) {
+        return -1;
+    }
+    if (x->key > y->key) {
+        return 1;
+    }
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* merge_round(parts, first, pos) -> (out, problems, pos): one round of
+   runs._merge. ``parts``: (records, keys, infos, p, cut) of each source
+   taking part, in source order; its records [p, cut) go out sorted by key,
+   ties in the order the slices are laid out (Python's stable sort of the
+   concatenated slices), each replicated value kept from the first process
+   that wrote it (``first``: (record_key, vhash) -> that process), a line
+   that is no record as None with its problem (an info that is a _Bad: its
+   ``why``) at its position. Only the records that go out are touched (one
+   reference each): a round's records are all over memory. */
+static PyObject *
+merge_round(PyObject *self, PyObject *args)
+{
+    PyObject *parts, *first;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "O!O!n:merge_round", &PyList_Type, &parts, &PyDict_Type, &first,
+                          &pos)) {
+        return NULL;
+    }
+    Py_ssize_t nparts = PyList_GET_SIZE(parts);
+    Py_ssize_t total = 0;
+    for (Py_ssize_t j = 0; j < nparts; j++) {
+        PyObject *part = PyList_GET_ITEM(parts, j);
+        Py_ssize_t p, cut;
+        PyObject *records, *keys, *infos;
+        if (!PyArg_ParseTuple(part, "O!O!O!nn:merge_round part", &PyList_Type, &records,
+                              &PyList_Type, &keys, &PyList_Type, &infos, &p, &cut)) {
+            return NULL;
+        }
+        if (p < 0 || cut < p || cut > PyList_GET_SIZE(records) ||
+            cut > PyList_GET_SIZE(keys) || cut > PyList_GET_SIZE(infos)) {
+            PyErr_SetString(PyExc_ValueError, "merge_round: a slice outside its source");
+            return NULL;
+        }
+        total += cut - p;
+    }
+    Taken *taken = PyMem_Malloc((total ? total : 1) * sizeof(Taken));
+    if (taken == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL, *problems = NULL;
+    Py_ssize_t seq = 0;
+    for (Py_ssize_t j = 0; j < nparts; j++) {
+        PyObject *part = PyList_GET_ITEM(parts, j);
+        PyObject *keys = PyTuple_GET_ITEM(part, 1);
+        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(part, 3));
+        Py_ssize_t cut = PyLong_AsSsize_t(PyTuple_GET_ITEM(part, 4));
+        for (Py_ssize_t at = p; at < cut; at++) {
+            PyObject *k = PyList_GET_ITEM(keys, at);
+            if (!PyFloat_CheckExact(k)) {
+                PyErr_SetString(PyExc_TypeError, "merge_round: a key is not a float");
+                goto fail;
+            }
+            taken[seq] = (Taken){PyFloat_AS_DOUBLE(k), seq, j, at};
+            seq++;
+        }
+    }
+    qsort(taken, (size_t)total, sizeof(Taken), taken_order);
+    out = PyList_New(0);
+    problems = PyDict_New();
+    if (out == NULL || problems == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < total; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, taken[i].part);
+        PyObject *d = PyList_GET_ITEM(PyTuple_GET_ITEM(part, 0), taken[i].at);
+        PyObject *info = PyList_GET_ITEM(PyTuple_GET_ITEM(part, 2), taken[i].at);
+        if (PyTuple_CheckExact(info)) {
+            PyObject *proc = PyTuple_GET_ITEM(info, 1);
+            PyObject *got = PyDict_SetDefault(first, PyTuple_GET_ITEM(info, 0), proc);
+            if (got == NULL) {
+                goto fail;
+            }
+            int other = PyObject_RichCompareBool(got, proc, Py_NE);
+            if (other < 0) {
+                goto fail;
+            }
+            if (other) {
+                continue; /* the same value from another process: one copy */
+            }
+        }
+        pos += 1;
+        if (info != Py_None && !PyTuple_CheckExact(info)) {
+            PyObject *why = PyObject_GetAttr(info, k_why);
+            PyObject *where = why == NULL ? NULL : PyLong_FromSsize_t(pos);
+            int bad = where == NULL || PyDict_SetItem(problems, where, why) < 0;
+            Py_XDECREF(why);
+            Py_XDECREF(where);
+            if (bad || PyList_Append(out, Py_None) < 0) {
+                goto fail;
+            }
+            continue;
+        }
+        if (PyList_Append(out, d) < 0) {
+            goto fail;
+        }
+    }
+    PyMem_Free(taken);
+    return Py_BuildValue("(NNn)", out, problems, pos);
+fail:
+    PyMem_Free(taken);
+    Py_XDECREF(out);
+    Py_XDECREF(problems);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"plain_records", plain_records, METH_VARARGS, NULL},
+    {"first_not_plain", first_not_plain, METH_VARARGS, NULL},
+    {"time_keys", time_keys, METH_VARARGS, NULL},
+    {"merge_round", merge_round, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_speedups", "The reading loops of pmaptap.tapfile, in C.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&k_name, "name"},         {&k_step, "step"},
+        {&k_kind, "kind"},         {&k_run, "run"},
+        {&k_process, "process"},   {&k_value, "value"},
+        {&k_dtype, "dtype"},       {&k_shape, "shape"},
+        {&k_time, "time"},         {&k_host, "host"},
+        {&k_index, "index"},       {&k_pass, "pass"},
+        {&k_vhash, "vhash"},       {&k_attempt, "attempt"},
+        {&k_devices, "devices"},   {&k_processes, "processes"},
+        {&k_device, "device"},     {&k_coords, "coords"},
+        {&k_replicas, "replicas"}, {&k_per_device, "per_device"},
+        {&k_replicated, "replicated"}, {&k_meta, "meta"},
+        {&k_why, "why"},
+    };
+    for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++) {
+        *names[j].slot = PyUnicode_InternFromString(names[j].text);
+        if (*names[j].slot == NULL) {
+            return NULL;
+        }
+    }
+    zero = PyLong_FromLong(0);
+    if (zero == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}
