@@ -28,6 +28,7 @@ _SUBMODULES = frozenset(
         "rawarray",
         "reader",
         "runs",
+        "speedups",
         "stream",
         "summary",
         "summary_batch",

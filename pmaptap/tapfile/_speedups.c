@@ -25,7 +25,7 @@
 
 static PyObject *k_name, *k_step, *k_kind, *k_run, *k_process, *k_value, *k_dtype, *k_shape,
     *k_time, *k_host, *k_index, *k_pass, *k_vhash, *k_attempt, *k_devices, *k_processes,
-    *k_device, *k_coords, *k_replicas, *k_per_device, *k_replicated, *k_meta, *k_why;
+    *k_device, *k_coords, *k_replicas, *k_per_device, *k_replicated, *k_meta, *k_why, *k_forward;
 static PyObject *zero;
 
 /* type(o) in format._SCALAR_TYPES: exactly None, str, int, float, bool. */
@@ -283,6 +283,32 @@ fail:
     return NULL;
 }
 
+/* format.record_key(d): built here for a record without an ``index`` (the
+   tuple record_key builds then: run, name, step, pass or "forward", None,
+   attempt or 0), record_key itself called for any other. */
+static PyObject *
+key_of(PyObject *d, PyObject *record_key)
+{
+    int err = 0;
+    PyObject *index = get(d, k_index, &err);
+    if (err) {
+        return NULL;
+    }
+    if (index != NULL || !PyDict_CheckExact(d)) {
+        return PyObject_CallOneArg(record_key, d);
+    }
+    PyObject *run = get(d, k_run, &err);
+    PyObject *name = get(d, k_name, &err);
+    PyObject *step = get(d, k_step, &err);
+    PyObject *pass = get(d, k_pass, &err);
+    PyObject *attempt = get(d, k_attempt, &err);
+    if (err) {
+        return NULL;
+    }
+    return PyTuple_Pack(6, run ? run : Py_None, name ? name : Py_None, step ? step : Py_None,
+                        pass ? pass : k_forward, Py_None, attempt ? attempt : zero);
+}
+
 /* time_keys(records, t, keys, infos, record_key) -> t: for each record
    (None for a line that is none), append to ``keys`` the running largest
    record time (a time that is no int or float counts as none: runs._Source
@@ -352,7 +378,7 @@ time_keys(PyObject *self, PyObject *args)
                     if (err) {
                         goto fail_info;
                     }
-                    PyObject *rk = PyObject_CallOneArg(record_key, d);
+                    PyObject *rk = key_of(d, record_key);
                     if (rk == NULL) {
                         goto fail_info;
                     }
@@ -542,7 +568,7 @@ PyInit__speedups(void)
         {&k_device, "device"},     {&k_coords, "coords"},
         {&k_replicas, "replicas"}, {&k_per_device, "per_device"},
         {&k_replicated, "replicated"}, {&k_meta, "meta"},
-        {&k_why, "why"},
+        {&k_why, "why"},          {&k_forward, "forward"},
     };
     for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++) {
         *names[j].slot = PyUnicode_InternFromString(names[j].text);

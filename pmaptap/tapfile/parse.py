@@ -217,7 +217,11 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
             # The same, one line at a time in C (tapfile/_speedups.c): a
             # line leaves the fast path alone, not its whole batch.
             records, slow = SPEEDUPS.plain_records(
-                lines, orjson.loads, orjson.JSONDecodeError, MAX_DEPTH, MAX_LINE_BYTES,
+                lines,
+                orjson.loads,
+                orjson.JSONDecodeError,
+                MAX_DEPTH,
+                MAX_LINE_BYTES,
                 _format.id_ranges,
             )
             problems = {}

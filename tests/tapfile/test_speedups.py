@@ -1,0 +1,905 @@
+"""The compiled reading loops (pmaptap/tapfile/_speedups.c) give exactly what
+the Python loops they copy give: parse.parse_lines (plain_records), the
+merge of a sharded run (time_keys, merge_round: runs._Source.extend and
+runs._merge_round) and format.first_not_plain, on hostile lines, records
+breaking each rule of the table and random sharded runs; and bad arguments
+raise instead of crashing the interpreter, and nothing leaks.
+
+The module must be built here: setup.py builds it wherever a C compiler is
+found, and CI installs the test extra with gcc present. So a missing module
+fails test_the_compiled_module_is_built (and every comparison below) rather
+than the comparisons quietly running the Python loops twice. Each
+comparison runs the C path with the module itself (not ``SPEEDUPS``, which
+PMAPTAP_NO_SPEEDUPS=1 turns off) and the Python path with ``SPEEDUPS`` set
+to None in both modules that read it (parse and runs)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import random
+import sys
+import tracemalloc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fuzz_tapfile import (
+    _FIELDS,
+    _ODD_SAMPLES,
+    _ODD_VALUES,
+    _PLAIN_RECORDS,
+    CORPUS,
+    FUZZ_LINE_LIMIT,
+    _mutated,
+    hostile_line,
+)
+from test_read_batch import HOSTILE, ODD_RECORDS
+from test_read_fuzz import _hostile, _job, _render
+from test_record_rules import BASE, SAMPLES, _reader_cases, _with
+
+import pmaptap
+from conftest import per_device_dict, record_dict, run_python
+from pmaptap import cli
+from pmaptap.tapfile import format as fmt
+from pmaptap.tapfile import lines as tapfile_lines
+from pmaptap.tapfile import parse, runs
+
+try:
+    from pmaptap.tapfile import _speedups as C
+except ImportError:  # not built: every test below fails, none is skipped
+    C = None
+
+
+@pytest.fixture
+def c_module():
+    if C is None:
+        pytest.fail("pmaptap/tapfile/_speedups.c is not built (pip install -e . with gcc)")
+    return C
+
+
+def test_the_compiled_module_is_built():
+    """The install built _speedups.c (CI: the test extra's install, gcc
+    present), and the readers use it unless PMAPTAP_NO_SPEEDUPS is set."""
+    from pmaptap.tapfile.speedups import SPEEDUPS
+
+    assert C is not None, "pmaptap/tapfile/_speedups.c is not built"
+    if not os.environ.get("PMAPTAP_NO_SPEEDUPS"):
+        assert SPEEDUPS is C and parse.SPEEDUPS is C and runs.SPEEDUPS is C
+
+
+def _typed(x):
+    """``x`` with the type of every value in it (1, 1.0 and True apart; -0.0
+    and 0.0 apart), dict keys in their order."""
+    if type(x) is dict:
+        return ("dict", tuple((_typed(k), _typed(v)) for k, v in x.items()))
+    if type(x) in (list, tuple):
+        return (type(x).__name__, tuple(_typed(v) for v in x))
+    return (type(x).__name__, repr(x))
+
+
+class _Counting:
+    """The C module, counting the calls of each function (so a comparison
+    knows the C path ran)."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.calls: collections.Counter = collections.Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def call(*args):
+            self.calls[name] += 1
+            return fn(*args)
+
+        return call
+
+
+def _both(fn, **patch):
+    """(fn() with the C loops, fn() with the Python loops, the C calls);
+    ``patch``: parse/runs module attributes set for both runs."""
+    got = []
+    counting = _Counting(C)
+    for module in (counting, None):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(parse, "SPEEDUPS", module)
+            mp.setattr(runs, "SPEEDUPS", module)
+            for name, value in patch.items():
+                mp.setattr(runs if hasattr(runs, name) else parse, name, value)
+            got.append(fn())
+    return got[0], got[1], counting.calls
+
+
+def _same_parse(lines: list, **patch) -> None:
+    """parse_lines of ``lines`` with both loops: the same records (types
+    too) and problems, and those of parse_line line by line (the
+    definition)."""
+    (c, py, calls) = _both(lambda: parse.parse_lines(lines), **patch)
+    assert calls["plain_records"] == 1
+    assert _typed(c[0]) == _typed(py[0])
+    assert c[1] == py[1]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in patch.items():
+            mp.setattr(parse, name, value)
+        one = [parse.parse_line(x) for x in lines]
+    assert _typed(c[0]) == _typed([d for d, _ in one])
+    assert c[1] == {i: why for i, (_, why) in enumerate(one) if why is not None}
+
+
+def _dump(d, compact=True) -> bytes:
+    seps = (",", ":") if compact else (", ", ": ")
+    return json.dumps(d, separators=seps, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _nested(n: int, opener: bytes = b"[") -> bytes:
+    closer = b"]" if opener == b"[" else b"}"
+    inner = b"0" if opener == b"[" else b""
+    if opener == b"{":
+        return b'{"a":' * n + b"0" + closer * n
+    return opener * n + inner + closer * n
+
+
+def _own_lines() -> list[bytes]:
+    """Lines for every fast-path condition and every field's odd types."""
+    base = record_dict(vhash="ab", devices=[0, 1], processes=[0])
+    pd = per_device_dict(3, 1, 0.5)
+    line = _dump(base)
+    out = [
+        b"",
+        b" ",
+        b"\t",
+        b"\r",
+        b"null",
+        b"true",
+        b"[]",
+        b"{}",
+        b"1",
+        b'"s"',
+        b"\xef\xbb\xbf" + line,  # a BOM
+        line + b"\r",  # CRLF
+        line + b" ",
+        b" " + line,
+        line + line,  # two records on one line
+        line[:-1],  # torn
+        line + b",",
+    ]
+    # Depth: the record object is a level; 128 in all is the limit.
+    for n in (126, 127, 128, 129, 200):
+        for opener in (b"[", b"{"):
+            value = _nested(n - 1, opener)
+            out.append(line.replace(b'"value":1', b'"value":' + value, 1))
+            out.append(_nested(n, opener))
+    out.append(_dump(dict(base, value="[" * 300)))  # brackets in a string only
+    out.append(_dump(dict(base, value="{" * 100, host="[" * 100)))
+    out.append(_dump(dict(base, value=[[[]]] * 60)))  # 180 brackets, depth 4
+    # Numbers: big ints as step, value, time, attempt, process; non-finite.
+    for field in ("step", "value", "time", "attempt", "process", "device", "replicas"):
+        for digits in (
+            "18446744073709551615",
+            "18446744073709551616",
+            "9223372036854775807",
+            "-9223372036854775808",
+            "-9223372036854775809",
+            "1" + "0" * 30,
+            "1" + "0" * 400,
+            "7" * 5000,
+            "1e400",
+            "-1e400",
+            "1e-400",
+            "-0",
+            "-0.0",
+            "1.0",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "nan",
+            "true",
+            '"1"',
+            "null",
+        ):
+            d = dict(pd if field == "device" else base, **{field: 0})
+            text = _dump(d).replace(f'"{field}":0'.encode(), f'"{field}":{digits}'.encode(), 1)
+            out.append(text)
+    # Text: lone surrogate escapes, invalid UTF-8, controls, escaped keys.
+    for esc in (
+        b"\\ud800",
+        b"\\udfff",
+        b"\\uDBFF",
+        b"\\ud83d\\ude00",
+        b"\\ud83d",
+        b"\\ude00\\ud83d",
+        b"\\\\ud800",
+        b"\\u0000",
+        b"\xff",
+        b"\xc0\xaf",
+        b"\xed\xa0\x80",
+        b"\xf4\x90\x80\x80",
+        b"\x00",
+        b"\x1f",
+        b"\x7f",
+        b"\xe2\x82",
+    ):
+        out.append(line.replace(b'"host":"', b'"host":"' + esc, 1))
+        out.append(line.replace(b'"name":"', b'"name":"' + esc, 1))
+        out.append(line.replace(b'"run"', b'"r' + esc + b'un"', 1))
+    out.append(line.replace(b'"step"', b'"\\u0073tep"', 1))
+    out.append(line.replace(b'"kind"', b'"\\u006bind"', 1))
+    # Duplicate keys: the last one wins.
+    for dup in (
+        b'"step":true',
+        b'"step":2',
+        b'"kind":"meta"',
+        b'"kind":"per_device"',
+        b'"kind":"other"',
+        b'"attempt":-1',
+        b'"attempt":1',
+        b'"index":null',
+        b'"index":[[0,1]]',
+        b'"vhash":3',
+        b'"vhash":""',
+    ):
+        out.append(line[:-1] + b"," + dup + b"}")
+        out.append(b"{" + dup + b"," + line[1:])
+    # Each field with each type, and each field missing.
+    odd = [True, False, 0, -1, 1, 2**63 - 1, 1.5, -0.0, "", "x", None, [], [0], {}, {"a": 1}]
+    odd += ["0-31", "0-31,40", "0,2-3", "3-1", "01", "0-", "-1", "0-9999999999", "1,1", "0 1"]
+    odd += [[0, None, "p", 1.5, True], [[1]], [{}], "per_device", "replicated", "meta"]
+    for r in (base, pd, record_dict(kind="meta", name="pmaptap/dropped", value=3)):
+        for field in sorted(set(r) | {"pass", "vhash", "attempt", "index", "devices"}):
+            out.append(_dump({k: v for k, v in r.items() if k != field}))
+            for v in odd:
+                out.append(_dump(dict(r, **{field: v})))
+    out.append(_dump({**base, "process": "p7"}))  # any scalar is a process
+    out.append(_dump(dict(pd, device="x", coords={"dp": [1]})))
+    out.append(_dump(dict(base, divergent=True, copies_seen=2)))
+    return out
+
+
+def _corpus(seed: int = 0) -> list[bytes]:
+    """Every hostile and odd line the other reading tests know, and ours."""
+    rnd = random.Random(seed)
+    lines = list(HOSTILE) + [_dump(d, compact=False) for d in ODD_RECORDS] + list(CORPUS)
+    job = [_render(rnd, r) for r in _job(rnd)]
+    lines += job[:300]
+    lines += [_hostile(rnd, rnd.choice(job)) for _ in range(300)]
+    for rule in fmt.RULES:
+        for accepted in (True, False):
+            for kind, value in _reader_cases(rule, accepted):
+                d = _with(kind, rule.name, value)
+                lines.append(_dump(d))
+    for which in range(len(_PLAIN_RECORDS)):
+        for field in _FIELDS:
+            for value in _ODD_SAMPLES:
+                lines.append(_dump(_mutated(which, [(field, value)])))
+    return lines + _own_lines()
+
+
+LIMITS = [
+    {},
+    {"MAX_LINE_BYTES": 256},
+    {"MAX_LINE_BYTES": FUZZ_LINE_LIMIT},
+    {"MAX_DEPTH": 3},
+    {"MAX_LINE_BYTES": 97, "MAX_DEPTH": 1},
+]
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_parse_lines_same_with_both_loops_on_hostile_lines(c_module, limits):
+    lines = _corpus()
+    # Over-long lines around the limit, whatever it is.
+    limit = limits.get("MAX_LINE_BYTES", 4096)
+    pad = record_dict(pad="")
+    size = len(_dump(pad))
+    for n in (limit - 1, limit, limit + 1):
+        lines.append(_dump(dict(pad, pad="p" * (n - size))))
+        lines.append(b" " * n)
+    assert any(len(x) == limit + 1 for x in lines)
+    _same_parse(lines, **limits)  # all in one batch
+    rnd = random.Random(len(limits))
+    plain = [_dump(per_device_dict(s, 1, 0.5)) for s in range(40)]
+    for _ in range(40):  # hostile lines here and there among plain ones
+        batch = plain[: rnd.randrange(40)]
+        for _ in range(rnd.randrange(1, 6)):
+            batch.insert(rnd.randrange(len(batch) + 1), rnd.choice(lines))
+        _same_parse(batch, **limits)
+    for x in lines[:: 7 if limits else 1]:  # each alone (all of them once)
+        _same_parse([x], **limits)
+    _same_parse([], **limits)
+
+
+def test_parse_lines_takes_lines_of_any_type_alike(c_module):
+    line = _dump(record_dict())
+    lines = [line, bytearray(line), memoryview(line), line.decode(), None, 5, b"x", line]
+    _same_parse(lines)
+
+
+def test_plain_records_takes_exactly_parse_lines_fast_path(c_module):
+    """A line is a record in C exactly where parse_line's own fast path
+    takes it: short, at most MAX_DEPTH opening brackets, orjson takes it,
+    a plainly valid record; then it is what orjson made of it."""
+    import orjson
+
+    lines = _corpus()
+    for limit in (parse.MAX_LINE_BYTES, 200):
+        records, slow = C.plain_records(
+            lines, orjson.loads, orjson.JSONDecodeError, parse.MAX_DEPTH, limit, fmt.id_ranges
+        )
+        assert slow == sorted(slow) and len(records) == len(lines)
+        fast = 0
+        for i, raw in enumerate(lines):
+            want = None
+            if len(raw) <= limit and raw.count(b"[") + raw.count(b"{") <= parse.MAX_DEPTH:
+                try:
+                    d = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    d = None
+                if type(d) is dict and fmt._plainly_valid(d):
+                    want = d
+            assert (i in slow) == (want is None), raw[:100]
+            assert _typed(records[i]) == _typed(want), raw[:100]
+            fast += want is not None
+        assert 200 < fast < len(lines) - 200, fast  # both kinds well covered
+
+
+@settings(
+    max_examples=int(os.environ.get("PMAPTAP_FUZZ_EXAMPLES", "40")) * 3,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(st.lists(hostile_line(), max_size=12))
+def test_parse_lines_same_with_both_loops_fuzzed(lines):
+    assert C is not None, "pmaptap/tapfile/_speedups.c is not built"
+    _same_parse(lines, MAX_LINE_BYTES=FUZZ_LINE_LIMIT)
+
+
+# ------------------------------------------------------------ first_not_plain
+
+
+class _Dict(dict):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+def _same_first_not_plain(items: list) -> None:
+    for start in (0, 1, len(items) // 2, len(items), len(items) + 3):
+        want = fmt.first_not_plain(items, start)
+        assert C.first_not_plain(items, start, fmt.id_ranges) == want, (start, items)
+
+
+def test_first_not_plain_same_on_records_breaking_each_rule(c_module):
+    for rule in fmt.RULES:
+        for accepted in (True, False):
+            for kind, value in _reader_cases(rule, accepted):
+                d = _with(kind, rule.name, value)
+                for other in BASE.values():
+                    _same_first_not_plain([other, d, other])
+                    _same_first_not_plain([d, other])
+    for which in range(len(_PLAIN_RECORDS)):
+        for field in _FIELDS:
+            for value in _ODD_SAMPLES + SAMPLES:
+                d = _mutated(which, [(field, value)])
+                _same_first_not_plain([_PLAIN_RECORDS[which], d])
+    plain = list(BASE.values()) + [dict(r) for r in _PLAIN_RECORDS]
+    assert C.first_not_plain(plain, 0, fmt.id_ranges) == len(plain)
+    _same_first_not_plain(plain)
+    # Not records, and types JSON never makes.
+    base = BASE["replicated"]
+    odd = [None, 1, "x", [], [base], (base,), _Dict(base), collections.OrderedDict(base)]
+    odd += [dict(base, kind=_Str("meta")), dict(base, kind=_Str("replicated"))]
+    odd += [dict(BASE["per_device"], kind=_Str("per_device")), dict(base, name=_Str("a"))]
+    odd += [dict(base, step=_Dict()), dict(base, processes=_Str("0-3")), dict(base, kind=b"meta")]
+    for d in odd:
+        _same_first_not_plain([base, d, base])
+    _same_first_not_plain([])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(range(len(_PLAIN_RECORDS))),
+    st.lists(
+        st.tuples(st.sampled_from(_FIELDS), st.one_of(st.sampled_from(_ODD_SAMPLES), _ODD_VALUES)),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_first_not_plain_same_fuzzed(which, changes):
+    assert C is not None, "pmaptap/tapfile/_speedups.c is not built"
+    _same_first_not_plain([_PLAIN_RECORDS[which], _mutated(which, changes)])
+
+
+# ------------------------------------------------------------ sharded runs
+
+
+def _record(rnd: random.Random, process: int, n: int, time) -> dict:
+    """A record of a shard: per-device, replicated (copies of a few values
+    other shards write too, some divergent, some twice), or meta."""
+    step = rnd.randrange(4)
+    roll = rnd.random()
+    if roll < 0.35:
+        d = per_device_dict(step, process, 0.5 * n, name=rnd.choice(["g", "h"]), process=process)
+    elif roll < 0.9:
+        d = record_dict(name=rnd.choice(["loss", "lr"]), step=step, value=1.5, process=process)
+        d["vhash"] = rnd.choice(["aa", "aa", "aa", "bb", ""])
+        if rnd.random() < 0.15:
+            del d["vhash"]
+        if rnd.random() < 0.3:
+            d["devices"], d["processes"] = "0-7", "0-3"
+        if rnd.random() < 0.1:
+            d["process"] = rnd.choice([float(process), None, "p", process == 1])
+    else:
+        d = record_dict(kind="meta", name="pmaptap/dropped", step=step, value=2, process=process)
+    if rnd.random() < 0.15:
+        d["attempt"] = rnd.choice([0, 1, 2])
+    if rnd.random() < 0.1:
+        d["pass"] = "backward"
+    if rnd.random() < 0.05:
+        d["index"] = [[0, 2]]
+    d["n"] = n  # tells copies apart in the output
+    d["time"] = time
+    return d
+
+
+def _time(rnd: random.Random, t: float):
+    roll = rnd.random()
+    if roll < 0.05:
+        return rnd.choice([None, "5", True, [1.0], {"t": 1}, 2**53 + 1, 2**64 - 1, -0.0, 1e300])
+    if roll < 0.1:
+        return t - rnd.choice([0.5, 3])  # backwards within the shard
+    if roll < 0.3:
+        return int(t)
+    return t
+
+
+def _write_run(rnd: random.Random, path: str) -> None:
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    procs = sorted(rnd.sample(range(8), rnd.randint(1, 5)))
+    files = [(runs.shard_path(path, p), p) for p in procs]
+    if rnd.random() < 0.2:
+        files.append((path, 7))  # the one shared file, read first
+    for name, p in files:
+        t = float(rnd.randrange(3))
+        lines = []
+        for n in range(rnd.choice([0, 1, 3, 10, 25])):
+            t += rnd.choice([0, 0, 0.5, 1, 2])
+            d = _record(rnd, p, n, _time(rnd, t))
+            lines.append(_dump(d, compact=rnd.random() < 0.8))
+            if rnd.random() < 0.08:
+                lines.append(rnd.choice([*HOSTILE[:12], _hostile(rnd, lines[-1])]))
+        data = b"".join(x + b"\n" for x in lines)
+        tail = rnd.random()
+        if lines and tail < 0.15:
+            data = data[:-1]  # a whole last line without its newline
+        elif lines and tail < 0.3:
+            data = data[:-1] + b"\n" + lines[-1][: rnd.randrange(1, len(lines[-1]))]  # torn
+        elif tail < 0.35:
+            data += b'{"not": "a record"}'
+        with open(name, "wb") as f:
+            f.write(data)
+
+
+def _cli(capsys, caplog, *args):
+    caplog.clear()
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err, [(r.levelno, r.getMessage()) for r in caplog.records]
+
+
+def _readers(path: str, capsys, caplog):
+    caplog.clear()
+    batches = [(first, _typed(recs), probs) for first, recs, probs in runs.iter_merged(
+        path, tapfile_lines.read_at
+    )]
+    got = {
+        "merged": batches,
+        "lines": _typed(list(tapfile_lines.iter_lines(path))),
+        "read": _typed(pmaptap.read(path)),
+        "read_all": _typed(pmaptap.read(path, attempts="all")),
+        "read_logs": [(r.levelno, r.getMessage()) for r in caplog.records],
+        "summary": _cli(capsys, caplog, "summary", path),
+        "validate": _cli(capsys, caplog, "validate", path),
+    }
+    return got
+
+
+PIECES = [
+    {},
+    {"MERGE_BYTES": 1, "MIN_PIECE_BYTES": 1, "MIN_READ_BYTES": 1, "MAX_READ_BYTES": 1},
+    {"MERGE_BYTES": 300, "MIN_PIECE_BYTES": 150, "MIN_READ_BYTES": 64, "MAX_READ_BYTES": 700},
+    {"MERGE_BYTES": 1, "MIN_PIECE_BYTES": 1, "MAX_PIECE_BYTES": 1},
+]
+
+
+def test_sharded_runs_read_the_same_with_both_loops(c_module, tmp_path, capsys, caplog):
+    """Random sharded runs (ties, copies of replicated values in several
+    shards and twice in one, divergent copies, odd and backward times,
+    garbage and torn last lines, empty shards, the shared file) cut into
+    pieces of every size: every reader gives the same with both loops."""
+    caplog.set_level(logging.WARNING)
+    calls: collections.Counter = collections.Counter()
+    kept = dropped = 0
+    for case in range(int(os.environ.get("PMAPTAP_FUZZ_SEEDS", "10")) * 6):
+        rnd = random.Random(case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        _write_run(rnd, path)
+        pieces = PIECES[case % len(PIECES)]
+        c, py, n = _both(lambda: _readers(path, capsys, caplog), **pieces)
+        for what in c:
+            assert c[what] == py[what], (case, what)
+        calls.update(n)
+        lines = sum(len(b[1][1]) for b in c["merged"])
+        records = sum(1 for x in c["lines"][1] if x[1][1][0] == "dict")
+        kept += records
+        dropped += sum(1 for x in c["lines"][1] if x[1][1][0] == "NoneType") + lines - records
+    assert calls["plain_records"] and calls["time_keys"] and calls["merge_round"] > 500, calls
+    assert kept > 1000 and dropped > 100, (kept, dropped)
+
+
+def test_a_merge_drops_and_keeps_the_same_copies(c_module, tmp_path):
+    """The copies of one replicated value: the first process's all kept
+    (twice from one process: both), the others' dropped, a divergent value
+    kept; equal process ids of other types (1 and 1.0) are one process."""
+
+    def rec(p, n, t, vhash="aa", **kw):
+        return dict(record_dict(name="loss", vhash=vhash, process=p, time=t, n=n), **kw)
+
+    spec = {
+        0: [rec(0, 0, 2.0), rec(0, 1, 2.0), rec(0, 2, 5.0, vhash="bb")],
+        1: [rec(1, 3, 1.0, vhash=""), rec(1, 4, 2.0), rec(1.0, 5, 3.0, vhash="cc")],
+        2: [rec(1, 6, 4.0, vhash="cc"), rec(2, 7, 4.0, vhash="cc"), rec(2, 8, 1, attempt=1)],
+    }
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + ".d")
+    for p, recs in spec.items():
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.writelines(_dump(d) + b"\n" for d in recs)
+    for pieces in PIECES:
+        c, py, calls = _both(lambda: list(tapfile_lines.iter_lines(path)), **pieces)
+        assert _typed(c) == _typed(py) and calls["merge_round"]
+        assert [d["n"] for _, d, _ in c] == [3, 8, 0, 1, 5, 6, 2]
+
+
+# ------------------------------------------------------------ merge pieces
+
+
+class _Piece(runs._Source):
+    """A source whose pieces are given."""
+
+    def __init__(self, pieces: list, name: str = "s") -> None:
+        super().__init__()
+        self.pieces = list(pieces)
+        self.name = name
+
+    def piece(self):
+        return self.pieces.pop(0) if self.pieces else None
+
+
+ODD_TIMES = [
+    None,
+    "5",
+    True,
+    False,
+    [1.0],
+    -0.0,
+    0.0,
+    0,
+    1,
+    1.0,
+    2**53,
+    float(2**53),
+    2**53 + 1,
+    2**63 - 1,
+    2**64 - 1,
+    2**64 + 1,
+    -(2**63),
+    1e300,
+    -1e300,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1.5,
+    _Str("7"),
+]
+
+
+def _extend_both(pieces: list):
+    out = []
+    for module in (C, None):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(runs, "SPEEDUPS", module)
+            s = _Piece(pieces)
+            try:
+                while s.extend():
+                    pass
+            except Exception as e:  # noqa: BLE001 - compared below
+                out.append(type(e))
+                continue
+            out.append((_typed(s.keys), _typed(s.t)))
+    return out
+
+
+def test_time_keys_same_as_the_python_loop_on_odd_times(c_module):
+    """The running largest time: ints and floats only (not bool, nor text),
+    an int compared exactly and kept as its float, NaN never taken."""
+    rnd = random.Random(5)
+    for _ in range(300):
+        pieces = []
+        for _ in range(rnd.randrange(1, 4)):
+            recs = []
+            for _ in range(rnd.randrange(0, 8)):
+                roll = rnd.random()
+                if roll < 0.1:
+                    recs.append(None)
+                elif roll < 0.15:
+                    recs.append({})
+                else:
+                    recs.append({"time": rnd.choice(ODD_TIMES), "kind": "meta"})
+            pieces.append((recs, {}))
+        c, py = _extend_both(pieces)
+        assert c == py, pieces
+    big = [([{"time": 2**2000}], {})]  # no JSON number, but both refuse alike
+    assert _extend_both(big) == [OverflowError, OverflowError]
+    assert _extend_both([([{"time": -(2**2000)}, {"time": 1}], {})])[0] == _extend_both(
+        [([{"time": 1}], {})]
+    )[0]
+
+
+def _round_both(sources: list[list[tuple[float, object]]], first_c: dict, first_py: dict, pos):
+    """One round over ``sources`` (each (time, record or _Bad) in order,
+    all taken) with merge_round and with runs._merge_round."""
+    parts, keys_in, recs_in = [], [], []
+    for items in sources:
+        records = [None if isinstance(x, runs._Bad) else x for _, x in items]
+        problems = {j: x.why for j, (_, x) in enumerate(items) if isinstance(x, runs._Bad)}
+        s = _Piece([(records, problems)])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(runs, "SPEEDUPS", C)
+            s.extend()
+        p = len(items) // 3
+        parts.append((s.records, s.keys, s.infos, p, len(items)))
+        keys_in += s.keys[p:]
+        recs_in += [x for _, x in items[p:]]
+    c = C.merge_round(parts, first_c, pos)
+    py = runs._merge_round(keys_in, recs_in, True, first_py, pos)
+    return c, py
+
+
+def test_merge_round_same_as_the_python_round(c_module):
+    rnd = random.Random(11)
+    procs = [0, 1, 1.0, True, None, "p", 2]
+    for case in range(400):
+        first_c: dict = {}
+        first_py: dict = {}
+        pos = rnd.randrange(3)
+        for _ in range(3):  # rounds sharing ``first``
+            sources = []
+            for s in range(rnd.randrange(1, 5)):
+                items = []
+                t = 0.0
+                for n in range(rnd.randrange(0, 9)):
+                    t += rnd.choice([0, 0, 1])
+                    roll = rnd.random()
+                    if roll < 0.1:
+                        x: object = runs._Bad(f"bad {case} {s} {n}")
+                    else:
+                        kind = "replicated" if roll < 0.8 else rnd.choice(["meta", "per_device"])
+                        x = dict(
+                            record_dict(kind=kind, step=rnd.randrange(2), time=t, n=(s, n)),
+                            process=rnd.choice(procs),
+                        )
+                        if rnd.random() < 0.8:
+                            x["vhash"] = rnd.choice(["aa", "aa", "bb", ""])
+                        if rnd.random() < 0.2:
+                            x["attempt"] = 1
+                    items.append((t, x))
+                sources.append(items)
+            c, py = _round_both(sources, first_c, first_py, pos)
+            assert len(c[0]) == len(py[0]) and all(a is b for a, b in zip(c[0], py[0])), case
+            assert c[1:] == py[1:], case
+            assert first_c == first_py and list(first_c) == list(first_py), case
+            pos = c[2]
+
+
+def test_an_unhashable_dedup_key_cannot_come_from_a_line(c_module):
+    """The dedup key (record_key and vhash) of any line readers take is
+    hashable: run, name, pass, vhash must be text, step and attempt
+    integers, index pairs of integers. So no line can make merge_round (or
+    the Python round) hash a list; given one anyway, both raise
+    TypeError."""
+    line = _dump(record_dict(vhash="aa"))
+    for field, value in (
+        ("run", ["r"]),
+        ("name", {"a": 1}),
+        ("step", [1]),
+        ("pass", []),
+        ("vhash", ["aa"]),
+        ("attempt", [0]),
+        ("index", [[0, [1]]]),
+        ("index", [[[0, [1]]]]),
+    ):
+        d = dict(json.loads(line), **{field: value})
+        assert parse.parse_line(_dump(d)) == (None, parse.parse_line(_dump(d))[1])
+        assert parse.parse_lines([_dump(d)])[0] == [None]
+    d = dict(json.loads(line), run=["r"])
+    infos: list = []
+    C.time_keys([d], float("-inf"), [], infos, fmt.record_key)
+    with pytest.raises(TypeError, match="unhashable"):
+        C.merge_round([([d], [1.0], infos, 0, 1)], {}, 0)
+    with pytest.raises(TypeError, match="unhashable"):
+        runs._merge_round([1.0], [d], True, {}, 0)
+
+
+_BAD_CALLS = r"""
+import sys
+import numpy as np
+from pmaptap.tapfile import _speedups as C
+from pmaptap.tapfile.format import id_ranges, record_key
+import orjson
+
+d = {"time": 1.0}
+ok = ([d], [1.0], [None], 0, 1)
+class Index:
+    def __index__(self):
+        return 0
+calls = {
+    "part not a tuple": lambda: C.merge_round([[[d], [1.0], [None], 0, 1]], {}, 0),
+    "part too short": lambda: C.merge_round([([d], [1.0], [None], 0)], {}, 0),
+    "part too long": lambda: C.merge_round([ok + (1,)], {}, 0),
+    "records not a list": lambda: C.merge_round([((d,), [1.0], [None], 0, 1)], {}, 0),
+    "numpy slice": lambda: C.merge_round([([d], [1.0], [None], np.int64(0), np.int64(1))], {}, 0),
+    "index slice": lambda: C.merge_round([([d], [1.0], [None], Index(), 1)], {}, 0),
+    "float slice": lambda: C.merge_round([([d], [1.0], [None], 0.0, 1)], {}, 0),
+    "slice past records": lambda: C.merge_round([([d], [1.0, 2.0], [None, None], 0, 2)], {}, 0),
+    "slice past keys": lambda: C.merge_round([([d, d], [1.0], [None, None], 0, 2)], {}, 0),
+    "slice past infos": lambda: C.merge_round([([d, d], [1.0, 2.0], [None], 0, 2)], {}, 0),
+    "negative start": lambda: C.merge_round([([d], [1.0], [None], -1, 1)], {}, 0),
+    "reversed slice": lambda: C.merge_round([([d], [1.0], [None], 1, 0)], {}, 0),
+    "huge slice": lambda: C.merge_round([([d], [1.0], [None], 0, 2**70)], {}, 0),
+    "int key": lambda: C.merge_round([([d], [1], [None], 0, 1)], {}, 0),
+    "empty info": lambda: C.merge_round([([d], [1.0], [()], 0, 1)], {}, 0),
+    "short info": lambda: C.merge_round([([d], [1.0], [(1,)], 0, 1)], {}, 0),
+    "info no why": lambda: C.merge_round([([d], [1.0], [object()], 0, 1)], {}, 0),
+    "unhashable info": lambda: C.merge_round([([d], [1.0], [([], 0)], 0, 1)], {}, 0),
+    "first not a dict": lambda: C.merge_round([ok], [], 0),
+    "parts not a list": lambda: C.merge_round((ok,), {}, 0),
+    "time_keys record": lambda: C.time_keys([[1]], 0.0, [], [], record_key),
+    "time_keys t": lambda: C.time_keys([d], 0, [], [], record_key),
+    "time_keys keys": lambda: C.time_keys([d], 0.0, (), [], record_key),
+    "time_keys key fn": lambda: C.time_keys(
+        [{"kind": "replicated", "vhash": "a", "index": [[0, 1]]}], 0.0, [], [], None
+    ),
+    "time_keys raising key": lambda: C.time_keys(
+        [{"kind": "replicated", "vhash": "a", "index": [[0, 1]]}], 0.0, [], [], lambda d: 1 / 0
+    ),
+    "time_keys bad truth": lambda: C.time_keys(
+        [{"kind": "replicated", "vhash": np.array([1, 2])}], 0.0, [], [], record_key
+    ),
+    "plain_records lines": lambda: C.plain_records((b"{}",), orjson.loads,
+                                                   orjson.JSONDecodeError, 128, 99, id_ranges),
+    "plain_records loads": lambda: C.plain_records([b"{}"], lambda b: 1 / 0,
+                                                   orjson.JSONDecodeError, 128, 99, id_ranges),
+    "first_not_plain ids": lambda: C.first_not_plain(
+        [{"name": "a", "step": 0, "kind": "meta", "run": "r", "process": 0, "value": 1,
+          "dtype": "i", "shape": [], "time": 1.0, "host": "h", "devices": "0-3"}], 0, None),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except Exception as e:
+        print(name, "->", type(e).__name__, flush=True)
+    else:
+        print(name, "->", "no error", flush=True)
+print("survived")
+"""
+
+
+def test_bad_arguments_raise_instead_of_crashing(c_module):
+    """Run in a child: a crash must fail this test, not end the session."""
+    proc = run_python(_BAD_CALLS, timeout=120, check=False)
+    got = dict(x.split(" -> ") for x in proc.stdout.splitlines() if " -> " in x)
+    assert proc.returncode == 0 and "survived" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    value = {
+        "slice past records",
+        "slice past keys",
+        "slice past infos",
+        "negative start",
+        "reversed slice",
+    }
+    for name, error in got.items():
+        if name in value:
+            assert error == "ValueError", (name, error)
+        elif name == "huge slice":
+            assert error in ("OverflowError", "ValueError"), (name, error)
+        elif name == "info no why":
+            assert error == "AttributeError", (name, error)
+        elif name == "time_keys raising key":
+            assert error == "ZeroDivisionError", (name, error)
+        elif name == "plain_records loads":
+            assert error == "ZeroDivisionError", (name, error)
+        elif name == "time_keys bad truth":
+            assert error == "ValueError", (name, error)
+        else:
+            assert error == "TypeError", (name, error)
+    assert len(got) == _BAD_CALLS.count('lambda')
+
+
+# ------------------------------------------------------------ leaks
+
+
+def _grows(fn, rounds: int = 3000) -> int:
+    """Bytes still allocated after ``rounds`` more calls of ``fn`` than
+    after a warm-up."""
+    for _ in range(200):
+        fn()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(rounds):
+            fn()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_no_references_leak(c_module):
+    """Reference counts of everything the functions touch come back to
+    where they were, after results and errors alike; memory stays flat."""
+    import orjson
+
+    d = record_dict(vhash="aa", process=1, devices="0-3", time=2.0)
+    pd = per_device_dict(1, 1, 0.5)
+    proc, vhash = d["process"], d["vhash"]
+    bad = runs._Bad("why")
+    line = _dump(d)
+    lines = [line, b"garbage", _dump(pd), b"[" * 200, line]
+    key_fn = fmt.record_key
+    watched = [d, pd, vhash, bad, bad.why, line, lines, key_fn, fmt.id_ranges, orjson.loads]
+
+    def calls():
+        records, slow = C.plain_records(
+            lines, orjson.loads, orjson.JSONDecodeError, 128, 1 << 20, fmt.id_ranges
+        )
+        assert slow == [1, 3]
+        C.first_not_plain([d, pd, 1, d], 0, fmt.id_ranges)
+        keys: list = []
+        infos: list = []
+        C.time_keys([d, None, pd, d, {"time": 2**70}], float("-inf"), keys, infos, key_fn)
+        infos[1] = bad
+        first: dict = {}
+        for _ in range(2):
+            C.merge_round([([d, None, pd, d, pd], keys, infos, 0, 5)], first, 0)
+        for args in (
+            ([([d], [1], [None], 0, 1)], {}, 0),
+            ([([d], [1.0], [(1,)], 0, 1)], {}, 0),
+            ([([d], [1.0], [([], proc)], 0, 1)], {}, 0),
+            ([([d, d], [1.0, 1.0], [None, None], 0, 3)], {}, 0),
+        ):
+            try:
+                C.merge_round(*args)
+            except (TypeError, ValueError):
+                pass
+        for args in (
+            ([d, 5], float("-inf"), [], [], key_fn),
+            ([{"time": 2**2000}], float("-inf"), [], [], key_fn),
+            ([dict(d, index=[[0, 1]])], float("-inf"), [], [], lambda r: 1 / 0),
+        ):
+            try:
+                C.time_keys(*args)
+            except (TypeError, OverflowError, ZeroDivisionError):
+                pass
+        try:
+            C.plain_records([line], lambda b: 1 / 0, ValueError, 128, 99, fmt.id_ranges)
+        except ZeroDivisionError:
+            pass
+
+    calls()
+    counts = [sys.getrefcount(x) for x in watched] + [sys.getrefcount(proc)]
+    for _ in range(500):
+        calls()
+    assert [sys.getrefcount(x) for x in watched] + [sys.getrefcount(proc)] == counts
+    assert _grows(calls, 1000) < 64 << 10
