@@ -545,11 +545,39 @@ def _add_export_targets(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Version(argparse.Action):
+    """``--version``, worked out only when asked (the metadata lookup is
+    not free, and every command builds this parser)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        from importlib.metadata import PackageNotFoundError, version
+
+        from pmaptap.tapfile.speedups import SPEEDUPS
+
+        try:
+            number = version("pmaptap")
+        except PackageNotFoundError:  # run from a source tree
+            number = "(not installed)"
+        loops = (
+            "reading loops in C"
+            if SPEEDUPS is not None
+            else "reading loops in Python (the C module was not built, or PMAPTAP_NO_SPEEDUPS)"
+        )
+        print(f"{PROG} {number}: {loops}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Look at pmaptap tap files (JSON lines).",
         epilog="Exit status: 0 ok, 1 validate found problems, 2 usage/input error.",
+    )
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        nargs=0,
+        help="the version, and whether the reading loops run in C (tapfile/speedups.py)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

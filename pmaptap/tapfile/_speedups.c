@@ -66,22 +66,80 @@ holders_ok(PyObject *ids, PyObject *id_ranges)
     return ok;
 }
 
-/* Exactly str and equal to the interned ``want``. */
+/* ``o == want`` (op Py_EQ) or ``o != want`` (Py_NE) as Python compares
+   them, ``want`` an interned str: exact str without a call (the records
+   JSON makes), anything else through its own comparison (as
+   format.first_not_plain's ``kind == "per_device"``). 1, 0, -1 error. */
 static int
-str_is(PyObject *o, PyObject *want)
+str_eq(PyObject *o, PyObject *want, int op)
 {
-    return o == want || (PyUnicode_CheckExact(o) && PyUnicode_Compare(o, want) == 0);
+    if (PyUnicode_CheckExact(o)) {
+        int eq = o == want || PyUnicode_Compare(o, want) == 0;
+        return op == Py_EQ ? eq : !eq;
+    }
+    return PyObject_RichCompareBool(o, want, op);
 }
 
-/* d[key] or NULL (no error set) when missing; -1 into *err on a failed lookup. */
+/* d[key] or NULL (no error set) when missing; 1 into *err on a failed
+   lookup, and then later calls look nothing up (no call runs with an
+   exception set): callers test *err once after a few lookups. */
 static PyObject *
 get(PyObject *d, PyObject *key, int *err)
 {
+    if (*err) {
+        return NULL;
+    }
     PyObject *v = PyDict_GetItemWithError(d, key);
     if (v == NULL && PyErr_Occurred()) {
         *err = 1;
     }
     return v;
+}
+
+/* The rest of plain(): the holders fields and the kind's own fields. */
+static int
+plain_kind(PyObject *d, PyObject *kind, PyObject *id_ranges)
+{
+    int err = 0;
+    PyObject *v;
+    PyObject *fields[] = {k_devices, k_processes};
+    for (size_t j = 0; j < 2; j++) {
+        v = get(d, fields[j], &err);
+        if (err) {
+            return -1;
+        }
+        int ok = holders_ok(v, id_ranges);
+        if (ok <= 0) {
+            return ok;
+        }
+    }
+    int is = str_eq(kind, k_per_device, Py_EQ);
+    if (is < 0) {
+        return -1;
+    }
+    if (is) {
+        v = get(d, k_device, &err);
+        if (err) {
+            return -1;
+        }
+        if (v == NULL || !is_scalar(v)) {
+            return 0;
+        }
+        v = get(d, k_coords, &err);
+        if (err) {
+            return -1;
+        }
+        return v != NULL && PyDict_CheckExact(v);
+    }
+    is = str_eq(kind, k_replicated, Py_EQ);
+    if (is < 0) {
+        return -1;
+    }
+    if (is) {
+        return PyDict_Contains(d, k_replicas);
+    }
+    is = str_eq(kind, k_meta, Py_NE);
+    return is < 0 ? -1 : !is;
 }
 
 /* format.first_not_plain for one item: 1 a plainly valid record, 0 not, -1
@@ -140,35 +198,11 @@ plain(PyObject *d, PyObject *id_ranges)
             return negative < 0 ? -1 : 0;
         }
     }
-    PyObject *fields[] = {k_devices, k_processes};
-    for (size_t j = 0; j < 2; j++) {
-        v = get(d, fields[j], &err);
-        if (err) {
-            return -1;
-        }
-        int ok = holders_ok(v, id_ranges);
-        if (ok <= 0) {
-            return ok;
-        }
-    }
-    if (str_is(kind, k_per_device)) {
-        v = get(d, k_device, &err);
-        if (err) {
-            return -1;
-        }
-        if (v == NULL || !is_scalar(v)) {
-            return 0;
-        }
-        v = get(d, k_coords, &err);
-        if (err) {
-            return -1;
-        }
-        return v != NULL && PyDict_CheckExact(v);
-    }
-    if (str_is(kind, k_replicated)) {
-        return PyDict_Contains(d, k_replicas);
-    }
-    return str_is(kind, k_meta);
+    /* id_ranges is Python code: the kind (borrowed from d) is held across it. */
+    Py_INCREF(kind);
+    int ok = plain_kind(d, kind, id_ranges);
+    Py_DECREF(kind);
+    return ok;
 }
 
 /* first_not_plain(records, start, id_ranges) -> int */
@@ -236,13 +270,19 @@ plain_records(PyObject *self, PyObject *args)
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(lines)) { /* loads or id_ranges shortened it */
+            PyErr_SetString(PyExc_RuntimeError, "plain_records: lines changed size");
+            goto fail;
+        }
         PyObject *line = PyList_GET_ITEM(lines, i);
         PyObject *d = NULL;
         if (PyBytes_CheckExact(line)) {
             Py_ssize_t len = PyBytes_GET_SIZE(line);
             if (len <= max_line && (len <= max_depth ||
                                     openers(PyBytes_AS_STRING(line), len, max_depth) <= max_depth)) {
+                Py_INCREF(line);
                 d = PyObject_CallOneArg(loads, line);
+                Py_DECREF(line);
                 if (d == NULL) {
                     if (!PyErr_ExceptionMatches(decode_error)) {
                         goto fail;
@@ -309,6 +349,88 @@ key_of(PyObject *d, PyObject *record_key)
                         pass ? pass : k_forward, Py_None, attempt ? attempt : zero);
 }
 
+/* time_keys for one record (None for a line that is none): moves *t (a
+   reference the caller owns) to the record's time where that is later, and
+   returns its info, a new reference; NULL on error. */
+static PyObject *
+record_part(PyObject *d, PyObject **t, PyObject *record_key)
+{
+    if (d == Py_None) {
+        Py_RETURN_NONE;
+    }
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "time_keys: a record is not a dict");
+        return NULL;
+    }
+    int err = 0;
+    PyObject *tt = get(d, k_time, &err);
+    if (err) {
+        return NULL;
+    }
+    if (tt != NULL && PyFloat_CheckExact(tt)) {
+        if (PyFloat_AS_DOUBLE(tt) > PyFloat_AS_DOUBLE(*t)) {
+            Py_INCREF(tt);
+            Py_SETREF(*t, tt);
+        }
+    }
+    else if (tt != NULL && PyLong_CheckExact(tt)) {
+        int greater = PyObject_RichCompareBool(tt, *t, Py_GT);
+        if (greater < 0) {
+            return NULL;
+        }
+        if (greater) {
+            double x = PyLong_AsDouble(tt);
+            if (x == -1.0 && PyErr_Occurred()) {
+                return NULL;
+            }
+            PyObject *f = PyFloat_FromDouble(x);
+            if (f == NULL) {
+                return NULL;
+            }
+            Py_SETREF(*t, f);
+        }
+    }
+    PyObject *kind = get(d, k_kind, &err);
+    PyObject *vhash = get(d, k_vhash, &err);
+    if (err) {
+        return NULL;
+    }
+    if (kind == NULL || vhash == NULL) {
+        Py_RETURN_NONE;
+    }
+    /* Held: the comparison, the truth test and record_key may run Python
+       code that changes d. */
+    Py_INCREF(vhash);
+    PyObject *info = NULL;
+    int eq = PyObject_RichCompareBool(kind, k_replicated, Py_EQ);
+    int truth = eq > 0 ? PyObject_IsTrue(vhash) : 0;
+    if (eq < 0 || truth < 0) {
+        goto done;
+    }
+    if (!truth) {
+        info = Py_None;
+        Py_INCREF(info);
+        goto done;
+    }
+    PyObject *proc = get(d, k_process, &err);
+    if (err) {
+        goto done;
+    }
+    proc = proc == NULL ? Py_None : proc;
+    Py_INCREF(proc);
+    PyObject *rk = key_of(d, record_key);
+    PyObject *key = rk == NULL ? NULL : PyTuple_Pack(2, rk, vhash);
+    Py_XDECREF(rk);
+    if (key != NULL) {
+        info = PyTuple_Pack(2, key, proc);
+        Py_DECREF(key);
+    }
+    Py_DECREF(proc);
+done:
+    Py_DECREF(vhash);
+    return info;
+}
+
 /* time_keys(records, t, keys, infos, record_key) -> t: for each record
    (None for a line that is none), append to ``keys`` the running largest
    record time (a time that is no int or float counts as none: runs._Source
@@ -324,86 +446,21 @@ time_keys(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_INCREF(t);
-    Py_ssize_t n = PyList_GET_SIZE(records);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    /* The size read at each step, as Python's ``for d in records`` does, and
+       each record held while it is used: record_key is Python code. */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
         PyObject *d = PyList_GET_ITEM(records, i);
-        PyObject *info = Py_None;
-        Py_INCREF(info);
-        if (d != Py_None) {
-            if (!PyDict_Check(d)) {
-                PyErr_SetString(PyExc_TypeError, "time_keys: a record is not a dict");
-                goto fail_info;
-            }
-            int err = 0;
-            PyObject *tt = get(d, k_time, &err);
-            if (err) {
-                goto fail_info;
-            }
-            if (tt != NULL && PyFloat_CheckExact(tt)) {
-                if (PyFloat_AS_DOUBLE(tt) > PyFloat_AS_DOUBLE(t)) {
-                    Py_INCREF(tt);
-                    Py_SETREF(t, tt);
-                }
-            }
-            else if (tt != NULL && PyLong_CheckExact(tt)) {
-                int greater = PyObject_RichCompareBool(tt, t, Py_GT);
-                if (greater < 0) {
-                    goto fail_info;
-                }
-                if (greater) {
-                    double x = PyLong_AsDouble(tt);
-                    if (x == -1.0 && PyErr_Occurred()) {
-                        goto fail_info;
-                    }
-                    PyObject *f = PyFloat_FromDouble(x);
-                    if (f == NULL) {
-                        goto fail_info;
-                    }
-                    Py_SETREF(t, f);
-                }
-            }
-            PyObject *kind = get(d, k_kind, &err);
-            PyObject *vhash = get(d, k_vhash, &err);
-            if (err) {
-                goto fail_info;
-            }
-            if (kind != NULL && vhash != NULL) {
-                int eq = PyObject_RichCompareBool(kind, k_replicated, Py_EQ);
-                int truth = eq > 0 ? PyObject_IsTrue(vhash) : 0;
-                if (eq < 0 || truth < 0) {
-                    goto fail_info;
-                }
-                if (truth) {
-                    PyObject *proc = get(d, k_process, &err);
-                    if (err) {
-                        goto fail_info;
-                    }
-                    PyObject *rk = key_of(d, record_key);
-                    if (rk == NULL) {
-                        goto fail_info;
-                    }
-                    PyObject *key = PyTuple_Pack(2, rk, vhash);
-                    Py_DECREF(rk);
-                    if (key == NULL) {
-                        goto fail_info;
-                    }
-                    Py_SETREF(info, PyTuple_Pack(2, key, proc == NULL ? Py_None : proc));
-                    Py_DECREF(key);
-                    if (info == NULL) {
-                        goto fail;
-                    }
-                }
-            }
+        Py_INCREF(d);
+        PyObject *info = record_part(d, &t, record_key);
+        Py_DECREF(d);
+        if (info == NULL) {
+            goto fail;
         }
         int bad = PyList_Append(keys, t) < 0 || PyList_Append(infos, info) < 0;
         Py_DECREF(info);
         if (bad) {
             goto fail;
         }
-        continue;
-    fail_info:
-        Py_DECREF(info);
-        goto fail;
     }
     return t;
 fail:
@@ -432,6 +489,78 @@ taken_order(const void *a, const void *b)
     return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
+/* A part of merge_round, (records, keys, infos, p, cut): its slice into *p
+   and *cut, checked against its lists. 0, or -1 with TypeError (not that
+   form: ints, not any object with __index__, which would run Python code)
+   or ValueError (outside its lists). */
+static int
+part_slice(PyObject *part, Py_ssize_t *p, Py_ssize_t *cut)
+{
+    if (!PyTuple_Check(part) || PyTuple_GET_SIZE(part) != 5 ||
+        !PyList_Check(PyTuple_GET_ITEM(part, 0)) || !PyList_Check(PyTuple_GET_ITEM(part, 1)) ||
+        !PyList_Check(PyTuple_GET_ITEM(part, 2)) || !PyLong_Check(PyTuple_GET_ITEM(part, 3)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(part, 4))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "merge_round: a part is (records, keys, infos, p, cut): 3 lists, 2 ints");
+        return -1;
+    }
+    *p = PyLong_AsSsize_t(PyTuple_GET_ITEM(part, 3));
+    if (*p == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *cut = PyLong_AsSsize_t(PyTuple_GET_ITEM(part, 4));
+    if (*cut == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*p < 0 || *cut < *p || *cut > PyList_GET_SIZE(PyTuple_GET_ITEM(part, 0)) ||
+        *cut > PyList_GET_SIZE(PyTuple_GET_ITEM(part, 1)) ||
+        *cut > PyList_GET_SIZE(PyTuple_GET_ITEM(part, 2))) {
+        PyErr_SetString(PyExc_ValueError, "merge_round: a slice outside its source");
+        return -1;
+    }
+    return 0;
+}
+
+/* One record of the round in merged order (d and info held by the
+   caller): out, or dropped as a copy, or None and its problem. 0, -1 error. */
+static int
+take(PyObject *out, PyObject *problems, PyObject *first, PyObject *d, PyObject *info,
+     Py_ssize_t *pos)
+{
+    if (PyTuple_CheckExact(info)) {
+        if (PyTuple_GET_SIZE(info) != 2) {
+            PyErr_SetString(PyExc_TypeError,
+                            "merge_round: an info is ((record_key, vhash), process)");
+            return -1;
+        }
+        PyObject *proc = PyTuple_GET_ITEM(info, 1);
+        PyObject *got = PyDict_SetDefault(first, PyTuple_GET_ITEM(info, 0), proc);
+        if (got == NULL) {
+            return -1;
+        }
+        /* first.setdefault(...) != proc, as Python says it: no identity
+           shortcut (a NaN process is no process, there as here). */
+        Py_INCREF(got);
+        PyObject *ne = PyObject_RichCompare(got, proc, Py_NE);
+        Py_DECREF(got);
+        int other = ne == NULL ? -1 : PyObject_IsTrue(ne);
+        Py_XDECREF(ne);
+        if (other) {
+            return other < 0 ? -1 : 0; /* the same value from another process: one copy */
+        }
+    }
+    *pos += 1;
+    if (info != Py_None && !PyTuple_CheckExact(info)) {
+        PyObject *why = PyObject_GetAttr(info, k_why);
+        PyObject *where = why == NULL ? NULL : PyLong_FromSsize_t(*pos);
+        int bad = where == NULL || PyDict_SetItem(problems, where, why) < 0;
+        Py_XDECREF(why);
+        Py_XDECREF(where);
+        return bad ? -1 : PyList_Append(out, Py_None);
+    }
+    return PyList_Append(out, d);
+}
+
 /* merge_round(parts, first, pos) -> (out, problems, pos): one round of
    runs._merge. ``parts``: (records, keys, infos, p, cut) of each source
    taking part, in source order; its records [p, cut) go out sorted by key,
@@ -444,37 +573,43 @@ taken_order(const void *a, const void *b)
 static PyObject *
 merge_round(PyObject *self, PyObject *args)
 {
-    PyObject *parts, *first;
+    PyObject *parts_arg, *first;
     Py_ssize_t pos;
-    if (!PyArg_ParseTuple(args, "O!O!n:merge_round", &PyList_Type, &parts, &PyDict_Type, &first,
-                          &pos)) {
+    if (!PyArg_ParseTuple(args, "O!O!n:merge_round", &PyList_Type, &parts_arg, &PyDict_Type,
+                          &first, &pos)) {
         return NULL;
     }
-    Py_ssize_t nparts = PyList_GET_SIZE(parts);
+    /* The parts held for the round (so are their lists): the last loop may
+       run Python code (a key's hash or comparison, a problem's ``why``). */
+    PyObject *parts = PyList_AsTuple(parts_arg);
+    if (parts == NULL) {
+        return NULL;
+    }
+    Py_ssize_t nparts = PyTuple_GET_SIZE(parts);
     Py_ssize_t total = 0;
+    Taken *taken = NULL;
+    PyObject *out = NULL, *problems = NULL;
     for (Py_ssize_t j = 0; j < nparts; j++) {
-        PyObject *part = PyList_GET_ITEM(parts, j);
         Py_ssize_t p, cut;
-        PyObject *records, *keys, *infos;
-        if (!PyArg_ParseTuple(part, "O!O!O!nn:merge_round part", &PyList_Type, &records,
-                              &PyList_Type, &keys, &PyList_Type, &infos, &p, &cut)) {
-            return NULL;
+        if (part_slice(PyTuple_GET_ITEM(parts, j), &p, &cut) < 0) {
+            goto fail;
         }
-        if (p < 0 || cut < p || cut > PyList_GET_SIZE(records) ||
-            cut > PyList_GET_SIZE(keys) || cut > PyList_GET_SIZE(infos)) {
-            PyErr_SetString(PyExc_ValueError, "merge_round: a slice outside its source");
-            return NULL;
+        if (total > PY_SSIZE_T_MAX - (cut - p)) {
+            PyErr_NoMemory();
+            goto fail;
         }
         total += cut - p;
     }
-    Taken *taken = PyMem_Malloc((total ? total : 1) * sizeof(Taken));
+    /* No Python code runs from the checks above to the sort: the slices
+       are still inside their lists. */
+    taken = PyMem_New(Taken, total ? total : 1);
     if (taken == NULL) {
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto fail;
     }
-    PyObject *out = NULL, *problems = NULL;
     Py_ssize_t seq = 0;
     for (Py_ssize_t j = 0; j < nparts; j++) {
-        PyObject *part = PyList_GET_ITEM(parts, j);
+        PyObject *part = PyTuple_GET_ITEM(parts, j);
         PyObject *keys = PyTuple_GET_ITEM(part, 1);
         Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(part, 3));
         Py_ssize_t cut = PyLong_AsSsize_t(PyTuple_GET_ITEM(part, 4));
@@ -495,43 +630,30 @@ merge_round(PyObject *self, PyObject *args)
         goto fail;
     }
     for (Py_ssize_t i = 0; i < total; i++) {
-        PyObject *part = PyList_GET_ITEM(parts, taken[i].part);
-        PyObject *d = PyList_GET_ITEM(PyTuple_GET_ITEM(part, 0), taken[i].at);
-        PyObject *info = PyList_GET_ITEM(PyTuple_GET_ITEM(part, 2), taken[i].at);
-        if (PyTuple_CheckExact(info)) {
-            PyObject *proc = PyTuple_GET_ITEM(info, 1);
-            PyObject *got = PyDict_SetDefault(first, PyTuple_GET_ITEM(info, 0), proc);
-            if (got == NULL) {
-                goto fail;
-            }
-            int other = PyObject_RichCompareBool(got, proc, Py_NE);
-            if (other < 0) {
-                goto fail;
-            }
-            if (other) {
-                continue; /* the same value from another process: one copy */
-            }
+        PyObject *part = PyTuple_GET_ITEM(parts, taken[i].part);
+        PyObject *records = PyTuple_GET_ITEM(part, 0), *infos = PyTuple_GET_ITEM(part, 2);
+        Py_ssize_t at = taken[i].at;
+        if (at >= PyList_GET_SIZE(records) || at >= PyList_GET_SIZE(infos)) {
+            PyErr_SetString(PyExc_RuntimeError, "merge_round: a source changed during the round");
+            goto fail;
         }
-        pos += 1;
-        if (info != Py_None && !PyTuple_CheckExact(info)) {
-            PyObject *why = PyObject_GetAttr(info, k_why);
-            PyObject *where = why == NULL ? NULL : PyLong_FromSsize_t(pos);
-            int bad = where == NULL || PyDict_SetItem(problems, where, why) < 0;
-            Py_XDECREF(why);
-            Py_XDECREF(where);
-            if (bad || PyList_Append(out, Py_None) < 0) {
-                goto fail;
-            }
-            continue;
-        }
-        if (PyList_Append(out, d) < 0) {
+        PyObject *d = PyList_GET_ITEM(records, at);
+        PyObject *info = PyList_GET_ITEM(infos, at);
+        Py_INCREF(d);
+        Py_INCREF(info);
+        int bad = take(out, problems, first, d, info, &pos) < 0;
+        Py_DECREF(d);
+        Py_DECREF(info);
+        if (bad) {
             goto fail;
         }
     }
     PyMem_Free(taken);
+    Py_DECREF(parts);
     return Py_BuildValue("(NNn)", out, problems, pos);
 fail:
     PyMem_Free(taken);
+    Py_DECREF(parts);
     Py_XDECREF(out);
     Py_XDECREF(problems);
     return NULL;

@@ -133,6 +133,15 @@ def test_help_and_console_script():
     assert eps.get("pmaptap") == "pmaptap.cli:main"
 
 
+def test_version_says_whether_the_reading_loops_run_in_c():
+    # The test extra's install builds the C module (tapfile/_speedups.c).
+    out = cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("pmaptap 0.1.0: reading loops in C"), out.stdout
+    out = cli("--version", PMAPTAP_NO_SPEEDUPS="1")
+    assert out.returncode == 0 and "reading loops in Python" in out.stdout, out.stdout
+
+
 def test_missing_file_and_bad_step_are_usage_errors(tmp_path):
     out = cli("show", str(tmp_path / "nope.jsonl"))
     assert out.returncode == 2 and "no such file" in out.stderr
