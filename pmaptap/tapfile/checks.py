@@ -21,6 +21,7 @@ from itertools import compress
 from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
+from pmaptap.tapfile.attempts import attempt_of, scan
 from pmaptap.tapfile.format import (
     MAX_STEP,
     NONFINITE,
@@ -345,10 +346,18 @@ class FirstCopies:
 
 
 def validate_file(path: str | os.PathLike) -> Report:
-    """Every problem of a file, in one streaming pass (plus a scan of the
-    lines that mention an attempt, for a resumed run): its state is per key
-    (FirstCopies, DivergenceIndex), never the records."""
-    from pmaptap.tapfile.attempts import scan
+    """Every problem of a file, in one streaming pass: its state is per key
+    (FirstCopies, DivergenceIndex), never the records. The pass assumes the
+    run was never resumed (most runs); a record of a later attempt means it
+    was, and then the file is read again, after a scan of the lines that
+    mention an attempt (attempts.scan: what each later attempt superseded)."""
+    report = _validate(path, None)
+    return report if report is not None else _validate(path, scan(path))
+
+
+def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
+    """validate_file's pass; ``attempts`` None: assume no later attempt,
+    None back at the first record of one."""
     from pmaptap.tapfile.divergence import DivergenceIndex
     from pmaptap.tapfile.lines import iter_batches
 
@@ -357,8 +366,8 @@ def validate_file(path: str | os.PathLike) -> Report:
     # Records of steps that a resumed run replayed are superseded by the
     # later attempt's (tapfile/attempts.py): history, not duplicates (their
     # keys differ in ``attempt``, so FirstCopies does not pair them).
-    attempts = scan(path)
     superseded = attempts.superseded if attempts else None
+    guess = attempts is None
     firsts = FirstCopies()
     index = DivergenceIndex()
     flagged: set = set()  # keys of replicated records the file flags divergent
@@ -371,6 +380,8 @@ def validate_file(path: str | os.PathLike) -> Report:
             if d is None:
                 problems.append((lineno, bad.get(lineno) or "invalid"))
                 continue
+            if guess and "attempt" in d and attempt_of(d) and d["kind"] != "meta":
+                return None  # resumed after all: read again, knowing that
             records += 1
             for p in schema_problems(d):
                 problems.append((lineno, f"schema: {p}"))

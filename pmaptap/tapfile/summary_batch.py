@@ -305,15 +305,26 @@ def summarize_file(
     dropped; values are never decoded). Also the (line, problem) list of
     lines that are not records and every name and run read."""
     flt = flt or Filter()
-    if not flt.active and not flt.all_attempts and not is_sharded(path):
+    if not flt.active and not flt.all_attempts:
         # The common case in one pass, assuming the run was never resumed;
         # a record of a later attempt means it was: then the pass below,
         # which first finds what later attempts superseded.
         with _collector_paused():
-            acc, bad = _summarize_plain(path)
+            if is_sharded(path):
+                acc, bad = _summarize_merged(path)
+            else:
+                acc, bad = _summarize_plain(path)
         if not acc.resumed:
             names, runs = acc.names_and_runs()
             return acc.summaries(), bad, names, runs
+    return _summarize_scanned(path, flt)
+
+
+def _summarize_scanned(
+    path: str | os.PathLike, flt: Filter
+) -> tuple[list[TapSummary], list[tuple[int, str]], set, set]:
+    """summarize_file for any filter and any run: what later attempts
+    superseded found first (attempts.scan), then one pass."""
     acc = BatchSummarizer()
     # What a later attempt of a resumed run replaced is not part of the story.
     attempts = scan(path) if not flt.all_attempts else Attempts()
@@ -355,6 +366,22 @@ def summarize_file(
             acc.add_batch(matched)
     added_names, added_runs = acc.names_and_runs()
     return acc.summaries(), bad, names | added_names, runs | added_runs
+
+
+def _summarize_merged(path: str | os.PathLike) -> tuple[BatchSummarizer, list[tuple[int, str]]]:
+    """Every record of a sharded run's merged stream (checked records),
+    until the first of a later attempt (then ``resumed``, and the caller
+    starts again)."""
+    acc = BatchSummarizer()
+    bad: list[tuple[int, str]] = []
+    for _, records, problems in iter_batches(path):
+        if problems:
+            bad.extend(problems.items())
+            records = [d for d in records if d is not None]
+        acc.add_batch(records)
+        if acc.resumed:
+            break
+    return acc, bad
 
 
 def _summarize_plain(path: str | os.PathLike) -> tuple[BatchSummarizer, list[tuple[int, str]]]:

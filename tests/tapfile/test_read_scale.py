@@ -510,3 +510,40 @@ def test_read_and_a_followers_first_poll_follow_the_merge_definition(tmp_path, t
         ]
         assert merged == want, spec
         assert first_poll == want, spec
+
+
+def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_when_wrong(
+    tmp_path,
+):
+    """summary and validate of a sharded run read it once, assuming no
+    later attempt (no scan of the attempts first), and start again with
+    the scan at a record of one: the same result as the scan-first pass on
+    random runs, resumed ones (records with attempts 1, 2) included."""
+    import math
+    import random
+
+    from test_speedups import _write_run
+
+    from pmaptap.tapfile import checks, summary_batch
+    from pmaptap.tapfile.attempts import scan
+    from pmaptap.tapfile.query import Filter
+
+    def same(a, b) -> bool:  # NaN statistics compare equal to themselves
+        return json.dumps(a, default=repr, sort_keys=True) == json.dumps(
+            b, default=repr, sort_keys=True
+        ) or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+    resumed = plain = 0
+    for case in range(60):
+        rnd = random.Random(1000 + case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        _write_run(rnd, path)
+        was_resumed = bool(scan(path))
+        resumed += was_resumed
+        plain += not was_resumed
+        assert checks.validate_file(path) == checks._validate(path, scan(path)), case
+        got = summary_batch.summarize_file(path)
+        want = summary_batch._summarize_scanned(path, Filter())
+        assert same([vars(s) for s in got[0]], [vars(s) for s in want[0]]), case
+        assert got[1:] == want[1:], case
+    assert resumed > 10 and plain > 10, (resumed, plain)
