@@ -431,18 +431,66 @@ done:
     return info;
 }
 
-/* time_keys(records, t, keys, infos, record_key) -> t: for each record
+/* A replicated record that another process's copy came before, in the
+   order the pieces are read (``seen``: (record_key, vhash) -> the process
+   of the first copy read): a copy the merge will most likely drop (it keeps
+   the first copy in merged order, and every copy of that copy's process),
+   so it is held as its line (records[i] = lines[i]) and the record freed
+   now, while it is in the cache; merge_round parses the line again in the
+   rare case it keeps it. 0, or -1 with an exception. */
+static int
+set_aside(PyObject *records, Py_ssize_t i, PyObject *lines, PyObject *seen, PyObject *info)
+{
+    if (i >= PyList_GET_SIZE(lines) || i >= PyList_GET_SIZE(records)) {
+        return 0;
+    }
+    PyObject *line = PyList_GET_ITEM(lines, i);
+    if (!PyBytes_CheckExact(line)) {
+        return 0;
+    }
+    PyObject *proc = PyTuple_GET_ITEM(info, 1);
+    PyObject *got = PyDict_SetDefault(seen, PyTuple_GET_ITEM(info, 0), proc);
+    if (got == NULL) {
+        return -1;
+    }
+    Py_INCREF(got);
+    PyObject *ne = PyObject_RichCompare(got, proc, Py_NE);
+    Py_DECREF(got);
+    int other = ne == NULL ? -1 : PyObject_IsTrue(ne);
+    Py_XDECREF(ne);
+    if (other <= 0) {
+        return other;
+    }
+    if (i >= PyList_GET_SIZE(records) || i >= PyList_GET_SIZE(lines)) {
+        return 0; /* changed by the comparison's Python code: leave it */
+    }
+    line = PyList_GET_ITEM(lines, i);
+    if (!PyBytes_CheckExact(line)) {
+        return 0;
+    }
+    Py_INCREF(line);
+    return PyList_SetItem(records, i, line); /* frees the record */
+}
+
+/* time_keys(records, t, keys, infos, record_key[, lines, seen]) -> t: for each record
    (None for a line that is none), append to ``keys`` the running largest
    record time (a time that is no int or float counts as none: runs._Source
    .extend's loop), and to ``infos`` what merge_round needs of it, taken
    now while the record is fresh in the cache: ((record_key, vhash),
-   process) for a replicated record with a vhash, else None. */
+   process) for a replicated record with a vhash, else None. With
+   ``lines`` (each record's line) and ``seen`` (shared by the merge's
+   sources), a likely copy is held as its line (set_aside). */
 static PyObject *
 time_keys(PyObject *self, PyObject *args)
 {
-    PyObject *records, *t, *keys, *infos, *record_key;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O:time_keys", &PyList_Type, &records, &PyFloat_Type, &t,
-                          &PyList_Type, &keys, &PyList_Type, &infos, &record_key)) {
+    PyObject *records, *t, *keys, *infos, *record_key, *lines = Py_None, *seen = Py_None;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O|OO:time_keys", &PyList_Type, &records, &PyFloat_Type,
+                          &t, &PyList_Type, &keys, &PyList_Type, &infos, &record_key, &lines,
+                          &seen)) {
+        return NULL;
+    }
+    if (lines != Py_None && (!PyList_CheckExact(lines) || !PyDict_CheckExact(seen))) {
+        PyErr_SetString(PyExc_TypeError, "time_keys: lines is a list, seen a dict");
         return NULL;
     }
     Py_INCREF(t);
@@ -454,6 +502,11 @@ time_keys(PyObject *self, PyObject *args)
         PyObject *info = record_part(d, &t, record_key);
         Py_DECREF(d);
         if (info == NULL) {
+            goto fail;
+        }
+        if (lines != Py_None && PyTuple_CheckExact(info) &&
+            set_aside(records, i, lines, seen, info) < 0) {
+            Py_DECREF(info);
             goto fail;
         }
         int bad = PyList_Append(keys, t) < 0 || PyList_Append(infos, info) < 0;
@@ -525,7 +578,7 @@ part_slice(PyObject *part, Py_ssize_t *p, Py_ssize_t *cut)
    caller): out, or dropped as a copy, or None and its problem. 0, -1 error. */
 static int
 take(PyObject *out, PyObject *problems, PyObject *first, PyObject *d, PyObject *info,
-     Py_ssize_t *pos)
+     Py_ssize_t *pos, PyObject *loads)
 {
     if (PyTuple_CheckExact(info)) {
         if (PyTuple_GET_SIZE(info) != 2) {
@@ -558,25 +611,41 @@ take(PyObject *out, PyObject *problems, PyObject *first, PyObject *d, PyObject *
         Py_XDECREF(where);
         return bad ? -1 : PyList_Append(out, Py_None);
     }
+    if (PyBytes_CheckExact(d)) {
+        /* A copy set aside as its line (set_aside) that goes out after all:
+           the line again, parsed as it was the first time. */
+        if (loads == Py_None) {
+            PyErr_SetString(PyExc_TypeError, "merge_round: a line set aside and no loads");
+            return -1;
+        }
+        PyObject *r = PyObject_CallOneArg(loads, d);
+        if (r == NULL) {
+            return -1;
+        }
+        int bad = PyList_Append(out, r);
+        Py_DECREF(r);
+        return bad;
+    }
     return PyList_Append(out, d);
 }
 
-/* merge_round(parts, first, pos) -> (out, problems, pos): one round of
+/* merge_round(parts, first, pos[, loads]) -> (out, problems, pos): one round of
    runs._merge. ``parts``: (records, keys, infos, p, cut) of each source
    taking part, in source order; its records [p, cut) go out sorted by key,
    ties in the order the slices are laid out (Python's stable sort of the
    concatenated slices), each replicated value kept from the first process
    that wrote it (``first``: (record_key, vhash) -> that process), a line
    that is no record as None with its problem (an info that is a _Bad: its
-   ``why``) at its position. Only the records that go out are touched (one
-   reference each): a round's records are all over memory. */
+   ``why``) at its position, a line set aside by time_keys that goes out
+   after all parsed again by ``loads``. Only the records that go out are
+   touched (one reference each): a round's records are all over memory. */
 static PyObject *
 merge_round(PyObject *self, PyObject *args)
 {
-    PyObject *parts_arg, *first;
+    PyObject *parts_arg, *first, *loads = Py_None;
     Py_ssize_t pos;
-    if (!PyArg_ParseTuple(args, "O!O!n:merge_round", &PyList_Type, &parts_arg, &PyDict_Type,
-                          &first, &pos)) {
+    if (!PyArg_ParseTuple(args, "O!O!n|O:merge_round", &PyList_Type, &parts_arg, &PyDict_Type,
+                          &first, &pos, &loads)) {
         return NULL;
     }
     /* The parts held for the round (so are their lists): the last loop may
@@ -641,7 +710,7 @@ merge_round(PyObject *self, PyObject *args)
         PyObject *info = PyList_GET_ITEM(infos, at);
         Py_INCREF(d);
         Py_INCREF(info);
-        int bad = take(out, problems, first, d, info, &pos) < 0;
+        int bad = take(out, problems, first, d, info, &pos, loads) < 0;
         Py_DECREF(d);
         Py_DECREF(info);
         if (bad) {

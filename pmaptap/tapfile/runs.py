@@ -26,6 +26,7 @@ import os
 import re
 from typing import Callable, Iterator
 
+from pmaptap.tapfile import format as _format
 from pmaptap.tapfile.format import record_key
 from pmaptap.tapfile.speedups import SPEEDUPS
 
@@ -289,12 +290,16 @@ class _Source:
         # With SPEEDUPS, each record's part in the round (_speedups.c
         # time_keys): problems and replicated values are there, not below.
         self.infos: list = []
+        # Shared by the merge's sources: each replicated (record_key, vhash)
+        # -> the process of its first copy read (_speedups.c set_aside).
+        self.seen: dict = {}
         self.pos = 0  # records[:pos] are merged
         self.last_piece = 0  # records in the last piece read
         self.done = False
         self.special = False  # a problem or a replicated value loaded
 
-    def piece(self) -> "tuple[list, dict] | None":
+    def piece(self) -> "tuple[list, dict, list | None] | None":
+        """(records, problems by index, each record's line or None)."""
         raise NotImplementedError
 
     def extend(self) -> bool:
@@ -313,7 +318,7 @@ class _Source:
         if got is None:
             self.done = True
             return False
-        records, problems = got
+        records, problems, lines = got
         base = len(self.records)
         self.lineno += len(records)
         if SPEEDUPS is not None:
@@ -321,7 +326,14 @@ class _Source:
             # each record's part in the merge round while it is fresh; a
             # line that is no record is its _Bad there.
             infos = self.infos
-            self.t = SPEEDUPS.time_keys(records, self.t, self.keys, infos, record_key)
+            if lines is not None and _format.ORJSON is not None:
+                # Likely copies of a replicated value held as their lines
+                # (_speedups.c set_aside): freed now, not after the round.
+                self.t = SPEEDUPS.time_keys(
+                    records, self.t, self.keys, infos, record_key, lines, self.seen
+                )
+            else:
+                self.t = SPEEDUPS.time_keys(records, self.t, self.keys, infos, record_key)
             for j, why in problems.items():
                 infos[base + j] = _Bad(f"{why} ({self.name} line {self.lineno - len(records) + j})")
             self.records += records
@@ -358,20 +370,20 @@ class _FileSource(_Source):
         self.off = 0
         self.tail: "tuple | None" = None  # read_block's last line, after data
 
-    def piece(self) -> "tuple[list, dict] | None":
+    def piece(self) -> "tuple[list, dict, list | None] | None":
         from pmaptap.tapfile.parse import parse_lines
 
         if self.off >= len(self.data):
             if self.tail is not None:
                 d, why = self.tail
                 self.tail = None
-                return [d], ({} if why is None else {0: why})
+                return [d], ({} if why is None else {0: why}), None
             self.data, self.tail, self.offset = self.read_at(self.path, self.offset, self.read_size)
             self.off = 0
             if not self.data:
                 return self.piece() if self.tail is not None else None
         lines, block, self.off = _cut(self.data, self.off, self.size)
-        return parse_lines(lines, block)
+        return (*parse_lines(lines, block), lines)
 
 
 class _ChunkSource(_Source):
@@ -396,7 +408,7 @@ class _ChunkSource(_Source):
         else:
             self.fut = None
 
-    def piece(self) -> "tuple[list, dict] | None":
+    def piece(self) -> "tuple[list, dict, list | None] | None":
         from pmaptap.tapfile.parse import parse_lines
 
         data = self.data
@@ -409,7 +421,7 @@ class _ChunkSource(_Source):
             self.off = 0
             self._fetch()
         lines, block, self.off = _cut(data, self.off, self.size)
-        return parse_lines(lines, block)
+        return (*parse_lines(lines, block), lines)
 
 
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
@@ -443,6 +455,9 @@ def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     pool_box: list = []
     try:
         srcs = _sources(path, read_at, pool_box)
+        seen: dict = {}
+        for s in srcs:
+            s.seen = seen
         for s in srcs:
             s.extend()
         yield from _merge(srcs)
@@ -475,6 +490,8 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
     heapq.heapify(marks)
     right, left = bisect.bisect_right, bisect.bisect_left
     first: dict[tuple, object] = {}  # key + vhash -> the process that wrote it first
+    orjson = _format.ORJSON
+    loads = orjson.loads if orjson is not None else None  # lines set aside: parsed again
     pos = 0  # of the last line given out
     parts: "list | None" = [] if SPEEDUPS is not None else None
     while heap:
@@ -514,7 +531,7 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
             # The round in C (tapfile/_speedups.c): the sort and the loop
             # below, touching only the records that go out. Before any
             # source reads its next piece (which drops what was taken).
-            out, problems, pos = SPEEDUPS.merge_round(parts, first, pos)
+            out, problems, pos = SPEEDUPS.merge_round(parts, first, pos, loads)
             parts.clear()
         elif recs_in:
             out, problems, pos = _merge_round(keys_in, recs_in, special, first, pos)

@@ -565,6 +565,48 @@ def test_a_merge_drops_and_keeps_the_same_copies(c_module, tmp_path):
         assert [d["n"] for _, d, _ in c] == [3, 0, 1, 5, 6, 8, 2]
 
 
+def test_a_copy_read_after_another_process_s_is_freed_and_parsed_again_if_kept(
+    c_module, tmp_path, monkeypatch
+):
+    """A replicated copy whose value another process's copy came before (in
+    the order the shards are read) is held as its line until the round
+    (_speedups.c set_aside); where the merge keeps it after all (it is the
+    first in merged order, or its process wrote the first), the line is
+    parsed again, and the stream is the one the Python loops give."""
+
+    def rec(p, n, t):
+        return record_dict(name="loss", vhash="aa", process=p, time=t, n=n)
+
+    # Shard 0 is read first, but shard 1's copy is earlier: set aside, kept.
+    # Shard 2's copy is later: set aside and dropped. Shard 0 writes again.
+    spec = {0: [rec(0, 0, 2.0)], 1: [rec(1, 1, 1.0), rec(1, 2, 3.0)], 2: [rec(2, 3, 2.5)]}
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + ".d")
+    for p, recs in spec.items():
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.writelines(_dump(d) + b"\n" for d in recs)
+    loaded: list = []
+    real = pmaptap.tapfile.format.ORJSON
+
+    class Counting:  # orjson, counting what it parses
+        JSONDecodeError = real.JSONDecodeError
+
+        @staticmethod
+        def loads(raw):
+            loaded.append(real.loads(raw)["n"])
+            return real.loads(raw)
+
+    monkeypatch.setattr(pmaptap.tapfile.format, "ORJSON", Counting)
+    got = list(tapfile_lines.iter_lines(path))
+    assert [d["n"] for _, d, _ in got] == [1, 2]  # process 1's copies: first in merged order
+    # Read once each as the shards were read, then process 1's two copies
+    # again (both set aside: process 0's copy was read first; both kept).
+    assert loaded == [0, 1, 2, 3, 1, 2], loaded
+    monkeypatch.setattr(runs, "SPEEDUPS", None)
+    monkeypatch.setattr(pmaptap.tapfile.parse, "SPEEDUPS", None)
+    assert _typed(list(tapfile_lines.iter_lines(path))) == _typed(got)
+
+
 # ------------------------------------------------------------ merge pieces
 
 
@@ -577,7 +619,8 @@ class _Piece(runs._Source):
         self.name = name
 
     def piece(self):
-        return self.pieces.pop(0) if self.pieces else None
+        # (records, problems): no lines, so nothing is set aside here
+        return (*self.pieces.pop(0), None) if self.pieces else None
 
 
 ODD_TIMES = [
