@@ -711,6 +711,14 @@ merge_round(PyObject *self, PyObject *args)
         Py_INCREF(d);
         Py_INCREF(info);
         int bad = take(out, problems, first, d, info, &pos, loads) < 0;
+        if (!bad && at < PyList_GET_SIZE(records) && PyList_GET_ITEM(records, at) == d) {
+            /* The source lets go of it (its slot is dropped with the next
+               piece anyway): a record that goes out lives as long as the
+               consumer keeps it, and is freed when it lets go, while it
+               is still in the cache; a copy dropped here goes now. */
+            Py_INCREF(Py_None);
+            bad = PyList_SetItem(records, at, Py_None) < 0;
+        }
         Py_DECREF(d);
         Py_DECREF(info);
         if (bad) {

@@ -584,12 +584,19 @@ def _merge_round(
     return out, problems, pos
 
 
+_NONES = [None] * MERGED_BATCH
+
+
 def _batches(start: int, out: list, problems: dict) -> Iterator[Batch]:
     """A round's records as batches of at most MERGED_BATCH."""
     found = iter(problems.items())  # in line order
     ahead = next(found, None)
     for k in range(0, len(out), MERGED_BATCH):
         part = out[k : k + MERGED_BATCH]
+        # The round lets go of what it hands on: a consumer that drops a
+        # batch (summary, validate) frees its records while they are in
+        # the cache, not when the round ends.
+        out[k : k + MERGED_BATCH] = _NONES[: len(part)]
         end = start + k + len(part)
         mine = {}
         while ahead is not None and ahead[0] < end:
