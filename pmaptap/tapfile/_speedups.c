@@ -22,6 +22,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 
 static PyObject *k_name, *k_step, *k_kind, *k_run, *k_process, *k_value, *k_dtype, *k_shape,
     *k_time, *k_host, *k_index, *k_pass, *k_vhash, *k_attempt, *k_devices, *k_processes,
@@ -736,11 +737,185 @@ fail:
     return NULL;
 }
 
+/* per_device_run(part, k, decoded, n_fields, dev_coords, masks, mask_devices,
+   values, processes, last, last_vals, prev_proc)
+   -> (k', taken, dups, last, last_vals, prev_proc)
+
+   summary_batch.BatchSummarizer._add_part's loop over a run of the
+   simplest usual per-device records, from part[k] on: a dict of exactly
+   ``n_fields`` fields whose value is a finite float or an int, step an
+   int, process a scalar, dtype/shape/time/host present, kind
+   "per_device", an int device in [0, mask_devices) at its usual
+   coordinates (dev_coords[device], equal; one axis, an int). It stops at
+   the first other record (k' its index), which the Python loop takes, as
+   it takes every record when this module is not built. Updates ``masks``
+   (step -> bits of its devices; a device already there is a duplicate),
+   ``values``, ``processes`` (a process added when it differs from the
+   last record's, as the loop does), ``last`` / ``last_vals`` (the largest
+   step and its values in order). */
+static PyObject *
+per_device_run(PyObject *self, PyObject *args)
+{
+    PyObject *part, *dev_coords, *masks, *values, *processes, *last, *last_vals, *prev_proc;
+    Py_ssize_t k, n_fields, mask_devices;
+    int decoded;
+    if (!PyArg_ParseTuple(args, "O!npnO!O!nO!O!OO!O:per_device_run", &PyList_Type, &part, &k,
+                          &decoded, &n_fields, &PyDict_Type, &dev_coords, &PyDict_Type, &masks,
+                          &mask_devices, &PyList_Type, &values, &PySet_Type, &processes, &last,
+                          &PyList_Type, &last_vals, &prev_proc)) {
+        return NULL;
+    }
+    Py_INCREF(last);
+    Py_INCREF(last_vals);
+    Py_INCREF(prev_proc);
+    Py_ssize_t taken = 0, dups = 0;
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL) {
+        goto fail;
+    }
+    for (; k >= 0 && k < PyList_GET_SIZE(part); k++) {
+        PyObject *r = PyList_GET_ITEM(part, k);
+        if (!PyDict_CheckExact(r) || PyDict_GET_SIZE(r) != n_fields) {
+            break;
+        }
+        int err = 0;
+        PyObject *v = get(r, k_value, &err), *step = get(r, k_step, &err);
+        PyObject *kind = get(r, k_kind, &err), *proc = get(r, k_process, &err);
+        PyObject *dev = get(r, k_device, &err), *coords = get(r, k_coords, &err);
+        if (err) {
+            goto fail;
+        }
+        if (v == NULL || step == NULL || kind == NULL || proc == NULL || dev == NULL ||
+            coords == NULL) {
+            break;
+        }
+        if (!(PyLong_CheckExact(v) ||
+              (PyFloat_CheckExact(v) && (!decoded || isfinite(PyFloat_AS_DOUBLE(v))))) ||
+            !PyLong_CheckExact(step) || !is_scalar(proc) || !PyUnicode_CheckExact(kind) ||
+            PyUnicode_Compare(kind, k_per_device) != 0 || !PyLong_CheckExact(dev) ||
+            !PyDict_CheckExact(coords) || PyDict_GET_SIZE(coords) != 1) {
+            break;
+        }
+        PyObject *must[] = {k_dtype, k_shape, k_time, k_host};
+        int missing = 0;
+        for (size_t j = 0; j < 4 && !missing; j++) {
+            int has = PyDict_Contains(r, must[j]);
+            if (has < 0) {
+                goto fail;
+            }
+            missing = !has;
+        }
+        if (missing) {
+            break;
+        }
+        int overflow = 0;
+        long d = PyLong_AsLongAndOverflow(dev, &overflow);
+        if (d == -1 && PyErr_Occurred()) {
+            goto fail;
+        }
+        if (overflow || d < 0 || d >= mask_devices) {
+            break;
+        }
+        Py_ssize_t at = 0;
+        PyObject *axis, *c;
+        PyDict_Next(coords, &at, &axis, &c);
+        if (!PyLong_CheckExact(c)) {
+            break;
+        }
+        /* Held from here: the comparisons below may run Python code. */
+        Py_INCREF(r);
+        PyObject *usual = PyDict_GetItemWithError(dev_coords, dev);
+        int same = usual == NULL ? (PyErr_Occurred() ? -1 : 0)
+                                 : PyObject_RichCompareBool(coords, usual, Py_EQ);
+        if (same <= 0) {
+            Py_DECREF(r);
+            if (same < 0) {
+                goto fail;
+            }
+            break;
+        }
+        /* The device's bit in its step's mask. */
+        PyObject *bit = PyNumber_Lshift(one, dev);
+        PyObject *mask = bit == NULL ? NULL : PyDict_GetItemWithError(masks, step);
+        if (bit == NULL || (mask == NULL && PyErr_Occurred())) {
+            Py_XDECREF(bit);
+            Py_DECREF(r);
+            goto fail;
+        }
+        int dup = 0;
+        if (mask != NULL) {
+            PyObject *both = PyNumber_And(mask, bit);
+            dup = both == NULL ? -1 : PyObject_IsTrue(both);
+            Py_XDECREF(both);
+        }
+        if (dup == 0) {
+            PyObject *grown = mask == NULL ? (Py_INCREF(bit), bit) : PyNumber_Or(mask, bit);
+            dup = grown == NULL ? -1 : PyDict_SetItem(masks, step, grown);
+            Py_XDECREF(grown);
+        }
+        else if (dup > 0) {
+            dups++;
+            dup = 0;
+        }
+        Py_DECREF(bit);
+        if (dup < 0) {
+            Py_DECREF(r);
+            goto fail;
+        }
+        /* What every usual record adds. */
+        taken++;
+        if (proc != prev_proc) {
+            if (PySet_Add(processes, proc) < 0) {
+                Py_DECREF(r);
+                goto fail;
+            }
+            Py_INCREF(proc);
+            Py_SETREF(prev_proc, proc);
+        }
+        int later = last == Py_None ? 1 : PyObject_RichCompareBool(step, last, Py_GT);
+        int equal = later == 0 ? PyObject_RichCompareBool(step, last, Py_EQ) : 0;
+        if (later < 0 || equal < 0) {
+            Py_DECREF(r);
+            goto fail;
+        }
+        if (later) {
+            PyObject *fresh = PyList_New(1);
+            if (fresh == NULL) {
+                Py_DECREF(r);
+                goto fail;
+            }
+            Py_INCREF(v);
+            PyList_SET_ITEM(fresh, 0, v);
+            Py_INCREF(step);
+            Py_SETREF(last, step);
+            Py_SETREF(last_vals, fresh);
+        }
+        else if (equal && PyList_Append(last_vals, v) < 0) {
+            Py_DECREF(r);
+            goto fail;
+        }
+        int bad = PyList_Append(values, v) < 0;
+        Py_DECREF(r);
+        if (bad) {
+            goto fail;
+        }
+    }
+    Py_DECREF(one);
+    return Py_BuildValue("(nnnNNN)", k, taken, dups, last, last_vals, prev_proc);
+fail:
+    Py_XDECREF(one);
+    Py_DECREF(last);
+    Py_DECREF(last_vals);
+    Py_DECREF(prev_proc);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"plain_records", plain_records, METH_VARARGS, NULL},
     {"first_not_plain", first_not_plain, METH_VARARGS, NULL},
     {"time_keys", time_keys, METH_VARARGS, NULL},
     {"merge_round", merge_round, METH_VARARGS, NULL},
+    {"per_device_run", per_device_run, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -603,14 +603,16 @@ def test_fast_record_check_accepts_only_what_full_checks_accept_one_field():
                 _check_fast_path(_mutated(which, [(field, value)]))
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    st.sampled_from(range(len(_PLAIN_RECORDS))),
-    st.lists(
+def field_changes(min_size: int) -> st.SearchStrategy:
+    """Lists of (field, odd value) to set on a plain record (_mutated)."""
+    return st.lists(
         st.tuples(st.sampled_from(_FIELDS), st.one_of(st.sampled_from(_ODD_SAMPLES), _ODD_VALUES)),
-        min_size=2,
+        min_size=min_size,
         max_size=4,
-    ),
-)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(range(len(_PLAIN_RECORDS))), field_changes(2))
 def test_fast_record_check_accepts_only_what_full_checks_accept(which, changes):
     _check_fast_path(_mutated(which, changes))
