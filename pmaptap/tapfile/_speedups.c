@@ -26,7 +26,8 @@
 
 static PyObject *k_name, *k_step, *k_kind, *k_run, *k_process, *k_value, *k_dtype, *k_shape,
     *k_time, *k_host, *k_index, *k_pass, *k_vhash, *k_attempt, *k_devices, *k_processes,
-    *k_device, *k_coords, *k_replicas, *k_per_device, *k_replicated, *k_meta, *k_why, *k_forward;
+    *k_device, *k_coords, *k_replicas, *k_per_device, *k_replicated, *k_meta, *k_why, *k_forward,
+    *k_divergent, *k_float, *k_bfloat;
 static PyObject *zero;
 
 /* type(o) in format._SCALAR_TYPES: exactly None, str, int, float, bool. */
@@ -910,12 +911,146 @@ fail:
     return NULL;
 }
 
+/* All of ``ids`` (a list) exact ints, or None where ``none_ok``. */
+static int
+all_ints(PyObject *ids, int none_ok)
+{
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(ids); j++) {
+        PyObject *x = PyList_GET_ITEM(ids, j);
+        if (!(PyLong_CheckExact(x) || (none_ok && x == Py_None))) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* scalar_clean(d, not_clean) -> bool: whether checks.schema_problems(d)
+   finds nothing by its first, fast path: no field of ``not_clean``
+   (format.NOT_CLEAN), checks._fields_clean(d), and a float or int value
+   of a "float..."/"bfloat..." dtype with shape []. False means "run
+   schema_problems", which gives the answer (``validate`` of a record that
+   readers already took: format.validate_dict's types hold). */
+static PyObject *
+scalar_clean(PyObject *self, PyObject *args)
+{
+    PyObject *d, *not_clean;
+    if (!PyArg_ParseTuple(args, "O!O:scalar_clean", &PyDict_Type, &d, &not_clean)) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(not_clean);
+    if (it == NULL) {
+        return NULL;
+    }
+    PyObject *name;
+    int found = 0;
+    while (!found && (name = PyIter_Next(it)) != NULL) {
+        found = PyDict_Contains(d, name);
+        Py_DECREF(name);
+    }
+    Py_DECREF(it);
+    if (found < 0 || PyErr_Occurred()) {
+        return NULL;
+    }
+    if (found) {
+        Py_RETURN_FALSE;
+    }
+    int err = 0;
+    PyObject *step = get(d, k_step, &err), *process = get(d, k_process, &err);
+    PyObject *t = get(d, k_time, &err), *host = get(d, k_host, &err);
+    PyObject *divergent = get(d, k_divergent, &err), *pass = get(d, k_pass, &err);
+    PyObject *kind = get(d, k_kind, &err), *value = get(d, k_value, &err);
+    PyObject *dtype = get(d, k_dtype, &err), *shape = get(d, k_shape, &err);
+    if (err) {
+        return NULL;
+    }
+    if (step == NULL || process == NULL || t == NULL || host == NULL || kind == NULL ||
+        value == NULL || dtype == NULL || shape == NULL) {
+        Py_RETURN_FALSE;
+    }
+    /* _fields_clean's common part; step <= MAX_STEP (2**63 - 1): fits a
+       long long. */
+    int overflow = 0;
+    long long st = PyLong_CheckExact(step) ? PyLong_AsLongLongAndOverflow(step, &overflow) : -1;
+    if (st == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    long long pr =
+        PyLong_CheckExact(process) ? PyLong_AsLongLongAndOverflow(process, &overflow) : -1;
+    if (pr == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (overflow || st < 0 || pr < 0 || !PyFloat_CheckExact(t) ||
+        !isfinite(PyFloat_AS_DOUBLE(t)) || !PyUnicode_CheckExact(host) ||
+        (divergent != NULL && divergent != Py_True) || (pass != NULL && !PyUnicode_CheckExact(pass)) ||
+        !PyUnicode_CheckExact(kind)) {
+        Py_RETURN_FALSE;
+    }
+    if (PyUnicode_Compare(kind, k_per_device) == 0) {
+        PyObject *device = get(d, k_device, &err), *coords = get(d, k_coords, &err);
+        if (err) {
+            return NULL;
+        }
+        if (device == NULL || coords == NULL || !(device == Py_None || PyLong_CheckExact(device)) ||
+            !PyDict_CheckExact(coords)) {
+            Py_RETURN_FALSE;
+        }
+        Py_ssize_t at = 0;
+        PyObject *axis, *c;
+        while (PyDict_Next(coords, &at, &axis, &c)) {
+            if (!PyLong_CheckExact(c)) {
+                Py_RETURN_FALSE;
+            }
+        }
+    }
+    else if (PyUnicode_Compare(kind, k_replicated) == 0) {
+        PyObject *replicas = get(d, k_replicas, &err), *devices = get(d, k_devices, &err);
+        PyObject *processes = get(d, k_processes, &err), *vhash = get(d, k_vhash, &err);
+        if (err) {
+            return NULL;
+        }
+        if (replicas == NULL || !PyLong_CheckExact(replicas)) {
+            Py_RETURN_FALSE;
+        }
+        long long n = PyLong_AsLongLongAndOverflow(replicas, &overflow);
+        if (n == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (overflow || n < 1) {
+            Py_RETURN_FALSE;
+        }
+        if (devices != NULL && devices != Py_None &&
+            !(PyList_CheckExact(devices) && PyList_GET_SIZE(devices) == n && all_ints(devices, 1))) {
+            Py_RETURN_FALSE;
+        }
+        if (processes != NULL && !(PyList_CheckExact(processes) && all_ints(processes, 0))) {
+            Py_RETURN_FALSE;
+        }
+        if (vhash != NULL && !PyUnicode_CheckExact(vhash)) {
+            Py_RETURN_FALSE;
+        }
+    }
+    else if (PyUnicode_Compare(kind, k_meta) != 0) {
+        Py_RETURN_FALSE;
+    }
+    /* schema_problems' fast return: a float or int scalar of a float dtype. */
+    if (!PyUnicode_CheckExact(dtype) || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) != 0 ||
+        !(PyFloat_CheckExact(value) || PyLong_CheckExact(value))) {
+        Py_RETURN_FALSE;
+    }
+    if (PyUnicode_Tailmatch(dtype, k_float, 0, PY_SSIZE_T_MAX, -1) == 1 ||
+        PyUnicode_Tailmatch(dtype, k_bfloat, 0, PY_SSIZE_T_MAX, -1) == 1) {
+        Py_RETURN_TRUE;
+    }
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
     {"plain_records", plain_records, METH_VARARGS, NULL},
     {"first_not_plain", first_not_plain, METH_VARARGS, NULL},
     {"time_keys", time_keys, METH_VARARGS, NULL},
     {"merge_round", merge_round, METH_VARARGS, NULL},
     {"per_device_run", per_device_run, METH_VARARGS, NULL},
+    {"scalar_clean", scalar_clean, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -943,6 +1078,8 @@ PyInit__speedups(void)
         {&k_replicas, "replicas"}, {&k_per_device, "per_device"},
         {&k_replicated, "replicated"}, {&k_meta, "meta"},
         {&k_why, "why"},          {&k_forward, "forward"},
+        {&k_divergent, "divergent"}, {&k_float, "float"},
+        {&k_bfloat, "bfloat"},
     };
     for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++) {
         *names[j].slot = PyUnicode_InternFromString(names[j].text);

@@ -547,3 +547,165 @@ def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_
         assert same([vars(s) for s in got[0]], [vars(s) for s in want[0]]), case
         assert got[1:] == want[1:], case
     assert resumed > 10 and plain > 10, (resumed, plain)
+
+
+def _attempt_line(how: str, t: float) -> "bytes | None":
+    """The one line of a run that may hold a later attempt (see
+    test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt)."""
+    from conftest import per_device_dict
+
+    rep = record_dict(name="loss", step=1, value=1.5, vhash="aa", process=0, time=t)
+    pd = per_device_dict(0, 0, 0.5, process=0, time=t)
+    dump = lambda d: json.dumps(d, separators=(",", ":")).encode()  # noqa: E731
+    if how == "none":
+        return None
+    if how == "invalid":  # a record of attempt 1 but for its missing host
+        return dump({k: v for k, v in dict(rep, attempt=1).items() if k != "host"})
+    if how == "meta":
+        return dump(record_dict(kind="meta", name="pmaptap/attempt", step=0, attempt=2, time=t))
+    for name, value in (("bool", True), ("float", 1.0), ("str", "1"), ("negative", -1)):
+        if how == name:  # no record: attempt is a non-negative integer
+            return dump(dict(rep, attempt=value))
+    if how == "zero":
+        return dump(dict(rep, attempt=0))
+    if how == "escaped":  # the key spelled with an escape
+        return dump(dict(pd, attempt=1)).replace(b'"attempt"', b'"\\u0061ttempt"')
+    if how in ("torn", "copy", "shared", "late"):
+        return dump(dict(pd if how == "late" else rep, attempt=1))
+    if how == "torn-invalid":
+        return dump(dict(rep, attempt=1))[:-9]
+    raise ValueError(how)
+
+
+# Where the optimistic pass must start again: exactly where attempts.scan
+# finds a later attempt.
+_ATTEMPT_CASES = {
+    "none": False,
+    "invalid": False,
+    "meta": False,
+    "bool": False,
+    "float": False,
+    "str": False,
+    "negative": False,
+    "zero": False,
+    "escaped": True,
+    "torn": True,
+    "torn-invalid": False,
+    "copy": True,
+    "shared": True,
+    "late": True,
+}
+
+
+def _attempt_run(tmp_path, how: str, layout: str) -> str:
+    """A run of copies of replicated values (processes 0 and 1) and
+    per-device records, steps 0-2, plus ``_attempt_line(how)``: in shard 1
+    (the shared file for "shared"; as shard 1's last line, without its
+    newline, for "torn"/"torn-invalid"; in both shards, one copy dropped by
+    the merge, for "copy"; last in time for "late"). ``layout``: sharded,
+    one file (every line in it), or an object store's chunks (memory://)."""
+    from conftest import per_device_dict
+
+    files: dict = {0: [], 1: [], "shared": []}
+    for p in (0, 1):
+        for step in range(3):
+            t = 1.0 + step
+            files[p].append(record_dict(name="loss", step=step, vhash="aa", process=p, time=t))
+            files[p].append(per_device_dict(step, p, 0.5 * step, process=p, time=t))
+    files["shared"].append(record_dict(name="lr", step=0, process=7, time=0.5))
+    raw = {k: [json.dumps(d, separators=(",", ":")).encode() for d in v] for k, v in files.items()}
+    special = _attempt_line(how, 9.0 if how == "late" else 2.0)
+    torn = how in ("torn", "torn-invalid")
+    if special is not None:
+        raw["shared" if how == "shared" else 1].append(special)
+        if how == "copy":
+            # Process 0's copy (kept) and process 1's (dropped by the merge).
+            raw[0].append(special)
+            raw[1][-1] = special.replace(b'"process":0', b'"process":1')
+    path = str(tmp_path / f"{how}-{layout}.jsonl")
+
+    def data(lines, last_torn=False):
+        out = b"".join(x + b"\n" for x in lines)
+        return out[:-1] if last_torn and layout != "url" else out
+
+    if layout == "file":
+        with open(path, "wb") as f:
+            f.write(data(raw["shared"] + raw[0] + raw[1], torn))
+        return path
+    if layout == "url":
+        import fsspec
+
+        url = f"memory://pmaptap-attempts-{os.getpid()}-{tmp_path.name}/{how}"
+        fs, prefix = fsspec.core.url_to_fs(url)
+        for p, key in ((0, 0), (1, 1), (7, "shared")):
+            fs.pipe(f"{prefix}.d/p{p:05d}-1-ab-0.jsonl", data(raw[key]))
+        return url
+    from pmaptap.tapfile import runs
+
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    with open(path, "wb") as f:
+        f.write(data(raw["shared"]))
+    for p in (0, 1):
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(data(raw[p], torn and p == 1))
+    return path
+
+
+def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tmp_path):
+    """The optimistic pass of summary and validate (no scan first) starts
+    again exactly for the runs where attempts.scan finds a later attempt,
+    so it gives the scan-first result on every run: not for an attempt in
+    a line that is no record (a missing field, a torn line, attempt true,
+    1.0, "1" or -1), in a meta record, or 0; yes for one spelled with an
+    escape, in a whole last line without its newline, in a copy the merge
+    drops (its kept copy holds it too), in the shared file, last in time.
+    Sharded, one file, and an object store's chunks; a filter takes the
+    scan-first pass as before."""
+    import math
+
+    from pmaptap.tapfile import checks, summary_batch
+    from pmaptap.tapfile.attempts import scan
+    from pmaptap.tapfile.query import Filter
+
+    def same(a, b) -> bool:  # NaN statistics compare equal to themselves
+        return json.dumps(a, default=repr, sort_keys=True) == json.dumps(
+            b, default=repr, sort_keys=True
+        ) or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+    def summaries_same(got, want) -> None:
+        assert same([vars(s) for s in got[0]], [vars(s) for s in want[0]]), how
+        assert got[1:] == want[1:], how
+
+    try:
+        import fsspec  # noqa: F401
+
+        layouts = ("sharded", "file", "url")
+    except ImportError:
+        layouts = ("sharded", "file")
+    for layout in layouts:
+        for how, resumed in _ATTEMPT_CASES.items():
+            if layout == "file" and how in ("copy", "shared"):
+                continue  # one file: no merge
+            path = _attempt_run(tmp_path, how, layout)
+            where = (how, layout)
+            assert bool(scan(path)) == resumed, where
+            assert (checks._validate(path, None) is None) == resumed, where
+            report = checks.validate_file(path)
+            assert report == checks._validate(path, scan(path)), where
+            assert report.records >= 10, (where, report)
+            if how == "late":
+                assert report.superseded == 2, (where, report)  # g step 0, both processes
+            if layout == "file":
+                acc, _ = summary_batch._summarize_plain(path)
+            else:
+                acc, _ = summary_batch._summarize_merged(path)
+            assert acc.resumed == resumed, where
+            summaries_same(
+                summary_batch.summarize_file(path),
+                summary_batch._summarize_scanned(path, Filter()),
+            )
+            flt = Filter(names=("loss", "g"))
+            summaries_same(
+                summary_batch.summarize_file(path, flt),
+                summary_batch._summarize_scanned(path, flt),
+            )

@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 from test_fuzz_tapfile import (
     _FIELDS,
     _ODD_SAMPLES,
-    _ODD_VALUES,
     _PLAIN_RECORDS,
     CORPUS,
     FUZZ_LINE_LIMIT,
     _mutated,
+    field_changes,
     hostile_line,
 )
 from test_read_batch import HOSTILE, ODD_RECORDS
@@ -43,9 +43,9 @@ from test_record_rules import BASE, SAMPLES, _reader_cases, _with
 import pmaptap
 from conftest import per_device_dict, record_dict, run_python
 from pmaptap import cli
+from pmaptap.tapfile import checks, parse, runs, summary_batch
 from pmaptap.tapfile import format as fmt
 from pmaptap.tapfile import lines as tapfile_lines
-from pmaptap.tapfile import parse, runs
 
 try:
     from pmaptap.tapfile import _speedups as C
@@ -105,8 +105,8 @@ def _both(fn, **patch):
     counting = _Counting(C)
     for module in (counting, None):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(parse, "SPEEDUPS", module)
-            mp.setattr(runs, "SPEEDUPS", module)
+            for user in (parse, runs, summary_batch, checks):
+                mp.setattr(user, "SPEEDUPS", module)
             for name, value in patch.items():
                 mp.setattr(runs if hasattr(runs, name) else parse, name, value)
             got.append(fn())
@@ -372,6 +372,31 @@ def _same_first_not_plain(items: list) -> None:
         assert C.first_not_plain(items, start, fmt.id_ranges) == want, (start, items)
 
 
+def test_scalar_clean_says_clean_only_where_schema_problems_finds_nothing(c_module):
+    """validate skips checks.schema_problems where the C fast check says a
+    record is clean: never where schema_problems would find something, on
+    every record the corpora, the rule table's samples and the mutated
+    plain records give (those readers take: validate checks no other)."""
+    items = [parse.parse_line(line)[0] for line in _corpus()]
+    for rule in fmt.RULES:
+        for accepted in (True, False):
+            items += [_with(kind, rule.name, v) for kind, v in _reader_cases(rule, accepted)]
+    for which in range(len(_PLAIN_RECORDS)):
+        for field in _FIELDS:
+            for value in _ODD_SAMPLES + SAMPLES:
+                items.append(_mutated(which, [(field, value)]))
+    items += [dict(r) for r in _PLAIN_RECORDS] + list(BASE.values())
+    clean = checked = 0
+    for d in items:
+        if type(d) is not dict or fmt.validate_dict(d) is not None:
+            continue
+        checked += 1
+        if c_module.scalar_clean(d, fmt.NOT_CLEAN):
+            clean += 1
+            assert checks.schema_problems(d) == [], d
+    assert clean > 100 and checked - clean > 100, (clean, checked)
+
+
 def test_first_not_plain_same_on_records_breaking_each_rule(c_module):
     for rule in fmt.RULES:
         for accepted in (True, False):
@@ -400,14 +425,7 @@ def test_first_not_plain_same_on_records_breaking_each_rule(c_module):
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.sampled_from(range(len(_PLAIN_RECORDS))),
-    st.lists(
-        st.tuples(st.sampled_from(_FIELDS), st.one_of(st.sampled_from(_ODD_SAMPLES), _ODD_VALUES)),
-        min_size=1,
-        max_size=4,
-    ),
-)
+@given(st.sampled_from(range(len(_PLAIN_RECORDS))), field_changes(1))
 def test_first_not_plain_same_fuzzed(which, changes):
     assert C is not None, "pmaptap/tapfile/_speedups.c is not built"
     _same_first_not_plain([_PLAIN_RECORDS[which], _mutated(which, changes)])
@@ -538,6 +556,7 @@ def test_sharded_runs_read_the_same_with_both_loops(c_module, tmp_path, capsys, 
         kept += kinds["dict"]
         bad += kinds["NoneType"]
     assert calls["plain_records"] and calls["time_keys"] and calls["merge_round"] > 500, calls
+    assert calls["per_device_run"] and calls["scalar_clean"], calls
     assert kept > 1000 and bad > 50, (kept, bad)
 
 
@@ -605,6 +624,163 @@ def test_a_copy_read_after_another_process_s_is_freed_and_parsed_again_if_kept(
     monkeypatch.setattr(runs, "SPEEDUPS", None)
     monkeypatch.setattr(pmaptap.tapfile.parse, "SPEEDUPS", None)
     assert _typed(list(tapfile_lines.iter_lines(path))) == _typed(got)
+
+
+def _odd_line(d: dict, how: str) -> bytes:
+    """``d``'s line, written so that a reader takes it by another road: one
+    parse_line's slow path takes (more than MAX_DEPTH brackets, yet shallow;
+    an index), one orjson reads to other types than json would (an integer
+    past 64 bits: a float), escaped keys, a duplicate key (the last wins),
+    spaces, a carriage return, holders as ranges text (id_ranges)."""
+    raw = _dump(d, compact=how != "spaced")
+    if how == "deep":
+        return raw[:-1] + b',"pad":[' + b"[[]]," * 70 + b"[]]}"
+    if how == "big":
+        return raw[:-1] + b',"big":123456789012345678901234567890,"neg":-9223372036854775809}'
+    if how == "escaped":
+        return raw.replace(b'"name"', b'"n\\u0061me"').replace(b'"process"', b'"\\u0070rocess"')
+    if how == "dup":
+        return raw[:-1] + b',"n":%d}' % (d["n"] + 1000)
+    if how == "cr":
+        return raw + b"\r"
+    return raw
+
+
+_HOWS = ["plain", "spaced", "deep", "big", "escaped", "dup", "cr"]
+
+
+def _odd_copies(rnd: random.Random, path: str, chunks: "str | None" = None) -> None:
+    """A sharded run (and the shared file) of copies of a few replicated
+    values, most of them read after another process's copy (so set aside)
+    and many of those first in merged order after all (so kept: parsed
+    again), their lines of every _odd_line kind; process ids of one process
+    in several types (1, 1.0, True; 0, 0.0, -0.0, False) and of another
+    ("1"); a process writing a value twice with another's copy between;
+    ties; a copy in a last line without its newline. ``chunks``: also as
+    an object store's chunks under that URL (memory://)."""
+    os.makedirs(path + runs.SHARD_SUFFIX, exist_ok=True)
+    ids = {0: [0, 0.0, -0.0, False], 1: [1, 1.0, True], 2: [2, "1"], 7: [7]}
+    files = [(runs.shard_path(path, p), p) for p in (0, 1, 2)] + [(path, 7)]
+    n = 0
+    for name, p in files:
+        # Shard 0 (and the shared file, read first) late, the others early.
+        t = {0: 4.0, 7: 3.0}.get(p, 0.0)
+        out = []
+        for _ in range(rnd.randrange(6, 16)):
+            t += rnd.choice([0, 0, 0.5, 1])
+            d = record_dict(
+                name=rnd.choice(["loss", "lr"]),
+                step=rnd.randrange(2),
+                vhash=rnd.choice(["aa", "aa", "bb"]),
+                process=rnd.choice(ids[p]),
+                time=rnd.choice([t, int(t)]),
+                n=(n := n + 1),
+            )
+            roll = rnd.random()
+            if roll < 0.1:
+                d["index"] = [[0, 2]]
+            elif roll < 0.2:
+                d["devices"], d["processes"] = "0-7", "0-3"
+            elif roll < 0.25:
+                d["attempt"] = 1
+            out.append(_odd_line(d, rnd.choice(_HOWS)))
+        data = b"".join(x + b"\n" for x in out)
+        if p == 2:
+            data = data[:-1]  # a last copy without its newline: the tail's road
+        with open(name, "wb") as f:
+            f.write(data)
+        if chunks is not None:
+            import fsspec
+
+            fs, prefix = fsspec.core.url_to_fs(chunks)
+            cut = rnd.randrange(len(out) + 1)
+            for k, part in enumerate((out[:cut], out[cut:])):
+                fs.pipe(
+                    f"{prefix}{runs.SHARD_SUFFIX}/p{p:05d}-1-ab-{k}.jsonl",
+                    b"".join(x + b"\n" for x in part),
+                )
+
+
+class _SetAside(_Counting):
+    """_Counting, also counting the lines merge_round is given in place of
+    records (set aside by time_keys) and those it parses again."""
+
+    def __init__(self, module) -> None:
+        super().__init__(module)
+        self.aside = self.again = 0
+
+    def __getattr__(self, name):
+        if name != "merge_round":
+            return super().__getattr__(name)
+
+        def call(parts, first, pos, loads=None):
+            self.calls[name] += 1
+            for records, _, _, p, cut in parts:
+                self.aside += sum(type(x) is bytes for x in records[p:cut])
+
+            def again(raw):
+                self.again += 1
+                return loads(raw)
+
+            return self.module.merge_round(parts, first, pos, again if loads else None)
+
+        return call
+
+
+def test_set_aside_copies_of_odd_lines_read_the_same_with_both_loops(
+    c_module, tmp_path, capsys, caplog
+):
+    """Copies set aside as their lines and kept after all are parsed again
+    to exactly what the first parse gave, whatever road the line took
+    there (parse_line's slow path, escapes, integers orjson makes floats,
+    duplicate keys, the last line's road, which sets nothing aside), with
+    process ids of one process in several types, ties, the shared file,
+    pieces of every size and an object store's chunks: every reader gives
+    what the Python loops give. Without orjson nothing is set aside."""
+    caplog.set_level(logging.WARNING)
+    try:
+        import fsspec  # noqa: F401 - the object store's case
+    except ImportError:
+        fsspec = None
+    aside = again = 0
+    for case in range(12):
+        rnd = random.Random(7000 + case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        url = f"memory://pmaptap-set-aside-{os.getpid()}-{case}/run" if fsspec else None
+        _odd_copies(rnd, path, url)
+        for where in [path] + ([url] if url else []):
+            pieces = PIECES[case % len(PIECES)] if where == path else {}
+            got = []
+            for module in (_SetAside(C), None):
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(parse, "SPEEDUPS", module)
+                    mp.setattr(runs, "SPEEDUPS", module)
+                    for name, value in pieces.items():
+                        mp.setattr(runs, name, value)
+                    got.append(_readers(where, capsys, caplog))
+                if module is not None:
+                    aside += module.aside
+                    again += module.again
+                    assert module.calls["merge_round"], (case, where)
+            for what in got[0]:
+                assert got[0][what] == got[1][what], (case, where, what)
+        if case % 4 == 0:  # json, not orjson: the same, nothing set aside
+            got = []
+            for module in (_SetAside(C), None):
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(fmt, "ORJSON", None)
+                    mp.setattr(parse, "SPEEDUPS", module)
+                    mp.setattr(runs, "SPEEDUPS", module)
+                    got.append(_readers(path, capsys, caplog))
+                if module is not None:
+                    assert module.aside == 0 and module.calls["merge_round"], case
+            for what in got[0]:
+                assert got[0][what] == got[1][what], (case, "no orjson", what)
+        if url:
+            fs, prefix = fsspec.core.url_to_fs(url)
+            fs.rm(prefix + runs.SHARD_SUFFIX, recursive=True)
+    # Many copies set aside; many of them kept (parsed again), not all.
+    assert aside > 200 and 50 < again < aside, (aside, again)
 
 
 # ------------------------------------------------------------ merge pieces
@@ -917,6 +1093,160 @@ def test_bad_arguments_raise_instead_of_crashing(c_module):
     assert f"survived {len(got)}" in proc.stdout
 
 
+_SET_ASIDE_CALLS = r"""
+import orjson
+from pmaptap.tapfile import _speedups as C
+from pmaptap.tapfile.format import record_key
+
+def R(p, **kw):  # a replicated record whose vhash only it holds
+    return dict({"kind": "replicated", "vhash": "".join(["a", "b"]), "process": p,
+                 "time": 1.0, "run": "r"}, **kw)
+line = b'{"kind":"replicated","vhash":"ab","process":1,"time":1.0,"run":"r"}'
+info = (("k", "ab"), 1)
+calls = {
+    "lines not a list": lambda: C.time_keys([R(1)], 0.0, [], [], record_key, (line,), {}),
+    "seen not a dict": lambda: C.time_keys([R(1)], 0.0, [], [], record_key, [line], []),
+    "seen None": lambda: C.time_keys([R(1)], 0.0, [], [], record_key, [line], None),
+    "seen a dict subclass": lambda: C.time_keys(
+        [R(1)], 0.0, [], [], record_key, [line], type("D", (dict,), {})()),
+    "unhashable key": lambda: C.time_keys(
+        [R(1, run=["r"])], 0.0, [], [], record_key, [line], {}),
+    "loads None": lambda: C.merge_round([([line], [1.0], [info], 0, 1)], {}, 0, None),
+    "no loads": lambda: C.merge_round([([line], [1.0], [info], 0, 1)], {}, 0),
+    "loads raising": lambda: C.merge_round([([line], [1.0], [info], 0, 1)], {}, 0, lambda b: 1 / 0),
+    "loads not callable": lambda: C.merge_round([([line], [1.0], [info], 0, 1)], {}, 0, 5),
+}
+
+def set_aside(recs, lines):
+    C.time_keys(recs, 0.0, [], [], record_key, lines, {})
+    return [type(x).__name__ for x in recs]
+def lines_shorter():
+    assert set_aside([R(0), R(1), R(2)], [line]) == ["dict"] * 3
+def lines_not_bytes():
+    got = set_aside([R(0), R(1), R(2)], [line, line.decode(), bytearray(line)])
+    assert got == ["dict"] * 3, got
+def one_set_aside():
+    assert set_aside([R(0), R(1), R(1.0), R(True), R("1")], [line] * 5) == [
+        "dict", "bytes", "bytes", "bytes", "bytes"]
+    assert set_aside([R(1), R(1.0), R(True), R(0)], [line] * 4) == [
+        "dict", "dict", "dict", "bytes"]
+# Python code run by the comparison or the key's hash, changing the lists.
+class Ne:
+    def __init__(self, lists):
+        self.lists = lists
+    def __ne__(self, other):
+        for x in self.lists:
+            x.clear()
+        return True
+    __hash__ = object.__hash__
+def ne_clears():
+    recs, lines = [R(0), R(1)], [line, line]
+    recs[1]["process"] = Ne([recs, lines])
+    C.time_keys(recs, 0.0, [], [], record_key, lines, {})
+class NeSwaps:
+    def __init__(self, lines):
+        self.lines = lines
+    def __ne__(self, other):
+        self.lines[1] = "no line"
+        return True
+    __hash__ = object.__hash__
+def ne_swaps():
+    recs, lines = [R(0), R(1)], [line, bytes(line)]
+    recs[1]["process"] = NeSwaps(lines)
+    C.time_keys(recs, 0.0, [], [], record_key, lines, {})
+    assert type(recs[1]) is dict, recs
+class Key:
+    def __init__(self, lists):
+        self.lists = lists
+    def __hash__(self):
+        for x in self.lists:
+            x.clear()
+        return 1
+    def __eq__(self, other):
+        return True
+def hash_clears():
+    recs, lines = [R(0, index=[[0, 1]]), R(1, index=[[0, 1]])], [line, line]
+    key = Key([recs, lines])
+    C.time_keys(recs, 0.0, [], [], lambda d: key, lines, {})
+def eq_clears_seen():
+    seen = {}
+    class K:
+        def __hash__(self):
+            return 1
+        def __eq__(self, other):
+            seen.clear()
+            return True
+    recs = [R(0, index=[[0, 1]]), R(1, index=[[0, 1]])]
+    C.time_keys(recs, 0.0, [], [], lambda d: K(), [line, line], seen)
+def loads_clears():
+    recs, keys, infos = [bytes(line)] * 3, [1.0] * 3, [info] * 3
+    def loads(b):
+        recs.clear(), infos.clear(), keys.clear()
+        return orjson.loads(b)
+    C.merge_round([(recs, keys, infos, 0, 3)], {}, 0, loads)
+def loads_swaps():
+    recs = [bytes(line), bytes(line)]
+    def loads(b):
+        recs[:] = ["other", "other"]
+        return orjson.loads(b)
+    out, _, _ = C.merge_round([(recs, [1.0, 1.0], [info] * 2, 0, 2)], {}, 0, loads)
+    # The slot loads changed is left as loads left it; the next one (no
+    # line now) goes out as it is and its slot is let go of.
+    assert recs == ["other", None] and out[1] == "other", (recs, out)
+def dropped_aside():
+    recs = [bytes(line)]
+    out = C.merge_round([(recs, [1.0], [info], 0, 1)], {("k", "ab"): 0}, 0, None)
+    assert out == ([], {}, 0) and recs == [None], (out, recs)
+calls.update({
+    "lines shorter": lines_shorter,
+    "lines not bytes": lines_not_bytes,
+    "set aside": one_set_aside,
+    "__ne__ clears": ne_clears,
+    "__ne__ swaps the line": ne_swaps,
+    "key hash clears": hash_clears,
+    "key eq clears seen": eq_clears_seen,
+    "loads clears": loads_clears,
+    "loads swaps": loads_swaps,
+    "dropped copy set aside": dropped_aside,
+})
+for name, call in calls.items():
+    try:
+        call()
+    except Exception as e:
+        print(name, "->", type(e).__name__, flush=True)
+    else:
+        print(name, "->", "no error", flush=True)
+print("survived", len(calls))
+"""
+
+
+def test_set_aside_arguments_raise_instead_of_crashing(c_module):
+    """time_keys' lines and seen, merge_round's loads: TypeError for what
+    callers never pass (lines not a list, seen not a dict, a line set aside
+    and no loads), loads' own error, nothing set aside where the line is
+    missing or no bytes; Python code run by a comparison, a key's hash or
+    loads that changes the lists read is safe. In a child under
+    PYTHONMALLOC=debug: a crash fails this test, not the session."""
+    proc = run_python(_SET_ASIDE_CALLS, timeout=120, check=False, PYTHONMALLOC="debug")
+    got = dict(x.split(" -> ") for x in proc.stdout.splitlines() if " -> " in x)
+    assert proc.returncode == 0 and "survived" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert f"survived {len(got)}" in proc.stdout
+    want = {
+        "lines not a list": "TypeError",
+        "seen not a dict": "TypeError",
+        "seen None": "TypeError",
+        "seen a dict subclass": "TypeError",
+        "unhashable key": "TypeError",
+        "loads None": "TypeError",
+        "no loads": "TypeError",
+        "loads raising": "ZeroDivisionError",
+        "loads not callable": "TypeError",
+        "loads clears": "RuntimeError",
+    }
+    for name, error in got.items():
+        assert error == want.get(name, "no error"), (name, error, proc.stderr[-2000:])
+
+
 # ------------------------------------------------------------ leaks
 
 
@@ -991,4 +1321,50 @@ def test_no_references_leak(c_module):
     for _ in range(500):
         calls()
     assert [sys.getrefcount(x) for x in watched] + [sys.getrefcount(proc)] == counts
+    assert _grows(calls, 1000) < 64 << 10
+
+
+def test_no_references_leak_setting_aside_and_parsing_again(c_module):
+    """time_keys with lines and seen (a copy set aside: its record freed,
+    its line held), merge_round parsing a kept one again, and their errors:
+    reference counts come back, memory stays flat."""
+    import orjson
+
+    d0 = record_dict(vhash="aa", process=0, time=1.0)
+    d1 = record_dict(vhash="aa", process=1, time=2.0)
+    l0, l1 = _dump(d0), _dump(d1)
+    loads, key_fn = orjson.loads, fmt.record_key
+    watched = [l0, l1, loads, key_fn]
+
+    def calls():
+        recs = [loads(l0), loads(l1), loads(l1), None, loads(l1)]
+        lines = [l0, l1, l1, b"x"]  # the last record has no line: kept as is
+        keys: list = []
+        infos: list = []
+        seen: dict = {}
+        C.time_keys(recs, float("-inf"), keys, infos, key_fn, lines, seen)
+        assert [type(x) for x in recs] == [dict, bytes, bytes, type(None), dict]
+        first = {infos[1][0]: 1}  # process 1 wrote first: kept, parsed again
+        out, _, _ = C.merge_round([(recs, keys, infos, 0, 5)], first, 0, loads)
+        assert [d["process"] for d in out if d] == [1, 1, 1]
+        for args in (
+            ([dict(d1)], float("-inf"), [], [], key_fn, (l1,), {}),
+            ([dict(d1)], float("-inf"), [], [], key_fn, [l1], None),
+            ([dict(d1, run=["r"])], float("-inf"), [], [], key_fn, [l1], {}),
+        ):
+            try:
+                C.time_keys(*args)
+            except TypeError:
+                pass
+        for fn in (None, lambda b: 1 / 0):
+            try:
+                C.merge_round([([l1], [1.0], [((("k",), "aa"), 1)], 0, 1)], {}, 0, fn)
+            except (TypeError, ZeroDivisionError):
+                pass
+
+    calls()
+    counts = [sys.getrefcount(x) for x in watched]
+    for _ in range(500):
+        calls()
+    assert [sys.getrefcount(x) for x in watched] == counts
     assert _grows(calls, 1000) < 64 << 10
