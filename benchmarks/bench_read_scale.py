@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     compile_bytecode,
     loopback_s3,
     measure_process,
+    measure_process_times,
     table,
 )
 
@@ -208,19 +209,21 @@ def _rounds(arms: dict, rounds: int, env=None) -> tuple[dict, dict]:
     return walls, rss
 
 
-def _paired(arms: dict, bases: dict, rounds: int) -> tuple[dict, dict]:
+def _paired(arms: dict, bases: dict, rounds: int) -> tuple[dict, dict, dict]:
     """Per round and arm, the arm's bare loop (``bases[arm]``) run right
     before it: the ratio of each pair, so that both meet the same load.
-    -> (ratios by arm, peak RSS by arm)."""
+    -> (wall-time ratios by arm, CPU-time ratios by arm, peak RSS by arm)."""
     ratios: dict = {k: [] for k in arms}
+    cpu: dict = {k: [] for k in arms}
     rss: dict = {}
     for _ in range(rounds):
         for name, cmd in arms.items():
-            b, _ = measure(bases[name])
-            w, peak = measure(cmd)
+            b, bc, _ = measure_process_times(bases[name], cwd=ROOT, ok=(0, 1))
+            w, wc, peak = measure_process_times(cmd, cwd=ROOT, ok=(0, 1))
             ratios[name].append(w / b)
+            cpu[name].append(wc / bc)
             rss[name] = max(peak, rss.get(name, 0.0))
-    return ratios, rss
+    return ratios, cpu, rss
 
 
 def _report(title: str, walls: dict, rss: dict, base: str) -> None:
@@ -336,19 +339,20 @@ def main(argv: list[str] | None = None) -> int:
         # third between rounds on a shared box).
         bare, bare1 = arms["m. bare orjson loop (shards)"], arms["m. bare orjson loop (one file)"]
         measured = [k for k in arms if "bare" not in k]
-        ratios, _ = _paired(
+        ratios, cpu, _ = _paired(
             {k: arms[k] for k in measured},
             {k: bare if "sharded" in k else bare1 for k in measured},
             rounds,
         )
-        print(
-            "m. ratios to the bare loop over the same files, paired rounds, "
-            "median (range) (target <= 3x): "
-            + ", ".join(
-                f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
-                for k, r in ratios.items()
+        for what, got in (("wall", ratios), ("CPU (user + system)", cpu)):
+            print(
+                f"m. {what} time ratios to the bare loop over the same files, paired "
+                "rounds, median (range) (target <= 3x): "
+                + ", ".join(
+                    f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+                    for k, r in got.items()
+                )
             )
-        )
         # n. 4,096 shards under ulimit -n 256.
         shards, steps = 4096, (2 if a.quick else 25)
         path = os.path.join(tmp, "n.jsonl")

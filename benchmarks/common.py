@@ -234,6 +234,17 @@ def measure_process(
     """(wall seconds, peak RSS MiB) of one command in its own process; a
     RuntimeError with its stderr if it exits with a status not in ``ok``.
     Call compile_bytecode() once first."""
+    wall, _, rss = measure_process_times(cmd, cwd=cwd, env=env, ok=ok)
+    return wall, rss
+
+
+def measure_process_times(
+    cmd: list[str], *, cwd: str, env: dict | None = None, ok: tuple[int, ...] = (0,)
+) -> tuple[float, float, float]:
+    """measure_process's (wall seconds, CPU seconds, peak RSS MiB): the CPU
+    time (user + system) of the process itself, which a busy or shared
+    machine stretches far less than the wall time (time the process waited
+    for a CPU is not in it)."""
     import subprocess
 
     t0 = time.perf_counter()
@@ -247,7 +258,7 @@ def measure_process(
     if code not in ok:
         raise RuntimeError(f"{cmd} failed ({code}): {err[-2000:]}")
     # ru_maxrss is in KiB on Linux.
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 @contextmanager
