@@ -616,6 +616,8 @@ def test_a_copy_read_after_another_process_s_is_freed_and_parsed_again_if_kept(
             return real.loads(raw)
 
     monkeypatch.setattr(pmaptap.tapfile.format, "ORJSON", Counting)
+    monkeypatch.setattr(runs, "SPEEDUPS", c_module)  # also under PMAPTAP_NO_SPEEDUPS=1
+    monkeypatch.setattr(pmaptap.tapfile.parse, "SPEEDUPS", c_module)
     got = list(tapfile_lines.iter_lines(path))
     assert [d["n"] for _, d, _ in got] == [1, 2]  # process 1's copies: first in merged order
     # Read once each as the shards were read, then process 1's two copies
