@@ -13,9 +13,14 @@
      takes it, a plainly valid record); every other line is left to
      parse_line, the definition, by the caller.
    - first_not_plain: format.first_not_plain.
-   - time_keys: the merge key loop of runs._Source.extend.
+   - time_keys: the merge key loop of runs._Source.extend (and, with the
+     pieces' lines, set_aside: a likely copy held as its line).
    - merge_round: a round of runs._merge (its sort, and the loop that keeps
      the first copy of a replicated value).
+   - per_device_run: summary_batch.BatchSummarizer._add_part's steps for a
+     run of the simplest usual per-device records.
+   - scalar_clean: checks.schema_problems' fast path (checks._fields_clean
+     and a float scalar).
 
    Nothing here decides what a record is: these are the fast checks that
    send anything unusual to the Python definitions. */
