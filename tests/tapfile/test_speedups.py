@@ -957,6 +957,19 @@ def test_an_unhashable_dedup_key_cannot_come_from_a_line(c_module):
         runs._merge_round([1.0], [d], True, {}, 0)
 
 
+# The end of each child script below: every call, what it raised.
+_RUN_CALLS = """
+for name, call in calls.items():
+    try:
+        call()
+    except Exception as e:
+        print(name, "->", type(e).__name__, flush=True)
+    else:
+        print(name, "->", "no error", flush=True)
+print("survived", len(calls))
+"""
+
+
 _BAD_CALLS = r"""
 import sys
 import numpy as np
@@ -1048,14 +1061,6 @@ calls["mutating record_key"] = mutating_record_key
 calls["mutating __ne__"] = lambda: C.merge_round(parts, {}, 0)
 calls["mutating loads"] = mutating_loads
 import json
-for name, call in calls.items():
-    try:
-        call()
-    except Exception as e:
-        print(name, "->", type(e).__name__, flush=True)
-    else:
-        print(name, "->", "no error", flush=True)
-print("survived", len(calls))
 """
 
 
@@ -1063,7 +1068,7 @@ def test_bad_arguments_raise_instead_of_crashing(c_module):
     """TypeError/ValueError, not a crash, for what callers never pass; and
     callbacks that change the lists or records being read are safe. Run in
     a child: a crash fails this test instead of ending the session."""
-    proc = run_python(_BAD_CALLS, timeout=120, check=False, PYTHONMALLOC="debug")
+    proc = run_python(_BAD_CALLS + _RUN_CALLS, timeout=120, check=False, PYTHONMALLOC="debug")
     got = dict(x.split(" -> ") for x in proc.stdout.splitlines() if " -> " in x)
     assert proc.returncode == 0 and "survived" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     value = {
@@ -1211,14 +1216,6 @@ calls.update({
     "loads swaps": loads_swaps,
     "dropped copy set aside": dropped_aside,
 })
-for name, call in calls.items():
-    try:
-        call()
-    except Exception as e:
-        print(name, "->", type(e).__name__, flush=True)
-    else:
-        print(name, "->", "no error", flush=True)
-print("survived", len(calls))
 """
 
 
@@ -1229,7 +1226,7 @@ def test_set_aside_arguments_raise_instead_of_crashing(c_module):
     missing or no bytes; Python code run by a comparison, a key's hash or
     loads that changes the lists read is safe. In a child under
     PYTHONMALLOC=debug: a crash fails this test, not the session."""
-    proc = run_python(_SET_ASIDE_CALLS, timeout=120, check=False, PYTHONMALLOC="debug")
+    proc = run_python(_SET_ASIDE_CALLS + _RUN_CALLS, timeout=120, check=False, PYTHONMALLOC="debug")
     got = dict(x.split(" -> ") for x in proc.stdout.splitlines() if " -> " in x)
     assert proc.returncode == 0 and "survived" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert f"survived {len(got)}" in proc.stdout
