@@ -21,6 +21,8 @@
      run of the simplest usual per-device records.
    - scalar_clean: checks.schema_problems' fast path (checks._fields_clean
      and a float scalar).
+   - validate_run: checks._validate's loop over a run of the simplest
+     per-device records (their schema check and duplicate index).
 
    Nothing here decides what a record is: these are the fast checks that
    send anything unusual to the Python definitions. */
@@ -935,6 +937,8 @@ all_ints(PyObject *ids, int none_ok)
    of a "float..."/"bfloat..." dtype with shape []. False means "run
    schema_problems", which gives the answer (``validate`` of a record that
    readers already took: format.validate_dict's types hold). */
+static int clean_record(PyObject *d, PyObject *not_clean);
+
 static PyObject *
 scalar_clean(PyObject *self, PyObject *args)
 {
@@ -942,9 +946,20 @@ scalar_clean(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!O:scalar_clean", &PyDict_Type, &d, &not_clean)) {
         return NULL;
     }
+    int clean = clean_record(d, not_clean);
+    if (clean < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(clean);
+}
+
+/* scalar_clean for a dict: 1, 0, or -1 with an exception. */
+static int
+clean_record(PyObject *d, PyObject *not_clean)
+{
     PyObject *it = PyObject_GetIter(not_clean);
     if (it == NULL) {
-        return NULL;
+        return -1;
     }
     PyObject *name;
     int found = 0;
@@ -954,10 +969,10 @@ scalar_clean(PyObject *self, PyObject *args)
     }
     Py_DECREF(it);
     if (found < 0 || PyErr_Occurred()) {
-        return NULL;
+        return -1;
     }
     if (found) {
-        Py_RETURN_FALSE;
+        return 0;
     }
     int err = 0;
     PyObject *step = get(d, k_step, &err), *process = get(d, k_process, &err);
@@ -966,44 +981,44 @@ scalar_clean(PyObject *self, PyObject *args)
     PyObject *kind = get(d, k_kind, &err), *value = get(d, k_value, &err);
     PyObject *dtype = get(d, k_dtype, &err), *shape = get(d, k_shape, &err);
     if (err) {
-        return NULL;
+        return -1;
     }
     if (step == NULL || process == NULL || t == NULL || host == NULL || kind == NULL ||
         value == NULL || dtype == NULL || shape == NULL) {
-        Py_RETURN_FALSE;
+        return 0;
     }
     /* _fields_clean's common part; step <= MAX_STEP (2**63 - 1): fits a
        long long. */
     int overflow = 0;
     long long st = PyLong_CheckExact(step) ? PyLong_AsLongLongAndOverflow(step, &overflow) : -1;
     if (st == -1 && PyErr_Occurred()) {
-        return NULL;
+        return -1;
     }
     long long pr =
         PyLong_CheckExact(process) ? PyLong_AsLongLongAndOverflow(process, &overflow) : -1;
     if (pr == -1 && PyErr_Occurred()) {
-        return NULL;
+        return -1;
     }
     if (overflow || st < 0 || pr < 0 || !PyFloat_CheckExact(t) ||
         !isfinite(PyFloat_AS_DOUBLE(t)) || !PyUnicode_CheckExact(host) ||
         (divergent != NULL && divergent != Py_True) || (pass != NULL && !PyUnicode_CheckExact(pass)) ||
         !PyUnicode_CheckExact(kind)) {
-        Py_RETURN_FALSE;
+        return 0;
     }
     if (PyUnicode_Compare(kind, k_per_device) == 0) {
         PyObject *device = get(d, k_device, &err), *coords = get(d, k_coords, &err);
         if (err) {
-            return NULL;
+            return -1;
         }
         if (device == NULL || coords == NULL || !(device == Py_None || PyLong_CheckExact(device)) ||
             !PyDict_CheckExact(coords)) {
-            Py_RETURN_FALSE;
+            return 0;
         }
         Py_ssize_t at = 0;
         PyObject *axis, *c;
         while (PyDict_Next(coords, &at, &axis, &c)) {
             if (!PyLong_CheckExact(c)) {
-                Py_RETURN_FALSE;
+                return 0;
             }
         }
     }
@@ -1011,42 +1026,170 @@ scalar_clean(PyObject *self, PyObject *args)
         PyObject *replicas = get(d, k_replicas, &err), *devices = get(d, k_devices, &err);
         PyObject *processes = get(d, k_processes, &err), *vhash = get(d, k_vhash, &err);
         if (err) {
-            return NULL;
+            return -1;
         }
         if (replicas == NULL || !PyLong_CheckExact(replicas)) {
-            Py_RETURN_FALSE;
+            return 0;
         }
         long long n = PyLong_AsLongLongAndOverflow(replicas, &overflow);
         if (n == -1 && PyErr_Occurred()) {
-            return NULL;
+            return -1;
         }
         if (overflow || n < 1) {
-            Py_RETURN_FALSE;
+            return 0;
         }
         if (devices != NULL && devices != Py_None &&
             !(PyList_CheckExact(devices) && PyList_GET_SIZE(devices) == n && all_ints(devices, 1))) {
-            Py_RETURN_FALSE;
+            return 0;
         }
         if (processes != NULL && !(PyList_CheckExact(processes) && all_ints(processes, 0))) {
-            Py_RETURN_FALSE;
+            return 0;
         }
         if (vhash != NULL && !PyUnicode_CheckExact(vhash)) {
-            Py_RETURN_FALSE;
+            return 0;
         }
     }
     else if (PyUnicode_Compare(kind, k_meta) != 0) {
-        Py_RETURN_FALSE;
+        return 0;
     }
     /* schema_problems' fast return: a float or int scalar of a float dtype. */
     if (!PyUnicode_CheckExact(dtype) || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) != 0 ||
         !(PyFloat_CheckExact(value) || PyLong_CheckExact(value))) {
-        Py_RETURN_FALSE;
+        return 0;
     }
     if (PyUnicode_Tailmatch(dtype, k_float, 0, PY_SSIZE_T_MAX, -1) == 1 ||
         PyUnicode_Tailmatch(dtype, k_bfloat, 0, PY_SSIZE_T_MAX, -1) == 1) {
-        Py_RETURN_TRUE;
+        return 1;
     }
-    Py_RETURN_FALSE;
+    return 0;
+}
+
+/* validate_run(batch, k, groups, not_clean) -> (k', taken)
+
+   checks._validate's loop over a run of the simplest records, from
+   batch[k] on, when no later attempt is known (the caller passes only
+   then): a per-device record without attempt, index or stored bytes that
+   scalar_clean finds clean, one-axis int coordinates, and no earlier copy
+   of its key (checks.FirstCopies, whose ``_keys`` is ``groups``: the
+   record's line is filed under its duplicate_parts key). It stops at the
+   first other record (k' its index; a duplicate is left unfiled), which
+   the Python loop takes. ``taken``: the records it took. */
+static PyObject *
+validate_run(PyObject *self, PyObject *args)
+{
+    PyObject *batch, *groups, *not_clean;
+    Py_ssize_t k, first_line;
+    if (!PyArg_ParseTuple(args, "O!nnO!O:validate_run", &PyList_Type, &batch, &k, &first_line,
+                          &PyDict_Type, &groups, &not_clean)) {
+        return NULL;
+    }
+    Py_ssize_t taken = 0;
+    for (; k >= 0 && k < PyList_GET_SIZE(batch); k++) {
+        PyObject *d = PyList_GET_ITEM(batch, k);
+        if (!PyDict_CheckExact(d)) {
+            break;
+        }
+        Py_INCREF(d);
+        int err = 0;
+        PyObject *kind = get(d, k_kind, &err), *attempt = get(d, k_attempt, &err);
+        PyObject *index = get(d, k_index, &err), *coords = get(d, k_coords, &err);
+        PyObject *device = get(d, k_device, &err);
+        if (err) {
+            Py_DECREF(d);
+            return NULL;
+        }
+        if (kind == NULL || !PyUnicode_CheckExact(kind) ||
+            PyUnicode_Compare(kind, k_per_device) != 0 || attempt != NULL || index != NULL ||
+            coords == NULL || !PyDict_CheckExact(coords) || PyDict_GET_SIZE(coords) != 1 ||
+            device == NULL) {
+            Py_DECREF(d);
+            break;
+        }
+        Py_ssize_t at = 0;
+        PyObject *axis, *c;
+        PyDict_Next(coords, &at, &axis, &c);
+        if (!PyLong_CheckExact(c)) {
+            Py_DECREF(d);
+            break;
+        }
+        int clean = clean_record(d, not_clean);
+        if (clean <= 0) {
+            Py_DECREF(d);
+            if (clean < 0) {
+                return NULL;
+            }
+            break;
+        }
+        /* duplicate_parts(d): (("per_device", run, name, pass, index,
+           attempt, device, coords_key), step), coords_key ((axis, c),). */
+        PyObject *run = get(d, k_run, &err), *name = get(d, k_name, &err);
+        PyObject *pass = get(d, k_pass, &err), *step = get(d, k_step, &err);
+        if (err) {
+            Py_DECREF(d);
+            return NULL;
+        }
+        PyObject *item = PyTuple_Pack(2, axis, c);
+        PyObject *ckey = item == NULL ? NULL : PyTuple_Pack(1, item);
+        Py_XDECREF(item);
+        PyObject *group =
+            ckey == NULL ? NULL
+                         : PyTuple_Pack(8, k_per_device, run ? run : Py_None,
+                                        name ? name : Py_None, pass ? pass : k_forward, Py_None,
+                                        zero, device, ckey);
+        Py_XDECREF(ckey);
+        if (group == NULL) {
+            Py_DECREF(d);
+            return NULL;
+        }
+        PyObject *steps = PyDict_GetItemWithError(groups, group);
+        int dup = 0;
+        if (steps == NULL && !PyErr_Occurred()) {
+            PyObject *fresh = PyDict_New();
+            int bad = fresh == NULL || PyDict_SetItem(groups, group, fresh) < 0;
+            Py_XDECREF(fresh);
+            steps = bad ? NULL : PyDict_GetItemWithError(groups, group);
+        }
+        else if (steps != NULL && !PyDict_CheckExact(steps)) {
+            dup = 1; /* not FirstCopies' own form: leave it to the Python loop */
+        }
+        if (steps == NULL) {
+            Py_DECREF(group);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_INCREF(steps);
+        Py_DECREF(group);
+        PyObject *line = NULL;
+        if (!dup) {
+            int has = step == NULL ? -1 : PyDict_Contains(steps, step);
+            if (has < 0) {
+                if (step == NULL) {
+                    PyErr_SetString(PyExc_TypeError, "validate_run: a record without step");
+                }
+                Py_DECREF(steps);
+                Py_DECREF(d);
+                return NULL;
+            }
+            dup = has;
+        }
+        if (!dup) {
+            line = PyLong_FromSsize_t(first_line + k);
+            if (line == NULL || PyDict_SetItem(steps, step, line) < 0) {
+                Py_XDECREF(line);
+                Py_DECREF(steps);
+                Py_DECREF(d);
+                return NULL;
+            }
+            Py_DECREF(line);
+        }
+        Py_DECREF(steps);
+        Py_DECREF(d);
+        if (dup) {
+            break; /* a copy: the Python loop reports it */
+        }
+        taken++;
+    }
+    return Py_BuildValue("(nn)", k, taken);
 }
 
 static PyMethodDef methods[] = {
@@ -1056,6 +1199,7 @@ static PyMethodDef methods[] = {
     {"merge_round", merge_round, METH_VARARGS, NULL},
     {"per_device_run", per_device_run, METH_VARARGS, NULL},
     {"scalar_clean", scalar_clean, METH_VARARGS, NULL},
+    {"validate_run", validate_run, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

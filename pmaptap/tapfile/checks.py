@@ -378,9 +378,21 @@ def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
     # schema_problems' fast path in C (_speedups.c scalar_clean): True only
     # where it finds nothing; anything else is checked here.
     clean = SPEEDUPS.scalar_clean if SPEEDUPS is not None else None
+    # Runs of the simplest per-device records in C (_speedups.c
+    # validate_run: this loop's steps for them), when no attempt is known.
+    run_c = SPEEDUPS.validate_run if SPEEDUPS is not None and superseded is None else None
+    groups = firsts._keys
     for first_line, batch, bad in iter_batches(path):
         lines = first_line + len(batch) - 1
-        for lineno, d in enumerate(batch, first_line):
+        k, n = 0, len(batch)
+        while k < n:
+            if run_c is not None:
+                k, took = run_c(batch, k, first_line, groups, NOT_CLEAN)
+                records += took
+                if k >= n:
+                    break
+            d, lineno = batch[k], first_line + k
+            k += 1
             if d is None:
                 problems.append((lineno, bad.get(lineno) or "invalid"))
                 continue

@@ -556,7 +556,7 @@ def test_sharded_runs_read_the_same_with_both_loops(c_module, tmp_path, capsys, 
         kept += kinds["dict"]
         bad += kinds["NoneType"]
     assert calls["plain_records"] and calls["time_keys"] and calls["merge_round"] > 500, calls
-    assert calls["per_device_run"] and calls["scalar_clean"], calls
+    assert calls["per_device_run"] and calls["scalar_clean"] and calls["validate_run"], calls
     assert kept > 1000 and bad > 50, (kept, bad)
 
 
