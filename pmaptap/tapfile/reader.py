@@ -61,23 +61,29 @@ def read(
     store = None
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
+    reps: list[dict] = []  # the replicated records of out: only they can be divergent
     with collector_paused():
         for first, records, problems in iter_batches(path):
             if flt is None and not problems and None not in records:
                 # The common batch, in one loop with no call per record it
                 # can spare: every line a record, none filtered out.
                 for d in records:
-                    if d.get("kind") == "replicated" and d.get("vhash"):
+                    replicated = d.get("kind") == "replicated"
+                    if replicated and d.get("vhash"):
                         index.add(d)
                     if "attempt" in d:
                         later.add(d)
                     if "bytes" in d:
                         store = store or ByteStore(path)
                         r = decode_record(d)
-                        if _load_stored(r, d, store, first, bad):
-                            out.append(r)
+                        if not _load_stored(r, d, store, first, bad):
+                            first += 1
+                            continue
                     else:
-                        out.append(decode_owned(d))
+                        r = decode_owned(d)
+                    out.append(r)
+                    if replicated:
+                        reps.append(r)
                     first += 1
                 continue
             for lineno, d in enumerate(records, first):
@@ -102,7 +108,9 @@ def read(
                     if not _load_stored(r, d, store, lineno, bad):
                         continue
                 out.append(r)
-    mark_divergent(out, index)
+                if r.get("kind") == "replicated":
+                    reps.append(r)
+    mark_divergent(reps, index)
     if attempts == "all":
         for r in out:
             r.setdefault("attempt", 0)
