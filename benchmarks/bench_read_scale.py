@@ -344,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
             {k: bare if "sharded" in k else bare1 for k in measured},
             rounds,
         )
-        for what, got in (("wall", ratios), ("CPU (user + system)", cpu)):
+        for what, got in (("wall time", ratios), ("CPU time, user + system", cpu)):
             print(
-                f"m. {what} time ratios to the bare loop over the same files, paired "
+                f"m. ratios to the bare loop over the same files ({what}), paired "
                 "rounds, median (range) (target <= 3x): "
                 + ", ".join(
                     f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
