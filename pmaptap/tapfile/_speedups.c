@@ -12,7 +12,8 @@
      path would take it (short, at most max_depth opening brackets, orjson
      takes it, a plainly valid record); every other line is left to
      parse_line, the definition, by the caller.
-   - first_not_plain: format.first_not_plain.
+   - first_not_plain: format.first_not_plain (plain() on its own, for the
+     tests that hold it to the Python check).
    - time_keys: the merge key loop of runs._Source.extend (and, with the
      pieces' lines, set_aside: a likely copy held as its line).
    - merge_round: a round of runs._merge (its sort, and the loop that keeps

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from pmaptap.tapfile import format as _format
 from pmaptap.tapfile.speedups import SPEEDUPS
@@ -224,30 +224,13 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
                 MAX_LINE_BYTES,
                 _format.id_ranges,
             )
-            problems = {}
-            for i in slow:
-                d, problem = parse_line(lines[i])
-                records[i] = d
-                if problem is not None:
-                    problems[i] = problem
-            return records, problems
+            return _by_definition(lines, records, slow)
         records = load_lines(lines, joined)
         if records is None:
             return _one_by_one(lines)
-        n = len(records)
-        i = _format.first_not_plain(records)
-        if i == n:
-            return records, {}
-        # Some record is odd (or not a record): the plain ones stand, the
-        # rest get parse_line's full path and its exact reason.
-        problems: dict[int, str] = {}
-        while i < n:
-            d, problem = parse_line(lines[i])
-            records[i] = d
-            if problem is not None:
-                problems[i] = problem
-            i = _format.first_not_plain(records, i + 1)
-        return records, problems
+        # The plain records stand; the rest get parse_line's full path and
+        # its exact reason.
+        return _by_definition(lines, records, _not_plain(records))
     except Exception:  # noqa: BLE001 - the contract: no line raises
         return _one_by_one(lines)
 
@@ -274,14 +257,29 @@ def load_lines(lines: list[bytes], joined: bytes | None = None) -> list | None:
 
 
 def _one_by_one(lines: list[bytes]) -> Parsed:
-    records: list[dict | None] = []
+    return _by_definition(lines, [None] * len(lines), range(len(lines)))
+
+
+def _by_definition(lines: list[bytes], records: list, at: Iterable[int]) -> Parsed:
+    """``records`` with the line of each index of ``at`` given parse_line's
+    answer, the definition; (records, problems by index)."""
     problems: dict[int, str] = {}
-    for i, raw in enumerate(lines):
-        d, problem = parse_line(raw)
-        records.append(d)
+    for i in at:
+        d, problem = parse_line(lines[i])
+        records[i] = d
         if problem is not None:
             problems[i] = problem
     return records, problems
+
+
+def _not_plain(records: list) -> Iterator[int]:
+    """The index of each item of ``records`` that format.first_not_plain
+    does not take, found as the caller goes (it replaces each as it goes)."""
+    n = len(records)
+    i = _format.first_not_plain(records)
+    while i < n:
+        yield i
+        i = _format.first_not_plain(records, i + 1)
 
 
 def _max_openers(joined: bytes) -> int:
