@@ -254,8 +254,9 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
         env = dict(os.environ, **s3_env)
         local = os.path.join(tmp, "os-local.jsonl")
         url = "s3://taps/run"
-        # Each process writes its run through real Writers: several chunks a
-        # process on the store, one shard on disk.
+        # Each process writes its run through real Writers: five chunks a
+        # process on the store, rolled up into one object at close
+        # (tapfile/store.py), and one shard on disk.
         write = (
             "import sys, s3fs, pmaptap\n"
             "local, url = sys.argv[1:3]\n"

@@ -47,11 +47,11 @@ PROG = "pmaptap"
 
 
 def _check_file(path: str) -> None:
-    from pmaptap.tapfile import runs
+    from pmaptap.tapfile import runs, store
 
     if runs.is_url(path):
         try:
-            runs.chunks(path)  # a missing bucket or prefix: as a missing file
+            store.objects(path)  # a missing bucket or prefix: as a missing file
         except FileNotFoundError as e:
             raise CliError(e.strerror) from None
         return
@@ -67,10 +67,10 @@ def _check_followed(path: str, command: str) -> None:
     """``_check_file`` for a command that follows the run (``-f``): a run
     that does not exist yet (no file, no ``path.d/``, no chunks) is waited
     for, in whichever layout it appears (tapfile/follow.py)."""
-    from pmaptap.tapfile import runs
+    from pmaptap.tapfile import runs, store
 
     if runs.is_url(path):
-        missing = not runs.chunks(path, missing_ok=True)
+        missing = not store.objects(path, missing_ok=True)
     else:
         missing = not (os.path.exists(path) or runs.is_sharded(path))
     if missing:

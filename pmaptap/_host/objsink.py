@@ -9,8 +9,13 @@ object ``<url>.d/p<process>-<writer id>-<seq>.jsonl``. A process killed
 mid-run leaves the chunks it committed, whole; the upload in flight never
 appears; there is no lock or marker to clean up. The writer id (start time
 and a random token) keeps a restarted process from overwriting its earlier
-chunks, and sorts after them. Readers list ``<url>.d/`` and merge
-(``pmaptap/tapfile/runs.py``). Endpoint and credentials come from the
+chunks, and sorts after them. Every ``ROLLUP_CHUNKS`` chunks, and at
+close, the writer puts one object of the chunks since the last (a rollup,
+their bytes joined; ``pmaptap/tapfile/store.py`` has the names and what
+readers do) and then deletes those chunks: a finished writer leaves a few
+objects, not one per batch, and a failure at either step loses nothing (the
+chunks stay; readers skip chunks a listed rollup covers). Readers list
+``<url>.d/`` and merge (``pmaptap/tapfile/runs.py``). Endpoint and credentials come from the
 client's own standard environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ... for s3fs; gcsfs's for ``gs://``).
 """
@@ -18,20 +23,36 @@ client's own standard environment (``AWS_ENDPOINT_URL``,
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from typing import Sequence
 
 from pmaptap._host.blobs import object_blob
 from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.sink import FileSink, Sink
+from pmaptap._log import log
 from pmaptap.errors import TapPathError
-from pmaptap.tapfile import runs
+from pmaptap.tapfile import runs, store
 from pmaptap.tapfile.arrays import BYTES_SUFFIX
 from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.rawarray import RawArray
 
 # Seconds the writer thread gathers records into one chunk (one PUT).
 OBJECT_COMMIT_INTERVAL = 2.0
+
+
+_last_ms = 0
+_ms_lock = threading.Lock()
+
+
+def _start_ms() -> int:
+    """The writer id's time: later than any earlier writer of this process
+    (two opened within a millisecond would sort by their random token, and
+    a follower listing after the first one's objects would miss the second's)."""
+    global _last_ms
+    with _ms_lock:
+        _last_ms = max(int(time.time() * 1000), _last_ms + 1)
+        return _last_ms
 
 
 class ObjectSink(Sink):
@@ -42,15 +63,23 @@ class ObjectSink(Sink):
             process = jax.process_index()
         self.process = int(process)
         self.path = url
-        self.fs, self.prefix = runs.url_fs(url)
+        self.fs, self.prefix = store.url_fs(url)
         self.directory = self.prefix + runs.SHARD_SUFFIX
         # Stored values (tapfile/arrays.py): objects under <prefix>.bytes/,
         # named in lines relative to the prefix's parent.
         self.bytes_prefix = self.prefix + BYTES_SUFFIX
         self.bytes_rel = self.prefix.rsplit("/", 1)[-1] + BYTES_SUFFIX
         self.blob_bytes_written = 0
-        self.writer_id = f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
+        self.writer_id = f"{_start_ms():013d}-{secrets.token_hex(3)}"
         self.seq = 0
+        # The chunks put since the last rollup (their bytes, from seq
+        # window_first, starting at window_start of this writer's stream).
+        self._window: list[bytes] = []
+        self._window_bytes = 0
+        self._window_first = 0
+        self._window_start = 0
+        self._stream_bytes = 0
+        self.rollups = 0
         self.lines_written = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -71,9 +100,47 @@ class ObjectSink(Sink):
     _encode = FileSink._encode
 
     def _put(self, data: bytes) -> None:
-        name = f"{self.directory}/p{self.process:05d}-{self.writer_id}-{self.seq:09d}.jsonl"
+        name = store.chunk_name(self.directory, self.process, self.writer_id, self.seq)
         self.fs.pipe_file(name, data)
+        if not self._window:
+            self._window_first, self._window_start = self.seq, self._stream_bytes
+        self._window.append(data)
+        self._window_bytes += len(data)
+        self._stream_bytes += len(data)
         self.seq += 1
+        if len(self._window) >= store.ROLLUP_CHUNKS or self._window_bytes >= store.ROLLUP_BYTES:
+            self._roll_up()
+
+    def _roll_up(self) -> None:
+        """Put the window's chunks as one object, then delete them. Only
+        an optimization: on any failure the chunks stay (readers skip those
+        a listed rollup covers), so nothing is lost or read twice."""
+        window, first = self._window, self._window_first
+        self._window, self._window_bytes = [], 0
+        if sum(1 for d in window if d) < 2:
+            return  # one object already (an empty chunk costs no fetch)
+        last = first + len(window) - 1
+        name = store.rollup_name(
+            self.directory, self.process, self.writer_id, first, last, self._window_start
+        )
+        try:
+            self.fs.pipe_file(name, b"".join(window))
+        except Exception as e:  # noqa: BLE001 - any client error; the chunks stay
+            log.warning("pmaptap: could not roll up chunks %d-%d into %s: %s", first, last, name, e)
+            return
+        self.rollups += 1
+        try:
+            self.fs.rm(
+                [
+                    store.chunk_name(self.directory, self.process, self.writer_id, s)
+                    for s in range(first, last + 1)
+                ]
+            )
+        except Exception as e:  # noqa: BLE001 - readers skip chunks the rollup covers
+            log.warning("pmaptap: could not delete chunks %d-%d after %s: %s", first, last, name, e)
+
+    def close(self) -> None:
+        self._roll_up()
 
     def _store_raws(self, raws: Sequence[RawArray]) -> None:
         """The batch's stored values as ONE new object

@@ -29,6 +29,7 @@ _SUBMODULES = frozenset(
         "reader",
         "runs",
         "speedups",
+        "store",
         "stream",
         "summary",
         "summary_batch",

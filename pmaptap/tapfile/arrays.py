@@ -256,7 +256,7 @@ class ByteStore:
             try:
                 if self.url:
                     if self._fs is None:
-                        from pmaptap.tapfile.runs import url_fs
+                        from pmaptap.tapfile.store import url_fs
 
                         self._fs = url_fs(self.root)[0]
                     self._sizes[where] = int(self._fs.size(where))
@@ -293,7 +293,7 @@ class ByteStore:
         start, end = ref["offset"], ref["offset"] + ref["nbytes"]
         if self.url:
             if self._fs is None:
-                from pmaptap.tapfile.runs import url_fs
+                from pmaptap.tapfile.store import url_fs
 
                 self._fs = url_fs(self.root)[0]
             try:

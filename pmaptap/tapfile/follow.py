@@ -227,9 +227,8 @@ class RunFollower:
         self.path = os.fspath(path)
         self._files: dict[str, LineFollower] = {}
         self._first: dict[tuple, Any] = {}
-        self._chunks: set[str] = set()  # object store: chunks read
+        self._cursors: dict[int, Any] = {}  # object store: store.Cursor per process
         self._lines: dict[int, int] = {}  # object store: lines per process
-        self._last: dict[int, str] = {}  # object store: last chunk per process
         self._relist_at = 0.0
         self._pool: Any = None
         self._dir_key: Any = ()  # local: (inode, mtime) of path.d when listed
@@ -302,39 +301,31 @@ class RunFollower:
 
     def _first_poll_store(self) -> Iterator[tuple[int, bytes]]:
         """The run so far on an object store, merged as local shards are
-        (``_first_poll``): one chunk of each process held at a time, and its
-        next chunk fetched (by a pool of FETCH_THREADS) while it is merged."""
+        (``_first_poll``): one object of each process held at a time, and its
+        next object fetched (by a pool of FETCH_THREADS) while it is merged."""
         import heapq
 
-        from pmaptap.tapfile import runs
-
-        fs, _ = runs.url_fs(self.path)
-        found = sorted(self._list_chunks().items())
-        pool = self._fetch_pool()
+        found = sorted(self._list_objects().items())
         streams = [
-            self._stream(i, self._chunk_lines(fs, pool, proc, names))
-            for i, (proc, names) in enumerate(found)
+            self._stream(i, self._object_lines(self._reader(proc, objs)))
+            for i, (proc, objs) in enumerate(found)
         ]
         yield from self._merged(heapq.merge(*streams))
 
-    def _chunk_lines(self, fs, pool, proc: int, names: list[str]) -> Iterator[tuple[int, bytes]]:
-        """(line number, bytes) of a process's chunks in order, the next
-        chunk fetched while this one is read. The first chunk is asked for
-        now, not when the merge first pulls (which would be one process
-        after another)."""
-        fut = pool.submit(fs.cat_file, names[0]) if names else None
-        return self._chunk_lines_from(fs, pool, proc, names, fut)
+    def _reader(self, proc: int, objs: list):
+        """A store.Reader of what this follower has not read of ``objs``
+        (``proc``'s listing); its first object is asked for now, not when
+        the merge first pulls (which would be one process after another)."""
+        from pmaptap.tapfile import store
 
-    def _chunk_lines_from(
-        self, fs, pool, proc: int, names: list[str], fut
-    ) -> Iterator[tuple[int, bytes]]:
-        for k, name in enumerate(names):
-            data = fut.result()
-            fut = pool.submit(fs.cat_file, names[k + 1]) if k + 1 < len(names) else None
-            self._chunks.add(name)
-            if name > self._last.get(proc, ""):
-                self._last[proc] = name
-            for raw in data.split(b"\n"):
+        fs, _ = store.url_fs(self.path)
+        cursor = self._cursors.setdefault(proc, store.Cursor())
+        return store.Reader(self.path, fs, proc, objs, cursor, self._fetch_pool())
+
+    def _object_lines(self, reader) -> Iterator[tuple[int, bytes]]:
+        proc = reader.process
+        while (got := reader.next()) is not None:
+            for raw in got[1].split(b"\n"):
                 if raw:
                     n = self._lines[proc] = self._lines.get(proc, 0) + 1
                     yield n, raw
@@ -371,18 +362,10 @@ class RunFollower:
         from pmaptap.tapfile import runs
 
         if runs.is_url(self.path):
-            fs, _ = runs.url_fs(self.path)
-            for proc, names in sorted(self._list_chunks().items()):
-                for name in names:
-                    if name in self._chunks:
-                        continue
-                    self._chunks.add(name)
-                    if name > self._last.get(proc, ""):
-                        self._last[proc] = name
-                    for raw in fs.cat_file(name).split(b"\n"):
-                        if raw:
-                            self._lines[proc] = self._lines.get(proc, 0) + 1
-                            yield proc, self._lines[proc], raw
+            readers = [self._reader(p, objs) for p, objs in sorted(self._list_objects().items())]
+            for r in readers:
+                for n, raw in self._object_lines(r):
+                    yield r.process, n, raw
             return
         for f in self._local_sources():
             if f not in self._files:
@@ -415,22 +398,23 @@ class RunFollower:
             return [base]
         return []
 
-    def _list_chunks(self) -> dict[int, list[str]]:
-        """The chunks to look at this poll. Every chunk name sorts after
-        the earlier ones of its process (runs.chunks), so once a process is
-        known a listing that starts after its last chunk finds its new ones
-        (runs.chunks_after, concurrently); the whole prefix is listed at
-        the first poll and then every RELIST_S seconds, to find processes
-        that started since."""
-        from pmaptap.tapfile import runs
+    def _list_objects(self) -> dict:
+        """process -> its objects to look at this poll (store.objects).
+        Every object name sorts after the earlier ones of its process, so
+        once a process is known a listing that starts after the last object
+        read finds its new ones (store.objects_after, concurrently); the
+        whole prefix is listed at the first poll and then every RELIST_S
+        seconds, to find processes that started since."""
+        from pmaptap.tapfile import store
 
         now = time.monotonic()
-        if self._last and now < self._relist_at:
-            found = runs.chunks_after(self.path, dict(self._last), self._fetch_pool())
+        last = {p: c.last for p, c in self._cursors.items() if c.last}
+        if last and now < self._relist_at:
+            found = store.objects_after(self.path, last, self._fetch_pool())
             if found is not None:
                 return found
         self._relist_at = now + RELIST_S
-        return runs.chunks(self.path, missing_ok=True)
+        return store.objects(self.path, missing_ok=True)
 
     @property
     def restarted(self) -> int:
@@ -439,7 +423,9 @@ class RunFollower:
 
     @property
     def exists(self) -> bool:
-        return bool(self._chunks) or any(lf.exists for lf in self._files.values())
+        return any(c.last for c in self._cursors.values()) or any(
+            lf.exists for lf in self._files.values()
+        )
 
     @property
     def pending(self) -> bytes:

@@ -20,15 +20,19 @@ process stays and is marked divergent by the usual reconciliation.
 from __future__ import annotations
 
 import bisect
-import errno
 import heapq
 import os
 import re
 from typing import Callable, Iterator
 
 from pmaptap.tapfile import format as _format
+from pmaptap.tapfile import store
 from pmaptap.tapfile.format import record_key
 from pmaptap.tapfile.speedups import SPEEDUPS
+
+# The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
+# objects) and a URL's client live in store.py, which imports nothing here.
+from pmaptap.tapfile.store import SHARD_SUFFIX, url_fs  # noqa: F401
 
 __all__ = [
     "SHARD_SUFFIX",
@@ -40,8 +44,6 @@ __all__ = [
     "iter_merged",
     "MERGE_BYTES",
 ]
-
-SHARD_SUFFIX = ".d"
 
 # How a run is stored (Session(layout=...), Writer(layout=...)): one shared
 # file, or one file per process under <path>.d/; "auto" picks by job size.
@@ -136,91 +138,6 @@ def owner(key: tuple, processes: "tuple | list") -> int:
 def is_url(path: str | os.PathLike) -> bool:
     """An object-store run (``s3://``, ``gs://``, ``memory://``...)."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
-
-
-def url_fs(url: str):
-    """(fsspec filesystem, path inside it) for ``url``; fsspec and the
-    store's client (s3fs, gcsfs) are optional dependencies."""
-    try:
-        import fsspec
-    except ImportError:
-        raise ImportError(
-            f"{url!r}: object stores need fsspec and the store's "
-            "client: pip install 'pmaptap[s3]' (or [gcs])"
-        ) from None
-    return fsspec.core.url_to_fs(url)
-
-
-_CHUNK_NAME = re.compile(r"p(\d+)-[0-9]+-[0-9a-f]+-[0-9]+\.jsonl\Z")
-
-
-def chunks(url: str, *, missing_ok: bool = False, empty: bool = True) -> dict[int, list[str]]:
-    """process -> its committed chunks in write order (names sort by writer
-    start time, then sequence number).
-
-    A run with no chunk at all (no such bucket, no such prefix) raises
-    ``FileNotFoundError`` naming the URL and the store's own reason, as a
-    missing local file does: every writer puts an empty chunk there when it
-    opens, so a run that was ever opened has one. ``missing_ok`` (a follower
-    waiting for the run to start) returns ``{}`` instead. ``empty=False``
-    leaves out empty chunks (those writers put at open: nothing to fetch;
-    the run still exists)."""
-    fs, prefix = url_fs(url)
-    where = prefix + SHARD_SUFFIX
-    try:
-        entries = fs.ls(where, detail=True, refresh=True)
-        why = "no chunks there"
-    except FileNotFoundError as e:
-        entries, why = [], str(e) or "not found"
-    out: dict[int, list[str]] = {}
-    found = False
-    for e in sorted(entries, key=lambda e: e["name"]):
-        n = e["name"]
-        m = _CHUNK_NAME.match(n.rsplit("/", 1)[-1])
-        if m:
-            found = True
-            if empty or e.get("size") != 0:
-                out.setdefault(int(m.group(1)), []).append(n)
-    if not found and not missing_ok:
-        raise FileNotFoundError(
-            errno.ENOENT, f"no such run: {url} (nothing under {url}{SHARD_SUFFIX}/: {why})"
-        )
-    return out
-
-
-def chunks_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[str]] | None":
-    """process -> its chunks named after ``last[process]`` (a chunk name as
-    ``chunks`` gives it), for the processes in ``last`` only: one small
-    listing per process with a start-after marker, so a follower's poll
-    costs the same at the first minute and the tenth hour of a run, instead
-    of a listing of every chunk so far. None where the store's client has no
-    such listing (then ``chunks`` lists everything). ``pool``: an executor
-    that runs the listings concurrently."""
-    fs, prefix = url_fs(url)
-    call = getattr(fs, "call_s3", None)
-    if call is None or not hasattr(fs, "split_path"):
-        return None
-    bucket, key, _ = fs.split_path(prefix + SHARD_SUFFIX)
-
-    def listing(item: tuple[int, str]) -> tuple[int, list[str]]:
-        proc, after = item
-        kw = {
-            "Bucket": bucket,
-            "Prefix": f"{key}/p{proc:05d}-",
-            "StartAfter": after.split("/", 1)[1] if after.startswith(bucket + "/") else after,
-        }
-        names: list[str] = []
-        while True:
-            out = call("list_objects_v2", **kw)
-            names.extend(f"{bucket}/{o['Key']}" for o in out.get("Contents", ()))
-            if not out.get("IsTruncated"):
-                break
-            kw["ContinuationToken"] = out["NextContinuationToken"]
-        return proc, [n for n in sorted(names) if _CHUNK_NAME.match(n.rsplit("/", 1)[-1])]
-
-    items = sorted(last.items())
-    found = pool.map(listing, items) if pool is not None else map(listing, items)
-    return {proc: names for proc, names in found if names}
 
 
 # What the merge of a sharded run holds, all sources together. Each source
@@ -387,39 +304,29 @@ class _FileSource(_Source):
 
 
 class _ChunkSource(_Source):
-    """A process's chunks on an object store, in order; the next chunk is
-    fetched (by the merge's thread pool) while this one is merged. A chunk
-    is whole (objects are written at once), so every line ends with a
-    newline."""
+    """A process's objects on an object store, in order (``store.Reader``:
+    the next fetched by the merge's thread pool while this one is merged,
+    a chunk rolled up since the listing read from its rollup). An object is
+    whole (written at once), so every line ends with a newline."""
 
-    def __init__(self, fs, names: list[str], pool, size: int) -> None:
+    def __init__(self, reader, size: int) -> None:
         super().__init__()
-        self.fs, self.pool, self.size = fs, pool, size
-        self.todo = list(reversed(names))
+        self.reader, self.size = reader, size
         self.data = b""
         self.off = 0
-        self.fut = None
-        self._fetch()
-
-    def _fetch(self) -> None:
-        if self.todo:
-            name = self.todo.pop()
-            self.fut = (name, self.pool.submit(self.fs.cat_file, name))
-        else:
-            self.fut = None
 
     def piece(self) -> "tuple[list, dict, list | None] | None":
         from pmaptap.tapfile.parse import parse_lines
 
         data = self.data
         while self.off >= len(data):
-            if self.fut is None:
+            got = self.reader.next()
+            if got is None:
                 return None
-            name, fut = self.fut
-            self.data = data = fut.result()
-            self.name = name.rsplit("/", 1)[-1]
+            o, self.data = got
+            data = self.data
+            self.name = o.name.rsplit("/", 1)[-1]
             self.off = 0
-            self._fetch()
         lines, block, self.off = _cut(data, self.off, self.size)
         return (*parse_lines(lines, block), lines)
 
@@ -427,14 +334,18 @@ class _ChunkSource(_Source):
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
     """One source per shard (and the shared file), or per process's chunks."""
     if is_url(path):
-        fs, _ = url_fs(os.fspath(path))
-        found = sorted(chunks(path, empty=False).items())
-        size = _piece_bytes(len(found))
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
+        url = os.fspath(path)
+        fs, _ = url_fs(url)
+        found = sorted(store.objects(url).items())
+        size = _piece_bytes(len(found))
         pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
         pool_box.append(pool)
-        return [_ChunkSource(fs, names, pool, size) for _, names in found]
+        return [
+            _ChunkSource(store.Reader(url, fs, proc, objs, store.Cursor(), pool), size)
+            for proc, objs in found
+        ]
     files = sources(path)
     size = _piece_bytes(len(files))
     n = max(len(files), 1)

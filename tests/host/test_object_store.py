@@ -68,7 +68,9 @@ def test_writers_write_chunks_that_read_and_the_cli_merge(s3, tmp_path):
             w.flush()  # a second chunk
             w.write("loss", STEPS, 9.0 if p == 2 else 1.0)
     names = s3fs.S3FileSystem().ls("taps/side/run.d", refresh=True)
-    assert len(names) == 3 * 3  # an empty first chunk (the check at open) + 2
+    # An empty first chunk (the check at open) + 2, rolled up into one
+    # object at close (tapfile/store.py), the chunks deleted.
+    assert [n.rsplit("-", 1)[-1] for n in sorted(names)] == ["000000002.r000000000.b0.jsonl"] * 3
     recs = pmaptap.read(url)
     loss = [r for r in recs if r["name"] == "loss"]
     assert sorted((r["step"], r["value"]) for r in loss) == [(s, 0.5 * s) for s in range(STEPS)] + [
@@ -211,6 +213,7 @@ def test_stored_array_values_are_objects_put_before_their_chunk(s3):
     from jax.sharding import PartitionSpec as P
 
     import pmaptap
+    from pmaptap.tapfile import store
 
     url = "s3://taps/arrays/run"
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
@@ -230,12 +233,12 @@ def test_stored_array_values_are_objects_put_before_their_chunk(s3):
             s.flush()  # a chunk (and its bytes object) per step
     fs = s3fs.S3FileSystem()
     blobs = fs.ls("taps/arrays/run.bytes", refresh=True)
-    chunks = [n for n in fs.ls("taps/arrays/run.d", refresh=True) if fs.size(n)]
+    [rolled] = [store.parse_name(n, 0) for n in fs.ls("taps/arrays/run.d", refresh=True)]
     assert len(blobs) == 2 and all(n.endswith(".bin") for n in blobs), blobs
-    # Each object of bytes is named after the chunk that points at it.
-    assert sorted(n.rsplit("/", 1)[1][:-4] for n in blobs) == sorted(
-        n.rsplit("/", 1)[1][: -len(".jsonl")] for n in chunks
-    )
+    # Each object of bytes is named after the chunk whose lines point at it
+    # (the chunks are rolled up into one object at close).
+    seqs = sorted(int(n[: -len(".bin")].rsplit("-", 1)[1]) for n in blobs)
+    assert rolled.rollup and seqs == list(range(rolled.first + 1, rolled.last + 1)), (seqs, rolled)
     for i, y in enumerate(ys):
         assert np.array_equal(pmaptap.assemble(url, "act", i), y)
     recs = pmaptap.read(url, name="act")
@@ -291,13 +294,13 @@ def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
     import json
 
     import pmaptap
-    from pmaptap.tapfile import follow, runs
+    from pmaptap.tapfile import follow, store
 
     full, after = [], []
-    chunks, chunks_after = runs.chunks, runs.chunks_after
-    monkeypatch.setattr(runs, "chunks", lambda *a, **k: full.append(1) or chunks(*a, **k))
+    objects, objects_after = store.objects, store.objects_after
+    monkeypatch.setattr(store, "objects", lambda *a, **k: full.append(1) or objects(*a, **k))
     monkeypatch.setattr(
-        runs, "chunks_after", lambda *a, **k: after.append(1) or chunks_after(*a, **k)
+        store, "objects_after", lambda *a, **k: after.append(1) or objects_after(*a, **k)
     )
     url = "s3://taps/follow/run"
     writers = [pmaptap.Writer(url, run="r", process=p) for p in range(2)]
@@ -336,7 +339,7 @@ def test_a_store_followers_first_poll_is_the_run_in_read_order(s3, monkeypatch):
     import json
 
     import pmaptap
-    from pmaptap.tapfile import follow, runs
+    from pmaptap.tapfile import follow, store
 
     url = "s3://taps/first-poll/run"
     writers = [pmaptap.Writer(url, run="r", process=p) for p in range(3)]
@@ -344,20 +347,18 @@ def test_a_store_followers_first_poll_is_the_run_in_read_order(s3, monkeypatch):
         for w in writers:
             w.write("loss", step, 1.0 / (step + 1))  # every process: one copy kept
             w.write("x", step, float(step + w.process), kind="per_device", device=w.process)
-            w.flush()  # a chunk a step
-    for w in writers:
-        w.close()
+            w.flush()  # a chunk a step (the writers stay open: no rollup yet)
     fetched = []
-    fs, _ = runs.url_fs(url)
+    fs, _ = store.url_fs(url)
     cat = fs.cat_file  # the follower's instance: fsspec caches it per store
     monkeypatch.setattr(fs, "cat_file", lambda p, *a, **k: fetched.append(p) or cat(p, *a, **k))
 
     f = follow.RunFollower(url)
     lines = f.poll()
     got = [json.loads(next(lines)[1])]
-    # Before the first line: each process's first chunks (the empty one a
-    # Writer puts at open, the first with records) and the next one being
-    # fetched, not the run (before: every chunk fetched and held).
+    # Before the first line: each process's first chunk with records and
+    # the next one being fetched (the empty one a Writer puts at open costs
+    # no request), not the run (before: every chunk fetched and held).
     early = len(fetched)
     got += [json.loads(raw) for _, raw in lines]
     f.close()
@@ -366,9 +367,12 @@ def test_a_store_followers_first_poll_is_the_run_in_read_order(s3, monkeypatch):
     key = ("name", "step", "process", "time")
     assert [tuple(d[k] for k in key) for d in got] == [tuple(r[k] for k in key) for r in want]
     assert sum(d["name"] == "loss" for d in got) == 6
-    assert early <= 3 * 3 < 2 * 3 * 3 <= len(fetched), (early, fetched)
-    # Every chunk once, none twice.
-    assert len(fetched) == len(set(fetched)) == sum(map(len, runs.chunks(url).values()))
+    assert early <= 2 * 3 < 6 * 3 == len(fetched), (early, fetched)
+    # Every chunk with records once, none twice.
+    listed = [o for objs in store.objects(url).values() for o in objs if o.size]
+    assert len(fetched) == len(set(fetched)) == len(listed)
+    for w in writers:
+        w.close()
 
 
 def test_process0_forwards_every_replicated_step_on_an_object_store(s3, tmp_path):
@@ -404,3 +408,47 @@ def test_process0_forwards_every_replicated_step_on_an_object_store(s3, tmp_path
     assert {r["process"] for r in file_loss} == {0, 1}, "the owner rule gave one process all"
     for p, d in enumerate(per):
         assert {r["process"] for r in d["calls"] if r["name"] == "x"} == {p}
+
+
+def test_a_store_follower_and_reader_across_rollups_on_s3(s3, monkeypatch):
+    """On S3 (start-after listings, range requests): a follower polling
+    while a writer rolls its chunks up every 8 (and deletes them) gets
+    every line once; a reader whose chunks are rolled up under it reads the
+    rest from the rollup; a finished writer leaves one object per 8 chunks,
+    each fetched once by read()."""
+    import pmaptap
+    from pmaptap.tapfile import follow, runs, store
+
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 8)
+    url = "s3://taps/rollups/run"
+    f = follow.RunFollower(url)
+    got = []
+    w = pmaptap.Writer(url, run="r", process=0)
+    for s in range(30):
+        w.write("x", s, float(s), kind="per_device", device=0)
+        w.flush()  # chunks 1-30 after the empty one: rollups at 7, 15, 23
+        if s % 3 == 0:
+            got += [json.loads(raw)["step"] for _, raw in f.poll()]
+    fs, _ = store.url_fs(url)
+    cat = fs.cat_file
+    fetched = []
+
+    def cat_then_close(path, *a, **k):
+        fetched.append((path.rsplit("-", 1)[-1], k.get("start")))
+        data = cat(path, *a, **k)
+        if len(fetched) == 5:  # rollups 0-7, 8-15, 16-23, then chunks 24, 25
+            w.close()  # rolls up chunks 24-30 under the reader
+        return data
+
+    monkeypatch.setattr(fs, "cat_file", cat_then_close)
+    monkeypatch.setattr(runs, "FETCH_THREADS", 1)
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(30))
+    monkeypatch.setattr(fs, "cat_file", cat)
+    # The last rollup, read from where chunks 24 and 25 ended.
+    assert fetched[-1][0].startswith("000000030.r000000024.") and fetched[-1][1] > 0, fetched
+    got += [json.loads(raw)["step"] for _, raw in f.poll()]
+    assert got == list(range(30))
+    f.close()
+    objs = store.objects(url)[0]
+    assert [(o.first, o.last) for o in objs] == [(0, 7), (8, 15), (16, 23), (24, 30)]
+    assert all(o.rollup for o in objs)

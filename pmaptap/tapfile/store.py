@@ -1,0 +1,272 @@
+"""A run on an object store: the objects' names, their listing, and what a
+reader takes of them.
+
+Each process's writer (``_host/objsink.py``) puts immutable objects under
+``<url>.d/``:
+
+- a *chunk* ``p<process>-<writer id>-<seq>.jsonl`` per batch (seq 0, empty,
+  at open);
+- a *rollup* ``p<process>-<writer id>-<last>.r<first>.b<start>.jsonl``: the
+  bytes of its chunks ``first..last`` joined in order, put (every
+  ``ROLLUP_CHUNKS`` chunks, and at close) before those chunks are deleted.
+  ``start`` is where chunk ``first`` begins in the writer's stream (all its
+  chunks' bytes in order).
+
+Names sort by writer id (start time, then a random token), then seq, and a
+rollup sorts right after its last chunk, so a listing in name order is the
+write order, and a follower's listing that starts after the last object it
+took finds what came since.
+
+Why rollups: a store costs a request per object (a round trip, 20-50 ms on a
+real store, and a fee), and a writer makes an object per batch (one every 2 s,
+1,800 an hour a process); a finished writer leaves one object per
+``ROLLUP_CHUNKS`` chunks instead.
+
+A reader keeps, per writer, the next seq it has not taken and the bytes of
+the writer's stream it has taken (``Cursor``): a rollup is skipped when it
+took all of it, and otherwise read from ``taken - start`` (the part of it
+the reader has not seen), so nothing is read twice or skipped whichever of
+(chunks, rollup) a listing shows: chunks a rollup in the same listing covers
+are left out, and a chunk deleted after the listing (a ``FileNotFoundError``
+on its fetch) sends the reader back to a new listing, which has the rollup.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from typing import NamedTuple
+
+SHARD_SUFFIX = ".d"
+
+# Chunks a writer rolls up at most into one object (and a rollup's most).
+ROLLUP_CHUNKS = 64
+# ... or fewer when their bytes reach this (the writer holds them until then).
+ROLLUP_BYTES = 16 << 20
+
+_NAME = re.compile(r"p(\d+)-([0-9]+-[0-9a-f]+)-([0-9]+)(?:\.r([0-9]+)\.b([0-9]+))?\.jsonl\Z")
+
+
+def url_fs(url: str):
+    """(fsspec filesystem, path inside it) for ``url``; fsspec and the
+    store's client (s3fs, gcsfs) are optional dependencies."""
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(
+            f"{url!r}: object stores need fsspec and the store's "
+            "client: pip install 'pmaptap[s3]' (or [gcs])"
+        ) from None
+    return fsspec.core.url_to_fs(url)
+
+
+def chunk_name(directory: str, process: int, writer: str, seq: int) -> str:
+    return f"{directory}/p{process:05d}-{writer}-{seq:09d}.jsonl"
+
+
+def rollup_name(
+    directory: str, process: int, writer: str, first: int, last: int, start: int
+) -> str:
+    return f"{directory}/p{process:05d}-{writer}-{last:09d}.r{first:09d}.b{start}.jsonl"
+
+
+class Object(NamedTuple):
+    """A listed object of a run: a chunk (``first == last``, ``start`` -1)
+    or a rollup of chunks first..last."""
+
+    name: str
+    process: int
+    writer: str
+    first: int
+    last: int
+    start: int
+    size: int
+
+    @property
+    def rollup(self) -> bool:
+        return self.start >= 0
+
+
+def parse_name(name: str, size: int) -> "Object | None":
+    m = _NAME.match(name.rsplit("/", 1)[-1])
+    if m is None:
+        return None
+    proc, writer, last, first, start = m.groups()
+    if first is None:
+        return Object(name, int(proc), writer, int(last), int(last), -1, size)
+    return Object(name, int(proc), writer, int(first), int(last), int(start), size)
+
+
+def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
+    """process -> its objects in name order (write order), as listed now.
+
+    A run with no object at all (no such bucket, no such prefix) raises
+    ``FileNotFoundError`` naming the URL and the store's own reason, as a
+    missing local file does: every writer puts an empty chunk there when it
+    opens, so a run that was ever opened has one. ``missing_ok`` (a follower
+    waiting for the run to start) returns ``{}`` instead."""
+    fs, prefix = url_fs(url)
+    where = prefix + SHARD_SUFFIX
+    try:
+        entries = fs.ls(where, detail=True, refresh=True)
+        why = "no chunks there"
+    except FileNotFoundError as e:
+        entries, why = [], str(e) or "not found"
+    out: dict[int, list[Object]] = {}
+    for e in sorted(entries, key=lambda e: e["name"]):
+        o = parse_name(e["name"], int(e.get("size") or 0))
+        if o is not None:
+            out.setdefault(o.process, []).append(o)
+    if not out and not missing_ok:
+        raise FileNotFoundError(
+            errno.ENOENT, f"no such run: {url} (nothing under {url}{SHARD_SUFFIX}/: {why})"
+        )
+    return out
+
+
+def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[Object]] | None":
+    """process -> its objects named after ``last[process]`` (an object
+    name as ``objects`` gives it), for the processes in ``last`` only: one
+    small listing per process with a start-after marker, so a follower's
+    poll costs the same at the first minute and the tenth hour of a run,
+    instead of a listing of every object so far. None where the store's
+    client has no such listing (then ``objects`` lists everything).
+    ``pool``: an executor that runs the listings concurrently."""
+    fs, prefix = url_fs(url)
+    call = getattr(fs, "call_s3", None)
+    if call is None or not hasattr(fs, "split_path"):
+        return None
+    bucket, key, _ = fs.split_path(prefix + SHARD_SUFFIX)
+
+    def listing(item: tuple[int, str]) -> tuple[int, list[Object]]:
+        proc, after = item
+        kw = {
+            "Bucket": bucket,
+            "Prefix": f"{key}/p{proc:05d}-",
+            "StartAfter": after.split("/", 1)[1] if after.startswith(bucket + "/") else after,
+        }
+        found: list[Object] = []
+        while True:
+            out = call("list_objects_v2", **kw)
+            for o in out.get("Contents", ()):
+                got = parse_name(f"{bucket}/{o['Key']}", int(o.get("Size") or 0))
+                if got is not None:
+                    found.append(got)
+            if not out.get("IsTruncated"):
+                break
+            kw["ContinuationToken"] = out["NextContinuationToken"]
+        return proc, sorted(found)
+
+    items = sorted(last.items())
+    found = pool.map(listing, items) if pool is not None else map(listing, items)
+    return {proc: objs for proc, objs in found if objs}
+
+
+class Cursor:
+    """What a reader has taken of one process's objects: per writer, the
+    next seq not taken and the bytes of its stream taken. ``plan`` says
+    what to fetch of a listing, ``take`` records what was read."""
+
+    __slots__ = ("next", "taken", "last")
+
+    def __init__(self) -> None:
+        self.next: dict[str, int] = {}
+        self.taken: dict[str, int] = {}
+        self.last = ""  # the last object name taken (a follower lists after it)
+
+    def plan(self, objs: list[Object]) -> list[tuple[Object, int]]:
+        """(object, bytes of it to skip) to read of ``objs`` (a listing, in
+        name order), in order: what the reader has not taken. Empty chunks
+        are in it (nothing to fetch: ``take`` them with ``b""``)."""
+        covered: dict[str, list[tuple[int, int]]] = {}
+        for o in objs:
+            if o.rollup:
+                covered.setdefault(o.writer, []).append((o.first, o.last))
+        out = []
+        nxt = dict(self.next)
+        for o in objs:
+            n = nxt.get(o.writer, 0)
+            if o.last < n:
+                continue  # taken (a chunk, or every chunk of the rollup)
+            if o.rollup:
+                # The part after what was taken of its chunks; a rollup that
+                # starts past the reader's stream (its earlier chunks were
+                # never listed) is read whole.
+                skip = max(0, self.taken.get(o.writer, 0) - o.start) if o.first < n else 0
+                out.append((o, skip))
+            elif any(f <= o.first <= la for f, la in covered.get(o.writer, ())):
+                continue  # its rollup, in this listing, is read instead
+            else:
+                out.append((o, 0))
+            nxt[o.writer] = o.last + 1
+        return out
+
+    def take(self, o: Object, skip: int, data_len: int) -> None:
+        """Record that ``data_len`` bytes of ``o`` after ``skip`` were read."""
+        self.next[o.writer] = o.last + 1
+        if o.rollup:
+            self.taken[o.writer] = o.start + skip + data_len
+        else:
+            self.taken[o.writer] = self.taken.get(o.writer, 0) + data_len
+        if o.name > self.last:
+            self.last = o.name
+
+
+def fetch(fs, o: Object, skip: int) -> bytes:
+    """The bytes of ``o`` after ``skip``."""
+    if skip >= o.size:
+        return b""
+    if skip:
+        return fs.cat_file(o.name, start=skip)
+    return fs.cat_file(o.name)
+
+
+class Reader:
+    """What a reader has not taken (``cursor``) of one process's objects
+    (``objs``, a listing), in order: ``next()`` gives ``(object, bytes)``
+    or None at the end, the next object being fetched by ``pool`` while the
+    caller works on this one (the first is asked for at once). A chunk
+    deleted since the listing (its writer rolled it up) is found in a new
+    listing of the run, as the rest of its rollup."""
+
+    # New listings in a row that may still miss a chunk before it counts
+    # as gone (a store that lists a deleted object for a moment).
+    RELISTS = 3
+
+    def __init__(
+        self, url: str, fs, process: int, objs: list[Object], cursor: Cursor, pool
+    ) -> None:
+        self.url, self.fs, self.process, self.cursor, self.pool = url, fs, process, cursor, pool
+        self.todo = list(reversed(cursor.plan(objs)))
+        self.relists = 0
+        self.fut = None
+        self._fetch()
+
+    def _fetch(self) -> None:
+        if not self.todo:
+            self.fut = None
+            return
+        o, skip = self.todo.pop()
+        # An empty chunk (every writer's first) costs no request.
+        got = b"" if skip >= o.size else self.pool.submit(fetch, self.fs, o, skip)
+        self.fut = (o, skip, got)
+
+    def next(self) -> "tuple[Object, bytes] | None":
+        while self.fut is not None:
+            o, skip, got = self.fut
+            try:
+                data = got if isinstance(got, bytes) else got.result()
+            except FileNotFoundError:
+                if o.rollup or self.relists >= self.RELISTS:
+                    raise  # a rollup is never deleted; a chunk gone for good
+                self.relists += 1
+                listed = objects(self.url, missing_ok=True).get(self.process, [])
+                self.todo = list(reversed(self.cursor.plan(listed)))
+                self._fetch()
+                continue
+            self.relists = 0
+            self.cursor.take(o, skip, len(data))
+            self._fetch()
+            if data:
+                return o, data
+        return None

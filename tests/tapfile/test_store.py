@@ -1,0 +1,306 @@
+"""Object-store runs and rollups (``pmaptap/tapfile/store.py``): a writer
+rolls its chunks up into one object every ``ROLLUP_CHUNKS`` chunks and at
+close, and deletes them; readers and followers read every line once
+whichever of (chunks, rollup) they list, and when the chunks go under them.
+On fsspec's in-process memory:// store (tests/host/test_object_store.py
+runs the same on a real S3 server)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import pmaptap
+from pmaptap._host import objsink
+from pmaptap.tapfile import follow, runs, store
+
+fsspec = pytest.importorskip("fsspec", reason="fsspec is in the test extra")
+
+_N = 0
+
+
+def _url() -> str:
+    global _N
+    _N += 1
+    return f"memory://pmaptap-store-{_N}/run"
+
+
+def _names(url: str) -> list[str]:
+    fs, prefix = store.url_fs(url)
+    return sorted(n.rsplit("/", 1)[-1] for n in fs.ls(prefix + runs.SHARD_SUFFIX, detail=False))
+
+
+def _steps(lines) -> list[tuple[int, int]]:
+    return [(d["process"], d["step"]) for d in (json.loads(x) for x in lines)]
+
+
+def test_a_finished_writer_leaves_its_chunks_rolled_up():
+    """151 chunks (an empty one at open and one per flush) become three
+    objects: chunks 0-63, 64-127 and 128-150, each the bytes of its chunks
+    joined, named with where they start in the writer's stream; the run
+    reads whole and in order, and validates."""
+    url = _url()
+    with pmaptap.Writer(url, run="r", process=3) as w:
+        for s in range(150):
+            w.write("x", s, float(s), kind="per_device", device=0)
+            w.flush()
+        assert len(_names(url)) == 2 + 23  # two rollups, chunks 128-150
+    names = _names(url)
+    objs = [store.parse_name(n, 0) for n in names]
+    assert [(o.first, o.last) for o in objs] == [(0, 63), (64, 127), (128, 150)]
+    assert all(o.rollup and o.process == 3 for o in objs)
+    fs, prefix = store.url_fs(url)
+    data = [fs.cat_file(f"{prefix}.d/{n}") for n in names]
+    assert [o.start for o in objs] == [0, len(data[0]), len(data[0]) + len(data[1])]
+    lines = b"".join(data).splitlines()
+    assert [d["step"] for d in map(json.loads, lines)] == list(range(150))
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(150))
+
+
+def test_one_chunk_with_records_is_not_rolled_up():
+    url = _url()
+    with pmaptap.Writer(url, run="r", process=0) as w:
+        w.write("x", 0, 1.0)
+    assert [n.split("-")[-1] for n in _names(url)] == ["000000000.jsonl", "000000001.jsonl"]
+
+
+def _writer_with_window(url: str, steps: int, rollup: int, mp) -> pmaptap.Writer:
+    mp.setattr(store, "ROLLUP_CHUNKS", rollup)
+    w = pmaptap.Writer(url, run="r", process=0)
+    for s in range(steps):
+        w.write("x", s, float(s), kind="per_device", device=0)
+        w.flush()
+    return w
+
+
+@pytest.mark.parametrize("after", [2, 4, 9])
+def test_chunks_rolled_up_under_a_reader_are_read_from_the_rollup(after, monkeypatch):
+    """A reader lists chunks; the writer closes (rolls them up, deletes
+    them) after the reader fetched ``after`` of them: the reader's next
+    fetch misses, it lists again and reads the rest of the rollup from
+    where its chunks ended. Every record once, in order."""
+    url = _url()
+    w = _writer_with_window(url, 40, 32, monkeypatch)  # a rollup 0-31, chunks 32-40
+    fs, _ = store.url_fs(url)
+    cat = fs.cat_file
+    fetched = []
+
+    def cat_then_close(path, *a, **k):
+        data = cat(path, *a, **k)
+        fetched.append((path.rsplit("/", 1)[-1], k.get("start")))
+        if len(fetched) == after:
+            w.close()
+        return data
+
+    monkeypatch.setattr(fs, "cat_file", cat_then_close)
+    monkeypatch.setattr(runs, "FETCH_THREADS", 1)  # fetches in order: the race where asked
+    got = pmaptap.read(url)
+    assert [r["step"] for r in got] == list(range(40))
+    # The second rollup (chunks 32-40) was read from where the chunks taken
+    # (after - 1 of them) ended.
+    assert [n.split("-")[-1] for n, start in fetched if start] == [
+        f"000000040.r000000032.b{store.parse_name(fetched[-1][0], 0).start}.jsonl"
+    ], fetched
+    assert len(_names(url)) == 2
+
+
+def _poll(f) -> list[bytes]:
+    return [raw for _, raw in f.poll()]
+
+
+@pytest.mark.parametrize("every", [1, 2, 5, 8, 9, 13])
+def test_a_follower_reads_each_line_once_across_rollups(every, monkeypatch):
+    """``tail -f`` of a store while its writer rolls chunks up every 8:
+    polls that took some of a window's chunks read the rest from the
+    rollup, polls that took all of them skip it. Each line once, in order."""
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 8)
+    url = _url()
+    f = follow.RunFollower(url)
+    got: list[bytes] = []
+    with pmaptap.Writer(url, run="r", process=0) as w:
+        for s in range(60):
+            w.write("x", s, float(s), kind="per_device", device=0)
+            w.flush()
+            if s % every == 0:
+                got += _poll(f)
+    got += _poll(f)
+    assert _steps(got) == [(0, s) for s in range(60)]
+    assert _poll(f) == []
+    f.close()
+
+
+def test_a_failed_rollup_or_delete_loses_nothing_and_doubles_nothing(monkeypatch, caplog):
+    """A rollup that cannot be put leaves the chunks; chunks that cannot be
+    deleted stay beside their rollup and readers skip them. Either way each
+    record is read once, by read() and by a follower, and a warning says
+    what happened."""
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 4)
+    for broken in ("pipe_file", "rm"):
+        url = _url()
+        fs, _ = store.url_fs(url)
+        real = getattr(fs, broken)
+
+        def fail_on_rollups(path, *a, _real=real, _broken=broken, **k):
+            if _broken == "rm" or ".r" in path.rsplit("/", 1)[-1]:
+                raise OSError("refused by the test")
+            return _real(path, *a, **k)
+
+        f = follow.RunFollower(url)
+        got: list[bytes] = []
+        caplog.clear()
+        with monkeypatch.context() as mp:
+            mp.setattr(fs, broken, fail_on_rollups)
+            with caplog.at_level(logging.WARNING, logger="pmaptap"):
+                with pmaptap.Writer(url, run="r", process=0) as w:
+                    for s in range(10):
+                        w.write("x", s, float(s), kind="per_device", device=0)
+                        w.flush()
+                        if s % 3 == 0:
+                            got += _poll(f)
+        got += _poll(f)
+        names = _names(url)
+        rollups = [n for n in names if ".r" in n]
+        assert len(rollups) == (0 if broken == "pipe_file" else 3), names
+        assert len(names) - len(rollups) == 11  # every chunk is still there
+        assert [r["step"] for r in pmaptap.read(url)] == list(range(10))
+        assert _steps(got) == [(0, s) for s in range(10)]
+        assert ("roll up" if broken == "pipe_file" else "delete") in caplog.text
+        f.close()
+
+
+def _obj(writer: str, first: int, last: int, size: int, start: int = -1) -> store.Object:
+    if start < 0:
+        name = f"p00000-{writer}-{last:09d}.jsonl"
+    else:
+        name = f"p00000-{writer}-{last:09d}.r{first:09d}.b{start}.jsonl"
+    o = store.parse_name(name, size)
+    assert o is not None and (o.first, o.last, o.start) == (first, last, start)
+    return o
+
+
+def test_the_cursor_plans_what_was_not_taken():
+    """Cursor.plan of listings a reader can meet: a rollup beside the
+    chunks it covers (the chunks left out), a rollup of chunks partly taken
+    (read from where they ended), wholly taken (left out), a later
+    writer's objects on their own."""
+    a, b = "1000-aa", "2000-bb"
+    chunks = [_obj(a, s, s, 10) for s in range(6)]
+    roll = _obj(a, 0, 5, 60, start=0)
+    c = store.Cursor()
+    assert c.plan(chunks + [roll]) == [(roll, 0)]
+    for o in chunks[:3]:
+        c.take(o, 0, 10)
+    assert c.plan(chunks[3:] + [roll]) == [(roll, 30)]
+    assert c.plan(chunks[3:]) == [(o, 0) for o in chunks[3:]]
+    c.take(roll, 30, 30)
+    later = [_obj(b, 0, 0, 0), _obj(b, 1, 1, 7)]
+    assert c.plan([roll, _obj(a, 6, 6, 5)] + later) == [(_obj(a, 6, 6, 5), 0)] + [
+        (o, 0) for o in later
+    ]
+    assert c.taken[a] == 60 and c.next[a] == 6 and c.last == roll.name
+    # A second rollup of the same writer starts where the first ended.
+    nxt = _obj(a, 6, 9, 40, start=60)
+    c.take(_obj(a, 6, 6, 10), 0, 10)
+    assert c.plan([nxt]) == [(nxt, 10)]
+    # Names sort in write order: a rollup right after its last chunk.
+    assert sorted(o.name for o in chunks + [roll, nxt]) == [o.name for o in chunks] + [
+        roll.name,
+        nxt.name,
+    ]
+
+
+def test_random_writers_rollups_readers_and_followers_agree():
+    """Three processes write random batches (some flushes, some closes and
+    reopens: new writer ids), rolling up every 2-5 chunks; at random
+    moments a follower polls and a reader reads, and some fetches of the
+    reader let the writers go on (rollups deleting chunks under it). The
+    follower gets every line once in each process's order; each read gets
+    every record written before it started, at most those written before it
+    ended, each once."""
+    for seed in range(25):
+        rnd = random.Random(seed)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(store, "ROLLUP_CHUNKS", rnd.randrange(2, 6))
+            mp.setattr(objsink, "OBJECT_COMMIT_INTERVAL", 1e9)
+            mp.setattr(runs, "FETCH_THREADS", rnd.choice([1, 4]))
+            url = _url()
+            fs, _ = store.url_fs(url)
+            writers = {p: pmaptap.Writer(url, run="r", process=p) for p in range(3)}
+            step = {p: 0 for p in range(3)}
+            written: list[tuple[int, int]] = []
+
+            def work(n: int) -> None:
+                for _ in range(n):
+                    p = rnd.randrange(3)
+                    w = writers[p]
+                    for _ in range(rnd.randrange(1, 4)):
+                        w.write("x", step[p], float(step[p]), kind="per_device", device=p)
+                        written.append((p, step[p]))
+                        step[p] += 1
+                    roll = rnd.random()
+                    if roll < 0.1:
+                        w.close()
+                        writers[p] = pmaptap.Writer(url, run="r", process=p)
+                    else:
+                        w.flush()
+
+            cat = fs.cat_file
+            hook = {"on": False}
+            lock = threading.Lock()
+
+            def cat_and_work(path, *a, **k):
+                data = cat(path, *a, **k)
+                with lock:  # fetches run on several threads
+                    if hook["on"] and rnd.random() < 0.5:
+                        work(rnd.randrange(1, 4))
+                return data
+
+            mp.setattr(fs, "cat_file", cat_and_work)
+            f = follow.RunFollower(url)
+            got: list[bytes] = []
+            for _ in range(12):
+                work(rnd.randrange(1, 8))
+                if rnd.random() < 0.6:
+                    got += _poll(f)
+                if rnd.random() < 0.4:
+                    before = set(written)
+                    hook["on"] = True
+                    recs = pmaptap.read(url)
+                    hook["on"] = False
+                    have = [(r["process"], r["step"]) for r in recs]
+                    assert len(have) == len(set(have)), seed
+                    assert before <= set(have) <= set(written), seed
+            for w in writers.values():
+                w.close()
+            got += _poll(f)
+            f.close()
+            by_proc = {p: [s for q, s in _steps(got) if q == p] for p in range(3)}
+            assert by_proc == {p: list(range(step[p])) for p in range(3)}, seed
+            final = [(r["process"], r["step"]) for r in pmaptap.read(url)]
+            assert sorted(final) == sorted(written), seed
+
+
+def test_the_reader_pool_is_used_for_rollup_fetches():
+    """An object's fetch goes through store.fetch with a byte offset: a
+    range request for the part of a rollup after what was taken."""
+    url = _url()
+    with pmaptap.Writer(url, run="r", process=0) as w:
+        for s in range(3):
+            w.write("x", s, float(s))
+            w.flush()
+    fs, _ = store.url_fs(url)
+    [roll] = [o for objs in store.objects(url).values() for o in objs]
+    whole = fs.cat_file(roll.name)
+    with ThreadPoolExecutor(1) as pool:
+        c = store.Cursor()
+        first_line = len(whole.split(b"\n", 1)[0]) + 1
+        c.next[roll.writer], c.taken[roll.writer] = 2, first_line
+        r = store.Reader(url, fs, 0, [roll], c, pool)
+        o, data = r.next()
+        assert o == roll and data == whole[first_line:]
+        assert r.next() is None
