@@ -213,12 +213,13 @@ class Cursor:
 
 
 def fetch(fs, o: Object, skip: int) -> bytes:
-    """The bytes of ``o`` after ``skip``."""
+    """The bytes of ``o`` after ``skip``, always as a range request: without
+    one, s3fs first asks its directory cache for the object's size, and a
+    listing cached before the object was put (another process's writer)
+    says it does not exist."""
     if skip >= o.size:
         return b""
-    if skip:
-        return fs.cat_file(o.name, start=skip)
-    return fs.cat_file(o.name)
+    return fs.cat_file(o.name, start=skip)
 
 
 class Reader:

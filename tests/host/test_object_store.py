@@ -452,3 +452,59 @@ def test_a_store_follower_and_reader_across_rollups_on_s3(s3, monkeypatch):
     objs = store.objects(url)[0]
     assert [(o.first, o.last) for o in objs] == [(0, 7), (8, 15), (16, 23), (24, 30)]
     assert all(o.rollup for o in objs)
+
+
+def test_live_writers_rolling_up_with_a_tail_and_a_validate_in_other_processes(s3):
+    """Real processes on S3: two writer processes roll their chunks up every
+    3 (one of them closes and opens a new writer halfway: a new writer id)
+    while ``pmaptap tail -f --json`` follows the run from before it exists
+    and ``pmaptap validate`` reads it mid-run. tail prints every record once,
+    in each process's order; validate is clean; read() afterwards has every
+    record once."""
+    import time
+
+    import pmaptap
+
+    url = "s3://taps/live/run"
+    steps = 40
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "pmaptap", "tail", url, "-f", "--json", "--interval", "0.05"]
+        + ["--max-records", str(2 * steps), "--timeout", "100"],
+        cwd=ROOT,
+        env=dict(os.environ, **s3),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)  # tail waits for the run
+    writer = f"""
+import sys, time, pmaptap
+from pmaptap.tapfile import store
+store.ROLLUP_CHUNKS = 3
+p = int(sys.argv[1])
+w = pmaptap.Writer({url!r}, run="r", process=p)
+for s in range({steps}):
+    w.write("x", s, float(s), kind="per_device", device=p)
+    w.flush()
+    if p == 1 and s == {steps} // 2:
+        w.close()
+        w = pmaptap.Writer({url!r}, run="r", process=p)
+    time.sleep(0.01)
+w.close()
+"""
+    procs = [start_python(writer.replace("sys.argv[1]", repr(str(p))), **s3) for p in (0, 1)]
+    time.sleep(0.3)
+    mid = _cli("validate", url, env=s3)
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    out, err = tail.communicate(timeout=120)
+    assert tail.returncode == 0, err
+    got = [json.loads(x) for x in out.splitlines()]
+    assert mid.returncode == 0 and "OK," in mid.stdout, mid
+    for p in (0, 1):
+        assert [d["step"] for d in got if d["process"] == p] == list(range(steps)), p
+    recs = pmaptap.read(url)
+    assert sorted((r["process"], r["step"]) for r in recs) == [
+        (p, s) for p in (0, 1) for s in range(steps)
+    ]
