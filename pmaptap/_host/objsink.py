@@ -79,6 +79,10 @@ class ObjectSink(Sink):
         self._window_first = 0
         self._window_start = 0
         self._stream_bytes = 0
+        self._unsure: bytes | None = None  # the bytes of a PUT that failed
+        # close() may run while the writer thread's PUT is still under way
+        # (Pipeline.close stops waiting for it after 5 s): one at a time.
+        self._lock = threading.RLock()
         self.rollups = 0
         self.lines_written = 0
         self.bytes_written = 0
@@ -100,8 +104,26 @@ class ObjectSink(Sink):
     _encode = FileSink._encode
 
     def _put(self, data: bytes) -> None:
+        """``data`` as the next chunk. After a PUT that failed (it may have
+        landed all the same: a lost response), the retry puts exactly the
+        bytes it tried under that name again and the records gathered since
+        as the next chunk: a name once put never changes (a follower may
+        have read it; the rollup's offsets count its bytes)."""
+        with self._lock:
+            unsure = self._unsure
+            if unsure and len(data) > len(unsure) and data.startswith(unsure):
+                self._put_chunk(unsure)
+                data = data[len(unsure) :]
+            self._put_chunk(data)
+
+    def _put_chunk(self, data: bytes) -> None:
         name = store.chunk_name(self.directory, self.process, self.writer_id, self.seq)
-        self.fs.pipe_file(name, data)
+        try:
+            self.fs.pipe_file(name, data)
+        except BaseException:
+            self._unsure = data
+            raise
+        self._unsure = None
         if not self._window:
             self._window_first, self._window_start = self.seq, self._stream_bytes
         self._window.append(data)
@@ -140,7 +162,8 @@ class ObjectSink(Sink):
             log.warning("pmaptap: could not delete chunks %d-%d after %s: %s", first, last, name, e)
 
     def close(self) -> None:
-        self._roll_up()
+        with self._lock:
+            self._roll_up()
 
     def _store_raws(self, raws: Sequence[RawArray]) -> None:
         """The batch's stored values as ONE new object

@@ -307,20 +307,22 @@ class RunFollower:
 
         found = sorted(self._list_objects().items())
         streams = [
-            self._stream(i, self._object_lines(self._reader(proc, objs)))
+            self._stream(i, self._object_lines(self._reader(proc, objs, len(found))))
             for i, (proc, objs) in enumerate(found)
         ]
         yield from self._merged(heapq.merge(*streams))
 
-    def _reader(self, proc: int, objs: list):
+    def _reader(self, proc: int, objs: list, processes: int):
         """A store.Reader of what this follower has not read of ``objs``
-        (``proc``'s listing); its first object is asked for now, not when
-        the merge first pulls (which would be one process after another)."""
+        (``proc``'s listing, one of ``processes`` read together); its first
+        object is asked for now, not when the merge first pulls (which would
+        be one process after another)."""
         from pmaptap.tapfile import store
 
         fs, _ = store.url_fs(self.path)
         cursor = self._cursors.setdefault(proc, store.Cursor())
-        return store.Reader(self.path, fs, proc, objs, cursor, self._fetch_pool())
+        pool, piece = self._fetch_pool(), store.piece_bytes(processes)
+        return store.Reader(self.path, fs, proc, objs, cursor, pool, wait=True, piece=piece)
 
     def _object_lines(self, reader) -> Iterator[tuple[int, bytes]]:
         proc = reader.process
@@ -362,7 +364,8 @@ class RunFollower:
         from pmaptap.tapfile import runs
 
         if runs.is_url(self.path):
-            readers = [self._reader(p, objs) for p, objs in sorted(self._list_objects().items())]
+            found = sorted(self._list_objects().items())
+            readers = [self._reader(p, objs, len(found)) for p, objs in found]
             for r in readers:
                 for n, raw in self._object_lines(r):
                     yield r.process, n, raw

@@ -342,9 +342,10 @@ def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
         size = _piece_bytes(len(found))
         pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
         pool_box.append(pool)
+        piece = store.piece_bytes(len(found))
         return [
-            _ChunkSource(store.Reader(url, fs, proc, objs, store.Cursor(), pool), size)
-            for proc, objs in found
+            _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
+            for p, objs in found
         ]
     files = sources(path)
     size = _piece_bytes(len(files))

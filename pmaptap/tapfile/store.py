@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import errno
 import re
-from typing import NamedTuple
+import time
+from typing import Any, NamedTuple
+
+from pmaptap._log import log
 
 SHARD_SUFFIX = ".d"
 
@@ -43,6 +46,10 @@ SHARD_SUFFIX = ".d"
 ROLLUP_CHUNKS = 64
 # ... or fewer when their bytes reach this (the writer holds them until then).
 ROLLUP_BYTES = 16 << 20
+
+# Seconds a follower waits for a writer's missing chunks to be listed
+# before it reads on after them (Cursor.plan).
+GAP_WAIT_S = 30.0
 
 _NAME = re.compile(r"p(\d+)-([0-9]+-[0-9a-f]+)-([0-9]+)(?:\.r([0-9]+)\.b([0-9]+))?\.jsonl\Z")
 
@@ -72,7 +79,7 @@ def rollup_name(
 
 class Object(NamedTuple):
     """A listed object of a run: a chunk (``first == last``, ``start`` -1)
-    or a rollup of chunks first..last."""
+    or a rollup of chunks first..last. ``size`` -1: not known."""
 
     name: str
     process: int
@@ -97,6 +104,11 @@ def parse_name(name: str, size: int) -> "Object | None":
     return Object(name, int(proc), writer, int(first), int(last), int(start), size)
 
 
+def _size(size) -> int:
+    """A listed size; -1 where the listing gives none (fetched whole)."""
+    return -1 if size is None else int(size)
+
+
 def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
     """process -> its objects in name order (write order), as listed now.
 
@@ -114,7 +126,7 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
         entries, why = [], str(e) or "not found"
     out: dict[int, list[Object]] = {}
     for e in sorted(entries, key=lambda e: e["name"]):
-        o = parse_name(e["name"], int(e.get("size") or 0))
+        o = parse_name(e["name"], _size(e.get("size")))
         if o is not None:
             out.setdefault(o.process, []).append(o)
     if not out and not missing_ok:
@@ -149,7 +161,7 @@ def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[
         while True:
             out = call("list_objects_v2", **kw)
             for o in out.get("Contents", ()):
-                got = parse_name(f"{bucket}/{o['Key']}", int(o.get("Size") or 0))
+                got = parse_name(f"{bucket}/{o['Key']}", _size(o.get("Size")))
                 if got is not None:
                     found.append(got)
             if not out.get("IsTruncated"):
@@ -167,39 +179,73 @@ class Cursor:
     next seq not taken and the bytes of its stream taken. ``plan`` says
     what to fetch of a listing, ``take`` records what was read."""
 
-    __slots__ = ("next", "taken", "last")
+    __slots__ = ("next", "taken", "last", "gaps")
 
     def __init__(self) -> None:
         self.next: dict[str, int] = {}
         self.taken: dict[str, int] = {}
         self.last = ""  # the last object name taken (a follower lists after it)
+        # writer -> (first seq missing, when a listing first lacked it)
+        self.gaps: dict[str, tuple[int, float]] = {}
 
-    def plan(self, objs: list[Object]) -> list[tuple[Object, int]]:
+    def plan(self, objs: list[Object], *, wait: bool = False) -> list[tuple[Object, int]]:
         """(object, bytes of it to skip) to read of ``objs`` (a listing, in
         name order), in order: what the reader has not taken. Empty chunks
-        are in it (nothing to fetch: ``take`` them with ``b""``)."""
+        are in it (nothing to fetch: ``take`` them with ``b""``).
+
+        A writer's objects after a gap (chunks neither listed nor covered by
+        a listed rollup: a listing that is not complete yet, or objects
+        deleted by someone else) are read at once with a warning, or, with
+        ``wait`` (a follower, which lists again), only once the gap has
+        lasted GAP_WAIT_S: reading past it would count the missing chunks as
+        read, and lose them when they appear."""
         covered: dict[str, list[tuple[int, int]]] = {}
         for o in objs:
             if o.rollup:
                 covered.setdefault(o.writer, []).append((o.first, o.last))
         out = []
         nxt = dict(self.next)
+        stopped: set[str] = set()
+        gapped: set[str] = set()
         for o in objs:
-            n = nxt.get(o.writer, 0)
-            if o.last < n:
-                continue  # taken (a chunk, or every chunk of the rollup)
-            if o.rollup:
-                # The part after what was taken of its chunks; a rollup that
-                # starts past the reader's stream (its earlier chunks were
-                # never listed) is read whole.
-                skip = max(0, self.taken.get(o.writer, 0) - o.start) if o.first < n else 0
-                out.append((o, skip))
-            elif any(f <= o.first <= la for f, la in covered.get(o.writer, ())):
+            w = o.writer
+            n = nxt.get(w, 0)
+            if w in stopped or o.last < n:
+                continue  # after a gap we wait on; or taken
+            if not o.rollup and any(f <= o.first <= la for f, la in covered.get(w, ())):
                 continue  # its rollup, in this listing, is read instead
-            else:
-                out.append((o, 0))
-            nxt[o.writer] = o.last + 1
+            if o.first > n and w not in gapped:
+                gapped.add(w)
+                if not self._past_gap(o, n, wait):
+                    stopped.add(w)
+                    continue
+            # A rollup's part after what was taken of its chunks.
+            skip = max(0, self.taken.get(w, 0) - o.start) if o.rollup and o.first < n else 0
+            out.append((o, skip))
+            nxt[w] = o.last + 1
+        for w in list(self.gaps):
+            if w not in gapped:
+                del self.gaps[w]  # the listing had what was missing
         return out
+
+    def _past_gap(self, o: Object, n: int, wait: bool) -> bool:
+        now = time.monotonic()
+        first_seen = self.gaps.setdefault(o.writer, (n, now))
+        if first_seen[0] != n:
+            first_seen = self.gaps[o.writer] = (n, now)
+        if wait and now - first_seen[1] < GAP_WAIT_S:
+            return False
+        log.warning(
+            "pmaptap: chunks %d-%d of process %d's writer %s are not in the run's "
+            "listing; reading on after them (%s)",
+            n,
+            o.first - 1,
+            o.process,
+            o.writer,
+            o.name,
+        )
+        del self.gaps[o.writer]
+        return True
 
     def take(self, o: Object, skip: int, data_len: int) -> None:
         """Record that ``data_len`` bytes of ``o`` after ``skip`` were read."""
@@ -212,20 +258,33 @@ class Cursor:
             self.last = o.name
 
 
-def fetch(fs, o: Object, skip: int) -> bytes:
-    """The bytes of ``o`` after ``skip``, always as a range request: without
-    one, s3fs first asks its directory cache for the object's size, and a
-    listing cached before the object was put (another process's writer)
-    says it does not exist."""
-    if skip >= o.size:
-        return b""
-    return fs.cat_file(o.name, start=skip)
+# What a reader of a run on a store holds of each process: the piece of a
+# rollup being read and the next one being fetched, FETCH_BYTES / processes
+# each, within these bounds (piece_bytes): ~32 MiB in all up to 1,024
+# processes, 128 MiB at 4,096. A chunk (one batch) is fetched whole, as its
+# writer wrote it.
+FETCH_BYTES = 16 << 20
+MIN_PIECE_BYTES = 16 << 10
+MAX_PIECE_BYTES = 4 << 20
+
+
+def piece_bytes(processes: int) -> int:
+    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, FETCH_BYTES // max(processes, 1)))
+
+
+def fetch(fs, o: Object, start: int, end: "int | None") -> bytes:
+    """Bytes ``start:end`` of ``o`` (None: to its end), always as a range
+    request: without one, s3fs first asks its directory cache for the
+    object's size, and a listing cached before the object was put (another
+    process's writer) says it does not exist."""
+    return fs.cat_file(o.name, start=start, end=end)
 
 
 class Reader:
     """What a reader has not taken (``cursor``) of one process's objects
-    (``objs``, a listing), in order: ``next()`` gives ``(object, bytes)``
-    or None at the end, the next object being fetched by ``pool`` while the
+    (``objs``, a listing), in order: ``next()`` gives ``(object, bytes of
+    whole lines)`` or None at the end, the next object (or piece of a
+    rollup, ``piece`` bytes at a time) being fetched by ``pool`` while the
     caller works on this one (the first is asked for at once). A chunk
     deleted since the listing (its writer rolled it up) is found in a new
     listing of the run, as the rest of its rollup."""
@@ -235,11 +294,26 @@ class Reader:
     RELISTS = 3
 
     def __init__(
-        self, url: str, fs, process: int, objs: list[Object], cursor: Cursor, pool
+        self,
+        url: str,
+        fs,
+        process: int,
+        objs: list[Object],
+        cursor: Cursor,
+        pool,
+        *,
+        wait: bool = False,
+        piece: int = MAX_PIECE_BYTES,
     ) -> None:
         self.url, self.fs, self.process, self.cursor, self.pool = url, fs, process, cursor, pool
-        self.todo = list(reversed(cursor.plan(objs)))
+        self.wait = wait  # Cursor.plan's: a follower waits at a gap
+        self.piece = piece
+        # (object, first byte to fetch, the object's first piece?), last first
+        self.todo = [(o, skip, True) for o, skip in reversed(cursor.plan(objs, wait=wait))]
         self.relists = 0
+        self.skip = 0  # of the object being read: where it was started
+        self.got = 0  # and its bytes fetched so far
+        self.carry = b""  # the start of a line the next piece ends
         self.fut = None
         self._fetch()
 
@@ -247,27 +321,50 @@ class Reader:
         if not self.todo:
             self.fut = None
             return
-        o, skip = self.todo.pop()
+        o, start, first = self.todo.pop()
+        end = o.size if o.size >= 0 else None  # None: not known, to the end
+        if end is not None and o.rollup and end - start > self.piece:
+            end = start + self.piece
+            self.todo.append((o, end, False))
         # An empty chunk (every writer's first) costs no request.
-        got = b"" if skip >= o.size else self.pool.submit(fetch, self.fs, o, skip)
-        self.fut = (o, skip, got)
+        if end is not None and start >= end:
+            got: "bytes | Any" = b""
+        else:
+            got = self.pool.submit(fetch, self.fs, o, start, end)
+        self.fut = (o, start, end, first, got)
 
     def next(self) -> "tuple[Object, bytes] | None":
         while self.fut is not None:
-            o, skip, got = self.fut
+            o, start, end, first, got = self.fut
             try:
                 data = got if isinstance(got, bytes) else got.result()
             except FileNotFoundError:
                 if o.rollup or self.relists >= self.RELISTS:
                     raise  # a rollup is never deleted; a chunk gone for good
                 self.relists += 1
-                listed = objects(self.url, missing_ok=True).get(self.process, [])
-                self.todo = list(reversed(self.cursor.plan(listed)))
+                # This process's objects after the last one read (its
+                # rollup sorts after the missing chunk), or the run's.
+                last = {self.process: self.cursor.last} if self.cursor.last else {}
+                found = objects_after(self.url, last) if last else None
+                if found is None:
+                    found = objects(self.url, missing_ok=True)
+                plan = self.cursor.plan(found.get(self.process, []), wait=self.wait)
+                self.todo = [(o, skip, True) for o, skip in reversed(plan)]
                 self._fetch()
                 continue
             self.relists = 0
-            self.cursor.take(o, skip, len(data))
             self._fetch()
+            if first:
+                self.skip, self.got, self.carry = start, 0, b""
+            self.got += len(data)
+            if self.carry:
+                data = self.carry + data
+            if end is not None and end < o.size:  # a piece: its line may go on
+                cut = data.rfind(b"\n") + 1
+                data, self.carry = data[:cut], data[cut:]
+            else:
+                self.carry = b""
+                self.cursor.take(o, self.skip, self.got)
             if data:
                 return o, data
         return None

@@ -24,10 +24,29 @@ fsspec = pytest.importorskip("fsspec", reason="fsspec is in the test extra")
 _N = 0
 
 
+@pytest.fixture(autouse=True)
+def _empty_memory_store():
+    """memory:// is one store per process: emptied after each test here
+    (its rm looks at every object it holds, for each one removed, so a store
+    left full by earlier tests slows the rollups of later ones)."""
+    yield
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    MemoryFileSystem.store.clear()
+
+
 def _url() -> str:
     global _N
     _N += 1
     return f"memory://pmaptap-store-{_N}/run"
+
+
+def _write_steps(url: str, steps: int) -> None:
+    """A writer of process 0 putting a chunk a step (each flush), closed."""
+    with pmaptap.Writer(url, run="r", process=0) as w:
+        for s in range(steps):
+            w.write("x", s, float(s))
+            w.flush()
 
 
 def _names(url: str) -> list[str]:
@@ -216,7 +235,8 @@ def test_the_cursor_plans_what_was_not_taken():
 
 def test_random_writers_rollups_readers_and_followers_agree():
     """Three processes write random batches (some flushes, some closes and
-    reopens: new writer ids), rolling up every 2-5 chunks; at random
+    reopens: new writer ids), rolling up every 2-5 chunks, rollups read
+    in ranges of 60 bytes, 400 bytes or whole; at random
     moments a follower polls and a reader reads, and some fetches of the
     reader let the writers go on (rollups deleting chunks under it). The
     follower gets every line once in each process's order; each read gets
@@ -228,8 +248,12 @@ def test_random_writers_rollups_readers_and_followers_agree():
             mp.setattr(store, "ROLLUP_CHUNKS", rnd.randrange(2, 6))
             mp.setattr(objsink, "OBJECT_COMMIT_INTERVAL", 1e9)
             mp.setattr(runs, "FETCH_THREADS", rnd.choice([1, 4]))
+            # Rollups read in ranges of a few bytes, a few lines, or whole.
+            mp.setattr(store, "MIN_PIECE_BYTES", 1)
+            mp.setattr(store, "MAX_PIECE_BYTES", rnd.choice([60, 400, 4 << 20]))
             url = _url()
             fs, _ = store.url_fs(url)
+            fs.store.clear()  # the seeds before (see _empty_memory_store)
             writers = {p: pmaptap.Writer(url, run="r", process=p) for p in range(3)}
             step = {p: 0 for p in range(3)}
             written: list[tuple[int, int]] = []
@@ -256,7 +280,10 @@ def test_random_writers_rollups_readers_and_followers_agree():
             def cat_and_work(path, *a, **k):
                 data = cat(path, *a, **k)
                 with lock:  # fetches run on several threads
-                    if hook["on"] and rnd.random() < 0.5:
+                    # At most 6 times a read: a read that lists again
+                    # (a chunk rolled up under it) meets what they wrote.
+                    if hook["on"] and hook["left"] and rnd.random() < 0.5:
+                        hook["left"] -= 1
                         work(rnd.randrange(1, 4))
                 return data
 
@@ -269,7 +296,7 @@ def test_random_writers_rollups_readers_and_followers_agree():
                     got += _poll(f)
                 if rnd.random() < 0.4:
                     before = set(written)
-                    hook["on"] = True
+                    hook["on"], hook["left"] = True, 6
                     recs = pmaptap.read(url)
                     hook["on"] = False
                     have = [(r["process"], r["step"]) for r in recs]
@@ -289,10 +316,7 @@ def test_the_reader_pool_is_used_for_rollup_fetches():
     """An object's fetch goes through store.fetch with a byte offset: a
     range request for the part of a rollup after what was taken."""
     url = _url()
-    with pmaptap.Writer(url, run="r", process=0) as w:
-        for s in range(3):
-            w.write("x", s, float(s))
-            w.flush()
+    _write_steps(url, 3)
     fs, _ = store.url_fs(url)
     [roll] = [o for objs in store.objects(url).values() for o in objs]
     whole = fs.cat_file(roll.name)
@@ -304,3 +328,304 @@ def test_the_reader_pool_is_used_for_rollup_fetches():
         o, data = r.next()
         assert o == roll and data == whole[first_line:]
         assert r.next() is None
+
+
+# --- Review additions -------------------------------------------------------
+
+
+def _start_after(mp) -> None:
+    """store.objects_after on memory:// as S3's StartAfter listing does it:
+    per known process, only the objects named after the last one taken."""
+
+    def objects_after(url, last, pool=None):
+        full = store.objects(url, missing_ok=True)
+        out = {}
+        for p, after in last.items():
+            objs = [o for o in full.get(p, []) if o.name > after]
+            if objs:
+                out[p] = objs
+        return out
+
+    mp.setattr(store, "objects_after", objects_after)
+
+
+def test_a_follower_listing_after_its_last_object_reads_each_line_once(monkeypatch):
+    """A follower whose polls list only what is named after the last object
+    it took (S3 StartAfter), while its process's writer rolls up (the first
+    poll's merge and a later poll each meet a rollup that deleted chunks
+    they listed), restarts (a new writer id), and a second writer of the
+    same process writes beside a newer one (its objects sort before the
+    follower's marker: found at the next whole listing, not lost). Every
+    line once, in each writer's order."""
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 3)
+    monkeypatch.setattr(follow, "RELIST_S", 1e9)
+    monkeypatch.setattr(runs, "FETCH_THREADS", 1)
+    _start_after(monkeypatch)
+    url = _url()
+    fs, _ = store.url_fs(url)
+    cat = fs.cat_file
+    on_fetch: list = []
+
+    def cat_then(path, *a, **k):
+        data = cat(path, *a, **k)
+        if on_fetch:
+            on_fetch.pop(0)()
+        return data
+
+    monkeypatch.setattr(fs, "cat_file", cat_then)
+    written: list[tuple[str, int]] = []
+    steps: dict[str, int] = {}
+
+    def put(w, tag, n):
+        for _ in range(n):
+            s = steps.setdefault(tag, 0)
+            w.write(tag, s, float(s), kind="per_device", device=0)
+            written.append((tag, s))
+            steps[tag] = s + 1
+            w.flush()
+
+    f = follow.RunFollower(url)
+    got: list[bytes] = []
+    a = pmaptap.Writer(url, run="r", process=0)
+    put(a, "a", 4)  # rollup 0-2, chunks 3-4
+    # During the first poll's merge: chunk 5 makes the rollup 3-5 and deletes
+    # chunks 3 and 4, listed by the poll and not fetched yet.
+    on_fetch.append(lambda: put(a, "a", 1))
+    got += _poll(f)
+    put(a, "a", 2)
+    on_fetch.append(lambda: a.close())  # rolls up 6-7 under the next poll
+    got += _poll(f)
+    b = pmaptap.Writer(url, run="r", process=0)  # restarted: a later writer id
+    put(b, "b", 5)
+    c = pmaptap.Writer(url, run="r", process=0)  # a third, beside b
+    put(c, "c", 2)
+    got += _poll(f)  # after c's last object: b's later ones are not listed
+    put(b, "b", 4)
+    b.close()
+    c.close()
+    got += _poll(f)
+    f._relist_at = 0.0  # the next whole listing finds b's
+    got += _poll(f)
+    assert _poll(f) == []
+    f.close()
+    have = [(d["name"], d["step"]) for d in map(json.loads, got)]
+    assert sorted(have) == sorted(written)
+    for tag in "abc":
+        assert [s for t, s in have if t == tag] == list(range(steps[tag])), tag
+
+
+def test_a_deleted_chunk_still_listed_for_a_while_is_relisted(monkeypatch):
+    """A store whose listings lag: deleted chunks still listed and their
+    rollup not yet. The reader lists again (Reader.RELISTS times in a row
+    at most) and reads the rest from the rollup once it is listed; a lag
+    longer than that raises FileNotFoundError instead of returning less."""
+    url = _url()
+    w = _writer_with_window(url, 6, 4, monkeypatch)  # rollup 0-3, chunks 4-6
+    fs, prefix = store.url_fs(url)
+    before = fs.ls(prefix + ".d", detail=True)
+    w.close()  # rollup 4-6, chunks 4-6 deleted
+    real_ls = fs.ls
+    stale = {"n": 0}
+
+    def ls(path, detail=True, **k):
+        out = real_ls(path, detail=True, **k)
+        if stale["n"] > 0:
+            stale["n"] -= 1
+            out = list(before)
+        return out if detail else [e["name"] for e in out]
+
+    monkeypatch.setattr(fs, "ls", ls)
+    stale["n"] = store.Reader.RELISTS  # the first listing and RELISTS - 1 relists
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(6))
+    assert stale["n"] == 0
+    stale["n"] = store.Reader.RELISTS + 1
+    with pytest.raises(FileNotFoundError):
+        pmaptap.read(url)
+    assert stale["n"] == 0
+
+
+def test_close_twice_and_windows_of_one_chunk_with_records(monkeypatch):
+    """close() twice (Writer.close, then the sink's again) changes nothing;
+    a window cut by ROLLUP_BYTES with one chunk of records is left as that
+    chunk (no rollup of one object), two such chunks become one rollup, and
+    so does nothing at close for a last window of one chunk; every record
+    read once."""
+    monkeypatch.setattr(store, "ROLLUP_BYTES", 1)  # every chunk ends a window
+    url = _url()
+    w = pmaptap.Writer(url, run="r", process=0)
+    w.write("x", 0, 0.0)
+    w.flush()
+    assert len(_names(url)) == 2 and not any(".r" in n for n in _names(url))
+    monkeypatch.setattr(store, "ROLLUP_BYTES", 300)  # two chunks of records (~200 B each)
+    for s in range(1, 6):
+        w.write("x", s, float(s))
+        w.flush()
+    w.close()
+    names = _names(url)
+    w.close()
+    w._sink.close()
+    assert _names(url) == names
+    objs = [store.parse_name(n, 0) for n in names]
+    assert [(o.first, o.last, o.rollup) for o in objs] == [
+        (0, 0, False),
+        (1, 1, False),
+        (2, 3, True),
+        (4, 5, True),
+        (6, 6, False),  # the last window, one chunk: left as it is
+    ]
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(6))
+
+
+def test_reads_and_followers_leave_no_fetch_threads():
+    """pmaptap.read and a closed follower leave no thread of their fetch
+    pools running (a read per poll of a dashboard would pile them up)."""
+    import time
+
+    url = _url()
+    _write_steps(url, 3)
+
+    def fetchers():
+        names = ("pmaptap-fetch", "pmaptap-follow")
+        return [t for t in threading.enumerate() if t.name.startswith(names)]
+
+    for _ in range(3):
+        assert len(pmaptap.read(url)) == 3
+        f = follow.RunFollower(url)
+        assert len(_poll(f)) == 3
+        f.close()
+    deadline = time.monotonic() + 5
+    while fetchers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fetchers() == []
+
+
+def test_rollups_read_a_piece_at_a_time_give_whole_lines(monkeypatch):
+    """Rollups fetched in pieces of 1 byte to a few lines (ranges; a line
+    cut between two pieces is joined), by read() and a follower: every line
+    once, whole, in order; a piece never holds more than its bound."""
+    for piece in (1, 5, 64, 300):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(store, "ROLLUP_CHUNKS", 5)
+            mp.setattr(store, "MIN_PIECE_BYTES", 1)
+            mp.setattr(store, "MAX_PIECE_BYTES", piece)
+            url = f"memory://pieces-{piece}/run"
+            fs, _ = store.url_fs(url)
+            cat = fs.cat_file
+            sizes = []
+            mp.setattr(
+                fs,
+                "cat_file",
+                lambda p, *a, **k: sizes.append(k["end"] - k["start"]) or cat(p, *a, **k),
+            )
+            f = follow.RunFollower(url)
+            got = []
+            with pmaptap.Writer(url, run="r", process=0) as w:
+                for s in range(23):
+                    w.write("x", s, float(s), kind="per_device", device=0)
+                    w.flush()
+                    if s % 4 == 0:
+                        got += [raw for _, raw in f.poll()]
+            got += [raw for _, raw in f.poll()]
+            f.close()
+            assert [json.loads(x)["step"] for x in got] == list(range(23)), piece
+            sizes.clear()
+            assert [r["step"] for r in pmaptap.read(url)] == list(range(23)), piece
+            assert sizes and max(sizes) <= piece, (piece, sizes)
+
+
+def test_a_chunk_put_that_landed_but_failed_is_put_again_unchanged(monkeypatch, caplog):
+    """A chunk PUT that lands but reports an error (a lost response): the
+    retry puts exactly those bytes under that name again and the records
+    written since as the next chunk, so a follower that read the first
+    version and then a rollup reads every line once, none torn."""
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 6)
+    url = _url()
+    fs, prefix = store.url_fs(url)
+    real = fs.pipe_file
+    state = {"fail": False, "puts": {}}
+
+    def pipe(path, data, *a, **k):
+        real(path, data, *a, **k)
+        state["puts"].setdefault(path, []).append(data)
+        if state["fail"]:
+            state["fail"] = False
+            raise TimeoutError("the PUT landed, its response did not")
+
+    monkeypatch.setattr(fs, "pipe_file", pipe)
+    f = follow.RunFollower(url)
+    w = pmaptap.Writer(url, run="r", process=0)
+    w.write("x", 0, 0.0)
+    w.flush()
+    w.write("x", 1, 1.0)
+    state["fail"] = True
+    with pytest.raises(TimeoutError):
+        w.flush()
+    got = _poll(f)  # reads chunk 2 as it landed: step 1
+    for s in range(2, 6):
+        w.write("x", s, float(s))
+        w.flush()  # chunk 2 again (step 1 only), step 2 in chunk 3, ...
+    got += _poll(f)
+    w.close()
+    got += _poll(f)
+    f.close()
+    assert [json.loads(x)["step"] for x in got] == list(range(6))
+    chunk2 = [v for k, v in state["puts"].items() if k.endswith("-000000002.jsonl")]
+    assert len(chunk2) == 1 and len(chunk2[0]) == 2 and chunk2[0][0] == chunk2[0][1]
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(6))
+
+
+def _hiding(monkeypatch, fs, hidden: str) -> dict:
+    real_ls = fs.ls
+    hide = {"on": True}
+
+    def ls(path, detail=True, **k):
+        out = real_ls(path, detail=True, **k)
+        if hide["on"]:
+            out = [e for e in out if hidden not in e["name"]]
+        return out if detail else [e["name"] for e in out]
+
+    monkeypatch.setattr(fs, "ls", ls)
+    return hide
+
+
+def test_a_listing_without_a_writers_earlier_objects_is_read_past_with_a_warning(
+    monkeypatch, caplog
+):
+    """Objects missing from a listing before others of their writer (a
+    lagging listing, or deleted by someone else): read() reads on after
+    them and warns, naming the chunks; a follower waits for them
+    (GAP_WAIT_S), reads them once they are listed, and reads on after them
+    with the warning only once the wait is over."""
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 4)
+    url = _url()
+    _write_steps(url, 7)  # rollups 0-3 (steps 0-2) and 4-7 (steps 3-6)
+    fs, _ = store.url_fs(url)
+    hide = _hiding(monkeypatch, fs, ".r000000000.")
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        assert [r["step"] for r in pmaptap.read(url)] == [3, 4, 5, 6]
+    assert "chunks 0-3 of process 0's writer" in caplog.text
+    caplog.clear()
+    f = follow.RunFollower(url)
+    assert _poll(f) == [] and _poll(f) == []  # waiting for chunks 0-3
+    hide["on"] = False
+    assert _steps(_poll(f)) == [(0, s) for s in range(7)]
+    f.close()
+    assert caplog.text == ""
+    hide["on"] = True
+    monkeypatch.setattr(store, "GAP_WAIT_S", 0.0)
+    f = follow.RunFollower(url)
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        assert _steps(_poll(f)) == [(0, s) for s in range(3, 7)]
+    assert "chunks 0-3" in caplog.text
+    f.close()
+
+
+def test_a_listing_without_sizes_reads_every_object(monkeypatch):
+    url = _url()
+    _write_steps(url, 3)
+    fs, _ = store.url_fs(url)
+    real = fs.ls
+    monkeypatch.setattr(
+        fs, "ls", lambda p, detail=True, **k: [dict(e, size=None) for e in real(p, True, **k)]
+    )
+    assert [r["step"] for r in pmaptap.read(url)] == [0, 1, 2]
