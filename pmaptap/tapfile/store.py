@@ -214,7 +214,7 @@ class Cursor:
                 continue  # after a gap we wait on; or taken
             if not o.rollup and any(f <= o.first <= la for f, la in covered.get(w, ())):
                 continue  # its rollup, in this listing, is read instead
-            if o.first > n and w not in gapped:
+            if o.first > n:
                 gapped.add(w)
                 if not self._past_gap(o, n, wait):
                     stopped.add(w)
