@@ -72,18 +72,15 @@ class ObjectSink(Sink):
         self.blob_bytes_written = 0
         self.writer_id = f"{_start_ms():013d}-{secrets.token_hex(3)}"
         self.seq = 0
-        # The chunks put since the last rollup (their bytes, from seq
-        # window_first, starting at window_start of this writer's stream).
+        # The chunks put since the last rollup (the last len(window) seqs,
+        # the last window_bytes of this writer's stream_bytes).
         self._window: list[bytes] = []
         self._window_bytes = 0
-        self._window_first = 0
-        self._window_start = 0
         self._stream_bytes = 0
         self._unsure: bytes | None = None  # the bytes of a PUT that failed
         # close() may run while the writer thread's PUT is still under way
         # (Pipeline.close stops waiting for it after 5 s): one at a time.
         self._lock = threading.RLock()
-        self.rollups = 0
         self.lines_written = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -124,8 +121,6 @@ class ObjectSink(Sink):
             self._unsure = data
             raise
         self._unsure = None
-        if not self._window:
-            self._window_first, self._window_start = self.seq, self._stream_bytes
         self._window.append(data)
         self._window_bytes += len(data)
         self._stream_bytes += len(data)
@@ -137,20 +132,17 @@ class ObjectSink(Sink):
         """Put the window's chunks as one object, then delete them. Only
         an optimization: on any failure the chunks stay (readers skip those
         a listed rollup covers), so nothing is lost or read twice."""
-        window, first = self._window, self._window_first
+        window, start = self._window, self._stream_bytes - self._window_bytes
         self._window, self._window_bytes = [], 0
         if sum(1 for d in window if d) < 2:
             return  # one object already (an empty chunk costs no fetch)
-        last = first + len(window) - 1
-        name = store.rollup_name(
-            self.directory, self.process, self.writer_id, first, last, self._window_start
-        )
+        first, last = self.seq - len(window), self.seq - 1
+        name = store.rollup_name(self.directory, self.process, self.writer_id, first, last, start)
         try:
             self.fs.pipe_file(name, b"".join(window))
         except Exception as e:  # noqa: BLE001 - any client error; the chunks stay
             log.warning("pmaptap: could not roll up chunks %d-%d into %s: %s", first, last, name, e)
             return
-        self.rollups += 1
         try:
             self.fs.rm(
                 [
