@@ -114,7 +114,9 @@ class ObjectSink(Sink):
             self._put_chunk(data)
 
     def _put_chunk(self, data: bytes) -> None:
-        name = store.chunk_name(self.directory, self.process, self.writer_id, self.seq)
+        name = store.chunk_name(
+            self.directory, self.process, self.writer_id, self.seq, self._stream_bytes
+        )
         try:
             self.fs.pipe_file(name, data)
         except BaseException:
@@ -143,13 +145,12 @@ class ObjectSink(Sink):
         except Exception as e:  # noqa: BLE001 - any client error; the chunks stay
             log.warning("pmaptap: could not roll up chunks %d-%d into %s: %s", first, last, name, e)
             return
+        names, at = [], start
+        for seq, data in enumerate(window, first):
+            names.append(store.chunk_name(self.directory, self.process, self.writer_id, seq, at))
+            at += len(data)
         try:
-            self.fs.rm(
-                [
-                    store.chunk_name(self.directory, self.process, self.writer_id, s)
-                    for s in range(first, last + 1)
-                ]
-            )
+            self.fs.rm(names)
         except Exception as e:  # noqa: BLE001 - readers skip chunks the rollup covers
             log.warning("pmaptap: could not delete chunks %d-%d after %s: %s", first, last, name, e)
 

@@ -4,13 +4,16 @@ reader takes of them.
 Each process's writer (``_host/objsink.py``) puts immutable objects under
 ``<url>.d/``:
 
-- a *chunk* ``p<process>-<writer id>-<seq>.jsonl`` per batch (seq 0, empty,
-  at open);
+- a *chunk* ``p<process>-<writer id>-<seq>.b<start>.jsonl`` per batch (seq
+  0, empty, at open);
 - a *rollup* ``p<process>-<writer id>-<last>.r<first>.b<start>.jsonl``: the
   bytes of its chunks ``first..last`` joined in order, put (every
   ``ROLLUP_CHUNKS`` chunks, and at close) before those chunks are deleted.
-  ``start`` is where chunk ``first`` begins in the writer's stream (all its
-  chunks' bytes in order).
+
+``start`` is where the object's first chunk begins in the writer's stream
+(all its chunks' bytes in order), so a reader knows where every byte it read
+sits in the stream even after chunks it never saw. Chunks of writers from
+before that (``p<process>-<writer id>-<seq>.jsonl``) are read as well.
 
 Names sort by writer id (start time, then a random token), then seq, and a
 rollup sorts right after its last chunk, so a listing in name order is the
@@ -22,10 +25,11 @@ real store, and a fee), and a writer makes an object per batch (one every 2 s,
 1,800 an hour a process); a finished writer leaves one object per
 ``ROLLUP_CHUNKS`` chunks instead.
 
-A reader keeps, per writer, the next seq it has not taken and the bytes of
-the writer's stream it has taken (``Cursor``): a rollup is skipped when it
-took all of it, and otherwise read from ``taken - start`` (the part of it
-the reader has not seen), so nothing is read twice or skipped whichever of
+A reader keeps, per writer, the next seq it has not taken and where in the
+writer's stream what it took ends, ``taken`` (``Cursor``): a rollup is
+skipped when it took all of it, and otherwise read from ``taken - start``
+(the part of it the reader has not seen; right after a gap too, chunks it
+read past, as every chunk says where it starts), so nothing is read twice or skipped whichever of
 (chunks, rollup) a listing shows: chunks a rollup in the same listing covers
 are left out, and a chunk deleted after the listing (a ``FileNotFoundError``
 on its fetch) sends the reader back to a new listing, which has the rollup.
@@ -51,7 +55,9 @@ ROLLUP_BYTES = 16 << 20
 # before it reads on after them (Cursor.plan).
 GAP_WAIT_S = 30.0
 
-_NAME = re.compile(r"p(\d+)-([0-9]+-[0-9a-f]+)-([0-9]+)(?:\.r([0-9]+)\.b([0-9]+))?\.jsonl\Z")
+_NAME = re.compile(
+    r"p(\d+)-([0-9]+-[0-9a-f]+)-([0-9]+)(?:\.r([0-9]+)\.b([0-9]+)|\.b([0-9]+))?\.jsonl\Z"
+)
 
 
 def url_fs(url: str):
@@ -67,8 +73,8 @@ def url_fs(url: str):
     return fsspec.core.url_to_fs(url)
 
 
-def chunk_name(directory: str, process: int, writer: str, seq: int) -> str:
-    return f"{directory}/p{process:05d}-{writer}-{seq:09d}.jsonl"
+def chunk_name(directory: str, process: int, writer: str, seq: int, start: int) -> str:
+    return f"{directory}/p{process:05d}-{writer}-{seq:09d}.b{start}.jsonl"
 
 
 def rollup_name(
@@ -78,8 +84,9 @@ def rollup_name(
 
 
 class Object(NamedTuple):
-    """A listed object of a run: a chunk (``first == last``, ``start`` -1)
-    or a rollup of chunks first..last. ``size`` -1: not known."""
+    """A listed object of a run: a chunk (``first == last``) or a rollup of
+    chunks first..last. ``start`` -1: not known (a chunk of a writer from
+    before chunks were named with it); ``size`` -1: not known."""
 
     name: str
     process: int
@@ -88,20 +95,18 @@ class Object(NamedTuple):
     last: int
     start: int
     size: int
-
-    @property
-    def rollup(self) -> bool:
-        return self.start >= 0
+    rollup: bool = False
 
 
 def parse_name(name: str, size: int) -> "Object | None":
     m = _NAME.match(name.rsplit("/", 1)[-1])
     if m is None:
         return None
-    proc, writer, last, first, start = m.groups()
+    proc, writer, last, first, start, chunk_start = m.groups()
     if first is None:
-        return Object(name, int(proc), writer, int(last), int(last), -1, size)
-    return Object(name, int(proc), writer, int(first), int(last), int(start), size)
+        at = -1 if chunk_start is None else int(chunk_start)
+        return Object(name, int(proc), writer, int(last), int(last), at, size)
+    return Object(name, int(proc), writer, int(first), int(last), int(start), size, True)
 
 
 def _size(size) -> int:
@@ -176,7 +181,8 @@ def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[
 
 class Cursor:
     """What a reader has taken of one process's objects: per writer, the
-    next seq not taken and the bytes of its stream taken. ``plan`` says
+    next seq not taken and where in its stream what was taken ends.
+    ``plan`` says
     what to fetch of a listing, ``take`` records what was read."""
 
     __slots__ = ("next", "taken", "last", "gaps")
@@ -250,9 +256,9 @@ class Cursor:
     def take(self, o: Object, skip: int, data_len: int) -> None:
         """Record that ``data_len`` bytes of ``o`` after ``skip`` were read."""
         self.next[o.writer] = o.last + 1
-        if o.rollup:
+        if o.start >= 0:
             self.taken[o.writer] = o.start + skip + data_len
-        else:
+        else:  # a chunk of an older writer: right while no chunk was missed
             self.taken[o.writer] = self.taken.get(o.writer, 0) + data_len
         if o.name > self.last:
             self.last = o.name

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,7 +86,9 @@ def test_one_chunk_with_records_is_not_rolled_up():
     url = _url()
     with pmaptap.Writer(url, run="r", process=0) as w:
         w.write("x", 0, 1.0)
-    assert [n.split("-")[-1] for n in _names(url)] == ["000000000.jsonl", "000000001.jsonl"]
+    # Each chunk named with where it starts in the writer's stream (the
+    # first is empty).
+    assert [n.split("-")[-1] for n in _names(url)] == ["000000000.b0.jsonl", "000000001.b0.jsonl"]
 
 
 def _writer_with_window(url: str, steps: int, rollup: int, mp) -> pmaptap.Writer:
@@ -569,7 +572,7 @@ def test_a_chunk_put_that_landed_but_failed_is_put_again_unchanged(monkeypatch, 
     got += _poll(f)
     f.close()
     assert [json.loads(x)["step"] for x in got] == list(range(6))
-    chunk2 = [v for k, v in state["puts"].items() if k.endswith("-000000002.jsonl")]
+    chunk2 = [v for k, v in state["puts"].items() if "-000000002.b" in k]
     assert len(chunk2) == 1 and len(chunk2[0]) == 2 and chunk2[0][0] == chunk2[0][1]
     assert [r["step"] for r in pmaptap.read(url)] == list(range(6))
 
@@ -629,3 +632,63 @@ def test_a_listing_without_sizes_reads_every_object(monkeypatch):
         fs, "ls", lambda p, detail=True, **k: [dict(e, size=None) for e in real(p, True, **k)]
     )
     assert [r["step"] for r in pmaptap.read(url)] == [0, 1, 2]
+
+
+def test_a_rollup_after_chunks_read_past_a_gap_is_read_from_where_they_ended(monkeypatch, caplog):
+    """Chunks 3-5 deleted by someone else: a follower reads past them (with
+    the warning), then the writer rolls up chunks 0-11 (its own copy of 3-5
+    included) and deletes them. The follower reads the rollup from the end
+    of chunk 10, the last it read (each chunk's name says where it starts
+    in the writer's stream): step 10 once. Counting the bytes it read
+    instead (chunks 3-5 never were) put that point inside chunk 8: steps
+    7-9 twice."""
+    monkeypatch.setattr(store, "ROLLUP_CHUNKS", 12)
+    monkeypatch.setattr(store, "GAP_WAIT_S", 0.0)
+    url = _url()
+    fs, prefix = store.url_fs(url)
+    w = pmaptap.Writer(url, run="r", process=0)
+    for s in range(10):  # chunks 1-10, one a step
+        w.write("x", s, float(s))
+        w.flush()
+    gone = [n for n in fs.ls(prefix + ".d", detail=False) if re.search(r"-00000000[345]\.b", n)]
+    assert len(gone) == 3
+    fs.rm(gone)
+    f = follow.RunFollower(url)
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        got = _poll(f)
+    assert [json.loads(x)["step"] for x in got] == [0, 1, 5, 6, 7, 8, 9]
+    assert "chunks 3-5 of process 0's writer" in caplog.text
+    w.write("x", 10, 10.0)
+    w.flush()  # chunk 11: the window of 12 rolled up (its delete of 0-11 stops at 3)
+    assert [store.parse_name(n, 0).rollup for n in _names(url)][-1]
+    assert [json.loads(x)["step"] for x in _poll(f)] == [10]
+    w.close()
+    assert _poll(f) == []
+    f.close()
+    assert [r["step"] for r in pmaptap.read(url)] == list(range(11))
+
+
+def test_chunks_named_without_their_start_are_read():
+    """A run written before chunks carried where they start
+    (``p<process>-<writer>-<seq>.jsonl``), one writer rolled up and one
+    not: read, followed and validated as before."""
+    url = _url()
+    fs, prefix = store.url_fs(url)
+    d = prefix + ".d"
+
+    def line(p: int, s: int) -> bytes:
+        r = {"run": "r", "name": "x", "step": s, "kind": "per_device", "value": float(s)}
+        r.update(dtype="float64", shape=[], process=p, device=p, coords={"dp": p})
+        r.update(time=1e9 + s + p / 10, host="h")
+        return json.dumps(r).encode() + b"\n"
+
+    fs.pipe_file(f"{d}/p00000-1000-aa-000000000.jsonl", b"")
+    for s in range(1, 4):
+        fs.pipe_file(f"{d}/p00000-1000-aa-{s:09d}.jsonl", line(0, s))
+    rolled = b"".join(line(1, s) for s in range(1, 4))
+    fs.pipe_file(f"{d}/p00001-1000-bb-000000003.r000000000.b0.jsonl", rolled)
+    got = [(r["process"], r["step"]) for r in pmaptap.read(url)]
+    assert got == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    f = follow.RunFollower(url)
+    assert sorted(_steps(_poll(f))) == sorted(got)
+    f.close()
