@@ -10,7 +10,12 @@ Arms:
   work, peak RSS (target <= 300 MiB);
 - o. an object-store run of 32 processes (a loopback moto server, as
   tests/host/test_object_store.py uses) against the same run on local disk
-  (target <= 3x); only where moto and s3fs are installed.
+  (target <= 3x), at 200 steps a process (6,400 lines: the client's start,
+  ``import s3fs`` and one client, is most of it, and alone several times
+  the whole read from disk) and at 4,000 (128,000 lines: the reading
+  itself); only where moto and s3fs are installed.
+
+``--part m`` (or n, o; repeatable) runs only those arms.
 
 The runs are generated without JAX (``generate``): per step and process a
 per-device value and a replicated value every process writes (deduped by
@@ -167,6 +172,9 @@ _BARE_STORE = (
     "names = [n for n, e in found.items() if e['size']]\n"
     "print(sum(map(len, fs.cat(names).values())))\n"
 )
+# What every read from a store pays before its first request: Python, the
+# client's import and one client.
+_CLIENT_START = "import s3fs\ns3fs.S3FileSystem()\n"
 _LIMITED = (
     "import resource, runpy, sys\n"
     "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
@@ -250,10 +258,10 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
     except ImportError:
         print("o. object store: skipped (moto[server] and s3fs not installed)")
         return
-    with loopback_s3(os.path.join(tmp, "moto.log")) as s3_env:
+    with loopback_s3(os.path.join(tmp, f"moto-{steps}.log")) as s3_env:
         env = dict(os.environ, **s3_env)
-        local = os.path.join(tmp, "os-local.jsonl")
-        url = "s3://taps/run"
+        local = os.path.join(tmp, f"os-local-{steps}.jsonl")
+        url = f"s3://taps/run{steps}"
         # Each process writes its run through real Writers: five chunks a
         # process on the store, rolled up into one object at close
         # (tapfile/store.py), and one shard on disk.
@@ -276,27 +284,31 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
             env=env,
             check=True,
         )
+        read, floor, disk, start = (
+            "o. object store, pmaptap.read",
+            "o. object store, bare client (floor)",
+            "o. local disk, pmaptap.read",
+            "o. the client's start alone",
+        )
         arms = {
-            "o. object store, pmaptap.read": [sys.executable, "-c", _READ, url],
-            "o. object store, bare client (floor)": [sys.executable, "-c", _BARE_STORE, url],
-            "o. local disk, pmaptap.read": [sys.executable, "-c", _READ, local],
+            read: [sys.executable, "-c", _READ, url],
+            floor: [sys.executable, "-c", _BARE_STORE, url],
+            disk: [sys.executable, "-c", _READ, local],
+            start: [sys.executable, "-c", _CLIENT_START],
         }
         walls, rss = _rounds(arms, rounds, env)
         _report(
-            f"o. {procs} processes x {steps} steps, object store vs disk:",
+            f"o. {procs} processes x {steps} steps ({procs * steps} lines), object store vs disk:",
             walls,
             rss,
-            "o. local disk, pmaptap.read",
+            disk,
         )
-        r = statistics.median(walls["o. object store, pmaptap.read"]) / statistics.median(
-            walls["o. local disk, pmaptap.read"]
-        )
-        f = statistics.median(walls["o. object store, pmaptap.read"]) / statistics.median(
-            walls["o. object store, bare client (floor)"]
-        )
+        m = {k: statistics.median(v) for k, v in walls.items()}
         print(
-            f"o. object store read ratio: {r:.2f}x the same run on disk (target <= 3x); "
-            f"{f:.2f}x the bare client's import and concurrent fetch of the same objects"
+            f"o. object store read ratio, {steps} steps: {m[read] / m[disk]:.2f}x the same "
+            f"run on disk (target <= 3x); {m[read] / m[floor]:.2f}x the bare client's import "
+            f"and concurrent fetch of the same objects; the client's start alone is "
+            f"{m[start] / m[disk]:.2f}x the whole read from disk"
         )
 
 
@@ -306,85 +318,106 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small runs, one round: checks that it runs"
     )
     ap.add_argument("--rounds", type=int)
+    ap.add_argument(
+        "--part",
+        choices=("m", "n", "o"),
+        action="append",
+        help="only these arms (m: 256 shards, n: 4,096 shards, o: object store); all by default",
+    )
     a = ap.parse_args(argv)
+    parts = set(a.part or "mno")
     rounds = a.rounds or (1 if a.quick else 5)
     compile_bytecode()  # readers start as an installed package's do
-    py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
-        # m. 256 shards, 102,400 lines (quick: 2,560).
-        shards, steps = 256, (5 if a.quick else 200)
-        path = os.path.join(tmp, "m.jsonl")
-        size = _make("generate", path, shards, steps)
-        one = os.path.join(tmp, "m-one.jsonl")
-        _make("reference", one, shards, steps)
-        arms = {
-            "m. bare orjson loop (shards)": [py, "-c", _BARE, path + ".d"],
-            "m. sharded: pmaptap.read": [py, "-c", _READ, path],
-            "m. sharded: pmaptap summary": [py, "-m", "pmaptap", "summary", path],
-            "m. sharded: pmaptap validate": [py, "-m", "pmaptap", "validate", path],
-            "m. bare orjson loop (one file)": [py, "-c", _BARE_FILE, one],
-            "m. one file: pmaptap.read": [py, "-c", _READ, one],
-            "m. one file: pmaptap summary": [py, "-m", "pmaptap", "summary", one],
-            "m. one file: pmaptap validate": [py, "-m", "pmaptap", "validate", one],
-        }
-        walls, rss = _rounds(arms, rounds)
-        _report(
-            f"m. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB; median (range) "
-            f"of {rounds} round(s), fresh processes",
-            walls,
-            rss,
-            "m. bare orjson loop (shards)",
-        )
-        # The ratios, each command paired with its bare loop run just
-        # before it in every round (the bare loop's own time swings by a
-        # third between rounds on a shared box).
-        bare, bare1 = arms["m. bare orjson loop (shards)"], arms["m. bare orjson loop (one file)"]
-        measured = [k for k in arms if "bare" not in k]
-        ratios, cpu, _ = _paired(
-            {k: arms[k] for k in measured},
-            {k: bare if "sharded" in k else bare1 for k in measured},
-            rounds,
-        )
-        for what, got in (("wall time", ratios), ("CPU time, user + system", cpu)):
-            print(
-                f"m. ratios to the bare loop over the same files ({what}), paired "
-                "rounds, median (range) (target <= 3x): "
-                + ", ".join(
-                    f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
-                    for k, r in got.items()
-                )
-            )
-        # n. 4,096 shards under ulimit -n 256.
-        shards, steps = 4096, (2 if a.quick else 25)
-        path = os.path.join(tmp, "n.jsonl")
-        size = _make("generate", path, shards, steps, 1, True)
-        arms = {
-            "n. bare orjson loop": [py, "-c", _BARE, path + ".d"],
-            "n. pmaptap.read, ulimit -n 256": [py, "-c", _READ_LIMITED, path],
-            "n. summary, ulimit -n 256": [py, "-c", _LIMITED, "summary", path],
-            "n. validate, ulimit -n 256": [py, "-c", _LIMITED, "validate", path],
-            "n. show --name loss, ulimit -n 256": [
-                py,
-                "-c",
-                _LIMITED,
-                "show",
-                path,
-                "--name",
-                "loss",
-            ],
-        }
-        walls, rss = _rounds(arms, 1)
-        _report(
-            f"n. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB, "
-            "under ulimit -n 256",
-            walls,
-            rss,
-            "n. bare orjson loop",
-        )
-        peak = max(v for k, v in rss.items() if "256" in k)
-        print(f"n. 4096 shards: every reader ran; peak RSS {peak:.0f} MiB (target <= 300 MiB)")
-        _object_store(tmp, 32, 8 if a.quick else 200, rounds)
+        if "m" in parts:
+            _many_shards(tmp, a.quick, rounds)
+        if "n" in parts:
+            _thousands_of_shards(tmp, a.quick)
+        if "o" in parts:
+            # The run (200 steps a process: the client's start is
+            # most of its read) and one 20x longer, where the reading is.
+            for steps in (8,) if a.quick else (200, 4000):
+                _object_store(tmp, 32, steps, rounds)
     return 0
+
+
+def _many_shards(tmp: str, quick: bool, rounds: int) -> None:
+    py = sys.executable
+    # m. 256 shards, 102,400 lines (quick: 2,560).
+    shards, steps = 256, (5 if quick else 200)
+    path = os.path.join(tmp, "m.jsonl")
+    size = _make("generate", path, shards, steps)
+    one = os.path.join(tmp, "m-one.jsonl")
+    _make("reference", one, shards, steps)
+    arms = {
+        "m. bare orjson loop (shards)": [py, "-c", _BARE, path + ".d"],
+        "m. sharded: pmaptap.read": [py, "-c", _READ, path],
+        "m. sharded: pmaptap summary": [py, "-m", "pmaptap", "summary", path],
+        "m. sharded: pmaptap validate": [py, "-m", "pmaptap", "validate", path],
+        "m. bare orjson loop (one file)": [py, "-c", _BARE_FILE, one],
+        "m. one file: pmaptap.read": [py, "-c", _READ, one],
+        "m. one file: pmaptap summary": [py, "-m", "pmaptap", "summary", one],
+        "m. one file: pmaptap validate": [py, "-m", "pmaptap", "validate", one],
+    }
+    walls, rss = _rounds(arms, rounds)
+    _report(
+        f"m. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB; median (range) "
+        f"of {rounds} round(s), fresh processes",
+        walls,
+        rss,
+        "m. bare orjson loop (shards)",
+    )
+    # The ratios, each command paired with its bare loop run just
+    # before it in every round (the bare loop's own time swings by a
+    # third between rounds on a shared box).
+    bare, bare1 = arms["m. bare orjson loop (shards)"], arms["m. bare orjson loop (one file)"]
+    measured = [k for k in arms if "bare" not in k]
+    ratios, cpu, _ = _paired(
+        {k: arms[k] for k in measured},
+        {k: bare if "sharded" in k else bare1 for k in measured},
+        rounds,
+    )
+    for what, got in (("wall time", ratios), ("CPU time, user + system", cpu)):
+        print(
+            f"m. ratios to the bare loop over the same files ({what}), paired "
+            "rounds, median (range) (target <= 3x): "
+            + ", ".join(
+                f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+                for k, r in got.items()
+            )
+        )
+
+
+def _thousands_of_shards(tmp: str, quick: bool) -> None:
+    py = sys.executable
+    # n. 4,096 shards under ulimit -n 256.
+    shards, steps = 4096, (2 if quick else 25)
+    path = os.path.join(tmp, "n.jsonl")
+    size = _make("generate", path, shards, steps, 1, True)
+    arms = {
+        "n. bare orjson loop": [py, "-c", _BARE, path + ".d"],
+        "n. pmaptap.read, ulimit -n 256": [py, "-c", _READ_LIMITED, path],
+        "n. summary, ulimit -n 256": [py, "-c", _LIMITED, "summary", path],
+        "n. validate, ulimit -n 256": [py, "-c", _LIMITED, "validate", path],
+        "n. show --name loss, ulimit -n 256": [
+            py,
+            "-c",
+            _LIMITED,
+            "show",
+            path,
+            "--name",
+            "loss",
+        ],
+    }
+    walls, rss = _rounds(arms, 1)
+    _report(
+        f"n. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB, under ulimit -n 256",
+        walls,
+        rss,
+        "n. bare orjson loop",
+    )
+    peak = max(v for k, v in rss.items() if "256" in k)
+    print(f"n. 4096 shards: every reader ran; peak RSS {peak:.0f} MiB (target <= 300 MiB)")
 
 
 if __name__ == "__main__":

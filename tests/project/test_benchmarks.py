@@ -56,6 +56,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "m. ratios to the bare loop over the same files (CPU time",
         "n. 4096 shards: every reader ran",
         "o. object store read ratio",
+        "o. the client's start alone",
         "l. file",
         "l. sharded",
         "l. sharded: rate at",
