@@ -5,7 +5,7 @@ Object stores have no append and no lock, and an object is written whole or
 not at all. So a process never shares or changes an object: every batch the
 writer thread hands over (it lingers ``OBJECT_COMMIT_INTERVAL`` seconds to
 gather one, and ``flush()``/``close()`` cut that short) becomes one new
-object ``<url>.d/p<process>-<writer id>-<seq>.jsonl``. A process killed
+object ``<url>.d/p<process>-<writer id>-<seq>.b<start>.jsonl``. A process killed
 mid-run leaves the chunks it committed, whole; the upload in flight never
 appears; there is no lock or marker to clean up. The writer id (start time
 and a random token) keeps a restarted process from overwriting its earlier
@@ -78,6 +78,7 @@ class ObjectSink(Sink):
         self._window_bytes = 0
         self._stream_bytes = 0
         self._unsure: bytes | None = None  # the bytes of a PUT that failed
+        self._done = b""  # of a batch whose PUT failed, the bytes put since
         # close() may run while the writer thread's PUT is still under way
         # (Pipeline.close stops waiting for it after 5 s): one at a time.
         self._lock = threading.RLock()
@@ -107,11 +108,20 @@ class ObjectSink(Sink):
         as the next chunk: a name once put never changes (a follower may
         have read it; the rollup's offsets count its bytes)."""
         with self._lock:
+            # What of this batch an earlier try put for sure (it is retried
+            # whole): not put again.
+            done = self._done
+            if done and data.startswith(done):
+                data = data[len(done) :]
+            else:
+                self._done = done = b""
             unsure = self._unsure
             if unsure and len(data) > len(unsure) and data.startswith(unsure):
                 self._put_chunk(unsure)
+                self._done = done = done + unsure
                 data = data[len(unsure) :]
             self._put_chunk(data)
+            self._done = b""
 
     def _put_chunk(self, data: bytes) -> None:
         name = store.chunk_name(

@@ -692,3 +692,47 @@ def test_chunks_named_without_their_start_are_read():
     f = follow.RunFollower(url)
     assert sorted(_steps(_poll(f))) == sorted(got)
     f.close()
+
+
+@pytest.mark.parametrize("second", ["lost", "landed"])
+def test_a_batch_whose_put_fails_twice_is_put_once(monkeypatch, second):
+    """A chunk PUT lands but reports an error; at the next flush its retry
+    (those bytes again) goes through and the records written since fail
+    (lost, or landed with an error); the flush after puts only what no try
+    put for sure. Before, it put the whole batch again as a new chunk:
+    step 1 twice."""
+    url = _url()
+    fs, _ = store.url_fs(url)
+    real = fs.pipe_file
+    fails: list = []  # how each next PUT fails: "landed", "lost" or None (it does not)
+
+    def pipe(path, data, *a, **k):
+        how = fails.pop(0) if fails else None
+        if how != "lost":
+            real(path, data, *a, **k)
+        if how:
+            raise TimeoutError(how)
+
+    monkeypatch.setattr(fs, "pipe_file", pipe)
+    f = follow.RunFollower(url)
+    w = pmaptap.Writer(url, run="r", process=0)
+    w.write("x", 0, 0.0)
+    w.flush()
+    w.write("x", 1, 1.0)
+    fails[:] = ["landed"]
+    with pytest.raises(TimeoutError):
+        w.flush()
+    got = _poll(f)
+    w.write("x", 2, 2.0)
+    fails[:] = [None, second]
+    with pytest.raises(TimeoutError):
+        w.flush()
+    got += _poll(f)
+    w.write("x", 3, 3.0)
+    w.flush()
+    got += _poll(f)
+    w.close()
+    got += _poll(f)
+    f.close()
+    assert [json.loads(x)["step"] for x in got] == [0, 1, 2, 3]
+    assert [r["step"] for r in pmaptap.read(url)] == [0, 1, 2, 3]
