@@ -236,6 +236,40 @@ def test_the_cursor_plans_what_was_not_taken():
     ]
 
 
+def test_the_cursor_places_a_rollup_after_chunks_read_past_a_gap():
+    """Chunks named with their start (store.chunk_name): after chunks 2-3
+    were missed, what was taken ends where chunk 5 ends (its start plus
+    its bytes), so a rollup of chunks 0-7 is read from there; chunks named
+    without it (older writers) count the bytes read, which is right only
+    while no chunk was missed."""
+    a = "1000-aa"
+    sizes = [0, 10, 11, 12, 13, 14, 15, 16]
+    starts = [sum(sizes[:s]) for s in range(8)]
+    chunks = [
+        store.parse_name(store.chunk_name("b/run.d", 0, a, s, starts[s]), sizes[s])
+        for s in range(8)
+    ]
+    assert [(o.first, o.start, o.rollup) for o in chunks] == [
+        (s, starts[s], False) for s in range(8)
+    ]
+    roll = store.parse_name(store.rollup_name("b/run.d", 0, a, 0, 7, 0), sum(sizes))
+    assert roll.rollup and (roll.first, roll.last, roll.start) == (0, 7, 0)
+    c = store.Cursor()
+    listed = chunks[:2] + chunks[4:6]  # 2 and 3 missing; 6 and 7 not put yet
+    plan = c.plan(listed)  # read past the gap, with a warning
+    assert [o.first for o, _ in plan] == [0, 1, 4, 5]
+    for o, skip in plan:
+        c.take(o, skip, o.size)
+    assert c.taken[a] == starts[6] and c.next[a] == 6
+    assert c.plan([roll]) == [(roll, starts[6])]
+    # The same chunks without their start: the bytes read, 2 and 3's missing.
+    old = [_obj(a, s, s, sizes[s]) for s in (0, 1, 4, 5)]
+    c = store.Cursor()
+    for o, skip in c.plan(old):
+        c.take(o, skip, o.size)
+    assert c.taken[a] == starts[6] - sizes[2] - sizes[3]
+
+
 def test_random_writers_rollups_readers_and_followers_agree():
     """Three processes write random batches (some flushes, some closes and
     reopens: new writer ids), rolling up every 2-5 chunks, rollups read
