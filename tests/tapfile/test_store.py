@@ -570,6 +570,21 @@ def test_rollups_read_a_piece_at_a_time_give_whole_lines(monkeypatch):
             assert sizes and max(sizes) <= piece, (piece, sizes)
 
 
+def _flush_failing(url: str, fail) -> tuple:
+    """(a follower, a writer) of a run whose first chunk with records
+    (step 0) was put, and whose second flush (step 1) raised: ``fail()``
+    armed its PUT to fail."""
+    f = follow.RunFollower(url)
+    w = pmaptap.Writer(url, run="r", process=0)
+    w.write("x", 0, 0.0)
+    w.flush()
+    w.write("x", 1, 1.0)
+    fail()
+    with pytest.raises(TimeoutError):
+        w.flush()
+    return f, w
+
+
 def test_a_chunk_put_that_landed_but_failed_is_put_again_unchanged(monkeypatch, caplog):
     """A chunk PUT that lands but reports an error (a lost response): the
     retry puts exactly those bytes under that name again and the records
@@ -589,14 +604,7 @@ def test_a_chunk_put_that_landed_but_failed_is_put_again_unchanged(monkeypatch, 
             raise TimeoutError("the PUT landed, its response did not")
 
     monkeypatch.setattr(fs, "pipe_file", pipe)
-    f = follow.RunFollower(url)
-    w = pmaptap.Writer(url, run="r", process=0)
-    w.write("x", 0, 0.0)
-    w.flush()
-    w.write("x", 1, 1.0)
-    state["fail"] = True
-    with pytest.raises(TimeoutError):
-        w.flush()
+    f, w = _flush_failing(url, lambda: state.update(fail=True))
     got = _poll(f)  # reads chunk 2 as it landed: step 1
     for s in range(2, 6):
         w.write("x", s, float(s))
@@ -748,14 +756,7 @@ def test_a_batch_whose_put_fails_twice_is_put_once(monkeypatch, second):
             raise TimeoutError(how)
 
     monkeypatch.setattr(fs, "pipe_file", pipe)
-    f = follow.RunFollower(url)
-    w = pmaptap.Writer(url, run="r", process=0)
-    w.write("x", 0, 0.0)
-    w.flush()
-    w.write("x", 1, 1.0)
-    fails[:] = ["landed"]
-    with pytest.raises(TimeoutError):
-        w.flush()
+    f, w = _flush_failing(url, lambda: fails.append("landed"))
     got = _poll(f)
     w.write("x", 2, 2.0)
     fails[:] = [None, second]
