@@ -28,11 +28,12 @@ real store, and a fee), and a writer makes an object per batch (one every 2 s,
 A reader keeps, per writer, the next seq it has not taken and where in the
 writer's stream what it took ends, ``taken`` (``Cursor``): a rollup is
 skipped when it took all of it, and otherwise read from ``taken - start``
-(the part of it the reader has not seen; right after a gap too, chunks it
-read past, as every chunk says where it starts), so nothing is read twice or skipped whichever of
-(chunks, rollup) a listing shows: chunks a rollup in the same listing covers
-are left out, and a chunk deleted after the listing (a ``FileNotFoundError``
-on its fetch) sends the reader back to a new listing, which has the rollup.
+(the part of it the reader has not seen; right too after chunks it read
+past, as every chunk says where it starts), so nothing is read twice or
+skipped whichever of (chunks, rollup) a listing shows: chunks a rollup in
+the same listing covers are left out, and a chunk deleted after the listing
+(a ``FileNotFoundError`` on its fetch) sends the reader back to a new
+listing, which has the rollup.
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[
 class Cursor:
     """What a reader has taken of one process's objects: per writer, the
     next seq not taken and where in its stream what was taken ends.
-    ``plan`` says
-    what to fetch of a listing, ``take`` records what was read."""
+    ``plan`` says what to fetch of a listing, ``take`` records what was
+    read."""
 
     __slots__ = ("next", "taken", "last", "gaps")
 
