@@ -493,7 +493,16 @@ for s in range({steps}):
 w.close()
 """
     procs = [start_python(writer.replace("sys.argv[1]", repr(str(p))), **s3) for p in (0, 1)]
-    time.sleep(0.3)
+    # Mid-run: once both writers have put records (their start, with s3fs's
+    # import, took over a second under load: a fixed wait found no run).
+    from pmaptap.tapfile import store
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = store.objects(url, missing_ok=True)
+        if len(found) == 2 and all(any(o.size for o in objs) for objs in found.values()):
+            break
+        time.sleep(0.05)
     mid = _cli("validate", url, env=s3)
     for p in procs:
         out, err = p.communicate(timeout=120)
