@@ -5,8 +5,8 @@ Object stores have no append and no lock, and an object is written whole or
 not at all. So a process never shares or changes an object: every batch the
 writer thread hands over (it lingers ``OBJECT_COMMIT_INTERVAL`` seconds to
 gather one, and ``flush()``/``close()`` cut that short) becomes one new
-object ``<url>.d/p<process>-<writer id>-<seq>.b<start>.jsonl``. A process killed
-mid-run leaves the chunks it committed, whole; the upload in flight never
+object ``<url>.d/p<process>-<writer id>-<seq>.b<start>.jsonl``. A process
+killed mid-run leaves the chunks it committed, whole; the upload in flight never
 appears; there is no lock or marker to clean up. The writer id (start time
 and a random token) keeps a restarted process from overwriting its earlier
 chunks, and sorts after them. Every ``ROLLUP_CHUNKS`` chunks, and at
@@ -15,9 +15,10 @@ their bytes joined; ``pmaptap/tapfile/store.py`` has the names and what
 readers do) and then deletes those chunks: a finished writer leaves a few
 objects, not one per batch, and a failure at either step loses nothing (the
 chunks stay; readers skip chunks a listed rollup covers). Readers list
-``<url>.d/`` and merge (``pmaptap/tapfile/runs.py``). Endpoint and credentials come from the
-client's own standard environment (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ... for s3fs; gcsfs's for ``gs://``).
+``<url>.d/`` and merge (``pmaptap/tapfile/runs.py``). Endpoint and
+credentials come from the client's own standard environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... for s3fs; gcsfs's for
+``gs://``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.sink import FileSink, Sink
 from pmaptap._log import log
 from pmaptap.errors import TapPathError
-from pmaptap.tapfile import runs, store
+from pmaptap.tapfile import store
 from pmaptap.tapfile.arrays import BYTES_SUFFIX
 from pmaptap.tapfile.format import Record
 from pmaptap.tapfile.rawarray import RawArray
@@ -64,7 +65,7 @@ class ObjectSink(Sink):
         self.process = int(process)
         self.path = url
         self.fs, self.prefix = store.url_fs(url)
-        self.directory = self.prefix + runs.SHARD_SUFFIX
+        self.directory = self.prefix + store.SHARD_SUFFIX
         # Stored values (tapfile/arrays.py): objects under <prefix>.bytes/,
         # named in lines relative to the prefix's parent.
         self.bytes_prefix = self.prefix + BYTES_SUFFIX
@@ -72,9 +73,10 @@ class ObjectSink(Sink):
         self.blob_bytes_written = 0
         self.writer_id = f"{_start_ms():013d}-{secrets.token_hex(3)}"
         self.seq = 0
-        # The chunks put since the last rollup (the last len(window) seqs,
-        # the last window_bytes of this writer's stream_bytes).
-        self._window: list[bytes] = []
+        # The chunks put since the last rollup, (name, bytes) (the last
+        # len(window) seqs, the last window_bytes of this writer's
+        # stream_bytes).
+        self._window: list[tuple[str, bytes]] = []
         self._window_bytes = 0
         self._stream_bytes = 0
         self._unsure: bytes | None = None  # the bytes of a PUT that failed
@@ -133,7 +135,7 @@ class ObjectSink(Sink):
             self._unsure = data
             raise
         self._unsure = None
-        self._window.append(data)
+        self._window.append((name, data))
         self._window_bytes += len(data)
         self._stream_bytes += len(data)
         self.seq += 1
@@ -146,21 +148,17 @@ class ObjectSink(Sink):
         a listed rollup covers), so nothing is lost or read twice."""
         window, start = self._window, self._stream_bytes - self._window_bytes
         self._window, self._window_bytes = [], 0
-        if sum(1 for d in window if d) < 2:
+        if sum(1 for _, d in window if d) < 2:
             return  # one object already (an empty chunk costs no fetch)
         first, last = self.seq - len(window), self.seq - 1
         name = store.rollup_name(self.directory, self.process, self.writer_id, first, last, start)
         try:
-            self.fs.pipe_file(name, b"".join(window))
+            self.fs.pipe_file(name, b"".join(d for _, d in window))
         except Exception as e:  # noqa: BLE001 - any client error; the chunks stay
             log.warning("pmaptap: could not roll up chunks %d-%d into %s: %s", first, last, name, e)
             return
-        names, at = [], start
-        for seq, data in enumerate(window, first):
-            names.append(store.chunk_name(self.directory, self.process, self.writer_id, seq, at))
-            at += len(data)
         try:
-            self.fs.rm(names)
+            self.fs.rm([n for n, _ in window])  # the names they were put under
         except Exception as e:  # noqa: BLE001 - readers skip chunks the rollup covers
             log.warning("pmaptap: could not delete chunks %d-%d after %s: %s", first, last, name, e)
 

@@ -31,8 +31,8 @@ from pmaptap.tapfile.format import record_key
 from pmaptap.tapfile.speedups import SPEEDUPS
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
-# objects) and a URL's client live in store.py, which imports nothing here.
-from pmaptap.tapfile.store import SHARD_SUFFIX, url_fs  # noqa: F401
+# objects) lives in store.py, which imports nothing here.
+from pmaptap.tapfile.store import SHARD_SUFFIX
 
 __all__ = [
     "SHARD_SUFFIX",
@@ -337,7 +337,7 @@ def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
         url = os.fspath(path)
-        fs, _ = url_fs(url)
+        fs, _ = store.url_fs(url)
         found = sorted(store.objects(url).items())
         size = _piece_bytes(len(found))
         pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
