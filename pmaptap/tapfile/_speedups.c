@@ -261,17 +261,536 @@ openers(const char *p, Py_ssize_t n, Py_ssize_t limit)
     return count;
 }
 
-/* plain_records(lines, loads, decode_error, max_depth, max_line, id_ranges)
+/* ---- A copy read without building it (plain_records with ``seen``) ----
+
+   A replicated value is written by every process that holds it, and a
+   merge keeps the first copy only: most copies are read to be dropped.
+   Building each as a record (orjson's dict of a dozen objects, then
+   freed) was most of what they cost. scan_copy reads a line as far as
+   the merge needs it (record time, record_key, vhash, process) without
+   building it, and only for the lines it can answer for exactly: JSON
+   without whitespace, strings of printable ASCII without escapes, numbers
+   of bounded size, the fields of a plainly valid replicated record with a
+   vhash (format.first_not_plain's rules; devices and processes as lists of
+   scalars, null or ranges text). For such a line orjson gives a plainly valid record,
+   so parse_line gives that record, with those fields; any other line goes
+   to orjson as before. Only a likely copy (``seen`` names another process
+   for its value: set_aside's test) is kept as read here; the rest are
+   parsed as before. */
+
+typedef struct {
+    const char *p, *end;
+} Cur;
+
+/* A string at c->p ('"'): printable ASCII, no escape. 1 taken, 0 not. */
+static int
+scan_string(Cur *c, const char **s, Py_ssize_t *n)
+{
+    const char *q = c->p + 1;
+    for (; q < c->end; q++) {
+        unsigned char ch = (unsigned char)*q;
+        if (ch == '"') {
+            *s = c->p + 1;
+            *n = q - *s;
+            c->p = q + 1;
+            return 1;
+        }
+        if (ch < 0x20 || ch >= 0x7f || ch == '\\') {
+            return 0;
+        }
+    }
+    return 0;
+}
+
+static int
+is_digit(char ch)
+{
+    return ch >= '0' && ch <= '9';
+}
+
+/* A JSON number at c->p with at most 18 digits before its point and 2 in
+   its exponent (orjson takes every such number, and none of them
+   overflows a double). *is_float: it has a fraction or an exponent;
+   *digits: all its mantissa's digits. 1 taken, 0 not. */
+static int
+scan_number(Cur *c, int *is_float, Py_ssize_t *digits)
+{
+    const char *q = c->p;
+    if (q < c->end && *q == '-') {
+        q++;
+    }
+    const char *d0 = q;
+    if (q < c->end && *q == '0') {
+        q++;
+    }
+    else if (q < c->end && *q >= '1' && *q <= '9') {
+        while (q < c->end && is_digit(*q)) {
+            q++;
+        }
+    }
+    else {
+        return 0;
+    }
+    *digits = q - d0;
+    if (*digits > 18) {
+        return 0;
+    }
+    *is_float = 0;
+    if (q < c->end && *q == '.') {
+        const char *f0 = ++q;
+        while (q < c->end && is_digit(*q)) {
+            q++;
+        }
+        if (q == f0) {
+            return 0;
+        }
+        *digits += q - f0;
+        *is_float = 1;
+    }
+    if (q < c->end && (*q == 'e' || *q == 'E')) {
+        q++;
+        if (q < c->end && (*q == '+' || *q == '-')) {
+            q++;
+        }
+        const char *e0 = q;
+        while (q < c->end && is_digit(*q)) {
+            q++;
+        }
+        if (q == e0 || q - e0 > 2) {
+            return 0;
+        }
+        *is_float = 1;
+    }
+    c->p = q;
+    return 1;
+}
+
+/* An int of scan_number (no fraction, no exponent) into *out. */
+static int
+scan_int(Cur *c, long long *out)
+{
+    const char *s = c->p;
+    int is_float;
+    Py_ssize_t digits;
+    if (!scan_number(c, &is_float, &digits) || is_float) {
+        return 0;
+    }
+    long long v = 0;
+    const char *q = s + (*s == '-');
+    for (; q < c->p; q++) {
+        v = v * 10 + (*q - '0');
+    }
+    *out = *s == '-' ? -v : v;
+    return 1;
+}
+
+static int
+scan_literal(Cur *c)
+{
+    static const char *words[] = {"true", "false", "null"};
+    for (size_t j = 0; j < 3; j++) {
+        size_t n = strlen(words[j]);
+        if ((size_t)(c->end - c->p) >= n && memcmp(c->p, words[j], n) == 0) {
+            c->p += n;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* A scalar (string, number, true, false, null). */
+static int
+scan_scalar(Cur *c)
+{
+    if (c->p >= c->end) {
+        return 0;
+    }
+    if (*c->p == '"') {
+        const char *s;
+        Py_ssize_t n;
+        return scan_string(c, &s, &n);
+    }
+    if (*c->p == '-' || is_digit(*c->p)) {
+        int is_float;
+        Py_ssize_t digits;
+        return scan_number(c, &is_float, &digits);
+    }
+    return scan_literal(c);
+}
+
+/* Any value, arrays and objects at most ``depth`` deep. */
+static int
+scan_value(Cur *c, int depth)
+{
+    if (c->p >= c->end) {
+        return 0;
+    }
+    char open = *c->p;
+    if (open != '[' && open != '{') {
+        return scan_scalar(c);
+    }
+    if (depth <= 0) {
+        return 0;
+    }
+    char close = open == '[' ? ']' : '}';
+    c->p++;
+    if (c->p < c->end && *c->p == close) {
+        c->p++;
+        return 1;
+    }
+    for (;;) {
+        if (open == '{') {
+            const char *s;
+            Py_ssize_t n;
+            if (c->p >= c->end || *c->p != '"' || !scan_string(c, &s, &n) || c->p >= c->end ||
+                *c->p != ':') {
+                return 0;
+            }
+            c->p++;
+        }
+        if (!scan_value(c, depth - 1) || c->p >= c->end) {
+            return 0;
+        }
+        if (*c->p == close) {
+            c->p++;
+            return 1;
+        }
+        if (*c->p != ',') {
+            return 0;
+        }
+        c->p++;
+    }
+}
+
+/* format.MAX_HOLDERS (tests/tapfile/test_speedups.py holds them equal). */
+#define MAX_HOLDERS (1 << 20)
+
+/* One id of a ranges text: format._RANGES_TEXT's number, at most 18 digits
+   here (its 19th digit is left to id_ranges). */
+static int
+scan_id(const char **q, const char *end, long long *out)
+{
+    const char *s = *q, *p = s;
+    if (p < end && *p == '0') {
+        p++;
+    }
+    else {
+        while (p < end && is_digit(*p) && p - s < 19) {
+            p++;
+        }
+    }
+    if (p == s || p - s > 18 || (p < end && is_digit(*p))) {
+        return 0;
+    }
+    long long v = 0;
+    for (const char *d = s; d < p; d++) {
+        v = v * 10 + (*d - '0');
+    }
+    *out = v;
+    *q = p;
+    return 1;
+}
+
+/* A holders text format.id_ranges takes (ascending, disjoint ranges of at
+   most MAX_HOLDERS ids in all), ``n`` bytes at ``s``. */
+static int
+ranges_ok(const char *s, Py_ssize_t n)
+{
+    const char *q = s, *end = s + n;
+    long long prev = -1, count = 0;
+    if (n == 0) {
+        return 0;
+    }
+    for (;;) {
+        long long a, b;
+        if (!scan_id(&q, end, &a)) {
+            return 0;
+        }
+        b = a;
+        if (q < end && *q == '-') {
+            q++;
+            if (!scan_id(&q, end, &b)) {
+                return 0;
+            }
+        }
+        count += b - a + 1;
+        if (a <= prev || b < a || count > MAX_HOLDERS) {
+            return 0;
+        }
+        prev = b;
+        if (q == end) {
+            return 1;
+        }
+        if (*q != ',') {
+            return 0;
+        }
+        q++;
+    }
+}
+
+/* devices / processes: null, a list of scalars, or a ranges text. */
+static int
+scan_holders(Cur *c)
+{
+    if (c->p < c->end && *c->p == '"') {
+        const char *s;
+        Py_ssize_t n;
+        return scan_string(c, &s, &n) && ranges_ok(s, n);
+    }
+    if (c->p < c->end && *c->p == '[') {
+        c->p++;
+        if (c->p < c->end && *c->p == ']') {
+            c->p++;
+            return 1;
+        }
+        for (;;) {
+            if (!scan_scalar(c) || c->p >= c->end) {
+                return 0;
+            }
+            if (*c->p == ']') {
+                c->p++;
+                return 1;
+            }
+            if (*c->p != ',') {
+                return 0;
+            }
+            c->p++;
+        }
+    }
+    return c->end - c->p >= 4 && memcmp(c->p, "null", 4) == 0 && (c->p += 4, 1);
+}
+
+enum {
+    F_RUN = 1 << 0, F_NAME = 1 << 1, F_STEP = 1 << 2, F_KIND = 1 << 3, F_VALUE = 1 << 4,
+    F_DTYPE = 1 << 5, F_SHAPE = 1 << 6, F_PROCESS = 1 << 7, F_TIME = 1 << 8, F_HOST = 1 << 9,
+    F_REPLICAS = 1 << 10, F_DEVICES = 1 << 11, F_PROCESSES = 1 << 12, F_VHASH = 1 << 13,
+    F_PASS = 1 << 14, F_ATTEMPT = 1 << 15, F_INDEX = 1 << 16, F_OTHER = 1 << 17,
+};
+#define F_NEEDED                                                                              \
+    (F_RUN | F_NAME | F_STEP | F_KIND | F_VALUE | F_DTYPE | F_SHAPE | F_PROCESS | F_TIME |   \
+     F_HOST | F_REPLICAS | F_VHASH)
+
+static int
+field_of(const char *s, Py_ssize_t n)
+{
+    static const struct {
+        const char *name;
+        int flag;
+    } fields[] = {
+        {"run", F_RUN},           {"name", F_NAME},         {"step", F_STEP},
+        {"kind", F_KIND},         {"value", F_VALUE},       {"dtype", F_DTYPE},
+        {"shape", F_SHAPE},       {"process", F_PROCESS},   {"time", F_TIME},
+        {"host", F_HOST},         {"replicas", F_REPLICAS}, {"devices", F_DEVICES},
+        {"processes", F_PROCESSES}, {"vhash", F_VHASH},     {"pass", F_PASS},
+        {"attempt", F_ATTEMPT},   {"index", F_INDEX},
+    };
+    for (size_t j = 0; j < sizeof(fields) / sizeof(fields[0]); j++) {
+        if ((size_t)n == strlen(fields[j].name) && memcmp(s, fields[j].name, (size_t)n) == 0) {
+            return fields[j].flag;
+        }
+    }
+    return F_OTHER;
+}
+
+/* What the merge needs of a line scan_copy takes. */
+typedef struct {
+    const char *run, *name, *pass, *vhash;
+    Py_ssize_t run_n, name_n, pass_n, vhash_n;
+    long long step, attempt, process;
+    double time;
+    int has;
+} Copy;
+
+/* The line's fields (see above): 1 taken, 0 not. */
+static int
+scan_fields(const char *p, Py_ssize_t len, int max_depth, Copy *out)
+{
+    Cur c = {p, p + len};
+    if (len < 2 || *c.p != '{') {
+        return 0;
+    }
+    c.p++;
+    out->has = 0;
+    for (;;) {
+        const char *k;
+        Py_ssize_t kn;
+        if (c.p >= c.end || *c.p != '"' || !scan_string(&c, &k, &kn) || c.p >= c.end ||
+            *c.p != ':') {
+            return 0;
+        }
+        c.p++;
+        int f = field_of(k, kn);
+        if (f != F_OTHER && (out->has & f)) {
+            return 0; /* the same field twice: left to orjson (the last one counts) */
+        }
+        out->has |= f;
+        const char *v = c.p;
+        int ok = 0, is_float = 0;
+        Py_ssize_t digits = 0;
+        switch (f) {
+        case F_RUN:
+            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->run, &out->run_n);
+            break;
+        case F_NAME:
+            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->name, &out->name_n) &&
+                 out->name_n > 0;
+            break;
+        case F_PASS:
+            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->pass, &out->pass_n);
+            break;
+        case F_VHASH:
+            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->vhash, &out->vhash_n) &&
+                 out->vhash_n > 0;
+            break;
+        case F_KIND: {
+            const char *s;
+            Py_ssize_t n;
+            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &s, &n) && n == 10 &&
+                 memcmp(s, "replicated", 10) == 0;
+            break;
+        }
+        case F_STEP:
+            ok = scan_int(&c, &out->step);
+            break;
+        case F_PROCESS:
+            ok = scan_int(&c, &out->process);
+            break;
+        case F_ATTEMPT:
+            ok = scan_int(&c, &out->attempt) && out->attempt >= 0;
+            break;
+        case F_TIME: {
+            /* A float with at most 17 digits, as Python writes one: both
+               parsers round it exactly. */
+            ok = scan_number(&c, &is_float, &digits) && is_float && digits <= 17;
+            if (ok) {
+                char buf[64];
+                Py_ssize_t n = c.p - v;
+                if (n >= (Py_ssize_t)sizeof(buf)) {
+                    return 0;
+                }
+                memcpy(buf, v, (size_t)n);
+                buf[n] = '\0';
+                char *after = NULL;
+                out->time = PyOS_string_to_double(buf, &after, NULL);
+                if (out->time == -1.0 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    return 0;
+                }
+                ok = after == buf + n;
+            }
+            break;
+        }
+        case F_DEVICES:
+        case F_PROCESSES:
+            ok = scan_holders(&c);
+            break;
+        case F_INDEX:
+            return 0;
+        default:
+            ok = scan_value(&c, max_depth - 1);
+        }
+        if (!ok || c.p >= c.end) {
+            return 0;
+        }
+        if (*c.p == '}') {
+            c.p++;
+            break;
+        }
+        if (*c.p != ',') {
+            return 0;
+        }
+        c.p++;
+    }
+    return c.p == c.end && (out->has & F_NEEDED) == F_NEEDED;
+}
+
+/* ``line`` when it is a likely copy scan_copy can answer for: *marker
+   (line, time, ((record_key, vhash), process)), the form time_keys takes,
+   and ``seen`` updated as set_aside does. 1 taken, 0 not (the line goes
+   to orjson), -1 error. */
+static int
+scan_copy(PyObject *line, PyObject *seen, Py_ssize_t max_depth, PyObject **marker)
+{
+    Copy f;
+    const char *p = PyBytes_AS_STRING(line);
+    if (!scan_fields(p, PyBytes_GET_SIZE(line), (int)max_depth, &f)) {
+        return 0;
+    }
+    PyObject *run = PyUnicode_DecodeASCII(f.run, f.run_n, NULL);
+    PyObject *name = PyUnicode_DecodeASCII(f.name, f.name_n, NULL);
+    PyObject *step = PyLong_FromLongLong(f.step);
+    PyObject *pass = (f.has & F_PASS) ? PyUnicode_DecodeASCII(f.pass, f.pass_n, NULL)
+                                      : (Py_INCREF(k_forward), k_forward);
+    PyObject *attempt = (f.has & F_ATTEMPT) ? PyLong_FromLongLong(f.attempt)
+                                            : (Py_INCREF(zero), zero);
+    PyObject *vhash = PyUnicode_DecodeASCII(f.vhash, f.vhash_n, NULL);
+    PyObject *proc = PyLong_FromLongLong(f.process);
+    PyObject *key = NULL, *rk = NULL, *info = NULL;
+    int taken = -1;
+    if (run == NULL || name == NULL || step == NULL || pass == NULL || attempt == NULL ||
+        vhash == NULL || proc == NULL) {
+        goto done;
+    }
+    key = PyTuple_Pack(6, run, name, step, pass, Py_None, attempt);
+    rk = key == NULL ? NULL : PyTuple_Pack(2, key, vhash);
+    if (rk == NULL) {
+        goto done;
+    }
+    PyObject *got = PyDict_SetDefault(seen, rk, proc);
+    if (got == NULL) {
+        goto done;
+    }
+    Py_INCREF(got);
+    PyObject *ne = PyObject_RichCompare(got, proc, Py_NE);
+    Py_DECREF(got);
+    int other = ne == NULL ? -1 : PyObject_IsTrue(ne);
+    Py_XDECREF(ne);
+    if (other <= 0) {
+        taken = other;
+        goto done;
+    }
+    info = PyTuple_Pack(2, rk, proc);
+    PyObject *t = info == NULL ? NULL : PyFloat_FromDouble(f.time);
+    if (t == NULL) {
+        goto done;
+    }
+    *marker = PyTuple_Pack(3, line, t, info);
+    Py_DECREF(t);
+    taken = *marker == NULL ? -1 : 1;
+done:
+    Py_XDECREF(run);
+    Py_XDECREF(name);
+    Py_XDECREF(step);
+    Py_XDECREF(pass);
+    Py_XDECREF(attempt);
+    Py_XDECREF(vhash);
+    Py_XDECREF(proc);
+    Py_XDECREF(key);
+    Py_XDECREF(rk);
+    Py_XDECREF(info);
+    return taken;
+}
+
+/* plain_records(lines, loads, decode_error, max_depth, max_line, id_ranges[, seen])
    -> (records, slow): records[i] what loads made of lines[i] where that is
-   a plainly valid record, else None with i in slow (ascending). */
+   a plainly valid record, else None with i in slow (ascending). With
+   ``seen`` (a merge's, see set_aside), a likely copy scan_copy can answer
+   for is records[i] = (line, time, info) instead, which time_keys takes. */
 static PyObject *
 plain_records(PyObject *self, PyObject *args)
 {
-    PyObject *lines, *loads, *decode_error, *id_ranges;
+    PyObject *lines, *loads, *decode_error, *id_ranges, *seen = Py_None;
     Py_ssize_t max_depth, max_line;
-    if (!PyArg_ParseTuple(args, "O!OOnnO:plain_records", &PyList_Type, &lines, &loads,
-                          &decode_error, &max_depth, &max_line, &id_ranges)) {
+    if (!PyArg_ParseTuple(args, "O!OOnnO|O:plain_records", &PyList_Type, &lines, &loads,
+                          &decode_error, &max_depth, &max_line, &id_ranges, &seen)) {
         return NULL;
+    }
+    if (seen != Py_None && !PyDict_CheckExact(seen)) {
+        PyErr_SetString(PyExc_TypeError, "plain_records: seen is a dict or None");
+        return NULL;
+    }
+    if (max_depth > 10000) {
+        max_depth = 10000; /* scan_value's recursion: parse.MAX_DEPTH is far below */
     }
     Py_ssize_t n = PyList_GET_SIZE(lines);
     PyObject *records = PyList_New(n);
@@ -290,6 +809,16 @@ plain_records(PyObject *self, PyObject *args)
             Py_ssize_t len = PyBytes_GET_SIZE(line);
             if (len <= max_line && (len <= max_depth ||
                                     openers(PyBytes_AS_STRING(line), len, max_depth) <= max_depth)) {
+                if (seen != Py_None) {
+                    int got = scan_copy(line, seen, max_depth, &d);
+                    if (got < 0) {
+                        goto fail;
+                    }
+                    if (got) {
+                        PyList_SET_ITEM(records, i, d);
+                        continue;
+                    }
+                }
                 Py_INCREF(line);
                 d = PyObject_CallOneArg(loads, line);
                 Py_DECREF(line);
@@ -508,6 +1037,30 @@ time_keys(PyObject *self, PyObject *args)
        each record held while it is used: record_key is Python code. */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
         PyObject *d = PyList_GET_ITEM(records, i);
+        if (PyTuple_CheckExact(d)) {
+            /* A copy plain_records read without building it: (line, time,
+               info). Held as its line, as set_aside holds one. */
+            if (PyTuple_GET_SIZE(d) != 3 || !PyBytes_CheckExact(PyTuple_GET_ITEM(d, 0)) ||
+                !PyFloat_CheckExact(PyTuple_GET_ITEM(d, 1))) {
+                PyErr_SetString(PyExc_TypeError, "time_keys: a copy is (line, time, info)");
+                goto fail;
+            }
+            PyObject *line = PyTuple_GET_ITEM(d, 0), *tt = PyTuple_GET_ITEM(d, 1);
+            PyObject *info = PyTuple_GET_ITEM(d, 2);
+            if (PyFloat_AS_DOUBLE(tt) > PyFloat_AS_DOUBLE(t)) {
+                Py_INCREF(tt);
+                Py_SETREF(t, tt);
+            }
+            Py_INCREF(line);
+            Py_INCREF(info);
+            int bad = PyList_SetItem(records, i, line) < 0; /* frees the tuple */
+            bad = bad || PyList_Append(keys, t) < 0 || PyList_Append(infos, info) < 0;
+            Py_DECREF(info);
+            if (bad) {
+                goto fail;
+            }
+            continue;
+        }
         Py_INCREF(d);
         PyObject *info = record_part(d, &t, record_key);
         Py_DECREF(d);

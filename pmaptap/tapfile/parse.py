@@ -195,7 +195,9 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
 Parsed = tuple[list, dict]
 
 
-def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
+def parse_lines(
+    lines: list[bytes], joined: bytes | None = None, seen: dict | None = None
+) -> Parsed:
     """``parse_line`` of every line of ``lines`` (each without its newline),
     many lines per call: (records, problems), ``records[i]`` the record of
     ``lines[i]`` or None, ``problems[i]`` why it is not one. Exactly
@@ -210,7 +212,15 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
     else (a line orjson refuses, a record that is not plainly valid, a long
     or bracket-heavy line, no orjson) takes parse_line one line at a time,
     which is the definition. ``joined``: ``b"\\n".join(lines)`` (maybe with
-    a newline after), if the caller has it."""
+    a newline after), if the caller has it.
+
+    ``seen``: a sharded run's merge's (runs._Source), only there. In C, a
+    line that is plainly a copy of a replicated value another process's
+    line already gave (set_aside's test, _speedups.c scan_copy: only lines
+    it can read exactly without building them) comes back as (line, time,
+    info) instead of its record, for time_keys, which holds it as its
+    line: the merge drops most copies, and building each was most of what
+    it cost to read one."""
     try:
         orjson = _format.ORJSON
         if SPEEDUPS is not None and orjson is not None:
@@ -223,6 +233,7 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> Parsed:
                 MAX_DEPTH,
                 MAX_LINE_BYTES,
                 _format.id_ranges,
+                seen,
             )
             return _by_definition(lines, records, slow)
         records = load_lines(lines, joined)

@@ -219,6 +219,14 @@ class _Source:
         """(records, problems by index, each record's line or None)."""
         raise NotImplementedError
 
+    def parse(self, lines: list[bytes], block: bytes) -> tuple[list, dict]:
+        """parse.parse_lines of a piece's lines, given the merge's ``seen``:
+        a likely copy of a replicated value may come back as (line, time,
+        info), which time_keys takes (see parse_lines)."""
+        from pmaptap.tapfile.parse import parse_lines
+
+        return parse_lines(lines, block, seen=self.seen)
+
     def extend(self) -> bool:
         """Drop what the merge took and append the next piece (False, and
         ``done``, once the source is read)."""
@@ -288,8 +296,6 @@ class _FileSource(_Source):
         self.tail: "tuple | None" = None  # read_block's last line, after data
 
     def piece(self) -> "tuple[list, dict, list | None] | None":
-        from pmaptap.tapfile.parse import parse_lines
-
         if self.off >= len(self.data):
             if self.tail is not None:
                 d, why = self.tail
@@ -300,7 +306,7 @@ class _FileSource(_Source):
             if not self.data:
                 return self.piece() if self.tail is not None else None
         lines, block, self.off = _cut(self.data, self.off, self.size)
-        return (*parse_lines(lines, block), lines)
+        return (*self.parse(lines, block), lines)
 
 
 class _ChunkSource(_Source):
@@ -316,8 +322,6 @@ class _ChunkSource(_Source):
         self.off = 0
 
     def piece(self) -> "tuple[list, dict, list | None] | None":
-        from pmaptap.tapfile.parse import parse_lines
-
         data = self.data
         while self.off >= len(data):
             got = self.reader.next()
@@ -328,7 +332,7 @@ class _ChunkSource(_Source):
             self.name = o.name.rsplit("/", 1)[-1]
             self.off = 0
         lines, block, self.off = _cut(data, self.off, self.size)
-        return (*parse_lines(lines, block), lines)
+        return (*self.parse(lines, block), lines)
 
 
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:

@@ -16,6 +16,7 @@ to None in both modules that read it (parse and runs)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -589,7 +590,7 @@ def test_a_copy_read_after_another_process_s_is_freed_and_parsed_again_if_kept(
 ):
     """A replicated copy whose value another process's copy came before (in
     the order the shards are read) is held as its line until the round
-    (_speedups.c set_aside); where the merge keeps it after all (it is the
+    (_speedups.c scan_copy: not even parsed); where the merge keeps it after all (it is the
     first in merged order, or its process wrote the first), the line is
     parsed again, and the stream is the one the Python loops give."""
 
@@ -620,9 +621,10 @@ def test_a_copy_read_after_another_process_s_is_freed_and_parsed_again_if_kept(
     monkeypatch.setattr(pmaptap.tapfile.parse, "SPEEDUPS", c_module)
     got = list(tapfile_lines.iter_lines(path))
     assert [d["n"] for _, d, _ in got] == [1, 2]  # process 1's copies: first in merged order
-    # Read once each as the shards were read, then process 1's two copies
-    # again (both set aside: process 0's copy was read first; both kept).
-    assert loaded == [0, 1, 2, 3, 1, 2], loaded
+    # Process 0's copy parsed as it is read; the copies read after it
+    # (process 0 first in ``seen``) read without being built (scan_copy),
+    # then process 1's two parsed as they are kept after all.
+    assert loaded == [0, 1, 2], loaded
     monkeypatch.setattr(runs, "SPEEDUPS", None)
     monkeypatch.setattr(pmaptap.tapfile.parse, "SPEEDUPS", None)
     assert _typed(list(tapfile_lines.iter_lines(path))) == _typed(got)
@@ -783,6 +785,237 @@ def test_set_aside_copies_of_odd_lines_read_the_same_with_both_loops(
             fs.rm(prefix + runs.SHARD_SUFFIX, recursive=True)
     # Many copies set aside; many of them kept (parsed again), not all.
     assert aside > 200 and 50 < again < aside, (aside, again)
+
+
+# ------------------------------------------------------------ copies read unbuilt
+
+_ELSEWHERE = "another process"
+_MUTATIONS = b' {}[]",:\\0123456789.eE-+tfnul\x7f\xc3'
+
+
+def _scanned(line: bytes, max_depth: int, max_line: int):
+    """What plain_records makes of ``line`` where ``seen`` names another
+    process for the value scan_copy reads in it: its (line, time, info), or
+    None where scan_copy leaves it to orjson. (A first call with an empty
+    ``seen`` lets scan_copy put the line's own key there; that key is then
+    given to another process.)"""
+    import orjson
+
+    args = (orjson.loads, orjson.JSONDecodeError, max_depth, max_line, fmt.id_ranges)
+    seen: dict = {}
+    first, _ = C.plain_records([line], *args, seen)
+    assert type(first[0]) is not tuple  # its own process first: no copy
+    assert len(seen) <= 1
+    for key in seen:
+        seen[key] = _ELSEWHERE
+    records, slow = C.plain_records([line], *args, seen)
+    if type(records[0]) is tuple:
+        assert slow == [] and len(seen) == 1
+        return records[0]
+    assert _typed(records) == _typed(first)  # otherwise as without seen
+    return None
+
+
+def _is_what_parse_line_reads(line: bytes, marker) -> None:
+    """A line scan_copy took is a plainly valid replicated record with a
+    vhash (so parse_line's fast path gives orjson's record), and the time
+    and info it gave are that record's, types too."""
+    import orjson
+
+    d, why = parse.parse_line(line)
+    assert why is None and type(d) is dict, (line, why)
+    assert fmt._plainly_valid(d) and _typed(d) == _typed(orjson.loads(line)), line
+    assert d["kind"] == "replicated" and type(d["vhash"]) is str and d["vhash"], line
+    held, t, info = marker
+    assert held is line
+    assert type(d["time"]) is float and repr(t) == repr(d["time"]), (line, t)
+    assert _typed(info) == _typed(((fmt.record_key(d), d["vhash"]), d["process"])), line
+
+
+def _copy_lines(rnd: random.Random, n: int) -> list[bytes]:
+    """Replicated records with a vhash in the forms writers write (and some
+    they do not), and each mutated a byte or two: most mutations break the
+    line, some leave it a record scan_copy must still read exactly."""
+    out = []
+    for k in range(n):
+        d = record_dict(
+            name=rnd.choice(["loss", "a/b", "x" * 40, "", "lr"]),
+            step=rnd.choice([0, 7, 255, 256, -3, 10**17, 10**18, 10**19]),
+            value=rnd.choice([1.5, -0.0, 3, None, "s", [1, 2], [[1.5, 2e-300]], {"a": [1]}]),
+            vhash=rnd.choice(["00ff", "a", ""]),
+            process=rnd.choice([0, 3, 4095, -1, 10**18, 1.0, True, None, "p"]),
+            time=rnd.choice(
+                [1.5, 1733000000.123456, 1800000000.1000998, 0.1 + 0.2, 1e-7, 5e22, 1, -0.0]
+            ),
+        )
+        extra = rnd.random()
+        if extra < 0.15:
+            d["pass"] = rnd.choice(["backward", "", 3])
+        elif extra < 0.3:
+            d["attempt"] = rnd.choice([0, 2, -1, 1.0])
+        elif extra < 0.45:
+            d["devices"] = rnd.choice([[0, 1], list(range(32)), "0-31", "0-7,9", "3-1", "01", 5])
+            d["processes"] = rnd.choice([[0], None, "0-1048575", "0-1048576", [[0]], ["p", 1.5]])
+        elif extra < 0.5:
+            d["index"] = [[0, 2]]
+        elif extra < 0.55:
+            d["host"] = rnd.choice(["h\u00e9", "tab\t", 'q"', "\x7f"])
+        elif extra < 0.6:
+            d["bytes"], d["global_shape"] = "AAAA", [4]
+        line = _dump(d)
+        if k % 3 == 0:
+            raw = bytearray(line)
+            for _ in range(rnd.choice([1, 1, 2])):
+                at = rnd.randrange(len(raw) + 1)
+                what = rnd.random()
+                if what < 0.4 and at < len(raw):
+                    raw[at] = rnd.choice(_MUTATIONS)
+                elif what < 0.7 and at < len(raw):
+                    del raw[at]
+                else:
+                    raw.insert(at, rnd.choice(_MUTATIONS))
+            line = bytes(raw)
+        elif k % 7 == 1:
+            # A field twice (the last one counts): left to orjson.
+            line = line[:-1] + b',"step":1}' if k % 2 else line[:-1] + b',"zz":1,"zz":2}'
+        out.append(line)
+    return out
+
+
+def _own_copy_lines() -> list[bytes]:
+    """Lines the writer itself writes for a replicated value held by other
+    processes too (holders as a list, and as ranges text past 16)."""
+    from pmaptap.tapfile.format import Record
+
+    out = []
+    for holders in ((0, 1), tuple(range(64))):
+        r = Record(
+            run="run-1",
+            name="train/loss",
+            step=12,
+            kind="replicated",
+            value=0.25,
+            dtype="float32",
+            shape=(),
+            process=1,
+            time=1733000000.1234567,
+            host="node-1",
+            replicas=8,
+            devices=tuple(range(8)),
+            processes=holders,
+            vhash="9f86d081884c7d65",
+        )
+        out.append(r.encode().rstrip(b"\n"))
+        out.append(dataclasses.replace(r, attempt=2, pass_="backward").encode().rstrip(b"\n"))
+    return out
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_a_copy_read_without_building_it_is_what_parse_line_reads(c_module, limits, monkeypatch):
+    """scan_copy (plain_records with ``seen``) takes a line only where
+    parse_line gives a plainly valid replicated record with a vhash, and
+    then gives exactly that record's time, record_key, vhash and process;
+    on every hostile and odd line the other tests know, and on copies
+    mutated a byte or two. The writer's own copy lines are taken."""
+    for name, value in limits.items():
+        monkeypatch.setattr(parse, name, value)
+    rnd = random.Random(1)
+    lines = _corpus() + _copy_lines(rnd, 3000)
+    own = _own_copy_lines()
+    taken = 0
+    for line in lines + own:
+        marker = _scanned(line, parse.MAX_DEPTH, parse.MAX_LINE_BYTES)
+        if marker is not None:
+            _is_what_parse_line_reads(line, marker)
+            taken += 1
+    if not limits:
+        assert all(_scanned(x, parse.MAX_DEPTH, parse.MAX_LINE_BYTES) for x in own)
+        assert 500 < taken < len(lines) - 500, taken  # both kinds well covered
+
+
+@settings(
+    max_examples=int(os.environ.get("PMAPTAP_FUZZ_EXAMPLES", "40")) * 5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(st.one_of(hostile_line(), st.sampled_from(_own_copy_lines())), st.binary(max_size=3))
+def test_a_copy_read_without_building_it_is_what_parse_line_reads_fuzzed(line, junk):
+    assert C is not None, "pmaptap/tapfile/_speedups.c is not built"
+    for x in (line, line[: len(line) // 2] + junk + line[len(line) // 2 :]):
+        marker = _scanned(x, parse.MAX_DEPTH, FUZZ_LINE_LIMIT)
+        if marker is not None and len(x) <= parse.MAX_LINE_BYTES:
+            _is_what_parse_line_reads(x, marker)
+
+
+def test_scan_copy_takes_holders_text_up_to_format_s_limit(c_module):
+    """The ranges text limit in C is format.MAX_HOLDERS: one id more and
+    the line is no plain record (parse_line's slow path), so not taken."""
+    base = record_dict(vhash="ab", time=1.5)
+    for last, taken in ((fmt.MAX_HOLDERS - 1, True), (fmt.MAX_HOLDERS, False)):
+        line = _dump(dict(base, processes=f"0-{last}"))
+        marker = _scanned(line, parse.MAX_DEPTH, parse.MAX_LINE_BYTES)
+        assert (marker is not None) is taken
+        assert (fmt.id_ranges(f"0-{last}") is not None) is taken
+
+
+def test_sharded_copies_read_unbuilt_merge_the_same_with_both_loops(c_module, tmp_path):
+    """Runs whose shards write the same replicated values (at times that
+    put one process's copy first, or another's, or tie), with per-device
+    records between: most copies are read without being built, and every
+    reader gives what the Python loops give."""
+
+    class Scanned(_Counting):
+        def __init__(self, module) -> None:
+            super().__init__(module)
+            self.unbuilt = 0
+
+        def __getattr__(self, name):
+            fn = super().__getattr__(name)
+            if name != "plain_records":
+                return fn
+
+            def call(*args):
+                records, slow = fn(*args)
+                self.unbuilt += sum(type(x) is tuple for x in records)
+                return records, slow
+
+            return call
+
+    unbuilt = copies = 0
+    for case in range(int(os.environ.get("PMAPTAP_FUZZ_SEEDS", "10")) * 2):
+        rnd = random.Random(case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        os.makedirs(path + runs.SHARD_SUFFIX)
+        for p in range(rnd.randint(2, 6)):
+            out = []
+            for step in range(30):
+                t = step + rnd.choice([0.0, 0.0, 0.25, -0.25]) + p * rnd.choice([0, 1e-4])
+                out.append(per_device_dict(step, p, 0.5, process=p, time=t))
+                rep = record_dict(name="loss", step=step, vhash=f"{step % 7:04x}", time=t)
+                rep.update(process=p, processes=[p], n=p)
+                if rnd.random() < 0.1:
+                    rep["vhash"] = f"divergent-{p}"
+                out.append(rep)
+                copies += 1
+            with open(runs.shard_path(path, p), "wb") as f:
+                f.writelines(_dump(d) + b"\n" for d in out)
+        for pieces in PIECES[:3]:
+            counting = Scanned(C)
+            with pytest.MonkeyPatch.context() as mp:
+                for user in (parse, runs):
+                    mp.setattr(user, "SPEEDUPS", counting)
+                for name, value in pieces.items():
+                    mp.setattr(runs if hasattr(runs, name) else parse, name, value)
+                c = _typed(list(tapfile_lines.iter_lines(path)))
+            with pytest.MonkeyPatch.context() as mp:
+                for user in (parse, runs):
+                    mp.setattr(user, "SPEEDUPS", None)
+                for name, value in pieces.items():
+                    mp.setattr(runs if hasattr(runs, name) else parse, name, value)
+                py = _typed(list(tapfile_lines.iter_lines(path)))
+            assert c == py, case
+            unbuilt += counting.unbuilt
+    assert unbuilt > copies, (unbuilt, copies)  # most copies, in every cut of pieces
 
 
 # ------------------------------------------------------------ merge pieces
@@ -1360,6 +1593,48 @@ def test_no_references_leak_setting_aside_and_parsing_again(c_module):
                 C.merge_round([([l1], [1.0], [((("k",), "aa"), 1)], 0, 1)], {}, 0, fn)
             except (TypeError, ZeroDivisionError):
                 pass
+
+    calls()
+    counts = [sys.getrefcount(x) for x in watched]
+    for _ in range(500):
+        calls()
+    assert [sys.getrefcount(x) for x in watched] == counts
+    assert _grows(calls, 1000) < 64 << 10
+
+
+def test_no_references_leak_reading_copies_unbuilt(c_module):
+    """plain_records taking copies unbuilt (scan_copy), time_keys holding
+    them as their lines, merge_round dropping one and parsing one again,
+    and their errors: reference counts come back, memory stays flat."""
+    import orjson
+
+    l0 = _dump(record_dict(vhash="aa", process=0, time=1.0, **{"pass": "forward"}))
+    l1 = _dump(record_dict(vhash="aa", process=1, time=2.0, attempt=1, devices="0-7"))
+    l2 = _dump(record_dict(vhash="aa", process=2, time=3.0))
+    loads, key_fn = orjson.loads, fmt.record_key
+    args = (loads, orjson.JSONDecodeError, parse.MAX_DEPTH, parse.MAX_LINE_BYTES, fmt.id_ranges)
+    watched = [l0, l1, l2, loads, key_fn, fmt.id_ranges]
+
+    def calls():
+        seen = {(("r", "a", 0, "forward", None, a), "aa"): 5 for a in (0, 1)}
+        recs, slow = C.plain_records([l0, l1, l2, b"{"], *args, seen)
+        assert [type(x) for x in recs] == [tuple, tuple, tuple, type(None)] and slow == [3]
+        keys: list = []
+        infos: list = []
+        C.time_keys(recs, float("-inf"), keys, infos, key_fn, [l0, l1, l2, b"{"], seen)
+        assert [type(x) for x in recs] == [bytes, bytes, bytes, type(None)]
+        first = {infos[0][0]: 0}
+        out, _, _ = C.merge_round([(recs, keys, infos, 0, 4)], first, 0, loads)
+        assert [d and d["process"] for d in out] == [0, 1, None]
+        for bad in ((l1, "x", None), (l1, 1.0), ("x", 1.0, None)):
+            try:
+                C.time_keys([bad], float("-inf"), [], [], key_fn)
+            except TypeError:
+                pass
+        try:
+            C.plain_records([l1], *args, [])
+        except TypeError:
+            pass
 
     calls()
     counts = [sys.getrefcount(x) for x in watched]
