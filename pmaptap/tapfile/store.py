@@ -43,8 +43,6 @@ import re
 import time
 from typing import Any, NamedTuple
 
-from pmaptap._log import log
-
 SHARD_SUFFIX = ".d"
 
 # Chunks a writer rolls up at most into one object (and a rollup's most).
@@ -242,6 +240,8 @@ class Cursor:
             first_seen = self.gaps[o.writer] = (n, now)
         if wait and now - first_seen[1] < GAP_WAIT_S:
             return False
+        from pmaptap._log import log  # on use: a sharded read that skips nothing loads no logging
+
         log.warning(
             "pmaptap: chunks %d-%d of process %d's writer %s are not in the run's "
             "listing; reading on after them (%s)",

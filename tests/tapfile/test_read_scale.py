@@ -709,3 +709,26 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
                 summary_batch.summarize_file(path, flt),
                 summary_batch._summarize_scanned(path, flt),
             )
+
+
+def test_reading_a_sharded_run_loads_no_logging_or_object_store_client(tmp_path):
+    """The CLI's start-up is part of every read: a sharded run on disk read
+    whole by ``summary``, ``validate`` and ``pmaptap.read`` imports neither
+    logging (only a read that has something to report does) nor fsspec."""
+    path = tmp_path / "run.jsonl"
+    os.makedirs(str(path) + ".d")
+    for p in range(3):
+        with open(pmaptap.tapfile.runs.shard_path(path, p), "w") as f:
+            for step in range(4):
+                d = record_dict(name="loss", step=step, vhash="ab", process=p, time=step + 0.5)
+                f.write(json.dumps(d) + "\n")
+    proc = run_python(f"""
+        import sys
+        from pmaptap.cli import main
+        import pmaptap
+        for cmd in ("summary", "validate"):
+            assert main([cmd, {str(path)!r}]) == 0, cmd
+        assert len(pmaptap.read({str(path)!r})) == 4
+        print(sorted(m for m in ("logging", "fsspec", "s3fs") if m in sys.modules))
+        """)
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
