@@ -1511,19 +1511,30 @@ scalar_clean(PyObject *self, PyObject *args)
 static int
 clean_record(PyObject *d, PyObject *not_clean)
 {
-    PyObject *it = PyObject_GetIter(not_clean);
-    if (it == NULL) {
-        return -1;
-    }
-    PyObject *name;
     int found = 0;
-    while (!found && (name = PyIter_Next(it)) != NULL) {
-        found = PyDict_Contains(d, name);
-        Py_DECREF(name);
+    if (PyTuple_CheckExact(not_clean)) {
+        /* The form the callers keep (checks.py): no iterator a record. */
+        for (Py_ssize_t j = 0; !found && j < PyTuple_GET_SIZE(not_clean); j++) {
+            found = PyDict_Contains(d, PyTuple_GET_ITEM(not_clean, j));
+        }
+        if (found < 0) {
+            return -1;
+        }
     }
-    Py_DECREF(it);
-    if (found < 0 || PyErr_Occurred()) {
-        return -1;
+    else {
+        PyObject *it = PyObject_GetIter(not_clean);
+        if (it == NULL) {
+            return -1;
+        }
+        PyObject *name;
+        while (!found && (name = PyIter_Next(it)) != NULL) {
+            found = PyDict_Contains(d, name);
+            Py_DECREF(name);
+        }
+        Py_DECREF(it);
+        if (found < 0 || PyErr_Occurred()) {
+            return -1;
+        }
     }
     if (found) {
         return 0;
@@ -1618,7 +1629,51 @@ clean_record(PyObject *d, PyObject *not_clean)
     return 0;
 }
 
-/* validate_run(batch, k, groups, not_clean) -> (k', taken)
+/* validate_run's cache: ``cache[device]`` is (group, steps) of the last
+   record of that device filed; its steps (a new reference, into *steps)
+   when this record's group is that one (the same run, name, pass and
+   coordinate: the tuple equality the groups dict would test), else
+   *steps NULL. 0, or -1 with an exception. */
+static int
+cached_steps(PyObject *cache, PyObject *device, PyObject *run, PyObject *name, PyObject *pass,
+             PyObject *axis, PyObject *c, PyObject **steps)
+{
+    *steps = NULL;
+    PyObject *hit = PyDict_GetItemWithError(cache, device);
+    if (hit == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2) {
+        return 0;
+    }
+    Py_INCREF(hit); /* the comparisons below may run Python code */
+    PyObject *group = PyTuple_GET_ITEM(hit, 0), *found = PyTuple_GET_ITEM(hit, 1);
+    int same = PyTuple_CheckExact(group) && PyTuple_GET_SIZE(group) == 8 &&
+               PyDict_CheckExact(found);
+    if (same) {
+        PyObject *ckey = PyTuple_GET_ITEM(group, 7);
+        PyObject *item = PyTuple_CheckExact(ckey) && PyTuple_GET_SIZE(ckey) == 1
+                             ? PyTuple_GET_ITEM(ckey, 0) : NULL;
+        same = item != NULL && PyTuple_CheckExact(item) && PyTuple_GET_SIZE(item) == 2;
+        PyObject *pairs[][2] = {
+            {PyTuple_GET_ITEM(group, 6), device}, {PyTuple_GET_ITEM(group, 1), run},
+            {PyTuple_GET_ITEM(group, 2), name},   {PyTuple_GET_ITEM(group, 3), pass},
+            {same ? PyTuple_GET_ITEM(item, 0) : NULL, axis},
+            {same ? PyTuple_GET_ITEM(item, 1) : NULL, c},
+        };
+        for (size_t j = 0; same > 0 && j < sizeof(pairs) / sizeof(pairs[0]); j++) {
+            same = PyObject_RichCompareBool(pairs[j][0], pairs[j][1], Py_EQ);
+        }
+    }
+    if (same > 0) {
+        Py_INCREF(found);
+        *steps = found;
+    }
+    Py_DECREF(hit);
+    return same < 0 ? -1 : 0;
+}
+
+/* validate_run(batch, k, groups, not_clean[, cache]) -> (k', taken)
 
    checks._validate's loop over a run of the simplest records, from
    batch[k] on, when no later attempt is known (the caller passes only
@@ -1627,14 +1682,19 @@ clean_record(PyObject *d, PyObject *not_clean)
    of its key (checks.FirstCopies, whose ``_keys`` is ``groups``: the
    record's line is filed under its duplicate_parts key). It stops at the
    first other record (k' its index; a duplicate is left unfiled), which
-   the Python loop takes. ``taken``: the records it took. */
+   the Python loop takes. ``taken``: the records it took. ``cache``: a dict
+   the caller keeps for the pass (cached_steps). */
 static PyObject *
 validate_run(PyObject *self, PyObject *args)
 {
-    PyObject *batch, *groups, *not_clean;
+    PyObject *batch, *groups, *not_clean, *cache = Py_None;
     Py_ssize_t k, first_line;
-    if (!PyArg_ParseTuple(args, "O!nnO!O:validate_run", &PyList_Type, &batch, &k, &first_line,
-                          &PyDict_Type, &groups, &not_clean)) {
+    if (!PyArg_ParseTuple(args, "O!nnO!O|O:validate_run", &PyList_Type, &batch, &k, &first_line,
+                          &PyDict_Type, &groups, &not_clean, &cache)) {
+        return NULL;
+    }
+    if (cache != Py_None && !PyDict_CheckExact(cache)) {
+        PyErr_SetString(PyExc_TypeError, "validate_run: cache is a dict or None");
         return NULL;
     }
     Py_ssize_t taken = 0;
@@ -1682,37 +1742,62 @@ validate_run(PyObject *self, PyObject *args)
             Py_DECREF(d);
             return NULL;
         }
-        PyObject *item = PyTuple_Pack(2, axis, c);
-        PyObject *ckey = item == NULL ? NULL : PyTuple_Pack(1, item);
-        Py_XDECREF(item);
-        PyObject *group =
-            ckey == NULL ? NULL
-                         : PyTuple_Pack(8, k_per_device, run ? run : Py_None,
-                                        name ? name : Py_None, pass ? pass : k_forward, Py_None,
-                                        zero, device, ckey);
-        Py_XDECREF(ckey);
-        if (group == NULL) {
-            Py_DECREF(d);
-            return NULL;
-        }
-        PyObject *steps = PyDict_GetItemWithError(groups, group);
+        PyObject *steps = NULL;
         int dup = 0;
-        if (steps == NULL && !PyErr_Occurred()) {
-            PyObject *fresh = PyDict_New();
-            int bad = fresh == NULL || PyDict_SetItem(groups, group, fresh) < 0;
-            Py_XDECREF(fresh);
-            steps = bad ? NULL : PyDict_GetItemWithError(groups, group);
-        }
-        else if (steps != NULL && !PyDict_CheckExact(steps)) {
-            dup = 1; /* not FirstCopies' own form: leave it to the Python loop */
+        if (cache != Py_None) {
+            /* The steps of this device's group the last time, if the
+               record is of that group still: no group tuple built and
+               hashed a record (most of what this loop cost). */
+            int same = cached_steps(cache, device, run ? run : Py_None, name ? name : Py_None,
+                                    pass ? pass : k_forward, axis, c, &steps);
+            if (same < 0) {
+                Py_DECREF(d);
+                return NULL;
+            }
         }
         if (steps == NULL) {
+            PyObject *item = PyTuple_Pack(2, axis, c);
+            PyObject *ckey = item == NULL ? NULL : PyTuple_Pack(1, item);
+            Py_XDECREF(item);
+            PyObject *group =
+                ckey == NULL ? NULL
+                             : PyTuple_Pack(8, k_per_device, run ? run : Py_None,
+                                            name ? name : Py_None, pass ? pass : k_forward,
+                                            Py_None, zero, device, ckey);
+            Py_XDECREF(ckey);
+            if (group == NULL) {
+                Py_DECREF(d);
+                return NULL;
+            }
+            steps = PyDict_GetItemWithError(groups, group);
+            if (steps == NULL && !PyErr_Occurred()) {
+                PyObject *fresh = PyDict_New();
+                int bad = fresh == NULL || PyDict_SetItem(groups, group, fresh) < 0;
+                Py_XDECREF(fresh);
+                steps = bad ? NULL : PyDict_GetItemWithError(groups, group);
+            }
+            else if (steps != NULL && !PyDict_CheckExact(steps)) {
+                dup = 1; /* not FirstCopies' own form: leave it to the Python loop */
+            }
+            if (steps == NULL) {
+                Py_DECREF(group);
+                Py_DECREF(d);
+                return NULL;
+            }
+            Py_INCREF(steps);
+            if (!dup && cache != Py_None) {
+                PyObject *entry = PyTuple_Pack(2, group, steps);
+                int bad = entry == NULL || PyDict_SetItem(cache, device, entry) < 0;
+                Py_XDECREF(entry);
+                if (bad) {
+                    Py_DECREF(group);
+                    Py_DECREF(steps);
+                    Py_DECREF(d);
+                    return NULL;
+                }
+            }
             Py_DECREF(group);
-            Py_DECREF(d);
-            return NULL;
         }
-        Py_INCREF(steps);
-        Py_DECREF(group);
         PyObject *line = NULL;
         if (!dup) {
             int has = step == NULL ? -1 : PyDict_Contains(steps, step);

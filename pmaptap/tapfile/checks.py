@@ -382,12 +382,16 @@ def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
     # validate_run: this loop's steps for them), when no attempt is known.
     run_c = SPEEDUPS.validate_run if SPEEDUPS is not None and superseded is None else None
     groups = firsts._keys
+    # validate_run's: each device's group the last time (no group tuple
+    # built and hashed a record), and NOT_CLEAN as a tuple (no iterator).
+    cache: dict = {}
+    not_clean = tuple(NOT_CLEAN)
     for first_line, batch, bad in iter_batches(path):
         lines = first_line + len(batch) - 1
         k, n = 0, len(batch)
         while k < n:
             if run_c is not None:
-                k, took = run_c(batch, k, first_line, groups, NOT_CLEAN)
+                k, took = run_c(batch, k, first_line, groups, not_clean, cache)
                 records += took
                 if k >= n:
                     break
@@ -399,7 +403,7 @@ def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
             if guess and "attempt" in d and attempt_of(d) and d["kind"] != "meta":
                 return None  # resumed after all: read again, knowing that
             records += 1
-            if clean is None or not clean(d, NOT_CLEAN):
+            if clean is None or not clean(d, not_clean):
                 for p in schema_problems(d):
                     problems.append((lineno, f"schema: {p}"))
             if "bytes" in d:

@@ -1018,6 +1018,43 @@ def test_sharded_copies_read_unbuilt_merge_the_same_with_both_loops(c_module, tm
     assert unbuilt > copies, (unbuilt, copies)  # most copies, in every cut of pieces
 
 
+def test_validate_files_a_device_s_records_under_each_of_its_groups(c_module, tmp_path):
+    """validate_run keeps each device's group from its last record: a
+    record of the same device in another group (another run, name, pass,
+    axis or coordinate) is filed under that group, and a later copy in the
+    first group is still found. Both loops report the same duplicates,
+    exactly these."""
+    base = per_device_dict(0, 0, 0.5)
+    others = [
+        {"run": "r2"},
+        {"name": "g2"},
+        {"pass": "backward"},
+        {"coords": {"tp": 0}},
+        {"coords": {"dp": 1}},
+    ]
+    lines = []
+    want = []
+    for i, other in enumerate(others):
+        one, two = {"step": 10 * i}, {"step": 10 * i + 1}
+        lines.append(dict(base, **one))  # the device's group
+        lines.append(dict(base, **two, **other))  # the same device, another group
+        lines.append(dict(base, **two, **other))  # a copy there
+        want.append((len(lines), len(lines) - 1))
+        lines.append(dict(base, **two))  # the first group: no copy
+        lines.append(dict(base, **one))  # a copy in the first group
+        want.append((len(lines), len(lines) - 4))
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b"".join(_dump(d) + b"\n" for d in lines))
+
+    def duplicates():
+        report = checks.validate_file(path)
+        return [p for p in report.problems if "duplicate" in p[1]]
+
+    c, py, calls = _both(duplicates)
+    assert c == py and calls["validate_run"], (c, py)
+    assert [(line, int(why.split("line ")[1].split()[0])) for line, why in c] == want, c
+
+
 # ------------------------------------------------------------ merge pieces
 
 
@@ -1635,6 +1672,40 @@ def test_no_references_leak_reading_copies_unbuilt(c_module):
             C.plain_records([l1], *args, [])
         except TypeError:
             pass
+
+    calls()
+    counts = [sys.getrefcount(x) for x in watched]
+    for _ in range(500):
+        calls()
+    assert [sys.getrefcount(x) for x in watched] == counts
+    assert _grows(calls, 1000) < 64 << 10
+
+
+def test_no_references_leak_validating_with_the_group_cache(c_module):
+    """validate_run with its cache (hits, misses, a group changed under a
+    device, a cache entry not its own form, bad arguments): reference
+    counts come back, memory stays flat."""
+    pd = per_device_dict(1, 1, 0.5)
+    other = dict(pd, name="g2")
+    not_clean = tuple(fmt.NOT_CLEAN)
+    watched = [pd, other, not_clean]
+
+    def calls():
+        groups: dict = {}
+        cache: dict = {}
+        batch = [dict(pd, step=s) for s in range(4)] + [dict(other, step=1), dict(pd, step=9)]
+        assert C.validate_run(batch, 0, 1, groups, not_clean, cache) == (6, 6)
+        assert len(groups) == 2 and list(cache) == [1]
+        assert C.validate_run([dict(pd, step=2)], 0, 1, groups, not_clean, cache) == (0, 0)
+        cache[1] = ("not", "a group")
+        assert C.validate_run([dict(pd, step=5)], 0, 1, groups, not_clean, cache) == (1, 1)
+        cache[1] = [1]
+        assert C.validate_run([dict(pd, step=6)], 0, 1, groups, fmt.NOT_CLEAN, cache) == (1, 1)
+        for args in ((batch, 0, 1, groups, not_clean, []), (batch, 0, 1, groups, 5, cache)):
+            try:
+                C.validate_run(*args)
+            except TypeError:
+                pass
 
     calls()
     counts = [sys.getrefcount(x) for x in watched]
