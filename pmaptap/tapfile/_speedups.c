@@ -30,6 +30,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 
 static PyObject *k_name, *k_step, *k_kind, *k_run, *k_process, *k_value, *k_dtype, *k_shape,
@@ -282,24 +283,25 @@ typedef struct {
     const char *p, *end;
 } Cur;
 
+/* The bytes a string scan_string takes may hold: printable ASCII but the
+   quote and the backslash (filled in at the module's init). */
+static unsigned char plain_byte[256];
+
 /* A string at c->p ('"'): printable ASCII, no escape. 1 taken, 0 not. */
 static int
 scan_string(Cur *c, const char **s, Py_ssize_t *n)
 {
     const char *q = c->p + 1;
-    for (; q < c->end; q++) {
-        unsigned char ch = (unsigned char)*q;
-        if (ch == '"') {
-            *s = c->p + 1;
-            *n = q - *s;
-            c->p = q + 1;
-            return 1;
-        }
-        if (ch < 0x20 || ch >= 0x7f || ch == '\\') {
-            return 0;
-        }
+    while (q < c->end && plain_byte[(unsigned char)*q]) {
+        q++;
     }
-    return 0;
+    if (q >= c->end || *q != '"') {
+        return 0;
+    }
+    *s = c->p + 1;
+    *n = q - *s;
+    c->p = q + 1;
+    return 1;
 }
 
 static int
@@ -573,23 +575,93 @@ enum {
 static int
 field_of(const char *s, Py_ssize_t n)
 {
-    static const struct {
-        const char *name;
-        int flag;
-    } fields[] = {
-        {"run", F_RUN},           {"name", F_NAME},         {"step", F_STEP},
-        {"kind", F_KIND},         {"value", F_VALUE},       {"dtype", F_DTYPE},
-        {"shape", F_SHAPE},       {"process", F_PROCESS},   {"time", F_TIME},
-        {"host", F_HOST},         {"replicas", F_REPLICAS}, {"devices", F_DEVICES},
-        {"processes", F_PROCESSES}, {"vhash", F_VHASH},     {"pass", F_PASS},
-        {"attempt", F_ATTEMPT},   {"index", F_INDEX},
-    };
-    for (size_t j = 0; j < sizeof(fields) / sizeof(fields[0]); j++) {
-        if ((size_t)n == strlen(fields[j].name) && memcmp(s, fields[j].name, (size_t)n) == 0) {
-            return fields[j].flag;
+#define IS(name) (memcmp(s, name, (size_t)n) == 0)
+    switch (n) {
+    case 3:
+        return IS("run") ? F_RUN : F_OTHER;
+    case 4:
+        return IS("name") ? F_NAME
+               : IS("step") ? F_STEP
+               : IS("kind") ? F_KIND
+               : IS("time") ? F_TIME
+               : IS("host") ? F_HOST
+               : IS("pass") ? F_PASS
+                            : F_OTHER;
+    case 5:
+        return IS("value") ? F_VALUE
+               : IS("dtype") ? F_DTYPE
+               : IS("shape") ? F_SHAPE
+               : IS("vhash") ? F_VHASH
+               : IS("index") ? F_INDEX
+                             : F_OTHER;
+    case 7:
+        return IS("process") ? F_PROCESS
+               : IS("devices") ? F_DEVICES
+               : IS("attempt") ? F_ATTEMPT
+                               : F_OTHER;
+    case 8:
+        return IS("replicas") ? F_REPLICAS : F_OTHER;
+    case 9:
+        return IS("processes") ? F_PROCESSES : F_OTHER;
+    default:
+        return F_OTHER;
+    }
+#undef IS
+}
+
+/* The double a decimal number token (scan_number's, ``n`` bytes at ``p``)
+   is, where one IEEE operation gives it exactly rounded: an integer
+   mantissa below 2**53 and a power of ten up to 10**22 (Clinger's fast
+   path; a time as writers round it, 16 digits, is one). 1 done, 0 not (the
+   caller parses it in full). */
+static int
+exact_double(const char *p, Py_ssize_t n, double *out)
+{
+#if FLT_EVAL_METHOD == 0
+    static const double tens[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                  1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                  1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+    const char *q = p, *end = p + n;
+    int negative = q < end && *q == '-';
+    q += negative;
+    unsigned long long m = 0;
+    int digits = 0, scale = 0;
+    for (; q < end && is_digit(*q); q++, digits++) {
+        m = m * 10 + (unsigned long long)(*q - '0');
+    }
+    if (q < end && *q == '.') {
+        for (q++; q < end && is_digit(*q); q++, digits++, scale--) {
+            m = m * 10 + (unsigned long long)(*q - '0');
         }
     }
-    return F_OTHER;
+    if (q < end && (*q == 'e' || *q == 'E')) {
+        q++;
+        int sign = 1, e = 0;
+        if (q < end && (*q == '+' || *q == '-')) {
+            sign = *q == '-' ? -1 : 1;
+            q++;
+        }
+        for (; q < end && is_digit(*q); q++) {
+            e = e * 10 + (*q - '0');
+            if (e > 1000) {
+                return 0;
+            }
+        }
+        scale += sign * e;
+    }
+    if (q != end || digits > 19 || m > (1ULL << 53) || scale < -22 || scale > 22) {
+        return 0;
+    }
+    double x = (double)m;
+    x = scale < 0 ? x / tens[-scale] : x * tens[scale];
+    *out = negative ? -x : x;
+    return 1;
+#else
+    (void)p;
+    (void)n;
+    (void)out;
+    return 0;
+#endif
 }
 
 /* What the merge needs of a line scan_copy takes. */
@@ -668,6 +740,9 @@ scan_fields(const char *p, Py_ssize_t len, int max_depth, Copy *out)
                 if (n >= (Py_ssize_t)sizeof(buf)) {
                     return 0;
                 }
+                if (exact_double(v, n, &out->time)) {
+                    break;
+                }
                 memcpy(buf, v, (size_t)n);
                 buf[n] = '\0';
                 char *after = NULL;
@@ -704,6 +779,33 @@ scan_fields(const char *p, Py_ssize_t len, int max_depth, Copy *out)
     return c.p == c.end && (out->has & F_NEEDED) == F_NEEDED;
 }
 
+/* The run and name strs scan_copy built last (they repeat from copy to
+   copy): reused, so a copy's key costs no new str and its strs' hashes are
+   known. Holds a reference to each (a few short strs, for the process's
+   life). */
+#define STR_CACHE 16
+static PyObject *str_cache[STR_CACHE];
+static unsigned str_next;
+
+static PyObject *
+ascii_str(const char *s, Py_ssize_t n)
+{
+    for (int j = 0; j < STR_CACHE; j++) {
+        PyObject *o = str_cache[j];
+        if (o != NULL && PyUnicode_GET_LENGTH(o) == n && memcmp(PyUnicode_DATA(o), s, (size_t)n) == 0) {
+            Py_INCREF(o);
+            return o;
+        }
+    }
+    PyObject *o = PyUnicode_DecodeASCII(s, n, NULL);
+    if (o != NULL) {
+        Py_INCREF(o);
+        Py_XSETREF(str_cache[str_next], o);
+        str_next = (str_next + 1) % STR_CACHE;
+    }
+    return o;
+}
+
 /* ``line`` when it is a likely copy scan_copy can answer for: *marker
    (line, time, ((record_key, vhash), process)), the form time_keys takes,
    and ``seen`` updated as set_aside does. 1 taken, 0 not (the line goes
@@ -716,8 +818,8 @@ scan_copy(PyObject *line, PyObject *seen, Py_ssize_t max_depth, PyObject **marke
     if (!scan_fields(p, PyBytes_GET_SIZE(line), (int)max_depth, &f)) {
         return 0;
     }
-    PyObject *run = PyUnicode_DecodeASCII(f.run, f.run_n, NULL);
-    PyObject *name = PyUnicode_DecodeASCII(f.name, f.name_n, NULL);
+    PyObject *run = ascii_str(f.run, f.run_n);
+    PyObject *name = ascii_str(f.name, f.name_n);
     PyObject *step = PyLong_FromLongLong(f.step);
     PyObject *pass = (f.has & F_PASS) ? PyUnicode_DecodeASCII(f.pass, f.pass_n, NULL)
                                       : (Py_INCREF(k_forward), k_forward);
@@ -1878,6 +1980,9 @@ PyInit__speedups(void)
     zero = PyLong_FromLong(0);
     if (zero == NULL) {
         return NULL;
+    }
+    for (int ch = 0; ch < 256; ch++) {
+        plain_byte[ch] = ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\';
     }
     return PyModule_Create(&module);
 }

@@ -947,6 +947,37 @@ def test_a_copy_read_without_building_it_is_what_parse_line_reads_fuzzed(line, j
             _is_what_parse_line_reads(x, marker)
 
 
+def test_scan_copy_reads_times_as_orjson_does(c_module):
+    """A copy's time read in C (an exactly rounded fast path for short
+    mantissas, the full parse otherwise) is the double orjson reads: for
+    times as writers round them and random decimal texts around the fast
+    path's edges (2**53, 10**22, 17 digits, exponents)."""
+    import orjson
+
+    rnd = random.Random(3)
+    texts = [repr(round(rnd.uniform(1e9, 2e9), 6)) for _ in range(2000)]
+    texts += [repr(rnd.uniform(-1e3, 1e3)) for _ in range(500)]
+    texts += ["9007199254740992.0", "9007199254740993.0", "90071992547409.93", "0.1", "-0.0"]
+    for _ in range(3000):
+        digits = "".join(rnd.choice("0123456789") for _ in range(rnd.randint(1, 17)))
+        digits = digits.lstrip("0") or "0"
+        cut = rnd.randint(1, len(digits))
+        text = digits[:cut] + "." + (digits[cut:] or "0")
+        if rnd.random() < 0.4:
+            text += rnd.choice(["e", "E"]) + rnd.choice(["", "+", "-"]) + str(rnd.randint(0, 40))
+        texts.append(rnd.choice(["", "-"]) + text)
+    base = _dump(record_dict(vhash="ab", time=0.5))
+    checked = 0
+    for text in texts:
+        line = base.replace(b'"time":0.5', b'"time":' + text.encode())
+        marker = _scanned(line, parse.MAX_DEPTH, parse.MAX_LINE_BYTES)
+        if marker is None:
+            continue
+        assert repr(marker[1]) == repr(orjson.loads(line)["time"]) == repr(float(text)), text
+        checked += 1
+    assert checked > 5000, checked
+
+
 def test_scan_copy_takes_holders_text_up_to_format_s_limit(c_module):
     """The ranges text limit in C is format.MAX_HOLDERS: one id more and
     the line is no plain record (parse_line's slow path), so not taken."""
