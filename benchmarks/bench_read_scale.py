@@ -13,7 +13,9 @@ Arms:
   (target <= 3x), at 200 steps a process (6,400 lines: the client's start,
   ``import s3fs`` and one client, is most of it, and alone several times
   the whole read from disk) and at 4,000 (128,000 lines: the reading
-  itself); only where moto and s3fs are installed.
+  itself), beside a stdlib client (no s3fs, no pmaptap, nothing parsed:
+  Python, one signed listing, each object's GET), the least any client
+  could take against this server; only where moto and s3fs are installed.
 
 ``--part m`` (or n, o; repeatable) runs only those arms.
 
@@ -175,6 +177,45 @@ _BARE_STORE = (
 # What every read from a store pays before its first request: Python, the
 # client's import and one client.
 _CLIENT_START = "import s3fs\ns3fs.S3FileSystem()\n"
+# The least any client could take here: the standard library alone (no
+# s3fs, nothing of pmaptap), one listing and each object fetched in turn
+# on one connection, each request signed (AWS SigV4, as moto checks it),
+# nothing parsed. Python's start, the listing and moto's GETs: what a
+# second, faster-starting client could at best get down to.
+_BARE_STDLIB = r"""
+import datetime, hashlib, hmac, http.client, os, re, sys, urllib.parse
+url = urllib.parse.urlparse(os.environ["AWS_ENDPOINT_URL"])
+bucket, prefix = sys.argv[1][5:].split("/", 1)
+conn = http.client.HTTPConnection(url.hostname, url.port)
+def get(path, query=""):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    empty = hashlib.sha256(b"").hexdigest()
+    signed = "host;x-amz-content-sha256;x-amz-date"
+    canon = "\n".join(["GET", path, query, "host:" + url.netloc,
+                       "x-amz-content-sha256:" + empty, "x-amz-date:" + stamp, "",
+                       signed, empty])
+    scope = day + "/" + os.environ["AWS_DEFAULT_REGION"] + "/s3/aws4_request"
+    key = ("AWS4" + os.environ["AWS_SECRET_ACCESS_KEY"]).encode()
+    for part in scope.split("/"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    text = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
+                      hashlib.sha256(canon.encode()).hexdigest()])
+    sig = hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+    auth = ("AWS4-HMAC-SHA256 Credential=" + os.environ["AWS_ACCESS_KEY_ID"] + "/" + scope
+            + ", SignedHeaders=" + signed + ", Signature=" + sig)
+    conn.request("GET", path + ("?" + query if query else ""), headers={
+        "x-amz-date": stamp, "x-amz-content-sha256": empty, "Authorization": auth})
+    response = conn.getresponse()
+    body = response.read()
+    assert response.status == 200, (response.status, body[:200])
+    return body
+query = "list-type=2&prefix=" + urllib.parse.quote(prefix + ".d/", safe="")
+listing = get("/" + bucket, query)
+assert b"IsTruncated>false" in listing  # one page: every object listed
+names = re.findall(rb"<Key>([^<]+)</Key>", listing)
+print(sum(len(get("/" + bucket + "/" + n.decode())) for n in names))
+"""
 _LIMITED = (
     "import resource, runpy, sys\n"
     "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
@@ -284,17 +325,19 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
             env=env,
             check=True,
         )
-        read, floor, disk, start = (
+        read, floor, disk, start, least = (
             "o. object store, pmaptap.read",
             "o. object store, bare client (floor)",
             "o. local disk, pmaptap.read",
             "o. the client's start alone",
+            "o. a stdlib client, nothing parsed",
         )
         arms = {
             read: [sys.executable, "-c", _READ, url],
             floor: [sys.executable, "-c", _BARE_STORE, url],
             disk: [sys.executable, "-c", _READ, local],
             start: [sys.executable, "-c", _CLIENT_START],
+            least: [sys.executable, "-c", _BARE_STDLIB, url],
         }
         walls, rss = _rounds(arms, rounds, env)
         _report(
@@ -308,7 +351,8 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
             f"o. object store read ratio, {steps} steps: {m[read] / m[disk]:.2f}x the same "
             f"run on disk (target <= 3x); {m[read] / m[floor]:.2f}x the bare client's import "
             f"and concurrent fetch of the same objects; the client's start alone is "
-            f"{m[start] / m[disk]:.2f}x the whole read from disk"
+            f"{m[start] / m[disk]:.2f}x the whole read from disk; a stdlib client's "
+            f"listing and fetch, nothing parsed, {m[least] / m[disk]:.2f}x"
         )
 
 

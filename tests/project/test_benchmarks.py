@@ -57,6 +57,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "n. 4096 shards: every reader ran",
         "o. object store read ratio",
         "o. the client's start alone",
+        "o. a stdlib client, nothing parsed",
         "l. file",
         "l. sharded",
         "l. sharded: rate at",
