@@ -617,7 +617,7 @@ field_of(const char *s, Py_ssize_t n)
 static int
 exact_double(const char *p, Py_ssize_t n, double *out)
 {
-#if FLT_EVAL_METHOD == 0
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
     static const double tens[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
                                   1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
                                   1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
@@ -912,7 +912,11 @@ plain_records(PyObject *self, PyObject *args)
             if (len <= max_line && (len <= max_depth ||
                                     openers(PyBytes_AS_STRING(line), len, max_depth) <= max_depth)) {
                 if (seen != Py_None) {
+                    /* Held: a process in ``seen`` may run Python code
+                       (its comparison) that changes ``lines``. */
+                    Py_INCREF(line);
                     int got = scan_copy(line, seen, max_depth, &d);
+                    Py_DECREF(line);
                     if (got < 0) {
                         goto fail;
                     }
@@ -1785,7 +1789,8 @@ cached_steps(PyObject *cache, PyObject *device, PyObject *run, PyObject *name, P
    record's line is filed under its duplicate_parts key). It stops at the
    first other record (k' its index; a duplicate is left unfiled), which
    the Python loop takes. ``taken``: the records it took. ``cache``: a dict
-   the caller keeps for the pass (cached_steps). */
+   the caller keeps for the pass beside ``groups`` (cached_steps): its
+   entries are steps dicts of that ``groups``, never of another. */
 static PyObject *
 validate_run(PyObject *self, PyObject *args)
 {

@@ -1505,7 +1505,33 @@ def dropped_aside():
     recs = [bytes(line)]
     out = C.merge_round([(recs, [1.0], [info], 0, 1)], {("k", "ab"): 0}, 0, None)
     assert out == ([], {}, 0) and recs == [None], (out, recs)
+SCANNED = (b'{"run":"r","name":"n","step":1,"kind":"replicated","value":1,"dtype":"f",'
+           b'"shape":[],"process":1,"time":1.5,"host":"h","replicas":8,"vhash":"v"}')
+SCAN_KEY = (("r", "n", 1, "forward", None, 0), "v")
+def scan(lines, seen):
+    return C.plain_records(lines, orjson.loads, orjson.JSONDecodeError, 128, 1 << 20,
+                           lambda t: None, seen)
+class NeClearsLines:
+    def __init__(self, lines):
+        self.lines = lines
+    def __ne__(self, other):
+        self.lines.clear()
+        return True
+    __hash__ = object.__hash__
+def scan_ne_clears():
+    lines = [bytes(bytearray(SCANNED))]  # held by the list alone
+    records, slow = scan(lines, {SCAN_KEY: NeClearsLines(lines)})
+    assert type(records[0]) is tuple and orjson.loads(records[0][0])["vhash"] == "v"
+def scan_ne_raises():
+    class NeRaises:
+        def __ne__(self, other):
+            raise ZeroDivisionError
+        __hash__ = object.__hash__
+    scan([SCANNED], {SCAN_KEY: NeRaises()})
 calls.update({
+    "scan: __ne__ clears the lines": scan_ne_clears,
+    "scan: __ne__ raises": scan_ne_raises,
+    "scan: seen not a dict": lambda: scan([SCANNED], [SCAN_KEY]),
     "lines shorter": lines_shorter,
     "lines not bytes": lines_not_bytes,
     "set aside": one_set_aside,
@@ -1521,7 +1547,7 @@ calls.update({
 
 
 def test_set_aside_arguments_raise_instead_of_crashing(c_module):
-    """time_keys' lines and seen, merge_round's loads: TypeError for what
+    """time_keys' lines and seen, plain_records' seen (scan_copy), merge_round's loads: TypeError for what
     callers never pass (lines not a list, seen not a dict, a line set aside
     and no loads), loads' own error, nothing set aside where the line is
     missing or no bytes; Python code run by a comparison, a key's hash or
@@ -1542,6 +1568,8 @@ def test_set_aside_arguments_raise_instead_of_crashing(c_module):
         "loads raising": "ZeroDivisionError",
         "loads not callable": "TypeError",
         "loads clears": "RuntimeError",
+        "scan: __ne__ raises": "ZeroDivisionError",
+        "scan: seen not a dict": "TypeError",
     }
     for name, error in got.items():
         assert error == want.get(name, "no error"), (name, error, proc.stderr[-2000:])
