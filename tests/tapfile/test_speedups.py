@@ -1547,9 +1547,10 @@ calls.update({
 
 
 def test_set_aside_arguments_raise_instead_of_crashing(c_module):
-    """time_keys' lines and seen, plain_records' seen (scan_copy), merge_round's loads: TypeError for what
-    callers never pass (lines not a list, seen not a dict, a line set aside
-    and no loads), loads' own error, nothing set aside where the line is
+    """time_keys' lines and seen, plain_records' seen (scan_copy),
+    merge_round's loads: TypeError for what callers never pass (lines not
+    a list, seen not a dict, a line set aside and no loads), loads' and a
+    comparison's own errors, nothing set aside where the line is
     missing or no bytes; Python code run by a comparison, a key's hash or
     loads that changes the lists read is safe. In a child under
     PYTHONMALLOC=debug: a crash fails this test, not the session."""
