@@ -304,6 +304,13 @@ scan_string(Cur *c, const char **s, Py_ssize_t *n)
     return 1;
 }
 
+/* A value at c->p that is a string scan_string takes. */
+static int
+string_at(Cur *c, const char **s, Py_ssize_t *n)
+{
+    return c->p < c->end && *c->p == '"' && scan_string(c, s, n);
+}
+
 static int
 is_digit(char ch)
 {
@@ -701,24 +708,21 @@ scan_fields(const char *p, Py_ssize_t len, int max_depth, Copy *out)
         Py_ssize_t digits = 0;
         switch (f) {
         case F_RUN:
-            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->run, &out->run_n);
+            ok = string_at(&c, &out->run, &out->run_n);
             break;
         case F_NAME:
-            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->name, &out->name_n) &&
-                 out->name_n > 0;
+            ok = string_at(&c, &out->name, &out->name_n) && out->name_n > 0;
             break;
         case F_PASS:
-            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->pass, &out->pass_n);
+            ok = string_at(&c, &out->pass, &out->pass_n);
             break;
         case F_VHASH:
-            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &out->vhash, &out->vhash_n) &&
-                 out->vhash_n > 0;
+            ok = string_at(&c, &out->vhash, &out->vhash_n) && out->vhash_n > 0;
             break;
         case F_KIND: {
             const char *s;
             Py_ssize_t n;
-            ok = c.p < c.end && *c.p == '"' && scan_string(&c, &s, &n) && n == 10 &&
-                 memcmp(s, "replicated", 10) == 0;
+            ok = string_at(&c, &s, &n) && n == 10 && memcmp(s, "replicated", 10) == 0;
             break;
         }
         case F_STEP:

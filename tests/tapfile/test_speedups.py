@@ -1032,19 +1032,15 @@ def test_sharded_copies_read_unbuilt_merge_the_same_with_both_loops(c_module, tm
                 f.writelines(_dump(d) + b"\n" for d in out)
         for pieces in PIECES[:3]:
             counting = Scanned(C)
-            with pytest.MonkeyPatch.context() as mp:
-                for user in (parse, runs):
-                    mp.setattr(user, "SPEEDUPS", counting)
-                for name, value in pieces.items():
-                    mp.setattr(runs if hasattr(runs, name) else parse, name, value)
-                c = _typed(list(tapfile_lines.iter_lines(path)))
-            with pytest.MonkeyPatch.context() as mp:
-                for user in (parse, runs):
-                    mp.setattr(user, "SPEEDUPS", None)
-                for name, value in pieces.items():
-                    mp.setattr(runs if hasattr(runs, name) else parse, name, value)
-                py = _typed(list(tapfile_lines.iter_lines(path)))
-            assert c == py, case
+            got = []
+            for module in (counting, None):  # C, then the Python loops
+                with pytest.MonkeyPatch.context() as mp:
+                    for user in (parse, runs):
+                        mp.setattr(user, "SPEEDUPS", module)
+                    for name, value in pieces.items():
+                        mp.setattr(runs if hasattr(runs, name) else parse, name, value)
+                    got.append(_typed(list(tapfile_lines.iter_lines(path))))
+            assert got[0] == got[1], case
             unbuilt += counting.unbuilt
     assert unbuilt > copies, (unbuilt, copies)  # most copies, in every cut of pieces
 
@@ -1594,6 +1590,17 @@ def _grows(fn, rounds: int = 3000) -> int:
         tracemalloc.stop()
 
 
+def _refcounts_come_back(calls, watched: list) -> None:
+    """``calls()`` 500 times more after a first: the reference counts of
+    ``watched`` are where they were, and memory stays flat."""
+    calls()
+    counts = [sys.getrefcount(x) for x in watched]
+    for _ in range(500):
+        calls()
+    assert [sys.getrefcount(x) for x in watched] == counts
+    assert _grows(calls, 1000) < 64 << 10
+
+
 def test_no_references_leak(c_module):
     """Reference counts of everything the functions touch come back to
     where they were, after results and errors alike; memory stays flat."""
@@ -1691,12 +1698,7 @@ def test_no_references_leak_setting_aside_and_parsing_again(c_module):
             except (TypeError, ZeroDivisionError):
                 pass
 
-    calls()
-    counts = [sys.getrefcount(x) for x in watched]
-    for _ in range(500):
-        calls()
-    assert [sys.getrefcount(x) for x in watched] == counts
-    assert _grows(calls, 1000) < 64 << 10
+    _refcounts_come_back(calls, watched)
 
 
 def test_no_references_leak_reading_copies_unbuilt(c_module):
@@ -1733,12 +1735,7 @@ def test_no_references_leak_reading_copies_unbuilt(c_module):
         except TypeError:
             pass
 
-    calls()
-    counts = [sys.getrefcount(x) for x in watched]
-    for _ in range(500):
-        calls()
-    assert [sys.getrefcount(x) for x in watched] == counts
-    assert _grows(calls, 1000) < 64 << 10
+    _refcounts_come_back(calls, watched)
 
 
 def test_no_references_leak_validating_with_the_group_cache(c_module):
@@ -1767,9 +1764,4 @@ def test_no_references_leak_validating_with_the_group_cache(c_module):
             except TypeError:
                 pass
 
-    calls()
-    counts = [sys.getrefcount(x) for x in watched]
-    for _ in range(500):
-        calls()
-    assert [sys.getrefcount(x) for x in watched] == counts
-    assert _grows(calls, 1000) < 64 << 10
+    _refcounts_come_back(calls, watched)
