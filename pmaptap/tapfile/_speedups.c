@@ -11,7 +11,10 @@
      a time: a line becomes a record here only when parse_line's own fast
      path would take it (short, at most max_depth opening brackets, orjson
      takes it, a plainly valid record); every other line is left to
-     parse_line, the definition, by the caller.
+     parse_line, the definition, by the caller. With a merge's ``seen``,
+     a likely copy of a replicated value in the writers' plain form is
+     read without being built (scan_copy): no Python loop does this; the
+     tests hold it to parse_line line by line.
    - first_not_plain: format.first_not_plain (plain() on its own, for the
      tests that hold it to the Python check).
    - time_keys: the merge key loop of runs._Source.extend (and, with the
@@ -23,7 +26,8 @@
    - scalar_clean: checks.schema_problems' fast path (checks._fields_clean
      and a float scalar).
    - validate_run: checks._validate's loop over a run of the simplest
-     per-device records (their schema check and duplicate index).
+     per-device records (their schema check and duplicate index; each
+     device's group kept from its last record, cached_steps).
 
    Nothing here decides what a record is: these are the fast checks that
    send anything unusual to the Python definitions. */
