@@ -418,9 +418,9 @@ scan_scalar(Cur *c)
     if (c->p >= c->end) {
         return 0;
     }
+    const char *s;
+    Py_ssize_t n;
     if (*c->p == '"') {
-        const char *s;
-        Py_ssize_t n;
         return scan_string(c, &s, &n);
     }
     if (*c->p == '-' || is_digit(*c->p)) {
@@ -455,8 +455,7 @@ scan_value(Cur *c, int depth)
         if (open == '{') {
             const char *s;
             Py_ssize_t n;
-            if (c->p >= c->end || *c->p != '"' || !scan_string(c, &s, &n) || c->p >= c->end ||
-                *c->p != ':') {
+            if (!string_at(c, &s, &n) || c->p >= c->end || *c->p != ':') {
                 return 0;
             }
             c->p++;
@@ -541,34 +540,18 @@ ranges_ok(const char *s, Py_ssize_t n)
     }
 }
 
-/* devices / processes: null, a list of scalars, or a ranges text. */
+/* devices / processes: null, a list of scalars (a list one level deep),
+   or a ranges text. */
 static int
 scan_holders(Cur *c)
 {
+    const char *s;
+    Py_ssize_t n;
     if (c->p < c->end && *c->p == '"') {
-        const char *s;
-        Py_ssize_t n;
         return scan_string(c, &s, &n) && ranges_ok(s, n);
     }
     if (c->p < c->end && *c->p == '[') {
-        c->p++;
-        if (c->p < c->end && *c->p == ']') {
-            c->p++;
-            return 1;
-        }
-        for (;;) {
-            if (!scan_scalar(c) || c->p >= c->end) {
-                return 0;
-            }
-            if (*c->p == ']') {
-                c->p++;
-                return 1;
-            }
-            if (*c->p != ',') {
-                return 0;
-            }
-            c->p++;
-        }
+        return scan_value(c, 1);
     }
     return c->end - c->p >= 4 && memcmp(c->p, "null", 4) == 0 && (c->p += 4, 1);
 }
@@ -697,8 +680,7 @@ scan_fields(const char *p, Py_ssize_t len, int max_depth, Copy *out)
     for (;;) {
         const char *k;
         Py_ssize_t kn;
-        if (c.p >= c.end || *c.p != '"' || !scan_string(&c, &k, &kn) || c.p >= c.end ||
-            *c.p != ':') {
+        if (!string_at(&c, &k, &kn) || c.p >= c.end || *c.p != ':') {
             return 0;
         }
         c.p++;
