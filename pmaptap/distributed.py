@@ -359,7 +359,13 @@ def session_start(run: str, attempt: int, offset: int) -> int | None:
 # --------------------------------------------------------------- close
 
 
-def close_barrier(run: str, timeout: float) -> None:
+def close_barrier(
+    run: str,
+    timeout: float,
+    *,
+    on_unclosed: "Callable[[list[int] | None], None] | None" = None,
+    eager: bool = False,
+) -> None:
     """Wait (at most ``timeout`` seconds) until every process has closed its
     session for ``run``; then the file holds every process's records.
 
@@ -368,11 +374,18 @@ def close_barrier(run: str, timeout: float) -> None:
     at a coordination-service barrier. On timeout it warns with the ids of
     the processes whose key is missing. Never raises, never blocks longer
     than about ``timeout``, and uses no device collectives.
+
+    ``on_unclosed`` gets the processes not seen to close (None: the
+    coordination service cannot say which) when the wait fails, and, with
+    ``eager`` (a process being terminated, which may not live through the
+    wait), those not closed yet before it waits; ``unclosed_now`` asks
+    during the wait. The sharded layout writes the values those processes
+    own and may not have written (dirsink.py: Held).
     """
     client = _client()
     if client is None:
-        if not _forked:
-            _warn_if_shut_down_early(run)
+        if not _forked and _warn_if_shut_down_early(run) and on_unclosed is not None:
+            on_unclosed(None)
         return
     try:
         n, pid = _process_info()
@@ -391,11 +404,21 @@ def close_barrier(run: str, timeout: float) -> None:
             f"to the other processes ({type(e).__name__}: {e}); not "
             "waiting for them."
         )
+        if on_unclosed is not None:
+            on_unclosed(None)
         return
-    failure = _wait_at_barrier(client, f"pmaptap/{run}/close/{k}", timeout)
+    _waiting[run] = (client, prefix, n)
+    try:
+        if eager and on_unclosed is not None:
+            on_unclosed(_missing_processes(client, prefix, n))
+        failure = _wait_at_barrier(client, f"pmaptap/{run}/close/{k}", timeout)
+    finally:
+        _waiting.pop(run, None)
     if failure is None:
         return
     missing = _missing_processes(client, prefix, n)
+    if on_unclosed is not None:
+        on_unclosed(missing)
     if missing is None:
         log.warning(
             f"pmaptap: the close barrier of run {run!r} failed "
@@ -414,23 +437,36 @@ def close_barrier(run: str, timeout: float) -> None:
     # had already timed out for the others): the file is complete.
 
 
-def _warn_if_shut_down_early(run: str) -> None:
+# The close barriers being waited at, by run: (client, key prefix, processes).
+_waiting: dict[str, tuple[Any, str, int]] = {}
+
+
+def unclosed_now(run: str) -> list[int] | None:
+    """During ``close_barrier(run)``'s wait (a SIGTERM handler asks): the
+    processes that have not closed yet; None when nobody waits or the
+    coordination service cannot say."""
+    got = _waiting.get(run)
+    return None if got is None else _missing_processes(*got)
+
+
+def _warn_if_shut_down_early(run: str) -> bool:
     """A multi-process backend but no coordination client: somebody called
-    jax.distributed.shutdown() before closing the session."""
+    jax.distributed.shutdown() before closing the session. True if so."""
     try:
         import jax
         from jax._src import xla_bridge
 
         if not xla_bridge.backends_are_initialized() or jax.process_count() <= 1:
-            return
+            return False
     except Exception:  # noqa: BLE001
-        return
+        return False
     log.warning(
         f"pmaptap: jax.distributed was shut down before session "
         f"{run!r} closed, so its close could not wait for the other "
         "processes; their records may still be arriving. Close the "
         "session first."
     )
+    return True
 
 
 def _wait_at_barrier(client: Any, barrier_id: str, timeout: float) -> BaseException | None:
@@ -487,4 +523,5 @@ __all__ = [
     "launcher_settings",
     "mode",
     "session_start",
+    "unclosed_now",
 ]

@@ -17,19 +17,31 @@ replicated record (a per-process tap in the copy layout, a side ``Writer``, a
 written by each process that has it, and readers
 keep one copy of each value, flagging different values divergent: nothing a
 non-owner saw can be lost because the owner never saw it.
+
+An owner can die before it writes what it owns (SIGKILL, the OOM killer,
+preemption), while the other holders live on. So each process keeps the
+replicated values it left to an owner (``Held``) until its close knows
+whether that owner closed (its records then are all written:
+``distributed.close_barrier``); for an owner that did not, it writes them
+itself (``write_held``), a copy like any other holder's, which readers keep
+once (the merge drops a copy of a value already read: runs.py). A healthy
+job writes nothing extra: every owner closes. What is kept is bounded
+(``HELD_BYTES``); see ``Held``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from collections import deque
+from typing import Iterable, Sequence
 
 from pmaptap._host.blobs import BlobFile
 from pmaptap._host.sink import FileSink, Sink, prepare_path
 from pmaptap._log import log
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.format import COPIES_SEEN, Record, record_key
+from pmaptap.tapfile.rawarray import RawArray, has_raw, raw_leaves
 
 # Seconds between two looks at the shard's path (a stat by name: a server
 # round trip on NFS/Lustre) to see whether it was renamed away (log
@@ -37,19 +49,87 @@ from pmaptap.tapfile.format import COPIES_SEEN, Record, record_key
 # torn-tail check, its link count for a removal), which the client answers.
 PATH_CHECK_S = 5.0
 
+# What a process keeps of the values it left to their owners (estimated
+# bytes: the record's line, or a guess for one not encoded yet, plus the
+# bytes of its stored arrays). A value an owner has not written when it dies
+# is one of its last (its queue); the values a jointly verified tap computes
+# need every holder's device, so none is computed after an owner died. 64 MiB
+# is ~200,000 scalar records: minutes of a busy job's replicated taps.
+HELD_BYTES = 64 << 20
+_RECORD_GUESS = 512  # bytes, of a record held without its line
 
-def mine(r: Record, process: int) -> bool:
-    """Does ``process`` write ``r`` in the sharded layout? Yes, unless it is
-    a replicated value that several processes verified on device and another
-    of them owns."""
+
+def _held_size(r: Record) -> int:
+    line = r._line
+    size = len(line) if line is not None else _RECORD_GUESS
+    v = r.value
+    if type(v) is RawArray:
+        size += v.nbytes
+    elif type(v) in (dict, list) and type(r.dtype) is not str and has_raw(v, r.dtype):
+        size += sum(x.nbytes for x in raw_leaves(v, r.dtype))
+    return size
+
+
+class Held:
+    """The replicated values this process left to other owners, oldest
+    first, at most ``limit`` estimated bytes: past it the oldest are let go
+    and counted per owner in ``released`` (a warning names them if that
+    owner then does not close). Only the writer thread adds; ``take`` runs
+    after the pipeline's threads have ended, or on the thread that closes."""
+
+    def __init__(self, limit: int = HELD_BYTES) -> None:
+        self.limit = limit
+        self._items: deque[tuple[int, Record, int]] = deque()  # (owner, record, size)
+        self.bytes = 0
+        self.released: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, owner: int, r: Record) -> None:
+        size = _held_size(r)
+        self._items.append((owner, r, size))
+        self.bytes += size
+        while self.bytes > self.limit and self._items:
+            o, _, n = self._items.popleft()
+            self.bytes -= n
+            self.released[o] = self.released.get(o, 0) + 1
+
+    def take(self, owners: "Iterable[int] | None") -> list[Record]:
+        """Remove and return the values held for ``owners`` (None: all), in
+        the order they were left."""
+        want = None if owners is None else set(owners)
+        out, rest = [], deque()
+        for item in self._items:
+            if want is None or item[0] in want:
+                out.append(item[1])
+                self.bytes -= item[2]
+            else:
+                rest.append(item)
+        self._items = rest
+        return out
+
+
+def owner_of(r: Record) -> int | None:
+    """The process that writes ``r`` in the sharded layout, or None when
+    every process that has it writes it: None unless ``r`` is a replicated
+    value that several processes verified on device."""
     if (
         r.kind != "replicated"
         or not r.processes
         or len(r.processes) < 2
         or (r.extra and (r.extra.get("verified") is False or COPIES_SEEN in r.extra))
     ):
-        return True
-    return runs.owner(record_key(r), r.processes) == process
+        return None
+    return runs.owner(record_key(r), r.processes)
+
+
+def mine(r: Record, process: int) -> bool:
+    """Does ``process`` write ``r`` in the sharded layout? Yes, unless it is
+    a replicated value that several processes verified on device and another
+    of them owns."""
+    o = owner_of(r)
+    return o is None or o == process
 
 
 class DirectorySink(Sink):
@@ -76,6 +156,8 @@ class DirectorySink(Sink):
         self.bytes_written = 0
         self.bytes_read = 0  # never reads another process's output
         self.skipped = 0  # replicated values left to their owner
+        self.held = Held()  # ... kept until the close knows their owners closed
+        self.held_written = 0  # ... written at close: their owner did not close
         self.repairs = 0
         self.replacements = 0
         self.rejected: list[str] = []
@@ -93,21 +175,48 @@ class DirectorySink(Sink):
         ``left``. Shared by the object sink."""
         keep = []
         self.left = []
+        held = self.held
         for i, r in enumerate(records):
-            if mine(r, self.process):
+            o = owner_of(r)
+            if o is None or o == self.process:
                 keep.append(r)
             else:
                 self.left.append(i)
+                held.add(o, r)
         self.skipped += len(self.left)
         if not keep:
             return [], []
         encoded, keep = self._encode(keep)
         return keep, [encoded.get(id(r)) or r.encode() for r in keep]
 
+    def write_held(self, owners: "Iterable[int] | None") -> int:
+        """Write the values held for ``owners`` (None: every owner), whose
+        close was not seen: they may never have written them. Returns how
+        many. Called after close() (the session's, once its pipeline is
+        drained): the file is opened again, and closed. Shared by the object
+        sink."""
+        records = self.held.take(owners)
+        if not records:
+            return 0
+        try:
+            encoded, keep = self._encode(records)
+            self._append_lines(keep, [encoded.get(id(r)) or r.encode() for r in keep])
+        finally:
+            self.close()
+        self.held_written += len(keep)
+        return len(keep)
+
     def write(self, records: Sequence[Record]) -> list[Record]:
         keep, chunks = self.own_lines(records)
         if not keep:
             return []
+        self._append_lines(keep, chunks)
+        return keep  # what was written: the session's forwarders get these
+
+    def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None:
+        if self._fd < 0:  # closed: write_held at the session's close
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+            self._end = None
         size = self._reopen_if_replaced().st_size
         # Only this process writes the shard, so it ends where our last write
         # left it, on a newline, unless something else changed it: a writer
@@ -126,7 +235,6 @@ class DirectorySink(Sink):
         self.repairs += torn
         self.lines_written += len(keep)
         self.bytes_written += written
-        return keep  # what was written: the session's forwarders get these
 
     def _reopen_if_replaced(self) -> os.stat_result:
         """The shard moved away or removed under us (log rotation, a clean-up

@@ -29,7 +29,7 @@ import time
 from typing import Sequence
 
 from pmaptap._host.blobs import object_blob
-from pmaptap._host.dirsink import DirectorySink
+from pmaptap._host.dirsink import DirectorySink, Held
 from pmaptap._host.sink import FileSink, Sink
 from pmaptap._log import log
 from pmaptap.errors import TapPathError
@@ -88,6 +88,8 @@ class ObjectSink(Sink):
         self.bytes_written = 0
         self.bytes_read = 0
         self.skipped = 0
+        self.held = Held()  # replicated values left to their owners (dirsink.py)
+        self.held_written = 0
         self.rejected: list[str] = []
         try:
             # Reachable and writable now, not at the first batch: an empty
@@ -181,13 +183,17 @@ class ObjectSink(Sink):
         self.blob_bytes_written += len(data)
 
     own_lines = DirectorySink.own_lines
+    write_held = DirectorySink.write_held
 
     def write(self, records: Sequence[Record]) -> list[Record]:
         keep, chunks = self.own_lines(records)
         if not keep:
             return []
+        self._append_lines(keep, chunks)
+        return keep  # what was written: the session's forwarders get these
+
+    def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None:
         data = b"".join(chunks)
         self._put(data)  # raises: the pipeline retries the batch whole
         self.lines_written += len(keep)
         self.bytes_written += len(data)
-        return keep  # what was written: the session's forwarders get these

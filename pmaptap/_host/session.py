@@ -158,6 +158,7 @@ class Session:
         self._sigterm_installed = False
         self._phase = ""  # "", "drain" or "barrier" (close)
         self._sigterm_pending = False
+        self._terminating = False  # close() called by the SIGTERM handler
 
     def __repr__(self) -> str:
         state = "open" if self.pipeline is not None and not self.pipeline.closed else "closed"
@@ -294,8 +295,51 @@ class Session:
 
     def _after_close(self) -> None:
         """Multi-process: wait (bounded) until every process has closed, so
-        that the file holds every record once close() returns anywhere."""
-        distributed.close_barrier(self.run or "", timeout=self.close_timeout)
+        that the file holds every record once close() returns anywhere. The
+        sharded layout then writes the values it left to owners that did not
+        close (before waiting when SIGTERM closed it: it may not outlive
+        the wait)."""
+        held = getattr(self.pipeline.sink, "held", None) if self.pipeline else None
+        distributed.close_barrier(
+            self.run or "",
+            timeout=self.close_timeout,
+            on_unclosed=self._write_held if held else None,
+            eager=self._terminating,
+        )
+
+    def _write_held(self, owners: list[int] | None) -> None:
+        """Write the replicated values this process left to ``owners`` (None:
+        to anyone) in the sharded layout: they did not close, so they may
+        never have written them (_host/dirsink.py: Held). Readers keep one
+        copy of each value."""
+        sink = self.pipeline.sink if self.pipeline else None
+        held = getattr(sink, "held", None)
+        if held is None or not held or owners == []:
+            return
+        released = {o: n for o, n in held.released.items() if owners is None or o in owners}
+        who = "other processes" if owners is None else f"process(es) {', '.join(map(str, owners))}"
+        try:
+            n = sink.write_held(owners)
+        except Exception as e:  # noqa: BLE001 - close must not raise for it
+            log.error(
+                f"pmaptap: could not write the replicated values left to {who}, "
+                f"which did not close ({type(e).__name__}: {e}); those they had "
+                "not written are missing."
+            )
+            return
+        if n:
+            log.warning(
+                f"pmaptap: wrote {n} replicated value(s) that {who} own "
+                "(they did not close, so they may not have written them); "
+                "readers keep one copy of each."
+            )
+        if released:
+            log.warning(
+                f"pmaptap: {sum(released.values())} older replicated value(s) "
+                f"left to {who} were no longer kept (past "
+                f"{held.limit >> 20} MiB); any of them those processes had "
+                "not written are missing."
+            )
 
     def _close_at_exit(self) -> None:
         try:
@@ -336,9 +380,13 @@ class Session:
             return
         try:
             # Not closing yet: close now. Waiting for peers ("barrier"):
-            # stop waiting, our records are already written.
+            # stop waiting, our records are already written, and so are the
+            # values we left to peers that have not closed.
             if self._phase != "barrier":
+                self._terminating = True
                 self.close()
+            else:
+                self._write_held(distributed.unclosed_now(self.run or ""))
         except BaseException as e:  # noqa: BLE001
             log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
         self._deliver_sigterm(prev, signum, frame)

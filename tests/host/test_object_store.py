@@ -517,3 +517,38 @@ w.close()
     assert sorted((r["process"], r["step"]) for r in recs) == [
         (p, s) for p in (0, 1) for s in range(steps)
     ]
+
+
+def test_values_left_to_an_owner_that_did_not_close_are_put_as_a_chunk(s3):
+    """The owner rule on a store keeps what it leaves to an owner, as the
+    sharded files do (_host/dirsink.py: Held): put at close for an owner
+    that did not close, read once beside the owner's own copy."""
+    import pmaptap
+    from conftest import replicated_dict
+    from pmaptap._host.objsink import ObjectSink
+    from pmaptap.tapfile import runs
+    from pmaptap.tapfile.format import Record, record_key
+
+    url = "s3://taps/held/run"
+    recs = [Record(**replicated_dict(s, float(s), processes=(0, 1), run="r")) for s in range(12)]
+    sink = ObjectSink(url, process=0)
+    sink.write(recs)
+    sink.close()
+    theirs = [r.step for r in recs if runs.owner(record_key(r), (0, 1)) == 1]
+    assert theirs and sink.skipped == len(theirs) == len(sink.held)
+    assert sorted(r["step"] for r in pmaptap.read(url)) == sorted(set(range(12)) - set(theirs))
+    # Process 1 never wrote (killed with its records queued): process 0,
+    # not seeing its close, puts what it left to it.
+    assert sink.write_held([1]) == len(theirs)
+    assert sorted(r["step"] for r in pmaptap.read(url)) == list(range(12))
+    # Process 1's own copies too (it wrote them after all, only its close
+    # was not seen): each value is read once.
+    late = ObjectSink(url, process=1)
+    late.write(
+        [
+            Record(**{**replicated_dict(s, float(s), processes=(0, 1), run="r"), "process": 1})
+            for s in theirs
+        ]
+    )
+    late.close()
+    assert sorted(r["step"] for r in pmaptap.read(url)) == list(range(12))

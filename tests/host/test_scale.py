@@ -16,13 +16,16 @@ from conftest import (
     ROOT,
     job_failed,
     logs_warning,
+    replicated_dict,
     run_launch,
     run_python,
     shard_record,
     train_argv,
     wait_for,
 )
+from pmaptap._host.dirsink import DirectorySink, _held_size
 from pmaptap.tapfile import runs
+from pmaptap.tapfile.format import Record, record_key
 
 STEPS = 4
 
@@ -402,3 +405,43 @@ def test_resume_and_forwarding_in_the_sharded_layout(tmp_path):
     assert sorted((r["step"], r["device"], r.get("attempt", 0)) for r in w) == [
         (i, d, int(i >= 2)) for i in range(6) for d in range(2)
     ]
+
+
+def _owned_by(process: int, steps: range) -> list[Record]:
+    """Replicated records of "loss" that processes 0 and 1 verified on
+    device (so one of them owns each), of the steps ``process`` owns."""
+    out = []
+    for step in steps:
+        r = Record(**replicated_dict(step, float(step), processes=(0, 1), run="r"))
+        if runs.owner(record_key(r), (0, 1)) == process:
+            out.append(r)
+    return out
+
+
+def test_values_left_to_an_owner_are_kept_bounded_and_written_for_it(tmp_path, monkeypatch):
+    """DirectorySink keeps what it leaves to another owner (Held): written
+    only when asked for that owner (its close was not seen), the oldest
+    let go past the bound and counted."""
+    path = str(tmp_path / "run.jsonl")
+    theirs = _owned_by(1, range(40))
+    mine_ = _owned_by(0, range(40))
+    sink = DirectorySink(path, process=0)
+    sink.write(theirs[:5] + mine_[:5])
+    assert sink.skipped == 5 and len(sink.held) == 5
+    sink.close()
+    assert sink.write_held([2]) == 0  # nothing left to process 2
+    assert [r["step"] for r in pmaptap.read(path)] == [r.step for r in mine_[:5]]
+    assert sink.write_held([1]) == 5  # after close: opened again, and closed
+    assert sink._fd == -1
+    steps = sorted(r["step"] for r in pmaptap.read(path))
+    assert steps == sorted(r.step for r in theirs[:5] + mine_[:5])
+    assert sink.write_held(None) == 0  # each written once
+
+    # The bound: the oldest go first, counted for their owner.
+    small = DirectorySink(str(tmp_path / "small.jsonl"), process=0)
+    size = _held_size(theirs[0])
+    small.held.limit = 3 * size
+    small.write(theirs[:5])
+    assert len(small.held) == 3 and small.held.released == {1: 2}
+    assert [r.step for r in small.held.take([1])] == [r.step for r in theirs[2:5]]
+    small.close()
