@@ -74,6 +74,18 @@ class CallbackException(RuntimeError):
         self.original = errors[0] if errors else None
 
 
+class AssembleError(ValueError):
+    """``pmaptap.assemble`` cannot put one array together from the records
+    as written (missing or disagreeing slices, a value that does not fill
+    its slice, ...); the message names the tap, the step, the leaf and the
+    devices."""
+
+
+class MissingBytes(ValueError):
+    """A record's stored bytes (an array value written as bytes beside the
+    tap file) are missing or not what its line says."""
+
+
 class PlotError(ValueError):
     """The records cannot be plotted as asked; the message says why."""
 

@@ -38,6 +38,9 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator
 
+# MissingBytes lives with every other exception; imported here too, where it
+# was first defined (callers may import it from this module).
+from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.rawarray import RawArray
 
 # Leaves of more bytes than this are stored as bytes (one copy, one vmap
@@ -321,10 +324,6 @@ class ByteStore:
         through ml_dtypes) and ``shape``; MissingBytes if its bytes are not
         all there or are not the ``.npy`` the record describes."""
         return decode_npy(self.read_ref(ref), dtype, shape)
-
-
-class MissingBytes(ValueError):
-    """A record's stored bytes are missing or not what its line says."""
 
 
 def numpy_dtype(name: Any) -> Any:

@@ -12,6 +12,7 @@ import itertools
 import os
 from typing import Any
 
+from pmaptap.errors import AssembleError, MissingBytes
 from pmaptap.tapfile.arrays import ByteStore, is_ref, numpy_dtype
 from pmaptap.tapfile.attempts import Attempts
 from pmaptap.tapfile.format import decode_record, index_text
@@ -46,9 +47,13 @@ def assemble(
     cotangent ``tap_grad`` wrote (pass "backward") instead of the forward
     value. Of a resumed run, the latest attempt of the step counts.
 
-    Raises ValueError naming what is missing: no such records, shards whose
-    slices nobody wrote, a per-device (unsharded) tap, a summarized value,
-    copies of one slice that disagree, stored bytes that are missing.
+    Raises ``pmaptap.errors.AssembleError`` (a ValueError) naming the tap,
+    step, leaf and devices: no such records, slices nobody wrote, a
+    per-device (unsharded) tap, a summarized value, copies of one slice that
+    disagree (compared by the leaf's own bits, so a pytree's replicated leaf
+    is not held against its sharded ones), slices that overlap and disagree
+    where they meet, a value that does not fill its slice; or
+    ``MissingBytes`` (a ValueError) for stored bytes that are missing.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"pmaptap.assemble: name must be a non-empty str, got {name!r}")
@@ -76,15 +81,15 @@ def assemble(
     where = f"{what} in {os.fspath(path)!r}"
     if not recs:
         extra = f" of run {run!r} (runs with it: {sorted(runs)})" if run and runs else ""
-        raise ValueError(f"pmaptap.assemble: no records of {where}{extra}")
+        raise AssembleError(f"pmaptap.assemble: no records of {where}{extra}")
     if run is None and len(runs) > 1:
-        raise ValueError(
+        raise AssembleError(
             f"pmaptap.assemble: {where} exists in several runs {sorted(runs)}; pass run=..."
         )
     if later:
         recs = [r for r in recs if not later.superseded(r)]
     if any(r.get("summarized") for r in recs):
-        raise ValueError(
+        raise AssembleError(
             f"pmaptap.assemble: {where} was written as statistics (a leaf above "
             "max_value_bytes, 'summarized'): there is no array to assemble. Tap it "
             "with pmaptap.configure(max_value_bytes=None) or a larger limit."
@@ -95,7 +100,7 @@ def assemble(
     if leaf is not None:
         want = _leaf_key(leaf)
         if want not in paths:
-            raise ValueError(
+            raise AssembleError(
                 f"pmaptap.assemble: {what} has no leaf {leaf!r}; its leaves: "
                 f"{['/'.join(map(str, p)) for p in paths]}"
             )
@@ -142,8 +147,29 @@ def _nest(dtype: Any, arrays: dict, prefix: tuple = ()) -> Any:
     return arrays[prefix]
 
 
-def _leaf_value(d: dict, path: tuple, store: ByteStore) -> Any:
-    """One leaf of a record as an ndarray of its own dtype (loaded if stored)."""
+def _devices(recs: "dict | list[dict]") -> str:
+    """The devices of records, for an error: ``device 3`` or ``devices 0, 1``
+    (a replicated slice's holders, as written: a list or a ranges text)."""
+    out: list[str] = []
+    for r in [recs] if isinstance(recs, dict) else recs:
+        held = r.get("devices") if r.get("device") is None else [r.get("device")]
+        if isinstance(held, list):
+            out += [str(x) for x in held]
+        elif held is not None:
+            out.append(str(held))
+    if not out:
+        return "devices unknown"
+    return (
+        ("device " if len(out) == 1 else "devices ")
+        + ", ".join(out[:_SHOWN])
+        + (f" and {len(out) - _SHOWN} more" if len(out) > _SHOWN else "")
+    )
+
+
+def _leaf_value(d: dict, path: tuple, store: ByteStore, label: str = "") -> Any:
+    """One leaf of a record as an ndarray of its own dtype (loaded if
+    stored); AssembleError (with ``label``) if the line's value is not one
+    of its dtype and shape, MissingBytes if its bytes are not there."""
     import numpy as np
 
     dtype, shape, field = d["dtype"], d["shape"], d.get("bytes")
@@ -153,7 +179,13 @@ def _leaf_value(d: dict, path: tuple, store: ByteStore) -> Any:
     if is_ref(field):
         return store.load_leaf(field, dtype, shape)
     value = _get(decode_record(d)["value"], path)
-    return np.asarray(value, dtype=numpy_dtype(dtype)).reshape(shape)
+    try:
+        return np.asarray(value, dtype=numpy_dtype(dtype)).reshape(shape)
+    except (TypeError, ValueError) as e:
+        raise AssembleError(
+            f"pmaptap.assemble: {label}: the record of {_devices(d)} holds a value that "
+            f"is not a {dtype}{list(shape) if isinstance(shape, list) else shape} ({e})"
+        ) from None
 
 
 def _unsharded(recs: list[dict], where: str, store: ByteStore) -> Any:
@@ -161,20 +193,20 @@ def _unsharded(recs: list[dict], where: str, store: ByteStore) -> Any:
     kinds = {r["kind"] for r in recs}
     if "per_device" in kinds:
         devices = sorted({str(r.get("device")) for r in recs if r["kind"] == "per_device"})
-        raise ValueError(
+        raise AssembleError(
             f"pmaptap.assemble: {where} is per_device (one value per device, on devices "
             f"{', '.join(devices)}), not the shards of one array: read them with "
             "pmaptap.read(path, name=..., step=...)"
         )
     hashes = {r.get("vhash") for r in recs}
     if len(hashes) > 1 or any(r.get("divergent") for r in recs):
-        raise ValueError(
+        raise AssembleError(
             f"pmaptap.assemble: {where} is divergent (its copies disagree: "
-            f"{len(hashes)} values); read them with pmaptap.read"
+            f"{len(hashes)} values, from {_devices(recs)}); read them with pmaptap.read"
         )
     d = recs[0]
     paths = _leaf_paths(d["dtype"])
-    leaves = {p: _leaf_value(d, p, store) for p in paths}
+    leaves = {p: _leaf_value(d, p, store, where) for p in paths}
     return leaves[()] if paths == [()] else _nest(d["dtype"], leaves)
 
 
@@ -188,62 +220,130 @@ def _box(index: Any, paths: list, path: tuple) -> Any:
     return index[paths.index(path)]
 
 
+def _slice_text(box: tuple) -> str:
+    return f"[{index_text([list(b) for b in box])}]"
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Bit for bit (a NaN equals the same NaN, -0.0 is not 0.0)."""
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _overlaps(boxes: list[tuple]) -> dict[tuple, list[tuple]]:
+    """For each box, the boxes before it in ``boxes`` that share cells with
+    it (not itself). A sweep along the first dimension: the slices of a
+    sharding meet only their neighbours there, not every other slice."""
+    out: dict[tuple, list[tuple]] = {b: [] for b in boxes}
+    if not boxes or not boxes[0]:
+        return out  # a 0-d value: one cell
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
+    active: list[int] = []
+    for i in order:
+        b = boxes[i]
+        active = [j for j in active if boxes[j][0][1] > b[0][0]]
+        for j in active:
+            c = boxes[j]
+            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(b, c)):
+                later, earlier = (b, c) if j < i else (c, b)
+                out[later].append(earlier)
+        active.append(i)
+    return out
+
+
 def _assemble_leaf(recs: list[dict], paths: list, path: tuple, where: str, store: ByteStore):
+    """One leaf's global array. Every record's slice of it is loaded and
+    checked: copies of a slice, and slices that overlap, must hold the same
+    bits where they meet (by the leaf's own bytes: a pytree's record hash
+    covers its other leaves too), and each value must fill its slice."""
     import numpy as np
 
     k = paths.index(path)
     label = where + ("" if path == () else f" leaf {'/'.join(map(str, path))!r}")
-    gshapes = []
+    gshapes: dict[Any, list[dict]] = {}
     for r in recs:
         g = r.get("global_shape")
-        gshapes.append(tuple(g if len(paths) == 1 else g[k]) if isinstance(g, list) else None)
-    if len(set(gshapes)) != 1 or gshapes[0] is None:
-        raise ValueError(
-            f"pmaptap.assemble: {label}: its records do not agree on the global shape "
-            f"({sorted(set(map(str, gshapes)))})"
+        g = tuple(g if len(paths) == 1 else g[k]) if isinstance(g, list) else None
+        gshapes.setdefault(g, []).append(r)
+    if len(gshapes) != 1 or None in gshapes:
+        seen = "; ".join(f"{list(g) if g else g} ({_devices(rs)})" for g, rs in gshapes.items())
+        raise AssembleError(
+            f"pmaptap.assemble: {label}: its records do not agree on the global shape: {seen}"
         )
-    gshape = gshapes[0]
+    gshape = next(iter(gshapes))
     unknown = [r for r in recs if r.get("index") is None]
     if unknown:
-        devs = ", ".join(str(r.get("device", r.get("devices"))) for r in unknown[:_SHOWN])
-        raise ValueError(
+        raise AssembleError(
             f"pmaptap.assemble: {label}: the global slice of {len(unknown)} shard(s) "
-            f"(device(s) {devs}) is unknown (no index: the executable's sharding was "
+            f"({_devices(unknown)}) is unknown (no index: the executable's sharding was "
             "never reported, e.g. loaded from a compilation cache)"
         )
-    dtypes = {(r["dtype"] if len(paths) == 1 else _get(r["dtype"], path)) for r in recs}
+    dtypes: dict[Any, list[dict]] = {}
+    for r in recs:
+        dtypes.setdefault(r["dtype"] if len(paths) == 1 else _get(r["dtype"], path), []).append(r)
     if len(dtypes) != 1:
-        raise ValueError(f"pmaptap.assemble: {label}: shards of different dtypes {dtypes}")
-    out = np.empty(gshape, dtype=numpy_dtype(dtypes.pop()))
-    filled: dict[tuple, Any] = {}  # box -> vhash of the record that filled it
+        seen = "; ".join(f"{t} ({_devices(rs)})" for t, rs in dtypes.items())
+        raise AssembleError(f"pmaptap.assemble: {label}: shards of different dtypes: {seen}")
+    out = np.empty(gshape, dtype=numpy_dtype(next(iter(dtypes))))
+    copies: dict[tuple, list[dict]] = {}  # box -> its records, in file order
     for r in recs:
         box = tuple(tuple(p) for p in _box(r["index"], paths, path))
         if len(box) != len(gshape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, gshape)):
-            raise ValueError(
-                f"pmaptap.assemble: {label}: index [{index_text([list(b) for b in box])}] "
-                f"does not lie in the global shape {list(gshape)}"
+            raise AssembleError(
+                f"pmaptap.assemble: {label}: the record of {_devices(r)} has index "
+                f"{_slice_text(box)}, which does not lie in the global shape {list(gshape)}"
             )
-        if box in filled:
-            h = r.get("vhash")
-            if h is not None and filled[box] is not None and h != filled[box]:
-                raise ValueError(
-                    f"pmaptap.assemble: {label}: the copies of slice "
-                    f"[{index_text([list(b) for b in box])}] disagree (divergent)"
+        copies.setdefault(box, []).append(r)
+    boxes = list(copies)
+    meets = _overlaps(boxes)
+    for box in boxes:
+        first, *others = copies[box]
+        value = _filling(first, box, path, store, label)
+        for r in others:
+            if first.get("vhash") is not None and r.get("vhash") == first.get("vhash"):
+                continue  # the whole record's bits are the same: so are the leaf's
+            if not _same_bits(_filling(r, box, path, store, label), value):
+                raise AssembleError(
+                    f"pmaptap.assemble: {label}: the copies of slice {_slice_text(box)} "
+                    f"disagree: {_devices(first)} and {_devices(r)} hold different values "
+                    "(divergent); read them with pmaptap.read"
                 )
-            continue  # a replicated slice: any copy fills it
-        value = _leaf_value(r, path, store)
+        for other in meets[box]:
+            cut = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, other))
+            mine = value[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(cut, box))]
+            theirs = out[tuple(slice(a, b) for a, b in cut)]
+            if not _same_bits(np.ascontiguousarray(mine), np.ascontiguousarray(theirs)):
+                raise AssembleError(
+                    f"pmaptap.assemble: {label}: slices {_slice_text(other)} "
+                    f"({_devices(copies[other][0])}) and {_slice_text(box)} "
+                    f"({_devices(first)}) overlap at {_slice_text(cut)} and disagree there"
+                )
         out[tuple(slice(a, b) for a, b in box)] = value
-        filled[box] = r.get("vhash")
-    missing = _missing(list(filled), gshape)
+    missing = _missing(boxes, gshape)
     if missing:
-        shown = "; ".join(f"[{index_text([list(b) for b in m])}]" for m in missing[:_SHOWN])
+        shown = "; ".join(_slice_text(m) for m in missing[:_SHOWN])
         more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
-        raise ValueError(
+        raise AssembleError(
             f"pmaptap.assemble: {label}: no record holds the slice(s) {shown}{more} of the "
-            f"global shape {list(gshape)} (found {len(filled)} slice(s): a process's "
-            "records missing, or filtered by dedup/every)"
+            f"global shape {list(gshape)} (found {len(boxes)} slice(s), from "
+            f"{_devices([c[0] for c in copies.values()])}: a process's records missing, "
+            "or filtered by dedup/every)"
         )
     return out
+
+
+def _filling(r: dict, box: tuple, path: tuple, store: ByteStore, label: str) -> Any:
+    """A record's value of the leaf, checked to fill its slice ``box``."""
+    try:
+        value = _leaf_value(r, path, store, label)
+    except MissingBytes as e:
+        raise MissingBytes(f"pmaptap.assemble: {label}: the record of {_devices(r)}: {e}") from None
+    want = tuple(b - a for a, b in box)
+    if value.shape != want:
+        raise AssembleError(
+            f"pmaptap.assemble: {label}: the record of {_devices(r)} holds a value of shape "
+            f"{list(value.shape)} for its slice {_slice_text(box)}, of shape {list(want)}"
+        )
+    return value
 
 
 def _missing(boxes: list[tuple], shape: tuple) -> list[tuple]:

@@ -383,6 +383,156 @@ def test_assemble_a_two_process_job_in_both_layouts(tmp_path):
         pmaptap.assemble(part, "act", 0)
 
 
+def test_assemble_a_pytree_of_sharded_and_replicated_leaves(session, tap_path):
+    """A params dict under jit (Equinox's filtered model, a Flax state): a
+    sharded weight beside replicated biases. Each record holds one slice of
+    the weight and the whole of each bias, so the records' hashes differ
+    while the biases' copies are bit-equal: compared leaf by leaf."""
+    mesh = _mesh()
+    w = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+    b = np.arange(512, dtype=np.float32) - 0.5  # 2 KiB: stored as bytes
+    c = np.arange(16, dtype=np.float32)  # inline
+    params = {
+        "w": jax.device_put(w, NamedSharding(mesh, P("data"))),
+        "b": jax.device_put(b, NamedSharding(mesh, P())),
+        "c": jax.device_put(c, NamedSharding(mesh, P())),
+    }
+    jax.jit(lambda p: pmaptap.tap(p, "params", dedup="auto"))(params)
+    session.flush()
+    recs = [d for d in _lines(tap_path) if d["name"] == "params"]
+    assert len({d["vhash"] for d in recs}) == 4, recs  # one per slice of w
+    got = pmaptap.assemble(tap_path, "params", 0)
+    assert set(got) == {"w", "b", "c"}
+    for k, want in (("w", w), ("b", b), ("c", c)):
+        assert _same_bits(got[k], want), k
+        assert _same_bits(pmaptap.assemble(tap_path, "params", 0, leaf=k), want), k
+
+
+def _shard_line(device, value, index, gshape, *, name="x", shape=None, **fields) -> dict:
+    """A per-device float32 shard record of ``name`` at step 0, inline."""
+    from conftest import record_dict
+
+    base = dict(
+        name=name,
+        kind="per_device",
+        value=value,
+        dtype="float32",
+        shape=[len(value)] if shape is None else shape,
+        device=device,
+        coords={"data": device},
+        index=index,
+        global_shape=gshape,
+    )
+    return record_dict(**{**base, **fields})
+
+
+def _write_lines(path, records) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in records)
+    return str(path)
+
+
+def test_assemble_refuses_slices_that_disagree_or_do_not_fit(tmp_path):
+    """Copies of one slice, and slices that overlap, are compared by their
+    bits; a disagreement, or a value that does not fill its slice, is an
+    AssembleError naming the tap, the step, the leaf and the devices, never
+    an array with one copy's values picked silently."""
+    from pmaptap.errors import AssembleError
+
+    def run(name, *records):
+        return _write_lines(tmp_path / f"{name}.jsonl", records)
+
+    # Overlapping slices that agree where they meet: fine.
+    ok = run(
+        "agree",
+        _shard_line(0, [1.0, 2.0], [[0, 2]], [4]),
+        _shard_line(1, [2.0, 3.0], [[1, 3]], [4]),
+        _shard_line(2, [3.0, 4.0], [[2, 4]], [4]),
+        _shard_line(3, [3.0, 4.0], [[2, 4]], [4]),  # an equal copy
+    )
+    assert pmaptap.assemble(ok, "x", 0).tolist() == [1.0, 2.0, 3.0, 4.0]
+    # [0:2]=[1,2] and [1:3]=[9,9] disagree at [1:2] (was: [1,9,9,4]).
+    overlap = run(
+        "overlap",
+        _shard_line(0, [1.0, 2.0], [[0, 2]], [4]),
+        _shard_line(1, [9.0, 9.0], [[1, 3]], [4]),
+        _shard_line(2, [3.0, 4.0], [[2, 4]], [4]),
+    )
+    with pytest.raises(
+        AssembleError,
+        match=r"tap 'x' step 0 .*slices \[0:2\] \(device 0\) and \[1:3\] \(device 1\) "
+        r"overlap at \[1:2\] and disagree",
+    ):
+        pmaptap.assemble(overlap, "x", 0)
+    # Per-device records (no vhash) of one slice with different values
+    # (was: the first one won).
+    copies = run(
+        "copies",
+        _shard_line(0, [1.0, 2.0], [[0, 2]], [4]),
+        _shard_line(1, [1.0, 5.0], [[0, 2]], [4]),
+        _shard_line(2, [3.0, 4.0], [[2, 4]], [4]),
+    )
+    with pytest.raises(
+        AssembleError,
+        match=r"tap 'x' step 0 .*copies of slice \[0:2\] disagree: device 0 and device 1",
+    ):
+        pmaptap.assemble(copies, "x", 0)
+    # -0.0 is not 0.0: bits, not values.
+    zeros = run(
+        "zeros",
+        _shard_line(0, [0.0, 1.0], [[0, 2]], [2]),
+        _shard_line(1, [-0.0, 1.0], [[0, 2]], [2]),
+    )
+    with pytest.raises(AssembleError, match=r"copies of slice \[0:2\] disagree"):
+        pmaptap.assemble(zeros, "x", 0)
+    # A value that does not fill its slice (was: NumPy's bare broadcast
+    # error), and one that is not its line's shape.
+    short = run(
+        "short",
+        _shard_line(0, [1.0, 2.0, 3.0], [[0, 2]], [4]),
+        _shard_line(1, [3.0, 4.0], [[2, 4]], [4]),
+    )
+    with pytest.raises(
+        AssembleError,
+        match=r"tap 'x' step 0 .*the record of device 0 holds a value of shape \[3\] for its "
+        r"slice \[0:2\], of shape \[2\]",
+    ):
+        pmaptap.assemble(short, "x", 0)
+    mislabeled = run(
+        "mislabeled",
+        _shard_line(0, [1.0, 2.0, 3.0], [[0, 2]], [4], shape=[2]),
+        _shard_line(1, [3.0, 4.0], [[2, 4]], [4]),
+    )
+    with pytest.raises(
+        AssembleError, match=r"the record of device 0 holds a value that is not a float32\[2\]"
+    ):
+        pmaptap.assemble(mislabeled, "x", 0)
+    # A pytree's replicated leaf whose copies really differ: that leaf and
+    # those devices are named; the sharded leaf alone still assembles.
+    tree = run(
+        "tree",
+        *(
+            _shard_line(
+                d,
+                {"b": [1.0, 2.0 + (d == 1)], "w": [float(d)]},
+                [[[0, 2]], [[d, d + 1]]],
+                [[2], [2]],
+                shape={"b": [2], "w": [1]},
+                dtype={"b": "float32", "w": "float32"},
+            )
+            for d in (0, 1)
+        ),
+    )
+    with pytest.raises(
+        AssembleError,
+        match=r"tap 'x' step 0 .* leaf 'b': the copies of slice \[0:2\] disagree: "
+        r"device 0 and device 1",
+    ):
+        pmaptap.assemble(tree, "x", 0)
+    assert pmaptap.assemble(tree, "x", 0, leaf="w").tolist() == [0.0, 1.0]
+    assert issubclass(AssembleError, ValueError)
+
+
 # ------------------------------------------------------------ crash safety
 
 KILLED_WRITER = """
