@@ -292,6 +292,12 @@ class ByteStore:
         return None
 
     def read_ref(self, ref: dict) -> bytes:
+        """The bytes ``ref`` names; MissingBytes if they are not all there.
+        A tap file is data: its numbers are checked against the file's size
+        before anything is allocated or sought (a line saying ``nbytes:
+        2**62`` or ``offset: 2**64-1`` is one bad line, not a MemoryError or
+        an OverflowError that ends the read). On an object store the server
+        answers a range with at most the object's bytes."""
         where = self._where(ref)
         start, end = ref["offset"], ref["offset"] + ref["nbytes"]
         if self.url:
@@ -301,10 +307,13 @@ class ByteStore:
                 self._fs = url_fs(self.root)[0]
             try:
                 data = bytearray(self._fs.cat_file(where, start=start, end=end))
-            except OSError as e:
+            except (OSError, ValueError, OverflowError) as e:
                 self._sizes.pop(where, None)
                 raise MissingBytes(self.missing_problem(ref) or str(e)) from None
         else:
+            problem = self.missing_problem(ref)
+            if problem is not None:
+                raise MissingBytes(problem)
             data = bytearray(end - start)  # writable: the array read() returns
             try:
                 with open(where, "rb") as f:
@@ -322,8 +331,35 @@ class ByteStore:
     def load_leaf(self, ref: dict, dtype: str, shape: Any) -> Any:
         """The stored leaf as an ndarray of its own ``dtype`` (bfloat16 etc.
         through ml_dtypes) and ``shape``; MissingBytes if its bytes are not
-        all there or are not the ``.npy`` the record describes."""
+        all there or are not the ``.npy`` the record describes (their
+        ``nbytes`` checked first, so a reference that claims far more bytes
+        than its dtype and shape hold reads nothing)."""
+        problem = npy_size_problem(ref["nbytes"], dtype, shape)
+        if problem is not None:
+            raise MissingBytes(problem)
         return decode_npy(self.read_ref(ref), dtype, shape)
+
+
+# A .npy (format 1.0) header: the 10-byte preamble and a header of at most
+# 65,535 bytes.
+_NPY_HEADER_MAX = 10 + 0xFFFF
+
+
+def npy_size_problem(nbytes: int, dtype: str, shape: Any) -> str | None:
+    """Why ``nbytes`` cannot be the ``.npy`` of a leaf of ``dtype`` and
+    ``shape`` (None: it can): its data, plus a header of at most
+    _NPY_HEADER_MAX bytes."""
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        return f"its shape {shape!r} is not a list of sizes"
+    data = numpy_dtype(dtype).itemsize
+    for n in shape:
+        data *= n
+    if not data < nbytes <= data + _NPY_HEADER_MAX:
+        return (
+            f"its bytes are {nbytes} long, not the .npy of a {dtype}{shape} "
+            f"({data} data bytes and a header)"
+        )
+    return None
 
 
 def numpy_dtype(name: Any) -> Any:

@@ -19,7 +19,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
-from conftest import job_failed, logs_warning, python_cmd, run_launch, start_python, wait_for
+from conftest import (
+    job_failed,
+    logs_warning,
+    python_cmd,
+    run_launch,
+    run_python,
+    start_python,
+    wait_for,
+)
 from pmaptap import cli
 from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, ByteStore, byte_leaves, stored_as_bytes
 from pmaptap.tapfile.format import encodable, is_narrow_int
@@ -606,6 +614,80 @@ def test_a_line_whose_bytes_are_missing_is_reported_and_skipped(tmp_path, caplog
     os.remove(blob)
     with pytest.raises(ValueError, match=r"file 'run.jsonl.bytes/p00000-.*' is missing"):
         pmaptap.assemble(path, "big", 0)
+
+
+HOSTILE_READS = """
+    import json, os, resource, sys
+    import numpy as np, tensorboardX  # noqa: F401 (imported before the limit)
+    import pmaptap
+    from pmaptap import cli
+    from pmaptap.tapfile import arrays, assemble, tensorboard  # noqa: F401
+
+    # The address space this process has, plus 512 MiB: any buffer of the
+    # sizes the hostile lines claim (1 GiB and more) is a MemoryError.
+    with open("/proc/self/status") as f:
+        vm = next(int(ln.split()[1]) for ln in f if ln.startswith("VmSize:")) << 10
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20),) * 2)
+    path = os.environ["TAP"]
+    out = {"read": sorted(r["step"] for r in pmaptap.read(path, name="big"))}
+    out["frame"] = sorted(pmaptap.read(path, name="big", as_frame=True)["step"].unique().tolist())
+    out["assemble"] = pmaptap.assemble(path, "big", 1).tolist()[:3]
+    out["refused"] = {}
+    for step in (10, 11, 12, 13):
+        try:
+            pmaptap.assemble(path, "big", step)
+        except ValueError as e:
+            out["refused"][step] = f"{type(e).__name__}: {e}"
+    out["tensorboard"] = cli.main(["export", path, "--tensorboard", os.environ["TB"]])
+    out["validate"] = cli.main(["validate", path])
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_hostile_byte_references_are_bad_lines_not_a_memory_error(tmp_path):
+    """A line's ``bytes`` reference is data: ``nbytes: 2**62``, ``offset:
+    2**64-1``, ``nbytes`` of 1 GiB (with a shape that agrees) on a run of a
+    few KB. Each is reported and skipped like any bad line, the rest of the
+    run read, under a real memory limit (RLIMIT_AS): nothing is allocated or
+    sought before the reference is checked against its dtype, shape and the
+    file's size (was: MemoryError in read/assemble/export, OverflowError
+    from seek failing the whole read)."""
+    path = str(tmp_path / "run.jsonl")
+    with pmaptap.Writer(path, run="r", process=0) as w:
+        for step in range(3):
+            w.write("big", step, np.arange(512, dtype=np.float32) + step)
+    lines = open(path).read().splitlines()
+    good = json.loads(lines[1])
+    ref = good["bytes"]
+    hostile = [
+        {"step": 10, "bytes": {**ref, "nbytes": 2**62}},
+        {"step": 11, "bytes": {**ref, "offset": 2**64 - 1}},
+        {"step": 12, "bytes": {**ref, "nbytes": 1 << 30}},
+        # dtype and shape that agree with a 1 GiB nbytes: only the byte
+        # file's size (a few KB) says no.
+        {"step": 13, "shape": [1 << 28], "bytes": {**ref, "nbytes": (1 << 30) + 128}},
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join([lines[0], *(json.dumps({**good, **h}) for h in hostile), *lines[1:]]))
+        f.write("\n")
+    assert os.path.getsize(path) < 4096
+    proc = run_python(HOSTILE_READS, TAP=path, TB=str(tmp_path / "tb"), timeout=240)
+    (result,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    out = json.loads(result[7:])
+    assert out["read"] == out["frame"] == [0, 1, 2], out
+    assert out["assemble"] == [1.0, 2.0, 3.0]
+    refused = out["refused"]
+    assert sorted(map(int, refused)) == [10, 11, 12, 13], out
+    assert "not the .npy of a float32[512]" in refused["10"], refused
+    assert "past the end of that file" in refused["11"], refused
+    assert "not the .npy of a float32[512]" in refused["12"], refused
+    assert "past the end of that file" in refused["13"], refused
+    assert all(v.startswith("MissingBytes: ") for v in refused.values()), refused
+    assert out["tensorboard"] == 0 and out["validate"] == 1, out
+    assert "MemoryError" not in proc.stderr and "OverflowError" not in proc.stderr
+    # read() named each skipped line; the export wrote the good steps.
+    assert "skipped 4 invalid line(s): line 2: 'big' step 10" in proc.stderr, proc.stderr
+    assert "wrote 3 records as 0 scalar points and 3 histograms" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------ readers
