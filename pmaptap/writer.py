@@ -22,7 +22,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from pmaptap.errors import LockBusy, TapError
-from pmaptap.tapfile.format import VALUE_KINDS, Record, check_step_range
+from pmaptap.tapfile.format import (
+    VALUE_KINDS,
+    Record,
+    check_step_range,
+    encodable,
+    is_narrow_int,
+)
 
 __all__ = ["Writer"]
 
@@ -49,34 +55,60 @@ def _python_number(x: Any) -> np.ndarray | None:
     return np.asarray(x) if big else a
 
 
-def _leaf(x: Any) -> np.ndarray:
+def _leaf(x: Any, where: str) -> np.ndarray:
     a = _python_number(x)
     if a is None:
         a = np.asarray(x)
-    if a.dtype == object or a.dtype.kind in "USV" and "float" not in a.dtype.name:
+    dt = a.dtype
+    if is_narrow_int(dt) and dt.name in ("int1", "uint1"):
+        # As a tap refuses them (_trace/arguments.py: check_dtype): int1's 1
+        # reads back as 1 in JAX and -1 in NumPy.
+        raise TypeError(
+            f"{where} has dtype {dt}; 1-bit integers cannot be written (JAX and "
+            "NumPy disagree on their values). Convert it, e.g. x.astype(np.int8)."
+        )
+    if not encodable(dt):
         raise TypeError(
             f"a tap value must be numeric (NumPy arrays, scalars or "
-            f"dicts/lists/tuples of them), got {type(x).__name__} "
-            f"of dtype {a.dtype}"
+            f"dicts/lists/tuples of them; bool, integer, int2/int4/uint2/uint4, "
+            f"floating, bfloat16/float8 and complex dtypes), got "
+            f"{type(x).__name__} of dtype {dt} at {where}"
         )
+    if not dt.isnative:
+        # Big-endian (or swapped) data: its values in this machine's order,
+        # exactly, as a tap's arrays are. Written as given, its bytes would
+        # be stored under a dtype name that does not say the order, and a
+        # replicated value's hash would differ from the job's own.
+        a = a.astype(dt.newbyteorder("="))
     return a
 
 
-def _encode(value: Any, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
+def _encode(value: Any, leaves: list[np.ndarray], where: str = "/") -> tuple[Any, Any, Any]:
     """(value, dtype, shape) with the pytree's nesting, as the session
     writes them; ``leaves`` collects the leaves, in the session's order, for
-    the value hash."""
+    the value hash. ``where``: the leaf's path, for errors."""
     from pmaptap._host.encode import encode_array
     from pmaptap.tapfile.arrays import stored_as_bytes
 
     if isinstance(value, Mapping):
+        # Keys are written as text: two keys of one text (1 and "1") would
+        # become one, and a value would be lost without a word.
+        seen: dict[str, Any] = {}
+        for k in value:
+            other = seen.setdefault(str(k), k)
+            if other is not k:
+                raise ValueError(
+                    f"the dict at {where} has keys {other!r} and {k!r}, both "
+                    f"written as {str(k)!r}: one would be lost. Give them keys "
+                    "that differ as text."
+                )
         items = sorted(value.items(), key=lambda kv: str(kv[0]))
-        enc = {str(k): _encode(v, leaves) for k, v in items}
+        enc = {str(k): _encode(v, leaves, f"{where.rstrip('/')}/{k}") for k, v in items}
         return tuple({k: e[i] for k, e in enc.items()} for i in range(3))
     if isinstance(value, (list, tuple)):
-        enc = [_encode(v, leaves) for v in value]
+        enc = [_encode(v, leaves, f"{where.rstrip('/')}/{i}") for i, v in enumerate(value)]
         return tuple([e[i] for e in enc] for i in range(3))
-    a = _leaf(value)
+    a = _leaf(value, where)
     if stored_as_bytes(a.nbytes, a.dtype):
         # Stored as bytes at the next flush: a copy, so that the caller's
         # array changing meanwhile cannot change what is written.
@@ -187,8 +219,8 @@ class Writer:
         leaves: list[np.ndarray] = []
         try:
             enc, dtype, shape = _encode(value, leaves)
-        except TypeError as e:
-            raise TypeError(f"Writer.write({name!r}): {e}") from None
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Writer.write({name!r}): {e}") from None
         now = time.time()
         common = dict(
             run=self.run,
@@ -243,6 +275,19 @@ class Writer:
                         "still buffered (flush() again)",
                         path=self.path,
                     ) from None
+            except TapError:
+                raise
+            except Exception as e:  # noqa: BLE001 - disk full, EFBIG, a store's error
+                # As a session reports its writer's failures: a TapError
+                # naming the file and the cause; the batch was written whole
+                # or not at all, and stays buffered for the next flush.
+                raise TapError(
+                    f"{self!r}: could not write {len(self._buffer)} buffered "
+                    f"record(s): {type(e).__name__}: {e}. They stay buffered; "
+                    "flush() again once the cause is fixed.",
+                    path=self.path,
+                    errors=(e,),
+                ) from e
         self.written += len(self._buffer)
         self._buffer = []
         rejected, self._sink.rejected[:] = list(self._sink.rejected), []

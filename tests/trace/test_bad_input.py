@@ -774,6 +774,120 @@ def test_writer_python_numbers_agree_with_the_jobs_values(tmp_path) -> None:
     assert step1 == [(100, "float64", True), (101, "float32", True)]
 
 
+def test_writer_stores_big_endian_values_as_their_values(tmp_path) -> None:
+    """A big-endian array is written as its values, at any size (was: the
+    stored bytes read back byte-swapped, validate OK), and hashes as the
+    same value in this machine's order: one record, not divergent."""
+    path = str(tmp_path / "run.jsonl")
+    values = {
+        "big": (np.arange(1000) - 0.5).astype(">f4"),  # stored as bytes
+        "small": (np.arange(4) - 0.5).astype(">f4"),  # inline
+        "ints": (np.arange(300) - 7).astype(">i8"),
+        "cplx": (np.arange(200) * (1 + 2j)).astype(">c8"),
+    }
+    assert all(v.dtype.byteorder == ">" for v in values.values())
+    with pmaptap.Writer(path, run="r", process=0) as w:
+        for name, v in values.items():
+            w.write(name, 0, v)
+            w.write(name, 1, {"leaf": v})
+    with pmaptap.Writer(path, run="r", process=1) as w:
+        for name, v in values.items():
+            w.write(name, 0, v.astype(v.dtype.newbyteorder("=")))
+    recs = pmaptap.read(path)
+    assert len(recs) == 2 * len(values), recs  # the native copies: deduplicated
+    for r in recs:
+        want = values[r["name"]]
+        got = r["value"]["leaf"] if r["step"] == 1 else r["value"]
+        assert np.asarray(got).tolist() == want.tolist(), r["name"]
+        assert not r.get("divergent") and r["process"] == 0
+        assert r["dtype"] in ({"leaf": want.dtype.name}, want.dtype.name)
+    assert pmaptap.cli.main(["validate", path]) == 0
+
+
+def test_writer_refuses_dict_keys_that_collide_as_text(tmp_path) -> None:
+    """Keys are written as text: {1: 1.0, "1": 2.0} kept {"1": 2.0} and
+    lost 1.0 without a word. Refused at write(), naming the leaf."""
+    path = str(tmp_path / "run.jsonl")
+    with pmaptap.Writer(path, run="r", process=0) as w:
+        with pytest.raises(
+            ValueError, match=r"Writer.write\('d'\): the dict at / has keys 1 and '1'"
+        ):
+            w.write("d", 0, {1: 1.0, "1": 2.0})
+        with pytest.raises(ValueError, match=r"the dict at /params/2 has keys 0 and '0'"):
+            w.write("d", 0, {"params": [1.0, 2.0, {0: 1.0, "0": 2.0}]})
+        assert w.pending == 0
+        w.write("d", 0, {1: 1.0, "2": 2.0})  # distinct as text: fine
+    (r,) = pmaptap.read(path)
+    assert r["value"] == {"1": 1.0, "2": 2.0}
+
+
+def test_writer_writes_sub_byte_integers_as_taps_do(tmp_path, session, tap_path) -> None:
+    """int4/uint4/int2/uint2 leaves, inline and stored as bytes: a Writer
+    writes them as a tap does (was: "must be numeric"), the same value
+    hashed alike (one record); 1-bit integers refused as taps refuse them."""
+    import ml_dtypes
+
+    small = np.array([1, -2, 7, -8], dtype=ml_dtypes.int4)
+    values = {
+        "int4": small,
+        "uint4": np.array([0, 15, 3], dtype=ml_dtypes.uint4),
+        "int2": np.array([1, -2, 0], dtype=ml_dtypes.int2),
+        "uint2": np.array([3, 0, 1], dtype=ml_dtypes.uint2),
+        "int4_big": np.tile(small, 600),  # 2,400 bytes: stored as bytes
+    }
+    f = jax.jit(lambda t: pmaptap.tap(t, "sub", step=0, dedup="replicated"))
+    f({k: jnp.asarray(v) for k, v in values.items()})
+    session.flush()
+    with pmaptap.Writer(tap_path, run=session.run, process=7) as w:
+        w.write("sub", 0, values)
+        w.write("sub", 1, values)
+        for bad in (ml_dtypes.int1, ml_dtypes.uint1):
+            with pytest.raises(TypeError, match=r"1-bit integers cannot be written"):
+                w.write("one", 0, np.array([1, 0], dtype=bad))
+    recs = pmaptap.read(tap_path)
+    assert sorted((r["step"], r["process"]) for r in recs) == [(0, 0), (1, 7)], recs
+    for r in recs:
+        assert not r.get("divergent")
+        for k, v in values.items():
+            assert r["dtype"][k] == v.dtype.name
+            assert np.asarray(r["value"][k]).astype(int).tolist() == v.astype(int).tolist(), k
+    assert pmaptap.cli.main(["validate", tap_path]) == 0
+
+
+def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
+    """EFBIG under a real RLIMIT_FSIZE at flush: a TapError as a session's
+    (was: the bare OSError), the records still buffered and written once
+    the limit is raised."""
+    from conftest import run_python
+
+    proc = run_python(
+        """
+        import os, resource, signal, numpy as np, pmaptap
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        inf = resource.RLIM_INFINITY
+        w = pmaptap.Writer(os.environ["TAP"], run="r", process=0, max_buffer=10**6,
+                           flush_interval=3600)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, inf))
+        for step in range(100):
+            w.write("x", step, np.float32(step))
+        try:
+            w.flush()
+            print("NO ERROR")
+        except pmaptap.TapError as e:
+            print("TAPERROR", type(e.__cause__).__name__, "File too large" in str(e),
+                  w.pending, flush=True)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (inf, inf))
+        w.close()
+        print("CLOSED", w.written, flush=True)
+        """,
+        devices=1,
+        TAP=str(tmp_path / "run.jsonl"),
+    )
+    assert "TAPERROR OSError True 100" in proc.stdout, proc.stdout + proc.stderr
+    assert "CLOSED 100" in proc.stdout
+    assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(100))
+
+
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
     import subprocess
     import sys
