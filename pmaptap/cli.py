@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import stat
 import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
@@ -44,6 +45,58 @@ PROG = "pmaptap"
 
 
 # ------------------------------------------------------------------ helpers
+
+# A tap file given as a pipe (`cat run.jsonl | pmaptap show /dev/stdin`, a
+# FIFO) is read once, into a temporary copy the commands read as often as
+# they need (most read a file twice, streaming: tapfile/stream.py); its
+# copy's path -> the name it was given, for messages.
+_SPOOLED: dict[str, str] = {}
+
+
+def _shown(path: str) -> str:
+    """The name the user gave for ``path`` (a pipe's, for its copy)."""
+    return _SPOOLED.get(path, path)
+
+
+def _spool_pipe(args: argparse.Namespace) -> str | None:
+    """If ``args.file`` is a pipe, a FIFO, a terminal or a socket (no file
+    to read twice: a second pass found it drained, and reported nothing),
+    copy it to a temporary directory and read the copy; returns that
+    directory (the caller removes it), None for a file. ``--follow`` needs
+    a file that grows: refused. The run's stored values are found beside a
+    named FIFO (its ``<name>.bytes``, linked next to the copy); a pipe has
+    no directory, so they are reported missing."""
+    path = getattr(args, "file", None)
+    if not isinstance(path, str) or "://" in path:
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing: said by _check_file
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    if getattr(args, "follow", False):
+        raise CliError(
+            f"{path} is not a file but a pipe or device: there is nothing to follow "
+            "(--follow waits for a file to grow); give the tap file's path"
+        )
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="pmaptap-")
+    copy = os.path.join(directory, os.path.basename(path) or "stdin")
+    try:
+        with open(path, "rb") as src, open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        stored = os.path.abspath(path) + ".bytes"
+        if os.path.isdir(stored):
+            os.symlink(stored, copy + ".bytes")
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    _SPOOLED[copy] = path
+    args.file = copy
+    return directory
 
 
 def _check_file(path: str) -> None:
@@ -85,7 +138,7 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
         n, why = bad[0]
         print(
             f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
-            f"line {n}: {why}); '{PROG} validate {path}' lists them",
+            f"line {n}: {why}); '{PROG} validate {_shown(path)}' lists them",
             file=sys.stderr,
         )
 
@@ -137,6 +190,7 @@ def _no_match(command: str, path: str, flt: Filter, names: set, runs: set) -> No
     otherwise say on stderr that nothing matched, with what is there."""
     have = f"taps in this file: {_present(names)}; runs: {_present(runs)}"
     unknown = [n for n in flt.names if n not in names]
+    path = _shown(path)
     if flt.names and len(unknown) == len(flt.names):
         raise CliError(f"no records named {', '.join(map(repr, unknown))} in {path}; {have}")
     if flt.run is not None and flt.run not in runs:
@@ -215,8 +269,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     with collector_paused():  # half of the time of a large run, else
         report = validate_file(args.file)
     shown = report.problems if not args.limit else report.problems[: args.limit]
+    name = _shown(args.file)
     for line, why in shown:
-        print(f"{args.file}:{line}: {why}")
+        print(f"{name}:{line}: {why}")
     if len(shown) < len(report.problems):
         print(f"... and {len(report.problems) - len(shown)} more (--limit 0 lists all)")
     note = (
@@ -232,10 +287,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
             "shows them)"
         )
     if report.ok:
-        print(f"{args.file}: OK, {report.records} records{note}")
+        print(f"{name}: OK, {report.records} records{note}")
         return 0
     print(
-        f"{args.file}: {len(report.problems)} problem(s) in {report.lines} "
+        f"{name}: {len(report.problems)} problem(s) in {report.lines} "
         f"lines, {report.records} valid records{note}"
     )
     return 1
@@ -690,7 +745,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.command == "plot" and len(args.name) > 1:
             raise CliError("plot draws one tap: give --name once")
-        return args.func(args)
+        spooled = _spool_pipe(args)
+        try:
+            return args.func(args)
+        finally:
+            if spooled is not None:
+                import shutil
+
+                _SPOOLED.pop(args.file, None)
+                shutil.rmtree(spooled, ignore_errors=True)
     except CliError as e:
         print(f"{PROG} {command}: error: {e}", file=sys.stderr)
         return 2

@@ -627,6 +627,103 @@ def test_read_as_frame_without_pandas_says_what_to_install(demo):
 # ------------------------------------------------------------------ launch
 
 
+def _piped(data: bytes, *args: str) -> subprocess.CompletedProcess:
+    """``cat FILE | pmaptap ARGS`` with a real pipe on the command's stdin."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pmaptap", *args],
+        input=data,
+        env=subprocess_env(8),
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
+    return subprocess.CompletedProcess(
+        proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+    )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("show",),
+        ("show", "--name", "loss", "--json"),
+        ("summary",),
+        ("validate",),
+        ("tail", "-n", "5"),
+        ("export", "--csv", "-"),
+    ],
+    ids=lambda c: " ".join(c),
+)
+def test_a_tap_file_on_a_pipe_reads_as_the_file_does(demo, command):
+    """`cat run.jsonl | pmaptap show /dev/stdin`: a second pass over a
+    pipe found it drained, and show said "no matching records" and exit 0
+    (export --csv wrote an empty CSV; tail: "not seekable"). A pipe is read
+    once, into a temporary copy: the same answer as for the file."""
+    with open(demo, "rb") as f:
+        data = f.read()
+    want = cli(command[0], demo, *command[1:])
+    got = _piped(data, command[0], "/dev/stdin", *command[1:])
+    assert want.returncode == 0 and want.stdout, want.stderr
+    assert got.returncode == want.returncode, got.stderr
+    assert got.stdout == want.stdout.replace(demo, "/dev/stdin"), got.stderr
+    assert got.stderr == want.stderr.replace(demo, "/dev/stdin")
+
+
+def test_exports_and_merge_of_a_pipe_and_follow_refused(demo, tmp_path):
+    """The commands that write files read a pipe whole too, and --follow of
+    a pipe (nothing grows) is a usage error, exit 2."""
+    with open(demo, "rb") as f:
+        data = f.read()
+    for target in ("--parquet", "--tensorboard"):
+        want = cli("export", demo, target, str(tmp_path / f"file{target}"))
+        got = _piped(data, "export", "/dev/stdin", target, str(tmp_path / f"pipe{target}"))
+        assert want.returncode == got.returncode == 0, got.stderr
+        said = [p.stderr.rsplit(" to ", 1)[0] for p in (want, got)]
+        assert said[0] == said[1] and f"wrote {N_DEMO} " in said[0], said
+    got = _piped(data, "merge", "/dev/stdin", "-o", str(tmp_path / "m.jsonl"))
+    assert got.returncode == 0 and len(pmaptap.read(str(tmp_path / "m.jsonl"))) == N_DEMO
+    got = _piped(data, "plot", "/dev/stdin", "--name", "loss", "-o", str(tmp_path / "l.png"))
+    assert got.returncode == 0 and os.path.getsize(tmp_path / "l.png") > 0, got.stderr
+    for follow in (
+        ("tail", "/dev/stdin", "-f"),
+        ("export", "/dev/stdin", "--tensorboard", str(tmp_path / "tb2"), "-f"),
+    ):
+        got = _piped(data, *follow)
+        assert got.returncode == 2, got
+        assert "is not a file but a pipe or device: there is nothing to follow" in got.stderr
+    assert not any(
+        n.startswith("pmaptap-") and len(n) == 16
+        for n in os.listdir(os.environ.get("TMPDIR", "/tmp"))
+    ), "a spooled copy was left behind"
+
+
+def test_a_named_fifo_finds_the_runs_stored_values(tmp_path):
+    """A FIFO named as the run: its stored values (``<name>.bytes`` beside
+    it) are found, so validate says OK and export loads them."""
+    import numpy as np
+
+    run = tmp_path / "run.jsonl"
+    with pmaptap.Writer(str(run), run="r", process=0) as w:
+        for step in range(3):
+            w.write("big", step, np.arange(512, dtype=np.float32) + step)
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    fifo = fifo_dir / "run.jsonl"
+    os.mkfifo(fifo)
+    os.symlink(str(run) + ".bytes", str(fifo) + ".bytes")
+    data = run.read_bytes()
+
+    def feed():
+        with open(fifo, "wb") as f:
+            f.write(data)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    got = cli("validate", str(fifo))
+    t.join(10)
+    assert got.returncode == 0 and f"{fifo}: OK, 3 records" in got.stdout, got.stdout + got.stderr
+
+
 def test_launch_delegates_to_the_launcher():
     code = (
         "import sys, types\n"
