@@ -82,7 +82,7 @@ register_tap_rules(callback_p)
 # JAX has no transpose rule for custom_vmap_call at all. Reverse mode never
 # computes that tangent, and pmaptap.tap returns its argument untouched, so
 # no cotangent flows through the tap either: there is nothing to record.
-# Dropping the tap would lose it without a word (issue 28), so the rule
+# Dropping the tap would lose it without a word, so the rule
 # refuses, at trace time, naming the tap and what records a cotangent
 # (pmaptap.tap_grad). Other custom_vmap functions keep JAX's behaviour.
 _TAP_RULE = "_pmaptap_tap_rule"

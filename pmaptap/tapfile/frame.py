@@ -7,7 +7,7 @@ One row per record, in file order. Columns:
 - ``run``, ``name``, ``pass``, ``kind``, ``host``: text; ``step``: int64;
   ``process``, ``device`` (null for replicated records), ``replicas``:
   nullable integers (``Int64``); ``divergent``: bool; ``time``: a UTC
-  datetime (the file's seconds since the epoch);
+  datetime of exact microseconds (the file's seconds since the epoch);
 - ``coords.<axis>``: a per-device record's mesh coordinates, nullable ints;
 - ``value`` for a plain value, ``value.<key>`` / ``value.<index>`` for pytree
   leaves (``value.<leaf>.min`` ... for a summarized leaf). A column whose
@@ -278,7 +278,7 @@ class _Cells:
             out = values.astype("float64")  # a copy
             out[mask] = np.nan
             if col == "time":
-                return pd.to_datetime(pd.Series(out, dtype="float64"), unit="s", utc=True)
+                return _times(pd, out)
             return pd.Series(out, dtype="float64")
         if col == "step" and not mask.any():
             return pd.Series(values.astype("int64"), dtype="int64")
@@ -428,10 +428,30 @@ def to_frame(records: Iterable[dict], *, _empty: dict[str, Any] | None = None) -
     return builder.frame(_empty)
 
 
+# Microseconds an int64 holds, either side of the epoch (~292,000 years).
+_MAX_US = float(2**63 - 1)
+
+
+def _times(pd: Any, secs: Any) -> Any:
+    """Seconds since the epoch (float64, NaN where none) -> UTC datetimes of
+    exact microseconds (``datetime64[us, UTC]``; Parquet's
+    ``timestamp[us]``). Writers round a record's time to the microsecond
+    (format.py), so the nearest microsecond is the time as written;
+    pandas' ``unit="s"`` conversion kept float noise below it
+    (``.635569096``). A time no int64 of microseconds holds is NaT."""
+    import numpy as np
+
+    us = np.round(np.asarray(secs, dtype="float64") * 1e6)
+    bad = ~(np.abs(us) < _MAX_US)  # NaN included
+    out = np.where(bad, 0, us).astype("int64").astype("datetime64[us]")
+    out[bad] = np.datetime64("NaT")
+    return pd.Series(out).dt.tz_localize("UTC")
+
+
 def _column(pd: Any, col: str, cells: list) -> Any:
     if col == "time":
         secs = [float(c) if isinstance(c, (int, float)) else None for c in cells]
-        return pd.to_datetime(pd.Series(secs, dtype="float64"), unit="s", utc=True)
+        return _times(pd, pd.Series(secs, dtype="float64").to_numpy())
     if col == "divergent":
         return pd.Series([bool(c) for c in cells], dtype=bool)
     if col == "step":

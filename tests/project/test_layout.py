@@ -357,3 +357,56 @@ def test_the_seam_holds_both_ways():
         if m.startswith("pmaptap._common")
     }
     assert len(common) >= 3 and {m: d for m, d in common.items() if d} == {}
+
+
+def test_every_exception_is_defined_in_errors_py():
+    """One home for exceptions: a class deriving from an exception (a
+    built-in one or pmaptap's) is defined in pmaptap/errors.py only (the
+    readers' MissingBytes lived in tapfile/arrays.py; it is still imported
+    there, where callers may have imported it from)."""
+    import builtins
+
+    sources = package_sources()
+    ours = {
+        node.name
+        for rel, tree in sources
+        if rel == os.path.join("pmaptap", "errors.py")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"TapError", "AssembleError", "MissingBytes"} <= ours
+
+    def is_exception(base: ast.expr) -> bool:
+        name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+        known = getattr(builtins, name, None)
+        return name in ours or (isinstance(known, type) and issubclass(known, BaseException))
+
+    elsewhere = [
+        f"{rel}: {node.name}"
+        for rel, tree in sources
+        if rel != os.path.join("pmaptap", "errors.py")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and any(is_exception(b) for b in node.bases)
+    ]
+    assert elsewhere == []
+    from pmaptap import errors
+    from pmaptap.tapfile import arrays
+
+    assert arrays.MissingBytes is errors.MissingBytes
+
+
+def test_the_code_does_not_point_at_the_issue_tracker():
+    """Comments and docstrings say why in their own words; an issue number
+    means nothing to a reader of the code (nor outside this tracker)."""
+    import re
+
+    pattern = re.compile(r"\bissues? ?#?\d+|/issues/\d+", re.IGNORECASE)
+    found = []
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith((".py", ".c")):
+                path = os.path.join(dirpath, f)
+                for n, line in enumerate(open(path, encoding="utf-8"), 1):
+                    if pattern.search(line):
+                        found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert found == []

@@ -21,8 +21,15 @@ def test_readme_example_runs_as_documented(tmp_path):
     code = text.split("## Ten lines\n\n```python\n", 1)[1].split("```", 1)[0]
     expected = re.search(r"^# (\[.*?\]):", code, re.M).group(1)
     code = code.replace('"out/run.jsonl"', repr(str(tmp_path / "run.jsonl")))
-    proc = run_python(code, devices=4)
-    assert proc.stdout.strip() == expected
+    # Twice on one file, as a user reruns it: the file is appended to, and
+    # the example reads back its own run (it printed six losses the second
+    # time when it read the whole file).
+    for _ in range(2):
+        proc = run_python(code, devices=4)
+        assert proc.stdout.strip() == expected
+    import pmaptap
+
+    assert len(pmaptap.read(tmp_path / "run.jsonl", name="loss")) == 6
 
 
 def test_readme_test_command_is_what_ci_runs():
