@@ -580,8 +580,9 @@ def _flush_failing(url: str, fail) -> tuple:
     w.flush()
     w.write("x", 1, 1.0)
     fail()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(pmaptap.TapError) as e:  # the store's error as its cause
         w.flush()
+    assert isinstance(e.value.__cause__, TimeoutError) and e.value.errors == (e.value.__cause__,)
     return f, w
 
 
@@ -760,8 +761,9 @@ def test_a_batch_whose_put_fails_twice_is_put_once(monkeypatch, second):
     got = _poll(f)
     w.write("x", 2, 2.0)
     fails[:] = [None, second]
-    with pytest.raises(TimeoutError):
+    with pytest.raises(pmaptap.TapError) as e:
         w.flush()
+    assert isinstance(e.value.__cause__, TimeoutError)
     got += _poll(f)
     w.write("x", 3, 3.0)
     w.flush()
@@ -825,8 +827,9 @@ def test_random_foreign_deletes_lagging_listings_and_failed_puts_double_nothing(
                     fail[:] = [None] * rnd.randrange(2) + [rnd.choice(["landed", "lost"])]
                 try:
                     w.flush()
-                except TimeoutError:
-                    pass  # the records stay; the next flush retries them
+                except pmaptap.TapError as e:
+                    assert isinstance(e.__cause__, TimeoutError), e
+                    # the records stay; the next flush retries them
                 names = cls.ls(fs, prefix + ".d", detail=False)
                 chunks = [n for n in names if not store.parse_name(n, 0).rollup]
                 r = rnd.random()
