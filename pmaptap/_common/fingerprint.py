@@ -17,6 +17,9 @@ forms (``FingerprintSpec.layout``):
   ``(step, fps[n, leaves, 2])``; ``shards`` says where partition k lives and
   which slice of each leaf it holds (filled at compile time).
 
+Specs compare by value: two calls of the same name and leaves are the same
+call to JAX's caches (an eager fingerprint compiles once).
+
 Pure Python: the aggregator thread reads it, JAX is not called there.
 """
 
@@ -26,7 +29,7 @@ import dataclasses
 import enum
 from typing import Any, ClassVar
 
-from pmaptap._common.spec import Placement, next_tap_id
+from pmaptap._common.spec import Placement
 
 
 class FingerprintLayout(enum.Enum):
@@ -53,6 +56,5 @@ class FingerprintSpec:
     # JIT: the lowering's ShardPlacement (_common/shard_placement.py), or
     # None when the computation is not partitioned (one copy).
     shards: Any = None
-    tap_id: int = dataclasses.field(default_factory=next_tap_id)
     # What routing and the aggregator read from any payload spec.
     restore: ClassVar[tuple] = ()

@@ -6,8 +6,8 @@ The copies compared are those that should be equal: per leaf, the holders of
 one slice (under jit: the same global slice of the sharding XLA chose;
 inside pmap/shard_map: the same coordinates on the axes the leaf varies
 over, all devices for a replicated value). When every such group agrees,
-one record stands for the call's step: its ``value`` a digest of every
-group's fingerprint, ``devices``/``processes`` every device compared. When
+one record stands for the call's step: its ``fingerprint`` a digest of
+every group's fingerprint, ``devices``/``processes`` every device compared. When
 a group disagrees, it gets one record per distinct fingerprint, ``divergent:
 true``, whose ``devices``/``processes``/``holders`` are exactly the copies
 that hold it: the odd one out stands alone. Groups that agree at such a
@@ -60,9 +60,7 @@ def add(agg: "Aggregator", spec: FingerprintSpec, arrays: list[np.ndarray]) -> l
         place = spec.shards
         if place is None:  # a device pmaptap could not name: one copy
             return _records(agg, spec, step, fps, [(None, agg.process, {})], _whole, _no_slice)
-        holders = [
-            (place.devices[k], place.processes[k], place.coords[k]) for k in range(len(fps))
-        ]
+        holders = [(place.devices[k], place.processes[k], place.coords[k]) for k in range(len(fps))]
         return _records(agg, spec, step, fps, holders, _slices_of(place), _index_of(place))
     where = spec.placement
     holders = []
@@ -187,9 +185,11 @@ def _index_of(place: Any) -> Describe:
 # ------------------------------------------------------------ records
 
 
-def _value(pair: np.ndarray) -> int:
+def _value(pair: np.ndarray) -> str:
+    """A fingerprint as the record writes it: 16 hexadecimal digits (the
+    high half first)."""
     hi, lo = (int(v) for v in pair)
-    return hi << 32 | lo
+    return f"{hi:08x}{lo:08x}"
 
 
 def _records(
@@ -212,7 +212,7 @@ def _records(
         for key, rows in groups(j, holders).items():
             slices += 1
             compared.update(rows)
-            by_value: OrderedDict[int, list[int]] = OrderedDict()
+            by_value: OrderedDict[str, list[int]] = OrderedDict()
             for k in rows:
                 by_value.setdefault(_value(fps[k, j]), []).append(k)
             if len(by_value) == 1:
@@ -246,7 +246,7 @@ def _records(
             agg,
             spec,
             step,
-            int.from_bytes(digest.digest(), "big"),
+            digest.hexdigest(),
             [holders[k] for k in rows],
             now,
             extra={"leaves": len(spec.leaves), "slices": slices},
@@ -276,7 +276,7 @@ def _record(
     agg: "Aggregator",
     spec: FingerprintSpec,
     step: int,
-    value: int,
+    value: str,
     holders: list[Holder],
     now: float,
     *,
@@ -291,9 +291,11 @@ def _record(
         name=spec.name,
         step=int(step),
         kind=FINGERPRINT,
-        value=value,
-        dtype="uint64",
-        shape=[],
+        # No array data: the fingerprint is its own field (hex text, as
+        # vhash), so that no reader takes it for a number to sum or plot.
+        value=None,
+        dtype=None,
+        shape=None,
         process=agg.process,
         time=now,
         host=agg.host,
@@ -303,5 +305,5 @@ def _record(
         divergent=divergent,
         index=index,
         attempt=agg.attempt,
-        extra=extra,
+        extra={"fingerprint": value, **extra},
     )

@@ -119,24 +119,26 @@ def send(x: Any, name: str, *, step=None, every: int = 1) -> None:
 
 def _emit(spec: FingerprintSpec, leaves: list, step, traced: bool) -> None:
     leaves = [lax.stop_gradient(x) for x in leaves]
-    fn = _emitter(spec)
+    # Decided before our own cond below, whose predicate is the same on
+    # every device (a collective inside it is safe).
+    fn = _emitter(spec, placement.inside_divergent_control_flow())
     if traced and spec.every > 1:
         # On the device: skipped steps compute, gather and call nothing (the
         # step is the same on every device, as a loop counter is, so the
         # collective inside is reached by all or none).
-        lax.cond(step % spec.every == 0, lambda: fn(step, *leaves), lambda: None)
+        lax.cond(step % spec.every == 0, lambda: [fn(step, *leaves)][:0], lambda: [])
     else:
         fn(step, *leaves)
 
 
-def _emitter(spec: FingerprintSpec):
+def _emitter(spec: FingerprintSpec, divergent_flow: bool):
     """The vmap-aware emission, as layouts.emitter: under vmap the batch is
     part of what each device holds, so it is fingerprinted whole (one call,
     not one per element), and jax.checkpoint does not replay it."""
 
     @custom_vmap
     def emit_fn(step, *leaves):
-        _emit_now(spec, step, list(leaves))
+        _emit_now(spec, step, list(leaves), divergent_flow)
         return step
 
     @emit_fn.def_vmap
@@ -151,13 +153,13 @@ def _emitter(spec: FingerprintSpec):
             x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
             for x, b in zip(leaves, in_batched[1:])
         ]
-        _emitter(spec)(step, *leaves)
+        _emitter(spec, divergent_flow)(step, *leaves)
         return step, False
 
     return emit_fn
 
 
-def _emit_now(spec: FingerprintSpec, step, leaves: list) -> None:
+def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -> None:
     where, raw_names = placement.current(leaves)
     if not raw_names:
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -171,7 +173,7 @@ def _emit_now(spec: FingerprintSpec, step, leaves: list) -> None:
     # The bits each device holds, read where they lie (module docstring).
     fps = jnp.stack([fingerprint64(x) for x in lax.optimization_barrier(leaves)])
     coords = axis_coords(raw_names)
-    if placement.inside_divergent_control_flow():
+    if divergent_flow:
         spec = _with(spec, FingerprintLayout.COPY, where, varying)
         emit_callback(functools.partial(_deliver, spec), coords, step, fps)
         return

@@ -77,7 +77,9 @@ def _weighted(w: jax.Array, start: int) -> jax.Array:
     """Both halves' sums of a short vector of words at positions
     ``start, start + 1, ...`` (uint32[2])."""
     pos = lax.iota(jnp.uint32, w.size) + np.uint32(start % 2**32)
-    return jnp.stack([jnp.sum(w * _odd(pos ^ _SALT[h], _HALF[h]), dtype=jnp.uint32) for h in (0, 1)])
+    return jnp.stack(
+        [jnp.sum(w * _odd(pos ^ _SALT[h], _HALF[h]), dtype=jnp.uint32) for h in (0, 1)]
+    )
 
 
 def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:

@@ -35,21 +35,22 @@ if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faste
 # ---------------------------------------------------------------- fingerprints
 # pmaptap.fingerprint's records (_host/fingerprints.py writes them;
 # docs/api.md#fingerprint-records describes every field). "kind":
-# "fingerprint", the fields every record has, and: ``value`` the 64-bit
-# fingerprint (an integer, 0..2**64-1; "dtype": "uint64", "shape": []),
-# ``replicas``, ``devices``, ``processes`` (the holders, as a replicated
-# record lists them) and either
+# "fingerprint", the fields every record has ("value", "dtype" and "shape"
+# null: no array data), ``fingerprint`` (16 hexadecimal digits, the 64-bit
+# fingerprint), ``replicas``, ``devices``, ``processes`` (the holders, as a
+# replicated record lists them) and either
 # - all copies agree: ``leaves`` (how many were fingerprinted) and
-#   ``slices`` (how many groups of copies were compared); ``value`` is a
-#   digest of every group's fingerprint;
+#   ``slices`` (how many groups of copies were compared); ``fingerprint`` is
+#   a digest of every group's fingerprint;
 # - copies differ: ``divergent: true``, ``leaf`` (its path, "" for a bare
 #   array), ``index`` (under jit, the slice of a sharded leaf) or
 #   ``slice_coords`` (inside shard_map, the coordinates on the axes the leaf
-#   varies over), ``compared`` (the copies of that slice) and ``holders``
-#   (one {device, process, host, coords} per copy holding this value).
+#   varies over), ``compared`` (the copies of that slice) and, for a
+#   fingerprint held by at most RANGES_ABOVE copies, ``holders`` (one
+#   {device, process, host, coords} per copy holding it).
 # Their rules are in RULES below (the fingerprint-only ones are the
-# format's own: pmaptap validate checks them, readers take any value), and
-# a fingerprint record always takes the full checks (UNPLAIN_KINDS).
+# format's own: pmaptap validate checks them), and a fingerprint record
+# always takes the full checks (UNPLAIN_KINDS).
 FINGERPRINT = "fingerprint"
 # ----------------------------------------------------------------------------
 
@@ -727,6 +728,7 @@ _REP, _PD = ("replicated",), ("per_device",)
 # The kinds that list the holders of a value (replicas, devices, processes).
 _HELD = ("replicated", FINGERPRINT)
 _FP = (FINGERPRINT,)
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def _fp_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
@@ -854,6 +856,15 @@ RULES: tuple[FieldRule, ...] = (
     # A stored value's references: tapfile/arrays.py field_problem checks them.
     FieldRule("bytes", clean=False),
     # Fingerprint records (FINGERPRINT above).
+    FieldRule(
+        "fingerprint",
+        _STR,
+        must="a string",
+        kinds=_FP,
+        required=True,
+        strict=lambda v, d: _HEX16.fullmatch(v) is not None,
+        strict_problem="fingerprint must be 16 hexadecimal digits",
+    ),
     _fp_rule("leaf", lambda v, d: isinstance(v, str), "leaf must be a string (the leaf's path)"),
     _fp_rule(
         "leaves",
@@ -896,7 +907,8 @@ REQUIRED = tuple(
 _REQUIRED_KEYS = frozenset(REQUIRED)
 # Every field a record of each kind must have (REQUIRED first).
 REQUIRED_BY_KIND = {
-    kind: REQUIRED + tuple(r.name for r in RULES if r.required and kind in r.kinds and r.kinds != KINDS)
+    kind: REQUIRED
+    + tuple(r.name for r in RULES if r.required and kind in r.kinds and r.kinds != KINDS)
     for kind in KINDS
 }
 # What validate_dict checks: a field's type or condition, a kind's fields.
