@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import pmaptap
-from conftest import job_failed, python_cmd, run_launch
+from conftest import job_failed, prefixed, python_cmd, run_launch, train_argv
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.fingerprints import suspects
 
@@ -124,3 +124,19 @@ def test_the_job_file_is_valid_and_its_summary_names_the_suspects(job):
     table = summary_table(recs)
     assert "suspect device 2049 (process 1, host node-b, i=3)" in table
     assert "suspect device 2048 (process 1, host node-b, data=1,model=0)" in table
+
+
+def test_demo_fault_is_named_by_its_summary(tmp_path):
+    """README's demo: --fault flips one bit in one device's copy of the
+    parameters (process 1's second device) before a step; the summary the
+    job prints at its end names that device, its process and the step."""
+    out = str(tmp_path / "demo.jsonl")
+    argv = train_argv(out, "--fault", "device=2049,step=2", steps=4)
+    proc, _ = run_launch(2, 2, argv, launcher_timeout=120, timeout=180)
+    assert proc.returncode == 0, job_failed(proc)
+    assert "fault: bit 12 of b1[0] flipped on device 2049" in proc.stdout
+    (line,) = [ln for ln in prefixed(proc.stdout, 0) if ln.startswith("params ")]
+    assert "first at step 2, leaf b1: suspect device 2049 (process 1" in line, line
+    recs = [r for r in pmaptap.read(out) if r["name"] == "params"]
+    assert sorted({r["step"] for r in recs}) == [0, 1, 2, 3]
+    assert not any(r.get("divergent") for r in recs if r["step"] < 2)
