@@ -229,6 +229,7 @@ def run(quick: bool = False) -> None:
         for s in (2 * t, 2 * t + 1):  # a clean step, then the fault
             p = detect(p, s, fault)
         jax.block_until_ready(p)
+        jax.effects_barrier()  # the step's callback has run (as flush() waits)
     session.flush()
     by_step: dict[int, list[dict]] = {}
     for r in pmaptap.read(path):
@@ -255,8 +256,11 @@ def run(quick: bool = False) -> None:
     no_fault = jnp.asarray([-1, -1, 0, 0, -1], jnp.int32)
     base = 2 * trials
     for s in range(clean_steps):
-        p = detect(p, base + s, no_fault)
-    jax.block_until_ready(p)
+        # Waited for each step: 1,000 steps dispatched ahead, each with a
+        # collective and a host callback, ended in an XLA:CPU rendezvous
+        # timeout on this loaded box (pmaptap.tap of a 1 MiB replicated
+        # value does the same; noted in docs/performance.md).
+        p = jax.block_until_ready(detect(p, base + s, no_fault))
     session.close()
     false = [
         r
