@@ -25,6 +25,7 @@ computation of the value, not of the bits the device keeps).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, TypeVar
 
@@ -188,8 +189,6 @@ def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -
 
 
 def _with(spec: FingerprintSpec, layout: FingerprintLayout, where, varying) -> FingerprintSpec:
-    import dataclasses
-
     return dataclasses.replace(spec, layout=layout, placement=where, varying=tuple(varying))
 
 
