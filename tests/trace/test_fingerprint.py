@@ -480,3 +480,46 @@ def test_bad_arguments_are_refused_where_written(kwargs, error, match):
 def test_a_value_without_leaves_is_refused():
     with pytest.raises(ValueError, match="no array leaves"):
         pmaptap.fingerprint({}, "empty")
+
+
+def test_jit_every_scan_and_while_keep_each_slices_copies(session, tap_path):
+    """Under jit the fingerprints of a sharded value inside a traced-step
+    `every` cond, a scan body and a while body: each slice's holders are
+    compared (2 slices over "model"), the skipped steps write nothing."""
+    mesh = mesh42()
+    w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model")))
+
+    @jax.jit
+    def every(w, step):
+        w = w * 1.5
+        pmaptap.fingerprint(w, "every", step=step, every=2)
+        return w
+
+    @jax.jit
+    def scanned(w):
+        def body(c, i):
+            c = c + 1.0
+            pmaptap.fingerprint(c, "scan", step=i)
+            return c, None
+
+        return lax.scan(body, w, jnp.arange(3))[0]
+
+    @jax.jit
+    def looped(w):
+        def body(c):
+            v, i = c
+            pmaptap.fingerprint(v, "while", step=i)
+            return v + 1, i + 1
+
+        return lax.while_loop(lambda c: c[1] < 2, body, (w, 0))[0]
+
+    for s in range(4):
+        w = every(w, s)
+    scanned(w)
+    looped(w)
+    session.flush()
+    for name, steps in (("every", [0, 2]), ("scan", [0, 1, 2]), ("while", [0, 1])):
+        recs = fp_records(tap_path, name)
+        assert [r["step"] for r in recs] == steps, name
+        for r in recs:
+            assert r["devices"] == list(range(8)) and r["slices"] == 2 and not r.get("divergent")
