@@ -22,6 +22,7 @@ SUITES = (
     "bench_read.py",
     "bench_read_scale.py",
     "bench_many_writers.py",
+    "bench_fingerprint.py",
 )
 
 

@@ -14,7 +14,12 @@ written where the values live, never gathered:
 - in the step: ``loss`` (a replicated scalar: one record per step, naming
   every device, ``copies_seen: 1``), ``grad_norm``, and every
   ``--params-every`` steps ``params``, the ``nnx.State`` of the parameters
-  (written with its names: ``{"fc1": {"kernel": {"value": ...}}, ...}``).
+  (written with its names: ``{"fc1": {"kernel": {"value": ...}}, ...}``);
+- after the update, every step: ``state``, ``pmaptap.fingerprint`` of the
+  parameters and the optimizer state: each device fingerprints its own
+  shard of each, the holders of every slice (the "data" replicas of a
+  "model" shard) are compared, one record per step when they agree (a
+  device whose copy differs is named: ``pmaptap summary``).
 
 The taps of a step, those inside the differentiated function included, share
 one partitioned host call per device (automatic grouping); ``dh`` is written
@@ -175,6 +180,15 @@ def make_train_step(args: argparse.Namespace):
         elif args.taps == "raw":
             jax.debug.callback(noop, loss, gnorm, partitioned=True)
         opt.update(model, grads)
+        if args.taps == "pmaptap":
+            # Silent data corruption: every device's copy of what the step
+            # keeps, fingerprinted where it lives (8 bytes a leaf a device
+            # to the host), the copies that should agree compared.
+            pmaptap.fingerprint(
+                {"params": nnx.state(model, nnx.Param), "opt": nnx.state(opt, nnx.OptState)},
+                "state",
+                step=step,
+            )
         return loss
 
     return nnx.jit(train_step)
@@ -251,9 +265,18 @@ def check(
     want = sorted({s for s in range(steps) if s % params_every == 0})
     if sorted({r["step"] for r in params}) != want:
         problems.append(f"params steps {sorted({r['step'] for r in params})}, wanted {want}")
+    # One fingerprint record a step: every device's copies agreed.
+    state = by("state")
+    if [r["step"] for r in state] != list(range(steps)):
+        problems.append(f"state fingerprint steps {[r['step'] for r in state]}")
+    for r in state:
+        if r.get("divergent") or r.get("replicas") != n_dev:
+            problems.append(f"state fingerprints differ or miss a device: {r}")
     print(
         f"read back {len(recs)} records: "
-        + ", ".join(f"{n} {len(by(n))}" for n in ("loss", "grad_norm", "h", "dh", "y", "params")),
+        + ", ".join(
+            f"{n} {len(by(n))}" for n in ("loss", "grad_norm", "h", "dh", "y", "params", "state")
+        ),
         flush=True,
     )
     return problems

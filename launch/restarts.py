@@ -1,12 +1,14 @@
-"""What the demo's restarts rest on (launch/train.py): a checkpoint every
-few steps, the resume from it, and an injected fault (a process that
-SIGKILLs itself like a preempted host) for the restart tests."""
+"""What the demo's restarts and faults rest on (launch/train.py): a
+checkpoint every few steps, the resume from it, an injected fault (a
+process that SIGKILLs itself like a preempted host) for the restart tests,
+and a flipped bit in one device's copy of the parameters (``--fault``), the
+silent corruption pmaptap.fingerprint names."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from model import init_params
 
@@ -67,6 +69,76 @@ def maybe_die(args: argparse.Namespace, step: int) -> None:
     log(f"process {jax.process_index()} dies at step {step}")
     print(f"dying at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Fault(NamedTuple):
+    device: int  # the device id whose copy changes
+    step: int  # before this step
+    bit: int  # which bit of the first parameter's first element
+
+
+def parse_fault(text: str) -> Fault:
+    """``device=D,step=S[,bit=B]`` (bit 0-31, default 12: a mantissa bit,
+    a change of about 1e-4 relative: a loss curve would not show it)."""
+    fields = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        if not eq or key.strip() not in ("device", "step", "bit") or not value.strip().isdigit():
+            raise ValueError(
+                f"--fault {text!r}: expected device=D,step=S[,bit=B] "
+                "(non-negative integers), e.g. device=3,step=7"
+            )
+        fields[key.strip()] = int(value)
+    if "device" not in fields or "step" not in fields:
+        raise ValueError(f"--fault {text!r}: device= and step= are required, e.g. device=3,step=7")
+    fault = Fault(fields["device"], fields["step"], fields.get("bit", 12))
+    if fault.bit > 31:
+        raise ValueError(f"--fault {text!r}: bit must be 0-31 (of a float32)")
+    return fault
+
+
+def inject_fault(params: Any, fault: Fault, step: int) -> Any:
+    """Before step ``fault.step``: ``params`` with one bit flipped in device
+    ``fault.device``'s copy of the first parameter's first element, as a
+    corrupted memory or a wrong computation would leave it: nothing in the
+    program knows (the process holding that device does it; the others
+    leave their copies alone). ``params``: arrays whose shards are the
+    devices' copies (pmap's outputs, shard_map's, jit's), or pmap's first
+    input, host arrays stacked over the local devices."""
+    import jax
+    import numpy as np
+
+    if step != fault.step:
+        return params
+    name = sorted(params)[0]
+    value = params[name]
+    local = [d.id for d in jax.local_devices()]
+    if fault.device not in local:
+        return params
+    if not isinstance(value, jax.Array):
+        host = np.array(value)  # pmap's first step: one row per local device
+        row = host[local.index(fault.device)].reshape(-1).view(np.uint32)
+        row[0] ^= np.uint32(1 << fault.bit)
+        log_all(f"fault: bit {fault.bit} of {name}[0] flipped on device {fault.device}")
+        return {**params, name: host}
+    shards = []
+    for shard in value.addressable_shards:
+        data = shard.data
+        if shard.device.id == fault.device:
+            host = np.array(data)
+            host.reshape(-1).view(np.uint32)[0] ^= np.uint32(1 << fault.bit)
+            data = jax.device_put(host, shard.device)
+        shards.append(data)
+    log_all(f"fault: bit {fault.bit} of {name}[0] flipped on device {fault.device}")
+    changed = jax.make_array_from_single_device_arrays(value.shape, value.sharding, shards)
+    return {**params, name: changed}
+
+
+def log_all(msg: str) -> None:
+    """Print from any process, naming it."""
+    import jax
+
+    print(f"[process {jax.process_index()}] {msg}", flush=True)
 
 
 def log(msg: str) -> None:

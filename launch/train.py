@@ -8,7 +8,11 @@ Taps:
                 step for the whole job, however many hosts and devices);
 - ``grad_norm`` each device's gradient norm before ``pmean``
                 (dedup="per_device": one record per device per step);
-- ``lr``, ``step`` the learning rate and step counter (replicated).
+- ``lr``, ``step`` the learning rate and step counter (replicated);
+- ``params``    with ``--fingerprint`` (or ``--fault``): every device's
+                copy of the parameters fingerprinted (pmaptap.fingerprint);
+                ``--fault device=D,step=S`` flips a bit in device D's copy
+                before step S, and the summary names that device.
 
 Three variants compute the same thing: ``--variant pmap``,
 ``--variant shard_map`` (a 1-D mesh over all devices, set with jax.set_mesh)
@@ -55,7 +59,15 @@ from model import (  # noqa: E402
     make_jit_step,
     tapped_and_quiet,
 )
-from restarts import ckpt_path, log, maybe_die, save_checkpoint, start_params  # noqa: E402
+from restarts import (  # noqa: E402
+    ckpt_path,
+    inject_fault,
+    log,
+    maybe_die,
+    parse_fault,
+    save_checkpoint,
+    start_params,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -113,7 +125,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fault injection for demos and tests: on the first "
         "attempt, the last process SIGKILLs itself before STEP",
     )
+    p.add_argument(
+        "--fingerprint",
+        action="store_true",
+        help="fingerprint every device's copy of the parameters each step "
+        "(pmaptap.fingerprint: the summary names a device whose copy differs)",
+    )
+    p.add_argument(
+        "--fault",
+        default=None,
+        metavar="device=D,step=S",
+        help="silent data corruption for demos and tests: before step S, "
+        "flip a bit (bit=B, default 12) in device D's copy of the "
+        "parameters; implies --fingerprint",
+    )
     args = p.parse_args(argv)
+    if args.fault is not None:
+        try:
+            args.fault = parse_fault(args.fault)
+        except ValueError as e:
+            p.error(str(e))
+        args.fingerprint = True
     if args.ckpt_every < 1:
         p.error("--ckpt-every must be >= 1")
     if min(args.steps, args.batch_per_device, args.tap_every, args.hidden, args.log_every) < 1:
@@ -130,6 +162,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------- variants
 
 
+def fingerprinted(step: Callable, args: argparse.Namespace) -> Callable:
+    """``step`` whose new parameters are fingerprinted on every device
+    (--fingerprint): ONE tiny gather of 8 bytes a parameter a device, the
+    copies compared on the host."""
+    if not args.fingerprint:
+        return step
+    import pmaptap
+
+    def step_fn(params, x, y, step_no):
+        params, out = step(params, x, y, step_no)
+        pmaptap.fingerprint(params, "params", step=step_no)
+        return params, out
+
+    return step_fn
+
+
 def train_pmap(args: argparse.Namespace) -> float:
     import jax
     import numpy as np
@@ -138,7 +186,7 @@ def train_pmap(args: argparse.Namespace) -> float:
     # pmap's axis runs over jax.devices(), process by process, so this
     # process's k-th local device has global index first + k.
     first = jax.process_index() * n_local
-    body = make_body("dp", args.lr, args.steps, mark_varying=False)
+    body = fingerprinted(make_body("dp", args.lr, args.steps, mark_varying=False), args)
     step_fn, quiet_fn = (
         jax.pmap(b, axis_name="dp", in_axes=(0, 0, 0, None))
         for b in tapped_and_quiet(body, args.tap_every)
@@ -150,6 +198,8 @@ def train_pmap(args: argparse.Namespace) -> float:
     with progress_bar(args) as bar:
         for step in range(first_step, args.steps):
             maybe_die(args, step)
+            if args.fault:
+                params = inject_fault(params, args.fault, step)
             xs, ys = local_batches(args, step, first, n_local)
             x, y = np.stack(xs), np.stack(ys)
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
@@ -179,7 +229,7 @@ def train_shard_map(args: argparse.Namespace) -> float:
 
     # All devices of all processes, process by process (as jax.devices()).
     mesh = Mesh(np.array(jax.devices()), ("dp",))
-    body = make_body("dp", args.lr, args.steps, mark_varying=True)
+    body = fingerprinted(make_body("dp", args.lr, args.steps, mark_varying=True), args)
     step_fn, quiet_fn = (
         jax.jit(
             jax.shard_map(b, mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), out_specs=(P(), P()))
@@ -217,6 +267,8 @@ def train_global(
     with progress_bar(args) as bar:
         for step in range(first_step, args.steps):
             maybe_die(args, step)
+            if args.fault:
+                params = inject_fault(params, args.fault, step)
             xs, ys = local_batches(args, step, first, n_local)
             x = global_array(np.concatenate(xs), sharded)
             y = global_array(np.concatenate(ys), sharded)
@@ -236,7 +288,7 @@ def train_jit(args: argparse.Namespace) -> float:
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    tapped = make_jit_step(args.lr, args.steps, jax.device_count())
+    tapped = fingerprinted(make_jit_step(args.lr, args.steps, jax.device_count()), args)
     quiet = make_jit_step(args.lr, args.steps, jax.device_count(), taps=False)
     step_fn = jax.jit(tapped)
     quiet_fn = jax.jit(quiet) if args.tap_every > 1 else step_fn

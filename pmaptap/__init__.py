@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 _PUBLIC: dict[str, tuple[str, str | None]] = {
     "tap": ("pmaptap._trace.tap", "tap"),
     "tap_grad": ("pmaptap._trace.grad", "tap_grad"),
+    "fingerprint": ("pmaptap._trace.fingerprint", "fingerprint"),
     "group": ("pmaptap._trace.group", "group"),
     "untapped": ("pmaptap._trace.untapped", "untapped"),
     "configure": ("pmaptap._trace.options", "configure"),
@@ -113,6 +114,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         writer,
     )
     from pmaptap._host.session import Session, active_session, flush
+    from pmaptap._trace.fingerprint import fingerprint
     from pmaptap._trace.grad import tap_grad
     from pmaptap._trace.group import group
     from pmaptap._trace.options import configure, configured, options

@@ -280,6 +280,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if report.divergent_keys
         else ""
     )
+    if report.divergent_fingerprints:
+        note += (
+            f"; {report.divergent_fingerprints} step(s) whose fingerprints differ "
+            "(data, not a file problem: see pmaptap summary)"
+        )
     if report.superseded:
         note += (
             f"; {report.superseded} record(s) superseded by a later "

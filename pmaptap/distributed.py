@@ -509,6 +509,54 @@ def _missing_processes(client: Any, prefix: str, n: int) -> list[int] | None:
     return [p for p in range(n) if p not in arrived]
 
 
+# --------------------------------------------------------------- hosts
+# A fingerprint record (pmaptap.fingerprint) names the host of every holder
+# of a copy that differs, and one process writes it: the others' host names
+# come from here. Each process publishes its own once (when it first traces a
+# fingerprint: every process of a job traces the same program); the writer
+# reads them only when a record needs them, without waiting.
+_HOST_KEY = "pmaptap/hosts/{}"
+_host_published = False
+_hosts: dict[int, str] = {}
+
+
+def publish_host() -> None:
+    """Tell the job this process's host name (a no-op in a job of one
+    process, and after the first call)."""
+    global _host_published
+    if _host_published:
+        return
+    _host_published = True
+    client = _client() if _multi_process() else None
+    if client is None:
+        return
+    import socket
+
+    try:
+        client.key_value_set(
+            _HOST_KEY.format(_process_info()[1]), socket.gethostname(), allow_overwrite=True
+        )
+    except Exception as e:  # noqa: BLE001 - the host is then unknown (null)
+        log.debug(f"pmaptap: could not publish this process's host name: {e!r}")
+
+
+def host_of(process: int) -> str | None:
+    """The host name process ``process`` published, or None (not yet, not
+    a multi-process job, or the coordination service is gone)."""
+    got = _hosts.get(process)
+    if got is not None:
+        return got
+    client = _client() if _multi_process() else None
+    if client is None:
+        return None
+    try:
+        got = client.key_value_try_get(_HOST_KEY.format(int(process)))
+    except Exception:  # noqa: BLE001 - not published (or no service): unknown
+        return None
+    _hosts[process] = got
+    return got
+
+
 def mode() -> str | None:
     """What the last initialize() did (None if it was never called)."""
     return _mode
@@ -519,9 +567,11 @@ __all__ = [
     "agree_run_id",
     "close_barrier",
     "detect_cluster",
+    "host_of",
     "initialize",
     "launcher_settings",
     "mode",
+    "publish_host",
     "session_start",
     "unclosed_now",
 ]

@@ -20,7 +20,9 @@ from typing import Callable
 
 import numpy as np
 
+from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec
+from pmaptap._host import fingerprints
 from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, value_key
 from pmaptap._host.payload import (
@@ -139,6 +141,8 @@ class Aggregator(RecordFactory):
 
     def add_payload(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
         """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
+        if isinstance(spec, FingerprintSpec):
+            return fingerprints.add(self, spec, arrays)  # pmaptap.fingerprint
         if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
         if spec.shards is not None:
@@ -494,11 +498,32 @@ class Aggregator(RecordFactory):
             extra={"dropped_total": total, "policy": policy},
         )
 
+    def _add_pending(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]:
+        """Hold ``copy`` with the other copies of ``pkey`` that arrived;
+        their records once ``expected`` copies are there (or the same device
+        reports ``pkey`` again). Fingerprints sent by each device
+        (_host/fingerprints.py) wait here."""
+        out: list[Record] = []
+        pending = self._pending.get(pkey)
+        if pending is not None and any(
+            cp.coords == copy.coords and cp.device == copy.device for cp in pending.copies
+        ):
+            out += self._resolve(pkey, self._pending.pop(pkey))
+            pending = None
+        if pending is None:
+            pending = self._pending[pkey] = _Pending(self.clock(), [])
+        pending.copies.append(copy)
+        if len(pending.copies) >= expected:
+            out += self._resolve(pkey, self._pending.pop(pkey))
+        return out
+
     # ------------------------------------------------------------ dedup
     def _resolve(self, pkey: tuple, pending: _Pending, local: set | None = None) -> list[Record]:
         """Records of one value's copies, all arrived (or waited for long
         enough). ``local``: the coordinates whose
         per-device records this process writes (None: all it received)."""
+        if isinstance(pending.copies[0].spec, FingerprintSpec):
+            return fingerprints.resolve(self, pkey, pending)
         copies = sorted(pending.copies, key=lambda cp: cp.coords)
         spec = copies[0].spec
         step = pkey[1]

@@ -8,7 +8,7 @@ from typing import Sequence, TextIO
 from pmaptap._host.sink import Sink
 from pmaptap._log import console_log
 from pmaptap.tapfile.arrays import shown_value
-from pmaptap.tapfile.format import Record, encode_line, index_text
+from pmaptap.tapfile.format import FINGERPRINT, Record, encode_line, index_text
 from pmaptap.tapfile.rawarray import has_raw
 
 
@@ -19,6 +19,11 @@ def format_console(r: Record) -> str:
         parts.extend(f"{k}={v}" for k, v in (r.coords or {}).items())
     elif r.kind == "replicated":
         parts.append(f"replicas={r.replicas}")
+    elif r.kind == FINGERPRINT:
+        extra = r.extra or {}
+        if extra.get("leaf"):
+            parts.append(f"leaf={extra['leaf']}")
+        parts.append(f"devices={list(r.devices or ())}")
     if r.index is not None:
         parts.append(f"index=[{index_text(r.index, ', ')}]")
     if r.divergent:
@@ -27,6 +32,8 @@ def format_console(r: Record) -> str:
         parts.append(f"pass={r.pass_}")
     text = " ".join(parts)
     value = r.value if r.kind != "meta" else r.extra
+    if r.kind == FINGERPRINT:
+        value = (r.extra or {}).get("fingerprint")
     if r.kind != "meta" and has_raw(value, r.dtype):
         # A big array: its dtype and shape, not megabytes of numbers.
         value = str(shown_value(value, r.dtype, r.shape))

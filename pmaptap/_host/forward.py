@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from pmaptap.tapfile.arrays import load_value
-from pmaptap.tapfile.format import Record, decode_record
+from pmaptap.tapfile.fingerprints import divergence_series
+from pmaptap.tapfile.format import FINGERPRINT, Record, decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.rawarray import raw_leaves
 from pmaptap.tapfile.tensorboard import leaves, tag_parts
@@ -103,6 +104,9 @@ def scalar_series(rec: dict, *, mark_divergent: bool = False) -> Iterator[tuple[
     see ``tag_parts``). Arrays, complex and non-numeric leaves are not
     scalars; meta records are pmaptap's own."""
     if rec.get("kind") == "meta":
+        return
+    if rec.get("kind") == FINGERPRINT:
+        yield from divergence_series(rec)  # copies that differ, not the fingerprint
         return
     base, suffix = tag_parts(rec, mark_divergent=mark_divergent)
     for path, v, _dtype in leaves(rec.get("value"), rec.get("dtype")):

@@ -17,6 +17,9 @@ as ``pmaptap export --tensorboard`` tags them):
   ``<tag>/divergent/device_<first holder>``, not to ``<tag>``;
 - arrays: TensorBoard histograms; W&B and MLflow leave them out (the tap
   file holds them);
+- fingerprint records (``pmaptap.fingerprint``): nothing while the copies
+  agree; the divergent ones as divergent copies are
+  (``tapfile/fingerprints.py: divergence_series``);
 - meta records (``pmaptap/dropped``, ``pmaptap/attempt``) are not logged;
 - the attempt of a resumed run: TensorBoard purges the replayed steps
   (``purge_step``); W&B and MLflow cannot rewrite what they hold, so they log

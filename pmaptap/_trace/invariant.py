@@ -202,6 +202,25 @@ def _from_host(x: Any) -> bool:
     return False
 
 
+def varying_axes(x: Any, axis_names: Sequence[Any]) -> frozenset | None:
+    """The axes of ``axis_names`` along which ``x``'s copies may differ by
+    design (a block of a value split over them, or partial sums), as JAX's
+    varying-axes typing says (source a above); None where that typing is off
+    (``check_vma=False``, pmap) and says nothing. pmaptap.fingerprint
+    compares the copies that agree on these axes."""
+    from jax._src import core
+
+    try:
+        if not _vma_trusted():
+            return None
+        mat = getattr(core.typeof(x), "mat", None)
+        if mat is None:
+            return None
+        return frozenset(mat.varying | mat.unreduced | mat.reduced) & frozenset(axis_names)
+    except Exception:  # noqa: BLE001 - unknown: compare as replicated
+        return None
+
+
 def _vma_trusted() -> bool:
     """Whether JAX's varying-axes typing is on for every manual axis now: on
     in the innermost shard_map and not turned off by an enclosing one."""

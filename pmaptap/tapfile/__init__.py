@@ -17,6 +17,7 @@ _SUBMODULES = frozenset(
         "checks",
         "divergence",
         "export",
+        "fingerprints",
         "follow",
         "format",
         "frame",

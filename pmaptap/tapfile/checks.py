@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
 from pmaptap.tapfile.attempts import attempt_of, scan
 from pmaptap.tapfile.format import (
+    FINGERPRINT,
     MAX_STEP,
     NONFINITE,
     NOT_CLEAN,
@@ -303,6 +304,9 @@ class Report:
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     divergent_keys: int = 0
     superseded: int = 0  # records a later attempt of a resumed run replaced
+    # Steps of pmaptap.fingerprint names whose copies differed: data (what a
+    # device computed), not a file problem, as divergent_keys.
+    divergent_fingerprints: int = 0
 
     @property
     def ok(self) -> bool:
@@ -372,6 +376,7 @@ def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
     firsts = FirstCopies()
     index = DivergenceIndex()
     flagged: set = set()  # keys of replicated records the file flags divergent
+    fingerprinted: set = set()  # (run, name, step) whose fingerprints differed
     records = lines = 0
     store = None
     add_first, add_index = firsts.add, index.add
@@ -424,6 +429,8 @@ def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
                 add_index(d)
                 if d.get("divergent"):
                     flagged.add(record_key(d)[:5])
+            elif d["kind"] == FINGERPRINT and d.get("divergent"):
+                fingerprinted.add((d["run"], d["name"], d["step"]))
             if superseded is not None and superseded(d):
                 report.superseded += 1
     report.records = records
@@ -431,4 +438,5 @@ def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
     problems.sort()
     flagged.update(key[:5] for key in index.divergent_keys())
     report.divergent_keys = len(flagged)
+    report.divergent_fingerprints = len(fingerprinted)
     return report

@@ -32,9 +32,36 @@ from pmaptap.tapfile.rawarray import RawArray, has_raw, split_raw
 if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
     import numpy as np
 
-KINDS = ("replicated", "per_device", "meta")
-# The kinds that carry a tapped value (meta records carry counters).
+# ---------------------------------------------------------------- fingerprints
+# pmaptap.fingerprint's records (_host/fingerprints.py writes them;
+# docs/api.md#fingerprint-records describes every field). "kind":
+# "fingerprint", the fields every record has ("value", "dtype" and "shape"
+# null: no array data), ``fingerprint`` (16 hexadecimal digits, the 64-bit
+# fingerprint), ``replicas``, ``devices``, ``processes`` (the holders, as a
+# replicated record lists them) and either
+# - all copies agree: ``leaves`` (how many were fingerprinted) and
+#   ``slices`` (how many groups of copies were compared); ``fingerprint`` is
+#   a digest of every group's fingerprint;
+# - copies differ: ``divergent: true``, ``leaf`` (its path, "" for a bare
+#   array), ``index`` (under jit, the slice of a sharded leaf) or
+#   ``slice_coords`` (inside shard_map, the coordinates on the axes the leaf
+#   varies over), ``compared`` (the copies of that slice) and, for a
+#   fingerprint held by at most RANGES_ABOVE copies, ``holders`` (one
+#   {device, process, host, coords} per copy holding it).
+# Their rules are in RULES below (the fingerprint-only ones are the
+# format's own: pmaptap validate checks them), and a fingerprint record
+# always takes the full checks (UNPLAIN_KINDS).
+FINGERPRINT = "fingerprint"
+# ----------------------------------------------------------------------------
+
+KINDS = ("replicated", "per_device", "meta", FINGERPRINT)
+# The kinds that carry a tapped value (meta records carry counters,
+# fingerprint records a fingerprint of the devices' copies).
 VALUE_KINDS = KINDS[:2]
+# Kinds whose records no fast check takes (first_not_plain, the C loops,
+# checks._fields_clean, summary's usual records): one a step at most, they
+# take the full checks.
+UNPLAIN_KINDS = (FINGERPRINT,)
 # The names of the meta records pmaptap writes: facts about the run (kind
 # "meta"), never a tapped value; a reader keeps them visible whatever the
 # attempt. The one registry: writers and readers name them from here.
@@ -266,7 +293,7 @@ class Record:
         if self.kind == "per_device":
             d["device"] = self.device
             d["coords"] = self.coords if self.coords is not None else {}
-        elif self.kind == "replicated":
+        elif self.kind == "replicated" or self.kind == FINGERPRINT:
             d["replicas"] = self.replicas
             if self.devices is not None:
                 d["devices"] = holders_field(self.devices)
@@ -698,6 +725,16 @@ class FieldRule:
 
 
 _REP, _PD = ("replicated",), ("per_device",)
+# The kinds that list the holders of a value (replicas, devices, processes).
+_HELD = ("replicated", FINGERPRINT)
+_FP = (FINGERPRINT,)
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def _fp_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
+    """A field of fingerprint records only, the format's own rule (readers
+    take any value: no fast check needs to know it)."""
+    return FieldRule(name, kinds=_FP, strict=strict, strict_problem=problem)
 
 
 def _holders_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
@@ -709,7 +746,7 @@ def _holders_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) 
         frozenset((type(None), list, str)),
         _holders_ok,
         'a list of numbers or ranges text ("0-4095,4100")',
-        kinds=_REP,
+        kinds=_HELD,
         strict=strict,
         strict_problem=problem,
     )
@@ -785,7 +822,7 @@ RULES: tuple[FieldRule, ...] = (
     ),
     FieldRule(
         "replicas",
-        kinds=_REP,
+        kinds=_HELD,
         required=True,
         strict=lambda v, d: _is_int(v) and v >= 1,
         strict_problem="replicas must be a positive integer",
@@ -818,6 +855,46 @@ RULES: tuple[FieldRule, ...] = (
     ),
     # A stored value's references: tapfile/arrays.py field_problem checks them.
     FieldRule("bytes", clean=False),
+    # Fingerprint records (FINGERPRINT above).
+    FieldRule(
+        "fingerprint",
+        _STR,
+        must="a string",
+        kinds=_FP,
+        required=True,
+        strict=lambda v, d: _HEX16.fullmatch(v) is not None,
+        strict_problem="fingerprint must be 16 hexadecimal digits",
+    ),
+    _fp_rule("leaf", lambda v, d: isinstance(v, str), "leaf must be a string (the leaf's path)"),
+    _fp_rule(
+        "leaves",
+        lambda v, d: _is_int(v) and v >= 1,
+        "leaves must be a positive integer",
+    ),
+    _fp_rule(
+        "slices",
+        lambda v, d: _is_int(v) and v >= 1,
+        "slices must be a positive integer",
+    ),
+    _fp_rule(
+        "compared",
+        lambda v, d: _is_int(v) and v >= 1 and (not _is_int(d["replicas"]) or v >= d["replicas"]),
+        "compared must be an integer, at least replicas",
+    ),
+    _fp_rule(
+        "slice_coords",
+        lambda v, d: isinstance(v, dict) and all(map(_is_int, v.values())),
+        "slice_coords must be an object of axis name -> integer index",
+    ),
+    _fp_rule(
+        "holders",
+        lambda v, d: (
+            isinstance(v, list)
+            and all(isinstance(h, dict) for h in v)
+            and (not _is_int(d["replicas"]) or len(v) == d["replicas"])
+        ),
+        "holders must list one object per replica",
+    ),
 )
 RULE = {r.name: r for r in RULES}
 # What the checks use, made once here (never per record).
@@ -830,7 +907,8 @@ REQUIRED = tuple(
 _REQUIRED_KEYS = frozenset(REQUIRED)
 # Every field a record of each kind must have (REQUIRED first).
 REQUIRED_BY_KIND = {
-    kind: REQUIRED + tuple(r.name for r in RULES if r.required and r.kinds == (kind,))
+    kind: REQUIRED
+    + tuple(r.name for r in RULES if r.required and kind in r.kinds and r.kinds != KINDS)
     for kind in KINDS
 }
 # What validate_dict checks: a field's type or condition, a kind's fields.

@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from pmaptap.errors import PlotError
+from pmaptap.tapfile.format import FINGERPRINT
 from pmaptap.tapfile.views import scalar
 
 MISSING_MATPLOTLIB = (
@@ -84,6 +85,12 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
         names = sorted({r.get("name") for r in records})
         raise PlotError(
             f"no records named {name!r}; taps in this file: {', '.join(names) or '(none)'}"
+        )
+    if any(r.get("kind") == FINGERPRINT for r in recs):
+        raise PlotError(
+            f"{name!r} is a pmaptap.fingerprint name: its records hold fingerprints "
+            "of the devices' copies, no values to draw; pmaptap summary names "
+            "where its copies differed."
         )
     bad = next((r for r in recs if scalar(r.get("value")) is None), None)
     if bad is not None:

@@ -20,7 +20,8 @@ from typing import Any, Iterable
 from pmaptap.tapfile.attempts import Restarts, attempt_of
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import NONFINITE, holder_ids, index_key
+from pmaptap.tapfile.fingerprints import FingerprintAcc
+from pmaptap.tapfile.format import FINGERPRINT, NONFINITE, holder_ids, index_key
 from pmaptap.tapfile.views import id_order, scalar
 
 
@@ -58,6 +59,9 @@ class TapSummary:
     # agreed. That is per-device data, not a divergence.
     per_device_steps: tuple[int, ...] = ()
     restarts: str = ""  # the run's attempts ("2 attempts; restarted at step 5")
+    # pmaptap.fingerprint records: where the copies first differed and the
+    # suspect devices (tapfile/fingerprints.py), "" when they always agreed.
+    fingerprint: str = ""
 
 
 class _TapAcc:
@@ -119,6 +123,7 @@ class _TapAcc:
         self.a_count = 0
         self.norm_step: int | None = None
         self.norm: float | None = None
+        self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
 
     def _nonfinite_at(self, step: int, r: dict) -> None:
         dev = r.get("device") if r.get("kind") == "per_device" else None
@@ -174,6 +179,9 @@ class _TapAcc:
                 self.processes.update(procs)
         if "divergent" in r and r["divergent"]:
             self.divergent.add(step)
+        if kind == FINGERPRINT:
+            self._fingerprint(r, step)
+            return
         v = r["value"]
         x: float | None
         if type(v) is float or type(v) is int:
@@ -195,6 +203,20 @@ class _TapAcc:
                 self.nonfinite += 1
                 self._nonfinite_at(step, r)
         self._key(r, kind, step)
+
+    def _fingerprint(self, r: dict, step: int) -> None:
+        """A fingerprint record: its step and holders; its value is no
+        number to sum up, the divergent ones name suspects (fingerprints.py)."""
+        self.steps.add(step)
+        devs = r.get("devices")
+        if devs:
+            if type(devs) is str:
+                self.holder_texts.add((True, devs))
+            else:
+                self.devices.update(devs)
+        if self.fp is None:
+            self.fp = FingerprintAcc()
+        self.fp.add(r)
 
     def _key(self, r: dict, kind: str, step: int) -> None:
         """The record's identity part of ``add``: steps, devices, attempts
@@ -362,6 +384,7 @@ class _TapAcc:
             first_nonfinite_devices=tuple(sorted(self.first_bad_devs, key=id_order)),
             norm=self.norm,
             per_device_steps=tuple(sorted(data_steps)),
+            fingerprint=self.fp.text() if self.fp is not None else "",
         )
 
 

@@ -18,7 +18,9 @@ def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
 
 def _issues(s: TapSummary) -> str:
     out = []
-    if s.divergent_steps:
+    if s.fingerprint:
+        out.append(s.fingerprint)  # names the steps and the suspects
+    elif s.divergent_steps:
         out.append(
             f"divergent at {len(s.divergent_steps)} step(s) ({_steps_text(s.divergent_steps)})"
         )

@@ -51,8 +51,9 @@ from typing import Any
 from pmaptap._log import log
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import attempt_of
+from pmaptap.tapfile.fingerprints import divergence_series
 from pmaptap.tapfile.follow import on_stop_signals, open_follower
-from pmaptap.tapfile.format import decode_record
+from pmaptap.tapfile.format import FINGERPRINT, decode_record
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
@@ -320,6 +321,11 @@ class TensorBoardExport:
         step = rec.get("step")
         wall = rec.get("time")
         wall = float(wall) if isinstance(wall, (int, float)) else None
+        if kind == FINGERPRINT:  # copies that differ, never the fingerprint
+            self.stats.records += 1
+            for tag, v in divergence_series(rec):
+                self._leaf(w, tag, v, None, step, wall)
+            return
         base, suffix = tag_parts(rec, mark_divergent=self._mark_divergent)
         self.stats.records += 1
         for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):

@@ -61,6 +61,10 @@ def test_all_benchmarks_run_in_quick_mode():
         "l. file",
         "l. sharded",
         "l. sharded: rate at",
+        "q. pmap: fingerprint / floor",
+        "q. pmap: fingerprint / floor_b",
+        "q. jit: fingerprint / floor",
+        "q. detection:",
     ):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]  # a ratio printed
@@ -109,5 +113,13 @@ def test_all_benchmarks_run_in_quick_mode():
     # bench_read.py: both ratios against the bare orjson loop, as numbers.
     # bench_many_writers.py: every run read back exact and validate-clean.
     assert "exact+valid" in out and "NO:" not in out
+    # q. (bench_fingerprint.py): both ratios to the floor, bytes to the host
+    # and file growth per step as numbers; every injected fault named, no
+    # clean step flagged.
+    for label in ("q. pmap: fingerprint / floor ", "q. jit: fingerprint / floor "):
+        assert len(ratios(label)) == 2, label
+    detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
+    named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
+    assert named == trials and " 0 false positive" in detection, detection
     ratio = out.split("summary time ratio: ", 1)[1]
     assert float(ratio.split("x", 1)[0]) > 0 and "peak RSS" in ratio

@@ -1,0 +1,295 @@
+"""q. pmaptap.fingerprint (issue 40): what it detects and what it costs.
+
+A replicated 16 MiB float32 parameter tree (4 leaves) on 8 devices, a step
+that updates it (``p - lr * g``), in four arms, interleaved round by round
+(paired per round):
+
+  update          the step alone
+  floor           + a float32 sum of every leaf (reads every byte once) and
+                  ONE raw jax.debug.callback of the sums, from device 0
+  floor_b         the floor with its sums read after an optimization
+                  barrier, as the fingerprint reads the value: XLA may fuse
+                  the floor's sums into the update's loop (no pass of its
+                  own), which the fingerprint is kept from doing
+  fingerprint     + pmaptap.fingerprint(params, step=step), with a session
+                  writing its records (a flush per round)
+
+under pmap and under jit (the tree replicated on a 4x2 mesh). Reported: the
+fingerprint arm's step time over the floor arm's (wall and this process's
+CPU time), the bytes that reach the host per step (per leaf per device) and
+the tap file's growth per step.
+
+``--quick`` (the test suite): a 2 MiB tree, 5 faults, 30 clean steps.
+
+Detection: 50 faults, each a single flipped bit (random leaf, device,
+element and bit position) in one device's copy, injected at one step after
+a clean one; each must be named exactly: its device, process, leaf and
+step, and nothing else. Then 1,000 steps without a fault: no record may
+say divergent.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import machine, main_quick, table  # noqa: E402
+
+DEVICES = 8
+# The tree: 16 MiB of float32 in four leaves of different shapes.
+SHAPES = {"emb": (512, 2048), "w1": (1024, 1024), "w2": (2048, 512), "b": (1024 * 1024,)}
+LEAVES = sorted(SHAPES)  # the order jax.tree flattens a dict in
+
+
+def _flip(x, index, bit):
+    import jax.numpy as jnp
+    from jax import lax
+
+    flat = lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    flat = flat.at[index].set(flat[index] ^ (jnp.uint32(1) << bit.astype(jnp.uint32)))
+    return lax.bitcast_convert_type(flat, x.dtype).reshape(x.shape)
+
+
+def run(quick: bool = False) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pmaptap
+    from pmaptap._host import routing
+
+    rounds, steps = (3, 2) if quick else (21, 10)
+    trials, clean_steps = (5, 30) if quick else (50, 1000)
+    shapes = SHAPES if not quick else {k: (s[0] // 8, *s[1:]) for k, s in SHAPES.items()}
+    out_dir = tempfile.mkdtemp(prefix="pmaptap-fp-")
+    path = os.path.join(out_dir, "fp.jsonl")
+    session = pmaptap.Session(path, run="bench").open()
+    rng = np.random.default_rng(0)
+    tree = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    nbytes = sum(a.nbytes for a in tree.values())
+    lr = np.float32(1e-3)
+
+    def nothing(*_):
+        return None
+
+    def update(p, g):
+        return jax.tree.map(lambda a, b: a - lr * b, p, g)
+
+    # ---------------------------------------------------------- pmap arms
+    rep = {k: np.broadcast_to(a, (DEVICES, *a.shape)) for k, a in tree.items()}
+    grads = jax.pmap(lambda t: jax.tree.map(lambda a: a * 0.5, t))(rep)
+
+    def pmap_body(kind):
+        def body(p, g, step):
+            p = update(p, g)
+            if kind in ("floor", "floor_b"):
+                leaves = jax.tree.leaves(p)
+                if kind == "floor_b":
+                    leaves = lax.optimization_barrier(leaves)
+                sums = [jnp.sum(v) for v in leaves]
+                lax.cond(
+                    lax.axis_index("i") == 0,
+                    lambda: jax.debug.callback(nothing, *sums),
+                    lambda: None,
+                )
+            elif kind == "fingerprint":
+                pmaptap.fingerprint(p, "params_pmap", step=step)
+            return p
+
+        return jax.pmap(body, axis_name="i", in_axes=(0, 0, None), donate_argnums=0)
+
+    # ---------------------------------------------------------- jit arms
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    everywhere = NamedSharding(mesh, P())
+    jtree = jax.device_put(tree, everywhere)
+    jgrads = jax.device_put(jax.tree.map(lambda a: a * 0.5, tree), everywhere)
+
+    def jit_body(kind):
+        def body(p, g, step):
+            p = update(p, g)
+            if kind in ("floor", "floor_b"):
+                leaves = jax.tree.leaves(p)
+                if kind == "floor_b":
+                    leaves = lax.optimization_barrier(leaves)
+                jax.debug.callback(nothing, *[jnp.sum(v) for v in leaves])
+            elif kind == "fingerprint":
+                pmaptap.fingerprint(p, "params_jit", step=step)
+            return p
+
+        return jax.jit(body, donate_argnums=0)
+
+    state = {}
+    counters = {}
+
+    def arm(variant: str, kind: str):
+        fn = (pmap_body if variant == "pmap" else jit_body)(kind)
+        key = (variant, kind)
+        state[key] = jax.tree.map(jnp.copy, rep if variant == "pmap" else jtree)
+        counters[key] = 0
+        g = grads if variant == "pmap" else jgrads
+
+        def go():
+            p = state[key]
+            for _ in range(steps):
+                p = fn(p, g, counters[key])
+                counters[key] += 1
+            jax.block_until_ready(p)
+            state[key] = p
+            if kind == "fingerprint":
+                session.flush()
+            else:
+                jax.effects_barrier()
+
+        return go
+
+    # Bytes handed to the host by fingerprint callbacks (their arrays).
+    real_deliver = routing.deliver
+    handed = {"bytes": 0, "calls": 0}
+
+    def counting(spec, arrays):
+        if getattr(spec, "name", "").startswith("params_"):
+            handed["bytes"] += sum(np.asarray(a).nbytes for a in arrays)
+            handed["calls"] += 1
+        real_deliver(spec, arrays)
+
+    import pmaptap._trace.fingerprint as fp_mod
+    import pmaptap._trace.fingerprint_jit as fpj_mod
+
+    fp_mod.deliver = fpj_mod.deliver = counting
+
+    rows = []
+    for variant in ("pmap", "jit"):
+        arms = {k: arm(variant, k) for k in ("update", "floor", "floor_b", "fingerprint")}
+        for fn in arms.values():
+            fn()  # compile, first writes
+        size0, calls0, bytes0 = os.path.getsize(path), handed["calls"], handed["bytes"]
+        wall: dict[str, list[float]] = {k: [] for k in arms}
+        cpu: dict[str, list[float]] = {k: [] for k in arms}
+        for r in range(rounds):
+            order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
+            for k, fn in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[k].append((time.perf_counter() - t0) / steps)
+                cpu[k].append((time.process_time() - c0) / steps)
+        fp_steps = rounds * steps
+        growth = (os.path.getsize(path) - size0) / fp_steps
+        per_leaf_device = (handed["bytes"] - bytes0) / (
+            (handed["calls"] - calls0) * len(shapes) * DEVICES
+        )
+
+        def ratio(t, arm_, ref):
+            return statistics.median(t[arm_][r] / t[ref][r] for r in range(rounds))
+
+        def ms(t, k):
+            return f"{statistics.median(t[k]) * 1e3:.1f}"
+
+        for ref in ("floor", "floor_b"):
+            rows.append(
+                (
+                    f"q. {variant}: fingerprint / {ref}",
+                    f"{ratio(wall, 'fingerprint', ref):.2f}x",
+                    f"{ratio(cpu, 'fingerprint', ref):.2f}x",
+                    f"{ms(wall, 'update')} / {ms(wall, ref)} / {ms(wall, 'fingerprint')}",
+                    f"{per_leaf_device:.1f}",
+                    f"{growth:.0f}",
+                )
+            )
+    print(
+        f"q. pmaptap.fingerprint, {DEVICES} devices, a {nbytes / 2**20:.0f} MiB tree; {machine()}"
+    )
+    print(
+        table(
+            rows,
+            (
+                "arm",
+                "wall ratio",
+                "CPU ratio",
+                "ms/step update / floor / fingerprint (wall)",
+                "B to host /leaf/device",
+                "B file /step",
+            ),
+        )
+    )
+
+    # ---------------------------------------------------------- detection
+    def detect_body(p, step, fault):
+        # fault: (device, leaf, element, bit, step) of the one flipped bit.
+        here = (lax.axis_index("i") == fault[0]) & (step == fault[4])
+        p = {
+            k: jnp.where(here & (fault[1] == j), _flip(v, fault[2], fault[3]), v)
+            for j, (k, v) in enumerate(sorted(p.items()))
+        }
+        pmaptap.fingerprint(p, "detect", step=step)
+        return p
+
+    detect = jax.pmap(detect_body, axis_name="i", in_axes=(0, None, None))
+    faults = []  # (device, leaf, element, bit) of each trial
+    for t in range(trials):
+        device, leaf = int(rng.integers(DEVICES)), int(rng.integers(len(LEAVES)))
+        element = int(rng.integers(int(np.prod(shapes[LEAVES[leaf]]))))
+        bit = int(rng.integers(32))
+        faults.append((device, LEAVES[leaf], element, bit))
+        fault = jnp.asarray([device, leaf, element, bit, 2 * t + 1], jnp.int32)
+        p = rep
+        for s in (2 * t, 2 * t + 1):  # a clean step, then the fault
+            p = detect(p, s, fault)
+        jax.block_until_ready(p)
+        jax.effects_barrier()  # the step's callback has run (as flush() waits)
+    session.flush()
+    by_step: dict[int, list[dict]] = {}
+    for r in pmaptap.read(path):
+        if r["name"] == "detect":
+            by_step.setdefault(r["step"], []).append(r)
+    exact = 0
+    wrong: list[str] = []
+    for t, (device, leaf, element, bit) in enumerate(faults):
+        clean, hit = by_step.get(2 * t, []), by_step.get(2 * t + 1, [])
+        odd = [r for r in hit if r.get("divergent") and r["replicas"] == 1]
+        if (
+            len(clean) == 1
+            and not clean[0].get("divergent")
+            and len(hit) == 2  # the other seven, and the odd one
+            and len(odd) == 1
+            and odd[0]["devices"] == [device]
+            and odd[0]["processes"] == [0]
+            and odd[0]["leaf"] == leaf
+        ):
+            exact += 1
+        else:
+            wrong.append(f"trial {t} (device {device} {leaf}[{element}] bit {bit}): {hit}")
+    p = rep
+    no_fault = jnp.asarray([-1, -1, 0, 0, -1], jnp.int32)
+    base = 2 * trials
+    for s in range(clean_steps):
+        # Waited for each step: 1,000 steps dispatched ahead, each with a
+        # collective and a host callback, ended in an XLA:CPU rendezvous
+        # timeout on this loaded box (pmaptap.tap of a 1 MiB replicated
+        # value does the same; noted in docs/performance.md).
+        p = jax.block_until_ready(detect(p, base + s, no_fault))
+    session.close()
+    false = [
+        r
+        for r in pmaptap.read(path)
+        if r["name"] == "detect" and r["step"] >= base and r.get("divergent")
+    ]
+    seen = sum(1 for r in pmaptap.read(path) if r["name"] == "detect" and r["step"] >= base)
+    print(
+        f"q. detection: {exact}/{trials} single-bit faults named exactly (device, "
+        f"process, leaf, step); {len(false)} false positive(s) in {seen} clean "
+        f"steps (of {clean_steps})"
+    )
+    for w in wrong[:5]:
+        print("   ", w[:300])
+
+
+if __name__ == "__main__":
+    main_quick(run, DEVICES)

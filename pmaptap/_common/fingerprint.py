@@ -1,0 +1,60 @@
+"""What a ``pmaptap.fingerprint`` call tells the host, fixed at trace time
+(and, under plain jit, bound to the placement of the lowering it runs in).
+
+One payload carries the 64-bit fingerprints (uint32 pairs) of every leaf on
+every device that holds a copy of it (or of a slice of it), in one of three
+forms (``FingerprintSpec.layout``):
+
+- ``GATHERED``: inside pmap/shard_map, gathered over the manual axes and sent
+  by ONE device of the job (coordinate 0): ``(step, fps[n, leaves, 2])``,
+  rows in row-major coordinate order (Placement).
+- ``COPY``: inside a cond/switch branch or a while_loop body (where a
+  collective could deadlock), each device sends its own:
+  ``(coords, step, fps[leaves, 2])``; the host compares this process's.
+- ``JIT``: under plain jit, one row per partition of the computation (the
+  fingerprint computed inside a manual region on each device, see
+  _trace/fingerprint_jit.py) brought to device 0, which calls back:
+  ``(step, fps[n, leaves, 2])``; ``shards`` says where partition k lives and
+  which slice of each leaf it holds (filled at compile time).
+
+Specs compare by value: two calls of the same name and leaves are the same
+call to JAX's caches (an eager fingerprint compiles once).
+
+Pure Python: the aggregator thread reads it, JAX is not called there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar
+
+from pmaptap._common.spec import Placement
+
+
+class FingerprintLayout(enum.Enum):
+    GATHERED = "gathered"
+    COPY = "copy"
+    JIT = "jit"
+
+
+@dataclasses.dataclass(frozen=True)
+class FingerprintSpec:
+    name: str
+    every: int
+    explicit_step: bool  # the step travels as an argument (else counted here)
+    leaves: tuple[str, ...]  # each leaf's path ("layer/w"; "" for a bare array)
+    layout: FingerprintLayout
+    # GATHERED / COPY: the manual axes and who holds each coordinate.
+    placement: Placement = Placement()
+    # GATHERED / COPY, per leaf: the positions (in placement.axis_names) of
+    # the axes along which its copies differ by design (a block of a value
+    # sharded over them, as JAX's varying-axes types say); the copies
+    # compared are those with the same coordinates on these axes. () for a
+    # replicated value: all copies compared.
+    varying: tuple[tuple[int, ...], ...] = ()
+    # JIT: the lowering's ShardPlacement (_common/shard_placement.py), or
+    # None when the computation is not partitioned (one copy).
+    shards: Any = None
+    # What routing and the aggregator read from any payload spec.
+    restore: ClassVar[tuple] = ()

@@ -1,0 +1,197 @@
+"""``pmaptap.fingerprint``: a 64-bit fingerprint of every device's copy of a
+value, computed on the device (fphash.py), compared on the host
+(_host/fingerprints.py), so that the device whose copy differs is named.
+
+Where the copies come from:
+
+- inside pmap / a fully manual shard_map: each device fingerprints its own
+  block; the ``n x leaves`` fingerprints are all-gathered (the one tiny
+  collective) and ONE device of the job (coordinate 0) calls back. Inside a
+  cond/switch branch or a while_loop body, where a collective that only
+  some devices reach would deadlock (docs/architecture.md), each device
+  calls back with its own instead, and each process compares its devices.
+  Which copies should be equal: all of them for a replicated value; where
+  JAX's varying-axes types are on (``shard_map(check_vma=True)``, the
+  default), those with the same coordinates on the axes the value varies
+  over (what the out specs would have to say; invariant.varying_axes).
+- under plain jit (and eagerly): fingerprint_jit.py, per slice of the
+  sharding XLA chose.
+
+Each device's copy is read where it lies, after an optimization barrier:
+XLA may not recompute the value into the fingerprint's loop (it fused the
+producer there otherwise, and the fingerprint would then be of a second
+computation of the value, not of the bits the device keeps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from pmaptap import distributed
+from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
+from pmaptap._common.switch import taps_off
+from pmaptap._host.routing import deliver
+from pmaptap._trace import placement
+from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
+from pmaptap._trace.emit import axis_coords
+from pmaptap._trace.fingerprint_jit import fingerprint_jit
+from pmaptap._trace.fphash import fingerprint64
+from pmaptap._trace.invariant import varying_axes
+from pmaptap._trace.layouts import _flat_index, static_step_operand
+from pmaptap._trace.primitive import emit_callback, mark_tap_vmap_rule, run_later, staged_for_later
+
+T = TypeVar("T")
+FN = "pmaptap.fingerprint"
+
+
+def fingerprint(x: T, name: str, *, step=None, every: int = 1) -> T:
+    """Fingerprint every device's copy of ``x`` (an array or pytree of
+    arrays) and name the devices whose copies differ. Returns ``x``
+    unchanged; gradients flow as if the call were absent.
+
+    On each device that holds a copy of a leaf (or a slice of it), a 64-bit
+    fingerprint of the copy's exact bits is computed on the device; only
+    the fingerprints (8 bytes a leaf a device) reach the host, which
+    compares the copies that should be equal: under pmap all of them (a
+    replicated value), under jit the holders of each slice of the sharding,
+    inside shard_map those the varying-axes types say hold the same block.
+    Written: one ``"kind": "fingerprint"`` record per call and step when
+    they agree; when not, one record per distinct fingerprint of each
+    disagreeing leaf (and slice), ``"divergent": true``, listing exactly its
+    holders. ``pmaptap summary`` names the suspect devices.
+
+    step: None for an automatic per-name counter, a Python int or a traced
+    integer scalar. every: fingerprint steps where ``step % every == 0``
+    (decided on the device for a traced step, at trace time for an int;
+    with the automatic counter the host skips the others)."""
+    send(x, name, step=step, every=every)
+    return x
+
+
+def send(x: Any, name: str, *, step=None, every: int = 1) -> None:
+    check_common(name, "replicated", every, FN)
+    static_step, traced_step = check_step(step, name, FN)
+    if static_step is not None and static_step % every != 0:
+        return  # decided at trace time: nothing is compiled for this step
+    path_leaves, _ = jax.tree_util.tree_flatten_with_path(x)
+    if not path_leaves:
+        raise ValueError(f"{FN}({name!r}): the value has no array leaves to fingerprint.")
+    leaves = [as_leaf(p, leaf, name, FN) for p, leaf in path_leaves]
+    for (p, _), leaf in zip(path_leaves, leaves):
+        check_dtype(p, leaf, name, FN)
+    if taps_off():
+        return  # pmaptap.untapped: checked, then removed
+    names, _ = placement.mapped_axes()
+    amesh = jax.sharding.get_abstract_mesh()
+    if names and len(names) != len(amesh.axis_names):
+        raise ValueError(
+            f"{FN}({name!r}) is inside a shard_map that is manual over "
+            f"{list(names)} only (automatic over the other mesh axes): each "
+            "device's copy cannot be told apart there. Fingerprint the value "
+            "outside the shard_map (under jit, each slice's holders are "
+            "compared), or make the shard_map manual over every mesh axis."
+        )
+    # Other processes' holders are named with their host (multi-process only).
+    distributed.publish_host()
+    spec = FingerprintSpec(
+        name=name,
+        every=int(every),
+        explicit_step=step is not None,
+        leaves=tuple(jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in path_leaves),
+        layout=FingerprintLayout.JIT,
+    )
+    step_arr = (
+        traced_step
+        if traced_step is not None
+        else static_step_operand(-1 if static_step is None else static_step)
+    )
+    if staged_for_later(leaves):
+        run_later(lambda ls, s: _emit(spec, ls, s, traced_step is not None), leaves, step_arr, name)
+        return
+    _emit(spec, leaves, step_arr, traced_step is not None)
+
+
+def _emit(spec: FingerprintSpec, leaves: list, step, traced: bool) -> None:
+    leaves = [lax.stop_gradient(x) for x in leaves]
+    # Decided before our own cond below, whose predicate is the same on
+    # every device (a collective inside it is safe).
+    fn = _emitter(spec, placement.inside_divergent_control_flow())
+    if traced and spec.every > 1:
+        # On the device: skipped steps compute, gather and call nothing (the
+        # step is the same on every device, as a loop counter is, so the
+        # collective inside is reached by all or none).
+        lax.cond(step % spec.every == 0, lambda: [fn(step, *leaves)][:0], lambda: [])
+    else:
+        fn(step, *leaves)
+
+
+def _emitter(spec: FingerprintSpec, divergent_flow: bool):
+    """The vmap-aware emission, as layouts.emitter: under vmap the batch is
+    part of what each device holds, so it is fingerprinted whole (one call,
+    not one per element), and jax.checkpoint does not replay it."""
+
+    @custom_vmap
+    def emit_fn(step, *leaves):
+        _emit_now(spec, step, list(leaves), divergent_flow)
+        return step
+
+    @emit_fn.def_vmap
+    @functools.partial(mark_tap_vmap_rule, name=spec.name)
+    def _batched(axis_size, in_batched, step, *leaves):
+        if in_batched[0]:
+            raise ValueError(
+                f"{FN}({spec.name!r}): the `step` argument is batched by vmap; "
+                "pass a step that is the same for the whole batch."
+            )
+        leaves = [
+            x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, b in zip(leaves, in_batched[1:])
+        ]
+        _emitter(spec, divergent_flow)(step, *leaves)
+        return step, False
+
+    return emit_fn
+
+
+def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -> None:
+    where, raw_names = placement.current(leaves)
+    if not raw_names:
+        if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            leaves = [jnp.asarray(x) for x in leaves]
+        fingerprint_jit(spec, step, lax.optimization_barrier(leaves))
+        return
+    varying = []
+    for x in leaves:
+        axes = varying_axes(x, raw_names)
+        varying.append(tuple(i for i, a in enumerate(raw_names) if axes and a in axes))
+    # The bits each device holds, read where they lie (module docstring).
+    fps = jnp.stack([fingerprint64(x) for x in lax.optimization_barrier(leaves)])
+    coords = axis_coords(raw_names)
+    if divergent_flow:
+        spec = _with(spec, FingerprintLayout.COPY, where, varying)
+        emit_callback(functools.partial(_deliver, spec), coords, step, fps)
+        return
+    spec = _with(spec, FingerprintLayout.GATHERED, where, varying)
+    gathered = lax.all_gather(fps, raw_names)  # (n, leaves, 2), row-major coordinates
+    first = _flat_index(coords, where.axis_sizes) == 0
+    lax.cond(
+        first,
+        lambda: emit_callback(functools.partial(_deliver, spec), step, gathered),
+        lambda: None,
+    )
+
+
+def _with(spec: FingerprintSpec, layout: FingerprintLayout, where, varying) -> FingerprintSpec:
+    return dataclasses.replace(spec, layout=layout, placement=where, varying=tuple(varying))
+
+
+def _deliver(spec: FingerprintSpec, *arrays) -> None:
+    # XLA's callback thread: only hands over (deliver never raises).
+    deliver(spec, arrays)

@@ -1,0 +1,260 @@
+"""``pmaptap.fingerprint`` under plain jit: each device fingerprints its own
+copy (or slice) of every leaf, the fingerprints (8 bytes a leaf a device)
+are brought to device 0 of the computation, which calls back once.
+
+Why a primitive whose lowering does the work: under jit a value has global
+semantics. ``fingerprint64(x)`` of a replicated ``x`` is one value to XLA,
+computed on every device but equal by assumption, and an all-gather of a
+replicated value is a no-op to the partitioner: the copies could never be
+told apart. Each device's fingerprint must be a different *element* of the
+program, computed from that device's own buffer in a manual region. Which
+slice a device holds is decided only when XLA's partitioner has propagated
+the shardings, after tracing and lowering; JAX's ``custom_partitioning`` is
+the hook that runs then: its ``partition`` rule receives every operand's
+actual sharding and returns a per-shard function, which computes the
+fingerprint of the local block on each device, and the result's sharding,
+one row per device (``P(all mesh axes)``), which makes the rows distinct
+elements that no pass can fold into one. Moving that result to device 0,
+where the non-partitioned callback runs, is the one tiny collective
+(``n x leaves x 8`` bytes). The operands keep the sharding they have (the
+rule asks for nothing else): nothing is gathered or resharded.
+
+The lowering is also where the computation's device assignment is known, so
+it makes the placement (``ShardPlacement``: partition -> device, process,
+coordinates, and, filled by ``partition`` at compile time, each leaf's
+slice) and binds the host function to it, once per lowering.
+
+Relies on ``jax.experimental.custom_partitioning`` and, through placement.py
+and primitive.py, on ``jax._src`` lowering internals (JAX 0.10);
+tests/trace/test_fingerprint.py fails loudly if they move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core, dispatch
+from jax._src.interpreters import mlir
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pmaptap._common.fingerprint import FingerprintSpec
+from pmaptap._common.shard_placement import ShardPlacement
+from pmaptap._host.routing import deliver
+from pmaptap._trace import placement, primitive
+from pmaptap._trace.fphash import fingerprint64
+
+fingerprint_p = core.Primitive("pmaptap_fingerprint")
+fingerprint_p.multiple_results = True
+# The lowering needs the device assignment (ShardingContext.device_assignment).
+dispatch.prim_requires_devices_during_lowering.add(fingerprint_p)
+primitive.register_tap_rules(fingerprint_p)
+# Eager: compiled and run as a one-primitive computation over the arguments'
+# devices (their shardings decide the partitioning, as under jit).
+fingerprint_p.def_impl(partial(dispatch.apply_primitive, fingerprint_p))
+
+
+def fingerprint_jit(spec: FingerprintSpec, step: jax.Array, leaves) -> None:
+    """Fingerprint ``leaves`` (traced under plain jit, or concrete) on every
+    device holding them; the host receives ``(step, fps[n, leaves, 2])``."""
+    fingerprint_p.bind(step, *leaves, spec=spec)
+
+
+def _entry(spec: FingerprintSpec):
+    def entry(*arrays) -> None:
+        # XLA's callback thread: only hands over (deliver never raises).
+        deliver(spec, arrays)
+
+    return entry
+
+
+def _lowering(ctx, step, *leaves, spec: FingerprintSpec):
+    if primitive.recomputed_while_predicate(ctx):
+        return []  # a duplicate (see primitive.recomputed_while_predicate)
+    leaf_avals = list(ctx.avals_in[1:])
+    shapes = tuple(tuple(int(s) for s in a.shape) for a in leaf_avals)
+    where = placement.shard_context(ctx)
+    if where is None:
+        place = _one_device(ctx, shapes)
+        n, fn = 1, _local
+    else:
+        devices, names, sizes = where
+        place = ShardPlacement(
+            devices=tuple(int(d.id) for d in devices),
+            processes=tuple(int(d.process_index) for d in devices),
+            axis_names=tuple(placement.display_axis_name(a) for a in names or ()),
+            axis_sizes=tuple(sizes or ()),
+            shapes=shapes,
+            me=jax.process_index(),
+        )
+        n, fn = len(devices), _per_device(place, tuple(devices), leaf_avals)
+    fps_aval = core.ShapedArray((n, len(leaves), 2), jnp.dtype(jnp.uint32))
+    sub = ctx.replace(primitive=None, avals_in=leaf_avals, avals_out=[fps_aval])
+    (fps,) = mlir.lower_fun(fn, multiple_results=False)(sub, *leaves)
+    host_fn = _entry(dataclasses.replace(spec, shards=place))
+    sub = ctx.replace(avals_in=[ctx.avals_in[0], fps_aval], avals_out=[])
+    if where is None:
+        return primitive._lowering(sub, step, fps, host_fn=host_fn)
+    return _call_from_device_0(sub, step, fps, host_fn=host_fn)
+
+
+def _call_from_device_0(ctx, *args, host_fn):
+    """ONE host call, on device 0 of the computation (XLA's maximal
+    sharding: the fingerprint rows are moved there), with NumPy copies of
+    XLA's buffers, as primitive.py's lowering makes under manual axes. Not
+    ``jax.debug.callback``'s lowering (primitive._lowering delegates to it
+    under automatic sharding), whose host side calls ``jax.device_put`` on
+    XLA's callback thread: ~70 us a call, and a JAX call where JAX calls can
+    deadlock (primitive.py)."""
+    from jax._src import callback as cb
+    from jax._src import config, sharding_impls
+    from jax._src.lib import xla_client as xc
+
+    if config.use_shardy_partitioner.value:
+        sharding = sharding_impls.SdyArrayList(
+            (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
+        )
+    else:
+        sharding = xc.OpSharding()
+        sharding.type = xc.OpSharding.Type.MAXIMAL
+        sharding.tile_assignment_dimensions = [1]
+        sharding.tile_assignment_devices = [0]
+    result, _, _ = cb.emit_python_callback(
+        ctx,
+        primitive._copying(host_fn),
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=True,
+        partitioned=False,
+        sharding=sharding,
+    )
+    return result
+
+
+def _local(*leaves):
+    """One copy (a computation on one device): its fingerprints, (1, L, 2)."""
+    return jnp.stack([fingerprint64(x) for x in leaves])[None]
+
+
+def _one_device(ctx, shapes) -> ShardPlacement | None:
+    """The placement of a computation on one device (its one copy holds
+    every element), or None where the device is not known here."""
+    from jax._src import sharding_impls
+
+    axis_context = ctx.module_context.axis_context
+    devices = getattr(axis_context, "device_assignment", None)
+    if not isinstance(axis_context, sharding_impls.ShardingContext) or not devices:
+        return None
+    d = devices[0]
+    place = ShardPlacement(
+        devices=(int(d.id),),
+        processes=(int(d.process_index),),
+        axis_names=(),
+        axis_sizes=(),
+        shapes=shapes,
+        me=jax.process_index(),
+    )
+    for j, shape in enumerate(shapes):
+        place.slices[j] = (tuple((0, s) for s in shape),)
+    return place
+
+
+def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list):
+    """The function lowered in place of the fingerprints: one
+    ``custom_partitioning`` call whose partitioned form computes each
+    device's fingerprints from its own blocks (see the module docstring).
+    Made per lowering: its ``partition`` rule fills this lowering's
+    ``place``."""
+    n, count = len(devices), len(leaf_avals)
+
+    @custom_partitioning
+    def per_device(*leaves):
+        # The unpartitioned meaning: every device's row is the value's
+        # fingerprint (what one copy gives).
+        return jnp.broadcast_to(_local(*leaves), (n, count, 2))
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = tuple(a.sharding for a in arg_shapes)
+        for j, s in enumerate(shardings):
+            place.set_sharding(j, s)
+        if mesh.empty or math.prod(mesh.shape.values()) != n:
+            mesh = Mesh(np.array(devices), ("_pmaptap_partition",))
+        out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        masks = [_padding_mask(s, a.shape) for s, a in zip(shardings, arg_shapes)]
+
+        def lower(*blocks):
+            fps = [
+                fingerprint64(b, None if m is None else m(b.shape)) for b, m in zip(blocks, masks)
+            ]
+            return jnp.stack(fps)[None]
+
+        return mesh, lower, out, shardings
+
+    def infer(mesh, arg_shapes, result_shape):  # GSPMD's propagation
+        if mesh.empty:
+            mesh = Mesh(np.array(devices), ("_pmaptap_partition",))
+        return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+
+    # Shardy's propagation: the operands' dimensions are reductions into
+    # the result (whose dimensions are its own), so the rule never asks an
+    # operand to change its sharding.
+    factors = [tuple(f"l{j}d{i}" for i in range(len(a.shape))) for j, a in enumerate(leaf_avals)]
+    rule = SdyShardingRule(
+        operand_mappings=tuple(factors),
+        result_mappings=(("rows", "leaves", "halves"),),
+        reduction_factors=tuple(f for fs in factors for f in fs),
+    )
+    per_device.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+        sharding_rule=rule,
+    )
+    return per_device
+
+
+def _padding_mask(sharding, shape: tuple[int, ...]):
+    """For an uneven sharding (XLA pads the last tiles), a function of the
+    local block's shape giving the elements that lie inside the array, from
+    this device's position on the mesh axes that split each dimension; None
+    when every tile is whole (or the sharding names no mesh axes)."""
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return None
+    dims, uneven = [], False
+    for d, size in enumerate(shape):
+        axes = spec[d] if d < len(spec) else None
+        axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        parts = math.prod(int(mesh.shape[a]) for a in axes)
+        uneven |= parts > 1 and size % parts != 0
+        dims.append((axes, parts, -(-size // parts) if parts else size))
+    if not uneven:
+        return None
+
+    def mask(block_shape):
+        valid = jnp.ones(block_shape, jnp.bool_)
+        for d, (axes, parts, tile) in enumerate(dims):
+            if parts <= 1:
+                continue
+            k = jnp.int32(0)
+            for a in axes:
+                k = k * int(mesh.shape[a]) + lax.axis_index(a)
+            at = lax.broadcasted_iota(jnp.int32, block_shape, d) + k * tile
+            valid = valid & (at < shape[d])
+        return valid
+
+    return mask
+
+
+# cacheable=False: the rule needs the caller's name stack.
+for _platform in ("cpu", "gpu", "tpu"):
+    mlir.register_lowering(fingerprint_p, _lowering, platform=_platform, cacheable=False)

@@ -1,0 +1,177 @@
+"""What the readers make of ``pmaptap.fingerprint``'s records
+(``"kind": "fingerprint"``, format.py): which copies differed, and whom to
+suspect.
+
+A disagreeing leaf (and slice) at a step has one record per distinct
+fingerprint, each listing exactly its holders. The fingerprint held by more
+copies than any other is the majority; every other copy is a *suspect*:
+the device that computed (or kept) something else. When no fingerprint has
+more holders than all others (two copies that disagree, a 2-2 split), none
+can be told wrong: all of them are named, as disagreeing.
+
+``FingerprintAcc`` takes a fingerprint name's records one at a time (the
+summary adds them: summary.py ``_TapAcc``) and keeps only what the
+divergent ones say; ``text()`` is the summary's line, ``suspects()`` the
+same for code. ``suspects(records)`` does it for a list of records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+from pmaptap.tapfile.format import FINGERPRINT, holder_ids, index_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Suspect:
+    """A copy whose fingerprint differed from the majority's."""
+
+    device: Any  # the device id, None where unknown
+    process: Any
+    host: str | None
+    coords: tuple[tuple[str, Any], ...]  # mesh coordinates, sorted by axis
+    first_step: int  # the first step it differed at
+    leaf: str  # the first leaf it differed in, at that step ("" a bare array)
+    where: str  # the slice there ("" the whole leaf)
+    steps: int  # how many steps it differed at
+    # Whether the copies had a majority there; False: two (or more) equal
+    # camps, none of them can be told wrong.
+    majority: bool = True
+
+    def describe(self) -> str:
+        about = [f"process {self.process}"]
+        if self.host:
+            about.append(f"host {self.host}")
+        if self.coords:
+            about.append(",".join(f"{a}={c}" for a, c in self.coords))
+        dev = "unknown" if self.device is None else self.device
+        return f"device {dev} ({', '.join(about)})"
+
+
+class FingerprintAcc:
+    """The divergent fingerprint records of one name (see module doc)."""
+
+    def __init__(self) -> None:
+        # (step, leaf, slice) -> [(replicas, holders of that fingerprint)]
+        self._groups: dict[tuple, list[tuple[int, list[dict]]]] = {}
+        self.steps: set[int] = set()  # steps whose copies differed
+
+    def add(self, r: dict) -> None:
+        if r.get("kind") != FINGERPRINT or not r.get("divergent"):
+            return
+        step = r["step"]
+        self.steps.add(step)
+        where = index_text(r.get("index")) or ",".join(
+            f"{a}={c}" for a, c in sorted((r.get("slice_coords") or {}).items(), key=str)
+        )
+        key = (step, str(r.get("leaf", "")), where)
+        replicas = r.get("replicas")
+        self._groups.setdefault(key, []).append(
+            (replicas if isinstance(replicas, int) else 0, _holders(r))
+        )
+
+    def suspects(self) -> list[Suspect]:
+        """Every suspect copy, the earliest first (then by device)."""
+        found: dict[tuple, dict] = {}
+        for (step, leaf, where), values in sorted(self._groups.items(), key=_order):
+            top = max(n for n, _ in values)
+            majority = sum(1 for n, _ in values if n == top) == 1
+            for n, holders in values:
+                if majority and n == top:
+                    continue
+                for h in holders:
+                    coords = h.get("coords")
+                    coords = (
+                        tuple(sorted(coords.items(), key=str)) if isinstance(coords, dict) else ()
+                    )
+                    who = (h.get("device"), h.get("process"), coords)
+                    got = found.get(who)
+                    if got is None:
+                        found[who] = dict(
+                            device=who[0],
+                            process=who[1],
+                            host=h.get("host"),
+                            coords=coords,
+                            first_step=step,
+                            leaf=leaf,
+                            where=where,
+                            steps={step},
+                            majority=majority,
+                        )
+                    else:
+                        got["steps"].add(step)
+        return [Suspect(**dict(f, steps=len(f["steps"]))) for f in found.values()]
+
+    def text(self) -> str:
+        """The summary's line: where the copies first differed and who."""
+        if not self.steps:
+            return ""
+        steps = sorted(self.steps)
+        shown = ",".join(map(str, steps[:5])) + (",..." if len(steps) > 5 else "")
+        suspects = self.suspects()
+        first = min(s.first_step for s in suspects) if suspects else steps[0]
+        at = [s for s in suspects if s.first_step == first]
+        lead = at[0] if at else None
+        where = ""
+        if lead is not None:
+            where = f", leaf {lead.leaf or '(the value)'}" + (
+                f" [{lead.where}]" if lead.where else ""
+            )
+        names = "; ".join(f"{s.describe()} at {s.steps} step(s)" for s in suspects[:4])
+        if len(suspects) > 4:
+            names += f"; and {len(suspects) - 4} more"
+        verdict = (
+            f"suspect {names}"
+            if suspects and all(s.majority for s in suspects)
+            else f"copies disagree with no majority: {names}"
+        )
+        return (
+            f"fingerprints differ at {len(steps)} step(s) ({shown}); "
+            f"first at step {first}{where}: {verdict}"
+        )
+
+
+def _order(item: tuple) -> tuple:
+    (step, leaf, where), _ = item
+    return (step, leaf, where)
+
+
+def _holders(r: dict) -> list[dict]:
+    """The copies holding a record's fingerprint: its ``holders`` (device,
+    process, host, coordinates), else (a value held by many copies) its
+    ``devices``, with the process where only one is named."""
+    got = r.get("holders")
+    if isinstance(got, list) and all(isinstance(h, dict) for h in got):
+        return got
+    procs = holder_ids(r.get("processes"))
+    process = procs[0] if len(procs) == 1 else None
+    return [{"device": d, "process": process} for d in holder_ids(r.get("devices"))]
+
+
+def suspects(records: Iterable[dict]) -> dict[tuple[str, str], list[Suspect]]:
+    """The suspects of every fingerprint name in ``records`` (as
+    ``pmaptap.read`` returns them), by (run, name)."""
+    accs: dict[tuple[str, str], FingerprintAcc] = {}
+    for r in records:
+        if r.get("kind") == FINGERPRINT:
+            accs.setdefault((r.get("run"), r.get("name")), FingerprintAcc()).add(r)
+    return {k: acc.suspects() for k, acc in accs.items()}
+
+
+def divergence_series(rec: dict) -> Iterator[tuple[str, float]]:
+    """What a dashboard gets of a fingerprint record (the forwarders,
+    ``pmaptap export --tensorboard``): nothing while the copies agree (a
+    fingerprint is no metric); for a divergent record, where a divergent
+    replicated value's copies go, ``<name>[/<leaf>]/divergent/device_<first
+    holder>``, the number of copies holding its fingerprint (1: the odd one
+    out), at its step."""
+    if rec.get("kind") != FINGERPRINT or not rec.get("divergent"):
+        return
+    leaf = rec.get("leaf")
+    tag = str(rec.get("name")) + (f"/{leaf}" if leaf else "")
+    ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
+    ids = [d for d in ids + holder_ids(rec.get("devices")) if isinstance(d, int)]
+    first = str(min(ids)) if ids else "unknown"
+    replicas = rec.get("replicas")
+    yield f"{tag}/divergent/device_{first}", float(replicas if isinstance(replicas, int) else 0)

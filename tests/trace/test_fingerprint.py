@@ -1,0 +1,525 @@
+"""pmaptap.fingerprint: every device's copy fingerprinted on the device, the
+copies that should be equal compared on the host, the odd one out named.
+
+Faults are injected as DESIGN-style tests do: under pmap ``jnp.where`` on one
+axis index; under jit a ``shard_map(check_vma=False)`` that changes one
+device's block of a value jit holds replicated (or sharded)."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pmaptap
+from pmaptap._trace.fphash import FOLD, LANES, fingerprint64
+from pmaptap.tapfile.checks import validate_file
+from pmaptap.tapfile.fingerprints import suspects
+from pmaptap.tapfile.summary import tap_summaries
+
+HOST = socket.gethostname()
+_fp = jax.jit(fingerprint64)
+
+
+def fp_records(path: str, name: str | None = None) -> list[dict]:
+    return [
+        r
+        for r in pmaptap.read(path)
+        if r["kind"] == "fingerprint" and (name is None or r["name"] == name)
+    ]
+
+
+def by_step(recs: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in recs:
+        out.setdefault(r["step"], []).append(r)
+    return out
+
+
+def mesh42() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+
+# ------------------------------------------------------------------ the hash
+
+
+def _flip(a: np.ndarray, i: int, bit: int) -> np.ndarray:
+    b = a.copy().reshape(-1)
+    raw = b.view(np.dtype(f"u{b.dtype.itemsize}"))
+    raw[i] ^= raw.dtype.type(1) << raw.dtype.type(bit)
+    return b.reshape(a.shape)
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint16, np.int32]
+)
+def test_one_flipped_bit_anywhere_changes_the_fingerprint(dtype):
+    rng = np.random.default_rng(1)
+    # Past one folded block (FOLD x LANES words) with a tail, odd sizes too.
+    for n in (7, 1001, 2 * FOLD * LANES + 333):
+        a = (rng.standard_normal(n) * 50).astype(dtype)
+        base = np.asarray(_fp(a))
+        assert np.array_equal(np.asarray(_fp(a.copy())), base)  # equal bits, equal print
+        for _ in range(12):
+            i, bit = int(rng.integers(n)), int(rng.integers(8 * a.itemsize))
+            assert not np.array_equal(np.asarray(_fp(_flip(a, i, bit))), base), (n, i, bit)
+
+
+def test_every_bit_counts_not_the_float_value():
+    zeros = np.zeros(16, np.float32)
+    minus = zeros.copy()
+    minus[5] = -0.0
+    assert not np.array_equal(_fp(zeros), _fp(minus))  # -0.0 == 0.0 as floats
+    nan = np.full(16, np.nan, np.float32)
+    payload = nan.copy()
+    payload.view(np.uint32)[3] |= 1  # another NaN
+    assert not np.array_equal(_fp(nan), _fp(payload))
+    # Position counts: two elements swapped (the same multiset of bits).
+    x = np.arange(3 * FOLD * LANES, dtype=np.float32)
+    y = x.copy()
+    y[[10, 70000]] = y[[70000, 10]]
+    assert not np.array_equal(_fp(x), _fp(y))
+    flags = np.array([True, False, True, True, False])
+    assert not np.array_equal(_fp(flags), _fp(~flags))
+    c = np.array([1 + 2j, 3 - 1j], np.complex64)
+    assert not np.array_equal(_fp(c), _fp(c.conj()))
+
+
+# ------------------------------------------------------------------ pmap
+
+
+def _pmap_step(fault_device: int, fault_step: int):
+    def body(p, step):
+        p = jax.tree.map(lambda v: v * 1.5 + 1.0, p)
+        hit = (lax.axis_index("i") == fault_device) & (step == fault_step)
+        w = jnp.where(hit, _flip_jax(p["w"], 5, 3), p["w"])  # one bit, one element
+        p = {"b": p["b"], "w": w}
+        pmaptap.fingerprint(p, "params", step=step)
+        return p
+
+    return jax.pmap(body, axis_name="i", in_axes=(0, None))
+
+
+def _flip_jax(x, i: int, bit: int):
+    flat = lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    flat = flat.at[i].set(flat[i] ^ jnp.uint32(1 << bit))
+    return lax.bitcast_convert_type(flat, x.dtype).reshape(x.shape)
+
+
+def test_pmap_names_the_device_whose_copy_differs(session, tap_path):
+    step = _pmap_step(fault_device=3, fault_step=2)
+    p = {"w": jnp.ones((8, 16, 32)), "b": jnp.zeros((8, 5))}
+    for s in range(4):
+        p = step(p, s)
+        p = jax.tree.map(lambda v: np.broadcast_to(np.asarray(v)[0], v.shape).copy(), p)  # heal
+    session.flush()
+    steps = by_step(fp_records(tap_path))
+    assert sorted(steps) == [0, 1, 2, 3]
+    for s in (0, 1, 3):  # agreeing steps: one record each, every device
+        (r,) = steps[s]
+        assert r["devices"] == list(range(8)) and r["processes"] == [0]
+        assert r["replicas"] == 8 and r["leaves"] == 2 and r["slices"] == 2
+        assert not r.get("divergent") and r["value"] is None
+        assert re.fullmatch(r"[0-9a-f]{16}", r["fingerprint"])
+    majority, odd = steps[2]  # most holders first
+    assert majority["devices"] == [0, 1, 2, 4, 5, 6, 7] and majority["replicas"] == 7
+    assert odd["devices"] == [3] and odd["processes"] == [0] and odd["replicas"] == 1
+    assert odd["holders"] == [{"device": 3, "process": 0, "host": HOST, "coords": {"i": 3}}]
+    for r in (majority, odd):
+        assert r["divergent"] is True and r["leaf"] == "w" and r["compared"] == 8
+    assert majority["fingerprint"] != odd["fingerprint"]
+    # The readers: summary names it, validate calls it data.
+    (s,) = suspects(pmaptap.read(tap_path))[("test", "params")]
+    assert (s.device, s.process, s.host, s.first_step, s.leaf, s.steps) == (
+        3,
+        0,
+        HOST,
+        2,
+        "w",
+        1,
+    )
+    (summary,) = tap_summaries(pmaptap.read(tap_path))
+    assert "first at step 2, leaf w: suspect device 3 (process 0" in summary.fingerprint
+    report = validate_file(tap_path)
+    assert report.ok and report.divergent_fingerprints == 1, report.problems
+
+
+def test_no_majority_names_every_copy(session, tap_path):
+    def body(x):
+        x = x + lax.axis_index("i").astype(jnp.float32)  # two different copies
+        pmaptap.fingerprint(x, "two")
+        return x
+
+    jax.pmap(body, axis_name="i", devices=jax.devices()[:2])(jnp.zeros((2, 3)))
+    session.flush()
+    found = suspects(pmaptap.read(tap_path))[("test", "two")]
+    assert sorted(s.device for s in found) == [0, 1]
+    assert not any(s.majority for s in found)
+    (summary,) = tap_summaries(pmaptap.read(tap_path))
+    assert "no majority" in summary.fingerprint
+
+
+# ------------------------------------------------------------------ plain jit
+
+
+def _corrupt(mesh, spec, where: dict, step_hit):
+    """A shard_map(check_vma=False) that flips one bit of the block held by
+    the device at mesh coordinates ``where`` when ``step_hit``."""
+
+    def f(block, hit):
+        on = hit
+        for axis, c in where.items():
+            on = on & (lax.axis_index(axis) == c)
+        # Element 1 (not 0.0, which times 1.0001 a denormal, flushed to 0).
+        return jnp.where(on, _flip_jax(block, 1, 7), block)
+
+    return lambda x: jax.shard_map(
+        f, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False
+    )(x, step_hit)
+
+
+@pytest.mark.parametrize(
+    "spec, where, device, index",
+    [
+        (P(None, "model"), {"data": 1, "model": 0}, 2, [[0, 8], [0, 4]]),
+        (P(), {"data": 3, "model": 1}, 7, None),
+        (P("data", "model"), {"data": 2, "model": 1}, 5, [[4, 6], [4, 8]]),
+    ],
+    ids=["sharded-over-model", "replicated", "no-replicas"],
+)
+def test_jit_compares_the_holders_of_each_slice(session, tap_path, spec, where, device, index):
+    mesh = mesh42()
+    w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, spec))
+    b = jax.device_put(jnp.ones(3), NamedSharding(mesh, P()))
+
+    @jax.jit
+    def step_fn(w, b, step):
+        w = _corrupt(mesh, spec, where, step == 1)(w * 1.0001)
+        pmaptap.fingerprint({"w": w, "b": b}, "params", step=step)
+        return w, b
+
+    for s in range(3):
+        w, b = step_fn(w, b, s)
+    session.flush()
+    steps = by_step(fp_records(tap_path))
+    assert sorted(steps) == [0, 1, 2]
+    (clean,) = steps[0]
+    assert clean["devices"] == list(range(8)) and not clean.get("divergent")
+    groups = {P(None, "model"): 2, P(): 1, P("data", "model"): 8}[spec]
+    assert clean["slices"] == groups + 1  # w's slices and b's one
+    recs = steps[1] + steps[2]  # the corrupted bit stays in w
+    odd = [r for r in recs if r["replicas"] == 1 and device in r["devices"]]
+    if spec == P("data", "model"):
+        # Every slice has one holder: nothing to compare, nothing flagged.
+        assert not any(r.get("divergent") for r in recs)
+        return
+    assert len(odd) == 2 and {r["step"] for r in odd} == {1, 2}
+    for r in odd:
+        assert r["divergent"] is True and r["leaf"] == "w"
+        assert r.get("index") == index
+        assert r["holders"] == [
+            {"device": device, "process": 0, "host": HOST, "coords": where},
+        ]
+    (s,) = suspects(pmaptap.read(tap_path))[("test", "params")]
+    assert (s.device, s.first_step, s.steps) == (device, 1, 2)
+
+
+def test_jit_uneven_sharding_ignores_padding(session, tap_path):
+    mesh = mesh42()
+    uneven = NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def f(x):
+        y = lax.with_sharding_constraint(x * 2.0, uneven)
+        pmaptap.fingerprint(y, "uneven")
+        return y
+
+    f(jnp.arange(30.0).reshape(6, 5))
+    session.flush()
+    (r,) = fp_records(tap_path, "uneven")
+    # 6 rows over 4 data rows: tiles of 2, the last one padding only; the
+    # model axis holds copies of each tile, and they agree.
+    assert not r.get("divergent") and r["slices"] == 3
+    assert r["devices"] == list(range(6))
+
+
+def _hlo(fn, *args) -> str:
+    return fn.lower(*args).compile().as_text()
+
+
+def _fingerprint_reads(txt: str, buffer: str) -> list[str]:
+    """Lines of ``txt`` computing uint32 values straight from the
+    instruction ``buffer`` (the stored value)."""
+    return [
+        ln
+        for ln in txt.splitlines()
+        if re.search(r"= u32\[", ln) and re.search(rf"fusion\(%{re.escape(buffer)}[,)]", ln)
+    ]
+
+
+def _root(txt: str) -> tuple[str, str]:
+    entry = txt.split("ENTRY", 1)[1]
+    m = re.search(r"ROOT %(\S+) = (f32\[[^\]]*\])", entry)
+    assert m, entry
+    return m.group(1), m.group(2)
+
+
+@pytest.mark.parametrize("spec, local", [(P(), "f32[64,1024]"), (P(None, "model"), "f32[64,512]")])
+def test_jit_hlo_one_fingerprint_per_device_buffer(spec, local):
+    """The compiled program: each device fingerprints its own buffer (the
+    stored value, of the local shard's shape), and the rows are gathered:
+    XLA did not take the copies' fingerprints for one value."""
+    mesh = mesh42()
+    x = jax.device_put(jnp.ones((64, 1024)), NamedSharding(mesh, spec))
+
+    def body(x):
+        y = x * 2.0
+        pmaptap.fingerprint({"y": y, "z": y + 1}, "y")
+        return y
+
+    txt = _hlo(jax.jit(body), x)
+    root, shape = _root(txt)
+    assert shape == local  # the program is per device
+    assert _fingerprint_reads(txt, root), txt  # from y's own buffer, not recomputed
+    gathers = [ln for ln in txt.splitlines() if " all-gather(" in ln]
+    assert len(gathers) == 1 and "u32[8,2,2]" in gathers[0], gathers  # one row a device
+    assert not re.search(r"f32\[[^\]]*\]\S* (all-gather|all-reduce)\(", txt)  # no value moved
+    assert txt.count("xla_ffi_python_cpu_callback") == 1
+
+
+def test_pmap_hlo_one_fingerprint_per_device_buffer():
+    def body(x):
+        y = x * 2.0
+        pmaptap.fingerprint(y, "y")
+        return y
+
+    txt = _hlo(jax.pmap(body, axis_name="i"), jnp.ones((8, 64, 1024)))
+    root, shape = _root(txt)
+    assert shape == "f32[1,64,1024]"
+    assert _fingerprint_reads(txt, root), txt
+    gathers = [ln for ln in txt.splitlines() if " all-gather(" in ln]
+    assert len(gathers) == 1 and "u32[8,1,2]" in gathers[0], gathers
+
+
+# ------------------------------------------------------------------ shard_map
+
+
+def test_inside_shard_map_the_varying_axes_pick_the_copies(session, tap_path):
+    """check_vma=True: a block of a value split over "model" is compared with
+    the copies of the same block (the same "model" coordinate), a psum'd
+    value with every copy: different blocks are no divergence."""
+    mesh = mesh42()
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P(None, "model")))
+
+    def body(block):
+        total = lax.psum(jnp.sum(block), "model")
+        pmaptap.fingerprint({"block": block * 2.0, "total": total}, "sm")
+        return block
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "model"), out_specs=P(None, "model")))(
+        x
+    )
+    session.flush()
+    (clean,) = fp_records(tap_path, "sm")
+    assert not clean.get("divergent") and clean["slices"] == 2 + 1
+    assert clean["devices"] == list(range(8))
+
+
+def test_inside_shard_map_without_varying_types_every_copy_is_compared(session, tap_path):
+    """check_vma=False (as pmap): no type says what varies, the value is
+    taken as replicated; the device holding another copy is named."""
+    mesh = mesh42()
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P()))
+
+    def body(params, step):
+        bad = (lax.axis_index("data") == 2) & (lax.axis_index("model") == 1) & (step == 1)
+        params = jnp.where(bad, _flip_jax(params, 3, 0), params)
+        pmaptap.fingerprint({"params": params}, "sm", step=step)
+        return params
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+    f(x, 0)
+    f(x, 1)
+    session.flush()
+    steps = by_step(fp_records(tap_path, "sm"))
+    (clean,) = steps[0]
+    assert not clean.get("divergent") and clean["slices"] == 1
+    majority, odd = steps[1]
+    assert majority["replicas"] == 7 and odd["devices"] == [5] and odd["leaf"] == "params"
+    assert "slice_coords" not in odd and odd["compared"] == 8
+    assert odd["holders"][0]["coords"] == {"data": 2, "model": 1}
+
+
+def test_partially_manual_shard_map_is_refused():
+    mesh = mesh42()
+
+    def body(x):
+        pmaptap.fingerprint(x, "partial")
+        return x
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"})
+    with pytest.raises(ValueError, match="manual over"):
+        jax.jit(f).lower(jnp.ones((8, 4)))
+
+
+# ------------------------------------------------------------------ control flow, steps
+
+
+def test_scan_with_a_traced_step_and_every(session, tap_path):
+    @jax.pmap
+    def f(x):
+        def body(c, i):
+            c = c + 1.0
+            pmaptap.fingerprint(c, "scan", step=i, every=2)
+            return c, None
+
+        return lax.scan(body, x, jnp.arange(6))[0]
+
+    f(jnp.ones((8, 4)))
+    session.flush()
+    assert sorted(r["step"] for r in fp_records(tap_path, "scan")) == [0, 2, 4]
+
+
+def test_while_body_each_device_sends_its_own(session, tap_path):
+    def f(x):
+        def body(c):
+            v, i = c
+            v = v + jnp.where((lax.axis_index("i") == 5) & (i == 1), 1.0, 0.0)
+            pmaptap.fingerprint(v, "while", step=i)
+            return v + 1.0, i + 1
+
+        return lax.while_loop(lambda c: c[1] < 2, body, (x, 0))[0]
+
+    txt = _hlo(jax.pmap(f, axis_name="i"), jnp.ones((8, 4)))
+    assert " all-gather(" not in txt  # no collective a device might not reach
+    jax.pmap(f, axis_name="i")(jnp.ones((8, 4)))
+    session.flush()
+    steps = by_step(fp_records(tap_path, "while"))
+    assert [r["devices"] for r in steps[0]] == [list(range(8))]
+    assert [r["devices"] for r in steps[1]] == [[0, 1, 2, 3, 4, 6, 7], [5]]
+
+
+def test_automatic_and_static_steps(session, tap_path):
+    auto = jax.pmap(lambda x: pmaptap.fingerprint(x, "auto", every=2) + 1)
+    for _ in range(5):
+        auto(jnp.ones((8, 2)))
+
+    def static(x, s):
+        return pmaptap.fingerprint(x, f"static{s}", step=s, every=2)
+
+    a = jax.make_jaxpr(lambda x: static(x, 7))(jnp.ones(2))
+    assert "pmaptap" not in str(a)  # step 7 skipped by every=2: nothing compiled
+    jax.jit(lambda x: static(x, 8))(jnp.ones(2))
+    session.flush()
+    assert sorted(r["step"] for r in fp_records(tap_path, "auto")) == [0, 2, 4]
+    assert [r["step"] for r in fp_records(tap_path, "static8")] == [8]
+    # One device: nothing to compare, its one copy named.
+    (r,) = fp_records(tap_path, "static8")
+    assert r["devices"] == [0] and r["replicas"] == 1
+
+
+def test_untapped_removes_it(session, tap_path):
+    f = jax.pmap(pmaptap.untapped(lambda x: pmaptap.fingerprint(x, "gone") + 1))
+    assert "callback" not in _hlo(f, jnp.ones((8, 2)))
+    f(jnp.ones((8, 2)))
+    session.flush()
+    assert fp_records(tap_path) == []
+
+
+def test_vmap_fingerprints_the_batch_whole(session, tap_path):
+    f = jax.pmap(jax.vmap(lambda x: pmaptap.fingerprint(x, "batch") * 2))
+    f(jnp.ones((8, 3, 2)))
+    session.flush()
+    (r,) = fp_records(tap_path, "batch")  # one record: not one per element
+    assert r["devices"] == list(range(8))
+
+
+def test_eager_sharded_array_compiles_once(session, tap_path):
+    mesh = mesh42()
+    x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data")))
+    from pmaptap._trace.fingerprint_jit import fingerprint_p
+
+    for _ in range(3):
+        assert pmaptap.fingerprint(x, "eager") is x
+    session.flush()
+    recs = fp_records(tap_path, "eager")
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert recs[0]["slices"] == 4 and recs[0]["devices"] == list(range(8))
+    del fingerprint_p
+
+
+def test_gradients_flow_as_if_absent():
+    def loss(w):
+        return jnp.sum(pmaptap.fingerprint(w, "w") ** 2)
+
+    assert np.allclose(jax.grad(loss)(jnp.arange(3.0)), 2 * np.arange(3.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(name=3), TypeError, "name must be a str"),
+        (dict(name="x", every=0), ValueError, "every must be >= 1"),
+        (dict(name="x", step=1.5), TypeError, "step must be None"),
+    ],
+)
+def test_bad_arguments_are_refused_where_written(kwargs, error, match):
+    name = kwargs.pop("name")
+    with pytest.raises(error, match=match):
+        pmaptap.fingerprint(jnp.ones(2), name, **kwargs)
+
+
+def test_a_value_without_leaves_is_refused():
+    with pytest.raises(ValueError, match="no array leaves"):
+        pmaptap.fingerprint({}, "empty")
+
+
+def test_jit_every_scan_and_while_keep_each_slices_copies(session, tap_path):
+    """Under jit the fingerprints of a sharded value inside a traced-step
+    `every` cond, a scan body and a while body: each slice's holders are
+    compared (2 slices over "model"), the skipped steps write nothing."""
+    mesh = mesh42()
+    w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model")))
+
+    @jax.jit
+    def every(w, step):
+        w = w * 1.5
+        pmaptap.fingerprint(w, "every", step=step, every=2)
+        return w
+
+    @jax.jit
+    def scanned(w):
+        def body(c, i):
+            c = c + 1.0
+            pmaptap.fingerprint(c, "scan", step=i)
+            return c, None
+
+        return lax.scan(body, w, jnp.arange(3))[0]
+
+    @jax.jit
+    def looped(w):
+        def body(c):
+            v, i = c
+            pmaptap.fingerprint(v, "while", step=i)
+            return v + 1, i + 1
+
+        return lax.while_loop(lambda c: c[1] < 2, body, (w, 0))[0]
+
+    for s in range(4):
+        w = every(w, s)
+    scanned(w)
+    looped(w)
+    session.flush()
+    for name, steps in (("every", [0, 2]), ("scan", [0, 1, 2]), ("while", [0, 1])):
+        recs = fp_records(tap_path, name)
+        assert [r["step"] for r in recs] == steps, name
+        for r in recs:
+            assert r["devices"] == list(range(8)) and r["slices"] == 2 and not r.get("divergent")
