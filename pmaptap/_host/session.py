@@ -35,7 +35,7 @@ from pmaptap.tapfile.runs import is_url
 # milliseconds), and how long dispatched steps get to finish (a step blocked
 # on a dead peer never does; the launcher's grace before SIGKILL is 5 s).
 MAIN_HANDLER_WAIT_S = 0.3
-SIGTERM_WAIT_S = 2.0
+SIGTERM_WAIT_S = 1.5
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
