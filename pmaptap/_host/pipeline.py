@@ -74,6 +74,7 @@ class Pipeline:
         forward_timeout: float | None = 10.0,
         forward_replicated: str = "process0",
         attempt: int = 0,
+        resume: bool = False,
     ) -> None:
         self.queue = BoundedQueue(
             overflow=overflow, max_pending=max_pending, max_pending_bytes=max_pending_bytes
@@ -101,7 +102,14 @@ class Pipeline:
         self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue,
-            Aggregator(run, process, self.host, group_timeout=group_timeout, attempt=attempt),
+            Aggregator(
+                run,
+                process,
+                self.host,
+                group_timeout=group_timeout,
+                attempt=attempt,
+                refuse_automatic_steps=resume,
+            ),
             self.errors.add,
             name=f"pmaptap-aggregate-{run}",
         )
@@ -207,6 +215,8 @@ class Pipeline:
                 f"pmaptap could not write {pending} pending record(s)"
                 f"{' to ' + repr(path) if path else ''}: {reasons}"
             )
+            if not pending:  # nothing left unwritten: the errors say it all
+                msg = f"pmaptap{' (' + repr(path) + ')' if path else ''}: {reasons}"
             log.warning(msg)
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:

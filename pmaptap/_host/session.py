@@ -213,7 +213,9 @@ class Session:
                     start = distributed.session_start(self.run, self.attempt, sink.opened_size)
                     if start is not None:
                         sink.index_from(start)
-                self.pipeline = Pipeline(sink, run=self.run, attempt=self.attempt, **self._opts)
+                self.pipeline = Pipeline(
+                    sink, run=self.run, attempt=self.attempt, resume=self.resume, **self._opts
+                )
                 if self.resume:
                     _queue_attempt_record(self.pipeline, self.attempt)
             except BaseException:

@@ -178,12 +178,15 @@ def test_wandb_forwarder_offline(tap_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with pytest.raises(ValueError, match=r"wandb.init\(\)"):
-        pmaptap.forwarders.WandB()  # no run yet
+    # No run yet: the forwarder would start its own at the session's open.
+    assert pmaptap.forwarders.WandB().owned
     run = wandb.init(
         project="pmaptap-test", dir=str(tmp_path), settings=wandb.Settings(console="off")
     )
     try:
+        assert not pmaptap.forwarders.WandB().owned  # the user's run
+        with pytest.raises(ValueError, match=r"wandb.init\(\) arguments"):
+            pmaptap.forwarders.WandB(project="other")  # a run exists already
         _train(tap_path, range(4), forward=[pmaptap.forwarders.WandB()], run="wb")
         # A restart replaying steps 2-3 (a fresh forwarder, as in a new process).
         fw = pmaptap.forwarders.WandB()
@@ -218,10 +221,11 @@ def test_mlflow_forwarder_logs_into_the_users_run_by_id(tap_path, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
     try:
-        with pytest.raises(ValueError, match="start_run"):
-            pmaptap.forwarders.MLflow()  # no active run
+        # No active run: one of its own, created at the session's open only.
+        assert pmaptap.forwarders.MLflow().owned
         with mlflow.start_run() as active:
             fw = pmaptap.forwarders.MLflow()
+            assert not fw.owned
             # A tap whose replicas disagree: each value in its own series.
             f = jax.pmap(
                 lambda x: pmaptap.tap(x, "split", step=0, dedup="replicated"),

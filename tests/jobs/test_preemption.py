@@ -14,7 +14,6 @@ import pytest
 
 import pmaptap
 from conftest import job_failed, prefixed, python_cmd, run_launch, wandb_records
-from pmaptap._host.forwarders import wandb_id
 
 # A data-parallel step over 2 processes x 2 devices: a pmean (a gloo
 # all-reduce across the processes) and the tapped loss. On its first attempt
@@ -93,6 +92,12 @@ def _mlflow_runs(client):
     return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
+def _wandb_id(run: str) -> str:
+    from pmaptap._host.forwarders import wandb_id
+
+    return wandb_id(run)
+
+
 def _wandb_runs(out):
     """(run record, history rows, exit record) of each offline run, oldest first."""
     found = []
@@ -149,7 +154,7 @@ def test_sigterm_reaches_a_survivor_blocked_in_a_collective(tmp_path, owner):
     ((wrun, rows, exits),) = _wandb_runs(wb)
     assert [r["pmaptap/step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [e.get("exit_code") for e in exits] == [143]
-    assert wrun["run_id"] == wandb_id(recs[0]["run"])
+    assert wrun["run_id"] == _wandb_id(recs[0]["run"])
 
 
 def test_dashboards_follow_a_restarted_job_as_one_run(tmp_path):
@@ -187,7 +192,7 @@ def test_dashboards_follow_a_restarted_job_as_one_run(tmp_path):
     # W&B: one offline directory per attempt, both of the same W&B run (the
     # second resumes it: `wandb sync` uploads them as one run).
     (a0, rows0, exit0), (a1, rows1, exit1) = _wandb_runs(wb)
-    assert a0["run_id"] == a1["run_id"] == wandb_id(run_id)
+    assert a0["run_id"] == a1["run_id"] == _wandb_id(run_id)
     assert a1.get("resume") is True and a0["display_name"] == run_id
     assert [r["pmaptap/step"] for r in rows0] == [0, 1, 2, 3, 4]
     assert [r["pmaptap/step"] for r in rows1] == list(range(3, 10))
