@@ -246,6 +246,18 @@ def inspect_operand_sharding(ctx, value, devices: tuple, callback) -> None:
     )
 
 
+def _ir_types(ctx, aval) -> tuple:
+    """``mlir.aval_to_ir_types``: JAX 0.10 added the module context as its
+    first argument; 0.9 takes the aval alone."""
+    import inspect
+
+    from jax._src.interpreters import mlir
+
+    if len(inspect.signature(mlir.aval_to_ir_types).parameters) >= 2:
+        return mlir.aval_to_ir_types(ctx.module_context, aval)
+    return mlir.aval_to_ir_types(aval)
+
+
 def partition_ids(ctx, devices: tuple):
     """An ``iota(len(devices))`` operand tiled over every device of the
     computation: a partitioned callback's shard of it is ``[k]`` on
@@ -260,7 +272,7 @@ def partition_ids(ctx, devices: tuple):
 
     n = len(devices)
     aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
-    (ty,) = mlir.aval_to_ir_types(ctx.module_context, aval)
+    (ty,) = _ir_types(ctx, aval)
     iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
     sharding = NamedSharding(
         Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec("_pmaptap_partition")
