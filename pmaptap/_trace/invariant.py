@@ -102,12 +102,8 @@ def _leaf_invariant(x: Any, axes: frozenset) -> bool:
     if not isinstance(x, core.Tracer):
         return True  # a concrete value baked into the program
     if _vma_trusted():
-        mat = getattr(core.typeof(x), "mat", None)
-        if (
-            mat is not None
-            and not (mat.varying | mat.unreduced | mat.reduced) & axes
-            and not _from_host(x)
-        ):
+        manual = manual_axes_of(core.typeof(x))
+        if manual is not None and not manual & axes and not _from_host(x):
             return True
     trace = core.trace_ctx.trace
     if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not trace:
@@ -200,6 +196,22 @@ def _from_host(x: Any) -> bool:
             return True
         stack.extend(eqn.in_tracers)
     return False
+
+
+def manual_axes_of(aval: Any) -> frozenset | None:
+    """The manual axes along which a value may vary or hold partial sums
+    (varying, unreduced, reduced), or None if the aval does not say. JAX
+    0.10 keeps them in ``aval.mat`` (a ManualAxisType); 0.9 keeps the
+    varying ones in ``aval.vma`` and the others in its sharding's spec."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying | mat.unreduced | mat.reduced)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        return None
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    partial = frozenset(getattr(spec, "unreduced", ())) | frozenset(getattr(spec, "reduced", ()))
+    return frozenset(vma) | partial
 
 
 def _vma_trusted() -> bool:
@@ -303,7 +315,6 @@ def check_internals() -> None:
     for owner, name in (
         (config, "_check_vma"),
         (core, "typeof"),
-        (core, "ManualAxisType"),
         (core, "Literal"),
         (core, "trace_ctx"),
         (pe, "DynamicJaxprTracer"),
@@ -314,12 +325,19 @@ def check_internals() -> None:
     ):
         if not hasattr(owner, name):
             missing.append(f"{owner.__name__}.{name}")
+    # The manual axes of an aval (manual_axes_of): JAX 0.10's ManualAxisType,
+    # else 0.9's ShapedArray.vma.
+    if hasattr(core, "ManualAxisType"):
+        axes_type = (vars(core)["ManualAxisType"], ("varying", "unreduced", "reduced"))
+    else:
+        axes_type = (core.ShapedArray, ("vma", "sharding"))
     for cls, slots in (
         (getattr(pe, "DynamicJaxprTracer", None), ("val", "parent")),
         (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val",)),
-        (getattr(core, "ManualAxisType", None), ("varying", "unreduced", "reduced")),
+        axes_type,
     ):
-        have = set(getattr(cls, "__slots__", ()))
+        # Slots, or declared fields (0.9's JaxprStackFrame has no slots).
+        have = set(getattr(cls, "__slots__", ())) | set(getattr(cls, "__annotations__", {}))
         missing += [f"{getattr(cls, '__name__', cls)}.{s}" for s in slots if s not in have]
     tracing_eqn = getattr(pe, "TracingEqn", None)
     if tracing_eqn is not None:

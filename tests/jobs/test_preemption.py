@@ -55,7 +55,7 @@ JOB = """
             if i == die_at and attempt == 0 and jax.process_index() == 1:
                 print("dying", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            loss = f(jnp.ones(jax.local_device_count()), i)
+            loss = f(jnp.ones(jax.local_device_count()), jnp.int32(i))
             # Reading the loss waits in C++ for the step, and so for the
             # all-reduce (block_until_ready() would check for signals).
             print("step", i, float(loss[0]), flush=True)
