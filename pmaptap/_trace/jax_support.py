@@ -29,7 +29,7 @@ import os
 import warnings
 
 # (major, minor) releases, oldest first.
-TESTED: tuple[tuple[int, int], ...] = ((0, 10),)
+TESTED: tuple[tuple[int, int], ...] = ((0, 9), (0, 10))
 CHECKED: tuple[tuple[int, int], ...] = ((0, 11),)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

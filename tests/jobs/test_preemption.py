@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 import pytest
 
 import pmaptap
-from conftest import job_failed, prefixed, python_cmd, run_launch, wandb_records
+from conftest import ROOT, job_failed, prefixed, python_cmd, run_launch, wandb_records
 
 # A data-parallel step over 2 processes x 2 devices: a pmean (a gloo
 # all-reduce across the processes) and the tapped loss. On its first attempt
@@ -199,3 +200,25 @@ def test_dashboards_follow_a_restarted_job_as_one_run(tmp_path):
     assert rows1[0]["pmaptap/attempt"] == 1 and rows1[0]["loss"] == 103
     assert [e.get("exit_code") for e in exit0] == [143]
     assert [e.get("exit_code", 0) for e in exit1] == [0]
+
+
+def test_the_restart_demos_gloo_abort_is_explained(tmp_path):
+    """Point 4: in the restart demo of docs/multihost.md (2 x 4 devices, a
+    process SIGKILLed before step 12) the survivor's own collectives fail
+    with its peer, and gloo aborts it: ``terminate called after throwing an
+    instance of 'gloo::EnforceNotMet'``, which reads like a bug in the job.
+    The launcher says what it is, right after it; the docs explain it."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "restart.jsonl"
+    train = ["launch/train.py", "--steps", "14", "--ckpt", ckpt, "--ckpt-every", "5"]
+    cmd = [sys.executable, *map(str, train), "--die-at", "12", "--out", str(out)]
+    proc, _ = run_launch(2, 4, cmd, timeout=300, restarts=1)
+    assert proc.returncode == 0, job_failed(proc)
+    err = proc.stderr
+    if "gloo::EnforceNotMet" in err:
+        note = "[launch] process 0 was aborted by gloo (the CPU collectives)"
+        assert note in err[err.index("gloo::EnforceNotMet") :], job_failed(proc)
+    else:  # the survivor waited instead: the launcher's SIGTERM ended it in time
+        assert "still running after" not in err, job_failed(proc)
+    doc = open(os.path.join(ROOT, "docs", "multihost.md"), encoding="utf-8").read()
+    assert "gloo::EnforceNotMet" in doc
+    assert "2 attempts; restarted at step 10" in proc.stdout
