@@ -32,11 +32,22 @@ def test_every_jax_internal_pmaptap_reads_exists():
     assert jax_support.missing_internals() == []
 
 
-def test_the_installed_jax_is_a_tested_one():
-    # pyproject admits the TESTED and CHECKED minors; the suite runs on the
-    # tested ones (scripts/test_jax_versions.sh), so it runs on one of them.
-    major, minor = map(int, jax.__version__.split(".")[:2])
-    assert (major, minor) in jax_support.TESTED, jax.__version__
+def test_pyproject_admits_exactly_the_tested_and_checked_releases():
+    import re
+
+    from conftest import ROOT
+
+    with open(f"{ROOT}/pyproject.toml", encoding="utf-8") as f:
+        text = f.read()
+    known = jax_support.TESTED + jax_support.CHECKED
+    for pkg in ("jax", "jaxlib"):
+        m = re.search(rf'"{pkg}>=(\d+)\.(\d+)[.\d]*,<(\d+)\.(\d+)"', text)
+        assert m, f"no {pkg} range in pyproject.toml"
+        a, b, c, d = map(int, m.groups())
+        # From the oldest tested minor up to the newest checked one.
+        assert (a, b) == min(known) and (c, d) == (max(known)[0], max(known)[1] + 1), m[0]
+    # The suite runs on one of them (on a tested one in CI, .ci/run).
+    assert tuple(map(int, jax.__version__.split(".")[:2])) in known, jax.__version__
 
 
 _UNTESTED = """
