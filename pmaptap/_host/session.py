@@ -278,39 +278,45 @@ class Session:
         is skipped, a peer may be dead and the grace before SIGKILL short).
         One thread closes; another caller waits for it, then returns."""
         killed = outcome == "killed"
-        with self._close_lock:
-            p = self.pipeline
-            if p is None or self._closed:
-                return
-            self._closer = threading.get_ident()
-            try:
-                if not p.closed:  # the SIGTERM watcher may have drained it
-                    self._phase = "drain"
-                    try:
-                        _effects_barrier(SIGTERM_WAIT_S if killed else None)
-                    finally:
-                        p.close(timeout=self.close_timeout, outcome=outcome)
-            finally:
+        try:
+            with self._close_lock:
+                self._close_locked(outcome, killed)
+        finally:
+            # A SIGTERM that came during the drain, on this thread: acted on
+            # now, even when close() raises.
+            if self._sigterm_pending and self._closed:
+                self._sigterm_pending = False
+                self._deliver_sigterm(self._prev_sigterm, signal.SIGTERM, None)
+
+    def _close_locked(self, outcome: str, killed: bool) -> None:
+        p = self.pipeline
+        if p is None or self._closed:
+            return
+        self._closer = threading.get_ident()
+        try:
+            if not p.closed:  # the SIGTERM watcher may have drained it
+                self._phase = "drain"
                 try:
-                    self._phase = "barrier"
-                    if not killed:
-                        self._after_close()
+                    _effects_barrier(SIGTERM_WAIT_S if killed else None)
                 finally:
-                    self._phase = ""
-                    self._closed = True
-                    self._closer = None
-                    with _open_lock:
-                        if routing.active_session() is self:
-                            routing.set_active(None)
-                    try:
-                        atexit.unregister(self._close_at_exit)
-                    except Exception:  # noqa: BLE001
-                        pass
-                    prev = self._prev_sigterm
-                    self._restore_sigterm()
-        if self._sigterm_pending:
-            self._sigterm_pending = False
-            self._deliver_sigterm(prev, signal.SIGTERM, None)
+                    p.close(timeout=self.close_timeout, outcome=outcome)
+        finally:
+            try:
+                self._phase = "barrier"
+                if not killed:
+                    self._after_close()
+            finally:
+                self._phase = ""
+                self._closed = True
+                self._closer = None
+                with _open_lock:
+                    if routing.active_session() is self:
+                        routing.set_active(None)
+                try:
+                    atexit.unregister(self._close_at_exit)
+                except Exception:  # noqa: BLE001
+                    pass
+                self._restore_sigterm()
 
     def _abandon_after_fork(self) -> None:
         """In a forked child (routing's at-fork hook): this session belongs
