@@ -62,9 +62,10 @@ JOB = """
                 print("dying", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = f(jnp.ones(jax.local_device_count()), jnp.int32(i))
-            # Reading the loss waits in C++ for the step, and so for the
-            # all-reduce (block_until_ready() would check for signals).
-            print("step", i, float(loss[0]), flush=True)
+            # Reading the loss (this process's first copy) waits in C++ for
+            # the step, and so for the all-reduce (block_until_ready() would
+            # check for signals).
+            print("step", i, float(loss.addressable_shards[0].data[0]), flush=True)
 """
 
 
@@ -199,10 +200,16 @@ def test_dashboards_follow_a_restarted_job_as_one_run(tmp_path):
     assert run.info.run_name == run_id
     hist = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
     # Both attempts' values at the replayed steps 3 and 4 (MLflow keeps every
-    # value logged), the restart marked where it begins.
-    first = [(s, float(s)) for s in range(5)]
-    second = [(s, s + 100.0) for s in range(3, 10)]
-    assert hist == sorted(first + second)
+    # value logged), the restart marked where it begins. Unless gloo aborted
+    # the survivor when its peer died (it may, see
+    # test_the_restart_demos_gloo_abort_is_explained), or a loaded machine
+    # kept it past the launcher's grace: then the step its forwarders still
+    # held may be lost with it (what point 1's test checks does not hold).
+    cut_short = "aborted by gloo" in proc.stderr or "still running after" in proc.stderr
+    first = [(s, v) for s, v in hist if v < 100]
+    last = len(first) - 1 if cut_short else 4
+    assert first == [(s, float(s)) for s in range(last + 1)] and last >= 2, job_failed(proc)
+    assert [x for x in hist if x[1] >= 100] == [(s, s + 100.0) for s in range(3, 10)]
     att = client.get_metric_history(run.info.run_id, "pmaptap/attempt")
     assert [(m.step, m.value) for m in att] == [(3, 1.0)]
 
@@ -211,10 +218,12 @@ def test_dashboards_follow_a_restarted_job_as_one_run(tmp_path):
     (a0, rows0, exit0), (a1, rows1, exit1) = _wandb_runs(wb)
     assert a0["run_id"] == a1["run_id"] == _wandb_id(run_id)
     assert a1.get("resume") is True and a0["display_name"] == run_id
-    assert [r["pmaptap/step"] for r in rows0] == [0, 1, 2, 3, 4]
+    assert [r["pmaptap/step"] for r in rows0] == list(range(last + 1))
     assert [r["pmaptap/step"] for r in rows1] == list(range(3, 10))
     assert rows1[0]["pmaptap/attempt"] == 1 and rows1[0]["loss"] == 103
-    assert [e.get("exit_code") for e in exit0] == [143]
+    # Ended KILLED by the SIGTERM watcher; an aborted attempt could not end it.
+    if not cut_short:
+        assert [e.get("exit_code") for e in exit0] == [143]
     assert [e.get("exit_code", 0) for e in exit1] == [0]
 
 
