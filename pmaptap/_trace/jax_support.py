@@ -175,5 +175,5 @@ def check_version() -> None:
         f"pmaptap is tested with JAX {tested}; JAX {version} is {what}{detail}. "
         "See docs/contributing.md#jax-versions.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=2,
     )
