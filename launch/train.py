@@ -204,14 +204,22 @@ def train_pmap(args: argparse.Namespace) -> float:
             x, y = np.stack(xs), np.stack(ys)
             fn = step_fn if step % args.tap_every == 0 else quiet_fn
             params, losses = fn(params, x, y, np.int32(step))
-            save_checkpoint(
-                args, lambda: {k: np.asarray(v[0]) for k, v in params.items()}, step + 1
-            )
+            save_checkpoint(args, lambda: {k: first_local(v) for k, v in params.items()}, step + 1)
             if step % args.log_every == 0 or step == args.steps - 1:
-                loss = float(losses[0])
+                loss = float(first_local(losses))
                 report(bar, step, loss)
             bar.update()
     return loss
+
+
+def first_local(a: Any) -> Any:
+    """This process's first device's copy of a pmap'd replicated value (the
+    parameters, the pmean'd loss), on the host. ``a[0]`` would be the first
+    device of the job: JAX 0.9 cannot index a global array that spans
+    processes."""
+    import numpy as np
+
+    return np.asarray(a.addressable_shards[0].data).reshape(a.shape[1:])
 
 
 def host_copy(params: dict[str, Any]) -> dict[str, Any]:

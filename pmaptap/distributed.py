@@ -365,6 +365,7 @@ def close_barrier(
     *,
     on_unclosed: "Callable[[list[int] | None], None] | None" = None,
     eager: bool = False,
+    wait: bool = True,
 ) -> None:
     """Wait (at most ``timeout`` seconds) until every process has closed its
     session for ``run``; then the file holds every process's records.
@@ -380,7 +381,9 @@ def close_barrier(
     ``eager`` (a process being terminated, which may not live through the
     wait), those not closed yet before it waits; ``unclosed_now`` asks
     during the wait. The sharded layout writes the values those processes
-    own and may not have written (dirsink.py: Held).
+    own and may not have written (dirsink.py: Held). ``wait=False`` (a
+    SIGTERM'd process: a peer may be dead and the grace before SIGKILL is
+    short) announces the close and makes the eager call, without waiting.
     """
     client = _client()
     if client is None:
@@ -411,6 +414,8 @@ def close_barrier(
     try:
         if eager and on_unclosed is not None:
             on_unclosed(_missing_processes(client, prefix, n))
+        if not wait:
+            return
         failure = _wait_at_barrier(client, f"pmaptap/{run}/close/{k}", timeout)
     finally:
         _waiting.pop(run, None)

@@ -93,3 +93,16 @@ class PlotError(ValueError):
 class CliError(Exception):
     """A problem with what was asked on the command line; printed as one
     line, exit status 2."""
+
+
+def resumed_step_message(name: str, fn: str = "pmaptap.tap") -> str:
+    """Why a resumed session refuses a tap with no ``step=``: the trace-time
+    ValueError's text and the host's TapError's (a tap traced before the
+    session opened)."""
+    return (
+        f"{fn}({name!r}) has no step= and the session resumes a run "
+        "(Session(resume=True)): an automatic step counts the tap's calls from 0 "
+        "in every attempt, so a restart's replayed steps would be filed under the "
+        "wrong step numbers and supersede the earlier attempt's real ones. Pass "
+        f"step= (the training step: {fn}(x, {name!r}, step=step))."
+    )

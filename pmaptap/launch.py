@@ -24,6 +24,7 @@ code (128 + signal number for a child killed by a signal).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import signal
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from pmaptap.distributed import (
     ENV_COORDINATOR,
@@ -96,6 +97,11 @@ def _describe(returncode: int) -> str:
 # Several gloo threads write at once, so a line may arrive torn: match the
 # tail that every such line ends with.
 _NOISE = b"connected peer ranks"
+# What gloo prints when it aborts a process: a collective of the process
+# failed (a peer died in the middle of a step, so the process's own devices
+# fell out of step with each other). It reads like a bug in the job's code;
+# the launcher says what it is, once per process and attempt.
+_GLOO_ABORT = b"gloo::EnforceNotMet"
 
 
 def _stderr_is_tty() -> bool:
@@ -108,9 +114,17 @@ def _stderr_is_tty() -> bool:
 class _Forwarder(threading.Thread):
     """Copies one child stream to ours, a whole prefixed line at a time."""
 
-    def __init__(self, src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        src: IO[bytes],
+        dst: IO[bytes],
+        prefix: bytes,
+        lock: threading.Lock,
+        on_gloo_abort: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(daemon=True, name=f"forward-{prefix!r}")
         self.src, self.dst, self.prefix, self.lock = src, dst, prefix, lock
+        self.on_gloo_abort = on_gloo_abort
 
     def run(self) -> None:
         # Split on "\n" and on "\r": a progress bar redrawn in place with
@@ -149,6 +163,9 @@ class _Forwarder(threading.Thread):
                 self.dst.flush()
             except (OSError, ValueError):
                 pass  # our own output closed: keep draining the pipe
+        if _GLOO_ABORT in segment and self.on_gloo_abort is not None:
+            self.on_gloo_abort()
+            self.on_gloo_abort = None  # once
 
 
 class Launcher:
@@ -209,9 +226,17 @@ class Launcher:
             self.children.append(child)
             prefix = f"[p{i}] ".encode()
             for src, dst in ((child.stdout, self.stdout), (child.stderr, self.stderr)):
-                f = _Forwarder(src, dst, prefix, self._lock)
+                f = _Forwarder(src, dst, prefix, self._lock, functools.partial(self._gloo_note, i))
                 f.start()
                 self._forwarders.append(f)
+
+    def _gloo_note(self, process: int) -> None:
+        self.say(
+            f"process {process} was aborted by gloo (the CPU collectives): one of "
+            "its cross-process collectives failed, as happens when another process "
+            "dies in the middle of a step; not a bug in the job "
+            "(docs/multihost.md#preemption-and-restarts)"
+        )
 
     # ------------------------------------------------------------ stop
     def _signal_groups(self, sig: int, only_running: bool) -> None:

@@ -234,6 +234,7 @@ def launch_cmd(
     *,
     timeout: float | None = None,
     grace: float | None = None,
+    restarts: int | None = None,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -248,6 +249,8 @@ def launch_cmd(
         cmd += ["--timeout", str(timeout)]
     if grace is not None:
         cmd += ["--grace", str(grace)]
+    if restarts is not None:
+        cmd += ["--restarts", str(restarts)]
     return cmd + ["--"] + list(command)
 
 
@@ -309,6 +312,7 @@ def run_launch(
     timeout: float = 120,
     launcher_timeout: float | None = None,
     grace: float | None = None,
+    restarts: int | None = None,
     **env: str,
 ) -> tuple[subprocess.CompletedProcess, float]:
     """Run a launcher job to completion; returns (result, seconds taken)."""
@@ -316,7 +320,9 @@ def run_launch(
 
     t0 = time.monotonic()
     proc = subprocess.run(
-        launch_cmd(processes, devices, command, timeout=launcher_timeout, grace=grace),
+        launch_cmd(
+            processes, devices, command, timeout=launcher_timeout, grace=grace, restarts=restarts
+        ),
         env=subprocess_env(1, **env),
         cwd=ROOT,
         capture_output=True,
@@ -415,6 +421,29 @@ def run_released(code: str, count: int, *, timeout: float = 240, **env: str) -> 
 
 # ---------------------------------------------------------------- faults
 # Helpers of the fault-injection suite (test_faults.py, test_bad_input.py).
+
+
+def wandb_records(run_dir) -> list[dict]:
+    """Every record of an offline W&B run (its ``run``, ``history`` rows,
+    ``exit``...), read with W&B's own reader of its .wandb transaction log
+    (``wandb leet inspect --json``)."""
+    import glob
+    import json
+
+    (log,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", log],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def wandb_history(run_dir) -> list[dict]:
+    """The history rows of an offline W&B run (``wandb_records``)."""
+    return [r["history"]["item"] for r in wandb_records(run_dir) if r.get("type") == "history"]
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.01):

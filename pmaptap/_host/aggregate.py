@@ -65,9 +65,15 @@ class Aggregator(RecordFactory):
         group_timeout: float = 5.0,
         clock: Callable[[], float] = time.time,
         attempt: int = 0,
+        refuse_automatic_steps: bool = False,
     ) -> None:
         self.run, self.process, self.host = run, process, host
         self.attempt = attempt
+        # A resumed session (Session(resume=True)): a tap with no step= was
+        # numbered from 0 again, misfiling the replay; refused, never written
+        # (counted per tap name, reported at the next flush/close).
+        self.refuse_automatic_steps = refuse_automatic_steps
+        self._automatic_refused: dict[str, int] = {}
         self.group_timeout = group_timeout
         self.clock = clock
         self._counters: dict[tuple, int] = {}
@@ -145,6 +151,10 @@ class Aggregator(RecordFactory):
             return fingerprints.add(self, spec, arrays)  # pmaptap.fingerprint
         if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
+        if self.refuse_automatic_steps and not spec.site.explicit_step:
+            name = spec.site.name
+            self._automatic_refused[name] = self._automatic_refused.get(name, 0) + 1
+            return []
         if spec.shards is not None:
             if spec.transport.layout is Layout.WHOLE:
                 return self._add_whole(spec, arrays)
@@ -450,6 +460,12 @@ class Aggregator(RecordFactory):
             pkey, pending = self._pending.popitem(last=False)
             out += self._resolve(pkey, pending)
         return out + self.refused_records()
+
+    def take_automatic_refused(self) -> dict[str, int]:
+        """Callbacks refused per tap name since the last call (taps with no
+        step= in a resumed session)."""
+        refused, self._automatic_refused = self._automatic_refused, {}
+        return refused
 
     def _refuse(self, name: str, step: int) -> list[Record]:
         # A traced step out of range (Python ints are checked at trace

@@ -153,6 +153,11 @@ class _Target:
         # called on the forwarding thread, never on the caller's.
         fl = getattr(obj, "flush", None)
         self.flush = fl if callable(fl) else None
+        # The optional session hooks (docs/forwarders.md): open(run, attempt)
+        # once the run id is agreed, end(outcome) when the session ends.
+        op, end = getattr(obj, "open", None), getattr(obj, "end", None)
+        self.open = op if callable(op) else None
+        self.end = end if callable(end) else None
         self.failures = 0
         self.first_error: BaseException | None = None
         self.failures_total = 0
@@ -219,10 +224,23 @@ class Forwarders:
     stopped waiting. ``problems()`` reports the latter, exactly."""
 
     def __init__(
-        self, targets: Sequence[Any], *, max_pending: int = 100_000, name: str = "pmaptap-forward"
+        self,
+        targets: Sequence[Any],
+        *,
+        max_pending: int = 100_000,
+        name: str = "pmaptap-forward",
+        run: str | None = None,
+        attempt: int = 0,
     ) -> None:
         self._cond = threading.Condition()
         self.targets = [_Target(t, self._cond) for t in targets]
+        # The forwarders' open(run, attempt): the thread's first job, before
+        # any record (the session creates this object once the run is agreed).
+        self._opening = (
+            (run, attempt) if run is not None and any(t.open for t in self.targets) else None
+        )
+        self._ending: str | None = None  # end(outcome) asked by close()
+        self._ended = False
         self.max_pending = max_pending
         self._queue: collections.deque[Record] = collections.deque()
         self._offered = 0  # records offered (dropped ones included)
@@ -283,25 +301,50 @@ class Forwarders:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._queue or self._stop or self._flush_done < self._flush_asked):
+                while not (
+                    self._opening
+                    or self._queue
+                    or self._stop
+                    or self._flush_done < self._flush_asked
+                    or (self._ending is not None and not self._ended)
+                ):
                     self._cond.wait()
                 if self._stop:
                     return
-                batch = list(self._queue)
-                self._queue.clear()
-                self._hand = len(batch)
+                # In this order: open() first, records, a flush asked after
+                # them, end() last (close() asks for it once drained).
+                opening, self._opening = self._opening, None
+                batch: list[Record] = []
+                if opening is None:
+                    batch = list(self._queue)
+                    self._queue.clear()
+                    self._hand = len(batch)
                 flush_round = self._flush_asked
-            if batch:
+                flushing = self._flush_done < flush_round
+                ending = self._ending if not self._ended else None
+            if opening is not None:
+                self._call_each("open", opening)
+            elif batch:
                 self._forward(batch)
-                continue  # records first; a flush asked meanwhile comes after them
-            for t in self.targets:
-                if t.flush is not None and not self._stop:
-                    self._set_busy(f"forwarder {t.name()}'s flush()")
-                    t._call(t.flush)
-            with self._cond:
-                self._busy = ""
-                self._flush_done = flush_round
-                self._cond.notify_all()
+            elif flushing:
+                self._call_each("flush", ())
+                with self._cond:
+                    self._flush_done = flush_round
+                    self._cond.notify_all()
+            elif ending is not None:
+                self._call_each("end", (ending,))
+                with self._cond:
+                    self._ended = True
+                    self._cond.notify_all()
+
+    def _call_each(self, hook: str, args: tuple) -> None:
+        """Each forwarder's ``hook`` (open, flush, end) that it has."""
+        for t in self.targets:
+            fn = getattr(t, hook)
+            if fn is not None and not self._stop:
+                self._set_busy(f"forwarder {t.name()}'s {hook}()")
+                t._call(fn, *args)
+        self._set_busy("")
 
     def _set_busy(self, what: str) -> None:
         with self._cond:
@@ -357,11 +400,18 @@ class Forwarders:
             self._cond.notify_all()
             return self._wait(lambda: self._flush_done >= want, deadline)
 
-    def close(self, timeout: float | None) -> None:
-        """Forward what is queued and flush (up to ``timeout`` in all), then
-        stop; what is still queued or in the thread's hands then is counted
-        as not forwarded, and the thread hands nothing more over."""
+    def close(self, timeout: float | None, outcome: str = "finished") -> None:
+        """Forward what is queued, flush, and call the forwarders' ``end(outcome)``
+        (up to ``timeout`` in all), then stop; what is still queued or in
+        the thread's hands then is counted as not forwarded, and the thread
+        hands nothing more over."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         drained = self.drain(timeout)
+        if drained and any(t.end is not None for t in self.targets):
+            with self._cond:
+                self._ending = outcome
+                self._cond.notify_all()
+                drained = self._wait(lambda: self._ended, deadline)
         with self._cond:
             self._stop = True
             left = len(self._queue) + self._hand

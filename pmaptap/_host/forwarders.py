@@ -24,10 +24,17 @@ as ``pmaptap export --tensorboard`` tags them):
 - the attempt of a resumed run: TensorBoard purges the replayed steps
   (``purge_step``); W&B and MLflow cannot rewrite what they hold, so they log
   ``pmaptap/attempt`` at the step where a later attempt starts.
+
+W&B and MLflow constructed with no run of the user's (none passed, none
+active) own one run per pmaptap run: the session's ``open(run, attempt)``
+starts it, or continues it in a resumed attempt (found by the pmaptap run
+id), and ``end(outcome)`` ends it: finished, failed or killed; a later
+attempt continues it again. A run of the user's is only logged to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 import os
@@ -39,6 +46,31 @@ from pmaptap._host.forward import scalar_series
 from pmaptap.tapfile.attempts import attempt_of
 
 ATTEMPT_METRIC = "pmaptap/attempt"
+# Where an owned run records the pmaptap run it belongs to.
+RUN_TAG = "pmaptap.run"
+KEY_TAG = "pmaptap.key"
+
+
+def _process() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def run_key(run: str, process: int = 0) -> str:
+    """What identifies the dashboard run of pmaptap run ``run`` as forwarded
+    by ``process``: the run id itself for process 0, ``<run>/p<k>`` for
+    another process that forwards too (each its own dashboard run)."""
+    return run if process == 0 else f"{run}/p{process}"
+
+
+def wandb_id(run: str, process: int = 0) -> str:
+    """The W&B run id of a pmaptap run (every attempt uses it, with
+    ``resume="allow"``): its characters W&B allows, at most 40, and a hash
+    of the whole id, so that distinct ids never meet."""
+    key = run_key(run, process)
+    safe = re.sub(r"[^A-Za-z0-9_-]+", "-", key).strip("-")[:40]
+    return f"{safe}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def _require(module: str, extra: str, who: str) -> Any:
@@ -97,8 +129,19 @@ class _ByStep:
 
 
 class WandB(_ByStep):
-    """Logs to a W&B run: ``run`` or, by default, ``wandb.run`` (the one
-    ``wandb.init()`` started; call it first, on the process that forwards).
+    """Logs to a W&B run: ``run``, or ``wandb.run`` when there is one (the
+    user's ``wandb.init()``, on the process that forwards), or else a run it
+    starts itself for the pmaptap run.
+
+    The run it starts (at the session's ``open``) has the id ``wandb_id(run)``
+    and ``resume="allow"``, so every attempt of a restarted job continues the
+    same W&B run; its name is the pmaptap run id, its group the run id too
+    (a process other than 0 that forwards gets its own run in the group) and
+    its config ``pmaptap_run``. ``init`` is passed on to ``wandb.init``
+    (``project=``, ``dir=``, ``settings=``, ...). The session's end finishes
+    it: exit code 0 when the session closed normally, 1 after an exception,
+    143 on SIGTERM (the next attempt resumes it). A run of the user's is only
+    logged to; finishing it is the user's.
 
     W&B's own ``_step`` must only grow, and a tap's steps need not (taps with
     their own ``step=``, a restart): each metric is plotted against
@@ -106,22 +149,57 @@ class WandB(_ByStep):
     A resumed run's replayed steps are logged again (W&B cannot rewrite a
     run's history); ``pmaptap/attempt`` marks the step where they begin."""
 
-    def __init__(self, run: Any = None, *, step_metric: str = "pmaptap/step") -> None:
+    EXIT_CODES = {"finished": 0, "failed": 1, "killed": 143}
+
+    def __init__(self, run: Any = None, *, step_metric: str = "pmaptap/step", **init: Any) -> None:
         super().__init__()
+        self.step_metric = step_metric
+        self._defined: set[str] = set()
+        self._wandb = None
         if run is None:
             wandb = _require("wandb", "wandb", "WandB")
             run = wandb.run
-        if run is None:
+            if run is None:
+                self._wandb = wandb  # ours to start at open()
+        if run is not None and init:
             raise ValueError(
-                "pmaptap.forwarders.WandB: no W&B run; call wandb.init() before "
-                "constructing it (on the process that forwards), or pass run="
+                f"pmaptap.forwarders.WandB: {sorted(init)} are wandb.init() arguments, "
+                "for the run the forwarder starts when there is none; this one logs "
+                "to an existing run"
             )
+        self._init = init
+        self.owned = self._wandb is not None
         self.run = run
-        self.step_metric = step_metric
-        self._defined: set[str] = set()
-        run.define_metric(step_metric)
+        if run is not None:
+            run.define_metric(step_metric)
+
+    def open(self, run: str, attempt: int) -> None:
+        """Start (attempt 0) or continue the W&B run of pmaptap run ``run``."""
+        if not self.owned:
+            return
+        process = _process()
+        init = dict(self._init)
+        config = dict(init.pop("config", None) or {})
+        config.setdefault("pmaptap_run", run)
+        init.setdefault("name", run_key(run, process))
+        init.setdefault("group", run)
+        self.run = self._wandb.init(
+            id=wandb_id(run, process), resume="allow", config=config, **init
+        )
+        self._defined = set()
+        self.run.define_metric(self.step_metric)
+
+    def end(self, outcome: str) -> None:
+        """Finish the run this forwarder started (its exit code says how the
+        session ended); a run of the user's is left alone."""
+        if not self.owned or self.run is None:
+            return
+        run, self.run = self.run, None
+        run.finish(exit_code=self.EXIT_CODES.get(outcome, 1))
 
     def _write(self, step: int, metrics: dict[str, float], time: float | None) -> None:
+        if self.run is None:
+            raise RuntimeError("pmaptap.forwarders.WandB: its W&B run is not open")
         for key in metrics.keys() - self._defined:
             self.run.define_metric(key, step_metric=self.step_metric)
             self._defined.add(key)
@@ -143,41 +221,110 @@ class MLflow(_ByStep):
     active run is per thread, and forwarders run on pmaptap's forwarding
     thread, where ``mlflow.log_metric`` would start a run of its own.
 
-    ``run_id`` defaults to the active run of the thread that constructs the
-    forwarder (construct it inside ``with mlflow.start_run():``);
-    ``tracking_uri`` to ``mlflow.get_tracking_uri()`` there. Each metric has
-    the record's step and time. MLflow keeps every value logged at a step, so
-    a resumed run's replayed steps hold both attempts' values (its charts
-    draw both); ``pmaptap/attempt`` marks the step where the replay begins."""
+    The run: ``run_id``, else the active run of the thread that constructs
+    the forwarder (inside ``with mlflow.start_run():``), else one it owns: at
+    the session's ``open`` it continues the run tagged ``pmaptap.run`` with
+    the pmaptap run id (a resumed attempt), or creates it, named after the
+    pmaptap run, in ``experiment`` (a name; default: the experiment
+    ``mlflow.set_experiment`` chose on the constructing thread, else
+    MLflow's default). The session's end sets its status: FINISHED after a
+    normal close, FAILED after an exception, KILLED on SIGTERM; the next
+    attempt sets it RUNNING again. A run of the user's is only logged to.
+    ``tracking_uri`` defaults to ``mlflow.get_tracking_uri()`` on the
+    constructing thread.
+
+    Each metric has the record's step and time. MLflow keeps every value
+    logged at a step, so a resumed run's replayed steps hold both attempts'
+    values (its charts draw both); ``pmaptap/attempt`` marks the step where
+    the replay begins."""
 
     # MLflow's limit of metrics per log_batch call.
     BATCH = 1000
+    STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
-    def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str | None = None,
+        *,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+    ) -> None:
         super().__init__()
         mlflow = _require("mlflow", "mlflow", "MLflow")
         if run_id is None:
             active = mlflow.active_run()
-            if active is None:
-                raise ValueError(
-                    "pmaptap.forwarders.MLflow: no active MLflow run in this "
-                    "thread; construct it inside `with mlflow.start_run():`, "
-                    "or pass run_id="
-                )
-            run_id = active.info.run_id
+            if active is not None:
+                run_id = active.info.run_id
+        if run_id is not None and experiment is not None:
+            raise ValueError(
+                "pmaptap.forwarders.MLflow: experiment= is where the forwarder "
+                "creates its own run; this one logs to an existing run"
+            )
+        self.owned = run_id is None
         self.run_id = run_id
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        self._experiment_id: str | None = None
+        self._experiment_name = experiment
+        if self.owned and experiment is None:
+            self._experiment_id = _chosen_experiment(mlflow)
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         self._metric = Metric
         self._client = MlflowClient(self.tracking_uri)
 
+    def open(self, run: str, attempt: int) -> None:
+        """Continue the MLflow run of pmaptap run ``run`` or create it."""
+        if not self.owned:
+            return
+        client = self._client
+        experiment_id = self._experiment_id
+        if experiment_id is None:
+            name = self._experiment_name or "Default"
+            found = client.get_experiment_by_name(name)
+            experiment_id = found.experiment_id if found else client.create_experiment(name)
+        key = run_key(run, _process())
+        # Searched by a hash: a run id may hold quotes that a filter string
+        # would have to escape.
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        runs = client.search_runs(
+            [experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{digest}'", max_results=1
+        )
+        if runs:
+            self.run_id = runs[0].info.run_id
+            client.update_run(self.run_id, status="RUNNING")
+        else:
+            tags = {RUN_TAG: run, KEY_TAG: digest}
+            # MLflow limits a run name to 250 characters; the tag holds it all.
+            self.run_id = client.create_run(
+                experiment_id, run_name=key[:250], tags=tags
+            ).info.run_id
+
+    def end(self, outcome: str) -> None:
+        """Set the status of the run this forwarder owns; a run of the
+        user's is left as it is."""
+        if self.owned and self.run_id is not None:
+            self._client.set_terminated(self.run_id, self.STATUS.get(outcome, "FAILED"))
+
     def _write(self, step: int, metrics: dict[str, float], time: float | None) -> None:
+        if self.run_id is None:
+            raise RuntimeError("pmaptap.forwarders.MLflow: its MLflow run is not open")
         ms = int((time if time is not None and math.isfinite(time) else 0.0) * 1000)
         batch = [self._metric(mlflow_key(k), v, ms, step) for k, v in metrics.items()]
         for i in range(0, len(batch), self.BATCH):
             self._client.log_batch(self.run_id, metrics=batch[i : i + self.BATCH])
+
+
+def _chosen_experiment(mlflow: Any) -> str | None:
+    """The experiment ``mlflow.set_experiment`` (or MLFLOW_EXPERIMENT_*)
+    chose, as ``mlflow.start_run()`` on this thread would use it; None when
+    this MLflow cannot say (then MLflow's default experiment). MLflow has no
+    public getter for it: its fluent API's own lookup is used, guarded."""
+    getter = getattr(getattr(mlflow.tracking, "fluent", None), "_get_experiment_id", None)
+    try:
+        return str(getter()) if getter is not None else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 class TensorBoard:

@@ -17,7 +17,7 @@ from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
 from pmaptap._log import log
-from pmaptap.errors import LockBusy, TapError
+from pmaptap.errors import LockBusy, TapError, resumed_step_message
 from pmaptap.tapfile.format import Record
 
 Report = Callable[[BaseException], None]
@@ -67,6 +67,13 @@ class AggregateLoop:
                 self.report(TapError(f"could not process tap {spec.name!r}: {e!r}"))
         # Drop array references now (they may pin device buffers).
         arrays = item = items = None  # noqa: F841
+        for name, count in self.agg.take_automatic_refused().items():
+            self.report(
+                TapError(
+                    f"{count} callback(s) not written: {resumed_step_message(name)} "
+                    "(refused on the host: the tap was traced before the session opened)"
+                )
+            )
         recs += self._safe(self.agg.expire)
         marker = last if isinstance(last, Marker) else None
         if marker is not None:

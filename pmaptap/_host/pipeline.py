@@ -74,6 +74,7 @@ class Pipeline:
         forward_timeout: float | None = 10.0,
         forward_replicated: str = "process0",
         attempt: int = 0,
+        resume: bool = False,
     ) -> None:
         self.queue = BoundedQueue(
             overflow=overflow, max_pending=max_pending, max_pending_bytes=max_pending_bytes
@@ -90,13 +91,25 @@ class Pipeline:
         self.retry_interval = retry_interval
         self.errors = ErrorLog()
         self.closed = False
+        self._close_lock = threading.Lock()
         self.forward_timeout = forward_timeout
-        self.forwarders = Forwarders(forward, name=f"pmaptap-forward-{run}") if forward else None
+        self.forwarders = (
+            Forwarders(forward, name=f"pmaptap-forward-{run}", run=run, attempt=attempt)
+            if forward
+            else None
+        )
         self.forward_replicated = forward_replicated
         self.abandoned = False
         self._aggregator = AggregateLoop(
             self.queue,
-            Aggregator(run, process, self.host, group_timeout=group_timeout, attempt=attempt),
+            Aggregator(
+                run,
+                process,
+                self.host,
+                group_timeout=group_timeout,
+                attempt=attempt,
+                refuse_automatic_steps=resume,
+            ),
             self.errors.add,
             name=f"pmaptap-aggregate-{run}",
         )
@@ -126,6 +139,7 @@ class Pipeline:
         the inherited descriptor)."""
         self.closed = True
         self.abandoned = True
+        self._close_lock = threading.Lock()  # a parent's thread may have held it
 
     def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...]) -> bool:
         """Called on XLA's callback thread: queue one payload. False once
@@ -201,6 +215,8 @@ class Pipeline:
                 f"pmaptap could not write {pending} pending record(s)"
                 f"{' to ' + repr(path) if path else ''}: {reasons}"
             )
+            if not pending:  # nothing left unwritten: the errors say it all
+                msg = f"pmaptap{' (' + repr(path) + ')' if path else ''}: {reasons}"
             log.warning(msg)
             raise TapError(msg, path=path, errors=tuple(errors)) from errors[0]
         if pending and not pending_ok:
@@ -213,11 +229,18 @@ class Pipeline:
                 path=path,
             )
 
-    def close(self, timeout: float | None = None) -> None:
-        """Drain, stop both threads, close the sink. Raises TapError if
-        records could not be written (they are counted in the message)."""
-        if self.closed:
-            return
+    def close(self, timeout: float | None = None, outcome: str = "finished") -> None:
+        """Drain, stop both threads, close the sink, end the forwarders
+        (``outcome``: see Forwarders.close). Raises TapError if records could
+        not be written (they are counted in the message). Two threads may
+        call it (the SIGTERM watcher, the main thread): one closes, the
+        other waits for it and returns."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self._close(timeout, outcome)
+
+    def _close(self, timeout: float | None, outcome: str) -> None:
         try:
             self._drain(timeout, give_up_on_error=False)
         finally:
@@ -240,7 +263,7 @@ class Pipeline:
                 self.sink.close()
             finally:
                 if self.forwarders is not None:
-                    self.forwarders.close(self.forward_timeout)
+                    self.forwarders.close(self.forward_timeout, outcome)
                 if lost:
                     self.errors.add(TapError(f"{lost} record(s) were not written before close"))
                 self.raise_errors()

@@ -11,12 +11,13 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from pmaptap import distributed
-from pmaptap._host import routing
+from pmaptap._host import routing, sigterm
 from pmaptap._host.forked import effects_barrier
 from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.pipeline import Pipeline
@@ -28,6 +29,13 @@ from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.runs import is_url
+
+# SIGTERM: how long the watcher thread waits for the main thread's handler
+# before acting itself (a main thread running Python runs it within
+# milliseconds), and how long dispatched steps get to finish (a step blocked
+# on a dead peer never does; the launcher's grace before SIGKILL is 5 s).
+MAIN_HANDLER_WAIT_S = 0.3
+SIGTERM_WAIT_S = 1.5
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
@@ -68,7 +76,9 @@ class Session:
       objects with ``write_scalars(step, mapping)`` (CLU's MetricWriter; real
       scalar leaves only, one call per step). They run on their own thread
       with a bounded queue; failures and drops are reported as TapError at
-      the next flush()/close().
+      the next flush()/close(). Optional hooks, on that thread too:
+      ``open(run, attempt)`` first, ``end(outcome)`` last ("finished",
+      "failed", "killed": SIGTERM); docs/forwarders.md.
     forward_replicated: which replicated records reach this process's
       forwarders. "process0" (default): on process 0 every replicated record
       it computed, each once, whichever process wrote it to the file; on the
@@ -85,7 +95,10 @@ class Session:
       --restarts`` sets it) if that is higher; process 0 decides it for the
       whole job. Records then carry ``"attempt": N``, and readers show, for a
       step written by several attempts, only the latest one's
-      (pmaptap/tapfile/attempts.py). The file stays append-only.
+      (pmaptap/tapfile/attempts.py). The file stays append-only. Taps need
+      ``step=``: one without is refused (ValueError at trace time, or a
+      TapError at flush/close when it was traced before the session
+      opened), as its automatic step would count from 0 again.
     """
 
     def __init__(
@@ -157,8 +170,12 @@ class Session:
         self._prev_sigterm: Any = None
         self._sigterm_installed = False
         self._phase = ""  # "", "drain" or "barrier" (close)
+        self._closer: int | None = None  # the thread in close(), by ident
+        self._close_lock = threading.Lock()
+        self._closed = False
         self._sigterm_pending = False
-        self._terminating = False  # close() called by the SIGTERM handler
+        self._main_saw_sigterm = threading.Event()
+        self._watcher_acted = False
 
     def __repr__(self) -> str:
         state = "open" if self.pipeline is not None and not self.pipeline.closed else "closed"
@@ -201,7 +218,9 @@ class Session:
                     start = distributed.session_start(self.run, self.attempt, sink.opened_size)
                     if start is not None:
                         sink.index_from(start)
-                self.pipeline = Pipeline(sink, run=self.run, attempt=self.attempt, **self._opts)
+                self.pipeline = Pipeline(
+                    sink, run=self.run, attempt=self.attempt, resume=self.resume, **self._opts
+                )
                 if self.resume:
                     _queue_attempt_record(self.pipeline, self.attempt)
             except BaseException:
@@ -223,8 +242,9 @@ class Session:
             return
         # An exception is leaving the block: still write everything, but do
         # not hide the user's exception behind a TapError.
+        ok = exc_type is SystemExit and getattr(exc, "code", None) in (None, 0)
         try:
-            self.close()
+            self._close("finished" if ok else "failed")
         except TapError as e:
             log.warning(f"pmaptap: {e}")
 
@@ -249,21 +269,45 @@ class Session:
     def close(self) -> None:
         """Write everything dispatched, wait for the other processes (multi-
         process jobs), and end the session. Safe to call twice."""
-        p = self.pipeline
-        if p is None or p.closed:
-            return
+        self._close("finished")
+
+    def _close(self, outcome: str) -> None:
+        """close(), telling the forwarders how the session ends (their
+        ``end(outcome)``): "finished", "failed" (an exception), "killed"
+        (SIGTERM: dispatched steps get a bounded wait and the close barrier
+        is skipped, a peer may be dead and the grace before SIGKILL short).
+        One thread closes; another caller waits for it, then returns."""
+        killed = outcome == "killed"
         try:
-            self._phase = "drain"
-            try:
-                effects_barrier()
-            finally:
-                p.close(timeout=self.close_timeout)
+            with self._close_lock:
+                self._close_locked(outcome, killed)
+        finally:
+            # A SIGTERM that came during the drain, on this thread: acted on
+            # now, even when close() raises.
+            if self._sigterm_pending and self._closed:
+                self._sigterm_pending = False
+                self._deliver_sigterm(self._prev_sigterm, signal.SIGTERM, None)
+
+    def _close_locked(self, outcome: str, killed: bool) -> None:
+        p = self.pipeline
+        if p is None or self._closed:
+            return
+        self._closer = threading.get_ident()
+        try:
+            if not p.closed:  # the SIGTERM watcher may have drained it
+                self._phase = "drain"
+                try:
+                    _effects_barrier(SIGTERM_WAIT_S if killed else None)
+                finally:
+                    p.close(timeout=self.close_timeout, outcome=outcome)
         finally:
             try:
                 self._phase = "barrier"
-                self._after_close()
+                self._after_close(wait=not killed)
             finally:
                 self._phase = ""
+                self._closed = True
+                self._closer = None
                 with _open_lock:
                     if routing.active_session() is self:
                         routing.set_active(None)
@@ -271,11 +315,7 @@ class Session:
                     atexit.unregister(self._close_at_exit)
                 except Exception:  # noqa: BLE001
                     pass
-                prev = self._prev_sigterm
                 self._restore_sigterm()
-                if self._sigterm_pending:
-                    self._sigterm_pending = False
-                    self._deliver_sigterm(prev, signal.SIGTERM, None)
 
     def _abandon_after_fork(self) -> None:
         """In a forked child (routing's at-fork hook): this session belongs
@@ -284,6 +324,8 @@ class Session:
         by the parent."""
         if self.pipeline is not None:
             self.pipeline.abandon()
+        self._closed = True
+        self._close_lock = threading.Lock()  # a parent thread may have held it
         try:
             atexit.unregister(self._close_at_exit)
         except Exception:  # noqa: BLE001
@@ -293,18 +335,21 @@ class Session:
         except Exception:  # noqa: BLE001
             pass
 
-    def _after_close(self) -> None:
+    def _after_close(self, wait: bool = True) -> None:
         """Multi-process: wait (bounded) until every process has closed, so
         that the file holds every record once close() returns anywhere. The
         sharded layout then writes the values it left to owners that did not
         close (before waiting when SIGTERM closed it: it may not outlive
-        the wait)."""
+        the wait). A SIGTERM'd close (``wait=False``) announces its close and
+        writes those values without waiting: a peer may be dead and the grace
+        before SIGKILL is short."""
         held = getattr(self.pipeline.sink, "held", None) if self.pipeline else None
         distributed.close_barrier(
             self.run or "",
             timeout=self.close_timeout,
             on_unclosed=self._write_held if held else None,
-            eager=self._terminating,
+            eager=not wait,
+            wait=wait,
         )
 
     def _write_held(self, owners: list[int] | None) -> None:
@@ -342,8 +387,11 @@ class Session:
             )
 
     def _close_at_exit(self) -> None:
+        # An unhandled exception ends the script: the interpreter keeps it
+        # in sys.last_value before the exit handlers run.
+        failed = getattr(sys, "last_value", None) is not None
         try:
-            self.close()
+            self._close("failed" if failed else "finished")
         except BaseException as e:  # noqa: BLE001
             log.error(f"[pmaptap] error while closing {self!r} at exit: {e}")
 
@@ -356,10 +404,18 @@ class Session:
             signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
         except (ValueError, OSError):
-            pass
+            return
+        # A main thread blocked in C++ never runs the handler: the watcher
+        # thread acts for it (sigterm.py).
+        sigterm.install()
 
     def _restore_sigterm(self) -> None:
         if not self._sigterm_installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            # signal.signal works on the main thread only: the watcher
+            # closed the session; the handler stays until the main thread
+            # runs it (then it hands the signal on, see _on_sigterm).
             return
         self._sigterm_installed = False
         try:
@@ -372,24 +428,67 @@ class Session:
             pass
 
     def _on_sigterm(self, signum, frame) -> None:
+        """The handler, on the main thread."""
+        self._main_saw_sigterm.set()  # the watcher stands back
         prev = self._prev_sigterm
-        if self._phase == "drain":
-            # close() is writing the records on this very thread (the handler
-            # interrupted it): let it finish, then act on the signal.
-            self._sigterm_pending = True
-            return
-        try:
-            # Not closing yet: close now. Waiting for peers ("barrier"):
-            # stop waiting, our records are already written, and so are the
-            # values we left to peers that have not closed.
-            if self._phase != "barrier":
-                self._terminating = True
-                self.close()
-            else:
-                self._write_held(distributed.unclosed_now(self.run or ""))
-        except BaseException as e:  # noqa: BLE001
-            log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
+        if self._closer == threading.get_ident():
+            if self._phase == "drain":
+                # close() is writing the records on this very thread (the
+                # handler interrupted it): let it finish, then act on the
+                # signal.
+                self._sigterm_pending = True
+                return
+            # Waiting for peers ("barrier"): stop waiting, our records are
+            # already written; so are, now, the values we left to peers that
+            # have not closed.
+            if self._phase == "barrier":
+                try:
+                    self._write_held(distributed.unclosed_now(self.run or ""))
+                except BaseException as e:  # noqa: BLE001
+                    log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
+        else:
+            try:
+                # Not closing yet: close now (after the watcher's drain, if
+                # it ran while this thread was blocked).
+                self._close("killed")
+            except BaseException as e:  # noqa: BLE001
+                log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
+            self._restore_sigterm()
         self._deliver_sigterm(prev, signum, frame)
+
+    def _sigterm_from_watcher(self) -> None:
+        """SIGTERM seen by the watcher thread (sigterm.py). A main thread
+        that runs Python runs _on_sigterm within milliseconds: then nothing
+        is done here. One that does not (blocked in a collective, in
+        ``effects_barrier()``, in a long C call) would never: write and
+        forward what is queued from here, end the forwarders, and let the
+        signal take its course: death by SIGTERM when that is what the
+        handler before ours does; a Python handler runs when (if ever) the
+        main thread comes back to Python."""
+        if self._main_saw_sigterm.wait(MAIN_HANDLER_WAIT_S) or self._watcher_acted:
+            return
+        self._watcher_acted = True
+        p = self.pipeline
+        if p is not None and not p.closed:
+            log.warning(
+                "pmaptap: SIGTERM while the main thread is blocked outside Python "
+                "(a collective whose peer died?); writing what is queued from "
+                "another thread"
+            )
+            try:
+                _effects_barrier(SIGTERM_WAIT_S)
+                p.close(timeout=self.close_timeout, outcome="killed")
+                if getattr(p.sink, "held", None):
+                    self._after_close(wait=False)  # values left to dead owners
+            except BaseException as e:  # noqa: BLE001 - we are dying: say it
+                log.error(f"[pmaptap] error while closing on SIGTERM: {e}")
+        if self._main_saw_sigterm.is_set():
+            return  # the main thread came back meanwhile: its handler goes on
+        prev = self._prev_sigterm
+        if prev in (None, signal.SIG_DFL):
+            sigterm.die_by_sigterm()
+        # SIG_IGN: nothing. A Python handler: it runs on the main thread
+        # when it returns to Python (the signal is still pending there).
 
     def _deliver_sigterm(self, prev, signum, frame) -> None:
         # Then behave as the process would have without us.
@@ -400,6 +499,32 @@ class Session:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _effects_barrier(timeout: float | None) -> None:
+    """``effects_barrier()``, waited for at most ``timeout`` seconds (None:
+    no bound). On SIGTERM a dispatched step may never finish (a collective
+    whose peer died): the wait runs on a daemon thread and is given up."""
+    if timeout is None:
+        effects_barrier()
+        return
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            effects_barrier()
+        except BaseException:  # noqa: BLE001 - a failed step: nothing to wait for
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True, name="pmaptap-effects-barrier").start()
+    if not done.wait(timeout):
+        log.warning(
+            f"pmaptap: steps dispatched before SIGTERM did not finish within "
+            f"{timeout:g}s (a collective waiting for a dead process?); their taps "
+            "are not in the file"
+        )
 
 
 def _after_fork_in_child() -> None:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pmaptap._common.spec import DEDUP_MODES
+from pmaptap.errors import resumed_step_message
 from pmaptap.tapfile.format import check_step_range, encodable
 
 
@@ -111,6 +112,7 @@ def check_dtype(path, leaf, name: str, fn: str) -> None:
 def check_step(step: Any, name: str, fn: str):
     """Returns (static_int_or_None, traced_or_None)."""
     if step is None:
+        check_automatic_step(name, fn)
         return None, None
     if isinstance(step, bool):
         raise TypeError(f"{fn}({name!r}): step must be an integer, got bool.")
@@ -130,3 +132,14 @@ def check_step(step: Any, name: str, fn: str):
         f"Python int, or a traced integer scalar; got "
         f"{type(step).__name__}."
     )
+
+
+def check_automatic_step(name: str, fn: str) -> None:
+    """A tap with no ``step=`` traced while a resumed session is open: refused
+    here, where the user wrote it. (One traced before such a session opened
+    is refused on the host: ``Aggregator(refuse_automatic_steps=True)``.)"""
+    from pmaptap._host.routing import active_session
+
+    s = active_session()
+    if s is not None and getattr(s, "resume", False):
+        raise ValueError(resumed_step_message(name, fn))

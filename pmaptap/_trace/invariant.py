@@ -102,12 +102,8 @@ def _leaf_invariant(x: Any, axes: frozenset) -> bool:
     if not isinstance(x, core.Tracer):
         return True  # a concrete value baked into the program
     if _vma_trusted():
-        mat = getattr(core.typeof(x), "mat", None)
-        if (
-            mat is not None
-            and not (mat.varying | mat.unreduced | mat.reduced) & axes
-            and not _from_host(x)
-        ):
+        manual = manual_axes_of(core.typeof(x))
+        if manual is not None and not manual & axes and not _from_host(x):
             return True
     trace = core.trace_ctx.trace
     if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not trace:
@@ -202,6 +198,22 @@ def _from_host(x: Any) -> bool:
     return False
 
 
+def manual_axes_of(aval: Any) -> frozenset | None:
+    """The manual axes along which a value may vary or hold partial sums
+    (varying, unreduced, reduced), or None if the aval does not say. JAX
+    0.10 keeps them in ``aval.mat`` (a ManualAxisType); 0.9 keeps the
+    varying ones in ``aval.vma`` and the others in its sharding's spec."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying | mat.unreduced | mat.reduced)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        return None
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    partial = frozenset(getattr(spec, "unreduced", ())) | frozenset(getattr(spec, "reduced", ()))
+    return frozenset(vma) | partial
+
+
 def varying_axes(x: Any, axis_names: Sequence[Any]) -> frozenset | None:
     """The axes of ``axis_names`` along which ``x``'s copies may differ by
     design (a block of a value split over them, or partial sums), as JAX's
@@ -213,10 +225,10 @@ def varying_axes(x: Any, axis_names: Sequence[Any]) -> frozenset | None:
     try:
         if not _vma_trusted():
             return None
-        mat = getattr(core.typeof(x), "mat", None)
-        if mat is None:
+        axes = manual_axes_of(core.typeof(x))
+        if axes is None:
             return None
-        return frozenset(mat.varying | mat.unreduced | mat.reduced) & frozenset(axis_names)
+        return axes & frozenset(axis_names)
     except Exception:  # noqa: BLE001 - unknown: compare as replicated
         return None
 
@@ -322,7 +334,6 @@ def check_internals() -> None:
     for owner, name in (
         (config, "_check_vma"),
         (core, "typeof"),
-        (core, "ManualAxisType"),
         (core, "Literal"),
         (core, "trace_ctx"),
         (pe, "DynamicJaxprTracer"),
@@ -333,12 +344,21 @@ def check_internals() -> None:
     ):
         if not hasattr(owner, name):
             missing.append(f"{owner.__name__}.{name}")
+    # The manual axes of an aval (manual_axes_of): JAX 0.10's ManualAxisType,
+    # else 0.9's ShapedArray.vma. Its name is held in a variable: an optional
+    # read, so not in jax_support's inventory of what every JAX must have.
+    optional = "ManualAxisType"
+    if hasattr(core, optional):
+        axes_type = (getattr(core, optional), ("varying", "unreduced", "reduced"))
+    else:
+        axes_type = (core.ShapedArray, ("vma", "sharding"))
     for cls, slots in (
         (getattr(pe, "DynamicJaxprTracer", None), ("val", "parent")),
         (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val",)),
-        (getattr(core, "ManualAxisType", None), ("varying", "unreduced", "reduced")),
+        axes_type,
     ):
-        have = set(getattr(cls, "__slots__", ()))
+        # Slots, or declared fields (0.9's JaxprStackFrame has no slots).
+        have = set(getattr(cls, "__slots__", ())) | set(getattr(cls, "__annotations__", {}))
         missing += [f"{getattr(cls, '__name__', cls)}.{s}" for s in slots if s not in have]
     tracing_eqn = getattr(pe, "TracingEqn", None)
     if tracing_eqn is not None:

@@ -12,6 +12,7 @@ device is reported as unknown (``None``), never guessed from ``jax.devices()``.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -29,6 +30,7 @@ from pmaptap._trace.invariant import proven_invariant as proven_invariant
 # as "pmap" so users do not see an internal identifier.
 _PMAP_INTERNAL_AXIS = "_internal_pmap_axis_name"
 PMAP_AXIS_DISPLAY = "pmap"
+_PMAP_TEMP_AXIS = re.compile(r"<axis 0x[0-9a-f]+>")
 
 # Frames of these modules may hold the concrete mesh in a local named "mesh"
 # (jax._src.shard_map._shard_map_staging when tracing under jit,
@@ -37,7 +39,11 @@ _MESH_FRAME_MODULES = ("jax._src.shard_map",)
 
 
 def display_axis_name(name: Any) -> str:
-    return PMAP_AXIS_DISPLAY if name == _PMAP_INTERNAL_AXIS else str(name)
+    # JAX 0.10 names it _PMAP_INTERNAL_AXIS; 0.9 the text of a temporary
+    # axis object, "<axis 0x7f...>", different in every process.
+    if name == _PMAP_INTERNAL_AXIS or (isinstance(name, str) and _PMAP_TEMP_AXIS.fullmatch(name)):
+        return PMAP_AXIS_DISPLAY
+    return str(name)
 
 
 def mapped_axes() -> tuple[tuple[Any, ...], tuple[int, ...]]:
@@ -246,6 +252,31 @@ def inspect_operand_sharding(ctx, value, devices: tuple, callback) -> None:
     )
 
 
+def _ir_types(ctx, aval) -> tuple:
+    """``mlir.aval_to_ir_types``: JAX 0.10 added the module context as its
+    first argument; 0.9 takes the aval alone."""
+    import inspect
+
+    from jax._src.interpreters import mlir
+
+    if len(inspect.signature(mlir.aval_to_ir_types).parameters) >= 2:
+        return mlir.aval_to_ir_types(ctx.module_context, aval)
+    return mlir.aval_to_ir_types(aval)
+
+
+def set_sharding(module_context, op, sharding) -> None:
+    """``mlir.set_sharding``: JAX 0.10 added the module context as its
+    first argument; 0.9 takes the op and the sharding."""
+    import inspect
+
+    from jax._src.interpreters import mlir
+
+    if len(inspect.signature(mlir.set_sharding).parameters) >= 3:
+        mlir.set_sharding(module_context, op, sharding)
+    else:
+        mlir.set_sharding(op, sharding)
+
+
 def partition_ids(ctx, devices: tuple):
     """An ``iota(len(devices))`` operand tiled over every device of the
     computation: a partitioned callback's shard of it is ``[k]`` on
@@ -260,7 +291,7 @@ def partition_ids(ctx, devices: tuple):
 
     n = len(devices)
     aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
-    (ty,) = mlir.aval_to_ir_types(ctx.module_context, aval)
+    (ty,) = _ir_types(ctx, aval)
     iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
     sharding = NamedSharding(
         Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec("_pmaptap_partition")

@@ -84,7 +84,7 @@ from jax._src import core, debugging, dispatch, effects
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 
-from pmaptap._trace import primitive
+from pmaptap._trace import placement, primitive
 
 
 class _HostCallbackOrder(effects.Effect):
@@ -390,8 +390,37 @@ def _emit(ctx, args, run, avals_out, ordered):
         sharding=sharding,
     )
     if ordered:
+        _token_on_the_callbacks_device(ctx, token, sharding)
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: token})))
     return results
+
+
+def _token_on_the_callbacks_device(ctx, token, sharding) -> None:
+    """The ordered callback's token result on the callback's own device.
+
+    Under jit (one device runs the callback: a maximal sharding) JAX 0.9
+    annotates that token as replicated (Shardy), which XLA refuses for a
+    side-effecting op ("side-effect HLO cannot have a replicated sharding");
+    JAX 0.10 gives it the callback's device, as done here (a no-op there)."""
+    from jax._src import config, sharding_impls
+
+    if not config.use_shardy_partitioner.value or not isinstance(
+        sharding, sharding_impls.SdyArrayList
+    ):
+        return
+    ids = sharding.shardings[0].logical_device_ids if sharding.shardings else ()
+    op = token.owner
+    if not ids or len(op.results) != len(sharding.shardings) + 1:
+        # Per-device callbacks (a manual region): nothing to place; or no
+        # result but the token, which the callback's one annotation covers.
+        return
+    fixed = sharding_impls.SdyArrayList(
+        (
+            sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=ids),
+            *sharding.shardings,
+        )
+    )
+    placement.set_sharding(ctx.module_context, op, fixed)
 
 
 def _lowering(ctx, coords, *leaves, host_fn, transforms, ntap, ordered):

@@ -64,6 +64,62 @@ def test_callable_and_clu_writer_get_every_written_record(tap_path):
     # "loss" and "g" are arrays (shape [2]): not scalars, not sent to CLU.
 
 
+class Hooked:
+    """A forwarder with the optional session hooks: every call, in order,
+    with the thread it ran on."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def open(self, run, attempt):
+        self.calls.append(("open", run, attempt, threading.current_thread().name))
+
+    def __call__(self, rec):
+        self.calls.append(("record", rec["step"]))
+
+    def flush(self):
+        self.calls.append(("flush",))
+
+    def end(self, outcome):
+        self.calls.append(("end", outcome, threading.current_thread().name))
+
+
+def test_forwarder_hooks_open_first_and_end_last_with_the_outcome(tap_path):
+    f = jax.pmap(lambda x, i: pmaptap.tap(x, "x", step=i, dedup="per_device"), in_axes=(0, None))
+    fw = Hooked()
+    with pmaptap.Session(tap_path, run="hooks", forward=[fw]):
+        for i in range(3):
+            f(jnp.arange(8.0), i)
+    first, *middle, last = fw.calls
+    # open(run, attempt) with the session's run id, before any record; on the
+    # forwarding thread, as every other call.
+    assert first[:3] == ("open", "hooks", 0) and first[3].startswith("pmaptap-forward")
+    assert sorted(c[1] for c in middle if c[0] == "record") == sorted(list(range(3)) * 8)
+    assert middle[-1] == ("flush",)  # the records, flushed, then the end
+    assert last[:2] == ("end", "finished") and last[2].startswith("pmaptap-forward")
+    # A resumed attempt opens with its number; an exception leaving the
+    # block ends it "failed" (the exception is the user's, unchanged).
+    again = Hooked()
+    with pytest.raises(RuntimeError, match="boom"):
+        with pmaptap.Session(tap_path, run="hooks", resume=True, forward=[again]):
+            f(jnp.arange(8.0), 2)
+            raise RuntimeError("boom")
+    assert again.calls[0][:3] == ("open", "hooks", 1)
+    assert again.calls[-1][:2] == ("end", "failed")
+    # A forwarder without the hooks is not required to have them; one whose
+    # hook raises is reported like a failed record, the others go on.
+
+    class Broken(Hooked):
+        def open(self, run, attempt):
+            raise ValueError("no dashboard")
+
+    broken, got = Broken(), []
+    with pytest.raises(TapError, match=r"forwarder .*Broken failed 1 time.*no dashboard"):
+        with pmaptap.Session(tap_path, run="hooks2", forward=[broken, got.append]):
+            f(jnp.arange(8.0), 0)
+    assert len(got) == 8 and broken.calls[-1][:2] == ("end", "finished")
+
+
 def test_scalar_loss_and_nonfinite_reach_clu(tap_path):
     clu = CluLike()
     f = jax.jit(lambda v, s: pmaptap.tap(v, "loss", step=s))

@@ -8,7 +8,6 @@ TensorBoard, from the live forwarder and from ``export --follow``."""
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import signal
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import ROOT, subprocess_env, wait_for
+from conftest import ROOT, subprocess_env, wait_for, wandb_history
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 pytest.importorskip("tensorboardX")
@@ -171,25 +170,6 @@ def test_callable_forwarders_see_the_attempt(tap_path):
 # ------------------------------------------------------------------ W&B
 
 
-def _wandb_history(run_dir) -> list[dict]:
-    """The history rows of an offline run, read with W&B's own reader of its
-    .wandb transaction log (``wandb leet inspect --json``)."""
-    (log,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    out = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", log],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    rows = []
-    for line in out.stdout.splitlines():
-        rec = json.loads(line)
-        if rec.get("type") == "history":
-            rows.append(rec["history"]["item"])
-    return rows
-
-
 def _wval(v):
     return float(v) if isinstance(v, str) else v  # "NaN", "Infinity"
 
@@ -198,12 +178,15 @@ def test_wandb_forwarder_offline(tap_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with pytest.raises(ValueError, match=r"wandb.init\(\)"):
-        pmaptap.forwarders.WandB()  # no run yet
+    # No run yet: the forwarder would start its own at the session's open.
+    assert pmaptap.forwarders.WandB().owned
     run = wandb.init(
         project="pmaptap-test", dir=str(tmp_path), settings=wandb.Settings(console="off")
     )
     try:
+        assert not pmaptap.forwarders.WandB().owned  # the user's run
+        with pytest.raises(ValueError, match=r"wandb.init\(\) arguments"):
+            pmaptap.forwarders.WandB(project="other")  # a run exists already
         _train(tap_path, range(4), forward=[pmaptap.forwarders.WandB()], run="wb")
         # A restart replaying steps 2-3 (a fresh forwarder, as in a new process).
         fw = pmaptap.forwarders.WandB()
@@ -211,7 +194,7 @@ def test_wandb_forwarder_offline(tap_path, tmp_path, monkeypatch):
     finally:
         run.finish()
     (run_dir,) = glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*"))
-    rows = _wandb_history(run_dir)
+    rows = wandb_history(run_dir)
     # One row per step: the loss and the 8 devices' series together; W&B
     # cannot rewrite the replayed steps, they come again, the restart marked.
     assert [r["pmaptap/step"] for r in rows] == [0, 1, 2, 3, 2, 3]
@@ -238,10 +221,11 @@ def test_mlflow_forwarder_logs_into_the_users_run_by_id(tap_path, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
     try:
-        with pytest.raises(ValueError, match="start_run"):
-            pmaptap.forwarders.MLflow()  # no active run
+        # No active run: one of its own, created at the session's open only.
+        assert pmaptap.forwarders.MLflow().owned
         with mlflow.start_run() as active:
             fw = pmaptap.forwarders.MLflow()
+            assert not fw.owned
             # A tap whose replicas disagree: each value in its own series.
             f = jax.pmap(
                 lambda x: pmaptap.tap(x, "split", step=0, dedup="replicated"),

@@ -235,7 +235,7 @@ _RELAUNCH = """
                 while not os.path.exists(flushed):
                     time.sleep(0.05)
                 os._exit(3)  # a hard failure: no close, no exit handlers
-            f(x, i)
+            f(x, jnp.int32(i))  # (JAX 0.9 takes no Python int here)
 """
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import pmaptap
-from conftest import logs_warning, record_dict
+from conftest import logs_warning, record_dict, run_python
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.summary_batch import summarize_file
@@ -314,3 +314,55 @@ def test_show_all_attempts_names_the_attempt_of_every_record(tap_path):
     assert all(
         "attempt" not in json.loads(x) or json.loads(x)["attempt"] == 1 for x in out.stdout.split()
     )
+
+
+_AUTO_STEPS = """
+    import os, signal, jax, jax.numpy as jnp, pmaptap
+    path, attempt = os.environ["TAP"], int(os.environ["ATTEMPT"])
+    # A training step whose taps have no step=: automatic counters.
+    f = jax.pmap(lambda x: pmaptap.tap(jax.lax.pmean(x, "d"), "loss"), axis_name="d")
+    x = lambda i: jnp.full(jax.local_device_count(), float(i))
+    if attempt == 0:
+        with pmaptap.Session(path, run="auto") as s:
+            for i in range(10):
+                f(x(i))
+            s.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # preempted after step 9
+    # The restart resumes from a checkpoint at step 6. Its step function was
+    # compiled before the session opened (as a warm-up or an AOT compile
+    # does): the tap is refused on the host.
+    compiled = f.lower(x(0)).compile()
+    s = pmaptap.Session(path, run="auto", resume=True).open()
+    for i in range(6, 10):
+        compiled(x(i))
+    try:
+        # Traced now, with the resumed session open: refused where it is written.
+        jax.pmap(lambda v: pmaptap.tap(v, "gn"), axis_name="d")(x(0))
+    except ValueError as e:
+        print("TRACE:", e, flush=True)
+    try:
+        s.close()
+    except pmaptap.TapError as e:
+        print("CLOSE:", e, flush=True)
+"""
+
+
+def test_resumed_session_refuses_taps_with_automatic_steps(tap_path):
+    """A restart's replay of steps 6-9 numbered 0-3 by the automatic
+    counters would supersede the first attempt's real steps 0-3 (read()
+    showed the wrong values, validate said OK). Refused instead: at trace
+    time naming the tap and step=, and on the host (a step traced before the
+    session opened) as a TapError at close, nothing written."""
+    first = run_python(_AUTO_STEPS, check=False, devices=2, TAP=tap_path, ATTEMPT="0")
+    assert first.returncode == -9, first.stderr
+    second = run_python(_AUTO_STEPS, devices=2, TAP=tap_path, ATTEMPT="1")
+    (trace,) = [x for x in second.stdout.splitlines() if x.startswith("TRACE:")]
+    assert "pmaptap.tap('gn') has no step=" in trace and "Session(resume=True)" in trace
+    (close,) = [x for x in second.stdout.splitlines() if x.startswith("CLOSE:")]
+    assert "4 callback(s) not written" in close and "pmaptap.tap('loss') has no step=" in close
+    recs = [r for r in pmaptap.read(tap_path, attempts="all") if r["kind"] != "meta"]
+    # The file holds the first attempt's steps, each with its own value.
+    assert sorted((r["step"], r["value"], r.get("attempt", 0)) for r in recs) == [
+        (i, float(i), 0) for i in range(10)
+    ]
+    assert validate_file(tap_path).ok

@@ -338,7 +338,10 @@ _MULTI_PROCESS = """
     by = {}
     for d, i in seen:
         by.setdefault(str(d), []).append(i)
-    print("SEEN", json.dumps(by), float(out.sum()), flush=True)
+    # This process's devices' part of the result (JAX 0.9 cannot sum a
+    # global array that spans processes).
+    total = sum(float(s.data.sum()) for s in out.addressable_shards)
+    print("SEEN", json.dumps(by), total, flush=True)
 """
 
 

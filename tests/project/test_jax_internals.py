@@ -10,102 +10,78 @@ by name, instead of a tap failing somewhere or a collective landing inside a
 
 from __future__ import annotations
 
-import ast
-import importlib
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
-from conftest import package_sources
-
-
-def _uses() -> dict[tuple[str, str | None], list[str]]:
-    """(jax._src module, attribute or None) -> where the package uses it."""
-    uses: dict[tuple[str, str | None], list[str]] = {}
-    for rel, tree in package_sources():
-        alias: dict[str, str] = {}  # local name -> jax._src module
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
-                for a in node.names:
-                    full = f"{node.module}.{a.name}"
-                    if importlib.util.find_spec(full.rsplit(".", 1)[0]) and _is_module(full):
-                        alias[a.asname or a.name] = full
-                    else:  # a name imported from a module
-                        uses.setdefault((node.module, a.name), []).append(f"{rel}:{node.lineno}")
-            elif isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.startswith("jax._src"):
-                        uses.setdefault((a.name, None), []).append(f"{rel}:{node.lineno}")
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in alias
-            ):
-                key = (alias[node.value.id], node.attr)
-                uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
-            elif (  # getattr(pe, "JaxprStackFrame", None): read by name
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) == "getattr"
-                and len(node.args) >= 2
-                and isinstance(node.args[0], ast.Name)
-                and node.args[0].id in alias
-                and isinstance(node.args[1], ast.Constant)
-            ):
-                key = (alias[node.args[0].id], node.args[1].value)
-                uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
-        for mod in alias.values():
-            uses.setdefault((mod, None), []).append(rel)
-    return uses
-
-
-def _is_module(name: str) -> bool:
-    try:
-        importlib.import_module(name)
-        return True
-    except ImportError:
-        return False
-
-
-def check_jax_internals() -> list[str]:
-    """What pmaptap reads from jax._src that this JAX lacks ([] when all is
-    there), each with where pmaptap uses it."""
-    missing = []
-    for (mod, attr), where in sorted(_uses().items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError as e:
-            missing.append(f"module {mod} ({e}); used at {where[:3]}")
-            continue
-        if attr is not None and not hasattr(m, attr):
-            missing.append(f"{mod}.{attr}; used at {where[:3]}")
-    # Names pmaptap recognises by string, not by import.
-    from pmaptap._trace import invariant, placement
-
-    for mod, fn in placement._DIVERGENT_FLOW + tuple(
-        (m, None) for m in placement._MESH_FRAME_MODULES
-    ):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            missing.append(f"frame module {mod} (placement.py)")
-            continue
-        if fn is not None and not hasattr(m, fn):
-            missing.append(f"frame function {mod}.{fn} (placement.py)")
-    assert invariant  # its frame module is jax._src.shard_map, checked above
-    return missing
+from conftest import run_python
+from pmaptap._trace import jax_support
 
 
 def test_every_jax_internal_pmaptap_reads_exists():
-    uses = _uses()
+    uses = jax_support.internal_uses()
     # The inventory is not empty by accident: the primitive, the trace-end
     # hook and the mesh look-up all read jax._src.
     assert ("jax._src.core", "Primitive") in uses
     assert ("jax._src.interpreters.partial_eval", "JaxprStackFrame") in uses
+    assert ("jax._src.distributed", "global_state") in uses
     assert len(uses) > 40, len(uses)
-    assert check_jax_internals() == []
+    assert jax_support.missing_internals() == []
+
+
+def test_pyproject_admits_exactly_the_tested_and_checked_releases():
+    import re
+
+    from conftest import ROOT
+
+    with open(f"{ROOT}/pyproject.toml", encoding="utf-8") as f:
+        text = f.read()
+    known = jax_support.TESTED + jax_support.CHECKED
+    for pkg in ("jax", "jaxlib"):
+        m = re.search(rf'"{pkg}>=(\d+)\.(\d+)[.\d]*,<(\d+)\.(\d+)"', text)
+        assert m, f"no {pkg} range in pyproject.toml"
+        a, b, c, d = map(int, m.groups())
+        # From the oldest tested minor up to the newest checked one.
+        assert (a, b) == min(known) and (c, d) == (max(known)[0], max(known)[1] + 1), m[0]
+    # The suite runs on one of them (on a tested one in CI, .ci/run).
+    assert tuple(map(int, jax.__version__.split(".")[:2])) in known, jax.__version__
+
+
+_UNTESTED = """
+    import warnings
+    warnings.simplefilter("always")
+    import jax
+    from jax._src.interpreters import partial_eval as pe
+    jax.__version__ = "0.99.0"  # a release nobody ran the suite on
+    if MISSING:
+        del pe.JaxprStackFrame.to_jaxpr, pe.JaxprStackFrame  # a JAX that moved it
+    with warnings.catch_warnings(record=True) as seen:
+        try:
+            import pmaptap._trace
+        except Exception:
+            pass
+        import pmaptap._trace.jax_support as js
+        js.check_version()  # once only
+    for w in seen:
+        print(w.category.__name__, "|", w.message)
+"""
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_an_untested_jax_warns_once_naming_what_it_lacks(missing):
+    out = run_python(_UNTESTED.replace("MISSING", str(missing)), devices=1).stdout
+    lines = [x for x in out.splitlines() if "pmaptap is tested with JAX" in x]
+    assert len(lines) == 1, out
+    (line,) = lines
+    assert line.startswith("RuntimeWarning |") and "JAX 0.99.0 is neither tested" in line
+    if missing:
+        assert "jax._src.interpreters.partial_eval.JaxprStackFrame; used at" in line
+        assert "traceend.py" in line
+    else:
+        assert "every JAX internal pmaptap reads is present" in line
 
 
 def test_the_control_flow_frames_are_seen_where_collectives_are_unsafe():

@@ -349,7 +349,9 @@ def test_trace_end_hook_still_sits_where_jax_ends_a_trace():
     params = list(inspect.signature(hooked.__wrapped__).parameters)
     assert params[:3] == ["self", "trace", "out_tracers"], params
     assert "frame.to_jaxpr(trace" in inspect.getsource(pe.trace_to_jaxpr_dynamic)
-    assert inspect.getsource(pe).count("trace.frame.to_jaxpr(trace") >= 3
+    # JAX 0.9 ends a staging trace there in two places, 0.10 in three (its
+    # lower_jaxpr too): every one goes through the hooked method.
+    assert inspect.getsource(pe).count("trace.frame.to_jaxpr(trace") >= 2
 
     # And it works end to end: work deferred for a trace is bound into it.
     seen = []

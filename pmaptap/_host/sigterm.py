@@ -1,0 +1,132 @@
+"""SIGTERM wherever the main thread is: a watcher thread woken by the signal.
+
+Python runs a signal handler only on the main thread, between bytecodes. A
+main thread blocked in C++ (a cross-process collective whose peer died: gloo
+waits for it with no end; ``jax.effects_barrier()`` on such a step) never
+gets there, so the session's handler would never run and the launcher's
+SIGKILL would come after its grace, the forwarders unflushed.
+
+CPython's C-level handler, which runs on whatever thread the kernel picks,
+writes the signal number to the file descriptor ``signal.set_wakeup_fd``
+names, for every signal that has a Python handler (the session installs
+one for SIGTERM). The watcher is a daemon thread blocked reading the other
+end of that socket pair: it wakes at once, and hands SIGTERM to the open
+session (``Session._sigterm_from_watcher``), which gives the main thread a
+moment to run its own handler and acts only if it does not. Bytes of other
+signals (SIGINT's, ...) are passed on to the wakeup descriptor that was set
+before ours (asyncio's self-pipe, for one), so nothing of theirs is lost.
+
+One watcher per process, started with the first session opened on the main
+thread (``set_wakeup_fd`` may only be called there) and kept; a forked child
+drops it (its socket pair is its parent's: a signal to the child must not
+wake the parent's watcher).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+
+from pmaptap._log import log
+
+_lock = threading.Lock()
+_watcher: "_Watcher | None" = None
+
+
+class _Watcher:
+    def __init__(self) -> None:
+        self.rsock, self.wsock = socket.socketpair()
+        # set_wakeup_fd wants a non-blocking descriptor: the C handler must
+        # never block (a full buffer drops the byte, and one byte is enough).
+        self.wsock.setblocking(False)
+        self.previous = signal.set_wakeup_fd(self.wsock.fileno(), warn_on_full_buffer=False)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="pmaptap-sigterm")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self.rsock.recv(512)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.previous != -1:
+                try:
+                    os.write(self.previous, data)
+                except OSError:
+                    pass  # theirs is full or closed: as if we were not here
+            if signal.SIGTERM in data:
+                _hand_over()
+
+
+def _hand_over() -> None:
+    from pmaptap._host import routing
+
+    s = routing.active_session()
+    if s is None:
+        return  # no session open: the handler that runs is not ours
+    try:
+        s._sigterm_from_watcher()
+    except BaseException as e:  # noqa: BLE001 - a daemon thread: say it, go on
+        log.error(f"[pmaptap] error while acting on SIGTERM: {e!r}")
+
+
+def install() -> bool:
+    """Start the watcher (once per process; main thread only). False where
+    it cannot be (not the main thread, a platform without wakeup fds)."""
+    global _watcher
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _lock:
+        if _watcher is not None:
+            return True
+        try:
+            _watcher = _Watcher()
+        except (ValueError, OSError) as e:
+            log.debug(f"pmaptap: no SIGTERM watcher ({e})")
+            return False
+        return True
+
+
+def die_by_sigterm() -> None:
+    """End this process by SIGTERM's default action, from any thread.
+
+    ``signal.signal`` may only be called on the main thread, and the main
+    thread is the one that cannot run (that is why the watcher acts), so the
+    C-level disposition is reset through libc. If that is not possible the
+    process exits with the status a SIGTERM death reports to a shell."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(int(signal.SIGTERM), None)  # SIG_DFL is the null handler
+        os.kill(os.getpid(), signal.SIGTERM)
+    except Exception:  # noqa: BLE001
+        pass
+    os._exit(128 + int(signal.SIGTERM))
+
+
+def _after_fork_in_child() -> None:
+    global _watcher, _lock
+    _lock = threading.Lock()
+    w, _watcher = _watcher, None
+    if w is None:
+        return
+    try:
+        # The child's main thread is the one that forked: allowed here.
+        signal.set_wakeup_fd(w.previous)
+    except (ValueError, OSError):
+        pass
+    for s in (w.rsock, w.wsock):
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,179 @@
+"""The JAX versions pmaptap supports, and the inventory of JAX internals it reads.
+
+pmaptap reads some of JAX's internals (``jax._src``: the primitives' lowering,
+the trace-end hook, the concrete mesh, the coordination client). What that
+means for a JAX version (docs/contributing.md#jax-versions):
+
+- ``TESTED``: the minor releases the whole suite passes on
+  (``scripts/test_jax_versions.sh`` runs it on each; CI on the newest);
+- ``CHECKED``: releases whose source was checked statically: every
+  ``jax._src`` module and attribute of the inventory below exists there,
+  behaviour untested. pyproject admits them;
+- anything else is unknown.
+
+Importing the trace side on a JAX outside ``TESTED`` warns once, naming the
+internals that JAX lacks (``missing_internals``), instead of a tap failing
+later somewhere inside JAX. The inventory is read from the package's own
+source (every ``from jax._src... import`` and each attribute the code then
+reads), so a new reach into ``jax._src`` is in it by construction;
+``tests/project/test_jax_internals.py`` fails on the installed JAX when one
+is missing.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import warnings
+
+# (major, minor) releases, oldest first.
+TESTED: tuple[tuple[int, int], ...] = ((0, 9), (0, 10))
+CHECKED: tuple[tuple[int, int], ...] = ((0, 11),)
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_warned = False
+
+
+def _sources() -> list[tuple[str, ast.Module]]:
+    out = []
+    for d, _, files in sorted(os.walk(_PACKAGE)):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                p = os.path.join(d, f)
+                with open(p, encoding="utf-8") as fh:
+                    out.append(
+                        (os.path.relpath(p, os.path.dirname(_PACKAGE)), ast.parse(fh.read()))
+                    )
+    return out
+
+
+def _is_module(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
+def internal_uses() -> dict[tuple[str, str | None], list[str]]:
+    """(jax._src module, attribute or None) -> where the package uses it."""
+    uses: dict[tuple[str, str | None], list[str]] = {}
+    for rel, tree in _sources():
+        alias: dict[str, str] = {}  # local name -> jax._src module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    parent = full.rsplit(".", 1)[0]
+                    if _spec(parent) and _is_module(full):
+                        alias[a.asname or a.name] = full
+                    else:  # a name imported from a module
+                        uses.setdefault((node.module, a.name), []).append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("jax._src"):
+                        uses.setdefault((a.name, None), []).append(f"{rel}:{node.lineno}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in alias
+            ):
+                key = (alias[node.value.id], node.attr)
+                uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
+            elif (  # getattr(pe, "JaxprStackFrame", None): read by name
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "getattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in alias
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                key = (alias[node.args[0].id], node.args[1].value)
+                uses.setdefault(key, []).append(f"{rel}:{node.lineno}")
+        for mod in alias.values():
+            uses.setdefault((mod, None), []).append(rel)
+    return uses
+
+
+def _spec(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_internals() -> list[str]:
+    """What pmaptap reads from jax._src that this JAX lacks ([] when all is
+    there), each with where pmaptap uses it; and the frames it recognises
+    by name (placement.py)."""
+    from pmaptap._trace import placement
+
+    missing = []
+    for (mod, attr), where in sorted(
+        internal_uses().items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
+    ):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:
+            missing.append(f"module {mod} ({e}); used at {where[:3]}")
+            continue
+        if attr is not None and not hasattr(m, attr):
+            missing.append(f"{mod}.{attr}; used at {where[:3]}")
+    for mod, fn in placement._DIVERGENT_FLOW + tuple(
+        (m, None) for m in placement._MESH_FRAME_MODULES
+    ):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            missing.append(f"frame module {mod} (placement.py)")
+            continue
+        if fn is not None and not hasattr(m, fn):
+            missing.append(f"frame function {mod}.{fn} (placement.py)")
+    return missing
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _name(v: tuple[int, int]) -> str:
+    return f"{v[0]}.{v[1]}"
+
+
+def check_version() -> None:
+    """Warn once when the installed JAX is not one the suite runs on, naming
+    the internals it lacks (called when the trace side is imported)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    import jax
+
+    version = jax.__version__
+    if _minor(version) in TESTED:
+        return
+    try:
+        missing = missing_internals()
+    except Exception as e:  # noqa: BLE001 - the warning must not fail an import
+        missing = [f"(the inventory could not be checked: {e!r})"]
+    tested = ", ".join(f"{_name(v)}.x" for v in TESTED)
+    what = "statically checked only" if _minor(version) in CHECKED else "neither tested nor checked"
+    detail = (
+        f"; JAX internals pmaptap reads that it lacks (taps that need them will "
+        f"fail): {'; '.join(missing)}"
+        if missing
+        else "; every JAX internal pmaptap reads is present"
+    )
+    warnings.warn(
+        f"pmaptap is tested with JAX {tested}; JAX {version} is {what}{detail}. "
+        "See docs/contributing.md#jax-versions.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
