@@ -14,7 +14,11 @@ from typing import Any, Callable, Iterator
 # (module, attribute path, label). A label starting with "callback" is on
 # XLA's callback threads, "aggregator"/"writer" on pmaptap's threads.
 STAGES = (
-    ("pmaptap._trace.primitive", "_copying", "callback: the whole host call (copy + hand-over)"),
+    (
+        "pmaptap._trace.primitive",
+        "_copying",
+        "callback: the whole host call (its arrays kept, handed over)",
+    ),
     ("pmaptap._trace.layouts", "deliver", "callback: hand-over (deliver, queue admit)"),
     ("pmaptap._host.aggregate", "Aggregator.add_callback", "aggregator: a payload to records"),
     ("pmaptap._host.sink", "FileSink.write", "writer: a batch, all of it"),
