@@ -9,12 +9,13 @@ become the format's ``NONFINITE`` markers.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Iterator
 
 import numpy as np
 
-from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, stored_as_bytes
+from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, npy_header, stored_as_bytes
 from pmaptap.tapfile.format import (
     COUNT_BASE,
     NAN,
@@ -35,14 +36,21 @@ _SHORT_REPR_MAX = 4096
 
 
 def value_key(leaves: list[np.ndarray]) -> bytes:
-    """The bitwise identity of a value: each leaf's dtype, shape and bytes.
+    """The bitwise identity of a value: each leaf's dtype, shape and bytes
+    (a leaf of more than ``INLINE_MAX_BYTES``: a 256-bit blake2b digest of
+    its bytes, read in place, instead of a copy of them: a replicated 2 MiB
+    activation was copied a second time here, then hashed whole anyway).
     Copies are compared by it, and a replicated record's ``vhash`` is its
     blake2b digest, for a session's records and a ``Writer``'s alike: equal
     values of one dtype hash alike, whichever wrote them."""
     parts = []
     for a in leaves:
         parts.append(f"{a.dtype.str}{a.shape}|".encode())
-        parts.append(_value_bytes(a))
+        if a.nbytes > INLINE_MAX_BYTES and not _padded(a.dtype):
+            raw = np.ascontiguousarray(a)  # no copy unless it is not C order
+            parts.append(hashlib.blake2b(raw.reshape(-1).view(np.uint8), digest_size=32).digest())
+        else:
+            parts.append(_value_bytes(a))
     return b"".join(parts)
 
 
@@ -52,10 +60,13 @@ def value_key(leaves: list[np.ndarray]) -> bytes:
 _X87 = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
 
 
+def _padded(dt: np.dtype) -> bool:
+    return _X87 and dt.kind in "fc" and dt.itemsize == (16 if dt.kind == "f" else 32)
+
+
 def _value_bytes(a: np.ndarray) -> bytes:
     raw = np.ascontiguousarray(a)
-    dt = raw.dtype
-    if _X87 and dt.kind in "fc" and dt.itemsize == (16 if dt.kind == "f" else 32):
+    if _padded(raw.dtype):
         return raw.view(np.uint8).reshape(-1, 16)[:, :10].tobytes()
     return raw.tobytes()
 
@@ -253,7 +264,8 @@ def encode_rows(
         if dt in _FAST_SCALARS and a.ndim > 1 and a[0].nbytes > INLINE_MAX_BYTES:
             # Rows stored as bytes (no finiteness check, no JSON).
             name, shape = _dtype_name(dt), list(a.shape[1:])
-            return [(RawArray(a[k]), name, shape) for k in rows]
+            header = npy_header(dt, a.shape[1:])  # one for every row
+            return [(RawArray(a[k], header), name, shape) for k in rows]
         if dt in _FAST_SCALARS and (dt.kind != "f" or np.isfinite(a).all()):
             name, shape = _dtype_name(dt), list(a.shape[1:])
             if a.ndim == 1:

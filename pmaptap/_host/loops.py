@@ -52,6 +52,9 @@ class AggregateLoop:
     def _step(self) -> bool:
         """One chunk; False after the close marker."""
         items = self.queue.take_payloads(self.linger)
+        bound = self.queue.bound_reached()
+        if bound:
+            log.warning(bound)  # here, not on XLA's thread that met the bound
         recs: list[Record] = []
         freed_items = freed_bytes = 0
         last = items[-1] if items else None

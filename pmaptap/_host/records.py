@@ -17,7 +17,9 @@ import numpy as np
 from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._host.encode import encode_tree
 from pmaptap._host.payload import Copy
+from pmaptap.tapfile.arrays import npy_header
 from pmaptap.tapfile.format import Record, new_record
+from pmaptap.tapfile.rawarray import RawArray
 
 
 class _Table:
@@ -322,17 +324,29 @@ class RecordFactory:
         if per is None:
             per = self._shard_templates[place] = {}
         tkey = (spec.site.tap_id, spec.site.batch_dims, k)
-        template = per.get(tkey)
-        if template is None:
-            template = per[tkey] = self._per_device_record(
-                spec,
-                0,
-                (None, None, None),
-                place.processes[k],
-                place.devices[k],
-                place.coords[k],
-                0.0,
-                index=place.index_of(k, raw),
-            ).template()
+        entry = per.get(tkey)
+        if entry is None:
+            # [template, (shape, dtype, .npy header) of a leaf stored as bytes]:
+            # both fixed for a lowering's partition.
+            entry = per[tkey] = [
+                self._per_device_record(
+                    spec,
+                    0,
+                    (None, None, None),
+                    place.processes[k],
+                    place.devices[k],
+                    place.coords[k],
+                    0.0,
+                    index=place.index_of(k, raw),
+                ).template(),
+                None,
+            ]
         value, dtype, shape = encode_tree(spec.site.treedef, leaves, as_statistics)
-        return Record.from_template(template, step, value, dtype, shape, self.clock())
+        if type(value) is RawArray:
+            # Its .npy header, made once per tap site and partition rather
+            # than looked up by the writer for every shard.
+            a, made = value.array, entry[1]
+            if made is None or made[0] != a.shape or made[1] != a.dtype:
+                made = entry[1] = (a.shape, a.dtype, npy_header(a.dtype, a.shape))
+            value.header = made[2]
+        return Record.from_template(entry[0], step, value, dtype, shape, self.clock())

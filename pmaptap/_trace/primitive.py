@@ -7,11 +7,12 @@ Why not ``jax.debug.callback`` itself: its runtime path calls
 is a JAX call on a thread where JAX calls can deadlock. This primitive has the
 same transformation semantics as ``debug_callback_p`` (it reuses its effect,
 so grad / scan / cond / while / checkpoint / shard_map treat it alike, and its
-partial-eval rule), but its lowering hands the raw NumPy views XLA gives the
-callback to ``host_fn`` after one ``np.array`` copy (the views are only valid
-during the call). Partial-auto shard_map contexts and TPU, where the callback
-needs JAX's own gather/cond or send/recv plumbing, delegate to
-``debug_callback``'s lowering.
+partial-eval rule), but its lowering hands the NumPy arrays XLA gives the
+callback to ``host_fn`` as they are (``host_copy``: they already hold their
+own copy of the device's buffers).
+Partial-auto shard_map contexts and TPU, where the callback needs JAX's own
+gather/cond or send/recv plumbing, delegate to ``debug_callback``'s
+lowering.
 
 This module relies on ``jax._src`` internals (JAX 0.10); tests/trace/test_primitive.py
 fails loudly if a JAX upgrade breaks it.
@@ -204,9 +205,28 @@ def recomputed_while_predicate(ctx: Any) -> bool:
     )
 
 
+def host_copy(a: np.ndarray) -> np.ndarray:
+    """An argument of XLA's python callback as pmaptap may keep it after the
+    call returns, with no second copy of its bytes.
+
+    XLA's callback handler already hands over arrays that hold their own
+    bytes: on the CPU its NumPy wrapper copies the device buffer it was
+    given, which it cannot give an owner (``nb_numpy_ndarray`` without a
+    base: ``PyArray_NewCopy``); on a GPU the device-to-host transfer fills a
+    host buffer that the array owns through a capsule ``base``. That copy is
+    the one an array tap needs (XLA's own buffers are only valid during the
+    call); the writer later hands its buffer to ``writev``. So these are
+    kept as they are (a second copy cost 20-40 ms a 32 MiB step).
+    Only a view with no owner (no ``base``, not owning its data), should a
+    JAX hand one over, is copied."""
+    if a.base is None and not a.flags.owndata:
+        return np.array(a, copy=True)
+    return a
+
+
 def _copying(host_fn):
     def run(*flat_args):
-        host_fn(*[np.array(a, copy=True) for a in flat_args])
+        host_fn(*[host_copy(a) for a in flat_args])
         return ()
 
     return run
@@ -227,22 +247,34 @@ def _delegate(ctx, *args, host_fn):
 def _lowering(ctx, *args, host_fn):
     if recomputed_while_predicate(ctx):
         return []
+    from jax._src import config
+
     axis_context = ctx.module_context.axis_context
     sharding: Any = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
         if set(axis_context.mesh.axis_names) != set(axis_context.manual_axes):
             return _delegate(ctx, *args, host_fn=host_fn)  # partial-auto
         # Fully manual: per-device semantics, the callback runs on each device.
-        from jax._src import config
-
         if config.use_shardy_partitioner.value:
             sharding = cb._get_sdy_array_list_for_callbacks(ctx.avals_out)
         else:
             sharding = xc.OpSharding()
             sharding.type = xc.OpSharding.Type.MANUAL
     elif isinstance(axis_context, sharding_impls.ShardingContext):
-        # Automatic sharding: run once, on the full logical value.
-        return _delegate(ctx, *args, host_fn=host_fn)
+        # Automatic sharding (plain jit, one device or whole values): run
+        # once, on the full logical value, on device 0 of the computation:
+        # the MAXIMAL sharding debug_callback's lowering sets, without its
+        # jax.device_put of every argument on XLA's thread (a copy of the
+        # value, and on a GPU a second one after the transfer).
+        if config.use_shardy_partitioner.value:
+            sharding = sharding_impls.SdyArrayList(
+                (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
+            )
+        else:
+            sharding = xc.OpSharding()
+            sharding.type = xc.OpSharding.Type.MAXIMAL
+            sharding.tile_assignment_dimensions = [1]
+            sharding.tile_assignment_devices = [0]
     result, _, _ = cb.emit_python_callback(
         ctx,
         _copying(host_fn),

@@ -146,10 +146,11 @@ def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
 
 def npy_chunks(raw: RawArray) -> list:
     """The ``.npy`` of one leaf as buffers for writev (header, raw bytes: no
-    copy of the array's bytes)."""
+    copy of the array's bytes: a view of the buffer the callback handed
+    over)."""
     a = raw.array
     body = memoryview(a.reshape(-1).view("u1")) if a.size else b""
-    return [npy_header(a.dtype, a.shape), body]
+    return [raw.header or npy_header(a.dtype, a.shape), body]
 
 
 # ---------------------------------------------------------------- reading

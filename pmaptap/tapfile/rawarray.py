@@ -11,13 +11,16 @@ from typing import Any, Iterator
 class RawArray:
     """A leaf travelling to the writer as its NumPy array (C order). The
     sink stores its bytes and sets ``ref`` (once: a retried batch does not
-    write them again); the line then carries ``ref`` in ``bytes``."""
+    write them again); the line then carries ``ref`` in ``bytes``.
+    ``header``: its ``.npy`` header when the aggregator already has it (made
+    once per tap site: arrays.npy_header), else the writer looks it up."""
 
-    __slots__ = ("array", "ref")
+    __slots__ = ("array", "ref", "header")
 
-    def __init__(self, array: Any) -> None:
+    def __init__(self, array: Any, header: bytes | None = None) -> None:
         self.array = array
         self.ref: dict | None = None
+        self.header = header
 
     @property
     def nbytes(self) -> int:

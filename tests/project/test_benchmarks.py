@@ -44,9 +44,17 @@ def test_all_benchmarks_run_in_quick_mode():
         "i. 16 per-shard taps in a step",
         "i. flax_train.py step, tapped",
         "i. --variant jit step, tapped",
-        "m. 2 MiB sharded activation, stored as bytes",
-        "m. the disk alone: os.write of 2 MiB",
-        "m. bytes on disk per array byte",
+        "m. 2 MiB sharded activation, tap / raw+write ",
+        "m. 2 MiB sharded activation, tap / raw+write, CPU",
+        "m. 2 MiB sharded activation, tap / raw ",
+        "m. 2 MiB sharded activation, raw+write / raw",
+        "m. 2 MiB bytes on disk per array byte",
+        "m. 32 MiB sharded activation, tap / raw+write ",
+        "m. 32 MiB bytes on disk per array byte",
+        "m. 32 MiB peak RSS",
+        "m. 2 MiB CPU, tap: writer",
+        "m. stage at 2 MiB: writer: bytes",
+        "m. stage at 32 MiB: callback: the whole host call",
         "j. id_tap (tied, program order)",
         "j. id_tap, callback without the tie",
         "pmaptap summary",
@@ -87,6 +95,9 @@ def test_all_benchmarks_run_in_quick_mode():
         "c. 4 taps in pmaptap.group()",
     ):
         assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
+    for mib in (2, 32):  # bench_arrays.py: both ratios, as numbers
+        for ref in ("raw+write", "raw"):
+            assert ratios(f"m. {mib} MiB sharded activation, tap / {ref} "), (mib, ref)
     for label in ("d. every=100, traced step", "d. every=100, ~5 ms step"):
         line = next(ln for ln in out.splitlines() if ln.startswith(label))
         assert ratios(label) or "vanishes" in line, line
