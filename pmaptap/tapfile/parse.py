@@ -23,9 +23,12 @@ with a short reason, and what one line may cost is bounded:
 The writers apply the same limits to what they write (see
 ``_host/sink.py``), so every line pmaptap writes is read back.
 
-orjson parses when it is installed; with ``PMAPTAP_NO_ORJSON=1`` (or without
-orjson) ``json`` does, with hooks that make it accept and refuse exactly the
-same lines and return the same values.
+A line is decoded by the format's own types (tapfile/schema.py, msgspec):
+most lines are records of the format and cost one call. A line they refuse
+is read by the definition: orjson (with ``PMAPTAP_NO_ORJSON=1``, or without
+orjson, ``json``, with hooks that make it accept and refuse exactly the
+same lines and return the same values), then schema.validate_dict, the
+level readers take.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any
+
+import msgspec
 
 from pmaptap.tapfile import format as _format
-from pmaptap.tapfile.speedups import SPEEDUPS
+from pmaptap.tapfile.schema import DECODER, AnyRecord, as_dict, from_dict, validate_dict
 
 MAX_LINE_BYTES = 64 << 20
 MAX_DEPTH = 128
@@ -153,149 +158,142 @@ def _loads(raw: bytes) -> tuple[Any, str | None]:
     return obj, None
 
 
-def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
-    """One line (without its newline) -> (undecoded record, None) or
-    (None, why it is not a record). Never raises an Exception."""
+def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
+    """One line (without its newline) -> (record, None) or (None, why it is
+    not a record). The record is a schema.py Struct; ``parse_line`` gives
+    the line's object. Never raises an Exception."""
     try:
         if len(raw) > MAX_LINE_BYTES:
             return None, (
                 f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
             )
-        # The common case first, in as few calls as possible (this runs for
-        # every line of every read): a line with at most MAX_DEPTH brackets
-        # that orjson parses into a record that passes validate_dict's
-        # exact-type checks. Anything else takes the full path below, which
-        # gives the same answer for these lines.
-        orjson = _format.ORJSON
-        if orjson is not None and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        # The common line in one call: the format's Structs decode it, its
+        # rules checked while decoding (schema.py). A line with more
+        # brackets than MAX_DEPTH, or a run of 19 digits (an integer
+        # msgspec would keep past 64 bits, where the definition reads a
+        # float), or any line the Structs refuse takes the definition
+        # below, which gives these lines the same record.
+        if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and _LONG_NUMBER.search(raw) is None:
             try:
-                d = orjson.loads(raw)
-            except orjson.JSONDecodeError:
+                return DECODER.decode(raw), None
+            except (msgspec.ValidationError, msgspec.DecodeError):
                 pass
-            else:
-                if type(d) is dict and _format._plainly_valid(d):
-                    return d, None
-        if not raw.strip():
-            return None, "empty line"
-        if exceeds_depth(raw):
-            return None, f"nested deeper than {MAX_DEPTH} levels (not parsed)"
-        d, problem = _loads(raw)
-        if problem is not None:
-            return None, problem
-        problem = _format.validate_dict(d)
-        if problem:
-            return None, f"not a pmaptap record: {problem}"
-        return d, None
+        return _by_definition(raw)
     except Exception as e:  # noqa: BLE001 - the contract: no line raises
         # Not reached by any input the tests know; if it ever is, the line is
         # still reported rather than ending the reader (or a writer's dedup).
         return None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
 
 
-Parsed = tuple[list, dict]
+def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
+    """A line the format's Structs do not take: parsed by orjson (or json,
+    with the same answers), then taken if readers take it
+    (schema.validate_dict), its object kept (schema.from_dict)."""
+    if len(raw) > MAX_LINE_BYTES:
+        return None, f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
+    if not raw.strip():
+        return None, "empty line"
+    if exceeds_depth(raw):
+        return None, f"nested deeper than {MAX_DEPTH} levels (not parsed)"
+    d, problem = _loads(raw)
+    if problem is not None:
+        return None, problem
+    problem = validate_dict(d)
+    if problem:
+        return None, f"not a pmaptap record: {problem}"
+    return from_dict(d), None
 
 
-def parse_lines(
-    lines: list[bytes], joined: bytes | None = None, seen: dict | None = None
-) -> Parsed:
-    """``parse_line`` of every line of ``lines`` (each without its newline),
-    many lines per call: (records, problems), ``records[i]`` the record of
-    ``lines[i]`` or None, ``problems[i]`` why it is not one. Exactly
-    parse_line's answers (tests/tapfile/test_read_batch.py checks it on hostile
-    lines); never raises an Exception.
+def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """One line (without its newline) -> (undecoded record, None) or
+    (None, why it is not a record): ``decode_line`` as the line's JSON
+    object. Never raises an Exception."""
+    r, problem = decode_line(raw)
+    return (None if r is None else as_dict(r)), problem
 
-    The common case costs a few C-level passes over the list instead of a
-    Python call per line: every line short and shallow enough (byte counts),
-    one orjson call per line through ``map`` (each line parsed on its own,
-    so a line can never borrow bytes from its neighbour), then the plain
-    record checks in one loop (format.first_not_plain). Anything
-    else (a line orjson refuses, a record that is not plainly valid, a long
-    or bracket-heavy line, no orjson) takes parse_line one line at a time,
-    which is the definition. ``joined``: ``b"\\n".join(lines)`` (maybe with
-    a newline after), if the caller has it.
 
-    ``seen``: a sharded run's merge's (runs._Source), only there. In C, a
-    line that is plainly a copy of a replicated value another process's
-    line already gave (set_aside's test, _speedups.c scan_copy: only lines
-    it can read exactly without building them) comes back as (line, time,
-    info) instead of its record, for time_keys, which holds it as its
-    line: the merge drops most copies, and building each was most of what
-    it cost to read one."""
+Decoded = tuple[list, dict]
+
+
+def decode_lines(lines: list[bytes], joined: bytes | None = None) -> Decoded:
+    """``decode_line`` of every line of ``lines`` (each without its
+    newline), many lines per call: (records, problems), ``records[i]`` the
+    record of ``lines[i]`` or None, ``problems[i]`` why it is not one.
+    Exactly decode_line's answers; never raises an Exception.
+
+    The common batch is one msgspec call: every line short and shallow
+    enough and without a long number (a few C passes over the batch), the
+    batch decoded at once. A batch with any other line goes a line at a
+    time, each line that the Structs refuse to the definition alone.
+    ``joined``: ``b"\\n".join(lines)`` (maybe with a newline after), if
+    the caller has it."""
     try:
-        orjson = _format.ORJSON
-        if SPEEDUPS is not None and orjson is not None:
-            # The same, one line at a time in C (tapfile/_speedups.c): a
-            # line leaves the fast path alone, not its whole batch.
-            records, slow = SPEEDUPS.plain_records(
-                lines,
-                orjson.loads,
-                orjson.JSONDecodeError,
-                MAX_DEPTH,
-                MAX_LINE_BYTES,
-                _format.id_ranges,
-                seen,
-            )
-            return _by_definition(lines, records, slow)
-        records = load_lines(lines, joined)
-        if records is None:
-            return _one_by_one(lines)
-        # The plain records stand; the rest get parse_line's full path and
-        # its exact reason.
-        return _by_definition(lines, records, _not_plain(records))
+        if not lines:
+            return [], {}
+        if joined is None:
+            joined = b"\n".join(lines)
+        if (
+            (len(joined) <= MAX_LINE_BYTES or max(map(len, lines)) <= MAX_LINE_BYTES)
+            and _max_openers(joined) <= MAX_DEPTH
+            and _LONG_NUMBER.search(joined) is None
+        ):
+            try:
+                records = DECODER.decode_lines(joined)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            else:
+                if len(records) == len(lines):  # no blank line skipped
+                    return records, {}
+            return _line_by_line(lines)
+        return _one_by_one(lines)
     except Exception:  # noqa: BLE001 - the contract: no line raises
         return _one_by_one(lines)
 
 
-def load_lines(lines: list[bytes], joined: bytes | None = None) -> list | None:
-    """What orjson makes of each line, when every line is one parse_line
-    would hand straight to orjson (short, at most MAX_DEPTH opening
-    brackets) and orjson takes every one; else None. Not yet records: a
-    reader that checks the records it knows itself (``pmaptap summary``)
-    starts here and gives every other line to parse_line."""
-    orjson = _format.ORJSON
-    if orjson is None or not lines:
-        return None
-    if joined is None:
-        joined = b"\n".join(lines)
-    if len(joined) > MAX_LINE_BYTES and max(map(len, lines)) > MAX_LINE_BYTES:
-        return None
-    if _max_openers(joined) > MAX_DEPTH:
-        return None
-    try:
-        return list(map(orjson.loads, lines))
-    except orjson.JSONDecodeError:
-        return None
-
-
-def _one_by_one(lines: list[bytes]) -> Parsed:
-    return _by_definition(lines, [None] * len(lines), range(len(lines)))
-
-
-def _by_definition(lines: list[bytes], records: list, at: Iterable[int]) -> Parsed:
-    """``records`` with the line of each index of ``at`` given parse_line's
-    answer, the definition; (records, problems by index)."""
+def _line_by_line(lines: list[bytes]) -> Decoded:
+    """decode_lines of a batch whose lines the batch gate let through (short,
+    shallow, no long number): each line decoded on its own, those the
+    Structs refuse by the definition."""
+    records: list = []
     problems: dict[int, str] = {}
-    for i in at:
-        d, problem = parse_line(lines[i])
-        records[i] = d
+    decode = DECODER.decode
+    for i, raw in enumerate(lines):
+        try:
+            records.append(decode(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            r, problem = _by_definition(raw)
+            records.append(r)
+            if problem is not None:
+                problems[i] = problem
+    return records, problems
+
+
+def _one_by_one(lines: list[bytes]) -> Decoded:
+    records: list = []
+    problems: dict[int, str] = {}
+    for i, raw in enumerate(lines):
+        r, problem = decode_line(raw)
+        records.append(r)
         if problem is not None:
             problems[i] = problem
     return records, problems
 
 
-def _not_plain(records: list) -> Iterator[int]:
-    """The index of each item of ``records`` that format.first_not_plain
-    does not take, found as the caller goes (it replaces each as it goes)."""
-    n = len(records)
-    i = _format.first_not_plain(records)
-    while i < n:
-        yield i
-        i = _format.first_not_plain(records, i + 1)
+def parse_lines(lines: list[bytes], joined: bytes | None = None) -> tuple[list, dict]:
+    """``parse_line`` of every line of ``lines``: ``decode_lines`` as the
+    lines' JSON objects."""
+    records, problems = decode_lines(lines, joined)
+    return [None if r is None else as_dict(r) for r in records], problems
+
+
+# A run of 19 digits or more: a number that may be an integer outside
+# [-2**63, 2**64), which the definition reads as a float and msgspec keeps.
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
 
 
 def _max_openers(joined: bytes) -> int:
     """An upper bound of the opening brackets on any one line of ``joined``
-    (lines joined by newlines, maybe one more at the end): parse_line's fast-path test (``[`` plus
+    (lines joined by newlines, maybe one more at the end): decode_line's fast-path test (``[`` plus
     ``{`` at most MAX_DEPTH) holds for every line when this is at most
     MAX_DEPTH. One C pass keeps just the brackets and line ends (cheaper
     than counting line by line)."""

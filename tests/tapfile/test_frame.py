@@ -287,7 +287,7 @@ def test_tables_of_records_share_the_record_columns(tmp_path):
         *typed,
         "coords.dp",
         "value",
-        *("dtype", "shape", "devices", "vhash", "processes", "index"),
+        *("dtype", "shape", "devices", "processes", "vhash", "index"),
     ]
     out = cli("show", str(path))
     header = "line name step kind proc device coords value flags"

@@ -27,8 +27,7 @@ from pmaptap.tapfile.export import write_csv
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.lines import iter_file_lines
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import Summarizer
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import Summarizer, summarize_file
 from pmaptap.tapfile.summary_table import summary_table
 from pmaptap.tapfile.views import load_matching
 

@@ -522,9 +522,9 @@ def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_
     import math
     import random
 
-    from test_speedups import _write_run
+    from test_jobs import _write_run
 
-    from pmaptap.tapfile import checks, summary_batch
+    from pmaptap.tapfile import checks, summary
     from pmaptap.tapfile.attempts import scan
     from pmaptap.tapfile.query import Filter
 
@@ -542,8 +542,8 @@ def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_
         resumed += was_resumed
         plain += not was_resumed
         assert checks.validate_file(path) == checks._validate(path, scan(path)), case
-        got = summary_batch.summarize_file(path)
-        want = summary_batch._summarize_scanned(path, Filter())
+        got = summary.summarize_file(path)
+        want = summary._summarize_scanned(path, Filter())
         assert same([vars(s) for s in got[0]], [vars(s) for s in want[0]]), case
         assert got[1:] == want[1:], case
     assert resumed > 10 and plain > 10, (resumed, plain)
@@ -663,7 +663,7 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
     scan-first pass as before."""
     import math
 
-    from pmaptap.tapfile import checks, summary_batch
+    from pmaptap.tapfile import checks, summary
     from pmaptap.tapfile.attempts import scan
     from pmaptap.tapfile.query import Filter
 
@@ -696,18 +696,18 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
             if how == "late":
                 assert report.superseded == 2, (where, report)  # g step 0, both processes
             if layout == "file":
-                acc, _ = summary_batch._summarize_plain(path)
+                acc, _ = summary._summarize_plain(path)
             else:
-                acc, _ = summary_batch._summarize_merged(path)
+                acc, _ = summary._summarize_merged(path)
             assert acc.resumed == resumed, where
             summaries_same(
-                summary_batch.summarize_file(path),
-                summary_batch._summarize_scanned(path, Filter()),
+                summary.summarize_file(path),
+                summary._summarize_scanned(path, Filter()),
             )
             flt = Filter(names=("loss", "g"))
             summaries_same(
-                summary_batch.summarize_file(path, flt),
-                summary_batch._summarize_scanned(path, flt),
+                summary.summarize_file(path, flt),
+                summary._summarize_scanned(path, flt),
             )
 
 

@@ -25,7 +25,7 @@ from pmaptap.tapfile.format import (
     split_step,
     step_key,
 )
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file
 
 RECORDS = [
     {"run": "r", "name": "a", "step": 3},

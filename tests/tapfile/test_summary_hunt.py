@@ -14,8 +14,7 @@ from test_cli import _table, cli
 
 import pmaptap
 from conftest import per_device_dict, replicated_dict
-from pmaptap.tapfile.summary import tap_summaries
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file, tap_summaries
 from pmaptap.tapfile.summary_table import summary_table
 
 

@@ -1,0 +1,847 @@
+"""What a record is: the one home of the record rules.
+
+Each kind of record is a msgspec ``Struct`` (``PerDevice``, ``Replicated``,
+``Meta``: a tagged union on ``kind``) whose field types and ``Meta``
+constraints are the format: a non-empty name, a step from 0 to 2**63-1, a
+non-negative process, at least one replica, integer coordinates, ``divergent``
+only ever ``true``, holders as a list or ranges text, and so on. Every reader
+decodes a line through them (``DECODER``; tapfile/parse.py). What types
+cannot say is ``beyond_types`` below, one Python function: ranges text that
+is ascending and disjoint, a shard's index, one holder per replica,
+``copies_seen`` at most ``replicas``, a shard's global shape, a value against
+its dtype and shape. (Line-level bounds, a line's length and nesting and
+integers past 64 bits, are tapfile/parse.py's; a stored value's references
+are tapfile/arrays.py's ``field_problem``.)
+
+Two levels, both declared here:
+
+- *The format* (the Structs): what writers write and ``pmaptap validate``
+  checks. A line that decodes into a Struct is a valid record, done.
+- *What readers take* (``validate_dict``): the format with some fields
+  widened (``READERS_TAKE``: a process, a device or a holder may be any JSON
+  scalar; time, host and replicas anything). A line the Structs refuse is
+  checked again at this level: if readers take it, it is still a record
+  (``pmaptap validate`` then names each field that breaks the format);
+  otherwise it is a bad line, with the reason.
+
+Fields a newer writer adds (and a meta record's counters) are not errors: a
+record with fields the Structs do not declare is taken at the second level,
+its fields kept as they were (``Odd*`` records hold their line's object).
+
+Structs are cheaper than dicts to build and hold (224 against 632 bytes for
+a scalar per-device record); ``pmaptap.read`` still returns dicts
+(``as_dict``), and a Struct answers the dict reads that the readers' helpers
+use (``get``, ``[]``, ``in``).
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType, field
+
+# ------------------------------------------------------------ constants
+
+KINDS = ("replicated", "per_device", "meta")
+# The kinds that carry a tapped value (meta records carry counters).
+VALUE_KINDS = KINDS[:2]
+# Steps are integers from 0 to the int64 maximum, whatever form the tap got.
+MAX_STEP = 2**63 - 1
+# The strings that stand for non-finite floats inside ``value`` (JSON has no
+# number form for them); the one place that names them.
+NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
+NONFINITE = {NAN: float("nan"), POS_INF: float("inf"), NEG_INF: float("-inf")}
+# Replicated records only, absent unless fewer copies were read than
+# ``replicas`` (the devices named in ``devices``) hold: how many were read.
+# A scalar tapped under plain jit is replicated on every device of the
+# computation by its sharding; one copy (device 0's) is read, the others
+# are neither seen nor compared. An integer from 1 to ``replicas``.
+COPIES_SEEN = "copies_seen"
+# The holders of a replicated value (its ``devices`` and ``processes``): a
+# list of ids, or, past RANGES_ABOVE ids that are all integers, their ranges
+# as text ("0-4095", "0-3,8-11", ascending, disjoint), so that a record's
+# size and the work each reader does with it stay the same at 4,096
+# processes as at 2 (a list of 4,096 ids is ~20 KB a line). Readers take
+# both forms and keep the text as text: ``Holders`` (what pmaptap.read
+# gives) is the ids without a list.
+RANGES_ABOVE = 16
+# At most this many ids in one ranges text: what anything may expand it to
+# (a summary's device set, ``list(Holders)``), so a hostile
+# "0-9999999999" costs only its line.
+MAX_HOLDERS = 1 << 20
+
+# ------------------------------------------------------------ field types
+
+Scalar = None | bool | int | float | str
+Name = Annotated[str, Meta(min_length=1)]
+Step = Annotated[int, Meta(ge=0, le=MAX_STEP)]
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+# Ranges text ("0-3,8-11"): decimal ids without leading zeros, single or as
+# first-last ranges, comma-separated (its form here; ascending and disjoint
+# in beyond_types).
+_ID = "(?:0|[1-9][0-9]{0,18})"
+_RANGE = f"{_ID}(?:-{_ID})?"
+_PART = re.compile(_RANGE)
+RangesText = Annotated[str, Meta(pattern=f"^{_RANGE}(?:,{_RANGE})*$")]
+
+
+class AnyRecord(
+    Struct,
+    tag_field="kind",
+    forbid_unknown_fields=True,
+    kw_only=True,
+    omit_defaults=True,
+):
+    """The fields every record has (the first ten, required) and those any
+    record may have. UNSET: not in the line."""
+
+    run: str
+    name: Name
+    step: Step
+    value: Any
+    dtype: Any
+    shape: Any
+    process: Count
+    time: int | float  # unix seconds; JSON has no non-finite numbers
+    host: str
+    # A shard of a sharded value under jit: its global slice, [start, stop]
+    # per dimension (a list of those per leaf for a pytree).
+    index: list | UnsetType = UNSET
+    # A shard's global array shape (a list per leaf for a pytree, as index).
+    global_shape: list | UnsetType = UNSET
+    # Where a value's leaves stored as bytes are (tapfile/arrays.py).
+    bytes: Any = UNSET
+    divergent: Literal[True] | UnsetType = UNSET
+    batch_dims: Count | UnsetType = UNSET
+    pass_: str | UnsetType = field(default=UNSET, name="pass")
+    # A leaf's value is statistics (format.SUMMARY_FIELDS).
+    summarized: bool | UnsetType = UNSET
+    # The attempt of a resumed run that wrote it; 0 is not written.
+    attempt: Count | UnsetType = UNSET
+    # Replicated records: a hash of the value's bits, and who held it
+    # (devices: an id or null per replica; processes: ids).
+    vhash: str | UnsetType = UNSET
+    devices: list[int | None] | RangesText | None | UnsetType = UNSET
+    processes: list[int] | RangesText | None | UnsetType = UNSET
+
+    # Not fields. ``kind``: the tag; ``odd``: a record taken at the
+    # readers' level (see Odd below).
+    kind: ClassVar[str] = ""
+    odd: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        # The readers' rules that no type says (msgspec runs this while
+        # decoding: a line breaking one is refused like a wrong type).
+        if self.index is not UNSET or type(self.devices) is str or type(self.processes) is str:
+            problem = beyond_types(self, readers=True)
+            if problem:
+                raise ValueError(problem[0])
+
+    # The dict reads readers' helpers make of a record (query.Filter,
+    # attempts, divergence, arrays): a Struct answers them as its line's
+    # object would.
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "kind":
+            return self.kind
+        v = getattr(self, _ATTR.get(key, key), UNSET) if key in _FIELDS else UNSET
+        return default if v is UNSET else v
+
+    def __getitem__(self, key: str) -> Any:
+        v = self.get(key, UNSET)
+        if v is UNSET:
+            raise KeyError(key)
+        return v
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, UNSET) is not UNSET
+
+    def key(self) -> tuple:
+        """record_key of this record."""
+        p, i, a = self.pass_, self.index, self.attempt
+        return (
+            self.run,
+            self.name,
+            self.step,
+            "forward" if p is UNSET else p,
+            None if i is UNSET else index_key(i),
+            0 if a is UNSET else a,
+        )
+
+
+class PerDevice(AnyRecord, tag="per_device"):
+    """One device's value."""
+
+    device: int | None  # null: the device is not known
+    coords: dict[str, int]  # mesh axis name -> index
+    kind: ClassVar[str] = "per_device"
+
+
+class Replicated(AnyRecord, tag="replicated"):
+    """A value every holder had the same (or, flagged ``divergent``, not)."""
+
+    replicas: Positive
+    copies_seen: Positive | UnsetType = UNSET
+    kind: ClassVar[str] = "replicated"
+
+
+class MetaRecord(AnyRecord, tag="meta"):
+    """A fact about the run (format.META_NAMES), its counters as fields of
+    their own (taken at the readers' level: see Odd)."""
+
+    kind: ClassVar[str] = "meta"
+
+
+CLASSES = {c.kind: c for c in (Replicated, PerDevice, MetaRecord)}
+# Decoding a kind is one change: a Struct above with its tag, added here.
+DECODER = msgspec.json.Decoder(Union[tuple(CLASSES.values())])  # noqa: UP007 - a runtime Union of the classes
+
+# What readers take where the format is stricter: these fields widened (a
+# JSON scalar may name a process or a device; a holders list may hold any
+# scalar; time, host, replicas and the fields that only validate reads may
+# hold anything). Everything else is the format's own type.
+READERS_TAKE: dict[str, Any] = {
+    "step": int,
+    "process": Scalar,
+    "time": Any,
+    "host": Any,
+    "device": Scalar,
+    "coords": dict,
+    "replicas": Any,
+    "devices": list[Scalar] | str | None,
+    "processes": list[Scalar] | str | None,
+    "divergent": Any,
+    "batch_dims": Any,
+    "summarized": Any,
+    "global_shape": Any,
+    COPIES_SEEN: Any,
+}
+# Why a record is no record, per field (validate_dict: "<field> must be
+# <this>"), and why it breaks the format (beyond_types, strict).
+READERS_MUST = {
+    "run": "a string",
+    "name": "a non-empty string",
+    "step": "an integer",
+    "kind": f"one of {KINDS}",
+    "pass": "a string",
+    "process": "a number",
+    "vhash": "a string",
+    "devices": 'a list of numbers or ranges text ("0-4095,4100")',
+    "processes": 'a list of numbers or ranges text ("0-4095,4100")',
+    "device": "a number or null",
+    "coords": "an object",
+    "attempt": "a non-negative integer",
+    "index": "[[start, stop], ...] (a list of those per leaf)",
+}
+FORMAT_PROBLEM = {
+    "step": "step must be from 0 to 2**63-1, got {v}",
+    "process": "process must be a non-negative integer",
+    "time": "time must be a finite number (unix seconds)",
+    "host": "host must be a string",
+    "devices": "devices must list one integer-or-null per replica",
+    "processes": "processes must be a list of integers (or their ranges text)",
+    "device": "device must be an integer or null",
+    "coords": "coords must be an object of axis name -> integer index",
+    "replicas": "replicas must be a positive integer",
+    "divergent": "divergent, when present, must be true",
+    COPIES_SEEN: f"{COPIES_SEEN}, when present, must be an integer from 1 to replicas",
+    "global_shape": "global_shape must be a list of non-negative integers (a list per leaf)",
+    "batch_dims": "batch_dims must be a non-negative integer",
+    "summarized": "summarized, when present, must be true or false",
+}
+
+
+def _json_names(cls: type) -> dict[str, str]:
+    return {f.encode_name: f.name for f in msgspec.structs.fields(cls)}
+
+
+# A field's attribute by its name in a line ("pass" -> "pass_"), by kind,
+# and of any kind.
+_NAMES = {kind: _json_names(cls) for kind, cls in CLASSES.items()}
+_ATTR = {k: v for names in _NAMES.values() for k, v in names.items()}
+_FIELDS = frozenset(_ATTR)
+# The fields every record has, in the order a line holds them.
+REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
+# Every field a record of each kind must have (REQUIRED first).
+REQUIRED_BY_KIND = {
+    kind: REQUIRED
+    + tuple(
+        f.encode_name
+        for f in msgspec.structs.fields(cls)
+        if f.required and f.encode_name not in REQUIRED
+    )
+    for kind, cls in CLASSES.items()
+}
+# The order of the fields of a line as writers write them (format.Record's
+# to_json_dict): as_dict gives a record's fields in it, so that a line read
+# and written again (pmaptap merge, show --json) keeps its order.
+LINE_ORDER = (
+    *REQUIRED,
+    "device",
+    "coords",
+    "replicas",
+    "devices",
+    "processes",
+    "vhash",
+    "index",
+    "global_shape",
+    "bytes",
+    "divergent",
+    "batch_dims",
+    "pass",
+    "summarized",
+    "attempt",
+    COPIES_SEEN,
+)
+
+
+# ------------------------------------------------------------ the readers' level
+
+
+def _loose(cls: type) -> type:
+    """``cls`` with READERS_TAKE's types, taking unknown fields."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        tp = READERS_TAKE.get(f.encode_name, f.type)
+        if f.encode_name in READERS_TAKE and not f.required:
+            tp = tp | UnsetType if tp is not Any else Any
+        default = msgspec.NODEFAULT if f.required else UNSET
+        fields.append((f.name, tp, msgspec.field(default=default, name=f.encode_name)))
+    return msgspec.defstruct(
+        "Loose" + cls.__name__,
+        fields,
+        kw_only=True,
+        tag_field="kind",
+        tag=cls.kind,
+        forbid_unknown_fields=False,
+        # The readers' rules no type says (beyond_types) run here too.
+        bases=(_LooseBase,),
+    )
+
+
+class _LooseBase(Struct, kw_only=True):
+    def __post_init__(self) -> None:
+        if (
+            getattr(self, "index", UNSET) is not UNSET
+            or type(self.devices) is str
+            or type(self.processes) is str
+        ):
+            problem = beyond_types(self, readers=True)
+            if problem:
+                raise ValueError(problem[0])
+
+
+_LOOSE = {kind: _loose(cls) for kind, cls in CLASSES.items()}
+
+
+def validate_dict(d: Any) -> str | None:
+    """Why ``d`` (a line's JSON object) is not a record readers take, or
+    None if it is one: its identity (run, name, step, pass: hashable, see
+    record_key) and the fields readers index, sort or iterate of a usable
+    type. The format's own rules are ``format_problems``'."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        return "missing field(s): " + ", ".join(missing)
+    kind = d["kind"]
+    if type(kind) is not str or kind not in CLASSES:
+        return f"kind must be {READERS_MUST['kind']}"
+    own = REQUIRED_BY_KIND[kind][len(REQUIRED) :]
+    if any(f not in d for f in own):
+        return f"{kind} record without {'/'.join(own)}"
+    try:
+        msgspec.convert(d, _LOOSE[kind])
+    except msgspec.ValidationError as e:
+        return _why(str(e))
+    return None
+
+
+_AT = re.compile(r"`\$\.([^`.\[]+)")
+
+
+def _why(error: str) -> str:
+    """A readers' problem from msgspec's error (it names the field)."""
+    m = _AT.search(error)
+    name = m.group(1) if m else ""
+    if name in READERS_MUST:
+        return f"{name} must be {READERS_MUST[name]}"
+    return error.split(" - at ")[0] if not m else f"{name}: {error.split(' - at ')[0]}"
+
+
+def from_dict(d: dict) -> AnyRecord:
+    """The record of a line's object that readers take (validate_dict),
+    holding the object itself: its fields as they are, typed or not, and
+    those no Struct declares (``as_dict`` gives it back)."""
+    kind = d["kind"]
+    names = _NAMES[kind]
+    fields = {names[k]: v for k, v in d.items() if k in names}
+    return _ODD[kind](source=d, **fields)
+
+
+def _odd(cls: type) -> type:
+    class Odd(cls, kw_only=True):  # type: ignore[misc, valid-type]
+        # The line's object, for as_dict and for the fields only it has.
+        source: dict
+        odd: ClassVar[bool] = True
+
+        def __post_init__(self) -> None:
+            pass  # taken at the readers' level already
+
+        def get(self, key: str, default: Any = None) -> Any:
+            return self.source.get(key, default)
+
+    Odd.__name__ = Odd.__qualname__ = "Odd" + cls.__name__
+    return Odd
+
+
+_ODD = {kind: _odd(cls) for kind, cls in CLASSES.items()}
+# By name in this module, as pickle finds a class (summary --jobs sends
+# records between processes).
+globals().update({cls.__name__: cls for cls in _ODD.values()})
+
+
+# ------------------------------------------------------------ beyond the types
+
+
+def beyond_types(r: Any, readers: bool = False) -> list[str]:
+    """The rules no field type says, of a record (a Struct, or a loose one
+    while it is checked): with ``readers``, those readers need (ranges
+    text ascending and disjoint, a shard's index), the first one broken;
+    else every rule of the format beyond the field types (one holder per
+    replica, copies_seen at most replicas, a shard's global shape, the
+    value against its dtype and shape, the stored value's references)."""
+    out: list[str] = []
+    if readers:
+        for name in ("devices", "processes"):
+            v = getattr(r, name, UNSET)
+            if type(v) is str and holders_count(v) is None:
+                out.append(f"{name} must be {READERS_MUST[name]}")
+        index = getattr(r, "index", UNSET)
+        if index is not UNSET and not valid_index(index):
+            out.append(f"index must be {READERS_MUST['index']}")
+        return out
+    replicas = getattr(r, "replicas", None)
+    if r.kind == "replicated" and type(replicas) is int:
+        devices = r.devices
+        if devices is not None and devices is not UNSET:
+            n = holders_count(devices) if type(devices) is str else len(devices)
+            if n != replicas:
+                out.append(FORMAT_PROBLEM["devices"])
+        seen = r.copies_seen
+        if seen is not UNSET and type(seen) is int and seen > replicas:
+            out.append(FORMAT_PROBLEM[COPIES_SEEN])
+    g = r.global_shape
+    if g is not UNSET and not _global_shape_ok(g):
+        out.append(FORMAT_PROBLEM["global_shape"])
+    if r.bytes is not UNSET:
+        from pmaptap.tapfile.arrays import field_problem  # the bytes references' rules
+
+        problem = field_problem(r)
+        if problem:
+            out.append(problem)
+    problem = value_problem(r.value, r.dtype, r.shape, None if r.bytes is UNSET else r.bytes)
+    if problem:
+        out.append(problem)
+    return out
+
+
+def format_problems(r: AnyRecord) -> list[str]:
+    """Every way a record breaks the format (``pmaptap validate``): for one
+    the Structs took, the rules beyond the types; for an odd one (taken at
+    the readers' level), first each field against its Struct type."""
+    if not r.odd:
+        if type(r) is not PerDevice or r.index is not UNSET or r.bytes is not UNSET:
+            return beyond_types(r)
+        # The usual per-device record: its scalar value, in a few tests.
+        dtype, shape, value = r.dtype, r.shape, r.value
+        if type(dtype) is str and shape == [] and r.global_shape is UNSET:
+            t = type(value)
+            if (t is float or t is int) and dtype.startswith(("float", "bfloat")):
+                return []
+            if not dtype.startswith("complex"):
+                problem = _scalar_problem(value, dtype)
+                return [problem] if problem else []
+        return beyond_types(r)
+    out = []
+    strict = CLASSES[r.kind]
+    for f in msgspec.structs.fields(strict):
+        v = getattr(r, f.name)
+        if v is UNSET:
+            continue
+        try:
+            msgspec.convert(v, f.type)
+        except msgspec.ValidationError:
+            text = FORMAT_PROBLEM.get(f.encode_name)
+            if text is not None:
+                out.append(text.format(v=v))
+    return out + beyond_types(r)
+
+
+def _global_shape_ok(g: Any) -> bool:
+    def dims(x: Any) -> bool:
+        return isinstance(x, list) and all(type(n) is int and n >= 0 for n in x)
+
+    return dims(g) or isinstance(g, list) and all(map(dims, g))
+
+
+def _is_pair(p: Any) -> bool:
+    return (
+        isinstance(p, (list, tuple))
+        and len(p) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+    )
+
+
+def valid_index(index: Any, depth: int = 0) -> bool:
+    """[[start, stop], ...], or a list of those (one per pytree leaf)."""
+    if not isinstance(index, list) or depth > 1:
+        return False
+    return all(_is_pair(p) or (depth == 0 and valid_index(p, 1)) for p in index)
+
+
+def index_key(index: Any) -> Any:
+    """A hashable form of a record's ``index`` (None when it has none)."""
+    if isinstance(index, (list, tuple)):
+        return tuple(index_key(i) for i in index)
+    return index
+
+
+# The value against its dtype and shape.
+
+_MARKERS = tuple(NONFINITE)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _scalar_problem(v: Any, dtype: str) -> str | None:
+    if dtype == "bool":
+        ok = isinstance(v, bool)
+    elif dtype.startswith(("int", "uint")):
+        ok = _is_int(v)
+    else:
+        # Floats (and complex parts): numbers, or the documented markers for
+        # non-finite values, which is how strict JSON carries them.
+        ok = _is_num(v) or v in _MARKERS
+    return None if ok else f"value element {v!r} does not fit dtype {dtype}"
+
+
+def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        return f"shape must be a list of non-negative integers, got {shape!r}"
+    dims = list(shape) + ([2] if dtype.startswith("complex") else [])
+
+    def walk(v: Any, depth: int) -> str | None:
+        if depth == len(dims):
+            return _scalar_problem(v, dtype)
+        if not isinstance(v, list) or len(v) != dims[depth]:
+            return f"value does not match shape {shape} (dtype {dtype})"
+        for x in v:
+            problem = walk(x, depth + 1)
+            if problem:
+                return problem
+        return None
+
+    return walk(value, 0)
+
+
+def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
+    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
+    ``stored``: the record's ``bytes`` field, whose leaves are null in
+    ``value`` (tapfile/arrays.py checks the references themselves)."""
+    from pmaptap.tapfile.arrays import is_ref
+
+    if value is None and dtype is None and shape is None:
+        return None  # a None inside a tapped pytree (no leaves)
+    if isinstance(dtype, str):
+        if value is None and is_ref(stored):
+            return None
+        return _leaf_problem(value, dtype, shape)
+    sub = stored if isinstance(stored, (dict, list)) else None
+    if isinstance(dtype, dict):
+        if not (
+            isinstance(value, dict)
+            and isinstance(shape, dict)
+            and set(value) == set(dtype) == set(shape)
+        ):
+            return "pytree value, dtype and shape do not have the same keys"
+        for k in dtype:
+            problem = value_problem(
+                value[k], dtype[k], shape[k], sub.get(k) if isinstance(sub, dict) else None
+            )
+            if problem:
+                return f"[{k}]: {problem}"
+        return None
+    if isinstance(dtype, list):
+        if not (
+            isinstance(value, list)
+            and isinstance(shape, list)
+            and len(value) == len(dtype) == len(shape)
+        ):
+            return "pytree value, dtype and shape do not have the same length"
+        subs = sub if isinstance(sub, list) and len(sub) == len(dtype) else [None] * len(dtype)
+        for i, (v, d, s, b) in enumerate(zip(value, dtype, shape, subs)):
+            problem = value_problem(v, d, s, b)
+            if problem:
+                return f"[{i}]: {problem}"
+        return None
+    return f"dtype must be a string or a pytree of strings, got {dtype!r}"
+
+
+# ------------------------------------------------------------ holders
+
+
+def holders_field(ids: "tuple | list") -> "list | str":
+    """The ``devices``/``processes`` field for ``ids`` as written: the list,
+    or its ranges text past RANGES_ABOVE integer ids that are ascending
+    and distinct (a holder set as the aggregator builds it)."""
+    if len(ids) <= RANGES_ABOVE or not all(type(i) is int and i >= 0 for i in ids):
+        return list(ids)
+    parts = []
+    start = prev = ids[0]
+    for i in ids[1:]:
+        if i <= prev:
+            return list(ids)  # not ascending: the list says it as it is
+        if i != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = i
+        prev = i
+    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
+    """The inclusive (first, last) ranges of a holders text, None if
+    ``text`` is not one (not ascending and disjoint, not the form, or more
+    than MAX_HOLDERS ids)."""
+    if type(text) is not str or not text:
+        return None
+    out: list[tuple[int, int]] = []
+    prev = -1
+    count = 0
+    for part in text.split(","):
+        if not _PART.fullmatch(part):
+            return None
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        count += b - a + 1
+        if a <= prev or b < a or count > MAX_HOLDERS:
+            return None
+        out.append((a, b))
+        prev = b
+    return out
+
+
+# Texts met (a run's records name the same few, "0-4095"): text -> its ids'
+# count, or None if it is no ranges text. Bounded: cleared when full.
+_COUNTS: dict[str, "int | None"] = {}
+_COUNTS_MAX = 4096
+
+
+def holders_count(v: Any) -> "int | None":
+    """How many ids a holders field names (a list's length; ranges text's
+    ids, None if it is not ranges text), never expanding them."""
+    if type(v) is not str:
+        return len(v) if isinstance(v, (list, Holders)) else 0
+    n = _COUNTS.get(v, -1)
+    if n == -1:
+        ranges = id_ranges(v)
+        n = None if ranges is None else sum(b - a + 1 for a, b in ranges)
+        if len(_COUNTS) >= _COUNTS_MAX:
+            _COUNTS.clear()
+        _COUNTS[v] = n
+    return n
+
+
+class Holders(Sequence):
+    """The ids of a ranges text (``"0-4095"``), as a read-only sequence of
+    ints that is never expanded into a list unless asked (``list(h)``):
+    what ``pmaptap.read`` gives for a holders field written as ranges text,
+    so that 10,000 records of a 4,096-process job hold one small object
+    (``Holders.of`` keeps one per text), not 10,000 lists of 4,096 ids.
+    Equal to a list or tuple of the same ids."""
+
+    __slots__ = ("text", "_starts", "_ends", "_len")
+
+    def __init__(self, text: str) -> None:
+        ranges = id_ranges(text)
+        if ranges is None:
+            raise ValueError(f"not a holders ranges text: {text[:80]!r}")
+        self.text = text
+        self._starts = [a for a, _ in ranges]
+        self._ends = [b for _, b in ranges]
+        self._len = sum(b - a + 1 for a, b in ranges)
+
+    _cache: ClassVar[dict] = {}
+
+    @classmethod
+    def of(cls, text: str) -> "Holders":
+        """The Holders of ``text``, one object per text met lately."""
+        h = cls._cache.get(text)
+        if h is None:
+            if len(cls._cache) >= _COUNTS_MAX:
+                cls._cache.clear()
+            h = cls._cache[text] = cls(text)
+        return h
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        for a, b in zip(self._starts, self._ends):
+            yield from range(a, b + 1)
+
+    def __contains__(self, x: object) -> bool:
+        if not isinstance(x, int) or isinstance(x, bool):
+            return False
+        k = bisect_right(self._starts, x) - 1
+        return k >= 0 and x <= self._ends[k]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = self._len
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("Holders index out of range")
+        for a, b in zip(self._starts, self._ends):
+            if i <= b - a:
+                return a + i
+            i -= b - a + 1
+        raise IndexError(i)  # not reached
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Holders):
+            return self.text == other.text
+        if isinstance(other, (list, tuple)):
+            return len(other) == self._len and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __repr__(self) -> str:
+        return f"Holders({self.text!r})"
+
+
+def holder_ids(v: Any) -> list:
+    """The ids of a ``devices``/``processes`` field in either form (a list
+    as it is; ranges text expanded: at most MAX_HOLDERS ids)."""
+    if type(v) is str:
+        return list(Holders.of(v)) if holders_count(v) is not None else []
+    return v if isinstance(v, list) else list(v) if isinstance(v, Holders) else []
+
+
+def holds(v: Any, x: Any) -> bool:
+    """Whether a ``devices``/``processes`` field (either form) names ``x``,
+    without expanding ranges."""
+    if type(v) is str:
+        if not isinstance(x, int) or isinstance(x, bool) or holders_count(v) is None:
+            return False
+        return x in Holders.of(v)
+    return x in (v or ())
+
+
+# ------------------------------------------------------------ identity
+
+
+def record_key(r: Any) -> tuple:
+    """The identity of a value in a tap file: replicated records with the same
+    key hold the same value (or are divergent); per-device records add the
+    device. One definition for the writer's cross-process dedup (a
+    format.Record about to be written, or a line other processes wrote) and
+    readers (a Struct, or a line's object). Shards of one value are
+    different values: their ``index`` is part of it. So is the ``attempt``
+    of a resumed run: a replayed step's new value is neither a duplicate nor
+    a divergence of the old one (it supersedes it: tapfile/attempts.py)."""
+    if isinstance(r, AnyRecord):
+        return r.key()
+    if not isinstance(r, dict):  # format.Record (the writer's)
+        return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
+    get = r.get
+    index = get("index")
+    return (
+        get("run"),
+        get("name"),
+        get("step"),
+        get("pass", "forward"),
+        index if index is None else index_key(index),
+        get("attempt", 0),
+    )
+
+
+def step_key(r: Any) -> tuple:
+    """A record's step of a tap, (run, name, step, pass): ``record_key``'s
+    first four fields, every shard and every attempt of that step. The unit
+    a later attempt of a resumed run supersedes (tapfile/attempts.py)."""
+    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+
+
+# ------------------------------------------------------------ as dicts
+
+
+def _as_dict_function(cls: type) -> Any:
+    """A function giving a record of ``cls`` as its line's object, fields in
+    LINE_ORDER, absent ones left out (built from the Struct's fields: one
+    dict display and a test per optional field, no loop)."""
+    names = _json_names(cls)
+    required = {f.encode_name for f in msgspec.structs.fields(cls) if f.required}
+    order = [k for k in LINE_ORDER if k in names or k == "kind"]
+    head = ", ".join(
+        f"{k!r}: {cls.kind!r}" if k == "kind" else f"{k!r}: r.{names[k]}"
+        for k in order
+        if k == "kind" or k in required
+    )
+    body = ["def as_dict(r, UNSET=UNSET):", f"    d = {{{head}}}"]
+    for k in order:
+        if k != "kind" and k not in required:
+            body.append(f"    v = r.{names[k]}")
+            body.append(f"    if v is not UNSET: d[{k!r}] = v")
+    body.append("    return d")
+    scope: dict = {"UNSET": UNSET}
+    exec("\n".join(body), scope)  # noqa: S102 - built from the Struct's own field names
+    return scope["as_dict"]
+
+
+_AS_DICT = {cls: _as_dict_function(cls) for cls in CLASSES.values()}
+
+
+def as_dict(r: AnyRecord) -> dict:
+    """A record as its line's JSON object (a new dict; an odd record's own
+    object)."""
+    if r.odd:
+        return r.source
+    return _AS_DICT[type(r)](r)
+
+
+# A record's fields that readers read through Struct attributes of the same
+# name; the rest of a line is the Struct's to keep.
+__all__ = [
+    "KINDS",
+    "VALUE_KINDS",
+    "MAX_STEP",
+    "AnyRecord",
+    "PerDevice",
+    "Replicated",
+    "MetaRecord",
+    "CLASSES",
+    "DECODER",
+    "validate_dict",
+    "from_dict",
+    "beyond_types",
+    "format_problems",
+    "as_dict",
+    "record_key",
+    "Holders",
+]
