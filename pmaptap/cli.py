@@ -193,8 +193,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.jobs import jobs_for
-    from pmaptap.tapfile.summary import summarize_file
+    from pmaptap.tapfile.jobs import jobs_for, summarize_file
     from pmaptap.tapfile.summary_table import summary_table
 
     flt = _filter(args)
@@ -209,8 +208,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.checks import validate_file
-    from pmaptap.tapfile.jobs import jobs_for
+    from pmaptap.tapfile.jobs import jobs_for, validate_file
 
     _check_file(args.file)
     report = validate_file(args.file, jobs_for(args.file, args.jobs))

@@ -20,7 +20,7 @@ import os
 from itertools import compress
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.arrays import ByteStore, byte_leaves
+from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
 from pmaptap.tapfile.attempts import attempt_of, scan
 from pmaptap.tapfile.schema import (
     UNSET,
@@ -34,9 +34,16 @@ from pmaptap.tapfile.schema import (
 
 
 def schema_problems(d: Any) -> list[str]:
-    """Violations of the record format (schema.format_problems) in a record
-    readers take (a schema.py Struct, or its line's object)."""
-    return format_problems(from_dict(d) if type(d) is dict else d)
+    """Violations of the record format in a record readers take (a
+    schema.py Struct, or its line's object): schema.format_problems, and
+    where a stored value's references point (arrays.field_problem)."""
+    r = from_dict(d) if type(d) is dict else d
+    out = format_problems(r)
+    if r.bytes is not UNSET:
+        problem = field_problem(r)
+        if problem:
+            out.append(problem)
+    return out
 
 
 # ------------------------------------------------------------------ duplicates
@@ -283,7 +290,7 @@ class Validator:
 
     def add(self, r: AnyRecord, pos: Any) -> None:
         self.records += 1
-        for p in format_problems(r):
+        for p in schema_problems(r):
             self.problems.append((pos, f"schema: {p}"))
         if r.bytes is not UNSET:
             # Stored values: their bytes are there (sizes, not contents:
@@ -343,20 +350,13 @@ class Validator:
         return report
 
 
-def validate_file(path: str | os.PathLike, jobs: int = 1) -> Report:
+def validate_file(path: str | os.PathLike) -> Report:
     """Every problem of a run, in one streaming pass: its state is per key
     (FirstCopies, DivergenceIndex), never the records. The pass assumes the
     run was never resumed (most runs); a record of a later attempt means it
     was, and then the run is read again, after a scan of the lines that
     mention an attempt (attempts.scan: what each later attempt superseded).
-    ``jobs``: worker processes reading pieces of the run
-    (tapfile/jobs.py), the same report."""
-    if jobs != 1:
-        from pmaptap.tapfile.jobs import validate_split
-
-        report = validate_split(path, jobs)
-        if report is not None:
-            return report
+    In worker processes: tapfile/jobs.py's validate_file, the same report."""
     report = _validate(path, None)
     return report if report is not None else _validate(path, scan(path))
 

@@ -37,7 +37,7 @@ import traceback
 from bisect import bisect_left, bisect_right
 from typing import Any
 
-from pmaptap.tapfile import runs
+from pmaptap.tapfile import checks, runs, summary
 from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
 from pmaptap.tapfile.checks import Report, Validator
 from pmaptap.tapfile.lines import collector_paused, iter_file_records, read_at
@@ -318,9 +318,15 @@ def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: A
     return ("done", acc, bad, deferred, procs, lines), skeleton
 
 
-def summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result | None:
-    """summary.summarize_file in ``jobs`` worker processes; None where the
-    run is read in one process (see the module's docstring)."""
+def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
+    """summary.summarize_file in ``jobs`` worker processes (in this one
+    where the run is not split: see the module's docstring)."""
+    flt = flt or Filter()
+    got = _summarize_split(path, flt, jobs)
+    return got if got is not None else summary.summarize_file(path, flt)
+
+
+def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result | None:
     pieces = plan(path, jobs)
     if pieces is None:
         return None
@@ -405,9 +411,14 @@ def _validate_piece(path: str, sharded: bool, part: Any, attempts: Any) -> tuple
     return ("done", counts, problems, dups, groups, procs, deferred), skeleton
 
 
-def validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
-    """checks.validate_file in ``jobs`` worker processes; None where the
-    run is read in one process."""
+def validate_file(path: str | os.PathLike, jobs: int) -> Report:
+    """checks.validate_file in ``jobs`` worker processes (in this one
+    where the run is not split)."""
+    got = _validate_split(path, jobs)
+    return got if got is not None else checks.validate_file(path)
+
+
+def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
     pieces = plan(path, jobs)
     if pieces is None:
         return None

@@ -10,8 +10,8 @@ cannot say is ``beyond_types`` below, one Python function: ranges text that
 is ascending and disjoint, a shard's index, one holder per replica,
 ``copies_seen`` at most ``replicas``, a shard's global shape, a value against
 its dtype and shape. (Line-level bounds, a line's length and nesting and
-integers past 64 bits, are tapfile/parse.py's; a stored value's references
-are tapfile/arrays.py's ``field_problem``.)
+integers past 64 bits, are tapfile/parse.py's; where a stored value's
+references may point, tapfile/arrays.py's ``field_problem``.)
 
 Two levels, both declared here:
 
@@ -414,7 +414,8 @@ def beyond_types(r: Any, readers: bool = False) -> list[str]:
     text ascending and disjoint, a shard's index), the first one broken;
     else every rule of the format beyond the field types (one holder per
     replica, copies_seen at most replicas, a shard's global shape, the
-    value against its dtype and shape, the stored value's references)."""
+    value against its dtype and shape; the ``bytes`` field's own rules
+    are tapfile/arrays.py's field_problem)."""
     out: list[str] = []
     if readers:
         for name in ("devices", "processes"):
@@ -438,12 +439,6 @@ def beyond_types(r: Any, readers: bool = False) -> list[str]:
     g = r.global_shape
     if g is not UNSET and not _global_shape_ok(g):
         out.append(FORMAT_PROBLEM["global_shape"])
-    if r.bytes is not UNSET:
-        from pmaptap.tapfile.arrays import field_problem  # the bytes references' rules
-
-        problem = field_problem(r)
-        if problem:
-            out.append(problem)
     problem = value_problem(r.value, r.dtype, r.shape, None if r.bytes is UNSET else r.bytes)
     if problem:
         out.append(problem)
@@ -555,12 +550,22 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
     return walk(value, 0)
 
 
+def is_ref(x: Any) -> bool:
+    """Whether ``x`` is a reference to a value stored as bytes (a leaf of a
+    record's ``bytes`` field, tapfile/arrays.py): {file, offset, nbytes}."""
+    return (
+        type(x) is dict
+        and len(x) == 3
+        and type(x.get("file")) is str
+        and bool(x["file"])
+        and all(type(x.get(k)) is int and x[k] >= 0 for k in ("offset", "nbytes"))
+    )
+
+
 def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
     """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
     ``stored``: the record's ``bytes`` field, whose leaves are null in
     ``value`` (tapfile/arrays.py checks the references themselves)."""
-    from pmaptap.tapfile.arrays import is_ref
-
     if value is None and dtype is None and shape is None:
         return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):

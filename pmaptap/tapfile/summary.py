@@ -735,19 +735,12 @@ def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
 Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
 
 
-def summarize_file(path: str | os.PathLike, flt: Filter | None = None, jobs: int = 1) -> Result:
+def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result:
     """``pmaptap summary``: the summaries of the records of ``path`` that
     ``flt`` matches, streaming the run (records are decoded, summarized and
     dropped; values are never decoded). Also the (line, problem) list of
-    lines that are not records and every name and run read. ``jobs``:
-    worker processes reading pieces of the run (tapfile/jobs.py), the same
-    result."""
-    if jobs != 1:
-        from pmaptap.tapfile.jobs import summarize_split
-
-        got = summarize_split(path, flt or Filter(), jobs)
-        if got is not None:
-            return got
+    lines that are not records and every name and run read. In worker
+    processes: tapfile/jobs.py's summarize_file, the same result."""
     flt = flt or Filter()
     if not flt.active and not flt.all_attempts:
         # The common case in one pass, assuming the run was never resumed;

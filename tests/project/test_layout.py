@@ -195,8 +195,9 @@ def test_cli_help_imports_only_what_it_needs():
 
 
 def test_the_record_format_facts_live_in_one_place():
-    # The non-finite markers and the record key are tapfile/format.py's; a
-    # second copy elsewhere would drift (they were written out three times).
+    # The non-finite markers and the record key are tapfile/schema.py's (the
+    # one home of the record rules); a second copy elsewhere would drift
+    # (they were written out three times).
     found = []
     for rel, tree in package_sources():
         for node in ast.walk(tree):
@@ -206,9 +207,9 @@ def test_the_record_format_facts_live_in_one_place():
                 found.append(f"{rel}:{node.lineno} def record_key")
     assert sorted(found) == sorted(
         [
-            f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
-            f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
-            f"pmaptap/tapfile/format.py:{_line_of('def record_key(')} def record_key",
+            f"pmaptap/tapfile/schema.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
+            f"pmaptap/tapfile/schema.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
+            f"pmaptap/tapfile/schema.py:{_line_of('def record_key(')} def record_key",
         ]
     ), found
 
@@ -244,7 +245,7 @@ def test_only_format_py_touches_a_records_instance_dict():
 
 
 def _line_of(text: str) -> int:
-    with open(os.path.join(PKG, "tapfile", "format.py"), encoding="utf-8") as f:
+    with open(os.path.join(PKG, "tapfile", "schema.py"), encoding="utf-8") as f:
         return next(i for i, line in enumerate(f, 1) if text in line)
 
 

@@ -249,7 +249,7 @@ def test_validate_files_a_device_s_records_under_each_of_its_groups(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_bytes(b"".join(_dump(d) + b"\n" for d in lines))
     for n in (1, 2, 3):
-        report = checks.validate_file(path, jobs=n)
+        report = jobs.validate_file(path, n)
         got = [p for p in report.problems if "duplicate" in p[1]]
         assert [(line, int(why.split("line ")[1].split()[0])) for line, why in got] == want, n
 
