@@ -31,10 +31,8 @@ class DivergenceIndex:
         self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
     ) -> dict[Any, Any]:
         """The step -> entry map of one (run, name, pass, index key,
-        attempt): record_key without its step. A reader that adds many
-        records of one such key (``pmaptap summary``) sets entries there
-        directly: ``setdefault(step, (vhash, process))``, and ``repeat`` when
-        that returns another entry."""
+        attempt): record_key without its step; an entry is (vhash, process)
+        while one was seen there, then {vhash: processes}."""
         # The parameters are split_step's rest of a key, in its order.
         return self._steps((run, name, pass_, index, attempt))
 

@@ -146,7 +146,7 @@ def test_public_submodules_are_attributes_of_the_package():
         assert callable(pmaptap.launch.main) and callable(pmaptap.cli.main)
         assert callable(pmaptap.writer.Writer)
         tapfile = sorted(m.name for m in pkgutil.iter_modules(pmaptap.tapfile.__path__)
-                         if not m.name.startswith("_"))  # _speedups: speedups loads it
+                         if not m.name.startswith("_"))
         assert sorted(pmaptap.tapfile._SUBMODULES) == tapfile, tapfile
         for name in tapfile:
             assert getattr(pmaptap.tapfile, name) is sys.modules["pmaptap.tapfile." + name]

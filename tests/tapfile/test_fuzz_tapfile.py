@@ -485,8 +485,8 @@ def test_orjson_and_json_read_every_line_alike(data):
     assert results["orjson"] == results["json"]
 
 
-# The parser's fast path (format._plainly_valid) must never accept a record
-# the full checks refuse: mutate ordinary records field by field with values
+# The parser's one-call path (the format's Structs, schema.DECODER) must never
+# accept a record the full checks refuse, and gives what they read: mutate ordinary records field by field with values
 # of every JSON type (and a few Python subclasses JSON never produces).
 _ODD_VALUES = st.one_of(
     st.none(),

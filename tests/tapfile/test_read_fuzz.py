@@ -342,7 +342,7 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
     monkeypatch.setattr(parse, "MAX_LINE_BYTES", LIMIT)
     monkeypatch.setattr(tapfile_lines, "BATCH_BYTES", _batch_size(rnd, data))
 
-    # 1. parse_lines (and load_lines' values) == parse_line, line by line.
+    # 1. parse_lines == parse_line, line by line.
     lines = data.split(b"\n")
     records, problems = parse.parse_lines(lines)
     for i, raw in enumerate(lines):
