@@ -186,10 +186,7 @@ def iter_file_records(
                 records: list = []
                 where: dict = {}
                 if buf:
-                    # buf ends with a newline: the split's last item is empty.
-                    lines = buf.split(b"\n")
-                    lines.pop()
-                    records, where = parse.decode_lines(lines, buf)
+                    records, where = parse.decode_block(buf)
                 problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:

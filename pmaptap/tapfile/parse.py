@@ -173,7 +173,7 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
         # msgspec would keep past 64 bits, where the definition reads a
         # float), or any line the Structs refuse takes the definition
         # below, which gives these lines the same record.
-        if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and _LONG_NUMBER.search(raw) is None:
+        if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and not _long_number(raw):
             try:
                 return DECODER.decode(raw), None
             except (msgspec.ValidationError, msgspec.DecodeError):
@@ -219,35 +219,49 @@ def decode_lines(lines: list[bytes], joined: bytes | None = None) -> Decoded:
     """``decode_line`` of every line of ``lines`` (each without its
     newline), many lines per call: (records, problems), ``records[i]`` the
     record of ``lines[i]`` or None, ``problems[i]`` why it is not one.
-    Exactly decode_line's answers; never raises an Exception.
+    Exactly decode_line's answers; never raises an Exception. ``joined``:
+    ``b"\\n".join(lines)`` (maybe with a newline after), if the caller
+    has it."""
+    if not lines:
+        return [], {}
+    return decode_block(b"\n".join(lines) if joined is None else joined, lines)
 
-    The common batch is one msgspec call: every line short and shallow
-    enough and without a long number (a few C passes over the batch), the
-    batch decoded at once. A batch with any other line goes a line at a
-    time, each line that the Structs refuse to the definition alone.
-    ``joined``: ``b"\\n".join(lines)`` (maybe with a newline after), if
-    the caller has it."""
+
+def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
+    """``decode_lines`` of the lines of ``block`` (whole lines, each ending
+    with a newline but maybe the last). The common block is one msgspec
+    call: every line short and shallow enough and without a long integer
+    (a few C passes over the block), the block decoded at once. A block
+    with any other line goes a line at a time, each line that the Structs
+    refuse to the definition alone. ``lines``: the block's lines, if the
+    caller has them."""
     try:
-        if not lines:
-            return [], {}
-        if joined is None:
-            joined = b"\n".join(lines)
         if (
-            (len(joined) <= MAX_LINE_BYTES or max(map(len, lines)) <= MAX_LINE_BYTES)
-            and _max_openers(joined) <= MAX_DEPTH
-            and _LONG_NUMBER.search(joined) is None
+            (len(block) <= MAX_LINE_BYTES or max(map(len, _split(block, lines))) <= MAX_LINE_BYTES)
+            and _max_openers(block) <= MAX_DEPTH
+            and not _long_number(block)
         ):
             try:
-                records = DECODER.decode_lines(joined)
+                records = DECODER.decode_lines(block)
             except (msgspec.ValidationError, msgspec.DecodeError):
                 pass
             else:
-                if len(records) == len(lines):  # no blank line skipped
+                n = block.count(b"\n") + (not block.endswith(b"\n"))
+                if len(records) == n:  # no blank line skipped
                     return records, {}
-            return _line_by_line(lines)
-        return _one_by_one(lines)
+            return _line_by_line(_split(block, lines))
+        return _one_by_one(_split(block, lines))
     except Exception:  # noqa: BLE001 - the contract: no line raises
-        return _one_by_one(lines)
+        return _one_by_one(_split(block, lines))
+
+
+def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
+    if lines is not None:
+        return lines
+    lines = block.split(b"\n")
+    if block.endswith(b"\n"):
+        lines.pop()
+    return lines
 
 
 def _line_by_line(lines: list[bytes]) -> Decoded:
@@ -286,9 +300,20 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> tuple[list, 
     return [None if r is None else as_dict(r) for r in records], problems
 
 
-# A run of 19 digits or more: a number that may be an integer outside
-# [-2**63, 2**64), which the definition reads as a float and msgspec keeps.
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+def _long_number(raw: bytes) -> bool:
+    """Whether ``raw`` may hold an integer of 19 digits or more: maybe one
+    outside [-2**63, 2**64), which the definition reads as a float and
+    msgspec keeps (floats are read alike by both, however many digits).
+    Two C passes: digits kept as "0", a fraction's point and an exponent's
+    letter as ".", anything else " "; then a " " before 19 digits. (A long
+    digit run in text passes too: the definition's path reads it right.)"""
+    return raw.translate(_DIGITS).find(_LONG) >= 0
+
+
+_DIGITS = bytes(
+    0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else 0x20 for b in range(256)
+)
+_LONG = b" " + b"0" * 19
 
 
 def _max_openers(joined: bytes) -> int:

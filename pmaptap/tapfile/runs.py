@@ -23,10 +23,11 @@ import bisect
 import heapq
 import os
 import re
+from itertools import accumulate
 from typing import Callable, Iterator, Sequence
 
 from pmaptap.tapfile import store
-from pmaptap.tapfile.parse import decode_lines
+from pmaptap.tapfile.parse import decode_block
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
 # objects) lives in store.py, which imports nothing here.
@@ -147,7 +148,7 @@ def is_url(path: str | os.PathLike) -> bool:
 # (parsed records are ~8x their bytes) stays within ~150 MiB up to ~16,000
 # shards (the merge alone of 4,096 shards: 136 MiB peak); past that each
 # shard's one line and 4 KiB read show.
-MERGE_BYTES = 4 << 20
+MERGE_BYTES = 16 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
 READ_BYTES = 32 << 20
@@ -167,16 +168,12 @@ Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
 
 
-def _cut(data: bytes, off: int, size: int) -> tuple[list[bytes], bytes, int]:
-    """The lines of about ``size`` bytes of ``data`` from ``off`` (whole
-    lines), their bytes, and the offset after them."""
+def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
+    """About ``size`` bytes of whole lines of ``data`` from ``off``, and
+    the offset after them."""
     end = data.find(b"\n", min(off + size, len(data)) - 1)
     end = len(data) if end < 0 else end + 1
-    block = data[off:end]
-    lines = block.split(b"\n")
-    if lines[-1] == b"":
-        lines.pop()  # the newline ending the piece's last line
-    return lines, block, end
+    return data[off:end], end
 
 
 class _Bad:
@@ -200,12 +197,14 @@ class _Source:
         self.t = float("-inf")
         self.lineno = 1  # of the next line read from the source
         self.records: list = []
-        self.problems: dict = {}  # index in records -> problem, named
         self.keys: list = []
+        # Per record, what the merge must look at: None (nothing), a _Bad
+        # (a line that is no record: its problem) or a replicated value's
+        # ((record_key, vhash), process) (the merge keeps one copy of it).
+        self.marks: list = []
         self.pos = 0  # records[:pos] are merged
         self.last_piece = 0  # records in the last piece read
         self.done = False
-        self.special = False  # a problem or a replicated value loaded
         self.index = 0  # in the run's sources (ties of keys go by it)
 
     def piece(self) -> "tuple[list, dict] | None":
@@ -220,8 +219,7 @@ class _Source:
             # In place: a copy of what is left would touch every record again.
             del self.records[:pos]
             del self.keys[:pos]
-            if self.problems:
-                self.problems = {j - pos: w for j, w in self.problems.items() if j >= pos}
+            del self.marks[:pos]
             self.pos = 0
         got = self.piece()
         if got is None:
@@ -229,23 +227,38 @@ class _Source:
             return False
         records, problems = got
         base = len(self.records)
+        first = self.lineno
         self.lineno += len(records)
-        for j, why in problems.items():
-            self.problems[base + j] = f"{why} ({self.name} line {self.lineno - len(records) + j})"
+        keys, marks = self.keys, self.marks
         t = self.t
-        keys = self.keys
-        special = bool(problems) or (self.special and base > 0)
-        for r in records:
-            if r is not None:
-                tt = r.time
-                if type(tt) in _NUMBER and tt > t:
-                    t = float(tt)
-                if not special and r.kind == "replicated" and r.vhash:
-                    special = True
-            keys.append(t)
+        times = None if problems else [r.time for r in records]
+        if times and len(set(map(type, times))) == 1 and type(times[0]) is float:
+            # The usual piece: the running largest time in C passes.
+            run = list(accumulate(times, max, initial=t))
+            del run[0]
+            keys += run
+            t = run[-1] if run else t
+        else:
+            for r in records:
+                if r is not None:
+                    tt = r.time
+                    if type(tt) in _NUMBER and tt > t:
+                        t = float(tt)
+                keys.append(t)
         self.t = t
+        marks += [None] * len(records)
+        for j, why in problems.items():
+            marks[base + j] = _Bad(f"{why} ({self.name} line {first + j})")
+        copies = (
+            [j for j, r in enumerate(records) if r is not None and r.vhash]
+            if problems
+            else [j for j, r in enumerate(records) if r.vhash]
+        )
+        for j in copies:
+            r = records[j]
+            if r.kind == "replicated":
+                marks[base + j] = ((r.key(), r.vhash), r.process)
         self.records += records
-        self.special = special
         self.last_piece = len(records)
         return True
 
@@ -271,8 +284,8 @@ class _FileSource(_Source):
             self.off = 0
             if not self.data:
                 return self.piece() if self.tail is not None else None
-        lines, block, self.off = _cut(self.data, self.off, self.size)
-        return decode_lines(lines, block)
+        block, self.off = _cut(self.data, self.off, self.size)
+        return decode_block(block)
 
 
 class _ChunkSource(_Source):
@@ -297,8 +310,8 @@ class _ChunkSource(_Source):
             data = self.data
             self.name = o.name.rsplit("/", 1)[-1]
             self.off = 0
-        lines, block, self.off = _cut(data, self.off, self.size)
-        return decode_lines(lines, block)
+        block, self.off = _cut(data, self.off, self.size)
+        return decode_block(block)
 
 
 def _sources(
@@ -416,8 +429,8 @@ def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[
         w, m = marks[0] if marks else (inf, 0)
         keys_in: list = []
         recs_in: list = []
+        marks_in: list = []
         srcs_in: list = []
-        special = False
         # Only sources whose next record is below W, or at W up to M, take
         # part: a later source whose next record is at W would take nothing.
         wm = (w, m)
@@ -433,20 +446,15 @@ def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[
             cut = (right if i <= m else left)(keys, w, p)
             if cut > p:
                 keys_in += keys[p:cut]
-                recs = s.records[p:cut]
-                if s.problems:
-                    for j, why in s.problems.items():
-                        if p <= j < cut:
-                            recs[j - p] = _Bad(why)
-                recs_in += recs
+                recs_in += s.records[p:cut]
+                marks_in += s.marks[p:cut]
                 if skeleton is not None:
                     srcs_in += [s.index] * (cut - p)
-                special = special or s.special
             s.pos = cut
         start = pos + 1
         if recs_in:
             out, problems, pos = _merge_round(
-                keys_in, recs_in, special, first, pos, srcs_in, skeleton
+                keys_in, recs_in, marks_in, first, pos, srcs_in, skeleton
             )
         else:
             out, problems = [], {}
@@ -472,44 +480,35 @@ def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[
 def _merge_round(
     keys_in: list,
     recs_in: list,
-    special: bool,
+    marks_in: list,
     first: dict,
     pos: int,
     srcs_in: list,
     skeleton: "Skeleton | None",
 ) -> tuple[list, dict, int]:
-    """A round's records (slices laid out in source order, a _Bad for a
-    line that is no record) in merged order: (records, problems by
-    position, the last position)."""
+    """A round's records (slices laid out in source order; None for a line
+    that is no record, its _Bad in ``marks_in``) in merged order:
+    (records, problems by position, the last position). Only the marked
+    lines are looked at one by one."""
     order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
-    merged = [recs_in[k] for k in order]
-    if not special:
-        if skeleton is not None:
-            skeleton.keys.extend([keys_in[k] for k in order])
-            skeleton.sources.extend([srcs_in[k] for k in order])
-        return merged, {}, pos + len(merged)
-    out = []
-    problems = {}
-    kept = []
-    for k, d in zip(order, merged):
-        if d is not None and type(d) is not _Bad:
-            vhash = d.vhash
-            if vhash and d.kind == "replicated":
-                proc = d.process
-                if first.setdefault((d.key(), vhash), proc) != proc:
-                    continue  # the same value from another process: one copy
-            pos += 1
-            out.append(d)
-        else:
-            pos += 1
-            out.append(None)
-            if d is not None:
-                problems[pos] = d.why
-        kept.append(k)
+    out = [recs_in[k] for k in order]
+    problems: dict = {}
+    marks = [marks_in[k] for k in order]
+    dropped = []
+    for i in [i for i, m in enumerate(marks) if m is not None]:
+        m = marks[i]
+        if type(m) is _Bad:
+            problems[pos + i + 1 - len(dropped)] = m.why
+        elif first.setdefault(m[0], m[1]) != m[1]:
+            dropped.append(i)  # the same value from another process: one copy
+    if dropped:
+        drop = set(dropped)
+        out = [r for i, r in enumerate(out) if i not in drop]
+        order = [k for i, k in enumerate(order) if i not in drop]
     if skeleton is not None:
-        skeleton.keys.extend([keys_in[k] for k in kept])
-        skeleton.sources.extend([srcs_in[k] for k in kept])
-    return out, problems, pos
+        skeleton.keys.extend([keys_in[k] for k in order])
+        skeleton.sources.extend([srcs_in[k] for k in order])
+    return out, problems, pos + len(out)
 
 
 _NONES = [None] * MERGED_BATCH

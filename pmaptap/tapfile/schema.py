@@ -96,6 +96,11 @@ class AnyRecord(
     forbid_unknown_fields=True,
     kw_only=True,
     omit_defaults=True,
+    # Not tracked by the cyclic collector: a record holds no reference
+    # cycle, and a merge of many shards keeps many records alive, which
+    # each collection would walk again (its values' lists and dicts are
+    # tracked as always).
+    gc=False,
 ):
     """The fields every record has (the first ten, required) and those any
     record may have. UNSET: not in the line."""

@@ -21,6 +21,7 @@ import math
 import os
 from collections import Counter
 from itertools import compress
+from operator import attrgetter
 from typing import Any, Iterable
 
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
@@ -580,16 +581,7 @@ class Summarizer:
         if pos is None:
             self._pos += 1
             pos = self._pos
-        kind = r.kind
-        if self._index is not None and kind == "replicated":
-            self._index.add(r)
-        # Restarts reads only later attempts (and the meta record a resumed
-        # session writes): skip the rest, most of a file.
-        if r.attempt is not UNSET or kind == "meta":
-            self._restarts.add(r)
-            if attempt_of(r) and kind != "meta":
-                self.resumed = True  # a later attempt's record (see Attempts)
-        self._acc(r.run, r.name, pos).add(r, pos)
+        self._add_one(r, pos, self._acc(r.run, r.name, pos))
 
     def _acc(self, run: Any, name: Any, pos: Any) -> _TapAcc:
         names = self._taps.get(run)
@@ -604,54 +596,70 @@ class Summarizer:
     def add_batch(self, records: list, first: Any = 1) -> None:
         """``add`` of each record of ``records`` (Structs; None for a line
         that is no record), the first at position ``first`` (an int: the
-        rest follow it). The usual per-device record (a number at its
-        device's usual coordinates, first attempt, forward pass, nothing
-        else) is added here, inline: most lines of a run."""
-        index = self._index
-        run = name = acc = None
-        pos = first - 1
-        for r in records:
-            pos += 1
-            if r is None:
-                continue
-            if r.name != name or r.run != run or acc is None:
-                run, name = r.run, r.name
-                acc = self._acc(run, name, pos)
-                lanes = acc.lanes.get(_USUAL_LANE)
-                if lanes is None:
-                    lanes = acc.lanes[_USUAL_LANE] = _Lane()
-                bits_of, dev_coords = lanes.bits, acc.dev_coords
+        rest follow it), a tap at a time (_add_part)."""
+        n = len(records)
+        if None in records:
+            where = [i for i in range(n) if records[i] is not None]
+            records = [records[i] for i in where]
+            positions = [first + i for i in where]
+        else:
+            positions = range(first, first + n)
+        if not records:
+            return
+        names = [r.name for r in records]
+        runs = [r.run for r in records]
+        if runs.count(runs[0]) == len(runs):
+            parts = _parts_by_key(names)
+            keys = [(runs[0], k) for k, _ in parts]
+        else:
+            parts = _parts_by_key(list(zip(runs, names)))
+            keys = [k for k, _ in parts]
+        for (run, name), (_, at) in zip(keys, parts):
+            if len(parts) == 1:
+                part, where = records, positions
+            else:
+                part, where = [records[i] for i in at], [positions[i] for i in at]
+            self._add_part(self._acc(run, name, where[0]), part, where)
+
+    def _add_part(self, acc: _TapAcc, part: list, where: Any) -> None:
+        """``add`` of one tap's records, in order. The usual per-device
+        record (a number at its device's usual coordinates, first attempt,
+        forward pass, none of the fields that change its part: most lines
+        of a run) is added here, in a loop of local names; any other
+        through ``add``."""
+        lane = acc.lanes.get(_USUAL_LANE)
+        if lane is None:
+            lane = acc.lanes[_USUAL_LANE] = _Lane()
+        bits_of, dev_coords = lane.bits, acc.dev_coords
+        processes, devices, vals = acc.processes, acc.devices, acc.vals
+        last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
+        added = dups = 0
+        prev_proc = prev_dev = None
+        for r, pos in zip(part, where):
             if type(r) is PerDevice:  # not an odd one (schema.from_dict)
-                v = r.value
+                step, d, v, p, coords = _USUAL(r)
                 tv = type(v)
-                usual = dev_coords.get(r.device) if type(r.device) is int else None
                 if (
                     (tv is float or tv is int)
-                    and usual is not None
-                    and r.coords == usual
-                    and r.pass_ is UNSET
-                    and r.attempt is UNSET
-                    and r.index is UNSET
-                    and r.divergent is UNSET
+                    and type(d) is int
+                    and _FIELDS_THAT_MATTER(r) == _NONE_OF_THEM
+                    and coords == dev_coords.get(d, 0)
                 ):
-                    # _TapAcc.add, for this record (a decoded number is
+                    # _TapAcc.add of this record (a decoded number is
                     # finite: JSON has no NaN).
-                    step = r.step
-                    acc.records += 1
-                    acc.kinds.add("per_device")
-                    acc.processes.add(r.process)
-                    acc.devices.add(r.device)
-                    last = acc.last_step
+                    added += 1
+                    if p is not prev_proc:  # small ints are one object each
+                        processes.add(p)
+                        prev_proc = p
+                    if d is not prev_dev:
+                        devices.add(d)
+                        prev_dev = d
                     if last is None or step > last:
-                        acc.last_step, acc.last_vals, acc.last_at = step, [v], [pos]
+                        last, last_vals, last_at = step, [v], [pos]
                     elif step == last:
-                        acc.last_vals.append(v)
-                        acc.last_at.append(pos)
-                    vals = acc.vals
+                        last_vals.append(v)
+                        last_at.append(pos)
                     vals.append(v)
-                    if len(vals) >= _FOLD:
-                        acc._fold()
-                    d = r.device
                     bits = bits_of.get(step)
                     i = d >> 3
                     if bits is None:
@@ -660,18 +668,41 @@ class Summarizer:
                         bits.extend(bytes(i + 1 - len(bits)))
                     m = 1 << (d & 7)
                     if bits[i] & m:
-                        acc.duplicates += 1
+                        dups += 1
                     else:
                         bits[i] |= m
                     continue
-            kind = r.kind
-            if index is not None and kind == "replicated":
-                index.add(r)
-            if r.attempt is not UNSET or kind == "meta":
-                self._restarts.add(r)
-                if attempt_of(r) and kind != "meta":
-                    self.resumed = True
-            acc.add(r, pos)
+            # Anything else through add(), the locals written back first.
+            acc.records += added
+            acc.duplicates += dups
+            acc.last_step, acc.last_vals, acc.last_at = last, last_vals, last_at
+            if added:
+                acc.kinds.add("per_device")
+            added = dups = 0
+            self._add_one(r, pos, acc)
+            last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
+            vals = acc.vals
+            prev_proc = prev_dev = None
+        acc.records += added
+        acc.duplicates += dups
+        acc.last_step, acc.last_vals, acc.last_at = last, last_vals, last_at
+        if added:
+            acc.kinds.add("per_device")
+        if len(acc.vals) >= _FOLD:
+            acc._fold()
+
+    def _add_one(self, r: AnyRecord, pos: Any, acc: _TapAcc) -> None:
+        kind = r.kind
+        # Restarts reads only later attempts (and the meta record a resumed
+        # session writes): skip the rest, most of a file. A later attempt's
+        # record means the run was resumed (see Attempts).
+        if self._index is not None and kind == "replicated":
+            self._index.add(r)
+        if r.attempt is not UNSET or kind == "meta":
+            self._restarts.add(r)
+            if attempt_of(r) and kind != "meta":
+                self.resumed = True
+        acc.add(r, pos)
 
     def names_and_runs(self) -> tuple[set, set]:
         """The names and runs of the records added."""
@@ -719,6 +750,31 @@ class Summarizer:
 
 
 _USUAL_LANE = ("forward", 0)
+# A per-device record's fields the usual one reads (one C call), and those
+# that would change its part, none of which the usual one has.
+_USUAL = attrgetter("step", "device", "value", "process", "coords")
+_FIELDS_THAT_MATTER = attrgetter("pass_", "attempt", "index", "divergent", "processes")
+_NONE_OF_THEM = (UNSET,) * 5
+
+
+def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
+    """The positions of each distinct key of ``keys`` (hashable), in the
+    order keys first appear: a few distinct keys (the usual batch) take a
+    few C-level passes each; many take one Python pass in all."""
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == 1:
+        return [(distinct[0], range(len(keys)))]
+    if len(distinct) <= 8:
+        idx = range(len(keys))
+        return [(k, list(compress(idx, map(k.__eq__, keys)))) for k in distinct]
+    parts: dict = {}
+    for i, k in enumerate(keys):
+        got = parts.get(k)
+        if got is None:
+            parts[k] = [i]
+        else:
+            got.append(i)
+    return list(parts.items())
 
 
 def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
