@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import chain
 from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
 
 import msgspec
@@ -708,8 +709,7 @@ class Holders(Sequence):
         return self._len
 
     def __iter__(self) -> Iterator[int]:
-        for a, b in zip(self._starts, self._ends):
-            yield from range(a, b + 1)
+        return chain.from_iterable(map(range, self._starts, [b + 1 for b in self._ends]))
 
     def __contains__(self, x: object) -> bool:
         if not isinstance(x, int) or isinstance(x, bool):
@@ -719,7 +719,8 @@ class Holders(Sequence):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return list(self)[i]
+            start, stop, step = i.indices(self._len)
+            return [self[k] for k in range(start, stop, step)]
         n = self._len
         if i < 0:
             i += n

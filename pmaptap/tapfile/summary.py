@@ -38,7 +38,7 @@ from pmaptap.tapfile.schema import (
     holder_ids,
     index_key,
 )
-from pmaptap.tapfile.views import id_order, scalar
+from pmaptap.tapfile.views import id_order, scalar, sorted_ids
 
 
 @dataclasses.dataclass
@@ -511,8 +511,8 @@ class _TapAcc:
             records=self.records,
             first_step=min(steps),
             last_step=max(steps),
-            processes=tuple(sorted((p for p in processes if p is not None), key=id_order)),
-            devices=tuple(sorted(devices, key=id_order)),
+            processes=tuple(sorted_ids(p for p in processes if p is not None)),
+            devices=tuple(sorted_ids(devices)),
             last=tuple(dict.fromkeys(last)),
             min=self.lo if count else None,
             max=self.hi if count else None,
