@@ -25,29 +25,25 @@ The writers apply the same limits to what they write (see
 
 A line is decoded by the format's own types (tapfile/schema.py, msgspec):
 most lines are records of the format and cost one call. A line they refuse
-is read by the definition: orjson (with ``PMAPTAP_NO_ORJSON=1``, or without
-orjson, ``json``, with hooks that make it accept and refuse exactly the
-same lines and return the same values), then schema.validate_dict, the
-level readers take.
+is read by the definition: parsed as any JSON value (msgspec, strict), then
+schema.validate_dict, the level readers take. (orjson, a writers' library,
+reads nothing here: ``PMAPTAP_NO_ORJSON`` changes no reader.)
 """
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from typing import Any
 
 import msgspec
 
-from pmaptap.tapfile import format as _format
 from pmaptap.tapfile.schema import DECODER, AnyRecord, as_dict, from_dict, validate_dict
 
 MAX_LINE_BYTES = 64 << 20
 MAX_DEPTH = 128
 
-# Integers orjson keeps exact; outside this range it returns a float, and the
-# json fallback does the same so both read a file alike.
+# Integers kept exact; outside this range a reader reads the nearest float
+# (as orjson does: a file reads the same through either).
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 # Scanning for depth: a whole JSON string (escapes included), a run of bytes
@@ -57,9 +53,6 @@ _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+|"', re.DOTALL)
 # Deleting every byte but the four brackets (bytes.translate's delete table).
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENERS = b"[{"
-# A \uD800-\uDFFF escape: only then can json's result hold a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
@@ -96,66 +89,35 @@ def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
     return False
 
 
-def _parse_int(text: str) -> int | float:
-    if len(text) < 19:
-        return int(text)
-    value = int(text)  # ValueError past 4300 digits: not read
-    if _INT_MIN <= value < _INT_END:
-        return value
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"number out of range ({len(text)} digits)") from None
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"number out of range ({text[:20]})")
-    return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _has_lone_surrogate(obj: Any) -> bool:
-    # Iterative: the depth is already bounded, but this may run deep in a
-    # caller's stack.
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            if _SURROGATE.search(x):
-                return True
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return False
+_ANY = msgspec.json.Decoder()
 
 
 def _loads(raw: bytes) -> tuple[Any, str | None]:
-    orjson = _format.ORJSON
-    if orjson is not None:
-        try:
-            return orjson.loads(raw), None
-        except orjson.JSONDecodeError as e:
-            return None, f"not valid JSON ({e})"
+    """The line's JSON value (strict RFC 8259: no NaN, no trailing comma,
+    valid UTF-8 and surrogate pairs), integers outside [-2**63, 2**64) as
+    the nearest float (one beyond the double range: not valid)."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return None, f"not valid JSON (not UTF-8: {e})"
-    try:
-        obj = json.loads(
-            text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
-        )
-    except ValueError as e:
+        obj = _ANY.decode(raw)
+    except msgspec.DecodeError as e:
         return None, f"not valid JSON ({e})"
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
-        return None, "not valid JSON (an unpaired surrogate escape)"
+    if _long_number(raw):
+        try:
+            obj = _as_read(obj)
+        except OverflowError:
+            return None, "not valid JSON (number out of range)"
     return obj, None
+
+
+def _as_read(x: Any) -> Any:
+    """``x`` with its integers outside [-2**63, 2**64) as floats (depth is
+    bounded: MAX_DEPTH)."""
+    if type(x) is int:
+        return x if _INT_MIN <= x < _INT_END else float(x)
+    if type(x) is list:
+        return [_as_read(v) for v in x]
+    if type(x) is dict:
+        return {k: _as_read(v) for k, v in x.items()}
+    return x
 
 
 def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
@@ -186,9 +148,9 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
 
 
 def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
-    """A line the format's Structs do not take: parsed by orjson (or json,
-    with the same answers), then taken if readers take it
-    (schema.validate_dict), its object kept (schema.from_dict)."""
+    """A line the format's Structs do not take: parsed as any JSON value,
+    then taken if readers take it (schema.validate_dict), its object kept
+    (schema.from_dict)."""
     if len(raw) > MAX_LINE_BYTES:
         return None, f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
     if not raw.strip():
