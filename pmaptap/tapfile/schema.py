@@ -47,9 +47,6 @@ from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 # ------------------------------------------------------------ constants
 
-KINDS = ("replicated", "per_device", "meta")
-# The kinds that carry a tapped value (meta records carry counters).
-VALUE_KINDS = KINDS[:2]
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
 MAX_STEP = 2**63 - 1
 # The strings that stand for non-finite floats inside ``value`` (JSON has no
@@ -202,8 +199,13 @@ class MetaRecord(AnyRecord, tag="meta"):
     kind: ClassVar[str] = "meta"
 
 
+# The kinds of record, by tag: adding one is a Struct above with its tag
+# and kind, listed here (the decoder, the readers' level, as_dict and
+# KINDS are made from this).
 CLASSES = {c.kind: c for c in (Replicated, PerDevice, MetaRecord)}
-# Decoding a kind is one change: a Struct above with its tag, added here.
+KINDS = tuple(CLASSES)
+# The kinds that carry a tapped value (meta records carry counters).
+VALUE_KINDS = ("replicated", "per_device")
 DECODER = msgspec.json.Decoder(Union[tuple(CLASSES.values())])  # noqa: UP007 - a runtime Union of the classes
 
 # What readers take where the format is stricter: these fields widened (a
@@ -809,6 +811,7 @@ def _as_dict_function(cls: type) -> Any:
     names = _json_names(cls)
     required = {f.encode_name for f in msgspec.structs.fields(cls) if f.required}
     order = [k for k in LINE_ORDER if k in names or k == "kind"]
+    order += [k for k in names if k not in order]  # a kind's own fields last
     head = ", ".join(
         f"{k!r}: {cls.kind!r}" if k == "kind" else f"{k!r}: r.{names[k]}"
         for k in order
