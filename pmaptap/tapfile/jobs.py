@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import heapq
 import os
-import traceback
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from typing import Any
 
 from pmaptap.tapfile import checks, runs, summary
@@ -179,6 +178,8 @@ def _serve(conn: Any, target: Any, task: tuple) -> None:
     except EOFError:
         return
     except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
+        import traceback
+
         try:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except Exception:  # noqa: BLE001
@@ -220,23 +221,14 @@ def _stop(workers: list) -> None:
 
 def _where(skeleton: runs.Skeleton | None) -> Any:
     """A worker's position as a key comparable across pieces: its merge
-    key, its source and itself (sharded); itself (one file)."""
-    if skeleton is None:
-        return lambda pos: pos
-    keys, sources = skeleton.keys, skeleton.sources
-    return lambda pos: (keys[pos - 1], sources[pos - 1], pos)
+    key, its source and itself (sharded, runs.Skeleton.key); itself (one
+    file)."""
+    return (lambda pos: pos) if skeleton is None else skeleton.key
 
 
 def _count_below(skeleton: runs.Skeleton, keys: list) -> list[int]:
-    """How many of a worker's lines come before each key (a whole-run
-    position key from any worker: merge key, source, position)."""
-    ts, srcs = skeleton.keys, skeleton.sources
-    out = []
-    for t, src, pos in keys:
-        lo, hi = bisect_left(ts, t), bisect_right(ts, t)
-        # Ties of the merge key go by source, then line.
-        out.append(bisect_left(range(lo, hi), (src, pos), key=lambda j: (srcs[j], j + 1)) + lo)
-    return out
+    """How many of a worker's lines come before each key."""
+    return [skeleton.count_below(k) for k in keys]
 
 
 def _piece(path: str, sharded: bool, part: Any) -> tuple[Any, runs.Skeleton | None]:

@@ -272,9 +272,7 @@ def _long_number(raw: bytes) -> bool:
     return raw.translate(_DIGITS).find(_LONG) >= 0
 
 
-_DIGITS = bytes(
-    0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else 0x20 for b in range(256)
-)
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else 0x20 for b in range(256))
 _LONG = b" " + b"0" * 19
 
 

@@ -23,7 +23,7 @@ import bisect
 import heapq
 import os
 import re
-from itertools import accumulate
+from itertools import accumulate, groupby
 from typing import Callable, Iterator, Sequence
 
 from pmaptap.tapfile import store
@@ -385,15 +385,50 @@ def iter_merged(
 
 
 class Skeleton:
-    """The merge key (record time, running largest) and source index of
-    each line a merge gave out, in order (two flat arrays: 12 bytes a
-    line)."""
+    """Where each line a merge gave out sits in the merge: its merge key
+    (record time, running largest) and source index, as runs of lines
+    sharing both (a process's records of a step do), in order: three flat
+    arrays, 20 bytes a run (a 4,096-host job's 8 per-device records and
+    its replicated one of a step are one run)."""
 
     def __init__(self) -> None:
         from array import array
 
         self.keys = array("d")
         self.sources = array("i")
+        self.ends = array("q")  # lines given out up to each run's end
+
+    def add(self, keys: list, sources: list) -> None:
+        """Lines given out, in order: their merge keys and sources."""
+        n = self.ends[-1] if self.ends else 0
+        last = (self.keys[-1], self.sources[-1]) if self.ends else None
+        for pair, run in groupby(zip(keys, sources)):
+            k = sum(1 for _ in run)
+            if pair == last:  # the last round's last run goes on
+                self.ends[-1] += k
+            else:
+                self.keys.append(pair[0])
+                self.sources.append(pair[1])
+                self.ends.append(n + k)
+                last = pair
+            n += k
+
+    def key(self, pos: int) -> tuple:
+        """Line ``pos`` (from 1) as a key comparable across merges of
+        disjoint sources: (merge key, source, pos)."""
+        i = bisect.bisect_left(self.ends, pos)
+        return (self.keys[i], self.sources[i], pos)
+
+    def count_below(self, key: tuple) -> int:
+        """How many lines given out come before ``key`` (from any merge of
+        these sources or others: the lines of one source at one merge key
+        are one run, in one merge)."""
+        t, src, pos = key
+        keys, sources = self.keys, self.sources
+        i = bisect.bisect_left(range(len(keys)), (t, src), key=lambda j: (keys[j], sources[j]))
+        if i < len(keys) and keys[i] == t and sources[i] == src:
+            return pos - 1  # a line of this merge: those before it here
+        return self.ends[i - 1] if i else 0
 
 
 def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[Batch]:
@@ -506,8 +541,7 @@ def _merge_round(
         out = [r for i, r in enumerate(out) if i not in drop]
         order = [k for i, k in enumerate(order) if i not in drop]
     if skeleton is not None:
-        skeleton.keys.extend([keys_in[k] for k in order])
-        skeleton.sources.extend([srcs_in[k] for k in order])
+        skeleton.add([keys_in[k] for k in order], [srcs_in[k] for k in order])
     return out, problems, pos + len(out)
 
 

@@ -1,7 +1,8 @@
 """What a record is: the one home of the record rules.
 
 Each kind of record is a msgspec ``Struct`` (``PerDevice``, ``Replicated``,
-``Meta``: a tagged union on ``kind``) whose field types and ``Meta``
+``MetaRecord``: a tagged union on ``kind``), made of the rows of one table,
+``FIELDS`` (a line's fields in order), whose types and ``Meta``
 constraints are the format: a non-empty name, a step from 0 to 2**63-1, a
 non-negative process, at least one replica, integer coordinates, ``divergent``
 only ever ``true``, holders as a list or ranges text, and so on. Every reader
@@ -88,52 +89,51 @@ _PART = re.compile(_RANGE)
 RangesText = Annotated[str, Meta(pattern=f"^{_RANGE}(?:,{_RANGE})*$")]
 
 
-class AnyRecord(
-    Struct,
-    tag_field="kind",
-    forbid_unknown_fields=True,
-    kw_only=True,
-    omit_defaults=True,
-    # Not tracked by the cyclic collector: a record holds no reference
-    # cycle, and a merge of many shards keeps many records alive, which
-    # each collection would walk again (its values' lists and dicts are
-    # tracked as always).
-    gc=False,
-):
-    """The fields every record has (the first ten, required) and those any
-    record may have. UNSET: not in the line."""
+_EVERY = ("replicated", "per_device", "meta")
+# The fields of a record, in the order a line holds them (writers write
+# them so, format.Record): (name in the line, type, required, the kinds
+# that have it). The format, field by field: each kind's Struct below is
+# made of its rows. UNSET (the default of a field not required): not in
+# the line.
+FIELDS: tuple = (
+    ("run", str, True, _EVERY),
+    ("name", Name, True, _EVERY),
+    ("step", Step, True, _EVERY),
+    ("value", Any, True, _EVERY),
+    ("dtype", Any, True, _EVERY),
+    ("shape", Any, True, _EVERY),
+    ("process", Count, True, _EVERY),
+    ("time", int | float, True, _EVERY),  # unix seconds (JSON: never NaN)
+    ("host", str, True, _EVERY),
+    ("device", int | None, True, ("per_device",)),  # null: not known
+    ("coords", dict[str, int], True, ("per_device",)),  # mesh axis -> index
+    ("replicas", Positive, True, ("replicated",)),
+    # Who held a replicated value: an id or null per replica, and the
+    # processes (a list, or ranges text past RANGES_ABOVE ids).
+    ("devices", list[int | None] | RangesText | None, False, _EVERY),
+    ("processes", list[int] | RangesText | None, False, _EVERY),
+    ("vhash", str, False, _EVERY),  # a hash of a replicated value's bits
+    # A shard of a value sharded under jit: its global slice, [start, stop]
+    # per dimension (a list of those per leaf for a pytree), and the
+    # global shape (likewise).
+    ("index", list, False, _EVERY),
+    ("global_shape", list, False, _EVERY),
+    ("bytes", Any, False, _EVERY),  # where leaves stored as bytes are (arrays.py)
+    ("divergent", Literal[True], False, _EVERY),
+    ("batch_dims", Count, False, _EVERY),
+    ("pass", str, False, _EVERY),  # "forward" when absent
+    ("summarized", bool, False, _EVERY),  # the value is statistics
+    ("attempt", Count, False, _EVERY),  # of a resumed run; 0 when absent
+    (COPIES_SEEN, Positive, False, ("replicated",)),
+)
 
-    run: str
-    name: Name
-    step: Step
-    value: Any
-    dtype: Any
-    shape: Any
-    process: Count
-    time: int | float  # unix seconds; JSON has no non-finite numbers
-    host: str
-    # A shard of a sharded value under jit: its global slice, [start, stop]
-    # per dimension (a list of those per leaf for a pytree).
-    index: list | UnsetType = UNSET
-    # A shard's global array shape (a list per leaf for a pytree, as index).
-    global_shape: list | UnsetType = UNSET
-    # Where a value's leaves stored as bytes are (tapfile/arrays.py).
-    bytes: Any = UNSET
-    divergent: Literal[True] | UnsetType = UNSET
-    batch_dims: Count | UnsetType = UNSET
-    pass_: str | UnsetType = field(default=UNSET, name="pass")
-    # A leaf's value is statistics (format.SUMMARY_FIELDS).
-    summarized: bool | UnsetType = UNSET
-    # The attempt of a resumed run that wrote it; 0 is not written.
-    attempt: Count | UnsetType = UNSET
-    # Replicated records: a hash of the value's bits, and who held it
-    # (devices: an id or null per replica; processes: ids).
-    vhash: str | UnsetType = UNSET
-    devices: list[int | None] | RangesText | None | UnsetType = UNSET
-    processes: list[int] | RangesText | None | UnsetType = UNSET
+
+class AnyRecord(Struct, kw_only=True):
+    """What every record is besides its fields (made of FIELDS, for each
+    kind: PerDevice, Replicated, MetaRecord)."""
 
     # Not fields. ``kind``: the tag; ``odd``: a record taken at the
-    # readers' level (see Odd below).
+    # readers' level (see from_dict).
     kind: ClassVar[str] = ""
     odd: ClassVar[bool] = False
 
@@ -151,7 +151,7 @@ class AnyRecord(
     def get(self, key: str, default: Any = None) -> Any:
         if key == "kind":
             return self.kind
-        v = getattr(self, _ATTR.get(key, key), UNSET) if key in _FIELDS else UNSET
+        v = getattr(self, _ATTR.get(key, key), UNSET) if key in _ATTR else UNSET
         return default if v is UNSET else v
 
     def __getitem__(self, key: str) -> Any:
@@ -176,28 +176,43 @@ class AnyRecord(
         )
 
 
-class PerDevice(AnyRecord, tag="per_device"):
-    """One device's value."""
-
-    device: int | None  # null: the device is not known
-    coords: dict[str, int]  # mesh axis name -> index
-    kind: ClassVar[str] = "per_device"
+def _attr(name: str) -> str:
+    return "pass_" if name == "pass" else name  # "pass" is Python's
 
 
-class Replicated(AnyRecord, tag="replicated"):
-    """A value every holder had the same (or, flagged ``divergent``, not)."""
+def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> type:
+    """The Struct of ``kind`` made of its rows of FIELDS (``types``: a
+    field's type instead of its row's; ``base`` another than AnyRecord
+    names it after itself)."""
+    fields = []
+    for name, tp, required, kinds in FIELDS:
+        if kind in kinds:
+            tp = types.get(name, tp)
+            default = msgspec.NODEFAULT if required else UNSET
+            if not required and tp is not Any:
+                tp = tp | UnsetType
+            fields.append((_attr(name), tp, field(default=default, name=name)))
+    title = {"per_device": "PerDevice", "meta": "MetaRecord"}.get(kind, kind.title())
+    return msgspec.defstruct(
+        title if base is AnyRecord else base.__name__.strip("_") + title,
+        fields,
+        bases=(base,),
+        module=__name__,
+        namespace={"kind": kind},
+        tag_field="kind",
+        tag=kind,
+        kw_only=True,
+        **config,
+    )
 
-    replicas: Positive
-    copies_seen: Positive | UnsetType = UNSET
-    kind: ClassVar[str] = "replicated"
 
-
-class MetaRecord(AnyRecord, tag="meta"):
-    """A fact about the run (format.META_NAMES), its counters as fields of
-    their own (taken at the readers' level: see Odd)."""
-
-    kind: ClassVar[str] = "meta"
-
+# The format: a Struct per kind, strict. Not tracked by the cyclic
+# collector: a record holds no reference cycle, and a merge of many shards
+# keeps many records alive, which each collection would walk again.
+_FORMAT = dict(forbid_unknown_fields=True, omit_defaults=True, gc=False)
+PerDevice = _struct("per_device", {}, **_FORMAT)  # one device's value
+Replicated = _struct("replicated", {}, **_FORMAT)  # a value every holder had
+MetaRecord = _struct("meta", {}, **_FORMAT)  # a fact about the run (format.META_NAMES)
 
 # The kinds of record, by tag: adding one is a Struct above with its tag
 # and kind, listed here (the decoder, the readers' level, as_dict and
@@ -271,7 +286,6 @@ def _json_names(cls: type) -> dict[str, str]:
 # and of any kind.
 _NAMES = {kind: _json_names(cls) for kind, cls in CLASSES.items()}
 _ATTR = {k: v for names in _NAMES.values() for k, v in names.items()}
-_FIELDS = frozenset(_ATTR)
 # The fields every record has, in the order a line holds them.
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
 # Every field a record of each kind must have (REQUIRED first).
@@ -284,66 +298,15 @@ REQUIRED_BY_KIND = {
     )
     for kind, cls in CLASSES.items()
 }
-# The order of the fields of a line as writers write them (format.Record's
-# to_json_dict): as_dict gives a record's fields in it, so that a line read
-# and written again (pmaptap merge, show --json) keeps its order.
-LINE_ORDER = (
-    *REQUIRED,
-    "device",
-    "coords",
-    "replicas",
-    "devices",
-    "processes",
-    "vhash",
-    "index",
-    "global_shape",
-    "bytes",
-    "divergent",
-    "batch_dims",
-    "pass",
-    "summarized",
-    "attempt",
-    COPIES_SEEN,
-)
-
 
 # ------------------------------------------------------------ the readers' level
 
 
-def _loose(cls: type) -> type:
-    """``cls`` with READERS_TAKE's types, taking unknown fields."""
-    fields = []
-    for f in msgspec.structs.fields(cls):
-        tp = READERS_TAKE.get(f.encode_name, f.type)
-        if f.encode_name in READERS_TAKE and not f.required:
-            tp = tp | UnsetType if tp is not Any else Any
-        default = msgspec.NODEFAULT if f.required else UNSET
-        fields.append((f.name, tp, msgspec.field(default=default, name=f.encode_name)))
-    return msgspec.defstruct(
-        "Loose" + cls.__name__,
-        fields,
-        kw_only=True,
-        tag_field="kind",
-        tag=cls.kind,
-        forbid_unknown_fields=False,
-        # The readers' rules no type says (beyond_types) run here too.
-        bases=(_LooseBase,),
-    )
+class _LooseRecord(AnyRecord, kw_only=True):
+    pass  # the readers' level: the same rules beyond types (__post_init__)
 
 
-class _LooseBase(Struct, kw_only=True):
-    def __post_init__(self) -> None:
-        if (
-            getattr(self, "index", UNSET) is not UNSET
-            or type(self.devices) is str
-            or type(self.processes) is str
-        ):
-            problem = beyond_types(self, readers=True)
-            if problem:
-                raise ValueError(problem[0])
-
-
-_LOOSE = {kind: _loose(cls) for kind, cls in CLASSES.items()}
+_LOOSE = {kind: _struct(kind, READERS_TAKE, _LooseRecord) for kind in CLASSES}
 
 
 def validate_dict(d: Any) -> str | None:
@@ -804,43 +767,12 @@ def step_key(r: Any) -> tuple:
 # ------------------------------------------------------------ as dicts
 
 
-def _as_dict_function(cls: type) -> Any:
-    """A function giving a record of ``cls`` as its line's object, fields in
-    LINE_ORDER, absent ones left out (built from the Struct's fields: one
-    dict display and a test per optional field, no loop)."""
-    names = _json_names(cls)
-    required = {f.encode_name for f in msgspec.structs.fields(cls) if f.required}
-    order = [k for k in LINE_ORDER if k in names or k == "kind"]
-    order += [k for k in names if k not in order]  # a kind's own fields last
-    head = ", ".join(
-        f"{k!r}: {cls.kind!r}" if k == "kind" else f"{k!r}: r.{names[k]}"
-        for k in order
-        if k == "kind" or k in required
-    )
-    body = ["def as_dict(r, UNSET=UNSET):", f"    d = {{{head}}}"]
-    for k in order:
-        if k != "kind" and k not in required:
-            body.append(f"    v = r.{names[k]}")
-            body.append(f"    if v is not UNSET: d[{k!r}] = v")
-    body.append("    return d")
-    scope: dict = {"UNSET": UNSET}
-    exec("\n".join(body), scope)  # noqa: S102 - built from the Struct's own field names
-    return scope["as_dict"]
-
-
-_AS_DICT = {cls: _as_dict_function(cls) for cls in CLASSES.values()}
-
-
 def as_dict(r: AnyRecord) -> dict:
-    """A record as its line's JSON object (a new dict; an odd record's own
-    object)."""
-    if r.odd:
-        return r.source
-    return _AS_DICT[type(r)](r)
+    """A record as its line's JSON object: a new dict, ``kind`` first, then
+    its fields in FIELDS' order (an odd record's own object, as it was)."""
+    return r.source if r.odd else msgspec.to_builtins(r)
 
 
-# A record's fields that readers read through Struct attributes of the same
-# name; the rest of a line is the Struct's to keep.
 __all__ = [
     "KINDS",
     "VALUE_KINDS",

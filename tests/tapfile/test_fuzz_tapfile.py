@@ -486,8 +486,9 @@ def test_orjson_and_json_read_every_line_alike(data):
 
 
 # The parser's one-call path (the format's Structs, schema.DECODER) must never
-# accept a record the full checks refuse, and gives what they read: mutate ordinary records field by field with values
-# of every JSON type (and a few Python subclasses JSON never produces).
+# accept a record the full checks refuse, and gives what they read: mutate
+# ordinary records field by field with values of every JSON type (and a few
+# Python subclasses JSON never produces).
 _ODD_VALUES = st.one_of(
     st.none(),
     st.booleans(),

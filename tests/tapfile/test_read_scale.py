@@ -332,7 +332,8 @@ def test_hostile_holders_cost_only_their_line_under_a_memory_limit(tmp_path):
             "shared": all(r["devices"] is recs[0]["devices"] for r in recs),
             "holders": [len(recs[0]["devices"]), {n - 1} in recs[0]["processes"]],
         }}
-        for cmd in (["summary"], ["validate"], ["show", "--process", "7"], ["export", "--csv", "-"]):
+        commands = (["summary"], ["validate"], ["show", "--process", "7"], ["export", "--csv", "-"])
+        for cmd in commands:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 code = main([cmd[0], path, *cmd[1:]])
