@@ -34,6 +34,7 @@ from pmaptap.tapfile.schema import (
     UNSET,
     AnyRecord,
     PerDevice,
+    Replicated,
     from_dict,
     holder_ids,
     index_key,
@@ -622,27 +623,66 @@ class Summarizer:
             self._add_part(self._acc(run, name, where[0]), part, where)
 
     def _add_part(self, acc: _TapAcc, part: list, where: Any) -> None:
-        """``add`` of one tap's records, in order. The usual per-device
-        record (a number at its device's usual coordinates, first attempt,
-        forward pass, none of the fields that change its part: most lines
-        of a run) is added here, in a loop of local names; any other
-        through ``add``."""
+        """``add`` of one tap's records, in order. The usual record (a
+        number, first attempt, forward pass, whole, not flagged divergent; a
+        per-device one at its device's usual coordinates, a replicated one
+        with its value's hash: most lines of a run) is added here, in a loop
+        of local names; any other through ``add``."""
         lane = acc.lanes.get(_USUAL_LANE)
         if lane is None:
             lane = acc.lanes[_USUAL_LANE] = _Lane()
         bits_of, dev_coords = lane.bits, acc.dev_coords
         processes, devices, vals = acc.processes, acc.devices, acc.vals
+        steps, texts, dup_keys = acc.steps, acc.holder_texts, acc.dup_keys
+        index = self._index
+        # DivergenceIndex.add's entries of this tap's usual replicated keys.
+        seen = index._steps((acc.run, acc.name, "forward", None, 0)) if index else None
         last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
-        added = dups = 0
+        added = dups = replicated = 0
         prev_proc = prev_dev = None
         for r, pos in zip(part, where):
+            if type(r) is Replicated:
+                step, v, p, vhash, devs, procs = _USUAL_REPLICATED(r)
+                tv = type(v)
+                if (tv is float or tv is int) and vhash and _MATTERS_REPLICATED(r) == _NONE4:
+                    # _TapAcc.add and DivergenceIndex.add of this record.
+                    replicated += 1
+                    processes.add(p)
+                    if procs:
+                        if type(procs) is str:
+                            texts.add((False, procs))
+                        else:
+                            processes.update(procs)
+                    steps.add(step)
+                    if devs:
+                        if type(devs) is str:
+                            texts.add((True, devs))
+                        else:
+                            devices.update(devs)
+                    if last is None or step > last:
+                        last, last_vals, last_at = step, [v], [pos]
+                    elif step == last:
+                        last_vals.append(v)
+                        last_at.append(pos)
+                    vals.append(v)
+                    acc.rep_keys.add((step, "forward", 0))
+                    n = len(dup_keys)
+                    dup_keys.add((step, "forward", vhash))
+                    if len(dup_keys) == n:
+                        dups += 1
+                    if seen is not None:
+                        entry = (vhash, p)
+                        if seen.setdefault(step, entry) is not entry:
+                            index.repeat(seen, step, entry)
+                    prev_proc = prev_dev = None
+                    continue
             if type(r) is PerDevice:  # not an odd one (schema.from_dict)
                 step, d, v, p, coords = _USUAL(r)
                 tv = type(v)
                 if (
                     (tv is float or tv is int)
                     and type(d) is int
-                    and _FIELDS_THAT_MATTER(r) == _NONE_OF_THEM
+                    and _MATTERS(r) == _NONE_OF_THEM
                     and coords == dev_coords.get(d, 0)
                 ):
                     # _TapAcc.add of this record (a decoded number is
@@ -673,23 +713,26 @@ class Summarizer:
                         bits[i] |= m
                     continue
             # Anything else through add(), the locals written back first.
-            acc.records += added
-            acc.duplicates += dups
-            acc.last_step, acc.last_vals, acc.last_at = last, last_vals, last_at
-            if added:
-                acc.kinds.add("per_device")
-            added = dups = 0
+            self._flush_part(acc, added, replicated, dups, last, last_vals, last_at)
+            added = dups = replicated = 0
             self._add_one(r, pos, acc)
             last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
             vals = acc.vals
             prev_proc = prev_dev = None
-        acc.records += added
-        acc.duplicates += dups
-        acc.last_step, acc.last_vals, acc.last_at = last, last_vals, last_at
-        if added:
-            acc.kinds.add("per_device")
+        self._flush_part(acc, added, replicated, dups, last, last_vals, last_at)
         if len(acc.vals) >= _FOLD:
             acc._fold()
+
+    @staticmethod
+    def _flush_part(acc: _TapAcc, added: int, replicated: int, dups: int, *last: Any) -> None:
+        """_add_part's counts and last step written into ``acc``."""
+        acc.records += added + replicated
+        acc.duplicates += dups
+        acc.last_step, acc.last_vals, acc.last_at = last
+        if added:
+            acc.kinds.add("per_device")
+        if replicated:
+            acc.kinds.add("replicated")
 
     def _add_one(self, r: AnyRecord, pos: Any, acc: _TapAcc) -> None:
         kind = r.kind
@@ -753,8 +796,10 @@ _USUAL_LANE = ("forward", 0)
 # A per-device record's fields the usual one reads (one C call), and those
 # that would change its part, none of which the usual one has.
 _USUAL = attrgetter("step", "device", "value", "process", "coords")
-_FIELDS_THAT_MATTER = attrgetter("pass_", "attempt", "index", "divergent", "processes")
-_NONE_OF_THEM = (UNSET,) * 5
+_USUAL_REPLICATED = attrgetter("step", "value", "process", "vhash", "devices", "processes")
+_MATTERS = attrgetter("pass_", "attempt", "index", "divergent", "processes")
+_MATTERS_REPLICATED = attrgetter("pass_", "attempt", "index", "divergent")
+_NONE_OF_THEM, _NONE4 = (UNSET,) * 5, (UNSET,) * 4
 
 
 def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
