@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             bare = _best(lambda: _bare(files), a.rounds)
 
             def merge(path=path):
-                for _ in lines.iter_record_batches(path):
-                    pass
+                with lines.collector_paused():  # as the commands read
+                    for _ in lines.iter_record_batches(path):
+                        pass
 
             arms = {
                 "decode and merge": merge,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
@@ -12,7 +13,13 @@ from pmaptap.tapfile.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.format import decode_record, decoded
 from pmaptap.tapfile.lines import collector_paused, iter_record_batches
 from pmaptap.tapfile.query import Filter, read_filter
-from pmaptap.tapfile.schema import UNSET
+from pmaptap.tapfile.schema import UNSET, PerDevice, as_dict
+
+# A per-device record's fields that make it more than its dict (none of
+# which the usual one has), and the values that are already as read.
+_EXTRA = attrgetter("attempt", "bytes", "devices", "processes")
+_NONE4 = (UNSET,) * 4
+_NUMBER = frozenset((float, int))
 
 __all__ = ["read"]
 
@@ -66,24 +73,35 @@ def read(
     with collector_paused():
         for first, records, problems in iter_record_batches(path):
             if flt is None and not problems and None not in records:
-                # The common batch, in one loop with no call per record it
-                # can spare: every line a record, none filtered out.
-                for r in records:
+                # The common batch in C passes: each record's dict made in
+                # one call (msgspec), then only the records that need more
+                # looked at one by one: a replicated value, a later
+                # attempt, a value or holders to decode, a stored value.
+                ds = list(map(as_dict, records))
+                drop: set = set()
+                special = [
+                    i
+                    for i, r in enumerate(records)
+                    if type(r) is not PerDevice
+                    or r.value.__class__ not in _NUMBER
+                    or _EXTRA(r) != _NONE4
+                ]
+                for i in special:
+                    r = records[i]
                     replicated = r.kind == "replicated"
                     if replicated and r.vhash:
                         index.add(r)
                     if r.attempt is not UNSET:
                         later.add(r)
-                    d = decoded(r)
+                    d = ds[i] = decoded(r)
                     if r.bytes is not UNSET:
                         store = store or ByteStore(path)
-                        if not _load_stored(d, store, first, bad):
-                            first += 1
+                        if not _load_stored(d, store, first + i, bad):
+                            drop.add(i)
                             continue
-                    out.append(d)
                     if replicated:
                         reps.append(d)
-                    first += 1
+                out += [d for i, d in enumerate(ds) if i not in drop] if drop else ds
                 continue
             for lineno, r in enumerate(records, first):
                 if r is None:

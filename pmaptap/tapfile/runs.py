@@ -148,7 +148,7 @@ def is_url(path: str | os.PathLike) -> bool:
 # (parsed records are ~8x their bytes) stays within ~150 MiB up to ~16,000
 # shards (the merge alone of 4,096 shards: 136 MiB peak); past that each
 # shard's one line and 4 KiB read show.
-MERGE_BYTES = 16 << 20
+MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
 READ_BYTES = 32 << 20

@@ -358,3 +358,29 @@ def test_the_seam_holds_both_ways():
         if m.startswith("pmaptap._common")
     }
     assert len(common) >= 3 and {m: d for m, d in common.items() if d} == {}
+
+
+def test_pmaptap_is_pure_python_and_builds_a_pure_wheel_without_a_compiler(tmp_path):
+    """No compiled source in the package and no setup.py (issue 39: the C
+    extension is gone); ``pip wheel .`` with no C compiler to be found
+    (CC=false) gives a ``py3-none-any`` wheel."""
+    compiled = (".c", ".h", ".cc", ".cpp", ".pyx", ".pxd", ".so", ".pyd")
+    found = [
+        os.path.relpath(os.path.join(d, f), ROOT)
+        for d, _, files in os.walk(PKG)
+        for f in files
+        if f.endswith(compiled)
+    ]
+    assert found == [] and not os.path.exists(os.path.join(ROOT, "setup.py")), found
+    env = dict(os.environ, CC="false", CXX="false", PIP_NO_INDEX="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        + ["-q", "-w", str(tmp_path / "dist"), ROOT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheels = os.listdir(tmp_path / "dist")
+    assert len(wheels) == 1 and wheels[0].endswith("-py3-none-any.whl"), wheels
