@@ -4,10 +4,15 @@ same shard files, each command in a fresh process (interpreter start-up
 included on both sides), as bench_read.py does for one file.
 
 Arms:
-- m. 256 shards: read / summary / validate, ratio to the bare loop (target
-  <= 3x each); the same records as one file, for comparison;
+- m. 256 shards: read / summary / validate (default --jobs, and --jobs 1),
+  CPU-time ratio to the bare loop (issue 39's targets: read <= 2.0x,
+  summary <= 1.5x, validate <= 2.0x); the same records as one file, for
+  comparison;
 - n. 4,096 shards under ``ulimit -n 256``: read / summary / validate / show
   work, peak RSS (target <= 300 MiB);
+- p. ``summary --jobs 2`` of a 4,096-shard run against ``--jobs 1``: wall
+  ratio of paired rounds (target <= 0.65x on an otherwise quiet 2-core
+  box) and the same output, byte for byte;
 - o. an object-store run of 32 processes (a loopback moto server, as
   tests/host/test_object_store.py uses) against the same run on local disk
   (target <= 3x), at 200 steps a process (6,400 lines: the client's start,
@@ -17,7 +22,8 @@ Arms:
   Python, one signed listing, each object's GET), the least any client
   could take against this server; only where moto and s3fs are installed.
 
-``--part m`` (or n, o; repeatable) runs only those arms.
+``--part m`` (or n, p, o; repeatable) runs only those arms. Every run
+also prints the lines of pmaptap/tapfile/'s Python files (target <= 7,500).
 
 The runs are generated without JAX (``generate``): per step and process a
 per-device value and a replicated value every process writes (deduped by
@@ -364,19 +370,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int)
     ap.add_argument(
         "--part",
-        choices=("m", "n", "o"),
+        choices=("m", "n", "p", "o"),
         action="append",
-        help="only these arms (m: 256 shards, n: 4,096 shards, o: object store); all by default",
+        help="only these arms (m: 256 shards, n: 4,096 shards, p: summary --jobs 2 of "
+        "4,096 shards, o: object store); all by default",
     )
     a = ap.parse_args(argv)
-    parts = set(a.part or "mno")
+    parts = set(a.part or "mnpo")
     rounds = a.rounds or (1 if a.quick else 5)
     compile_bytecode()  # readers start as an installed package's do
+    tapfile = os.path.join(ROOT, "pmaptap", "tapfile")
+    lines = 0
+    for name in sorted(os.listdir(tapfile)):
+        if name.endswith(".py"):
+            with open(os.path.join(tapfile, name), "rb") as f:
+                lines += f.read().count(b"\n")
+    print(f"pmaptap/tapfile/: {lines} lines of Python (target <= 7,500)")
     with tempfile.TemporaryDirectory() as tmp:
         if "m" in parts:
             _many_shards(tmp, a.quick, rounds)
         if "n" in parts:
             _thousands_of_shards(tmp, a.quick)
+        if "p" in parts:
+            _jobs(tmp, a.quick, rounds)
         if "o" in parts:
             # The issue's run (200 steps a process: the client's start is
             # most of its read) and one 20x longer, where the reading is.
@@ -397,7 +413,9 @@ def _many_shards(tmp: str, quick: bool, rounds: int) -> None:
         "m. bare orjson loop (shards)": [py, "-c", _BARE, path + ".d"],
         "m. sharded: pmaptap.read": [py, "-c", _READ, path],
         "m. sharded: pmaptap summary": [py, "-m", "pmaptap", "summary", path],
+        "m. sharded: pmaptap summary --jobs 1": [py, "-m", "pmaptap", "summary", path, "-j1"],
         "m. sharded: pmaptap validate": [py, "-m", "pmaptap", "validate", path],
+        "m. sharded: pmaptap validate --jobs 1": [py, "-m", "pmaptap", "validate", path, "-j1"],
         "m. bare orjson loop (one file)": [py, "-c", _BARE_FILE, one],
         "m. one file: pmaptap.read": [py, "-c", _READ, one],
         "m. one file: pmaptap summary": [py, "-m", "pmaptap", "summary", one],
@@ -424,7 +442,8 @@ def _many_shards(tmp: str, quick: bool, rounds: int) -> None:
     for what, got in (("wall time", ratios), ("CPU time, user + system", cpu)):
         print(
             f"m. ratios to the bare loop over the same files ({what}), paired "
-            "rounds, median (range) (target <= 3x): "
+            "rounds, median (range) (targets, CPU: read <= 2.0x, summary <= 1.5x, "
+            "validate <= 2.0x): "
             + ", ".join(
                 f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
                 for k, r in got.items()
@@ -462,6 +481,30 @@ def _thousands_of_shards(tmp: str, quick: bool) -> None:
     )
     peak = max(v for k, v in rss.items() if "256" in k)
     print(f"n. 4096 shards: every reader ran; peak RSS {peak:.0f} MiB (target <= 300 MiB)")
+
+
+def _jobs(tmp: str, quick: bool, rounds: int) -> None:
+    """p. summary of a 4,096-shard run in 2 worker processes against 1."""
+    py = sys.executable
+    shards, steps = 4096, (2 if quick else 25)
+    path = os.path.join(tmp, "p.jsonl")
+    size = _make("generate", path, shards, steps)
+    one = [py, "-m", "pmaptap", "summary", path, "--jobs", "1"]
+    two = [py, "-m", "pmaptap", "summary", path, "--jobs", "2"]
+    outs = [subprocess.run(c, cwd=ROOT, capture_output=True, check=True).stdout for c in (one, two)]
+    same = "identical" if outs[0] == outs[1] else "DIFFERENT"
+    ratios, cpu = [], []
+    for _ in range(rounds):
+        w1, c1, _ = measure_process_times(one, cwd=ROOT)
+        w2, c2, _ = measure_process_times(two, cwd=ROOT)
+        ratios.append(w2 / w1)
+        cpu.append(c2 / c1)
+    print(
+        f"p. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB: summary --jobs 2 "
+        f"wall {statistics.median(ratios):.2f}x --jobs 1 ({min(ratios):.2f}-{max(ratios):.2f}, "
+        f"{rounds} paired round(s); target <= 0.65x on a quiet 2-core box), CPU "
+        f"{statistics.median(cpu):.2f}x; output {same}"
+    )
 
 
 if __name__ == "__main__":

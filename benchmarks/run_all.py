@@ -20,6 +20,7 @@ SUITES = (
     "bench_arrays.py",
     "bench_host_callback.py",
     "bench_read.py",
+    "bench_model.py",
     "bench_read_scale.py",
     "bench_many_writers.py",
     "bench_fingerprint.py",

@@ -247,12 +247,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.summary_batch import summarize_file
+    from pmaptap.tapfile.jobs import jobs_for, summarize_file
     from pmaptap.tapfile.summary_table import summary_table
 
     flt = _filter(args)
     _check_file(args.file)
-    summaries, bad, names, runs = summarize_file(args.file, flt)
+    summaries, bad, names, runs = summarize_file(args.file, flt, jobs_for(args.file, args.jobs))
     _report_skipped(bad, args.file, "summary")
     if not summaries:
         _no_match("summary", args.file, flt, names, runs)
@@ -262,12 +262,10 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.checks import validate_file
-    from pmaptap.tapfile.lines import collector_paused
+    from pmaptap.tapfile.jobs import jobs_for, validate_file
 
     _check_file(args.file)
-    with collector_paused():  # half of the time of a large run, else
-        report = validate_file(args.file)
+    report = validate_file(args.file, jobs_for(args.file, args.jobs))
     shown = report.problems if not args.limit else report.problems[: args.limit]
     name = _shown(args.file)
     for line, why in shown:
@@ -566,6 +564,30 @@ def _add_filters(
         )
 
 
+def _jobs(text: str) -> int:
+    """argparse type for --jobs: 1 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"wants 1 or more worker processes, got {n}")
+    return n
+
+
+def _add_jobs(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--jobs",
+        "-j",
+        type=_jobs,
+        default=None,
+        metavar="N",
+        help="worker processes reading pieces of the run (default: the cores this "
+        "process may use, fewer for a small run; 1: in this process); the output "
+        "is the same",
+    )
+
+
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON lines, not a table")
     p.add_argument("--width", type=int, default=60, help="value column width")
@@ -612,18 +634,14 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
         from importlib.metadata import PackageNotFoundError, version
 
-        from pmaptap.tapfile.speedups import SPEEDUPS
+        import msgspec
 
         try:
             number = version("pmaptap")
         except PackageNotFoundError:  # run from a source tree
             number = "(not installed)"
-        loops = (
-            "reading loops in C"
-            if SPEEDUPS is not None
-            else "reading loops in Python (the C module was not built, or PMAPTAP_NO_SPEEDUPS)"
-        )
-        print(f"{PROG} {number}: {loops}")
+        # The library every line is decoded with (tapfile/schema.py).
+        print(f"{PROG} {number}: records decoded by msgspec {msgspec.__version__}")
         parser.exit()
 
 
@@ -637,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--version",
         action=_Version,
         nargs=0,
-        help="the version, and whether the reading loops run in C (tapfile/speedups.py)",
+        help="the version, and that of the library that decodes records (msgspec)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -684,6 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="per tap: counts, steps, stats, issues")
     p.add_argument("file")
     _add_filters(p)
+    _add_jobs(p)
     p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("validate", help="check every line; exit 1 on problems")
@@ -691,6 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--limit", type=_count, default=200, help="list at most N problems (0: all; default 200)"
     )
+    _add_jobs(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("plot", help="PNG line plot of one tap (needs matplotlib)")

@@ -548,3 +548,43 @@ def logs_warning(caplog, match: str | None = None, *, count: int | None = None):
     assert hits, f"no pmaptap warning matching {match!r} was logged; got {msgs}"
     if count is not None:
         assert len(hits) == count, hits
+
+
+# The pmaptap command, run as a user runs it, and its tables (test_cli.py,
+# test_frame.py, test_corrupt.py, test_summary_hunt.py use them).
+def cli(
+    *args: str, timeout: float = 60, cwd: str | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pmaptap", *args],
+        env=subprocess_env(8, **env),
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def aligned_table(stdout: str) -> tuple[str, list[dict[str, str]]]:
+    """Parse an aligned table: columns are the runs of text between
+    positions that are blank on every line (a run without a header word,
+    from a cell with a space in it, belongs to the column before)."""
+    lines = stdout.splitlines()
+    header, width = lines[0], max(map(len, lines))
+    gap = [all(p >= len(ln) or ln[p] == " " for ln in lines) for p in range(width)]
+    cols: list[list] = []
+    p = 0
+    while p < width:
+        if gap[p]:
+            p += 1
+            continue
+        q = p
+        while q < width and not gap[q]:
+            q += 1
+        word = header[p:q].strip()
+        if word:
+            cols.append([word, p, q])
+        else:
+            cols[-1][2] = q
+        p = q
+    return header, [{n: ln[a:b].strip() for n, a, b in cols} for ln in lines[1:]]

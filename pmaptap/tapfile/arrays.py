@@ -43,6 +43,10 @@ from typing import Any, Iterator
 from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.rawarray import RawArray
 
+# What a reference looks like is the format's (schema.py); this module
+# says where one may point and reads what it points at.
+from pmaptap.tapfile.schema import is_ref
+
 # Leaves of more bytes than this are stored as bytes (one copy, one vmap
 # row). Below it the JSON numbers are about as cheap and readable in the
 # line itself; above it JSON costs 2.7x the bytes on disk and ~300x the time
@@ -101,16 +105,6 @@ def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None) -> Any:
         f = field if isinstance(field, list) else [None] * len(value)
         return [shown_value(*x) for x in zip(value, dtype, shapes, f)]
     return value
-
-
-def is_ref(x: Any) -> bool:
-    return (
-        type(x) is dict
-        and len(x) == 3
-        and type(x.get("file")) is str
-        and bool(x["file"])
-        and all(type(x.get(k)) is int and x[k] >= 0 for k in ("offset", "nbytes"))
-    )
 
 
 # ---------------------------------------------------------------- writing

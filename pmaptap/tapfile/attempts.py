@@ -160,6 +160,15 @@ class Restarts:
         if a not in firsts or (step is not None and (old is None or step < old)):
             firsts[a] = step if step is not None else old
 
+    def absorb(self, other: Restarts) -> None:
+        """Add what another Restarts saw (of another piece of the stream)."""
+        for run, theirs in other._runs.items():
+            firsts = self._runs.setdefault(run, {})
+            for a, step in theirs.items():
+                old = firsts.get(a)
+                if a not in firsts or (step is not None and (old is None or step < old)):
+                    firsts[a] = step if step is not None else old
+
     def text(self, run: Any) -> str:
         """ "2 attempts; restarted at step 5" (or "" for one attempt)."""
         firsts = self._runs.get(run) or {}

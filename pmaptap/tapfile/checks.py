@@ -1,5 +1,5 @@
-"""Checks on tap files beyond "is it a record": the strict schema of the
-record format (format.py), duplicates, missing steps. Used by
+"""Checks on tap files beyond "is it a record": the format's own rules
+(schema.format_problems), duplicates, missing steps. Used by
 ``pmaptap validate`` and ``pmaptap summary``.
 
 Duplicates (what the cross-process dedup in _host/crossdedup.py should have
@@ -20,182 +20,30 @@ import os
 from itertools import compress
 from typing import Any, Iterable, Sequence
 
-from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem, is_ref
+from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
 from pmaptap.tapfile.attempts import attempt_of, scan
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.schema import (
     FINGERPRINT,
-    MAX_STEP,
-    NONFINITE,
-    NOT_CLEAN,
-    STRICT_RULES,
-    _is_int,
-    _is_num,
+    UNSET,
+    AnyRecord,
+    format_problems,
+    from_dict,
     record_key,
 )
-from pmaptap.tapfile.speedups import SPEEDUPS
-
-_MARKERS = tuple(NONFINITE)
-
 
 # ------------------------------------------------------------------ schema
 
 
-def _scalar_problem(v: Any, dtype: str) -> str | None:
-    if dtype == "bool":
-        ok = isinstance(v, bool)
-    elif dtype.startswith(("int", "uint")):
-        ok = _is_int(v)
-    else:
-        # Floats (and complex parts): numbers, or the documented markers for
-        # non-finite values, which is how strict JSON carries them.
-        ok = _is_num(v) or v in _MARKERS
-    return None if ok else f"value element {v!r} does not fit dtype {dtype}"
-
-
-def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
-    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
-        return f"shape must be a list of non-negative integers, got {shape!r}"
-    dims = list(shape) + ([2] if dtype.startswith("complex") else [])
-
-    def walk(v: Any, depth: int) -> str | None:
-        if depth == len(dims):
-            return _scalar_problem(v, dtype)
-        if not isinstance(v, list) or len(v) != dims[depth]:
-            return f"value does not match shape {shape} (dtype {dtype})"
-        for x in v:
-            problem = walk(x, depth + 1)
-            if problem:
-                return problem
-        return None
-
-    return walk(value, 0)
-
-
-def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
-    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
-    ``stored``: the record's ``bytes`` field, whose leaves are null in
-    ``value`` (tapfile/arrays.py checks the references themselves)."""
-    if value is None and dtype is None and shape is None:
-        return None  # a None inside a tapped pytree (no leaves)
-    if isinstance(dtype, str):
-        if value is None and is_ref(stored):
-            return None
-        return _leaf_problem(value, dtype, shape)
-    sub = stored if isinstance(stored, (dict, list)) else None
-    if isinstance(dtype, dict):
-        if not (
-            isinstance(value, dict)
-            and isinstance(shape, dict)
-            and set(value) == set(dtype) == set(shape)
-        ):
-            return "pytree value, dtype and shape do not have the same keys"
-        for k in dtype:
-            problem = value_problem(
-                value[k], dtype[k], shape[k], sub.get(k) if isinstance(sub, dict) else None
-            )
-            if problem:
-                return f"[{k}]: {problem}"
-        return None
-    if isinstance(dtype, list):
-        if not (
-            isinstance(value, list)
-            and isinstance(shape, list)
-            and len(value) == len(dtype) == len(shape)
-        ):
-            return "pytree value, dtype and shape do not have the same length"
-        subs = sub if isinstance(sub, list) and len(sub) == len(dtype) else [None] * len(dtype)
-        for i, (v, d, s, b) in enumerate(zip(value, dtype, shape, subs)):
-            problem = value_problem(v, d, s, b)
-            if problem:
-                return f"[{i}]: {problem}"
-        return None
-    return f"dtype must be a string or a pytree of strings, got {dtype!r}"
-
-
-def _fields_clean(d: dict) -> bool:
-    """True only where ``schema_problems`` finds nothing wrong outside the
-    value: its checks with exact type tests, inline, for the records every
-    file is made of (``validate`` runs this on every line). False means
-    "run the full checks"."""
-    # format.RULES' strict rules, hand-inlined (a loop over the table costs
-    # every line of a validate); tests/tapfile/test_record_rules.py checks
-    # that schema_problems flags what any strict rule refuses.
-    step, process, t = d["step"], d["process"], d["time"]
-    if not (
-        type(step) is int
-        and 0 <= step <= MAX_STEP
-        and type(process) is int
-        and process >= 0
-        and type(t) is float
-        and t - t == 0.0  # finite
-        and type(d["host"]) is str
-        and d.get("divergent", True) is True
-        and type(d.get("pass", "forward")) is str
-    ):
-        return False
-    kind = d["kind"]
-    if kind == "per_device":
-        device = d["device"]
-        if device is not None and type(device) is not int or type(d["coords"]) is not dict:
-            return False
-        for v in d["coords"].values():
-            if type(v) is not int:
-                return False
-        return True
-    if kind == "replicated":
-        replicas = d["replicas"]
-        if type(replicas) is not int or replicas < 1:
-            return False
-        devices = d.get("devices")
-        if devices is not None:
-            if type(devices) is not list or len(devices) != replicas:
-                return False
-            for x in devices:
-                if x is not None and type(x) is not int:
-                    return False
-        if "processes" in d:
-            processes = d["processes"]
-            if type(processes) is not list:
-                return False
-            for x in processes:
-                if type(x) is not int:
-                    return False
-        return "vhash" not in d or type(d["vhash"]) is str
-    return kind == "meta"
-
-
-def schema_problems(d: dict) -> list[str]:
-    """Violations of the record format in a dict that already passed
-    ``format.validate_dict`` (which only checks what readers rely on)."""
-    # The fast path covers the fields of plain records; a record with a
-    # field it leaves to the full checks (format.NOT_CLEAN: a stored
-    # value, a shard's global shape, copies_seen) takes every check.
-    if d.keys().isdisjoint(NOT_CLEAN) and _fields_clean(d):
-        dtype, shape = d["dtype"], d["shape"]
-        if type(dtype) is str and type(shape) is list and not shape:
-            # A scalar (complex ones are pairs: the full walk). A float in a
-            # float dtype first: most lines of a file.
-            t = type(d["value"])
-            if (t is float or t is int) and dtype.startswith(("float", "bfloat")):
-                return []
-            if not dtype.startswith("complex"):
-                problem = _scalar_problem(d["value"], dtype)
-                return [problem] if problem else []
-        problem = value_problem(d["value"], dtype, shape)
-        return [problem] if problem else []
-    # The format's rule of each field (format.RULES) the record's kind has.
-    kind = d["kind"]
-    out = [
-        rule.strict_problem.format(v=d[rule.name])
-        for rule in STRICT_RULES
-        if rule.name in d and kind in rule.kinds and not rule.strict(d[rule.name], d)
-    ]
-    problem = field_problem(d)
-    if problem:
-        out.append(problem)
-    problem = value_problem(d["value"], d["dtype"], d["shape"], d.get("bytes"))
-    if problem:
-        out.append(problem)
+def schema_problems(d: Any) -> list[str]:
+    """Violations of the record format in a record readers take (a
+    schema.py Struct, or its line's object): schema.format_problems, and
+    where a stored value's references point (arrays.field_problem)."""
+    r = from_dict(d) if type(d) is dict else d
+    out = format_problems(r)
+    if r.bytes is not UNSET:
+        problem = field_problem(r)
+        if problem:
+            out.append(problem)
     return out
 
 
@@ -222,20 +70,36 @@ def _coords_key(coords: Any) -> Any:
     return _canonical(coords)
 
 
-def duplicate_parts(r: dict) -> tuple | None:
+def duplicate_parts(r: Any) -> tuple | None:
     """duplicate_key as (key without step and value, step, value): the
     value is the replicated value's hash (or its text), None for a
     per-device record (its device and coordinates are in the key)."""
     # Shards of one value (``index``) are different values, never duplicates:
     # record_key holds the index.
     run, name, step, pass_, index, attempt = record_key(r)
-    kind = r.get("kind")
+    if type(r) is dict:
+        kind, vhash, value, device, coords = (
+            r.get("kind"),
+            r.get("vhash"),
+            r.get("value"),
+            r.get("device"),
+            r.get("coords"),
+        )
+    else:
+        kind = r.kind
+        if kind == "per_device":
+            vhash = value = None
+            device, coords = r.device, r.coords
+        else:
+            vhash, value = r.vhash, r.value
     if kind == "replicated":
-        value = r.get("vhash") or _canonical(r.get("value"))
-        return ("replicated", run, name, pass_, index, attempt), step, value
+        return ("replicated", run, name, pass_, index, attempt), step, vhash or _canonical(value)
     if kind == "per_device":
-        device, coords = r.get("device"), _coords_key(r.get("coords"))
-        return ("per_device", run, name, pass_, index, attempt, device, coords), step, None
+        return (
+            ("per_device", run, name, pass_, index, attempt, device, _coords_key(coords)),
+            step,
+            None,
+        )
     return None  # meta records (counters) may legitimately repeat
 
 
@@ -323,10 +187,13 @@ class FirstCopies:
     def __init__(self) -> None:
         self._keys: dict[tuple, dict] = {}
 
-    def add(self, r: dict, line: int) -> int | None:
+    def add(self, r: Any, line: Any) -> Any:
         parts = duplicate_parts(r)
         if parts is None:
             return None
+        return self.add_parts(parts, line)
+
+    def add_parts(self, parts: tuple, line: Any) -> Any:
         group, step, value = parts
         steps = self._keys.get(group)
         if steps is None:
@@ -349,13 +216,156 @@ class FirstCopies:
             steps[step] = line
         return first
 
+    def first(self, parts: tuple) -> Any:
+        """The line of the first copy of ``parts`` (duplicate_parts)."""
+        group, step, value = parts
+        got = self._keys[group][step]
+        if value is None:
+            return got
+        return got[1] if isinstance(got, tuple) else got[value]
+
+    def entries(self) -> Iterable[tuple[tuple, Any]]:
+        """(duplicate_parts, line) of every first copy."""
+        for group, steps in self._keys.items():
+            for step, got in steps.items():
+                if group[0] != "replicated":
+                    yield (group, step, None), got
+                elif isinstance(got, tuple):
+                    yield (group, step, got[0]), got[1]
+                else:
+                    for value, line in got.items():
+                        yield (group, step, value), line
+
+
+def _what(parts: tuple) -> str:
+    """A duplicate's description: "per_device 'g' step 3 device 1"."""
+    group, step, _ = parts
+    kind, name = group[0], group[2]
+    return f"{kind} {name!r} step {step}" + (f" device {group[6]}" if kind == "per_device" else "")
+
+
+class Validator:
+    """``pmaptap validate``'s state over a stream of records: every problem
+    with its position (a bad line, the format, a missing stored value, a
+    duplicate and where its first copy is), per-key state (FirstCopies,
+    DivergenceIndex), never the records. ``attempts`` None: the run is
+    assumed never resumed, and ``resumed`` says at the first record of a
+    later attempt (the caller starts again, knowing)."""
+
+    def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
+        from pmaptap.tapfile.divergence import DivergenceIndex
+
+        self.path = os.fspath(path)
+        self.attempts = attempts
+        self.lines = self.records = self.superseded = 0
+        self.problems: list[tuple[Any, str]] = []
+        self.dups: list[tuple[Any, tuple]] = []  # (position, duplicate_parts)
+        self.firsts = FirstCopies()
+        self.index = DivergenceIndex()
+        self.flagged: set = set()  # keys of replicated records the run flags divergent
+        self.fingerprinted: set = set()  # (run, name, step) whose fingerprints differed
+        self.resumed = False
+        self._store: ByteStore | None = None
+
+    def take(self, records: list, problems: dict, first: int, defer: "list | None" = None) -> None:
+        """A batch: records (Structs, None for a line that is no record)
+        from position ``first``, the problems of those that are none.
+        ``defer``: replicated records are put there, (position, record),
+        not taken (tapfile/jobs.py takes them in the order of the whole
+        run)."""
+        self.lines = first + len(records) - 1
+        superseded = self.attempts.superseded if self.attempts else None
+        guess = self.attempts is None
+        out = self.problems
+        pos = first - 1
+        for r in records:
+            pos += 1
+            if r is None:
+                out.append((pos, problems.get(pos) or "invalid"))
+                continue
+            if guess and r.attempt is not UNSET and attempt_of(r) and r.kind != "meta":
+                self.resumed = True  # resumed after all: read again, knowing that
+                return
+            if defer is not None and r.kind == "replicated":
+                defer.append((pos, r))
+                continue
+            self.add(r, pos)
+            if superseded is not None and superseded(r):
+                self.superseded += 1
+
+    def add(self, r: AnyRecord, pos: Any) -> None:
+        self.records += 1
+        for p in schema_problems(r):
+            self.problems.append((pos, f"schema: {p}"))
+        if r.bytes is not UNSET:
+            # Stored values: their bytes are there (sizes, not contents:
+            # one stat per byte file, whatever the run's size).
+            self._store = self._store or ByteStore(self.path)
+            for leaf, ref, _dt, _sh in byte_leaves(r.bytes, r.dtype, r.shape):
+                missing = self._store.missing_problem(ref)
+                if missing:
+                    self.problems.append((pos, f"bytes{leaf}: {missing}"))
+        parts = duplicate_parts(r)
+        if parts is not None and self.firsts.add_parts(parts, pos) is not None:
+            self.dups.append((pos, parts))
+        if r.kind == "replicated":
+            self.index.add(r)
+            if r.divergent:
+                self.flagged.add(record_key(r)[:5])
+        elif r.kind == FINGERPRINT and r.divergent:
+            self.fingerprinted.add((r.run, r.name, r.step))
+
+    def absorb(self, other: Validator, offset: int) -> None:
+        """Add the state of the piece of the same file after this one's,
+        its positions ``offset`` lines on (tapfile/jobs.py). A first copy
+        in that piece of a key this one holds is a duplicate."""
+        self.lines = offset + other.lines
+        self.records += other.records
+        self.superseded += other.superseded
+        self.problems += [(pos + offset, why) for pos, why in other.problems]
+        self.dups += [(pos + offset, parts) for pos, parts in other.dups]
+        for parts, line in other.entries_of():
+            if self.firsts.add_parts(parts, line + offset) is not None:
+                self.dups.append((line + offset, parts))
+        self.index.absorb(other.index)
+        self.flagged |= other.flagged
+        self.fingerprinted |= other.fingerprinted
+        self.resumed = self.resumed or other.resumed
+
+    def entries_of(self) -> Iterable[tuple[tuple, Any]]:
+        return self.firsts.entries()
+
+    def rendered_dups(self) -> list[tuple[Any, Any, str]]:
+        """(position, its first copy's position, description) of each
+        duplicate."""
+        first = self.firsts.first
+        return [(pos, first(parts), _what(parts)) for pos, parts in self.dups]
+
+    def report(self, dups: "list | None" = None, lines: "int | None" = None) -> Report:
+        """The Report (``dups``, ``lines``: as rendered_dups and the line
+        count, where another process placed them)."""
+        report = Report(self.path)
+        report.records = self.records
+        report.lines = self.lines if lines is None else lines
+        report.superseded = self.superseded
+        problems = list(self.problems)
+        for pos, first, what in self.rendered_dups() if dups is None else dups:
+            problems.append((pos, f"duplicate of line {first} ({what})"))
+        problems.sort()
+        report.problems = problems
+        flagged = self.flagged | {key[:5] for key in self.index.divergent_keys()}
+        report.divergent_keys = len(flagged)
+        report.divergent_fingerprints = len(self.fingerprinted)
+        return report
+
 
 def validate_file(path: str | os.PathLike) -> Report:
-    """Every problem of a file, in one streaming pass: its state is per key
+    """Every problem of a run, in one streaming pass: its state is per key
     (FirstCopies, DivergenceIndex), never the records. The pass assumes the
     run was never resumed (most runs); a record of a later attempt means it
-    was, and then the file is read again, after a scan of the lines that
-    mention an attempt (attempts.scan: what each later attempt superseded)."""
+    was, and then the run is read again, after a scan of the lines that
+    mention an attempt (attempts.scan: what each later attempt superseded).
+    In worker processes: tapfile/jobs.py's validate_file, the same report."""
     report = _validate(path, None)
     return report if report is not None else _validate(path, scan(path))
 
@@ -363,80 +373,12 @@ def validate_file(path: str | os.PathLike) -> Report:
 def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
     """validate_file's pass; ``attempts`` None: assume no later attempt,
     None back at the first record of one."""
-    from pmaptap.tapfile.divergence import DivergenceIndex
-    from pmaptap.tapfile.lines import iter_batches
+    from pmaptap.tapfile.lines import collector_paused, iter_record_batches
 
-    report = Report(os.fspath(path))
-    problems = report.problems
-    # Records of steps that a resumed run replayed are superseded by the
-    # later attempt's (tapfile/attempts.py): history, not duplicates (their
-    # keys differ in ``attempt``, so FirstCopies does not pair them).
-    superseded = attempts.superseded if attempts else None
-    guess = attempts is None
-    firsts = FirstCopies()
-    index = DivergenceIndex()
-    flagged: set = set()  # keys of replicated records the file flags divergent
-    fingerprinted: set = set()  # (run, name, step) whose fingerprints differed
-    records = lines = 0
-    store = None
-    add_first, add_index = firsts.add, index.add
-    # schema_problems' fast path in C (_speedups.c scalar_clean): True only
-    # where it finds nothing; anything else is checked here.
-    clean = SPEEDUPS.scalar_clean if SPEEDUPS is not None else None
-    # Runs of the simplest per-device records in C (_speedups.c
-    # validate_run: this loop's steps for them), when no attempt is known.
-    run_c = SPEEDUPS.validate_run if SPEEDUPS is not None and superseded is None else None
-    groups = firsts._keys
-    # validate_run's: each device's group the last time (no group tuple
-    # built and hashed a record), and NOT_CLEAN as a tuple (no iterator).
-    cache: dict = {}
-    not_clean = tuple(NOT_CLEAN)
-    for first_line, batch, bad in iter_batches(path):
-        lines = first_line + len(batch) - 1
-        k, n = 0, len(batch)
-        while k < n:
-            if run_c is not None:
-                k, took = run_c(batch, k, first_line, groups, not_clean, cache)
-                records += took
-                if k >= n:
-                    break
-            d, lineno = batch[k], first_line + k
-            k += 1
-            if d is None:
-                problems.append((lineno, bad.get(lineno) or "invalid"))
-                continue
-            if guess and "attempt" in d and attempt_of(d) and d["kind"] != "meta":
-                return None  # resumed after all: read again, knowing that
-            records += 1
-            if clean is None or not clean(d, not_clean):
-                for p in schema_problems(d):
-                    problems.append((lineno, f"schema: {p}"))
-            if "bytes" in d:
-                # Stored values: their bytes are there (sizes, not contents:
-                # one stat per byte file, whatever the run's size).
-                store = store or ByteStore(path)
-                for leaf, ref, _dt, _sh in byte_leaves(d["bytes"], d["dtype"], d["shape"]):
-                    missing = store.missing_problem(ref)
-                    if missing:
-                        problems.append((lineno, f"bytes{leaf}: {missing}"))
-            first = add_first(d, lineno)
-            if first is not None:
-                what = f"{d['kind']} {d['name']!r} step {d['step']}" + (
-                    f" device {d.get('device')}" if d["kind"] == "per_device" else ""
-                )
-                problems.append((lineno, f"duplicate of line {first} ({what})"))
-            if d["kind"] == "replicated":
-                add_index(d)
-                if d.get("divergent"):
-                    flagged.add(record_key(d)[:5])
-            elif d["kind"] == FINGERPRINT and d.get("divergent"):
-                fingerprinted.add((d["run"], d["name"], d["step"]))
-            if superseded is not None and superseded(d):
-                report.superseded += 1
-    report.records = records
-    report.lines = lines
-    problems.sort()
-    flagged.update(key[:5] for key in index.divergent_keys())
-    report.divergent_keys = len(flagged)
-    report.divergent_fingerprints = len(fingerprinted)
-    return report
+    v = Validator(path, attempts)
+    with collector_paused():
+        for first, records, problems in iter_record_batches(path):
+            v.take(records, problems, first)
+            if v.resumed:
+                return None
+    return v.report()

@@ -31,10 +31,8 @@ class DivergenceIndex:
         self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
     ) -> dict[Any, Any]:
         """The step -> entry map of one (run, name, pass, index key,
-        attempt): record_key without its step. A reader that adds many
-        records of one such key (``pmaptap summary``) sets entries there
-        directly: ``setdefault(step, (vhash, process))``, and ``repeat`` when
-        that returns another entry."""
+        attempt): record_key without its step; an entry is (vhash, process)
+        while one was seen there, then {vhash: processes}."""
         # The parameters are split_step's rest of a key, in its order.
         return self._steps((run, name, pass_, index, attempt))
 
@@ -44,12 +42,17 @@ class DivergenceIndex:
             steps = self._seen[rest] = {}
         return steps
 
-    def add(self, r: dict) -> None:
-        if r.get("kind") != "replicated" or not r.get("vhash"):
+    def add(self, r: Any) -> None:
+        """A record (a line's object or a schema.py Struct)."""
+        if type(r) is dict:
+            kind, vhash, process = r.get("kind"), r.get("vhash"), r.get("process")
+        else:
+            kind, vhash, process = r.kind, r.vhash, r.process
+        if kind != "replicated" or not vhash:
             return
         rest, step = split_step(record_key(r))
         steps = self._steps(rest)
-        entry = (r["vhash"], r.get("process"))
+        entry = (vhash, process)
         if steps.setdefault(step, entry) is not entry:
             self.repeat(steps, step, entry)
 
@@ -63,15 +66,34 @@ class DivergenceIndex:
             got = steps[step] = {got[0]: {got[1]}}
         got.setdefault(entry[0], set()).add(entry[1])
 
-    def divergent(self, r: dict) -> bool:
+    def divergent(self, r: Any) -> bool:
         if r.get("kind") != "replicated":
             return False
-        rest, step = split_step(record_key(r))
+        return self.is_divergent(record_key(r))
+
+    def is_divergent(self, key: tuple) -> bool:
+        """Whether the replicated key ``key`` (record_key) is divergent."""
+        rest, step = split_step(key)
         steps = self._seen.get(rest)
         got = steps.get(step) if steps is not None else None
         if not isinstance(got, dict):
             return False
         return len(got) > 1 and len(set().union(*got.values())) > 1
+
+    def absorb(self, other: DivergenceIndex) -> None:
+        """Add what another index saw (of another piece of the stream):
+        the same index as if it had seen those records too, in any order."""
+        for rest, steps in other._seen.items():
+            mine = self._steps(rest)
+            for step, got in steps.items():
+                entries = (
+                    [got]
+                    if isinstance(got, tuple)
+                    else [(vhash, p) for vhash, procs in got.items() for p in procs]
+                )
+                for entry in entries:
+                    if mine.setdefault(step, entry) is not entry:
+                        self.repeat(mine, step, entry)
 
     def divergent_keys(self):
         """The record_key of every divergent key, as ``divergent`` judges."""

@@ -71,10 +71,19 @@ class FingerprintAcc:
             (replicas if isinstance(replicas, int) else 0, _holders(r))
         )
 
+    def absorb(self, other: "FingerprintAcc") -> None:
+        """Add another piece's records of this name (summary --jobs)."""
+        self.steps |= other.steps
+        for key, values in other._groups.items():
+            self._groups.setdefault(key, []).extend(values)
+
     def suspects(self) -> list[Suspect]:
-        """Every suspect copy, the earliest first (then by device)."""
+        """Every suspect copy, the earliest first (then by device). The
+        same whatever order the records came in (pieces of a run summed up
+        in several processes: summary --jobs)."""
         found: dict[tuple, dict] = {}
         for (step, leaf, where), values in sorted(self._groups.items(), key=_order):
+            values = sorted(values, key=_camp_order)
             top = max(n for n, _ in values)
             majority = sum(1 for n, _ in values if n == top) == 1
             for n, holders in values:
@@ -130,6 +139,13 @@ class FingerprintAcc:
             f"fingerprints differ at {len(steps)} step(s) ({shown}); "
             f"first at step {first}{where}: {verdict}"
         )
+
+
+def _camp_order(camp: tuple) -> tuple:
+    """The copies holding one fingerprint: the most held first, then by
+    their holders' ids as text (ids of any JSON type compare so)."""
+    n, holders = camp
+    return (-n, [repr((h.get("device"), h.get("process"))) for h in holders])
 
 
 def _order(item: tuple) -> tuple:

@@ -22,46 +22,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import re
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from pmaptap.tapfile.rawarray import RawArray, has_raw, split_raw
 
 if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
     import numpy as np
 
-# ---------------------------------------------------------------- fingerprints
-# pmaptap.fingerprint's records (_host/fingerprints.py writes them;
-# docs/api.md#fingerprint-records describes every field). "kind":
-# "fingerprint", the fields every record has ("value", "dtype" and "shape"
-# null: no array data), ``fingerprint`` (16 hexadecimal digits, the 64-bit
-# fingerprint), ``replicas``, ``devices``, ``processes`` (the holders, as a
-# replicated record lists them) and either
-# - all copies agree: ``leaves`` (how many were fingerprinted) and
-#   ``slices`` (how many groups of copies were compared); ``fingerprint`` is
-#   a digest of every group's fingerprint;
-# - copies differ: ``divergent: true``, ``leaf`` (its path, "" for a bare
-#   array), ``index`` (under jit, the slice of a sharded leaf) or
-#   ``slice_coords`` (inside shard_map, the coordinates on the axes the leaf
-#   varies over), ``compared`` (the copies of that slice) and, for a
-#   fingerprint held by at most RANGES_ABOVE copies, ``holders`` (one
-#   {device, process, host, coords} per copy holding it).
-# Their rules are in RULES below (the fingerprint-only ones are the
-# format's own: pmaptap validate checks them), and a fingerprint record
-# always takes the full checks (UNPLAIN_KINDS).
-FINGERPRINT = "fingerprint"
-# ----------------------------------------------------------------------------
+# The format's constants and rules are schema.py's (the one home of what a
+# record is); these names stay importable from here for the writers.
+from pmaptap.tapfile.schema import (  # noqa: E402, F401
+    COPIES_SEEN,
+    FINGERPRINT,
+    KINDS,
+    MAX_HOLDERS,
+    MAX_STEP,
+    NAN,
+    NEG_INF,
+    NONFINITE,
+    POS_INF,
+    RANGES_ABOVE,
+    VALUE_KINDS,
+    AnyRecord,
+    Holders,
+    _is_pair,
+    as_dict,
+    holder_ids,
+    holders_count,
+    holders_field,
+    holds,
+    id_ranges,
+    index_key,
+    record_key,
+    step_key,
+    valid_index,
+    validate_dict,
+)
 
-KINDS = ("replicated", "per_device", "meta", FINGERPRINT)
-# The kinds that carry a tapped value (meta records carry counters,
-# fingerprint records a fingerprint of the devices' copies).
-VALUE_KINDS = KINDS[:2]
-# Kinds whose records no fast check takes (first_not_plain, the C loops,
-# checks._fields_clean, summary's usual records): one a step at most, they
-# take the full checks.
-UNPLAIN_KINDS = (FINGERPRINT,)
 # The names of the meta records pmaptap writes: facts about the run (kind
 # "meta"), never a tapped value; a reader keeps them visible whatever the
 # attempt. The one registry: writers and readers name them from here.
@@ -70,8 +68,6 @@ META_REFUSED = "pmaptap/refused"  # a tap the host could not record (and why)
 META_UNENCODABLE = "pmaptap/unencodable"  # a record replaced: it could not be encoded
 META_ATTEMPT = "pmaptap/attempt"  # a resumed run's attempt began here
 META_NAMES = (META_DROPPED, META_REFUSED, META_UNENCODABLE, META_ATTEMPT)
-# Steps are integers from 0 to the int64 maximum, whatever form the tap got.
-MAX_STEP = 2**63 - 1
 
 
 def check_step_range(step: int, where: str) -> int:
@@ -83,97 +79,6 @@ def check_step_range(step: int, where: str) -> int:
             f"{where}: step must be >= 0 and at most 2**63-1 (steps are int64); got {step}."
         )
     return int(step)
-
-
-# The strings that stand for non-finite floats inside ``value`` (JSON has no
-# number form for them); the one place that names them.
-NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
-NONFINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
-# Replicated records only, absent unless fewer copies were read than
-# ``replicas`` (the devices named in ``devices``) hold: how many were read.
-# A scalar tapped under plain jit is replicated on every device of the
-# computation by its sharding; one copy (device 0's) is read, the others
-# are neither seen nor compared. An integer from 1 to ``replicas``.
-COPIES_SEEN = "copies_seen"
-
-
-# The holders of a replicated value (its ``devices`` and ``processes``): a
-# list of ids, or, past RANGES_ABOVE ids that are all integers, their ranges
-# as text ("0-4095", "0-3,8-11", ascending, disjoint), so that a record's
-# size and the work each reader does with it stay the same at 4,096
-# processes as at 2 (a list of 4,096 ids is ~20 KB a line). Readers take
-# both forms; decode_record (pmaptap.read, show) gives the list.
-RANGES_ABOVE = 16
-# At most this many ids in one ranges text: a reader expands them (read()'s
-# lists), and a hostile "0-9999999999" must cost only its line.
-MAX_HOLDERS = 1 << 20
-_RANGES_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,18})(?:-(?:0|[1-9][0-9]{0,18}))?")
-
-
-def holders_field(ids: "tuple | list") -> "list | str":
-    """The ``devices``/``processes`` field for ``ids`` as written: the list,
-    or its ranges text past RANGES_ABOVE integer ids that are ascending
-    and distinct (a holder set as the aggregator builds it)."""
-    if len(ids) <= RANGES_ABOVE or not all(type(i) is int and i >= 0 for i in ids):
-        return list(ids)
-    parts = []
-    start = prev = ids[0]
-    for i in ids[1:]:
-        if i <= prev:
-            return list(ids)  # not ascending: the list says it as it is
-        if i != prev + 1:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = i
-        prev = i
-    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
-
-
-def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
-    """The inclusive (first, last) ranges of a holders text, None if
-    ``text`` is not one (not ascending and disjoint, not the form, or more
-    than MAX_HOLDERS ids)."""
-    if type(text) is not str or not text:
-        return None
-    out: list[tuple[int, int]] = []
-    prev = -1
-    count = 0
-    for part in text.split(","):
-        if not _RANGES_TEXT.fullmatch(part):
-            return None
-        lo, _, hi = part.partition("-")
-        a, b = int(lo), int(hi or lo)
-        count += b - a + 1
-        if a <= prev or b < a or count > MAX_HOLDERS:
-            return None
-        out.append((a, b))
-        prev = b
-    return out
-
-
-def holder_ids(v: Any) -> list:
-    """The ids of a ``devices``/``processes`` field in either form (a list
-    as it is; ranges text expanded)."""
-    ranges = id_ranges(v) if type(v) is str else None
-    if ranges is None:
-        return v if isinstance(v, list) else []
-    return [i for a, b in ranges for i in range(a, b + 1)]
-
-
-def holds(v: Any, x: Any) -> bool:
-    """Whether a ``devices``/``processes`` field (either form) names ``x``,
-    without expanding ranges."""
-    if type(v) is str:
-        if not isinstance(x, int) or isinstance(x, bool):
-            return False
-        return any(a <= x <= b for a, b in id_ranges(v) or ())
-    return x in (v or ())
-
-
-def holders_count(v: Any) -> int:
-    if type(v) is str:
-        return sum(b - a + 1 for a, b in id_ranges(v) or ())
-    return len(v) if isinstance(v, list) else 0
 
 
 # The columns of a table of records, in their order: the one list. The CSV
@@ -459,36 +364,6 @@ def meta_record(*, count: int, **fields: Any) -> Record:
     return Record(kind="meta", value=count, dtype="int64", shape=[], **fields)
 
 
-def record_key(r: "dict | Record") -> tuple:
-    """The identity of a value in a tap file: replicated records with the same
-    key hold the same value (or are divergent); per-device records add the
-    device. One definition for the writer's cross-process dedup (a Record
-    about to be written, or a line other processes wrote) and readers.
-    Shards of one value are different values: their ``index`` is part of it.
-    So is the ``attempt`` of a resumed run: a replayed step's new value is
-    neither a duplicate nor a divergence of the old one (it supersedes it:
-    tapfile/attempts.py)."""
-    if isinstance(r, Record):
-        return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
-    get = r.get  # once per record of every read: no call it can spare
-    index = get("index")
-    return (
-        get("run"),
-        get("name"),
-        get("step"),
-        get("pass", "forward"),
-        index if index is None else index_key(index),
-        get("attempt", 0),
-    )
-
-
-def step_key(r: dict) -> tuple:
-    """A record's step of a tap, (run, name, step, pass): ``record_key``'s
-    first four fields, every shard and every attempt of that step. The unit
-    a later attempt of a resumed run supersedes (tapfile/attempts.py)."""
-    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
-
-
 def split_step(key: tuple) -> tuple[tuple, Any]:
     """A ``record_key`` as (the key less its step, the step): the rest is
     (run, name, pass, index, attempt), for an index that keeps one such
@@ -502,21 +377,6 @@ def key_with_step(rest: tuple, step: Any) -> tuple:
     return (*rest[:2], step, *rest[2:])
 
 
-def index_key(index: Any) -> Any:
-    """A hashable form of a record's ``index`` (None when it has none)."""
-    if isinstance(index, (list, tuple)):
-        return tuple(index_key(i) for i in index)
-    return index
-
-
-def _is_pair(p: Any) -> bool:
-    return (
-        isinstance(p, (list, tuple))
-        and len(p) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
-    )
-
-
 def index_text(index: Any, sep: str = ",") -> str:
     """``[[4, 6], [0, 8]]`` -> ``4:6,0:8`` (one ``start:stop`` per dimension;
     a pytree's leaves each in brackets); "" when there is none."""
@@ -525,13 +385,6 @@ def index_text(index: Any, sep: str = ",") -> str:
     if all(_is_pair(p) for p in index):
         return sep.join(f"{a}:{b}" for a, b in index)
     return sep.join("[" + index_text(i, sep) + "]" for i in index)
-
-
-def valid_index(index: Any, depth: int = 0) -> bool:
-    """[[start, stop], ...], or a list of those (one per pytree leaf)."""
-    if not isinstance(index, list) or depth > 1:
-        return False
-    return all(_is_pair(p) or (depth == 0 and valid_index(p, 1)) for p in index)
 
 
 # A leaf above options().max_value_bytes travels as float32[8] statistics
@@ -600,7 +453,7 @@ def _decode_complex(v: Any, depth: int) -> Any:
     return [_decode_complex(x, depth - 1) for x in v]
 
 
-def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
+def decode_value(value: Any, dtype: Any, shape: Any) -> Any:
     if isinstance(dtype, str) and isinstance(value, dict):
         # A summarized leaf: statistics, never complex pairs.
         return {k: _decode_nonfinite(v) for k, v in value.items()}
@@ -611,455 +464,39 @@ def _decode_value(value: Any, dtype: Any, shape: Any) -> Any:
         return value
     if isinstance(dtype, dict) and isinstance(value, dict):
         shapes = shape if isinstance(shape, dict) else {}
-        return {k: _decode_value(v, dtype.get(k), shapes.get(k)) for k, v in value.items()}
+        return {k: decode_value(v, dtype.get(k), shapes.get(k)) for k, v in value.items()}
     if isinstance(dtype, list) and isinstance(value, list):
         shapes = shape if isinstance(shape, list) else [None] * len(value)
-        return [_decode_value(v, d, s) for v, d, s in zip(value, dtype, shapes)]
+        return [decode_value(v, d, s) for v, d, s in zip(value, dtype, shapes)]
     return _decode_nonfinite(value)
 
 
-# ---------------------------------------------------------------- the rules
-#
-# What a record is, field by field, in one table (RULES): validate_dict's
-# full checks and checks.schema_problems' per-field checks are made from it;
-# the fast checks (first_not_plain here, checks._fields_clean and
-# summary_batch.BatchSummarizer._add_part) are hand-inlined copies of it for
-# speed (a loop over the table costs every line of every read), and
-# tests/tapfile/test_record_rules.py derives from the table a record
-# breaking each rule and checks that each of them refuses it.
-
-
-def _is_scalar(x: Any) -> bool:
-    return x is None or isinstance(x, (str, int, float))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-# The exact types a JSON parser returns for a field readers only compare,
-# hash and print (process, device, a holder id): any JSON scalar.
-_SCALAR_TYPES = frozenset((type(None), str, int, float, bool))
-_STR = frozenset((str,))
-_INT = frozenset((int,))
-
-
-def _holders_ok(ids: Any) -> bool:
-    """A ``devices``/``processes`` field as readers take it: absent or null,
-    a list of scalars, or ranges text (holders_field)."""
-    return (
-        ids is None
-        or isinstance(ids, list)
-        and all(map(_is_scalar, ids))
-        or id_ranges(ids) is not None
-    )
-
-
-def _strict_holders(ids: Any, element: Any) -> bool:
-    return isinstance(ids, list) and all(map(element, ids)) or id_ranges(ids) is not None
-
-
-def _strict_devices(ids: Any, d: dict) -> bool:
-    # One holder per replica, in either form of the holders.
-    replicas = d["replicas"]
-    return ids is None or (
-        _strict_holders(ids, lambda x: x is None or _is_int(x))
-        and (not _is_int(replicas) or holders_count(ids) == replicas)
-    )
-
-
-def _strict_copies_seen(seen: Any, d: dict) -> bool:
-    replicas = d["replicas"]
-    return _is_int(seen) and 1 <= seen and (not _is_int(replicas) or seen <= replicas)
-
-
-def _global_shape_ok(g: Any, d: dict | None = None) -> bool:
-    if isinstance(g, list) and all(_is_int(n) and n >= 0 for n in g):
-        return True
-    return isinstance(g, list) and all(
-        isinstance(x, list) and all(_is_int(n) and n >= 0 for n in x) for x in g
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldRule:
-    """One field of a record: what readers need of it (``types``, ``ok``:
-    validate_dict) and what the format says beyond that (``strict``:
-    ``pmaptap validate``, checks.schema_problems)."""
-
-    name: str
-    # The JSON types readers take, as a parser returns them (the fast
-    # checks test the exact type; the full checks take subclasses, but
-    # never a bool for an int); None: any value.
-    types: frozenset | None = None
-    # What a value of those types must also be (None: nothing more).
-    ok: Callable[[Any], bool] | None = None
-    must: str = ""  # validate_dict's problem: "<name> must be <must>"
-    # The kinds of record the field belongs to. A required field is in
-    # every record of those kinds and checked there only; readers check an
-    # optional field in any record that has it; the strict check runs in
-    # those kinds only.
-    kinds: tuple = KINDS
-    required: bool = False
-    # first_not_plain takes records with this field (False: they take the
-    # full checks); checks._fields_clean likewise.
-    plain: bool = True
-    clean: bool = True
-    # The format's own rule, checked on records readers take (the record
-    # is the second argument), and its problem (str.format'ed with v=).
-    strict: Callable[[Any, dict], bool] | None = None
-    strict_problem: str = ""
-
-    def accepts(self, v: Any) -> bool:
-        """Whether readers take ``v`` in this field (validate_dict)."""
-        types = self.types
-        if types is not None and not (
-            isinstance(v, tuple(types)) and (bool in types or not isinstance(v, bool))
-        ):
-            return False
-        return self.ok is None or bool(self.ok(v))
-
-
-_REP, _PD = ("replicated",), ("per_device",)
-# The kinds that list the holders of a value (replicas, devices, processes).
-_HELD = ("replicated", FINGERPRINT)
-_FP = (FINGERPRINT,)
-_HEX16 = re.compile(r"[0-9a-f]{16}")
-
-
-def _fp_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
-    """A field of fingerprint records only, the format's own rule (readers
-    take any value: no fast check needs to know it)."""
-    return FieldRule(name, kinds=_FP, strict=strict, strict_problem=problem)
-
-
-def _holders_rule(name: str, strict: Callable[[Any, dict], bool], problem: str) -> FieldRule:
-    """The rule of a holders field (``devices``, ``processes``): readers take
-    either form (holders_field) in any record; the format's own rule is a
-    replicated record's."""
-    return FieldRule(
-        name,
-        frozenset((type(None), list, str)),
-        _holders_ok,
-        'a list of numbers or ranges text ("0-4095,4100")',
-        kinds=_HELD,
-        strict=strict,
-        strict_problem=problem,
-    )
-
-
-# The table, in the order validate_dict looks for a problem (it names the
-# first it finds). Fields not here (batch_dims, summarized, a meta
-# record's counters) are not checked.
-RULES: tuple[FieldRule, ...] = (
-    FieldRule("name", _STR, bool, "a non-empty string", required=True),
-    FieldRule(
-        "step",
-        _INT,
-        must="an integer",
-        required=True,
-        strict=lambda v, d: 0 <= v <= MAX_STEP,
-        strict_problem="step must be from 0 to 2**63-1, got {v}",
-    ),
-    FieldRule("kind", _STR, KINDS.__contains__, f"one of {KINDS}", required=True),
-    FieldRule("run", _STR, must="a string", required=True),
-    FieldRule("value", required=True),
-    FieldRule("dtype", required=True),
-    FieldRule("shape", required=True),
-    FieldRule("pass", _STR, must="a string"),
-    FieldRule(
-        "process",
-        _SCALAR_TYPES,
-        must="a number",
-        required=True,
-        strict=lambda v, d: _is_int(v) and v >= 0,
-        strict_problem="process must be a non-negative integer",
-    ),
-    FieldRule(
-        "time",
-        required=True,
-        strict=lambda v, d: _is_num(v) and math.isfinite(v),
-        strict_problem="time must be a finite number (unix seconds)",
-    ),
-    FieldRule(
-        "host",
-        required=True,
-        strict=lambda v, d: isinstance(v, str),
-        strict_problem="host must be a string",
-    ),
-    FieldRule("vhash", _STR, must="a string"),
-    _holders_rule(
-        "devices",
-        _strict_devices,
-        "devices must list one integer-or-null per replica",
-    ),
-    _holders_rule(
-        "processes",
-        lambda v, d: _strict_holders(v, _is_int),
-        "processes must be a list of integers (or their ranges text)",
-    ),
-    FieldRule(
-        "device",
-        _SCALAR_TYPES,
-        must="a number or null",
-        kinds=_PD,
-        required=True,
-        strict=lambda v, d: v is None or _is_int(v),
-        strict_problem="device must be an integer or null",
-    ),
-    FieldRule(
-        "coords",
-        frozenset((dict,)),
-        must="an object",
-        kinds=_PD,
-        required=True,
-        strict=lambda v, d: all(map(_is_int, v.values())),
-        strict_problem="coords must be an object of axis name -> integer index",
-    ),
-    FieldRule(
-        "replicas",
-        kinds=_HELD,
-        required=True,
-        strict=lambda v, d: _is_int(v) and v >= 1,
-        strict_problem="replicas must be a positive integer",
-    ),
-    FieldRule("attempt", _INT, lambda v: v >= 0, "a non-negative integer"),
-    FieldRule(
-        "index",
-        frozenset((list,)),
-        valid_index,
-        "[[start, stop], ...] (a list of those per leaf)",
-        plain=False,
-    ),
-    FieldRule(
-        "divergent",
-        strict=lambda v, d: v is True,
-        strict_problem="divergent, when present, must be true",
-    ),
-    FieldRule(
-        COPIES_SEEN,
-        kinds=_REP,
-        clean=False,
-        strict=_strict_copies_seen,
-        strict_problem=f"{COPIES_SEEN}, when present, must be an integer from 1 to replicas",
-    ),
-    FieldRule(
-        "global_shape",
-        clean=False,
-        strict=_global_shape_ok,
-        strict_problem="global_shape must be a list of non-negative integers (a list per leaf)",
-    ),
-    # A stored value's references: tapfile/arrays.py field_problem checks them.
-    FieldRule("bytes", clean=False),
-    # Fingerprint records (FINGERPRINT above).
-    FieldRule(
-        "fingerprint",
-        _STR,
-        must="a string",
-        kinds=_FP,
-        required=True,
-        strict=lambda v, d: _HEX16.fullmatch(v) is not None,
-        strict_problem="fingerprint must be 16 hexadecimal digits",
-    ),
-    _fp_rule("leaf", lambda v, d: isinstance(v, str), "leaf must be a string (the leaf's path)"),
-    _fp_rule(
-        "leaves",
-        lambda v, d: _is_int(v) and v >= 1,
-        "leaves must be a positive integer",
-    ),
-    _fp_rule(
-        "slices",
-        lambda v, d: _is_int(v) and v >= 1,
-        "slices must be a positive integer",
-    ),
-    _fp_rule(
-        "compared",
-        lambda v, d: _is_int(v) and v >= 1 and (not _is_int(d["replicas"]) or v >= d["replicas"]),
-        "compared must be an integer, at least replicas",
-    ),
-    _fp_rule(
-        "slice_coords",
-        lambda v, d: isinstance(v, dict) and all(map(_is_int, v.values())),
-        "slice_coords must be an object of axis name -> integer index",
-    ),
-    _fp_rule(
-        "holders",
-        lambda v, d: (
-            isinstance(v, list)
-            and all(isinstance(h, dict) for h in v)
-            and (not _is_int(d["replicas"]) or len(v) == d["replicas"])
-        ),
-        "holders must list one object per replica",
-    ),
-)
-RULE = {r.name: r for r in RULES}
-# What the checks use, made once here (never per record).
-# The fields every record has, in the order a line holds them (Record's).
-REQUIRED = tuple(
-    f.name
-    for f in dataclasses.fields(Record)
-    if f.name in RULE and RULE[f.name].required and RULE[f.name].kinds == KINDS
-)
-_REQUIRED_KEYS = frozenset(REQUIRED)
-# Every field a record of each kind must have (REQUIRED first).
-REQUIRED_BY_KIND = {
-    kind: REQUIRED
-    + tuple(r.name for r in RULES if r.required and kind in r.kinds and r.kinds != KINDS)
-    for kind in KINDS
-}
-# What validate_dict checks: a field's type or condition, a kind's fields.
-_READER_RULES = tuple(
-    r for r in RULES if r.types is not None or r.ok is not None or r.required and r.kinds != KINDS
-)
-STRICT_RULES = tuple(r for r in RULES if r.strict is not None)
-# Fields whose records the fast checks leave to the full ones.
-NOT_PLAIN = frozenset(r.name for r in RULES if not r.plain)
-NOT_CLEAN = frozenset(r.name for r in RULES if not r.clean)
-
-
-def _plainly_valid(d: dict) -> bool:
-    """True only for records validate_dict accepts, checked with exact type
-    tests as a JSON parser returns them: the records every reader meets, so
-    ``pmaptap summary`` of a big file pays for these and not for the full
-    checks. False means "run the full checks", which then find the problem
-    (or accept a rarer form). The checks themselves: first_not_plain."""
-    return first_not_plain((d,)) == 1
-
-
-def first_not_plain(ds: Sequence[Any], start: int = 0) -> int:
-    """The index of the first item of ``ds`` from ``start`` on that is not
-    a plainly valid record (see _plainly_valid), len(ds) if there is none.
-    One Python loop with every check inline (no call per record, no loop
-    per field): this runs for every line of every read."""
-    # RULES, hand-inlined (measured: a loop over the table's fields takes
-    # ~1.5x as long): the required fields of every record and of each kind, exact
-    # types from the table's type sets (scalar: _SCALAR_TYPES), and no
-    # field that is not plain (NOT_PLAIN: index). test_record_rules.py
-    # checks that it refuses what any rule of the table refuses.
-    scalar = _SCALAR_TYPES
-    i = start
-    for i in range(start, len(ds)):
-        d = ds[i]
-        if type(d) is not dict:
-            return i
-        try:
-            name, step, kind, run, process = (
-                d["name"],
-                d["step"],
-                d["kind"],
-                d["run"],
-                d["process"],
-            )
-        except KeyError:
-            return i
-        if not (
-            "value" in d
-            and "dtype" in d
-            and "shape" in d
-            and "time" in d
-            and "host" in d
-            and "index" not in d
-            and type(name) is str
-            and name
-            and type(step) is int
-            and type(run) is str
-            and type(process) in scalar
-        ):
-            return i
-        # Optional fields, each tested for presence first (most records
-        # have few of them).
-        if "pass" in d and type(d["pass"]) is not str:
-            return i
-        if "vhash" in d and type(d["vhash"]) is not str:
-            return i
-        if "attempt" in d:
-            attempt = d["attempt"]
-            if type(attempt) is not int or attempt < 0:
-                return i
-        ids = d.get("devices")
-        if ids is not None and not (
-            type(ids) is list and set(map(type, ids)) <= scalar or id_ranges(ids) is not None
-        ):
-            return i
-        ids = d.get("processes")
-        if ids is not None and not (
-            type(ids) is list and set(map(type, ids)) <= scalar or id_ranges(ids) is not None
-        ):
-            return i
-        if kind == "per_device":
-            if "device" not in d or type(d["device"]) not in scalar:
-                return i
-            if type(d.get("coords")) is not dict:
-                return i
-        elif kind == "replicated":
-            if "replicas" not in d:
-                return i
-        elif kind != "meta":
-            return i
-    else:
-        return len(ds)
-    return len(ds)
-
-
-def validate_dict(d: Any) -> str | None:
-    """Why ``d`` is not a record, or None if it is one.
-
-    Checks what every reader relies on: the record's identity (run, name,
-    step, pass: hashable, see record_key), and fields that readers index,
-    sort or iterate having a usable type (RULES). ``pmaptap validate``
-    checks the rest of the format (checks.schema_problems)."""
-    if type(d) is dict and _plainly_valid(d):
-        return None
-    return _record_problem(d)
-
-
-def _record_problem(d: Any) -> str | None:
-    """validate_dict's full checks (any input, any subclass): RULES in
-    their order, the first problem found."""
-    if not isinstance(d, dict):
-        return "not a JSON object"
-    missing = [k for k in REQUIRED if k not in d]
-    if missing:
-        return "missing field(s): " + ", ".join(missing)
-    kind = d["kind"]
-    for rule in _READER_RULES:
-        name = rule.name
-        if rule.required and rule.kinds != KINDS:
-            if kind not in rule.kinds:
-                continue  # not this kind's field: readers never look at it
-            own = REQUIRED_BY_KIND[kind][len(REQUIRED) :]
-            if any(f not in d for f in own):
-                return f"{kind} record without {'/'.join(own)}"
-        elif name not in d:
-            continue
-        if not rule.accepts(d[name]):
-            return f"{name} must be {rule.must}"
-    return None
-
-
-def decode_owned(d: dict) -> dict:
-    """``decode_record(d)`` for a ``d`` the caller gives up (a record just
-    parsed, held nowhere else): ``d`` itself where decoding would change
-    nothing in it (a number as value, holders as lists: most records), so
-    the common record is not copied; else decode_record's new dict."""
-    v = d["value"]
-    if (
-        (type(v) is float or type(v) is int)
-        and type(d.get("devices")) is not str
-        and type(d.get("processes")) is not str
-    ):
-        return d
-    return decode_record(d)
+def decoded(r: AnyRecord) -> dict:
+    """A record (a schema.py Struct) as pmaptap.read gives it: its line's
+    object with decode_record's decoding, built once (no copy of a dict
+    made for the purpose)."""
+    if r.odd:
+        return decode_record(r.source)
+    d = as_dict(r)
+    v = r.value
+    if type(v) is not float and type(v) is not int:
+        d["value"] = decode_value(v, r.dtype, r.shape)
+    if type(r.devices) is str:
+        d["devices"] = Holders.of(r.devices)
+    if type(r.processes) is str:
+        d["processes"] = Holders.of(r.processes)
+    return d
 
 
 def decode_record(d: dict) -> dict:
+    """A record as written (the line's object) as readers give it: its
+    value decoded (non-finite markers as floats, complex pairs as complex),
+    holders written as ranges text as ``Holders`` (the ids, never a list
+    of them: a record of a 4,096-process job stays small)."""
     d = dict(d)
-    d["value"] = _decode_value(d["value"], d.get("dtype"), d.get("shape"))
+    d["value"] = decode_value(d["value"], d.get("dtype"), d.get("shape"))
     for field in ("devices", "processes"):
-        if type(d.get(field)) is str:
-            d[field] = holder_ids(d[field])
+        v = d.get(field)
+        if type(v) is str and holders_count(v) is not None:
+            d[field] = Holders.of(v)
     return d

@@ -12,7 +12,8 @@ from itertools import count, repeat
 from typing import Any, BinaryIO, Iterator
 
 from pmaptap.tapfile import parse, runs
-from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.parse import decode_line
+from pmaptap.tapfile.schema import as_dict
 
 _SKIP_CHUNK = 1 << 20
 
@@ -95,16 +96,15 @@ def collector_paused() -> Iterator[None]:
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(line number, record or None, problem or None) for every line, read a
-    line at a time: a line longer than parse.MAX_LINE_BYTES is reported
-    without being held in memory. A run in the sharded layout (``path.d/``)
-    is read as one stream merged from its shards (tapfile/runs.py)."""
-    if runs.is_sharded(path):
-        return _flat(runs.iter_merged(path, read_at))
-    return iter_file_lines(path)
+    """(line number, record or None, problem or None) for every line, the
+    record as its line's JSON object (undecoded), read in batches: a line
+    longer than parse.MAX_LINE_BYTES is reported without being held in
+    memory. A run in the sharded layout (``path.d/``) is read as one stream
+    merged from its shards (tapfile/runs.py)."""
+    return _flat(iter_batches(path))
 
 
-def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, dict | None, str | None]]:
+def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
     for first, records, problems in batches:
         if not problems:
             yield from zip(count(first), records, repeat(None))
@@ -113,18 +113,35 @@ def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, dict | None, str | No
             yield first + i, d, problems.get(first + i)
 
 
-def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """``iter_lines`` as batches (see iter_file_batches): a run in the
-    sharded layout is its merged stream cut into batches."""
+def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
+    """The lines of a run as batches ``(first, records, problems)`` of
+    schema.py records (Structs; None for a line that is none, its problem
+    by line number in ``problems``): one file (iter_file_records) or a
+    sharded run's merged stream."""
     if not runs.is_sharded(path):
-        return iter_file_batches(path)
+        return iter_file_records(path)
     return runs.iter_merged(path, read_at)
+
+
+def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
+    """``iter_record_batches`` with each record as its line's JSON object."""
+    return _as_dicts(iter_record_batches(path))
+
+
+def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
+    for first, records, problems in batches:
+        yield first, [None if r is None else as_dict(r) for r in records], problems
 
 
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """``iter_lines`` of one file. A long read draws a progress bar on a
     terminal (see _ReadProgress)."""
     return _flat(iter_file_batches(path))
+
+
+def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
+    """``iter_file_records`` with each record as its line's JSON object."""
+    return _as_dicts(iter_file_records(path))
 
 
 # Bytes read per batch: ~300 records of a training job. Small enough that a
@@ -136,29 +153,32 @@ BATCH_BYTES = 1 << 16
 Batch = tuple[int, list, dict]
 
 
-def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Iterator[Batch]:
+def iter_file_records(
+    path: str | os.PathLike, start: int = 0, stop: int | None = None
+) -> Iterator[Batch]:
     """The lines of one file as batches ``(first, records, problems)``:
-    ``records[i]`` is line ``first + i`` as a record (undecoded) or None,
-    ``problems`` maps the line number of each line that is not a record to
-    why (parse.parse_lines; an empty line is one). What each line becomes
-    is exactly what parse.parse_line says, plus what only the file shows: a
-    line longer than parse.MAX_LINE_BYTES is reported without being held in
-    memory past that limit, and a last line without a newline that is not
-    valid JSON is a torn line (a writer still writing it, or killed). A long
-    read draws a progress bar on a terminal (see _ReadProgress).
+    ``records[i]`` is line ``first + i`` as a record (a schema.py Struct)
+    or None, ``problems`` maps the line number of each line that is not a
+    record to why (parse.decode_lines; an empty line is one). What each
+    line becomes is exactly what parse.decode_line says, plus what only the
+    file shows: a line longer than parse.MAX_LINE_BYTES is reported without
+    being held in memory past that limit, and a last line without a
+    newline that is not valid JSON is a torn line (a writer still writing
+    it, or killed). A long read draws a progress bar on a terminal (see
+    _ReadProgress).
 
-    ``unchecked``: a batch whose lines orjson takes as they are comes as
-    ``(first, values, {}, lines)``, what orjson made of each line, not yet
-    checked as records (parse.load_lines: for a reader that checks them
-    itself and hands any other line to parse.parse_line); every other batch
-    comes as ``(first, records, problems, None)``. Without it, batches are
-    ``(first, records, problems)``."""
+    ``start``, ``stop``: only the lines from byte ``start`` to ``stop``
+    (both at the start of a line; tapfile/jobs.py splits a file so),
+    numbered from 1."""
     with open(path, "rb") as f:
+        if start:
+            f.seek(start)
         progress = _ReadProgress(f, path)
         try:
             lineno = 1
             while True:
-                block = read_block(f, BATCH_BYTES)
+                size = BATCH_BYTES if stop is None else min(BATCH_BYTES, stop - f.tell())
+                block = read_block(f, size) if size > 0 else None
                 if block is None:
                     return
                 progress.tick()
@@ -166,25 +186,13 @@ def iter_file_batches(path: str | os.PathLike, unchecked: bool = False) -> Itera
                 records: list = []
                 where: dict = {}
                 if buf:
-                    # buf ends with a newline: the split's last item is empty.
-                    lines = buf.split(b"\n")
-                    lines.pop()
-                    values = parse.load_lines(lines, buf) if unchecked else None
-                    if values is not None:
-                        yield lineno, values, {}, lines
-                        lineno += len(values)
-                    else:
-                        records, where = parse.parse_lines(lines, buf)
+                    records, where = parse.decode_block(buf)
                 problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:
                         problems[lineno + len(records)] = last[1]
                     records.append(last[0])
-                if unchecked:
-                    if records:
-                        yield lineno, records, problems, None
-                else:
-                    yield lineno, records, problems
+                yield lineno, records, problems
                 lineno += len(records)
         finally:
             progress.close()
@@ -195,7 +203,7 @@ def read_block(
 ) -> "tuple[bytes, tuple[dict | None, str | None] | None] | None":
     """The next ``size`` bytes of ``f`` or so, as whole lines: ``(buf,
     last)``, ``buf`` the bytes of whole lines (each ending with a newline,
-    maybe none), ``last`` the record/problem of a line that ends the block
+    maybe none), ``last`` the record (a Struct)/problem of a line that ends the block
     without a newline (None if there is none); None at the end of the file.
 
     What only the file shows is decided here: a line longer than
@@ -227,7 +235,7 @@ def read_block(
             else:
                 # No newline at the end of the file: a writer is still
                 # writing this line, or was killed while writing it.
-                d, problem = parse_line(raw)
+                d, problem = decode_line(raw)
                 if problem is not None and problem.startswith("not valid JSON"):
                     problem = "torn last line (no newline)"
                 last = (d, problem)

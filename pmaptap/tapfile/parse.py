@@ -23,26 +23,27 @@ with a short reason, and what one line may cost is bounded:
 The writers apply the same limits to what they write (see
 ``_host/sink.py``), so every line pmaptap writes is read back.
 
-orjson parses when it is installed; with ``PMAPTAP_NO_ORJSON=1`` (or without
-orjson) ``json`` does, with hooks that make it accept and refuse exactly the
-same lines and return the same values.
+A line is decoded by the format's own types (tapfile/schema.py, msgspec):
+most lines are records of the format and cost one call. A line they refuse
+is read by the definition: parsed as any JSON value (msgspec, strict), then
+schema.validate_dict, the level readers take. (orjson, a writers' library,
+reads nothing here: ``PMAPTAP_NO_ORJSON`` changes no reader.)
 """
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from pmaptap.tapfile import format as _format
-from pmaptap.tapfile.speedups import SPEEDUPS
+import msgspec
+
+from pmaptap.tapfile.schema import DECODER, AnyRecord, as_dict, from_dict, validate_dict
 
 MAX_LINE_BYTES = 64 << 20
 MAX_DEPTH = 128
 
-# Integers orjson keeps exact; outside this range it returns a float, and the
-# json fallback does the same so both read a file alike.
+# Integers kept exact; outside this range a reader reads the nearest float
+# (as orjson does: a file reads the same through either).
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 # Scanning for depth: a whole JSON string (escapes included), a run of bytes
@@ -52,9 +53,6 @@ _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+|"', re.DOTALL)
 # Deleting every byte but the four brackets (bytes.translate's delete table).
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENERS = b"[{"
-# A \uD800-\uDFFF escape: only then can json's result hold a lone surrogate.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
@@ -91,211 +89,196 @@ def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
     return False
 
 
-def _parse_int(text: str) -> int | float:
-    if len(text) < 19:
-        return int(text)
-    value = int(text)  # ValueError past 4300 digits: not read
-    if _INT_MIN <= value < _INT_END:
-        return value
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"number out of range ({len(text)} digits)") from None
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"number out of range ({text[:20]})")
-    return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _has_lone_surrogate(obj: Any) -> bool:
-    # Iterative: the depth is already bounded, but this may run deep in a
-    # caller's stack.
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            if _SURROGATE.search(x):
-                return True
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return False
+_ANY = msgspec.json.Decoder()
 
 
 def _loads(raw: bytes) -> tuple[Any, str | None]:
-    orjson = _format.ORJSON
-    if orjson is not None:
-        try:
-            return orjson.loads(raw), None
-        except orjson.JSONDecodeError as e:
-            return None, f"not valid JSON ({e})"
+    """The line's JSON value (strict RFC 8259: no NaN, no trailing comma,
+    valid UTF-8 and surrogate pairs), integers outside [-2**63, 2**64) as
+    the nearest float (one beyond the double range: not valid)."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return None, f"not valid JSON (not UTF-8: {e})"
-    try:
-        obj = json.loads(
-            text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
-        )
-    except ValueError as e:
+        obj = _ANY.decode(raw)
+    except msgspec.DecodeError as e:
         return None, f"not valid JSON ({e})"
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(obj):
-        return None, "not valid JSON (an unpaired surrogate escape)"
+    if _long_number(raw):
+        try:
+            obj = _as_read(obj)
+        except OverflowError:
+            return None, "not valid JSON (number out of range)"
     return obj, None
 
 
-def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
-    """One line (without its newline) -> (undecoded record, None) or
-    (None, why it is not a record). Never raises an Exception."""
+def _as_read(x: Any) -> Any:
+    """``x`` with its integers outside [-2**63, 2**64) as floats (depth is
+    bounded: MAX_DEPTH)."""
+    if type(x) is int:
+        return x if _INT_MIN <= x < _INT_END else float(x)
+    if type(x) is list:
+        return [_as_read(v) for v in x]
+    if type(x) is dict:
+        return {k: _as_read(v) for k, v in x.items()}
+    return x
+
+
+def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
+    """One line (without its newline) -> (record, None) or (None, why it is
+    not a record). The record is a schema.py Struct; ``parse_line`` gives
+    the line's object. Never raises an Exception."""
     try:
         if len(raw) > MAX_LINE_BYTES:
             return None, (
                 f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
             )
-        # The common case first, in as few calls as possible (this runs for
-        # every line of every read): a line with at most MAX_DEPTH brackets
-        # that orjson parses into a record that passes validate_dict's
-        # exact-type checks. Anything else takes the full path below, which
-        # gives the same answer for these lines.
-        orjson = _format.ORJSON
-        if orjson is not None and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        # The common line in one call: the format's Structs decode it, its
+        # rules checked while decoding (schema.py). A line with more
+        # brackets than MAX_DEPTH, or a run of 19 digits (an integer
+        # msgspec would keep past 64 bits, where the definition reads a
+        # float), or any line the Structs refuse takes the definition
+        # below, which gives these lines the same record.
+        if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and not _long_number(raw):
             try:
-                d = orjson.loads(raw)
-            except orjson.JSONDecodeError:
+                return DECODER.decode(raw), None
+            except (msgspec.ValidationError, msgspec.DecodeError):
                 pass
-            else:
-                if type(d) is dict and _format._plainly_valid(d):
-                    return d, None
-        if not raw.strip():
-            return None, "empty line"
-        if exceeds_depth(raw):
-            return None, f"nested deeper than {MAX_DEPTH} levels (not parsed)"
-        d, problem = _loads(raw)
-        if problem is not None:
-            return None, problem
-        problem = _format.validate_dict(d)
-        if problem:
-            return None, f"not a pmaptap record: {problem}"
-        return d, None
+        return _by_definition(raw)
     except Exception as e:  # noqa: BLE001 - the contract: no line raises
         # Not reached by any input the tests know; if it ever is, the line is
         # still reported rather than ending the reader (or a writer's dedup).
         return None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
 
 
-Parsed = tuple[list, dict]
+def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
+    """A line the format's Structs do not take: parsed as any JSON value,
+    then taken if readers take it (schema.validate_dict), its object kept
+    (schema.from_dict)."""
+    if len(raw) > MAX_LINE_BYTES:
+        return None, f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
+    if not raw.strip():
+        return None, "empty line"
+    if exceeds_depth(raw):
+        return None, f"nested deeper than {MAX_DEPTH} levels (not parsed)"
+    d, problem = _loads(raw)
+    if problem is not None:
+        return None, problem
+    problem = validate_dict(d)
+    if problem:
+        return None, f"not a pmaptap record: {problem}"
+    return from_dict(d), None
 
 
-def parse_lines(
-    lines: list[bytes], joined: bytes | None = None, seen: dict | None = None
-) -> Parsed:
-    """``parse_line`` of every line of ``lines`` (each without its newline),
-    many lines per call: (records, problems), ``records[i]`` the record of
-    ``lines[i]`` or None, ``problems[i]`` why it is not one. Exactly
-    parse_line's answers (tests/tapfile/test_read_batch.py checks it on hostile
-    lines); never raises an Exception.
+def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """One line (without its newline) -> (undecoded record, None) or
+    (None, why it is not a record): ``decode_line`` as the line's JSON
+    object. Never raises an Exception."""
+    r, problem = decode_line(raw)
+    return (None if r is None else as_dict(r)), problem
 
-    The common case costs a few C-level passes over the list instead of a
-    Python call per line: every line short and shallow enough (byte counts),
-    one orjson call per line through ``map`` (each line parsed on its own,
-    so a line can never borrow bytes from its neighbour), then the plain
-    record checks in one loop (format.first_not_plain). Anything
-    else (a line orjson refuses, a record that is not plainly valid, a long
-    or bracket-heavy line, no orjson) takes parse_line one line at a time,
-    which is the definition. ``joined``: ``b"\\n".join(lines)`` (maybe with
-    a newline after), if the caller has it.
 
-    ``seen``: a sharded run's merge's (runs._Source), only there. In C, a
-    line that is plainly a copy of a replicated value another process's
-    line already gave (set_aside's test, _speedups.c scan_copy: only lines
-    it can read exactly without building them) comes back as (line, time,
-    info) instead of its record, for time_keys, which holds it as its
-    line: the merge drops most copies, and building each was most of what
-    it cost to read one."""
+Decoded = tuple[list, dict]
+
+
+def decode_lines(lines: list[bytes], joined: bytes | None = None) -> Decoded:
+    """``decode_line`` of every line of ``lines`` (each without its
+    newline), many lines per call: (records, problems), ``records[i]`` the
+    record of ``lines[i]`` or None, ``problems[i]`` why it is not one.
+    Exactly decode_line's answers; never raises an Exception. ``joined``:
+    ``b"\\n".join(lines)`` (maybe with a newline after), if the caller
+    has it."""
+    if not lines:
+        return [], {}
+    return decode_block(b"\n".join(lines) if joined is None else joined, lines)
+
+
+def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
+    """``decode_lines`` of the lines of ``block`` (whole lines, each ending
+    with a newline but maybe the last). The common block is one msgspec
+    call: every line short and shallow enough and without a long integer
+    (a few C passes over the block), the block decoded at once. A block
+    with any other line goes a line at a time, each line that the Structs
+    refuse to the definition alone. ``lines``: the block's lines, if the
+    caller has them."""
     try:
-        orjson = _format.ORJSON
-        if SPEEDUPS is not None and orjson is not None:
-            # The same, one line at a time in C (tapfile/_speedups.c): a
-            # line leaves the fast path alone, not its whole batch.
-            records, slow = SPEEDUPS.plain_records(
-                lines,
-                orjson.loads,
-                orjson.JSONDecodeError,
-                MAX_DEPTH,
-                MAX_LINE_BYTES,
-                _format.id_ranges,
-                seen,
-            )
-            return _by_definition(lines, records, slow)
-        records = load_lines(lines, joined)
-        if records is None:
-            return _one_by_one(lines)
-        # The plain records stand; the rest get parse_line's full path and
-        # its exact reason.
-        return _by_definition(lines, records, _not_plain(records))
+        if (
+            (len(block) <= MAX_LINE_BYTES or max(map(len, _split(block, lines))) <= MAX_LINE_BYTES)
+            and _max_openers(block) <= MAX_DEPTH
+            and not _long_number(block)
+        ):
+            try:
+                records = DECODER.decode_lines(block)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            else:
+                n = block.count(b"\n") + (not block.endswith(b"\n"))
+                if len(records) == n:  # no blank line skipped
+                    return records, {}
+            return _line_by_line(_split(block, lines))
+        return _one_by_one(_split(block, lines))
     except Exception:  # noqa: BLE001 - the contract: no line raises
-        return _one_by_one(lines)
+        return _one_by_one(_split(block, lines))
 
 
-def load_lines(lines: list[bytes], joined: bytes | None = None) -> list | None:
-    """What orjson makes of each line, when every line is one parse_line
-    would hand straight to orjson (short, at most MAX_DEPTH opening
-    brackets) and orjson takes every one; else None. Not yet records: a
-    reader that checks the records it knows itself (``pmaptap summary``)
-    starts here and gives every other line to parse_line."""
-    orjson = _format.ORJSON
-    if orjson is None or not lines:
-        return None
-    if joined is None:
-        joined = b"\n".join(lines)
-    if len(joined) > MAX_LINE_BYTES and max(map(len, lines)) > MAX_LINE_BYTES:
-        return None
-    if _max_openers(joined) > MAX_DEPTH:
-        return None
-    try:
-        return list(map(orjson.loads, lines))
-    except orjson.JSONDecodeError:
-        return None
+def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
+    if lines is not None:
+        return lines
+    lines = block.split(b"\n")
+    if block.endswith(b"\n"):
+        lines.pop()
+    return lines
 
 
-def _one_by_one(lines: list[bytes]) -> Parsed:
-    return _by_definition(lines, [None] * len(lines), range(len(lines)))
-
-
-def _by_definition(lines: list[bytes], records: list, at: Iterable[int]) -> Parsed:
-    """``records`` with the line of each index of ``at`` given parse_line's
-    answer, the definition; (records, problems by index)."""
+def _line_by_line(lines: list[bytes]) -> Decoded:
+    """decode_lines of a batch whose lines the batch gate let through (short,
+    shallow, no long number): each line decoded on its own, those the
+    Structs refuse by the definition."""
+    records: list = []
     problems: dict[int, str] = {}
-    for i in at:
-        d, problem = parse_line(lines[i])
-        records[i] = d
+    decode = DECODER.decode
+    for i, raw in enumerate(lines):
+        try:
+            records.append(decode(raw))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            r, problem = _by_definition(raw)
+            records.append(r)
+            if problem is not None:
+                problems[i] = problem
+    return records, problems
+
+
+def _one_by_one(lines: list[bytes]) -> Decoded:
+    records: list = []
+    problems: dict[int, str] = {}
+    for i, raw in enumerate(lines):
+        r, problem = decode_line(raw)
+        records.append(r)
         if problem is not None:
             problems[i] = problem
     return records, problems
 
 
-def _not_plain(records: list) -> Iterator[int]:
-    """The index of each item of ``records`` that format.first_not_plain
-    does not take, found as the caller goes (it replaces each as it goes)."""
-    n = len(records)
-    i = _format.first_not_plain(records)
-    while i < n:
-        yield i
-        i = _format.first_not_plain(records, i + 1)
+def parse_lines(lines: list[bytes], joined: bytes | None = None) -> tuple[list, dict]:
+    """``parse_line`` of every line of ``lines``: ``decode_lines`` as the
+    lines' JSON objects."""
+    records, problems = decode_lines(lines, joined)
+    return [None if r is None else as_dict(r) for r in records], problems
+
+
+def _long_number(raw: bytes) -> bool:
+    """Whether ``raw`` may hold an integer of 19 digits or more: maybe one
+    outside [-2**63, 2**64), which the definition reads as a float and
+    msgspec keeps (floats are read alike by both, however many digits).
+    Two C passes: digits kept as "0", a fraction's point and an exponent's
+    letter as ".", anything else " "; then a " " before 19 digits. (A long
+    digit run in text passes too: the definition's path reads it right.)"""
+    return raw.translate(_DIGITS).find(_LONG) >= 0
+
+
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else 0x20 for b in range(256))
+_LONG = b" " + b"0" * 19
 
 
 def _max_openers(joined: bytes) -> int:
     """An upper bound of the opening brackets on any one line of ``joined``
-    (lines joined by newlines, maybe one more at the end): parse_line's fast-path test (``[`` plus
+    (lines joined by newlines, maybe one more at the end): decode_line's fast-path test (``[`` plus
     ``{`` at most MAX_DEPTH) holds for every line when this is at most
     MAX_DEPTH. One C pass keeps just the brackets and line ends (cheaper
     than counting line by line)."""

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import Attempts, check_mode
 from pmaptap.tapfile.divergence import DivergenceIndex, mark_divergent
-from pmaptap.tapfile.format import decode_owned, decode_record
-from pmaptap.tapfile.lines import collector_paused, iter_batches
+from pmaptap.tapfile.format import decode_record, decoded
+from pmaptap.tapfile.lines import collector_paused, iter_record_batches
 from pmaptap.tapfile.query import Filter, read_filter
+from pmaptap.tapfile.schema import UNSET, PerDevice, as_dict
+
+# A per-device record's fields that make it more than its dict (none of
+# which the usual one has), and the values that are already as read.
+_EXTRA = attrgetter("attempt", "bytes", "devices", "processes")
+_NONE4 = (UNSET,) * 4
+_NUMBER = frozenset((float, int))
 
 __all__ = ["read"]
 
@@ -63,53 +71,62 @@ def read(
     later = Attempts()  # steps a later attempt rewrote
     reps: list[dict] = []  # the replicated records of out: only they can be divergent
     with collector_paused():
-        for first, records, problems in iter_batches(path):
+        for first, records, problems in iter_record_batches(path):
             if flt is None and not problems and None not in records:
-                # The common batch, in one loop with no call per record it
-                # can spare: every line a record, none filtered out.
-                for d in records:
-                    replicated = d.get("kind") == "replicated"
-                    if replicated and d.get("vhash"):
-                        index.add(d)
-                    if "attempt" in d:
-                        later.add(d)
-                    if "bytes" in d:
+                # The common batch in C passes: each record's dict made in
+                # one call (msgspec), then only the records that need more
+                # looked at one by one: a replicated value, a later
+                # attempt, a value or holders to decode, a stored value.
+                ds = list(map(as_dict, records))
+                drop: set = set()
+                special = [
+                    i
+                    for i, r in enumerate(records)
+                    if type(r) is not PerDevice
+                    or r.value.__class__ not in _NUMBER
+                    or _EXTRA(r) != _NONE4
+                ]
+                for i in special:
+                    r = records[i]
+                    replicated = r.kind == "replicated"
+                    if replicated and r.vhash:
+                        index.add(r)
+                    if r.attempt is not UNSET:
+                        later.add(r)
+                    d = ds[i] = decoded(r)
+                    if r.bytes is not UNSET:
                         store = store or ByteStore(path)
-                        r = decode_record(d)
-                        if not _load_stored(r, d, store, first, bad):
-                            first += 1
+                        if not _load_stored(d, store, first + i, bad):
+                            drop.add(i)
                             continue
-                    else:
-                        r = decode_owned(d)
-                    out.append(r)
                     if replicated:
-                        reps.append(r)
-                    first += 1
+                        reps.append(d)
+                out += [d for i, d in enumerate(ds) if i not in drop] if drop else ds
                 continue
-            for lineno, d in enumerate(records, first):
-                if d is None:
+            for lineno, r in enumerate(records, first):
+                if r is None:
                     problem = problems.get(lineno)
                     if problem != "empty line":
                         bad.append((lineno, problem or "invalid"))
                     continue
-                if flt is not None and not flt.key_match(d):
+                if flt is not None and not flt.key_match(r):
                     continue
                 # Judged on every copy of a matched step, also those the
                 # device or process filter leaves out: a copy filtered out
                 # still disagrees, and an elastic restart supersedes a step
                 # on every device.
-                index.add(d)
-                later.add(d)
-                if flt is not None and not flt(d):
+                index.add(r)
+                later.add(r)
+                if flt is not None and not flt(r):
                     continue
-                r = decode_record(d)
-                if "bytes" in d:
+                d = decoded(r)
+                if r.bytes is not UNSET:
                     store = store or ByteStore(path)
-                    if not _load_stored(r, d, store, lineno, bad):
+                    if not _load_stored(d, store, lineno, bad):
                         continue
-                out.append(r)
-                if r.get("kind") == "replicated":
-                    reps.append(r)
+                out.append(d)
+                if r.kind == "replicated":
+                    reps.append(d)
     mark_divergent(reps, index)
     if attempts == "all":
         for r in out:
@@ -120,14 +137,14 @@ def read(
     return out
 
 
-def _load_stored(r: dict, d: dict, store: ByteStore, lineno: int, bad: list) -> bool:
-    """Put a stored value (``d``, the line as written, has ``bytes``) into
-    the decoded record ``r`` as an ndarray of its dtype; False (and the line
-    named in ``bad``) when its bytes are not there: it is skipped."""
+def _load_stored(r: dict, store: ByteStore, lineno: int, bad: list) -> bool:
+    """Put a stored value (the decoded record ``r`` has ``bytes``) into
+    ``r`` as an ndarray of its dtype; False (and the line named in ``bad``)
+    when its bytes are not there: it is skipped."""
     try:
         r["value"] = load_value(r, store)
     except (MissingBytes, OSError) as e:
-        bad.append((lineno, f"{d['name']!r} step {d['step']}: {e}"))
+        bad.append((lineno, f"{r['name']!r} step {r['step']}: {e}"))
         return False
     return True
 
@@ -160,7 +177,7 @@ def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
         r = decode_record(d)
         if "bytes" in d:
             store = store or ByteStore(path)
-            if not _load_stored(r, d, store, lineno, bad):
+            if not _load_stored(r, store, lineno, bad):
                 continue
         if divergent:
             r["divergent"] = True

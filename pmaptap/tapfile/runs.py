@@ -23,12 +23,11 @@ import bisect
 import heapq
 import os
 import re
-from typing import Callable, Iterator
+from itertools import accumulate, groupby
+from typing import Callable, Iterator, Sequence
 
-from pmaptap.tapfile import format as _format
 from pmaptap.tapfile import store
-from pmaptap.tapfile.format import record_key
-from pmaptap.tapfile.speedups import SPEEDUPS
+from pmaptap.tapfile.parse import decode_block
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
 # objects) lives in store.py, which imports nothing here.
@@ -169,16 +168,12 @@ Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
 
 
-def _cut(data: bytes, off: int, size: int) -> tuple[list[bytes], bytes, int]:
-    """The lines of about ``size`` bytes of ``data`` from ``off`` (whole
-    lines), their bytes, and the offset after them."""
+def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
+    """About ``size`` bytes of whole lines of ``data`` from ``off``, and
+    the offset after them."""
     end = data.find(b"\n", min(off + size, len(data)) - 1)
     end = len(data) if end < 0 else end + 1
-    block = data[off:end]
-    lines = block.split(b"\n")
-    if lines[-1] == b"":
-        lines.pop()  # the newline ending the piece's last line
-    return lines, block, end
+    return data[off:end], end
 
 
 class _Bad:
@@ -202,30 +197,19 @@ class _Source:
         self.t = float("-inf")
         self.lineno = 1  # of the next line read from the source
         self.records: list = []
-        self.problems: dict = {}  # index in records -> problem, named
         self.keys: list = []
-        # With SPEEDUPS, each record's part in the round (_speedups.c
-        # time_keys): problems and replicated values are there, not below.
-        self.infos: list = []
-        # Shared by the merge's sources: each replicated (record_key, vhash)
-        # -> the process of its first copy read (_speedups.c set_aside).
-        self.seen: dict = {}
+        # Per record, what the merge must look at: None (nothing), a _Bad
+        # (a line that is no record: its problem) or a replicated value's
+        # ((record_key, vhash), process) (the merge keeps one copy of it).
+        self.marks: list = []
         self.pos = 0  # records[:pos] are merged
         self.last_piece = 0  # records in the last piece read
         self.done = False
-        self.special = False  # a problem or a replicated value loaded
+        self.index = 0  # in the run's sources (ties of keys go by it)
 
-    def piece(self) -> "tuple[list, dict, list | None] | None":
-        """(records, problems by index, each record's line or None)."""
+    def piece(self) -> "tuple[list, dict] | None":
+        """(records, problems by index) of the next piece."""
         raise NotImplementedError
-
-    def parse(self, lines: list[bytes], block: bytes) -> tuple[list, dict]:
-        """parse.parse_lines of a piece's lines, given the merge's ``seen``:
-        a likely copy of a replicated value may come back as (line, time,
-        info), which time_keys takes (see parse_lines)."""
-        from pmaptap.tapfile.parse import parse_lines
-
-        return parse_lines(lines, block, seen=self.seen)
 
     def extend(self) -> bool:
         """Drop what the merge took and append the next piece (False, and
@@ -235,51 +219,46 @@ class _Source:
             # In place: a copy of what is left would touch every record again.
             del self.records[:pos]
             del self.keys[:pos]
-            del self.infos[:pos]
-            if self.problems:
-                self.problems = {j - pos: w for j, w in self.problems.items() if j >= pos}
+            del self.marks[:pos]
             self.pos = 0
         got = self.piece()
         if got is None:
             self.done = True
             return False
-        records, problems, lines = got
+        records, problems = got
         base = len(self.records)
+        first = self.lineno
         self.lineno += len(records)
-        if SPEEDUPS is not None:
-            # The loop below in C (tapfile/_speedups.c), which also takes
-            # each record's part in the merge round while it is fresh; a
-            # line that is no record is its _Bad there.
-            infos = self.infos
-            if lines is not None and _format.ORJSON is not None:
-                # Likely copies of a replicated value held as their lines
-                # (_speedups.c set_aside): freed now, not after the round.
-                self.t = SPEEDUPS.time_keys(
-                    records, self.t, self.keys, infos, record_key, lines, self.seen
-                )
-            else:
-                self.t = SPEEDUPS.time_keys(records, self.t, self.keys, infos, record_key)
-            for j, why in problems.items():
-                infos[base + j] = _Bad(f"{why} ({self.name} line {self.lineno - len(records) + j})")
-            self.records += records
-            self.last_piece = len(records)
-            return True
-        for j, why in problems.items():
-            self.problems[base + j] = f"{why} ({self.name} line {self.lineno - len(records) + j})"
+        keys, marks = self.keys, self.marks
         t = self.t
-        keys = self.keys
-        special = bool(problems) or (self.special and base > 0)
-        for d in records:
-            if d is not None:
-                tt = d.get("time")
-                if type(tt) in _NUMBER and tt > t:
-                    t = float(tt)
-                if not special and d.get("kind") == "replicated" and d.get("vhash"):
-                    special = True
-            keys.append(t)
+        times = None if problems else [r.time for r in records]
+        if times and len(set(map(type, times))) == 1 and type(times[0]) is float:
+            # The usual piece: the running largest time in C passes.
+            run = list(accumulate(times, max, initial=t))
+            del run[0]
+            keys += run
+            t = run[-1] if run else t
+        else:
+            for r in records:
+                if r is not None:
+                    tt = r.time
+                    if type(tt) in _NUMBER and tt > t:
+                        t = float(tt)
+                keys.append(t)
         self.t = t
+        marks += [None] * len(records)
+        for j, why in problems.items():
+            marks[base + j] = _Bad(f"{why} ({self.name} line {first + j})")
+        copies = (
+            [j for j, r in enumerate(records) if r is not None and r.vhash]
+            if problems
+            else [j for j, r in enumerate(records) if r.vhash]
+        )
+        for j in copies:
+            r = records[j]
+            if r.kind == "replicated":
+                marks[base + j] = ((r.key(), r.vhash), r.process)
         self.records += records
-        self.special = special
         self.last_piece = len(records)
         return True
 
@@ -295,18 +274,18 @@ class _FileSource(_Source):
         self.off = 0
         self.tail: "tuple | None" = None  # read_block's last line, after data
 
-    def piece(self) -> "tuple[list, dict, list | None] | None":
+    def piece(self) -> "tuple[list, dict] | None":
         if self.off >= len(self.data):
             if self.tail is not None:
                 d, why = self.tail
                 self.tail = None
-                return [d], ({} if why is None else {0: why}), None
+                return [d], ({} if why is None else {0: why})
             self.data, self.tail, self.offset = self.read_at(self.path, self.offset, self.read_size)
             self.off = 0
             if not self.data:
                 return self.piece() if self.tail is not None else None
-        lines, block, self.off = _cut(self.data, self.off, self.size)
-        return (*self.parse(lines, block), lines)
+        block, self.off = _cut(self.data, self.off, self.size)
+        return decode_block(block)
 
 
 class _ChunkSource(_Source):
@@ -321,7 +300,7 @@ class _ChunkSource(_Source):
         self.data = b""
         self.off = 0
 
-    def piece(self) -> "tuple[list, dict, list | None] | None":
+    def piece(self) -> "tuple[list, dict] | None":
         data = self.data
         while self.off >= len(data):
             got = self.reader.next()
@@ -331,12 +310,15 @@ class _ChunkSource(_Source):
             data = self.data
             self.name = o.name.rsplit("/", 1)[-1]
             self.off = 0
-        lines, block, self.off = _cut(data, self.off, self.size)
-        return (*self.parse(lines, block), lines)
+        block, self.off = _cut(data, self.off, self.size)
+        return decode_block(block)
 
 
-def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
-    """One source per shard (and the shared file), or per process's chunks."""
+def _sources(
+    path, read_at: ReadAt, pool_box: list, only: "Sequence[int] | None" = None
+) -> list[_Source]:
+    """One source per shard (and the shared file), or per process's chunks
+    (``only``: those of these indexes), each knowing its index."""
     if is_url(path):
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
@@ -347,42 +329,109 @@ def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
         pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
         pool_box.append(pool)
         piece = store.piece_bytes(len(found))
-        return [
+        out = [
             _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
             for p, objs in found
         ]
-    files = sources(path)
+        for i, src in enumerate(out):
+            src.index = i
+        return out
+    files = list(enumerate(sources(path)))
+    if only is not None:
+        files = [files[i] for i in only]
     size = _piece_bytes(len(files))
     n = max(len(files), 1)
     read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // n))
-    return [_FileSource(f, read_at, size, read_size) for f in files]
+    out = []
+    for i, f in files:
+        src = _FileSource(f, read_at, size, read_size)
+        src.index = i
+        out.append(src)
+    return out
 
 
 def _piece_bytes(n: int) -> int:
     return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // max(n, 1)))
 
 
-def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
+def iter_merged(
+    path: str | os.PathLike,
+    read_at: ReadAt,
+    only: "Sequence[int] | None" = None,
+    skeleton: "Skeleton | None" = None,
+) -> Iterator[Batch]:
     """Batches ``(first, records, problems)`` of every source of the run
     merged by record time (ties: the shared file, then shards in process
-    order, each in its own order), as lines.iter_file_batches gives one
-    file. Positions count lines of the merged stream; a problem names the
-    shard file (or chunk) and its own line number there. See _merge."""
+    order, each in its own order), as lines.iter_file_records gives one
+    file (records as schema.py Structs). Positions count lines of the merged
+    stream; a problem names the shard file (or chunk) and its own line
+    number there. See _merge.
+
+    ``only``: the indexes (in ``sources(path)``) of the sources to merge,
+    for a worker of ``pmaptap summary --jobs`` (tapfile/jobs.py): the
+    merge of those alone, which is the run's merge with the others' lines
+    left out. ``skeleton``: each line given out adds its merge key and its
+    source's index there (jobs.py places lines of several workers' merges
+    by them)."""
     pool_box: list = []
     try:
-        srcs = _sources(path, read_at, pool_box)
-        seen: dict = {}
-        for s in srcs:
-            s.seen = seen
+        srcs = _sources(path, read_at, pool_box, only)
         for s in srcs:
             s.extend()
-        yield from _merge(srcs)
+        yield from _merge(srcs, skeleton)
     finally:
         for pool in pool_box:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _merge(srcs: list[_Source]) -> Iterator[Batch]:
+class Skeleton:
+    """Where each line a merge gave out sits in the merge: its merge key
+    (record time, running largest) and source index, as runs of lines
+    sharing both (a process's records of a step do), in order: three flat
+    arrays, 20 bytes a run (a 4,096-host job's 8 per-device records and
+    its replicated one of a step are one run)."""
+
+    def __init__(self) -> None:
+        from array import array
+
+        self.keys = array("d")
+        self.sources = array("i")
+        self.ends = array("q")  # lines given out up to each run's end
+
+    def add(self, keys: list, sources: list) -> None:
+        """Lines given out, in order: their merge keys and sources."""
+        n = self.ends[-1] if self.ends else 0
+        last = (self.keys[-1], self.sources[-1]) if self.ends else None
+        for pair, run in groupby(zip(keys, sources)):
+            k = sum(1 for _ in run)
+            if pair == last:  # the last round's last run goes on
+                self.ends[-1] += k
+            else:
+                self.keys.append(pair[0])
+                self.sources.append(pair[1])
+                self.ends.append(n + k)
+                last = pair
+            n += k
+
+    def key(self, pos: int) -> tuple:
+        """Line ``pos`` (from 1) as a key comparable across merges of
+        disjoint sources: (merge key, source, pos)."""
+        i = bisect.bisect_left(self.ends, pos)
+        return (self.keys[i], self.sources[i], pos)
+
+    def count_below(self, key: tuple) -> int:
+        """How many lines given out come before ``key`` (from any merge of
+        these sources or others: the lines of one source at one merge key
+        are one run, in one merge)."""
+        t, src, pos = key
+        keys, sources = self.keys, self.sources
+        i = bisect.bisect_left(range(len(keys)), (t, src), key=lambda j: (keys[j], sources[j]))
+        if i < len(keys) and keys[i] == t and sources[i] == src:
+            return pos - 1  # a line of this merge: those before it here
+        return self.ends[i - 1] if i else 0
+
+
+def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[Batch]:
     """The merge, in rounds. Each source holds at most about one and a half
     pieces (see MERGE_BYTES). A round takes every loaded record that must
     come before anything not loaded yet: the watermark W is the smallest
@@ -392,7 +441,9 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
     The round's records, one sorted slice per source in source order, are
     put in order by one stable sort on the keys (C, not a heap operation a
     record), then sources that ran low read their next piece. Every round
-    empties M, so each ends with at least one piece read."""
+    empties M, so each ends with at least one piece read. The result is
+    the lines of every source sorted by (key, source, line), less the
+    copies of a replicated value that another process's line gave first."""
     inf = float("inf")
     lasts = [s.keys[-1] if s.keys and not s.done else inf for s in srcs]
     heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.keys]
@@ -406,17 +457,15 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
     heapq.heapify(marks)
     right, left = bisect.bisect_right, bisect.bisect_left
     first: dict[tuple, object] = {}  # key + vhash -> the process that wrote it first
-    orjson = _format.ORJSON
-    loads = orjson.loads if orjson is not None else None  # lines set aside: parsed again
     pos = 0  # of the last line given out
-    parts: "list | None" = [] if SPEEDUPS is not None else None
     while heap:
         while marks and lasts[marks[0][1]] != marks[0][0]:
             heappop(marks)
         w, m = marks[0] if marks else (inf, 0)
         keys_in: list = []
         recs_in: list = []
-        special = False
+        marks_in: list = []
+        srcs_in: list = []
         # Only sources whose next record is below W, or at W up to M, take
         # part: a later source whose next record is at W would take nothing.
         wm = (w, m)
@@ -430,27 +479,18 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
             s = srcs[i]
             keys, p = s.keys, s.pos
             cut = (right if i <= m else left)(keys, w, p)
-            if cut > p and parts is not None:
-                parts.append((s.records, keys, s.infos, p, cut))
-            elif cut > p:
+            if cut > p:
                 keys_in += keys[p:cut]
-                recs = s.records[p:cut]
-                if s.problems:
-                    for j, why in s.problems.items():
-                        if p <= j < cut:
-                            recs[j - p] = _Bad(why)
-                recs_in += recs
-                special = special or s.special
+                recs_in += s.records[p:cut]
+                marks_in += s.marks[p:cut]
+                if skeleton is not None:
+                    srcs_in += [s.index] * (cut - p)
             s.pos = cut
         start = pos + 1
-        if parts:
-            # The round in C (tapfile/_speedups.c): the sort and the loop
-            # below, touching only the records that go out. Before any
-            # source reads its next piece (which drops what was taken).
-            out, problems, pos = SPEEDUPS.merge_round(parts, first, pos, loads)
-            parts.clear()
-        elif recs_in:
-            out, problems, pos = _merge_round(keys_in, recs_in, special, first, pos)
+        if recs_in:
+            out, problems, pos = _merge_round(
+                keys_in, recs_in, marks_in, first, pos, srcs_in, skeleton
+            )
         else:
             out, problems = [], {}
         for i in taking:
@@ -473,31 +513,36 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
 
 
 def _merge_round(
-    keys_in: list, recs_in: list, special: bool, first: dict, pos: int
+    keys_in: list,
+    recs_in: list,
+    marks_in: list,
+    first: dict,
+    pos: int,
+    srcs_in: list,
+    skeleton: "Skeleton | None",
 ) -> tuple[list, dict, int]:
-    """A round's records (slices laid out in source order, a _Bad for a
-    line that is no record) in merged order: (records, problems by
-    position, the last position)."""
+    """A round's records (slices laid out in source order; None for a line
+    that is no record, its _Bad in ``marks_in``) in merged order:
+    (records, problems by position, the last position). Only the marked
+    lines are looked at one by one."""
     order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
-    merged = [recs_in[k] for k in order]
-    if not special:
-        return merged, {}, pos + len(merged)
-    out = []
-    problems = {}
-    for d in merged:
-        if type(d) is dict:
-            if "vhash" in d and d.get("kind") == "replicated" and d["vhash"]:
-                proc = d.get("process")
-                if first.setdefault((record_key(d), d["vhash"]), proc) != proc:
-                    continue  # the same value from another process: one copy
-            pos += 1
-            out.append(d)
-        else:
-            pos += 1
-            out.append(None)
-            if d is not None:
-                problems[pos] = d.why
-    return out, problems, pos
+    out = [recs_in[k] for k in order]
+    problems: dict = {}
+    marks = [marks_in[k] for k in order]
+    dropped = []
+    for i in [i for i, m in enumerate(marks) if m is not None]:
+        m = marks[i]
+        if type(m) is _Bad:
+            problems[pos + i + 1 - len(dropped)] = m.why
+        elif first.setdefault(m[0], m[1]) != m[1]:
+            dropped.append(i)  # the same value from another process: one copy
+    if dropped:
+        drop = set(dropped)
+        out = [r for i, r in enumerate(out) if i not in drop]
+        order = [k for i, k in enumerate(order) if i not in drop]
+    if skeleton is not None:
+        skeleton.add([keys_in[k] for k in order], [srcs_in[k] for k in order])
+    return out, problems, pos + len(out)
 
 
 _NONES = [None] * MERGED_BATCH

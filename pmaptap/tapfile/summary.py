@@ -1,28 +1,47 @@
-"""Per-tap summaries of a list of records (as ``pmaptap.read`` returns them):
-``tap_summaries(records)`` for code; summary_table.py's
-``summary_table(records) -> str`` for people (``pmaptap summary``, the end of
-a training run).
+"""Per-tap summaries: ``tap_summaries(records)`` for code (records as
+``pmaptap.read`` returns them), ``summarize_file(path)`` for ``pmaptap
+summary`` (streaming: records are decoded, summarized and dropped), and
+summary_table.py's ``summary_table`` for people.
 
-This is the reference path: ``Summarizer.add``, one record at a time, into a
-tap's ``_TapAcc``. summary_batch.py holds the fast batched path that
-``pmaptap summary`` takes (``BatchSummarizer.add_batch``, ``summarize_file``),
-which must give the same summaries."""
+One path: ``Summarizer.add`` / ``add_batch`` take schema.py records (a dict
+is made one first) into a tap's ``_TapAcc``, whose state grows with the
+tap's distinct steps and devices, never with its values. That state merges
+exactly (``Summarizer.absorb``): ``pmaptap summary --jobs N`` summarizes
+pieces of a run in worker processes (tapfile/jobs.py) and gets the summary
+``--jobs 1`` gets, to the byte. So nothing here depends on the order
+records come in except through their positions (``pos``: where in the run's
+stream a record is, comparable across pieces): the values at the last step
+in stream order, a run's first appearance. Sums are exact (``_exact``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from array import array
+import os
 from collections import Counter
-from itertools import chain, compress
+from itertools import compress
+from operator import attrgetter
 from typing import Any, Iterable
 
-from pmaptap.tapfile.attempts import Restarts, attempt_of
+from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.fingerprints import FingerprintAcc
-from pmaptap.tapfile.format import FINGERPRINT, NONFINITE, holder_ids, index_key
-from pmaptap.tapfile.views import id_order, scalar
+from pmaptap.tapfile.lines import collector_paused, iter_record_batches
+from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.schema import (
+    FINGERPRINT,
+    NONFINITE,
+    UNSET,
+    AnyRecord,
+    PerDevice,
+    Replicated,
+    from_dict,
+    holder_ids,
+    index_key,
+)
+from pmaptap.tapfile.views import id_order, scalar, sorted_ids
 
 
 @dataclasses.dataclass
@@ -64,81 +83,151 @@ class TapSummary:
     fingerprint: str = ""
 
 
+class NeedSerial(Exception):
+    """Two pieces of a run cannot be merged exactly (the same id written
+    with two types, as 1 and 1.0; a device met at two sets of
+    coordinates): summarize the run in one process instead."""
+
+
+# Devices below this are kept as bits (per step and lane, a bytearray); a
+# device at other coordinates than its first ones, or any other id, as a
+# (step, device, coordinates key) of its own.
+_BIT_DEVICES = 1 << 16
+# Finite values summed once this many are waiting (see _exact).
+_FOLD = 4096
+
+
+def _exact(xs: list) -> list[float]:
+    """Floats whose exact sum is the exact sum of ``xs`` (non-overlapping,
+    largest first): each is math.fsum of what is left, which is correctly
+    rounded, so the rest is exact and the list short (2 or 3 for a run's
+    values). A sum beyond the float range is that infinity."""
+    parts: list[float] = []
+    xs = list(xs)
+    try:
+        while True:
+            s = math.fsum(xs)
+            if s == 0.0:
+                return parts
+            parts.append(s)
+            xs.append(-s)
+    except OverflowError:
+        return [math.copysign(math.inf, sum(map(float, xs)))]
+
+
+def _union(a: set, b: Iterable, ordered: bool) -> None:
+    """``a |= b``. A set keeps the first of equal ids (1, 1.0, True): in
+    pieces taken in stream order (``ordered``) that is ``a``'s; otherwise
+    an id in both with another type has no order to go by."""
+    if not ordered:
+        mine = {x: x for x in a}
+        for x in b:
+            y = mine.get(x, x)
+            if type(y) is not type(x):
+                raise NeedSerial(f"id {x!r} written as {type(x).__name__} and {type(y).__name__}")
+    a.update(b)
+
+
+def _popcount(bits: bytes) -> int:
+    return int.from_bytes(bits, "little").bit_count()
+
+
+def _or(a: bytes, b: bytes) -> bytearray:
+    n = max(len(a), len(b))
+    x = int.from_bytes(a, "little") | int.from_bytes(b, "little")
+    return bytearray(x.to_bytes(n, "little"))
+
+
+class _Lane:
+    """A tap's per-device keys of one (pass, attempt): per step, a bit per
+    device at its usual coordinates (bytearray), and the other keys."""
+
+    __slots__ = ("bits", "keys")
+
+    def __init__(self) -> None:
+        self.bits: dict[int, bytearray] = {}
+        self.keys: set[tuple] = set()
+
+
 class _TapAcc:
-    """One tap's summary, built from its records in file order, one at a
-    time (``add``) or a batch at a time (summary_batch.py's
-    ``BatchSummarizer._add_part``, the same result in a few C-level passes
-    per batch): what it keeps grows with the tap's distinct steps and
-    devices, not with its values."""
+    """One tap's summary state."""
 
     def __init__(self, run: str, name: str) -> None:
         self.run, self.name = run, name
         self.kinds: set = set()
         self.records = 0
-        self.steps: set[int] = set()  # of replicated and meta records
+        self.steps: set = set()  # of replicated and meta records
         self.processes: set = set()
         self.devices: set = set()
-        # (devices?, text): holders written as ranges text (format.
-        # holders_field), kept as text per record so that a record of a
-        # 4,096-process job costs the same as one of 2.
+        # (devices?, text): holders written as ranges text (schema.py),
+        # kept as text so that a record of a 4,096-process job costs the
+        # same as one of 2; expanded once, in result().
         self.holder_texts: set = set()
-        self.last_step: int | None = None  # the highest step with a scalar
-        self.last_vals: list[float] = []
-        self.finite = array("d")
+        self.last_step: Any = None  # the highest step with a scalar
+        self.last_vals: list = []  # its scalar values, and their positions
+        self.last_at: list = []
+        # Finite scalar values waiting to be summed, the exact sum of those
+        # summed (_exact), their count, min and max.
+        self.vals: list = []
+        self.sums: list[float] = []
+        self.count = 0
+        self.lo = math.inf
+        self.hi = -math.inf
         self.nonfinite = self.nonscalar = 0
-        self.divergent: set[int] = set()
+        self.divergent: set = set()
         # (step, pass, attempt[, shard index]) of replicated records
         self.rep_keys: set[tuple] = set()
-        self.rep_steps: set[int] = set()  # those of pass forward and attempt 0: their steps
-        # Per-device records: the distinct keys (_pd_key: step, device and
-        # coordinates) written in the forward pass, (key, pass) in another;
-        # a record adding nothing here is a duplicate. pd_count: step -> its
-        # forward keys, while no other pass was seen (then result() counts
-        # from pd_keys).
-        self.pd_keys: set = set()
-        self.pd_count: Counter = Counter()
-        # The forward keys of devices below _MASK_DEVICES at their usual
-        # coordinates, the most common ones, kept as step -> bit mask of
-        # devices: a few bytes a step instead of an int and a set slot a
-        # record (and the memory pages that go with them).
-        self.pd_masks: dict[int, int] = {}
-        self.pd_passes = False  # whether pd_keys holds another pass
-        # The key of a per-device record is (step, device) when its
-        # coordinates are its device's usual ones (dev_coords: the first
-        # integer coordinates seen for that device), else (step, device, id
-        # of checks._coords_key(coords)): cheaper to build, hash and keep
-        # than the coordinates, and equal exactly when theirs are.
+        # Per-device keys by (pass, attempt); the usual coordinates of each
+        # device (the first integer ones met): a device there is a bit.
+        self.lanes: dict[tuple, _Lane] = {}
         self.dev_coords: dict = {}
-        self.ck_ids: dict = {}
-        self.attempt_of_step: dict[int, int] = {}
+        self.attempt_of_step: dict = {}  # per-device steps: the latest attempt
         self.dup_keys: set[tuple] = set()
         self.duplicates = 0
-        self.first_bad: int | None = None  # first step with a NaN/inf
+        self.first_bad: Any = None  # first step with a NaN/inf
         self.first_bad_devs: set = set()
-        # Array elements (finite ones): running min/max/sum/count, and the
-        # norm at the highest step.
-        self.a_min = math.inf
-        self.a_max = -math.inf
-        self.a_sum = 0.0
+        # Array elements (finite ones): count, min, max, each record's sum;
+        # the norm at the highest step.
         self.a_count = 0
-        self.norm_step: int | None = None
+        self.a_sums: list = []
+        self.norm_step: Any = None
         self.norm: float | None = None
         self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
 
-    def _nonfinite_at(self, step: int, r: dict) -> None:
-        dev = r.get("device") if r.get("kind") == "per_device" else None
+    # ---------------------------------------------------------- adding
+
+    def _fold(self) -> None:
+        vals = self.vals
+        if vals:
+            self.lo = min(self.lo, min(vals))
+            self.hi = max(self.hi, max(vals))
+            self.count += len(vals)
+        self.sums = _exact(self.sums + vals + self.a_sums)
+        self.vals = []
+        self.a_sums = []
+
+    def _last(self, step: Any, x: Any, pos: Any) -> None:
+        last = self.last_step
+        if last is None or step > last:
+            self.last_step, self.last_vals, self.last_at = step, [x], [pos]
+        elif step == last:
+            self.last_vals.append(x)
+            self.last_at.append(pos)
+
+    def _nonfinite_at(self, step: Any, r: AnyRecord) -> None:
+        dev = r.device if r.kind == "per_device" else None
         if self.first_bad is None or step < self.first_bad:
             self.first_bad, self.first_bad_devs = step, set()
         if step == self.first_bad and dev is not None:
             self.first_bad_devs.add(dev)
 
-    def _array(self, step: int, r: dict, v: object) -> None:
+    def _array(self, step: Any, r: AnyRecord, v: object) -> None:
         """Statistics of a numeric array value (as written: NaN/inf markers,
         or decoded: floats); pytrees, complex and summarized leaves are left
         to the per-record views."""
         import numpy as np  # array taps only: a scalar-only summary starts faster
 
-        dtype = r.get("dtype")
+        dtype = r.dtype
         if not isinstance(v, list) or not isinstance(dtype, str) or dtype.startswith("complex"):
             return
         try:
@@ -153,9 +242,9 @@ class _TapAcc:
             self.nonfinite += bad
             self._nonfinite_at(step, r)
         if finite.size:
-            self.a_min = min(self.a_min, float(finite.min()))
-            self.a_max = max(self.a_max, float(finite.max()))
-            self.a_sum += float(finite.sum())
+            self.lo = min(self.lo, float(finite.min()))
+            self.hi = max(self.hi, float(finite.max()))
+            self.a_sums.append(float(finite.sum()))
             self.a_count += finite.size
         norm = float(np.sqrt(np.dot(finite, finite)))
         if self.norm_step is None or step > self.norm_step:
@@ -163,27 +252,27 @@ class _TapAcc:
         elif step == self.norm_step:
             self.norm = max(self.norm or 0.0, norm)
 
-    def add(self, r: dict) -> None:
-        """A record as written or decoded (non-finite markers or floats)."""
-        get = r.get
-        kind = r["kind"]
-        step = r["step"]
+    def add(self, r: AnyRecord, pos: Any) -> None:
+        """A record (a Struct; its value as written or decoded: non-finite
+        markers or floats) at position ``pos`` of the stream."""
+        kind = r.kind
+        step = r.step
         self.kinds.add(kind)
         self.records += 1
-        self.processes.add(r["process"])
-        procs = get("processes")
+        self.processes.add(r.process)
+        procs = r.processes
         if procs:
             if type(procs) is str:  # ranges text: expanded once, in result()
                 self.holder_texts.add((False, procs))
             else:
                 self.processes.update(procs)
-        if "divergent" in r and r["divergent"]:
+        if r.divergent:
             self.divergent.add(step)
         if kind == FINGERPRINT:
             self._fingerprint(r, step)
             return
-        v = r["value"]
-        x: float | None
+        v = r.value
+        x: Any
         if type(v) is float or type(v) is int:
             x = v
         else:
@@ -192,23 +281,52 @@ class _TapAcc:
             self.nonscalar += 1
             self._array(step, r, v)
         else:
-            last = self.last_step
-            if last is None or step > last:
-                self.last_step, self.last_vals = step, [x]
-            elif step == last:
-                self.last_vals.append(x)
+            self._last(step, x, pos)
             if x - x == 0:  # finite (inf - inf and NaN - NaN are NaN)
-                self.finite.append(x)
+                self.vals.append(x)
+                if len(self.vals) >= _FOLD:
+                    self._fold()
             else:
                 self.nonfinite += 1
                 self._nonfinite_at(step, r)
-        self._key(r, kind, step)
+        if kind == "per_device":
+            self._per_device(r, step)
+            return
+        self.steps.add(step)
+        devs = r.devices
+        if devs:
+            if type(devs) is str:
+                self.holder_texts.add((True, devs))
+            else:
+                self.devices.update(devs)
+        if kind != "replicated":
+            return  # meta records (counters) may legitimately repeat
+        # record_key (schema.py) less the run and name every record of this
+        # tap shares; a shard's index only where there is one.
+        p, a, shard = r.pass_, r.attempt, r.index
+        pass_ = "forward" if p is UNSET else p
+        attempt = 0 if a is UNSET else a
+        key = (step, pass_, r.vhash or _canonical(v))
+        if attempt:
+            key += (("attempt", attempt),)  # a replay: see _per_device
+        if shard is UNSET or shard is None:
+            self.rep_keys.add((step, pass_, attempt))
+        else:
+            # Shards of one value are different values: neither duplicates
+            # of each other nor, differing, a divergence.
+            shard = index_key(shard)
+            self.rep_keys.add((step, pass_, attempt, shard))
+            key += (shard,)
+        n = len(self.dup_keys)
+        self.dup_keys.add(key)
+        if len(self.dup_keys) == n:
+            self.duplicates += 1
 
-    def _fingerprint(self, r: dict, step: int) -> None:
+    def _fingerprint(self, r: AnyRecord, step: Any) -> None:
         """A fingerprint record: its step and holders; its value is no
         number to sum up, the divergent ones name suspects (fingerprints.py)."""
         self.steps.add(step)
-        devs = r.get("devices")
+        devs = r.devices
         if devs:
             if type(devs) is str:
                 self.holder_texts.add((True, devs))
@@ -218,147 +336,202 @@ class _TapAcc:
             self.fp = FingerprintAcc()
         self.fp.add(r)
 
-    def _key(self, r: dict, kind: str, step: int) -> None:
-        """The record's identity part of ``add``: steps, devices, attempts
-        and the duplicate check within this tap (checks.duplicate_key without
-        the run and name, which all of a tap's records share)."""
-        get = r.get
-        if kind == "per_device":
-            dev = r["device"]
-            self.devices.add(dev)
-            a = get("attempt")
-            if a:  # an elastic restart may have fewer devices: compare within an attempt
-                self.attempt_of_step[step] = a
-            pass_ = get("pass", "forward")
-            key = self._pd_key(step, dev, r["coords"])
-            if a:
-                # A later attempt's replay of a step is not a duplicate of
-                # the step it superseded (--all-attempts shows both), as in
-                # checks.duplicate_key; the usual (attempt 0) keys are the
-                # ones summary_batch.py adds inline.
-                key = (key, ("attempt", a))
-            if pass_ == "forward" and type(key) is int and key & _DEV_MASK < _MASK_DEVICES:
-                bit = 1 << (key & _DEV_MASK)
-                mask = self.pd_masks.get(step, 0)
-                if mask & bit:
-                    self.duplicates += 1
-                else:
-                    self.pd_masks[step] = mask | bit
-                return
-            if pass_ != "forward":
-                key = (key, pass_)
-                self.pd_passes = True
-            if key in self.pd_keys:
+    def _per_device(self, r: AnyRecord, step: Any) -> None:
+        """A per-device record's key: a bit of its (pass, attempt) lane at
+        its step for a device at its usual coordinates, else a key of its
+        own. A later attempt's replay of a step is not a duplicate of the
+        step it superseded (--all-attempts shows both), as in
+        checks.duplicate_key."""
+        dev, coords = r.device, r.coords
+        self.devices.add(dev)
+        p, a = r.pass_, r.attempt
+        lane_key = ("forward" if p is UNSET else p, 0 if a is UNSET else a)
+        if lane_key[1]:  # an elastic restart may have fewer devices: compare within an attempt
+            at = self.attempt_of_step
+            if lane_key[1] > at.get(step, 0):
+                at[step] = lane_key[1]
+        lane = self.lanes.get(lane_key)
+        if lane is None:
+            lane = self.lanes[lane_key] = _Lane()
+        d = self._bit(dev, coords)
+        if d is None:
+            key = (step, dev, _coords_key(coords))
+            if key in lane.keys:
                 self.duplicates += 1
-                return
-            self.pd_keys.add(key)
-            if pass_ == "forward":
-                self.pd_count[step] += 1
-            return
-        self.steps.add(step)
-        devs = get("devices")
-        if devs:
-            if type(devs) is str:
-                self.holder_texts.add((True, devs))
             else:
-                self.devices.update(devs)
-        if kind != "replicated":
-            return  # meta records (counters) may legitimately repeat
-        # record_key (format.py) less the run and name every record of this
-        # tap shares; a shard's index only where there is one, so that the
-        # usual record's keys stay the ones summary_batch.py adds inline.
-        pass_ = get("pass", "forward")
-        key = (step, pass_, get("vhash") or _canonical(r["value"]))
-        attempt = get("attempt", 0)
-        if attempt:
-            key += (("attempt", attempt),)  # a replay: see the per_device case
-        shard = get("index")
-        if shard is None:
-            self.rep_keys.add((step, pass_, get("attempt", 0)))
-        else:
-            # Shards of one value are different values: neither duplicates
-            # of each other nor, differing, a divergence.
-            shard = index_key(shard)
-            self.rep_keys.add((step, pass_, get("attempt", 0), shard))
-            key += (shard,)
-        n = len(self.dup_keys)
-        self.dup_keys.add(key)
-        if len(self.dup_keys) == n:
+                lane.keys.add(key)
+            return
+        bits = lane.bits.get(step)
+        i = d >> 3
+        if bits is None:
+            bits = lane.bits[step] = bytearray(max(i + 1, 128))
+        elif len(bits) <= i:
+            bits.extend(bytes(i + 1 - len(bits)))
+        m = 1 << (d & 7)
+        if bits[i] & m:
             self.duplicates += 1
+        else:
+            bits[i] |= m
 
-    def _pd_key(self, step: int, dev: Any, coords: Any) -> Any:
-        """A per-device record's key in pd_keys (see dev_coords): for a
-        device at its usual coordinates ``step << 20 | device`` (devices
-        are registered there only if ints in [0, _DEV_LIMIT); an equal id
-        such as 1.0 or True is the same device, as it is in the tuple keys
-        otherwise used), else (step, device, id of the coordinates)."""
-        usual = self.dev_coords.get(dev)
-        if usual is not None and coords == usual and _int_values(coords):
-            return step << 20 | int(dev)
-        ckey = _coords_key(coords)
-        if usual is None and type(ckey) is tuple and type(dev) is int and 0 <= dev < _DEV_LIMIT:
+    def _bit(self, dev: Any, coords: Any) -> int | None:
+        """The bit of a device at its usual coordinates (the first integer
+        ones met for it; an integral id of another type, 1.0 or True, is the
+        same device), None for any other key."""
+        try:
+            usual = self.dev_coords.get(dev)
+        except TypeError:  # unhashable: no record has one, but a dict could
+            return None
+        if usual is not None:
+            return int(dev) if coords == usual and _int_values(coords) else None
+        if (
+            isinstance(dev, (int, float))
+            and dev == dev
+            and 0 <= dev < _BIT_DEVICES
+            and dev == int(dev)
+            and type(_coords_key(coords)) is tuple
+        ):
             # checks._coords_key gives a tuple for integer coordinates only.
-            self.dev_coords[dev] = coords
-            return step << 20 | dev
-        ids = self.ck_ids
-        return (step, dev, ids.setdefault(ckey, len(ids)))
+            self.dev_coords[int(dev)] = coords
+            return int(dev)
+        return None
+
+    # ---------------------------------------------------------- merging
+
+    def absorb(self, o: _TapAcc, ordered: bool) -> None:
+        """Add another piece's state of this tap (``ordered``: a piece that
+        comes after this one in the stream; else positions decide)."""
+        self._fold()
+        o._fold()
+        self.kinds |= o.kinds
+        self.records += o.records
+        self.steps |= o.steps
+        _union(self.processes, o.processes, ordered)
+        _union(self.devices, o.devices, ordered)
+        self.holder_texts |= o.holder_texts
+        if o.last_step is not None:
+            if self.last_step is None or o.last_step > self.last_step:
+                self.last_step, self.last_vals, self.last_at = (
+                    o.last_step,
+                    list(o.last_vals),
+                    list(o.last_at),
+                )
+            elif o.last_step == self.last_step:
+                self.last_vals += o.last_vals
+                self.last_at += o.last_at
+        self.sums = _exact(self.sums + o.sums)
+        self.count += o.count
+        self.lo, self.hi = min(self.lo, o.lo), max(self.hi, o.hi)
+        self.nonfinite += o.nonfinite
+        self.nonscalar += o.nonscalar
+        self.divergent |= o.divergent
+        if o.fp is not None:
+            if self.fp is None:
+                self.fp = FingerprintAcc()
+            self.fp.absorb(o.fp)
+        self.rep_keys |= o.rep_keys
+        for dev, coords in o.dev_coords.items():
+            mine = self.dev_coords.setdefault(dev, coords)
+            if mine != coords:
+                raise NeedSerial(f"device {dev} at two sets of coordinates")
+        self.duplicates += o.duplicates
+        for key, lane in o.lanes.items():
+            mine = self.lanes.get(key)
+            if mine is None:
+                self.lanes[key] = lane
+                continue
+            for step, bits in lane.bits.items():
+                have = mine.bits.get(step)
+                if have is None:
+                    mine.bits[step] = bits
+                else:
+                    self.duplicates += _popcount(bytes(x & y for x, y in zip(have, bits)))
+                    mine.bits[step] = _or(have, bits)
+            self.duplicates += len(mine.keys & lane.keys)
+            mine.keys |= lane.keys
+        at = self.attempt_of_step
+        for step, a in o.attempt_of_step.items():
+            if a > at.get(step, 0):
+                at[step] = a
+        self.duplicates += len(self.dup_keys & o.dup_keys)
+        self.dup_keys |= o.dup_keys
+        if o.first_bad is not None:
+            if self.first_bad is None or o.first_bad < self.first_bad:
+                self.first_bad, self.first_bad_devs = o.first_bad, set(o.first_bad_devs)
+            elif o.first_bad == self.first_bad:
+                _union(self.first_bad_devs, o.first_bad_devs, ordered)
+        self.a_count += o.a_count
+        if o.norm_step is not None:
+            if self.norm_step is None or o.norm_step > self.norm_step:
+                self.norm_step, self.norm = o.norm_step, o.norm
+            elif o.norm_step == self.norm_step:
+                self.norm = max(self.norm or 0.0, o.norm or 0.0)
+
+    # ---------------------------------------------------------- the result
+
+    def _per_step(self) -> Counter:
+        """step -> how many distinct (device, coordinates) wrote it, over
+        passes and attempts."""
+        lanes = list(self.lanes.values())
+        out: Counter = Counter()
+        if len(lanes) == 1:
+            for s, bits in lanes[0].bits.items():
+                out[s] = _popcount(bits)
+        else:
+            union: dict = {}
+            for lane in lanes:
+                for s, bits in lane.bits.items():
+                    union[s] = _or(union[s], bits) if s in union else bits
+            for s, bits in union.items():
+                out[s] = _popcount(bits)
+        others = {key for lane in lanes for key in lane.keys}
+        out.update(s for s, _, _ in others)
+        return out
 
     def result(self, index: DivergenceIndex | None) -> TapSummary:
+        self._fold()
         kinds = tuple(sorted(self.kinds))
-        # step -> how many distinct (device, coords key) wrote it, over passes
-        per_dev = Counter(self.pd_count)
-        for s, mask in self.pd_masks.items():
-            per_dev[s] += mask.bit_count()
-        if self.pd_passes:
-            # (key, pass) pairs hold their forward key: counted once.
-            bases = {k[0] if type(k) is tuple and len(k) == 2 else k for k in self.pd_keys}
-            for s, mask in self.pd_masks.items():
-                bases.update(s << 20 | d for d in range(mask.bit_length()) if mask >> d & 1)
-            per_dev = Counter(k >> 20 if type(k) is int else k[0] for k in bases)
+        per_dev = self._per_step()
         per_device_steps = set(per_dev)
+        devices, processes = set(self.devices), set(self.processes)
         for is_devices, text in self.holder_texts:
-            (self.devices if is_devices else self.processes).update(holder_ids(text))
-        self.holder_texts.clear()
-        devices = self.devices
+            (devices if is_devices else processes).update(holder_ids(text))
         steps = self.steps | per_device_steps
         divergent = set(self.divergent)
         if index is not None and index.any_repeat:
-            probe = {"run": self.run, "name": self.name, "kind": "replicated"}
-            fast = ((step, "forward", 0) for step in self.rep_steps)
-            for step, pass_, attempt, *shard in chain(self.rep_keys, fast):
-                at = dict(probe, step=step, attempt=attempt, **{"pass": pass_})
-                if shard:
-                    at["index"] = shard[0]
-                if index.divergent(at):
+            for step, pass_, attempt, *shard in self.rep_keys:
+                shard_key = shard[0] if shard else None
+                if index.is_divergent((self.run, self.name, step, pass_, shard_key, attempt)):
                     divergent.add(step)
-        data_steps: set[int] = set()
+        data_steps: set = set()
         if "replicated" in kinds and "per_device" in kinds:
             # dedup="auto": identical copies give a replicated record, differing
             # ones per-device records. Copies that differ once the tap has
             # agreed are a divergence; copies that differ from the start (and
             # until they first agree) are per-device data, e.g. a per-shard
             # value that happened to agree at some step.
-            # the (step, pass, attempt) keys and the steps of the plain ones
-            agreed = min(chain((key[0] for key in self.rep_keys), self.rep_steps))
+            agreed = min(key[0] for key in self.rep_keys)
             divergent |= {s for s in per_device_steps if s > agreed}
             data_steps = {s for s in per_device_steps if s < agreed}
-        incomplete: set[int] = set()
+        incomplete: set = set()
         if kinds == ("per_device",):
             at = self.attempt_of_step
             if not at:  # one attempt: compared with the fullest step, in C passes
                 full_one = max(per_dev.values())
                 incomplete = set(compress(per_dev.keys(), map(full_one.__gt__, per_dev.values())))
             else:
-                full: dict[int, int] = {}
+                full: dict = {}
                 for s, n in per_dev.items():
                     a = at.get(s, 0)
                     full[a] = max(full.get(a, 0), n)
                 incomplete = {s for s, n in per_dev.items() if n < full[at.get(s, 0)]}
         stride, gaps = step_gaps(steps)
-        finite = self.finite
-        count = len(finite) + self.a_count
-        lo = min(min(finite, default=math.inf), self.a_min)
-        hi = max(max(finite, default=-math.inf), self.a_max)
+        count = self.count + self.a_count
+        # The values at the last step in stream order (their positions).
+        last = [x for _, x in sorted(zip(self.last_at, self.last_vals), key=_first)]
+        try:
+            total = math.fsum(self.sums)
+        except (OverflowError, ValueError):  # infinite sums of both signs
+            total = math.nan
         return TapSummary(
             run=self.run,
             name=self.name,
@@ -366,12 +539,12 @@ class _TapAcc:
             records=self.records,
             first_step=min(steps),
             last_step=max(steps),
-            processes=tuple(sorted((p for p in self.processes if p is not None), key=id_order)),
-            devices=tuple(sorted(devices, key=id_order)),
-            last=tuple(dict.fromkeys(self.last_vals)),
-            min=lo if count else None,
-            max=hi if count else None,
-            mean=(math.fsum(finite) + self.a_sum) / count if count else None,
+            processes=tuple(sorted_ids(p for p in processes if p is not None)),
+            devices=tuple(sorted_ids(devices)),
+            last=tuple(dict.fromkeys(last)),
+            min=self.lo if count else None,
+            max=self.hi if count else None,
+            mean=total / count if count else None,
             nonfinite=self.nonfinite,
             nonscalar=self.nonscalar,
             divergent_steps=tuple(sorted(divergent)),
@@ -388,13 +561,8 @@ class _TapAcc:
         )
 
 
-# A default no JSON value has (a record without the field).
-_ABSENT = object()
-# A device id below this makes the per-device key one int (see _pd_key).
-_DEV_LIMIT = 1 << 20
-_DEV_MASK = _DEV_LIMIT - 1
-# Devices below this are kept in per-step bit masks (_TapAcc.pd_masks).
-_MASK_DEVICES = 1024
+def _first(pair: tuple) -> Any:
+    return pair[0]
 
 
 def _int_values(coords: Any) -> bool:
@@ -422,48 +590,264 @@ class Summarizer:
     records from ``pmaptap.read`` already carry that mark."""
 
     def __init__(self, reconcile: bool = True) -> None:
-        # The accumulators by run and name (runs in file order).
-        self._taps: dict[str, dict[str, _TapAcc]] = {}
+        # The accumulators by run and name; each run's first position.
+        self._taps: dict[Any, dict[str, _TapAcc]] = {}
+        self._first: dict[Any, Any] = {}
         self._index = DivergenceIndex() if reconcile else None
         self._restarts = Restarts()
         self.resumed = False  # whether a record of a later attempt was added
+        self._pos = 0  # for add() without a position: one after another
 
-    def see(self, r: dict) -> None:
+    def see(self, r: Any) -> None:
         if self._index is not None:
             self._index.add(r)
 
-    def add(self, r: dict) -> None:
-        if self._index is not None and r["kind"] == "replicated":
-            self._index.add(r)
-        # Restarts reads only later attempts (and the meta record a resumed
-        # session writes): skip the rest, most of a file.
-        if "attempt" in r or r["kind"] == "meta":
-            self._restarts.add(r)
-            if attempt_of(r) and r["kind"] != "meta":
-                self.resumed = True  # a later attempt's record (see Attempts)
-        run = r.get("run", "")
+    def add(self, r: Any, pos: Any = None) -> None:
+        """A record (a Struct or its line's object, as written or decoded)
+        at ``pos`` of the stream (by default: after the last one added)."""
+        if type(r) is dict:
+            r = from_dict(r)
+        if pos is None:
+            self._pos += 1
+            pos = self._pos
+        self._add_one(r, pos, self._acc(r.run, r.name, pos))
+
+    def _acc(self, run: Any, name: Any, pos: Any) -> _TapAcc:
         names = self._taps.get(run)
         if names is None:
             names = self._taps[run] = {}
-        acc = names.get(r["name"])
+            self._first[run] = pos
+        acc = names.get(name)
         if acc is None:
-            acc = names[r["name"]] = _TapAcc(run, r["name"])
-        acc.add(r)
+            acc = names[name] = _TapAcc(run, name)
+        return acc
+
+    def add_batch(self, records: list, first: Any = 1) -> None:
+        """``add`` of each record of ``records`` (Structs; None for a line
+        that is no record), the first at position ``first`` (an int: the
+        rest follow it), a tap at a time (_add_part)."""
+        n = len(records)
+        if None in records:
+            where = [i for i in range(n) if records[i] is not None]
+            records = [records[i] for i in where]
+            positions = [first + i for i in where]
+        else:
+            positions = range(first, first + n)
+        if not records:
+            return
+        names = [r.name for r in records]
+        runs = [r.run for r in records]
+        if runs.count(runs[0]) == len(runs):
+            parts = _parts_by_key(names)
+            keys = [(runs[0], k) for k, _ in parts]
+        else:
+            parts = _parts_by_key(list(zip(runs, names)))
+            keys = [k for k, _ in parts]
+        for (run, name), (_, at) in zip(keys, parts):
+            if len(parts) == 1:
+                part, where = records, positions
+            else:
+                part, where = [records[i] for i in at], [positions[i] for i in at]
+            self._add_part(self._acc(run, name, where[0]), part, where)
+
+    def _add_part(self, acc: _TapAcc, part: list, where: Any) -> None:
+        """``add`` of one tap's records, in order. The usual record (a
+        number, first attempt, forward pass, whole, not flagged divergent; a
+        per-device one at its device's usual coordinates, a replicated one
+        with its value's hash: most lines of a run) is added here, in a loop
+        of local names; any other through ``add``."""
+        lane = acc.lanes.get(_USUAL_LANE)
+        if lane is None:
+            lane = acc.lanes[_USUAL_LANE] = _Lane()
+        bits_of, dev_coords = lane.bits, acc.dev_coords
+        processes, devices, vals = acc.processes, acc.devices, acc.vals
+        steps, texts, dup_keys = acc.steps, acc.holder_texts, acc.dup_keys
+        index = self._index
+        # DivergenceIndex.add's entries of this tap's usual replicated keys.
+        seen = index._steps((acc.run, acc.name, "forward", None, 0)) if index else None
+        last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
+        added = dups = replicated = 0
+        prev_proc = prev_dev = None
+        for r, pos in zip(part, where):
+            if type(r) is Replicated:
+                step, v, p, vhash, devs, procs = _USUAL_REPLICATED(r)
+                tv = type(v)
+                if (tv is float or tv is int) and vhash and _MATTERS_REPLICATED(r) == _NONE4:
+                    # _TapAcc.add and DivergenceIndex.add of this record.
+                    replicated += 1
+                    processes.add(p)
+                    if procs:
+                        if type(procs) is str:
+                            texts.add((False, procs))
+                        else:
+                            processes.update(procs)
+                    steps.add(step)
+                    if devs:
+                        if type(devs) is str:
+                            texts.add((True, devs))
+                        else:
+                            devices.update(devs)
+                    if last is None or step > last:
+                        last, last_vals, last_at = step, [v], [pos]
+                    elif step == last:
+                        last_vals.append(v)
+                        last_at.append(pos)
+                    vals.append(v)
+                    acc.rep_keys.add((step, "forward", 0))
+                    n = len(dup_keys)
+                    dup_keys.add((step, "forward", vhash))
+                    if len(dup_keys) == n:
+                        dups += 1
+                    if seen is not None:
+                        entry = (vhash, p)
+                        if seen.setdefault(step, entry) is not entry:
+                            index.repeat(seen, step, entry)
+                    prev_proc = prev_dev = None
+                    continue
+            if type(r) is PerDevice:  # not an odd one (schema.from_dict)
+                step, d, v, p, coords = _USUAL(r)
+                tv = type(v)
+                if (
+                    (tv is float or tv is int)
+                    and type(d) is int
+                    and _MATTERS(r) == _NONE_OF_THEM
+                    and coords == dev_coords.get(d, 0)
+                ):
+                    # _TapAcc.add of this record (a decoded number is
+                    # finite: JSON has no NaN).
+                    added += 1
+                    if p is not prev_proc:  # small ints are one object each
+                        processes.add(p)
+                        prev_proc = p
+                    if d is not prev_dev:
+                        devices.add(d)
+                        prev_dev = d
+                    if last is None or step > last:
+                        last, last_vals, last_at = step, [v], [pos]
+                    elif step == last:
+                        last_vals.append(v)
+                        last_at.append(pos)
+                    vals.append(v)
+                    bits = bits_of.get(step)
+                    i = d >> 3
+                    if bits is None:
+                        bits = bits_of[step] = bytearray(max(i + 1, 128))
+                    elif len(bits) <= i:
+                        bits.extend(bytes(i + 1 - len(bits)))
+                    m = 1 << (d & 7)
+                    if bits[i] & m:
+                        dups += 1
+                    else:
+                        bits[i] |= m
+                    continue
+            # Anything else through add(), the locals written back first.
+            self._flush_part(acc, added, replicated, dups, last, last_vals, last_at)
+            added = dups = replicated = 0
+            self._add_one(r, pos, acc)
+            last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
+            vals = acc.vals
+            prev_proc = prev_dev = None
+        self._flush_part(acc, added, replicated, dups, last, last_vals, last_at)
+        if len(acc.vals) >= _FOLD:
+            acc._fold()
+
+    @staticmethod
+    def _flush_part(acc: _TapAcc, added: int, replicated: int, dups: int, *last: Any) -> None:
+        """_add_part's counts and last step written into ``acc``."""
+        acc.records += added + replicated
+        acc.duplicates += dups
+        acc.last_step, acc.last_vals, acc.last_at = last
+        if added:
+            acc.kinds.add("per_device")
+        if replicated:
+            acc.kinds.add("replicated")
+
+    def _add_one(self, r: AnyRecord, pos: Any, acc: _TapAcc) -> None:
+        kind = r.kind
+        # Restarts reads only later attempts (and the meta record a resumed
+        # session writes): skip the rest, most of a file. A later attempt's
+        # record means the run was resumed (see Attempts).
+        if self._index is not None and kind == "replicated":
+            self._index.add(r)
+        if r.attempt is not UNSET or kind == "meta":
+            self._restarts.add(r)
+            if attempt_of(r) and kind != "meta":
+                self.resumed = True
+        acc.add(r, pos)
 
     def names_and_runs(self) -> tuple[set, set]:
         """The names and runs of the records added."""
         return {n for names in self._taps.values() for n in names}, set(self._taps)
 
+    def absorb(self, other: Summarizer, ordered: bool = True) -> None:
+        """Add another Summarizer's state: a piece of the stream after this
+        one's (``ordered``), or anywhere (positions decide: comparable
+        across the pieces)."""
+        for run, names in other._taps.items():
+            mine = self._taps.get(run)
+            if mine is None:
+                mine = self._taps[run] = {}
+                self._first[run] = other._first[run]
+            elif not ordered:
+                self._first[run] = min(self._first[run], other._first[run])
+            for name, acc in names.items():
+                have = mine.get(name)
+                if have is None:
+                    mine[name] = acc
+                else:
+                    have.absorb(acc, ordered)
+        if self._index is not None and other._index is not None:
+            self._index.absorb(other._index)
+        self._restarts.absorb(other._restarts)
+        self.resumed = self.resumed or other.resumed
+
+    def shift(self, where: Any) -> None:
+        """Every position held, ``p``, made ``where(p)`` (tapfile/jobs.py:
+        a piece's positions as the whole run's)."""
+        self._first = {run: where(p) for run, p in self._first.items()}
+        for names in self._taps.values():
+            for acc in names.values():
+                acc.last_at = [where(p) for p in acc.last_at]
+
     def summaries(self) -> list[TapSummary]:
-        """One TapSummary per (run, name), runs in file order, names sorted."""
+        """One TapSummary per (run, name), runs in stream order, names sorted."""
+        runs = sorted(self._taps, key=self._first.__getitem__)
         out = [
-            acc.result(self._index)
-            for names in self._taps.values()
-            for _, acc in sorted(names.items())
+            acc.result(self._index) for run in runs for _, acc in sorted(self._taps[run].items())
         ]
         for s in out:
             s.restarts = self._restarts.text(s.run)
         return out
+
+
+_USUAL_LANE = ("forward", 0)
+# A per-device record's fields the usual one reads (one C call), and those
+# that would change its part, none of which the usual one has.
+_USUAL = attrgetter("step", "device", "value", "process", "coords")
+_USUAL_REPLICATED = attrgetter("step", "value", "process", "vhash", "devices", "processes")
+_MATTERS = attrgetter("pass_", "attempt", "index", "divergent", "processes")
+_MATTERS_REPLICATED = attrgetter("pass_", "attempt", "index", "divergent")
+_NONE_OF_THEM, _NONE4 = (UNSET,) * 5, (UNSET,) * 4
+
+
+def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
+    """The positions of each distinct key of ``keys`` (hashable), in the
+    order keys first appear: a few distinct keys (the usual batch) take a
+    few C-level passes each; many take one Python pass in all."""
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == 1:
+        return [(distinct[0], range(len(keys)))]
+    if len(distinct) <= 8:
+        idx = range(len(keys))
+        return [(k, list(compress(idx, map(k.__eq__, keys)))) for k in distinct]
+    parts: dict = {}
+    for i, k in enumerate(keys):
+        got = parts.get(k)
+        if got is None:
+            parts[k] = [i]
+        else:
+            got.append(i)
+    return list(parts.items())
 
 
 def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
@@ -472,3 +856,119 @@ def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
     for r in records:
         acc.add(r)
     return acc.summaries()
+
+
+# ------------------------------------------------------------ a file
+
+
+Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
+
+
+def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result:
+    """``pmaptap summary``: the summaries of the records of ``path`` that
+    ``flt`` matches, streaming the run (records are decoded, summarized and
+    dropped; values are never decoded). Also the (line, problem) list of
+    lines that are not records and every name and run read. In worker
+    processes: tapfile/jobs.py's summarize_file, the same result."""
+    flt = flt or Filter()
+    if not flt.active and not flt.all_attempts:
+        # The common case in one pass, assuming the run was never resumed;
+        # a record of a later attempt means it was: then the pass below,
+        # which first finds what later attempts superseded.
+        acc, bad = _summarize_merged(path)
+        if not acc.resumed:
+            names, runs = acc.names_and_runs()
+            return acc.summaries(), bad, names, runs
+    return _summarize_scanned(path, flt)
+
+
+class FilteredSummarizer(Summarizer):
+    """A Summarizer of the records a filter keeps, knowing what later
+    attempts superseded (``attempts``), the names and runs of every record
+    read."""
+
+    def __init__(self, flt: Filter, attempts: Attempts) -> None:
+        super().__init__()
+        self.flt = flt
+        self.attempts = attempts
+        self.names: set = set()
+        self.runs: set = set()
+
+    def take(self, records: list, first: int, defer: "list | None" = None) -> None:
+        """The records (Structs or None) of a batch from position ``first``.
+        ``defer``: replicated records are put there, (position, record),
+        not taken (tapfile/jobs.py takes them in the order of the whole
+        run)."""
+        if defer is not None:
+            records = list(records)
+            for i, r in enumerate(records):
+                if r is not None and r.kind == "replicated":
+                    defer.append((first + i, r))
+                    records[i] = None
+        if not self.attempts and not self.flt.active:
+            self.add_batch(records, first)
+            return
+        for pos, r in enumerate(records, first):
+            if r is not None:
+                self.take_one(r, pos)
+
+    def take_one(self, r: AnyRecord, pos: Any) -> None:
+        if self.attempts and self.attempts.superseded(r):
+            self.names.add(r.name)
+            self.runs.add(r.run)
+            return
+        flt = self.flt
+        if not flt.active or flt(r):
+            self.add(r, pos)
+            return
+        self.names.add(r.name)
+        self.runs.add(r.run)
+        if flt.key_match(r):
+            self.see(r)
+
+    def absorb(self, other: Summarizer, ordered: bool = True) -> None:
+        super().absorb(other, ordered)
+        if isinstance(other, FilteredSummarizer):
+            self.names |= other.names
+            self.runs |= other.runs
+
+    def result(self, bad: list) -> Result:
+        names, runs = self.names_and_runs()
+        return self.summaries(), bad, self.names | names, self.runs | runs
+
+
+def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
+    """summarize_file for any filter and any run: what later attempts
+    superseded found first (attempts.scan), then one pass."""
+    # What a later attempt of a resumed run replaced is not part of the story.
+    acc = FilteredSummarizer(flt, scan(path) if not flt.all_attempts else Attempts())
+    bad: list[tuple[int, str]] = []
+    # The loop allocates a few small objects per line and frees the record,
+    # creating no reference cycles; the cyclic collector would still walk the
+    # growing per-tap sets again and again (a third of the time of a large
+    # file), so it waits until the run is read.
+    with collector_paused():
+        for first, records, problems in iter_record_batches(path):
+            if problems:
+                bad.extend(problems.items())
+            acc.take(records, first)
+    return acc.result(bad)
+
+
+def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
+    """Every record of the run (a file or a sharded run's merged stream),
+    until the first of a later attempt (then ``resumed``, and the caller
+    starts again)."""
+    acc = Summarizer()
+    bad: list[tuple[int, str]] = []
+    with collector_paused():
+        for first, records, problems in iter_record_batches(path):
+            if problems:
+                bad.extend(problems.items())
+            acc.add_batch(records, first)
+            if acc.resumed:
+                break
+    return acc, bad
+
+
+_summarize_plain = _summarize_merged  # one file or many: the same pass

@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 
 from pmaptap.tapfile.checks import format_gaps
 from pmaptap.tapfile.summary import TapSummary, tap_summaries
-from pmaptap.tapfile.views import Table, format_ids, format_number, id_order
+from pmaptap.tapfile.views import Table, format_ids, format_number
 
 
 def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
@@ -97,7 +97,7 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     for run in dict.fromkeys(s.run for s in summaries):
         of_run = [s for s in summaries if s.run == run]
         n = sum(s.records for s in of_run)
-        procs = format_ids(sorted({p for s in of_run for p in s.processes}, key=id_order))
+        procs = format_ids({p for s in of_run for p in s.processes})
         devs = format_ids([d for s in of_run for d in s.devices])
         restarts = next((s.restarts for s in of_run if s.restarts), "")
         out.append(

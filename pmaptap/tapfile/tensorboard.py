@@ -53,7 +53,7 @@ from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import attempt_of
 from pmaptap.tapfile.fingerprints import divergence_series
 from pmaptap.tapfile.follow import on_stop_signals, open_follower
-from pmaptap.tapfile.format import FINGERPRINT, decode_record
+from pmaptap.tapfile.format import FINGERPRINT, Holders, decode_record
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
@@ -140,7 +140,10 @@ def _first_holder(rec: dict) -> str:
         for h in rec.get("holders") or ()
         if isinstance(h, dict) and isinstance(h.get("device"), int)
     ]
-    ids += [d for d in rec.get("devices") or () if isinstance(d, int)]
+    devices = rec.get("devices") or ()
+    if isinstance(devices, Holders):  # ascending: its first, none expanded
+        devices = devices[:1]
+    ids += [d for d in devices if isinstance(d, int)]
     return str(min(ids)) if ids else "unknown"
 
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.attempts import Attempts, attempt_of
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
-from pmaptap.tapfile.format import RECORD_COLUMNS, decode_record, index_text
+from pmaptap.tapfile.format import RECORD_COLUMNS, Holders, decode_record, index_text
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.stream import FirstPass, matching
@@ -165,22 +165,30 @@ def id_order(x: Any) -> tuple:
     return (1, 0, repr(x))
 
 
+def sorted_ids(ids: Iterable[Any]) -> list:
+    """``ids`` sorted by id_order (ints alone: by value, in one C pass)."""
+    ids = list(ids)
+    if len(set(map(type, ids))) == 1 and type(ids[0]) is int:
+        return sorted(ids)
+    return sorted(ids, key=id_order)
+
+
 def format_ids(ids: Iterable[Any]) -> str:
     """Sorted ints as compact ranges ("0-3,6"); null devices as "?"."""
     ids = list(ids)
-    nums = sorted({i for i in ids if isinstance(i, int)})
-    parts: list[str] = []
-    start = prev = None
-    for n in nums:
-        if prev is not None and n == prev + 1:
-            prev = n
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = n
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    if any(i is None for i in ids):
+    types = set(map(type, ids))
+    if types <= {int, type(None)}:  # the usual ids, in C passes (2**20 of them: 0.1 s)
+        nums = sorted(set(ids) - {None})
+    else:
+        nums = sorted({i for i in ids if isinstance(i, int)})
+    # Where a range ends: the next id is not one more.
+    ends = [i for i in range(1, len(nums)) if nums[i] != nums[i - 1] + 1]
+    parts = [
+        str(nums[a]) if a == b - 1 else f"{nums[a]}-{nums[b - 1]}"
+        for a, b in zip([0, *ends], [*ends, len(nums)])
+        if b > a
+    ]
+    if type(None) in types:
         parts.append("?")
     return ",".join(parts) or "-"
 
@@ -192,6 +200,8 @@ def device_text(r: dict) -> str:
     devices = r.get("devices")
     if type(devices) is str:  # ranges text as written (format.holders_field)
         return devices
+    if isinstance(devices, Holders):  # the same, decoded: its text, not its ids
+        return devices.text
     return format_ids(list(devices or ()))
 
 

@@ -149,7 +149,7 @@ def test_writer_refuses_a_record_readers_would_skip(tmp_path, monkeypatch):
 
 
 def test_readers_skip_a_deep_line_and_validate_names_it(tmp_path, caplog):
-    from test_cli import cli
+    from conftest import cli
 
     path = str(tmp_path / "deep.jsonl")
     good = [

@@ -13,7 +13,7 @@ import textwrap
 import pmaptap
 from conftest import ROOT, job_failed, subprocess_env
 from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file
 from pmaptap.tapfile.summary_table import summary_table
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")

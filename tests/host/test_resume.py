@@ -17,7 +17,7 @@ import pmaptap
 from conftest import logs_warning, record_dict, run_python
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file
 from pmaptap.tapfile.summary_table import summary_table
 
 

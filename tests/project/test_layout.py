@@ -146,7 +146,7 @@ def test_public_submodules_are_attributes_of_the_package():
         assert callable(pmaptap.launch.main) and callable(pmaptap.cli.main)
         assert callable(pmaptap.writer.Writer)
         tapfile = sorted(m.name for m in pkgutil.iter_modules(pmaptap.tapfile.__path__)
-                         if not m.name.startswith("_"))  # _speedups: speedups loads it
+                         if not m.name.startswith("_"))
         assert sorted(pmaptap.tapfile._SUBMODULES) == tapfile, tapfile
         for name in tapfile:
             assert getattr(pmaptap.tapfile, name) is sys.modules["pmaptap.tapfile." + name]
@@ -195,8 +195,9 @@ def test_cli_help_imports_only_what_it_needs():
 
 
 def test_the_record_format_facts_live_in_one_place():
-    # The non-finite markers and the record key are tapfile/format.py's; a
-    # second copy elsewhere would drift (they were written out three times).
+    # The non-finite markers and the record key are tapfile/schema.py's (the
+    # one home of the record rules); a second copy elsewhere would drift
+    # (they were written out three times).
     found = []
     for rel, tree in package_sources():
         for node in ast.walk(tree):
@@ -206,9 +207,9 @@ def test_the_record_format_facts_live_in_one_place():
                 found.append(f"{rel}:{node.lineno} def record_key")
     assert sorted(found) == sorted(
         [
-            f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
-            f"pmaptap/tapfile/format.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
-            f"pmaptap/tapfile/format.py:{_line_of('def record_key(')} def record_key",
+            f"pmaptap/tapfile/schema.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
+            f"pmaptap/tapfile/schema.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
+            f"pmaptap/tapfile/schema.py:{_line_of('def record_key(')} def record_key",
         ]
     ), found
 
@@ -244,7 +245,7 @@ def test_only_format_py_touches_a_records_instance_dict():
 
 
 def _line_of(text: str) -> int:
-    with open(os.path.join(PKG, "tapfile", "format.py"), encoding="utf-8") as f:
+    with open(os.path.join(PKG, "tapfile", "schema.py"), encoding="utf-8") as f:
         return next(i for i, line in enumerate(f, 1) if text in line)
 
 
@@ -410,3 +411,29 @@ def test_the_code_does_not_point_at_the_issue_tracker():
                     if pattern.search(line):
                         found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
     assert found == []
+
+
+def test_pmaptap_is_pure_python_and_builds_a_pure_wheel_without_a_compiler(tmp_path):
+    """No compiled source in the package and no setup.py (issue 39: the C
+    extension is gone); ``pip wheel .`` with no C compiler to be found
+    (CC=false) gives a ``py3-none-any`` wheel."""
+    compiled = (".c", ".h", ".cc", ".cpp", ".pyx", ".pxd", ".so", ".pyd")
+    found = [
+        os.path.relpath(os.path.join(d, f), ROOT)
+        for d, _, files in os.walk(PKG)
+        for f in files
+        if f.endswith(compiled)
+    ]
+    assert found == [] and not os.path.exists(os.path.join(ROOT, "setup.py")), found
+    env = dict(os.environ, CC="false", CXX="false", PIP_NO_INDEX="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        + ["-q", "-w", str(tmp_path / "dist"), ROOT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheels = os.listdir(tmp_path / "dist")
+    assert len(wheels) == 1 and wheels[0].endswith("-py3-none-any.whl"), wheels

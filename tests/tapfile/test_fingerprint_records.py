@@ -17,8 +17,7 @@ from pmaptap.tapfile.checks import schema_problems, validate_file
 from pmaptap.tapfile.fingerprints import FingerprintAcc, divergence_series, suspects
 from pmaptap.tapfile.format import validate_dict
 from pmaptap.tapfile.plot import build_figure
-from pmaptap.tapfile.summary import tap_summaries
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
 
 def agree(step: int, devices=(0, 1, 2, 3), name: str = "params") -> dict:

@@ -250,9 +250,7 @@ def test_csv_frame_and_parquet_name_coordinates_alike(tmp_path):
     import csv
     import json as _json
 
-    from test_cli import cli
-
-    from conftest import record_dict
+    from conftest import cli, record_dict
     from pmaptap.tapfile.format import coords_column
 
     path = tmp_path / "mesh.jsonl"
@@ -288,9 +286,7 @@ def test_tables_of_records_share_the_record_columns(tmp_path):
     columns it types, ``show`` picks from it; each in this order."""
     import csv
 
-    from test_cli import cli
-
-    from conftest import per_device_dict, replicated_dict
+    from conftest import cli, per_device_dict, replicated_dict
     from pmaptap.tapfile.export import FIXED, csv_row
     from pmaptap.tapfile.format import RECORD_COLUMNS
     from pmaptap.tapfile.views import load
@@ -315,7 +311,7 @@ def test_tables_of_records_share_the_record_columns(tmp_path):
         *typed,
         "coords.dp",
         "value",
-        *("dtype", "shape", "devices", "vhash", "processes", "index"),
+        *("dtype", "shape", "devices", "processes", "vhash", "index"),
     ]
     out = cli("show", str(path))
     header = "line name step kind proc device coords value flags"

@@ -18,9 +18,9 @@ from pmaptap.tapfile import lines as tapfile_lines
 from pmaptap.tapfile import parse
 from pmaptap.tapfile.attempts import index_records
 from pmaptap.tapfile.checks import _canonical, _coords_key
-from pmaptap.tapfile.lines import iter_file_batches, iter_file_lines
-from pmaptap.tapfile.summary import Summarizer
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.lines import iter_file_lines, iter_file_records
+from pmaptap.tapfile.schema import as_dict
+from pmaptap.tapfile.summary import Summarizer, summarize_file
 from pmaptap.tapfile.summary_table import summary_table
 
 HOSTILE = [
@@ -130,17 +130,6 @@ def _loads_or_none(raw: bytes):
         return None
 
 
-def test_first_not_plain_is_plainly_valid_record_by_record():
-    items = [_pd(1, 0, 0.5), _rp(1, 0.5)] + ODD_RECORDS + [_rp(2, 0.5)]
-    for d in items:
-        assert fmt._plainly_valid(d) == (fmt.first_not_plain([d]) == 1)
-        if fmt._plainly_valid(d):
-            assert fmt.validate_dict(d) is None  # plain implies valid
-    firsts = [i for i, d in enumerate(items) if not fmt._plainly_valid(d)]
-    assert fmt.first_not_plain(items) == firsts[0]
-    assert fmt.first_not_plain(items, firsts[0] + 1) == firsts[1]
-
-
 def _write(path, lines: list[bytes], tail: bytes = b"") -> str:
     path.write_bytes(b"".join(x + b"\n" for x in lines) + tail)
     return str(path)
@@ -187,14 +176,17 @@ def test_batched_reader_gives_every_line_as_the_definition(tmp_path, monkeypatch
             assert problem.startswith("line too long (5010 bytes or more"), problem
         else:
             assert problem == wproblem
-    # The unchecked batches cover the same lines, in order.
+    # The batches of records (schema.py Structs) cover the same lines, in
+    # order, each the record of the definition.
     seen = []
-    for first, items, problems, raw in iter_file_batches(path, unchecked=True):
+    for first, items, problems in iter_file_records(path):
         assert [n for n, _, _ in got[first - 1 : first - 1 + len(items)]] == list(
             range(first, first + len(items))
         )
-        if raw is not None:
-            assert items == [json.loads(x) for x in raw] and not problems
+        assert [None if r is None else as_dict(r) for r in items] == [
+            d for _, d, _ in got[first - 1 : first - 1 + len(items)]
+        ]
+        assert set(problems) == {first + i for i, r in enumerate(items) if r is None}
         seen.extend(range(first, first + len(items)))
     assert seen == list(range(1, len(got) + 1))
 
@@ -338,33 +330,25 @@ def test_summary_fast_path_equals_the_line_at_a_time_summary(tmp_path, monkeypat
     assert (by[("r", "g")].restarts != "") == resumed
 
 
-def test_summary_of_a_file_of_usual_records_takes_the_fast_path(tmp_path, monkeypatch):
-    """The benchmark's shape: no record of it goes through parse_line or
-    Summarizer.add one at a time (the fast path is what is measured)."""
+def test_summary_of_a_file_of_usual_records_takes_the_one_call_path(tmp_path, monkeypatch):
+    """The benchmark's shape: every line is a record of the format, decoded
+    by the Structs in one call per batch; none takes the definition's path
+    (orjson, then the readers' level), and the summary is the reference's."""
     recs = []
     for s in range(50):
         recs.append(_rp(s, 1.0 / (s + 1)))
         recs += [_pd(s, d, 0.5 + d) for d in range(4)]
     path = _write(tmp_path / "t.jsonl", [_line(r) for r in recs])
-    calls = {"parse_line": 0, "add": 0}
-    real_parse, real_add = parse.parse_line, Summarizer.add
+    calls = {"definition": 0}
+    real = parse._by_definition
 
-    def counting_parse(raw):
-        calls["parse_line"] += 1
-        return real_parse(raw)
+    def counting(raw):
+        calls["definition"] += 1
+        return real(raw)
 
-    def counting_add(self, r):
-        calls["add"] += 1
-        return real_add(self, r)
-
-    from pmaptap.tapfile import summary_batch as summary
-
-    monkeypatch.setattr(summary, "parse_line", counting_parse)
-    monkeypatch.setattr(Summarizer, "add", counting_add)
+    monkeypatch.setattr(parse, "_by_definition", counting)
     got, bad, _, _ = summarize_file(path)
-    # Only the first record of each device (it registers the device's
-    # coordinates) goes the long way.
-    assert calls == {"parse_line": 4, "add": 4}
+    assert calls == {"definition": 0}
     want, _ = _reference_summary(path)
     assert got == want and bad == []
 
@@ -388,5 +372,5 @@ def test_without_orjson_every_batch_takes_the_json_path(tmp_path, monkeypatch):
 
     with_orjson = read_all()
     monkeypatch.setattr(fmt, "ORJSON", None)
-    assert parse.load_lines(lines) is None
+    assert parse._loads(b'{"a": [1, 2.5]}') == ({"a": [1, 2.5]}, None)  # json's
     assert read_all() == with_orjson

@@ -27,8 +27,7 @@ from pmaptap.tapfile.export import write_csv
 from pmaptap.tapfile.format import decode_record
 from pmaptap.tapfile.lines import iter_file_lines
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import Summarizer
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import Summarizer, summarize_file
 from pmaptap.tapfile.summary_table import summary_table
 from pmaptap.tapfile.views import load_matching
 
@@ -343,7 +342,7 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
     monkeypatch.setattr(parse, "MAX_LINE_BYTES", LIMIT)
     monkeypatch.setattr(tapfile_lines, "BATCH_BYTES", _batch_size(rnd, data))
 
-    # 1. parse_lines (and load_lines' values) == parse_line, line by line.
+    # 1. parse_lines == parse_line, line by line.
     lines = data.split(b"\n")
     records, problems = parse.parse_lines(lines)
     for i, raw in enumerate(lines):

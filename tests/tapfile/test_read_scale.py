@@ -292,6 +292,63 @@ def test_holders_ranges_text_is_strict(tmp_path):
     assert holder_ids("0-1,5-7,50") == [0, 1, 5, 6, 7, 50]
 
 
+def test_hostile_holders_cost_only_their_line_under_a_memory_limit(tmp_path):
+    """100 lines naming 2**20 holders each (``"0-1048575"``, the most a
+    ranges text may name) are read by every reader in a process whose
+    address space is capped at 1 GiB more than it holds after its imports:
+    ``read()`` gives each record's holders as one shared ``Holders``, never
+    a list per record (before: 100 lists of 2**20 ints, ~8 GB)."""
+    path = tmp_path / "hostile.jsonl"
+    n = 1 << 20
+    lines = [
+        json.dumps(
+            record_dict(
+                name="loss",
+                step=s,
+                vhash=f"{s:x}",
+                replicas=n,
+                devices=f"0-{n - 1}",
+                processes=f"0-{n - 1}",
+                time=1.0 + s,
+            )
+        )
+        for s in range(100)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    proc = run_python(
+        f"""
+        import contextlib, io, json, resource
+        import pmaptap
+        from pmaptap.cli import main
+        from pmaptap.tapfile import checks, schema, summary  # all imported first
+
+        size = [x for x in open("/proc/self/status") if x.startswith("VmSize:")][0]
+        cap = int(size.split()[1]) * 1024 + (1 << 30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        path = {str(path)!r}
+        recs = pmaptap.read(path)
+        got = {{
+            "records": len(recs),
+            "shared": all(r["devices"] is recs[0]["devices"] for r in recs),
+            "holders": [len(recs[0]["devices"]), {n - 1} in recs[0]["processes"]],
+        }}
+        commands = (["summary"], ["validate"], ["show", "--process", "7"], ["export", "--csv", "-"])
+        for cmd in commands:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = main([cmd[0], path, *cmd[1:]])
+            got[cmd[0]] = [code, len(out.getvalue().splitlines())]
+        print(json.dumps(got))
+        """,
+        timeout=300,
+    )
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["records"] == 100 and got["shared"], got
+    assert got["holders"] == [n, True], got
+    assert got["summary"][0] == 0 and got["validate"] == [0, 1], got
+    assert got["show"] == [0, 101] and got["export"] == [0, 101], got
+
+
 def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatch):
     """tail -f / merge -f of a local sharded run list path.d/ only when it
     changed (its mtime; anyway while it changed in the last second): quiet
@@ -522,9 +579,9 @@ def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_
     import math
     import random
 
-    from test_speedups import _write_run
+    from test_jobs import _write_run
 
-    from pmaptap.tapfile import checks, summary_batch
+    from pmaptap.tapfile import checks, summary
     from pmaptap.tapfile.attempts import scan
     from pmaptap.tapfile.query import Filter
 
@@ -542,8 +599,8 @@ def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_
         resumed += was_resumed
         plain += not was_resumed
         assert checks.validate_file(path) == checks._validate(path, scan(path)), case
-        got = summary_batch.summarize_file(path)
-        want = summary_batch._summarize_scanned(path, Filter())
+        got = summary.summarize_file(path)
+        want = summary._summarize_scanned(path, Filter())
         assert same([vars(s) for s in got[0]], [vars(s) for s in want[0]]), case
         assert got[1:] == want[1:], case
     assert resumed > 10 and plain > 10, (resumed, plain)
@@ -663,7 +720,7 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
     scan-first pass as before."""
     import math
 
-    from pmaptap.tapfile import checks, summary_batch
+    from pmaptap.tapfile import checks, summary
     from pmaptap.tapfile.attempts import scan
     from pmaptap.tapfile.query import Filter
 
@@ -696,18 +753,18 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
             if how == "late":
                 assert report.superseded == 2, (where, report)  # g step 0, both processes
             if layout == "file":
-                acc, _ = summary_batch._summarize_plain(path)
+                acc, _ = summary._summarize_plain(path)
             else:
-                acc, _ = summary_batch._summarize_merged(path)
+                acc, _ = summary._summarize_merged(path)
             assert acc.resumed == resumed, where
             summaries_same(
-                summary_batch.summarize_file(path),
-                summary_batch._summarize_scanned(path, Filter()),
+                summary.summarize_file(path),
+                summary._summarize_scanned(path, Filter()),
             )
             flt = Filter(names=("loss", "g"))
             summaries_same(
-                summary_batch.summarize_file(path, flt),
-                summary_batch._summarize_scanned(path, flt),
+                summary.summarize_file(path, flt),
+                summary._summarize_scanned(path, flt),
             )
 
 

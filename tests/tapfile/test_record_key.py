@@ -25,7 +25,7 @@ from pmaptap.tapfile.format import (
     split_step,
     step_key,
 )
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file
 
 RECORDS = [
     {"run": "r", "name": "a", "step": 3},
@@ -44,7 +44,7 @@ def test_the_parts_of_record_key_are_its_own():
         assert step == d["step"]
         assert key_with_step(rest, step) == key
         # DivergenceIndex keeps a key's steps under split_step's rest, the
-        # map that summary_batch.py reaches through steps_of.
+        # map steps_of gives.
         index = DivergenceIndex()
         index.add(dict(d, kind="replicated", vhash="h", process=0))
         assert index.steps_of(*rest) == {step: ("h", 0)}

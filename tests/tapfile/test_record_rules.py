@@ -1,29 +1,27 @@
-"""One definition of a record: format.RULES. validate_dict and
-checks.schema_problems are made from the table; the fast checks are
-hand-inlined copies of it (format.first_not_plain, checks._fields_clean,
-summary_batch.BatchSummarizer._add_part). These tests derive from the table
-a record breaking each rule, for every kind the rule applies to, and check
-that every check refuses it, so that a copy cannot drift from the table; and
-that records satisfying the table pass them all."""
+"""One definition of a record: tapfile/schema.py's Structs (the format)
+and what readers take (schema.READERS_TAKE, validate_dict). These tests
+derive from the Structs' own field types a record breaking each field's
+type, for every kind that has the field, and check every reader on it:
+the Structs refuse it; a record readers take is still read (parse_line,
+the summary, validate's count) and validate names the field's problem; a
+record readers do not take is a bad line everywhere, named by its field.
+And records satisfying every rule pass them all, taken by the Structs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import msgspec
 import pytest
 
 from conftest import per_device_dict, record_dict, replicated_dict
-from pmaptap.tapfile import (
-    _speedups,  # the C copies, whether readers use them or not
-    parse,
-)
 from pmaptap.tapfile import format as fmt
-from pmaptap.tapfile.checks import _fields_clean, schema_problems
-from pmaptap.tapfile.summary_batch import BatchSummarizer
+from pmaptap.tapfile import parse, schema
+from pmaptap.tapfile.checks import schema_problems, validate_file
+from pmaptap.tapfile.summary import summarize_file
 
-# Records that satisfy every rule of the table, reader's and format's, one
-# per kind, each a usual record of summary's fast path.
+# Records that satisfy every rule, one per kind.
 BASE = {
     "replicated": replicated_dict(1, 0.5, replicas=2, devices=[0, 1], processes=[0]),
     "per_device": per_device_dict(1, 1, 0.5),
@@ -47,14 +45,8 @@ BASE = {
 }
 
 
-def _plain(kind: str) -> bool:
-    """Whether the fast checks take a plainly valid record of ``kind``
-    (fingerprint records always take the full ones: format.UNPLAIN_KINDS)."""
-    return kind not in fmt.UNPLAIN_KINDS
-
-
 # Values of every JSON type, some of each field's forms (ids, ranges text,
-# index pairs, coordinates); which of them a rule takes is the table's say.
+# index pairs, coordinates); which of them a rule takes is the types' say.
 SAMPLES = [
     None,
     True,
@@ -85,10 +77,9 @@ SAMPLES = [
     [{"device": 1}],  # a fingerprint record's holders
 ]
 _GONE = object()  # the field removed
-
-
-def _name(rule: fmt.FieldRule) -> str:
-    return rule.name
+# Fields whose value the rules beyond types (or a stored value's rules)
+# judge with the rest of the record: their samples are left to those.
+_WHOLE = {"value", "dtype", "shape", "bytes"}
 
 
 def _with(kind: str, field: str, value) -> dict:
@@ -100,132 +91,167 @@ def _with(kind: str, field: str, value) -> dict:
     return d
 
 
-def _reader_cases(rule: fmt.FieldRule, accepted: bool) -> list[tuple[str, object]]:
-    """(kind, value) for each kind whose records readers check ``rule``
-    in (a required field in its kinds, an optional one in any) and each
-    sample the rule takes (``accepted``) or refuses; a required field's
-    absence counts as refused."""
-    required = rule.required and rule.kinds != fmt.KINDS
-    kinds = rule.kinds if required else fmt.KINDS
-    values = [v for v in SAMPLES if rule.accepts(v) == accepted]
-    if rule.required and not accepted:
-        values.append(_GONE)
-    return [(kind, v) for kind in kinds for v in values]
-
-
 def _line(d: dict) -> bytes:
     return json.dumps(d, separators=(",", ":")).encode()
 
 
-def _summary_refuses(d: dict, kind: str) -> bool:
-    """Whether summary's fast path leaves ``d`` (an unchecked item, as
-    ``pmaptap summary`` reads a file) to parse_line, which reports it: it
-    follows a usual record of the same tap, device and coordinates, so
-    only ``d``'s own fields decide."""
-    first = dict(BASE[kind], step=0)
-    items, lines = [first, d], [_line(first), _line(d)]
-    bad: list = []
-    BatchSummarizer().add_batch(items, lines, 1, bad)
-    return [n for n, _ in bad] == [2]
+def _takes(tp, value) -> bool:
+    try:
+        msgspec.convert(value, tp)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
-def test_table_gives_the_required_fields_and_record_type():
-    # The fields the Record type requires (those without a default), in
-    # its order, which is the order a line holds them.
-    assert fmt.REQUIRED == tuple(
+def _cases():
+    """(kind, json name, value, the format takes it, readers take it)."""
+    for kind, cls in schema.CLASSES.items():
+        loose = {f.encode_name: f.type for f in msgspec.structs.fields(schema._LOOSE[kind])}
+        for f in msgspec.structs.fields(cls):
+            if f.encode_name in _WHOLE:
+                continue
+            for value in SAMPLES:
+                d = _with(kind, f.encode_name, value)
+                strict = _takes(f.type, value) and not schema.beyond_types(
+                    schema.from_dict(d), readers=True
+                )
+                readers = _takes(loose[f.encode_name], value) and not schema.beyond_types(
+                    schema.from_dict(d), readers=True
+                )
+                yield kind, f.encode_name, value, strict, readers
+            if f.required:
+                yield kind, f.encode_name, _GONE, False, False
+
+
+CASES = list(_cases())
+
+
+def test_required_fields_are_the_writers_record_type_s():
+    # The fields the writers' Record type requires (those without a
+    # default), in its order, which is the order a line holds them.
+    assert schema.REQUIRED == tuple(
         f.name for f in dataclasses.fields(fmt.Record) if f.default is dataclasses.MISSING
     )
-    assert "run" in fmt.REQUIRED and "host" in fmt.REQUIRED and "pass" not in fmt.REQUIRED
-    assert fmt.REQUIRED_BY_KIND["per_device"][len(fmt.REQUIRED) :] == ("device", "coords")
-    assert fmt.REQUIRED_BY_KIND["replicated"][len(fmt.REQUIRED) :] == ("replicas",)
-    assert fmt.REQUIRED_BY_KIND["meta"] == fmt.REQUIRED
+    assert schema.REQUIRED_BY_KIND["per_device"][len(schema.REQUIRED) :] == ("device", "coords")
+    assert schema.REQUIRED_BY_KIND["replicated"][len(schema.REQUIRED) :] == ("replicas",)
+    assert schema.REQUIRED_BY_KIND["meta"] == schema.REQUIRED
 
 
-def test_records_satisfying_the_table_pass_every_check():
-    records = [d for kind, d in BASE.items() if _plain(kind)]
-    assert fmt.first_not_plain(records) == len(records)
+def test_records_satisfying_every_rule_pass_every_check(tmp_path):
     for kind, d in BASE.items():
-        assert fmt.validate_dict(d) is None, kind
+        r = schema.DECODER.decode(_line(d))
+        assert type(r) is schema.CLASSES[kind] and not r.odd, kind
+        # Its fields: kind first, then in the order writers write them.
+        assert schema.as_dict(r) == d, kind
+        assert list(schema.as_dict(r)) == ["kind"] + [f[0] for f in schema.FIELDS if f[0] in d]
+        assert schema.validate_dict(d) is None, kind
         assert parse.parse_line(_line(d)) == (d, None)
-        assert _fields_clean(d) == _plain(kind), kind
-        assert fmt.first_not_plain([d]) == (1 if _plain(kind) else 0), kind
         assert schema_problems(d) == [], kind
-        bad: list = []
-        BatchSummarizer().add_batch([d], [_line(d)], 1, bad)
-        assert bad == []
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"".join(_line(d) + b"\n" for d in BASE.values()))
+    assert validate_file(path).ok
+    assert summarize_file(path)[1] == []
 
 
-@pytest.mark.parametrize("rule", [r for r in fmt.RULES if r.types or r.ok or r.required], ids=_name)
-def test_every_check_refuses_a_record_breaking_a_rule(rule):
-    cases = _reader_cases(rule, accepted=False)
-    assert cases, rule.name  # the samples break every rule that has one
-    for kind, value in cases:
-        d = _with(kind, rule.name, value)
-        what = (kind, rule.name, value)
-        problem = fmt.validate_dict(d)
-        assert problem is not None, what
-        assert fmt._record_problem(d) == problem, what
-        if value is not _GONE and kind in fmt.KINDS and d["kind"] == kind:
-            # The problem it names is this rule's (the record is
-            # otherwise valid), or the record's kind lacks a field.
-            assert problem == f"{rule.name} must be {rule.must}" or "without" in problem
-        if _plain(kind):
-            assert fmt.first_not_plain([BASE[kind], d, BASE[kind]]) == 1, what
+def test_the_samples_break_and_keep_each_rule():
+    # Every field is broken by some sample, and for every field the
+    # readers widen, some sample is a record readers take that breaks the
+    # format.
+    fields = {(k, n) for k, n, _, _, _ in CASES}
+    broken = {(k, n) for k, n, _, strict, _ in CASES if not strict}
+    assert broken == fields
+    widened = {(k, n) for k, n, _, strict, readers in CASES if readers and not strict}
+    assert {n for _, n in widened} >= {"process", "time", "host", "replicas", "device"}
+
+
+@pytest.mark.parametrize("kind", fmt.KINDS)
+def test_every_reader_judges_a_record_breaking_a_rule_by_the_types(kind, tmp_path):
+    lines = []
+    for k, name, value, strict, readers in CASES:
+        if k != kind:
+            continue
+        d = _with(kind, name, value)
+        line = _line(d)
+        what = (kind, name, value)
+        try:
+            schema.DECODER.decode(line)
+            decoded = True
+        except msgspec.ValidationError:
+            decoded = False
+        got, problem = parse.parse_line(line)
+        if strict:
+            assert decoded and problem is None and got == d, what
+            # Nothing but what the rules beyond the types say of the record
+            # as a whole (one holder per replica, when replicas changes).
+            assert schema_problems(d) == schema.beyond_types(schema.from_dict(d)), what
+        elif readers:
+            assert not decoded, what
+            assert problem is None and got == d, what
+            problems = schema_problems(d)
+            assert problems and any(name in p for p in problems), (what, problems)
         else:
-            assert fmt.first_not_plain([d]) == 0, what
-        assert parse.parse_line(_line(d))[0] is None, what
-        assert _summary_refuses(d, kind), what
+            assert not decoded and got is None, what
+            assert problem.startswith("not a pmaptap record:"), (what, problem)
+            assert name in problem or "without" in problem or "missing" in problem, (what, problem)
+        lines.append((line, strict and not schema_problems(d), readers))
+    # The same lines in a file: validate counts every record readers take
+    # and names each line that breaks the format; summary skips the others.
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"".join(line + b"\n" for line, _, _ in lines))
+    report = validate_file(path)
+    assert report.records == sum(readers or clean for _, clean, readers in lines)
+    flagged = {n for n, why in report.problems if not why.startswith("duplicate")}
+    for n, (_, clean, _) in enumerate(lines, 1):
+        assert (n in flagged) == (not clean), n
+    _, bad, _, _ = summarize_file(path)
+    assert [n for n, _ in bad] == [
+        n for n, (_, clean, readers) in enumerate(lines, 1) if not (clean or readers)
+    ]
 
 
-@pytest.mark.parametrize("rule", [r for r in fmt.RULES if r.types or r.ok], ids=_name)
-def test_every_check_takes_what_a_rule_takes(rule):
-    for kind, value in _reader_cases(rule, accepted=True):
-        d = _with(kind, rule.name, value)
-        if rule.name == "kind" and value != kind:
-            continue  # another kind's record: its own fields decide
-        assert fmt.validate_dict(d) is None, (kind, rule.name, value)
-        # The fast check takes it too, unless the table leaves records
-        # with this field to the full checks.
-        plain = fmt.first_not_plain([d]) == 1
-        assert plain == (rule.name not in fmt.NOT_PLAIN and _plain(d["kind"])), (
-            kind,
-            rule.name,
-            value,
-        )
-
-
-@pytest.mark.parametrize("rule", fmt.STRICT_RULES, ids=_name)
-def test_schema_check_flags_a_record_breaking_a_strict_rule(rule):
-    flagged = taken = 0
-    for kind in rule.kinds:
-        for value in SAMPLES:
-            d = _with(kind, rule.name, value)
-            if fmt.validate_dict(d) is not None:
-                continue  # not a record: readers refuse it (above)
-            problem = rule.strict_problem.format(v=value)
-            if rule.strict(value, d):
-                assert problem not in schema_problems(d), (kind, rule.name, value)
-                taken += 1
-                continue
-            flagged += 1
-            assert problem in schema_problems(d), (kind, rule.name, value)
-            # The inline copies leave it to the full checks (the C one,
-            # _speedups.c scalar_clean, is built by the test extra's install).
-            assert not (d.keys().isdisjoint(fmt.NOT_CLEAN) and _fields_clean(d)), (
-                kind,
-                rule.name,
-                value,
-            )
-            assert not _speedups.scalar_clean(d, fmt.NOT_CLEAN), (kind, rule.name, value)
-    assert flagged and taken, rule.name
+def test_rules_beyond_types_are_named_by_validate():
+    """One holder per replica, copies_seen at most replicas, a shard's
+    global shape, the value against its dtype and shape: records readers
+    take, whose problems validate names."""
+    rep = BASE["replicated"]
+    for d, text in [
+        (dict(rep, devices=[0, 1, 2]), schema.FORMAT_PROBLEM["devices"]),
+        (dict(rep, devices="0-40"), schema.FORMAT_PROBLEM["devices"]),
+        (dict(rep, copies_seen=3), schema.FORMAT_PROBLEM["copies_seen"]),
+        (dict(rep, global_shape=[[1], 2]), schema.FORMAT_PROBLEM["global_shape"]),
+        (dict(rep, shape=[2]), "does not match shape"),
+        (dict(rep, value="x"), "does not fit dtype"),
+    ]:
+        assert schema.validate_dict(d) is None, d
+        r = parse.decode_line(_line(d))[0]
+        assert r is not None and not r.odd, d
+        assert any(text in p for p in schema_problems(d)), (d, schema_problems(d))
 
 
 def test_strict_rules_apply_only_to_their_kinds():
     # A per-device record's "replicas" is no field of its kind: the format
-    # says nothing of it (as before the table).
+    # says nothing of it (a newer writer's field, kept).
     d = _with("per_device", "replicas", 0)
-    assert fmt.validate_dict(d) is None
+    assert schema.validate_dict(d) is None
     assert schema_problems(d) == []
+    assert parse.parse_line(_line(d))[0] == d
     d = _with("replicated", "device", "x")
-    assert fmt.validate_dict(d) is None
+    assert schema.validate_dict(d) is None
     assert schema_problems(d) == []
+
+
+def test_fields_a_newer_writer_adds_are_kept_and_no_error(tmp_path):
+    """Forward compatibility: a field no Struct declares (a newer writer's,
+    or a meta record's counters) is kept as written, in every reader, and
+    is no problem."""
+    import pmaptap
+
+    d = dict(BASE["per_device"], future={"a": [1, 2]}, weight=0.5)
+    meta = dict(BASE["meta"], dropped_total=7)
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(_line(d) + b"\n" + _line(meta) + b"\n")
+    assert parse.parse_line(_line(d)) == (d, None)
+    got = pmaptap.read(path)
+    assert got[0]["future"] == {"a": [1, 2]} and got[0]["weight"] == 0.5
+    assert got[1]["dropped_total"] == 7
+    assert validate_file(path).ok

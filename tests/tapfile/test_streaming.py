@@ -15,8 +15,7 @@ import pmaptap
 from conftest import ROOT, logs_warning, per_device_dict, record_dict, subprocess_env
 from pmaptap.tapfile import views
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import tap_summaries
-from pmaptap.tapfile.summary_batch import summarize_file
+from pmaptap.tapfile.summary import summarize_file, tap_summaries
 
 
 def _rep(step, value, process, vhash, **kw):

@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cli import _table, cli
 
 import pmaptap
-from conftest import per_device_dict, replicated_dict
-from pmaptap.tapfile.summary import tap_summaries
-from pmaptap.tapfile.summary_batch import summarize_file
+from conftest import aligned_table as _table
+from conftest import cli, per_device_dict, replicated_dict
+from pmaptap.tapfile.summary import summarize_file, tap_summaries
 from pmaptap.tapfile.summary_table import summary_table
 
 

@@ -1,0 +1,466 @@
+"""``pmaptap summary --jobs N`` and ``validate --jobs N``: pieces of a run
+read in N worker processes, each giving a partial result that merges
+exactly, so the output is the one ``--jobs 1`` prints, to the byte.
+
+The pieces (``plan``): a sharded run's sources in N groups of about equal
+bytes, each group merged by its worker as the whole run is merged
+(runs.iter_merged with ``only``); one file in N byte ranges cut at line
+starts. A worker summarizes (summary.FilteredSummarizer) or checks
+(checks.Validator) its piece and sends its state, positions and all.
+
+What makes the merge exact:
+
+- One file: pieces follow each other, so a piece's positions are its own
+  plus the lines before it (the earlier pieces' counts), and state merges
+  in file order (``absorb(..., ordered=True)``).
+- A sharded run: a piece's lines are placed in the whole merge by their
+  merge key (record time, source, line: runs.Skeleton), and a position in
+  the whole run is counted by every worker (phase 2: how many of its lines
+  come before each place asked). Replicated records are the ones a merge
+  drops when another process's copy came first, so workers send them back
+  (``defer``) and the parent takes them in the order of the whole run, the
+  same copies dropped. Pieces must share no process (so no copy dropped in
+  one piece is kept in another) and, for validate, no per-device key; an
+  id written with two types in two pieces, or a device at two sets of
+  coordinates, has no order to merge by: then the run is read in one
+  process (``NeedSerial``), which is always exact.
+
+Object-store runs are read in one process (their reading is fetching, done
+by threads already).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from bisect import bisect_left
+from typing import Any
+
+from pmaptap.tapfile import checks, runs, summary
+from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
+from pmaptap.tapfile.checks import Report, Validator
+from pmaptap.tapfile.lines import collector_paused, iter_file_records, read_at
+from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.summary import FilteredSummarizer, NeedSerial, Result
+
+# Without --jobs: a worker per this many bytes of the run at most (a
+# worker's start and its partial result cost a few milliseconds: below
+# this, one process is as quick).
+MIN_JOB_BYTES = 8 << 20
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
+    """The worker processes to read ``path`` with: ``asked`` as is; None:
+    the cores, at most one per MIN_JOB_BYTES of the run (a small run is
+    read in this process)."""
+    if asked is not None:
+        return asked
+    if runs.is_url(path):
+        return 1
+    try:
+        size = (
+            sum(os.path.getsize(f) for f in runs.sources(path))
+            if runs.is_sharded(path)
+            else (os.path.getsize(path))
+        )
+    except OSError:
+        return 1
+    return max(1, min(cores(), size // MIN_JOB_BYTES))
+
+
+# ------------------------------------------------------------ the pieces
+
+
+def plan(path: str | os.PathLike, jobs: int) -> "tuple[bool, list] | None":
+    """(sharded, pieces): for a sharded run, lists of source indexes (runs.
+    sources), contiguous, of about equal bytes; for one file, (start, stop)
+    byte ranges cut at line starts. None: one process reads it."""
+    if jobs < 2 or runs.is_url(path):
+        return None
+    if runs.is_sharded(path):
+        sizes = [os.path.getsize(f) for f in runs.sources(path)]
+        if len(sizes) < 2:
+            return None
+        return True, _groups(sizes, jobs)
+    size = os.path.getsize(path)
+    cuts = sorted({_line_start(path, size * k // jobs) for k in range(1, jobs)} | {0, size})
+    pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return (False, pieces) if len(pieces) > 1 else None
+
+
+def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
+    """Contiguous groups of indexes of about equal total size."""
+    jobs = min(jobs, len(sizes))
+    total = sum(sizes) or 1
+    out: list[list[int]] = [[]]
+    done = 0
+    for i, n in enumerate(sizes):
+        left = len(sizes) - i  # sources left, this one included
+        groups_left = jobs - len(out)
+        if out[-1] and (done >= total * len(out) / jobs or left <= groups_left):
+            out.append([])
+        out[-1].append(i)
+        done += n
+    return out
+
+
+def _line_start(path: str | os.PathLike, offset: int) -> int:
+    """The start of the first line at or after ``offset`` (0, or just after
+    a newline)."""
+    if offset <= 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        while True:
+            block = f.read(1 << 16)
+            if not block:
+                return f.tell()
+            i = block.find(b"\n")
+            if i >= 0:
+                return f.tell() - len(block) + i + 1
+
+
+# ------------------------------------------------------------ workers
+
+
+def _context() -> Any:
+    """How workers start: forked from this process (the quickest: nothing
+    imported again), unless it runs other threads (JAX's, say), which a
+    fork would copy mid-work; then forked from a fresh server process
+    (forkserver), or spawned where there is no fork."""
+    import multiprocessing
+    import sys
+    import threading
+
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1 and "jax" not in sys.modules:
+        return multiprocessing.get_context("fork")
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _start(target: Any, tasks: list[tuple]) -> list:
+    """One process per task, each with a pipe: [(process, connection)]."""
+    ctx = _context()
+    out = []
+    for task in tasks:
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_serve, args=(theirs, target, task), daemon=True)
+        p.start()
+        theirs.close()
+        out.append((p, mine))
+    return out
+
+
+def _serve(conn: Any, target: Any, task: tuple) -> None:
+    """A worker: ``target(*task)`` sent back, then answers to where lines
+    fall (phase 2) until told to stop."""
+    try:
+        with collector_paused():
+            result, skeleton = target(*task)
+        conn.send(("ok", result))
+        while True:
+            keys = conn.recv()
+            if keys is None:
+                return
+            conn.send(_count_below(skeleton, keys))
+    except EOFError:
+        return
+    except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
+        import traceback
+
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _gather(workers: list) -> list:
+    out = []
+    try:
+        for p, conn in workers:
+            try:
+                status, result = conn.recv()
+            except EOFError:
+                raise RuntimeError(
+                    f"a worker process reading the run ended (exit code {p.exitcode})"
+                ) from None
+            if status != "ok":
+                raise RuntimeError(f"a worker process failed: {result}")
+            out.append(result)
+    except BaseException:
+        _stop(workers)
+        raise
+    return out
+
+
+def _stop(workers: list) -> None:
+    for _, conn in workers:
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+        conn.close()
+    for p, _ in workers:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _where(skeleton: runs.Skeleton | None) -> Any:
+    """A worker's position as a key comparable across pieces: its merge
+    key, its source and itself (sharded, runs.Skeleton.key); itself (one
+    file)."""
+    return (lambda pos: pos) if skeleton is None else skeleton.key
+
+
+def _count_below(skeleton: runs.Skeleton, keys: list) -> list[int]:
+    """How many of a worker's lines come before each key."""
+    return [skeleton.count_below(k) for k in keys]
+
+
+def _piece(path: str, sharded: bool, part: Any) -> tuple[Any, runs.Skeleton | None]:
+    if sharded:
+        skeleton = runs.Skeleton()
+        return runs.iter_merged(path, read_at, only=part, skeleton=skeleton), skeleton
+    start, stop = part
+    return iter_file_records(path, start, stop), None
+
+
+class _Placer:
+    """Positions of the whole run of keys from sharded pieces: each
+    worker's count of its lines before the key, less the replicated copies
+    the parent dropped before it."""
+
+    def __init__(self, workers: list, keys: list, dropped: list) -> None:
+        keys = sorted(set(keys))
+        counts = [0] * len(keys)
+        if keys:
+            for _, conn in workers:
+                conn.send(keys)
+            for _, conn in workers:
+                for i, n in enumerate(conn.recv()):
+                    counts[i] += n
+        dropped = sorted(dropped)
+        self.at = {k: counts[i] + 1 - bisect_left(dropped, k) for i, k in enumerate(keys)}
+
+    def __call__(self, key: Any) -> int:
+        return self.at[key]
+
+
+def _in_order(deferred: list[list]) -> Any:
+    """The deferred records of every piece, in the order of the whole run."""
+    return heapq.merge(*deferred, key=lambda item: item[0])
+
+
+def _disjoint(sets: list[set], what: str) -> None:
+    seen: set = set()
+    for s in sets:
+        if not seen.isdisjoint(s):
+            raise NeedSerial(f"two pieces share a {what}")
+        seen |= s
+
+
+def _first_copy(first: dict, r: Any) -> bool:
+    """Whether the merge keeps ``r`` (runs._merge_round's rule): not a copy
+    of a replicated value another process's line gave first."""
+    vhash = r.vhash
+    if not vhash:
+        return True
+    proc = r.process
+    return first.setdefault((r.key(), vhash), proc) == proc
+
+
+# ------------------------------------------------------------ summary
+
+
+def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: Any) -> tuple:
+    acc = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
+    batches, skeleton = _piece(path, sharded, part)
+    bad: list = []
+    deferred: list | None = [] if sharded else None
+    procs: set = set()
+    lines = 0
+    for first, records, problems in batches:
+        if problems:
+            bad.extend(problems.items())
+        if sharded:
+            procs.update([r.process for r in records if r is not None])
+        acc.take(records, first, deferred)
+        lines = first + len(records) - 1
+        if attempts is None and acc.resumed:
+            return ("resumed",), skeleton
+    where = _where(skeleton)
+    acc.shift(where)
+    bad = [(where(pos), why) for pos, why in bad]
+    if deferred is not None:
+        deferred = [(where(pos), r) for pos, r in deferred]
+    return ("done", acc, bad, deferred, procs, lines), skeleton
+
+
+def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
+    """summary.summarize_file in ``jobs`` worker processes (in this one
+    where the run is not split: see the module's docstring)."""
+    flt = flt or Filter()
+    got = _summarize_split(path, flt, jobs)
+    return got if got is not None else summary.summarize_file(path, flt)
+
+
+def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result | None:
+    pieces = plan(path, jobs)
+    if pieces is None:
+        return None
+    path = os.fspath(path)
+    optimistic = not flt.active and not flt.all_attempts
+    attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
+    try:
+        got = _summary_pass(path, pieces, flt, attempts)
+        if got is None:  # resumed after all
+            got = _summary_pass(path, pieces, flt, scan(path))
+        return got
+    except NeedSerial:
+        return None
+
+
+def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Result | None:
+    sharded, parts = pieces
+    workers = _start(_summary_piece, [(path, sharded, part, flt, attempts) for part in parts])
+    try:
+        results = _gather(workers)
+        if any(r[0] == "resumed" for r in results):
+            return None
+        accs = [r[1] for r in results]
+        merged = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
+        if not sharded:
+            bad: list = []
+            offset = 0
+            for _, acc, piece_bad, _, _, lines in results:
+                acc.shift(lambda pos, o=offset: pos + o)
+                merged.absorb(acc, ordered=True)
+                bad += [(pos + offset, why) for pos, why in piece_bad]
+                offset += lines
+            return merged.result(bad)
+        _disjoint([r[4] for r in results], "process")
+        for acc in accs:
+            merged.absorb(acc, ordered=False)
+        # The replicated records, in the run's order, the merge's copies
+        # dropped: one more piece.
+        rep = FilteredSummarizer(flt, merged.attempts)
+        dropped = []
+        first: dict = {}
+        for key, r in _in_order([r[3] for r in results]):
+            if not _first_copy(first, r):
+                dropped.append(key)
+                continue
+            rep.take_one(r, key)
+        if attempts is None and rep.resumed:
+            return None
+        merged.absorb(rep, ordered=False)
+        bad_keys = [key for r in results for key, _ in r[2]]
+        place = _Placer(workers, bad_keys, dropped)
+        bad = sorted((place(key), why) for r in results for key, why in r[2])
+        return merged.result(bad)
+    finally:
+        _stop(workers)
+
+
+# ------------------------------------------------------------ validate
+
+
+def _validate_piece(path: str, sharded: bool, part: Any, attempts: Any) -> tuple:
+    v = Validator(path, attempts)
+    batches, skeleton = _piece(path, sharded, part)
+    deferred: list | None = [] if sharded else None
+    procs: set = set()
+    for first, records, problems in batches:
+        if sharded:
+            procs.update([r.process for r in records if r is not None])
+        v.take(records, problems, first, deferred)
+        if v.resumed:
+            return ("resumed",), skeleton
+    if not sharded:
+        return ("done", v), None
+    # Resolved here: no other piece holds a per-device key of this one
+    # (checked by the parent from ``groups``).
+    where = _where(skeleton)
+    problems = [(where(pos), why) for pos, why in v.problems]
+    dups = [(where(pos), where(first), what) for pos, first, what in v.rendered_dups()]
+    groups = set(v.firsts._keys)
+    deferred = [(where(pos), r) for pos, r in deferred]
+    counts = (v.lines, v.records, v.superseded)
+    return ("done", counts, problems, dups, groups, procs, deferred, v.fingerprinted), skeleton
+
+
+def validate_file(path: str | os.PathLike, jobs: int) -> Report:
+    """checks.validate_file in ``jobs`` worker processes (in this one
+    where the run is not split)."""
+    got = _validate_split(path, jobs)
+    return got if got is not None else checks.validate_file(path)
+
+
+def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
+    pieces = plan(path, jobs)
+    if pieces is None:
+        return None
+    path = os.fspath(path)
+    try:
+        report = _validate_pass(path, pieces, None)
+        if report is None:
+            report = _validate_pass(path, pieces, scan(path))
+        return report
+    except NeedSerial:
+        return None
+
+
+def _validate_pass(path: str, pieces: tuple, attempts: Any) -> Report | None:
+    sharded, parts = pieces
+    workers = _start(_validate_piece, [(path, sharded, part, attempts) for part in parts])
+    try:
+        results = _gather(workers)
+        if any(r[0] == "resumed" for r in results):
+            return None
+        if not sharded:
+            merged = results[0][1]
+            for _, v in results[1:]:
+                merged.absorb(v, merged.lines)
+            return merged.report()
+        _disjoint([r[5] for r in results], "process")
+        _disjoint([{g for g in r[4] if g[0] == "per_device"} for r in results], "per-device key")
+        rep = Validator(path, attempts)
+        dropped = []
+        first: dict = {}
+        for key, r in _in_order([r[6] for r in results]):
+            if not _first_copy(first, r):
+                dropped.append(key)
+                continue
+            if attempts is None and attempt_of(r) and r.kind != "meta":
+                return None  # resumed after all
+            rep.add(r, key)
+            if attempts and attempts.superseded(r):
+                rep.superseded += 1
+        problems = [p for r in results for p in r[2]] + rep.problems
+        dups = [d for r in results for d in r[3]] + rep.rendered_dups()
+        place = _Placer(
+            workers, [k for k, _ in problems] + [k for d in dups for k in d[:2]], dropped
+        )
+        rep.problems = [(place(k), why) for k, why in problems]
+        rep.records += sum(r[1][1] for r in results)
+        rep.superseded += sum(r[1][2] for r in results)
+        for r in results:
+            rep.fingerprinted |= r[7]
+        lines = sum(r[1][0] for r in results) - len(dropped)
+        return rep.report([(place(a), place(b), what) for a, b, what in dups], lines)
+    finally:
+        _stop(workers)

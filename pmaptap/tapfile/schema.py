@@ -1,0 +1,840 @@
+"""What a record is: the one home of the record rules.
+
+Each kind of record is a msgspec ``Struct`` (``PerDevice``, ``Replicated``,
+``MetaRecord``, ``Fingerprint``: a tagged union on ``kind``), made of the rows of one table,
+``FIELDS`` (a line's fields in order), whose types and ``Meta``
+constraints are the format: a non-empty name, a step from 0 to 2**63-1, a
+non-negative process, at least one replica, integer coordinates, ``divergent``
+only ever ``true``, holders as a list or ranges text, and so on. Every reader
+decodes a line through them (``DECODER``; tapfile/parse.py). What types
+cannot say is ``beyond_types`` below, one Python function: ranges text that
+is ascending and disjoint, a shard's index, one holder per replica,
+``copies_seen`` at most ``replicas``, a shard's global shape, a value against
+its dtype and shape. (Line-level bounds, a line's length and nesting and
+integers past 64 bits, are tapfile/parse.py's; where a stored value's
+references may point, tapfile/arrays.py's ``field_problem``.)
+
+Two levels, both declared here:
+
+- *The format* (the Structs): what writers write and ``pmaptap validate``
+  checks. A line that decodes into a Struct is a valid record, done.
+- *What readers take* (``validate_dict``): the format with some fields
+  widened (``READERS_TAKE``: a process, a device or a holder may be any JSON
+  scalar; time, host and replicas anything). A line the Structs refuse is
+  checked again at this level: if readers take it, it is still a record
+  (``pmaptap validate`` then names each field that breaks the format);
+  otherwise it is a bad line, with the reason.
+
+Fields a newer writer adds (and a meta record's counters) are not errors: a
+record with fields the Structs do not declare is taken at the second level,
+its fields kept as they were (``Odd*`` records hold their line's object).
+
+Structs are cheaper than dicts to build and hold (224 against 632 bytes for
+a scalar per-device record); ``pmaptap.read`` still returns dicts
+(``as_dict``), and a Struct answers the dict reads that the readers' helpers
+use (``get``, ``[]``, ``in``).
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import chain
+from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType, field
+
+# ------------------------------------------------------------ constants
+
+# Steps are integers from 0 to the int64 maximum, whatever form the tap got.
+MAX_STEP = 2**63 - 1
+# The strings that stand for non-finite floats inside ``value`` (JSON has no
+# number form for them); the one place that names them.
+NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
+NONFINITE = {NAN: float("nan"), POS_INF: float("inf"), NEG_INF: float("-inf")}
+# Replicated records only, absent unless fewer copies were read than
+# ``replicas`` (the devices named in ``devices``) hold: how many were read.
+# A scalar tapped under plain jit is replicated on every device of the
+# computation by its sharding; one copy (device 0's) is read, the others
+# are neither seen nor compared. An integer from 1 to ``replicas``.
+COPIES_SEEN = "copies_seen"
+# The holders of a replicated value (its ``devices`` and ``processes``): a
+# list of ids, or, past RANGES_ABOVE ids that are all integers, their ranges
+# as text ("0-4095", "0-3,8-11", ascending, disjoint), so that a record's
+# size and the work each reader does with it stay the same at 4,096
+# processes as at 2 (a list of 4,096 ids is ~20 KB a line). Readers take
+# both forms and keep the text as text: ``Holders`` (what pmaptap.read
+# gives) is the ids without a list.
+RANGES_ABOVE = 16
+# At most this many ids in one ranges text: what anything may expand it to
+# (a summary's device set, ``list(Holders)``), so a hostile
+# "0-9999999999" costs only its line.
+MAX_HOLDERS = 1 << 20
+
+# ------------------------------------------------------------ field types
+
+Scalar = None | bool | int | float | str
+Name = Annotated[str, Meta(min_length=1)]
+Step = Annotated[int, Meta(ge=0, le=MAX_STEP)]
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+# Ranges text ("0-3,8-11"): decimal ids without leading zeros, single or as
+# first-last ranges, comma-separated (its form here; ascending and disjoint
+# in beyond_types).
+_ID = "(?:0|[1-9][0-9]{0,18})"
+_RANGE = f"{_ID}(?:-{_ID})?"
+_PART = re.compile(_RANGE)
+RangesText = Annotated[str, Meta(pattern=f"^{_RANGE}(?:,{_RANGE})*$")]
+# pmaptap.fingerprint's 64-bit fingerprint of a copy's bits, as text.
+Hex16 = Annotated[str, Meta(pattern="^[0-9a-f]{16}$")]
+
+
+# pmaptap.fingerprint's records (_host/fingerprints.py writes them;
+# docs/api.md#fingerprint-records describes every field): no array data
+# ("value", "dtype" and "shape" null), ``fingerprint``, the holders as a
+# replicated record lists them, and either ``leaves`` and ``slices`` (all
+# copies agree: ``fingerprint`` digests every group's) or ``divergent``,
+# ``leaf``, ``index`` or ``slice_coords``, ``compared`` and, for a
+# fingerprint few copies hold, ``holders`` ({device, process, host, coords}
+# per copy).
+FINGERPRINT = "fingerprint"
+_EVERY = ("replicated", "per_device", "meta", FINGERPRINT)
+_HELD = ("replicated", FINGERPRINT)  # the kinds that list a value's holders
+_FP = (FINGERPRINT,)
+# The fields of a record, in the order a line holds them (writers write
+# them so, format.Record): (name in the line, type, required, the kinds
+# that have it). The format, field by field: each kind's Struct below is
+# made of its rows. UNSET (the default of a field not required): not in
+# the line.
+FIELDS: tuple = (
+    ("run", str, True, _EVERY),
+    ("name", Name, True, _EVERY),
+    ("step", Step, True, _EVERY),
+    ("value", Any, True, _EVERY),
+    ("dtype", Any, True, _EVERY),
+    ("shape", Any, True, _EVERY),
+    ("process", Count, True, _EVERY),
+    ("time", int | float, True, _EVERY),  # unix seconds (JSON: never NaN)
+    ("host", str, True, _EVERY),
+    ("device", int | None, True, ("per_device",)),  # null: not known
+    ("coords", dict[str, int], True, ("per_device",)),  # mesh axis -> index
+    ("replicas", Positive, True, _HELD),
+    # Who held a replicated value: an id or null per replica, and the
+    # processes (a list, or ranges text past RANGES_ABOVE ids).
+    ("devices", list[int | None] | RangesText | None, False, _EVERY),
+    ("processes", list[int] | RangesText | None, False, _EVERY),
+    ("vhash", str, False, _EVERY),  # a hash of a replicated value's bits
+    # A shard of a value sharded under jit: its global slice, [start, stop]
+    # per dimension (a list of those per leaf for a pytree), and the
+    # global shape (likewise).
+    ("index", list, False, _EVERY),
+    ("global_shape", list, False, _EVERY),
+    ("bytes", Any, False, _EVERY),  # where leaves stored as bytes are (arrays.py)
+    ("divergent", Literal[True], False, _EVERY),
+    ("batch_dims", Count, False, _EVERY),
+    ("pass", str, False, _EVERY),  # "forward" when absent
+    ("summarized", bool, False, _EVERY),  # the value is statistics
+    ("attempt", Count, False, _EVERY),  # of a resumed run; 0 when absent
+    (COPIES_SEEN, Positive, False, ("replicated",)),
+    ("fingerprint", Hex16, True, _FP),
+    ("leaf", str, False, _FP),  # the leaf's path ("" for a bare array)
+    ("leaves", Positive, False, _FP),
+    ("slices", Positive, False, _FP),
+    ("compared", Positive, False, _FP),  # copies of the slice compared
+    ("slice_coords", dict[str, int], False, _FP),
+    ("holders", list[dict], False, _FP),
+)
+
+
+class AnyRecord(Struct, kw_only=True):
+    """What every record is besides its fields (made of FIELDS, for each
+    kind: PerDevice, Replicated, MetaRecord)."""
+
+    # Not fields. ``kind``: the tag; ``odd``: a record taken at the
+    # readers' level (see from_dict).
+    kind: ClassVar[str] = ""
+    odd: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        # The readers' rules that no type says (msgspec runs this while
+        # decoding: a line breaking one is refused like a wrong type).
+        if self.index is not UNSET or type(self.devices) is str or type(self.processes) is str:
+            problem = beyond_types(self, readers=True)
+            if problem:
+                raise ValueError(problem[0])
+
+    # The dict reads readers' helpers make of a record (query.Filter,
+    # attempts, divergence, arrays): a Struct answers them as its line's
+    # object would.
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "kind":
+            return self.kind
+        v = getattr(self, _ATTR.get(key, key), UNSET) if key in _ATTR else UNSET
+        return default if v is UNSET else v
+
+    def __getitem__(self, key: str) -> Any:
+        v = self.get(key, UNSET)
+        if v is UNSET:
+            raise KeyError(key)
+        return v
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, UNSET) is not UNSET
+
+    def key(self) -> tuple:
+        """record_key of this record."""
+        p, i, a = self.pass_, self.index, self.attempt
+        return (
+            self.run,
+            self.name,
+            self.step,
+            "forward" if p is UNSET else p,
+            None if i is UNSET else index_key(i),
+            0 if a is UNSET else a,
+        )
+
+
+def _attr(name: str) -> str:
+    return "pass_" if name == "pass" else name  # "pass" is Python's
+
+
+def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> type:
+    """The Struct of ``kind`` made of its rows of FIELDS (``types``: a
+    field's type instead of its row's; ``base`` another than AnyRecord
+    names it after itself)."""
+    fields = []
+    for name, tp, required, kinds in FIELDS:
+        if kind in kinds:
+            tp = types.get(name, tp)
+            default = msgspec.NODEFAULT if required else UNSET
+            if not required and tp is not Any:
+                tp = tp | UnsetType
+            fields.append((_attr(name), tp, field(default=default, name=name)))
+    title = {"per_device": "PerDevice", "meta": "MetaRecord"}.get(kind, kind.title())
+    return msgspec.defstruct(
+        title if base is AnyRecord else base.__name__.strip("_") + title,
+        fields,
+        bases=(base,),
+        module=__name__,
+        namespace={"kind": kind},
+        tag_field="kind",
+        tag=kind,
+        kw_only=True,
+        **config,
+    )
+
+
+# The format: a Struct per kind, strict. Not tracked by the cyclic
+# collector: a record holds no reference cycle, and a merge of many shards
+# keeps many records alive, which each collection would walk again.
+_FORMAT = dict(forbid_unknown_fields=True, omit_defaults=True, gc=False)
+PerDevice = _struct("per_device", {}, **_FORMAT)  # one device's value
+Replicated = _struct("replicated", {}, **_FORMAT)  # a value every holder had
+MetaRecord = _struct("meta", {}, **_FORMAT)  # a fact about the run (format.META_NAMES)
+Fingerprint = _struct(FINGERPRINT, {}, **_FORMAT)  # devices' copies compared
+
+# The kinds of record, by tag: adding one is a Struct above with its tag
+# and kind, listed here (the decoder, the readers' level, as_dict and
+# KINDS are made from this).
+CLASSES = {c.kind: c for c in (Replicated, PerDevice, MetaRecord, Fingerprint)}
+KINDS = tuple(CLASSES)
+# The kinds that carry a tapped value (meta records carry counters).
+VALUE_KINDS = ("replicated", "per_device")
+DECODER = msgspec.json.Decoder(Union[tuple(CLASSES.values())])  # noqa: UP007 - a runtime Union of the classes
+
+# What readers take where the format is stricter: these fields widened (a
+# JSON scalar may name a process or a device; a holders list may hold any
+# scalar; time, host, replicas and the fields that only validate reads may
+# hold anything). Everything else is the format's own type.
+READERS_TAKE: dict[str, Any] = {
+    "step": int,
+    "process": Scalar,
+    "time": Any,
+    "host": Any,
+    "device": Scalar,
+    "coords": dict,
+    "replicas": Any,
+    "devices": list[Scalar] | str | None,
+    "processes": list[Scalar] | str | None,
+    "divergent": Any,
+    "batch_dims": Any,
+    "summarized": Any,
+    "global_shape": Any,
+    COPIES_SEEN: Any,
+    "fingerprint": str,
+    "leaf": Any,
+    "leaves": Any,
+    "slices": Any,
+    "compared": Any,
+    "slice_coords": Any,
+    "holders": Any,
+}
+# Why a record is no record, per field (validate_dict: "<field> must be
+# <this>"), and why it breaks the format (beyond_types, strict).
+READERS_MUST = {
+    "run": "a string",
+    "name": "a non-empty string",
+    "step": "an integer",
+    "kind": f"one of {KINDS}",
+    "pass": "a string",
+    "process": "a number",
+    "vhash": "a string",
+    "devices": 'a list of numbers or ranges text ("0-4095,4100")',
+    "processes": 'a list of numbers or ranges text ("0-4095,4100")',
+    "device": "a number or null",
+    "coords": "an object",
+    "attempt": "a non-negative integer",
+    "index": "[[start, stop], ...] (a list of those per leaf)",
+    "fingerprint": "a string",
+}
+FORMAT_PROBLEM = {
+    "step": "step must be from 0 to 2**63-1, got {v}",
+    "process": "process must be a non-negative integer",
+    "time": "time must be a finite number (unix seconds)",
+    "host": "host must be a string",
+    "devices": "devices must list one integer-or-null per replica",
+    "processes": "processes must be a list of integers (or their ranges text)",
+    "device": "device must be an integer or null",
+    "coords": "coords must be an object of axis name -> integer index",
+    "replicas": "replicas must be a positive integer",
+    "divergent": "divergent, when present, must be true",
+    COPIES_SEEN: f"{COPIES_SEEN}, when present, must be an integer from 1 to replicas",
+    "global_shape": "global_shape must be a list of non-negative integers (a list per leaf)",
+    "batch_dims": "batch_dims must be a non-negative integer",
+    "summarized": "summarized, when present, must be true or false",
+    "fingerprint": "fingerprint must be 16 hexadecimal digits",
+    "leaf": "leaf must be a string (the leaf's path)",
+    "leaves": "leaves must be a positive integer",
+    "slices": "slices must be a positive integer",
+    "compared": "compared must be an integer, at least replicas",
+    "slice_coords": "slice_coords must be an object of axis name -> integer index",
+    "holders": "holders must list one object per replica",
+}
+
+
+def _json_names(cls: type) -> dict[str, str]:
+    return {f.encode_name: f.name for f in msgspec.structs.fields(cls)}
+
+
+# A field's attribute by its name in a line ("pass" -> "pass_"), by kind,
+# and of any kind.
+_NAMES = {kind: _json_names(cls) for kind, cls in CLASSES.items()}
+_ATTR = {k: v for names in _NAMES.values() for k, v in names.items()}
+# The fields every record has, in the order a line holds them.
+REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
+# Every field a record of each kind must have (REQUIRED first).
+REQUIRED_BY_KIND = {
+    kind: REQUIRED
+    + tuple(
+        f.encode_name
+        for f in msgspec.structs.fields(cls)
+        if f.required and f.encode_name not in REQUIRED
+    )
+    for kind, cls in CLASSES.items()
+}
+
+# ------------------------------------------------------------ the readers' level
+
+
+class _LooseRecord(AnyRecord, kw_only=True):
+    pass  # the readers' level: the same rules beyond types (__post_init__)
+
+
+_LOOSE = {kind: _struct(kind, READERS_TAKE, _LooseRecord) for kind in CLASSES}
+
+
+def validate_dict(d: Any) -> str | None:
+    """Why ``d`` (a line's JSON object) is not a record readers take, or
+    None if it is one: its identity (run, name, step, pass: hashable, see
+    record_key) and the fields readers index, sort or iterate of a usable
+    type. The format's own rules are ``format_problems``'."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        return "missing field(s): " + ", ".join(missing)
+    kind = d["kind"]
+    if type(kind) is not str or kind not in CLASSES:
+        return f"kind must be {READERS_MUST['kind']}"
+    own = REQUIRED_BY_KIND[kind][len(REQUIRED) :]
+    if any(f not in d for f in own):
+        return f"{kind} record without {'/'.join(own)}"
+    try:
+        msgspec.convert(d, _LOOSE[kind])
+    except msgspec.ValidationError as e:
+        return _why(str(e))
+    return None
+
+
+_AT = re.compile(r"`\$\.([^`.\[]+)")
+
+
+def _why(error: str) -> str:
+    """A readers' problem from msgspec's error (it names the field)."""
+    m = _AT.search(error)
+    name = m.group(1) if m else ""
+    if name in READERS_MUST:
+        return f"{name} must be {READERS_MUST[name]}"
+    return error.split(" - at ")[0] if not m else f"{name}: {error.split(' - at ')[0]}"
+
+
+def from_dict(d: dict) -> AnyRecord:
+    """The record of a line's object that readers take (validate_dict),
+    holding the object itself: its fields as they are, typed or not, and
+    those no Struct declares (``as_dict`` gives it back)."""
+    kind = d["kind"]
+    names = _NAMES[kind]
+    fields = {names[k]: v for k, v in d.items() if k in names}
+    return _ODD[kind](source=d, **fields)
+
+
+def _odd(cls: type) -> type:
+    class Odd(cls, kw_only=True):  # type: ignore[misc, valid-type]
+        # The line's object, for as_dict and for the fields only it has.
+        source: dict
+        odd: ClassVar[bool] = True
+
+        def __post_init__(self) -> None:
+            pass  # taken at the readers' level already
+
+        def get(self, key: str, default: Any = None) -> Any:
+            return self.source.get(key, default)
+
+    Odd.__name__ = Odd.__qualname__ = "Odd" + cls.__name__
+    return Odd
+
+
+_ODD = {kind: _odd(cls) for kind, cls in CLASSES.items()}
+# By name in this module, as pickle finds a class (summary --jobs sends
+# records between processes).
+globals().update({cls.__name__: cls for cls in _ODD.values()})
+
+
+# ------------------------------------------------------------ beyond the types
+
+
+def beyond_types(r: Any, readers: bool = False) -> list[str]:
+    """The rules no field type says, of a record (a Struct, or a loose one
+    while it is checked): with ``readers``, those readers need (ranges
+    text ascending and disjoint, a shard's index), the first one broken;
+    else every rule of the format beyond the field types (one holder per
+    replica, copies_seen at most replicas, a shard's global shape, the
+    value against its dtype and shape; the ``bytes`` field's own rules
+    are tapfile/arrays.py's field_problem)."""
+    out: list[str] = []
+    if readers:
+        for name in ("devices", "processes"):
+            v = getattr(r, name, UNSET)
+            if type(v) is str and holders_count(v) is None:
+                out.append(f"{name} must be {READERS_MUST[name]}")
+        index = getattr(r, "index", UNSET)
+        if index is not UNSET and not valid_index(index):
+            out.append(f"index must be {READERS_MUST['index']}")
+        return out
+    replicas = getattr(r, "replicas", None)
+    if r.kind in _HELD and type(replicas) is int:
+        devices = r.devices
+        if devices is not None and devices is not UNSET:
+            n = holders_count(devices) if type(devices) is str else len(devices)
+            if n != replicas:
+                out.append(FORMAT_PROBLEM["devices"])
+        if r.kind == FINGERPRINT:
+            compared, holders = r.compared, r.holders
+            if type(compared) is int and compared < replicas:
+                out.append(FORMAT_PROBLEM["compared"])
+            if type(holders) is list and (
+                len(holders) != replicas or not all(type(h) is dict for h in holders)
+            ):
+                out.append(FORMAT_PROBLEM["holders"])
+        else:
+            seen = r.copies_seen
+            if seen is not UNSET and type(seen) is int and seen > replicas:
+                out.append(FORMAT_PROBLEM[COPIES_SEEN])
+    g = r.global_shape
+    if g is not UNSET and not _global_shape_ok(g):
+        out.append(FORMAT_PROBLEM["global_shape"])
+    problem = value_problem(r.value, r.dtype, r.shape, None if r.bytes is UNSET else r.bytes)
+    if problem:
+        out.append(problem)
+    return out
+
+
+def format_problems(r: AnyRecord) -> list[str]:
+    """Every way a record breaks the format (``pmaptap validate``): for one
+    the Structs took, the rules beyond the types; for an odd one (taken at
+    the readers' level), first each field against its Struct type."""
+    if not r.odd:
+        if type(r) is not PerDevice or r.index is not UNSET or r.bytes is not UNSET:
+            return beyond_types(r)
+        # The usual per-device record: its scalar value, in a few tests.
+        dtype, shape, value = r.dtype, r.shape, r.value
+        if type(dtype) is str and shape == [] and r.global_shape is UNSET:
+            t = type(value)
+            if (t is float or t is int) and dtype.startswith(("float", "bfloat")):
+                return []
+            if not dtype.startswith("complex"):
+                problem = _scalar_problem(value, dtype)
+                return [problem] if problem else []
+        return beyond_types(r)
+    out = []
+    strict = CLASSES[r.kind]
+    for f in msgspec.structs.fields(strict):
+        v = getattr(r, f.name)
+        if v is UNSET:
+            continue
+        try:
+            msgspec.convert(v, f.type)
+        except msgspec.ValidationError:
+            text = FORMAT_PROBLEM.get(f.encode_name)
+            if text is not None:
+                out.append(text.format(v=v))
+    return out + beyond_types(r)
+
+
+def _global_shape_ok(g: Any) -> bool:
+    def dims(x: Any) -> bool:
+        return isinstance(x, list) and all(type(n) is int and n >= 0 for n in x)
+
+    return dims(g) or isinstance(g, list) and all(map(dims, g))
+
+
+def _is_pair(p: Any) -> bool:
+    return (
+        isinstance(p, (list, tuple))
+        and len(p) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+    )
+
+
+def valid_index(index: Any, depth: int = 0) -> bool:
+    """[[start, stop], ...], or a list of those (one per pytree leaf)."""
+    if not isinstance(index, list) or depth > 1:
+        return False
+    return all(_is_pair(p) or (depth == 0 and valid_index(p, 1)) for p in index)
+
+
+def index_key(index: Any) -> Any:
+    """A hashable form of a record's ``index`` (None when it has none)."""
+    if isinstance(index, (list, tuple)):
+        return tuple(index_key(i) for i in index)
+    return index
+
+
+# The value against its dtype and shape.
+
+_MARKERS = tuple(NONFINITE)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _scalar_problem(v: Any, dtype: str) -> str | None:
+    if dtype == "bool":
+        ok = isinstance(v, bool)
+    elif dtype.startswith(("int", "uint")):
+        ok = _is_int(v)
+    else:
+        # Floats (and complex parts): numbers, or the documented markers for
+        # non-finite values, which is how strict JSON carries them.
+        ok = _is_num(v) or v in _MARKERS
+    return None if ok else f"value element {v!r} does not fit dtype {dtype}"
+
+
+def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        return f"shape must be a list of non-negative integers, got {shape!r}"
+    dims = list(shape) + ([2] if dtype.startswith("complex") else [])
+
+    def walk(v: Any, depth: int) -> str | None:
+        if depth == len(dims):
+            return _scalar_problem(v, dtype)
+        if not isinstance(v, list) or len(v) != dims[depth]:
+            return f"value does not match shape {shape} (dtype {dtype})"
+        for x in v:
+            problem = walk(x, depth + 1)
+            if problem:
+                return problem
+        return None
+
+    return walk(value, 0)
+
+
+def is_ref(x: Any) -> bool:
+    """Whether ``x`` is a reference to a value stored as bytes (a leaf of a
+    record's ``bytes`` field, tapfile/arrays.py): {file, offset, nbytes}."""
+    return (
+        type(x) is dict
+        and len(x) == 3
+        and type(x.get("file")) is str
+        and bool(x["file"])
+        and all(type(x.get(k)) is int and x[k] >= 0 for k in ("offset", "nbytes"))
+    )
+
+
+def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
+    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
+    ``stored``: the record's ``bytes`` field, whose leaves are null in
+    ``value`` (tapfile/arrays.py checks the references themselves)."""
+    if value is None and dtype is None and shape is None:
+        return None  # a None inside a tapped pytree (no leaves)
+    if isinstance(dtype, str):
+        if value is None and is_ref(stored):
+            return None
+        return _leaf_problem(value, dtype, shape)
+    sub = stored if isinstance(stored, (dict, list)) else None
+    if isinstance(dtype, dict):
+        if not (
+            isinstance(value, dict)
+            and isinstance(shape, dict)
+            and set(value) == set(dtype) == set(shape)
+        ):
+            return "pytree value, dtype and shape do not have the same keys"
+        for k in dtype:
+            problem = value_problem(
+                value[k], dtype[k], shape[k], sub.get(k) if isinstance(sub, dict) else None
+            )
+            if problem:
+                return f"[{k}]: {problem}"
+        return None
+    if isinstance(dtype, list):
+        if not (
+            isinstance(value, list)
+            and isinstance(shape, list)
+            and len(value) == len(dtype) == len(shape)
+        ):
+            return "pytree value, dtype and shape do not have the same length"
+        subs = sub if isinstance(sub, list) and len(sub) == len(dtype) else [None] * len(dtype)
+        for i, (v, d, s, b) in enumerate(zip(value, dtype, shape, subs)):
+            problem = value_problem(v, d, s, b)
+            if problem:
+                return f"[{i}]: {problem}"
+        return None
+    return f"dtype must be a string or a pytree of strings, got {dtype!r}"
+
+
+# ------------------------------------------------------------ holders
+
+
+def holders_field(ids: "tuple | list") -> "list | str":
+    """The ``devices``/``processes`` field for ``ids`` as written: the list,
+    or its ranges text past RANGES_ABOVE integer ids that are ascending
+    and distinct (a holder set as the aggregator builds it)."""
+    if len(ids) <= RANGES_ABOVE or not all(type(i) is int and i >= 0 for i in ids):
+        return list(ids)
+    parts = []
+    start = prev = ids[0]
+    for i in ids[1:]:
+        if i <= prev:
+            return list(ids)  # not ascending: the list says it as it is
+        if i != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = i
+        prev = i
+    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
+    """The inclusive (first, last) ranges of a holders text, None if
+    ``text`` is not one (not ascending and disjoint, not the form, or more
+    than MAX_HOLDERS ids)."""
+    if type(text) is not str or not text:
+        return None
+    out: list[tuple[int, int]] = []
+    prev = -1
+    count = 0
+    for part in text.split(","):
+        if not _PART.fullmatch(part):
+            return None
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        count += b - a + 1
+        if a <= prev or b < a or count > MAX_HOLDERS:
+            return None
+        out.append((a, b))
+        prev = b
+    return out
+
+
+# Texts met (a run's records name the same few, "0-4095"): text -> its ids'
+# count, or None if it is no ranges text. Bounded: cleared when full.
+_COUNTS: dict[str, "int | None"] = {}
+_COUNTS_MAX = 4096
+
+
+def holders_count(v: Any) -> "int | None":
+    """How many ids a holders field names (a list's length; ranges text's
+    ids, None if it is not ranges text), never expanding them."""
+    if type(v) is not str:
+        return len(v) if isinstance(v, (list, Holders)) else 0
+    n = _COUNTS.get(v, -1)
+    if n == -1:
+        ranges = id_ranges(v)
+        n = None if ranges is None else sum(b - a + 1 for a, b in ranges)
+        if len(_COUNTS) >= _COUNTS_MAX:
+            _COUNTS.clear()
+        _COUNTS[v] = n
+    return n
+
+
+class Holders(Sequence):
+    """The ids of a ranges text (``"0-4095"``), as a read-only sequence of
+    ints that is never expanded into a list unless asked (``list(h)``):
+    what ``pmaptap.read`` gives for a holders field written as ranges text,
+    so that 10,000 records of a 4,096-process job hold one small object
+    (``Holders.of`` keeps one per text), not 10,000 lists of 4,096 ids.
+    Equal to a list or tuple of the same ids."""
+
+    __slots__ = ("text", "_starts", "_ends", "_len")
+
+    def __init__(self, text: str) -> None:
+        ranges = id_ranges(text)
+        if ranges is None:
+            raise ValueError(f"not a holders ranges text: {text[:80]!r}")
+        self.text = text
+        self._starts = [a for a, _ in ranges]
+        self._ends = [b for _, b in ranges]
+        self._len = sum(b - a + 1 for a, b in ranges)
+
+    _cache: ClassVar[dict] = {}
+
+    @classmethod
+    def of(cls, text: str) -> "Holders":
+        """The Holders of ``text``, one object per text met lately."""
+        h = cls._cache.get(text)
+        if h is None:
+            if len(cls._cache) >= _COUNTS_MAX:
+                cls._cache.clear()
+            h = cls._cache[text] = cls(text)
+        return h
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(map(range, self._starts, [b + 1 for b in self._ends]))
+
+    def __contains__(self, x: object) -> bool:
+        if not isinstance(x, int) or isinstance(x, bool):
+            return False
+        k = bisect_right(self._starts, x) - 1
+        return k >= 0 and x <= self._ends[k]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._len)
+            return [self[k] for k in range(start, stop, step)]
+        n = self._len
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("Holders index out of range")
+        for a, b in zip(self._starts, self._ends):
+            if i <= b - a:
+                return a + i
+            i -= b - a + 1
+        raise IndexError(i)  # not reached
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Holders):
+            return self.text == other.text
+        if isinstance(other, (list, tuple)):
+            return len(other) == self._len and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __repr__(self) -> str:
+        return f"Holders({self.text!r})"
+
+
+def holder_ids(v: Any) -> list:
+    """The ids of a ``devices``/``processes`` field in either form (a list
+    as it is; ranges text expanded: at most MAX_HOLDERS ids)."""
+    if type(v) is str:
+        return list(Holders.of(v)) if holders_count(v) is not None else []
+    return v if isinstance(v, list) else list(v) if isinstance(v, Holders) else []
+
+
+def holds(v: Any, x: Any) -> bool:
+    """Whether a ``devices``/``processes`` field (either form) names ``x``,
+    without expanding ranges."""
+    if type(v) is str:
+        if not isinstance(x, int) or isinstance(x, bool) or holders_count(v) is None:
+            return False
+        return x in Holders.of(v)
+    return x in (v or ())
+
+
+# ------------------------------------------------------------ identity
+
+
+def record_key(r: Any) -> tuple:
+    """The identity of a value in a tap file: replicated records with the same
+    key hold the same value (or are divergent); per-device records add the
+    device. One definition for the writer's cross-process dedup (a
+    format.Record about to be written, or a line other processes wrote) and
+    readers (a Struct, or a line's object). Shards of one value are
+    different values: their ``index`` is part of it. So is the ``attempt``
+    of a resumed run: a replayed step's new value is neither a duplicate nor
+    a divergence of the old one (it supersedes it: tapfile/attempts.py)."""
+    if isinstance(r, AnyRecord):
+        return r.key()
+    if not isinstance(r, dict):  # format.Record (the writer's)
+        return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
+    get = r.get
+    index = get("index")
+    return (
+        get("run"),
+        get("name"),
+        get("step"),
+        get("pass", "forward"),
+        index if index is None else index_key(index),
+        get("attempt", 0),
+    )
+
+
+def step_key(r: Any) -> tuple:
+    """A record's step of a tap, (run, name, step, pass): ``record_key``'s
+    first four fields, every shard and every attempt of that step. The unit
+    a later attempt of a resumed run supersedes (tapfile/attempts.py)."""
+    return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
+
+
+# ------------------------------------------------------------ as dicts
+
+
+def as_dict(r: AnyRecord) -> dict:
+    """A record as its line's JSON object: a new dict, ``kind`` first, then
+    its fields in FIELDS' order (an odd record's own object, as it was)."""
+    return r.source if r.odd else msgspec.to_builtins(r)
+
+
+__all__ = [
+    "KINDS",
+    "VALUE_KINDS",
+    "MAX_STEP",
+    "AnyRecord",
+    "PerDevice",
+    "Replicated",
+    "MetaRecord",
+    "Fingerprint",
+    "FINGERPRINT",
+    "CLASSES",
+    "DECODER",
+    "validate_dict",
+    "from_dict",
+    "beyond_types",
+    "format_problems",
+    "as_dict",
+    "record_key",
+    "Holders",
+]

@@ -1,0 +1,274 @@
+"""``pmaptap summary --jobs N`` and ``validate --jobs N`` (tapfile/jobs.py):
+pieces of a run read in worker processes give the output of ``--jobs 1``
+byte for byte, on random sharded runs (copies of replicated values in
+several shards, divergence, attempts, bad and torn lines, odd times and
+ids, the shared file), on one file cut into byte ranges (the fuzzer's
+files: hostile lines, NaN/inf, duplicates, resumed runs, gaps), and with
+filters; and the merge's own rules that the pieces must keep."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+from test_read_batch import HOSTILE
+from test_read_fuzz import _file_bytes, _hostile
+
+from conftest import per_device_dict, record_dict
+from pmaptap import cli
+from pmaptap.tapfile import checks, jobs, parse, runs, summary
+
+# ------------------------------------------------------------ random runs
+
+
+def _dump(d, compact=True) -> bytes:
+    seps = (",", ":") if compact else (", ", ": ")
+    return json.dumps(d, separators=seps, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _record(rnd: random.Random, process: int, n: int, time) -> dict:
+    """A record of a shard: per-device, replicated (copies of a few values
+    other shards write too, some divergent, some twice), or meta."""
+    step = rnd.randrange(4)
+    roll = rnd.random()
+    if roll < 0.35:
+        d = per_device_dict(step, process, 0.5 * n, name=rnd.choice(["g", "h"]), process=process)
+    elif roll < 0.9:
+        d = record_dict(name=rnd.choice(["loss", "lr"]), step=step, value=1.5, process=process)
+        d["vhash"] = rnd.choice(["aa", "aa", "aa", "bb", ""])
+        if rnd.random() < 0.15:
+            del d["vhash"]
+        if rnd.random() < 0.3:
+            d["devices"], d["processes"] = "0-7", "0-3"
+        if rnd.random() < 0.1:
+            d["process"] = rnd.choice([float(process), None, "p", process == 1])
+    else:
+        d = record_dict(kind="meta", name="pmaptap/dropped", step=step, value=2, process=process)
+    if rnd.random() < 0.15:
+        d["attempt"] = rnd.choice([0, 1, 2])
+    if rnd.random() < 0.1:
+        d["pass"] = "backward"
+    if rnd.random() < 0.05:
+        d["index"] = [[0, 2]]
+    d["n"] = n  # tells copies apart in the output
+    d["time"] = time
+    return d
+
+
+def _time(rnd: random.Random, t: float):
+    roll = rnd.random()
+    if roll < 0.05:
+        return rnd.choice([None, "5", True, [1.0], {"t": 1}, 2**53 + 1, 2**64 - 1, -0.0, 1e300])
+    if roll < 0.1:
+        return t - rnd.choice([0.5, 3])  # backwards within the shard
+    if roll < 0.3:
+        return int(t)
+    return t
+
+
+def _write_run(rnd: random.Random, path: str) -> None:
+    """A random sharded run at ``path`` (1 to 5 of 8 processes, sometimes
+    the one shared file too)."""
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    procs = sorted(rnd.sample(range(8), rnd.randint(1, 5)))
+    files = [(runs.shard_path(path, p), p) for p in procs]
+    if rnd.random() < 0.2:
+        files.append((path, 7))  # the one shared file, read first
+    for name, p in files:
+        t = float(rnd.randrange(3))
+        lines = []
+        for n in range(rnd.choice([0, 1, 3, 10, 25])):
+            t += rnd.choice([0, 0, 0.5, 1, 2])
+            d = _record(rnd, p, n, _time(rnd, t))
+            lines.append(_dump(d, compact=rnd.random() < 0.8))
+            if rnd.random() < 0.08:
+                lines.append(rnd.choice([*HOSTILE[:12], _hostile(rnd, lines[-1])]))
+        data = b"".join(x + b"\n" for x in lines)
+        tail = rnd.random()
+        if lines and tail < 0.15:
+            data = data[:-1]  # a whole last line without its newline
+        elif tail < 0.3:
+            torn = _dump(_record(rnd, p, 99, t))
+            data += torn[: rnd.randrange(1, len(torn))]  # a torn last line
+        elif tail < 0.35:
+            data += b'{"not": "a record"}'
+        with open(name, "wb") as f:
+            f.write(data)
+
+
+def _cli(capsys, *args):
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _commands(path: str, capsys, n: int) -> list:
+    out = [
+        _cli(capsys, "summary", path, "--jobs", str(n)),
+        _cli(capsys, "validate", path, "--limit", "0", "--jobs", str(n)),
+    ]
+    for flt in (["--name", "loss"], ["--all-attempts"], ["--device", "1"]):
+        out.append(_cli(capsys, "summary", path, "--jobs", str(n), *flt))
+    return out
+
+
+# ------------------------------------------------------------ the tests
+
+
+def test_jobs_of_random_sharded_runs_print_what_one_process_prints(tmp_path, capsys):
+    """60 random sharded runs: summary (with and without filters) and
+    validate with 2 and 3 worker processes print exactly what --jobs 1
+    prints, and the runs the pieces cannot merge (a process in two
+    pieces, an id written with two types) are among them and come out the
+    same too (read in one process)."""
+    split = 0
+    for case in range(60):
+        rnd = random.Random(4000 + case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        _write_run(rnd, path)
+        want = _commands(path, capsys, 1)
+        for n in (2, 3):
+            assert _commands(path, capsys, n) == want, (case, n)
+        pieces = jobs.plan(path, 2)
+        split += pieces is not None
+    assert split > 30, split
+
+
+def test_jobs_split_sharded_runs_into_pieces_and_merge_them(tmp_path, capsys, monkeypatch):
+    """A run of 12 shards with divergence, copies of a replicated value in
+    every shard, bad and torn lines, a gap, NaN and a resumed attempt: the
+    pieces are read by workers (none falls back to one process), and every
+    output is --jobs 1's."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + ".d")
+    for p in range(12):
+        lines = []
+        for s in range(30):
+            if s == 17:
+                continue  # a gap
+            t = 100.0 + s + (p % 5) * 1e-3
+            v = float("nan") if (p, s) == (3, 9) else 0.5 * p + s
+            lines.append(_dump(per_device_dict(s, p, "NaN" if v != v else v, process=p, time=t)))
+            loss = 7.0 if (p, s) == (5, 4) else 1.0 / (s + 1)
+            rep = record_dict(
+                name="loss", step=s, value=loss, vhash=str(loss), process=p, processes=[p], time=t
+            )
+            lines.append(_dump(rep))
+            if (p, s) == (2, 11):
+                lines.append(b"garbage, not JSON")
+        if p == 4:  # resumed at step 25 on process 4
+            for s in range(25, 30):
+                t = 200.0 + s
+                lines.append(_dump(per_device_dict(s, p, 9.0, process=p, time=t, attempt=1)))
+        data = b"".join(x + b"\n" for x in lines)
+        if p == 11:
+            data += b'{"run": "r", "name": "g", "st'  # torn
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(data)
+
+    def one_process(*args, **kwargs):
+        raise AssertionError("read in one process")
+
+    want = _commands(path, capsys, 1)
+    assert "divergent" in want[0][1] and "1 missing step" in want[0][1], want[0][1]
+    assert "p00002.jsonl line" in want[1][1] and "torn last line" in want[1][1], want[1][1]
+    # From here on, the pieces must merge: the one-process passes refuse.
+    monkeypatch.setattr(summary, "_summarize_merged", one_process)
+    monkeypatch.setattr(summary, "_summarize_scanned", one_process)
+    monkeypatch.setattr(checks, "_validate", one_process)
+    for n in (2, 4, 12):
+        got = _commands(path, capsys, n)
+        assert got == want, n
+
+
+def test_jobs_of_one_file_in_byte_ranges_print_what_one_process_prints(tmp_path, capsys):
+    """The fuzzer's files (hostile lines, NaN/inf, duplicates, divergence,
+    restarts, torn last lines) cut into 2, 3 and 7 byte ranges at line
+    starts: summary and validate print what one process prints, line
+    numbers of bad lines and duplicates included."""
+    for seed in range(12):
+        rnd = random.Random(500 + seed)
+        path = tmp_path / f"t{seed}.jsonl"
+        path.write_bytes(_file_bytes(rnd))
+        want = _commands(str(path), capsys, 1)
+        for n in (2, 3, 7):
+            pieces = jobs.plan(path, n)
+            assert pieces is not None and not pieces[0] and len(pieces[1]) > 1
+            assert _commands(str(path), capsys, n) == want, (seed, n)
+
+
+def test_byte_ranges_start_at_lines_and_cover_the_file(tmp_path):
+    lines = [b"x" * n for n in (0, 5, 70000, 1, 3, 200000, 2)]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    data = path.read_bytes()
+    for n in (2, 3, 5, 40):
+        sharded, pieces = jobs.plan(path, n)
+        assert not sharded and pieces[0][0] == 0 and pieces[-1][1] == len(data)
+        for (a, b), (c, _) in zip(pieces, pieces[1:]):
+            assert b == c and data[b - 1 : b] == b"\n" and a < b
+
+
+def test_jobs_default_is_the_cores_for_a_big_run_and_one_for_a_small(tmp_path, monkeypatch):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"x\n" * 1000)
+    monkeypatch.setattr(jobs, "cores", lambda: 16)
+    assert jobs.jobs_for(path, None) == 1
+    assert jobs.jobs_for(path, 3) == 3
+    monkeypatch.setattr(jobs, "MIN_JOB_BYTES", 100)
+    assert jobs.jobs_for(path, None) == 16
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["summary", str(path), "--jobs", "0"])
+
+
+def test_validate_files_a_device_s_records_under_each_of_its_groups(tmp_path):
+    """A record of the same device in another group (another run, name,
+    pass, axis or coordinate) is filed under that group, and a later copy
+    in the first group is still found: exactly these duplicates."""
+    base = per_device_dict(0, 0, 0.5)
+    others = [
+        {"run": "r2"},
+        {"name": "g2"},
+        {"pass": "backward"},
+        {"coords": {"tp": 0}},
+        {"coords": {"dp": 1}},
+    ]
+    lines = []
+    want = []
+    for i, other in enumerate(others):
+        one, two = {"step": 10 * i}, {"step": 10 * i + 1}
+        lines.append(dict(base, **one))  # the device's group
+        lines.append(dict(base, **two, **other))  # the same device, another group
+        lines.append(dict(base, **two, **other))  # a copy there
+        want.append((len(lines), len(lines) - 1))
+        lines.append(dict(base, **two))  # the first group: no copy
+        lines.append(dict(base, **one))  # a copy in the first group
+        want.append((len(lines), len(lines) - 4))
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b"".join(_dump(d) + b"\n" for d in lines))
+    for n in (1, 2, 3):
+        report = jobs.validate_file(path, n)
+        got = [p for p in report.problems if "duplicate" in p[1]]
+        assert [(line, int(why.split("line ")[1].split()[0])) for line, why in got] == want, n
+
+
+def test_an_unhashable_dedup_key_cannot_come_from_a_line():
+    """The dedup key (record_key and vhash) of any line readers take is
+    hashable: run, name, pass, vhash must be text, step and attempt
+    integers, index pairs of integers."""
+    line = _dump(record_dict(vhash="aa"))
+    for field, value in (
+        ("run", ["r"]),
+        ("name", {"a": 1}),
+        ("step", [1]),
+        ("pass", []),
+        ("vhash", ["aa"]),
+        ("attempt", [0]),
+        ("index", [[0, [1]]]),
+        ("index", [[[0, [1]]]]),
+    ):
+        d = dict(json.loads(line), **{field: value})
+        assert parse.parse_line(_dump(d))[0] is None, field
+        assert parse.parse_lines([_dump(d)])[0] == [None], field
