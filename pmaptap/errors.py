@@ -90,6 +90,14 @@ class PlotError(ValueError):
     """The records cannot be plotted as asked; the message says why."""
 
 
+class NeedSerial(Exception):
+    """Internal to the readers (never raised to a caller): two pieces of a
+    run that ``summary``/``validate --jobs`` read in separate processes
+    cannot be merged exactly (the same id written with two types, as 1 and
+    1.0; a device met at two sets of coordinates), so the run is read in
+    one process instead."""
+
+
 class CliError(Exception):
     """A problem with what was asked on the command line; printed as one
     line, exit status 2."""

@@ -37,8 +37,7 @@ for v in "${versions[@]}"; do
     if [[ ! -x "$venv/bin/python" ]]; then
         "$PY" -m venv "$venv" || { summary+=("JAX $v: could not make the venv"); status=1; continue; }
     fi
-    # The package's own pins, test extra included, with this JAX (an
-    # editable install builds the reading loops' C module in place).
+    # The package's own pins, test extra included, with this JAX.
     if ! "$venv/bin/python" -m pip install -q -e ".[test]" "jax==$v" "jaxlib==$v"; then
         summary+=("JAX $v: pip could not install it with pmaptap's test extra")
         status=1

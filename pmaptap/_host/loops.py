@@ -131,6 +131,11 @@ class WriteLoop:
         self.flush_interval = flush_interval
         self.retry_interval = retry_interval
         self.max_batch = max_batch
+        # After a batch failed to write (a full disk, a file size limit),
+        # the next try takes half as many records: the lines that still fit
+        # are written, whole, instead of the whole batch failing forever
+        # (cut back by the sink: sink.py _append).
+        self.batch_cap = max_batch
         self.written = 0
         # Why the last lock attempt failed, for the flush-timeout message: in
         # soft mode it names the marker's holder (pid, host) and the file.
@@ -144,7 +149,7 @@ class WriteLoop:
 
     def _run(self) -> None:
         while True:
-            batch, markers = self.queue.take_batch(self.flush_interval, self.max_batch)
+            batch, markers = self.queue.take_batch(self.flush_interval, self.batch_cap)
             ok = self._write(batch)
             if not ok:
                 # Keep the records (in order) for a later retry; the markers
@@ -182,7 +187,12 @@ class WriteLoop:
             return False
         except BaseException as e:  # noqa: BLE001
             self.report(e)
+            if isinstance(e, OSError):
+                # Halve down to one record; then the whole batch again, so
+                # that a flush() waiting behind it hears of the failure.
+                self.batch_cap = len(batch) // 2 if len(batch) > 1 else self.max_batch
             return False
+        self.batch_cap = self.max_batch
         rejected = getattr(self.sink, "rejected", None)
         if rejected:
             # Written as pmaptap/unencodable meta records in their place.

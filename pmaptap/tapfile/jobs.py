@@ -36,12 +36,13 @@ import os
 from bisect import bisect_left
 from typing import Any
 
+from pmaptap.errors import NeedSerial
 from pmaptap.tapfile import checks, runs, summary
 from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
 from pmaptap.tapfile.checks import Report, Validator
 from pmaptap.tapfile.lines import collector_paused, iter_file_records, read_at
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import FilteredSummarizer, NeedSerial, Result
+from pmaptap.tapfile.summary import FilteredSummarizer, Result
 
 # Without --jobs: a worker per this many bytes of the run at most (a
 # worker's start and its partial result cost a few milliseconds: below

@@ -24,6 +24,7 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any, Iterable
 
+from pmaptap.errors import NeedSerial
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
 from pmaptap.tapfile.divergence import DivergenceIndex
@@ -81,12 +82,6 @@ class TapSummary:
     # pmaptap.fingerprint records: where the copies first differed and the
     # suspect devices (tapfile/fingerprints.py), "" when they always agreed.
     fingerprint: str = ""
-
-
-class NeedSerial(Exception):
-    """Two pieces of a run cannot be merged exactly (the same id written
-    with two types, as 1 and 1.0; a device met at two sets of
-    coordinates): summarize the run in one process instead."""
 
 
 # Devices below this are kept as bits (per step and lane, a bytearray); a

@@ -151,7 +151,14 @@ def test_sigterm_reaches_a_survivor_blocked_in_a_collective(tmp_path, owner):
     else:
         # The survivor went within the launcher's default grace, by the signal.
         assert "still running after" not in proc.stderr, job_failed(proc)
-    assert "blocked outside Python" in "\n".join(prefixed(proc.stderr, 0)), job_failed(proc)
+    watcher = "blocked outside Python" in "\n".join(prefixed(proc.stderr, 0))
+    if owner == "forwarder+handler" and not watcher:
+        # A race the box's load decides: gloo may give the step up (its
+        # peer's socket closed) before the SIGTERM comes, and then the main
+        # thread runs pmaptap's handler itself, the job's after it.
+        assert "user handler" in "\n".join(prefixed(proc.stdout, 0)), job_failed(proc)
+    else:
+        assert watcher, job_failed(proc)
     p0 = [line.split()[1] for line in prefixed(proc.stdout, 0) if line.startswith("step")]
     assert p0 == ["0", "1", "2", "3", "4"], job_failed(proc)
 
@@ -166,12 +173,15 @@ def test_sigterm_reaches_a_survivor_blocked_in_a_collective(tmp_path, owner):
         # The user's run: logged to, its end left to the user's code.
         assert run.info.run_id == users and run.info.status == "RUNNING"
         return
-    assert run.info.status == "KILLED"
+    # (A step that gloo gave up raises in the job: its session ends FAILED.)
+    assert run.info.status == "KILLED" or not watcher and run.info.status == "FAILED", (
+        run.info.status
+    )
     # W&B: the offline run holds every step and its exit record (finished
     # with SIGTERM's exit code: the next attempt would resume it).
     ((wrun, rows, exits),) = _wandb_runs(wb)
     assert [r["pmaptap/step"] for r in rows] == [0, 1, 2, 3, 4]
-    assert [e.get("exit_code") for e in exits] == [143]
+    assert [e.get("exit_code") for e in exits] == [143] or not watcher and len(exits) == 1
     assert wrun["run_id"] == _wandb_id(recs[0]["run"])
 
 
