@@ -24,7 +24,7 @@ from conftest import ROOT, job_failed, prefixed, python_cmd, run_launch, wandb_r
 # (PMAPTAP_ATTEMPT > 0) resumes from the "checkpoint" at step CKPT. Process
 # 0 forwards to MLflow and W&B, constructed with no run of the user's.
 JOB = """
-    import os, signal
+    import os, signal, time
     from pmaptap import distributed
     distributed.initialize()
     import jax, jax.numpy as jnp, pmaptap
@@ -60,6 +60,10 @@ JOB = """
         for i in range(first, steps):
             if i == die_at and attempt == 0 and jax.process_index() == 1:
                 print("dying", flush=True)
+                # Process 0 is then inside this step's all-reduce (not still
+                # printing the last one: its main thread would run the
+                # handler itself), waiting for a peer that never comes.
+                time.sleep(2)
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = f(jnp.ones(jax.local_device_count()), jnp.int32(i))
             # Reading the loss (this process's first copy) waits in C++ for
