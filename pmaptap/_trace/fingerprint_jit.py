@@ -101,43 +101,8 @@ def _lowering(ctx, step, *leaves, spec: FingerprintSpec):
     sub = ctx.replace(avals_in=[ctx.avals_in[0], fps_aval], avals_out=[])
     if where is None:
         return primitive._lowering(sub, step, fps, host_fn=host_fn)
-    return _call_from_device_0(sub, step, fps, host_fn=host_fn)
-
-
-def _call_from_device_0(ctx, *args, host_fn):
-    """ONE host call, on device 0 of the computation (XLA's maximal
-    sharding: the fingerprint rows are moved there), with NumPy copies of
-    XLA's buffers, as primitive.py's lowering makes under manual axes. Not
-    ``jax.debug.callback``'s lowering (primitive._lowering delegates to it
-    under automatic sharding), whose host side calls ``jax.device_put`` on
-    XLA's callback thread: ~70 us a call, and a JAX call where JAX calls can
-    deadlock (primitive.py)."""
-    from jax._src import callback as cb
-    from jax._src import config, sharding_impls
-    from jax._src.lib import xla_client as xc
-
-    if config.use_shardy_partitioner.value:
-        sharding = sharding_impls.SdyArrayList(
-            (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
-        )
-    else:
-        sharding = xc.OpSharding()
-        sharding.type = xc.OpSharding.Type.MAXIMAL
-        sharding.tile_assignment_dimensions = [1]
-        sharding.tile_assignment_devices = [0]
-    result, _, _ = cb.emit_python_callback(
-        ctx,
-        primitive._copying(host_fn),
-        None,
-        list(args),
-        ctx.avals_in,
-        ctx.avals_out,
-        has_side_effect=True,
-        returns_token=True,
-        partitioned=False,
-        sharding=sharding,
-    )
-    return result
+    # The fingerprint rows are moved to device 0 for ONE host call.
+    return primitive.emit_on_device_0(sub, step, fps, host_fn=host_fn)
 
 
 def _local(*leaves):

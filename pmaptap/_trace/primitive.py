@@ -262,19 +262,41 @@ def _lowering(ctx, *args, host_fn):
             sharding.type = xc.OpSharding.Type.MANUAL
     elif isinstance(axis_context, sharding_impls.ShardingContext):
         # Automatic sharding (plain jit, one device or whole values): run
-        # once, on the full logical value, on device 0 of the computation:
-        # the MAXIMAL sharding debug_callback's lowering sets, without its
-        # jax.device_put of every argument on XLA's thread (a copy of the
-        # value, and on a GPU a second one after the transfer).
-        if config.use_shardy_partitioner.value:
-            sharding = sharding_impls.SdyArrayList(
-                (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
-            )
-        else:
-            sharding = xc.OpSharding()
-            sharding.type = xc.OpSharding.Type.MAXIMAL
-            sharding.tile_assignment_dimensions = [1]
-            sharding.tile_assignment_devices = [0]
+        # once, on the full logical value, on device 0 of the computation.
+        return emit_on_device_0(ctx, *args, host_fn=host_fn)
+    result, _, _ = cb.emit_python_callback(
+        ctx,
+        _copying(host_fn),
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=True,
+        partitioned=False,
+        sharding=sharding,
+    )
+    return result
+
+
+def emit_on_device_0(ctx, *args, host_fn):
+    """ONE host call, on device 0 of the computation, with the arrays XLA
+    hands over: the MAXIMAL sharding debug_callback's lowering sets, without
+    its jax.device_put of every argument on XLA's thread (a copy of the
+    value, and on a GPU a second one after the transfer; a JAX call where
+    JAX calls can deadlock). Plain jit taps, and fingerprints gathered from
+    every device (fingerprint_jit.py)."""
+    from jax._src import config
+
+    if config.use_shardy_partitioner.value:
+        sharding: Any = sharding_impls.SdyArrayList(
+            (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)),)
+        )
+    else:
+        sharding = xc.OpSharding()
+        sharding.type = xc.OpSharding.Type.MAXIMAL
+        sharding.tile_assignment_dimensions = [1]
+        sharding.tile_assignment_devices = [0]
     result, _, _ = cb.emit_python_callback(
         ctx,
         _copying(host_fn),
