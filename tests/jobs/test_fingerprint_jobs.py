@@ -39,7 +39,8 @@ _JOB = """
         f = jax.pmap(body, axis_name="i", in_axes=(0, None))
         local = jnp.ones((jax.local_device_count(), 4))
         for step in range(3):
-            f(local, step).block_until_ready()
+            # (A jnp int: JAX 0.9's multi-process pmap takes no Python int.)
+            f(local, jnp.int32(step)).block_until_ready()
 
         # jit over a 2x2 mesh of all devices, the value replicated: the copy
         # at data=1, model=0 (process 1's first device, id 2048) differs at

@@ -232,6 +232,11 @@ def test_jit_compares_the_holders_of_each_slice(session, tap_path, spec, where, 
     assert (s.device, s.first_step, s.steps) == (device, 1, 2)
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 10),
+    reason="JAX 0.9 cannot return a jit output sharded unevenly, with or without "
+    "a fingerprint (IndivisibleError); CI's JAX runs it",
+)
 def test_jit_uneven_sharding_ignores_padding(session, tap_path):
     mesh = mesh42()
     uneven = NamedSharding(mesh, P("data"))
