@@ -448,6 +448,16 @@ def _times(pd: Any, secs: Any) -> Any:
     return pd.Series(out).dt.tz_localize("UTC")
 
 
+def _int_dtype(cells: list) -> str | type:
+    """Int64, or UInt64 for a uint64 tap's values past 2**63-1, or object
+    for integers no 64-bit type holds (each cell then as it was)."""
+    ints = [c for c in cells if c is not None]
+    lo, hi = (min(ints), max(ints)) if ints else (0, 0)
+    if -(2**63) <= lo and hi < 2**63:
+        return "Int64"
+    return "UInt64" if lo >= 0 and hi < 2**64 else object
+
+
 def _column(pd: Any, col: str, cells: list) -> Any:
     if col == "time":
         secs = [float(c) if isinstance(c, (int, float)) else None for c in cells]
@@ -463,11 +473,11 @@ def _column(pd: Any, col: str, cells: list) -> Any:
     if (col in _INTS or col.startswith(COORDS_COLUMN_PREFIX)) and all(
         c is None or isinstance(c, int) and not isinstance(c, bool) for c in cells
     ):
-        return pd.Series(cells, dtype="Int64")
+        return pd.Series(cells, dtype=_int_dtype(cells))
     if kind == "bool" and (col == "value" or col.startswith("value.")):
         return pd.Series(cells, dtype="boolean")
     if kind == "int":
-        return pd.Series(cells, dtype="Int64")
+        return pd.Series(cells, dtype=_int_dtype(cells))
     if kind == "float":
         return pd.Series([float("nan") if c is None else float(c) for c in cells], dtype="float64")
     if all(c is None or isinstance(c, str) for c in cells) and any(
@@ -485,6 +495,16 @@ def _json_text(c: Any) -> Any:
         return None
 
     def enc(x: Any) -> Any:
+        if type(x).__module__ == "numpy":
+            # A value stored as bytes comes back from read() as an array
+            # (and its elements as NumPy scalars): its numbers, exactly;
+            # ml_dtypes' narrow floats widen exactly to float64.
+            import numpy as np
+
+            a = np.asarray(x)
+            if a.dtype.kind not in "biufc":  # ml_dtypes' int4, bfloat16, fp8...
+                a = a.astype(np.int64 if a.dtype.name.startswith(("int", "uint")) else np.float64)
+            return enc(a.tolist())
         if isinstance(x, complex):
             return [enc(x.real), enc(x.imag)]
         if isinstance(x, float) and x != x:

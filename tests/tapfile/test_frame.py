@@ -318,3 +318,54 @@ def test_tables_of_records_share_the_record_columns(tmp_path):
     assert out.stdout.split("\n")[0].split() == header.split()
     out = cli("show", "--all-attempts", str(path))
     assert out.stdout.split("\n")[0].split()[:5] == ["line", "name", "step", "attempt", "kind"]
+
+
+def test_parquet_of_a_run_with_values_stored_as_bytes(tmp_path):
+    """read() gives a value stored as bytes back as an array: Parquet holds
+    its numbers as JSON text, exactly (bfloat16 and int4 widened exactly),
+    beside the run's scalars."""
+    pytest.importorskip("pyarrow")
+    import json as _json
+
+    import ml_dtypes
+    import numpy as np
+
+    from pmaptap.tapfile import frame
+
+    path = str(tmp_path / "r.jsonl")
+    act = np.linspace(-3, 3, 600, dtype=np.float32)
+    w = pmaptap.Writer(path, run="r", process=0)
+    w.write("act", 0, act)
+    w.write("act", 1, act.astype(ml_dtypes.bfloat16))
+    w.write("codes", 0, (np.arange(4096) % 15 - 7).astype(ml_dtypes.int4))
+    w.write("loss", 0, 1.5)
+    w.close()
+    recs = pmaptap.read(path)
+    assert any(isinstance(r["value"], np.ndarray) for r in recs)
+    out = str(tmp_path / "r.parquet")
+    assert frame.write_parquet(recs, out) == 4
+    back = pd.read_parquet(out)
+    cell = {(r["name"], r["step"]): r["value"] for _, r in back.iterrows()}
+    assert _json.loads(cell[("act", 0)]) == act.tolist()
+    assert _json.loads(cell[("act", 1)]) == act.astype(ml_dtypes.bfloat16).astype(float).tolist()
+    assert _json.loads(cell[("codes", 0)]) == [int(v) % 15 - 7 for v in range(4096)]
+    assert _json.loads(cell[("loss", 0)]) == 1.5
+
+
+def test_frame_keeps_uint64_values_past_int64(tmp_path):
+    """A uint64 tap's values past 2**63-1 make a UInt64 column (they raised
+    OverflowError); integers no 64-bit type holds stay as they were."""
+    import numpy as np
+
+    path = str(tmp_path / "u.jsonl")
+    w = pmaptap.Writer(path, run="r", process=0)
+    w.write("u", 0, np.uint64(2**64 - 1))
+    w.write("u", 1, np.uint64(3))
+    w.close()
+    df = pmaptap.read(path, as_frame=True)
+    assert str(df["value"].dtype) == "UInt64"
+    assert df["value"].tolist() == [2**64 - 1, 3]
+    from pmaptap.tapfile.frame import _int_dtype
+
+    assert _int_dtype([None, -(2**63), 2**63 - 1]) == "Int64"
+    assert _int_dtype([-1, 2**63]) is object and _int_dtype([2**64]) is object
