@@ -53,6 +53,23 @@ def effects_barrier() -> None:
     jax.effects_barrier()
 
 
+def dispatched_tokens() -> list:
+    """The runtime tokens of the computations the calling thread dispatched
+    (their host callbacks have run once these are ready). JAX keeps them
+    per thread (``dispatch.runtime_tokens`` is a ``threading.local``):
+    ``jax.effects_barrier()`` on another thread waits for nothing, so a
+    wait handed to a helper thread takes these with it."""
+    if _inherited_runtime:
+        return []
+    from jax._src import dispatch
+
+    tokens = dispatch.runtime_tokens
+    return [
+        *getattr(tokens, "current_tokens", {}).values(),
+        *getattr(tokens, "output_runtime_tokens", {}).values(),
+    ]
+
+
 def _runtime_started() -> bool:
     # Only modules already loaded are read: the hook never imports JAX.
     xb = sys.modules.get("jax._src.xla_bridge")

@@ -131,6 +131,9 @@ class BoundedQueue:
         self._bound_said = False
         self.dropped = 0
         self._dropped_reported = 0
+        # Payloads offered so far (queued or dropped): SIGTERM's wait for
+        # dispatched steps goes on while this grows (session.py).
+        self.offered = 0
         self.admitting = True
         # Cleared when the aggregator thread ends for any reason: past the
         # bound, "block" would then wait forever, so it drops instead.
@@ -144,6 +147,7 @@ class BoundedQueue:
         with self._lock:
             if not self.admitting:
                 return False
+            self.offered += 1
             while self._over(size):
                 if not self._bound_said and self._bound is None:
                     self._bound = self._which_bound(size)

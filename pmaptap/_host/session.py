@@ -13,12 +13,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from pmaptap import distributed
 from pmaptap._host import routing, sigterm
-from pmaptap._host.forked import effects_barrier
+from pmaptap._host.forked import dispatched_tokens, effects_barrier
 from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
@@ -32,10 +33,13 @@ from pmaptap.tapfile.runs import is_url
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
 # before acting itself (a main thread running Python runs it within
-# milliseconds), and how long dispatched steps get to finish (a step blocked
-# on a dead peer never does; the launcher's grace before SIGKILL is 5 s: 3 s
-# leaves the drain its time, and 1.5 s lost the last of 30 dispatched steps
-# on a loaded 2-core box, test_faults.py's SIGTERM test).
+# milliseconds), and how long dispatched steps may go without a tap arriving
+# before the wait for them is given up (a step blocked on a dead peer never
+# finishes). A fixed bound on the whole wait lost dispatched steps on a
+# loaded 2-core box (test_faults.py's SIGTERM test: 1.5 s, then 3 s, each
+# lost some of 30 steps whose taps were still arriving); while taps arrive
+# the writer writes them, so a SIGKILL at the end of a launcher's grace
+# loses at most what is queued at that moment.
 MAIN_HANDLER_WAIT_S = 0.3
 SIGTERM_WAIT_S = 3.0
 
@@ -299,7 +303,7 @@ class Session:
             if not p.closed:  # the SIGTERM watcher may have drained it
                 self._phase = "drain"
                 try:
-                    _effects_barrier(SIGTERM_WAIT_S if killed else None)
+                    _effects_barrier(SIGTERM_WAIT_S if killed else None, p)
                 finally:
                     p.close(timeout=self.close_timeout, outcome=outcome)
         finally:
@@ -478,7 +482,7 @@ class Session:
                 "another thread"
             )
             try:
-                _effects_barrier(SIGTERM_WAIT_S)
+                _effects_barrier(SIGTERM_WAIT_S, p)
                 p.close(timeout=self.close_timeout, outcome="killed")
                 if getattr(p.sink, "held", None):
                     self._after_close(wait=False)  # values left to dead owners
@@ -503,30 +507,61 @@ class Session:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _effects_barrier(timeout: float | None) -> None:
-    """``effects_barrier()``, waited for at most ``timeout`` seconds (None:
+def _effects_barrier(stall: float | None, pipeline: Pipeline | None = None) -> None:
+    """``effects_barrier()`` for the steps this thread dispatched; with
+    ``stall``, given up once no tap has arrived for ``stall`` seconds (None:
     no bound). On SIGTERM a dispatched step may never finish (a collective
-    whose peer died): the wait runs on a daemon thread and is given up."""
-    if timeout is None:
+    whose peer died): the wait runs on a daemon thread, on the tokens taken
+    from this thread (JAX keeps them per thread), and is left behind. Steps
+    still delivering taps (a loaded box) are waited for: they are finite,
+    nothing new is dispatched while the handler runs."""
+    if stall is None:
         effects_barrier()
         return
+    tokens = dispatched_tokens()
     done = threading.Event()
 
     def wait() -> None:
         try:
-            effects_barrier()
+            for t in tokens:
+                t.block_until_ready()
         except BaseException:  # noqa: BLE001 - a failed step: nothing to wait for
             pass
         finally:
             done.set()
 
     threading.Thread(target=wait, daemon=True, name="pmaptap-effects-barrier").start()
-    if not done.wait(timeout):
+    if not _taps_quiet(pipeline, stall, None, done):
         log.warning(
-            f"pmaptap: steps dispatched before SIGTERM did not finish within "
-            f"{timeout:g}s (a collective waiting for a dead process?); their taps "
-            "are not in the file"
+            f"pmaptap: steps dispatched before SIGTERM delivered no tap for "
+            f"{stall:g}s (a collective waiting for a dead process?); the taps "
+            "of the steps that did not finish are not in the file"
         )
+
+
+def _taps_quiet(
+    pipeline: Pipeline | None,
+    quiet: float,
+    limit: float | None,
+    done: threading.Event | None = None,
+) -> bool:
+    """Wait until ``done`` is set (True), or no tap has reached
+    ``pipeline`` for ``quiet`` seconds, or ``limit`` seconds have passed
+    (False)."""
+    done = done or threading.Event()
+
+    def offered() -> int:
+        return pipeline.queue.offered if pipeline is not None else 0
+
+    start = quiet_since = time.monotonic()
+    seen = offered()
+    while not done.wait(0.05):
+        now, n = time.monotonic(), offered()
+        if n != seen:
+            seen, quiet_since = n, now
+        if now - quiet_since >= quiet or (limit is not None and now - start >= limit):
+            return False
+    return True
 
 
 def _after_fork_in_child() -> None:

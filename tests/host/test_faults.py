@@ -231,6 +231,40 @@ def test_sigterm_writes_every_dispatched_step(tmp_path, handler) -> None:
     assert all(devs == set(range(8)) for devs in by_step.values())
 
 
+# Steps slow enough that most are still queued on the devices when the
+# signal comes: the handler must wait for them.
+_TERM_SLOW_CHILD = """
+    import os, signal, time, jax, jax.numpy as jnp, pmaptap
+    s = pmaptap.Session(os.environ["TAP"], run="slow").open()
+    def step(v):
+        m = jax.lax.fori_loop(0, 200, lambda i, m: jnp.tanh(m @ m), jnp.eye(128) * v)
+        return pmaptap.tap(v + m[0, 0], "x", dedup="per_device")
+    f = jax.pmap(step)
+    for i in range(13):
+        f(jnp.arange(8.0) + i)
+    print("arrived", s.pipeline.queue.offered, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+"""
+
+
+def test_sigterm_waits_for_the_steps_still_running(tmp_path) -> None:
+    # JAX keeps the tokens of dispatched steps per thread: a barrier run on
+    # any thread but the dispatching one waits for nothing (this lost 10 of
+    # 13 steps when the SIGTERM wait ran jax.effects_barrier() on a helper).
+    tap = str(tmp_path / "t.jsonl")
+    p = start_python(_TERM_SLOW_CHILD, TAP=tap)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        _kill(p)
+    assert p.returncode == -signal.SIGTERM, err
+    arrived = int(out.split()[-1])
+    steps = {r["step"] for r in pmaptap.read(tap)}
+    assert steps == set(range(13)), (arrived, sorted(steps))
+    assert arrived < 13, "every step had finished before the signal: the test proves nothing"
+
+
 _EXIT_ORDER_CHILD = """
     import atexit, os, sys, filelock, jax, jax.numpy as jnp, pmaptap
     import jax._src.api as jax_api
