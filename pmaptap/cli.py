@@ -27,7 +27,6 @@ import collections
 import os
 import stat
 import sys
-import threading
 from typing import TYPE_CHECKING, Sequence
 
 from pmaptap.errors import CliError
@@ -417,7 +416,7 @@ def _tail(
     flt: Filter,
     lf: "LineFollower | RunFollower | PendingFollower",
 ) -> int:
-    from pmaptap.tapfile.follow import follow, matching, on_stop_signals
+    from pmaptap.tapfile.follow import follow, matching, stop_on_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.
     last = collections.deque(matching(lf, flt), maxlen=max(args.lines, 0))
@@ -429,17 +428,13 @@ def _tail(
     def report(lineno: int, problem: str) -> None:
         print(f"{PROG} tail: line {lineno}: {problem} (skipped)", file=sys.stderr)
 
-    stop = threading.Event()
-    restore = on_stop_signals(stop.set)
-    try:
+    with stop_on_signals() as stop:
         for batch in follow(
             lf, flt, stop=stop, interval=args.interval, timeout=args.timeout, report=report
         ):
             printer.emit(batch)
             if printer.done:
                 break
-    finally:
-        restore()
     return 0
 
 
@@ -497,26 +492,23 @@ def cmd_merge(args: argparse.Namespace) -> int:
         _report_skipped(bad, args.file, "merge")
         print(f"wrote {n} records to {args.output}", file=sys.stderr)
         return 0
-    from pmaptap.tapfile.follow import on_stop_signals
+    from pmaptap.tapfile.follow import stop_on_signals
 
     def report(pos: int, problem: str) -> None:
         print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
 
-    stop = threading.Event()
-    restore = on_stop_signals(stop.set)
     try:
-        n = merge.merge_follow(
-            args.file,
-            args.output,
-            stop=stop,
-            interval=args.interval,
-            timeout=args.timeout,
-            report=report,
-        )
+        with stop_on_signals() as stop:
+            n = merge.merge_follow(
+                args.file,
+                args.output,
+                stop=stop,
+                interval=args.interval,
+                timeout=args.timeout,
+                report=report,
+            )
     except ValueError as e:
         raise CliError(str(e)) from None
-    finally:
-        restore()
     print(f"wrote {n} records to {args.output}", file=sys.stderr)
     return 0
 

@@ -19,7 +19,13 @@ before ours (asyncio's self-pipe, for one), so nothing of theirs is lost.
 One watcher per process, started with the first session opened on the main
 thread (``set_wakeup_fd`` may only be called there) and kept; a forked child
 drops it (its socket pair is its parent's: a signal to the child must not
-wake the parent's watcher).
+wake the parent's watcher). Dropping it in an at-fork hook leaves a window:
+a signal that reaches the child before the hook ran (another library's hook
+first, stuck on a lock a parent thread held: ``multiprocessing.Pool`` then
+SIGTERMs that worker) is written into the parent's socket, and the parent
+took it for its own and killed itself (seen in CI). So the socket pair is a
+datagram pair with ``SO_PASSCRED`` (Linux): the kernel stamps each byte with
+the pid that wrote it, and bytes not written by this process are dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import threading
 
 from pmaptap._log import log
@@ -35,9 +42,12 @@ _lock = threading.Lock()
 _watcher: "_Watcher | None" = None
 
 
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+
+
 class _Watcher:
     def __init__(self) -> None:
-        self.rsock, self.wsock = socket.socketpair()
+        self.rsock, self.wsock, self.creds = _socket_pair()
         # set_wakeup_fd wants a non-blocking descriptor: the C handler must
         # never block (a full buffer drops the byte, and one byte is enough).
         self.wsock.setblocking(False)
@@ -48,7 +58,12 @@ class _Watcher:
     def _run(self) -> None:
         while True:
             try:
-                data = self.rsock.recv(512)
+                if self.creds:
+                    data, anc, _, _ = self.rsock.recvmsg(512, socket.CMSG_SPACE(_UCRED.size))
+                    if _sender(anc) not in (None, os.getpid()):
+                        continue  # a forked child's signal, not ours
+                else:
+                    data = self.rsock.recv(512)
             except OSError:
                 return
             if not data:
@@ -60,6 +75,28 @@ class _Watcher:
                     pass  # theirs is full or closed: as if we were not here
             if signal.SIGTERM in data:
                 _hand_over()
+
+
+def _socket_pair() -> tuple[socket.socket, socket.socket, bool]:
+    """(read end, write end, whether reads carry the writer's pid)."""
+    try:
+        r, w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    except (AttributeError, OSError):
+        r, w = socket.socketpair()
+        return r, w, False
+    try:
+        r.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    except (AttributeError, OSError):  # not Linux: no pid to check
+        return r, w, False
+    return r, w, True
+
+
+def _sender(anc: list) -> int | None:
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            if len(data) >= _UCRED.size:
+                return _UCRED.unpack_from(data)[0]
+    return None
 
 
 def _hand_over() -> None:

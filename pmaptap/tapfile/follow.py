@@ -10,7 +10,9 @@ arrives; only then is the line parsed (and reported if it is not a record).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import threading
 import time
@@ -176,7 +178,7 @@ def follow(
     lf: LineFollower,
     flt: Filter,
     *,
-    stop: threading.Event,
+    stop: threading.Event | StopFlag,
     interval: float,
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,
@@ -194,22 +196,65 @@ def follow(
         stop.wait(wait)
 
 
-def on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
-    """Ctrl-C / SIGTERM end a follow loop (``tail -f``, ``export
-    --tensorboard --follow``) cleanly (no traceback, exit 0): the handler only
-    calls ``callback`` (setting a flag the poll loop checks). Returns the
-    function that restores the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous: dict[int, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, lambda signum, frame: callback())
+class StopFlag:
+    """What ends a follow loop; ``set()`` may be called from a signal handler.
 
-    def restore() -> None:
+    A ``threading.Event`` may not: its ``set()`` takes the lock that
+    ``Event.wait`` holds around its timeout, and the handler runs on the main
+    thread, which may be inside that very ``wait`` -- so Ctrl-C or SIGTERM
+    could hang ``tail -f`` forever (CPython gh-126434; seen in CI). Here
+    ``set()`` only assigns a flag and writes a byte to a pipe (no lock), and
+    ``wait()`` sleeps in ``select`` on that pipe, so a stop wakes it at once.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+
+    def set(self) -> None:
+        self._set = True
+        try:
+            os.write(self._w, b"x")
+        except OSError:  # full (already woken many times) or closed
+            pass
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until ``set()`` or ``timeout`` seconds; True if set. A
+        signal whose handler sets the flag has written the pipe before
+        ``select`` is resumed (PEP 475), so it returns at once."""
+        if not self._set:
+            select.select([self._r], [], [], None if timeout is None else max(timeout, 0.0))
+        return self._set
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopFlag]:
+    """Ctrl-C / SIGTERM end a follow loop (``tail -f``, ``merge --follow``,
+    ``export --tensorboard --follow``) cleanly (no traceback, exit 0): the
+    handlers only set the flag the poll loop checks. The previous handlers
+    are back when the block ends."""
+    stop = StopFlag()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        yield stop
+    finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-    return restore
+        stop.close()
 
 
 class RunFollower:

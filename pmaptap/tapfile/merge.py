@@ -9,12 +9,15 @@ import os
 import tempfile
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.format import encode_line
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
+
+if TYPE_CHECKING:
+    from pmaptap.tapfile.follow import StopFlag
 
 
 def _check_target(run: str, out: str) -> None:
@@ -65,7 +68,7 @@ def merge_follow(
     run: str,
     out: str,
     *,
-    stop: threading.Event,
+    stop: threading.Event | StopFlag,
     interval: float,
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,

@@ -194,6 +194,45 @@ with pmaptap.Session(path, run="parent") as s:
 """
 
 
+def test_a_signal_to_a_child_before_the_fork_hooks_ran_is_not_the_parents(tap_path):
+    """The SIGTERM watcher's socket (sigterm.py) is inherited by a forked
+    child until pmaptap's at-fork hook drops it there. A SIGTERM that lands
+    in the child before that hook ran (an earlier hook, another library's,
+    slow or stuck on a lock: ``multiprocessing.Pool`` then terminates the
+    worker) was read by the parent's watcher as the parent's own: it closed
+    the session as killed and ended the parent by SIGTERM. It must leave the
+    parent alone: every step written, exit 0."""
+    out = run_python(
+        f"""
+        import os, signal, time
+
+        def earlier_hook():  # registered before pmaptap's, so it runs first
+            signal.signal(signal.SIGTERM, lambda *a: None)  # (the child lives on)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        os.register_at_fork(after_in_child=earlier_hook)
+        import jax, jax.numpy as jnp, pmaptap
+
+        f = jax.jit(lambda x, i: pmaptap.tap(x + i, "train", step=i))
+        with pmaptap.Session({str(tap_path)!r}, run="job"):
+            for step in range(4):
+                f(jnp.arange(2.0), step)
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(0)
+                assert os.waitpid(pid, 0)[1] == 0
+                time.sleep(0.5)  # the watcher would have acted within this
+        print("parent survived")
+        """,
+        devices=1,
+        timeout=120,
+    )
+    assert "parent survived" in out.stdout, out.stdout
+    assert "SIGTERM" not in out.stderr, out.stderr
+    recs = [r for r in _records(tap_path) if r.get("name") == "train"]
+    assert sorted(r["step"] for r in recs) == [0, 1, 2, 3], recs
+
+
 @pytest.mark.parametrize("mode", ["bare", "own_session"])
 def test_child_forked_after_pmap_steps_exits_through_the_interpreter_at_once(
     tmp_path, tap_path, mode

@@ -340,6 +340,47 @@ def test_tail_follow_started_before_a_sharded_run_sees_its_shards(tmp_path):
         _stop(tail)
 
 
+def test_a_stop_signal_never_deadlocks_the_follow_loop():
+    """Ctrl-C / SIGTERM in ``tail -f`` / ``merge --follow`` / ``export
+    --follow`` run their handler on the main thread, wherever it is -- also
+    inside the poll loop's ``stop.wait``. A ``threading.Event`` there hangs
+    for ever when the signal lands while ``wait`` holds its lock (``set``
+    takes it again; CPython gh-126434; it hung ``tail -f`` in CI). A trace
+    function calls ``set`` at every line the wait runs, as a handler could:
+    each wait must return, set."""
+    out = run_python(
+        """
+        import sys
+        from pmaptap.tapfile.follow import stop_on_signals
+
+        lines = 0
+        for k in range(1, 200):
+            with stop_on_signals() as stop:
+                seen = 0
+
+                def tracer(frame, event, arg):
+                    global seen
+                    if event == "line":
+                        seen += 1
+                        if seen == k:
+                            stop.set()  # what the SIGTERM handler does
+                    return tracer
+
+                sys.settrace(tracer)
+                got = stop.wait(0.001)
+                sys.settrace(None)
+            if seen < k:  # every line of the wait has had its turn
+                break
+            assert got and stop.is_set(), k
+            lines = k
+        print("lines", lines)
+        """,
+        devices=1,
+        timeout=60,
+    )
+    assert int(out.stdout.split()[-1]) >= 2, out.stdout
+
+
 def test_tail_follow_stops_at_timeout_and_max_records(tmp_path, demo):
     t0 = time.monotonic()
     out = cli("tail", demo, "-f", "-n", "2", "--timeout", "1", "--json")
