@@ -264,19 +264,7 @@ def _lowering(ctx, *args, host_fn):
         # Automatic sharding (plain jit, one device or whole values): run
         # once, on the full logical value, on device 0 of the computation.
         return emit_on_device_0(ctx, *args, host_fn=host_fn)
-    result, _, _ = cb.emit_python_callback(
-        ctx,
-        _copying(host_fn),
-        None,
-        list(args),
-        ctx.avals_in,
-        ctx.avals_out,
-        has_side_effect=True,
-        returns_token=True,
-        partitioned=False,
-        sharding=sharding,
-    )
-    return result
+    return _emit(ctx, args, host_fn, sharding)
 
 
 def emit_on_device_0(ctx, *args, host_fn):
@@ -297,6 +285,11 @@ def emit_on_device_0(ctx, *args, host_fn):
         sharding.type = xc.OpSharding.Type.MAXIMAL
         sharding.tile_assignment_dimensions = [1]
         sharding.tile_assignment_devices = [0]
+    return _emit(ctx, args, host_fn, sharding)
+
+
+def _emit(ctx, args, host_fn, sharding) -> Any:
+    """The host callback itself, ordered and effectful, on ``sharding``."""
     result, _, _ = cb.emit_python_callback(
         ctx,
         _copying(host_fn),
