@@ -42,6 +42,11 @@ from pmaptap.tapfile.runs import is_url
 # loses at most what is queued at that moment.
 MAIN_HANDLER_WAIT_S = 0.3
 SIGTERM_WAIT_S = 3.0
+# How soon a SIGTERM that interrupted pmaptap's host code is raised again.
+SIGTERM_RETRY_S = 0.01
+# pmaptap's host-side code (the queue, pipeline, routing): a SIGTERM handler
+# that interrupted the main thread there must not close (_on_sigterm).
+_HOST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
@@ -181,6 +186,7 @@ class Session:
         self._closed = False
         self._sigterm_pending = False
         self._main_saw_sigterm = threading.Event()
+        self._sigterm_deferred = False  # its handler left it for later
         self._watcher_acted = False
 
     def __repr__(self) -> str:
@@ -435,9 +441,19 @@ class Session:
 
     def _on_sigterm(self, signum, frame) -> None:
         """The handler, on the main thread."""
-        self._main_saw_sigterm.set()  # the watcher stands back
         prev = self._prev_sigterm
-        if self._closer == threading.get_ident():
+        closing_here = self._closer == threading.get_ident()
+        if not closing_here and _in_host_code(frame) and sigterm.watching():
+            # It interrupted pmaptap's own host code on this thread (a tap's
+            # host callback, which the CPU backend runs on the main thread;
+            # flush()), which may hold a lock the close takes: closing here
+            # hung for ever (the queue's lock, in 2 of 30 SIGTERMs to a
+            # tapping loop). Leave it: the watcher raises SIGTERM again in a
+            # few milliseconds, when this thread is out of there.
+            self._sigterm_deferred = True
+            return
+        self._main_saw_sigterm.set()  # the watcher stands back
+        if closing_here:
             if self._phase == "drain":
                 # close() is writing the records on this very thread (the
                 # handler interrupted it): let it finish, then act on the
@@ -471,7 +487,7 @@ class Session:
         signal take its course: death by SIGTERM when that is what the
         handler before ours does; a Python handler runs when (if ever) the
         main thread comes back to Python."""
-        if self._main_saw_sigterm.wait(MAIN_HANDLER_WAIT_S) or self._watcher_acted:
+        if self._main_acts() or self._watcher_acted:
             return
         self._watcher_acted = True
         p = self.pipeline
@@ -496,6 +512,25 @@ class Session:
         # SIG_IGN: nothing. A Python handler: it runs on the main thread
         # when it returns to Python (the signal is still pending there).
 
+    def _main_acts(self) -> bool:
+        """Whether the main thread's handler acts on the signal: within
+        MAIN_HANDLER_WAIT_S when that thread runs Python. A handler that
+        ran inside pmaptap's host code left it for later (_on_sigterm):
+        the signal is raised again, shortly, while it keeps doing so, for
+        at most SIGTERM_WAIT_S (then this thread acts, as for a blocked
+        main thread)."""
+        start = time.monotonic()
+        deadline = start + MAIN_HANDLER_WAIT_S
+        while not self._main_saw_sigterm.wait(SIGTERM_RETRY_S):
+            now = time.monotonic()
+            if self._sigterm_deferred and now - start < SIGTERM_WAIT_S:
+                self._sigterm_deferred = False
+                deadline = now + MAIN_HANDLER_WAIT_S
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif now >= deadline:
+                return False
+        return True
+
     def _deliver_sigterm(self, prev, signum, frame) -> None:
         # Then behave as the process would have without us.
         if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
@@ -505,6 +540,16 @@ class Session:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _in_host_code(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal handler interrupted its thread) or
+    a caller of it is pmaptap's host-side code."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_HOST_DIR):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _effects_barrier(stall: float | None, pipeline: Pipeline | None = None) -> None:

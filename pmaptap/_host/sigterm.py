@@ -111,6 +111,12 @@ def _hand_over() -> None:
         log.error(f"[pmaptap] error while acting on SIGTERM: {e!r}")
 
 
+def watching() -> bool:
+    """Whether this process has its watcher (it raises a SIGTERM again that
+    the main thread's handler left for later: session._main_acts)."""
+    return _watcher is not None
+
+
 def install() -> bool:
     """Start the watcher (once per process; main thread only). False where
     it cannot be (not the main thread, a platform without wakeup fds)."""

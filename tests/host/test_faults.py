@@ -265,6 +265,50 @@ def test_sigterm_waits_for_the_steps_still_running(tmp_path) -> None:
     assert arrived < 13, "every step had finished before the signal: the test proves nothing"
 
 
+_TERM_IN_ADMIT_CHILD = """
+    import os, signal, sys, jax, jax.numpy as jnp, pmaptap
+    from pmaptap._host import queue
+    # The CPU backend runs a tap's host callback on the main thread, which
+    # is where SIGTERM's handler runs: it can interrupt the queue's admit()
+    # with the queue's lock held. Make that happen at the 6th tap.
+    over, seen = queue.BoundedQueue._over, []
+    def over_then_sigterm(self, size):
+        seen.append(size)
+        if len(seen) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in here
+        return over(self, size)
+    queue.BoundedQueue._over = over_then_sigterm
+    f = jax.jit(lambda x, i: pmaptap.tap(x + i, "v", step=i))
+    with pmaptap.Session(os.environ["TAP"], run="r"):
+        for i in range(400):
+            f(jnp.ones(2), i)
+            print(i, flush=True)
+"""
+
+
+def test_sigterm_that_interrupts_a_tap_holding_the_queue_lock(tmp_path) -> None:
+    # The handler closed the session where it landed: inside admit(), whose
+    # lock the close's queue.send() then waited for, for ever (a tapping
+    # loop SIGTERMed at random hung 2 times in 30). It must leave the signal
+    # for a moment later (the watcher raises it again) and then write every
+    # step dispatched.
+    tap = str(tmp_path / "t.jsonl")
+    p = start_python(_TERM_IN_ADMIT_CHILD, TAP=tap)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill(p)
+        raise AssertionError("SIGTERM inside admit() hung the process") from None
+    finally:
+        _kill(p)
+    assert p.returncode == -signal.SIGTERM, err
+    dispatched = int(out.split()[-1]) + 1 if out.split() else 0
+    steps = sorted(r["step"] for r in pmaptap.read(tap))
+    assert dispatched >= 6 and steps == list(range(len(steps))), (dispatched, steps)
+    assert len(steps) >= dispatched - 1, (dispatched, steps)  # the one in flight
+    assert dispatched < 400, "the loop ended before the signal: the test proves nothing"
+
+
 _EXIT_ORDER_CHILD = """
     import atexit, os, sys, filelock, jax, jax.numpy as jnp, pmaptap
     import jax._src.api as jax_api
