@@ -487,7 +487,7 @@ class Session:
         signal take its course: death by SIGTERM when that is what the
         handler before ours does; a Python handler runs when (if ever) the
         main thread comes back to Python."""
-        if self._main_acts() or self._watcher_acted:
+        if self._watcher_acted or self._main_acts():
             return
         self._watcher_acted = True
         p = self.pipeline
