@@ -443,15 +443,19 @@ class Session:
         """The handler, on the main thread."""
         prev = self._prev_sigterm
         closing_here = self._closer == threading.get_ident()
-        if not closing_here and _in_host_code(frame) and sigterm.watching():
+        if not closing_here and _in_host_code(frame):
             # It interrupted pmaptap's own host code on this thread (a tap's
             # host callback, which the CPU backend runs on the main thread;
             # flush()), which may hold a lock the close takes: closing here
             # hung for ever (the queue's lock, in 2 of 30 SIGTERMs to a
             # tapping loop). Leave it: the watcher raises SIGTERM again in a
-            # few milliseconds, when this thread is out of there.
-            self._sigterm_deferred = True
-            return
+            # few milliseconds, when this thread is out of there (or a timer
+            # does, where the watcher does not hear signals).
+            if sigterm.watching():
+                self._sigterm_deferred = True
+                return
+            if _raise_again_later():
+                return
         self._main_saw_sigterm.set()  # the watcher stands back
         if closing_here:
             if self._phase == "drain":
@@ -540,6 +544,18 @@ class Session:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _raise_again_later() -> bool:
+    """SIGTERM raised again in SIGTERM_RETRY_S by a timer thread; False if
+    it cannot be started."""
+    try:
+        t = threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM))
+        t.daemon = True
+        t.start()
+    except Exception:  # noqa: BLE001 - then the handler acts at once
+        return False
+    return True
 
 
 def _in_host_code(frame: Any) -> bool:

@@ -112,9 +112,23 @@ def _hand_over() -> None:
 
 
 def watching() -> bool:
-    """Whether this process has its watcher (it raises a SIGTERM again that
-    the main thread's handler left for later: session._main_acts)."""
-    return _watcher is not None
+    """Whether this process's watcher hears signals (it raises a SIGTERM
+    again that the main thread's handler left for later:
+    session._main_acts): it exists and the wakeup descriptor is still its
+    own (an asyncio loop started later sets its own). Main thread only."""
+    w = _watcher
+    if w is None:
+        return False
+    try:
+        current = signal.set_wakeup_fd(-1)  # the only way to read it
+        ours = current == w.wsock.fileno()
+        if ours:
+            signal.set_wakeup_fd(current, warn_on_full_buffer=False)
+        else:
+            signal.set_wakeup_fd(current)
+    except (ValueError, OSError):
+        return False
+    return ours
 
 
 def install() -> bool:

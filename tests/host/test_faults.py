@@ -280,20 +280,28 @@ _TERM_IN_ADMIT_CHILD = """
     queue.BoundedQueue._over = over_then_sigterm
     f = jax.jit(lambda x, i: pmaptap.tap(x + i, "v", step=i))
     with pmaptap.Session(os.environ["TAP"], run="r"):
+        if os.environ["WAKEUP"] == "taken":
+            # Another library (an asyncio loop) takes the wakeup descriptor
+            # after the session opened: pmaptap's watcher hears nothing.
+            import socket
+            theirs = socket.socketpair()
+            theirs[1].setblocking(False)
+            signal.set_wakeup_fd(theirs[1].fileno())
         for i in range(400):
             f(jnp.ones(2), i)
             print(i, flush=True)
 """
 
 
-def test_sigterm_that_interrupts_a_tap_holding_the_queue_lock(tmp_path) -> None:
+@pytest.mark.parametrize("wakeup", ["ours", "taken"])
+def test_sigterm_that_interrupts_a_tap_holding_the_queue_lock(tmp_path, wakeup) -> None:
     # The handler closed the session where it landed: inside admit(), whose
     # lock the close's queue.send() then waited for, for ever (a tapping
     # loop SIGTERMed at random hung 2 times in 30). It must leave the signal
     # for a moment later (the watcher raises it again) and then write every
     # step dispatched.
     tap = str(tmp_path / "t.jsonl")
-    p = start_python(_TERM_IN_ADMIT_CHILD, TAP=tap)
+    p = start_python(_TERM_IN_ADMIT_CHILD, TAP=tap, WAKEUP=wakeup)
     try:
         out, err = p.communicate(timeout=60)
     except subprocess.TimeoutExpired:
