@@ -178,16 +178,29 @@ def follow(
     lf: LineFollower,
     flt: Filter,
     *,
-    stop: threading.Event | StopFlag,
+    stop: StopFlag,
     interval: float,
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,
 ) -> Iterator[list[views.Entry]]:
     """Batches of new matching records, one per poll every ``interval``
     seconds, until ``stop`` is set or ``timeout`` seconds have passed."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not stop.is_set():
+    for _ in polls(stop, interval, timeout):
+        if stop.is_set():
+            return  # tail stops at once, without a last poll
         yield list(matching(lf, flt, report))
+
+
+def polls(stop: StopFlag, interval: float, timeout: float | None) -> Iterator[None]:
+    """The polls of a follow loop (``tail -f``, ``merge --follow``,
+    ``export --follow``): the first at once, then one every ``interval``
+    seconds (less, to end at ``timeout``), until the poll after ``stop`` was
+    set or ``timeout`` seconds have passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        yield
+        if stop.is_set():
+            return
         wait = interval
         if deadline is not None:
             wait = min(wait, deadline - time.monotonic())

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
-import time
 from typing import TYPE_CHECKING, Callable
 
 from pmaptap.tapfile import runs
@@ -68,22 +66,21 @@ def merge_follow(
     run: str,
     out: str,
     *,
-    stop: threading.Event | StopFlag,
+    stop: StopFlag,
     interval: float,
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,
 ) -> int:
     """Append the run's records to ``out`` as they are written, until
     ``stop`` or ``timeout``; returns the records written."""
-    from pmaptap.tapfile.follow import RunFollower
+    from pmaptap.tapfile.follow import RunFollower, polls
 
     _check_target(run, out)
     follower = RunFollower(run)
-    deadline = None if timeout is None else time.monotonic() + timeout
     n = 0
     with open(out, "ab") as f:
         try:
-            while True:
+            for _ in polls(stop, interval, timeout):
                 for pos, raw in follower.poll():
                     d, problem = parse_line(raw)
                     if d is None:
@@ -93,13 +90,6 @@ def merge_follow(
                     f.write(encode_line(d))
                     n += 1
                 f.flush()
-                if stop.is_set():
-                    return n
-                wait = interval
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        return n
-                stop.wait(wait)
+            return n
         finally:
             follower.close()

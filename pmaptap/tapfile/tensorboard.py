@@ -43,7 +43,6 @@ import itertools
 import logging
 import os
 import re
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -51,7 +50,7 @@ from pmaptap._log import log
 from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import attempt_of
 from pmaptap.tapfile.fingerprints import divergence_series
-from pmaptap.tapfile.follow import open_follower, stop_on_signals
+from pmaptap.tapfile.follow import open_follower, polls, stop_on_signals
 from pmaptap.tapfile.format import FINGERPRINT, Holders, decode_record
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
@@ -468,11 +467,10 @@ def follow(
     ``flt.all_attempts``."""
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
-    deadline = None if timeout is None else time.monotonic() + timeout
     restarts = 0
     try:
         with stop_on_signals() as stop:
-            while True:
+            for _ in polls(stop, interval, timeout):
                 _convert(tb, lf.poll(), flt)
                 tb.flush()
                 if lf.restarted != restarts:
@@ -481,12 +479,6 @@ def follow(
                         f"pmaptap export: {path} was replaced or truncated; "
                         "converting it again from its start"
                     )
-                wait = interval
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                if stop.is_set() or wait <= 0:
-                    break
-                stop.wait(wait)
         if lf.pending:
             log.warning(
                 f"pmaptap export: the last line is unterminated "
