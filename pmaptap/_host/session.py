@@ -186,7 +186,6 @@ class Session:
         self._closed = False
         self._sigterm_pending = False
         self._main_saw_sigterm = threading.Event()
-        self._sigterm_deferred = False  # its handler left it for later
         self._watcher_acted = False
 
     def __repr__(self) -> str:
@@ -448,12 +447,11 @@ class Session:
             # host callback, which the CPU backend runs on the main thread;
             # flush()), which may hold a lock the close takes: closing here
             # hung for ever (the queue's lock, in 2 of 30 SIGTERMs to a
-            # tapping loop). Leave it: the watcher raises SIGTERM again in a
-            # few milliseconds, when this thread is out of there (or a timer
-            # does, where the watcher does not hear signals).
-            if sigterm.watching():
-                self._sigterm_deferred = True
-                return
+            # tapping loop). Leave it: a timer raises SIGTERM again in a few
+            # milliseconds, when this thread is out of there. (Starting one
+            # here is safe: pmaptap starts its own threads at open, before
+            # this handler is installed, and in close, where it is not left.)
+            # If this thread stays there, the watcher acts after its wait.
             if _raise_again_later():
                 return
         self._main_saw_sigterm.set()  # the watcher stands back
@@ -491,7 +489,7 @@ class Session:
         signal take its course: death by SIGTERM when that is what the
         handler before ours does; a Python handler runs when (if ever) the
         main thread comes back to Python."""
-        if self._watcher_acted or self._main_acts():
+        if self._main_saw_sigterm.wait(MAIN_HANDLER_WAIT_S) or self._watcher_acted:
             return
         self._watcher_acted = True
         p = self.pipeline
@@ -516,25 +514,6 @@ class Session:
         # SIG_IGN: nothing. A Python handler: it runs on the main thread
         # when it returns to Python (the signal is still pending there).
 
-    def _main_acts(self) -> bool:
-        """Whether the main thread's handler acts on the signal: within
-        MAIN_HANDLER_WAIT_S when that thread runs Python. A handler that
-        ran inside pmaptap's host code left it for later (_on_sigterm):
-        the signal is raised again, shortly, while it keeps doing so, for
-        at most SIGTERM_WAIT_S (then this thread acts, as for a blocked
-        main thread)."""
-        start = time.monotonic()
-        deadline = start + MAIN_HANDLER_WAIT_S
-        while not self._main_saw_sigterm.wait(SIGTERM_RETRY_S):
-            now = time.monotonic()
-            if self._sigterm_deferred and now - start < SIGTERM_WAIT_S:
-                self._sigterm_deferred = False
-                deadline = now + MAIN_HANDLER_WAIT_S
-                os.kill(os.getpid(), signal.SIGTERM)
-            elif now >= deadline:
-                return False
-        return True
-
     def _deliver_sigterm(self, prev, signum, frame) -> None:
         # Then behave as the process would have without us.
         if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
@@ -548,12 +527,12 @@ class Session:
 
 def _raise_again_later() -> bool:
     """SIGTERM raised again in SIGTERM_RETRY_S by a timer thread; False if
-    it cannot be started."""
+    it cannot be started (then the handler acts at once)."""
     try:
         t = threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signal.SIGTERM))
         t.daemon = True
         t.start()
-    except Exception:  # noqa: BLE001 - then the handler acts at once
+    except Exception:  # noqa: BLE001
         return False
     return True
 

@@ -111,26 +111,6 @@ def _hand_over() -> None:
         log.error(f"[pmaptap] error while acting on SIGTERM: {e!r}")
 
 
-def watching() -> bool:
-    """Whether this process's watcher hears signals (it raises a SIGTERM
-    again that the main thread's handler left for later:
-    session._main_acts): it exists and the wakeup descriptor is still its
-    own (an asyncio loop started later sets its own). Main thread only."""
-    w = _watcher
-    if w is None:
-        return False
-    try:
-        current = signal.set_wakeup_fd(-1)  # the only way to read it
-        ours = current == w.wsock.fileno()
-        if ours:
-            signal.set_wakeup_fd(current, warn_on_full_buffer=False)
-        else:
-            signal.set_wakeup_fd(current)
-    except (ValueError, OSError):
-        return False
-    return ours
-
-
 def install() -> bool:
     """Start the watcher (once per process; main thread only). False where
     it cannot be (not the main thread, a platform without wakeup fds)."""
