@@ -3,27 +3,34 @@ read in N worker processes, each giving a partial result that merges
 exactly, so the output is the one ``--jobs 1`` prints, to the byte.
 
 The pieces (``plan``): a sharded run's sources in N groups of about equal
-bytes, each group merged by its worker as the whole run is merged
-(runs.iter_merged with ``only``); one file in N byte ranges cut at line
-starts. A worker summarizes (summary.FilteredSummarizer) or checks
-(checks.Validator) its piece and sends its state, positions and all.
+bytes; one file in N byte ranges cut at line starts. A worker summarizes
+(summary.FilteredSummarizer) or checks (checks.Validator) its piece and
+sends its state, positions and all.
 
 What makes the merge exact:
 
 - One file: pieces follow each other, so a piece's positions are its own
   plus the lines before it (the earlier pieces' counts), and state merges
   in file order (``absorb(..., ordered=True)``).
-- A sharded run: a piece's lines are placed in the whole merge by their
-  merge key (record time, source, line: runs.Skeleton), and a position in
-  the whole run is counted by every worker (phase 2: how many of its lines
-  come before each place asked). Replicated records are the ones a merge
-  drops when another process's copy came first, so workers send them back
-  (``defer``) and the parent takes them in the order of the whole run, the
-  same copies dropped. Pieces must share no process (so no copy dropped in
-  one piece is kept in another) and, for validate, no per-device key; an
-  id written with two types in two pieces, or a device at two sets of
-  coordinates, has no order to merge by: then the run is read in one
-  process (``NeedSerial``), which is always exact.
+- A sharded run's summary: each worker reads its sources a shard at a time
+  (shardwise.py, as one process does), positions being places in the
+  whole run's merge; the parent absorbs the states and decides what only
+  the whole run decides (which copies of a replicated value stay, where a
+  bad line falls).
+- A sharded run's validate: each group is merged by its worker as the
+  whole run is merged (runs.iter_merged with ``only``), its lines placed
+  in the whole merge by their merge key (record time, source, line:
+  runs.Skeleton), and a position in the whole run is counted by every
+  worker (phase 2: how many of its lines come before each place asked).
+  Replicated records are the ones a merge drops when another process's
+  copy came first, so workers send them back (``defer``) and the parent
+  takes them in the order of the whole run, the same copies dropped.
+  Pieces must share no process (so no copy dropped in one piece is kept
+  in another) and no per-device key.
+
+An id written with two types in two pieces, or a device at two sets of
+coordinates, has no order to merge by: then the run is read in one
+process (``NeedSerial``), which is always exact.
 
 Object-store runs are read in one process (their reading is fetching, done
 by threads already).
@@ -37,7 +44,7 @@ from bisect import bisect_left
 from typing import Any
 
 from pmaptap.errors import NeedSerial
-from pmaptap.tapfile import checks, runs, summary
+from pmaptap.tapfile import checks, runs, shardwise, summary
 from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
 from pmaptap.tapfile.checks import Report, Validator
 from pmaptap.tapfile.lines import collector_paused, iter_file_records, read_at
@@ -288,27 +295,20 @@ def _first_copy(first: dict, r: Any) -> bool:
 
 
 def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: Any) -> tuple:
+    if sharded:  # the state of these sources, positions and all (shardwise.py)
+        got = shardwise.read_sources(path, part, flt, attempts)
+        return (("resumed",) if got.resumed else ("done", got)), None
     acc = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
-    batches, skeleton = _piece(path, sharded, part)
     bad: list = []
-    deferred: list | None = [] if sharded else None
-    procs: set = set()
     lines = 0
-    for first, records, problems in batches:
+    for first, records, problems in iter_file_records(path, *part):
         if problems:
             bad.extend(problems.items())
-        if sharded:
-            procs.update([r.process for r in records if r is not None])
-        acc.take(records, first, deferred)
+        acc.take(records, first)
         lines = first + len(records) - 1
         if attempts is None and acc.resumed:
-            return ("resumed",), skeleton
-    where = _where(skeleton)
-    acc.shift(where)
-    bad = [(where(pos), why) for pos, why in bad]
-    if deferred is not None:
-        deferred = [(where(pos), r) for pos, r in deferred]
-    return ("done", acc, bad, deferred, procs, lines), skeleton
+            return ("resumed",), None
+    return ("done", acc, bad, lines), None
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
@@ -340,41 +340,27 @@ def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Resul
     workers = _start(_summary_piece, [(path, sharded, part, flt, attempts) for part in parts])
     try:
         results = _gather(workers)
-        if any(r[0] == "resumed" for r in results):
-            return None
-        accs = [r[1] for r in results]
-        merged = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
-        if not sharded:
-            bad: list = []
-            offset = 0
-            for _, acc, piece_bad, _, _, lines in results:
-                acc.shift(lambda pos, o=offset: pos + o)
-                merged.absorb(acc, ordered=True)
-                bad += [(pos + offset, why) for pos, why in piece_bad]
-                offset += lines
-            return merged.result(bad)
-        _disjoint([r[4] for r in results], "process")
-        for acc in accs:
-            merged.absorb(acc, ordered=False)
-        # The replicated records, in the run's order, the merge's copies
-        # dropped: one more piece.
-        rep = FilteredSummarizer(flt, merged.attempts)
-        dropped = []
-        first: dict = {}
-        for key, r in _in_order([r[3] for r in results]):
-            if not _first_copy(first, r):
-                dropped.append(key)
-                continue
-            rep.take_one(r, key)
-        if attempts is None and rep.resumed:
-            return None
-        merged.absorb(rep, ordered=False)
-        bad_keys = [key for r in results for key, _ in r[2]]
-        place = _Placer(workers, bad_keys, dropped)
-        bad = sorted((place(key), why) for r in results for key, why in r[2])
-        return merged.result(bad)
     finally:
         _stop(workers)
+    if any(r[0] == "resumed" for r in results):
+        return None
+    if sharded:
+        got = results[0][1]
+        for r in results[1:]:
+            got.absorb(r[1])
+        done = got.result()
+        if done is None:
+            raise NeedSerial("ids of two types")
+        return done
+    merged = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
+    bad: list = []
+    offset = 0
+    for _, acc, piece_bad, lines in results:
+        acc.shift(lambda pos, o=offset: pos + o)
+        merged.absorb(acc, ordered=True)
+        bad += [(pos + offset, why) for pos, why in piece_bad]
+        offset += lines
+    return merged.result(bad)
 
 
 # ------------------------------------------------------------ validate

@@ -176,6 +176,28 @@ def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
     return data[off:end], end
 
 
+def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float]:
+    """The merge keys of a source's next ``records`` (None for a line that
+    is no record: ``holes``), ``t`` the last line's before them (-inf at
+    the start): each the largest record time up to its line, so a source's
+    keys never decrease (a clock stepping back does not reorder its own
+    lines). Returns them and the last one."""
+    times = None if holes else [r.time for r in records]
+    if times and len(set(map(type, times))) == 1 and type(times[0]) is float:
+        # The usual piece: the running largest time in C passes.
+        run = list(accumulate(times, max, initial=t))
+        del run[0]
+        return run, (run[-1] if run else t)
+    keys = []
+    for r in records:
+        if r is not None:
+            tt = r.time
+            if type(tt) in _NUMBER and tt > t:
+                t = float(tt)
+        keys.append(t)
+    return keys, t
+
+
 class _Bad:
     """A line of a source that is not a record, in the merge: its problem,
     already naming the source and line."""
@@ -229,23 +251,9 @@ class _Source:
         base = len(self.records)
         first = self.lineno
         self.lineno += len(records)
-        keys, marks = self.keys, self.marks
-        t = self.t
-        times = None if problems else [r.time for r in records]
-        if times and len(set(map(type, times))) == 1 and type(times[0]) is float:
-            # The usual piece: the running largest time in C passes.
-            run = list(accumulate(times, max, initial=t))
-            del run[0]
-            keys += run
-            t = run[-1] if run else t
-        else:
-            for r in records:
-                if r is not None:
-                    tt = r.time
-                    if type(tt) in _NUMBER and tt > t:
-                        t = float(tt)
-                keys.append(t)
-        self.t = t
+        marks = self.marks
+        got, self.t = merge_keys(records, bool(problems), self.t)
+        self.keys += got
         marks += [None] * len(records)
         for j, why in problems.items():
             marks[base + j] = _Bad(f"{why} ({self.name} line {first + j})")

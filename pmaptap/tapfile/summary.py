@@ -31,6 +31,7 @@ from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.fingerprints import FingerprintAcc
 from pmaptap.tapfile.lines import collector_paused, iter_record_batches
 from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.runs import is_sharded, is_url
 from pmaptap.tapfile.schema import (
     FINGERPRINT,
     NONFINITE,
@@ -612,22 +613,25 @@ class Summarizer:
         if names is None:
             names = self._taps[run] = {}
             self._first[run] = pos
+        elif pos < self._first[run]:  # pieces added out of stream order
+            self._first[run] = pos
         acc = names.get(name)
         if acc is None:
             acc = names[name] = _TapAcc(run, name)
         return acc
 
-    def add_batch(self, records: list, first: Any = 1) -> None:
+    def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
         """``add`` of each record of ``records`` (Structs; None for a line
         that is no record), the first at position ``first`` (an int: the
-        rest follow it), a tap at a time (_add_part)."""
+        rest follow it), or each at its own of ``positions``, a tap at a
+        time (_add_part)."""
         n = len(records)
+        if positions is None:
+            positions = range(first, first + n)
         if None in records:
             where = [i for i in range(n) if records[i] is not None]
             records = [records[i] for i in where]
-            positions = [first + i for i in where]
-        else:
-            positions = range(first, first + n)
+            positions = [positions[i] for i in where]
         if not records:
             return
         names = [r.name for r in records]
@@ -864,8 +868,22 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result
     ``flt`` matches, streaming the run (records are decoded, summarized and
     dropped; values are never decoded). Also the (line, problem) list of
     lines that are not records and every name and run read. In worker
-    processes: tapfile/jobs.py's summarize_file, the same result."""
+    processes: tapfile/jobs.py's summarize_file, the same result. A local
+    sharded run is read a shard at a time (tapfile/shardwise.py), which
+    gives what its merged stream gives."""
     flt = flt or Filter()
+    if is_sharded(path) and not is_url(path):
+        from pmaptap.tapfile import shardwise  # imports this module
+
+        got = shardwise.summarize(path, flt)
+        if got is not None:
+            return got
+    return summarize_stream(path, flt)
+
+
+def summarize_stream(path: str | os.PathLike, flt: Filter) -> Result:
+    """summarize_file of the run's stream of records: one file, or a
+    sharded run's merged stream (runs.iter_merged)."""
     if not flt.active and not flt.all_attempts:
         # The common case in one pass, assuming the run was never resumed;
         # a record of a later attempt means it was: then the pass below,
@@ -889,21 +907,15 @@ class FilteredSummarizer(Summarizer):
         self.names: set = set()
         self.runs: set = set()
 
-    def take(self, records: list, first: int, defer: "list | None" = None) -> None:
-        """The records (Structs or None) of a batch from position ``first``.
-        ``defer``: replicated records are put there, (position, record),
-        not taken (tapfile/jobs.py takes them in the order of the whole
-        run)."""
-        if defer is not None:
-            records = list(records)
-            for i, r in enumerate(records):
-                if r is not None and r.kind == "replicated":
-                    defer.append((first + i, r))
-                    records[i] = None
+    def take(self, records: list, first: int = 1, positions: Any = None) -> None:
+        """The records (Structs or None) of a batch from position ``first``
+        (or each at its own of ``positions``)."""
         if not self.attempts and not self.flt.active:
-            self.add_batch(records, first)
+            self.add_batch(records, first, positions)
             return
-        for pos, r in enumerate(records, first):
+        if positions is None:
+            positions = range(first, first + len(records))
+        for pos, r in zip(positions, records):
             if r is not None:
                 self.take_one(r, pos)
 

@@ -1,0 +1,97 @@
+"""``pmaptap summary`` of a sharded run a shard at a time (tapfile/
+shardwise.py) gives what the run's merged stream gives (summary.
+summarize_stream over runs.iter_merged, the definition): on random sharded
+runs (copies of replicated values in several shards, divergence, attempts,
+bad and torn lines, odd times and ids, the shared file), with filters, and
+with the lines that are no record at their lines of the merged stream."""
+
+from __future__ import annotations
+
+import os
+import random
+
+from test_jobs import _dump, _write_run
+
+from conftest import per_device_dict, record_dict
+from pmaptap.tapfile import runs, shardwise, summary
+from pmaptap.tapfile.query import Filter
+
+
+def _shown(result) -> tuple:
+    """A summary result as compared: names and runs are sets."""
+    summaries, bad, names, runs_ = result
+    return repr(summaries), bad, sorted(map(repr, names)), sorted(map(repr, runs_))
+
+
+FILTERS = (
+    Filter(),
+    Filter(names=("loss",)),
+    Filter(all_attempts=True),
+    Filter(device=1),
+    Filter(process=2),
+    Filter(steps=(1, 2)),
+)
+
+
+def test_random_sharded_runs_summarize_shard_by_shard_as_their_merged_stream(tmp_path):
+    answered = bad_lines = 0
+    for case in range(80):
+        rnd = random.Random(7100 + case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        _write_run(rnd, path)
+        for flt in FILTERS:
+            got = shardwise.summarize(path, flt)
+            if got is None:  # ids of two types: the caller reads the merged stream
+                continue
+            want = summary.summarize_stream(path, flt)
+            assert _shown(got) == _shown(want), (case, flt)
+            answered += 1
+            bad_lines += len(want[1])
+    # Most runs are answered shard by shard, many with bad lines placed.
+    assert answered > 0.6 * 80 * len(FILTERS), answered
+    assert bad_lines > 200, bad_lines
+
+
+def test_bad_lines_are_placed_in_the_merged_stream_past_the_copies_it_drops(tmp_path):
+    """40 shards, each writing a copy of every step's loss (the merge keeps
+    the first) and per-device values at times that interleave the shards,
+    garbage lines and a torn last line here and there: every bad line is
+    at its line of the merged stream, in both ways of counting (more runs
+    of keys than bad lines in a shard, and fewer)."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    rnd = random.Random(3)
+    for p in range(40):
+        lines = []
+        for s in range(30):
+            t = 10.0 + s + rnd.choice([0.0, 0.25, 0.5])
+            lines.append(_dump(per_device_dict(s, p, 0.5 * s, process=p, time=t)))
+            rep = record_dict(name="loss", step=s, value=1.0, vhash="aa", process=p, time=t)
+            lines.append(_dump(rep))
+            if rnd.random() < 0.1:
+                lines.append(b"garbage")
+        data = b"".join(x + b"\n" for x in lines)
+        if p % 7 == 3:
+            data += b'{"run": "r", "na'
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(data)
+    want = summary.summarize_stream(path, Filter())
+    assert len(want[1]) > 100
+    got = shardwise.summarize(path, Filter())
+    assert got is not None and _shown(got) == _shown(want)
+
+
+def test_an_id_of_two_types_in_two_shards_is_left_to_the_merged_stream(tmp_path):
+    """Process 1 written as 1 in one shard and 1.0 in another: which one a
+    summary shows depends on the merge's order, so the shard-by-shard pass
+    declines and summarize_file reads the merged stream."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p, time, process in ((0, 2.0, 1.0), (1, 1.0, 1)):
+        d = per_device_dict(0, p, 0.5, process=process, time=time)
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(_dump(d) + b"\n")
+    assert shardwise.summarize(path, Filter()) is None
+    got = summary.summarize_file(path)
+    assert _shown(got) == _shown(summary.summarize_stream(path, Filter()))
+    assert got[0][0].processes == (1,) and type(got[0][0].processes[0]) is int
