@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
 from pmaptap.tapfile.attempts import attempt_of, scan
+from pmaptap.tapfile.runs import is_sharded, is_url
 from pmaptap.tapfile.schema import (
     FINGERPRINT,
     UNSET,
@@ -267,12 +268,9 @@ class Validator:
         self.resumed = False
         self._store: ByteStore | None = None
 
-    def take(self, records: list, problems: dict, first: int, defer: "list | None" = None) -> None:
+    def take(self, records: list, problems: dict, first: int) -> None:
         """A batch: records (Structs, None for a line that is no record)
-        from position ``first``, the problems of those that are none.
-        ``defer``: replicated records are put there, (position, record),
-        not taken (tapfile/jobs.py takes them in the order of the whole
-        run)."""
+        from position ``first``, the problems of those that are none."""
         self.lines = first + len(records) - 1
         superseded = self.attempts.superseded if self.attempts else None
         guess = self.attempts is None
@@ -286,9 +284,6 @@ class Validator:
             if guess and r.attempt is not UNSET and attempt_of(r) and r.kind != "meta":
                 self.resumed = True  # resumed after all: read again, knowing that
                 return
-            if defer is not None and r.kind == "replicated":
-                defer.append((pos, r))
-                continue
             self.add(r, pos)
             if superseded is not None and superseded(r):
                 self.superseded += 1
@@ -365,7 +360,21 @@ def validate_file(path: str | os.PathLike) -> Report:
     run was never resumed (most runs); a record of a later attempt means it
     was, and then the run is read again, after a scan of the lines that
     mention an attempt (attempts.scan: what each later attempt superseded).
-    In worker processes: tapfile/jobs.py's validate_file, the same report."""
+    In worker processes: tapfile/jobs.py's validate_file, the same report.
+    A local sharded run is read a shard at a time (tapfile/shardwise.py),
+    which gives what its merged stream gives."""
+    if is_sharded(path) and not is_url(path):
+        from pmaptap.tapfile import shardwise  # imports this module
+
+        got = shardwise.validate(path)
+        if got is not None:
+            return got
+    return validate_stream(path)
+
+
+def validate_stream(path: str | os.PathLike) -> Report:
+    """validate_file of the run's stream of records: one file, or a sharded
+    run's merged stream (runs.iter_merged)."""
     report = _validate(path, None)
     return report if report is not None else _validate(path, scan(path))
 

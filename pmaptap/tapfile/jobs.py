@@ -12,25 +12,16 @@ What makes the merge exact:
 - One file: pieces follow each other, so a piece's positions are its own
   plus the lines before it (the earlier pieces' counts), and state merges
   in file order (``absorb(..., ordered=True)``).
-- A sharded run's summary: each worker reads its sources a shard at a time
+- A sharded run: each worker reads its sources a shard at a time
   (shardwise.py, as one process does), positions being places in the
   whole run's merge; the parent absorbs the states and decides what only
-  the whole run decides (which copies of a replicated value stay, where a
-  bad line falls).
-- A sharded run's validate: each group is merged by its worker as the
-  whole run is merged (runs.iter_merged with ``only``), its lines placed
-  in the whole merge by their merge key (record time, source, line:
-  runs.Skeleton), and a position in the whole run is counted by every
-  worker (phase 2: how many of its lines come before each place asked).
-  Replicated records are the ones a merge drops when another process's
-  copy came first, so workers send them back (``defer``) and the parent
-  takes them in the order of the whole run, the same copies dropped.
-  Pieces must share no process (so no copy dropped in one piece is kept
-  in another) and no per-device key.
+  the whole run decides (which copies of a replicated value stay, which
+  copy of a key is the first, where a line falls in the merged stream).
 
-An id written with two types in two pieces, or a device at two sets of
-coordinates, has no order to merge by: then the run is read in one
-process (``NeedSerial``), which is always exact.
+An id written with two types in two pieces, a device at two sets of
+coordinates, or a per-device key in two sources, has no order to merge
+by: then the run is read in one process (``NeedSerial``), which is always
+exact.
 
 Object-store runs are read in one process (their reading is fetching, done
 by threads already).
@@ -38,16 +29,14 @@ by threads already).
 
 from __future__ import annotations
 
-import heapq
 import os
-from bisect import bisect_left
 from typing import Any
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile import checks, runs, shardwise, summary
-from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
+from pmaptap.tapfile.attempts import Attempts, scan
 from pmaptap.tapfile.checks import Report, Validator
-from pmaptap.tapfile.lines import collector_paused, iter_file_records, read_at
+from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.summary import FilteredSummarizer, Result
 
@@ -172,19 +161,11 @@ def _start(target: Any, tasks: list[tuple]) -> list:
 
 
 def _serve(conn: Any, target: Any, task: tuple) -> None:
-    """A worker: ``target(*task)`` sent back, then answers to where lines
-    fall (phase 2) until told to stop."""
+    """A worker: ``target(*task)`` sent back."""
     try:
         with collector_paused():
-            result, skeleton = target(*task)
+            result = target(*task)
         conn.send(("ok", result))
-        while True:
-            keys = conn.recv()
-            if keys is None:
-                return
-            conn.send(_count_below(skeleton, keys))
-    except EOFError:
-        return
     except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
         import traceback
 
@@ -215,10 +196,6 @@ def _gather(workers: list) -> list:
 
 def _stop(workers: list) -> None:
     for _, conn in workers:
-        try:
-            conn.send(None)
-        except OSError:
-            pass
         conn.close()
     for p, _ in workers:
         p.join(timeout=10)
@@ -227,68 +204,13 @@ def _stop(workers: list) -> None:
             p.join()
 
 
-def _where(skeleton: runs.Skeleton | None) -> Any:
-    """A worker's position as a key comparable across pieces: its merge
-    key, its source and itself (sharded, runs.Skeleton.key); itself (one
-    file)."""
-    return (lambda pos: pos) if skeleton is None else skeleton.key
-
-
-def _count_below(skeleton: runs.Skeleton, keys: list) -> list[int]:
-    """How many of a worker's lines come before each key."""
-    return [skeleton.count_below(k) for k in keys]
-
-
-def _piece(path: str, sharded: bool, part: Any) -> tuple[Any, runs.Skeleton | None]:
-    if sharded:
-        skeleton = runs.Skeleton()
-        return runs.iter_merged(path, read_at, only=part, skeleton=skeleton), skeleton
-    start, stop = part
-    return iter_file_records(path, start, stop), None
-
-
-class _Placer:
-    """Positions of the whole run of keys from sharded pieces: each
-    worker's count of its lines before the key, less the replicated copies
-    the parent dropped before it."""
-
-    def __init__(self, workers: list, keys: list, dropped: list) -> None:
-        keys = sorted(set(keys))
-        counts = [0] * len(keys)
-        if keys:
-            for _, conn in workers:
-                conn.send(keys)
-            for _, conn in workers:
-                for i, n in enumerate(conn.recv()):
-                    counts[i] += n
-        dropped = sorted(dropped)
-        self.at = {k: counts[i] + 1 - bisect_left(dropped, k) for i, k in enumerate(keys)}
-
-    def __call__(self, key: Any) -> int:
-        return self.at[key]
-
-
-def _in_order(deferred: list[list]) -> Any:
-    """The deferred records of every piece, in the order of the whole run."""
-    return heapq.merge(*deferred, key=lambda item: item[0])
-
-
-def _disjoint(sets: list[set], what: str) -> None:
-    seen: set = set()
-    for s in sets:
-        if not seen.isdisjoint(s):
-            raise NeedSerial(f"two pieces share a {what}")
-        seen |= s
-
-
-def _first_copy(first: dict, r: Any) -> bool:
-    """Whether the merge keeps ``r`` (runs._merge_round's rule): not a copy
-    of a replicated value another process's line gave first."""
-    vhash = r.vhash
-    if not vhash:
-        return True
-    proc = r.process
-    return first.setdefault((r.key(), vhash), proc) == proc
+def _run(target: Any, tasks: list[tuple]) -> list:
+    """``target(*task)`` of each task, each in a worker process."""
+    workers = _start(target, tasks)
+    try:
+        return _gather(workers)
+    finally:
+        _stop(workers)
 
 
 # ------------------------------------------------------------ summary
@@ -296,8 +218,8 @@ def _first_copy(first: dict, r: Any) -> bool:
 
 def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: Any) -> tuple:
     if sharded:  # the state of these sources, positions and all (shardwise.py)
-        got = shardwise.read_sources(path, part, flt, attempts)
-        return (("resumed",) if got.resumed else ("done", got)), None
+        got = shardwise.summary_of(path, part, flt, attempts)
+        return ("resumed",) if got.resumed else ("done", got)
     acc = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
     bad: list = []
     lines = 0
@@ -307,8 +229,8 @@ def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: A
         acc.take(records, first)
         lines = first + len(records) - 1
         if attempts is None and acc.resumed:
-            return ("resumed",), None
-    return ("done", acc, bad, lines), None
+            return ("resumed",)
+    return ("done", acc, bad, lines)
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
@@ -337,17 +259,13 @@ def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result 
 
 def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Result | None:
     sharded, parts = pieces
-    workers = _start(_summary_piece, [(path, sharded, part, flt, attempts) for part in parts])
-    try:
-        results = _gather(workers)
-    finally:
-        _stop(workers)
+    results = _run(_summary_piece, [(path, sharded, part, flt, attempts) for part in parts])
     if any(r[0] == "resumed" for r in results):
         return None
     if sharded:
-        got = results[0][1]
-        for r in results[1:]:
-            got.absorb(r[1])
+        got = _absorbed([r[1] for r in results])
+        if got.resumed:
+            return None
         done = got.result()
         if done is None:
             raise NeedSerial("ids of two types")
@@ -363,31 +281,28 @@ def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Resul
     return merged.result(bad)
 
 
+def _absorbed(states: list) -> Any:
+    """The workers' shardwise states as one, ``finish``ed."""
+    got = states[0]
+    for other in states[1:]:
+        got.absorb(other)
+    got.finish()
+    return got
+
+
 # ------------------------------------------------------------ validate
 
 
 def _validate_piece(path: str, sharded: bool, part: Any, attempts: Any) -> tuple:
+    if sharded:
+        got = shardwise.validation_of(path, part, attempts)
+        return ("resumed",) if got.resumed else ("done", got)
     v = Validator(path, attempts)
-    batches, skeleton = _piece(path, sharded, part)
-    deferred: list | None = [] if sharded else None
-    procs: set = set()
-    for first, records, problems in batches:
-        if sharded:
-            procs.update([r.process for r in records if r is not None])
-        v.take(records, problems, first, deferred)
+    for first, records, problems in iter_file_records(path, *part):
+        v.take(records, problems, first)
         if v.resumed:
-            return ("resumed",), skeleton
-    if not sharded:
-        return ("done", v), None
-    # Resolved here: no other piece holds a per-device key of this one
-    # (checked by the parent from ``groups``).
-    where = _where(skeleton)
-    problems = [(where(pos), why) for pos, why in v.problems]
-    dups = [(where(pos), where(first), what) for pos, first, what in v.rendered_dups()]
-    groups = set(v.firsts._keys)
-    deferred = [(where(pos), r) for pos, r in deferred]
-    counts = (v.lines, v.records, v.superseded)
-    return ("done", counts, problems, dups, groups, procs, deferred, v.fingerprinted), skeleton
+            return ("resumed",)
+    return ("done", v)
 
 
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
@@ -413,41 +328,18 @@ def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
 
 def _validate_pass(path: str, pieces: tuple, attempts: Any) -> Report | None:
     sharded, parts = pieces
-    workers = _start(_validate_piece, [(path, sharded, part, attempts) for part in parts])
-    try:
-        results = _gather(workers)
-        if any(r[0] == "resumed" for r in results):
+    results = _run(_validate_piece, [(path, sharded, part, attempts) for part in parts])
+    if any(r[0] == "resumed" for r in results):
+        return None
+    if sharded:
+        got = _absorbed([r[1] for r in results])
+        if got.resumed:
             return None
-        if not sharded:
-            merged = results[0][1]
-            for _, v in results[1:]:
-                merged.absorb(v, merged.lines)
-            return merged.report()
-        _disjoint([r[5] for r in results], "process")
-        _disjoint([{g for g in r[4] if g[0] == "per_device"} for r in results], "per-device key")
-        rep = Validator(path, attempts)
-        dropped = []
-        first: dict = {}
-        for key, r in _in_order([r[6] for r in results]):
-            if not _first_copy(first, r):
-                dropped.append(key)
-                continue
-            if attempts is None and attempt_of(r) and r.kind != "meta":
-                return None  # resumed after all
-            rep.add(r, key)
-            if attempts and attempts.superseded(r):
-                rep.superseded += 1
-        problems = [p for r in results for p in r[2]] + rep.problems
-        dups = [d for r in results for d in r[3]] + rep.rendered_dups()
-        place = _Placer(
-            workers, [k for k, _ in problems] + [k for d in dups for k in d[:2]], dropped
-        )
-        rep.problems = [(place(k), why) for k, why in problems]
-        rep.records += sum(r[1][1] for r in results)
-        rep.superseded += sum(r[1][2] for r in results)
-        for r in results:
-            rep.fingerprinted |= r[7]
-        lines = sum(r[1][0] for r in results) - len(dropped)
-        return rep.report([(place(a), place(b), what) for a, b, what in dups], lines)
-    finally:
-        _stop(workers)
+        report = got.report()
+        if report is None:
+            raise NeedSerial("a per-device key in two sources")
+        return report
+    merged = results[0][1]
+    for _, v in results[1:]:
+        merged.absorb(v, merged.lines)
+    return merged.report()

@@ -23,8 +23,8 @@ import bisect
 import heapq
 import os
 import re
-from itertools import accumulate, groupby
-from typing import Callable, Iterator, Sequence
+from itertools import accumulate
+from typing import Callable, Iterator
 
 from pmaptap.tapfile import store
 from pmaptap.tapfile.parse import decode_block
@@ -227,7 +227,6 @@ class _Source:
         self.pos = 0  # records[:pos] are merged
         self.last_piece = 0  # records in the last piece read
         self.done = False
-        self.index = 0  # in the run's sources (ties of keys go by it)
 
     def piece(self) -> "tuple[list, dict] | None":
         """(records, problems by index) of the next piece."""
@@ -322,11 +321,9 @@ class _ChunkSource(_Source):
         return decode_block(block)
 
 
-def _sources(
-    path, read_at: ReadAt, pool_box: list, only: "Sequence[int] | None" = None
-) -> list[_Source]:
-    """One source per shard (and the shared file), or per process's chunks
-    (``only``: those of these indexes), each knowing its index."""
+def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
+    """One source per shard (and the shared file), or per process's chunks,
+    each knowing its index."""
     if is_url(path):
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
@@ -337,109 +334,39 @@ def _sources(
         pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
         pool_box.append(pool)
         piece = store.piece_bytes(len(found))
-        out = [
+        return [
             _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
             for p, objs in found
         ]
-        for i, src in enumerate(out):
-            src.index = i
-        return out
-    files = list(enumerate(sources(path)))
-    if only is not None:
-        files = [files[i] for i in only]
+    files = sources(path)
     size = _piece_bytes(len(files))
-    n = max(len(files), 1)
-    read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // n))
-    out = []
-    for i, f in files:
-        src = _FileSource(f, read_at, size, read_size)
-        src.index = i
-        out.append(src)
-    return out
+    read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // max(len(files), 1)))
+    return [_FileSource(f, read_at, size, read_size) for f in files]
 
 
 def _piece_bytes(n: int) -> int:
     return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // max(n, 1)))
 
 
-def iter_merged(
-    path: str | os.PathLike,
-    read_at: ReadAt,
-    only: "Sequence[int] | None" = None,
-    skeleton: "Skeleton | None" = None,
-) -> Iterator[Batch]:
+def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     """Batches ``(first, records, problems)`` of every source of the run
     merged by record time (ties: the shared file, then shards in process
     order, each in its own order), as lines.iter_file_records gives one
     file (records as schema.py Structs). Positions count lines of the merged
     stream; a problem names the shard file (or chunk) and its own line
-    number there. See _merge.
-
-    ``only``: the indexes (in ``sources(path)``) of the sources to merge,
-    for a worker of ``pmaptap summary --jobs`` (tapfile/jobs.py): the
-    merge of those alone, which is the run's merge with the others' lines
-    left out. ``skeleton``: each line given out adds its merge key and its
-    source's index there (jobs.py places lines of several workers' merges
-    by them)."""
+    number there. See _merge."""
     pool_box: list = []
     try:
-        srcs = _sources(path, read_at, pool_box, only)
+        srcs = _sources(path, read_at, pool_box)
         for s in srcs:
             s.extend()
-        yield from _merge(srcs, skeleton)
+        yield from _merge(srcs)
     finally:
         for pool in pool_box:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-class Skeleton:
-    """Where each line a merge gave out sits in the merge: its merge key
-    (record time, running largest) and source index, as runs of lines
-    sharing both (a process's records of a step do), in order: three flat
-    arrays, 20 bytes a run (a 4,096-host job's 8 per-device records and
-    its replicated one of a step are one run)."""
-
-    def __init__(self) -> None:
-        from array import array
-
-        self.keys = array("d")
-        self.sources = array("i")
-        self.ends = array("q")  # lines given out up to each run's end
-
-    def add(self, keys: list, sources: list) -> None:
-        """Lines given out, in order: their merge keys and sources."""
-        n = self.ends[-1] if self.ends else 0
-        last = (self.keys[-1], self.sources[-1]) if self.ends else None
-        for pair, run in groupby(zip(keys, sources)):
-            k = sum(1 for _ in run)
-            if pair == last:  # the last round's last run goes on
-                self.ends[-1] += k
-            else:
-                self.keys.append(pair[0])
-                self.sources.append(pair[1])
-                self.ends.append(n + k)
-                last = pair
-            n += k
-
-    def key(self, pos: int) -> tuple:
-        """Line ``pos`` (from 1) as a key comparable across merges of
-        disjoint sources: (merge key, source, pos)."""
-        i = bisect.bisect_left(self.ends, pos)
-        return (self.keys[i], self.sources[i], pos)
-
-    def count_below(self, key: tuple) -> int:
-        """How many lines given out come before ``key`` (from any merge of
-        these sources or others: the lines of one source at one merge key
-        are one run, in one merge)."""
-        t, src, pos = key
-        keys, sources = self.keys, self.sources
-        i = bisect.bisect_left(range(len(keys)), (t, src), key=lambda j: (keys[j], sources[j]))
-        if i < len(keys) and keys[i] == t and sources[i] == src:
-            return pos - 1  # a line of this merge: those before it here
-        return self.ends[i - 1] if i else 0
-
-
-def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[Batch]:
+def _merge(srcs: list[_Source]) -> Iterator[Batch]:
     """The merge, in rounds. Each source holds at most about one and a half
     pieces (see MERGE_BYTES). A round takes every loaded record that must
     come before anything not loaded yet: the watermark W is the smallest
@@ -473,7 +400,6 @@ def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[
         keys_in: list = []
         recs_in: list = []
         marks_in: list = []
-        srcs_in: list = []
         # Only sources whose next record is below W, or at W up to M, take
         # part: a later source whose next record is at W would take nothing.
         wm = (w, m)
@@ -491,14 +417,10 @@ def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[
                 keys_in += keys[p:cut]
                 recs_in += s.records[p:cut]
                 marks_in += s.marks[p:cut]
-                if skeleton is not None:
-                    srcs_in += [s.index] * (cut - p)
             s.pos = cut
         start = pos + 1
         if recs_in:
-            out, problems, pos = _merge_round(
-                keys_in, recs_in, marks_in, first, pos, srcs_in, skeleton
-            )
+            out, problems, pos = _merge_round(keys_in, recs_in, marks_in, first, pos)
         else:
             out, problems = [], {}
         for i in taking:
@@ -521,13 +443,7 @@ def _merge(srcs: list[_Source], skeleton: "Skeleton | None" = None) -> Iterator[
 
 
 def _merge_round(
-    keys_in: list,
-    recs_in: list,
-    marks_in: list,
-    first: dict,
-    pos: int,
-    srcs_in: list,
-    skeleton: "Skeleton | None",
+    keys_in: list, recs_in: list, marks_in: list, first: dict, pos: int
 ) -> tuple[list, dict, int]:
     """A round's records (slices laid out in source order; None for a line
     that is no record, its _Bad in ``marks_in``) in merged order:
@@ -547,9 +463,6 @@ def _merge_round(
     if dropped:
         drop = set(dropped)
         out = [r for i, r in enumerate(out) if i not in drop]
-        order = [k for i, k in enumerate(order) if i not in drop]
-    if skeleton is not None:
-        skeleton.add([keys_in[k] for k in order], [srcs_in[k] for k in order])
     return out, problems, pos + len(out)
 
 

@@ -1,31 +1,33 @@
-"""``pmaptap summary`` of a sharded run, a source at a time: the shared file
-and each shard (runs.sources) read as one file is read, their records
-summarized as they come, without the merge (runs.iter_merged) that
-``read()`` and the streaming commands need: it cost more than the summary
-itself (docs/performance.md).
+"""``pmaptap summary`` and ``validate`` of a sharded run, a source at a
+time: the shared file and each shard (runs.sources) read as one file is
+read, their records summarized or checked as they come, without the merge
+(runs.iter_merged) that ``read()`` and the streaming commands need: it
+cost more than the summary itself (docs/performance.md).
 
-A summary depends on the order of its records only through their positions
-(summary.py), so each record's position is its place in the merge: its
-merge key (runs.merge_keys), its source's index and its line there, which
-order as the merge orders. What the merge decides across sources is
-decided here once every source is read:
+A summary or a check depends on the order of its records only through
+their positions (summary.py, checks.Validator), so each record's position
+is its place in the merge: its merge key (runs.merge_keys), its source's
+index and its line there, which order as the merge orders. What the merge
+decides across sources is decided here once every source is read:
 
 - the copies of a replicated value: the merge keeps the first copy of a
   (key, vhash) and every later one of the same process, and drops the
   other processes' (runs._merge_round). Here each (key, vhash) keeps the
   copies of the process whose copy has the least position. Replicated
-  records are summarized last, kept copies only, in the merge's order
-  (divergence is judged in stream order);
-- the line number in the merged stream of a line that is no record: from
+  records are taken last, kept copies only, in the merge's order
+  (divergence and duplicates are judged in stream order);
+- a per-device record's first copy (validate): within a source it is the
+  first met; a key with copies in two sources gets the least position;
+- the line number in the merged stream of a line with a problem: from
   every source's merge keys (kept as runs of equal keys) and the dropped
   copies, counted only when there is such a line.
 
 A run that was resumed is read again once what its later attempts
-superseded is known (attempts.scan), as summary.py does. Where this cannot
-be exact the merged stream is read instead: an id written with two types
-(1 and 1.0) in two sources (a set keeps the first met, and here "first" is
-not the merge's). tapfile/jobs.py reads groups of sources so in worker
-processes and absorbs their states.
+superseded is known (attempts.scan), as summary.py and checks.py do. Where
+a summary cannot be exact the merged stream is read instead: an id written
+with two types (1 and 1.0) in two sources (a set keeps the first met, and
+here "first" is not the merge's). tapfile/jobs.py reads groups of sources
+so in worker processes and absorbs their states.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from array import array
 from collections import Counter
 from itertools import accumulate, repeat
 from operator import attrgetter, itemgetter
-from typing import Any
 
 from pmaptap.tapfile import runs
-from pmaptap.tapfile.attempts import Attempts, scan
+from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
+from pmaptap.tapfile.checks import Report, Validator, _what
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.schema import UNSET
@@ -85,15 +87,14 @@ class _Keys:
         return self.keys[bisect.bisect_left(self.ends, line)]
 
 
-class ShardwiseSummary:
-    """The summary state of some of a run's sources (``add_source`` each),
-    positions and all; ``absorb`` another's (tapfile/jobs.py: the sources
-    of a worker process), ``result`` once every source is in."""
+class _Shardwise:
+    """What a pass over some of a run's sources holds besides its
+    accumulator (``add_source`` each source; ``absorb`` another's, of other
+    sources: tapfile/jobs.py's workers; ``finish`` once all are in)."""
 
-    def __init__(self, flt: Filter, attempts: "Attempts | None") -> None:
-        # attempts None: assumed never resumed (``resumed`` tells otherwise).
-        self.optimistic = attempts is None
-        self.acc = FilteredSummarizer(flt, Attempts() if attempts is None else attempts)
+    def __init__(self, optimistic: bool) -> None:
+        # optimistic: assumed never resumed (``resumed`` tells otherwise).
+        self.optimistic = optimistic
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
         # (record key, vhash) -> [least position, its process, [(position,
@@ -106,7 +107,11 @@ class ShardwiseSummary:
     @property
     def resumed(self) -> bool:
         """Whether a record of a later attempt was met, assumed none."""
-        return self.optimistic and self.acc.resumed
+        raise NotImplementedError
+
+    def _take(self, records: list, at: list) -> None:
+        """Records (None for what is taken elsewhere) at their positions."""
+        raise NotImplementedError
 
     def add_source(self, index: int, path: str) -> None:
         """Every line of the source ``path``, the run's ``index``-th."""
@@ -124,7 +129,7 @@ class ShardwiseSummary:
                 self._copies([at[i] for i in copies], [records[i] for i in copies])
                 for i in copies:
                     records[i] = None
-            self.acc.take(records, positions=at)
+            self._take(records, at)
             if self.resumed:
                 return
 
@@ -160,50 +165,46 @@ class ShardwiseSummary:
                     lines = dropped[q[1]] = array("q")
                 lines.append(q[2])
 
-    def absorb(self, other: ShardwiseSummary) -> None:
-        """Another's state, of other sources."""
-        self.acc.absorb(other.acc, ordered=False)
+    def absorb(self, other: _Shardwise) -> None:
+        """Another's state (the accumulator: the subclass's), of other sources."""
         self.bad += other.bad
         self.keys.update(other.keys)
         self.unhashed += other.unhashed
-        for src, lines in other.dropped.items():
-            self.dropped[src] = lines
+        self.dropped.update(other.dropped)
         held = [x for _, _, mine in other.copies.values() for x in mine]
         self._copies([pos for pos, _ in held], [r for _, r in held])
 
-    def result(self) -> "Result | None":
-        """The summary (summary.summarize_file's result); None if it would
-        not be exact (see the module's docstring) or ``resumed``."""
-        acc = self.acc
+    def finish(self) -> None:
+        """Take the copies of replicated values the merge keeps, in its order."""
         kept = self.unhashed + [x for _, _, held in self.copies.values() for x in held]
         kept.sort(key=_POS)
-        acc.take([r for _, r in kept], positions=[pos for pos, _ in kept])
-        if self.resumed or not _plain_ids(acc):
-            return None
-        return acc.result(self._placed())
+        self._take([r for _, r in kept], [pos for pos, _ in kept])
+        self.copies, self.unhashed = {}, []
 
-    def _placed(self) -> list[tuple[int, str]]:
-        """The lines that are no record at their lines of the merged stream."""
-        if not self.bad:
-            return []
-        bad = sorted(self.bad, key=_POS)
-        at = [pos for pos, _ in bad]
-        before = [0] * (len(at) + 1)  # lines of other runs of keys before each
+    def lines(self) -> int:
+        """The lines of the merged stream."""
+        read = sum(k.ends[-1] for k in self.keys.values() if k.ends)
+        return read - sum(map(len, self.dropped.values()))
+
+    def placed(self, positions: list) -> dict:
+        """Each of ``positions`` (of lines read) -> its line in the merged
+        stream."""
+        at = sorted(set(positions))
+        if not at:
+            return {}
+        before = [0] * (len(at) + 1)  # lines of other sources' runs of keys before each
         rest = [0] * len(at)
         by = [(t, s) for t, s, _ in at]
         for src, keys in self.keys.items():
             if len(keys.keys) <= len(at):
-                # Each run of keys counts before the lines past it.
+                # Each run of keys counts before the positions past it.
                 start = 0
                 for t, end in zip(keys.keys, keys.ends):
                     before[bisect.bisect_right(by, (t, src))] += end - start
                     start = end
             else:
                 for i, (t, s, _) in enumerate(at):
-                    if s != src:
-                        rest[i] += keys.below(t, src < s)
-                        continue
-                    rest[i] += keys.below(t, False)
+                    rest[i] += keys.below(t, src < s)
         for i, (t, s, line) in enumerate(at):
             # The line's own source: its lines before it at its key too.
             rest[i] += line - 1 - self.keys[s].below(t, False)
@@ -212,12 +213,95 @@ class ShardwiseSummary:
             for src, lines in self.dropped.items()
             for line in lines
         )
-        out = []
+        out = {}
         total = 0
-        for i, (pos, why) in enumerate(bad):
+        for i, pos in enumerate(at):
             total += before[i]
-            out.append((total + rest[i] + 1 - bisect.bisect_left(dropped, pos), why))
+            out[pos] = total + rest[i] + 1 - bisect.bisect_left(dropped, pos)
         return out
+
+
+class ShardwiseSummary(_Shardwise):
+    """A summary's state of some of a run's sources, positions and all."""
+
+    def __init__(self, flt: Filter, attempts: "Attempts | None") -> None:
+        super().__init__(attempts is None)
+        self.acc = FilteredSummarizer(flt, Attempts() if attempts is None else attempts)
+
+    @property
+    def resumed(self) -> bool:
+        return self.optimistic and self.acc.resumed
+
+    def _take(self, records: list, at: list) -> None:
+        self.acc.take(records, positions=at)
+
+    def absorb(self, other: _Shardwise) -> None:
+        super().absorb(other)
+        self.acc.absorb(other.acc, ordered=False)
+
+    def result(self) -> "Result | None":
+        """The summary (summary.summarize_file's result), ``finish``ed; None
+        if it would not be exact (see the module's docstring)."""
+        if not _plain_ids(self.acc):
+            return None
+        place = self.placed([pos for pos, _ in self.bad])
+        return self.acc.result(sorted((place[pos], why) for pos, why in self.bad))
+
+
+class ShardwiseValidation(_Shardwise):
+    """A validation's state of some of a run's sources, positions and all."""
+
+    def __init__(self, path: str, attempts: "Attempts | None") -> None:
+        super().__init__(attempts is None)
+        self.v = Validator(path, attempts)
+
+    @property
+    def resumed(self) -> bool:
+        return self.v.resumed
+
+    def _take(self, records: list, at: list) -> None:
+        # checks.Validator.take of records that are records.
+        v = self.v
+        superseded = v.attempts.superseded if v.attempts else None
+        for r, pos in zip(records, at):
+            if r is None:
+                continue
+            if self.optimistic and r.attempt is not UNSET and attempt_of(r) and r.kind != "meta":
+                v.resumed = True  # resumed after all: read again, knowing that
+                return
+            v.add(r, pos)
+            if superseded is not None and superseded(r):
+                v.superseded += 1
+
+    def absorb(self, other: _Shardwise) -> None:
+        super().absorb(other)
+        v, o = self.v, other.v
+        v.records += o.records
+        v.superseded += o.superseded
+        v.problems += o.problems
+        for pos, parts in o.dups:
+            v.dups.append((pos, parts))
+        for parts, pos in o.entries_of():
+            if v.firsts.add_parts(parts, pos) is not None:
+                v.dups.append((pos, parts))
+        v.index.absorb(o.index)
+        v.flagged |= o.flagged
+        v.fingerprinted |= o.fingerprinted
+
+    def report(self) -> "Report | None":
+        """The report (checks.validate_file's), ``finish``ed; None where a
+        per-device key has copies in two sources (which one is first is the
+        merge's to say: the caller reads the merged stream)."""
+        v = self.v
+        first = v.firsts.first
+        dups = [(pos, first(parts), parts) for pos, parts in v.dups]
+        if any(parts[0][0] == "per_device" and pos[1] != one[1] for pos, one, parts in dups):
+            return None
+        problems = v.problems + self.bad
+        place = self.placed([p for p, _ in problems] + [p for d in dups for p in d[:2]])
+        v.problems = [(place[pos], why) for pos, why in problems]
+        dups = [(place[a], place[b], _what(parts)) for a, b, parts in dups]
+        return v.report(dups, self.lines())
 
 
 def _plain_ids(acc: Summarizer) -> bool:
@@ -231,6 +315,27 @@ def _plain_ids(acc: Summarizer) -> bool:
     return True
 
 
+def _read(got: _Shardwise, path: str, indexes: "list[int] | None") -> _Shardwise:
+    """``got`` of the sources of ``path`` at ``indexes`` (of runs.sources;
+    None: every one, then ``finish``ed), until one is ``resumed``."""
+    files = runs.sources(path)
+    with collector_paused():
+        for i in range(len(files)) if indexes is None else indexes:
+            got.add_source(i, files[i])
+            if got.resumed:
+                return got
+        if indexes is None:
+            got.finish()
+    return got
+
+
+def summary_of(
+    path: str, indexes: "list[int] | None", flt: Filter, attempts: "Attempts | None"
+) -> ShardwiseSummary:
+    """The summary state of the sources of ``path`` at ``indexes``."""
+    return _read(ShardwiseSummary(flt, attempts), path, indexes)
+
+
 def summarize(path: str | os.PathLike, flt: Filter) -> "Result | None":
     """The summary of the records of the local sharded run ``path`` that
     ``flt`` matches (summary.summarize_file), or None where it would not
@@ -238,22 +343,24 @@ def summarize(path: str | os.PathLike, flt: Filter) -> "Result | None":
     path = os.fspath(path)
     optimistic = not flt.active and not flt.all_attempts
     attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
-    got = read_sources(path, range(len(runs.sources(path))), flt, attempts)
+    got = summary_of(path, None, flt, attempts)
     if got.resumed:  # a record of a later attempt: what it superseded first
-        got = read_sources(path, range(len(runs.sources(path))), flt, scan(path))
+        got = summary_of(path, None, flt, scan(path))
     return got.result()
 
 
-def read_sources(
-    path: str, indexes: Any, flt: Filter, attempts: "Attempts | None"
-) -> ShardwiseSummary:
-    """The state of the sources of ``path`` at ``indexes`` (of runs.sources),
-    until one is ``resumed`` (``attempts`` None: assumed never)."""
-    got = ShardwiseSummary(flt, attempts)
-    files = runs.sources(path)
-    with collector_paused():
-        for i in indexes:
-            got.add_source(i, files[i])
-            if got.resumed:
-                break
-    return got
+def validation_of(
+    path: str, indexes: "list[int] | None", attempts: "Attempts | None"
+) -> ShardwiseValidation:
+    """The validation state of the sources of ``path`` at ``indexes``."""
+    return _read(ShardwiseValidation(path, attempts), path, indexes)
+
+
+def validate(path: str | os.PathLike) -> "Report | None":
+    """checks.validate_file of the local sharded run ``path``, or None
+    where it would not be exact (the caller reads the merged stream)."""
+    path = os.fspath(path)
+    got = validation_of(path, None, None)
+    if got.resumed:
+        got = validation_of(path, None, scan(path))
+    return got.report()

@@ -1,9 +1,10 @@
-"""``pmaptap summary`` of a sharded run a shard at a time (tapfile/
-shardwise.py) gives what the run's merged stream gives (summary.
-summarize_stream over runs.iter_merged, the definition): on random sharded
-runs (copies of replicated values in several shards, divergence, attempts,
-bad and torn lines, odd times and ids, the shared file), with filters, and
-with the lines that are no record at their lines of the merged stream."""
+"""``pmaptap summary`` and ``validate`` of a sharded run a shard at a time
+(tapfile/shardwise.py) give what the run's merged stream gives (summary.
+summarize_stream and checks.validate_stream over runs.iter_merged, the
+definition): on random sharded runs (copies of replicated values in
+several shards, divergence, attempts, bad and torn lines, odd times and
+ids, the shared file), with filters, and with every problem and duplicate
+at its line of the merged stream."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import random
 from test_jobs import _dump, _write_run
 
 from conftest import per_device_dict, record_dict
-from pmaptap.tapfile import runs, shardwise, summary
+from pmaptap.tapfile import checks, runs, shardwise, summary
 from pmaptap.tapfile.query import Filter
 
 
@@ -34,11 +35,17 @@ FILTERS = (
 
 
 def test_random_sharded_runs_summarize_shard_by_shard_as_their_merged_stream(tmp_path):
-    answered = bad_lines = 0
+    answered = bad_lines = checked = problems = 0
     for case in range(80):
         rnd = random.Random(7100 + case)
         path = str(tmp_path / f"run{case}.jsonl")
         _write_run(rnd, path)
+        report = shardwise.validate(path)
+        if report is not None:  # None: a per-device key in two shards
+            want = checks.validate_stream(path)
+            assert report == want, case
+            checked += 1
+            problems += len(want.problems)
         for flt in FILTERS:
             got = shardwise.summarize(path, flt)
             if got is None:  # ids of two types: the caller reads the merged stream
@@ -50,6 +57,7 @@ def test_random_sharded_runs_summarize_shard_by_shard_as_their_merged_stream(tmp
     # Most runs are answered shard by shard, many with bad lines placed.
     assert answered > 0.6 * 80 * len(FILTERS), answered
     assert bad_lines > 200, bad_lines
+    assert checked > 60 and problems > 500, (checked, problems)
 
 
 def test_bad_lines_are_placed_in_the_merged_stream_past_the_copies_it_drops(tmp_path):
@@ -79,6 +87,23 @@ def test_bad_lines_are_placed_in_the_merged_stream_past_the_copies_it_drops(tmp_
     assert len(want[1]) > 100
     got = shardwise.summarize(path, Filter())
     assert got is not None and _shown(got) == _shown(want)
+    report = checks.validate_stream(path)
+    assert len(report.problems) > 100 and shardwise.validate(path) == report
+
+
+def test_a_device_key_in_two_shards_is_validated_on_the_merged_stream(tmp_path):
+    """Two processes write device 0's value of step 0 (process 1 first by
+    time): which copy is the duplicate is the merge's to say."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p, time in ((0, 2.0), (1, 1.0)):
+        d = per_device_dict(0, 0, 0.5, process=p, time=time)
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(_dump(d) + b"\n")
+    assert shardwise.validate(path) is None
+    report = checks.validate_file(path)
+    assert report == checks.validate_stream(path)
+    assert report.problems == [(2, "duplicate of line 1 (per_device 'g' step 0 device 0)")]
 
 
 def test_an_id_of_two_types_in_two_shards_is_left_to_the_merged_stream(tmp_path):
