@@ -13,7 +13,7 @@ from typing import Any, BinaryIO, Iterator
 
 from pmaptap.tapfile import parse, runs
 from pmaptap.tapfile.parse import decode_line
-from pmaptap.tapfile.schema import as_dict
+from pmaptap.tapfile.schema import as_dicts
 
 _SKIP_CHUNK = 1 << 20
 
@@ -130,7 +130,7 @@ def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
 
 def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
     for first, records, problems in batches:
-        yield first, [None if r is None else as_dict(r) for r in records], problems
+        yield first, as_dicts(records), problems
 
 
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:

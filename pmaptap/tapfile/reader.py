@@ -13,7 +13,7 @@ from pmaptap.tapfile.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.format import decode_record, decoded
 from pmaptap.tapfile.lines import collector_paused, iter_record_batches
 from pmaptap.tapfile.query import Filter, read_filter
-from pmaptap.tapfile.schema import UNSET, PerDevice, as_dict
+from pmaptap.tapfile.schema import UNSET, PerDevice, as_dicts
 
 # A per-device record's fields that make it more than its dict (none of
 # which the usual one has), and the values that are already as read.
@@ -77,7 +77,7 @@ def read(
                 # one call (msgspec), then only the records that need more
                 # looked at one by one: a replicated value, a later
                 # attempt, a value or holders to decode, a stored value.
-                ds = list(map(as_dict, records))
+                ds = as_dicts(records)
                 drop: set = set()
                 special = [
                     i
