@@ -27,6 +27,7 @@ from pmaptap.tapfile.schema import (
     FINGERPRINT,
     UNSET,
     AnyRecord,
+    PerDevice,
     format_problems,
     from_dict,
     record_key,
@@ -49,6 +50,13 @@ def schema_problems(d: Any) -> list[str]:
 
 
 # ------------------------------------------------------------------ duplicates
+
+# The usual per-device record's fields Validator.take_records reads (one
+# call), and those that would change its checks, none of which it has.
+_USUAL = operator.attrgetter("step", "device", "value", "dtype", "shape", "coords")
+_MATTERS = operator.attrgetter("pass_", "attempt", "index", "bytes", "global_shape")
+_NONE_OF_THEM = (UNSET,) * 5
+_FLOATS = ("float", "bfloat")
 
 
 def _canonical(x: Any) -> str:
@@ -267,26 +275,70 @@ class Validator:
         self.fingerprinted: set = set()  # (run, name, step) whose fingerprints differed
         self.resumed = False
         self._store: ByteStore | None = None
+        # (run, name, device, coordinate) -> (its duplicate_parts group, the
+        # group's steps in firsts), for the usual per-device record.
+        self._groups: dict[tuple, tuple] = {}
 
     def take(self, records: list, problems: dict, first: int) -> None:
         """A batch: records (Structs, None for a line that is no record)
         from position ``first``, the problems of those that are none."""
         self.lines = first + len(records) - 1
-        superseded = self.attempts.superseded if self.attempts else None
+        if None in records:
+            for pos, r in enumerate(records, first):
+                if r is None:
+                    self.problems.append((pos, problems.get(pos) or "invalid"))
+        self.take_records(records, range(first, first + len(records)))
+
+    def take_records(self, records: list, positions: Any) -> None:
+        """``add`` of each record (None: none) at its position; where the
+        run is assumed never resumed, a record of a later attempt ends the
+        pass instead (``resumed``: the caller reads again, knowing). The
+        usual per-device record (a number of a float dtype, its device at
+        one integer coordinate, nothing else set: most lines) is checked
+        in a loop of local names."""
         guess = self.attempts is None
-        out = self.problems
-        pos = first - 1
-        for r in records:
-            pos += 1
+        superseded = self.attempts.superseded if self.attempts else None
+        groups = self._groups
+        keys, dups = self.firsts._keys, self.dups
+        usual = 0
+        for r, pos in zip(records, positions):
             if r is None:
-                out.append((pos, problems.get(pos) or "invalid"))
                 continue
+            if superseded is None and type(r) is PerDevice:
+                step, d, v, dtype, shape, coords = _USUAL(r)
+                tv = type(v)
+                if (
+                    (tv is float or tv is int)
+                    and type(d) is int
+                    and type(coords) is dict
+                    and len(coords) == 1
+                    and shape == []
+                    and type(dtype) is str
+                    and dtype.startswith(_FLOATS)
+                    and _MATTERS(r) == _NONE_OF_THEM
+                ):
+                    item = next(iter(coords.items()))
+                    if type(item[1]) is int:
+                        # add(): no format problem; duplicate_parts, firsts.add_parts.
+                        usual += 1
+                        k = (r.run, r.name, d, item)
+                        got = groups.get(k)
+                        if got is None:
+                            group = ("per_device", r.run, r.name, "forward", None, 0, d, (item,))
+                            got = groups[k] = (group, keys.setdefault(group, {}))
+                        steps = got[1]
+                        if step in steps:
+                            dups.append((pos, (got[0], step, None)))
+                        else:
+                            steps[step] = pos
+                        continue
             if guess and r.attempt is not UNSET and attempt_of(r) and r.kind != "meta":
-                self.resumed = True  # resumed after all: read again, knowing that
-                return
+                self.resumed = True
+                break
             self.add(r, pos)
             if superseded is not None and superseded(r):
                 self.superseded += 1
+        self.records += usual
 
     def add(self, r: AnyRecord, pos: Any) -> None:
         self.records += 1

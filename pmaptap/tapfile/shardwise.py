@@ -40,7 +40,7 @@ from itertools import accumulate, repeat
 from operator import attrgetter, itemgetter
 
 from pmaptap.tapfile import runs
-from pmaptap.tapfile.attempts import Attempts, attempt_of, scan
+from pmaptap.tapfile.attempts import Attempts, scan
 from pmaptap.tapfile.checks import Report, Validator, _what
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
@@ -48,7 +48,10 @@ from pmaptap.tapfile.schema import UNSET
 from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer
 
 _POS = itemgetter(0)
-_COPY = attrgetter("run", "name", "step", "process", "vhash", "pass_", "index", "attempt")
+_USUAL_REST = ("forward", None, 0)  # record_key's pass, index and attempt, usually
+_KEY = attrgetter("run", "name", "step", "vhash")
+_REST = attrgetter("pass_", "index", "attempt")
+_UNSET3 = (UNSET,) * 3
 
 
 class _Keys:
@@ -97,7 +100,7 @@ class _Shardwise:
         self.optimistic = optimistic
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
-        # (record key, vhash) -> [least position, its process, [(position,
+        # (record key, vhash) (flat) -> [least position, its process, [(position,
         # record) of that process's copies]]; replicated records without a
         # hash (never dropped) as (position, record).
         self.copies: dict[tuple, list] = {}
@@ -137,18 +140,20 @@ class _Shardwise:
         """Replicated records at their positions."""
         copies, dropped = self.copies, self.dropped
         for pos, r in zip(at, records):
-            run, name, step, p, vhash, pass_, index, attempt = _COPY(r)
-            if not vhash:
+            # (record key, vhash), flat; the usual record's in a short form.
+            k = _KEY(r)
+            if not k[3]:
                 self.unhashed.append((pos, r))
                 continue
-            if pass_ is UNSET and index is UNSET and attempt is UNSET:
-                k = ((run, name, step, "forward", None, 0), vhash)  # r.key(), quicker
-            else:
-                k = (r.key(), vhash)
+            if _REST(r) != _UNSET3:
+                key = r.key()
+                if key[3:] != _USUAL_REST:
+                    k = (*key, k[3])
             got = copies.get(k)
             if got is None:
-                copies[k] = [pos, p, [(pos, r)]]
+                copies[k] = [pos, r.process, [(pos, r)]]
                 continue
+            p = r.process
             if p == got[1]:
                 got[2].append((pos, r))
                 if pos < got[0]:
@@ -260,18 +265,7 @@ class ShardwiseValidation(_Shardwise):
         return self.v.resumed
 
     def _take(self, records: list, at: list) -> None:
-        # checks.Validator.take of records that are records.
-        v = self.v
-        superseded = v.attempts.superseded if v.attempts else None
-        for r, pos in zip(records, at):
-            if r is None:
-                continue
-            if self.optimistic and r.attempt is not UNSET and attempt_of(r) and r.kind != "meta":
-                v.resumed = True  # resumed after all: read again, knowing that
-                return
-            v.add(r, pos)
-            if superseded is not None and superseded(r):
-                v.superseded += 1
+        self.v.take_records(records, at)
 
     def absorb(self, other: _Shardwise) -> None:
         super().absorb(other)

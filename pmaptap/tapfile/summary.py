@@ -666,7 +666,9 @@ class Summarizer:
         seen = index._steps((acc.run, acc.name, "forward", None, 0)) if index else None
         last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
         added = dups = replicated = 0
-        prev_proc = prev_dev = None
+        prev_proc = prev_dev = cur = prev_procs = prev_devs = None
+        bits = at_last = None
+        rep_keys = acc.rep_keys
         for r, pos in zip(part, where):
             if type(r) is Replicated:
                 step, v, p, vhash, devs, procs = _USUAL_REPLICATED(r)
@@ -675,24 +677,28 @@ class Summarizer:
                     # _TapAcc.add and DivergenceIndex.add of this record.
                     replicated += 1
                     processes.add(p)
-                    if procs:
-                        if type(procs) is str:
-                            texts.add((False, procs))
-                        else:
-                            processes.update(procs)
+                    if procs != prev_procs:  # the holders, as the last record's mostly
+                        prev_procs = procs
+                        if procs:
+                            if type(procs) is str:
+                                texts.add((False, procs))
+                            else:
+                                processes.update(procs)
                     steps.add(step)
-                    if devs:
-                        if type(devs) is str:
-                            texts.add((True, devs))
-                        else:
-                            devices.update(devs)
+                    if devs != prev_devs:
+                        prev_devs = devs
+                        if devs:
+                            if type(devs) is str:
+                                texts.add((True, devs))
+                            else:
+                                devices.update(devs)
                     if last is None or step > last:
                         last, last_vals, last_at = step, [v], [pos]
                     elif step == last:
                         last_vals.append(v)
                         last_at.append(pos)
                     vals.append(v)
-                    acc.rep_keys.add((step, "forward", 0))
+                    rep_keys.add((step, "forward", 0))
                     n = len(dup_keys)
                     dup_keys.add((step, "forward", vhash))
                     if len(dup_keys) == n:
@@ -701,7 +707,7 @@ class Summarizer:
                         entry = (vhash, p)
                         if seen.setdefault(step, entry) is not entry:
                             index.repeat(seen, step, entry)
-                    prev_proc = prev_dev = None
+                    prev_proc = prev_dev = cur = None
                     continue
             if type(r) is PerDevice:  # not an odd one (schema.from_dict)
                 step, d, v, p, coords = _USUAL(r)
@@ -721,17 +727,20 @@ class Summarizer:
                     if d is not prev_dev:
                         devices.add(d)
                         prev_dev = d
-                    if last is None or step > last:
-                        last, last_vals, last_at = step, [v], [pos]
-                    elif step == last:
+                    if step != cur:  # a step's records come together: once per step
+                        cur = step
+                        bits = bits_of.get(step)
+                        if bits is None:
+                            bits = bits_of[step] = bytearray(128)
+                        if last is None or step > last:
+                            last, last_vals, last_at = step, [], []
+                        at_last = step == last
+                    if at_last:
                         last_vals.append(v)
                         last_at.append(pos)
                     vals.append(v)
-                    bits = bits_of.get(step)
                     i = d >> 3
-                    if bits is None:
-                        bits = bits_of[step] = bytearray(max(i + 1, 128))
-                    elif len(bits) <= i:
+                    if len(bits) <= i:
                         bits.extend(bytes(i + 1 - len(bits)))
                     m = 1 << (d & 7)
                     if bits[i] & m:
@@ -745,7 +754,7 @@ class Summarizer:
             self._add_one(r, pos, acc)
             last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
             vals = acc.vals
-            prev_proc = prev_dev = None
+            prev_proc = prev_dev = cur = None
         self._flush_part(acc, added, replicated, dups, last, last_vals, last_at)
         if len(acc.vals) >= _FOLD:
             acc._fold()

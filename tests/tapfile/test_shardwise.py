@@ -16,6 +16,7 @@ from test_jobs import _dump, _write_run
 from conftest import per_device_dict, record_dict
 from pmaptap.tapfile import checks, runs, shardwise, summary
 from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.schema import UNSET
 
 
 def _shown(result) -> tuple:
@@ -120,3 +121,104 @@ def test_an_id_of_two_types_in_two_shards_is_left_to_the_merged_stream(tmp_path)
     got = summary.summarize_file(path)
     assert _shown(got) == _shown(summary.summarize_stream(path, Filter()))
     assert got[0][0].processes == (1,) and type(got[0][0].processes[0]) is int
+
+
+def _per_device_run(rnd: random.Random, resumed: bool) -> bytes:
+    """Per-device records, most of them usual, some not (two mesh axes, an
+    int dtype, a device 1.0, a backward pass, an array, a later attempt
+    where ``resumed``), with duplicates."""
+    lines = []
+    for _ in range(300):
+        d = per_device_dict(rnd.randrange(6), rnd.randrange(4), rnd.choice([0.5, 2, -1e300]))
+        roll = rnd.random()
+        if roll < 0.05:
+            d["coords"] = {"dp": d["device"], "tp": 0}
+        elif roll < 0.1:
+            d["dtype"], d["value"] = "int32", rnd.choice([3, 2.5])
+        elif roll < 0.15:
+            d["device"] = float(d["device"])
+        elif roll < 0.2:
+            d["pass"] = "backward"
+        elif roll < 0.22:
+            d["value"], d["shape"] = [1.0, 2.0], [2]
+        elif roll < 0.24 and resumed:
+            d["attempt"] = 1
+        elif roll < 0.26:
+            d["name"] = "h"
+        lines.append(_dump(d))
+    return b"".join(x + b"\n" for x in lines)
+
+
+def test_the_validators_loop_for_usual_records_checks_as_add_does(tmp_path):
+    """checks.Validator.take_records's loop for the usual per-device record
+    gives the report that add() of each record gives (problems, duplicates
+    and their first copies), on the fuzzer's files and per-device runs."""
+    from test_read_fuzz import _file_bytes
+
+    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.attempts import scan
+
+    compared = 0
+    for seed in range(40):
+        rnd = random.Random(900 + seed)
+        path = tmp_path / f"t{seed}.jsonl"
+        path.write_bytes(_file_bytes(rnd) if seed % 2 else _per_device_run(rnd, seed % 4 == 0))
+        records, problems = parse.decode_block(path.read_bytes())
+        for attempts in (None, scan(path)):
+            fast = checks.Validator(str(path), attempts)
+            fast.take(records, {i + 1: why for i, why in problems.items()}, 1)
+            one = checks.Validator(str(path), attempts)
+            for pos, r in enumerate(records, 1):
+                if r is None:
+                    one.problems.append((pos, problems[pos - 1]))
+                elif attempts is None and r.attempt is not UNSET and r.attempt and r.kind != "meta":
+                    one.resumed = True
+                    break
+                else:
+                    one.add(r, pos)
+                    one.superseded += bool(attempts and attempts.superseded(r))
+            one.lines = len(records)
+            assert fast.resumed == one.resumed, seed
+            if not one.resumed:
+                assert fast.report() == one.report(), seed
+                compared += not seed % 2
+    assert compared >= 20, compared  # per-device runs, both ways of taking attempts
+
+
+def _mixed_run(rnd: random.Random) -> bytes:
+    """_per_device_run's records with replicated ones among them (holders
+    as lists, ranges text or absent; steps going back; copies)."""
+    lines = _per_device_run(rnd, rnd.random() < 0.3).splitlines()
+    for _ in range(150):
+        d = record_dict(name=rnd.choice(["loss", "g"]), step=rnd.randrange(8), value=1.5)
+        d["vhash"] = rnd.choice(["aa", "bb"])
+        d["process"] = rnd.randrange(3)
+        roll = rnd.random()
+        if roll < 0.3:
+            d["devices"], d["processes"], d["replicas"] = [0, 1], [0, 1], 2
+        elif roll < 0.4:
+            d["devices"], d["processes"], d["replicas"] = "0-3", "0-1", 4
+        lines.insert(rnd.randrange(len(lines) + 1), _dump(d))
+    return b"".join(x + b"\n" for x in lines)
+
+
+def test_the_summarys_loop_for_usual_records_adds_as_add_does(tmp_path):
+    """summary.Summarizer.add_batch's loop for the usual records gives the
+    summaries that add() of each record gives, on the fuzzer's files and
+    runs of per-device and replicated records."""
+    from test_read_fuzz import _file_bytes
+
+    from pmaptap.tapfile import parse
+
+    for seed in range(40):
+        rnd = random.Random(1300 + seed)
+        data = _file_bytes(rnd) if seed % 2 else _mixed_run(rnd)
+        records, _ = parse.decode_block(data)
+        batched = summary.Summarizer()
+        for start in range(0, len(records), 37):  # batches cut anywhere
+            batched.add_batch(records[start : start + 37], start + 1)
+        one = summary.Summarizer()
+        for pos, r in enumerate(records, 1):
+            if r is not None:
+                one.add(r, pos)
+        assert repr(batched.summaries()) == repr(one.summaries()), seed
