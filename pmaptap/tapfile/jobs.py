@@ -1,6 +1,7 @@
 """``pmaptap summary --jobs N`` and ``validate --jobs N``: pieces of a run
-read in N worker processes, each giving a partial result that merges
-exactly, so the output is the one ``--jobs 1`` prints, to the byte.
+read in N processes (this one and N-1 workers), each giving a partial
+result that merges exactly, so the output is the one ``--jobs 1`` prints,
+to the byte.
 
 The pieces (``plan``): a sharded run's sources in N groups of about equal
 bytes; one file in N byte ranges cut at line starts. A worker summarizes
@@ -205,10 +206,13 @@ def _stop(workers: list) -> None:
 
 
 def _run(target: Any, tasks: list[tuple]) -> list:
-    """``target(*task)`` of each task, each in a worker process."""
-    workers = _start(target, tasks)
+    """``target(*task)`` of each task: the first in this process (which
+    would otherwise wait), each other one in a worker process."""
+    workers = _start(target, tasks[1:])
     try:
-        return _gather(workers)
+        with collector_paused():
+            mine = target(*tasks[0])
+        return [mine, *_gather(workers)]
     finally:
         _stop(workers)
 
@@ -234,7 +238,7 @@ def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: A
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
-    """summary.summarize_file in ``jobs`` worker processes (in this one
+    """summary.summarize_file in ``jobs`` processes (in this one alone
     where the run is not split: see the module's docstring)."""
     flt = flt or Filter()
     got = _summarize_split(path, flt, jobs)
@@ -306,7 +310,7 @@ def _validate_piece(path: str, sharded: bool, part: Any, attempts: Any) -> tuple
 
 
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
-    """checks.validate_file in ``jobs`` worker processes (in this one
+    """checks.validate_file in ``jobs`` processes (in this one alone
     where the run is not split)."""
     got = _validate_split(path, jobs)
     return got if got is not None else checks.validate_file(path)
