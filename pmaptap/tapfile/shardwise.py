@@ -38,6 +38,7 @@ from array import array
 from collections import Counter
 from itertools import accumulate, repeat
 from operator import attrgetter, itemgetter
+from typing import Any
 
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.attempts import Attempts, scan
@@ -48,6 +49,8 @@ from pmaptap.tapfile.schema import UNSET
 from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer
 
 _POS = itemgetter(0)
+_LINE_BITS = 40  # a line number below 2**40 in a source
+_LINE_MASK = (1 << _LINE_BITS) - 1
 _USUAL_REST = ("forward", None, 0)  # record_key's pass, index and attempt, usually
 _KEY = attrgetter("run", "name", "step", "vhash")
 _REST = attrgetter("pass_", "index", "attempt")
@@ -112,27 +115,32 @@ class _Shardwise:
         """Whether a record of a later attempt was met, assumed none."""
         raise NotImplementedError
 
-    def _take(self, records: list, at: list) -> None:
-        """Records (None for what is taken elsewhere) at their positions."""
+    def _take(self, records: list, at: Any) -> None:
+        """Records (None for what is taken elsewhere) at their positions
+        (``_positions``)."""
         raise NotImplementedError
+
+    def _positions(self, keys: list, index: int, first: int) -> Any:
+        """The positions of a source's lines from ``first``, their merge
+        ``keys`` given: (key, source, line)."""
+        return list(zip(keys, repeat(index, len(keys)), range(first, first + len(keys))))
 
     def add_source(self, index: int, path: str) -> None:
         """Every line of the source ``path``, the run's ``index``-th."""
         name = os.path.basename(path)
         keys = self.keys[index] = _Keys()
         for first, records, problems in iter_file_records(path):
-            n = len(records)
             mine = keys.add(records, bool(problems))
-            at = list(zip(mine, repeat(index, n), range(first, first + n)))
             for line, why in problems.items():
-                self.bad.append((at[line - first], f"{why} ({name} line {line})"))
+                self.bad.append(((mine[line - first], index, line), f"{why} ({name} line {line})"))
             copies = [i for i, r in enumerate(records) if r is not None and r.kind == "replicated"]
             if copies:
                 records = list(records)
-                self._copies([at[i] for i in copies], [records[i] for i in copies])
+                at = [(mine[i], index, first + i) for i in copies]
+                self._copies(at, [records[i] for i in copies])
                 for i in copies:
                     records[i] = None
-            self._take(records, at)
+            self._take(records, self._positions(mine, index, first))
             if self.resumed:
                 return
 
@@ -183,8 +191,12 @@ class _Shardwise:
         """Take the copies of replicated values the merge keeps, in its order."""
         kept = self.unhashed + [x for _, _, held in self.copies.values() for x in held]
         kept.sort(key=_POS)
-        self._take([r for _, r in kept], [pos for pos, _ in kept])
+        self._take([r for _, r in kept], self._kept([pos for pos, _ in kept]))
         self.copies, self.unhashed = {}, []
+
+    def _kept(self, positions: list) -> Any:
+        """Positions (key, source, line) as ``_take`` takes them."""
+        return positions
 
     def lines(self) -> int:
         """The lines of the merged stream."""
@@ -264,8 +276,24 @@ class ShardwiseValidation(_Shardwise):
     def resumed(self) -> bool:
         return self.v.resumed
 
-    def _take(self, records: list, at: list) -> None:
+    def _take(self, records: list, at: Any) -> None:
         self.v.take_records(records, at)
+
+    # The checker keeps a position per key's first copy: as one int,
+    # (source << _LINE_BITS) + line, not a tuple (the key is the source's).
+    def _positions(self, keys: list, index: int, first: int) -> Any:
+        base = (index << _LINE_BITS) + first
+        return range(base, base + len(keys))
+
+    def _kept(self, positions: list) -> Any:
+        return [(s << _LINE_BITS) + line for _, s, line in positions]
+
+    def _at(self, pos: Any) -> tuple:
+        """A position as (key, source, line)."""
+        if type(pos) is tuple:
+            return pos
+        src, line = pos >> _LINE_BITS, pos & _LINE_MASK
+        return (self.keys[src].key(line), src, line)
 
     def absorb(self, other: _Shardwise) -> None:
         super().absorb(other)
@@ -287,11 +315,11 @@ class ShardwiseValidation(_Shardwise):
         per-device key has copies in two sources (which one is first is the
         merge's to say: the caller reads the merged stream)."""
         v = self.v
-        first = v.firsts.first
-        dups = [(pos, first(parts), parts) for pos, parts in v.dups]
+        first, at = v.firsts.first, self._at
+        dups = [(at(pos), at(first(parts)), parts) for pos, parts in v.dups]
         if any(parts[0][0] == "per_device" and pos[1] != one[1] for pos, one, parts in dups):
             return None
-        problems = v.problems + self.bad
+        problems = [(at(pos), why) for pos, why in v.problems] + self.bad
         place = self.placed([p for p, _ in problems] + [p for d in dups for p in d[:2]])
         v.problems = [(place[pos], why) for pos, why in problems]
         dups = [(place[a], place[b], _what(parts)) for a, b, parts in dups]
