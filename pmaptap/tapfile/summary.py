@@ -634,8 +634,8 @@ class Summarizer:
             positions = [positions[i] for i in where]
         if not records:
             return
-        names = [r.name for r in records]
-        runs = [r.run for r in records]
+        names = list(map(_NAME, records))
+        runs = list(map(_RUN, records))
         if runs.count(runs[0]) == len(runs):
             parts = _parts_by_key(names)
             keys = [(runs[0], k) for k, _ in parts]
@@ -829,6 +829,7 @@ class Summarizer:
 
 
 _USUAL_LANE = ("forward", 0)
+_NAME, _RUN = attrgetter("name"), attrgetter("run")
 # A per-device record's fields the usual one reads (one C call), and those
 # that would change its part, none of which the usual one has.
 _USUAL = attrgetter("step", "device", "value", "process", "coords")
