@@ -24,10 +24,12 @@ import heapq
 import os
 import re
 from itertools import accumulate
-from typing import Callable, Iterator
+from operator import attrgetter
+from typing import Any, Callable, Iterator
 
 from pmaptap.tapfile import store
 from pmaptap.tapfile.parse import decode_block
+from pmaptap.tapfile.schema import UNSET
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
 # objects) lives in store.py, which imports nothing here.
@@ -166,6 +168,7 @@ MERGED_BATCH = 512
 ReadAt = Callable[[str, int, int], tuple[bytes, "tuple | None", int]]
 Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
+_UNSET3 = (UNSET,) * 3
 
 
 def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
@@ -174,6 +177,23 @@ def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
     end = data.find(b"\n", min(off + size, len(data)) - 1)
     end = len(data) if end < 0 else end + 1
     return data[off:end], end
+
+
+_KEY = attrgetter("run", "name", "step", "vhash")
+_REST = attrgetter("pass_", "index", "attempt")
+_USUAL_REST = ("forward", None, 0)  # record_key's pass, index and attempt, usually
+
+
+def copy_key(r: Any) -> tuple:
+    """What the merge keeps one copy of, a replicated record's (record key,
+    vhash), flat: (run, name, step, vhash) for the usual record (forward
+    pass, whole, first attempt), else record_key's fields and the vhash."""
+    k = _KEY(r)
+    if _REST(r) != _UNSET3:
+        key = r.key()
+        if key[3:] != _USUAL_REST:
+            return (*key, k[3])
+    return k
 
 
 def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float]:
@@ -264,7 +284,7 @@ class _Source:
         for j in copies:
             r = records[j]
             if r.kind == "replicated":
-                marks[base + j] = ((r.key(), r.vhash), r.process)
+                marks[base + j] = (copy_key(r), r.process)
         self.records += records
         self.last_piece = len(records)
         return True

@@ -37,7 +37,7 @@ import os
 from array import array
 from collections import Counter
 from itertools import accumulate, repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any
 
 from pmaptap.tapfile import runs
@@ -45,16 +45,11 @@ from pmaptap.tapfile.attempts import Attempts, scan
 from pmaptap.tapfile.checks import Report, Validator, _what
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.schema import UNSET
 from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer
 
 _POS = itemgetter(0)
 _LINE_BITS = 40  # a line number below 2**40 in a source
 _LINE_MASK = (1 << _LINE_BITS) - 1
-_USUAL_REST = ("forward", None, 0)  # record_key's pass, index and attempt, usually
-_KEY = attrgetter("run", "name", "step", "vhash")
-_REST = attrgetter("pass_", "index", "attempt")
-_UNSET3 = (UNSET,) * 3
 
 
 class _Keys:
@@ -103,7 +98,7 @@ class _Shardwise:
         self.optimistic = optimistic
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
-        # (record key, vhash) (flat) -> [least position, its process, [(position,
+        # runs.copy_key -> [least position, its process, [(position,
         # record) of that process's copies]]; replicated records without a
         # hash (never dropped) as (position, record).
         self.copies: dict[tuple, list] = {}
@@ -148,15 +143,10 @@ class _Shardwise:
         """Replicated records at their positions."""
         copies, dropped = self.copies, self.dropped
         for pos, r in zip(at, records):
-            # (record key, vhash), flat; the usual record's in a short form.
-            k = _KEY(r)
-            if not k[3]:
+            if not r.vhash:
                 self.unhashed.append((pos, r))
                 continue
-            if _REST(r) != _UNSET3:
-                key = r.key()
-                if key[3:] != _USUAL_REST:
-                    k = (*key, k[3])
+            k = runs.copy_key(r)
             got = copies.get(k)
             if got is None:
                 copies[k] = [pos, r.process, [(pos, r)]]
