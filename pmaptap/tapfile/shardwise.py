@@ -49,23 +49,33 @@ from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer
 
 _POS = itemgetter(0)
 _LINE_BITS = 40  # a line number below 2**40 in a source
+# The runs of merge keys (16 bytes each) kept to place lines in the merged
+# stream: past this (a run of ~4 M host-steps), a summary or validate that
+# finds a line to place reads the merged stream instead.
+MAX_KEY_RUNS = 4 << 20
 _LINE_MASK = (1 << _LINE_BITS) - 1
 
 
 class _Keys:
     """One source's merge keys, line by line, as runs of equal keys (a
-    process's records of one step share theirs): 16 bytes a run."""
+    process's records of one step share theirs): 16 bytes a run, kept
+    while ``keep``; and how many lines it has."""
 
-    __slots__ = ("keys", "ends", "t")
+    __slots__ = ("keys", "ends", "t", "lines")
 
     def __init__(self) -> None:
         self.keys = array("d")
         self.ends = array("q")  # lines up to the end of each run
         self.t = float("-inf")
+        self.lines = 0
 
-    def add(self, records: list, holes: bool) -> list[float]:
-        """The keys of the source's next lines (their records)."""
+    def add(self, records: list, holes: bool, keep: bool) -> tuple[list[float], int]:
+        """The keys of the source's next lines (their records), and the
+        runs kept for them."""
         keys, self.t = runs.merge_keys(records, holes, self.t)
+        self.lines += len(keys)
+        if not keep:
+            return keys, 0
         counts = Counter(keys)  # in key order: a source's keys never decrease
         ks, ns = list(counts), list(counts.values())
         done = self.ends[-1] if self.ends else 0
@@ -77,7 +87,7 @@ class _Keys:
         del ends[0]
         self.keys.extend(ks)
         self.ends.extend(ends)
-        return keys
+        return keys, len(ks)
 
     def below(self, t: float, inclusive: bool) -> int:
         """How many lines have a key below ``t`` (or equal, ``inclusive``)."""
@@ -104,6 +114,11 @@ class _Shardwise:
         self.copies: dict[tuple, list] = {}
         self.unhashed: list = []
         self.dropped: dict[int, array] = {}  # lines of the copies dropped, by source
+        self.n_dropped = 0
+        # Whether lines can still be placed in the merged stream: the keys'
+        # runs and the dropped lines are kept up to MAX_KEY_RUNS runs.
+        self.placeable = True
+        self.runs_kept = 0
 
     @property
     def resumed(self) -> bool:
@@ -125,7 +140,10 @@ class _Shardwise:
         name = os.path.basename(path)
         keys = self.keys[index] = _Keys()
         for first, records, problems in iter_file_records(path):
-            mine = keys.add(records, bool(problems))
+            mine, kept = keys.add(records, bool(problems), self.placeable)
+            self.runs_kept += kept
+            if self.runs_kept > MAX_KEY_RUNS:
+                self._forget()
             for line, why in problems.items():
                 self.bad.append(((mine[line - first], index, line), f"{why} ({name} line {line})"))
             copies = [i for i, r in enumerate(records) if r is not None and r.kind == "replicated"]
@@ -162,11 +180,22 @@ class _Shardwise:
                 copies[k] = [pos, p, [(pos, r)]]
             else:
                 gone = [(pos, r)]
+            self.n_dropped += len(gone)
+            if not self.placeable:
+                continue
             for q, _ in gone:
                 lines = dropped.get(q[1])
                 if lines is None:
                     lines = dropped[q[1]] = array("q")
                 lines.append(q[2])
+
+    def _forget(self) -> None:
+        """Stop keeping what places lines in the merged stream (a run past
+        MAX_KEY_RUNS: a line with a problem then has the merged stream read)."""
+        self.placeable = False
+        for k in self.keys.values():
+            k.keys, k.ends = array("d"), array("q")
+        self.dropped = {}
 
     def absorb(self, other: _Shardwise) -> None:
         """Another's state (the accumulator: the subclass's), of other sources."""
@@ -174,6 +203,10 @@ class _Shardwise:
         self.keys.update(other.keys)
         self.unhashed += other.unhashed
         self.dropped.update(other.dropped)
+        self.n_dropped += other.n_dropped
+        self.runs_kept += other.runs_kept
+        if not (self.placeable and other.placeable) or self.runs_kept > MAX_KEY_RUNS:
+            self._forget()
         held = [x for _, _, mine in other.copies.values() for x in mine]
         self._copies([pos for pos, _ in held], [r for _, r in held])
 
@@ -190,15 +223,16 @@ class _Shardwise:
 
     def lines(self) -> int:
         """The lines of the merged stream."""
-        read = sum(k.ends[-1] for k in self.keys.values() if k.ends)
-        return read - sum(map(len, self.dropped.values()))
+        return sum(k.lines for k in self.keys.values()) - self.n_dropped
 
-    def placed(self, positions: list) -> dict:
+    def placed(self, positions: list) -> "dict | None":
         """Each of ``positions`` (of lines read) -> its line in the merged
-        stream."""
+        stream; None if that is no longer known (``placeable``)."""
         at = sorted(set(positions))
         if not at:
             return {}
+        if not self.placeable:
+            return None
         before = [0] * (len(at) + 1)  # lines of other sources' runs of keys before each
         rest = [0] * len(at)
         by = [(t, s) for t, s, _ in at]
@@ -249,9 +283,9 @@ class ShardwiseSummary(_Shardwise):
     def result(self) -> "Result | None":
         """The summary (summary.summarize_file's result), ``finish``ed; None
         if it would not be exact (see the module's docstring)."""
-        if not _plain_ids(self.acc):
-            return None
         place = self.placed([pos for pos, _ in self.bad])
+        if place is None or not _plain_ids(self.acc):
+            return None
         return self.acc.result(sorted((place[pos], why) for pos, why in self.bad))
 
 
@@ -306,9 +340,15 @@ class ShardwiseValidation(_Shardwise):
         merge's to say: the caller reads the merged stream)."""
         v = self.v
         first, at = v.firsts.first, self._at
-        dups = [(at(pos), at(first(parts)), parts) for pos, parts in v.dups]
-        if any(parts[0][0] == "per_device" and pos[1] != one[1] for pos, one, parts in dups):
+        dups = [(pos, first(parts), parts) for pos, parts in v.dups]
+        if any(
+            parts[0][0] == "per_device" and a >> _LINE_BITS != b >> _LINE_BITS
+            for a, b, parts in dups
+        ):
             return None
+        if not self.placeable and (dups or v.problems or self.bad):
+            return None
+        dups = [(at(a), at(b), parts) for a, b, parts in dups]
         problems = [(at(pos), why) for pos, why in v.problems] + self.bad
         place = self.placed([p for p, _ in problems] + [p for d in dups for p in d[:2]])
         v.problems = [(place[pos], why) for pos, why in problems]

@@ -440,8 +440,11 @@ class _TapAcc:
                 if have is None:
                     mine.bits[step] = bits
                 else:
-                    self.duplicates += _popcount(bytes(x & y for x, y in zip(have, bits)))
-                    mine.bits[step] = _or(have, bits)
+                    a, b = int.from_bytes(have, "little"), int.from_bytes(bits, "little")
+                    self.duplicates += (a & b).bit_count()
+                    mine.bits[step] = bytearray(
+                        (a | b).to_bytes(max(len(have), len(bits)), "little")
+                    )
             self.duplicates += len(mine.keys & lane.keys)
             mine.keys |= lane.keys
         at = self.attempt_of_step

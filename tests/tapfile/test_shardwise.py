@@ -222,3 +222,38 @@ def test_the_summarys_loop_for_usual_records_adds_as_add_does(tmp_path):
             if r is not None:
                 one.add(r, pos)
         assert repr(batched.summaries()) == repr(one.summaries()), seed
+
+
+def test_past_the_key_budget_a_line_to_place_has_the_merged_stream_read(tmp_path, monkeypatch):
+    """Past MAX_KEY_RUNS runs of keys the shard-by-shard pass keeps no way
+    to place a line: a run without problems is still summarized and
+    validated shard by shard, one with a bad line or a duplicate declines
+    (None) and summarize_file / validate_file read the merged stream: the
+    same output either way."""
+    monkeypatch.setattr(shardwise, "MAX_KEY_RUNS", 20)
+    clean = str(tmp_path / "clean.jsonl")
+    bad = str(tmp_path / "bad.jsonl")
+    for path in (clean, bad):
+        os.makedirs(path + runs.SHARD_SUFFIX)
+        for p in range(6):
+            lines = [
+                _dump(per_device_dict(s, p, 0.5 * s, process=p, time=10.0 + s + p / 8))
+                for s in range(12)
+            ]
+            lines += [
+                _dump(record_dict(name="loss", step=s, vhash="aa", process=p, time=10.0 + s))
+                for s in range(12)
+            ]
+            if path == bad and p == 3:
+                lines.insert(5, b"garbage")
+            with open(runs.shard_path(path, p), "wb") as f:
+                f.write(b"".join(x + b"\n" for x in lines))
+    got = shardwise.summarize(clean, Filter())
+    assert got is not None and _shown(got) == _shown(summary.summarize_stream(clean, Filter()))
+    report = shardwise.validate(clean)
+    assert report is not None and report == checks.validate_stream(clean)
+    assert shardwise.summarize(bad, Filter()) is None
+    assert shardwise.validate(bad) is None
+    want = summary.summarize_stream(bad, Filter())
+    assert want[1] and _shown(summary.summarize_file(bad)) == _shown(want)
+    assert checks.validate_file(bad) == checks.validate_stream(bad)
