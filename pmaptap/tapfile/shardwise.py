@@ -119,6 +119,7 @@ class _Shardwise:
         # runs and the dropped lines are kept up to MAX_KEY_RUNS runs.
         self.placeable = True
         self.runs_kept = 0
+        self.key_budget = MAX_KEY_RUNS  # of this state's sources (_read)
 
     @property
     def resumed(self) -> bool:
@@ -142,7 +143,7 @@ class _Shardwise:
         for first, records, problems in iter_file_records(path):
             mine, kept = keys.add(records, bool(problems), self.placeable)
             self.runs_kept += kept
-            if self.runs_kept > MAX_KEY_RUNS:
+            if self.runs_kept > self.key_budget:
                 self._forget()
             for line, why in problems.items():
                 self.bad.append(((mine[line - first], index, line), f"{why} ({name} line {line})"))
@@ -371,6 +372,8 @@ def _read(got: _Shardwise, path: str, indexes: "list[int] | None") -> _Shardwise
     """``got`` of the sources of ``path`` at ``indexes`` (of runs.sources;
     None: every one, then ``finish``ed), until one is ``resumed``."""
     files = runs.sources(path)
+    if indexes is not None:  # a share of the sources: of the budget too
+        got.key_budget = MAX_KEY_RUNS * len(indexes) // max(len(files), 1)
     with collector_paused():
         for i in range(len(files)) if indexes is None else indexes:
             got.add_source(i, files[i])
