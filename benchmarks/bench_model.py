@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import pmaptap
     from benchmarks.bench_read import generate as generate_file
     from benchmarks.bench_read_scale import generate
-    from pmaptap.tapfile import checks, lines, runs, summary
+    from pmaptap.tapfile import jobs, lines, runs
 
     with tempfile.TemporaryDirectory() as tmp:
         cases = []
@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
             arms = {
                 "decode and merge": merge,
-                "summary": lambda path=path: summary.summarize_file(path),
-                "validate": lambda path=path: checks.validate_file(path),
+                # What `pmaptap summary/validate --jobs 1` run: a sharded
+                # run shard by shard (tapfile/shardwise.py).
+                "summary": lambda path=path: jobs.summarize_file(path, None, 1),
+                "validate": lambda path=path: jobs.validate_file(path, 1),
                 "read": lambda path=path: pmaptap.read(path),
             }
             got = {k: _best(fn, a.rounds) for k, fn in arms.items()}

@@ -31,6 +31,7 @@ _SUBMODULES = frozenset(
         "reader",
         "runs",
         "schema",
+        "shardwise",
         "store",
         "stream",
         "summary",

@@ -22,7 +22,6 @@ from typing import Any, Iterable, Sequence
 
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
 from pmaptap.tapfile.attempts import attempt_of, scan
-from pmaptap.tapfile.runs import is_sharded, is_url
 from pmaptap.tapfile.schema import (
     FINGERPRINT,
     UNSET,
@@ -412,21 +411,8 @@ def validate_file(path: str | os.PathLike) -> Report:
     run was never resumed (most runs); a record of a later attempt means it
     was, and then the run is read again, after a scan of the lines that
     mention an attempt (attempts.scan: what each later attempt superseded).
-    In worker processes: tapfile/jobs.py's validate_file, the same report.
-    A local sharded run is read a shard at a time (tapfile/shardwise.py),
-    which gives what its merged stream gives."""
-    if is_sharded(path) and not is_url(path):
-        from pmaptap.tapfile import shardwise  # imports this module
-
-        got = shardwise.validate(path)
-        if got is not None:
-            return got
-    return validate_stream(path)
-
-
-def validate_stream(path: str | os.PathLike) -> Report:
-    """validate_file of the run's stream of records: one file, or a sharded
-    run's merged stream (runs.iter_merged)."""
+    tapfile/jobs.py's validate_file gives the same report in worker
+    processes, and of a sharded run a shard at a time (tapfile/shardwise.py)."""
     report = _validate(path, None)
     return report if report is not None else _validate(path, scan(path))
 

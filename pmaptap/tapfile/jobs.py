@@ -94,6 +94,10 @@ def plan(path: str | os.PathLike, jobs: int) -> "tuple[bool, list] | None":
     return (False, pieces) if len(pieces) > 1 else None
 
 
+def _local_sharded(path: str | os.PathLike) -> bool:
+    return runs.is_sharded(path) and not runs.is_url(path)
+
+
 def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
     """Contiguous groups of indexes of about equal total size."""
     jobs = min(jobs, len(sizes))
@@ -242,6 +246,8 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     where the run is not split: see the module's docstring)."""
     flt = flt or Filter()
     got = _summarize_split(path, flt, jobs)
+    if got is None and _local_sharded(path):
+        got = shardwise.summarize(path, flt)
     return got if got is not None else summary.summarize_file(path, flt)
 
 
@@ -313,6 +319,8 @@ def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """checks.validate_file in ``jobs`` processes (in this one alone
     where the run is not split)."""
     got = _validate_split(path, jobs)
+    if got is None and _local_sharded(path):
+        got = shardwise.validate(path)
     return got if got is not None else checks.validate_file(path)
 
 

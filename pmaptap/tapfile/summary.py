@@ -31,7 +31,6 @@ from pmaptap.tapfile.divergence import DivergenceIndex
 from pmaptap.tapfile.fingerprints import FingerprintAcc
 from pmaptap.tapfile.lines import collector_paused, iter_record_batches
 from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.runs import is_sharded, is_url
 from pmaptap.tapfile.schema import (
     FINGERPRINT,
     NONFINITE,
@@ -879,24 +878,12 @@ Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result:
     """``pmaptap summary``: the summaries of the records of ``path`` that
     ``flt`` matches, streaming the run (records are decoded, summarized and
-    dropped; values are never decoded). Also the (line, problem) list of
-    lines that are not records and every name and run read. In worker
-    processes: tapfile/jobs.py's summarize_file, the same result. A local
-    sharded run is read a shard at a time (tapfile/shardwise.py), which
-    gives what its merged stream gives."""
+    dropped; values are never decoded): one file, or a sharded run's merged
+    stream (runs.iter_merged). Also the (line, problem) list of lines that
+    are not records and every name and run read. tapfile/jobs.py's
+    summarize_file gives the same result in worker processes, and of a
+    sharded run a shard at a time (tapfile/shardwise.py)."""
     flt = flt or Filter()
-    if is_sharded(path) and not is_url(path):
-        from pmaptap.tapfile import shardwise  # imports this module
-
-        got = shardwise.summarize(path, flt)
-        if got is not None:
-            return got
-    return summarize_stream(path, flt)
-
-
-def summarize_stream(path: str | os.PathLike, flt: Filter) -> Result:
-    """summarize_file of the run's stream of records: one file, or a
-    sharded run's merged stream (runs.iter_merged)."""
     if not flt.active and not flt.all_attempts:
         # The common case in one pass, assuming the run was never resumed;
         # a record of a later attempt means it was: then the pass below,

@@ -1,7 +1,8 @@
 """``pmaptap summary`` and ``validate`` of a sharded run a shard at a time
 (tapfile/shardwise.py) give what the run's merged stream gives (summary.
-summarize_stream and checks.validate_stream over runs.iter_merged, the
-definition): on random sharded runs (copies of replicated values in
+summarize_file and checks.validate_file over runs.iter_merged, the
+definition; ``pmaptap summary`` and ``validate`` read shard by shard through
+jobs.py): on random sharded runs (copies of replicated values in
 several shards, divergence, attempts, bad and torn lines, odd times and
 ids, the shared file), with filters, and with every problem and duplicate
 at its line of the merged stream."""
@@ -14,7 +15,7 @@ import random
 from test_jobs import _dump, _write_run
 
 from conftest import per_device_dict, record_dict
-from pmaptap.tapfile import checks, runs, shardwise, summary
+from pmaptap.tapfile import checks, jobs, runs, shardwise, summary
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.schema import UNSET
 
@@ -43,7 +44,7 @@ def test_random_sharded_runs_summarize_shard_by_shard_as_their_merged_stream(tmp
         _write_run(rnd, path)
         report = shardwise.validate(path)
         if report is not None:  # None: a per-device key in two shards
-            want = checks.validate_stream(path)
+            want = checks.validate_file(path)
             assert report == want, case
             checked += 1
             problems += len(want.problems)
@@ -51,7 +52,7 @@ def test_random_sharded_runs_summarize_shard_by_shard_as_their_merged_stream(tmp
             got = shardwise.summarize(path, flt)
             if got is None:  # ids of two types: the caller reads the merged stream
                 continue
-            want = summary.summarize_stream(path, flt)
+            want = summary.summarize_file(path, flt)
             assert _shown(got) == _shown(want), (case, flt)
             answered += 1
             bad_lines += len(want[1])
@@ -84,11 +85,11 @@ def test_bad_lines_are_placed_in_the_merged_stream_past_the_copies_it_drops(tmp_
             data += b'{"run": "r", "na'
         with open(runs.shard_path(path, p), "wb") as f:
             f.write(data)
-    want = summary.summarize_stream(path, Filter())
+    want = summary.summarize_file(path, Filter())
     assert len(want[1]) > 100
     got = shardwise.summarize(path, Filter())
     assert got is not None and _shown(got) == _shown(want)
-    report = checks.validate_stream(path)
+    report = checks.validate_file(path)
     assert len(report.problems) > 100 and shardwise.validate(path) == report
 
 
@@ -102,15 +103,16 @@ def test_a_device_key_in_two_shards_is_validated_on_the_merged_stream(tmp_path):
         with open(runs.shard_path(path, p), "wb") as f:
             f.write(_dump(d) + b"\n")
     assert shardwise.validate(path) is None
-    report = checks.validate_file(path)
-    assert report == checks.validate_stream(path)
+    report = jobs.validate_file(path, 1)  # what `pmaptap validate` reads
+    assert report == checks.validate_file(path)
     assert report.problems == [(2, "duplicate of line 1 (per_device 'g' step 0 device 0)")]
 
 
 def test_an_id_of_two_types_in_two_shards_is_left_to_the_merged_stream(tmp_path):
     """Process 1 written as 1 in one shard and 1.0 in another: which one a
     summary shows depends on the merge's order, so the shard-by-shard pass
-    declines and summarize_file reads the merged stream."""
+    declines and `pmaptap summary` (jobs.summarize_file) reads the merged
+    stream."""
     path = str(tmp_path / "run.jsonl")
     os.makedirs(path + runs.SHARD_SUFFIX)
     for p, time, process in ((0, 2.0, 1.0), (1, 1.0, 1)):
@@ -118,8 +120,8 @@ def test_an_id_of_two_types_in_two_shards_is_left_to_the_merged_stream(tmp_path)
         with open(runs.shard_path(path, p), "wb") as f:
             f.write(_dump(d) + b"\n")
     assert shardwise.summarize(path, Filter()) is None
-    got = summary.summarize_file(path)
-    assert _shown(got) == _shown(summary.summarize_stream(path, Filter()))
+    got = jobs.summarize_file(path, Filter(), 1)
+    assert _shown(got) == _shown(summary.summarize_file(path, Filter()))
     assert got[0][0].processes == (1,) and type(got[0][0].processes[0]) is int
 
 
@@ -227,8 +229,8 @@ def test_the_summarys_loop_for_usual_records_adds_as_add_does(tmp_path):
 def test_past_the_key_budget_a_line_to_place_has_the_merged_stream_read(tmp_path, monkeypatch):
     """Past MAX_KEY_RUNS runs of keys the shard-by-shard pass keeps no way
     to place a line: a run without problems is still summarized and
-    validated shard by shard, one with a bad line or a duplicate declines
-    (None) and summarize_file / validate_file read the merged stream: the
+    validated shard by shard, one with a bad line declines (None) and
+    `pmaptap summary` / `validate` (jobs.py) read the merged stream: the
     same output either way."""
     monkeypatch.setattr(shardwise, "MAX_KEY_RUNS", 20)
     clean = str(tmp_path / "clean.jsonl")
@@ -249,11 +251,11 @@ def test_past_the_key_budget_a_line_to_place_has_the_merged_stream_read(tmp_path
             with open(runs.shard_path(path, p), "wb") as f:
                 f.write(b"".join(x + b"\n" for x in lines))
     got = shardwise.summarize(clean, Filter())
-    assert got is not None and _shown(got) == _shown(summary.summarize_stream(clean, Filter()))
+    assert got is not None and _shown(got) == _shown(summary.summarize_file(clean, Filter()))
     report = shardwise.validate(clean)
-    assert report is not None and report == checks.validate_stream(clean)
+    assert report is not None and report == checks.validate_file(clean)
     assert shardwise.summarize(bad, Filter()) is None
     assert shardwise.validate(bad) is None
-    want = summary.summarize_stream(bad, Filter())
-    assert want[1] and _shown(summary.summarize_file(bad)) == _shown(want)
-    assert checks.validate_file(bad) == checks.validate_stream(bad)
+    want = summary.summarize_file(bad, Filter())
+    assert want[1] and _shown(jobs.summarize_file(bad, Filter(), 1)) == _shown(want)
+    assert jobs.validate_file(bad, 1) == checks.validate_file(bad)
