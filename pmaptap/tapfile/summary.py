@@ -191,6 +191,16 @@ class _TapAcc:
 
     # ---------------------------------------------------------- adding
 
+    def holders(self, devices: bool, ids: Any) -> None:
+        """A record's holders (its ``devices`` or ``processes`` field: a
+        list, ranges text, or none), ranges text kept as text (expanded
+        once, in result())."""
+        if ids:
+            if type(ids) is str:
+                self.holder_texts.add((devices, ids))
+            else:
+                (self.devices if devices else self.processes).update(ids)
+
     def _fold(self) -> None:
         vals = self.vals
         if vals:
@@ -255,12 +265,7 @@ class _TapAcc:
         self.kinds.add(kind)
         self.records += 1
         self.processes.add(r.process)
-        procs = r.processes
-        if procs:
-            if type(procs) is str:  # ranges text: expanded once, in result()
-                self.holder_texts.add((False, procs))
-            else:
-                self.processes.update(procs)
+        self.holders(False, r.processes)
         if r.divergent:
             self.divergent.add(step)
         if kind == FINGERPRINT:
@@ -288,12 +293,7 @@ class _TapAcc:
             self._per_device(r, step)
             return
         self.steps.add(step)
-        devs = r.devices
-        if devs:
-            if type(devs) is str:
-                self.holder_texts.add((True, devs))
-            else:
-                self.devices.update(devs)
+        self.holders(True, r.devices)
         if kind != "replicated":
             return  # meta records (counters) may legitimately repeat
         # record_key (schema.py) less the run and name every record of this
@@ -321,12 +321,7 @@ class _TapAcc:
         """A fingerprint record: its step and holders; its value is no
         number to sum up, the divergent ones name suspects (fingerprints.py)."""
         self.steps.add(step)
-        devs = r.devices
-        if devs:
-            if type(devs) is str:
-                self.holder_texts.add((True, devs))
-            else:
-                self.devices.update(devs)
+        self.holders(True, r.devices)
         if self.fp is None:
             self.fp = FingerprintAcc()
         self.fp.add(r)
@@ -662,7 +657,7 @@ class Summarizer:
             lane = acc.lanes[_USUAL_LANE] = _Lane()
         bits_of, dev_coords = lane.bits, acc.dev_coords
         processes, devices, vals = acc.processes, acc.devices, acc.vals
-        steps, texts, dup_keys = acc.steps, acc.holder_texts, acc.dup_keys
+        steps, dup_keys = acc.steps, acc.dup_keys
         index = self._index
         # DivergenceIndex.add's entries of this tap's usual replicated keys.
         seen = index._steps((acc.run, acc.name, "forward", None, 0)) if index else None
@@ -681,19 +676,11 @@ class Summarizer:
                     processes.add(p)
                     if procs != prev_procs:  # the holders, as the last record's mostly
                         prev_procs = procs
-                        if procs:
-                            if type(procs) is str:
-                                texts.add((False, procs))
-                            else:
-                                processes.update(procs)
+                        acc.holders(False, procs)
                     steps.add(step)
                     if devs != prev_devs:
                         prev_devs = devs
-                        if devs:
-                            if type(devs) is str:
-                                texts.add((True, devs))
-                            else:
-                                devices.update(devs)
+                        acc.holders(True, devs)
                     if last is None or step > last:
                         last, last_vals, last_at = step, [v], [pos]
                     elif step == last:
