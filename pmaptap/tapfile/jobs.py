@@ -274,6 +274,8 @@ def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Resul
         return None
     if sharded:
         got = _absorbed([r[1] for r in results])
+        if got.overflow:  # too many copies held: the merged stream
+            return summary.summarize_file(path, flt)
         if got.resumed:
             return None
         done = got.result()
@@ -296,7 +298,8 @@ def _absorbed(states: list) -> Any:
     got = states[0]
     for other in states[1:]:
         got.absorb(other)
-    got.finish()
+    if not got.overflow:
+        got.finish()
     return got
 
 
@@ -345,6 +348,8 @@ def _validate_pass(path: str, pieces: tuple, attempts: Any) -> Report | None:
         return None
     if sharded:
         got = _absorbed([r[1] for r in results])
+        if got.overflow:  # too many copies held: the merged stream
+            return checks.validate_file(path)
         if got.resumed:
             return None
         report = got.report()

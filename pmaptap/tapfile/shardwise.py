@@ -53,6 +53,11 @@ _LINE_BITS = 40  # a line number below 2**40 in a source
 # stream: past this (a run of ~4 M host-steps), a summary or validate that
 # finds a line to place reads the merged stream instead.
 MAX_KEY_RUNS = 4 << 20
+# The replicated records held until every source is read (the copies a
+# value's first process wrote: one a value where its owner writes it once),
+# ~300 bytes each: past this, the merged stream is read instead, whose
+# memory does not grow with the run.
+MAX_HELD_COPIES = 1 << 18
 _LINE_MASK = (1 << _LINE_BITS) - 1
 
 
@@ -120,6 +125,11 @@ class _Shardwise:
         self.placeable = True
         self.runs_kept = 0
         self.key_budget = MAX_KEY_RUNS  # of this state's sources (_read)
+        # Copies held (in ``copies`` and ``unhashed``); past MAX_HELD_COPIES
+        # the pass stops (``overflow``) and the merged stream is read.
+        self.held = 0
+        self.held_budget = MAX_HELD_COPIES
+        self.overflow = False
 
     @property
     def resumed(self) -> bool:
@@ -155,7 +165,9 @@ class _Shardwise:
                 for i in copies:
                     records[i] = None
             self._take(records, self._positions(mine, index, first))
-            if self.resumed:
+            if self.held > self.held_budget:
+                self.overflow = True
+            if self.resumed or self.overflow:
                 return
 
     def _copies(self, at: list, records: list) -> None:
@@ -164,21 +176,25 @@ class _Shardwise:
         for pos, r in zip(at, records):
             if not r.vhash:
                 self.unhashed.append((pos, r))
+                self.held += 1
                 continue
             k = runs.copy_key(r)
             got = copies.get(k)
             if got is None:
                 copies[k] = [pos, r.process, [(pos, r)]]
+                self.held += 1
                 continue
             p = r.process
             if p == got[1]:
                 got[2].append((pos, r))
+                self.held += 1
                 if pos < got[0]:
                     got[0] = pos
                 continue
             if pos < got[0]:  # an earlier copy of another process
                 gone = got[2]
                 copies[k] = [pos, p, [(pos, r)]]
+                self.held += 1 - len(gone)
             else:
                 gone = [(pos, r)]
             self.n_dropped += len(gone)
@@ -203,6 +219,7 @@ class _Shardwise:
         self.bad += other.bad
         self.keys.update(other.keys)
         self.unhashed += other.unhashed
+        self.held += len(other.unhashed)
         self.dropped.update(other.dropped)
         self.n_dropped += other.n_dropped
         self.runs_kept += other.runs_kept
@@ -210,6 +227,7 @@ class _Shardwise:
             self._forget()
         held = [x for _, _, mine in other.copies.values() for x in mine]
         self._copies([pos for pos, _ in held], [r for _, r in held])
+        self.overflow = self.overflow or other.overflow or self.held > MAX_HELD_COPIES
 
     def finish(self) -> None:
         """Take the copies of replicated values the merge keeps, in its order."""
@@ -284,6 +302,8 @@ class ShardwiseSummary(_Shardwise):
     def result(self) -> "Result | None":
         """The summary (summary.summarize_file's result), ``finish``ed; None
         if it would not be exact (see the module's docstring)."""
+        if self.overflow:
+            return None
         place = self.placed([pos for pos, _ in self.bad])
         if place is None or not _plain_ids(self.acc):
             return None
@@ -339,6 +359,8 @@ class ShardwiseValidation(_Shardwise):
         """The report (checks.validate_file's), ``finish``ed; None where a
         per-device key has copies in two sources (which one is first is the
         merge's to say: the caller reads the merged stream)."""
+        if self.overflow:
+            return None
         v = self.v
         first, at = v.firsts.first, self._at
         dups = [(pos, first(parts), parts) for pos, parts in v.dups]
@@ -372,12 +394,14 @@ def _read(got: _Shardwise, path: str, indexes: "list[int] | None") -> _Shardwise
     """``got`` of the sources of ``path`` at ``indexes`` (of runs.sources;
     None: every one, then ``finish``ed), until one is ``resumed``."""
     files = runs.sources(path)
-    if indexes is not None:  # a share of the sources: of the budget too
-        got.key_budget = MAX_KEY_RUNS * len(indexes) // max(len(files), 1)
+    if indexes is not None:  # a share of the sources: of the budgets too
+        share = len(indexes) / max(len(files), 1)
+        got.key_budget = int(MAX_KEY_RUNS * share)
+        got.held_budget = int(MAX_HELD_COPIES * share)
     with collector_paused():
         for i in range(len(files)) if indexes is None else indexes:
             got.add_source(i, files[i])
-            if got.resumed:
+            if got.resumed or got.overflow:
                 return got
         if indexes is None:
             got.finish()

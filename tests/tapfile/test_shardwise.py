@@ -259,3 +259,31 @@ def test_past_the_key_budget_a_line_to_place_has_the_merged_stream_read(tmp_path
     want = summary.summarize_file(bad, Filter())
     assert want[1] and _shown(jobs.summarize_file(bad, Filter(), 1)) == _shown(want)
     assert jobs.validate_file(bad, 1) == checks.validate_file(bad)
+
+
+def test_past_the_copies_held_the_merged_stream_is_read(tmp_path, monkeypatch):
+    """A replicated value's copies are held until every shard is read; past
+    MAX_HELD_COPIES (a run of many replicated values, each written once by
+    its owner) the shard-by-shard pass stops and the merged stream is read,
+    in one process and with --jobs: the same output."""
+    monkeypatch.setattr(shardwise, "MAX_HELD_COPIES", 30)
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(4):
+        lines = []
+        for s in range(20):
+            t = 10.0 + s + p / 8
+            lines.append(_dump(per_device_dict(s, p, 0.5 * s, process=p, time=t)))
+            if s % 4 == p:  # the owner writes it once
+                lines.append(_dump(record_dict(name="loss", step=s, vhash="aa", process=p, time=t)))
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(b"".join(x + b"\n" for x in lines) + b"torn")
+    assert shardwise.summarize(path, Filter()) is not None  # 20 held: within
+    monkeypatch.setattr(shardwise, "MAX_HELD_COPIES", 10)
+    assert shardwise.summarize(path, Filter()) is None
+    assert shardwise.validate(path) is None
+    want, report = summary.summarize_file(path, Filter()), checks.validate_file(path)
+    assert want[1] and report.problems
+    for n in (1, 2):
+        assert _shown(jobs.summarize_file(path, Filter(), n)) == _shown(want)
+        assert jobs.validate_file(path, n) == report
