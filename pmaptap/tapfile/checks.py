@@ -323,7 +323,7 @@ class Validator:
                         k = (r.run, r.name, d, item)
                         got = groups.get(k)
                         if got is None:
-                            group = ("per_device", r.run, r.name, "forward", None, 0, d, (item,))
+                            group = duplicate_parts(r)[0]
                             got = groups[k] = (group, keys.setdefault(group, {}))
                         steps = got[1]
                         if step in steps:

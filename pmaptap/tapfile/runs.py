@@ -24,12 +24,10 @@ import heapq
 import os
 import re
 from itertools import accumulate
-from operator import attrgetter
 from typing import Any, Callable, Iterator
 
 from pmaptap.tapfile import store
 from pmaptap.tapfile.parse import decode_block
-from pmaptap.tapfile.schema import UNSET
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
 # objects) lives in store.py, which imports nothing here.
@@ -168,7 +166,6 @@ MERGED_BATCH = 512
 ReadAt = Callable[[str, int, int], tuple[bytes, "tuple | None", int]]
 Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
-_UNSET3 = (UNSET,) * 3
 
 
 def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
@@ -179,21 +176,16 @@ def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
     return data[off:end], end
 
 
-_KEY = attrgetter("run", "name", "step", "vhash")
-_REST = attrgetter("pass_", "index", "attempt")
-_USUAL_REST = ("forward", None, 0)  # record_key's pass, index and attempt, usually
-
-
 def copy_key(r: Any) -> tuple:
-    """What the merge keeps one copy of, a replicated record's (record key,
-    vhash), flat: (run, name, step, vhash) for the usual record (forward
-    pass, whole, first attempt), else record_key's fields and the vhash."""
-    k = _KEY(r)
-    if _REST(r) != _UNSET3:
-        key = r.key()
-        if key[3:] != _USUAL_REST:
-            return (*key, k[3])
-    return k
+    """What the merge keeps one copy of: a replicated record's (record key,
+    vhash)."""
+    return (r.key(), r.vhash)
+
+
+def source_problem(why: str, name: str, line: int) -> str:
+    """A problem of a source's line, naming the source (a shard file or
+    chunk) and its own line there."""
+    return f"{why} ({name} line {line})"
 
 
 def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float]:
@@ -275,7 +267,7 @@ class _Source:
         self.keys += got
         marks += [None] * len(records)
         for j, why in problems.items():
-            marks[base + j] = _Bad(f"{why} ({self.name} line {first + j})")
+            marks[base + j] = _Bad(source_problem(why, self.name, first + j))
         copies = (
             [j for j, r in enumerate(records) if r is not None and r.vhash]
             if problems

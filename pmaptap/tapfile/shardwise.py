@@ -156,7 +156,9 @@ class _Shardwise:
             if self.runs_kept > self.key_budget:
                 self._forget()
             for line, why in problems.items():
-                self.bad.append(((mine[line - first], index, line), f"{why} ({name} line {line})"))
+                self.bad.append(
+                    ((mine[line - first], index, line), runs.source_problem(why, name, line))
+                )
             copies = [i for i, r in enumerate(records) if r is not None and r.kind == "replicated"]
             if copies:
                 records = list(records)

@@ -127,6 +127,11 @@ def _popcount(bits: bytes) -> int:
     return int.from_bytes(bits, "little").bit_count()
 
 
+def _overlap(a: bytes, b: bytes) -> int:
+    """The bits set in both."""
+    return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).bit_count()
+
+
 def _or(a: bytes, b: bytes) -> bytearray:
     n = max(len(a), len(b))
     x = int.from_bytes(a, "little") | int.from_bytes(b, "little")
@@ -434,11 +439,8 @@ class _TapAcc:
                 if have is None:
                     mine.bits[step] = bits
                 else:
-                    a, b = int.from_bytes(have, "little"), int.from_bytes(bits, "little")
-                    self.duplicates += (a & b).bit_count()
-                    mine.bits[step] = bytearray(
-                        (a | b).to_bytes(max(len(have), len(bits)), "little")
-                    )
+                    self.duplicates += _overlap(have, bits)
+                    mine.bits[step] = _or(have, bits)
             self.duplicates += len(mine.keys & lane.keys)
             mine.keys |= lane.keys
         at = self.attempt_of_step
