@@ -7,7 +7,8 @@ Arms:
 - m. 256 shards: read / summary / validate (default --jobs, and --jobs 1),
   CPU-time ratio to the bare loop (issue 39's targets: read <= 2.0x,
   summary <= 1.5x, validate <= 2.0x); the same records as one file, for
-  comparison;
+  comparison; and every line decoded by pmaptap's decoder with nothing
+  else done, the floor of any reader built on it;
 - n. 4,096 shards under ``ulimit -n 256``: read / summary / validate / show
   work, peak RSS (target <= 300 MiB);
 - p. ``summary --jobs 2`` of a 4,096-shard run against ``--jobs 1``: wall
@@ -237,6 +238,22 @@ _READ_LIMITED = (
 )
 
 
+# The least any reader built on pmaptap's decoder can cost: every source's
+# lines decoded and checked (lines.iter_file_records, the gate and msgspec's
+# Structs), nothing summarized, merged or kept. What a command costs above
+# this is its own Python (docs/performance.md, "Reading sharded runs").
+_DECODE_ONLY = (
+    "import sys\n"
+    "from pmaptap.tapfile import runs\n"
+    "from pmaptap.tapfile.lines import iter_file_records\n"
+    "n = 0\n"
+    "for source in runs.sources(sys.argv[1]):\n"
+    "    for _, records, _ in iter_file_records(source):\n"
+    "        n += len(records)\n"
+    "print(n)\n"
+)
+
+
 def _make(fn: str, *args) -> int:
     """``fn(*args)`` of this module in a child process: a reader measured
     later is forked from this process, and its peak RSS counts this
@@ -411,12 +428,14 @@ def _many_shards(tmp: str, quick: bool, rounds: int) -> None:
     _make("reference", one, shards, steps)
     arms = {
         "m. bare orjson loop (shards)": [py, "-c", _BARE, path + ".d"],
+        "m. sharded: decode only (the decoder's floor)": [py, "-c", _DECODE_ONLY, path],
         "m. sharded: pmaptap.read": [py, "-c", _READ, path],
         "m. sharded: pmaptap summary": [py, "-m", "pmaptap", "summary", path],
         "m. sharded: pmaptap summary --jobs 1": [py, "-m", "pmaptap", "summary", path, "-j1"],
         "m. sharded: pmaptap validate": [py, "-m", "pmaptap", "validate", path],
         "m. sharded: pmaptap validate --jobs 1": [py, "-m", "pmaptap", "validate", path, "-j1"],
         "m. bare orjson loop (one file)": [py, "-c", _BARE_FILE, one],
+        "m. one file: decode only (the decoder's floor)": [py, "-c", _DECODE_ONLY, one],
         "m. one file: pmaptap.read": [py, "-c", _READ, one],
         "m. one file: pmaptap summary": [py, "-m", "pmaptap", "summary", one],
         "m. one file: pmaptap validate": [py, "-m", "pmaptap", "validate", one],
