@@ -66,6 +66,8 @@ def test_all_benchmarks_run_in_quick_mode():
         "p. 4096 shards",
         "model. 256 shards",
         "model. one file, 300,000 records",
+        "m. sharded: decode only (the decoder's floor)",
+        "m. one file: decode only (the decoder's floor)",
         "m. ratios to the bare loop over the same files (wall time)",
         "m. ratios to the bare loop over the same files (CPU time",
         "n. 4096 shards: every reader ran",
