@@ -20,6 +20,7 @@ import os
 from itertools import compress
 from typing import Any, Iterable, Sequence
 
+from pmaptap.errors import NeedSerial
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
 from pmaptap.tapfile.attempts import attempt_of, scan
 from pmaptap.tapfile.schema import (
@@ -277,6 +278,10 @@ class Validator:
         # (run, name, device, coordinate) -> (its duplicate_parts group, the
         # group's steps in firsts), for the usual per-device record.
         self._groups: dict[tuple, tuple] = {}
+        # Whether a record taken at the readers' level was added: only such
+        # a record has ids of other types (1.0, true), which a key of
+        # FirstCopies may hold instead of an equal one (see absorb).
+        self.odd = False
 
     def take(self, records: list, problems: dict, first: int) -> None:
         """A batch: records (Structs, None for a line that is no record)
@@ -341,6 +346,8 @@ class Validator:
 
     def add(self, r: AnyRecord, pos: Any) -> None:
         self.records += 1
+        if r.odd:
+            self.odd = True
         for p in schema_problems(r):
             self.problems.append((pos, f"schema: {p}"))
         if r.bytes is not UNSET:
@@ -370,13 +377,25 @@ class Validator:
         self.superseded += other.superseded
         self.problems += [(pos + offset, why) for pos, why in other.problems]
         self.dups += [(pos + offset, parts) for pos, parts in other.dups]
-        for parts, line in other.entries_of():
-            if self.firsts.add_parts(parts, line + offset) is not None:
-                self.dups.append((line + offset, parts))
+        self.absorb_firsts(other, [(parts, line + offset) for parts, line in other.entries_of()])
         self.index.absorb(other.index)
         self.flagged |= other.flagged
         self.fingerprinted |= other.fingerprinted
         self.resumed = self.resumed or other.resumed
+
+    def absorb_firsts(self, other: Validator, entries: list) -> None:
+        """``other``'s first copies (duplicate_parts, position): one of a
+        key this one holds is a duplicate. Its key is the one ``other``
+        met first, whose ids may be of another type than the line's own
+        (1.0 for 1) where a record was odd: the line would be described by
+        another's id, so the caller reads in one process."""
+        odd = self.odd or other.odd
+        self.odd = odd
+        for parts, pos in entries:
+            if self.firsts.add_parts(parts, pos) is not None:
+                if odd:
+                    raise NeedSerial("ids of two types")
+                self.dups.append((pos, parts))
 
     def entries_of(self) -> Iterable[tuple[tuple, Any]]:
         return self.firsts.entries()

@@ -4,7 +4,8 @@ Parquet (``pmaptap export --parquet``) and step x device tables
 
 One row per record, in file order. Columns:
 
-- ``run``, ``name``, ``pass``, ``kind``, ``host``: text; ``step``: int64;
+- ``run``, ``name``, ``pass``, ``kind``, ``host``: text; ``step``: int64
+  (UInt64 where a step is past it);
   ``process``, ``device`` (null for replicated records), ``replicas``:
   nullable integers (``Int64``); ``divergent``: bool; ``time``: a UTC
   datetime of exact microseconds (the file's seconds since the epoch);
@@ -290,7 +291,7 @@ class _Cells:
         object array. None where pandas' text is not Arrow's."""
         table = self.table
         if col == "pass":
-            table = [c or "forward" for c in table]
+            table = ["forward" if c is None else c for c in table]
         if not all(c is None or type(c) is str for c in table):
             return None
         if not any(type(c) is str for c in table):
@@ -466,9 +467,11 @@ def _column(pd: Any, col: str, cells: list) -> Any:
         return pd.Series([bool(c) for c in cells], dtype=bool)
     if col == "step":
         if all(isinstance(c, int) for c in cells):
-            return pd.Series(cells, dtype="int64")
+            # Past int64 (readers take steps below 2**64): UInt64, as a value.
+            dtype = _int_dtype(cells)
+            return pd.Series(cells, dtype="int64" if dtype == "Int64" else dtype)
     if col == "pass":
-        return pd.Series([c or "forward" for c in cells], dtype="str")
+        return pd.Series(["forward" if c is None else c for c in cells], dtype="str")
     kind = _number_kind(cells)
     if (col in _INTS or col.startswith(COORDS_COLUMN_PREFIX)) and all(
         c is None or isinstance(c, int) and not isinstance(c, bool) for c in cells

@@ -274,7 +274,7 @@ def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Resul
         return None
     if sharded:
         got = _absorbed([r[1] for r in results])
-        if got.overflow:  # too many copies held: the merged stream
+        if got.overflow:  # copies past the budget, or in two sources: the merged stream
             return summary.summarize_file(path, flt)
         if got.resumed:
             return None
@@ -348,7 +348,7 @@ def _validate_pass(path: str, pieces: tuple, attempts: Any) -> Report | None:
         return None
     if sharded:
         got = _absorbed([r[1] for r in results])
-        if got.overflow:  # too many copies held: the merged stream
+        if got.overflow:  # copies past the budget, or in two sources: the merged stream
             return checks.validate_file(path)
         if got.resumed:
             return None

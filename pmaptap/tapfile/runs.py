@@ -68,10 +68,24 @@ Line = tuple[int, "dict | None", "str | None"]
 def shard_dir(path: str | os.PathLike) -> str:
     """The directory of a run's shards: ``<path>.d`` (``path`` itself if it
     already names that directory)."""
-    path = os.fspath(path)
+    path = _run_path(path)
     if path.endswith(SHARD_SUFFIX) and os.path.isdir(path):
         return path
     return path + SHARD_SUFFIX
+
+
+_SEPARATORS = os.sep + (os.altsep or "")
+
+
+def _run_path(path: str | os.PathLike) -> str:
+    """``path`` as text, a directory's trailing separators dropped:
+    ``RUN.d/`` is the run ``RUN.d`` names, shared file ``RUN`` included
+    (read without it, a run would lose that file's records, and ``merge
+    RUN.d/ -o RUN`` would replace it)."""
+    path = os.fspath(path)
+    if path.endswith(tuple(_SEPARATORS)) and os.path.isdir(path):
+        return path.rstrip(_SEPARATORS) or path
+    return path
 
 
 def shard_path(path: str | os.PathLike, process: int) -> str:
@@ -92,7 +106,7 @@ def is_sharded(path: str | os.PathLike) -> bool:
     shards to merge?"""
     if is_url(path):
         return True
-    path = os.fspath(path)
+    path = _run_path(path)
     if os.path.isdir(path):
         return path.endswith(SHARD_SUFFIX) or bool(_shards(path))
     return os.path.isdir(path + SHARD_SUFFIX)
@@ -109,7 +123,7 @@ def sources(path: str | os.PathLike) -> list[str]:
 def base_and_directory(path: str | os.PathLike) -> "tuple[str | None, str]":
     """The run's one shared file (None when ``path`` names a directory not
     ending in ``.d``) and its shard directory."""
-    path = os.fspath(path)
+    path = _run_path(path)
     if os.path.isdir(path):
         base = path[: -len(SHARD_SUFFIX)] if path.endswith(SHARD_SUFFIX) else None
         return base, path

@@ -26,8 +26,11 @@ A run that was resumed is read again once what its later attempts
 superseded is known (attempts.scan), as summary.py and checks.py do. Where
 a summary cannot be exact the merged stream is read instead: an id written
 with two types (1 and 1.0) in two sources (a set keeps the first met, and
-here "first" is not the merge's). tapfile/jobs.py reads groups of sources
-so in worker processes and absorbs their states.
+here "first" is not the merge's); a process's copies of replicated values
+in two sources (the shared file and its shard: a copy dropped before the
+other source is read may belong to the first process after all).
+tapfile/jobs.py reads groups of sources so in worker processes and absorbs
+their states.
 """
 
 from __future__ import annotations
@@ -125,11 +128,14 @@ class _Shardwise:
         self.placeable = True
         self.runs_kept = 0
         self.key_budget = MAX_KEY_RUNS  # of this state's sources (_read)
-        # Copies held (in ``copies`` and ``unhashed``); past MAX_HELD_COPIES
-        # the pass stops (``overflow``) and the merged stream is read.
+        # Copies held (in ``copies`` and ``unhashed``); past MAX_HELD_COPIES,
+        # or a process's copies met in two sources (``copy_sources``:
+        # process -> the source of its copies; see _copies), the pass stops
+        # (``overflow``) and the merged stream is read.
         self.held = 0
         self.held_budget = MAX_HELD_COPIES
         self.overflow = False
+        self.copy_sources: dict = {}
 
     @property
     def resumed(self) -> bool:
@@ -173,13 +179,24 @@ class _Shardwise:
                 return
 
     def _copies(self, at: list, records: list) -> None:
-        """Replicated records at their positions."""
-        copies, dropped = self.copies, self.dropped
+        """Replicated records at their positions.
+
+        A copy dropped here is gone for good, which is exact only while no
+        copy of its process can come later with a lesser position (its
+        process would then be the first, every copy of it kept). Within a
+        source positions only grow, so this holds while each process's
+        copies are in one source; a process met in two (a layout changed
+        by a restart: the shared file and a shard; odd ids, ``true`` and
+        1) ends the pass (``overflow``): the merged stream decides."""
+        copies, dropped, sources = self.copies, self.dropped, self.copy_sources
         for pos, r in zip(at, records):
             if not r.vhash:
                 self.unhashed.append((pos, r))
                 self.held += 1
                 continue
+            if sources.setdefault(r.process, pos[1]) != pos[1]:
+                self.overflow = True
+                return
             k = runs.copy_key(r)
             got = copies.get(k)
             if got is None:
@@ -227,6 +244,9 @@ class _Shardwise:
         self.runs_kept += other.runs_kept
         if not (self.placeable and other.placeable) or self.runs_kept > MAX_KEY_RUNS:
             self._forget()
+        for p, src in other.copy_sources.items():
+            if self.copy_sources.setdefault(p, src) != src:
+                self.overflow = True
         held = [x for _, _, mine in other.copies.values() for x in mine]
         self._copies([pos for pos, _ in held], [r for _, r in held])
         self.overflow = self.overflow or other.overflow or self.held > MAX_HELD_COPIES
@@ -350,9 +370,7 @@ class ShardwiseValidation(_Shardwise):
         v.problems += o.problems
         for pos, parts in o.dups:
             v.dups.append((pos, parts))
-        for parts, pos in o.entries_of():
-            if v.firsts.add_parts(parts, pos) is not None:
-                v.dups.append((pos, parts))
+        v.absorb_firsts(o, list(o.entries_of()))
         v.index.absorb(o.index)
         v.flagged |= o.flagged
         v.fingerprinted |= o.fingerprinted
@@ -383,9 +401,13 @@ class ShardwiseValidation(_Shardwise):
 
 def _plain_ids(acc: Summarizer) -> bool:
     """Whether every process and device id of every tap is an int (or
-    None): then no two equal ids of two types met in two orders."""
+    None), and no record that could have had another was added (an id
+    met first keeps an equal one of another type out of the sets): then
+    no two equal ids of two types met in two orders."""
     for names in acc._taps.values():
         for tap in names.values():
+            if tap.odd:
+                return False
             for ids in (tap.processes, tap.devices, tap.first_bad_devs):
                 if set(map(type, ids)) - {int, type(None)}:
                     return False

@@ -193,6 +193,10 @@ class _TapAcc:
         self.norm_step: Any = None
         self.norm: float | None = None
         self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
+        # Whether a record with an id of another type than int (1.0, true)
+        # was added: of equal ids, the sets keep the first met
+        # (shardwise.py).
+        self.odd = False
 
     # ---------------------------------------------------------- adding
 
@@ -269,6 +273,8 @@ class _TapAcc:
         step = r.step
         self.kinds.add(kind)
         self.records += 1
+        if r.odd and not _int_ids(r):  # only a record taken at the readers' level has one
+            self.odd = True
         self.processes.add(r.process)
         self.holders(False, r.processes)
         if r.divergent:
@@ -399,6 +405,7 @@ class _TapAcc:
         o._fold()
         self.kinds |= o.kinds
         self.records += o.records
+        self.odd = self.odd or o.odd
         self.steps |= o.steps
         _union(self.processes, o.processes, ordered)
         _union(self.devices, o.devices, ordered)
@@ -537,8 +544,11 @@ class _TapAcc:
             processes=tuple(sorted_ids(p for p in processes if p is not None)),
             devices=tuple(sorted_ids(devices)),
             last=tuple(dict.fromkeys(last)),
-            min=self.lo if count else None,
-            max=self.hi if count else None,
+            # A zero without its sign: of -0.0 and 0.0, min() and max() keep
+            # the first met, and pieces or shards read apart meet them in
+            # another order than the stream.
+            min=self.lo + 0.0 if count else None,
+            max=self.hi + 0.0 if count else None,
             mean=total / count if count else None,
             nonfinite=self.nonfinite,
             nonscalar=self.nonscalar,
@@ -558,6 +568,15 @@ class _TapAcc:
 
 def _first(pair: tuple) -> Any:
     return pair[0]
+
+
+def _int_ids(r: AnyRecord) -> bool:
+    """Whether every process and device id of ``r`` is an int or None."""
+    ids = [r.process, getattr(r, "device", None)]
+    for holders in (r.devices, r.processes):
+        if type(holders) is list:
+            ids += holders
+    return all(type(i) is int or i is None for i in ids)
 
 
 def _int_values(coords: Any) -> bool:

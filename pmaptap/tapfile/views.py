@@ -174,13 +174,17 @@ def sorted_ids(ids: Iterable[Any]) -> list:
 
 
 def format_ids(ids: Iterable[Any]) -> str:
-    """Sorted ints as compact ranges ("0-3,6"); null devices as "?"."""
+    """Sorted ints as compact ranges ("0-3,6"), then any id of another
+    type a hand-edited file may hold as its JSON (``3.0``, ``"d"``); null
+    devices as "?"."""
     ids = list(ids)
     types = set(map(type, ids))
+    others: list = []
     if types <= {int, type(None)}:  # the usual ids, in C passes (2**20 of them: 0.1 s)
         nums = sorted(set(ids) - {None})
     else:
-        nums = sorted({i for i in ids if isinstance(i, int)})
+        nums = sorted({i for i in ids if type(i) is int})
+        others = sorted((i for i in ids if i is not None and type(i) is not int), key=id_order)
     # Where a range ends: the next id is not one more.
     ends = [i for i in range(1, len(nums)) if nums[i] != nums[i - 1] + 1]
     parts = [
@@ -188,6 +192,7 @@ def format_ids(ids: Iterable[Any]) -> str:
         for a, b in zip([0, *ends], [*ends, len(nums)])
         if b > a
     ]
+    parts += dict.fromkeys(json.dumps(i, default=repr) for i in others)
     if type(None) in types:
         parts.append("?")
     return ",".join(parts) or "-"
