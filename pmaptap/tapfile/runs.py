@@ -74,18 +74,13 @@ def shard_dir(path: str | os.PathLike) -> str:
     return path + SHARD_SUFFIX
 
 
-_SEPARATORS = os.sep + (os.altsep or "")
-
-
 def _run_path(path: str | os.PathLike) -> str:
-    """``path`` as text, a directory's trailing separators dropped:
-    ``RUN.d/`` is the run ``RUN.d`` names, shared file ``RUN`` included
+    """``path`` as text, a directory's spelled as its name: ``RUN.d/`` and
+    ``RUN.d/.`` are the run ``RUN.d`` names, shared file ``RUN`` included
     (read without it, a run would lose that file's records, and ``merge
     RUN.d/ -o RUN`` would replace it)."""
     path = os.fspath(path)
-    if path.endswith(tuple(_SEPARATORS)) and os.path.isdir(path):
-        return path.rstrip(_SEPARATORS) or path
-    return path
+    return os.path.normpath(path) if os.path.isdir(path) else path
 
 
 def shard_path(path: str | os.PathLike, process: int) -> str:

@@ -47,15 +47,19 @@ def _table(out: str) -> str:
     return out.split("\n", 1)[1]
 
 
-def test_a_trailing_slash_names_the_same_run_and_merge_keeps_its_shared_file(tmp_path, capsys):
+def test_a_run_dir_spelled_with_a_slash_or_dot_keeps_its_shared_file(tmp_path, capsys):
     path = _sharded(tmp_path, [_loss(0, 1.0)], {0: [_loss(0, 5.0)], 1: [_loss(1, 3.0)]})
     want = _cli(capsys, "summary", path + ".d")
     assert "2 records" in want[1], want
-    assert _cli(capsys, "summary", path + ".d" + os.sep) == want
-    assert len(pmaptap.read(path + ".d" + os.sep)) == len(pmaptap.read(path)) == 2
     before = open(path, "rb").read()
-    code, _, err = _cli(capsys, "merge", path + ".d" + os.sep, "-o", path)
-    assert code == 2 and "one of the files of run" in err, err
+    for spelled in (os.sep, os.sep + ".", os.sep + "." + os.sep):
+        run = path + ".d" + spelled
+        assert _cli(capsys, "summary", run)[1:] == want[1:], spelled
+        assert len(pmaptap.read(run)) == len(pmaptap.read(path)) == 2
+        code, _, err = _cli(capsys, "merge", run, "-o", path)
+        assert code == 2 and "one of the files of run" in err, err
+        code, _, err = _cli(capsys, "merge", run, "-o", runs.shard_path(path, 9))
+        assert code == 2 and "shard directory" in err, err
     assert open(path, "rb").read() == before
 
 
