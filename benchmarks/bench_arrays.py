@@ -5,21 +5,24 @@ record per shard, its bytes in the writer's byte file), against
 
 - ``raw``: a raw ``jax.debug.callback(partitioned=True)`` of the same
   shards doing nothing (one call per device, no gather);
-- ``raw+write``: the same raw callback appending each shard's bytes to a
+- ``raw+write``: the same raw callback, each shard's bytes appended to a
   file in the same directory (``file.write(memoryview(shard))``, unbuffered,
-  no fsync): the least a callback that stores the bytes can cost;
+  no fsync) by one writer thread, as pmaptap's writer does, the arm's
+  finish waiting for every write: the least a callback that stores the
+  bytes can cost;
 
 and the bytes on disk per byte of the array. Ratios are of *added* cost
 over the same step without any callback, taken per round (paired): arms run
 interleaved, in alternating order, each round ``steps`` steps then the
 arm's finish (the tap's ``flush()``, whose bytes and lines are then on
 disk; ``jax.effects_barrier()`` for the raw arms). Every step's result is
-waited for (``block_until_ready``, as a loop that reads its loss does): a
-raw callback that reads its argument on the CPU backend can otherwise hang
+waited for (``block_until_ready``, as a loop that reads its loss does). A
+raw callback that reads its argument on the CPU backend can hang
 (``jax.debug.callback`` ``device_put``s its arguments to CPU device 0, and
 that copy can queue behind computations dispatched ahead, which wait for
-the callback: seen here within a few hundred steps; ``--pipelined`` where
-that cannot happen, as on a GPU). Each round of an arm
+the callback: seen here within a few hundred steps, and once even with
+every step waited for, in a test run of ``--quick``), hence the writer
+thread; ``--pipelined`` dispatches steps ahead, as on a GPU. Each round of an arm
 opens its own session (or file) before the clock starts and removes it
 after, so the disk never fills.
 
@@ -71,7 +74,8 @@ def _tree_bytes(path: str) -> int:
 
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of each thread of this process (``schedstat``: ns), by
-    group: the main thread, pmaptap's aggregator and writer, and the rest
+    group: the main thread, pmaptap's aggregator and writer (the raw+write
+    arm's writer too), and the rest
     (XLA's compute and callback threads). Linux only; {} elsewhere."""
     import threading
 
@@ -94,7 +98,7 @@ def _thread_cpu() -> dict[str, float]:
             else "aggregator"
             if name.startswith("pmaptap-aggregate")
             else "writer"
-            if name.startswith("pmaptap-write")
+            if name.startswith(("pmaptap-write", "raw-writer"))
             else "XLA (compute, callbacks)"
         )
         out[group] = out.get(group, 0.0) + ns / 1e9
@@ -142,6 +146,8 @@ class Arm:
             self.session.flush()
         else:
             jax.effects_barrier()
+            if self.file is not None:
+                _SINK.wait()
 
     def teardown(self, nbytes: int) -> None:
         if self.session is not None:
@@ -164,16 +170,38 @@ class Arm:
 
 class _Sink:
     """Where the raw+write arm's callback writes: the open file of the
-    round (a module-level holder, so the jitted step is traced once)."""
+    round (a module-level holder, so the jitted step is traced once), by
+    one writer thread: the callback only hands the shard over, since
+    reading it there could wait for a copy queued behind the step that
+    waits for the callback (see above)."""
 
     file: Any = None
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raw-writer")
+        self.pending: list = []
+
+    def write(self, shard: Any) -> None:
+        self.pending.append(self.writer.submit(self._write, self.file, shard))
+
+    @staticmethod
+    def _write(file: Any, shard: Any) -> None:
+        file.write(memoryview(shard))
+
+    def wait(self) -> None:
+        """Every write handed over so far done (its error raised)."""
+        pending, self.pending = self.pending, []
+        for f in pending:
+            f.result()
 
 
 _SINK = _Sink()
 
 
 def _write_shard(shard) -> None:
-    _SINK.file.write(memoryview(shard))
+    _SINK.write(shard)
 
 
 def raw_write_step():
@@ -380,8 +408,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--pipelined",
         action="store_true",
-        help="dispatch a round's steps without waiting for each (not on the CPU "
-        "backend: its raw+write arm can hang there, see above)",
+        help="dispatch a round's steps without waiting for each, as a loop that "
+        "does not read its loss does",
     )
     a = ap.parse_args(argv)
     if "jax" not in sys.modules:
