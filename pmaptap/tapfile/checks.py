@@ -377,21 +377,22 @@ class Validator:
         self.superseded += other.superseded
         self.problems += [(pos + offset, why) for pos, why in other.problems]
         self.dups += [(pos + offset, parts) for pos, parts in other.dups]
-        self.absorb_firsts(other, [(parts, line + offset) for parts, line in other.entries_of()])
+        self.absorb_firsts(other, offset)
         self.index.absorb(other.index)
         self.flagged |= other.flagged
         self.fingerprinted |= other.fingerprinted
         self.resumed = self.resumed or other.resumed
 
-    def absorb_firsts(self, other: Validator, entries: list) -> None:
-        """``other``'s first copies (duplicate_parts, position): one of a
-        key this one holds is a duplicate. Its key is the one ``other``
+    def absorb_firsts(self, other: Validator, offset: int = 0) -> None:
+        """``other``'s first copies, their positions ``offset`` on: one of
+        a key this one holds is a duplicate. Its key is the one ``other``
         met first, whose ids may be of another type than the line's own
         (1.0 for 1) where a record was odd: the line would be described by
         another's id, so the caller reads in one process."""
         odd = self.odd or other.odd
         self.odd = odd
-        for parts, pos in entries:
+        for parts, pos in other.entries_of():
+            pos += offset
             if self.firsts.add_parts(parts, pos) is not None:
                 if odd:
                     raise NeedSerial("ids of two types")

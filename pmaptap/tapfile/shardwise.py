@@ -370,7 +370,7 @@ class ShardwiseValidation(_Shardwise):
         v.problems += o.problems
         for pos, parts in o.dups:
             v.dups.append((pos, parts))
-        v.absorb_firsts(o, list(o.entries_of()))
+        v.absorb_firsts(o)
         v.index.absorb(o.index)
         v.flagged |= o.flagged
         v.fingerprinted |= o.fingerprinted
@@ -400,18 +400,9 @@ class ShardwiseValidation(_Shardwise):
 
 
 def _plain_ids(acc: Summarizer) -> bool:
-    """Whether every process and device id of every tap is an int (or
-    None), and no record that could have had another was added (an id
-    met first keeps an equal one of another type out of the sets): then
-    no two equal ids of two types met in two orders."""
-    for names in acc._taps.values():
-        for tap in names.values():
-            if tap.odd:
-                return False
-            for ids in (tap.processes, tap.devices, tap.first_bad_devs):
-                if set(map(type, ids)) - {int, type(None)}:
-                    return False
-    return True
+    """Whether every process and device id of every record added is an int
+    (or None): then no two equal ids of two types met in two orders."""
+    return not any(tap.odd_ids for names in acc._taps.values() for tap in names.values())
 
 
 def _read(got: _Shardwise, path: str, indexes: "list[int] | None") -> _Shardwise:

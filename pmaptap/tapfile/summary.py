@@ -195,8 +195,8 @@ class _TapAcc:
         self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
         # Whether a record with an id of another type than int (1.0, true)
         # was added: of equal ids, the sets keep the first met
-        # (shardwise.py).
-        self.odd = False
+        # (shardwise.py). Only a record taken at the readers' level has one.
+        self.odd_ids = False
 
     # ---------------------------------------------------------- adding
 
@@ -273,8 +273,8 @@ class _TapAcc:
         step = r.step
         self.kinds.add(kind)
         self.records += 1
-        if r.odd and not _int_ids(r):  # only a record taken at the readers' level has one
-            self.odd = True
+        if r.odd and not _int_ids(r):
+            self.odd_ids = True
         self.processes.add(r.process)
         self.holders(False, r.processes)
         if r.divergent:
@@ -405,7 +405,7 @@ class _TapAcc:
         o._fold()
         self.kinds |= o.kinds
         self.records += o.records
-        self.odd = self.odd or o.odd
+        self.odd_ids = self.odd_ids or o.odd_ids
         self.steps |= o.steps
         _union(self.processes, o.processes, ordered)
         _union(self.devices, o.devices, ordered)

@@ -192,7 +192,7 @@ def format_ids(ids: Iterable[Any]) -> str:
         for a, b in zip([0, *ends], [*ends, len(nums)])
         if b > a
     ]
-    parts += dict.fromkeys(json.dumps(i, default=repr) for i in others)
+    parts += list(dict.fromkeys(json.dumps(i, default=repr) for i in others))  # each once
     if type(None) in types:
         parts.append("?")
     return ",".join(parts) or "-"
