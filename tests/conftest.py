@@ -73,6 +73,41 @@ def spy_deliveries(monkeypatch):
     return install
 
 
+TRANSPORTS = ("callback", "outputs")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "callback_only(why): a test of the host-callback transport itself "
+        "(not run under the output transport, see the `transport` fixture)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    # Modules that use the `transport` fixture run every test twice: taps as
+    # host callbacks (jax.jit / jax.pmap) and as step outputs (pmaptap.jit /
+    # pmaptap.pmap), the same assertions on the same records.
+    if "transport" in metafunc.fixturenames:
+        only = metafunc.definition.get_closest_marker("callback_only")
+        metafunc.parametrize("transport", TRANSPORTS[:1] if only else TRANSPORTS, indirect=True)
+
+
+@pytest.fixture
+def transport(request, monkeypatch):
+    """Which transport the test's steps use: with "outputs", ``jax.jit`` and
+    ``jax.pmap`` called in the test are ``pmaptap.jit`` / ``pmaptap.pmap``
+    (functions jitted where a module is imported keep JAX's own)."""
+    if request.param == "outputs":
+        import jax
+
+        import pmaptap
+
+        monkeypatch.setattr(jax, "jit", pmaptap.jit)
+        monkeypatch.setattr(jax, "pmap", pmaptap.pmap)
+    return request.param
+
+
 @pytest.fixture
 def hcb_drained():
     """host_callback tests start and end with nothing queued and no

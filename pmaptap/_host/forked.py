@@ -51,6 +51,12 @@ def effects_barrier() -> None:
     import jax
 
     jax.effects_barrier()
+    # Steps of pmaptap.jit / pmaptap.pmap deliver their taps from their
+    # outputs, on the output transport's thread (outputs.py); looked up, not
+    # imported: a process that never used it has nothing to wait for.
+    outputs = sys.modules.get("pmaptap._host.outputs")
+    if outputs is not None:
+        outputs.wait()
 
 
 def dispatched_tokens() -> list:

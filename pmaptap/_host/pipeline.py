@@ -141,10 +141,11 @@ class Pipeline:
         self.abandoned = True
         self._close_lock = threading.Lock()  # a parent's thread may have held it
 
-    def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...]) -> bool:
+    def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...], *, block: bool = False) -> bool:
         """Called on XLA's callback thread: queue one payload. False once
-        close() has shut admission (routing then uses the console)."""
-        return self.queue.admit(spec, arrays)
+        close() has shut admission (routing then uses the console).
+        ``block``: wait for room rather than apply the overflow policy."""
+        return self.queue.admit(spec, arrays, block=block)
 
     @property
     def admitting(self) -> bool:

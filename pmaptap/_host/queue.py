@@ -140,9 +140,12 @@ class BoundedQueue:
         self.aggregator_running = True
 
     # ------------------------------------------------------ callback side
-    def admit(self, item: Any, arrays: tuple[Any, ...]) -> bool:
+    def admit(self, item: Any, arrays: tuple[Any, ...], *, block: bool = False) -> bool:
         """Queue one payload ``(item, arrays)``. False once shut (the caller
-        sends it elsewhere); True when queued, or dropped and counted."""
+        sends it elsewhere); True when queued, or dropped and counted.
+        ``block``: wait for room whatever the overflow policy (the output
+        transport's drain thread, whose waiting slows the loop's dispatch
+        instead of dropping values: _host/outputs.py)."""
         size = payload_bytes(arrays)
         with self._lock:
             if not self.admitting:
@@ -151,6 +154,13 @@ class BoundedQueue:
             while self._over(size):
                 if not self._bound_said and self._bound is None:
                     self._bound = self._which_bound(size)
+                if block and self.aggregator_running:
+                    if self._aggregator == _LINGERING:
+                        self._payload_cv.notify()
+                    self._space_cv.wait(0.1)
+                    if not self.admitting:
+                        return False
+                    continue
                 if self.overflow == "drop_newest" or not self.aggregator_running:
                     self.dropped += 1
                     return True

@@ -23,6 +23,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from pmaptap._host import outputs
 from pmaptap._host.forked import effects_barrier
 from pmaptap._log import log
 
@@ -75,34 +76,49 @@ def _close_console(p: "Pipeline") -> None:
         log.error(f"[pmaptap] console output incomplete at exit: {e}")
 
 
-def deliver(spec: "TapSpec", arrays: tuple[Any, ...]) -> None:
-    """Entry point of every host callback. Never raises into XLA: a failure is
-    recorded on the pipeline and re-raised at the next flush()/close()."""
+def deliver(spec: "TapSpec", arrays: tuple[Any, ...], *, block: bool = False) -> None:
+    """Entry point of every host callback, and of the output transport's
+    drain (``block``: wait for room in the queue rather than drop). Never
+    raises into XLA: a failure is recorded on the pipeline and re-raised at
+    the next flush()/close()."""
     try:
         s = _active
-        if s is not None and s.pipeline.ingest(spec, arrays):
+        if s is not None and s.pipeline.ingest(spec, arrays, block=block):
             return
         # No session, or its close() already shut admission.
-        if console().ingest(spec, arrays):
+        if console().ingest(spec, arrays, block=block):
             return
         # The console itself closed between the two lines above (interpreter
         # exit); one more fresh console, and a word on stderr if even that
         # does not take it.
-        if not console().ingest(spec, arrays):
+        if not console().ingest(spec, arrays, block=block):
             log.warning(
                 f"[pmaptap] a tap of {spec.name!r} arrived while "
                 "pmaptap was shutting down and was not written"
             )
     except BaseException as e:  # noqa: BLE001 - must not propagate into XLA
-        try:
-            s = _active
-            p = s.pipeline if s is not None else _console
-            if p is not None:
-                p.record_error(e)
-            else:
-                log.error(f"[pmaptap] dropped a tap of {spec.name!r}: {e!r}")
-        except BaseException:  # noqa: BLE001
-            pass
+        report(e, spec.name)
+
+
+def report(e: BaseException, name: str) -> None:
+    """A failure on a pmaptap thread, for the next flush()/close() of the
+    active session (or the console's): never raised where it happened."""
+    try:
+        s = _active
+        p = s.pipeline if s is not None else _console
+        if p is not None:
+            p.record_error(e)
+        else:
+            log.error(f"[pmaptap] dropped a tap of {name!r}: {e!r}")
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def submit_outputs(nodes: Any, arrays: Any, max_bytes: int | None = None) -> None:
+    """The output transport's seam (pmaptap.jit / pmaptap.pmap): one
+    dispatched step's lifted taps, delivered by the drain thread through
+    ``deliver`` (outputs.py)."""
+    outputs.submit(nodes, arrays, max_bytes, deliver, report)
 
 
 def _after_fork_in_child() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pmaptap import distributed
-from pmaptap._host import routing, sigterm
+from pmaptap._host import outputs, routing, sigterm
 from pmaptap._host.forked import dispatched_tokens, effects_barrier
 from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.pipeline import Pipeline
@@ -565,6 +565,7 @@ def _effects_barrier(stall: float | None, pipeline: Pipeline | None = None) -> N
         try:
             for t in tokens:
                 t.block_until_ready()
+            outputs.wait()  # taps leaving dispatched steps as outputs
         except BaseException:  # noqa: BLE001 - a failed step: nothing to wait for
             pass
         finally:

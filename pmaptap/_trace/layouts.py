@@ -259,7 +259,7 @@ def _jit_entry(specs: tuple, counts: tuple, restore: tuple, places):
     return entry
 
 
-def _emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
+def emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     layout = spec.transport.layout
     if layout in (Layout.SHARDS, Layout.WHOLE):
         jit_call((spec,), (len(leaves),), coords, (step,), leaves)
@@ -306,7 +306,7 @@ def emitter(spec: TapSpec, raw_names: tuple):
 
     @custom_vmap
     def emit_fn(coords, step, *leaves):
-        _emit_now(spec, raw_names, coords, step, leaves)
+        emit_now(spec, raw_names, coords, step, leaves)
         return coords
 
     @emit_fn.def_vmap

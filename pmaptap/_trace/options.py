@@ -43,6 +43,11 @@ class Options:
     # gather + cond + callback, emitted when the body's trace ends (see
     # group.auto_offer). Off: one each, where each tap is written.
     auto_group: bool = True
+    # pmaptap.jit / pmaptap.pmap: bytes of step outputs (tapped values) on
+    # their way to the host before the next step's dispatch waits for them
+    # (read at each call, not at trace time): a slow disk slows the loop
+    # rather than dropping values or holding unbounded memory.
+    max_in_flight_bytes: int = 1 << 30
 
 
 _current = Options()

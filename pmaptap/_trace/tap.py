@@ -11,10 +11,10 @@ import numpy as np
 
 from pmaptap._common.spec import Layout, TapSite, TapSpec
 from pmaptap._common.switch import taps_off
-from pmaptap._trace import placement, primitive
+from pmaptap._trace import outputs, placement, primitive
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords, emit
-from pmaptap._trace.layouts import static_step_operand
+from pmaptap._trace.layouts import choose_layout, static_step_operand
 from pmaptap._trace.stats import statistics_of_big_leaves
 
 T = TypeVar("T")
@@ -112,9 +112,24 @@ def _emit_leaves(
         step_arr = traced_step
     else:
         step_arr = static_step_operand(-1 if static_step is None else static_step)
-    emit(
-        spec, raw_names, sent, coords, step_arr, traced_every=traced_step is not None and every > 1
-    )
+    traced_every = traced_step is not None and every > 1
+    if outputs.collecting():
+        # pmaptap.jit / pmaptap.pmap: the tap leaves the step as an output
+        # (lift.py); one copy per process travels when the value is the same
+        # on every device by construction, as the callback transport's
+        # PROVEN / VERIFIED_OFF layouts send one.
+        chosen = choose_layout(spec, sent, raw_names)
+        proven = chosen.transport.layout in (Layout.PROVEN, Layout.VERIFIED_OFF)
+        outputs.mark(
+            chosen if proven else spec,
+            coords,
+            step_arr,
+            sent,
+            traced_every=traced_every,
+            proven=proven,
+        )
+        return
+    emit(spec, raw_names, sent, coords, step_arr, traced_every=traced_every)
 
 
 def tap(x: T, name: str, *, step=None, dedup: str = "auto", every: int = 1) -> T:

@@ -34,6 +34,8 @@ from pmaptap import host_callback as hcb
 from pmaptap._host.sink import FileSink
 from pmaptap.tapfile.format import encode_line
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def _named(recs: list[dict], name: str) -> list[dict]:
     return [r for r in recs if r["name"] == name]
@@ -104,6 +106,7 @@ def test_empty_and_zero_d_values_under_jit_and_pmap(session, tap_path) -> None:
     assert all(r["shape"] == {"e": [0], "v": [1]} for r in mix)
 
 
+@pytest.mark.callback_only("as outputs, the empty values are recorded")
 def test_pmap_of_only_empty_inputs_is_not_run_by_jax(session, tap_path) -> None:
     # Documented, not ours: JAX does not execute a pmap whose inputs are all
     # zero-sized, so no callback of any kind fires (jax.debug.callback
@@ -200,6 +203,7 @@ def _close(got: dict, want: dict) -> bool:
     )
 
 
+@pytest.mark.callback_only("spies on the host callbacks")
 def test_values_above_max_value_bytes_become_statistics_on_device(
     session, tap_path, spy_deliveries
 ) -> None:
@@ -615,6 +619,7 @@ _GOOD_OPTIONS = {
     "gather_max_bytes": [0, 1 << 20, np.int64(64)],
     "max_value_bytes": [None, 0, 4096],
     "auto_group": [True, False, np.bool_(False)],
+    "max_in_flight_bytes": [0, 1 << 30, np.int64(4096)],
 }
 _BAD_OPTIONS = {
     "gather": ["yes", 1, None, "False"],
@@ -623,6 +628,7 @@ _BAD_OPTIONS = {
     "gather_max_bytes": [-1, 1.5, True, "1MiB", None],
     "max_value_bytes": [-1, 1.5, True, "1MiB"],
     "auto_group": ["on", 1, None],
+    "max_in_flight_bytes": [-1, 1.5, True, "1GiB", None],
 }
 
 
@@ -647,6 +653,7 @@ def test_every_configure_option_is_checked_and_says_what_is_allowed():
             "gather_max_bytes": "int >= 0",
             "max_value_bytes": r"int >= 0 \(bytes\) or None",
             "auto_group": "True or False",
+            "max_in_flight_bytes": "int >= 0",
         }
         for name, values in _BAD_OPTIONS.items():
             for v in values:

@@ -15,6 +15,8 @@ import pmaptap
 from conftest import logs_warning, record_dict, run_python
 from pmaptap._host.encode import encode_array
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def _strict_lines(path):
     def no_constants(name):

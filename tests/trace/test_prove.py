@@ -18,6 +18,8 @@ import pmaptap
 from pmaptap._common.spec import Layout
 from pmaptap._trace import invariant, placement
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def test_jax_internals_the_proof_reads_are_still_there():
     # Fails loudly on a JAX upgrade that moves them (the proof itself would
@@ -243,6 +245,7 @@ def _mixed_step(v):
     return v
 
 
+@pytest.mark.callback_only("spies on the callback layouts")
 @pytest.mark.parametrize("auto_group", [True, False])
 def test_proven_records_equal_the_compared_records(tmp_path, layouts, auto_group):
     x = jnp.arange(8.0)
@@ -286,6 +289,7 @@ def test_big_proven_value_skips_the_hash_gather(tmp_path):
     assert [r["value"] for r in recs] == [[3.5] * 64, [4.5] * 64]
 
 
+@pytest.mark.callback_only("spies on the callback layouts")
 def test_a_group_of_proven_taps_needs_no_gather(tmp_path, layouts):
     @pmaptap.group()
     def step(v):

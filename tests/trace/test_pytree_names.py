@@ -14,6 +14,8 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 import pmaptap
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 class Named:
     """A register_pytree_with_keys node keyed by DictKey and GetAttrKey."""

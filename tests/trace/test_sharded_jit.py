@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from conftest import job_failed, python_cmd, run_launch, run_python, train_argv
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all")
 
 
@@ -107,6 +109,10 @@ def test_per_device_on_replicated_slices_names_every_device(tap_path):
     _check_per_device(pmaptap.read(tap_path), y, mesh)
 
 
+@pytest.mark.callback_only(
+    "a jit output is never unevenly sharded: as an output the value is laid out "
+    "evenly (docs/api.md, the output transport)"
+)
 @pytest.mark.parametrize("dedup", ["per_device", "auto", "replicated"])
 def test_uneven_sharding_writes_no_padding_and_crops_padded_tiles(tap_path, dedup):
     # 2 and 5 rows over the 4-way "data" axis: XLA pads every tile to
@@ -478,7 +484,7 @@ def _flax_mlp():
     return nnx, MLP
 
 
-def test_flax_nnx_data_and_tensor_parallel_step(tap_path):
+def test_flax_nnx_data_and_tensor_parallel_step(tap_path, transport):
     # A Flax NNX train step on a 4x2 (data x model) mesh: taps in __call__,
     # inside the differentiated function, in one group() with the loss.
     import optax
@@ -513,7 +519,9 @@ def test_flax_nnx_data_and_tensor_parallel_step(tap_path):
 
         # The forward taps and the loss: one partitioned callback; the
         # backward tap (the cotangent, in the transposed program) another.
-        assert _host_calls(jax.jit(pure).lower(state, x, t).compile().as_text()) == (2, 0)
+        # As outputs (pmaptap.jit): the compiled step holds no host call at all.
+        calls = (2, 0) if transport == "callback" else (0, 0)
+        assert _host_calls(jax.jit(pure).lower(state, x, t).compile().as_text()) == calls
         step = nnx.jit(train_step)
         with pmaptap.Session(tap_path, run="flax"):
             losses = [float(step(model, opt, x, t)) for _ in range(2)]

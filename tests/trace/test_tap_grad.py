@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from conftest import BAD_TAP_ARGS
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def _named(recs, name, pass_="backward"):
     return [r for r in recs if r["name"] == name and r.get("pass", "forward") == pass_]

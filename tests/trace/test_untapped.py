@@ -12,6 +12,8 @@ from jax import lax
 import pmaptap
 from conftest import run_python
 
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def _make_step():
     # A jitted helper and a scan body with taps: JAX caches both traces, so
@@ -53,6 +55,7 @@ def test_untapped_version_records_nothing_and_never_leaks_into_the_tapped_one(
         np.testing.assert_array_equal(out, (np.arange(8.0) + 2) * 2)
 
 
+@pytest.mark.callback_only("the tapped step holds callbacks only on that transport")
 def test_untapped_compiles_without_any_host_callback():
     step = _make_step()
     x = jnp.arange(8.0)

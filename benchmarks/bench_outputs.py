@@ -1,0 +1,250 @@
+"""Taps as step outputs (pmaptap.jit) against taps as host callbacks.
+
+Three workloads of a training step, each with these arms, interleaved,
+paired medians of ms added per step over the untapped step (steps
+dispatched ahead, the round waiting for the last step and a flush):
+
+- ``untapped``: the step alone;
+- ``tap (callback)``: ``jax.jit`` with ``pmaptap.tap`` (the callback transport);
+- ``raw debug.callback``: ``jax.jit`` with ``jax.debug.callback`` of the same
+  values, doing nothing with them;
+- ``tap (outputs)``: ``pmaptap.jit``, the same taps;
+- ``output floor``: the same values returned from the step,
+  ``copy_to_host_async`` at dispatch, read two steps later (array workload:
+  and written by a writer thread) - what moving them off the device costs.
+
+Workloads: ``scalars`` (a bf16 MLP's value_and_grad + SGD, loss and gradient
+norm tapped), ``scan`` (the same MLP's layers in a ``lax.scan``, one scalar
+tap per layer), ``array`` (one activation stored as bytes every step).
+
+On a TPU chip: ``python benchmarks/bench_outputs.py`` (one device). On CPU
+(the suite's quick mode, and the CPU table): 8 simulated devices, the batch
+sharded over them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import tempfile
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import interleaved_rounds, machine, paired, rss_mib, table  # noqa: E402
+
+
+def run(quick: bool = False, tpu: bool = False) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pmaptap
+
+    # The array workload stores the activation as bytes, whatever its size
+    # (above max_value_bytes a tap would write its statistics instead).
+    pmaptap.configure(max_value_bytes=None)
+    ndev = len(jax.devices())
+    width = 256 if quick else (2048 if tpu else 512)
+    layers = 4 if quick else 16
+    batch = 64 if quick else (1024 if tpu else 256)
+    act_mib = 1 if quick else (32 if tpu else 8)
+    steps = 4 if quick else 30
+    rounds = 2 if quick else 9
+    dtype = jnp.bfloat16 if tpu else jnp.float32
+    mesh = jax.make_mesh((ndev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    shard = NamedSharding(mesh, P("data")) if ndev > 1 else None
+
+    key = jax.random.PRNGKey(0)
+    w = jax.random.normal(key, (layers, width, width), dtype) * (1.0 / width**0.5)
+    x = jax.random.normal(key, (batch, width), dtype)
+    if shard is not None:
+        x = jax.device_put(x, shard)
+    act_elems = act_mib * 2**20 // np.dtype(dtype).itemsize
+    act_shape = (batch, max(1, act_elems // batch))
+
+    def mlp(w, x, tap_layer):
+        def layer(h, wl):
+            h = jnp.tanh(h @ wl)
+            tap_layer(jnp.mean(h.astype(jnp.float32)))
+            return h, None
+
+        h, _ = lax.scan(layer, x, w)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def make(workload: str, how: str):
+        """The python step ``(w, x) -> (w, extra outputs to read)``."""
+
+        def layer_tap(v):
+            if workload != "scan":
+                return
+            if how == "tap":
+                pmaptap.tap(v, "layer")
+            elif how == "raw":
+                jax.debug.callback(lambda *_: None, v)
+
+        def step(w, x):
+            loss, g = jax.value_and_grad(lambda w: mlp(w, x, layer_tap))(w)
+            w = w - 0.01 * g.astype(w.dtype)
+            gnorm = jnp.sqrt(jnp.sum(g.astype(jnp.float32) ** 2))
+            outs = ()
+            if workload == "scalars":
+                if how == "tap":
+                    pmaptap.tap(loss, "loss")
+                    pmaptap.tap(gnorm, "gnorm")
+                elif how == "raw":
+                    jax.debug.callback(lambda *_: None, loss, gnorm)
+                elif how == "floor":
+                    outs = (loss, gnorm)
+            if workload == "array":
+                a = jnp.broadcast_to(jnp.tanh(x[:, :1]).astype(dtype), act_shape) + jnp.asarray(
+                    loss, dtype
+                )
+                if how == "tap":
+                    pmaptap.tap(a, "act", dedup="per_device")
+                elif how == "raw":
+                    jax.debug.callback(_write_raw, a)
+                elif how == "floor":
+                    outs = (a,)
+            return w, outs
+
+        if workload == "scan" and how == "floor":
+
+            def step_scan(w, x):
+                def inner(w):
+                    def layer(h, wl):
+                        h = jnp.tanh(h @ wl)
+                        return h, jnp.mean(h.astype(jnp.float32))
+
+                    h, ys = lax.scan(layer, x, w)
+                    return jnp.mean(h.astype(jnp.float32) ** 2), ys
+
+                (_, ys), g = jax.value_and_grad(inner, has_aux=True)(w)
+                return w - 0.01 * g.astype(w.dtype), (ys,)
+
+            return step_scan
+        return step
+
+    writes: queue.Queue = queue.Queue()
+    raw_path = os.path.join(tempfile.mkdtemp(), "raw.bin")
+
+    def _writer() -> None:
+        with open(raw_path, "ab") as f:
+            while True:
+                item = writes.get()
+                if item is None:
+                    return
+                if isinstance(item, threading.Event):
+                    item.set()
+                    continue
+                f.write(np.asarray(item).tobytes())
+
+    threading.Thread(target=_writer, daemon=True).start()
+
+    global _write_raw
+
+    def _write_raw(a) -> None:
+        writes.put(np.asarray(a))
+
+    def writes_done() -> None:
+        ev = threading.Event()
+        writes.put(ev)
+        ev.wait()
+
+    tmp = tempfile.mkdtemp()
+    session = pmaptap.Session(os.path.join(tmp, "bench.jsonl"), run="bench").open()
+
+    def arm(workload: str, how: str):
+        if how == "out":
+            fn = pmaptap.jit(make(workload, "tap"), donate_argnums=0)
+        else:
+            fn = jax.jit(make(workload, how), donate_argnums=0)
+        state = {"w": w + 0}
+
+        def go() -> None:
+            pending = []
+            for _ in range(steps):
+                state["w"], outs = fn(state["w"], x)
+                if how == "floor":
+                    for o in outs:
+                        o.copy_to_host_async()
+                    pending.append(outs)
+                    if len(pending) > 2:
+                        for o in pending.pop(0):
+                            got = np.asarray(o)
+                            if workload == "array":
+                                writes.put(got)
+            state["w"].block_until_ready()
+            for outs in pending:
+                for o in outs:
+                    got = np.asarray(o)
+                    if workload == "array":
+                        writes.put(got)
+            if how in ("tap", "out"):
+                session.flush()
+            elif how == "raw":
+                jax.effects_barrier()
+            if workload == "array" and how in ("raw", "floor"):
+                writes_done()
+
+        return go
+
+    rows = []
+    for workload in ("scalars", "scan", "array"):
+        arms = {how: arm(workload, how) for how in ("base", "tap", "raw", "out", "floor")}
+        times = interleaved_rounds(arms, rounds=rounds, steps=steps)
+        base_ms = sorted(times["base"])[len(times["base"]) // 2] * 1e3
+
+        def added(how: str) -> float:
+            d = sorted(a - b for a, b in zip(times[how], times["base"]))
+            return d[len(d) // 2] * 1e3
+
+        rows.append(
+            (
+                workload,
+                f"{base_ms:.2f}",
+                f"{added('tap'):+.3f}",
+                f"{added('raw'):+.3f}",
+                f"{added('out'):+.3f}",
+                f"{added('floor'):+.3f}",
+                f"{paired(times, 'out', 'floor', 'base'):.2f}x",
+                f"{paired(times, 'out', 'tap', 'base'):.2f}x",
+            )
+        )
+    session.close()
+    writes.put(None)
+    print(f"bench_outputs on {machine()}: {ndev} device(s), {steps} steps x {rounds} rounds")
+    print(
+        table(
+            rows,
+            (
+                "workload",
+                "untapped ms",
+                "tap (callback)",
+                "raw debug.callback",
+                "tap (outputs)",
+                "output floor",
+                "outputs/floor",
+                "outputs/callback",
+            ),
+        )
+    )
+    print(f"peak RSS {rss_mib():.0f} MiB")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tpu", action="store_true", help="one accelerator chip: bf16, bigger sizes")
+    a = ap.parse_args()
+    if not a.tpu:
+        from benchmarks.common import set_devices
+
+        set_devices(8)
+    run(quick=a.quick, tpu=a.tpu)

@@ -1,0 +1,68 @@
+"""What a step's lifted taps look like, fixed when the step is traced: the
+description the trace half (``_trace/lift.py``) writes and the host half
+(``_host/outputs.py``) reads to turn a step's extra outputs back into the
+payloads a host callback would have delivered.
+
+A step's taps form a tree in execution order: a ``Site`` is one tap in the
+program, a ``Loop`` a ``scan`` whose body holds taps (its sites' outputs are
+stacked, one row per iteration, outermost loop first). Each operand of a
+site (valid, coords, step, then the leaves) is either known while tracing
+(kept here as a NumPy value, costs no output) or one extra output of the
+step, in tree order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from pmaptap._common.spec import TapSpec
+
+# Where a lifted tap's copies live, which decides the payloads it becomes.
+ROWS = "rows"  # one copy per device of a mapped axis (pmap, shard_map): a row each
+SHARDS = "shards"  # plain jit: the value's shards, where the step's output holds them
+ONE = "one"  # plain jit of scalars, or one device: one copy
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+    spec: TapSpec
+    where: str  # ROWS, SHARDS or ONE
+    # Per operand (valid, coords, step, *leaves): its value when known while
+    # tracing, else None (it travels as an output). valid None at its slot
+    # and not traced: always recorded.
+    static: tuple[Any, ...]
+    traced: tuple[bool, ...]
+    # The value is the same on every device by construction (a pmean result,
+    # proven at trace time): one copy per process travels to the pipeline.
+    proven: bool = False
+    loops: int = 0  # enclosing Loops: leading axes of every output, outermost first
+    # ROWS lifted out of a shard_map/pmap: the position, among the leading
+    # axes, of the axis of one row per mapped device (row-major over the
+    # mesh's manual axes); None before it is lifted out of one.
+    rows: int | None = None
+
+    @property
+    def outputs(self) -> int:
+        return sum(self.traced)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Loop:
+    length: int
+    reverse: bool  # iterations ran last to first
+    children: tuple["Node", ...]
+
+
+Node = Union[Site, Loop]  # noqa: UP007 (a runtime alias on 3.10)
+
+
+def sites(nodes: tuple[Node, ...]) -> list[Site]:
+    """Every site of a tree, in output order."""
+    out: list[Site] = []
+    for n in nodes:
+        if isinstance(n, Loop):
+            out += sites(n.children)
+        else:
+            out.append(n)
+    return out

@@ -1,0 +1,442 @@
+"""The host half of the output transport: a step's lifted taps (its extra
+outputs, see _trace/lift.py) become the payloads a host callback would have
+delivered, on a pmaptap thread, in dispatch order.
+
+    step returns --submit()--> copies to host started, step queued (bounded)
+        --drain thread--> wait for the copies --payloads--> routing.deliver
+
+``submit`` runs on the training loop's thread right after the step is
+dispatched: it starts each output's device-to-host copy
+(``copy_to_host_async``) and queues the step; it waits only when more than
+the bound of bytes are already in flight (a slow disk slows the loop, said
+once, and nothing is dropped). The drain thread waits for the copies, takes
+the outputs apart per execution (loops, devices, shards) and hands each
+payload to the active pipeline, blocking where the pipeline is full.
+``wait()`` (every flush, close, SIGTERM and exit: forked.effects_barrier)
+returns once every step submitted before it has been delivered.
+
+A payload is what the callback transport's lowering would have handed
+over, so aggregation, dedup, divergence and records are the pipeline's own:
+- rows (pmap / shard_map): one ``Layout.COPY`` payload per device row
+  ``(coords, step, *leaves)``, or one row per process for a value proven
+  replicated (``Layout.PROVEN`` / ``VERIFIED_OFF``);
+- shards (plain jit over several devices): one payload per shard this
+  process holds, ``(partition, coords, step, *shards)``, with a
+  ``ShardPlacement`` read off the output's sharding (scalars: partition 0
+  only, as ``Layout.WHOLE``);
+- one device: the whole value, the spec naming that device.
+
+No JAX tracing here: the outputs are read through the ``jax.Array``
+methods every array has (``copy_to_host_async``, ``addressable_shards``,
+``sharding``), and the spec and description are plain data (_common).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site, sites
+from pmaptap._common.shard_placement import ShardPlacement, _slices_by_device
+from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._host import shards as shard_host
+from pmaptap._log import log
+
+# Bytes of step outputs submitted and not yet delivered before ``submit``
+# waits (pmaptap.configure(max_in_flight_bytes=...) passes its own).
+MAX_IN_FLIGHT_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class _Step:
+    nodes: tuple[Node, ...]
+    arrays: list  # jax.Arrays, in the nodes' output order
+    shards: dict[int, list]  # output position -> its addressable shards (per-shard reads)
+    nbytes: int
+    seq: int
+
+
+class Drain:
+    """One per process: the queue of submitted steps and its thread.
+    ``deliver(spec, payload, block=)`` and ``report(error, name)`` are
+    routing's (the seam; this module does not import it)."""
+
+    def __init__(
+        self, deliver: Callable[..., None], report: Callable[[BaseException, str], None]
+    ) -> None:
+        self._deliver_one, self._report = deliver, report
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Step] = collections.deque()
+        self._in_flight = 0
+        self._submitted = 0
+        self._done = 0
+        self._thread: threading.Thread | None = None
+        self._slow_said = False
+        self._plans: dict[int, tuple[tuple[Node, ...], list[Site], frozenset]] = {}
+
+    # ------------------------------------------------ the loop's thread
+    def submit(self, nodes: tuple[Node, ...], arrays: Sequence[Any], max_bytes: int) -> None:
+        if not nodes:
+            return
+        per_shard = self._plan(nodes)[2]
+        shards: dict[int, list] = {}
+        nbytes = 0
+        for i, a in enumerate(arrays):
+            nbytes += int(getattr(a, "nbytes", 0))
+            if i in per_shard and len(a.sharding.device_set) > 1:
+                # Each device's own copy is read: a replicated slice's
+                # copies are compared, as the callback transport compares them.
+                shards[i] = list(a.addressable_shards)
+                for s in shards[i]:
+                    _start_copy(s.data)
+            else:
+                _start_copy(a)
+        with self._cv:
+            while self._queue and self._in_flight + nbytes > max_bytes:
+                if not self._slow_said:
+                    self._slow_said = True
+                    log.warning(
+                        f"pmaptap: {self._in_flight / 2**20:.0f} MiB of tapped step "
+                        "outputs wait for the host (the disk or the pipeline is "
+                        "slower than the steps); the loop now waits for them "
+                        "instead of holding more (pmaptap.configure("
+                        "max_in_flight_bytes=...) sets the bound)"
+                    )
+                self._cv.wait(0.5)
+            self._submitted += 1
+            self._queue.append(_Step(tuple(nodes), list(arrays), shards, nbytes, self._submitted))
+            self._in_flight += nbytes
+            self._ensure_thread()
+            self._cv.notify_all()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="pmaptap-outputs", daemon=True)
+            self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every step submitted before this call was delivered
+        (False after ``timeout`` seconds)."""
+        with self._cv:
+            target = self._submitted
+            return self._cv.wait_for(lambda: self._done >= target, timeout)
+
+    # ------------------------------------------------ the drain thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    if not self._cv.wait(30.0):
+                        if not self._queue:
+                            self._thread = None
+                            return
+                step = self._queue[0]
+            try:
+                self._deliver(step)
+            except BaseException as e:  # noqa: BLE001 - reported at flush, never lost silently
+                self._report(e, "pmaptap.jit outputs")
+            with self._cv:
+                self._queue.popleft()
+                self._in_flight -= step.nbytes
+                self._done = step.seq
+                self._cv.notify_all()
+
+    def _plan(self, nodes: tuple[Node, ...]):
+        """(nodes, their sites, the output positions read shard by shard),
+        once per traced step."""
+        plan = self._plans.get(id(nodes))
+        if plan is None or plan[0] is not nodes:
+            ss = sites(nodes)
+            per_shard, i = set(), 0
+            for s in ss:
+                for j, traced in enumerate(s.traced):
+                    if traced:
+                        if s.where == SHARDS and j >= 3:
+                            per_shard.add(i)
+                        i += 1
+            plan = (nodes, ss, frozenset(per_shard))
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            self._plans[id(nodes)] = plan
+        return plan
+
+    def _deliver(self, step: _Step) -> None:
+        _, ss, _ = self._plan(step.nodes)
+        views: dict[int, list[_View]] = {}
+        i = 0
+        for s in ss:
+            vs = []
+            for traced in s.traced:
+                if traced:
+                    vs.append(_View(step.arrays[i], step.shards.get(i)))
+                    i += 1
+                else:
+                    vs.append(None)
+            views[id(s)] = vs
+        for site, index in _executions(step.nodes, ()):
+            for spec, payload in _payloads(site, views[id(site)], index):
+                self._deliver_one(spec, payload, block=True)
+
+
+def _start_copy(a: Any) -> None:
+    try:
+        a.copy_to_host_async()
+    except Exception:  # noqa: BLE001 - the read below copies it anyway
+        pass
+
+
+class _View:
+    """One output as the host reads it: the whole value (np.asarray, which
+    waits for the copy started at submit), or, for per-shard reads, each
+    device's own shard."""
+
+    __slots__ = ("array", "shards", "_host", "_pieces")
+
+    def __init__(self, array: Any, shards: list | None) -> None:
+        self.array, self.shards = array, shards
+        self._host: np.ndarray | None = None
+        self._pieces: list | None = None
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            a = self.array
+            if getattr(a, "is_fully_addressable", True):
+                self._host = np.asarray(a)
+            else:
+                # A global value of a multi-process job: this process's rows
+                # (pieces elsewhere stay zero; rows() says which are here).
+                out = np.zeros(a.shape, a.dtype)
+                for s in a.addressable_shards:
+                    out[s.index] = np.asarray(s.data)
+                self._host = out
+        return self._host
+
+    def pieces(self) -> list[tuple[int, tuple, np.ndarray]]:
+        """(device id, global index, data) of each shard this process holds."""
+        if self._pieces is None:
+            if self.shards is None:
+                dev = next(iter(self.array.sharding.device_set)).id
+                self._pieces = [(dev, (), self.host())]
+            else:
+                self._pieces = [
+                    (s.device.id, _index(s.index, s.data.shape), np.asarray(s.data))
+                    for s in self.shards
+                ]
+        return self._pieces
+
+    def rows(self, axis: int) -> list[int]:
+        """The rows along ``axis`` this process holds."""
+        a = self.array
+        if getattr(a, "is_fully_addressable", True):
+            return list(range(a.shape[axis]))
+        held = set()
+        for s in a.addressable_shards:
+            sl = s.index[axis]
+            start = 0 if sl.start is None else sl.start
+            stop = a.shape[axis] if sl.stop is None else sl.stop
+            held.update(range(start, stop))
+        return sorted(held)
+
+
+def _index(idx: tuple, shape: tuple) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (0 if s.start is None else int(s.start), (0 if s.start is None else int(s.start)) + int(n))
+        for s, n in zip(idx, shape)
+    )
+
+
+def _executions(nodes: Sequence[Node], index: tuple[int, ...]) -> Iterator[tuple[Site, tuple]]:
+    """(site, loop indices outermost first) in execution order: a loop's
+    iterations in the order they ran, each running its body's sites."""
+    for n in nodes:
+        if isinstance(n, Loop):
+            order = range(n.length - 1, -1, -1) if n.reverse else range(n.length)
+            for i in order:
+                yield from _executions(n.children, index + (i,))
+        else:
+            yield n, index
+
+
+def _at(site: Site, loops: tuple[int, ...], row: int | None) -> tuple:
+    """The leading index of one execution (and device row) in an output."""
+    out = list(loops)
+    if site.rows is not None:
+        out.insert(site.rows, row)
+    return tuple(out)
+
+
+def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple[TapSpec, tuple]]:
+    spec = site.spec
+
+    def operand(j: int, lead: tuple):
+        v = views[j]
+        if v is None:
+            return site.static[j]
+        return v.host()[lead]
+
+    if site.where == ROWS:
+        traced = [v for v in views if v is not None]
+        rows = traced[0].rows(site.rows) if traced and site.rows is not None else [None]
+        for row in rows:
+            lead = _at(site, loops, row)
+            valid = operand(0, lead)
+            if valid is not None and not bool(valid):
+                continue
+            payload = (operand(1, lead), operand(2, lead)) + tuple(
+                operand(j, lead) for j in range(3, len(views))
+            )
+            yield spec, payload
+            if site.proven:
+                return  # one copy per process, as the leader sends it
+        return
+    lead = _at(site, loops, None)
+    valid = operand(0, lead)
+    if valid is not None and not bool(valid):
+        return
+    coords, step = operand(1, lead), operand(2, lead)
+    leaf_views = views[3:]
+    traced = [v for v in leaf_views if v is not None]
+    if site.where == ONE or not traced:
+        leaves = tuple(operand(j, lead) for j in range(3, len(views)))
+        yield spec, (coords, step) + leaves
+        return
+    devices = traced[0].array.sharding.device_set
+    if len(devices) == 1:
+        # One device: its whole value, named (the callback cannot say which);
+        # leaves above max_value_bytes as their statistics, which the
+        # callback's lowering computes on the device for one device.
+        leaves = [operand(j, lead) for j in range(3, len(views))]
+        leaves, _ = shard_host.statistics_of_leaves(spec.site, leaves)
+        yield _on_device(site, next(iter(devices)).id), (coords, step, *leaves)
+        return
+    bound, place = _bound(site, leaf_views, len(loops))
+    if spec.transport.layout is Layout.WHOLE:
+        if place.processes[0] != place.me:
+            return  # partition 0's copy is read, on the process that holds it
+        leaves = tuple(operand(j, lead) for j in range(3, len(views)))
+        yield bound, (np.zeros((1,), np.uint32), coords, step) + leaves
+        return
+    # SHARDS: one payload per device this process holds, with its own shards.
+    by_device: list[dict[int, np.ndarray]] = []
+    for _j, v in enumerate(leaf_views):
+        if v is None:
+            by_device.append({})
+            continue
+        if v.shards is None:
+            whole = v.host()[lead]
+            by_device.append({d: whole for d in place.devices})
+            continue
+        got = {}
+        for dev, idx, data in v.pieces():
+            got[dev] = data[tuple(i - s for i, (s, _) in zip(lead, idx))] if lead else data
+        by_device.append(got)
+    for k, dev in enumerate(place.devices):
+        if place.processes[k] != place.me or any(
+            v is not None and dev not in by_device[j] for j, v in enumerate(leaf_views)
+        ):
+            continue
+        leaves = tuple(
+            site.static[3 + j] if v is None else by_device[j][dev] for j, v in enumerate(leaf_views)
+        )
+        yield bound, (np.array([k], np.uint32), coords, step) + leaves
+
+
+_one_cache: dict[tuple, TapSpec] = {}
+
+
+def _on_device(site: Site, dev: int) -> TapSpec:
+    """The site's spec naming the one device of its computation (one spec
+    per site and device: the aggregator's tables are per spec)."""
+    key = (id(site), dev)
+    spec = _one_cache.get(key)
+    if spec is None:
+        where = dataclasses.replace(site.spec.placement, eager_device=dev)
+        spec = _one_cache[key] = dataclasses.replace(site.spec, placement=where)
+    return spec
+
+
+_bound_cache: dict[tuple, tuple[TapSpec, ShardPlacement]] = {}
+
+
+def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlacement]:
+    """The spec bound to the ShardPlacement its outputs' shardings give (as
+    the callback's lowering binds it), once per site and sharding."""
+    shardings = tuple(None if v is None else v.array.sharding for v in leaf_views)
+    key = (id(site), shardings)
+    hit = _bound_cache.get(key)
+    if hit is not None:
+        return hit
+    first = next(v for v in leaf_views if v is not None).array
+    devices, names, sizes = _device_order(first.sharding)
+    import jax  # already loaded: the outputs are jax.Arrays
+
+    shapes = tuple(
+        tuple(int(n) for n in (np.shape(site.static[3 + j]) if v is None else v.array.shape[lead:]))
+        for j, v in enumerate(leaf_views)
+    )
+    place = ShardPlacement(
+        devices=tuple(d.id for d in devices),
+        processes=tuple(d.process_index for d in devices),
+        axis_names=names,
+        axis_sizes=sizes,
+        shapes=shapes,
+        me=jax.process_index(),
+    )
+    for j, v in enumerate(leaf_views):
+        if v is None:
+            continue
+        try:
+            full = _slices_by_device(v.array.sharding, tuple(v.array.shape))
+            place.slices[j] = tuple(full[d][lead:] for d in place.devices)
+        except Exception:  # noqa: BLE001 - unknown stays unknown (null index)
+            place.slices[j] = None
+    bound = dataclasses.replace(site.spec, shards=place)
+    if len(_bound_cache) > 1024:
+        _bound_cache.clear()
+    _bound_cache[key] = (bound, place)
+    return bound, place
+
+
+def _device_order(sharding: Any) -> tuple[tuple, tuple[str, ...], tuple[int, ...]]:
+    """(devices in partition order, mesh axis names, sizes) of an output's
+    sharding: a named sharding's mesh, row-major; else its device
+    assignment, with no mesh (records then carry no coordinates)."""
+    mesh = getattr(sharding, "mesh", None)
+    devs = getattr(mesh, "devices", None)
+    if devs is not None and getattr(devs, "size", 0) == len(sharding.device_set):
+        names = tuple(str(n) for n in mesh.axis_names)
+        return tuple(devs.flat), names, tuple(int(s) for s in devs.shape)
+    order = getattr(sharding, "_device_assignment", None)
+    if order is None:
+        order = sorted(sharding.device_set, key=lambda d: d.id)
+    return tuple(order), (), ()
+
+
+_drain: Drain | None = None
+_drain_lock = threading.Lock()
+
+
+def submit(
+    nodes: tuple[Node, ...],
+    arrays: Sequence[Any],
+    max_bytes: int | None,
+    deliver: Callable[..., None],
+    report: Callable[[BaseException, str], None],
+) -> None:
+    """Queue one dispatched step's lifted taps (see the module docstring)."""
+    global _drain
+    with _drain_lock:
+        if _drain is None:
+            _drain = Drain(deliver, report)
+    _drain.submit(nodes, arrays, MAX_IN_FLIGHT_BYTES if max_bytes is None else max_bytes)
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Every step submitted so far delivered to the pipeline (False after
+    ``timeout`` seconds)."""
+    d = _drain
+    return True if d is None else d.wait(timeout)

@@ -1,0 +1,457 @@
+"""Lifting: a step's tap marks (``outputs.tap_out_p``) become extra outputs.
+
+``lift(fun)`` traces ``fun`` to a jaxpr with the marks in it, then runs an
+interpreter over that jaxpr that binds every equation again, except:
+
+- a mark is dropped and its traced operands become outputs (a ``Site``);
+- ``jit`` (nested), ``custom_jvp_call`` and ``custom_vjp_call`` holding a
+  mark are inlined (their bodies are what runs; a rule traced for grad
+  inside the step has already been applied when the step's jaxpr exists);
+- ``scan`` holding a mark runs with a body whose extra outputs are stacked
+  per iteration (a ``Loop``): taps in ``fori_loop`` too, which JAX lowers
+  to ``scan`` when its bounds are known;
+- ``cond`` / ``switch``: every branch returns the marks of every branch,
+  with a ``valid`` flag that is true only for the branch taken;
+- ``remat`` (``jax.checkpoint``): its body, with extra outputs;
+- ``shard_map``: the body's extra outputs get a leading axis of one row per
+  device, laid over every manual axis, so each device's copy comes back
+  where it lives (pmap's body is lifted inside ``pmaptap.pmap``).
+
+Anything else holding a mark (a ``while_loop`` body, whose iteration count
+is unknown when the step is compiled; an unknown primitive) is bound as it
+was: the mark lowers to the callback transport's host call
+(``outputs._lowering``), and a warning names the tap and why, once per site.
+
+Why an interpreter and not a context that collects tracers while tracing:
+see outputs.py. Why the public ``lax.scan`` / ``lax.switch`` /
+``jax.shard_map`` / ``jax.checkpoint`` to bind the new bodies: they take the
+bodies as functions and deal with constants, weak types and varying axes as
+for any user code, so this module reads only the equations' parameters.
+(JAX's ``checkify`` is the model: it threads error values the same way.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import api_util, core, source_info_util
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+from jax.sharding import PartitionSpec
+
+from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
+from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
+
+
+class Lifted:
+    """The lifted taps of one step: ``nodes`` (static, see _common/lifted.py)
+    and their traced operands ``arrays`` in tree order. A pytree whose
+    children are the arrays, so a jit returns it as outputs and gives the
+    nodes back with them."""
+
+    __slots__ = ("nodes", "arrays")
+
+    def __init__(self, nodes: tuple[Node, ...], arrays: list) -> None:
+        self.nodes, self.arrays = nodes, list(arrays)
+
+
+class _Nodes:
+    """The static part of ``Lifted``: compared by identity (one per trace)."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: tuple[Node, ...]) -> None:
+        self.nodes = nodes
+
+
+jax.tree_util.register_pytree_node(
+    Lifted,
+    lambda x: (x.arrays, _Nodes(x.nodes)),
+    lambda aux, arrays: Lifted(aux.nodes, list(arrays)),
+)
+
+
+# ------------------------------------------------------------ the interpreter
+def lift(fun: Callable) -> Callable:
+    """``fun`` returning ``(its outputs, Lifted)``; meant to be traced (by
+    jit, pmap, or any jit-like wrapper). Arguments that are not JAX values
+    (static arguments, None, Python objects) are passed through unchanged."""
+
+    @functools.wraps(fun)
+    def lifted(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        dyn = [i for i, x in enumerate(leaves) if isinstance(x, (core.Tracer, jax.Array))]
+        box: dict[str, Any] = {}
+
+        def flat_fun(*values):
+            full = list(leaves)
+            for i, v in zip(dyn, values):
+                full[i] = v
+            a, k = jax.tree_util.tree_unflatten(tree, full)
+            out_leaves, box["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
+            return out_leaves
+
+        values = [leaves[i] for i in dyn]
+        debug = api_util.debug_info("pmaptap.jit", fun, args, kwargs)
+        debug = debug.with_unknown_names()
+        with collect():
+            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+                lu.wrap_init(flat_fun, debug_info=debug), [core.typeof(v) for v in values]
+            )
+        outs, nodes, flat = run(jaxpr, consts, values)
+        return jax.tree_util.tree_unflatten(box["tree"], outs), Lifted(tuple(nodes), flat)
+
+    return lifted
+
+
+Result = tuple[list, list[Node], list]  # outputs, lifted nodes, their arrays
+
+
+def run(jaxpr: core.Jaxpr, consts, args) -> Result:
+    """Bind ``jaxpr``'s equations on ``args`` in the current trace, lifting
+    the marks it holds (see the module docstring)."""
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    nodes: list[Node] = []
+    flat: list = []
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (
+            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+            eqn.ctx.manager,
+        ):
+            if eqn.primitive is tap_out_p:
+                site, arrays = _site(invals, **eqn.params)
+                nodes.append(site)
+                flat += arrays
+                outvals: Any = []
+            else:
+                rule = _RULES.get(eqn.primitive.name)
+                lifted = None
+                if holds_mark(eqn):
+                    if rule is None:
+                        _say_fallback(eqn, f"a {eqn.primitive.name}")
+                    else:
+                        lifted = rule(invals, eqn)
+                if lifted is not None:
+                    outvals, n, f = lifted
+                    nodes += n
+                    flat += f
+                else:
+                    params = eqn.primitive.get_bind_params(eqn.params)
+                    outvals = eqn.primitive.bind(*invals, **params)
+        if eqn.primitive.multiple_results:
+            for v, x in zip(eqn.outvars, outvals):
+                env[v] = x
+        else:
+            env[eqn.outvars[0]] = outvals
+    return [read(v) for v in jaxpr.outvars], nodes, flat
+
+
+def _site(invals, *, spec: TapSpec, traced_every: bool, proven: bool) -> tuple[Site, list]:
+    coords, step, *leaves = invals
+    valid = (step % spec.site.every == 0) if traced_every else None
+    static: list = []
+    traced: list[bool] = []
+    arrays: list = []
+    for x in (valid, coords, step, *leaves):
+        known = None if x is None or is_tracer(x) else concrete(x)
+        if x is None or known is not None:
+            static.append(known)
+            traced.append(False)
+        else:
+            static.append(None)
+            traced.append(True)
+            arrays.append(x)
+    if spec.placement.axis_names:
+        where = ROWS
+    elif spec.transport.layout in (Layout.SHARDS, Layout.WHOLE):
+        where = SHARDS
+    else:
+        where = ONE
+    site = Site(spec=spec, where=where, static=tuple(static), traced=tuple(traced), proven=proven)
+    return site, arrays
+
+
+# ------------------------------------------------------------ which hold marks
+@functools.lru_cache(maxsize=4096)
+def _jaxpr_holds_mark(jaxpr: core.Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tap_out_p or holds_mark(eqn):
+            return True
+    return False
+
+
+def holds_mark(eqn) -> bool:
+    """Whether an equation's sub-jaxprs hold a tap mark (at any depth)."""
+    return any(_jaxpr_holds_mark(j) for j in core.jaxprs_in_params(eqn.params))
+
+
+_said: set = set()
+
+
+def _say_fallback(eqn, why: str) -> None:
+    """Warn once per tap site that it keeps the host callback."""
+    for spec in _marks_in(eqn):
+        key = (spec.name, why)
+        if key in _said:
+            continue
+        _said.add(key)
+        warnings.warn(
+            f"pmaptap.tap({spec.name!r}) is inside {why}: it cannot leave the "
+            "step as an output (a while_loop runs an unknown number of times), so "
+            "it is sent to the host by a host callback, and the device waits "
+            "for it there. Move the tap out of the loop, or use lax.scan / "
+            "lax.fori_loop with static bounds, to make it an output.",
+            stacklevel=2,
+        )
+
+
+def _marks_in(eqn) -> list[TapSpec]:
+    out: list[TapSpec] = []
+    for j in core.jaxprs_in_params(eqn.params):
+        for e in j.eqns:
+            if e.primitive is tap_out_p:
+                out.append(e.params["spec"])
+            else:
+                out += _marks_in(e)
+    return out
+
+
+# ------------------------------------------------------------ rules
+def _inline(invals, eqn, key: str) -> Result:
+    closed = eqn.params[key]
+    return run(closed.jaxpr, closed.consts, invals)
+
+
+def _scan(invals, eqn) -> Result:
+    p = eqn.params
+    nc, ncar = p["num_consts"], p["num_carry"]
+    consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    body = p["jaxpr"]
+    box: dict[str, list[Node]] = {}
+
+    def step(c, x):
+        outs, nodes, flat = run(body.jaxpr, body.consts, [*consts, *c, *x])
+        box["nodes"] = nodes
+        return tuple(outs[:ncar]), (tuple(outs[ncar:]), tuple(flat))
+
+    carry_out, (ys, flat) = lax.scan(
+        step,
+        tuple(carry),
+        tuple(xs),
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    loop = Loop(length=p["length"], reverse=p["reverse"], children=_deeper(box["nodes"]))
+    return [*carry_out, *ys], [loop], list(flat)
+
+
+def _deeper(nodes: list[Node] | tuple[Node, ...]) -> tuple[Node, ...]:
+    """Nodes moved inside one more loop: one more leading axis."""
+    out: list[Node] = []
+    for n in nodes:
+        if isinstance(n, Loop):
+            out.append(dataclasses.replace(n, children=_deeper(n.children)))
+        else:
+            rows = None if n.rows is None else n.rows + 1
+            out.append(dataclasses.replace(n, loops=n.loops + 1, rows=rows))
+    return tuple(out)
+
+
+def _cond(invals, eqn) -> Result:
+    index, *ops = invals
+    branches = eqn.params["branches"]
+
+    def branch(b: int):
+        closed = branches[b]
+
+        def fn(*xs):
+            outs, nodes, flat = run(closed.jaxpr, closed.consts, xs)
+            return outs, *_with_valid(nodes, flat)
+
+        return fn
+
+    # First the marks each branch holds and their types (a branch returns
+    # every branch's, zeros for those not taken)...
+    shapes = []
+    for b in range(len(branches)):
+        box: dict[str, Any] = {}
+
+        def probe(*xs, b=b, box=box):
+            _, box["nodes"], flat = branch(b)(*xs)
+            return flat
+
+        avals = _out_avals(probe, ops)
+        shapes.append((box["nodes"], avals))
+
+    # ...then the cond itself.
+    def taken(b: int):
+        def fn(*xs):
+            outs, _, flat = branch(b)(*xs)
+            parts: list = []
+            for c, (_, avals) in enumerate(shapes):
+                parts += flat if c == b else [_zeros(a) for a in avals]
+            return tuple(outs), tuple(parts)
+
+        return fn
+
+    outs, flat = lax.switch(index, [taken(b) for b in range(len(branches))], *ops)
+    nodes = [n for nodes_b, _ in shapes for n in nodes_b]
+    return list(outs), nodes, list(flat)
+
+
+def _out_avals(fn: Callable, args) -> list:
+    debug = api_util.debug_info("pmaptap lift", fn, args, {})
+    debug = debug.with_unknown_names()
+    _, avals, _ = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(fn, debug_info=debug), [core.typeof(x) for x in args]
+    )
+    return list(avals)
+
+
+def _zeros(aval) -> jax.Array:
+    z = lax.full(aval.shape, np.zeros((), aval.dtype), aval.dtype)
+    vma = _varying(aval)
+    if vma:
+        z = lax.pcast(z, tuple(sorted(vma, key=str)), to="varying")
+    return z
+
+
+def _varying(aval) -> set:
+    """The manual axes over which a value varies (JAX 0.10 keeps them in
+    ``aval.mat.varying``; ``vma`` before)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return set(mat.varying)
+    return set(getattr(aval, "vma", ()) or ())
+
+
+def _with_valid(nodes, flat) -> tuple[list[Node], list]:
+    """Every site's ``valid`` flag made an output (true where it ran): in a
+    cond, the branches not taken say false in it."""
+    it = iter(flat)
+    out_flat: list = []
+
+    def visit(ns, lengths: tuple[int, ...]) -> list[Node]:
+        out: list[Node] = []
+        for n in ns:
+            if isinstance(n, Loop):
+                out.append(
+                    dataclasses.replace(n, children=tuple(visit(n.children, lengths + (n.length,))))
+                )
+                continue
+            arrays = [next(it) for _ in range(n.outputs)]
+            if not n.traced[0]:
+                lead = (
+                    tuple(np.shape(arrays[0])[: n.loops + (n.rows is not None)])
+                    if arrays
+                    else lengths
+                )
+                arrays.insert(0, jnp.ones(lead, jnp.bool_))
+                n = dataclasses.replace(
+                    n, static=(None, *n.static[1:]), traced=(True, *n.traced[1:])
+                )
+            out_flat.extend(arrays)
+            out.append(n)
+        return out
+
+    return visit(nodes, ()), out_flat
+
+
+def _remat(invals, eqn) -> Result:
+    p = eqn.params
+    box: dict[str, list[Node]] = {}
+
+    def body(*xs):
+        outs, nodes, flat = run(p["jaxpr"], (), xs)
+        box["nodes"] = nodes
+        return tuple(outs), tuple(flat)
+
+    outs, flat = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+    return list(outs), box["nodes"], list(flat)
+
+
+def _shard_map(invals, eqn) -> Result | None:
+    p = eqn.params
+    mesh, manual = p["mesh"], p["newly_manual_axes"]
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    box: dict[str, list[Node]] = {}
+
+    def body(*xs):
+        outs, nodes, flat = run(p["jaxpr"], (), xs)
+        box["nodes"] = nodes
+        rows = []
+        for x in flat:
+            missing = tuple(a for a in axes if a not in _varying(core.typeof(x)))
+            if missing and p["check_vma"]:
+                x = lax.pcast(x, missing, to="varying")
+            rows.append(x[None])
+        return tuple(outs), tuple(rows)
+
+    if _nested_shard_map(p["jaxpr"]):
+        _say_fallback(eqn, "a shard_map inside a shard_map")
+        return None
+    outs, flat = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(p["in_specs"]),
+        out_specs=(tuple(p["out_specs"]), PartitionSpec(axes)),
+        axis_names=set(manual),
+        check_vma=p["check_vma"],
+    )(*invals)
+    return list(outs), list(on_rows(box["nodes"])), list(flat)
+
+
+def _nested_shard_map(jaxpr: core.Jaxpr) -> bool:
+    """Whether a shard_map body holds another shard_map with marks: its rows
+    would nest, which is not lifted (such taps keep their host callbacks)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "shard_map" and holds_mark(e):
+            return True
+        if any(_nested_shard_map(j) for j in core.jaxprs_in_params(e.params)):
+            return True
+    return False
+
+
+def on_rows(nodes) -> tuple[Node, ...]:
+    """Nodes whose outputs gained a leading axis of one row per device."""
+    out: list[Node] = []
+    for n in nodes:
+        if isinstance(n, Loop):
+            out.append(dataclasses.replace(n, children=on_rows(n.children)))
+        else:
+            out.append(dataclasses.replace(n, rows=0))
+    return tuple(out)
+
+
+_RULES: dict[str, Callable[[list, Any], Result | None]] = {
+    "jit": functools.partial(_inline, key="jaxpr"),
+    "pjit": functools.partial(_inline, key="jaxpr"),
+    "closed_call": functools.partial(_inline, key="call_jaxpr"),
+    "core_call": functools.partial(_inline, key="call_jaxpr"),
+    "custom_jvp_call": functools.partial(_inline, key="call_jaxpr"),
+    "custom_vjp_call": functools.partial(_inline, key="call_jaxpr"),
+    "scan": _scan,
+    "cond": _cond,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "shard_map": _shard_map,
+}

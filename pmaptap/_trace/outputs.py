@@ -1,0 +1,166 @@
+"""The trace half of the output transport: while ``pmaptap.jit`` /
+``pmaptap.pmap`` trace a step, a tap binds ``tap_out_p`` instead of a host
+callback. The primitive only marks the tap's operands in the traced program;
+``lift.py`` then turns every mark it can reach into extra outputs of the
+step, and the host half (``_host/outputs.py``) gives their values to the
+pipeline once the step's outputs reach the host.
+
+Why a primitive of our own and not a context that collects tracers: a tap in
+a ``scan`` body or a ``cond`` branch is traced in a trace of its own, whose
+values cannot leave it. A mark in the program survives every
+transformation (jit, scan, cond, remat, vmap, grad, shard_map), and the
+lifting pass sees it wherever it sits in the final jaxpr.
+
+A mark that cannot be lifted (a ``while_loop`` body, an unknown higher-order
+primitive) is not lost: the primitive's lowering is the callback transport's
+emission (``layouts.emit_now``), so it still reaches the host as a host
+callback, and ``lift.py`` says so once per tap site.
+
+This module relies on ``jax._src`` internals (JAX 0.10), as primitive.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from functools import partial
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core, debugging
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
+
+from pmaptap._common.spec import TapSpec
+
+tap_out_p = core.Primitive("pmaptap_tap_out")
+tap_out_p.multiple_results = True
+
+_state = threading.local()
+
+
+def collecting() -> bool:
+    """Whether taps traced now leave the step as outputs (inside the trace
+    of a ``pmaptap.jit`` / ``pmaptap.pmap`` step)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[None]:
+    """Taps traced inside this block bind ``tap_out_p`` (see ``mark``)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def mark(spec: TapSpec, coords, step, leaves, *, traced_every: bool, proven: bool) -> None:
+    """Mark a tap's operands in the program being traced. ``proven``: the
+    value is the same on every device by construction (one copy travels)."""
+    leaves = [lax.stop_gradient(x) for x in leaves]
+    tap_out_p.bind(coords, step, *leaves, spec=spec, traced_every=traced_every, proven=proven)
+
+
+@tap_out_p.def_effectful_abstract_eval
+def _abstract_eval(*avals, **params):
+    # The debug effect keeps the mark alive through DCE and lets every
+    # control-flow primitive carry it, as it lets jax.debug.callback.
+    return [], {debugging.debug_effect}
+
+
+def _impl(*args, spec, traced_every, proven):
+    # Eager (outside any trace): nothing to lift; emitted as a callback now.
+    return _fallback(*args, spec=spec, traced_every=traced_every, proven=proven)
+
+
+tap_out_p.def_impl(_impl)
+
+
+def _jvp(primals, tangents, **params):
+    # A tap records the primal value, as the callback transport does.
+    return tap_out_p.bind(*primals, **params), []
+
+
+def _batch(args, dims, *, spec: TapSpec, traced_every, proven):
+    """vmap: ONE mark carrying the whole batch, vmapped axis first (the
+    record's ``batch_dims``), as the callback transport's emitter does."""
+    (coords, step, *leaves), (coords_d, step_d, *leaf_d) = args, dims
+    if coords_d is not None or step_d is not None:
+        raise ValueError(
+            f"pmaptap.tap({spec.name!r}): the `step` argument is batched by "
+            "vmap; pass a step that is the same for the whole batch (e.g. "
+            "tap outside the vmap, or pass a Python int)."
+        )
+    size = next(x.shape[d] for x, d in zip(leaves, leaf_d) if d is not None)
+    leaves = [
+        jnp.broadcast_to(x, (size,) + jnp.shape(x)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(leaves, leaf_d)
+    ]
+    tap_out_p.bind(
+        coords, step, *leaves, spec=spec.with_batch(), traced_every=traced_every, proven=proven
+    )
+    return [], []
+
+
+def _partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    # jax.checkpoint / remat: a mark whose operands are known stays in the
+    # forward part only, so the recomputation in the backward pass does not
+    # record the value again (as the callback transport's custom_vmap wrapper
+    # keeps its callback from being replayed).
+    if any(unks_in):
+        res = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
+        return None, eqn, [], [], res
+    return eqn, None, [], [], []
+
+
+ad.primitive_jvps[tap_out_p] = _jvp
+ad.primitive_transposes[tap_out_p] = lambda _, *args, **params: [None] * len(args)
+batching.primitive_batchers[tap_out_p] = _batch
+pe.partial_eval_jaxpr_custom_rules[tap_out_p] = _partial_eval_custom
+
+
+def _fallback(coords, step, *leaves, spec: TapSpec, traced_every: bool, proven: bool):
+    """The callback transport's emission of one mark (what a mark that was
+    not lifted lowers to): one host call per device under mapped axes, the
+    per-shard call under plain jit."""
+    from pmaptap._trace.layouts import emit_now
+
+    def fire() -> None:
+        emit_now(spec, (), coords, step, list(leaves))
+
+    if traced_every:
+        lax.cond(step % spec.site.every == 0, fire, lambda: None)
+    else:
+        fire()
+    return []
+
+
+def _lowering(ctx, *args, spec, traced_every, proven):
+    return mlir.lower_fun(
+        partial(_fallback, spec=spec, traced_every=traced_every, proven=proven),
+        multiple_results=True,
+    )(ctx, *args)
+
+
+# cacheable=False: the callback lowerings inside read the caller's name stack.
+mlir.register_lowering(tap_out_p, _lowering, cacheable=False)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, core.Tracer)
+
+
+def concrete(x: Any) -> Any:
+    """``x`` as a NumPy value when it is known while tracing (a literal, a
+    constant), else None: such an operand need not travel as an output."""
+    if isinstance(x, core.Tracer):
+        return None
+    try:
+        import numpy as np
+
+        return np.asarray(jax.device_get(x))
+    except Exception:  # noqa: BLE001 - unknown: let it travel
+        return None
