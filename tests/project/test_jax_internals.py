@@ -47,6 +47,13 @@ def test_pyproject_admits_exactly_the_tested_releases():
         # From the oldest tested minor up to the newest tested one: a
         # release only checked statically is not installed by pip.
         assert (a, b) == min(tested) and (c, d) == (max(tested)[0], max(tested)[1] + 1), m[0]
+    # The README states the same range, and pyproject's Python.
+    with open(f"{ROOT}/README.md", encoding="utf-8") as f:
+        readme = f.read()
+    floor = re.search(r'"jax>=([\d.]+),', text)[1]
+    python = re.search(r'requires-python = ">=([\d.]+)"', text)[1]
+    newest = f"{max(tested)[0]}.{max(tested)[1]}.x"
+    assert f"Python >= {python}, JAX {floor} to {newest} " in readme
     # The suite runs on one of them (on a tested one in CI, .ci/run).
     known = tested + jax_support.CHECKED
     assert tuple(map(int, jax.__version__.split(".")[:2])) in known, jax.__version__
