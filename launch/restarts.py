@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 from model import init_params
 
@@ -95,6 +95,28 @@ def parse_fault(text: str) -> Fault:
     if fault.bit > 31:
         raise ValueError(f"--fault {text!r}: bit must be 0-31 (of a float32)")
     return fault
+
+
+def fault_problem(fault: Fault, device_ids: Sequence[int], steps: int) -> str | None:
+    """Why ``fault`` cannot happen in this job (a device it does not have, a
+    step it never reaches), or None: a fault that never fires would end
+    with exit 0 and no suspect, as if the fingerprints had missed it."""
+    if fault.device not in device_ids:
+        ids = sorted(device_ids)
+        have = ", ".join(map(str, ids)) if len(ids) <= 8 else f"{ids[0]}, ..., {ids[-1]}"
+        return (
+            f"--fault device={fault.device}: this job has no such device "
+            f"(its {len(ids)} device(s): {have}). A bare `python launch/train.py` "
+            "runs one process on the default devices; run it under the launcher "
+            "for more, e.g. python -m pmaptap.launch --processes 2 --devices 4 -- "
+            f"python launch/train.py --fault device=3,step={fault.step}"
+        )
+    if fault.step >= steps:
+        return (
+            f"--fault step={fault.step}: the job runs steps 0-{steps - 1} "
+            f"(--steps {steps}), so the fault would never happen"
+        )
+    return None
 
 
 def inject_fault(params: Any, fault: Fault, step: int) -> Any:

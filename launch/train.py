@@ -61,6 +61,7 @@ from model import (  # noqa: E402
 )
 from restarts import (  # noqa: E402
     ckpt_path,
+    fault_problem,
     inject_fault,
     log,
     maybe_die,
@@ -326,6 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     mode = distributed.initialize()  # before any JAX computation
     import jax
+
+    if args.fault is not None:
+        problem = fault_problem(args.fault, [d.id for d in jax.devices()], args.steps)
+        if problem:
+            print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
+            return 2
 
     import pmaptap
     from pmaptap.tapfile.summary_table import summary_table

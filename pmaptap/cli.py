@@ -232,10 +232,15 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(views.json_line(e, attempt=flt.all_attempts))
             shown += 1
     else:
-        table = views.Table(views.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else views.COLUMNS)
+        columns = views.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else views.COLUMNS
+        table = views.Table(views.with_run(columns))
+        runs = set()
         for e in entries():
             table.fit((views.row(e, args.width),))
+            runs.add(e.rec.get("run"))
             shown += 1
+        if len(runs) < 2:
+            table.without(views.RUN)
         if shown:
             print(table.header())
             for e in entries():

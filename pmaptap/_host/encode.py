@@ -60,6 +60,10 @@ def value_key(leaves: list[np.ndarray]) -> bytes:
 _X87 = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
 
 
+# The complex dtypes whose .real/.imag NumPy gives as their parts.
+_NUMPY_COMPLEX = frozenset(map(np.dtype, (np.complex64, np.complex128, np.clongdouble)))
+
+
 def _padded(dt: np.dtype) -> bool:
     return _X87 and dt.kind in "fc" and dt.itemsize == (16 if dt.kind == "f" else 32)
 
@@ -126,6 +130,11 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
     elif is_narrow_int(dt):
         value = a.astype(np.int64).tolist()
     elif dt.kind == "c":
+        if dt not in _NUMPY_COMPLEX:
+            # ml_dtypes' complex32: NumPy's .real/.imag of it are the whole
+            # value and zeros (the imaginary part was lost, with a
+            # ComplexWarning); complex64 holds it exactly.
+            a = a.astype(np.complex64)
         value = _float_value(np.stack([a.real, a.imag], axis=-1))
     elif is_float_like(dt) and dt.fields is None:
         value = _float_value(a)

@@ -22,6 +22,7 @@ from jax._src import core as _core
 from pmaptap._common.spec import TapSpec
 from pmaptap._trace.group import auto_offer, auto_step_key, current_group, settle
 from pmaptap._trace.layouts import choose_layout, emitter
+from pmaptap._trace.placement import every_due
 
 
 def axis_coords(axis_names: Sequence) -> jax.Array:
@@ -44,7 +45,7 @@ def emit(
 
     With ``traced_every`` the decision ``step % every == 0`` is made on the
     device, so skipped steps make no host call (and no collective) at all;
-    the step must then be the same on every device, as a loop counter is.
+    devices whose steps differ decide alike (placement.every_due).
     """
     leaves = [lax.stop_gradient(x) for x in leaves]
     spec = choose_layout(spec, leaves, raw_names)  # before our own cond below
@@ -61,6 +62,6 @@ def emit(
         def fire():
             fn(coords, step, *leaves)
 
-        lax.cond(step % spec.site.every == 0, fire, lambda: None)
+        lax.cond(every_due(step, spec.site.every), fire, lambda: None)
     else:
         fn(coords, step, *leaves)

@@ -125,9 +125,10 @@ def _emit(spec: FingerprintSpec, leaves: list, step, traced: bool) -> None:
     fn = _emitter(spec, placement.inside_divergent_control_flow())
     if traced and spec.every > 1:
         # On the device: skipped steps compute, gather and call nothing (the
-        # step is the same on every device, as a loop counter is, so the
+        # decision is the same on every device, placement.every_due, so the
         # collective inside is reached by all or none).
-        lax.cond(step % spec.every == 0, lambda: [fn(step, *leaves)][:0], lambda: [])
+        due = placement.every_due(step, spec.every)
+        lax.cond(due, lambda: [fn(step, *leaves)][:0], lambda: [])
     else:
         fn(step, *leaves)
 

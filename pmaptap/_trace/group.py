@@ -27,6 +27,7 @@ from pmaptap._trace.layouts import (
     send_payload,
 )
 from pmaptap._trace.options import options
+from pmaptap._trace.placement import every_due
 from pmaptap._trace.primitive import mark_tap_vmap_rule
 
 _local = threading.local()
@@ -260,7 +261,7 @@ def _emit_group(members: list[_Member], kind: str) -> None:
             _emit_members(bucket, kind)
             continue
         every, step = key[0], bucket[0].step
-        lax.cond(step % every == 0, lambda b=bucket: _emit_members(b, kind), lambda: None)
+        lax.cond(every_due(step, every), lambda b=bucket: _emit_members(b, kind), lambda: None)
 
 
 def _emit_members(members: list[_Member], kind: str) -> None:

@@ -8,7 +8,8 @@ means for a JAX version (docs/contributing.md#jax-versions):
   (``scripts/test_jax_versions.sh`` runs it on each; CI on the newest);
 - ``CHECKED``: releases whose source was checked statically: every
   ``jax._src`` module and attribute of the inventory below exists there,
-  behaviour untested. pyproject admits them;
+  behaviour untested. pyproject does not admit them (it admits ``TESTED``
+  only), so they are met only where a user installs one anyway;
 - anything else is unknown.
 
 Importing the trace side on a JAX outside ``TESTED`` warns once, naming the

@@ -162,6 +162,22 @@ def inside_divergent_control_flow() -> bool:
     return False
 
 
+def every_due(step: Any, every: int) -> Any:
+    """The on-device predicate of ``every``: ``step % every == 0``, decided
+    alike on every device of the tap's mapped axes. The emission that
+    ``every`` guards may hold a collective (a gather to the leader, a
+    fingerprint's all-gather), which deadlocks if only some devices run it,
+    so under mapped axes the decision is made on the smallest step among
+    them (one pmin), unless the step is provably the same everywhere (a
+    loop counter, a constant). Inside divergent control flow the emission
+    holds no collective, so each device decides on its own step there (and
+    a pmin would itself be a collective that only some devices reach)."""
+    names, _ = mapped_axes()
+    if names and not inside_divergent_control_flow() and not proven_invariant([step], names):
+        step = jax.lax.pmin(step, names)
+    return step % every == 0
+
+
 def leader_mask(processes: tuple[int, ...] | None, n: int) -> np.ndarray | None:
     """For each flat coordinate, whether it is the first one of its process
     (the device that calls back for the whole process), or None if unknown."""

@@ -211,15 +211,16 @@ def device_text(r: dict) -> str:
 
 
 def coords_text(r: dict) -> str:
-    """Mesh coordinates, then a shard's global slice in brackets
-    (``data=2,model=1[4:6,4:8]``)."""
+    """Mesh coordinates, then a shard's global slice as the console prints
+    it, set apart from them (``data=2,model=1 index=[4:6,4:8]``; a pytree's
+    leaves each in brackets), never glued to the last coordinate."""
     coords = r.get("coords")
-    text = ""
+    parts = []
     if coords and isinstance(coords, dict):
-        text = ",".join(f"{k}={v}" for k, v in coords.items())
+        parts.append(",".join(f"{k}={v}" for k, v in coords.items()))
     if isinstance(r.get("index"), list):
-        text += f"[{index_text(r['index'])}]"
-    return text
+        parts.append(f"index=[{index_text(r['index'])}]")
+    return " ".join(parts)
 
 
 def flags_text(r: dict) -> str:
@@ -239,7 +240,8 @@ def flags_text(r: dict) -> str:
 # line, the record columns one looks a record up by, in their order
 # (``process`` as "proc"), then text that folds several fields: coords (with
 # a shard's index), the value, flags (divergent, pass, replicas). Left out:
-# run, the holders, dtype, shape, time, host (``show --json`` has them).
+# the holders, dtype, shape, time, host (``show --json`` has them), and run
+# unless the rows shown come from more than one (RUN, inserted by show).
 _SHOWN = {"name": "name", "step": "step", "kind": "kind", "process": "proc", "device": "device"}
 COLUMNS = (
     "line",
@@ -253,12 +255,20 @@ COLUMNS = (
 _AFTER_STEP = COLUMNS.index("step") + 1
 COLUMNS_ALL_ATTEMPTS = (*COLUMNS[:_AFTER_STEP], "attempt", *COLUMNS[_AFTER_STEP:])
 _RIGHT = {"line", "step", "attempt", "proc"}
+RUN = "run"
+
+
+def with_run(columns: Sequence[str]) -> tuple[str, ...]:
+    """``columns`` with the run after the line: rows of several runs (a
+    file appended to by two jobs) look alike without it."""
+    return (columns[0], RUN, *columns[1:])
 
 
 def row(e: Entry, width: int = 60) -> dict[str, str]:
     r = e.rec
     return {
         "line": str(e.line),
+        RUN: str(r.get("run")),
         "name": str(r.get("name")),
         "step": str(r.get("step")),
         "attempt": str(attempt_of(r)),
@@ -284,6 +294,11 @@ class Table:
         self.columns = tuple(columns)
         self.right = frozenset(right)
         self.widths = {c: len(c) for c in self.columns}
+
+    def without(self, column: str) -> None:
+        """Leave ``column`` out (show fits a run column, then drops it when
+        the rows turn out to hold one run)."""
+        self.columns = tuple(c for c in self.columns if c != column)
 
     def fit(self, rows: Iterable[dict[str, str]]) -> None:
         for r in rows:

@@ -8,6 +8,8 @@ jax.devices() lists them process by process."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import pmaptap
@@ -141,3 +143,59 @@ def test_demo_fault_is_named_by_its_summary(tmp_path):
     recs = [r for r in pmaptap.read(out) if r["name"] == "params"]
     assert sorted({r["step"] for r in recs}) == [0, 1, 2, 3]
     assert not any(r.get("divergent") for r in recs if r["step"] < 2)
+
+
+def test_a_fault_on_a_device_the_job_lacks_is_refused():
+    """A bare ``python launch/train.py`` has one device: a fault on device 3
+    would never fire and the job would end with exit 0 and no suspect. It is
+    refused before training, saying how to get the devices."""
+    import subprocess
+
+    from conftest import ROOT, subprocess_env
+
+    for fault, says in (
+        ("device=3,step=7", "--fault device=3: this job has no such device (its 1 device(s): 0)"),
+        ("device=0,step=30", "--fault step=30: the job runs steps 0-19"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "launch/train.py", "--out", "unused.jsonl", "--fault", fault],
+            env=subprocess_env(1),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+        assert says in proc.stderr, proc.stderr
+        assert "pmaptap train:" not in proc.stdout  # refused before training
+        if fault.startswith("device=3"):
+            assert "python -m pmaptap.launch --processes 2 --devices 4" in proc.stderr
+
+
+def test_readme_fault_demo_names_the_device(tmp_path):
+    """The README's fault demo, as it writes it: the demo command (under the
+    launcher) with the ``--fault`` it names added; its summary names the
+    device whose copy was flipped."""
+    import re
+    import shlex
+    import subprocess
+
+    from conftest import ROOT, subprocess_env
+
+    with open(f"{ROOT}/README.md", encoding="utf-8") as f:
+        text = f.read()
+    demo = text.split("## Two commands", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    command = demo.split(" && ", 1)[1]  # after the install
+    added = re.search(r"the demo command above with `(--fault [^`]+)`\s+added", text)
+    assert added, "the README names no --fault to add to the demo command"
+    out = str(tmp_path / "demo.jsonl")
+    argv = shlex.split(command.replace("out/demo.jsonl", out)) + shlex.split(added[1])
+    assert argv[:3] == ["python", "-m", "pmaptap.launch"], argv
+    argv[0] = sys.executable
+    proc = subprocess.run(
+        argv, env=subprocess_env(1), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, job_failed(proc)
+    device = re.search(r"device=(\d+)", added[1])[1]
+    (line,) = [ln for ln in prefixed(proc.stdout, 0) if ln.startswith("params ")]
+    assert f"suspect device {device} (process 0" in line, line

@@ -32,21 +32,30 @@ def test_every_jax_internal_pmaptap_reads_exists():
     assert jax_support.missing_internals() == []
 
 
-def test_pyproject_admits_exactly_the_tested_and_checked_releases():
+def test_pyproject_admits_exactly_the_tested_releases():
     import re
 
     from conftest import ROOT
 
     with open(f"{ROOT}/pyproject.toml", encoding="utf-8") as f:
         text = f.read()
-    known = jax_support.TESTED + jax_support.CHECKED
+    tested = jax_support.TESTED
     for pkg in ("jax", "jaxlib"):
         m = re.search(rf'"{pkg}>=(\d+)\.(\d+)[.\d]*,<(\d+)\.(\d+)"', text)
         assert m, f"no {pkg} range in pyproject.toml"
         a, b, c, d = map(int, m.groups())
-        # From the oldest tested minor up to the newest checked one.
-        assert (a, b) == min(known) and (c, d) == (max(known)[0], max(known)[1] + 1), m[0]
+        # From the oldest tested minor up to the newest tested one: a
+        # release only checked statically is not installed by pip.
+        assert (a, b) == min(tested) and (c, d) == (max(tested)[0], max(tested)[1] + 1), m[0]
+    # The README states the same range, and pyproject's Python.
+    with open(f"{ROOT}/README.md", encoding="utf-8") as f:
+        readme = f.read()
+    floor = re.search(r'"jax>=([\d.]+),', text)[1]
+    python = re.search(r'requires-python = ">=([\d.]+)"', text)[1]
+    newest = f"{max(tested)[0]}.{max(tested)[1]}.x"
+    assert f"Python >= {python}, JAX {floor} to {newest} " in readme
     # The suite runs on one of them (on a tested one in CI, .ci/run).
+    known = tested + jax_support.CHECKED
     assert tuple(map(int, jax.__version__.split(".")[:2])) in known, jax.__version__
 
 

@@ -437,3 +437,17 @@ def test_pmaptap_is_pure_python_and_builds_a_pure_wheel_without_a_compiler(tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     wheels = os.listdir(tmp_path / "dist")
     assert len(wheels) == 1 and wheels[0].endswith("-py3-none-any.whl"), wheels
+    # The license the package declares (Apache-2.0) is in the checkout and
+    # travels in the wheel.
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "dist" / wheels[0]) as z:
+        names = z.namelist()
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        (lic,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert "License-Expression: Apache-2.0" in z.read(meta).decode()
+        text = z.read(lic).decode()
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        assert f.read() == text
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

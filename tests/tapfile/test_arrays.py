@@ -134,6 +134,32 @@ def test_every_dtype_round_trips_bit_for_bit_through_the_bytes(tmp_path, layout)
     assert cli.main(["validate", path]) == 0
 
 
+def test_complex32_inline_keeps_its_imaginary_part(tmp_path):
+    # ml_dtypes' complex32 written inline (small): NumPy's .real/.imag of it
+    # are the whole value and zeros, so the line held (re, 0) pairs, with a
+    # ComplexWarning. Widened to complex64 (exact) first, it is (re, im).
+    import warnings
+
+    from pmaptap._host.encode import encode_array
+
+    a = np.array([1 + 2j, -3.5 - 4j, complex(np.nan, 0.25)], np.complex64).astype(
+        ml_dtypes.complex32
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.exceptions.ComplexWarning)
+        value, dtype, shape = encode_array(a)
+    assert (value, dtype, shape) == ([[1.0, 2.0], [-3.5, -4.0], ["NaN", 0.25]], "complex32", [3])
+    path = str(tmp_path / "run.jsonl")
+    w = pmaptap.Writer(path, run="r", process=0)
+    w.write("z", 0, a[:2])
+    w.close()
+    (line,) = _lines(path)
+    assert line["value"] == [[1.0, 2.0], [-3.5, -4.0]] and line["dtype"] == "complex32"
+    (r,) = pmaptap.read(path)
+    assert r["value"] == [1 + 2j, -3.5 - 4j]
+    assert _same_bits(np.asarray(r["value"], dtype=r["dtype"]), a[:2])
+
+
 def test_numpy_alone_reads_a_stored_value_as_the_docs_say(tmp_path):
     path = str(tmp_path / "run.jsonl")
     a = np.linspace(-1, 1, 4096, dtype=np.float32).reshape(64, 64)

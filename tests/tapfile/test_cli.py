@@ -163,6 +163,58 @@ def test_show_replicated_matches_any_holder_and_marks_divergence(demo):
     assert "no matching records" in out.stderr
 
 
+def test_show_names_the_run_of_each_row_when_rows_of_two_runs_are_shown(tmp_path):
+    # Two jobs appended to one file: the same name, step and device in each.
+    # Without a run column their rows looked alike.
+    from conftest import per_device_dict
+
+    path = tmp_path / "two.jsonl"
+    with open(path, "w") as f:
+        for run, value in (("first", 1.0), ("second", 2.0)):
+            f.write(json.dumps(per_device_dict(0, 3, value, run=run)) + "\n")
+    out = cli("show", str(path))
+    assert out.returncode == 0, out.stderr
+    header, rows = _table(out.stdout)
+    assert header.split()[:3] == ["line", "run", "name"]
+    assert [(r["run"], r["value"]) for r in rows] == [("first", "1"), ("second", "2")]
+    # Filtered down to one run: no run column (the rows say nothing new).
+    header, rows = _table(cli("show", str(path), "--run", "second").stdout)
+    assert "run" not in header.split() and len(rows) == 1
+
+
+def test_show_sets_a_shards_index_apart_from_its_coords(tmp_path):
+    # A sharded pytree's shard under jit: coords, then the global slice of
+    # each leaf, as the console prints it; never "model=0[[0:2,0:4],...".
+    from conftest import per_device_dict
+
+    path = tmp_path / "shard.jsonl"
+    rec = per_device_dict(
+        0,
+        1,
+        [[1.0, 2.0]],
+        coords={"data": 0, "model": 1},
+        shape=[1, 2],
+        index=[[0, 1], [2, 4]],
+        global_shape=[4, 4],
+    )
+    tree = per_device_dict(
+        0,
+        1,
+        1.0,
+        name="tree",
+        coords={"data": 0, "model": 1},
+        index=[[[0, 2], [0, 4]], [[0, 8]]],
+    )
+    with open(path, "w") as f:
+        f.write(json.dumps(rec) + "\n" + json.dumps(tree) + "\n")
+    out = cli("show", str(path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "data=0,model=1 index=[0:1,2:4]" in lines[1], lines
+    assert "data=0,model=1 index=[[0:2,0:4],[0:8]]" in lines[2], lines
+    assert "model=1[" not in out.stdout
+
+
 def test_show_json_is_strict_and_round_trips(demo, demo_lines):
     out = cli("show", demo, "--name", "loss", "--json")
     lines = out.stdout.splitlines()

@@ -101,6 +101,74 @@ def test_every_with_python_step_and_automatic_step(session, tap_path):
     assert [(r["step"], r["value"]) for r in _named(recs, "auto")] == [(0, 0.0), (4, 4.0), (8, 8.0)]
 
 
+_STEPS_DIFFER = """
+    import json, jax, jax.numpy as jnp, pmaptap
+    n = jax.device_count()
+
+    def body(x, step):
+        pmaptap.tap(x, "rep", step=step, every=2, dedup="replicated")
+        pmaptap.tap(x * jax.lax.axis_index("i"), "pd", step=step, every=2, dedup="per_device")
+        with pmaptap.group():
+            pmaptap.tap(x, "g1", step=step, every=2)
+            pmaptap.tap(x + 1, "g2", step=step, every=2)
+        pmaptap.fingerprint(x, "fp", step=step, every=2)
+        return x + 1
+
+    def alone(x, step):
+        pmaptap.tap(x.sum(), "alone", step=step, every=2, dedup="replicated")
+        return x
+
+    with pmaptap.Session(PATH):
+        f, g = jax.pmap(body, axis_name="i"), jax.pmap(alone, axis_name="i")
+        for s in range(4):
+            steps = jnp.arange(n) + s  # device d is at step s + d
+            f(jnp.ones((n, 3)), steps).block_until_ready()
+            g(jnp.ones((n, 3)), steps).block_until_ready()
+    out = {}
+    for r in pmaptap.read(PATH):
+        out.setdefault(r["name"], []).append([r["step"], r.get("device")])
+    print(json.dumps(out))
+"""
+
+
+def test_every_with_steps_that_differ_between_devices_under_pmap(tmp_path):
+    # The `every` cond guards a collective (the gather to the leader, the
+    # fingerprints' all-gather): decided per device, devices at different
+    # steps took different branches and XLA aborted after ~60 s in its
+    # rendezvous. It is decided on the smallest step of the mapped axes,
+    # alike on every device: calls s = 0 and 2 (device 0 at step s) record,
+    # 1 and 3 skip. In a fresh process with a timeout: a regression fails
+    # here instead of aborting the test run.
+    import json
+
+    from conftest import run_python
+
+    path = str(tmp_path / "t.jsonl")
+    proc = run_python(_STEPS_DIFFER.replace("PATH", repr(path)), timeout=45)
+    recs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("rep", "g1", "g2", "alone", "fp"):
+        assert sorted(step for step, _ in recs[name]) == [0, 2], (name, recs[name])
+    # one record per device per recorded call (the gathered record's step
+    # is its leader's: device 0's)
+    assert sorted(map(tuple, recs["pd"])) == [(s, d) for s in (0, 2) for d in range(8)]
+
+
+def test_every_adds_no_collective_when_the_step_is_the_same_everywhere():
+    # The uniform decision costs one pmin over the mapped axes, and none
+    # where the trace proves the step identical on every device (here a
+    # pmax result; a loop counter or a constant likewise).
+    def pmins(step_fn):
+        def body(x, step):
+            pmaptap.tap(x, "e", step=step_fn(step), every=2, dedup="replicated")
+            return x
+
+        jaxpr = jax.make_jaxpr(jax.pmap(body, axis_name="i"))(jnp.ones((8, 2)), jnp.arange(8))
+        return str(jaxpr).count("pmin")
+
+    assert pmins(lambda s: s) == 1
+    assert pmins(lambda s: lax.pmax(s, "i")) == 0
+
+
 def test_grad_records_primal_and_gradient_unchanged(session, tap_path):
     def loss(w):
         h = pmaptap.tap(jnp.tanh(w), "h")
