@@ -26,6 +26,26 @@ element and bit position) in one device's copy, injected at one step after
 a clean one; each must be named exactly: its device, process, leaf and
 step, and nothing else. Then 1,000 steps without a fault: no record may
 say divergent.
+
+r. Per dtype, on ONE device (the CPU's first, or the accelerator's): one
+jitted call of ``pmaptap.fingerprint`` of a 64 MiB tree (4 leaves: three
+matrices and a vector) against the read-once floor, a float32 sum of a
+float32 tree of the same bytes plus ONE raw ``jax.debug.callback`` of the
+sums; interleaved, paired medians. Also the hash alone (``fingerprint64``
+of each leaf, no call) against the float32 sums alone, and the time that
+reading the bytes once takes at the memory bandwidth (the chip's, on a
+TPU; on the CPU the float32 sum's own rate is the only figure).
+
+s. (``--tpu``) Inside a training step: a bfloat16 MLP (128 MiB of
+parameters) whose jitted step is ``value_and_grad`` and SGD, alone, with
+the floor (a float32 sum of every updated parameter and one raw callback)
+and with ``pmaptap.fingerprint(params, step=step)``. Plus a check on the
+device that every single flipped bit of every dtype changes the
+fingerprint.
+
+``--tpu``: on the machine's accelerator (one process, its one chip): r.
+and s. only (``--quick`` shrinks them); without it, on 8 simulated CPU
+devices: q. and r.
 """
 
 from __future__ import annotations
@@ -291,5 +311,294 @@ def run(quick: bool = False) -> None:
         print("   ", w[:300])
 
 
+# ------------------------------------------------------------- r. and s.
+
+# Bytes of each dtype's tree (r.), and the leaves' columns (the fourth a
+# vector).
+TREE_MIB = 64
+COLUMNS = (2048, 1024, 512, None)
+DTYPES = ("float32", "bfloat16", "float16", "int8", "uint8", "bool", "complex64")
+
+
+def _tree(dtype, mib: float, rng) -> list:
+    """Four leaves of ``mib / 4`` MiB each of ``dtype``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    dt = jnp.dtype(dtype)
+    each = int(mib * 2**20) // 4 // dt.itemsize
+    leaves = []
+    for cols in COLUMNS:
+        shape = (each,) if cols is None else (each // cols, cols)
+        n = int(np.prod(shape))
+        if dt == jnp.bool_:
+            a = rng.integers(0, 2, n).astype(bool)
+        elif jnp.issubdtype(dt, jnp.integer):
+            a = rng.integers(-100 if jnp.issubdtype(dt, jnp.signedinteger) else 0, 100, n)
+        elif jnp.issubdtype(dt, jnp.complexfloating):
+            a = rng.standard_normal(n) + 1j * rng.standard_normal(n)
+        else:
+            a = rng.standard_normal(n)
+        leaves.append(jnp.asarray(np.asarray(a).astype(dt).reshape(shape)))
+    return leaves
+
+
+def _paired_rounds(arms: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each arm (each runs ``calls`` calls and waits
+    for them, callbacks included), rounds interleaved in alternating
+    order."""
+    for fn in arms.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for r in range(rounds):
+        order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
+        for k, fn in order:
+            t0 = time.perf_counter()
+            calls = fn()
+            times[k].append((time.perf_counter() - t0) / calls)
+    return times
+
+
+def _ratio(times, arm: str, ref: str) -> float:
+    return statistics.median(a / b for a, b in zip(times[arm], times[ref]))
+
+
+def _ms(times, arm: str) -> str:
+    return f"{statistics.median(times[arm]) * 1e3:.3f}"
+
+
+def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
+    """r.: one device, one call a tree, per dtype."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pmaptap
+    from pmaptap._trace.fphash import fingerprint64
+
+    mib = 4 if quick else TREE_MIB
+    rounds, calls = (3, 2) if quick else (15, 10)
+    dtypes = DTYPES[:4] if quick else DTYPES
+    rng = np.random.default_rng(1)
+    device = jax.devices()[0]
+    f32 = jax.device_put(_tree(jnp.float32, mib, rng), device)
+
+    def nothing(*_):
+        return None
+
+    floor = jax.jit(lambda t: jax.debug.callback(nothing, *[jnp.sum(x) for x in t]))
+    sums = jax.jit(lambda t: [jnp.sum(x) for x in t])
+    hashes = jax.jit(lambda t: [fingerprint64(x) for x in t])
+
+    def repeat(fn, *args, finish):
+        def go():
+            out = None
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            finish()
+            return calls
+
+        return go
+
+    rows = []
+    for dtype in dtypes:
+        tree = jax.device_put(_tree(dtype, mib, rng), device)
+        name = f"dtype_{dtype}"
+        step = {"n": 0}
+
+        @jax.jit
+        def fp(t, s, name=name):
+            pmaptap.fingerprint(t, name, step=s)
+
+        def fp_arm(tree=tree, fp=fp, step=step):
+            for _ in range(calls):
+                fp(tree, step["n"])
+                step["n"] += 1
+            session.flush()
+            return calls
+
+        times = _paired_rounds(
+            {
+                "fingerprint": fp_arm,
+                "floor": repeat(floor, f32, finish=jax.effects_barrier),
+                "hash": repeat(hashes, tree, finish=lambda: None),
+                "sums": repeat(sums, f32, finish=lambda: None),
+            },
+            rounds,
+        )
+        nbytes = sum(x.nbytes for x in tree)
+        read = "" if bandwidth is None else f"{nbytes / bandwidth * 1e3:.3f}"
+        rate = nbytes / statistics.median(times["sums"]) / 1e9
+        rows.append(
+            (
+                f"r. {dtype}: fingerprint / floor",
+                f"{_ratio(times, 'fingerprint', 'floor'):.2f}x",
+                f"{_ratio(times, 'hash', 'sums'):.2f}x",
+                f"{_ms(times, 'fingerprint')} / {_ms(times, 'floor')}",
+                f"{_ms(times, 'hash')} / {_ms(times, 'sums')} ({rate:.0f} GB/s)",
+                read,
+            )
+        )
+    print(
+        f"r. pmaptap.fingerprint of a {mib} MiB tree (4 leaves) on one device "
+        f"({device.device_kind}); {machine()}"
+    )
+    print(
+        table(
+            rows,
+            (
+                "arm",
+                "wall ratio",
+                "hash / float32 sums",
+                "ms a call: fingerprint / floor",
+                "ms: hash / float32 sums",
+                "ms at the memory bandwidth",
+            ),
+        )
+    )
+
+
+def run_step(session, quick: bool) -> None:
+    """s.: a bfloat16 MLP's training step, with the floor and with the
+    fingerprint of its parameters."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pmaptap
+
+    width, layers, batch = (512, 2, 64) if quick else (4096, 4, 2048)
+    rounds, steps = (3, 2) if quick else (15, 10)
+    rng = np.random.default_rng(2)
+    params0 = [
+        jnp.asarray((rng.standard_normal((width, width)) / np.sqrt(width)).astype(jnp.bfloat16))
+        for _ in range(layers)
+    ]
+    x = jnp.asarray(rng.standard_normal((batch, width)).astype(jnp.bfloat16))
+    y = jnp.asarray(rng.standard_normal((batch, width)).astype(jnp.bfloat16))
+    lr = jnp.bfloat16(1e-3)
+
+    def loss(params):
+        h = x
+        for w in params:
+            h = jax.nn.relu(h @ w)
+        return jnp.mean((h.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+    def nothing(*_):
+        return None
+
+    def make(kind: str):
+        @jax.jit
+        def step(params, s):
+            value, grads = jax.value_and_grad(loss)(params)
+            params = [p - lr * g for p, g in zip(params, grads)]
+            if kind == "floor":
+                jax.debug.callback(nothing, *[jnp.sum(p, dtype=jnp.float32) for p in params])
+            elif kind == "fingerprint":
+                pmaptap.fingerprint(params, "step_params", step=s)
+            return params, value
+
+        return step
+
+    state, counters = {}, {}
+
+    def arm(kind: str):
+        fn = make(kind)
+        state[kind] = [jnp.copy(p) for p in params0]
+        counters[kind] = 0
+
+        def go():
+            p = state[kind]
+            for _ in range(steps):
+                p, _ = fn(p, counters[kind])
+                counters[kind] += 1
+            jax.block_until_ready(p)
+            state[kind] = p
+            if kind == "fingerprint":
+                session.flush()
+            else:
+                jax.effects_barrier()
+            return steps
+
+        return go
+
+    times = _paired_rounds({k: arm(k) for k in ("step", "floor", "fingerprint")}, rounds)
+    added = [
+        (f - s) / (b - s) if b > s else float("nan")
+        for f, b, s in zip(times["fingerprint"], times["floor"], times["step"])
+    ]
+    mib = sum(p.nbytes for p in params0) / 2**20
+    print(
+        f"s. training step: bfloat16 MLP, {mib:.0f} MiB of parameters, batch {batch}; "
+        f"ms/step step / floor / fingerprint: {_ms(times, 'step')} / {_ms(times, 'floor')} / "
+        f"{_ms(times, 'fingerprint')}; fingerprint / floor "
+        f"{_ratio(times, 'fingerprint', 'floor'):.2f}x step, {statistics.median(added):.2f}x added"
+    )
+
+
+def check_on_device(quick: bool) -> None:
+    """Every single flipped bit of every dtype changes the fingerprint
+    computed on the device (the layout of that platform), equal bits give
+    equal fingerprints."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pmaptap._trace.fphash import fingerprint64
+
+    fp = jax.jit(fingerprint64)
+    rng = np.random.default_rng(3)
+    flips = 4 if quick else 24
+    total = changed = 0
+    for dtype in DTYPES:
+        for leaf in _tree(dtype, 2 if quick else 16, rng):
+            host = np.asarray(leaf)
+            base = np.asarray(fp(leaf))
+            same = np.array_equal(np.asarray(fp(jnp.asarray(host.copy()))), base)
+            raw = host.reshape(-1).view(np.dtype(f"u{host.dtype.itemsize}"))
+            for _ in range(flips):
+                i, bit = int(rng.integers(raw.size)), int(rng.integers(8 * raw.itemsize))
+                if host.dtype == np.bool_:
+                    bit = 0  # a bool's one meaningful bit
+                bad = raw.copy()
+                bad[i] ^= bad.dtype.type(1) << bad.dtype.type(bit)
+                moved = np.asarray(fp(jnp.asarray(bad.view(host.dtype).reshape(host.shape))))
+                total += 1
+                changed += int(same and not np.array_equal(moved, base))
+    print(
+        f"s. on {jax.devices()[0].device_kind}: {changed}/{total} single flipped bits "
+        f"changed the fingerprint ({len(DTYPES)} dtypes, 4 leaves each)"
+    )
+
+
+def run_single(quick: bool, tpu: bool) -> None:
+    import pmaptap
+
+    out_dir = tempfile.mkdtemp(prefix="pmaptap-fp1-")
+    session = pmaptap.Session(os.path.join(out_dir, "fp.jsonl"), run="bench1").open()
+    # One TPU v5e chip reads about 819 GB/s of its memory (its data sheet).
+    parts = [lambda: run_dtypes(session, quick, 819e9 if tpu else None)]
+    if tpu:
+        parts += [lambda: run_step(session, quick), lambda: check_on_device(quick)]
+    failed = []
+    for part in parts:
+        # On an accelerator each part is worth its device time: one that
+        # fails is reported, the others still run, the exit status says so.
+        try:
+            part()
+        except Exception as e:  # noqa: BLE001
+            failed.append(e)
+            print(f"FAILED: {type(e).__name__}: {e}"[:2000])
+    session.close()
+    if failed:
+        raise failed[0]
+
+
 if __name__ == "__main__":
-    main_quick(run, DEVICES)
+    if "--tpu" in sys.argv:
+        # The accelerator, as it is: one process, its one chip.
+        quick = "--quick" in sys.argv
+        run_single(quick, tpu=True)
+    else:
+        main_quick(lambda quick: (run(quick), run_single(quick, tpu=False)), DEVICES)

@@ -1,46 +1,73 @@
 """The 64-bit fingerprint of one device's copy of an array, computed on that
 device from the bits it holds (``pmaptap.fingerprint``, fingerprint.py).
 
-What it is: the array's bits taken as 32-bit words ``w_i``; 32 words at a
-time (``FOLD``, the words ``LANES`` apart in a block) summed into one 32-bit
-*lane*, each weighted by an odd multiplier of its row; then every lane
-mixed (MurmurHash3's finalizer, a bijection, with a salt per half) and
-weighted by an odd multiplier of its position, and summed: twice, with
-different salts and multipliers, for the two 32-bit halves. All modulo
-2**32, integer arithmetic only (floats would round, and NaN compares
-unequal to itself).
+What it is: the array's bits taken as 32-bit *words* ``w_i``; the words
+folded into 32-bit *lanes*, each lane the sum of a bounded run of words
+(a *fold*), each word weighted by an odd multiplier of its row in the fold;
+then every lane mixed (MurmurHash3's finalizer, a bijection, with a salt
+per half) and weighted by an odd multiplier of its position, and summed:
+twice, with different salts and multipliers, for the two 32-bit halves.
+All modulo 2**32, integer arithmetic only (floats would round, and NaN
+compares unequal to itself).
 
 What it guarantees: a change confined to one word (one flipped bit
 anywhere, ``-0.0`` against ``0.0``, another NaN payload) changes its lane
 by ``delta * odd``, never 0 modulo 2**32, so the mixed lane, and each half,
 changes: always detected. Changes in several lanes collide with a
-probability of about 2**-64. Changes confined to one lane (words 1021
-apart within one block of 32 x 1021 words, 256 x 1021 off the CPU) can
-cancel in the weighted sum: with a
-probability of about 2**-32 for arbitrary changes, but more often when
-they are all in the top bits of their words (an even number of flipped
-sign bits there always cancels): the price of a first pass that is one
-multiply-add per word.
+probability of about 2**-64. Changes confined to one lane can cancel in the
+weighted sum: with a probability of about 2**-32 for arbitrary changes, but
+more often when they are all in the top bits of their words (an even
+number of flipped sign bits there always cancels): the price of a first
+pass that is one multiply-add per word. What a lane holds depends on the
+platform the program is compiled for (``LAYOUTS``, docs/api.md): a
+fingerprint is only compared with the fingerprints the same program
+computes, so each platform reads the bits in the order its memory holds
+them.
 
-Why it is shaped this way (measured on XLA:CPU, JAX 0.10.2, 16 MiB of
-float32 on one core): XLA rewrites a long integer reduction into a tree of
-``reduce-window`` ops and does not fuse the elementwise multiply into it, so
-a plain weighted ``jnp.sum`` wrote the products out and read them back:
-1.8-3.9 ms, against 0.65 ms for a float32 ``jnp.sum`` (XNNPACK's kernel).
-Folding 32 rows at a time (``(-1, 32, LANES)``, summed over the middle
-axis, a dimension short enough to stay one fused loop) takes 0.66 ms: one
-pass over memory, as fast as the float sum. Any further per-word operation
-(a shift, a compare, a widening) doubled that, which is why the mixing is
-done on the lanes (1/32 of the words: 0.8 ms in all).
+Why it is shaped this way: the fingerprint must cost one read of the array,
+as a float sum does, and every platform has its own way of making a second
+pass out of a reshape or a widening.
+
+- XLA:CPU (JAX 0.10.2, measured on one and two cores) keeps arrays dense in
+  row-major order, so the flat words reshape for free into blocks of
+  ``(FOLD, LANES)``: 32 rows summed into 1021 lanes (a prime, so that a
+  power-of-two stride spreads over lanes), one fused loop. XLA rewrites a
+  long integer reduction into a tree of ``reduce-window`` ops and does not
+  fuse the multiply into it (a plain weighted ``jnp.sum`` wrote the
+  products out: 1.8-3.9 ms against 0.65 ms for a float32 sum of 16 MiB);
+  a fold of 64 rows did the same (3x). 8- and 16-bit values are packed two
+  or four to a word by strided slices of a row, taken before their bitcast
+  to unsigned integers: a bitcast to 32 bits by a reshape to ``(-1, 2)``
+  became a separate pass writing the words out (13-17x the float sum), and
+  a bitcast before the slices broke the loop's vectorization (2.6x).
+  bfloat16 is the exception: XLA:CPU computes slices of bfloat16 in
+  float32 (a round trip that is slow and not bit-exact for NaN payloads),
+  so its elements are each widened to a word (bitcast first, which stays
+  fused) and two neighbouring lanes combined into one before the mixing,
+  to keep the lanes per byte of float32. The mixing works on the lanes
+  (1/32 of the words): any further per-word operation doubled the time.
+- XLA:TPU keeps arrays in tiles of (8, 128) 32-bit words (16 or 32 rows of
+  narrower types, packed in 32-bit sublanes), so a flat reshape is a
+  relayout copy, and a reshape to a minor dimension of 2 pads it to 128
+  lanes (64x the bytes). There the fold is over the rows of the array as
+  it lies: the leading dimensions merged (free), ``FOLD_TPU`` rows of one
+  column to a lane, every element widened to a word inside the fused
+  reduction. An optimization barrier after the reshape keeps XLA from
+  moving the widening in front of it, where it was not fused (a second
+  pass over the array).
+- Elsewhere (GPU) the layout is dense as on the CPU, with the fold of
+  ``FOLD_ELSEWHERE`` rows: on an H200, 1 GiB of float32 took 1.46 ms at 32
+  rows, 0.53 ms at 256 (a float32 sum: 0.47 ms).
 
 The words of a value: 32-bit dtypes as they are (bitcast); 64-bit ones as
-two words each; 8- and 16-bit ones packed four or two to a word when the
-count allows (a bitcast), else widened one to a word; bool as bytes;
-sub-byte ones widened exactly first (layouts._wire). Complex: the real and
-imaginary parts, each fingerprinted and combined.
+their two halves, each in a lane of its own; complex ones as their real and
+imaginary parts, each in lanes of its own; bool as bytes; sub-byte dtypes
+widened exactly first (layouts._wire).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -50,39 +77,95 @@ from jax import lax
 from pmaptap._trace.layouts import _sub_byte, _wire
 
 FOLD = 32  # rows summed by one fused loop on XLA:CPU (see above)
-# Elsewhere (GPU, TPU) XLA's reductions have no such limit, and a fold of 32
-# left the first pass short of work: on an H200, 1 GiB of float32 took
-# 1.46 ms at 32 rows, 0.53 ms at 256 (a float32 sum: 0.47 ms).
-FOLD_ELSEWHERE = 256
-# Words per row, and so the lanes a block is folded into: a prime, so that a
-# power-of-two stride (a column of a matrix) spreads over lanes.
+# Lanes of the CPU's blocks summed into one before the mixing, which cost a
+# third of the float sum's time on the lanes of 32 rows (see above).
+REGROUP = 8
+FOLD_ELSEWHERE = 256  # on GPUs (see above)
+FOLD_TPU = 256  # at most this many rows of a column to a lane on a TPU
+# Words per row of the CPU's (and GPU's) blocks, and so their lanes: a
+# prime, so that a power-of-two stride (a column of a matrix) spreads over
+# lanes.
 LANES = 1021
+# Below this many bytes every platform takes the CPU's layout (its cost is
+# lost in the call's).
+SMALL = 1 << 20
+# The lanes of each platform, for the docs and the tests.
+LAYOUTS = {
+    "cpu": f"{FOLD * REGROUP} rows x {LANES} words",
+    "tpu": f"up to {FOLD_TPU} rows of one column",
+    "default": f"{FOLD_ELSEWHERE} rows x {LANES} words",
+}
 # Odd multipliers come from these constants (any odd constants with mixed
 # bits would do; these are the golden ratio and MurmurHash3's).
 _ROW = np.uint32(0x9E3779B1)
 _HALF = (np.uint32(0x85EBCA77), np.uint32(0xC2B2AE3D))
 _SALT = (np.uint32(0x27D4EB2F), np.uint32(0x165667B1))
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def words(x: jax.Array) -> jax.Array:
-    """``x``'s bits as a flat uint32 vector (complex: not taken here)."""
+def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """The fingerprint of ``x`` as uint32[2] (the high and low halves).
+    ``valid`` (bool, ``x``'s shape): elements outside it count as zeros
+    (the padding of an uneven shard, which is no element of the value)."""
     x = jnp.asarray(x)
+    parts = _parts(x)
+    if valid is not None:
+        valid = jnp.broadcast_to(jnp.asarray(valid, jnp.bool_), x.shape)
+    out = jnp.full((2,), np.uint32(x.size % 2**32), jnp.uint32)
+    if x.size == 0:
+        return out
+    first = 0
+    for part in parts:
+        if part.size * part.dtype.itemsize < SMALL:
+            fp = _flat(part, valid, FOLD, first, REGROUP)  # the same everywhere
+        else:
+            # The layout that suits the platform the program is compiled
+            # for: the fingerprint of given bits is the same wherever that
+            # platform runs it (only copies computed by one program are
+            # ever compared).
+            fp = lax.platform_dependent(
+                part,
+                valid,
+                cpu=partial(_flat, fold=FOLD, first=first, regroup=REGROUP),
+                tpu=partial(_tiled, first=first),
+                default=partial(_flat, fold=FOLD_ELSEWHERE, first=first),
+            )
+        out = out + fp
+        # Each part's lanes have their own positions (below 2**32 apart for
+        # any array that fits a device).
+        first += 2 * part.size  # at most two lanes to an element
+    return out
+
+
+def _parts(x: jax.Array) -> list[jax.Array]:
+    """``x`` as arrays whose elements are 1, 2, 4 or 8 bytes of its bits
+    (complex: the real and imaginary parts; bool as bytes; sub-byte dtypes
+    widened exactly)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return [jnp.real(x), jnp.imag(x)]
+    if _sub_byte(x.dtype):
+        return [_wire(x)]
+    return [x]
+
+
+def _unsigned(x: jax.Array) -> jax.Array:
+    """``x``'s bits as unsigned integers of its width (bool: 0 or 1)."""
     if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    elif _sub_byte(x.dtype):
-        x = _wire(x)
-    size = jnp.dtype(x.dtype).itemsize
-    flat = x.reshape(-1)
-    if size == 4:
-        return lax.bitcast_convert_type(flat, jnp.uint32)
-    if size == 8:
-        return lax.bitcast_convert_type(flat, jnp.uint32).reshape(-1)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16}[size]
-    per = 4 // size
-    if flat.size % per == 0 and flat.size:
-        # Packed: a word holds `per` elements (a bitcast, no arithmetic).
-        return lax.bitcast_convert_type(flat.reshape(-1, per), jnp.uint32)
-    return lax.bitcast_convert_type(flat, unsigned).astype(jnp.uint32)
+        return x.astype(jnp.uint8)
+    return lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
+
+
+def _mask(u: jax.Array, valid: jax.Array | None) -> jax.Array:
+    return u if valid is None else jnp.where(valid, u, jnp.zeros((), u.dtype))
+
+
+def _words(u: jax.Array) -> list[jax.Array]:
+    """Unsigned elements as 32-bit words, one per element (two for 64-bit
+    ones: their halves, as planes of their own)."""
+    if u.dtype == jnp.uint64:
+        low = (u & np.uint64(0xFFFFFFFF)).astype(jnp.uint32)
+        return [low, (u >> np.uint64(32)).astype(jnp.uint32)]
+    return [u.astype(jnp.uint32)]
 
 
 def _odd(index: jax.Array, k: np.uint32) -> jax.Array:
@@ -100,51 +183,147 @@ def _fmix(h: jax.Array) -> jax.Array:
 
 
 def _lanes(v: jax.Array, first: int) -> jax.Array:
-    """Both halves of the fingerprint of lane values ``v`` (flat) whose
-    positions are ``first, first + 1, ...``: each mixed (with the half's
-    salt) and weighted by an odd multiplier of its position (uint32[2])."""
-    cell = lax.iota(jnp.uint32, v.size) + np.uint32(first % 2**32)
-    return jnp.stack(
-        [jnp.sum(_fmix(v ^ _SALT[h]) * _odd(cell, _HALF[h]), dtype=jnp.uint32) for h in (0, 1)]
-    )
+    """Both halves of the fingerprint of lanes ``v`` (any shape) whose
+    positions are ``first`` plus their row-major index (uint32[2])."""
+    return jnp.stack([_half(v, first, h) for h in (0, 1)])
 
 
-def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    """The fingerprint of ``x`` as uint32[2] (the high and low halves).
-    ``valid`` (bool, ``x``'s shape): elements outside it count as zeros
-    (the padding of an uneven shard, which is no element of the value)."""
-    x = jnp.asarray(x)
-    if valid is not None:
-        x = jnp.where(valid, x, jnp.zeros((), x.dtype))
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        re, im = fingerprint64(jnp.real(x)), fingerprint64(jnp.imag(x))
-        return re * np.uint32(3) + im
-    w = words(x)
-    if w.size < FOLD_ELSEWHERE * LANES:
-        return _folded(w, FOLD)  # the same on every platform
-    # The fold that suits the platform the program is compiled for: the
-    # fingerprint of given bits is the same wherever that platform runs it
-    # (only copies computed by one program are ever compared).
-    return lax.platform_dependent(
-        w, cpu=lambda w: _folded(w, FOLD), default=lambda w: _folded(w, FOLD_ELSEWHERE)
-    )
+def _half(v: jax.Array, first: int, h: int) -> jax.Array:
+    """Half ``h`` of the fingerprint of lanes ``v``: each lane mixed (with
+    the half's salt) and weighted by an odd multiplier of its position."""
+    cell = jnp.full(v.shape, np.uint32(first % 2**32), jnp.uint32)
+    stride = 1
+    for d in reversed(range(v.ndim)):
+        cell = cell + lax.broadcasted_iota(jnp.uint32, v.shape, d) * np.uint32(stride % 2**32)
+        stride *= v.shape[d]
+    return jnp.sum(_fmix(v ^ _SALT[h]) * _odd(cell, _HALF[h]), dtype=jnp.uint32)
 
 
-def _folded(w: jax.Array, fold: int) -> jax.Array:
-    n = int(w.size)
-    block = fold * LANES
+def _fold(words: jax.Array, axis: int) -> jax.Array:
+    """Words summed over ``axis`` (the fold), each weighted by an odd
+    multiplier of its row there."""
+    shape = [1] * words.ndim
+    shape[axis] = words.shape[axis]
+    row = lax.broadcasted_iota(jnp.uint32, tuple(shape), axis)
+    return jnp.sum(words * _odd(row, _ROW), axis=axis, dtype=jnp.uint32)
+
+
+# ------------------------------------------------------------ CPU and GPU
+
+
+def _flat(
+    x: jax.Array, valid: jax.Array | None, fold: int, first: int, regroup: int = 1
+) -> jax.Array:
+    """Dense row-major layouts: the flat elements in blocks of ``fold`` rows
+    x ``LANES`` words, whose lanes are folded again ``regroup`` at a time
+    (the words past the last whole block: each its own lane)."""
+    flat = x.reshape(-1)
+    ok = None if valid is None else valid.reshape(-1)
+    n, size = flat.size, x.dtype.itemsize
+    # Elements to a word; bfloat16 is widened, a row's two halves two rows
+    # of lanes (module docstring).
+    per = 1 if x.dtype == jnp.bfloat16 else max(1, 4 // size)
+    pair = 2 if x.dtype == jnp.bfloat16 else 1
+    if per == 1:
+        # Bitcast before any slice: it stays in the fused loop, and
+        # XLA:CPU would compute bfloat16 slices in float32.
+        flat = _mask(_unsigned(flat), ok)
+    block = fold * LANES * per * pair
     main = n - n % block
-    out = jnp.full((2,), np.uint32(n % 2**32), jnp.uint32)
+    out = jnp.zeros((2,), jnp.uint32)
     if main:
-        blocks = (w if main == n else w[:main]).reshape(-1, fold, LANES)
-        row = lax.broadcasted_iota(jnp.uint32, blocks.shape, 0) * np.uint32(fold)
-        row = row + lax.broadcasted_iota(jnp.uint32, blocks.shape, 1)
-        # One fused pass over the words: each row of a block weighted by an
-        # odd multiplier of its row number, `fold` rows summed into the
-        # block's lanes; then the lanes, 1/fold of the words, mixed.
-        folded = jnp.sum(blocks * _odd(row, _ROW), axis=1, dtype=jnp.uint32)
-        out = out + _lanes(folded.reshape(-1), 0)
+        rows = flat[:main].reshape(-1, fold, LANES * per * pair)
+        if per > 1:
+            # Strided slices of the row first, each then bitcast and
+            # shifted into its byte(s) of the word (module docstring).
+            ok_rows = None if ok is None else ok[:main].reshape(rows.shape)
+            word = None
+            for j in range(per):
+                bits = _unsigned(rows[:, :, j::per])
+                if ok_rows is not None:
+                    bits = _mask(bits, ok_rows[:, :, j::per])
+                bits = bits.astype(jnp.uint32) << np.uint32(8 * size * j)
+                word = bits if word is None else word | bits
+            lanes = [_fold(word, 1)]
+        else:
+            lanes = [_fold(word, 1) for word in _words(rows)]
+        for v in lanes:
+            # Rows of lanes (a bfloat16 row's two halves are two rows),
+            # folded again, ``regroup`` rows at a time.
+            out = out + _regrouped(v.reshape(-1, LANES), regroup, first)
+            first += v.size
     if main < n:
-        # The words past the last whole block: each its own lane.
-        out = out + _lanes(w[main:], main // fold)
+        tail = flat[main:]
+        if per > 1:
+            tail = _mask(_unsigned(tail), None if ok is None else ok[main:])
+        for word in _words(tail):
+            out = out + _lanes(word, first)
+            first += word.size
     return out
+
+
+def _regrouped(v: jax.Array, regroup: int, first: int) -> jax.Array:
+    """Both halves of the fingerprint of rows of lanes ``v`` (r, LANES),
+    ``regroup`` rows summed into one before the mixing: each weighted by an
+    odd multiplier of its row there, after a xor-shift (a bijection that
+    moves a lane's top bits down, so that flipped sign bits in two of the
+    rows do not cancel as they would in one). The mixing then costs
+    1/``regroup`` of what it did. Each half sums on its own: the lanes then
+    have two readers, which keeps XLA:CPU from fusing the first fold into
+    the second (one loop that no longer ran along the lanes: 20x slower)."""
+    if regroup == 1:
+        return _lanes(v, first)
+    main = v.shape[0] - v.shape[0] % regroup
+    halves = []
+    for h in (0, 1):
+        w = v ^ _SALT[h]
+        w = w ^ (w >> 16)
+        total = jnp.zeros((), jnp.uint32)
+        if main:
+            total = total + _half(_fold(w[:main].reshape(-1, regroup, LANES), 1), first, h)
+        if main < v.shape[0]:
+            total = total + _half(_fold(w[main:], 0), first + main // regroup * LANES, h)
+        halves.append(total)
+    return jnp.stack(halves)
+
+
+# ------------------------------------------------------------ TPU
+
+
+def _tile_rows(dtype) -> int:
+    """Rows of one (8, 128) tile of 32-bit sublanes in XLA:TPU's layout."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _tiled(x: jax.Array, valid: jax.Array | None, first: int) -> jax.Array:
+    """XLA:TPU's tiled layout: the array as (leading, rows, columns), each
+    run of up to ``FOLD_TPU`` rows of a column one lane (module
+    docstring)."""
+    if x.ndim == 1:
+        if x.shape[0] % 128:
+            return _flat(x, valid, FOLD_ELSEWHERE, first)  # no tiles to read in place
+        x = x.reshape(-1, 128)
+        valid = None if valid is None else valid.reshape(x.shape)
+    rows, cols = x.shape[-2], x.shape[-1]
+    fold = _tpu_fold(rows, _tile_rows(x.dtype))
+    shape = (-1, rows // fold, fold, cols)
+    # Reshapes that only merge leading dimensions or split the rows at a
+    # whole number of tiles: the buffer read in place.
+    x = lax.optimization_barrier(x.reshape(shape))
+    ok = None if valid is None else valid.reshape(shape)
+    out = jnp.zeros((2,), jnp.uint32)
+    for word in _words(_mask(_unsigned(x), ok)):
+        lanes = _fold(word, 2)
+        out = out + _lanes(lanes, first)
+        first += lanes.size
+    return out
+
+
+def _tpu_fold(rows: int, tile: int) -> int:
+    """The rows to a lane: the largest whole number of tiles up to
+    ``FOLD_TPU`` that divides ``rows``; all of them where none does (a
+    column is then one lane)."""
+    for fold in range(FOLD_TPU - FOLD_TPU % tile, 0, -tile):
+        if rows % fold == 0:
+            return fold
+    return rows

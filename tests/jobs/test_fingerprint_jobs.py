@@ -48,7 +48,8 @@ _JOB = """
         # at data=1, model=0 (process 1's first device, id 2048) differs at
         # step 2, changed by a shard_map that jit cannot see through.
         mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-        start = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+        # bfloat16: the packed dtypes' words are compared across processes too.
+        start = np.arange(64.0).astype(jnp.bfloat16).reshape(8, 8)
         w = jax.make_array_from_callback((8, 8), NamedSharding(mesh, P()), lambda i: start[i])
 
         def corrupt(block, hit):

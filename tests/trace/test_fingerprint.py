@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
-from pmaptap._trace.fphash import FOLD, LANES, fingerprint64
+from pmaptap._trace import fphash
+from pmaptap._trace.fphash import FOLD, LANES, REGROUP, SMALL, fingerprint64
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.fingerprints import suspects
 from pmaptap.tapfile.summary import tap_summaries
@@ -91,6 +92,150 @@ def test_every_bit_counts_not_the_float_value():
     assert not np.array_equal(_fp(flags), _fp(~flags))
     c = np.array([1 + 2j, 3 - 1j], np.complex64)
     assert not np.array_equal(_fp(c), _fp(c.conj()))
+
+
+# Every dtype the issue names, in each layout: the CPU's (the small path on
+# every platform too) and the TPU's (_tiled, whose arithmetic runs on the
+# CPU as well; on a TPU the benchmark checks it: bench_fingerprint.py).
+DTYPES = [
+    np.float32,
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.int8,
+    np.uint8,
+    np.bool_,
+    np.int16,
+    np.complex64,
+]
+
+
+def _random(dtype, shape, rng) -> np.ndarray:
+    n = int(np.prod(shape))
+    if dtype == np.bool_:
+        return rng.integers(0, 2, n).astype(bool).reshape(shape)
+    raw = rng.integers(0, 256, n * np.dtype(dtype).itemsize, dtype=np.uint8)
+    a = raw.view(np.dtype(dtype)).reshape(shape)
+    return a
+
+
+def _flips(a: np.ndarray, rng, count: int):
+    """``count`` copies of ``a``, each with one random bit flipped (a bool's
+    one bit)."""
+    raw = a.reshape(-1).view(np.dtype(f"u{min(a.itemsize, 8)}"))  # complex128: two words
+    for _ in range(count):
+        i = int(rng.integers(raw.size))
+        bit = 0 if a.dtype == np.bool_ else int(rng.integers(8 * raw.itemsize))
+        b = raw.copy()
+        b[i] ^= b.dtype.type(1) << b.dtype.type(bit)
+        yield b.view(a.dtype).reshape(a.shape)
+
+
+_tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
+_cpu = jax.jit(lambda x: fphash._flat(x, None, FOLD, 0, REGROUP))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(
+    "shape",
+    [(7,), (3, 333), (1 << 18,), (2048, 768), (3, 1000, 300), (1 << 20,)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_every_flipped_bit_of_every_dtype_is_seen_in_every_layout(dtype, shape):
+    """One flipped bit anywhere in any word changes the fingerprint: the
+    small path, the CPU's packed or widened words with their lanes folded
+    again, and the TPU's tiled rows (a whole number of tiles to a lane,
+    whole columns where none divides the rows, the vector's 128 columns)."""
+    rng = np.random.default_rng(hash((np.dtype(dtype).name, shape)) % 2**32)
+    a = _random(dtype, shape, rng)
+    fns = [_fp]
+    if not np.issubdtype(dtype, np.complexfloating):  # complex: its parts are
+        fns += [_cpu] + ([_tiled] if len(shape) > 1 or shape[0] % 128 == 0 else [])
+    for fn in fns:
+        base = np.asarray(fn(a))
+        assert np.array_equal(np.asarray(fn(a.copy())), base)
+        for bad in _flips(a, rng, 6):
+            assert not np.array_equal(np.asarray(fn(bad)), base), (fn, shape)
+
+
+def test_the_cpu_layout_packs_narrow_values_without_a_second_pass():
+    """The compiled program reads a bfloat16/int8/bool array in one fused
+    loop: no instruction writes out words of the whole array (a bitcast to
+    32 bits by a reshape to a minor dimension of 2 or 4 did, a pass of its
+    own that cost 13-17x a float sum)."""
+    n = 4 * SMALL
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.int8, jnp.bool_, jnp.float32):
+        elements = n // jnp.dtype(dtype).itemsize
+        txt = _hlo(jax.jit(fingerprint64), jnp.zeros((elements,), dtype))
+        entry = txt.split("ENTRY", 1)[1]
+        for m in re.finditer(r"= u32\[([\d,]+)\]", entry):
+            size = int(np.prod([int(d) for d in m.group(1).split(",")]))
+            # The lanes: one to FOLD elements at most.
+            assert size <= elements // FOLD, (dtype, m.group(0))
+
+
+# Each float dtype's quiet NaN and its quiet bit (the top bit of the mantissa).
+NANS = {
+    np.float32: (0x7FC00000, 0x00400000),
+    ml_dtypes.bfloat16: (0x7FC0, 0x0040),
+    np.float16: (0x7E00, 0x0200),
+}
+
+
+@pytest.mark.parametrize("dtype", list(NANS), ids=lambda d: np.dtype(d).name)
+def test_minus_zero_and_nan_payloads_of_every_float_dtype(dtype):
+    """-0.0 against 0.0, a signalling NaN against a quiet one, another
+    payload: the bits count, in every layout (bfloat16 and float16 are never
+    computed in float32 on the way, which would quiet a NaN)."""
+    size = np.dtype(dtype).itemsize
+    u = np.dtype(f"u{size}")
+    n = 2 * SMALL // size  # past the small path, a whole number of 128s
+    zeros = np.zeros(n, dtype)
+    minus = zeros.copy()
+    minus.view(u)[12345] = u.type(1) << u.type(8 * size - 1)
+    qnan, quiet_bit = NANS[dtype]
+    quiet = np.full(n, qnan, u)
+    signalling = quiet.copy()
+    signalling[777] = (qnan & ~quiet_bit) | 1
+    payload = quiet.copy()
+    payload[778] |= 1
+    for fn in (_fp, _cpu, _tiled):
+        assert not np.array_equal(fn(zeros), fn(minus)), fn
+        base = np.asarray(fn(quiet.view(dtype)))
+        assert not np.array_equal(fn(signalling.view(dtype)), base), fn
+        assert not np.array_equal(fn(payload.view(dtype)), base), fn
+
+
+def test_sign_bits_flipped_in_two_lanes_of_one_group_do_not_cancel():
+    """The CPU's lanes are folded again REGROUP at a time after a xor-shift:
+    two flipped sign bits in one column of two blocks of a group are seen.
+    In one lane (two rows of one block) they cancel, as docs/api.md says
+    (2**31 times the sum of two odd numbers is 0 mod 2**32)."""
+    a = np.zeros(2 * FOLD * REGROUP * LANES, np.float32)
+    base = np.asarray(_cpu(a))
+    for k in range(1, REGROUP):
+        b = a.copy()
+        b[[7, 7 + k * FOLD * LANES]] = -0.0
+        assert not np.array_equal(_cpu(b), base), k
+    same_lane = a.copy()
+    same_lane[[7, 7 + LANES]] = -0.0
+    assert np.array_equal(_cpu(same_lane), base)
+
+
+def test_64_bit_dtypes_with_x64():
+    with jax.enable_x64(True):
+        fp = jax.jit(fingerprint64)
+        tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
+        cpu = jax.jit(lambda x: fphash._flat(x, None, FOLD, 0, REGROUP))
+        rng = np.random.default_rng(5)
+        for dtype in (np.float64, np.int64, np.uint64, np.complex128):
+            for shape in ((5,), (1 << 17,), (256, 1024)):
+                a = _random(dtype, shape, rng)
+                fns = [fp] if np.issubdtype(dtype, np.complexfloating) else [fp, cpu, tiled]
+                for fn in fns:
+                    base = np.asarray(fn(a))
+                    assert base.dtype == np.uint32 and base.shape == (2,)
+                    for bad in _flips(a, rng, 8):
+                        assert not np.array_equal(np.asarray(fn(bad)), base), (dtype, shape)
 
 
 # ------------------------------------------------------------------ pmap
@@ -528,3 +673,71 @@ def test_jit_every_scan_and_while_keep_each_slices_copies(session, tap_path):
         assert [r["step"] for r in recs] == steps, name
         for r in recs:
             assert r["devices"] == list(range(8)) and r["slices"] == 2 and not r.get("divergent")
+
+
+# ------------------------------------------------------------------ dtypes end to end
+
+
+def _flip_any(x, i: int):
+    """``x`` with one bit of element ``i`` (flat) flipped: a bool negated,
+    a complex value's imaginary sign bit, else bit 0 of its word."""
+    flat = x.reshape(-1)
+    if x.dtype == jnp.bool_:
+        return flat.at[i].set(~flat[i]).reshape(x.shape)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return flat.at[i].set(lax.complex(flat[i].real, -flat[i].imag)).reshape(x.shape)
+    bits = lax.bitcast_convert_type(flat, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.itemsize])
+    bits = bits.at[i].set(bits[i] ^ jnp.ones((), bits.dtype))
+    return lax.bitcast_convert_type(bits, x.dtype).reshape(x.shape)
+
+
+END_TO_END = [jnp.bfloat16, jnp.float16, jnp.int8, jnp.uint8, jnp.bool_, jnp.complex64]
+
+
+@pytest.mark.parametrize("dtype", END_TO_END, ids=lambda d: jnp.dtype(d).name)
+def test_pmap_names_the_device_for_every_dtype(session, tap_path, dtype):
+    """A copy of 1 MiB or more per device (the platform's layout, not the
+    small path) with one flipped bit on device 6 at step 1."""
+
+    def body(x, step):
+        x = jnp.where((lax.axis_index("i") == 6) & (step == 1), _flip_any(x, 123457), x)
+        pmaptap.fingerprint({"p": x}, "dt", step=step)
+        return x
+
+    f = jax.pmap(body, axis_name="i", in_axes=(0, None))
+    x = jnp.broadcast_to(jnp.ones((1024, 1024), dtype), (8, 1024, 1024))
+    for s in range(2):
+        f(x, s)
+    session.flush()
+    steps = by_step(fp_records(tap_path, "dt"))
+    (clean,) = steps[0]
+    assert not clean.get("divergent") and clean["devices"] == list(range(8))
+    majority, odd = steps[1]
+    assert odd["devices"] == [6] and odd["divergent"] and majority["replicas"] == 7
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+def test_jit_uneven_slices_of_narrow_dtypes(session, tap_path, dtype):
+    """Rows split unevenly over "data" (XLA pads the last tile; the padding
+    is no element of the value): each slice's copies agree at every step,
+    and one flipped bit of the value (in every copy of its slice) gives
+    another fingerprint."""
+    mesh = mesh42()
+    uneven = NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def f(x, step):
+        y = jnp.where(step == 1, _flip_any(x, 5000 * 1024 // 5), x)
+        y = lax.with_sharding_constraint(y, uneven)
+        pmaptap.fingerprint(y, "uneven_dt", step=step)
+        return y
+
+    x = jnp.ones((4098, 1024), dtype)
+    for s in range(3):
+        f(x, s)
+    session.flush()
+    recs = fp_records(tap_path, "uneven_dt")
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for r in recs:
+        assert not r.get("divergent") and r["slices"] == 4 and r["devices"] == list(range(8))
+    assert recs[0]["fingerprint"] == recs[2]["fingerprint"] != recs[1]["fingerprint"]
