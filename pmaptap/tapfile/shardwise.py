@@ -15,22 +15,34 @@ decides across sources is decided here once every source is read:
   other processes' (runs._merge_round). Here each (key, vhash) keeps the
   copies of the process whose copy has the least position. Replicated
   records are taken last, kept copies only, in the merge's order
-  (divergence and duplicates are judged in stream order);
+  (divergence and duplicates are judged in stream order). Up to
+  MAX_HELD_COPIES a process holds them; past it they go to a temporary
+  file in buckets by record key, and once every source is read the
+  buckets are resolved (``resolve``) by the processes reading, each a
+  share of the buckets, one bucket at a time;
 - a per-device record's first copy (validate): within a source it is the
   first met; a key with copies in two sources gets the least position;
 - the line number in the merged stream of a line with a problem: from
   every source's merge keys (kept as runs of equal keys) and the dropped
-  copies, counted only when there is such a line.
+  copies, counted only when there is such a line. Past MAX_KEY_RUNS (the
+  whole run's runs of keys and copies, so every --jobs decides alike) a
+  line is named by its source and its line there (runs.SourceLine).
+
+So no size makes a run read in one process, and memory is bounded: per
+process reading, MAX_KEY_RUNS keys (64 MiB), MAX_HELD_COPIES copies (~40
+MiB) and a bucket of copies read back (BUCKET_BYTES of the run's lines at
+most), besides the summary's own state (per tap, step and device); the
+process that starts the workers takes their states in one at a time.
 
 A run that was resumed is read again once what its later attempts
 superseded is known (attempts.scan), as summary.py and checks.py do. Where
-a summary cannot be exact the merged stream is read instead: an id written
-with two types (1 and 1.0) in two sources (a set keeps the first met, and
-here "first" is not the merge's); a process's copies of replicated values
-in two sources (the shared file and its shard: a copy dropped before the
-other source is read may belong to the first process after all).
-tapfile/jobs.py reads groups of sources so in worker processes and absorbs
-their states.
+a summary cannot be exact the merged stream is read instead, whatever the
+run's size: an id written with two types (1 and 1.0) in two sources (a
+set keeps the first met, and here "first" is not the merge's); a
+process's copies of replicated values in two sources (the shared file
+and its shard: a copy dropped before the other source is read may belong
+to the first process after all). tapfile/jobs.py reads groups of sources
+so in worker processes and combines their states (``combine``).
 """
 
 from __future__ import annotations
