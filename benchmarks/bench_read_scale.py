@@ -33,6 +33,13 @@ Arms:
   processes as the most jobs, each an orjson loop over its share of the
   shard files); the outputs of every ``--jobs`` compared, byte for byte.
 
+  The issue's sizes on a 13-core machine (~6 minutes, ~10 GiB under
+  /tmp; ``--jobs 1`` at 4.9 M lines only, per line the same at 49.2 M):
+  ``python benchmarks/bench_read_scale.py --part s --lines 4.9M --jobs
+  1,2,4,8,12 --validate-jobs 1,12 --tmp /tmp && python
+  benchmarks/bench_read_scale.py --part s --lines 49.2M --jobs 2,4,8,12
+  --validate-jobs 12 --tmp /tmp``.
+
 ``--part m`` (or n, p, o, s; repeatable) runs only those arms. Every run
 also prints the lines of pmaptap/tapfile/'s Python files (target <= 7,500).
 
