@@ -322,22 +322,18 @@ _DECODE_ONLY = (
 
 # The parallel floor: N processes, each an orjson loop over its share of
 # the shard files (every N-th), nothing checked.
+# _BARE's loop over a process's share (``names``), its count handed back.
+_SHARE_LOOP = _BARE.replace("sorted(os.listdir(d))", "names").replace("print(n)", "got.append(n)")
 _BARE_PARALLEL = (
     "import os, sys, orjson\n"
     "from multiprocessing import get_context\n"
     "def count(names):\n"
-    "    n = 0\n"
-    "    for name in names:\n"
-    "        with open(name, 'rb') as f:\n"
-    "            for line in f:\n"
-    "                try:\n"
-    "                    orjson.loads(line)\n"
-    "                except orjson.JSONDecodeError:\n"
-    "                    pass\n"
-    "                n += 1\n"
-    "    return n\n"
+    "    exec(LOOP, {'orjson': orjson, 'os': os, 'sys': sys, 'got': got, 'names': names})\n"
+    "    return got.pop()\n"
+    "got = []\n"
+    f"LOOP = {_SHARE_LOOP!r}\n"
     "d, j = sys.argv[1], int(sys.argv[2])\n"
-    "names = [os.path.join(d, x) for x in sorted(os.listdir(d))]\n"
+    "names = [os.path.abspath(os.path.join(d, x)) for x in sorted(os.listdir(d))]\n"
     "with get_context('fork').Pool(j) as pool:\n"
     "    print(sum(pool.map(count, [names[k::j] for k in range(j)], chunksize=1)))\n"
 )
