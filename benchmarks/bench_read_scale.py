@@ -23,7 +23,24 @@ Arms:
   Python, one signed listing, each object's GET), the least any client
   could take against this server; only where moto and s3fs are installed.
 
-``--part m`` (or n, p, o; repeatable) runs only those arms. Every run
+- s. a job's run at scale (``--lines``: sizes, ``--jobs``: the jobs to
+  time ``summary`` with, ``--validate-jobs`` ``validate``'s): 256
+  processes in the sharded layout, each writing one per-device value for
+  each of its 8 devices every step and process 0 the loss, as the JAX-free
+  ``Writer`` writes them (``generate_job``, several processes at once);
+  per line, the cost of each command in a fresh process, its speed-up on
+  ``--jobs 1`` of the same size, and the parallel orjson floor (as many
+  processes as the most jobs, each an orjson loop over its share of the
+  shard files); the outputs of every ``--jobs`` compared, byte for byte.
+
+  The issue's sizes on a 13-core machine (~6 minutes, ~10 GiB under
+  /tmp; ``--jobs 1`` at 4.9 M lines only, per line the same at 49.2 M):
+  ``python benchmarks/bench_read_scale.py --part s --lines 4.9M --jobs
+  1,2,4,8,12 --validate-jobs 1,12 --tmp /tmp && python
+  benchmarks/bench_read_scale.py --part s --lines 49.2M --jobs 2,4,8,12
+  --validate-jobs 12 --tmp /tmp``.
+
+``--part m`` (or n, p, o, s; repeatable) runs only those arms. Every run
 also prints the lines of pmaptap/tapfile/'s Python files (target <= 7,500).
 
 The runs are generated without JAX (``generate``): per step and process a
@@ -42,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -171,6 +189,54 @@ def reference(path: str, shards: int, steps: int, devices: int = 1) -> None:
             f.write(orjson.dumps(r) + b"\n")
 
 
+def _job_shard(task: tuple) -> int:
+    """One process's shard of ``generate_job``: its lines as the ``Writer``
+    writes them (a time of its own a line), formatted directly."""
+    path, p, steps, devices = task
+    host = f"node-{p}"
+    name = os.path.join(path + ".d", f"p{p:05d}.jsonl")
+    buf: list[str] = []
+    size = 0
+    with open(name, "wb") as f:
+        for s in range(steps):
+            t = T0 + s * 0.5 + p * 1e-4
+            for k in range(devices):
+                d = p * devices + k
+                buf.append(
+                    f'{{"run":"job","name":"grad_norm","step":{s},"kind":"per_device",'
+                    f'"value":{0.5 + d + s * 1e-4!r},"dtype":"float32","shape":[],'
+                    f'"process":{p},"time":{t + k * 1e-6!r},"host":"{host}",'
+                    f'"device":{d},"coords":{{}}}}\n'
+                )
+            if p == 0:
+                v = 1.0 / (s + 1)
+                buf.append(
+                    f'{{"run":"job","name":"loss","step":{s},"kind":"replicated",'
+                    f'"value":{v!r},"dtype":"float32","shape":[],"process":0,'
+                    f'"time":{t + devices * 1e-6!r},"host":"{host}","replicas":1,'
+                    f'"processes":[0],"vhash":"{hash(v) & (2**64 - 1):016x}"}}\n'
+                )
+            if len(buf) >= 8192:
+                data = "".join(buf).encode()
+                f.write(data)
+                size += len(data)
+                buf = []
+        data = "".join(buf).encode()
+        f.write(data)
+    return size + len(data)
+
+
+def generate_job(path: str, processes: int, steps: int, devices: int = 8) -> int:
+    """A job's sharded run ``path.d/p*.jsonl`` (see the arm s. above),
+    written by as many processes as there are cores; its bytes."""
+    from multiprocessing import get_context
+
+    os.makedirs(path + ".d", exist_ok=True)
+    tasks = [(path, p, steps, devices) for p in range(processes)]
+    with get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        return sum(pool.map(_job_shard, tasks, chunksize=1))
+
+
 # The floor of reading a run from a store with the client pmaptap uses: the
 # client's import, one listing and every non-empty object fetched
 # concurrently (fsspec's own concurrency), nothing parsed.
@@ -251,6 +317,25 @@ _DECODE_ONLY = (
     "    for _, records, _ in iter_file_records(source):\n"
     "        n += len(records)\n"
     "print(n)\n"
+)
+
+
+# The parallel floor: N processes, each an orjson loop over its share of
+# the shard files (every N-th), nothing checked.
+# _BARE's loop over a process's share (``names``), its count handed back.
+_SHARE_LOOP = _BARE.replace("sorted(os.listdir(d))", "names").replace("print(n)", "got.append(n)")
+_BARE_PARALLEL = (
+    "import os, sys, orjson\n"
+    "from multiprocessing import get_context\n"
+    "def count(names):\n"
+    "    exec(LOOP, {'orjson': orjson, 'os': os, 'sys': sys, 'got': got, 'names': names})\n"
+    "    return got.pop()\n"
+    "got = []\n"
+    f"LOOP = {_SHARE_LOOP!r}\n"
+    "d, j = sys.argv[1], int(sys.argv[2])\n"
+    "names = [os.path.abspath(os.path.join(d, x)) for x in sorted(os.listdir(d))]\n"
+    "with get_context('fork').Pool(j) as pool:\n"
+    "    print(sum(pool.map(count, [names[k::j] for k in range(j)], chunksize=1)))\n"
 )
 
 
@@ -387,13 +472,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int)
     ap.add_argument(
         "--part",
-        choices=("m", "n", "p", "o"),
+        choices=("m", "n", "p", "o", "s"),
         action="append",
         help="only these arms (m: 256 shards, n: 4,096 shards, p: summary --jobs 2 of "
-        "4,096 shards, o: object store); all by default",
+        "4,096 shards, o: object store, s: a job's run at scale); all by default",
     )
+    ap.add_argument(
+        "--lines",
+        default="6.2M",
+        help="s.: the runs' sizes in lines, comma-separated (4.9M, 49.2M, 620000)",
+    )
+    ap.add_argument(
+        "--jobs", default="1,2,12", help="s.: the --jobs to time summary with (1,2,4,8,12)"
+    )
+    ap.add_argument("--validate-jobs", default="1,12", help="s.: the --jobs to time validate with")
+    ap.add_argument("--devices", type=int, default=8, help="s.: each process's devices")
+    ap.add_argument("--tmp", help="s.: where the runs are written (default: a temporary directory)")
     a = ap.parse_args(argv)
-    parts = set(a.part or "mnpo")
+    parts = set(a.part or "mnpos")
     rounds = a.rounds or (1 if a.quick else 5)
     compile_bytecode()  # readers start as an installed package's do
     tapfile = os.path.join(ROOT, "pmaptap", "tapfile")
@@ -403,7 +499,13 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(tapfile, name), "rb") as f:
                 lines += f.read().count(b"\n")
     print(f"pmaptap/tapfile/: {lines} lines of Python (target <= 7,500)")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+        if "s" in parts:
+            sizes = [20_000] if a.quick else [_count(x) for x in a.lines.split(",")]
+            jobs = [1, 2] if a.quick else [int(x) for x in a.jobs.split(",")]
+            vjobs = [1, 2] if a.quick else [int(x) for x in a.validate_jobs.split(",") if x]
+            for lines in sizes:
+                _at_scale(tmp, lines, jobs, vjobs, a.devices)
         if "m" in parts:
             _many_shards(tmp, a.quick, rounds)
         if "n" in parts:
@@ -524,6 +626,69 @@ def _jobs(tmp: str, quick: bool, rounds: int) -> None:
         f"{rounds} paired round(s); target <= 0.65x on a quiet 2-core box), CPU "
         f"{statistics.median(cpu):.2f}x; output {same}"
     )
+
+
+def _count(text: str) -> int:
+    """4.9M -> 4,900,000."""
+    text = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def _timed(cmd: list[str]) -> tuple[float, float, bytes]:
+    """(wall seconds, CPU seconds of it and its workers, stdout) of a
+    command in a fresh process."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode not in (0, 1):
+        raise RuntimeError(f"{cmd} failed: {out.stderr.decode()[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, out.stdout
+
+
+def _at_scale(tmp: str, lines: int, jobs: list[int], vjobs: list[int], devices: int) -> None:
+    """s. a 256-process job's run of about ``lines`` lines."""
+    py = sys.executable
+    processes = 256
+    steps = max(1, round(lines / (processes * devices)))
+    path = os.path.join(tmp, f"s{steps}.jsonl")
+    t0 = time.perf_counter()
+    size = generate_job(path, processes, steps, devices)
+    made = time.perf_counter() - t0
+    n = processes * devices * steps + steps
+    most = max(jobs + vjobs)
+    floor, _, _ = _timed([py, "-c", _BARE_PARALLEL, path + ".d", str(most)])
+    print(
+        f"s. {n / 1e6:.2f} M lines ({processes} processes x {devices} devices x {steps} "
+        f"steps + the loss), {size / 2**20:.0f} MiB, generated in {made:.1f} s; "
+        f"{os.cpu_count()} cores"
+    )
+    rows = [(f"orjson floor, {most} processes", f"{floor:.2f} s", f"{floor / n * 1e6:.3f}", "", "")]
+    for cmd, js in (("summary", jobs), ("validate", vjobs)):
+        outs = {}
+        base = None
+        for j in js:
+            wall, cpu, out = _timed([py, "-m", "pmaptap", cmd, path, "--jobs", str(j)])
+            outs[j] = out
+            base = wall if j == 1 else base
+            rows.append(
+                (
+                    f"{cmd} --jobs {j}",
+                    f"{wall:.2f} s (CPU {cpu:.1f} s)",
+                    f"{wall / n * 1e6:.3f}",
+                    f"{base / wall:.2f}x" if base else "",
+                    f"{wall / floor:.2f}x",
+                )
+            )
+        same = len(set(outs.values())) == 1
+        print(f"s. {cmd}: the output of every --jobs {'identical' if same else 'DIFFERENT'}")
+    print(table(rows, ("s. command", "wall", "us a line", "vs --jobs 1", "vs floor")))
+    subprocess.run(["rm", "-rf", path + ".d"], check=True)
 
 
 if __name__ == "__main__":

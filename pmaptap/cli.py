@@ -134,10 +134,12 @@ def _check_followed(path: str, command: str) -> None:
 def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
     bad = [(n, why) for n, why in bad if why != "empty line"]
     if bad:
+        from pmaptap.tapfile.checks import line_text
+
         n, why = bad[0]
         print(
             f"{PROG} {command}: skipped {len(bad)} invalid line(s) (first: "
-            f"line {n}: {why}); '{PROG} validate {_shown(path)}' lists them",
+            f"{line_text(n)}: {why}); '{PROG} validate {_shown(path)}' lists them",
             file=sys.stderr,
         )
 
@@ -273,7 +275,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     shown = report.problems if not args.limit else report.problems[: args.limit]
     name = _shown(args.file)
     for line, why in shown:
-        print(f"{name}:{line}: {why}")
+        # A line of the file (or merged stream), or of a sharded run's source
+        # (runs.SourceLine: the shard file and its line).
+        where = f"{name}:{line}" if type(line) is int else f"{line.path}:{line.line}"
+        print(f"{where}: {why}")
     if len(shown) < len(report.problems):
         print(f"... and {len(report.problems) - len(shown)} more (--limit 0 lists all)")
     note = (

@@ -15,9 +15,11 @@ What makes the merge exact:
   in file order (``absorb(..., ordered=True)``).
 - A sharded run: each worker reads its sources a shard at a time
   (shardwise.py, as one process does), positions being places in the
-  whole run's merge; the parent absorbs the states and decides what only
-  the whole run decides (which copies of a replicated value stay, which
-  copy of a key is the first, where a line falls in the merged stream).
+  whole run's merge; the parent takes the states in as they come and
+  decides what only the whole run decides (which copies of a replicated
+  value stay, which copy of a key is the first, where a line falls in the
+  merged stream). Copies too many to hold went to files in buckets: a
+  second round of workers resolves a share of the buckets each.
 
 An id written with two types in two pieces, a device at two sets of
 coordinates, or a per-device key in two sources, has no order to merge
@@ -31,7 +33,9 @@ by threads already).
 from __future__ import annotations
 
 import os
-from typing import Any
+import tempfile
+from contextlib import closing
+from typing import Any, Iterator
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile import checks, runs, shardwise, summary
@@ -224,10 +228,7 @@ def _run(target: Any, tasks: list[tuple]) -> list:
 # ------------------------------------------------------------ summary
 
 
-def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: Any) -> tuple:
-    if sharded:  # the state of these sources, positions and all (shardwise.py)
-        got = shardwise.summary_of(path, part, flt, attempts)
-        return ("resumed",) if got.resumed else ("done", got)
+def _summary_piece(path: str, part: Any, flt: Filter, attempts: Any) -> tuple:
     acc = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
     bad: list = []
     lines = 0
@@ -239,6 +240,54 @@ def _summary_piece(path: str, sharded: bool, part: Any, flt: Filter, attempts: A
         if attempts is None and acc.resumed:
             return ("resumed",)
     return ("done", acc, bad, lines)
+
+
+def _read_piece(got: Any, path: str, part: list, buckets: int, spill_dir: str) -> Any:
+    """A worker's state of its sources (shardwise.read)."""
+    return shardwise.read(got, path, part, buckets, spill_dir)
+
+
+def _run_each(target: Any, tasks: list[tuple]) -> Iterator:
+    """_run's results one at a time, as they come (the first, this
+    process's own, first): the caller takes each in before the next."""
+    workers = _start(target, tasks[1:])
+    try:
+        with collector_paused():
+            yield target(*tasks[0])
+        for p, conn in workers:
+            yield _gather([(p, conn)])[0]
+    finally:
+        _stop(workers)
+
+
+def _sharded(path: str, parts: list, empty: Any) -> Any:
+    """The sources of ``path`` read in ``len(parts)`` processes into
+    states like ``empty`` (shardwise.py), combined: the copies that went
+    to files resolved by as many processes, a share of the buckets each."""
+    n = len(parts)
+    with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
+        buckets = shardwise.buckets_for(path, n)
+        tasks = [(empty.fresh(), path, part, buckets, tmp) for part in parts]
+        with closing(_run_each(_read_piece, tasks)) as states:
+            return shardwise.combine(states, n, _resolver)
+
+
+def _resolver(tasks: list) -> Iterator:
+    with closing(_run_each(shardwise.resolve, tasks)) as got:
+        yield from got
+
+
+def _sharded_summary(path: str, parts: list, flt: Filter, optimistic: bool) -> Result | None:
+    attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
+    got = _sharded(path, parts, shardwise.ShardwiseSummary(flt, attempts))
+    if got.resumed:  # a record of a later attempt: what it superseded first
+        got = _sharded(path, parts, shardwise.ShardwiseSummary(flt, scan(path)))
+    if got.overflow:  # a process's copies in two sources: the merged stream
+        return summary.summarize_file(path, flt)
+    done = got.result()
+    if done is None:
+        raise NeedSerial("ids of two types")
+    return done
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
@@ -257,31 +306,22 @@ def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result 
         return None
     path = os.fspath(path)
     optimistic = not flt.active and not flt.all_attempts
-    attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
     try:
-        got = _summary_pass(path, pieces, flt, attempts)
+        if pieces[0]:
+            return _sharded_summary(path, pieces[1], flt, optimistic)
+        attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
+        got = _summary_pass(path, pieces[1], flt, attempts)
         if got is None:  # resumed after all
-            got = _summary_pass(path, pieces, flt, scan(path))
+            got = _summary_pass(path, pieces[1], flt, scan(path))
         return got
     except NeedSerial:
         return None
 
 
-def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Result | None:
-    sharded, parts = pieces
-    results = _run(_summary_piece, [(path, sharded, part, flt, attempts) for part in parts])
+def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result | None:
+    results = _run(_summary_piece, [(path, part, flt, attempts) for part in parts])
     if any(r[0] == "resumed" for r in results):
         return None
-    if sharded:
-        got = _absorbed([r[1] for r in results])
-        if got.overflow:  # copies past the budget, or in two sources: the merged stream
-            return summary.summarize_file(path, flt)
-        if got.resumed:
-            return None
-        done = got.result()
-        if done is None:
-            raise NeedSerial("ids of two types")
-        return done
     merged = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
     bad: list = []
     offset = 0
@@ -293,23 +333,10 @@ def _summary_pass(path: str, pieces: tuple, flt: Filter, attempts: Any) -> Resul
     return merged.result(bad)
 
 
-def _absorbed(states: list) -> Any:
-    """The workers' shardwise states as one, ``finish``ed."""
-    got = states[0]
-    for other in states[1:]:
-        got.absorb(other)
-    if not got.overflow:
-        got.finish()
-    return got
-
-
 # ------------------------------------------------------------ validate
 
 
-def _validate_piece(path: str, sharded: bool, part: Any, attempts: Any) -> tuple:
-    if sharded:
-        got = shardwise.validation_of(path, part, attempts)
-        return ("resumed",) if got.resumed else ("done", got)
+def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
     v = Validator(path, attempts)
     for first, records, problems in iter_file_records(path, *part):
         v.take(records, problems, first)
@@ -333,29 +360,32 @@ def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
         return None
     path = os.fspath(path)
     try:
-        report = _validate_pass(path, pieces, None)
+        if pieces[0]:
+            return _sharded_validation(path, pieces[1])
+        report = _validate_pass(path, pieces[1], None)
         if report is None:
-            report = _validate_pass(path, pieces, scan(path))
+            report = _validate_pass(path, pieces[1], scan(path))
         return report
     except NeedSerial:
         return None
 
 
-def _validate_pass(path: str, pieces: tuple, attempts: Any) -> Report | None:
-    sharded, parts = pieces
-    results = _run(_validate_piece, [(path, sharded, part, attempts) for part in parts])
+def _sharded_validation(path: str, parts: list) -> Report:
+    got = _sharded(path, parts, shardwise.ShardwiseValidation(path, None))
+    if got.resumed:
+        got = _sharded(path, parts, shardwise.ShardwiseValidation(path, scan(path)))
+    if got.overflow:  # a process's copies in two sources: the merged stream
+        return checks.validate_file(path)
+    report = got.report()
+    if report is None:
+        raise NeedSerial("a per-device key in two sources")
+    return report
+
+
+def _validate_pass(path: str, parts: list, attempts: Any) -> Report | None:
+    results = _run(_validate_piece, [(path, part, attempts) for part in parts])
     if any(r[0] == "resumed" for r in results):
         return None
-    if sharded:
-        got = _absorbed([r[1] for r in results])
-        if got.overflow:  # copies past the budget, or in two sources: the merged stream
-            return checks.validate_file(path)
-        if got.resumed:
-            return None
-        report = got.report()
-        if report is None:
-            raise NeedSerial("a per-device key in two sources")
-        return report
     merged = results[0][1]
     for _, v in results[1:]:
         merged.absorb(v, merged.lines)

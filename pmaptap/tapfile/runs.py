@@ -24,7 +24,7 @@ import heapq
 import os
 import re
 from itertools import accumulate
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from pmaptap.tapfile import store
 from pmaptap.tapfile.parse import decode_block
@@ -189,6 +189,21 @@ def copy_key(r: Any) -> tuple:
     """What the merge keeps one copy of: a replicated record's (record key,
     vhash)."""
     return (r.key(), r.vhash)
+
+
+class SourceLine(NamedTuple):
+    """Where a line of a sharded run is, named by its source (the index of
+    its file in ``sources``, and the file) and its own line there: what
+    ``summary`` and ``validate`` print of a run too big to place its lines
+    in the merged stream (tapfile/shardwise.py: MAX_KEY_RUNS). Orders by
+    source, then line."""
+
+    source: int
+    line: int
+    path: str
+
+    def __str__(self) -> str:
+        return f"{os.path.basename(self.path)} line {self.line}"
 
 
 def source_problem(why: str, name: str, line: int) -> str:

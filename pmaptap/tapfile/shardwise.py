@@ -15,52 +15,80 @@ decides across sources is decided here once every source is read:
   other processes' (runs._merge_round). Here each (key, vhash) keeps the
   copies of the process whose copy has the least position. Replicated
   records are taken last, kept copies only, in the merge's order
-  (divergence and duplicates are judged in stream order);
+  (divergence and duplicates are judged in stream order). Up to
+  MAX_HELD_COPIES a process holds them; past it they go to a temporary
+  file in buckets by record key, and once every source is read the
+  buckets are resolved (``resolve``) by the processes reading, each a
+  share of the buckets, one bucket at a time;
 - a per-device record's first copy (validate): within a source it is the
   first met; a key with copies in two sources gets the least position;
 - the line number in the merged stream of a line with a problem: from
   every source's merge keys (kept as runs of equal keys) and the dropped
-  copies, counted only when there is such a line.
+  copies, counted only when there is such a line. Past MAX_KEY_RUNS (the
+  whole run's runs of keys and copies, so every --jobs decides alike) a
+  line is named by its source and its line there (runs.SourceLine).
+
+So no size makes a run read in one process, and memory is bounded: per
+process reading, MAX_KEY_RUNS keys (64 MiB), MAX_HELD_COPIES copies (~40
+MiB) and a bucket of copies read back (BUCKET_BYTES of the run's lines at
+most), besides the summary's own state (per tap, step and device); the
+process that starts the workers takes their states in one at a time.
 
 A run that was resumed is read again once what its later attempts
 superseded is known (attempts.scan), as summary.py and checks.py do. Where
-a summary cannot be exact the merged stream is read instead: an id written
-with two types (1 and 1.0) in two sources (a set keeps the first met, and
-here "first" is not the merge's); a process's copies of replicated values
-in two sources (the shared file and its shard: a copy dropped before the
-other source is read may belong to the first process after all).
-tapfile/jobs.py reads groups of sources so in worker processes and absorbs
-their states.
+a summary cannot be exact the merged stream is read instead, whatever the
+run's size: an id written with two types (1 and 1.0) in two sources (a
+set keeps the first met, and here "first" is not the merge's); a
+process's copies of replicated values in two sources (the shared file
+and its shard: a copy dropped before the other source is read may belong
+to the first process after all). tapfile/jobs.py reads groups of sources
+so in worker processes and combines their states (``combine``).
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import pickle
+import tempfile
+import zlib
 from array import array
 from collections import Counter
 from itertools import accumulate, repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, Callable, Iterable, Union
+
+import msgspec
 
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.attempts import Attempts, scan
 from pmaptap.tapfile.checks import Report, Validator, _what
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.schema import CLASSES
 from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer
 
 _POS = itemgetter(0)
 _LINE_BITS = 40  # a line number below 2**40 in a source
-# The runs of merge keys (16 bytes each) kept to place lines in the merged
-# stream: past this (a run of ~4 M host-steps), a summary or validate that
-# finds a line to place reads the merged stream instead.
+# The runs of merge keys (16 bytes each) and lines of dropped copies (8
+# bytes each) kept to place lines in the merged stream, the whole run's:
+# a run with more (a run of ~4 M host-steps) names a line by its source
+# and its line there instead (runs.SourceLine). Whole-run counts decide,
+# so every --jobs prints the same; a process keeps at most this many
+# (64 MiB), and the one that starts the workers as much again while it
+# takes in a worker's.
 MAX_KEY_RUNS = 4 << 20
-# The replicated records held until every source is read (the copies a
-# value's first process wrote: one a value where its owner writes it once),
-# ~300 bytes each: past this, the merged stream is read instead, whose
-# memory does not grow with the run.
-MAX_HELD_COPIES = 1 << 18
+# The replicated records a process (the one reading, or each --jobs
+# worker) holds in memory until every source is read (the copies of the
+# process whose copy comes first, one a value where its owner writes it
+# once), ~300 bytes each (~40 MiB). Past this they go to a temporary file,
+# in buckets by their record key (``_spill``), and once every source is
+# read the buckets are resolved as the merge would keep them, by the
+# workers, a bucket at a time (``resolve``).
+MAX_HELD_COPIES = 1 << 17
+# Bytes of the run per bucket of copies gone to the file: a bucket read
+# back holds at most the copies of about this many bytes of lines.
+BUCKET_BYTES = 32 << 20
 _LINE_MASK = (1 << _LINE_BITS) - 1
 
 
@@ -78,12 +106,15 @@ class _Keys:
         self.lines = 0
 
     def add(self, records: list, holes: bool, keep: bool) -> tuple[list[float], int]:
-        """The keys of the source's next lines (their records), and the
-        runs kept for them."""
-        keys, self.t = runs.merge_keys(records, holes, self.t)
+        """The keys of the source's next lines (their records), and how many
+        runs they start (kept where ``keep``)."""
+        before = self.t
+        keys, self.t = runs.merge_keys(records, holes, before)
         self.lines += len(keys)
-        if not keep:
+        if not keys:
             return keys, 0
+        if not keep:  # a source's keys never decrease: distinct keys are runs
+            return keys, len(set(keys)) - (keys[0] == before)
         counts = Counter(keys)  # in key order: a source's keys never decrease
         ks, ns = list(counts), list(counts.values())
         done = self.ends[-1] if self.ends else 0
@@ -109,13 +140,14 @@ class _Keys:
 class _Shardwise:
     """What a pass over some of a run's sources holds besides its
     accumulator (``add_source`` each source; ``absorb`` another's, of other
-    sources: tapfile/jobs.py's workers; ``finish`` once all are in)."""
+    sources: tapfile/jobs.py's workers; then ``combine``)."""
 
     def __init__(self, optimistic: bool) -> None:
         # optimistic: assumed never resumed (``resumed`` tells otherwise).
         self.optimistic = optimistic
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
+        self.names: dict[int, str] = {}  # each source's path, by index
         # runs.copy_key -> [least position, its process, [(position,
         # record) of that process's copies]]; replicated records without a
         # hash (never dropped) as (position, record).
@@ -124,22 +156,33 @@ class _Shardwise:
         self.dropped: dict[int, array] = {}  # lines of the copies dropped, by source
         self.n_dropped = 0
         # Whether lines can still be placed in the merged stream: the keys'
-        # runs and the dropped lines are kept up to MAX_KEY_RUNS runs.
+        # runs and the dropped lines are kept while the runs of keys and the
+        # replicated records met (``runs_met``) are at most MAX_KEY_RUNS.
         self.placeable = True
-        self.runs_kept = 0
-        self.key_budget = MAX_KEY_RUNS  # of this state's sources (_read)
-        # Copies held (in ``copies`` and ``unhashed``); past MAX_HELD_COPIES,
-        # or a process's copies met in two sources (``copy_sources``:
-        # process -> the source of its copies; see _copies), the pass stops
-        # (``overflow``) and the merged stream is read.
+        self.runs_met = 0
+        # Copies held (in ``copies`` and ``unhashed``), at most
+        # MAX_HELD_COPIES: past it they go to ``spill`` (a temporary file
+        # in ``spill_dir``, in ``buckets`` buckets: ``spilled``, bucket ->
+        # [(offset, length)]).
         self.held = 0
-        self.held_budget = MAX_HELD_COPIES
+        self.buckets = 1
+        self.spill_dir: "str | None" = None
+        self.spill: "str | None" = None
+        self.spilled: dict[int, list] = {}
+        self.spills: list = []  # of the states absorbed: [(spill, spilled)]
+        # A process's copies met in two sources (``copy_sources``: process
+        # -> the source of its copies; see _copies): the pass stops
+        # (``overflow``) and the merged stream is read.
         self.overflow = False
         self.copy_sources: dict = {}
 
     @property
     def resumed(self) -> bool:
         """Whether a record of a later attempt was met, assumed none."""
+        raise NotImplementedError
+
+    def fresh(self) -> _Shardwise:
+        """An empty state of the same accumulator (``resolve``'s)."""
         raise NotImplementedError
 
     def _take(self, records: list, at: Any) -> None:
@@ -155,26 +198,27 @@ class _Shardwise:
     def add_source(self, index: int, path: str) -> None:
         """Every line of the source ``path``, the run's ``index``-th."""
         name = os.path.basename(path)
+        self.names[index] = path
         keys = self.keys[index] = _Keys()
         for first, records, problems in iter_file_records(path):
-            mine, kept = keys.add(records, bool(problems), self.placeable)
-            self.runs_kept += kept
-            if self.runs_kept > self.key_budget:
-                self._forget()
+            mine, n = keys.add(records, bool(problems), self.placeable)
             for line, why in problems.items():
                 self.bad.append(
                     ((mine[line - first], index, line), runs.source_problem(why, name, line))
                 )
             copies = [i for i, r in enumerate(records) if r is not None and r.kind == "replicated"]
+            self.runs_met += n + len(copies)
+            if self.placeable and self.runs_met > MAX_KEY_RUNS:
+                self._forget()
             if copies:
                 records = list(records)
                 at = [(mine[i], index, first + i) for i in copies]
                 self._copies(at, [records[i] for i in copies])
                 for i in copies:
                     records[i] = None
+                if self.held > MAX_HELD_COPIES:
+                    self._spill()
             self._take(records, self._positions(mine, index, first))
-            if self.held > self.held_budget:
-                self.overflow = True
             if self.resumed or self.overflow:
                 return
 
@@ -188,7 +232,7 @@ class _Shardwise:
         copies are in one source; a process met in two (a layout changed
         by a restart: the shared file and a shard; odd ids, ``true`` and
         1) ends the pass (``overflow``): the merged stream decides."""
-        copies, dropped, sources = self.copies, self.dropped, self.copy_sources
+        copies, sources = self.copies, self.copy_sources
         for pos, r in zip(at, records):
             if not r.vhash:
                 self.unhashed.append((pos, r))
@@ -216,40 +260,88 @@ class _Shardwise:
                 self.held += 1 - len(gone)
             else:
                 gone = [(pos, r)]
-            self.n_dropped += len(gone)
-            if not self.placeable:
-                continue
-            for q, _ in gone:
-                lines = dropped.get(q[1])
-                if lines is None:
-                    lines = dropped[q[1]] = array("q")
-                lines.append(q[2])
+            self._drop([q for q, _ in gone])
+
+    def _drop(self, positions: list) -> None:
+        """Copies the merge drops, at their positions."""
+        self.n_dropped += len(positions)
+        if not self.placeable:
+            return
+        dropped = self.dropped
+        for q in positions:
+            lines = dropped.get(q[1])
+            if lines is None:
+                lines = dropped[q[1]] = array("q")
+            lines.append(q[2])
+
+    def _spill(self) -> None:
+        """The copies held to the spill file, by bucket (a stable hash of
+        their record key: every copy of a key, whichever process or
+        worker read it, lands in one bucket, which ``resolve`` reads back
+        whole)."""
+        held = self.unhashed + [x for _, _, mine in self.copies.values() for x in mine]
+        self.copies, self.unhashed, self.held = {}, [], 0
+        if not held:
+            return
+        if self.spill is None:
+            fd, self.spill = tempfile.mkstemp(prefix="copies-", dir=self.spill_dir)
+            os.close(fd)
+        parts: dict[int, list] = {}
+        n = self.buckets
+        for pos, r in held:
+            b = zlib.crc32(repr(r.key()).encode("utf-8", "backslashreplace")) % n
+            got = parts.get(b)
+            if got is None:
+                parts[b] = [(pos, r)]
+            else:
+                got.append((pos, r))
+        with open(self.spill, "ab") as f:
+            offset = f.tell()
+            for b, part in parts.items():
+                blob = _encode(part)
+                f.write(blob)
+                self.spilled.setdefault(b, []).append((offset, len(blob)))
+                offset += len(blob)
+
+    def end(self, share: float) -> None:
+        """This pass's sources read (``share``: its part of the run's
+        bytes): copies past its share of MAX_HELD_COPIES, or any once some
+        went to the file, go there too, so that the one who takes every
+        pass's state in holds at most MAX_HELD_COPIES in all."""
+        if self.spill is not None or self.held > MAX_HELD_COPIES * share:
+            self._spill()
 
     def _forget(self) -> None:
         """Stop keeping what places lines in the merged stream (a run past
-        MAX_KEY_RUNS: a line with a problem then has the merged stream read)."""
+        MAX_KEY_RUNS: a line is then named by its source and line there)."""
         self.placeable = False
         for k in self.keys.values():
             k.keys, k.ends = array("d"), array("q")
         self.dropped = {}
 
     def absorb(self, other: _Shardwise) -> None:
-        """Another's state (the accumulator: the subclass's), of other sources."""
+        """Another's state (the accumulator: the subclass's), of other
+        sources, or of copies resolved (``resolve``)."""
         self.bad += other.bad
         self.keys.update(other.keys)
+        self.names.update(other.names)
         self.unhashed += other.unhashed
         self.held += len(other.unhashed)
-        self.dropped.update(other.dropped)
+        if self.placeable:
+            for src, lines in other.dropped.items():
+                self.dropped.setdefault(src, array("q")).extend(lines)
         self.n_dropped += other.n_dropped
-        self.runs_kept += other.runs_kept
-        if not (self.placeable and other.placeable) or self.runs_kept > MAX_KEY_RUNS:
+        self.runs_met += other.runs_met
+        if self.placeable and (not other.placeable or self.runs_met > MAX_KEY_RUNS):
             self._forget()
         for p, src in other.copy_sources.items():
             if self.copy_sources.setdefault(p, src) != src:
                 self.overflow = True
         held = [x for _, _, mine in other.copies.values() for x in mine]
         self._copies([pos for pos, _ in held], [r for _, r in held])
-        self.overflow = self.overflow or other.overflow or self.held > MAX_HELD_COPIES
+        self.overflow = self.overflow or other.overflow
+        if other.spill is not None:
+            self.spills.append((other.spill, other.spilled))
 
     def finish(self) -> None:
         """Take the copies of replicated values the merge keeps, in its order."""
@@ -266,14 +358,16 @@ class _Shardwise:
         """The lines of the merged stream."""
         return sum(k.lines for k in self.keys.values()) - self.n_dropped
 
-    def placed(self, positions: list) -> "dict | None":
+    def placed(self, positions: list) -> dict:
         """Each of ``positions`` (of lines read) -> its line in the merged
-        stream; None if that is no longer known (``placeable``)."""
+        stream, or where the run is past MAX_KEY_RUNS (not ``placeable``)
+        its source and line there (runs.SourceLine)."""
         at = sorted(set(positions))
         if not at:
             return {}
         if not self.placeable:
-            return None
+            names = self.names
+            return {pos: runs.SourceLine(pos[1], pos[2], names[pos[1]]) for pos in at}
         before = [0] * (len(at) + 1)  # lines of other sources' runs of keys before each
         rest = [0] * len(at)
         by = [(t, s) for t, s, _ in at]
@@ -303,12 +397,118 @@ class _Shardwise:
         return out
 
 
+# Spilled copies: positions and records in msgpack (~20x quicker than
+# pickling Structs), a record taken at the readers' level (``odd``: its
+# line's object too) or one msgpack refuses (an integer past 64 bits) pickled.
+_ENCODER = msgspec.msgpack.Encoder()
+_POSITIONS = msgspec.msgpack.Decoder(list[tuple[float, int, int]])
+_RECORDS = msgspec.msgpack.Decoder(list[Union[tuple(CLASSES.values())]])  # noqa: UP007 - a runtime Union
+
+
+def _encode(part: list) -> bytes:
+    plain = [x for x in part if not x[1].odd]
+    odd = [x for x in part if x[1].odd]
+    try:
+        blob = (_ENCODER.encode([p for p, _ in plain]), _ENCODER.encode([r for _, r in plain]), odd)
+    except (OverflowError, TypeError, msgspec.EncodeError):
+        blob = (b"", b"", part)
+    return pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(blob: bytes) -> list:
+    positions, records, odd = pickle.loads(blob)
+    out = list(zip(_POSITIONS.decode(positions), _RECORDS.decode(records))) if positions else []
+    return out + odd
+
+
+def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) -> _Shardwise:
+    """The copies in ``buckets`` of every spill file (``spills``: [(path,
+    spilled)]) as the merge keeps them: of each (record key, vhash), the
+    copies of the process whose copy comes first; taken into ``got`` (an
+    empty state) a bucket at a time, in the merge's order, each bucket
+    holding every copy of its record keys (so the first copy of a key and
+    its divergence are judged here, whole). ``placeable``: keep the lines
+    dropped (the whole run's decision)."""
+    if not placeable:
+        got._forget()
+    with collector_paused():
+        for b in buckets:
+            held: list = []
+            for path, spilled in spills:
+                parts = spilled.get(b)
+                if parts:
+                    with open(path, "rb") as f:
+                        for offset, n in parts:
+                            f.seek(offset)
+                            held += _decode(f.read(n))
+            first: dict = {}
+            for pos, r in held:
+                if r.vhash:
+                    k = runs.copy_key(r)
+                    mine = first.get(k)
+                    if mine is None or pos < mine[0]:
+                        first[k] = (pos, r.process)
+            kept, gone = [], []
+            for x in held:
+                r = x[1]
+                if not r.vhash or first[runs.copy_key(r)][1] == r.process:
+                    kept.append(x)
+                else:
+                    gone.append(x[0])
+            got._drop(gone)
+            kept.sort(key=_POS)
+            got._take([r for _, r in kept], got._kept([pos for pos, _ in kept]))
+            if got.resumed:
+                break
+    return got
+
+
+def combine(
+    states: Iterable[_Shardwise], workers: int, resolver: Callable[[list], Iterable]
+) -> _Shardwise:
+    """Every pass's state (of its sources) as one, the copies of
+    replicated values taken as the merge keeps them: held ones in this
+    process; where some went to a file, those held here go there too and
+    ``resolver(tasks)`` gives ``resolve(*task)`` of each of up to
+    ``workers`` tasks (a share of the buckets each), absorbed here. A
+    state ``resumed`` or ``overflow`` is given back as it is."""
+    it = iter(states)
+    got = next(it)
+    for other in it:
+        if other.resumed or other.overflow:
+            return other
+        got.absorb(other)
+        if got.held > MAX_HELD_COPIES:
+            got._spill()
+    if got.resumed or got.overflow:
+        return got
+    if got.spill is None and not got.spills:
+        got.finish()
+        return got
+    got._spill()  # those held here: resolved with the rest, by bucket
+    spills = [*got.spills, *([(got.spill, got.spilled)] if got.spill is not None else [])]
+    used = sorted({b for _, spilled in spills for b in spilled})
+    tasks = [
+        (got.fresh(), spills, used[k::workers], got.placeable)
+        for k in range(min(workers, len(used)))
+    ]
+    for other in resolver(tasks):
+        if other.resumed:
+            return other
+        got.absorb(other)
+    return got
+
+
 class ShardwiseSummary(_Shardwise):
     """A summary's state of some of a run's sources, positions and all."""
 
     def __init__(self, flt: Filter, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
+        self.flt, self.attempts = flt, attempts
         self.acc = FilteredSummarizer(flt, Attempts() if attempts is None else attempts)
+
+    def fresh(self) -> ShardwiseSummary:
+        return ShardwiseSummary(self.flt, self.attempts)
 
     @property
     def resumed(self) -> bool:
@@ -322,13 +522,11 @@ class ShardwiseSummary(_Shardwise):
         self.acc.absorb(other.acc, ordered=False)
 
     def result(self) -> "Result | None":
-        """The summary (summary.summarize_file's result), ``finish``ed; None
+        """The summary (summary.summarize_file's result), ``combine``d; None
         if it would not be exact (see the module's docstring)."""
-        if self.overflow:
+        if self.overflow or not _plain_ids(self.acc):
             return None
         place = self.placed([pos for pos, _ in self.bad])
-        if place is None or not _plain_ids(self.acc):
-            return None
         return self.acc.result(sorted((place[pos], why) for pos, why in self.bad))
 
 
@@ -337,7 +535,11 @@ class ShardwiseValidation(_Shardwise):
 
     def __init__(self, path: str, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
+        self.path, self.attempts = path, attempts
         self.v = Validator(path, attempts)
+
+    def fresh(self) -> ShardwiseValidation:
+        return ShardwiseValidation(self.path, self.attempts)
 
     @property
     def resumed(self) -> bool:
@@ -356,11 +558,12 @@ class ShardwiseValidation(_Shardwise):
         return [(s << _LINE_BITS) + line for _, s, line in positions]
 
     def _at(self, pos: Any) -> tuple:
-        """A position as (key, source, line)."""
+        """A position as (key, source, line) (the key 0.0 where the run's
+        keys are not kept: ``placed`` then names the source and line)."""
         if type(pos) is tuple:
             return pos
         src, line = pos >> _LINE_BITS, pos & _LINE_MASK
-        return (self.keys[src].key(line), src, line)
+        return (self.keys[src].key(line) if self.placeable else 0.0, src, line)
 
     def absorb(self, other: _Shardwise) -> None:
         super().absorb(other)
@@ -376,7 +579,7 @@ class ShardwiseValidation(_Shardwise):
         v.fingerprinted |= o.fingerprinted
 
     def report(self) -> "Report | None":
-        """The report (checks.validate_file's), ``finish``ed; None where a
+        """The report (checks.validate_file's), ``combine``d; None where a
         per-device key has copies in two sources (which one is first is the
         merge's to say: the caller reads the merged stream)."""
         if self.overflow:
@@ -388,8 +591,6 @@ class ShardwiseValidation(_Shardwise):
             parts[0][0] == "per_device" and a >> _LINE_BITS != b >> _LINE_BITS
             for a, b, parts in dups
         ):
-            return None
-        if not self.placeable and (dups or v.problems or self.bad):
             return None
         dups = [(at(a), at(b), parts) for a, b, parts in dups]
         problems = [(at(pos), why) for pos, why in v.problems] + self.bad
@@ -405,29 +606,44 @@ def _plain_ids(acc: Summarizer) -> bool:
     return not any(tap.odd_ids for names in acc._taps.values() for tap in names.values())
 
 
-def _read(got: _Shardwise, path: str, indexes: "list[int] | None") -> _Shardwise:
+def buckets_for(path: str, jobs: int) -> int:
+    """How many buckets copies that go to a file are put in (``_spill``):
+    one per BUCKET_BYTES of the run, and at least one per process reading."""
+    size = sum(os.path.getsize(f) for f in runs.sources(path))
+    return max(jobs, -(-size // BUCKET_BYTES))
+
+
+def read(
+    got: _Shardwise,
+    path: str,
+    indexes: "list[int] | None",
+    buckets: int,
+    spill_dir: "str | None",
+) -> _Shardwise:
     """``got`` of the sources of ``path`` at ``indexes`` (of runs.sources;
-    None: every one, then ``finish``ed), until one is ``resumed``."""
+    None: every one), until one is ``resumed``; copies past
+    MAX_HELD_COPIES to a file in ``spill_dir``, in ``buckets`` buckets."""
     files = runs.sources(path)
-    if indexes is not None:  # a share of the sources: of the budgets too
-        share = len(indexes) / max(len(files), 1)
-        got.key_budget = int(MAX_KEY_RUNS * share)
-        got.held_budget = int(MAX_HELD_COPIES * share)
+    got.buckets, got.spill_dir = buckets, spill_dir
+    mine = range(len(files)) if indexes is None else indexes
     with collector_paused():
-        for i in range(len(files)) if indexes is None else indexes:
+        for i in mine:
             got.add_source(i, files[i])
             if got.resumed or got.overflow:
                 return got
-        if indexes is None:
-            got.finish()
+        size = sum(os.path.getsize(files[i]) for i in mine)
+        total = sum(os.path.getsize(f) for f in files) if indexes is not None else size
+        got.end(size / total if total else 1.0)
     return got
 
 
-def summary_of(
-    path: str, indexes: "list[int] | None", flt: Filter, attempts: "Attempts | None"
-) -> ShardwiseSummary:
-    """The summary state of the sources of ``path`` at ``indexes``."""
-    return _read(ShardwiseSummary(flt, attempts), path, indexes)
+def _serial(make: Callable[[], _Shardwise], path: str) -> _Shardwise:
+    """``make()``'s state of every source of the local sharded run
+    ``path``, in this process (copies past the bound resolved here too, a
+    bucket at a time)."""
+    with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
+        got = read(make(), path, None, buckets_for(path, 1), tmp)
+        return combine([got], 1, lambda tasks: [resolve(*t) for t in tasks])
 
 
 def summarize(path: str | os.PathLike, flt: Filter) -> "Result | None":
@@ -437,24 +653,17 @@ def summarize(path: str | os.PathLike, flt: Filter) -> "Result | None":
     path = os.fspath(path)
     optimistic = not flt.active and not flt.all_attempts
     attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
-    got = summary_of(path, None, flt, attempts)
+    got = _serial(lambda: ShardwiseSummary(flt, attempts), path)
     if got.resumed:  # a record of a later attempt: what it superseded first
-        got = summary_of(path, None, flt, scan(path))
+        got = _serial(lambda: ShardwiseSummary(flt, scan(path)), path)
     return got.result()
-
-
-def validation_of(
-    path: str, indexes: "list[int] | None", attempts: "Attempts | None"
-) -> ShardwiseValidation:
-    """The validation state of the sources of ``path`` at ``indexes``."""
-    return _read(ShardwiseValidation(path, attempts), path, indexes)
 
 
 def validate(path: str | os.PathLike) -> "Report | None":
     """checks.validate_file of the local sharded run ``path``, or None
     where it would not be exact (the caller reads the merged stream)."""
     path = os.fspath(path)
-    got = validation_of(path, None, None)
+    got = _serial(lambda: ShardwiseValidation(path, None), path)
     if got.resumed:
-        got = validation_of(path, None, scan(path))
+        got = _serial(lambda: ShardwiseValidation(path, scan(path)), path)
     return got.report()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
-from test_jobs import _dump, _write_run
+from test_jobs import _commands, _dump, _write_run
 
 from conftest import per_device_dict, record_dict
 from pmaptap.tapfile import checks, jobs, runs, shardwise, summary
@@ -226,64 +227,133 @@ def test_the_summarys_loop_for_usual_records_adds_as_add_does(tmp_path):
         assert repr(batched.summaries()) == repr(one.summaries()), seed
 
 
-def test_past_the_key_budget_a_line_to_place_has_the_merged_stream_read(tmp_path, monkeypatch):
-    """Past MAX_KEY_RUNS runs of keys the shard-by-shard pass keeps no way
-    to place a line: a run without problems is still summarized and
-    validated shard by shard, one with a bad line declines (None) and
-    `pmaptap summary` / `validate` (jobs.py) read the merged stream: the
-    same output either way."""
-    monkeypatch.setattr(shardwise, "MAX_KEY_RUNS", 20)
-    clean = str(tmp_path / "clean.jsonl")
-    bad = str(tmp_path / "bad.jsonl")
-    for path in (clean, bad):
-        os.makedirs(path + runs.SHARD_SUFFIX)
-        for p in range(6):
-            lines = [
-                _dump(per_device_dict(s, p, 0.5 * s, process=p, time=10.0 + s + p / 8))
-                for s in range(12)
-            ]
-            lines += [
-                _dump(record_dict(name="loss", step=s, vhash="aa", process=p, time=10.0 + s))
-                for s in range(12)
-            ]
-            if path == bad and p == 3:
-                lines.insert(5, b"garbage")
-            with open(runs.shard_path(path, p), "wb") as f:
-                f.write(b"".join(x + b"\n" for x in lines))
-    got = shardwise.summarize(clean, Filter())
-    assert got is not None and _shown(got) == _shown(summary.summarize_file(clean, Filter()))
-    report = shardwise.validate(clean)
-    assert report is not None and report == checks.validate_file(clean)
-    assert shardwise.summarize(bad, Filter()) is None
-    assert shardwise.validate(bad) is None
-    want = summary.summarize_file(bad, Filter())
-    assert want[1] and _shown(jobs.summarize_file(bad, Filter(), 1)) == _shown(want)
-    assert jobs.validate_file(bad, 1) == checks.validate_file(bad)
+def _never_merged(monkeypatch) -> None:
+    """From here on, a run read in one process through the merged stream
+    (or one file's pass) fails the test."""
+
+    def one_process(*args, **kwargs):
+        raise AssertionError("read in one process")
+
+    monkeypatch.setattr(summary, "_summarize_merged", one_process)
+    monkeypatch.setattr(summary, "_summarize_scanned", one_process)
+    monkeypatch.setattr(checks, "_validate", one_process)
 
 
-def test_past_the_copies_held_the_merged_stream_is_read(tmp_path, monkeypatch):
-    """A replicated value's copies are held until every shard is read; past
-    MAX_HELD_COPIES (a run of many replicated values, each written once by
-    its owner) the shard-by-shard pass stops and the merged stream is read,
-    in one process and with --jobs: the same output."""
-    monkeypatch.setattr(shardwise, "MAX_HELD_COPIES", 30)
-    path = str(tmp_path / "run.jsonl")
+def _spied_resolve(monkeypatch) -> list:
+    """shardwise.resolve counted (in this process: --jobs 1's, and the
+    share of the buckets the process that starts the workers resolves)."""
+    calls: list = []
+    resolve = shardwise.resolve
+
+    def spy(got, spills, buckets, placeable):
+        calls.append(len(buckets))
+        return resolve(got, spills, buckets, placeable)
+
+    monkeypatch.setattr(shardwise, "resolve", spy)
+    return calls
+
+
+def test_random_runs_past_the_copies_held_are_read_in_parallel_as_merged(tmp_path, monkeypatch):
+    """With MAX_HELD_COPIES at 1, every run's replicated copies go to files
+    and are resolved by bucket, by the workers: summary and validate with
+    1, 2 and 3 jobs give what the merged stream gives, never reading it
+    (but for the runs the bounds never decided: an id of two types, a
+    per-device key or a process's copies in two sources)."""
+    cases = []
+    for case in range(30):
+        rnd = random.Random(8100 + case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        _write_run(rnd, path)
+        want_v = checks.validate_file(path) if shardwise.validate(path) is not None else None
+        wants = [
+            summary.summarize_file(path, flt) if shardwise.summarize(path, flt) else None
+            for flt in FILTERS[:4]
+        ]
+        cases.append((path, want_v, wants))
+    monkeypatch.setattr(shardwise, "MAX_HELD_COPIES", 1)
+    monkeypatch.setattr(shardwise, "BUCKET_BYTES", 64)  # many buckets
+    calls = _spied_resolve(monkeypatch)
+    _never_merged(monkeypatch)
+    compared = 0
+    for path, want_v, wants in cases:
+        for n in (1, 2, 3):
+            if want_v is not None:
+                assert jobs.validate_file(path, n) == want_v, (path, n)
+                compared += 1
+            for flt, want in zip(FILTERS[:4], wants):
+                if want is not None:
+                    got = jobs.summarize_file(path, flt, n)
+                    assert _shown(got) == _shown(want), (path, n, flt)
+                    compared += 1
+    assert compared > 200, compared
+    assert calls, "no copies were resolved from files"
+
+
+def _problem_run(path: str, shards: int = 6, steps: int = 12) -> None:
+    """Shards with per-device values, a loss every process writes (the
+    merge keeps the first process's), garbage lines, a duplicated device
+    step, a schema problem and a torn last line."""
     os.makedirs(path + runs.SHARD_SUFFIX)
-    for p in range(4):
+    for p in range(shards):
         lines = []
-        for s in range(20):
+        for s in range(steps):
             t = 10.0 + s + p / 8
             lines.append(_dump(per_device_dict(s, p, 0.5 * s, process=p, time=t)))
-            if s % 4 == p:  # the owner writes it once
-                lines.append(_dump(record_dict(name="loss", step=s, vhash="aa", process=p, time=t)))
+            lines.append(_dump(record_dict(name="loss", step=s, vhash="aa", process=p, time=t)))
+        if p == 3:
+            lines.insert(5, b"garbage")
+            lines.insert(9, lines[2])  # device 3's step 1 again
+        if p == 4:
+            bad = per_device_dict(99, p, 0.5, process=p, time=30.0)
+            bad["shape"] = [2]  # a scalar said to be of shape [2]
+            lines.append(_dump(bad))
         with open(runs.shard_path(path, p), "wb") as f:
-            f.write(b"".join(x + b"\n" for x in lines) + b"torn")
-    assert shardwise.summarize(path, Filter()) is not None  # 20 held: within
-    monkeypatch.setattr(shardwise, "MAX_HELD_COPIES", 10)
-    assert shardwise.summarize(path, Filter()) is None
-    assert shardwise.validate(path) is None
-    want, report = summary.summarize_file(path, Filter()), checks.validate_file(path)
-    assert want[1] and report.problems
-    for n in (1, 2):
-        assert _shown(jobs.summarize_file(path, Filter(), n)) == _shown(want)
-        assert jobs.validate_file(path, n) == report
+            f.write(b"".join(x + b"\n" for x in lines) + (b'{"run": "r", "na' if p == 5 else b""))
+
+
+def test_past_the_key_budget_lines_are_named_by_their_shard_and_read_in_parallel(
+    tmp_path, monkeypatch, capsys
+):
+    """Past MAX_KEY_RUNS (the whole run's) lines are not placed in the
+    merged stream: summary and validate name a bad line, a problem and a
+    duplicate by its shard file and line there, with every --jobs the same
+    output, read in parallel (the merged stream never read); the problems
+    are the merged stream's, each at its own line of its shard."""
+    clean, bad = str(tmp_path / "clean.jsonl"), str(tmp_path / "bad.jsonl")
+    _problem_run(bad)
+    os.makedirs(clean + runs.SHARD_SUFFIX)
+    for p in range(6):
+        with open(runs.shard_path(clean, p), "wb") as f:
+            lines = [_dump(per_device_dict(s, p, 0.5, process=p)) for s in range(9)]
+            f.write(b"".join(x + b"\n" for x in lines))
+    merged = checks.validate_file(bad)
+    want_clean = _commands(clean, capsys, 1)
+    monkeypatch.setattr(shardwise, "MAX_KEY_RUNS", 20)
+    want = _commands(bad, capsys, 1)
+    assert _commands(clean, capsys, 1) == want_clean  # nothing to place: as before
+    _never_merged(monkeypatch)
+    for n in (2, 3, 4):
+        assert _commands(bad, capsys, n) == want, n
+        assert _commands(clean, capsys, n) == want_clean, n
+    report = jobs.validate_file(bad, 3)
+
+    # The merged stream's problems, each named by its source instead.
+    def what(why: str) -> str:
+        return re.sub(r"duplicate of (p\d+\.jsonl )?line \d+", "duplicate of X", why)
+
+    assert sorted(map(what, dict(report.problems).values())) == sorted(
+        map(what, dict(merged.problems).values())
+    )
+    assert len(report.problems) == len(merged.problems) == 4, report.problems
+    printed = want[1][1]
+    for pos, why in report.problems:
+        assert isinstance(pos, runs.SourceLine), pos
+        with open(pos.path, "rb") as f:
+            line = f.read().split(b"\n")[pos.line - 1]
+        if "duplicate" in why:
+            assert "of p00003.jsonl line 3 (per_device 'g' step 1 device 3)" in why, why
+            assert line == _dump(per_device_dict(1, 3, 0.5, process=3, time=11.375)), line
+        elif "garbage" in line.decode() or why.startswith("not valid"):
+            assert line == b"garbage" and "(p00003.jsonl line 6)" in why, (line, why)
+        assert f"{pos.path}:{pos.line}: {why}" in printed
+    assert "p00005.jsonl line" in printed and "torn" in printed, printed
