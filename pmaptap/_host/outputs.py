@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -440,3 +441,13 @@ def wait(timeout: float | None = None) -> bool:
     ``timeout`` seconds)."""
     d = _drain
     return True if d is None else d.wait(timeout)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's steps in flight are the parent's to write (as routing
+    # forgets its pipelines); the child starts with no drain of its own.
+    global _drain, _drain_lock
+    _drain, _drain_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -190,7 +190,7 @@ def _site(invals, *, spec: TapSpec, traced_every: bool, proven: bool) -> tuple[S
 
 
 # ------------------------------------------------------------ which hold marks
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def _jaxpr_holds_mark(jaxpr: core.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive is tap_out_p or holds_mark(eqn):
