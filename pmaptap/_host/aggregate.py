@@ -12,7 +12,6 @@ seconds (a tap under a ``cond`` that fired on some devices only), or at flush.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from pmaptap._host.payload import (
     _LEADER_COPY,
     Copy,
     _flat,
+    _Pending,
     _rows_identical,
     _step,
     restore,
@@ -44,15 +44,6 @@ from pmaptap.tapfile.format import (
     Record,
     meta_record,
 )
-
-
-@dataclasses.dataclass
-class _Pending:
-    """The copies of one value that arrived so far, waiting for the rest
-    (``first``: when the first came, for ``group_timeout``)."""
-
-    first: float
-    copies: list[Copy]
 
 
 class Aggregator(RecordFactory):

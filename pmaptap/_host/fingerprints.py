@@ -29,17 +29,30 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
-from pmaptap._host.payload import Copy, _flat, _step
+from pmaptap._host.payload import Copy, _flat, _Pending, _step
 from pmaptap.tapfile.format import FINGERPRINT, MAX_STEP, RANGES_ABOVE, Record, new_record
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pmaptap._host.aggregate import Aggregator, _Pending
+
+class Aggregator(Protocol):
+    """What these functions use of aggregate.py's ``Aggregator`` (typed
+    here, not imported: aggregate.py imports this module)."""
+
+    run: str
+    process: int
+    host: str
+    attempt: int
+    _counters: dict
+
+    def clock(self) -> float: ...
+    def _refuse(self, name: str, step: int) -> list[Record]: ...
+    def _add_pending(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]: ...
+
 
 # (device, process, mesh coordinates) of the copy in row k of a payload.
 Holder = tuple[Any, Any, dict]

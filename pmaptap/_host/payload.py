@@ -35,6 +35,16 @@ class Copy:
     as_statistics: tuple = ()
 
 
+@dataclasses.dataclass
+class _Pending:
+    """The copies of one value that arrived so far, waiting for the rest
+    (``first``: when the first came, for ``group_timeout``); the aggregator's
+    and fingerprints.py's."""
+
+    first: float
+    copies: list[Copy]
+
+
 def restore(spec: PayloadSpec, arrays: list[np.ndarray]) -> list[np.ndarray]:
     """One host callback's arrays as they travelled, with sub-byte leaves
     narrowed back to their own dtype (``spec.restore`` indexes the operands

@@ -21,7 +21,7 @@ import atexit
 import gc
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pmaptap._host import outputs
 from pmaptap._host.forked import effects_barrier
@@ -30,7 +30,16 @@ from pmaptap._log import log
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._common.spec import TapSpec
     from pmaptap._host.pipeline import Pipeline
-    from pmaptap._host.session import Session
+
+
+class Session(Protocol):
+    """What routing uses of the active ``session.Session`` (typed here, not
+    imported: session.py imports this module)."""
+
+    pipeline: "Pipeline"
+
+    def _abandon_after_fork(self) -> None: ...
+
 
 # Guards the creation of the console pipeline only; the callback path reads
 # ``_active`` without it (one reference read is atomic in Python).
