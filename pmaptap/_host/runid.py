@@ -40,6 +40,35 @@ def _env_attempt() -> int | None:
     return n
 
 
+def refuse_unresumed_restart(run: str | None) -> None:
+    """A session opened without ``resume=True`` by a restarted attempt
+    (``PMAPTAP_ATTEMPT`` >= 1, which the launcher's ``--restarts`` sets) on a
+    fixed run id (``run=`` or ``PMAPTAP_RUN``): SessionError, before any file
+    is opened. Its records would be attempt 0's again, their steps counted
+    from 0 again by automatic counters: the run would hold two stories of
+    the same steps, with nothing to tell them apart. Without a fixed id each
+    attempt is a run of its own, one story each. Decided from the
+    environment alone, so every process of the job decides alike."""
+    attempt = _env_attempt()
+    env_run = os.environ.get("PMAPTAP_RUN") or None
+    fixed = run or env_run
+    if not attempt or not fixed:
+        return
+    from pmaptap.errors import SessionError
+
+    source = "run=" if run else "PMAPTAP_RUN"
+    raise SessionError(
+        f"pmaptap.Session: this is attempt {attempt} of a restarted job "
+        f"(PMAPTAP_ATTEMPT={attempt}, set by `pmaptap.launch --restarts`) on the fixed "
+        f"run id {fixed!r} ({source}), opened without resume=True: its records would be "
+        "attempt 0's again, beside the earlier attempt's records of the same steps. Open "
+        "it with resume=True to continue the run as a new attempt (readers then show "
+        "each step's latest attempt; every tap needs step=, the training step), or "
+        "leave the run id unset (no run=, no PMAPTAP_RUN) so that each attempt is a "
+        "run of its own."
+    )
+
+
 def _last_run(path: str) -> str | None:
     """The run of the file's last record, reading back from the end (a
     restart must not parse a large file whole)."""

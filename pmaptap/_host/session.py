@@ -23,7 +23,12 @@ from pmaptap._host.forked import dispatched_tokens, effects_barrier
 from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
-from pmaptap._host.runid import _queue_attempt_record, _resume_point, default_run_id
+from pmaptap._host.runid import (
+    _queue_attempt_record,
+    _resume_point,
+    default_run_id,
+    refuse_unresumed_restart,
+)
 from pmaptap._host.sink import LOCK_MODES, FileSink
 from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
@@ -109,7 +114,9 @@ class Session:
       (pmaptap/tapfile/attempts.py). The file stays append-only. Taps need
       ``step=``: one without is refused (ValueError at trace time, or a
       TapError at flush/close when it was traced before the session
-      opened), as its automatic step would count from 0 again.
+      opened), as its automatic step would count from 0 again. A restarted
+      attempt (PMAPTAP_ATTEMPT >= 1) on a fixed run id (``run`` or
+      PMAPTAP_RUN) must resume: without it, open() raises SessionError.
     """
 
     def __init__(
@@ -206,6 +213,8 @@ class Session:
                 raise SessionError(
                     f"{self!r} was already used; create a new Session to open again."
                 )
+            if not self.resume:
+                refuse_unresumed_restart(self.run)
             # Before the first tapped step is traced: see _common/switch.py.
             import pmaptap._common.switch  # noqa: F401
 

@@ -113,19 +113,30 @@ def assemble(
         if leaf is not None:
             return _get(out, chosen[0])
         return out
-    arrays = {p: _assemble_leaf(sharded, paths, p, where, store) for p in chosen}
+    # A None hole of the pytree (eqx.partition's filtered-out leaves) is no
+    # leaf to JAX: ``index`` and ``global_shape`` hold one entry per array
+    # leaf, so positions in them count array leaves only.
+    at = _array_paths(dtype)
+    arrays = {p: _assemble_leaf(sharded, at, p, where, store) for p in chosen if p in at}
     if leaf is not None or paths == [()]:
-        return arrays[chosen[0]]
+        return arrays.get(chosen[0])
     return _nest(dtype, arrays)
 
 
 def _leaf_paths(dtype: Any, prefix: tuple = ()) -> list[tuple]:
-    """Leaf paths in flatten order (the order of ``index`` per leaf)."""
+    """Leaf paths in flatten order, the ``None`` holes (dtype null) included:
+    the places of the returned value."""
     if isinstance(dtype, dict):
         return [p for k, d in dtype.items() for p in _leaf_paths(d, (*prefix, k))]
     if isinstance(dtype, list):
         return [p for i, d in enumerate(dtype) for p in _leaf_paths(d, (*prefix, i))]
     return [prefix]
+
+
+def _array_paths(dtype: Any) -> list[tuple]:
+    """The array leaves' paths in flatten order (the order of ``index`` and
+    ``global_shape`` per leaf): ``None`` holes are no leaves to JAX."""
+    return [p for p in _leaf_paths(dtype) if _get(dtype, p) is not None]
 
 
 def _leaf_key(leaf: Any) -> tuple:
@@ -140,11 +151,12 @@ def _get(tree: Any, path: tuple) -> Any:
 
 
 def _nest(dtype: Any, arrays: dict, prefix: tuple = ()) -> Any:
+    """The value's nesting with ``arrays`` at its leaves (None at its holes)."""
     if isinstance(dtype, dict):
         return {k: _nest(d, arrays, (*prefix, k)) for k, d in dtype.items()}
     if isinstance(dtype, list):
         return [_nest(d, arrays, (*prefix, i)) for i, d in enumerate(dtype)]
-    return arrays[prefix]
+    return None if dtype is None else arrays[prefix]
 
 
 def _devices(recs: "dict | list[dict]") -> str:
@@ -205,14 +217,14 @@ def _unsharded(recs: list[dict], where: str, store: ByteStore) -> Any:
             f"{len(hashes)} values, from {_devices(recs)}); read them with pmaptap.read"
         )
     d = recs[0]
-    paths = _leaf_paths(d["dtype"])
+    paths = _array_paths(d["dtype"])
     leaves = {p: _leaf_value(d, p, store, where) for p in paths}
     return leaves[()] if paths == [()] else _nest(d["dtype"], leaves)
 
 
 def _box(index: Any, paths: list, path: tuple) -> Any:
-    """One leaf's [[start, stop], ...] from a record's index (one per leaf
-    in flatten order for a pytree)."""
+    """One leaf's [[start, stop], ...] from a record's index (one per array
+    leaf in flatten order for a pytree: ``paths``)."""
     if index is None:
         return None
     if len(paths) == 1:
@@ -279,7 +291,7 @@ def _assemble_leaf(recs: list[dict], paths: list, path: tuple, where: str, store
         )
     dtypes: dict[Any, list[dict]] = {}
     for r in recs:
-        dtypes.setdefault(r["dtype"] if len(paths) == 1 else _get(r["dtype"], path), []).append(r)
+        dtypes.setdefault(_get(r["dtype"], path), []).append(r)
     if len(dtypes) != 1:
         seen = "; ".join(f"{t} ({_devices(rs)})" for t, rs in dtypes.items())
         raise AssembleError(f"pmaptap.assemble: {label}: shards of different dtypes: {seen}")

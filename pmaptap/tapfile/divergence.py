@@ -1,5 +1,5 @@
-"""Divergence across processes: which replicated keys a file holds with
-different values from different processes."""
+"""Divergence on reading: which replicated keys a file holds with more than
+one value."""
 
 from __future__ import annotations
 
@@ -10,29 +10,31 @@ from pmaptap.tapfile.format import key_with_step, record_key, split_step
 
 class DivergenceIndex:
     """Which replicated keys (``record_key``) the file holds with more
-    than one value from more than one process: ``add`` every replicated
-    record seen, then ask ``divergent``. The first writer of a key could not
-    know that a later process would disagree (see _host/crossdedup.py); one process
-    re-writing a key with new values is not divergence. Holds one small entry
-    per replicated key, never the records."""
+    than one distinct value (``vhash``): ``add`` every replicated record
+    seen, then ask ``divergent``. The first writer of a key could not know
+    that a later one would disagree (see _host/crossdedup.py). Which process
+    wrote the values does not matter: two values of one key from one
+    process (two ``Writer``s, two sessions on one run) are as much two
+    stories as two processes' are. A key's attempt is part of it, so a
+    resumed run's replay (a later attempt) is another key, not a second
+    value. Holds one small entry per replicated key, never the records."""
 
     def __init__(self) -> None:
         # split_step's rest of a key (run, name, pass, index, attempt) ->
-        # step -> what was seen there: (vhash, process) while one of each,
-        # then {vhash: processes}. By
-        # step within the rest of the key: a small int per step, not a
-        # tuple per record, for a summary of a long run.
+        # step -> the vhash seen there while one was, then the set of the
+        # vhashes seen. By step within the rest of the key: a small entry
+        # per step, not a tuple per record, for a summary of a long run.
         self._seen: dict[tuple, dict[Any, Any]] = {}
-        # Whether any key was seen with a second (vhash, process): only then
-        # can ``divergent`` be true (readers skip asking otherwise).
+        # Whether any key was seen with a second vhash: only then can
+        # ``divergent`` be true (readers skip asking otherwise).
         self.any_repeat = False
 
     def steps_of(
         self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
     ) -> dict[Any, Any]:
         """The step -> entry map of one (run, name, pass, index key,
-        attempt): record_key without its step; an entry is (vhash, process)
-        while one was seen there, then {vhash: processes}."""
+        attempt): record_key without its step; an entry is the vhash while
+        one was seen there, then the set of the vhashes."""
         # The parameters are split_step's rest of a key, in its order.
         return self._steps((run, name, pass_, index, attempt))
 
@@ -45,26 +47,27 @@ class DivergenceIndex:
     def add(self, r: Any) -> None:
         """A record (a line's object or a schema.py Struct)."""
         if type(r) is dict:
-            kind, vhash, process = r.get("kind"), r.get("vhash"), r.get("process")
+            kind, vhash = r.get("kind"), r.get("vhash")
         else:
-            kind, vhash, process = r.kind, r.vhash, r.process
+            kind, vhash = r.kind, r.vhash
         if kind != "replicated" or not vhash:
             return
         rest, step = split_step(record_key(r))
         steps = self._steps(rest)
-        entry = (vhash, process)
-        if steps.setdefault(step, entry) is not entry:
-            self.repeat(steps, step, entry)
+        if steps.setdefault(step, vhash) is not vhash:
+            self.repeat(steps, step, vhash)
 
-    def repeat(self, steps: dict, step: Any, entry: tuple) -> None:
-        """``entry`` (vhash, process) met another one at ``step``."""
+    def repeat(self, steps: dict, step: Any, vhash: str) -> None:
+        """``vhash`` met an entry at ``step``: the same value again, or a
+        second one."""
         got = steps[step]
-        if isinstance(got, tuple):
-            if got == entry:
+        if type(got) is str:
+            if got == vhash:
                 return
             self.any_repeat = True
-            got = steps[step] = {got[0]: {got[1]}}
-        got.setdefault(entry[0], set()).add(entry[1])
+            steps[step] = {got, vhash}
+        else:
+            got.add(vhash)
 
     def divergent(self, r: Any) -> bool:
         if r.get("kind") != "replicated":
@@ -75,10 +78,7 @@ class DivergenceIndex:
         """Whether the replicated key ``key`` (record_key) is divergent."""
         rest, step = split_step(key)
         steps = self._seen.get(rest)
-        got = steps.get(step) if steps is not None else None
-        if not isinstance(got, dict):
-            return False
-        return len(got) > 1 and len(set().union(*got.values())) > 1
+        return steps is not None and type(steps.get(step)) is set
 
     def absorb(self, other: DivergenceIndex) -> None:
         """Add what another index saw (of another piece of the stream):
@@ -86,14 +86,9 @@ class DivergenceIndex:
         for rest, steps in other._seen.items():
             mine = self._steps(rest)
             for step, got in steps.items():
-                entries = (
-                    [got]
-                    if isinstance(got, tuple)
-                    else [(vhash, p) for vhash, procs in got.items() for p in procs]
-                )
-                for entry in entries:
-                    if mine.setdefault(step, entry) is not entry:
-                        self.repeat(mine, step, entry)
+                for vhash in [got] if type(got) is str else got:
+                    if mine.setdefault(step, vhash) is not vhash:
+                        self.repeat(mine, step, vhash)
 
     def divergent_keys(self):
         """The record_key of every divergent key, as ``divergent`` judges."""
@@ -101,13 +96,13 @@ class DivergenceIndex:
             return
         for rest, steps in self._seen.items():
             for step, got in steps.items():
-                if isinstance(got, dict) and len(got) > 1 and len(set().union(*got.values())) > 1:
+                if type(got) is set:
                     yield key_with_step(rest, step)
 
 
 def reconcile_divergence(records: list[dict]) -> None:
-    """Mark every replicated record of a key that the file holds with
-    different values from different processes ``divergent`` (DivergenceIndex)."""
+    """Mark every replicated record of a key that the file holds with more
+    than one value ``divergent`` (DivergenceIndex)."""
     index = DivergenceIndex()
     for r in records:
         index.add(r)

@@ -713,10 +713,8 @@ class Summarizer:
                     dup_keys.add((step, "forward", vhash))
                     if len(dup_keys) == n:
                         dups += 1
-                    if seen is not None:
-                        entry = (vhash, p)
-                        if seen.setdefault(step, entry) is not entry:
-                            index.repeat(seen, step, entry)
+                    if seen is not None and seen.setdefault(step, vhash) is not vhash:
+                        index.repeat(seen, step, vhash)
                     prev_proc = prev_dev = cur = None
                     continue
             if type(r) is PerDevice:  # not an odd one (schema.from_dict)

@@ -275,3 +275,81 @@ def test_a_job_launched_again_on_its_run_continues_above_every_attempt(tmp_path)
     old = [r for r in every if r["kind"] != "meta" and r["step"] >= 4 and r["attempt"] < 2]
     assert {(r["step"], r["attempt"]) for r in old} == {(s, a) for s in (4, 5) for a in (0, 1)}
     assert report.superseded == len(old)
+
+
+# A restart of a script with automatic steps: each process taps the loss
+# (value: 100 x attempt + step) with no step=, flushes at step 5 and fails
+# there on attempt 0. RESUME=1: the session resumes and the tap passes
+# step= (what the refusal asks for).
+_AUTOMATIC = """
+    import os, jax, jax.numpy as jnp, pmaptap
+    from pmaptap import distributed
+    distributed.initialize()
+    attempt = int(os.environ["PMAPTAP_ATTEMPT"])
+    resume = bool(os.environ.get("RESUME"))
+    f = jax.pmap(
+        lambda x, i: pmaptap.tap(
+            x * 0 + i + 100 * attempt, "loss", dedup="replicated", **({"step": i} if resume else {})
+        ),
+        axis_name="d",
+        devices=jax.local_devices(),
+        in_axes=(0, None),
+    )
+    x = jnp.ones(jax.local_device_count())
+    with pmaptap.Session(os.environ["TAP"], resume=resume) as s:
+        print("OPENED", s.run, s.attempt, flush=True)
+        for i in range(10):
+            f(x, jnp.int32(i))
+            if i == 5 and attempt == 0:
+                s.flush()
+                os._exit(3)  # a hard failure: no close, no exit handlers
+"""
+
+
+def test_a_restart_on_a_fixed_run_without_resume_is_refused_at_open(tmp_path):
+    """``launch --restarts 1`` with PMAPTAP_RUN fixed and automatic steps:
+    attempt 1 wrote steps 0-9 as attempt 0 again beside attempt 0's steps
+    0-5, with other values and nothing to tell them apart. Now its session
+    is refused at open (SessionError naming the run, the attempt and the
+    fixes) on every process, and the file keeps attempt 0's one story.
+    Resuming with step= gives one story; without a fixed run id each
+    attempt is a run of its own."""
+    cmd = [sys.executable, "-c", textwrap.dedent(_AUTOMATIC)]
+    refused = tmp_path / "refused.jsonl"
+    proc = _launch(2, 2, cmd, restarts=1, env=dict(TAP=str(refused), PMAPTAP_RUN="myrun"))
+    assert proc.returncode == 1, job_failed(proc)
+    assert "restarting the job (attempt 1" in proc.stderr
+    assert proc.stdout.count("OPENED myrun 0") == 2 and "OPENED myrun 1" not in proc.stdout
+    err = proc.stdout + proc.stderr
+    assert "SessionError: pmaptap.Session: this is attempt 1 of a restarted job" in err, err
+    assert "fixed run id 'myrun' (PMAPTAP_RUN)" in err and "resume=True" in err, err
+    recs = pmaptap.read(refused, attempts="all")
+    assert sorted((r["step"], r["value"], r["attempt"]) for r in recs) == [
+        (s, float(s), 0) for s in range(6)
+    ]
+    assert validate_file(refused).ok
+
+    resumed = tmp_path / "resumed.jsonl"
+    proc = _launch(
+        2, 2, cmd, restarts=1, env=dict(TAP=str(resumed), PMAPTAP_RUN="myrun", RESUME="1")
+    )
+    assert proc.returncode == 0, job_failed(proc)
+    recs = [r for r in pmaptap.read(resumed) if r["name"] == "loss"]
+    assert sorted((r["step"], r["value"], r.get("attempt")) for r in recs) == [
+        (s, 100.0 + s, 1) for s in range(10)
+    ]
+    report = validate_file(resumed)
+    assert report.ok and report.superseded >= 6 and not report.divergent_keys, report.problems
+
+    fresh = tmp_path / "fresh.jsonl"
+    proc = _launch(2, 2, cmd, restarts=1, env=dict(TAP=str(fresh)))
+    assert proc.returncode == 0, job_failed(proc)
+    by_run: dict = {}
+    for r in pmaptap.read(fresh):
+        by_run.setdefault(r["run"], []).append((r["step"], r["value"]))
+    assert sorted(map(sorted, by_run.values())) == [
+        [(s, float(s)) for s in range(6)],
+        [(s, 100.0 + s) for s in range(10)],
+    ]
+    report = validate_file(fresh)
+    assert report.ok and not report.divergent_keys, report.problems

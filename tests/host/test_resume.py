@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -366,3 +367,25 @@ def test_resumed_session_refuses_taps_with_automatic_steps(tap_path):
         (i, float(i), 0) for i in range(10)
     ]
     assert validate_file(tap_path).ok
+
+
+def test_a_restarted_attempt_on_a_fixed_run_must_resume(tap_path, monkeypatch):
+    """PMAPTAP_ATTEMPT >= 1 (a launcher's restart) and a fixed run id, no
+    resume=True: SessionError at open, before the file is created, naming
+    the run, where it was fixed, and both ways out. The same attempt with
+    no fixed run id, or resuming, opens."""
+    monkeypatch.setenv("PMAPTAP_ATTEMPT", "1")
+    with pytest.raises(pmaptap.SessionError, match=r"attempt 1 .*'fixed' \(run=\).*resume=True"):
+        pmaptap.Session(tap_path, run="fixed").open()
+    monkeypatch.setenv("PMAPTAP_RUN", "env")
+    with pytest.raises(pmaptap.SessionError, match=r"'env' \(PMAPTAP_RUN\)"):
+        pmaptap.Session(tap_path).open()
+    assert not os.path.exists(tap_path)
+    assert pmaptap.active_session() is None
+    s = _train(tap_path, range(2), 0.0, 2, resume=True)
+    assert (s.run, s.attempt) == ("env", 1)
+    monkeypatch.delenv("PMAPTAP_RUN")
+    s = _train(tap_path, range(2), 0.0, 2)
+    assert s.run != "env" and s.attempt == 0
+    monkeypatch.setenv("PMAPTAP_ATTEMPT", "0")  # a first attempt may fix its run
+    assert _train(tap_path, range(2), 0.0, 2, run="fixed").run == "fixed"

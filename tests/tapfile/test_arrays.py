@@ -446,6 +446,61 @@ def test_assemble_a_pytree_of_sharded_and_replicated_leaves(session, tap_path):
         assert _same_bits(pmaptap.assemble(tap_path, "params", 0, leaf=k), want), k
 
 
+def test_assemble_a_pytree_with_none_holes(session, tap_path):
+    """``eqx.partition(model, eqx.is_array)`` leaves ``None`` where a leaf is
+    no array (a bias-free Linear, a Lambda layer). JAX does not count a None
+    as a leaf, so a record's ``index`` and ``global_shape`` hold one entry
+    per array leaf; every leaf after a hole must still get its own slices,
+    and the hole comes back as None."""
+    mesh = _mesh()
+    y = np.arange(16, dtype=np.float32).reshape(4, 4)
+    z = np.arange(16, dtype=np.float32).reshape(8, 2) + 100
+    w = np.arange(8 * 6, dtype=np.float32).reshape(8, 6) - 7
+    b = np.arange(300, dtype=np.float32) / 3  # stored as bytes
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    # The shape of eqx.partition's output for an MLP of a bias-free Linear,
+    # a Lambda and a Linear: holes before, between and after array leaves.
+    model = (
+        {"weight": put(w, P("data", "model")), "bias": None},
+        {"fn": None},
+        {"weight": put(z, P("data")), "bias": put(b, P())},
+    )
+
+    @jax.jit
+    def step(y, z, model):
+        pmaptap.tap({"a": None, "y": y * 1, "z": z * 1}, "issue")  # the example as filed
+        pmaptap.tap({"a": None, "y": y * 1}, "one")  # one array leaf: the bare index
+        pmaptap.tap(model, "model", dedup="per_device")
+        return y
+
+    step(put(y, P("data", "model")), put(z, P("data", None)), model)
+    tree = {"a": None, "y": jnp.arange(3.0), "z": jnp.ones((2, 2))}
+    jax.pmap(lambda v: pmaptap.tap(tree, "pm", dedup="replicated"))(jnp.arange(8.0))
+    session.flush()
+    issue = [d for d in _lines(tap_path) if d["name"] == "issue"]
+    assert issue and all(len(d["index"]) == 2 for d in issue), issue  # y and z only
+    got = pmaptap.assemble(tap_path, "issue", 0)
+    assert got["a"] is None and set(got) == {"a", "y", "z"}
+    assert _same_bits(got["y"], y) and _same_bits(got["z"], z)
+    assert _same_bits(pmaptap.assemble(tap_path, "issue", 0, leaf="y"), y)
+    assert _same_bits(pmaptap.assemble(tap_path, "issue", 0, leaf="z"), z)
+    assert pmaptap.assemble(tap_path, "issue", 0, leaf="a") is None
+    one = pmaptap.assemble(tap_path, "one", 0)
+    assert one["a"] is None and _same_bits(one["y"], y)
+    got = pmaptap.assemble(tap_path, "model", 0)
+    assert got[0]["bias"] is None and got[1] == {"fn": None}
+    assert _same_bits(got[0]["weight"], w)
+    assert _same_bits(got[2]["weight"], z) and _same_bits(got[2]["bias"], b)
+    assert _same_bits(pmaptap.assemble(tap_path, "model", 0, leaf="2/bias"), b)
+    assert _same_bits(pmaptap.assemble(tap_path, "model", 0, leaf=(2, "weight")), z)
+    assert pmaptap.assemble(tap_path, "model", 0, leaf="1/fn") is None
+    # Under pmap: one replicated record, no index; the hole stays a hole.
+    pm = pmaptap.assemble(tap_path, "pm", 0)
+    assert pm["a"] is None and _same_bits(pm["y"], np.arange(3, dtype=np.float32))
+    assert _same_bits(pmaptap.assemble(tap_path, "pm", 0, leaf="z"), np.ones((2, 2), np.float32))
+    assert pmaptap.assemble(tap_path, "pm", 0, leaf="a") is None
+
+
 def _shard_line(device, value, index, gshape, *, name="x", shape=None, **fields) -> dict:
     """A per-device float32 shard record of ``name`` at step 0, inline."""
     from conftest import record_dict

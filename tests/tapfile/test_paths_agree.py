@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 from test_jobs import _cli, _dump
 
 import pmaptap
 from conftest import per_device_dict, record_dict
 from pmaptap.tapfile import jobs, runs
 from pmaptap.tapfile.views import format_ids
+from pmaptap.writer import Writer
 
 
 def _loss(process: int, time: float, **fields) -> dict:
@@ -168,3 +171,72 @@ def test_ids_of_other_types_are_shown_not_dropped():
     assert format_ids([0, 1, 2, 5, None]) == "0-2,5,?"
     assert format_ids([1, 0, 3.0, "d", True, None]) == '0-1,3.0,"d",true,?'
     assert format_ids([]) == "-"
+
+
+def _divergent_everywhere(capsys, path: str, steps: str) -> None:
+    """Every way of reading ``path`` calls replicated ``eval_loss`` divergent
+    at ``steps`` (summary's text, e.g. "1 step(s) (0)") and nowhere else."""
+    recs = [r for r in pmaptap.read(path) if r["name"] == "eval_loss"]
+    div_recs = [r for r in recs if r.get("divergent")]
+    div = {r["step"] for r in div_recs}
+    assert div == {0}, recs
+    frame = pmaptap.read(path, as_frame=True)
+    assert set(frame[frame["divergent"].fillna(False).astype(bool)]["step"]) == {0}
+    for n in ("1", "2", "3"):
+        code, out, err = _cli(capsys, "summary", path, "--jobs", n)
+        row = next(line for line in out.splitlines() if line.startswith("eval_loss"))
+        assert code == 0 and f"divergent at {steps}" in row, (n, out, err)
+        code, out, err = _cli(capsys, "validate", path, "--jobs", n)
+        assert "1 divergent replicated step(s)" in out, (n, out, err)
+    code, out, _ = _cli(capsys, "show", path, "--name", "eval_loss")
+    assert code == 0 and out.count("DIVERGENT") == len(div_recs) == 2, out
+
+
+def test_two_values_of_one_replicated_step_from_one_process_are_divergent(tmp_path, capsys):
+    """docs/api.md: any replicated key with more than one distinct value is
+    divergent on reading. Readers compared only different processes'
+    copies, so two values of ``eval_loss`` step 0 from process 0 (an
+    evaluation worker started twice on one run, without resume) passed as
+    fine: read() left both unmarked, validate said OK, summary showed no
+    issue. The same value written twice stays one story."""
+    cases = {
+        "file": ("file", "file"),
+        "sharded": ("sharded", "sharded"),
+        "both": ("file", "sharded"),
+    }
+    for label, layouts in cases.items():
+        path = str(tmp_path / f"{label}.jsonl")
+        for value, layout in zip((1.0, 2.0), layouts):
+            with Writer(path, run="exp", process=0, layout=layout) as w:
+                w.write("eval_loss", 0, value)
+                w.write("eval_loss", 1, 0.5)  # the same value both times: no issue
+        # Another process, so a sharded run has two shards and --jobs 2 and 3
+        # read its sources (a one-file run its byte ranges) in workers.
+        with Writer(path, run="exp", process=1, layout=layouts[1]) as w:
+            w.write("lr", 0, 0.1)
+        _divergent_everywhere(capsys, path, "1 step(s) (0)")
+
+
+def test_two_sessions_on_one_run_are_divergent_a_resumed_one_supersedes(tmp_path, capsys):
+    """Two sessions of one process on run "exp" tap ``eval_loss`` step 0 as
+    1.0 and then 2.0: two values of one step, divergent. A session with
+    ``resume=True`` is a later attempt instead: its 2.0 supersedes the 1.0,
+    and no reader calls either divergent."""
+    f = jax.pmap(lambda v: pmaptap.tap(v, "eval_loss", step=0, dedup="replicated"))
+    twice, resumed = str(tmp_path / "twice.jsonl"), str(tmp_path / "resumed.jsonl")
+    for path, resume in ((twice, False), (resumed, True)):
+        for value in (1.0, 2.0):
+            with pmaptap.Session(path, run="exp", resume=resume and value > 1):
+                f(jnp.full(8, value))
+    _divergent_everywhere(capsys, twice, "1 step(s) (0)")
+    recs = pmaptap.read(resumed, name="eval_loss")
+    assert [(r["value"], r.get("divergent")) for r in recs] == [(2.0, None)], recs
+    every = pmaptap.read(resumed, name="eval_loss", attempts="all")
+    assert [(r["attempt"], r["value"], r.get("divergent")) for r in every] == [
+        (0, 1.0, None),
+        (1, 2.0, None),
+    ]
+    for n in ("1", "2"):
+        for cmd in ("summary", "validate"):
+            code, out, _ = _cli(capsys, cmd, resumed, "--jobs", n)
+            assert code == 0 and "divergent" not in out, (cmd, n, out)
