@@ -230,7 +230,8 @@ def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replica
     def infer(mesh, arg_shapes, result_shape):  # GSPMD's propagation
         if mesh.empty:
             mesh = Mesh(np.array(devices), ("_pmaptap_partition",))
-        return NamedSharding(mesh, PartitionSpec() if replicated else PartitionSpec(tuple(mesh.axis_names)))
+        axes = tuple(mesh.axis_names)
+        return NamedSharding(mesh, PartitionSpec() if replicated else PartitionSpec(axes))
 
     # Shardy's propagation: the operands' dimensions are reductions into
     # the result (whose dimensions are its own), so the rule never asks an
