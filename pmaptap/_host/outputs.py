@@ -365,8 +365,8 @@ def _fingerprint_payloads(
 
     - COPY (rows): each device's ``(coords, step, fps)``;
     - GATHERED (rows): every device's fingerprints, ``(step, fps[n, ...])``,
-      from the row of coordinate 0, on the process holding it (where its
-      callback ran);
+      from the row of the device at coordinate 0, on the process holding it
+      (where its callback ran);
     - JIT (one table): ``(step, fps[:partitions])`` with the spec its
       lowering bound (by the number in the outputs), on the process of
       partition 0 (whose device called back)."""
@@ -390,14 +390,17 @@ def _fingerprint_payloads(
     rows = traced[0].rows(site.rows) if traced and site.rows is not None else [None]
     gathered = spec.layout is FingerprintLayout.GATHERED
     for row in rows:
-        if gathered and row not in (0, None):
-            continue
         lead = _at(site, loops, row)
         valid = _operand(site, views, 0, lead)
         if valid is not None and not bool(valid):
             continue
         coords, step, fps = (_operand(site, views, j, lead) for j in (1, 2, 3))
-        yield spec, ((step, fps) if gathered else (coords, step, fps))
+        if not gathered:
+            yield spec, (coords, step, fps)
+        elif not np.any(coords):
+            # The device at coordinate 0 (a row's own coordinates: under a
+            # multi-process pmap the rows are this process's devices only).
+            yield spec, (step, fps)
 
 
 _one_cache: dict[tuple, TapSpec] = {}
