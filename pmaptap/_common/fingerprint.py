@@ -17,6 +17,12 @@ forms (``FingerprintSpec.layout``):
   ``(step, fps[n, leaves, 2])``; ``shards`` says where partition k lives and
   which slice of each leaf it holds (filled at compile time).
 
+Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same payloads reach the host
+from the step's outputs (_host/outputs.py) instead of a callback: GATHERED
+from the row of coordinate 0, COPY from every device's row, JIT from a table
+of ``jax.device_count()`` rows (the lowering's partitions first) that comes
+with the number ``bind_lowering`` gave the lowering's bound spec.
+
 Specs compare by value: two calls of the same name and leaves are the same
 call to JAX's caches (an eager fingerprint compiles once).
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from typing import Any, ClassVar
 
 from pmaptap._common.spec import Placement
@@ -58,3 +65,25 @@ class FingerprintSpec:
     shards: Any = None
     # What routing and the aggregator read from any payload spec.
     restore: ClassVar[tuple] = ()
+
+
+# JIT specs bound to their lowering's placement, by the number each
+# lowering puts in its step's outputs: one step (a trace) can be lowered
+# several times (other argument shardings, other devices), and only the
+# number in the outputs says which lowering they came from. One entry per
+# lowering, as the callback transport keeps one bound host function each.
+_lowered: dict[int, FingerprintSpec] = {}
+_numbers = itertools.count(1)
+
+
+def bind_lowering(spec: FingerprintSpec) -> int:
+    """Keep ``spec`` (bound to one lowering's placement) and return its
+    number (a uint32), for the host to find it again (``lowered``)."""
+    key = next(_numbers) & 0xFFFFFFFF
+    _lowered[key] = spec
+    return key
+
+
+def lowered(key: int) -> FingerprintSpec | None:
+    """The spec ``bind_lowering`` numbered ``key`` (None: unknown)."""
+    return _lowered.get(int(key))

@@ -24,7 +24,9 @@ over, so aggregation, dedup, divergence and records are the pipeline's own:
   process holds, ``(partition, coords, step, *shards)``, with a
   ``ShardPlacement`` read off the output's sharding (scalars: partition 0
   only, as ``Layout.WHOLE``);
-- one device: the whole value, the spec naming that device.
+- one device: the whole value, the spec naming that device;
+- a fingerprint (``FingerprintSpec``): the payload its callback delivers,
+  see ``_fingerprint_payloads``.
 
 No JAX tracing here: the outputs are read through the ``jax.Array``
 methods every array has (``copy_to_host_async``, ``addressable_shards``,
@@ -41,6 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec, lowered
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site, sites
 from pmaptap._common.shard_placement import ShardPlacement, _slices_by_device
 from pmaptap._common.spec import Layout, TapSpec
@@ -270,14 +273,23 @@ def _at(site: Site, loops: tuple[int, ...], row: int | None) -> tuple:
     return tuple(out)
 
 
-def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple[TapSpec, tuple]]:
+def _operand(site: Site, views: list, j: int, lead: tuple) -> Any:
+    """Operand ``j`` of one execution (and device row): its output's piece,
+    or its value known when the step was traced."""
+    v = views[j]
+    if v is None:
+        return site.static[j]
+    return v.host()[lead]
+
+
+def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple[Any, tuple]]:
     spec = site.spec
+    if isinstance(spec, FingerprintSpec):
+        yield from _fingerprint_payloads(site, views, loops)
+        return
 
     def operand(j: int, lead: tuple):
-        v = views[j]
-        if v is None:
-            return site.static[j]
-        return v.host()[lead]
+        return _operand(site, views, j, lead)
 
     if site.where == ROWS:
         traced = [v for v in views if v is not None]
@@ -344,6 +356,52 @@ def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple
             site.static[3 + j] if v is None else by_device[j][dev] for j, v in enumerate(leaf_views)
         )
         yield bound, (np.array([k], np.uint32), coords, step) + leaves
+
+
+def _fingerprint_payloads(
+    site: Site, views: list, loops: tuple[int, ...]
+) -> Iterator[tuple[FingerprintSpec, tuple]]:
+    """A fingerprint's payloads as its callback delivers them
+    (_common/fingerprint.py; operands from fingerprint.lifted):
+
+    - COPY (rows): each device's ``(coords, step, fps)``;
+    - GATHERED (rows): every device's fingerprints, ``(step, fps[n, ...])``,
+      from the row of the device at coordinate 0, on the process holding it
+      (where its callback ran);
+    - JIT (one table): ``(step, fps[:partitions])`` with the spec its
+      lowering bound (by the number in the outputs), on the process of
+      partition 0 (whose device called back)."""
+    spec = site.spec
+    if spec.layout is FingerprintLayout.JIT:
+        lead = _at(site, loops, None)
+        valid = _operand(site, views, 0, lead)
+        if valid is not None and not bool(valid):
+            return
+        step = _operand(site, views, 2, lead)
+        key, table = _operand(site, views, 3, lead), _operand(site, views, 4, lead)
+        bound = lowered(int(key))
+        if bound is None:  # pragma: no cover - every lowering numbers its spec
+            raise RuntimeError(f"pmaptap.fingerprint({spec.name!r}): no lowering numbered {key}")
+        place = bound.shards
+        if place is not None and place.processes[0] != place.me:
+            return
+        yield bound, (step, table[: 1 if place is None else len(place.devices)])
+        return
+    traced = [v for v in views if v is not None]
+    rows = traced[0].rows(site.rows) if traced and site.rows is not None else [None]
+    gathered = spec.layout is FingerprintLayout.GATHERED
+    for row in rows:
+        lead = _at(site, loops, row)
+        valid = _operand(site, views, 0, lead)
+        if valid is not None and not bool(valid):
+            continue
+        coords, step, fps = (_operand(site, views, j, lead) for j in (1, 2, 3))
+        if not gathered:
+            yield spec, (coords, step, fps)
+        elif not np.any(coords):
+            # The device at coordinate 0 (a row's own coordinates: under a
+            # multi-process pmap the rows are this process's devices only).
+            yield spec, (step, fps)
 
 
 _one_cache: dict[tuple, TapSpec] = {}

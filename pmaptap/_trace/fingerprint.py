@@ -17,6 +17,11 @@ Where the copies come from:
 - under plain jit (and eagerly): fingerprint_jit.py, per slice of the
   sharding XLA chose.
 
+Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same fingerprints leave the
+step as outputs instead (``fingerprint_out_p`` below, lifted by lift.py):
+computed on the device exactly as above, handed to the host half
+(_host/outputs.py), which delivers the payloads the callback would have.
+
 Each device's copy is read where it lies, after an optimization barrier:
 XLA may not recompute the value into the fingerprint's loop (it fused the
 producer there otherwise, and the fingerprint would then be of a second
@@ -32,20 +37,29 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core
+from jax._src import dispatch
+from jax._src.interpreters import mlir
 from jax.custom_batching import custom_vmap
 
 from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
 from pmaptap._common.switch import taps_off
 from pmaptap._host.routing import deliver
-from pmaptap._trace import placement
+from pmaptap._trace import outputs, placement
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords
-from pmaptap._trace.fingerprint_jit import fingerprint_jit
+from pmaptap._trace.fingerprint_jit import fingerprint_jit, fingerprint_table
 from pmaptap._trace.fphash import fingerprint64
 from pmaptap._trace.invariant import varying_axes
 from pmaptap._trace.layouts import _flat_index, static_step_operand
-from pmaptap._trace.primitive import emit_callback, mark_tap_vmap_rule, run_later, staged_for_later
+from pmaptap._trace.primitive import (
+    emit_callback,
+    mark_tap_vmap_rule,
+    register_tap_rules,
+    run_later,
+    staged_for_later,
+)
 
 T = TypeVar("T")
 FN = "pmaptap.fingerprint"
@@ -166,7 +180,7 @@ def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -
     if not raw_names:
         if not any(isinstance(x, jax.core.Tracer) for x in leaves):
             leaves = [jnp.asarray(x) for x in leaves]
-        fingerprint_jit(spec, step, lax.optimization_barrier(leaves))
+        _send_or_mark(spec, axis_coords(()), step, lax.optimization_barrier(leaves))
         return
     varying = []
     for x in leaves:
@@ -176,17 +190,68 @@ def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -
     fps = jnp.stack([fingerprint64(x) for x in lax.optimization_barrier(leaves)])
     coords = axis_coords(raw_names)
     if divergent_flow:
-        spec = _with(spec, FingerprintLayout.COPY, where, varying)
-        emit_callback(functools.partial(_deliver, spec), coords, step, fps)
+        _send_or_mark(_with(spec, FingerprintLayout.COPY, where, varying), coords, step, [fps])
         return
     spec = _with(spec, FingerprintLayout.GATHERED, where, varying)
     gathered = lax.all_gather(fps, raw_names)  # (n, leaves, 2), row-major coordinates
-    first = _flat_index(coords, where.axis_sizes) == 0
-    lax.cond(
-        first,
-        lambda: emit_callback(functools.partial(_deliver, spec), step, gathered),
-        lambda: None,
-    )
+    _send_or_mark(spec, coords, step, [gathered])
+
+
+def _send_or_mark(spec: FingerprintSpec, coords, step, data: list) -> None:
+    """Under pmaptap.jit / pmaptap.pmap, mark what is sent (lift.py makes it
+    outputs of the step); else send it now (``_send``)."""
+    if outputs.collecting():
+        fingerprint_out_p.bind(coords, step, *data, spec=spec)
+    else:
+        _send(coords, step, *data, spec=spec)
+
+
+def _send(coords, step, *data, spec: FingerprintSpec) -> list:
+    """The host callback of one fingerprint, by layout: JIT ``data`` is the
+    leaves (fingerprint_jit.py fingerprints and sends them), COPY this
+    device's fingerprints, GATHERED every device's, sent by coordinate 0."""
+    if spec.layout is FingerprintLayout.JIT:
+        fingerprint_jit(spec, step, data)
+    elif spec.layout is FingerprintLayout.COPY:
+        emit_callback(functools.partial(_deliver, spec), coords, step, *data)
+    else:
+        first = _flat_index(coords, spec.placement.axis_sizes) == 0
+        lax.cond(
+            first,
+            lambda: emit_callback(functools.partial(_deliver, spec), step, *data),
+            lambda: None,
+        )
+    return []
+
+
+# ------------------------------------------------------------ as step outputs
+# A fingerprint under pmaptap.jit / pmaptap.pmap: its operands (coords,
+# step, then what ``_send`` takes) marked in the program, as a tap's are by
+# outputs.tap_out_p. lift.py turns the mark into outputs (``lifted``); a
+# mark it cannot lift (a while_loop body) lowers to ``_send``, the callback
+# transport's own emission. The transformation rules are the callback's.
+fingerprint_out_p = jax_core.Primitive("pmaptap_fingerprint_out")
+fingerprint_out_p.multiple_results = True
+register_tap_rules(fingerprint_out_p)
+fingerprint_out_p.def_impl(_send)
+# The JIT layout's lowering (fingerprint_jit.py) needs the device assignment.
+dispatch.prim_requires_devices_during_lowering.add(fingerprint_out_p)
+# cacheable=False: the callback lowerings inside read the caller's name stack.
+mlir.register_lowering(
+    fingerprint_out_p, mlir.lower_fun(_send, multiple_results=True), cacheable=False
+)
+
+
+def lifted(spec: FingerprintSpec, operands: list) -> list:
+    """A mark's operands as lift.py makes them outputs, (coords, step, *data)
+    with data what the host half turns into the callback's payload
+    (_host/outputs.py): GATHERED every device's fingerprints (read from the
+    row of coordinate 0), COPY a device's own, JIT (the lowering's number,
+    the table of every partition's) in place of the leaves."""
+    if spec.layout is not FingerprintLayout.JIT:
+        return operands
+    coords, step, *leaves = operands
+    return [coords, step, *fingerprint_table(spec, leaves)]
 
 
 def _with(spec: FingerprintSpec, layout: FingerprintLayout, where, varying) -> FingerprintSpec:

@@ -44,7 +44,7 @@ from jax._src.interpreters import mlir
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pmaptap._common.fingerprint import FingerprintSpec
+from pmaptap._common.fingerprint import FingerprintSpec, bind_lowering
 from pmaptap._common.shard_placement import ShardPlacement
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement, primitive
@@ -77,7 +77,23 @@ def _entry(spec: FingerprintSpec):
 def _lowering(ctx, step, *leaves, spec: FingerprintSpec):
     if primitive.recomputed_while_predicate(ctx):
         return []  # a duplicate (see primitive.recomputed_while_predicate)
-    leaf_avals = list(ctx.avals_in[1:])
+    place, partitioned, fps_aval, fps = _fingerprints(
+        ctx, list(ctx.avals_in[1:]), leaves, replicated=False
+    )
+    host_fn = _entry(dataclasses.replace(spec, shards=place))
+    sub = ctx.replace(avals_in=[ctx.avals_in[0], fps_aval], avals_out=[])
+    if not partitioned:
+        return primitive._lowering(sub, step, fps, host_fn=host_fn)
+    # The fingerprint rows are moved to device 0 for ONE host call.
+    return primitive.emit_on_device_0(sub, step, fps, host_fn=host_fn)
+
+
+def _fingerprints(ctx, leaf_avals: list, leaves, *, replicated: bool):
+    """Lower the fingerprints of ``leaves``, one row per partition of the
+    computation (one row: a computation on one device). Returns (the
+    lowering's placement, whether it is partitioned, the rows' aval, the
+    rows). ``replicated``: every device ends up with every row (gathered)
+    instead of its own."""
     shapes = tuple(tuple(int(s) for s in a.shape) for a in leaf_avals)
     where = placement.shard_context(ctx)
     if where is None:
@@ -93,16 +109,58 @@ def _lowering(ctx, step, *leaves, spec: FingerprintSpec):
             shapes=shapes,
             me=jax.process_index(),
         )
-        n, fn = len(devices), _per_device(place, tuple(devices), leaf_avals)
+        n, fn = len(devices), _per_device(place, tuple(devices), leaf_avals, replicated)
     fps_aval = core.ShapedArray((n, len(leaves), 2), jnp.dtype(jnp.uint32))
     sub = ctx.replace(primitive=None, avals_in=leaf_avals, avals_out=[fps_aval])
     (fps,) = mlir.lower_fun(fn, multiple_results=False)(sub, *leaves)
-    host_fn = _entry(dataclasses.replace(spec, shards=place))
-    sub = ctx.replace(avals_in=[ctx.avals_in[0], fps_aval], avals_out=[])
-    if where is None:
-        return primitive._lowering(sub, step, fps, host_fn=host_fn)
-    # The fingerprint rows are moved to device 0 for ONE host call.
-    return primitive.emit_on_device_0(sub, step, fps, host_fn=host_fn)
+    return place, where is not None, fps_aval, fps
+
+
+# ------------------------------------------------------------ as step outputs
+# Under pmaptap.jit the fingerprints leave the step as outputs
+# (_trace/lift.py binds this where the fingerprint was written): the same
+# rows as above, gathered on every device instead of moved to device 0 (the
+# process holding partition 0 reads them, as device 0 called back), padded
+# to a row count known when the step is traced (the partitions are known
+# only when it is lowered), with the number under which the lowering keeps
+# its bound spec (_common/fingerprint.py: bind_lowering).
+fingerprint_table_p = core.Primitive("pmaptap_fingerprint_table")
+fingerprint_table_p.multiple_results = True
+dispatch.prim_requires_devices_during_lowering.add(fingerprint_table_p)
+fingerprint_table_p.def_impl(partial(dispatch.apply_primitive, fingerprint_table_p))
+
+
+def fingerprint_table(spec: FingerprintSpec, leaves) -> tuple[jax.Array, jax.Array]:
+    """(the lowering's number uint32[], fps uint32[rows, leaves, 2]) of
+    ``leaves``: row k is partition k's, ``rows`` is ``jax.device_count()``
+    (rows past the lowering's partitions are zeros)."""
+    key, table = fingerprint_table_p.bind(*leaves, spec=spec, rows=jax.device_count())
+    return key, table
+
+
+@fingerprint_table_p.def_abstract_eval
+def _table_abstract_eval(*leaf_avals, spec: FingerprintSpec, rows: int):
+    return [
+        core.ShapedArray((), jnp.dtype(jnp.uint32)),
+        core.ShapedArray((rows, len(leaf_avals), 2), jnp.dtype(jnp.uint32)),
+    ]
+
+
+def _table_lowering(ctx, *leaves, spec: FingerprintSpec, rows: int):
+    place, _, fps_aval, fps = _fingerprints(ctx, list(ctx.avals_in), leaves, replicated=True)
+    n = fps_aval.shape[0]
+    if n > rows:
+        raise ValueError(
+            f"pmaptap.fingerprint({spec.name!r}) under pmaptap.jit: the computation "
+            f"spans {n} devices, more than jax.device_count() ({rows}), the rows "
+            "its fingerprints were given when traced. Use jax.jit for this step."
+        )
+    key = bind_lowering(dataclasses.replace(spec, shards=place))
+    sub = ctx.replace(primitive=None, avals_in=[fps_aval], avals_out=[ctx.avals_out[1]])
+    (table,) = mlir.lower_fun(
+        lambda f: jnp.pad(f, ((0, rows - n), (0, 0), (0, 0))), multiple_results=False
+    )(sub, fps)
+    return [mlir.ir_constant(np.uint32(key)), table]
 
 
 def _local(*leaves):
@@ -133,12 +191,13 @@ def _one_device(ctx, shapes) -> ShardPlacement | None:
     return place
 
 
-def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list):
+def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replicated: bool):
     """The function lowered in place of the fingerprints: one
     ``custom_partitioning`` call whose partitioned form computes each
     device's fingerprints from its own blocks (see the module docstring).
     Made per lowering: its ``partition`` rule fills this lowering's
-    ``place``."""
+    ``place``. ``replicated``: the rows are all-gathered in the partitioned
+    form (the one tiny collective), so that every device holds every row."""
     n, count = len(devices), len(leaf_avals)
 
     @custom_partitioning
@@ -153,21 +212,26 @@ def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list):
             place.set_sharding(j, s)
         if mesh.empty or math.prod(mesh.shape.values()) != n:
             mesh = Mesh(np.array(devices), ("_pmaptap_partition",))
-        out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        axes = tuple(mesh.axis_names)
+        out = NamedSharding(mesh, PartitionSpec() if replicated else PartitionSpec(axes))
         masks = [_padding_mask(s, a.shape) for s, a in zip(shardings, arg_shapes)]
 
         def lower(*blocks):
             fps = [
                 fingerprint64(b, None if m is None else m(b.shape)) for b, m in zip(blocks, masks)
             ]
-            return jnp.stack(fps)[None]
+            rows = jnp.stack(fps)[None]
+            # all_gather over every mesh axis: row-major, the order of the
+            # rows of PartitionSpec(axes) above.
+            return lax.all_gather(rows, axes, axis=0, tiled=True) if replicated else rows
 
         return mesh, lower, out, shardings
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD's propagation
         if mesh.empty:
             mesh = Mesh(np.array(devices), ("_pmaptap_partition",))
-        return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        axes = tuple(mesh.axis_names)
+        return NamedSharding(mesh, PartitionSpec() if replicated else PartitionSpec(axes))
 
     # Shardy's propagation: the operands' dimensions are reductions into
     # the result (whose dimensions are its own), so the rule never asks an
@@ -223,3 +287,7 @@ def _padding_mask(sharding, shape: tuple[int, ...]):
 # cacheable=False: the rule needs the caller's name stack.
 for _platform in ("cpu", "gpu", "tpu"):
     mlir.register_lowering(fingerprint_p, _lowering, platform=_platform, cacheable=False)
+    # cacheable=False: each lowering numbers its own bound spec.
+    mlir.register_lowering(
+        fingerprint_table_p, _table_lowering, platform=_platform, cacheable=False
+    )

@@ -3,8 +3,11 @@
 ``lift(fun)`` traces ``fun`` to a jaxpr with the marks in it, then runs an
 interpreter over that jaxpr that binds every equation again, except:
 
-- a mark is dropped and its traced operands become outputs (a ``Site``);
-- ``jit`` (nested), ``custom_jvp_call`` and ``custom_vjp_call`` holding a
+- a mark is dropped and its traced operands become outputs (a ``Site``):
+  a tap's (``tap_out_p``) or a fingerprint's (``fingerprint_out_p``, whose
+  operands fingerprint.py's ``lifted`` gives);
+- ``jit`` (nested), ``custom_jvp_call``, ``custom_vjp_call`` and
+  ``custom_vmap_call`` (fingerprint.py's vmap rule wraps its mark) holding a
   mark are inlined (their bodies are what runs; a rule traced for grad
   inside the step has already been applied when the step's jaxpr exists);
 - ``scan`` holding a mark runs with a body whose extra outputs are stacked
@@ -46,9 +49,15 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec
 
+from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
 from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._trace import fingerprint
+from pmaptap._trace.fingerprint import fingerprint_out_p
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
+
+# The marks lifted: a tap's and a fingerprint's.
+_MARKS = (tap_out_p, fingerprint_out_p)
 
 
 class Lifted:
@@ -136,8 +145,12 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
             source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
         ):
-            if eqn.primitive is tap_out_p:
-                site, arrays = _site(invals, **eqn.params)
+            if eqn.primitive in _MARKS:
+                if eqn.primitive is fingerprint_out_p:
+                    spec = eqn.params["spec"]
+                    site, arrays = _site(fingerprint.lifted(spec, invals), spec=spec)
+                else:
+                    site, arrays = _site(invals, **eqn.params)
                 nodes.append(site)
                 flat += arrays
                 outvals: Any = []
@@ -164,7 +177,9 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
     return [read(v) for v in jaxpr.outvars], nodes, flat
 
 
-def _site(invals, *, spec: TapSpec, traced_every: bool, proven: bool) -> tuple[Site, list]:
+def _site(
+    invals, *, spec: TapSpec | FingerprintSpec, traced_every: bool = False, proven: bool = False
+) -> tuple[Site, list]:
     coords, step, *leaves = invals
     valid = (step % spec.site.every == 0) if traced_every else None
     static: list = []
@@ -181,6 +196,8 @@ def _site(invals, *, spec: TapSpec, traced_every: bool, proven: bool) -> tuple[S
             arrays.append(x)
     if spec.placement.axis_names:
         where = ROWS
+    elif isinstance(spec, FingerprintSpec):
+        where = ONE  # the table of every partition's fingerprints (fingerprint.lifted)
     elif spec.transport.layout in (Layout.SHARDS, Layout.WHOLE):
         where = SHARDS
     else:
@@ -193,7 +210,7 @@ def _site(invals, *, spec: TapSpec, traced_every: bool, proven: bool) -> tuple[S
 @functools.lru_cache(maxsize=1024)
 def _jaxpr_holds_mark(jaxpr: core.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive is tap_out_p or holds_mark(eqn):
+        if eqn.primitive in _MARKS or holds_mark(eqn):
             return True
     return False
 
@@ -209,12 +226,13 @@ _said: set = set()
 def _say_fallback(eqn, why: str) -> None:
     """Warn once per tap site that it keeps the host callback."""
     for spec in _marks_in(eqn):
-        key = (spec.name, why)
+        fn = "pmaptap.fingerprint" if isinstance(spec, FingerprintSpec) else "pmaptap.tap"
+        key = (fn, spec.name, why)
         if key in _said:
             continue
         _said.add(key)
         warnings.warn(
-            f"pmaptap.tap({spec.name!r}) is inside {why}: it cannot leave the "
+            f"{fn}({spec.name!r}) is inside {why}: it cannot leave the "
             "step as an output (a while_loop runs an unknown number of times), so "
             "it is sent to the host by a host callback, and the device waits "
             "for it there. Move the tap out of the loop, or use lax.scan / "
@@ -223,11 +241,11 @@ def _say_fallback(eqn, why: str) -> None:
         )
 
 
-def _marks_in(eqn) -> list[TapSpec]:
-    out: list[TapSpec] = []
+def _marks_in(eqn) -> list[TapSpec | FingerprintSpec]:
+    out: list[TapSpec | FingerprintSpec] = []
     for j in core.jaxprs_in_params(eqn.params):
         for e in j.eqns:
-            if e.primitive is tap_out_p:
+            if e.primitive in _MARKS:
                 out.append(e.params["spec"])
             else:
                 out += _marks_in(e)
@@ -449,6 +467,7 @@ _RULES: dict[str, Callable[[list, Any], Result | None]] = {
     "core_call": functools.partial(_inline, key="call_jaxpr"),
     "custom_jvp_call": functools.partial(_inline, key="call_jaxpr"),
     "custom_vjp_call": functools.partial(_inline, key="call_jaxpr"),
+    "custom_vmap_call": functools.partial(_inline, key="call"),
     "scan": _scan,
     "cond": _cond,
     "remat2": _remat,

@@ -70,10 +70,20 @@ _JOB = """
 """
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
+# The job as written (host callbacks), and with pmaptap.pmap / pmaptap.jit
+# (the fingerprints leave the steps as outputs): the same records.
+_TRANSPORTS = {
+    "callback": _JOB,
+    "outputs": _JOB.replace("jax.pmap(", "pmaptap.pmap(").replace("@jax.jit", "@pmaptap.jit"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(_TRANSPORTS))
+def job(request, tmp_path_factory):
+    code = _TRANSPORTS[request.param]
+    assert request.param == "callback" or "pmaptap.pmap(" in code and "@pmaptap.jit" in code
     tap = str(tmp_path_factory.mktemp("fp") / "fp.jsonl")
-    proc, _ = run_launch(2, 2, python_cmd(_JOB), launcher_timeout=120, timeout=180, TAP=tap)
+    proc, _ = run_launch(2, 2, python_cmd(code), launcher_timeout=120, timeout=180, TAP=tap)
     assert proc.returncode == 0, job_failed(proc)
     return tap, pmaptap.read(tap)
 

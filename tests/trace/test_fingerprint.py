@@ -7,8 +7,11 @@ device's block of a value jit holds replicated (or sharded)."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+import uuid
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,13 @@ from pmaptap._trace.fphash import FOLD, LANES, REGROUP, SMALL, fingerprint64
 from pmaptap.tapfile.checks import validate_file
 from pmaptap.tapfile.fingerprints import suspects
 from pmaptap.tapfile.summary import tap_summaries
+
+# Every test under both transports: fingerprints as host callbacks, and as
+# outputs of pmaptap.jit / pmaptap.pmap steps (the same records).
+pytestmark = pytest.mark.usefixtures("transport")
+# Tests of the hash alone, or of an eager call: no step, nothing a transport
+# carries (run once).
+NO_STEP = pytest.mark.callback_only("no compiled step: the hash alone, or an eager call")
 
 HOST = socket.gethostname()
 _fp = jax.jit(fingerprint64)
@@ -59,6 +69,7 @@ def _flip(a: np.ndarray, i: int, bit: int) -> np.ndarray:
     return b.reshape(a.shape)
 
 
+@NO_STEP
 @pytest.mark.parametrize(
     "dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint16, np.int32]
 )
@@ -74,6 +85,7 @@ def test_one_flipped_bit_anywhere_changes_the_fingerprint(dtype):
             assert not np.array_equal(np.asarray(_fp(_flip(a, i, bit))), base), (n, i, bit)
 
 
+@NO_STEP
 def test_every_bit_counts_not_the_float_value():
     zeros = np.zeros(16, np.float32)
     minus = zeros.copy()
@@ -134,6 +146,7 @@ _tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
 _cpu = jax.jit(lambda x: fphash._flat(x, None, FOLD, 0, REGROUP))
 
 
+@NO_STEP
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize(
     "shape",
@@ -157,6 +170,7 @@ def test_every_flipped_bit_of_every_dtype_is_seen_in_every_layout(dtype, shape):
             assert not np.array_equal(np.asarray(fn(bad)), base), (fn, shape)
 
 
+@NO_STEP
 def test_the_cpu_layout_packs_narrow_values_without_a_second_pass():
     """The compiled program reads a bfloat16/int8/bool array in one fused
     loop: no instruction writes out words of the whole array (a bitcast to
@@ -181,6 +195,7 @@ NANS = {
 }
 
 
+@NO_STEP
 @pytest.mark.parametrize("dtype", list(NANS), ids=lambda d: np.dtype(d).name)
 def test_minus_zero_and_nan_payloads_of_every_float_dtype(dtype):
     """-0.0 against 0.0, a signalling NaN against a quiet one, another
@@ -205,6 +220,7 @@ def test_minus_zero_and_nan_payloads_of_every_float_dtype(dtype):
         assert not np.array_equal(fn(payload.view(dtype)), base), fn
 
 
+@NO_STEP
 def test_sign_bits_flipped_in_two_lanes_of_one_group_do_not_cancel():
     """The CPU's lanes are folded again REGROUP at a time after a xor-shift:
     two flipped sign bits in one column of two blocks of a group are seen.
@@ -221,6 +237,7 @@ def test_sign_bits_flipped_in_two_lanes_of_one_group_do_not_cancel():
     assert np.array_equal(_cpu(same_lane), base)
 
 
+@NO_STEP
 def test_64_bit_dtypes_with_x64():
     with jax.enable_x64(True):
         fp = jax.jit(fingerprint64)
@@ -416,14 +433,20 @@ def _fingerprint_reads(txt: str, buffer: str) -> list[str]:
 
 
 def _root(txt: str) -> tuple[str, str]:
+    """The instruction the program returns (and its shape); with the output
+    transport the root is a tuple: the step's own output, then the lifted
+    fingerprints."""
     entry = txt.split("ENTRY", 1)[1]
     m = re.search(r"ROOT %(\S+) = (f32\[[^\]]*\])", entry)
+    if m:
+        return m.group(1), m.group(2)
+    m = re.search(r"ROOT %\S+ = \((f32\[[^\]]*\])\{[^}]*\}.*? tuple\(%([^,)]+)", entry)
     assert m, entry
-    return m.group(1), m.group(2)
+    return m.group(2), m.group(1)
 
 
 @pytest.mark.parametrize("spec, local", [(P(), "f32[64,1024]"), (P(None, "model"), "f32[64,512]")])
-def test_jit_hlo_one_fingerprint_per_device_buffer(spec, local):
+def test_jit_hlo_one_fingerprint_per_device_buffer(spec, local, transport):
     """The compiled program: each device fingerprints its own buffer (the
     stored value, of the local shard's shape), and the rows are gathered:
     XLA did not take the copies' fingerprints for one value."""
@@ -438,14 +461,20 @@ def test_jit_hlo_one_fingerprint_per_device_buffer(spec, local):
     txt = _hlo(jax.jit(body), x)
     root, shape = _root(txt)
     assert shape == local  # the program is per device
-    assert _fingerprint_reads(txt, root), txt  # from y's own buffer, not recomputed
+    if transport == "callback":
+        # From y's own buffer, not recomputed. A step that returns a tuple
+        # (every pmaptap.jit step: its lifted outputs follow) has XLA fuse a
+        # cheap producer into the fingerprint again (the optimization barrier
+        # is expanded before fusion), under jax.jit alike: docs/faults.md.
+        assert _fingerprint_reads(txt, root), txt
     gathers = [ln for ln in txt.splitlines() if " all-gather(" in ln]
     assert len(gathers) == 1 and "u32[8,2,2]" in gathers[0], gathers  # one row a device
     assert not re.search(r"f32\[[^\]]*\]\S* (all-gather|all-reduce)\(", txt)  # no value moved
-    assert txt.count("xla_ffi_python_cpu_callback") == 1
+    # One host call, or none: the rows leave the step as an output.
+    assert txt.count("xla_ffi_python_cpu_callback") == (transport == "callback")
 
 
-def test_pmap_hlo_one_fingerprint_per_device_buffer():
+def test_pmap_hlo_one_fingerprint_per_device_buffer(transport):
     def body(x):
         y = x * 2.0
         pmaptap.fingerprint(y, "y")
@@ -454,9 +483,11 @@ def test_pmap_hlo_one_fingerprint_per_device_buffer():
     txt = _hlo(jax.pmap(body, axis_name="i"), jnp.ones((8, 64, 1024)))
     root, shape = _root(txt)
     assert shape == "f32[1,64,1024]"
-    assert _fingerprint_reads(txt, root), txt
+    if transport == "callback":
+        assert _fingerprint_reads(txt, root), txt
     gathers = [ln for ln in txt.splitlines() if " all-gather(" in ln]
     assert len(gathers) == 1 and "u32[8,1,2]" in gathers[0], gathers
+    assert txt.count("xla_ffi_python_cpu_callback") == (transport == "callback")
 
 
 # ------------------------------------------------------------------ shard_map
@@ -592,6 +623,7 @@ def test_vmap_fingerprints_the_batch_whole(session, tap_path):
     assert r["devices"] == list(range(8))
 
 
+@NO_STEP
 def test_eager_sharded_array_compiles_once(session, tap_path):
     mesh = mesh42()
     x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data")))
@@ -611,8 +643,11 @@ def test_gradients_flow_as_if_absent():
         return jnp.sum(pmaptap.fingerprint(w, "w") ** 2)
 
     assert np.allclose(jax.grad(loss)(jnp.arange(3.0)), 2 * np.arange(3.0))
+    # In a step too (under the output transport, the mark under grad).
+    assert np.allclose(jax.jit(jax.grad(loss))(jnp.arange(3.0)), 2 * np.arange(3.0))
 
 
+@NO_STEP
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -627,6 +662,7 @@ def test_bad_arguments_are_refused_where_written(kwargs, error, match):
         pmaptap.fingerprint(jnp.ones(2), name, **kwargs)
 
 
+@NO_STEP
 def test_a_value_without_leaves_is_refused():
     with pytest.raises(ValueError, match="no array leaves"):
         pmaptap.fingerprint({}, "empty")
@@ -741,3 +777,147 @@ def test_jit_uneven_slices_of_narrow_dtypes(session, tap_path, dtype):
     for r in recs:
         assert not r.get("divergent") and r["slices"] == 4 and r["devices"] == list(range(8))
     assert recs[0]["fingerprint"] == recs[2]["fingerprint"] != recs[1]["fingerprint"]
+
+
+# ------------------------------------------------------------------ as step outputs
+
+
+def _every_layout(jit, pmap, path) -> None:
+    """Fingerprints in every layout, each with a fault on one device, run
+    with ``jit`` / ``pmap`` (JAX's, or pmaptap's: the output transport)."""
+    mesh = mesh42()
+
+    def mapped(x, step):
+        x = jnp.where((lax.axis_index("i") == 3) & (step == 1), _flip_jax(x, 5, 3), x)
+        pmaptap.fingerprint({"x": x}, "gathered", step=step)
+        # Inside a cond branch: each device's own (no collective there).
+        return lax.cond(step % 2 == 0, lambda v: pmaptap.fingerprint(v, "in_cond"), lambda v: v, x)
+
+    def sharded(w, step):
+        w = _corrupt(mesh, P(None, "model"), {"data": 1, "model": 0}, step == 1)(w * 1.5)
+
+        def body(c, i):
+            pmaptap.fingerprint(c, "scanned", step=2 * step + i, every=2)
+            return c + 1.0, None
+
+        pmaptap.fingerprint({"w": w}, "sharded", step=step)
+        return lax.scan(body, w, jnp.arange(2))[0]
+
+    def in_shard_map(x, step):
+        def body(block):
+            bad = (lax.axis_index("data") == 2) & (lax.axis_index("model") == 1) & (step == 1)
+            block = jnp.where(bad, _flip_jax(block, 3, 0), block)
+            pmaptap.fingerprint(block, "in_shard_map")
+            return block
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(x)
+
+    with pmaptap.Session(str(path), run="t"):
+        f, g = pmap(mapped, axis_name="i", in_axes=(0, None)), jit(sharded)
+        h, one = jit(in_shard_map), jit(lambda x: pmaptap.fingerprint(x, "one") + 1)
+        w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P(None, "model")))
+        for s in range(3):
+            f(jnp.ones((8, 4, 4)), s)
+            w = g(w, s)
+            h(jnp.ones((8, 8)), s)
+            one(jnp.ones(3) * s)
+
+
+def _records(path) -> list[dict]:
+    """The records but their time, in a fixed order (the callback transport's
+    order of two independent calls is XLA's schedule)."""
+    recs = [{k: v for k, v in r.items() if k != "time"} for r in pmaptap.read(str(path))]
+    return sorted(recs, key=lambda r: json.dumps(r, sort_keys=True))
+
+
+@pytest.mark.callback_only("runs both transports itself, to compare them")
+def test_fingerprints_as_outputs_write_the_callback_transports_records(tmp_path):
+    _every_layout(jax.jit, jax.pmap, tmp_path / "callback.jsonl")
+    _every_layout(pmaptap.jit, pmaptap.pmap, tmp_path / "outputs.jsonl")
+    expected = _records(tmp_path / "callback.jsonl")
+    assert _records(tmp_path / "outputs.jsonl") == expected
+    # Every layout wrote, and each fault is named, by device.
+    names = {r["name"] for r in expected}
+    assert names == {"gathered", "in_cond", "sharded", "scanned", "in_shard_map", "one"}
+    odd = {(r["name"], r["step"], tuple(r["devices"])) for r in expected if r["replicas"] == 1}
+    assert {("gathered", 1, (3,)), ("sharded", 1, (2,)), ("in_shard_map", 1, (5,))} <= odd
+    assert sorted({r["step"] for r in expected if r["name"] == "scanned"}) == [0, 2, 4]
+
+
+@pytest.mark.callback_only("uses pmaptap.jit / pmaptap.pmap itself")
+def test_the_output_transports_step_holds_no_host_callback():
+    mesh = mesh42()
+    w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model")))
+    steps = [
+        (pmaptap.pmap(lambda x: pmaptap.fingerprint(x, "p") + 1, axis_name="i"), jnp.ones((8, 2))),
+        (pmaptap.jit(lambda w: pmaptap.fingerprint(w * 2, "j")), w),
+        (pmaptap.jit(lambda x: pmaptap.fingerprint(x, "one") + 1), jnp.ones(3)),
+    ]
+    for f, x in steps:
+        txt = f.lower(x).as_text()
+        assert "callback" not in txt, txt
+
+
+def _notices(run) -> list[str]:
+    """What ``run()`` says: warnings and pmaptap's log lines."""
+    import logging
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("pmaptap").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        logging.getLogger("pmaptap").removeHandler(handler)
+    return got + [str(w.message) for w in caught]
+
+
+@pytest.mark.callback_only("runs both transports itself, to compare them")
+def test_a_fingerprint_in_a_while_loop_keeps_its_callback_said_once(tmp_path):
+    name = f"while_{uuid.uuid4().hex[:8]}"  # said once per process: a fresh site
+
+    def mapped(x):
+        def body(c):
+            v, i = c
+            v = v + jnp.where((lax.axis_index("i") == 5) & (i == 1), 1.0, 0.0)
+            pmaptap.fingerprint(v, name, step=i)
+            return v + 1.0, i + 1
+
+        return lax.while_loop(lambda c: c[1] < 2, body, (x, 0))[0]
+
+    def plain(w):
+        def body(c):
+            v, i = c
+            pmaptap.fingerprint(v, name + "_jit", step=i)
+            return v + 1, i + 1
+
+        return lax.while_loop(lambda c: c[1] < 2, body, (w, 0))[0]
+
+    mesh = mesh42()
+    w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model")))
+
+    def run(jit, pmap, path):
+        with pmaptap.Session(str(path), run="w"):
+            for _ in range(2):  # a second call, and a second trace of the same sites
+                pmap(mapped, axis_name="i")(jnp.ones((8, 4)))
+                jit(plain)(w)
+
+    run(jax.jit, jax.pmap, tmp_path / "callback.jsonl")
+    said = _notices(lambda: run(pmaptap.jit, pmaptap.pmap, tmp_path / "outputs.jsonl"))
+    said = [m for m in said if "while" in m and "host callback" in m]
+    # Once per site, naming the fingerprint.
+    assert len(said) == 2, said
+    assert f"pmaptap.fingerprint({name!r})" in said[0]
+    assert f"pmaptap.fingerprint({name + '_jit'!r})" in said[1]
+    assert "callback" in pmaptap.pmap(mapped, axis_name="i").lower(jnp.ones((8, 4))).as_text()
+    expected = _records(tmp_path / "callback.jsonl")
+    assert _records(tmp_path / "outputs.jsonl") == expected
+    odd = [r for r in expected if r["name"] == name and r["replicas"] == 1]
+    assert [r["devices"] for r in odd] == [[5], [5]]  # step 1 of each call
