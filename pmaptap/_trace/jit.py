@@ -23,7 +23,6 @@ from pmaptap._trace.lift import Lifted, lift, on_rows
 from pmaptap._trace.options import options
 from pmaptap._trace.outputs import collecting
 
-
 # JAX's own, as imported: what the wrappers stage with.
 _jax_jit, _jax_pmap = jax.jit, jax.pmap
 
