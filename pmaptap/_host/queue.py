@@ -152,10 +152,11 @@ class BoundedQueue:
                 return False
             self.offered += 1
             while self._over(size):
-                if not self._bound_said and self._bound is None:
-                    # What happens is said: a blocking admit (the output
-                    # transport's drain) waits whatever the policy.
-                    self._bound = self._which_bound(size) + ("outputs" if block else self.overflow,)
+                # A blocking admit (the output transport's drain) drops
+                # nothing, and the loop it slows says so itself
+                # (_host/outputs.py): no word of a policy not applied.
+                if not block and not self._bound_said and self._bound is None:
+                    self._bound = self._which_bound(size)
                 if block and self.aggregator_running:
                     if self._aggregator == _LINGERING:
                         self._payload_cv.notify()
@@ -205,16 +206,13 @@ class BoundedQueue:
             if bound is None or self._bound_said:
                 return None
             self._bound_said = True
-        name, limit, what, policy = bound
+        name, limit, what = bound
         doing = {
             "block": "taps now wait for the writer (the devices wait with them)",
-            "outputs": "taps of pmaptap.jit/pmap steps now wait for the writer, "
-            "none dropped (the training loop waits once max_in_flight_bytes "
-            "of step outputs are waiting)",
             "drop_oldest": "the oldest waiting taps are dropped (counted; a "
             "pmaptap/dropped record says how many)",
             "drop_newest": "new taps are dropped (counted; a pmaptap/dropped record says how many)",
-        }[policy]
+        }[self.overflow]
         return (
             f"pmaptap: {what} wait to be written, the queue's bound "
             f"({name}={limit}): {doing} until the writer catches up. It is "
