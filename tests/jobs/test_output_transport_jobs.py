@@ -85,15 +85,8 @@ def _load(path) -> list[dict]:
 
 def test_two_processes_write_what_the_callback_transport_writes(tmp_path):
     cb, out = str(tmp_path / "cb.jsonl"), str(tmp_path / "out.jsonl")
-    proc, _ = run_launch(
-        2,
-        4,
-        python_cmd(_JOB),
-        launcher_timeout=200,
-        timeout=300,
-        TAP_callback=cb,
-        TAP_outputs=out,
-    )
+    files = {"TAP_callback": cb, "TAP_outputs": out}
+    proc, _ = run_launch(2, 4, python_cmd(_JOB), launcher_timeout=200, timeout=300, **files)
     assert proc.returncode == 0, job_failed(proc)
     assert all("DONE" in prefixed(proc.stdout, p) for p in (0, 1)), job_failed(proc)
     want, got = _load(cb), _load(out)
