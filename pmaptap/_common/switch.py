@@ -48,9 +48,21 @@ try:
         include_in_jit_key=True,
         include_in_trace_context=True,
     )
+    # Set while pmaptap.jit / pmaptap.pmap trace a step (_trace/outputs.py:
+    # collect): its taps are traced as output marks, not host callbacks. In
+    # the cache keys too, or a scan body or jitted helper traced before
+    # under jax.jit would be reused inside the step with its callbacks (and
+    # the other way round).
+    _OUTPUTS = _jax_config.bool_state(
+        name="pmaptap_outputs_state",
+        default=False,
+        help="Set by pmaptap.jit / pmaptap.pmap while they trace a step.",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
     _MISSING = ""
 except (ImportError, AttributeError, TypeError, ValueError) as e:  # pragma: no cover
-    _TAPS_OFF = None
+    _TAPS_OFF = _OUTPUTS = None
     _MISSING = f"{type(e).__name__}: {e}"
 
 

@@ -104,11 +104,12 @@ class Drain:
                 if not self._slow_said:
                     self._slow_said = True
                     log.warning(
-                        f"pmaptap: {self._in_flight / 2**20:.0f} MiB of tapped step "
+                        f"pmaptap: {self._in_flight:,} bytes of tapped step "
                         "outputs wait for the host (the disk or the pipeline is "
                         "slower than the steps); the loop now waits for them "
-                        "instead of holding more (pmaptap.configure("
-                        "max_in_flight_bytes=...) sets the bound)"
+                        "instead of holding more, and drops none (pmaptap."
+                        f"configure(max_in_flight_bytes={max_bytes}) sets the "
+                        "bound). (Said once.)"
                     )
                 self._cv.wait(0.5)
             self._submitted += 1

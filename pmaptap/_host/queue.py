@@ -152,7 +152,10 @@ class BoundedQueue:
                 return False
             self.offered += 1
             while self._over(size):
-                if not self._bound_said and self._bound is None:
+                # A blocking admit (the output transport's drain) drops
+                # nothing, and the loop it slows says so itself
+                # (_host/outputs.py): no word of a policy not applied.
+                if not block and not self._bound_said and self._bound is None:
                     self._bound = self._which_bound(size)
                 if block and self.aggregator_running:
                     if self._aggregator == _LINGERING:

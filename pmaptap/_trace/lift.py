@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
+import sys
 from typing import Any, Callable
 
 import jax
@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec
 from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
 from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._log import log
 from pmaptap._trace import fingerprint
 from pmaptap._trace.fingerprint import fingerprint_out_p
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
@@ -80,6 +81,15 @@ class _Nodes:
     def __init__(self, nodes: tuple[Node, ...]) -> None:
         self.nodes = nodes
 
+    # Each flattening makes a new _Nodes: equal when they hold the same
+    # trace's nodes, so trees flattened twice match (Equinox's filter_jit
+    # maps its filter over the outputs it partitions).
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Nodes) and other.nodes is self.nodes
+
+    def __hash__(self) -> int:
+        return id(self.nodes)
+
 
 jax.tree_util.register_pytree_node(
     Lifted,
@@ -106,7 +116,19 @@ def lift(fun: Callable) -> Callable:
                 full[i] = v
             a, k = jax.tree_util.tree_unflatten(tree, full)
             out_leaves, box["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
-            return out_leaves
+            # Only traced outputs go through the jaxpr; the others (an
+            # Equinox module's activation function, a constant) are handed
+            # back as they are, for the enclosing wrapper to treat as it
+            # treats them without taps (filter_jit keeps them static,
+            # jax.jit converts or rejects them).
+            box["static"] = [None if is_tracer(x) else x for x in out_leaves]
+            # The state ``fun`` changed in place (Flax NNX modules: nnx.jit
+            # reads it off the arguments it passed): out of the jaxpr too,
+            # to be written back into those arguments below.
+            state = _state_of((a, k))
+            state_leaves, box["state_tree"] = jax.tree_util.tree_flatten(state)
+            box["state_static"] = [None if is_tracer(x) else x for x in state_leaves]
+            return [x for x in out_leaves + state_leaves if is_tracer(x)]
 
         values = [leaves[i] for i in dyn]
         debug = api_util.debug_info("pmaptap.jit", fun, args, kwargs)
@@ -116,9 +138,37 @@ def lift(fun: Callable) -> Callable:
                 lu.wrap_init(flat_fun, debug_info=debug), [core.typeof(v) for v in values]
             )
         outs, nodes, flat = run(jaxpr, consts, values)
-        return jax.tree_util.tree_unflatten(box["tree"], outs), Lifted(tuple(nodes), flat)
+        it = iter(outs)
+        full = [next(it) if x is None else x for x in box["static"]]
+        state = [next(it) if x is None else x for x in box["state_static"]]
+        if state:
+            _update((args, kwargs), jax.tree_util.tree_unflatten(box["state_tree"], state))
+        return jax.tree_util.tree_unflatten(box["tree"], full), Lifted(tuple(nodes), flat)
 
     return lifted
+
+
+def _graph_nodes(tree: Any) -> list:
+    """The Flax NNX objects (modules, optimizers, variables: mutable, and
+    mutated in place by a step) in a tree of arguments, in tree order."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return []  # no such object exists before Flax NNX is imported
+    kinds = (nnx.Pytree, nnx.Variable)
+    found = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kinds))
+    return [x for x in found if isinstance(x, kinds)]
+
+
+def _state_of(tree: Any) -> Any:
+    nodes = _graph_nodes(tree)
+    return sys.modules["flax.nnx"].state(nodes) if nodes else None
+
+
+def _update(tree: Any, state: Any) -> None:
+    """The arguments' NNX objects given the state their traced copies ended
+    with (the lifted jaxpr ran on copies: flattened and rebuilt, as any
+    pytree argument), as if ``fun`` had changed them itself."""
+    sys.modules["flax.nnx"].update(_graph_nodes(tree), state)
 
 
 Result = tuple[list, list[Node], list]  # outputs, lifted nodes, their arrays
@@ -231,13 +281,16 @@ def _say_fallback(eqn, why: str) -> None:
         if key in _said:
             continue
         _said.add(key)
-        warnings.warn(
-            f"{fn}({spec.name!r}) is inside {why}: it cannot leave the "
+        # Through pmaptap's logger, as every message of pmaptap (an
+        # application's logging config decides; -W error does not turn a
+        # working step into a failing one).
+        log.warning(
+            f"pmaptap: {fn}({spec.name!r}) is inside {why}: it cannot leave the "
             "step as an output (a while_loop runs an unknown number of times), so "
             "it is sent to the host by a host callback, and the device waits "
             "for it there. Move the tap out of the loop, or use lax.scan / "
-            "lax.fori_loop with static bounds, to make it an output.",
-            stacklevel=2,
+            "lax.fori_loop with static bounds, to make it an output. (Said "
+            "once per tap.)"
         )
 
 

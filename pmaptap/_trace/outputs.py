@@ -34,6 +34,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 
 from pmaptap._common.spec import TapSpec
+from pmaptap._common.switch import _OUTPUTS
 
 tap_out_p = core.Primitive("pmaptap_tap_out")
 tap_out_p.multiple_results = True
@@ -49,10 +50,13 @@ def collecting() -> bool:
 
 @contextlib.contextmanager
 def collect() -> Iterator[None]:
-    """Taps traced inside this block bind ``tap_out_p`` (see ``mark``)."""
+    """Taps traced inside this block bind ``tap_out_p`` (see ``mark``).
+    The JAX configuration state set with it keeps JAX's caches of traced
+    bodies apart (_common/switch.py)."""
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
-        yield
+        with contextlib.nullcontext() if _OUTPUTS is None else _OUTPUTS(True):
+            yield
     finally:
         _state.depth -= 1
 

@@ -1,0 +1,616 @@
+"""The output transport's promises to a training loop (pmaptap.jit /
+pmaptap.pmap): a step dispatched is a step written (close, SIGTERM,
+interpreter exit), host memory for steps in flight is bounded without
+dropping a value, a tap that cannot be an output says so once and is still
+written, NaN/inf are recorded as by host callbacks, the lowered step holds
+no host callback, and the wrappers compose with Equinox and Flax NNX.
+
+The records are compared with those the callback transport (jax.jit /
+jax.pmap) writes for the same program, field for field but the time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pmaptap
+from conftest import logs_warning, start_python
+from pmaptap._host import outputs, sink
+
+
+def _lines(path) -> list[dict]:
+    """The file's records as written (no reconciliation), time left out,
+    in a canonical order (the device naming aside, see ``_assert_same``)."""
+    with open(path) as f:
+        recs = [json.loads(line) for line in f]
+    for r in recs:
+        r.pop("time", None)
+
+    def key(r):
+        return json.dumps({k: v for k, v in r.items() if k not in _DEVICE}, sort_keys=True)
+
+    return sorted(recs, key=key)
+
+
+_DEVICE = ("device", "devices")
+
+
+def _assert_same(out_path, cb_path) -> list[dict]:
+    """The output transport's file holds the callback transport's records,
+    field for field but the time; where a callback could not name the
+    device (``null``), the output transport may (a computation on one
+    device: its output's sharding says which)."""
+    out, cb = _lines(out_path), _lines(cb_path)
+    assert len(out) == len(cb), (len(out), len(cb))
+    for o, c in zip(out, cb):
+        for k in _DEVICE:
+            if c.get(k) in (None, [None]) and k in o:
+                o = {**o, k: c.get(k)} if k in c else {x: v for x, v in o.items() if x != k}
+        assert o == c
+    return out
+
+
+# ---------------------------------------------------------------- dispatched = written
+# A loop that never waits on its steps: each step is slow (matmuls) and its
+# dispatch is fast, so steps pile up in flight; after each dispatch it prints
+# how many of its steps the output transport has not yet delivered.
+_LOOP = """
+    import os, signal, sys
+    import jax, jax.numpy as jnp, numpy as np, pmaptap
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from pmaptap._host import outputs
+
+    mode, end, n = os.environ["MODE"], os.environ["END"], int(os.environ["N"])
+    s = pmaptap.Session(os.environ["TAP"], run="loop").open()
+    w = jnp.eye(256, dtype=jnp.float32) * 0.5
+
+    def work(h):
+        for _ in range(12):
+            h = jnp.tanh(h @ w)
+        return h
+
+    # No collective in either step: XLA's CPU backend aborts a loop of steps
+    # holding an all-reduce dispatched this far ahead (a rendezvous timeout),
+    # with taps or without.
+    if mode == "pmap":
+        def body(h, v):
+            h = work(h)
+            pmaptap.tap(v - lax.axis_index("i"), "c")            # the step, replicated
+            pmaptap.tap(v, "v", dedup="per_device")               # step + device
+            pmaptap.tap(h[0, 0], "h", dedup="per_device")
+            return h, v + 1
+        step = pmaptap.pmap(body, axis_name="i")
+        state = (jnp.ones((8, 64, 256), jnp.float32), jnp.arange(8.0))
+    else:
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        rows = NamedSharding(mesh, P("d"))
+        def body(h, v, c):
+            h = work(h)
+            pmaptap.tap(c, "c")                                   # replicated on all 8
+            pmaptap.tap(v, "v", dedup="per_device")               # one record per shard
+            pmaptap.tap(h[:, 0], "h", dedup="per_device")
+            return h, v + 1, c + 1
+        step = pmaptap.jit(body)
+        state = (
+            jax.device_put(jnp.ones((8 * 64, 256), jnp.float32), rows),
+            jax.device_put(jnp.arange(8.0), rows),
+            jax.device_put(jnp.float32(0), NamedSharding(mesh, P())),
+        )
+
+    for i in range(n):
+        state = step(*state)
+        d = outputs._drain
+        print("D", i, d._submitted - d._done, flush=True)
+    if end == "close":
+        s.close()
+        print("CLOSED", flush=True)
+    # end == "exit": no close(); the interpreter's exit closes the session
+"""
+
+
+def _start_loop(tmp_path, mode: str, end: str, n: int):
+    tap = str(tmp_path / f"{mode}-{end}.jsonl")
+    return tap, start_python(_LOOP, MODE=mode, END=end, N=str(n), TAP=tap)
+
+
+def _check_steps(tap: str, at_least: int) -> int:
+    """Every tap's records are steps 0..k (k + 1 >= at_least), contiguous,
+    with the values those steps computed; returns k + 1."""
+    recs = pmaptap.read(tap)
+    assert not [r for r in recs if r["name"].startswith("pmaptap/")], "drops or errors"
+    c = sorted((r["step"], r["value"]) for r in recs if r["name"] == "c")
+    k = len(c)
+    assert k >= at_least, (k, at_least)
+    assert c == [(i, float(i)) for i in range(k)]  # 0..k-1, in order, none twice
+    assert all(r["kind"] == "replicated" for r in recs if r["name"] == "c")
+    v = sorted(
+        (r["step"], r["coords"].get("i", r["coords"].get("d")), np.ravel(r["value"])[0])
+        for r in recs
+        if r["name"] == "v"
+    )
+    assert v == [(i, d, float(i + d)) for i in range(k) for d in range(8)]
+    assert sorted({r["step"] for r in recs if r["name"] == "h"}) == list(range(k))
+    # Steps are written in the order they ran: each tap's steps ascend in
+    # the file.
+    with open(tap) as f:
+        raw = [json.loads(line) for line in f]
+    order = [r["step"] for r in raw if r["name"] == "c"]
+    assert order == sorted(order)
+    return k
+
+
+def _read_dispatches(proc) -> list[tuple[int, int]]:
+    out = []
+    for line in proc.stdout.read().splitlines():
+        if line.startswith("D "):
+            _, i, pending = line.split()
+            out.append((int(i), int(pending)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["jit", "pmap"])
+@pytest.mark.parametrize("end", ["close", "exit"])
+def test_steps_dispatched_without_waiting_are_all_written(tmp_path, mode, end):
+    n = 40
+    tap, proc = _start_loop(tmp_path, mode, end, n)
+    try:
+        assert proc.wait(180) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    dispatched = _read_dispatches(proc)
+    assert [i for i, _ in dispatched] == list(range(n))
+    # The loop did run ahead of its steps: when it ended, some had not
+    # reached the host (close / exit had them to write).
+    assert dispatched[-1][1] > 0, dispatched
+    _check_steps(tap, n)
+    assert "pmaptap" not in proc.stderr.read()  # no warning, no error
+
+
+@pytest.mark.parametrize("mode", ["jit", "pmap"])
+def test_sigterm_mid_loop_writes_every_dispatched_step_in_order(tmp_path, mode):
+    tap, proc = _start_loop(tmp_path, mode, "sigterm", 100000)
+    try:
+        # Wait until the loop is well ahead of its steps, then stop it.
+        last = (-1, 0)
+        while not (last[0] >= 20 and last[1] >= 3):
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("D "):
+                last = tuple(int(x) for x in line.split()[1:])
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM, proc.stderr.read()
+    # Every step dispatched before the signal (at least those the test saw,
+    # `last[1]` of them not yet delivered then) is in the file, in order.
+    k = _check_steps(tap, last[0] + 1)
+    assert k >= last[0] + 1
+
+
+# ---------------------------------------------------------------- bounded host memory
+def test_slow_sink_slows_the_loop_bounded_and_drops_nothing(tap_path, monkeypatch, caplog):
+    delay = 0.004
+    written: list[int] = []
+    real = sink.FileSink.write
+
+    def slow(self, records):
+        time.sleep(delay)  # a slow disk: every batch costs a few ms
+        out = real(self, records)
+        written.append(len(out))
+        return out
+
+    monkeypatch.setattr(sink.FileSink, "write", slow)
+    step_bytes = 64 * 1024 * 4 + 4
+    bound = 3 * step_bytes  # at most 3 steps' outputs wait for the host
+    if outputs._drain is not None:
+        # Said once per process: as if this were the process's first loop.
+        monkeypatch.setattr(outputs._drain, "_slow_said", False)
+    peak = [0]
+    real_submit = outputs.Drain.submit
+
+    def watched(self, nodes, arrays, max_bytes):
+        real_submit(self, nodes, arrays, max_bytes)
+        with self._cv:
+            peak[0] = max(peak[0], self._in_flight)
+
+    monkeypatch.setattr(outputs.Drain, "submit", watched)
+
+    @pmaptap.jit
+    def step(x):
+        pmaptap.tap(x, "x", dedup="per_device")
+        pmaptap.tap(x[0, 0], "first")
+        return x + 1
+
+    n = 60
+    with pmaptap.configured(max_in_flight_bytes=bound):
+        # The session's default overflow policy drops the oldest taps when
+        # its queue is full; the output transport must not let it.
+        s = pmaptap.Session(tap_path, run="slow", max_pending=4).open()
+        assert s.pipeline.overflow == "drop_oldest"
+        x = jnp.zeros((64, 1024), jnp.float32)
+        with logs_warning(caplog, "max_in_flight_bytes", count=1):
+            for _ in range(n):
+                x = step(x)
+            lag = 2 * n - sum(written)
+        s.close()
+    # Bounded: never more than the bound waited on the host...
+    assert 0 < peak[0] <= bound, peak
+    # ...so the loop was paced by the writer: when it ended, only the few
+    # steps the bounds hold were unwritten (without the bound it ends at
+    # once, with nearly all of its 120 records still to write).
+    assert lag <= 30, lag
+    # Nothing dropped, nothing said to be.
+    assert s.pipeline.dropped == 0
+    recs = pmaptap.read(tap_path)
+    assert not [r for r in recs if r["name"].startswith("pmaptap/")]
+    assert sorted((r["step"], r["value"]) for r in recs if r["name"] == "first") == [
+        (i, float(i)) for i in range(n)
+    ]
+    xs = sorted((r["step"], r["value"][0][0], r["value"][-1][-1]) for r in recs if r["name"] == "x")
+    assert xs == [(i, float(i), float(i)) for i in range(n)]
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("pmaptap")]
+    assert not [m for m in msgs if "dropped" in m and "none dropped" not in m], msgs
+
+
+# ---------------------------------------------------------------- fallback, never silent
+def test_tap_in_a_while_loop_is_said_once_and_written_as_under_jax_jit(tmp_path, caplog):
+    name = f"in_while_{uuid.uuid4().hex[:8]}"  # said once per process: a fresh site
+
+    def body(c):
+        i, x = c
+        pmaptap.tap(x, name)
+        return i + 1, x * 2
+
+    def step(x):
+        _, x = jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))
+        pmaptap.tap(x, "after")
+        return x
+
+    def run(wrap, path):
+        with pmaptap.Session(str(path), run="w"):
+            f = wrap(step)
+            for i in range(3):
+                f(jnp.float32(i))
+            f(jnp.ones((2,), jnp.float32))  # a second trace of the same site
+            wrap(lambda x: step(x) + 1)(jnp.float32(5))  # and another step holding it
+
+    run(jax.jit, tmp_path / "cb.jsonl")
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        start = len(caplog.records)
+        run(pmaptap.jit, tmp_path / "out.jsonl")
+        said = [r.getMessage() for r in caplog.records[start:] if r.name.startswith("pmaptap")]
+    # Once, not once per call or trace; naming the tap and why.
+    assert len(said) == 1, said
+    assert repr(name) in said[0] and "while" in said[0] and "host callback" in said[0]
+    # Its records (and the others') are those of the callback transport.
+    _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert len([r for r in pmaptap.read(str(tmp_path / "out.jsonl")) if r["name"] == name]) == 15
+
+
+def test_tap_in_a_host_callback_function_is_written_as_under_jax_jit(tmp_path, caplog):
+    # pmaptap.tap called by the host function of a jax.debug.callback: it
+    # runs on the host with a host value, outside any trace (an eager tap):
+    # nothing to lift and nothing held back, under either transport.
+    def host(v):
+        pmaptap.tap(np.asarray(v), "in_host")
+
+    def step(x):
+        jax.debug.callback(host, x)
+        pmaptap.tap(x * 2, "traced")
+        return x + 1
+
+    for wrap, out in [(jax.jit, "cb"), (pmaptap.jit, "out")]:
+        with caplog.at_level(logging.WARNING, logger="pmaptap"):
+            start = len(caplog.records)
+            with pmaptap.Session(str(tmp_path / f"{out}.jsonl"), run="h"):
+                f = wrap(step)
+                for i in range(3):
+                    f(jnp.float32(i))
+            assert not [r for r in caplog.records[start:] if r.name.startswith("pmaptap")]
+    _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    recs = pmaptap.read(str(tmp_path / "out.jsonl"))
+    assert sorted((r["step"], r["value"]) for r in recs if r["name"] == "in_host") == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+    ]
+    # The user's own callback stays; the traced tap is no callback.
+    text = pmaptap.jit(step).lower(jnp.float32(0)).as_text()
+    assert text.count("callback(") == jax.jit(lambda x: jax.debug.callback(host, x)).lower(
+        jnp.float32(0)
+    ).as_text().count("callback(")
+
+
+# ---------------------------------------------------------------- NaN / inf
+def test_nan_and_inf_are_recorded_as_by_host_callbacks(tmp_path):
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = jax.device_put(
+        jnp.arange(32, dtype=jnp.float32).reshape(8, 4) - 3, NamedSharding(mesh, P("d"))
+    )
+
+    def step(x):
+        pmaptap.tap(jnp.log(x[0, 0] + 2), "nan")  # log(-1)
+        pmaptap.tap(jnp.log(x[0, 3]), "neg_inf")  # log(0)
+        pmaptap.tap(x / 0.0, "ratio", dedup="per_device")  # +-inf and nan, per shard
+        pmaptap.tap({"a": jnp.array([jnp.nan, jnp.inf, -jnp.inf, 1.0]) * x[1, 1]}, "tree")
+
+        def body(c, row):
+            pmaptap.tap(jnp.sqrt(row[0]), "in_scan")  # nan for negative rows
+            return c, None
+
+        jax.lax.scan(body, 0.0, x)
+        return x
+
+    def pstep(x):
+        pmaptap.tap(1.0 / (x - x), "p_ratio", dedup="per_device")
+        pmaptap.tap(jax.lax.psum(jnp.log(x[0]), "i"), "p_sum")
+        return x
+
+    xs = jnp.arange(8.0) - 1.0
+    for wrap, pwrap, out in [(jax.jit, jax.pmap, "cb"), (pmaptap.jit, pmaptap.pmap, "out")]:
+        with pmaptap.Session(str(tmp_path / f"{out}.jsonl"), run="nan"):
+            wrap(step)(x)
+            pwrap(pstep, axis_name="i")(xs.reshape(8, 1))
+    got = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    recs = {(r["name"], r["step"]): r for r in pmaptap.read(str(tmp_path / "out.jsonl"))}
+    assert math.isnan(recs["nan", 0]["value"])
+    assert recs["neg_inf", 0]["value"] == -math.inf
+    assert recs["p_sum", 0]["value"] != recs["p_sum", 0]["value"]  # log(-1) on device 0
+    scan = [r["value"] for r in got if r["name"] == "in_scan"]
+    assert sum(v == "NaN" for v in scan) == 1  # row 0 starts at -3
+    assert any("Infinity" in json.dumps(r["value"]) for r in got if r["name"] == "ratio")
+
+
+# ---------------------------------------------------------------- no host callback
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()), ("d",))
+
+
+def _everywhere(x):
+    """Taps in scan, cond, remat and shard_map bodies."""
+
+    def body(c, xi):
+        pmaptap.tap(xi, "in_scan")
+        return c + xi.sum(), None
+
+    c, _ = jax.lax.scan(body, 0.0, x)
+    y = jax.lax.cond(c > 0, lambda v: pmaptap.tap(v, "in_cond") + 1, lambda v: v - 1, c)
+    z = jax.checkpoint(lambda v: pmaptap.tap(jnp.sin(v), "in_remat"))(y)
+
+    def inner(b):
+        pmaptap.tap(b.sum(), "in_shard_map", dedup="per_device")
+        return b * 2
+
+    w = jax.shard_map(inner, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(x)
+    return z + w.sum()
+
+
+def _everywhere_pmap(x):
+    def body(c, xi):
+        pmaptap.tap(xi, "in_scan")
+        return c + xi, None
+
+    c, _ = jax.lax.scan(body, 0.0, x)
+    y = jax.lax.cond(c > 0, lambda v: pmaptap.tap(v, "in_cond") + 1, lambda v: v - 1, c)
+    z = jax.checkpoint(lambda v: pmaptap.tap(jnp.sin(v), "in_remat"))(y)
+    pmaptap.tap(x, "per_device", dedup="per_device")
+    return jax.lax.psum(z, "i")
+
+
+def test_lowered_steps_hold_no_host_callback(tmp_path):
+    x = jnp.ones((8, 4))
+    cases = [
+        (jax.jit(_everywhere), pmaptap.jit(_everywhere)),
+        (
+            jax.pmap(_everywhere_pmap, axis_name="i"),
+            pmaptap.pmap(_everywhere_pmap, axis_name="i"),
+        ),
+    ]
+    for plain, lifted in cases:
+        # The host callbacks JAX's own wrapper lowers the taps to...
+        assert "callback" in plain.lower(x).as_text()
+        # ...are none with pmaptap's: the taps are outputs of the step.
+        text = lifted.lower(x).as_text()
+        assert "callback" not in text
+        assert "custom_call" not in text
+        # And they are written.
+        path = tmp_path / f"{uuid.uuid4().hex}.jsonl"
+        with pmaptap.Session(str(path), run="l"):
+            lifted(x)
+        assert {r["name"] for r in pmaptap.read(str(path))} >= {
+            "in_scan",
+            "in_cond",
+            "in_remat",
+        }
+    names = {r["name"] for r in pmaptap.read(str(path))}
+    assert "per_device" in names
+
+
+def test_bodies_traced_under_jax_jit_first_are_not_reused_with_their_callbacks(tmp_path):
+    # JAX caches the traced bodies of scan (and nested jits) per function:
+    # a body traced for jax.jit holds host callbacks, one traced inside a
+    # pmaptap.jit step holds output marks. Neither may be reused for the
+    # other (before, pmaptap.jit silently kept the callbacks).
+    def body(c, xi):
+        pmaptap.tap(xi, "in_scan")
+        return c + xi, None
+
+    helper = jax.jit(lambda v: pmaptap.tap(v * 2, "in_helper"))
+
+    def step(x):
+        c, _ = jax.lax.scan(body, 0.0, x)
+        return helper(c)
+
+    x = jnp.arange(4.0)
+    assert "callback" in jax.jit(step).lower(x).as_text()
+    jax.jit(step)(x)
+    assert "callback" not in pmaptap.jit(step).lower(x).as_text()
+    # And back: a new jax.jit of the same bodies has its callbacks again.
+    assert "callback" in jax.jit(lambda v: step(v) + 0).lower(x).as_text()
+    for wrap, out in [(jax.jit, "cb"), (pmaptap.jit, "out")]:
+        with pmaptap.Session(str(tmp_path / f"{out}.jsonl"), run="c"):
+            wrap(lambda v: step(v) + 1)(x)
+    got = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert sorted(r["name"] for r in got) == ["in_helper"] + ["in_scan"] * 4
+
+
+def test_lowered_step_outputs_are_the_function_then_the_taps():
+    f = pmaptap.jit(lambda x: (pmaptap.tap(x * 2, "y") + 1, x.sum()))
+    lowered = f.lower(jnp.ones((8,)))
+    outs = jax.tree_util.tree_leaves(lowered.out_info)
+    # The function's two outputs, then the tap's value.
+    assert [o.shape for o in outs[:2]] == [(8,), ()]
+    assert len(outs) > 2
+
+
+# ---------------------------------------------------------------- composition
+def _without(recs: list[dict], *keys: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in keys} for r in recs]
+
+
+def test_composes_with_equinox_filter_jit(tmp_path):
+    eqx = pytest.importorskip("equinox")  # in the test extra: CI runs it
+    import optax
+
+    key = jax.random.PRNGKey(0)
+    model = eqx.nn.MLP(4, 2, 16, 2, key=key)  # holds activation functions: not arrays
+    opt = optax.sgd(0.1)
+    x = jax.random.normal(key, (32, 4))
+    y = jnp.ones((32, 2))
+
+    def step(model, state, x, y):
+        def loss_fn(m):
+            return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        pmaptap.tap(loss, "loss")
+        pmaptap.tap(optax.tree.norm(grads), "grad_norm")
+
+        def per_layer(c, w):
+            pmaptap.tap(jnp.abs(w).mean(), "w")
+            return c, None
+
+        jax.lax.scan(per_layer, 0.0, jnp.stack([lyr.weight.sum() for lyr in model.layers]))
+        updates, state = opt.update(grads, state)
+        return eqx.apply_updates(model, updates), state, loss
+
+    results = {}
+    for name, f in [
+        ("cb", eqx.filter_jit(step)),
+        ("out", pmaptap.jit(step, jit=eqx.filter_jit)),
+    ]:
+        m, s = model, opt.init(eqx.filter(model, eqx.is_array))
+        with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="eqx"):
+            for _ in range(3):
+                m, s, loss = f(m, s, x, y)
+        results[name] = (m, float(loss))
+    # The same training (the model came back whole, non-array fields too)...
+    assert results["out"][1] == results["cb"][1]
+    assert results["out"][0].layers[0].weight.tolist() == results["cb"][0].layers[0].weight.tolist()
+    assert results["out"][0].activation is model.activation
+    # ...and the same records.
+    got = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert sorted((r["name"], r["step"]) for r in got if r["name"] != "w") == [
+        (n, i) for n in ("grad_norm", "loss") for i in range(3)
+    ]
+
+
+class _Model:
+    """A small Flax NNX model with state that changes in a step (a counter
+    Variable, and the optimizer's)."""
+
+    @staticmethod
+    def make():
+        from flax import nnx
+
+        class M(nnx.Module):
+            def __init__(self, rngs):
+                self.l1 = nnx.Linear(4, 16, rngs=rngs)
+                self.l2 = nnx.Linear(16, 2, rngs=rngs)
+                self.calls = nnx.Variable(jnp.array(0))
+
+            def __call__(self, x):
+                self.calls[...] = self.calls[...] + 1
+                h = jax.nn.relu(self.l1(x))
+                pmaptap.tap(jnp.mean(h), "act")
+                return self.l2(h)
+
+        return M(nnx.Rngs(0))
+
+
+def _nnx_train_step(model, optimizer, x, y):
+    from flax import nnx
+
+    def loss_fn(m):
+        return jnp.mean((m(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    pmaptap.tap(loss, "loss")
+    return loss
+
+
+def test_composes_with_flax_nnx_jit_and_its_state_updates(tmp_path):
+    import optax
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 4))
+    y = jnp.ones((32, 2))
+    done = {}
+    for name, f in [
+        ("cb", nnx.jit(_nnx_train_step)),
+        ("out", pmaptap.jit(_nnx_train_step, jit=nnx.jit)),
+    ]:
+        model = _Model.make()
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="nnx"):
+            losses = [float(f(model, opt, x, y)) for _ in range(3)]
+        done[name] = (model, opt, losses)
+    model, opt, losses = done["out"]
+    # The step's changes to the module and the optimizer reached them.
+    assert int(model.calls[...]) == int(done["cb"][0].calls[...]) == 3
+    assert int(opt.step[...]) == 3
+    assert losses == done["cb"][2] and losses[2] < losses[0]
+    assert model.l1.kernel[...].tolist() == done["cb"][0].l1.kernel[...].tolist()
+    _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+
+
+def test_composes_with_flax_nnx_split_merge(tmp_path):
+    import optax
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 4))
+    y = jnp.ones((32, 2))
+    model = _Model.make()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, opt))
+
+    def pure(state, x, y):
+        model, opt = nnx.merge(graphdef, state)
+        loss = _nnx_train_step(model, opt, x, y)
+        return nnx.state((model, opt)), loss
+
+    for name, f in [("cb", jax.jit(pure)), ("out", pmaptap.jit(pure))]:
+        s = state
+        with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="nnx"):
+            for _ in range(3):
+                s, loss = f(s, x, y)
+    _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    nnx.update((model, opt), s)
+    assert int(opt.step[...]) == 3
