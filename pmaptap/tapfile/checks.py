@@ -57,6 +57,7 @@ _USUAL = operator.attrgetter("step", "device", "value", "dtype", "shape", "coord
 _MATTERS = operator.attrgetter("pass_", "attempt", "index", "bytes", "global_shape")
 _NONE_OF_THEM = (UNSET,) * 5
 _FLOATS = ("float", "bfloat")
+_NO_AXIS = ((), 0)
 
 
 def _canonical(x: Any) -> str:
@@ -298,7 +299,7 @@ class Validator:
         run is assumed never resumed, a record of a later attempt ends the
         pass instead (``resumed``: the caller reads again, knowing). The
         usual per-device record (a number of a float dtype, its device at
-        one integer coordinate, nothing else set: most lines) is checked
+        one integer coordinate or none, nothing else set: most lines) is checked
         in a loop of local names."""
         guess = self.attempts is None
         superseded = self.attempts.superseded if self.attempts else None
@@ -315,13 +316,15 @@ class Validator:
                     (tv is float or tv is int)
                     and type(d) is int
                     and type(coords) is dict
-                    and len(coords) == 1
+                    and len(coords) < 2
                     and shape == []
                     and type(dtype) is str
                     and dtype.startswith(_FLOATS)
                     and _MATTERS(r) == _NONE_OF_THEM
                 ):
-                    item = next(iter(coords.items()))
+                    # No coordinates (the JAX-free Writer's ``{}``): _NO_AXIS
+                    # in the cache's key, which an axis's (name, int) never is.
+                    item = next(iter(coords.items())) if coords else _NO_AXIS
                     if type(item[1]) is int:
                         # add(): no format problem; duplicate_parts, firsts.add_parts.
                         usual += 1

@@ -148,6 +148,8 @@ def _per_device_run(rnd: random.Random, resumed: bool) -> bytes:
             d["attempt"] = 1
         elif roll < 0.26:
             d["name"] = "h"
+        elif roll < 0.4:
+            d["coords"] = {}  # the JAX-free Writer's
         lines.append(_dump(d))
     return b"".join(x + b"\n" for x in lines)
 
@@ -186,6 +188,35 @@ def test_the_validators_loop_for_usual_records_checks_as_add_does(tmp_path):
                 assert fast.report() == one.report(), seed
                 compared += not seed % 2
     assert compared >= 20, compared  # per-device runs, both ways of taking attempts
+
+
+def test_the_writers_records_without_coordinates_take_the_usual_loop(tmp_path, monkeypatch):
+    """The JAX-free Writer's per-device lines (``"coords": {}``) are checked
+    by the loop for usual records, never by add(), with the duplicates that
+    add() finds (a device's step twice, the same device at one coordinate
+    not a duplicate of it without one)."""
+    from pmaptap.tapfile import parse
+
+    lines = [per_device_dict(s, d, 0.5, coords={}) for s in range(4) for d in range(3)]
+    lines += [per_device_dict(2, 1, 0.5, coords={}), per_device_dict(2, 1, 0.5)]
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b"".join(_dump(d) + b"\n" for d in lines))
+    records, _ = parse.decode_block(path.read_bytes())
+    one = checks.Validator(str(path), None)
+    for pos, r in enumerate(records, 1):
+        one.add(r, pos)
+    one.lines = len(records)
+
+    def add(self, r, pos):
+        raise AssertionError("taken by add()")
+
+    monkeypatch.setattr(checks.Validator, "add", add)
+    fast = checks.Validator(str(path), None)
+    fast.take(records, {}, 1)
+    assert fast.report() == one.report()
+    assert fast.report().problems == [
+        (13, "duplicate of line 8 (per_device 'g' step 2 device 1)")
+    ], fast.report().problems
 
 
 def _mixed_run(rnd: random.Random) -> bytes:
