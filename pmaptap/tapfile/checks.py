@@ -394,40 +394,12 @@ class Validator:
         another's id, so the caller reads in one process."""
         odd = self.odd or other.odd
         self.odd = odd
-        if not offset:
-            other = self._absorb_device_groups(other, odd)
         for parts, pos in other.entries_of():
             pos += offset
             if self.firsts.add_parts(parts, pos) is not None:
                 if odd:
                     raise NeedSerial("ids of two types")
                 self.dups.append((pos, parts))
-
-    def _absorb_device_groups(self, other: Validator, odd: bool) -> Validator:
-        """absorb_firsts of ``other``'s per-device groups a group at a time
-        (a sharded run's workers: a group is mostly one source's, and
-        holds a position per line), keys met in both by C-level set and
-        dict operations, this one's first copies kept; what is left of
-        ``other`` (its replicated groups) is given back for the rest."""
-        mine = self.firsts._keys
-        rest = Validator.__new__(Validator)
-        rest.firsts = FirstCopies()
-        for group, steps in other.firsts._keys.items():
-            if group[0] != "per_device":
-                rest.firsts._keys[group] = steps
-                continue
-            have = mine.get(group)
-            if have is None:
-                mine[group] = steps
-                continue
-            both = have.keys() & steps.keys()
-            if both and odd:
-                raise NeedSerial("ids of two types")
-            self.dups += [(steps[step], (group, step, None)) for step in sorted(both)]
-            steps.update(have)
-            mine[group] = steps
-            self._groups = {}  # the cache held the group's former dict
-        return rest
 
     def entries_of(self) -> Iterable[tuple[tuple, Any]]:
         return self.firsts.entries()
