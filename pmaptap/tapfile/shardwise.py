@@ -626,6 +626,13 @@ class ShardwiseValidation(_Shardwise):
     def _held(self, steps: dict) -> tuple:
         """(least, most, steps) of a source's steps of one device
         (``spans``)."""
+        # Steps met in order, one range: a job's (a C-level comparison).
+        n, lo, hi = len(steps), next(iter(steps)), next(reversed(steps))
+        if type(lo) is int and type(hi) is int and hi >= lo:
+            stride = (hi - lo) // (n - 1) if n > 1 else 1
+            one = range(lo, hi + 1, stride or 1)
+            if len(one) == n and list(steps) == list(one):
+                return lo, hi, one
         try:
             got = array("q", steps)
         except (TypeError, OverflowError):  # odd steps (1.0, "2"): never one range
