@@ -448,7 +448,9 @@ def test_per_device_keys_of_many_shards_are_checked_in_parallel_as_merged(tmp_pa
         with monkeypatch.context() as m:
             m.setattr(shardwise, "MAX_KEY_RUNS", 10)
             assert (shardwise.validate(path) is None) == clash, case
-        state = shardwise.read(shardwise.ShardwiseValidation(path, None), path, None, 1, None)
+        state = shardwise.read(
+            shardwise.ShardwiseValidation(path, None), path, None, 1, str(tmp_path)
+        )
         state.settle()
         kinds |= {(clash, type(held)) for spans in state.spans.values() for *_, held in spans}
         cases.append((path, clash, checks.validate_file(path)))
