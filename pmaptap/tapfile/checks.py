@@ -57,6 +57,7 @@ _USUAL = operator.attrgetter("step", "device", "value", "dtype", "shape", "coord
 _MATTERS = operator.attrgetter("pass_", "attempt", "index", "bytes", "global_shape")
 _NONE_OF_THEM = (UNSET,) * 5
 _FLOATS = ("float", "bfloat")
+_NO_AXIS = ((), 0)
 
 
 def _canonical(x: Any) -> str:
@@ -298,7 +299,7 @@ class Validator:
         run is assumed never resumed, a record of a later attempt ends the
         pass instead (``resumed``: the caller reads again, knowing). The
         usual per-device record (a number of a float dtype, its device at
-        one integer coordinate, nothing else set: most lines) is checked
+        one integer coordinate or none, nothing else set: most lines) is checked
         in a loop of local names."""
         guess = self.attempts is None
         superseded = self.attempts.superseded if self.attempts else None
@@ -315,13 +316,15 @@ class Validator:
                     (tv is float or tv is int)
                     and type(d) is int
                     and type(coords) is dict
-                    and len(coords) == 1
+                    and len(coords) < 2
                     and shape == []
                     and type(dtype) is str
                     and dtype.startswith(_FLOATS)
                     and _MATTERS(r) == _NONE_OF_THEM
                 ):
-                    item = next(iter(coords.items()))
+                    # No coordinates (the JAX-free Writer's ``{}``): _NO_AXIS
+                    # in the cache's key, which an axis's (name, int) never is.
+                    item = next(iter(coords.items())) if coords else _NO_AXIS
                     if type(item[1]) is int:
                         # add(): no format problem; duplicate_parts, firsts.add_parts.
                         usual += 1
@@ -391,40 +394,12 @@ class Validator:
         another's id, so the caller reads in one process."""
         odd = self.odd or other.odd
         self.odd = odd
-        if not offset:
-            other = self._absorb_device_groups(other, odd)
         for parts, pos in other.entries_of():
             pos += offset
             if self.firsts.add_parts(parts, pos) is not None:
                 if odd:
                     raise NeedSerial("ids of two types")
                 self.dups.append((pos, parts))
-
-    def _absorb_device_groups(self, other: Validator, odd: bool) -> Validator:
-        """absorb_firsts of ``other``'s per-device groups a group at a time
-        (a sharded run's workers: a group is mostly one source's, and
-        holds a position per line), keys met in both by C-level set and
-        dict operations, this one's first copies kept; what is left of
-        ``other`` (its replicated groups) is given back for the rest."""
-        mine = self.firsts._keys
-        rest = Validator.__new__(Validator)
-        rest.firsts = FirstCopies()
-        for group, steps in other.firsts._keys.items():
-            if group[0] != "per_device":
-                rest.firsts._keys[group] = steps
-                continue
-            have = mine.get(group)
-            if have is None:
-                mine[group] = steps
-                continue
-            both = have.keys() & steps.keys()
-            if both and odd:
-                raise NeedSerial("ids of two types")
-            self.dups += [(steps[step], (group, step, None)) for step in sorted(both)]
-            steps.update(have)
-            mine[group] = steps
-            self._groups = {}  # the cache held the group's former dict
-        return rest
 
     def entries_of(self) -> Iterable[tuple[tuple, Any]]:
         return self.firsts.entries()

@@ -17,9 +17,10 @@ What makes the merge exact:
   (shardwise.py, as one process does), positions being places in the
   whole run's merge; the parent takes the states in as they come and
   decides what only the whole run decides (which copies of a replicated
-  value stay, which copy of a key is the first, where a line falls in the
-  merged stream). Copies too many to hold went to files in buckets: a
-  second round of workers resolves a share of the buckets each.
+  value stay, which copy of a key is the first, whether a per-device key
+  is in two sources, where a line falls in the merged stream). Copies too
+  many to hold went to files in buckets: a second round of workers
+  resolves a share of the buckets each.
 
 An id written with two types in two pieces, a device at two sets of
 coordinates, or a per-device key in two sources, has no order to merge
@@ -273,8 +274,15 @@ def _sharded(path: str, parts: list, empty: Any) -> Any:
 
 
 def _resolver(tasks: list) -> Iterator:
-    with closing(_run_each(shardwise.resolve, tasks)) as got:
+    with closing(_run_each(_resolve, tasks)) as got:
         yield from got
+
+
+def _resolve(*task: Any) -> Any:
+    # A module-level function that looks shardwise.resolve up when it runs:
+    # a worker started by forkserver or spawn is given the function by name,
+    # and this one's name is found whatever replaced the attribute here.
+    return shardwise.resolve(*task)
 
 
 def _sharded_summary(path: str, parts: list, flt: Filter, optimistic: bool) -> Result | None:

@@ -21,7 +21,9 @@ decides across sources is decided here once every source is read:
   buckets are resolved (``resolve``) by the processes reading, each a
   share of the buckets, one bucket at a time;
 - a per-device record's first copy (validate): within a source it is the
-  first met; a key with copies in two sources gets the least position;
+  first met, found while the source is read; whether a key has copies in
+  two sources (then the merged stream decides) from the steps each source
+  holds of each device, ranges mostly (``ShardwiseValidation.settle``);
 - the line number in the merged stream of a line with a problem: from
   every source's merge keys (kept as runs of equal keys) and the dropped
   copies, counted only when there is such a line. Past MAX_KEY_RUNS (the
@@ -30,9 +32,12 @@ decides across sources is decided here once every source is read:
 
 So no size makes a run read in one process, and memory is bounded: per
 process reading, MAX_KEY_RUNS keys (64 MiB), MAX_HELD_COPIES copies (~40
-MiB) and a bucket of copies read back (BUCKET_BYTES of the run's lines at
-most), besides the summary's own state (per tap, step and device); the
-process that starts the workers takes their states in one at a time.
+MiB), a bucket of copies read back (BUCKET_BYTES of the run's lines at
+most) and, validating, the first copies of one source's per-device lines
+(~120 bytes a line of the largest source), besides the summary's own
+state (per tap, step and device) or the check's (per replicated key, and
+an entry of steps per device and source); the process that starts the
+workers takes their states in one at a time.
 
 A run that was resumed is read again once what its later attempts
 superseded is known (attempts.scan), as summary.py and checks.py do. Where
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import bisect
 import os
-import pickle
+import struct
 import tempfile
 import zlib
 from array import array
@@ -62,7 +67,7 @@ import msgspec
 
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.attempts import Attempts, scan
-from pmaptap.tapfile.checks import Report, Validator, _what
+from pmaptap.tapfile.checks import FirstCopies, Report, Validator, _what
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.schema import CLASSES
@@ -221,6 +226,15 @@ class _Shardwise:
             self._take(records, self._positions(mine, index, first))
             if self.resumed or self.overflow:
                 return
+        self._source_read(index)
+
+    def _source_read(self, index: int) -> None:
+        """The ``index``-th source read whole (what is kept of it only
+        while it is read is given up here)."""
+
+    def settle(self) -> None:
+        """What only the whole run decides, once ``combine``d (while the
+        pass's temporary files are there)."""
 
     def _copies(self, at: list, records: list) -> None:
         """Replicated records at their positions.
@@ -298,10 +312,14 @@ class _Shardwise:
         with open(self.spill, "ab") as f:
             offset = f.tell()
             for b, part in parts.items():
-                blob = _encode(part)
-                f.write(blob)
-                self.spilled.setdefault(b, []).append((offset, len(blob)))
-                offset += len(blob)
+                blob, kept = _encode(part)
+                where = self.spilled.setdefault(b, [])
+                if blob:
+                    f.write(blob)
+                    where.append((offset, len(blob)))
+                    offset += len(blob)
+                if kept:
+                    where.append(kept)  # in memory (see _encode)
 
     def end(self, share: float) -> None:
         """This pass's sources read (``share``: its part of the run's
@@ -398,27 +416,35 @@ class _Shardwise:
 
 
 # Spilled copies: positions and records in msgpack (~20x quicker than
-# pickling Structs), a record taken at the readers' level (``odd``: its
-# line's object too) or one msgpack refuses (an integer past 64 bits) pickled.
+# pickling Structs). What msgpack does not take, a record taken at the
+# readers' level (``odd``: its line's object too) or an integer past 64
+# bits, is rare and stays in the state itself, in memory: pmaptap imports
+# no deserializer that runs code (tests/trace/test_bad_input.py).
 _ENCODER = msgspec.msgpack.Encoder()
 _POSITIONS = msgspec.msgpack.Decoder(list[tuple[float, int, int]])
 _RECORDS = msgspec.msgpack.Decoder(list[Union[tuple(CLASSES.values())]])  # noqa: UP007 - a runtime Union
+_HEAD = struct.Struct("<Q")
 
 
-def _encode(part: list) -> bytes:
+def _encode(part: list) -> tuple[bytes, list]:
+    """(the bytes of ``part``'s plain copies, the copies kept as they are)."""
     plain = [x for x in part if not x[1].odd]
-    odd = [x for x in part if x[1].odd]
+    kept = [x for x in part if x[1].odd]
+    if not plain:
+        return b"", kept
     try:
-        blob = (_ENCODER.encode([p for p, _ in plain]), _ENCODER.encode([r for _, r in plain]), odd)
+        positions = _ENCODER.encode([p for p, _ in plain])
+        records = _ENCODER.encode([r for _, r in plain])
     except (OverflowError, TypeError, msgspec.EncodeError):
-        blob = (b"", b"", part)
-    return pickle.dumps(blob, protocol=pickle.HIGHEST_PROTOCOL)
+        return b"", part
+    return _HEAD.pack(len(positions)) + positions + records, kept
 
 
 def _decode(blob: bytes) -> list:
-    positions, records, odd = pickle.loads(blob)
-    out = list(zip(_POSITIONS.decode(positions), _RECORDS.decode(records))) if positions else []
-    return out + odd
+    (n,) = _HEAD.unpack_from(blob)
+    start = _HEAD.size
+    positions = _POSITIONS.decode(blob[start : start + n])
+    return list(zip(positions, _RECORDS.decode(blob[start + n :])))
 
 
 def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) -> _Shardwise:
@@ -438,7 +464,11 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
                 parts = spilled.get(b)
                 if parts:
                     with open(path, "rb") as f:
-                        for offset, n in parts:
+                        for part in parts:
+                            if isinstance(part, list):
+                                held += part  # kept in memory (see _encode)
+                                continue
+                            offset, n = part
                             f.seek(offset)
                             held += _decode(f.read(n))
             first: dict = {}
@@ -472,6 +502,15 @@ def combine(
     ``resolver(tasks)`` gives ``resolve(*task)`` of each of up to
     ``workers`` tasks (a share of the buckets each), absorbed here. A
     state ``resumed`` or ``overflow`` is given back as it is."""
+    got = _combine(states, workers, resolver)
+    if not (got.resumed or got.overflow):
+        got.settle()
+    return got
+
+
+def _combine(
+    states: Iterable[_Shardwise], workers: int, resolver: Callable[[list], Iterable]
+) -> _Shardwise:
     it = iter(states)
     got = next(it)
     for other in it:
@@ -531,12 +570,31 @@ class ShardwiseSummary(_Shardwise):
 
 
 class ShardwiseValidation(_Shardwise):
-    """A validation's state of some of a run's sources, positions and all."""
+    """A validation's state of some of a run's sources, positions and all.
+
+    A per-device record's first copy is found in its source, whose keys
+    are held while it is read and given up after (``_source_read``): a
+    key's copies in two sources (a clash) would make which one is first
+    the merge's to say, so what a source leaves is, per key without its
+    step (a tap's device), the steps it holds (``spans``: a range where
+    they are one, as a job writes them; else in a temporary file), and
+    ``settle`` looks for a clash only among the sources that hold steps of
+    one device in an overlapping range. So no process holds a position a
+    line of the run, and a worker sends a few entries per tap, device and
+    source."""
 
     def __init__(self, path: str, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
         self.path, self.attempts = path, attempts
         self.v = Validator(path, attempts)
+        # Per-device duplicates as (position, its first copy's, parts),
+        # both in one source; duplicate_parts group -> [(least step, most
+        # step, source, steps)]: steps a range, a (file, offset, count) of
+        # int64s, or a frozenset of steps that are not all ints (odd lines).
+        self.device_dups: list = []
+        self.spans: dict[tuple, list] = {}
+        self.steps_file: "str | None" = None
+        self.clash = False
 
     def fresh(self) -> ShardwiseValidation:
         return ShardwiseValidation(self.path, self.attempts)
@@ -565,39 +623,126 @@ class ShardwiseValidation(_Shardwise):
         src, line = pos >> _LINE_BITS, pos & _LINE_MASK
         return (self.keys[src].key(line) if self.placeable else 0.0, src, line)
 
+    def _source_read(self, index: int) -> None:
+        # While sources are read the checker meets per-device records only
+        # (replicated ones are taken once every source is: ``finish``).
+        v = self.v
+        first = v.firsts.first
+        self.device_dups += [(pos, first(parts), parts) for pos, parts in v.dups]
+        spans = self.spans
+        for group, steps in v.firsts._keys.items():
+            lo, hi, held = self._held(steps)
+            got = spans.get(group)
+            if got is None:
+                spans[group] = [(lo, hi, index, held)]
+            else:
+                got.append((lo, hi, index, held))
+        v.dups, v.firsts, v._groups = [], FirstCopies(), {}
+
+    def _held(self, steps: dict) -> tuple:
+        """(least, most, steps) of a source's steps of one device
+        (``spans``)."""
+        # Steps met in order, one range: a job's (a C-level comparison).
+        n, lo, hi = len(steps), next(iter(steps)), next(reversed(steps))
+        if type(lo) is int and type(hi) is int and hi >= lo:
+            stride = (hi - lo) // (n - 1) if n > 1 else 1
+            one = range(lo, hi + 1, stride or 1)
+            if len(one) == n and list(steps) == list(one):
+                return lo, hi, one
+        try:
+            got = array("q", steps)
+        except (TypeError, OverflowError):  # odd steps (1.0, "2"): never one range
+            return float("-inf"), float("inf"), frozenset(steps)
+        lo, hi = min(got), max(got)
+        n = len(got)
+        stride = (hi - lo) // (n - 1) if n > 1 else 1
+        one = range(lo, hi + 1, stride)
+        # n distinct steps from lo to hi are one range when they are its n.
+        if len(one) == n and (got == array("q", one) or all(map(steps.__contains__, one))):
+            return lo, hi, one
+        if self.steps_file is None:
+            fd, self.steps_file = tempfile.mkstemp(prefix="steps-", dir=self.spill_dir)
+            os.close(fd)
+        with open(self.steps_file, "ab") as f:
+            offset = f.tell()
+            got.tofile(f)
+        return lo, hi, (self.steps_file, offset, n)
+
     def absorb(self, other: _Shardwise) -> None:
         super().absorb(other)
         v, o = self.v, other.v
         v.records += o.records
         v.superseded += o.superseded
         v.problems += o.problems
-        for pos, parts in o.dups:
-            v.dups.append((pos, parts))
+        v.dups += o.dups
         v.absorb_firsts(o)
         v.index.absorb(o.index)
         v.flagged |= o.flagged
         v.fingerprinted |= o.fingerprinted
+        self.device_dups += other.device_dups
+        spans = self.spans
+        for group, theirs in other.spans.items():
+            got = spans.get(group)
+            if got is None:
+                spans[group] = theirs
+            else:
+                got += theirs
+
+    def settle(self) -> None:
+        """Whether a per-device key has copies in two sources (``clash``):
+        of each device's sources, those whose ranges of steps overlap are
+        compared, their steps read back one device at a time."""
+        for spans in self.spans.values():
+            if len(spans) < 2:
+                continue
+            spans.sort(key=_POS)
+            near: list = []  # spans overlapping, up to step ``reach``
+            reach = spans[0][1]
+            for span in spans:
+                if span[0] > reach:
+                    if len(near) > 1 and _clash(near):
+                        self.clash = True
+                        return
+                    near = []
+                reach = max(reach, span[1])
+                near.append(span)
+            if len(near) > 1 and _clash(near):
+                self.clash = True
+                return
 
     def report(self) -> "Report | None":
         """The report (checks.validate_file's), ``combine``d; None where a
         per-device key has copies in two sources (which one is first is the
         merge's to say: the caller reads the merged stream)."""
-        if self.overflow:
+        if self.overflow or self.clash:
             return None
         v = self.v
         first, at = v.firsts.first, self._at
-        dups = [(pos, first(parts), parts) for pos, parts in v.dups]
-        if any(
-            parts[0][0] == "per_device" and a >> _LINE_BITS != b >> _LINE_BITS
-            for a, b, parts in dups
-        ):
-            return None
+        dups = self.device_dups + [(pos, first(parts), parts) for pos, parts in v.dups]
         dups = [(at(a), at(b), parts) for a, b, parts in dups]
         problems = [(at(pos), why) for pos, why in v.problems] + self.bad
         place = self.placed([p for p, _ in problems] + [p for d in dups for p in d[:2]])
         v.problems = [(place[pos], why) for pos, why in problems]
         dups = [(place[a], place[b], _what(parts)) for a, b, parts in dups]
         return v.report(dups, self.lines())
+
+
+def _clash(spans: list) -> bool:
+    """Whether two of ``spans`` (``ShardwiseValidation.spans``) hold a step
+    alike."""
+    seen: set = set()
+    for _, _, _, held in spans:
+        if type(held) is tuple:
+            path, offset, n = held
+            got = array("q")
+            with open(path, "rb") as f:
+                f.seek(offset)
+                got.fromfile(f, n)
+            held = got
+        if not seen.isdisjoint(held):
+            return True
+        seen.update(held)
+    return False
 
 
 def _plain_ids(acc: Summarizer) -> bool:

@@ -148,6 +148,8 @@ def _per_device_run(rnd: random.Random, resumed: bool) -> bytes:
             d["attempt"] = 1
         elif roll < 0.26:
             d["name"] = "h"
+        elif roll < 0.4:
+            d["coords"] = {}  # the JAX-free Writer's
         lines.append(_dump(d))
     return b"".join(x + b"\n" for x in lines)
 
@@ -186,6 +188,35 @@ def test_the_validators_loop_for_usual_records_checks_as_add_does(tmp_path):
                 assert fast.report() == one.report(), seed
                 compared += not seed % 2
     assert compared >= 20, compared  # per-device runs, both ways of taking attempts
+
+
+def test_the_writers_records_without_coordinates_take_the_usual_loop(tmp_path, monkeypatch):
+    """The JAX-free Writer's per-device lines (``"coords": {}``) are checked
+    by the loop for usual records, never by add(), with the duplicates that
+    add() finds (a device's step twice, the same device at one coordinate
+    not a duplicate of it without one)."""
+    from pmaptap.tapfile import parse
+
+    lines = [per_device_dict(s, d, 0.5, coords={}) for s in range(4) for d in range(3)]
+    lines += [per_device_dict(2, 1, 0.5, coords={}), per_device_dict(2, 1, 0.5)]
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b"".join(_dump(d) + b"\n" for d in lines))
+    records, _ = parse.decode_block(path.read_bytes())
+    one = checks.Validator(str(path), None)
+    for pos, r in enumerate(records, 1):
+        one.add(r, pos)
+    one.lines = len(records)
+
+    def add(self, r, pos):
+        raise AssertionError("taken by add()")
+
+    monkeypatch.setattr(checks.Validator, "add", add)
+    fast = checks.Validator(str(path), None)
+    fast.take(records, {}, 1)
+    assert fast.report() == one.report()
+    assert fast.report().problems == [
+        (13, "duplicate of line 8 (per_device 'g' step 2 device 1)")
+    ], fast.report().problems
 
 
 def _mixed_run(rnd: random.Random) -> bytes:
@@ -357,3 +388,105 @@ def test_past_the_key_budget_lines_are_named_by_their_shard_and_read_in_parallel
             assert line == b"garbage" and "(p00003.jsonl line 6)" in why, (line, why)
         assert f"{pos.path}:{pos.line}: {why}" in printed
     assert "p00005.jsonl line" in printed and "torn" in printed, printed
+
+
+def _device_run(rnd: random.Random, path: str) -> bool:
+    """Shards whose processes write per-device values of the same devices
+    (a layout a restart changed), each shard the steps of its own residue:
+    sometimes all of them (one range per device, ranges that overlap),
+    sometimes some (steps kept in a file), sometimes a range of steps
+    (apart from the next shard's, just apart or meeting it at one step),
+    sometimes a step of another shard's too (a per-device key in two
+    shards, where it holds it), and a line twice in its shard now and
+    then; the loss every process writes. Whether a (device, step) is in
+    two shards."""
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    shards = rnd.randint(2, 4)
+    coords = rnd.choice([{}, None])  # the Writer's, or an axis "dp"
+    apart = rnd.choice([40, 10, 9])  # 9: one step of a shard's range in the next's
+    held: dict = {}
+    clash = False
+    for p in range(shards):
+        if rnd.random() < 0.3:
+            steps = [s for s in range(40) if s % shards == p]
+        elif rnd.random() < 0.5:
+            steps = sorted(rnd.sample([s for s in range(40) if s % shards == p], 5))
+        else:
+            steps = list(range(p * apart, p * apart + 10))  # ranges apart, or meeting
+        if rnd.random() < 0.3:
+            steps = sorted({*steps, rnd.randrange(40)})
+        lines = []
+        for s in steps:
+            t = 10.0 + s + p / 8
+            for d in (0, 1):
+                extra = {} if coords is None else {"coords": coords}
+                lines.append(_dump(per_device_dict(s, d, 0.5, process=p, time=t, **extra)))
+                clash = clash or held.setdefault((d, s), p) != p
+            lines.append(_dump(record_dict(name="loss", step=s, vhash="aa", process=p, time=t)))
+            if rnd.random() < 0.05:
+                lines.append(lines[-2])
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(b"".join(x + b"\n" for x in lines))
+    return clash
+
+
+def test_per_device_keys_of_many_shards_are_checked_in_parallel_as_merged(tmp_path, monkeypatch):
+    """Devices whose steps are spread over several shards, with the bounds
+    made small (copies to files by bucket; lines named by their shard):
+    validate with 1, 2 and 3 jobs gives what the merged stream gives; a
+    run without a per-device key in two shards is read in parallel (the
+    merged stream never read), and exactly the runs with one are left to
+    the merged stream, found both where the shards' steps are ranges and
+    where they are kept in a file."""
+    cases = []
+    kinds: set = set()
+    for case in range(40):
+        rnd = random.Random(5300 + case)
+        path = str(tmp_path / f"run{case}.jsonl")
+        clash = _device_run(rnd, path)
+        assert (shardwise.validate(path) is None) == clash, case
+        with monkeypatch.context() as m:
+            m.setattr(shardwise, "MAX_KEY_RUNS", 10)
+            assert (shardwise.validate(path) is None) == clash, case
+        state = shardwise.read(
+            shardwise.ShardwiseValidation(path, None), path, None, 1, str(tmp_path)
+        )
+        state.settle()
+        kinds |= {(clash, type(held)) for spans in state.spans.values() for *_, held in spans}
+        cases.append((path, clash, checks.validate_file(path)))
+    assert sum(c for _, c, _ in cases) >= 8, "too few runs with a key in two shards"
+    assert sum(len(w.problems) for *_, w in cases) >= 10
+    assert {(False, range), (False, tuple), (True, range), (True, tuple)} <= kinds, kinds
+    for bounds in ((1, 64, 1 << 22), (1 << 17, 32 << 20, 10)):
+        with monkeypatch.context() as m:
+            for name, value in zip(("MAX_HELD_COPIES", "BUCKET_BYTES", "MAX_KEY_RUNS"), bounds):
+                m.setattr(shardwise, name, value)
+            for path, clash, want in cases:
+                one = jobs.validate_file(path, 1)
+                if bounds[2] > 10:
+                    assert one == want, path
+                with monkeypatch.context() as never:
+                    if not clash:
+                        _never_merged(never)
+                    for n in (2, 3):
+                        assert jobs.validate_file(path, n) == one, (path, n, bounds)
+
+
+def test_a_worker_sends_an_entry_per_device_and_shard_not_a_position_per_line(tmp_path):
+    """A job's shards (as the Writer writes them: steps one range per
+    device): the state a worker sends holds no first copy of a per-device
+    line, one entry of steps per device and shard, a range each."""
+    path = str(tmp_path / "job.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(4):
+        with open(runs.shard_path(path, p), "wb") as f:
+            for s in range(500):
+                for d in (2 * p, 2 * p + 1):
+                    rec = per_device_dict(s, d, 0.5, process=p, time=10.0 + s + p / 8, coords={})
+                    f.write(_dump(rec) + b"\n")
+    got = shardwise.read(shardwise.ShardwiseValidation(path, None), path, [1, 2], 2, str(tmp_path))
+    assert got.v.firsts._keys == {} and got.v.dups == [] and got.v.records == 2000
+    assert sorted(
+        (g[6], src, held) for g, spans in got.spans.items() for _, _, src, held in spans
+    ) == [(d, d // 2, range(500)) for d in range(2, 6)]
+    assert jobs.validate_file(path, 2) == checks.validate_file(path)
