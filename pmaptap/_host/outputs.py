@@ -160,7 +160,11 @@ class Drain:
             for s in ss:
                 for j, traced in enumerate(s.traced):
                     if traced:
-                        if s.where == SHARDS and j >= 3:
+                        if (
+                            s.where == SHARDS
+                            and j >= 3
+                            and s.spec.transport.layout is Layout.SHARDS
+                        ):
                             per_shard.add(i)
                         i += 1
             plan = (nodes, ss, frozenset(per_shard))
