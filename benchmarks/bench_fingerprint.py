@@ -56,6 +56,29 @@ import sys
 import tempfile
 import time
 
+
+def _steps_arm(advance, state: dict, counters: dict, key, steps: int, kind: str, session):
+    """One round of an arm: ``steps`` calls of ``advance(params, step)``
+    from the arm's state, waited for, then the session flushed (the
+    fingerprint arm) or the raw callbacks waited for (the floors)."""
+    import jax
+
+    def go():
+        p = state[key]
+        for _ in range(steps):
+            p = advance(p, counters[key])
+            counters[key] += 1
+        jax.block_until_ready(p)
+        state[key] = p
+        if kind == "fingerprint":
+            session.flush()
+        else:
+            jax.effects_barrier()
+        return steps
+
+    return go
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import machine, main_quick, table  # noqa: E402
@@ -156,19 +179,7 @@ def run(quick: bool = False) -> None:
         counters[key] = 0
         g = grads if variant == "pmap" else jgrads
 
-        def go():
-            p = state[key]
-            for _ in range(steps):
-                p = fn(p, g, counters[key])
-                counters[key] += 1
-            jax.block_until_ready(p)
-            state[key] = p
-            if kind == "fingerprint":
-                session.flush()
-            else:
-                jax.effects_barrier()
-
-        return go
+        return _steps_arm(lambda p, s: fn(p, g, s), state, counters, key, steps, kind, session)
 
     # Bytes handed to the host by fingerprint callbacks (their arrays).
     real_deliver = routing.deliver
@@ -508,20 +519,7 @@ def run_step(session, quick: bool) -> None:
         state[kind] = [jnp.copy(p) for p in params0]
         counters[kind] = 0
 
-        def go():
-            p = state[kind]
-            for _ in range(steps):
-                p, _ = fn(p, counters[kind])
-                counters[kind] += 1
-            jax.block_until_ready(p)
-            state[kind] = p
-            if kind == "fingerprint":
-                session.flush()
-            else:
-                jax.effects_barrier()
-            return steps
-
-        return go
+        return _steps_arm(lambda p, s: fn(p, s)[0], state, counters, kind, steps, kind, session)
 
     times = _paired_rounds({k: arm(k) for k in ("step", "floor", "fingerprint")}, rounds)
     added = [
