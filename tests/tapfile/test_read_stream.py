@@ -103,7 +103,10 @@ def _reference_show(args: argparse.Namespace) -> None:
         for e in entries:
             print(views.json_line(e, attempt=flt.all_attempts))
     else:
-        table = views.Table(views.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else views.COLUMNS)
+        columns = views.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else views.COLUMNS
+        if len({e.rec.get("run") for e in entries}) > 1:
+            columns = views.with_run(columns)  # rows of several runs say which
+        table = views.Table(columns)
         rows = [views.row(e, args.width) for e in entries]
         table.fit(rows)
         print(table.header())
