@@ -227,14 +227,10 @@ class _View:
     def pieces(self) -> list[tuple[int, tuple, np.ndarray]]:
         """(device id, global index, data) of each shard this process holds."""
         if self._pieces is None:
-            if self.shards is None:
-                dev = next(iter(self.array.sharding.device_set)).id
-                self._pieces = [(dev, (), self.host())]
-            else:
-                self._pieces = [
-                    (s.device.id, _index(s.index, s.data.shape), np.asarray(s.data))
-                    for s in self.shards
-                ]
+            self._pieces = [
+                (s.device.id, _index(s.index, s.data.shape), np.asarray(s.data))
+                for s in self.shards or ()
+            ]
         return self._pieces
 
     def rows(self, axis: int) -> list[int]:
@@ -340,7 +336,7 @@ def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple
         return
     # SHARDS: one payload per device this process holds, with its own shards.
     by_device: list[dict[int, np.ndarray]] = []
-    for _j, v in enumerate(leaf_views):
+    for v in leaf_views:
         if v is None:
             by_device.append({})
             continue

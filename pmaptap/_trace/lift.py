@@ -131,12 +131,8 @@ def lift(fun: Callable) -> Callable:
             return [x for x in out_leaves + state_leaves if is_tracer(x)]
 
         values = [leaves[i] for i in dyn]
-        debug = api_util.debug_info("pmaptap.jit", fun, args, kwargs)
-        debug = debug.with_unknown_names()
         with collect():
-            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-                lu.wrap_init(flat_fun, debug_info=debug), [core.typeof(v) for v in values]
-            )
+            jaxpr, _, consts = _trace(flat_fun, values, "pmaptap.jit")
         outs, nodes, flat = run(jaxpr, consts, values)
         it = iter(outs)
         full = [next(it) if x is None else x for x in box["static"]]
@@ -389,13 +385,17 @@ def _cond(invals, eqn) -> Result:
     return list(outs), nodes, list(flat)
 
 
-def _out_avals(fn: Callable, args) -> list:
-    debug = api_util.debug_info("pmaptap lift", fn, args, {})
-    debug = debug.with_unknown_names()
-    _, avals, _ = pe.trace_to_jaxpr_dynamic(
+def _trace(fn: Callable, args, what: str = "pmaptap lift"):
+    """(jaxpr, out avals, consts) of ``fn`` traced on the types of ``args``
+    (their varying axes and shardings kept), in the current trace."""
+    debug = api_util.debug_info(what, fn, args, {}).with_unknown_names()
+    return pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(fn, debug_info=debug), [core.typeof(x) for x in args]
     )
-    return list(avals)
+
+
+def _out_avals(fn: Callable, args) -> list:
+    return list(_trace(fn, args)[1])
 
 
 def _zeros(aval) -> jax.Array:

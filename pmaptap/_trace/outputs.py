@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import core, debugging
 from jax._src.interpreters import ad, batching, mlir
@@ -163,8 +164,6 @@ def concrete(x: Any) -> Any:
     if isinstance(x, core.Tracer):
         return None
     try:
-        import numpy as np
-
         return np.asarray(jax.device_get(x))
     except Exception:  # noqa: BLE001 - unknown: let it travel
         return None
