@@ -60,9 +60,12 @@ pass out of a reshape or a widening.
   rows, 0.53 ms at 256 (a float32 sum: 0.47 ms).
 
 The words of a value: 32-bit dtypes as they are (bitcast); 64-bit ones as
-their two halves, each in a lane of its own; complex ones as their real and
-imaginary parts, each in lanes of its own; bool as bytes; sub-byte dtypes
-widened exactly first (layouts._wire).
+their two halves; complex ones as their real and imaginary parts (each
+part's words); bool as bytes; sub-byte dtypes widened exactly first
+(layouts._wire). The words of one element share its lane, each with a
+multiplier of its own (``_fold``), so the array is still read once; only
+the TPU layout gives a complex value's parts lanes of their own (they lie
+in planes of their own there).
 """
 
 from __future__ import annotations
@@ -114,26 +117,18 @@ def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     out = jnp.full((2,), np.uint32(x.size % 2**32), jnp.uint32)
     if x.size == 0:
         return out
-    first = 0
-    for part in parts:
-        if part.size * part.dtype.itemsize < SMALL:
-            fp = _flat(part, valid, FOLD, first, REGROUP)  # the same everywhere
-        else:
-            # The layout that suits the platform the program is compiled
-            # for: the fingerprint of given bits is the same wherever that
-            # platform runs it (only copies computed by one program are
-            # ever compared).
-            fp = lax.platform_dependent(
-                part,
-                valid,
-                cpu=partial(_flat, fold=FOLD, first=first, regroup=REGROUP),
-                tpu=partial(_tiled, first=first),
-                default=partial(_flat, fold=FOLD_ELSEWHERE, first=first),
-            )
-        out = out + fp
-        # Each part's lanes have their own positions (below 2**32 apart for
-        # any array that fits a device).
-        first += 2 * part.size  # at most two lanes to an element
+    if parts[0].size * parts[0].dtype.itemsize < SMALL:
+        return out + _flat(parts, valid, FOLD, 0, REGROUP)  # the same everywhere
+    # The layout that suits the platform the program is compiled for: the
+    # fingerprint of given bits is the same wherever that platform runs it
+    # (only copies computed by one program are ever compared).
+    return out + lax.platform_dependent(
+        parts,
+        valid,
+        cpu=partial(_flat, fold=FOLD, first=0, regroup=REGROUP),
+        tpu=_tiled_parts,
+        default=partial(_flat, fold=FOLD_ELSEWHERE, first=0),
+    )
     return out
 
 
@@ -199,43 +194,61 @@ def _half(v: jax.Array, first: int, h: int) -> jax.Array:
     return jnp.sum(_fmix(v ^ _SALT[h]) * _odd(cell, _HALF[h]), dtype=jnp.uint32)
 
 
-def _fold(words: jax.Array, axis: int) -> jax.Array:
+def _fold(planes: list[jax.Array], axis: int) -> jax.Array:
     """Words summed over ``axis`` (the fold), each weighted by an odd
-    multiplier of its row there."""
-    shape = [1] * words.ndim
-    shape[axis] = words.shape[axis]
-    row = lax.broadcasted_iota(jnp.uint32, tuple(shape), axis)
-    return jnp.sum(words * _odd(row, _ROW), axis=axis, dtype=jnp.uint32)
+    multiplier of its row there. Several planes of words of one shape (a
+    64-bit value's halves, a complex value's parts) are folded together, in
+    one pass, as if their rows were interleaved: plane ``p`` of row ``r`` is
+    row ``r * len(planes) + p`` of the fold."""
+    shape = [1] * planes[0].ndim
+    shape[axis] = planes[0].shape[axis]
+    row = lax.broadcasted_iota(jnp.uint32, tuple(shape), axis) * np.uint32(len(planes))
+    total = None
+    for p, words in enumerate(planes):
+        term = words * _odd(row + np.uint32(p), _ROW)
+        total = term if total is None else total + term
+    return jnp.sum(total, axis=axis, dtype=jnp.uint32)
 
 
 # ------------------------------------------------------------ CPU and GPU
 
 
 def _flat(
-    x: jax.Array, valid: jax.Array | None, fold: int, first: int, regroup: int = 1
+    parts: list[jax.Array],
+    valid: jax.Array | None,
+    fold: int,
+    first: int,
+    regroup: int = 1,
 ) -> jax.Array:
     """Dense row-major layouts: the flat elements in blocks of ``fold`` rows
     x ``LANES`` words, whose lanes are folded again ``regroup`` at a time
-    (the words past the last whole block: each its own lane)."""
-    flat = x.reshape(-1)
+    (the words past the last whole block: each its own lane). Every word of
+    an element (the halves of a 64-bit one, the parts of a complex one)
+    goes to the same lane, in the same pass (``_fold``): one plane per
+    pass read the array once per plane (2.1x a float32 sum's time for
+    64-bit and complex64 values, 3.6x for complex128)."""
+    x = parts[0]
     ok = None if valid is None else valid.reshape(-1)
-    n, size = flat.size, x.dtype.itemsize
+    n, size = x.size, x.dtype.itemsize
     # Elements to a word; bfloat16 is widened, a row's two halves two rows
     # of lanes (module docstring).
     per = 1 if x.dtype == jnp.bfloat16 else max(1, 4 // size)
     pair = 2 if x.dtype == jnp.bfloat16 else 1
+    flat = x.reshape(-1)
+    planes: list[jax.Array] = []
     if per == 1:
         # Bitcast before any slice: it stays in the fused loop, and
         # XLA:CPU would compute bfloat16 slices in float32.
-        flat = _mask(_unsigned(flat), ok)
+        for part in parts:
+            planes.extend(_words(_mask(_unsigned(part.reshape(-1)), ok)))
     block = fold * LANES * per * pair
     main = n - n % block
     out = jnp.zeros((2,), jnp.uint32)
     if main:
-        rows = flat[:main].reshape(-1, fold, LANES * per * pair)
         if per > 1:
             # Strided slices of the row first, each then bitcast and
             # shifted into its byte(s) of the word (module docstring).
+            rows = flat[:main].reshape(-1, fold, LANES * per)
             ok_rows = None if ok is None else ok[:main].reshape(rows.shape)
             word = None
             for j in range(per):
@@ -244,19 +257,18 @@ def _flat(
                     bits = _mask(bits, ok_rows[:, :, j::per])
                 bits = bits.astype(jnp.uint32) << np.uint32(8 * size * j)
                 word = bits if word is None else word | bits
-            lanes = [_fold(word, 1)]
+            lanes = _fold([word], 1)
         else:
-            lanes = [_fold(word, 1) for word in _words(rows)]
-        for v in lanes:
-            # Rows of lanes (a bfloat16 row's two halves are two rows),
-            # folded again, ``regroup`` rows at a time.
-            out = out + _regrouped(v.reshape(-1, LANES), regroup, first)
-            first += v.size
+            lanes = _fold([w[:main].reshape(-1, fold, LANES * pair) for w in planes], 1)
+        # Rows of lanes (a bfloat16 row's two halves are two rows), folded
+        # again, ``regroup`` rows at a time.
+        out = out + _regrouped(lanes.reshape(-1, LANES), regroup, first)
+        first += lanes.size
     if main < n:
-        tail = flat[main:]
+        tails = [w[main:] for w in planes]
         if per > 1:
-            tail = _mask(_unsigned(tail), None if ok is None else ok[main:])
-        for word in _words(tail):
+            tails = _words(_mask(_unsigned(flat[main:]), None if ok is None else ok[main:]))
+        for word in tails:
             out = out + _lanes(word, first)
             first += word.size
     return out
@@ -280,9 +292,9 @@ def _regrouped(v: jax.Array, regroup: int, first: int) -> jax.Array:
         w = w ^ (w >> 16)
         total = jnp.zeros((), jnp.uint32)
         if main:
-            total = total + _half(_fold(w[:main].reshape(-1, regroup, LANES), 1), first, h)
+            total = total + _half(_fold([w[:main].reshape(-1, regroup, LANES)], 1), first, h)
         if main < v.shape[0]:
-            total = total + _half(_fold(w[main:], 0), first + main // regroup * LANES, h)
+            total = total + _half(_fold([w[main:]], 0), first + main // regroup * LANES, h)
         halves.append(total)
     return jnp.stack(halves)
 
@@ -295,13 +307,23 @@ def _tile_rows(dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
+def _tiled_parts(parts: list[jax.Array], valid: jax.Array | None) -> jax.Array:
+    """Each part (a complex value's real and imaginary parts) read in place
+    as ``_tiled`` reads it, with lanes of its own."""
+    out, first = jnp.zeros((2,), jnp.uint32), 0
+    for part in parts:
+        out = out + _tiled(part, valid, first)
+        first += 2 * part.size  # at most two lanes to an element
+    return out
+
+
 def _tiled(x: jax.Array, valid: jax.Array | None, first: int) -> jax.Array:
     """XLA:TPU's tiled layout: the array as (leading, rows, columns), each
     run of up to ``FOLD_TPU`` rows of a column one lane (module
     docstring)."""
     if x.ndim == 1:
         if x.shape[0] % 128:
-            return _flat(x, valid, FOLD_ELSEWHERE, first)  # no tiles to read in place
+            return _flat([x], valid, FOLD_ELSEWHERE, first)  # no tiles to read in place
         x = x.reshape(-1, 128)
         valid = None if valid is None else valid.reshape(x.shape)
     rows, cols = x.shape[-2], x.shape[-1]
@@ -311,12 +333,8 @@ def _tiled(x: jax.Array, valid: jax.Array | None, first: int) -> jax.Array:
     # whole number of tiles: the buffer read in place.
     x = lax.optimization_barrier(x.reshape(shape))
     ok = None if valid is None else valid.reshape(shape)
-    out = jnp.zeros((2,), jnp.uint32)
-    for word in _words(_mask(_unsigned(x), ok)):
-        lanes = _fold(word, 2)
-        out = out + _lanes(lanes, first)
-        first += lanes.size
-    return out
+    # A 64-bit value's two halves go to one lane, in one pass (as on the CPU).
+    return _lanes(_fold(_words(_mask(_unsigned(x), ok)), 2), first)
 
 
 def _tpu_fold(rows: int, tile: int) -> int:

@@ -233,6 +233,10 @@ def _site(
     arrays: list = []
     for x in (valid, coords, step, *leaves):
         known = None if x is None or is_tracer(x) else concrete(x)
+        if known is None and x is not None and 0 in np.shape(x):
+            # Nothing to read (a tap outside any mapping has coordinates of
+            # shape (0,)): its value is known by its shape, no output needed.
+            known = np.zeros(np.shape(x), x.dtype)
         if x is None or known is not None:
             static.append(known)
             traced.append(False)
