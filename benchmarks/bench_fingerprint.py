@@ -31,7 +31,10 @@ r. Per dtype, on ONE device (the CPU's first, or the accelerator's): one
 jitted call of ``pmaptap.fingerprint`` of a 64 MiB tree (4 leaves: three
 matrices and a vector) against the read-once floor, a float32 sum of a
 float32 tree of the same bytes plus ONE raw ``jax.debug.callback`` of the
-sums; interleaved, paired medians. Also the hash alone (``fingerprint64``
+sums; interleaved, paired medians. The call both under ``jax.jit`` (the
+fingerprints leave by a host callback) and under ``pmaptap.jit`` (as step
+outputs). float64, int64 and complex128 under ``jax.enable_x64`` (a chip
+without them says so in its row). Also the hash alone (``fingerprint64``
 of each leaf, no call) against the float32 sums alone, and the time that
 reading the bytes once takes at the memory bandwidth (the chip's, on a
 TPU; on the CPU the float32 sum's own rate is the only figure).
@@ -421,20 +424,23 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
         name = f"dtype_{dtype}"
         step = {"n": 0}
 
-        @jax.jit
-        def fp(t, s, name=name):
+        def body(t, s, name=name):
             pmaptap.fingerprint(t, name, step=s)
 
-        def fp_arm(tree=tree, fp=fp, step=step):
-            for _ in range(calls):
-                fp(tree, step["n"])
-                step["n"] += 1
-            session.flush()
-            return calls
+        def fp_arm(fp):
+            def go():
+                for _ in range(calls):
+                    fp(tree, step["n"])
+                    step["n"] += 1
+                session.flush()
+                return calls
+
+            return go
 
         times = _paired_rounds(
             {
-                "fingerprint": fp_arm,
+                "fingerprint": fp_arm(jax.jit(body)),
+                "outputs": fp_arm(pmaptap.jit(body)),
                 "floor": repeat(floor, f32, finish=jax.effects_barrier),
                 "hash": repeat(hashes, tree, finish=lambda: None),
                 "sums": repeat(sums, f32, finish=lambda: None),
@@ -447,6 +453,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
         return (
             f"r. {dtype}: fingerprint / floor",
             f"{_ratio(times, 'fingerprint', 'floor'):.2f}x",
+            f"{_ratio(times, 'outputs', 'floor'):.2f}x",
             f"{_ratio(times, 'hash', 'sums'):.2f}x",
             f"{_ms(times, 'fingerprint')} / {_ms(times, 'floor')}",
             f"{_ms(times, 'hash')} / {_ms(times, 'sums')} ({rate:.0f} GB/s)",
@@ -462,7 +469,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
                 if device.platform == "cpu":
                     raise
                 rows.append(
-                    (f"r. {dtype}: not run", f"{type(e).__name__}: {e}"[:60], "", "", "", "")
+                    (f"r. {dtype}: not run", f"{type(e).__name__}: {e}"[:60], "", "", "", "", "")
                 )
     print(
         f"r. pmaptap.fingerprint of a {mib} MiB tree (4 leaves) on one device "
@@ -474,6 +481,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             (
                 "arm",
                 "wall ratio",
+                "pmaptap.jit / floor",
                 "hash / float32 sums",
                 "ms a call: fingerprint / floor",
                 "ms: hash / float32 sums",

@@ -272,3 +272,61 @@ def test_an_unhashable_dedup_key_cannot_come_from_a_line():
         d = dict(json.loads(line), **{field: value})
         assert parse.parse_line(_dump(d))[0] is None, field
         assert parse.parse_lines([_dump(d)])[0] == [None], field
+
+
+# ------------------------------------------------------------ the pool
+
+_POOL = """
+import os, signal, sys, time
+from pmaptap.tapfile import jobs
+
+def piece(i, slow, kill):
+    if i == kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0 if i == slow else 0.05)
+    return i, os.getpid()
+
+slow, kill = int(sys.argv[1]), int(sys.argv[2])
+try:
+    got = list(jobs._pool([(piece, i, slow, kill) for i in range(10)], 2))
+except RuntimeError as e:
+    print("error:", e)
+    sys.exit(0)
+print([i for i, _ in got])
+print(sum(pid == got[slow][1] for _, pid in got))
+"""
+
+
+def test_the_workers_of_a_sharded_read_take_the_next_piece_when_done(tmp_path):
+    """Pieces go to whichever of the processes is free (one queued beside
+    the one it runs), and come back in the order of the pieces: a piece
+    20x slower than the rest holds back its process alone, which reads
+    that piece and the one queued beside it, while the other reads the
+    other eight. Split in halves, it would have read five."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL)
+    out = subprocess.run(
+        [sys.executable, str(script), "0", "-1"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    order, slow_ones = out.stdout.splitlines()
+    assert order == str(list(range(10)))
+    assert int(slow_ones) == 2, out.stdout
+
+
+def test_a_worker_killed_mid_read_is_an_error_not_a_hang(tmp_path):
+    """A worker killed (SIGKILL, as the OOM killer does) while it reads a
+    piece: the parent says so, with the exit code, and returns."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL)
+    out = subprocess.run(
+        [sys.executable, str(script), "-1", "5"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "error: a worker process reading the run ended (exit code -9)" in out.stdout, out.stdout

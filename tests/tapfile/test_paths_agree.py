@@ -89,12 +89,13 @@ def test_every_copy_of_the_first_process_is_kept_when_its_copies_are_in_two_sour
 def test_copies_read_by_two_workers_are_kept_as_the_merge_keeps_them(tmp_path, capsys):
     """Process 0's copies: the shared file's (time 1, the first) and its
     shard's (time 5); process 1's (time 3) in between. With --jobs 2 the
-    shared file and the shards go to different workers."""
+    shared file and each shard are pieces of their own (states read apart,
+    taken in by the parent)."""
     shared = [_loss(0, 1.0, pad="x" * 400)]  # the bytes of a worker's share
     path = _sharded(tmp_path, shared, {0: [_loss(0, 5.0)], 1: [_loss(1, 3.0)]})
     want = [_cli(capsys, cmd, path, "--jobs", "1") for cmd in ("summary", "validate")]
     assert "2 records" in want[0][1] and "duplicate of line 1" in want[1][1], want
-    assert jobs.plan(path, 2) == (True, [[0], [1, 2]])
+    assert jobs.plan(path, 2) == (True, [[0], [1], [2]])
     assert [_cli(capsys, cmd, path, "--jobs", "2") for cmd in ("summary", "validate")] == want
 
 
