@@ -33,8 +33,10 @@ matrices and a vector) against the read-once floor, a float32 sum of a
 float32 tree of the same bytes plus ONE raw ``jax.debug.callback`` of the
 sums; interleaved, paired medians. The call both under ``jax.jit`` (the
 fingerprints leave by a host callback) and under ``pmaptap.jit`` (as step
-outputs). float64, int64 and complex128 under ``jax.enable_x64`` (a chip
-without them says so in its row). Also the hash alone (``fingerprint64``
+outputs), and the bare hash with one raw callback of it (what any
+fingerprint taken by a callback costs, pmaptap's pipeline left out).
+float64, int64 and complex128 under ``jax.enable_x64`` (a chip without them
+says so in its row). Also the hash alone (``fingerprint64``
 of each leaf, no call) against the float32 sums alone, and the time that
 reading the bytes once takes at the memory bandwidth (the chip's, on a
 TPU; on the CPU the float32 sum's own rate is the only figure).
@@ -406,6 +408,9 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
     floor = jax.jit(lambda t: jax.debug.callback(nothing, *[jnp.sum(x) for x in t]))
     sums = jax.jit(lambda t: [jnp.sum(x) for x in t])
     hashes = jax.jit(lambda t: [fingerprint64(x) for x in t])
+    # The hash and one raw callback of it: what any fingerprint taken by a
+    # callback costs, pmaptap's pipeline left out.
+    hash_call = jax.jit(lambda t: jax.debug.callback(nothing, *[fingerprint64(x) for x in t]))
 
     def repeat(fn, *args, finish):
         def go():
@@ -443,6 +448,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
                 "outputs": fp_arm(pmaptap.jit(body)),
                 "floor": repeat(floor, f32, finish=jax.effects_barrier),
                 "hash": repeat(hashes, tree, finish=lambda: None),
+                "hash_call": repeat(hash_call, tree, finish=jax.effects_barrier),
                 "sums": repeat(sums, f32, finish=lambda: None),
             },
             rounds,
@@ -454,6 +460,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             f"r. {dtype}: fingerprint / floor",
             f"{_ratio(times, 'fingerprint', 'floor'):.2f}x",
             f"{_ratio(times, 'outputs', 'floor'):.2f}x",
+            f"{_ratio(times, 'hash_call', 'floor'):.2f}x",
             f"{_ratio(times, 'hash', 'sums'):.2f}x",
             f"{_ms(times, 'fingerprint')} / {_ms(times, 'floor')}",
             f"{_ms(times, 'hash')} / {_ms(times, 'sums')} ({rate:.0f} GB/s)",
@@ -468,9 +475,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             except Exception as e:  # noqa: BLE001 - a chip without 64-bit types: said in the table
                 if device.platform == "cpu":
                     raise
-                rows.append(
-                    (f"r. {dtype}: not run", f"{type(e).__name__}: {e}"[:60], "", "", "", "", "")
-                )
+                rows.append((f"r. {dtype}: not run", f"{type(e).__name__}: {e}"[:60], *[""] * 6))
     print(
         f"r. pmaptap.fingerprint of a {mib} MiB tree (4 leaves) on one device "
         f"({device.device_kind}); {machine()}"
@@ -482,6 +487,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
                 "arm",
                 "wall ratio",
                 "pmaptap.jit / floor",
+                "raw hash+callback / floor",
                 "hash / float32 sums",
                 "ms a call: fingerprint / floor",
                 "ms: hash / float32 sums",

@@ -144,10 +144,10 @@ def test_all_benchmarks_run_in_quick_mode():
     for label in ("q. pmap: fingerprint / floor ", "q. jit: fingerprint / floor "):
         assert len(ratios(label)) == 2, label
     # r.: per dtype on one device (a 64-bit one under x64), the call under
-    # jax.jit and under pmaptap.jit against the floor and the hash against
-    # the float32 sums, as numbers.
+    # jax.jit and under pmaptap.jit and the bare hash with a raw callback
+    # against the floor, and the hash against the float32 sums, as numbers.
     for dtype in ("float32", "bfloat16", "float16", "int8", "complex128"):
-        assert len(ratios(f"r. {dtype}: fingerprint / floor")) == 3, dtype
+        assert len(ratios(f"r. {dtype}: fingerprint / floor")) == 4, dtype
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
     assert named == trials and " 0 false positive" in detection, detection
