@@ -267,6 +267,8 @@ def _pool(tasks: list[tuple], workers: int) -> Iterator:
     yielded in the order of ``tasks`` as they come. Each worker has one
     task queued beside the one it runs, so it never waits while this
     process takes a result in."""
+    if not tasks:
+        return
     workers = max(1, min(workers, len(tasks)))
     pool = _start(_serve_each, [() for _ in range(workers)])
     from multiprocessing.connection import wait
@@ -284,6 +286,7 @@ def _pool(tasks: list[tuple], workers: int) -> Iterator:
             except ConnectionError:
                 pass  # the worker ended: taking its result in says how
 
+    done = False
     try:
         for _, conn in pool:
             give(conn)
@@ -295,8 +298,15 @@ def _pool(tasks: list[tuple], workers: int) -> Iterator:
                     results[i] = _received(pool, conn)
                     give(conn)
             yield results.pop(want)
+        done = True
     finally:
-        for _, conn in pool:
+        for p, conn in pool:
+            if not done:
+                # Given up early (a state resumed, an error): the pieces
+                # still being read are not wanted; waiting for them could
+                # take seconds.
+                p.kill()
+                continue
             try:
                 conn.send(None)  # done: the worker returns
             except OSError:
