@@ -195,28 +195,28 @@ def _serve(conn: Any, target: Any, task: tuple) -> None:
             pass
 
 
-def _gather(workers: list) -> list:
-    out = []
+def _result(p: Any, conn: Any) -> Any:
+    """The result worker ``p`` sent on ``conn``; its failure, or its end
+    (killed: a reset pipe, or nothing at all), raised here."""
     try:
-        for p, conn in workers:
-            try:
-                status, result = conn.recv()
-            except (EOFError, ConnectionError):  # ended (killed: reset, unread tasks)
-                p.join(timeout=1)
-                raise RuntimeError(
-                    f"a worker process reading the run ended (exit code {p.exitcode})"
-                ) from None
-            if status != "ok":
-                raise RuntimeError(f"a worker process failed: {result}")
-            out.append(result)
-    except BaseException:
-        _stop(workers)
-        raise
-    return out
+        status, result = conn.recv()
+    except (EOFError, ConnectionError):
+        p.join(timeout=1)
+        raise RuntimeError(
+            f"a worker process reading the run ended (exit code {p.exitcode})"
+        ) from None
+    if status != "ok":
+        raise RuntimeError(f"a worker process failed: {result}")
+    return result
 
 
-def _stop(workers: list) -> None:
-    for _, conn in workers:
+def _stop(workers: list, kill: bool = False) -> None:
+    """Workers ended: waited for (each has returned or is about to), or,
+    when the read was given up (an error, a state resumed), killed: the
+    pieces they still read are not wanted, and waiting could take seconds."""
+    for p, conn in workers:
+        if kill:
+            p.kill()
         conn.close()
     for p, _ in workers:
         p.join(timeout=10)
@@ -229,12 +229,15 @@ def _run(target: Any, tasks: list[tuple]) -> list:
     """``target(*task)`` of each task: the first in this process (which
     would otherwise wait), each other one in a worker process."""
     workers = _start(_serve, [(target, task) for task in tasks[1:]])
+    done = False
     try:
         with collector_paused():
             mine = target(*tasks[0])
-        return [mine, *_gather(workers)]
+        out = [mine, *(_result(p, conn) for p, conn in workers)]
+        done = True
+        return out
     finally:
-        _stop(workers)
+        _stop(workers, kill=not done)
 
 
 # ------------------------------------------------------------ summary
@@ -275,6 +278,7 @@ def _pool(tasks: list[tuple], workers: int) -> Iterator:
 
     results: dict[int, Any] = {}
     queued: dict[Any, list[int]] = {conn: [] for _, conn in pool}
+    process = {conn: p for p, conn in pool}
     todo = iter(range(len(tasks)))
 
     def give(conn: Any) -> None:
@@ -295,23 +299,14 @@ def _pool(tasks: list[tuple], workers: int) -> Iterator:
             while want not in results:
                 for conn in wait([c for c, q in queued.items() if q]):
                     i = queued[conn].pop(0)
-                    results[i] = _received(pool, conn)
+                    results[i] = _result(process[conn], conn)
                     give(conn)
             yield results.pop(want)
         done = True
+        for _, conn in pool:
+            conn.send(None)  # done: the worker returns
     finally:
-        for p, conn in pool:
-            if not done:
-                # Given up early (a state resumed, an error): the pieces
-                # still being read are not wanted; waiting for them could
-                # take seconds.
-                p.kill()
-                continue
-            try:
-                conn.send(None)  # done: the worker returns
-            except OSError:
-                pass
-        _stop(pool)
+        _stop(pool, kill=not done)
 
 
 def _serve_each(conn: Any) -> None:
@@ -324,12 +319,6 @@ def _serve_each(conn: Any) -> None:
         if task is None:
             return
         _serve(conn, task[0], task[1:])
-
-
-def _received(pool: list, conn: Any) -> Any:
-    """The result a worker sent on ``conn`` (its failure raised here)."""
-    p = next(p for p, c in pool if c is conn)
-    return _gather([(p, conn)])[0]
 
 
 def _sharded(path: str, parts: list, empty: Any, jobs: int) -> Any:
@@ -366,9 +355,9 @@ def _sharded_summary(
     if got.overflow:  # a process's copies in two sources: the merged stream
         return summary.summarize_file(path, flt)
     done = got.result()
-    if done is None:
-        raise NeedSerial("ids of two types")
-    return done
+    # None: ids of two types, whose order only the merged stream gives (a
+    # read of the shards in one process would say None again).
+    return summary.summarize_file(path, flt) if done is None else done
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
@@ -458,9 +447,10 @@ def _sharded_validation(path: str, parts: list, jobs: int) -> Report:
     if got.overflow:  # a process's copies in two sources: the merged stream
         return checks.validate_file(path)
     report = got.report()
-    if report is None:
-        raise NeedSerial("a per-device key in two sources")
-    return report
+    # None: a per-device key in two sources, whose first copy only the
+    # merged stream gives (a read of the shards in one process would say
+    # None again).
+    return checks.validate_file(path) if report is None else report
 
 
 def _validate_pass(path: str, parts: list, attempts: Any) -> Report | None:

@@ -287,11 +287,15 @@ def piece(i, slow, kill):
     return i, os.getpid()
 
 slow, kill = int(sys.argv[1]), int(sys.argv[2])
-if len(sys.argv) > 3:  # the first result only, then the rest given up
+if len(sys.argv) > 3:  # given up: after the first result, or at an error
     t0 = time.monotonic()
-    pieces = jobs._pool([(time.sleep, 0.0)] + [(time.sleep, 30.0)] * 5, 2)
-    next(pieces)
-    pieces.close()
+    first = (time.sleep, 0.0) if sys.argv[3] == "early" else (int, "not a number")
+    pieces = jobs._pool([first] + [(time.sleep, 30.0)] * 5, 2)
+    try:
+        next(pieces)
+        pieces.close()
+    except RuntimeError as e:
+        print("error:", str(e).splitlines()[0], file=sys.stderr)
     print(f"{time.monotonic() - t0:.2f}")
     sys.exit(0)
 try:
@@ -339,20 +343,23 @@ def test_a_worker_killed_mid_read_is_an_error_not_a_hang(tmp_path):
     assert "error: a worker process reading the run ended (exit code -9)" in out.stdout, out.stdout
 
 
-def test_pieces_given_up_are_not_waited_for(tmp_path):
-    """A read given up after its first piece (a state resumed, an error):
-    the workers still reading are ended at once, not waited for (here: 30 s
-    pieces; before, up to 10 s a worker)."""
+@pytest.mark.parametrize("how", ["early", "error"])
+def test_pieces_given_up_are_not_waited_for(tmp_path, how):
+    """A read given up after its first piece (a state resumed) or at a
+    worker's error: the workers still reading are ended at once, not waited
+    for (here: 30 s pieces; before, up to 10 s a worker)."""
     import subprocess
     import sys
 
     script = tmp_path / "pool.py"
     script.write_text(_POOL)
     out = subprocess.run(
-        [sys.executable, str(script), "-1", "-1", "early"],
+        [sys.executable, str(script), "-1", "-1", how],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) < 5.0, out.stdout
+    if how == "error":
+        assert "a worker process failed: ValueError" in out.stderr, out.stderr
