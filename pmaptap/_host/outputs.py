@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import os
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -405,29 +406,29 @@ def _fingerprint_payloads(
             yield spec, (step, fps)
 
 
-_one_cache: dict[tuple, TapSpec] = {}
+# Specs made from a site, per site (held no longer than the site's trace):
+# the one device's spec (by device id) and the spec bound to a placement (by
+# the outputs' shardings).
+_made: "weakref.WeakKeyDictionary[Site, dict]" = weakref.WeakKeyDictionary()
 
 
 def _on_device(site: Site, dev: int) -> TapSpec:
     """The site's spec naming the one device of its computation (one spec
     per site and device: the aggregator's tables are per spec)."""
-    key = (id(site), dev)
-    spec = _one_cache.get(key)
+    made = _made.setdefault(site, {})
+    spec = made.get(dev)
     if spec is None:
         where = dataclasses.replace(site.spec.placement, eager_device=dev)
-        spec = _one_cache[key] = dataclasses.replace(site.spec, placement=where)
+        spec = made[dev] = dataclasses.replace(site.spec, placement=where)
     return spec
-
-
-_bound_cache: dict[tuple, tuple[TapSpec, ShardPlacement]] = {}
 
 
 def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlacement]:
     """The spec bound to the ShardPlacement its outputs' shardings give (as
     the callback's lowering binds it), once per site and sharding."""
     shardings = tuple(None if v is None else v.array.sharding for v in leaf_views)
-    key = (id(site), shardings)
-    hit = _bound_cache.get(key)
+    made = _made.setdefault(site, {})
+    hit = made.get(shardings)
     if hit is not None:
         return hit
     first = next(v for v in leaf_views if v is not None).array
@@ -455,9 +456,7 @@ def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlace
         except Exception:  # noqa: BLE001 - unknown stays unknown (null index)
             place.slices[j] = None
     bound = dataclasses.replace(site.spec, shards=place)
-    if len(_bound_cache) > 1024:
-        _bound_cache.clear()
-    _bound_cache[key] = (bound, place)
+    made[shardings] = (bound, place)
     return bound, place
 
 

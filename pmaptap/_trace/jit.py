@@ -27,19 +27,18 @@ from pmaptap._trace.outputs import collecting
 _jax_jit, _jax_pmap = jax.jit, jax.pmap
 
 
-def _traced(args, kwargs) -> bool:
-    return any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
-
-
 class _Step:
     """A compiled step whose taps are outputs (what pmaptap.jit/pmap return)."""
 
     def __init__(self, fun: Callable, staged: Callable, plain: Callable) -> None:
-        self._fun, self._staged, self._plain = fun, staged, plain
+        self._staged, self._plain = staged, plain
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args, **kwargs):
-        if collecting() or _traced(args, kwargs):
+        # Inside another trace (its arguments or closed-over values
+        # tracers): the enclosing trace's to lift or call back. JAX's own
+        # flag, not a walk over the arguments on every dispatch.
+        if collecting() or not core.trace_state_clean():
             return self._plain(*args, **kwargs)
         out, lifted = self._staged(*args, **kwargs)
         submit_outputs(lifted.nodes, lifted.arrays, options().max_in_flight_bytes)
