@@ -198,6 +198,15 @@ def _from_host(x: Any) -> bool:
     return False
 
 
+def varying_of(aval: Any) -> frozenset:
+    """The manual axes over which a value varies (JAX 0.10 keeps them in
+    ``aval.mat.varying``, 0.9 in ``aval.vma``; none where neither is)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
 def manual_axes_of(aval: Any) -> frozenset | None:
     """The manual axes along which a value may vary or hold partial sums
     (varying, unreduced, reduced), or None if the aval does not say. JAX

@@ -55,6 +55,7 @@ from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._log import log
 from pmaptap._trace import fingerprint
 from pmaptap._trace.fingerprint import fingerprint_out_p
+from pmaptap._trace.invariant import varying_of
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.
@@ -205,7 +206,7 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
                 lifted = None
                 if holds_mark(eqn):
                     if rule is None:
-                        _say_fallback(eqn, f"a {eqn.primitive.name}")
+                        _say_fallback(eqn, *_NO_RULE.get(eqn.primitive.name, _UNKNOWN))
                     else:
                         lifted = rule(invals, eqn)
                 if lifted is not None:
@@ -271,13 +272,28 @@ def holds_mark(eqn) -> bool:
 
 
 _said: set = set()
+# Why a tap inside a primitive without a rule cannot be an output, and what
+# would make it one: (where, why, advice).
+_NO_RULE = {
+    "while": (
+        "a while_loop",
+        "a while_loop runs an unknown number of times",
+        "Move the tap out of the loop, or use lax.scan / lax.fori_loop with "
+        "static bounds, to make it an output.",
+    ),
+}
+_UNKNOWN = (
+    "a computation pmaptap.jit cannot see into",
+    "its outputs are not pmaptap's to add to",
+    "Move the tap out of it to make it an output.",
+)
 
 
-def _say_fallback(eqn, why: str) -> None:
+def _say_fallback(eqn, where: str, why: str, advice: str) -> None:
     """Warn once per tap site that it keeps the host callback."""
     for spec in _marks_in(eqn):
         fn = "pmaptap.fingerprint" if isinstance(spec, FingerprintSpec) else "pmaptap.tap"
-        key = (fn, spec.name, why)
+        key = (fn, spec.name, where)
         if key in _said:
             continue
         _said.add(key)
@@ -285,12 +301,10 @@ def _say_fallback(eqn, why: str) -> None:
         # application's logging config decides; -W error does not turn a
         # working step into a failing one).
         log.warning(
-            f"pmaptap: {fn}({spec.name!r}) is inside {why}: it cannot leave the "
-            "step as an output (a while_loop runs an unknown number of times), so "
-            "it is sent to the host by a host callback, and the device waits "
-            "for it there. Move the tap out of the loop, or use lax.scan / "
-            "lax.fori_loop with static bounds, to make it an output. (Said "
-            "once per tap.)"
+            f"pmaptap: {fn}({spec.name!r}) is inside {where}: it cannot leave the "
+            f"step as an output ({why}), so it is sent to the host by a host "
+            f"callback, and the device waits for it there. {advice} (Said once "
+            "per tap.)"
         )
 
 
@@ -404,19 +418,10 @@ def _out_avals(fn: Callable, args) -> list:
 
 def _zeros(aval) -> jax.Array:
     z = lax.full(aval.shape, np.zeros((), aval.dtype), aval.dtype)
-    vma = _varying(aval)
+    vma = varying_of(aval)
     if vma:
         z = lax.pcast(z, tuple(sorted(vma, key=str)), to="varying")
     return z
-
-
-def _varying(aval) -> set:
-    """The manual axes over which a value varies (JAX 0.10 keeps them in
-    ``aval.mat.varying``; ``vma`` before)."""
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return set(mat.varying)
-    return set(getattr(aval, "vma", ()) or ())
 
 
 def _with_valid(nodes, flat) -> tuple[list[Node], list]:
@@ -475,14 +480,19 @@ def _shard_map(invals, eqn) -> Result | None:
         box["nodes"] = nodes
         rows = []
         for x in flat:
-            missing = tuple(a for a in axes if a not in _varying(core.typeof(x)))
+            missing = tuple(a for a in axes if a not in varying_of(core.typeof(x)))
             if missing and p["check_vma"]:
                 x = lax.pcast(x, missing, to="varying")
             rows.append(x[None])
         return tuple(outs), tuple(rows)
 
     if _nested_shard_map(p["jaxpr"]):
-        _say_fallback(eqn, "a shard_map inside a shard_map")
+        _say_fallback(
+            eqn,
+            "a shard_map inside a shard_map",
+            "the inner one's devices are not laid out in the outer one's outputs",
+            "Move the tap to the outer shard_map's body to make it an output.",
+        )
         return None
     outs, flat = jax.shard_map(
         body,
