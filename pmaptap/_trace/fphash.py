@@ -43,8 +43,10 @@ pass out of a reshape or a widening.
   bfloat16 is the exception: XLA:CPU computes slices of bfloat16 in
   float32 (a round trip that is slow and not bit-exact for NaN payloads),
   so its elements are each widened to a word (bitcast first, which stays
-  fused) and two neighbouring lanes combined into one before the mixing,
-  to keep the lanes per byte of float32. The mixing works on the lanes
+  fused), in blocks whose rows are 2 x 1021 words, each row's two halves
+  then two rows of lanes (as many lanes as a fold of 1021-word rows: the
+  pairing changes which words share a lane, not how many lanes there are;
+  kept as measured, not re-measured apart). The mixing works on the lanes
   (1/32 of the words): any further per-word operation doubled the time.
 - XLA:TPU keeps arrays in tiles of (8, 128) 32-bit words (16 or 32 rows of
   narrower types, packed in 32-bit sublanes), so a flat reshape is a
@@ -77,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pmaptap._trace.layouts import _sub_byte, _wire
+from pmaptap._trace.layouts import _bits, _sub_byte, _wire
 
 FOLD = 32  # rows summed by one fused loop on XLA:CPU (see above)
 # Lanes of the CPU's blocks summed into one before the mixing, which cost a
@@ -103,7 +105,6 @@ LAYOUTS = {
 _ROW = np.uint32(0x9E3779B1)
 _HALF = (np.uint32(0x85EBCA77), np.uint32(0xC2B2AE3D))
 _SALT = (np.uint32(0x27D4EB2F), np.uint32(0x165667B1))
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -129,7 +130,6 @@ def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         tpu=_tiled_parts,
         default=partial(_flat, fold=FOLD_ELSEWHERE, first=0),
     )
-    return out
 
 
 def _parts(x: jax.Array) -> list[jax.Array]:
@@ -141,13 +141,6 @@ def _parts(x: jax.Array) -> list[jax.Array]:
     if _sub_byte(x.dtype):
         return [_wire(x)]
     return [x]
-
-
-def _unsigned(x: jax.Array) -> jax.Array:
-    """``x``'s bits as unsigned integers of its width (bool: 0 or 1)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    return lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
 
 
 def _mask(u: jax.Array, valid: jax.Array | None) -> jax.Array:
@@ -240,7 +233,7 @@ def _flat(
         # Bitcast before any slice: it stays in the fused loop, and
         # XLA:CPU would compute bfloat16 slices in float32.
         for part in parts:
-            planes.extend(_words(_mask(_unsigned(part.reshape(-1)), ok)))
+            planes.extend(_words(_mask(_bits(part.reshape(-1)), ok)))
     block = fold * LANES * per * pair
     main = n - n % block
     out = jnp.zeros((2,), jnp.uint32)
@@ -252,7 +245,7 @@ def _flat(
             ok_rows = None if ok is None else ok[:main].reshape(rows.shape)
             word = None
             for j in range(per):
-                bits = _unsigned(rows[:, :, j::per])
+                bits = _bits(rows[:, :, j::per])
                 if ok_rows is not None:
                     bits = _mask(bits, ok_rows[:, :, j::per])
                 bits = bits.astype(jnp.uint32) << np.uint32(8 * size * j)
@@ -265,9 +258,10 @@ def _flat(
         out = out + _regrouped(lanes.reshape(-1, LANES), regroup, first)
         first += lanes.size
     if main < n:
-        tails = [w[main:] for w in planes]
         if per > 1:
-            tails = _words(_mask(_unsigned(flat[main:]), None if ok is None else ok[main:]))
+            tails = _words(_mask(_bits(flat[main:]), None if ok is None else ok[main:]))
+        else:
+            tails = [w[main:] for w in planes]
         for word in tails:
             out = out + _lanes(word, first)
             first += word.size
@@ -334,7 +328,7 @@ def _tiled(x: jax.Array, valid: jax.Array | None, first: int) -> jax.Array:
     x = lax.optimization_barrier(x.reshape(shape))
     ok = None if valid is None else valid.reshape(shape)
     # A 64-bit value's two halves go to one lane, in one pass (as on the CPU).
-    return _lanes(_fold(_words(_mask(_unsigned(x), ok)), 2), first)
+    return _lanes(_fold(_words(_mask(_bits(x), ok)), 2), first)
 
 
 def _tpu_fold(rows: int, tile: int) -> int:
