@@ -86,7 +86,13 @@ def _steps_arm(advance, state: dict, counters: dict, key, steps: int, kind: str,
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import machine, main_quick, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    interleaved_rounds,
+    machine,
+    main_quick,
+    paired,
+    table,
+)
 
 DEVICES = 8
 # The tree: 16 MiB of float32 in four leaves of different shapes.
@@ -222,9 +228,6 @@ def run(quick: bool = False) -> None:
             (handed["calls"] - calls0) * len(shapes) * DEVICES
         )
 
-        def ratio(t, arm_, ref):
-            return statistics.median(t[arm_][r] / t[ref][r] for r in range(rounds))
-
         def ms(t, k):
             return f"{statistics.median(t[k]) * 1e3:.1f}"
 
@@ -232,8 +235,8 @@ def run(quick: bool = False) -> None:
             rows.append(
                 (
                     f"q. {variant}: fingerprint / {ref}",
-                    f"{ratio(wall, 'fingerprint', ref):.2f}x",
-                    f"{ratio(cpu, 'fingerprint', ref):.2f}x",
+                    f"{paired(wall, 'fingerprint', ref):.2f}x",
+                    f"{paired(cpu, 'fingerprint', ref):.2f}x",
                     f"{ms(wall, 'update')} / {ms(wall, ref)} / {ms(wall, 'fingerprint')}",
                     f"{per_leaf_device:.1f}",
                     f"{growth:.0f}",
@@ -362,26 +365,6 @@ def _tree(dtype, mib: float, rng) -> list:
     return leaves
 
 
-def _paired_rounds(arms: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each arm (each runs ``calls`` calls and waits
-    for them, callbacks included), rounds interleaved in alternating
-    order."""
-    for fn in arms.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for r in range(rounds):
-        order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
-        for k, fn in order:
-            t0 = time.perf_counter()
-            calls = fn()
-            times[k].append((time.perf_counter() - t0) / calls)
-    return times
-
-
-def _ratio(times, arm: str, ref: str) -> float:
-    return statistics.median(a / b for a, b in zip(times[arm], times[ref]))
-
-
 def _ms(times, arm: str) -> str:
     return f"{statistics.median(times[arm]) * 1e3:.3f}"
 
@@ -442,7 +425,7 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
 
             return go
 
-        times = _paired_rounds(
+        times = interleaved_rounds(
             {
                 "fingerprint": fp_arm(jax.jit(body)),
                 "outputs": fp_arm(pmaptap.jit(body)),
@@ -451,17 +434,18 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
                 "hash_call": repeat(hash_call, tree, finish=jax.effects_barrier),
                 "sums": repeat(sums, f32, finish=lambda: None),
             },
-            rounds,
+            rounds=rounds,
+            steps=calls,
         )
         nbytes = sum(x.nbytes for x in tree)
         read = "" if bandwidth is None else f"{nbytes / bandwidth * 1e3:.3f}"
         rate = nbytes / statistics.median(times["sums"]) / 1e9
         return (
             f"r. {dtype}: fingerprint / floor",
-            f"{_ratio(times, 'fingerprint', 'floor'):.2f}x",
-            f"{_ratio(times, 'outputs', 'floor'):.2f}x",
-            f"{_ratio(times, 'hash_call', 'floor'):.2f}x",
-            f"{_ratio(times, 'hash', 'sums'):.2f}x",
+            f"{paired(times, 'fingerprint', 'floor'):.2f}x",
+            f"{paired(times, 'outputs', 'floor'):.2f}x",
+            f"{paired(times, 'hash_call', 'floor'):.2f}x",
+            f"{paired(times, 'hash', 'sums'):.2f}x",
             f"{_ms(times, 'fingerprint')} / {_ms(times, 'floor')}",
             f"{_ms(times, 'hash')} / {_ms(times, 'sums')} ({rate:.0f} GB/s)",
             read,
@@ -548,17 +532,15 @@ def run_step(session, quick: bool) -> None:
 
         return _steps_arm(lambda p, s: fn(p, s)[0], state, counters, kind, steps, kind, session)
 
-    times = _paired_rounds({k: arm(k) for k in ("step", "floor", "fingerprint")}, rounds)
-    added = [
-        (f - s) / (b - s) if b > s else float("nan")
-        for f, b, s in zip(times["fingerprint"], times["floor"], times["step"])
-    ]
+    arms = {k: arm(k) for k in ("step", "floor", "fingerprint")}
+    times = interleaved_rounds(arms, rounds=rounds, steps=steps)
     mib = sum(p.nbytes for p in params0) / 2**20
     print(
         f"s. training step: bfloat16 MLP, {mib:.0f} MiB of parameters, batch {batch}; "
         f"ms/step step / floor / fingerprint: {_ms(times, 'step')} / {_ms(times, 'floor')} / "
         f"{_ms(times, 'fingerprint')}; fingerprint / floor "
-        f"{_ratio(times, 'fingerprint', 'floor'):.2f}x step, {statistics.median(added):.2f}x added"
+        f"{paired(times, 'fingerprint', 'floor'):.2f}x step, "
+        f"{paired(times, 'fingerprint', 'floor', 'step'):.2f}x added"
     )
 
 
