@@ -51,10 +51,6 @@ from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._host import shards as shard_host
 from pmaptap._log import log
 
-# Bytes of step outputs submitted and not yet delivered before ``submit``
-# waits (pmaptap.configure(max_in_flight_bytes=...) passes its own).
-MAX_IN_FLIGHT_BYTES = 1 << 30
-
 
 @dataclasses.dataclass
 class _Step:
@@ -482,7 +478,7 @@ _drain_lock = threading.Lock()
 def submit(
     nodes: tuple[Node, ...],
     arrays: Sequence[Any],
-    max_bytes: int | None,
+    max_bytes: int,
     deliver: Callable[..., None],
     report: Callable[[BaseException, str], None],
 ) -> None:
@@ -491,7 +487,7 @@ def submit(
     with _drain_lock:
         if _drain is None:
             _drain = Drain(deliver, report)
-    _drain.submit(nodes, arrays, MAX_IN_FLIGHT_BYTES if max_bytes is None else max_bytes)
+    _drain.submit(nodes, arrays, max_bytes)
 
 
 def wait(timeout: float | None = None) -> bool:

@@ -147,6 +147,7 @@ class BoundedQueue:
         transport's drain thread, whose waiting slows the loop's dispatch
         instead of dropping values: _host/outputs.py)."""
         size = payload_bytes(arrays)
+        policy = "block" if block else self.overflow
         with self._lock:
             if not self.admitting:
                 return False
@@ -157,17 +158,10 @@ class BoundedQueue:
                 # (_host/outputs.py): no word of a policy not applied.
                 if not block and not self._bound_said and self._bound is None:
                     self._bound = self._which_bound(size)
-                if block and self.aggregator_running:
-                    if self._aggregator == _LINGERING:
-                        self._payload_cv.notify()
-                    self._space_cv.wait(0.1)
-                    if not self.admitting:
-                        return False
-                    continue
-                if self.overflow == "drop_newest" or not self.aggregator_running:
+                if policy == "drop_newest" or not self.aggregator_running:
                     self.dropped += 1
                     return True
-                if self.overflow == "drop_oldest":
+                if policy == "drop_oldest":
                     if not self._drop_oldest():
                         # Everything pending is in the threads' hands (being
                         # aggregated or written): drop the arriving item

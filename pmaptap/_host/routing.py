@@ -123,7 +123,7 @@ def report(e: BaseException, name: str) -> None:
         pass
 
 
-def submit_outputs(nodes: Any, arrays: Any, max_bytes: int | None = None) -> None:
+def submit_outputs(nodes: Any, arrays: Any, max_bytes: int) -> None:
     """The output transport's seam (pmaptap.jit / pmaptap.pmap): one
     dispatched step's lifted taps, delivered by the drain thread through
     ``deliver`` (outputs.py)."""
