@@ -53,6 +53,10 @@ class Layout(enum.Enum):
     WHOLE = "whole"
 
 
+# The layouts in which one copy per process (its leader's) travels.
+LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
+
+
 @dataclasses.dataclass(frozen=True)
 class TapSite:
     """The tap as written, and the value it sends."""

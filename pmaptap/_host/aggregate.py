@@ -20,12 +20,11 @@ from typing import Callable
 import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintSpec
-from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec
+from pmaptap._common.spec import LEADER_COPY, GroupSpec, Layout, PayloadSpec, TapSpec
 from pmaptap._host import fingerprints
 from pmaptap._host import shards as shard_host
 from pmaptap._host.encode import encode_rows, value_key
 from pmaptap._host.payload import (
-    _LEADER_COPY,
     Copy,
     _flat,
     _Pending,
@@ -163,7 +162,7 @@ class Aggregator(RecordFactory):
             return self.add(spec, coords, step, arrays[2:])
         if layout is Layout.GATHERED:
             return self._add_gathered(spec, step, arrays[2:])
-        if layout in (Layout.VERIFIED, *_LEADER_COPY):
+        if layout in (Layout.VERIFIED, *LEADER_COPY):
             # PROVEN: replication shown at trace time counts as verified.
             return self._add_one_copy(
                 spec, step, arrays[2:], verified=layout is not Layout.VERIFIED_OFF
@@ -341,7 +340,7 @@ class Aggregator(RecordFactory):
         for member, step, n in zip(spec.members, steps, spec.member_leaves):
             leaves = payload[i : i + n]
             i += n
-            if spec.gathered and member.transport.layout in _LEADER_COPY:
+            if spec.gathered and member.transport.layout in LEADER_COPY:
                 # Written from the caller's own copy (unverified, or proven
                 # at trace time), exactly as the tap alone would be (the
                 # others were gathered for the group's other members, not to

@@ -11,11 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from pmaptap._common.spec import GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
+from pmaptap._common.spec import GroupSpec, PayloadSpec, TapSpec, flat_index
 
 # Payloads holding the leader's own copy of a replicated tap: unverified
 # (VERIFIED_OFF) or proven replicated at trace time (PROVEN, _trace/invariant.py).
-_LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
 
 
 @dataclasses.dataclass

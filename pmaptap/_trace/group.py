@@ -16,7 +16,7 @@ from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 from jax.custom_batching import custom_vmap
 
-from pmaptap._common.spec import GroupSpec, Layout, TapSpec
+from pmaptap._common.spec import LEADER_COPY, GroupSpec, Layout, TapSpec
 from pmaptap._trace import traceend
 from pmaptap._trace.layouts import (
     emitter,
@@ -35,7 +35,6 @@ _local = threading.local()
 # Members written from the leader's own copy (no comparison of copies):
 # unverified, or proven replicated at trace time. A group of only these
 # needs no collective at all.
-_LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
 
 # What a collector gathers, by the layout of its members: GATHERED (gathered
 # and leader-copy taps under mapped axes: one callback per process), COPY
@@ -47,7 +46,7 @@ GATHERED, COPIES, JIT = "gathered", "copies", "jit"
 
 def kind_of(layout: Layout) -> str | None:
     """The collector kind a tap of ``layout`` joins (None: never grouped)."""
-    if layout is Layout.GATHERED or layout in _LEADER_COPY:
+    if layout is Layout.GATHERED or layout in LEADER_COPY:
         return GATHERED
     if layout is Layout.COPY:
         return COPIES
@@ -141,7 +140,7 @@ class _Collector:
         ):
             return False
         if (
-            spec.transport.layout in _LEADER_COPY
+            spec.transport.layout in LEADER_COPY
             and nbytes(leaves) * spec.placement.total_copies > options().gather_max_bytes
         ):
             return False  # the group gathers every member: only small ones
@@ -303,7 +302,7 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
             gspec = GroupSpec(members=specs, member_leaves=n_leaves)
             send_payload(gspec, coords, *steps, *flat)
             return coords
-        if all(s.transport.layout in _LEADER_COPY for s in specs):
+        if all(s.transport.layout in LEADER_COPY for s in specs):
             # Nothing to compare or collect: the leader sends its own copy
             # of every member (a step's proven loss and norms cost no
             # collective, as each alone would not).

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec
 
 from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
-from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
 from pmaptap._trace import fingerprint
 from pmaptap._trace.fingerprint import fingerprint_out_p
@@ -225,9 +225,12 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
 
 
 def _site(
-    invals, *, spec: TapSpec | FingerprintSpec, traced_every: bool = False, proven: bool = False
+    invals, *, spec: TapSpec | FingerprintSpec, traced_every: bool = False
 ) -> tuple[Site, list]:
     coords, step, *leaves = invals
+    # The value is the same on every device by construction: one copy per
+    # process travels (tap.py marks with such a spec only then).
+    proven = isinstance(spec, TapSpec) and spec.transport.layout in LEADER_COPY
     valid = (step % spec.site.every == 0) if traced_every else None
     static: list = []
     traced: list[bool] = []

@@ -62,11 +62,11 @@ def collect() -> Iterator[None]:
         _state.depth -= 1
 
 
-def mark(spec: TapSpec, coords, step, leaves, *, traced_every: bool, proven: bool) -> None:
-    """Mark a tap's operands in the program being traced. ``proven``: the
-    value is the same on every device by construction (one copy travels)."""
+def mark(spec: TapSpec, coords, step, leaves, *, traced_every: bool) -> None:
+    """Mark a tap's operands in the program being traced (a spec of the
+    PROVEN / VERIFIED_OFF layouts: one copy per process travels)."""
     leaves = [lax.stop_gradient(x) for x in leaves]
-    tap_out_p.bind(coords, step, *leaves, spec=spec, traced_every=traced_every, proven=proven)
+    tap_out_p.bind(coords, step, *leaves, spec=spec, traced_every=traced_every)
 
 
 @tap_out_p.def_effectful_abstract_eval
@@ -76,9 +76,9 @@ def _abstract_eval(*avals, **params):
     return [], {debugging.debug_effect}
 
 
-def _impl(*args, spec, traced_every, proven):
+def _impl(*args, spec, traced_every):
     # Eager (outside any trace): nothing to lift; emitted as a callback now.
-    return _fallback(*args, spec=spec, traced_every=traced_every, proven=proven)
+    return _fallback(*args, spec=spec, traced_every=traced_every)
 
 
 tap_out_p.def_impl(_impl)
@@ -89,7 +89,7 @@ def _jvp(primals, tangents, **params):
     return tap_out_p.bind(*primals, **params), []
 
 
-def _batch(args, dims, *, spec: TapSpec, traced_every, proven):
+def _batch(args, dims, *, spec: TapSpec, traced_every):
     """vmap: ONE mark carrying the whole batch, vmapped axis first (the
     record's ``batch_dims``), as the callback transport's emitter does."""
     (coords, step, *leaves), (coords_d, step_d, *leaf_d) = args, dims
@@ -104,9 +104,7 @@ def _batch(args, dims, *, spec: TapSpec, traced_every, proven):
         jnp.broadcast_to(x, (size,) + jnp.shape(x)) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(leaves, leaf_d)
     ]
-    tap_out_p.bind(
-        coords, step, *leaves, spec=spec.with_batch(), traced_every=traced_every, proven=proven
-    )
+    tap_out_p.bind(coords, step, *leaves, spec=spec.with_batch(), traced_every=traced_every)
     return [], []
 
 
@@ -127,7 +125,7 @@ batching.primitive_batchers[tap_out_p] = _batch
 pe.partial_eval_jaxpr_custom_rules[tap_out_p] = _partial_eval_custom
 
 
-def _fallback(coords, step, *leaves, spec: TapSpec, traced_every: bool, proven: bool):
+def _fallback(coords, step, *leaves, spec: TapSpec, traced_every: bool):
     """The callback transport's emission of one mark (what a mark that was
     not lifted lowers to): one host call per device under mapped axes, the
     per-shard call under plain jit."""
@@ -143,9 +141,9 @@ def _fallback(coords, step, *leaves, spec: TapSpec, traced_every: bool, proven: 
     return []
 
 
-def _lowering(ctx, *args, spec, traced_every, proven):
+def _lowering(ctx, *args, spec, traced_every):
     return mlir.lower_fun(
-        partial(_fallback, spec=spec, traced_every=traced_every, proven=proven),
+        partial(_fallback, spec=spec, traced_every=traced_every),
         multiple_results=True,
     )(ctx, *args)
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from pmaptap._common.spec import Layout, TapSite, TapSpec
+from pmaptap._common.spec import LEADER_COPY, Layout, TapSite, TapSpec
 from pmaptap._common.switch import taps_off
 from pmaptap._trace import outputs, placement, primitive
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
@@ -119,15 +119,9 @@ def _emit_leaves(
         # on every device by construction, as the callback transport's
         # PROVEN / VERIFIED_OFF layouts send one.
         chosen = choose_layout(spec, sent, raw_names)
-        proven = chosen.transport.layout in (Layout.PROVEN, Layout.VERIFIED_OFF)
-        outputs.mark(
-            chosen if proven else spec,
-            coords,
-            step_arr,
-            sent,
-            traced_every=traced_every,
-            proven=proven,
-        )
+        if chosen.transport.layout in LEADER_COPY:
+            spec = chosen
+        outputs.mark(spec, coords, step_arr, sent, traced_every=traced_every)
         return
     emit(spec, raw_names, sent, coords, step_arr, traced_every=traced_every)
 
