@@ -341,10 +341,18 @@ _JOB = """
 
     f = jax.pmap(body, axis_name="i")
     opts = json.loads(os.environ.get("OPTS", "{}"))
-    with pmaptap.Session(os.environ["TAP"], forward=[calls.append, Clu()], **opts):
+    # LAG0: process 0's writer holds its lines until close() and process 1
+    # writes step 0 before step 1 can run anywhere (the pmean joins them), so
+    # process 1 writes replicated records first, whatever the scheduling.
+    lag0 = os.environ.get("LAG0") == "1"
+    if lag0 and p == 0:
+        opts["flush_interval"] = 600.0
+    with pmaptap.Session(os.environ["TAP"], forward=[calls.append, Clu()], **opts) as s:
         for step in range(int(os.environ.get("STEPS", "3"))):
             f(jnp.arange(jax.local_device_count(), dtype=jnp.float32)
               + 2 * p + 10 * step)
+            if lag0 and p == 1 and step == 0:
+                s.flush()
     with open(os.path.join(os.environ["OUT"], f"p{p}.json"), "w") as fh:
         json.dump({"calls": calls, "scalars": scalars}, fh)
 """
@@ -410,6 +418,7 @@ def test_process0_forwards_the_whole_replicated_curve_once(tmp_path, layout):
         OUT=out,
         STEPS=str(steps),
         OPTS=json.dumps({"layout": layout}),
+        LAG0="1",
     )
     assert proc.returncode == 0, job_failed(proc)
     per = [json.load(open(os.path.join(out, f"p{p}.json"))) for p in (0, 1)]
@@ -418,8 +427,8 @@ def test_process0_forwards_the_whole_replicated_curve_once(tmp_path, layout):
     assert {r["step"]: r["value"] for r in loss0} == {s: 1.5 + 10 * s for s in range(steps)}
     assert [r for r in per[1]["calls"] if r["kind"] == "replicated"] == []
     file_loss = [r for r in pmaptap.read(tap) if r["name"] == "loss"]
-    # The file holds each step once, and process 1 wrote some of them: the
-    # case that used to cost process 0 part of its curve.
+    # The file holds each step once, and process 1 wrote some of them (LAG0
+    # makes sure): the case that used to cost process 0 part of its curve.
     assert sorted(r["step"] for r in file_loss) == list(range(steps))
     assert 1 in {r["process"] for r in file_loss}, "process 1 wrote no loss record"
     # What process 0 forwarded is the file's loss, as process 0 computed it
