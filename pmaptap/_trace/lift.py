@@ -366,43 +366,40 @@ def _deeper(nodes: list[Node] | tuple[Node, ...]) -> tuple[Node, ...]:
 
 def _cond(invals, eqn) -> Result:
     index, *ops = invals
-    branches = eqn.params["branches"]
-
-    def branch(b: int):
-        closed = branches[b]
-
-        def fn(*xs):
-            outs, nodes, flat = run(closed.jaxpr, closed.consts, xs)
-            return outs, *_with_valid(nodes, flat)
-
-        return fn
-
-    # First the marks each branch holds and their types (a branch returns
-    # every branch's, zeros for those not taken)...
-    shapes = []
-    for b in range(len(branches)):
+    # Each branch is lifted once, to a jaxpr of its outputs and its marks'
+    # arrays, and that jaxpr is what the switch below runs: lifting it again
+    # there would lift every cond nested in it twice per level, so a nest of
+    # n conds would cost 2^n lifts of the innermost one.
+    lowered = []  # (jaxpr, consts, nodes, number of outputs, marks' avals)
+    for closed in eqn.params["branches"]:
         box: dict[str, Any] = {}
 
-        def probe(*xs, b=b, box=box):
-            _, box["nodes"], flat = branch(b)(*xs)
-            return flat
+        def fn(*xs, closed=closed, box=box):
+            outs, nodes, flat = run(closed.jaxpr, closed.consts, xs)
+            box["nodes"], flat = _with_valid(nodes, flat)
+            box["outs"] = len(outs)
+            return [*outs, *flat]
 
-        avals = _out_avals(probe, ops)
-        shapes.append((box["nodes"], avals))
+        jaxpr, avals, consts = _trace(fn, ops)
+        n = box["outs"]
+        lowered.append((jaxpr, consts, box["nodes"], n, avals[n:]))
 
-    # ...then the cond itself.
+    # A branch returns every branch's marks' arrays: zeros for those not
+    # taken (their valid flags false).
     def taken(b: int):
+        jaxpr, consts, _, n, _ = lowered[b]
+
         def fn(*xs):
-            outs, _, flat = branch(b)(*xs)
+            res = core.eval_jaxpr(jaxpr, consts, *xs)
             parts: list = []
-            for c, (_, avals) in enumerate(shapes):
-                parts += flat if c == b else [_zeros(a) for a in avals]
-            return tuple(outs), tuple(parts)
+            for c, (*_, avals) in enumerate(lowered):
+                parts += res[n:] if c == b else [_zeros(a) for a in avals]
+            return tuple(res[:n]), tuple(parts)
 
         return fn
 
-    outs, flat = lax.switch(index, [taken(b) for b in range(len(branches))], *ops)
-    nodes = [n for nodes_b, _ in shapes for n in nodes_b]
+    outs, flat = lax.switch(index, [taken(b) for b in range(len(lowered))], *ops)
+    nodes = [node for _, _, nodes_b, _, _ in lowered for node in nodes_b]
     return list(outs), nodes, list(flat)
 
 
@@ -413,10 +410,6 @@ def _trace(fn: Callable, args, what: str = "pmaptap lift"):
     return pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(fn, debug_info=debug), [core.typeof(x) for x in args]
     )
-
-
-def _out_avals(fn: Callable, args) -> list:
-    return list(_trace(fn, args)[1])
 
 
 def _zeros(aval) -> jax.Array:

@@ -303,6 +303,59 @@ def test_tap_in_a_while_loop_is_said_once_and_written_as_under_jax_jit(tmp_path,
     assert len([r for r in pmaptap.read(str(tmp_path / "out.jsonl")) if r["name"] == name]) == 15
 
 
+def test_nested_conds_are_lifted_once_per_branch_and_written_as_under_jax_jit(
+    tmp_path, monkeypatch
+):
+    """A nest of conds, each branch tapping, and a three-way switch inside:
+    every branch's body is lifted once (a cond lifted its branches twice, so
+    n nested conds cost 2^n lifts of the innermost), and the records are the
+    callback transport's, for every path taken."""
+    from pmaptap._trace import lift
+
+    depth = 6
+
+    def nest(level: int):
+        if level == depth:
+
+            def leaf(v):
+                i = jnp.clip(v.astype(jnp.int32) % 3, 0, 2)
+                branches = [lambda u, k=k: pmaptap.tap(u + k, f"sw{k}") for k in range(3)]
+                return jax.lax.switch(i, branches, v)
+
+            return leaf
+
+        def fn(v):
+            pmaptap.tap(v, f"at{level}")
+            return jax.lax.cond(
+                v > level,
+                lambda u: nest(level + 1)(pmaptap.tap(u * 2, f"yes{level}")),
+                lambda u: pmaptap.tap(u - 1, f"no{level}"),
+                v,
+            )
+
+        return fn
+
+    step = nest(0)
+    runs = []
+    real = lift.run
+    monkeypatch.setattr(lift, "run", lambda *a: runs.append(1) or real(*a))
+
+    def go(wrap, path):
+        with pmaptap.Session(str(path), run="c"):
+            f = wrap(step)
+            for x in (-1.0, 0.5, 3.0, 5.0, 40.0, 1e4):
+                f(jnp.float32(x))
+
+    go(jax.jit, tmp_path / "cb.jsonl")
+    go(pmaptap.jit, tmp_path / "out.jsonl")
+    # One lift of the step, then one of each branch: 2 per cond, 3 for the
+    # switch (it was 637 for this nest: each level lifted what is below it twice).
+    assert len(runs) == 1 + 2 * depth + 3, len(runs)
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    names = {r["name"] for r in recs}
+    assert {"no0", "yes0", f"at{depth - 1}", "sw0", "sw1", "sw2"} <= names, names
+
+
 def test_tap_in_a_host_callback_function_is_written_as_under_jax_jit(tmp_path, caplog):
     # pmaptap.tap called by the host function of a jax.debug.callback: it
     # runs on the host with a host value, outside any trace (an eager tap):
