@@ -127,6 +127,10 @@ class Transport:
     # Sub-byte operands travel widened (layouts._wire): (operand index, own
     # dtype) pairs, narrowed back by the aggregator, off XLA's thread.
     restore: tuple[tuple[int, Any], ...] = ()
+    # The step is traced and not proven the same on every device (a
+    # per-device counter may differ): the leader layouts, which send the
+    # leader's step with every copy, check on device first (layouts.py).
+    check_steps: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

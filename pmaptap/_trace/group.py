@@ -25,6 +25,7 @@ from pmaptap._trace.layouts import (
     jit_call,
     nbytes,
     send_payload,
+    steps_alike,
 )
 from pmaptap._trace.options import options
 from pmaptap._trace.placement import every_due
@@ -318,11 +319,25 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
             # would wrap steps >= 2**31).
             payload, packing = gather_packed(list(flat), raw_names)
             gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)
-        lax.cond(
-            is_leader(specs[0], coords),
-            lambda: send_payload(gspec, coords, *steps, *payload),
-            lambda: None,
-        )
+
+        def from_leader() -> None:
+            lax.cond(
+                is_leader(specs[0], coords),
+                lambda: send_payload(gspec, coords, *steps, *payload),
+                lambda: None,
+            )
+
+        if not any(s.transport.check_steps for s in specs):
+            from_leader()
+        else:
+            # A member's step differs between devices: every device sends
+            # its own copies, each member's with its own step (as COPIES).
+            own = GroupSpec(
+                members=tuple(s.with_transport(layout=Layout.COPY) for s in specs),
+                member_leaves=n_leaves,
+            )
+            alike = steps_alike(steps, raw_names)
+            lax.cond(alike, from_leader, lambda: send_payload(own, coords, *steps, *flat))
         return coords
 
     @emit_fn.def_vmap

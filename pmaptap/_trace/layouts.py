@@ -27,6 +27,11 @@ a mapped axis we avoid one callback per device:
   ``while_loop``, where devices may diverge and a collective that only some
   of them reach would deadlock).
 
+The four leader layouts send the leader's step with every copy: a traced
+step not proven alike on every device is checked on device first
+(``steps_may_differ``, ``steps_alike``), and where it differs each device
+sends its own copy, as "copy".
+
 Why ``custom_vmap`` around the callback: a plain batching rule unrolls a
 vmapped callback into one call per element, in no guaranteed order and with
 no element index. Our rule instead emits *one* callback carrying the whole
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +189,23 @@ def gather_packed(leaves: Sequence[jax.Array], raw_names: tuple):
     return [packed], packing
 
 
+def steps_may_differ(step: Any, raw_names: tuple) -> bool:
+    """Whether the user's traced ``step`` may differ between the devices of
+    the tap's axes: False when it is proven alike (a loop counter, a pmean).
+    Asked where the tap is traced (tap.py sets ``Transport.check_steps``):
+    further in, a step known while tracing is a tracer too (grad, vmap and
+    the custom_vmap wrappers rebind it)."""
+    return bool(raw_names) and not placement.proven_invariant([step], raw_names)
+
+
+def steps_alike(steps: Sequence, raw_names: tuple) -> jax.Array:
+    """On device, whether ``steps`` are the same on every device of the
+    axes: the same predicate everywhere, from ONE all_gather of their bytes."""
+    parts = [lax.bitcast_convert_type(_bits(jnp.asarray(s)), jnp.uint8).reshape(-1) for s in steps]
+    got = lax.all_gather(jnp.concatenate(parts), raw_names)
+    return jnp.all(got == got[0])
+
+
 def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
     flat = jnp.int32(0)
     for i, s in enumerate(sizes):
@@ -267,6 +289,19 @@ def emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     if layout is Layout.COPY:
         send_payload(spec, coords, step, *leaves)
         return
+    if not spec.transport.check_steps:
+        _from_leader(spec, raw_names, coords, step, leaves)
+    else:
+        lax.cond(
+            steps_alike([step], raw_names),
+            lambda: _from_leader(spec, raw_names, coords, step, leaves),
+            lambda: send_payload(spec.with_transport(layout=Layout.COPY), coords, step, *leaves),
+        )
+
+
+def _from_leader(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
+    """The leader layouts: one callback per process, with the leader's step."""
+    layout = spec.transport.layout
     leader = is_leader(spec, coords)
 
     def gathered():

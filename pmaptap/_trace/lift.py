@@ -228,10 +228,10 @@ def _site(
     invals, *, spec: TapSpec | FingerprintSpec, traced_every: bool = False
 ) -> tuple[Site, list]:
     coords, step, *leaves = invals
+    valid = leaves.pop(0) if traced_every else None  # outputs.mark: ``due``
     # The value is the same on every device by construction: one copy per
     # process travels (tap.py marks with such a spec only then).
     proven = isinstance(spec, TapSpec) and spec.transport.layout in LEADER_COPY
-    valid = (step % spec.site.every == 0) if traced_every else None
     static: list = []
     traced: list[bool] = []
     arrays: list = []

@@ -62,11 +62,16 @@ def collect() -> Iterator[None]:
         _state.depth -= 1
 
 
-def mark(spec: TapSpec, coords, step, leaves, *, traced_every: bool) -> None:
+def mark(spec: TapSpec, coords, step, leaves, *, due=None) -> None:
     """Mark a tap's operands in the program being traced (a spec of the
-    PROVEN / VERIFIED_OFF layouts: one copy per process travels)."""
+    PROVEN / VERIFIED_OFF layouts: one copy per process travels). ``due``:
+    the on-device decision of ``every`` (placement.every_due), made where
+    the tap is traced, so that both transports decide alike; it travels as
+    the operand after ``step``."""
     leaves = [lax.stop_gradient(x) for x in leaves]
-    tap_out_p.bind(coords, step, *leaves, spec=spec, traced_every=traced_every)
+    traced_every = due is not None
+    head = (coords, step, due) if traced_every else (coords, step)
+    tap_out_p.bind(*head, *leaves, spec=spec, traced_every=traced_every)
 
 
 @tap_out_p.def_effectful_abstract_eval
@@ -92,8 +97,9 @@ def _jvp(primals, tangents, **params):
 def _batch(args, dims, *, spec: TapSpec, traced_every):
     """vmap: ONE mark carrying the whole batch, vmapped axis first (the
     record's ``batch_dims``), as the callback transport's emitter does."""
-    (coords, step, *leaves), (coords_d, step_d, *leaf_d) = args, dims
-    if coords_d is not None or step_d is not None:
+    k = 3 if traced_every else 2  # coords, step and due (derived from step)
+    head, leaves, head_d, leaf_d = args[:k], args[k:], dims[:k], dims[k:]
+    if any(d is not None for d in head_d):
         raise ValueError(
             f"pmaptap.tap({spec.name!r}): the `step` argument is batched by "
             "vmap; pass a step that is the same for the whole batch (e.g. "
@@ -104,7 +110,7 @@ def _batch(args, dims, *, spec: TapSpec, traced_every):
         jnp.broadcast_to(x, (size,) + jnp.shape(x)) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(leaves, leaf_d)
     ]
-    tap_out_p.bind(coords, step, *leaves, spec=spec.with_batch(), traced_every=traced_every)
+    tap_out_p.bind(*head, *leaves, spec=spec.with_batch(), traced_every=traced_every)
     return [], []
 
 
@@ -131,11 +137,13 @@ def _fallback(coords, step, *leaves, spec: TapSpec, traced_every: bool):
     per-shard call under plain jit."""
     from pmaptap._trace.layouts import emit_now
 
+    due, leaves = (leaves[0], leaves[1:]) if traced_every else (None, leaves)
+
     def fire() -> None:
         emit_now(spec, (), coords, step, list(leaves))
 
-    if traced_every:
-        lax.cond(step % spec.site.every == 0, fire, lambda: None)
+    if due is not None:
+        lax.cond(due, fire, lambda: None)
     else:
         fire()
     return []

@@ -14,7 +14,7 @@ from pmaptap._common.switch import taps_off
 from pmaptap._trace import outputs, placement, primitive
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords, emit
-from pmaptap._trace.layouts import choose_layout, static_step_operand
+from pmaptap._trace.layouts import choose_layout, static_step_operand, steps_may_differ
 from pmaptap._trace.stats import statistics_of_big_leaves
 
 T = TypeVar("T")
@@ -110,6 +110,8 @@ def _emit_leaves(
     coords = axis_coords(raw_names)
     if traced_step is not None:
         step_arr = traced_step
+        if steps_may_differ(traced_step, tuple(raw_names)):
+            spec = spec.with_transport(check_steps=True)
     else:
         step_arr = static_step_operand(-1 if static_step is None else static_step)
     traced_every = traced_step is not None and every > 1
@@ -117,11 +119,14 @@ def _emit_leaves(
         # pmaptap.jit / pmaptap.pmap: the tap leaves the step as an output
         # (lift.py); one copy per process travels when the value is the same
         # on every device by construction, as the callback transport's
-        # PROVEN / VERIFIED_OFF layouts send one.
+        # PROVEN / VERIFIED_OFF layouts send one; with the leader's step, so
+        # only where every device's step is that step by construction too
+        # (a per-device counter travels with each device's copy).
         chosen = choose_layout(spec, sent, raw_names)
-        if chosen.transport.layout in LEADER_COPY:
+        if chosen.transport.layout in LEADER_COPY and not spec.transport.check_steps:
             spec = chosen
-        outputs.mark(spec, coords, step_arr, sent, traced_every=traced_every)
+        due = placement.every_due(step_arr, every) if traced_every else None
+        outputs.mark(spec, coords, step_arr, sent, due=due)
         return
     emit(spec, raw_names, sent, coords, step_arr, traced_every=traced_every)
 

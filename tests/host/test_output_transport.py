@@ -356,6 +356,69 @@ def test_nested_conds_are_lifted_once_per_branch_and_written_as_under_jax_jit(
     assert {"no0", "yes0", f"at{depth - 1}", "sw0", "sw1", "sw2"} <= names, names
 
 
+def test_every_with_per_device_steps_decides_as_the_callback_transport(tmp_path):
+    """``every`` with a traced step that differs between devices: the
+    callback transport decides on the smallest step among the mapped devices
+    (its emission may hold a collective that all must reach); the output
+    transport decides alike, so both write the same records, each with its
+    device's own step, also where a cond or a scan holds the tap."""
+
+    def body(s, x):
+        own = s + jax.lax.axis_index("i")  # device d is d steps ahead
+        pmaptap.tap(x, "x", step=own, every=4, dedup="per_device")
+        pmaptap.tap(jax.lax.pmean(x, "i"), "mean", step=own)  # proven alike, steps not
+        with pmaptap.group():
+            pmaptap.tap(x * 2, "g", step=own, dedup="per_device")
+            pmaptap.tap(x + 1, "h", step=s, dedup="per_device")
+
+        def scan_body(c, k):
+            pmaptap.tap(c + k, "in_scan", step=own + k, every=3, dedup="per_device")
+            return c + 1, None
+
+        c, _ = jax.lax.scan(scan_body, x, jnp.arange(3))
+        return jax.lax.cond(
+            x > 2,
+            lambda v: pmaptap.tap(v, "in_cond", step=own, every=2, dedup="per_device"),
+            lambda v: v,
+            c,
+        )
+
+    def go(wrap, path):
+        with pmaptap.Session(str(path), run="e"):
+            f = wrap(body, axis_name="i")
+            for s in range(6):
+                f(jnp.full((8,), s, jnp.int32), jnp.arange(8.0))
+
+    go(jax.pmap, tmp_path / "cb.jsonl")
+    go(pmaptap.pmap, tmp_path / "out.jsonl")
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+
+    # The check costs one all_gather of the steps where the trace cannot
+    # prove them alike, none where it can.
+    def gathers(step_fn):
+        def f(s, x):
+            pmaptap.tap(jax.lax.pmean(x, "i"), "p", step=step_fn(s))
+            return x
+
+        return str(jax.make_jaxpr(jax.pmap(f, axis_name="i"))(jnp.zeros(8, int), jnp.ones(8)))
+
+    assert gathers(lambda s: s).count("all_gather[") == 1
+    assert gathers(lambda s: jax.lax.pmax(s, "i")).count("all_gather[") == 0
+    xs = {(r["step"], r["coords"]["i"]) for r in recs if r["name"] == "x"}
+    # Decided on the smallest step (s, device 0's): steps 0 and 4, all 8.
+    assert xs == {(s + d, d) for s in (0, 4) for d in range(8)}
+    assert {r["name"] for r in recs} == {"x", "in_scan", "in_cond", "mean", "g", "h"}
+    # Each record carries its own device's step, also where one copy per
+    # process would travel for a step the same everywhere (the leader's).
+    for name, ahead in (("mean", True), ("g", True), ("h", False)):
+        got = sorted((r["step"], r.get("coords", {}).get("i")) for r in recs if r["name"] == name)
+        if name == "mean":  # replicated: each step once, whichever device's it was
+            assert [s for s, _ in got] == list(range(6 + 7))
+        else:
+            want = sorted((s + d * ahead, d) for s in range(6) for d in range(8))
+            assert got == want, (name, got)
+
+
 def test_tap_in_a_host_callback_function_is_written_as_under_jax_jit(tmp_path, caplog):
     # pmaptap.tap called by the host function of a jax.debug.callback: it
     # runs on the host with a host value, outside any trace (an eager tap):
