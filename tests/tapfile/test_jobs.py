@@ -370,7 +370,7 @@ def test_pieces_given_up_are_not_waited_for(tmp_path, how):
 _PHASES = """
 import os, sys, time
 from pmaptap import cli
-from pmaptap.tapfile import shardwise
+from pmaptap.tapfile import runs, shardwise
 
 command, path, log, jobs = sys.argv[1:5]
 shardwise.MAX_HELD_COPIES = 1  # every copy to a file: its buckets resolved after the reading
@@ -390,7 +390,13 @@ def resolve_noted(*args):
     note("resolve")
     return resolve(*args)
 
+def sources_noted(*args):
+    note("list")
+    return sources(*args)
+
+sources = runs.sources
 shardwise.read, shardwise.resolve = read_noted, resolve_noted
+runs.sources = sources_noted
 code = cli.main([command, path, "--jobs", jobs])
 print("forks", len(forks))
 sys.exit(code)
@@ -403,7 +409,9 @@ def test_one_pool_of_workers_reads_the_pieces_and_resolves_the_copies(tmp_path, 
     at 1), read with --jobs 2: two processes are forked in all, and the
     same two read the pieces and then resolve the buckets of copies (a
     second round of workers forked two more, after this process held
-    every state); the output is --jobs 1's."""
+    every state); the workers never list the run's sources (each was
+    handed its own: before, every piece listed and statted every source
+    of the run); the output is --jobs 1's."""
     import subprocess
     import sys
 
@@ -434,6 +442,7 @@ def test_one_pool_of_workers_reads_the_pieces_and_resolves_the_copies(tmp_path, 
             readers = {pid for what, pid in noted if what == "read"}
             resolvers = {pid for what, pid in noted if what == "resolve"}
             assert resolvers and resolvers <= readers and len(readers) == 2, noted
+            assert not readers & {pid for what, pid in noted if what == "list"}, noted
     assert outs["1"].endswith("forks 0\n") and outs["2"].endswith("forks 2\n"), outs
     assert outs["1"].replace("forks 0", "") == outs["2"].replace("forks 2", "")
 
