@@ -40,7 +40,15 @@ Arms:
   benchmarks/bench_read_scale.py --part s --lines 49.2M --jobs 2,4,8,12
   --validate-jobs 12 --tmp /tmp``.
 
-``--part m`` (or n, p, o, s; repeatable) runs only those arms. Every run
+- f. the fixed cost of ``--jobs N``: ``summary`` of a tiny run (a job's,
+  as in s.: 256 processes x 8 devices, one step, 2,049 lines, so the
+  reading is a few milliseconds and what is left is starting workers,
+  handing them pieces and taking their states in) with ``--jobs N``
+  against ``--jobs 1``, fresh processes in interleaved rounds (each
+  round's order reversed from the last): per N, the paired median of the
+  wall-time difference in milliseconds, and the outputs compared.
+
+``--part m`` (or n, p, o, s, f; repeatable) runs only those arms. Every run
 also prints the lines of pmaptap/tapfile/'s Python files (target <= 7,500).
 
 The runs are generated without JAX (``generate``): per step and process a
@@ -472,10 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int)
     ap.add_argument(
         "--part",
-        choices=("m", "n", "p", "o", "s"),
+        choices=("m", "n", "p", "o", "s", "f"),
         action="append",
         help="only these arms (m: 256 shards, n: 4,096 shards, p: summary --jobs 2 of "
-        "4,096 shards, o: object store, s: a job's run at scale); all by default",
+        "4,096 shards, o: object store, s: a job's run at scale, f: the fixed cost of "
+        "--jobs N on a tiny run); all by default",
     )
     ap.add_argument(
         "--lines",
@@ -483,13 +492,15 @@ def main(argv: list[str] | None = None) -> int:
         help="s.: the runs' sizes in lines, comma-separated (4.9M, 49.2M, 620000)",
     )
     ap.add_argument(
-        "--jobs", default="1,2,12", help="s.: the --jobs to time summary with (1,2,4,8,12)"
+        "--jobs",
+        default="1,2,12",
+        help="s., f.: the --jobs to time summary with (1,2,4,8,12)",
     )
     ap.add_argument("--validate-jobs", default="1,12", help="s.: the --jobs to time validate with")
     ap.add_argument("--devices", type=int, default=8, help="s.: each process's devices")
     ap.add_argument("--tmp", help="s.: where the runs are written (default: a temporary directory)")
     a = ap.parse_args(argv)
-    parts = set(a.part or "mnpos")
+    parts = set(a.part or "mnposf")
     rounds = a.rounds or (1 if a.quick else 5)
     compile_bytecode()  # readers start as an installed package's do
     tapfile = os.path.join(ROOT, "pmaptap", "tapfile")
@@ -506,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
             vjobs = [1, 2] if a.quick else [int(x) for x in a.validate_jobs.split(",") if x]
             for lines in sizes:
                 _at_scale(tmp, lines, jobs, vjobs, a.devices)
+        if "f" in parts:
+            jobs = [1, 2] if a.quick else [int(x) for x in a.jobs.split(",")]
+            _fixed_cost(tmp, jobs, 3 if a.quick else (a.rounds or 15))
         if "m" in parts:
             _many_shards(tmp, a.quick, rounds)
         if "n" in parts:
@@ -626,6 +640,39 @@ def _jobs(tmp: str, quick: bool, rounds: int) -> None:
         f"{rounds} paired round(s); target <= 0.65x on a quiet 2-core box), CPU "
         f"{statistics.median(cpu):.2f}x; output {same}"
     )
+
+
+def _fixed_cost(tmp: str, jobs: list[int], rounds: int) -> None:
+    """f. ``summary --jobs N`` against ``--jobs 1`` of a tiny run."""
+    py = sys.executable
+    path = os.path.join(tmp, "f.jsonl")
+    processes, devices = 256, 8
+    size = _make("generate_job", path, processes, 1, devices)
+    arms = {j: [py, "-m", "pmaptap", "summary", path, "--jobs", str(j)] for j in sorted({1, *jobs})}
+    outs = {
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True).stdout
+        for cmd in arms.values()
+    }
+    walls: dict = {j: [] for j in arms}
+    for r in range(rounds):
+        for j, cmd in list(arms.items())[:: -1 if r % 2 else 1]:
+            walls[j].append(measure_process(cmd, cwd=ROOT)[0])
+    rows = []
+    for j, ts in walls.items():
+        added = [(t - one) * 1e3 for t, one in zip(ts, walls[1])]
+        rows.append(
+            (
+                f"f. summary --jobs {j}",
+                f"{statistics.median(ts) * 1e3:.0f} ms ({min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f})",
+                "" if j == 1 else f"{statistics.median(added):+.1f} ms",
+            )
+        )
+    print(
+        f"f. fixed cost of --jobs N: {processes * devices + 1} lines, {size / 1e6:.2f} MB, "
+        f"{processes} shards; {rounds} interleaved rounds, fresh processes, "
+        f"{os.cpu_count()} cores; output {'identical' if len(outs) == 1 else 'DIFFERENT'}"
+    )
+    print(table(rows, ("f. command", "wall, median (range)", "added to --jobs 1, paired median")))
 
 
 def _count(text: str) -> int:

@@ -17,7 +17,7 @@ devices the new attempt does not have. Meta records (``pmaptap/dropped``,
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from pmaptap.tapfile import parse
 from pmaptap.tapfile.format import META_ATTEMPT, step_key
@@ -94,6 +94,23 @@ def scan(path: str | os.PathLike) -> Attempts:
         return idx
     _scan_file(idx, path)
     return idx
+
+
+T = TypeVar("T")
+
+
+def latest(
+    path: str | os.PathLike,
+    read: Callable[["Attempts | None"], T],
+    resumed: Callable[[T], bool],
+    attempts: "Attempts | None" = None,
+) -> T:
+    """``read(attempts)``; with ``attempts`` None, a pass that assumes the
+    run was never resumed (most runs): where it was after all (``resumed``
+    of the pass: a record of a later attempt met), the run is read again
+    once what each later attempt superseded is known (``scan``)."""
+    got = read(attempts)
+    return read(scan(path)) if attempts is None and resumed(got) else got
 
 
 def _scan_file(idx: Attempts, path: str | os.PathLike) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
-from pmaptap.tapfile.attempts import attempt_of, scan
+from pmaptap.tapfile.attempts import attempt_of, latest
 from pmaptap.tapfile.schema import (
     FINGERPRINT,
     UNSET,
@@ -443,8 +443,7 @@ def validate_file(path: str | os.PathLike) -> Report:
     mention an attempt (attempts.scan: what each later attempt superseded).
     tapfile/jobs.py's validate_file gives the same report in worker
     processes, and of a sharded run a shard at a time (tapfile/shardwise.py)."""
-    report = _validate(path, None)
-    return report if report is not None else _validate(path, scan(path))
+    return latest(path, lambda attempts: _validate(path, attempts), lambda got: got is None)
 
 
 def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:

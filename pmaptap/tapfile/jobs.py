@@ -5,7 +5,7 @@ the output is the one ``--jobs 1`` prints, to the byte.
 The pieces (``plan``): one file in N byte ranges cut at line starts, read
 by this process and N-1 workers; a sharded run's sources in 4N groups of
 about equal bytes, taken by N workers one after another as each is free
-(``_pool``), this process taking their states in. A worker summarizes
+(``_Pool``), this process taking their states in. A worker summarizes
 (summary.FilteredSummarizer) or checks (checks.Validator) its piece and
 sends its state, positions and all.
 
@@ -20,8 +20,8 @@ What makes the merge exact:
   decides what only the whole run decides (which copies of a replicated
   value stay, which copy of a key is the first, whether a per-device key
   is in two sources, where a line falls in the merged stream). Copies too
-  many to hold went to files in buckets: a second round of workers
-  resolves a share of the buckets each.
+  many to hold went to files in buckets: the same workers then resolve
+  a share of the buckets each.
 
 An id written with two types in two pieces, a device at two sets of
 coordinates, or a per-device key in two sources, has no order to merge
@@ -37,12 +37,11 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from contextlib import closing
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile import checks, runs, shardwise, summary
-from pmaptap.tapfile.attempts import Attempts, scan
+from pmaptap.tapfile.attempts import Attempts, latest
 from pmaptap.tapfile.checks import Report, Validator
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
@@ -90,22 +89,41 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
 # ------------------------------------------------------------ the pieces
 
 
-def plan(path: str | os.PathLike, jobs: int) -> "tuple[bool, list] | None":
-    """(sharded, pieces): for a sharded run, lists of source indexes (runs.
-    sources), contiguous, of about equal bytes, PIECES_PER_JOB a process;
-    for one file, ``jobs`` (start, stop) byte ranges cut at line starts.
-    None: one process reads it."""
+class Plan(NamedTuple):
+    """How a run is read in pieces (``plan``)."""
+
+    sharded: bool
+    # A sharded run: lists of source indexes (of ``files``), contiguous, of
+    # about equal bytes, PIECES_PER_JOB a process; one file: (start, stop)
+    # byte ranges cut at line starts.
+    pieces: list
+    files: list[str]  # a sharded run's sources (runs.sources), listed once
+    sizes: list[int]  # their bytes, each stated once
+
+    def sources(self, piece: list[int]) -> tuple[list[tuple[int, str]], float]:
+        """A sharded piece's (index, path) of each source, and its share
+        of the run's bytes (shardwise.read: what a worker would otherwise
+        list and stat again, every source of the run, for every piece)."""
+        total = sum(self.sizes)
+        share = sum(self.sizes[i] for i in piece) / total if total else 1.0
+        return [(i, self.files[i]) for i in piece], share
+
+
+def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
+    """The pieces ``path`` is read in by ``jobs`` processes; None: one
+    process reads it."""
     if jobs < 2 or runs.is_url(path):
         return None
     if runs.is_sharded(path):
-        sizes = [os.path.getsize(f) for f in runs.sources(path)]
+        files = runs.sources(path)
+        sizes = [os.path.getsize(f) for f in files]
         if len(sizes) < 2:
             return None
-        return True, _groups(sizes, jobs * PIECES_PER_JOB)
+        return Plan(True, _groups(sizes, jobs * PIECES_PER_JOB), files, sizes)
     size = os.path.getsize(path)
     cuts = sorted({_line_start(path, size * k // jobs) for k in range(1, jobs)} | {0, size})
     pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-    return (False, pieces) if len(pieces) > 1 else None
+    return Plan(False, pieces, [], []) if len(pieces) > 1 else None
 
 
 def _local_sharded(path: str | os.PathLike) -> bool:
@@ -257,60 +275,77 @@ def _summary_piece(path: str, part: Any, flt: Filter, attempts: Any) -> tuple:
     return ("done", acc, bad, lines)
 
 
-def _read_piece(got: Any, path: str, part: list, buckets: int, spill_dir: str) -> Any:
-    """A worker's state of its sources (shardwise.read)."""
-    return shardwise.read(got, path, part, buckets, spill_dir)
+class _Pool:
+    """Up to ``size`` worker processes taking tasks ``(function, *args)``
+    (a function of a module, found by name in a worker) one after another
+    as each is free (so a slow core, or a piece slower to read, holds back
+    the end by one piece at most): ``map`` yields each task's result, in
+    the order of its tasks. One pool serves every phase of a read (the
+    sources' pieces, then the buckets of copies): a worker is started
+    once a read (1.3 ms each on a 2-core box, 15 ms on a 13-core node),
+    before this process holds the workers' states (os.fork of a process
+    of 30 MiB took 0.2 ms on the 2-core box, of 500 MiB 9 ms). Used as a
+    context manager: the workers end with it, killed where a ``map`` was
+    given up (an error, a state resumed: the pieces they still read are
+    not wanted)."""
 
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.process: dict[Any, Any] = {}  # connection -> its worker
+        self.queued: dict[Any, list[int]] = {}  # connection -> its tasks, oldest first
 
-def _pool(tasks: list[tuple], workers: int) -> Iterator:
-    """``function(*args)`` of each task ``(function, *args)`` (a function
-    of a module, found by name in a worker) in up to ``workers`` processes, each
-    taking the next task when it is done with one (so a slow core, or a
-    piece slower to read, holds back the end by one piece at most),
-    yielded in the order of ``tasks`` as they come. Each worker has one
-    task queued beside the one it runs, so it never waits while this
-    process takes a result in."""
-    if not tasks:
-        return
-    workers = max(1, min(workers, len(tasks)))
-    pool = _start(_serve_each, [() for _ in range(workers)])
-    from multiprocessing.connection import wait
+    def __enter__(self) -> _Pool:
+        return self
 
-    results: dict[int, Any] = {}
-    queued: dict[Any, list[int]] = {conn: [] for _, conn in pool}
-    process = {conn: p for p, conn in pool}
-    todo = iter(range(len(tasks)))
+    def __exit__(self, *exc: Any) -> None:
+        workers = [(p, conn) for conn, p in self.process.items()]
+        # Tasks still queued: a map given up.
+        kill = exc[0] is not None or any(self.queued.values())
+        if not kill:
+            for _, conn in workers:
+                conn.send(None)  # done: the worker returns
+        _stop(workers, kill=kill)
 
-    def give(conn: Any) -> None:
-        i = next(todo, None)
-        if i is not None:
-            queued[conn].append(i)
-            try:
-                conn.send(tasks[i])
-            except ConnectionError:
-                pass  # the worker ended: taking its result in says how
+    def map(self, tasks: list[tuple]) -> Iterator:
+        """``function(*args)`` of each task, yielded in the order of
+        ``tasks`` as they come. A worker is started when the first tasks
+        come and given two at once, so it reads while the next is forked;
+        each has one task queued beside the one it runs, so it never waits
+        while this process takes a result in."""
+        results: dict[int, Any] = {}
+        todo = iter(range(len(tasks)))
+        queued = self.queued
 
-    done = False
-    try:
-        for _, conn in pool:
+        def give(conn: Any) -> None:
+            i = next(todo, None)
+            if i is not None:
+                queued[conn].append(i)
+                try:
+                    conn.send(tasks[i])
+                except ConnectionError:
+                    pass  # the worker ended: taking its result in says how
+
+        for conn in list(queued):
             give(conn)
             give(conn)
+        while len(queued) < min(self.size, len(tasks)):
+            ((p, conn),) = _start(_serve_each, [()])
+            self.process[conn], queued[conn] = p, []
+            give(conn)
+            give(conn)
+        from multiprocessing.connection import wait
+
         for want in range(len(tasks)):
             while want not in results:
                 for conn in wait([c for c, q in queued.items() if q]):
                     i = queued[conn].pop(0)
-                    results[i] = _result(process[conn], conn)
+                    results[i] = _result(self.process[conn], conn)
                     give(conn)
             yield results.pop(want)
-        done = True
-        for _, conn in pool:
-            conn.send(None)  # done: the worker returns
-    finally:
-        _stop(pool, kill=not done)
 
 
 def _serve_each(conn: Any) -> None:
-    """A worker of ``_pool``: tasks ``(target, *args)`` until ``None``."""
+    """A worker of ``_Pool``: tasks ``(target, *args)`` until ``None``."""
     while True:
         try:
             task = conn.recv()
@@ -321,21 +356,22 @@ def _serve_each(conn: Any) -> None:
         _serve(conn, task[0], task[1:])
 
 
-def _sharded(path: str, parts: list, empty: Any, jobs: int) -> Any:
-    """The sources of ``path`` read in ``jobs`` processes, a piece of
-    ``parts`` at a time, into states like ``empty`` (shardwise.py),
-    combined: the copies that went to files resolved by as many
+def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
+    """The sources of a sharded run read in ``jobs`` processes, a piece of
+    ``pieces`` at a time, into states like ``empty`` (shardwise.py),
+    combined: the copies that went to files resolved by the same
     processes, a share of the buckets each."""
-    with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
-        buckets = shardwise.buckets_for(path, jobs)
-        tasks = [(_read_piece, empty.fresh(), path, part, buckets, tmp) for part in parts]
-        with closing(_pool(tasks, jobs)) as states:
-            return shardwise.combine(states, jobs, functools.partial(_resolver, jobs=jobs))
+    with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp, _Pool(jobs) as pool:
+        buckets = shardwise.buckets_for(sum(pieces.sizes), jobs)
+        tasks = [
+            (shardwise.read, empty.fresh(), *pieces.sources(piece), buckets, tmp)
+            for piece in pieces.pieces
+        ]
 
+        def resolver(tasks: list) -> Iterator:
+            return pool.map([(_resolve, *t) for t in tasks])
 
-def _resolver(tasks: list, jobs: int) -> Iterator:
-    with closing(_pool([(_resolve, *t) for t in tasks], jobs)) as got:
-        yield from got
+        return shardwise.combine(pool.map(tasks), jobs, resolver)
 
 
 def _resolve(*task: Any) -> Any:
@@ -343,21 +379,6 @@ def _resolve(*task: Any) -> Any:
     # a worker started by forkserver or spawn is given the function by name,
     # and this one's name is found whatever replaced the attribute here.
     return shardwise.resolve(*task)
-
-
-def _sharded_summary(
-    path: str, parts: list, flt: Filter, optimistic: bool, jobs: int
-) -> Result | None:
-    attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
-    got = _sharded(path, parts, shardwise.ShardwiseSummary(flt, attempts), jobs)
-    if got.resumed:  # a record of a later attempt: what it superseded first
-        got = _sharded(path, parts, shardwise.ShardwiseSummary(flt, scan(path)), jobs)
-    if got.overflow:  # a process's copies in two sources: the merged stream
-        return summary.summarize_file(path, flt)
-    done = got.result()
-    # None: ids of two types, whose order only the merged stream gives (a
-    # read of the shards in one process would say None again).
-    return summary.summarize_file(path, flt) if done is None else done
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
@@ -375,20 +396,21 @@ def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result 
     if pieces is None:
         return None
     path = os.fspath(path)
-    optimistic = not flt.active and not flt.all_attempts
     try:
-        if pieces[0]:
-            return _sharded_summary(path, pieces[1], flt, optimistic, jobs)
-        attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
-        got = _summary_pass(path, pieces[1], flt, attempts)
-        if got is None:  # resumed after all
-            got = _summary_pass(path, pieces[1], flt, scan(path))
-        return got
+        if pieces.sharded:
+            got = shardwise.summarize(path, flt, functools.partial(_sharded, pieces, jobs=jobs))
+            # None: ids of two types, or a process's copies in two sources,
+            # whose order only the merged stream gives (a read of the shards
+            # in one process would say None again).
+            return summary.summarize_file(path, flt) if got is None else got
+        parts, attempts = pieces.pieces, summary.first_attempts(path, flt)
+        return latest(path, lambda a: _summary_pass(path, parts, flt, a), _none, attempts)
     except NeedSerial:
         return None
 
 
 def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result | None:
+    """None: resumed (a record of a later attempt, ``attempts`` None)."""
     results = _run(_summary_piece, [(path, part, flt, attempts) for part in parts])
     if any(r[0] == "resumed" for r in results):
         return None
@@ -401,6 +423,11 @@ def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result 
         bad += [(pos + offset, why) for pos, why in piece_bad]
         offset += lines
     return merged.result(bad)
+
+
+def _none(got: Any) -> bool:
+    """Whether a pass of pieces of one file was resumed (``latest``)."""
+    return got is None
 
 
 # ------------------------------------------------------------ validate
@@ -430,30 +457,20 @@ def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
         return None
     path = os.fspath(path)
     try:
-        if pieces[0]:
-            return _sharded_validation(path, pieces[1], jobs)
-        report = _validate_pass(path, pieces[1], None)
-        if report is None:
-            report = _validate_pass(path, pieces[1], scan(path))
-        return report
+        if pieces.sharded:
+            got = shardwise.validate(path, functools.partial(_sharded, pieces, jobs=jobs))
+            # None: a per-device key in two sources, or a process's copies
+            # in two sources, whose first copy only the merged stream gives
+            # (a read of the shards in one process would say None again).
+            return checks.validate_file(path) if got is None else got
+        parts = pieces.pieces
+        return latest(path, lambda a: _validate_pass(path, parts, a), _none)
     except NeedSerial:
         return None
 
 
-def _sharded_validation(path: str, parts: list, jobs: int) -> Report:
-    got = _sharded(path, parts, shardwise.ShardwiseValidation(path, None), jobs)
-    if got.resumed:
-        got = _sharded(path, parts, shardwise.ShardwiseValidation(path, scan(path)), jobs)
-    if got.overflow:  # a process's copies in two sources: the merged stream
-        return checks.validate_file(path)
-    report = got.report()
-    # None: a per-device key in two sources, whose first copy only the
-    # merged stream gives (a read of the shards in one process would say
-    # None again).
-    return checks.validate_file(path) if report is None else report
-
-
 def _validate_pass(path: str, parts: list, attempts: Any) -> Report | None:
+    """None: resumed (a record of a later attempt, ``attempts`` None)."""
     results = _run(_validate_piece, [(path, part, attempts) for part in parts])
     if any(r[0] == "resumed" for r in results):
         return None

@@ -66,12 +66,12 @@ from typing import Any, Callable, Iterable, Union
 import msgspec
 
 from pmaptap.tapfile import runs
-from pmaptap.tapfile.attempts import Attempts, scan
+from pmaptap.tapfile.attempts import Attempts, latest
 from pmaptap.tapfile.checks import FirstCopies, Report, Validator, _what
 from pmaptap.tapfile.lines import collector_paused, iter_file_records
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.schema import CLASSES
-from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer
+from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer, first_attempts
 
 _POS = itemgetter(0)
 _LINE_BITS = 40  # a line number below 2**40 in a source
@@ -741,64 +741,71 @@ def _plain_ids(acc: Summarizer) -> bool:
     return not any(tap.odd_ids for names in acc._taps.values() for tap in names.values())
 
 
-def buckets_for(path: str, jobs: int) -> int:
-    """How many buckets copies that go to a file are put in (``_spill``):
-    one per BUCKET_BYTES of the run, and at least one per process reading."""
-    size = sum(os.path.getsize(f) for f in runs.sources(path))
+def buckets_for(size: int, jobs: int) -> int:
+    """How many buckets copies that go to a file are put in (``_spill``),
+    of a run of ``size`` bytes: one per BUCKET_BYTES of the run, and at
+    least one per process reading."""
     return max(jobs, -(-size // BUCKET_BYTES))
 
 
 def read(
     got: _Shardwise,
-    path: str,
-    indexes: "list[int] | None",
+    sources: "list[tuple[int, str]]",
+    share: float,
     buckets: int,
     spill_dir: "str | None",
 ) -> _Shardwise:
-    """``got`` of the sources of ``path`` at ``indexes`` (of runs.sources;
-    None: every one), until one is ``resumed``; copies past
+    """``got`` of ``sources`` ((index in runs.sources, path) each; ``share``
+    of the run's bytes), until one is ``resumed``; copies past
     MAX_HELD_COPIES to a file in ``spill_dir``, in ``buckets`` buckets."""
-    files = runs.sources(path)
     got.buckets, got.spill_dir = buckets, spill_dir
-    mine = range(len(files)) if indexes is None else indexes
     with collector_paused():
-        for i in mine:
-            got.add_source(i, files[i])
+        for i, source in sources:
+            got.add_source(i, source)
             if got.resumed or got.overflow:
                 return got
-        size = sum(os.path.getsize(files[i]) for i in mine)
-        total = sum(os.path.getsize(f) for f in files) if indexes is not None else size
-        got.end(size / total if total else 1.0)
+        got.end(share)
     return got
 
 
-def _serial(make: Callable[[], _Shardwise], path: str) -> _Shardwise:
-    """``make()``'s state of every source of the local sharded run
+def _serial(empty: _Shardwise, path: str) -> _Shardwise:
+    """``empty``'s state of every source of the local sharded run
     ``path``, in this process (copies past the bound resolved here too, a
     bucket at a time)."""
+    files = runs.sources(path)
+    size = sum(os.path.getsize(f) for f in files)
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
-        got = read(make(), path, None, buckets_for(path, 1), tmp)
+        got = read(empty, list(enumerate(files)), 1.0, buckets_for(size, 1), tmp)
         return combine([got], 1, lambda tasks: [resolve(*t) for t in tasks])
 
 
-def summarize(path: str | os.PathLike, flt: Filter) -> "Result | None":
+# How an empty state comes to hold every source of a run, ``combine``d
+# (``read``): in this process (``_serial``, the default), or a piece at a
+# time by tapfile/jobs.py's workers.
+Reader = Callable[[_Shardwise], _Shardwise]
+
+
+def summarize(
+    path: str | os.PathLike, flt: Filter, reader: "Reader | None" = None
+) -> "Result | None":
     """The summary of the records of the local sharded run ``path`` that
-    ``flt`` matches (summary.summarize_file), or None where it would not
-    be exact (the caller reads the merged stream)."""
+    ``flt`` matches (summary.summarize_file), or None where it would not be
+    exact (the caller reads the merged stream)."""
     path = os.fspath(path)
-    optimistic = not flt.active and not flt.all_attempts
-    attempts = None if optimistic else (Attempts() if flt.all_attempts else scan(path))
-    got = _serial(lambda: ShardwiseSummary(flt, attempts), path)
-    if got.resumed:  # a record of a later attempt: what it superseded first
-        got = _serial(lambda: ShardwiseSummary(flt, scan(path)), path)
+    read = reader or (lambda empty: _serial(empty, path))
+    attempts = first_attempts(path, flt)
+    got = latest(path, lambda a: read(ShardwiseSummary(flt, a)), _resumed, attempts)
     return got.result()
 
 
-def validate(path: str | os.PathLike) -> "Report | None":
-    """checks.validate_file of the local sharded run ``path``, or None
-    where it would not be exact (the caller reads the merged stream)."""
+def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
+    """checks.validate_file of the local sharded run ``path``, or None where
+    it would not be exact (the caller reads the merged stream)."""
     path = os.fspath(path)
-    got = _serial(lambda: ShardwiseValidation(path, None), path)
-    if got.resumed:
-        got = _serial(lambda: ShardwiseValidation(path, scan(path)), path)
+    read = reader or (lambda empty: _serial(empty, path))
+    got = latest(path, lambda a: read(ShardwiseValidation(path, a)), _resumed)
     return got.report()
+
+
+def _resumed(got: _Shardwise) -> bool:
+    return got.resumed

@@ -950,6 +950,17 @@ class FilteredSummarizer(Summarizer):
         return self.summaries(), bad, self.names | names, self.runs | runs
 
 
+def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
+    """What a summary's first pass knows of later attempts: None where no
+    filter is active and the latest attempt's records alone are wanted (the
+    pass assumes the run was never resumed, and says so where it was:
+    attempts.latest); else what they superseded, found first (nothing with
+    ``all_attempts``)."""
+    if not flt.active and not flt.all_attempts:
+        return None
+    return Attempts() if flt.all_attempts else scan(path)
+
+
 def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
     """summarize_file for any filter and any run: what later attempts
     superseded found first (attempts.scan), then one pass."""

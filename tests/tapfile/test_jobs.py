@@ -205,7 +205,7 @@ def test_byte_ranges_start_at_lines_and_cover_the_file(tmp_path):
     path.write_bytes(b"\n".join(lines) + b"\n")
     data = path.read_bytes()
     for n in (2, 3, 5, 40):
-        sharded, pieces = jobs.plan(path, n)
+        sharded, pieces, _, _ = jobs.plan(path, n)
         assert not sharded and pieces[0][0] == 0 and pieces[-1][1] == len(data)
         for (a, b), (c, _) in zip(pieces, pieces[1:]):
             assert b == c and data[b - 1 : b] == b"\n" and a < b
@@ -290,16 +290,18 @@ slow, kill = int(sys.argv[1]), int(sys.argv[2])
 if len(sys.argv) > 3:  # given up: after the first result, or at an error
     t0 = time.monotonic()
     first = (time.sleep, 0.0) if sys.argv[3] == "early" else (int, "not a number")
-    pieces = jobs._pool([first] + [(time.sleep, 30.0)] * 5, 2)
     try:
-        next(pieces)
-        pieces.close()
+        with jobs._Pool(2) as pool:
+            pieces = pool.map([first] + [(time.sleep, 30.0)] * 5)
+            next(pieces)
+            pieces.close()
     except RuntimeError as e:
         print("error:", str(e).splitlines()[0], file=sys.stderr)
     print(f"{time.monotonic() - t0:.2f}")
     sys.exit(0)
 try:
-    got = list(jobs._pool([(piece, i, slow, kill) for i in range(10)], 2))
+    with jobs._Pool(2) as pool:
+        got = list(pool.map([(piece, i, slow, kill) for i in range(10)]))
 except RuntimeError as e:
     print("error:", e)
     sys.exit(0)
@@ -363,3 +365,115 @@ def test_pieces_given_up_are_not_waited_for(tmp_path, how):
     assert float(out.stdout) < 5.0, out.stdout
     if how == "error":
         assert "a worker process failed: ValueError" in out.stderr, out.stderr
+
+
+_PHASES = """
+import os, sys, time
+from pmaptap import cli
+from pmaptap.tapfile import runs, shardwise
+
+command, path, log, jobs = sys.argv[1:5]
+shardwise.MAX_HELD_COPIES = 1  # every copy to a file: its buckets resolved after the reading
+forks = []
+os.register_at_fork(after_in_parent=lambda: forks.append(os.getpid()))
+read, resolve = shardwise.read, shardwise.resolve
+
+def note(what):
+    with open(log, "a") as f:
+        f.write(f"{what} {os.getpid()}\\n")
+
+def read_noted(*args):
+    note("read")
+    return read(*args)
+
+def resolve_noted(*args):
+    note("resolve")
+    return resolve(*args)
+
+def sources_noted(*args):
+    note("list")
+    return sources(*args)
+
+sources = runs.sources
+shardwise.read, shardwise.resolve = read_noted, resolve_noted
+runs.sources = sources_noted
+code = cli.main([command, path, "--jobs", jobs])
+print("forks", len(forks))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("command", ["summary", "validate"])
+def test_one_pool_of_workers_reads_the_pieces_and_resolves_the_copies(tmp_path, command):
+    """A sharded run whose replicated copies go to files (MAX_HELD_COPIES
+    at 1), read with --jobs 2: two processes are forked in all, and the
+    same two read the pieces and then resolve the buckets of copies (a
+    second round of workers forked two more, after this process held
+    every state); the workers never list the run's sources (each was
+    handed its own: before, every piece listed and statted every source
+    of the run); the output is --jobs 1's."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(4):
+        with open(runs.shard_path(path, p), "wb") as f:
+            for s in range(30):
+                loss = record_dict(name="loss", step=s, value=1.0 / (s + 1), process=p)
+                loss.update(vhash=f"{s:016x}", time=10.0 + s + p / 8)
+                grad = per_device_dict(s, p, 0.5, process=p, time=10.0 + s + p / 8)
+                f.write(_dump(loss) + b"\n" + _dump(grad) + b"\n")
+    script = tmp_path / "phases.py"
+    script.write_text(_PHASES)
+    outs = {}
+    for n in ("1", "2"):
+        log = tmp_path / f"log{n}"
+        got = subprocess.run(
+            [sys.executable, str(script), command, path, str(log), n],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert got.returncode in (0, 1), got.stderr
+        outs[n] = got.stdout
+        noted = [line.split() for line in log.read_text().splitlines()]
+        if n == "2":
+            readers = {pid for what, pid in noted if what == "read"}
+            resolvers = {pid for what, pid in noted if what == "resolve"}
+            assert resolvers and resolvers <= readers and len(readers) == 2, noted
+            assert not readers & {pid for what, pid in noted if what == "list"}, noted
+    assert outs["1"].endswith("forks 0\n") and outs["2"].endswith("forks 2\n"), outs
+    assert outs["1"].replace("forks 0", "") == outs["2"].replace("forks 2", "")
+
+
+_FORKS = """
+import os, time
+from pmaptap.tapfile import jobs
+
+def started(i):
+    return time.monotonic()
+
+forked = []
+# Each fork made slow (0.3 s): a worker handed its tasks only once every
+# worker is forked would start its first one after the last fork.
+os.register_at_fork(before=lambda: (forked.append(time.monotonic()), time.sleep(0.3)))
+with jobs._Pool(3) as pool:
+    got = list(pool.map([(started, i) for i in range(6)]))
+print(min(got) < forked[-1])
+"""
+
+
+def test_a_worker_reads_while_the_next_one_is_forked(tmp_path):
+    """Each worker of the pool is handed its first tasks as soon as it is
+    forked: its first task starts before the last worker is forked (a fork
+    takes 15 ms on a 13-core node; 12 of them one after another held every
+    worker idle until the last)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forks.py"
+    script.write_text(_FORKS)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", out.stdout

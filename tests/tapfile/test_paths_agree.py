@@ -95,7 +95,7 @@ def test_copies_read_by_two_workers_are_kept_as_the_merge_keeps_them(tmp_path, c
     path = _sharded(tmp_path, shared, {0: [_loss(0, 5.0)], 1: [_loss(1, 3.0)]})
     want = [_cli(capsys, cmd, path, "--jobs", "1") for cmd in ("summary", "validate")]
     assert "2 records" in want[0][1] and "duplicate of line 1" in want[1][1], want
-    assert jobs.plan(path, 2) == (True, [[0], [1], [2]])
+    assert jobs.plan(path, 2).pieces == [[0], [1], [2]]
     assert [_cli(capsys, cmd, path, "--jobs", "2") for cmd in ("summary", "validate")] == want
 
 
@@ -129,7 +129,7 @@ def test_validate_in_byte_ranges_names_a_duplicate_by_its_own_line(tmp_path, cap
         ],
     )
     pieces = jobs.plan(path, 2)
-    assert pieces is not None and len(pieces[1]) == 2
+    assert pieces is not None and len(pieces.pieces) == 2
     want = _cli(capsys, "validate", path, "--jobs", "1")
     assert "duplicate of line 1 (per_device 'loss' step 5 device 1)" in want[1], want
     assert _cli(capsys, "validate", path, "--jobs", "2") == want

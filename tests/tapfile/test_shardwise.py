@@ -448,8 +448,9 @@ def test_per_device_keys_of_many_shards_are_checked_in_parallel_as_merged(tmp_pa
         with monkeypatch.context() as m:
             m.setattr(shardwise, "MAX_KEY_RUNS", 10)
             assert (shardwise.validate(path) is None) == clash, case
+        sources = list(enumerate(runs.sources(path)))
         state = shardwise.read(
-            shardwise.ShardwiseValidation(path, None), path, None, 1, str(tmp_path)
+            shardwise.ShardwiseValidation(path, None), sources, 1.0, 1, str(tmp_path)
         )
         state.settle()
         kinds |= {(clash, type(held)) for spans in state.spans.values() for *_, held in spans}
@@ -484,7 +485,9 @@ def test_a_worker_sends_an_entry_per_device_and_shard_not_a_position_per_line(tm
                 for d in (2 * p, 2 * p + 1):
                     rec = per_device_dict(s, d, 0.5, process=p, time=10.0 + s + p / 8, coords={})
                     f.write(_dump(rec) + b"\n")
-    got = shardwise.read(shardwise.ShardwiseValidation(path, None), path, [1, 2], 2, str(tmp_path))
+    files = runs.sources(path)
+    sources = [(1, files[1]), (2, files[2])]
+    got = shardwise.read(shardwise.ShardwiseValidation(path, None), sources, 0.5, 2, str(tmp_path))
     assert got.v.firsts._keys == {} and got.v.dups == [] and got.v.records == 2000
     assert sorted(
         (g[6], src, held) for g, spans in got.spans.items() for _, _, src, held in spans
