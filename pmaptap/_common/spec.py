@@ -53,7 +53,9 @@ class Layout(enum.Enum):
     WHOLE = "whole"
 
 
-# The layouts in which one copy per process (its leader's) travels.
+# The layouts in which one copy per process (its leader's) travels, written
+# without a comparison of copies: unverified (VERIFIED_OFF) or proven the
+# same on every device at trace time (PROVEN, _trace/invariant.py).
 LEADER_COPY = (Layout.VERIFIED_OFF, Layout.PROVEN)
 
 

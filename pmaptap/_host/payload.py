@@ -13,9 +13,6 @@ import numpy as np
 
 from pmaptap._common.spec import GroupSpec, PayloadSpec, TapSpec, flat_index
 
-# Payloads holding the leader's own copy of a replicated tap: unverified
-# (VERIFIED_OFF) or proven replicated at trace time (PROVEN, _trace/invariant.py).
-
 
 @dataclasses.dataclass
 class Copy:

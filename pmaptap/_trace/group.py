@@ -20,22 +20,18 @@ from pmaptap._common.spec import LEADER_COPY, GroupSpec, Layout, TapSpec
 from pmaptap._trace import traceend
 from pmaptap._trace.layouts import (
     emitter,
+    from_leader_if_steps_alike,
     gather_packed,
     is_leader,
     jit_call,
     nbytes,
     send_payload,
-    steps_alike,
 )
 from pmaptap._trace.options import options
 from pmaptap._trace.placement import every_due
 from pmaptap._trace.primitive import mark_tap_vmap_rule
 
 _local = threading.local()
-
-# Members written from the leader's own copy (no comparison of copies):
-# unverified, or proven replicated at trace time. A group of only these
-# needs no collective at all.
 
 # What a collector gathers, by the layout of its members: GATHERED (gathered
 # and leader-copy taps under mapped axes: one callback per process), COPY
@@ -303,41 +299,38 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
             gspec = GroupSpec(members=specs, member_leaves=n_leaves)
             send_payload(gspec, coords, *steps, *flat)
             return coords
-        if all(s.transport.layout in LEADER_COPY for s in specs):
-            # Nothing to compare or collect: the leader sends its own copy
-            # of every member (a step's proven loss and norms cost no
-            # collective, as each alone would not).
-            gspec = GroupSpec(members=specs, member_leaves=n_leaves, gathered=False)
-            payload = list(flat)
-        else:
-            # Every member is gathered (small by construction), all in ONE
-            # packed all_gather: each collective costs ~0.1 ms here, the
-            # bytes almost nothing. Members keep their layout: an unverified
-            # or proven replicated one (VERIFIED_OFF, PROVEN) is written from
-            # the caller's copy, as it would be alone. Each member's step
-            # travels as its own operand, in its own dtype (a stacked int32
-            # would wrap steps >= 2**31).
-            payload, packing = gather_packed(list(flat), raw_names)
-            gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)
 
         def from_leader() -> None:
+            if all(s.transport.layout in LEADER_COPY for s in specs):
+                # Nothing to compare or collect: the leader sends its own
+                # copy of every member (a step's proven loss and norms cost
+                # no collective, as each alone would not).
+                gspec = GroupSpec(members=specs, member_leaves=n_leaves, gathered=False)
+                payload = list(flat)
+            else:
+                # Every member is gathered (small by construction), all in
+                # ONE packed all_gather: each collective costs ~0.1 ms here,
+                # the bytes almost nothing. Members keep their layout: an
+                # unverified or proven replicated one (VERIFIED_OFF, PROVEN)
+                # is written from the caller's copy, as it would be alone.
+                # Each member's step travels as its own operand, in its own
+                # dtype (a stacked int32 would wrap steps >= 2**31).
+                payload, packing = gather_packed(list(flat), raw_names)
+                gspec = GroupSpec(members=specs, member_leaves=n_leaves, packing=packing)
             lax.cond(
                 is_leader(specs[0], coords),
                 lambda: send_payload(gspec, coords, *steps, *payload),
                 lambda: None,
             )
 
-        if not any(s.transport.check_steps for s in specs):
-            from_leader()
-        else:
+        def each_own() -> None:
             # A member's step differs between devices: every device sends
             # its own copies, each member's with its own step (as COPIES).
-            own = GroupSpec(
-                members=tuple(s.with_transport(layout=Layout.COPY) for s in specs),
-                member_leaves=n_leaves,
-            )
-            alike = steps_alike(steps, raw_names)
-            lax.cond(alike, from_leader, lambda: send_payload(own, coords, *steps, *flat))
+            members = tuple(s.with_transport(layout=Layout.COPY) for s in specs)
+            send_payload(GroupSpec(members=members, member_leaves=n_leaves), coords, *steps, *flat)
+
+        check = any(s.transport.check_steps for s in specs)
+        from_leader_if_steps_alike(check, steps, raw_names, from_leader, each_own)
         return coords
 
     @emit_fn.def_vmap

@@ -29,7 +29,7 @@ a mapped axis we avoid one callback per device:
 
 The four leader layouts send the leader's step with every copy: a traced
 step not proven alike on every device is checked on device first
-(``steps_may_differ``, ``steps_alike``), and where it differs each device
+(``steps_may_differ``, ``from_leader_if_steps_alike``), and where it differs each device
 sends its own copy, as "copy".
 
 Why ``custom_vmap`` around the callback: a plain batching rule unrolls a
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -198,12 +198,21 @@ def steps_may_differ(step: Any, raw_names: tuple) -> bool:
     return bool(raw_names) and not placement.proven_invariant([step], raw_names)
 
 
-def steps_alike(steps: Sequence, raw_names: tuple) -> jax.Array:
-    """On device, whether ``steps`` are the same on every device of the
-    axes: the same predicate everywhere, from ONE all_gather of their bytes."""
+def from_leader_if_steps_alike(
+    check: bool, steps: Sequence, raw_names: tuple, from_leader: Callable, each_own: Callable
+) -> None:
+    """``from_leader()`` (one callback per process, with the leader's steps)
+    where ``steps`` are the same on every device of the axes, ``each_own()``
+    (every device its own copy and steps) where not. ``check``: they may
+    differ (``Transport.check_steps``); then it is decided on device, the
+    same predicate everywhere (so the leader path's collectives are safe),
+    from ONE all_gather of the steps' bytes."""
+    if not check:
+        from_leader()
+        return
     parts = [lax.bitcast_convert_type(_bits(jnp.asarray(s)), jnp.uint8).reshape(-1) for s in steps]
     got = lax.all_gather(jnp.concatenate(parts), raw_names)
-    return jnp.all(got == got[0])
+    lax.cond(jnp.all(got == got[0]), from_leader, each_own)
 
 
 def _flat_index(coords: jax.Array, sizes: Sequence[int]) -> jax.Array:
@@ -289,14 +298,13 @@ def emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
     if layout is Layout.COPY:
         send_payload(spec, coords, step, *leaves)
         return
-    if not spec.transport.check_steps:
-        _from_leader(spec, raw_names, coords, step, leaves)
-    else:
-        lax.cond(
-            steps_alike([step], raw_names),
-            lambda: _from_leader(spec, raw_names, coords, step, leaves),
-            lambda: send_payload(spec.with_transport(layout=Layout.COPY), coords, step, *leaves),
-        )
+    from_leader_if_steps_alike(
+        spec.transport.check_steps,
+        [step],
+        raw_names,
+        lambda: _from_leader(spec, raw_names, coords, step, leaves),
+        lambda: send_payload(spec.with_transport(layout=Layout.COPY), coords, step, *leaves),
+    )
 
 
 def _from_leader(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:

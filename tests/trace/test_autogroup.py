@@ -215,7 +215,7 @@ def test_a_vmapped_and_rematerialized_step_writes_each_record_once(tmp_path):
 def test_traced_every_is_decided_once_for_the_trace(tmp_path):
     def body(v, step):
         # Proven the same on every device (a pmax): no check of the steps
-        # on device (layouts.steps_alike), which would add its own branch.
+        # on device (layouts.from_leader_if_steps_alike), which would add its own branch.
         step = lax.pmax(step, "i")
         pmaptap.tap(v, "y", step=step, every=3, dedup="per_device")
         pmaptap.tap(lax.pmean(v, "i"), "m", step=step, every=3, dedup="replicated")
@@ -400,7 +400,7 @@ def test_a_scan_body_closing_over_the_traced_step_is_grouped(tmp_path):
         recs[auto] = _records(path)
     # Two buckets and four taps, each with its branch for steps that differ
     # between devices (the trace does not prove a step closed over by the
-    # scan body alike: layouts.steps_alike), which the records show unused.
+    # scan body alike: layouts.from_leader_if_steps_alike), which the records show unused.
     assert (calls[True], calls[False]) == (2 * 2, 4 * 2)
     assert recs[True] == recs[False]
     ms = [json.loads(r) for r in recs[True] if '"name": "m"' in r]
