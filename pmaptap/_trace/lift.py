@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -364,13 +364,23 @@ def _deeper(nodes: list[Node] | tuple[Node, ...]) -> tuple[Node, ...]:
     return tuple(out)
 
 
+class _Branch(NamedTuple):
+    """A cond branch lifted once: a jaxpr of its outputs, then its marks'
+    arrays (``outs`` of the first, of types ``marks``), and its nodes."""
+
+    jaxpr: core.Jaxpr
+    consts: list
+    nodes: list[Node]
+    outs: int
+    marks: list
+
+
 def _cond(invals, eqn) -> Result:
     index, *ops = invals
-    # Each branch is lifted once, to a jaxpr of its outputs and its marks'
-    # arrays, and that jaxpr is what the switch below runs: lifting it again
-    # there would lift every cond nested in it twice per level, so a nest of
-    # n conds would cost 2^n lifts of the innermost one.
-    lowered = []  # (jaxpr, consts, nodes, number of outputs, marks' avals)
+    # Each branch is lifted once and that jaxpr is what the switch below
+    # runs: lifting it again there would lift every cond nested in it twice
+    # per level, so a nest of n conds would cost 2^n lifts of the innermost.
+    branches: list[_Branch] = []
     for closed in eqn.params["branches"]:
         box: dict[str, Any] = {}
 
@@ -382,25 +392,22 @@ def _cond(invals, eqn) -> Result:
 
         jaxpr, avals, consts = _trace(fn, ops)
         n = box["outs"]
-        lowered.append((jaxpr, consts, box["nodes"], n, avals[n:]))
+        branches.append(_Branch(jaxpr, consts, box["nodes"], n, avals[n:]))
 
     # A branch returns every branch's marks' arrays: zeros for those not
     # taken (their valid flags false).
-    def taken(b: int):
-        jaxpr, consts, _, n, _ = lowered[b]
-
+    def taken(b: _Branch):
         def fn(*xs):
-            res = core.eval_jaxpr(jaxpr, consts, *xs)
+            res = core.eval_jaxpr(b.jaxpr, b.consts, *xs)
             parts: list = []
-            for c, (*_, avals) in enumerate(lowered):
-                parts += res[n:] if c == b else [_zeros(a) for a in avals]
-            return tuple(res[:n]), tuple(parts)
+            for c in branches:
+                parts += res[b.outs :] if c is b else [_zeros(a) for a in c.marks]
+            return tuple(res[: b.outs]), tuple(parts)
 
         return fn
 
-    outs, flat = lax.switch(index, [taken(b) for b in range(len(lowered))], *ops)
-    nodes = [node for _, _, nodes_b, _, _ in lowered for node in nodes_b]
-    return list(outs), nodes, list(flat)
+    outs, flat = lax.switch(index, [taken(b) for b in branches], *ops)
+    return list(outs), [node for b in branches for node in b.nodes], list(flat)
 
 
 def _trace(fn: Callable, args, what: str = "pmaptap lift"):
