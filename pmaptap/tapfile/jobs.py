@@ -184,18 +184,15 @@ def _context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
-def _start(serve: Any, args: list[tuple]) -> list:
-    """One process per entry of ``args``, each running ``serve(connection,
-    *its args)`` with a pipe to this one: [(process, connection)]."""
+def _start(serve: Any, *args: Any) -> tuple:
+    """A worker process running ``serve(connection, *args)`` with a pipe
+    to this one: (process, connection)."""
     ctx = _context()
-    out = []
-    for a in args:
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=serve, args=(theirs, *a), daemon=True)
-        p.start()
-        theirs.close()
-        out.append((p, mine))
-    return out
+    mine, theirs = ctx.Pipe()
+    p = ctx.Process(target=serve, args=(theirs, *args), daemon=True)
+    p.start()
+    theirs.close()
+    return p, mine
 
 
 def _serve(conn: Any, target: Any, task: tuple) -> None:
@@ -246,7 +243,7 @@ def _stop(workers: list, kill: bool = False) -> None:
 def _run(target: Any, tasks: list[tuple]) -> list:
     """``target(*task)`` of each task: the first in this process (which
     would otherwise wait), each other one in a worker process."""
-    workers = _start(_serve, [(target, task) for task in tasks[1:]])
+    workers = [_start(_serve, target, task) for task in tasks[1:]]
     done = False
     try:
         with collector_paused():
@@ -329,7 +326,7 @@ class _Pool:
             give(conn)
             give(conn)
         while len(queued) < min(self.size, len(tasks)):
-            ((p, conn),) = _start(_serve_each, [()])
+            p, conn = _start(_serve_each)
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
