@@ -443,7 +443,7 @@ def validate_file(path: str | os.PathLike) -> Report:
     mention an attempt (attempts.scan: what each later attempt superseded).
     tapfile/jobs.py's validate_file gives the same report in worker
     processes, and of a sharded run a shard at a time (tapfile/shardwise.py)."""
-    return latest(path, lambda attempts: _validate(path, attempts), lambda got: got is None)
+    return latest(path, lambda attempts: _validate(path, attempts))
 
 
 def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:

@@ -401,7 +401,7 @@ def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result 
             # in one process would say None again).
             return summary.summarize_file(path, flt) if got is None else got
         parts, attempts = pieces.pieces, summary.first_attempts(path, flt)
-        return latest(path, lambda a: _summary_pass(path, parts, flt, a), _none, attempts)
+        return latest(path, lambda a: _summary_pass(path, parts, flt, a), attempts=attempts)
     except NeedSerial:
         return None
 
@@ -420,11 +420,6 @@ def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result 
         bad += [(pos + offset, why) for pos, why in piece_bad]
         offset += lines
     return merged.result(bad)
-
-
-def _none(got: Any) -> bool:
-    """Whether a pass of pieces of one file was resumed (``latest``)."""
-    return got is None
 
 
 # ------------------------------------------------------------ validate
@@ -461,7 +456,7 @@ def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
             # (a read of the shards in one process would say None again).
             return checks.validate_file(path) if got is None else got
         parts = pieces.pieces
-        return latest(path, lambda a: _validate_pass(path, parts, a), _none)
+        return latest(path, lambda a: _validate_pass(path, parts, a))
     except NeedSerial:
         return None
 
