@@ -68,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -75,6 +76,7 @@ if ROOT not in sys.path:
 from benchmarks.common import (  # noqa: E402
     BARE_ORJSON_LOOP,
     compile_bytecode,
+    interleaved_rounds,
     loopback_s3,
     measure_process,
     measure_process_times,
@@ -648,23 +650,24 @@ def _fixed_cost(tmp: str, jobs: list[int], rounds: int) -> None:
     path = os.path.join(tmp, "f.jsonl")
     processes, devices = 256, 8
     size = _make("generate_job", path, processes, 1, devices)
-    arms = {j: [py, "-m", "pmaptap", "summary", path, "--jobs", str(j)] for j in sorted({1, *jobs})}
-    outs = {
-        subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True).stdout
-        for cmd in arms.values()
-    }
-    walls: dict = {j: [] for j in arms}
-    for r in range(rounds):
-        for j, cmd in list(arms.items())[:: -1 if r % 2 else 1]:
-            walls[j].append(measure_process(cmd, cwd=ROOT)[0])
+    outs: set = set()  # every run's output (the warm-up's too)
+
+    def arm(j: int) -> Callable[[], None]:
+        cmd = [py, "-m", "pmaptap", "summary", path, "--jobs", str(j)]
+        return lambda: outs.add(
+            subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True).stdout
+        )
+
+    arms = {str(j): arm(j) for j in sorted({1, *jobs})}
+    walls = interleaved_rounds(arms, rounds=rounds, steps=1)
     rows = []
     for j, ts in walls.items():
-        added = [(t - one) * 1e3 for t, one in zip(ts, walls[1])]
+        added = [(t - one) * 1e3 for t, one in zip(ts, walls["1"])]
         rows.append(
             (
                 f"f. summary --jobs {j}",
                 f"{statistics.median(ts) * 1e3:.0f} ms ({min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f})",
-                "" if j == 1 else f"{statistics.median(added):+.1f} ms",
+                "" if j == "1" else f"{statistics.median(added):+.1f} ms",
             )
         )
     print(

@@ -102,15 +102,18 @@ T = TypeVar("T")
 def latest(
     path: str | os.PathLike,
     read: Callable[["Attempts | None"], T],
-    resumed: Callable[[T], bool],
+    resumed: "Callable[[T], bool] | None" = None,
     attempts: "Attempts | None" = None,
 ) -> T:
     """``read(attempts)``; with ``attempts`` None, a pass that assumes the
     run was never resumed (most runs): where it was after all (``resumed``
-    of the pass: a record of a later attempt met), the run is read again
-    once what each later attempt superseded is known (``scan``)."""
+    of the pass: a record of a later attempt met; by default, the pass
+    gave None), the run is read again once what each later attempt
+    superseded is known (``scan``)."""
     got = read(attempts)
-    return read(scan(path)) if attempts is None and resumed(got) else got
+    if attempts is None and (got is None if resumed is None else resumed(got)):
+        return read(scan(path))
+    return got
 
 
 def _scan_file(idx: Attempts, path: str | os.PathLike) -> None:

@@ -373,8 +373,10 @@ class Validator:
 
     def absorb(self, other: Validator, offset: int) -> None:
         """Add the state of the piece of the same file after this one's,
-        its positions ``offset`` lines on (tapfile/jobs.py). A first copy
-        in that piece of a key this one holds is a duplicate."""
+        its positions ``offset`` lines on (tapfile/jobs.py; offset 0: other
+        sources of a sharded run, positions the merge's already,
+        shardwise.py). A first copy in that piece of a key this one holds
+        is a duplicate."""
         self.lines = offset + other.lines
         self.records += other.records
         self.superseded += other.superseded
@@ -386,7 +388,7 @@ class Validator:
         self.fingerprinted |= other.fingerprinted
         self.resumed = self.resumed or other.resumed
 
-    def absorb_firsts(self, other: Validator, offset: int = 0) -> None:
+    def absorb_firsts(self, other: Validator, offset: int) -> None:
         """``other``'s first copies, their positions ``offset`` on: one of
         a key this one holds is a duplicate. Its key is the one ``other``
         met first, whose ids may be of another type than the line's own
@@ -394,15 +396,12 @@ class Validator:
         another's id, so the caller reads in one process."""
         odd = self.odd or other.odd
         self.odd = odd
-        for parts, pos in other.entries_of():
+        for parts, pos in other.firsts.entries():
             pos += offset
             if self.firsts.add_parts(parts, pos) is not None:
                 if odd:
                     raise NeedSerial("ids of two types")
                 self.dups.append((pos, parts))
-
-    def entries_of(self) -> Iterable[tuple[tuple, Any]]:
-        return self.firsts.entries()
 
     def rendered_dups(self) -> list[tuple[Any, Any, str]]:
         """(position, its first copy's position, description) of each
@@ -443,7 +442,7 @@ def validate_file(path: str | os.PathLike) -> Report:
     mention an attempt (attempts.scan: what each later attempt superseded).
     tapfile/jobs.py's validate_file gives the same report in worker
     processes, and of a sharded run a shard at a time (tapfile/shardwise.py)."""
-    return latest(path, lambda attempts: _validate(path, attempts), lambda got: got is None)
+    return latest(path, lambda attempts: _validate(path, attempts))
 
 
 def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:

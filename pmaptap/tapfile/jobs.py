@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile import checks, runs, shardwise, summary
@@ -184,18 +184,15 @@ def _context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
-def _start(serve: Any, args: list[tuple]) -> list:
-    """One process per entry of ``args``, each running ``serve(connection,
-    *its args)`` with a pipe to this one: [(process, connection)]."""
+def _start(serve: Any, *args: Any) -> tuple:
+    """A worker process running ``serve(connection, *args)`` with a pipe
+    to this one: (process, connection)."""
     ctx = _context()
-    out = []
-    for a in args:
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=serve, args=(theirs, *a), daemon=True)
-        p.start()
-        theirs.close()
-        out.append((p, mine))
-    return out
+    mine, theirs = ctx.Pipe()
+    p = ctx.Process(target=serve, args=(theirs, *args), daemon=True)
+    p.start()
+    theirs.close()
+    return p, mine
 
 
 def _serve(conn: Any, target: Any, task: tuple) -> None:
@@ -246,7 +243,7 @@ def _stop(workers: list, kill: bool = False) -> None:
 def _run(target: Any, tasks: list[tuple]) -> list:
     """``target(*task)`` of each task: the first in this process (which
     would otherwise wait), each other one in a worker process."""
-    workers = _start(_serve, [(target, task) for task in tasks[1:]])
+    workers = [_start(_serve, target, task) for task in tasks[1:]]
     done = False
     try:
         with collector_paused():
@@ -329,7 +326,7 @@ class _Pool:
             give(conn)
             give(conn)
         while len(queued) < min(self.size, len(tasks)):
-            ((p, conn),) = _start(_serve_each, [()])
+            p, conn = _start(_serve_each)
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
@@ -381,32 +378,52 @@ def _resolve(*task: Any) -> Any:
     return shardwise.resolve(*task)
 
 
+def _read(
+    path: str | os.PathLike,
+    jobs: int,
+    shardwise_read: Callable[["shardwise.Reader | None"], Any],
+    in_pieces: Callable[[list], Any],
+    merged: Callable[[], Any],
+) -> Any:
+    """A summary or a report of ``path`` in ``jobs`` processes, the way
+    that is exact: a sharded run shard by shard (``shardwise_read`` of a
+    reader, None: in this process), one file in byte ranges
+    (``in_pieces`` of them); where neither can be (``NeedSerial``, or
+    shardwise's None), the merged stream (``merged``)."""
+    pieces = plan(path, jobs)
+    got = None
+    try:
+        if pieces is not None and pieces.sharded:
+            got = shardwise_read(functools.partial(_sharded, pieces, jobs=jobs))
+            # None: ids of two types, a per-device key or a process's copies
+            # in two sources, whose order only the merged stream gives (a
+            # read of the shards in one process would say None again).
+            return merged() if got is None else got
+        if pieces is not None:
+            got = in_pieces(pieces.pieces)
+    except NeedSerial:
+        pass
+    if got is None and _local_sharded(path):
+        got = shardwise_read(None)
+    return got if got is not None else merged()
+
+
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
     """summary.summarize_file in ``jobs`` processes (in this one alone
     where the run is not split: see the module's docstring)."""
     flt = flt or Filter()
-    got = _summarize_split(path, flt, jobs)
-    if got is None and _local_sharded(path):
-        got = shardwise.summarize(path, flt)
-    return got if got is not None else summary.summarize_file(path, flt)
-
-
-def _summarize_split(path: str | os.PathLike, flt: Filter, jobs: int) -> Result | None:
-    pieces = plan(path, jobs)
-    if pieces is None:
-        return None
     path = os.fspath(path)
-    try:
-        if pieces.sharded:
-            got = shardwise.summarize(path, flt, functools.partial(_sharded, pieces, jobs=jobs))
-            # None: ids of two types, or a process's copies in two sources,
-            # whose order only the merged stream gives (a read of the shards
-            # in one process would say None again).
-            return summary.summarize_file(path, flt) if got is None else got
-        parts, attempts = pieces.pieces, summary.first_attempts(path, flt)
-        return latest(path, lambda a: _summary_pass(path, parts, flt, a), _none, attempts)
-    except NeedSerial:
-        return None
+    return _read(
+        path,
+        jobs,
+        lambda reader: shardwise.summarize(path, flt, reader),
+        lambda parts: latest(
+            path,
+            lambda a: _summary_pass(path, parts, flt, a),
+            attempts=summary.first_attempts(path, flt),
+        ),
+        lambda: summary.summarize_file(path, flt),
+    )
 
 
 def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result | None:
@@ -425,11 +442,6 @@ def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result 
     return merged.result(bad)
 
 
-def _none(got: Any) -> bool:
-    """Whether a pass of pieces of one file was resumed (``latest``)."""
-    return got is None
-
-
 # ------------------------------------------------------------ validate
 
 
@@ -445,28 +457,14 @@ def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """checks.validate_file in ``jobs`` processes (in this one alone
     where the run is not split)."""
-    got = _validate_split(path, jobs)
-    if got is None and _local_sharded(path):
-        got = shardwise.validate(path)
-    return got if got is not None else checks.validate_file(path)
-
-
-def _validate_split(path: str | os.PathLike, jobs: int) -> Report | None:
-    pieces = plan(path, jobs)
-    if pieces is None:
-        return None
     path = os.fspath(path)
-    try:
-        if pieces.sharded:
-            got = shardwise.validate(path, functools.partial(_sharded, pieces, jobs=jobs))
-            # None: a per-device key in two sources, or a process's copies
-            # in two sources, whose first copy only the merged stream gives
-            # (a read of the shards in one process would say None again).
-            return checks.validate_file(path) if got is None else got
-        parts = pieces.pieces
-        return latest(path, lambda a: _validate_pass(path, parts, a), _none)
-    except NeedSerial:
-        return None
+    return _read(
+        path,
+        jobs,
+        lambda reader: shardwise.validate(path, reader),
+        lambda parts: latest(path, lambda a: _validate_pass(path, parts, a)),
+        lambda: checks.validate_file(path),
+    )
 
 
 def _validate_pass(path: str, parts: list, attempts: Any) -> Report | None:

@@ -61,7 +61,7 @@ from array import array
 from collections import Counter
 from itertools import accumulate, repeat
 from operator import itemgetter
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import msgspec
 
@@ -682,23 +682,13 @@ class ShardwiseValidation(_Shardwise):
         """Whether a per-device key has copies in two sources (``clash``):
         of each device's sources, those whose ranges of steps overlap are
         compared, their steps read back one device at a time."""
-        for spans in self.spans.values():
-            if len(spans) < 2:
-                continue
-            spans.sort(key=_POS)
-            near: list = []  # spans overlapping, up to step ``reach``
-            reach = spans[0][1]
-            for span in spans:
-                if span[0] > reach:
-                    if len(near) > 1 and _clash(near):
-                        self.clash = True
-                        return
-                    near = []
-                reach = max(reach, span[1])
-                near.append(span)
-            if len(near) > 1 and _clash(near):
-                self.clash = True
-                return
+        self.clash = any(
+            _clash(near)
+            for spans in self.spans.values()
+            if len(spans) > 1
+            for near in _overlapping(spans)
+            if len(near) > 1
+        )
 
     def report(self) -> "Report | None":
         """The report (checks.validate_file's), ``combine``d; None where a
@@ -715,6 +705,21 @@ class ShardwiseValidation(_Shardwise):
         v.problems = [(place[pos], why) for pos, why in problems]
         dups = [(place[a], place[b], _what(parts)) for a, b, parts in dups]
         return v.report(dups, self.lines())
+
+
+def _overlapping(spans: list) -> Iterator[list]:
+    """``spans`` (``ShardwiseValidation.spans``) in groups whose ranges of
+    steps overlap, by least step."""
+    spans.sort(key=_POS)
+    near: list = []  # spans overlapping, up to step ``reach``
+    reach = spans[0][1]
+    for span in spans:
+        if span[0] > reach:
+            yield near
+            near = []
+        reach = max(reach, span[1])
+        near.append(span)
+    yield near
 
 
 def _clash(spans: list) -> bool:
