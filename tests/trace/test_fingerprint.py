@@ -142,8 +142,8 @@ def _flips(a: np.ndarray, rng, count: int):
         yield b.view(a.dtype).reshape(a.shape)
 
 
-_tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
-_cpu = jax.jit(lambda x: fphash._flat(fphash._parts(jnp.asarray(x)), None, FOLD, 0, REGROUP))
+_tiled = jax.jit(lambda x: fphash._tiled(x, None))
+_cpu = jax.jit(lambda x: fphash._flat(fphash._parts(jnp.asarray(x)), None, FOLD, REGROUP))
 
 
 @NO_STEP
@@ -259,8 +259,8 @@ def test_the_words_of_one_element_share_a_lane_in_order(x64):
 def test_64_bit_dtypes_with_x64():
     with jax.enable_x64(True):
         fp = jax.jit(fingerprint64)
-        tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
-        cpu = jax.jit(lambda x: fphash._flat(fphash._parts(x), None, FOLD, 0, REGROUP))
+        tiled = jax.jit(lambda x: fphash._tiled(x, None))
+        cpu = jax.jit(lambda x: fphash._flat(fphash._parts(x), None, FOLD, REGROUP))
         rng = np.random.default_rng(5)
         for dtype in (np.float64, np.int64, np.uint64, np.complex128):
             for shape in ((5,), (1 << 17,), (256, 1024)):
