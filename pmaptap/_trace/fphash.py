@@ -225,13 +225,12 @@ def _flat(
     # of lanes (module docstring).
     per = 1 if x.dtype == jnp.bfloat16 else max(1, 4 // size)
     pair = 2 if x.dtype == jnp.bfloat16 else 1
-    flat = x.reshape(-1)
-    planes: list[jax.Array] = []
     if per == 1:
         # Bitcast before any slice: it stays in the fused loop, and
         # XLA:CPU would compute bfloat16 slices in float32.
-        for part in parts:
-            planes.extend(_words(_mask(_bits(part.reshape(-1)), ok)))
+        planes = [w for part in parts for w in _words(_mask(_bits(part.reshape(-1)), ok))]
+    else:
+        flat = x.reshape(-1)  # packed: sliced before any bitcast (below)
     block = fold * LANES * per * pair
     main = n - n % block
     out = jnp.zeros((2,), jnp.uint32)
@@ -244,8 +243,7 @@ def _flat(
             word = None
             for j in range(per):
                 bits = _bits(rows[:, :, j::per])
-                if ok_rows is not None:
-                    bits = _mask(bits, ok_rows[:, :, j::per])
+                bits = _mask(bits, None if ok_rows is None else ok_rows[:, :, j::per])
                 bits = bits.astype(jnp.uint32) << np.uint32(8 * size * j)
                 word = bits if word is None else word | bits
             lanes = _fold([word], 1)
