@@ -62,24 +62,23 @@ import tempfile
 import time
 
 
-def _steps_arm(advance, state: dict, counters: dict, key, steps: int, kind: str, session):
-    """One round of an arm: ``steps`` calls of ``advance(params, step)``
-    from the arm's state, waited for, then the session flushed (the
-    fingerprint arm) or the raw callbacks waited for (the floors)."""
+def _steps_arm(advance, params, steps: int, finish):
+    """One round of an arm: ``steps`` calls of ``advance(params, step)``,
+    each on the parameters the last returned (the arm's own, from
+    ``params``; its steps counted from 0), the last waited for, then
+    ``finish()`` (the session's flush for the fingerprint arm,
+    ``jax.effects_barrier`` for the floors' raw callbacks)."""
     import jax
 
-    def go():
-        p = state[key]
+    step = 0
+
+    def go() -> None:
+        nonlocal params, step
         for _ in range(steps):
-            p = advance(p, counters[key])
-            counters[key] += 1
-        jax.block_until_ready(p)
-        state[key] = p
-        if kind == "fingerprint":
-            session.flush()
-        else:
-            jax.effects_barrier()
-        return steps
+            params = advance(params, step)
+            step += 1
+        jax.block_until_ready(params)
+        finish()
 
     return go
 
@@ -180,17 +179,12 @@ def run(quick: bool = False) -> None:
 
         return jax.jit(body, donate_argnums=0)
 
-    state = {}
-    counters = {}
-
     def arm(variant: str, kind: str):
         fn = (pmap_body if variant == "pmap" else jit_body)(kind)
-        key = (variant, kind)
-        state[key] = jax.tree.map(jnp.copy, rep if variant == "pmap" else jtree)
-        counters[key] = 0
+        params = jax.tree.map(jnp.copy, rep if variant == "pmap" else jtree)
         g = grads if variant == "pmap" else jgrads
-
-        return _steps_arm(lambda p, s: fn(p, g, s), state, counters, key, steps, kind, session)
+        finish = session.flush if kind == "fingerprint" else jax.effects_barrier
+        return _steps_arm(lambda p, s: fn(p, g, s), params, steps, finish)
 
     # Bytes handed to the host by fingerprint callbacks (their arrays).
     real_deliver = routing.deliver
@@ -523,14 +517,10 @@ def run_step(session, quick: bool) -> None:
 
         return step
 
-    state, counters = {}, {}
-
     def arm(kind: str):
         fn = make(kind)
-        state[kind] = [jnp.copy(p) for p in params0]
-        counters[kind] = 0
-
-        return _steps_arm(lambda p, s: fn(p, s)[0], state, counters, kind, steps, kind, session)
+        finish = session.flush if kind == "fingerprint" else jax.effects_barrier
+        return _steps_arm(lambda p, s: fn(p, s)[0], [jnp.copy(p) for p in params0], steps, finish)
 
     arms = {k: arm(k) for k in ("step", "floor", "fingerprint")}
     times = interleaved_rounds(arms, rounds=rounds, steps=steps)
