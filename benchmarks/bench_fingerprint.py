@@ -90,6 +90,7 @@ from benchmarks.common import (  # noqa: E402
     machine,
     main_quick,
     paired,
+    steps_arm,
     table,
 )
 
@@ -389,17 +390,6 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
     # callback costs, pmaptap's pipeline left out.
     hash_call = jax.jit(lambda t: jax.debug.callback(nothing, *[fingerprint64(x) for x in t]))
 
-    def repeat(fn, *args, finish):
-        def go():
-            out = None
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            finish()
-            return calls
-
-        return go
-
     def row_of(dtype) -> tuple:
         """One dtype's row: its tree's fingerprint against the floor."""
         tree = jax.device_put(_tree(dtype, mib, rng), device)
@@ -410,12 +400,11 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             pmaptap.fingerprint(t, name, step=s)
 
         def fp_arm(fp):
-            def go():
+            def go() -> None:
                 for _ in range(calls):
                     fp(tree, step["n"])
                     step["n"] += 1
                 session.flush()
-                return calls
 
             return go
 
@@ -423,10 +412,10 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             {
                 "fingerprint": fp_arm(jax.jit(body)),
                 "outputs": fp_arm(pmaptap.jit(body)),
-                "floor": repeat(floor, f32, finish=jax.effects_barrier),
-                "hash": repeat(hashes, tree, finish=lambda: None),
-                "hash_call": repeat(hash_call, tree, finish=jax.effects_barrier),
-                "sums": repeat(sums, f32, finish=lambda: None),
+                "floor": steps_arm(floor, f32, calls, jax.effects_barrier),
+                "hash": steps_arm(hashes, tree, calls, lambda: None),
+                "hash_call": steps_arm(hash_call, tree, calls, jax.effects_barrier),
+                "sums": steps_arm(sums, f32, calls, lambda: None),
             },
             rounds=rounds,
             steps=calls,

@@ -157,14 +157,16 @@ def activation_step(kind: str):
 
 def steps_arm(fn, x, steps: int, finish: Callable[[], None]) -> Callable[[], None]:
     """One round of an arm: ``steps`` calls of ``fn(x)``, the last result
-    waited for, then ``finish()`` (a session's flush, whose records and
-    bytes are then written, or ``jax.effects_barrier`` for raw callbacks)."""
+    (any pytree of arrays, or None) waited for, then ``finish()`` (a
+    session's flush, whose records and bytes are then written, or
+    ``jax.effects_barrier`` for raw callbacks)."""
+    import jax
 
     def go() -> None:
         y = None
         for _ in range(steps):
             y = fn(x)
-        y.block_until_ready()
+        jax.block_until_ready(y)
         finish()
 
     return go
