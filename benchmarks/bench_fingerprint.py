@@ -59,7 +59,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 
 def _steps_arm(advance, params, steps: int, finish):
@@ -92,6 +91,7 @@ from benchmarks.common import (  # noqa: E402
     paired,
     steps_arm,
     table,
+    wall_and_cpu_rounds,
 )
 
 DEVICES = 8
@@ -208,15 +208,7 @@ def run(quick: bool = False) -> None:
         for fn in arms.values():
             fn()  # compile, first writes
         size0, calls0, bytes0 = os.path.getsize(path), handed["calls"], handed["bytes"]
-        wall: dict[str, list[float]] = {k: [] for k in arms}
-        cpu: dict[str, list[float]] = {k: [] for k in arms}
-        for r in range(rounds):
-            order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
-            for k, fn in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                wall[k].append((time.perf_counter() - t0) / steps)
-                cpu[k].append((time.process_time() - c0) / steps)
+        wall, cpu = wall_and_cpu_rounds(arms, rounds=rounds, steps=steps)
         fp_steps = rounds * steps
         growth = (os.path.getsize(path) - size0) / fp_steps
         per_leaf_device = (handed["bytes"] - bytes0) / (
