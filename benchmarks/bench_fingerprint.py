@@ -85,6 +85,7 @@ def _steps_arm(advance, params, steps: int, finish):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
+    floor_callback,
     interleaved_rounds,
     machine,
     main_quick,
@@ -109,6 +110,15 @@ def _flip(x, index, bit):
     return lax.bitcast_convert_type(flat, x.dtype).reshape(x.shape)
 
 
+def _ms(times, arm: str, digits: int = 3) -> str:
+    """The arm's median milliseconds a step."""
+    return f"{statistics.median(times[arm]) * 1e3:.{digits}f}"
+
+
+def _nothing(*_) -> None:
+    """The raw callbacks' host side: nothing (the floors measure the call)."""
+
+
 def run(quick: bool = False) -> None:
     import jax
     import jax.numpy as jnp
@@ -131,9 +141,6 @@ def run(quick: bool = False) -> None:
     nbytes = sum(a.nbytes for a in tree.values())
     lr = np.float32(1e-3)
 
-    def nothing(*_):
-        return None
-
     def update(p, g):
         return jax.tree.map(lambda a, b: a - lr * b, p, g)
 
@@ -148,12 +155,7 @@ def run(quick: bool = False) -> None:
                 leaves = jax.tree.leaves(p)
                 if kind == "floor_b":
                     leaves = lax.optimization_barrier(leaves)
-                sums = [jnp.sum(v) for v in leaves]
-                lax.cond(
-                    lax.axis_index("i") == 0,
-                    lambda: jax.debug.callback(nothing, *sums),
-                    lambda: None,
-                )
+                floor_callback("i", *[jnp.sum(v) for v in leaves])
             elif kind == "fingerprint":
                 pmaptap.fingerprint(p, "params_pmap", step=step)
             return p
@@ -173,7 +175,7 @@ def run(quick: bool = False) -> None:
                 leaves = jax.tree.leaves(p)
                 if kind == "floor_b":
                     leaves = lax.optimization_barrier(leaves)
-                jax.debug.callback(nothing, *[jnp.sum(v) for v in leaves])
+                jax.debug.callback(_nothing, *[jnp.sum(v) for v in leaves])
             elif kind == "fingerprint":
                 pmaptap.fingerprint(p, "params_jit", step=step)
             return p
@@ -215,16 +217,14 @@ def run(quick: bool = False) -> None:
             (handed["calls"] - calls0) * len(shapes) * DEVICES
         )
 
-        def ms(t, k):
-            return f"{statistics.median(t[k]) * 1e3:.1f}"
-
         for ref in ("floor", "floor_b"):
             rows.append(
                 (
                     f"q. {variant}: fingerprint / {ref}",
                     f"{paired(wall, 'fingerprint', ref):.2f}x",
                     f"{paired(cpu, 'fingerprint', ref):.2f}x",
-                    f"{ms(wall, 'update')} / {ms(wall, ref)} / {ms(wall, 'fingerprint')}",
+                    f"{_ms(wall, 'update', 1)} / {_ms(wall, ref, 1)} / "
+                    f"{_ms(wall, 'fingerprint', 1)}",
                     f"{per_leaf_device:.1f}",
                     f"{growth:.0f}",
                 )
@@ -352,10 +352,6 @@ def _tree(dtype, mib: float, rng) -> list:
     return leaves
 
 
-def _ms(times, arm: str) -> str:
-    return f"{statistics.median(times[arm]) * 1e3:.3f}"
-
-
 def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
     """r.: one device, one call a tree, per dtype."""
     import jax
@@ -372,15 +368,12 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
     device = jax.devices()[0]
     f32 = jax.device_put(_tree(jnp.float32, mib, rng), device)
 
-    def nothing(*_):
-        return None
-
-    floor = jax.jit(lambda t: jax.debug.callback(nothing, *[jnp.sum(x) for x in t]))
+    floor = jax.jit(lambda t: jax.debug.callback(_nothing, *[jnp.sum(x) for x in t]))
     sums = jax.jit(lambda t: [jnp.sum(x) for x in t])
     hashes = jax.jit(lambda t: [fingerprint64(x) for x in t])
     # The hash and one raw callback of it: what any fingerprint taken by a
     # callback costs, pmaptap's pipeline left out.
-    hash_call = jax.jit(lambda t: jax.debug.callback(nothing, *[fingerprint64(x) for x in t]))
+    hash_call = jax.jit(lambda t: jax.debug.callback(_nothing, *[fingerprint64(x) for x in t]))
 
     def row_of(dtype) -> tuple:
         """One dtype's row: its tree's fingerprint against the floor."""
@@ -482,16 +475,13 @@ def run_step(session, quick: bool) -> None:
             h = jax.nn.relu(h @ w)
         return jnp.mean((h.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
 
-    def nothing(*_):
-        return None
-
     def make(kind: str):
         @jax.jit
         def step(params, s):
             value, grads = jax.value_and_grad(loss)(params)
             params = [p - lr * g for p, g in zip(params, grads)]
             if kind == "floor":
-                jax.debug.callback(nothing, *[jnp.sum(p, dtype=jnp.float32) for p in params])
+                jax.debug.callback(_nothing, *[jnp.sum(p, dtype=jnp.float32) for p in params])
             elif kind == "fingerprint":
                 pmaptap.fingerprint(params, "step_params", step=s)
             return params, value
