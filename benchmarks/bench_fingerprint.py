@@ -148,42 +148,37 @@ def run(quick: bool = False) -> None:
     rep = {k: np.broadcast_to(a, (DEVICES, *a.shape)) for k, a in tree.items()}
     grads = jax.pmap(lambda t: jax.tree.map(lambda a: a * 0.5, t))(rep)
 
-    def pmap_body(kind):
-        def body(p, g, step):
-            p = update(p, g)
-            if kind in ("floor", "floor_b"):
-                leaves = jax.tree.leaves(p)
-                if kind == "floor_b":
-                    leaves = lax.optimization_barrier(leaves)
-                floor_callback("i", *[jnp.sum(v) for v in leaves])
-            elif kind == "fingerprint":
-                pmaptap.fingerprint(p, "params_pmap", step=step)
-            return p
-
-        return jax.pmap(body, axis_name="i", in_axes=(0, 0, None), donate_argnums=0)
-
     # ---------------------------------------------------------- jit arms
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     everywhere = NamedSharding(mesh, P())
     jtree = jax.device_put(tree, everywhere)
     jgrads = jax.device_put(jax.tree.map(lambda a: a * 0.5, tree), everywhere)
 
-    def jit_body(kind):
+    # ---------------------------------------------------------- the steps
+    def step_fn(variant: str, kind: str):
+        """The step of one arm, under pmap (axis "i") or jit."""
+
         def body(p, g, step):
             p = update(p, g)
             if kind in ("floor", "floor_b"):
                 leaves = jax.tree.leaves(p)
                 if kind == "floor_b":
                     leaves = lax.optimization_barrier(leaves)
-                jax.debug.callback(_nothing, *[jnp.sum(v) for v in leaves])
+                sums = [jnp.sum(v) for v in leaves]
+                if variant == "pmap":
+                    floor_callback("i", *sums)  # from device 0 alone
+                else:
+                    jax.debug.callback(_nothing, *sums)  # one call for the program
             elif kind == "fingerprint":
-                pmaptap.fingerprint(p, "params_jit", step=step)
+                pmaptap.fingerprint(p, f"params_{variant}", step=step)
             return p
 
+        if variant == "pmap":
+            return jax.pmap(body, axis_name="i", in_axes=(0, 0, None), donate_argnums=0)
         return jax.jit(body, donate_argnums=0)
 
     def arm(variant: str, kind: str):
-        fn = (pmap_body if variant == "pmap" else jit_body)(kind)
+        fn = step_fn(variant, kind)
         params = jax.tree.map(jnp.copy, rep if variant == "pmap" else jtree)
         g = grads if variant == "pmap" else jgrads
         finish = session.flush if kind == "fingerprint" else jax.effects_barrier
