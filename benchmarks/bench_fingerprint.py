@@ -59,27 +59,25 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 
-def _steps_arm(advance, state: dict, counters: dict, key, steps: int, kind: str, session):
-    """One round of an arm: ``steps`` calls of ``advance(params, step)``
-    from the arm's state, waited for, then the session flushed (the
-    fingerprint arm) or the raw callbacks waited for (the floors)."""
+def _steps_arm(advance, params, steps: int, finish):
+    """One round of an arm: ``steps`` calls of ``advance(params, step)``,
+    each on the parameters the last returned (the arm's own, from
+    ``params``; its steps counted from 0), the last waited for, then
+    ``finish()`` (the session's flush for the fingerprint arm,
+    ``jax.effects_barrier`` for the floors' raw callbacks)."""
     import jax
 
-    def go():
-        p = state[key]
+    step = 0
+
+    def go() -> None:
+        nonlocal params, step
         for _ in range(steps):
-            p = advance(p, counters[key])
-            counters[key] += 1
-        jax.block_until_ready(p)
-        state[key] = p
-        if kind == "fingerprint":
-            session.flush()
-        else:
-            jax.effects_barrier()
-        return steps
+            params = advance(params, step)
+            step += 1
+        jax.block_until_ready(params)
+        finish()
 
     return go
 
@@ -87,11 +85,14 @@ def _steps_arm(advance, state: dict, counters: dict, key, steps: int, kind: str,
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
+    floor_callback,
     interleaved_rounds,
     machine,
     main_quick,
     paired,
+    steps_arm,
     table,
+    wall_and_cpu_rounds,
 )
 
 DEVICES = 8
@@ -107,6 +108,15 @@ def _flip(x, index, bit):
     flat = lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
     flat = flat.at[index].set(flat[index] ^ (jnp.uint32(1) << bit.astype(jnp.uint32)))
     return lax.bitcast_convert_type(flat, x.dtype).reshape(x.shape)
+
+
+def _ms(times, arm: str, digits: int = 3) -> str:
+    """The arm's median milliseconds a step."""
+    return f"{statistics.median(times[arm]) * 1e3:.{digits}f}"
+
+
+def _nothing(*_) -> None:
+    """The raw callbacks' host side: nothing (the floors measure the call)."""
 
 
 def run(quick: bool = False) -> None:
@@ -131,9 +141,6 @@ def run(quick: bool = False) -> None:
     nbytes = sum(a.nbytes for a in tree.values())
     lr = np.float32(1e-3)
 
-    def nothing(*_):
-        return None
-
     def update(p, g):
         return jax.tree.map(lambda a, b: a - lr * b, p, g)
 
@@ -141,7 +148,16 @@ def run(quick: bool = False) -> None:
     rep = {k: np.broadcast_to(a, (DEVICES, *a.shape)) for k, a in tree.items()}
     grads = jax.pmap(lambda t: jax.tree.map(lambda a: a * 0.5, t))(rep)
 
-    def pmap_body(kind):
+    # ---------------------------------------------------------- jit arms
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    everywhere = NamedSharding(mesh, P())
+    jtree = jax.device_put(tree, everywhere)
+    jgrads = jax.device_put(jax.tree.map(lambda a: a * 0.5, tree), everywhere)
+
+    # ---------------------------------------------------------- the steps
+    def step_fn(variant: str, kind: str):
+        """The step of one arm, under pmap (axis "i") or jit."""
+
         def body(p, g, step):
             p = update(p, g)
             if kind in ("floor", "floor_b"):
@@ -149,48 +165,24 @@ def run(quick: bool = False) -> None:
                 if kind == "floor_b":
                     leaves = lax.optimization_barrier(leaves)
                 sums = [jnp.sum(v) for v in leaves]
-                lax.cond(
-                    lax.axis_index("i") == 0,
-                    lambda: jax.debug.callback(nothing, *sums),
-                    lambda: None,
-                )
+                if variant == "pmap":
+                    floor_callback("i", *sums)  # from device 0 alone
+                else:
+                    jax.debug.callback(_nothing, *sums)  # one call for the program
             elif kind == "fingerprint":
-                pmaptap.fingerprint(p, "params_pmap", step=step)
+                pmaptap.fingerprint(p, f"params_{variant}", step=step)
             return p
 
-        return jax.pmap(body, axis_name="i", in_axes=(0, 0, None), donate_argnums=0)
-
-    # ---------------------------------------------------------- jit arms
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    everywhere = NamedSharding(mesh, P())
-    jtree = jax.device_put(tree, everywhere)
-    jgrads = jax.device_put(jax.tree.map(lambda a: a * 0.5, tree), everywhere)
-
-    def jit_body(kind):
-        def body(p, g, step):
-            p = update(p, g)
-            if kind in ("floor", "floor_b"):
-                leaves = jax.tree.leaves(p)
-                if kind == "floor_b":
-                    leaves = lax.optimization_barrier(leaves)
-                jax.debug.callback(nothing, *[jnp.sum(v) for v in leaves])
-            elif kind == "fingerprint":
-                pmaptap.fingerprint(p, "params_jit", step=step)
-            return p
-
+        if variant == "pmap":
+            return jax.pmap(body, axis_name="i", in_axes=(0, 0, None), donate_argnums=0)
         return jax.jit(body, donate_argnums=0)
 
-    state = {}
-    counters = {}
-
     def arm(variant: str, kind: str):
-        fn = (pmap_body if variant == "pmap" else jit_body)(kind)
-        key = (variant, kind)
-        state[key] = jax.tree.map(jnp.copy, rep if variant == "pmap" else jtree)
-        counters[key] = 0
+        fn = step_fn(variant, kind)
+        params = jax.tree.map(jnp.copy, rep if variant == "pmap" else jtree)
         g = grads if variant == "pmap" else jgrads
-
-        return _steps_arm(lambda p, s: fn(p, g, s), state, counters, key, steps, kind, session)
+        finish = session.flush if kind == "fingerprint" else jax.effects_barrier
+        return _steps_arm(lambda p, s: fn(p, g, s), params, steps, finish)
 
     # Bytes handed to the host by fingerprint callbacks (their arrays).
     real_deliver = routing.deliver
@@ -213,23 +205,12 @@ def run(quick: bool = False) -> None:
         for fn in arms.values():
             fn()  # compile, first writes
         size0, calls0, bytes0 = os.path.getsize(path), handed["calls"], handed["bytes"]
-        wall: dict[str, list[float]] = {k: [] for k in arms}
-        cpu: dict[str, list[float]] = {k: [] for k in arms}
-        for r in range(rounds):
-            order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
-            for k, fn in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                wall[k].append((time.perf_counter() - t0) / steps)
-                cpu[k].append((time.process_time() - c0) / steps)
+        wall, cpu = wall_and_cpu_rounds(arms, rounds=rounds, steps=steps)
         fp_steps = rounds * steps
         growth = (os.path.getsize(path) - size0) / fp_steps
         per_leaf_device = (handed["bytes"] - bytes0) / (
             (handed["calls"] - calls0) * len(shapes) * DEVICES
         )
-
-        def ms(t, k):
-            return f"{statistics.median(t[k]) * 1e3:.1f}"
 
         for ref in ("floor", "floor_b"):
             rows.append(
@@ -237,7 +218,8 @@ def run(quick: bool = False) -> None:
                     f"q. {variant}: fingerprint / {ref}",
                     f"{paired(wall, 'fingerprint', ref):.2f}x",
                     f"{paired(cpu, 'fingerprint', ref):.2f}x",
-                    f"{ms(wall, 'update')} / {ms(wall, ref)} / {ms(wall, 'fingerprint')}",
+                    f"{_ms(wall, 'update', 1)} / {_ms(wall, ref, 1)} / "
+                    f"{_ms(wall, 'fingerprint', 1)}",
                     f"{per_leaf_device:.1f}",
                     f"{growth:.0f}",
                 )
@@ -365,10 +347,6 @@ def _tree(dtype, mib: float, rng) -> list:
     return leaves
 
 
-def _ms(times, arm: str) -> str:
-    return f"{statistics.median(times[arm]) * 1e3:.3f}"
-
-
 def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
     """r.: one device, one call a tree, per dtype."""
     import jax
@@ -385,26 +363,12 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
     device = jax.devices()[0]
     f32 = jax.device_put(_tree(jnp.float32, mib, rng), device)
 
-    def nothing(*_):
-        return None
-
-    floor = jax.jit(lambda t: jax.debug.callback(nothing, *[jnp.sum(x) for x in t]))
+    floor = jax.jit(lambda t: jax.debug.callback(_nothing, *[jnp.sum(x) for x in t]))
     sums = jax.jit(lambda t: [jnp.sum(x) for x in t])
     hashes = jax.jit(lambda t: [fingerprint64(x) for x in t])
     # The hash and one raw callback of it: what any fingerprint taken by a
     # callback costs, pmaptap's pipeline left out.
-    hash_call = jax.jit(lambda t: jax.debug.callback(nothing, *[fingerprint64(x) for x in t]))
-
-    def repeat(fn, *args, finish):
-        def go():
-            out = None
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            finish()
-            return calls
-
-        return go
+    hash_call = jax.jit(lambda t: jax.debug.callback(_nothing, *[fingerprint64(x) for x in t]))
 
     def row_of(dtype) -> tuple:
         """One dtype's row: its tree's fingerprint against the floor."""
@@ -416,12 +380,11 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             pmaptap.fingerprint(t, name, step=s)
 
         def fp_arm(fp):
-            def go():
+            def go() -> None:
                 for _ in range(calls):
                     fp(tree, step["n"])
                     step["n"] += 1
                 session.flush()
-                return calls
 
             return go
 
@@ -429,10 +392,10 @@ def run_dtypes(session, quick: bool, bandwidth: float | None) -> None:
             {
                 "fingerprint": fp_arm(jax.jit(body)),
                 "outputs": fp_arm(pmaptap.jit(body)),
-                "floor": repeat(floor, f32, finish=jax.effects_barrier),
-                "hash": repeat(hashes, tree, finish=lambda: None),
-                "hash_call": repeat(hash_call, tree, finish=jax.effects_barrier),
-                "sums": repeat(sums, f32, finish=lambda: None),
+                "floor": steps_arm(floor, f32, calls, jax.effects_barrier),
+                "hash": steps_arm(hashes, tree, calls, lambda: None),
+                "hash_call": steps_arm(hash_call, tree, calls, jax.effects_barrier),
+                "sums": steps_arm(sums, f32, calls, lambda: None),
             },
             rounds=rounds,
             steps=calls,
@@ -507,30 +470,23 @@ def run_step(session, quick: bool) -> None:
             h = jax.nn.relu(h @ w)
         return jnp.mean((h.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
 
-    def nothing(*_):
-        return None
-
     def make(kind: str):
         @jax.jit
         def step(params, s):
             value, grads = jax.value_and_grad(loss)(params)
             params = [p - lr * g for p, g in zip(params, grads)]
             if kind == "floor":
-                jax.debug.callback(nothing, *[jnp.sum(p, dtype=jnp.float32) for p in params])
+                jax.debug.callback(_nothing, *[jnp.sum(p, dtype=jnp.float32) for p in params])
             elif kind == "fingerprint":
                 pmaptap.fingerprint(params, "step_params", step=s)
             return params, value
 
         return step
 
-    state, counters = {}, {}
-
     def arm(kind: str):
         fn = make(kind)
-        state[kind] = [jnp.copy(p) for p in params0]
-        counters[kind] = 0
-
-        return _steps_arm(lambda p, s: fn(p, s)[0], state, counters, kind, steps, kind, session)
+        finish = session.flush if kind == "fingerprint" else jax.effects_barrier
+        return _steps_arm(lambda p, s: fn(p, s)[0], [jnp.copy(p) for p in params0], steps, finish)
 
     arms = {k: arm(k) for k in ("step", "floor", "fingerprint")}
     times = interleaved_rounds(arms, rounds=rounds, steps=steps)

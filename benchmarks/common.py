@@ -52,16 +52,28 @@ def interleaved_rounds(
     (``paired``) cancel most of a shared machine's drift."""
     for fn in arms.values():  # warm up: compile, first file writes
         fn()
-    times: dict[str, list[float]] = {k: [] for k in arms}
+    return wall_and_cpu_rounds(arms, rounds=rounds, steps=steps)[0]
+
+
+def wall_and_cpu_rounds(
+    arms: dict[str, Callable[[], None]], *, rounds: int, steps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``interleaved_rounds``' rounds without its warm-up (the caller's, who
+    can then take stock of what the warm-up wrote): seconds per step of each
+    arm, one entry per round, of wall time and of this process's CPU time
+    (``time.process_time``, which a busy machine stretches far less)."""
+    wall: dict[str, list[float]] = {k: [] for k in arms}
+    cpu: dict[str, list[float]] = {k: [] for k in arms}
     for r in range(rounds):
         order = list(arms.items())
         if r % 2:
             order.reverse()  # no arm always runs after the same one
         for name, fn in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[name].append((time.perf_counter() - t0) / steps)
-    return times
+            cpu[name].append((time.process_time() - c0) / steps)
+            wall[name].append((time.perf_counter() - t0) / steps)
+    return wall, cpu
 
 
 def interleaved(
@@ -157,14 +169,16 @@ def activation_step(kind: str):
 
 def steps_arm(fn, x, steps: int, finish: Callable[[], None]) -> Callable[[], None]:
     """One round of an arm: ``steps`` calls of ``fn(x)``, the last result
-    waited for, then ``finish()`` (a session's flush, whose records and
-    bytes are then written, or ``jax.effects_barrier`` for raw callbacks)."""
+    (any pytree of arrays, or None) waited for, then ``finish()`` (a
+    session's flush, whose records and bytes are then written, or
+    ``jax.effects_barrier`` for raw callbacks)."""
+    import jax
 
     def go() -> None:
         y = None
         for _ in range(steps):
             y = fn(x)
-        y.block_until_ready()
+        jax.block_until_ready(y)
         finish()
 
     return go

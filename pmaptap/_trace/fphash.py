@@ -118,17 +118,14 @@ def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     out = jnp.full((2,), np.uint32(x.size % 2**32), jnp.uint32)
     if x.size == 0:
         return out
+    cpu = partial(_flat, fold=FOLD, regroup=REGROUP)
     if parts[0].size * parts[0].dtype.itemsize < SMALL:
-        return out + _flat(parts, valid, FOLD, 0, REGROUP)  # the same everywhere
+        return out + cpu(parts, valid)  # the same everywhere
     # The layout that suits the platform the program is compiled for: the
     # fingerprint of given bits is the same wherever that platform runs it
     # (only copies computed by one program are ever compared).
     return out + lax.platform_dependent(
-        parts,
-        valid,
-        cpu=partial(_flat, fold=FOLD, first=0, regroup=REGROUP),
-        tpu=_tiled_parts,
-        default=partial(_flat, fold=FOLD_ELSEWHERE, first=0),
+        parts, valid, cpu=cpu, tpu=_tiled_parts, default=partial(_flat, fold=FOLD_ELSEWHERE)
     )
 
 
@@ -210,16 +207,17 @@ def _flat(
     parts: list[jax.Array],
     valid: jax.Array | None,
     fold: int,
-    first: int,
     regroup: int = 1,
+    first: int = 0,
 ) -> jax.Array:
     """Dense row-major layouts: the flat elements in blocks of ``fold`` rows
     x ``LANES`` words, whose lanes are folded again ``regroup`` at a time
-    (the words past the last whole block: each its own lane). Every word of
-    an element (the halves of a 64-bit one, the parts of a complex one)
-    goes to the same lane, in the same pass (``_fold``): one plane per
-    pass read the array once per plane (2.1x a float32 sum's time for
-    64-bit and complex64 values, 3.6x for complex128)."""
+    (the words past the last whole block: each its own lane), their
+    positions counted from ``first``. Every word of an element (the halves
+    of a 64-bit one, the parts of a complex one) goes to the same lane, in
+    the same pass (``_fold``): one plane per pass read the array once per
+    plane (2.1x a float32 sum's time for 64-bit and complex64 values, 3.6x
+    for complex128)."""
     x = parts[0]
     ok = None if valid is None else valid.reshape(-1)
     n, size = x.size, x.dtype.itemsize
@@ -227,13 +225,12 @@ def _flat(
     # of lanes (module docstring).
     per = 1 if x.dtype == jnp.bfloat16 else max(1, 4 // size)
     pair = 2 if x.dtype == jnp.bfloat16 else 1
-    flat = x.reshape(-1)
-    planes: list[jax.Array] = []
     if per == 1:
         # Bitcast before any slice: it stays in the fused loop, and
         # XLA:CPU would compute bfloat16 slices in float32.
-        for part in parts:
-            planes.extend(_words(_mask(_bits(part.reshape(-1)), ok)))
+        planes = [w for part in parts for w in _words(_mask(_bits(part.reshape(-1)), ok))]
+    else:
+        flat = x.reshape(-1)  # packed: sliced before any bitcast (below)
     block = fold * LANES * per * pair
     main = n - n % block
     out = jnp.zeros((2,), jnp.uint32)
@@ -246,8 +243,7 @@ def _flat(
             word = None
             for j in range(per):
                 bits = _bits(rows[:, :, j::per])
-                if ok_rows is not None:
-                    bits = _mask(bits, ok_rows[:, :, j::per])
+                bits = _mask(bits, None if ok_rows is None else ok_rows[:, :, j::per])
                 bits = bits.astype(jnp.uint32) << np.uint32(8 * size * j)
                 word = bits if word is None else word | bits
             lanes = _fold([word], 1)
@@ -311,13 +307,13 @@ def _tiled_parts(parts: list[jax.Array], valid: jax.Array | None) -> jax.Array:
     return out
 
 
-def _tiled(x: jax.Array, valid: jax.Array | None, first: int) -> jax.Array:
+def _tiled(x: jax.Array, valid: jax.Array | None, first: int = 0) -> jax.Array:
     """XLA:TPU's tiled layout: the array as (leading, rows, columns), each
-    run of up to ``FOLD_TPU`` rows of a column one lane (module
-    docstring)."""
+    run of up to ``FOLD_TPU`` rows of a column one lane (module docstring),
+    their positions counted from ``first``."""
     if x.ndim == 1:
         if x.shape[0] % 128:
-            return _flat([x], valid, FOLD_ELSEWHERE, first)  # no tiles to read in place
+            return _flat([x], valid, FOLD_ELSEWHERE, first=first)  # no tiles to read in place
         x = x.reshape(-1, 128)
         valid = None if valid is None else valid.reshape(x.shape)
     rows, cols = x.shape[-2], x.shape[-1]

@@ -142,8 +142,10 @@ def _flips(a: np.ndarray, rng, count: int):
         yield b.view(a.dtype).reshape(a.shape)
 
 
-_tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
-_cpu = jax.jit(lambda x: fphash._flat(fphash._parts(jnp.asarray(x)), None, FOLD, 0, REGROUP))
+# The two layouts past the small path, of any dtype (a complex value's parts
+# as the platform's branch of fingerprint64 takes them).
+_tiled = jax.jit(lambda x: fphash._tiled_parts(fphash._parts(x), None))
+_cpu = jax.jit(lambda x: fphash._flat(fphash._parts(x), None, FOLD, REGROUP))
 
 
 @NO_STEP
@@ -160,9 +162,7 @@ def test_every_flipped_bit_of_every_dtype_is_seen_in_every_layout(dtype, shape):
     whole columns where none divides the rows, the vector's 128 columns)."""
     rng = np.random.default_rng(hash((np.dtype(dtype).name, shape)) % 2**32)
     a = _random(dtype, shape, rng)
-    fns = [_fp, _cpu]
-    if not np.issubdtype(dtype, np.complexfloating):  # complex: its parts are
-        fns += [_tiled] if len(shape) > 1 or shape[0] % 128 == 0 else []
+    fns = [_fp, _cpu] + ([_tiled] if len(shape) > 1 or shape[0] % 128 == 0 else [])
     for fn in fns:
         base = np.asarray(fn(a))
         assert np.array_equal(np.asarray(fn(a.copy())), base)
@@ -251,22 +251,18 @@ def test_the_words_of_one_element_share_a_lane_in_order(x64):
                 a = _random(dtype, shape, rng)
                 half = np.dtype(f"u{a.itemsize // 2}")  # real/imaginary, low/high
                 swapped = a.view(half).reshape(-1, 2)[:, ::-1].copy().view(dtype).reshape(shape)
-                for fn in (jax.jit(fingerprint64), _cpu):
+                for fn in (_fp, _cpu):
                     assert not np.array_equal(np.asarray(fn(a)), np.asarray(fn(swapped)))
 
 
 @NO_STEP
 def test_64_bit_dtypes_with_x64():
-    with jax.enable_x64(True):
-        fp = jax.jit(fingerprint64)
-        tiled = jax.jit(lambda x: fphash._tiled(x, None, 0))
-        cpu = jax.jit(lambda x: fphash._flat(fphash._parts(x), None, FOLD, 0, REGROUP))
+    with jax.enable_x64(True):  # jit traces again under it (part of its cache key)
         rng = np.random.default_rng(5)
         for dtype in (np.float64, np.int64, np.uint64, np.complex128):
             for shape in ((5,), (1 << 17,), (256, 1024)):
                 a = _random(dtype, shape, rng)
-                fns = [fp, cpu] if np.issubdtype(dtype, np.complexfloating) else [fp, cpu, tiled]
-                for fn in fns:
+                for fn in (_fp, _cpu, _tiled):
                     base = np.asarray(fn(a))
                     assert base.dtype == np.uint32 and base.shape == (2,)
                     for bad in _flips(a, rng, 8):
