@@ -361,7 +361,7 @@ def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp, _Pool(jobs) as pool:
         buckets = shardwise.buckets_for(sum(pieces.sizes), jobs)
         tasks = [
-            (shardwise.read, empty.fresh(), *pieces.sources(piece), buckets, tmp)
+            (shardwise.read, empty.fresh(), *pieces.sources(piece), buckets, tmp, True)
             for piece in pieces.pieces
         ]
 

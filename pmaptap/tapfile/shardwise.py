@@ -26,7 +26,8 @@ decides across sources is decided here once every source is read:
   holds of each device, ranges mostly (``ShardwiseValidation.settle``);
 - the line number in the merged stream of a line with a problem: from
   every source's merge keys (kept as runs of equal keys) and the dropped
-  copies, counted only when there is such a line. Past MAX_KEY_RUNS (the
+  copies, counted only when there is such a line (a worker's keys go to a
+  file, read back by the parent only then). Past MAX_KEY_RUNS (the
   whole run's runs of keys and copies, so every --jobs decides alike) a
   line is named by its source and its line there (runs.SourceLine).
 
@@ -95,6 +96,8 @@ MAX_HELD_COPIES = 1 << 17
 # back holds at most the copies of about this many bytes of lines.
 BUCKET_BYTES = 32 << 20
 _LINE_MASK = (1 << _LINE_BITS) - 1
+# In a read's temporary directory once a state met more than MAX_KEY_RUNS.
+_UNPLACEABLE = "past-max-key-runs"
 
 
 class _Keys:
@@ -102,13 +105,34 @@ class _Keys:
     process's records of one step share theirs): 16 bytes a run, kept
     while ``keep``; and how many lines it has."""
 
-    __slots__ = ("keys", "ends", "t", "lines")
+    __slots__ = ("keys", "ends", "t", "lines", "stored")
 
     def __init__(self) -> None:
         self.keys = array("d")
         self.ends = array("q")  # lines up to the end of each run
         self.t = float("-inf")
         self.lines = 0
+        self.stored: "tuple[str, int, int] | None" = None  # (file, offset, runs): ``store``
+
+    def store(self, f: Any, path: str) -> None:
+        """The runs to the end of file ``f`` (at ``path``; a worker's, before its state
+        goes to the parent, which reads them back only where it places a
+        line: ``_Shardwise.load_keys``)."""
+        self.stored = (path, f.tell(), len(self.keys))
+        self.keys.tofile(f)
+        self.ends.tofile(f)
+        self.keys, self.ends = array("d"), array("q")
+
+    def load(self) -> None:
+        """The runs ``store``d, back."""
+        if self.stored is None:
+            return
+        path, offset, n = self.stored
+        with open(path, "rb") as f:
+            f.seek(offset)
+            self.keys.fromfile(f, n)
+            self.ends.fromfile(f, n)
+        self.stored = None
 
     def add(self, records: list, holes: bool, keep: bool) -> tuple[list[float], int]:
         """The keys of the source's next lines (their records), and how many
@@ -334,8 +358,41 @@ class _Shardwise:
         MAX_KEY_RUNS: a line is then named by its source and line there)."""
         self.placeable = False
         for k in self.keys.values():
-            k.keys, k.ends = array("d"), array("q")
+            k.keys, k.ends, k.stored = array("d"), array("q"), None
         self.dropped = {}
+        if self.spill_dir is not None:
+            # Said to the workers of the read, whose pieces then keep no
+            # keys (``store_keys``): a part of the run past the bound is
+            # the whole run past it.
+            open(os.path.join(self.spill_dir, _UNPLACEABLE), "wb").close()
+
+    def store_keys(self) -> None:
+        """A worker's keys to a file in ``spill_dir``, not in the state it
+        sends: 16 bytes a run of keys, a line's worth where each line has a
+        time of its own (the JAX-free Writer's), ~78 MB at 4.9 M lines,
+        which the parent took in one state after another, and dropped
+        whole when the run turned out past MAX_KEY_RUNS; it needs them only
+        to place a line with a problem (``load_keys``)."""
+        if not self.placeable or self.spill_dir is None:
+            return
+        if os.path.exists(os.path.join(self.spill_dir, _UNPLACEABLE)):
+            self._forget()  # another state was past MAX_KEY_RUNS: so is the run
+            return
+        fd, path = tempfile.mkstemp(prefix="keys-", dir=self.spill_dir)
+        with os.fdopen(fd, "wb") as f:
+            for k in self.keys.values():
+                k.store(f, path)
+
+    def load_keys(self) -> None:
+        """The keys ``store_keys`` put in files, back, where a line is to
+        be placed (``combine``, while the files are there)."""
+        if self.placeable and self._to_place():
+            for k in self.keys.values():
+                k.load()
+
+    def _to_place(self) -> bool:
+        """Whether a line will be placed in the merged stream (``placed``)."""
+        return bool(self.bad)
 
     def absorb(self, other: _Shardwise) -> None:
         """Another's state (the accumulator: the subclass's), of other
@@ -504,6 +561,7 @@ def combine(
     state ``resumed`` or ``overflow`` is given back as it is."""
     got = _combine(states, workers, resolver)
     if not (got.resumed or got.overflow):
+        got.load_keys()
         got.settle()
     return got
 
@@ -690,6 +748,10 @@ class ShardwiseValidation(_Shardwise):
             if len(near) > 1
         )
 
+    def _to_place(self) -> bool:
+        v = self.v
+        return bool(self.bad or self.device_dups or v.dups or v.problems)
+
     def report(self) -> "Report | None":
         """The report (checks.validate_file's), ``combine``d; None where a
         per-device key has copies in two sources (which one is first is the
@@ -759,10 +821,13 @@ def read(
     share: float,
     buckets: int,
     spill_dir: "str | None",
+    sent: bool = False,
 ) -> _Shardwise:
     """``got`` of ``sources`` ((index in runs.sources, path) each; ``share``
     of the run's bytes), until one is ``resumed``; copies past
-    MAX_HELD_COPIES to a file in ``spill_dir``, in ``buckets`` buckets."""
+    MAX_HELD_COPIES to a file in ``spill_dir``, in ``buckets`` buckets;
+    ``sent`` (to the process that combines the states): its keys there
+    too (``store_keys``)."""
     got.buckets, got.spill_dir = buckets, spill_dir
     with collector_paused():
         for i, source in sources:
@@ -770,6 +835,8 @@ def read(
             if got.resumed or got.overflow:
                 return got
         got.end(share)
+        if sent:
+            got.store_keys()
     return got
 
 
