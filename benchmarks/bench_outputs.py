@@ -35,7 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import interleaved_rounds, machine, paired, rss_mib, table  # noqa: E402
 
 
-def run(quick: bool = False, tpu: bool = False) -> None:
+def run(
+    quick: bool = False, tpu: bool = False, workloads: tuple = ("scalars", "scan", "array")
+) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -199,7 +201,7 @@ def run(quick: bool = False, tpu: bool = False) -> None:
         return go
 
     rows = []
-    for workload in ("scalars", "scan", "array"):
+    for workload in workloads:
         arms = {how: arm(workload, how) for how in ("base", "tap", "raw", "out", "floor")}
         times = interleaved_rounds(arms, rounds=rounds, steps=steps)
         base_ms = sorted(times["base"])[len(times["base"]) // 2] * 1e3
@@ -247,9 +249,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tpu", action="store_true", help="one accelerator chip: bf16, bigger sizes")
+    ap.add_argument(
+        "--workloads", default="scalars,scan,array", help="of scalars, scan, array, comma-separated"
+    )
     a = ap.parse_args()
     if not a.tpu:
         from benchmarks.common import set_devices
 
         set_devices(8)
-    run(quick=a.quick, tpu=a.tpu)
+    run(quick=a.quick, tpu=a.tpu, workloads=tuple(a.workloads.split(",")))

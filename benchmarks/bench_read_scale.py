@@ -28,8 +28,9 @@ Arms:
   processes in the sharded layout, each writing one per-device value for
   each of its 8 devices every step and process 0 the loss, as the JAX-free
   ``Writer`` writes them (``generate_job``, several processes at once);
-  per line, the cost of each command in a fresh process, its speed-up on
-  ``--jobs 1`` of the same size, and the parallel orjson floor (as many
+  per line, the cost of each command in a fresh process (``--rounds``
+  interleaved rounds, one by default), its speed-up on ``--jobs 1`` of the
+  same size (the paired median), and the parallel orjson floor (as many
   processes as the most jobs, each an orjson loop over its share of the
   shard files); the outputs of every ``--jobs`` compared, byte for byte.
 
@@ -518,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs = [1, 2] if a.quick else [int(x) for x in a.jobs.split(",")]
             vjobs = [1, 2] if a.quick else [int(x) for x in a.validate_jobs.split(",") if x]
             for lines in sizes:
-                _at_scale(tmp, lines, jobs, vjobs, a.devices)
+                _at_scale(tmp, lines, jobs, vjobs, a.devices, a.rounds or 1)
         if "f" in parts:
             jobs = [1, 2] if a.quick else [int(x) for x in a.jobs.split(",")]
             _fixed_cost(tmp, jobs, 3 if a.quick else (a.rounds or 15))
@@ -701,8 +702,12 @@ def _timed(cmd: list[str]) -> tuple[float, float, bytes]:
     return wall, cpu, out.stdout
 
 
-def _at_scale(tmp: str, lines: int, jobs: list[int], vjobs: list[int], devices: int) -> None:
-    """s. a 256-process job's run of about ``lines`` lines."""
+def _at_scale(
+    tmp: str, lines: int, jobs: list[int], vjobs: list[int], devices: int, rounds: int
+) -> None:
+    """s. a 256-process job's run of about ``lines`` lines; each command's
+    ``--jobs`` in interleaved ``rounds`` (each round's order reversed from
+    the last), speed-ups as paired medians."""
     py = sys.executable
     processes = 256
     steps = max(1, round(lines / (processes * devices)))
@@ -712,33 +717,48 @@ def _at_scale(tmp: str, lines: int, jobs: list[int], vjobs: list[int], devices: 
     made = time.perf_counter() - t0
     n = processes * devices * steps + steps
     most = max(jobs + vjobs)
-    floor, _, _ = _timed([py, "-c", _BARE_PARALLEL, path + ".d", str(most)])
+    floors = [_timed([py, "-c", _BARE_PARALLEL, path + ".d", str(most)])[0] for _ in range(rounds)]
+    floor = statistics.median(floors)
     print(
         f"s. {n / 1e6:.2f} M lines ({processes} processes x {devices} devices x {steps} "
         f"steps + the loss), {size / 2**20:.0f} MiB, generated in {made:.1f} s; "
-        f"{os.cpu_count()} cores"
+        f"{os.cpu_count()} cores; {rounds} interleaved round(s), medians (range)"
     )
-    rows = [(f"orjson floor, {most} processes", f"{floor:.2f} s", f"{floor / n * 1e6:.3f}", "", "")]
+    rows = [(f"orjson floor, {most} processes", _spread(floors), f"{floor / n * 1e6:.3f}", "", "")]
     for cmd, js in (("summary", jobs), ("validate", vjobs)):
-        outs = {}
-        base = None
+        outs: dict[int, set] = {j: set() for j in js}
+        walls: dict[int, list[float]] = {j: [] for j in js}
+        cpus: dict[int, list[float]] = {j: [] for j in js}
+        for r in range(rounds):
+            for j in js if r % 2 == 0 else js[::-1]:
+                wall, cpu, out = _timed([py, "-m", "pmaptap", cmd, path, "--jobs", str(j)])
+                outs[j].add(out)
+                walls[j].append(wall)
+                cpus[j].append(cpu)
         for j in js:
-            wall, cpu, out = _timed([py, "-m", "pmaptap", cmd, path, "--jobs", str(j)])
-            outs[j] = out
-            base = wall if j == 1 else base
+            wall = statistics.median(walls[j])
+            speedup = (
+                statistics.median(b / w for b, w in zip(walls[1], walls[j])) if 1 in walls else None
+            )
             rows.append(
                 (
                     f"{cmd} --jobs {j}",
-                    f"{wall:.2f} s (CPU {cpu:.1f} s)",
+                    f"{_spread(walls[j])} (CPU {statistics.median(cpus[j]):.1f} s)",
                     f"{wall / n * 1e6:.3f}",
-                    f"{base / wall:.2f}x" if base else "",
+                    f"{speedup:.2f}x" if speedup else "",
                     f"{wall / floor:.2f}x",
                 )
             )
-        same = len(set(outs.values())) == 1
+        same = len(set().union(*outs.values())) == 1
         print(f"s. {cmd}: the output of every --jobs {'identical' if same else 'DIFFERENT'}")
     print(table(rows, ("s. command", "wall", "us a line", "vs --jobs 1", "vs floor")))
     subprocess.run(["rm", "-rf", path + ".d"], check=True)
+
+
+def _spread(walls: list[float]) -> str:
+    """``median s`` and, of several, ``(least-most)``."""
+    mid = f"{statistics.median(walls):.2f} s"
+    return mid if len(walls) < 2 else f"{mid} ({min(walls):.2f}-{max(walls):.2f})"
 
 
 if __name__ == "__main__":
