@@ -479,6 +479,21 @@ def test_a_worker_reads_while_the_next_one_is_forked(tmp_path):
     assert out.stdout.strip() == "True", out.stdout
 
 
+def _a_time_a_line(tmp_path, bad_in: int | None = None) -> tuple[str, list]:
+    """A run of 4 shards of 200 per-device lines, each line a time of its
+    own (a run of merge keys a line, as the JAX-free Writer's), a bad last
+    line in shard ``bad_in``: (its path, its sources as read() takes them)."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(4):
+        with open(runs.shard_path(path, p), "wb") as f:
+            for s in range(200):
+                f.write(_dump(per_device_dict(s, p, 0.5, process=p, time=s + p / 8)) + b"\n")
+            if p == bad_in:
+                f.write(b"garbage, not JSON\n")
+    return path, list(enumerate(runs.sources(path)))
+
+
 def test_a_worker_sends_its_merge_keys_by_file_and_they_are_read_back_only_to_place(
     tmp_path, capsys, monkeypatch
 ):
@@ -491,13 +506,7 @@ def test_a_worker_sends_its_merge_keys_by_file_and_they_are_read_back_only_to_pl
 
     from pmaptap.tapfile import shardwise
 
-    path = str(tmp_path / "run.jsonl")
-    os.makedirs(path + runs.SHARD_SUFFIX)
-    for p in range(4):
-        with open(runs.shard_path(path, p), "wb") as f:
-            for s in range(200):
-                f.write(_dump(per_device_dict(s, p, 0.5, process=p, time=s + p / 8)) + b"\n")
-    sources = list(enumerate(runs.sources(path)))
+    path, sources = _a_time_a_line(tmp_path)
     kept = shardwise.read(shardwise.ShardwiseSummary(summary.Filter(), None), sources, 1.0, 1, None)
     sent = shardwise.read(
         shardwise.ShardwiseSummary(summary.Filter(), None), sources, 1.0, 1, str(tmp_path), True
@@ -525,15 +534,7 @@ def test_once_a_state_is_past_max_key_runs_no_worker_files_its_keys(tmp_path, ca
     from pmaptap.tapfile import shardwise
 
     monkeypatch.setattr(shardwise, "MAX_KEY_RUNS", 300)
-    path = str(tmp_path / "run.jsonl")
-    os.makedirs(path + runs.SHARD_SUFFIX)
-    for p in range(4):
-        with open(runs.shard_path(path, p), "wb") as f:
-            for s in range(200):
-                f.write(_dump(per_device_dict(s, p, 0.5, process=p, time=s + p / 8)) + b"\n")
-            if p == 3:
-                f.write(b"garbage, not JSON\n")
-    sources = list(enumerate(runs.sources(path)))
+    path, sources = _a_time_a_line(tmp_path, bad_in=3)
     work = tmp_path / "read"
     work.mkdir()
 
