@@ -54,6 +54,7 @@ so in worker processes and combines their states (``combine``).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import struct
 import tempfile
@@ -112,19 +113,12 @@ class _Keys:
         self.ends = array("q")  # lines up to the end of each run
         self.t = float("-inf")
         self.lines = 0
-        self.stored: "tuple[str, int, int] | None" = None  # (file, offset, runs): ``store``
-
-    def store(self, f: Any, path: str) -> None:
-        """The runs to the end of file ``f`` (at ``path``; a worker's, before its state
-        goes to the parent, which reads them back only where it places a
-        line: ``_Shardwise.load_keys``)."""
-        self.stored = (path, f.tell(), len(self.keys))
-        self.keys.tofile(f)
-        self.ends.tofile(f)
-        self.keys, self.ends = array("d"), array("q")
+        # (file, offset, runs): where ``_Shardwise.store_keys`` put the runs
+        # (keys, then ends, 8 bytes each), or None.
+        self.stored: "tuple[str, int, int] | None" = None
 
     def load(self) -> None:
-        """The runs ``store``d, back."""
+        """The runs ``_Shardwise.store_keys`` put in a file, back."""
         if self.stored is None:
             return
         path, offset, n = self.stored
@@ -375,13 +369,33 @@ class _Shardwise:
         to place a line with a problem (``load_keys``)."""
         if not self.placeable or self.spill_dir is None:
             return
-        if os.path.exists(os.path.join(self.spill_dir, _UNPLACEABLE)):
+        if self.past_max_key_runs():
             self._forget()  # another state was past MAX_KEY_RUNS: so is the run
             return
-        fd, path = tempfile.mkstemp(prefix="keys-", dir=self.spill_dir)
-        with os.fdopen(fd, "wb") as f:
-            for k in self.keys.values():
-                k.store(f, path)
+        try:
+            fd, path = tempfile.mkstemp(prefix="keys-", dir=self.spill_dir)
+        except OSError:
+            return  # no file to be had: the keys stay in the state
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for k in self.keys.values():
+                    k.keys.tofile(f)
+                    k.ends.tofile(f)
+        except OSError:  # a full TMPDIR, say: the keys go in the state, as they did
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
+        offset = 0
+        for k in self.keys.values():
+            k.stored = (path, offset, len(k.keys))
+            offset += 16 * len(k.keys)
+            k.keys, k.ends = array("d"), array("q")
+
+    def past_max_key_runs(self) -> bool:
+        """Whether a state of this read was past MAX_KEY_RUNS (``_forget``)."""
+        return self.spill_dir is not None and os.path.exists(
+            os.path.join(self.spill_dir, _UNPLACEABLE)
+        )
 
     def load_keys(self) -> None:
         """The keys ``store_keys`` put in files, back, where a line is to
@@ -831,6 +845,8 @@ def read(
     got.buckets, got.spill_dir = buckets, spill_dir
     with collector_paused():
         for i, source in sources:
+            if sent and got.placeable and got.past_max_key_runs():
+                got._forget()  # the run is past the bound: keep no keys
             got.add_source(i, source)
             if got.resumed or got.overflow:
                 return got

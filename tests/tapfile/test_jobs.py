@@ -516,15 +516,40 @@ def test_a_worker_sends_its_merge_keys_by_file_and_they_are_read_back_only_to_pl
     assert len(pickle.dumps(sent)) < len(pickle.dumps(kept)) - 4 * 200 * 15  # 16 bytes a run
     loads = []
     load = shardwise._Keys.load
-    monkeypatch.setattr(shardwise._Keys, "load", lambda k: (loads.append(k), load(k)))
+    monkeypatch.setattr(shardwise._Keys, "load", lambda k: (loads.append(k.stored), load(k)))
     healthy = _commands(path, capsys, 2)
-    assert not [k for k in loads if k.stored], "a healthy run's keys were read back"
+    assert not [s for s in loads if s], "a healthy run's keys were read back"
     with open(runs.shard_path(path, 2), "ab") as f:
         f.write(b"garbage, not JSON\n")
     want = _commands(path, capsys, 1)
     assert want != healthy and "line 201" in want[1][1], want
     assert _commands(path, capsys, 2) == want
-    assert [k for k in loads if k.stored is None], "the keys were not read back to place a line"
+    assert [s for s in loads if s], "the keys were not read back to place a line"
+
+
+def test_keys_that_cannot_go_to_a_file_go_in_the_state(tmp_path, capsys, monkeypatch):
+    """A full TMPDIR (/dev/full: every write fails with ENOSPC): a worker's
+    keys stay in the state it sends, as before the file, its file is
+    removed, and --jobs 2 still prints what --jobs 1 prints."""
+    from pmaptap.tapfile import shardwise
+
+    path, sources = _a_time_a_line(tmp_path, bad_in=1)
+    made = []
+
+    def full(**kwargs):
+        name = str(tmp_path / f"keys-{len(made)}")
+        open(name, "wb").close()
+        made.append(name)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(shardwise.tempfile, "mkstemp", full)
+    empty = shardwise.ShardwiseSummary(summary.Filter(), None)
+    got = shardwise.read(empty, sources, 1.0, 1, str(tmp_path), True)
+    assert made and not any(os.path.exists(m) for m in made)
+    assert all(len(k.keys) == 200 and k.stored is None for k in got.keys.values())
+    want = _commands(path, capsys, 1)
+    assert "run.jsonl:799: not valid JSON" in want[1][1], want[1][1]  # placed in the merge
+    assert _commands(path, capsys, 2) == want
 
 
 def test_once_a_state_is_past_max_key_runs_no_worker_files_its_keys(tmp_path, capsys, monkeypatch):
@@ -544,7 +569,13 @@ def test_once_a_state_is_past_max_key_runs_no_worker_files_its_keys(tmp_path, ca
 
     assert piece(sources[2:3]).placeable and len(os.listdir(work)) == 1  # its keys' file
     assert not piece(sources[:2]).placeable  # 400 runs
+    kept = []
+    add = shardwise._Keys.add
+    monkeypatch.setattr(
+        shardwise._Keys, "add", lambda k, r, h, keep: (kept.append(keep), add(k, r, h, keep))[1]
+    )
     later = piece(sources[3:])
+    assert kept and not any(kept), "keys kept by a piece read after the run was past the bound"
     assert not later.placeable and len(os.listdir(work)) == 2, os.listdir(work)
     want = _commands(path, capsys, 1)
     assert "p00003.jsonl line 201" in want[1][1], want[1][1]
