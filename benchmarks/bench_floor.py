@@ -35,11 +35,17 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import floor_callback, machine, main_quick, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    floor_callback,
+    machine,
+    main_quick,
+    paired,
+    table,
+    wall_and_cpu_rounds,
+)
 
 DEVICES = 8
 
@@ -164,24 +170,12 @@ def run(quick: bool = False) -> list[tuple]:
     arms = {k: make(k) for k in kinds}
     for fn in arms.values():
         fn()
-    wall: dict[str, list[float]] = {k: [] for k in kinds}
-    cpu: dict[str, list[float]] = {k: [] for k in kinds}
-    for r in range(rounds):
-        order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
-        for k, fn in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            cpu[k].append((time.process_time() - c0) / steps)
-            wall[k].append((time.perf_counter() - t0) / steps)
+    wall, cpu = wall_and_cpu_rounds(arms, rounds=rounds, steps=steps)
     session.close()
 
     def to_floor(t: dict[str, list[float]], k: str, floor: str = "floor") -> str:
-        out = [
-            (t[k][r] - t["base"][r]) / (t[floor][r] - t["base"][r])
-            for r in range(rounds)
-            if t[floor][r] > t["base"][r]
-        ]
-        return f"{statistics.median(out):.2f}x" if out else "nan"
+        r = paired(t, k, floor, "base")
+        return f"{r:.2f}x" if r == r else "nan"
 
     def added(t: dict[str, list[float]], k: str) -> str:
         return f"{(statistics.median(t[k]) - statistics.median(t['base'])) * 1e3:+.3f}"
