@@ -133,6 +133,10 @@ class Transport:
     # per-device counter may differ): the leader layouts, which send the
     # leader's step with every copy, check on device first (layouts.py).
     check_steps: bool = False
+    # The leaves site.as_statistics marks already hold their statistics,
+    # computed in the step (the output transport on a one-device job, where
+    # no value is partitioned): the host does not summarize them again.
+    summarized: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -318,10 +318,11 @@ def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple
     devices = traced[0].array.sharding.device_set
     if len(devices) == 1:
         # One device: its whole value, named (the callback cannot say which);
-        # leaves above max_value_bytes as their statistics, which the
-        # callback's lowering computes on the device for one device.
+        # leaves above max_value_bytes as their statistics, computed in the
+        # step on a one-device job (tap.py), here where other devices exist.
         leaves = [operand(j, lead) for j in range(3, len(views))]
-        leaves, _ = shard_host.statistics_of_leaves(spec.site, leaves)
+        if not spec.transport.summarized:
+            leaves, _ = shard_host.statistics_of_leaves(spec.site, leaves)
         yield _on_device(site, next(iter(devices)).id), (coords, step, *leaves)
         return
     bound, place = _bound(site, leaf_views, len(loops))

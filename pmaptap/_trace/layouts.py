@@ -239,7 +239,7 @@ def jit_call(
     with its shard of every member (see shardcall.py)."""
     specs, counts = tuple(specs), tuple(counts)
     as_statistics = tuple(
-        bool(s.site.as_statistics and s.site.as_statistics[i])
+        bool(s.site.as_statistics and s.site.as_statistics[i] and not s.transport.summarized)
         for s, n in zip(specs, counts)
         for i in range(n)
     )

@@ -454,6 +454,64 @@ def test_tap_in_a_host_callback_function_is_written_as_under_jax_jit(tmp_path, c
 
 
 # ---------------------------------------------------------------- NaN / inf
+_ONE_DEVICE_BIG = """
+import json, os
+import jax, jax.numpy as jnp
+import pmaptap
+
+def f(x):
+    pmaptap.tap(x, "big")
+    pmaptap.tap(jax.vmap(lambda r: (pmaptap.tap(r, "row"), r)[1])(x.reshape(4, -1)), "rows")
+    def body(c):
+        pmaptap.tap(c[1], "in_while")  # keeps its callback, with the step's statistics
+        return c[0] + 1, c[1] * 2
+    return jnp.sum(jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1])
+
+x = jnp.arange(100_000, dtype=jnp.float32) / 7
+out = {"devices": jax.device_count()}
+for name, jit in (("callbacks", jax.jit), ("outputs", pmaptap.jit)):
+    with pmaptap.configured(max_value_bytes=1024), pmaptap.Session(os.environ["TAPS"] + name):
+        step = jit(f)
+        step(x).block_until_ready()
+    if jit is pmaptap.jit:
+        info = step.trace(x).out_info
+        out["shapes"] = [list(a.shape) for a in jax.tree_util.tree_leaves(info)]
+    out[name] = [
+        {k: v for k, v in r.items() if k not in ("time", "run", "devices")}
+        for r in pmaptap.read(os.environ["TAPS"] + name)
+    ]
+print(json.dumps(out))
+"""
+
+
+def test_one_device_big_leaves_leave_the_step_as_their_statistics(tmp_path):
+    """On a one-device job (a single accelerator chip) a leaf above
+    max_value_bytes is summarized in the step, as a host callback's
+    lowering does: the step's outputs hold its float32[8] statistics, never
+    the leaf (before: the whole leaf was copied to the host every step and
+    summarized there, in other arithmetic: another std, another vhash); the
+    records are the callback transport's, a vmapped tap and a while_loop's
+    fallback callback included (the devices field aside: outputs name the
+    one device)."""
+    proc = start_python(_ONE_DEVICE_BIG, devices=1, TAPS=str(tmp_path / "t"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    got = json.loads(out.splitlines()[-1])
+    assert got["devices"] == 1
+    assert sorted(got["shapes"]) == [[], [4, 8], [8], [8]], got["shapes"]  # no leaf itself
+    key = lambda r: (r["name"], r["step"])  # noqa: E731
+    cb, outs = sorted(got["callbacks"], key=key), sorted(got["outputs"], key=key)
+    assert [key(r) for r in cb] == [
+        ("big", 0),
+        ("in_while", 0),
+        ("in_while", 1),
+        ("row", 0),
+        ("rows", 0),
+    ]
+    assert all(r["summarized"] for r in cb)
+    assert outs == cb
+
+
 def test_nan_and_inf_are_recorded_as_by_host_callbacks(tmp_path):
     mesh = Mesh(np.array(jax.devices()), ("d",))
     x = jax.device_put(
