@@ -325,7 +325,30 @@ def _marks_in(eqn) -> list[TapSpec | FingerprintSpec]:
 # ------------------------------------------------------------ rules
 def _inline(invals, eqn, key: str) -> Result:
     closed = eqn.params[key]
-    return run(closed.jaxpr, closed.consts, invals)
+    p = eqn.params
+    invals = _constrained(invals, p.get("in_shardings"))
+    outs, nodes, flat = run(closed.jaxpr, closed.consts, invals)
+    return _constrained(outs, p.get("out_shardings")), nodes, flat
+
+
+def _constrained(values: list, shardings: Any) -> list:
+    """``values`` under an inlined jit's own ``in_shardings`` /
+    ``out_shardings`` (where it named one): inlining drops the jit, and
+    with it the layout its caller asked for (a layer jitted with
+    ``out_shardings`` would return another sharding under pmaptap.jit than
+    under jax.jit). One that cannot be applied here is left out: a
+    layout, never a value, is at stake."""
+    if not shardings:
+        return values
+    out = []
+    for v, sh in zip(values, shardings):
+        if isinstance(sh, jax.sharding.Sharding) and is_tracer(v):
+            try:
+                v = lax.with_sharding_constraint(v, sh)
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+        out.append(v)
+    return out
 
 
 def _scan(invals, eqn) -> Result:

@@ -79,6 +79,25 @@ def test_per_device_records_match_addressable_shards(tap_path, order):
     _check_per_device(pmaptap.read(tap_path), y, mesh)
 
 
+def test_an_inner_jit_with_a_tap_keeps_its_own_shardings(tap_path):
+    """A layer jitted with ``in_shardings`` and ``out_shardings`` and a tap
+    inside, called in a step: the step returns the layer's out_shardings
+    and the tap sees the value as in_shardings lays it out (its shards'
+    indices), under either transport (the output transport inlines the
+    layer to lift its tap: it dropped both, and the step came back sharded
+    by rows)."""
+    mesh = _mesh()
+    cols, want = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", "data"))
+    layer = jax.jit(
+        lambda x: pmaptap.tap(x, "seen", dedup="auto") * 2, in_shardings=cols, out_shardings=want
+    )
+    with pmaptap.Session(tap_path, run="t"):
+        y = jax.jit(lambda x: layer(x + 1))(_x(mesh, P("data")))
+    assert y.sharding.is_equivalent_to(want, y.ndim), y.sharding
+    recs = pmaptap.read(tap_path, name="seen")
+    assert sorted(map(str, (r["index"] for r in recs))) == ["[[0, 8], [0, 4]]", "[[0, 8], [4, 8]]"]
+
+
 def test_auto_replicated_slices_one_record_per_slice_with_holders(tap_path):
     mesh = _mesh()
     x = _x(mesh, P("data", None))
