@@ -100,6 +100,9 @@ class Pipeline:
         )
         self.forward_replicated = forward_replicated
         self.abandoned = False
+        # Names counting their steps automatically, by the transports that
+        # delivered them (1: host callbacks, 2: step outputs): see ingest.
+        self._automatic: dict[tuple, int] = {}
         self._aggregator = AggregateLoop(
             self.queue,
             Aggregator(
@@ -144,8 +147,31 @@ class Pipeline:
     def ingest(self, spec: "TapSpec", arrays: tuple[Any, ...], *, block: bool = False) -> bool:
         """Called on XLA's callback thread: queue one payload. False once
         close() has shut admission (routing then uses the console).
-        ``block``: wait for room rather than apply the overflow policy."""
+        ``block``: wait for room rather than apply the overflow policy
+        (the output transport's drain: its payloads come with it)."""
+        site = getattr(spec, "site", None)
+        if site is not None and not site.explicit_step:
+            self._said_mixed(site, 2 if block else 1)
         return self.queue.admit(spec, arrays, block=block)
+
+    def _said_mixed(self, site: Any, via: int) -> None:
+        """Say once per name when a name with automatic steps comes by both
+        transports: its counter numbers records as they arrive, and step
+        outputs arrive after their step, callbacks during it, so the two
+        transports' records are not numbered in program order."""
+        key = (site.name, site.pass_)
+        seen = self._automatic.get(key, 0)
+        if seen | via == seen:
+            return
+        self._automatic[key] = seen | via
+        if seen | via == 3:
+            log.warning(
+                f"pmaptap: tap {site.name!r} counts its steps automatically (step=None) "
+                "and is recorded both by host callbacks and as step outputs (pmaptap.jit / "
+                "pmaptap.pmap) in this session: steps are counted in the order records "
+                "reach the host, which differs between the two, so these steps are not in "
+                "program order. Pass step= to the tap. (Said once per tap.)"
+            )
 
     @property
     def admitting(self) -> bool:

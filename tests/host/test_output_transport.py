@@ -303,6 +303,36 @@ def test_tap_in_a_while_loop_is_said_once_and_written_as_under_jax_jit(tmp_path,
     assert len([r for r in pmaptap.read(str(tmp_path / "out.jsonl")) if r["name"] == name]) == 15
 
 
+def test_a_name_with_automatic_steps_under_both_transports_is_said_once(tmp_path, caplog):
+    """A model's tap with automatic steps, called by a train step under
+    pmaptap.jit and an eval step under jax.jit in one session: its steps are
+    counted as records arrive (outputs after the step, callbacks during it),
+    so not in program order; that is said once, naming the tap. Not said for
+    explicit steps, nor in a session where the name comes by one transport."""
+
+    def model(x, step=None):
+        pmaptap.tap(x * 2, "act", step=step)
+        return jnp.sum(x)
+
+    def run(path, mixed: bool, explicit: bool) -> list:
+        with caplog.at_level(logging.WARNING, logger="pmaptap"):
+            start = len(caplog.records)
+            with pmaptap.Session(str(path), run="m"):
+                train = pmaptap.jit(lambda x, s: model(x, s if explicit else None))
+                evaluate = (jax.jit if mixed else pmaptap.jit)(
+                    lambda x, s: model(x + 1, s if explicit else None)
+                )
+                for i in range(3):
+                    train(jnp.ones(2), i)
+                    evaluate(jnp.ones(2), 100 + i)
+            return [r.getMessage() for r in caplog.records[start:] if r.name.startswith("pmaptap")]
+
+    said = run(tmp_path / "mixed.jsonl", mixed=True, explicit=False)
+    assert len(said) == 1 and "'act'" in said[0] and "step=" in said[0], said
+    assert run(tmp_path / "explicit.jsonl", mixed=True, explicit=True) == []
+    assert run(tmp_path / "one.jsonl", mixed=False, explicit=False) == []
+
+
 def test_nested_conds_are_lifted_once_per_branch_and_written_as_under_jax_jit(
     tmp_path, monkeypatch
 ):
