@@ -446,6 +446,11 @@ def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlace
     )
     for j, v in enumerate(leaf_views):
         if v is None:
+            # Known where the step was traced (an empty array, a constant):
+            # not an output, and every device holds the whole of it, as the
+            # callback's lowering sees it. Unknown, it would leave the
+            # record's index unknown, and the copies unmerged.
+            place.slices[j] = tuple(tuple((0, n) for n in shapes[j]) for _ in place.devices)
             continue
         try:
             full = _slices_by_device(v.array.sharding, tuple(v.array.shape))

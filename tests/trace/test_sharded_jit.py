@@ -98,6 +98,22 @@ def test_an_inner_jit_with_a_tap_keeps_its_own_shardings(tap_path):
     assert sorted(map(str, (r["index"] for r in recs))) == ["[[0, 8], [0, 4]]", "[[0, 8], [4, 8]]"]
 
 
+def test_a_pytree_with_an_empty_leaf_is_one_record_with_its_index(tap_path):
+    """A replicated value tapped beside an empty array (known where the step
+    is traced, so no output of the step): one replicated record for the 8
+    copies, its index naming both leaves' slices, under either transport
+    (outputs left the empty leaf's slice unknown, so the index, and the
+    copies went unmerged: 8 per-device records)."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P()))
+    with pmaptap.Session(tap_path, run="t"):
+        jax.jit(lambda x: pmaptap.tap((x * 2, jnp.zeros((0,))), "with_empty"))(x)
+    recs = pmaptap.read(tap_path)
+    assert [(r["kind"], r["index"], r["replicas"]) for r in recs] == [
+        ("replicated", [[[0, 4]], [[0, 0]]], 8)
+    ], recs
+
+
 def test_auto_replicated_slices_one_record_per_slice_with_holders(tap_path):
     mesh = _mesh()
     x = _x(mesh, P("data", None))
