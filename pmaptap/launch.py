@@ -102,6 +102,9 @@ _NOISE = b"connected peer ranks"
 # fell out of step with each other). It reads like a bug in the job's code;
 # the launcher says what it is, once per process and attempt.
 _GLOO_ABORT = b"gloo::EnforceNotMet"
+# What is left of a chatter line once another thread's write tore it: digits,
+# spaces and punctuation, then the line's end.
+_FRAGMENT = re.compile(rb"[0-9 .:]*\r?\n")
 
 
 def _stderr_is_tty() -> bool:
@@ -125,6 +128,7 @@ class _Forwarder(threading.Thread):
         super().__init__(daemon=True, name=f"forward-{prefix!r}")
         self.src, self.dst, self.prefix, self.lock = src, dst, prefix, lock
         self.on_gloo_abort = on_gloo_abort
+        self.after_noise = False  # the last segment was gloo's chatter
 
     def run(self) -> None:
         # Split on "\n" and on "\r": a progress bar redrawn in place with
@@ -155,8 +159,14 @@ class _Forwarder(threading.Thread):
                 pass
 
     def _emit(self, segment: bytes) -> None:
-        if _NOISE in segment or segment == b"\r":
+        after_noise, self.after_noise = self.after_noise, _NOISE in segment
+        if self.after_noise or segment == b"\r":
             return  # gloo's per-rank chatter; a bare "\r" would print a lone prefix
+        if after_noise and _FRAGMENT.fullmatch(segment):
+            # The tail of a chatter line torn by another gloo thread's (its
+            # count, its newline): seen as a lone "[p0] " line in a job's
+            # output. One per chatter line: what follows is the job's again.
+            return
         with self.lock:
             try:
                 self.dst.write(self.prefix + segment)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -226,6 +227,29 @@ def test_free_port_is_bindable_on_loopback():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
     assert os.environ.get("PMAPTAP_COORDINATOR") is None
+
+
+def test_a_gloo_chatter_line_torn_by_another_thread_leaves_no_fragment():
+    """Two gloo threads write their chatter at once: one's line carries the
+    other's start, its own count and newline arrive alone ("1\\n", or a bare
+    "\\n"); those fragments are dropped with the chatter (before: a lone
+    "[p0] 1" or "[p0] " line in the job's output, seen failing a test that
+    reads it). A job's own blank lines and numbers are kept."""
+    import io
+
+    chatter = (
+        b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
+    )
+    r, w = os.pipe()
+    out = io.BytesIO()
+    f = launch._Forwarder(os.fdopen(r, "rb"), out, b"[p0] ", threading.Lock())
+    f.start()
+    for part in (chatter + chatter + b"1\n", b"1\n", chatter + b"1\n", b"\n", b"7\n\nDONE\n"):
+        os.write(w, part)
+        time.sleep(0.05)  # each its own read
+    os.close(w)
+    f.join(10)
+    assert out.getvalue() == b"[p0] 7\n[p0] \n[p0] DONE\n"
 
 
 def test_carriage_returns_are_forwarded_re_prefixed_and_gloo_chatter_dropped():
