@@ -105,6 +105,12 @@ _GLOO_ABORT = b"gloo::EnforceNotMet"
 # What is left of a chatter line once another thread's write tore it: digits,
 # spaces and punctuation, then the line's end.
 _FRAGMENT = re.compile(rb"[0-9 .:]*\r?\n")
+# The pieces a chatter line is written in: "[Gloo] Rank 0 is connected to 3
+# peer ranks. Expected number of connected peer ranks is : 3".
+_CHATTER = re.compile(
+    rb"\[Gloo\] Rank \d* ?|is connected to \d* ?|peer ranks\. ?"
+    rb"|Expected number of connected peer ranks is : ?\d*"
+)
 
 
 def _stderr_is_tty() -> bool:
@@ -160,9 +166,16 @@ class _Forwarder(threading.Thread):
 
     def _emit(self, segment: bytes) -> None:
         after_noise, self.after_noise = self.after_noise, _NOISE in segment
-        if self.after_noise or segment == b"\r":
-            return  # gloo's per-rank chatter; a bare "\r" would print a lone prefix
-        if after_noise and _FRAGMENT.fullmatch(segment):
+        if self.after_noise:
+            # gloo's per-rank chatter, written a piece at a time by several
+            # threads: a job's line written meanwhile lands inside it, and is
+            # what is left once the chatter's pieces are taken out.
+            segment = _CHATTER.sub(b"", segment)
+            if not segment.strip() or _FRAGMENT.fullmatch(segment):
+                return
+        elif segment == b"\r":
+            return  # a bare "\r" would print a lone prefix
+        elif after_noise and _FRAGMENT.fullmatch(segment):
             # The tail of a chatter line torn by another gloo thread's (its
             # count, its newline): seen as a lone "[p0] " line in a job's
             # output. One per chatter line: what follows is the job's again.

@@ -252,6 +252,33 @@ def test_a_gloo_chatter_line_torn_by_another_thread_leaves_no_fragment():
     assert out.getvalue() == b"[p0] 7\n[p0] \n[p0] DONE\n"
 
 
+def test_a_job_line_written_inside_gloo_chatter_is_forwarded():
+    """gloo writes its chatter a piece at a time; a job's line printed
+    meanwhile lands between two pieces, in a segment that holds the
+    chatter's tail. It is forwarded, the chatter's pieces taken out (before:
+    the segment was dropped whole, and the job's line with it: a test saw
+    process 1's "OPENED myrun 0" missing)."""
+    import io
+
+    r, w = os.pipe()
+    out = io.BytesIO()
+    f = launch._Forwarder(os.fdopen(r, "rb"), out, b"[p1] ", threading.Lock())
+    f.start()
+    pieces = (
+        b"[Gloo] Rank ", b"1", b" is connected to ", b"1", b" peer ranks. ",
+        b"Expected number of connected peer ranks is : ", b"OPENED myrun 0\n", b"1", b"\n",
+        b"[Gloo] Rank 1 is connected to 1 peer ranks. ",
+        b"Expected number of connected peer ranks is : 1\n",
+        b"DONE\n",
+    )  # fmt: skip
+    for part in pieces:
+        os.write(w, part)
+        time.sleep(0.02)  # each its own read
+    os.close(w)
+    f.join(10)
+    assert out.getvalue() == b"[p1] OPENED myrun 0\n[p1] DONE\n"
+
+
 def test_carriage_returns_are_forwarded_re_prefixed_and_gloo_chatter_dropped():
     code = (
         "import sys; sys.stderr.write('\\r[#---] 1/4\\r[####] 4/4\\n'); "
