@@ -229,27 +229,34 @@ def test_free_port_is_bindable_on_loopback():
     assert os.environ.get("PMAPTAP_COORDINATOR") is None
 
 
+def _forwarded(prefix: bytes, parts) -> bytes:
+    """What a launcher's forwarder makes of a child's stream written in
+    ``parts``, each its own write (and read)."""
+    import io
+
+    r, w = os.pipe()
+    out = io.BytesIO()
+    f = launch._Forwarder(os.fdopen(r, "rb"), out, prefix, threading.Lock())
+    f.start()
+    for part in parts:
+        os.write(w, part)
+        time.sleep(0.03)
+    os.close(w)
+    f.join(10)
+    return out.getvalue()
+
+
 def test_a_gloo_chatter_line_torn_by_another_thread_leaves_no_fragment():
     """Two gloo threads write their chatter at once: one's line carries the
     other's start, its own count and newline arrive alone ("1\\n", or a bare
     "\\n"); those fragments are dropped with the chatter (before: a lone
     "[p0] 1" or "[p0] " line in the job's output, seen failing a test that
     reads it). A job's own blank lines and numbers are kept."""
-    import io
-
     chatter = (
         b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
     )
-    r, w = os.pipe()
-    out = io.BytesIO()
-    f = launch._Forwarder(os.fdopen(r, "rb"), out, b"[p0] ", threading.Lock())
-    f.start()
-    for part in (chatter + chatter + b"1\n", b"1\n", chatter + b"1\n", b"\n", b"7\n\nDONE\n"):
-        os.write(w, part)
-        time.sleep(0.05)  # each its own read
-    os.close(w)
-    f.join(10)
-    assert out.getvalue() == b"[p0] 7\n[p0] \n[p0] DONE\n"
+    parts = (chatter + chatter + b"1\n", b"1\n", chatter + b"1\n", b"\n", b"7\n\nDONE\n")
+    assert _forwarded(b"[p0] ", parts) == b"[p0] 7\n[p0] \n[p0] DONE\n"
 
 
 def test_a_job_line_written_inside_gloo_chatter_is_forwarded():
@@ -258,12 +265,6 @@ def test_a_job_line_written_inside_gloo_chatter_is_forwarded():
     chatter's tail. It is forwarded, the chatter's pieces taken out (before:
     the segment was dropped whole, and the job's line with it: a test saw
     process 1's "OPENED myrun 0" missing)."""
-    import io
-
-    r, w = os.pipe()
-    out = io.BytesIO()
-    f = launch._Forwarder(os.fdopen(r, "rb"), out, b"[p1] ", threading.Lock())
-    f.start()
     pieces = (
         b"[Gloo] Rank ", b"1", b" is connected to ", b"1", b" peer ranks. ",
         b"Expected number of connected peer ranks is : ", b"OPENED myrun 0\n", b"1", b"\n",
@@ -271,12 +272,7 @@ def test_a_job_line_written_inside_gloo_chatter_is_forwarded():
         b"Expected number of connected peer ranks is : 1\n",
         b"DONE\n",
     )  # fmt: skip
-    for part in pieces:
-        os.write(w, part)
-        time.sleep(0.02)  # each its own read
-    os.close(w)
-    f.join(10)
-    assert out.getvalue() == b"[p1] OPENED myrun 0\n[p1] DONE\n"
+    assert _forwarded(b"[p1] ", pieces) == b"[p1] OPENED myrun 0\n[p1] DONE\n"
 
 
 def test_carriage_returns_are_forwarded_re_prefixed_and_gloo_chatter_dropped():
