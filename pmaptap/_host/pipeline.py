@@ -100,9 +100,12 @@ class Pipeline:
         )
         self.forward_replicated = forward_replicated
         self.abandoned = False
-        # Names counting their steps automatically, by the transports that
-        # delivered them (1: host callbacks, 2: step outputs): see ingest.
-        self._automatic: dict[tuple, int] = {}
+        # Names counting their steps automatically that step outputs
+        # delivered, those host callbacks delivered once some had, and those
+        # said (see ingest).
+        self._auto_outputs: set[tuple] = set()
+        self._auto_callbacks: set[tuple] = set()
+        self._auto_said: set[tuple] = set()
         self._aggregator = AggregateLoop(
             self.queue,
             Aggregator(
@@ -151,20 +154,22 @@ class Pipeline:
         (the output transport's drain: its payloads come with it)."""
         site = getattr(spec, "site", None)
         if site is not None and not site.explicit_step:
-            self._said_mixed(site, 2 if block else 1)
+            if block:
+                self._said_mixed(site)  # on the drain's thread, not XLA's
+            elif self._auto_outputs:
+                # XLA's callback thread only notes the name (no logging here).
+                self._auto_callbacks.add((site.name, site.pass_))
         return self.queue.admit(spec, arrays, block=block)
 
-    def _said_mixed(self, site: Any, via: int) -> None:
+    def _said_mixed(self, site: Any) -> None:
         """Say once per name when a name with automatic steps comes by both
         transports: its counter numbers records as they arrive, and step
         outputs arrive after their step, callbacks during it, so the two
         transports' records are not numbered in program order."""
         key = (site.name, site.pass_)
-        seen = self._automatic.get(key, 0)
-        if seen | via == seen:
-            return
-        self._automatic[key] = seen | via
-        if seen | via == 3:
+        self._auto_outputs.add(key)
+        if key in self._auto_callbacks and key not in self._auto_said:
+            self._auto_said.add(key)
             log.warning(
                 f"pmaptap: tap {site.name!r} counts its steps automatically (step=None) "
                 "and is recorded both by host callbacks and as step outputs (pmaptap.jit / "
