@@ -3,11 +3,12 @@ read in N processes, each giving a partial result that merges exactly, so
 the output is the one ``--jobs 1`` prints, to the byte.
 
 The pieces (``plan``): one file in N byte ranges cut at line starts, read
-by this process and N-1 workers; a sharded run's sources in 4N groups of
+by this process and N-1 workers; a sharded run's sources in 16N units of
 about equal bytes, taken by N workers one after another as each is free
 (``_Pool``), this process taking their states in. A worker summarizes
-(summary.FilteredSummarizer) or checks (checks.Validator) its piece and
-sends its state, positions and all.
+(summary.FilteredSummarizer) or checks (checks.Validator) its piece, or
+the units it read (about 4 states per worker), and sends its state,
+positions and all.
 
 What makes the merge exact:
 
@@ -51,12 +52,17 @@ from pmaptap.tapfile.summary import FilteredSummarizer, Result
 # worker's start and its partial result cost a few milliseconds: below
 # this, one process is as quick).
 MIN_JOB_BYTES = 8 << 20
-# The pieces of a sharded run per process reading it, each process taking
-# the next piece when done with one: with one piece each, the slowest of
-# 12 processes on a 13-core node ended 0.6 s after the quickest (of 1.3 s),
-# on cores of one kind and pieces of equal bytes. Each piece's state costs
-# the parent one more take-in (some milliseconds).
+# The states a worker sends per its share of a sharded run (``_sharded``):
+# each costs the parent one more take-in (some milliseconds), and a state
+# held to the end is one more to take in once every source is read.
 PIECES_PER_JOB = 4
+# The units a sharded run's sources are handed out in, per process reading
+# it (a source at least), each process taking the next when done with
+# one: the run ends one unit after the first worker is idle at most. With
+# one piece each, the slowest of 12 processes on a 13-core node ended 0.6
+# s after the quickest (of 1.3 s), on cores of one kind and pieces of
+# equal bytes; with 4, the last still ended 0.26 s after most (of 2.3 s).
+UNITS_PER_JOB = 16
 
 
 def cores() -> int:
@@ -94,7 +100,7 @@ class Plan(NamedTuple):
 
     sharded: bool
     # A sharded run: lists of source indexes (of ``files``), contiguous, of
-    # about equal bytes, PIECES_PER_JOB a process; one file: (start, stop)
+    # about equal bytes, UNITS_PER_JOB a process; one file: (start, stop)
     # byte ranges cut at line starts.
     pieces: list
     files: list[str]  # a sharded run's sources (runs.sources), listed once
@@ -119,7 +125,7 @@ def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
         sizes = [os.path.getsize(f) for f in files]
         if len(sizes) < 2:
             return None
-        return Plan(True, _groups(sizes, jobs * PIECES_PER_JOB), files, sizes)
+        return Plan(True, _groups(sizes, jobs * UNITS_PER_JOB), files, sizes)
     size = os.path.getsize(path)
     cuts = sorted({_line_start(path, size * k // jobs) for k in range(1, jobs)} | {0, size})
     pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
@@ -305,40 +311,67 @@ class _Pool:
 
     def map(self, tasks: list[tuple]) -> Iterator:
         """``function(*args)`` of each task, yielded in the order of
-        ``tasks`` as they come. A worker is started when the first tasks
-        come and given two at once, so it reads while the next is forked;
-        each has one task queued beside the one it runs, so it never waits
-        while this process takes a result in."""
+        ``tasks`` as they come."""
+        todo = iter(enumerate(tasks))
         results: dict[int, Any] = {}
-        todo = iter(range(len(tasks)))
+        want = 0
+        for i, result in self._each(lambda conn: next(todo, None), len(tasks)):
+            results[i] = result
+            while want in results:
+                yield results.pop(want)
+                want += 1
+
+    def feed(self, make: Callable[[Any], "tuple | None"], most: int) -> Iterator:
+        """Results of tasks made as workers take them: ``make(worker)`` is
+        the next task for that worker (its connection, which names it),
+        None when it has none; each result yielded as it comes. At most
+        ``most`` workers are started (the tasks there will be, at most)."""
+        count = 0
+
+        def take(conn: Any) -> "tuple | None":
+            nonlocal count
+            task = make(conn)
+            if task is None:
+                return None
+            count += 1
+            return count, task
+
+        for _, result in self._each(take, most):
+            yield result
+
+    def _each(self, take: Callable[[Any], "tuple | None"], most: int) -> Iterator:
+        """(i, result) of the tasks ``take(worker)`` gives ((i, task); None:
+        none for it), as they come. A worker is started when the first
+        tasks come and given two at once, so it reads while the next is
+        forked; each has one task queued beside the one it runs, so it
+        never waits while this process takes a result in."""
         queued = self.queued
 
         def give(conn: Any) -> None:
-            i = next(todo, None)
-            if i is not None:
-                queued[conn].append(i)
+            got = take(conn)
+            if got is not None:
+                queued[conn].append(got[0])
                 try:
-                    conn.send(tasks[i])
+                    conn.send(got[1])
                 except ConnectionError:
                     pass  # the worker ended: taking its result in says how
 
         for conn in list(queued):
             give(conn)
             give(conn)
-        while len(queued) < min(self.size, len(tasks)):
+        while len(self.process) < min(self.size, most):
             p, conn = _start(_serve_each)
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
         from multiprocessing.connection import wait
 
-        for want in range(len(tasks)):
-            while want not in results:
-                for conn in wait([c for c, q in queued.items() if q]):
-                    i = queued[conn].pop(0)
-                    results[i] = _result(self.process[conn], conn)
-                    give(conn)
-            yield results.pop(want)
+        while any(queued.values()):
+            for conn in wait([c for c, q in queued.items() if q]):
+                i = queued[conn].pop(0)
+                result = _result(self.process[conn], conn)
+                give(conn)
+                yield i, result
 
 
 def _serve_each(conn: Any) -> None:
@@ -354,21 +387,62 @@ def _serve_each(conn: Any) -> None:
 
 
 def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
-    """The sources of a sharded run read in ``jobs`` processes, a piece of
-    ``pieces`` at a time, into states like ``empty`` (shardwise.py),
-    combined: the copies that went to files resolved by the same
-    processes, a share of the buckets each."""
+    """The sources of a sharded run read in ``jobs`` processes into states
+    like ``empty`` (shardwise.py), combined: the copies that went to files
+    resolved by the same processes, a share of the buckets each.
+
+    A worker is handed the run's units (``pieces.pieces``) one after
+    another as it is free, and reads each into the state it holds; it
+    sends that state once it holds 1/PIECES_PER_JOB of a worker's share of
+    the run, and when no unit is left. So the run's end waits for one unit
+    at most (one source of a job's: ~70 ms at 4.9 M lines on 12 cores,
+    against ~0.35 s for a piece of 4N), and this process takes in about as
+    many states as there are pieces, each as it comes: their positions
+    order them (shardwise.combine)."""
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp, _Pool(jobs) as pool:
         buckets = shardwise.buckets_for(sum(pieces.sizes), jobs)
-        tasks = [
-            (shardwise.read, empty.fresh(), *pieces.sources(piece), buckets, tmp, True)
-            for piece in pieces.pieces
-        ]
+        units = iter(pieces.pieces)
+        enough = 1 / (jobs * PIECES_PER_JOB)
+        holds: dict[Any, float] = {}  # worker -> the share of the run its state holds
+
+        def make(worker: Any) -> "tuple | None":
+            unit = next(units, None)
+            if unit is None:
+                if worker not in holds:
+                    return None
+                sources, share, send = [], holds.pop(worker), True  # the last: sent
+            else:
+                sources, part = pieces.sources(unit)
+                share = holds.pop(worker, 0.0) + part
+                send = share >= enough
+                if not send:
+                    holds[worker] = share
+            return (_read_on, empty, sources, share, buckets, tmp, send)
 
         def resolver(tasks: list) -> Iterator:
             return pool.map([(_resolve, *t) for t in tasks])
 
-        return shardwise.combine(pool.map(tasks), jobs, resolver)
+        states = pool.feed(make, len(pieces.pieces))
+        return shardwise.combine((s for s in states if s is not None), jobs, resolver)
+
+
+# A worker's state between the units it reads (``_read_on``): a worker
+# process is its pool's alone, and reads one unit at a time.
+_open: list = []
+
+
+def _read_on(
+    empty: Any, sources: list, share: float, buckets: int, spill_dir: str, send: bool
+) -> Any:
+    """``sources`` read into this worker's state (``empty`` if it has none):
+    the state given back where ``send`` (it then holds ``share`` of the
+    run), else kept for the next unit (None)."""
+    got = _open.pop() if _open else empty
+    shardwise.read(got, sources, share, buckets, spill_dir, sent=True, end=send)
+    if send:
+        return got
+    _open.append(got)
+    return None
 
 
 def _resolve(*task: Any) -> Any:

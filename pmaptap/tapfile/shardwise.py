@@ -836,12 +836,17 @@ def read(
     buckets: int,
     spill_dir: "str | None",
     sent: bool = False,
+    end: bool = True,
 ) -> _Shardwise:
-    """``got`` of ``sources`` ((index in runs.sources, path) each; ``share``
-    of the run's bytes), until one is ``resumed``; copies past
-    MAX_HELD_COPIES to a file in ``spill_dir``, in ``buckets`` buckets;
-    ``sent`` (to the process that combines the states): its keys there
-    too (``store_keys``)."""
+    """``got`` of ``sources`` ((index in runs.sources, path) each) as
+    well, until one is ``resumed``; copies past MAX_HELD_COPIES to a file
+    in ``spill_dir``, in ``buckets`` buckets. ``end``: ``got`` is whole
+    (``share``: its part of the run's bytes, every source it read), else
+    more sources are read into it later; ``sent`` (to the process that
+    combines the states): its keys go to ``spill_dir`` too
+    (``store_keys``)."""
+    if got.resumed or got.overflow:
+        return got  # the pass stops: more sources would not change that
     got.buckets, got.spill_dir = buckets, spill_dir
     with collector_paused():
         for i, source in sources:
@@ -850,9 +855,10 @@ def read(
             got.add_source(i, source)
             if got.resumed or got.overflow:
                 return got
-        got.end(share)
-        if sent:
-            got.store_keys()
+        if end:
+            got.end(share)
+            if sent:
+                got.store_keys()
     return got
 
 

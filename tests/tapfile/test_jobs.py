@@ -330,6 +330,79 @@ def test_the_workers_of_a_sharded_read_take_the_next_piece_when_done(tmp_path):
     assert int(slow_ones) == 2, out.stdout
 
 
+_UNITS = """
+import os, sys, time
+from pmaptap import cli
+from pmaptap.tapfile import shardwise
+
+path, log = sys.argv[1:3]
+add = shardwise._Shardwise.add_source
+
+def timed(self, index, source):
+    time.sleep(2.0 if index == 0 else 0.02)  # the first source 100x slower
+    with open(log, "a") as f:
+        f.write(f"{index} {os.getpid()}\\n")
+    return add(self, index, source)
+
+shardwise._Shardwise.add_source = timed
+combine, states = shardwise.combine, []
+
+def counted(given, *args):
+    def each():
+        for state in given:
+            states.append(len(state.names))
+            yield state
+    return combine(each(), *args)
+
+shardwise.combine = counted
+code = cli.main(["summary", path, "--jobs", "2"])
+print("states", states)
+sys.exit(code)
+"""
+
+
+def test_a_slow_source_holds_back_its_worker_by_one_unit_and_states_hold_many(tmp_path):
+    """A sharded run of 16 sources read with --jobs 2, its first source
+    100x slower to read than the others: the worker that takes it reads
+    it and the one unit queued beside it (a source), the other worker
+    reads the other 14 (before: pieces of two sources, so the slow one's
+    worker read four); each worker reads its units into the state it
+    holds and sends it once it holds an eighth of the run, so the parent
+    takes in about 8 states, not a state a unit; the output is --jobs 1's."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(16):
+        with open(runs.shard_path(path, p), "wb") as f:
+            for s in range(20):
+                grad = per_device_dict(s, p, 0.5 + s, process=p, time=10.0 + s + p / 32)
+                f.write(_dump(grad) + b"\n")
+    script, log = tmp_path / "units.py", tmp_path / "log"
+    script.write_text(_UNITS)
+    got = subprocess.run(
+        [sys.executable, str(script), path, str(log)], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 0, got.stderr
+    read = dict(line.split() for line in log.read_text().splitlines())
+    assert sorted(map(int, read)) == list(range(16)), read
+    slow = [i for i, pid in read.items() if pid == read["0"]]
+    assert len(slow) == 2, read
+    states = got.stdout.splitlines()[-1]
+    assert states.startswith("states "), got.stdout
+    counts = eval(states[len("states ") :])
+    # An eighth of the run is two sources here, give or take a few bytes.
+    assert sum(counts) == 16 and 6 <= len(counts) <= 10 and max(counts) >= 2, counts
+    one = subprocess.run(
+        [sys.executable, "-m", "pmaptap", "summary", path, "--jobs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.stdout.replace(states, "").rstrip() == one.stdout.rstrip()
+
+
 def test_a_worker_killed_mid_read_is_an_error_not_a_hang(tmp_path):
     """A worker killed (SIGKILL, as the OOM killer does) while it reads a
     piece: the parent says so, with the exit code, and returns."""
@@ -382,9 +455,9 @@ def note(what):
     with open(log, "a") as f:
         f.write(f"{what} {os.getpid()}\\n")
 
-def read_noted(*args):
+def read_noted(*args, **kwargs):
     note("read")
-    return read(*args)
+    return read(*args, **kwargs)
 
 def resolve_noted(*args):
     note("resolve")

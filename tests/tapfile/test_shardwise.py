@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import random
 import re
+import tempfile
 
 from test_jobs import _commands, _dump, _write_run
 
 from conftest import per_device_dict, record_dict
+from pmaptap.errors import NeedSerial
 from pmaptap.tapfile import checks, jobs, runs, shardwise, summary
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.schema import UNSET
@@ -493,3 +495,71 @@ def test_a_worker_sends_an_entry_per_device_and_shard_not_a_position_per_line(tm
         (g[6], src, held) for g, spans in got.spans.items() for _, _, src, held in spans
     ) == [(d, d // 2, range(500)) for d in range(2, 6)]
     assert jobs.validate_file(path, 2) == checks.validate_file(path)
+
+
+def _scattered(rnd: random.Random, path: str):
+    """A reader (shardwise.summarize's and validate's) that reads the run
+    as --jobs workers now do, in the worst order: the sources dealt to
+    states at random (a state's sources need not follow each other), each
+    read into its state a unit of one or two sources at a time, and the
+    states combined in a random order (the order they come in)."""
+
+    def reader(empty):
+        files = list(enumerate(runs.sources(path)))
+        sizes = {i: os.path.getsize(f) for i, f in files}
+        total = sum(sizes.values()) or 1
+        rnd.shuffle(files)
+        k = rnd.randint(1, len(files))
+        with tempfile.TemporaryDirectory() as tmp:
+            buckets = shardwise.buckets_for(total, k)
+            states = []
+            for group in (files[j::k] for j in range(k)):
+                got = empty.fresh()
+                cuts = [0, *sorted(rnd.sample(range(1, len(group)), len(group) // 2)), len(group)]
+                units = [group[a:b] for a, b in zip(cuts, cuts[1:])]
+                share = sum(sizes[i] for i, _ in group) / total
+                for n, unit in enumerate(units):
+                    end = n == len(units) - 1
+                    got = shardwise.read(got, unit, share, buckets, tmp, sent=True, end=end)
+                states.append(got)
+            rnd.shuffle(states)
+            resolver = lambda tasks: [shardwise.resolve(*t) for t in tasks]  # noqa: E731
+            return shardwise.combine(states, k, resolver)
+
+    return reader
+
+
+def test_states_of_any_sources_in_any_order_combine_as_the_merged_stream(tmp_path, monkeypatch):
+    """What a --jobs worker sends (jobs._sharded) is a state of the units
+    it happened to take, read into one state a unit at a time, and the
+    parent combines the states in the order they come: on random runs,
+    with the bounds as they are and made small (copies to files, lines
+    named by their shard), summary and validate of states dealt and
+    combined at random give what one state of every source gives, and
+    that is the merged stream's."""
+    compared = 0
+    for bounds in ((1 << 17, 4 << 20), (1, 10)):  # MAX_HELD_COPIES, MAX_KEY_RUNS
+        with monkeypatch.context() as m:
+            m.setattr(shardwise, "MAX_HELD_COPIES", bounds[0])
+            m.setattr(shardwise, "MAX_KEY_RUNS", bounds[1])
+            for case in range(40):
+                rnd = random.Random(9100 + case)
+                path = str(tmp_path / f"run{case}-{bounds[0]}.jsonl")
+                _write_run(rnd, path)
+                want = shardwise.validate(path)
+                if want is not None and bounds[0] > 1:
+                    assert want == checks.validate_file(path), case
+                assert shardwise.validate(path, _scattered(rnd, path)) == want, (case, bounds)
+                for flt in FILTERS[:3]:
+                    want = shardwise.summarize(path, flt)
+                    if want is not None and bounds[0] > 1:
+                        assert _shown(want) == _shown(summary.summarize_file(path, flt))
+                    try:
+                        got = shardwise.summarize(path, flt, _scattered(rnd, path))
+                    except NeedSerial:  # ids of two types met in two states: as None
+                        got = None
+                    assert (got is None) == (want is None), (case, flt, bounds)
+                    if want is not None:
+                        assert _shown(got) == _shown(want), (case, flt, bounds)
+                        compared += 1
+    assert compared > 100, compared
