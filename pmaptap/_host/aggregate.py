@@ -390,20 +390,27 @@ class Aggregator(RecordFactory):
         return step
 
     def _add_by_device_step(
-        self, spec: TapSpec, t: "_Table", steps: list[int], rows: list[list[np.ndarray]]
+        self,
+        spec: TapSpec,
+        t: "_Table",
+        steps: list[int],
+        rows: list[list[np.ndarray]],
+        key: bytes | None = None,
     ) -> list[Record]:
         """A gathered payload whose local devices are at different automatic
         steps: each local device's copy (``rows`` and ``steps`` in
         ``t.local`` order) waits with the other copies of its own step, as
         the output transport's per-device rows do (``add``), so both
         transports write the same records. The other processes' copies are
-        theirs to count and write."""
+        theirs to count and write. ``key``: every row's value key, where
+        one copy stands for all (a leader's copy)."""
         every = spec.site.every
         out: list[Record] = []
         for k, step, row in zip(t.local, steps, rows):
             if step % every:
                 continue
-            copy = Copy(spec, t.coords[k], t.devices[k], t.processes[k], row, value_key(row))
+            ck = value_key(row) if key is None else key
+            copy = Copy(spec, t.coords[k], t.devices[k], t.processes[k], row, ck)
             out += self._add_pending(
                 (spec.name, step, spec.site.pass_), copy, spec.placement.local_copies
             )
@@ -453,27 +460,10 @@ class Aggregator(RecordFactory):
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
-        extra = None if verified else {"verified": False}
         if type(step) is list:
-            # The one copy stands for every device: one record per group of
-            # this process's devices at the same automatic step.
-            groups: dict[int, list[int]] = {}
-            for k, s in zip(t.local, step):
-                if s % spec.site.every == 0:
-                    groups.setdefault(s, []).append(k)
-            value, key = self._value(spec, leaves), value_key(leaves)
-            return [
-                self._replicated_record(
-                    spec,
-                    s,
-                    value,
-                    tuple(t.devices[k] for k in ks),
-                    tuple(sorted({t.processes[k] for k in ks})),
-                    key,
-                    extra=extra,
-                )
-                for s, ks in sorted(groups.items())
-            ]
+            # The one copy stands for each local device's copy.
+            return self._add_by_device_step(spec, t, step, [leaves] * len(step), value_key(leaves))
+        extra = None if verified else {"verified": False}
         return [
             self._replicated_record_of_all(
                 spec, step, t, self._value(spec, leaves), value_key(leaves), extra=extra

@@ -458,6 +458,8 @@ _WARM_UP = {
     "per_device": (lambda x: pmaptap.tap(x, "x", dedup="per_device") * 2, [4, 8], 1),
     "replicated": (lambda x: pmaptap.tap(x, "x", dedup="replicated") * 2, [4, 8], 1),
     "every=2": (lambda x: pmaptap.tap(x, "x", every=2) * 2, [4, 8, 8, 4, 8], 2),
+    "verify off": (lambda x: pmaptap.tap(x * 0 + 1, "x", dedup="replicated"), [4, 8, 8], 1),
+    "grouped": (lambda x: pmaptap.tap(pmaptap.tap(x, "y") * 0 + 1, "x"), [4, 8, 8], 1),
 }
 
 
@@ -472,9 +474,10 @@ def test_pmap_on_fewer_then_more_devices_counts_each_device_under_both_transport
 
     def go(wrap, path):
         with pmaptap.Session(str(path), run="w"):
-            f = wrap(body, axis_name="i")
-            for n in calls:
-                f(jnp.arange(float(n)))
+            with pmaptap.configured(verify_replicated=case != "verify off"):
+                f = wrap(body, axis_name="i")
+                for n in calls:
+                    f(jnp.arange(float(n)))
 
     go(jax.pmap, tmp_path / "cb.jsonl")
     go(pmaptap.pmap, tmp_path / "out.jsonl")
@@ -482,22 +485,27 @@ def test_pmap_on_fewer_then_more_devices_counts_each_device_under_both_transport
     held = sorted(
         (r["step"], d)
         for r in recs
+        if r["name"] == "x"
         for d in (r["devices"] if r["kind"] == "replicated" else [r["device"]])
     )
     want = sorted(
         (s, d) for d in range(8) for s in range(sum(d < n for n in calls)) if s % every == 0
     )
     assert held == want
-    kinds = {(r["kind"], bool(r.get("divergent"))) for r in recs}
+    kinds = {
+        (r["kind"], bool(r.get("divergent")), r.get("verified")) for r in recs if r["name"] == "x"
+    }
     assert (
         kinds
         == {
-            "disagreeing": {("per_device", False)},
-            "agreeing": {("replicated", False)},
-            "proven": {("replicated", False)},
-            "per_device": {("per_device", False)},
-            "replicated": {("replicated", True)},
-            "every=2": {("per_device", False)},
+            "disagreeing": {("per_device", False, None)},
+            "agreeing": {("replicated", False, None)},
+            "proven": {("replicated", False, None)},
+            "per_device": {("per_device", False, None)},
+            "replicated": {("replicated", True, None)},
+            "every=2": {("per_device", False, None)},
+            "verify off": {("replicated", False, False)},
+            "grouped": {("replicated", False, None)},
         }[case]
     )
 
