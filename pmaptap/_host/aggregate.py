@@ -360,9 +360,11 @@ class Aggregator(RecordFactory):
             t = self._tables[key] = _Table(spec, self.process)
         return t
 
-    def _auto_step(self, spec: TapSpec, t: "_Table") -> int:
+    def _auto_step(self, spec: TapSpec, t: "_Table") -> int | list[int]:
         """Automatic step for a payload that stands for every local device:
-        each of them executed the tap once more."""
+        each of them executed the tap once more. The step they share, or,
+        where they ran it unequally often (a pmap called on fewer devices,
+        then on more), each local device's own step, in ``t.local`` order."""
         keys = t.auto_keys
         if keys is None:
             # Built once per site: this runs for every gathered payload (the
@@ -373,21 +375,56 @@ class Aggregator(RecordFactory):
         get = self._counters.get
         now = [get(k, 0) for k in keys]
         self._counters.update(zip(keys, [s + 1 for s in now]))
-        return min(now)
+        step = now[0]
+        return step if now.count(step) == len(now) else now
 
-    def _step_or_skip(self, spec: TapSpec, t: "_Table", step: int) -> int | None:
+    def _step_or_skip(self, spec: TapSpec, t: "_Table", step: int) -> int | list[int] | None:
         """The payload's step (automatic if not explicit), or None when
-        ``every`` skips it on the host."""
+        ``every`` skips it on the host; a list where the local devices are
+        at different automatic steps (see _auto_step)."""
         if spec.site.explicit_step:
             return step
         step = self._auto_step(spec, t)
-        return None if step % spec.site.every else step
+        if type(step) is int:
+            return None if step % spec.site.every else step
+        return step
+
+    def _add_by_device_step(
+        self,
+        spec: TapSpec,
+        t: "_Table",
+        steps: list[int],
+        rows: list[list[np.ndarray]],
+        key: bytes | None = None,
+    ) -> list[Record]:
+        """A gathered payload whose local devices are at different automatic
+        steps: each local device's copy (``rows`` and ``steps`` in
+        ``t.local`` order) waits with the other copies of its own step, as
+        the output transport's per-device rows do (``add``), so both
+        transports write the same records. The other processes' copies are
+        theirs to count and write. ``key``: every row's value key, where
+        one copy stands for all (a leader's copy)."""
+        every = spec.site.every
+        out: list[Record] = []
+        for k, step, row in zip(t.local, steps, rows):
+            if step % every:
+                continue
+            ck = value_key(row) if key is None else key
+            copy = Copy(spec, t.coords[k], t.devices[k], t.processes[k], row, ck)
+            out += self._add_pending(
+                (spec.name, step, spec.site.pass_), copy, spec.placement.local_copies
+            )
+        return out
 
     def _add_gathered(self, spec: TapSpec, step: int, stacked: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
+        if type(step) is list:
+            return self._add_by_device_step(
+                spec, t, step, [[a[k] for a in stacked] for k in t.local]
+            )
         if spec.site.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
@@ -423,14 +460,13 @@ class Aggregator(RecordFactory):
         step = self._step_or_skip(spec, t, step)
         if step is None:
             return []
+        if type(step) is list:
+            # The one copy stands for each local device's copy.
+            return self._add_by_device_step(spec, t, step, [leaves] * len(step), value_key(leaves))
+        extra = None if verified else {"verified": False}
         return [
             self._replicated_record_of_all(
-                spec,
-                step,
-                t,
-                self._value(spec, leaves),
-                value_key(leaves),
-                extra=None if verified else {"verified": False},
+                spec, step, t, self._value(spec, leaves), value_key(leaves), extra=extra
             )
         ]
 

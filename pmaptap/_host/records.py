@@ -196,6 +196,10 @@ class RecordFactory:
         """The replicated record of one value and the copies that hold it
         (all of a step's copies, or those of one of its divergent values)."""
         extra = None
+        if spec.transport.layout is Layout.VERIFIED_OFF:
+            # A leader's copy that stood for the others (the devices were at
+            # different automatic steps): compared with nothing, as ever.
+            extra = {"verified": False}
         if divergent:
             # Which coordinates held this value: the device may be unknown
             # (null) but the coordinates never are.

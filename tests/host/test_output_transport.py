@@ -449,6 +449,67 @@ def test_every_with_per_device_steps_decides_as_the_callback_transport(tmp_path)
             assert got == want, (name, got)
 
 
+# A pmap step called on fewer devices first (a warm-up on a small batch):
+# each device's automatic step counts its own executions of the tap.
+_WARM_UP = {
+    "disagreeing": (lambda x: pmaptap.tap(x, "x") * 2, [4, 8], 1),
+    "agreeing": (lambda x: pmaptap.tap(x * 0 + 1, "x") * 2, [4, 8, 8], 1),
+    "proven": (lambda x: pmaptap.tap(jax.lax.pmean(x, "i"), "x") * 2, [4, 8], 1),
+    "per_device": (lambda x: pmaptap.tap(x, "x", dedup="per_device") * 2, [4, 8], 1),
+    "replicated": (lambda x: pmaptap.tap(x, "x", dedup="replicated") * 2, [4, 8], 1),
+    "every=2": (lambda x: pmaptap.tap(x, "x", every=2) * 2, [4, 8, 8, 4, 8], 2),
+    "verify off": (lambda x: pmaptap.tap(x * 0 + 1, "x", dedup="replicated"), [4, 8, 8], 1),
+    "grouped": (lambda x: pmaptap.tap(pmaptap.tap(x, "y") * 0 + 1, "x"), [4, 8, 8], 1),
+}
+
+
+@pytest.mark.parametrize("case", list(_WARM_UP))
+def test_pmap_on_fewer_then_more_devices_counts_each_device_under_both_transports(tmp_path, case):
+    """The same pmap step called on 4 devices, then on 8: devices 0-3 are a
+    step ahead of devices 4-7 from then on. Both transports write the same
+    records, and each device's k-th execution of the tap is its step k (no
+    device repeats a step): agreeing values one record per step and group of
+    devices, disagreeing ones per device, ``every`` kept per device."""
+    body, calls, every = _WARM_UP[case]
+
+    def go(wrap, path):
+        with pmaptap.Session(str(path), run="w"):
+            with pmaptap.configured(verify_replicated=case != "verify off"):
+                f = wrap(body, axis_name="i")
+                for n in calls:
+                    f(jnp.arange(float(n)))
+
+    go(jax.pmap, tmp_path / "cb.jsonl")
+    go(pmaptap.pmap, tmp_path / "out.jsonl")
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    held = sorted(
+        (r["step"], d)
+        for r in recs
+        if r["name"] == "x"
+        for d in (r["devices"] if r["kind"] == "replicated" else [r["device"]])
+    )
+    want = sorted(
+        (s, d) for d in range(8) for s in range(sum(d < n for n in calls)) if s % every == 0
+    )
+    assert held == want
+    kinds = {
+        (r["kind"], bool(r.get("divergent")), r.get("verified")) for r in recs if r["name"] == "x"
+    }
+    assert (
+        kinds
+        == {
+            "disagreeing": {("per_device", False, None)},
+            "agreeing": {("replicated", False, None)},
+            "proven": {("replicated", False, None)},
+            "per_device": {("per_device", False, None)},
+            "replicated": {("replicated", True, None)},
+            "every=2": {("per_device", False, None)},
+            "verify off": {("replicated", False, False)},
+            "grouped": {("replicated", False, None)},
+        }[case]
+    )
+
+
 def test_tap_in_a_host_callback_function_is_written_as_under_jax_jit(tmp_path, caplog):
     # pmaptap.tap called by the host function of a jax.debug.callback: it
     # runs on the host with a host value, outside any trace (an eager tap):
