@@ -29,6 +29,7 @@ from benchmarks.common import (  # noqa: E402
     BARE_ORJSON_LOOP,
     compile_bytecode,
     measure_process_times,
+    spread,
     table,
 )
 
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             (
                 name,
-                f"{t:.2f} s ({min(ts):.2f}-{max(ts):.2f})",
+                spread(ts, " s"),
                 f"{t / bare:.2f}x",
                 f"{rss[name]:.0f} MiB",
             )
@@ -182,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, target in TIME_TARGETS.items():
         w, c = paired[name], paired_cpu[name]
         print(
-            f"{name[8:]}: {statistics.median(c):.2f}x the bare loop's CPU time "
-            f"({min(c):.2f}-{max(c):.2f}), wall {statistics.median(w):.2f}x "
-            f"({min(w):.2f}-{max(w):.2f}), median of {rounds} paired rounds; target <= "
+            f"{name[8:]}: {spread(c, 'x')} the bare loop's CPU time, wall "
+            f"{spread(w, 'x')}, median of {rounds} paired rounds; target <= "
             f"{target}x"
         )
     peak = rss["pmaptap summary"]

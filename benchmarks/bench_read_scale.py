@@ -81,6 +81,7 @@ from benchmarks.common import (  # noqa: E402
     loopback_s3,
     measure_process,
     measure_process_times,
+    spread,
     table,
 )
 
@@ -402,7 +403,7 @@ def _report(title: str, walls: dict, rss: dict, base: str) -> None:
         rows.append(
             (
                 name,
-                f"{t:.2f} s ({min(ts):.2f}-{max(ts):.2f})",
+                spread(ts, " s"),
                 f"{t / b:.2f}x",
                 f"{rss[name]:.0f} MiB",
             )
@@ -581,11 +582,7 @@ def _many_shards(tmp: str, quick: bool, rounds: int) -> None:
         print(
             f"m. ratios to the bare loop over the same files ({what}), paired "
             "rounds, median (range) (targets, CPU: read <= 2.0x, summary <= 1.5x, "
-            "validate <= 2.0x): "
-            + ", ".join(
-                f"{k[3:]} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
-                for k, r in got.items()
-            )
+            "validate <= 2.0x): " + ", ".join(f"{k[3:]} {spread(r, 'x')}" for k, r in got.items())
         )
 
 
@@ -639,7 +636,7 @@ def _jobs(tmp: str, quick: bool, rounds: int) -> None:
         cpu.append(c2 / c1)
     print(
         f"p. {shards} shards, {shards * steps * 2} lines, {size / 1e6:.1f} MB: summary --jobs 2 "
-        f"wall {statistics.median(ratios):.2f}x --jobs 1 ({min(ratios):.2f}-{max(ratios):.2f}, "
+        f"wall {spread(ratios, 'x')} --jobs 1 ("
         f"{rounds} paired round(s); target <= 0.65x on a quiet 2-core box), CPU "
         f"{statistics.median(cpu):.2f}x; output {same}"
     )
@@ -667,7 +664,7 @@ def _fixed_cost(tmp: str, jobs: list[int], rounds: int) -> None:
         rows.append(
             (
                 f"f. summary --jobs {j}",
-                f"{statistics.median(ts) * 1e3:.0f} ms ({min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f})",
+                spread(ts, " ms", scale=1e3, digits=0),
                 "" if j == "1" else f"{statistics.median(added):+.1f} ms",
             )
         )
@@ -724,7 +721,9 @@ def _at_scale(
         f"steps + the loss), {size / 2**20:.0f} MiB, generated in {made:.1f} s; "
         f"{os.cpu_count()} cores; {rounds} interleaved round(s), medians (range)"
     )
-    rows = [(f"orjson floor, {most} processes", _spread(floors), f"{floor / n * 1e6:.3f}", "", "")]
+    rows = [
+        (f"orjson floor, {most} processes", spread(floors, " s"), f"{floor / n * 1e6:.3f}", "", "")
+    ]
     for cmd, js in (("summary", jobs), ("validate", vjobs)):
         outs: dict[int, set] = {j: set() for j in js}
         walls: dict[int, list[float]] = {j: [] for j in js}
@@ -743,7 +742,7 @@ def _at_scale(
             rows.append(
                 (
                     f"{cmd} --jobs {j}",
-                    f"{_spread(walls[j])} (CPU {statistics.median(cpus[j]):.1f} s)",
+                    f"{spread(walls[j], ' s')} (CPU {statistics.median(cpus[j]):.1f} s)",
                     f"{wall / n * 1e6:.3f}",
                     f"{speedup:.2f}x" if speedup else "",
                     f"{wall / floor:.2f}x",
@@ -753,12 +752,6 @@ def _at_scale(
         print(f"s. {cmd}: the output of every --jobs {'identical' if same else 'DIFFERENT'}")
     print(table(rows, ("s. command", "wall", "us a line", "vs --jobs 1", "vs floor")))
     subprocess.run(["rm", "-rf", path + ".d"], check=True)
-
-
-def _spread(walls: list[float]) -> str:
-    """``median s`` and, of several, ``(least-most)``."""
-    mid = f"{statistics.median(walls):.2f} s"
-    return mid if len(walls) < 2 else f"{mid} ({min(walls):.2f}-{max(walls):.2f})"
 
 
 if __name__ == "__main__":

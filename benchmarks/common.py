@@ -194,6 +194,17 @@ def machine() -> str:
     )
 
 
+def spread(xs: list[float], unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+    """A figure of several rounds as the benchmarks print it: the median
+    (times ``scale``, ``unit`` after it) and, of several, ``(least-most)``."""
+
+    def f(x: float) -> str:
+        return f"{x * scale:.{digits}f}"
+
+    mid = f(statistics.median(xs)) + unit
+    return mid if len(xs) < 2 else f"{mid} ({f(min(xs))}-{f(max(xs))})"
+
+
 def table(rows: list[tuple], header: tuple) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
