@@ -282,7 +282,7 @@ def test_a_job_launched_again_on_its_run_continues_above_every_attempt(tmp_path)
 # there on attempt 0. RESUME=1: the session resumes and the tap passes
 # step= (what the refusal asks for).
 _AUTOMATIC = """
-    import os, jax, jax.numpy as jnp, pmaptap
+    import os, time, jax, jax.numpy as jnp, pmaptap
     from pmaptap import distributed
     distributed.initialize()
     attempt = int(os.environ["PMAPTAP_ATTEMPT"])
@@ -302,6 +302,15 @@ _AUTOMATIC = """
             f(x, jnp.int32(i))
             if i == 5 and attempt == 0:
                 s.flush()
+                # Neither fails before both opened and wrote their steps (the
+                # steps are no collective: a process slow to start was killed
+                # by the launcher before it opened, under load).
+                tap = os.environ["TAP"]
+                open(f"{tap}.{jax.process_index()}.flushed", "w").close()
+                while not all(
+                    os.path.exists(f"{tap}.{p}.flushed") for p in range(jax.process_count())
+                ):
+                    time.sleep(0.05)
                 os._exit(3)  # a hard failure: no close, no exit handlers
 """
 
@@ -319,7 +328,8 @@ def test_a_restart_on_a_fixed_run_without_resume_is_refused_at_open(tmp_path):
     proc = _launch(2, 2, cmd, restarts=1, env=dict(TAP=str(refused), PMAPTAP_RUN="myrun"))
     assert proc.returncode == 1, job_failed(proc)
     assert "restarting the job (attempt 1" in proc.stderr
-    assert proc.stdout.count("OPENED myrun 0") == 2 and "OPENED myrun 1" not in proc.stdout
+    opened = proc.stdout.count("OPENED myrun 0")
+    assert opened == 2 and "OPENED myrun 1" not in proc.stdout, proc.stdout + proc.stderr
     err = proc.stdout + proc.stderr
     assert "SessionError: pmaptap.Session: this is attempt 1 of a restarted job" in err, err
     assert "fixed run id 'myrun' (PMAPTAP_RUN)" in err and "resume=True" in err, err
