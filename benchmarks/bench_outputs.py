@@ -78,14 +78,16 @@ def run(
         h, _ = lax.scan(layer, x, w)
         return jnp.mean(h.astype(jnp.float32) ** 2)
 
-    def make(workload: str, how: str):
-        """The python step ``(w, x) -> (w, extra outputs to read)``."""
+    def make(workload: str, how: str, suffix: str = ""):
+        """The python step ``(w, x) -> (w, extra outputs to read)``; its taps'
+        names end in ``suffix`` (each transport its own names: one name's
+        automatic steps counted by both in a session would be said)."""
 
         def layer_tap(v):
             if workload != "scan":
                 return
             if how == "tap":
-                pmaptap.tap(v, "layer")
+                pmaptap.tap(v, "layer" + suffix)
             elif how == "raw":
                 jax.debug.callback(lambda *_: None, v)
 
@@ -96,8 +98,8 @@ def run(
             outs = ()
             if workload == "scalars":
                 if how == "tap":
-                    pmaptap.tap(loss, "loss")
-                    pmaptap.tap(gnorm, "gnorm")
+                    pmaptap.tap(loss, "loss" + suffix)
+                    pmaptap.tap(gnorm, "gnorm" + suffix)
                 elif how == "raw":
                     jax.debug.callback(lambda *_: None, loss, gnorm)
                 elif how == "floor":
@@ -107,7 +109,7 @@ def run(
                     loss, dtype
                 )
                 if how == "tap":
-                    pmaptap.tap(a, "act", dedup="per_device")
+                    pmaptap.tap(a, "act" + suffix, dedup="per_device")
                 elif how == "raw":
                     jax.debug.callback(_write_raw, a)
                 elif how == "floor":
@@ -162,7 +164,7 @@ def run(
 
     def arm(workload: str, how: str):
         if how == "out":
-            fn = pmaptap.jit(make(workload, "tap"), donate_argnums=0)
+            fn = pmaptap.jit(make(workload, "tap", "_out"), donate_argnums=0)
         else:
             fn = jax.jit(make(workload, how), donate_argnums=0)
         state = {"w": w + 0}
