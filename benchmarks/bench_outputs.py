@@ -15,7 +15,11 @@ dispatched ahead, the round waiting for the last step and a flush):
 
 Workloads: ``scalars`` (a bf16 MLP's value_and_grad + SGD, loss and gradient
 norm tapped), ``scan`` (the same MLP's layers in a ``lax.scan``, one scalar
-tap per layer), ``array`` (one activation stored as bytes every step).
+tap per layer), ``array`` (one activation stored as bytes every step),
+``stats`` (the same activation above ``max_value_bytes``: its statistics
+tapped, float32[8]; on one device computed in the step under both
+transports, the floor returning the same statistics; over several devices
+each shard goes to the host, which summarizes it, under both transports).
 
 On a TPU chip: ``python benchmarks/bench_outputs.py`` (one device). On CPU
 (the suite's quick mode, and the CPU table): 8 simulated devices, the batch
@@ -36,7 +40,9 @@ from benchmarks.common import interleaved_rounds, machine, paired, rss_mib, tabl
 
 
 def run(
-    quick: bool = False, tpu: bool = False, workloads: tuple = ("scalars", "scan", "array")
+    quick: bool = False,
+    tpu: bool = False,
+    workloads: tuple = ("scalars", "scan", "array", "stats"),
 ) -> None:
     import jax
     import jax.numpy as jnp
@@ -46,9 +52,11 @@ def run(
     from jax.sharding import PartitionSpec as P
 
     import pmaptap
+    from pmaptap._trace.stats import device_statistics
 
     # The array workload stores the activation as bytes, whatever its size
-    # (above max_value_bytes a tap would write its statistics instead).
+    # (above max_value_bytes a tap would write its statistics instead); the
+    # stats workload sets a bound below it.
     pmaptap.configure(max_value_bytes=None)
     ndev = len(jax.devices())
     width = 64 if quick else (2048 if tpu else 128)
@@ -104,10 +112,18 @@ def run(
                     jax.debug.callback(lambda *_: None, loss, gnorm)
                 elif how == "floor":
                     outs = (loss, gnorm)
-            if workload == "array":
+            if workload in ("array", "stats"):
                 a = jnp.broadcast_to(jnp.tanh(x[:, :1]).astype(dtype), act_shape) + jnp.asarray(
                     loss, dtype
                 )
+            if workload == "stats":
+                if how == "tap":
+                    pmaptap.tap(a, "act" + suffix, dedup="per_device")
+                elif how == "raw":
+                    jax.debug.callback(lambda *_: None, device_statistics(a))
+                elif how == "floor":
+                    outs = (device_statistics(a),)
+            if workload == "array":
                 if how == "tap":
                     pmaptap.tap(a, "act" + suffix, dedup="per_device")
                 elif how == "raw":
@@ -204,6 +220,8 @@ def run(
 
     rows = []
     for workload in workloads:
+        # Traced in the first round: the bound as the workload wants it.
+        pmaptap.configure(max_value_bytes=(act_mib << 20) // 4 if workload == "stats" else None)
         arms = {how: arm(workload, how) for how in ("base", "tap", "raw", "out", "floor")}
         times = interleaved_rounds(arms, rounds=rounds, steps=steps)
         base_ms = sorted(times["base"])[len(times["base"]) // 2] * 1e3
@@ -252,7 +270,9 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tpu", action="store_true", help="one accelerator chip: bf16, bigger sizes")
     ap.add_argument(
-        "--workloads", default="scalars,scan,array", help="of scalars, scan, array, comma-separated"
+        "--workloads",
+        default="scalars,scan,array,stats",
+        help="of scalars, scan, array, stats, comma-separated",
     )
     a = ap.parse_args()
     if not a.tpu:
