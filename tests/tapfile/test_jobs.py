@@ -339,7 +339,7 @@ path, log = sys.argv[1:3]
 add = shardwise._Shardwise.add_source
 
 def timed(self, index, source):
-    time.sleep(2.0 if index == 0 else 0.02)  # the first source 100x slower
+    time.sleep(3.0 if index == 0 else 0.02)  # the first source 150x slower
     with open(log, "a") as f:
         f.write(f"{index} {os.getpid()}\\n")
     return add(self, index, source)
@@ -363,7 +363,7 @@ sys.exit(code)
 
 def test_a_slow_source_holds_back_its_worker_by_one_unit_and_states_hold_many(tmp_path):
     """A sharded run of 16 sources read with --jobs 2, its first source
-    100x slower to read than the others: the worker that takes it reads
+    150x slower to read than the others: the worker that takes it reads
     it and the one unit queued beside it (a source), the other worker
     reads the other 14 (before: pieces of two sources, so the slow one's
     worker read four); each worker reads its units into the state it
