@@ -653,3 +653,20 @@ def test_once_a_state_is_past_max_key_runs_no_worker_files_its_keys(tmp_path, ca
     want = _commands(path, capsys, 1)
     assert "p00003.jsonl line 201" in want[1][1], want[1][1]
     assert _commands(path, capsys, 2) == want
+
+
+def test_an_unreadable_shard_is_the_error_jobs_1_gives(tmp_path, capsys):
+    """A shard that cannot be read (a directory where a shard's file should
+    be): every --jobs says what --jobs 1 says, the OSError as the command
+    says one (exit 2, "error: [Errno 21] Is a directory: ..."), not a
+    worker's traceback (exit 1, which validate also gives for problems)."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in (0, 2, 3, 4):
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(_dump(per_device_dict(0, p, 0.5, process=p, time=1.0 + p)) + b"\n")
+    os.makedirs(runs.shard_path(path, 1))
+    want = _commands(path, capsys, 1)
+    assert all(code == 2 and "Is a directory" in err for code, _, err in want), want
+    for n in (2, 3):
+        assert _commands(path, capsys, n) == want, n
