@@ -316,7 +316,12 @@ class _Pool:
         kill = exc[0] is not None or any(self.queued.values())
         if not kill:
             for _, conn in workers:
-                conn.send(None)  # done: the worker returns
+                # Done: the worker returns. One that ended already (killed
+                # once its tasks were done) has nothing left to say; the
+                # pipe's error would end the command (BrokenPipeError: a
+                # reader of the output gone, exit 0) without the result.
+                with contextlib.suppress(OSError):
+                    conn.send(None)
         _stop(workers, kill=kill)
 
     def map(self, tasks: list[tuple]) -> Iterator:

@@ -670,3 +670,56 @@ def test_an_unreadable_shard_is_the_error_jobs_1_gives(tmp_path, capsys):
     assert all(code == 2 and "Is a directory" in err for code, _, err in want), want
     for n in (2, 3):
         assert _commands(path, capsys, n) == want, n
+
+
+_ENDED = """
+import os, signal, sys
+from pmaptap import cli
+from pmaptap.tapfile import jobs, shardwise
+
+combine = shardwise.combine
+
+def ended(*args):
+    # Every state taken in: the workers, idle now, killed (the OOM killer).
+    got = combine(*args)
+    for conn, p in jobs._Pool.last.process.items():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    return got
+
+enter = jobs._Pool.__enter__
+
+def noted(self):
+    jobs._Pool.last = self
+    return enter(self)
+
+shardwise.combine, jobs._Pool.__enter__ = ended, noted
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["summary", "validate"])
+def test_workers_that_ended_once_their_tasks_were_done_leave_the_result(tmp_path, command):
+    """The workers killed once every state is taken in (none is needed any
+    more): the command prints what --jobs 1 prints; before, telling the
+    dead workers to return raised BrokenPipeError, which the command takes
+    for a reader gone: exit 0, nothing printed."""
+    import subprocess
+    import sys
+
+    path, _ = _a_time_a_line(tmp_path, bad_in=2)
+    script = tmp_path / "ended.py"
+    script.write_text(_ENDED)
+    got = subprocess.run(
+        [sys.executable, str(script), command, path, "--jobs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    one = subprocess.run(
+        [sys.executable, "-m", "pmaptap", command, path, "--jobs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one.stdout and (got.returncode, got.stdout) == (one.returncode, one.stdout), got.stderr
