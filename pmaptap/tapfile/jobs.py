@@ -35,6 +35,7 @@ by threads already).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -207,6 +208,13 @@ def _serve(conn: Any, target: Any, task: tuple) -> None:
         with collector_paused():
             result = target(*task)
         conn.send(("ok", result))
+    except OSError as e:
+        # An unreadable source (a directory, a shard gone since it was
+        # listed): raised in the parent as the OSError it is, which the
+        # command says as it says --jobs 1's ("error: [Errno 21] ...").
+        args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
+        with contextlib.suppress(Exception):
+            conn.send(("oserror", args))
     except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
         import traceback
 
@@ -226,6 +234,8 @@ def _result(p: Any, conn: Any) -> Any:
         raise RuntimeError(
             f"a worker process reading the run ended (exit code {p.exitcode})"
         ) from None
+    if status == "oserror":
+        raise OSError(*result)  # OSError(errno, ...) is its subclass: IsADirectoryError, ...
     if status != "ok":
         raise RuntimeError(f"a worker process failed: {result}")
     return result
@@ -306,7 +316,12 @@ class _Pool:
         kill = exc[0] is not None or any(self.queued.values())
         if not kill:
             for _, conn in workers:
-                conn.send(None)  # done: the worker returns
+                # Done: the worker returns. One that ended already (killed
+                # once its tasks were done) has nothing left to say; the
+                # pipe's error would end the command (BrokenPipeError: a
+                # reader of the output gone, exit 0) without the result.
+                with contextlib.suppress(OSError):
+                    conn.send(None)
         _stop(workers, kill=kill)
 
     def map(self, tasks: list[tuple]) -> Iterator:

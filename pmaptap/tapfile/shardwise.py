@@ -585,6 +585,11 @@ def _combine(
 ) -> _Shardwise:
     it = iter(states)
     got = next(it)
+    if got.resumed or got.overflow:
+        # The pass is given up whatever the others hold: not waited for (a
+        # worker past a later attempt skips its units, so its state tends
+        # to come first).
+        return got
     for other in it:
         if other.resumed or other.overflow:
             return other

@@ -653,3 +653,73 @@ def test_once_a_state_is_past_max_key_runs_no_worker_files_its_keys(tmp_path, ca
     want = _commands(path, capsys, 1)
     assert "p00003.jsonl line 201" in want[1][1], want[1][1]
     assert _commands(path, capsys, 2) == want
+
+
+def test_an_unreadable_shard_is_the_error_jobs_1_gives(tmp_path, capsys):
+    """A shard that cannot be read (a directory where a shard's file should
+    be): every --jobs says what --jobs 1 says, the OSError as the command
+    says one (exit 2, "error: [Errno 21] Is a directory: ..."), not a
+    worker's traceback (exit 1, which validate also gives for problems)."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in (0, 2, 3, 4):
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(_dump(per_device_dict(0, p, 0.5, process=p, time=1.0 + p)) + b"\n")
+    os.makedirs(runs.shard_path(path, 1))
+    want = _commands(path, capsys, 1)
+    assert all(code == 2 and "Is a directory" in err for code, _, err in want), want
+    for n in (2, 3):
+        assert _commands(path, capsys, n) == want, n
+
+
+_ENDED = """
+import os, signal, sys
+from pmaptap import cli
+from pmaptap.tapfile import jobs, shardwise
+
+combine = shardwise.combine
+
+def ended(*args):
+    # Every state taken in: the workers, idle now, killed (the OOM killer).
+    got = combine(*args)
+    for conn, p in jobs._Pool.last.process.items():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    return got
+
+enter = jobs._Pool.__enter__
+
+def noted(self):
+    jobs._Pool.last = self
+    return enter(self)
+
+shardwise.combine, jobs._Pool.__enter__ = ended, noted
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["summary", "validate"])
+def test_workers_that_ended_once_their_tasks_were_done_leave_the_result(tmp_path, command):
+    """The workers killed once every state is taken in (none is needed any
+    more): the command prints what --jobs 1 prints; before, telling the
+    dead workers to return raised BrokenPipeError, which the command takes
+    for a reader gone: exit 0, nothing printed."""
+    import subprocess
+    import sys
+
+    path, _ = _a_time_a_line(tmp_path, bad_in=2)
+    script = tmp_path / "ended.py"
+    script.write_text(_ENDED)
+    got = subprocess.run(
+        [sys.executable, str(script), command, path, "--jobs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    one = subprocess.run(
+        [sys.executable, "-m", "pmaptap", command, path, "--jobs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one.stdout and (got.returncode, got.stdout) == (one.returncode, one.stdout), got.stderr

@@ -563,3 +563,37 @@ def test_states_of_any_sources_in_any_order_combine_as_the_merged_stream(tmp_pat
                         assert _shown(got) == _shown(want), (case, flt, bounds)
                         compared += 1
     assert compared > 100, compared
+
+
+def test_a_resumed_state_that_comes_first_ends_the_pass_at_once(tmp_path):
+    """The first state the parent takes in is resumed (a worker that met a
+    later attempt skips its other units, so its state tends to come
+    first): combine gives it back without waiting for the other states
+    (before, it took every one in, the whole run read, only to give the
+    pass up)."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(4):
+        lines = [per_device_dict(s, p, 0.5, process=p, time=10.0 + s) for s in range(5)]
+        if p == 0:
+            lines.append(per_device_dict(5, p, 0.5, process=p, time=20.0, attempt=1))
+        with open(runs.shard_path(path, p), "wb") as f:
+            f.write(b"".join(_dump(d) + b"\n" for d in lines))
+    sources = list(enumerate(runs.sources(path)))
+    for empty in (
+        shardwise.ShardwiseSummary(Filter(), None),
+        shardwise.ShardwiseValidation(path, None),
+    ):
+        with tempfile.TemporaryDirectory() as tmp:
+            first = shardwise.read(empty.fresh(), sources[:1], 0.25, 1, tmp, sent=True)
+            assert first.resumed
+            taken = []
+
+            def states():
+                yield first
+                for i in range(1, 4):
+                    taken.append(i)
+                    yield shardwise.read(empty.fresh(), sources[i : i + 1], 0.25, 1, tmp, sent=True)
+
+            got = shardwise.combine(states(), 2, lambda tasks: [])
+            assert got is first and got.resumed and taken == [], taken
