@@ -29,7 +29,7 @@ import stat
 import sys
 from typing import TYPE_CHECKING, Sequence
 
-from pmaptap.errors import CliError
+from pmaptap.errors import CliError, WorkerError
 
 # views (and through it NumPy and orjson) is imported by the commands that
 # read, not here: `pmaptap --help` and argument errors stay fast.
@@ -783,6 +783,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shutil.rmtree(spooled, ignore_errors=True)
     except CliError as e:
         print(f"{PROG} {command}: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:  # --jobs N: a worker failed or was killed
+        first, _, rest = str(e).partition("\n")
+        print(f"{PROG} {command}: error: {first}", file=sys.stderr)
+        if rest:
+            print(rest, file=sys.stderr, end="" if rest.endswith("\n") else "\n")
         return 2
     except BrokenPipeError:
         # `pmaptap show f | head`: the reader left; exit quietly. Point

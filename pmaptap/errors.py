@@ -98,6 +98,13 @@ class NeedSerial(Exception):
     one process instead."""
 
 
+class WorkerError(RuntimeError):
+    """A worker process of ``summary``/``validate --jobs N`` failed (its
+    traceback follows the first line) or ended (killed: the OOM killer,
+    say): the read is given up. The command says so in one line and exits
+    with status 2, never 1 (``validate``'s "problems found")."""
+
+
 class CliError(Exception):
     """A problem with what was asked on the command line; printed as one
     line, exit status 2."""

@@ -41,7 +41,7 @@ import os
 import tempfile
 from typing import Any, Callable, Iterator, NamedTuple
 
-from pmaptap.errors import NeedSerial
+from pmaptap.errors import NeedSerial, WorkerError
 from pmaptap.tapfile import checks, runs, shardwise, summary
 from pmaptap.tapfile.attempts import Attempts, latest
 from pmaptap.tapfile.checks import Report, Validator
@@ -231,13 +231,13 @@ def _result(p: Any, conn: Any) -> Any:
         status, result = conn.recv()
     except (EOFError, ConnectionError):
         p.join(timeout=1)
-        raise RuntimeError(
+        raise WorkerError(
             f"a worker process reading the run ended (exit code {p.exitcode})"
         ) from None
     if status == "oserror":
         raise OSError(*result)  # OSError(errno, ...) is its subclass: IsADirectoryError, ...
     if status != "ok":
-        raise RuntimeError(f"a worker process failed: {result}")
+        raise WorkerError(f"a worker process failed: {result}")
     return result
 
 

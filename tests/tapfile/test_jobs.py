@@ -403,6 +403,48 @@ def test_a_slow_source_holds_back_its_worker_by_one_unit_and_states_hold_many(tm
     assert got.stdout.replace(states, "").rstrip() == one.stdout.rstrip()
 
 
+_KILLED = """
+import os, signal, sys
+from pmaptap import cli
+from pmaptap.tapfile import shardwise
+
+add, parent = shardwise._Shardwise.add_source, os.getpid()
+
+def dying(self, index, source):
+    if index == 1 and os.getpid() != parent:  # a worker, as the OOM killer would
+        os.kill(os.getpid(), signal.SIGKILL)
+    return add(self, index, source)
+
+shardwise._Shardwise.add_source = dying
+sys.exit(cli.main([sys.argv[1], sys.argv[2], "--jobs", "2"]))
+"""
+
+
+@pytest.mark.parametrize("command", ["summary", "validate"])
+def test_a_worker_killed_mid_read_is_the_commands_error_exit_2(tmp_path, command):
+    """`summary`/`validate --jobs 2` whose worker is killed mid-read: one
+    line saying so and exit status 2 (a usage or read error), not a
+    traceback and status 1, which `validate` gives for "problems found"."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(4):
+        with open(runs.shard_path(path, p), "wb") as f:
+            for s in range(10):
+                grad = per_device_dict(s, p, 0.5 + s, process=p, time=10.0 + s + p / 8)
+                f.write(_dump(grad) + b"\n")
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    got = subprocess.run(
+        [sys.executable, str(script), command, path], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 2, (got.returncode, got.stderr)
+    want = f"pmaptap {command}: error: a worker process reading the run ended (exit code -9)"
+    assert want in got.stderr and "Traceback" not in got.stderr, got.stderr
+
+
 def test_a_worker_killed_mid_read_is_an_error_not_a_hang(tmp_path):
     """A worker killed (SIGKILL, as the OOM killer does) while it reads a
     piece: the parent says so, with the exit code, and returns."""
