@@ -330,6 +330,19 @@ def test_the_workers_of_a_sharded_read_take_the_next_piece_when_done(tmp_path):
     assert int(slow_ones) == 2, out.stdout
 
 
+def _gradient_shards(tmp_path, shards: int, steps: int) -> str:
+    """A sharded run of ``shards`` processes' per-device lines, ``steps``
+    each (process p's device p), as a job's Writer writes them."""
+    path = str(tmp_path / "run.jsonl")
+    os.makedirs(path + runs.SHARD_SUFFIX)
+    for p in range(shards):
+        with open(runs.shard_path(path, p), "wb") as f:
+            for s in range(steps):
+                grad = per_device_dict(s, p, 0.5 + s, process=p, time=10.0 + s + p / (2 * shards))
+                f.write(_dump(grad) + b"\n")
+    return path
+
+
 _UNITS = """
 import os, sys, time
 from pmaptap import cli
@@ -372,13 +385,7 @@ def test_a_slow_source_holds_back_its_worker_by_one_unit_and_states_hold_many(tm
     import subprocess
     import sys
 
-    path = str(tmp_path / "run.jsonl")
-    os.makedirs(path + runs.SHARD_SUFFIX)
-    for p in range(16):
-        with open(runs.shard_path(path, p), "wb") as f:
-            for s in range(20):
-                grad = per_device_dict(s, p, 0.5 + s, process=p, time=10.0 + s + p / 32)
-                f.write(_dump(grad) + b"\n")
+    path = _gradient_shards(tmp_path, shards=16, steps=20)
     script, log = tmp_path / "units.py", tmp_path / "log"
     script.write_text(_UNITS)
     got = subprocess.run(
@@ -428,13 +435,7 @@ def test_a_worker_killed_mid_read_is_the_commands_error_exit_2(tmp_path, command
     import subprocess
     import sys
 
-    path = str(tmp_path / "run.jsonl")
-    os.makedirs(path + runs.SHARD_SUFFIX)
-    for p in range(4):
-        with open(runs.shard_path(path, p), "wb") as f:
-            for s in range(10):
-                grad = per_device_dict(s, p, 0.5 + s, process=p, time=10.0 + s + p / 8)
-                f.write(_dump(grad) + b"\n")
+    path = _gradient_shards(tmp_path, shards=4, steps=10)
     script = tmp_path / "killed.py"
     script.write_text(_KILLED)
     got = subprocess.run(
