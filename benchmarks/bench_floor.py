@@ -76,7 +76,32 @@ def run(quick: bool = False) -> list[tuple]:
     def nothing(*_):
         return None
 
+    s_dev = jnp.int32(7)  # a step counter on the device: no transfer per call
+
     def make(kind: str):
+        if kind.startswith("tap_step"):
+            # A learning rate made from a step counter passed with
+            # in_axes=None, tapped with step= it (the demo's lr and step):
+            # proven alike by the pmap's in_spec, so one copy, no check.
+            def body_s(v, s):
+                y = jnp.tanh(v)
+                lr = 0.1 * (s + 1).astype(jnp.float32)
+                pmaptap.tap(lr, "k_lr", step=s, dedup="replicated")
+                return y
+
+            fn_s = jax.pmap(body_s, axis_name="i", in_axes=(0, None))
+            with pmaptap.configured(prove_replicated=kind == "tap_step"):
+                fn_s(x, s_dev).block_until_ready()  # trace now, with the option
+
+            def go_s():
+                y = None
+                for _ in range(steps):
+                    y = fn_s(x, s_dev)
+                y.block_until_ready()
+                session.flush()
+
+            return go_s
+
         def body(v):
             y = jnp.tanh(v)
             value = lax.pmean(jnp.sum(y), "i") if "rep" in kind else jnp.sum(y)
@@ -156,6 +181,8 @@ def run(quick: bool = False) -> list[tuple]:
         "tap_rep",
         "tap_rep_unverified",
         "tap_rep_compared",
+        "tap_step",
+        "tap_step_compared",
         "tap_per@transport",
         "tap_per",
         "floorx4",
@@ -188,6 +215,8 @@ def run(quick: bool = False) -> list[tuple]:
         "tap_rep": "  replicated tap",
         "tap_rep_compared": "  replicated tap, prove_replicated=False",
         "tap_rep_unverified": "  replicated tap, verify off (no gather)",
+        "tap_step": "  replicated tap of an in_axes=None step's lr, step= it",
+        "tap_step_compared": "  the same, prove_replicated=False",
         "gather_per": "  + all_gather (per-device value)",
         "tap_per@transport": "  per_device tap, transport only",
         "tap_per": "  per_device tap",

@@ -22,10 +22,16 @@ b. A conservative walk back through the equations being recorded: each
    ``in_tracers`` are the operands). A value is invariant if it is a literal
    or a concrete constant, the output of an all-reduce (psum, pmax, pmin,
    all_gather) over every one of the tap's axes, or the output of a
-   whitelisted pure primitive whose operands are all invariant. Anything
-   else (the trace's inputs, ``axis_index``, partial collectives,
-   permutations, callbacks, random bits, primitives with inner jaxprs,
-   unknown primitives, values of another trace) is not proven.
+   whitelisted pure primitive whose operands are all invariant, or an
+   input of a shard_map body (pmap's too) whose in_spec names no axis
+   (``P()``: a pmap argument with ``in_axes=None``), the same on every
+   device of that shard_map's axes by construction; read off the staging
+   frame on the Python stack (``_shard_map_staging``'s ``in_specs``, in the
+   order of the body trace's ``invars``). pmaptap.jit/pmap trace the body
+   again (lift.py), and say which outer value each input of that trace is
+   (``same_as``). Anything else (other inputs, ``axis_index``, partial
+   collectives, permutations, callbacks, random bits, primitives with inner
+   jaxprs, unknown primitives, values of another trace) is not proven.
 
 Nothing here may fail a user's trace: any exception means "not proven", and
 the tap falls back to comparing its copies.
@@ -38,7 +44,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # All-reduce collectives: every participant ends with the same value when
 # the reduction covers all of the tap's axes (and no axis_index_groups).
@@ -81,6 +87,28 @@ _lock = threading.Lock()
 # trace -> {Var: proven}: a Var's answer never changes, and the taps of one
 # body (an automatic group, a pytree's leaves) share most of their history.
 _memo: "weakref.WeakKeyDictionary[Any, dict[Any, bool]]" = weakref.WeakKeyDictionary()
+# trace -> {input Var: the value of the enclosing trace it stands for}
+# (``same_as``: pmaptap.jit/pmap's second trace of a body).
+_aliases: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+def same_as(inner: Sequence[Any], outer: Sequence[Any]) -> None:
+    """The inputs ``inner`` of the trace being built are the enclosing
+    trace's values ``outer`` (lift.py traces a step's body again, on its
+    arguments' types): what is proven of those is proven of these."""
+    try:
+        from jax._src import core
+
+        trace = core.trace_ctx.trace
+        with _lock:
+            got = _aliases.get(trace)
+            if got is None:
+                got = _aliases[trace] = {}
+        for i, o in zip(inner, outer):
+            if isinstance(i, core.Tracer) and getattr(i, "parent", 1) is None:
+                got[i.val] = o
+    except Exception:  # noqa: BLE001 - never fail a user's trace: proves nothing
+        pass
 
 
 def proven_invariant(leaves: Sequence[Any], axis_names: Sequence[Any]) -> bool:
@@ -97,7 +125,6 @@ def proven_invariant(leaves: Sequence[Any], axis_names: Sequence[Any]) -> bool:
 
 def _leaf_invariant(x: Any, axes: frozenset) -> bool:
     from jax._src import core
-    from jax._src.interpreters import partial_eval as pe
 
     if not isinstance(x, core.Tracer):
         return True  # a concrete value baked into the program
@@ -105,14 +132,63 @@ def _leaf_invariant(x: Any, axes: frozenset) -> bool:
         manual = manual_axes_of(core.typeof(x))
         if manual is not None and not manual & axes and not _from_host(x):
             return True
-    trace = core.trace_ctx.trace
-    if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not trace:
+    return _walk_in(x, axes, core.trace_ctx.trace, depth=0)
+
+
+def _walk_in(x: Any, axes: frozenset, trace: Any, depth: int) -> bool:
+    """The walk (source b) of ``x``, a value of ``trace``; its inputs proven
+    as the values of the enclosing trace they stand for (``same_as``), or
+    as a shard_map body's replicated inputs (``_replicated_input``)."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    if not isinstance(x, core.Tracer):
+        return True
+    if not isinstance(x, pe.DynamicJaxprTracer) or x._trace is not trace or depth > 4:
         return False  # another transformation's value, or an enclosing trace's
     with _lock:
         memo = _memo.get(trace)
         if memo is None:
             memo = _memo[trace] = {}
-    return _walk(x, axes, trace.frame, memo)
+        aliases = _aliases.get(trace, {})
+
+    def input_invariant(var: Any) -> bool:
+        outer = aliases.get(var)
+        if outer is not None:
+            return _walk_in(outer, axes, getattr(outer, "_trace", None), depth + 1)
+        return _replicated_input(trace, var, axes)
+
+    return _walk(x, axes, trace.frame, memo, input_invariant)
+
+
+def _replicated_input(trace: Any, var: Any, axes: frozenset) -> bool:
+    """Whether ``var``, an input of ``trace``, is a shard_map body's input
+    whose in_spec names no axis (the same on every device of that
+    shard_map's axes, which cover ``axes``): found by the staging frame on
+    the Python stack that traces this body."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "trace_to_jaxpr"
+            and frame.f_locals.get("trace") is trace
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "_shard_map_staging"
+            and frame.f_back.f_globals.get("__name__") == "jax._src.shard_map"
+        ):
+            staging = frame.f_back.f_locals
+            low = getattr(trace, "requires_low", True)  # unknown: not proven
+            if low or not axes <= frozenset(staging["newly_manual_axes"]):
+                return False
+            specs = staging["in_specs"]
+            invars = trace.frame.invars
+            if len(invars) != len(specs):
+                return False
+            spec = specs[invars.index(var)]
+            named = any(p is not None for p in spec)
+            partial = getattr(spec, "unreduced", None) or getattr(spec, "reduced", None)
+            return not named and not partial
+        frame = frame.f_back
+    return False
 
 
 def _is_host_eqn(primitive: Any) -> bool:
@@ -258,7 +334,9 @@ def _vma_trusted() -> bool:
     return True
 
 
-def _walk(root: Any, axes: frozenset, frame: Any, memo: dict) -> bool:
+def _walk(
+    root: Any, axes: frozenset, frame: Any, memo: dict, input_invariant: Callable[[Any], bool]
+) -> bool:
     """The dataflow proof (source b), iterative so deep chains cannot hit
     Python's recursion limit; answers are memoized per Var."""
     from jax._src import core
@@ -277,7 +355,7 @@ def _walk(root: Any, axes: frozenset, frame: Any, memo: dict) -> bool:
             if not known:
                 return False
             continue
-        verdict, pending = _step(t, var, axes, frame, memo)
+        verdict, pending = _step(t, var, axes, frame, memo, input_invariant)
         if verdict is None:  # operands to prove first
             budget -= 1
             if budget < 0:
@@ -293,19 +371,18 @@ def _walk(root: Any, axes: frozenset, frame: Any, memo: dict) -> bool:
     return True
 
 
-def _step(t: Any, var: Any, axes: frozenset, frame: Any, memo: dict):
+def _step(t: Any, var: Any, axes: frozenset, frame: Any, memo: dict, input_invariant: Callable):
     """(True/False, ()) when ``t`` is decided, or (None, operands) when its
     operands must be proven first."""
     from jax._src import core
 
     eqn = t.parent
     if eqn is None:
-        # An input of the trace (a pmap argument) or a constant; a constant
-        # that is itself a tracer is a value closed over from an enclosing
-        # trace: not proven.
+        # A constant (one that is itself a tracer is a value closed over
+        # from an enclosing trace: not proven), or an input of the trace.
         if var in frame.constvar_to_val:
             return not isinstance(frame.constvar_to_val[var], core.Tracer), ()
-        return False, ()
+        return input_invariant(var), ()
     name = eqn.primitive.name
     param = _ALL_REDUCE.get(name)
     if param is not None:
@@ -349,6 +426,10 @@ def check_internals() -> None:
         (pe, "DynamicJaxprTrace"),
         (pe, "TracingEqn"),
         (pe, "JaxprStackFrame"),
+        # Its frame's local ``trace`` is a shard_map body's trace (a cached
+        # function, so not read here: test_prove.py's shard_map test fails
+        # if it moves).
+        (pe, "trace_to_jaxpr"),
         (shard_map, "_shard_map_staging"),
     ):
         if not hasattr(owner, name):
@@ -363,7 +444,7 @@ def check_internals() -> None:
         axes_type = (core.ShapedArray, ("vma", "sharding"))
     for cls, slots in (
         (getattr(pe, "DynamicJaxprTracer", None), ("val", "parent")),
-        (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val",)),
+        (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val", "invars")),
         axes_type,
     ):
         # Slots, or declared fields (0.9's JaxprStackFrame has no slots).
@@ -378,8 +459,13 @@ def check_internals() -> None:
             if f not in fields
         ]
     staging = getattr(shard_map, "_shard_map_staging", None)
-    if staging is not None and "check_vma" not in inspect.signature(staging).parameters:
-        missing.append("_shard_map_staging(check_vma=)")
+    if staging is not None:
+        params = inspect.signature(staging).parameters
+        missing += [
+            f"_shard_map_staging({p}=)"
+            for p in ("check_vma", "in_specs", "newly_manual_axes")
+            if p not in params
+        ]
     if missing:
         raise RuntimeError(
             "pmaptap's trace-time proof of replication relies on JAX internals "

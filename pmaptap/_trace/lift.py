@@ -53,7 +53,7 @@ from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
-from pmaptap._trace import fingerprint
+from pmaptap._trace import fingerprint, placement
 from pmaptap._trace.fingerprint import fingerprint_out_p
 from pmaptap._trace.invariant import varying_of
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
@@ -112,6 +112,10 @@ def lift(fun: Callable) -> Callable:
         box: dict[str, Any] = {}
 
         def flat_fun(*values):
+            # This trace's inputs are the body's values: what is proven
+            # replicated of those (a pmap argument with in_axes=None) is of
+            # these too.
+            placement.same_as(values, [leaves[i] for i in dyn])
             full = list(leaves)
             for i, v in zip(dyn, values):
                 full[i] = v

@@ -25,6 +25,7 @@ from pmaptap._common.spec import Placement
 # replicated tap needs to skip comparing its copies) reads the trace being
 # built; it lives in the sibling invariant.py, re-exported here.
 from pmaptap._trace.invariant import proven_invariant as proven_invariant
+from pmaptap._trace.invariant import same_as as same_as
 
 # JAX's name for the axis of a pmap called without axis_name. Records show it
 # as "pmap" so users do not see an internal identifier.

@@ -149,6 +149,105 @@ def test_what_is_and_is_not_proven_under_pmap():
     }
 
 
+def test_a_pmap_argument_with_in_axes_none_is_proven_alike():
+    """A ``jax.pmap`` argument with ``in_axes=None`` (a step counter, a
+    learning rate) is the same on every device by construction, and so is
+    what pure operations make of it; mapped arguments are not. Under the
+    output transport the body is traced twice (lift.py): the same."""
+    got: dict = {}
+
+    def body(v, step, lr):
+        for label, value in {
+            "step": step,
+            "lr schedule": lr * jnp.minimum(step, 10).astype(jnp.float32) + 1e-4,
+            "step as a float, in a tree": {"s": step * 1.0, "neg": -step},
+            "with a pmean": lax.pmean(v, "i") * lr,
+            # Not proven:
+            "mapped argument": v,
+            "mapped + step": v + step,
+            "step + axis_index": step + lax.axis_index("i"),
+        }.items():
+            got[label] = placement.proven_invariant(jax.tree.leaves(value), ("i",))
+        return v
+
+    jax.pmap(body, axis_name="i", in_axes=(0, None, None))(
+        jnp.arange(8.0), jnp.int32(3), jnp.float32(0.1)
+    )
+    assert {k for k, ok in got.items() if ok} == {
+        "step",
+        "lr schedule",
+        "step as a float, in a tree",
+        "with a pmean",
+    }, got
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_shard_map_input_replicated_by_its_in_spec_is_proven(check_vma):
+    """A shard_map input whose in_spec names no axis (``P()``) is the same on
+    every device, with JAX's varying-axes typing on or off; one split over
+    the axis (``P("i")``) is not."""
+    mesh = jax.make_mesh((8,), ("i",))
+    got: dict = {}
+
+    def body(v, c):
+        got["P()"] = placement.proven_invariant([c * 2], ("i",))
+        got['P("i")'] = placement.proven_invariant([v * 2], ("i",))
+        return v
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"), check_vma=check_vma
+    )
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    jax.jit(f)(x, jnp.float32(2.0))
+    assert got == {"P()": True, 'P("i")': False}
+
+
+@pytest.mark.callback_only("spies on the callback layouts")
+def test_taps_of_a_step_counter_passed_with_in_axes_none_send_one_copy(tmp_path, layouts):
+    """The demo's pattern: ``step`` passed with ``in_axes=None``, the
+    learning rate made from it, both tapped as replicated with ``step=step``:
+    proven, so no copy is compared and no step is checked (before: both
+    compared the 8 devices' copies, and each tap's step was all-gathered),
+    and the records are those comparing writes."""
+
+    def run(path, **opts):
+        with pmaptap.configured(**opts):
+            f = jax.pmap(
+                lambda v, step: (
+                    pmaptap.tap(0.1 * (step + 1).astype(jnp.float32), "lr", step=step),
+                    pmaptap.tap(step, "step", step=step, dedup="replicated"),
+                    v,
+                )[-1],
+                axis_name="i",
+                in_axes=(0, None),
+            )
+            with pmaptap.Session(str(path), run="prove"):
+                for i in range(3):
+                    f(jnp.arange(8.0), jnp.int32(i))
+        return pmaptap.read(str(path))
+
+    proven = run(tmp_path / "p.jsonl")
+    kinds = {(name, layout) for name, layout in layouts if name != "<group>"}
+    layouts.clear()
+    compared = run(tmp_path / "c.jsonl", prove_replicated=False)
+    assert _without_time(proven) == _without_time(compared)
+    assert sorted((r["name"], r["step"]) for r in proven) == sorted(
+        (n, s) for n in ("lr", "step") for s in range(3)
+    )
+    assert all(r["kind"] == "replicated" and r["replicas"] == 8 for r in proven)
+    assert kinds == {("lr", Layout.PROVEN), ("step", Layout.PROVEN)}, kinds
+    text = _jaxpr_text(
+        lambda: jax.pmap(
+            lambda v, step: (pmaptap.tap(step * 2, "s", step=step), v)[-1],
+            axis_name="i",
+            in_axes=(0, None),
+        ),
+        jnp.arange(8.0),
+        jnp.int32(0),
+    )
+    assert "all_gather[" not in text, text
+
+
 def test_a_collective_over_one_axis_of_two_is_not_proven():
     mesh = jax.make_mesh((2, 4), ("i", "j"))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P(("i", "j"))))
