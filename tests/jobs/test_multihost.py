@@ -149,18 +149,21 @@ _DIVERGE = """
     out = os.environ["TAP"]
     p = jax.process_index()
 
-    def body(x):
-        # Identical on the devices of one process, different across hosts.
+    def body(x, c):
+        # Identical on the devices of one process, different across hosts:
+        # a value the copies are compared for, and an in_axes=None argument
+        # (proven alike at trace time: one copy per process travels).
         pmaptap.tap(jnp.float32(p) + 0 * x, "skew", dedup="replicated")
+        pmaptap.tap(c * 1.0, "skew_arg", dedup="replicated")
         pmaptap.tap(jax.lax.pmean(x, "i"), "agree", dedup="replicated")
         return x
 
     runs = []
     for session_no in range(2):   # two sessions: two agreed run ids
         with pmaptap.Session(out) as s:
-            f = jax.pmap(body, axis_name="i")
+            f = jax.pmap(body, axis_name="i", in_axes=(0, None))
             for step in range(3):
-                f(jnp.ones(jax.local_device_count()) * step).block_until_ready()
+                f(jnp.ones(jax.local_device_count()) * step, jnp.float32(p)).block_until_ready()
         runs.append(s.run)
     print("RUNS", json.dumps(runs), flush=True)
 """
@@ -183,8 +186,8 @@ def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
     assert runs[0][0] != runs[0][1]  # fresh per session
 
     recs = pmaptap.read(tap)
-    for run in runs[0]:
-        skew = [r for r in recs if r["run"] == run and r["name"] == "skew"]
+    for run, name in [(run, name) for run in runs[0] for name in ("skew", "skew_arg")]:
+        skew = [r for r in recs if r["run"] == run and r["name"] == name]
         # Both values of every step are in the file, each with its holders.
         assert sorted((r["step"], r["value"]) for r in skew) == [
             (s, v) for s in range(3) for v in (0.0, 1.0)
@@ -192,8 +195,13 @@ def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
         for r in skew:
             p = int(r["value"])
             assert r["divergent"] is True  # read() reconciles
-            assert r["processes"] == [p]  # who held it
-            assert r["devices"] == [p * 2048, p * 2048 + 1]
+            if name == "skew":  # compared: who held it
+                assert r["processes"] == [p]
+                assert r["devices"] == [p * 2048, p * 2048 + 1]
+            # skew_arg was proven alike by the program (in_axes=None), so
+            # each process's record names every device; the file's
+            # cross-process comparison still flags the two values.
+    for run in runs[0]:
         agree = [r for r in recs if r["run"] == run and r["name"] == "agree"]
         assert sorted(r["step"] for r in agree) == [0, 1, 2]
         assert not any(r.get("divergent") for r in agree)
@@ -201,14 +209,14 @@ def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
     # disagreement: whoever wrote second (or saw both values) marked it.
     with open(tap) as f:
         raw = [json.loads(line) for line in f]
-    for run in runs[0]:
+    for run, name in [(run, name) for run in runs[0] for name in ("skew", "skew_arg")]:
         for step in range(3):
             flags = [
                 r.get("divergent", False)
                 for r in raw
-                if r["run"] == run and r["name"] == "skew" and r["step"] == step
+                if r["run"] == run and r["name"] == name and r["step"] == step
             ]
-            assert len(flags) == 2 and any(flags), (run, step, flags)
+            assert len(flags) == 2 and any(flags), (run, name, step, flags)
 
 
 _SLOW_CLOSE = """
