@@ -895,6 +895,77 @@ def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(100))
 
 
+def test_a_writers_close_that_cannot_write_keeps_its_records_for_the_next_close(tmp_path) -> None:
+    """close() under a real RLIMIT_FSIZE: its TapError said the records
+    "stay buffered; flush() again", but close() had closed the file anyway:
+    flush() then failed with EBADF and close() again returned with the 100
+    records never written. Now the Writer stays open and close() again
+    writes them."""
+    from conftest import run_python
+
+    proc = run_python(
+        """
+        import os, resource, signal, numpy as np, pmaptap
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        inf = resource.RLIM_INFINITY
+        w = pmaptap.Writer(os.environ["TAP"], run="r", process=0, layout="file",
+                           max_buffer=10**6, flush_interval=3600)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, inf))
+        for step in range(100):
+            w.write("x", step, np.float32(step))
+        try:
+            w.close()
+            print("NO ERROR")
+        except pmaptap.TapError as e:
+            print("TAPERROR", "File too large" in str(e), w.pending, w.closed, flush=True)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (inf, inf))
+        w.close()
+        print("CLOSED", w.written, w.pending, w.closed, flush=True)
+        """,
+        devices=1,
+        TAP=str(tmp_path / "run.jsonl"),
+    )
+    assert "TAPERROR True 100 False" in proc.stdout, proc.stdout + proc.stderr
+    assert "CLOSED 100 0 True" in proc.stdout, proc.stdout + proc.stderr
+    assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(100))
+
+
+def test_writer_refuses_text_and_ids_no_record_can_hold(tmp_path) -> None:
+    """A name that is not valid Unicode is refused at write() with the
+    tap's message (was: buffered, then written as pmaptap/unencodable at
+    flush); a run or host that is not is refused at Writer() as Session()
+    refuses its run (was: every record of the Writer unencodable). A device
+    id that is not an int from 0 to 2**63-1 is refused (was: 2.7 written as
+    device 2, "3" as a string, 2**70 unencodable at flush); a value nested
+    past the recursion limit is a ValueError naming the tap (was: a bare
+    RecursionError)."""
+    path = str(tmp_path / "run.jsonl")
+    for bad in ({"run": "r\udc80"}, {"run": "r", "host": "h\ud800"}):
+        with pytest.raises(ValueError, match=r"is not valid Unicode text"):
+            pmaptap.Writer(path, process=1, **bad)
+    with pytest.raises(ValueError, match=r"process must be an int from 0 to 2\*\*63-1"):
+        pmaptap.Writer(path, run="r", process=2**63)
+    deep: object = 1.0
+    for _ in range(5000):
+        deep = [deep]
+    with pmaptap.Writer(path, run="r", process=np.int64(1), layout="file") as w:
+        with pytest.raises(ValueError) as got:
+            w.write("x\ud800", 0, 1.0)
+        with pytest.raises(ValueError) as want:
+            jax.jit(lambda v: pmaptap.tap(v, "x\ud800"))(1.0)
+        assert str(got.value) == str(want.value).replace("pmaptap.tap(", "Writer.write(")
+        for device in (2.7, "3", True, -1, 2**70, np.float32(1)):
+            with pytest.raises(ValueError, match=r"device must be an int from 0 to 2\*\*63-1"):
+                w.write("d", 0, 1.0, kind="per_device", device=device)
+        with pytest.raises(ValueError, match=r"Writer.write\('deep'\): the value nests too deep"):
+            w.write("deep", 0, deep)
+        assert w.pending == 0
+        w.write("d", 0, 1.0, kind="per_device", device=np.int64(3))
+    (r,) = pmaptap.read(path)
+    assert (r["device"], r["process"]) == (3, 1)
+    assert pmaptap.cli.main(["validate", path]) == 0
+
+
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
     import subprocess
     import sys
