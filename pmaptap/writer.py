@@ -23,8 +23,10 @@ import numpy as np
 
 from pmaptap.errors import LockBusy, TapError
 from pmaptap.tapfile.format import (
+    MAX_STEP,
     VALUE_KINDS,
     Record,
+    check_name_text,
     check_step_range,
     encodable,
     is_narrow_int,
@@ -117,6 +119,11 @@ def _encode(value: Any, leaves: list[np.ndarray], where: str = "/") -> tuple[Any
     return encode_array(a)
 
 
+def _is_id(x: Any) -> bool:
+    """A process or device id as records hold it: an int in 0..2**63-1."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and 0 <= x <= MAX_STEP
+
+
 class Writer:
     """Write tap records into a run from any process, JAX or not.
 
@@ -147,8 +154,20 @@ class Writer:
     ) -> None:
         if not isinstance(run, str) or not run:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
-        if not isinstance(process, int) or isinstance(process, bool) or process < 0:
-            raise ValueError(f"Writer: process must be an int >= 0, got {process!r}")
+        for what, text in (("run", run), ("host", host)):
+            if text is not None and text != text.encode("utf-8", "replace").decode("utf-8"):
+                # It goes on every line: one that cannot be UTF-8 would make
+                # every record of this Writer a pmaptap/unencodable one.
+                raise ValueError(
+                    f"Writer: {what} {text!r} is not valid Unicode text "
+                    "(a lone surrogate?); tap files are UTF-8 JSON."
+                )
+        if not _is_id(process):
+            raise ValueError(
+                f"Writer: process must be an int from 0 to 2**63-1, got "
+                f"{type(process).__name__} {process!r}"
+            )
+        process = int(process)
         from pmaptap.tapfile.runs import FILE_LAYOUTS, file_layout, is_url
 
         if layout not in FILE_LAYOUTS:
@@ -207,6 +226,7 @@ class Writer:
             raise TapError(f"write() on closed {self!r}", path=self.path)
         if not isinstance(name, str) or not name:
             raise ValueError(f"Writer.write: name must be a non-empty str, got {name!r}")
+        check_name_text(name, f"Writer.write({name!r})")  # as a tap's
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
             raise ValueError(f"Writer.write({name!r}): step must be an int, got {step!r}")
         step = check_step_range(step, f"Writer.write({name!r})")  # as a tap's
@@ -216,11 +236,23 @@ class Writer:
             )
         if kind == "replicated" and device is not None:
             raise ValueError(f"Writer.write({name!r}): device is for kind='per_device' only")
+        if device is not None and not _is_id(device):
+            # int(2.7) would write device 2, "3" a string id readers do not
+            # match, 2**64 a line no encoder can write.
+            raise ValueError(
+                f"Writer.write({name!r}): device must be an int from 0 to "
+                f"2**63-1 (the device's id), got {type(device).__name__} {device!r}"
+            )
         leaves: list[np.ndarray] = []
         try:
             enc, dtype, shape = _encode(value, leaves)
         except (TypeError, ValueError) as e:
             raise type(e)(f"Writer.write({name!r}): {e}") from None
+        except RecursionError:
+            raise ValueError(
+                f"Writer.write({name!r}): the value nests too deep to write "
+                "(readers take 128 levels)"
+            ) from None
         now = time.time()
         common = dict(
             run=self.run,
@@ -304,13 +336,15 @@ class Writer:
         self._write_buffer(self.flush_timeout)
 
     def close(self) -> None:
+        """Write everything buffered, then close. If that write fails (a
+        full disk, a busy lock), the ``TapError`` is raised and the Writer
+        stays open with its records buffered: ``close()`` (or ``flush()``)
+        again once the cause is fixed writes them."""
         if self.closed:
             return
-        try:
-            self.flush()
-        finally:
-            self.closed = True
-            self._sink.close()
+        self.flush()
+        self.closed = True
+        self._sink.close()
 
     def __enter__(self) -> "Writer":
         return self

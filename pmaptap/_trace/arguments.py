@@ -12,7 +12,7 @@ import numpy as np
 
 from pmaptap._common.spec import DEDUP_MODES
 from pmaptap.errors import resumed_step_message
-from pmaptap.tapfile.format import check_step_range, encodable
+from pmaptap.tapfile.format import check_name_text, check_step_range, encodable
 
 
 def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
@@ -23,17 +23,7 @@ def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
         )
     if not name:
         raise ValueError(f"{fn}: name must be a non-empty string.")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as e:
-        # A lone surrogate (e.g. from os.fsdecode of a non-UTF-8 file name)
-        # has no JSON/UTF-8 form: refuse it here rather than at write time.
-        raise ValueError(
-            f"{fn}({name!r}): name is not valid Unicode text "
-            f"({e.reason} at index {e.start}); tap files are "
-            "UTF-8 JSON. Clean the name, e.g. "
-            "name.encode('utf-8', 'replace').decode()."
-        ) from None
+    check_name_text(name, f"{fn}({name!r})")
     if dedup not in DEDUP_MODES:
         raise ValueError(
             f"{fn}({name!r}): dedup must be one of "

@@ -81,6 +81,22 @@ def check_step_range(step: int, where: str) -> int:
     return int(step)
 
 
+def check_name_text(name: str, where: str) -> None:
+    """A tap's name (or a ``Writer``'s) must be valid Unicode text, or
+    ``ValueError`` naming ``where``: a lone surrogate (e.g. from os.fsdecode
+    of a non-UTF-8 file name) has no JSON/UTF-8 form, and refused here it is
+    not a record replaced by ``pmaptap/unencodable`` at write time."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: name is not valid Unicode text "
+            f"({e.reason} at index {e.start}); tap files are "
+            "UTF-8 JSON. Clean the name, e.g. "
+            "name.encode('utf-8', 'replace').decode()."
+        ) from None
+
+
 # The columns of a table of records, in their order: the one list. The CSV
 # export (export.FIXED) and read(as_frame=True)/Parquet (frame.py) start
 # with them and ``show``'s text table (views.COLUMNS) picks from them, each

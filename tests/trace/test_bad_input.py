@@ -864,7 +864,10 @@ def test_writer_writes_sub_byte_integers_as_taps_do(tmp_path, session, tap_path)
 def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     """EFBIG under a real RLIMIT_FSIZE at flush: a TapError as a session's
     (was: the bare OSError), the records still buffered and written once
-    the limit is raised."""
+    the limit is raised. A close() that fails so keeps the Writer open: its
+    TapError said the records "stay buffered; flush() again", but close()
+    had closed the file anyway (flush() then failed with EBADF, close()
+    again returned with the records never written)."""
     from conftest import run_python
 
     proc = run_python(
@@ -883,16 +886,57 @@ def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
         except pmaptap.TapError as e:
             print("TAPERROR", type(e.__cause__).__name__, "File too large" in str(e),
                   w.pending, flush=True)
+        try:
+            w.close()
+        except pmaptap.TapError as e:
+            print("CLOSE FAILED", "File too large" in str(e), w.pending, w.closed, flush=True)
         resource.setrlimit(resource.RLIMIT_FSIZE, (inf, inf))
         w.close()
-        print("CLOSED", w.written, flush=True)
+        print("CLOSED", w.written, w.pending, w.closed, flush=True)
         """,
         devices=1,
         TAP=str(tmp_path / "run.jsonl"),
     )
     assert "TAPERROR OSError True 100" in proc.stdout, proc.stdout + proc.stderr
-    assert "CLOSED 100" in proc.stdout
+    assert "CLOSE FAILED True 100 False" in proc.stdout, proc.stdout + proc.stderr
+    assert "CLOSED 100 0 True" in proc.stdout, proc.stdout + proc.stderr
     assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(100))
+
+
+def test_writer_refuses_text_and_ids_no_record_can_hold(tmp_path) -> None:
+    """A name that is not valid Unicode is refused at write() with the
+    tap's message (was: buffered, then written as pmaptap/unencodable at
+    flush); a run or host that is not is refused at Writer() as Session()
+    refuses its run (was: every record of the Writer unencodable). A device
+    id that is not an int from 0 to 2**63-1 is refused (was: 2.7 written as
+    device 2, "3" as a string, 2**70 unencodable at flush); a value nested
+    past the recursion limit is a ValueError naming the tap (was: a bare
+    RecursionError)."""
+    path = str(tmp_path / "run.jsonl")
+    for bad in ({"run": "r\udc80"}, {"run": "r", "host": "h\ud800"}):
+        with pytest.raises(ValueError, match=r"is not valid Unicode text"):
+            pmaptap.Writer(path, process=1, **bad)
+    with pytest.raises(ValueError, match=r"process must be an int from 0 to 2\*\*63-1"):
+        pmaptap.Writer(path, run="r", process=2**63)
+    deep: object = 1.0
+    for _ in range(5000):
+        deep = [deep]
+    with pmaptap.Writer(path, run="r", process=np.int64(1), layout="file") as w:
+        with pytest.raises(ValueError) as got:
+            w.write("x\ud800", 0, 1.0)
+        with pytest.raises(ValueError) as want:
+            jax.jit(lambda v: pmaptap.tap(v, "x\ud800"))(1.0)
+        assert str(got.value) == str(want.value).replace("pmaptap.tap(", "Writer.write(")
+        for device in (2.7, "3", True, -1, 2**70, np.float32(1)):
+            with pytest.raises(ValueError, match=r"device must be an int from 0 to 2\*\*63-1"):
+                w.write("d", 0, 1.0, kind="per_device", device=device)
+        with pytest.raises(ValueError, match=r"Writer.write\('deep'\): the value nests too deep"):
+            w.write("deep", 0, deep)
+        assert w.pending == 0
+        w.write("d", 0, 1.0, kind="per_device", device=np.int64(3))
+    (r,) = pmaptap.read(path)
+    assert (r["device"], r["process"]) == (3, 1)
+    assert pmaptap.cli.main(["validate", path]) == 0
 
 
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
