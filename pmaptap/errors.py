@@ -8,6 +8,9 @@ tap pipeline reports.
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 
 class TapError(RuntimeError):
     """A background failure (disk, permissions, lock, dropped records),
@@ -108,6 +111,31 @@ class WorkerError(RuntimeError):
 class CliError(Exception):
     """A problem with what was asked on the command line; printed as one
     line, exit status 2."""
+
+
+def checked_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    least: float = 0,
+    none: bool = False,
+) -> Any:
+    """``value`` of ``owner``'s numeric option ``name`` (``Session``'s,
+    ``Writer``'s), or a ``ValueError`` saying what it takes: refused where
+    it is given, a string or a negative number would surface far away (a
+    bare ``TypeError`` in the writer thread, a lock that waits forever)."""
+    if value is None and none:
+        return None
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not value >= least:
+        what = "an int" if integer else "a number of seconds"
+        raise ValueError(
+            f"{owner}: {name} must be {what} >= {least:g}{' or None' if none else ''}; "
+            f"got {value!r}"
+        )
+    return int(value) if integer else float(value)
 
 
 def resumed_step_message(name: str, fn: str = "pmaptap.tap") -> str:

@@ -13,6 +13,7 @@ unimportable).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pmaptap.errors import LockBusy, TapError
+from pmaptap.errors import LockBusy, TapError, checked_number
 from pmaptap.tapfile.format import (
     MAX_STEP,
     VALUE_KINDS,
@@ -168,6 +169,12 @@ class Writer:
                 f"{type(process).__name__} {process!r}"
             )
         process = int(process)
+        n = functools.partial(checked_number, "Writer")
+        processes = n("processes", processes, integer=True, least=1, none=True)
+        flush_interval = n("flush_interval", flush_interval)
+        max_buffer = n("max_buffer", max_buffer, integer=True, least=1)
+        lock_timeout = n("lock_timeout", lock_timeout)
+        flush_timeout = n("flush_timeout", flush_timeout, none=True)
         from pmaptap.tapfile.runs import FILE_LAYOUTS, file_layout, is_url
 
         if layout not in FILE_LAYOUTS:

@@ -9,6 +9,7 @@ the backends still exist for ``jax.effects_barrier()``.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ from pmaptap._host.runid import (
 from pmaptap._host.sink import LOCK_MODES, FileSink
 from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
-from pmaptap.errors import SessionError, TapError
+from pmaptap.errors import SessionError, TapError, checked_number
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.runs import is_url
 
@@ -161,6 +162,15 @@ class Session:
             raise ValueError(f"Session: layout must be one of {runs.FILE_LAYOUTS}, got {layout!r}")
         self.lock = lock
         self.layout = layout
+        n = functools.partial(checked_number, "Session")
+        max_pending = n("max_pending", max_pending, integer=True, least=1)
+        max_pending_bytes = n("max_pending_bytes", max_pending_bytes, integer=True, least=1)
+        lock_timeout = n("lock_timeout", lock_timeout)
+        flush_timeout = n("flush_timeout", flush_timeout, none=True)
+        close_timeout = n("close_timeout", close_timeout)
+        group_timeout = n("group_timeout", group_timeout)
+        flush_interval = n("flush_interval", flush_interval)
+        forward_timeout = n("forward_timeout", forward_timeout, none=True)
         # An object-store URL (s3://, gs://) is kept as given; it always
         # uses the sharded layout, as immutable chunks (_host/objsink.py).
         self.url = is_url(path)

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import pickle
+import re
 import stat
 
 import jax
@@ -937,6 +938,42 @@ def test_writer_refuses_text_and_ids_no_record_can_hold(tmp_path) -> None:
     (r,) = pmaptap.read(path)
     assert (r["device"], r["process"]) == (3, 1)
     assert pmaptap.cli.main(["validate", path]) == 0
+
+
+def test_numeric_options_of_session_and_writer_are_checked_where_given(tmp_path) -> None:
+    """A Session's or Writer's count or timeout that is not a number of the
+    right kind and range is refused at the constructor, naming the option
+    and what it takes (was: ``max_buffer="x"`` and ``flush_interval="1"``
+    accepted and failing later in the writer, ``processes="4"`` a bare
+    TypeError, ``lock_timeout=-1`` a lock that waits forever). None stays
+    allowed where it means "no limit"; NumPy numbers are numbers."""
+    path = str(tmp_path / "run.jsonl")
+    for bad, says in (
+        ({"max_buffer": "x"}, "max_buffer must be an int >= 1"),
+        ({"max_buffer": 0}, "max_buffer must be an int >= 1"),
+        ({"processes": "4"}, "processes must be an int >= 1 or None"),
+        ({"flush_interval": "1"}, "flush_interval must be a number of seconds >= 0"),
+        ({"lock_timeout": -1}, "lock_timeout must be a number of seconds >= 0"),
+        ({"flush_timeout": float("nan")}, "flush_timeout must be a number of seconds >= 0 or None"),
+    ):
+        ((_, value),) = bad.items()
+        with pytest.raises(ValueError, match=re.escape(f"Writer: {says}; got {value!r}")):
+            pmaptap.Writer(path, run="r", process=0, **bad)
+    for bad, says in (
+        ({"max_pending": 0}, "max_pending must be an int >= 1"),
+        ({"max_pending_bytes": 2.5}, "max_pending_bytes must be an int >= 1"),
+        ({"close_timeout": "60"}, "close_timeout must be a number of seconds >= 0"),
+        ({"group_timeout": True}, "group_timeout must be a number of seconds >= 0"),
+        ({"forward_timeout": -0.5}, "forward_timeout must be a number of seconds >= 0 or None"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"Session: {says}; got ")):
+            pmaptap.Session(path, **bad)
+    with pmaptap.Writer(
+        path, run="r", process=0, processes=None, max_buffer=np.int64(4), flush_timeout=None
+    ) as w:
+        w.write("x", 0, 1.0)
+    pmaptap.Session(path, flush_timeout=None, forward_timeout=None, group_timeout=np.float32(1))
+    assert [r["name"] for r in pmaptap.read(path)] == ["x"]
 
 
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
