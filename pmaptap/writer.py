@@ -27,6 +27,7 @@ from pmaptap.tapfile.format import (
     MAX_STEP,
     VALUE_KINDS,
     Record,
+    check_line_text,
     check_name_text,
     check_step_range,
     encodable,
@@ -155,14 +156,8 @@ class Writer:
     ) -> None:
         if not isinstance(run, str) or not run:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
-        for what, text in (("run", run), ("host", host)):
-            if text is not None and text != text.encode("utf-8", "replace").decode("utf-8"):
-                # It goes on every line: one that cannot be UTF-8 would make
-                # every record of this Writer a pmaptap/unencodable one.
-                raise ValueError(
-                    f"Writer: {what} {text!r} is not valid Unicode text "
-                    "(a lone surrogate?); tap files are UTF-8 JSON."
-                )
+        check_line_text("Writer", "run", run)
+        check_line_text("Writer", "host", host)
         if not _is_id(process):
             raise ValueError(
                 f"Writer: process must be an int from 0 to 2**63-1, got "

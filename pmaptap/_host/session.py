@@ -35,6 +35,7 @@ from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError, checked_number
 from pmaptap.tapfile import runs
+from pmaptap.tapfile.format import check_line_text
 from pmaptap.tapfile.runs import is_url
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
@@ -146,13 +147,7 @@ class Session:
             )
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"Session: run must be a non-empty str, got {run!r}")
-        if run is not None and run != run.encode("utf-8", "replace").decode("utf-8"):
-            # It goes on every line: one that cannot be UTF-8 would make
-            # every record of the session unwritable.
-            raise ValueError(
-                f"Session: run {run!r} is not valid Unicode text "
-                "(a lone surrogate?); tap files are UTF-8 JSON."
-            )
+        check_line_text("Session", "run", run)
         if lock not in LOCK_MODES:
             raise ValueError(
                 f"Session: lock must be one of {LOCK_MODES} "

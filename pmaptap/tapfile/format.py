@@ -81,6 +81,18 @@ def check_step_range(step: int, where: str) -> int:
     return int(step)
 
 
+def check_line_text(owner: str, what: str, text: "str | None") -> None:
+    """A run id or host name that goes on every line of ``owner`` (a
+    ``Session``, a ``Writer``) must be valid Unicode text, or
+    ``ValueError``: one that cannot be UTF-8 would make every record it
+    writes a ``pmaptap/unencodable`` one."""
+    if text is not None and text != text.encode("utf-8", "replace").decode("utf-8"):
+        raise ValueError(
+            f"{owner}: {what} {text!r} is not valid Unicode text "
+            "(a lone surrogate?); tap files are UTF-8 JSON."
+        )
+
+
 def check_name_text(name: str, where: str) -> None:
     """A tap's name (or a ``Writer``'s) must be valid Unicode text, or
     ``ValueError`` naming ``where``: a lone surrogate (e.g. from os.fsdecode
