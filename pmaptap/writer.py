@@ -44,6 +44,10 @@ __all__ = ["Writer"]
 # the same dtype; only a number that dtype cannot hold (an int past int32, a
 # float past float32's range) keeps 64 bits. np.float64(x) stays float64.
 _PYTHON_NUMBER_DTYPES = {int: np.int32, float: np.float32, complex: np.complex64}
+# While the file takes nothing (a full disk), write() keeps buffering up to
+# this many times max_buffer records, then refuses the next one (a
+# TapError, the record not buffered) rather than grow without bound.
+MAX_BUFFERED = 16
 
 
 def _python_number(x: Any) -> np.ndarray | None:
@@ -203,6 +207,11 @@ class Writer:
         )
         self._buffer: list[Record] = []
         self._oldest = 0.0
+        # The last automatic write's failure (write() does not raise it;
+        # flush()/close() write again and say), and what the writes replaced
+        # as unencodable since the last flush.
+        self._failed: TapError | None = None
+        self._rejected: list[str] = []
         self.written = 0
         self.lock_busy = 0  # lock attempts that timed out (then retried)
         self.closed = False
@@ -279,6 +288,20 @@ class Writer:
             )
         else:
             r = Record(**common, device=None if device is None else int(device), coords={})
+        if self._failed is not None and len(self._buffer) >= MAX_BUFFERED * self.max_buffer:
+            # The file has taken nothing for a while and the buffer is at
+            # its bound: one more try, else refuse this record (not
+            # buffered, so writing it again later adds no copy).
+            try:
+                self._write_buffer(timeout=0.0)
+            except TapError as e:
+                raise TapError(
+                    f"{self!r}: {len(self._buffer)} records buffered and none "
+                    f"written ({e.errors[0] if e.errors else e}); this record "
+                    "was NOT buffered: write it again once flush() succeeds.",
+                    path=self.path,
+                    errors=e.errors,
+                ) from e
         if not self._buffer:
             self._oldest = time.monotonic()
         self._buffer.append(r)
@@ -286,7 +309,13 @@ class Writer:
             len(self._buffer) >= self.max_buffer
             or time.monotonic() - self._oldest >= self.flush_interval
         ):
-            self._write_buffer(timeout=0.0)
+            try:
+                self._write_buffer(timeout=0.0)
+            except TapError as e:
+                # The record is buffered: an error here would make a caller
+                # that retries write() buffer it twice. Said at the next
+                # flush()/close(), as a session says its writer's.
+                self._failed = e
 
     def _write_buffer(self, timeout: float | None) -> None:
         """Write the buffer; retry a busy lock until ``timeout`` (0: one try,
@@ -324,7 +353,18 @@ class Writer:
                 ) from e
         self.written += len(self._buffer)
         self._buffer = []
-        rejected, self._sink.rejected[:] = list(self._sink.rejected), []
+        self._failed = None
+        self._rejected += self._sink.rejected
+        self._sink.rejected[:] = []
+
+    def flush(self) -> None:
+        """Write everything buffered (waits up to ``flush_timeout`` for the
+        lock); a ``TapError`` if that fails, or if records were replaced as
+        unencodable since the last flush (the automatic writes in
+        ``write()`` leave their errors to this call)."""
+        self._failed = None
+        self._write_buffer(self.flush_timeout)
+        rejected, self._rejected = self._rejected, []
         if rejected:
             raise TapError(
                 f"{self!r}: {len(rejected)} record(s) could not be "
@@ -333,10 +373,6 @@ class Writer:
                 path=self.path,
             )
 
-    def flush(self) -> None:
-        """Write everything buffered (waits up to ``flush_timeout`` for the lock)."""
-        self._write_buffer(self.flush_timeout)
-
     def close(self) -> None:
         """Write everything buffered, then close. If that write fails (a
         full disk, a busy lock), the ``TapError`` is raised and the Writer
@@ -344,7 +380,14 @@ class Writer:
         again once the cause is fixed writes them."""
         if self.closed:
             return
-        self.flush()
+        try:
+            self.flush()
+        except TapError:
+            if self._buffer:
+                raise  # not written: open, for close() again
+            self.closed = True  # written (some as unencodable, said here)
+            self._sink.close()
+            raise
         self.closed = True
         self._sink.close()
 

@@ -904,6 +904,50 @@ def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(100))
 
 
+def test_a_writers_automatic_write_leaves_its_error_to_flush(tmp_path) -> None:
+    """write() whose automatic write fails (a real RLIMIT_FSIZE) does not
+    raise: the record is buffered, and a caller that retried a raising
+    write() buffered it twice (was: the error raised from every write()).
+    flush() says the error. Once 16 x max_buffer records wait and the file
+    still takes none, write() refuses the next record, NOT buffered, so the
+    buffer is bounded and nothing is duplicated. When the limit is raised,
+    close() writes every accepted record once."""
+    from conftest import run_python
+
+    proc = run_python(
+        """
+        import os, resource, signal, numpy as np, pmaptap
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        inf = resource.RLIM_INFINITY
+        w = pmaptap.Writer(os.environ["TAP"], run="r", process=0, max_buffer=2,
+                           flush_interval=3600)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256, inf))
+        accepted, refused, said = [], 0, ""
+        for step in range(40):
+            try:
+                w.write("x", step, np.float32(step))
+                accepted.append(step)
+            except pmaptap.TapError as e:
+                refused += 1
+                said = said or str(e)
+        print("WRITES", len(accepted), refused, w.pending, "NOT buffered" in said, flush=True)
+        try:
+            w.flush()
+        except pmaptap.TapError as e:
+            print("FLUSH", "File too large" in str(e), w.pending, flush=True)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (inf, inf))
+        w.close()
+        print("CLOSED", w.written, accepted == list(range(32)), flush=True)
+        """,
+        devices=1,
+        TAP=str(tmp_path / "run.jsonl"),
+    )
+    assert "WRITES 32 8 32 True" in proc.stdout, proc.stdout + proc.stderr
+    assert "FLUSH True 32" in proc.stdout, proc.stdout + proc.stderr
+    assert "CLOSED 32 True" in proc.stdout, proc.stdout + proc.stderr
+    assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(32))
+
+
 def test_writer_refuses_text_and_ids_no_record_can_hold(tmp_path) -> None:
     """A name that is not valid Unicode is refused at write() with the
     tap's message (was: buffered, then written as pmaptap/unencodable at
