@@ -862,6 +862,23 @@ def test_writer_writes_sub_byte_integers_as_taps_do(tmp_path, session, tap_path)
     assert pmaptap.cli.main(["validate", tap_path]) == 0
 
 
+def _writer_under_fsize(tmp_path, body: str, wants: list[str], steps: int) -> None:
+    """``body`` (a script using a Writer on $TAP) run in a process that can
+    lower its RLIMIT_FSIZE (SIGXFSZ ignored, ``inf`` at hand): each of
+    ``wants`` among its lines, and the file holds steps 0..steps-1 once."""
+    from conftest import run_python
+
+    preamble = """
+        import os, resource, signal, numpy as np, pmaptap
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        inf = resource.RLIM_INFINITY
+    """
+    proc = run_python(preamble + body, devices=1, TAP=str(tmp_path / "run.jsonl"))
+    for want in wants:
+        assert want in proc.stdout, proc.stdout + proc.stderr
+    assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(steps))
+
+
 def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     """EFBIG under a real RLIMIT_FSIZE at flush: a TapError as a session's
     (was: the bare OSError), the records still buffered and written once
@@ -869,13 +886,9 @@ def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     TapError said the records "stay buffered; flush() again", but close()
     had closed the file anyway (flush() then failed with EBADF, close()
     again returned with the records never written)."""
-    from conftest import run_python
-
-    proc = run_python(
+    _writer_under_fsize(
+        tmp_path,
         """
-        import os, resource, signal, numpy as np, pmaptap
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        inf = resource.RLIM_INFINITY
         w = pmaptap.Writer(os.environ["TAP"], run="r", process=0, max_buffer=10**6,
                            flush_interval=3600)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, inf))
@@ -895,13 +908,9 @@ def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
         w.close()
         print("CLOSED", w.written, w.pending, w.closed, flush=True)
         """,
-        devices=1,
-        TAP=str(tmp_path / "run.jsonl"),
+        ["TAPERROR OSError True 100", "CLOSE FAILED True 100 False", "CLOSED 100 0 True"],
+        steps=100,
     )
-    assert "TAPERROR OSError True 100" in proc.stdout, proc.stdout + proc.stderr
-    assert "CLOSE FAILED True 100 False" in proc.stdout, proc.stdout + proc.stderr
-    assert "CLOSED 100 0 True" in proc.stdout, proc.stdout + proc.stderr
-    assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(100))
 
 
 def test_a_writers_automatic_write_leaves_its_error_to_flush(tmp_path) -> None:
@@ -912,13 +921,9 @@ def test_a_writers_automatic_write_leaves_its_error_to_flush(tmp_path) -> None:
     still takes none, write() refuses the next record, NOT buffered, so the
     buffer is bounded and nothing is duplicated. When the limit is raised,
     close() writes every accepted record once."""
-    from conftest import run_python
-
-    proc = run_python(
+    _writer_under_fsize(
+        tmp_path,
         """
-        import os, resource, signal, numpy as np, pmaptap
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        inf = resource.RLIM_INFINITY
         w = pmaptap.Writer(os.environ["TAP"], run="r", process=0, max_buffer=2,
                            flush_interval=3600)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256, inf))
@@ -939,13 +944,9 @@ def test_a_writers_automatic_write_leaves_its_error_to_flush(tmp_path) -> None:
         w.close()
         print("CLOSED", w.written, accepted == list(range(32)), flush=True)
         """,
-        devices=1,
-        TAP=str(tmp_path / "run.jsonl"),
+        ["WRITES 32 8 32 True", "FLUSH True 32", "CLOSED 32 True"],
+        steps=32,
     )
-    assert "WRITES 32 8 32 True" in proc.stdout, proc.stdout + proc.stderr
-    assert "FLUSH True 32" in proc.stdout, proc.stdout + proc.stderr
-    assert "CLOSED 32 True" in proc.stdout, proc.stdout + proc.stderr
-    assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(32))
 
 
 def test_writer_refuses_text_and_ids_no_record_can_hold(tmp_path) -> None:
