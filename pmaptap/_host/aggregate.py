@@ -164,9 +164,7 @@ class Aggregator(RecordFactory):
             return self._add_gathered(spec, step, arrays[2:])
         if layout in (Layout.VERIFIED, *LEADER_COPY):
             # PROVEN: replication shown at trace time counts as verified.
-            return self._add_one_copy(
-                spec, step, arrays[2:], verified=layout is not Layout.VERIFIED_OFF
-            )
+            return self._add_one_copy(spec, step, arrays[2:])
         raise ValueError(f"unknown payload layout {layout!r}")
 
     def _add_shard(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
@@ -453,9 +451,7 @@ class Aggregator(RecordFactory):
             local={t.coords[k] for k in t.local},
         )
 
-    def _add_one_copy(
-        self, spec: TapSpec, step: int, leaves: list[np.ndarray], *, verified: bool
-    ) -> list[Record]:
+    def _add_one_copy(self, spec: TapSpec, step: int, leaves: list[np.ndarray]) -> list[Record]:
         t = self._table(spec)
         step = self._step_or_skip(spec, t, step)
         if step is None:
@@ -463,10 +459,9 @@ class Aggregator(RecordFactory):
         if type(step) is list:
             # The one copy stands for each local device's copy.
             return self._add_by_device_step(spec, t, step, [leaves] * len(step), value_key(leaves))
-        extra = None if verified else {"verified": False}
         return [
             self._replicated_record_of_all(
-                spec, step, t, self._value(spec, leaves), value_key(leaves), extra=extra
+                spec, step, t, self._value(spec, leaves), value_key(leaves)
             )
         ]
 

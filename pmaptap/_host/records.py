@@ -58,6 +58,12 @@ class _Table:
         self.replicated_templates: dict[tuple, dict] = {}
 
 
+def _unverified(spec: TapSpec) -> dict | None:
+    """What a replicated record of a ``verify_replicated=False`` tap says:
+    its one copy was compared with nothing (``"verified": false``)."""
+    return {"verified": False} if spec.transport.layout is Layout.VERIFIED_OFF else None
+
+
 class RecordFactory:
     """The record builders (the base class of ``Aggregator``, whose state
     they read: see the module's docstring)."""
@@ -163,12 +169,12 @@ class RecordFactory:
         t: _Table,
         encoded: tuple,
         key: bytes,
-        extra: dict | None = None,
     ) -> Record:
         """The replicated record of a value every copy of the tap site holds
-        (agreement established). A copy of a per-site template, as
-        ``_per_device_records_of_rows``: only the step, value, time and value
-        hash change from step to step."""
+        (agreement established, or one copy sent unverified). A copy of a
+        per-site template, as ``_per_device_records_of_rows``: only the step,
+        value, time and value hash change from step to step."""
+        extra = _unverified(spec)
         tkey = (
             spec.site.batch_dims,
             spec.site.as_statistics,
@@ -195,11 +201,7 @@ class RecordFactory:
     ) -> Record:
         """The replicated record of one value and the copies that hold it
         (all of a step's copies, or those of one of its divergent values)."""
-        extra = None
-        if spec.transport.layout is Layout.VERIFIED_OFF:
-            # A leader's copy that stood for the others (the devices were at
-            # different automatic steps): compared with nothing, as ever.
-            extra = {"verified": False}
+        extra = _unverified(spec)
         if divergent:
             # Which coordinates held this value: the device may be unknown
             # (null) but the coordinates never are.
