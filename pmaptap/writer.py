@@ -27,9 +27,8 @@ from pmaptap.tapfile.format import (
     MAX_STEP,
     VALUE_KINDS,
     Record,
-    check_line_text,
-    check_name_text,
     check_step_range,
+    check_text,
     encodable,
     is_narrow_int,
 )
@@ -160,8 +159,8 @@ class Writer:
     ) -> None:
         if not isinstance(run, str) or not run:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
-        check_line_text("Writer", "run", run)
-        check_line_text("Writer", "host", host)
+        check_text(run, f"Writer(run={run!r})", "run")
+        check_text(host, f"Writer(host={host!r})", "host")
         if not _is_id(process):
             raise ValueError(
                 f"Writer: process must be an int from 0 to 2**63-1, got "
@@ -237,7 +236,7 @@ class Writer:
             raise TapError(f"write() on closed {self!r}", path=self.path)
         if not isinstance(name, str) or not name:
             raise ValueError(f"Writer.write: name must be a non-empty str, got {name!r}")
-        check_name_text(name, f"Writer.write({name!r})")  # as a tap's
+        check_text(name, f"Writer.write({name!r})")  # as a tap's
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
             raise ValueError(f"Writer.write({name!r}): step must be an int, got {step!r}")
         step = check_step_range(step, f"Writer.write({name!r})")  # as a tap's

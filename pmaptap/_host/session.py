@@ -35,7 +35,7 @@ from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError, checked_number
 from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import check_line_text
+from pmaptap.tapfile.format import check_text
 from pmaptap.tapfile.runs import is_url
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
@@ -147,7 +147,7 @@ class Session:
             )
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"Session: run must be a non-empty str, got {run!r}")
-        check_line_text("Session", "run", run)
+        check_text(run, f"Session(run={run!r})", "run")
         if lock not in LOCK_MODES:
             raise ValueError(
                 f"Session: lock must be one of {LOCK_MODES} "

@@ -12,7 +12,7 @@ import numpy as np
 
 from pmaptap._common.spec import DEDUP_MODES
 from pmaptap.errors import resumed_step_message
-from pmaptap.tapfile.format import check_name_text, check_step_range, encodable
+from pmaptap.tapfile.format import check_step_range, check_text, encodable
 
 
 def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
@@ -23,7 +23,7 @@ def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:
         )
     if not name:
         raise ValueError(f"{fn}: name must be a non-empty string.")
-    check_name_text(name, f"{fn}({name!r})")
+    check_text(name, f"{fn}({name!r})")
     if dedup not in DEDUP_MODES:
         raise ValueError(
             f"{fn}({name!r}): dedup must be one of "

@@ -81,31 +81,22 @@ def check_step_range(step: int, where: str) -> int:
     return int(step)
 
 
-def check_line_text(owner: str, what: str, text: "str | None") -> None:
-    """A run id or host name that goes on every line of ``owner`` (a
-    ``Session``, a ``Writer``) must be valid Unicode text, or
-    ``ValueError``: one that cannot be UTF-8 would make every record it
-    writes a ``pmaptap/unencodable`` one."""
-    if text is not None and text != text.encode("utf-8", "replace").decode("utf-8"):
-        raise ValueError(
-            f"{owner}: {what} {text!r} is not valid Unicode text "
-            "(a lone surrogate?); tap files are UTF-8 JSON."
-        )
-
-
-def check_name_text(name: str, where: str) -> None:
-    """A tap's name (or a ``Writer``'s) must be valid Unicode text, or
-    ``ValueError`` naming ``where``: a lone surrogate (e.g. from os.fsdecode
-    of a non-UTF-8 file name) has no JSON/UTF-8 form, and refused here it is
-    not a record replaced by ``pmaptap/unencodable`` at write time."""
+def check_text(text: "str | None", where: str, what: str = "name") -> None:
+    """Text that goes into records (a tap's or a Writer's name, a run id, a
+    host name) must be valid Unicode, or ``ValueError`` naming ``where``:
+    a lone surrogate (e.g. from os.fsdecode of a non-UTF-8 file name) has
+    no JSON/UTF-8 form, and refused here it is not a record replaced by
+    ``pmaptap/unencodable`` at write time (every record, for a run id)."""
+    if text is None:
+        return
     try:
-        name.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(
-            f"{where}: name is not valid Unicode text "
+            f"{where}: {what} is not valid Unicode text "
             f"({e.reason} at index {e.start}); tap files are "
-            "UTF-8 JSON. Clean the name, e.g. "
-            "name.encode('utf-8', 'replace').decode()."
+            f"UTF-8 JSON. Clean the {what}, e.g. "
+            f"{what}.encode('utf-8', 'replace').decode()."
         ) from None
 
 
