@@ -206,10 +206,10 @@ class Writer:
         )
         self._buffer: list[Record] = []
         self._oldest = 0.0
-        # The last automatic write's failure (write() does not raise it;
-        # flush()/close() write again and say), and what the writes replaced
-        # as unencodable since the last flush.
-        self._failed: TapError | None = None
+        # Whether the last write failed (the file takes nothing: a full
+        # disk), and what the writes replaced as unencodable since the last
+        # flush() (said there).
+        self._failing = False
         self._rejected: list[str] = []
         self.written = 0
         self.lock_busy = 0  # lock attempts that timed out (then retried)
@@ -287,7 +287,7 @@ class Writer:
             )
         else:
             r = Record(**common, device=None if device is None else int(device), coords={})
-        if self._failed is not None and len(self._buffer) >= MAX_BUFFERED * self.max_buffer:
+        if self._failing and len(self._buffer) >= MAX_BUFFERED * self.max_buffer:
             # The file has taken nothing for a while and the buffer is at
             # its bound: one more try, else refuse this record (not
             # buffered, so writing it again later adds no copy).
@@ -310,11 +310,11 @@ class Writer:
         ):
             try:
                 self._write_buffer(timeout=0.0)
-            except TapError as e:
+            except TapError:
                 # The record is buffered: an error here would make a caller
-                # that retries write() buffer it twice. Said at the next
-                # flush()/close(), as a session says its writer's.
-                self._failed = e
+                # that retries write() buffer it twice. The next flush() or
+                # close() writes again and says it, as a session's does.
+                pass
 
     def _write_buffer(self, timeout: float | None) -> None:
         """Write the buffer; retry a busy lock until ``timeout`` (0: one try,
@@ -343,6 +343,7 @@ class Writer:
                 # As a session reports its writer's failures: a TapError
                 # naming the file and the cause; the batch was written whole
                 # or not at all, and stays buffered for the next flush.
+                self._failing = True
                 raise TapError(
                     f"{self!r}: could not write {len(self._buffer)} buffered "
                     f"record(s): {type(e).__name__}: {e}. They stay buffered; "
@@ -352,7 +353,7 @@ class Writer:
                 ) from e
         self.written += len(self._buffer)
         self._buffer = []
-        self._failed = None
+        self._failing = False
         self._rejected += self._sink.rejected
         self._sink.rejected[:] = []
 
@@ -361,7 +362,6 @@ class Writer:
         lock); a ``TapError`` if that fails, or if records were replaced as
         unencodable since the last flush (the automatic writes in
         ``write()`` leave their errors to this call)."""
-        self._failed = None
         self._write_buffer(self.flush_timeout)
         rejected, self._rejected = self._rejected, []
         if rejected:
@@ -381,14 +381,12 @@ class Writer:
             return
         try:
             self.flush()
-        except TapError:
-            if self._buffer:
-                raise  # not written: open, for close() again
-            self.closed = True  # written (some as unencodable, said here)
-            self._sink.close()
-            raise
-        self.closed = True
-        self._sink.close()
+        finally:
+            # Records not written (an error raised): open, for close()
+            # again; written (some perhaps as unencodable, raised): closed.
+            if not self._buffer:
+                self.closed = True
+                self._sink.close()
 
     def __enter__(self) -> "Writer":
         return self
