@@ -98,6 +98,7 @@ def same_as(inner: Sequence[Any], outer: Sequence[Any]) -> None:
     arguments' types): what is proven of those is proven of these."""
     try:
         from jax._src import core
+        from jax._src.interpreters import partial_eval as pe
 
         trace = core.trace_ctx.trace
         with _lock:
@@ -105,7 +106,7 @@ def same_as(inner: Sequence[Any], outer: Sequence[Any]) -> None:
             if got is None:
                 got = _aliases[trace] = {}
         for i, o in zip(inner, outer):
-            if isinstance(i, core.Tracer) and getattr(i, "parent", 1) is None:
+            if isinstance(i, pe.DynamicJaxprTracer) and i.parent is None:  # an input
                 got[i.val] = o
     except Exception:  # noqa: BLE001 - never fail a user's trace: proves nothing
         pass

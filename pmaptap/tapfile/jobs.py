@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import tempfile
 from typing import Any, Callable, Iterator, NamedTuple
@@ -341,15 +342,11 @@ class _Pool:
         the next task for that worker (its connection, which names it),
         None when it has none; each result yielded as it comes. At most
         ``most`` workers are started (the tasks there will be, at most)."""
-        count = 0
+        numbers = itertools.count()
 
         def take(conn: Any) -> "tuple | None":
-            nonlocal count
             task = make(conn)
-            if task is None:
-                return None
-            count += 1
-            return count, task
+            return None if task is None else (next(numbers), task)
 
         for _, result in self._each(take, most):
             yield result
