@@ -138,6 +138,20 @@ def checked_number(
     return int(value) if integer else float(value)
 
 
+def checked_flag(owner: str, name: str, value: Any) -> bool:
+    """``value`` of ``owner``'s on/off option ``name``, or a ``ValueError``
+    saying what it takes: ``bool(value)`` would take any non-empty string
+    ("no", "false") or non-zero number for True, far from where it was
+    given. A NumPy bool is a bool."""
+    if isinstance(value, bool):
+        return value
+    import numpy as np  # here: the readers import this module without needing NumPy yet
+
+    if not isinstance(value, np.bool_):
+        raise ValueError(f"{owner}: {name} must be True or False; got {value!r}")
+    return bool(value)
+
+
 def resumed_step_message(name: str, fn: str = "pmaptap.tap") -> str:
     """Why a resumed session refuses a tap with no ``step=``: the trace-time
     ValueError's text and the host's TapError's (a tap traced before the

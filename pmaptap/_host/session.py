@@ -33,7 +33,7 @@ from pmaptap._host.runid import (
 from pmaptap._host.sink import LOCK_MODES, FileSink
 from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
-from pmaptap.errors import SessionError, TapError, checked_number
+from pmaptap.errors import SessionError, TapError, checked_flag, checked_number
 from pmaptap.tapfile import runs
 from pmaptap.tapfile.format import check_text
 from pmaptap.tapfile.runs import is_url
@@ -155,6 +155,9 @@ class Session:
             )
         if layout not in runs.FILE_LAYOUTS:
             raise ValueError(f"Session: layout must be one of {runs.FILE_LAYOUTS}, got {layout!r}")
+        # Not bool(resume): resume="no" resumed, and readers then hid the
+        # previous attempt's replayed steps as superseded.
+        resume = checked_flag("Session", "resume", resume)
         self.lock = lock
         self.layout = layout
         n = functools.partial(checked_number, "Session")
@@ -174,7 +177,7 @@ class Session:
             self.layout = "sharded"
             flush_interval = max(flush_interval, _object_commit_interval())
         self.run = run
-        self.resume = bool(resume)
+        self.resume = resume
         self.attempt = 0
         self._opts: dict[str, Any] = dict(
             overflow=overflow,

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pmaptap.errors import checked_flag
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -62,9 +64,7 @@ def _checked(name: str, v: Any) -> Any:
     allowed: options are read at trace time, so a wrong one would surface
     only later and far away (``gather="yes"`` silently meant "on")."""
     if name in ("gather", "verify_replicated", "prove_replicated", "auto_group"):
-        if not isinstance(v, (bool, np.bool_)):
-            raise ValueError(f"pmaptap.configure: {name} must be True or False; got {v!r}")
-        return bool(v)
+        return checked_flag("pmaptap.configure", name, v)
     if v is None and name == "max_value_bytes":
         return None
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:

@@ -1021,6 +1021,23 @@ def test_numeric_options_of_session_and_writer_are_checked_where_given(tmp_path)
     assert [r["name"] for r in pmaptap.read(path)] == ["x"]
 
 
+def test_session_resume_takes_true_or_false_only(tmp_path) -> None:
+    """``resume`` is refused at the constructor unless a bool (was:
+    ``bool(resume)``, so ``resume="no"`` resumed the file's last run, and
+    readers then hid that run's earlier records of the replayed steps as
+    superseded). A NumPy bool is a bool."""
+    path = str(tmp_path / "run.jsonl")
+    with pmaptap.Session(path, run="r"):
+        pmaptap.tap(1.0, "x", step=0)
+    for bad in ("no", "False", 1, 0.0, None):
+        with pytest.raises(
+            ValueError, match=re.escape(f"Session: resume must be True or False; got {bad!r}")
+        ):
+            pmaptap.Session(path, resume=bad)
+    assert pmaptap.Session(path, resume=np.bool_(False)).resume is False
+    assert [r.get("attempt", 0) for r in pmaptap.read(path, attempts="all")] == [0]
+
+
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
     import subprocess
     import sys
