@@ -13,7 +13,13 @@ from typing import Any, Iterable, Iterator, Sequence
 from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.attempts import Attempts, attempt_of
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
-from pmaptap.tapfile.format import RECORD_COLUMNS, Holders, decode_record, index_text
+from pmaptap.tapfile.format import (
+    FINGERPRINT,
+    RECORD_COLUMNS,
+    Holders,
+    decode_record,
+    index_text,
+)
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.stream import FirstPass, matching
@@ -276,14 +282,25 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
         "proc": str(r.get("process")),
         "device": device_text(r),
         "coords": coords_text(r),
-        "value": format_value(
-            shown_value(r.get("value"), r.get("dtype"), r.get("shape"), r["bytes"])
-            if "bytes" in r
-            else r.get("value"),
-            width,
-        ),
+        "value": value_text(r, width),
         "flags": flags_text(r),
     }
+
+
+def value_text(r: dict, width: int = 60) -> str:
+    """The value column: a fingerprint record has no ``value`` (null) but
+    its ``fingerprint``, with the leaf a divergent one is about, as the
+    stderr printer (_host/console.py) shows it."""
+    if r.get("kind") == FINGERPRINT:
+        leaf = r.get("leaf")
+        fp = str(r.get("fingerprint"))
+        return f"leaf={leaf} {fp}" if leaf else fp
+    return format_value(
+        shown_value(r.get("value"), r.get("dtype"), r.get("shape"), r["bytes"])
+        if "bytes" in r
+        else r.get("value"),
+        width,
+    )
 
 
 class Table:

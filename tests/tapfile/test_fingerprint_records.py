@@ -186,3 +186,14 @@ def test_plot_refuses_and_frames_keep_the_fingerprint(tmp_path):
     frame = pmaptap.read(path, as_frame=True)
     assert list(frame["fingerprint"]) == [f"{0:016x}", "b" * 16]
     assert list(frame["divergent"]) == [False, True]
+
+
+def test_show_and_tail_print_the_fingerprint_not_none(tmp_path, capsys):
+    # A fingerprint record's value is null: show's value column printed
+    # "None" for every one of them.
+    path = _write(tmp_path / "r.jsonl", [agree(0), differ(1, [2], "b" * 16)])
+    for cmd in (["show", path], ["tail", "-n", "5", path]):
+        assert pmaptap.cli.main(cmd) == 0
+        out = capsys.readouterr().out
+        assert "None" not in out
+        assert f"{0:016x}" in out and f"leaf=w {'b' * 16}" in out
