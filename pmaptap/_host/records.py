@@ -204,8 +204,10 @@ class RecordFactory:
         extra = _unverified(spec)
         if divergent:
             # Which coordinates held this value: the device may be unknown
-            # (null) but the coordinates never are.
+            # (null) but the coordinates never are. Beside "verified": false,
+            # not instead of it: a leader's copy sent unverified stays so.
             extra = {
+                **(extra or {}),
                 "holders": [
                     {
                         "device": h.device,
@@ -213,7 +215,7 @@ class RecordFactory:
                         "coords": dict(zip(spec.placement.axis_names, h.coords)),
                     }
                     for h in holders
-                ]
+                ],
             }
         return self._replicated_record(
             spec,

@@ -112,6 +112,24 @@ def test_verify_off_sends_one_unverified_copy(session, tap_path):
     assert r["verified"] is False and r["replicas"] == 8 and r["value"] == 0.0
 
 
+def test_verify_off_divergent_copies_still_say_unverified(tmp_path):
+    # A pmap over 4 devices, then over 8: devices 4-7 count their automatic
+    # steps from 0, so step 1's copies are devices 0-3 of the second call
+    # and devices 4-7 of the third, with different values. Both divergent
+    # records are leaders' copies nobody compared on device: "verified":
+    # false stays beside their holders (the holders list replaced it).
+    path = str(tmp_path / "v.jsonl")
+    f = jax.pmap(lambda v: pmaptap.tap(v, "trust", dedup="replicated"), axis_name="i")
+    with pmaptap.configured(verify_replicated=False), pmaptap.Session(path, run="v"):
+        for n, value in ((4, 1.0), (8, 2.0), (8, 3.0)):
+            f(jnp.full((n,), value))
+    at1 = [r for r in pmaptap.read(path) if r["step"] == 1]
+    assert sorted(r["value"] for r in at1) == [2.0, 3.0]
+    for r in at1:
+        assert r["divergent"] is True and r["verified"] is False
+        assert [h["device"] for h in r["holders"]] == r["devices"]
+
+
 def test_2d_mesh_gathered_order_matches_devices(session, tap_path, host_calls):
     devs = np.array(jax.devices()).reshape(4, 2)[::-1, ::-1]
     mesh = Mesh(devs, ("x", "y"))
