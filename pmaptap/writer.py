@@ -36,8 +36,8 @@ from pmaptap.tapfile.format import (
 __all__ = ["Writer"]
 
 
-# A Python number has no dtype of its own. A session's tap of one gets the
-# dtype JAX gives it (x64 off: float32, int32, complex64), and a replicated
+# A Python number has no dtype of its own. A session's traced tap of one
+# gets the dtype JAX gives it (x64 off: float32, int32, complex64), and a replicated
 # value's hash covers its dtype, so a side process writing 2.0 as float64
 # would be flagged divergent from the job's float32 2.0. So a Writer gives it
 # the same dtype; only a number that dtype cannot hold (an int past int32, a

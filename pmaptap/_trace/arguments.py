@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pmaptap._common.spec import DEDUP_MODES
+from pmaptap._trace.primitive import eager
 from pmaptap.errors import resumed_step_message
 from pmaptap.tapfile.format import check_step_range, check_text, encodable
 
@@ -46,9 +47,13 @@ def is_key(leaf: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def as_leaf(path, leaf, name: str, fn: str):
+def as_leaf(path, leaf, name: str, fn: str, *, exact: bool = False):
     """``leaf`` as a value a tap can send (numbers become arrays, typed PRNG
-    keys their key data), or a TypeError naming the tap and the leaf."""
+    keys their key data), or a TypeError naming the tap and the leaf.
+    ``exact`` (``pmaptap.tap``): a Python number tapped eagerly keeps its
+    value, as a NumPy float64 / int64 (uint64) / complex128 / bool, which
+    the eager path hands to the host as it is (primitive.emit_callback);
+    traced, it is a constant of the trace and takes JAX's dtype."""
     if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in "OSUMm":
         # object / bytes / str / datetime arrays: JAX would refuse them
         # too, but without naming the tap or the leaf.
@@ -65,6 +70,8 @@ def as_leaf(path, leaf, name: str, fn: str):
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or isinstance(leaf, jax.core.Tracer):
         return leaf
     if isinstance(leaf, (bool, int, float, complex)):
+        if exact and eager():
+            return _exact_number(path, leaf, name, fn)
         return jnp.asarray(leaf)
     where = jax.tree_util.keystr(path) or "the value"
     raise TypeError(
@@ -72,6 +79,21 @@ def as_leaf(path, leaf, name: str, fn: str):
         "arrays, NumPy/Python numbers and pytrees (dict/list/tuple/None) of "
         "them. Convert it, or leave it out of the tapped value."
     )
+
+
+def _exact_number(path, leaf: bool | int | float | complex, name: str, fn: str) -> np.ndarray:
+    """A Python number as NumPy keeps it whole: ``time.time()`` as float64
+    (float32 kept 1796571900.0 of 1796571845.16), an int as int64 (uint64
+    above it; JAX's int32 refused 2**40)."""
+    value = np.asarray(leaf)
+    if value.dtype == object:
+        where = jax.tree_util.keystr(path) or "the value"
+        raise TypeError(
+            f"{fn}({name!r}): {where} is the Python int {leaf}, outside int64 and "
+            "uint64; a tap sends fixed-width numbers. Tap it as a float, or as text "
+            "elsewhere."
+        )
+    return value
 
 
 def check_dtype(path, leaf, name: str, fn: str) -> None:

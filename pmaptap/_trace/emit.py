@@ -21,8 +21,9 @@ from jax._src import core as _core
 
 from pmaptap._common.spec import TapSpec
 from pmaptap._trace.group import auto_offer, auto_step_key, current_group, settle
-from pmaptap._trace.layouts import choose_layout, emitter
+from pmaptap._trace.layouts import choose_layout, emit_now, emitter
 from pmaptap._trace.placement import every_due
+from pmaptap._trace.primitive import eager
 
 
 def axis_coords(axis_names: Sequence) -> jax.Array:
@@ -47,7 +48,10 @@ def emit(
     device, so skipped steps make no host call (and no collective) at all;
     devices whose steps differ decide alike (placement.every_due).
     """
-    leaves = [lax.stop_gradient(x) for x in leaves]
+    if not eager():
+        # Eagerly there is no gradient to stop, and stop_gradient would make a
+        # NumPy float64 / int64 leaf 32 bits (emit_callback says why not).
+        leaves = [lax.stop_gradient(x) for x in leaves]
     spec = choose_layout(spec, leaves, raw_names)  # before our own cond below
     g = current_group()
     if g is not None and g.offer(spec, tuple(raw_names), leaves, coords, step, traced_every):
@@ -56,7 +60,12 @@ def emit(
         return  # emitted with the trace's other taps when it ends
     # Deferred taps of the same name (automatic steps) run first: they came first.
     settle({auto_step_key(spec)}, _core.trace_ctx.trace)
-    fn = emitter(spec, tuple(raw_names))
+    if eager():
+        # Nothing to batch; emitter's custom_vmap would bind (see above).
+        def fn(coords, step, *leaves) -> None:
+            emit_now(spec, tuple(raw_names), coords, step, leaves)
+    else:
+        fn = emitter(spec, tuple(raw_names))
     if traced_every:
 
         def fire():

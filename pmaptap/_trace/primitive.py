@@ -35,9 +35,21 @@ callback_p = core.Primitive("pmaptap_callback")
 callback_p.multiple_results = True
 
 
+def eager() -> bool:
+    """Whether nothing is being traced: a tap here runs now, on the
+    caller's thread, with concrete values."""
+    return core.trace_ctx.is_top_level()
+
+
 def emit_callback(host_fn: Callable[..., None], *args: Any) -> None:
     """Call ``host_fn(*numpy_arrays)`` on the host when this point of the
-    program runs (once per device inside a fully manual shard_map/pmap)."""
+    program runs (once per device inside a fully manual shard_map/pmap).
+    Eager: now, with the values as they are. ``bind`` would first make
+    each a JAX value, and with x64 off a NumPy float64 or int64 (an eager
+    Python number, ``time.time()``) became 32 bits: rounded, or wrapped."""
+    if eager():
+        _impl(*args, host_fn=host_fn)
+        return
     callback_p.bind(*args, host_fn=host_fn)
 
 

@@ -49,7 +49,7 @@ def send(
     if static_step is not None and static_step % every != 0:
         return  # decided at trace time: nothing is compiled for this step
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(x)
-    leaves = [as_leaf(p, leaf, name, fn) for p, leaf in path_leaves]
+    leaves = [as_leaf(p, leaf, name, fn, exact=True) for p, leaf in path_leaves]
     for (p, _), leaf in zip(path_leaves, leaves):
         check_dtype(p, leaf, name, fn)
     if taps_off():

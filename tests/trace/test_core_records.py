@@ -76,6 +76,38 @@ def test_dtypes_round_trip(session, tap_path, value, dtype, expect):
     assert r["shape"] == list(np.shape(value))
 
 
+def test_an_eager_python_or_numpy_number_keeps_its_value(session, tap_path):
+    # Eagerly a tap's value was made a JAX value first: with x64 off,
+    # time.time() became float32 (1796571900.0 of 1796571845.16), a Python
+    # int above int32 was an OverflowError and np.int64(2**40 + 1) wrapped
+    # to 1. Now it reaches the host as NumPy holds it; under jit a Python
+    # number is a constant of the trace and takes JAX's dtype, as any.
+    now = 1796571845.16
+    pmaptap.tap(now, "time")
+    pmaptap.tap(2**40 + 1, "int")
+    pmaptap.tap(2**64 - 1, "uint")
+    pmaptap.tap({"t": now, "n": -(2**62), "ok": True, "z": 1 + 2j}, "tree")
+    pmaptap.tap(np.float64(now), "np")
+    pmaptap.tap(np.int64(2**40 + 1), "npint")
+    jax.jit(lambda x: pmaptap.tap(0.1, "traced") + x)(1.0)
+    with pytest.raises(TypeError, match=r"pmaptap.tap\('big'\): \['b'\] is the Python int"):
+        pmaptap.tap({"b": 2**64}, "big")
+    session.flush()
+    got = {r["name"]: (r["value"], r["dtype"]) for r in pmaptap.read(tap_path)}
+    assert got == {
+        "time": (now, "float64"),
+        "int": (2**40 + 1, "int64"),
+        "uint": (2**64 - 1, "uint64"),
+        "tree": (
+            {"t": now, "n": -(2**62), "ok": True, "z": 1 + 2j},
+            {"t": "float64", "n": "int64", "ok": "bool", "z": "complex128"},
+        ),
+        "np": (now, "float64"),
+        "npint": (2**40 + 1, "int64"),
+        "traced": (0.1, "float32"),  # float32 written as its shortest text
+    }
+
+
 def test_fp8_and_bf16_nonfinite():
     value, dtype, shape = encode_array(np.array([np.nan, 2.0], ml_dtypes.float8_e4m3fn))
     assert value == ["NaN", 2.0] and dtype == "float8_e4m3fn" and shape == [2]
