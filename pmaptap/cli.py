@@ -309,7 +309,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.plot import PlotError, plot_tap
+    from pmaptap.tapfile.plot import PlotError, per_leaf, plot_tap
 
     flt = _filter(args)
     flt.names = ()  # plot_tap picks the name and lists the others if absent
@@ -319,12 +319,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     recs: list[dict] = []
     others: set = set()
     for e in _select_streamed(args.file, "plot", flt)():
-        r = e.rec
-        if r.get("name") == name:
-            recs.append(r)
-        elif r.get("name") not in others:
-            others.add(r.get("name"))
-            recs.append(r)
+        for r in per_leaf(e.rec):  # a pytree tap's leaves by their paths
+            if r.get("name") == name:
+                recs.append(r)
+            elif r.get("name") not in others:
+                others.add(r.get("name"))
+                recs.append(r)
     out = args.output or f"{name.replace('/', '_')}.png"
     try:
         plot_tap(recs, name, out, logy=args.logy, smooth=args.smooth)

@@ -35,7 +35,8 @@ from pmaptap.tapfile.fingerprints import divergence_series
 from pmaptap.tapfile.format import FINGERPRINT, Record, decode_record
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.rawarray import raw_leaves
-from pmaptap.tapfile.tensorboard import leaves, tag_parts
+from pmaptap.tapfile.tensorboard import tag_parts
+from pmaptap.tapfile.views import leaves
 
 # Session(forward_replicated=...): which replicated records a process forwards.
 #   "process0": process 0 forwards every replicated record it computed (the

@@ -22,11 +22,11 @@ import math
 import os
 import warnings
 from collections import defaultdict
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from pmaptap.errors import PlotError
 from pmaptap.tapfile.format import FINGERPRINT
-from pmaptap.tapfile.views import scalar
+from pmaptap.tapfile.views import leaves, scalar
 
 MISSING_MATPLOTLIB = (
     "pmaptap plot needs matplotlib, an optional extra: "
@@ -75,14 +75,40 @@ def smoothed(ys: Sequence[float], n: int) -> list[float]:
     return out
 
 
+def per_leaf(r: dict) -> Iterator[dict]:
+    """``r``, or for a pytree value (``{"mean": m, "absmax": a}``) one
+    record per leaf, named by its path as the summary's rows and
+    TensorBoard's tags are (``stats/mean``: views.leaves)."""
+    dtype = r.get("dtype")
+    if not isinstance(dtype, (dict, list)) or r.get("kind") == FINGERPRINT:
+        yield r
+        return
+    shapes = {path: shape for path, shape, _ in leaves(r.get("shape"), dtype)}
+    for path, v, leaf_dtype in leaves(r.get("value"), dtype):
+        yield {
+            **r,
+            "name": f"{r.get('name')}{path}",
+            "value": v,
+            "dtype": leaf_dtype,
+            "shape": shapes.get(path),
+        }
+
+
 def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smooth: int = 0):
-    """The matplotlib Figure for tap ``name`` of ``records`` (decoded dicts).
-    The caller closes it (``plt.close(fig)``)."""
+    """The matplotlib Figure for tap ``name`` of ``records`` (decoded dicts;
+    a pytree tap's leaf by its path, ``stats/mean``). The caller closes it
+    (``plt.close(fig)``)."""
     if smooth < 0:
         raise PlotError(f"smooth must be a number of points >= 1 (or 0: off), got {smooth}")
+    records = [leaf for r in records for leaf in per_leaf(r)]
     recs = [r for r in records if r.get("name") == name]
     if not recs:
         names = sorted({r.get("name") for r in records})
+        of_tree = [n for n in names if str(n).startswith(f"{name}/")]
+        if of_tree:
+            raise PlotError(
+                f"tap {name!r} is a pytree: plot one of its leaves, --name {' or '.join(of_tree)}"
+            )
         raise PlotError(
             f"no records named {name!r}; taps in this file: {', '.join(names) or '(none)'}"
         )

@@ -24,6 +24,8 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any, Iterable
 
+import msgspec
+
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
 from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
@@ -42,7 +44,7 @@ from pmaptap.tapfile.schema import (
     holder_ids,
     index_key,
 )
-from pmaptap.tapfile.views import id_order, scalar, sorted_ids
+from pmaptap.tapfile.views import id_order, leaves, scalar, sorted_ids
 
 
 @dataclasses.dataclass
@@ -82,6 +84,9 @@ class TapSummary:
     # pmaptap.fingerprint records: where the copies first differed and the
     # suspect devices (tapfile/fingerprints.py), "" when they always agreed.
     fingerprint: str = ""
+    # The tap the row is of: its name, or for a pytree's leaf row
+    # (``stats/mean``) the pytree's (``stats``), whose records it shares.
+    tap: str = ""
 
 
 # Devices below this are kept as bits (per step and lane, a bytearray); a
@@ -152,8 +157,11 @@ class _Lane:
 class _TapAcc:
     """One tap's summary state."""
 
-    def __init__(self, run: str, name: str) -> None:
+    def __init__(self, run: str, name: str, tap: str | None = None) -> None:
+        # ``name``: the row's; ``tap``: the records' (a pytree leaf's row,
+        # ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
         self.run, self.name = run, name
+        self.tap = name if tap is None else tap
         self.kinds: set = set()
         self.records = 0
         self.steps: set = set()  # of replicated and meta records
@@ -502,7 +510,7 @@ class _TapAcc:
         if index is not None and index.any_repeat:
             for step, pass_, attempt, *shard in self.rep_keys:
                 shard_key = shard[0] if shard else None
-                if index.is_divergent((self.run, self.name, step, pass_, shard_key, attempt)):
+                if index.is_divergent((self.run, self.tap, step, pass_, shard_key, attempt)):
                     divergent.add(step)
         data_steps: set = set()
         if "replicated" in kinds and "per_device" in kinds:
@@ -563,6 +571,7 @@ class _TapAcc:
             norm=self.norm,
             per_device_steps=tuple(sorted(data_steps)),
             fingerprint=self.fp.text() if self.fp is not None else "",
+            tap=self.tap,
         )
 
 
@@ -626,7 +635,7 @@ class Summarizer:
             pos = self._pos
         self._add_one(r, pos, self._acc(r.run, r.name, pos))
 
-    def _acc(self, run: Any, name: Any, pos: Any) -> _TapAcc:
+    def _acc(self, run: Any, name: Any, pos: Any, tap: Any = None) -> _TapAcc:
         names = self._taps.get(run)
         if names is None:
             names = self._taps[run] = {}
@@ -635,7 +644,7 @@ class Summarizer:
             self._first[run] = pos
         acc = names.get(name)
         if acc is None:
-            acc = names[name] = _TapAcc(run, name)
+            acc = names[name] = _TapAcc(run, name, tap)
         return acc
 
     def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
@@ -789,6 +798,14 @@ class Summarizer:
             self._restarts.add(r)
             if attempt_of(r) and kind != "meta":
                 self.resumed = True
+        dtype = r.dtype
+        if (type(dtype) is dict or type(dtype) is list) and kind != FINGERPRINT:
+            # A pytree ({"mean": m, "absmax": a}): a row per leaf, named as
+            # TensorBoard tags it (views.leaves), each with its numbers.
+            for path, v, leaf_dtype in leaves(r.value, dtype):
+                leaf = msgspec.structs.replace(r, value=v, dtype=leaf_dtype)
+                self._acc(r.run, acc.name + path, pos, acc.name).add(leaf, pos)
+            return
         acc.add(r, pos)
 
     def names_and_runs(self) -> tuple[set, set]:
@@ -829,7 +846,10 @@ class Summarizer:
         """One TapSummary per (run, name), runs in stream order, names sorted."""
         runs = sorted(self._taps, key=self._first.__getitem__)
         out = [
-            acc.result(self._index) for run in runs for _, acc in sorted(self._taps[run].items())
+            acc.result(self._index)
+            for run in runs
+            for _, acc in sorted(self._taps[run].items())
+            if acc.records  # not a pytree tap's own: its leaves have rows
         ]
         for s in out:
             s.restarts = self._restarts.text(s.run)

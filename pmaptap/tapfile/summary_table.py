@@ -96,12 +96,16 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     out: list[str] = []
     for run in dict.fromkeys(s.run for s in summaries):
         of_run = [s for s in summaries if s.run == run]
-        n = sum(s.records for s in of_run)
+        # A pytree tap's leaf rows share its records: counted once.
+        per_tap: dict[str, int] = {}
+        for s in of_run:
+            per_tap[s.tap or s.name] = max(per_tap.get(s.tap or s.name, 0), s.records)
+        n = sum(per_tap.values())
         procs = format_ids({p for s in of_run for p in s.processes})
         devs = format_ids([d for s in of_run for d in s.devices])
         restarts = next((s.restarts for s in of_run if s.restarts), "")
         out.append(
-            f"run {run}: {n} records, {len(of_run)} tap(s), "
+            f"run {run}: {n} records, {len(per_tap)} tap(s), "
             f"processes {procs}, devices {devs}" + (f"; {restarts}" if restarts else "")
         )
         table = Table(_COLUMNS, right={"records"})

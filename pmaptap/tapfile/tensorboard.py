@@ -43,7 +43,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from pmaptap._log import log
@@ -55,6 +55,7 @@ from pmaptap.tapfile.format import FINGERPRINT, Holders, decode_record
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.views import leaves
 
 MISSING_TENSORBOARDX = (
     "pmaptap export --tensorboard needs tensorboardX, an optional "
@@ -143,23 +144,6 @@ def _first_holder(rec: dict) -> str:
         devices = devices[:1]
     ids += [d for d in devices if isinstance(d, int)]
     return str(min(ids)) if ids else "unknown"
-
-
-def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
-    value's pytree nesting, which tells a pytree list from an array."""
-    if isinstance(dtype, dict) and isinstance(value, dict):
-        for k, v in value.items():
-            yield from leaves(v, dtype.get(k), f"{path}/{k}")
-    elif isinstance(dtype, list) and isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from leaves(v, dtype[i] if i < len(dtype) else None, f"{path}/{i}")
-    elif isinstance(value, dict):
-        # A summarized leaf: {"min": .., "max": .., ...} for a string dtype.
-        for k, v in value.items():
-            yield f"{path}/{k}", v, dtype
-    else:
-        yield path, value, dtype
 
 
 def _flat(value: Any) -> list:

@@ -240,6 +240,25 @@ def flags_text(r: dict) -> str:
     return " ".join(flags)
 
 
+def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
+    value's pytree nesting, which tells a pytree list from an array. The
+    path names a leaf as TensorBoard's tags, the summary's and plot's rows
+    do: ``name/<key>/<index>``."""
+    if isinstance(dtype, dict) and isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, dtype.get(k), f"{path}/{k}")
+    elif isinstance(dtype, list) and isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from leaves(v, dtype[i] if i < len(dtype) else None, f"{path}/{i}")
+    elif isinstance(value, dict):
+        # A summarized leaf: {"min": .., "max": .., ...} for a string dtype.
+        for k, v in value.items():
+            yield f"{path}/{k}", v, dtype
+    else:
+        yield path, value, dtype
+
+
 # ------------------------------------------------------------------ tables
 
 # ``show``'s table, made from format.RECORD_COLUMNS to fit a terminal: the

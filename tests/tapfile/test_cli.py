@@ -851,3 +851,37 @@ def test_progress_uses_jax_process_index_and_tty(monkeypatch):
             bar.update()
     assert buf.getvalue().count("\r") == 3  # first, last, close
     assert "100/100" in buf.getvalue()
+
+
+def test_a_pytree_of_scalars_is_summarized_and_plotted_per_leaf(tmp_path):
+    # {"mean": m, "absmax": a} was one row "(array)" with no min/max, and
+    # plot --name refused it as non-scalar; TensorBoard's export already
+    # made a series per leaf (stats/mean, stats/absmax): now so do these.
+    path = str(tmp_path / "run.jsonl")
+    for process in (0, 1):
+        with pmaptap.Writer(path, run="r", process=process) as w:
+            for step in range(3):
+                w.write("loss", step, float(step))
+                # Process 1 disagrees about step 2: the tap's divergence.
+                absmax = 2.0 * step + 1 + (process if step == 2 else 0)
+                w.write("stats", step, {"mean": float(step), "absmax": absmax})
+    for jobs in ("1", "2"):
+        out = cli("summary", path, "--jobs", jobs)
+        assert out.returncode == 0, out.stderr
+        head, body = out.stdout.split("\n", 1)
+        # Process 1 wrote only its divergent value: the rest it found written.
+        assert head.startswith("run r: 7 records, 2 tap(s)")
+        _, rows = _table(body)
+        by = {r["name"]: r for r in rows}
+        assert sorted(by) == ["loss", "stats/absmax", "stats/mean"]
+        assert (by["stats/mean"]["min"], by["stats/mean"]["max"]) == ("0", "2")
+        assert (by["stats/absmax"]["min"], by["stats/absmax"]["max"]) == ("1", "6")
+        assert "divergent at 1 step(s) (2)" in by["stats/absmax"]["issues"]
+    pytest.importorskip("matplotlib")
+    png = str(tmp_path / "mean.png")
+    out = cli("plot", path, "--name", "stats/mean", "-o", png)
+    assert out.returncode == 0 and os.path.getsize(png) > 0, out.stderr
+    out = cli("plot", path, "--name", "stats", "-o", png)
+    assert out.returncode == 2
+    assert "tap 'stats' is a pytree: plot one of its leaves" in out.stderr
+    assert "--name stats/absmax or stats/mean" in out.stderr
