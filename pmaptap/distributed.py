@@ -75,6 +75,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _close_calls: dict[str, int] = {}
 _open_calls: dict[tuple[str, int], int] = {}
 _mode: str | None = None
+# warn_if_launched_alone has looked (once a process).
+_alone_checked = False
 
 
 # --------------------------------------------------------------- initialize
@@ -231,6 +233,40 @@ def initialize(
             )
             _mode = f"cluster:{name}"
         return _mode
+
+
+def warn_if_launched_alone() -> None:
+    """Say once (pmaptap's logger) that this process was started by
+    ``pmaptap launch`` for a job of several processes but never connected to
+    it: without ``initialize()`` JAX sees one process, so every process
+    writes a run of its own, each labelled process 0, and nothing else says
+    so. Called where a session opens and where a tap is traced: cheap after
+    the first call."""
+    global _alone_checked
+    if _alone_checked:
+        return
+    _alone_checked = True
+    if _client() is not None:
+        return
+    try:
+        settings = launcher_settings()
+    except DistributedError:
+        return  # malformed: initialize() says so where it is called
+    if settings is None or settings[1] < 2:
+        return
+    import jax
+
+    if jax.process_count() > 1:
+        return  # connected some other way (jax.distributed by hand)
+    _, n, pid, _ = settings
+    log.warning(
+        f"pmaptap: this process was started by `pmaptap launch` as process {pid} of "
+        f"{n} ({ENV_PROCESS_ID}={pid}, {ENV_NUM_PROCESSES}={n}), but JAX sees 1 "
+        "process: pmaptap.distributed.initialize() was not called. Each process "
+        "now writes a run of its own, every one labelled process 0. Call "
+        "pmaptap.distributed.initialize() first thing in the script, before any "
+        "JAX computation."
+    )
 
 
 # --------------------------------------------------------------- helpers

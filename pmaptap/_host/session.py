@@ -226,6 +226,7 @@ class Session:
             # Before the first tapped step is traced: see _common/switch.py.
             import pmaptap._common.switch  # noqa: F401
 
+            distributed.warn_if_launched_alone()
             if self.layout == "auto":
                 import jax
 

@@ -16,6 +16,7 @@ from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_s
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.layouts import choose_layout, static_step_operand, steps_may_differ
 from pmaptap._trace.stats import statistics_of_big_leaves
+from pmaptap.distributed import warn_if_launched_alone
 
 T = TypeVar("T")
 
@@ -54,6 +55,7 @@ def send(
         check_dtype(p, leaf, name, fn)
     if taps_off():
         return  # pmaptap.untapped: checked, then removed
+    warn_if_launched_alone()
 
     def emit_leaves(leaves: list, traced_step) -> None:
         _emit_leaves(

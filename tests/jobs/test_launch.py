@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import pmaptap
 from conftest import job_failed, pid_alive, prefixed, python_cmd, run_launch, start_launch
 from pmaptap import distributed, launch
 
@@ -218,6 +219,43 @@ def test_initialize_after_jax_started_says_what_to_do(monkeypatch):
     monkeypatch.setenv("PMAPTAP_PROCESS_ID", "1")
     with pytest.raises(distributed.DistributedError, match="very top"):
         distributed.initialize()
+
+
+_NO_INITIALIZE = """
+    import sys, jax, jax.numpy as jnp, pmaptap
+    path = sys.argv[1]
+    with pmaptap.Session(path):             # no pmaptap.distributed.initialize()
+        for step in range(2):
+            jax.jit(lambda x: pmaptap.tap(x * 2, "y"))(jnp.float32(step))
+            pmaptap.tap(1.0, "eager", step=step)
+    print("DONE", jax.process_count(), jax.process_index())
+"""
+
+
+def test_a_launched_process_that_never_initializes_is_told_once(tmp_path):
+    # Both processes of a real `pmaptap launch` job skip initialize(): JAX
+    # sees 1 process in each, so they wrote two runs, both "process 0",
+    # with no word. Each now says so once (session open, then taps: once).
+    path = str(tmp_path / "run.jsonl")
+    proc, _ = run_launch(2, 2, [*python_cmd(_NO_INITIALIZE), path], launcher_timeout=120)
+    assert proc.returncode == 0, job_failed(proc)
+    for p in range(2):
+        assert prefixed(proc.stdout, p) == ["DONE 1 0"], job_failed(proc)
+        said = [line for line in prefixed(proc.stderr, p) if "initialize()" in line]
+        assert len(said) == 1, job_failed(proc)
+        assert f"started by `pmaptap launch` as process {p} of 2" in said[0]
+        assert "Call pmaptap.distributed.initialize() first thing" in said[0]
+    assert {r["process"] for r in pmaptap.read(path)} == {0}
+    assert len({r["run"] for r in pmaptap.read(path)}) == 2
+
+
+def test_a_lone_process_is_not_told(monkeypatch, caplog):
+    # No launcher variables (this test process): nothing to say.
+    monkeypatch.delenv(distributed.ENV_COORDINATOR, raising=False)
+    monkeypatch.setattr(distributed, "_alone_checked", False)
+    with caplog.at_level("WARNING", logger="pmaptap"):
+        distributed.warn_if_launched_alone()
+    assert not caplog.records
 
 
 def test_free_port_is_bindable_on_loopback():
