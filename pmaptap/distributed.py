@@ -245,6 +245,13 @@ def warn_if_launched_alone() -> None:
     global _alone_checked
     if _alone_checked:
         return
+    if _client() is None:
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            # Not yet: asking JAX now would start its backend, and an
+            # initialize() still to come would be refused for it.
+            return
     _alone_checked = True
     if _client() is not None:
         return
