@@ -21,7 +21,6 @@ dead peer costs a bounded timeout, not a hang.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -58,7 +57,8 @@ _CLUSTER_MARKERS: dict[str, tuple[str, ...]] = {
 _CLUSTER_NEEDS = {"Kubernetes": "kubernetes"}
 
 _state_lock = threading.Lock()
-_run_id_calls = itertools.count()
+# agree(): how many times each topic was asked in this process.
+_agree_calls: dict[str, int] = {}
 # True in a process forked from a job's process: the coordination client is
 # the parent's (its key-value calls and barriers would speak for the parent),
 # so a forked child acts as a job of one process.
@@ -325,21 +325,30 @@ def agree_run_id(make: Callable[[], str], *, timeout: float | None = None) -> st
     process 0 does not publish in time, this process uses its own id and
     warns (its records then carry a different run).
     """
+    return agree("run_id", make, timeout=timeout)
+
+
+def agree(topic: str, make: Callable[[], str], *, timeout: float | None = None) -> str | None:
+    """``agree_run_id`` for any text process 0 decides (``topic`` names
+    what; its calls are paired k-th with k-th on their own, so one kind of
+    question never takes another's answer)."""
     client = _client()
     if client is None or not _multi_process():
         return None
     n, pid = _process_info()
-    k = next(_run_id_calls)
-    key = f"pmaptap/run_id/{k}"
+    with _state_lock:
+        k = _agree_calls.get(topic, 0)
+        _agree_calls[topic] = k + 1
+    key = f"pmaptap/{topic}/{k}"
+    what = "the run id" if topic == "run_id" else f"its answer ({topic})"
     if pid == 0:
         run = make()
         try:
             client.key_value_set(key, run)
         except Exception as e:  # noqa: BLE001
             log.warning(
-                f"pmaptap: could not publish the run id {run!r} to "
-                f"the other processes ({e}); they will use their "
-                "own ids."
+                f"pmaptap: could not publish {what} {run!r} to "
+                f"the other processes ({e}); they will decide on their own."
             )
         return run
     if timeout is None:
@@ -349,7 +358,7 @@ def agree_run_id(make: Callable[[], str], *, timeout: float | None = None) -> st
     except Exception as e:  # noqa: BLE001
         own = make()
         log.warning(
-            f"pmaptap: process {pid} did not receive the run id from process 0 "
+            f"pmaptap: process {pid} did not receive {what} from process 0 "
             f"within {timeout:.0f}s ({type(e).__name__}: {e}); using {own!r}. "
             "Open the Session on every process (process 0 included), or pass "
             "the same Session(run=...) / PMAPTAP_RUN everywhere."

@@ -420,10 +420,14 @@ BAD_TAP_ARGS = [
 
 # A writer for run_released: N records of the tap "w<WID>" (values
 # arange(4) + i), released by the file GO; LOCK picks the lock mode.
+# Independent processes (no JAX job between them) appending to one file:
+# each its own run, as a fixed run id that the file already ends with is
+# refused at open (two stories of one run).
 APPENDER = """
     import os, jax, jax.numpy as jnp, pmaptap
     go = os.environ["GO"]
-    with pmaptap.Session(os.environ["TAP"], run="many", lock=os.environ["LOCK"],
+    with pmaptap.Session(os.environ["TAP"], run="many-" + os.environ["WID"],
+                         lock=os.environ["LOCK"],
                          flush_interval=0.001) as s:
         f = jax.jit(lambda v: pmaptap.tap(v, "w" + os.environ["WID"], dedup="per_device"))
         f(jnp.arange(4.0))                      # compile before the start line

@@ -7,10 +7,11 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
+from typing import Callable, Iterator
 
 from pmaptap import distributed
 from pmaptap._host.pipeline import Pipeline
-from pmaptap.tapfile.runs import is_sharded
+from pmaptap.tapfile.runs import is_sharded, is_url, shard_process, sources
 
 
 def _new_run_id() -> str:
@@ -69,27 +70,100 @@ def refuse_unresumed_restart(run: str | None) -> None:
     )
 
 
-def _last_run(path: str) -> str | None:
-    """The run of the file's last record, reading back from the end (a
-    restart must not parse a large file whole)."""
+def _last_run_in(
+    read: Callable[[int, int], bytes], size: int, processes: int | None = None
+) -> str | None:
+    """The run of the last record of ``size`` bytes that ``read(start,
+    end)`` gives, reading back from the end (a restart must not parse a
+    large file whole). ``processes``: of the last record written by a
+    process numbered below it (a JAX job's own; side ``Writer``s number
+    theirs above the job's)."""
     from pmaptap.tapfile.parse import parse_line
 
-    size = os.path.getsize(path)
     chunk = 1 << 20
+    while True:
+        start = max(0, size - chunk)
+        lines = read(start, size).split(b"\n")
+        if start > 0:
+            lines = lines[1:]  # maybe the middle of a line
+        for raw in reversed(lines):
+            d, _ = parse_line(raw) if raw.strip() else (None, None)
+            if d is None:
+                continue
+            process = d.get("process")
+            if processes is None or (type(process) is int and 0 <= process < processes):
+                return d["run"]
+        if start == 0:
+            return None
+        chunk *= 4
+
+
+def _last_run(path: str, processes: int | None = None) -> str | None:
+    """``_last_run_in`` of a local file."""
     with open(path, "rb") as f:
-        while True:
-            start = max(0, size - chunk)
-            f.seek(start)
-            lines = f.read(size - start).split(b"\n")
-            if start > 0:
-                lines = lines[1:]  # maybe the middle of a line
-            for raw in reversed(lines):
-                d, _ = parse_line(raw) if raw.strip() else (None, None)
-                if d is not None:
-                    return d["run"]
-            if start == 0:
-                return None
-            chunk *= 4
+        size = os.fstat(f.fileno()).st_size
+        return _last_run_in(lambda a, b: os.pread(f.fileno(), b - a, a), size, processes)
+
+
+def _last_runs(path: str, processes: int) -> Iterator[str | None]:
+    """The last run of each place the run at ``path`` is written to, by the
+    job's processes (``_last_run_in``): the one shared file and the shards
+    of processes below ``processes``, or on an object store each such
+    process's last object that holds anything. Each read from its end: a
+    few KB each, however long the run."""
+    if not is_url(path):
+        for src in sources(path):
+            k = shard_process(src)
+            if k is None or k < processes:
+                yield _last_run(src, processes)
+        return
+    from pmaptap.tapfile import store
+
+    fs, _ = store.url_fs(path)
+    for proc, objs in sorted(store.objects(path, missing_ok=True).items()):
+        if proc >= processes:
+            continue
+        for o in reversed(objs):
+            size = o.size if o.size >= 0 else fs.size(o.name)
+            if size:
+
+                def read(a: int, b: int, o: store.Object = o) -> bytes:
+                    return store.fetch(fs, o, a, b)
+
+                yield _last_run_in(read, size, processes)
+                break
+
+
+def refuse_reopened_run(path: str, run: str | None, processes: int) -> None:
+    """A session opened without ``resume=True`` on a fixed run id (``run=``
+    or ``PMAPTAP_RUN``) that the tap file already ends with (the last record
+    the job's process numbers wrote there, in the file or any of its shards
+    or chunks): SessionError. Its records would be a second story of the
+    run's steps (automatic steps from 0 again) that readers cannot tell
+    from the first: duplicates, false divergences. Only the end is read, so
+    a run reopened after another run in between is not seen here
+    (``validate`` reports it). Process 0 decides and tells the others before
+    any of them writes (distributed.agree), so all of them raise, or none."""
+    fixed = run or os.environ.get("PMAPTAP_RUN") or None
+    if not fixed:
+        return
+
+    def decide() -> str:
+        return "reopened" if fixed in _last_runs(path, processes) else "new"
+
+    if (distributed.agree(f"reopened/{fixed}", decide) or decide()) == "new":
+        return
+    from pmaptap.errors import SessionError
+
+    source = "run=" if run else "PMAPTAP_RUN"
+    raise SessionError(
+        f"pmaptap.Session: {path} already ends with records of run {fixed!r} ({source}), "
+        "and this session does not resume it: its records would be a second story of "
+        "the same steps under one run id (automatic steps counting from 0 again), which "
+        "readers show as duplicates and divergences. Open it with resume=True to continue "
+        "that run as a new attempt (readers then show each step's latest attempt; every "
+        "tap needs step=), or pass another run id (or none: a fresh one each time)."
+    )
 
 
 def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | None]:

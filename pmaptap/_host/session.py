@@ -28,6 +28,7 @@ from pmaptap._host.runid import (
     _queue_attempt_record,
     _resume_point,
     default_run_id,
+    refuse_reopened_run,
     refuse_unresumed_restart,
 )
 from pmaptap._host.sink import LOCK_MODES, FileSink
@@ -227,10 +228,12 @@ class Session:
             import pmaptap._common.switch  # noqa: F401
 
             distributed.warn_if_launched_alone()
-            if self.layout == "auto":
-                import jax
+            import jax
 
+            if self.layout == "auto":
                 self.layout = runs.file_layout("auto", jax.process_count())
+            if not self.resume:
+                refuse_reopened_run(self.path, self.run, jax.process_count())
             sink = open_sink(
                 self.path,
                 self.layout,

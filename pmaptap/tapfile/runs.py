@@ -96,6 +96,13 @@ def _shards(directory: str) -> list[str]:
     return [os.path.join(directory, n) for _, n in sorted(found)]
 
 
+def shard_process(path: str | os.PathLike) -> int | None:
+    """The process a shard file (``p00003.jsonl``) belongs to; None for any
+    other file (the run's one shared file)."""
+    m = _SHARD_NAME.match(os.path.basename(os.fspath(path)))
+    return None if m is None else int(m.group(1))
+
+
 def is_sharded(path: str | os.PathLike) -> bool:
     """Does ``path`` (the run's file name, or its ``.d`` directory) have
     shards to merge?"""

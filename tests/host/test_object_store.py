@@ -552,3 +552,25 @@ def test_values_left_to_an_owner_that_did_not_close_are_put_as_a_chunk(s3):
     )
     late.close()
     assert sorted(r["step"] for r in pmaptap.read(url)) == list(range(12))
+
+
+def test_a_fixed_run_reopened_on_a_store_is_refused_at_open(s3):
+    # The store's form of test_resume.py's refusal: the run's last object
+    # with records (the empty chunk each writer puts at open is passed
+    # over) ends with the run, so a second plain session on it is refused;
+    # resuming it opens.
+    import pmaptap
+
+    url = "s3://taps/reopen/run"
+    with pmaptap.Session(url, run="exp"):
+        pmaptap.tap(1.0, "x", step=0)
+    with pytest.raises(pmaptap.SessionError, match="already ends with records of run 'exp'"):
+        pmaptap.Session(url, run="exp").open()
+    with pmaptap.Session(url, run="exp", resume=True):
+        pmaptap.tap(2.0, "x", step=0)
+    with pmaptap.Session(url, run="other"):
+        pmaptap.tap(3.0, "x", step=0)
+    assert [(r["run"], r["value"]) for r in pmaptap.read(url, name="x")] == [
+        ("exp", 2.0),
+        ("other", 3.0),
+    ]

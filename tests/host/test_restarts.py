@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import pmaptap
 from conftest import ROOT, job_failed, subprocess_env
 from pmaptap.tapfile.checks import validate_file
@@ -363,3 +365,37 @@ def test_a_restart_on_a_fixed_run_without_resume_is_refused_at_open(tmp_path):
     ]
     report = validate_file(fresh)
     assert report.ok and not report.divergent_keys, report.problems
+
+
+_PLAIN = """
+    import os, jax, pmaptap
+    from pmaptap import distributed
+    distributed.initialize()
+    with pmaptap.Session(os.environ["TAP"], layout=os.environ["LAYOUT"]) as s:
+        print("OPENED", s.run, flush=True)
+        pmaptap.tap(jax.numpy.float32(jax.process_index()), "x", step=0, dedup="per_device")
+"""
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_a_job_launched_again_on_its_fixed_run_without_resume_is_refused(tmp_path, layout):
+    """The plain case of the refusal above: no restart, the same 2-process
+    job launched twice with PMAPTAP_RUN=exp on one file (or its shards).
+    The second appended the same steps again without a word; now every
+    process of it is refused at open (process 0 reads the file's end and
+    tells the others before any writes), and the file keeps one story."""
+    cmd = [sys.executable, "-c", textwrap.dedent(_PLAIN)]
+    path = tmp_path / "run.jsonl"
+    env = dict(TAP=str(path), PMAPTAP_RUN="exp", LAYOUT=layout)
+    proc = _launch(2, 2, cmd, env=env)
+    assert proc.returncode == 0 and proc.stdout.count("OPENED exp") == 2, job_failed(proc)
+    proc = _launch(2, 2, cmd, env=env)
+    assert proc.returncode == 1 and "OPENED" not in proc.stdout, job_failed(proc)
+    err = proc.stdout + proc.stderr
+    assert err.count("already ends with records of run 'exp' (PMAPTAP_RUN)") == 2, err
+    recs = pmaptap.read(path)
+    assert sorted((r["process"], r["device"], r["value"]) for r in recs) == [
+        (0, 0, 0.0),
+        (1, 2048, 1.0),
+    ]
+    assert validate_file(path).ok

@@ -389,3 +389,71 @@ def test_a_restarted_attempt_on_a_fixed_run_must_resume(tap_path, monkeypatch):
     assert s.run != "env" and s.attempt == 0
     monkeypatch.setenv("PMAPTAP_ATTEMPT", "0")  # a first attempt may fix its run
     assert _train(tap_path, range(2), 0.0, 2, run="fixed").run == "fixed"
+
+
+def _two_sessions(path: str, **opts) -> list:
+    """Open two sessions in a row on ``path`` with ``opts``; the second's
+    SessionError if it is refused (None if it opens)."""
+    out = []
+    for _ in range(2):
+        try:
+            with pmaptap.Session(path, **opts):
+                pmaptap.tap(1.0, "x")
+            out.append(None)
+        except pmaptap.SessionError as e:
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["file", "sharded"])
+def test_a_fixed_run_reopened_without_resume_is_refused_at_open(tmp_path, monkeypatch, layout):
+    """Two sessions in a row with run="exp-1" on one file: the second
+    appended the same steps again without a word (validate: hundreds of
+    duplicates and divergences). Now it is refused at open, naming the ways
+    out, whether the run is fixed by run= or PMAPTAP_RUN, in the one file
+    or its shards; nothing of it is written. Resuming, or another run id,
+    opens; so does a session after the run's last records were by a side
+    Writer only (process numbers above the job's)."""
+    path = str(tmp_path / "run.jsonl")
+    first, second = _two_sessions(path, run="exp-1", layout=layout)
+    assert first is None and second is not None
+    said = str(second)
+    assert "already ends with records of run 'exp-1' (run=)" in said
+    assert "resume=True" in said and "another run id" in said
+    assert len(pmaptap.read(path)) == 1
+    monkeypatch.setenv("PMAPTAP_RUN", "exp-1")
+    with pytest.raises(pmaptap.SessionError, match=r"'exp-1' \(PMAPTAP_RUN\)"):
+        pmaptap.Session(path, layout=layout).open()
+    monkeypatch.delenv("PMAPTAP_RUN")
+    with pmaptap.Session(path, run="exp-1", resume=True, layout=layout) as s:
+        pmaptap.tap(2.0, "x", step=0)
+    assert s.attempt == 1
+    assert _two_sessions(path, run="exp-2", layout=layout)[0] is None
+    # A side process (Writer, process 1000) of a run the job has not written.
+    with pmaptap.Writer(path, run="exp-3", process=1000, layout=layout) as w:
+        w.write("eval", 0, 0.5)
+    assert _two_sessions(path, run="exp-3", layout=layout)[0] is None
+    assert [r["value"] for r in pmaptap.read(path, name="x", run="exp-1")] == [2.0]
+
+
+def test_the_reopen_check_reads_only_the_end_of_a_large_file(tmp_path, monkeypatch):
+    # 64 MiB of another run before the last session's records: the check
+    # reads back from the end, never the whole file.
+    from pmaptap._host import runid
+
+    path = str(tmp_path / "big.jsonl")
+    line = json.dumps(record_dict(run="old", name="pad", step=0, value=0.0)) + "\n"
+    with open(path, "w") as f:
+        f.write(line * ((64 << 20) // len(line)))
+    with pmaptap.Session(path, run="exp"):
+        pmaptap.tap(1.0, "x")
+    read = []
+    last_run_in = runid._last_run_in
+
+    def counting(reader, size, processes=None):
+        return last_run_in(lambda a, b: read.append(b - a) or reader(a, b), size, processes)
+
+    monkeypatch.setattr(runid, "_last_run_in", counting)
+    with pytest.raises(pmaptap.SessionError, match="already ends with records of run 'exp'"):
+        pmaptap.Session(path, run="exp").open()
+    assert sum(read) <= 1 << 20

@@ -325,11 +325,12 @@ def test_auto_layout_shards_above_the_process_count(tmp_path, monkeypatch):
         jax.jit(lambda x: pmaptap.tap(x, "x", step=0))(jnp.float32(1))
     assert s.layout == "file" and not os.path.exists(path + ".d")
     monkeypatch.setattr(runs, "SHARDED_ABOVE", 0)
-    with pmaptap.Session(path, run="a") as s:
+    # Run "a" again: continued (resume), as reopening it plainly is refused.
+    with pmaptap.Session(path, run="a", resume=True) as s:
         jax.jit(lambda x: pmaptap.tap(x, "x", step=1))(jnp.float32(2))
     assert s.layout == "sharded" and os.path.isfile(runs.shard_path(path, 0))
     # the reader merges the one file and the shard
-    assert [(r["step"], r["value"]) for r in pmaptap.read(path)] == [(0, 1.0), (1, 2.0)]
+    assert [(r["step"], r["value"]) for r in pmaptap.read(path, name="x")] == [(0, 1.0), (1, 2.0)]
     with pytest.raises(ValueError, match="layout must be one of"):
         pmaptap.Session(path, layout="many")
 

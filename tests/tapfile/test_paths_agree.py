@@ -219,16 +219,21 @@ def test_two_values_of_one_replicated_step_from_one_process_are_divergent(tmp_pa
 
 
 def test_two_sessions_on_one_run_are_divergent_a_resumed_one_supersedes(tmp_path, capsys):
-    """Two sessions of one process on run "exp" tap ``eval_loss`` step 0 as
-    1.0 and then 2.0: two values of one step, divergent. A session with
+    """A session of one process on run "exp" taps ``eval_loss`` step 0 as
+    1.0, then one more process writes 2.0 for it: two values of one step,
+    divergent. (A second plain session on "exp" is refused at open, since
+    the file ends with that run: test_resume.py.) A session with
     ``resume=True`` is a later attempt instead: its 2.0 supersedes the 1.0,
     and no reader calls either divergent."""
     f = jax.pmap(lambda v: pmaptap.tap(v, "eval_loss", step=0, dedup="replicated"))
     twice, resumed = str(tmp_path / "twice.jsonl"), str(tmp_path / "resumed.jsonl")
-    for path, resume in ((twice, False), (resumed, True)):
-        for value in (1.0, 2.0):
-            with pmaptap.Session(path, run="exp", resume=resume and value > 1):
-                f(jnp.full(8, value))
+    for path in (twice, resumed):
+        with pmaptap.Session(path, run="exp"):
+            f(jnp.full(8, 1.0))
+    with pmaptap.Writer(twice, run="exp", process=0) as w:
+        w.write("eval_loss", 0, 2.0)
+    with pmaptap.Session(resumed, run="exp", resume=True):
+        f(jnp.full(8, 2.0))
     _divergent_everywhere(capsys, twice, "1 step(s) (0)")
     recs = pmaptap.read(resumed, name="eval_loss")
     assert [(r["value"], r.get("divergent")) for r in recs] == [(2.0, None)], recs
