@@ -234,7 +234,8 @@ def test_mlflow_forwarder_logs_into_the_users_run_by_id(tap_path, tmp_path):
             )
             with pmaptap.Session(tap_path, run="ml", forward=[fw]):
                 f(jnp.arange(2.0))
-            _train(tap_path, range(4), forward=[fw], run="ml")
+            # Another file: a plain session on run "ml" again would be refused.
+            _train(str(tmp_path / "train.jsonl"), range(4), forward=[fw], run="ml")
             # A backward tap's tag (g@backward): MLflow refuses '@'.
             rec = {"name": "g", "step": 7, "kind": "replicated", "dtype": "float32"}
             fw({**rec, "value": 0.5, "time": 1.0})
