@@ -466,7 +466,9 @@ def test_summary_per_tap(demo):
     assert float(by["loss"]["max"]) == pytest.approx(max(finite), rel=1e-5)
     assert float(by["loss"]["mean"]) == pytest.approx(sum(finite) / 5, rel=1e-5)
     assert float(by["loss"]["last"]) == pytest.approx(loss[-1], rel=1e-5)
-    assert by["params"]["last"] == "(array)"
+    # The pytree tap: a row per leaf (an array leaf, and the loss again).
+    assert by["params/w"]["last"] == "(array)" and by["params/w"]["records"] == "48"
+    assert by["params/b"]["min"] == by["loss"]["min"]
 
 
 def test_summary_counts_duplicates_but_not_divergence(tmp_path, demo_lines):
@@ -606,8 +608,10 @@ def test_plot_errors_are_clear(demo, tmp_path):
     out = cli("plot", demo, "--name", "nope", "-o", str(tmp_path / "x.png"))
     assert out.returncode == 2
     assert "no records named 'nope'" in out.stderr and "gnorm" in out.stderr
-    out = cli("plot", demo, "--name", "params", "-o", str(tmp_path / "x.png"))
+    out = cli("plot", demo, "--name", "params/w", "-o", str(tmp_path / "x.png"))
     assert out.returncode == 2 and "non-scalar" in out.stderr
+    out = cli("plot", demo, "--name", "params", "-o", str(tmp_path / "x.png"))
+    assert out.returncode == 2 and "--name params/b or params/w" in out.stderr
     # matplotlib missing: a None entry in sys.modules makes its import fail.
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
