@@ -31,6 +31,7 @@ from pmaptap._trace.outputs import collecting
 
 # JAX's own, as imported: what the wrappers stage with.
 _jax_jit, _jax_pmap = jax.jit, jax.pmap
+_JAX_STAGES = (jax.stages.Traced, jax.stages.Lowered, jax.stages.Compiled)
 
 
 def _handed_over(result: tuple[Any, Lifted]) -> Any:
@@ -89,8 +90,10 @@ class _JitStep(_Step):
 
     def eval_shape(self, *args, **kwargs) -> Any:
         """The function's outputs' shapes, dtypes and shardings, as
-        ``jax.jit(fun).eval_shape`` (which is ``trace(...).out_info``)."""
-        return self.trace(*args, **kwargs).out_info
+        ``jax.jit(fun).eval_shape``."""
+        # The staged wrapper's own (a jit= wrapper's maps its inner outputs
+        # back to the lifted function's): (the function's, Lifted's).
+        return self._stage("eval_shape")(*args, **kwargs)[0]
 
     def clear_cache(self) -> None:
         """Forget the traced and compiled step (both: the lifted one and the
@@ -102,8 +105,9 @@ class _JitStep(_Step):
 
 
 class _Stage:
-    """A JAX stage object (``Traced``, ``Lowered``, ``Compiled``) of the
-    lifted step, read as the function's own: what describes the outputs
+    """A stage object (JAX's ``Traced``, ``Lowered``, ``Compiled``, or a
+    ``jit=`` wrapper's) of the lifted step, read as the function's own:
+    its calls hand the taps over; what describes the outputs
     (``out_tree``, ``out_info``, ...) describes the function's, without the
     taps' extra ones; everything else (``as_text``, ``cost_analysis``,
     ``in_tree``, ``jaxpr``, ...) is JAX's object's, about the program that
@@ -125,15 +129,24 @@ class _Stage:
     def __repr__(self) -> str:
         return f"<pmaptap {type(self._jax).__name__} of a step whose taps are outputs>"
 
-    # The lifted step returns (the function's outputs, Lifted): the first
-    # half of each output description is the function's.
+    def _functions(self, name: str) -> Any:
+        """The function's part of the output description ``name``."""
+        got = getattr(self._jax, name)
+        if not isinstance(self._jax, _JAX_STAGES):
+            # Another wrapper's stage (jit=): it describes that wrapper's
+            # inner function in its own terms, passed on as it is.
+            return got
+        # JAX's describes the lifted step, which returns (the function's
+        # outputs, Lifted): the first half is the function's.
+        return got.children()[0] if name == "out_tree" else got[0]
+
     @property
     def out_tree(self) -> Any:
-        return self._jax.out_tree.children()[0]
+        return self._functions("out_tree")
 
     @property
     def out_info(self) -> Any:
-        return self._jax.out_info[0]
+        return self._functions("out_info")
 
 
 class _Traced(_Stage):
@@ -141,7 +154,7 @@ class _Traced(_Stage):
 
     @property
     def out_avals(self) -> Any:
-        return self._jax.out_avals[0]
+        return self._functions("out_avals")
 
     def lower(self, **kwargs) -> "_Lowered":
         return _Lowered(self._jax.lower(**kwargs))
@@ -169,11 +182,11 @@ class _Compiled(_Stage):
 
     @property
     def output_shardings(self) -> Any:
-        return self._jax.output_shardings[0]
+        return self._functions("output_shardings")
 
     @property
     def output_formats(self) -> Any:
-        return self._jax.output_formats[0]
+        return self._functions("output_formats")
 
     def __call__(self, *args, **kwargs):
         # As a call of the step: the function's outputs, the taps written.

@@ -226,3 +226,25 @@ def test_a_traced_step_runs_and_writes_its_taps_but_not_inside_a_trace(tmp_path)
     assert [r["value"] for r in pmaptap.read(str(tmp_path / "t.jsonl"))] == [3.0]
     with pytest.raises(TypeError, match=r"call the pmaptap.jit step itself there"):
         jax.jit(lambda v: traced(v))(x)
+
+
+def test_stages_of_a_step_composed_with_another_jit(tmp_path):
+    """With ``jit=equinox.filter_jit`` / ``flax.nnx.jit`` the compiled
+    stage of that wrapper also writes the taps and returns the function's
+    outputs, and ``eval_shape`` (nnx's) gives the function's shapes; a
+    method the wrapper lacks (equinox's eval_shape) is an AttributeError
+    naming the wrapper."""
+    eqx = pytest.importorskip("equinox")  # in the test extra: CI runs both
+    nnx = pytest.importorskip("flax.nnx")
+    x = jnp.arange(4.0)
+    want = _pmap_step_free(x)
+    path = tmp_path / "t.jsonl"
+    with pmaptap.Session(str(path), run="c"):
+        for wrapper in (eqx.filter_jit, nnx.jit):
+            step = pmaptap.jit(_pmap_step_free, jit=wrapper)
+            _same_outputs(step.lower(x).compile()(x), want)
+    assert [r["value"] for r in pmaptap.read(str(path))] == [6.0, 6.0]
+    shape = pmaptap.jit(_pmap_step_free, jit=nnx.jit).eval_shape(x)
+    assert (shape.shape, shape.dtype) == ((4,), jnp.float32)
+    with pytest.raises(AttributeError, match=r"_JitWrapper \(the jit this step was made with\)"):
+        pmaptap.jit(_pmap_step_free, jit=eqx.filter_jit).eval_shape(x)
