@@ -104,6 +104,11 @@ class _JitStep(_Step):
                 clear()
 
 
+def _outputs(name: str) -> property:
+    """A stage's output description ``name``, of the function's outputs."""
+    return property(lambda self: self._functions(name), doc=f"The function's {name}.")
+
+
 class _Stage:
     """A stage object (JAX's ``Traced``, ``Lowered``, ``Compiled``, or a
     ``jit=`` wrapper's) of the lifted step, read as the function's own:
@@ -140,21 +145,14 @@ class _Stage:
         # outputs, Lifted): the first half is the function's.
         return got.children()[0] if name == "out_tree" else got[0]
 
-    @property
-    def out_tree(self) -> Any:
-        return self._functions("out_tree")
-
-    @property
-    def out_info(self) -> Any:
-        return self._functions("out_info")
+    out_tree = _outputs("out_tree")
+    out_info = _outputs("out_info")
 
 
 class _Traced(_Stage):
     __slots__ = ()
 
-    @property
-    def out_avals(self) -> Any:
-        return self._functions("out_avals")
+    out_avals = _outputs("out_avals")
 
     def lower(self, **kwargs) -> "_Lowered":
         return _Lowered(self._jax.lower(**kwargs))
@@ -180,13 +178,8 @@ class _Lowered(_Stage):
 class _Compiled(_Stage):
     __slots__ = ()
 
-    @property
-    def output_shardings(self) -> Any:
-        return self._functions("output_shardings")
-
-    @property
-    def output_formats(self) -> Any:
-        return self._functions("output_formats")
+    output_shardings = _outputs("output_shardings")
+    output_formats = _outputs("output_formats")
 
     def __call__(self, *args, **kwargs):
         # As a call of the step: the function's outputs, the taps written.
