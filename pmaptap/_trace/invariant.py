@@ -46,6 +46,8 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from pmaptap._trace.jax_support import BODY_TRACING_FRAMES, jaxpr_types, open_jaxpr
+
 # All-reduce collectives: every participant ends with the same value when
 # the reduction covers all of the tap's axes (and no axis_index_groups).
 # The parameter naming the axes differs between them.
@@ -170,7 +172,7 @@ def _replicated_input(trace: Any, var: Any, axes: frozenset) -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         if (
-            frame.f_code.co_name == "trace_to_jaxpr"
+            frame.f_code.co_name in BODY_TRACING_FRAMES
             and frame.f_locals.get("trace") is trace
             and frame.f_back is not None
             and frame.f_back.f_code.co_name == "_shard_map_staging"
@@ -208,11 +210,7 @@ _NO_HOST_ANSWER = frozenset({"pmaptap_callback", "pmaptap_hcb_tap", "debug_callb
 
 
 def _jaxpr_calls_host(jaxpr: Any, budget: list) -> bool:
-    from jax._src import core
-
-    if isinstance(jaxpr, core.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
+    for eqn in open_jaxpr(jaxpr).eqns:
         budget[0] -= 1
         if budget[0] < 0 or _is_host_eqn(eqn.primitive):
             return True
@@ -222,11 +220,10 @@ def _jaxpr_calls_host(jaxpr: Any, budget: list) -> bool:
 
 
 def _inner_jaxprs(params: Any):
-    from jax._src import core
-
+    kinds = jaxpr_types()
     for v in params.values():
         for j in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(j, (core.Jaxpr, core.ClosedJaxpr)):
+            if isinstance(j, kinds):
                 yield j
 
 

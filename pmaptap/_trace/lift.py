@@ -56,6 +56,7 @@ from pmaptap._log import log
 from pmaptap._trace import fingerprint, placement
 from pmaptap._trace.fingerprint import fingerprint_out_p
 from pmaptap._trace.invariant import varying_of
+from pmaptap._trace.jax_support import input_vars, scan_counts
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.
@@ -183,9 +184,10 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
     def read(v):
         return v.val if isinstance(v, core.Literal) else env[v]
 
-    for v, x in zip(jaxpr.constvars, consts):
+    constvars, invars = input_vars(jaxpr, len(consts))
+    for v, x in zip(constvars, consts):
         env[v] = x
-    for v, x in zip(jaxpr.invars, args):
+    for v, x in zip(invars, args):
         env[v] = x
     nodes: list[Node] = []
     flat: list = []
@@ -357,7 +359,7 @@ def _constrained(values: list, shardings: Any) -> list:
 
 def _scan(invals, eqn) -> Result:
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(p)
     consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     body = p["jaxpr"]
     box: dict[str, list[Node]] = {}
