@@ -522,6 +522,31 @@ def test_per_device_random_draws_are_written_per_device(tmp_path, dedup, jit):
         assert all(r["kind"] == "per_device" for r in recs)
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_draws_from_a_key_alike_everywhere_are_proven_and_agree(tmp_path, impl):
+    """What the proof trusts of jax.random holds on the devices: a key the
+    same on every device draws the same bits on each (the copies, compared
+    with prove_replicated=False, agree), written as one replicated record."""
+    mesh = jax.make_mesh((8,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+
+    def body(v):
+        pmaptap.tap(jax.random.uniform(jax.random.key(7, impl=impl), (4,)), "r")
+        return v
+
+    def run(path, **opts):
+        with pmaptap.configured(**opts):
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+            with pmaptap.Session(str(path), run="r"):
+                f(x)
+        return pmaptap.read(str(path))
+
+    proven = run(tmp_path / "p.jsonl")
+    assert _without_time(proven) == _without_time(run(tmp_path / "c.jsonl", prove_replicated=False))
+    (r,) = proven
+    assert r["kind"] == "replicated" and r["replicas"] == 8 and "divergent" not in r
+
+
 def _typed_verdicts(body, axes=("i",), mesh_shape=(8,)) -> dict:
     """{label: proven} for the values ``body(v)`` returns, asked inside a
     shard_map with JAX's varying-axes typing on (traced only, so code
