@@ -275,7 +275,9 @@ def _records_per_device_eqn(trace: Any) -> bool:
                 _clean[trace] = -1
             return True
     with _lock:
-        _clean[trace] = max(_clean.get(trace, 0), len(eqns))
+        known = _clean.get(trace, 0)
+        if known >= 0:  # not found dirty meanwhile
+            _clean[trace] = max(known, len(eqns))
     return False
 
 
