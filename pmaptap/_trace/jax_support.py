@@ -156,23 +156,6 @@ def _optional(module: object, name: str) -> object | None:
 BODY_TRACING_FRAMES = ("trace_to_jaxpr", "trace_to_jaxpr_nocache")
 
 
-def jaxpr_types() -> tuple[type, ...]:
-    """The classes a jaxpr found in an equation's parameters may be: JAX
-    <= 0.11 has ``Jaxpr`` and ``ClosedJaxpr`` (a Jaxpr with its consts);
-    0.12 folded the consts into ``Jaxpr`` and dropped ``ClosedJaxpr``."""
-    from jax._src import core
-
-    closed = _optional(core, "ClosedJaxpr")
-    return (core.Jaxpr,) if closed is None else (core.Jaxpr, closed)
-
-
-def open_jaxpr(jaxpr: Any) -> Any:
-    """The jaxpr whose ``eqns``/``invars`` to walk, from a jaxpr or a closed
-    one (on JAX 0.12 both are one ``Jaxpr``, whose ``.jaxpr`` is itself)."""
-    inner = getattr(jaxpr, "jaxpr", None)
-    return jaxpr if inner is None else inner
-
-
 def input_vars(jaxpr: Any, n_consts: int) -> tuple[list, list]:
     """(the variables bound to the consts, those bound to the arguments) of
     a jaxpr traced with ``n_consts`` consts beside it. JAX <= 0.11 keeps

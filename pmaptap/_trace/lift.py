@@ -518,7 +518,10 @@ def _shard_map(invals, eqn) -> Result | None:
             rows.append(x[None])
         return tuple(outs), tuple(rows)
 
-    if _nested_shard_map(p["jaxpr"]):
+    if placement.mapped_axes()[0]:
+        # This shard_map is itself inside a shard_map's (or pmap's) body:
+        # its marks alone keep their host callbacks (the warning names
+        # them); the enclosing body's own marks are lifted as usual.
         _say_fallback(
             eqn,
             "a shard_map inside a shard_map",
@@ -535,17 +538,6 @@ def _shard_map(invals, eqn) -> Result | None:
         check_vma=p["check_vma"],
     )(*invals)
     return list(outs), list(on_rows(box["nodes"])), list(flat)
-
-
-def _nested_shard_map(jaxpr: core.Jaxpr) -> bool:
-    """Whether a shard_map body holds another shard_map with marks: its rows
-    would nest, which is not lifted (such taps keep their host callbacks)."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == "shard_map" and holds_mark(e):
-            return True
-        if any(_nested_shard_map(j) for j in core.jaxprs_in_params(e.params)):
-            return True
-    return False
 
 
 def on_rows(nodes) -> tuple[Node, ...]:
