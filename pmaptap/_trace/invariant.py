@@ -16,7 +16,12 @@ a. JAX's varying-manual-axes typing (``shard_map(check_vma=True)``, the
    vary (``varying``) or holds partial sums (``unreduced``, ``reduced``).
    With ``check_vma`` off (pmap is shard_map with ``check_vma=False``) every
    set is empty whatever the value: it proves nothing there, and it is
-   trusted only when no enclosing shard_map turned the checking off.
+   trusted only when no enclosing shard_map turned the checking off. Nor
+   for a value made from a per-device source (``_per_device_eqn``: a host
+   callback's answer, XLA's stateful ``rng_uniform``, code JAX does not
+   read), which JAX types from its operands while each device computes its
+   own: a walk back from the value (``_from_per_device_source``) looks for
+   one, stopping at an all-reduce over the tap's axes.
 b. A conservative walk back through the equations being recorded: each
    ``DynamicJaxprTracer`` knows the equation that made it (``parent``, whose
    ``in_tracers`` are the operands). A value is invariant if it is a literal
@@ -41,10 +46,13 @@ fails loudly if a JAX upgrade moves what is read here.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
+
+from pmaptap._trace.jax_support import BODY_TRACING_FRAMES
 
 # All-reduce collectives: every participant ends with the same value when
 # the reduction covers all of the tap's axes (and no axis_index_groups).
@@ -131,7 +139,7 @@ def _leaf_invariant(x: Any, axes: frozenset) -> bool:
         return True  # a concrete value baked into the program
     if _vma_trusted():
         manual = manual_axes_of(core.typeof(x))
-        if manual is not None and not manual & axes and not _from_host(x):
+        if manual is not None and not manual & axes and not _from_per_device_source(x, axes):
             return True
     return _walk_in(x, axes, core.trace_ctx.trace, depth=0)
 
@@ -167,84 +175,144 @@ def _replicated_input(trace: Any, var: Any, axes: frozenset) -> bool:
     whose in_spec names no axis (the same on every device of that
     shard_map's axes, which cover ``axes``): found by the staging frame on
     the Python stack that traces this body."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (
-            frame.f_code.co_name == "trace_to_jaxpr"
-            and frame.f_locals.get("trace") is trace
-            and frame.f_back is not None
-            and frame.f_back.f_code.co_name == "_shard_map_staging"
-            and frame.f_back.f_globals.get("__name__") == "jax._src.shard_map"
-        ):
-            staging = frame.f_back.f_locals
-            low = getattr(trace, "requires_low", True)  # unknown: not proven
-            if low or not axes <= frozenset(staging["newly_manual_axes"]):
-                return False
-            specs = staging["in_specs"]
-            invars = trace.frame.invars
-            if len(invars) != len(specs):
-                return False
-            spec = specs[invars.index(var)]
-            named = any(p is not None for p in spec)
-            partial = getattr(spec, "unreduced", None) or getattr(spec, "reduced", None)
-            return not named and not partial
-        frame = frame.f_back
-    return False
-
-
-def _is_host_eqn(primitive: Any) -> bool:
-    # A host callback's result is typed invariant when its operands are,
-    # yet each device calls the host on its own and may get its own answer
-    # (io_callback, pure_callback, host_callback.call): JAX's typing
-    # cannot see that. (Not every effect: collectives carry one too.)
-    # pmaptap's own taps return their operand (or nothing) on the device,
-    # as jax.debug.callback returns nothing: no host answer flows out.
-    if primitive.name in _NO_HOST_ANSWER:
+    staging = _staging_of(trace)
+    if staging is None:
         return False
-    return "callback" in primitive.name
+    low = getattr(trace, "requires_low", True)  # unknown: not proven
+    if low or not axes <= frozenset(staging["newly_manual_axes"]):
+        return False
+    specs = staging["in_specs"]
+    invars = trace.frame.invars
+    if len(invars) != len(specs):
+        return False
+    spec = specs[invars.index(var)]
+    named = any(p is not None for p in spec)
+    partial = getattr(spec, "unreduced", None) or getattr(spec, "reduced", None)
+    return not named and not partial
+
+
+def _per_device_eqn(primitive: Any) -> bool:
+    """Whether an equation's result may differ between the devices while
+    JAX's varying-axes typing says it cannot: JAX types such a result from
+    its operands (or from the type its caller declared), yet the device
+    computes it from something else.
+
+    - a host callback (io_callback, pure_callback, host_callback.call,
+      buffer_callback): each device calls the host on its own and may get
+      its own answer. (pmaptap's own taps return their operand, or
+      nothing, on the device, as jax.debug.callback returns nothing: no
+      host answer flows out.)
+    - ``rng_uniform``: XLA's stateful generator, each device its own draw.
+      (``rng_bit_generator``, ``random_bits`` and every ``jax.random``
+      implementation are functions of their key: the same key, typed
+      invariant, draws the same bits on every device.)
+    - ``precv``: a value sent by another device.
+    - code JAX does not read (``ffi_call``, ``pallas_call`` and Mosaic's
+      ``tpu_custom_call``, ``core_map``, ``call_exported``): it may read the
+      device's index or talk to other devices, and its result's type is
+      what its caller declared.
+    """
+    name = primitive.name
+    if name in _NO_HOST_ANSWER:
+        return False
+    return "callback" in name or name in _PER_DEVICE_PRIMITIVES
 
 
 _NO_HOST_ANSWER = frozenset({"pmaptap_callback", "pmaptap_hcb_tap", "debug_callback"})
+_PER_DEVICE_PRIMITIVES = frozenset(
+    """
+    rng_uniform precv ffi_call pallas_call tpu_custom_call core_map call_exported
+    """.split()
+)
 
 
-def _jaxpr_calls_host(jaxpr: Any, budget: list) -> bool:
-    from jax._src import core
-
-    if isinstance(jaxpr, core.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
+@functools.lru_cache(maxsize=1024)
+def _jaxpr_has_per_device_eqn(jaxpr: Any) -> bool:
+    """Whether an equation of ``jaxpr`` (inner jaxprs included, at any
+    depth) is a per-device source: no dataflow, as a jaxpr is read once per
+    object (the bodies of scans and jits, met again by every later tap)."""
     for eqn in jaxpr.eqns:
-        budget[0] -= 1
-        if budget[0] < 0 or _is_host_eqn(eqn.primitive):
-            return True
-        if any(_jaxpr_calls_host(j, budget) for j in _inner_jaxprs(eqn.params)):
+        if _per_device_eqn(eqn.primitive) or _holds_per_device_eqn(eqn):
             return True
     return False
 
 
-def _inner_jaxprs(params: Any):
+def _holds_per_device_eqn(eqn: Any) -> bool:
     from jax._src import core
 
-    for v in params.values():
-        for j in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(j, (core.Jaxpr, core.ClosedJaxpr)):
-                yield j
+    return any(_jaxpr_has_per_device_eqn(j) for j in core.jaxprs_in_params(eqn.params))
 
 
-def _from_host(x: Any) -> bool:
-    """Whether ``x`` may depend on a host callback's result (or the walk
-    cannot tell): then JAX's varying-axes typing proves nothing for it. A
-    bounded walk back through every equation (inner jaxprs included) and
-    through values closed over from enclosing traces."""
-    from jax._src import core
+def _covers(eqn: Any, axes: frozenset) -> bool:
+    """Whether ``eqn`` is an all-reduce over every one of ``axes`` (no
+    axis_index_groups): every device ends with the same value, whatever its
+    operands were."""
+    param = _ALL_REDUCE.get(eqn.primitive.name)
+    if param is None:
+        return False
+    names = eqn.params.get(param)
+    names = names if isinstance(names, (tuple, list)) else (names,)
+    named = {n for n in names if not isinstance(n, int)}
+    return eqn.params.get("axis_index_groups") is None and axes <= named
+
+
+# trace -> how many of its recorded equations are known to hold no
+# per-device source (-1: one does). Equations are only ever appended.
+_clean: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _records_per_device_eqn(trace: Any) -> bool:
+    """Whether an equation recorded so far in ``trace`` is (or holds) a
+    per-device source; read once per equation over all proofs."""
+    eqns = trace.frame.tracing_eqns
+    with _lock:
+        done = _clean.get(trace, 0)
+    if done < 0:
+        return True
+    for i in range(done, len(eqns)):
+        e = eqns[i]
+        e = e() if isinstance(e, weakref.ref) else e
+        if e is not None and (_per_device_eqn(e.primitive) or _holds_per_device_eqn(e)):
+            with _lock:
+                _clean[trace] = -1
+            return True
+    with _lock:
+        known = _clean.get(trace, 0)
+        if known >= 0:  # not found dirty meanwhile
+            _clean[trace] = max(known, len(eqns))
+    return False
+
+
+def _from_per_device_source(x: Any, axes: frozenset) -> bool:
+    """Whether ``x`` may depend on a per-device source (``_per_device_eqn``)
+    other than through an all-reduce over every one of ``axes`` (or the
+    walk cannot tell): then JAX's varying-axes typing proves nothing for it.
+
+    A bounded walk back through the equations that made ``x`` (their inner
+    jaxprs read whole), through values closed over from enclosing traces,
+    and from an input of a trace to where it came from (``_input_origins``).
+    """
+    from jax._src import core, shard_map
     from jax._src.interpreters import partial_eval as pe
 
-    budget = [MAX_EQUATIONS * 4]
+    budget = MAX_EQUATIONS * 4
     seen: set = set()
-    stack = [x]
+    stack: list = [x]
     while stack:
         t = stack.pop()
+        if isinstance(t, _Input):
+            if t in seen:
+                continue
+            seen.add(t)
+            origins = _input_origins(t.trace, t.var)
+            if origins is None:
+                return True
+            stack.extend(origins)
+            continue
         if not isinstance(t, core.Tracer):
             continue
+        if isinstance(t, shard_map.ShardMapTracer):
+            return True  # an eager shard_map's: computed already, its history gone
         if not isinstance(t, pe.DynamicJaxprTracer):
             inner = getattr(t, "primal", None)
             if inner is None:
@@ -256,8 +324,8 @@ def _from_host(x: Any) -> bool:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        budget[0] -= 1
-        if budget[0] < 0:
+        budget -= 1
+        if budget < 0:
             return True
         eqn = t.parent
         if eqn is None:
@@ -266,13 +334,93 @@ def _from_host(x: Any) -> bool:
             consts = t._trace.frame.constvar_to_val
             if t.val in consts:
                 stack.append(consts[t.val])  # closed over: its own history
+            else:
+                stack.append(_Input(t._trace, t.val))
             continue
-        if _is_host_eqn(eqn.primitive):
+        if _per_device_eqn(eqn.primitive):
             return True
-        if any(_jaxpr_calls_host(j, budget) for j in _inner_jaxprs(eqn.params)):
+        if eqn.primitive.name in _ALL_REDUCE and _covers(eqn, axes):
+            continue  # the same on every device, whatever came in
+        if any(_jaxpr_has_per_device_eqn(j) for j in core.jaxprs_in_params(eqn.params)):
             return True
         stack.extend(eqn.in_tracers)
     return False
+
+
+class _Input(NamedTuple):
+    """An input of a trace being built, met by the walk."""
+
+    trace: Any
+    var: Any
+
+
+def _input_origins(trace: Any, var: Any) -> list | None:
+    """What the input ``var`` of ``trace`` may have been made from, to walk
+    on, or None where that is unknown (then it may be per-device):
+
+    - pmaptap.jit/pmap's second trace of a body: the value it stands for
+      (``same_as``);
+    - a shard_map body: the value its staging passed in, if that is itself
+      a per-device value (a shard_map nested in another one's body); a
+      value of the whole computation around it (jit) is left there: its
+      compiler keeps a replicated value the same on every device;
+    - the body of a scan, jit, cond, checkpoint, custom_jvp... traced
+      inside another trace: one of that trace's values, not known which;
+      so every equation recorded there so far is read (none may be a
+      per-device source) and that trace's own inputs and closed-over
+      values are walked on.
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    with _lock:
+        outer = _aliases.get(trace, {}).get(var)
+    if outer is not None:
+        return [outer]
+    staging = _staging_of(trace)
+    if staging is not None:
+        args = staging["args"]
+        invars = trace.frame.invars
+        if getattr(trace, "requires_low", True) or len(invars) != len(args):
+            return None
+        # The mesh it was staged with names the axes already manual around
+        # it: none for a shard_map of the whole computation.
+        around = getattr(staging["mesh"], "manual_axes", None)
+        return [args[invars.index(var)]] if around or around is None else []
+    parent = getattr(trace, "parent_trace", None)
+    while parent is not None and not isinstance(parent, pe.DynamicJaxprTrace):
+        parent = getattr(parent, "parent_trace", None)  # grad, vmap: their traces
+    if parent is None:
+        # A trace of the whole computation (jit): its inputs are global
+        # values; or one not known, whose inputs typed per device say so.
+        return None if _manual_input(var) else []
+    if _records_per_device_eqn(parent):
+        return None
+    frame = parent.frame
+    return [*frame.constvar_to_val.values(), *(_Input(parent, v) for v in frame.invars)]
+
+
+def _manual_input(var: Any) -> bool:
+    """Whether ``var``, an input of a trace, is one value per device (its
+    type names manual axes; unknown: it is)."""
+    mesh = getattr(getattr(getattr(var, "aval", None), "sharding", None), "mesh", None)
+    return mesh is None or bool(getattr(mesh, "manual_axes", True))
+
+
+def _staging_of(trace: Any) -> dict | None:
+    """The locals of the ``_shard_map_staging`` frame on the Python stack
+    that traces ``trace`` as a shard_map body, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name in BODY_TRACING_FRAMES
+            and frame.f_locals.get("trace") is trace
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "_shard_map_staging"
+            and frame.f_back.f_globals.get("__name__") == "jax._src.shard_map"
+        ):
+            return frame.f_back.f_locals
+        frame = frame.f_back
+    return None
 
 
 def varying_of(aval: Any) -> frozenset:
@@ -385,13 +533,8 @@ def _step(t: Any, var: Any, axes: frozenset, frame: Any, memo: dict, input_invar
             return not isinstance(frame.constvar_to_val[var], core.Tracer), ()
         return input_invariant(var), ()
     name = eqn.primitive.name
-    param = _ALL_REDUCE.get(name)
-    if param is not None:
-        names = eqn.params.get(param)
-        names = names if isinstance(names, (tuple, list)) else (names,)
-        named = {n for n in names if not isinstance(n, int)}
-        ok = eqn.params.get("axis_index_groups") is None and axes <= named
-        return ok, ()
+    if name in _ALL_REDUCE:
+        return _covers(eqn, axes), ()
     if name not in _PURE or eqn.effects:
         return False, ()
     pending = []
@@ -432,6 +575,8 @@ def check_internals() -> None:
         # if it moves).
         (pe, "trace_to_jaxpr"),
         (shard_map, "_shard_map_staging"),
+        (shard_map, "ShardMapTracer"),
+        (core, "jaxprs_in_params"),
     ):
         if not hasattr(owner, name):
             missing.append(f"{owner.__name__}.{name}")
@@ -445,7 +590,8 @@ def check_internals() -> None:
         axes_type = (core.ShapedArray, ("vma", "sharding"))
     for cls, slots in (
         (getattr(pe, "DynamicJaxprTracer", None), ("val", "parent")),
-        (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val", "invars")),
+        (getattr(pe, "DynamicJaxprTrace", None), ("frame", "parent_trace")),
+        (getattr(pe, "JaxprStackFrame", None), ("constvar_to_val", "invars", "tracing_eqns")),
         axes_type,
     ):
         # Slots, or declared fields (0.9's JaxprStackFrame has no slots).
@@ -464,7 +610,7 @@ def check_internals() -> None:
         params = inspect.signature(staging).parameters
         missing += [
             f"_shard_map_staging({p}=)"
-            for p in ("check_vma", "in_specs", "newly_manual_axes")
+            for p in ("args", "mesh", "check_vma", "in_specs", "newly_manual_axes")
             if p not in params
         ]
     if missing:

@@ -28,10 +28,11 @@ import importlib
 import importlib.util
 import os
 import warnings
+from typing import Any
 
 # (major, minor) releases, oldest first.
-TESTED: tuple[tuple[int, int], ...] = ((0, 9), (0, 10))
-CHECKED: tuple[tuple[int, int], ...] = ((0, 11),)
+TESTED: tuple[tuple[int, int], ...] = ((0, 9), (0, 10), (0, 11), (0, 12))
+CHECKED: tuple[tuple[int, int], ...] = ()
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _warned = False
@@ -134,6 +135,45 @@ def missing_internals() -> list[str]:
         if fn is not None and not hasattr(m, fn):
             missing.append(f"frame function {mod}.{fn} (placement.py)")
     return missing
+
+
+# ------------------------------------------------------------ adapters
+# Where a supported JAX release changed an internal pmaptap reads, one
+# function here hides the difference, so the rest of the code reads one
+# shape. A name that only some supported releases have is read through
+# ``_optional`` (not a bare attribute), so the inventory above, which every
+# release must satisfy, does not list it.
+
+
+def _optional(module: object, name: str) -> object | None:
+    return getattr(module, name, None)
+
+
+# The function whose frame traces a shard_map body, called from
+# ``_shard_map_staging`` (invariant.py reads that frame's locals): JAX <=
+# 0.11's ``pe.trace_to_jaxpr``; on 0.12 that name is a C++ cache around
+# ``pe.trace_to_jaxpr_nocache``, whose Python frame is the one on the stack.
+BODY_TRACING_FRAMES = ("trace_to_jaxpr", "trace_to_jaxpr_nocache")
+
+
+def input_vars(jaxpr: Any, n_consts: int) -> tuple[list, list]:
+    """(the variables bound to the consts, those bound to the arguments) of
+    a jaxpr traced with ``n_consts`` consts beside it. JAX <= 0.11 keeps
+    them apart (``constvars``, ``invars``); 0.12 counts a constvar whose
+    value is not attached to the jaxpr among its ``invars``."""
+    every = [*jaxpr.constvars, *jaxpr.invars]
+    return every[:n_consts], every[n_consts:]
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(consts, carry): how many of a ``scan`` equation's operands are
+    loop-invariant constants and how many the carry (the rest are the
+    scanned-over ``xs``). JAX <= 0.11 has them as ``num_consts`` and
+    ``num_carry``; 0.12 has one flat tree of the three groups, ``ft_in``."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _minor(version: str) -> tuple[int, int] | None:

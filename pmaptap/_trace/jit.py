@@ -8,6 +8,12 @@ pipeline on its thread); the caller gets the function's own outputs, as
 from ``jax.jit``. Called inside another trace (a jit, a scan body, another
 ``pmaptap.jit``), the wrapper is a plain jit of the function: the taps
 inside are the enclosing trace's to lift or call back.
+
+The ahead-of-time stages (``trace`` -> ``lower`` -> ``compile``) are JAX's
+own objects for the lifted step, wrapped (``_Traced``, ``_Lowered``,
+``_Compiled``) so that what a user reads or calls is about the function:
+its outputs' tree and types, and a compiled call that returns them and
+hands the taps over as a call of the step does.
 """
 
 from __future__ import annotations
@@ -25,14 +31,25 @@ from pmaptap._trace.outputs import collecting
 
 # JAX's own, as imported: what the wrappers stage with.
 _jax_jit, _jax_pmap = jax.jit, jax.pmap
+_JAX_STAGES = (jax.stages.Traced, jax.stages.Lowered, jax.stages.Compiled)
+
+
+def _handed_over(result: tuple[Any, Lifted]) -> Any:
+    """The function's outputs of one dispatched run of the lifted step; its
+    lifted taps handed to the host pipeline (what makes them records)."""
+    out, lifted = result
+    submit_outputs(lifted.nodes, lifted.arrays, options().max_in_flight_bytes)
+    return out
 
 
 class _Step:
-    """A compiled step whose taps are outputs (what pmaptap.jit/pmap return)."""
+    """A compiled step whose taps are outputs (what pmaptap.pmap returns;
+    pmaptap.jit's adds ``_JitStep``'s methods, as jax.jit's has more than
+    jax.pmap's)."""
 
     def __init__(self, fun: Callable, staged: Callable, plain: Callable) -> None:
         self._staged, self._plain = staged, plain
-        functools.update_wrapper(self, fun)
+        functools.update_wrapper(self, fun)  # __wrapped__, __name__, __doc__, ...
 
     def __call__(self, *args, **kwargs):
         # Inside another trace (its arguments or closed-over values
@@ -40,21 +57,133 @@ class _Step:
         # flag, not a walk over the arguments on every dispatch.
         if collecting() or not core.trace_state_clean():
             return self._plain(*args, **kwargs)
-        out, lifted = self._staged(*args, **kwargs)
-        submit_outputs(lifted.nodes, lifted.arrays, options().max_in_flight_bytes)
-        return out
+        return _handed_over(self._staged(*args, **kwargs))
 
-    def lower(self, *args, **kwargs):
-        """The lowered step (``jax.jit(...).lower``): its outputs are the
-        function's, then the lifted taps' values."""
-        return self._staged.lower(*args, **kwargs)
+    def lower(self, *args, **kwargs) -> "_Lowered":
+        """The lowered step, as ``jax.jit(fun).lower``: its ``compile()``
+        gives a compiled step whose calls write the taps."""
+        return _Lowered(self._stage("lower")(*args, **kwargs))
 
-    def trace(self, *args, **kwargs):
-        return self._staged.trace(*args, **kwargs)
+    def _stage(self, method: str) -> Callable:
+        """The staged wrapper's ``method``; an AttributeError naming the
+        wrapper where it has none (a ``jit=`` wrapper of another kind)."""
+        got = getattr(self._staged, method, None)
+        if got is None:
+            raise AttributeError(
+                f"{type(self._staged).__name__} (the jit this step was made with) "
+                f"has no .{method}(), so this pmaptap step has none"
+            )
+        return got
 
     def __get__(self, obj, objtype=None):
         # As a method: bind like a function does.
         return self if obj is None else functools.partial(self, obj)
+
+
+class _JitStep(_Step):
+    """What pmaptap.jit returns: also ``trace``, ``eval_shape`` and
+    ``clear_cache``, as jax.jit's wrapped function."""
+
+    def trace(self, *args, **kwargs) -> "_Traced":
+        """The traced step, as ``jax.jit(fun).trace``."""
+        return _Traced(self._stage("trace")(*args, **kwargs))
+
+    def eval_shape(self, *args, **kwargs) -> Any:
+        """The function's outputs' shapes, dtypes and shardings, as
+        ``jax.jit(fun).eval_shape``."""
+        # The staged wrapper's own (a jit= wrapper's maps its inner outputs
+        # back to the lifted function's): (the function's, Lifted's).
+        return self._stage("eval_shape")(*args, **kwargs)[0]
+
+    def clear_cache(self) -> None:
+        """Forget the traced and compiled step (both: the lifted one and the
+        plain one used inside other traces), as ``jax.jit``'s."""
+        for f in (self._staged, self._plain):
+            clear = getattr(f, "clear_cache", None)
+            if clear is not None:
+                clear()
+
+
+def _outputs(name: str) -> property:
+    """A stage's output description ``name``, of the function's outputs."""
+    return property(lambda self: self._functions(name), doc=f"The function's {name}.")
+
+
+class _Stage:
+    """A stage object (JAX's ``Traced``, ``Lowered``, ``Compiled``, or a
+    ``jit=`` wrapper's) of the lifted step, read as the function's own:
+    its calls hand the taps over; what describes the outputs
+    (``out_tree``, ``out_info``, ...) describes the function's, without the
+    taps' extra ones; everything else (``as_text``, ``cost_analysis``,
+    ``in_tree``, ``jaxpr``, ...) is JAX's object's, about the program that
+    runs, whose outputs are the function's then the taps' values."""
+
+    __slots__ = ("_jax",)
+
+    def __init__(self, stage: Any) -> None:
+        self._jax = stage
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_jax":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self._jax, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self._jax)))
+
+    def __repr__(self) -> str:
+        return f"<pmaptap {type(self._jax).__name__} of a step whose taps are outputs>"
+
+    def _functions(self, name: str) -> Any:
+        """The function's part of the output description ``name``."""
+        got = getattr(self._jax, name)
+        if not isinstance(self._jax, _JAX_STAGES):
+            # Another wrapper's stage (jit=): it describes that wrapper's
+            # inner function in its own terms, passed on as it is.
+            return got
+        # JAX's describes the lifted step, which returns (the function's
+        # outputs, Lifted): the first half is the function's.
+        return got.children()[0] if name == "out_tree" else got[0]
+
+    out_tree = _outputs("out_tree")
+    out_info = _outputs("out_info")
+
+
+class _Traced(_Stage):
+    __slots__ = ()
+
+    out_avals = _outputs("out_avals")
+
+    def lower(self, **kwargs) -> "_Lowered":
+        return _Lowered(self._jax.lower(**kwargs))
+
+    def __call__(self, *args, **kwargs):
+        if not core.trace_state_clean():
+            # Its taps' values would be tracers of that trace, with no way
+            # to the host: the step itself is what belongs there.
+            raise TypeError(
+                "a traced pmaptap step cannot be called inside another trace "
+                "(its taps would be lost); call the pmaptap.jit step itself there"
+            )
+        return _handed_over(self._jax(*args, **kwargs))
+
+
+class _Lowered(_Stage):
+    __slots__ = ()
+
+    def compile(self, *args, **kwargs) -> "_Compiled":
+        return _Compiled(self._jax.compile(*args, **kwargs))
+
+
+class _Compiled(_Stage):
+    __slots__ = ()
+
+    output_shardings = _outputs("output_shardings")
+    output_formats = _outputs("output_formats")
+
+    def __call__(self, *args, **kwargs):
+        # As a call of the step: the function's outputs, the taps written.
+        return _handed_over(self._jax(*args, **kwargs))
 
 
 def jit(fun: Callable | None = None, /, *, jit: Callable | None = None, **kwargs: Any):
@@ -70,14 +199,14 @@ def jit(fun: Callable | None = None, /, *, jit: Callable | None = None, **kwargs
     return _jit(fun, wrapper=jit, kwargs=kwargs)
 
 
-def _jit(fun: Callable, *, wrapper: Callable | None, kwargs: dict) -> _Step:
+def _jit(fun: Callable, *, wrapper: Callable | None, kwargs: dict) -> _JitStep:
     wrapper = _jax_jit if wrapper is None else wrapper
     staged_kwargs = dict(kwargs)
     if staged_kwargs.get("out_shardings") is not None:
         # The lifted values: wherever the compiler puts them (the tap's own
         # sharding), so their shards stay where they live.
         staged_kwargs["out_shardings"] = (staged_kwargs["out_shardings"], None)
-    return _Step(fun, wrapper(lift(fun), **staged_kwargs), wrapper(fun, **kwargs))
+    return _JitStep(fun, wrapper(lift(fun), **staged_kwargs), wrapper(fun, **kwargs))
 
 
 def pmap(fun: Callable | None = None, /, **kwargs: Any):

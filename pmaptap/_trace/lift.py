@@ -56,6 +56,7 @@ from pmaptap._log import log
 from pmaptap._trace import fingerprint, placement
 from pmaptap._trace.fingerprint import fingerprint_out_p
 from pmaptap._trace.invariant import varying_of
+from pmaptap._trace.jax_support import input_vars, scan_counts
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.
@@ -183,9 +184,10 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
     def read(v):
         return v.val if isinstance(v, core.Literal) else env[v]
 
-    for v, x in zip(jaxpr.constvars, consts):
+    constvars, invars = input_vars(jaxpr, len(consts))
+    for v, x in zip(constvars, consts):
         env[v] = x
-    for v, x in zip(jaxpr.invars, args):
+    for v, x in zip(invars, args):
         env[v] = x
     nodes: list[Node] = []
     flat: list = []
@@ -357,7 +359,7 @@ def _constrained(values: list, shardings: Any) -> list:
 
 def _scan(invals, eqn) -> Result:
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(p)
     consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     body = p["jaxpr"]
     box: dict[str, list[Node]] = {}
@@ -516,7 +518,10 @@ def _shard_map(invals, eqn) -> Result | None:
             rows.append(x[None])
         return tuple(outs), tuple(rows)
 
-    if _nested_shard_map(p["jaxpr"]):
+    if placement.mapped_axes()[0]:
+        # This shard_map is itself inside a shard_map's (or pmap's) body:
+        # its marks alone keep their host callbacks (the warning names
+        # them); the enclosing body's own marks are lifted as usual.
         _say_fallback(
             eqn,
             "a shard_map inside a shard_map",
@@ -533,17 +538,6 @@ def _shard_map(invals, eqn) -> Result | None:
         check_vma=p["check_vma"],
     )(*invals)
     return list(outs), list(on_rows(box["nodes"])), list(flat)
-
-
-def _nested_shard_map(jaxpr: core.Jaxpr) -> bool:
-    """Whether a shard_map body holds another shard_map with marks: its rows
-    would nest, which is not lifted (such taps keep their host callbacks)."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == "shard_map" and holds_mark(e):
-            return True
-        if any(_nested_shard_map(j) for j in core.jaxprs_in_params(e.params)):
-            return True
-    return False
 
 
 def on_rows(nodes) -> tuple[Node, ...]:

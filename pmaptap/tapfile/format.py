@@ -86,9 +86,16 @@ def check_text(text: "str | None", where: str, what: str = "name") -> None:
     host name) must be valid Unicode, or ``ValueError`` naming ``where``:
     a lone surrogate (e.g. from os.fsdecode of a non-UTF-8 file name) has
     no JSON/UTF-8 form, and refused here it is not a record replaced by
-    ``pmaptap/unencodable`` at write time (every record, for a run id)."""
+    ``pmaptap/unencodable`` at write time (every record, for a run id).
+    Anything but a str or None is a ``TypeError`` naming ``where`` and what
+    it takes (``host=5`` was a bare AttributeError from ``encode``)."""
     if text is None:
         return
+    if not isinstance(text, str):
+        raise TypeError(
+            f"{where}: {what} must be a str (or None for the default), got "
+            f"{type(text).__name__} {text!r}"
+        )
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

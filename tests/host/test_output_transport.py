@@ -303,6 +303,72 @@ def test_tap_in_a_while_loop_is_said_once_and_written_as_under_jax_jit(tmp_path,
     assert len([r for r in pmaptap.read(str(tmp_path / "out.jsonl")) if r["name"] == name]) == 15
 
 
+def _marks_left(jaxpr) -> list[str]:
+    """The names of the tap marks a lifted step still holds (at any depth):
+    those that keep their host callback."""
+    from jax._src import core
+
+    from pmaptap._trace.outputs import tap_out_p
+
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tap_out_p:
+            names.append(eqn.params["spec"].name)
+        for j in core.jaxprs_in_params(eqn.params):
+            names += _marks_left(j)
+    return names
+
+
+def test_only_the_taps_of_a_nested_shard_map_keep_their_host_callback(tmp_path, caplog):
+    """An outer shard_map body holding its own tap and an inner shard_map
+    with a tap: the inner one's tap keeps its host callback (said once,
+    naming it), the outer body's tap is lifted as in any shard_map body.
+    Before, the outer tap was said to be "inside a shard_map inside a
+    shard_map" too, and kept a host callback it need not."""
+    tag = uuid.uuid4().hex[:8]  # said once per process: fresh sites
+    outer_name, inner_name = f"outer_{tag}", f"inner_{tag}"
+    mesh = jax.make_mesh((2, 4), ("i", "j"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def inner(v):
+        pmaptap.tap(jnp.sum(v), inner_name, dedup="per_device")
+        return v * 2
+
+    def outer(v):
+        pmaptap.tap(jnp.sum(v), outer_name, dedup="per_device")
+        return jax.shard_map(inner, in_specs=P("j"), out_specs=P("j"), axis_names={"j"})(v)
+
+    def step(wrap):
+        return wrap(
+            jax.shard_map(outer, mesh=mesh, in_specs=P("i"), out_specs=P("i"), axis_names={"i"})
+        )
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    with pmaptap.Session(str(tmp_path / "cb.jsonl"), run="n"):
+        want = np.asarray(step(jax.jit)(x))
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        start = len(caplog.records)
+        with pmaptap.Session(str(tmp_path / "out.jsonl"), run="n"):
+            f = step(pmaptap.jit)
+            np.testing.assert_array_equal(np.asarray(f(x)), want)
+            f(x + 1)
+        said = [r.getMessage() for r in caplog.records[start:] if r.name.startswith("pmaptap")]
+    assert len(said) == 1 and repr(inner_name) in said[0], said
+    assert "inside a shard_map inside a shard_map" in said[0]
+    # The outer tap is an output of the step: only the inner one's mark is
+    # left to lower to a host callback.
+    assert _marks_left(f.trace(x).jaxpr.jaxpr) == [inner_name]
+    # The same records as under jax.jit (the first call's; the second call
+    # wrote the next steps).
+    recs = pmaptap.read(str(tmp_path / "out.jsonl"))
+    assert sorted((r["name"], r["step"]) for r in recs) == sorted(
+        [(outer_name, s) for s in (0, 0, 1, 1)] + [(inner_name, s) for s in [0] * 8 + [1] * 8]
+    )
+    first = tmp_path / "first.jsonl"
+    with open(tmp_path / "out.jsonl") as src, open(first, "w") as dst:
+        dst.writelines(line for line in src if '"step":0' in line.replace(" ", ""))
+    _assert_same(first, tmp_path / "cb.jsonl")
+
+
 def test_a_name_with_automatic_steps_under_both_transports_is_said_once(tmp_path, caplog):
     """A model's tap with automatic steps, called by a train step under
     pmaptap.jit and an eval step under jax.jit in one session: its steps are
@@ -565,8 +631,9 @@ for name, jit in (("callbacks", jax.jit), ("outputs", pmaptap.jit)):
         step = jit(f)
         step(x).block_until_ready()
     if jit is pmaptap.jit:
-        info = step.trace(x).out_info
-        out["shapes"] = [list(a.shape) for a in jax.tree_util.tree_leaves(info)]
+        # The program's outputs: the function's, then the taps' values.
+        info = step.trace(x).jaxpr.out_avals
+        out["shapes"] = [list(a.shape) for a in info]
     out[name] = [
         {k: v for k, v in r.items() if k not in ("time", "run", "devices")}
         for r in pmaptap.read(os.environ["TAPS"] + name)
@@ -737,11 +804,12 @@ def test_bodies_traced_under_jax_jit_first_are_not_reused_with_their_callbacks(t
 
 def test_lowered_step_outputs_are_the_function_then_the_taps():
     f = pmaptap.jit(lambda x: (pmaptap.tap(x * 2, "y") + 1, x.sum()))
-    lowered = f.lower(jnp.ones((8,)))
-    outs = jax.tree_util.tree_leaves(lowered.out_info)
-    # The function's two outputs, then the tap's value.
-    assert [o.shape for o in outs[:2]] == [(8,), ()]
-    assert len(outs) > 2
+    traced = f.trace(jnp.ones((8,)))
+    # The program returns the function's two outputs, then the tap's value;
+    # what the stages say about the outputs is the function's only
+    # (tests/host/test_output_stages.py).
+    assert [o.shape for o in traced.jaxpr.out_avals] == [(8,), (), (8,)]
+    assert [o.shape for o in traced.lower().out_info] == [(8,), ()]
 
 
 # ---------------------------------------------------------------- composition

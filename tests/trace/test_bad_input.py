@@ -1038,6 +1038,50 @@ def test_session_resume_takes_true_or_false_only(tmp_path) -> None:
     assert [r.get("attempt", 0) for r in pmaptap.read(path, attempts="all")] == [0]
 
 
+def test_text_options_of_session_and_writer_that_are_not_str_are_type_errors(tmp_path) -> None:
+    """A Writer's host (or a Session's run) given as a number or bytes is a
+    TypeError naming the option and what it takes (was: ``host=5`` a bare
+    ``AttributeError: 'int' object has no attribute 'encode'``)."""
+    path = str(tmp_path / "run.jsonl")
+    for host in (5, b"h", ["h"]):
+        with pytest.raises(
+            TypeError,
+            match=re.escape(f"Writer(host={host!r}): host must be a str (or None for the default)"),
+        ):
+            pmaptap.Writer(path, run="r", process=0, host=host)
+    with pmaptap.Writer(path, run="r", process=0, host="node-7") as w:
+        w.write("x", 0, 1.0)
+    assert [r["host"] for r in pmaptap.read(path)] == ["node-7"]
+
+
+def test_jits_ahead_of_time_api_is_offered_and_writes_the_taps(tmp_path) -> None:
+    """What jax.jit's wrapped function offers works on the step, whichever
+    transport (under "outputs" jax.jit is pmaptap.jit): ``eval_shape``
+    (was: an AttributeError), ``clear_cache``, and ``lower(...).compile()``
+    whose call returns the function's outputs and writes the tap as a call
+    of the step does (was: ``(outputs, pmaptap's internal pytree)``, and
+    nothing written)."""
+
+    def f(x):
+        pmaptap.tap(jnp.sum(x), "total")
+        return {"y": x * 2}
+
+    step = jax.jit(f)
+    x = jnp.arange(4.0)
+    shape = step.eval_shape(x)
+    assert jax.tree_util.tree_structure(shape) == jax.tree_util.tree_structure({"y": 0})
+    assert (shape["y"].shape, shape["y"].dtype) == ((4,), jnp.float32)
+    compiled = step.lower(x).compile()
+    path = str(tmp_path / "t.jsonl")
+    with pmaptap.Session(path, run="r"):
+        assert step(x)["y"].tolist() == [0.0, 2.0, 4.0, 6.0]
+        out = compiled(x + 1)
+        assert out["y"].tolist() == [2.0, 4.0, 6.0, 8.0]
+        step.clear_cache()
+        step(x)
+    assert [(r["step"], r["value"]) for r in pmaptap.read(path)] == [(0, 6.0), (1, 10.0), (2, 6.0)]
+
+
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
     import subprocess
     import sys

@@ -482,3 +482,190 @@ def test_jax_typing_proves_through_control_flow_only_when_it_is_on(check_vma):
         x
     )
     assert out == {"cond": check_vma, "jit": check_vma, "argument": False}
+
+
+# ---------------------------------------------------------------- per-device sources
+# JAX's varying-axes typing types a result from its operands: XLA's stateful
+# rng_uniform (no operand varies) is typed the same on every device, and
+# each device draws its own. Before, such a tap was written as ONE
+# replicated record naming all 8 devices.
+
+
+def _draws_step(dedup: str):
+    def body(v):
+        u = lax.rng_uniform(0.0, 1.0, (4,))
+        pmaptap.tap(u, "u", dedup=dedup)
+        return u[None]
+
+    return body
+
+
+@pytest.mark.parametrize("dedup", ["auto", "replicated"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_per_device_random_draws_are_written_per_device(tmp_path, dedup, jit):
+    mesh = jax.make_mesh((8,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    f = jax.shard_map(_draws_step(dedup), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    f = jax.jit(f) if jit else f
+    path = tmp_path / "u.jsonl"
+    with pmaptap.Session(str(path), run="u"):
+        rows = np.asarray(f(x))
+    recs = pmaptap.read(str(path))
+    assert len({tuple(r) for r in rows.tolist()}) == 8  # 8 different draws
+    assert len(recs) == 8
+    got = {(r["device"] if "device" in r else r["devices"][0]): r["value"] for r in recs}
+    # Each device's record holds that device's draw (row k: device k).
+    assert got == {k: pytest.approx(rows[k].tolist()) for k in range(8)}
+    if dedup == "replicated":
+        assert all(r["divergent"] is True for r in recs)
+    else:
+        assert all(r["kind"] == "per_device" for r in recs)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_draws_from_a_key_alike_everywhere_are_proven_and_agree(tmp_path, impl):
+    """What the proof trusts of jax.random holds on the devices: a key the
+    same on every device draws the same bits on each (the copies, compared
+    with prove_replicated=False, agree), written as one replicated record."""
+    mesh = jax.make_mesh((8,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+
+    def body(v):
+        pmaptap.tap(jax.random.uniform(jax.random.key(7, impl=impl), (4,)), "r")
+        return v
+
+    def run(path, **opts):
+        with pmaptap.configured(**opts):
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+            with pmaptap.Session(str(path), run="r"):
+                f(x)
+        return pmaptap.read(str(path))
+
+    proven = run(tmp_path / "p.jsonl")
+    assert _without_time(proven) == _without_time(run(tmp_path / "c.jsonl", prove_replicated=False))
+    (r,) = proven
+    assert r["kind"] == "replicated" and r["replicas"] == 8 and "divergent" not in r
+
+
+def _typed_verdicts(body, axes=("i",), mesh_shape=(8,)) -> dict:
+    """{label: proven} for the values ``body(v)`` returns, asked inside a
+    shard_map with JAX's varying-axes typing on (traced only, so code
+    that cannot run here, an FFI call, is asked about too)."""
+    mesh = jax.make_mesh(mesh_shape, axes)
+    out: dict = {}
+
+    def fn(v):
+        for label, value in body(v).items():
+            out[label] = placement.proven_invariant(jax.tree.leaves(value), axes)
+        return v
+
+    spec = P(axes)
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, spec))
+    jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    return out
+
+
+def test_what_per_device_sources_the_typing_proof_refuses():
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def body(v):
+        key = jnp.zeros((4,), jnp.uint32)
+        u = lax.rng_uniform(0.0, 1.0, (4,))
+        out = {
+            # A function of a key the same everywhere draws the same bits.
+            "rng_bit_generator": lax.rng_bit_generator(key, (4,))[1],
+            "jax.random threefry": jax.random.uniform(jax.random.key(0), (4,)),
+            "jax.random rbg": jax.random.normal(jax.random.key(0, impl="rbg"), (4,)),
+            "jax.random unsafe_rbg": jax.random.bits(jax.random.key(0, impl="unsafe_rbg")),
+            "a draw, all-reduced": lax.pmean(u, "i") * 2,
+            # Not proven:
+            "rng_uniform": u,
+            "rng_uniform, used": jnp.sum(u * 2) + lax.pmean(v, "i"),
+            "a key folded with axis_index": jax.random.uniform(
+                jax.random.fold_in(jax.random.key(0), lax.axis_index("i")), (2,)
+            ),
+            "ffi_call": jax.ffi.ffi_call(
+                "pmaptap_no_such_target", jax.ShapeDtypeStruct((), "f4")
+            )(),
+            # Declared the same on every device: a kernel may read the
+            # device's index all the same.
+            "pallas_call": pl.pallas_call(
+                kernel,
+                out_shape=jax.ShapeDtypeStruct(
+                    (4,), jnp.float32, manual_axis_type=jax.sharding.ManualAxisType()
+                ),
+                interpret=True,
+            )(jnp.ones((4,))),
+        }
+        with jax.threefry_partitionable(False):
+            out["jax.random threefry, not partitionable"] = jax.random.uniform(
+                jax.random.key(1), (4,)
+            )
+        return out
+
+    got = _typed_verdicts(body)
+    assert {k for k, ok in got.items() if ok} == {
+        "rng_bit_generator",
+        "jax.random threefry",
+        "jax.random threefry, not partitionable",
+        "jax.random rbg",
+        "jax.random unsafe_rbg",
+        "a draw, all-reduced",
+    }, got
+
+
+def test_a_draw_reaching_an_inner_body_is_not_proven_there():
+    """A scan/jit/checkpoint body's input is a value of the body around it,
+    not known which: proven by the typing only where nothing around it is a
+    per-device source; a nested shard_map's input is the value passed in."""
+
+    def asked(body_of):
+        got: dict = {}
+
+        def ask(label, value):
+            got[label] = placement.proven_invariant([value], ("i",))
+            return value
+
+        def body(v):
+            body_of(v, ask)
+            return {}
+
+        _typed_verdicts(body)
+        return got
+
+    def inner_bodies(value, ask):
+        lax.scan(lambda c, _: (ask("scan", c), None), value, None, length=2)
+        jax.jit(lambda a: ask("jit", a))(value)
+        jax.checkpoint(lambda a: ask("checkpoint", a))(value)
+        jax.jit(lambda a: lax.scan(lambda c, _: (ask("scan in jit", c), None), a, None, length=1))(
+            value
+        )
+
+    clean = asked(lambda v, ask: inner_bodies(lax.pmean(v, "i"), ask))
+    drawn = asked(lambda v, ask: inner_bodies(lax.rng_uniform(0.0, 1.0, (4,)), ask))
+    assert clean == dict.fromkeys(clean, True) and len(clean) == 4
+    assert drawn == dict.fromkeys(clean, False)
+
+    mesh = jax.make_mesh((2, 4), ("i", "j"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    got: dict = {}
+
+    def outer(v):
+        u = lax.rng_uniform(0.0, 1.0, (4,))
+
+        def inner(w, a, b):
+            got["drawn"] = placement.proven_invariant([a], ("i", "j"))
+            got["pmean"] = placement.proven_invariant([b], ("i", "j"))
+            return w
+
+        return jax.shard_map(
+            inner, in_specs=(P("j"), P(), P()), out_specs=P("j"), axis_names={"j"}
+        )(v, u, lax.pmean(v, "i").sum())
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    jax.make_jaxpr(
+        jax.shard_map(outer, mesh=mesh, in_specs=P("i"), out_specs=P("i"), axis_names={"i"})
+    )(x)
+    assert got == {"drawn": False, "pmean": True}, got
