@@ -20,23 +20,19 @@ import jax
 import numpy as np
 
 from pmaptap._common.spec import Placement
+from pmaptap._trace.invariant import proven_invariant as proven_invariant
+from pmaptap._trace.invariant import same_as as same_as
 
 # The trace-time proof that a value is the same on every device (what a
 # replicated tap needs to skip comparing its copies) reads the trace being
 # built; it lives in the sibling invariant.py, re-exported here.
-from pmaptap._trace.invariant import proven_invariant as proven_invariant
-from pmaptap._trace.invariant import same_as as same_as
+from pmaptap._trace.jax_support import DIVERGENT_FLOW, MESH_FRAME_MODULES
 
 # JAX's name for the axis of a pmap called without axis_name. Records show it
 # as "pmap" so users do not see an internal identifier.
 _PMAP_INTERNAL_AXIS = "_internal_pmap_axis_name"
 PMAP_AXIS_DISPLAY = "pmap"
 _PMAP_TEMP_AXIS = re.compile(r"<axis 0x[0-9a-f]+>")
-
-# Frames of these modules may hold the concrete mesh in a local named "mesh"
-# (jax._src.shard_map._shard_map_staging when tracing under jit,
-# _run_shmap / _shard_map_impl when running shard_map eagerly).
-_MESH_FRAME_MODULES = ("jax._src.shard_map",)
 
 
 def display_axis_name(name: Any) -> str:
@@ -74,7 +70,7 @@ def _frame_meshes():
     out = []
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_globals.get("__name__") in _MESH_FRAME_MODULES:
+        if frame.f_globals.get("__name__") in MESH_FRAME_MODULES:
             m = frame.f_locals.get("mesh")
             if isinstance(m, Mesh) and not m.empty:
                 out.append(m)
@@ -142,21 +138,12 @@ def eager_device(leaves) -> int | None:
     return dev
 
 
-# Tracing inside these makes a collective unsafe: devices may take different
-# branches (cond/switch) or run different trip counts (while_loop), and a
-# collective that only some devices reach deadlocks. scan is uniform.
-_DIVERGENT_FLOW = (
-    ("jax._src.lax.control_flow.conditionals", None),
-    ("jax._src.lax.control_flow.loops", "while_loop"),
-)
-
-
 def inside_divergent_control_flow() -> bool:
     """True while tracing a cond/switch branch or a while_loop body/cond."""
     frame = sys._getframe(1)
     while frame is not None:
         mod = frame.f_globals.get("__name__")
-        for m, fn in _DIVERGENT_FLOW:
+        for m, fn in DIVERGENT_FLOW:
             if mod == m and (fn is None or frame.f_code.co_name == fn):
                 return True
         frame = frame.f_back
