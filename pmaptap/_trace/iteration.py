@@ -78,9 +78,7 @@ def _unreplaced(*args, **params):
 
 
 iteration_p.def_impl(_unreplaced)
-mlir.register_lowering(
-    iteration_p, lambda ctx: [mlir.ir_constant(np.array(-1, np.int32))]
-)
+mlir.register_lowering(iteration_p, lambda ctx: [mlir.ir_constant(np.array(-1, np.int32))])
 batching.primitive_batchers[iteration_p] = lambda args, dims: (
     iteration_p.bind(),
     batching.not_mapped,

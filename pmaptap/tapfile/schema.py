@@ -810,6 +810,23 @@ def record_key(r: Any) -> tuple:
     )
 
 
+def shown_name(name: Any, iteration: Any) -> Any:
+    """How readers that keep a looped tap's iterations apart name one of
+    them (summary, show): ``act_rms[3]``, ``x[1,2]`` for nested loops
+    (outermost first); the name itself outside loops."""
+    if iteration is None or iteration is UNSET:
+        return name
+    return f"{name}[{','.join(map(str, iteration))}]"
+
+
+def curve_tag(name: Any, iteration: Any) -> str:
+    """A looped tap's curve per iteration in plots and TensorBoard:
+    ``act_rms/3``, ``x/1/2`` (outermost first); the name outside loops."""
+    if iteration is None or iteration is UNSET:
+        return str(name)
+    return "/".join([str(name), *map(str, iteration)])
+
+
 def part_key(index: Any, iteration: Any) -> Any:
     """``record_key``'s part of a step's value that a record holds: the
     shard (``index``, None for a whole value) and, for a tap in a loop
