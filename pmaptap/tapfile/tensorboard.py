@@ -115,7 +115,8 @@ def _hashed(name: str, run_id: str) -> str:
 
 def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     """What a scalar's tag puts before and after its leaf path: the tap name
-    (``/<iteration>`` for a tap in a loop body, ``@<pass>`` for backward taps) and ``/device_<id>`` for per-device taps
+    (``/<iteration>`` for a tap in a loop body, ``@<pass>`` for backward
+    taps) and ``/device_<id>`` for per-device taps
     (one series per device). With ``mark_divergent``, each copy of a
     divergent replicated value (its devices disagreed) goes to its own series
     ``/divergent/device_<first holder>`` instead of the tap's, which a live
