@@ -46,6 +46,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+from jax import lax
 from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching, mlir
@@ -146,13 +147,15 @@ def _stage_index(trace, source_info, **params):
 pe.custom_staging_rules[iteration_p] = _stage_index
 
 
-def _counted(jaxpr: core.ClosedJaxpr, at: int, index_of) -> core.ClosedJaxpr:
+def _counted(
+    jaxpr: core.ClosedJaxpr, at: int, index_of, counter: core.ShapedArray = _INDEX
+) -> core.ClosedJaxpr:
     """``jaxpr`` with an int32 counter inserted among its inputs at ``at``
     and its ``iteration_p`` equations replaced by ``index_of(counter)``;
     its outputs unchanged (the caller adds the counter's next value where
     its loop needs it, via ``index_of``'s second result)."""
     avals = list(jaxpr.in_avals)
-    avals.insert(at, _INDEX)
+    avals.insert(at, counter)
     box: dict[str, Any] = {}
 
     def fun(*args):
@@ -206,24 +209,35 @@ def _while_staging(trace, source_info, *tracers, **params):
     if not (_holds_index(cond) or _holds_index(body)):
         return trace.default_process_primitive(loops.while_p, tracers, params, source_info)
     cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    # A predicate batched by vmap (a condition that depends on the batch):
+    # JAX's lowering keeps each element's carry where its loop has ended
+    # (a select on the predicate), which needs every carry batched like
+    # the predicate. So is the counter then, one per element; the
+    # elements still running are at the loop's iteration, the largest.
+    shape = cond.out_avals[0].shape
+    counter = core.ShapedArray(shape, np.dtype(np.int32))
+
+    def current(i):
+        return (i.max() if shape else i).astype(np.int32)
 
     def same(i):
-        return i, i
+        return current(i), i
 
     def plus_one(i):
-        return i, i + 1
+        return current(i), i + 1
 
-    new_cond = _counted(cond, cn, same)
+    new_cond = _counted(cond, cn, same, counter)
     # The condition returns its one boolean only.
     new_cond = core.ClosedJaxpr(
         new_cond.jaxpr.replace(outvars=new_cond.jaxpr.outvars[:1]), new_cond.consts
     )
-    new_body = _counted(body, bn, plus_one)
+    new_body = _counted(body, bn, plus_one, counter)
     outvars = list(new_body.jaxpr.outvars)
     outvars.insert(0, outvars.pop())
     new_body = core.ClosedJaxpr(new_body.jaxpr.replace(outvars=outvars), new_body.consts)
     new_params = dict(params, cond_jaxpr=new_cond, body_jaxpr=new_body)
-    zero = trace.to_jaxpr_tracer(np.int32(0), source_info=source_info)
+    with core.set_current_trace(trace):
+        zero = lax.full(shape, 0, np.int32)
     ins = [*tracers[: cn + bn], zero, *tracers[cn + bn :]]
     outs = trace.default_process_primitive(loops.while_p, ins, new_params, source_info)
     return outs[1:]
