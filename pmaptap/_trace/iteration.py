@@ -80,10 +80,8 @@ def _unreplaced(*args, **params):
 
 iteration_p.def_impl(_unreplaced)
 mlir.register_lowering(iteration_p, lambda ctx: [mlir.ir_constant(np.array(-1, np.int32))])
-batching.primitive_batchers[iteration_p] = lambda args, dims: (
-    iteration_p.bind(),
-    batching.not_mapped,
-)
+# No operands: never batched (None: JAX's "not mapped" out dimension).
+batching.primitive_batchers[iteration_p] = lambda args, dims: (iteration_p.bind(), None)
 ad.primitive_jvps[iteration_p] = lambda primals, tangents: (
     iteration_p.bind(),
     ad.Zero.from_primal_value(np.int32(0)),

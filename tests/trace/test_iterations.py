@@ -270,3 +270,44 @@ def test_readers_keep_iterations_apart(session, tap_path):
     assert {plot._label(r, False) for r in recs} == {
         f"act_rms/{k}: replicated" for k in range(LAYERS)
     }
+
+
+@pytest.mark.callback_only("a fact about JAX's traces, not about a transport")
+def test_jax_still_names_its_loop_body_traces_as_iteration_expects():
+    """If this fails, JAX renamed the DebugInfo.traced_for of its loop
+    bodies: update iteration.LOOP_BODIES."""
+    from jax._src import core
+
+    from pmaptap._trace import iteration
+
+    seen = set()
+
+    def note(x):
+        seen.add(core.trace_ctx.trace.frame.debug_info.traced_for)
+        return x
+
+    def f(x, n):
+        x = lax.scan(lambda c, _: (note(c), None), x, None, length=2)[0]
+        x = lax.fori_loop(0, 2, lambda i, c: note(c), x)
+        x = lax.fori_loop(0, n, lambda i, c: note(c), x)
+        return lax.while_loop(lambda c: note(c) < 5, note, x)
+
+    jax.make_jaxpr(f)(0, 3)
+    assert seen == set(iteration.LOOP_BODIES)
+
+
+def test_vmapped_while_body_with_a_batched_predicate(session, tap_path):
+    """Elements whose loops end at different iterations (a batched
+    predicate): one record per iteration of the loop, holding the batch."""
+    f = jax.jit(
+        jax.vmap(
+            lambda x: lax.while_loop(lambda c: c < 3, lambda c: pmaptap.tap(c, "wb") + 1, x)
+        )
+    )
+    f(jnp.array([0, 2]))
+    session.flush()
+    assert [(r["step"], r["iteration"], r["value"]) for r in _taps(tap_path, "wb")] == [
+        (0, [0], [0, 2]),
+        (0, [1], [1, 3]),
+        (0, [2], [2, 3]),
+    ]
