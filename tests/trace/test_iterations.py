@@ -300,9 +300,7 @@ def test_vmapped_while_body_with_a_batched_predicate(session, tap_path):
     """Elements whose loops end at different iterations (a batched
     predicate): one record per iteration of the loop, holding the batch."""
     f = jax.jit(
-        jax.vmap(
-            lambda x: lax.while_loop(lambda c: c < 3, lambda c: pmaptap.tap(c, "wb") + 1, x)
-        )
+        jax.vmap(lambda x: lax.while_loop(lambda c: c < 3, lambda c: pmaptap.tap(c, "wb") + 1, x))
     )
     f(jnp.array([0, 2]))
     session.flush()
@@ -310,4 +308,21 @@ def test_vmapped_while_body_with_a_batched_predicate(session, tap_path):
         (0, [0], [0, 2]),
         (0, [1], [1, 3]),
         (0, [2], [2, 3]),
+    ]
+
+
+def test_tap_grad_in_a_scan_carries_the_forward_iteration(session, tap_path):
+    def f(x):
+        def body(c, w):
+            return pmaptap.tap_grad(c * w, "g"), None
+
+        return lax.scan(body, x, jnp.arange(1.0, 4.0))[0].sum()
+
+    g = jax.jit(jax.grad(f))
+    for _ in range(2):
+        g(jnp.ones(2))
+    session.flush()
+    recs = _taps(tap_path, "g")
+    assert [(r["step"], r["iteration"], r["pass"]) for r in recs] == [
+        (s, [k], "backward") for s in range(2) for k in (2, 1, 0)
     ]
