@@ -326,3 +326,52 @@ def test_tap_grad_in_a_scan_carries_the_forward_iteration(session, tap_path):
     assert [(r["step"], r["iteration"], r["pass"]) for r in recs] == [
         (s, [k], "backward") for s in range(2) for k in (2, 1, 0)
     ]
+
+
+def test_shard_map_and_eager_scans(session, tap_path):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("d",))
+
+    def body(x):
+        def layer(h, _):
+            pmaptap.tap(lax.pmean(h.mean(), "d"), "sm")
+            return h * 2, None
+
+        return lax.scan(layer, x, None, length=3)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    xs = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("d")))
+    f(xs)
+    f(xs)
+    lax.scan(lambda c, x: (pmaptap.tap(c + x, "eager"), None), 0.0, jnp.arange(2.0))
+    session.flush()
+    sm = _taps(tap_path, "sm")
+    assert [(r["step"], r["iteration"], r["replicas"]) for r in sm] == [
+        (s, [k], 8) for s in range(2) for k in range(3)
+    ]
+    assert not any(r.get("divergent") for r in sm)
+    assert [(r["step"], r["iteration"]) for r in _taps(tap_path, "eager")] == [(0, [0]), (0, [1])]
+
+
+@pytest.mark.callback_only("reads a file: the readers, not the transports")
+def test_csv_and_frame_keep_iterations_apart(session, tap_path, tmp_path):
+    pytest.importorskip("pandas")
+    f = jax.pmap(lambda x, ws: _layers(x, ws, dedup="per_device"))
+    ws = jnp.broadcast_to(jnp.arange(1.0, 3.0), (8, 2))
+    for i in range(2):
+        f(jnp.ones((8, 2)) * jnp.arange(8.0)[:, None] * (i + 1), ws)
+    session.flush()
+    out = tmp_path / "t.csv"
+    _cli("export", tap_path, "--csv", str(out))
+    import csv
+
+    with open(out, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["step"], r["iteration"]) for r in rows if r["device"] == "0"] == [
+        (str(s), str(k)) for s in range(2) for k in range(2)
+    ]
+    table = pmaptap.per_device(pmaptap.read(tap_path, as_frame=True))
+    assert list(table.index) == [(s, (k,)) for s in range(2) for k in range(2)]
+    assert list(table.columns) == list(range(8))
