@@ -169,6 +169,7 @@ def _counted(
         return [*outs, box["next"]]
 
     info = jaxpr.jaxpr.debug_info
+    # One more argument than the loop body's names: its names are dropped.
     info = info.with_unknown_names() if info is not None else None
     new, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fun, debug_info=info), avals)
     return core.ClosedJaxpr(new, consts)
@@ -177,7 +178,7 @@ def _counted(
 def _scan_staging(trace, source_info, *tracers, **params):
     jaxpr = params["jaxpr"]
     if not _holds_index(jaxpr):
-        return trace.default_process_primitive(loops.scan_p, tracers, params, source_info)
+        return _stage(loops.scan_p, trace, source_info, tracers, params)
     nc, ncarry = params["num_consts"], params["num_carry"]
     length, reverse = params["length"], params["reverse"]
 
@@ -198,14 +199,14 @@ def _scan_staging(trace, source_info, *tracers, **params):
         new_params["linear"] = tuple(linear)
     zero = trace.to_jaxpr_tracer(np.int32(0), source_info=source_info)
     ins = [*tracers[:nc], zero, *tracers[nc:]]
-    outs = trace.default_process_primitive(loops.scan_p, ins, new_params, source_info)
+    outs = _stage(loops.scan_p, trace, source_info, ins, new_params)
     return outs[1:]
 
 
 def _while_staging(trace, source_info, *tracers, **params):
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     if not (_holds_index(cond) or _holds_index(body)):
-        return trace.default_process_primitive(loops.while_p, tracers, params, source_info)
+        return _stage(loops.while_p, trace, source_info, tracers, params)
     cn, bn = params["cond_nconsts"], params["body_nconsts"]
     # A predicate batched by vmap (a condition that depends on the batch):
     # JAX's lowering keeps each element's carry where its loop has ended
@@ -237,19 +238,32 @@ def _while_staging(trace, source_info, *tracers, **params):
     with core.set_current_trace(trace):
         zero = lax.full(shape, 0, np.int32)
     ins = [*tracers[: cn + bn], zero, *tracers[cn + bn :]]
-    outs = trace.default_process_primitive(loops.while_p, ins, new_params, source_info)
+    outs = _stage(loops.while_p, trace, source_info, ins, new_params)
     return outs[1:]
+
+
+# The staging rule a loop primitive had before ours (None: JAX's default).
+_before: dict[Any, Any] = {}
+
+
+def _stage(prim, trace, source_info, tracers, params):
+    """Stage ``prim`` as it was staged before this module's rule."""
+    rule = _before.get(prim)
+    if rule is not None:
+        return rule(trace, source_info, *tracers, **params)
+    return trace.default_process_primitive(prim, list(tracers), params, source_info)
 
 
 def _install() -> None:
     for prim, rule in ((loops.scan_p, _scan_staging), (loops.while_p, _while_staging)):
-        if prim in pe.custom_staging_rules:
-            raise RuntimeError(
-                f"JAX now has its own staging rule for {prim.name}: pmaptap's loop "
-                "iterations (pmaptap/_trace/iteration.py) need updating"
-            )
+        if pe.custom_staging_rules.get(prim) is rule:
+            continue  # this module imported again: once only
+        _before[prim] = pe.custom_staging_rules.get(prim)
         pe.custom_staging_rules[prim] = rule
-    original = loops._scan_known_hoisting
+    original = getattr(loops, "_scan_known_hoisting", None)
+    if original is None or getattr(original, "_pmaptap", False):
+        # A JAX without that step hoists nothing this module needs to keep.
+        return
 
     def _keep_in_body(jaxpr_known, known_consts, num_res):
         if _holds_index(jaxpr_known):
@@ -258,6 +272,7 @@ def _install() -> None:
         return original(jaxpr_known, known_consts, num_res)
 
     _keep_in_body.__wrapped__ = original  # type: ignore[attr-defined]
+    _keep_in_body._pmaptap = True  # type: ignore[attr-defined]
     loops._scan_known_hoisting = _keep_in_body
 
 
