@@ -173,13 +173,19 @@ def test_loop_free_records_have_no_iteration_field(session, tap_path):
 def test_validate_is_clean(session, tap_path):
     from pmaptap.tapfile import checks
 
-    f = jax.pmap(_layers)
-    ws = jnp.ones((8, LAYERS))
-    for _ in range(2):
-        f(jnp.ones((8, 2)), ws)
+    # An explicit step: every layer's record of a step has that step.
+    f = jax.pmap(lambda x, ws, i: _layers(x, ws, step=i), in_axes=(0, 0, None))
+    ws = jnp.broadcast_to(jnp.arange(1.0, LAYERS + 1), (8, LAYERS))
+    for i in range(2):
+        f(jnp.ones((8, 2)), ws, i)
     session.flush()
     report = checks.validate_file(tap_path)
     assert report.ok and report.divergent_keys == 0, report.problems
+    recs = _taps(tap_path, "act_rms")
+    assert not any(r.get("divergent") for r in recs)
+    assert [(r["step"], r["iteration"], r["replicas"]) for r in recs] == [
+        (s, [k], 8) for s in range(2) for k in range(LAYERS)
+    ]
 
 
 @pytest.mark.callback_only("compares the two transports itself")
