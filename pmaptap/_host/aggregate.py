@@ -180,6 +180,9 @@ class Aggregator(RecordFactory):
                 seen.add(it)
                 return step - 1
             self._seen[ckey] = {it}
+        elif self._seen:
+            # A loop-free execution of the name ends its loop's step.
+            self._seen.pop(ckey, None)
         self._counters[ckey] = step + 1
         return step
 
@@ -415,6 +418,9 @@ class Aggregator(RecordFactory):
             get = self._counters.get
             now = [get(k, 0) for k in keys]
             self._counters.update(zip(keys, [s + 1 for s in now]))
+            if self._seen:  # as in _count
+                for k in keys:
+                    self._seen.pop(k, None)
         step = now[0]
         return step if now.count(step) == len(now) else now
 

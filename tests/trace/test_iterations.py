@@ -381,3 +381,28 @@ def test_csv_and_frame_keep_iterations_apart(session, tap_path, tmp_path):
     table = pmaptap.per_device(pmaptap.read(tap_path, as_frame=True))
     assert list(table.index) == [(s, (k,)) for s in range(2) for k in range(2)]
     assert list(table.columns) == list(range(8))
+
+
+def test_a_name_tapped_in_a_loop_and_outside_counts_calls(session, tap_path):
+    """Automatic steps of one name tapped in a loop body (a cond there
+    firing at one iteration) and after the loop: each call of the step is
+    two steps (the loop's iterations one, the tap after it one)."""
+
+    @jax.jit
+    def step(x, fire):
+        def body(c, i):
+            lax.cond(i == fire, lambda: pmaptap.tap(c, "x"), lambda: c)
+            return c + 1.0, None
+
+        c, _ = lax.scan(body, x, jnp.arange(3))
+        return pmaptap.tap(c * 100, "x")
+
+    step(jnp.float32(0.0), 0)
+    step(jnp.float32(0.0), 1)
+    session.flush()
+    assert [(r["step"], r.get("iteration")) for r in _taps(tap_path, "x")] == [
+        (0, [0]),
+        (1, None),
+        (2, [1]),
+        (3, None),
+    ]
