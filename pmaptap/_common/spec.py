@@ -74,6 +74,11 @@ class TapSite:
     # options().max_value_bytes whose statistics travel instead (see
     # stats.device_statistics); () when every leaf is sent whole.
     as_statistics: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
+    # Loops enclosing the tap (a scan / fori_loop / while_loop body, nested
+    # ones): their iteration indices, outermost first, travel after the
+    # device's mesh coordinates (_trace/iteration.py) and records carry them
+    # as "iteration". 0 outside any loop body.
+    iterations: int = 0
     # One per traced tap: what the aggregator keys its per-site tables on.
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSite, TapSpec
 from pmaptap._common.switch import taps_off
-from pmaptap._trace import outputs, placement, primitive
+from pmaptap._trace import iteration, outputs, placement, primitive
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.layouts import choose_layout, static_step_operand, steps_may_differ
@@ -101,6 +101,7 @@ def _emit_leaves(
         leaves, compute=jit is not Layout.SHARDS or summarized
     )
     where, raw_names = placement.current(leaves)
+    loops = iteration.indices()
     site = TapSite(
         name=name,
         dedup=dedup,
@@ -109,11 +110,12 @@ def _emit_leaves(
         explicit_step=explicit,
         pass_=pass_,
         as_statistics=as_statistics,
+        iterations=len(loops),
     )
     spec = TapSpec(site=site, placement=where)
     if jit is not None:
         spec = spec.with_transport(layout=jit, summarized=summarized and bool(as_statistics))
-    coords = axis_coords(raw_names)
+    coords = axis_coords(raw_names, loops)
     if traced_step is not None:
         step_arr = traced_step
         if steps_may_differ(traced_step, tuple(raw_names)):

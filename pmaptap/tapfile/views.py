@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from pmaptap.tapfile.arrays import shown_value
 from pmaptap.tapfile.attempts import Attempts, attempt_of
 from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
-from pmaptap.tapfile.format import RECORD_COLUMNS, Holders, decode_record, index_text
+from pmaptap.tapfile.format import RECORD_COLUMNS, Holders, decode_record, index_text, shown_name
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
 from pmaptap.tapfile.stream import FirstPass, matching
@@ -269,7 +269,8 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
     return {
         "line": str(e.line),
         RUN: str(r.get("run")),
-        "name": str(r.get("name")),
+        # A looped tap's iteration beside its name: act_rms[3].
+        "name": str(shown_name(r.get("name"), r.get("iteration"))),
         "step": str(r.get("step")),
         "attempt": str(attempt_of(r)),
         "kind": str(r.get("kind")),

@@ -657,14 +657,14 @@ def test_one_device_big_leaves_leave_the_step_as_their_statistics(tmp_path):
     got = json.loads(out.splitlines()[-1])
     assert got["devices"] == 1
     assert sorted(got["shapes"]) == [[], [4, 8], [8], [8]], got["shapes"]  # no leaf itself
-    key = lambda r: (r["name"], r["step"])  # noqa: E731
+    key = lambda r: (r["name"], r["step"], r.get("iteration"))  # noqa: E731
     cb, outs = sorted(got["callbacks"], key=key), sorted(got["outputs"], key=key)
     assert [key(r) for r in cb] == [
-        ("big", 0),
-        ("in_while", 0),
-        ("in_while", 1),
-        ("row", 0),
-        ("rows", 0),
+        ("big", 0, None),
+        ("in_while", 0, [0]),  # one call of the step, two iterations of its loop
+        ("in_while", 0, [1]),
+        ("row", 0, None),
+        ("rows", 0, None),
     ]
     assert all(r["summarized"] for r in cb)
     assert outs == cb
