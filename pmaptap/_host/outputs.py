@@ -137,9 +137,10 @@ class Drain:
         steps undelivered)."""
         with self._cv:
             target = self._submitted
-            return self._cv.wait_for(
-                lambda: self._done >= target or self._stop.is_set(), timeout
-            ) and self._done >= target
+            return (
+                self._cv.wait_for(lambda: self._done >= target or self._stop.is_set(), timeout)
+                and self._done >= target
+            )
 
     def undelivered(self) -> int:
         """Steps submitted and not yet delivered to the pipeline."""
