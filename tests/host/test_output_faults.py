@@ -155,11 +155,14 @@ def test_sigterm_during_the_exit_on_a_full_disk_ends_the_process(tmp_path) -> No
     tap = str(tmp_path / "t.jsonl")
     p = start_python(_FULL_DISK, TAP=tap, OVERFLOW="drop_oldest", CLOSE="60")
     try:
-        for line in p.stdout:  # (readline: the stream ends with the process)
-            if line.strip() == "end of script":
-                break
-        else:
-            raise AssertionError(p.stderr.read()[-3000:])
+        # (Line by line: the stream ends only with the process.)
+        ready = concurrent.futures.ThreadPoolExecutor(1).submit(
+            lambda: any(line.strip() == "end of script" for line in p.stdout)
+        )
+        try:
+            assert ready.result(timeout=60), "the script did not end"
+        except concurrent.futures.TimeoutError:
+            raise AssertionError("flush() hung on the full disk") from None
         time.sleep(0.5)  # in the exit's close, retrying the writes
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
