@@ -181,9 +181,7 @@ class Drain:
                 step = self._queue[0]
             left = False
             try:
-                self._deliver(step)
-            except _Stopped:
-                left = True  # shutdown() counts it
+                left = not self._deliver(step)  # stopped part-way: shutdown() counts it
             except BaseException as e:  # noqa: BLE001 - reported at flush, never lost silently
                 self._report(e, "pmaptap.jit outputs")
             with self._cv:
@@ -216,7 +214,9 @@ class Drain:
             self._plans[id(nodes)] = plan
         return plan
 
-    def _deliver(self, step: _Step) -> None:
+    def _deliver(self, step: _Step) -> bool:
+        """Hand every payload of ``step`` over; False if shutdown() stopped
+        it part-way."""
         _, ss, _ = self._plan(step.nodes)
         views: dict[int, list[_View]] = {}
         i = 0
@@ -232,12 +232,9 @@ class Drain:
         for site, index in _executions(step.nodes, ()):
             for spec, payload in _payloads(site, views[id(site)], index):
                 if self._stop.is_set():
-                    raise _Stopped
+                    return False
                 self._deliver_one(spec, payload, block=True)
-
-
-class _Stopped(Exception):
-    """shutdown() asked the drain thread to end in the middle of a step."""
+        return True
 
 
 def _start_copy(a: Any) -> None:
