@@ -71,12 +71,13 @@ def test_taps_without_a_session_are_printed_and_every_exit_is_clean() -> None:
         assert "total step=1 process=0 replicas=8: 136.0" in proc.stderr
 
 
-# ====================================================== a full disk (item 9)
-# RLIMIT_FSIZE as a full disk (SIGXFSZ ignored: its default kills). A
-# session whose queue holds 4 items, 30 steps of pmaptap.jit, then flush().
-# Before: the drain thread blocked for ever feeding the full queue, and
-# flush() (and the exit's close) waited for it without a bound.
-_FULL_DISK = """
+# ====================================================== a full disk, a held lock (item 9)
+# A session whose queue holds 4 items, 30 steps of pmaptap.jit, then
+# flush(), while the file takes nothing: RLIMIT_FSIZE as a full disk
+# (FSIZE set; SIGXFSZ ignored: its default kills), or a lock another process
+# holds (the test's). Before: the drain thread blocked for ever feeding the
+# full queue, and flush() (and the exit's close) waited for it unbounded.
+_STUCK = """
     import os, resource, signal, sys, time
     import jax, jax.numpy as jnp, pmaptap
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -87,11 +88,14 @@ _FULL_DISK = """
         return x + 1
 
     x = jax.block_until_ready(step(jnp.zeros(4)))   # compiled; its step 0 on stderr
-    s = pmaptap.Session(os.environ["TAP"], run="full", max_pending=4,
-                        overflow=os.environ["OVERFLOW"], flush_timeout=3,
+    s = pmaptap.Session(os.environ["TAP"], run="stuck", max_pending=4, lock_timeout=0.1,
+                        overflow=os.environ.get("OVERFLOW", "drop_oldest"),
+                        flush_timeout=float(os.environ["FLUSH"]),
                         close_timeout=float(os.environ["CLOSE"]))
     s.open()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (600, resource.RLIM_INFINITY))
+    if "FSIZE" in os.environ:
+        fsize = int(os.environ["FSIZE"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
     for i in range(30):
         x = step(x)
     jax.block_until_ready(x)
@@ -103,25 +107,38 @@ _FULL_DISK = """
         print(f"flush raised after {time.monotonic() - t0:.1f}s: {e}", flush=True)
     print("end of script", flush=True)
 """
+_FULL_DISK = dict(FSIZE="600", FLUSH="3")
+
+
+def _ended(p: subprocess.Popen, what: str) -> tuple[str, str]:
+    """The child's (stdout, stderr), asserted to have ended with exit 0."""
+    try:
+        out, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise AssertionError(f"flush() or the exit hung on {what}") from None
+    assert p.returncode == 0, err[-3000:]
+    return out, err
+
+
+def _flush_raised(out: str, within: float) -> str:
+    """The child's flush error, asserted to have come within ``within`` s."""
+    (raised,) = [line for line in out.splitlines() if line.startswith("flush raised")]
+    assert float(raised.split()[3][:-2]) < within, raised
+    assert out.splitlines()[-1] == "end of script"
+    return raised
 
 
 @pytest.mark.parametrize("overflow", ["drop_oldest", "block"])
 def test_full_disk_under_pmaptap_jit_flush_raises_and_the_process_ends(tmp_path, overflow) -> None:
     tap = str(tmp_path / "t.jsonl")
     t0 = time.monotonic()
-    p = start_python(_FULL_DISK, TAP=tap, OVERFLOW=overflow, CLOSE="2")
-    try:
-        out, err = p.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.communicate()
-        raise AssertionError("flush() or the exit hung on the full disk") from None
+    p = start_python(_STUCK, TAP=tap, OVERFLOW=overflow, CLOSE="2", **_FULL_DISK)
+    out, err = _ended(p, "the full disk")
     took = time.monotonic() - t0
-    assert p.returncode == 0, err[-3000:]
-    (raised,) = [line for line in out.splitlines() if line.startswith("flush raised")]
     # Within flush_timeout (3 s), with the disk's error.
-    assert "File too large" in raised and float(raised.split()[3][:-2]) < 3.0 + 1.5, raised
-    assert out.splitlines()[-1] == "end of script"
+    assert "File too large" in _flush_raised(out, 3.0 + 1.5)
     # The exit's close gave up after close_timeout (2 s) and said what it
     # lost; the whole job took seconds, not for ever.
     assert "were not written before close" in err, err[-3000:]
@@ -153,7 +170,7 @@ def test_sigterm_during_the_exit_on_a_full_disk_ends_the_process(tmp_path) -> No
     # stops retrying the failing writes at the signal, says what it lost,
     # and the process dies by SIGTERM.
     tap = str(tmp_path / "t.jsonl")
-    p = start_python(_FULL_DISK, TAP=tap, OVERFLOW="drop_oldest", CLOSE="60")
+    p = start_python(_STUCK, TAP=tap, CLOSE="60", **_FULL_DISK)
     try:
         # (Line by line: the stream ends only with the process.)
         ready = concurrent.futures.ThreadPoolExecutor(1).submit(
@@ -189,50 +206,17 @@ _HOLDER = """
     sys.stdin.readline()             # held until the test writes a line
 """
 
-_LOCKED = """
-    import os, time
-    import jax, jax.numpy as jnp, pmaptap
-
-    @pmaptap.jit
-    def step(x):
-        pmaptap.tap(x.sum(), "total", step=x[0].astype(int))
-        return x + 1
-
-    s = pmaptap.Session(os.environ["TAP"], run="locked", max_pending=4, lock_timeout=0.1,
-                        flush_timeout=2, close_timeout=2)
-    s.open()
-    x = jnp.zeros(4)
-    for i in range(30):
-        x = step(x)
-    jax.block_until_ready(x)
-    t0 = time.monotonic()
-    try:
-        s.flush()
-        print("flush returned", flush=True)
-    except pmaptap.TapError as e:
-        print(f"flush raised after {time.monotonic() - t0:.1f}s: {e}", flush=True)
-    print("end of script", flush=True)
-"""
-
 
 def test_a_lock_held_by_another_process_bounds_flush_and_exit(tmp_path) -> None:
     tap = str(tmp_path / "t.jsonl")
     holder = start_python(_HOLDER, devices=1, stdin=True, TAP=tap)
     try:
         assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
-        p = start_python(_LOCKED, TAP=tap)
-        try:
-            out, err = p.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            raise AssertionError("flush() or the exit hung on the held lock") from None
+        out, err = _ended(start_python(_STUCK, TAP=tap, FLUSH="2", CLOSE="2"), "the held lock")
     finally:
         holder.kill()
         holder.communicate()
-    assert p.returncode == 0, err[-3000:]
-    (raised,) = [line for line in out.splitlines() if line.startswith("flush raised")]
-    assert "timed out" in raised and float(raised.split()[3][:-2]) < 2.0 + 1.5, raised
+    assert "timed out" in _flush_raised(out, 2.0 + 1.5)
     assert "were not written before close" in err, err[-3000:]
     assert os.path.getsize(tap) == 0
 
