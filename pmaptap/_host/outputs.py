@@ -51,6 +51,11 @@ from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._host import shards as shard_host
 from pmaptap._log import log
 
+# How long shutdown() waits for the drain thread to end once told to: it
+# ends after the payload in its hands (a pipeline that is closing refuses
+# payloads at once, and the console takes them without waiting).
+STOP_GRACE_S = 2.0
+
 
 @dataclasses.dataclass
 class _Step:
@@ -76,6 +81,11 @@ class Drain:
         self._submitted = 0
         self._done = 0
         self._thread: threading.Thread | None = None
+        # Set by shutdown(): the thread leaves what it has not delivered and
+        # ends, so that no pmaptap thread reads a jax.Array while the
+        # interpreter and XLA shut down.
+        self._stop = threading.Event()
+        self._abandoned = 0  # steps left part-way by shutdown()
         self._slow_said = False
         self._plans: dict[int, tuple[tuple[Node, ...], list[Site], frozenset]] = {}
 
@@ -112,6 +122,7 @@ class Drain:
             self._submitted += 1
             self._queue.append(_Step(tuple(nodes), list(arrays), shards, nbytes, self._submitted))
             self._in_flight += nbytes
+            self._stop.clear()  # a step after shutdown (a late exit handler's)
             self._ensure_thread()
             self._cv.notify_all()
 
@@ -122,26 +133,59 @@ class Drain:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every step submitted before this call was delivered
-        (False after ``timeout`` seconds)."""
+        (False after ``timeout`` seconds, or at once after shutdown() left
+        steps undelivered)."""
         with self._cv:
             target = self._submitted
-            return self._cv.wait_for(lambda: self._done >= target, timeout)
+            return (
+                self._cv.wait_for(lambda: self._done >= target or self._stop.is_set(), timeout)
+                and self._done >= target
+            )
+
+    def undelivered(self) -> int:
+        """Steps submitted and not yet delivered to the pipeline."""
+        with self._cv:
+            return self._submitted - self._done
+
+    def shutdown(self, timeout: float) -> int:
+        """At exit: wait up to ``timeout`` seconds for every submitted step
+        to be delivered, then end the thread (it leaves the steps it has not
+        delivered, and releases their arrays) and join it, a few seconds at
+        most. Returns the number of steps left undelivered."""
+        self.wait(timeout)
+        with self._cv:
+            self._stop.set()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STOP_GRACE_S)
+        with self._cv:
+            left, self._abandoned = self._submitted - self._done + self._abandoned, 0
+            if thread is None or not thread.is_alive():
+                # Nobody reads them now: let their arrays go before JAX's
+                # own exit handlers tear the backends down.
+                self._queue.clear()
+                self._in_flight = 0
+                self._done = self._submitted
+            return left
 
     # ------------------------------------------------ the drain thread
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
-                    if not self._cv.wait(30.0):
-                        if not self._queue:
+                while not self._queue or self._stop.is_set():
+                    if self._stop.is_set() or not self._cv.wait(30.0):
+                        if self._stop.is_set() or not self._queue:
                             self._thread = None
                             return
                 step = self._queue[0]
+            left = False
             try:
-                self._deliver(step)
+                left = not self._deliver(step)  # stopped part-way: shutdown() counts it
             except BaseException as e:  # noqa: BLE001 - reported at flush, never lost silently
                 self._report(e, "pmaptap.jit outputs")
             with self._cv:
+                self._abandoned += left
                 self._queue.popleft()
                 self._in_flight -= step.nbytes
                 self._done = step.seq
@@ -170,7 +214,9 @@ class Drain:
             self._plans[id(nodes)] = plan
         return plan
 
-    def _deliver(self, step: _Step) -> None:
+    def _deliver(self, step: _Step) -> bool:
+        """Hand every payload of ``step`` over; False if shutdown() stopped
+        it part-way."""
         _, ss, _ = self._plan(step.nodes)
         views: dict[int, list[_View]] = {}
         i = 0
@@ -185,7 +231,10 @@ class Drain:
             views[id(s)] = vs
         for site, index in _executions(step.nodes, ()):
             for spec, payload in _payloads(site, views[id(site)], index):
+                if self._stop.is_set():
+                    return False
                 self._deliver_one(spec, payload, block=True)
+        return True
 
 
 def _start_copy(a: Any) -> None:
@@ -501,6 +550,18 @@ def wait(timeout: float | None = None) -> bool:
     ``timeout`` seconds)."""
     d = _drain
     return True if d is None else d.wait(timeout)
+
+
+def undelivered() -> int:
+    """Steps submitted and not yet delivered to the pipeline."""
+    d = _drain
+    return 0 if d is None else d.undelivered()
+
+
+def shutdown(timeout: float) -> int:
+    """See ``Drain.shutdown``; 0 where no step was ever submitted."""
+    d = _drain
+    return 0 if d is None else d.shutdown(timeout)
 
 
 def _after_fork_in_child() -> None:
