@@ -49,7 +49,6 @@ from pmaptap._common.shard_placement import ShardPlacement
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement, primitive
 from pmaptap._trace.fphash import fingerprint64
-from pmaptap._trace.placement import padding_mask as _padding_mask
 
 fingerprint_p = core.Primitive("pmaptap_fingerprint")
 fingerprint_p.multiple_results = True
@@ -250,6 +249,39 @@ def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replica
         sharding_rule=rule,
     )
     return per_device
+
+
+def _padding_mask(sharding, shape: tuple[int, ...]):
+    """For an uneven sharding (XLA pads the last tiles), a function of the
+    local block's shape giving the elements that lie inside the array, from
+    this device's position on the mesh axes that split each dimension; None
+    when every tile is whole (or the sharding names no mesh axes)."""
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return None
+    dims, uneven = [], False
+    for d, size in enumerate(shape):
+        axes = spec[d] if d < len(spec) else None
+        axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        parts = math.prod(int(mesh.shape[a]) for a in axes)
+        uneven |= parts > 1 and size % parts != 0
+        dims.append((axes, parts, -(-size // parts) if parts else size))
+    if not uneven:
+        return None
+
+    def mask(block_shape):
+        valid = jnp.ones(block_shape, jnp.bool_)
+        for d, (axes, parts, tile) in enumerate(dims):
+            if parts <= 1:
+                continue
+            k = jnp.int32(0)
+            for a in axes:
+                k = k * int(mesh.shape[a]) + lax.axis_index(a)
+            at = lax.broadcasted_iota(jnp.int32, block_shape, d) + k * tile
+            valid = valid & (at < shape[d])
+        return valid
+
+    return mask
 
 
 # cacheable=False: the rule needs the caller's name stack.

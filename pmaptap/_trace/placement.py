@@ -12,16 +12,14 @@ device is reported as unknown (``None``), never guessed from ``jax.devices()``.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from pmaptap._common.shard_placement import PARTITION_AXIS
 from pmaptap._common.spec import Placement
 
 # The trace-time proof that a value is the same on every device (what a
@@ -303,23 +301,32 @@ def partition_ids(ctx, devices: tuple):
     ``devices[k]``. This is how each callback learns its device exactly
     (XLA's partition-id cannot be used outside manual regions). Returns
     (ir value, its aval)."""
-    from jax._src import config, core
+    import jax.numpy as jnp
+    from jax._src import core
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir.dialects import hlo
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     n = len(devices)
     aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
     (ty,) = _ir_types(ctx, aval)
     iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
-    sharding = NamedSharding(
-        Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec("_pmaptap_partition")
-    )
+    return split_rows(ctx, iota, aval, devices), aval
+
+
+def split_rows(ctx, value, aval, devices: tuple):
+    """``value`` constrained to hold row k (of its first axis, one row per
+    device) on ``devices[k]``, its other axes whole."""
+    from jax._src import config
+    from jax._src.interpreters import mlir
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec(PARTITION_AXIS))
+    rank = len(aval.shape)
     if config.use_shardy_partitioner.value:
-        proto = sharding._to_sdy_sharding(1)
+        proto = sharding._to_sdy_sharding(rank)
     else:
-        proto = sharding._to_xla_hlo_sharding(1).to_proto()
-    return mlir.wrap_with_sharding_op(ctx, iota, aval, proto), aval
+        proto = sharding._to_xla_hlo_sharding(rank).to_proto()
+    return mlir.wrap_with_sharding_op(ctx, value, aval, proto)
 
 
 def replicated(ctx, value, aval, devices: tuple):
@@ -332,45 +339,12 @@ def replicated(ctx, value, aval, devices: tuple):
     from jax._src.interpreters import mlir
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec())
+    sharding = NamedSharding(Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec())
     if config.use_shardy_partitioner.value:
         proto = sharding._to_sdy_sharding(len(aval.shape))
     else:
         proto = sharding._to_xla_hlo_sharding(len(aval.shape)).to_proto()
     return mlir.wrap_with_sharding_op(ctx, value, aval, proto)
-
-
-def padding_mask(sharding, shape: tuple[int, ...]):
-    """For an uneven sharding (XLA pads the last tiles), a function of the
-    local block's shape giving the elements that lie inside the array, from
-    this device's position on the mesh axes that split each dimension; None
-    when every tile is whole (or the sharding names no mesh axes)."""
-    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
-    if spec is None or mesh is None:
-        return None
-    dims, uneven = [], False
-    for d, size in enumerate(shape):
-        axes = spec[d] if d < len(spec) else None
-        axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-        parts = math.prod(int(mesh.shape[a]) for a in axes)
-        uneven |= parts > 1 and size % parts != 0
-        dims.append((axes, parts, -(-size // parts) if parts else size))
-    if not uneven:
-        return None
-
-    def mask(block_shape):
-        valid = jnp.ones(block_shape, jnp.bool_)
-        for d, (axes, parts, tile) in enumerate(dims):
-            if parts <= 1:
-                continue
-            k = jnp.int32(0)
-            for a in axes:
-                k = k * int(mesh.shape[a]) + lax.axis_index(a)
-            at = lax.broadcasted_iota(jnp.int32, block_shape, d) + k * tile
-            valid = valid & (at < shape[d])
-        return valid
-
-    return mask
 
 
 def check_shard_internals() -> None:

@@ -91,9 +91,11 @@ def _whole(device: Any, aval: core.ShapedArray, batch_dims: int):
 def _per_partition(devices: tuple, aval: core.ShapedArray, batch_dims: int, replicated: bool):
     """The function lowered in place of the rows on a partitioned
     computation: one ``custom_partitioning`` call (see the module
-    docstring). ``replicated``: every device ends up with every row."""
+    docstring). ``replicated``: every device ends up with every row (on the
+    operand's mesh, so that the table's sharding names its axes), else each
+    device holds its own, row k on ``devices[k]``."""
     n, shape = len(devices), tuple(int(s) for s in aval.shape)
-    lead = shape[:batch_dims]
+    lead, rank = shape[:batch_dims], len(shape)
 
     @custom_partitioning
     def rows(x):
@@ -101,42 +103,54 @@ def _per_partition(devices: tuple, aval: core.ShapedArray, batch_dims: int, repl
         # statistics of the whole value in rows that name no device (which
         # the host refuses); a device table would be a constant, which this
         # function may not close over.
-        stats = _row(jnp.zeros(STATS_HEAD + 3 * len(shape), jnp.uint32), _statistics(x, None, batch_dims), lead)
-        return jnp.broadcast_to(stats, (n, stats.size))
+        head = jnp.zeros(STATS_HEAD + 3 * rank, jnp.uint32)
+        row = _row(head, _statistics(x, None, batch_dims), lead)
+        return jnp.broadcast_to(row, (n, row.size))
+
+    def _mesh(mesh):
+        if not replicated or mesh.empty or math.prod(mesh.shape.values()) != n:
+            return Mesh(np.array(devices), (PARTITION_AXIS,))
+        return mesh
 
     def partition(mesh, arg_shapes, result_shape):
         sharding = arg_shapes[0].sharding
-        if mesh.empty or math.prod(mesh.shape.values()) != n:
-            mesh = Mesh(np.array(devices), (PARTITION_AXIS,))
+        mesh = _mesh(mesh)
         axes = tuple(mesh.axis_names)
         try:
             slices = _slices_by_device(sharding, shape)
         except Exception:  # noqa: BLE001 - unknown slices stay unknown (null index)
             slices = {}
-        # Row-major over the mesh axes: what lax.axis_index below computes.
+        # Row-major over the mesh axes: the position lax.axis_index gives below.
         heads = np.stack([_head(d, slices.get(d.id), shape) for d in mesh.devices.flat])
-        mask = placement.padding_mask(sharding, shape)
 
         def lower(block):
             k = jnp.int32(0)
             for a in axes:
                 k = k * int(mesh.shape[a]) + lax.axis_index(a)
-            valid = None if mask is None else mask(block.shape)
-            row = _row(jnp.asarray(heads)[k], _statistics(block, valid, batch_dims), lead)[None]
+            head = jnp.asarray(heads)[k]
+            # An uneven sharding pads the last tiles: only the elements
+            # inside this device's slice count.
+            at = STATS_HEAD + rank
+            valid = jnp.ones(block.shape, jnp.bool_)
+            for d in range(rank):
+                extent = (head[at + 2 * d + 1] - head[at + 2 * d]).astype(jnp.int32)
+                valid &= lax.broadcasted_iota(jnp.int32, block.shape, d) < extent
+            valid = jnp.where(head[1] > 0, valid, True)  # slice unknown: all of it
+            row = _row(head, _statistics(block, valid, batch_dims), lead)[None]
             return lax.all_gather(row, axes, axis=0, tiled=True) if replicated else row
 
-        out = NamedSharding(mesh, PartitionSpec() if replicated else PartitionSpec(axes))
-        return mesh, lower, out, (sharding,)
+        return mesh, lower, _out(mesh), (sharding,)
 
-    def infer(mesh, arg_shapes, result_shape):  # GSPMD's propagation
-        if mesh.empty:
-            mesh = Mesh(np.array(devices), (PARTITION_AXIS,))
+    def _out(mesh):
         axes = tuple(mesh.axis_names)
         return NamedSharding(mesh, PartitionSpec() if replicated else PartitionSpec(axes))
 
+    def infer(mesh, arg_shapes, result_shape):  # GSPMD's propagation
+        return _out(_mesh(mesh))
+
     # Shardy: the operand's dimensions reduce into the rows, so the rule
     # never asks the operand to change its sharding.
-    factors = tuple(f"d{i}" for i in range(len(shape)))
+    factors = tuple(f"d{i}" for i in range(rank))
     rows.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
@@ -165,6 +179,10 @@ def lower_rows(ctx, x, aval: core.ShapedArray, batch_dims: int, *, replicated: b
     rows_aval = core.ShapedArray((n, statistics_row_width(shape, batch_dims)), jnp.dtype(jnp.uint32))
     sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[rows_aval])
     (rows,) = mlir.lower_fun(fn, multiple_results=False)(sub, x)
+    if where is not None and not replicated:
+        # Each device keeps its own row (a consumer such as the partitioned
+        # callback would otherwise get them all-gathered).
+        rows = placement.split_rows(ctx, rows, rows_aval, tuple(where[0]))
     return rows, rows_aval
 
 
