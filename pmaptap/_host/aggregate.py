@@ -189,7 +189,9 @@ class Aggregator(RecordFactory):
         if site.dedup == "per_device":
             # Nothing to compare: the shard's record now, without waiting
             # for the step's other shards.
-            return [self._per_device_record_of_shard_now(spec, step, k, index, leaves, as_statistics)]
+            return [
+                self._per_device_record_of_shard_now(spec, step, k, index, leaves, as_statistics)
+            ]
         copy = Copy(
             spec,
             (k,),

@@ -443,9 +443,7 @@ def _on_device(site: Site, dev: int) -> TapSpec:
     return spec
 
 
-def _bound(
-    site: Site, leaf_views: list, lead: int, tables: dict
-) -> tuple[TapSpec, ShardPlacement]:
+def _bound(site: Site, leaf_views: list, lead: int, tables: dict) -> tuple[TapSpec, ShardPlacement]:
     """The spec bound to the ShardPlacement its outputs' shardings give (as
     the callback's lowering binds it), once per site and sharding; a leaf's
     slices by device from its statistics ``tables`` (read_statistics_rows)

@@ -24,7 +24,9 @@ import numpy as np
 from pmaptap._common.shard_placement import read_statistics_rows
 
 
-def shard_leaves(site: Any, place: Any, k: int, arrays: list[np.ndarray]) -> tuple[list, tuple, Any]:
+def shard_leaves(
+    site: Any, place: Any, k: int, arrays: list[np.ndarray]
+) -> tuple[list, tuple, Any]:
     """Partition ``k``'s leaves as the record writes them: its shards
     without XLA's padding, and in place of each leaf ``site.as_statistics``
     (a TapSite) marks, the statistics its device computed (a row of the

@@ -320,7 +320,9 @@ def split_rows(ctx, value, aval, devices: tuple):
     from jax._src.interpreters import mlir
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec(PARTITION_AXIS))
+    sharding = NamedSharding(
+        Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec(PARTITION_AXIS)
+    )
     rank = len(aval.shape)
     if config.use_shardy_partitioner.value:
         proto = sharding._to_sdy_sharding(rank)

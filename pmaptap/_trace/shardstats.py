@@ -51,6 +51,7 @@ from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._trace import placement
 from pmaptap._trace.stats import device_statistics
 
+
 def _statistics(block: jax.Array, valid: jax.Array | None, batch_dims: int) -> jax.Array:
     """float32[*batch, 8] of one block (stats.device_statistics per batch element)."""
     fn = device_statistics
@@ -176,7 +177,9 @@ def lower_rows(ctx, x, aval: core.ShapedArray, batch_dims: int, *, replicated: b
         devices = where[0]
         n, fn = len(devices), _per_partition(tuple(devices), aval, batch_dims, replicated)
     shape = tuple(int(s) for s in aval.shape)
-    rows_aval = core.ShapedArray((n, statistics_row_width(shape, batch_dims)), jnp.dtype(jnp.uint32))
+    rows_aval = core.ShapedArray(
+        (n, statistics_row_width(shape, batch_dims)), jnp.dtype(jnp.uint32)
+    )
     sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[rows_aval])
     (rows,) = mlir.lower_fun(fn, multiple_results=False)(sub, x)
     if where is not None and not replicated:

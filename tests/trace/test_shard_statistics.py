@@ -165,7 +165,9 @@ def test_both_transports_write_the_same_records(tmp_path):
     )
 
     def step(x):
-        y = jax.lax.with_sharding_constraint(x[:10, :9] * 3, NamedSharding(mesh, P("data", "model")))
+        y = jax.lax.with_sharding_constraint(
+            x[:10, :9] * 3, NamedSharding(mesh, P("data", "model"))
+        )
         pmaptap.tap(y, "act", dedup="auto")
         return jnp.sum(y)
 
