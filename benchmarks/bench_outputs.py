@@ -251,14 +251,14 @@ def run(
                 for o, f, b in zip(times["out"], times["floor"], times["base"])
                 if f > b
             )
+            spread = (
+                f" (rounds {per[0]:.2f}-{per[-1]:.2f})" if per else " (the floor added nothing)"
+            )
             stats_line = (
                 f"t. {stats_mib} MiB sharded activation's statistics ({ndev} devices): "
                 f"tap (outputs) / per-shard statistics returned by hand "
-                f"{paired(times, 'out', 'floor', 'base'):.2f}x "
-                f"(rounds {per[0]:.2f}-{per[-1]:.2f}), tap (callback) / by hand "
+                f"{paired(times, 'out', 'floor', 'base'):.2f}x{spread}, tap (callback) / by hand "
                 f"{paired(times, 'tap', 'floor', 'base'):.2f}x"
-                if per
-                else f"t. {stats_mib} MiB statistics: the floor added nothing"
             )
         rows.append(
             (
