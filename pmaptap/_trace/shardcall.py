@@ -80,8 +80,10 @@ def shard_call(
     - ``places`` a tuple of ``ShardPlacement`` (one per member, for a
       computation partitioned over several devices): ``(partition, coords,
       *steps, *leaves)``, one call per device with its own shard of each
-      per-shard member when any member is per-shard, else one call from
-      device 0 (partition 0) with the whole values;
+      per-shard member (a leaf marked in ``as_statistics``: the device's
+      row of its shard's statistics, shardstats.py) when any member is
+      per-shard, else one call from device 0 (partition 0) with the whole
+      values;
     - ``places`` None (one device, inside shard_map/pmap, eager):
       ``(coords, *steps, *leaves)`` once, the leaves marked in
       ``as_statistics`` as their on-device statistics.
