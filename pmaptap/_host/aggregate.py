@@ -223,18 +223,19 @@ class Aggregator(RecordFactory):
             return self._refuse(site.name, step)
         if place.padding(k):
             return []  # an uneven sharding's padding tile: no element of the value
-        raw = place.crop(k, list(arrays[3:]))
         device = place.devices[k]
         if not site.explicit_step:
             # Counted per device: each device runs every execution once, in order.
             step = self._count((site.name, site.pass_, device))
             if step % site.every:
                 return []
-        leaves, as_statistics = shard_host.statistics_of_leaves(site, raw)
+        leaves, as_statistics, index = shard_host.shard_leaves(site, place, k, list(arrays[3:]))
         if site.dedup == "per_device":
             # Nothing to compare: the shard's record now, without waiting
             # for the step's other shards.
-            return [self._per_device_record_of_shard_now(spec, step, k, raw, leaves, as_statistics)]
+            return [
+                self._per_device_record_of_shard_now(spec, step, k, index, leaves, as_statistics)
+            ]
         copy = Copy(
             spec,
             (k,),
@@ -245,7 +246,7 @@ class Aggregator(RecordFactory):
             # for a key (a 2 MiB activation is two 2 MiB copies a step).
             b"" if site.dedup == "per_device" else value_key(leaves),
             partition=k,
-            index=place.index_of(k, raw),
+            index=index,
             slice_key=tuple(place.holders(k)),
             as_statistics=as_statistics,
         )

@@ -46,9 +46,13 @@ import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec, lowered
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site, sites
-from pmaptap._common.shard_placement import ShardPlacement, _slices_by_device
+from pmaptap._common.shard_placement import (
+    PARTITION_AXIS,
+    ShardPlacement,
+    _slices_by_device,
+    read_statistics_rows,
+)
 from pmaptap._common.spec import Layout, TapSpec
-from pmaptap._host import shards as shard_host
 from pmaptap._log import log
 
 # How long shutdown() waits for the drain thread to end once told to: it
@@ -205,6 +209,7 @@ class Drain:
                             s.where == SHARDS
                             and j >= 3
                             and s.spec.transport.layout is Layout.SHARDS
+                            and not _summary(s.spec, j - 3)
                         ):
                             per_shard.add(i)
                         i += 1
@@ -235,6 +240,18 @@ class Drain:
                     return False
                 self._deliver_one(spec, payload, block=True)
         return True
+
+
+def _summary(spec: Any, j: int) -> bool:
+    """Whether leaf ``j`` of a plain-jit tap travels as the table of its
+    shards' statistics (_trace/shardstats.py: ``lifted``)."""
+    marks = getattr(getattr(spec, "site", None), "as_statistics", ())
+    return (
+        bool(marks)
+        and j < len(marks)
+        and marks[j] is not None
+        and spec.transport.layout is Layout.SHARDS
+    )
 
 
 def _start_copy(a: Any) -> None:
@@ -365,16 +382,22 @@ def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple
         yield spec, (coords, step) + leaves
         return
     devices = traced[0].array.sharding.device_set
+    # Leaves above max_value_bytes: the table of their shards' statistics,
+    # computed on the devices (_trace/shardstats.py).
+    tables = {
+        j: read_statistics_rows(operand(3 + j, lead), spec.site.batch_dims)
+        for j in range(len(leaf_views))
+        if _summary(spec, j)
+    }
     if len(devices) == 1:
-        # One device: its whole value, named (the callback cannot say which);
-        # leaves above max_value_bytes as their statistics, computed in the
-        # step on a one-device job (tap.py), here where other devices exist.
-        leaves = [operand(j, lead) for j in range(3, len(views))]
-        if not spec.transport.summarized:
-            leaves, _ = shard_host.statistics_of_leaves(spec.site, leaves)
+        # One device: its whole value, named (the callback cannot say which).
+        leaves = [
+            next(iter(tables[j - 3][1].values()))[1] if j - 3 in tables else operand(j, lead)
+            for j in range(3, len(views))
+        ]
         yield _on_device(site, next(iter(devices)).id), (coords, step, *leaves)
         return
-    bound, place = _bound(site, leaf_views, len(loops))
+    bound, place = _bound(site, leaf_views, len(loops), tables)
     if spec.transport.layout is Layout.WHOLE:
         if place.processes[0] != place.me:
             return  # partition 0's copy is read, on the process that holds it
@@ -469,10 +492,17 @@ def _on_device(site: Site, dev: int) -> TapSpec:
     return spec
 
 
-def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlacement]:
+def _bound(site: Site, leaf_views: list, lead: int, tables: dict) -> tuple[TapSpec, ShardPlacement]:
     """The spec bound to the ShardPlacement its outputs' shardings give (as
-    the callback's lowering binds it), once per site and sharding."""
-    shardings = tuple(None if v is None else v.array.sharding for v in leaf_views)
+    the callback's lowering binds it), once per site and sharding; a leaf's
+    slices by device from its statistics ``tables`` (read_statistics_rows)
+    where its statistics came instead."""
+    shardings = tuple(
+        (j, tables[j][0], tuple((d, i) for d, (i, _) in sorted(tables[j][1].items())))
+        if j in tables
+        else (None if v is None else v.array.sharding)
+        for j, v in enumerate(leaf_views)
+    )
     made = _made.setdefault(site, {})
     hit = made.get(shardings)
     if hit is not None:
@@ -482,7 +512,11 @@ def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlace
     import jax  # already loaded: the outputs are jax.Arrays
 
     shapes = tuple(
-        tuple(int(n) for n in (np.shape(site.static[3 + j]) if v is None else v.array.shape[lead:]))
+        tables[j][0]
+        if j in tables
+        else tuple(
+            int(n) for n in (np.shape(site.static[3 + j]) if v is None else v.array.shape[lead:])
+        )
         for j, v in enumerate(leaf_views)
     )
     place = ShardPlacement(
@@ -494,6 +528,11 @@ def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlace
         me=jax.process_index(),
     )
     for j, v in enumerate(leaf_views):
+        if j in tables:
+            rows = tables[j][1]
+            slices = [rows.get(d, (None,))[0] for d in place.devices]
+            place.slices[j] = None if any(i is None for i in slices) else tuple(slices)
+            continue
         if v is None:
             # Known where the step was traced (an empty array, a constant):
             # not an output, and every device holds the whole of it, as the
@@ -517,7 +556,11 @@ def _device_order(sharding: Any) -> tuple[tuple, tuple[str, ...], tuple[int, ...
     assignment, with no mesh (records then carry no coordinates)."""
     mesh = getattr(sharding, "mesh", None)
     devs = getattr(mesh, "devices", None)
-    if devs is not None and getattr(devs, "size", 0) == len(sharding.device_set):
+    if (
+        devs is not None
+        and getattr(devs, "size", 0) == len(sharding.device_set)
+        and tuple(mesh.axis_names) != (PARTITION_AXIS,)
+    ):
         names = tuple(str(n) for n in mesh.axis_names)
         return tuple(devs.flat), names, tuple(int(s) for s in devs.shape)
     order = getattr(sharding, "_device_assignment", None)

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pmaptap._common.shard_placement import PARTITION_AXIS
 from pmaptap._common.spec import Placement
 from pmaptap._trace.invariant import proven_invariant as proven_invariant
 from pmaptap._trace.invariant import same_as as same_as
@@ -288,23 +289,33 @@ def partition_ids(ctx, devices: tuple):
     (XLA's partition-id cannot be used outside manual regions). Returns
     (ir value, its aval)."""
     import jax.numpy as jnp
-    from jax._src import config, core
+    from jax._src import core
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir.dialects import hlo
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     n = len(devices)
     aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
     (ty,) = _ir_types(ctx, aval)
     iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
+    return split_rows(ctx, iota, aval, devices), aval
+
+
+def split_rows(ctx, value, aval, devices: tuple):
+    """``value`` constrained to hold row k (of its first axis, one row per
+    device) on ``devices[k]``, its other axes whole."""
+    from jax._src import config
+    from jax._src.interpreters import mlir
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
     sharding = NamedSharding(
-        Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec("_pmaptap_partition")
+        Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec(PARTITION_AXIS)
     )
+    rank = len(aval.shape)
     if config.use_shardy_partitioner.value:
-        proto = sharding._to_sdy_sharding(1)
+        proto = sharding._to_sdy_sharding(rank)
     else:
-        proto = sharding._to_xla_hlo_sharding(1).to_proto()
-    return mlir.wrap_with_sharding_op(ctx, iota, aval, proto), aval
+        proto = sharding._to_xla_hlo_sharding(rank).to_proto()
+    return mlir.wrap_with_sharding_op(ctx, value, aval, proto)
 
 
 def replicated(ctx, value, aval, devices: tuple):
@@ -317,7 +328,7 @@ def replicated(ctx, value, aval, devices: tuple):
     from jax._src.interpreters import mlir
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec())
+    sharding = NamedSharding(Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec())
     if config.use_shardy_partitioner.value:
         proto = sharding._to_sdy_sharding(len(aval.shape))
     else:

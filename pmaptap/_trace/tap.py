@@ -91,15 +91,10 @@ def _emit_leaves(
     pass_: str,
 ) -> None:
     jit = jit_layout(leaves)
-    # Per-shard taps only mark big leaves: statistics of a partitioned value
-    # would need an all-reduce, so their lowering decides (shardcall.py).
-    # The output transport has no lowering of its own: on a one-device job
-    # nothing is partitioned, so the statistics are computed here, in the
-    # step, and the big leaf never leaves the device (as under a callback).
-    summarized = jit is Layout.SHARDS and outputs.collecting() and jax.device_count() == 1
-    sent, as_statistics = statistics_of_big_leaves(
-        leaves, compute=jit is not Layout.SHARDS or summarized
-    )
+    # Per-shard taps only mark big leaves: which slice a device holds is
+    # known only when the step is lowered, so the statistics of each shard
+    # are computed there, on its device (shardstats.py).
+    sent, as_statistics = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
     where, raw_names = placement.current(leaves)
     loops = iteration.indices()
     site = TapSite(
@@ -114,7 +109,7 @@ def _emit_leaves(
     )
     spec = TapSpec(site=site, placement=where)
     if jit is not None:
-        spec = spec.with_transport(layout=jit, summarized=summarized and bool(as_statistics))
+        spec = spec.with_transport(layout=jit)
     coords = axis_coords(raw_names, loops)
     if traced_step is not None:
         step_arr = traced_step
