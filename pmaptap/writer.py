@@ -317,8 +317,8 @@ class Writer:
                 pass
 
     def _write_buffer(self, timeout: float | None) -> None:
-        """Write the buffer; retry a busy lock until ``timeout`` (0: one try,
-        and leave the records buffered for the next call)."""
+        """Write the buffer; retry a busy lock until ``timeout`` (0: one
+        try). A TapError if it is not written, the records still buffered."""
         if not self._buffer:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -326,14 +326,14 @@ class Writer:
             try:
                 self._sink.write(self._buffer)
                 break
-            except LockBusy:
+            except LockBusy as e:
                 self.lock_busy += 1
                 if deadline is not None and time.monotonic() >= deadline:
-                    if timeout == 0:
-                        return
+                    # Also for a timeout of 0 (flush_timeout=0 too: its
+                    # flush() and close() returned with nothing written).
                     raise TapError(
                         f"{self!r}: the lock stayed busy for "
-                        f"{timeout} s; {len(self._buffer)} records "
+                        f"{timeout:g} s ({e}); {len(self._buffer)} records "
                         "still buffered (flush() again)",
                         path=self.path,
                     ) from None

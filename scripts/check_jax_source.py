@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     line = [x for x in version.splitlines() if x.startswith("_version =")]
     print(f"JAX source: {line[0].split('=')[1].strip() if line else '?'}")
 
-    from pmaptap._trace import jax_support, placement
+    from pmaptap._trace import jax_support
 
     uses = jax_support.internal_uses()
     wanted = sorted(uses, key=lambda k: (k[0], k[1] or ""))
-    wanted += [(m, fn) for m, fn in placement._DIVERGENT_FLOW]
-    wanted += [(m, None) for m in placement._MESH_FRAME_MODULES]
+    wanted += [(m, fn) for m, fn in jax_support.DIVERGENT_FLOW]
+    wanted += [(m, None) for m in jax_support.MESH_FRAME_MODULES]
     cache: dict[str, set[str] | None] = {}
     missing = []
     for mod, attr in wanted:

@@ -74,29 +74,32 @@ class ShardPlacement:
         for (padding-only partitions are dropped on arrival)."""
         return sum(1 for k, p in enumerate(self.processes) if p == self.me and not self.padding(k))
 
-    def crop(self, k: int, leaves: list[np.ndarray]) -> list[np.ndarray]:
+    def crop(self, k: int, leaves: list[np.ndarray], skip: tuple = ()) -> list[np.ndarray]:
         """Partition ``k``'s shards without XLA's padding: under an uneven
         sharding a tile is padded to the size of the others, and only the
-        part inside the global shape is the value."""
+        part inside the global shape is the value. Leaves at a true position
+        of ``skip`` (statistics in place of the shard) are kept as they are."""
         out = []
-        for leaf, a in zip(self.slices, leaves):
-            if leaf is not None and np.ndim(a) == len(leaf[k]):
+        for j, (leaf, a) in enumerate(zip(self.slices, leaves)):
+            if leaf is not None and not (j < len(skip) and skip[j]) and np.ndim(a) == len(leaf[k]):
                 extent = tuple(max(0, b - s) for s, b in leaf[k])
                 if extent != np.shape(a) and all(e <= n for e, n in zip(extent, np.shape(a))):
                     a = a[tuple(slice(0, e) for e in extent)]
             out.append(a)
         return out
 
-    def index_of(self, k: int, leaves: list[np.ndarray]) -> list | None:
+    def index_of(self, k: int, leaves: list[np.ndarray], skip: tuple = ()) -> list | None:
         """The record's ``index`` for partition ``k``: [[start, stop], ...]
         for one leaf, a list of those for several; None when any leaf's slice
-        is unknown or does not match the shard that arrived."""
+        is unknown or does not match the shard that arrived (not compared
+        for a leaf at a true position of ``skip``: its statistics came)."""
         out = []
-        for leaf, a in zip(self.slices, leaves):
+        for j, (leaf, a) in enumerate(zip(self.slices, leaves)):
             if leaf is None:
                 return None
             idx = leaf[k]
-            if tuple(b - s for s, b in idx) != tuple(np.shape(a)):
+            summary = j < len(skip) and skip[j]
+            if not summary and tuple(b - s for s, b in idx) != tuple(np.shape(a)):
                 return None
             out.append([[s, b] for s, b in idx])
         return out[0] if len(out) == 1 else out
@@ -149,3 +152,48 @@ def _slices_by_device(sharding: Any, shape: tuple[int, ...]) -> dict[int, Index]
             box.append((min(c * size, n), min((c + 1) * size, n)))
         out[d.id] = tuple(box)
     return out
+
+
+# --- a shard's statistics, as they leave the device that holds it
+# (_trace/shardstats.py): one uint32 row per partition,
+#   [device id + 1 (0: a row no device wrote), 1 if the slice is known,
+#    the leaf's rank r, its global shape (r words), the shard's global slice
+#    ((start, stop) per dimension), the bits of its float32[*batch, 8]
+#    statistics (tapfile.format.SUMMARY_FIELDS)]
+# with the batch axes at their global size (a shard whose batch axes are
+# split fills the leading corner).
+STATS_HEAD = 3
+# The mesh axis a per-shard op lowers over when the operand's sharding
+# names no mesh (placement.partition_ids, shardstats.py): no mesh axis of
+# the user's, so records show no coordinates for it.
+PARTITION_AXIS = "_pmaptap_partition"
+
+
+def statistics_row_width(shape: tuple[int, ...], batch_dims: int) -> int:
+    """The uint32 words of one partition's row for a leaf of ``shape``."""
+    return STATS_HEAD + 3 * len(shape) + 8 * int(np.prod(shape[:batch_dims], dtype=np.int64))
+
+
+def read_statistics_rows(
+    table: np.ndarray, batch_dims: int
+) -> tuple[tuple[int, ...], dict[int, tuple[Index | None, np.ndarray]]]:
+    """(the leaf's global shape, device id -> (its shard's global slice or
+    None, its statistics float32[*batch, 8], batch axes cut to the
+    shard's)) of the rows in ``table`` (uint32[rows, width], see above)."""
+    table = np.asarray(table, np.uint32)
+    shape: tuple[int, ...] = ()
+    out = {}
+    for row in table.reshape(-1, table.shape[-1]):
+        if not row[0]:
+            continue
+        rank = int(row[2])
+        shape = tuple(int(n) for n in row[STATS_HEAD : STATS_HEAD + rank])
+        at = STATS_HEAD + rank
+        box = row[at : at + 2 * rank].astype(np.int64).reshape(rank, 2)
+        index = tuple((int(a), int(b)) for a, b in box) if row[1] else None
+        stats = np.ascontiguousarray(row[at + 2 * rank :]).view(np.float32)
+        stats = stats.reshape(shape[:batch_dims] + (8,))
+        if index is not None and batch_dims:
+            stats = stats[tuple(slice(0, b - a) for a, b in index[:batch_dims])]
+        out[int(row[0]) - 1] = (index, stats)
+    return shape, out

@@ -41,7 +41,8 @@ class Layout(enum.Enum):
     # time (invariant.py): sent as VERIFIED_OFF, written as VERIFIED.
     PROVEN = "proven"
     # One callback per shard of a partitioned value under plain jit (see
-    # shardcall.py); statistics of big leaves, if any, made on the host per shard.
+    # shardcall.py); statistics of big leaves, if any, made per shard on its
+    # device (shardstats.py).
     SHARDS = "shards"
     # A tap of scalars under plain jit: replicated on every device of the
     # computation by construction. Its callback reads ONE copy, the first
@@ -74,6 +75,11 @@ class TapSite:
     # options().max_value_bytes whose statistics travel instead (see
     # stats.device_statistics); () when every leaf is sent whole.
     as_statistics: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
+    # Loops enclosing the tap (a scan / fori_loop / while_loop body, nested
+    # ones): their iteration indices, outermost first, travel after the
+    # device's mesh coordinates (_trace/iteration.py) and records carry them
+    # as "iteration". 0 outside any loop body.
+    iterations: int = 0
     # One per traced tap: what the aggregator keys its per-site tables on.
     tap_id: int = dataclasses.field(default_factory=next_tap_id)
 
@@ -133,10 +139,6 @@ class Transport:
     # per-device counter may differ): the leader layouts, which send the
     # leader's step with every copy, check on device first (layouts.py).
     check_steps: bool = False
-    # The leaves site.as_statistics marks already hold their statistics,
-    # computed in the step (the output transport on a one-device job, where
-    # no value is partitioned): the host does not summarize them again.
-    summarized: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

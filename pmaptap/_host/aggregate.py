@@ -30,6 +30,7 @@ from pmaptap._host.payload import (
     _Pending,
     _rows_identical,
     _step,
+    iteration_of,
     restore,
     unpack,
 )
@@ -67,6 +68,11 @@ class Aggregator(RecordFactory):
         self.group_timeout = group_timeout
         self.clock = clock
         self._counters: dict[tuple, int] = {}
+        # A looped tap's payload being added: its loop iteration (see
+        # add_payload), else None. Per automatic-step counter of a looped
+        # tap, the iterations seen in its current step (_count).
+        self._it: tuple | None = None
+        self._seen: dict[tuple, set] = {}
         # (name, step, pass) -> the copies awaiting comparison: record_key
         # (format.py) less what one aggregator shares (run, attempt) and what
         # the copies carry (a shard's index): the records do not exist yet.
@@ -90,9 +96,7 @@ class Aggregator(RecordFactory):
         if not spec.site.explicit_step:
             # Automatic step: the k-th execution of this tap name on this
             # device. Callbacks of one device arrive in execution order.
-            ckey = (spec.name, spec.site.pass_, t.counter_keys[k])
-            step = self._counters.get(ckey, 0)
-            self._counters[ckey] = step + 1
+            step = self._count((spec.name, spec.site.pass_, t.counter_keys[k]))
             if step % spec.site.every:
                 return []
         if spec.placement.local_copies == 1 and not self._pending:
@@ -113,7 +117,7 @@ class Aggregator(RecordFactory):
             return [self._replicated_record_of_holders(spec, int(step), [copy], False)]
         copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
         out: list[Record] = []
-        pkey = (spec.name, int(step), spec.site.pass_)
+        pkey = self._pkey(spec.name, int(step), spec.site.pass_)
         pending = self._pending.get(pkey)
         if pending is not None and any(
             cp.coords == c and cp.device == device for cp in pending.copies
@@ -141,6 +145,48 @@ class Aggregator(RecordFactory):
             return fingerprints.add(self, spec, arrays)  # pmaptap.fingerprint
         if isinstance(spec, GroupSpec):
             return self._add_group(spec, arrays)
+        if not spec.site.iterations:
+            return self._add_tap(spec, arrays)
+        # A tap in a loop body: its iteration travels after the mesh
+        # coordinates (_trace/iteration.py). It keys the copies compared
+        # (_pkey) and the automatic steps (_count), and every record made.
+        it = iteration_of(spec, arrays)
+        self._it = it
+        try:
+            out = self._add_tap(spec, arrays)
+        finally:
+            self._it = None
+        if it is not None:
+            Record.set_iteration(out, it)
+        return out
+
+    def _pkey(self, name: str, step: int, pass_: str) -> tuple:
+        """The key of one value's pending copies: (name, step, pass), and
+        the loop iteration of a looped tap's."""
+        if self._it is None:
+            return (name, step, pass_)
+        return (name, step, pass_, self._it)
+
+    def _count(self, ckey: tuple) -> int:
+        """The automatic step of one more execution counted by ``ckey``.
+        A looped tap's counts calls of the step, not iterations: its step
+        moves on when an iteration comes again (a new call of the loop),
+        whatever the loop's trip count or the iterations a ``cond`` skips."""
+        step = self._counters.get(ckey, 0)
+        it = self._it
+        if it is not None:
+            seen = self._seen.get(ckey)
+            if seen is not None and it not in seen and step > 0:
+                seen.add(it)
+                return step - 1
+            self._seen[ckey] = {it}
+        elif self._seen:
+            # A loop-free execution of the name ends its loop's step.
+            self._seen.pop(ckey, None)
+        self._counters[ckey] = step + 1
+        return step
+
+    def _add_tap(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
         if self.refuse_automatic_steps and not spec.site.explicit_step:
             name = spec.site.name
             self._automatic_refused[name] = self._automatic_refused.get(name, 0) + 1
@@ -177,20 +223,19 @@ class Aggregator(RecordFactory):
             return self._refuse(site.name, step)
         if place.padding(k):
             return []  # an uneven sharding's padding tile: no element of the value
-        raw = place.crop(k, list(arrays[3:]))
         device = place.devices[k]
         if not site.explicit_step:
             # Counted per device: each device runs every execution once, in order.
-            ckey = (site.name, site.pass_, device)
-            step = self._counters.get(ckey, 0)
-            self._counters[ckey] = step + 1
+            step = self._count((site.name, site.pass_, device))
             if step % site.every:
                 return []
-        leaves, as_statistics = shard_host.statistics_of_leaves(site, raw)
+        leaves, as_statistics, index = shard_host.shard_leaves(site, place, k, list(arrays[3:]))
         if site.dedup == "per_device":
             # Nothing to compare: the shard's record now, without waiting
             # for the step's other shards.
-            return [self._per_device_record_of_shard_now(spec, step, k, raw, leaves, as_statistics)]
+            return [
+                self._per_device_record_of_shard_now(spec, step, k, index, leaves, as_statistics)
+            ]
         copy = Copy(
             spec,
             (k,),
@@ -201,12 +246,12 @@ class Aggregator(RecordFactory):
             # for a key (a 2 MiB activation is two 2 MiB copies a step).
             b"" if site.dedup == "per_device" else value_key(leaves),
             partition=k,
-            index=place.index_of(k, raw),
+            index=index,
             slice_key=tuple(place.holders(k)),
             as_statistics=as_statistics,
         )
         out: list[Record] = []
-        pkey = (site.name, step, site.pass_)
+        pkey = self._pkey(site.name, step, site.pass_)
         pending = self._pending.get(pkey)
         if pending is not None and any(cp.device == device for cp in pending.copies):
             out += self._resolve(pkey, self._pending.pop(pkey))
@@ -232,9 +277,7 @@ class Aggregator(RecordFactory):
             return self._refuse(site.name, step)
         if not site.explicit_step:
             # One counter, as for any tap outside a mapping (see _Table).
-            ckey = (site.name, site.pass_, ())
-            step = self._counters.get(ckey, 0)
-            self._counters[ckey] = step + 1
+            step = self._count((site.name, site.pass_, ()))
             if step % site.every:
                 return []
         leaves = list(arrays[3:])
@@ -370,9 +413,15 @@ class Aggregator(RecordFactory):
             keys = t.auto_keys = [(spec.name, spec.site.pass_, t.counter_keys[k]) for k in t.local]
         if not keys:
             return 0
-        get = self._counters.get
-        now = [get(k, 0) for k in keys]
-        self._counters.update(zip(keys, [s + 1 for s in now]))
+        if self._it is not None:
+            now = [self._count(k) for k in keys]
+        else:
+            get = self._counters.get
+            now = [get(k, 0) for k in keys]
+            self._counters.update(zip(keys, [s + 1 for s in now]))
+            if self._seen:  # as in _count
+                for k in keys:
+                    self._seen.pop(k, None)
         step = now[0]
         return step if now.count(step) == len(now) else now
 
@@ -410,7 +459,7 @@ class Aggregator(RecordFactory):
             ck = value_key(row) if key is None else key
             copy = Copy(spec, t.coords[k], t.devices[k], t.processes[k], row, ck)
             out += self._add_pending(
-                (spec.name, step, spec.site.pass_), copy, spec.placement.local_copies
+                self._pkey(spec.name, step, spec.site.pass_), copy, spec.placement.local_copies
             )
         return out
 
@@ -446,7 +495,7 @@ class Aggregator(RecordFactory):
         # the same record(s), and the file-level index keeps one. Disagreeing
         # auto becomes per-device records: of this process's devices only.
         return self._resolve(
-            (spec.name, step, spec.site.pass_),
+            self._pkey(spec.name, step, spec.site.pass_),
             _Pending(self.clock(), copies),
             local={t.coords[k] for k in t.local},
         )
@@ -561,6 +610,14 @@ class Aggregator(RecordFactory):
         per-device records this process writes (None: all it received)."""
         if isinstance(pending.copies[0].spec, FingerprintSpec):
             return fingerprints.resolve(self, pkey, pending)
+        out = self._resolve_copies(pkey, pending, local)
+        if len(pkey) > 3:  # a looped tap's (_pkey), resolved at any time
+            Record.set_iteration(out, pkey[3])
+        return out
+
+    def _resolve_copies(
+        self, pkey: tuple, pending: _Pending, local: set | None = None
+    ) -> list[Record]:
         copies = sorted(pending.copies, key=lambda cp: cp.coords)
         spec = copies[0].spec
         step = pkey[1]

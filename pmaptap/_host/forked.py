@@ -43,11 +43,13 @@ import sys
 _inherited_runtime = False
 
 
-def effects_barrier() -> None:
+def effects_barrier(timeout: float | None = None) -> bool:
     """``jax.effects_barrier()``, except in a child forked after the runtime
-    started, where it would wait for the parent's computations."""
+    started, where it would wait for the parent's computations. Then the
+    wait for the steps of ``pmaptap.jit`` / ``pmaptap.pmap``, at most
+    ``timeout`` seconds: whether they were all delivered."""
     if _inherited_runtime:
-        return
+        return True
     import jax
 
     jax.effects_barrier()
@@ -55,8 +57,7 @@ def effects_barrier() -> None:
     # outputs, on the output transport's thread (outputs.py); looked up, not
     # imported: a process that never used it has nothing to wait for.
     outputs = sys.modules.get("pmaptap._host.outputs")
-    if outputs is not None:
-        outputs.wait()
+    return outputs is None or outputs.wait(timeout)
 
 
 def dispatched_tokens() -> list:

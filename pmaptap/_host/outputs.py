@@ -46,10 +46,19 @@ import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec, lowered
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site, sites
-from pmaptap._common.shard_placement import ShardPlacement, _slices_by_device
+from pmaptap._common.shard_placement import (
+    PARTITION_AXIS,
+    ShardPlacement,
+    _slices_by_device,
+    read_statistics_rows,
+)
 from pmaptap._common.spec import Layout, TapSpec
-from pmaptap._host import shards as shard_host
 from pmaptap._log import log
+
+# How long shutdown() waits for the drain thread to end once told to: it
+# ends after the payload in its hands (a pipeline that is closing refuses
+# payloads at once, and the console takes them without waiting).
+STOP_GRACE_S = 2.0
 
 
 @dataclasses.dataclass
@@ -76,6 +85,11 @@ class Drain:
         self._submitted = 0
         self._done = 0
         self._thread: threading.Thread | None = None
+        # Set by shutdown(): the thread leaves what it has not delivered and
+        # ends, so that no pmaptap thread reads a jax.Array while the
+        # interpreter and XLA shut down.
+        self._stop = threading.Event()
+        self._abandoned = 0  # steps left part-way by shutdown()
         self._slow_said = False
         self._plans: dict[int, tuple[tuple[Node, ...], list[Site], frozenset]] = {}
 
@@ -112,6 +126,7 @@ class Drain:
             self._submitted += 1
             self._queue.append(_Step(tuple(nodes), list(arrays), shards, nbytes, self._submitted))
             self._in_flight += nbytes
+            self._stop.clear()  # a step after shutdown (a late exit handler's)
             self._ensure_thread()
             self._cv.notify_all()
 
@@ -122,26 +137,59 @@ class Drain:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every step submitted before this call was delivered
-        (False after ``timeout`` seconds)."""
+        (False after ``timeout`` seconds, or at once after shutdown() left
+        steps undelivered)."""
         with self._cv:
             target = self._submitted
-            return self._cv.wait_for(lambda: self._done >= target, timeout)
+            return (
+                self._cv.wait_for(lambda: self._done >= target or self._stop.is_set(), timeout)
+                and self._done >= target
+            )
+
+    def undelivered(self) -> int:
+        """Steps submitted and not yet delivered to the pipeline."""
+        with self._cv:
+            return self._submitted - self._done
+
+    def shutdown(self, timeout: float) -> int:
+        """At exit: wait up to ``timeout`` seconds for every submitted step
+        to be delivered, then end the thread (it leaves the steps it has not
+        delivered, and releases their arrays) and join it, a few seconds at
+        most. Returns the number of steps left undelivered."""
+        self.wait(timeout)
+        with self._cv:
+            self._stop.set()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STOP_GRACE_S)
+        with self._cv:
+            left, self._abandoned = self._submitted - self._done + self._abandoned, 0
+            if thread is None or not thread.is_alive():
+                # Nobody reads them now: let their arrays go before JAX's
+                # own exit handlers tear the backends down.
+                self._queue.clear()
+                self._in_flight = 0
+                self._done = self._submitted
+            return left
 
     # ------------------------------------------------ the drain thread
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue:
-                    if not self._cv.wait(30.0):
-                        if not self._queue:
+                while not self._queue or self._stop.is_set():
+                    if self._stop.is_set() or not self._cv.wait(30.0):
+                        if self._stop.is_set() or not self._queue:
                             self._thread = None
                             return
                 step = self._queue[0]
+            left = False
             try:
-                self._deliver(step)
+                left = not self._deliver(step)  # stopped part-way: shutdown() counts it
             except BaseException as e:  # noqa: BLE001 - reported at flush, never lost silently
                 self._report(e, "pmaptap.jit outputs")
             with self._cv:
+                self._abandoned += left
                 self._queue.popleft()
                 self._in_flight -= step.nbytes
                 self._done = step.seq
@@ -161,6 +209,7 @@ class Drain:
                             s.where == SHARDS
                             and j >= 3
                             and s.spec.transport.layout is Layout.SHARDS
+                            and not _summary(s.spec, j - 3)
                         ):
                             per_shard.add(i)
                         i += 1
@@ -170,7 +219,9 @@ class Drain:
             self._plans[id(nodes)] = plan
         return plan
 
-    def _deliver(self, step: _Step) -> None:
+    def _deliver(self, step: _Step) -> bool:
+        """Hand every payload of ``step`` over; False if shutdown() stopped
+        it part-way."""
         _, ss, _ = self._plan(step.nodes)
         views: dict[int, list[_View]] = {}
         i = 0
@@ -185,7 +236,22 @@ class Drain:
             views[id(s)] = vs
         for site, index in _executions(step.nodes, ()):
             for spec, payload in _payloads(site, views[id(site)], index):
+                if self._stop.is_set():
+                    return False
                 self._deliver_one(spec, payload, block=True)
+        return True
+
+
+def _summary(spec: Any, j: int) -> bool:
+    """Whether leaf ``j`` of a plain-jit tap travels as the table of its
+    shards' statistics (_trace/shardstats.py: ``lifted``)."""
+    marks = getattr(getattr(spec, "site", None), "as_statistics", ())
+    return (
+        bool(marks)
+        and j < len(marks)
+        and marks[j] is not None
+        and spec.transport.layout is Layout.SHARDS
+    )
 
 
 def _start_copy(a: Any) -> None:
@@ -316,16 +382,22 @@ def _payloads(site: Site, views: list, loops: tuple[int, ...]) -> Iterator[tuple
         yield spec, (coords, step) + leaves
         return
     devices = traced[0].array.sharding.device_set
+    # Leaves above max_value_bytes: the table of their shards' statistics,
+    # computed on the devices (_trace/shardstats.py).
+    tables = {
+        j: read_statistics_rows(operand(3 + j, lead), spec.site.batch_dims)
+        for j in range(len(leaf_views))
+        if _summary(spec, j)
+    }
     if len(devices) == 1:
-        # One device: its whole value, named (the callback cannot say which);
-        # leaves above max_value_bytes as their statistics, computed in the
-        # step on a one-device job (tap.py), here where other devices exist.
-        leaves = [operand(j, lead) for j in range(3, len(views))]
-        if not spec.transport.summarized:
-            leaves, _ = shard_host.statistics_of_leaves(spec.site, leaves)
+        # One device: its whole value, named (the callback cannot say which).
+        leaves = [
+            next(iter(tables[j - 3][1].values()))[1] if j - 3 in tables else operand(j, lead)
+            for j in range(3, len(views))
+        ]
         yield _on_device(site, next(iter(devices)).id), (coords, step, *leaves)
         return
-    bound, place = _bound(site, leaf_views, len(loops))
+    bound, place = _bound(site, leaf_views, len(loops), tables)
     if spec.transport.layout is Layout.WHOLE:
         if place.processes[0] != place.me:
             return  # partition 0's copy is read, on the process that holds it
@@ -420,10 +492,17 @@ def _on_device(site: Site, dev: int) -> TapSpec:
     return spec
 
 
-def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlacement]:
+def _bound(site: Site, leaf_views: list, lead: int, tables: dict) -> tuple[TapSpec, ShardPlacement]:
     """The spec bound to the ShardPlacement its outputs' shardings give (as
-    the callback's lowering binds it), once per site and sharding."""
-    shardings = tuple(None if v is None else v.array.sharding for v in leaf_views)
+    the callback's lowering binds it), once per site and sharding; a leaf's
+    slices by device from its statistics ``tables`` (read_statistics_rows)
+    where its statistics came instead."""
+    shardings = tuple(
+        (j, tables[j][0], tuple((d, i) for d, (i, _) in sorted(tables[j][1].items())))
+        if j in tables
+        else (None if v is None else v.array.sharding)
+        for j, v in enumerate(leaf_views)
+    )
     made = _made.setdefault(site, {})
     hit = made.get(shardings)
     if hit is not None:
@@ -433,7 +512,11 @@ def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlace
     import jax  # already loaded: the outputs are jax.Arrays
 
     shapes = tuple(
-        tuple(int(n) for n in (np.shape(site.static[3 + j]) if v is None else v.array.shape[lead:]))
+        tables[j][0]
+        if j in tables
+        else tuple(
+            int(n) for n in (np.shape(site.static[3 + j]) if v is None else v.array.shape[lead:])
+        )
         for j, v in enumerate(leaf_views)
     )
     place = ShardPlacement(
@@ -445,6 +528,11 @@ def _bound(site: Site, leaf_views: list, lead: int) -> tuple[TapSpec, ShardPlace
         me=jax.process_index(),
     )
     for j, v in enumerate(leaf_views):
+        if j in tables:
+            rows = tables[j][1]
+            slices = [rows.get(d, (None,))[0] for d in place.devices]
+            place.slices[j] = None if any(i is None for i in slices) else tuple(slices)
+            continue
         if v is None:
             # Known where the step was traced (an empty array, a constant):
             # not an output, and every device holds the whole of it, as the
@@ -468,7 +556,11 @@ def _device_order(sharding: Any) -> tuple[tuple, tuple[str, ...], tuple[int, ...
     assignment, with no mesh (records then carry no coordinates)."""
     mesh = getattr(sharding, "mesh", None)
     devs = getattr(mesh, "devices", None)
-    if devs is not None and getattr(devs, "size", 0) == len(sharding.device_set):
+    if (
+        devs is not None
+        and getattr(devs, "size", 0) == len(sharding.device_set)
+        and tuple(mesh.axis_names) != (PARTITION_AXIS,)
+    ):
         names = tuple(str(n) for n in mesh.axis_names)
         return tuple(devs.flat), names, tuple(int(s) for s in devs.shape)
     order = getattr(sharding, "_device_assignment", None)
@@ -501,6 +593,18 @@ def wait(timeout: float | None = None) -> bool:
     ``timeout`` seconds)."""
     d = _drain
     return True if d is None else d.wait(timeout)
+
+
+def undelivered() -> int:
+    """Steps submitted and not yet delivered to the pipeline."""
+    d = _drain
+    return 0 if d is None else d.undelivered()
+
+
+def shutdown(timeout: float) -> int:
+    """See ``Drain.shutdown``; 0 where no step was ever submitted."""
+    d = _drain
+    return 0 if d is None else d.shutdown(timeout)
 
 
 def _after_fork_in_child() -> None:

@@ -100,3 +100,13 @@ def _step(a: np.ndarray) -> int:
     """A payload's step: a scalar, or a Python-int step >= 2**31 that
     travelled as its (high, low) uint32 halves (layouts.static_step_operand)."""
     return (int(a[0]) << 32) | int(a[1]) if a.shape == (2,) else int(a)
+
+
+def iteration_of(spec: TapSpec, arrays: list[np.ndarray]) -> tuple[int, ...] | None:
+    """A looped tap's loop iteration, outermost loop first: the last
+    ``spec.site.iterations`` of its coordinates (after a partitioned
+    payload's partition number). None if a loop left an index unset (-1,
+    _trace/iteration.py): no iteration is better than a wrong one."""
+    coords = np.asarray(arrays[1 if spec.shards is not None else 0]).reshape(-1)
+    it = tuple(int(v) for v in coords[len(coords) - spec.site.iterations :])
+    return None if any(v < 0 for v in it) else it

@@ -100,6 +100,10 @@ class Pipeline:
         )
         self.forward_replicated = forward_replicated
         self.abandoned = False
+        # Set by SIGTERM (a killed close, or one in progress when it came):
+        # the close's drain stops at its next failed write instead of
+        # retrying until close_timeout; a drain that writes goes on.
+        self.hurried = threading.Event()
         # Names counting their steps automatically that step outputs
         # delivered, those host callbacks delivered once some had, and those
         # said (see ingest).
@@ -208,8 +212,10 @@ class Pipeline:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not m.event.wait(left) or not m.failed:
                 return
-            if (give_up_on_error and self.errors) or (
-                deadline is not None and time.monotonic() >= deadline
+            if (
+                (give_up_on_error and self.errors)
+                or self.hurried.is_set()
+                or (deadline is not None and time.monotonic() >= deadline)
             ):
                 return
             time.sleep(self.retry_interval)
@@ -267,6 +273,8 @@ class Pipeline:
         not be written (they are counted in the message). Two threads may
         call it (the SIGTERM watcher, the main thread): one closes, the
         other waits for it and returns."""
+        if outcome == "killed":
+            self.hurried.set()
         with self._close_lock:
             if self.closed:
                 return

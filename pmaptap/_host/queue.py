@@ -138,25 +138,35 @@ class BoundedQueue:
         # Cleared when the aggregator thread ends for any reason: past the
         # bound, "block" would then wait forever, so it drops instead.
         self.aggregator_running = True
+        # The writer's last write failed (requeue) and none succeeded since
+        # (written): a blocking admit then follows the overflow policy.
+        self.writer_failing = False
 
     # ------------------------------------------------------ callback side
     def admit(self, item: Any, arrays: tuple[Any, ...], *, block: bool = False) -> bool:
         """Queue one payload ``(item, arrays)``. False once shut (the caller
         sends it elsewhere); True when queued, or dropped and counted.
-        ``block``: wait for room whatever the overflow policy (the output
-        transport's drain thread, whose waiting slows the loop's dispatch
-        instead of dropping values: _host/outputs.py)."""
+        ``block``: wait for room whatever the overflow policy while the
+        writer writes (the output transport's drain thread, whose waiting
+        slows the loop's dispatch instead of dropping values:
+        _host/outputs.py); the policy while its writes fail."""
         size = payload_bytes(arrays)
-        policy = "block" if block else self.overflow
         with self._lock:
             if not self.admitting:
                 return False
             self.offered += 1
             while self._over(size):
-                # A blocking admit (the output transport's drain) drops
-                # nothing, and the loop it slows says so itself
-                # (_host/outputs.py): no word of a policy not applied.
-                if not block and not self._bound_said and self._bound is None:
+                # A blocking admit (the output transport's drain) waits for
+                # the writer while it writes: it drops nothing, and the loop
+                # it slows says so itself (_host/outputs.py), so no word of a
+                # policy not applied. While the writer's writes fail (a full
+                # disk, a lock another process holds) room may never come:
+                # the session's policy applies to it as to a callback, so the
+                # drain, and every flush, close and exit waiting for it, never
+                # waits on the disk for ever.
+                waits = block and not self.writer_failing
+                policy = "block" if waits else self.overflow
+                if not waits and not self._bound_said and self._bound is None:
                     self._bound = self._which_bound(size)
                 if policy == "drop_newest" or not self.aggregator_running:
                     self.dropped += 1
@@ -371,9 +381,13 @@ class BoundedQueue:
         with self._lock:
             self._outbox.extendleft(reversed(batch))
             self._outbox_bytes += sum(b - RECORD_OVERHEAD for _, b in batch)
+            if not self.writer_failing:
+                self.writer_failing = True
+                self._space_cv.notify_all()  # a blocking admit: the policy now
 
     def written(self, batch: list[tuple[Record, int]]) -> None:
         with self._lock:
             self._items -= len(batch)
             self._bytes -= sum(b for _, b in batch)
+            self.writer_failing = False
             self._space_cv.notify_all()

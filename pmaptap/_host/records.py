@@ -319,7 +319,7 @@ class RecordFactory:
         spec: TapSpec,
         step: int,
         k: int,
-        raw: list[np.ndarray],
+        index: list | None,
         leaves: list[np.ndarray],
         as_statistics: tuple,
     ) -> Record:
@@ -345,7 +345,7 @@ class RecordFactory:
                     place.devices[k],
                     place.coords[k],
                     0.0,
-                    index=place.index_of(k, raw),
+                    index=index,
                 ).template(),
                 None,
             ]

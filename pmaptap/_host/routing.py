@@ -40,12 +40,20 @@ class Session(Protocol):
 
     def _abandon_after_fork(self) -> None: ...
 
+    def _close_at_exit(self) -> None: ...
+
 
 # Guards the creation of the console pipeline only; the callback path reads
 # ``_active`` without it (one reference read is atomic in Python).
 _console_lock = threading.Lock()
 _active: "Session | None" = None
 _console: "Pipeline | None" = None
+# Whether _outputs_at_exit is registered (at the first step of pmaptap.jit /
+# pmaptap.pmap).
+_exit_registered = False
+# At exit, how long the stderr printer waits for taps still on their way to
+# it and for its own writer.
+CONSOLE_EXIT_S = 10.0
 
 
 def active_session() -> "Session | None":
@@ -79,8 +87,8 @@ def _close_console(p: "Pipeline") -> None:
     if p.closed:
         return  # closed already, or inherited across fork (abandoned)
     try:
-        effects_barrier()
-        p.close(timeout=10.0)
+        effects_barrier(CONSOLE_EXIT_S)
+        p.close(timeout=CONSOLE_EXIT_S)
     except BaseException as e:  # noqa: BLE001
         log.error(f"[pmaptap] console output incomplete at exit: {e}")
 
@@ -127,7 +135,39 @@ def submit_outputs(nodes: Any, arrays: Any, max_bytes: int) -> None:
     """The output transport's seam (pmaptap.jit / pmaptap.pmap): one
     dispatched step's lifted taps, delivered by the drain thread through
     ``deliver`` (outputs.py)."""
+    global _exit_registered
+    if not _exit_registered:
+        with _console_lock:
+            if not _exit_registered:
+                # After `import jax` (the step ran): it runs before JAX's
+                # own exit handlers tear the backends down.
+                atexit.register(_outputs_at_exit)
+                _exit_registered = True
     outputs.submit(nodes, arrays, max_bytes, deliver, report)
+
+
+def _outputs_at_exit() -> None:
+    """Interpreter exit after steps of pmaptap.jit / pmaptap.pmap, in one
+    order whatever was registered when: the session still open is closed
+    (its close waits for the steps' taps, within its close_timeout); the
+    taps still on their way (to the stderr printer: no session, or its close
+    gave up) get CONSOLE_EXIT_S; then the drain thread ends and the printer
+    prints. Without this, the taps of the last steps, which no exit handler
+    waited for, were never printed, and the drain thread, still reading
+    their arrays while XLA shut down, aborted the process at times
+    ("FATAL: exception not rethrown")."""
+    s = _active
+    if s is not None:
+        s._close_at_exit()  # logs its own failure; never raises
+    left = outputs.shutdown(CONSOLE_EXIT_S)
+    if left:
+        log.error(
+            f"[pmaptap] {left} dispatched step(s) of pmaptap.jit / pmaptap.pmap "
+            f"taps had not reached pmaptap {CONSOLE_EXIT_S:g}s into the exit; "
+            "their records are not written"
+        )
+    if _console is not None:
+        _close_console(_console)
 
 
 def _after_fork_in_child() -> None:

@@ -285,10 +285,7 @@ class Session:
         """Return once every tap dispatched before this call is written by this
         process. Raises TapError for background failures since the last call."""
         p = self._require_open("flush")
-        if timeout == -1:
-            timeout = self.flush_timeout
-        effects_barrier()
-        p.flush(timeout)
+        _flush(p, self.flush_timeout if timeout == -1 else timeout)
 
     def _require_open(self, what: str) -> Pipeline:
         if self.pipeline is None or self.pipeline.closed:
@@ -328,10 +325,13 @@ class Session:
         try:
             if not p.closed:  # the SIGTERM watcher may have drained it
                 self._phase = "drain"
+                # One close_timeout for both waits: the steps' taps reaching
+                # the pipeline and the pipeline writing them (concurrent).
+                deadline = time.monotonic() + self.close_timeout
                 try:
-                    _effects_barrier(SIGTERM_WAIT_S if killed else None, p)
+                    _effects_barrier(SIGTERM_WAIT_S if killed else None, p, self.close_timeout)
                 finally:
-                    p.close(timeout=self.close_timeout, outcome=outcome)
+                    p.close(timeout=_left(deadline), outcome=outcome)
         finally:
             try:
                 self._phase = "barrier"
@@ -480,8 +480,12 @@ class Session:
             if self._phase == "drain":
                 # close() is writing the records on this very thread (the
                 # handler interrupted it): let it finish, then act on the
-                # signal.
+                # signal; a drain whose writes fail (a full disk, a lock
+                # another process holds) stops at its next failure instead
+                # of retrying for close_timeout.
                 self._sigterm_pending = True
+                if self.pipeline is not None:
+                    self.pipeline.hurried.set()
                 return
             # Waiting for peers ("barrier"): stop waiting, our records are
             # already written; so are, now, the values we left to peers that
@@ -521,8 +525,9 @@ class Session:
                 "another thread"
             )
             try:
-                _effects_barrier(SIGTERM_WAIT_S, p)
-                p.close(timeout=self.close_timeout, outcome="killed")
+                deadline = time.monotonic() + self.close_timeout
+                _effects_barrier(SIGTERM_WAIT_S, p, self.close_timeout)
+                p.close(timeout=_left(deadline), outcome="killed")
                 if getattr(p.sink, "held", None):
                     self._after_close(wait=False)  # values left to dead owners
             except BaseException as e:  # noqa: BLE001 - we are dying: say it
@@ -568,16 +573,25 @@ def _in_host_code(frame: Any) -> bool:
     return False
 
 
-def _effects_barrier(stall: float | None, pipeline: Pipeline | None = None) -> None:
-    """``effects_barrier()`` for the steps this thread dispatched; with
-    ``stall``, given up once no tap has arrived for ``stall`` seconds (None:
-    no bound). On SIGTERM a dispatched step may never finish (a collective
-    whose peer died): the wait runs on a daemon thread, on the tokens taken
-    from this thread (JAX keeps them per thread), and is left behind. Steps
-    still delivering taps (a loaded box) are waited for: they are finite,
-    nothing new is dispatched while the handler runs."""
+def _effects_barrier(stall: float | None, pipeline: Pipeline, limit: float) -> None:
+    """``effects_barrier()`` for the steps this thread dispatched, before a
+    close: the wait for the steps of ``pmaptap.jit`` / ``pmaptap.pmap`` (on
+    the output transport's thread) is given up after ``limit`` seconds
+    (their pipeline's writes failing under overflow="block", room never
+    comes); with ``stall``, the whole wait is also given up once no tap has
+    arrived for ``stall`` seconds. On SIGTERM a dispatched step may never
+    finish (a collective whose peer died): the wait runs on a daemon thread,
+    on the tokens taken from this thread (JAX keeps them per thread), and is
+    left behind. Steps still delivering taps (a loaded box) are waited for:
+    they are finite, nothing new is dispatched while the handler runs."""
     if stall is None:
-        effects_barrier()
+        # In slices: a SIGTERM during the close stops the wait (hurried).
+        deadline = time.monotonic() + limit
+        delivered = effects_barrier(0.0)
+        while not delivered and not pipeline.hurried.is_set() and _left(deadline):
+            delivered = outputs.wait(min(_left(deadline), 0.1))
+        if not delivered:
+            _said_undelivered(limit)
         return
     tokens = dispatched_tokens()
     done = threading.Event()
@@ -586,18 +600,52 @@ def _effects_barrier(stall: float | None, pipeline: Pipeline | None = None) -> N
         try:
             for t in tokens:
                 t.block_until_ready()
-            outputs.wait()  # taps leaving dispatched steps as outputs
+            outputs.wait(limit)  # taps leaving dispatched steps as outputs
         except BaseException:  # noqa: BLE001 - a failed step: nothing to wait for
             pass
         finally:
             done.set()
 
     threading.Thread(target=wait, daemon=True, name="pmaptap-effects-barrier").start()
-    if not _taps_quiet(pipeline, stall, None, done):
+    if not _taps_quiet(pipeline, stall, limit, done):
         log.warning(
             f"pmaptap: steps dispatched before SIGTERM delivered no tap for "
             f"{stall:g}s (a collective waiting for a dead process?); the taps "
             "of the steps that did not finish are not in the file"
+        )
+
+
+def _said_undelivered(limit: float) -> None:
+    log.warning(
+        f"pmaptap: {outputs.undelivered()} dispatched step(s) of pmaptap.jit / "
+        f"pmaptap.pmap taps had not reached the session when its close stopped "
+        f"waiting for them (close_timeout={limit:g}s, or SIGTERM; its writes "
+        "fail, and overflow='block' keeps them waiting for room); what reaches "
+        "pmaptap after the close is printed on stderr"
+    )
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _flush(p: Pipeline, timeout: float | None) -> None:
+    """Every tap dispatched so far written by ``p`` within one ``timeout``
+    (None: no bound): the steps of ``pmaptap.jit`` / ``pmaptap.pmap``
+    delivered, then the pipeline flushed; its errors are raised first (the
+    cause), then a TapError if some steps were not delivered in time."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delivered = effects_barrier(timeout)
+    p.flush(_left(deadline))
+    if not delivered:
+        raise TapError(
+            f"pmaptap flush timed out after {timeout:g}s with "
+            f"{outputs.undelivered()} dispatched step(s) of pmaptap.jit / "
+            "pmaptap.pmap taps not yet handed to the pipeline (its queue is "
+            "full and takes nothing: overflow='block' with writes that fail?). "
+            "They stay queued and are delivered once there is room.",
+            path=getattr(p.sink, "path", None),
         )
 
 
@@ -640,5 +688,4 @@ def flush(timeout: float | None = -1) -> None:
     if s is not None:
         s.flush(timeout)
         return
-    effects_barrier()
-    routing.console().flush(None if timeout == -1 else timeout)
+    _flush(routing.console(), None if timeout == -1 else timeout)

@@ -26,11 +26,14 @@ from pmaptap._trace.placement import every_due
 from pmaptap._trace.primitive import eager
 
 
-def axis_coords(axis_names: Sequence) -> jax.Array:
-    """This device's coordinate along each manual axis (int32 vector)."""
-    if not axis_names:
+def axis_coords(axis_names: Sequence, loops: Sequence = ()) -> jax.Array:
+    """This device's coordinate along each manual axis, then the index of
+    each enclosing loop's iteration, outermost first (iteration.indices;
+    ``TapSite.iterations`` says how many): an int32 vector."""
+    parts = [lax.axis_index(n).astype(jnp.int32) for n in axis_names] + list(loops)
+    if not parts:
         return jnp.zeros((0,), jnp.int32)
-    return jnp.stack([lax.axis_index(n).astype(jnp.int32) for n in axis_names])
+    return jnp.stack(parts)
 
 
 def emit(

@@ -4,12 +4,13 @@ pmaptap reads some of JAX's internals (``jax._src``: the primitives' lowering,
 the trace-end hook, the concrete mesh, the coordination client). What that
 means for a JAX version (docs/contributing.md#jax-versions):
 
-- ``TESTED``: the minor releases the whole suite passes on
-  (``scripts/test_jax_versions.sh`` runs it on each; CI on the newest);
-- ``CHECKED``: releases whose source was checked statically: every
-  ``jax._src`` module and attribute of the inventory below exists there,
-  behaviour untested. pyproject does not admit them (it admits ``TESTED``
-  only), so they are met only where a user installs one anyway;
+- ``TESTED``: the minor releases the whole suite passes on (CI runs it on
+  the pins' newest for Python 3.11 and on the newest JAX in a Python 3.13
+  root, ``scripts/newest_jax.sh``; older ones by hand);
+- ``CHECKED``: releases whose source was only checked statically
+  (``scripts/check_jax_source.py``: every ``jax._src`` module and attribute
+  of the inventory below exists there, behaviour untested): a step before
+  ``TESTED``, empty while every release pyproject admits is tested;
 - anything else is unknown.
 
 Importing the trace side on a JAX outside ``TESTED`` warns once, naming the
@@ -111,8 +112,6 @@ def missing_internals() -> list[str]:
     """What pmaptap reads from jax._src that this JAX lacks ([] when all is
     there), each with where pmaptap uses it; and the frames it recognises
     by name (placement.py)."""
-    from pmaptap._trace import placement
-
     missing = []
     for (mod, attr), where in sorted(
         internal_uses().items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
@@ -124,9 +123,7 @@ def missing_internals() -> list[str]:
             continue
         if attr is not None and not hasattr(m, attr):
             missing.append(f"{mod}.{attr}; used at {where[:3]}")
-    for mod, fn in placement._DIVERGENT_FLOW + tuple(
-        (m, None) for m in placement._MESH_FRAME_MODULES
-    ):
+    for mod, fn in DIVERGENT_FLOW + tuple((m, None) for m in MESH_FRAME_MODULES):
         try:
             m = importlib.import_module(mod)
         except ImportError:
@@ -149,6 +146,18 @@ def _optional(module: object, name: str) -> object | None:
     return getattr(module, name, None)
 
 
+# Frames recognised by their module (and function) name (placement.py):
+# these modules' frames may hold the concrete mesh in a local named "mesh"
+# (jax._src.shard_map._shard_map_staging when tracing under jit,
+# _run_shmap / _shard_map_impl when running shard_map eagerly).
+MESH_FRAME_MODULES = ("jax._src.shard_map",)
+# Tracing inside these makes a collective unsafe: devices may take different
+# branches (cond/switch) or run different trip counts (while_loop), and a
+# collective that only some devices reach deadlocks. scan is uniform.
+DIVERGENT_FLOW = (
+    ("jax._src.lax.control_flow.conditionals", None),
+    ("jax._src.lax.control_flow.loops", "while_loop"),
+)
 # The function whose frame traces a shard_map body, called from
 # ``_shard_map_staging`` (invariant.py reads that frame's locals): JAX <=
 # 0.11's ``pe.trace_to_jaxpr``; on 0.12 that name is a C++ cache around

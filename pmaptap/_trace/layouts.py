@@ -239,11 +239,11 @@ def jit_call(
     with its shard of every member (see shardcall.py)."""
     specs, counts = tuple(specs), tuple(counts)
     as_statistics = tuple(
-        bool(s.site.as_statistics and s.site.as_statistics[i] and not s.transport.summarized)
+        bool(s.site.as_statistics and s.site.as_statistics[i])
         for s, n in zip(specs, counts)
         for i in range(n)
     )
-    # Leaves sent as statistics arrive as float32: nothing to restore.
+    # Leaves sent as statistics arrive as statistics: nothing to restore.
     skip = (False,) * (1 + len(specs)) + as_statistics
     args, restore = _narrow((coords, *steps, *flat), skip)
     m = len(specs)

@@ -53,7 +53,7 @@ from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
-from pmaptap._trace import fingerprint, placement
+from pmaptap._trace import fingerprint, placement, shardstats
 from pmaptap._trace.fingerprint import fingerprint_out_p
 from pmaptap._trace.invariant import varying_of
 from pmaptap._trace.jax_support import input_vars, scan_counts
@@ -203,7 +203,7 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
                     spec = eqn.params["spec"]
                     site, arrays = _site(fingerprint.lifted(spec, invals), spec=spec)
                 else:
-                    site, arrays = _site(invals, **eqn.params)
+                    site, arrays = _site(shardstats.lifted(invals, **eqn.params), **eqn.params)
                 nodes.append(site)
                 flat += arrays
                 outvals: Any = []

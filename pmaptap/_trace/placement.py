@@ -19,24 +19,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from pmaptap._common.shard_placement import PARTITION_AXIS
 from pmaptap._common.spec import Placement
+from pmaptap._trace.invariant import proven_invariant as proven_invariant
+from pmaptap._trace.invariant import same_as as same_as
 
 # The trace-time proof that a value is the same on every device (what a
 # replicated tap needs to skip comparing its copies) reads the trace being
 # built; it lives in the sibling invariant.py, re-exported here.
-from pmaptap._trace.invariant import proven_invariant as proven_invariant
-from pmaptap._trace.invariant import same_as as same_as
+from pmaptap._trace.jax_support import DIVERGENT_FLOW, MESH_FRAME_MODULES
 
 # JAX's name for the axis of a pmap called without axis_name. Records show it
 # as "pmap" so users do not see an internal identifier.
 _PMAP_INTERNAL_AXIS = "_internal_pmap_axis_name"
 PMAP_AXIS_DISPLAY = "pmap"
 _PMAP_TEMP_AXIS = re.compile(r"<axis 0x[0-9a-f]+>")
-
-# Frames of these modules may hold the concrete mesh in a local named "mesh"
-# (jax._src.shard_map._shard_map_staging when tracing under jit,
-# _run_shmap / _shard_map_impl when running shard_map eagerly).
-_MESH_FRAME_MODULES = ("jax._src.shard_map",)
 
 
 def display_axis_name(name: Any) -> str:
@@ -74,7 +71,7 @@ def _frame_meshes():
     out = []
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_globals.get("__name__") in _MESH_FRAME_MODULES:
+        if frame.f_globals.get("__name__") in MESH_FRAME_MODULES:
             m = frame.f_locals.get("mesh")
             if isinstance(m, Mesh) and not m.empty:
                 out.append(m)
@@ -142,21 +139,12 @@ def eager_device(leaves) -> int | None:
     return dev
 
 
-# Tracing inside these makes a collective unsafe: devices may take different
-# branches (cond/switch) or run different trip counts (while_loop), and a
-# collective that only some devices reach deadlocks. scan is uniform.
-_DIVERGENT_FLOW = (
-    ("jax._src.lax.control_flow.conditionals", None),
-    ("jax._src.lax.control_flow.loops", "while_loop"),
-)
-
-
 def inside_divergent_control_flow() -> bool:
     """True while tracing a cond/switch branch or a while_loop body/cond."""
     frame = sys._getframe(1)
     while frame is not None:
         mod = frame.f_globals.get("__name__")
-        for m, fn in _DIVERGENT_FLOW:
+        for m, fn in DIVERGENT_FLOW:
             if mod == m and (fn is None or frame.f_code.co_name == fn):
                 return True
         frame = frame.f_back
@@ -301,23 +289,33 @@ def partition_ids(ctx, devices: tuple):
     (XLA's partition-id cannot be used outside manual regions). Returns
     (ir value, its aval)."""
     import jax.numpy as jnp
-    from jax._src import config, core
+    from jax._src import core
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir.dialects import hlo
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     n = len(devices)
     aval = core.ShapedArray((n,), jnp.dtype(jnp.uint32))
     (ty,) = _ir_types(ctx, aval)
     iota = hlo.IotaOp(ty, mlir.i64_attr(0)).result
+    return split_rows(ctx, iota, aval, devices), aval
+
+
+def split_rows(ctx, value, aval, devices: tuple):
+    """``value`` constrained to hold row k (of its first axis, one row per
+    device) on ``devices[k]``, its other axes whole."""
+    from jax._src import config
+    from jax._src.interpreters import mlir
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
     sharding = NamedSharding(
-        Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec("_pmaptap_partition")
+        Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec(PARTITION_AXIS)
     )
+    rank = len(aval.shape)
     if config.use_shardy_partitioner.value:
-        proto = sharding._to_sdy_sharding(1)
+        proto = sharding._to_sdy_sharding(rank)
     else:
-        proto = sharding._to_xla_hlo_sharding(1).to_proto()
-    return mlir.wrap_with_sharding_op(ctx, iota, aval, proto), aval
+        proto = sharding._to_xla_hlo_sharding(rank).to_proto()
+    return mlir.wrap_with_sharding_op(ctx, value, aval, proto)
 
 
 def replicated(ctx, value, aval, devices: tuple):
@@ -330,7 +328,7 @@ def replicated(ctx, value, aval, devices: tuple):
     from jax._src.interpreters import mlir
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(Mesh(np.array(devices), ("_pmaptap_partition",)), PartitionSpec())
+    sharding = NamedSharding(Mesh(np.array(devices), (PARTITION_AXIS,)), PartitionSpec())
     if config.use_shardy_partitioner.value:
         proto = sharding._to_sdy_sharding(len(aval.shape))
     else:

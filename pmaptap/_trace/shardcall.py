@@ -23,9 +23,10 @@ XLA's partitioner has chosen it. So the decision is taken in the lowering:
   step of scalars only is one non-partitioned callback from device 0, as
   ``jax.debug.callback`` makes; its placements still name every device.
 - otherwise (one device, or inside shard_map/pmap): ``callback_p``'s own
-  lowering, after computing ``max_value_bytes`` statistics on the device as
-  ``tap`` did before (on a partitioned value statistics of the whole array
-  would need an all-reduce, so there the host computes them per shard).
+  lowering, after computing ``max_value_bytes`` statistics of the whole
+  value on the device. On a partitioned computation each device computes
+  its own shard's statistics and sends them in place of the shard, one
+  small row (shardstats.py).
 
 This module relies on ``jax._src`` internals (JAX 0.10) through
 placement.py and the lowering helpers below; tests/trace/test_sharded_jit.py fails
@@ -44,7 +45,7 @@ from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 
 from pmaptap._common.shard_placement import ShardPlacement
-from pmaptap._trace import placement, primitive
+from pmaptap._trace import placement, primitive, shardstats
 
 shard_call_p = core.Primitive("pmaptap_shard_call")
 shard_call_p.multiple_results = True
@@ -79,8 +80,10 @@ def shard_call(
     - ``places`` a tuple of ``ShardPlacement`` (one per member, for a
       computation partitioned over several devices): ``(partition, coords,
       *steps, *leaves)``, one call per device with its own shard of each
-      per-shard member when any member is per-shard, else one call from
-      device 0 (partition 0) with the whole values;
+      per-shard member (a leaf marked in ``as_statistics``: the device's
+      row of its shard's statistics, shardstats.py) when any member is
+      per-shard, else one call from device 0 (partition 0) with the whole
+      values;
     - ``places`` None (one device, inside shard_map/pmap, eager):
       ``(coords, *steps, *leaves)`` once, the leaves marked in
       ``as_statistics`` as their on-device statistics.
@@ -182,20 +185,26 @@ def _lowering(ctx, coords, *args, entry, members, as_statistics, batch_dims):
             ctx, coords, *args, host_fn=lambda *a: fn(_FIRST_PARTITION, *a), **params
         )
     # Scalar members ride along, read from partition 0: each device must
-    # hold the whole value (see placement.replicated).
-    leaves, i = list(leaves), 0
+    # hold the whole value (see placement.replicated). Big leaves travel as
+    # each device's row of its shard's statistics (shardstats.py).
+    leaves, leaf_avals, i = list(leaves), list(leaf_avals), 0
     for n, per_shard in members:
-        if not per_shard:
-            for j in range(i, i + n):
+        for j in range(i, i + n):
+            if not per_shard:
                 leaves[j] = placement.replicated(ctx, leaves[j], leaf_avals[j], devices)
+            elif as_statistics and as_statistics[j]:
+                leaves[j], leaf_avals[j] = shardstats.lower_rows(
+                    ctx, leaves[j], leaf_avals[j], batch_dims, replicated=False
+                )
         i += n
     pid, pid_aval = placement.partition_ids(ctx, devices)
+    avals = [pid_aval, *ctx.avals_in[: 1 + m], *leaf_avals]
     result, _, _ = cb.emit_python_callback(
-        ctx.replace(avals_in=[pid_aval, *ctx.avals_in]),
+        ctx.replace(avals_in=avals),
         primitive._copying(fn),
         None,
         [pid, coords, *steps, *leaves],
-        [pid_aval, *ctx.avals_in],
+        avals,
         ctx.avals_out,
         has_side_effect=True,
         returns_token=True,

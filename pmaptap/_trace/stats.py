@@ -12,12 +12,14 @@ from pmaptap._trace.options import options
 from pmaptap.tapfile.format import COUNT_BASE
 
 
-def device_statistics(x: jax.Array) -> jax.Array:
+def device_statistics(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     """float32[8] statistics of ``x``, computed where ``x`` lives (layout in
     tapfile.format.SUMMARY_FIELDS): min, max, mean, std over the finite elements
     (NaN when there are none; of ``|x|`` for complex; min/max of integers
     are exact below 2**24), then the NaN and inf counts split in two float32
-    each so that they stay exact. Under vmap it batches like any jnp code."""
+    each so that they stay exact. Under vmap it batches like any jnp code.
+    ``valid``: a bool mask of the elements that count (the rest, an uneven
+    shard's padding, are in no statistic)."""
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         nan = jnp.isnan(x.real) | jnp.isnan(x.imag)
         inf = jnp.isinf(x.real) | jnp.isinf(x.imag)
@@ -31,11 +33,13 @@ def device_statistics(x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         nan = inf = jnp.zeros(x.shape, bool)
         finite = jnp.ones(x.shape, bool)
+    if valid is not None:
+        nan, inf, finite = nan & valid, inf & valid, finite & valid
     n = jnp.sum(finite, dtype=jnp.int32)
     denom = jnp.maximum(n, 1).astype(jnp.float32)
     mean = jnp.sum(jnp.where(finite, xf, 0.0)) / denom
     std = jnp.sqrt(jnp.sum(jnp.where(finite, jnp.square(xf - mean), 0.0)) / denom)
-    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+    if (jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_) and valid is None:
         lo, hi = jnp.min(x).astype(jnp.float32), jnp.max(x).astype(jnp.float32)
     else:
         lo = jnp.min(jnp.where(finite, xf, jnp.inf))

@@ -11,7 +11,7 @@ import numpy as np
 
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSite, TapSpec
 from pmaptap._common.switch import taps_off
-from pmaptap._trace import outputs, placement, primitive
+from pmaptap._trace import iteration, outputs, placement, primitive
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.layouts import choose_layout, static_step_operand, steps_may_differ
@@ -93,16 +93,12 @@ def _emit_leaves(
     pass_: str,
 ) -> None:
     jit = jit_layout(leaves)
-    # Per-shard taps only mark big leaves: statistics of a partitioned value
-    # would need an all-reduce, so their lowering decides (shardcall.py).
-    # The output transport has no lowering of its own: on a one-device job
-    # nothing is partitioned, so the statistics are computed here, in the
-    # step, and the big leaf never leaves the device (as under a callback).
-    summarized = jit is Layout.SHARDS and outputs.collecting() and jax.device_count() == 1
-    sent, as_statistics = statistics_of_big_leaves(
-        leaves, compute=jit is not Layout.SHARDS or summarized
-    )
+    # Per-shard taps only mark big leaves: which slice a device holds is
+    # known only when the step is lowered, so the statistics of each shard
+    # are computed there, on its device (shardstats.py).
+    sent, as_statistics = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
     where, raw_names = placement.current(leaves)
+    loops = iteration.indices()
     site = TapSite(
         name=name,
         dedup=dedup,
@@ -111,11 +107,12 @@ def _emit_leaves(
         explicit_step=explicit,
         pass_=pass_,
         as_statistics=as_statistics,
+        iterations=len(loops),
     )
     spec = TapSpec(site=site, placement=where)
     if jit is not None:
-        spec = spec.with_transport(layout=jit, summarized=summarized and bool(as_statistics))
-    coords = axis_coords(raw_names)
+        spec = spec.with_transport(layout=jit)
+    coords = axis_coords(raw_names, loops)
     if traced_step is not None:
         step_arr = traced_step
         if steps_may_differ(traced_step, tuple(raw_names)):

@@ -390,9 +390,43 @@ def _emit(ctx, args, run, avals_out, ordered):
         sharding=sharding,
     )
     if ordered:
-        _token_on_the_callbacks_device(ctx, token, sharding)
+        if _on_one_device(sharding):
+            _token_on_the_callbacks_device(ctx, token, sharding)
+            token = _token_past_the_callback(token)
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: token})))
     return results
+
+
+def _on_one_device(sharding) -> bool:
+    """Whether JAX placed the callback on one device (a maximal sharding:
+    under jit, outside any manual region), as ``cb._callback_op_sharding``
+    does with Shardy (one logical device id) or GSPMD (``MAXIMAL``)."""
+    from jax._src import sharding_impls
+    from jax._src.lib import xla_client as xc
+
+    if isinstance(sharding, sharding_impls.SdyArrayList):
+        return bool(sharding.shardings and sharding.shardings[0].logical_device_ids)
+    return isinstance(sharding, xc.OpSharding) and sharding.type == xc.OpSharding.Type.MAXIMAL
+
+
+def _token_past_the_callback(token):
+    """The token the chain goes on with after a callback on one device: a
+    fresh ``after_all`` of the callback's token, so ordered after it by data
+    dependence, as the token itself is.
+
+    Why not the callback's own token: its next user may need the token with
+    another sharding. A shard_map body (also what ``pmap`` lowers to inside
+    an outer jit) takes its token replicated over its mesh, and the
+    Shardy propagation of JAX 0.12's XLA writes that sharding back onto the
+    value it is given (0.10's kept the callback's single-device sharding),
+    where the partitioner refuses it on a side-effecting op ("side-effect HLO
+    cannot have a replicated sharding"). ``after_all`` has no side effect and
+    no sharding rule: it takes the sharding its users need, the callback keeps
+    its own, and the partitioner gives the other devices a token of their own
+    (as for every one-device op): each device's chain stays in order."""
+    from jax._src.lib.mlir.dialects import hlo
+
+    return hlo.after_all([token])
 
 
 def _token_on_the_callbacks_device(ctx, token, sharding) -> None:
@@ -408,11 +442,10 @@ def _token_on_the_callbacks_device(ctx, token, sharding) -> None:
         sharding, sharding_impls.SdyArrayList
     ):
         return
-    ids = sharding.shardings[0].logical_device_ids if sharding.shardings else ()
+    ids = sharding.shardings[0].logical_device_ids
     op = token.owner
-    if not ids or len(op.results) != len(sharding.shardings) + 1:
-        # Per-device callbacks (a manual region): nothing to place; or no
-        # result but the token, which the callback's one annotation covers.
+    if len(op.results) != len(sharding.shardings) + 1:
+        # No result but the token, which the callback's one annotation covers.
         return
     fixed = sharding_impls.SdyArrayList(
         (

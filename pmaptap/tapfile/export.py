@@ -83,6 +83,10 @@ def csv_row(e: Entry) -> dict[str, Any]:
         "time": r["time"],
         "host": r["host"],
     }
+    if "iteration" in r:
+        # A tap in a loop body: which iteration, "3" or "1,2" (outermost
+        # first); a column only in files that have such records.
+        row["iteration"] = ",".join(map(str, r["iteration"]))
     coords = r.get("coords")
     for axis, idx in (coords if isinstance(coords, dict) else {}).items():
         row[coords_column(axis)] = idx

@@ -48,6 +48,7 @@ from pmaptap.tapfile.schema import (  # noqa: E402, F401
     Holders,
     _is_pair,
     as_dict,
+    curve_tag,
     holder_ids,
     holders_count,
     holders_field,
@@ -55,6 +56,7 @@ from pmaptap.tapfile.schema import (  # noqa: E402, F401
     id_ranges,
     index_key,
     record_key,
+    shown_name,
     step_key,
     valid_index,
     validate_dict,
@@ -193,6 +195,10 @@ class Record:
     # The attempt of a resumed run that wrote it (Session(resume=True)); 0,
     # the first attempt, is not written.
     attempt: int = 0
+    # A tap inside a loop body (scan, fori_loop, while_loop, nested loops):
+    # the index of each enclosing loop's iteration, outermost first; None
+    # (not written) outside loops, so loop-free files are unchanged.
+    iteration: tuple | None = None
     # Not a field: the encoded line, when the aggregator built it from a
     # per-site template (put_lines below); set in the instance dict of
     # those records only. A class default rather than self.__dict__.get():
@@ -221,6 +227,8 @@ class Record:
             "time": round(self.time, 6),
             "host": self.host,
         }
+        if self.iteration is not None:
+            d["iteration"] = list(self.iteration)
         if self.kind == "per_device":
             d["device"] = self.device
             d["coords"] = self.coords if self.coords is not None else {}
@@ -333,6 +341,17 @@ class Record:
         if not (e0 <= s1 and e1 <= s2):
             return None
         return line[:s0], line[e0:s1], line[e1:s2], line[e2:]
+
+    @staticmethod
+    def set_iteration(records: Sequence[Record], iteration: tuple) -> None:
+        """Give ``records`` (a looped tap's, just built) their loop
+        ``iteration``; a line already joined from a per-site template lacks
+        it, so it is dropped and the record encoded with its fields."""
+        for r in records:
+            d = r.__dict__
+            if d.get("iteration") is None and r.kind != "meta":
+                d["iteration"] = iteration
+                d.pop("_line", None)
 
     @staticmethod
     def put_lines(

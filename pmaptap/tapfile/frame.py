@@ -600,8 +600,9 @@ def per_device(frame: Any, value: str = "value") -> Any:
             f"no column {value!r}; value columns: "
             f"{[c for c in frame.columns if str(c).startswith('value')]}"
         )
-    # record_key's (format.py) run, name, pass and step as columns; not its
-    # index or attempt: a cell is one device's value, the last record wins.
+    # record_key's (format.py) run, name, pass and step as columns, and a
+    # looped tap's iteration; not its index or attempt: a cell is one
+    # device's value, the last record wins.
     keys = ["run", "name", "pass", "step"]
     # Only records that have this leaf: a NaN cell is the tap's NaN only there
     # (elsewhere it is another tap's empty cell).
@@ -613,6 +614,8 @@ def per_device(frame: Any, value: str = "value") -> Any:
     )
     has = [_has_leaf(d, path, bool(s)) for d, s in zip(frame["dtype"], summarized)]
     frame = frame[has]
+    if "iteration" in frame.columns:
+        keys = [*keys, "iteration"]
     per = frame[frame["kind"] == "per_device"][[*keys, "device", value]]
     parts = [per]
     if "devices" in frame.columns:
@@ -625,7 +628,20 @@ def per_device(frame: Any, value: str = "value") -> Any:
     cells = pd.concat(parts, ignore_index=True)
     cells = cells[cells["device"].notna()]
     cells = cells.astype({"device": "int64"})
-    index = [k for k in keys[:-1] if cells[k].nunique() > 1] + ["step"]
+    index = [k for k in ("run", "name", "pass") if cells[k].nunique() > 1] + ["step"]
+    if "iteration" in cells.columns:
+        # A tap in a loop body: a row per (step, iteration), the iteration
+        # a tuple (outermost loop first; () for a loop-free record).
+        cells = cells.assign(
+            iteration=cells["iteration"].map(
+                lambda v: (
+                    tuple(int(i) for i in v)
+                    if isinstance(v, (list, tuple)) or hasattr(v, "shape")
+                    else ()
+                )
+            )
+        )
+        index.append("iteration")
     cells = cells.drop_duplicates(subset=[*keys, "device"], keep="last")
     table = cells.pivot(index=index, columns="device", values=value)
     table.columns.name = "device"

@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import Iterator, Sequence
 
 from pmaptap.errors import PlotError
-from pmaptap.tapfile.format import FINGERPRINT
+from pmaptap.tapfile.format import FINGERPRINT, curve_tag
 from pmaptap.tapfile.views import leaves, scalar
 
 MISSING_MATPLOTLIB = (
@@ -57,6 +57,10 @@ def _label(r: dict, multi_run: bool) -> str:
         label = f"device {d}" if d is not None else (coords or "device ?")
     else:
         label = "replicated"
+    it = r.get("iteration")
+    if it is not None:
+        # A looped tap: one curve per iteration (act_rms/3: replicated).
+        label = f"{curve_tag(r.get('name'), it)}: {label}"
     return f"{r.get('run')}: {label}" if multi_run else label
 
 

@@ -122,6 +122,10 @@ FIELDS: tuple = (
     ("process", Count, True, _EVERY),
     ("time", int | float, True, _EVERY),  # unix seconds (JSON: never NaN)
     ("host", str, True, _EVERY),
+    # A tap inside a loop body: the index of each enclosing loop's
+    # iteration, outermost first; absent outside loops. Part of the
+    # record's identity (record_key): iterations are different values.
+    ("iteration", list[Count], False, _EVERY),
     ("device", int | None, True, ("per_device",)),  # null: not known
     ("coords", dict[str, int], True, ("per_device",)),  # mesh axis -> index
     ("replicas", Positive, True, _HELD),
@@ -189,13 +193,13 @@ class AnyRecord(Struct, kw_only=True):
 
     def key(self) -> tuple:
         """record_key of this record."""
-        p, i, a = self.pass_, self.index, self.attempt
+        p, i, a, it = self.pass_, self.index, self.attempt, self.iteration
         return (
             self.run,
             self.name,
             self.step,
             "forward" if p is UNSET else p,
-            None if i is UNSET else index_key(i),
+            part_key(None if i is UNSET else i, None if it is UNSET else it),
             0 if a is UNSET else a,
         )
 
@@ -787,23 +791,52 @@ def record_key(r: Any) -> tuple:
     device. One definition for the writer's cross-process dedup (a
     format.Record about to be written, or a line other processes wrote) and
     readers (a Struct, or a line's object). Shards of one value are
-    different values: their ``index`` is part of it. So is the ``attempt``
+    different values: their ``index`` is part of it, and so are the loop
+    iterations of a tap in a loop body (``part_key``). So is the ``attempt``
     of a resumed run: a replayed step's new value is neither a duplicate nor
     a divergence of the old one (it supersedes it: tapfile/attempts.py)."""
     if isinstance(r, AnyRecord):
         return r.key()
     if not isinstance(r, dict):  # format.Record (the writer's)
-        return (r.run, r.name, r.step, r.pass_, index_key(r.index), r.attempt)
+        return (r.run, r.name, r.step, r.pass_, part_key(r.index, r.iteration), r.attempt)
     get = r.get
-    index = get("index")
     return (
         get("run"),
         get("name"),
         get("step"),
         get("pass", "forward"),
-        index if index is None else index_key(index),
+        part_key(get("index"), get("iteration")),
         get("attempt", 0),
     )
+
+
+def shown_name(name: Any, iteration: Any) -> Any:
+    """How readers that keep a looped tap's iterations apart name one of
+    them (summary, show): ``act_rms[3]``, ``x[1,2]`` for nested loops
+    (outermost first); the name itself outside loops."""
+    if iteration is None or iteration is UNSET:
+        return name
+    return f"{name}[{','.join(map(str, iteration))}]"
+
+
+def curve_tag(name: Any, iteration: Any) -> str:
+    """A looped tap's curve per iteration in plots and TensorBoard:
+    ``act_rms/3``, ``x/1/2`` (outermost first); the name outside loops."""
+    if iteration is None or iteration is UNSET:
+        return str(name)
+    return "/".join([str(name), *map(str, iteration)])
+
+
+def part_key(index: Any, iteration: Any) -> Any:
+    """``record_key``'s part of a step's value that a record holds: the
+    shard (``index``, None for a whole value) and, for a tap in a loop
+    body, the loop ``iteration``. Iterations of one step are different
+    values (never replicas, never duplicates), as shards are; a loop-free
+    record's part is its index_key, as before iterations existed."""
+    part = None if index is None else index_key(index)
+    if iteration is None:
+        return part
+    return ("iteration", tuple(iteration), part)
 
 
 def step_key(r: Any) -> tuple:

@@ -43,6 +43,8 @@ from pmaptap.tapfile.schema import (
     from_dict,
     holder_ids,
     index_key,
+    part_key,
+    shown_name,
 )
 from pmaptap.tapfile.views import id_order, leaves, scalar, sorted_ids
 
@@ -84,8 +86,9 @@ class TapSummary:
     # pmaptap.fingerprint records: where the copies first differed and the
     # suspect devices (tapfile/fingerprints.py), "" when they always agreed.
     fingerprint: str = ""
-    # The tap the row is of: its name, or for a pytree's leaf row
-    # (``stats/mean``) the pytree's (``stats``), whose records it shares.
+    # The tap the row is of, as ``name`` shows it: its name (a looped tap's
+    # iteration's: ``act[3]``), or for a pytree's leaf row (``stats/mean``)
+    # the pytree's (``stats``), whose records it shares.
     tap: str = ""
 
 
@@ -157,10 +160,12 @@ class _Lane:
 class _TapAcc:
     """One tap's summary state."""
 
-    def __init__(self, run: str, name: str, tap: str | None = None) -> None:
-        # ``name``: the row's; ``tap``: the records' (a pytree leaf's row,
-        # ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
-        self.run, self.name = run, name
+    def __init__(self, run: str, name: str, iteration: Any = None, tap: str | None = None) -> None:
+        # A looped tap: one accumulator per iteration (``iteration``, its
+        # row named shown_name(name, iteration)), as one per tap otherwise.
+        # ``tap``: the records' name where the row's is not (a pytree leaf's
+        # row, ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
+        self.run, self.name, self.iteration = run, name, iteration
         self.tap = name if tap is None else tap
         self.kinds: set = set()
         self.records = 0
@@ -510,7 +515,8 @@ class _TapAcc:
         if index is not None and index.any_repeat:
             for step, pass_, attempt, *shard in self.rep_keys:
                 shard_key = shard[0] if shard else None
-                if index.is_divergent((self.run, self.tap, step, pass_, shard_key, attempt)):
+                part = part_key(shard_key, self.iteration)
+                if index.is_divergent((self.run, self.tap, step, pass_, part, attempt)):
                     divergent.add(step)
         data_steps: set = set()
         if "replicated" in kinds and "per_device" in kinds:
@@ -544,7 +550,7 @@ class _TapAcc:
             total = math.nan
         return TapSummary(
             run=self.run,
-            name=self.name,
+            name=shown_name(self.name, self.iteration),
             kinds=kinds,
             records=self.records,
             first_step=min(steps),
@@ -571,7 +577,7 @@ class _TapAcc:
             norm=self.norm,
             per_device_steps=tuple(sorted(data_steps)),
             fingerprint=self.fp.text() if self.fp is not None else "",
-            tap=self.tap,
+            tap=shown_name(self.tap, self.iteration),
         )
 
 
@@ -633,7 +639,7 @@ class Summarizer:
         if pos is None:
             self._pos += 1
             pos = self._pos
-        self._add_one(r, pos, self._acc(r.run, r.name, pos))
+        self._add_one(r, pos, self._acc(r.run, _tap_of(r), pos))
 
     def _acc(self, run: Any, name: Any, pos: Any, tap: Any = None) -> _TapAcc:
         names = self._taps.get(run)
@@ -644,7 +650,12 @@ class Summarizer:
             self._first[run] = pos
         acc = names.get(name)
         if acc is None:
-            acc = names[name] = _TapAcc(run, name, tap)
+            # name: a tap's name, or (name, iteration) of a looped tap's
+            # iteration (_tap_of), summarized apart.
+            if type(name) is tuple:
+                acc = names[name] = _TapAcc(run, *name, tap=tap)
+            else:
+                acc = names[name] = _TapAcc(run, name, tap=tap)
         return acc
 
     def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
@@ -662,6 +673,8 @@ class Summarizer:
         if not records:
             return
         names = list(map(_NAME, records))
+        if any(map(_ITERATION, records)):
+            names = list(map(_tap_of, records))
         runs = list(map(_RUN, records))
         if runs.count(runs[0]) == len(runs):
             parts = _parts_by_key(names)
@@ -690,7 +703,11 @@ class Summarizer:
         steps, dup_keys = acc.steps, acc.dup_keys
         index = self._index
         # DivergenceIndex.add's entries of this tap's usual replicated keys.
-        seen = index._steps((acc.run, acc.name, "forward", None, 0)) if index else None
+        seen = (
+            index._steps((acc.run, acc.name, "forward", part_key(None, acc.iteration), 0))
+            if index
+            else None
+        )
         last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
         added = dups = replicated = 0
         prev_proc = prev_dev = cur = prev_procs = prev_devs = None
@@ -804,13 +821,17 @@ class Summarizer:
             # TensorBoard tags it (views.leaves), each with its numbers.
             for path, v, leaf_dtype in leaves(r.value, dtype):
                 leaf = msgspec.structs.replace(r, value=v, dtype=leaf_dtype)
-                self._acc(r.run, acc.name + path, pos, acc.name).add(leaf, pos)
+                name = acc.name + path
+                key = name if acc.iteration is None else (name, acc.iteration)
+                self._acc(r.run, key, pos, acc.name).add(leaf, pos)
             return
         acc.add(r, pos)
 
     def names_and_runs(self) -> tuple[set, set]:
         """The names and runs of the records added."""
-        return {n for names in self._taps.values() for n in names}, set(self._taps)
+        return {
+            n[0] if type(n) is tuple else n for names in self._taps.values() for n in names
+        }, set(self._taps)
 
     def absorb(self, other: Summarizer, ordered: bool = True) -> None:
         """Add another Summarizer's state: a piece of the stream after this
@@ -848,7 +869,7 @@ class Summarizer:
         out = [
             acc.result(self._index)
             for run in runs
-            for _, acc in sorted(self._taps[run].items())
+            for _, acc in sorted(self._taps[run].items(), key=_tap_order)
             if acc.records  # not a pytree tap's own: its leaves have rows
         ]
         for s in out:
@@ -858,6 +879,26 @@ class Summarizer:
 
 _USUAL_LANE = ("forward", 0)
 _NAME, _RUN = attrgetter("name"), attrgetter("run")
+
+
+def _ITERATION(r: AnyRecord) -> bool:
+    return r.iteration is not UNSET
+
+
+def _tap_order(item: tuple) -> tuple:
+    """Summary rows by tap name, a looped tap's iterations after each other
+    in loop order (its accumulators are keyed by (name, iteration))."""
+    k = item[0]
+    return k if type(k) is tuple else (k, ())
+
+
+def _tap_of(r: AnyRecord) -> Any:
+    """What a summary row stands for: the tap's name, or (name, iteration)
+    for a record of a tap in a loop body (each iteration its own row)."""
+    it = r.iteration
+    return r.name if it is UNSET else (r.name, tuple(it))
+
+
 # A per-device record's fields the usual one reads (one C call), and those
 # that would change its part, none of which the usual one has.
 _USUAL = attrgetter("step", "device", "value", "process", "coords")

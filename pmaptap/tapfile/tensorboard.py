@@ -51,7 +51,7 @@ from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
 from pmaptap.tapfile.attempts import attempt_of
 from pmaptap.tapfile.fingerprints import divergence_series
 from pmaptap.tapfile.follow import open_follower, polls, stop_on_signals
-from pmaptap.tapfile.format import FINGERPRINT, Holders, decode_record
+from pmaptap.tapfile.format import FINGERPRINT, Holders, curve_tag, decode_record
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.parse import parse_line
 from pmaptap.tapfile.query import Filter
@@ -116,12 +116,14 @@ def _hashed(name: str, run_id: str) -> str:
 
 def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     """What a scalar's tag puts before and after its leaf path: the tap name
-    (``@<pass>`` for backward taps) and ``/device_<id>`` for per-device taps
+    (``/<iteration>`` for a tap in a loop body, ``@<pass>`` for backward
+    taps) and ``/device_<id>`` for per-device taps
     (one series per device). With ``mark_divergent``, each copy of a
     divergent replicated value (its devices disagreed) goes to its own series
     ``/divergent/device_<first holder>`` instead of the tap's, which a live
     dashboard would otherwise show as one value of the step chosen at random."""
-    base = str(rec.get("name"))
+    # A looped tap: one series per iteration (act_rms/3).
+    base = curve_tag(rec.get("name"), rec.get("iteration"))
     if rec.get("pass", "forward") != "forward":
         base += f"@{rec['pass']}"
     suffix = ""

@@ -19,6 +19,7 @@ from pmaptap.tapfile.format import (
     Holders,
     decode_record,
     index_text,
+    shown_name,
 )
 from pmaptap.tapfile.lines import iter_lines
 from pmaptap.tapfile.query import Filter
@@ -294,7 +295,8 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
     return {
         "line": str(e.line),
         RUN: str(r.get("run")),
-        "name": str(r.get("name")),
+        # A looped tap's iteration beside its name: act_rms[3].
+        "name": str(shown_name(r.get("name"), r.get("iteration"))),
         "step": str(r.get("step")),
         "attempt": str(attempt_of(r)),
         "kind": str(r.get("kind")),

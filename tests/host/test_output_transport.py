@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import pmaptap
 from conftest import logs_warning, start_python
+from pmaptap._common.shard_placement import statistics_row_width
 from pmaptap._host import outputs, sink
 
 
@@ -645,26 +646,31 @@ print(json.dumps(out))
 def test_one_device_big_leaves_leave_the_step_as_their_statistics(tmp_path):
     """On a one-device job (a single accelerator chip) a leaf above
     max_value_bytes is summarized in the step, as a host callback's
-    lowering does: the step's outputs hold its float32[8] statistics, never
-    the leaf (before: the whole leaf was copied to the host every step and
-    summarized there, in other arithmetic: another std, another vhash); the
-    records are the callback transport's, a vmapped tap and a while_loop's
-    fallback callback included (the devices field aside: outputs name the
-    one device)."""
+    lowering does: the step's outputs hold its statistics (one row of the
+    device's: _trace/shardstats.py), never the leaf (before: the whole leaf
+    was copied to the host every step and summarized there, in other
+    arithmetic: another std, another vhash); the records are the callback
+    transport's, a vmapped tap and a while_loop's fallback callback
+    included (the devices field aside: outputs name the one device)."""
     proc = start_python(_ONE_DEVICE_BIG, devices=1, TAPS=str(tmp_path / "t"))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     got = json.loads(out.splitlines()[-1])
     assert got["devices"] == 1
-    assert sorted(got["shapes"]) == [[], [4, 8], [8], [8]], got["shapes"]  # no leaf itself
-    key = lambda r: (r["name"], r["step"])  # noqa: E731
+    # No leaf itself: the sum, and one row of statistics per big leaf (the
+    # vmapped "row": the statistics of each of its 4 rows).
+    w = statistics_row_width
+    assert sorted(got["shapes"]) == sorted(
+        [[], [1, w((100_000,), 0)], [1, w((4, 25_000), 0)], [1, w((4, 25_000), 1)]]
+    ), got["shapes"]
+    key = lambda r: (r["name"], r["step"], r.get("iteration"))  # noqa: E731
     cb, outs = sorted(got["callbacks"], key=key), sorted(got["outputs"], key=key)
     assert [key(r) for r in cb] == [
-        ("big", 0),
-        ("in_while", 0),
-        ("in_while", 1),
-        ("row", 0),
-        ("rows", 0),
+        ("big", 0, None),
+        ("in_while", 0, [0]),  # one call of the step, two iterations of its loop
+        ("in_while", 0, [1]),
+        ("row", 0, None),
+        ("rows", 0, None),
     ]
     assert all(r["summarized"] for r in cb)
     assert outs == cb

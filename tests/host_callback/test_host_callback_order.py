@@ -191,6 +191,47 @@ def test_pmap_and_shard_map_taps_in_program_order_on_each_device(checks):
     assert _per_device(seen) == {d.id: list(range(N)) for d in jax.devices()}
 
 
+def test_untied_taps_and_a_call_around_shard_map_in_jit_in_program_order(checks):
+    """A tap and a call under jit (one device runs them) before a shard_map
+    body with taps, a tap after it, no data path between any of them: on the
+    device that runs the outer ones, the body's tap comes between them (the
+    token alone orders them). On JAX 0.12 the body's token operand pushed its
+    replicated sharding back onto the outer call's token, which XLA refuses
+    on a side-effecting op ("side-effect HLO cannot have a replicated
+    sharding")."""
+    seen: list = []
+
+    def rec(label):
+        return lambda a, t, device=None: seen.append((device.id, label))
+
+    def record_call(a):
+        seen.append((jax.devices()[0].id, "call"))
+        return a
+
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    body = jax.shard_map(
+        lambda v: hcb.id_tap(rec("body"), v * 3, tap_with_device=True),
+        mesh=mesh,
+        in_specs=P("i"),
+        out_specs=P("i"),
+    )
+
+    def f(x):
+        hcb.id_tap(rec("before"), x * 2, tap_with_device=True)
+        hcb.call(record_call, x[0] + 1, result_shape=jax.ShapeDtypeStruct((), x.dtype))
+        y = body(x)
+        hcb.id_tap(rec("after"), x * 4, tap_with_device=True)
+        return y
+
+    jax.jit(f)(jnp.arange(float(jax.device_count())))
+    hcb.barrier_wait()
+    first = jax.devices()[0].id
+    assert [label for dev, label in seen if dev == first] == ["before", "call", "body", "after"]
+    assert sorted(dev for dev, label in seen if label == "body") == sorted(
+        d.id for d in jax.devices()
+    )
+
+
 def test_taps_of_a_sharded_jit_in_program_order():
     """Plain jit over all devices (automatic sharding): the taps run once
     each, on the whole value, in program order."""

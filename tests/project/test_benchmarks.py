@@ -79,6 +79,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "bench_outputs on ",
         "tap (outputs)",
         "output floor",
+        "sharded activation's statistics (8 devices): tap (outputs) / per-shard statistics",
         "s. validate: the output of every --jobs identical",
         "summary --jobs 2 ",
         "o. the client's start alone",
@@ -112,6 +113,8 @@ def test_all_benchmarks_run_in_quick_mode():
         "c. 4 taps in pmaptap.group()",
     ):
         assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
+    # bench_outputs.py stats: each shard's statistics against returning them by hand.
+    assert ratios("t. "), "t.: no ratio to the per-shard floor"
     for mib in (2, 32):  # bench_arrays.py: both ratios, as numbers
         for ref in ("raw+write", "raw"):
             assert ratios(f"m. {mib} MiB sharded activation, tap / {ref} "), (mib, ref)

@@ -28,7 +28,7 @@ def test_automatic_steps_count_executions_per_device(session, tap_path):
         assert sorted(r["step"] for r in recs if r["device"] == d) == [0, 1, 2, 3]
 
 
-def test_scan_and_fori_loop_iterations_are_steps(session, tap_path):
+def test_scan_and_fori_loop_iterations_are_iterations_of_one_step(session, tap_path):
     @jax.jit
     def f(xs):
         def body(c, x):
@@ -46,11 +46,12 @@ def test_scan_and_fori_loop_iterations_are_steps(session, tap_path):
     f(jnp.arange(5.0))
     session.flush()
     recs = pmaptap.read(tap_path)
-    assert [(r["step"], r["value"]) for r in _named(recs, "scan")] == [
-        (i, float(i)) for i in range(5)
+    # Automatic steps count calls of the step, not iterations (issue 57).
+    assert [(r["step"], r["iteration"], r["value"]) for r in _named(recs, "scan")] == [
+        (0, [i], float(i)) for i in range(5)
     ]
-    assert [(r["step"], r["value"]) for r in _named(recs, "fori")] == [
-        (i, 10.0 + i) for i in range(4)
+    assert [(r["step"], r["iteration"], r["value"]) for r in _named(recs, "fori")] == [
+        (i, [i], 10.0 + i) for i in range(4)
     ]
 
 
@@ -232,7 +233,8 @@ def test_pmap_of_vmap_of_scan(session, tap_path):
     # 8 devices x 3 scan steps, each holding the vmapped batch of 2
     assert len(recs) == 24
     for r in recs:
-        d, s = r["coords"]["pmap"], r["step"]
+        d, s = r["coords"]["pmap"], r["iteration"][0]
+        assert r["step"] == 0
         assert r["batch_dims"] == 1
         assert r["value"] == [float(d * 6 + s), float(d * 6 + 3 + s)]
 

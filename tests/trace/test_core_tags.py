@@ -144,6 +144,6 @@ def test_placement_can_still_find_the_pmap_mesh():
     ids, procs = found["table"]
     assert ids == tuple(d.id for d in devs), (
         "pmaptap.placement could not read the concrete mesh from JAX's "
-        "shard_map frames; update placement._MESH_FRAME_MODULES for this JAX"
+        "shard_map frames; update jax_support.MESH_FRAME_MODULES for this JAX"
     )
     assert procs == (0, 0, 0, 0)

@@ -279,12 +279,17 @@ def test_scan_one_backward_record_per_iteration(session, tap_path, explicit):
     recs = _named(_read(session, tap_path), "scan")
     # c_{i+1} = a_i c_i, loss = c_4: the cotangent at h_i is prod(a[i+1:]).
     by_iteration = [105.0, 35.0, 7.0, 1.0]
+    # The backward pass runs the iterations last to first, each record
+    # with its forward iteration's index.
+    assert [(r["iteration"], r["value"]) for r in recs] == [
+        ([i], by_iteration[i]) for i in range(3, -1, -1)
+    ]
     if explicit:
         # step=i travels to the backward pass as a residual: forward index.
-        assert sorted((r["step"], r["value"]) for r in recs) == list(enumerate(by_iteration))
+        assert [r["step"] for r in recs] == [3, 2, 1, 0]
     else:
-        # automatic steps count backward executions: last iteration first.
-        assert [(r["step"], r["value"]) for r in recs] == list(enumerate(by_iteration[::-1]))
+        # automatic steps count backward executions (calls), not iterations.
+        assert [r["step"] for r in recs] == [0, 0, 0, 0]
 
 
 def test_automatic_steps_count_backward_passes_apart_from_forward(session, tap_path):

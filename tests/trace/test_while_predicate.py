@@ -106,7 +106,8 @@ def test_pmaptap_tap_in_a_vmapped_while_cond_writes_one_record_per_iteration(
     session.flush()
     recs = [r for r in pmaptap.read(tap_path) if r["name"] == "pred_in"]
     assert [r["value"] for r in recs] == _PREDICATE_INPUTS
-    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    # One call of the loop: step 0, each evaluation its iteration.
+    assert [(r["step"], r["iteration"]) for r in recs] == [(0, [k]) for k in range(4)]
 
 
 def test_unbatched_while_cond_still_taps_every_evaluation(checks):
