@@ -20,8 +20,9 @@ import dataclasses
 import math
 import os
 from collections import Counter
+from functools import partial
 from itertools import compress
-from operator import attrgetter
+from operator import attrgetter, eq
 from typing import Any, Iterable
 
 import msgspec
@@ -917,7 +918,10 @@ def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
         return [(distinct[0], range(len(keys)))]
     if len(distinct) <= 8:
         idx = range(len(keys))
-        return [(k, list(compress(idx, map(k.__eq__, keys)))) for k in distinct]
+        # operator.eq, not k.__eq__: a (name, iteration) key's tuple.__eq__
+        # of a name is NotImplemented, which is true, so a looped tap's
+        # part took every other tap's records too.
+        return [(k, list(compress(idx, map(partial(eq, k), keys)))) for k in distinct]
     parts: dict = {}
     for i, k in enumerate(keys):
         got = parts.get(k)

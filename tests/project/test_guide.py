@@ -39,17 +39,20 @@ def test_the_guides_training_script_writes_what_it_promises(tmp_path):
     assert len(act) == steps * layers
     assert all(set(r["value"]) == {"absmax", "mean"} for r in act)
     assert all(0 < r["value"]["absmax"] <= 1 for r in act)  # tanh
-    # TODAY a tap's records of one step from the iterations of a loop body
-    # are taken for copies that disagree (the layers' values differ).
-    # SWITCH once records of loop bodies carry "iteration" (issue 57):
-    #     assert not any(r.get("divergent") for r in act)
-    #     assert sorted(r["iteration"] for r in act if r["step"] == 0) == list(range(layers))
-    assert all(r.get("divergent") for r in act)
+    # One record per layer and step, told apart by the loop iteration (was:
+    # the layers' values of a step taken for copies that disagree).
+    assert not any(r.get("divergent") for r in act)
+    assert sorted(r["iteration"] for r in act if r["step"] == 0) == [[i] for i in range(layers)]
 
     out = cli("summary", path)
     assert out.returncode == 0, out.stderr
-    names = [line.split()[0] for line in out.stdout.splitlines()[2:] if line.strip()]
-    assert names == ["act/absmax", "act/mean", "loss", "params"]
+    rows = [line.split() for line in out.stdout.splitlines()[2:] if line.strip()]
+    assert [r[0] for r in rows] == [
+        *(f"act/{leaf}[{i}]" for leaf in ("absmax", "mean") for i in range(layers)),
+        "loss",
+        "params",
+    ]
+    assert all(r[-1] == "-" for r in rows), out.stdout  # no issues
 
     proc = run_python(reading.replace('"out/guide.jsonl"', repr(path)), devices=1)
     assert proc.stdout.startswith(f"{steps} losses; last step, layer by layer: [{{'absmax'")
