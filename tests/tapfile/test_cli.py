@@ -889,3 +889,28 @@ def test_a_pytree_of_scalars_is_summarized_and_plotted_per_leaf(tmp_path):
     assert out.returncode == 2
     assert "tap 'stats' is a pytree: plot one of its leaves" in out.stderr
     assert "--name stats/absmax or stats/mean" in out.stderr
+
+
+def test_a_looped_taps_rows_take_only_its_own_records(tmp_path):
+    # A batch of a loss and a looped tap's records (iteration 0 and 1): the
+    # looped tap's (name, iteration) part matched every record with
+    # tuple.__eq__, whose NotImplemented for a name is true, so each
+    # iteration's row summed the loss too (and the loss row the act values).
+    from conftest import record_dict
+
+    path = str(tmp_path / "run.jsonl")
+    with open(path, "w") as f:
+        for step in range(3):
+            f.write(json.dumps(record_dict(run="r", name="loss", step=step, value=1.0)) + "\n")
+            for i in range(2):
+                d = record_dict(run="r", name="act", step=step, value=10.0 + i, iteration=[i])
+                f.write(json.dumps(d) + "\n")
+    out = cli("summary", path)
+    assert out.returncode == 0, out.stderr
+    _, rows = _table("\n".join(out.stdout.splitlines()[1:]))
+    got = {r["name"]: (r["records"], r["min"], r["max"]) for r in rows}
+    assert got == {
+        "act[0]": ("3", "10", "10"),
+        "act[1]": ("3", "11", "11"),
+        "loss": ("3", "1", "1"),
+    }
