@@ -54,6 +54,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import loops
 
 from pmaptap._trace import traceend
+from pmaptap._trace.jax_support import closed, scan_counts, scan_with_extra_carry, unhoisted
 
 iteration_p = core.Primitive("pmaptap_iteration")
 
@@ -121,7 +122,7 @@ def indices() -> list:
 
 
 # ------------------------------------------------------ the loops' staging
-def _holds_index(jaxpr: core.ClosedJaxpr) -> bool:
+def _holds_index(jaxpr: Any) -> bool:
     return any(e.primitive is iteration_p for e in jaxpr.jaxpr.eqns)
 
 
@@ -145,9 +146,7 @@ def _stage_index(trace, source_info, **params):
 pe.custom_staging_rules[iteration_p] = _stage_index
 
 
-def _counted(
-    jaxpr: core.ClosedJaxpr, at: int, index_of, counter: core.ShapedArray = _INDEX
-) -> core.ClosedJaxpr:
+def _counted(jaxpr: Any, at: int, index_of, counter: core.ShapedArray = _INDEX) -> Any:
     """``jaxpr`` with an int32 counter inserted among its inputs at ``at``
     and its ``iteration_p`` equations replaced by ``index_of(counter)``;
     its outputs unchanged (the caller adds the counter's next value where
@@ -172,14 +171,14 @@ def _counted(
     # One more argument than the loop body's names: its names are dropped.
     info = info.with_unknown_names() if info is not None else None
     new, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fun, debug_info=info), avals)
-    return core.ClosedJaxpr(new, consts)
+    return closed(new, consts)
 
 
 def _scan_staging(trace, source_info, *tracers, **params):
     jaxpr = params["jaxpr"]
     if not _holds_index(jaxpr):
         return _stage(loops.scan_p, trace, source_info, tracers, params)
-    nc, ncarry = params["num_consts"], params["num_carry"]
+    nc, _ = scan_counts(params)
     length, reverse = params["length"], params["reverse"]
 
     def index_of(i):
@@ -187,16 +186,12 @@ def _scan_staging(trace, source_info, *tracers, **params):
 
     body = _counted(jaxpr, nc, index_of)
     # The counter's next value is the body's last output; a carry is among
-    # the first num_carry outputs: move it to the front of the carries.
+    # the first outputs: move it to the front of the carries.
     outvars = list(body.jaxpr.outvars)
     nxt = outvars.pop()
     outvars.insert(0, nxt)
-    body = core.ClosedJaxpr(body.jaxpr.replace(outvars=outvars), body.consts)
-    new_params = dict(params, jaxpr=body, num_carry=ncarry + 1)
-    if "linear" in params:
-        linear = list(params["linear"])
-        linear.insert(nc, False)
-        new_params["linear"] = tuple(linear)
+    body = closed(body.jaxpr.replace(outvars=outvars), body.consts)
+    new_params = scan_with_extra_carry(params, body)
     zero = trace.to_jaxpr_tracer(np.int32(0), source_info=source_info)
     ins = [*tracers[:nc], zero, *tracers[nc:]]
     outs = _stage(loops.scan_p, trace, source_info, ins, new_params)
@@ -227,13 +222,11 @@ def _while_staging(trace, source_info, *tracers, **params):
 
     new_cond = _counted(cond, cn, same, counter)
     # The condition returns its one boolean only.
-    new_cond = core.ClosedJaxpr(
-        new_cond.jaxpr.replace(outvars=new_cond.jaxpr.outvars[:1]), new_cond.consts
-    )
+    new_cond = closed(new_cond.jaxpr.replace(outvars=new_cond.jaxpr.outvars[:1]), new_cond.consts)
     new_body = _counted(body, bn, plus_one, counter)
     outvars = list(new_body.jaxpr.outvars)
     outvars.insert(0, outvars.pop())
-    new_body = core.ClosedJaxpr(new_body.jaxpr.replace(outvars=outvars), new_body.consts)
+    new_body = closed(new_body.jaxpr.replace(outvars=outvars), new_body.consts)
     new_params = dict(params, cond_jaxpr=new_cond, body_jaxpr=new_body)
     with core.set_current_trace(trace):
         zero = lax.full(shape, 0, np.int32)
@@ -265,11 +258,10 @@ def _install() -> None:
         # A JAX without that step hoists nothing this module needs to keep.
         return
 
-    def _keep_in_body(jaxpr_known, known_consts, num_res):
+    def _keep_in_body(jaxpr_known, known_consts, *num_res):
         if _holds_index(jaxpr_known):
-            # The form JAX's own comment gives to disable the hoisting.
-            return jaxpr_known, known_consts, [False] * num_res, []
-        return original(jaxpr_known, known_consts, num_res)
+            return unhoisted(jaxpr_known, known_consts, *num_res)
+        return original(jaxpr_known, known_consts, *num_res)
 
     _keep_in_body.__wrapped__ = original  # type: ignore[attr-defined]
     _keep_in_body._pmaptap = True  # type: ignore[attr-defined]

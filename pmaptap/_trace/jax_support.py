@@ -185,6 +185,54 @@ def scan_counts(params: dict) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
+def closed(jaxpr: Any, consts: list) -> Any:
+    """``jaxpr`` (as ``pe.trace_to_jaxpr_dynamic`` returns it) with its
+    ``consts`` attached, the form a loop's params hold. JAX <= 0.11 wraps
+    the two in a ``core.ClosedJaxpr``; 0.12 has no such class, a
+    ``core.Jaxpr`` carries its consts (its two-argument constructor attaches
+    them). Either way ``.jaxpr`` of the result has the equations."""
+    from jax._src import core
+
+    make = _optional(core, "ClosedJaxpr") or core.Jaxpr
+    return make(jaxpr, consts)
+
+
+def scan_with_extra_carry(params: dict, jaxpr: Any) -> dict:
+    """The params of a ``scan`` equation that runs ``jaxpr``: ``params``'
+    loop with one more carry, the first of the carries (its operand right
+    after the consts, its output first among the outputs). JAX <= 0.11
+    counts the carries (``num_carry``, and flags each operand's linearity,
+    ``linear``); 0.12 has the flat trees ``ft_in`` ((consts, carry, xs))
+    and ``ft_out`` ((carry, ys)), whose carry sub-trees JAX's own rules may
+    have filtered or nested: the new carry is packed beside them as is."""
+    new = dict(params, jaxpr=jaxpr)
+    if "num_carry" in params:
+        n_consts = params["num_consts"]
+        new["num_carry"] = params["num_carry"] + 1
+        if "linear" in params:
+            linear = list(params["linear"])
+            linear.insert(n_consts, False)
+            new["linear"] = tuple(linear)
+        return new
+    from jax._src.lax.control_flow import loops
+
+    ft: Any = _optional(loops, "ft")  # jax._src.flattree, as loops names it
+    consts, carry, xs = params["ft_in"].unpack()
+    carry_out, ys = params["ft_out"].unpack()
+    new["ft_in"] = ft.pack((consts, (ft.nones(1), carry), xs))
+    new["ft_out"] = ft.pack(((ft.nones(1), carry_out), ys))
+    return new
+
+
+def unhoisted(jaxpr_known: Any, known_consts: list, num_res: int, *_more_res: int) -> tuple:
+    """What ``loops._scan_known_hoisting`` returns when it hoists nothing
+    out of a scan body (the form JAX's own comment there gives to disable
+    it), for the arguments it was called with. JAX <= 0.11 passes it one
+    residual count; 0.12 passes the unstructured residuals' count then the
+    structured ones' (never hoisted, so not in the result's flags)."""
+    return jaxpr_known, known_consts, [False] * num_res, []
+
+
 def _minor(version: str) -> tuple[int, int] | None:
     parts = version.split(".")
     try:

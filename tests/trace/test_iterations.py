@@ -406,3 +406,32 @@ def test_a_name_tapped_in_a_loop_and_outside_counts_calls(session, tap_path):
         (2, [1]),
         (3, None),
     ]
+
+
+def test_jvp_and_linearize_of_a_scan_with_a_carry_without_tangent(session, tap_path):
+    """jvp/linearize bind the scan again with carry groups JAX nests and
+    filters (a primal carry whose tangent is symbolically zero, an int
+    counter of the user's own): the counter is added beside them, and every
+    forward iteration is still told apart."""
+
+    def f(x):
+        def body(carry, w):
+            h, k = carry
+            h = jnp.tanh(h * w)
+            pmaptap.tap(jnp.sum(h), "jv")
+            return (h, k + 1), k
+
+        (h, _), ks = lax.scan(body, (x, jnp.int32(0)), jnp.arange(1.0, 4.0))
+        return h.sum(), ks
+
+    ones = jnp.ones(2)
+    primal, tangent = jax.jit(lambda x, t: jax.jvp(f, (x,), (t,)))(ones, ones)
+    assert primal[1].tolist() == [0, 1, 2]
+    y, f_jvp = jax.linearize(lambda x: f(x)[0], ones)
+    jax.jit(f_jvp)(ones)
+    session.flush()
+    recs = _taps(tap_path, "jv")
+    # The eager linearize runs the forward scan: a call of its own.
+    assert [(r["step"], r["iteration"]) for r in recs] == [
+        (s, [k]) for s in range(2) for k in range(3)
+    ]
