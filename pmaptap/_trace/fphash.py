@@ -129,6 +129,90 @@ def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     )
 
 
+def fingerprint64_many(
+    leaves: list[jax.Array], valids: list[jax.Array | None] | None = None
+) -> jax.Array:
+    """``fingerprint64`` of each of ``leaves`` (``valids``: each one's
+    ``valid``, or None), as uint32[len(leaves), 2]: the same values, in
+    fewer computations. A leaf whose words all lie past the CPU layout's
+    last whole block (``_tail_only``: every platform hashes it that way)
+    has each word as its own lane; the lanes of all such leaves are hashed
+    together (``_joint_tails``), so that the program holds a fixed number of
+    hash operations for them, not a handful per leaf (each leaf its own
+    reductions made compiling a step with a fingerprint of a model's
+    parameters markedly slower, docs/performance.md). The other leaves are
+    hashed one by one, as ``fingerprint64`` does."""
+    valids = [None] * len(leaves) if valids is None else list(valids)
+    leaves = [jnp.asarray(x) for x in leaves]
+    joint = [k for k, x in enumerate(leaves) if _tail_only(x)]
+    rows: list[jax.Array | None] = [None] * len(leaves)
+    if len(joint) > 1:
+        sums = _joint_tails([leaves[k] for k in joint], [valids[k] for k in joint])
+        for j, k in enumerate(joint):
+            rows[k] = sums[j]
+    for k, x in enumerate(leaves):
+        if rows[k] is None:
+            rows[k] = fingerprint64(x, valids[k])
+    return jnp.stack(rows)
+
+
+def _tail_only(x: jax.Array) -> bool:
+    """Whether ``_flat`` (the CPU layout, which every platform takes for
+    such a small leaf) finds no whole block in ``x``: then each of its words
+    is a lane of its own (``_lanes``), their positions counted from 0."""
+    if x.size == 0:
+        return False
+    part = _parts(x)[0]
+    bf16 = part.dtype == jnp.bfloat16
+    per = 1 if bf16 else max(1, 4 // part.dtype.itemsize)
+    return part.size < FOLD * LANES * per * (2 if bf16 else 1)
+
+
+# Lanes of the joint tails summed per row before the per-leaf sums; each
+# leaf's lanes are padded to whole rows (weight 0).
+_ROW_LANES = 128
+
+
+def _joint_tails(leaves: list[jax.Array], valids: list) -> jax.Array:
+    """``fingerprint64`` of tail-only leaves (``_tail_only``), uint32[L, 2]:
+    every leaf's words (the planes of ``_flat``: each part's, a 64-bit
+    value's low then high halves, masked as there) laid one after another,
+    each leaf's padded to whole rows of ``_ROW_LANES``; each word mixed and
+    weighted by its position in its leaf, as ``_half`` does; the rows summed,
+    then each leaf's rows (a 0/1 matrix of row to leaf: integer sums are
+    exact modulo 2**32 in any order)."""
+    words, weights, row_leaf = [], [[], []], []
+    for k, (x, valid) in enumerate(zip(leaves, valids)):
+        ok = None if valid is None else jnp.broadcast_to(jnp.asarray(valid, jnp.bool_), x.shape)
+        ok = None if ok is None else ok.reshape(-1)
+        planes = [w for part in _parts(x) for w in _words(_mask(_bits(part.reshape(-1)), ok))]
+        n = sum(w.size for w in planes)
+        pad = -n % _ROW_LANES
+        words += planes + ([jnp.zeros((pad,), jnp.uint32)] if pad else [])
+        position = lax.iota(jnp.uint32, n)
+        for h in (0, 1):
+            weights[h].append(_odd(position, _HALF[h]))
+            if pad:
+                weights[h].append(jnp.zeros((pad,), jnp.uint32))
+        row_leaf += [k] * ((n + pad) // _ROW_LANES)
+    w = jnp.concatenate(words).reshape(-1, _ROW_LANES)
+    rows = jnp.stack(
+        [
+            jnp.sum(_fmix(w ^ _SALT[h]) * jnp.concatenate(weights[h]).reshape(w.shape), axis=1)
+            for h in (0, 1)
+        ],
+        axis=1,
+    )  # (rows, 2)
+    owner = np.asarray(row_leaf, np.int32)[:, None] == np.arange(len(leaves))[None, :]
+    per_leaf = jnp.sum(
+        jnp.where(jnp.asarray(owner)[:, :, None], rows[:, None, :], np.uint32(0)),
+        axis=0,
+        dtype=jnp.uint32,
+    )
+    sizes = np.asarray([x.size % 2**32 for x in leaves], np.uint32)
+    return per_leaf + jnp.asarray(sizes)[:, None]
+
+
 def _parts(x: jax.Array) -> list[jax.Array]:
     """``x`` as arrays whose elements are 1, 2, 4 or 8 bytes of its bits
     (complex: the real and imaginary parts; bool as bytes; sub-byte dtypes
