@@ -194,7 +194,7 @@ def _joint_tails(leaves: list[jax.Array], valids: list) -> jax.Array:
             weights[h].append(_odd(position, _HALF[h]))
             if pad:
                 weights[h].append(jnp.zeros((pad,), jnp.uint32))
-        row_leaf += [k] * ((n + pad) // _ROW_LANES)
+        row_leaf.append(jnp.full(((n + pad) // _ROW_LANES,), k, jnp.int32))
     w = jnp.concatenate(words).reshape(-1, _ROW_LANES)
     rows = jnp.stack(
         [
@@ -203,14 +203,14 @@ def _joint_tails(leaves: list[jax.Array], valids: list) -> jax.Array:
         ],
         axis=1,
     )  # (rows, 2)
-    owner = np.asarray(row_leaf, np.int32)[:, None] == np.arange(len(leaves))[None, :]
+    # Built in the program, not as array constants: custom_partitioning
+    # (fingerprint_jit.py) refuses a function that closes over any.
+    owner = jnp.concatenate(row_leaf)[:, None] == lax.iota(jnp.int32, len(leaves))[None, :]
     per_leaf = jnp.sum(
-        jnp.where(jnp.asarray(owner)[:, :, None], rows[:, None, :], np.uint32(0)),
-        axis=0,
-        dtype=jnp.uint32,
+        jnp.where(owner[:, :, None], rows[:, None, :], np.uint32(0)), axis=0, dtype=jnp.uint32
     )
-    sizes = np.asarray([x.size % 2**32 for x in leaves], np.uint32)
-    return per_leaf + jnp.asarray(sizes)[:, None]
+    sizes = jnp.stack([jnp.full((2,), np.uint32(x.size % 2**32)) for x in leaves])
+    return per_leaf + sizes
 
 
 def _parts(x: jax.Array) -> list[jax.Array]:
