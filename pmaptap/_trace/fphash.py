@@ -133,84 +133,159 @@ def fingerprint64_many(
     leaves: list[jax.Array], valids: list[jax.Array | None] | None = None
 ) -> jax.Array:
     """``fingerprint64`` of each of ``leaves`` (``valids``: each one's
-    ``valid``, or None), as uint32[len(leaves), 2]: the same values, in
-    fewer computations. A leaf whose words all lie past the CPU layout's
-    last whole block (``_tail_only``: every platform hashes it that way)
-    has each word as its own lane; the lanes of all such leaves are hashed
-    together (``_joint_tails``), so that the program holds a fixed number of
-    hash operations for them, not a handful per leaf (each leaf its own
-    reductions made compiling a step with a fingerprint of a model's
-    parameters markedly slower, docs/performance.md). The other leaves are
-    hashed one by one, as ``fingerprint64`` does."""
+    ``valid``, or None), as uint32[len(leaves), 2]: the same values, in a
+    number of hash operations that does not grow with the leaves (one
+    fold of its blocks each aside). Hashing each leaf on its own made
+    compiling a step with the fingerprint of a model's parameters markedly
+    slower (a handful of reductions a leaf; docs/performance.md).
+
+    Every leaf in the CPU layout (``_flat``: all of them on a CPU, the
+    small ones everywhere) is read by its own fold (``_split``, one pass
+    over its bits, as before); from there on they are hashed together
+    (``_cpu_layout``). The big leaves are one ``platform_dependent`` for all
+    of them (one each before); off the CPU they are hashed one by one."""
     valids = [None] * len(leaves) if valids is None else list(valids)
     leaves = [jnp.asarray(x) for x in leaves]
-    joint = [k for k, x in enumerate(leaves) if _tail_only(x)]
+    valids = [
+        None if v is None else jnp.broadcast_to(jnp.asarray(v, jnp.bool_), x.shape)
+        for x, v in zip(leaves, valids)
+    ]
     rows: list[jax.Array | None] = [None] * len(leaves)
-    if len(joint) > 1:
-        sums = _joint_tails([leaves[k] for k in joint], [valids[k] for k in joint])
-        for j, k in enumerate(joint):
-            rows[k] = sums[j]
+
+    def put(ks: list[int], fps: jax.Array) -> None:
+        for j, k in enumerate(ks):
+            rows[k] = fps[j]
+
+    small, big = [], []
     for k, x in enumerate(leaves):
-        if rows[k] is None:
-            rows[k] = fingerprint64(x, valids[k])
+        if x.size == 0:
+            rows[k] = fingerprint64(x)
+        else:
+            part = _parts(x)[0]
+            (small if part.size * part.dtype.itemsize < SMALL else big).append(k)
+    if small:
+        put(small, _cpu_layout([leaves[k] for k in small], [valids[k] for k in small]))
+    if big:
+
+        def each(fn):
+            return lambda ls, vs: jnp.stack([fn(_parts(x), v) for x, v in zip(ls, vs)])
+
+        put(
+            big,
+            lax.platform_dependent(
+                [leaves[k] for k in big],
+                [valids[k] for k in big],
+                cpu=_cpu_layout,
+                tpu=lambda ls, vs: each(_tiled_parts)(ls, vs) + _sizes(ls),
+                default=lambda ls, vs: each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs)
+                + _sizes(ls),
+            ),
+        )
     return jnp.stack(rows)
 
 
-def _tail_only(x: jax.Array) -> bool:
-    """Whether ``_flat`` (the CPU layout, which every platform takes for
-    such a small leaf) finds no whole block in ``x``: then each of its words
-    is a lane of its own (``_lanes``), their positions counted from 0."""
-    if x.size == 0:
-        return False
-    part = _parts(x)[0]
-    bf16 = part.dtype == jnp.bfloat16
-    per = 1 if bf16 else max(1, 4 // part.dtype.itemsize)
-    return part.size < FOLD * LANES * per * (2 if bf16 else 1)
+def _sizes(leaves: list[jax.Array]) -> jax.Array:
+    """Each leaf's element count modulo 2**32, in both halves (L, 2): the
+    start of every fingerprint (``fingerprint64``)."""
+    return jnp.stack([jnp.full((2,), np.uint32(x.size % 2**32)) for x in leaves])
 
 
-# Lanes of the joint tails summed per row before the per-leaf sums; each
+# Lanes summed per row before the per-leaf sums in ``_cpu_layout``; each
 # leaf's lanes are padded to whole rows (weight 0).
 _ROW_LANES = 128
 
 
-def _joint_tails(leaves: list[jax.Array], valids: list) -> jax.Array:
-    """``fingerprint64`` of tail-only leaves (``_tail_only``), uint32[L, 2]:
-    every leaf's words (the planes of ``_flat``: each part's, a 64-bit
-    value's low then high halves, masked as there) laid one after another,
-    each leaf's padded to whole rows of ``_ROW_LANES``; each word mixed and
-    weighted by its position in its leaf, as ``_half`` does; the rows summed,
-    then each leaf's rows (a 0/1 matrix of row to leaf: integer sums are
-    exact modulo 2**32 in any order)."""
-    words, weights, row_leaf = [], [[], []], []
-    for k, (x, valid) in enumerate(zip(leaves, valids)):
-        ok = None if valid is None else jnp.broadcast_to(jnp.asarray(valid, jnp.bool_), x.shape)
-        ok = None if ok is None else ok.reshape(-1)
-        planes = [w for part in _parts(x) for w in _words(_mask(_bits(part.reshape(-1)), ok))]
-        n = sum(w.size for w in planes)
+def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
+    """``fingerprint64`` in the CPU layout (``_flat`` with ``FOLD`` and
+    ``REGROUP``) of non-empty leaves, uint32[L, 2], hashed together after
+    each leaf's fold (``_split``):
+
+    - the rows of lanes of every leaf's blocks, one after another, each
+      leaf's padded to whole groups of ``REGROUP`` rows (weight 0), go
+      through ``_regrouped``'s steps at once: per half, salted, xor-shifted,
+      each row weighted by an odd multiplier of its row in its group, the
+      groups summed; each group's lanes then have the positions ``_half``
+      gives them in their leaf;
+    - the words past every leaf's last whole block, each its own lane, go
+      after them, their positions continuing in their leaf as in ``_flat``;
+    - every lane mixed and weighted as ``_half`` does, summed per row of
+      ``_ROW_LANES``, then per leaf (a 0/1 matrix of row to leaf: integer
+      sums modulo 2**32 are exact in any order).
+
+    Built in the program, not from array constants: custom_partitioning
+    (fingerprint_jit.py) refuses a function that closes over any."""
+    blocks, row_weight, group_leaf, group_index = [], [], [], []
+    lanes2, weights = [], ([], [])  # lanes of both halves (2, n); their weights
+    lane_leaf = []
+
+    def add(k: int, v: jax.Array, first: int) -> None:
+        """Lanes ``v`` (2, n) of leaf ``k`` at positions ``first``..."""
+        n = v.shape[1]
         pad = -n % _ROW_LANES
-        words += planes + ([jnp.zeros((pad,), jnp.uint32)] if pad else [])
-        position = lax.iota(jnp.uint32, n)
+        cell = lax.iota(jnp.uint32, n) + np.uint32(first % 2**32)
+        lanes2.append(v)
         for h in (0, 1):
-            weights[h].append(_odd(position, _HALF[h]))
-            if pad:
+            weights[h].append(_odd(cell, _HALF[h]))
+        if pad:
+            lanes2.append(jnp.zeros((2, pad), jnp.uint32))
+            for h in (0, 1):
                 weights[h].append(jnp.zeros((pad,), jnp.uint32))
-        row_leaf.append(jnp.full(((n + pad) // _ROW_LANES,), k, jnp.int32))
-    w = jnp.concatenate(words).reshape(-1, _ROW_LANES)
-    rows = jnp.stack(
-        [
-            jnp.sum(_fmix(w ^ _SALT[h]) * jnp.concatenate(weights[h]).reshape(w.shape), axis=1)
+        lane_leaf.append(jnp.full(((n + pad) // _ROW_LANES,), k, jnp.int32))
+
+    for k, (x, valid) in enumerate(zip(leaves, valids)):
+        lanes, tails = _split(_parts(x), None if valid is None else valid.reshape(-1), FOLD)
+        first = 0
+        if lanes is not None:
+            r = lanes.shape[0]
+            pad = -r % REGROUP
+            blocks.append(lanes)
+            row_weight.append(_odd(lax.iota(jnp.uint32, r) % np.uint32(REGROUP), _ROW))
+            if pad:
+                blocks.append(jnp.zeros((pad, LANES), jnp.uint32))
+                row_weight.append(jnp.zeros((pad,), jnp.uint32))
+            groups = (r + pad) // REGROUP
+            group_leaf.append(jnp.full((groups,), k, jnp.int32))
+            group_index.append(lax.iota(jnp.uint32, groups))
+            first = r * LANES
+        for word in tails:
+            add(k, jnp.stack([word, word]), first)
+            first += word.size
+    count = len(leaves)
+    out = _sizes(leaves)
+    if blocks:
+        v = jnp.concatenate(blocks)
+        wr = jnp.concatenate(row_weight)[:, None]
+        # Each group's lane at column c of group g of its leaf: position
+        # g * LANES + c (``_regrouped``'s ``_half`` calls).
+        cell = jnp.concatenate(group_index)[:, None] * np.uint32(LANES) + lax.iota(
+            jnp.uint32, LANES
+        )
+        halves = []
+        for h in (0, 1):
+            w = v ^ _SALT[h]
+            w = (w ^ (w >> 16)) * wr
+            u = jnp.sum(w.reshape(-1, REGROUP, LANES), axis=1, dtype=jnp.uint32)
+            halves.append(jnp.sum(_fmix(u ^ _SALT[h]) * _odd(cell, _HALF[h]), axis=1))
+        out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(group_leaf), count)
+    if lanes2:
+        x = jnp.concatenate(lanes2, axis=1).reshape(2, -1, _ROW_LANES)
+        halves = [
+            jnp.sum(
+                _fmix(x[h] ^ _SALT[h]) * jnp.concatenate(weights[h]).reshape(x.shape[1:]),
+                axis=1,
+            )
             for h in (0, 1)
-        ],
-        axis=1,
-    )  # (rows, 2)
-    # Built in the program, not as array constants: custom_partitioning
-    # (fingerprint_jit.py) refuses a function that closes over any.
-    owner = jnp.concatenate(row_leaf)[:, None] == lax.iota(jnp.int32, len(leaves))[None, :]
-    per_leaf = jnp.sum(
-        jnp.where(owner[:, :, None], rows[:, None, :], np.uint32(0)), axis=0, dtype=jnp.uint32
+        ]
+        out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(lane_leaf), count)
+    return out
+
+
+def _per_leaf(sums: jax.Array, leaf: jax.Array, count: int) -> jax.Array:
+    """Rows of sums (r, 2) added up per leaf (``leaf``: each row's), (count, 2)."""
+    owner = leaf[:, None] == lax.iota(jnp.int32, count)[None, :]
+    return jnp.sum(
+        jnp.where(owner[:, :, None], sums[:, None, :], np.uint32(0)), axis=0, dtype=jnp.uint32
     )
-    sizes = jnp.stack([jnp.full((2,), np.uint32(x.size % 2**32)) for x in leaves])
-    return per_leaf + sizes
 
 
 def _parts(x: jax.Array) -> list[jax.Array]:
@@ -297,13 +372,30 @@ def _flat(
     """Dense row-major layouts: the flat elements in blocks of ``fold`` rows
     x ``LANES`` words, whose lanes are folded again ``regroup`` at a time
     (the words past the last whole block: each its own lane), their
-    positions counted from ``first``. Every word of an element (the halves
-    of a 64-bit one, the parts of a complex one) goes to the same lane, in
-    the same pass (``_fold``): one plane per pass read the array once per
-    plane (2.1x a float32 sum's time for 64-bit and complex64 values, 3.6x
-    for complex128)."""
+    positions counted from ``first`` (``_split`` says how)."""
+    lanes, tails = _split(parts, None if valid is None else valid.reshape(-1), fold)
+    out = jnp.zeros((2,), jnp.uint32)
+    if lanes is not None:
+        out = out + _regrouped(lanes, regroup, first)
+        first += lanes.size
+    for word in tails:
+        out = out + _lanes(word, first)
+        first += word.size
+    return out
+
+
+def _split(
+    parts: list[jax.Array], ok: jax.Array | None, fold: int
+) -> tuple[jax.Array | None, list[jax.Array]]:
+    """(the rows of lanes of the whole blocks of ``fold`` rows x ``LANES``
+    words, (r, LANES), or None; the words past the last whole block, each
+    its own lane, as planes in order) of ``_flat``'s layout; ``ok`` the
+    flat valid mask. Every word of an element (the halves of a 64-bit one,
+    the parts of a complex one) goes to the same lane, in the same pass
+    (``_fold``): one plane per pass read the array once per plane (2.1x a
+    float32 sum's time for 64-bit and complex64 values, 3.6x for
+    complex128)."""
     x = parts[0]
-    ok = None if valid is None else valid.reshape(-1)
     n, size = x.size, x.dtype.itemsize
     # Elements to a word; bfloat16 is widened, a row's two halves two rows
     # of lanes (module docstring).
@@ -317,7 +409,7 @@ def _flat(
         flat = x.reshape(-1)  # packed: sliced before any bitcast (below)
     block = fold * LANES * per * pair
     main = n - n % block
-    out = jnp.zeros((2,), jnp.uint32)
+    lanes = None
     if main:
         if per > 1:
             # Strided slices of the row first, each then bitcast and
@@ -333,19 +425,15 @@ def _flat(
             lanes = _fold([word], 1)
         else:
             lanes = _fold([w[:main].reshape(-1, fold, LANES * pair) for w in planes], 1)
-        # Rows of lanes (a bfloat16 row's two halves are two rows), folded
-        # again, ``regroup`` rows at a time.
-        out = out + _regrouped(lanes.reshape(-1, LANES), regroup, first)
-        first += lanes.size
+        # Rows of lanes (a bfloat16 row's two halves are two rows).
+        lanes = lanes.reshape(-1, LANES)
+    tails: list[jax.Array] = []
     if main < n:
         if per > 1:
             tails = _words(_mask(_bits(flat[main:]), None if ok is None else ok[main:]))
         else:
             tails = [w[main:] for w in planes]
-        for word in tails:
-            out = out + _lanes(word, first)
-            first += word.size
-    return out
+    return lanes, tails
 
 
 def _regrouped(v: jax.Array, regroup: int, first: int) -> jax.Array:
