@@ -215,22 +215,23 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
     Built in the program, not from array constants: custom_partitioning
     (fingerprint_jit.py) refuses a function that closes over any."""
     blocks, row_weight, group_leaf, group_index = [], [], [], []
-    lanes2, weights = [], ([], [])  # lanes of both halves (2, n); their weights
-    lane_leaf = []
+    # The words past the blocks, and per row of ``_ROW_LANES`` of them: its
+    # leaf, the position of its first word in that leaf, its words that
+    # are not padding (per-row values: the words alone are full size).
+    words, row_leaf, row_first, row_count = [], [], [], []
 
-    def add(k: int, v: jax.Array, first: int) -> None:
-        """Lanes ``v`` (2, n) of leaf ``k`` at positions ``first``..."""
-        n = v.shape[1]
+    def add(k: int, word: jax.Array, first: int) -> None:
+        n = word.size
         pad = -n % _ROW_LANES
-        cell = lax.iota(jnp.uint32, n) + np.uint32(first % 2**32)
-        lanes2.append(v)
-        for h in (0, 1):
-            weights[h].append(_odd(cell, _HALF[h]))
+        rows = (n + pad) // _ROW_LANES
+        words.append(word)
         if pad:
-            lanes2.append(jnp.zeros((2, pad), jnp.uint32))
-            for h in (0, 1):
-                weights[h].append(jnp.zeros((pad,), jnp.uint32))
-        lane_leaf.append(jnp.full(((n + pad) // _ROW_LANES,), k, jnp.int32))
+            words.append(jnp.zeros((pad,), jnp.uint32))
+        row_leaf.append(jnp.full((rows,), k, jnp.int32))
+        row_first.append(lax.iota(jnp.uint32, rows) * np.uint32(_ROW_LANES) + np.uint32(first % 2**32))
+        row_count.append(
+            jnp.minimum(n - lax.iota(jnp.int32, rows) * _ROW_LANES, _ROW_LANES).astype(jnp.int32)
+        )
 
     for k, (x, valid) in enumerate(zip(leaves, valids)):
         lanes, tails = _split(_parts(x), None if valid is None else valid.reshape(-1), FOLD)
@@ -248,7 +249,7 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
             group_index.append(lax.iota(jnp.uint32, groups))
             first = r * LANES
         for word in tails:
-            add(k, jnp.stack([word, word]), first)
+            add(k, word, first)
             first += word.size
     count = len(leaves)
     out = _sizes(leaves)
@@ -267,16 +268,20 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
             u = jnp.sum(w.reshape(-1, REGROUP, LANES), axis=1, dtype=jnp.uint32)
             halves.append(jnp.sum(_fmix(u ^ _SALT[h]) * _odd(cell, _HALF[h]), axis=1))
         out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(group_leaf), count)
-    if lanes2:
-        x = jnp.concatenate(lanes2, axis=1).reshape(2, -1, _ROW_LANES)
+    if words:
+        w = jnp.concatenate(words).reshape(-1, _ROW_LANES)
+        column = lax.broadcasted_iota(jnp.int32, w.shape, 1)
+        cell = jnp.concatenate(row_first)[:, None] + column.astype(jnp.uint32)
+        real = column < jnp.concatenate(row_count)[:, None]
         halves = [
             jnp.sum(
-                _fmix(x[h] ^ _SALT[h]) * jnp.concatenate(weights[h]).reshape(x.shape[1:]),
+                jnp.where(real, _fmix(w ^ _SALT[h]) * _odd(cell, _HALF[h]), np.uint32(0)),
                 axis=1,
+                dtype=jnp.uint32,
             )
             for h in (0, 1)
         ]
-        out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(lane_leaf), count)
+        out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(row_leaf), count)
     return out
 
 
