@@ -101,7 +101,7 @@ def _model(blocks: int, width: int, vocab: int, seq: int):
         logits = layer_norm(p["final"], h) @ p["emb"].T
         return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
-    tokens = jnp.asarray(rng.integers(0, vocab, (4, seq)))
+    tokens = jnp.asarray(rng.integers(0, vocab, (8, seq)))
     return params, loss, tokens
 
 
@@ -113,8 +113,8 @@ def run_compile(quick: bool) -> None:
     from pmaptap._trace.fphash import fingerprint64, fingerprint64_many
 
     blocks, width = (1, 32) if quick else (6, 256)
-    rounds = 2 if quick else 7
-    params, loss, tokens = _model(blocks, width, vocab=4 * width, seq=64)
+    rounds = 2 if quick else 5
+    params, loss, tokens = _model(blocks, width, vocab=16 * width, seq=64)
     leaves = jax.tree.leaves(params)
 
     def step_of(kind: str):

@@ -102,7 +102,10 @@ def test_records_are_those_the_leaf_by_leaf_hash_wrote(tmp_path, wrap):
 
 
 def test_fingerprint64_many_equals_each_leafs_fingerprint64():
-    leaves = list(_tree(DTYPES).values())
+    # Big leaves too (>= SMALL: the platform's layout, one
+    # platform_dependent for all of them).
+    big = [_leaf(d, (1024, 1100), 3) for d in ("float32", "bfloat16", "int8")]
+    leaves = list(_tree(DTYPES).values()) + [jnp.asarray(x) for x in big]
     valids = [
         None if i % 2 else jnp.arange(x.size).reshape(x.shape) % 3 != 0
         for i, x in enumerate(leaves)
