@@ -177,8 +177,9 @@ def fingerprint64_many(
                 [valids[k] for k in big],
                 cpu=_cpu_layout,
                 tpu=lambda ls, vs: each(_tiled_parts)(ls, vs) + _sizes(ls),
-                default=lambda ls, vs: each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs)
-                + _sizes(ls),
+                default=lambda ls, vs: (
+                    each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs) + _sizes(ls)
+                ),
             ),
         )
     return jnp.stack(rows)
@@ -228,7 +229,9 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
         if pad:
             words.append(jnp.zeros((pad,), jnp.uint32))
         row_leaf.append(jnp.full((rows,), k, jnp.int32))
-        row_first.append(lax.iota(jnp.uint32, rows) * np.uint32(_ROW_LANES) + np.uint32(first % 2**32))
+        row_first.append(
+            lax.iota(jnp.uint32, rows) * np.uint32(_ROW_LANES) + np.uint32(first % 2**32)
+        )
         row_count.append(
             jnp.minimum(n - lax.iota(jnp.int32, rows) * _ROW_LANES, _ROW_LANES).astype(jnp.int32)
         )

@@ -88,10 +88,10 @@ def _records(path: str, wrap) -> list[tuple]:
 # Written by ``_records`` with the code before fingerprint64_many (see the
 # module docstring); equal under jax.jit and pmaptap.jit.
 PINNED = [
-    ('big', 0, '293719312778fbe9', False),
-    ('jit', 0, 'cb798085719a38b0', False),
-    ('pmap', 1, '7e248481bd71baf4', False),
-    ('x64', 2, '750428c4ad0261d5', False),
+    ("big", 0, "293719312778fbe9", False),
+    ("jit", 0, "cb798085719a38b0", False),
+    ("pmap", 1, "7e248481bd71baf4", False),
+    ("x64", 2, "750428c4ad0261d5", False),
 ]
 
 
