@@ -210,8 +210,7 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
     - the words past every leaf's last whole block, each its own lane, go
       after them, their positions continuing in their leaf as in ``_flat``;
     - every lane mixed and weighted as ``_half`` does, summed per row of
-      ``_ROW_LANES``, then per leaf (a 0/1 matrix of row to leaf: integer
-      sums modulo 2**32 are exact in any order).
+      ``_ROW_LANES``, then per leaf (``_per_leaf``).
 
     Built in the program, not from array constants: custom_partitioning
     (fingerprint_jit.py) refuses a function that closes over any."""
@@ -289,11 +288,10 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
 
 
 def _per_leaf(sums: jax.Array, leaf: jax.Array, count: int) -> jax.Array:
-    """Rows of sums (r, 2) added up per leaf (``leaf``: each row's), (count, 2)."""
-    owner = leaf[:, None] == lax.iota(jnp.int32, count)[None, :]
-    return jnp.sum(
-        jnp.where(owner[:, :, None], sums[:, None, :], np.uint32(0)), axis=0, dtype=jnp.uint32
-    )
+    """Rows of sums (r, 2) added up per leaf (``leaf``: each row's, in
+    order), (count, 2): integer sums modulo 2**32, exact in any order."""
+    out = jax.ops.segment_sum(sums, leaf, num_segments=count, indices_are_sorted=True)
+    return out.astype(jnp.uint32)
 
 
 def _parts(x: jax.Array) -> list[jax.Array]:
