@@ -24,6 +24,7 @@ SUITES = (
     "bench_read_scale.py",
     "bench_many_writers.py",
     "bench_fingerprint.py",
+    "bench_fpcost.py",
     "bench_outputs.py",
 )
 

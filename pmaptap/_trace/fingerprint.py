@@ -50,7 +50,7 @@ from pmaptap._trace import outputs, placement
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.fingerprint_jit import fingerprint_jit, fingerprint_table
-from pmaptap._trace.fphash import fingerprint64
+from pmaptap._trace.fphash import fingerprint64_many
 from pmaptap._trace.invariant import varying_axes
 from pmaptap._trace.layouts import _flat_index, static_step_operand
 from pmaptap._trace.primitive import (
@@ -187,7 +187,7 @@ def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -
         axes = varying_axes(x, raw_names)
         varying.append(tuple(i for i, a in enumerate(raw_names) if axes and a in axes))
     # The bits each device holds, read where they lie (module docstring).
-    fps = jnp.stack([fingerprint64(x) for x in lax.optimization_barrier(leaves)])
+    fps = fingerprint64_many(lax.optimization_barrier(leaves))
     coords = axis_coords(raw_names)
     if divergent_flow:
         _send_or_mark(_with(spec, FingerprintLayout.COPY, where, varying), coords, step, [fps])

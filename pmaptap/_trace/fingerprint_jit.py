@@ -48,7 +48,7 @@ from pmaptap._common.fingerprint import FingerprintSpec, bind_lowering
 from pmaptap._common.shard_placement import ShardPlacement
 from pmaptap._host.routing import deliver
 from pmaptap._trace import placement, primitive
-from pmaptap._trace.fphash import fingerprint64
+from pmaptap._trace.fphash import fingerprint64_many
 
 fingerprint_p = core.Primitive("pmaptap_fingerprint")
 fingerprint_p.multiple_results = True
@@ -165,7 +165,7 @@ def _table_lowering(ctx, *leaves, spec: FingerprintSpec, rows: int):
 
 def _local(*leaves):
     """One copy (a computation on one device): its fingerprints, (1, L, 2)."""
-    return jnp.stack([fingerprint64(x) for x in leaves])[None]
+    return fingerprint64_many(list(leaves))[None]
 
 
 def _one_device(ctx, shapes) -> ShardPlacement | None:
@@ -217,10 +217,8 @@ def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replica
         masks = [_padding_mask(s, a.shape) for s, a in zip(shardings, arg_shapes)]
 
         def lower(*blocks):
-            fps = [
-                fingerprint64(b, None if m is None else m(b.shape)) for b, m in zip(blocks, masks)
-            ]
-            rows = jnp.stack(fps)[None]
+            valids = [None if m is None else m(b.shape) for b, m in zip(blocks, masks)]
+            rows = fingerprint64_many(list(blocks), valids)[None]
             # all_gather over every mesh axis: row-major, the order of the
             # rows of PartitionSpec(axes) above.
             return lax.all_gather(rows, axes, axis=0, tiled=True) if replicated else rows

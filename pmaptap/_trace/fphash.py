@@ -129,6 +129,171 @@ def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     )
 
 
+def fingerprint64_many(
+    leaves: list[jax.Array], valids: list[jax.Array | None] | None = None
+) -> jax.Array:
+    """``fingerprint64`` of each of ``leaves`` (``valids``: each one's
+    ``valid``, or None), as uint32[len(leaves), 2]: the same values, in a
+    number of hash operations that does not grow with the leaves (one
+    fold of its blocks each aside). Hashing each leaf on its own made
+    compiling a step with the fingerprint of a model's parameters markedly
+    slower (a handful of reductions a leaf; docs/performance.md).
+
+    Every leaf in the CPU layout (``_flat``: all of them on a CPU, the
+    small ones everywhere) is read by its own fold (``_split``, one pass
+    over its bits, as before); from there on they are hashed together
+    (``_cpu_layout``). The big leaves are one ``platform_dependent`` for all
+    of them (one each before); off the CPU they are hashed one by one."""
+    valids = [None] * len(leaves) if valids is None else list(valids)
+    leaves = [jnp.asarray(x) for x in leaves]
+    valids = [
+        None if v is None else jnp.broadcast_to(jnp.asarray(v, jnp.bool_), x.shape)
+        for x, v in zip(leaves, valids)
+    ]
+    rows: list[jax.Array | None] = [None] * len(leaves)
+
+    def put(ks: list[int], fps: jax.Array) -> None:
+        for j, k in enumerate(ks):
+            rows[k] = fps[j]
+
+    small, big = [], []
+    for k, x in enumerate(leaves):
+        if x.size == 0:
+            rows[k] = fingerprint64(x)
+        else:
+            part = _parts(x)[0]
+            (small if part.size * part.dtype.itemsize < SMALL else big).append(k)
+    if small:
+        put(small, _cpu_layout([leaves[k] for k in small], [valids[k] for k in small]))
+    if big:
+
+        def each(fn):
+            return lambda ls, vs: jnp.stack([fn(_parts(x), v) for x, v in zip(ls, vs)])
+
+        put(
+            big,
+            lax.platform_dependent(
+                [leaves[k] for k in big],
+                [valids[k] for k in big],
+                cpu=_cpu_layout,
+                tpu=lambda ls, vs: each(_tiled_parts)(ls, vs) + _sizes(ls),
+                default=lambda ls, vs: (
+                    each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs) + _sizes(ls)
+                ),
+            ),
+        )
+    return jnp.stack(rows)
+
+
+def _sizes(leaves: list[jax.Array]) -> jax.Array:
+    """Each leaf's element count modulo 2**32, in both halves (L, 2): the
+    start of every fingerprint (``fingerprint64``)."""
+    return jnp.stack([jnp.full((2,), np.uint32(x.size % 2**32)) for x in leaves])
+
+
+# Lanes summed per row before the per-leaf sums in ``_cpu_layout``; each
+# leaf's lanes are padded to whole rows (weight 0).
+_ROW_LANES = 128
+
+
+def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
+    """``fingerprint64`` in the CPU layout (``_flat`` with ``FOLD`` and
+    ``REGROUP``) of non-empty leaves, uint32[L, 2], hashed together after
+    each leaf's fold (``_split``):
+
+    - the rows of lanes of every leaf's blocks, one after another, each
+      leaf's padded to whole groups of ``REGROUP`` rows (weight 0), go
+      through ``_regrouped``'s steps at once: per half, salted, xor-shifted,
+      each row weighted by an odd multiplier of its row in its group, the
+      groups summed; each group's lanes then have the positions ``_half``
+      gives them in their leaf;
+    - the words past every leaf's last whole block, each its own lane, go
+      after them, their positions continuing in their leaf as in ``_flat``;
+    - every lane mixed and weighted as ``_half`` does, summed per row of
+      ``_ROW_LANES``, then per leaf (``_per_leaf``).
+
+    Built in the program, not from array constants: custom_partitioning
+    (fingerprint_jit.py) refuses a function that closes over any."""
+    blocks, row_weight, group_leaf, group_index = [], [], [], []
+    # The words past the blocks, and per row of ``_ROW_LANES`` of them: its
+    # leaf, the position of its first word in that leaf, its words that
+    # are not padding (per-row values: the words alone are full size).
+    words, row_leaf, row_first, row_count = [], [], [], []
+
+    def add(k: int, word: jax.Array, first: int) -> None:
+        n = word.size
+        pad = -n % _ROW_LANES
+        rows = (n + pad) // _ROW_LANES
+        words.append(word)
+        if pad:
+            words.append(jnp.zeros((pad,), jnp.uint32))
+        row_leaf.append(jnp.full((rows,), k, jnp.int32))
+        row_first.append(
+            lax.iota(jnp.uint32, rows) * np.uint32(_ROW_LANES) + np.uint32(first % 2**32)
+        )
+        row_count.append(
+            jnp.minimum(n - lax.iota(jnp.int32, rows) * _ROW_LANES, _ROW_LANES).astype(jnp.int32)
+        )
+
+    for k, (x, valid) in enumerate(zip(leaves, valids)):
+        lanes, tails = _split(_parts(x), None if valid is None else valid.reshape(-1), FOLD)
+        first = 0
+        if lanes is not None:
+            r = lanes.shape[0]
+            pad = -r % REGROUP
+            blocks.append(lanes)
+            row_weight.append(_odd(lax.iota(jnp.uint32, r) % np.uint32(REGROUP), _ROW))
+            if pad:
+                blocks.append(jnp.zeros((pad, LANES), jnp.uint32))
+                row_weight.append(jnp.zeros((pad,), jnp.uint32))
+            groups = (r + pad) // REGROUP
+            group_leaf.append(jnp.full((groups,), k, jnp.int32))
+            group_index.append(lax.iota(jnp.uint32, groups))
+            first = r * LANES
+        for word in tails:
+            add(k, word, first)
+            first += word.size
+    count = len(leaves)
+    out = _sizes(leaves)
+    if blocks:
+        v = jnp.concatenate(blocks)
+        wr = jnp.concatenate(row_weight)[:, None]
+        # Each group's lane at column c of group g of its leaf: position
+        # g * LANES + c (``_regrouped``'s ``_half`` calls).
+        cell = jnp.concatenate(group_index)[:, None] * np.uint32(LANES) + lax.iota(
+            jnp.uint32, LANES
+        )
+        halves = []
+        for h in (0, 1):
+            w = v ^ _SALT[h]
+            w = (w ^ (w >> 16)) * wr
+            u = jnp.sum(w.reshape(-1, REGROUP, LANES), axis=1, dtype=jnp.uint32)
+            halves.append(jnp.sum(_fmix(u ^ _SALT[h]) * _odd(cell, _HALF[h]), axis=1))
+        out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(group_leaf), count)
+    if words:
+        w = jnp.concatenate(words).reshape(-1, _ROW_LANES)
+        column = lax.broadcasted_iota(jnp.int32, w.shape, 1)
+        cell = jnp.concatenate(row_first)[:, None] + column.astype(jnp.uint32)
+        real = column < jnp.concatenate(row_count)[:, None]
+        halves = [
+            jnp.sum(
+                jnp.where(real, _fmix(w ^ _SALT[h]) * _odd(cell, _HALF[h]), np.uint32(0)),
+                axis=1,
+                dtype=jnp.uint32,
+            )
+            for h in (0, 1)
+        ]
+        out = out + _per_leaf(jnp.stack(halves, axis=1), jnp.concatenate(row_leaf), count)
+    return out
+
+
+def _per_leaf(sums: jax.Array, leaf: jax.Array, count: int) -> jax.Array:
+    """Rows of sums (r, 2) added up per leaf (``leaf``: each row's, in
+    order), (count, 2): integer sums modulo 2**32, exact in any order."""
+    out = jax.ops.segment_sum(sums, leaf, num_segments=count, indices_are_sorted=True)
+    return out.astype(jnp.uint32)
+
+
 def _parts(x: jax.Array) -> list[jax.Array]:
     """``x`` as arrays whose elements are 1, 2, 4 or 8 bytes of its bits
     (complex: the real and imaginary parts; bool as bytes; sub-byte dtypes
@@ -213,13 +378,30 @@ def _flat(
     """Dense row-major layouts: the flat elements in blocks of ``fold`` rows
     x ``LANES`` words, whose lanes are folded again ``regroup`` at a time
     (the words past the last whole block: each its own lane), their
-    positions counted from ``first``. Every word of an element (the halves
-    of a 64-bit one, the parts of a complex one) goes to the same lane, in
-    the same pass (``_fold``): one plane per pass read the array once per
-    plane (2.1x a float32 sum's time for 64-bit and complex64 values, 3.6x
-    for complex128)."""
+    positions counted from ``first`` (``_split`` says how)."""
+    lanes, tails = _split(parts, None if valid is None else valid.reshape(-1), fold)
+    out = jnp.zeros((2,), jnp.uint32)
+    if lanes is not None:
+        out = out + _regrouped(lanes, regroup, first)
+        first += lanes.size
+    for word in tails:
+        out = out + _lanes(word, first)
+        first += word.size
+    return out
+
+
+def _split(
+    parts: list[jax.Array], ok: jax.Array | None, fold: int
+) -> tuple[jax.Array | None, list[jax.Array]]:
+    """(the rows of lanes of the whole blocks of ``fold`` rows x ``LANES``
+    words, (r, LANES), or None; the words past the last whole block, each
+    its own lane, as planes in order) of ``_flat``'s layout; ``ok`` the
+    flat valid mask. Every word of an element (the halves of a 64-bit one,
+    the parts of a complex one) goes to the same lane, in the same pass
+    (``_fold``): one plane per pass read the array once per plane (2.1x a
+    float32 sum's time for 64-bit and complex64 values, 3.6x for
+    complex128)."""
     x = parts[0]
-    ok = None if valid is None else valid.reshape(-1)
     n, size = x.size, x.dtype.itemsize
     # Elements to a word; bfloat16 is widened, a row's two halves two rows
     # of lanes (module docstring).
@@ -233,7 +415,7 @@ def _flat(
         flat = x.reshape(-1)  # packed: sliced before any bitcast (below)
     block = fold * LANES * per * pair
     main = n - n % block
-    out = jnp.zeros((2,), jnp.uint32)
+    lanes = None
     if main:
         if per > 1:
             # Strided slices of the row first, each then bitcast and
@@ -249,19 +431,15 @@ def _flat(
             lanes = _fold([word], 1)
         else:
             lanes = _fold([w[:main].reshape(-1, fold, LANES * pair) for w in planes], 1)
-        # Rows of lanes (a bfloat16 row's two halves are two rows), folded
-        # again, ``regroup`` rows at a time.
-        out = out + _regrouped(lanes.reshape(-1, LANES), regroup, first)
-        first += lanes.size
+        # Rows of lanes (a bfloat16 row's two halves are two rows).
+        lanes = lanes.reshape(-1, LANES)
+    tails: list[jax.Array] = []
     if main < n:
         if per > 1:
             tails = _words(_mask(_bits(flat[main:]), None if ok is None else ok[main:]))
         else:
             tails = [w[main:] for w in planes]
-        for word in tails:
-            out = out + _lanes(word, first)
-            first += word.size
-    return out
+    return lanes, tails
 
 
 def _regrouped(v: jax.Array, regroup: int, first: int) -> jax.Array:

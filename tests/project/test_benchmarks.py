@@ -91,6 +91,14 @@ def test_all_benchmarks_run_in_quick_mode():
         "q. pmap: fingerprint / floor_b",
         "q. jit: fingerprint / floor",
         "q. detection:",
+        "t. compile jax.jit + fingerprint / untapped",
+        "t. compile pmaptap.jit + fingerprint / untapped",
+        "t. hash alone, leaf by leaf",
+        "t. hash alone, fingerprint64_many",
+        "t. skipped jax.jit fingerprint / untapped",
+        "t. skipped jax.jit raw callback / untapped",
+        "t. skipped pmaptap.jit fingerprint / untapped",
+        "t. skipped pmaptap.jit tap / untapped",
     ):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]  # a ratio printed
@@ -154,6 +162,9 @@ def test_all_benchmarks_run_in_quick_mode():
     # against the floor, and the hash against the float32 sums, as numbers.
     for dtype in ("float32", "bfloat16", "float16", "int8", "complex128"):
         assert len(ratios(f"r. {dtype}: fingerprint / floor")) == 4, dtype
+    # t. (bench_fpcost.py): compile and skipped-step ratios as numbers.
+    for label in ("t. compile jax.jit + fingerprint", "t. skipped pmaptap.jit fingerprint"):
+        assert ratios(label), label
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
     assert named == trials and " 0 false positive" in detection, detection
