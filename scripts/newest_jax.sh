@@ -75,6 +75,7 @@ bind() {  # bind DIR: the machine's DIR at the same place in the root
 }
 bind "$SRC" /src
 bind /dev /dev
+bind /dev/pts /dev/pts
 bind /dev/shm /dev/shm
 mount -t proc proc "$ROOT/proc"
 mounted+=("$ROOT/proc")
