@@ -26,6 +26,7 @@ SUITES = (
     "bench_fingerprint.py",
     "bench_fpcost.py",
     "bench_outputs.py",
+    "bench_guide.py",
 )
 
 

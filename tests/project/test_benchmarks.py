@@ -58,6 +58,8 @@ def test_all_benchmarks_run_in_quick_mode():
         "j. id_tap (tied, program order)",
         "j. id_tap, callback without the tie",
         "pmaptap summary",
+        "u. guide step, jax.jit / raw",
+        "u. guide step, pmaptap.jit / raw",
         "pmaptap show --name loss",
         "summary: ",
         "summary --jobs 1: ",
@@ -165,6 +167,9 @@ def test_all_benchmarks_run_in_quick_mode():
     # t. (bench_fpcost.py): compile and skipped-step ratios as numbers.
     for label in ("t. compile jax.jit + fingerprint", "t. skipped pmaptap.jit fingerprint"):
         assert ratios(label), label
+    # u. (bench_guide.py): the guide's step, both transports to raw and floor.
+    for label in ("u. guide step, jax.jit / raw", "u. guide step, pmaptap.jit / raw"):
+        assert len(ratios(label)) == 2, label
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
     assert named == trials and " 0 false positive" in detection, detection
