@@ -150,11 +150,16 @@ _DIVERGE = """
     out = os.environ["TAP"]
     p = jax.process_index()
 
-    def body(x, c):
+    def body(x, c, own):
         # Identical on the devices of one process, different across hosts:
-        # a value the copies are compared for, and an in_axes=None argument
-        # (proven alike at trace time: one copy per process travels).
-        pmaptap.tap(jnp.float32(p) + 0 * x, "skew", dedup="replicated")
+        # a value the copies are compared for (a mapped input, so not
+        # proven alike), and an in_axes=None argument (proven alike at trace
+        # time: one copy per process travels). The process index arrives as
+        # DATA, never as a constant baked into the program: multi-controller
+        # JAX needs the same program on every process, and on JAX 0.12 the
+        # collectives of programs that differ between processes never meet
+        # (the job hangs, with or without pmaptap).
+        pmaptap.tap(own + 0 * x, "skew", dedup="replicated")
         pmaptap.tap(c * 1.0, "skew_arg", dedup="replicated")
         pmaptap.tap(jax.lax.pmean(x, "i"), "agree", dedup="replicated")
         return x
@@ -162,9 +167,11 @@ _DIVERGE = """
     runs = []
     for session_no in range(2):   # two sessions: two agreed run ids
         with pmaptap.Session(out) as s:
-            f = jax.pmap(body, axis_name="i", in_axes=(0, None))
+            f = jax.pmap(body, axis_name="i", in_axes=(0, None, 0))
+            n = jax.local_device_count()
+            own = jnp.full(n, p, jnp.float32)
             for step in range(3):
-                f(jnp.ones(jax.local_device_count()) * step, jnp.float32(p)).block_until_ready()
+                f(jnp.ones(n) * step, jnp.float32(p), own).block_until_ready()
         runs.append(s.run)
     print("RUNS", json.dumps(runs), flush=True)
 """
