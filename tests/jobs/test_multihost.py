@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import time
-from importlib.metadata import version
 
 import pytest
 
@@ -178,13 +177,6 @@ _DIVERGE = """
 
 
 @pytest.mark.parametrize("gather_max_bytes", [1 << 20, 0], ids=["gathered", "hashed"])
-@pytest.mark.xfail(
-    tuple(int(v) for v in version("jax").split(".")[:2]) >= (0, 12),
-    reason="known bug on JAX 0.12 (issue 58's note, docs/faults.md): a pmap step whose "
-    "replicated tap compares its copies across processes hangs in the executable",
-    strict=True,
-    run=False,
-)
 def test_cross_host_divergence_keeps_every_value(tmp_path, gather_max_bytes):
     tap = str(tmp_path / "div.jsonl")
     proc, _ = run_launch(
