@@ -1,4 +1,4 @@
-"""t. What a fingerprint of a model's parameters adds to a step (issue 59,
+"""v. What a fingerprint of a model's parameters adds to a step (issue 59,
 items 2 and 3): compile time, and the cost of a step where it is skipped.
 
 One CPU device; a transformer-like parameter tree (embedding, positions,
@@ -6,7 +6,7 @@ per block two layer norms, attention q/k/v/o with biases, an MLP with
 biases: 14 leaves a block, mixed sizes) and its training step
 (``value_and_grad`` + SGD).
 
-Compile (``t. compile``): ``.lower(...).compile()`` of the step, fresh
+Compile (``v. compile``): ``.lower(...).compile()`` of the step, fresh
 function objects every round (nothing cached), arms interleaved:
 untapped ``jax.jit``; ``jax.jit`` with ``pmaptap.fingerprint(params,
 step=s, every=10)``; ``pmaptap.jit`` with the same. Paired medians of the
@@ -16,7 +16,7 @@ one by one (``fingerprint64`` each, the former program) against
 ``fingerprint64_many`` (what ``pmaptap.fingerprint`` now compiles):
 instructions, reductions, compile seconds.
 
-Skipped steps (``t. skipped``): a 53-leaf tree updated by the step, the
+Skipped steps (``v. skipped``): a 53-leaf tree updated by the step, the
 fingerprint due every 1,000 steps and the steps run 1..20 (never due);
 arms interleaved, paired medians of step time over the untapped step:
 ``jax.jit`` with the fingerprint; ``jax.jit`` with a raw
@@ -139,12 +139,12 @@ def run_compile(quick: bool) -> None:
     n = len(leaves)
     mib = sum(x.nbytes for x in leaves) / 2**20
     print(
-        f"t. compile: {blocks} blocks, {n} leaves, {mib:.1f} MiB of float32 parameters; "
+        f"v. compile: {blocks} blocks, {n} leaves, {mib:.1f} MiB of float32 parameters; "
         f"{rounds} rounds; {machine()}"
     )
     rows = [
         (
-            f"t. compile {kind} + fingerprint / untapped",
+            f"v. compile {kind} + fingerprint / untapped",
             f"{paired(times, kind, 'untapped'):.3f}x",
             spread(_ratios(times, kind, "untapped"), "x", digits=3),
             spread(times[kind], " s"),
@@ -167,8 +167,8 @@ def run_compile(quick: bool) -> None:
     print(
         table(
             [
-                ("t. hash alone, leaf by leaf", *per_leaf[:2], f"{per_leaf[2]:.2f}"),
-                ("t. hash alone, fingerprint64_many", *many[:2], f"{many[2]:.2f}"),
+                ("v. hash alone, leaf by leaf", *per_leaf[:2], f"{per_leaf[2]:.2f}"),
+                ("v. hash alone, fingerprint64_many", *many[:2], f"{many[2]:.2f}"),
             ],
             ("program", "HLO instructions", "reductions", "compile s"),
         )
@@ -224,12 +224,12 @@ def run_skipped(quick: bool) -> None:
 
     times = interleaved_rounds({k: arm(f) for k, f in arms_of.items()}, rounds=rounds, steps=steps)
     print(
-        f"t. skipped: a {len(shapes)}-leaf tree, every=1000, steps never due; "
+        f"v. skipped: a {len(shapes)}-leaf tree, every=1000, steps never due; "
         f"{rounds} rounds x {steps} steps; {machine()}"
     )
     rows = [
         (
-            f"t. skipped {k} / untapped",
+            f"v. skipped {k} / untapped",
             f"{paired(times, k, 'untapped'):.2f}x",
             spread(_ratios(times, k, "untapped"), "x"),
             spread(times[k], " ms", 1e3, 3),
@@ -237,7 +237,7 @@ def run_skipped(quick: bool) -> None:
         for k in arms_of
         if k != "untapped"
     ]
-    rows.append(("t. skipped untapped", "", "", spread(times["untapped"], " ms", 1e3, 3)))
+    rows.append(("v. skipped untapped", "", "", spread(times["untapped"], " ms", 1e3, 3)))
     print(table(rows, ("arm", "paired median", "range", "ms/step")))
 
 

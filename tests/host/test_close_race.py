@@ -47,7 +47,10 @@ _SCENARIO = """
             (lambda k: f"r{rnd}-{k}.jsonl")
         path = os.path.join(out, name(0))
         result["files"].append(path)
-        s = pmaptap.Session(path, run=f"r{rnd}").open()
+        # Re-opening one run in one file is a resume (a fixed run id is
+        # refused there otherwise).
+        again = rnd == ROUNDS - 1
+        s = pmaptap.Session(path, run=f"r{rnd}", resume=again).open()
         t = threading.Thread(target=worker)
         t.start()
         # Swap only once both functions are compiled and taps flow (on a
@@ -62,7 +65,7 @@ _SCENARIO = """
             s.close()
             path = os.path.join(out, name(k + 1))
             result["files"].append(path)
-            s = pmaptap.Session(path, run=f"r{rnd}").open()
+            s = pmaptap.Session(path, run=f"r{rnd}", resume=again).open()
         time.sleep(GAP)
         stop.set()
         t.join()

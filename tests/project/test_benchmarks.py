@@ -93,14 +93,14 @@ def test_all_benchmarks_run_in_quick_mode():
         "q. pmap: fingerprint / floor_b",
         "q. jit: fingerprint / floor",
         "q. detection:",
-        "t. compile jax.jit + fingerprint / untapped",
-        "t. compile pmaptap.jit + fingerprint / untapped",
-        "t. hash alone, leaf by leaf",
-        "t. hash alone, fingerprint64_many",
-        "t. skipped jax.jit fingerprint / untapped",
-        "t. skipped jax.jit raw callback / untapped",
-        "t. skipped pmaptap.jit fingerprint / untapped",
-        "t. skipped pmaptap.jit tap / untapped",
+        "v. compile jax.jit + fingerprint / untapped",
+        "v. compile pmaptap.jit + fingerprint / untapped",
+        "v. hash alone, leaf by leaf",
+        "v. hash alone, fingerprint64_many",
+        "v. skipped jax.jit fingerprint / untapped",
+        "v. skipped jax.jit raw callback / untapped",
+        "v. skipped pmaptap.jit fingerprint / untapped",
+        "v. skipped pmaptap.jit tap / untapped",
     ):
         assert label in out, f"missing {label!r} in:\n{out}"
     assert "x" in out.split("a. per_device tap", 1)[1].splitlines()[0]  # a ratio printed
@@ -124,7 +124,7 @@ def test_all_benchmarks_run_in_quick_mode():
     ):
         assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
     # bench_outputs.py stats: each shard's statistics against returning them by hand.
-    assert ratios("t. "), "t.: no ratio to the per-shard floor"
+    assert ratios("t. 32 MiB"), "t.: no ratio to the per-shard floor"
     for mib in (2, 32):  # bench_arrays.py: both ratios, as numbers
         for ref in ("raw+write", "raw"):
             assert ratios(f"m. {mib} MiB sharded activation, tap / {ref} "), (mib, ref)
@@ -164,8 +164,8 @@ def test_all_benchmarks_run_in_quick_mode():
     # against the floor, and the hash against the float32 sums, as numbers.
     for dtype in ("float32", "bfloat16", "float16", "int8", "complex128"):
         assert len(ratios(f"r. {dtype}: fingerprint / floor")) == 4, dtype
-    # t. (bench_fpcost.py): compile and skipped-step ratios as numbers.
-    for label in ("t. compile jax.jit + fingerprint", "t. skipped pmaptap.jit fingerprint"):
+    # v. (bench_fpcost.py): compile and skipped-step ratios as numbers.
+    for label in ("v. compile jax.jit + fingerprint", "v. skipped pmaptap.jit fingerprint"):
         assert ratios(label), label
     # u. (bench_guide.py): the guide's step, both transports to raw and floor.
     for label in ("u. guide step, jax.jit / raw", "u. guide step, pmaptap.jit / raw"):
