@@ -40,7 +40,13 @@ def _leaf(dtype: str, shape: tuple, seed: int) -> np.ndarray:
         return (raw[:n] % 2 == 1).reshape(shape)
     if dtype == "int4":
         return (raw[:n] % 16).astype(np.int8).reshape(shape) - 8
-    return raw[: n * dt.itemsize].view(dt).reshape(shape)
+    x = raw[: n * dt.itemsize].view(dt).reshape(shape)
+    if jnp.issubdtype(dt, jnp.inexact):
+        # Finite: how XLA carries a NaN's payload bits through a copy differs
+        # between JAX releases (0.10 and 0.12 do not agree), so a NaN would
+        # pin a digest of one release, not pmaptap's.
+        x = np.where(np.isfinite(x), x, np.zeros((), dt))
+    return x
 
 
 def _tree(dtypes, seed: int = 0) -> dict:
@@ -89,8 +95,8 @@ def _records(path: str, wrap) -> list[tuple]:
 # module docstring); equal under jax.jit and pmaptap.jit.
 PINNED = [
     ("big", 0, "293719312778fbe9", False),
-    ("jit", 0, "cb798085719a38b0", False),
-    ("pmap", 1, "7e248481bd71baf4", False),
+    ("jit", 0, "38613c79449eb37b", False),
+    ("pmap", 1, "dd2ad0d67c90cbf8", False),
     ("x64", 2, "750428c4ad0261d5", False),
 ]
 
