@@ -124,7 +124,8 @@ def test_all_benchmarks_run_in_quick_mode():
     ):
         assert len(ratios(label)) >= 2, f"{label!r}: no ratio to raw and to floor"
     # bench_outputs.py stats: each shard's statistics against returning them by hand.
-    assert ratios("t. 32 MiB"), "t.: no ratio to the per-shard floor"
+    # (the first line of the letter t.: bench_outputs.py runs after bench_fpcost, v.)
+    assert ratios("t. "), "t.: no ratio to the per-shard floor"
     for mib in (2, 32):  # bench_arrays.py: both ratios, as numbers
         for ref in ("raw+write", "raw"):
             assert ratios(f"m. {mib} MiB sharded activation, tap / {ref} "), (mib, ref)
