@@ -436,14 +436,15 @@ def _hlo(fn, *args) -> str:
 
 def _fingerprint_reads(txt: str, buffer: str) -> list[str]:
     """Lines of ``txt`` computing uint32 values straight from the
-    instruction ``buffer`` (the stored value), or from a bitcast of it (a
-    view, no copy: JAX 0.12's XLA reshapes the pmap buffer so)."""
+    instruction ``buffer`` (the stored value; any operand of the fusion:
+    JAX 0.12's XLA puts another leaf's buffer first), or from a bitcast of
+    it (a view, no copy: JAX 0.12's XLA reshapes the pmap buffer so)."""
     names = [buffer] + re.findall(rf"%(\S+) = \S+ bitcast\(%{re.escape(buffer)}\)", txt)
     read = "|".join(re.escape(n) for n in names)
     return [
         ln
         for ln in txt.splitlines()
-        if re.search(r"= u32\[", ln) and re.search(rf"fusion\(%(?:{read})[,)]", ln)
+        if re.search(r"= u32\[", ln) and re.search(rf"fusion\((?:%[^,)]+, )*%(?:{read})[,)]", ln)
     ]
 
 
