@@ -27,6 +27,7 @@ SUITES = (
     "bench_fpcost.py",
     "bench_outputs.py",
     "bench_guide.py",
+    "bench_transformer.py",
 )
 
 

@@ -54,6 +54,26 @@ class Loop:
     children: tuple["Node", ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Where one small output the host reads whole lies in the step's
+    bundle (the first extra output: every such output's bytes, each at an offset
+    aligned to ``PACK_ALIGN``): one copy to the host for all of them, as a
+    device-to-host transfer costs the same for 4 bytes as for 4 KiB."""
+
+    offset: int
+    nbytes: int
+    dtype: Any  # numpy dtype
+    shape: tuple[int, ...]
+
+
+PACK_ALIGN = 8
+# Outputs up to this size are packed (the bundle is a copy on the device).
+PACK_MAX_BYTES = 64 * 1024
+# Per output of the nodes, in order: its position among the step's extra
+# outputs, or where it lies in the bundle.
+Packing = tuple[Union[int, Packed], ...]  # noqa: UP007 (a runtime alias on 3.10)
+
 Node = Union[Site, Loop]  # noqa: UP007 (a runtime alias on 3.10)
 
 

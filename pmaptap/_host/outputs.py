@@ -39,13 +39,14 @@ import collections
 import dataclasses
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec, lowered
-from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site, sites
+from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Packed, Packing, Site, sites
 from pmaptap._common.shard_placement import (
     PARTITION_AXIS,
     ShardPlacement,
@@ -59,21 +60,47 @@ from pmaptap._log import log
 # ends after the payload in its hands (a pipeline that is closing refuses
 # payloads at once, and the console takes them without waiting).
 STOP_GRACE_S = 2.0
+# The drain thread reads the steps dispatched within REST_S together; with
+# nothing submitted for IDLE_S it sleeps until a submit wakes it, and ends
+# after SLEEP_S of that.
+REST_S = 0.01
+IDLE_S = 1.0
+SLEEP_S = 30.0
 
 
 @dataclasses.dataclass
 class _Step:
-    nodes: tuple[Node, ...]
+    plan: "_Plan"
     arrays: list  # jax.Arrays, in the nodes' output order
     shards: dict[int, list]  # output position -> its addressable shards (per-shard reads)
-    nbytes: int
     seq: int
+    started: bool  # every output's copy to the host started (else only the gates')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a traced step's outputs are, worked out once per trace."""
+
+    nodes: tuple[Node, ...]
+    sites: list[Site]
+    per_shard: frozenset  # output positions read shard by shard
+    # The outputs holding the sites' ``valid`` flags when every site has
+    # one (taps and fingerprints with a traced step and ``every`` > 1):
+    # read first, and a step where none is set touches nothing else.
+    gates: tuple[int, ...] | None
+    nbytes: int  # of one step's outputs (the in-flight bound counts them)
 
 
 class Drain:
     """One per process: the queue of submitted steps and its thread.
     ``deliver(spec, payload, block=)`` and ``report(error, name)`` are
-    routing's (the seam; this module does not import it)."""
+    routing's (the seam; this module does not import it).
+
+    The thread does not wake for every step: once it has read the queue
+    empty it lets the steps dispatched meanwhile gather for ``REST_S`` and
+    reads them together (a wake-up a step cost more than a short step's
+    taps, docs/performance.md). ``wait()``, a sleeping thread, and bytes in
+    flight past half the bound wake it at once."""
 
     def __init__(
         self, deliver: Callable[..., None], report: Callable[[BaseException, str], None]
@@ -91,25 +118,28 @@ class Drain:
         self._stop = threading.Event()
         self._abandoned = 0  # steps left part-way by shutdown()
         self._slow_said = False
-        self._plans: dict[int, tuple[tuple[Node, ...], list[Site], frozenset]] = {}
+        self._plans: dict[int, _Plan] = {}
+        self._hurry = False  # read what is queued now (wait(), the bound)
+        self._asleep = False  # the thread waits for a submit to wake it
+        self._reading = False  # the thread is reading the queue until empty
 
     # ------------------------------------------------ the loop's thread
-    def submit(self, nodes: tuple[Node, ...], arrays: Sequence[Any], max_bytes: int) -> None:
+    def submit(
+        self,
+        nodes: tuple[Node, ...],
+        arrays: Sequence[Any],
+        max_bytes: int,
+        packing: Packing | None = None,
+    ) -> None:
         if not nodes:
             return
-        per_shard = self._plan(nodes)[2]
-        shards: dict[int, list] = {}
-        nbytes = 0
-        for i, a in enumerate(arrays):
-            nbytes += int(getattr(a, "nbytes", 0))
-            if i in per_shard and len(a.sharding.device_set) > 1:
-                # Each device's own copy is read: a replicated slice's
-                # copies are compared, as the callback transport compares them.
-                shards[i] = list(a.addressable_shards)
-                for s in shards[i]:
-                    _start_copy(s.data)
-            else:
-                _start_copy(a)
+        plan = self._plan(nodes, arrays)
+        step = _Step(plan, _unpacked(arrays, packing), {}, 0, plan.gates is None)
+        if step.started:
+            _start_copies(step)
+        # else: the drain thread reads the gates (a few bytes) when it gets
+        # there; a step that skips every tap starts no copy at all.
+        nbytes = plan.nbytes
         with self._cv:
             while self._queue and self._in_flight + nbytes > max_bytes:
                 if not self._slow_said:
@@ -122,18 +152,22 @@ class Drain:
                         f"configure(max_in_flight_bytes={max_bytes}) sets the "
                         "bound). (Said once.)"
                     )
+                self._hurry = True
+                self._cv.notify_all()
                 self._cv.wait(0.5)
             self._submitted += 1
-            self._queue.append(_Step(tuple(nodes), list(arrays), shards, nbytes, self._submitted))
+            step.seq = self._submitted
+            self._queue.append(step)
             self._in_flight += nbytes
             self._stop.clear()  # a step after shutdown (a late exit handler's)
-            self._ensure_thread()
-            self._cv.notify_all()
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="pmaptap-outputs", daemon=True)
-            self._thread.start()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="pmaptap-outputs", daemon=True
+                )
+                self._thread.start()
+            elif self._asleep or 2 * self._in_flight > max_bytes:
+                self._hurry = True
+                self._cv.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every step submitted before this call was delivered
@@ -141,6 +175,9 @@ class Drain:
         steps undelivered)."""
         with self._cv:
             target = self._submitted
+            if self._done < target:
+                self._hurry = True
+                self._cv.notify_all()
             return (
                 self._cv.wait_for(lambda: self._done >= target or self._stop.is_set(), timeout)
                 and self._done >= target
@@ -177,12 +214,10 @@ class Drain:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue or self._stop.is_set():
-                    if self._stop.is_set() or not self._cv.wait(30.0):
-                        if self._stop.is_set() or not self._queue:
-                            self._thread = None
-                            return
-                step = self._queue[0]
+                step = self._next()
+                if step is None:
+                    self._thread = None
+                    return
             left = False
             try:
                 left = not self._deliver(step)  # stopped part-way: shutdown() counts it
@@ -191,18 +226,43 @@ class Drain:
             with self._cv:
                 self._abandoned += left
                 self._queue.popleft()
-                self._in_flight -= step.nbytes
+                self._in_flight -= step.plan.nbytes
                 self._done = step.seq
                 self._cv.notify_all()
 
-    def _plan(self, nodes: tuple[Node, ...]):
-        """(nodes, their sites, the output positions read shard by shard),
-        once per traced step."""
+    def _next(self) -> _Step | None:
+        """Under the lock: the next step to read, once it is time to read
+        (see the class docstring); None: the thread is to end (shutdown, or
+        nothing submitted for ``SLEEP_S``)."""
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            if self._queue and (self._reading or self._hurry):
+                self._reading = True
+                return self._queue[0]
+            # The queue read empty: let the next steps gather.
+            self._reading = self._hurry = False
+            if time.monotonic() - idle_since < IDLE_S:
+                self._cv.wait_for(lambda: self._hurry or self._stop.is_set(), REST_S)
+                self._reading = bool(self._queue)
+                continue
+            self._asleep = True  # nothing for IDLE_S: the next submit wakes us
+            woke = self._cv.wait(SLEEP_S)
+            self._asleep = False
+            if not woke and not self._queue:
+                return None
+            idle_since = time.monotonic()
+            self._reading = bool(self._queue)
+        return None
+
+    def _plan(self, nodes: tuple[Node, ...], arrays: Sequence[Any] = ()) -> _Plan:
+        """Once per traced step (by the identity of its nodes)."""
         plan = self._plans.get(id(nodes))
-        if plan is None or plan[0] is not nodes:
+        if plan is None or plan.nodes is not nodes:
             ss = sites(nodes)
-            per_shard, i = set(), 0
+            per_shard, gates, i = set(), [], 0
             for s in ss:
+                if s.traced[0]:
+                    gates.append(i)
                 for j, traced in enumerate(s.traced):
                     if traced:
                         if (
@@ -213,7 +273,13 @@ class Drain:
                         ):
                             per_shard.add(i)
                         i += 1
-            plan = (nodes, ss, frozenset(per_shard))
+            plan = _Plan(
+                nodes,
+                ss,
+                frozenset(per_shard),
+                tuple(gates) if len(gates) == len(ss) else None,
+                sum(int(getattr(a, "nbytes", 0)) for a in arrays),
+            )
             if len(self._plans) > 1024:
                 self._plans.clear()
             self._plans[id(nodes)] = plan
@@ -222,10 +288,14 @@ class Drain:
     def _deliver(self, step: _Step) -> bool:
         """Hand every payload of ``step`` over; False if shutdown() stopped
         it part-way."""
-        _, ss, _ = self._plan(step.nodes)
+        plan = step.plan
+        if not step.started:
+            if not any(_host(step.arrays[i]).any() for i in plan.gates or ()):
+                return True  # every tap of the step skipped it
+            _start_copies(step)
         views: dict[int, list[_View]] = {}
         i = 0
-        for s in ss:
+        for s in plan.sites:
             vs = []
             for traced in s.traced:
                 if traced:
@@ -234,12 +304,26 @@ class Drain:
                 else:
                     vs.append(None)
             views[id(s)] = vs
-        for site, index in _executions(step.nodes, ()):
+        for site, index in _executions(plan.nodes, ()):
             for spec, payload in _payloads(site, views[id(site)], index):
                 if self._stop.is_set():
                     return False
                 self._deliver_one(spec, payload, block=True)
         return True
+
+
+def _start_copies(step: _Step) -> None:
+    """Start every output's copy to the host (each device's own shard for
+    per-shard reads: a replicated slice's copies are compared, as the
+    callback transport compares them)."""
+    step.started = True
+    for i, a in enumerate(step.arrays):
+        if i in step.plan.per_shard and len(a.sharding.device_set) > 1:
+            step.shards[i] = list(a.addressable_shards)
+            for s in step.shards[i]:
+                _start_copy(s.data)
+        else:
+            _start_copy(a)
 
 
 def _summary(spec: Any, j: int) -> bool:
@@ -261,6 +345,51 @@ def _start_copy(a: Any) -> None:
         pass
 
 
+class _Bundle:
+    """One step's bundle of small outputs (_trace/lift.py: ``_pack``), copied
+    to the host once for all of them."""
+
+    __slots__ = ("array", "_started", "_bytes")
+
+    def __init__(self, array: Any) -> None:
+        self.array, self._started, self._bytes = array, False, None
+
+    def copy_to_host_async(self) -> None:
+        if not self._started:
+            self._started = True
+            _start_copy(self.array)
+
+    def bytes(self) -> np.ndarray:
+        if self._bytes is None:
+            self._bytes = _host(self.array)
+        return self._bytes
+
+
+class _Part:
+    """One output packed in a bundle: read as the output itself."""
+
+    __slots__ = ("bundle", "where")
+
+    def __init__(self, bundle: _Bundle, where: Packed) -> None:
+        self.bundle, self.where = bundle, where
+
+    def copy_to_host_async(self) -> None:
+        self.bundle.copy_to_host_async()
+
+    def host(self) -> np.ndarray:
+        w = self.where
+        raw = self.bundle.bytes()[w.offset : w.offset + w.nbytes]
+        return raw.view(w.dtype).reshape(w.shape).copy()
+
+
+def _unpacked(arrays: Sequence[Any], packing: Packing | None) -> list:
+    """The nodes' outputs, one each, from the step's extra outputs."""
+    if packing is None:
+        return list(arrays)
+    bundle = _Bundle(arrays[0])
+    return [arrays[k] if isinstance(k, int) else _Part(bundle, k) for k in packing]
+
+
 class _View:
     """One output as the host reads it: the whole value (np.asarray, which
     waits for the copy started at submit), or, for per-shard reads, each
@@ -275,16 +404,7 @@ class _View:
 
     def host(self) -> np.ndarray:
         if self._host is None:
-            a = self.array
-            if getattr(a, "is_fully_addressable", True):
-                self._host = np.asarray(a)
-            else:
-                # A global value of a multi-process job: this process's rows
-                # (pieces elsewhere stay zero; rows() says which are here).
-                out = np.zeros(a.shape, a.dtype)
-                for s in a.addressable_shards:
-                    out[s.index] = np.asarray(s.data)
-                self._host = out
+            self._host = _host(self.array)
         return self._host
 
     def pieces(self) -> list[tuple[int, tuple, np.ndarray]]:
@@ -308,6 +428,20 @@ class _View:
             stop = a.shape[axis] if sl.stop is None else sl.stop
             held.update(range(start, stop))
         return sorted(held)
+
+
+def _host(a: Any) -> np.ndarray:
+    """An output on the host (waits for its copy)."""
+    if isinstance(a, _Part):
+        return a.host()
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)
+    # A global value of a multi-process job: this process's rows (pieces
+    # elsewhere stay zero; _View.rows() says which are here).
+    out = np.zeros(a.shape, a.dtype)
+    for s in a.addressable_shards:
+        out[s.index] = np.asarray(s.data)
+    return out
 
 
 def _index(idx: tuple, shape: tuple) -> tuple[tuple[int, int], ...]:
@@ -579,13 +713,14 @@ def submit(
     max_bytes: int,
     deliver: Callable[..., None],
     report: Callable[[BaseException, str], None],
+    packing: Packing | None = None,
 ) -> None:
     """Queue one dispatched step's lifted taps (see the module docstring)."""
     global _drain
     with _drain_lock:
         if _drain is None:
             _drain = Drain(deliver, report)
-    _drain.submit(nodes, arrays, max_bytes)
+    _drain.submit(nodes, arrays, max_bytes, packing)
 
 
 def wait(timeout: float | None = None) -> bool:

@@ -131,7 +131,7 @@ def report(e: BaseException, name: str) -> None:
         pass
 
 
-def submit_outputs(nodes: Any, arrays: Any, max_bytes: int) -> None:
+def submit_outputs(nodes: Any, arrays: Any, max_bytes: int, packing: Any = None) -> None:
     """The output transport's seam (pmaptap.jit / pmaptap.pmap): one
     dispatched step's lifted taps, delivered by the drain thread through
     ``deliver`` (outputs.py)."""
@@ -143,7 +143,7 @@ def submit_outputs(nodes: Any, arrays: Any, max_bytes: int) -> None:
                 # own exit handlers tear the backends down.
                 atexit.register(_outputs_at_exit)
                 _exit_registered = True
-    outputs.submit(nodes, arrays, max_bytes, deliver, report)
+    outputs.submit(nodes, arrays, max_bytes, deliver, report, packing)
 
 
 def _outputs_at_exit() -> None:

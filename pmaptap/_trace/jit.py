@@ -38,7 +38,7 @@ def _handed_over(result: tuple[Any, Lifted]) -> Any:
     """The function's outputs of one dispatched run of the lifted step; its
     lifted taps handed to the host pipeline (what makes them records)."""
     out, lifted = result
-    submit_outputs(lifted.nodes, lifted.arrays, options().max_in_flight_bytes)
+    submit_outputs(lifted.nodes, lifted.arrays, options().max_in_flight_bytes, lifted.packing)
     return out
 
 
@@ -214,7 +214,7 @@ def pmap(fun: Callable | None = None, /, **kwargs: Any):
     row per device."""
     if fun is None:
         return functools.partial(pmap, **kwargs)
-    lifted = lift(fun)
+    lifted = lift(fun, pack=False)
 
     @functools.wraps(fun)
     def rows(*args, **kw):

@@ -50,7 +50,19 @@ from jax._src.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec
 
 from pmaptap._common.fingerprint import FingerprintSpec
-from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Site
+from pmaptap._common.lifted import (
+    ONE,
+    PACK_ALIGN,
+    PACK_MAX_BYTES,
+    ROWS,
+    SHARDS,
+    Loop,
+    Node,
+    Packed,
+    Packing,
+    Site,
+    sites,
+)
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
 from pmaptap._trace import fingerprint, placement, shardstats
@@ -65,23 +77,26 @@ _MARKS = (tap_out_p, fingerprint_out_p)
 
 class Lifted:
     """The lifted taps of one step: ``nodes`` (static, see _common/lifted.py)
-    and their traced operands ``arrays`` in tree order. A pytree whose
-    children are the arrays, so a jit returns it as outputs and gives the
-    nodes back with them."""
+    and the step's extra ``arrays`` in tree order, with ``packing`` (static:
+    where each of the nodes' outputs lies among them; None: one array each,
+    in order). A pytree whose children are the arrays, so a jit returns it
+    as outputs and gives the static part back with them."""
 
-    __slots__ = ("nodes", "arrays")
+    __slots__ = ("nodes", "arrays", "packing")
 
-    def __init__(self, nodes: tuple[Node, ...], arrays: list) -> None:
-        self.nodes, self.arrays = nodes, list(arrays)
+    def __init__(
+        self, nodes: tuple[Node, ...], arrays: list, packing: Packing | None = None
+    ) -> None:
+        self.nodes, self.arrays, self.packing = nodes, list(arrays), packing
 
 
 class _Nodes:
     """The static part of ``Lifted``: compared by identity (one per trace)."""
 
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "packing")
 
-    def __init__(self, nodes: tuple[Node, ...]) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: tuple[Node, ...], packing: Packing | None) -> None:
+        self.nodes, self.packing = nodes, packing
 
     # Each flattening makes a new _Nodes: equal when they hold the same
     # trace's nodes, so trees flattened twice match (Equinox's filter_jit
@@ -95,16 +110,65 @@ class _Nodes:
 
 jax.tree_util.register_pytree_node(
     Lifted,
-    lambda x: (x.arrays, _Nodes(x.nodes)),
-    lambda aux, arrays: Lifted(aux.nodes, list(arrays)),
+    lambda x: (x.arrays, _Nodes(x.nodes, x.packing)),
+    lambda aux, arrays: Lifted(aux.nodes, list(arrays), aux.packing),
 )
 
 
+def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
+    """The step's extra outputs with the small ones the host reads whole (a
+    scalar tap's value, every tap's step and ``valid`` flag, a fingerprint's
+    table) in one bundle of bytes, each traced value once (the step number of every
+    tap is one value): one device-to-host copy a step for them instead of
+    one each (docs/performance.md). The host half reads them back exactly
+    (_host/outputs.py)."""
+    # Per output: whether the host reads it whole (every output of a ONE
+    # site; a SHARDS site's valid, coordinates and step, not its leaves,
+    # read shard by shard; ROWS sites' outputs are read row by row).
+    whole: list[bool] = []
+    for site in sites(nodes):
+        whole += [
+            site.where == ONE or (site.where == SHARDS and j < 3)
+            for j, traced in enumerate(site.traced)
+            if traced
+        ]
+    pieces: list = []
+    placed: dict[int, Packed] = {}
+    packing: list[int | Packed] = []
+    own: list = []
+    offset = 0
+    for read_whole, x in zip(whole, flat):
+        dtype = np.dtype(x.dtype)
+        nbytes = int(np.prod(x.shape, dtype=np.int64)) * dtype.itemsize
+        if not read_whole or nbytes > PACK_MAX_BYTES or dtype.kind not in "biuf":
+            packing.append(len(own))
+            own.append(x)
+            continue
+        hit = placed.get(id(x))
+        if hit is None:
+            word = x.astype(jnp.uint8) if dtype.kind == "b" else x
+            if dtype.itemsize > 1 or dtype.kind == "f":
+                word = lax.bitcast_convert_type(word, jnp.uint8)
+            pad = -nbytes % PACK_ALIGN
+            pieces.append(word.reshape(-1))
+            if pad:
+                pieces.append(jnp.zeros((pad,), jnp.uint8))
+            hit = placed[id(x)] = Packed(offset, nbytes, dtype, tuple(int(n) for n in x.shape))
+            offset += nbytes + pad
+        packing.append(hit)
+    if not pieces:
+        return Lifted(nodes, flat)
+    bundle = jnp.concatenate(pieces)
+    return Lifted(nodes, [bundle, *own], tuple(k + 1 if isinstance(k, int) else k for k in packing))
+
+
 # ------------------------------------------------------------ the interpreter
-def lift(fun: Callable) -> Callable:
+def lift(fun: Callable, *, pack: bool = True) -> Callable:
     """``fun`` returning ``(its outputs, Lifted)``; meant to be traced (by
     jit, pmap, or any jit-like wrapper). Arguments that are not JAX values
-    (static arguments, None, Python objects) are passed through unchanged."""
+    (static arguments, None, Python objects) are passed through unchanged.
+    ``pack``: the small outputs in one bundle (``_pack``; not where the
+    outputs gain an axis of one row per device, pmap)."""
 
     @functools.wraps(fun)
     def lifted(*args, **kwargs):
@@ -145,7 +209,8 @@ def lift(fun: Callable) -> Callable:
         state = [next(it) if x is None else x for x in box["state_static"]]
         if state:
             _update((args, kwargs), jax.tree_util.tree_unflatten(box["state_tree"], state))
-        return jax.tree_util.tree_unflatten(box["tree"], full), Lifted(tuple(nodes), flat)
+        lifted = _pack(tuple(nodes), flat) if pack else Lifted(tuple(nodes), flat)
+        return jax.tree_util.tree_unflatten(box["tree"], full), lifted
 
     return lifted
 

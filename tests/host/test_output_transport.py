@@ -225,8 +225,8 @@ def test_slow_sink_slows_the_loop_bounded_and_drops_nothing(tap_path, monkeypatc
     peak = [0]
     real_submit = outputs.Drain.submit
 
-    def watched(self, nodes, arrays, max_bytes):
-        real_submit(self, nodes, arrays, max_bytes)
+    def watched(self, nodes, arrays, max_bytes, *packing):
+        real_submit(self, nodes, arrays, max_bytes, *packing)
         with self._cv:
             peak[0] = max(peak[0], self._in_flight)
 
@@ -514,6 +514,60 @@ def test_every_with_per_device_steps_decides_as_the_callback_transport(tmp_path)
         else:
             want = sorted((s + d * ahead, d) for s in range(6) for d in range(8))
             assert got == want, (name, got)
+
+
+def test_a_step_every_tap_skips_reads_only_the_skip_flags(tmp_path, monkeypatch):
+    """``every`` with a traced step under pmaptap.jit: a step where every
+    tap and fingerprint is skipped moves nothing to the host but the small
+    bundle holding the flags that say so (no copy started on the loop's
+    thread, no other output read), and a due step is written whole, as
+    under jax.jit."""
+    read, copied = [], []
+    real_host, real_copy = outputs._host, outputs._start_copy
+
+    def host(a):
+        if not isinstance(a, outputs._Part):
+            read.append(a.shape)
+        return real_host(a)
+
+    def copy(a):
+        if not isinstance(a, outputs._Part):
+            copied.append(a.shape)
+        real_copy(a)
+
+    monkeypatch.setattr(outputs, "_host", host)
+    monkeypatch.setattr(outputs, "_start_copy", copy)
+
+    def step(p, s):
+        p = [a * 2 for a in p]
+        pmaptap.fingerprint(p, "params", step=s, every=5)
+        pmaptap.tap(p[0], "w", step=s, every=5)
+        pmaptap.tap(p[1].sum(), "total", step=s, every=5)
+        return p
+
+    params = [jnp.ones((6, 3)), jnp.ones((4,))]
+    for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+        read.clear(), copied.clear()
+        with pmaptap.Session(str(tmp_path / name), run="skip"):
+            f, p = wrap(step), params
+            for s in range(1, 5):  # never due
+                p = f(p, jnp.int32(s))
+            pmaptap.flush()
+            skipped_reads, skipped_copies = list(read), list(copied)
+            p = f(p, jnp.int32(5))  # due
+    # One bundle read a skipped step (the flags, steps, the scalar tap and
+    # the fingerprints' table: one copy), nothing else.
+    assert skipped_copies == [], skipped_copies
+    assert len(skipped_reads) == 4 and len(set(skipped_reads)) == 1, skipped_reads
+    (bundle,) = set(skipped_reads)
+    assert len(bundle) == 1 and bundle[0] < 256, bundle  # bytes
+    assert (6, 3) in read and (6, 3) in copied  # the due step's tap, read whole
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert sorted((r["name"], r["step"]) for r in recs) == [
+        ("params", 5),
+        ("total", 5),
+        ("w", 5),
+    ]
 
 
 # A pmap step called on fewer devices first (a warm-up on a small batch):

@@ -1,0 +1,356 @@
+"""w. A transformer's training step, tapped as a user taps a model they did
+not write (issue 59, item 4): what it adds to the step and to its compile.
+
+The model (Flax linen): a token embedding and learned positions, N pre-LN
+blocks (layer norm, causal multi-head attention, residual; layer norm, a
+GELU MLP of 4x the width, residual), a final layer norm, logits through
+the embedding; next-token cross-entropy, optax ``adamw``. Tapped from
+outside the model code (``flax.linen.intercept_methods``): every block's
+output RMS, plus the loss and a fingerprint of the parameters every
+``EVERY`` steps (the step number traced).
+
+Arms (one device; each compiled once with ``.lower().compile()``, timed,
+then run interleaved, paired medians of the per-round step times):
+
+- ``untapped``: the step, nothing tapped;
+- ``by hand``: the same values returned by the step (the block RMS values
+  and the loss every step; the fingerprints, computed by pmaptap's own
+  hash inside a ``lax.cond``, on due steps) and copied to the host
+  asynchronously, read one step later: what a careful user writes;
+- ``pmaptap.jit``: the taps leave the step as outputs, a session writing
+  the file; ``pmaptap.jit no fingerprint`` (its compile time tells the
+  fingerprint's share);
+- ``jax.jit``: the same taps as host callbacks;
+- ``raw``: the same values (RMS and loss) through raw
+  ``jax.debug.callback``, doing nothing on the host; ``floor``: ONE raw
+  callback a step, of the loss.
+
+Checked: every record of the loss equals the loss the step returned, the
+block RMS records equal the by-hand arm's values of the same step (within
+float rounding: another program), one fingerprint record a due step, none
+divergent. Printed: ms added per step against the untapped step and the
+ratio to by-hand, raw and floor; compile seconds and their ratio to the
+untapped compile; the model's size; peak RSS.
+
+``--tpu``: the TPU configuration (6 blocks of width 512, bf16, 32 x 256
+tokens); ``--arms`` a comma-separated subset (one device-machine call holds
+about five compiles of that model); ``--quick`` (the test suite): a tiny
+model, two rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import machine, paired, rss_mib, set_devices, spread, table  # noqa: E402
+
+EVERY = 10
+ARMS = (
+    "untapped",
+    "by hand",
+    "pmaptap.jit",
+    "pmaptap.jit no fingerprint",
+    "jax.jit",
+    "raw",
+    "floor",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    blocks: int
+    width: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int
+    dtype: str
+    rounds: int
+    steps: int
+
+
+QUICK = Config(2, 32, 2, 128, 16, 2, "float32", 2, 10)
+CPU = Config(4, 256, 4, 4096, 128, 8, "float32", 9, 10)
+TPU = Config(6, 512, 8, 32000, 256, 32, "bfloat16", 9, 20)
+
+
+def _model(cfg: Config):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(cfg.dtype)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            h = nn.LayerNorm(dtype=dtype)(x)
+            h = nn.MultiHeadDotProductAttention(num_heads=cfg.heads, dtype=dtype)(h, h, mask=mask)
+            x = x + h
+            h = nn.LayerNorm(dtype=dtype)(x)
+            h = nn.Dense(4 * cfg.width, dtype=dtype)(h)
+            h = nn.Dense(cfg.width, dtype=dtype)(nn.gelu(h))
+            return x + h
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(cfg.vocab, cfg.width)
+            pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.width))
+            x = (embed(tokens) + pos[: tokens.shape[1]]).astype(dtype)
+            mask = nn.make_causal_mask(tokens)
+            for i in range(cfg.blocks):
+                x = Block(name=f"block{i}")(x, mask)
+            x = nn.LayerNorm(dtype=dtype)(x)
+            return embed.attend(x.astype(jnp.float32))
+
+    return LM(), Block
+
+
+def _arms(cfg: Config):
+    """(step functions by arm, initial state, tokens, the model's size)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+
+    import pmaptap
+    from pmaptap._trace.fphash import fingerprint64_many
+
+    model, Block = _model(cfg)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq + 1)), jnp.int32)
+    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    opt = optax.adamw(1e-3, weight_decay=1e-4)
+    state = (params, opt.init(params))
+    n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+    def with_blocks(seen):
+        """Runs the model with every block's output RMS handed to ``seen``
+        (name, value): from outside the model code."""
+
+        def intercept(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            if isinstance(context.module, Block) and context.method_name == "__call__":
+                seen(context.module.name, jnp.sqrt(jnp.mean(jnp.square(out.astype(jnp.float32)))))
+            return out
+
+        return intercept
+
+    def make(arm: str, prefix: str):
+        fingerprint = arm in ("pmaptap.jit", "jax.jit")
+        taps = arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit")
+
+        def step(state, tokens, s):
+            params, opt_state = state
+            rms: dict = {}
+
+            def seen(name, v):
+                if taps:
+                    pmaptap.tap(v, f"{prefix}rms/{name}", step=s)
+                elif arm in ("by hand", "raw"):
+                    rms[name] = v
+
+            def loss_fn(p):
+                with nn.intercept_methods(with_blocks(seen)):
+                    logits = model.apply({"params": p}, tokens[:, :-1])
+                loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+                # Seen under value_and_grad: returned as its aux.
+                return loss.mean(), dict(rms)
+
+            (loss, rms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            extra: tuple = ()
+            if taps:
+                pmaptap.tap(loss, f"{prefix}loss", step=s)
+            if fingerprint:
+                pmaptap.fingerprint(params, f"{prefix}params", step=s, every=EVERY)
+            if arm == "by hand":
+                leaves = jax.tree.leaves(params)
+                fps = lax.cond(
+                    s % EVERY == 0,
+                    lambda: fingerprint64_many(leaves),
+                    lambda: jnp.zeros((len(leaves), 2), jnp.uint32),
+                )
+                extra = (rms, fps)
+            elif arm == "raw":
+                jax.debug.callback(lambda *_: None, loss, rms)
+            elif arm == "floor":
+                jax.debug.callback(lambda *_: None, loss)
+            return (params, opt_state), loss, extra
+
+        wrap = pmaptap.jit if arm.startswith("pmaptap.jit") else jax.jit
+        return wrap(step)
+
+    prefixes = {arm: f"w{i}/" for i, arm in enumerate(ARMS)}
+    return {arm: make(arm, prefixes[arm]) for arm in ARMS}, prefixes, state, tokens, n_params
+
+
+def run(cfg: Config, arms: list[str]) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pmaptap
+
+    fns, prefixes, state0, tokens, n_params = _arms(cfg)
+    fns = {a: fns[a] for a in arms}
+    out_dir = tempfile.mkdtemp(prefix="pmaptap-transformer-")
+    path = os.path.join(out_dir, "w.jsonl")
+    session = pmaptap.Session(path, run="transformer").open()
+    compiled, compile_s = {}, {}
+    for arm, fn in fns.items():
+        t = time.perf_counter()
+        compiled[arm] = fn.lower(state0, tokens, jnp.int32(0)).compile()
+        compile_s[arm] = time.perf_counter() - t
+    states = {a: state0 for a in fns}
+    step_no = {a: 0 for a in fns}
+    returned: dict[str, dict[int, float]] = {a: {} for a in fns}
+    by_hand: dict[int, tuple] = {}
+
+    def round_of(arm: str):
+        def go() -> None:
+            f, st, pending = compiled[arm], states[arm], None
+            for _ in range(cfg.steps):
+                s = step_no[arm]
+                st, loss, extra = f(st, tokens, jnp.int32(s))
+                if arm == "by hand":
+                    for x in jax.tree.leaves((loss, extra)):
+                        x.copy_to_host_async()
+                    if pending is not None:  # the step before, read by hand
+                        ps, pl, (prms, pfps) = pending
+                        by_hand[ps] = (
+                            float(pl),
+                            {k: float(v) for k, v in prms.items()},
+                            np.asarray(pfps),
+                        )
+                    pending = (s, loss, extra)
+                returned[arm][s] = loss
+                step_no[arm] = s + 1
+            jax.block_until_ready(st)
+            if pending is not None:
+                ps, pl, (prms, pfps) = pending
+                by_hand[ps] = (float(pl), {k: float(v) for k, v in prms.items()}, np.asarray(pfps))
+            states[arm] = st
+            if arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit"):
+                session.flush()
+            elif arm in ("raw", "floor"):
+                jax.effects_barrier()
+
+        return go
+
+    for arm in fns:  # warm-up round: first calls, first writes
+        round_of(arm)()
+    times: dict[str, list[float]] = {a: [] for a in fns}
+    for r in range(cfg.rounds):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for arm in order:
+            t = time.perf_counter()
+            round_of(arm)()
+            times[arm].append((time.perf_counter() - t) / cfg.steps)
+    session.close()
+    _check(path, prefixes, fns, returned, by_hand, cfg)
+
+    print(
+        f"w. transformer step: {cfg.blocks} blocks of width {cfg.width}, {cfg.heads} heads, "
+        f"vocab {cfg.vocab}, {cfg.batch} x {cfg.seq} tokens, {cfg.dtype}, adamw; "
+        f"{n_params / 1e6:.1f}M parameters in {len(jax.tree.leaves(state0[0]))} leaves; "
+        f"taps: {cfg.blocks} block RMS + loss, fingerprint every {EVERY}; "
+        f"{cfg.rounds} rounds x {cfg.steps} steps; {machine()}"
+    )
+    base = "untapped"
+    rows = []
+    for arm in fns:
+        added = [t - b for t, b in zip(times[arm], times[base])]
+        row = [
+            f"w. {arm}",
+            spread(times[arm], " ms", 1e3, 2),
+            "" if arm == base else spread(added, " ms", 1e3, 2),
+        ]
+        for ref in ("by hand", "raw", "floor"):
+            ok = arm not in (base, ref) and ref in times
+            row.append(f"{paired(times, arm, ref, base):.2f}x" if ok else "")
+        row.append(f"{compile_s[arm]:.1f} s")
+        row.append(f"{compile_s[arm] / compile_s[base]:.3f}x" if base in compile_s else "")
+        rows.append(tuple(row))
+    print(
+        table(
+            rows,
+            (
+                "arm",
+                "ms/step",
+                "added ms/step",
+                "added / by hand",
+                "/ raw",
+                "/ floor",
+                "compile",
+                "compile / untapped",
+            ),
+        )
+    )
+    print(f"w. peak RSS {rss_mib():.0f} MiB; records checked against the returned values")
+
+
+def _check(path, prefixes, fns, returned, by_hand, cfg: Config) -> None:
+    """The records are the values the steps computed (see the docstring)."""
+    import numpy as np
+
+    import pmaptap
+
+    recs = pmaptap.read(path)
+    for arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit"):
+        if arm not in fns:
+            continue
+        p = prefixes[arm]
+        loss = {r["step"]: np.float32(r["value"]) for r in recs if r["name"] == f"{p}loss"}
+        want = {s: np.float32(v) for s, v in returned[arm].items()}
+        assert loss == want, (arm, len(loss), len(want))
+        for s, (_, rms, _) in by_hand.items():
+            for block, v in rms.items():
+                got = next(
+                    r["value"] for r in recs if r["name"] == f"{p}rms/{block}" and r["step"] == s
+                )
+                tol = 2e-2 if cfg.dtype == "bfloat16" else 1e-4
+                assert np.isclose(got, v, rtol=tol), (arm, block, s, got, v)
+        fps = [r for r in recs if r["name"] == f"{p}params"]
+        if arm != "pmaptap.jit no fingerprint":
+            due = sorted(s for s in returned[arm] if s % EVERY == 0)
+            assert sorted({r["step"] for r in fps}) == due, (arm, due)
+            assert not [r for r in fps if r.get("divergent")], arm
+        else:
+            assert not fps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="a tiny model: checks that it runs")
+    ap.add_argument("--tpu", action="store_true", help="the TPU configuration, on the TPU")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms")
+    ap.add_argument("--blocks", type=int, default=0, help="blocks (0: the configuration's)")
+    a = ap.parse_args(argv)
+    if not a.tpu:
+        set_devices(1)
+    cfg = QUICK if a.quick else TPU if a.tpu else CPU
+    if a.blocks:
+        cfg = dataclasses.replace(cfg, blocks=a.blocks)
+    arms = [x.strip() for x in a.arms.split(",")]
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    if "untapped" not in arms:
+        arms.insert(0, "untapped")
+    run(cfg, arms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
