@@ -171,6 +171,11 @@ def test_all_benchmarks_run_in_quick_mode():
     # u. (bench_guide.py): the guide's step, both transports to raw and floor.
     for label in ("u. guide step, jax.jit / raw", "u. guide step, pmaptap.jit / raw"):
         assert len(ratios(label)) == 2, label
+    # w. (bench_transformer.py): the real model's step, to by hand, raw and
+    # floor, and its compile to the untapped compile; records checked.
+    for label in ("w. pmaptap.jit ", "w. jax.jit "):
+        assert len(ratios(label)) == 4, label
+    assert "records checked against the returned values" in out
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
     assert named == trials and " 0 false positive" in detection, detection
