@@ -176,7 +176,7 @@ def fingerprint64_many(
                 [leaves[k] for k in big],
                 [valids[k] for k in big],
                 cpu=_cpu_layout,
-                tpu=lambda ls, vs: each(_tiled_parts)(ls, vs) + _sizes(ls),
+                tpu=_tpu_layout,
                 default=lambda ls, vs: (
                     each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs) + _sizes(ls)
                 ),
@@ -468,6 +468,42 @@ def _regrouped(v: jax.Array, regroup: int, first: int) -> jax.Array:
 
 
 # ------------------------------------------------------------ TPU
+
+
+# The most bytes of leaves of one shape stacked to be hashed together by
+# ``_tpu_layout`` (a copy on the device while the hash runs).
+GROUP_MAX_BYTES = 256 << 20
+
+
+def _tpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
+    """``fingerprint64`` in the TPU layout of non-empty leaves, uint32[L, 2]:
+    the leaves of one shape and dtype (most of a model's: every block's) are
+    stacked, up to ``GROUP_MAX_BYTES``, and hashed by one ``vmap`` of
+    ``_tiled_parts``, the same values as one by one (a vmap changes no
+    arithmetic) in one fold for the group: compiling one fold and mixing a
+    leaf made a model's fingerprint a large part of its step's compile time
+    (docs/performance.md)."""
+    rows: list = [None] * len(leaves)
+    groups: dict[tuple, list[list[int]]] = {}
+    for k, (x, valid) in enumerate(zip(leaves, valids)):
+        if valid is not None:  # an uneven shard's mask: its own
+            rows[k] = _tiled_parts(_parts(x), valid)
+            continue
+        chunks = groups.setdefault((x.shape, jnp.dtype(x.dtype)), [[]])
+        if (len(chunks[-1]) + 1) * x.size * jnp.dtype(x.dtype).itemsize > GROUP_MAX_BYTES:
+            chunks.append([])
+        chunks[-1].append(k)
+    for chunks in groups.values():
+        for ks in chunks:
+            if len(ks) == 1:
+                rows[ks[0]] = _tiled_parts(_parts(leaves[ks[0]]), None)
+                continue
+            fps = jax.vmap(lambda x: _tiled_parts(_parts(x), None))(
+                jnp.stack([leaves[k] for k in ks])
+            )
+            for j, k in enumerate(ks):
+                rows[k] = fps[j]
+    return jnp.stack(rows) + _sizes(leaves)
 
 
 def _tile_rows(dtype) -> int:

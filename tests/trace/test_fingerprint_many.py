@@ -146,3 +146,28 @@ def test_leaves_with_blocks_add_their_fold_only():
         return [jnp.zeros((300, 200), jnp.float32) for _ in range(n)]
 
     assert _reductions(tree(12)) - _reductions(tree(2)) <= 2 * 10
+
+
+def test_tpu_layout_hashes_leaves_of_one_shape_together_and_alike():
+    # The TPU's layout of big leaves (run here on the CPU: the same integer
+    # arithmetic): leaves of one shape and dtype stacked and hashed by one
+    # vmap give each leaf's own fingerprint, with masks, odd shapes and
+    # every dtype; and the hash operations no longer grow with such leaves.
+    from pmaptap._trace import fphash
+
+    shapes = ((64, 256), (3, 16, 128), (256,), (300,), (40, 33))
+    leaves, valids = [], []
+    for i, (d, s) in enumerate((d, s) for d in DTYPES for s in shapes for _ in range(3)):
+        leaves.append(jnp.asarray(_leaf(d, s, i), jnp.dtype(d)))
+        valids.append(None if i % 4 else jnp.arange(np.prod(s)).reshape(s) % 3 != 0)
+    grouped = np.asarray(jax.jit(fphash._tpu_layout)(leaves, valids))
+    each = jax.jit(lambda x, v: fphash._tiled_parts(fphash._parts(x), v) + x.size % 2**32)
+    want = np.stack([np.asarray(each(x, v)).astype(np.uint32) for x, v in zip(leaves, valids)])
+    np.testing.assert_array_equal(grouped, want)
+
+    def reductions(n: int) -> int:
+        tree = [jnp.zeros((64, 256), jnp.float32) for _ in range(n)]
+        txt = jax.jit(fphash._tpu_layout).lower(tree, [None] * n).compile().as_text()
+        return len(re.findall(r" (?:reduce|reduce-window)\(", txt))
+
+    assert reductions(12) == reductions(2)
