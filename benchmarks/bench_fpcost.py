@@ -25,7 +25,13 @@ what any host callback in a step costs under jax.jit); ``pmaptap.jit``
 with the fingerprint; ``pmaptap.jit`` with a scalar ``pmaptap.tap`` at the
 same ``every`` (the control: what any output a step may send costs).
 
-``--quick`` (the test suite): one small block, two rounds.
+The hash when due (``v. hash``): ``fingerprint64_many`` of the compile
+benchmark's parameters as compiled (on a TPU, leaves of one shape hashed by
+one vmap), with that grouping off, against a read-once floor (a float sum
+of every leaf), paired per round.
+
+``--quick`` (the test suite): one small block, two rounds. ``--tpu``: on
+the device's own backend (no simulated CPU devices).
 """
 
 from __future__ import annotations
@@ -241,6 +247,52 @@ def run_skipped(quick: bool) -> None:
     print(table(rows, ("arm", "paired median", "range", "ms/step")))
 
 
+def run_hash(quick: bool) -> None:
+    """The hash alone when due, on the compile benchmark's parameters: as
+    ``fingerprint64_many`` compiles it (on a TPU, leaves of one shape
+    hashed by one vmap), with that grouping off (one fold a leaf), and a
+    read-once floor (a float sum of every leaf); paired per round."""
+    import jax
+    import jax.numpy as jnp
+
+    from pmaptap._trace import fphash
+
+    blocks, width = (1, 32) if quick else (6, 256)
+    rounds = 2 if quick else 15
+    params, _, _ = _model(blocks, width, vocab=16 * width, seq=64)
+    leaves = jax.tree.leaves(params)
+    saved = fphash.GROUP_MAX_BYTES
+    grouped = jax.jit(fphash.fingerprint64_many).lower(leaves).compile()
+    fphash.GROUP_MAX_BYTES = 0
+    try:
+        per_leaf = jax.jit(lambda ls: fphash.fingerprint64_many(ls)).lower(leaves).compile()
+    finally:
+        fphash.GROUP_MAX_BYTES = saved
+    floor = jax.jit(lambda ls: jnp.stack([jnp.sum(x) for x in ls])).lower(leaves).compile()
+    fns = {"grouped": grouped, "one fold a leaf": per_leaf, "floor": floor}
+    assert (jax.device_get(grouped(leaves)) == jax.device_get(per_leaf(leaves))).all()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for k, f in list(fns.items())[::-1] if r % 2 else fns.items():
+            f(leaves).block_until_ready()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                out = f(leaves)
+            out.block_until_ready()
+            times[k].append((time.perf_counter() - t0) / 10)
+    print(f"v. hash when due: {len(leaves)} leaves; {rounds} rounds; {machine()}")
+    rows = [
+        (
+            f"v. hash {k} / floor",
+            f"{paired(times, k, 'floor'):.2f}x",
+            spread(_ratios(times, k, "floor"), "x"),
+            spread(times[k], " ms", 1e3, 3),
+        )
+        for k in ("grouped", "one fold a leaf")
+    ]
+    print(table(rows, ("arm", "paired median", "range", "ms")))
+
+
 def run(quick: bool) -> None:
     import pmaptap
 
@@ -248,10 +300,14 @@ def run(quick: bool) -> None:
     session = pmaptap.Session(os.path.join(out_dir, "fp.jsonl"), run="fpcost").open()
     try:
         run_compile(quick)
+        run_hash(quick)
         run_skipped(quick)
     finally:
         session.close()
 
 
 if __name__ == "__main__":
-    main_quick(run, 1)
+    if "--tpu" in sys.argv:  # the device's own backend, not simulated CPU devices
+        run(quick="--quick" in sys.argv)
+    else:
+        main_quick(run, 1)

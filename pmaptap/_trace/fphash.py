@@ -490,7 +490,8 @@ def _tpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
             rows[k] = _tiled_parts(_parts(x), valid)
             continue
         chunks = groups.setdefault((x.shape, jnp.dtype(x.dtype)), [[]])
-        if (len(chunks[-1]) + 1) * x.size * jnp.dtype(x.dtype).itemsize > GROUP_MAX_BYTES:
+        over = (len(chunks[-1]) + 1) * x.size * jnp.dtype(x.dtype).itemsize > GROUP_MAX_BYTES
+        if chunks[-1] and over:
             chunks.append([])
         chunks[-1].append(k)
     for chunks in groups.values():
