@@ -220,6 +220,7 @@ def run(cfg: Config, arms: list[str]) -> None:
     step_no = {a: 0 for a in fns}
     returned: dict[str, dict[int, float]] = {a: {} for a in fns}
     by_hand: dict[int, tuple] = {}
+    flush_s: dict[str, list[float]] = {a: [] for a in fns}
 
     def round_of(arm: str):
         def go() -> None:
@@ -246,7 +247,9 @@ def run(cfg: Config, arms: list[str]) -> None:
                 by_hand[ps] = (float(pl), {k: float(v) for k, v in prms.items()}, np.asarray(pfps))
             states[arm] = st
             if arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit"):
+                t = time.perf_counter()
                 session.flush()
+                flush_s[arm].append(time.perf_counter() - t)
             elif arm in ("raw", "floor"):
                 jax.effects_barrier()
 
@@ -301,6 +304,12 @@ def run(cfg: Config, arms: list[str]) -> None:
             ),
         )
     )
+    flushes = ", ".join(
+        f"{arm} {spread([f / cfg.steps for f in v], ' ms', 1e3, 2)}"
+        for arm, v in flush_s.items()
+        if v
+    )
+    print(f"w. of which the session's flush at the end of each round, per step: {flushes}")
     print(f"w. peak RSS {rss_mib():.0f} MiB; records checked against the returned values")
 
 
@@ -340,12 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tpu", action="store_true", help="the TPU configuration, on the TPU")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms")
     ap.add_argument("--blocks", type=int, default=0, help="blocks (0: the configuration's)")
+    ap.add_argument("--steps", type=int, default=0, help="steps a round (0: the configuration's)")
     a = ap.parse_args(argv)
     if not a.tpu:
         set_devices(1)
     cfg = QUICK if a.quick else TPU if a.tpu else CPU
     if a.blocks:
         cfg = dataclasses.replace(cfg, blocks=a.blocks)
+    if a.steps:
+        cfg = dataclasses.replace(cfg, steps=a.steps)
     arms = [x.strip() for x in a.arms.split(",")]
     unknown = [x for x in arms if x not in ARMS]
     if unknown:

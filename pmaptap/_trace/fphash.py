@@ -73,6 +73,7 @@ in planes of their own there).
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +237,9 @@ def _cpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
         )
 
     for k, (x, valid) in enumerate(zip(leaves, valids)):
+        # One fold a leaf, not grouped as on the TPU: on XLA:CPU a vmap of
+        # the fold over stacked leaves compiled slower and ran slower
+        # (docs/performance.md).
         lanes, tails = _split(_parts(x), None if valid is None else valid.reshape(-1), FOLD)
         first = 0
         if lanes is not None:
@@ -476,18 +480,24 @@ GROUP_MAX_BYTES = 256 << 20
 
 
 def _tpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
-    """``fingerprint64`` in the TPU layout of non-empty leaves, uint32[L, 2]:
-    the leaves of one shape and dtype (most of a model's: every block's) are
-    stacked, up to ``GROUP_MAX_BYTES``, and hashed by one ``vmap`` of
-    ``_tiled_parts``, the same values as one by one (a vmap changes no
-    arithmetic) in one fold for the group: compiling one fold and mixing a
-    leaf made a model's fingerprint a large part of its step's compile time
-    (docs/performance.md)."""
-    rows: list = [None] * len(leaves)
+    """``fingerprint64`` in the TPU layout of non-empty leaves, uint32[L, 2],
+    the leaves of one shape hashed together (``_each_grouped``)."""
+    rows = _each_grouped(leaves, valids, lambda x, v: _tiled_parts(_parts(x), v))
+    return jnp.stack(rows) + _sizes(leaves)
+
+
+def _each_grouped(leaves: list[jax.Array], valids: list, fn: Callable) -> list:
+    """``fn(leaf, valid)`` of every leaf, the leaves of one shape and dtype
+    (most of a model's: every block's) stacked, up to ``GROUP_MAX_BYTES``,
+    under one ``vmap`` of ``fn``: the same values as one by one (a vmap
+    changes no arithmetic), in one fold for the group. A fold a leaf made a
+    model's fingerprint a large part of its step's compile time
+    (docs/performance.md). A leaf with a mask (an uneven shard) is its own."""
+    out: list = [None] * len(leaves)
     groups: dict[tuple, list[list[int]]] = {}
     for k, (x, valid) in enumerate(zip(leaves, valids)):
-        if valid is not None:  # an uneven shard's mask: its own
-            rows[k] = _tiled_parts(_parts(x), valid)
+        if valid is not None:
+            out[k] = fn(x, valid)
             continue
         chunks = groups.setdefault((x.shape, jnp.dtype(x.dtype)), [[]])
         over = (len(chunks[-1]) + 1) * x.size * jnp.dtype(x.dtype).itemsize > GROUP_MAX_BYTES
@@ -497,14 +507,12 @@ def _tpu_layout(leaves: list[jax.Array], valids: list) -> jax.Array:
     for chunks in groups.values():
         for ks in chunks:
             if len(ks) == 1:
-                rows[ks[0]] = _tiled_parts(_parts(leaves[ks[0]]), None)
+                out[ks[0]] = fn(leaves[ks[0]], None)
                 continue
-            fps = jax.vmap(lambda x: _tiled_parts(_parts(x), None))(
-                jnp.stack([leaves[k] for k in ks])
-            )
+            got = jax.vmap(lambda x: fn(x, None))(jnp.stack([leaves[k] for k in ks]))
             for j, k in enumerate(ks):
-                rows[k] = fps[j]
-    return jnp.stack(rows) + _sizes(leaves)
+                out[k] = jax.tree.map(lambda a, j=j: a[j], got)
+    return out
 
 
 def _tile_rows(dtype) -> int:
