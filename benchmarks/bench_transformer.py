@@ -17,6 +17,8 @@ then run interleaved, paired medians of the per-round step times):
   and the loss every step; the fingerprints, computed by pmaptap's own
   hash inside a ``lax.cond``, on due steps) and copied to the host
   asynchronously, read one step later: what a careful user writes;
+  ``by hand unread``: the same step, its values never read (what the
+  program alone costs);
 - ``pmaptap.jit``: the taps leave the step as outputs, a session writing
   the file; ``pmaptap.jit no fingerprint`` (its compile time tells the
   fingerprint's share);
@@ -55,6 +57,7 @@ EVERY = 10
 ARMS = (
     "untapped",
     "by hand",
+    "by hand unread",
     "pmaptap.jit",
     "pmaptap.jit no fingerprint",
     "jax.jit",
@@ -156,7 +159,7 @@ def _arms(cfg: Config):
             def seen(name, v):
                 if taps:
                     pmaptap.tap(v, f"{prefix}rms/{name}", step=s)
-                elif arm in ("by hand", "raw"):
+                elif arm in ("by hand", "by hand unread", "raw"):
                     rms[name] = v
 
             def loss_fn(p):
@@ -174,7 +177,7 @@ def _arms(cfg: Config):
                 pmaptap.tap(loss, f"{prefix}loss", step=s)
             if fingerprint:
                 pmaptap.fingerprint(params, f"{prefix}params", step=s, every=EVERY)
-            if arm == "by hand":
+            if arm in ("by hand", "by hand unread"):
                 leaves = jax.tree.leaves(params)
                 fps = lax.cond(
                     s % EVERY == 0,
