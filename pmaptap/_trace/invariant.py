@@ -52,7 +52,7 @@ import threading
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
-from pmaptap._trace.jax_support import BODY_TRACING_FRAMES
+from pmaptap._trace.jax_support import BODY_TRACING_FRAMES, manual_axes_of
 
 # All-reduce collectives: every participant ends with the same value when
 # the reduction covers all of the tap's axes (and no axis_index_groups).
@@ -421,31 +421,6 @@ def _staging_of(trace: Any) -> dict | None:
             return frame.f_back.f_locals
         frame = frame.f_back
     return None
-
-
-def varying_of(aval: Any) -> frozenset:
-    """The manual axes over which a value varies (JAX 0.10 keeps them in
-    ``aval.mat.varying``, 0.9 in ``aval.vma``; none where neither is)."""
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()) or ())
-
-
-def manual_axes_of(aval: Any) -> frozenset | None:
-    """The manual axes along which a value may vary or hold partial sums
-    (varying, unreduced, reduced), or None if the aval does not say. JAX
-    0.10 keeps them in ``aval.mat`` (a ManualAxisType); 0.9 keeps the
-    varying ones in ``aval.vma`` and the others in its sharding's spec."""
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying | mat.unreduced | mat.reduced)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        return None
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    partial = frozenset(getattr(spec, "unreduced", ())) | frozenset(getattr(spec, "reduced", ()))
-    return frozenset(vma) | partial
 
 
 def varying_axes(x: Any, axis_names: Sequence[Any]) -> frozenset | None:

@@ -275,3 +275,42 @@ def check_version() -> None:
         RuntimeWarning,
         stacklevel=2,
     )
+
+
+# ------------------------------------------------------------ 0.9 against 0.10
+def varying_of(aval: Any) -> frozenset:
+    """The manual axes over which a value varies (JAX 0.10 keeps them in
+    ``aval.mat.varying``, 0.9 in ``aval.vma``; none where neither is)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def manual_axes_of(aval: Any) -> frozenset | None:
+    """The manual axes along which a value may vary or hold partial sums
+    (varying, unreduced, reduced), or None if the aval does not say. JAX
+    0.10 keeps them in ``aval.mat`` (a ManualAxisType); 0.9 keeps the
+    varying ones in ``aval.vma`` and the others in its sharding's spec."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying | mat.unreduced | mat.reduced)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        return None
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    partial = frozenset(getattr(spec, "unreduced", ())) | frozenset(getattr(spec, "reduced", ()))
+    return frozenset(vma) | partial
+
+
+def set_sharding(module_context, op, sharding) -> None:
+    """``mlir.set_sharding``: JAX 0.10 added the module context as its
+    first argument; 0.9 takes the op and the sharding."""
+    import inspect
+
+    from jax._src.interpreters import mlir
+
+    if len(inspect.signature(mlir.set_sharding).parameters) >= 3:
+        mlir.set_sharding(module_context, op, sharding)
+    else:
+        mlir.set_sharding(op, sharding)

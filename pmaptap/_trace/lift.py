@@ -67,8 +67,7 @@ from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
 from pmaptap._trace import fingerprint, placement, shardstats
 from pmaptap._trace.fingerprint import fingerprint_out_p
-from pmaptap._trace.invariant import varying_of
-from pmaptap._trace.jax_support import input_vars, scan_counts
+from pmaptap._trace.jax_support import input_vars, scan_counts, varying_of
 from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.

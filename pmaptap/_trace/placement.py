@@ -269,19 +269,6 @@ def _ir_types(ctx, aval) -> tuple:
     return mlir.aval_to_ir_types(aval)
 
 
-def set_sharding(module_context, op, sharding) -> None:
-    """``mlir.set_sharding``: JAX 0.10 added the module context as its
-    first argument; 0.9 takes the op and the sharding."""
-    import inspect
-
-    from jax._src.interpreters import mlir
-
-    if len(inspect.signature(mlir.set_sharding).parameters) >= 3:
-        mlir.set_sharding(module_context, op, sharding)
-    else:
-        mlir.set_sharding(op, sharding)
-
-
 def partition_ids(ctx, devices: tuple):
     """An ``iota(len(devices))`` operand tiled over every device of the
     computation: a partitioned callback's shard of it is ``[k]`` on

@@ -84,7 +84,7 @@ from jax._src import core, debugging, dispatch, effects
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 
-from pmaptap._trace import placement, primitive
+from pmaptap._trace import jax_support, primitive
 
 
 class _HostCallbackOrder(effects.Effect):
@@ -453,7 +453,7 @@ def _token_on_the_callbacks_device(ctx, token, sharding) -> None:
             *sharding.shardings,
         )
     )
-    placement.set_sharding(ctx.module_context, op, fixed)
+    jax_support.set_sharding(ctx.module_context, op, fixed)
 
 
 def _lowering(ctx, coords, *leaves, host_fn, transforms, ntap, ordered):
