@@ -366,12 +366,22 @@ class _Bundle:
 
 
 class _Part:
-    """One output packed in a bundle: read as the output itself."""
+    """One output packed in a bundle: read as the output itself. It lies
+    where the bundle lies (the values packed are whole on every device of
+    the computation: replicated)."""
 
     __slots__ = ("bundle", "where")
 
     def __init__(self, bundle: _Bundle, where: Packed) -> None:
         self.bundle, self.where = bundle, where
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.where.shape
+
+    @property
+    def sharding(self) -> Any:
+        return self.bundle.array.sharding
 
     def copy_to_host_async(self) -> None:
         self.bundle.copy_to_host_async()

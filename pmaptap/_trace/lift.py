@@ -114,6 +114,18 @@ jax.tree_util.register_pytree_node(
 )
 
 
+def _whole_bytes(dtype: np.dtype) -> bool:
+    """Whether values of ``dtype`` are whole bytes a bitcast can pack (bool,
+    integers and floats of 8 bits or more; not 4-bit types, not complex)."""
+    if dtype == np.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits >= 8
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits >= 8
+    return False
+
+
 def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
     """The step's extra outputs with the small ones the host reads whole (a
     scalar tap's value, every tap's step and ``valid`` flag, a fingerprint's
@@ -121,13 +133,16 @@ def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
     tap is one value): one device-to-host copy a step for them instead of
     one each (docs/performance.md). The host half reads them back exactly
     (_host/outputs.py)."""
-    # Per output: whether the host reads it whole (every output of a ONE
-    # site; a SHARDS site's valid, coordinates and step, not its leaves,
-    # read shard by shard; ROWS sites' outputs are read row by row).
+    # Per output: whether the host reads it whole: every output of a ONE
+    # site; of a SHARDS site its valid, coordinates and step, and its leaves
+    # where the layout is WHOLE (partition 0's copy of a replicated value;
+    # others are read shard by shard); ROWS sites' outputs are read row by
+    # row.
     whole: list[bool] = []
     for site in sites(nodes):
+        leaves_whole = isinstance(site.spec, TapSpec) and site.spec.transport.layout is Layout.WHOLE
         whole += [
-            site.where == ONE or (site.where == SHARDS and j < 3)
+            site.where == ONE or (site.where == SHARDS and (j < 3 or leaves_whole))
             for j, traced in enumerate(site.traced)
             if traced
         ]
@@ -139,14 +154,14 @@ def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
     for read_whole, x in zip(whole, flat):
         dtype = np.dtype(x.dtype)
         nbytes = int(np.prod(x.shape, dtype=np.int64)) * dtype.itemsize
-        if not read_whole or nbytes > PACK_MAX_BYTES or dtype.kind not in "biuf":
+        if not read_whole or nbytes > PACK_MAX_BYTES or not _whole_bytes(dtype):
             packing.append(len(own))
             own.append(x)
             continue
         hit = placed.get(id(x))
         if hit is None:
             word = x.astype(jnp.uint8) if dtype.kind == "b" else x
-            if dtype.itemsize > 1 or dtype.kind == "f":
+            if word.dtype != jnp.uint8:  # every piece bytes (no promotion)
                 word = lax.bitcast_convert_type(word, jnp.uint8)
             pad = -nbytes % PACK_ALIGN
             pieces.append(word.reshape(-1))

@@ -570,6 +570,42 @@ def test_a_step_every_tap_skips_reads_only_the_skip_flags(tmp_path, monkeypatch)
     ]
 
 
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_small_values_of_every_dtype_travel_packed_and_exact(tmp_path, x64):
+    """The small values the host reads whole (scalar taps, steps) leave the
+    step in one bundle of bytes (lift.py: ``_pack``); every dtype comes back
+    bit for bit, as the callback transport writes it: 1-, 2-, 4- and 8-byte
+    integers and floats, bool, bfloat16, beside vectors that keep their
+    own outputs, one step number shared by every tap."""
+    dtypes = ["int8", "uint8", "bool", "float16", "bfloat16", "float8_e4m3fn", "int16", "uint16"]
+    dtypes += ["int32", "uint32", "float32"] + (["int64", "uint64", "float64"] if x64 else [])
+
+    def value(dtype: str, n: int):
+        if dtype == "bool":
+            return jnp.arange(n) % 2 == 1
+        return (jnp.arange(n) * 37 - 20).astype(dtype)
+
+    def step(s):
+        for d in dtypes:
+            pmaptap.tap(value(d, 1)[0] + (s * 0).astype(d), f"{d}/scalar", step=s)
+            pmaptap.tap(value(d, 3), f"{d}/vector", step=s)
+        return s + 1
+
+    with jax.enable_x64(x64):
+        for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+            with pmaptap.Session(str(tmp_path / name), run="dtypes"):
+                f, s = wrap(step), jnp.int32(7)
+                for _ in range(2):
+                    s = f(s)
+        lifted = pmaptap.jit(step).trace(jnp.int32(0)).jaxpr.out_avals
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert len(recs) == 2 * 2 * len(dtypes)
+    # The step's outputs: its own, the bundle (every scalar, the step once),
+    # then each vector (plain jit reads those shard by shard).
+    assert len(lifted) == 2 + len(dtypes), lifted
+    assert lifted[1].dtype == jnp.uint8 and lifted[1].ndim == 1, lifted
+
+
 # A pmap step called on fewer devices first (a warm-up on a small batch):
 # each device's automatic step counts its own executions of the tap.
 _WARM_UP = {
