@@ -43,12 +43,13 @@ import tempfile
 from typing import Any, Callable, Iterator, NamedTuple
 
 from pmaptap.errors import NeedSerial, WorkerError
-from pmaptap.tapfile import checks, runs, shardwise, summary
-from pmaptap.tapfile.attempts import Attempts, latest
-from pmaptap.tapfile.checks import Report, Validator
-from pmaptap.tapfile.lines import collector_paused, iter_file_records
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import FilteredSummarizer, Result
+from pmaptap.tapfile import source
+from pmaptap.tapfile.analyze import shardwise, summary
+from pmaptap.tapfile.analyze import validate as checks
+from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result
+from pmaptap.tapfile.analyze.validate import Report, Validator
+from pmaptap.tapfile.read import Attempts, Filter, latest
+from pmaptap.tapfile.source import collector_paused, iter_file_records
 
 # Without --jobs: a worker per this many bytes of the run at most (a
 # worker's start and its partial result cost a few milliseconds: below
@@ -81,12 +82,12 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     read in this process)."""
     if asked is not None:
         return asked
-    if runs.is_url(path):
+    if source.is_url(path):
         return 1
     try:
         size = (
-            sum(os.path.getsize(f) for f in runs.sources(path))
-            if runs.is_sharded(path)
+            sum(os.path.getsize(f) for f in source.sources(path))
+            if source.is_sharded(path)
             else (os.path.getsize(path))
         )
     except OSError:
@@ -105,7 +106,7 @@ class Plan(NamedTuple):
     # about equal bytes, UNITS_PER_JOB a process; one file: (start, stop)
     # byte ranges cut at line starts.
     pieces: list
-    files: list[str]  # a sharded run's sources (runs.sources), listed once
+    files: list[str]  # a sharded run's sources (source.sources), listed once
     sizes: list[int]  # their bytes, each stated once
 
     def sources(self, piece: list[int]) -> tuple[list[tuple[int, str]], float]:
@@ -120,10 +121,10 @@ class Plan(NamedTuple):
 def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
     """The pieces ``path`` is read in by ``jobs`` processes; None: one
     process reads it."""
-    if jobs < 2 or runs.is_url(path):
+    if jobs < 2 or source.is_url(path):
         return None
-    if runs.is_sharded(path):
-        files = runs.sources(path)
+    if source.is_sharded(path):
+        files = source.sources(path)
         sizes = [os.path.getsize(f) for f in files]
         if len(sizes) < 2:
             return None
@@ -135,7 +136,7 @@ def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
 
 
 def _local_sharded(path: str | os.PathLike) -> bool:
-    return runs.is_sharded(path) and not runs.is_url(path)
+    return source.is_sharded(path) and not source.is_url(path)
 
 
 def _groups(sizes: list[int], jobs: int) -> list[list[int]]:

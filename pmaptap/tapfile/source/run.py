@@ -26,12 +26,12 @@ import re
 from itertools import accumulate
 from typing import Any, Callable, Iterator, NamedTuple
 
-from pmaptap.tapfile import store
-from pmaptap.tapfile.parse import decode_block
+from pmaptap.tapfile.record import decode_block
+from pmaptap.tapfile.source import store
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
 # objects) lives in store.py, which imports nothing here.
-from pmaptap.tapfile.store import SHARD_SUFFIX
+from pmaptap.tapfile.source.store import SHARD_SUFFIX
 
 __all__ = [
     "SHARD_SUFFIX",
@@ -202,7 +202,7 @@ class SourceLine(NamedTuple):
     """Where a line of a sharded run is, named by its source (the index of
     its file in ``sources``, and the file) and its own line there: what
     ``summary`` and ``validate`` print of a run too big to place its lines
-    in the merged stream (tapfile/shardwise.py: MAX_KEY_RUNS). Orders by
+    in the merged stream (tapfile/analyze/shardwise.py: MAX_KEY_RUNS). Orders by
     source, then line."""
 
     source: int

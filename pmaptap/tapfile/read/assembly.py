@@ -13,10 +13,9 @@ import os
 from typing import Any
 
 from pmaptap.errors import AssembleError, MissingBytes
-from pmaptap.tapfile.arrays import ByteStore, is_ref, numpy_dtype
-from pmaptap.tapfile.attempts import Attempts
-from pmaptap.tapfile.format import decode_record, index_text
-from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.read.attempts import Attempts
+from pmaptap.tapfile.record import decode_record, index_text, is_ref
+from pmaptap.tapfile.source import ByteStore, iter_lines, numpy_dtype
 
 __all__ = ["assemble"]
 

@@ -21,11 +21,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from pmaptap.tapfile.attempts import Attempts
-from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import record_key
-from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.read.attempts import Attempts
+from pmaptap.tapfile.read.divergence import DivergenceIndex
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.record import record_key
+from pmaptap.tapfile.source import iter_lines
 
 
 @dataclasses.dataclass

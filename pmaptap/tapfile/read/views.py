@@ -10,10 +10,11 @@ import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
-from pmaptap.tapfile.arrays import shown_value
-from pmaptap.tapfile.attempts import Attempts, attempt_of
-from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.read.attempts import Attempts, attempt_of
+from pmaptap.tapfile.read.divergence import DivergenceIndex, reconcile_divergence
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.read.stream import FirstPass, matching
+from pmaptap.tapfile.record import (
     FINGERPRINT,
     RECORD_COLUMNS,
     Holders,
@@ -21,9 +22,7 @@ from pmaptap.tapfile.format import (
     index_text,
     shown_name,
 )
-from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.stream import FirstPass, matching
+from pmaptap.tapfile.source import iter_lines, shown_value
 
 
 @dataclasses.dataclass
