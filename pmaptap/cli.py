@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from pmaptap.tapfile import read
     from pmaptap.tapfile.read import Filter, LineFollower, PendingFollower, RunFollower
+    from pmaptap.tapfile.source import Run
 
 PROG = "pmaptap"
 
@@ -97,37 +98,43 @@ def _spool_pipe(args: argparse.Namespace) -> str | None:
     return directory
 
 
-def _check_file(path: str) -> None:
-    from pmaptap.tapfile import source
+def _check_file(path: str) -> "Run":
+    """``path`` resolved once into the Run that the command reads (a str:
+    messages and the readers take it as the path it is); CliError when
+    there is no run there."""
+    from pmaptap.tapfile.source import Run, objects
 
-    if source.is_url(path):
+    run = Run.of(path)
+    if run.url:
         try:
-            source.objects(path)  # a missing bucket or prefix: as a missing file
+            objects(run)  # a missing bucket or prefix: as a missing file
         except FileNotFoundError as e:
             raise CliError(e.strerror) from None
-        return
-    if source.is_sharded(path):
-        return  # a sharded run (path.d/): read merged, as one file
-    if not os.path.exists(path):
+        return run
+    if run.sharded:
+        return run  # a sharded run (path.d/): read merged, as one file
+    if not os.path.exists(run):
         raise CliError(f"no such file: {path}")
-    if os.path.isdir(path):
+    if os.path.isdir(run):
         raise CliError(f"{path} is a directory; give the tap file (.jsonl)")
+    return run
 
 
-def _check_followed(path: str, command: str) -> None:
+def _check_followed(path: str, command: str) -> "Run":
     """``_check_file`` for a command that follows the run (``-f``): a run
     that does not exist yet (no file, no ``path.d/``, no chunks) is waited
     for, in whichever layout it appears (tapfile/read/follower.py)."""
-    from pmaptap.tapfile import source
+    from pmaptap.tapfile.source import Run, objects
 
-    if source.is_url(path):
-        missing = not source.objects(path, missing_ok=True)
+    run = Run.of(path)
+    if run.url:
+        missing = not objects(run, missing_ok=True)
     else:
-        missing = not (os.path.exists(path) or source.is_sharded(path))
+        missing = not (os.path.exists(run) or run.sharded)
     if missing:
         print(f"{PROG} {command}: waiting for {path} to appear", file=sys.stderr)
-    else:
-        _check_file(path)
+        return run
+    return _check_file(run)
 
 
 def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
@@ -169,7 +176,7 @@ def _select_streamed(path: str, command: str, flt: Filter) -> "Callable[[], Iter
     from pmaptap.tapfile import read
     from pmaptap.tapfile.read import first_pass
 
-    _check_file(path)
+    path = _check_file(path)
     fp = first_pass(path, flt)
     _report_skipped(fp.problems, path, command)
 
@@ -220,7 +227,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.read import first_pass
 
     flt = _filter(args)
-    _check_file(args.file)
+    args.file = _check_file(args.file)
     fp = first_pass(args.file, flt)
     _report_skipped(fp.problems, args.file, "show")
 
@@ -255,7 +262,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.analyze import jobs_for, summarize_file, summary_table
 
     flt = _filter(args)
-    _check_file(args.file)
+    args.file = _check_file(args.file)
     summaries, bad, names, runs = summarize_file(args.file, flt, jobs_for(args.file, args.jobs))
     _report_skipped(bad, args.file, "summary")
     if not summaries:
@@ -268,13 +275,13 @@ def cmd_summary(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.analyze import jobs_for, validate_file
 
-    _check_file(args.file)
+    args.file = _check_file(args.file)
     report = validate_file(args.file, jobs_for(args.file, args.jobs))
     shown = report.problems if not args.limit else report.problems[: args.limit]
     name = _shown(args.file)
     for line, why in shown:
         # A line of the file (or merged stream), or of a sharded run's source
-        # (runs.SourceLine: the shard file and its line).
+        # (source.SourceLine: the shard file and its line).
         where = f"{name}:{line}" if type(line) is int else f"{line.path}:{line.line}"
         print(f"{where}: {why}")
     if len(shown) < len(report.problems):
@@ -360,9 +367,9 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
 
     flt = _filter(args)
     if args.follow:
-        _check_followed(args.file, "export")
+        args.file = _check_followed(args.file, "export")
     else:
-        _check_file(args.file)
+        args.file = _check_file(args.file)
     if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
         raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
     try:
@@ -403,9 +410,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.read import open_follower
 
     if args.follow:
-        _check_followed(args.file, "tail")
+        args.file = _check_followed(args.file, "tail")
     else:
-        _check_file(args.file)
+        args.file = _check_file(args.file)
     lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
@@ -492,7 +499,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.export import merge, merge_follow
 
     if not args.follow:
-        _check_file(args.file)
+        args.file = _check_file(args.file)
         try:
             n, bad = merge(args.file, args.output)
         except ValueError as e:

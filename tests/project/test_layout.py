@@ -356,7 +356,9 @@ def test_tapfile_sub_packages_are_layers_with_one_entry_each():
     subs = sorted(d for d in os.listdir(tapfile) if os.path.isdir(os.path.join(tapfile, d)))
     subs = [d for d in subs if not d.startswith("__")]
     assert sorted(subs) == sorted(_TAPFILE_LAYERS)
-    files = {d: [f for f in os.listdir(os.path.join(tapfile, d)) if f.endswith(".py")] for d in subs}
+    files = {
+        d: [f for f in os.listdir(os.path.join(tapfile, d)) if f.endswith(".py")] for d in subs
+    }
     assert {d: len(f) for d, f in files.items() if len(f) > 10} == {}
     assert not [f for f in os.listdir(tapfile) if f.endswith(".py") and f != "__init__.py"]
     entries = {f"pmaptap.tapfile.{d}" for d in subs}

@@ -82,13 +82,14 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     read in this process)."""
     if asked is not None:
         return asked
-    if source.is_url(path):
+    run = source.Run.of(path)
+    if run.url:
         return 1
     try:
         size = (
-            sum(os.path.getsize(f) for f in source.sources(path))
-            if source.is_sharded(path)
-            else (os.path.getsize(path))
+            sum(os.path.getsize(f) for f in source.sources(run))
+            if run.sharded
+            else (os.path.getsize(run))
         )
     except OSError:
         return 1
@@ -121,10 +122,11 @@ class Plan(NamedTuple):
 def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
     """The pieces ``path`` is read in by ``jobs`` processes; None: one
     process reads it."""
-    if jobs < 2 or source.is_url(path):
+    run = source.Run.of(path)
+    if jobs < 2 or run.url:
         return None
-    if source.is_sharded(path):
-        files = source.sources(path)
+    if run.sharded:
+        files = source.sources(run)
         sizes = [os.path.getsize(f) for f in files]
         if len(sizes) < 2:
             return None
@@ -136,7 +138,8 @@ def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
 
 
 def _local_sharded(path: str | os.PathLike) -> bool:
-    return source.is_sharded(path) and not source.is_url(path)
+    run = source.Run.of(path)
+    return run.sharded and not run.url
 
 
 def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
@@ -499,7 +502,7 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     """summary.summarize_file in ``jobs`` processes (in this one alone
     where the run is not split: see the module's docstring)."""
     flt = flt or Filter()
-    path = os.fspath(path)
+    path = source.Run.of(path)
     return _read(
         path,
         jobs,
@@ -544,7 +547,7 @@ def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """checks.validate_file in ``jobs`` processes (in this one alone
     where the run is not split)."""
-    path = os.fspath(path)
+    path = source.Run.of(path)
     return _read(
         path,
         jobs,

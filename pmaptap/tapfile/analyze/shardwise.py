@@ -889,7 +889,7 @@ def summarize(
     """The summary of the records of the local sharded run ``path`` that
     ``flt`` matches (summary.summarize_file), or None where it would not be
     exact (the caller reads the merged stream)."""
-    path = os.fspath(path)
+    path = source.Run.of(path)
     read = reader or (lambda empty: _serial(empty, path))
     attempts = first_attempts(path, flt)
     got = latest(path, lambda a: read(ShardwiseSummary(flt, a)), _resumed, attempts)
@@ -899,7 +899,7 @@ def summarize(
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
     """checks.validate_file of the local sharded run ``path``, or None where
     it would not be exact (the caller reads the merged stream)."""
-    path = os.fspath(path)
+    path = source.Run.of(path)
     read = reader or (lambda empty: _serial(empty, path))
     got = latest(path, lambda a: read(ShardwiseValidation(path, a)), _resumed)
     return got.report()

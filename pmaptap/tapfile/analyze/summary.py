@@ -55,7 +55,7 @@ from pmaptap.tapfile.record import (
     part_key,
     shown_name,
 )
-from pmaptap.tapfile.source import collector_paused, iter_record_batches
+from pmaptap.tapfile.source import Run, collector_paused, iter_record_batches
 
 
 @dataclasses.dataclass
@@ -962,6 +962,7 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result
     are not records and every name and run read. tapfile/analyze/parallel.py's
     summarize_file gives the same result in worker processes, and of a
     sharded run a shard at a time (tapfile/analyze/shardwise.py)."""
+    path = Run.of(path)
     flt = flt or Filter()
     if not flt.active and not flt.all_attempts:
         # The common case in one pass, assuming the run was never resumed;

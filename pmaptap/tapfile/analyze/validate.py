@@ -31,7 +31,7 @@ from pmaptap.tapfile.record import (
     from_dict,
     record_key,
 )
-from pmaptap.tapfile.source import ByteStore, byte_leaves, field_problem
+from pmaptap.tapfile.source import ByteStore, Run, byte_leaves, field_problem
 
 # ------------------------------------------------------------------ schema
 
@@ -442,6 +442,7 @@ def validate_file(path: str | os.PathLike) -> Report:
     mention an attempt (attempts.scan: what each later attempt superseded).
     tapfile/analyze/parallel.py's validate_file gives the same report in worker
     processes, and of a sharded run a shard at a time (tapfile/analyze/shardwise.py)."""
+    path = Run.of(path)
     return latest(path, lambda attempts: _validate(path, attempts))
 
 

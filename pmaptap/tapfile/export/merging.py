@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from pmaptap.tapfile.read import StopFlag
 
 
-def _check_target(run: str, out: str) -> None:
+def _check_target(run: source.Run, out: str) -> None:
     """Refuse an output that is one of the run's files, or anywhere in its
     shard directory: ``-o RUN.d/p00009.jsonl`` would become a shard of the
     run itself, read back with every record twice."""
-    if source.is_url(run):
+    if run.url:
         return
     target = os.path.realpath(out)
     if any(os.path.realpath(f) == target for f in source.sources(run)):
@@ -37,6 +37,7 @@ def _check_target(run: str, out: str) -> None:
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
     """Write every record of ``run`` to ``out`` (replaced whole, at once);
     returns (records written, [(position, problem)] of skipped lines)."""
+    run = source.Run.of(run)
     _check_target(run, out)
     bad: list[tuple[int, str]] = []
     n = 0
@@ -74,6 +75,7 @@ def merge_follow(
     ``stop`` or ``timeout``; returns the records written."""
     from pmaptap.tapfile.read import RunFollower, polls
 
+    run = source.Run.of(run)
     _check_target(run, out)
     follower = RunFollower(run)
     n = 0

@@ -51,7 +51,7 @@ from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.analyze import divergence_series
 from pmaptap.tapfile.read import Filter, attempt_of, leaves, open_follower, polls, stop_on_signals
 from pmaptap.tapfile.record import FINGERPRINT, Holders, curve_tag, decode_record, parse_line
-from pmaptap.tapfile.source import ByteStore, iter_lines, load_value
+from pmaptap.tapfile.source import ByteStore, Run, iter_lines, load_value
 
 MISSING_TENSORBOARDX = (
     "pmaptap export --tensorboard needs tensorboardX, an optional "
@@ -406,6 +406,7 @@ def export(
     records. Divergence marks are not needed: every value is written."""
     from pmaptap.tapfile.read import Attempts, scan
 
+    path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
     bad: list[tuple[int, str]] = []
@@ -447,6 +448,7 @@ def follow(
     every converted record flushed. A restarted run's replayed steps
     replace the earlier attempt's points (``purge_step``) unless
     ``flt.all_attempts``."""
+    path = Run.of(path)
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
     restarts = 0

@@ -74,22 +74,21 @@ def scan(path: str | os.PathLike) -> Attempts:
     mention ``"attempt"`` are parsed (a file never resumed costs one read of
     its bytes)."""
     idx = Attempts()
-    if source.is_url(path):
+    run = source.Run.of(path)
+    if run.url:
         # An object-store run (tapfile/source/run.py): its merged stream, read once.
-        from pmaptap.tapfile.source import iter_lines
-
-        for _, d, _ in iter_lines(path):
+        for _, d, _ in source.iter_lines(run):
             if d is not None and "attempt" in d:
                 idx.add(d)
         return idx
-    if source.is_sharded(path):
+    if run.sharded:
         # Attempts.add takes records in any order, and a replicated copy
         # the merge drops holds the same attempt as the copy it keeps: each
         # source on its own, one file open at a time, no merge.
-        for f in source.sources(path):
+        for f in source.sources(run):
             _scan_file(idx, f)
         return idx
-    _scan_file(idx, path)
+    _scan_file(idx, run)
     return idx
 
 

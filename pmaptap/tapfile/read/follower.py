@@ -282,7 +282,7 @@ class RunFollower:
     lines completed since the last) in memory."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
+        self.path = source.Run.of(path)
         self._files: dict[str, LineFollower] = {}
         self._first: dict[tuple, Any] = {}
         self._cursors: dict[int, Any] = {}  # object store: source.Cursor per process
@@ -296,7 +296,7 @@ class RunFollower:
     def poll(self) -> Iterator[tuple[int, bytes]]:
         if not self._polled:
             self._polled = True
-            if source.is_url(self.path):
+            if self.path.url:
                 yield from self._first_poll_store()
             else:
                 yield from self._first_poll()
@@ -413,7 +413,7 @@ class RunFollower:
         """(source number, line number in it, bytes) of lines completed
         since the last poll: appended to local shards, or in chunks that
         appeared on an object store (chunks are immutable: read once)."""
-        if source.is_url(self.path):
+        if self.path.url:
             found = sorted(self._list_objects().items())
             readers = [self._reader(p, objs, len(found)) for p, objs in found]
             for r in readers:
@@ -500,10 +500,13 @@ class PendingFollower:
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
         if self._inner is None:
-            if source.is_sharded(self.path):
-                self._inner = RunFollower(self.path)
-            elif os.path.exists(self.path):
-                self._inner = LineFollower(self.path)
+            # Resolved again at every poll until the run appears: its
+            # layout is what its first writer makes it.
+            run = source.Run(self.path)
+            if run.sharded:
+                self._inner = RunFollower(run)
+            elif os.path.exists(run):
+                self._inner = LineFollower(run)
             else:
                 return
         yield from self._inner.poll()
@@ -528,11 +531,12 @@ class PendingFollower:
 def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | PendingFollower":
     """The follower for ``path``: a sharded run's, one file's, or, while
     neither exists, one that waits to see which appears."""
-    if source.is_sharded(path):
-        return RunFollower(path)
-    if os.path.exists(path):
-        return LineFollower(path)
-    return PendingFollower(path)
+    run = source.Run.of(path)
+    if run.sharded:
+        return RunFollower(run)
+    if os.path.exists(run):
+        return LineFollower(run)
+    return PendingFollower(run)
 
 
 def _time_of(d: dict | None) -> float:

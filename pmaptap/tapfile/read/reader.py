@@ -12,7 +12,7 @@ from pmaptap.tapfile.read.attempts import Attempts, check_mode
 from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.read.query import Filter, read_filter
 from pmaptap.tapfile.record import UNSET, PerDevice, as_dicts, decode_record, decoded
-from pmaptap.tapfile.source import ByteStore, collector_paused, iter_record_batches, load_value
+from pmaptap.tapfile.source import ByteStore, Run, collector_paused, iter_record_batches, load_value
 
 # A per-device record's fields that make it more than its dict (none of
 # which the usual one has), and the values that are already as read.
@@ -59,6 +59,7 @@ def read(
     replicated record matches every device and process that held its value,
     and divergence is still judged on every copy of a matched step.
     """
+    path = Run.of(path)  # how the run is stored, worked out once for the passes below
     check_mode(attempts)
     flt = read_filter(name, step, run, device, process)
     if as_frame:

@@ -118,9 +118,10 @@ def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
     schema.py records (Structs; None for a line that is none, its problem
     by line number in ``problems``): one file (iter_file_records) or a
     sharded run's merged stream."""
-    if not runs.is_sharded(path):
-        return iter_file_records(path)
-    return runs.iter_merged(path, read_at)
+    run = runs.Run.of(path)
+    if not run.sharded:
+        return iter_file_records(run)
+    return runs.iter_merged(run, read_at)
 
 
 def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
