@@ -25,7 +25,7 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, job_failed, prefixed, python_cmd, run_launch, subprocess_env
-from pmaptap.tapfile.record.format import record_key
+from pmaptap.tapfile.record import record_key
 from pmaptap.tapfile.source import run as runs
 
 STEPS = 12

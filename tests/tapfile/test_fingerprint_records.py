@@ -17,7 +17,7 @@ from pmaptap.tapfile.analyze.fingerprints import FingerprintAcc, divergence_seri
 from pmaptap.tapfile.analyze.summary import summarize_file, tap_summaries
 from pmaptap.tapfile.analyze.validate import schema_problems, validate_file
 from pmaptap.tapfile.export.plot import build_figure
-from pmaptap.tapfile.record.format import validate_dict
+from pmaptap.tapfile.record import validate_dict
 
 
 def agree(step: int, devices=(0, 1, 2, 3), name: str = "params") -> dict:

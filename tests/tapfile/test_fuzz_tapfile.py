@@ -28,12 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pmaptap
+from pmaptap.tapfile import record as fmt
 from pmaptap.tapfile.analyze import table as summary
 from pmaptap.tapfile.analyze import validate as checks
 from pmaptap.tapfile.export import csv_rows as export
 from pmaptap.tapfile.read import follower as follow
 from pmaptap.tapfile.read import views
-from pmaptap.tapfile.record import format as fmt
 from pmaptap.tapfile.record import parse, schema
 from pmaptap.tapfile.source.lines import iter_lines
 

@@ -250,8 +250,7 @@ def test_holders_ranges_text_is_strict(tmp_path):
     batch parser alike."""
     import orjson
 
-    from pmaptap.tapfile.record import parse
-    from pmaptap.tapfile.record.format import holder_ids, holders_field
+    from pmaptap.tapfile.record import holder_ids, holders_field, parse
 
     base = {
         "run": "r",
@@ -483,7 +482,7 @@ def _merge_definition(shards: list[list[dict]]) -> list[dict]:
     """The merge's definition: every line by its shard's running largest
     time, then shard, then line; a replicated value another shard gave
     earlier in that order left out."""
-    from pmaptap.tapfile.record.format import record_key
+    from pmaptap.tapfile.record import record_key
 
     rows = []
     for i, recs in enumerate(shards):

@@ -18,7 +18,7 @@ from conftest import record_dict
 from pmaptap.tapfile.analyze.summary import summarize_file
 from pmaptap.tapfile.analyze.validate import validate_file
 from pmaptap.tapfile.read.divergence import DivergenceIndex
-from pmaptap.tapfile.record.format import (
+from pmaptap.tapfile.record import (
     Record,
     key_with_step,
     new_record,

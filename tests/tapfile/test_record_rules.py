@@ -16,9 +16,9 @@ import msgspec
 import pytest
 
 from conftest import per_device_dict, record_dict, replicated_dict
+from pmaptap.tapfile import record as fmt
 from pmaptap.tapfile.analyze.summary import summarize_file
 from pmaptap.tapfile.analyze.validate import schema_problems, validate_file
-from pmaptap.tapfile.record import format as fmt
 from pmaptap.tapfile.record import parse, schema
 
 # Records that satisfy every rule, one per kind.

@@ -8,12 +8,3 @@ from pmaptap.tapfile.analyze.fingerprints import divergence_series
 from pmaptap.tapfile.analyze.parallel import jobs_for, summarize_file, validate_file
 from pmaptap.tapfile.analyze.table import summary_table
 from pmaptap.tapfile.analyze.validate import line_text
-
-__all__ = [
-    "divergence_series",
-    "jobs_for",
-    "line_text",
-    "summarize_file",
-    "summary_table",
-    "validate_file",
-]

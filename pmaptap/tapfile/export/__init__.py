@@ -9,18 +9,3 @@ from pmaptap.tapfile.export.plot import PlotError, per_leaf, plot_tap
 from pmaptap.tapfile.export.tensorboard import TensorBoardExport, tag_parts
 from pmaptap.tapfile.export.tensorboard import export as export_tensorboard
 from pmaptap.tapfile.export.tensorboard import follow as follow_tensorboard
-
-__all__ = [
-    "PlotError",
-    "TensorBoardExport",
-    "csv_row",
-    "export_tensorboard",
-    "flatten_value",
-    "follow_tensorboard",
-    "merge",
-    "merge_follow",
-    "per_leaf",
-    "plot_tap",
-    "tag_parts",
-    "write_csv",
-]

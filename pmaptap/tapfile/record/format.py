@@ -31,35 +31,17 @@ if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faste
     import numpy as np
 
 # The format's constants and rules are schema.py's (the one home of what a
-# record is); these names stay importable from here for the writers.
-from pmaptap.tapfile.record.schema import (  # noqa: E402, F401
-    COPIES_SEEN,
+# record is): import them from there (or from the package, tapfile.record).
+from pmaptap.tapfile.record.schema import (  # noqa: E402
     FINGERPRINT,
-    KINDS,
-    MAX_HOLDERS,
     MAX_STEP,
-    NAN,
-    NEG_INF,
     NONFINITE,
-    POS_INF,
-    RANGES_ABOVE,
-    VALUE_KINDS,
     AnyRecord,
     Holders,
     _is_pair,
     as_dict,
-    curve_tag,
-    holder_ids,
     holders_count,
     holders_field,
-    holds,
-    id_ranges,
-    index_key,
-    record_key,
-    shown_name,
-    step_key,
-    valid_index,
-    validate_dict,
 )
 
 # The names of the meta records pmaptap writes: facts about the run (kind
