@@ -530,7 +530,7 @@ def test_values_left_to_an_owner_that_did_not_close_are_put_as_a_chunk(s3):
     import pmaptap
     from conftest import replicated_dict
     from pmaptap._host.objsink import ObjectSink
-    from pmaptap.tapfile.record.format import Record, record_key
+    from pmaptap.tapfile.record import Record, record_key
     from pmaptap.tapfile.source import run as runs
 
     url = "s3://taps/held/run"
