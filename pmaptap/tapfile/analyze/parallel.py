@@ -6,7 +6,7 @@ The pieces (``plan``): one file in N byte ranges cut at line starts, read
 by this process and N-1 workers; a sharded run's sources in 16N units of
 about equal bytes, taken by N workers one after another as each is free
 (``_Pool``), this process taking their states in. A worker summarizes
-(summary.FilteredSummarizer) or checks (checks.Validator) its piece, or
+(summary.FilteredSummarizer) or checks (validate.Validator) its piece, or
 the units it read (about 4 states per worker), and sends its state,
 positions and all.
 
@@ -44,8 +44,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from pmaptap.errors import NeedSerial, WorkerError
 from pmaptap.tapfile import source
-from pmaptap.tapfile.analyze import shardwise, summary
-from pmaptap.tapfile.analyze import validate as checks
+from pmaptap.tapfile.analyze import shardwise, summary, validate
 from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result
 from pmaptap.tapfile.analyze.validate import Report, Validator
 from pmaptap.tapfile.read import Attempts, Filter, latest
@@ -545,7 +544,7 @@ def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
 
 
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
-    """checks.validate_file in ``jobs`` processes (in this one alone
+    """validate.validate_file in ``jobs`` processes (in this one alone
     where the run is not split)."""
     path = source.Run.of(path)
     return _read(
@@ -553,7 +552,7 @@ def validate_file(path: str | os.PathLike, jobs: int) -> Report:
         jobs,
         lambda reader: shardwise.validate(path, reader),
         lambda parts: latest(path, lambda a: _validate_pass(path, parts, a)),
-        lambda: checks.validate_file(path),
+        lambda: validate.validate_file(path),
     )
 
 

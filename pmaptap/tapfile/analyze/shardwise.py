@@ -5,7 +5,7 @@ read, their records summarized or checked as they come, without the merge
 cost more than the summary itself (docs/performance.md).
 
 A summary or a check depends on the order of its records only through
-their positions (summary.py, checks.Validator), so each record's position
+their positions (summary.py, validate.Validator), so each record's position
 is its place in the merge: its merge key (source.merge_keys), its source's
 index and its line there, which order as the merge orders. What the merge
 decides across sources is decided here once every source is read:
@@ -41,7 +41,7 @@ an entry of steps per device and source); the process that starts the
 workers takes their states in one at a time.
 
 A run that was resumed is read again once what its later attempts
-superseded is known (attempts.scan), as summary.py and checks.py do. Where
+superseded is known (attempts.scan), as summary.py and validate.py do. Where
 a summary cannot be exact the merged stream is read instead, whatever the
 run's size: an id written with two types (1 and 1.0) in two sources (a
 set keeps the first met, and here "first" is not the merge's); a
@@ -771,7 +771,7 @@ class ShardwiseValidation(_Shardwise):
         return bool(self.bad or self.device_dups or v.dups or v.problems)
 
     def report(self) -> "Report | None":
-        """The report (checks.validate_file's), ``combine``d; None where a
+        """The report (validate.validate_file's), ``combine``d; None where a
         per-device key has copies in two sources (which one is first is the
         merge's to say: the caller reads the merged stream)."""
         if self.overflow or self.clash:
@@ -897,7 +897,7 @@ def summarize(
 
 
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
-    """checks.validate_file of the local sharded run ``path``, or None where
+    """validate.validate_file of the local sharded run ``path``, or None where
     it would not be exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
     read = reader or (lambda empty: _serial(empty, path))

@@ -1,7 +1,7 @@
 """Per-tap summaries: ``tap_summaries(records)`` for code (records as
 ``pmaptap.read`` returns them), ``summarize_file(path)`` for ``pmaptap
 summary`` (streaming: records are decoded, summarized and dropped), and
-summary_table.py's ``summary_table`` for people.
+table.py's ``summary_table`` for people.
 
 One path: ``Summarizer.add`` / ``add_batch`` take schema.py records (a dict
 is made one first) into a tap's ``_TapAcc``, whose state grows with the
@@ -958,7 +958,7 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result
     """``pmaptap summary``: the summaries of the records of ``path`` that
     ``flt`` matches, streaming the run (records are decoded, summarized and
     dropped; values are never decoded): one file, or a sharded run's merged
-    stream (runs.iter_merged). Also the (line, problem) list of lines that
+    stream (source.iter_merged). Also the (line, problem) list of lines that
     are not records and every name and run read. tapfile/analyze/parallel.py's
     summarize_file gives the same result in worker processes, and of a
     sharded run a shard at a time (tapfile/analyze/shardwise.py)."""

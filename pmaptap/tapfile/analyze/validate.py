@@ -430,7 +430,7 @@ class Validator:
 def line_text(pos: Any) -> str:
     """A position as printed: "line 7" of the file or merged stream, or a
     sharded run's source and its line ("p00003.jsonl line 7",
-    runs.SourceLine)."""
+    source.SourceLine)."""
     return f"line {pos}" if type(pos) is int else str(pos)
 
 
