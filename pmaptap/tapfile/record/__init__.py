@@ -5,6 +5,9 @@ and arrays kept as raw bytes until written (rawarray).
 The one entry of this layer: every other module of pmaptap imports these
 names from here (tests/project/test_layout.py)."""
 
+import importlib
+from typing import Any
+
 from pmaptap.tapfile.record.format import (
     COORDS_COLUMN_PREFIX,
     COUNT_BASE,
@@ -33,7 +36,6 @@ from pmaptap.tapfile.record.format import (
     split_step,
 )
 from pmaptap.tapfile.record.parse import (
-    MAX_LINE_BYTES,
     decode_block,
     decode_line,
     decode_lines,
@@ -73,3 +75,13 @@ from pmaptap.tapfile.record.schema import (
     step_key,
     validate_dict,
 )
+
+# A limit read at each use from its module, not copied here: the module
+# keeps the one value (set there, in a test, it holds for every reader).
+_LIVE = {"MAX_LINE_BYTES": "parse"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIVE:
+        return getattr(importlib.import_module(f"{__name__}.{_LIVE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,9 @@ array values stored beside the lines (arrays.py).
 
 The one entry of this layer (tests/project/test_layout.py)."""
 
+import importlib
+from typing import Any
+
 from pmaptap.tapfile.source.arrays import (
     BYTES_SUFFIX,
     INLINE_MAX_BYTES,
@@ -27,9 +30,7 @@ from pmaptap.tapfile.source.lines import (
     iter_record_batches,
 )
 from pmaptap.tapfile.source.run import (
-    FETCH_THREADS,
     FILE_LAYOUTS,
-    SHARDED_ABOVE,
     Run,
     SourceLine,
     base_and_directory,
@@ -47,17 +48,31 @@ from pmaptap.tapfile.source.run import (
     sources,
 )
 from pmaptap.tapfile.source.store import (
-    ROLLUP_BYTES,
-    ROLLUP_CHUNKS,
     SHARD_SUFFIX,
     Cursor,
     Object,
     Reader,
     chunk_name,
     fetch,
-    objects,
-    objects_after,
     piece_bytes,
     rollup_name,
     url_fs,
 )
+
+# Limits and the object-store listing, read at each use from their module,
+# not copied here: the module keeps the one value (set there, in a test,
+# it holds for the writers, readers and followers that use them).
+_LIVE = {
+    "FETCH_THREADS": "run",
+    "SHARDED_ABOVE": "run",
+    "ROLLUP_BYTES": "store",
+    "ROLLUP_CHUNKS": "store",
+    "objects": "store",
+    "objects_after": "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIVE:
+        return getattr(importlib.import_module(f"{__name__}.{_LIVE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
