@@ -29,7 +29,7 @@ _SUBMODULES = frozenset({"analyze", "export", "read", "record", "source"})
 _DOCUMENTED = {
     "reader": "read.reader",
     "views": "read.views",
-    "follow": "read.follow",
+    "follow": "read.follower",
     "frame": "read.frame",
     "checks": "analyze.validate",
     "summary": "analyze.summary",

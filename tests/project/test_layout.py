@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -377,6 +378,27 @@ def test_tapfile_sub_packages_are_layers_with_one_entry_each():
             elif own is not None and _TAPFILE_LAYERS.index(layer) > _TAPFILE_LAYERS.index(own):
                 found.append(f"{mod} imports {dep}, a layer above its own")
     assert found == []
+
+
+def test_the_reader_modules_api_md_names_are_still_attributes_of_tapfile():
+    """docs/api.md names the readers as modules of ``pmaptap.tapfile``
+    (``reader``, ``views``, ``checks``, ...); since the sub-packages each is
+    an attribute that loads the module that now holds it, without JAX."""
+    text = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
+    i = text.index("The readers live in `pmaptap.tapfile`")
+    named = re.findall(r"`(\w+)`", text[i : text.index(":", i + 40)])
+    named += re.findall(r"pmaptap\.tapfile\.(\w+)", text)
+    assert {"reader", "checks", "follow", "fingerprints", "arrays"} <= set(named), named
+    proc = run_python(f"""
+        import sys
+        sys.modules["jax"] = None
+        import pmaptap
+        for name in {sorted(set(named))!r}:
+            mod = getattr(pmaptap.tapfile, name)
+            assert mod.__name__.startswith("pmaptap.tapfile."), (name, mod)
+        print("OK")
+        """)
+    assert "OK" in proc.stdout
 
 
 def test_the_seam_holds_both_ways():
