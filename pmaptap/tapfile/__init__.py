@@ -40,13 +40,24 @@ _DOCUMENTED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        # import_module binds the sub-package on this package itself.
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in _DOCUMENTED:
-        return importlib.import_module(f"{__name__}.{_DOCUMENTED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def loaded_on_use(package: str, homes: dict[str, str], *, attribute: bool) -> Any:
+    """A module ``__getattr__`` for ``package``: a name in ``homes`` loads
+    the module below ``package`` named there and is that module, or (with
+    ``attribute``) that module's attribute of the name, read at each use."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        # import_module binds a sub-package on this package itself.
+        module = importlib.import_module(f"{package}.{homes[name]}")
+        return getattr(module, name) if attribute else module
+
+    return __getattr__
+
+
+__getattr__ = loaded_on_use(
+    __name__, {**{s: s for s in _SUBMODULES}, **_DOCUMENTED}, attribute=False
+)
 
 
 def __dir__() -> list[str]:

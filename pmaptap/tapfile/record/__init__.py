@@ -5,9 +5,7 @@ and arrays kept as raw bytes until written (rawarray).
 The one entry of this layer: every other module of pmaptap imports these
 names from here (tests/project/test_layout.py)."""
 
-import importlib
-from typing import Any
-
+from pmaptap.tapfile import loaded_on_use
 from pmaptap.tapfile.record.format import (
     COORDS_COLUMN_PREFIX,
     COUNT_BASE,
@@ -81,7 +79,4 @@ from pmaptap.tapfile.record.schema import (
 _LIVE = {"MAX_LINE_BYTES": "parse"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LIVE:
-        return getattr(importlib.import_module(f"{__name__}.{_LIVE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = loaded_on_use(__name__, _LIVE, attribute=True)

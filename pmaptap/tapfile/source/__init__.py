@@ -5,9 +5,7 @@ array values stored beside the lines (arrays.py).
 
 The one entry of this layer (tests/project/test_layout.py)."""
 
-import importlib
-from typing import Any
-
+from pmaptap.tapfile import loaded_on_use
 from pmaptap.tapfile.source.arrays import (
     BYTES_SUFFIX,
     INLINE_MAX_BYTES,
@@ -72,7 +70,4 @@ _LIVE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LIVE:
-        return getattr(importlib.import_module(f"{__name__}.{_LIVE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = loaded_on_use(__name__, _LIVE, attribute=True)
