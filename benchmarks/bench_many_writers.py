@@ -63,7 +63,7 @@ print(json.dumps(dict(t0=t0, t1=t1, p99=lags[int(0.99 * (len(lags) - 1))],
 
 
 def run_one(n: int, layout: str, steps: int, every: int) -> dict:
-    from pmaptap.tapfile.checks import validate_file
+    from pmaptap.tapfile.analyze.validate import validate_file
 
     tmp = tempfile.mkdtemp(prefix="pmaptap-many-")
     path = os.path.join(tmp, "run.jsonl")
@@ -153,7 +153,7 @@ def model(quick: bool) -> None:
 
     from pmaptap._host.dirsink import DirectorySink
     from pmaptap._host.sink import FileSink
-    from pmaptap.tapfile.format import Record
+    from pmaptap.tapfile.record.format import Record
 
     tmp = tempfile.mkdtemp(prefix="pmaptap-model-")
     reps = 200 if quick else 2000
@@ -267,7 +267,7 @@ COLUMNS = (
 
 
 def _files(path: str) -> list[str]:
-    from pmaptap.tapfile import runs
+    from pmaptap.tapfile.source import run as runs
 
     return runs.sources(path) or [path]
 

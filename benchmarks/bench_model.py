@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     import pmaptap
     from benchmarks.bench_read import generate as generate_file
     from benchmarks.bench_read_scale import generate
-    from pmaptap.tapfile import jobs, lines, runs
+    from pmaptap.tapfile.analyze import parallel as jobs
+    from pmaptap.tapfile.source import lines
+    from pmaptap.tapfile.source import run as runs
 
     with tempfile.TemporaryDirectory() as tmp:
         cases = []
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             arms = {
                 "decode and merge": merge,
                 # What `pmaptap summary/validate --jobs 1` run: a sharded
-                # run shard by shard (tapfile/shardwise.py).
+                # run shard by shard (tapfile/analyze/shardwise.py).
                 "summary": lambda path=path: jobs.summarize_file(path, None, 1),
                 "validate": lambda path=path: jobs.validate_file(path, 1),
                 "read": lambda path=path: pmaptap.read(path),

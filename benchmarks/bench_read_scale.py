@@ -322,8 +322,8 @@ _READ_LIMITED = (
 # this is its own Python (docs/performance.md, "Reading sharded runs").
 _DECODE_ONLY = (
     "import sys\n"
-    "from pmaptap.tapfile import runs\n"
-    "from pmaptap.tapfile.lines import iter_file_records\n"
+    "from pmaptap.tapfile.source import run as runs\n"
+    "from pmaptap.tapfile.source.lines import iter_file_records\n"
     "n = 0\n"
     "for source in runs.sources(sys.argv[1]):\n"
     "    for _, records, _ in iter_file_records(source):\n"
@@ -425,7 +425,7 @@ def _object_store(tmp: str, procs: int, steps: int, rounds: int) -> None:
         url = f"s3://taps/run{steps}"
         # Each process writes its run through real Writers: five chunks a
         # process on the store, rolled up into one object at close
-        # (tapfile/store.py), and one shard on disk.
+        # (tapfile/source/store.py), and one shard on disk.
         write = (
             "import sys, s3fs, pmaptap\n"
             "local, url = sys.argv[1:3]\n"

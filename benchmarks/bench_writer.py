@@ -50,7 +50,7 @@ rss0, peak = rss_mib(), 0.0
 if mode == "sink":
     # The writer stage alone: records already built, as the writer thread
     # gets them; encode + lock + one append per batch of 1000.
-    from pmaptap.tapfile.format import Record
+    from pmaptap.tapfile.record.format import Record
     recs = [Record(run="bench", name=spec.name, step=i, kind="per_device",
                    value=np.float32(i * 0.5), dtype="float32", shape=[],
                    process=0, time=time.time(), host="h", device=0, coords={})

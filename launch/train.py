@@ -335,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
 
     import pmaptap
-    from pmaptap.tapfile.summary_table import summary_table
+    from pmaptap.tapfile.analyze import summary_table
 
     log(
         f"pmaptap train: variant={args.variant} mode={mode} "

@@ -29,10 +29,10 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "Session": ("pmaptap._host.session", "Session"),
     "active_session": ("pmaptap._host.session", "active_session"),
     "flush": ("pmaptap._host.session", "flush"),
-    "read": ("pmaptap.tapfile.reader", "read"),
-    "assemble": ("pmaptap.tapfile.assemble", "assemble"),
+    "read": ("pmaptap.tapfile.read.reader", "read"),
+    "assemble": ("pmaptap.tapfile.read.assembly", "assemble"),
     "Writer": ("pmaptap.writer", "Writer"),
-    "per_device": ("pmaptap.tapfile.frame", "per_device"),
+    "per_device": ("pmaptap.tapfile.read.frame", "per_device"),
     "TapError": ("pmaptap.errors", "TapError"),
     "TapPathError": ("pmaptap.errors", "TapPathError"),
     "SessionError": ("pmaptap.errors", "SessionError"),
@@ -124,7 +124,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from pmaptap._trace.tap import tap
     from pmaptap._trace.untapped import untapped
     from pmaptap.errors import SessionError, TapError, TapPathError
-    from pmaptap.tapfile.assemble import assemble
-    from pmaptap.tapfile.frame import per_device
-    from pmaptap.tapfile.reader import read
+    from pmaptap.tapfile.read import assemble, per_device, read
     from pmaptap.writer import Writer

@@ -36,9 +36,9 @@ from pmaptap.errors import CliError, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable, Iterator
 
-    from pmaptap.tapfile import views
-    from pmaptap.tapfile.follow import LineFollower, PendingFollower, RunFollower
-    from pmaptap.tapfile.query import Filter
+    from pmaptap.tapfile import read
+    from pmaptap.tapfile.read import Filter, LineFollower, PendingFollower, RunFollower
+    from pmaptap.tapfile.source import Run
 
 PROG = "pmaptap"
 
@@ -47,7 +47,7 @@ PROG = "pmaptap"
 
 # A tap file given as a pipe (`cat run.jsonl | pmaptap show /dev/stdin`, a
 # FIFO) is read once, into a temporary copy the commands read as often as
-# they need (most read a file twice, streaming: tapfile/stream.py); its
+# they need (most read a file twice, streaming: tapfile/read/stream.py); its
 # copy's path -> the name it was given, for messages.
 _SPOOLED: dict[str, str] = {}
 
@@ -98,43 +98,49 @@ def _spool_pipe(args: argparse.Namespace) -> str | None:
     return directory
 
 
-def _check_file(path: str) -> None:
-    from pmaptap.tapfile import runs, store
+def _check_file(path: str) -> "Run":
+    """``path`` resolved once into the Run that the command reads (a str:
+    messages and the readers take it as the path it is); CliError when
+    there is no run there."""
+    from pmaptap.tapfile.source import Run, objects
 
-    if runs.is_url(path):
+    run = Run.of(path)
+    if run.url:
         try:
-            store.objects(path)  # a missing bucket or prefix: as a missing file
+            objects(run)  # a missing bucket or prefix: as a missing file
         except FileNotFoundError as e:
             raise CliError(e.strerror) from None
-        return
-    if runs.is_sharded(path):
-        return  # a sharded run (path.d/): read merged, as one file
-    if not os.path.exists(path):
+        return run
+    if run.sharded:
+        return run  # a sharded run (path.d/): read merged, as one file
+    if not os.path.exists(run):
         raise CliError(f"no such file: {path}")
-    if os.path.isdir(path):
+    if os.path.isdir(run):
         raise CliError(f"{path} is a directory; give the tap file (.jsonl)")
+    return run
 
 
-def _check_followed(path: str, command: str) -> None:
+def _check_followed(path: str, command: str) -> "Run":
     """``_check_file`` for a command that follows the run (``-f``): a run
     that does not exist yet (no file, no ``path.d/``, no chunks) is waited
-    for, in whichever layout it appears (tapfile/follow.py)."""
-    from pmaptap.tapfile import runs, store
+    for, in whichever layout it appears (tapfile/read/follower.py)."""
+    from pmaptap.tapfile.source import Run, objects
 
-    if runs.is_url(path):
-        missing = not store.objects(path, missing_ok=True)
+    run = Run.of(path)
+    if run.url:
+        missing = not objects(run, missing_ok=True)
     else:
-        missing = not (os.path.exists(path) or runs.is_sharded(path))
+        missing = not (os.path.exists(run) or run.sharded)
     if missing:
         print(f"{PROG} {command}: waiting for {path} to appear", file=sys.stderr)
-    else:
-        _check_file(path)
+        return run
+    return _check_file(run)
 
 
 def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None:
     bad = [(n, why) for n, why in bad if why != "empty line"]
     if bad:
-        from pmaptap.tapfile.checks import line_text
+        from pmaptap.tapfile.analyze import line_text
 
         n, why = bad[0]
         print(
@@ -145,7 +151,7 @@ def _report_skipped(bad: list[tuple[int, str]], path: str, command: str) -> None
 
 
 def _filter(args: argparse.Namespace) -> Filter:
-    from pmaptap.tapfile.query import Filter, parse_steps
+    from pmaptap.tapfile.read import Filter, parse_steps
 
     try:
         steps = parse_steps(args.step) if args.step else (None, None)
@@ -161,23 +167,23 @@ def _filter(args: argparse.Namespace) -> Filter:
     )
 
 
-def _select_streamed(path: str, command: str, flt: Filter) -> "Callable[[], Iterator[views.Entry]]":
+def _select_streamed(path: str, command: str, flt: Filter) -> "Callable[[], Iterator[read.Entry]]":
     """The records of ``path`` that ``flt`` keeps, as a function that
-    streams them afresh on each call (tapfile/stream.py: the first pass is
+    streams them afresh on each call (tapfile/read/stream.py: the first pass is
     done here, once; nothing holds the records). An unknown --name or --run
     is an error and an empty result is said, both listing what the file
     has."""
-    from pmaptap.tapfile import views
-    from pmaptap.tapfile.stream import first_pass
+    from pmaptap.tapfile import read
+    from pmaptap.tapfile.read import first_pass
 
-    _check_file(path)
+    path = _check_file(path)
     fp = first_pass(path, flt)
     _report_skipped(fp.problems, path, command)
 
-    def entries() -> "Iterator[views.Entry]":
-        return views.iter_entries(path, flt, fp)
+    def entries() -> "Iterator[read.Entry]":
+        return read.iter_entries(path, flt, fp)
 
-    if not any(True for _ in views.iter_entries(path, flt, fp, 1)):
+    if not any(True for _ in read.iter_entries(path, flt, fp, 1)):
         _no_match(command, path, flt, fp.names, fp.runs)
     return entries
 
@@ -216,48 +222,47 @@ def _count(text: str) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """Streams: a first pass indexes divergence and attempts, a second prints
     (--json) or fits the columns, a third prints the table; nothing holds the
-    records (tapfile/stream.py)."""
-    from pmaptap.tapfile import views
-    from pmaptap.tapfile.stream import first_pass
+    records (tapfile/read/stream.py)."""
+    from pmaptap.tapfile import read
+    from pmaptap.tapfile.read import first_pass
 
     flt = _filter(args)
-    _check_file(args.file)
+    args.file = _check_file(args.file)
     fp = first_pass(args.file, flt)
     _report_skipped(fp.problems, args.file, "show")
 
     def entries():
-        return views.iter_entries(args.file, flt, fp, args.limit)
+        return read.iter_entries(args.file, flt, fp, args.limit)
 
     shown = 0
     if args.json:
         for e in entries():
-            print(views.json_line(e, attempt=flt.all_attempts))
+            print(read.json_line(e, attempt=flt.all_attempts))
             shown += 1
     else:
-        columns = views.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else views.COLUMNS
-        table = views.Table(views.with_run(columns))
+        columns = read.COLUMNS_ALL_ATTEMPTS if flt.all_attempts else read.COLUMNS
+        table = read.Table(read.with_run(columns))
         runs = set()
         for e in entries():
-            table.fit((views.row(e, args.width),))
+            table.fit((read.row(e, args.width),))
             runs.add(e.rec.get("run"))
             shown += 1
         if len(runs) < 2:
-            table.without(views.RUN)
+            table.without(read.RUN)
         if shown:
             print(table.header())
             for e in entries():
-                print(table.format(views.row(e, args.width)))
+                print(table.format(read.row(e, args.width)))
     if not shown:
         _no_match("show", args.file, flt, fp.names, fp.runs)
     return 0
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.jobs import jobs_for, summarize_file
-    from pmaptap.tapfile.summary_table import summary_table
+    from pmaptap.tapfile.analyze import jobs_for, summarize_file, summary_table
 
     flt = _filter(args)
-    _check_file(args.file)
+    args.file = _check_file(args.file)
     summaries, bad, names, runs = summarize_file(args.file, flt, jobs_for(args.file, args.jobs))
     _report_skipped(bad, args.file, "summary")
     if not summaries:
@@ -268,15 +273,15 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.jobs import jobs_for, validate_file
+    from pmaptap.tapfile.analyze import jobs_for, validate_file
 
-    _check_file(args.file)
+    args.file = _check_file(args.file)
     report = validate_file(args.file, jobs_for(args.file, args.jobs))
     shown = report.problems if not args.limit else report.problems[: args.limit]
     name = _shown(args.file)
     for line, why in shown:
         # A line of the file (or merged stream), or of a sharded run's source
-        # (runs.SourceLine: the shard file and its line).
+        # (source.SourceLine: the shard file and its line).
         where = f"{name}:{line}" if type(line) is int else f"{line.path}:{line.line}"
         print(f"{where}: {why}")
     if len(shown) < len(report.problems):
@@ -309,7 +314,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile.plot import PlotError, per_leaf, plot_tap
+    from pmaptap.tapfile.export import PlotError, per_leaf, plot_tap
 
     flt = _filter(args)
     flt.names = ()  # plot_tap picks the name and lists the others if absent
@@ -358,22 +363,22 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_tensorboard(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile import tensorboard
+    from pmaptap.tapfile.export import export_tensorboard, follow_tensorboard
 
     flt = _filter(args)
     if args.follow:
-        _check_followed(args.file, "export")
+        args.file = _check_followed(args.file, "export")
     else:
-        _check_file(args.file)
+        args.file = _check_file(args.file)
     if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
         raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
     try:
         if args.follow:
-            stats = tensorboard.follow(
+            stats = follow_tensorboard(
                 args.file, args.tensorboard, flt, interval=args.interval, timeout=args.timeout
             )
         else:
-            stats, bad = tensorboard.export(args.file, args.tensorboard, flt)
+            stats, bad = export_tensorboard(args.file, args.tensorboard, flt)
             _report_skipped(bad, args.file, "export")
             if not stats.records:
                 _no_match("export", args.file, flt, stats.names, stats.all_runs)
@@ -384,15 +389,15 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
 
 
 def _export_parquet(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile import frame
+    from pmaptap.tapfile.read import write_parquet
 
     entries = _select_streamed(args.file, "export", _filter(args))
     parent = os.path.dirname(os.path.abspath(args.parquet))
     if not os.path.isdir(parent):
         raise CliError(f"cannot write {args.parquet}: no directory {parent}")
     try:
-        # The frame is built while streaming (frame.FrameBuilder).
-        n = frame.write_parquet((e.rec for e in entries()), args.parquet)
+        # The frame is built while streaming (read.FrameBuilder).
+        n = write_parquet((e.rec for e in entries()), args.parquet)
     except ImportError as e:
         raise CliError(str(e)) from None
     print(f"wrote {n} rows to {args.parquet}", file=sys.stderr)
@@ -402,12 +407,12 @@ def _export_parquet(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     """The last ``args.lines`` matching records, then with ``args.follow``
     every new one until a signal, the timeout or the count."""
-    from pmaptap.tapfile.follow import open_follower
+    from pmaptap.tapfile.read import open_follower
 
     if args.follow:
-        _check_followed(args.file, "tail")
+        args.file = _check_followed(args.file, "tail")
     else:
-        _check_file(args.file)
+        args.file = _check_file(args.file)
     lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
@@ -426,7 +431,7 @@ def _tail(
     flt: Filter,
     lf: "LineFollower | RunFollower | PendingFollower",
 ) -> int:
-    from pmaptap.tapfile.follow import follow, matching, stop_on_signals
+    from pmaptap.tapfile.read import follow, matching, stop_on_signals
 
     # Initial part: keep only the last N matches, so a large file is streamed.
     last = collections.deque(matching(lf, flt), maxlen=max(args.lines, 0))
@@ -458,14 +463,14 @@ class _TailPrinter:
         self.width = args.width
         self.max = args.max_records
         self.count = 0
-        self.table: views.Table | None = None
+        self.table: read.Table | None = None
 
     @property
     def done(self) -> bool:
         return bool(self.max) and self.count >= self.max
 
-    def emit(self, entries: list[views.Entry]) -> None:
-        from pmaptap.tapfile import views
+    def emit(self, entries: list[read.Entry]) -> None:
+        from pmaptap.tapfile import read
 
         if self.max:
             entries = entries[: max(self.max - self.count, 0)]
@@ -474,11 +479,11 @@ class _TailPrinter:
         self.count += len(entries)
         if self.json:
             for e in entries:
-                print(views.json_line(e))
+                print(read.json_line(e))
         else:
-            rows = [views.row(e, self.width) for e in entries]
+            rows = [read.row(e, self.width) for e in entries]
             if self.table is None:
-                self.table = views.Table()
+                self.table = read.Table()
                 if self.follow:
                     # Room for rows not seen yet, so columns rarely shift.
                     self.table.widths.update(line=6, name=10, step=6, device=6, value=12)
@@ -491,25 +496,25 @@ class _TailPrinter:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from pmaptap.tapfile import merge
+    from pmaptap.tapfile.export import merge, merge_follow
 
     if not args.follow:
-        _check_file(args.file)
+        args.file = _check_file(args.file)
         try:
-            n, bad = merge.merge(args.file, args.output)
+            n, bad = merge(args.file, args.output)
         except ValueError as e:
             raise CliError(str(e)) from None
         _report_skipped(bad, args.file, "merge")
         print(f"wrote {n} records to {args.output}", file=sys.stderr)
         return 0
-    from pmaptap.tapfile.follow import stop_on_signals
+    from pmaptap.tapfile.read import stop_on_signals
 
     def report(pos: int, problem: str) -> None:
         print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
 
     try:
         with stop_on_signals() as stop:
-            n = merge.merge_follow(
+            n = merge_follow(
                 args.file,
                 args.output,
                 stop=stop,
@@ -642,7 +647,7 @@ class _Version(argparse.Action):
             number = version("pmaptap")
         except PackageNotFoundError:  # run from a source tree
             number = "(not installed)"
-        # The library every line is decoded with (tapfile/schema.py).
+        # The library every line is decoded with (tapfile/record/schema.py).
         print(f"{PROG} {number}: records decoded by msgspec {msgspec.__version__}")
         parser.exit()
 

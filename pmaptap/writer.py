@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pmaptap.errors import LockBusy, TapError, checked_number
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.record import (
     MAX_STEP,
     VALUE_KINDS,
     Record,
@@ -95,7 +95,7 @@ def _encode(value: Any, leaves: list[np.ndarray], where: str = "/") -> tuple[Any
     writes them; ``leaves`` collects the leaves, in the session's order, for
     the value hash. ``where``: the leaf's path, for errors."""
     from pmaptap._host.encode import encode_array
-    from pmaptap.tapfile.arrays import stored_as_bytes
+    from pmaptap.tapfile.source import stored_as_bytes
 
     if isinstance(value, Mapping):
         # Keys are written as text: two keys of one text (1 and "1") would
@@ -173,7 +173,7 @@ class Writer:
         max_buffer = n("max_buffer", max_buffer, integer=True, least=1)
         lock_timeout = n("lock_timeout", lock_timeout)
         flush_timeout = n("flush_timeout", flush_timeout, none=True)
-        from pmaptap.tapfile.runs import FILE_LAYOUTS, file_layout, is_url
+        from pmaptap.tapfile.source import FILE_LAYOUTS, file_layout, is_url
 
         if layout not in FILE_LAYOUTS:
             raise ValueError(f"Writer: layout must be one of {FILE_LAYOUTS}, got {layout!r}")

@@ -214,7 +214,7 @@ def record_dict(**fields) -> dict:
 def shard_record(step: int, process: int = 3):
     """A per_device ``Record`` of tap "x" at ``step`` from ``process`` (value
     and time the step), as a shard writer in the tests writes it."""
-    from pmaptap.tapfile.format import Record
+    from pmaptap.tapfile.record.format import Record
 
     return Record(
         **record_dict(

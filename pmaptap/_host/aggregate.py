@@ -36,7 +36,7 @@ from pmaptap._host.payload import (
 )
 from pmaptap._host.records import RecordFactory, _Table
 from pmaptap._log import log
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.record import (
     COPIES_SEEN,
     MAX_STEP,
     META_DROPPED,

@@ -24,9 +24,8 @@ import secrets
 import time
 from typing import Iterable, Sequence
 
-from pmaptap.tapfile.arrays import bytes_dir, npy_chunks, run_root
-from pmaptap.tapfile.format import Record
-from pmaptap.tapfile.rawarray import RawArray, has_raw, raw_leaves
+from pmaptap.tapfile.record import RawArray, Record, has_raw, raw_leaves
+from pmaptap.tapfile.source import bytes_dir, npy_chunks, run_root
 
 _IOV_MAX = 1024
 

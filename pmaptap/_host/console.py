@@ -7,9 +7,8 @@ from typing import Sequence, TextIO
 
 from pmaptap._host.sink import Sink
 from pmaptap._log import console_log
-from pmaptap.tapfile.arrays import shown_value
-from pmaptap.tapfile.format import FINGERPRINT, Record, encode_line, index_text
-from pmaptap.tapfile.rawarray import has_raw
+from pmaptap.tapfile.record import FINGERPRINT, Record, encode_line, has_raw, index_text
+from pmaptap.tapfile.source import shown_value
 
 
 def format_console(r: Record) -> str:

@@ -33,8 +33,7 @@ import dataclasses
 from collections import OrderedDict
 from typing import Sequence
 
-from pmaptap.tapfile.format import Record, record_key
-from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile.record import Record, parse_line, record_key
 
 _REPLICATED_MARK = b'"kind":"replicated"'
 

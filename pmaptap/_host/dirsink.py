@@ -39,9 +39,8 @@ from typing import Iterable, Sequence
 from pmaptap._host.blobs import BlobFile
 from pmaptap._host.sink import FileSink, Sink, prepare_path
 from pmaptap._log import log
-from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import COPIES_SEEN, Record, record_key
-from pmaptap.tapfile.rawarray import RawArray, has_raw, raw_leaves
+from pmaptap.tapfile import source as runs
+from pmaptap.tapfile.record import COPIES_SEEN, RawArray, Record, has_raw, raw_leaves, record_key
 
 # Seconds between two looks at the shard's path (a stat by name: a server
 # round trip on NFS/Lustre) to see whether it was renamed away (log

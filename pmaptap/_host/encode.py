@@ -15,8 +15,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, npy_header, stored_as_bytes
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.record import (
     COUNT_BASE,
     NAN,
     NEG_INF,
@@ -24,11 +23,12 @@ from pmaptap.tapfile.format import (
     ORJSON_OPTS,
     POS_INF,
     SUMMARY_FIELDS,
+    RawArray,
     encodable,
     is_float_like,
     is_narrow_int,
 )
-from pmaptap.tapfile.rawarray import RawArray
+from pmaptap.tapfile.source import INLINE_MAX_BYTES, npy_header, stored_as_bytes
 
 # Arrays up to this size get the shortest repr of their own precision
 # (0.1 in float32 is written 0.1, not 0.10000000149011612).

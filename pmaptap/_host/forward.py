@@ -30,13 +30,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from pmaptap.tapfile.arrays import load_value
-from pmaptap.tapfile.fingerprints import divergence_series
-from pmaptap.tapfile.format import FINGERPRINT, Record, decode_record
-from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.rawarray import raw_leaves
-from pmaptap.tapfile.tensorboard import tag_parts
-from pmaptap.tapfile.views import leaves
+from pmaptap.tapfile.analyze import divergence_series
+from pmaptap.tapfile.export import tag_parts
+from pmaptap.tapfile.read import leaves
+from pmaptap.tapfile.record import FINGERPRINT, Record, decode_record, parse_line, raw_leaves
+from pmaptap.tapfile.source import load_value
 
 # Session(forward_replicated=...): which replicated records a process forwards.
 #   "process0": process 0 forwards every replicated record it computed (the

@@ -43,7 +43,7 @@ import threading
 from typing import Any
 
 from pmaptap._host.forward import scalar_series
-from pmaptap.tapfile.attempts import attempt_of
+from pmaptap.tapfile.read import attempt_of
 
 ATTEMPT_METRIC = "pmaptap/attempt"
 # Where an owned run records the pmaptap run it belongs to.
@@ -340,7 +340,7 @@ class TensorBoard:
 
     def __init__(self, logdir: str | os.PathLike) -> None:
         try:
-            from pmaptap.tapfile.tensorboard import TensorBoardExport
+            from pmaptap.tapfile.export import TensorBoardExport
 
             self._tb = TensorBoardExport(logdir, mark_divergent=True)
         except ImportError as e:

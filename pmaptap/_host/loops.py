@@ -18,7 +18,7 @@ from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, resumed_step_message
-from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.record import Record
 
 Report = Callable[[BaseException], None]
 

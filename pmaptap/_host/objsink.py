@@ -33,10 +33,9 @@ from pmaptap._host.dirsink import DirectorySink, Held
 from pmaptap._host.sink import FileSink, Sink
 from pmaptap._log import log
 from pmaptap.errors import TapPathError
-from pmaptap.tapfile import store
-from pmaptap.tapfile.arrays import BYTES_SUFFIX
-from pmaptap.tapfile.format import Record
-from pmaptap.tapfile.rawarray import RawArray
+from pmaptap.tapfile import source as store
+from pmaptap.tapfile.record import RawArray, Record
+from pmaptap.tapfile.source import BYTES_SUFFIX
 
 # Seconds the writer thread gathers records into one chunk (one PUT).
 OBJECT_COMMIT_INTERVAL = 2.0

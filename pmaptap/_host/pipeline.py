@@ -30,7 +30,7 @@ from pmaptap.errors import TapError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pmaptap._common.spec import TapSpec
-    from pmaptap.tapfile.format import Record
+    from pmaptap.tapfile.record import Record
 
 
 class ErrorLog:

@@ -32,8 +32,7 @@ import collections
 import threading
 from typing import Any
 
-from pmaptap.tapfile.format import Record
-from pmaptap.tapfile.rawarray import RawArray, raw_leaves
+from pmaptap.tapfile.record import RawArray, Record, raw_leaves
 
 OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
 

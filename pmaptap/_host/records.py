@@ -17,9 +17,8 @@ import numpy as np
 from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._host.encode import encode_tree
 from pmaptap._host.payload import Copy
-from pmaptap.tapfile.arrays import npy_header
-from pmaptap.tapfile.format import Record, new_record
-from pmaptap.tapfile.rawarray import RawArray
+from pmaptap.tapfile.record import RawArray, Record, new_record
+from pmaptap.tapfile.source import npy_header
 
 
 class _Table:

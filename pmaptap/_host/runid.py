@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from pmaptap import distributed
 from pmaptap._host.pipeline import Pipeline
-from pmaptap.tapfile.runs import is_sharded, is_url, shard_process, sources
+from pmaptap.tapfile.source import is_sharded, is_url, shard_process, sources
 
 
 def _new_run_id() -> str:
@@ -78,7 +78,7 @@ def _last_run_in(
     large file whole). ``processes``: of the last record written by a
     process numbered below it (a JAX job's own; side ``Writer``s number
     theirs above the job's)."""
-    from pmaptap.tapfile.parse import parse_line
+    from pmaptap.tapfile.record import parse_line
 
     chunk = 1 << 20
     while True:
@@ -117,7 +117,7 @@ def _last_runs(path: str, processes: int) -> Iterator[str | None]:
             if k is None or k < processes:
                 yield _last_run(src, processes)
         return
-    from pmaptap.tapfile import store
+    from pmaptap.tapfile import source as store
 
     fs, _ = store.url_fs(path)
     for proc, objs in sorted(store.objects(path, missing_ok=True).items()):
@@ -170,8 +170,8 @@ def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | 
     """``_last_attempt`` of a sharded run (local shards or object-store
     chunks): the merged stream read once (the last run is that of the
     latest record by time)."""
-    from pmaptap.tapfile.attempts import attempt_of
-    from pmaptap.tapfile.lines import iter_lines
+    from pmaptap.tapfile.read import attempt_of
+    from pmaptap.tapfile.source import iter_lines
 
     last_run: str | None = None
     found: dict[str, int] = {}
@@ -189,8 +189,8 @@ def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
     text are parsed."""
     import json
 
-    from pmaptap.tapfile import parse
-    from pmaptap.tapfile.attempts import attempt_of
+    from pmaptap.tapfile import record as parse
+    from pmaptap.tapfile.read import attempt_of
 
     if is_sharded(path):
         return _last_attempt_merged(path, run)
@@ -255,8 +255,8 @@ def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
 
     import jax
 
-    from pmaptap.tapfile.attempts import ATTEMPT_NAME
-    from pmaptap.tapfile.format import meta_record
+    from pmaptap.tapfile.read import ATTEMPT_NAME
+    from pmaptap.tapfile.record import meta_record
 
     r = meta_record(
         count=attempt,

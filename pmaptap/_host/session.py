@@ -35,9 +35,9 @@ from pmaptap._host.sink import LOCK_MODES, FileSink
 from pmaptap._host.sinks import open_sink
 from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError, checked_flag, checked_number
-from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import check_text
-from pmaptap.tapfile.runs import is_url
+from pmaptap.tapfile import source as runs
+from pmaptap.tapfile.record import check_text
+from pmaptap.tapfile.source import is_url
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
 # before acting itself (a main thread running Python runs it within

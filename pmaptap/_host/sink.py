@@ -37,9 +37,14 @@ from pmaptap._host.blobs import BlobFile, has_unstored, unstored
 from pmaptap._host.crossdedup import CrossProcessIndex
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, TapPathError
-from pmaptap.tapfile.format import META_UNENCODABLE, Record, meta_record
-from pmaptap.tapfile.parse import MAX_LINE_BYTES, line_problem
-from pmaptap.tapfile.rawarray import RawArray
+from pmaptap.tapfile.record import (
+    MAX_LINE_BYTES,
+    META_UNENCODABLE,
+    RawArray,
+    Record,
+    line_problem,
+    meta_record,
+)
 
 _IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
 # Bytes just before the sink's last offset that it remembers: different bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pmaptap._host.dirsink import DirectorySink
 from pmaptap._host.sink import FileSink, Sink
-from pmaptap.tapfile.runs import is_url
+from pmaptap.tapfile.source import is_url
 
 
 def open_sink(

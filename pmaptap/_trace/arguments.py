@@ -13,7 +13,7 @@ import numpy as np
 from pmaptap._common.spec import DEDUP_MODES
 from pmaptap._trace.primitive import eager
 from pmaptap.errors import resumed_step_message
-from pmaptap.tapfile.format import check_step_range, check_text, encodable
+from pmaptap.tapfile.record import check_step_range, check_text, encodable
 
 
 def check_common(name: Any, dedup: Any, every: Any, fn: str) -> None:

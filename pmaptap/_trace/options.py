@@ -36,7 +36,7 @@ class Options:
     # sent: its statistics are computed on device and the record says
     # "summarized": true (see stats.device_statistics). None: always send whole values.
     # host_callback.id_tap functions always receive the whole value.
-    # 16 MiB since arrays are stored as their bytes (tapfile/arrays.py): a
+    # 16 MiB since arrays are stored as their bytes (tapfile/source/arrays.py): a
     # whole activation costs a copy and a write, not JSON; the limit is now
     # about disk (a tap of N bytes every step writes N bytes a step).
     max_value_bytes: int | None = 16 << 20

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pmaptap._trace.options import options
-from pmaptap.tapfile.format import COUNT_BASE
+from pmaptap.tapfile.record import COUNT_BASE
 
 
 def device_statistics(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:

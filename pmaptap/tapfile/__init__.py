@@ -1,53 +1,64 @@
-"""The tap-file format and everything that reads it (never imports JAX)."""
+"""The tap-file format and everything that reads it (never imports JAX).
+
+Five sub-packages, each a layer that imports only the ones before it and
+only through their ``__init__`` (tests/project/test_layout.py checks both):
+
+- ``record``: the record format, once (fields, line encoding, parsing,
+  raw arrays);
+- ``source``: a path resolved once into a ``Run`` (one file, a sharded
+  directory or an object-store URL), its lines and stored array bytes;
+- ``read``: records, queries, attempts, divergence, views, frames,
+  assembled arrays and following a growing run;
+- ``analyze``: summary, validate, fingerprints and the parallel workers;
+- ``export``: CSV, TensorBoard, plots and merging shards.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# The modules of this package, loaded on first attribute access, so that
-# ``import pmaptap; pmaptap.tapfile.reader.read(path)`` works without an
+# The sub-packages, loaded on first attribute access, so that
+# ``import pmaptap; pmaptap.tapfile.read.read(path)`` works without an
 # import of each (as the pmaptap package does for its own submodules).
-# tests/project/test_layout.py checks that this lists every module here.
-_SUBMODULES = frozenset(
-    {
-        "arrays",
-        "assemble",
-        "attempts",
-        "checks",
-        "divergence",
-        "export",
-        "fingerprints",
-        "follow",
-        "format",
-        "frame",
-        "jobs",
-        "lines",
-        "merge",
-        "parse",
-        "plot",
-        "query",
-        "rawarray",
-        "reader",
-        "runs",
-        "schema",
-        "shardwise",
-        "store",
-        "stream",
-        "summary",
-        "summary_table",
-        "tensorboard",
-        "views",
-    }
+# tests/project/test_layout.py checks that this lists every one here.
+_SUBMODULES = frozenset({"analyze", "export", "read", "record", "source"})
+
+# The reader modules docs/api.md names as ``pmaptap.tapfile.<module>``,
+# where they lived before the sub-packages: still attributes of the package.
+_DOCUMENTED = {
+    "reader": "read.reader",
+    "views": "read.views",
+    "follow": "read.follower",
+    "frame": "read.frame",
+    "checks": "analyze.validate",
+    "summary": "analyze.summary",
+    "fingerprints": "analyze.fingerprints",
+    "tensorboard": "export.tensorboard",
+    "plot": "export.plot",
+    "arrays": "source.arrays",
+}
+
+
+def loaded_on_use(package: str, homes: dict[str, str], *, attribute: bool) -> Any:
+    """A module ``__getattr__`` for ``package``: a name in ``homes`` loads
+    the module below ``package`` named there and is that module, or (with
+    ``attribute``) that module's attribute of the name, read at each use."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        # import_module binds a sub-package on this package itself.
+        module = importlib.import_module(f"{package}.{homes[name]}")
+        return getattr(module, name) if attribute else module
+
+    return __getattr__
+
+
+__getattr__ = loaded_on_use(
+    __name__, {**{s: s for s in _SUBMODULES}, **_DOCUMENTED}, attribute=False
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        # import_module binds the submodule on this package itself.
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _SUBMODULES)
+    return sorted(set(globals()) | _SUBMODULES | set(_DOCUMENTED))

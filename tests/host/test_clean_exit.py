@@ -11,7 +11,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from conftest import cli, replicated_dict, run_python
-from pmaptap.tapfile import schema
+from pmaptap.tapfile.record import schema
 
 
 def _all_subclasses(cls: type) -> list[type]:

@@ -17,8 +17,8 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, job_failed, logs_warning, prefixed, python_cmd, start_launch, wait_for
-from pmaptap.tapfile import parse
-from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.record import parse
+from pmaptap.tapfile.record.format import Record
 
 DEEP = 100_000
 
@@ -51,7 +51,7 @@ def deep_line(step: int = 1) -> bytes:
 
 @pytest.mark.parametrize("backend", ["orjson", "json"])
 def test_parser_limits_are_reported_never_raised(backend, monkeypatch):
-    from pmaptap.tapfile import format as fmt
+    from pmaptap.tapfile.record import format as fmt
 
     if backend == "json":
         monkeypatch.setattr(fmt, "ORJSON", None)
@@ -372,7 +372,7 @@ def test_torn_shard_tail_under_a_running_session_costs_only_that_line(tmp_path, 
     import jax
     import jax.numpy as jnp
 
-    from pmaptap.tapfile import runs
+    from pmaptap.tapfile.source import run as runs
 
     tap = str(tmp_path / "run.jsonl")
     f = jax.jit(lambda x, i: pmaptap.tap(x, "y", step=i, dedup="replicated"))

@@ -10,7 +10,7 @@ import pytest
 import pmaptap
 from conftest import job_failed, python_cmd, run_launch
 from pmaptap import cli
-from pmaptap.tapfile.format import Record
+from pmaptap.tapfile.record.format import Record
 
 # Plain jit over the job's 8 devices (2 processes x 4): nothing holds the
 # processes together at each step, so process 1, after a "slow setup", opens

@@ -69,7 +69,7 @@ def test_writers_write_chunks_that_read_and_the_cli_merge(s3, tmp_path):
             w.write("loss", STEPS, 9.0 if p == 2 else 1.0)
     names = s3fs.S3FileSystem().ls("taps/side/run.d", refresh=True)
     # An empty first chunk (the check at open) + 2, rolled up into one
-    # object at close (tapfile/store.py), the chunks deleted.
+    # object at close (tapfile/source/store.py), the chunks deleted.
     assert [n.rsplit("-", 1)[-1] for n in sorted(names)] == ["000000002.r000000000.b0.jsonl"] * 3
     recs = pmaptap.read(url)
     loss = [r for r in recs if r["name"] == "loss"]
@@ -213,7 +213,7 @@ def test_stored_array_values_are_objects_put_before_their_chunk(s3):
     from jax.sharding import PartitionSpec as P
 
     import pmaptap
-    from pmaptap.tapfile import store
+    from pmaptap.tapfile.source import store
 
     url = "s3://taps/arrays/run"
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
@@ -294,7 +294,8 @@ def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
     import json
 
     import pmaptap
-    from pmaptap.tapfile import follow, store
+    from pmaptap.tapfile.read import follower as follow
+    from pmaptap.tapfile.source import store
 
     full, after = [], []
     objects, objects_after = store.objects, store.objects_after
@@ -339,7 +340,8 @@ def test_a_store_followers_first_poll_is_the_run_in_read_order(s3, monkeypatch):
     import json
 
     import pmaptap
-    from pmaptap.tapfile import follow, store
+    from pmaptap.tapfile.read import follower as follow
+    from pmaptap.tapfile.source import store
 
     url = "s3://taps/first-poll/run"
     writers = [pmaptap.Writer(url, run="r", process=p) for p in range(3)]
@@ -417,7 +419,9 @@ def test_a_store_follower_and_reader_across_rollups_on_s3(s3, monkeypatch):
     rest from the rollup; a finished writer leaves one object per 8 chunks,
     each fetched once by read()."""
     import pmaptap
-    from pmaptap.tapfile import follow, runs, store
+    from pmaptap.tapfile.read import follower as follow
+    from pmaptap.tapfile.source import run as runs
+    from pmaptap.tapfile.source import store
 
     monkeypatch.setattr(store, "ROLLUP_CHUNKS", 8)
     url = "s3://taps/rollups/run"
@@ -479,7 +483,7 @@ def test_live_writers_rolling_up_with_a_tail_and_a_validate_in_other_processes(s
     time.sleep(1.0)  # tail waits for the run
     writer = f"""
 import sys, time, pmaptap
-from pmaptap.tapfile import store
+from pmaptap.tapfile.source import store
 store.ROLLUP_CHUNKS = 3
 p = int(sys.argv[1])
 w = pmaptap.Writer({url!r}, run="r", process=p)
@@ -495,7 +499,7 @@ w.close()
     procs = [start_python(writer.replace("sys.argv[1]", repr(str(p))), **s3) for p in (0, 1)]
     # Mid-run: once both writers have put records (their start, with s3fs's
     # import, took over a second under load: a fixed wait found no run).
-    from pmaptap.tapfile import store
+    from pmaptap.tapfile.source import store
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -526,8 +530,8 @@ def test_values_left_to_an_owner_that_did_not_close_are_put_as_a_chunk(s3):
     import pmaptap
     from conftest import replicated_dict
     from pmaptap._host.objsink import ObjectSink
-    from pmaptap.tapfile import runs
-    from pmaptap.tapfile.format import Record, record_key
+    from pmaptap.tapfile.record import Record, record_key
+    from pmaptap.tapfile.source import run as runs
 
     url = "s3://taps/held/run"
     recs = [Record(**replicated_dict(s, float(s), processes=(0, 1), run="r")) for s in range(12)]

@@ -14,9 +14,9 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, job_failed, subprocess_env
-from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.summary import summarize_file
-from pmaptap.tapfile.summary_table import summary_table
+from pmaptap.tapfile.analyze.summary import summarize_file
+from pmaptap.tapfile.analyze.table import summary_table
+from pmaptap.tapfile.analyze.validate import validate_file
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 

@@ -16,10 +16,10 @@ import pytest
 
 import pmaptap
 from conftest import logs_warning, record_dict, run_python
-from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import summarize_file
-from pmaptap.tapfile.summary_table import summary_table
+from pmaptap.tapfile.analyze.summary import summarize_file
+from pmaptap.tapfile.analyze.table import summary_table
+from pmaptap.tapfile.analyze.validate import validate_file
+from pmaptap.tapfile.read.query import Filter
 
 
 def _train(path, steps, offset, devices, **session):
@@ -230,9 +230,9 @@ def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
 def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path):
     pytest.importorskip("matplotlib")
     ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    from pmaptap.tapfile import tensorboard
-    from pmaptap.tapfile.plot import build_figure
-    from pmaptap.tapfile.views import load_matching
+    from pmaptap.tapfile.export import tensorboard
+    from pmaptap.tapfile.export.plot import build_figure
+    from pmaptap.tapfile.read.views import load_matching
 
     _train(tap_path, range(6), 0.0, 8, run="p")
     _train(tap_path, range(3, 6), 50.0, 4, run="p", resume=True)  # elastic

@@ -24,8 +24,8 @@ from conftest import (
     wait_for,
 )
 from pmaptap._host.dirsink import DirectorySink, _held_size
-from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import Record, record_key
+from pmaptap.tapfile.record import Record, record_key
+from pmaptap.tapfile.source import run as runs
 
 STEPS = 4
 
@@ -123,7 +123,7 @@ def test_owner_writes_values_every_process_verified(tmp_path):
     """A replicated record naming several processes (verified on device) is
     written by exactly one of them; a per-process one by each."""
     from pmaptap._host.dirsink import DirectorySink
-    from pmaptap.tapfile.format import Record, record_key
+    from pmaptap.tapfile.record import Record, record_key
 
     path = str(tmp_path / "run.jsonl")
     sinks = [DirectorySink(path, process=p) for p in range(4)]

@@ -14,8 +14,8 @@ import pytest
 
 import pmaptap
 from conftest import job_failed, prefixed, python_cmd, run_launch, train_argv
-from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.fingerprints import suspects
+from pmaptap.tapfile.analyze.fingerprints import suspects
+from pmaptap.tapfile.analyze.validate import validate_file
 
 _JOB = """
     import os, socket
@@ -133,7 +133,7 @@ def test_the_job_file_is_valid_and_its_summary_names_the_suspects(job):
     report = validate_file(tap)
     assert report.ok, report.problems
     assert report.divergent_fingerprints == 1 + 2  # pmapped step 1, jitted steps 2-3
-    from pmaptap.tapfile.summary_table import summary_table
+    from pmaptap.tapfile.analyze.table import summary_table
 
     table = summary_table(recs)
     assert "suspect device 2049 (process 1, host node-b, i=3)" in table

@@ -5,7 +5,7 @@ jax.distributed on loopback, a real SIGKILL with records still queued.
 
 A pmean'd loss over 2 processes x 4 devices, tapped replicated for 12
 steps: both processes hold every value and each step has one owner
-(tapfile/runs.py: owner) that alone writes it. Process 1's writer lingers,
+(tapfile/source/run.py: owner) that alone writes it. Process 1's writer lingers,
 so its records are still queued when it SIGKILLs itself after the last
 step: every step it owns reaches its shard only if process 0 writes it.
 """
@@ -25,8 +25,8 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, job_failed, prefixed, python_cmd, run_launch, subprocess_env
-from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import record_key
+from pmaptap.tapfile.record import record_key
+from pmaptap.tapfile.source import run as runs
 
 STEPS = 12
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -187,7 +188,7 @@ def test_cli_help_imports_only_what_it_needs():
         except SystemExit as e:
             assert e.code == 0, e.code
         heavy = [m for m in ("numpy", "orjson", "jax", "importlib.metadata",
-                             "pmaptap.tapfile.views", "logging")
+                             "pmaptap.tapfile.read.views", "logging")
                  if m in sys.modules]
         print("HEAVY", heavy)
         """)
@@ -195,7 +196,7 @@ def test_cli_help_imports_only_what_it_needs():
 
 
 def test_the_record_format_facts_live_in_one_place():
-    # The non-finite markers and the record key are tapfile/schema.py's (the
+    # The non-finite markers and the record key are record/schema.py's (the
     # one home of the record rules); a second copy elsewhere would drift
     # (they were written out three times).
     found = []
@@ -207,14 +208,14 @@ def test_the_record_format_facts_live_in_one_place():
                 found.append(f"{rel}:{node.lineno} def record_key")
     assert sorted(found) == sorted(
         [
-            f"pmaptap/tapfile/schema.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
-            f"pmaptap/tapfile/schema.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
-            f"pmaptap/tapfile/schema.py:{_line_of('def record_key(')} def record_key",
+            f"pmaptap/tapfile/record/schema.py:{_line_of('POS_INF, NEG_INF =')} marker 'Infinity'",
+            f"pmaptap/tapfile/record/schema.py:{_line_of('POS_INF, NEG_INF =')} marker '-Infinity'",
+            f"pmaptap/tapfile/record/schema.py:{_line_of('def record_key(')} def record_key",
         ]
     ), found
 
 
-# The uses of ``__dict__`` outside tapfile/format.py that are not a
+# The uses of ``__dict__`` outside tapfile/record/format.py that are not a
 # Record's, by file and the object read: group.py keeps a thread-local's
 # stack there (threading.local has no setdefault of its own).
 _DICT_USES_ELSEWHERE = {("pmaptap/_trace/group.py", "_local")}
@@ -223,12 +224,12 @@ _DICT_USES_ELSEWHERE = {("pmaptap/_trace/group.py", "_local")}
 def test_only_format_py_touches_a_records_instance_dict():
     # Record is a frozen dataclass; its fast paths (filling a record from a
     # template, its pre-encoded line) write the instance dict directly and
-    # live in tapfile/format.py beside the fields they fill. A module that
+    # live in record/format.py beside the fields they fill. A module that
     # reads or writes a Record's __dict__ itself (as _host/records.py once
     # did) builds records format.py cannot see or keep in step.
     found = []
     for rel, tree in package_sources():
-        if rel == os.path.join("pmaptap", "tapfile", "format.py"):
+        if rel == os.path.join("pmaptap", "tapfile", "record", "format.py"):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr == "__dict__":
@@ -245,7 +246,7 @@ def test_only_format_py_touches_a_records_instance_dict():
 
 
 def _line_of(text: str) -> int:
-    with open(os.path.join(PKG, "tapfile", "schema.py"), encoding="utf-8") as f:
+    with open(os.path.join(PKG, "tapfile", "record", "schema.py"), encoding="utf-8") as f:
         return next(i for i, line in enumerate(f, 1) if text in line)
 
 
@@ -339,6 +340,65 @@ def test_no_import_circle_among_pmaptap_modules():
         if v not in index:
             visit(v)
     assert circles == []
+
+
+# tapfile's sub-packages, lowest first: each imports only those before it.
+_TAPFILE_LAYERS = ("record", "source", "read", "analyze", "export")
+
+
+def test_tapfile_sub_packages_are_layers_with_one_entry_each():
+    """tapfile is five sub-packages, each of at most ten files. A module
+    imports a module of its own sub-package freely; another sub-package
+    only through its entry (``pmaptap.tapfile.<name>``, its __init__) and
+    only one below its own; the rest of pmaptap only through the entries.
+    So what a layer offers is the list in its __init__, and no import
+    points up (from the readers to the analyses, say)."""
+    tapfile = os.path.join(PKG, "tapfile")
+    subs = sorted(d for d in os.listdir(tapfile) if os.path.isdir(os.path.join(tapfile, d)))
+    subs = [d for d in subs if not d.startswith("__")]
+    assert sorted(subs) == sorted(_TAPFILE_LAYERS)
+    files = {
+        d: [f for f in os.listdir(os.path.join(tapfile, d)) if f.endswith(".py")] for d in subs
+    }
+    assert {d: len(f) for d, f in files.items() if len(f) > 10} == {}
+    assert not [f for f in os.listdir(tapfile) if f.endswith(".py") and f != "__init__.py"]
+    entries = {f"pmaptap.tapfile.{d}" for d in subs}
+    found = []
+    for mod, deps in _module_graph().items():
+        parts = mod.split(".")
+        own = parts[2] if mod.startswith("pmaptap.tapfile.") else None
+        for dep in sorted(deps):
+            if not dep.startswith("pmaptap.tapfile."):
+                continue
+            layer = dep.split(".")[2]
+            if layer == own:
+                continue
+            if dep not in entries:
+                found.append(f"{mod} imports {dep}, past the entry of {layer}")
+            elif own is not None and _TAPFILE_LAYERS.index(layer) > _TAPFILE_LAYERS.index(own):
+                found.append(f"{mod} imports {dep}, a layer above its own")
+    assert found == []
+
+
+def test_the_reader_modules_api_md_names_are_still_attributes_of_tapfile():
+    """docs/api.md names the readers as modules of ``pmaptap.tapfile``
+    (``reader``, ``views``, ``checks``, ...); since the sub-packages each is
+    an attribute that loads the module that now holds it, without JAX."""
+    text = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
+    i = text.index("The readers live in `pmaptap.tapfile`")
+    named = re.findall(r"`(\w+)`", text[i : text.index(":", i + 40)])
+    named += re.findall(r"pmaptap\.tapfile\.(\w+)", text)
+    assert {"reader", "checks", "follow", "fingerprints", "arrays"} <= set(named), named
+    proc = run_python(f"""
+        import sys
+        sys.modules["jax"] = None
+        import pmaptap
+        for name in {sorted(set(named))!r}:
+            mod = getattr(pmaptap.tapfile, name)
+            assert mod.__name__.startswith("pmaptap.tapfile."), (name, mod)
+        print("OK")
+        """)
+    assert "OK" in proc.stdout
 
 
 def test_the_seam_holds_both_ways():

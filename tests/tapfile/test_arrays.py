@@ -1,4 +1,4 @@
-"""Array values stored as bytes (tapfile/arrays.py) and pmaptap.assemble:
+"""Array values stored as bytes (tapfile/source/arrays.py) and pmaptap.assemble:
 bit-exact for every dtype, crash-safe, in the one-file and sharded layouts
 (object stores: tests/host/test_object_store.py), and every reader on them."""
 
@@ -29,8 +29,8 @@ from conftest import (
     wait_for,
 )
 from pmaptap import cli
-from pmaptap.tapfile.arrays import INLINE_MAX_BYTES, ByteStore, byte_leaves, stored_as_bytes
-from pmaptap.tapfile.format import encodable, is_narrow_int
+from pmaptap.tapfile.record.format import encodable, is_narrow_int
+from pmaptap.tapfile.source.arrays import INLINE_MAX_BYTES, ByteStore, byte_leaves, stored_as_bytes
 
 # ------------------------------------------------------------ helpers
 
@@ -706,7 +706,9 @@ HOSTILE_READS = """
     import numpy as np, tensorboardX  # noqa: F401 (imported before the limit)
     import pmaptap
     from pmaptap import cli
-    from pmaptap.tapfile import arrays, assemble, tensorboard  # noqa: F401
+    from pmaptap.tapfile.export import tensorboard  # noqa: F401
+    from pmaptap.tapfile.read import assembly  # noqa: F401
+    from pmaptap.tapfile.source import arrays  # noqa: F401
 
     # The address space this process has, plus 512 MiB: any buffer of the
     # sizes the hostile lines claim (1 GiB and more) is a MemoryError.
@@ -828,8 +830,8 @@ def test_csv_and_parquet_exports_name_the_bytes(stored_run, tmp_path):
 
 def test_tensorboard_histograms_of_stored_values(stored_run, tmp_path):
     pytest.importorskip("tensorboardX")
-    from pmaptap.tapfile import tensorboard
-    from pmaptap.tapfile.query import Filter
+    from pmaptap.tapfile.export import tensorboard
+    from pmaptap.tapfile.read.query import Filter
 
     stats, bad = tensorboard.export(stored_run, str(tmp_path / "tb"), Filter())
     assert not bad

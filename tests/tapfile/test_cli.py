@@ -403,7 +403,7 @@ def test_a_stop_signal_never_deadlocks_the_follow_loop():
     out = run_python(
         """
         import sys
-        from pmaptap.tapfile.follow import stop_on_signals
+        from pmaptap.tapfile.read.follower import stop_on_signals
 
         lines = 0
         for k in range(1, 200):
@@ -477,8 +477,8 @@ def test_summary_counts_duplicates_but_not_divergence(tmp_path, demo_lines):
     g = next(x for x in demo_lines if '"name":"gnorm","step":1' in x)
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(demo_lines + [loss0, g, g]) + "\n")
-    from pmaptap.tapfile.summary import tap_summaries
-    from pmaptap.tapfile.summary_table import summary_table
+    from pmaptap.tapfile.analyze.summary import tap_summaries
+    from pmaptap.tapfile.analyze.table import summary_table
 
     text = summary_table(pmaptap.read(path))
     assert "1 duplicate record(s)" in text and "2 duplicate record(s)" in text
@@ -577,7 +577,7 @@ def test_plot_lines_per_device_and_divergent_marks(demo):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from pmaptap.tapfile.plot import build_figure
+    from pmaptap.tapfile.export.plot import build_figure
 
     recs = pmaptap.read(demo)
     fig = build_figure(recs, "gnorm")

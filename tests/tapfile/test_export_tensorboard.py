@@ -137,7 +137,7 @@ def test_export_filters_and_keeps_per_device_series_apart(taps, tmp_path):
 
 
 def test_run_ids_are_directory_names():
-    from pmaptap.tapfile.tensorboard import run_dirname
+    from pmaptap.tapfile.export.tensorboard import run_dirname
 
     assert run_dirname("../../etc") == ".._.._etc"
     assert run_dirname("..") == "_.." and run_dirname("") == "_"
@@ -149,7 +149,7 @@ def test_long_and_colliding_run_ids_get_their_own_bounded_directories(tmp_path):
     fails the export of every run after it (File name too long); two long ids
     that differ only at their end, and two ids made safe to the same name,
     keep their series apart."""
-    from pmaptap.tapfile.tensorboard import RUN_DIRNAME_MAX
+    from pmaptap.tapfile.export.tensorboard import RUN_DIRNAME_MAX
 
     path = str(tmp_path / "runs.jsonl")
     ids = ["x" * 10_000 + "1", "x" * 10_000 + "2", "a b", "a_b", "short"]

@@ -13,11 +13,11 @@ import pmaptap
 from conftest import record_dict
 from pmaptap._host.forward import scalar_series
 from pmaptap.errors import PlotError
-from pmaptap.tapfile.checks import schema_problems, validate_file
-from pmaptap.tapfile.fingerprints import FingerprintAcc, divergence_series, suspects
-from pmaptap.tapfile.format import validate_dict
-from pmaptap.tapfile.plot import build_figure
-from pmaptap.tapfile.summary import summarize_file, tap_summaries
+from pmaptap.tapfile.analyze.fingerprints import FingerprintAcc, divergence_series, suspects
+from pmaptap.tapfile.analyze.summary import summarize_file, tap_summaries
+from pmaptap.tapfile.analyze.validate import schema_problems, validate_file
+from pmaptap.tapfile.export.plot import build_figure
+from pmaptap.tapfile.record import validate_dict
 
 
 def agree(step: int, devices=(0, 1, 2, 3), name: str = "params") -> dict:
@@ -163,8 +163,8 @@ def test_forwarders_and_tensorboard_get_the_odd_copies_only():
 def test_tensorboard_export_writes_the_divergent_series(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pmaptap.tapfile.query import Filter
-    from pmaptap.tapfile.tensorboard import export
+    from pmaptap.tapfile.export.tensorboard import export
+    from pmaptap.tapfile.read.query import Filter
 
     recs = [agree(0), differ(1, [0, 1, 3], "a" * 16), differ(1, [2], "b" * 16)]
     path = _write(tmp_path / "r.jsonl", recs)

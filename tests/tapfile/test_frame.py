@@ -139,7 +139,7 @@ def test_parquet_keeps_nan_as_a_float_nan_and_empty_cells_null(taps, tmp_path):
     # (pyarrow's from_pandas makes every NaN null), so none of them found it.
     pq = pytest.importorskip("pyarrow.parquet")
     pc = pytest.importorskip("pyarrow.compute")
-    from pmaptap.tapfile.frame import write_parquet
+    from pmaptap.tapfile.read.frame import write_parquet
 
     out = str(tmp_path / "nan.parquet")
     recs = pmaptap.read(taps)
@@ -166,7 +166,7 @@ def test_time_is_exact_microseconds_in_the_frame_and_in_parquet(taps, tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     from decimal import Decimal
 
-    from pmaptap.tapfile.frame import write_parquet
+    from pmaptap.tapfile.read.frame import write_parquet
 
     with open(taps) as f:
         # The times as written, exactly: their text in microseconds.
@@ -214,7 +214,7 @@ def test_per_device_gives_step_by_device_tables(taps, tmp_path):
         pmaptap.per_device(df, "value.nope")
     pytest.importorskip("pyarrow")
     out = str(tmp_path / "t.parquet")
-    from pmaptap.tapfile.frame import write_parquet
+    from pmaptap.tapfile.read.frame import write_parquet
 
     write_parquet(recs, out)
     pd.testing.assert_frame_equal(pd.read_parquet(out).pipe(pmaptap.per_device), both)
@@ -251,7 +251,7 @@ def test_csv_frame_and_parquet_name_coordinates_alike(tmp_path):
     import json as _json
 
     from conftest import cli, record_dict
-    from pmaptap.tapfile.format import coords_column
+    from pmaptap.tapfile.record.format import coords_column
 
     path = tmp_path / "mesh.jsonl"
     recs = [
@@ -287,9 +287,9 @@ def test_tables_of_records_share_the_record_columns(tmp_path):
     import csv
 
     from conftest import cli, per_device_dict, replicated_dict
-    from pmaptap.tapfile.export import FIXED, csv_row
-    from pmaptap.tapfile.format import RECORD_COLUMNS
-    from pmaptap.tapfile.views import load
+    from pmaptap.tapfile.export.csv_rows import FIXED, csv_row
+    from pmaptap.tapfile.read.views import load
+    from pmaptap.tapfile.record.format import RECORD_COLUMNS
 
     path = tmp_path / "cols.jsonl"
     recs = [
@@ -330,7 +330,7 @@ def test_parquet_of_a_run_with_values_stored_as_bytes(tmp_path):
     import ml_dtypes
     import numpy as np
 
-    from pmaptap.tapfile import frame
+    from pmaptap.tapfile.read import frame
 
     path = str(tmp_path / "r.jsonl")
     act = np.linspace(-3, 3, 600, dtype=np.float32)
@@ -365,7 +365,7 @@ def test_frame_keeps_uint64_values_past_int64(tmp_path):
     df = pmaptap.read(path, as_frame=True)
     assert str(df["value"].dtype) == "UInt64"
     assert df["value"].tolist() == [2**64 - 1, 3]
-    from pmaptap.tapfile.frame import _int_dtype
+    from pmaptap.tapfile.read.frame import _int_dtype
 
     assert _int_dtype([None, -(2**63), 2**63 - 1]) == "Int64"
     assert _int_dtype([-1, 2**63]) is object and _int_dtype([2**64]) is object

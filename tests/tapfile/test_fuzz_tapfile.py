@@ -6,7 +6,7 @@ a 200-record file) go through parse_line, iter_lines, pmaptap.read, views,
 validate, summary, export and the tail -f line follower, with orjson and with
 the json fallback. Checked: no exception escapes; every line a reference
 decision (plain ``json`` plus the documented limits, independent of
-tapfile/parse.py) calls a record is returned, equal to it; every other
+tapfile/record/parse.py) calls a record is returned, equal to it; every other
 non-empty line is reported with its line number.
 
 Bounded to a few seconds by default; ``PMAPTAP_FUZZ_EXAMPLES=5000 pytest
@@ -28,10 +28,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pmaptap
-from pmaptap.tapfile import checks, export, follow, parse, schema, views
-from pmaptap.tapfile import format as fmt
-from pmaptap.tapfile import summary_table as summary
-from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile import record as fmt
+from pmaptap.tapfile.analyze import table as summary
+from pmaptap.tapfile.analyze import validate as checks
+from pmaptap.tapfile.export import csv_rows as export
+from pmaptap.tapfile.read import follower as follow
+from pmaptap.tapfile.read import views
+from pmaptap.tapfile.record import parse, schema
+from pmaptap.tapfile.source.lines import iter_lines
 
 EXAMPLES = int(os.environ.get("PMAPTAP_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(

@@ -1,4 +1,4 @@
-"""``pmaptap summary --jobs N`` and ``validate --jobs N`` (tapfile/jobs.py):
+"""``pmaptap summary --jobs N`` and ``validate --jobs N`` (tapfile/analyze/parallel.py):
 pieces of a run read in worker processes give the output of ``--jobs 1``
 byte for byte, on random sharded runs (copies of replicated values in
 several shards, divergence, attempts, bad and torn lines, odd times and
@@ -18,7 +18,11 @@ from test_read_fuzz import _file_bytes, _hostile
 
 from conftest import per_device_dict, record_dict
 from pmaptap import cli
-from pmaptap.tapfile import checks, jobs, parse, runs, summary
+from pmaptap.tapfile.analyze import parallel as jobs
+from pmaptap.tapfile.analyze import summary
+from pmaptap.tapfile.analyze import validate as checks
+from pmaptap.tapfile.record import parse
+from pmaptap.tapfile.source import run as runs
 
 # ------------------------------------------------------------ random runs
 
@@ -278,7 +282,7 @@ def test_an_unhashable_dedup_key_cannot_come_from_a_line():
 
 _POOL = """
 import os, signal, sys, time
-from pmaptap.tapfile import jobs
+from pmaptap.tapfile.analyze import parallel as jobs
 
 def piece(i, slow, kill):
     if i == kill:
@@ -346,7 +350,7 @@ def _gradient_shards(tmp_path, shards: int, steps: int) -> str:
 _UNITS = """
 import os, sys, time
 from pmaptap import cli
-from pmaptap.tapfile import shardwise
+from pmaptap.tapfile.analyze import shardwise
 
 path, log = sys.argv[1:3]
 add = shardwise._Shardwise.add_source
@@ -413,7 +417,7 @@ def test_a_slow_source_holds_back_its_worker_by_one_unit_and_states_hold_many(tm
 _KILLED = """
 import os, signal, sys
 from pmaptap import cli
-from pmaptap.tapfile import shardwise
+from pmaptap.tapfile.analyze import shardwise
 
 add, parent = shardwise._Shardwise.add_source, os.getpid()
 
@@ -486,7 +490,8 @@ def test_pieces_given_up_are_not_waited_for(tmp_path, how):
 _PHASES = """
 import os, sys, time
 from pmaptap import cli
-from pmaptap.tapfile import runs, shardwise
+from pmaptap.tapfile.source import run as runs
+from pmaptap.tapfile.analyze import shardwise
 
 command, path, log, jobs = sys.argv[1:5]
 shardwise.MAX_HELD_COPIES = 1  # every copy to a file: its buckets resolved after the reading
@@ -565,7 +570,7 @@ def test_one_pool_of_workers_reads_the_pieces_and_resolves_the_copies(tmp_path, 
 
 _FORKS = """
 import os, time
-from pmaptap.tapfile import jobs
+from pmaptap.tapfile.analyze import parallel as jobs
 
 def started(i):
     return time.monotonic()
@@ -620,7 +625,7 @@ def test_a_worker_sends_its_merge_keys_by_file_and_they_are_read_back_only_to_pl
     and places it as --jobs 1 does."""
     import pickle
 
-    from pmaptap.tapfile import shardwise
+    from pmaptap.tapfile.analyze import shardwise
 
     path, sources = _a_time_a_line(tmp_path)
     kept = shardwise.read(shardwise.ShardwiseSummary(summary.Filter(), None), sources, 1.0, 1, None)
@@ -647,7 +652,7 @@ def test_keys_that_cannot_go_to_a_file_go_in_the_state(tmp_path, capsys, monkeyp
     """A full TMPDIR (/dev/full: every write fails with ENOSPC): a worker's
     keys stay in the state it sends, as before the file, its file is
     removed, and --jobs 2 still prints what --jobs 1 prints."""
-    from pmaptap.tapfile import shardwise
+    from pmaptap.tapfile.analyze import shardwise
 
     path, sources = _a_time_a_line(tmp_path, bad_in=1)
     made = []
@@ -672,7 +677,7 @@ def test_once_a_state_is_past_max_key_runs_no_worker_files_its_keys(tmp_path, ca
     """A piece past MAX_KEY_RUNS says so in the read's directory; a piece
     read after keeps no keys (the run is past the bound, lines are named by
     shard and line), and --jobs 2 prints what --jobs 1 prints."""
-    from pmaptap.tapfile import shardwise
+    from pmaptap.tapfile.analyze import shardwise
 
     monkeypatch.setattr(shardwise, "MAX_KEY_RUNS", 300)
     path, sources = _a_time_a_line(tmp_path, bad_in=3)
@@ -718,7 +723,8 @@ def test_an_unreadable_shard_is_the_error_jobs_1_gives(tmp_path, capsys):
 _ENDED = """
 import os, signal, sys
 from pmaptap import cli
-from pmaptap.tapfile import jobs, shardwise
+from pmaptap.tapfile.analyze import parallel as jobs
+from pmaptap.tapfile.analyze import shardwise
 
 combine = shardwise.combine
 

@@ -14,8 +14,9 @@ from test_jobs import _cli, _dump
 
 import pmaptap
 from conftest import per_device_dict, record_dict
-from pmaptap.tapfile import jobs, runs
-from pmaptap.tapfile.views import format_ids
+from pmaptap.tapfile.analyze import parallel as jobs
+from pmaptap.tapfile.read.views import format_ids
+from pmaptap.tapfile.source import run as runs
 from pmaptap.writer import Writer
 
 

@@ -13,15 +13,15 @@ import random
 import pytest
 
 from conftest import per_device_dict, record_dict, replicated_dict
-from pmaptap.tapfile import format as fmt
-from pmaptap.tapfile import lines as tapfile_lines
-from pmaptap.tapfile import parse
-from pmaptap.tapfile.attempts import index_records
-from pmaptap.tapfile.checks import _canonical, _coords_key
-from pmaptap.tapfile.lines import iter_file_lines, iter_file_records
-from pmaptap.tapfile.schema import as_dict
-from pmaptap.tapfile.summary import Summarizer, summarize_file
-from pmaptap.tapfile.summary_table import summary_table
+from pmaptap.tapfile.analyze.summary import Summarizer, summarize_file
+from pmaptap.tapfile.analyze.table import summary_table
+from pmaptap.tapfile.analyze.validate import _canonical, _coords_key
+from pmaptap.tapfile.read.attempts import index_records
+from pmaptap.tapfile.record import format as fmt
+from pmaptap.tapfile.record import parse
+from pmaptap.tapfile.record.schema import as_dict
+from pmaptap.tapfile.source import lines as tapfile_lines
+from pmaptap.tapfile.source.lines import iter_file_lines, iter_file_records
 
 HOSTILE = [
     b"",

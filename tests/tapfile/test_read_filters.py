@@ -14,7 +14,7 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, subprocess_env
-from pmaptap.tapfile import lines
+from pmaptap.tapfile.source import lines
 
 
 def _records() -> list[dict]:
@@ -152,7 +152,7 @@ def test_progress_bar_on_a_real_terminal_only_after_the_delay(tmp_path):
     line = json.dumps(_records()[0]) + "\n"
     p.write_text(line * (2 * (1 << 20) // len(line)))
     code = (
-        f"import sys; from pmaptap.tapfile import lines\n"
+        f"import sys; from pmaptap.tapfile.source import lines\n"
         f"lines.PROGRESS_DELAY_S = float(sys.argv[1]); lines._PROGRESS_EVERY = 64\n"
         f"from pmaptap.cli import main\n"
         f"sys.exit(main(['summary', {str(p)!r}]))"

@@ -18,18 +18,19 @@ import pytest
 from test_read_batch import _lines_one_at_a_time
 
 from conftest import record_dict
-from pmaptap.tapfile import lines as tapfile_lines
-from pmaptap.tapfile import parse, reader
-from pmaptap.tapfile.attempts import index_records
-from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.export import write_csv
-from pmaptap.tapfile.format import decode_record
-from pmaptap.tapfile.lines import iter_file_lines
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import Summarizer, summarize_file
-from pmaptap.tapfile.summary_table import summary_table
-from pmaptap.tapfile.views import load_matching
+from pmaptap.tapfile.analyze.summary import Summarizer, summarize_file
+from pmaptap.tapfile.analyze.table import summary_table
+from pmaptap.tapfile.analyze.validate import validate_file
+from pmaptap.tapfile.export.csv_rows import write_csv
+from pmaptap.tapfile.read import reader
+from pmaptap.tapfile.read.attempts import index_records
+from pmaptap.tapfile.read.divergence import DivergenceIndex
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.read.views import load_matching
+from pmaptap.tapfile.record import parse
+from pmaptap.tapfile.record.format import decode_record
+from pmaptap.tapfile.source import lines as tapfile_lines
+from pmaptap.tapfile.source.lines import iter_file_lines
 
 # Small enough that the fuzzer's over-long lines are cheap to build.
 LIMIT = 3000

@@ -21,7 +21,7 @@ import contextlib, io, json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))
 import pmaptap
 from pmaptap.cli import main
-from pmaptap.tapfile import follow
+from pmaptap.tapfile.read import follower as follow
 
 tmp = {tmp!r}
 run, ref, bad = tmp + "/run.jsonl", tmp + "/ref.jsonl", tmp + "/bad.jsonl"
@@ -105,7 +105,8 @@ def test_merge_cut_into_tiny_pieces_reads_the_same(tmp_path, monkeypatch, caplog
     monkeypatch.syspath_prepend(ROOT)
     import pmaptap
     from benchmarks.bench_read_scale import generate, reference
-    from pmaptap.tapfile import lines, runs
+    from pmaptap.tapfile.source import lines
+    from pmaptap.tapfile.source import run as runs
 
     run, ref, bad = (str(tmp_path / n) for n in ("run.jsonl", "ref.jsonl", "bad.jsonl"))
     generate(run, 40, 12)
@@ -182,8 +183,8 @@ def test_a_replicated_record_of_4096_processes_stays_small(tmp_path):
 
     from conftest import ROOT
     from pmaptap._host.dirsink import DirectorySink
-    from pmaptap.tapfile import parse
-    from pmaptap.tapfile.format import Record
+    from pmaptap.tapfile.record import parse
+    from pmaptap.tapfile.record.format import Record
 
     procs, devs = tuple(range(4096)), tuple(range(4096 * 8))
     path = str(tmp_path / "run.jsonl")
@@ -249,8 +250,7 @@ def test_holders_ranges_text_is_strict(tmp_path):
     batch parser alike."""
     import orjson
 
-    from pmaptap.tapfile import parse
-    from pmaptap.tapfile.format import holder_ids, holders_field
+    from pmaptap.tapfile.record import holder_ids, holders_field, parse
 
     base = {
         "run": "r",
@@ -320,7 +320,7 @@ def test_hostile_holders_cost_only_their_line_under_a_memory_limit(tmp_path):
         import contextlib, io, json, resource
         import pmaptap
         from pmaptap.cli import main
-        from pmaptap.tapfile import checks, schema, summary  # all imported first
+        from pmaptap.tapfile import analyze, record  # all imported first
 
         size = [x for x in open("/proc/self/status") if x.startswith("VmSize:")][0]
         cap = int(size.split()[1]) * 1024 + (1 << 30)
@@ -358,7 +358,7 @@ def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatc
     import os
 
     from pmaptap._host.dirsink import DirectorySink
-    from pmaptap.tapfile import follow
+    from pmaptap.tapfile.read import follower as follow
 
     path = str(tmp_path / "run.jsonl")
     for p in range(2):
@@ -457,7 +457,7 @@ def test_tail_of_a_large_sharded_run_holds_a_chunk_of_each_shard(tmp_path):
     child = f"""
 import contextlib, io, json
 from pmaptap.cli import main
-from pmaptap.tapfile import follow
+from pmaptap.tapfile.read import follower as follow
 follow.FIRST_POLL_BYTES = 4 << 20  # a 4 MiB bound, on a run 24x that
 tmp = {str(tmp_path)!r}
 got = []
@@ -482,7 +482,7 @@ def _merge_definition(shards: list[list[dict]]) -> list[dict]:
     """The merge's definition: every line by its shard's running largest
     time, then shard, then line; a replicated value another shard gave
     earlier in that order left out."""
-    from pmaptap.tapfile.format import record_key
+    from pmaptap.tapfile.record import record_key
 
     rows = []
     for i, recs in enumerate(shards):
@@ -529,7 +529,9 @@ def _shard_record(process: int, n: int, time: float, replicated: bool) -> dict:
 def test_read_and_a_followers_first_poll_follow_the_merge_definition(tmp_path, times):
     import random
 
-    from pmaptap.tapfile import follow, lines, runs
+    from pmaptap.tapfile.read import follower as follow
+    from pmaptap.tapfile.source import lines
+    from pmaptap.tapfile.source import run as runs
 
     def build(path, spec) -> list[list[dict]]:
         os.makedirs(path + ".d")
@@ -581,9 +583,10 @@ def test_summary_and_validate_of_a_sharded_run_assume_no_restart_and_read_again_
 
     from test_jobs import _write_run
 
-    from pmaptap.tapfile import checks, summary
-    from pmaptap.tapfile.attempts import scan
-    from pmaptap.tapfile.query import Filter
+    from pmaptap.tapfile.analyze import summary
+    from pmaptap.tapfile.analyze import validate as checks
+    from pmaptap.tapfile.read.attempts import scan
+    from pmaptap.tapfile.read.query import Filter
 
     def same(a, b) -> bool:  # NaN statistics compare equal to themselves
         return json.dumps(a, default=repr, sort_keys=True) == json.dumps(
@@ -697,7 +700,7 @@ def _attempt_run(tmp_path, how: str, layout: str) -> str:
         for p, key in ((0, 0), (1, 1), (7, "shared")):
             fs.pipe(f"{prefix}.d/p{p:05d}-1-ab-0.jsonl", data(raw[key]))
         return url
-    from pmaptap.tapfile import runs
+    from pmaptap.tapfile.source import run as runs
 
     os.makedirs(path + runs.SHARD_SUFFIX)
     with open(path, "wb") as f:
@@ -720,9 +723,10 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
     scan-first pass as before."""
     import math
 
-    from pmaptap.tapfile import checks, summary
-    from pmaptap.tapfile.attempts import scan
-    from pmaptap.tapfile.query import Filter
+    from pmaptap.tapfile.analyze import summary
+    from pmaptap.tapfile.analyze import validate as checks
+    from pmaptap.tapfile.read.attempts import scan
+    from pmaptap.tapfile.read.query import Filter
 
     def same(a, b) -> bool:  # NaN statistics compare equal to themselves
         return json.dumps(a, default=repr, sort_keys=True) == json.dumps(
@@ -775,7 +779,7 @@ def test_reading_a_sharded_run_loads_no_logging_or_object_store_client(tmp_path)
     path = tmp_path / "run.jsonl"
     os.makedirs(str(path) + ".d")
     for p in range(3):
-        with open(pmaptap.tapfile.runs.shard_path(path, p), "w") as f:
+        with open(pmaptap.tapfile.source.run.shard_path(path, p), "w") as f:
             for step in range(4):
                 d = record_dict(name="loss", step=step, vhash="ab", process=p, time=step + 0.5)
                 f.write(json.dumps(d) + "\n")

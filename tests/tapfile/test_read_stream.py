@@ -21,19 +21,20 @@ from test_read_fuzz import LIMIT, SEEDS, _file_bytes, _filters, _read_kwargs, _r
 from conftest import per_device_dict, replicated_dict
 from pmaptap import cli
 from pmaptap.errors import CliError
-from pmaptap.tapfile import frame, parse, reader, stream, views
-from pmaptap.tapfile import lines as tapfile_lines
-from pmaptap.tapfile.attempts import index_records
-from pmaptap.tapfile.checks import (
+from pmaptap.tapfile.analyze.validate import (
     Report,
     duplicate_key,
     find_duplicates,
     schema_problems,
     validate_file,
 )
-from pmaptap.tapfile.export import write_csv
-from pmaptap.tapfile.format import COORDS_COLUMN_PREFIX
-from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.export.csv_rows import write_csv
+from pmaptap.tapfile.read import frame, reader, stream, views
+from pmaptap.tapfile.read.attempts import index_records
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.record import parse
+from pmaptap.tapfile.record.format import COORDS_COLUMN_PREFIX
+from pmaptap.tapfile.source import lines as tapfile_lines
 
 
 def _reference_validate(path) -> Report:
@@ -334,7 +335,7 @@ def test_frame_builder_cells_equal_the_plain_cells():
 
 def _reference_plot(args: argparse.Namespace) -> None:
     """``cmd_plot`` as it was: every record of the file in memory."""
-    from pmaptap.tapfile.plot import PlotError, plot_tap
+    from pmaptap.tapfile.export.plot import PlotError, plot_tap
 
     flt = cli._filter(args)
     flt.names = ()

@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 import pmaptap
 from conftest import record_dict
-from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.analyze.summary import summarize_file
+from pmaptap.tapfile.analyze.validate import validate_file
+from pmaptap.tapfile.read.divergence import DivergenceIndex
+from pmaptap.tapfile.record import (
     Record,
     key_with_step,
     new_record,
@@ -25,7 +26,6 @@ from pmaptap.tapfile.format import (
     split_step,
     step_key,
 )
-from pmaptap.tapfile.summary import summarize_file
 
 RECORDS = [
     {"run": "r", "name": "a", "step": 3},
@@ -121,7 +121,7 @@ def test_summary_of_all_attempts_calls_no_replay_a_duplicate(tmp_path):
     is part of record_key, as validate keys it), while the same record twice
     within one attempt still is (before: every replayed step counted as a
     duplicate, per-device and replicated alike, where validate said OK)."""
-    from pmaptap.tapfile.query import Filter
+    from pmaptap.tapfile.read.query import Filter
 
     path = tmp_path / "resumed.jsonl"
     lines = []

@@ -1,4 +1,4 @@
-"""One definition of a record: tapfile/schema.py's Structs (the format)
+"""One definition of a record: tapfile/record/schema.py's Structs (the format)
 and what readers take (schema.READERS_TAKE, validate_dict). These tests
 derive from the Structs' own field types a record breaking each field's
 type, for every kind that has the field, and check every reader on it:
@@ -16,10 +16,10 @@ import msgspec
 import pytest
 
 from conftest import per_device_dict, record_dict, replicated_dict
-from pmaptap.tapfile import format as fmt
-from pmaptap.tapfile import parse, schema
-from pmaptap.tapfile.checks import schema_problems, validate_file
-from pmaptap.tapfile.summary import summarize_file
+from pmaptap.tapfile import record as fmt
+from pmaptap.tapfile.analyze.summary import summarize_file
+from pmaptap.tapfile.analyze.validate import schema_problems, validate_file
+from pmaptap.tapfile.record import parse, schema
 
 # Records that satisfy every rule, one per kind.
 BASE = {

@@ -1,5 +1,5 @@
 """``pmaptap summary`` and ``validate`` of a sharded run a shard at a time
-(tapfile/shardwise.py) give what the run's merged stream gives (summary.
+(tapfile/analyze/shardwise.py) give what the run's merged stream gives (summary.
 summarize_file and checks.validate_file over runs.iter_merged, the
 definition; ``pmaptap summary`` and ``validate`` read shard by shard through
 jobs.py): on random sharded runs (copies of replicated values in
@@ -18,9 +18,12 @@ from test_jobs import _commands, _dump, _write_run
 
 from conftest import per_device_dict, record_dict
 from pmaptap.errors import NeedSerial
-from pmaptap.tapfile import checks, jobs, runs, shardwise, summary
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.schema import UNSET
+from pmaptap.tapfile.analyze import parallel as jobs
+from pmaptap.tapfile.analyze import shardwise, summary
+from pmaptap.tapfile.analyze import validate as checks
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.record.schema import UNSET
+from pmaptap.tapfile.source import run as runs
 
 
 def _shown(result) -> tuple:
@@ -162,8 +165,8 @@ def test_the_validators_loop_for_usual_records_checks_as_add_does(tmp_path):
     and their first copies), on the fuzzer's files and per-device runs."""
     from test_read_fuzz import _file_bytes
 
-    from pmaptap.tapfile import parse
-    from pmaptap.tapfile.attempts import scan
+    from pmaptap.tapfile.read.attempts import scan
+    from pmaptap.tapfile.record import parse
 
     compared = 0
     for seed in range(40):
@@ -197,7 +200,7 @@ def test_the_writers_records_without_coordinates_take_the_usual_loop(tmp_path, m
     by the loop for usual records, never by add(), with the duplicates that
     add() finds (a device's step twice, the same device at one coordinate
     not a duplicate of it without one)."""
-    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.record import parse
 
     lines = [per_device_dict(s, d, 0.5, coords={}) for s in range(4) for d in range(3)]
     lines += [per_device_dict(2, 1, 0.5, coords={}), per_device_dict(2, 1, 0.5)]
@@ -244,7 +247,7 @@ def test_the_summarys_loop_for_usual_records_adds_as_add_does(tmp_path):
     runs of per-device and replicated records."""
     from test_read_fuzz import _file_bytes
 
-    from pmaptap.tapfile import parse
+    from pmaptap.tapfile.record import parse
 
     for seed in range(40):
         rnd = random.Random(1300 + seed)

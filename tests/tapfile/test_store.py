@@ -1,4 +1,4 @@
-"""Object-store runs and rollups (``pmaptap/tapfile/store.py``): a writer
+"""Object-store runs and rollups (``pmaptap/tapfile/source/store.py``): a writer
 rolls its chunks up into one object every ``ROLLUP_CHUNKS`` chunks and at
 close, and deletes them; readers and followers read every line once
 whichever of (chunks, rollup) they list, and when the chunks go under them.
@@ -18,7 +18,9 @@ import pytest
 
 import pmaptap
 from pmaptap._host import objsink
-from pmaptap.tapfile import follow, runs, store
+from pmaptap.tapfile.read import follower as follow
+from pmaptap.tapfile.source import run as runs
+from pmaptap.tapfile.source import store
 
 fsspec = pytest.importorskip("fsspec", reason="fsspec is in the test extra")
 

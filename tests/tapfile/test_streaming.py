@@ -13,9 +13,9 @@ import pytest
 
 import pmaptap
 from conftest import ROOT, logs_warning, per_device_dict, record_dict, subprocess_env
-from pmaptap.tapfile import views
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import summarize_file, tap_summaries
+from pmaptap.tapfile.analyze.summary import summarize_file, tap_summaries
+from pmaptap.tapfile.read import views
+from pmaptap.tapfile.read.query import Filter
 
 
 def _rep(step, value, process, vhash, **kw):

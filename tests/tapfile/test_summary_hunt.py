@@ -14,8 +14,8 @@ import pytest
 import pmaptap
 from conftest import aligned_table as _table
 from conftest import cli, per_device_dict, replicated_dict
-from pmaptap.tapfile.summary import summarize_file, tap_summaries
-from pmaptap.tapfile.summary_table import summary_table
+from pmaptap.tapfile.analyze.summary import summarize_file, tap_summaries
+from pmaptap.tapfile.analyze.table import summary_table
 
 
 def _dev(step, device, value, name="g", **kw):
@@ -110,7 +110,7 @@ def plt():
 
 
 def test_plot_marks_nonfinite_points_at_the_edge(plt):
-    from pmaptap.tapfile.plot import build_figure
+    from pmaptap.tapfile.export.plot import build_figure
 
     recs = [_rep(s, v) for s, v in enumerate([1.0, math.nan, 2.0, math.inf, -math.inf, 3.0])]
     fig = build_figure(recs, "loss")
@@ -121,7 +121,7 @@ def test_plot_marks_nonfinite_points_at_the_edge(plt):
 
 
 def test_plot_logy_and_smooth(plt, tmp_path):
-    from pmaptap.tapfile.plot import build_figure, smoothed
+    from pmaptap.tapfile.export.plot import build_figure, smoothed
 
     ys = [10.0, 8.0, math.nan, 4.0, 2.0, 1.0]
     recs = [_rep(s, v) for s, v in enumerate(ys)]
@@ -147,7 +147,7 @@ def test_plot_logy_and_smooth(plt, tmp_path):
 
 
 def test_plot_auto_tap_marks_divergence_only_after_agreement(plt):
-    from pmaptap.tapfile.plot import build_figure
+    from pmaptap.tapfile.export.plot import build_figure
 
     recs = [_dev(s, d, float(d + s), name="w") for s in (0, 1) for d in range(2)]
     recs.append(_rep(2, 5.0, name="w"))
@@ -160,7 +160,7 @@ def test_plot_auto_tap_marks_divergence_only_after_agreement(plt):
 
 
 def test_plot_many_devices_draws_median_band_and_names_outliers(plt):
-    from pmaptap.tapfile.plot import build_figure
+    from pmaptap.tapfile.export.plot import build_figure
 
     rng = np.random.default_rng(1)
     recs = []
@@ -188,7 +188,7 @@ def test_plot_many_devices_draws_median_band_and_names_outliers(plt):
 
 
 def test_plot_of_a_few_devices_draws_small_multiples_with_their_own_marks(plt):
-    from pmaptap.tapfile.plot import build_figure
+    from pmaptap.tapfile.export.plot import build_figure
 
     recs = [_dev(s, d, float(s + d), name="gn") for s in range(6) for d in range(8)]
     recs[3 * 8 + 5]["value"] = math.nan  # device 5, step 3

@@ -33,7 +33,7 @@ import pmaptap.cli
 from conftest import logs_warning, mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
 from pmaptap._host.sink import FileSink
-from pmaptap.tapfile.format import encode_line
+from pmaptap.tapfile.record.format import encode_line
 
 pytestmark = pytest.mark.usefixtures("transport")
 
@@ -231,7 +231,7 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
 
 def test_default_limit_sends_a_2_mib_leaf_whole_as_bytes(session, tap_path):
     # max_value_bytes is 16 MiB by default since values are stored as their
-    # bytes (tapfile/arrays.py): a 2 MiB activation arrives exact.
+    # bytes (tapfile/source/arrays.py): a 2 MiB activation arrives exact.
     assert pmaptap.options().max_value_bytes == 16 << 20
     a = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)
     jax.jit(lambda v: pmaptap.tap(v, "act"))(a)
@@ -713,7 +713,7 @@ def test_registered_dataclass_pytree_is_written_with_its_field_names(session, ta
         d: {"step": float(d), "params": {"w": float(d)}, "opt_state": [d > 3], "note": None}
         for d in range(8)
     }
-    from pmaptap.tapfile.checks import validate_file
+    from pmaptap.tapfile.analyze.validate import validate_file
 
     assert validate_file(tap_path).ok
 

@@ -376,7 +376,7 @@ def test_negative_traced_step_is_refused_counted_and_reported(session, tap_path,
     refused = {r["tap"]: r for r in recs if r["name"] == "pmaptap/refused"}
     assert refused["x"]["value"] == 2 and refused["x"]["example_step"] == -4
     assert refused["p"]["value"] >= 1 and refused["p"]["example_step"] == -1
-    from pmaptap.tapfile.checks import validate_file
+    from pmaptap.tapfile.analyze.validate import validate_file
 
     assert validate_file(tap_path).ok  # what was written is valid
     session.flush()  # reported once, not again
@@ -386,7 +386,7 @@ def test_negative_traced_step_is_refused_counted_and_reported(session, tap_path,
 def test_validate_flags_steps_outside_int64_range(tmp_path):
     import json
 
-    from pmaptap.tapfile.checks import validate_file
+    from pmaptap.tapfile.analyze.validate import validate_file
 
     good = record_dict()
     p = tmp_path / "f.jsonl"

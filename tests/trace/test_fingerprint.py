@@ -25,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from pmaptap._trace import fphash
 from pmaptap._trace.fphash import FOLD, LANES, REGROUP, SMALL, fingerprint64
-from pmaptap.tapfile.checks import validate_file
-from pmaptap.tapfile.fingerprints import suspects
-from pmaptap.tapfile.summary import tap_summaries
+from pmaptap.tapfile.analyze.fingerprints import suspects
+from pmaptap.tapfile.analyze.summary import tap_summaries
+from pmaptap.tapfile.analyze.validate import validate_file
 
 # Every test under both transports: fingerprints as host callbacks, and as
 # outputs of pmaptap.jit / pmaptap.pmap steps (the same records).

@@ -171,7 +171,7 @@ def test_loop_free_records_have_no_iteration_field(session, tap_path):
 
 
 def test_validate_is_clean(session, tap_path):
-    from pmaptap.tapfile import checks
+    from pmaptap.tapfile.analyze import validate as checks
 
     # An explicit step: every layer's record of a step has that step.
     f = jax.pmap(lambda x, ws, i: _layers(x, ws, step=i), in_axes=(0, 0, None))
@@ -254,7 +254,7 @@ def _cli(*args):
 
 @pytest.mark.callback_only("reads a file: the readers, not the transports")
 def test_readers_keep_iterations_apart(session, tap_path):
-    from pmaptap.tapfile import plot, tensorboard
+    from pmaptap.tapfile.export import plot, tensorboard
 
     f = jax.pmap(_layers)
     ws = jnp.broadcast_to(jnp.arange(1.0, LAYERS + 1), (8, LAYERS))

@@ -1,4 +1,4 @@
-"""A leaf on its way to be stored as bytes (tapfile/arrays.py says how they
+"""A leaf on its way to be stored as bytes (tapfile/source/arrays.py says how they
 are stored and read): the aggregator wraps the array, the writer stores its
 bytes and the record's line then points at them. Imports nothing of
 pmaptap's, so the record type (format.py) can hold one."""

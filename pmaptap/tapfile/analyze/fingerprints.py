@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Iterator
 
-from pmaptap.tapfile.format import FINGERPRINT, holder_ids, index_text
+from pmaptap.tapfile.record import FINGERPRINT, holder_ids, index_text
 
 
 @dataclasses.dataclass(frozen=True)

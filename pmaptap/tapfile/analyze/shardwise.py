@@ -1,18 +1,18 @@
 """``pmaptap summary`` and ``validate`` of a sharded run, a source at a
-time: the shared file and each shard (runs.sources) read as one file is
+time: the shared file and each shard (source.sources) read as one file is
 read, their records summarized or checked as they come, without the merge
-(runs.iter_merged) that ``read()`` and the streaming commands need: it
+(source.iter_merged) that ``read()`` and the streaming commands need: it
 cost more than the summary itself (docs/performance.md).
 
 A summary or a check depends on the order of its records only through
-their positions (summary.py, checks.Validator), so each record's position
-is its place in the merge: its merge key (runs.merge_keys), its source's
+their positions (summary.py, validate.Validator), so each record's position
+is its place in the merge: its merge key (source.merge_keys), its source's
 index and its line there, which order as the merge orders. What the merge
 decides across sources is decided here once every source is read:
 
 - the copies of a replicated value: the merge keeps the first copy of a
   (key, vhash) and every later one of the same process, and drops the
-  other processes' (runs._merge_round). Here each (key, vhash) keeps the
+  other processes' (source._merge_round). Here each (key, vhash) keeps the
   copies of the process whose copy has the least position. Replicated
   records are taken last, kept copies only, in the merge's order
   (divergence and duplicates are judged in stream order). Up to
@@ -29,7 +29,7 @@ decides across sources is decided here once every source is read:
   copies, counted only when there is such a line (a worker's keys go to a
   file, read back by the parent only then). Past MAX_KEY_RUNS (the
   whole run's runs of keys and copies, so every --jobs decides alike) a
-  line is named by its source and its line there (runs.SourceLine).
+  line is named by its source and its line there (source.SourceLine).
 
 So no size makes a run read in one process, and memory is bounded: per
 process reading, MAX_KEY_RUNS keys (64 MiB), MAX_HELD_COPIES copies (~40
@@ -41,13 +41,13 @@ an entry of steps per device and source); the process that starts the
 workers takes their states in one at a time.
 
 A run that was resumed is read again once what its later attempts
-superseded is known (attempts.scan), as summary.py and checks.py do. Where
+superseded is known (attempts.scan), as summary.py and validate.py do. Where
 a summary cannot be exact the merged stream is read instead, whatever the
 run's size: an id written with two types (1 and 1.0) in two sources (a
 set keeps the first met, and here "first" is not the merge's); a
 process's copies of replicated values in two sources (the shared file
 and its shard: a copy dropped before the other source is read may belong
-to the first process after all). tapfile/jobs.py reads groups of sources
+to the first process after all). tapfile/analyze/parallel.py reads groups of sources
 so in worker processes and combines their states (``combine``).
 """
 
@@ -67,20 +67,19 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import msgspec
 
-from pmaptap.tapfile import runs
-from pmaptap.tapfile.attempts import Attempts, latest
-from pmaptap.tapfile.checks import FirstCopies, Report, Validator, _what
-from pmaptap.tapfile.lines import collector_paused, iter_file_records
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.schema import CLASSES
-from pmaptap.tapfile.summary import FilteredSummarizer, Result, Summarizer, first_attempts
+from pmaptap.tapfile import source
+from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result, Summarizer, first_attempts
+from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator, _what
+from pmaptap.tapfile.read import Attempts, Filter, latest
+from pmaptap.tapfile.record import CLASSES
+from pmaptap.tapfile.source import collector_paused, iter_file_records
 
 _POS = itemgetter(0)
 _LINE_BITS = 40  # a line number below 2**40 in a source
 # The runs of merge keys (16 bytes each) and lines of dropped copies (8
 # bytes each) kept to place lines in the merged stream, the whole run's:
 # a run with more (a run of ~4 M host-steps) names a line by its source
-# and its line there instead (runs.SourceLine). Whole-run counts decide,
+# and its line there instead (source.SourceLine). Whole-run counts decide,
 # so every --jobs prints the same; a process keeps at most this many
 # (64 MiB), and the one that starts the workers as much again while it
 # takes in a worker's.
@@ -132,7 +131,7 @@ class _Keys:
         """The keys of the source's next lines (their records), and how many
         runs they start (kept where ``keep``)."""
         before = self.t
-        keys, self.t = runs.merge_keys(records, holes, before)
+        keys, self.t = source.merge_keys(records, holes, before)
         self.lines += len(keys)
         if not keys:
             return keys, 0
@@ -163,7 +162,7 @@ class _Keys:
 class _Shardwise:
     """What a pass over some of a run's sources holds besides its
     accumulator (``add_source`` each source; ``absorb`` another's, of other
-    sources: tapfile/jobs.py's workers; then ``combine``)."""
+    sources: tapfile/analyze/parallel.py's workers; then ``combine``)."""
 
     def __init__(self, optimistic: bool) -> None:
         # optimistic: assumed never resumed (``resumed`` tells otherwise).
@@ -171,7 +170,7 @@ class _Shardwise:
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
         self.names: dict[int, str] = {}  # each source's path, by index
-        # runs.copy_key -> [least position, its process, [(position,
+        # source.copy_key -> [least position, its process, [(position,
         # record) of that process's copies]]; replicated records without a
         # hash (never dropped) as (position, record).
         self.copies: dict[tuple, list] = {}
@@ -227,7 +226,7 @@ class _Shardwise:
             mine, n = keys.add(records, bool(problems), self.placeable)
             for line, why in problems.items():
                 self.bad.append(
-                    ((mine[line - first], index, line), runs.source_problem(why, name, line))
+                    ((mine[line - first], index, line), source.source_problem(why, name, line))
                 )
             copies = [i for i, r in enumerate(records) if r is not None and r.kind == "replicated"]
             self.runs_met += n + len(copies)
@@ -273,7 +272,7 @@ class _Shardwise:
             if sources.setdefault(r.process, pos[1]) != pos[1]:
                 self.overflow = True
                 return
-            k = runs.copy_key(r)
+            k = source.copy_key(r)
             got = copies.get(k)
             if got is None:
                 copies[k] = [pos, r.process, [(pos, r)]]
@@ -450,13 +449,13 @@ class _Shardwise:
     def placed(self, positions: list) -> dict:
         """Each of ``positions`` (of lines read) -> its line in the merged
         stream, or where the run is past MAX_KEY_RUNS (not ``placeable``)
-        its source and line there (runs.SourceLine)."""
+        its source and line there (source.SourceLine)."""
         at = sorted(set(positions))
         if not at:
             return {}
         if not self.placeable:
             names = self.names
-            return {pos: runs.SourceLine(pos[1], pos[2], names[pos[1]]) for pos in at}
+            return {pos: source.SourceLine(pos[1], pos[2], names[pos[1]]) for pos in at}
         before = [0] * (len(at) + 1)  # lines of other sources' runs of keys before each
         rest = [0] * len(at)
         by = [(t, s) for t, s, _ in at]
@@ -545,14 +544,14 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
             first: dict = {}
             for pos, r in held:
                 if r.vhash:
-                    k = runs.copy_key(r)
+                    k = source.copy_key(r)
                     mine = first.get(k)
                     if mine is None or pos < mine[0]:
                         first[k] = (pos, r.process)
             kept, gone = [], []
             for x in held:
                 r = x[1]
-                if not r.vhash or first[runs.copy_key(r)][1] == r.process:
+                if not r.vhash or first[source.copy_key(r)][1] == r.process:
                     kept.append(x)
                 else:
                     gone.append(x[0])
@@ -772,7 +771,7 @@ class ShardwiseValidation(_Shardwise):
         return bool(self.bad or self.device_dups or v.dups or v.problems)
 
     def report(self) -> "Report | None":
-        """The report (checks.validate_file's), ``combine``d; None where a
+        """The report (validate.validate_file's), ``combine``d; None where a
         per-device key has copies in two sources (which one is first is the
         merge's to say: the caller reads the merged stream)."""
         if self.overflow or self.clash:
@@ -843,7 +842,7 @@ def read(
     sent: bool = False,
     end: bool = True,
 ) -> _Shardwise:
-    """``got`` of ``sources`` ((index in runs.sources, path) each) as
+    """``got`` of ``sources`` ((index in source.sources, path) each) as
     well, until one is ``resumed``; copies past MAX_HELD_COPIES to a file
     in ``spill_dir``, in ``buckets`` buckets. ``end``: ``got`` is whole
     (``share``: its part of the run's bytes, every source it read), else
@@ -871,7 +870,7 @@ def _serial(empty: _Shardwise, path: str) -> _Shardwise:
     """``empty``'s state of every source of the local sharded run
     ``path``, in this process (copies past the bound resolved here too, a
     bucket at a time)."""
-    files = runs.sources(path)
+    files = source.sources(path)
     size = sum(os.path.getsize(f) for f in files)
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
         got = read(empty, list(enumerate(files)), 1.0, buckets_for(size, 1), tmp)
@@ -880,7 +879,7 @@ def _serial(empty: _Shardwise, path: str) -> _Shardwise:
 
 # How an empty state comes to hold every source of a run, ``combine``d
 # (``read``): in this process (``_serial``, the default), or a piece at a
-# time by tapfile/jobs.py's workers.
+# time by tapfile/analyze/parallel.py's workers.
 Reader = Callable[[_Shardwise], _Shardwise]
 
 
@@ -890,7 +889,7 @@ def summarize(
     """The summary of the records of the local sharded run ``path`` that
     ``flt`` matches (summary.summarize_file), or None where it would not be
     exact (the caller reads the merged stream)."""
-    path = os.fspath(path)
+    path = source.Run.of(path)
     read = reader or (lambda empty: _serial(empty, path))
     attempts = first_attempts(path, flt)
     got = latest(path, lambda a: read(ShardwiseSummary(flt, a)), _resumed, attempts)
@@ -898,9 +897,9 @@ def summarize(
 
 
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
-    """checks.validate_file of the local sharded run ``path``, or None where
+    """validate.validate_file of the local sharded run ``path``, or None where
     it would not be exact (the caller reads the merged stream)."""
-    path = os.fspath(path)
+    path = source.Run.of(path)
     read = reader or (lambda empty: _serial(empty, path))
     got = latest(path, lambda a: read(ShardwiseValidation(path, a)), _resumed)
     return got.report()

@@ -11,9 +11,9 @@ import time
 from itertools import count, repeat
 from typing import Any, BinaryIO, Iterator
 
-from pmaptap.tapfile import parse, runs
-from pmaptap.tapfile.parse import decode_line
-from pmaptap.tapfile.schema import as_dicts
+from pmaptap.tapfile import record
+from pmaptap.tapfile.record import as_dicts, decode_line
+from pmaptap.tapfile.source import run as runs
 
 _SKIP_CHUNK = 1 << 20
 
@@ -98,9 +98,9 @@ def collector_paused() -> Iterator[None]:
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """(line number, record or None, problem or None) for every line, the
     record as its line's JSON object (undecoded), read in batches: a line
-    longer than parse.MAX_LINE_BYTES is reported without being held in
+    longer than record.MAX_LINE_BYTES is reported without being held in
     memory. A run in the sharded layout (``path.d/``) is read as one stream
-    merged from its shards (tapfile/runs.py)."""
+    merged from its shards (tapfile/source/run.py)."""
     return _flat(iter_batches(path))
 
 
@@ -118,9 +118,10 @@ def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
     schema.py records (Structs; None for a line that is none, its problem
     by line number in ``problems``): one file (iter_file_records) or a
     sharded run's merged stream."""
-    if not runs.is_sharded(path):
-        return iter_file_records(path)
-    return runs.iter_merged(path, read_at)
+    run = runs.Run.of(path)
+    if not run.sharded:
+        return iter_file_records(run)
+    return runs.iter_merged(run, read_at)
 
 
 def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
@@ -159,16 +160,16 @@ def iter_file_records(
     """The lines of one file as batches ``(first, records, problems)``:
     ``records[i]`` is line ``first + i`` as a record (a schema.py Struct)
     or None, ``problems`` maps the line number of each line that is not a
-    record to why (parse.decode_lines; an empty line is one). What each
-    line becomes is exactly what parse.decode_line says, plus what only the
-    file shows: a line longer than parse.MAX_LINE_BYTES is reported without
+    record to why (record.decode_lines; an empty line is one). What each
+    line becomes is exactly what record.decode_line says, plus what only the
+    file shows: a line longer than record.MAX_LINE_BYTES is reported without
     being held in memory past that limit, and a last line without a
     newline that is not valid JSON is a torn line (a writer still writing
     it, or killed). A long read draws a progress bar on a terminal (see
     _ReadProgress).
 
     ``start``, ``stop``: only the lines from byte ``start`` to ``stop``
-    (both at the start of a line; tapfile/jobs.py splits a file so),
+    (both at the start of a line; tapfile/analyze/parallel.py splits a file so),
     numbered from 1."""
     with open(path, "rb") as f:
         if start:
@@ -186,7 +187,7 @@ def iter_file_records(
                 records: list = []
                 where: dict = {}
                 if buf:
-                    records, where = parse.decode_block(buf)
+                    records, where = record.decode_block(buf)
                 problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:
@@ -207,13 +208,13 @@ def read_block(
     without a newline (None if there is none); None at the end of the file.
 
     What only the file shows is decided here: a line longer than
-    parse.MAX_LINE_BYTES is reported without being held in memory past that
+    record.MAX_LINE_BYTES is reported without being held in memory past that
     limit (and ``f`` is left after it), and a last line without a newline
     that is not valid JSON is a torn line (a writer still writing it, or
     killed). The one home of those rules for every reader of local files
     (iter_file_batches, and the merge of a sharded run, which re-opens each
     shard at the offset where this left it)."""
-    limit = parse.MAX_LINE_BYTES
+    limit = record.MAX_LINE_BYTES
     buf = f.read(size)
     if not buf:
         return None

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.record import (
     COORDS_COLUMN_PREFIX,
     NAN,
     NEG_INF,

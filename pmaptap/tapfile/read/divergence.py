@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pmaptap.tapfile.format import key_with_step, record_key, split_step
+from pmaptap.tapfile.record import key_with_step, record_key, split_step
 
 
 class DivergenceIndex:

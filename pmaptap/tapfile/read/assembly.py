@@ -13,10 +13,9 @@ import os
 from typing import Any
 
 from pmaptap.errors import AssembleError, MissingBytes
-from pmaptap.tapfile.arrays import ByteStore, is_ref, numpy_dtype
-from pmaptap.tapfile.attempts import Attempts
-from pmaptap.tapfile.format import decode_record, index_text
-from pmaptap.tapfile.lines import iter_lines
+from pmaptap.tapfile.read.attempts import Attempts
+from pmaptap.tapfile.record import decode_record, index_text, is_ref
+from pmaptap.tapfile.source import ByteStore, Run, iter_lines, numpy_dtype
 
 __all__ = ["assemble"]
 
@@ -59,6 +58,7 @@ def assemble(
         raise TypeError(f"pmaptap.assemble: name must be a non-empty str, got {name!r}")
     if not isinstance(step, int) or isinstance(step, bool):
         raise TypeError(f"pmaptap.assemble: step must be an int, got {step!r}")
+    path = Run.of(path)
     pass_ = "backward" if backward else "forward"
     what = f"tap {name!r} step {step}" + (" (backward)" if backward else "")
     recs: list[dict] = []

@@ -21,9 +21,8 @@ from itertools import compress
 from typing import Any, Iterable, Sequence
 
 from pmaptap.errors import NeedSerial
-from pmaptap.tapfile.arrays import ByteStore, byte_leaves, field_problem
-from pmaptap.tapfile.attempts import attempt_of, latest
-from pmaptap.tapfile.schema import (
+from pmaptap.tapfile.read import attempt_of, latest
+from pmaptap.tapfile.record import (
     FINGERPRINT,
     UNSET,
     AnyRecord,
@@ -32,6 +31,7 @@ from pmaptap.tapfile.schema import (
     from_dict,
     record_key,
 )
+from pmaptap.tapfile.source import ByteStore, Run, byte_leaves, field_problem
 
 # ------------------------------------------------------------------ schema
 
@@ -263,7 +263,7 @@ class Validator:
     later attempt (the caller starts again, knowing)."""
 
     def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
-        from pmaptap.tapfile.divergence import DivergenceIndex
+        from pmaptap.tapfile.read import DivergenceIndex
 
         self.path = os.fspath(path)
         self.attempts = attempts
@@ -373,7 +373,7 @@ class Validator:
 
     def absorb(self, other: Validator, offset: int) -> None:
         """Add the state of the piece of the same file after this one's,
-        its positions ``offset`` lines on (tapfile/jobs.py; offset 0: other
+        its positions ``offset`` lines on (tapfile/analyze/parallel.py; offset 0: other
         sources of a sharded run, positions the merge's already,
         shardwise.py). A first copy in that piece of a key this one holds
         is a duplicate."""
@@ -430,7 +430,7 @@ class Validator:
 def line_text(pos: Any) -> str:
     """A position as printed: "line 7" of the file or merged stream, or a
     sharded run's source and its line ("p00003.jsonl line 7",
-    runs.SourceLine)."""
+    source.SourceLine)."""
     return f"line {pos}" if type(pos) is int else str(pos)
 
 
@@ -440,15 +440,16 @@ def validate_file(path: str | os.PathLike) -> Report:
     run was never resumed (most runs); a record of a later attempt means it
     was, and then the run is read again, after a scan of the lines that
     mention an attempt (attempts.scan: what each later attempt superseded).
-    tapfile/jobs.py's validate_file gives the same report in worker
-    processes, and of a sharded run a shard at a time (tapfile/shardwise.py)."""
+    tapfile/analyze/parallel.py's validate_file gives the same report in worker
+    processes, and of a sharded run a shard at a time (tapfile/analyze/shardwise.py)."""
+    path = Run.of(path)
     return latest(path, lambda attempts: _validate(path, attempts))
 
 
 def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
     """validate_file's pass; ``attempts`` None: assume no later attempt,
     None back at the first record of one."""
-    from pmaptap.tapfile.lines import collector_paused, iter_record_batches
+    from pmaptap.tapfile.source import collector_paused, iter_record_batches
 
     v = Validator(path, attempts)
     with collector_paused():

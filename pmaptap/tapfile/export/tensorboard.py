@@ -47,15 +47,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from pmaptap._log import log
-from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
-from pmaptap.tapfile.attempts import attempt_of
-from pmaptap.tapfile.fingerprints import divergence_series
-from pmaptap.tapfile.follow import open_follower, polls, stop_on_signals
-from pmaptap.tapfile.format import FINGERPRINT, Holders, curve_tag, decode_record
-from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.views import leaves
+from pmaptap.errors import MissingBytes
+from pmaptap.tapfile.analyze import divergence_series
+from pmaptap.tapfile.read import Filter, attempt_of, leaves, open_follower, polls, stop_on_signals
+from pmaptap.tapfile.record import FINGERPRINT, Holders, curve_tag, decode_record, parse_line
+from pmaptap.tapfile.source import ByteStore, Run, iter_lines, load_value
 
 MISSING_TENSORBOARDX = (
     "pmaptap export --tensorboard needs tensorboardX, an optional "
@@ -408,8 +404,9 @@ def export(
     """Convert the whole file once, streaming it (records are not held).
     Returns the counts and the (line, problem) list of lines that are not
     records. Divergence marks are not needed: every value is written."""
-    from pmaptap.tapfile.attempts import Attempts, scan
+    from pmaptap.tapfile.read import Attempts, scan
 
+    path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
     bad: list[tuple[int, str]] = []
@@ -451,6 +448,7 @@ def follow(
     every converted record flushed. A restarted run's replayed steps
     replace the earlier attempt's points (``purge_step``) unless
     ``flt.all_attempts``."""
+    path = Run.of(path)
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
     restarts = 0

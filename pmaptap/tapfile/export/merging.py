@@ -1,6 +1,6 @@
 """``pmaptap merge RUN -o OUT``: a sharded run (or one on an object store)
 written as the single shared file, in the merged order readers use
-(tapfile/runs.py): replicated values once, bad lines skipped and counted.
+(tapfile/source/run.py): replicated values once, bad lines skipped and counted.
 ``--follow`` keeps appending lines as the run's processes write them."""
 
 from __future__ import annotations
@@ -9,25 +9,24 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Callable
 
-from pmaptap.tapfile import runs
-from pmaptap.tapfile.format import encode_line
-from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile import source
+from pmaptap.tapfile.record import encode_line, parse_line
+from pmaptap.tapfile.source import iter_lines
 
 if TYPE_CHECKING:
-    from pmaptap.tapfile.follow import StopFlag
+    from pmaptap.tapfile.read import StopFlag
 
 
-def _check_target(run: str, out: str) -> None:
+def _check_target(run: source.Run, out: str) -> None:
     """Refuse an output that is one of the run's files, or anywhere in its
     shard directory: ``-o RUN.d/p00009.jsonl`` would become a shard of the
     run itself, read back with every record twice."""
-    if runs.is_url(run):
+    if run.url:
         return
     target = os.path.realpath(out)
-    if any(os.path.realpath(f) == target for f in runs.sources(run)):
+    if any(os.path.realpath(f) == target for f in source.sources(run)):
         raise ValueError(f"{out!r} is one of the files of run {run!r}; merge into another file")
-    shards = os.path.realpath(runs.shard_dir(run))
+    shards = os.path.realpath(source.shard_dir(run))
     if os.path.commonpath([shards, target]) == shards:
         raise ValueError(
             f"{out!r} is inside {shards!r}, the shard directory of run "
@@ -38,6 +37,7 @@ def _check_target(run: str, out: str) -> None:
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
     """Write every record of ``run`` to ``out`` (replaced whole, at once);
     returns (records written, [(position, problem)] of skipped lines)."""
+    run = source.Run.of(run)
     _check_target(run, out)
     bad: list[tuple[int, str]] = []
     n = 0
@@ -73,8 +73,9 @@ def merge_follow(
 ) -> int:
     """Append the run's records to ``out`` as they are written, until
     ``stop`` or ``timeout``; returns the records written."""
-    from pmaptap.tapfile.follow import RunFollower, polls
+    from pmaptap.tapfile.read import RunFollower, polls
 
+    run = source.Run.of(run)
     _check_target(run, out)
     follower = RunFollower(run)
     n = 0

@@ -19,9 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable, TypeVar
 
-from pmaptap.tapfile import parse
-from pmaptap.tapfile.format import META_ATTEMPT, step_key
-from pmaptap.tapfile.parse import parse_line
+from pmaptap.tapfile import record, source
+from pmaptap.tapfile.record import META_ATTEMPT, parse_line, step_key
 
 # The meta record a resumed session writes when it opens (process 0 only).
 ATTEMPT_NAME = META_ATTEMPT
@@ -75,24 +74,21 @@ def scan(path: str | os.PathLike) -> Attempts:
     mention ``"attempt"`` are parsed (a file never resumed costs one read of
     its bytes)."""
     idx = Attempts()
-    from pmaptap.tapfile import runs
-
-    if runs.is_url(path):
-        # An object-store run (tapfile/runs.py): its merged stream, read once.
-        from pmaptap.tapfile.lines import iter_lines
-
-        for _, d, _ in iter_lines(path):
+    run = source.Run.of(path)
+    if run.url:
+        # An object-store run (tapfile/source/run.py): its merged stream, read once.
+        for _, d, _ in source.iter_lines(run):
             if d is not None and "attempt" in d:
                 idx.add(d)
         return idx
-    if runs.is_sharded(path):
+    if run.sharded:
         # Attempts.add takes records in any order, and a replicated copy
         # the merge drops holds the same attempt as the copy it keeps: each
         # source on its own, one file open at a time, no merge.
-        for f in runs.sources(path):
+        for f in source.sources(run):
             _scan_file(idx, f)
         return idx
-    _scan_file(idx, path)
+    _scan_file(idx, run)
     return idx
 
 
@@ -117,7 +113,7 @@ def latest(
 
 
 def _scan_file(idx: Attempts, path: str | os.PathLike) -> None:
-    limit = parse.MAX_LINE_BYTES
+    limit = record.MAX_LINE_BYTES
     with open(path, "rb") as f:
         while True:
             # A block of whole lines (or a partial last one); only a block

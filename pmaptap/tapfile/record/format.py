@@ -15,7 +15,7 @@ keyed that way) is an object keyed by those names (``str()`` of a
 ``DictKey``'s key); a list-like node (``SequenceKey``, ``FlattenedIndexKey``,
 other key types, repeated names) is an array in flatten order. An array leaf
 above 1 KiB is not in the line: ``value`` is null there and ``bytes`` says
-where its exact bytes are (tapfile/arrays.py).
+where its exact bytes are (tapfile/source/arrays.py).
 """
 
 from __future__ import annotations
@@ -25,41 +25,23 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
-from pmaptap.tapfile.rawarray import RawArray, has_raw, split_raw
+from pmaptap.tapfile.record.rawarray import RawArray, has_raw, split_raw
 
 if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
     import numpy as np
 
 # The format's constants and rules are schema.py's (the one home of what a
-# record is); these names stay importable from here for the writers.
-from pmaptap.tapfile.schema import (  # noqa: E402, F401
-    COPIES_SEEN,
+# record is): import them from there (or from the package, tapfile.record).
+from pmaptap.tapfile.record.schema import (  # noqa: E402
     FINGERPRINT,
-    KINDS,
-    MAX_HOLDERS,
     MAX_STEP,
-    NAN,
-    NEG_INF,
     NONFINITE,
-    POS_INF,
-    RANGES_ABOVE,
-    VALUE_KINDS,
     AnyRecord,
     Holders,
     _is_pair,
     as_dict,
-    curve_tag,
-    holder_ids,
     holders_count,
     holders_field,
-    holds,
-    id_ranges,
-    index_key,
-    record_key,
-    shown_name,
-    step_key,
-    valid_index,
-    validate_dict,
 )
 
 # The names of the meta records pmaptap writes: facts about the run (kind
@@ -212,7 +194,7 @@ class Record:
         if type(value) is RawArray or (
             type(value) in (dict, list) and type(dtype) is not str and has_raw(value, dtype)
         ):
-            # Leaves stored as bytes (tapfile/arrays.py): null here, their
+            # Leaves stored as bytes (tapfile/source/arrays.py): null here, their
             # place in "bytes".
             value, stored = split_raw(value, self.dtype)
         d: dict[str, Any] = {
@@ -412,7 +394,7 @@ def meta_record(*, count: int, **fields: Any) -> Record:
 def split_step(key: tuple) -> tuple[tuple, Any]:
     """A ``record_key`` as (the key less its step, the step): the rest is
     (run, name, pass, index, attempt), for an index that keeps one such
-    key's steps together as small ints (tapfile/divergence.py).
+    key's steps together as small ints (tapfile/read/divergence.py).
     ``key_with_step`` gives the key back."""
     return key[:2] + key[3:], key[2]
 

@@ -21,11 +21,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from pmaptap.tapfile.attempts import Attempts
-from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.format import record_key
-from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile.read.attempts import Attempts
+from pmaptap.tapfile.read.divergence import DivergenceIndex
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.record import record_key
+from pmaptap.tapfile.source import Run, iter_lines
 
 
 @dataclasses.dataclass
@@ -65,6 +65,7 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
     device and process filter leaves none out, since a copy filtered out
     still disagrees, and an elastic restart supersedes a step on every
     device."""
+    path = Run.of(path)
     fp = FirstPass()
     if flt is None or not flt.active:
         # Everything matches: more than KEEP_RECORDS in any file worth

@@ -6,7 +6,7 @@ The pieces (``plan``): one file in N byte ranges cut at line starts, read
 by this process and N-1 workers; a sharded run's sources in 16N units of
 about equal bytes, taken by N workers one after another as each is free
 (``_Pool``), this process taking their states in. A worker summarizes
-(summary.FilteredSummarizer) or checks (checks.Validator) its piece, or
+(summary.FilteredSummarizer) or checks (validate.Validator) its piece, or
 the units it read (about 4 states per worker), and sends its state,
 positions and all.
 
@@ -43,12 +43,12 @@ import tempfile
 from typing import Any, Callable, Iterator, NamedTuple
 
 from pmaptap.errors import NeedSerial, WorkerError
-from pmaptap.tapfile import checks, runs, shardwise, summary
-from pmaptap.tapfile.attempts import Attempts, latest
-from pmaptap.tapfile.checks import Report, Validator
-from pmaptap.tapfile.lines import collector_paused, iter_file_records
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.summary import FilteredSummarizer, Result
+from pmaptap.tapfile import source
+from pmaptap.tapfile.analyze import shardwise, summary, validate
+from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result
+from pmaptap.tapfile.analyze.validate import Report, Validator
+from pmaptap.tapfile.read import Attempts, Filter, latest
+from pmaptap.tapfile.source import collector_paused, iter_file_records
 
 # Without --jobs: a worker per this many bytes of the run at most (a
 # worker's start and its partial result cost a few milliseconds: below
@@ -81,13 +81,14 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     read in this process)."""
     if asked is not None:
         return asked
-    if runs.is_url(path):
+    run = source.Run.of(path)
+    if run.url:
         return 1
     try:
         size = (
-            sum(os.path.getsize(f) for f in runs.sources(path))
-            if runs.is_sharded(path)
-            else (os.path.getsize(path))
+            sum(os.path.getsize(f) for f in source.sources(run))
+            if run.sharded
+            else (os.path.getsize(run))
         )
     except OSError:
         return 1
@@ -105,7 +106,7 @@ class Plan(NamedTuple):
     # about equal bytes, UNITS_PER_JOB a process; one file: (start, stop)
     # byte ranges cut at line starts.
     pieces: list
-    files: list[str]  # a sharded run's sources (runs.sources), listed once
+    files: list[str]  # a sharded run's sources (source.sources), listed once
     sizes: list[int]  # their bytes, each stated once
 
     def sources(self, piece: list[int]) -> tuple[list[tuple[int, str]], float]:
@@ -120,10 +121,11 @@ class Plan(NamedTuple):
 def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
     """The pieces ``path`` is read in by ``jobs`` processes; None: one
     process reads it."""
-    if jobs < 2 or runs.is_url(path):
+    run = source.Run.of(path)
+    if jobs < 2 or run.url:
         return None
-    if runs.is_sharded(path):
-        files = runs.sources(path)
+    if run.sharded:
+        files = source.sources(run)
         sizes = [os.path.getsize(f) for f in files]
         if len(sizes) < 2:
             return None
@@ -135,7 +137,8 @@ def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
 
 
 def _local_sharded(path: str | os.PathLike) -> bool:
-    return runs.is_sharded(path) and not runs.is_url(path)
+    run = source.Run.of(path)
+    return run.sharded and not run.url
 
 
 def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
@@ -498,7 +501,7 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     """summary.summarize_file in ``jobs`` processes (in this one alone
     where the run is not split: see the module's docstring)."""
     flt = flt or Filter()
-    path = os.fspath(path)
+    path = source.Run.of(path)
     return _read(
         path,
         jobs,
@@ -541,15 +544,15 @@ def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
 
 
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
-    """checks.validate_file in ``jobs`` processes (in this one alone
+    """validate.validate_file in ``jobs`` processes (in this one alone
     where the run is not split)."""
-    path = os.fspath(path)
+    path = source.Run.of(path)
     return _read(
         path,
         jobs,
         lambda reader: shardwise.validate(path, reader),
         lambda parts: latest(path, lambda a: _validate_pass(path, parts, a)),
-        lambda: checks.validate_file(path),
+        lambda: validate.validate_file(path),
     )
 
 

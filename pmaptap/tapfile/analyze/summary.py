@@ -1,13 +1,13 @@
 """Per-tap summaries: ``tap_summaries(records)`` for code (records as
 ``pmaptap.read`` returns them), ``summarize_file(path)`` for ``pmaptap
 summary`` (streaming: records are decoded, summarized and dropped), and
-summary_table.py's ``summary_table`` for people.
+table.py's ``summary_table`` for people.
 
 One path: ``Summarizer.add`` / ``add_batch`` take schema.py records (a dict
 is made one first) into a tap's ``_TapAcc``, whose state grows with the
 tap's distinct steps and devices, never with its values. That state merges
 exactly (``Summarizer.absorb``): ``pmaptap summary --jobs N`` summarizes
-pieces of a run in worker processes (tapfile/jobs.py) and gets the summary
+pieces of a run in worker processes (tapfile/analyze/parallel.py) and gets the summary
 ``--jobs 1`` gets, to the byte. So nothing here depends on the order
 records come in except through their positions (``pos``: where in the run's
 stream a record is, comparable across pieces): the values at the last step
@@ -28,13 +28,21 @@ from typing import Any, Iterable
 import msgspec
 
 from pmaptap.errors import NeedSerial
-from pmaptap.tapfile.attempts import Attempts, Restarts, attempt_of, scan
-from pmaptap.tapfile.checks import _canonical, _coords_key, count_missing, step_gaps
-from pmaptap.tapfile.divergence import DivergenceIndex
-from pmaptap.tapfile.fingerprints import FingerprintAcc
-from pmaptap.tapfile.lines import collector_paused, iter_record_batches
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.schema import (
+from pmaptap.tapfile.analyze.fingerprints import FingerprintAcc
+from pmaptap.tapfile.analyze.validate import _canonical, _coords_key, count_missing, step_gaps
+from pmaptap.tapfile.read import (
+    Attempts,
+    DivergenceIndex,
+    Filter,
+    Restarts,
+    attempt_of,
+    id_order,
+    leaves,
+    scalar,
+    scan,
+    sorted_ids,
+)
+from pmaptap.tapfile.record import (
     FINGERPRINT,
     NONFINITE,
     UNSET,
@@ -47,7 +55,7 @@ from pmaptap.tapfile.schema import (
     part_key,
     shown_name,
 )
-from pmaptap.tapfile.views import id_order, leaves, scalar, sorted_ids
+from pmaptap.tapfile.source import Run, collector_paused, iter_record_batches
 
 
 @dataclasses.dataclass
@@ -85,7 +93,7 @@ class TapSummary:
     per_device_steps: tuple[int, ...] = ()
     restarts: str = ""  # the run's attempts ("2 attempts; restarted at step 5")
     # pmaptap.fingerprint records: where the copies first differed and the
-    # suspect devices (tapfile/fingerprints.py), "" when they always agreed.
+    # suspect devices (tapfile/analyze/fingerprints.py), "" when they always agreed.
     fingerprint: str = ""
     # The tap the row is of, as ``name`` shows it: its name (a looped tap's
     # iteration's: ``act[3]``), or for a pytree's leaf row (``stats/mean``)
@@ -857,7 +865,7 @@ class Summarizer:
         self.resumed = self.resumed or other.resumed
 
     def shift(self, where: Any) -> None:
-        """Every position held, ``p``, made ``where(p)`` (tapfile/jobs.py:
+        """Every position held, ``p``, made ``where(p)`` (tapfile/analyze/parallel.py:
         a piece's positions as the whole run's)."""
         self._first = {run: where(p) for run, p in self._first.items()}
         for names in self._taps.values():
@@ -950,10 +958,11 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result
     """``pmaptap summary``: the summaries of the records of ``path`` that
     ``flt`` matches, streaming the run (records are decoded, summarized and
     dropped; values are never decoded): one file, or a sharded run's merged
-    stream (runs.iter_merged). Also the (line, problem) list of lines that
-    are not records and every name and run read. tapfile/jobs.py's
+    stream (source.iter_merged). Also the (line, problem) list of lines that
+    are not records and every name and run read. tapfile/analyze/parallel.py's
     summarize_file gives the same result in worker processes, and of a
-    sharded run a shard at a time (tapfile/shardwise.py)."""
+    sharded run a shard at a time (tapfile/analyze/shardwise.py)."""
+    path = Run.of(path)
     flt = flt or Filter()
     if not flt.active and not flt.all_attempts:
         # The common case in one pass, assuming the run was never resumed;

@@ -10,10 +10,11 @@ import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
-from pmaptap.tapfile.arrays import shown_value
-from pmaptap.tapfile.attempts import Attempts, attempt_of
-from pmaptap.tapfile.divergence import DivergenceIndex, reconcile_divergence
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.read.attempts import Attempts, attempt_of
+from pmaptap.tapfile.read.divergence import DivergenceIndex, reconcile_divergence
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.read.stream import FirstPass, matching
+from pmaptap.tapfile.record import (
     FINGERPRINT,
     RECORD_COLUMNS,
     Holders,
@@ -21,9 +22,7 @@ from pmaptap.tapfile.format import (
     index_text,
     shown_name,
 )
-from pmaptap.tapfile.lines import iter_lines
-from pmaptap.tapfile.query import Filter
-from pmaptap.tapfile.stream import FirstPass, matching
+from pmaptap.tapfile.source import Run, iter_lines, shown_value
 
 
 @dataclasses.dataclass
@@ -40,6 +39,7 @@ class Entry:
 def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
     """Every valid record with its line number, plus the (line, problem) list
     of lines that are not records (garbage, torn, empty)."""
+    path = Run.of(path)
     entries: list[Entry] = []
     problems: list[tuple[int, str]] = []
     for lineno, d, problem in iter_lines(path):
@@ -61,6 +61,7 @@ def load_matching(
     process/device filter drops included, as ``load`` then filtering would.
     Holds the matches: the commands stream instead (``iter_entries``);
     this and ``load`` stay as the definitions they are tested against."""
+    path = Run.of(path)
     entries: list[Entry] = []
     problems: list[tuple[int, str]] = []
     names: set = set()
@@ -96,6 +97,7 @@ def iter_entries(
 ) -> Iterator[Entry]:
     """``load_matching``'s entries, streamed: the second pass over the file
     after ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
+    path = Run.of(path)
     n = 0
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
         e = Entry(lineno, d, decode_record(d))

@@ -7,13 +7,12 @@ from collections.abc import Iterable
 from operator import attrgetter
 from typing import Any
 
-from pmaptap.tapfile.arrays import ByteStore, MissingBytes, load_value
-from pmaptap.tapfile.attempts import Attempts, check_mode
-from pmaptap.tapfile.divergence import DivergenceIndex, mark_divergent
-from pmaptap.tapfile.format import decode_record, decoded
-from pmaptap.tapfile.lines import collector_paused, iter_record_batches
-from pmaptap.tapfile.query import Filter, read_filter
-from pmaptap.tapfile.schema import UNSET, PerDevice, as_dicts
+from pmaptap.errors import MissingBytes
+from pmaptap.tapfile.read.attempts import Attempts, check_mode
+from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
+from pmaptap.tapfile.read.query import Filter, read_filter
+from pmaptap.tapfile.record import UNSET, PerDevice, as_dicts, decode_record, decoded
+from pmaptap.tapfile.source import ByteStore, Run, collector_paused, iter_record_batches, load_value
 
 # A per-device record's fields that make it more than its dict (none of
 # which the usual one has), and the values that are already as read.
@@ -51,7 +50,7 @@ def read(
     with one warning (the "pmaptap" logger) that lists
     them. Non-finite numbers come back as float NaN/inf. ``as_frame=True``
     returns a tidy pandas DataFrame, one row per record (columns:
-    pmaptap/tapfile/frame.py).
+    pmaptap/tapfile/read/frame.py).
 
     Filters, applied while parsing (a record that does not match is never
     decoded or kept): ``name`` (one name or several), ``step`` (N, an
@@ -60,6 +59,7 @@ def read(
     replicated record matches every device and process that held its value,
     and divergence is still judged on every copy of a matched step.
     """
+    path = Run.of(path)  # how the run is stored, worked out once for the passes below
     check_mode(attempts)
     flt = read_filter(name, step, run, device, process)
     if as_frame:
@@ -162,10 +162,10 @@ def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
 
 def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
     """``read(..., as_frame=True)``, streamed: the file is read twice
-    (tapfile/stream.py), and each record goes into the frame's columns as it
+    (tapfile/read/stream.py), and each record goes into the frame's columns as it
     is decoded, so neither the records nor their rows are ever held."""
-    from pmaptap.tapfile.frame import FrameBuilder
-    from pmaptap.tapfile.stream import first_pass, matching
+    from pmaptap.tapfile.read.frame import FrameBuilder
+    from pmaptap.tapfile.read.stream import first_pass, matching
 
     builder = FrameBuilder()  # pandas missing: said before the file is read
     fp = first_pass(path, flt)

@@ -26,15 +26,16 @@ import re
 from itertools import accumulate
 from typing import Any, Callable, Iterator, NamedTuple
 
-from pmaptap.tapfile import store
-from pmaptap.tapfile.parse import decode_block
+from pmaptap.tapfile.record import decode_block
+from pmaptap.tapfile.source import store
 
 # The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
 # objects) lives in store.py, which imports nothing here.
-from pmaptap.tapfile.store import SHARD_SUFFIX
+from pmaptap.tapfile.source.store import SHARD_SUFFIX
 
 __all__ = [
     "SHARD_SUFFIX",
+    "Run",
     "shard_dir",
     "shard_path",
     "is_sharded",
@@ -105,9 +106,11 @@ def shard_process(path: str | os.PathLike) -> int | None:
 
 def is_sharded(path: str | os.PathLike) -> bool:
     """Does ``path`` (the run's file name, or its ``.d`` directory) have
-    shards to merge?"""
-    if is_url(path):
-        return True
+    shards to merge? (A Run's answer as it was resolved.)"""
+    return Run.of(path).sharded
+
+
+def _sharded_on_disk(path: str | os.PathLike) -> bool:
     path = _run_path(path)
     if os.path.isdir(path):
         return path.endswith(SHARD_SUFFIX) or bool(_shards(path))
@@ -152,7 +155,48 @@ def owner(key: tuple, processes: "tuple | list") -> int:
 
 def is_url(path: str | os.PathLike) -> bool:
     """An object-store run (``s3://``, ``gs://``, ``memory://``...)."""
+    if isinstance(path, Run):
+        return path.url
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+class Run(str):
+    """A run's path with how the run is stored worked out once: ``url`` (an
+    object store's chunks), ``sharded`` (sources to merge: a URL, a ``.d``
+    directory, or a path beside one) or neither (one file).
+
+    A reader command resolves the path it is given once (``Run.of``) and
+    passes the Run down; being the path itself (a str), it goes wherever a
+    path goes (opened, joined, named in a message, sent to a worker
+    process), and what the run is is read from it instead of asked of the
+    file system or the URL again at every step. A run being followed before
+    it exists is the exception: its layout is not known until it appears
+    (``read.follower.PendingFollower`` resolves it again until then)."""
+
+    url: bool
+    sharded: bool
+
+    def __new__(cls, path: str | os.PathLike) -> "Run":
+        self = super().__new__(cls, os.fspath(path))
+        text = str(self)
+        self.url = is_url(text)
+        self.sharded = self.url or _sharded_on_disk(text)
+        return self
+
+    @classmethod
+    def of(cls, path: "str | os.PathLike | Run") -> "Run":
+        """``path`` resolved, unless it already is a Run."""
+        return path if isinstance(path, Run) else cls(path)
+
+    def __reduce__(self) -> tuple:
+        # To a worker process as resolved, not resolved again there.
+        return (_resolved, (str(self), self.url, self.sharded))
+
+
+def _resolved(path: str, url: bool, sharded: bool) -> Run:
+    run = str.__new__(Run, path)
+    run.url, run.sharded = url, sharded
+    return run
 
 
 # What the merge of a sharded run holds, all sources together. Each source
@@ -202,7 +246,7 @@ class SourceLine(NamedTuple):
     """Where a line of a sharded run is, named by its source (the index of
     its file in ``sources``, and the file) and its own line there: what
     ``summary`` and ``validate`` print of a run too big to place its lines
-    in the merged stream (tapfile/shardwise.py: MAX_KEY_RUNS). Orders by
+    in the merged stream (tapfile/analyze/shardwise.py: MAX_KEY_RUNS). Orders by
     source, then line."""
 
     source: int
@@ -367,7 +411,7 @@ class _ChunkSource(_Source):
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
     """One source per shard (and the shared file), or per process's chunks,
     each knowing its index."""
-    if is_url(path):
+    if Run.of(path).url:
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
         url = os.fspath(path)

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from pmaptap.tapfile.format import holds
+from pmaptap.tapfile.record import holds
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
@@ -41,7 +41,7 @@ class Filter:
     device: int | None = None
     run: str | None = None
     # Show the records that a later attempt of a resumed run superseded too
-    # (tapfile/attempts.py); by default only the latest attempt's.
+    # (tapfile/read/attempts.py); by default only the latest attempt's.
     all_attempts: bool = False
 
     def key_match(self, r: dict) -> bool:

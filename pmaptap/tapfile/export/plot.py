@@ -25,8 +25,8 @@ from collections import defaultdict
 from typing import Iterator, Sequence
 
 from pmaptap.errors import PlotError
-from pmaptap.tapfile.format import FINGERPRINT, curve_tag
-from pmaptap.tapfile.views import leaves, scalar
+from pmaptap.tapfile.read import leaves, scalar
+from pmaptap.tapfile.record import FINGERPRINT, curve_tag
 
 MISSING_MATPLOTLIB = (
     "pmaptap plot needs matplotlib, an optional extra: "

@@ -41,11 +41,10 @@ from typing import Any, Iterator
 # MissingBytes lives with every other exception; imported here too, where it
 # was first defined (callers may import it from this module).
 from pmaptap.errors import MissingBytes
-from pmaptap.tapfile.rawarray import RawArray
 
 # What a reference looks like is the format's (schema.py); this module
 # says where one may point and reads what it points at.
-from pmaptap.tapfile.schema import is_ref
+from pmaptap.tapfile.record import RawArray, is_ref
 
 # Leaves of more bytes than this are stored as bytes (one copy, one vmap
 # row). Below it the JSON numbers are about as cheap and readable in the
@@ -254,7 +253,7 @@ class ByteStore:
             try:
                 if self.url:
                     if self._fs is None:
-                        from pmaptap.tapfile.store import url_fs
+                        from pmaptap.tapfile.source.store import url_fs
 
                         self._fs = url_fs(self.root)[0]
                     self._sizes[where] = int(self._fs.size(where))
@@ -297,7 +296,7 @@ class ByteStore:
         start, end = ref["offset"], ref["offset"] + ref["nbytes"]
         if self.url:
             if self._fs is None:
-                from pmaptap.tapfile.store import url_fs
+                from pmaptap.tapfile.source.store import url_fs
 
                 self._fs = url_fs(self.root)[0]
             try:
@@ -362,7 +361,7 @@ def numpy_dtype(name: Any) -> Any:
     (format.encodable) and nothing else: bytes are never read as objects."""
     import numpy as np
 
-    from pmaptap.tapfile.format import encodable
+    from pmaptap.tapfile.record import encodable
 
     try:
         dt = np.dtype(name)

@@ -18,14 +18,14 @@ import json
 from collections.abc import Callable, Iterable
 from typing import IO, Any, Sequence
 
-from pmaptap.tapfile.format import (
+from pmaptap.tapfile.read import Entry
+from pmaptap.tapfile.record import (
     COORDS_COLUMN_PREFIX,
     NONFINITE,
     RECORD_COLUMNS,
     coords_column,
     index_text,
 )
-from pmaptap.tapfile.views import Entry
 
 _MARKERS = NONFINITE
 # The record columns, after the line each row came from (a CSV of a file
@@ -92,7 +92,7 @@ def csv_row(e: Entry) -> dict[str, Any]:
         row[coords_column(axis)] = idx
     row.update(flatten_value(r["value"], r["dtype"]))
     if "bytes" in r:
-        # A value stored as bytes (tapfile/arrays.py): where they are, not
+        # A value stored as bytes (tapfile/source/arrays.py): where they are, not
         # megabytes of numbers in a cell (its value cell is null).
         row["bytes"] = _text(r["bytes"])
     return row

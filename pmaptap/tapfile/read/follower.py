@@ -18,10 +18,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from pmaptap.tapfile import parse, views
-from pmaptap.tapfile.format import decode_record
-from pmaptap.tapfile.parse import parse_line
-from pmaptap.tapfile.query import Filter
+from pmaptap.tapfile import record, source
+from pmaptap.tapfile.read import views
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.record import decode_record, parse_line
 
 _CHUNK = 1 << 20
 # The first poll of a local sharded run merges its shards holding about
@@ -133,11 +133,11 @@ class LineFollower:
         for chunk in chunks:
             pieces = (self._partial + chunk).split(b"\n")
             self._partial = pieces.pop()  # b"" when the chunk ended a line
-            if len(self._partial) > parse.MAX_LINE_BYTES:
+            if len(self._partial) > record.MAX_LINE_BYTES:
                 # Keep one byte past the limit, enough for parse_line to
                 # report the line as too long once its newline comes: memory
                 # stays bounded whatever a line's length.
-                self._partial = self._partial[: parse.MAX_LINE_BYTES + 1]
+                self._partial = self._partial[: record.MAX_LINE_BYTES + 1]
             for raw in pieces:
                 self.lineno += 1
                 yield self.lineno, raw
@@ -271,7 +271,7 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
 
 class RunFollower:
-    """``LineFollower`` over a run in the sharded layout (tapfile/runs.py):
+    """``LineFollower`` over a run in the sharded layout (tapfile/source/run.py):
     the lines completed in any of its files since the last poll, as one
     batch ordered by record time, with a replicated value that another
     process also wrote given once (as ``pmaptap.read`` does). A shard that
@@ -282,10 +282,10 @@ class RunFollower:
     lines completed since the last) in memory."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
+        self.path = source.Run.of(path)
         self._files: dict[str, LineFollower] = {}
         self._first: dict[tuple, Any] = {}
-        self._cursors: dict[int, Any] = {}  # object store: store.Cursor per process
+        self._cursors: dict[int, Any] = {}  # object store: source.Cursor per process
         self._lines: dict[int, int] = {}  # object store: lines per process
         self._relist_at = 0.0
         self._pool: Any = None
@@ -294,11 +294,9 @@ class RunFollower:
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        from pmaptap.tapfile import runs
-
         if not self._polled:
             self._polled = True
-            if runs.is_url(self.path):
+            if self.path.url:
                 yield from self._first_poll_store()
             else:
                 yield from self._first_poll()
@@ -323,7 +321,7 @@ class RunFollower:
     def _is_copy(self, d: dict | None) -> bool:
         """Whether ``d`` is a replicated value that another process's line
         gave first (the first to be asked about a value is its first copy)."""
-        from pmaptap.tapfile.format import record_key
+        from pmaptap.tapfile.record import record_key
 
         if d is None or d.get("kind") != "replicated" or not d.get("vhash"):
             return False
@@ -371,16 +369,14 @@ class RunFollower:
         yield from self._merged(heapq.merge(*streams))
 
     def _reader(self, proc: int, objs: list, processes: int):
-        """A store.Reader of what this follower has not read of ``objs``
+        """A source.Reader of what this follower has not read of ``objs``
         (``proc``'s listing, one of ``processes`` read together); its first
         object is asked for now, not when the merge first pulls (which would
         be one process after another)."""
-        from pmaptap.tapfile import store
-
-        fs, _ = store.url_fs(self.path)
-        cursor = self._cursors.setdefault(proc, store.Cursor())
-        pool, piece = self._fetch_pool(), store.piece_bytes(processes)
-        return store.Reader(self.path, fs, proc, objs, cursor, pool, wait=True, piece=piece)
+        fs, _ = source.url_fs(self.path)
+        cursor = self._cursors.setdefault(proc, source.Cursor())
+        pool, piece = self._fetch_pool(), source.piece_bytes(processes)
+        return source.Reader(self.path, fs, proc, objs, cursor, pool, wait=True, piece=piece)
 
     def _object_lines(self, reader) -> Iterator[tuple[int, bytes]]:
         proc = reader.process
@@ -391,13 +387,11 @@ class RunFollower:
                     yield n, raw
 
     def _fetch_pool(self):
-        from pmaptap.tapfile import runs
-
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(
-                max_workers=runs.FETCH_THREADS, thread_name_prefix="pmaptap-follow"
+                max_workers=source.FETCH_THREADS, thread_name_prefix="pmaptap-follow"
             )
         return self._pool
 
@@ -419,9 +413,7 @@ class RunFollower:
         """(source number, line number in it, bytes) of lines completed
         since the last poll: appended to local shards, or in chunks that
         appeared on an object store (chunks are immutable: read once)."""
-        from pmaptap.tapfile import runs
-
-        if runs.is_url(self.path):
+        if self.path.url:
             found = sorted(self._list_objects().items())
             readers = [self._reader(p, objs, len(found)) for p, objs in found]
             for r in readers:
@@ -440,9 +432,7 @@ class RunFollower:
         only when it changed (a shard created or removed changes its mtime),
         so a poll of a quiet directory of 4,096 shards costs one stat, not
         a listing; the shared file is looked for until it appears."""
-        from pmaptap.tapfile import runs
-
-        base, directory = runs.base_and_directory(self.path)
+        base, directory = source.base_and_directory(self.path)
         try:
             st = os.stat(directory)
             key: Any = (st.st_ino, st.st_mtime_ns)
@@ -454,28 +444,26 @@ class RunFollower:
             key, recent = None, False
         if key != self._dir_key or recent:
             self._dir_key = key
-            return runs.sources(self.path)
+            return source.sources(self.path)
         if base is not None and base not in self._files and os.path.isfile(base):
             return [base]
         return []
 
     def _list_objects(self) -> dict:
-        """process -> its objects to look at this poll (store.objects).
+        """process -> its objects to look at this poll (source.objects).
         Every object name sorts after the earlier ones of its process, so
         once a process is known a listing that starts after the last object
-        read finds its new ones (store.objects_after, concurrently); the
+        read finds its new ones (source.objects_after, concurrently); the
         whole prefix is listed at the first poll and then every RELIST_S
         seconds, to find processes that started since."""
-        from pmaptap.tapfile import store
-
         now = time.monotonic()
         last = {p: c.last for p, c in self._cursors.items() if c.last}
         if last and now < self._relist_at:
-            found = store.objects_after(self.path, last, self._fetch_pool())
+            found = source.objects_after(self.path, last, self._fetch_pool())
             if found is not None:
                 return found
         self._relist_at = now + RELIST_S
-        return store.objects(self.path, missing_ok=True)
+        return source.objects(self.path, missing_ok=True)
 
     @property
     def restarted(self) -> int:
@@ -512,12 +500,13 @@ class PendingFollower:
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
         if self._inner is None:
-            from pmaptap.tapfile import runs
-
-            if runs.is_sharded(self.path):
-                self._inner = RunFollower(self.path)
-            elif os.path.exists(self.path):
-                self._inner = LineFollower(self.path)
+            # Resolved again at every poll until the run appears: its
+            # layout is what its first writer makes it.
+            run = source.Run(self.path)
+            if run.sharded:
+                self._inner = RunFollower(run)
+            elif os.path.exists(run):
+                self._inner = LineFollower(run)
             else:
                 return
         yield from self._inner.poll()
@@ -542,13 +531,12 @@ class PendingFollower:
 def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | PendingFollower":
     """The follower for ``path``: a sharded run's, one file's, or, while
     neither exists, one that waits to see which appears."""
-    from pmaptap.tapfile import runs
-
-    if runs.is_sharded(path):
-        return RunFollower(path)
-    if os.path.exists(path):
-        return LineFollower(path)
-    return PendingFollower(path)
+    run = source.Run.of(path)
+    if run.sharded:
+        return RunFollower(run)
+    if os.path.exists(run):
+        return LineFollower(run)
+    return PendingFollower(run)
 
 
 def _time_of(d: dict | None) -> float:

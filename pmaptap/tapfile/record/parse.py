@@ -23,7 +23,7 @@ with a short reason, and what one line may cost is bounded:
 The writers apply the same limits to what they write (see
 ``_host/sink.py``), so every line pmaptap writes is read back.
 
-A line is decoded by the format's own types (tapfile/schema.py, msgspec):
+A line is decoded by the format's own types (tapfile/record/schema.py, msgspec):
 most lines are records of the format and cost one call. A line they refuse
 is read by the definition: parsed as any JSON value (msgspec, strict), then
 schema.validate_dict, the level readers take. (orjson, a writers' library,
@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from pmaptap.tapfile.schema import (
+from pmaptap.tapfile.record.schema import (
     DECODER,
     AnyRecord,
     as_dict,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Iterable, Sequence
 
-from pmaptap.tapfile.checks import format_gaps
-from pmaptap.tapfile.summary import TapSummary, tap_summaries
-from pmaptap.tapfile.views import Table, format_ids, format_number
+from pmaptap.tapfile.analyze.summary import TapSummary, tap_summaries
+from pmaptap.tapfile.analyze.validate import format_gaps
+from pmaptap.tapfile.read import Table, format_ids, format_number
 
 
 def _steps_text(steps: Sequence[int], limit: int = 5) -> str:

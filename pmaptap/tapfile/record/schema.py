@@ -6,13 +6,13 @@ Each kind of record is a msgspec ``Struct`` (``PerDevice``, ``Replicated``,
 constraints are the format: a non-empty name, a step from 0 to 2**63-1, a
 non-negative process, at least one replica, integer coordinates, ``divergent``
 only ever ``true``, holders as a list or ranges text, and so on. Every reader
-decodes a line through them (``DECODER``; tapfile/parse.py). What types
+decodes a line through them (``DECODER``; tapfile/record/parse.py). What types
 cannot say is ``beyond_types`` below, one Python function: ranges text that
 is ascending and disjoint, a shard's index, one holder per replica,
 ``copies_seen`` at most ``replicas``, a shard's global shape, a value against
 its dtype and shape. (Line-level bounds, a line's length and nesting and
-integers past 64 bits, are tapfile/parse.py's; where a stored value's
-references may point, tapfile/arrays.py's ``field_problem``.)
+integers past 64 bits, are tapfile/record/parse.py's; where a stored value's
+references may point, tapfile/source/arrays.py's ``field_problem``.)
 
 Two levels, both declared here:
 
@@ -430,7 +430,7 @@ def beyond_types(r: Any, readers: bool = False) -> list[str]:
     else every rule of the format beyond the field types (one holder per
     replica, copies_seen at most replicas, a shard's global shape, the
     value against its dtype and shape; the ``bytes`` field's own rules
-    are tapfile/arrays.py's field_problem)."""
+    are tapfile/source/arrays.py's field_problem)."""
     out: list[str] = []
     if readers:
         for name in ("devices", "processes"):
@@ -576,7 +576,7 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
 
 def is_ref(x: Any) -> bool:
     """Whether ``x`` is a reference to a value stored as bytes (a leaf of a
-    record's ``bytes`` field, tapfile/arrays.py): {file, offset, nbytes}."""
+    record's ``bytes`` field, tapfile/source/arrays.py): {file, offset, nbytes}."""
     return (
         type(x) is dict
         and len(x) == 3
@@ -589,7 +589,7 @@ def is_ref(x: Any) -> bool:
 def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
     """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
     ``stored``: the record's ``bytes`` field, whose leaves are null in
-    ``value`` (tapfile/arrays.py checks the references themselves)."""
+    ``value`` (tapfile/source/arrays.py checks the references themselves)."""
     if value is None and dtype is None and shape is None:
         return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
@@ -794,7 +794,7 @@ def record_key(r: Any) -> tuple:
     different values: their ``index`` is part of it, and so are the loop
     iterations of a tap in a loop body (``part_key``). So is the ``attempt``
     of a resumed run: a replayed step's new value is neither a duplicate nor
-    a divergence of the old one (it supersedes it: tapfile/attempts.py)."""
+    a divergence of the old one (it supersedes it: tapfile/read/attempts.py)."""
     if isinstance(r, AnyRecord):
         return r.key()
     if not isinstance(r, dict):  # format.Record (the writer's)
@@ -842,7 +842,7 @@ def part_key(index: Any, iteration: Any) -> Any:
 def step_key(r: Any) -> tuple:
     """A record's step of a tap, (run, name, step, pass): ``record_key``'s
     first four fields, every shard and every attempt of that step. The unit
-    a later attempt of a resumed run supersedes (tapfile/attempts.py)."""
+    a later attempt of a resumed run supersedes (tapfile/read/attempts.py)."""
     return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
 
 
