@@ -223,7 +223,12 @@ def lift(fun: Callable, *, pack: bool = True) -> Callable:
         state = [next(it) if x is None else x for x in box["state_static"]]
         if state:
             _update((args, kwargs), jax.tree_util.tree_unflatten(box["state_tree"], state))
-        lifted = _pack(tuple(nodes), flat) if pack else Lifted(tuple(nodes), flat)
+        # One process only: there the host reads the whole bundle whatever
+        # sharding XLA gives it; in a multi-process job a bundle split over
+        # processes would hide its other pieces (every tap's step and flag)
+        # from the processes that do not hold them.
+        packed = pack and jax.process_count() == 1
+        lifted = _pack(tuple(nodes), flat) if packed else Lifted(tuple(nodes), flat)
         return jax.tree_util.tree_unflatten(box["tree"], full), lifted
 
     return lifted

@@ -606,6 +606,22 @@ def test_small_values_of_every_dtype_travel_packed_and_exact(tmp_path, x64):
     assert lifted[1].dtype == jnp.uint8 and lifted[1].ndim == 1, lifted
 
 
+def test_a_multi_process_step_packs_nothing(monkeypatch):
+    # A bundle split over processes would hide its pieces from the processes
+    # not holding them: in a multi-process job each output travels alone.
+    def step(s):
+        pmaptap.tap(s * 2, "a", step=s)
+        pmaptap.tap(s * 3, "b", step=s)
+        return s
+
+    one = pmaptap.jit(step).trace(jnp.int32(0)).jaxpr.out_avals
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    many = pmaptap.jit(step).trace(jnp.int32(0)).jaxpr.out_avals
+    assert [a.dtype for a in one] == [jnp.int32, jnp.uint8], one
+    # The function's output, then each tap's value and step.
+    assert len(many) == 5 and jnp.uint8 not in [a.dtype for a in many], many
+
+
 # A pmap step called on fewer devices first (a warm-up on a small batch):
 # each device's automatic step counts its own executions of the tap.
 _WARM_UP = {
