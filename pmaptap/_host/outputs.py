@@ -141,7 +141,12 @@ class Drain:
         # there; a step that skips every tap starts no copy at all.
         nbytes = plan.nbytes
         with self._cv:
+            # A step after shutdown() (a late exit handler's): the drain
+            # runs again, and reads what shutdown() left queued, which the
+            # wait for room below would otherwise wait for with no reader.
+            self._stop.clear()
             while self._queue and self._in_flight + nbytes > max_bytes:
+                self._ensure_thread()
                 if not self._slow_said:
                     self._slow_said = True
                     log.warning(
@@ -159,15 +164,18 @@ class Drain:
             step.seq = self._submitted
             self._queue.append(step)
             self._in_flight += nbytes
-            self._stop.clear()  # a step after shutdown (a late exit handler's)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="pmaptap-outputs", daemon=True
-                )
-                self._thread.start()
-            elif self._asleep or 2 * self._in_flight > max_bytes:
+            if not self._ensure_thread() and (self._asleep or 2 * self._in_flight > max_bytes):
                 self._hurry = True
                 self._cv.notify_all()
+
+    def _ensure_thread(self) -> bool:
+        """Under the lock: start the drain thread if none runs; whether it
+        was started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self._thread = threading.Thread(target=self._run, name="pmaptap-outputs", daemon=True)
+        self._thread.start()
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every step submitted before this call was delivered

@@ -622,6 +622,38 @@ def test_a_multi_process_step_packs_nothing(monkeypatch):
     assert len(many) == 5 and jnp.uint8 not in [a.dtype for a in many], many
 
 
+def test_a_step_after_a_shutdown_that_left_steps_queued_is_delivered():
+    """shutdown() at exit gives up on a drain stuck in a slow delivery and
+    leaves the steps behind it queued; a step submitted after that (a late
+    exit handler's) past the in-flight bound waited for room for ever: no
+    thread read the queue. Now the drain runs again and delivers them all."""
+    import threading
+
+    release, delivered = threading.Event(), []
+
+    def deliver(spec, payload, block):
+        release.wait(30)  # the first delivery is stuck until released
+        delivered.append(int(payload[1]))
+
+    drain = outputs.Drain(deliver, lambda e, name: None)
+    staged = pmaptap.jit(lambda s: pmaptap.tap(s, "s", step=s))._staged
+    lifted = [staged(jnp.int32(k))[1] for k in range(3)]
+
+    def submit(k: int, max_bytes: int = 1 << 30) -> None:
+        drain.submit(lifted[k].nodes, lifted[k].arrays, max_bytes, lifted[k].packing)
+
+    submit(0)
+    submit(1)
+    assert drain.shutdown(0.2) == 2  # step 0 stuck in delivery, step 1 queued
+    release.set()
+    late = threading.Thread(target=submit, args=(2, 1))  # past the bound
+    late.start()
+    late.join(10)
+    assert not late.is_alive(), "submit waited for room with no drain to make it"
+    assert drain.wait(10)
+    assert sorted(delivered) == [0, 1, 2]
+
+
 # A pmap step called on fewer devices first (a warm-up on a small batch):
 # each device's automatic step counts its own executions of the tap.
 _WARM_UP = {
