@@ -570,6 +570,61 @@ def test_a_step_every_tap_skips_reads_only_the_skip_flags(tmp_path, monkeypatch)
     ]
 
 
+def _hashes_in(lowered) -> int:
+    """How many xor operations a compiled program holds: the fingerprint's
+    hash is made of them (placed by the partitioner, after lowering); the
+    steps below have none of their own."""
+    return lowered.compile().as_text().count(" xor(")
+
+
+def test_a_fingerprint_of_the_steps_outputs_is_hashed_after_the_step(tmp_path):
+    """Under pmaptap.jit a fingerprint of values the step returns (the
+    updated parameters) is left out of the step's program and hashed by a
+    program of its own on those outputs, dispatched right after the step
+    (outputs donated to the next step included): the step compiles as the
+    untapped one, and the records are the callback transport's, sharded
+    leaves, ``every`` and all. A fingerprint of a value the step does not
+    return stays in the step."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    params = {
+        "w": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("d"))),
+        "b": jax.device_put(jnp.ones((5,), jnp.bfloat16), NamedSharding(mesh, P())),
+    }
+
+    def step(p, s):
+        p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+        pmaptap.fingerprint(p, "params", step=s, every=3)
+        pmaptap.fingerprint(p["w"] * 2, "doubled", step=s)  # not returned: in the step
+        return p
+
+    def returned_only(p, s):
+        p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+        pmaptap.fingerprint(p, "params", step=s, every=3)
+        return p
+
+    def kept_only(p, s):
+        pmaptap.fingerprint(p["w"] * 2, "doubled", step=s)
+        return p
+
+    s0 = jnp.int32(0)
+    assert _hashes_in(jax.jit(returned_only).lower(params, s0)) > 0
+    assert _hashes_in(pmaptap.jit(returned_only).lower(params, s0)) == 0
+    assert _hashes_in(pmaptap.jit(kept_only).lower(params, s0)) > 0
+    for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+        f = wrap(step, donate_argnums=0)
+        p = jax.tree.map(jnp.copy, params)
+        with pmaptap.Session(str(tmp_path / name), run="later"):
+            for s in range(7):
+                p = f(p, jnp.int32(s))
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    steps = sorted({r["step"] for r in recs if r["name"] == "params"})
+    assert steps == [0, 3, 6], steps
+    assert len({r["step"] for r in recs if r["name"] == "doubled"}) == 7
+    assert not any(r.get("divergent") for r in recs)
+    # Eight copies of the replicated leaf, one of each slice of the sharded one.
+    assert {len(r["devices"]) for r in recs if r["name"] == "params"} >= {8}
+
+
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 def test_small_values_of_every_dtype_travel_packed_and_exact(tmp_path, x64):
     """The small values the host reads whole (scalar taps, steps) leave the
