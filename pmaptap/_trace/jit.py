@@ -53,11 +53,9 @@ def _hashed_later(out: Any, lifted: Lifted) -> list:
     leaves = jax.tree_util.tree_leaves(out)
     got: list = []
     for later in lifted.later:
-        if later.program is None:
-            later.program = _jax_jit(later.hash)
         flag = later.flag
         source = None if flag is None else lifted.arrays[0 if isinstance(flag, Packed) else flag]
-        got += later.program(source, *[leaves[i] for i in later.leaves])
+        got += later(source, [leaves[i] for i in later.leaves])
     return got
 
 
@@ -228,7 +226,7 @@ def _jit(fun: Callable, *, wrapper: Callable | None, kwargs: dict) -> _JitStep:
     # Fingerprints of the step's outputs hashed after it: only under
     # jax.jit, whose outputs are the function's (found there), and where
     # no out_shardings may lay them out other than the step held them.
-    lifted = lift(fun, later=wrapper is _jax_jit and kwargs.get("out_shardings") is None)
+    lifted = lift(fun, hash_after=wrapper is _jax_jit and kwargs.get("out_shardings") is None)
     return _JitStep(fun, wrapper(lifted, **staged_kwargs), wrapper(fun, **kwargs))
 
 

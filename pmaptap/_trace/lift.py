@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -66,43 +67,15 @@ from pmaptap._common.lifted import (
 )
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
-from pmaptap._trace import fingerprint, placement, shardstats
+from pmaptap._trace import fingerprint, later, placement, shardstats
 from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.fingerprint import fingerprint_later_p, fingerprint_out_p
 from pmaptap._trace.jax_support import input_vars, scan_counts, varying_of
+from pmaptap._trace.later import Later
 from pmaptap._trace.outputs import collect, concrete, is_tracer, step_body, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.
 _MARKS = (tap_out_p, fingerprint_out_p)
-
-
-class Later:
-    """A fingerprint hashed after the step, by a program of its own, on
-    outputs of the step (fingerprint.py: ``fingerprint_later_p``): its
-    (number, table) are the last extra outputs, appended by the caller of
-    the step (jit.py). Static: made once per trace."""
-
-    __slots__ = ("spec", "leaves", "flag", "traced", "program")
-
-    def __init__(self, spec: FingerprintSpec, leaves: tuple[int, ...], traced: bool) -> None:
-        self.spec = spec
-        self.leaves = leaves  # positions among the function's output leaves
-        self.traced = traced  # the step is traced (``every`` decided on the device)
-        # Where the ``due`` flag lies among the step's extra outputs (its
-        # position, or its place in the bundle); None: always due.
-        self.flag: int | Packed | None = None
-        self.program: Callable | None = None  # jitted by jit.py on first use
-
-    def hash(self, flag_source, *leaves) -> tuple[jax.Array, jax.Array]:
-        """The program: (the lowering's number, the table) of ``leaves``,
-        computed only where the step's flag says the step is due."""
-        if self.flag is None:
-            due = None
-        elif isinstance(self.flag, Packed):
-            due = flag_source[self.flag.offset] != 0
-        else:
-            due = flag_source
-        return fingerprint.hashed(self.spec, None, list(leaves), due)
 
 
 class _LaterOutput:
@@ -235,12 +208,12 @@ def _pack(nodes: tuple[Node, ...], flat: list, bundle: bool = True) -> Lifted:
 
 
 # ------------------------------------------------------------ the interpreter
-def lift(fun: Callable, *, pack: bool = True, later: bool = False) -> Callable:
+def lift(fun: Callable, *, pack: bool = True, hash_after: bool = False) -> Callable:
     """``fun`` returning ``(its outputs, Lifted)``; meant to be traced (by
     jit, pmap, or any jit-like wrapper). Arguments that are not JAX values
     (static arguments, None, Python objects) are passed through unchanged.
     ``pack``: the small outputs in one bundle (``_pack``; not where the
-    outputs gain an axis of one row per device, pmap). ``later``: a
+    outputs gain an axis of one row per device, pmap). ``hash_after``: a
     fingerprint of outputs of the step is hashed after it (``Later``; the
     caller runs the programs: jax.jit's outputs are the function's, which
     another wrapper's may not be)."""
@@ -260,7 +233,7 @@ def lift(fun: Callable, *, pack: bool = True, later: bool = False) -> Callable:
             for i, v in zip(dyn, values):
                 full[i] = v
             a, k = jax.tree_util.tree_unflatten(tree, full)
-            with step_body() if later else contextlib.nullcontext():
+            with step_body() if hash_after else contextlib.nullcontext():
                 out = fun(*a, **k)
             out_leaves, box["tree"] = jax.tree_util.tree_flatten(out)
             # Only traced outputs go through the jaxpr; the others (an
@@ -302,7 +275,7 @@ def lift(fun: Callable, *, pack: bool = True, later: bool = False) -> Callable:
         # from the processes that do not hold them.
         packed = pack and jax.process_count() == 1
         lifted = _pack(tuple(nodes), flat, bundle=packed)
-        lifted.later = _placed(top.later, flat, lifted.packing)
+        lifted.later = _placed(lifted, top.later, flat)
         return jax.tree_util.tree_unflatten(box["tree"], full), lifted
 
     return lifted
@@ -341,17 +314,23 @@ class _Top:
     leaves), and the fingerprints to hash after the step, with their flags."""
 
     returned: dict
-    later: list = dataclasses.field(default_factory=list)  # (Later, due tracer or None)
+    # (Later, its due flag's tracer or None, the leaves' tracers)
+    later: list = dataclasses.field(default_factory=list)
 
 
-def _placed(later: list, flat: list, packing: Packing | None) -> tuple[Later, ...]:
+def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
     """Each Later told where its ``due`` flag lies among the step's extra
-    outputs (it is one of ``flat``, as ``packing`` placed them)."""
-    for entry, due in later:
+    outputs (it is one of ``flat``, as ``lifted.packing`` placed them), its
+    program's compile started."""
+    for entry, due, leaves in later:
+        flag_aval = None
         if due is not None:
             k = next(i for i, x in enumerate(flat) if x is due)
-            entry.flag = k if packing is None else packing[k]
-    return tuple(entry for entry, _ in later)
+            entry.flag = k if lifted.packing is None else lifted.packing[k]
+            source = lifted.arrays[0 if isinstance(entry.flag, Packed) else entry.flag]
+            flag_aval = core.typeof(source)
+        entry.compile_ahead(flag_aval, [core.typeof(x) for x in leaves])
+    return tuple(entry for entry, _, _ in later)
 
 
 def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
@@ -363,11 +342,12 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     step, *leaves = invals
     due = placement.every_due(step, spec.every) if traced and spec.every > 1 else None
     where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
-    if None in where:
+    nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
+    if None in where or nbytes < later.MIN_BYTES:
         key, table = fingerprint.hashed(spec, step, leaves, due)
     else:
-        entry = Later(spec, tuple(where), traced)
-        top.later.append((entry, due))
+        entry = Later(spec, tuple(where))
+        top.later.append((entry, due, leaves))
         key = _LaterOutput((), np.uint32)
         table = _LaterOutput((jax.device_count(), len(leaves), 2), np.uint32)
     head = [axis_coords(()), step] + ([] if due is None else [due])
