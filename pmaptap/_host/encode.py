@@ -151,7 +151,8 @@ _FAST_SCALARS = frozenset(
 
 
 def _dtype_name(dt: np.dtype) -> str:
-    # np.dtype.name is a slow property (~5 us); records ask for it per copy.
+    # np.dtype.name is a slow property (computed in Python on every read); records
+    # ask for it per copy.
     name = _DTYPE_NAMES.get(dt)
     if name is None:
         name = _DTYPE_NAMES[dt] = dt.name
@@ -254,7 +255,7 @@ def encode_rows(
 
     A single finite float32/float64/int/bool leaf is encoded for all rows at
     once (one orjson round trip gives every scalar its shortest repr; array
-    rows stay NumPy views for orjson to write), ~10x less Python per copy
+    rows stay NumPy views for orjson to write), far less Python per copy
     than row by row. Everything else goes row by row.
 
     On that one-round-trip path, ``texts`` (when given) also receives each

@@ -44,10 +44,9 @@ LINGER_MAX = 64
 # under the file lock, which array bytes do not need (they go to the
 # writer's own byte file), and over them it only holds their memory and
 # leaves the disk idle. A step or two of array taps is then taken and
-# written as one batch while the next steps run. Measured (bench_arrays'
-# tap arm against the 20 ms lingers, 2 MiB a step, paired rounds in one
-# process on the loaded 2-core box): 0.53-0.81x the added wall time, 1.01-
-# 1.18x the added CPU time (more wake-ups).
+# written as one batch while the next steps run: less added wall time
+# than lingering over them, for a little more CPU time (more wake-ups;
+# docs/performance.md).
 LINGER_BYTES = 4 << 20
 # Payloads the aggregator takes per wake-up: bounds one chunk's latency and
 # what drop_oldest cannot reach.

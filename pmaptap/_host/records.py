@@ -96,8 +96,8 @@ class RecordFactory:
         (``encoded`` in ``t.local`` order). Every field but the step, the value
         and the time is the same at every step of a site, so each record is a
         copy of a per-device template built (and checked) once by
-        ``_per_device_record`` (``Record.from_template``: about half the cost
-        of building each record field by field)."""
+        ``_per_device_record`` (``Record.from_template``: cheaper than
+        building each record field by field)."""
         # Fixed per site today; keyed anyway, so that a variant of a spec
         # (with_batch) could never take another's template.
         key = (spec.site.batch_dims, spec.site.as_statistics)
