@@ -1,7 +1,7 @@
 """The record factory of the aggregator: the per-site tables and record
 templates, and the builders of per_device and replicated records. How a
 record is copied from a template and how a per_device record's line is cut
-around its step, value and time are ``Record``'s own (tapfile/format.py:
+around its step, value and time are ``Record``'s own (tapfile/record/format.py:
 ``Record.template``, ``from_template``, ``line_pieces``, ``put_lines``);
 this module decides when. ``RecordFactory`` is ``Aggregator``'s base class
 (aggregate.py): its builders read the aggregator's ``run``, ``process``,
