@@ -104,7 +104,8 @@ class BoundedQueue:
         self.max_pending_bytes = max_pending_bytes
         # One lock for both stages (the bound and drop_oldest span them) and
         # three conditions on it, so each wake-up reaches the thread that has
-        # work: a shared notify_all cost ~20% of throughput. Never held
+        # work: a shared notify_all woke threads with nothing to do, at a
+        # cost in throughput (docs/performance.md). Never held
         # across I/O or aggregation, so the callback only ever waits for
         # another thread's queue operation (or for room, under "block").
         self._lock = threading.Lock()
