@@ -148,7 +148,8 @@ def fingerprint64_many(
     small ones everywhere) is read by its own fold (``_split``, one pass
     over its bits, as before); from there on they are hashed together
     (``_cpu_layout``). The big leaves are one ``platform_dependent`` for all
-    of them (one each before); off the CPU they are hashed one by one."""
+    of them (one each before): on a TPU those of one shape and dtype are
+    hashed together (``_tpu_layout``), elsewhere one by one."""
     valids = [None] * len(leaves) if valids is None else list(valids)
     leaves = [jnp.asarray(x) for x in leaves]
     valids = [
@@ -171,10 +172,6 @@ def fingerprint64_many(
     if small:
         put(small, _cpu_layout([leaves[k] for k in small], [valids[k] for k in small]))
     if big:
-
-        def each(fn):
-            return lambda ls, vs: jnp.stack([fn(_parts(x), v) for x, v in zip(ls, vs)])
-
         put(
             big,
             lax.platform_dependent(
@@ -182,12 +179,16 @@ def fingerprint64_many(
                 [valids[k] for k in big],
                 cpu=_cpu_layout,
                 tpu=_tpu_layout,
-                default=lambda ls, vs: (
-                    each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs) + _sizes(ls)
-                ),
+                default=_one_by_one,
             ),
         )
     return jnp.stack(rows)
+
+
+def _one_by_one(leaves: list[jax.Array], valids: list) -> jax.Array:
+    """Off the CPU and TPU (a GPU): each leaf's own tiled fold, (L, 2)."""
+    fold = partial(_flat, fold=FOLD_ELSEWHERE)
+    return jnp.stack([fold(_parts(x), v) for x, v in zip(leaves, valids)]) + _sizes(leaves)
 
 
 def _sizes(leaves: list[jax.Array]) -> jax.Array:
