@@ -5,7 +5,7 @@ what all the others appended (bytes read back grow as N^2 over a job, and
 the lock hand-offs serialize N processes). ``DirectorySink`` writes
 ``<path>.d/p<process>.jsonl`` alone: no lock, nothing read back, so its cost
 per record is the same at 2 processes and at 4,096. The readers merge the
-shards (``pmaptap/tapfile/runs.py``).
+shards (``pmaptap/tapfile/source/run.py``).
 
 Replicated dedup without reading the others: a replicated record whose value
 every holding process verified on device (the gathered and verified layouts;
@@ -24,7 +24,7 @@ replicated values it left to an owner (``Held``) until its close knows
 whether that owner closed (its records then are all written:
 ``distributed.close_barrier``); for an owner that did not, it writes them
 itself (``write_held``), a copy like any other holder's, which readers keep
-once (the merge drops a copy of a value already read: runs.py). A healthy
+once (the merge drops a copy of a value already read: tapfile/source/run.py). A healthy
 job writes nothing extra: every owner closes. What is kept is bounded
 (``HELD_BYTES``); see ``Held``.
 """

@@ -1,8 +1,8 @@
 """Write-side encoding: NumPy leaves and pytrees -> JSON-able values for
-records (the format itself lives in ``pmaptap.tapfile.format``).
+records (the format itself lives in ``pmaptap.tapfile.record.format``).
 
 Leaves above ``INLINE_MAX_BYTES`` are handed to the writer as ``RawArray``s,
-stored as their bytes (tapfile/arrays.py). Arrays up to ``_SHORT_REPR_MAX``
+stored as their bytes (tapfile/source/arrays.py). Arrays up to ``_SHORT_REPR_MAX``
 elements get the shortest repr of their own precision; non-finite floats
 become the format's ``NONFINITE`` markers.
 """
@@ -117,7 +117,7 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
                 v = float(str(a[()]))  # shortest float32 repr
             return v, _dtype_name(dt), []
     if stored_as_bytes(a.nbytes, dt) and encodable(dt):
-        # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
+        # Stored as its bytes by the writer (tapfile/source/arrays.py): exact, and
         # no per-element work here.
         # (ascontiguousarray would make a 0-d leaf 1-d.)
         a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
@@ -151,7 +151,8 @@ _FAST_SCALARS = frozenset(
 
 
 def _dtype_name(dt: np.dtype) -> str:
-    # np.dtype.name is a slow property (~5 us); records ask for it per copy.
+    # np.dtype.name is a slow property (computed in Python on every read); records
+    # ask for it per copy.
     name = _DTYPE_NAMES.get(dt)
     if name is None:
         name = _DTYPE_NAMES[dt] = dt.name
@@ -254,13 +255,13 @@ def encode_rows(
 
     A single finite float32/float64/int/bool leaf is encoded for all rows at
     once (one orjson round trip gives every scalar its shortest repr; array
-    rows stay NumPy views for orjson to write), ~10x less Python per copy
+    rows stay NumPy views for orjson to write), far less Python per copy
     than row by row. Everything else goes row by row.
 
     On that one-round-trip path, ``texts`` (when given) also receives each
     row's value as the JSON text orjson wrote for it (numbers and booleans
     hold no comma), for records whose lines are built from a template
-    (``Record.put_lines`` in tapfile/format.py); elsewhere it stays empty."""
+    (``Record.put_lines`` in tapfile/record/format.py); elsewhere it stays empty."""
     if (
         ORJSON is not None
         and not as_statistics

@@ -1,6 +1,6 @@
 """The host side of ``pmaptap.fingerprint``: a payload of per-device
 fingerprints (_common/fingerprint.py) compared, and its records built
-(``"kind": "fingerprint"``, tapfile/format.py).
+(``"kind": "fingerprint"``, tapfile/record/format.py).
 
 The copies compared are those that should be equal: per leaf, the holders of
 one slice (under jit: the same global slice of the sharding XLA chose;

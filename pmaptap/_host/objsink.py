@@ -11,11 +11,11 @@ appears; there is no lock or marker to clean up. The writer id (start time
 and a random token) keeps a restarted process from overwriting its earlier
 chunks, and sorts after them. Every ``ROLLUP_CHUNKS`` chunks, and at
 close, the writer puts one object of the chunks since the last (a rollup,
-their bytes joined; ``pmaptap/tapfile/store.py`` has the names and what
+their bytes joined; ``pmaptap/tapfile/source/store.py`` has the names and what
 readers do) and then deletes those chunks: a finished writer leaves a few
 objects, not one per batch, and a failure at either step loses nothing (the
 chunks stay; readers skip chunks a listed rollup covers). Readers list
-``<url>.d/`` and merge (``pmaptap/tapfile/runs.py``). Endpoint and
+``<url>.d/`` and merge (``pmaptap/tapfile/source/run.py``). Endpoint and
 credentials come from the client's own standard environment
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... for s3fs; gcsfs's for
 ``gs://``).
@@ -65,7 +65,7 @@ class ObjectSink(Sink):
         self.path = url
         self.fs, self.prefix = store.url_fs(url)
         self.directory = self.prefix + store.SHARD_SUFFIX
-        # Stored values (tapfile/arrays.py): objects under <prefix>.bytes/,
+        # Stored values (tapfile/source/arrays.py): objects under <prefix>.bytes/,
         # named in lines relative to the prefix's parent.
         self.bytes_prefix = self.prefix + BYTES_SUFFIX
         self.bytes_rel = self.prefix.rsplit("/", 1)[-1] + BYTES_SUFFIX

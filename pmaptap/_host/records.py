@@ -1,7 +1,7 @@
 """The record factory of the aggregator: the per-site tables and record
 templates, and the builders of per_device and replicated records. How a
 record is copied from a template and how a per_device record's line is cut
-around its step, value and time are ``Record``'s own (tapfile/format.py:
+around its step, value and time are ``Record``'s own (tapfile/record/format.py:
 ``Record.template``, ``from_template``, ``line_pieces``, ``put_lines``);
 this module decides when. ``RecordFactory`` is ``Aggregator``'s base class
 (aggregate.py): its builders read the aggregator's ``run``, ``process``,
@@ -96,8 +96,8 @@ class RecordFactory:
         (``encoded`` in ``t.local`` order). Every field but the step, the value
         and the time is the same at every step of a site, so each record is a
         copy of a per-device template built (and checked) once by
-        ``_per_device_record`` (``Record.from_template``: about half the cost
-        of building each record field by field)."""
+        ``_per_device_record`` (``Record.from_template``: cheaper than
+        building each record field by field)."""
         # Fixed per site today; keyed anyway, so that a variant of a spec
         # (with_batch) could never take another's template.
         key = (spec.site.batch_dims, spec.site.as_statistics)

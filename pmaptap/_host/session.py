@@ -87,7 +87,7 @@ class Session:
       "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
       no lock, nothing read back; readers merge: docs/multihost.md) or
       "auto" (default): "sharded" when the job has more than
-      ``tapfile.runs.SHARDED_ABOVE`` processes, else "file".
+      ``tapfile.source.run.SHARDED_ABOVE`` processes, else "file".
     forward: forwarders that receive this process's records once they are
       written to the file: its own devices' per-device records, and (see
       forward_replicated) the job's replicated records on process 0:
@@ -114,7 +114,7 @@ class Session:
       --restarts`` sets it) if that is higher; process 0 decides it for the
       whole job. Records then carry ``"attempt": N``, and readers show, for a
       step written by several attempts, only the latest one's
-      (pmaptap/tapfile/attempts.py). The file stays append-only. Taps need
+      (pmaptap/tapfile/read/attempts.py). The file stays append-only. Taps need
       ``step=``: one without is refused (ValueError at trace time, or a
       TapError at flush/close when it was traced before the session
       opened), as its automatic step would count from 0 again. A restarted
