@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pmaptap._host.options import DEFAULTS
 from pmaptap.errors import LockBusy, TapError, checked_number
 from pmaptap.tapfile.record import (
     MAX_STEP,
@@ -150,12 +151,12 @@ class Writer:
         run: str,
         process: int,
         processes: int | None = None,
-        layout: str = "auto",
+        layout: str = DEFAULTS.layout,
         host: str | None = None,
-        flush_interval: float = 1.0,
-        max_buffer: int = 1024,
-        lock_timeout: float = 1.0,
-        flush_timeout: float | None = 120.0,
+        flush_interval: float = DEFAULTS.writer_flush_interval,
+        max_buffer: int = DEFAULTS.max_buffer,
+        lock_timeout: float = DEFAULTS.lock_timeout,
+        flush_timeout: float | None = DEFAULTS.flush_timeout,
     ) -> None:
         if not isinstance(run, str) or not run:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
@@ -202,6 +203,7 @@ class Writer:
             url=url,
             process=process,
             lock_timeout=lock_timeout,
+            lock=DEFAULTS.lock,
             index_existing=True,
         )
         self._buffer: list[Record] = []

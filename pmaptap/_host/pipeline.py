@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.forward import Forwarders, select
 from pmaptap._host.loops import AggregateLoop, WriteLoop
+from pmaptap._host.options import DEFAULTS
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sink import Sink
 from pmaptap._log import log
@@ -63,18 +64,18 @@ class Pipeline:
         run: str,
         process: int | None = None,
         host: str | None = None,
-        overflow: str = "drop_oldest",
-        max_pending: int = 1_000_000,
-        max_pending_bytes: int = 1 << 30,
-        flush_interval: float = 0.02,
-        group_timeout: float = 5.0,
-        retry_interval: float = 0.2,
-        max_batch: int = 20_000,
+        overflow: str = DEFAULTS.overflow,
+        max_pending: int = DEFAULTS.max_pending,
+        max_pending_bytes: int = DEFAULTS.max_pending_bytes,
+        flush_interval: float = DEFAULTS.flush_interval,
+        group_timeout: float = DEFAULTS.group_timeout,
+        retry_interval: float = DEFAULTS.retry_interval,
+        max_batch: int = DEFAULTS.max_batch,
         forward: Sequence[Any] = (),
-        forward_timeout: float | None = 10.0,
-        forward_replicated: str = "process0",
+        forward_timeout: float | None = DEFAULTS.forward_timeout,
+        forward_replicated: str = DEFAULTS.forward_replicated,
         attempt: int = 0,
-        resume: bool = False,
+        resume: bool = DEFAULTS.resume,
     ) -> None:
         self.queue = BoundedQueue(
             overflow=overflow, max_pending=max_pending, max_pending_bytes=max_pending_bytes
