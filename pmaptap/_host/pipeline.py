@@ -25,6 +25,7 @@ from pmaptap._host.forward import Forwarders, select
 from pmaptap._host.loops import AggregateLoop, WriteLoop
 from pmaptap._host.options import DEFAULTS
 from pmaptap._host.queue import BoundedQueue, Marker, Stop
+from pmaptap._host.records import RecordBuilder
 from pmaptap._host.sink import Sink
 from pmaptap._log import log
 from pmaptap.errors import TapError
@@ -111,16 +112,11 @@ class Pipeline:
         self._auto_outputs: set[tuple] = set()
         self._auto_callbacks: set[tuple] = set()
         self._auto_said: set[tuple] = set()
+        # The one maker of this pipeline's records, with its identity.
+        self.records = RecordBuilder(run, process, self.host, attempt=attempt)
         self._aggregator = AggregateLoop(
             self.queue,
-            Aggregator(
-                run,
-                process,
-                self.host,
-                group_timeout=group_timeout,
-                attempt=attempt,
-                refuse_automatic_steps=resume,
-            ),
+            Aggregator(self.records, group_timeout=group_timeout, refuse_automatic_steps=resume),
             self.errors.add,
             name=f"pmaptap-aggregate-{run}",
         )

@@ -97,8 +97,9 @@ class BoundedQueue:
         max_pending: int,
         max_pending_bytes: int,
     ) -> None:
-        # Their defaults: options.py (the pipeline passes them). Validated once, where users pass it (Session); a bad value here
-        # is a bug in pmaptap, not user input.
+        # Their defaults: options.py (the pipeline passes them). Validated
+        # once, where users pass it (Session); a bad value here is a bug in
+        # pmaptap, not user input.
         assert overflow in OVERFLOW_POLICIES, overflow
         self.overflow = overflow
         self.max_pending = max_pending
