@@ -181,35 +181,6 @@ class RecordBuilder:
             index=index,
         )
 
-    def _replicated(
-        self,
-        spec: TapSpec,
-        step: int,
-        encoded: tuple,
-        devices: tuple,
-        processes: tuple,
-        key: bytes,
-        *,
-        divergent: bool = False,
-        extra: dict | None = None,
-        index: Any = None,
-    ) -> Record:
-        return self._site_record(
-            spec,
-            step,
-            "replicated",
-            encoded,
-            self.process,
-            self.clock(),
-            replicas=len(devices),
-            devices=devices,
-            processes=processes,
-            divergent=divergent,
-            extra=extra,
-            index=index,
-            vhash=vhash(key),
-        )
-
     def per_device(
         self,
         spec: TapSpec,
@@ -310,8 +281,16 @@ class RecordBuilder:
         )
         template = self._replicated_templates.get(tkey)
         if template is None:
-            template = self._replicated_templates[tkey] = self._replicated(
-                spec, 0, (None, None, None), t.all_devices, t.all_processes, b"", extra=extra
+            template = self._replicated_templates[tkey] = self.replicated(
+                spec,
+                0,
+                None,
+                (),
+                t.all_devices,
+                t.all_processes,
+                b"",
+                extra=extra,
+                encoded=(None, None, None),
             ).template()
         value, dtype, shape = encoded
         return Record.from_template(
@@ -322,7 +301,7 @@ class RecordBuilder:
         self,
         spec: TapSpec,
         step: int,
-        leaves: list[np.ndarray],
+        leaves: list[np.ndarray] | None,
         as_statistics: tuple,
         devices: tuple,
         processes: tuple,
@@ -331,19 +310,28 @@ class RecordBuilder:
         divergent: bool = False,
         extra: dict | None = None,
         index: Any = None,
+        encoded: tuple | None = None,
     ) -> Record:
         """The replicated record of one value held by ``devices`` (on
-        ``processes``); ``as_statistics``: TapSite.as_statistics's form."""
-        return self._replicated(
+        ``processes``); ``as_statistics``: TapSite.as_statistics's form.
+        ``encoded``: the value already encoded (a template's placeholders)
+        instead of ``leaves``."""
+        if encoded is None:
+            encoded = encode_tree(spec.site.treedef, leaves, as_statistics)
+        return self._site_record(
             spec,
             step,
-            encode_tree(spec.site.treedef, leaves, as_statistics),
-            devices,
-            processes,
-            key,
+            "replicated",
+            encoded,
+            self.process,
+            self.clock(),
+            replicas=len(devices),
+            devices=devices,
+            processes=processes,
             divergent=divergent,
             extra=extra,
             index=index,
+            vhash=vhash(key),
         )
 
     def replicated_of_holders(
