@@ -20,7 +20,9 @@ STAGES = (
         "callback: the whole host call (its arrays kept, handed over)",
     ),
     ("pmaptap._trace.layouts", "deliver", "callback: hand-over (deliver, queue admit)"),
-    ("pmaptap._host.aggregate", "Aggregator.add_callback", "aggregator: a payload to records"),
+    # payload.split, timed where the aggregator loop looks it up.
+    ("pmaptap._host.loops", "split", "aggregator: a payload taken apart"),
+    ("pmaptap._host.aggregate", "Aggregator.add_payload", "aggregator: its parts to records"),
     ("pmaptap._host.sink", "FileSink.write", "writer: a batch, all of it"),
     ("pmaptap._host.blobs", "BlobFile.store", "writer: bytes (.npy headers + arrays, writev)"),
     ("pmaptap._host.sink", "FileSink._append", "writer: lines (writev, under the lock)"),

@@ -92,12 +92,13 @@ class BoundedQueue:
     def __init__(
         self,
         *,
-        overflow: str = "drop_oldest",
-        max_pending: int = 1_000_000,
-        max_pending_bytes: int = 1 << 30,
+        overflow: str,
+        max_pending: int,
+        max_pending_bytes: int,
     ) -> None:
-        # Validated once, where users pass it (Session); a bad value here
-        # is a bug in pmaptap, not user input.
+        # Their defaults: options.py (the pipeline passes them). Validated
+        # once, where users pass it (Session); a bad value here is a bug in
+        # pmaptap, not user input.
         assert overflow in OVERFLOW_POLICIES, overflow
         self.overflow = overflow
         self.max_pending = max_pending

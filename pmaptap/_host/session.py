@@ -22,6 +22,7 @@ from pmaptap import distributed
 from pmaptap._host import outputs, routing, sigterm
 from pmaptap._host.forked import dispatched_tokens, effects_barrier
 from pmaptap._host.forward import check_replicated, check_targets
+from pmaptap._host.options import DEFAULTS
 from pmaptap._host.pipeline import Pipeline
 from pmaptap._host.queue import OVERFLOW_POLICIES
 from pmaptap._host.runid import (
@@ -127,20 +128,20 @@ class Session:
         path: str | os.PathLike,
         *,
         run: str | None = None,
-        overflow: str = "drop_oldest",
-        max_pending: int = 1_000_000,
-        max_pending_bytes: int = 1 << 30,
-        lock_timeout: float = 1.0,
-        flush_timeout: float | None = 120.0,
-        close_timeout: float = 60.0,
-        group_timeout: float = 5.0,
-        flush_interval: float = 0.02,
-        lock: str = "flock",
+        overflow: str = DEFAULTS.overflow,
+        max_pending: int = DEFAULTS.max_pending,
+        max_pending_bytes: int = DEFAULTS.max_pending_bytes,
+        lock_timeout: float = DEFAULTS.lock_timeout,
+        flush_timeout: float | None = DEFAULTS.flush_timeout,
+        close_timeout: float = DEFAULTS.close_timeout,
+        group_timeout: float = DEFAULTS.group_timeout,
+        flush_interval: float = DEFAULTS.flush_interval,
+        lock: str = DEFAULTS.lock,
         forward: Sequence[Any] | None = None,
-        forward_timeout: float | None = 10.0,
-        forward_replicated: str = "process0",
-        resume: bool = False,
-        layout: str = "auto",
+        forward_timeout: float | None = DEFAULTS.forward_timeout,
+        forward_replicated: str = DEFAULTS.forward_replicated,
+        resume: bool = DEFAULTS.resume,
+        layout: str = DEFAULTS.layout,
     ) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(

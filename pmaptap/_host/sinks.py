@@ -16,8 +16,8 @@ def open_sink(
     *,
     url: bool | None = None,
     process: int | None = None,
-    lock_timeout: float = 1.0,
-    lock: str = "flock",
+    lock_timeout: float,
+    lock: str,
     index_existing: bool = False,
 ) -> Sink:
     """The sink for ``path`` (already made absolute unless a URL) in

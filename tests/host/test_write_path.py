@@ -22,7 +22,7 @@ import pmaptap
 from conftest import logs_warning, wait_for
 from pmaptap._host import queue as queue_mod
 from pmaptap._host import records
-from pmaptap._host.encode import value_key
+from pmaptap._host.aggregate import value_key
 from pmaptap._trace import primitive
 
 
