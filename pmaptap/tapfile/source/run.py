@@ -33,18 +33,6 @@ from pmaptap.tapfile.source import store
 # objects) lives in store.py, which imports nothing here.
 from pmaptap.tapfile.source.store import SHARD_SUFFIX
 
-__all__ = [
-    "SHARD_SUFFIX",
-    "Run",
-    "shard_dir",
-    "shard_path",
-    "is_sharded",
-    "sources",
-    "owner",
-    "iter_merged",
-    "MERGE_BYTES",
-]
-
 # How a run is stored (Session(layout=...), Writer(layout=...)): one shared
 # file, or one file per process under <path>.d/; "auto" picks by job size.
 FILE_LAYOUTS = ("auto", "file", "sharded")
