@@ -55,12 +55,10 @@ def load_matching(
     path: str | os.PathLike, flt: "Filter"
 ) -> tuple[list[Entry], list[tuple[int, str]], set, set]:
     """Like ``load`` but keeps only the records ``flt`` matches, filtering
-    before decoding values, so memory follows the matches, not the file.
-    Also returns every name and run read (to say what a file has when nothing
-    matched). Divergence is judged on all records of a matched key, those the
-    process/device filter drops included, as ``load`` then filtering would.
-    Holds the matches: the commands stream instead (``iter_entries``);
-    this and ``load`` stay as the definitions they are tested against."""
+    before decoding values; also every name and run read. Divergence is
+    judged on every copy of a matched key. The commands stream instead
+    (``iter_entries``); this and ``load`` are the definitions they are
+    tested against."""
     path = Run.of(path)
     entries: list[Entry] = []
     problems: list[tuple[int, str]] = []
@@ -264,12 +262,10 @@ def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, A
 
 # ------------------------------------------------------------------ tables
 
-# ``show``'s table, made from format.RECORD_COLUMNS to fit a terminal: the
-# line, the record columns one looks a record up by, in their order
-# (``process`` as "proc"), then text that folds several fields: coords (with
-# a shard's index), the value, flags (divergent, pass, replicas). Left out:
-# the holders, dtype, shape, time, host (``show --json`` has them), and run
-# unless the rows shown come from more than one (RUN, inserted by show).
+# ``show``'s table, made from RECORD_COLUMNS to fit a terminal: the line,
+# the columns one looks a record up by, then text that folds several fields
+# (coords, value, flags). The rest is ``show --json``'s; run only where the
+# rows come from more than one (RUN, inserted by show).
 _SHOWN = {"name": "name", "step": "step", "kind": "kind", "process": "proc", "device": "device"}
 COLUMNS = (
     "line",
