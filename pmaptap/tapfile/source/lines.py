@@ -94,7 +94,7 @@ def collector_paused() -> Iterator[None]:
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """(line number, record or None, problem or None) for every line of a
     run (a sharded one merged), the record as its line's JSON object."""
-    return _flat(iter_batches(path))
+    return _flat(_as_dicts(iter_record_batches(path)))
 
 
 def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
@@ -115,11 +115,6 @@ def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
     return runs.iter_merged(run, read_at)
 
 
-def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """``iter_record_batches`` with each record as its line's JSON object."""
-    return _as_dicts(iter_record_batches(path))
-
-
 def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
     for first, records, problems in batches:
         yield first, as_dicts(records), problems
@@ -128,12 +123,7 @@ def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """``iter_lines`` of one file. A long read draws a progress bar on a
     terminal (see _ReadProgress)."""
-    return _flat(iter_file_batches(path))
-
-
-def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """``iter_file_records`` with each record as its line's JSON object."""
-    return _as_dicts(iter_file_records(path))
+    return _flat(_as_dicts(iter_file_records(path)))
 
 
 # Bytes read per batch: ~300 records, small enough that a batch's records
