@@ -35,6 +35,11 @@ class Entry:
     raw: dict
     rec: dict
 
+    def mark_divergent(self) -> None:
+        self.rec["divergent"] = True
+        if not self.raw.get("divergent"):
+            self.raw = dict(self.raw, divergent=True)
+
 
 def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
     """Every valid record with its line number, plus the (line, problem) list
@@ -80,9 +85,7 @@ def load_matching(
             entries.append(Entry(lineno, d, decode_record(d)))
     for e in entries:
         if index.divergent(e.raw):
-            e.rec["divergent"] = True
-            if not e.raw.get("divergent"):
-                e.raw = dict(e.raw, divergent=True)
+            e.mark_divergent()
     if not flt.all_attempts and attempts:
         # Records of a key share their step key, so one matched record's
         # supersession is judged on the same records as any other's.
@@ -100,9 +103,7 @@ def iter_entries(
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
         e = Entry(lineno, d, decode_record(d))
         if divergent:
-            e.rec["divergent"] = True
-            if not d.get("divergent"):
-                e.raw = dict(d, divergent=True)
+            e.mark_divergent()
         yield e
         n += 1
         if n == limit:
@@ -115,11 +116,8 @@ def mark_divergence(entries: Sequence[Entry]) -> None:
     recs = [e.rec for e in entries]
     reconcile_divergence(recs)
     for e in entries:
-        if e.rec.get("divergent") and not e.raw.get("divergent"):
-            e.raw = dict(e.raw, divergent=True)
-
-
-# ------------------------------------------------------------------ filters
+        if e.rec.get("divergent"):
+            e.mark_divergent()
 
 
 # ------------------------------------------------------------------ values
