@@ -1,5 +1,5 @@
 """``pmaptap summary`` and ``validate`` of a sharded run, a source at a
-time, without the merge (source.iter_merged), which cost more than the
+time, without the merge (source/run.py: iter_merged), which cost more than the
 summary itself. docs/architecture.md ("A sharded run summarized shard by
 shard") says how: each record's position is its place in the merge
 ((merge key, source, line)), and what only the whole run decides (kept
