@@ -5,9 +5,10 @@ lift.py leaves a fingerprint of the step's own outputs out of the step
 (compiling the hash inside a big step costs its compile several times the
 hash program's own) and describes it by a ``Later``; jit.py dispatches the
 program on those outputs right after each step. So that its compile is not
-added to the step's, it starts on a thread of its own when the step is
-traced, for the types the outputs will have, and runs beside the step's
-own lowering and compile; the first step waits for it (it is the shorter).
+added to the step's, a thread of its own, started when the step is traced,
+compiles it for the types the outputs will have once the step is lowered,
+beside XLA's compile of the step; the first step waits for it (it is the
+shorter).
 Those types are known when the step is traced only where every array lives
 on the one device of a one-device process (a TPU chip, a GPU, a CPU); else
 the program compiles at the first step, as any jit at its first call. A
@@ -20,6 +21,7 @@ import threading
 from typing import Any, Callable
 
 import jax
+from jax._src import dispatch
 
 from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.lifted import Packed
@@ -98,20 +100,49 @@ class Later:
         return list(self._program(flag_source, *leaves))
 
 
+# How long a program waits for the step's lowering to end before it is
+# traced all the same (a trace that is never lowered: eval_shape).
+LOWERED_WAIT_S = 10.0
+# The threads that traced a step whose hash waits for its lowering to end.
+_waiting: dict[int, list[threading.Event]] = {}
+_waiting_lock = threading.Lock()
+
+
+def _on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
+    """JAX's monitoring listener: a module lowered on a thread that traced
+    a step releases the hash programs waiting for it."""
+    if event != dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+        return
+    with _waiting_lock:
+        released = _waiting.pop(threading.get_ident(), [])
+    for e in released:
+        e.set()
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
 class _Ahead:
-    """One program compiling on a thread of its own."""
+    """One program compiling on a thread of its own, once the step that
+    made it is lowered: tracing and lowering it are Python, which would
+    hold the interpreter lock against the step's own lowering; from then
+    on the step is in XLA's compiler, which does not hold it."""
 
     def __init__(self, fun: Callable, *args: Any) -> None:
         self._compiled: Any = None
         # The trace's x64 setting is the thread's own: the types must be
         # read as the step reads them.
         self._x64 = bool(jax.config.jax_enable_x64)
+        lowered = threading.Event()
+        with _waiting_lock:
+            _waiting.setdefault(threading.get_ident(), []).append(lowered)
         self._thread = threading.Thread(
-            target=self._run, args=(fun, args), name="pmaptap-compile", daemon=True
+            target=self._run, args=(fun, args, lowered), name="pmaptap-compile", daemon=True
         )
         self._thread.start()
 
-    def _run(self, fun: Callable, args: tuple) -> None:
+    def _run(self, fun: Callable, args: tuple, lowered: threading.Event) -> None:
+        lowered.wait(LOWERED_WAIT_S)
         try:
             with jax.enable_x64(self._x64):
                 self._compiled = _jax_jit(fun).lower(*args).compile()
