@@ -20,10 +20,18 @@ STAGES = (
         "callback: the whole host call (its arrays kept, handed over)",
     ),
     ("pmaptap._trace.layouts", "deliver", "callback: hand-over (deliver, queue admit)"),
-    ("pmaptap._host.aggregate", "Aggregator.add_callback", "aggregator: a payload to records"),
-    ("pmaptap._host.sink", "FileSink.write", "writer: a batch, all of it"),
-    ("pmaptap._host.blobs", "BlobFile.store", "writer: bytes (.npy headers + arrays, writev)"),
-    ("pmaptap._host.sink", "FileSink._append", "writer: lines (writev, under the lock)"),
+    (
+        "pmaptap._host.pipeline.aggregate",
+        "Aggregator.add_callback",
+        "aggregator: a payload to records",
+    ),
+    ("pmaptap._host.sinks.file", "FileSink.write", "writer: a batch, all of it"),
+    (
+        "pmaptap._host.sinks.blobs",
+        "BlobFile.store",
+        "writer: bytes (.npy headers + arrays, writev)",
+    ),
+    ("pmaptap._host.sinks.base", "Sink._append", "writer: lines (writev, under the lock)"),
 )
 # Factories: the function they return is what runs per call.
 FACTORIES = frozenset({"_copying"})

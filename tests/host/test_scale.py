@@ -23,7 +23,7 @@ from conftest import (
     train_argv,
     wait_for,
 )
-from pmaptap._host.dirsink import DirectorySink, _held_size
+from pmaptap._host.sinks.directory import DirectorySink, _held_size
 from pmaptap.tapfile.record import Record, record_key
 from pmaptap.tapfile.source import run as runs
 
@@ -122,7 +122,7 @@ def test_validate_finds_a_torn_shard_line_and_names_the_shard(tmp_path, caplog):
 def test_owner_writes_values_every_process_verified(tmp_path):
     """A replicated record naming several processes (verified on device) is
     written by exactly one of them; a per-process one by each."""
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
     from pmaptap.tapfile.record import Record, record_key
 
     path = str(tmp_path / "run.jsonl")
@@ -357,7 +357,7 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
 
 
 def test_a_shard_removed_or_truncated_under_its_writer(tmp_path, caplog):
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
 
     path = str(tmp_path / "run.jsonl")
     sink = DirectorySink(path, process=3)

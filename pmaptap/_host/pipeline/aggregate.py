@@ -21,10 +21,10 @@ import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.spec import LEADER_COPY, GroupSpec, Layout, PayloadSpec, TapSpec
-from pmaptap._host import fingerprints
-from pmaptap._host import shards as shard_host
-from pmaptap._host.encode import encode_rows, value_key
-from pmaptap._host.payload import (
+from pmaptap._host.pipeline import fingerprints
+from pmaptap._host.pipeline import shards as shard_host
+from pmaptap._host.pipeline.encode import encode_rows, value_key
+from pmaptap._host.pipeline.payload import (
     Copy,
     _flat,
     _Pending,
@@ -34,7 +34,7 @@ from pmaptap._host.payload import (
     restore,
     unpack,
 )
-from pmaptap._host.records import RecordFactory, _Table
+from pmaptap._host.pipeline.records import RecordFactory, _Table
 from pmaptap._log import log
 from pmaptap.tapfile.record import (
     COPIES_SEEN,

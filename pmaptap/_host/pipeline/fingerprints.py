@@ -35,7 +35,7 @@ import numpy as np
 
 from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
-from pmaptap._host.payload import Copy, _flat, _Pending, _step
+from pmaptap._host.pipeline.payload import Copy, _flat, _Pending, _step
 from pmaptap.tapfile.record import FINGERPRINT, MAX_STEP, RANGES_ABOVE, Record, new_record
 
 

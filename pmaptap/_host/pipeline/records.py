@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from pmaptap._common.spec import Layout, TapSpec
-from pmaptap._host.encode import encode_tree
-from pmaptap._host.payload import Copy
+from pmaptap._host.pipeline.encode import encode_tree
+from pmaptap._host.pipeline.payload import Copy
 from pmaptap.tapfile.record import RawArray, Record, new_record
 from pmaptap.tapfile.source import npy_header
 

@@ -2,7 +2,7 @@
 (schema.format_problems), duplicates, missing steps. Used by
 ``pmaptap validate`` and ``pmaptap summary``.
 
-Duplicates (what the cross-process dedup in _host/crossdedup.py should have
+Duplicates (what the cross-process dedup in _host/sinks/crossdedup.py should have
 prevented, or a file concatenated twice):
 - replicated: the same (run, name, step, pass) with the same ``vhash`` (or the
   same value where there is no hash) twice. The same key with *different*

@@ -12,7 +12,7 @@ class DivergenceIndex:
     """Which replicated keys (``record_key``) the file holds with more
     than one distinct value (``vhash``): ``add`` every replicated record
     seen, then ask ``divergent``. The first writer of a key could not know
-    that a later one would disagree (see _host/crossdedup.py). Which process
+    that a later one would disagree (see _host/sinks/crossdedup.py). Which process
     wrote the values does not matter: two values of one key from one
     process (two ``Writer``s, two sessions on one run) are as much two
     stories as two processes' are. A key's attempt is part of it, so a

@@ -248,7 +248,7 @@ class Record:
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 
-    # The aggregator's fast path (_host/records.py). Every field of a tap
+    # The aggregator's fast path (_host/pipeline/records.py). Every field of a tap
     # site's record but its step, value and time (and a replicated value's
     # hash) is the same at every step, so the aggregator builds one record
     # per site and device once, keeps its fields (``template``) and makes

@@ -21,7 +21,7 @@ with a short reason, and what one line may cost is bounded:
   comma, no control character in a string), no unpaired surrogate escape.
 
 The writers apply the same limits to what they write (see
-``_host/sink.py``), so every line pmaptap writes is read back.
+``_host/sinks/``), so every line pmaptap writes is read back.
 
 A line is decoded by the format's own types (tapfile/record/schema.py, msgspec):
 most lines are records of the format and cost one call. A line they refuse

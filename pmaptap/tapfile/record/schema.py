@@ -95,7 +95,7 @@ RangesText = str
 Hex16 = Annotated[str, Meta(pattern="^[0-9a-f]{16}$")]
 
 
-# pmaptap.fingerprint's records (_host/fingerprints.py writes them;
+# pmaptap.fingerprint's records (_host/pipeline/fingerprints.py writes them;
 # docs/api.md#fingerprint-records describes every field): no array data
 # ("value", "dtype" and "shape" null), ``fingerprint``, the holders as a
 # replicated record lists them, and either ``leaves`` and ``slices`` (all

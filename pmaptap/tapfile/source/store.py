@@ -1,7 +1,7 @@
 """A run on an object store: the objects' names, their listing, and what a
 reader takes of them.
 
-Each process's writer (``_host/objsink.py``) puts immutable objects under
+Each process's writer (``_host/sinks/objectstore.py``) puts immutable objects under
 ``<url>.d/``:
 
 - a *chunk* ``p<process>-<writer id>-<seq>.b<start>.jsonl`` per batch (seq
