@@ -1,13 +1,6 @@
-"""The barrier: every wait for the taps of dispatched steps, in one module.
-
-``effects_barrier`` (every flush, close, SIGTERM and exit) waits for the
-host callbacks of the steps dispatched so far (``jax.effects_barrier()``)
-and then for every transport that delivers taps on a thread of its own:
-such a transport registers its wait here (``register``; the output
-transport's drain, _host/outputs.py, does at import), so the barrier need
-not know it by name and a process that never used it has nothing to wait
-for. ``before_close`` is a session's close's wait (bounded; on SIGTERM left
-behind on a daemon thread when the steps stop delivering taps).
+"""Every wait for the taps of dispatched steps: ``effects_barrier`` (flush,
+close, SIGTERM, exit), a close's bounded ``before_close``; a transport that
+delivers on a thread of its own (outputs.py) ``register``s its wait here.
 
 A child forked after JAX's runtime started: what it must not wait on.
 
@@ -60,27 +53,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # True in a child forked after JAX's runtime started in its parent.
 _inherited_runtime = False
-# The registered transports: (wait, undelivered) each (see register).
 _transports: list[tuple[Callable[[float | None], bool], Callable[[], int]]] = []
 
 
 def register(wait: Callable[[float | None], bool], undelivered: Callable[[], int]) -> None:
-    """A transport that delivers taps on a thread of its own joins the
-    barrier: ``wait(timeout)`` returns whether every step submitted to it
-    before the call was delivered (False after ``timeout`` seconds, None:
-    no bound); ``undelivered()`` counts the steps not delivered yet."""
+    """``wait(timeout)``: whether every step submitted before the call was
+    delivered (False after ``timeout`` s); ``undelivered()``: steps not yet."""
     _transports.append((wait, undelivered))
 
 
 def transports_wait(timeout: float | None = None) -> bool:
-    """Every registered transport's wait, within one ``timeout``: whether
-    they all delivered every step submitted before the call."""
+    """Every registered transport's wait, within one ``timeout``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     return all([wait(time_left(deadline)) for wait, _ in _transports])
 
 
 def undelivered() -> int:
-    """Steps submitted to the registered transports and not yet delivered."""
+    """Steps the registered transports have not delivered yet."""
     return sum(count() for _, count in _transports)
 
 
@@ -117,16 +106,12 @@ def dispatched_tokens() -> list:
 
 
 def before_close(stall: float | None, pipeline: "Pipeline", limit: float) -> None:
-    """``effects_barrier()`` for the steps this thread dispatched, before a
-    close: the wait for the steps of ``pmaptap.jit`` / ``pmaptap.pmap`` (on
-    the output transport's thread) is given up after ``limit`` seconds
-    (their pipeline's writes failing under overflow="block", room never
-    comes); with ``stall``, the whole wait is also given up once no tap has
-    arrived for ``stall`` seconds. On SIGTERM a dispatched step may never
-    finish (a collective whose peer died): the wait runs on a daemon thread,
-    on the tokens taken from this thread (JAX keeps them per thread), and is
-    left behind. Steps still delivering taps (a loaded box) are waited for:
-    they are finite, nothing new is dispatched while the handler runs."""
+    """``effects_barrier()`` before a session's close, given up after
+    ``limit`` s (writes failing under overflow="block": room never comes)
+    and, with ``stall``, once no tap arrived for ``stall`` s. On SIGTERM a
+    step may never finish (a collective whose peer died): the wait runs on a
+    daemon thread, on this thread's tokens (JAX keeps them per thread), and
+    is left behind; steps still delivering taps are waited for."""
     if stall is None:
         # In slices: a SIGTERM during the close stops the wait (hurried).
         deadline = time.monotonic() + limit
@@ -173,27 +158,17 @@ def time_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _taps_quiet(
-    pipeline: "Pipeline | None",
-    quiet: float,
-    limit: float | None,
-    done: threading.Event | None = None,
-) -> bool:
+def _taps_quiet(pipeline: "Pipeline", quiet: float, limit: float, done: threading.Event) -> bool:
     """Wait until ``done`` is set (True), or no tap has reached
     ``pipeline`` for ``quiet`` seconds, or ``limit`` seconds have passed
     (False)."""
-    done = done or threading.Event()
-
-    def offered() -> int:
-        return pipeline.queue.offered if pipeline is not None else 0
-
     start = quiet_since = time.monotonic()
-    seen = offered()
+    seen = pipeline.queue.offered
     while not done.wait(0.05):
-        now, n = time.monotonic(), offered()
+        now, n = time.monotonic(), pipeline.queue.offered
         if n != seen:
             seen, quiet_since = n, now
-        if now - quiet_since >= quiet or (limit is not None and now - start >= limit):
+        if now - quiet_since >= quiet or now - start >= limit:
             return False
     return True
 
