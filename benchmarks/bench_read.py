@@ -37,7 +37,7 @@ DEVICES = 8
 _BARE = BARE_ORJSON_LOOP
 _FRAME = "import sys, pmaptap\ndf = pmaptap.read(sys.argv[1], as_frame=True)\nprint(len(df))\n"
 # Peak RSS limits (MiB), checked on every run (issue 27.4: show and validate
-# held the file, 755 and 649 MiB on a 52 MiB file).
+# held the whole file; docs/performance.md, "Every reader streams").
 RSS_LIMITS = {
     "pmaptap summary": 300,
     "pmaptap validate": 200,

@@ -2,10 +2,10 @@
 its four taps (loss, lr, step replicated; grad_norm per device; one
 pmaptap.group()) against the same step without them: total step-time ratio.
 
-Rows: the demo's default step (a tiny MLP, ~1 ms), the same recording every
+Rows: the demo's default step (a tiny MLP, a short step), the same recording every
 10th step (``--tap-every 10``: an untapped compilation runs the other steps;
 and ``every=10`` decided on device instead), wider models (``--hidden 1024`` and 2048 at
-batch 1024 per device: ~13 and ~40 ms steps), and the floor JAX imposes on
+batch 1024 per device: longer steps), and the floor JAX imposes on
 each step: ONE raw ``jax.debug.callback`` from one device, inside lax.cond,
 carrying the same payload as pmaptap's one callback (coordinates, the four
 steps, the eight copies of each value). The tapped step is restated against

@@ -239,8 +239,8 @@ def compile_bytecode() -> None:
     installed package has them, so that a command measured in a fresh
     process starts as a user's does: where PYTHONDONTWRITEBYTECODE is set
     (this box sets it), an editable checkout would compile every module from
-    source at every start (~40-50 ms for the readers), which the bare loops
-    they are compared with never pay."""
+    source at every start (docs/performance.md has what that cost the
+    readers), which the bare loops they are compared with never pay."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}

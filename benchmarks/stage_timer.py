@@ -20,10 +20,12 @@ STAGES = (
         "callback: the whole host call (its arrays kept, handed over)",
     ),
     ("pmaptap._trace.layouts", "deliver", "callback: hand-over (deliver, queue admit)"),
+    # payload.split, timed where the aggregator loop looks it up.
+    ("pmaptap._host.pipeline.loops", "split", "aggregator: a payload taken apart"),
     (
         "pmaptap._host.pipeline.aggregate",
-        "Aggregator.add_callback",
-        "aggregator: a payload to records",
+        "Aggregator.add_payload",
+        "aggregator: its parts to records",
     ),
     ("pmaptap._host.sinks.file", "FileSink.write", "writer: a batch, all of it"),
     (

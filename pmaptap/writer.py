@@ -14,7 +14,6 @@ unimportable).
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import socket
 import time
@@ -22,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pmaptap._host.options import DEFAULTS
 from pmaptap.errors import LockBusy, TapError, checked_number
 from pmaptap.tapfile.record import (
     MAX_STEP,
@@ -150,12 +150,12 @@ class Writer:
         run: str,
         process: int,
         processes: int | None = None,
-        layout: str = "auto",
+        layout: str = DEFAULTS.layout,
         host: str | None = None,
-        flush_interval: float = 1.0,
-        max_buffer: int = 1024,
-        lock_timeout: float = 1.0,
-        flush_timeout: float | None = 120.0,
+        flush_interval: float = DEFAULTS.writer_flush_interval,
+        max_buffer: int = DEFAULTS.max_buffer,
+        lock_timeout: float = DEFAULTS.lock_timeout,
+        flush_timeout: float | None = DEFAULTS.flush_timeout,
     ) -> None:
         if not isinstance(run, str) or not run:
             raise ValueError(f"Writer: run must be a non-empty str, got {run!r}")
@@ -184,6 +184,11 @@ class Writer:
         self.path = str(target.run)
         self.run, self.process, self.layout = run, process, layout
         self.host = host or socket.gethostname()
+        from pmaptap._host.pipeline import RecordBuilder
+
+        # The maker of this writer's records, with its identity (as a
+        # session's pipeline has one).
+        self._records = RecordBuilder(run, process, self.host)
         self.flush_interval = target.flush_interval
         self.max_buffer = max_buffer
         self.flush_timeout = flush_timeout
@@ -192,6 +197,7 @@ class Writer:
             layout,
             process=process,
             lock_timeout=lock_timeout,
+            lock=DEFAULTS.lock,
             index_existing=True,
         )
         self._buffer: list[Record] = []
@@ -253,30 +259,17 @@ class Writer:
                 f"Writer.write({name!r}): the value nests too deep to write "
                 "(readers take 128 levels)"
             ) from None
-        now = time.time()
-        common = dict(
-            run=self.run,
-            name=name,
-            step=step,
-            kind=kind,
-            value=enc,
-            dtype=dtype,
-            shape=shape,
-            process=self.process,
-            time=now,
-            host=self.host,
-        )
+        common = dict(name=name, step=step, kind=kind, value=enc, dtype=dtype, shape=shape)
         if kind == "replicated":
             from pmaptap._host.pipeline import value_key
 
-            r = Record(
-                **common,
-                replicas=1,
-                processes=(self.process,),
-                vhash=hashlib.blake2b(value_key(leaves), digest_size=8).hexdigest(),
+            r = self._records.record(
+                **common, replicas=1, processes=(self.process,), key=value_key(leaves)
             )
         else:
-            r = Record(**common, device=None if device is None else int(device), coords={})
+            r = self._records.record(
+                **common, device=None if device is None else int(device), coords={}
+            )
         if self._failing and len(self._buffer) >= MAX_BUFFERED * self.max_buffer:
             # The file has taken nothing for a while and the buffer is at
             # its bound: one more try, else refuse this record (not

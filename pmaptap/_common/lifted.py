@@ -59,7 +59,8 @@ class Packed:
     """Where one small output the host reads whole lies in the step's
     bundle (the first extra output: every such output's bytes, each at an offset
     aligned to ``PACK_ALIGN``): one copy to the host for all of them, as a
-    device-to-host transfer costs the same for 4 bytes as for 4 KiB."""
+    small device-to-host transfer costs what it costs per transfer, not per
+    byte."""
 
     offset: int
     nbytes: int

@@ -159,7 +159,7 @@ def _slices_by_device(sharding: Any, shape: tuple[int, ...]) -> dict[int, Index]
 #   [device id + 1 (0: a row no device wrote), 1 if the slice is known,
 #    the leaf's rank r, its global shape (r words), the shard's global slice
 #    ((start, stop) per dimension), the bits of its float32[*batch, 8]
-#    statistics (tapfile.format.SUMMARY_FIELDS)]
+#    statistics (tapfile.record.format.SUMMARY_FIELDS)]
 # with the batch axes at their global size (a shard whose batch axes are
 # split fills the leading corner).
 STATS_HEAD = 3

@@ -1,1 +1,1 @@
-"""Everything in the training process after the host callback."""
+"""The host side: everything in the training process after tap values leave the devices."""

@@ -263,7 +263,7 @@ class Drain:
             self._reading = bool(self._queue)
         return None
 
-    def _plan(self, nodes: tuple[Node, ...], arrays: Sequence[Any] = ()) -> _Plan:
+    def _plan(self, nodes: tuple[Node, ...], arrays: Sequence[Any]) -> _Plan:
         """Once per traced step (by the identity of its nodes)."""
         plan = self._plans.get(id(nodes))
         if plan is None or plan.nodes is not nodes:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core
-from jax._src import dispatch
+from jax._src import debugging, dispatch
 from jax._src.interpreters import mlir
 from jax.custom_batching import custom_vmap
 
@@ -133,6 +133,11 @@ def send(x: Any, name: str, *, step=None, every: int = 1) -> None:
 
 
 def _emit(spec: FingerprintSpec, leaves: list, step, traced: bool) -> None:
+    if outputs.at_step_level() and not placement.mapped_axes()[0]:
+        # Directly in a pmaptap.jit step's body: lift.py hashes the leaves
+        # after the step when they are its outputs, else here (``later``).
+        fingerprint_later_p.bind(step, *leaves, spec=spec, traced=traced)
+        return
     leaves = [lax.stop_gradient(x) for x in leaves]
     # Decided before our own cond below, whose predicate is the same on
     # every device (a collective inside it is safe).
@@ -240,6 +245,39 @@ dispatch.prim_requires_devices_during_lowering.add(fingerprint_out_p)
 mlir.register_lowering(
     fingerprint_out_p, mlir.lower_fun(_send, multiple_results=True), cacheable=False
 )
+
+
+# A fingerprint written directly in a pmaptap.jit step's body (not inside
+# any transformation: outputs.at_step_level), its operands (step, *leaves)
+# marked for lift.py, which alone sees whether the leaves are outputs of
+# the step: then the hash runs as a program of its own on those outputs,
+# dispatched right after the step (compiling the hash inside a big step
+# costs the step's compile several times the hash program's own), else in
+# the step as any fingerprint. Bound only in the step's own trace, which
+# lift.py interprets: it needs no transformation rule and no lowering.
+fingerprint_later_p = jax_core.Primitive("pmaptap_fingerprint_later")
+fingerprint_later_p.multiple_results = True
+
+
+@fingerprint_later_p.def_effectful_abstract_eval
+def _later_abstract_eval(*avals, **params):
+    # The debug effect keeps the mark through DCE, as a tap's.
+    return [], {debugging.debug_effect}
+
+
+def hashed(spec: FingerprintSpec, step, leaves: list, due) -> tuple[jax.Array, jax.Array]:
+    """(the lowering's number, the table) of ``leaves`` as
+    ``fingerprint_table`` gives them, computed only where ``due`` (None:
+    always); zeros where not (the host reads neither then)."""
+    coords = axis_coords(())
+
+    def table():
+        return tuple(lifted(spec, [coords, step, *lax.optimization_barrier(list(leaves))])[2:])
+
+    if due is None:
+        return table()
+    rows = (jax.device_count(), len(leaves), 2)
+    return lax.cond(due, table, lambda: (jnp.zeros((), jnp.uint32), jnp.zeros(rows, jnp.uint32)))
 
 
 def lifted(spec: FingerprintSpec, operands: list) -> list:

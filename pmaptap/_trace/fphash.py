@@ -34,12 +34,13 @@ pass out of a reshape or a widening.
   power-of-two stride spreads over lanes), one fused loop. XLA rewrites a
   long integer reduction into a tree of ``reduce-window`` ops and does not
   fuse the multiply into it (a plain weighted ``jnp.sum`` wrote the
-  products out: 1.8-3.9 ms against 0.65 ms for a float32 sum of 16 MiB);
-  a fold of 64 rows did the same (3x). 8- and 16-bit values are packed two
+  products out, several times a float32 sum's time); a fold of 64 rows
+  did the same. 8- and 16-bit values are packed two
   or four to a word by strided slices of a row, taken before their bitcast
   to unsigned integers: a bitcast to 32 bits by a reshape to ``(-1, 2)``
-  became a separate pass writing the words out (13-17x the float sum), and
-  a bitcast before the slices broke the loop's vectorization (2.6x).
+  became a separate pass writing the words out (many times the float
+  sum's time), and a bitcast before the slices broke the loop's
+  vectorization.
   bfloat16 is the exception: XLA:CPU computes slices of bfloat16 in
   float32 (a round trip that is slow and not bit-exact for NaN payloads),
   so its elements are each widened to a word (bitcast first, which stays
@@ -47,7 +48,8 @@ pass out of a reshape or a widening.
   then two rows of lanes (as many lanes as a fold of 1021-word rows: the
   pairing changes which words share a lane, not how many lanes there are;
   kept as measured, not re-measured apart). The mixing works on the lanes
-  (1/32 of the words): any further per-word operation doubled the time.
+  (1/32 of the words): any further per-word operation slowed the loop
+  markedly (docs/performance.md).
 - XLA:TPU keeps arrays in tiles of (8, 128) 32-bit words (16 or 32 rows of
   narrower types, packed in 32-bit sublanes), so a flat reshape is a
   relayout copy, and a reshape to a minor dimension of 2 pads it to 128
@@ -58,8 +60,9 @@ pass out of a reshape or a widening.
   moving the widening in front of it, where it was not fused (a second
   pass over the array).
 - Elsewhere (GPU) the layout is dense as on the CPU, with the fold of
-  ``FOLD_ELSEWHERE`` rows: on an H200, 1 GiB of float32 took 1.46 ms at 32
-  rows, 0.53 ms at 256 (a float32 sum: 0.47 ms).
+  ``FOLD_ELSEWHERE`` rows: on a GPU the fold of 32 rows left a big array's
+  fingerprint well behind a float32 sum, the fold of 256 kept up with it
+  (docs/performance.md, "Fingerprints").
 
 The words of a value: 32-bit dtypes as they are (bitcast); 64-bit ones as
 their two halves; complex ones as their real and imaginary parts (each
@@ -83,8 +86,9 @@ from jax import lax
 from pmaptap._trace.layouts import _bits, _sub_byte, _wire
 
 FOLD = 32  # rows summed by one fused loop on XLA:CPU (see above)
-# Lanes of the CPU's blocks summed into one before the mixing, which cost a
-# third of the float sum's time on the lanes of 32 rows (see above).
+# Lanes of the CPU's blocks summed into one before the mixing, which on the
+# lanes of 32 rows cost a sizeable share of the float sum's time (see above;
+# docs/performance.md).
 REGROUP = 8
 FOLD_ELSEWHERE = 256  # on GPUs (see above)
 FOLD_TPU = 256  # at most this many rows of a column to a lane on a TPU
@@ -144,7 +148,8 @@ def fingerprint64_many(
     small ones everywhere) is read by its own fold (``_split``, one pass
     over its bits, as before); from there on they are hashed together
     (``_cpu_layout``). The big leaves are one ``platform_dependent`` for all
-    of them (one each before); off the CPU they are hashed one by one."""
+    of them (one each before): on a TPU those of one shape and dtype are
+    hashed together (``_tpu_layout``), elsewhere one by one."""
     valids = [None] * len(leaves) if valids is None else list(valids)
     leaves = [jnp.asarray(x) for x in leaves]
     valids = [
@@ -167,10 +172,6 @@ def fingerprint64_many(
     if small:
         put(small, _cpu_layout([leaves[k] for k in small], [valids[k] for k in small]))
     if big:
-
-        def each(fn):
-            return lambda ls, vs: jnp.stack([fn(_parts(x), v) for x, v in zip(ls, vs)])
-
         put(
             big,
             lax.platform_dependent(
@@ -178,12 +179,16 @@ def fingerprint64_many(
                 [valids[k] for k in big],
                 cpu=_cpu_layout,
                 tpu=_tpu_layout,
-                default=lambda ls, vs: (
-                    each(partial(_flat, fold=FOLD_ELSEWHERE))(ls, vs) + _sizes(ls)
-                ),
+                default=_one_by_one,
             ),
         )
     return jnp.stack(rows)
+
+
+def _one_by_one(leaves: list[jax.Array], valids: list) -> jax.Array:
+    """Off the CPU and TPU (a GPU): each leaf's own tiled fold, (L, 2)."""
+    fold = partial(_flat, fold=FOLD_ELSEWHERE)
+    return jnp.stack([fold(_parts(x), v) for x, v in zip(leaves, valids)]) + _sizes(leaves)
 
 
 def _sizes(leaves: list[jax.Array]) -> jax.Array:
@@ -402,9 +407,8 @@ def _split(
     its own lane, as planes in order) of ``_flat``'s layout; ``ok`` the
     flat valid mask. Every word of an element (the halves of a 64-bit one,
     the parts of a complex one) goes to the same lane, in the same pass
-    (``_fold``): one plane per pass read the array once per plane (2.1x a
-    float32 sum's time for 64-bit and complex64 values, 3.6x for
-    complex128)."""
+    (``_fold``): one plane per pass read the array once per plane, a
+    float32 sum's time for each (docs/performance.md)."""
     x = parts[0]
     n, size = x.size, x.dtype.itemsize
     # Elements to a word; bfloat16 is widened, a row's two halves two rows
@@ -454,7 +458,7 @@ def _regrouped(v: jax.Array, regroup: int, first: int) -> jax.Array:
     rows do not cancel as they would in one). The mixing then costs
     1/``regroup`` of what it did. Each half sums on its own: the lanes then
     have two readers, which keeps XLA:CPU from fusing the first fold into
-    the second (one loop that no longer ran along the lanes: 20x slower)."""
+    the second (one loop that no longer ran along the lanes: far slower)."""
     if regroup == 1:
         return _lanes(v, first)
     main = v.shape[0] - v.shape[0] % regroup

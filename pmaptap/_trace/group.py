@@ -309,8 +309,8 @@ def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int,
                 payload = list(flat)
             else:
                 # Every member is gathered (small by construction), all in
-                # ONE packed all_gather: each collective costs ~0.1 ms here,
-                # the bytes almost nothing. Members keep their layout: an
+                # ONE packed all_gather: each collective has a fixed cost,
+                # the bytes almost none. Members keep their layout: an
                 # unverified or proven replicated one (VERIFIED_OFF, PROVEN)
                 # is written from the caller's copy, as it would be alone.
                 # Each member's step travels as its own operand, in its own

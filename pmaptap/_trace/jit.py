@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 from jax._src import core
 
+from pmaptap._common.lifted import Packed
 from pmaptap._host.routing import submit_outputs
 from pmaptap._trace.lift import Lifted, lift, on_rows
 from pmaptap._trace.options import options
@@ -38,8 +39,24 @@ def _handed_over(result: tuple[Any, Lifted]) -> Any:
     """The function's outputs of one dispatched run of the lifted step; its
     lifted taps handed to the host pipeline (what makes them records)."""
     out, lifted = result
-    submit_outputs(lifted.nodes, lifted.arrays, options().max_in_flight_bytes, lifted.packing)
+    arrays = lifted.arrays
+    if lifted.later:
+        arrays = [*arrays, *_hashed_later(out, lifted)]
+    submit_outputs(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing)
     return out
+
+
+def _hashed_later(out: Any, lifted: Lifted) -> list:
+    """The tables of the fingerprints hashed after the step (lift.Later),
+    dispatched now: before the caller can donate the outputs they read to
+    the next step (a dispatched read holds its buffers)."""
+    leaves = jax.tree_util.tree_leaves(out)
+    got: list = []
+    for later in lifted.later:
+        flag = later.flag
+        source = None if flag is None else lifted.arrays[0 if isinstance(flag, Packed) else flag]
+        got += later(source, [leaves[i] for i in later.leaves])
+    return got
 
 
 class _Step:
@@ -206,7 +223,11 @@ def _jit(fun: Callable, *, wrapper: Callable | None, kwargs: dict) -> _JitStep:
         # The lifted values: wherever the compiler puts them (the tap's own
         # sharding), so their shards stay where they live.
         staged_kwargs["out_shardings"] = (staged_kwargs["out_shardings"], None)
-    return _JitStep(fun, wrapper(lift(fun), **staged_kwargs), wrapper(fun, **kwargs))
+    # Fingerprints of the step's outputs hashed after it: only under
+    # jax.jit, whose outputs are the function's (found there), and where
+    # no out_shardings may lay them out other than the step held them.
+    lifted = lift(fun, hash_after=wrapper is _jax_jit and kwargs.get("out_shardings") is None)
+    return _JitStep(fun, wrapper(lifted, **staged_kwargs), wrapper(fun, **kwargs))
 
 
 def pmap(fun: Callable | None = None, /, **kwargs: Any):

@@ -1,9 +1,9 @@
 """Transport layouts: how the copies of one tap execution travel from the
 devices to the host, and the vmap-aware emitter that sends one payload.
 
-A host callback costs far more than a small collective (on CPU about 0.3 ms
-per device callback against ~0.01 ms for an all_gather of a scalar), so under
-a mapped axis we avoid one callback per device:
+A host callback costs far more than a small collective (on CPU a per-device
+callback costs many times an all_gather of a scalar; docs/performance.md),
+so under a mapped axis we avoid one callback per device:
 
 - "gathered": ``all_gather`` the copies over the manual axes; only the first
   device of each process (its *leader*) calls back, with every copy stacked

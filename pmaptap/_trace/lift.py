@@ -35,8 +35,10 @@ for any user code, so this module reads only the equations' parameters.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -65,37 +67,56 @@ from pmaptap._common.lifted import (
 )
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
-from pmaptap._trace import fingerprint, placement, shardstats
-from pmaptap._trace.fingerprint import fingerprint_out_p
+from pmaptap._trace import fingerprint, later, placement, shardstats
+from pmaptap._trace.emit import axis_coords
+from pmaptap._trace.fingerprint import fingerprint_later_p, fingerprint_out_p
 from pmaptap._trace.jax_support import input_vars, scan_counts, varying_of
-from pmaptap._trace.outputs import collect, concrete, is_tracer, tap_out_p
+from pmaptap._trace.later import Later
+from pmaptap._trace.outputs import collect, concrete, is_tracer, step_body, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.
 _MARKS = (tap_out_p, fingerprint_out_p)
+
+
+class _LaterOutput:
+    """Stands for an output of a ``Later`` program among a site's operands
+    while the step is lifted (it is no output of the step)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape, self.dtype = shape, np.dtype(dtype)
 
 
 class Lifted:
     """The lifted taps of one step: ``nodes`` (static, see _common/lifted.py)
     and the step's extra ``arrays`` in tree order, with ``packing`` (static:
     where each of the nodes' outputs lies among them; None: one array each,
-    in order). A pytree whose children are the arrays, so a jit returns it
-    as outputs and gives the static part back with them."""
+    in order) and ``later`` (static: the fingerprints whose outputs the
+    caller appends after the step). A pytree whose children are the arrays,
+    so a jit returns it as outputs and gives the static part back with them."""
 
-    __slots__ = ("nodes", "arrays", "packing")
+    __slots__ = ("nodes", "arrays", "packing", "later")
 
     def __init__(
-        self, nodes: tuple[Node, ...], arrays: list, packing: Packing | None = None
+        self,
+        nodes: tuple[Node, ...],
+        arrays: list,
+        packing: Packing | None = None,
+        later: tuple[Later, ...] = (),
     ) -> None:
-        self.nodes, self.arrays, self.packing = nodes, list(arrays), packing
+        self.nodes, self.arrays, self.packing, self.later = nodes, list(arrays), packing, later
 
 
 class _Nodes:
     """The static part of ``Lifted``: compared by identity (one per trace)."""
 
-    __slots__ = ("nodes", "packing")
+    __slots__ = ("nodes", "packing", "later")
 
-    def __init__(self, nodes: tuple[Node, ...], packing: Packing | None) -> None:
-        self.nodes, self.packing = nodes, packing
+    def __init__(
+        self, nodes: tuple[Node, ...], packing: Packing | None, later: tuple[Later, ...]
+    ) -> None:
+        self.nodes, self.packing, self.later = nodes, packing, later
 
     # Each flattening makes a new _Nodes: equal when they hold the same
     # trace's nodes, so trees flattened twice match (Equinox's filter_jit
@@ -109,8 +130,8 @@ class _Nodes:
 
 jax.tree_util.register_pytree_node(
     Lifted,
-    lambda x: (x.arrays, _Nodes(x.nodes, x.packing)),
-    lambda aux, arrays: Lifted(aux.nodes, list(arrays), aux.packing),
+    lambda x: (x.arrays, _Nodes(x.nodes, x.packing, x.later)),
+    lambda aux, arrays: Lifted(aux.nodes, list(arrays), aux.packing, aux.later),
 )
 
 
@@ -126,13 +147,14 @@ def _whole_bytes(dtype: np.dtype) -> bool:
     return False
 
 
-def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
+def _pack(nodes: tuple[Node, ...], flat: list, bundle: bool = True) -> Lifted:
     """The step's extra outputs with the small ones the host reads whole (a
     scalar tap's value, every tap's step and ``valid`` flag, a fingerprint's
     table) in one bundle of bytes, each traced value once (the step number of every
     tap is one value): one device-to-host copy a step for them instead of
     one each (docs/performance.md). The host half reads them back exactly
-    (_host/outputs.py)."""
+    (_host/outputs.py). ``bundle`` False: none packed. A ``Later``'s
+    outputs (``_LaterOutput``) are placed after all of the step's."""
     # Per output: whether the host reads it whole: every output of a ONE
     # site; of a SHARDS site its valid, coordinates and step, and its leaves
     # where the layout is WHOLE (partition 0's copy of a replicated value;
@@ -151,10 +173,15 @@ def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
     packing: list[int | Packed] = []
     own: list = []
     offset = 0
+    after: list[int] = []  # the packing entries of Later outputs, in order
     for read_whole, x in zip(whole, flat):
+        if isinstance(x, _LaterOutput):
+            after.append(len(packing))
+            packing.append(-1)
+            continue
         dtype = np.dtype(x.dtype)
         nbytes = int(np.prod(x.shape, dtype=np.int64)) * dtype.itemsize
-        if not read_whole or nbytes > PACK_MAX_BYTES or not _whole_bytes(dtype):
+        if not bundle or not read_whole or nbytes > PACK_MAX_BYTES or not _whole_bytes(dtype):
             packing.append(len(own))
             own.append(x)
             continue
@@ -170,19 +197,26 @@ def _pack(nodes: tuple[Node, ...], flat: list) -> Lifted:
             hit = placed[id(x)] = Packed(offset, nbytes, dtype, tuple(int(n) for n in x.shape))
             offset += nbytes + pad
         packing.append(hit)
-    if not pieces:
+    if not pieces and not after:
         return Lifted(nodes, flat)
-    bundle = jnp.concatenate(pieces)
-    return Lifted(nodes, [bundle, *own], tuple(k + 1 if isinstance(k, int) else k for k in packing))
+    arrays = [jnp.concatenate(pieces), *own] if pieces else own
+    shift = 1 if pieces else 0
+    placed_at = [k + shift if isinstance(k, int) else k for k in packing]
+    for j, k in enumerate(after):
+        placed_at[k] = len(arrays) + j
+    return Lifted(nodes, arrays, tuple(placed_at))
 
 
 # ------------------------------------------------------------ the interpreter
-def lift(fun: Callable, *, pack: bool = True) -> Callable:
+def lift(fun: Callable, *, pack: bool = True, hash_after: bool = False) -> Callable:
     """``fun`` returning ``(its outputs, Lifted)``; meant to be traced (by
     jit, pmap, or any jit-like wrapper). Arguments that are not JAX values
     (static arguments, None, Python objects) are passed through unchanged.
     ``pack``: the small outputs in one bundle (``_pack``; not where the
-    outputs gain an axis of one row per device, pmap)."""
+    outputs gain an axis of one row per device, pmap). ``hash_after``: a
+    fingerprint of outputs of the step is hashed after it (``Later``; the
+    caller runs the programs: jax.jit's outputs are the function's, which
+    another wrapper's may not be)."""
 
     @functools.wraps(fun)
     def lifted(*args, **kwargs):
@@ -199,7 +233,9 @@ def lift(fun: Callable, *, pack: bool = True) -> Callable:
             for i, v in zip(dyn, values):
                 full[i] = v
             a, k = jax.tree_util.tree_unflatten(tree, full)
-            out_leaves, box["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
+            with step_body() if hash_after else contextlib.nullcontext():
+                out = fun(*a, **k)
+            out_leaves, box["tree"] = jax.tree_util.tree_flatten(out)
             # Only traced outputs go through the jaxpr; the others (an
             # Equinox module's activation function, a constant) are handed
             # back as they are, for the enclosing wrapper to treat as it
@@ -217,7 +253,17 @@ def lift(fun: Callable, *, pack: bool = True) -> Callable:
         values = [leaves[i] for i in dyn]
         with collect():
             jaxpr, _, consts = _trace(flat_fun, values, "pmaptap.jit")
-        outs, nodes, flat = run(jaxpr, consts, values)
+        # The step's outputs that are the function's own, by position among
+        # its output leaves (the traced ones come first among the jaxpr's).
+        # Not an argument returned as it came: jit hands back the argument
+        # itself, whose copies are not those the step computed with.
+        positions = [i for i, x in enumerate(box["static"]) if x is None]
+        top = _Top({})
+        arguments = set(jaxpr.invars) | set(jaxpr.constvars)
+        for v, i in zip(jaxpr.outvars, positions):
+            if not isinstance(v, core.Literal) and v not in arguments:
+                top.returned.setdefault(v, i)
+        outs, nodes, flat = run(jaxpr, consts, values, top)
         it = iter(outs)
         full = [next(it) if x is None else x for x in box["static"]]
         state = [next(it) if x is None else x for x in box["state_static"]]
@@ -228,7 +274,8 @@ def lift(fun: Callable, *, pack: bool = True) -> Callable:
         # processes would hide its other pieces (every tap's step and flag)
         # from the processes that do not hold them.
         packed = pack and jax.process_count() == 1
-        lifted = _pack(tuple(nodes), flat) if packed else Lifted(tuple(nodes), flat)
+        lifted = _pack(tuple(nodes), flat, bundle=packed)
+        lifted.later = _placed(lifted, top.later, flat)
         return jax.tree_util.tree_unflatten(box["tree"], full), lifted
 
     return lifted
@@ -260,9 +307,57 @@ def _update(tree: Any, state: Any) -> None:
 Result = tuple[list, list[Node], list]  # outputs, lifted nodes, their arrays
 
 
-def run(jaxpr: core.Jaxpr, consts, args) -> Result:
+@dataclasses.dataclass
+class _Top:
+    """What ``run`` knows at the step's own level only: which of its
+    variables are outputs of the function (-> position among its output
+    leaves), and the fingerprints to hash after the step, with their flags."""
+
+    returned: dict
+    # (Later, its due flag's tracer or None, the leaves' tracers)
+    later: list = dataclasses.field(default_factory=list)
+
+
+def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
+    """Each Later told where its ``due`` flag lies among the step's extra
+    outputs (it is one of ``flat``, as ``lifted.packing`` placed them), its
+    program's compile started."""
+    for entry, due, leaves in later:
+        flag_aval = None
+        if due is not None:
+            k = next(i for i, x in enumerate(flat) if x is due)
+            entry.flag = k if lifted.packing is None else lifted.packing[k]
+            source = lifted.arrays[0 if isinstance(entry.flag, Packed) else entry.flag]
+            flag_aval = core.typeof(source)
+        entry.compile_ahead(flag_aval, [core.typeof(x) for x in leaves])
+    return tuple(entry for entry, _, _ in later)
+
+
+def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
+    """A ``fingerprint_later_p`` mark: a site whose table is hashed after
+    the step when every leaf is an output of the function (``top``), else
+    in the step (as a fingerprint in a ``cond`` on ``due``)."""
+    spec: FingerprintSpec = eqn.params["spec"]
+    traced = eqn.params["traced"]
+    step, *leaves = invals
+    due = placement.every_due(step, spec.every) if traced and spec.every > 1 else None
+    where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
+    nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
+    if None in where or nbytes < later.MIN_BYTES:
+        key, table = fingerprint.hashed(spec, step, leaves, due)
+    else:
+        entry = Later(spec, tuple(where))
+        top.later.append((entry, due, leaves))
+        key = _LaterOutput((), np.uint32)
+        table = _LaterOutput((jax.device_count(), len(leaves), 2), np.uint32)
+    head = [axis_coords(()), step] + ([] if due is None else [due])
+    return _site([*head, key, table], spec=spec, traced_every=due is not None)
+
+
+def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
     """Bind ``jaxpr``'s equations on ``args`` in the current trace, lifting
-    the marks it holds (see the module docstring)."""
+    the marks it holds (see the module docstring). ``top``: this is the
+    step's own jaxpr."""
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -282,7 +377,12 @@ def run(jaxpr: core.Jaxpr, consts, args) -> Result:
             source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
         ):
-            if eqn.primitive in _MARKS:
+            if eqn.primitive is fingerprint_later_p:
+                site, arrays = _later_site(invals, eqn, top)
+                nodes.append(site)
+                flat += arrays
+                outvals = []
+            elif eqn.primitive in _MARKS:
                 if eqn.primitive is fingerprint_out_p:
                     spec = eqn.params["spec"]
                     site, arrays = _site(fingerprint.lifted(spec, invals), spec=spec)
@@ -326,7 +426,8 @@ def _site(
     traced: list[bool] = []
     arrays: list = []
     for x in (valid, coords, step, *leaves):
-        known = None if x is None or is_tracer(x) else concrete(x)
+        later = isinstance(x, _LaterOutput)
+        known = None if x is None or later or is_tracer(x) else concrete(x)
         if known is None and x is not None and 0 in np.shape(x):
             # Nothing to read (a tap outside any mapping has coordinates of
             # shape (0,)): its value is known by its shape, no output needed.

@@ -62,6 +62,27 @@ def collect() -> Iterator[None]:
         _state.depth -= 1
 
 
+@contextlib.contextmanager
+def step_body() -> Iterator[None]:
+    """Around the call of the step's function by ``pmaptap.jit``'s lift: a
+    value traced directly in this trace (no scan, cond, vmap, grad or
+    nested jit around it) may turn out to be an output of the step, which
+    a fingerprint can then hash after the step (``at_step_level``)."""
+    before = getattr(_state, "top", None)
+    _state.top = core.trace_ctx.trace
+    try:
+        yield
+    finally:
+        _state.top = before
+
+
+def at_step_level() -> bool:
+    """Whether what is traced now is traced directly in the step's body
+    (``step_body``), not inside any transformation of it."""
+    top = getattr(_state, "top", None)
+    return top is not None and top is core.trace_ctx.trace
+
+
 def mark(spec: TapSpec, coords, step, leaves, *, due=None) -> None:
     """Mark a tap's operands in the program being traced (a spec of the
     PROVEN / VERIFIED_OFF layouts: one copy per process travels). ``due``:

@@ -3,7 +3,7 @@ primitive pmaptap emits.
 
 Why not ``jax.debug.callback`` itself: its runtime path calls
 ``jax.device_put`` on the callback's arguments *inside XLA's callback thread*
-(``debugging.debug_callback_impl``), which costs about 70 us per call here and
+(``debugging.debug_callback_impl``), which costs a JAX dispatch per call and
 is a JAX call on a thread where JAX calls can deadlock. This primitive has the
 same transformation semantics as ``debug_callback_p`` (it reuses its effect,
 so grad / scan / cond / while / checkpoint / shard_map treat it alike, and its
@@ -228,7 +228,8 @@ def host_copy(a: np.ndarray) -> np.ndarray:
     host buffer that the array owns through a capsule ``base``. That copy is
     the one an array tap needs (XLA's own buffers are only valid during the
     call); the writer later hands its buffer to ``writev``. So these are
-    kept as they are (a second copy cost 20-40 ms a 32 MiB step).
+    kept as they are (a second copy was most of a big array tap's cost, on
+    XLA's threads; docs/performance.md).
     Only a view with no owner (no ``base``, not owning its data), should a
     JAX hand one over, is copied."""
     if a.base is None and not a.flags.owndata:

@@ -1,6 +1,6 @@
 """Statistics computed on the device for leaves too big to send whole
 (``options().max_value_bytes``): the float32[8] layout of
-tapfile.format.SUMMARY_FIELDS. Used by every tap path (tap.py, shardcall.py)."""
+tapfile.record.format.SUMMARY_FIELDS. Used by every tap path (tap.py, shardcall.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pmaptap.tapfile.record import COUNT_BASE
 
 def device_statistics(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     """float32[8] statistics of ``x``, computed where ``x`` lives (layout in
-    tapfile.format.SUMMARY_FIELDS): min, max, mean, std over the finite elements
+    tapfile.record.format.SUMMARY_FIELDS): min, max, mean, std over the finite elements
     (NaN when there are none; of ``|x|`` for complex; min/max of integers
     are exact below 2**24), then the NaN and inf counts split in two float32
     each so that they stay exact. Under vmap it batches like any jnp code.

@@ -1,7 +1,7 @@
 """``pmaptap.untapped(fn)``: ``fn`` traced with every tap removed.
 
 Any computation holding a host callback runs on JAX's slower dispatch path
-(effect tokens, no C++ fast path): ~0.3 ms a step on the development box,
+(effect tokens, no C++ fast path), a cost per step (docs/performance.md)
 paid even when a ``lax.cond`` around the callback never fires. A training
 loop that records every N-th step can instead compile the step twice, with
 and without taps, and pick on the host::

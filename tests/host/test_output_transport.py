@@ -26,10 +26,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
-from conftest import logs_warning, start_python
+from conftest import logs_warning, run_python, start_python
 from pmaptap._common.shard_placement import statistics_row_width
 from pmaptap._host import outputs
 from pmaptap._host.sinks import file as sink
+from pmaptap._trace import later
 
 
 def _lines(path) -> list[dict]:
@@ -569,6 +570,106 @@ def test_a_step_every_tap_skips_reads_only_the_skip_flags(tmp_path, monkeypatch)
         ("total", 5),
         ("w", 5),
     ]
+
+
+def _hashes_in(lowered) -> int:
+    """How many xor operations a compiled program holds: the fingerprint's
+    hash is made of them (placed by the partitioner, after lowering); the
+    steps below have none of their own."""
+    return lowered.compile().as_text().count(" xor(")
+
+
+def test_a_fingerprint_of_the_steps_outputs_is_hashed_after_the_step(tmp_path, monkeypatch):
+    """Under pmaptap.jit a fingerprint of values the step returns (the
+    updated parameters) is left out of the step's program and hashed by a
+    program of its own on those outputs, dispatched right after the step
+    (outputs donated to the next step included): the step compiles as the
+    untapped one, and the records are the callback transport's, sharded
+    leaves, ``every`` and all. A fingerprint of a value the step does not
+    return stays in the step, and so does one of fewer bytes than
+    ``later.MIN_BYTES`` (lowered here to these small values)."""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    params = {
+        "w": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("d"))),
+        "b": jax.device_put(jnp.ones((5,), jnp.bfloat16), NamedSharding(mesh, P())),
+    }
+
+    def step(p, s):
+        p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+        pmaptap.fingerprint(p, "params", step=s, every=3)
+        pmaptap.fingerprint(p["w"] * 2, "doubled", step=s)  # not returned: in the step
+        return p
+
+    def returned_only(p, s):
+        p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+        pmaptap.fingerprint(p, "params", step=s, every=3)
+        return p
+
+    def kept_only(p, s):
+        pmaptap.fingerprint(p["w"] * 2, "doubled", step=s)
+        return p
+
+    s0 = jnp.int32(0)
+    assert _hashes_in(pmaptap.jit(returned_only).lower(params, s0)) > 0  # small: in the step
+    monkeypatch.setattr(later, "MIN_BYTES", 0)
+    assert _hashes_in(jax.jit(returned_only).lower(params, s0)) > 0
+    assert _hashes_in(pmaptap.jit(returned_only).lower(params, s0)) == 0
+    assert _hashes_in(pmaptap.jit(kept_only).lower(params, s0)) > 0
+    for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+        f = wrap(step, donate_argnums=0)
+        p = jax.tree.map(jnp.copy, params)
+        with pmaptap.Session(str(tmp_path / name), run="later"):
+            for s in range(7):
+                p = f(p, jnp.int32(s))
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    steps = sorted({r["step"] for r in recs if r["name"] == "params"})
+    assert steps == [0, 3, 6], steps
+    assert len({r["step"] for r in recs if r["name"] == "doubled"}) == 7
+    assert not any(r.get("divergent") for r in recs)
+    # Eight copies of the replicated leaf, one of each slice of the sharded one.
+    assert {len(r["devices"]) for r in recs if r["name"] == "params"} >= {8}
+
+
+def test_the_hash_after_the_step_compiles_beside_the_step_on_one_device(tmp_path):
+    """On a one-device process the program hashing the step's outputs is
+    compiled on a thread of its own while the step compiles (not after it,
+    at the first step), and its records are those of jax.jit."""
+    out = run_python(
+        f"""
+        import logging, jax, jax.numpy as jnp, pmaptap
+        compiled = []
+        class Seen(logging.Handler):
+            def emit(self, r):
+                if "Finished XLA compilation of jit(" in r.getMessage():
+                    compiled.append((r.getMessage().split()[4], r.threadName))
+        logging.getLogger("jax").addHandler(Seen())
+        jax.config.update("jax_log_compiles", True)
+
+        def step(p, s):
+            p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+            pmaptap.fingerprint(p, "params", step=s, every=2)
+            return p
+
+        params = {{"w": jnp.ones((1024, 4096 + 2)), "b": jnp.arange(10.0)}}  # > 16 MiB
+        for wrap, name in ((jax.jit, "cb"), (pmaptap.jit, "out")):
+            p = jax.tree.map(jnp.copy, params)
+            with pmaptap.Session(r"{tmp_path}/" + name + ".jsonl", run="ahead"):
+                f = wrap(step, donate_argnums=0)
+                for s in range(3):
+                    p = f(p, jnp.int32(s))
+        print(sorted(compiled))
+        for name in ("cb", "out"):
+            print(sorted((r["step"], r["fingerprint"]) for r in
+                         pmaptap.read(r"{tmp_path}/" + name + ".jsonl")
+                         if r["kind"] == "fingerprint"))
+        """,
+        devices=1,
+        timeout=300,
+    ).stdout.splitlines()
+    compiled, cb, got = (eval(line) for line in out[-3:])
+    assert ("jit(hash)", "pmaptap-compile") in compiled, compiled
+    assert ("jit(hash)", "MainThread") not in compiled, compiled
+    assert got == cb and [s for s, _ in got] == [0, 2], (got, cb)
 
 
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])

@@ -387,16 +387,18 @@ def test_tapfile_sub_packages_are_layers_with_one_entry_each():
 # the sinks and forwarding use nothing else of _host. Routing, the seam from
 # the trace side, starts the console's pipeline and sink and hands a step's
 # outputs to the output transport's drain (outputs). The barrier is below
-# them all: the transports register their waits with it, so it imports none.
+# them all: the transports register their waits with it, so it imports none;
+# so are the defaults (options), which the session and the pipeline read.
 _HOST_SUB_PACKAGES = ("session", "pipeline", "sinks", "forward")
 _HOST_MAY_IMPORT = {
-    "session": {"routing", "barrier", "pipeline", "sinks", "forward"},
+    "session": {"routing", "barrier", "options", "pipeline", "sinks", "forward"},
     "routing": {"outputs", "barrier", "pipeline", "sinks"},
     "outputs": {"barrier"},
-    "pipeline": {"sinks", "forward"},
+    "pipeline": {"options", "sinks", "forward"},
     "sinks": set(),
     "forward": set(),
     "barrier": set(),
+    "options": set(),
 }
 
 
@@ -413,7 +415,8 @@ def _entry_names(entry_path: str) -> set[str]:
 
 def test_host_sub_packages_are_layers_with_one_entry_each():
     """_host is four sub-packages (session, pipeline, sinks, forward) of at
-    most ten files each, beside three modules (routing, barrier, outputs).
+    most ten files each, beside four modules (routing, barrier, outputs,
+    options).
     A module imports a module of its own sub-package freely; another
     sub-package only through its entry (``pmaptap._host.<name>``, its
     __init__), and only the names its ``__all__`` lists; the rest of

@@ -1,11 +1,12 @@
 """``pmaptap summary`` and ``validate`` of a sharded run a shard at a time
-(tapfile/analyze/shardwise.py) give what the run's merged stream gives (summary.
-summarize_file and checks.validate_file over runs.iter_merged, the
-definition; ``pmaptap summary`` and ``validate`` read shard by shard through
-jobs.py): on random sharded runs (copies of replicated values in
-several shards, divergence, attempts, bad and torn lines, odd times and
-ids, the shared file), with filters, and with every problem and duplicate
-at its line of the merged stream."""
+(tapfile/analyze/shardwise.py) give what the run's merged stream gives
+(analyze/summary.py's summarize_file and analyze/validate.py's validate_file
+over source/run.py's iter_merged, the definition; ``pmaptap summary`` and
+``validate`` read shard by shard through analyze/parallel.py): on random
+sharded runs (copies of replicated values in several shards, divergence,
+attempts, bad and torn lines, odd times and ids, the shared file), with
+filters, and with every problem and duplicate at its line of the merged
+stream."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ def test_values_above_max_value_bytes_become_statistics_on_device(
 ) -> None:
     # 2 MiB of float32 (above a 1 MiB limit per leaf), with more NaNs and
     # infs than one float32 counts exactly in its low part (see
-    # tapfile.format.COUNT_BASE).
+    # tapfile.record.format.COUNT_BASE).
     a = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
     a.reshape(-1)[:5000] = np.nan
     a.reshape(-1)[5000:9097] = -np.inf

@@ -19,7 +19,7 @@ as ``pmaptap export --tensorboard`` tags them):
   file holds them);
 - fingerprint records (``pmaptap.fingerprint``): nothing while the copies
   agree; the divergent ones as divergent copies are
-  (``tapfile/fingerprints.py: divergence_series``);
+  (``tapfile/analyze/fingerprints.py: divergence_series``);
 - meta records (``pmaptap/dropped``, ``pmaptap/attempt``) are not logged;
 - the attempt of a resumed run: TensorBoard purges the replayed steps
   (``purge_step``); W&B and MLflow cannot rewrite what they hold, so they log

@@ -8,9 +8,17 @@ pipeline.py wires them and answers flush() and close().
 
 The one entry of this sub-package (tests/project/test_layout.py)."""
 
-from pmaptap._host.pipeline.aggregate import Aggregator
-from pmaptap._host.pipeline.encode import encode_array, value_key
+from pmaptap._host.pipeline.aggregate import Aggregator, value_key
+from pmaptap._host.pipeline.encode import encode_array
 from pmaptap._host.pipeline.pipeline import Pipeline
 from pmaptap._host.pipeline.queue import OVERFLOW_POLICIES
+from pmaptap._host.pipeline.records import RecordBuilder
 
-__all__ = ["OVERFLOW_POLICIES", "Aggregator", "Pipeline", "encode_array", "value_key"]
+__all__ = [
+    "OVERFLOW_POLICIES",
+    "Aggregator",
+    "Pipeline",
+    "RecordBuilder",
+    "encode_array",
+    "value_key",
+]

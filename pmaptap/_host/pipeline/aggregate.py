@@ -1,74 +1,138 @@
-"""Per-process collection of per-device copies, and the dedup policies.
+"""The second stage of the aggregation path (payload.py -> here ->
+records.py -> encode.py): the per-process collection of per-device copies,
+their steps, and the dedup policies.
 
-Pure logic, no threads: ``Aggregator.add`` takes one callback's payload
-(already converted to NumPy by the aggregator thread) and returns the records
-that became complete. Pending copies are those of one (name, step, pass) on
-this process whose other copies are still arriving (``_Pending``); they are
-complete when every local device that runs the tap has reported, when the
-same device reports that key again, when they have waited ``group_timeout``
-seconds (a tap under a ``cond`` that fired on some devices only), or at flush.
-(Not a ``pmaptap.group()``: that is several taps sent in one callback.)
+Pure logic, no threads: ``Aggregator.add_payload`` takes one callback's
+parts (payload.split: already NumPy, taken apart) and returns the records
+that became complete, made by the pipeline's ``RecordBuilder``. Pending
+copies are those of one (name, step, pass) on this process whose other
+copies are still arriving (``_Pending``); they are complete when every local
+device that runs the tap has reported, when the same device reports that
+key again, when they have waited ``group_timeout`` seconds (a tap under a
+``cond`` that fired on some devices only), or at flush. Copies are compared
+by ``value_key``. (Not a ``pmaptap.group()``: that is several taps sent in
+one callback.)
 """
 
 from __future__ import annotations
 
-import time
-import weakref
+import hashlib
 from collections import OrderedDict
-from typing import Callable
 
 import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintSpec
-from pmaptap._common.spec import LEADER_COPY, GroupSpec, Layout, PayloadSpec, TapSpec
+from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
+from pmaptap._host.options import DEFAULTS
 from pmaptap._host.pipeline import fingerprints
 from pmaptap._host.pipeline import shards as shard_host
-from pmaptap._host.pipeline.encode import encode_rows, value_key
-from pmaptap._host.pipeline.payload import (
-    Copy,
-    _flat,
-    _Pending,
-    _rows_identical,
-    _step,
-    iteration_of,
-    restore,
-    unpack,
-)
-from pmaptap._host.pipeline.records import RecordFactory, _Table
+from pmaptap._host.pipeline.payload import Copy, Part, _Pending
+from pmaptap._host.pipeline.records import RecordBuilder
 from pmaptap._log import log
-from pmaptap.tapfile.record import (
-    COPIES_SEEN,
-    MAX_STEP,
-    META_DROPPED,
-    META_REFUSED,
-    Record,
-    meta_record,
-)
+from pmaptap.tapfile.record import COPIES_SEEN, MAX_STEP, META_REFUSED, Record
+from pmaptap.tapfile.source import INLINE_MAX_BYTES
 
 
-class Aggregator(RecordFactory):
+def value_key(leaves: list[np.ndarray]) -> bytes:
+    """The bitwise identity of a value: each leaf's dtype, shape and bytes
+    (a leaf of more than ``INLINE_MAX_BYTES``: a 256-bit blake2b digest of
+    its bytes, read in place, instead of a copy of them: a replicated 2 MiB
+    activation was copied a second time here, then hashed whole anyway).
+    Copies are compared by it, and a replicated record's ``vhash`` is its
+    blake2b digest, for a session's records and a ``Writer``'s alike: equal
+    values of one dtype hash alike, whichever wrote them."""
+    parts = []
+    for a in leaves:
+        parts.append(f"{a.dtype.str}{a.shape}|".encode())
+        if a.nbytes > INLINE_MAX_BYTES and not _padded(a.dtype):
+            raw = np.ascontiguousarray(a)  # no copy unless it is not C order
+            parts.append(hashlib.blake2b(raw.reshape(-1).view(np.uint8), digest_size=32).digest())
+        else:
+            parts.append(_value_bytes(a))
+    return b"".join(parts)
+
+
+# x87 extended precision (longdouble on x86): 10 bytes of value in a
+# 16-byte slot whose other 6 bytes are whatever was in memory, so two equal
+# values can differ there; only the 10 are the value.
+_X87 = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
+
+
+def _padded(dt: np.dtype) -> bool:
+    return _X87 and dt.kind in "fc" and dt.itemsize == (16 if dt.kind == "f" else 32)
+
+
+def _value_bytes(a: np.ndarray) -> bytes:
+    raw = np.ascontiguousarray(a)
+    if _padded(raw.dtype):
+        return raw.view(np.uint8).reshape(-1, 16)[:, :10].tobytes()
+    return raw.tobytes()
+
+
+def _rows_identical(stacked: list[np.ndarray]) -> bool:
+    """Whether every row (copy) of the stacked leaves is bitwise identical.
+    Gathered payloads are small (gather_max_bytes), so comparing bytes
+    objects is cheaper than NumPy's elementwise machinery."""
+    for a in stacked:
+        n = a.shape[0]
+        if n < 2 or a.size == 0:
+            continue
+        raw = np.ascontiguousarray(a).tobytes()
+        if raw != raw[: len(raw) // n] * n:
+            return False
+    return True
+
+
+class _Table:
+    """Per tap site: coordinates, device, process and counter key of every
+    flat coordinate, and which of them are local (computed once)."""
+
+    def __init__(self, spec: TapSpec, me: int) -> None:
+        where = spec.placement
+        n = where.total_copies
+        self.coords = [where.coords_of(k) for k in range(n)]
+        self.devices = [where.device_of(c) for c in self.coords]
+        procs = [where.process_of(c) for c in self.coords]
+        self.processes = [me if p is None else p for p in procs]
+        self.local = [
+            k for k in range(n) if spec.placement.device_processes is None or procs[k] == me
+        ]
+        # Automatic steps count per device (per coordinate where the device
+        # is unknown). Outside any mapping (jit, eager) there is one counter,
+        # whatever device an eager value sat on.
+        self.counter_keys = [
+            (d if d is not None else c) if spec.placement.axis_names else ()
+            for d, c in zip(self.devices, self.coords)
+        ]
+        # Record fields of the gathered fast paths (shared, never mutated).
+        self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
+        self.all_devices = tuple(self.devices)
+        self.all_processes = tuple(sorted(set(self.processes)))
+        # Counter keys of the local devices, for _auto_step (built on first use).
+        self.auto_keys: list[tuple] | None = None
+
+
+class Aggregator:
     def __init__(
         self,
-        run: str,
-        process: int,
-        host: str,
+        records: RecordBuilder,
         *,
-        group_timeout: float = 5.0,
-        clock: Callable[[], float] = time.time,
-        attempt: int = 0,
+        group_timeout: float = DEFAULTS.group_timeout,
         refuse_automatic_steps: bool = False,
     ) -> None:
-        self.run, self.process, self.host = run, process, host
-        self.attempt = attempt
+        # Every record is made by the pipeline's builder (records.py), its
+        # clock the one pending copies wait by.
+        self.records = records
+        self.process = records.process
+        self.clock = records.clock
         # A resumed session (Session(resume=True)): a tap with no step= was
         # numbered from 0 again, misfiling the replay; refused, never written
         # (counted per tap name, reported at the next flush/close).
         self.refuse_automatic_steps = refuse_automatic_steps
         self._automatic_refused: dict[str, int] = {}
         self.group_timeout = group_timeout
-        self.clock = clock
         self._counters: dict[tuple, int] = {}
-        # A looped tap's payload being added: its loop iteration (see
+        # A looped tap's part being added: its loop iteration (see
         # add_payload), else None. Per automatic-step counter of a looped
         # tap, the iterations seen in its current step (_count).
         self._it: tuple | None = None
@@ -78,82 +142,34 @@ class Aggregator(RecordFactory):
         # the copies carry (a shard's index): the records do not exist yet.
         self._pending: OrderedDict[tuple, _Pending] = OrderedDict()
         self._tables: dict[tuple, _Table] = {}
-        # Per-shard taps: per ShardPlacement (one per tap per lowering, so
-        # dropped with its executable), per (site, partition): the record
-        # template of its per_device records.
-        self._shard_templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Payloads refused for a traced step outside 0..2**63-1, per tap
         # name: [count, first bad step]; reported by refused_records().
         self._refused: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ input
-    def add(
-        self, spec: TapSpec, coords: np.ndarray, step: int, leaves: list[np.ndarray]
-    ) -> list[Record]:
-        t = self._table(spec)
-        k = _flat(coords, spec.placement.axis_sizes)
-        c, device = t.coords[k], t.devices[k]
-        if not spec.site.explicit_step:
-            # Automatic step: the k-th execution of this tap name on this
-            # device. Callbacks of one device arrive in execution order.
-            step = self._count((spec.name, spec.site.pass_, t.counter_keys[k]))
-            if step % spec.site.every:
-                return []
-        if spec.placement.local_copies == 1 and not self._pending:
-            # Fast path (plain jit / eager): a value of one copy is complete now.
-            if spec.site.dedup == "per_device":
-                return [
-                    self._per_device_record(
-                        spec,
-                        int(step),
-                        self._value(spec, leaves),
-                        t.processes[k],
-                        device,
-                        t.coord_dicts[k],
-                        self.clock(),
-                    )
-                ]
-            copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
-            return [self._replicated_record_of_holders(spec, int(step), [copy], False)]
-        copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
+    def add_payload(self, parts: list[Part]) -> list[Record]:
+        """The records one callback's parts (payload.split) completed."""
         out: list[Record] = []
-        pkey = self._pkey(spec.name, int(step), spec.site.pass_)
-        pending = self._pending.get(pkey)
-        if pending is not None and any(
-            cp.coords == c and cp.device == device for cp in pending.copies
-        ):
-            # Same device again for this key (two tap sites sharing a name,
-            # or a fixed Python step in a loop): complete the earlier copies.
-            out += self._resolve(pkey, self._pending.pop(pkey))
-            pending = None
-        if pending is None:
-            pending = self._pending[pkey] = _Pending(self.clock(), [])
-        pending.copies.append(copy)
-        if len(pending.copies) >= spec.placement.local_copies:
-            out += self._resolve(pkey, self._pending.pop(pkey))
+        for part in parts:
+            out += self._add_part(part)
         return out
 
-    def add_callback(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
-        """One host callback's arrays as they travelled: sub-byte leaves are
-        narrowed back to their own dtype first (``spec.restore`` indexes the
-        operands after a partitioned payload's leading partition number)."""
-        return self.add_payload(spec, restore(spec, arrays))
-
-    def add_payload(self, spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Record]:
-        """Dispatch one callback payload by its layout (see _trace/layouts.py)."""
+    def _add_part(self, part: Part) -> list[Record]:
+        spec = part.spec
         if isinstance(spec, FingerprintSpec):
-            return fingerprints.add(self, spec, arrays)  # pmaptap.fingerprint
-        if isinstance(spec, GroupSpec):
-            return self._add_group(spec, arrays)
+            return fingerprints.add(self, part)  # pmaptap.fingerprint
+        if self.refuse_automatic_steps and not spec.site.explicit_step:
+            name = spec.site.name
+            self._automatic_refused[name] = self._automatic_refused.get(name, 0) + 1
+            return []
         if not spec.site.iterations:
-            return self._add_tap(spec, arrays)
-        # A tap in a loop body: its iteration travels after the mesh
-        # coordinates (_trace/iteration.py). It keys the copies compared
+            return self._add_tap(spec, part)
+        # A tap in a loop body: its iteration keys the copies compared
         # (_pkey) and the automatic steps (_count), and every record made.
-        it = iteration_of(spec, arrays)
+        it = part.iteration
         self._it = it
         try:
-            out = self._add_tap(spec, arrays)
+            out = self._add_tap(spec, part)
         finally:
             self._it = None
         if it is not None:
@@ -186,41 +202,57 @@ class Aggregator(RecordFactory):
         self._counters[ckey] = step + 1
         return step
 
-    def _add_tap(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
-        if self.refuse_automatic_steps and not spec.site.explicit_step:
-            name = spec.site.name
-            self._automatic_refused[name] = self._automatic_refused.get(name, 0) + 1
-            return []
+    def _add_tap(self, spec: TapSpec, part: Part) -> list[Record]:
         if spec.shards is not None:
             if spec.transport.layout is Layout.WHOLE:
-                return self._add_whole(spec, arrays)
-            return self._add_shard(spec, arrays)
-        coords = arrays[0]
-        step = _step(arrays[1])
+                return self._add_whole(spec, part)
+            return self._add_shard(spec, part)
+        step = part.step
         if spec.site.explicit_step and not 0 <= step <= MAX_STEP:
-            return self._refuse(spec.site.name, step)
-        layout, packing = spec.transport.layout, spec.transport.packing
-        if packing:
-            arrays = [arrays[0], arrays[1], *unpack(arrays[2], packing)]
+            return self.refuse(spec.site.name, step)
+        layout = spec.transport.layout
         if layout in (Layout.COPY, Layout.SHARDS, Layout.WHOLE):
             # SHARDS / WHOLE without a placement: the computation was not
             # partitioned, one whole copy came (big leaves: statistics made on device).
-            return self.add(spec, coords, step, arrays[2:])
+            return self._add_copy(spec, part.k, step, part.leaves)
         if layout is Layout.GATHERED:
-            return self._add_gathered(spec, step, arrays[2:])
+            return self._add_gathered(spec, step, part.leaves)
         if layout in (Layout.VERIFIED, *LEADER_COPY):
             # PROVEN: replication shown at trace time counts as verified.
-            return self._add_one_copy(spec, step, arrays[2:])
+            return self._add_one_copy(spec, step, part.leaves)
         raise ValueError(f"unknown payload layout {layout!r}")
 
-    def _add_shard(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
-        """One shard of a partitioned value: (partition, coords, step, *leaves)
-        with ``spec.shards`` telling where partition k lives."""
+    def _add_copy(self, spec: TapSpec, k: int, step: int, leaves: list[np.ndarray]) -> list[Record]:
+        """One device's copy: the device at flat coordinates ``k``."""
+        t = self._table(spec)
+        c, device = t.coords[k], t.devices[k]
+        if not spec.site.explicit_step:
+            # Automatic step: the k-th execution of this tap name on this
+            # device. Callbacks of one device arrive in execution order.
+            step = self._count((spec.name, spec.site.pass_, t.counter_keys[k]))
+            if step % spec.site.every:
+                return []
+        if spec.placement.local_copies == 1 and not self._pending:
+            # Fast path (plain jit / eager): a value of one copy is complete now.
+            if spec.site.dedup == "per_device":
+                return [
+                    self.records.per_device(
+                        spec, int(step), leaves, t.processes[k], device, t.coord_dicts[k]
+                    )
+                ]
+            copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
+            return [self.records.replicated_of_holders(spec, int(step), [copy], False)]
+        copy = Copy(spec, c, device, t.processes[k], leaves, value_key(leaves))
+        pkey = self._pkey(spec.name, int(step), spec.site.pass_)
+        return self.hold(pkey, copy, spec.placement.local_copies)
+
+    def _add_shard(self, spec: TapSpec, part: Part) -> list[Record]:
+        """One shard of a partitioned value: partition ``part.k``, with
+        ``spec.shards`` telling where partition k lives."""
         place, site = spec.shards, spec.site
-        k = int(np.asarray(arrays[0]).reshape(-1)[0])
-        step = _step(arrays[2])
+        k, step = part.k, part.step
         if site.explicit_step and not 0 <= step <= MAX_STEP:
-            return self._refuse(site.name, step)
+            return self.refuse(site.name, step)
         if place.padding(k):
             return []  # an uneven sharding's padding tile: no element of the value
         device = place.devices[k]
@@ -229,12 +261,12 @@ class Aggregator(RecordFactory):
             step = self._count((site.name, site.pass_, device))
             if step % site.every:
                 return []
-        leaves, as_statistics, index = shard_host.shard_leaves(site, place, k, list(arrays[3:]))
+        leaves, as_statistics, index = shard_host.shard_leaves(site, place, k, part.leaves)
         if site.dedup == "per_device":
             # Nothing to compare: the shard's record now, without waiting
             # for the step's other shards.
             return [
-                self._per_device_record_of_shard_now(spec, step, k, index, leaves, as_statistics)
+                self.records.per_device_of_shard_now(spec, step, k, index, leaves, as_statistics)
             ]
         copy = Copy(
             spec,
@@ -263,42 +295,37 @@ class Aggregator(RecordFactory):
             out += self._resolve(pkey, self._pending.pop(pkey))
         return out
 
-    def _add_whole(self, spec: TapSpec, arrays: list[np.ndarray]) -> list[Record]:
-        """A scalar tap under plain jit on several devices (Layout.WHOLE):
-        (partition, coords, step, *leaves). Every device holds the value;
+    def _add_whole(self, spec: TapSpec, part: Part) -> list[Record]:
+        """A scalar tap under plain jit on several devices (Layout.WHOLE),
+        partition ``part.k``. Every device holds the value;
         only partition 0's copy is read (in a partitioned group every device
         carries one: the others are skipped here), and the record names every
         device of the computation and says one copy was seen."""
         place, site = spec.shards, spec.site
-        if int(np.asarray(arrays[0]).reshape(-1)[0]) != 0:
+        if part.k != 0:
             return []
-        step = _step(arrays[2])
+        step = part.step
         if site.explicit_step and not 0 <= step <= MAX_STEP:
-            return self._refuse(site.name, step)
+            return self.refuse(site.name, step)
         if not site.explicit_step:
             # One counter, as for any tap outside a mapping (see _Table).
             step = self._count((site.name, site.pass_, ()))
             if step % site.every:
                 return []
-        leaves = list(arrays[3:])
+        leaves = part.leaves
         if site.dedup == "per_device":
             # The one copy read is device 0's: exactly that device's record.
             return [
-                self._per_device_record(
-                    spec,
-                    step,
-                    self._value(spec, leaves),
-                    place.processes[0],
-                    place.devices[0],
-                    place.coords[0],
-                    self.clock(),
+                self.records.per_device(
+                    spec, step, leaves, place.processes[0], place.devices[0], place.coords[0]
                 )
             ]
         return [
-            self._replicated_record(
+            self.records.replicated(
                 spec,
                 step,
-                self._value(spec, leaves),
+                leaves,
+                site.as_statistics,
                 place.devices,
                 tuple(sorted(set(place.processes))),
                 value_key(leaves),
@@ -312,7 +339,7 @@ class Aggregator(RecordFactory):
         out: list[Record] = []
         for holders, cps in shard_host.by_slice(copies).items():
             if dedup == "per_device":
-                out += [self._per_device_record_of_shard(spec, step, cp) for cp in cps]
+                out += [self.records.per_device_of_shard(spec, step, cp) for cp in cps]
                 continue
             by_value: OrderedDict[bytes, list[Copy]] = OrderedDict()
             for cp in cps:
@@ -320,15 +347,16 @@ class Aggregator(RecordFactory):
             if len(by_value) == 1:
                 cp = cps[0]
                 if dedup == "auto" and len(holders) == 1:
-                    out.append(self._per_device_record_of_shard(spec, step, cp))
+                    out.append(self.records.per_device_of_shard(spec, step, cp))
                     continue
                 # Every holder in the job, this process's ones compared; the
                 # other processes' copies are compared in the file (vhash).
                 out.append(
-                    self._replicated_record(
+                    self.records.replicated(
                         spec,
                         step,
-                        self._shard_value(spec, cp),
+                        cp.leaves,
+                        cp.as_statistics,
                         tuple(place.devices[j] for j in holders),
                         tuple(sorted({place.processes[j] for j in holders})),
                         cp.key,
@@ -337,7 +365,7 @@ class Aggregator(RecordFactory):
                 )
                 continue
             if dedup == "auto":
-                out += [self._per_device_record_of_shard(spec, step, cp) for cp in cps]
+                out += [self.records.per_device_of_shard(spec, step, cp) for cp in cps]
                 continue
             for alike in by_value.values():
                 extra = {
@@ -351,10 +379,11 @@ class Aggregator(RecordFactory):
                     ]
                 }
                 out.append(
-                    self._replicated_record(
+                    self.records.replicated(
                         spec,
                         step,
-                        self._shard_value(spec, alike[0]),
+                        alike[0].leaves,
+                        alike[0].as_statistics,
                         tuple(h.device for h in alike),
                         tuple(sorted({h.process for h in alike})),
                         alike[0].key,
@@ -363,35 +392,6 @@ class Aggregator(RecordFactory):
                         index=alike[0].index,
                     )
                 )
-        return out
-
-    def _add_group(self, spec: GroupSpec, arrays: list[np.ndarray]) -> list[Record]:
-        """A group payload: coords, one step per member, then every member's
-        gathered leaves (packed when spec.packing); a partitioned one (taps
-        under plain jit) starts with the partition number, which every
-        member's payload gets too."""
-        if spec.partitioned:
-            pid, arrays = arrays[0], arrays[1:]
-        m = len(spec.members)
-        coords, steps, payload = arrays[0], arrays[1 : 1 + m], arrays[1 + m :]
-        if spec.packing:
-            payload = unpack(payload[0], spec.packing)
-        out: list[Record] = []
-        i = 0
-        for member, step, n in zip(spec.members, steps, spec.member_leaves):
-            leaves = payload[i : i + n]
-            i += n
-            if spec.gathered and member.transport.layout in LEADER_COPY:
-                # Written from the caller's own copy (unverified, or proven
-                # at trace time), exactly as the tap alone would be (the
-                # others were gathered for the group's other members, not to
-                # check this one). Ungathered groups carry that copy only.
-                row = _flat(coords, member.placement.axis_sizes)
-                leaves = [a[row] for a in leaves]
-            if spec.partitioned:
-                out += self.add_payload(member, [pid, coords, step, *leaves])
-            else:
-                out += self.add_payload(member, [coords, step, *leaves])
         return out
 
     def _table(self, spec: TapSpec) -> "_Table":
@@ -447,7 +447,7 @@ class Aggregator(RecordFactory):
         """A gathered payload whose local devices are at different automatic
         steps: each local device's copy (``rows`` and ``steps`` in
         ``t.local`` order) waits with the other copies of its own step, as
-        the output transport's per-device rows do (``add``), so both
+        the output transport's per-device rows do (``_add_copy``), so both
         transports write the same records. The other processes' copies are
         theirs to count and write. ``key``: every row's value key, where
         one copy stands for all (a leader's copy)."""
@@ -458,7 +458,7 @@ class Aggregator(RecordFactory):
                 continue
             ck = value_key(row) if key is None else key
             copy = Copy(spec, t.coords[k], t.devices[k], t.processes[k], row, ck)
-            out += self._add_pending(
+            out += self.hold(
                 self._pkey(spec.name, step, spec.site.pass_), copy, spec.placement.local_copies
             )
         return out
@@ -475,16 +475,11 @@ class Aggregator(RecordFactory):
         if spec.site.dedup == "per_device":
             # This process writes its own devices only; the other processes'
             # leaders write theirs. No value comparison needed.
-            texts: list[bytes] = []
-            encoded = encode_rows(
-                spec.site.treedef, stacked, t.local, spec.site.as_statistics, texts=texts
-            )
-            return self._per_device_records_of_rows(spec, t, step, encoded, texts)
+            return self.records.per_device_rows(spec, t, step, stacked)
         if _rows_identical(stacked):
             # Every copy agrees (the common case): one record held by all.
-            row0 = [a[0] for a in stacked]
-            encoded = encode_rows(spec.site.treedef, stacked, [0], spec.site.as_statistics)[0]
-            return [self._replicated_record_of_all(spec, step, t, encoded, value_key(row0))]
+            key = value_key([a[0] for a in stacked])
+            return [self.records.replicated_of_all(spec, step, t, key, stacked=stacked)]
         copies = []
         for k in range(spec.placement.total_copies):  # copies disagree: key each one
             row = [a[k] for a in stacked]
@@ -508,11 +503,7 @@ class Aggregator(RecordFactory):
         if type(step) is list:
             # The one copy stands for each local device's copy.
             return self._add_by_device_step(spec, t, step, [leaves] * len(step), value_key(leaves))
-        return [
-            self._replicated_record_of_all(
-                spec, step, t, self._value(spec, leaves), value_key(leaves)
-            )
-        ]
+        return [self.records.replicated_of_all(spec, step, t, value_key(leaves), leaves=leaves)]
 
     def expire(self) -> list[Record]:
         now = self.clock()
@@ -537,10 +528,11 @@ class Aggregator(RecordFactory):
         refused, self._automatic_refused = self._automatic_refused, {}
         return refused
 
-    def _refuse(self, name: str, step: int) -> list[Record]:
-        # A traced step out of range (Python ints are checked at trace
-        # time): a record with it would be one no reader can place. Counted
-        # here, reported by refused_records() at the next flush/close.
+    def refuse(self, name: str, step: int) -> list[Record]:
+        """Refuse a payload whose traced step is out of range (Python ints
+        are checked at trace time): a record with it would be one no reader
+        can place. Counted here, reported by refused_records() at the next
+        flush/close."""
         self._refused.setdefault(name, [0, step])[0] += 1
         return []
 
@@ -555,36 +547,18 @@ class Aggregator(RecordFactory):
                 f"step {example} is outside 0..2**63-1 (steps are int64 >= "
                 "0); nothing was written for them."
             )
-            out.append(
-                meta_record(
-                    count=count,
-                    run=self.run,
-                    name=META_REFUSED,
-                    step=0,
-                    process=self.process,
-                    time=self.clock(),
-                    host=self.host,
-                    extra={"tap": name, "reason": "step out of range", "example_step": example},
-                )
-            )
+            # attempt=0, as these records have always been written: without
+            # the "attempt" field, whatever the session's attempt.
+            extra = {"tap": name, "reason": "step out of range", "example_step": example}
+            out.append(self.records.meta(META_REFUSED, count, 0, extra, attempt=0))
         return out
 
-    def dropped_record(self, new: int, total: int, policy: str) -> Record:
-        """The meta record of overflow drops since the last one (written at
-        the next flush/close; never dropped itself)."""
-        return meta_record(
-            count=new,
-            run=self.run,
-            name=META_DROPPED,
-            step=total,
-            process=self.process,
-            time=self.clock(),
-            host=self.host,
-            attempt=self.attempt,
-            extra={"dropped_total": total, "policy": policy},
-        )
+    def count(self, key: tuple) -> int:
+        """The automatic step of one more execution counted by ``key``
+        (fingerprints.py's, which are never looped)."""
+        return self._count(key)
 
-    def _add_pending(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]:
+    def hold(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]:
         """Hold ``copy`` with the other copies of ``pkey`` that arrived;
         their records once ``expected`` copies are there (or the same device
         reports ``pkey`` again). Fingerprints sent by each device
@@ -628,12 +602,12 @@ class Aggregator(RecordFactory):
             by_value.setdefault(cp.key, []).append(cp)
         if spec.site.dedup == "per_device" or (spec.site.dedup == "auto" and len(by_value) > 1):
             return [
-                self._per_device_record_of_copy(spec, step, cp)
+                self.records.per_device_of_copy(spec, step, cp)
                 for cp in copies
                 if local is None or cp.coords in local
             ]
         divergent = len(by_value) > 1
         return [
-            self._replicated_record_of_holders(spec, step, holders, divergent)
+            self.records.replicated_of_holders(spec, step, holders, divergent)
             for holders in by_value.values()
         ]

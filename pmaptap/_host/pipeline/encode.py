@@ -1,15 +1,15 @@
-"""Write-side encoding: NumPy leaves and pytrees -> JSON-able values for
-records (the format itself lives in ``pmaptap.tapfile.format``).
+"""The last stage of the aggregation path (payload.py -> aggregate.py ->
+records.py -> here): NumPy leaves and pytrees -> JSON-able values for
+records (the format itself lives in ``pmaptap.tapfile.record.format``).
 
 Leaves above ``INLINE_MAX_BYTES`` are handed to the writer as ``RawArray``s,
-stored as their bytes (tapfile/arrays.py). Arrays up to ``_SHORT_REPR_MAX``
+stored as their bytes (tapfile/source/arrays.py). Arrays up to ``_SHORT_REPR_MAX``
 elements get the shortest repr of their own precision; non-finite floats
 become the format's ``NONFINITE`` markers.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any, Iterator
 
@@ -35,44 +35,8 @@ from pmaptap.tapfile.source import INLINE_MAX_BYTES, npy_header, stored_as_bytes
 _SHORT_REPR_MAX = 4096
 
 
-def value_key(leaves: list[np.ndarray]) -> bytes:
-    """The bitwise identity of a value: each leaf's dtype, shape and bytes
-    (a leaf of more than ``INLINE_MAX_BYTES``: a 256-bit blake2b digest of
-    its bytes, read in place, instead of a copy of them: a replicated 2 MiB
-    activation was copied a second time here, then hashed whole anyway).
-    Copies are compared by it, and a replicated record's ``vhash`` is its
-    blake2b digest, for a session's records and a ``Writer``'s alike: equal
-    values of one dtype hash alike, whichever wrote them."""
-    parts = []
-    for a in leaves:
-        parts.append(f"{a.dtype.str}{a.shape}|".encode())
-        if a.nbytes > INLINE_MAX_BYTES and not _padded(a.dtype):
-            raw = np.ascontiguousarray(a)  # no copy unless it is not C order
-            parts.append(hashlib.blake2b(raw.reshape(-1).view(np.uint8), digest_size=32).digest())
-        else:
-            parts.append(_value_bytes(a))
-    return b"".join(parts)
-
-
-# x87 extended precision (longdouble on x86): 10 bytes of value in a
-# 16-byte slot whose other 6 bytes are whatever was in memory, so two equal
-# values can differ there; only the 10 are the value.
-_X87 = np.finfo(np.longdouble).nmant == 63 and np.dtype(np.longdouble).itemsize == 16
-
-
 # The complex dtypes whose .real/.imag NumPy gives as their parts.
 _NUMPY_COMPLEX = frozenset(map(np.dtype, (np.complex64, np.complex128, np.clongdouble)))
-
-
-def _padded(dt: np.dtype) -> bool:
-    return _X87 and dt.kind in "fc" and dt.itemsize == (16 if dt.kind == "f" else 32)
-
-
-def _value_bytes(a: np.ndarray) -> bytes:
-    raw = np.ascontiguousarray(a)
-    if _padded(raw.dtype):
-        return raw.view(np.uint8).reshape(-1, 16)[:, :10].tobytes()
-    return raw.tobytes()
 
 
 def _nonfinite_list(out: np.ndarray) -> Any:
@@ -117,7 +81,7 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
                 v = float(str(a[()]))  # shortest float32 repr
             return v, _dtype_name(dt), []
     if stored_as_bytes(a.nbytes, dt) and encodable(dt):
-        # Stored as its bytes by the writer (tapfile/arrays.py): exact, and
+        # Stored as its bytes by the writer (tapfile/source/arrays.py): exact, and
         # no per-element work here.
         # (ascontiguousarray would make a 0-d leaf 1-d.)
         a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
@@ -151,7 +115,8 @@ _FAST_SCALARS = frozenset(
 
 
 def _dtype_name(dt: np.dtype) -> str:
-    # np.dtype.name is a slow property (~5 us); records ask for it per copy.
+    # np.dtype.name is a slow property (computed in Python on every read); records
+    # ask for it per copy.
     name = _DTYPE_NAMES.get(dt)
     if name is None:
         name = _DTYPE_NAMES[dt] = dt.name
@@ -254,13 +219,13 @@ def encode_rows(
 
     A single finite float32/float64/int/bool leaf is encoded for all rows at
     once (one orjson round trip gives every scalar its shortest repr; array
-    rows stay NumPy views for orjson to write), ~10x less Python per copy
+    rows stay NumPy views for orjson to write), far less Python per copy
     than row by row. Everything else goes row by row.
 
     On that one-round-trip path, ``texts`` (when given) also receives each
     row's value as the JSON text orjson wrote for it (numbers and booleans
     hold no comma), for records whose lines are built from a template
-    (``Record.put_lines`` in tapfile/format.py); elsewhere it stays empty."""
+    (``Record.put_lines`` in tapfile/record/format.py); elsewhere it stays empty."""
     if (
         ORJSON is not None
         and not as_statistics

@@ -1,6 +1,6 @@
 """The host side of ``pmaptap.fingerprint``: a payload of per-device
 fingerprints (_common/fingerprint.py) compared, and its records built
-(``"kind": "fingerprint"``, tapfile/format.py).
+(``"kind": "fingerprint"``, tapfile/record/format.py).
 
 The copies compared are those that should be equal: per leaf, the holders of
 one slice (under jit: the same global slice of the sharding XLA chose;
@@ -20,9 +20,10 @@ deduplicated across processes. COPY payloads (inside cond/while bodies) are
 this process's devices only: pending until every local device has sent its
 own (aggregate.py's pending copies), then compared among themselves.
 
-Functions of the ``Aggregator`` (aggregate.py), whose state they use:
-``run``, ``process``, ``host``, ``attempt``, ``clock``, ``_counters``,
-``_pending``.
+Functions of the ``Aggregator`` (aggregate.py), whose methods they use:
+``count`` (automatic steps), ``refuse`` (a step out of range), ``hold``
+(pending copies); its ``records`` (the pipeline's RecordBuilder) makes the
+records.
 """
 
 from __future__ import annotations
@@ -35,44 +36,44 @@ import numpy as np
 
 from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
-from pmaptap._host.pipeline.payload import Copy, _flat, _Pending, _step
-from pmaptap.tapfile.record import FINGERPRINT, MAX_STEP, RANGES_ABOVE, Record, new_record
+from pmaptap._host.pipeline.payload import Copy, Part, _Pending
+from pmaptap._host.pipeline.records import RecordBuilder
+from pmaptap.tapfile.record import FINGERPRINT, MAX_STEP, RANGES_ABOVE, Record
 
 
 class Aggregator(Protocol):
     """What these functions use of aggregate.py's ``Aggregator`` (typed
     here, not imported: aggregate.py imports this module)."""
 
-    run: str
-    process: int
-    host: str
-    attempt: int
-    _counters: dict
+    records: RecordBuilder
 
-    def clock(self) -> float: ...
-    def _refuse(self, name: str, step: int) -> list[Record]: ...
-    def _add_pending(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]: ...
+    def count(self, key: tuple) -> int: ...
+    def refuse(self, name: str, step: int) -> list[Record]: ...
+    def hold(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]: ...
 
 
 # (device, process, mesh coordinates) of the copy in row k of a payload.
 Holder = tuple[Any, Any, dict]
 
 
-def add(agg: "Aggregator", spec: FingerprintSpec, arrays: list[np.ndarray]) -> list[Record]:
-    """One callback's payload (see _common/fingerprint.py for the forms)."""
+def add(agg: "Aggregator", part: Part) -> list[Record]:
+    """One callback's part (payload.split; see _common/fingerprint.py for
+    the forms)."""
+    spec: FingerprintSpec = part.spec
     if spec.layout is FingerprintLayout.COPY:
-        return _add_copy(agg, spec, arrays)
-    step = _step(arrays[0])
+        return _add_copy(agg, spec, part)
+    step = part.step
     if spec.explicit_step and not 0 <= step <= MAX_STEP:
-        return agg._refuse(spec.name, step)
+        return agg.refuse(spec.name, step)
     step = _step_or_skip(agg, spec, step, ())
     if step is None:
         return []
-    fps = np.asarray(arrays[1]).reshape(-1, len(spec.leaves), 2)
+    fps = np.asarray(part.leaves[0]).reshape(-1, len(spec.leaves), 2)
     if spec.layout is FingerprintLayout.JIT:
         place = spec.shards
         if place is None:  # a device pmaptap could not name: one copy
-            return _records(agg, spec, step, fps, [(None, agg.process, {})], _whole, _no_slice)
+            me = [(None, agg.records.process, {})]
+            return _records(agg, spec, step, fps, me, _whole, _no_slice)
         holders = [(place.devices[k], place.processes[k], place.coords[k]) for k in range(len(fps))]
         return _records(agg, spec, step, fps, holders, _slices_of(place), _index_of(place))
     where = spec.placement
@@ -88,28 +89,26 @@ def _step_or_skip(agg: "Aggregator", spec: FingerprintSpec, step: int, who: Any)
     COPY payloads, when not explicit), or None when ``every`` skips it."""
     if spec.explicit_step:
         return step
-    key = (spec.name, "fingerprint", who)
-    step = agg._counters.get(key, 0)
-    agg._counters[key] = step + 1
+    step = agg.count((spec.name, "fingerprint", who))
     return None if step % spec.every else step
 
 
-def _add_copy(agg: "Aggregator", spec: FingerprintSpec, arrays: list[np.ndarray]) -> list[Record]:
+def _add_copy(agg: "Aggregator", spec: FingerprintSpec, part: Part) -> list[Record]:
     """One device's own fingerprints (inside a cond/while body): pending
     until this process's other devices have sent theirs."""
     where = spec.placement
-    k = _flat(arrays[0], where.axis_sizes)
-    c = where.coords_of(k)
+    c = where.coords_of(part.k)
     device = where.device_of(c)
-    step = _step(arrays[1])
+    step = part.step
     if spec.explicit_step and not 0 <= step <= MAX_STEP:
-        return agg._refuse(spec.name, step)
+        return agg.refuse(spec.name, step)
     step = _step_or_skip(agg, spec, step, device if device is not None else c)
     if step is None:
         return []
     process = where.process_of(c)
-    copy = Copy(spec, c, device, agg.process if process is None else process, [arrays[2]], b"")
-    return agg._add_pending((spec.name, step, "fingerprint"), copy, where.local_copies)
+    process = agg.records.process if process is None else process
+    copy = Copy(spec, c, device, process, part.leaves, b"")
+    return agg.hold((spec.name, step, "fingerprint"), copy, where.local_copies)
 
 
 def resolve(agg: "Aggregator", pkey: tuple, pending: "_Pending") -> list[Record]:
@@ -216,7 +215,7 @@ def _records(
 ) -> list[Record]:
     """The records of one step's fingerprints: ``fps[row, leaf]`` of the
     copy held by ``holders[row]``."""
-    now = agg.clock()
+    now = agg.records.clock()
     divergent: list[Record] = []
     digest = hashlib.blake2b(digest_size=8)
     compared: set[int] = set()
@@ -279,7 +278,8 @@ def _holders(agg: "Aggregator", holders: list[Holder]) -> dict:
 
 
 def _holder(agg: "Aggregator", device: Any, process: Any, coords: dict) -> dict:
-    host = agg.host if process == agg.process else None
+    me = agg.records
+    host = me.host if process == me.process else None
     if host is None and process is not None:
         host = distributed.host_of(process)
     return {"device": device, "process": process, "host": host, "coords": coords}
@@ -299,8 +299,7 @@ def _record(
     index = extra.pop("index", None)
     devices = tuple(h[0] for h in holders)
     processes = tuple(sorted({h[1] for h in holders if h[1] is not None}))
-    return new_record(
-        run=agg.run,
+    return agg.records.record(
         name=spec.name,
         step=int(step),
         kind=FINGERPRINT,
@@ -309,14 +308,11 @@ def _record(
         value=None,
         dtype=None,
         shape=None,
-        process=agg.process,
         time=now,
-        host=agg.host,
         replicas=len(devices),
         devices=devices,
         processes=processes,
         divergent=divergent,
         index=index,
-        attempt=agg.attempt,
         extra={"fingerprint": value, **extra},
     )

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pmaptap._host.pipeline.aggregate import Aggregator
+from pmaptap._host.pipeline.payload import split
 from pmaptap._host.pipeline.queue import BoundedQueue, Marker, Stop
 from pmaptap._host.sinks import Sink
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, resumed_step_message
-from pmaptap.tapfile.record import Record
+from pmaptap.tapfile.record import META_DROPPED, Record
 
 Report = Callable[[BaseException], None]
 
@@ -27,15 +28,19 @@ LOCK_WAIT_WARN_S = 10.0
 
 
 class AggregateLoop:
-    """Payloads -> records: NumPy conversion, steps, collecting each value's copies and dedup (the
-    ``Aggregator``), off the callback thread."""
+    """Payloads -> records, off the callback thread, along the aggregation
+    path: NumPy conversion here, then each payload taken apart
+    (payload.split), its copies collected, counted and deduplicated (the
+    ``Aggregator``), records built (its RecordBuilder, records.py) and
+    values encoded (encode.py)."""
 
     def __init__(self, queue: BoundedQueue, agg: Aggregator, report: Report, *, name: str) -> None:
         self.queue = queue
         self.agg = agg
         self.report = report
-        # One wake-up per 20 ms of callbacks (or per LINGER_MAX): measured
-        # 20-25 us less aggregator CPU per step than 5 ms at a 1 ms step.
+        # One wake-up per linger of callbacks (or per LINGER_MAX): at a short
+        # step, a shorter linger's extra wake-ups cost the aggregator more CPU
+        # per step (docs/performance.md).
         self.linger = 0.02
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
@@ -65,7 +70,7 @@ class AggregateLoop:
             freed_items += 1
             freed_bytes += size
             try:
-                recs += self.agg.add_callback(spec, [np.asarray(a) for a in arrays])
+                recs += self.agg.add_payload(split(spec, [np.asarray(a) for a in arrays]))
             except BaseException as e:  # noqa: BLE001
                 self.report(TapError(f"could not process tap {spec.name!r}: {e!r}"))
         # Drop array references now (they may pin device buffers).
@@ -102,7 +107,10 @@ class AggregateLoop:
             f"under overflow policy {policy!r}; raise "
             "max_pending/max_pending_bytes or use overflow='block'."
         )
-        return [self.agg.dropped_record(new, total, policy)]
+        # The meta record of the drops since the last one (written at the
+        # next flush/close; never dropped itself).
+        extra = {"dropped_total": total, "policy": policy}
+        return [self.agg.records.meta(META_DROPPED, new, total, extra)]
 
 
 class WriteLoop:

@@ -1,7 +1,12 @@
-"""What one host callback carries, taken apart: the sub-byte leaves restored
-to their own dtype, packed payloads unpacked, the step and the flat
-coordinates read, and ``Copy``, one device's copy of a tap's value as the
-aggregator groups it (see aggregate.py; the layouts: _trace/layouts.py)."""
+"""The first stage of the aggregation path (aggregate.py -> records.py ->
+encode.py follow): one host callback's payload taken apart, before any
+copy is grouped. ``split`` narrows sub-byte leaves back to their own dtype,
+splits a group payload into its members' (a member's own copy picked from a
+gathered leader-copy member), unpacks packed payloads, and reads each
+part's step, flat coordinates or partition, and loop iteration (the
+layouts: _trace/layouts.py). ``Copy`` is one device's copy of a tap's value
+as the aggregator groups it, ``_Pending`` the copies of one value waiting
+for the rest."""
 
 from __future__ import annotations
 
@@ -11,7 +16,26 @@ from typing import Any
 
 import numpy as np
 
-from pmaptap._common.spec import GroupSpec, PayloadSpec, TapSpec, flat_index
+from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
+from pmaptap._common.spec import LEADER_COPY, GroupSpec, Layout, PayloadSpec, TapSpec, flat_index
+
+
+@dataclasses.dataclass
+class Part:
+    """One tap's (or one fingerprint call's) share of a callback payload."""
+
+    spec: Any  # TapSpec or FingerprintSpec
+    # The step as it travelled: a traced or Python step= (automatic steps
+    # are counted by the aggregator and ignore it).
+    step: int
+    # The value's leaves: one copy's, or every copy's stacked (GATHERED).
+    leaves: list[np.ndarray]
+    # The flat index of the copy's mesh coordinates (per-copy layouts),
+    # or the partition number (per-shard and WHOLE payloads); else -1.
+    k: int = -1
+    # A looped tap's loop iteration, outermost first (None: not looped, or
+    # an index the loop left unset).
+    iteration: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -39,6 +63,69 @@ class _Pending:
 
     first: float
     copies: list[Copy]
+
+
+def split(spec: PayloadSpec, arrays: list[np.ndarray]) -> list[Part]:
+    """One host callback's arrays (NumPy, as they travelled) as the parts
+    the aggregator takes: one per tap (a group's members in order), or the
+    fingerprint call's."""
+    arrays = restore(spec, arrays)
+    if isinstance(spec, FingerprintSpec):
+        if spec.layout is FingerprintLayout.COPY:
+            # (coords, step, fingerprints): one device's own, in a cond/while body.
+            k = _flat(arrays[0], spec.placement.axis_sizes)
+            return [Part(spec, _step(arrays[1]), [arrays[2]], k)]
+        return [Part(spec, _step(arrays[0]), [arrays[1]])]
+    if isinstance(spec, GroupSpec):
+        return _members(spec, arrays)
+    return [_part(spec, arrays)]
+
+
+def _members(spec: GroupSpec, arrays: list[np.ndarray]) -> list[Part]:
+    """A group payload: coords, one step per member, then every member's
+    gathered leaves (packed when spec.packing); a partitioned one (taps
+    under plain jit) starts with the partition number, which every
+    member's part gets too."""
+    if spec.partitioned:
+        pid, arrays = arrays[0], arrays[1:]
+    m = len(spec.members)
+    coords, steps, payload = arrays[0], arrays[1 : 1 + m], arrays[1 + m :]
+    if spec.packing:
+        payload = unpack(payload[0], spec.packing)
+    out: list[Part] = []
+    i = 0
+    for member, step, n in zip(spec.members, steps, spec.member_leaves):
+        leaves = payload[i : i + n]
+        i += n
+        if spec.gathered and member.transport.layout in LEADER_COPY:
+            # Written from the caller's own copy (unverified, or proven
+            # at trace time), exactly as the tap alone would be (the
+            # others were gathered for the group's other members, not to
+            # check this one). Ungathered groups carry that copy only.
+            row = _flat(coords, member.placement.axis_sizes)
+            leaves = [a[row] for a in leaves]
+        if spec.partitioned:
+            out.append(_part(member, [pid, coords, step, *leaves]))
+        else:
+            out.append(_part(member, [coords, step, *leaves]))
+    return out
+
+
+def _part(spec: TapSpec, arrays: list[np.ndarray]) -> Part:
+    """One tap's payload: (coords, step, *leaves), or with ``spec.shards``
+    (partition, coords, step, *leaves)."""
+    it = iteration_of(spec, arrays) if spec.site.iterations else None
+    if spec.shards is not None:
+        k = int(np.asarray(arrays[0]).reshape(-1)[0])
+        return Part(spec, _step(arrays[2]), list(arrays[3:]), k, it)
+    layout, packing = spec.transport.layout, spec.transport.packing
+    leaves = unpack(arrays[2], packing) if packing else arrays[2:]
+    k = -1
+    if layout in (Layout.COPY, Layout.SHARDS, Layout.WHOLE):
+        # One device's copy (SHARDS / WHOLE without a placement: the
+        # computation was not partitioned, one whole copy came).
+        k = _flat(arrays[0], spec.placement.axis_sizes)
+    return Part(spec, _step(arrays[1]), leaves, k, it)
 
 
 def restore(spec: PayloadSpec, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -80,20 +167,6 @@ def unpack(packed: np.ndarray, packing) -> list[np.ndarray]:
 def _flat(coords: np.ndarray, sizes: tuple[int, ...]) -> int:
     """Flat index of a callback's coordinates (an int32 vector)."""
     return flat_index(tuple(int(v) for v in coords.reshape(-1)), sizes)
-
-
-def _rows_identical(stacked: list[np.ndarray]) -> bool:
-    """Whether every row (copy) of the stacked leaves is bitwise identical.
-    Gathered payloads are small (gather_max_bytes), so comparing bytes
-    objects is cheaper than NumPy's elementwise machinery."""
-    for a in stacked:
-        n = a.shape[0]
-        if n < 2 or a.size == 0:
-            continue
-        raw = np.ascontiguousarray(a).tobytes()
-        if raw != raw[: len(raw) // n] * n:
-            return False
-    return True
 
 
 def _step(a: np.ndarray) -> int:

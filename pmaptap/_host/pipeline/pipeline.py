@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pmaptap._host.forward import Forwarders, select
+from pmaptap._host.options import DEFAULTS
 from pmaptap._host.pipeline.aggregate import Aggregator
 from pmaptap._host.pipeline.loops import AggregateLoop, WriteLoop
 from pmaptap._host.pipeline.queue import BoundedQueue, Marker, Stop
+from pmaptap._host.pipeline.records import RecordBuilder
 from pmaptap._host.sinks import Sink
 from pmaptap._log import log
 from pmaptap.errors import TapError
@@ -63,18 +65,18 @@ class Pipeline:
         run: str,
         process: int | None = None,
         host: str | None = None,
-        overflow: str = "drop_oldest",
-        max_pending: int = 1_000_000,
-        max_pending_bytes: int = 1 << 30,
-        flush_interval: float = 0.02,
-        group_timeout: float = 5.0,
-        retry_interval: float = 0.2,
-        max_batch: int = 20_000,
+        overflow: str = DEFAULTS.overflow,
+        max_pending: int = DEFAULTS.max_pending,
+        max_pending_bytes: int = DEFAULTS.max_pending_bytes,
+        flush_interval: float = DEFAULTS.flush_interval,
+        group_timeout: float = DEFAULTS.group_timeout,
+        retry_interval: float = DEFAULTS.retry_interval,
+        max_batch: int = DEFAULTS.max_batch,
         forward: Sequence[Any] = (),
-        forward_timeout: float | None = 10.0,
-        forward_replicated: str = "process0",
+        forward_timeout: float | None = DEFAULTS.forward_timeout,
+        forward_replicated: str = DEFAULTS.forward_replicated,
         attempt: int = 0,
-        resume: bool = False,
+        resume: bool = DEFAULTS.resume,
     ) -> None:
         self.queue = BoundedQueue(
             overflow=overflow, max_pending=max_pending, max_pending_bytes=max_pending_bytes
@@ -110,16 +112,11 @@ class Pipeline:
         self._auto_outputs: set[tuple] = set()
         self._auto_callbacks: set[tuple] = set()
         self._auto_said: set[tuple] = set()
+        # The one maker of this pipeline's records, with its identity.
+        self.records = RecordBuilder(run, process, self.host, attempt=attempt)
         self._aggregator = AggregateLoop(
             self.queue,
-            Aggregator(
-                run,
-                process,
-                self.host,
-                group_timeout=group_timeout,
-                attempt=attempt,
-                refuse_automatic_steps=resume,
-            ),
+            Aggregator(self.records, group_timeout=group_timeout, refuse_automatic_steps=resume),
             self.errors.add,
             name=f"pmaptap-aggregate-{run}",
         )

@@ -44,10 +44,9 @@ LINGER_MAX = 64
 # under the file lock, which array bytes do not need (they go to the
 # writer's own byte file), and over them it only holds their memory and
 # leaves the disk idle. A step or two of array taps is then taken and
-# written as one batch while the next steps run. Measured (bench_arrays'
-# tap arm against the 20 ms lingers, 2 MiB a step, paired rounds in one
-# process on the loaded 2-core box): 0.53-0.81x the added wall time, 1.01-
-# 1.18x the added CPU time (more wake-ups).
+# written as one batch while the next steps run: less added wall time
+# than lingering over them, for a little more CPU time (more wake-ups;
+# docs/performance.md).
 LINGER_BYTES = 4 << 20
 # Payloads the aggregator takes per wake-up: bounds one chunk's latency and
 # what drop_oldest cannot reach.
@@ -93,19 +92,21 @@ class BoundedQueue:
     def __init__(
         self,
         *,
-        overflow: str = "drop_oldest",
-        max_pending: int = 1_000_000,
-        max_pending_bytes: int = 1 << 30,
+        overflow: str,
+        max_pending: int,
+        max_pending_bytes: int,
     ) -> None:
-        # Validated once, where users pass it (Session); a bad value here
-        # is a bug in pmaptap, not user input.
+        # Their defaults: options.py (the pipeline passes them). Validated
+        # once, where users pass it (Session); a bad value here is a bug in
+        # pmaptap, not user input.
         assert overflow in OVERFLOW_POLICIES, overflow
         self.overflow = overflow
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         # One lock for both stages (the bound and drop_oldest span them) and
         # three conditions on it, so each wake-up reaches the thread that has
-        # work: a shared notify_all cost ~20% of throughput. Never held
+        # work: a shared notify_all woke threads with nothing to do, at a
+        # cost in throughput (docs/performance.md). Never held
         # across I/O or aggregation, so the callback only ever waits for
         # another thread's queue operation (or for room, under "block").
         self._lock = threading.Lock()

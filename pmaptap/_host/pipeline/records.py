@@ -1,60 +1,50 @@
-"""The record factory of the aggregator: the per-site tables and record
-templates, and the builders of per_device and replicated records. How a
-record is copied from a template and how a per_device record's line is cut
-around its step, value and time are ``Record``'s own (tapfile/format.py:
-``Record.template``, ``from_template``, ``line_pieces``, ``put_lines``);
-this module decides when. ``RecordFactory`` is ``Aggregator``'s base class
-(aggregate.py): its builders read the aggregator's ``run``, ``process``,
-``host``, ``attempt``, ``clock`` and ``_shard_templates``."""
+"""The third stage of the aggregation path (payload.py -> aggregate.py ->
+here -> encode.py): ``RecordBuilder``, the one maker of the records a
+writer writes, made once per pipeline (and per ``pmaptap.Writer``) with the
+writer's identity: its run, process, host, attempt and clock. The
+aggregator hands it a value's leaves once it has decided what record they
+make; the builder encodes them (encode.py) and builds the record.
+
+Per-site templates: every field of a gathered or per-shard record but the
+step, the value and the time is the same at every step of a site, so those
+records are copies of a template built once (``Record.template``,
+``from_template``; a per_device scalar's whole line is cut around its step,
+value and time: ``Record.line_pieces``, ``put_lines``, tapfile/record/format.py);
+this module decides when."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import time
+import weakref
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from pmaptap._common.spec import Layout, TapSpec
-from pmaptap._host.pipeline.encode import encode_tree
+from pmaptap._host.pipeline.encode import encode_rows, encode_tree
 from pmaptap._host.pipeline.payload import Copy
-from pmaptap.tapfile.record import RawArray, Record, new_record
+from pmaptap.tapfile.record import RawArray, Record, meta_record, new_record
 from pmaptap.tapfile.source import npy_header
 
 
-class _Table:
-    """Per tap site: coordinates, device, process and counter key of every
-    flat coordinate, and which of them are local (computed once)."""
+class Site(Protocol):
+    """What the builder reads of a tap site's table (aggregate.py's
+    ``_Table``): per flat coordinate, its device, process and coordinates;
+    the local ones; every device and process."""
 
-    def __init__(self, spec: TapSpec, me: int) -> None:
-        where = spec.placement
-        n = where.total_copies
-        self.coords = [where.coords_of(k) for k in range(n)]
-        self.devices = [where.device_of(c) for c in self.coords]
-        procs = [where.process_of(c) for c in self.coords]
-        self.processes = [me if p is None else p for p in procs]
-        self.local = [
-            k for k in range(n) if spec.placement.device_processes is None or procs[k] == me
-        ]
-        # Automatic steps count per device (per coordinate where the device
-        # is unknown). Outside any mapping (jit, eager) there is one counter,
-        # whatever device an eager value sat on.
-        self.counter_keys = [
-            (d if d is not None else c) if spec.placement.axis_names else ()
-            for d, c in zip(self.devices, self.coords)
-        ]
-        # Record fields of the gathered fast paths (shared, never mutated).
-        self.coord_dicts = [dict(zip(spec.placement.axis_names, c)) for c in self.coords]
-        self.all_devices = tuple(self.devices)
-        self.all_processes = tuple(sorted(set(self.processes)))
-        # Counter keys of the local devices, for _auto_step (built on first use).
-        self.auto_keys: list[tuple] | None = None
-        # Per-device record templates of the gathered path, per (batch_dims,
-        # leaves sent as statistics) of the spec (see RecordFactory._per_device_records_of_rows).
-        self.per_device_templates: dict[tuple, list[dict]] = {}
-        # (template key, dtype) -> per device, its line cut around the step,
-        # the value and the time (None where it cannot be: Record.line_pieces).
-        self.per_device_lines: dict[tuple, list] = {}
-        self.replicated_templates: dict[tuple, dict] = {}
+    devices: list
+    processes: list
+    coord_dicts: list
+    local: list
+    all_devices: tuple
+    all_processes: tuple
+
+
+def vhash(key: bytes) -> str:
+    """A replicated record's ``vhash``: the digest of its value's bitwise
+    identity (aggregate.value_key), whichever writer made it."""
+    return hashlib.blake2b(key, digest_size=8).hexdigest()
 
 
 def _unverified(spec: TapSpec) -> dict | None:
@@ -63,48 +53,172 @@ def _unverified(spec: TapSpec) -> dict | None:
     return {"verified": False} if spec.transport.layout is Layout.VERIFIED_OFF else None
 
 
-class RecordFactory:
-    """The record builders (the base class of ``Aggregator``, whose state
-    they read: see the module's docstring)."""
+class RecordBuilder:
+    """Every record of one writer (a session's pipeline, a ``Writer``),
+    stamped with its identity."""
 
-    def _value(self, spec: TapSpec, leaves: list[np.ndarray]) -> tuple[Any, Any, Any]:
-        return encode_tree(spec.site.treedef, leaves, spec.site.as_statistics)
+    def __init__(
+        self,
+        run: str,
+        process: int,
+        host: str,
+        *,
+        attempt: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.run, self.process, self.host = run, process, host
+        self.attempt = attempt
+        self.clock = clock
+        # Per (tap id, axis sizes, batch_dims, leaves sent as statistics):
+        # the per-device templates of a gathered site (one per local
+        # device), and per dtype, each one's line cut around its step,
+        # value and time (None where it cannot be: Record.line_pieces);
+        # and (with "verified") the replicated template.
+        self._per_device_templates: dict[tuple, list[dict]] = {}
+        self._per_device_lines: dict[tuple, list] = {}
+        self._replicated_templates: dict[tuple, dict] = {}
+        # Per-shard taps: per ShardPlacement (one per tap per lowering, so
+        # dropped with its executable), per (site, partition): the record
+        # template of its per_device records.
+        self._shard_templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    # Record builders: one per kind (_per_device_record, _replicated_record;
-    # Aggregator.dropped_record); the *_of_* helpers say what they build it from.
-    def _per_device_record_of_copy(self, spec: TapSpec, step: int, cp: Copy) -> Record:
-        """The per_device record of one device's copy (grouped path)."""
-        return self._per_device_record(
-            spec,
-            step,
-            self._value(spec, cp.leaves),
-            cp.process,
-            cp.device,
-            dict(zip(spec.placement.axis_names, cp.coords)),
-            self.clock(),
+    # ------------------------------------------------------------ any record
+    def record(
+        self,
+        *,
+        process: int | None = None,
+        time: float | None = None,
+        key: bytes | None = None,
+        **fields: Any,
+    ) -> Record:
+        """A record of this writer: its run, host and attempt, ``process``
+        (default: this writer's; a per_device record: its device's), ``time``
+        (default: now) and, from ``key``, the ``vhash``."""
+        if key is not None:
+            fields["vhash"] = vhash(key)
+        return new_record(
+            run=self.run,
+            process=self.process if process is None else process,
+            time=self.clock() if time is None else time,
+            host=self.host,
+            attempt=self.attempt,
+            **fields,
         )
 
-    def _per_device_records_of_rows(
+    def meta(
+        self, name: str, count: int, step: int, extra: dict, *, attempt: int | None = None
+    ) -> Record:
+        """A ``kind="meta"`` record of this writer (its value ``count``)."""
+        return meta_record(
+            count=count,
+            run=self.run,
+            name=name,
+            step=step,
+            process=self.process,
+            time=self.clock(),
+            host=self.host,
+            attempt=self.attempt if attempt is None else attempt,
+            extra=extra,
+        )
+
+    # ------------------------------------------------------------ a tap site's
+    def _site_record(
         self,
         spec: TapSpec,
-        t: "_Table",
         step: int,
-        encoded: list[tuple],
-        texts: list[bytes] | None = None,
+        kind: str,
+        encoded: tuple,
+        process: int,
+        now: float,
+        **fields: Any,
+    ) -> Record:
+        """The fields every record of a tap site carries (its name, pass,
+        batch dims, leaves sent as statistics) plus the kind's own ``fields``."""
+        value, dtype, shape = encoded
+        if spec.shards is not None and spec.transport.layout is Layout.SHARDS:
+            # A shard: the global shape its index lies in (pmaptap.assemble).
+            # A whole value read from one device (Layout.WHOLE, a scalar) is
+            # no shard and has none.
+            shapes = spec.shards.shapes
+            fields["global_shape"] = (
+                list(shapes[0]) if len(shapes) == 1 else [list(s) for s in shapes]
+            )
+        return self.record(
+            name=spec.name,
+            step=step,
+            kind=kind,
+            value=value,
+            dtype=dtype,
+            shape=shape,
+            process=process,
+            time=now,
+            batch_dims=spec.site.batch_dims,
+            pass_=spec.site.pass_,
+            summarized=bool(spec.site.as_statistics),
+            **fields,
+        )
+
+    def _per_device(
+        self,
+        spec: TapSpec,
+        step: int,
+        encoded: tuple,
+        process: int,
+        device: int | None,
+        coords: dict,
+        now: float,
+        index: Any = None,
+    ) -> Record:
+        return self._site_record(
+            spec,
+            step,
+            "per_device",
+            encoded,
+            process,
+            now,
+            device=device,
+            coords=coords,
+            index=index,
+        )
+
+    def per_device(
+        self,
+        spec: TapSpec,
+        step: int,
+        leaves: list[np.ndarray],
+        process: int,
+        device: int | None,
+        coords: dict,
+    ) -> Record:
+        """The per_device record of one device's copy."""
+        encoded = encode_tree(spec.site.treedef, leaves, spec.site.as_statistics)
+        return self._per_device(spec, step, encoded, process, device, coords, self.clock())
+
+    def per_device_rows(
+        self, spec: TapSpec, t: Site, step: int, stacked: list[np.ndarray]
     ) -> list[Record]:
         """The per_device records of a gathered payload, one per local device
-        (``encoded`` in ``t.local`` order). Every field but the step, the value
-        and the time is the same at every step of a site, so each record is a
-        copy of a per-device template built (and checked) once by
-        ``_per_device_record`` (``Record.from_template``: about half the cost
-        of building each record field by field)."""
+        (row k of ``stacked`` for each k in ``t.local``). Every field but the
+        step, the value and the time is the same at every step of a site, so
+        each record is a copy of a per-device template built (and checked)
+        once (``Record.from_template``: about half the cost of building each
+        record field by field)."""
+        texts: list[bytes] = []
+        encoded = encode_rows(
+            spec.site.treedef, stacked, t.local, spec.site.as_statistics, texts=texts
+        )
         # Fixed per site today; keyed anyway, so that a variant of a spec
         # (with_batch) could never take another's template.
-        key = (spec.site.batch_dims, spec.site.as_statistics)
-        templates = t.per_device_templates.get(key)
+        key = (
+            spec.site.tap_id,
+            spec.placement.axis_sizes,
+            spec.site.batch_dims,
+            spec.site.as_statistics,
+        )
+        templates = self._per_device_templates.get(key)
         if templates is None:
-            templates = t.per_device_templates[key] = [
-                self._per_device_record(
+            templates = self._per_device_templates[key] = [
+                self._per_device(
                     spec,
                     0,
                     (None, None, None),
@@ -128,74 +242,99 @@ class RecordFactory:
             # encoding was most of what a scalar per_device tap costs the
             # host above handing its values over (docs/performance.md, per_device).
             lkey = (key, out[0].dtype)
-            pieces = t.per_device_lines.get(lkey)
+            pieces = self._per_device_lines.get(lkey)
             if pieces is None:
-                pieces = t.per_device_lines[lkey] = [
+                pieces = self._per_device_lines[lkey] = [
                     Record.line_pieces(tpl, out[0].dtype, out[0].shape) for tpl in templates
                 ]
             if all(pieces):
                 Record.put_lines(out, pieces, texts, step, now)
         return out
 
-    def _per_device_record(
+    def replicated_of_all(
         self,
         spec: TapSpec,
         step: int,
-        encoded: tuple,
-        process: int,
-        device: int | None,
-        coords: dict,
-        now: float,
-        index: Any = None,
-    ) -> Record:
-        """The per_device record builder."""
-        return self._site_record(
-            spec,
-            step,
-            "per_device",
-            encoded,
-            process,
-            now,
-            device=device,
-            coords=coords,
-            index=index,
-        )
-
-    def _replicated_record_of_all(
-        self,
-        spec: TapSpec,
-        step: int,
-        t: _Table,
-        encoded: tuple,
+        t: Site,
         key: bytes,
+        *,
+        leaves: list[np.ndarray] | None = None,
+        stacked: list[np.ndarray] | None = None,
     ) -> Record:
         """The replicated record of a value every copy of the tap site holds
-        (agreement established, or one copy sent unverified). A copy of a
-        per-site template, as ``_per_device_records_of_rows``: only the step,
+        (agreement established, or one copy sent unverified): ``leaves``, or
+        row 0 of ``stacked`` (a gathered payload whose rows all agree). A
+        copy of a per-site template, as ``per_device_rows``: only the step,
         value, time and value hash change from step to step."""
+        site = spec.site
+        if stacked is not None:
+            encoded = encode_rows(site.treedef, stacked, [0], site.as_statistics)[0]
+        else:
+            encoded = encode_tree(site.treedef, leaves, site.as_statistics)
         extra = _unverified(spec)
         tkey = (
-            spec.site.batch_dims,
-            spec.site.as_statistics,
+            site.tap_id,
+            spec.placement.axis_sizes,
+            site.batch_dims,
+            site.as_statistics,
             None if extra is None else tuple(sorted(extra.items())),
         )
-        template = t.replicated_templates.get(tkey)
+        template = self._replicated_templates.get(tkey)
         if template is None:
-            template = t.replicated_templates[tkey] = self._replicated_record(
-                spec, 0, (None, None, None), t.all_devices, t.all_processes, b"", extra=extra
+            template = self._replicated_templates[tkey] = self.replicated(
+                spec,
+                0,
+                None,
+                (),
+                t.all_devices,
+                t.all_processes,
+                b"",
+                extra=extra,
+                encoded=(None, None, None),
             ).template()
         value, dtype, shape = encoded
         return Record.from_template(
-            template,
-            step,
-            value,
-            dtype,
-            shape,
-            self.clock(),
-            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+            template, step, value, dtype, shape, self.clock(), vhash=vhash(key)
         )
 
-    def _replicated_record_of_holders(
+    def replicated(
+        self,
+        spec: TapSpec,
+        step: int,
+        leaves: list[np.ndarray] | None,
+        as_statistics: tuple,
+        devices: tuple,
+        processes: tuple,
+        key: bytes,
+        *,
+        divergent: bool = False,
+        extra: dict | None = None,
+        index: Any = None,
+        encoded: tuple | None = None,
+    ) -> Record:
+        """The replicated record of one value held by ``devices`` (on
+        ``processes``); ``as_statistics``: TapSite.as_statistics's form.
+        ``encoded``: the value already encoded (a template's placeholders)
+        instead of ``leaves``."""
+        if encoded is None:
+            encoded = encode_tree(spec.site.treedef, leaves, as_statistics)
+        return self._site_record(
+            spec,
+            step,
+            "replicated",
+            encoded,
+            self.process,
+            self.clock(),
+            replicas=len(devices),
+            devices=devices,
+            processes=processes,
+            divergent=divergent,
+            extra=extra,
+            index=index,
+            vhash=vhash(key),
+        )
+
+    def replicated_of_holders(
         self, spec: TapSpec, step: int, holders: list[Copy], divergent: bool
     ) -> Record:
         """The replicated record of one value and the copies that hold it
@@ -216,10 +355,11 @@ class RecordFactory:
                     for h in holders
                 ],
             }
-        return self._replicated_record(
+        return self.replicated(
             spec,
             step,
-            self._value(spec, holders[0].leaves),
+            holders[0].leaves,
+            spec.site.as_statistics,
             tuple(h.device for h in holders),
             tuple(sorted({h.process for h in holders})),
             holders[0].key,
@@ -227,85 +367,24 @@ class RecordFactory:
             extra=extra,
         )
 
-    def _replicated_record(
-        self,
-        spec: TapSpec,
-        step: int,
-        encoded: tuple,
-        devices: tuple,
-        processes: tuple,
-        key: bytes,
-        *,
-        divergent: bool = False,
-        extra: dict | None = None,
-        index: Any = None,
-    ) -> Record:
-        """The replicated record builder."""
-        return self._site_record(
+    def per_device_of_copy(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+        """The per_device record of one device's copy (grouped path)."""
+        return self.per_device(
             spec,
             step,
-            "replicated",
-            encoded,
-            self.process,
-            self.clock(),
-            replicas=len(devices),
-            devices=devices,
-            processes=processes,
-            divergent=divergent,
-            extra=extra,
-            index=index,
-            vhash=hashlib.blake2b(key, digest_size=8).hexdigest(),
+            cp.leaves,
+            cp.process,
+            cp.device,
+            dict(zip(spec.placement.axis_names, cp.coords)),
         )
 
-    def _site_record(
-        self,
-        spec: TapSpec,
-        step: int,
-        kind: str,
-        encoded: tuple,
-        process: int,
-        now: float,
-        **fields: Any,
-    ) -> Record:
-        """The fields every record of a tap site carries (its name, pass,
-        batch dims, leaves sent as statistics; this run, host and attempt) plus the kind's
-        own ``fields``."""
-        value, dtype, shape = encoded
-        if spec.shards is not None and spec.transport.layout is Layout.SHARDS:
-            # A shard: the global shape its index lies in (pmaptap.assemble).
-            # A whole value read from one device (Layout.WHOLE, a scalar) is
-            # no shard and has none.
-            shapes = spec.shards.shapes
-            fields["global_shape"] = (
-                list(shapes[0]) if len(shapes) == 1 else [list(s) for s in shapes]
-            )
-        return new_record(
-            run=self.run,
-            name=spec.name,
-            step=step,
-            kind=kind,
-            value=value,
-            dtype=dtype,
-            shape=shape,
-            process=process,
-            time=now,
-            host=self.host,
-            batch_dims=spec.site.batch_dims,
-            pass_=spec.site.pass_,
-            summarized=bool(spec.site.as_statistics),
-            attempt=self.attempt,
-            **fields,
-        )
-
-    def _shard_value(self, spec: TapSpec, cp: Copy) -> tuple:
-        return encode_tree(spec.site.treedef, cp.leaves, cp.as_statistics)
-
-    def _per_device_record_of_shard(self, spec: TapSpec, step: int, cp: Copy) -> Record:
+    # ------------------------------------------------------------ shards
+    def per_device_of_shard(self, spec: TapSpec, step: int, cp: Copy) -> Record:
         """The per_device record of one shard's copy (with its index)."""
-        return self._per_device_record(
+        return self._per_device(
             spec,
             step,
-            self._shard_value(spec, cp),
+            encode_tree(spec.site.treedef, cp.leaves, cp.as_statistics),
             cp.process,
             cp.device,
             spec.shards.coords[cp.partition],
@@ -313,7 +392,7 @@ class RecordFactory:
             index=cp.index,
         )
 
-    def _per_device_record_of_shard_now(
+    def per_device_of_shard_now(
         self,
         spec: TapSpec,
         step: int,
@@ -323,9 +402,9 @@ class RecordFactory:
         as_statistics: tuple,
     ) -> Record:
         """The per_device record of partition ``k``'s shard, a copy of the
-        partition's template (as ``_per_device_records_of_rows``: every field
-        but the step, value and time is fixed for a lowering's partition; a
-        step of many sharded taps makes one record per tap per device)."""
+        partition's template (as ``per_device_rows``: every field but the
+        step, value and time is fixed for a lowering's partition; a step of
+        many sharded taps makes one record per tap per device)."""
         place = spec.shards
         per = self._shard_templates.get(place)
         if per is None:
@@ -336,7 +415,7 @@ class RecordFactory:
             # [template, (shape, dtype, .npy header) of a leaf stored as bytes]:
             # both fixed for a lowering's partition.
             entry = per[tkey] = [
-                self._per_device_record(
+                self._per_device(
                     spec,
                     0,
                     (None, None, None),

@@ -1,7 +1,9 @@
 """Host side of per-shard taps (layout "shards", see _trace/shardcall.py):
-a shard's leaves (its statistics for ``max_value_bytes``, computed on its
-device, _trace/shardstats.py) and the records of one step's shards, slice
-by slice.
+a shard's leaves (``shard_leaves``; its statistics for ``max_value_bytes``,
+computed on its device, _trace/shardstats.py) and one step's shards grouped
+by the slice they hold (``by_slice``). The records are made, and
+the shards deduplicated, by the aggregator (aggregate.py:
+``Aggregator._resolve_shards``), by these rules.
 
 Dedup of shards: ``per_device`` writes every shard that arrived. ``auto`` and
 ``replicated`` compare the copies of each slice (devices holding the same

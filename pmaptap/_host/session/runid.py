@@ -249,23 +249,15 @@ def _queue_attempt_record(p: Pipeline, attempt: int) -> None:
     this is and the job's shape, so readers can tell the restarts apart."""
     if p.process != 0:
         return
-    import time
-
     import jax
 
     from pmaptap.tapfile.read import ATTEMPT_NAME
-    from pmaptap.tapfile.record import meta_record
 
-    r = meta_record(
-        count=attempt,
-        run=p.run,
-        name=ATTEMPT_NAME,
-        step=attempt,
-        process=p.process,
-        time=time.time(),
-        host=p.host,
-        attempt=attempt,
-        extra={
+    r = p.records.meta(
+        ATTEMPT_NAME,
+        attempt,
+        attempt,
+        {
             "process_count": jax.process_count(),
             "device_count": jax.device_count(),
             "local_device_count": jax.local_device_count(),

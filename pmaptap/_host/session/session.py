@@ -22,6 +22,7 @@ from pmaptap import distributed
 from pmaptap._host import barrier, routing
 from pmaptap._host.barrier import time_left
 from pmaptap._host.forward import check_replicated, check_targets
+from pmaptap._host.options import DEFAULTS
 from pmaptap._host.pipeline import OVERFLOW_POLICIES, Pipeline
 from pmaptap._host.session import sigterm
 from pmaptap._host.session.runid import (
@@ -80,7 +81,7 @@ class Session:
       "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
       no lock, nothing read back; readers merge: docs/multihost.md) or
       "auto" (default): "sharded" when the job has more than
-      ``tapfile.runs.SHARDED_ABOVE`` processes, else "file".
+      ``tapfile.source.run.SHARDED_ABOVE`` processes, else "file".
     forward: forwarders that receive this process's records once they are
       written to the file: its own devices' per-device records, and (see
       forward_replicated) the job's replicated records on process 0:
@@ -107,7 +108,7 @@ class Session:
       --restarts`` sets it) if that is higher; process 0 decides it for the
       whole job. Records then carry ``"attempt": N``, and readers show, for a
       step written by several attempts, only the latest one's
-      (pmaptap/tapfile/attempts.py). The file stays append-only. Taps need
+      (pmaptap/tapfile/read/attempts.py). The file stays append-only. Taps need
       ``step=``: one without is refused (ValueError at trace time, or a
       TapError at flush/close when it was traced before the session
       opened), as its automatic step would count from 0 again. A restarted
@@ -120,20 +121,20 @@ class Session:
         path: str | os.PathLike,
         *,
         run: str | None = None,
-        overflow: str = "drop_oldest",
-        max_pending: int = 1_000_000,
-        max_pending_bytes: int = 1 << 30,
-        lock_timeout: float = 1.0,
-        flush_timeout: float | None = 120.0,
-        close_timeout: float = 60.0,
-        group_timeout: float = 5.0,
-        flush_interval: float = 0.02,
-        lock: str = "flock",
+        overflow: str = DEFAULTS.overflow,
+        max_pending: int = DEFAULTS.max_pending,
+        max_pending_bytes: int = DEFAULTS.max_pending_bytes,
+        lock_timeout: float = DEFAULTS.lock_timeout,
+        flush_timeout: float | None = DEFAULTS.flush_timeout,
+        close_timeout: float = DEFAULTS.close_timeout,
+        group_timeout: float = DEFAULTS.group_timeout,
+        flush_interval: float = DEFAULTS.flush_interval,
+        lock: str = DEFAULTS.lock,
         forward: Sequence[Any] | None = None,
-        forward_timeout: float | None = 10.0,
-        forward_replicated: str = "process0",
-        resume: bool = False,
-        layout: str = "auto",
+        forward_timeout: float | None = DEFAULTS.forward_timeout,
+        forward_replicated: str = DEFAULTS.forward_replicated,
+        resume: bool = DEFAULTS.resume,
+        layout: str = DEFAULTS.layout,
     ) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(

@@ -69,8 +69,8 @@ def open_sink(
     layout: str,
     *,
     process: int | None = None,
-    lock_timeout: float = 1.0,
-    lock: str = "flock",
+    lock_timeout: float,
+    lock: str,
     index_existing: bool = False,
 ) -> Sink:
     """The sink for ``run`` (``write_target``'s) in ``layout`` ("file" or

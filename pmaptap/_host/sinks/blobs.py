@@ -1,4 +1,4 @@
-"""The write side of array values stored as bytes (format: tapfile/arrays.py).
+"""The write side of array values stored as bytes (format: tapfile/source/arrays.py).
 
 Every sink gives each of its records' RawArray leaves a place before it
 encodes the record's line, in the writer thread:

@@ -20,7 +20,7 @@ more than one distinct ``vhash`` as divergent. The index keeps the newest
 ``max_keys`` keys: a process that falls further behind than that may write a
 duplicate, which ``read`` and ``pmaptap validate`` report.
 
-Lines are parsed by the readers' parser (tapfile/parse.py), which never
+Lines are parsed by the readers' parser (tapfile/record/parse.py), which never
 raises: a line that is not a record (another program's bytes, a torn line, a
 100,000-deep array) is skipped and counted in ``corrupt``, the first one's
 byte offset and reason kept in ``first_corrupt`` for the sink's warning. It

@@ -65,7 +65,7 @@ class ObjectSink(Sink):
         self.path = url
         self.fs, self.prefix = source.url_fs(url)
         self.directory = self.prefix + source.SHARD_SUFFIX
-        # Stored values (tapfile/arrays.py): objects under <prefix>.bytes/,
+        # Stored values (tapfile/source/arrays.py): objects under <prefix>.bytes/,
         # named in lines relative to the prefix's parent.
         self.bytes_prefix = self.prefix + BYTES_SUFFIX
         self.bytes_rel = self.prefix.rsplit("/", 1)[-1] + BYTES_SUFFIX

@@ -1,0 +1,124 @@
+"""Fingerprints hashed after the step (``pmaptap.jit``): the program that
+hashes a step's outputs, compiled while the step compiles.
+
+lift.py leaves a fingerprint of the step's own outputs out of the step
+(compiling the hash inside a big step costs its compile several times the
+hash program's own) and describes it by a ``Later``; jit.py dispatches the
+program on those outputs right after each step. So that its compile is not
+added to the step's, it starts on a thread of its own when the step is
+traced, for the types the outputs will have, and runs beside the step's
+own lowering and compile; the first step waits for it (it is the shorter).
+Those types are known when the step is traced only where every array lives
+on the one device of a one-device process (a TPU chip, a GPU, a CPU); else
+the program compiles at the first step, as any jit at its first call. A
+fingerprint of less than ``MIN_BYTES`` stays in the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import jax
+
+from pmaptap._common.fingerprint import FingerprintSpec
+from pmaptap._common.lifted import Packed
+from pmaptap._log import log
+from pmaptap._trace import fingerprint
+
+# JAX's own, as imported (the tests' fixture swaps jax.jit for pmaptap.jit).
+_jax_jit = jax.jit
+# Leaves of fewer bytes in all are hashed in the step: the program of their
+# own costs a dispatch every step, due or not, which is noise beside a step
+# that updates this much but not beside a small step, whose hash compiles
+# quickly anyway (docs/performance.md).
+MIN_BYTES = 16 * 2**20
+
+
+class Later:
+    """A fingerprint hashed after the step, by a program of its own, on
+    outputs of the step: its (number, table) are the step's last extra
+    outputs, appended by the caller of the step (jit.py). Static: one per
+    trace of the step."""
+
+    __slots__ = ("spec", "leaves", "flag", "_program", "_ahead")
+
+    def __init__(self, spec: FingerprintSpec, leaves: tuple[int, ...]) -> None:
+        self.spec = spec
+        self.leaves = leaves  # positions among the function's output leaves
+        # Where the ``due`` flag lies among the step's extra outputs (its
+        # position, or its place in the bundle); None: always due.
+        self.flag: int | Packed | None = None
+        self._program: Callable | None = None
+        self._ahead: _Ahead | None = None
+
+    def hash(self, flag_source: Any, *leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The program: (the lowering's number, the table) of ``leaves``,
+        computed only where the step's flag says the step is due."""
+        if self.flag is None:
+            due = None
+        elif isinstance(self.flag, Packed):
+            due = flag_source[self.flag.offset] != 0
+        else:
+            due = flag_source
+        return fingerprint.hashed(self.spec, None, list(leaves), due)
+
+    def compile_ahead(self, flag_aval: Any, leaf_avals: list) -> None:
+        """Start compiling the program for outputs of these types, where
+        they are known now (see the module docstring)."""
+        devices = jax.devices()
+        if len(devices) != 1 or jax.process_count() != 1:
+            return
+        one = jax.sharding.SingleDeviceSharding(devices[0])
+
+        def struct(aval: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(
+                aval.shape, aval.dtype, sharding=one, weak_type=aval.weak_type
+            )
+
+        flag = None if flag_aval is None else struct(flag_aval)
+        self._ahead = _Ahead(self.hash, flag, *[struct(a) for a in leaf_avals])
+
+    def __call__(self, flag_source: Any, leaves: list) -> list:
+        """Dispatch the program on one step's outputs."""
+        if self._program is None:
+            compiled = None if self._ahead is None else self._ahead.result()
+            self._ahead = None
+            if compiled is not None:
+                try:
+                    got = compiled(flag_source, *leaves)
+                except (TypeError, ValueError) as e:
+                    # Outputs of other types than foreseen (an argument
+                    # committed elsewhere): jit them as they come.
+                    log.debug(f"pmaptap: the fingerprint's program recompiles: {e}")
+                else:
+                    self._program = compiled
+                    return list(got)
+            self._program = _jax_jit(self.hash)
+        return list(self._program(flag_source, *leaves))
+
+
+class _Ahead:
+    """One program compiling on a thread of its own."""
+
+    def __init__(self, fun: Callable, *args: Any) -> None:
+        self._compiled: Any = None
+        # The trace's x64 setting is the thread's own: the types must be
+        # read as the step reads them.
+        self._x64 = bool(jax.config.jax_enable_x64)
+        self._thread = threading.Thread(
+            target=self._run, args=(fun, args), name="pmaptap-compile", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fun: Callable, args: tuple) -> None:
+        try:
+            with jax.enable_x64(self._x64):
+                self._compiled = _jax_jit(fun).lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - the first step compiles it instead
+            log.debug(f"pmaptap: compiling the fingerprint's program ahead failed: {e!r}")
+
+    def result(self) -> Any:
+        """The compiled program, or None where compiling it failed."""
+        self._thread.join()
+        return self._compiled
