@@ -396,7 +396,7 @@ def _export_parquet(args: argparse.Namespace) -> int:
     if not os.path.isdir(parent):
         raise CliError(f"cannot write {args.parquet}: no directory {parent}")
     try:
-        # The frame is built while streaming (read.FrameBuilder).
+        # The frame is built while streaming (read/frame.py: FrameBuilder).
         n = write_parquet((e.rec for e in entries()), args.parquet)
     except ImportError as e:
         raise CliError(str(e)) from None

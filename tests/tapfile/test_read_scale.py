@@ -757,7 +757,7 @@ def test_summary_and_validate_restart_exactly_where_the_scan_finds_an_attempt(tm
             if how == "late":
                 assert report.superseded == 2, (where, report)  # g step 0, both processes
             if layout == "file":
-                acc, _ = summary._summarize_plain(path)
+                acc, _ = summary._summarize_merged(path)
             else:
                 acc, _ = summary._summarize_merged(path)
             assert acc.resumed == resumed, where

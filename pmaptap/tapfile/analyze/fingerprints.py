@@ -1,18 +1,12 @@
-"""What the readers make of ``pmaptap.fingerprint``'s records
-(``"kind": "fingerprint"``, format.py): which copies differed, and whom to
-suspect.
+"""What the readers make of ``pmaptap.fingerprint``'s records: which
+copies differed, and whom to suspect.
 
 A disagreeing leaf (and slice) at a step has one record per distinct
-fingerprint, each listing exactly its holders. The fingerprint held by more
-copies than any other is the majority; every other copy is a *suspect*:
-the device that computed (or kept) something else. When no fingerprint has
-more holders than all others (two copies that disagree, a 2-2 split), none
-can be told wrong: all of them are named, as disagreeing.
-
-``FingerprintAcc`` takes a fingerprint name's records one at a time (the
-summary adds them: summary.py ``_TapAcc``) and keeps only what the
-divergent ones say; ``text()`` is the summary's line, ``suspects()`` the
-same for code. ``suspects(records)`` does it for a list of records.
+fingerprint, each listing its holders. The fingerprint most copies hold is
+the majority; every other copy is a *suspect*. Where no fingerprint has
+more holders than all others (a 2-2 split), all are named as disagreeing.
+``FingerprintAcc`` keeps only what the divergent records say (the
+summary's line: ``text()``); ``suspects(records)`` is the same for code.
 """
 
 from __future__ import annotations
@@ -176,12 +170,10 @@ def suspects(records: Iterable[dict]) -> dict[tuple[str, str], list[Suspect]]:
 
 
 def divergence_series(rec: dict) -> Iterator[tuple[str, float]]:
-    """What a dashboard gets of a fingerprint record (the forwarders,
-    ``pmaptap export --tensorboard``): nothing while the copies agree (a
-    fingerprint is no metric); for a divergent record, where a divergent
-    replicated value's copies go, ``<name>[/<leaf>]/divergent/device_<first
-    holder>``, the number of copies holding its fingerprint (1: the odd one
-    out), at its step."""
+    """What a dashboard gets of a fingerprint record: nothing while the
+    copies agree; for a divergent record, at
+    ``<name>[/<leaf>]/divergent/device_<first holder>``, the number of
+    copies holding its fingerprint, at its step."""
     if rec.get("kind") != FINGERPRINT or not rec.get("divergent"):
         return
     leaf = rec.get("leaf")

@@ -1,36 +1,11 @@
 """``pmaptap summary --jobs N`` and ``validate --jobs N``: pieces of a run
 read in N processes, each giving a partial result that merges exactly, so
-the output is the one ``--jobs 1`` prints, to the byte.
-
-The pieces (``plan``): one file in N byte ranges cut at line starts, read
-by this process and N-1 workers; a sharded run's sources in 16N units of
-about equal bytes, taken by N workers one after another as each is free
-(``_Pool``), this process taking their states in. A worker summarizes
-(summary.FilteredSummarizer) or checks (validate.Validator) its piece, or
-the units it read (about 4 states per worker), and sends its state,
-positions and all.
-
-What makes the merge exact:
-
-- One file: pieces follow each other, so a piece's positions are its own
-  plus the lines before it (the earlier pieces' counts), and state merges
-  in file order (``absorb(..., ordered=True)``).
-- A sharded run: each worker reads its sources a shard at a time
-  (shardwise.py, as one process does), positions being places in the
-  whole run's merge; the parent takes the states in as they come and
-  decides what only the whole run decides (which copies of a replicated
-  value stay, which copy of a key is the first, whether a per-device key
-  is in two sources, where a line falls in the merged stream). Copies too
-  many to hold went to files in buckets: the same workers then resolve
-  a share of the buckets each.
-
-An id written with two types in two pieces, a device at two sets of
-coordinates, or a per-device key in two sources, has no order to merge
-by: then the run is read in one process (``NeedSerial``), which is always
-exact.
-
-Object-store runs are read in one process (their reading is fetching, done
-by threads already).
+the output is ``--jobs 1``'s to the byte (docs/architecture.md, "Summaries
+that split"). One file: N byte ranges cut at line starts, merged in file
+order. A sharded run: units of sources read shard by shard (shardwise.py)
+by a pool of workers. Pieces with no order to merge by raise
+``NeedSerial``: the run is then read in one process. Object-store runs are
+read in one process (their reading is fetching, done by threads already).
 """
 
 from __future__ import annotations
@@ -50,20 +25,15 @@ from pmaptap.tapfile.analyze.validate import Report, Validator
 from pmaptap.tapfile.read import Attempts, Filter, latest
 from pmaptap.tapfile.source import collector_paused, iter_file_records
 
-# Without --jobs: a worker per this many bytes of the run at most (a
-# worker's start and its partial result cost a few milliseconds: below
+# Without --jobs: a worker per this many bytes of the run at most (below
 # this, one process is as quick).
 MIN_JOB_BYTES = 8 << 20
-# The states a worker sends per its share of a sharded run (``_sharded``):
-# each costs the parent one more take-in (some milliseconds), and a state
-# held to the end is one more to take in once every source is read.
+# The states a worker sends per its share of a sharded run: each costs the
+# parent one more take-in.
 PIECES_PER_JOB = 4
-# The units a sharded run's sources are handed out in, per process reading
-# it (a source at least), each process taking the next when done with
-# one: the run ends one unit after the first worker is idle at most. With
-# one piece each, the slowest of 12 processes on a 13-core node ended 0.6
-# s after the quickest (of 1.3 s), on cores of one kind and pieces of
-# equal bytes; with 4, the last still ended 0.26 s after most (of 2.3 s).
+# The units a sharded run's sources are handed out in, per process: the
+# run ends one unit after the first worker is idle at most (equal pieces
+# per process ended far apart even on equal cores).
 UNITS_PER_JOB = 16
 
 
@@ -111,8 +81,7 @@ class Plan(NamedTuple):
 
     def sources(self, piece: list[int]) -> tuple[list[tuple[int, str]], float]:
         """A sharded piece's (index, path) of each source, and its share
-        of the run's bytes (shardwise.read: what a worker would otherwise
-        list and stat again, every source of the run, for every piece)."""
+        of the run's bytes (so a worker need not list and stat them)."""
         total = sum(self.sizes)
         share = sum(self.sizes[i] for i in piece) / total if total else 1.0
         return [(i, self.files[i]) for i in piece], share
@@ -177,10 +146,9 @@ def _line_start(path: str | os.PathLike, offset: int) -> int:
 
 
 def _context() -> Any:
-    """How workers start: forked from this process (the quickest: nothing
-    imported again), unless it runs other threads (JAX's, say), which a
-    fork would copy mid-work; then forked from a fresh server process
-    (forkserver), or spawned where there is no fork."""
+    """How workers start: forked (the quickest), unless this process runs
+    other threads (JAX's), which a fork would copy mid-work; then
+    forkserver, or spawn where there is no fork."""
     import multiprocessing
     import sys
     import threading
@@ -213,9 +181,8 @@ def _serve(conn: Any, target: Any, task: tuple) -> None:
             result = target(*task)
         conn.send(("ok", result))
     except OSError as e:
-        # An unreadable source (a directory, a shard gone since it was
-        # listed): raised in the parent as the OSError it is, which the
-        # command says as it says --jobs 1's ("error: [Errno 21] ...").
+        # An unreadable source: raised in the parent as the OSError it is,
+        # said as --jobs 1 says it.
         args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
         with contextlib.suppress(Exception):
             conn.send(("oserror", args))
@@ -246,9 +213,8 @@ def _result(p: Any, conn: Any) -> Any:
 
 
 def _stop(workers: list, kill: bool = False) -> None:
-    """Workers ended: waited for (each has returned or is about to), or,
-    when the read was given up (an error, a state resumed), killed: the
-    pieces they still read are not wanted, and waiting could take seconds."""
+    """Workers ended: waited for, or killed where the read was given up
+    (the pieces they still read are not wanted)."""
     for p, conn in workers:
         if kill:
             p.kill()
@@ -294,17 +260,11 @@ def _summary_piece(path: str, part: Any, flt: Filter, attempts: Any) -> tuple:
 
 class _Pool:
     """Up to ``size`` worker processes taking tasks ``(function, *args)``
-    (a function of a module, found by name in a worker) one after another
-    as each is free (so a slow core, or a piece slower to read, holds back
-    the end by one piece at most): ``map`` yields each task's result, in
-    the order of its tasks. One pool serves every phase of a read (the
-    sources' pieces, then the buckets of copies): a worker is started
-    once a read (1.3 ms each on a 2-core box, 15 ms on a 13-core node),
-    before this process holds the workers' states (os.fork of a process
-    of 30 MiB took 0.2 ms on the 2-core box, of 500 MiB 9 ms). Used as a
-    context manager: the workers end with it, killed where a ``map`` was
-    given up (an error, a state resumed: the pieces they still read are
-    not wanted)."""
+    one after another as each is free (a slow core holds back the end by
+    one piece at most). One pool serves every phase of a read, so a worker
+    is started once, before this process holds the workers' states (a
+    fork of a large process costs more). The workers end with the context,
+    killed where a ``map`` was given up."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -320,10 +280,8 @@ class _Pool:
         kill = exc[0] is not None or any(self.queued.values())
         if not kill:
             for _, conn in workers:
-                # Done: the worker returns. One that ended already (killed
-                # once its tasks were done) has nothing left to say; the
-                # pipe's error would end the command (BrokenPipeError: a
-                # reader of the output gone, exit 0) without the result.
+                # Done. A worker that ended already must not make the
+                # pipe's error end the command (BrokenPipeError: exit 0).
                 with contextlib.suppress(OSError):
                     conn.send(None)
         _stop(workers, kill=kill)
@@ -341,10 +299,9 @@ class _Pool:
                 want += 1
 
     def feed(self, make: Callable[[Any], "tuple | None"], most: int) -> Iterator:
-        """Results of tasks made as workers take them: ``make(worker)`` is
-        the next task for that worker (its connection, which names it),
-        None when it has none; each result yielded as it comes. At most
-        ``most`` workers are started (the tasks there will be, at most)."""
+        """Results of tasks made as workers take them (``make(worker)``:
+        its next task, or None), each yielded as it comes. At most ``most``
+        workers are started."""
         numbers = itertools.count()
 
         def take(conn: Any) -> "tuple | None":
@@ -355,11 +312,9 @@ class _Pool:
             yield result
 
     def _each(self, take: Callable[[Any], "tuple | None"], most: int) -> Iterator:
-        """(i, result) of the tasks ``take(worker)`` gives ((i, task); None:
-        none for it), as they come. A worker is started when the first
-        tasks come and given two at once, so it reads while the next is
-        forked; each has one task queued beside the one it runs, so it
-        never waits while this process takes a result in."""
+        """(i, result) of the tasks ``take(worker)`` gives ((i, task) or
+        None), as they come. Each worker has one task queued beside the one
+        it runs, so it never waits while this process takes a result in."""
         queued = self.queued
 
         def give(conn: Any) -> None:
@@ -403,17 +358,9 @@ def _serve_each(conn: Any) -> None:
 
 def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
     """The sources of a sharded run read in ``jobs`` processes into states
-    like ``empty`` (shardwise.py), combined: the copies that went to files
-    resolved by the same processes, a share of the buckets each.
-
-    A worker is handed the run's units (``pieces.pieces``) one after
-    another as it is free, and reads each into the state it holds; it
-    sends that state once it holds 1/PIECES_PER_JOB of a worker's share of
-    the run, and when no unit is left. So the run's end waits for one unit
-    at most (one source of a job's: ~70 ms at 4.9 M lines on 12 cores,
-    against ~0.35 s for a piece of 4N), and this process takes in about as
-    many states as there are pieces, each as it comes: their positions
-    order them (shardwise.combine)."""
+    like ``empty`` (shardwise.py), combined. A worker reads the units it is
+    handed into the state it holds and sends it once it holds
+    1/PIECES_PER_JOB of a worker's share, and when no unit is left."""
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp, _Pool(jobs) as pool:
         buckets = shardwise.buckets_for(sum(pieces.sizes), jobs)
         units = iter(pieces.pieces)
@@ -441,8 +388,7 @@ def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
         return shardwise.combine((s for s in states if s is not None), jobs, resolver)
 
 
-# A worker's state between the units it reads (``_read_on``): a worker
-# process is its pool's alone, and reads one unit at a time.
+# A worker's state between the units it reads (``_read_on``).
 _open: list = []
 
 
@@ -461,9 +407,7 @@ def _read_on(
 
 
 def _resolve(*task: Any) -> Any:
-    # A module-level function that looks shardwise.resolve up when it runs:
-    # a worker started by forkserver or spawn is given the function by name,
-    # and this one's name is found whatever replaced the attribute here.
+    # Looked up when it runs: a spawned worker finds this one by name.
     return shardwise.resolve(*task)
 
 
@@ -475,18 +419,14 @@ def _read(
     merged: Callable[[], Any],
 ) -> Any:
     """A summary or a report of ``path`` in ``jobs`` processes, the way
-    that is exact: a sharded run shard by shard (``shardwise_read`` of a
-    reader, None: in this process), one file in byte ranges
-    (``in_pieces`` of them); where neither can be (``NeedSerial``, or
-    shardwise's None), the merged stream (``merged``)."""
+    that is exact: a sharded run shard by shard (``shardwise_read``), one
+    file in byte ranges (``in_pieces``); else the merged stream."""
     pieces = plan(path, jobs)
     got = None
     try:
         if pieces is not None and pieces.sharded:
             got = shardwise_read(functools.partial(_sharded, pieces, jobs=jobs))
-            # None: ids of two types, a per-device key or a process's copies
-            # in two sources, whose order only the merged stream gives (a
-            # read of the shards in one process would say None again).
+            # None: only the merged stream orders it (one process would too).
             return merged() if got is None else got
         if pieces is not None:
             got = in_pieces(pieces.pieces)
@@ -498,8 +438,7 @@ def _read(
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Result:
-    """summary.summarize_file in ``jobs`` processes (in this one alone
-    where the run is not split: see the module's docstring)."""
+    """summary.summarize_file in ``jobs`` processes."""
     flt = flt or Filter()
     path = source.Run.of(path)
     return _read(
@@ -544,8 +483,7 @@ def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
 
 
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
-    """validate.validate_file in ``jobs`` processes (in this one alone
-    where the run is not split)."""
+    """validate.validate_file in ``jobs`` processes."""
     path = source.Run.of(path)
     return _read(
         path,

@@ -1,54 +1,13 @@
 """``pmaptap summary`` and ``validate`` of a sharded run, a source at a
-time: the shared file and each shard (source.sources) read as one file is
-read, their records summarized or checked as they come, without the merge
-(source.iter_merged) that ``read()`` and the streaming commands need: it
-cost more than the summary itself (docs/performance.md).
-
-A summary or a check depends on the order of its records only through
-their positions (summary.py, validate.Validator), so each record's position
-is its place in the merge: its merge key (source.merge_keys), its source's
-index and its line there, which order as the merge orders. What the merge
-decides across sources is decided here once every source is read:
-
-- the copies of a replicated value: the merge keeps the first copy of a
-  (key, vhash) and every later one of the same process, and drops the
-  other processes' (source._merge_round). Here each (key, vhash) keeps the
-  copies of the process whose copy has the least position. Replicated
-  records are taken last, kept copies only, in the merge's order
-  (divergence and duplicates are judged in stream order). Up to
-  MAX_HELD_COPIES a process holds them; past it they go to a temporary
-  file in buckets by record key, and once every source is read the
-  buckets are resolved (``resolve``) by the processes reading, each a
-  share of the buckets, one bucket at a time;
-- a per-device record's first copy (validate): within a source it is the
-  first met, found while the source is read; whether a key has copies in
-  two sources (then the merged stream decides) from the steps each source
-  holds of each device, ranges mostly (``ShardwiseValidation.settle``);
-- the line number in the merged stream of a line with a problem: from
-  every source's merge keys (kept as runs of equal keys) and the dropped
-  copies, counted only when there is such a line (a worker's keys go to a
-  file, read back by the parent only then). Past MAX_KEY_RUNS (the
-  whole run's runs of keys and copies, so every --jobs decides alike) a
-  line is named by its source and its line there (source.SourceLine).
-
-So no size makes a run read in one process, and memory is bounded: per
-process reading, MAX_KEY_RUNS keys (64 MiB), MAX_HELD_COPIES copies (~40
-MiB), a bucket of copies read back (BUCKET_BYTES of the run's lines at
-most) and, validating, the first copies of one source's per-device lines
-(~120 bytes a line of the largest source), besides the summary's own
-state (per tap, step and device) or the check's (per replicated key, and
-an entry of steps per device and source); the process that starts the
-workers takes their states in one at a time.
-
-A run that was resumed is read again once what its later attempts
-superseded is known (attempts.scan), as summary.py and validate.py do. Where
-a summary cannot be exact the merged stream is read instead, whatever the
-run's size: an id written with two types (1 and 1.0) in two sources (a
-set keeps the first met, and here "first" is not the merge's); a
-process's copies of replicated values in two sources (the shared file
-and its shard: a copy dropped before the other source is read may belong
-to the first process after all). tapfile/analyze/parallel.py reads groups of sources
-so in worker processes and combines their states (``combine``).
+time, without the merge (source/run.py: iter_merged), which cost more than the
+summary itself. docs/architecture.md ("A sharded run summarized shard by
+shard") says how: each record's position is its place in the merge
+((merge key, source, line)), and what only the whole run decides (kept
+copies, first copies, lines in the merged stream) is decided once every
+source is read. Memory per process reading is bounded by MAX_KEY_RUNS,
+MAX_HELD_COPIES and BUCKET_BYTES. Where a result cannot be exact (an id of
+two types, a process's copies in two sources) these return None and the
+merged stream is read instead.
 """
 
 from __future__ import annotations
@@ -76,24 +35,15 @@ from pmaptap.tapfile.source import collector_paused, iter_file_records
 
 _POS = itemgetter(0)
 _LINE_BITS = 40  # a line number below 2**40 in a source
-# The runs of merge keys (16 bytes each) and lines of dropped copies (8
-# bytes each) kept to place lines in the merged stream, the whole run's:
-# a run with more (a run of ~4 M host-steps) names a line by its source
-# and its line there instead (source.SourceLine). Whole-run counts decide,
-# so every --jobs prints the same; a process keeps at most this many
-# (64 MiB), and the one that starts the workers as much again while it
-# takes in a worker's.
+# The runs of merge keys and lines of dropped copies kept to place lines in
+# the merged stream, counted over the whole run so every --jobs prints the
+# same; past it a line is named by its source and line (source.SourceLine).
 MAX_KEY_RUNS = 4 << 20
-# The replicated records a process (the one reading, or each --jobs
-# worker) holds in memory until every source is read (the copies of the
-# process whose copy comes first, one a value where its owner writes it
-# once), ~300 bytes each (~40 MiB). Past this they go to a temporary file,
-# in buckets by their record key (``_spill``), and once every source is
-# read the buckets are resolved as the merge would keep them, by the
-# workers, a bucket at a time (``resolve``).
+# Replicated records a process holds until every source is read; past it
+# they go to a temporary file in buckets by record key (``_spill``),
+# resolved a bucket at a time (``resolve``).
 MAX_HELD_COPIES = 1 << 17
-# Bytes of the run per bucket of copies gone to the file: a bucket read
-# back holds at most the copies of about this many bytes of lines.
+# Bytes of the run per bucket of copies gone to the file.
 BUCKET_BYTES = 32 << 20
 _LINE_MASK = (1 << _LINE_BITS) - 1
 # In a read's temporary directory once a state met more than MAX_KEY_RUNS.
@@ -101,9 +51,8 @@ _UNPLACEABLE = "past-max-key-runs"
 
 
 class _Keys:
-    """One source's merge keys, line by line, as runs of equal keys (a
-    process's records of one step share theirs): 16 bytes a run, kept
-    while ``keep``; and how many lines it has."""
+    """One source's merge keys as runs of equal keys (a process's records
+    of one step share theirs), kept while ``keep``; and its line count."""
 
     __slots__ = ("keys", "ends", "t", "lines", "stored")
 
@@ -160,9 +109,8 @@ class _Keys:
 
 
 class _Shardwise:
-    """What a pass over some of a run's sources holds besides its
-    accumulator (``add_source`` each source; ``absorb`` another's, of other
-    sources: tapfile/analyze/parallel.py's workers; then ``combine``)."""
+    """A pass over some of a run's sources, besides its accumulator
+    (``add_source`` each; ``absorb`` another's; then ``combine``)."""
 
     def __init__(self, optimistic: bool) -> None:
         # optimistic: assumed never resumed (``resumed`` tells otherwise).
@@ -177,24 +125,20 @@ class _Shardwise:
         self.unhashed: list = []
         self.dropped: dict[int, array] = {}  # lines of the copies dropped, by source
         self.n_dropped = 0
-        # Whether lines can still be placed in the merged stream: the keys'
-        # runs and the dropped lines are kept while the runs of keys and the
-        # replicated records met (``runs_met``) are at most MAX_KEY_RUNS.
+        # Whether lines can still be placed in the merged stream (runs of
+        # keys and replicated records met at most MAX_KEY_RUNS).
         self.placeable = True
         self.runs_met = 0
-        # Copies held (in ``copies`` and ``unhashed``), at most
-        # MAX_HELD_COPIES: past it they go to ``spill`` (a temporary file
-        # in ``spill_dir``, in ``buckets`` buckets: ``spilled``, bucket ->
-        # [(offset, length)]).
+        # Copies held, at most MAX_HELD_COPIES; past it they go to ``spill``
+        # (in ``spill_dir``; ``spilled``: bucket -> [(offset, length)]).
         self.held = 0
         self.buckets = 1
         self.spill_dir: "str | None" = None
         self.spill: "str | None" = None
         self.spilled: dict[int, list] = {}
         self.spills: list = []  # of the states absorbed: [(spill, spilled)]
-        # A process's copies met in two sources (``copy_sources``: process
-        # -> the source of its copies; see _copies): the pass stops
-        # (``overflow``) and the merged stream is read.
+        # A process's copies met in two sources (see _copies): the pass
+        # stops (``overflow``) and the merged stream is read.
         self.overflow = False
         self.copy_sources: dict = {}
 
@@ -256,13 +200,10 @@ class _Shardwise:
     def _copies(self, at: list, records: list) -> None:
         """Replicated records at their positions.
 
-        A copy dropped here is gone for good, which is exact only while no
-        copy of its process can come later with a lesser position (its
-        process would then be the first, every copy of it kept). Within a
-        source positions only grow, so this holds while each process's
-        copies are in one source; a process met in two (a layout changed
-        by a restart: the shared file and a shard; odd ids, ``true`` and
-        1) ends the pass (``overflow``): the merged stream decides."""
+        A copy dropped here is gone for good: exact only while no copy of
+        its process can come later with a lesser position, which holds while
+        each process's copies are in one source (positions only grow within
+        one). A process met in two ends the pass (``overflow``)."""
         copies, sources = self.copies, self.copy_sources
         for pos, r in zip(at, records):
             if not r.vhash:
@@ -306,10 +247,8 @@ class _Shardwise:
             lines.append(q[2])
 
     def _spill(self) -> None:
-        """The copies held to the spill file, by bucket (a stable hash of
-        their record key: every copy of a key, whichever process or
-        worker read it, lands in one bucket, which ``resolve`` reads back
-        whole)."""
+        """The copies held to the spill file, by a stable hash of their
+        record key: every copy of a key lands in one bucket."""
         held = self.unhashed + [x for _, _, mine in self.copies.values() for x in mine]
         self.copies, self.unhashed, self.held = {}, [], 0
         if not held:
@@ -339,10 +278,9 @@ class _Shardwise:
                     where.append(kept)  # in memory (see _encode)
 
     def end(self, share: float) -> None:
-        """This pass's sources read (``share``: its part of the run's
-        bytes): copies past its share of MAX_HELD_COPIES, or any once some
-        went to the file, go there too, so that the one who takes every
-        pass's state in holds at most MAX_HELD_COPIES in all."""
+        """This pass's sources read (``share``: its part of the run's bytes):
+        copies past its share of MAX_HELD_COPIES go to the file, so that the
+        one who takes every state in holds at most MAX_HELD_COPIES."""
         if self.spill is not None or self.held > MAX_HELD_COPIES * share:
             self._spill()
 
@@ -354,18 +292,14 @@ class _Shardwise:
             k.keys, k.ends, k.stored = array("d"), array("q"), None
         self.dropped = {}
         if self.spill_dir is not None:
-            # Said to the workers of the read, whose pieces then keep no
-            # keys (``store_keys``): a part of the run past the bound is
+            # Said to the other workers: part of the run past the bound is
             # the whole run past it.
             open(os.path.join(self.spill_dir, _UNPLACEABLE), "wb").close()
 
     def store_keys(self) -> None:
         """A worker's keys to a file in ``spill_dir``, not in the state it
-        sends: 16 bytes a run of keys, a line's worth where each line has a
-        time of its own (the JAX-free Writer's), ~78 MB at 4.9 M lines,
-        which the parent took in one state after another, and dropped
-        whole when the run turned out past MAX_KEY_RUNS; it needs them only
-        to place a line with a problem (``load_keys``)."""
+        sends: the parent needs them only to place a line with a problem
+        (``load_keys``)."""
         if not self.placeable or self.spill_dir is None:
             return
         if self.past_max_key_runs():
@@ -485,11 +419,10 @@ class _Shardwise:
         return out
 
 
-# Spilled copies: positions and records in msgpack (~20x quicker than
-# pickling Structs). What msgpack does not take, a record taken at the
-# readers' level (``odd``: its line's object too) or an integer past 64
-# bits, is rare and stays in the state itself, in memory: pmaptap imports
-# no deserializer that runs code (tests/trace/test_bad_input.py).
+# Spilled copies: positions and records in msgpack (quicker than pickling
+# Structs). What msgpack does not take (an ``odd`` record, an integer past
+# 64 bits) stays in memory: pmaptap imports no deserializer that runs code
+# (tests/trace/test_bad_input.py).
 _ENCODER = msgspec.msgpack.Encoder()
 _POSITIONS = msgspec.msgpack.Decoder(list[tuple[float, int, int]])
 _RECORDS = msgspec.msgpack.Decoder(list[Union[tuple(CLASSES.values())]])  # noqa: UP007 - a runtime Union
@@ -519,12 +452,10 @@ def _decode(blob: bytes) -> list:
 
 def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) -> _Shardwise:
     """The copies in ``buckets`` of every spill file (``spills``: [(path,
-    spilled)]) as the merge keeps them: of each (record key, vhash), the
-    copies of the process whose copy comes first; taken into ``got`` (an
-    empty state) a bucket at a time, in the merge's order, each bucket
-    holding every copy of its record keys (so the first copy of a key and
-    its divergence are judged here, whole). ``placeable``: keep the lines
-    dropped (the whole run's decision)."""
+    spilled)]) as the merge keeps them (of each (record key, vhash), the
+    copies of the process whose copy comes first), taken into the empty
+    state ``got`` a bucket at a time in the merge's order. ``placeable``:
+    keep the lines dropped (the whole run's decision)."""
     if not placeable:
         got._forget()
     with collector_paused():
@@ -566,12 +497,10 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
 def combine(
     states: Iterable[_Shardwise], workers: int, resolver: Callable[[list], Iterable]
 ) -> _Shardwise:
-    """Every pass's state (of its sources) as one, the copies of
-    replicated values taken as the merge keeps them: held ones in this
-    process; where some went to a file, those held here go there too and
-    ``resolver(tasks)`` gives ``resolve(*task)`` of each of up to
-    ``workers`` tasks (a share of the buckets each), absorbed here. A
-    state ``resumed`` or ``overflow`` is given back as it is."""
+    """Every pass's state as one, the copies of replicated values taken as
+    the merge keeps them; where some went to a file ``resolver(tasks)``
+    gives ``resolve(*task)`` of up to ``workers`` tasks (a share of the
+    buckets each). A state ``resumed`` or ``overflow`` is given back as is."""
     got = _combine(states, workers, resolver)
     if not (got.resumed or got.overflow):
         got.load_keys()
@@ -585,10 +514,7 @@ def _combine(
     it = iter(states)
     got = next(it)
     if got.resumed or got.overflow:
-        # The pass is given up whatever the others hold: not waited for (a
-        # worker past a later attempt skips its units, so its state tends
-        # to come first).
-        return got
+        return got  # the pass is given up: the others are not waited for
     for other in it:
         if other.resumed or other.overflow:
             return other
@@ -649,24 +575,18 @@ class ShardwiseValidation(_Shardwise):
     """A validation's state of some of a run's sources, positions and all.
 
     A per-device record's first copy is found in its source, whose keys
-    are held while it is read and given up after (``_source_read``): a
-    key's copies in two sources (a clash) would make which one is first
-    the merge's to say, so what a source leaves is, per key without its
-    step (a tap's device), the steps it holds (``spans``: a range where
-    they are one, as a job writes them; else in a temporary file), and
-    ``settle`` looks for a clash only among the sources that hold steps of
-    one device in an overlapping range. So no process holds a position a
-    line of the run, and a worker sends a few entries per tap, device and
-    source."""
+    are given up once it is read (``_source_read``), leaving per tap and
+    device the steps it holds (``spans``: a range mostly); ``settle`` then
+    looks for a key in two sources (a clash: the merge's to order) only
+    among sources whose ranges overlap."""
 
     def __init__(self, path: str, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
         self.path, self.attempts = path, attempts
         self.v = Validator(path, attempts)
-        # Per-device duplicates as (position, its first copy's, parts),
-        # both in one source; duplicate_parts group -> [(least step, most
-        # step, source, steps)]: steps a range, a (file, offset, count) of
-        # int64s, or a frozenset of steps that are not all ints (odd lines).
+        # Per-device duplicates as (position, its first copy's, parts);
+        # group -> [(least step, most step, source, steps)]: steps a range,
+        # a (file, offset, count) of int64s, or a frozenset (odd steps).
         self.device_dups: list = []
         self.spans: dict[tuple, list] = {}
         self.steps_file: "str | None" = None
@@ -716,8 +636,7 @@ class ShardwiseValidation(_Shardwise):
         v.dups, v.firsts, v._groups = [], FirstCopies(), {}
 
     def _held(self, steps: dict) -> tuple:
-        """(least, most, steps) of a source's steps of one device
-        (``spans``)."""
+        """(least, most, steps) of a source's steps of one device."""
         # Steps met in order, one range: a job's (a C-level comparison).
         n, lo, hi = len(steps), next(iter(steps)), next(reversed(steps))
         if type(lo) is int and type(hi) is int and hi >= lo:
@@ -734,7 +653,6 @@ class ShardwiseValidation(_Shardwise):
         stride = (hi - lo) // (n - 1) if n > 1 else 1
         one = range(lo, hi + 1, stride)
         # n distinct steps from lo to hi are one range when they are its n.
-        # (In order they were taken above.)
         if len(one) == n and all(map(steps.__contains__, one)):
             return lo, hi, one
         if self.steps_file is None:
@@ -755,9 +673,8 @@ class ShardwiseValidation(_Shardwise):
             self.spans.setdefault(group, []).extend(theirs)
 
     def settle(self) -> None:
-        """Whether a per-device key has copies in two sources (``clash``):
-        of each device's sources, those whose ranges of steps overlap are
-        compared, their steps read back one device at a time."""
+        """Whether a per-device key has copies in two sources (``clash``),
+        comparing only sources whose ranges of steps overlap."""
         self.clash = any(
             _clash(near)
             for spans in self.spans.values()
@@ -772,8 +689,7 @@ class ShardwiseValidation(_Shardwise):
 
     def report(self) -> "Report | None":
         """The report (validate.validate_file's), ``combine``d; None where a
-        per-device key has copies in two sources (which one is first is the
-        merge's to say: the caller reads the merged stream)."""
+        per-device key has copies in two sources."""
         if self.overflow or self.clash:
             return None
         v = self.v
@@ -842,13 +758,11 @@ def read(
     sent: bool = False,
     end: bool = True,
 ) -> _Shardwise:
-    """``got`` of ``sources`` ((index in source.sources, path) each) as
-    well, until one is ``resumed``; copies past MAX_HELD_COPIES to a file
-    in ``spill_dir``, in ``buckets`` buckets. ``end``: ``got`` is whole
-    (``share``: its part of the run's bytes, every source it read), else
-    more sources are read into it later; ``sent`` (to the process that
-    combines the states): its keys go to ``spill_dir`` too
-    (``store_keys``)."""
+    """``got`` of ``sources`` ((index, path) each) as well, until one is
+    ``resumed``; copies past MAX_HELD_COPIES to ``spill_dir`` in ``buckets``
+    buckets. ``end``: ``got`` is whole (``share``: its part of the run's
+    bytes), else more sources come later; ``sent``: its keys go to
+    ``spill_dir`` too (``store_keys``)."""
     if got.resumed or got.overflow:
         return got  # the pass stops: more sources would not change that
     got.buckets, got.spill_dir = buckets, spill_dir
@@ -867,9 +781,8 @@ def read(
 
 
 def _serial(empty: _Shardwise, path: str) -> _Shardwise:
-    """``empty``'s state of every source of the local sharded run
-    ``path``, in this process (copies past the bound resolved here too, a
-    bucket at a time)."""
+    """``empty``'s state of every source of the local sharded run ``path``,
+    in this process."""
     files = source.sources(path)
     size = sum(os.path.getsize(f) for f in files)
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
@@ -877,9 +790,8 @@ def _serial(empty: _Shardwise, path: str) -> _Shardwise:
         return combine([got], 1, lambda tasks: [resolve(*t) for t in tasks])
 
 
-# How an empty state comes to hold every source of a run, ``combine``d
-# (``read``): in this process (``_serial``, the default), or a piece at a
-# time by tapfile/analyze/parallel.py's workers.
+# How an empty state comes to hold every source of a run, ``combine``d: in
+# this process (``_serial``) or by parallel.py's workers.
 Reader = Callable[[_Shardwise], _Shardwise]
 
 

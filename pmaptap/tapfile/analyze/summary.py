@@ -1,17 +1,11 @@
-"""Per-tap summaries: ``tap_summaries(records)`` for code (records as
-``pmaptap.read`` returns them), ``summarize_file(path)`` for ``pmaptap
-summary`` (streaming: records are decoded, summarized and dropped), and
-table.py's ``summary_table`` for people.
+"""Per-tap summaries: ``tap_summaries(records)`` for code,
+``summarize_file(path)`` for ``pmaptap summary`` (streaming).
 
-One path: ``Summarizer.add`` / ``add_batch`` take schema.py records (a dict
-is made one first) into a tap's ``_TapAcc``, whose state grows with the
-tap's distinct steps and devices, never with its values. That state merges
-exactly (``Summarizer.absorb``): ``pmaptap summary --jobs N`` summarizes
-pieces of a run in worker processes (tapfile/analyze/parallel.py) and gets the summary
-``--jobs 1`` gets, to the byte. So nothing here depends on the order
-records come in except through their positions (``pos``: where in the run's
-stream a record is, comparable across pieces): the values at the last step
-in stream order, a run's first appearance. Sums are exact (``_exact``).
+A tap's ``_TapAcc`` grows with its distinct steps and devices, never with
+its values, and merges exactly (``Summarizer.absorb``: ``--jobs N`` prints
+what ``--jobs 1`` prints). So nothing here depends on the order records
+come in except through their positions (``pos``, comparable across pieces).
+Sums are exact (``_exact``).
 """
 
 from __future__ import annotations
@@ -110,10 +104,9 @@ _FOLD = 4096
 
 
 def _exact(xs: list) -> list[float]:
-    """Floats whose exact sum is the exact sum of ``xs`` (non-overlapping,
-    largest first): each is math.fsum of what is left, which is correctly
-    rounded, so the rest is exact and the list short (2 or 3 for a run's
-    values). A sum beyond the float range is that infinity."""
+    """Floats whose exact sum is the exact sum of ``xs``: each is math.fsum
+    (correctly rounded) of what is left, so the list is short. A sum beyond
+    the float range is that infinity."""
     parts: list[float] = []
     xs = list(xs)
     try:
@@ -128,9 +121,8 @@ def _exact(xs: list) -> list[float]:
 
 
 def _union(a: set, b: Iterable, ordered: bool) -> None:
-    """``a |= b``. A set keeps the first of equal ids (1, 1.0, True): in
-    pieces taken in stream order (``ordered``) that is ``a``'s; otherwise
-    an id in both with another type has no order to go by."""
+    """``a |= b``. A set keeps the first of equal ids (1, 1.0, True): unless
+    ``ordered``, an id in both with another type has no order to go by."""
     if not ordered:
         mine = {x: x for x in a}
         for x in b:
@@ -170,10 +162,9 @@ class _TapAcc:
     """One tap's summary state."""
 
     def __init__(self, run: str, name: str, iteration: Any = None, tap: str | None = None) -> None:
-        # A looped tap: one accumulator per iteration (``iteration``, its
-        # row named shown_name(name, iteration)), as one per tap otherwise.
-        # ``tap``: the records' name where the row's is not (a pytree leaf's
-        # row, ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
+        # A looped tap: one accumulator per ``iteration``. ``tap``: the
+        # records' name where the row's is not (a pytree leaf's row,
+        # ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
         self.run, self.name, self.iteration = run, name, iteration
         self.tap = name if tap is None else tap
         self.kinds: set = set()
@@ -181,15 +172,14 @@ class _TapAcc:
         self.steps: set = set()  # of replicated and meta records
         self.processes: set = set()
         self.devices: set = set()
-        # (devices?, text): holders written as ranges text (schema.py),
-        # kept as text so that a record of a 4,096-process job costs the
-        # same as one of 2; expanded once, in result().
+        # (devices?, text): holders written as ranges text, expanded once,
+        # in result(), so a record of a large job costs what one of 2 does.
         self.holder_texts: set = set()
         self.last_step: Any = None  # the highest step with a scalar
         self.last_vals: list = []  # its scalar values, and their positions
         self.last_at: list = []
-        # Finite scalar values waiting to be summed, the exact sum of those
-        # summed (_exact), their count, min and max.
+        # Finite scalar values waiting to be summed; the exact sum of those
+        # summed, their count, min and max.
         self.vals: list = []
         self.sums: list[float] = []
         self.count = 0
@@ -199,8 +189,7 @@ class _TapAcc:
         self.divergent: set = set()
         # (step, pass, attempt[, shard index]) of replicated records
         self.rep_keys: set[tuple] = set()
-        # Per-device keys by (pass, attempt); the usual coordinates of each
-        # device (the first integer ones met): a device there is a bit.
+        # Per-device keys by (pass, attempt); each device's usual coordinates.
         self.lanes: dict[tuple, _Lane] = {}
         self.dev_coords: dict = {}
         self.attempt_of_step: dict = {}  # per-device steps: the latest attempt
@@ -208,24 +197,22 @@ class _TapAcc:
         self.duplicates = 0
         self.first_bad: Any = None  # first step with a NaN/inf
         self.first_bad_devs: set = set()
-        # Array elements (finite ones): count, min, max, each record's sum;
-        # the norm at the highest step.
+        # Finite array elements: count and each record's sum; the norm at
+        # the highest step.
         self.a_count = 0
         self.a_sums: list = []
         self.norm_step: Any = None
         self.norm: float | None = None
         self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
-        # Whether a record with an id of another type than int (1.0, true)
-        # was added: of equal ids, the sets keep the first met
-        # (shardwise.py). Only a record taken at the readers' level has one.
+        # Whether a record with a non-int id (1.0, true) was added: of equal
+        # ids the sets keep the first met, which shardwise.py cannot order.
         self.odd_ids = False
 
     # ---------------------------------------------------------- adding
 
     def holders(self, devices: bool, ids: Any) -> None:
-        """A record's holders (its ``devices`` or ``processes`` field: a
-        list, ranges text, or none), ranges text kept as text (expanded
-        once, in result())."""
+        """A record's ``devices`` or ``processes`` field (ranges text kept
+        as text)."""
         if ids:
             if type(ids) is str:
                 self.holder_texts.add((devices, ids))
@@ -258,9 +245,8 @@ class _TapAcc:
             self.first_bad_devs.add(dev)
 
     def _array(self, step: Any, r: AnyRecord, v: object) -> None:
-        """Statistics of a numeric array value (as written: NaN/inf markers,
-        or decoded: floats); pytrees, complex and summarized leaves are left
-        to the per-record views."""
+        """Statistics of a numeric array value (as written or decoded);
+        pytrees, complex and summarized leaves are left out."""
         import numpy as np  # array taps only: a scalar-only summary starts faster
 
         dtype = r.dtype
@@ -289,8 +275,7 @@ class _TapAcc:
             self.norm = max(self.norm or 0.0, norm)
 
     def add(self, r: AnyRecord, pos: Any) -> None:
-        """A record (a Struct; its value as written or decoded: non-finite
-        markers or floats) at position ``pos`` of the stream."""
+        """A record (a Struct) at position ``pos`` of the stream."""
         kind = r.kind
         step = r.step
         self.kinds.add(kind)
@@ -351,8 +336,7 @@ class _TapAcc:
             self.duplicates += 1
 
     def _fingerprint(self, r: AnyRecord, step: Any) -> None:
-        """A fingerprint record: its step and holders; its value is no
-        number to sum up, the divergent ones name suspects (fingerprints.py)."""
+        """A fingerprint record: its step and holders; no number to sum."""
         self.steps.add(step)
         self.holders(True, r.devices)
         if self.fp is None:
@@ -362,9 +346,8 @@ class _TapAcc:
     def _per_device(self, r: AnyRecord, step: Any) -> None:
         """A per-device record's key: a bit of its (pass, attempt) lane at
         its step for a device at its usual coordinates, else a key of its
-        own. A later attempt's replay of a step is not a duplicate of the
-        step it superseded (--all-attempts shows both), as in
-        checks.duplicate_key."""
+        own. A later attempt's replay is not a duplicate (as in
+        validate.duplicate_key)."""
         dev, coords = r.device, r.coords
         self.devices.add(dev)
         p, a = r.pass_, r.attempt
@@ -398,8 +381,7 @@ class _TapAcc:
 
     def _bit(self, dev: Any, coords: Any) -> int | None:
         """The bit of a device at its usual coordinates (the first integer
-        ones met for it; an integral id of another type, 1.0 or True, is the
-        same device), None for any other key."""
+        ones met; 1.0 or True is device 1), None for any other key."""
         try:
             usual = self.dev_coords.get(dev)
         except TypeError:  # unhashable: no record has one, but a dict could
@@ -413,7 +395,6 @@ class _TapAcc:
             and dev == int(dev)
             and type(_coords_key(coords)) is tuple
         ):
-            # checks._coords_key gives a tuple for integer coordinates only.
             self.dev_coords[int(dev)] = coords
             return int(dev)
         return None
@@ -421,8 +402,8 @@ class _TapAcc:
     # ---------------------------------------------------------- merging
 
     def absorb(self, o: _TapAcc, ordered: bool) -> None:
-        """Add another piece's state of this tap (``ordered``: a piece that
-        comes after this one in the stream; else positions decide)."""
+        """Add another piece's state of this tap (``ordered``: it comes
+        after this one in the stream; else positions decide)."""
         self._fold()
         o._fold()
         self.kinds |= o.kinds
@@ -493,8 +474,7 @@ class _TapAcc:
     # ---------------------------------------------------------- the result
 
     def _per_step(self) -> Counter:
-        """step -> how many distinct (device, coordinates) wrote it, over
-        passes and attempts."""
+        """step -> how many distinct (device, coordinates) wrote it."""
         lanes = list(self.lanes.values())
         out: Counter = Counter()
         if len(lanes) == 1:
@@ -529,11 +509,8 @@ class _TapAcc:
                     divergent.add(step)
         data_steps: set = set()
         if "replicated" in kinds and "per_device" in kinds:
-            # dedup="auto": identical copies give a replicated record, differing
-            # ones per-device records. Copies that differ once the tap has
-            # agreed are a divergence; copies that differ from the start (and
-            # until they first agree) are per-device data, e.g. a per-shard
-            # value that happened to agree at some step.
+            # dedup="auto": copies that differ once the tap has agreed are a
+            # divergence; before it first agreed, per-device data.
             agreed = min(key[0] for key in self.rep_keys)
             divergent |= {s for s in per_device_steps if s > agreed}
             data_steps = {s for s in per_device_steps if s < agreed}
@@ -567,9 +544,8 @@ class _TapAcc:
             processes=tuple(sorted_ids(p for p in processes if p is not None)),
             devices=tuple(sorted_ids(devices)),
             last=tuple(dict.fromkeys(last)),
-            # A zero without its sign: of -0.0 and 0.0, min() and max() keep
-            # the first met, and pieces or shards read apart meet them in
-            # another order than the stream.
+            # A zero without its sign: min() and max() keep the first of
+            # -0.0 and 0.0, and pieces read apart meet them in another order.
             min=self.lo + 0.0 if count else None,
             max=self.hi + 0.0 if count else None,
             mean=total / count if count else None,
@@ -620,12 +596,10 @@ def _scalar(v: object) -> float | None:
 class Summarizer:
     """Per-tap summaries of a stream of records, holding none of them.
 
-    ``add(r)`` every record that the summary covers; ``see(r)`` a record
-    that it does not cover but that is of a covered key (filtered out by
-    process or device), so that divergence is judged on every copy. With
-    ``reconcile`` (records as written, not yet reconciled) replicated keys
-    written with different values by different processes are divergent;
-    records from ``pmaptap.read`` already carry that mark."""
+    ``add(r)`` every record the summary covers; ``see(r)`` one of a covered
+    key that it does not cover (filtered out by process or device), so that
+    divergence is judged on every copy. ``reconcile``: records as written,
+    whose divergence is judged here (``pmaptap.read``'s carry the mark)."""
 
     def __init__(self, reconcile: bool = True) -> None:
         # The accumulators by run and name; each run's first position.
@@ -641,8 +615,8 @@ class Summarizer:
             self._index.add(r)
 
     def add(self, r: Any, pos: Any = None) -> None:
-        """A record (a Struct or its line's object, as written or decoded)
-        at ``pos`` of the stream (by default: after the last one added)."""
+        """A record (a Struct or its line's object) at ``pos`` of the stream
+        (by default: after the last one added)."""
         if type(r) is dict:
             r = from_dict(r)
         if pos is None:
@@ -659,19 +633,16 @@ class Summarizer:
             self._first[run] = pos
         acc = names.get(name)
         if acc is None:
-            # name: a tap's name, or (name, iteration) of a looped tap's
-            # iteration (_tap_of), summarized apart.
-            if type(name) is tuple:
+            if type(name) is tuple:  # a looped tap's (name, iteration)
                 acc = names[name] = _TapAcc(run, *name, tap=tap)
             else:
                 acc = names[name] = _TapAcc(run, name, tap=tap)
         return acc
 
     def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
-        """``add`` of each record of ``records`` (Structs; None for a line
-        that is no record), the first at position ``first`` (an int: the
-        rest follow it), or each at its own of ``positions``, a tap at a
-        time (_add_part)."""
+        """``add`` of each record of ``records`` (None for a line that is no
+        record) from position ``first``, or each at its own of ``positions``,
+        a tap at a time (_add_part)."""
         n = len(records)
         if positions is None:
             positions = range(first, first + n)
@@ -699,11 +670,9 @@ class Summarizer:
             self._add_part(self._acc(run, name, where[0]), part, where)
 
     def _add_part(self, acc: _TapAcc, part: list, where: Any) -> None:
-        """``add`` of one tap's records, in order. The usual record (a
-        number, first attempt, forward pass, whole, not flagged divergent; a
-        per-device one at its device's usual coordinates, a replicated one
-        with its value's hash: most lines of a run) is added here, in a loop
-        of local names; any other through ``add``."""
+        """``add`` of one tap's records, in order: the usual record (a
+        number, first attempt, forward pass, whole, not divergent: most
+        lines of a run) in a loop of local names; any other through ``add``."""
         lane = acc.lanes.get(_USUAL_LANE)
         if lane is None:
             lane = acc.lanes[_USUAL_LANE] = _Lane()
@@ -761,8 +730,7 @@ class Summarizer:
                     and _MATTERS(r) == _NONE_OF_THEM
                     and coords == dev_coords.get(d, 0)
                 ):
-                    # _TapAcc.add of this record (a decoded number is
-                    # finite: JSON has no NaN).
+                    # _TapAcc.add of this record (JSON has no NaN: finite).
                     added += 1
                     if p is not prev_proc:  # small ints are one object each
                         processes.add(p)
@@ -815,9 +783,7 @@ class Summarizer:
 
     def _add_one(self, r: AnyRecord, pos: Any, acc: _TapAcc) -> None:
         kind = r.kind
-        # Restarts reads only later attempts (and the meta record a resumed
-        # session writes): skip the rest, most of a file. A later attempt's
-        # record means the run was resumed (see Attempts).
+        # Restarts reads only later attempts and meta records.
         if self._index is not None and kind == "replicated":
             self._index.add(r)
         if r.attempt is not UNSET or kind == "meta":
@@ -826,8 +792,7 @@ class Summarizer:
                 self.resumed = True
         dtype = r.dtype
         if (type(dtype) is dict or type(dtype) is list) and kind != FINGERPRINT:
-            # A pytree ({"mean": m, "absmax": a}): a row per leaf, named as
-            # TensorBoard tags it (views.leaves), each with its numbers.
+            # A pytree: a row per leaf, named as TensorBoard tags it.
             for path, v, leaf_dtype in leaves(r.value, dtype):
                 leaf = msgspec.structs.replace(r, value=v, dtype=leaf_dtype)
                 name = acc.name + path
@@ -844,8 +809,7 @@ class Summarizer:
 
     def absorb(self, other: Summarizer, ordered: bool = True) -> None:
         """Add another Summarizer's state: a piece of the stream after this
-        one's (``ordered``), or anywhere (positions decide: comparable
-        across the pieces)."""
+        one's (``ordered``), or anywhere (positions decide)."""
         for run, names in other._taps.items():
             mine = self._taps.get(run)
             if mine is None:
@@ -865,8 +829,7 @@ class Summarizer:
         self.resumed = self.resumed or other.resumed
 
     def shift(self, where: Any) -> None:
-        """Every position held, ``p``, made ``where(p)`` (tapfile/analyze/parallel.py:
-        a piece's positions as the whole run's)."""
+        """Every position held, ``p``, made ``where(p)``."""
         self._first = {run: where(p) for run, p in self._first.items()}
         for names in self._taps.values():
             for acc in names.values():
@@ -895,15 +858,13 @@ def _ITERATION(r: AnyRecord) -> bool:
 
 
 def _tap_order(item: tuple) -> tuple:
-    """Summary rows by tap name, a looped tap's iterations after each other
-    in loop order (its accumulators are keyed by (name, iteration))."""
+    """Summary rows by tap name, a looped tap's iterations in loop order."""
     k = item[0]
     return k if type(k) is tuple else (k, ())
 
 
 def _tap_of(r: AnyRecord) -> Any:
-    """What a summary row stands for: the tap's name, or (name, iteration)
-    for a record of a tap in a loop body (each iteration its own row)."""
+    """A summary row's key: the tap's name, or (name, iteration)."""
     it = r.iteration
     return r.name if it is UNSET else (r.name, tuple(it))
 
@@ -918,9 +879,8 @@ _NONE_OF_THEM, _NONE4 = (UNSET,) * 5, (UNSET,) * 4
 
 
 def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
-    """The positions of each distinct key of ``keys`` (hashable), in the
-    order keys first appear: a few distinct keys (the usual batch) take a
-    few C-level passes each; many take one Python pass in all."""
+    """The positions of each distinct key of ``keys``, in the order keys
+    first appear: a few keys in C-level passes, many in one Python pass."""
     distinct = list(dict.fromkeys(keys))
     if len(distinct) == 1:
         return [(distinct[0], range(len(keys)))]
@@ -955,19 +915,15 @@ Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result:
-    """``pmaptap summary``: the summaries of the records of ``path`` that
-    ``flt`` matches, streaming the run (records are decoded, summarized and
-    dropped; values are never decoded): one file, or a sharded run's merged
-    stream (source.iter_merged). Also the (line, problem) list of lines that
-    are not records and every name and run read. tapfile/analyze/parallel.py's
-    summarize_file gives the same result in worker processes, and of a
-    sharded run a shard at a time (tapfile/analyze/shardwise.py)."""
+    """``pmaptap summary``: the summaries of the records of ``path`` (one
+    file or a sharded run's merged stream) that ``flt`` matches, streaming;
+    also the (line, problem) list of lines that are not records and every
+    name and run read. The definition parallel.py and shardwise.py match."""
     path = Run.of(path)
     flt = flt or Filter()
     if not flt.active and not flt.all_attempts:
-        # The common case in one pass, assuming the run was never resumed;
-        # a record of a later attempt means it was: then the pass below,
-        # which first finds what later attempts superseded.
+        # One pass assuming the run was never resumed; if it was, the pass
+        # below, which first finds what later attempts superseded.
         acc, bad = _summarize_merged(path)
         if not acc.resumed:
             names, runs = acc.names_and_runs()
@@ -977,8 +933,7 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result
 
 class FilteredSummarizer(Summarizer):
     """A Summarizer of the records a filter keeps, knowing what later
-    attempts superseded (``attempts``), the names and runs of every record
-    read."""
+    attempts superseded, and the names and runs of every record read."""
 
     def __init__(self, flt: Filter, attempts: Attempts) -> None:
         super().__init__()
@@ -1025,11 +980,8 @@ class FilteredSummarizer(Summarizer):
 
 
 def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
-    """What a summary's first pass knows of later attempts: None where no
-    filter is active and the latest attempt's records alone are wanted (the
-    pass assumes the run was never resumed, and says so where it was:
-    attempts.latest); else what they superseded, found first (nothing with
-    ``all_attempts``)."""
+    """What a summary's first pass knows of later attempts: None (assume
+    none) where no filter is active; else what they superseded."""
     if not flt.active and not flt.all_attempts:
         return None
     return Attempts() if flt.all_attempts else scan(path)
@@ -1038,13 +990,8 @@ def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
 def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
     """summarize_file for any filter and any run: what later attempts
     superseded found first (attempts.scan), then one pass."""
-    # What a later attempt of a resumed run replaced is not part of the story.
     acc = FilteredSummarizer(flt, scan(path) if not flt.all_attempts else Attempts())
     bad: list[tuple[int, str]] = []
-    # The loop allocates a few small objects per line and frees the record,
-    # creating no reference cycles; the cyclic collector would still walk the
-    # growing per-tap sets again and again (a third of the time of a large
-    # file), so it waits until the run is read.
     with collector_paused():
         for first, records, problems in iter_record_batches(path):
             if problems:
@@ -1054,9 +1001,8 @@ def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
 
 
 def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
-    """Every record of the run (a file or a sharded run's merged stream),
-    until the first of a later attempt (then ``resumed``, and the caller
-    starts again)."""
+    """Every record of the run until the first of a later attempt (then
+    ``resumed``, and the caller starts again)."""
     acc = Summarizer()
     bad: list[tuple[int, str]] = []
     with collector_paused():
@@ -1067,6 +1013,3 @@ def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[i
             if acc.resumed:
                 break
     return acc, bad
-
-
-_summarize_plain = _summarize_merged  # one file or many: the same pass

@@ -1,13 +1,8 @@
 """Checks on tap files beyond "is it a record": the format's own rules
-(schema.format_problems), duplicates, missing steps. Used by
-``pmaptap validate`` and ``pmaptap summary``.
-
-Duplicates (what the cross-process dedup in _host/sinks/crossdedup.py should have
-prevented, or a file concatenated twice):
-- replicated: the same (run, name, step, pass) with the same ``vhash`` (or the
-  same value where there is no hash) twice. The same key with *different*
-  hashes is a cross-process divergence, which is data, not a duplicate.
-- per_device: the same (run, name, step, pass, index, device, coords) twice.
+(schema.format_problems), duplicates, missing steps (``pmaptap validate``,
+``pmaptap summary``). A duplicate is a record_key written twice with the
+same value (per-device: the same device and coords); the same key with
+different values is a divergence, which is data.
 """
 
 from __future__ import annotations
@@ -67,10 +62,9 @@ def _canonical(x: Any) -> str:
 
 
 def _coords_key(coords: Any) -> Any:
-    # Mesh coordinates are small dicts of ints: a sorted item tuple is an exact
-    # key and ~10x cheaper than JSON text (this runs for every per-device
-    # record of a summary). Anything else falls back to the JSON text; equal
-    # coordinates always take the same branch.
+    # Mesh coordinates are small dicts of ints: a sorted item tuple is an
+    # exact key, far cheaper than JSON text (it runs for every per-device
+    # record). Anything else falls back to the JSON text.
     if type(coords) is dict and len(coords) == 1:  # one mesh axis: no sort
         item = next(iter(coords.items()))
         if type(item[1]) is int:
@@ -190,9 +184,7 @@ class Report:
 class FirstCopies:
     """``find_duplicates`` one record at a time, holding small per-key state
     (never a record): ``add(r, line)`` returns the line of r's first copy
-    if r repeats an earlier record (duplicate_key), else None. By key without
-    its step, then by step: an int per per-device record, a (vhash, line)
-    per replicated one."""
+    if r repeats an earlier record, else None."""
 
     def __init__(self) -> None:
         self._keys: dict[tuple, dict] = {}
@@ -256,11 +248,9 @@ def _what(parts: tuple) -> str:
 
 class Validator:
     """``pmaptap validate``'s state over a stream of records: every problem
-    with its position (a bad line, the format, a missing stored value, a
-    duplicate and where its first copy is), per-key state (FirstCopies,
-    DivergenceIndex), never the records. ``attempts`` None: the run is
-    assumed never resumed, and ``resumed`` says at the first record of a
-    later attempt (the caller starts again, knowing)."""
+    with its position, and per-key state, never the records. ``attempts``
+    None: the run is assumed never resumed, and ``resumed`` says at the
+    first record of a later attempt (the caller starts again)."""
 
     def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
         from pmaptap.tapfile.read import DivergenceIndex
@@ -279,9 +269,8 @@ class Validator:
         # (run, name, device, coordinate) -> (its duplicate_parts group, the
         # group's steps in firsts), for the usual per-device record.
         self._groups: dict[tuple, tuple] = {}
-        # Whether a record taken at the readers' level was added: only such
-        # a record has ids of other types (1.0, true), which a key of
-        # FirstCopies may hold instead of an equal one (see absorb).
+        # Whether an odd record was added: only such a record has ids of
+        # other types (1.0, true) (see absorb).
         self.odd = False
 
     def take(self, records: list, problems: dict, first: int) -> None:
@@ -295,12 +284,10 @@ class Validator:
         self.take_records(records, range(first, first + len(records)))
 
     def take_records(self, records: list, positions: Any) -> None:
-        """``add`` of each record (None: none) at its position; where the
-        run is assumed never resumed, a record of a later attempt ends the
-        pass instead (``resumed``: the caller reads again, knowing). The
-        usual per-device record (a number of a float dtype, its device at
-        one integer coordinate or none, nothing else set: most lines) is checked
-        in a loop of local names."""
+        """``add`` of each record (None: none) at its position, until
+        ``resumed``. The usual per-device record (a float number at one
+        integer coordinate or none, nothing else set: most lines) is
+        checked in a loop of local names."""
         guess = self.attempts is None
         superseded = self.attempts.superseded if self.attempts else None
         groups = self._groups
@@ -372,11 +359,9 @@ class Validator:
             self.fingerprinted.add((r.run, r.name, r.step))
 
     def absorb(self, other: Validator, offset: int) -> None:
-        """Add the state of the piece of the same file after this one's,
-        its positions ``offset`` lines on (tapfile/analyze/parallel.py; offset 0: other
-        sources of a sharded run, positions the merge's already,
-        shardwise.py). A first copy in that piece of a key this one holds
-        is a duplicate."""
+        """Add the state of the piece after this one's, its positions
+        ``offset`` lines on (0: positions in the merge already). A first
+        copy there of a key this one holds is a duplicate."""
         self.lines = offset + other.lines
         self.records += other.records
         self.superseded += other.superseded
@@ -390,10 +375,9 @@ class Validator:
 
     def absorb_firsts(self, other: Validator, offset: int) -> None:
         """``other``'s first copies, their positions ``offset`` on: one of
-        a key this one holds is a duplicate. Its key is the one ``other``
-        met first, whose ids may be of another type than the line's own
-        (1.0 for 1) where a record was odd: the line would be described by
-        another's id, so the caller reads in one process."""
+        a key this one holds is a duplicate. Where a record was odd its
+        key's ids may be of another type than the line's own (1.0 for 1):
+        then the caller reads in one process."""
         odd = self.odd or other.odd
         self.odd = odd
         for parts, pos in other.firsts.entries():
@@ -435,13 +419,10 @@ def line_text(pos: Any) -> str:
 
 
 def validate_file(path: str | os.PathLike) -> Report:
-    """Every problem of a run, in one streaming pass: its state is per key
-    (FirstCopies, DivergenceIndex), never the records. The pass assumes the
-    run was never resumed (most runs); a record of a later attempt means it
-    was, and then the run is read again, after a scan of the lines that
-    mention an attempt (attempts.scan: what each later attempt superseded).
-    tapfile/analyze/parallel.py's validate_file gives the same report in worker
-    processes, and of a sharded run a shard at a time (tapfile/analyze/shardwise.py)."""
+    """Every problem of a run, in one streaming pass holding per-key state.
+    The pass assumes the run was never resumed; if it was, the run is read
+    again after attempts.scan. The definition parallel.py and shardwise.py
+    match."""
     path = Run.of(path)
     return latest(path, lambda attempts: _validate(path, attempts))
 

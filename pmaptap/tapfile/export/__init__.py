@@ -3,7 +3,7 @@ sharded run merged into one file.
 
 The one entry of this layer (tests/project/test_layout.py)."""
 
-from pmaptap.tapfile.export.csv_rows import csv_row, flatten_value, write_csv
+from pmaptap.tapfile.export.csv_rows import write_csv
 from pmaptap.tapfile.export.merging import merge, merge_follow
 from pmaptap.tapfile.export.plot import PlotError, per_leaf, plot_tap
 from pmaptap.tapfile.export.tensorboard import TensorBoardExport, tag_parts

@@ -1,14 +1,6 @@
-"""``pmaptap export``: records as CSV, one row per record.
-
-Scalar values (and the scalar leaves of a pytree value) become numeric
-columns: ``value`` for a plain value, ``value.<key>`` / ``value.<index>`` for
-pytree leaves, so a spreadsheet or ``pandas.read_csv`` can use them directly.
-An array leaf is kept as its strict-JSON text in its column. Coordinates
-become ``coords.<axis>`` columns (format.coords_column, as in frames and
-Parquet). Non-finite values are written ``nan``,
-``inf``, ``-inf``, which pandas and most tools read back as floats.
-
-Parquet (typed columns) is frame.py; TensorBoard event files tensorboard.py.
+"""``pmaptap export --csv``: records as CSV, one row per record, the
+columns docs/cli.md lists (scalar leaves numeric, ``coords.<axis>``, an
+array leaf as its strict-JSON text, non-finite values ``nan``/``inf``).
 """
 
 from __future__ import annotations
@@ -100,9 +92,8 @@ def csv_row(e: Entry) -> dict[str, Any]:
 
 def write_csv(entries: Sequence[Entry] | Callable[[], Iterable[Entry]], out: IO[str]) -> int:
     """Write one row per entry; returns the number of rows. ``entries``
-    may be a function that gives them afresh on each call (a streaming
-    reader): then the header's columns are found in one pass and the rows
-    written in a second, and no row is held."""
+    may be a function that gives them afresh on each call: then the header
+    is found in one pass and the rows written in a second."""
     if callable(entries):
         fresh = entries
     else:

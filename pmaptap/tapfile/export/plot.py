@@ -1,19 +1,9 @@
-"""``pmaptap plot``: a PNG line plot of one tap's value against its step.
-
-One line for a replicated tap, one line per device for a per-device tap:
-up to 4 devices in one axes; 5-16 as small multiples, one panel per
-device sharing both axes (8 overlapping lines could not be told apart).
-Divergent points are marked with red crosses: replicated records flagged
-``divergent`` (copies disagreed; every distinct value is drawn), and, for a
-``dedup="auto"`` tap (a name with both kinds of records), the per-device
-records after the tap's first replicated (agreeing) step; before that the
-copies simply hold per-device data. Non-finite values cannot be drawn as
-points: each is marked at the top (NaN, +inf) or bottom (-inf) edge of the
-axes at its step. ``logy`` draws a log value axis; ``smooth=N`` draws each
-series' trailing mean over N points over the faded raw line. matplotlib is
-an optional extra (``pip install "pmaptap[plot]"``). With more than 16
-device series, the plot draws their median with a min-max band and only the
-outlying devices as named lines.
+"""``pmaptap plot``: a PNG line plot of one tap's value against its step,
+drawn as docs/cli.md says (a line per device, small multiples past 4, a
+median and band past 16; divergent points as red crosses; non-finite
+values marked at the axes' edge). For a ``dedup="auto"`` tap the
+per-device records after its first agreeing step are divergent; before
+it they are per-device data. matplotlib is an optional extra.
 """
 
 from __future__ import annotations
@@ -154,9 +144,8 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
         if divergent:
             marks[label].append((r["step"], x))
         if divergent and r.get("kind") == "replicated":
-            # A divergent replicated step has several values and no single
-            # "replicated" point: it is drawn by its marks, and a NaN breaks
-            # the line there instead of bridging the disagreement.
+            # A divergent replicated step has no single point: drawn by its
+            # marks, with a NaN breaking the line there.
             x = math.nan
         series[label].append((r["step"], x))
         if auto and r.get("kind") == "per_device":
@@ -174,9 +163,7 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
         return _small_multiples(plt, series, marks, bad, title, logy=logy, smooth=smooth)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if len(devices) > _MAX_LEGEND:
-        # Too many devices even for a panel each: their median, the min-max
-        # band around it, and only the devices that stray from it drawn and
-        # named.
+        # Too many devices for a panel each: median, band and outliers.
         keep = _band(ax, {lb: series.pop(lb) for lb in devices}, smooth)
         series.update(keep)
     every_mark = [m for lb in marks for m in marks[lb]]

@@ -1,39 +1,10 @@
-"""``pmaptap export --tensorboard DIR``: tap records as TensorBoard event files.
-
-Layout, so that TensorBoard's run selector and tag groups line up with taps:
-
-- one run per tap-file run: ``DIR/<run>/`` (a run id is made safe as a
-  directory name);
-- a replicated tap is one scalar series tagged with its name; a per-device
-  tap is one series per device, ``name/device_<id>``;
-- a pytree value adds its leaf path: ``name/<key>/<index>`` (then
-  ``/device_<id>`` for per-device taps); a summarized leaf (a value too large
-  to send, kept as statistics) becomes its statistics' series
-  ``.../min``, ``.../max``, ...;
-- an array leaf is a histogram under the same tag (a value stored as bytes
-  is loaded for it one record at a time; one whose bytes are missing is
-  reported and skipped). A histogram has no bucket
-  for NaN/inf, so they are left out of it and their count goes to the scalar
-  series ``<tag>/nonfinite`` at that step (a point only where there were any);
-- non-finite scalars are written as the float NaN/inf, which TensorBoard
-  stores and shows as such;
-- a complex scalar is two series ``<tag>/real`` and ``<tag>/imag``; a complex
-  array is a histogram of the magnitudes;
-- a backward-pass record (``tap_grad``) gets ``@backward`` after its name.
-
-A resumed run (``Session(resume=True)``) replays the steps after its
-checkpoint. When a record of a later attempt comes at a step at or below
-what the run's series already hold (``--follow`` converting a restart as it
-happens, or the live ``pmaptap.forwarders.TensorBoard`` of a resumed job),
-the run's writer is reopened with TensorBoard's ``purge_step`` at that step:
-TensorBoard then drops the earlier attempt's points from that step on, so
-its view ends with one point per step, as the batch readers show.
-
-The record's ``time`` is the event's wall time, so TensorBoard's "relative"
-and "wall" axes show when the job tapped the value, not when it was exported.
-
-tensorboardX writes the files; it is an optional extra, imported only here
-and only when an export runs. No JAX.
+"""``pmaptap export --tensorboard DIR``: tap records as TensorBoard event
+files, laid out as docs/cli.md says (a run directory per tap-file run, a
+series per tap, device, leaf and statistic, histograms for arrays). A
+resumed run's replayed steps reopen the run's writer with ``purge_step``
+so TensorBoard ends with one point per step, as the batch readers show.
+tensorboardX is an optional extra, imported only when an export runs.
+No JAX.
 """
 
 from __future__ import annotations
@@ -81,20 +52,15 @@ class _QuietNonFinite(logging.Filter):
 _X2NUM_LOGGER = "tensorboardX.x2num"
 
 
-# Characters of a run's directory name at most: file systems refuse names
-# past 255 bytes (NAME_MAX), and the name is ASCII. A longer one is cut and
-# ends in a hash of the whole run id, so two long ids that share their first
-# characters still get two directories.
+# Characters of a run's directory name at most (NAME_MAX is 255 bytes); a
+# longer one is cut and ends in a hash of the whole run id.
 RUN_DIRNAME_MAX = 128
 _RUN_HASH_HEX = 16
 
 
 def run_dirname(run: Any) -> str:
-    """A run id as one directory name: never a path (no separators, not
-    ``.``/``..``), so a hand-edited run id cannot write outside DIR; at most
-    RUN_DIRNAME_MAX characters, so a long one cannot fail the export
-    (``File name too long``): its first characters, then ``-`` and a hash
-    of the whole id."""
+    """A run id as one directory name: never a path, so a hand-edited run
+    id cannot write outside DIR; at most RUN_DIRNAME_MAX characters."""
     text = str(run)
     name = _UNSAFE.sub("_", text)
     name = "_" + name if name in ("", ".", "..") else name
@@ -112,12 +78,10 @@ def _hashed(name: str, run_id: str) -> str:
 
 def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     """What a scalar's tag puts before and after its leaf path: the tap name
-    (``/<iteration>`` for a tap in a loop body, ``@<pass>`` for backward
-    taps) and ``/device_<id>`` for per-device taps
-    (one series per device). With ``mark_divergent``, each copy of a
-    divergent replicated value (its devices disagreed) goes to its own series
-    ``/divergent/device_<first holder>`` instead of the tap's, which a live
-    dashboard would otherwise show as one value of the step chosen at random."""
+    (``/<iteration>``, ``@<pass>``) and ``/device_<id>`` for per-device
+    taps. With ``mark_divergent``, each copy of a divergent replicated value
+    goes to its own series ``/divergent/device_<first holder>``, not one
+    copy chosen at random into the tap's."""
     # A looped tap: one series per iteration (act_rms/3).
     base = curve_tag(rec.get("name"), rec.get("iteration"))
     if rec.get("pass", "forward") != "forward":
@@ -241,18 +205,16 @@ class TensorBoardExport:
     def _open(self, run: Any, purge_step: int | None, warn: bool = True) -> Any:
         logdir = self._logdir(run)
         if warn and purge_step is None and glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-            # Not an error: a second export of a grown file, or of several
-            # files of one run, is legitimate; but TensorBoard then shows
-            # the points of both, so say so.
+            # Not an error (a second export of a grown file), but
+            # TensorBoard then shows the points of both: say so.
             log.warning(
                 f"pmaptap export: {logdir} already holds event files; "
                 "TensorBoard will show their points too (export into a "
                 "new directory to avoid doubles)"
             )
-        # tensorboardX names a file by the second it was opened and the
-        # host: a writer reopened (purge) within that second would replace
-        # the file before it. The suffix keeps the names apart and in the
-        # order TensorBoard must read them.
+        # tensorboardX names a file by the second it was opened: a writer
+        # reopened (purge) within that second would replace the file before
+        # it. The suffix keeps them apart and in order.
         suffix = f".{os.getpid()}.{next(_FILE_IDS):06d}"
         # flush_secs is a ceiling; follow mode flushes after each poll.
         return self._writer_cls(
@@ -271,10 +233,8 @@ class TensorBoardExport:
         step, attempt = rec.get("step"), attempt_of(rec)
         st = self._attempts.get(run)
         if st is None or attempt > st.attempt:
-            # The first record of a later attempt (or, in a fresh process,
-            # the first record it sees of a resumed run, whose earlier
-            # attempts' points may already be in the directory): from its
-            # step on, TensorBoard must show this attempt's points only.
+            # The first record of a later attempt: from its step on,
+            # TensorBoard must show this attempt's points only.
             replays = attempt > 0 and (st is None or step <= st.last)
             if w is not None and replays:
                 w.close()
@@ -385,10 +345,9 @@ class TensorBoardExport:
             w.flush()
 
     def close_files(self) -> None:
-        """Every event written on disk: tensorboardX's ``flush()`` does not
-        wait for the events its writer thread has not taken yet, ``close()``
-        does. A later ``add`` opens a new event file of the run (TensorBoard
-        reads a directory's files in order)."""
+        """Every event written on disk (``close()``: tensorboardX's
+        ``flush()`` does not wait for its writer thread). A later ``add``
+        opens a new event file of the run."""
         for w in self._writers.values():
             w.close()
         self._writers.clear()
@@ -442,12 +401,9 @@ def follow(
     interval: float = 0.5,
     timeout: float | None = None,
 ) -> Stats:
-    """Convert what the file holds, then keep converting what writers append,
-    flushing the event files after every poll so that TensorBoard shows a
-    live job. Ctrl-C / SIGTERM (or ``timeout`` seconds) end it cleanly with
-    every converted record flushed. A restarted run's replayed steps
-    replace the earlier attempt's points (``purge_step``) unless
-    ``flt.all_attempts``."""
+    """Convert what the file holds, then keep converting what writers
+    append, flushing after every poll (``pmaptap export --tensorboard
+    --follow``, docs/cli.md)."""
     path = Run.of(path)
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards

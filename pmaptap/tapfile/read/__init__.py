@@ -18,7 +18,7 @@ from pmaptap.tapfile.read.follower import (
     polls,
     stop_on_signals,
 )
-from pmaptap.tapfile.read.frame import FrameBuilder, per_device, write_parquet
+from pmaptap.tapfile.read.frame import per_device, write_parquet
 from pmaptap.tapfile.read.query import Filter, parse_steps
 from pmaptap.tapfile.read.reader import read
 from pmaptap.tapfile.read.stream import first_pass

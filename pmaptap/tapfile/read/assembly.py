@@ -113,9 +113,8 @@ def assemble(
         if leaf is not None:
             return _get(out, chosen[0])
         return out
-    # A None hole of the pytree (eqx.partition's filtered-out leaves) is no
-    # leaf to JAX: ``index`` and ``global_shape`` hold one entry per array
-    # leaf, so positions in them count array leaves only.
+    # A None hole of the pytree is no leaf to JAX: positions in ``index``
+    # and ``global_shape`` count array leaves only.
     at = _array_paths(dtype)
     arrays = {p: _assemble_leaf(sharded, at, p, where, store) for p in chosen if p in at}
     if leaf is not None or paths == [()]:
@@ -263,10 +262,9 @@ def _overlaps(boxes: list[tuple]) -> dict[tuple, list[tuple]]:
 
 
 def _assemble_leaf(recs: list[dict], paths: list, path: tuple, where: str, store: ByteStore):
-    """One leaf's global array. Every record's slice of it is loaded and
-    checked: copies of a slice, and slices that overlap, must hold the same
-    bits where they meet (by the leaf's own bytes: a pytree's record hash
-    covers its other leaves too), and each value must fill its slice."""
+    """One leaf's global array. Copies of a slice, and slices that overlap,
+    must hold the same bits where they meet (the leaf's own bytes, not the
+    record's hash), and each value must fill its slice."""
     import numpy as np
 
     k = paths.index(path)

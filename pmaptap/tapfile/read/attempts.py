@@ -1,17 +1,10 @@
 """Attempts of a resumed run: which records a later attempt superseded.
 
-A run restarted from a checkpoint (``Session(resume=True)``) replays the
-steps after the checkpoint. Its records carry ``"attempt": N`` (N >= 1; the
-first attempt writes no field, i.e. 0) and the file stays append-only, so
-the old attempt's records for the replayed steps are still there. Readers
-show one story: for each (run, name, step, pass) (format.step_key), only
-the records of the latest attempt that wrote that step are visible.
-
-The unit is the step, not the device: an attempt may run on another number
-of processes or devices (an elastic restart), and then the old attempt's
-per-device records of a replayed step must all go, including those of
-devices the new attempt does not have. Meta records (``pmaptap/dropped``,
-``pmaptap/attempt``, ...) are facts about what happened and stay visible.
+Readers show one story: for each (run, name, step, pass) (step_key), only
+the records of the latest attempt that wrote that step. The unit is the
+step, not the device: after an elastic restart the old attempt's records
+of a replayed step all go, those of devices the new attempt lacks too.
+Meta records are facts about what happened and stay visible.
 """
 
 from __future__ import annotations
@@ -82,9 +75,8 @@ def scan(path: str | os.PathLike) -> Attempts:
                 idx.add(d)
         return idx
     if run.sharded:
-        # Attempts.add takes records in any order, and a replicated copy
-        # the merge drops holds the same attempt as the copy it keeps: each
-        # source on its own, one file open at a time, no merge.
+        # Attempts.add takes records in any order: each source on its own,
+        # no merge.
         for f in source.sources(run):
             _scan_file(idx, f)
         return idx
@@ -102,10 +94,8 @@ def latest(
     attempts: "Attempts | None" = None,
 ) -> T:
     """``read(attempts)``; with ``attempts`` None, a pass that assumes the
-    run was never resumed (most runs): where it was after all (``resumed``
-    of the pass: a record of a later attempt met; by default, the pass
-    gave None), the run is read again once what each later attempt
-    superseded is known (``scan``)."""
+    run was never resumed: where it was (``resumed``; by default, the pass
+    gave None), the run is read again after ``scan``."""
     got = read(attempts)
     if attempts is None and (got is None if resumed is None else resumed(got)):
         return read(scan(path))

@@ -9,21 +9,15 @@ from pmaptap.tapfile.record import key_with_step, record_key, split_step
 
 
 class DivergenceIndex:
-    """Which replicated keys (``record_key``) the file holds with more
-    than one distinct value (``vhash``): ``add`` every replicated record
-    seen, then ask ``divergent``. The first writer of a key could not know
-    that a later one would disagree (see _host/sinks/crossdedup.py). Which process
-    wrote the values does not matter: two values of one key from one
-    process (two ``Writer``s, two sessions on one run) are as much two
-    stories as two processes' are. A key's attempt is part of it, so a
-    resumed run's replay (a later attempt) is another key, not a second
-    value. Holds one small entry per replicated key, never the records."""
+    """Which replicated keys (``record_key``) the file holds with more than
+    one distinct value (``vhash``), whichever processes wrote them: ``add``
+    every replicated record seen, then ask ``divergent``. The first writer
+    of a key could not know that a later one would disagree. Holds one
+    small entry per replicated key, never the records."""
 
     def __init__(self) -> None:
-        # split_step's rest of a key (run, name, pass, index, attempt) ->
-        # step -> the vhash seen there while one was, then the set of the
-        # vhashes seen. By step within the rest of the key: a small entry
-        # per step, not a tuple per record, for a summary of a long run.
+        # split_step's rest of a key -> step -> the vhash seen there while
+        # one was, then the set of the vhashes seen: a small entry per step.
         self._seen: dict[tuple, dict[Any, Any]] = {}
         # Whether any key was seen with a second vhash: only then can
         # ``divergent`` be true (readers skip asking otherwise).

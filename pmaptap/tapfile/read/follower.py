@@ -1,11 +1,8 @@
-"""Reading a tap file while writers append to it (``pmaptap tail -f``;
-the command itself is in cli.py).
+"""Reading a tap file while writers append to it (``pmaptap tail -f``).
 
-Writers append whole lines with one ``write`` under a lock (sink.py), but a
-reader takes no lock, so it can see a line that is still being written, and a
-killed writer leaves a torn line that the next writer terminates with a
-newline. So bytes after the last newline are held back until their newline
-arrives; only then is the line parsed (and reported if it is not a record).
+A reader takes no lock, so it can see a line still being written, or a
+killed writer's torn line: bytes after the last newline are held back
+until their newline arrives; only then is the line parsed.
 """
 
 from __future__ import annotations
@@ -37,20 +34,17 @@ class LineFollower:
     """Complete lines of ``path`` from the start, then as they are appended.
 
     ``poll()`` yields the (line number, bytes) of lines completed since the
-    last call, a chunk at a time so a large file is never held in memory
-    (consume it fully: a chunk's offset is committed when it is read). A
-    file that is replaced (new inode) or truncated is read again from its
-    start, since its old offsets mean nothing any more.
+    last call, a chunk at a time (consume it fully: a chunk's offset is
+    committed when it is read). A file replaced or truncated is read again
+    from its start.
     """
 
     def __init__(
         self, path: str | os.PathLike, keep_open: bool = True, chunk: int = _CHUNK
     ) -> None:
         self.path = os.fspath(path)
-        # keep_open=False: the file is open only while a chunk is read (a
-        # follower of thousands of shards holds none of them between polls
-        # or between chunks, so the open-file limit does not bound the run
-        # it can follow); ``chunk`` bytes a read.
+        # keep_open=False: the file is open only while a chunk is read, so
+        # the open-file limit does not bound how many shards are followed.
         self.keep_open = keep_open
         self.chunk = chunk
         self._f = None
@@ -72,9 +66,8 @@ class LineFollower:
 
     def _read_closed(self) -> Iterator[bytes]:
         """keep_open=False: chunks from where the last read stopped, the
-        file opened for each and closed before it is handed on. A file
-        replaced (new inode) or truncated since the last poll is read from
-        its start; one replaced during this poll waits for the next."""
+        file opened for each and closed before it is handed on (one
+        replaced during this poll waits for the next)."""
         first = True
         while True:
             try:
@@ -134,9 +127,8 @@ class LineFollower:
             pieces = (self._partial + chunk).split(b"\n")
             self._partial = pieces.pop()  # b"" when the chunk ended a line
             if len(self._partial) > record.MAX_LINE_BYTES:
-                # Keep one byte past the limit, enough for parse_line to
-                # report the line as too long once its newline comes: memory
-                # stays bounded whatever a line's length.
+                # One byte past the limit lets parse_line report the line as
+                # too long: memory stays bounded whatever a line's length.
                 self._partial = self._partial[: record.MAX_LINE_BYTES + 1]
             for raw in pieces:
                 self.lineno += 1
@@ -212,12 +204,9 @@ def polls(stop: StopFlag, interval: float, timeout: float | None) -> Iterator[No
 class StopFlag:
     """What ends a follow loop; ``set()`` may be called from a signal handler.
 
-    A ``threading.Event`` may not: its ``set()`` takes the lock that
-    ``Event.wait`` holds around its timeout, and the handler runs on the main
-    thread, which may be inside that very ``wait`` -- so Ctrl-C or SIGTERM
-    could hang ``tail -f`` forever (CPython gh-126434; seen in CI). Here
-    ``set()`` only assigns a flag and writes a byte to a pipe (no lock), and
-    ``wait()`` sleeps in ``select`` on that pipe, so a stop wakes it at once.
+    A ``threading.Event``'s ``set()`` may not: it takes the lock the main
+    thread may hold inside ``Event.wait`` (CPython gh-126434: a hang seen in
+    CI). Here ``set()`` writes a byte to a pipe that ``wait()`` selects on.
     """
 
     def __init__(self) -> None:
@@ -253,10 +242,9 @@ class StopFlag:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopFlag]:
-    """Ctrl-C / SIGTERM end a follow loop (``tail -f``, ``merge --follow``,
-    ``export --tensorboard --follow``) cleanly (no traceback, exit 0): the
-    handlers only set the flag the poll loop checks. The previous handlers
-    are back when the block ends."""
+    """Ctrl-C / SIGTERM end a follow loop cleanly (no traceback, exit 0):
+    the handlers only set the flag the poll loop checks, and are undone
+    when the block ends."""
     stop = StopFlag()
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -271,15 +259,11 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
 
 class RunFollower:
-    """``LineFollower`` over a run in the sharded layout (tapfile/source/run.py):
-    the lines completed in any of its files since the last poll, as one
-    batch ordered by record time, with a replicated value that another
-    process also wrote given once (as ``pmaptap.read`` does). A shard that
-    appears later (a process that started late) is picked up at the next
-    poll. The first poll of local shards merges them a chunk of each at a
-    time (bounded memory, see FIRST_POLL_BYTES), an object-store run's a
-    chunk of each process at a time; a later poll holds its batch (the
-    lines completed since the last) in memory."""
+    """``LineFollower`` over a run in the sharded layout: the lines
+    completed in any of its files since the last poll, as one batch ordered
+    as ``pmaptap.read`` orders them; a shard that appears later is picked
+    up at the next poll. The first poll merges a chunk of each source at a
+    time (bounded memory); a later poll holds its batch in memory."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = source.Run.of(path)
@@ -332,10 +316,7 @@ class RunFollower:
 
     def _first_poll(self) -> Iterator[tuple[int, bytes]]:
         """The run so far (local shards), merged a chunk of each shard at a
-        time instead of held whole: memory bounded by FIRST_POLL_BYTES
-        whatever the run's size, one file open at a time. Lines come by
-        their shard's running largest time, ties by shard and line, as
-        ``pmaptap.read`` orders them."""
+        time: memory bounded by FIRST_POLL_BYTES, one file open at a time."""
         import heapq
 
         paths = self._local_sources()
@@ -429,9 +410,8 @@ class RunFollower:
 
     def _local_sources(self) -> list[str]:
         """The run's files to add this poll: the shard directory is listed
-        only when it changed (a shard created or removed changes its mtime),
-        so a poll of a quiet directory of 4,096 shards costs one stat, not
-        a listing; the shared file is looked for until it appears."""
+        only when its mtime changed (a quiet directory costs one stat); the
+        shared file is looked for until it appears."""
         base, directory = source.base_and_directory(self.path)
         try:
             st = os.stat(directory)
@@ -450,12 +430,9 @@ class RunFollower:
         return []
 
     def _list_objects(self) -> dict:
-        """process -> its objects to look at this poll (source.objects).
-        Every object name sorts after the earlier ones of its process, so
-        once a process is known a listing that starts after the last object
-        read finds its new ones (source.objects_after, concurrently); the
-        whole prefix is listed at the first poll and then every RELIST_S
-        seconds, to find processes that started since."""
+        """process -> its objects to look at this poll: a known process's
+        new ones by a listing after its last object read (object names sort
+        in order); the whole prefix at the first poll and every RELIST_S."""
         now = time.monotonic()
         last = {p: c.last for p, c in self._cursors.items() if c.last}
         if last and now < self._relist_at:
@@ -488,11 +465,9 @@ class RunFollower:
 
 
 class PendingFollower:
-    """The follower of a run that does not exist yet: nothing at ``path``,
-    no ``path.d/``. Which layout the run will have is unknown until its
-    first writer opens it (a sharded session creates ``path.d/`` and never
-    ``path``), so every poll looks for both and then becomes the follower of
-    what appeared (``open_follower``'s choice, made then)."""
+    """The follower of a run that does not exist yet: its layout is unknown
+    until its first writer opens it, so every poll looks for both ``path``
+    and ``path.d/`` and then becomes the follower of what appeared."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)

@@ -1,30 +1,8 @@
 """Records as a tidy pandas DataFrame (``pmaptap.read(..., as_frame=True)``),
 Parquet (``pmaptap export --parquet``) and step x device tables
-(``pmaptap.per_device``).
-
-One row per record, in file order. Columns:
-
-- ``run``, ``name``, ``pass``, ``kind``, ``host``: text; ``step``: int64
-  (UInt64 where a step is past it);
-  ``process``, ``device`` (null for replicated records), ``replicas``:
-  nullable integers (``Int64``); ``divergent``: bool; ``time``: a UTC
-  datetime of exact microseconds (the file's seconds since the epoch);
-- ``coords.<axis>``: a per-device record's mesh coordinates, nullable ints;
-- ``value`` for a plain value, ``value.<key>`` / ``value.<index>`` for pytree
-  leaves (``value.<leaf>.min`` ... for a summarized leaf). A column whose
-  cells are all numbers is numeric: NaN/inf are real floats there, and an
-  empty cell (another tap's row) is NaN (or <NA> in an integer column).
-  A column holding arrays keeps them as (nested) lists;
-- ``devices``/``processes`` (the holders of a replicated value), ``dtype``,
-  ``shape`` and any other field as read.
-
-Parquet stores what it can natively (numbers, text, lists of one type;
-in a float column a NaN or inf of the tap is the float NaN/inf, an empty
-cell is null);
-a column it cannot (scalars mixed with arrays, complex numbers) is written as
-strict JSON text, as the CSV export does.
-
-pandas and pyarrow are optional extras, imported only here. No JAX.
+(``pmaptap.per_device``): one row per record, in file order, the columns
+docs/api.md ("Tidy frames and Parquet") lists. pandas and pyarrow are
+optional extras, imported only here. No JAX.
 """
 
 from __future__ import annotations
@@ -53,10 +31,8 @@ MISSING_PYARROW = (
     'pip install "pmaptap[parquet]" (or pip install pyarrow)'
 )
 
-# The record columns the frame types itself, first. The holders, index,
-# dtype and shape are left out of that list: a frame keeps them as read
-# (lists, a pytree's nesting), after the values, with any other field, in
-# the order the records first have them.
+# The record columns the frame types itself, first; the holders, index,
+# dtype and shape are kept as read, after the values.
 _AS_READ = ("devices", "index", "dtype", "shape")
 _FIRST = tuple(c for c in RECORD_COLUMNS if c not in _AS_READ)
 _INTS = ("process", "device", "replicas")
@@ -119,9 +95,8 @@ def _number_kind(cells: list) -> str | None:
 
 _INT64 = (-(1 << 63), 1 << 63)
 # Columns whose equal lists of ints are one list object in a frame built
-# while streaming (FrameBuilder): a file repeats a few shapes and holder
-# lists on every line, and 300,000 copies of ``[]`` alone cost 20 MB.
-# Copy such a cell before changing it in place.
+# while streaming (a file repeats a few shapes and holder lists on every
+# line). Copy such a cell before changing it in place.
 _SHARED_LISTS = frozenset({"shape", "devices", "processes"})
 # Distinct cells a text column codes before it keeps plain cells (vhash).
 _MAX_CODES = 1 << 17
@@ -141,12 +116,9 @@ def _wider(data: array.array, v: int) -> array.array:
 
 class _Cells:
     """One column's cells while a frame is built, compact while they allow:
-    floats in an ``array('d')``, ints within int64 in an int array only as
-    wide as its largest value (a None cell flagged in ``none``, made at the
-    first one), text and None as codes into a table of distinct cells (a
-    list of ints too, in the columns of ``_SHARED_LISTS``), anything else
-    in a list. ``cells()`` gives back equal cells, so the frame is the one
-    ``_column`` makes of the plain cells."""
+    floats in an ``array('d')``, ints in an int array as narrow as its
+    values, text and None as codes into a table of distinct cells,
+    anything else in a list. ``cells()`` gives back equal cells."""
 
     __slots__ = ("kind", "data", "none", "table", "codes", "_shared", "_lists")
 
@@ -312,9 +284,9 @@ class _Cells:
         kind, data = self.kind, self.data
         if kind is None:
             return [None] * data
+        # A tuple is always a list of ints kept compact (decoded JSON holds
+        # no tuples), given back as one list per value.
         if kind == "c":
-            # A tuple is always a list of ints kept compact (decoded JSON
-            # holds no tuples), given back as one list per value.
             table = [list(c) if type(c) is tuple else c for c in self.table]
             return [table[i] for i in data]
         if kind in ("f", "q"):
@@ -324,8 +296,6 @@ class _Cells:
         if kind == "o":
             if not self._lists:
                 return list(data)
-            # A tuple here is always a list of ints kept compact (decoded
-            # JSON holds no tuples), given back as one list per value.
             lists: dict = {}
             return [lists.setdefault(c, list(c)) if type(c) is tuple else c for c in data]
         raise AssertionError(kind)
@@ -359,10 +329,9 @@ class FrameBuilder:
         self.n = n + 1
 
     def frame(self, empty: dict[str, Any] | None = None) -> Any:
-        """The DataFrame; the builder is spent (its columns go one by one
-        into pandas, each freed once converted). ``empty``: filled with the
-        mask of the empty cells of each float column (they and the tap's own
-        NaN values are both NaN in the frame; Parquet keeps them apart)."""
+        """The DataFrame; the builder is spent. ``empty``: filled with the
+        mask of the empty cells of each float column (Parquet keeps them
+        apart from the tap's own NaN values)."""
         pd, n, cells, filled = self._pd, self.n, self._cells, self._filled
         names = list(cells)
         coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
@@ -372,10 +341,9 @@ class FrameBuilder:
         for column in cells.values():
             column.codes = {}  # only add() needs them: free them first
         pool = _arrow_pool()
-        # Column by column into the frame, not one DataFrame(dict) at the
-        # end: that copies every numeric column into one block at the peak.
-        # (Past ~100 columns pandas warns of a fragmented frame: then the
-        # dict, consolidated once.)
+        # Column by column, not one DataFrame(dict): that copies every
+        # numeric column into one block at the peak. (Past ~100 columns
+        # pandas warns of a fragmented frame: then the dict.)
         one_by_one = len(order) <= 90
         # The conversions that need the most room first, while the least is
         # in use: the times (pandas' datetime conversion makes several
@@ -435,11 +403,9 @@ _MAX_US = float(2**63 - 1)
 
 def _times(pd: Any, secs: Any) -> Any:
     """Seconds since the epoch (float64, NaN where none) -> UTC datetimes of
-    exact microseconds (``datetime64[us, UTC]``; Parquet's
-    ``timestamp[us]``). Writers round a record's time to the microsecond
-    (format.py), so the nearest microsecond is the time as written;
-    pandas' ``unit="s"`` conversion kept float noise below it
-    (``.635569096``). A time no int64 of microseconds holds is NaT."""
+    exact microseconds: writers round a time to the microsecond, and
+    pandas' ``unit="s"`` kept float noise below it. A time no int64 of
+    microseconds holds is NaT."""
     import numpy as np
 
     us = np.round(np.asarray(secs, dtype="float64") * 1e6)

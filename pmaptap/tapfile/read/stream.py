@@ -1,17 +1,11 @@
-"""Reading a file twice instead of holding it: the first pass of a streaming
-reader.
+"""Reading a file twice instead of holding it: the first pass of a
+streaming reader (``show``, ``export``, ``plot``, ``read(as_frame=True)``).
 
-A record's divergence depends on every copy of its key (DivergenceIndex), and
-whether a later attempt superseded it on every record of its step
-(Attempts), wherever they sit in the file. Readers that print or build
-something from a file larger than memory should hold neither the records nor
-their output, so they read it twice: ``first_pass`` parses every line and
-keeps only the small per-key indexes (and the matched records while they are
-few, KEEP_RECORDS; never a decoded value), then ``matching`` reads the file
-again (or walks the records the first pass kept) and yields each record to
-show, in file order, with exact answers for both. ``pmaptap show``, ``export``, ``plot`` and
-``read(..., as_frame=True)`` read this way; ``pmaptap validate`` and
-``summary`` need one pass (their state is per key).
+A record's divergence depends on every copy of its key, and whether a later
+attempt superseded it on every record of its step, wherever they sit in
+the file. So ``first_pass`` keeps only the small per-key indexes (and the
+matched records while they are few, KEEP_RECORDS), and ``matching`` reads
+the file again (or walks the records kept) with exact answers for both.
 """
 
 from __future__ import annotations
@@ -34,37 +28,30 @@ class FirstPass:
     record (line, why; empty lines included), and every name and run read
     (to say what a file holds when nothing matched)."""
 
-    # The record_key of every divergent replicated key: what the first
-    # pass's DivergenceIndex found, kept without the index (an entry per
-    # replicated key), which is dropped before the second pass.
+    # The record_key of every divergent replicated key (the index itself is
+    # dropped before the second pass).
     divergent: set = dataclasses.field(default_factory=set)
     attempts: Attempts = dataclasses.field(default_factory=Attempts)
     problems: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     names: set = dataclasses.field(default_factory=set)
     runs: set = dataclasses.field(default_factory=set)
     # The file's last line then, and whether it was a record: a second pass
-    # over a file still being written stops there, so it shows what the
-    # first pass indexed (a torn last line completed meanwhile included).
+    # over a file still being written stops there.
     lines: int = 0
     last_bad: bool = False
-    # The matched records themselves, (line, record as written), while they
-    # are few (KEEP_RECORDS): then the "second pass" walks them instead of
-    # reading the file again (a filtered ``show`` reads once). None: more
-    # matched, and the second pass reads the file.
+    # The matched records, (line, record as written), while they are few
+    # (KEEP_RECORDS); None: more matched, and the second pass reads the file.
     kept: list[tuple[int, dict]] | None = dataclasses.field(default_factory=list)
 
 
-# Matched records the first pass keeps for the second (~1 KiB each as
-# parsed dicts) when a filter is given: a narrow one then costs one read of
-# the file.
+# Matched records the first pass keeps for the second when a filter is
+# given: a narrow one then costs one read of the file.
 KEEP_RECORDS = 20_000
 
 
 def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
-    """Index every record of a key ``flt`` matches (``key_match``): the
-    device and process filter leaves none out, since a copy filtered out
-    still disagrees, and an elastic restart supersedes a step on every
-    device."""
+    """Index every record of a key ``flt`` matches (``key_match``), those
+    the device and process filter leaves out too."""
     path = Run.of(path)
     fp = FirstPass()
     if flt is None or not flt.active:
@@ -99,10 +86,9 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
 def matching(
     path: str | os.PathLike, flt: Filter | None, fp: FirstPass, *, all_attempts: bool
 ) -> Iterator[tuple[int, dict, bool]]:
-    """(line, record as written, divergent) for each record ``flt`` keeps, in
-    file order, leaving out what a later attempt superseded unless
-    ``all_attempts``. ``divergent``: the file holds the record's key with
-    other values from other processes (its own flag aside)."""
+    """(line, record as written, divergent) for each record ``flt`` keeps,
+    in file order, less what a later attempt superseded unless
+    ``all_attempts``."""
     divergent, attempts = fp.divergent, fp.attempts
     check_later = bool(attempts) and not all_attempts
     last, last_bad = fp.lines, fp.last_bad

@@ -35,6 +35,11 @@ class Entry:
     raw: dict
     rec: dict
 
+    def mark_divergent(self) -> None:
+        self.rec["divergent"] = True
+        if not self.raw.get("divergent"):
+            self.raw = dict(self.raw, divergent=True)
+
 
 def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
     """Every valid record with its line number, plus the (line, problem) list
@@ -55,12 +60,10 @@ def load_matching(
     path: str | os.PathLike, flt: "Filter"
 ) -> tuple[list[Entry], list[tuple[int, str]], set, set]:
     """Like ``load`` but keeps only the records ``flt`` matches, filtering
-    before decoding values, so memory follows the matches, not the file.
-    Also returns every name and run read (to say what a file has when nothing
-    matched). Divergence is judged on all records of a matched key, those the
-    process/device filter drops included, as ``load`` then filtering would.
-    Holds the matches: the commands stream instead (``iter_entries``);
-    this and ``load`` stay as the definitions they are tested against."""
+    before decoding values; also every name and run read. Divergence is
+    judged on every copy of a matched key. The commands stream instead
+    (``iter_entries``); this and ``load`` are the definitions they are
+    tested against."""
     path = Run.of(path)
     entries: list[Entry] = []
     problems: list[tuple[int, str]] = []
@@ -82,9 +85,7 @@ def load_matching(
             entries.append(Entry(lineno, d, decode_record(d)))
     for e in entries:
         if index.divergent(e.raw):
-            e.rec["divergent"] = True
-            if not e.raw.get("divergent"):
-                e.raw = dict(e.raw, divergent=True)
+            e.mark_divergent()
     if not flt.all_attempts and attempts:
         # Records of a key share their step key, so one matched record's
         # supersession is judged on the same records as any other's.
@@ -102,9 +103,7 @@ def iter_entries(
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
         e = Entry(lineno, d, decode_record(d))
         if divergent:
-            e.rec["divergent"] = True
-            if not d.get("divergent"):
-                e.raw = dict(d, divergent=True)
+            e.mark_divergent()
         yield e
         n += 1
         if n == limit:
@@ -117,11 +116,8 @@ def mark_divergence(entries: Sequence[Entry]) -> None:
     recs = [e.rec for e in entries]
     reconcile_divergence(recs)
     for e in entries:
-        if e.rec.get("divergent") and not e.raw.get("divergent"):
-            e.raw = dict(e.raw, divergent=True)
-
-
-# ------------------------------------------------------------------ filters
+        if e.rec.get("divergent"):
+            e.mark_divergent()
 
 
 # ------------------------------------------------------------------ values
@@ -189,7 +185,7 @@ def format_ids(ids: Iterable[Any]) -> str:
     ids = list(ids)
     types = set(map(type, ids))
     others: list = []
-    if types <= {int, type(None)}:  # the usual ids, in C passes (2**20 of them: 0.1 s)
+    if types <= {int, type(None)}:  # the usual ids, in C passes
         nums = sorted(set(ids) - {None})
     else:
         nums = sorted({i for i in ids if type(i) is int})
@@ -264,12 +260,10 @@ def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, A
 
 # ------------------------------------------------------------------ tables
 
-# ``show``'s table, made from format.RECORD_COLUMNS to fit a terminal: the
-# line, the record columns one looks a record up by, in their order
-# (``process`` as "proc"), then text that folds several fields: coords (with
-# a shard's index), the value, flags (divergent, pass, replicas). Left out:
-# the holders, dtype, shape, time, host (``show --json`` has them), and run
-# unless the rows shown come from more than one (RUN, inserted by show).
+# ``show``'s table, made from RECORD_COLUMNS to fit a terminal: the line,
+# the columns one looks a record up by, then text that folds several fields
+# (coords, value, flags). The rest is ``show --json``'s; run only where the
+# rows come from more than one (RUN, inserted by show).
 _SHOWN = {"name": "name", "step": "step", "kind": "kind", "process": "proc", "device": "device"}
 COLUMNS = (
     "line",

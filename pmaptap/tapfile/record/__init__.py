@@ -36,7 +36,6 @@ from pmaptap.tapfile.record.format import (
 from pmaptap.tapfile.record.parse import (
     decode_block,
     decode_line,
-    decode_lines,
     line_problem,
     parse_line,
 )

@@ -1,21 +1,8 @@
-"""The record type and its strict-JSON line encoding (RFC 8259).
-
-Non-finite floats have no JSON number form, so inside ``value`` they are
-written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``; values
-are always numeric, so a string there is unambiguous, and ``decode`` turns
-them back into floats. Complex numbers are ``[re, im]`` pairs (the ``dtype``
-says complex). bfloat16 / float8 / float16 are widened to float for JSON but
-keep their own ``dtype`` name. A pytree value is nested JSON objects (dicts,
-namedtuples) and arrays (lists, tuples); ``dtype`` and ``shape`` then have the
-same nesting. Custom pytree nodes follow their key paths
-(``jax.tree_util.tree_flatten_with_path``): a node whose children all have
-names (``DictKey``, ``GetAttrKey``: ``register_dataclass`` classes, Flax
-``nnx.State`` and ``nnx.Variable``, any ``register_pytree_with_keys`` node
-keyed that way) is an object keyed by those names (``str()`` of a
-``DictKey``'s key); a list-like node (``SequenceKey``, ``FlattenedIndexKey``,
-other key types, repeated names) is an array in flatten order. An array leaf
-above 1 KiB is not in the line: ``value`` is null there and ``bytes`` says
-where its exact bytes are (tapfile/source/arrays.py).
+"""The writer's record type and its strict-JSON line encoding (RFC 8259),
+and decoding a value as readers give it. docs/api.md ("Record format")
+says how values are written: non-finite floats as the strings ``"NaN"``,
+``"Infinity"``, ``"-Infinity"``; complex numbers as ``[re, im]``; pytrees
+as nested objects and arrays; large array leaves as ``bytes`` references.
 """
 
 from __future__ import annotations
@@ -44,14 +31,12 @@ from pmaptap.tapfile.record.schema import (  # noqa: E402
     holders_field,
 )
 
-# The names of the meta records pmaptap writes: facts about the run (kind
-# "meta"), never a tapped value; a reader keeps them visible whatever the
-# attempt. The one registry: writers and readers name them from here.
+# The names of the meta records pmaptap writes (kind "meta", never a tapped
+# value): the one registry, for writers and readers.
 META_DROPPED = "pmaptap/dropped"  # values the bounded queue dropped, counted
 META_REFUSED = "pmaptap/refused"  # a tap the host could not record (and why)
 META_UNENCODABLE = "pmaptap/unencodable"  # a record replaced: it could not be encoded
 META_ATTEMPT = "pmaptap/attempt"  # a resumed run's attempt began here
-META_NAMES = (META_DROPPED, META_REFUSED, META_UNENCODABLE, META_ATTEMPT)
 
 
 def check_step_range(step: int, where: str) -> int:
@@ -66,13 +51,10 @@ def check_step_range(step: int, where: str) -> int:
 
 
 def check_text(text: "str | None", where: str, what: str = "name") -> None:
-    """Text that goes into records (a tap's or a Writer's name, a run id, a
-    host name) must be valid Unicode, or ``ValueError`` naming ``where``:
-    a lone surrogate (e.g. from os.fsdecode of a non-UTF-8 file name) has
-    no JSON/UTF-8 form, and refused here it is not a record replaced by
-    ``pmaptap/unencodable`` at write time (every record, for a run id).
-    Anything but a str or None is a ``TypeError`` naming ``where`` and what
-    it takes (``host=5`` was a bare AttributeError from ``encode``)."""
+    """Text that goes into records (a name, a run id, a host name) must be
+    valid Unicode, or ``ValueError`` naming ``where``: a lone surrogate has
+    no UTF-8 form, and refused here it is not a record replaced at write
+    time. Anything but a str or None is a ``TypeError``."""
     if text is None:
         return
     if not isinstance(text, str):
@@ -91,12 +73,9 @@ def check_text(text: "str | None", where: str, what: str = "name") -> None:
         ) from None
 
 
-# The columns of a table of records, in their order: the one list. The CSV
-# export (export.FIXED) and read(as_frame=True)/Parquet (frame.py) start
-# with them and ``show``'s text table (views.COLUMNS) picks from them, each
-# adding or leaving out columns relative to this list (the reason beside
-# each); after them come a per-device record's mesh coordinates
-# (coords_column), its value (``value``, ``value.<leaf>``), then any other
+# The columns of a table of records, in their order: the one list (CSV,
+# frames and Parquet start with them, ``show`` picks from them); after them
+# come a per-device record's mesh coordinates, its value, then any other
 # field.
 RECORD_COLUMNS = (
     "run",
@@ -115,9 +94,8 @@ RECORD_COLUMNS = (
     "time",
     "host",
 )
-# Tables of records (the CSV export, read(as_frame=True), Parquet) name a
-# per-device record's mesh coordinate on axis A "coords.A" (the record's
-# field and the axis): the one definition, shared by all of them.
+# Tables of records name a per-device record's mesh coordinate on axis A
+# "coords.A".
 COORDS_COLUMN_PREFIX = "coords."
 
 
@@ -138,10 +116,9 @@ def is_narrow_int(dt: np.dtype) -> bool:
 
 
 def encodable(dt: np.dtype) -> bool:
-    """Whether records hold arrays of ``dt`` (the writer's encode_array takes
-    exactly these; pmaptap.tap checks it at trace time so that a dtype the
-    format cannot hold is refused there, with the tap's name, and never
-    dropped on the host)."""
+    """Whether records hold arrays of ``dt`` (pmaptap.tap checks it at trace
+    time, so an unencodable dtype is refused there, never dropped on the
+    host)."""
     return dt.kind in "biufc" or is_narrow_int(dt) or (is_float_like(dt) and dt.fields is None)
 
 
@@ -168,24 +145,15 @@ class Record:
     extra: dict | None = None  # meta records: counters etc.
     vhash: str | None = None  # replicated: hash of the value's bits
     summarized: bool = False  # a leaf's value is statistics (SUMMARY_FIELDS)
-    # A shard of a sharded value under jit: its global slice, [start, stop]
-    # per dimension (a list of those per leaf for a pytree); None otherwise.
+    # The fields below as schema.FIELDS describes them; None or 0: not written.
     index: list | None = None
-    # A shard's global array shape (a list per leaf for a pytree, as index):
-    # what pmaptap.assemble fills from the shards' indexes.
     global_shape: list | None = None
-    # The attempt of a resumed run that wrote it (Session(resume=True)); 0,
-    # the first attempt, is not written.
     attempt: int = 0
-    # A tap inside a loop body (scan, fori_loop, while_loop, nested loops):
-    # the index of each enclosing loop's iteration, outermost first; None
-    # (not written) outside loops, so loop-free files are unchanged.
     iteration: tuple | None = None
     # Not a field: the encoded line, when the aggregator built it from a
-    # per-site template (put_lines below); set in the instance dict of
-    # those records only. A class default rather than self.__dict__.get():
-    # reading __dict__ would make CPython build a dict for every other
-    # record (measured: the writer stage 320k -> 180k rec/s).
+    # per-site template (put_lines), in those records' instance dict only.
+    # A class default, not self.__dict__.get(): reading __dict__ would make
+    # CPython build a dict for every other record.
     _line: ClassVar[bytes | None] = None
 
     def to_json_dict(self) -> dict:
@@ -194,9 +162,7 @@ class Record:
         if type(value) is RawArray or (
             type(value) in (dict, list) and type(dtype) is not str and has_raw(value, dtype)
         ):
-            # Leaves stored as bytes (tapfile/source/arrays.py): null here, their
-            # place in "bytes".
-            value, stored = split_raw(value, self.dtype)
+            value, stored = split_raw(value, self.dtype)  # null here, their place in "bytes"
         d: dict[str, Any] = {
             "run": self.run,
             "name": self.name,
@@ -248,22 +214,14 @@ class Record:
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 
-    # The aggregator's fast path (_host/pipeline/records.py). Every field of a tap
-    # site's record but its step, value and time (and a replicated value's
-    # hash) is the same at every step, so the aggregator builds one record
-    # per site and device once, keeps its fields (``template``) and makes
-    # each later record a copy of them (``from_template``): about half the
-    # cost of building a record field by field, on the path of every
-    # gathered tap. Scalar per_device records of a site also get their line
-    # without a dict and an orjson call each: the site's line is cut once
-    # around the step, value and time (``line_pieces``) and each record's
-    # line is those pieces joined around its own (``put_lines``); encoding
-    # record by record was most of what such a tap cost the host
-    # (docs/performance.md, per_device). tests/trace/test_fast_lines.py
-    # proves the joined line equals ``encode_line(to_json_dict())``. These
-    # write the instance dict of a frozen dataclass, so they live here,
-    # beside the fields they fill (tests/project/test_layout.py keeps every
-    # other module off ``__dict__``).
+    # The aggregator's fast path (_host/pipeline/records.py): every field of a site's
+    # record but its step, value and time is the same at every step, so
+    # later records copy a template's fields (``from_template``), and scalar
+    # per_device records get their line joined from pieces cut once
+    # (``line_pieces``, ``put_lines``; tests/trace/test_fast_lines.py proves
+    # it equal to ``encode_line(to_json_dict())``). They write the instance
+    # dict of a frozen dataclass, so they live here (test_layout.py keeps
+    # every other module off ``__dict__``).
 
     def template(self) -> dict:
         """This record's fields, for ``from_template`` (a copy: the record
@@ -298,10 +256,8 @@ class Record:
     def line_pieces(cls, template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
         """The encoded line of a record built from ``template`` with this
         dtype and shape, cut into the four pieces around its step, value and
-        time (for ``put_lines``), or None when it cannot be cut
-        unambiguously (a name or host that contains a sentinel; no orjson):
-        then records are encoded one by one. Cut from ``encode`` itself, so
-        the joined line is byte for byte the one it would write."""
+        time (for ``put_lines``; cut from ``encode`` itself), or None when it
+        cannot be cut unambiguously: then records are encoded one by one."""
         if ORJSON is None:
             return None
         line = cls.from_template(
@@ -345,18 +301,13 @@ class Record:
     ) -> None:
         """Give each of ``records`` (one step's, built from templates at
         ``time``) its encoded line: its ``line_pieces`` joined around the
-        step, its value's JSON text (``texts``, in order) and the time,
-        written as ``to_json_dict`` writes them. One call per step, not per
-        record: this runs for every gathered scalar per_device tap."""
+        step, its value's JSON text (``texts``, in order) and the time."""
         step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(time, 6))
         for r, (p0, p1, p2, p3), text in zip(records, pieces, texts):
             r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
 
 
-# Sentinels put in a template record where the step, the value and the time
-# go (Record.line_pieces); each must appear exactly once, after its key, in
-# the encoded line (a name or host that happens to contain one just keeps
-# the ordinary path).
+# Sentinels where the step, value and time go (Record.line_pieces).
 _STEP_SENTINEL = -4242424242424242
 _VALUE_SENTINEL = "\x01pmaptap-value\x01"
 _TIME_SENTINEL = -4242424242.424242
@@ -369,8 +320,7 @@ _REQUIRED_FIELDS = frozenset(k for k, v in _FIELD_DEFAULTS.items() if v is datac
 def new_record(**fields: Any) -> Record:
     """``Record(**fields)`` for the aggregator's per-copy hot path: fills the
     instance dict directly instead of running the frozen dataclass __init__
-    (one object.__setattr__ per field: 3.4 us vs 1.2 us a record). The same
-    fields are required and no others are taken."""
+    (one object.__setattr__ per field). The same fields are required."""
     keys = fields.keys()
     if not (_REQUIRED_FIELDS <= keys <= _FIELD_DEFAULTS.keys()):
         raise TypeError(
@@ -392,10 +342,8 @@ def meta_record(*, count: int, **fields: Any) -> Record:
 
 
 def split_step(key: tuple) -> tuple[tuple, Any]:
-    """A ``record_key`` as (the key less its step, the step): the rest is
-    (run, name, pass, index, attempt), for an index that keeps one such
-    key's steps together as small ints (tapfile/read/divergence.py).
-    ``key_with_step`` gives the key back."""
+    """A ``record_key`` as (the key less its step, the step), for an index
+    that keeps one key's steps together (read/divergence.py)."""
     return key[:2] + key[3:], key[2]
 
 
@@ -414,17 +362,15 @@ def index_text(index: Any, sep: str = ",") -> str:
     return sep.join("[" + index_text(i, sep) + "]" for i in index)
 
 
-# A leaf above options().max_value_bytes travels as float32[8] statistics
-# computed on device (stats.device_statistics): min, max, mean, std over the finite
-# elements (of |z| for complex), then the NaN and inf counts, each as two
-# float32 (count // COUNT_BASE, count % COUNT_BASE) so that counts up to 2**31
-# stay exact, which one float32 (24-bit mantissa) would not.
+# A leaf above options().max_value_bytes travels as float32[8] statistics:
+# min, max, mean, std of the finite elements, then the NaN and inf counts,
+# each as two float32 (count // COUNT_BASE, count % COUNT_BASE) so that
+# counts up to 2**31 stay exact.
 SUMMARY_FIELDS = ("min", "max", "mean", "std", "nan", "inf")
 COUNT_BASE = 4096
 
 
-try:  # orjson encodes NumPy arrays ~25x faster than json (measured: 20 us vs
-    # 520 us for 1024 float32); json stays as the fallback.
+try:  # orjson encodes NumPy arrays far faster; json stays as the fallback
     import orjson as ORJSON
 
     ORJSON_OPTS = ORJSON.OPT_SERIALIZE_NUMPY
@@ -499,9 +445,8 @@ def decode_value(value: Any, dtype: Any, shape: Any) -> Any:
 
 
 def decoded(r: AnyRecord) -> dict:
-    """A record (a schema.py Struct) as pmaptap.read gives it: its line's
-    object with decode_record's decoding, built once (no copy of a dict
-    made for the purpose)."""
+    """A record (a Struct) as pmaptap.read gives it (decode_record's
+    decoding, without a copy of a dict)."""
     if r.odd:
         return decode_record(r.source)
     d = as_dict(r)
@@ -518,8 +463,7 @@ def decoded(r: AnyRecord) -> dict:
 def decode_record(d: dict) -> dict:
     """A record as written (the line's object) as readers give it: its
     value decoded (non-finite markers as floats, complex pairs as complex),
-    holders written as ranges text as ``Holders`` (the ids, never a list
-    of them: a record of a 4,096-process job stays small)."""
+    holders written as ranges text as ``Holders``."""
     d = dict(d)
     d["value"] = decode_value(d["value"], d.get("dtype"), d.get("shape"))
     for field in ("devices", "processes"):

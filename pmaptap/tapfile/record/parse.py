@@ -1,32 +1,14 @@
-"""The one parser for bytes read from a tap file.
+"""The one parser for bytes read from a tap file: every reader turns a line
+into a record here. A tap file lives long and sooner or later holds bytes
+pmaptap did not write, so ``parse_line`` never raises: any line becomes a
+record or comes back with a short reason, and what one line may cost is
+bounded (``MAX_LINE_BYTES``, ``MAX_DEPTH``, numbers finite as doubles,
+strict UTF-8 JSON: docs/faults.md, "Hostile or damaged tap files"). The
+writers apply the same limits, so every line pmaptap writes is read back.
 
-Every reader of tap files (``pmaptap.read``, ``validate``, ``tail -f``,
-``show``/``summary``/``export``/``plot`` and the writers' cross-process dedup)
-turns a line into a record here. A tap file is shared by every process of a
-job and lives long; sooner or later it holds bytes pmaptap did not write. So
-``parse_line`` never raises: any line either becomes a record or comes back
-with a short reason, and what one line may cost is bounded:
-
-- ``MAX_LINE_BYTES`` (64 MiB): a longer line is reported without being
-  parsed (readers do not even keep its bytes).
-- ``MAX_DEPTH`` (128): JSON nesting, the record object counting as one level.
-  A deeper line is reported after a scan of its bytes, before any JSON parser
-  sees it: ``json`` would recurse into it (RecursionError) and orjson stops at
-  1024 levels. A tap's value nests as deep as its pytree plus the array's rank
-  (plus one for complex), far less.
-- Numbers: they must be finite as IEEE doubles (``1e400`` is refused); an
-  integer outside [-2**63, 2**64) is read as the nearest float, and one beyond
-  the double range is refused (so a 5,000-digit integer is).
-- Text: valid UTF-8, strict JSON (RFC 8259: no ``NaN`` literal, no trailing
-  comma, no control character in a string), no unpaired surrogate escape.
-
-The writers apply the same limits to what they write (see
-``_host/sinks/``), so every line pmaptap writes is read back.
-
-A line is decoded by the format's own types (tapfile/record/schema.py, msgspec):
-most lines are records of the format and cost one call. A line they refuse
-is read by the definition: parsed as any JSON value (msgspec, strict), then
-schema.validate_dict, the level readers take. (orjson, a writers' library,
+Most lines are records of the format and cost one msgspec call
+(schema.py's Structs); a line they refuse is read by the definition:
+parsed as any JSON value (strict), then schema.validate_dict. (orjson
 reads nothing here: ``PMAPTAP_NO_ORJSON`` changes no reader.)
 """
 
@@ -64,11 +46,9 @@ _OPENERS = b"[{"
 
 def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
     """Whether the JSON text ``raw`` nests deeper than ``limit`` (default
-    MAX_DEPTH) levels, found without parsing it: bracket counts first (two
-    C-speed passes), a scan outside strings only when those allow more.
-
-    Exact up to the first point where a JSON parser would fail, which is
-    all that matters: a parser never recurses past a syntax error."""
+    MAX_DEPTH) levels, found without parsing it: bracket counts first, a
+    scan outside strings only when those allow more. Exact up to the first
+    point where a JSON parser would fail (it never recurses past that)."""
     limit = MAX_DEPTH if limit is None else limit
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
@@ -136,12 +116,10 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
             return None, (
                 f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
             )
-        # The common line in one call: the format's Structs decode it, its
-        # rules checked while decoding (schema.py). A line with more
-        # brackets than MAX_DEPTH, or a run of 19 digits (an integer
-        # msgspec would keep past 64 bits, where the definition reads a
-        # float), or any line the Structs refuse takes the definition
-        # below, which gives these lines the same record.
+        # The common line in one call: the format's Structs decode it. A
+        # line with more brackets than MAX_DEPTH, a run of 19 digits (an
+        # integer msgspec would keep past 64 bits), or any line the Structs
+        # refuse takes the definition below.
         if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and not _long_number(raw):
             try:
                 return DECODER.decode(raw), None
@@ -186,28 +164,21 @@ Decoded = tuple[list, dict]
 
 def decode_lines(lines: list[bytes], joined: bytes | None = None) -> Decoded:
     """``decode_line`` of every line of ``lines`` (each without its
-    newline), many lines per call: (records, problems), ``records[i]`` the
-    record of ``lines[i]`` or None, ``problems[i]`` why it is not one.
-    Exactly decode_line's answers; never raises an Exception. ``joined``:
-    ``b"\\n".join(lines)`` (maybe with a newline after), if the caller
-    has it."""
+    newline), many per call: (records, problems by index). ``joined``:
+    ``b"\\n".join(lines)``, if the caller has it."""
     if not lines:
         return [], {}
     return decode_block(b"\n".join(lines) if joined is None else joined, lines)
 
 
 def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
-    """``decode_lines`` of the lines of ``block`` (whole lines, each ending
-    with a newline but maybe the last). The common block is one msgspec
-    call: every line short and shallow enough and without a long integer
-    (a few C passes over the block), the block decoded at once. A block
-    with any other line goes a line at a time, each line that the Structs
-    refuse to the definition alone. ``lines``: the block's lines, if the
-    caller has them."""
+    """``decode_lines`` of the lines of ``block`` (whole lines). The common
+    block (every line short, shallow and without a long integer) is one
+    msgspec call; any other goes a line at a time. ``lines``: the block's
+    lines, if the caller has them."""
     try:
         # The block's opening brackets (all as "[") and line ends, in order:
-        # no line opens more than MAX_DEPTH (so none nests deeper), and
-        # its lines are counted here, in a string ~5% of the block's size.
+        # no line opens more than MAX_DEPTH, and its lines are counted here.
         kept = block.translate(_OPENERS_AS_ONE, _NOT_OPENERS_OR_NEWLINE)
         if (
             (len(block) <= MAX_LINE_BYTES or max(map(len, _split(block, lines))) <= MAX_LINE_BYTES)
@@ -276,10 +247,8 @@ def parse_lines(lines: list[bytes], joined: bytes | None = None) -> tuple[list, 
 def _long_number(raw: bytes) -> bool:
     """Whether ``raw`` may hold an integer of 19 digits or more: maybe one
     outside [-2**63, 2**64), which the definition reads as a float and
-    msgspec keeps (floats are read alike by both, however many digits).
-    Two C passes: digits kept as "0", a fraction's point and an exponent's
-    letter as ".", anything else " "; then a " " before 19 digits. (A long
-    digit run in text passes too: the definition's path reads it right.)"""
+    msgspec keeps. Two C passes: digits as "0", a fraction's point and an
+    exponent's letter as ".", anything else " "; then " " and 19 digits."""
     return raw.translate(_DIGITS).find(_LONG) >= 0
 
 

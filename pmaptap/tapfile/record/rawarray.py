@@ -10,10 +10,8 @@ from typing import Any, Iterator
 
 class RawArray:
     """A leaf travelling to the writer as its NumPy array (C order). The
-    sink stores its bytes and sets ``ref`` (once: a retried batch does not
-    write them again); the line then carries ``ref`` in ``bytes``.
-    ``header``: its ``.npy`` header when the aggregator already has it (made
-    once per tap site: arrays.npy_header), else the writer looks it up."""
+    sink stores its bytes and sets ``ref`` once (a retried batch does not
+    write them again). ``header``: its ``.npy`` header, if already made."""
 
     __slots__ = ("array", "ref", "header")
 

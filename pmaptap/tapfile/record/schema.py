@@ -1,38 +1,25 @@
 """What a record is: the one home of the record rules.
 
-Each kind of record is a msgspec ``Struct`` (``PerDevice``, ``Replicated``,
-``MetaRecord``, ``Fingerprint``: a tagged union on ``kind``), made of the rows of one table,
-``FIELDS`` (a line's fields in order), whose types and ``Meta``
-constraints are the format: a non-empty name, a step from 0 to 2**63-1, a
-non-negative process, at least one replica, integer coordinates, ``divergent``
-only ever ``true``, holders as a list or ranges text, and so on. Every reader
-decodes a line through them (``DECODER``; tapfile/record/parse.py). What types
-cannot say is ``beyond_types`` below, one Python function: ranges text that
-is ascending and disjoint, a shard's index, one holder per replica,
-``copies_seen`` at most ``replicas``, a shard's global shape, a value against
-its dtype and shape. (Line-level bounds, a line's length and nesting and
-integers past 64 bits, are tapfile/record/parse.py's; where a stored value's
-references may point, tapfile/source/arrays.py's ``field_problem``.)
+Each kind of record is a msgspec ``Struct`` (a tagged union on ``kind``)
+made of the rows of one table, ``FIELDS``, whose types and ``Meta``
+constraints are the format; every reader decodes a line through them
+(``DECODER``). What types cannot say is ``beyond_types``. Line-level
+bounds are parse.py's; where stored bytes may point, source/arrays.py's
+``field_problem``.
 
 Two levels, both declared here:
 
 - *The format* (the Structs): what writers write and ``pmaptap validate``
-  checks. A line that decodes into a Struct is a valid record, done.
+  checks. A line that decodes into a Struct is a valid record.
 - *What readers take* (``validate_dict``): the format with some fields
-  widened (``READERS_TAKE``: a process, a device or a holder may be any JSON
-  scalar; time, host and replicas anything). A line the Structs refuse is
-  checked again at this level: if readers take it, it is still a record
-  (``pmaptap validate`` then names each field that breaks the format);
-  otherwise it is a bad line, with the reason.
+  widened (``READERS_TAKE``). A line the Structs refuse that readers take
+  is still a record (``validate`` names each field that breaks the
+  format), kept as its line's object (``Odd*``): so are fields a newer
+  writer adds.
 
-Fields a newer writer adds (and a meta record's counters) are not errors: a
-record with fields the Structs do not declare is taken at the second level,
-its fields kept as they were (``Odd*`` records hold their line's object).
-
-Structs are cheaper than dicts to build and hold (224 against 632 bytes for
-a scalar per-device record); ``pmaptap.read`` still returns dicts
-(``as_dict``), and a Struct answers the dict reads that the readers' helpers
-use (``get``, ``[]``, ``in``).
+Structs are cheaper than dicts to build and hold; ``pmaptap.read`` still
+returns dicts (``as_dict``), and a Struct answers the dict reads that the
+readers' helpers use (``get``, ``[]``, ``in``).
 """
 
 from __future__ import annotations
@@ -54,23 +41,15 @@ MAX_STEP = 2**63 - 1
 # number form for them); the one place that names them.
 NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
 NONFINITE = {NAN: float("nan"), POS_INF: float("inf"), NEG_INF: float("-inf")}
-# Replicated records only, absent unless fewer copies were read than
-# ``replicas`` (the devices named in ``devices``) hold: how many were read.
-# A scalar tapped under plain jit is replicated on every device of the
-# computation by its sharding; one copy (device 0's) is read, the others
-# are neither seen nor compared. An integer from 1 to ``replicas``.
+# Replicated records only: how many copies were read, where fewer than
+# ``replicas`` (a scalar under plain jit: device 0's copy only).
 COPIES_SEEN = "copies_seen"
-# The holders of a replicated value (its ``devices`` and ``processes``): a
-# list of ids, or, past RANGES_ABOVE ids that are all integers, their ranges
-# as text ("0-4095", "0-3,8-11", ascending, disjoint), so that a record's
-# size and the work each reader does with it stay the same at 4,096
-# processes as at 2 (a list of 4,096 ids is ~20 KB a line). Readers take
-# both forms and keep the text as text: ``Holders`` (what pmaptap.read
-# gives) is the ids without a list.
+# Holders (``devices``, ``processes``) past this many integer ids are
+# written as ranges text ("0-3,8-11"), so a record's size stays the same at
+# 4,096 processes as at 2; readers keep the text as text (``Holders``).
 RANGES_ABOVE = 16
-# At most this many ids in one ranges text: what anything may expand it to
-# (a summary's device set, ``list(Holders)``), so a hostile
-# "0-9999999999" costs only its line.
+# At most this many ids in one ranges text, so a hostile "0-9999999999"
+# costs only its line.
 MAX_HOLDERS = 1 << 20
 
 # ------------------------------------------------------------ field types
@@ -80,13 +59,9 @@ Name = Annotated[str, Meta(min_length=1)]
 Step = Annotated[int, Meta(ge=0, le=MAX_STEP)]
 Count = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
-# Ranges text ("0-3,8-11"): decimal ids without leading zeros, single or as
-# first-last ranges, comma-separated, ascending and disjoint. Its form is
-# checked by beyond_types (id_ranges, run by AnyRecord.__post_init__ for any
-# text in the field), not by a Meta(pattern) on the type: msgspec before
-# 0.23 frees a pattern that shares a union with a list (these fields) as if
-# it were a type node when the decoder is freed, so every process aborted
-# at exit ("double free or corruption").
+# Ranges text ("0-3,8-11"), checked by id_ranges (AnyRecord.__post_init__),
+# not by a Meta(pattern): msgspec before 0.23 double-frees a pattern that
+# shares a union with a list when the decoder is freed (abort at exit).
 _ID = "(?:0|[1-9][0-9]{0,18})"
 _RANGE = f"{_ID}(?:-{_ID})?"
 _PART = re.compile(_RANGE)
@@ -95,23 +70,14 @@ RangesText = str
 Hex16 = Annotated[str, Meta(pattern="^[0-9a-f]{16}$")]
 
 
-# pmaptap.fingerprint's records (_host/pipeline/fingerprints.py writes them;
-# docs/api.md#fingerprint-records describes every field): no array data
-# ("value", "dtype" and "shape" null), ``fingerprint``, the holders as a
-# replicated record lists them, and either ``leaves`` and ``slices`` (all
-# copies agree: ``fingerprint`` digests every group's) or ``divergent``,
-# ``leaf``, ``index`` or ``slice_coords``, ``compared`` and, for a
-# fingerprint few copies hold, ``holders`` ({device, process, host, coords}
-# per copy).
+# pmaptap.fingerprint's records (docs/api.md#fingerprint-records).
 FINGERPRINT = "fingerprint"
 _EVERY = ("replicated", "per_device", "meta", FINGERPRINT)
 _HELD = ("replicated", FINGERPRINT)  # the kinds that list a value's holders
 _FP = (FINGERPRINT,)
-# The fields of a record, in the order a line holds them (writers write
-# them so, format.Record): (name in the line, type, required, the kinds
-# that have it). The format, field by field: each kind's Struct below is
-# made of its rows. UNSET (the default of a field not required): not in
-# the line.
+# The fields of a record, in the order a line holds them: (name in the
+# line, type, required, the kinds that have it). Each kind's Struct below
+# is made of its rows; a field not required is UNSET when not in the line.
 FIELDS: tuple = (
     ("run", str, True, _EVERY),
     ("name", Name, True, _EVERY),
@@ -122,21 +88,17 @@ FIELDS: tuple = (
     ("process", Count, True, _EVERY),
     ("time", int | float, True, _EVERY),  # unix seconds (JSON: never NaN)
     ("host", str, True, _EVERY),
-    # A tap inside a loop body: the index of each enclosing loop's
-    # iteration, outermost first; absent outside loops. Part of the
-    # record's identity (record_key): iterations are different values.
+    # A tap in a loop body: each enclosing loop's iteration, outermost first.
     ("iteration", list[Count], False, _EVERY),
     ("device", int | None, True, ("per_device",)),  # null: not known
     ("coords", dict[str, int], True, ("per_device",)),  # mesh axis -> index
     ("replicas", Positive, True, _HELD),
-    # Who held a replicated value: an id or null per replica, and the
-    # processes (a list, or ranges text past RANGES_ABOVE ids).
+    # Who held a replicated value (a list, or ranges text past RANGES_ABOVE).
     ("devices", list[int | None] | RangesText | None, False, _EVERY),
     ("processes", list[int] | RangesText | None, False, _EVERY),
     ("vhash", str, False, _EVERY),  # a hash of a replicated value's bits
-    # A shard of a value sharded under jit: its global slice, [start, stop]
-    # per dimension (a list of those per leaf for a pytree), and the
-    # global shape (likewise).
+    # A shard's global slice, [start, stop] per dimension (a list of those
+    # per leaf for a pytree), and the global shape (likewise).
     ("index", list, False, _EVERY),
     ("global_shape", list, False, _EVERY),
     ("bytes", Any, False, _EVERY),  # where leaves stored as bytes are (arrays.py)
@@ -157,8 +119,7 @@ FIELDS: tuple = (
 
 
 class AnyRecord(Struct, kw_only=True):
-    """What every record is besides its fields (made of FIELDS, for each
-    kind: PerDevice, Replicated, MetaRecord)."""
+    """What every record is besides its fields."""
 
     # Not fields. ``kind``: the tag; ``odd``: a record taken at the
     # readers' level (see from_dict).
@@ -173,9 +134,8 @@ class AnyRecord(Struct, kw_only=True):
             if problem:
                 raise ValueError(problem[0])
 
-    # The dict reads readers' helpers make of a record (query.Filter,
-    # attempts, divergence, arrays): a Struct answers them as its line's
-    # object would.
+    # The dict reads readers' helpers make of a record, answered as its
+    # line's object would.
     def get(self, key: str, default: Any = None) -> Any:
         if key == "kind":
             return self.kind
@@ -210,8 +170,7 @@ def _attr(name: str) -> str:
 
 def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> type:
     """The Struct of ``kind`` made of its rows of FIELDS (``types``: a
-    field's type instead of its row's; ``base`` another than AnyRecord
-    names it after itself)."""
+    field's type instead of its row's)."""
     fields = []
     for name, tp, required, kinds in FIELDS:
         if kind in kinds:
@@ -235,27 +194,21 @@ def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> ty
 
 
 # The format: a Struct per kind, strict. Not tracked by the cyclic
-# collector: a record holds no reference cycle, and a merge of many shards
-# keeps many records alive, which each collection would walk again.
+# collector: a record holds no cycle, and a merge keeps many alive.
 _FORMAT = dict(forbid_unknown_fields=True, omit_defaults=True, gc=False)
 PerDevice = _struct("per_device", {}, **_FORMAT)  # one device's value
 Replicated = _struct("replicated", {}, **_FORMAT)  # a value every holder had
-MetaRecord = _struct("meta", {}, **_FORMAT)  # a fact about the run (format.META_NAMES)
+MetaRecord = _struct("meta", {}, **_FORMAT)  # a fact about the run (format.META_*)
 Fingerprint = _struct(FINGERPRINT, {}, **_FORMAT)  # devices' copies compared
 
-# The kinds of record, by tag: adding one is a Struct above with its tag
-# and kind, listed here (the decoder, the readers' level, as_dict and
-# KINDS are made from this).
+# The kinds of record, by tag: adding one is a Struct above, listed here.
 CLASSES = {c.kind: c for c in (Replicated, PerDevice, MetaRecord, Fingerprint)}
 KINDS = tuple(CLASSES)
 # The kinds that carry a tapped value (meta records carry counters).
 VALUE_KINDS = ("replicated", "per_device")
 DECODER = msgspec.json.Decoder(Union[tuple(CLASSES.values())])  # noqa: UP007 - a runtime Union of the classes
 
-# What readers take where the format is stricter: these fields widened (a
-# JSON scalar may name a process or a device; a holders list may hold any
-# scalar; time, host, replicas and the fields that only validate reads may
-# hold anything). Everything else is the format's own type.
+# What readers take where the format is stricter: these fields widened.
 READERS_TAKE: dict[str, Any] = {
     "step": int,
     "process": Scalar,
@@ -355,9 +308,7 @@ _LOOSE = {kind: _struct(kind, READERS_TAKE, _LooseRecord) for kind in CLASSES}
 
 def validate_dict(d: Any) -> str | None:
     """Why ``d`` (a line's JSON object) is not a record readers take, or
-    None if it is one: its identity (run, name, step, pass: hashable, see
-    record_key) and the fields readers index, sort or iterate of a usable
-    type. The format's own rules are ``format_problems``'."""
+    None if it is one. The format's own rules are ``format_problems``'."""
     if not isinstance(d, dict):
         return "not a JSON object"
     missing = [k for k in REQUIRED if k not in d]
@@ -424,13 +375,10 @@ globals().update({cls.__name__: cls for cls in _ODD.values()})
 
 
 def beyond_types(r: Any, readers: bool = False) -> list[str]:
-    """The rules no field type says, of a record (a Struct, or a loose one
-    while it is checked): with ``readers``, those readers need (ranges
-    text ascending and disjoint, a shard's index), the first one broken;
-    else every rule of the format beyond the field types (one holder per
-    replica, copies_seen at most replicas, a shard's global shape, the
-    value against its dtype and shape; the ``bytes`` field's own rules
-    are tapfile/source/arrays.py's field_problem)."""
+    """The rules no field type says, of a record: with ``readers``, those
+    readers need (ranges text, a shard's index); else every rule of the
+    format beyond the field types (holders per replica, copies_seen, a
+    shard's global shape, the value against its dtype and shape)."""
     out: list[str] = []
     if readers:
         for name in ("devices", "processes"):
@@ -575,8 +523,8 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
 
 
 def is_ref(x: Any) -> bool:
-    """Whether ``x`` is a reference to a value stored as bytes (a leaf of a
-    record's ``bytes`` field, tapfile/source/arrays.py): {file, offset, nbytes}."""
+    """Whether ``x`` is a reference to a value stored as bytes: {file,
+    offset, nbytes}."""
     return (
         type(x) is dict
         and len(x) == 3
@@ -589,7 +537,7 @@ def is_ref(x: Any) -> bool:
 def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
     """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
     ``stored``: the record's ``bytes`` field, whose leaves are null in
-    ``value`` (tapfile/source/arrays.py checks the references themselves)."""
+    ``value``."""
     if value is None and dtype is None and shape is None:
         return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
@@ -693,12 +641,10 @@ def holders_count(v: Any) -> "int | None":
 
 
 class Holders(Sequence):
-    """The ids of a ranges text (``"0-4095"``), as a read-only sequence of
-    ints that is never expanded into a list unless asked (``list(h)``):
-    what ``pmaptap.read`` gives for a holders field written as ranges text,
-    so that 10,000 records of a 4,096-process job hold one small object
-    (``Holders.of`` keeps one per text), not 10,000 lists of 4,096 ids.
-    Equal to a list or tuple of the same ids."""
+    """The ids of a ranges text (``"0-4095"``), a read-only sequence of
+    ints never expanded unless asked (``list(h)``): what ``pmaptap.read``
+    gives for a holders field written as ranges text, one object per text
+    (``Holders.of``). Equal to a list or tuple of the same ids."""
 
     __slots__ = ("text", "_starts", "_ends", "_len")
 
@@ -786,15 +732,11 @@ def holds(v: Any, x: Any) -> bool:
 
 
 def record_key(r: Any) -> tuple:
-    """The identity of a value in a tap file: replicated records with the same
-    key hold the same value (or are divergent); per-device records add the
-    device. One definition for the writer's cross-process dedup (a
-    format.Record about to be written, or a line other processes wrote) and
-    readers (a Struct, or a line's object). Shards of one value are
-    different values: their ``index`` is part of it, and so are the loop
-    iterations of a tap in a loop body (``part_key``). So is the ``attempt``
-    of a resumed run: a replayed step's new value is neither a duplicate nor
-    a divergence of the old one (it supersedes it: tapfile/read/attempts.py)."""
+    """The identity of a value in a tap file: replicated records with the
+    same key hold the same value (or are divergent); per-device records add
+    the device. One definition for the writer's dedup (a format.Record) and
+    readers (a Struct, or a line's object). Shards, loop iterations
+    (``part_key``) and attempts of one step are different values."""
     if isinstance(r, AnyRecord):
         return r.key()
     if not isinstance(r, dict):  # format.Record (the writer's)
@@ -829,10 +771,8 @@ def curve_tag(name: Any, iteration: Any) -> str:
 
 def part_key(index: Any, iteration: Any) -> Any:
     """``record_key``'s part of a step's value that a record holds: the
-    shard (``index``, None for a whole value) and, for a tap in a loop
-    body, the loop ``iteration``. Iterations of one step are different
-    values (never replicas, never duplicates), as shards are; a loop-free
-    record's part is its index_key, as before iterations existed."""
+    shard (``index``, None for a whole value) and the loop ``iteration``;
+    a loop-free record's part is its index_key."""
     part = None if index is None else index_key(index)
     if iteration is None:
         return part
@@ -840,9 +780,8 @@ def part_key(index: Any, iteration: Any) -> Any:
 
 
 def step_key(r: Any) -> tuple:
-    """A record's step of a tap, (run, name, step, pass): ``record_key``'s
-    first four fields, every shard and every attempt of that step. The unit
-    a later attempt of a resumed run supersedes (tapfile/read/attempts.py)."""
+    """A record's step of a tap, (run, name, step, pass): the unit a later
+    attempt of a resumed run supersedes."""
     return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
 
 
@@ -864,26 +803,3 @@ def as_dicts(records: list) -> list:
     if set(map(type, records)) <= _PLAIN:
         return msgspec.to_builtins(records)
     return [None if r is None else as_dict(r) for r in records]
-
-
-__all__ = [
-    "KINDS",
-    "VALUE_KINDS",
-    "MAX_STEP",
-    "AnyRecord",
-    "PerDevice",
-    "Replicated",
-    "MetaRecord",
-    "Fingerprint",
-    "FINGERPRINT",
-    "CLASSES",
-    "DECODER",
-    "validate_dict",
-    "from_dict",
-    "beyond_types",
-    "format_problems",
-    "as_dict",
-    "as_dicts",
-    "record_key",
-    "Holders",
-]

@@ -36,7 +36,6 @@ from pmaptap.tapfile.source.run import (
     file_layout,
     is_sharded,
     is_url,
-    iter_merged,
     merge_keys,
     owner,
     shard_dir,

@@ -1,36 +1,11 @@
-"""Array values stored as bytes beside the tap file (the ``bytes`` field).
-
-A leaf bigger than ``INLINE_MAX_BYTES`` is not written as JSON numbers: its
-raw bytes go to an append-only file of the writer that wrote it, and the
-record's line says where. The line keeps every other field; at that leaf
-``value`` is ``null`` and ``bytes`` (with the nesting of ``dtype``: a
-single reference for a one-leaf value, an object/array of references and
-nulls for a pytree) holds::
-
-    {"file": "run.jsonl.bytes/p00000-1733068800000-a1b2c3.bin",
-     "offset": 262272, "nbytes": 262272}
-
-``file`` is relative to the directory of the tap file (for an object-store
-run, of its URL); at ``offset`` a complete NumPy ``.npy`` (format 1.0) array
-of ``nbytes`` bytes, header included, holds the leaf's exact bits. NumPy
-reads it alone::
-
-    with open(os.path.join(os.path.dirname(tap_path), ref["file"]), "rb") as f:
-        f.seek(ref["offset"])
-        a = np.load(f)
-
-For the dtypes NumPy does not name (bfloat16, float8_*, int4, ...) the
-``.npy`` header says the unsigned integer of the same width (their bits,
-exactly); ``a.view(ml_dtypes.<dtype>)`` (or ``load_leaf``) gives the value.
-The record's ``dtype`` and ``shape`` are the leaf's own.
-
-A writer appends a value's bytes BEFORE the line that points at them, so a
-process killed in between leaves bytes nobody points at, never a line
-without its bytes. A reader that still meets a reference past the end of
-its file (the file was truncated, moved, or lost) reports that record and
-goes on (``missing_problem``).
-
-No JAX here; NumPy only where a value is loaded.
+"""Array values stored as bytes beside the tap file (the ``bytes`` field):
+a leaf above ``INLINE_MAX_BYTES`` is a complete ``.npy`` array at an
+offset of an append-only file, as docs/api.md ("Array values: stored as
+bytes") describes. A writer appends the bytes BEFORE the line that points
+at them, so a killed process leaves bytes nobody points at, never a line
+without its bytes; a reference past the end of its file is reported for
+that record and the read goes on (``missing_problem``). No JAX; NumPy only
+where a value is loaded.
 """
 
 from __future__ import annotations
@@ -46,10 +21,8 @@ from pmaptap.errors import MissingBytes
 # says where one may point and reads what it points at.
 from pmaptap.tapfile.record import RawArray, is_ref
 
-# Leaves of more bytes than this are stored as bytes (one copy, one vmap
-# row). Below it the JSON numbers are about as cheap and readable in the
-# line itself; above it JSON costs 2.7x the bytes on disk and ~300x the time
-# of a raw write (docs/architecture.md, "Array values").
+# Leaves of more bytes than this are stored as bytes: below it JSON numbers
+# are about as cheap and readable in the line; above it far costlier.
 INLINE_MAX_BYTES = 1024
 
 
@@ -66,7 +39,6 @@ def stored_as_bytes(nbytes: int, dtype: Any) -> bool:
 
 # The directory beside a tap file that holds its writers' byte files.
 BYTES_SUFFIX = ".bytes"
-REF_KEYS = ("file", "offset", "nbytes")
 
 # ml_dtypes' types are not NumPy's own: their .npy descr ("<V2", "<f1") is
 # one NumPy cannot read back. Written as the unsigned integer of the same
@@ -287,11 +259,9 @@ class ByteStore:
 
     def read_ref(self, ref: dict) -> bytes:
         """The bytes ``ref`` names; MissingBytes if they are not all there.
-        A tap file is data: its numbers are checked against the file's size
-        before anything is allocated or sought (a line saying ``nbytes:
-        2**62`` or ``offset: 2**64-1`` is one bad line, not a MemoryError or
-        an OverflowError that ends the read). On an object store the server
-        answers a range with at most the object's bytes."""
+        Its numbers are checked against the file's size before anything is
+        allocated or sought (``nbytes: 2**62`` is one bad line, not a
+        MemoryError)."""
         where = self._where(ref)
         start, end = ref["offset"], ref["offset"] + ref["nbytes"]
         if self.url:
@@ -323,11 +293,9 @@ class ByteStore:
         return data
 
     def load_leaf(self, ref: dict, dtype: str, shape: Any) -> Any:
-        """The stored leaf as an ndarray of its own ``dtype`` (bfloat16 etc.
-        through ml_dtypes) and ``shape``; MissingBytes if its bytes are not
-        all there or are not the ``.npy`` the record describes (their
-        ``nbytes`` checked first, so a reference that claims far more bytes
-        than its dtype and shape hold reads nothing)."""
+        """The stored leaf as an ndarray of its own ``dtype`` and ``shape``;
+        MissingBytes if its bytes are not all there or are not the ``.npy``
+        the record describes (``nbytes`` checked first)."""
         problem = npy_size_problem(ref["nbytes"], dtype, shape)
         if problem is not None:
             raise MissingBytes(problem)

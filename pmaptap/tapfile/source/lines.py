@@ -75,20 +75,16 @@ class _ReadProgress:
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """The cyclic garbage collector off while a reader loops over a file's
-    records: the loop allocates records (dicts, no reference cycles) and
-    keeps many alive, and the collector would walk them again and again (a
-    third of the time of a large file; more in a sharded run's merge, which
-    holds pieces of every shard)."""
+    records: the loop keeps many records alive (no reference cycles), and
+    the collector would walk them again and again."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        # Everything allocated meanwhile still counts as young: re-enabled
-        # as is, the collector's next pass would walk all of it (0.2-0.3 s
-        # after a 300,000-record file). freeze() + unfreeze() files it with
-        # the oldest objects instead (and resets the young count), where
-        # only an eventual full collection looks; nothing is kept alive.
+        # Everything allocated meanwhile still counts as young, and the next
+        # pass would walk all of it: freeze() + unfreeze() files it with the
+        # oldest objects instead; nothing is kept alive.
         gc.freeze()
         gc.unfreeze()
         if enabled:
@@ -96,12 +92,9 @@ def collector_paused() -> Iterator[None]:
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(line number, record or None, problem or None) for every line, the
-    record as its line's JSON object (undecoded), read in batches: a line
-    longer than record.MAX_LINE_BYTES is reported without being held in
-    memory. A run in the sharded layout (``path.d/``) is read as one stream
-    merged from its shards (tapfile/source/run.py)."""
-    return _flat(iter_batches(path))
+    """(line number, record or None, problem or None) for every line of a
+    run (a sharded one merged), the record as its line's JSON object."""
+    return _flat(_as_dicts(iter_record_batches(path)))
 
 
 def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
@@ -114,19 +107,12 @@ def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
 
 
 def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """The lines of a run as batches ``(first, records, problems)`` of
-    schema.py records (Structs; None for a line that is none, its problem
-    by line number in ``problems``): one file (iter_file_records) or a
-    sharded run's merged stream."""
+    """The lines of a run as batches ``(first, records, problems)``: one
+    file (iter_file_records) or a sharded run's merged stream."""
     run = runs.Run.of(path)
     if not run.sharded:
         return iter_file_records(run)
     return runs.iter_merged(run, read_at)
-
-
-def iter_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """``iter_record_batches`` with each record as its line's JSON object."""
-    return _as_dicts(iter_record_batches(path))
 
 
 def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -137,17 +123,11 @@ def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """``iter_lines`` of one file. A long read draws a progress bar on a
     terminal (see _ReadProgress)."""
-    return _flat(iter_file_batches(path))
+    return _flat(_as_dicts(iter_file_records(path)))
 
 
-def iter_file_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """``iter_file_records`` with each record as its line's JSON object."""
-    return _as_dicts(iter_file_records(path))
-
-
-# Bytes read per batch: ~300 records of a training job. Small enough that a
-# batch's records are still in the CPU cache when the reader walks them
-# again (1 MiB batches were ~2x slower in the summary benchmark).
+# Bytes read per batch: ~300 records, small enough that a batch's records
+# are still in the CPU cache when the reader walks them again.
 BATCH_BYTES = 1 << 16
 
 
@@ -158,19 +138,11 @@ def iter_file_records(
     path: str | os.PathLike, start: int = 0, stop: int | None = None
 ) -> Iterator[Batch]:
     """The lines of one file as batches ``(first, records, problems)``:
-    ``records[i]`` is line ``first + i`` as a record (a schema.py Struct)
-    or None, ``problems`` maps the line number of each line that is not a
-    record to why (record.decode_lines; an empty line is one). What each
-    line becomes is exactly what record.decode_line says, plus what only the
-    file shows: a line longer than record.MAX_LINE_BYTES is reported without
-    being held in memory past that limit, and a last line without a
-    newline that is not valid JSON is a torn line (a writer still writing
-    it, or killed). A long read draws a progress bar on a terminal (see
-    _ReadProgress).
-
-    ``start``, ``stop``: only the lines from byte ``start`` to ``stop``
-    (both at the start of a line; tapfile/analyze/parallel.py splits a file so),
-    numbered from 1."""
+    ``records[i]`` is line ``first + i`` as a record (a Struct) or None,
+    ``problems`` maps the line number of each line that is not a record to
+    why (read_block's rules). A long read draws a progress bar on a
+    terminal. ``start``, ``stop``: only the lines between those bytes (both
+    at a line's start), numbered from 1."""
     with open(path, "rb") as f:
         if start:
             f.seek(start)
@@ -207,13 +179,10 @@ def read_block(
     maybe none), ``last`` the record (a Struct)/problem of a line that ends the block
     without a newline (None if there is none); None at the end of the file.
 
-    What only the file shows is decided here: a line longer than
-    record.MAX_LINE_BYTES is reported without being held in memory past that
-    limit (and ``f`` is left after it), and a last line without a newline
-    that is not valid JSON is a torn line (a writer still writing it, or
-    killed). The one home of those rules for every reader of local files
-    (iter_file_batches, and the merge of a sharded run, which re-opens each
-    shard at the offset where this left it)."""
+    The one home of what only the file shows, for every reader of local
+    files: a line longer than record.MAX_LINE_BYTES is reported without
+    being held in memory (``f`` is left after it), and a last line without
+    a newline that is not valid JSON is a torn line."""
     limit = record.MAX_LINE_BYTES
     buf = f.read(size)
     if not buf:
@@ -247,8 +216,7 @@ def read_at(
     path: str, offset: int, size: int
 ) -> "tuple[bytes, tuple[dict | None, str | None] | None, int]":
     """``read_block`` of ``path`` at ``offset``, the file open only
-    meanwhile (the merge of a sharded run holds no shard open between
-    reads): (bytes of whole lines, the line ending the block without a
+    meanwhile: (bytes of whole lines, the line ending the block without a
     newline as (record, problem) or None, the offset after them)."""
     with open(path, "rb") as f:
         f.seek(offset)

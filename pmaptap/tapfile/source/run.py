@@ -1,20 +1,9 @@
-"""A run written in the *sharded* layout, read as one stream.
-
-In the sharded layout (``Session(path, layout="sharded")``, ``Writer``) each
-process appends to its own file ``<path>.d/p<process>.jsonl``: no shared lock
-and nothing read back, so a process's cost does not depend on how many others
-there are. Readers put the shards (and ``<path>`` itself, if processes in the
-one-file layout wrote there too) back together here: one stream, ordered by
-record time, that ``pmaptap.read`` and every command consume exactly as they
-consume one file.
-
-Replicated values: a value that every holding process verified on device (the
-gathered/verified layouts, ``processes`` naming more than one process) is
-written by one owner only (see ``owner``). Others (per-process taps, side
-writers) are written by each process into its own shard; here the first copy
-of a (key, vhash) is kept and the same value from another process is dropped,
-as the one-file writer would have skipped it. A different value from another
-process stays and is marked divergent by the usual reconciliation.
+"""A run's path resolved once (``Run``), and a run written in the *sharded*
+layout (each process its own ``<path>.d/p<process>.jsonl``) read as one
+stream ordered by record time, as every reader consumes one file
+(docs/multihost.md). Of a replicated value written by several processes
+the first copy of a (key, vhash) is kept, as the one-file writer would
+have skipped the others; a different value stays and is marked divergent.
 """
 
 from __future__ import annotations
@@ -33,18 +22,6 @@ from pmaptap.tapfile.source import store
 # objects) lives in store.py, which imports nothing here.
 from pmaptap.tapfile.source.store import SHARD_SUFFIX
 
-__all__ = [
-    "SHARD_SUFFIX",
-    "Run",
-    "shard_dir",
-    "shard_path",
-    "is_sharded",
-    "sources",
-    "owner",
-    "iter_merged",
-    "MERGE_BYTES",
-]
-
 # How a run is stored (Session(layout=...), Writer(layout=...)): one shared
 # file, or one file per process under <path>.d/; "auto" picks by job size.
 FILE_LAYOUTS = ("auto", "file", "sharded")
@@ -62,8 +39,6 @@ def file_layout(layout: str, processes: int) -> str:
 
 
 _SHARD_NAME = re.compile(r"p(\d+)\.jsonl\Z")
-
-Line = tuple[int, "dict | None", "str | None"]
 
 
 def shard_dir(path: str | os.PathLike) -> str:
@@ -137,13 +112,9 @@ def base_and_directory(path: str | os.PathLike) -> "tuple[str | None, str]":
 
 def owner(key: tuple, processes: "tuple | list") -> int:
     """The one process among ``processes`` that writes a replicated value
-    they all verified on device. A stable hash (not Python's salted
-    ``hash``), so every process picks the same owner, and by key, so the
-    writing is spread over the processes instead of all on one.
-
-    ``processes`` as every holder builds it: sorted (the aggregator's
-    holders, aggregate.py and records.py), so it is indexed as it is, not sorted again for
-    every record (that cost grew with the job: N log N a record)."""
+    they all verified on device: a stable hash of the key, so every process
+    picks the same owner and the writing is spread over them. A tuple is
+    taken as sorted already (the aggregator's holders)."""
     procs = processes if type(processes) is tuple else sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the
     # step's digits are far from uniform (one process owned none of 40 steps).
@@ -162,16 +133,10 @@ def is_url(path: str | os.PathLike) -> bool:
 
 class Run(str):
     """A run's path with how the run is stored worked out once: ``url`` (an
-    object store's chunks), ``sharded`` (sources to merge: a URL, a ``.d``
-    directory, or a path beside one) or neither (one file).
-
-    A reader command resolves the path it is given once (``Run.of``) and
-    passes the Run down; being the path itself (a str), it goes wherever a
-    path goes (opened, joined, named in a message, sent to a worker
-    process), and what the run is is read from it instead of asked of the
-    file system or the URL again at every step. A run being followed before
-    it exists is the exception: its layout is not known until it appears
-    (``read.follower.PendingFollower`` resolves it again until then)."""
+    object store's chunks), ``sharded`` (sources to merge) or neither (one
+    file). Being a str, it goes wherever a path goes; a reader command
+    resolves its path once (``Run.of``) and passes the Run down. (A run
+    followed before it exists is resolved again until it appears.)"""
 
     url: bool
     sharded: bool
@@ -199,15 +164,10 @@ def _resolved(path: str, url: bool, sharded: bool) -> Run:
     return run
 
 
-# What the merge of a sharded run holds, all sources together. Each source
-# (a shard, or a process's chunks on an object store) is parsed a piece at a
-# time, MERGE_BYTES / sources bytes of lines per piece (within the bounds
-# below, and at least one whole line); a shard's bytes are read READ_BYTES /
-# sources at a time (within its bounds), the file open only meanwhile, and
-# kept as bytes until parsed. So one file is open at a time, and memory
-# (parsed records are ~8x their bytes) stays within ~150 MiB up to ~16,000
-# shards (the merge alone of 4,096 shards: 136 MiB peak); past that each
-# shard's one line and 4 KiB read show.
+# What the merge of a sharded run holds, all sources together: each source
+# is parsed MERGE_BYTES / sources bytes at a time and read READ_BYTES /
+# sources at a time (within the bounds below), the file open only
+# meanwhile, so one file is open at a time and memory is bounded.
 MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
@@ -243,11 +203,9 @@ def copy_key(r: Any) -> tuple:
 
 
 class SourceLine(NamedTuple):
-    """Where a line of a sharded run is, named by its source (the index of
-    its file in ``sources``, and the file) and its own line there: what
-    ``summary`` and ``validate`` print of a run too big to place its lines
-    in the merged stream (tapfile/analyze/shardwise.py: MAX_KEY_RUNS). Orders by
-    source, then line."""
+    """Where a line of a sharded run is, named by its source and its own
+    line there (a run too big to place its lines in the merged stream:
+    shardwise.py MAX_KEY_RUNS). Orders by source, then line."""
 
     source: int
     line: int
@@ -264,11 +222,10 @@ def source_problem(why: str, name: str, line: int) -> str:
 
 
 def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float]:
-    """The merge keys of a source's next ``records`` (None for a line that
-    is no record: ``holes``), ``t`` the last line's before them (-inf at
-    the start): each the largest record time up to its line, so a source's
-    keys never decrease (a clock stepping back does not reorder its own
-    lines). Returns them and the last one."""
+    """The merge keys of a source's next ``records`` (``holes``: some are
+    None), ``t`` the last line's before them: each the largest record time
+    up to its line, so a source's keys never decrease (a clock stepping
+    back does not reorder its own lines). Returns them and the last one."""
     times = None if holes else [r.time for r in records]
     if times and len(set(map(type, times))) == 1 and type(times[0]) is float:
         # The usual piece: the running largest time in C passes.
@@ -383,10 +340,8 @@ class _FileSource(_Source):
 
 
 class _ChunkSource(_Source):
-    """A process's objects on an object store, in order (``store.Reader``:
-    the next fetched by the merge's thread pool while this one is merged,
-    a chunk rolled up since the listing read from its rollup). An object is
-    whole (written at once), so every line ends with a newline."""
+    """A process's objects on an object store, in order (``store.Reader``).
+    An object is whole, so every line ends with a newline."""
 
     def __init__(self, reader, size: int) -> None:
         super().__init__()
@@ -438,10 +393,8 @@ def _piece_bytes(n: int) -> int:
 def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     """Batches ``(first, records, problems)`` of every source of the run
     merged by record time (ties: the shared file, then shards in process
-    order, each in its own order), as lines.iter_file_records gives one
-    file (records as schema.py Structs). Positions count lines of the merged
-    stream; a problem names the shard file (or chunk) and its own line
-    number there. See _merge."""
+    order), as lines.iter_file_records gives one file; a problem names the
+    shard file (or chunk) and its own line there."""
     pool_box: list = []
     try:
         srcs = _sources(path, read_at, pool_box)
@@ -454,27 +407,22 @@ def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
 
 
 def _merge(srcs: list[_Source]) -> Iterator[Batch]:
-    """The merge, in rounds. Each source holds at most about one and a half
-    pieces (see MERGE_BYTES). A round takes every loaded record that must
+    """The merge, in rounds. A round takes every loaded record that must
     come before anything not loaded yet: the watermark W is the smallest
     last loaded key of a source not read to its end (M: the first such
     source), and a record goes if its key is below W, or equal to W in a
-    source up to M (a later source's W-keyed records wait: M may have more).
-    The round's records, one sorted slice per source in source order, are
-    put in order by one stable sort on the keys (C, not a heap operation a
-    record), then sources that ran low read their next piece. Every round
-    empties M, so each ends with at least one piece read. The result is
-    the lines of every source sorted by (key, source, line), less the
-    copies of a replicated value that another process's line gave first."""
+    source up to M. The round's slices are put in order by one stable sort
+    (C, not a heap operation a record); every round empties M. The result:
+    every source's lines sorted by (key, source, line), less the copies of
+    a replicated value that another process's line gave first."""
     inf = float("inf")
     lasts = [s.keys[-1] if s.keys and not s.done else inf for s in srcs]
     heap = [(s.keys[0], i) for i, s in enumerate(srcs) if s.keys]
     heapq.heapify(heap)
     heappop, heappush = heapq.heappop, heapq.heappush
     # The watermark: the smallest of ``lasts`` (ties: the first source), from
-    # a heap whose entries go stale as lasts change (a round is often one
-    # source's piece: a scan of every source a round was most of the time
-    # of a merge of thousands of shards).
+    # a heap whose entries go stale as lasts change (a scan of every source
+    # a round was most of the time of a merge of thousands of shards).
     marks = [(last, i) for i, last in enumerate(lasts) if last != inf]
     heapq.heapify(marks)
     right, left = bisect.bisect_right, bisect.bisect_left
@@ -487,15 +435,11 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
         keys_in: list = []
         recs_in: list = []
         marks_in: list = []
-        # Only sources whose next record is below W, or at W up to M, take
-        # part: a later source whose next record is at W would take nothing.
-        wm = (w, m)
+        wm = (w, m)  # sources whose next record is below W, or at W up to M
         taking = []
         while heap and heap[0] <= wm:
             taking.append(heappop(heap)[1])
-        # In source order: the stable sort below breaks ties of keys by the
-        # order the slices are laid out (the heap gives them by first key).
-        taking.sort()
+        taking.sort()  # source order: the stable sort below breaks ties so
         for i in taking:
             s = srcs[i]
             keys, p = s.keys, s.pos
@@ -532,8 +476,7 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
 def _merge_round(
     keys_in: list, recs_in: list, marks_in: list, first: dict, pos: int
 ) -> tuple[list, dict, int]:
-    """A round's records (slices laid out in source order; None for a line
-    that is no record, its _Bad in ``marks_in``) in merged order:
+    """A round's records (slices in source order) in merged order:
     (records, problems by position, the last position). Only the marked
     lines are looked at one by one."""
     order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
@@ -562,9 +505,8 @@ def _batches(start: int, out: list, problems: dict) -> Iterator[Batch]:
     ahead = next(found, None)
     for k in range(0, len(out), MERGED_BATCH):
         part = out[k : k + MERGED_BATCH]
-        # The round lets go of what it hands on: a consumer that drops a
-        # batch (summary, validate) frees its records while they are in
-        # the cache, not when the round ends.
+        # Let go of what is handed on: a consumer that drops a batch frees
+        # its records while they are in the cache.
         out[k : k + MERGED_BATCH] = _NONES[: len(part)]
         end = start + k + len(part)
         mine = {}

@@ -1,39 +1,19 @@
 """A run on an object store: the objects' names, their listing, and what a
-reader takes of them.
+reader takes of them (docs/multihost.md, docs/faults.md).
 
-Each process's writer (``_host/sinks/objectstore.py``) puts immutable objects under
-``<url>.d/``:
+Each process's writer puts immutable objects under ``<url>.d/``: a *chunk*
+``p<process>-<writer id>-<seq>.b<start>.jsonl`` per batch (seq 0, empty,
+at open) and a *rollup* ``p<process>-<writer id>-<last>.r<first>.b<start>.jsonl``
+of chunks ``first..last``, put before those chunks are deleted (a store
+costs a request per object). ``start`` is where the object begins in the
+writer's stream. Names sort in write order, a rollup right after its last
+chunk.
 
-- a *chunk* ``p<process>-<writer id>-<seq>.b<start>.jsonl`` per batch (seq
-  0, empty, at open);
-- a *rollup* ``p<process>-<writer id>-<last>.r<first>.b<start>.jsonl``: the
-  bytes of its chunks ``first..last`` joined in order, put (every
-  ``ROLLUP_CHUNKS`` chunks, and at close) before those chunks are deleted.
-
-``start`` is where the object's first chunk begins in the writer's stream
-(all its chunks' bytes in order), so a reader knows where every byte it read
-sits in the stream even after chunks it never saw. Chunks of writers from
-before that (``p<process>-<writer id>-<seq>.jsonl``) are read as well.
-
-Names sort by writer id (start time, then a random token), then seq, and a
-rollup sorts right after its last chunk, so a listing in name order is the
-write order, and a follower's listing that starts after the last object it
-took finds what came since.
-
-Why rollups: a store costs a request per object (a round trip, 20-50 ms on a
-real store, and a fee), and a writer makes an object per batch (one every 2 s,
-1,800 an hour a process); a finished writer leaves one object per
-``ROLLUP_CHUNKS`` chunks instead.
-
-A reader keeps, per writer, the next seq it has not taken and where in the
-writer's stream what it took ends, ``taken`` (``Cursor``): a rollup is
-skipped when it took all of it, and otherwise read from ``taken - start``
-(the part of it the reader has not seen; right too after chunks it read
-past, as every chunk says where it starts), so nothing is read twice or
-skipped whichever of (chunks, rollup) a listing shows: chunks a rollup in
-the same listing covers are left out, and a chunk deleted after the listing
-(a ``FileNotFoundError`` on its fetch) sends the reader back to a new
-listing, which has the rollup.
+A reader keeps per writer the next seq it has not taken and where in the
+writer's stream what it took ends (``Cursor``): a rollup is skipped or read
+from that point, so nothing is read twice or skipped whichever of chunks
+and rollup a listing shows; a chunk deleted after the listing sends the
+reader to a new listing, which has the rollup.
 """
 
 from __future__ import annotations
@@ -115,12 +95,9 @@ def _size(size) -> int:
 
 def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
     """process -> its objects in name order (write order), as listed now.
-
-    A run with no object at all (no such bucket, no such prefix) raises
-    ``FileNotFoundError`` naming the URL and the store's own reason, as a
-    missing local file does: every writer puts an empty chunk there when it
-    opens, so a run that was ever opened has one. ``missing_ok`` (a follower
-    waiting for the run to start) returns ``{}`` instead."""
+    A run with no object at all raises ``FileNotFoundError`` with the
+    store's reason, as a missing local file does (every writer puts an
+    empty chunk at open); ``missing_ok`` returns ``{}`` instead."""
     fs, prefix = url_fs(url)
     where = prefix + SHARD_SUFFIX
     try:
@@ -141,13 +118,11 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
 
 
 def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[Object]] | None":
-    """process -> its objects named after ``last[process]`` (an object
-    name as ``objects`` gives it), for the processes in ``last`` only: one
-    small listing per process with a start-after marker, so a follower's
-    poll costs the same at the first minute and the tenth hour of a run,
-    instead of a listing of every object so far. None where the store's
-    client has no such listing (then ``objects`` lists everything).
-    ``pool``: an executor that runs the listings concurrently."""
+    """process -> its objects named after ``last[process]``, for the
+    processes in ``last`` only: one listing per process with a start-after
+    marker, so a follower's poll costs the same at any age of the run.
+    None where the client has no such listing. ``pool`` runs them
+    concurrently."""
     fs, prefix = url_fs(url)
     call = getattr(fs, "call_s3", None)
     if call is None or not hasattr(fs, "split_path"):
@@ -199,11 +174,9 @@ class Cursor:
         are in it (nothing to fetch: ``take`` them with ``b""``).
 
         A writer's objects after a gap (chunks neither listed nor covered by
-        a listed rollup: a listing that is not complete yet, or objects
-        deleted by someone else) are read at once with a warning, or, with
-        ``wait`` (a follower, which lists again), only once the gap has
-        lasted GAP_WAIT_S: reading past it would count the missing chunks as
-        read, and lose them when they appear."""
+        a listed rollup) are read at once with a warning, or, with ``wait``
+        (a follower), only once the gap has lasted GAP_WAIT_S: reading past
+        it would lose the missing chunks when they appear."""
         covered: dict[str, list[tuple[int, int]]] = {}
         for o in objs:
             if o.rollup:
@@ -267,12 +240,8 @@ class Cursor:
 
 # What a reader of a run on a store holds of each process: the piece of a
 # rollup being read and the next one being fetched, FETCH_BYTES / processes
-# each, within these bounds (piece_bytes): ~64 MiB in all up to 2,048
-# processes, 128 MiB at 4,096. A chunk (one batch) is fetched whole, as its
-# writer wrote it. Not less: each request costs this process's CPU (the
-# client signs it and parses the response in Python), and with 16 MiB, 32
-# processes' 1.2 MB rollups took 96 requests instead of 64 and their read
-# 0.72-0.94 s instead of 0.58-0.64 s (loopback moto).
+# each, within these bounds (piece_bytes). Not less: each request costs
+# this process's CPU (signing, parsing in Python).
 FETCH_BYTES = 32 << 20
 MIN_PIECE_BYTES = 16 << 10
 MAX_PIECE_BYTES = 4 << 20
@@ -284,20 +253,17 @@ def piece_bytes(processes: int) -> int:
 
 def fetch(fs, o: Object, start: int, end: "int | None") -> bytes:
     """Bytes ``start:end`` of ``o`` (None: to its end), always as a range
-    request: without one, s3fs first asks its directory cache for the
-    object's size, and a listing cached before the object was put (another
-    process's writer) says it does not exist."""
+    request: without one, s3fs asks its directory cache, which may predate
+    the object."""
     return fs.cat_file(o.name, start=start, end=end)
 
 
 class Reader:
     """What a reader has not taken (``cursor``) of one process's objects
-    (``objs``, a listing), in order: ``next()`` gives ``(object, bytes of
-    whole lines)`` or None at the end, the next object (or piece of a
-    rollup, ``piece`` bytes at a time) being fetched by ``pool`` while the
-    caller works on this one (the first is asked for at once). A chunk
-    deleted since the listing (its writer rolled it up) is found in a new
-    listing of the run, as the rest of its rollup."""
+    (``objs``), in order: ``next()`` gives ``(object, bytes of whole
+    lines)`` or None at the end, the next being fetched by ``pool``
+    meanwhile. A chunk deleted since the listing is found in a new listing,
+    as the rest of its rollup."""
 
     # New listings in a row that may still miss a chunk before it counts
     # as gone (a store that lists a deleted object for a moment).
