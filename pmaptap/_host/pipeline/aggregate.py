@@ -334,7 +334,7 @@ class Aggregator:
         ]
 
     def _resolve_shards(self, spec: TapSpec, step: int, copies: list[Copy]) -> list[Record]:
-        """Records of one step's shards on this process (see _host/shards.py)."""
+        """Records of one step's shards on this process (see shards.py)."""
         place, dedup = spec.shards, spec.site.dedup
         out: list[Record] = []
         for holders, cps in shard_host.by_slice(copies).items():
@@ -562,7 +562,7 @@ class Aggregator:
         """Hold ``copy`` with the other copies of ``pkey`` that arrived;
         their records once ``expected`` copies are there (or the same device
         reports ``pkey`` again). Fingerprints sent by each device
-        (_host/fingerprints.py) wait here."""
+        (fingerprints.py) wait here."""
         out: list[Record] = []
         pending = self._pending.get(pkey)
         if pending is not None and any(
