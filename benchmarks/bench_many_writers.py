@@ -151,8 +151,7 @@ def model(quick: bool) -> None:
     per step. In the sharded layout a batch costs s0 and nothing is serial."""
     import statistics
 
-    from pmaptap._host.dirsink import DirectorySink
-    from pmaptap._host.sink import FileSink
+    from pmaptap._host.sinks import DirectorySink, FileSink
     from pmaptap.tapfile.record.format import Record
 
     tmp = tempfile.mkdtemp(prefix="pmaptap-model-")

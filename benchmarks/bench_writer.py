@@ -32,7 +32,7 @@ sys.path.insert(0, os.environ["ROOT"])
 import numpy as np, jax
 from benchmarks.common import rss_mib
 from pmaptap._host.pipeline import Pipeline
-from pmaptap._host.sink import FileSink
+from pmaptap._host.sinks import FileSink
 from pmaptap._common.spec import Placement, TapSite, TapSpec
 
 n, path, go = int(os.environ["N"]), os.environ["TAP"], os.environ.get("GO")

@@ -21,11 +21,19 @@ STAGES = (
     ),
     ("pmaptap._trace.layouts", "deliver", "callback: hand-over (deliver, queue admit)"),
     # payload.split, timed where the aggregator loop looks it up.
-    ("pmaptap._host.loops", "split", "aggregator: a payload taken apart"),
-    ("pmaptap._host.aggregate", "Aggregator.add_payload", "aggregator: its parts to records"),
-    ("pmaptap._host.sink", "FileSink.write", "writer: a batch, all of it"),
-    ("pmaptap._host.blobs", "BlobFile.store", "writer: bytes (.npy headers + arrays, writev)"),
-    ("pmaptap._host.sink", "FileSink._append", "writer: lines (writev, under the lock)"),
+    ("pmaptap._host.pipeline.loops", "split", "aggregator: a payload taken apart"),
+    (
+        "pmaptap._host.pipeline.aggregate",
+        "Aggregator.add_payload",
+        "aggregator: its parts to records",
+    ),
+    ("pmaptap._host.sinks.file", "FileSink.write", "writer: a batch, all of it"),
+    (
+        "pmaptap._host.sinks.blobs",
+        "BlobFile.store",
+        "writer: bytes (.npy headers + arrays, writev)",
+    ),
+    ("pmaptap._host.sinks.base", "Sink._append", "writer: lines (writev, under the lock)"),
 )
 # Factories: the function they return is what runs per call.
 FACTORIES = frozenset({"_copying"})

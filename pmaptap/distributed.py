@@ -433,7 +433,7 @@ def close_barrier(
     ``eager`` (a process being terminated, which may not live through the
     wait), those not closed yet before it waits; ``unclosed_now`` asks
     during the wait. The sharded layout writes the values those processes
-    own and may not have written (dirsink.py: Held). ``wait=False`` (a
+    own and may not have written (_host/sinks/directory.py: Held). ``wait=False`` (a
     SIGTERM'd process: a peer may be dead and the grace before SIGKILL is
     short) announces the close and makes the eager call, without waiting.
     """

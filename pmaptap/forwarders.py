@@ -11,7 +11,7 @@ Each imports its library (an optional extra: ``pmaptap[wandb]``,
 ``pmaptap[mlflow]``, ``pmaptap[tensorboard]``) when it is constructed, never
 at ``import pmaptap``. What each logs, and what a restarted run looks like
 in each: docs/forwarders.md. The implementation is in
-``pmaptap._host.forwarders``.
+``pmaptap._host.forward`` (dashboards.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_IMPL = "pmaptap._host.forwarders"
+_IMPL = "pmaptap._host.forward"
 __all__ = ["MLflow", "TensorBoard", "WandB"]
 
 
@@ -36,4 +36,4 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from pmaptap._host.forwarders import MLflow, TensorBoard, WandB
+    from pmaptap._host.forward import MLflow, TensorBoard, WandB

@@ -94,7 +94,7 @@ def _encode(value: Any, leaves: list[np.ndarray], where: str = "/") -> tuple[Any
     """(value, dtype, shape) with the pytree's nesting, as the session
     writes them; ``leaves`` collects the leaves, in the session's order, for
     the value hash. ``where``: the leaf's path, for errors."""
-    from pmaptap._host.encode import encode_array
+    from pmaptap._host.pipeline import encode_array
     from pmaptap.tapfile.source import stored_as_bytes
 
     if isinstance(value, Mapping):
@@ -173,38 +173,28 @@ class Writer:
         max_buffer = n("max_buffer", max_buffer, integer=True, least=1)
         lock_timeout = n("lock_timeout", lock_timeout)
         flush_timeout = n("flush_timeout", flush_timeout, none=True)
-        from pmaptap.tapfile.source import FILE_LAYOUTS, file_layout, is_url
+        from pmaptap._host.sinks import open_sink, write_target
+        from pmaptap.tapfile.source import file_layout
 
-        if layout not in FILE_LAYOUTS:
-            raise ValueError(f"Writer: layout must be one of {FILE_LAYOUTS}, got {layout!r}")
-        layout = file_layout(layout, processes or 0)
-
-        url = is_url(path)
-        self.path = path if url else os.path.abspath(os.fspath(path))
-        if url:
-            layout = "sharded"  # immutable chunks (see _host/objsink.py)
+        # The path resolved once, as a session's (an object-store URL: the
+        # sharded layout, one PUT per batch gathered as a session's is;
+        # flush() and close() still write at once).
+        target = write_target("Writer", path, layout, flush_interval)
+        layout = file_layout(target.layout, processes or 0)
+        self.path = str(target.run)
         self.run, self.process, self.layout = run, process, layout
         self.host = host or socket.gethostname()
-        from pmaptap._host.records import RecordBuilder
+        from pmaptap._host.pipeline import RecordBuilder
 
         # The maker of this writer's records, with its identity (as a
         # session's pipeline has one).
         self._records = RecordBuilder(run, process, self.host)
-        if url:
-            # One PUT per batch: gather like a session does on a store
-            # (flush() and close() still write at once).
-            from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
-
-            flush_interval = max(flush_interval, OBJECT_COMMIT_INTERVAL)
-        self.flush_interval = flush_interval
+        self.flush_interval = target.flush_interval
         self.max_buffer = max_buffer
         self.flush_timeout = flush_timeout
-        from pmaptap._host.sinks import open_sink
-
         self._sink: Any = open_sink(
-            self.path,
+            target.run,
             layout,
-            url=url,
             process=process,
             lock_timeout=lock_timeout,
             lock=DEFAULTS.lock,
@@ -271,7 +261,7 @@ class Writer:
             ) from None
         common = dict(name=name, step=step, kind=kind, value=enc, dtype=dtype, shape=shape)
         if kind == "replicated":
-            from pmaptap._host.aggregate import value_key
+            from pmaptap._host.pipeline import value_key
 
             r = self._records.record(
                 **common, replicas=1, processes=(self.process,), key=value_key(leaves)

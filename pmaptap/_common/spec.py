@@ -31,7 +31,7 @@ def next_tap_id() -> int:
 
 class Layout(enum.Enum):
     """How the copies of one tap execution travel (see layouts.py); the
-    aggregator dispatches on it (_host/aggregate.py)."""
+    aggregator dispatches on it (_host/pipeline/aggregate.py)."""
 
     COPY = "copy"  # one callback per device with its own value
     GATHERED = "gathered"  # all copies stacked on axis 0, one callback per process

@@ -12,7 +12,7 @@ the bound of bytes are already in flight (a slow disk slows the loop, said
 once, and nothing is dropped). The drain thread waits for the copies, takes
 the outputs apart per execution (loops, devices, shards) and hands each
 payload to the active pipeline, blocking where the pipeline is full.
-``wait()`` (every flush, close, SIGTERM and exit: forked.effects_barrier)
+``wait()`` (every flush, close, SIGTERM and exit: barrier.effects_barrier)
 returns once every step submitted before it has been delivered.
 
 A payload is what the callback transport's lowering would have handed
@@ -54,6 +54,7 @@ from pmaptap._common.shard_placement import (
     read_statistics_rows,
 )
 from pmaptap._common.spec import Layout, TapSpec
+from pmaptap._host import barrier
 from pmaptap._log import log
 
 # How long shutdown() waits for the drain thread to end once told to: it
@@ -768,3 +769,4 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+barrier.register(wait, undelivered)

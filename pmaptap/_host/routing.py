@@ -24,7 +24,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pmaptap._host import outputs
-from pmaptap._host.forked import effects_barrier
+from pmaptap._host.barrier import effects_barrier
 from pmaptap._log import log
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,8 +73,8 @@ def console() -> "Pipeline":
     global _console
     with _console_lock:
         if _console is None or not _console.admitting:
-            from pmaptap._host.console import ConsoleSink
             from pmaptap._host.pipeline import Pipeline
+            from pmaptap._host.sinks import ConsoleSink
 
             _console = Pipeline(ConsoleSink(), run="console")
             # Print what is pending and stop its threads before JAX's own

@@ -174,7 +174,7 @@ def test_batches_larger_than_one_writev_and_short_writes_stay_whole(tmp_path, mo
     # One batch is one writev(2) of its lines: more lines than one call
     # takes (1024), and a kernel that writes only part of what it is given,
     # must still leave every line whole, in order, exactly once.
-    from pmaptap._host.sink import FileSink
+    from pmaptap._host.sinks import FileSink
     from pmaptap.tapfile.record.format import Record
 
     calls = []

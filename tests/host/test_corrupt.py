@@ -115,7 +115,7 @@ def test_parser_limits_are_reported_never_raised(backend, monkeypatch):
 def test_writer_refuses_a_record_readers_would_skip(tmp_path, monkeypatch):
     """Readers' limits hold for writers too: a too-deep value becomes a
     pmaptap/unencodable record naming the problem, never an unreadable line."""
-    from pmaptap._host.sink import FileSink
+    from pmaptap._host.sinks import FileSink
 
     path = str(tmp_path / "w.jsonl")
     sink = FileSink(path, process=0)
@@ -197,7 +197,7 @@ def test_sink_notices_truncation_even_after_the_file_regrew(tmp_path, caplog):
     """Two writers (processes 0 and 1) on one file; it is truncated, writer 1
     writes more than writer 0 had seen: writer 0 still notices (the bytes
     before its offset changed), re-reads, and the dedup stays exact."""
-    from pmaptap._host.sink import FileSink
+    from pmaptap._host.sinks import FileSink
 
     path = str(tmp_path / "t.jsonl")
     a, b = FileSink(path, process=0), FileSink(path, process=1)

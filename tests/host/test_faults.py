@@ -34,9 +34,8 @@ from conftest import (
     wait_for,
 )
 from pmaptap import host_callback as hcb
-from pmaptap._host.aggregate import Aggregator
-from pmaptap._host.pipeline import Pipeline
-from pmaptap._host.sink import FileSink
+from pmaptap._host.pipeline import Aggregator, Pipeline
+from pmaptap._host.sinks import FileSink
 
 
 def _lines(path: str) -> list[bytes]:
@@ -65,7 +64,7 @@ _HEAVY = r"""
 import os, signal
 import numpy as np, jax
 from pmaptap._host.pipeline import Pipeline
-from pmaptap._host.sink import FileSink
+from pmaptap._host.sinks import FileSink
 from pmaptap._common.spec import Placement, TapSite, TapSpec
 
 sink = FileSink(os.environ["TAP"], lock_timeout=0.05, process=0)
@@ -295,7 +294,7 @@ def _callback_steps_run_synchronously() -> bool:
 
 _TERM_IN_ADMIT_CHILD = """
     import os, signal, sys, jax, jax.numpy as jnp, pmaptap
-    from pmaptap._host import queue
+    from pmaptap._host.pipeline import queue
     # The CPU backend runs a tap's host callback on the main thread, which
     # is where SIGTERM's handler runs: it can interrupt the queue's admit()
     # with the queue's lock held. Make that happen at the 6th tap.
@@ -680,7 +679,7 @@ _FLOOD = r"""
 import json, os, threading, time
 import numpy as np, jax, filelock
 from pmaptap._host.pipeline import Pipeline
-from pmaptap._host.sink import FileSink
+from pmaptap._host.sinks import FileSink
 from pmaptap._common.spec import Placement, TapSite, TapSpec
 
 n, bound, policy = int(os.environ["N"]), int(os.environ["BOUND"]), os.environ["POLICY"]

@@ -315,7 +315,7 @@ def test_children_forked_in_a_two_process_job_exit_at_once(tmp_path):
 
 
 def test_jax_exit_internals_the_fork_hook_reads_are_still_there():
-    # pmaptap/_host/forked.py unregisters JAX's exit handlers in a child
+    # pmaptap/_host/barrier.py unregisters JAX's exit handlers in a child
     # forked after the runtime started, and keeps the runtime's objects alive
     # there. If a JAX upgrade renames or moves them, this says what to update
     # (the child would hang or abort at exit again). A profile hook, installed
@@ -324,7 +324,7 @@ def test_jax_exit_internals_the_fork_hook_reads_are_still_there():
     out = run_python(
         """
         import atexit, os, sys, jax, jax.numpy as jnp
-        import pmaptap._host.forked as forked
+        import pmaptap._host.barrier as forked
         from jax._src import api, dispatch, distributed, xla_bridge
         from jax._src.interpreters import mlir
         assert isinstance(xla_bridge._backends, dict)

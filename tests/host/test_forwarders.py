@@ -74,7 +74,7 @@ def test_forwarders_module_is_lazy_and_public():
         assert "wandb" not in sys.modules and "mlflow" not in sys.modules
         assert "tensorboardX" not in sys.modules and "jax" not in sys.modules
         assert sorted(f.__all__) == ["MLflow", "TensorBoard", "WandB"]
-        assert f.TensorBoard.__module__ == "pmaptap._host.forwarders"
+        assert f.TensorBoard.__module__ == "pmaptap._host.forward.dashboards"
         assert "wandb" not in sys.modules and "mlflow" not in sys.modules
         """)
 

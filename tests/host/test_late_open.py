@@ -88,7 +88,7 @@ def test_late_sink_indexes_from_the_agreed_start_not_before(tmp_path, monkeypatc
     run's start on (read a chunk at a time, lines split across chunks, the
     start inside a line), and nothing before it: an earlier job's records
     under the same run id are not this job's."""
-    from pmaptap._host import sink as sink_mod
+    from pmaptap._host.sinks import file as sink_mod
 
     monkeypatch.setattr(sink_mod, "_READ_CHUNK", chunk)
     path = str(tmp_path / "t.jsonl")
@@ -123,7 +123,7 @@ def test_late_sink_indexes_from_the_agreed_start_not_before(tmp_path, monkeypatc
 def test_a_long_catch_up_is_read_before_taking_the_lock(tmp_path, monkeypatch):
     """A writer far behind (a late opener) reads what it missed without the
     lock, so the others keep writing meanwhile; only the rest is read under it."""
-    from pmaptap._host import sink as sink_mod
+    from pmaptap._host.sinks import file as sink_mod
 
     monkeypatch.setattr(sink_mod, "_READ_CHUNK", 1000)
     path = str(tmp_path / "t.jsonl")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import pmaptap
 from conftest import logs_warning, run_python
-from pmaptap._host import loops
+from pmaptap._host.pipeline import loops
 
 _BAD_FILE_AND_CONSOLE = """
     import os, jax, jax.numpy as jnp, pmaptap

@@ -256,7 +256,7 @@ def test_a_writer_on_a_store_gathers_like_a_session(s3, monkeypatch):
     import s3fs
 
     import pmaptap
-    from pmaptap._host import objsink
+    from pmaptap._host.sinks import objectstore as objsink
 
     monkeypatch.setattr(objsink, "OBJECT_COMMIT_INTERVAL", 60.0)
     url = "s3://taps/gather/run"
@@ -525,11 +525,11 @@ w.close()
 
 def test_values_left_to_an_owner_that_did_not_close_are_put_as_a_chunk(s3):
     """The owner rule on a store keeps what it leaves to an owner, as the
-    sharded files do (_host/dirsink.py: Held): put at close for an owner
+    sharded files do (_host/sinks/directory.py: Held): put at close for an owner
     that did not close, read once beside the owner's own copy."""
     import pmaptap
     from conftest import replicated_dict
-    from pmaptap._host.objsink import ObjectSink
+    from pmaptap._host.sinks import ObjectSink
     from pmaptap.tapfile.record import Record, record_key
     from pmaptap.tapfile.source import run as runs
 

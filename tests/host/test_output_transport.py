@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from conftest import logs_warning, run_python, start_python
 from pmaptap._common.shard_placement import statistics_row_width
-from pmaptap._host import outputs, sink
+from pmaptap._host import outputs
+from pmaptap._host.sinks import file as sink
 from pmaptap._trace import later
 
 

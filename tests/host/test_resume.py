@@ -206,7 +206,7 @@ def test_divergence_and_supersession_are_judged_within_an_attempt(tmp_path, capl
 
 
 def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
-    from pmaptap._host.runid import _last_attempt, _last_run
+    from pmaptap._host.session.runid import _last_attempt, _last_run
 
     def line(run, step, attempt=0):
         d = record_dict(run=run, name="x", step=step)
@@ -439,7 +439,7 @@ def test_a_fixed_run_reopened_without_resume_is_refused_at_open(tmp_path, monkey
 def test_the_reopen_check_reads_only_the_end_of_a_large_file(tmp_path, monkeypatch):
     # 64 MiB of another run before the last session's records: the check
     # reads back from the end, never the whole file.
-    from pmaptap._host import runid
+    from pmaptap._host.session import runid
 
     path = str(tmp_path / "big.jsonl")
     line = json.dumps(record_dict(run="old", name="pad", step=0, value=0.0)) + "\n"

@@ -23,7 +23,7 @@ from conftest import (
     train_argv,
     wait_for,
 )
-from pmaptap._host.dirsink import DirectorySink, _held_size
+from pmaptap._host.sinks.directory import DirectorySink, _held_size
 from pmaptap.tapfile.record import Record, record_key
 from pmaptap.tapfile.source import run as runs
 
@@ -122,7 +122,7 @@ def test_validate_finds_a_torn_shard_line_and_names_the_shard(tmp_path, caplog):
 def test_owner_writes_values_every_process_verified(tmp_path):
     """A replicated record naming several processes (verified on device) is
     written by exactly one of them; a per-process one by each."""
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
     from pmaptap.tapfile.record import Record, record_key
 
     path = str(tmp_path / "run.jsonl")
@@ -335,6 +335,30 @@ def test_auto_layout_shards_above_the_process_count(tmp_path, monkeypatch):
         pmaptap.Session(path, layout="many")
 
 
+def test_session_and_writer_resolve_their_path_and_layout_alike(tmp_path):
+    # One function (pmaptap._host.sinks.write_target) for both: the same
+    # refusal of a layout, and an object-store URL always in the sharded
+    # layout, gathering a batch at least OBJECT_COMMIT_INTERVAL.
+    from pmaptap._host.sinks import objectstore
+
+    path = str(tmp_path / "run.jsonl")
+    for make in (
+        lambda **k: pmaptap.Session(path, **k),
+        lambda **k: pmaptap.Writer(path, run="r", process=0, **k),
+    ):
+        with pytest.raises(
+            ValueError, match=r"layout must be one of \('auto', 'file', 'sharded'\)"
+        ):
+            make(layout="many")
+    url = "memory://pmaptap-test/side/run"
+    s = pmaptap.Session(url, layout="file", flush_interval=0.01)
+    w = pmaptap.Writer(url, run="r", process=0, layout="file", flush_interval=0.01)
+    w.close()
+    interval = objectstore.OBJECT_COMMIT_INTERVAL
+    assert (s.path, s.layout, s._opts["flush_interval"]) == (url, "sharded", interval)
+    assert (w.path, w.layout, w.flush_interval) == (url, "sharded", interval)
+
+
 @pytest.mark.parametrize("follow", [False, True])
 def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
     pytest.importorskip("tensorboardX")
@@ -357,7 +381,7 @@ def test_tensorboard_export_of_a_sharded_run(tmp_path, follow):
 
 
 def test_a_shard_removed_or_truncated_under_its_writer(tmp_path, caplog):
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
 
     path = str(tmp_path / "run.jsonl")
     sink = DirectorySink(path, process=3)

@@ -20,9 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import pmaptap
 from conftest import logs_warning, wait_for
-from pmaptap._host import queue as queue_mod
-from pmaptap._host import records
-from pmaptap._host.aggregate import value_key
+from pmaptap._host.pipeline import queue as queue_mod
+from pmaptap._host.pipeline import records, value_key
 from pmaptap._trace import primitive
 
 

@@ -1,6 +1,6 @@
 """The sharded layout when the owner of a replicated value is killed: the
 value reaches the run as long as another process that held it lives to
-close (_host/dirsink.py: Held). Real processes connected by
+close (_host/sinks/directory.py: Held). Real processes connected by
 jax.distributed on loopback, a real SIGKILL with records still queued.
 
 A pmean'd loss over 2 processes x 4 devices, tapped replicated for 12

@@ -104,7 +104,7 @@ def _mlflow_runs(client):
 
 
 def _wandb_id(run: str) -> str:
-    from pmaptap._host.forwarders import wandb_id
+    from pmaptap._host.forward import wandb_id
 
     return wandb_id(run)
 

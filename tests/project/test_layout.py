@@ -380,6 +380,91 @@ def test_tapfile_sub_packages_are_layers_with_one_entry_each():
     assert found == []
 
 
+# _host's parts, and which others each may import (a sub-package only
+# through its entry). The session is above the pipeline and the sinks: it
+# opens a sink, starts a pipeline on it, and sets itself active in routing.
+# The pipeline writes to a sink and hands what it wrote to the forwarders;
+# the sinks and forwarding use nothing else of _host. Routing, the seam from
+# the trace side, starts the console's pipeline and sink and hands a step's
+# outputs to the output transport's drain (outputs). The barrier is below
+# them all: the transports register their waits with it, so it imports none;
+# so are the defaults (options), which the session and the pipeline read.
+_HOST_SUB_PACKAGES = ("session", "pipeline", "sinks", "forward")
+_HOST_MAY_IMPORT = {
+    "session": {"routing", "barrier", "options", "pipeline", "sinks", "forward"},
+    "routing": {"outputs", "barrier", "pipeline", "sinks"},
+    "outputs": {"barrier"},
+    "pipeline": {"options", "sinks", "forward"},
+    "sinks": set(),
+    "forward": set(),
+    "barrier": set(),
+    "options": set(),
+}
+
+
+def _entry_names(entry_path: str) -> set[str]:
+    """The names an entry's ``__all__`` lists."""
+    tree = ast.parse(open(entry_path, encoding="utf-8").read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def test_host_sub_packages_are_layers_with_one_entry_each():
+    """_host is four sub-packages (session, pipeline, sinks, forward) of at
+    most ten files each, beside four modules (routing, barrier, outputs,
+    options).
+    A module imports a module of its own sub-package freely; another
+    sub-package only through its entry (``pmaptap._host.<name>``, its
+    __init__), and only the names its ``__all__`` lists; the rest of
+    pmaptap likewise. Which part may import which is _HOST_MAY_IMPORT:
+    nothing points up (the sinks or the pipeline to the session) or
+    sideways (the sinks to the pipeline)."""
+    host = os.path.join(PKG, "_host")
+    subs = sorted(
+        d for d in os.listdir(host) if os.path.isdir(os.path.join(host, d)) and d != "__pycache__"
+    )
+    assert subs == sorted(_HOST_SUB_PACKAGES)
+    modules = sorted(f[:-3] for f in os.listdir(host) if f.endswith(".py") and f != "__init__.py")
+    assert sorted(modules + subs) == sorted(_HOST_MAY_IMPORT)
+    files = {d: [f for f in os.listdir(os.path.join(host, d)) if f.endswith(".py")] for d in subs}
+    assert {d: len(f) for d, f in files.items() if len(f) > 10} == {}
+    exported = {d: _entry_names(os.path.join(host, d, "__init__.py")) for d in subs}
+    assert {d for d, names in exported.items() if not names} == set()
+    found = []
+    for mod, deps in _module_graph().items():
+        parts = mod.split(".")
+        own = parts[2] if mod.startswith("pmaptap._host.") else None
+        for dep in sorted(deps):
+            if not dep.startswith("pmaptap._host."):
+                continue
+            part = dep.split(".")[2]
+            if part == own:
+                continue
+            if part in _HOST_SUB_PACKAGES and dep != f"pmaptap._host.{part}":
+                found.append(f"{mod} imports {dep}, past the entry of {part}")
+            if own is not None and part not in _HOST_MAY_IMPORT[own]:
+                found.append(f"{mod} imports {dep}: {own} may not import {part}")
+    # The names taken from an entry are the ones it exports.
+    for rel, tree in package_sources():
+        parts = rel[:-3].split(os.sep)
+        own = parts[2] if parts[1] == "_host" and len(parts) > 3 else None
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            part = node.module.split(".")[2] if node.module.startswith("pmaptap._host.") else None
+            if node.module == f"pmaptap._host.{part}" and part in exported and part != own:
+                found += [
+                    f"{rel} imports {a.name} from {node.module}, not in its __all__"
+                    for a in node.names
+                    if a.name not in exported[part]
+                ]
+    assert found == [], "\n".join(found)
+
+
 def test_the_reader_modules_api_md_names_are_still_attributes_of_tapfile():
     """docs/api.md names the readers as modules of ``pmaptap.tapfile``
     (``reader``, ``views``, ``checks``, ...); since the sub-packages each is

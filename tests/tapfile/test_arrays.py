@@ -140,7 +140,7 @@ def test_complex32_inline_keeps_its_imaginary_part(tmp_path):
     # ComplexWarning. Widened to complex64 (exact) first, it is (re, im).
     import warnings
 
-    from pmaptap._host.encode import encode_array
+    from pmaptap._host.pipeline import encode_array
 
     a = np.array([1 + 2j, -3.5 - 4j, complex(np.nan, 0.25)], np.complex64).astype(
         ml_dtypes.complex32

@@ -1,5 +1,5 @@
 """The readers and pmaptap.fingerprint's records ("kind": "fingerprint",
-written by hand here, as _host/fingerprints.py writes them): the suspects
+written by hand here, as _host/pipeline/fingerprints.py writes them): the suspects
 the summary names, validate's rules, the batched summary equal to the
 reference, what forwarders, TensorBoard, plot and frames make of them."""
 

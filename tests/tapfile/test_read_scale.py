@@ -130,7 +130,7 @@ def test_shard_writes_look_up_no_path_per_batch(tmp_path, monkeypatch):
     path looked up (before: one per batch)."""
     import os
 
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
 
     path = str(tmp_path / "run.jsonl")
     sink = DirectorySink(path, process=3)
@@ -157,7 +157,7 @@ def test_a_rotated_shard_moves_its_writer_within_the_path_check(tmp_path, monkey
     import os
     import time
 
-    from pmaptap._host import dirsink
+    from pmaptap._host.sinks import directory as dirsink
 
     monkeypatch.setattr(dirsink, "PATH_CHECK_S", 0.2)
     path = str(tmp_path / "run.jsonl")
@@ -182,7 +182,7 @@ def test_a_replicated_record_of_4096_processes_stays_small(tmp_path):
     import sys
 
     from conftest import ROOT
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
     from pmaptap.tapfile.record import parse
     from pmaptap.tapfile.record.format import Record
 
@@ -357,7 +357,7 @@ def test_following_a_quiet_shard_directory_does_not_list_it(tmp_path, monkeypatc
     import json
     import os
 
-    from pmaptap._host.dirsink import DirectorySink
+    from pmaptap._host.sinks import DirectorySink
     from pmaptap.tapfile.read import follower as follow
 
     path = str(tmp_path / "run.jsonl")

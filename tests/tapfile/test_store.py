@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import pmaptap
-from pmaptap._host import objsink
+from pmaptap._host.sinks import objectstore as objsink
 from pmaptap.tapfile.read import follower as follow
 from pmaptap.tapfile.source import run as runs
 from pmaptap.tapfile.source import store

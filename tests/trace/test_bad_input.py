@@ -32,7 +32,7 @@ import pmaptap._trace.layouts
 import pmaptap.cli
 from conftest import logs_warning, mount_namespace_available, run_in_mount_namespace
 from pmaptap import host_callback as hcb
-from pmaptap._host.sink import FileSink
+from pmaptap._host.sinks import FileSink
 from pmaptap.tapfile.record.format import encode_line
 
 pytestmark = pytest.mark.usefixtures("transport")

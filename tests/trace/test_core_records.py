@@ -13,7 +13,7 @@ import pytest
 
 import pmaptap
 from conftest import logs_warning, record_dict, run_python
-from pmaptap._host.encode import encode_array
+from pmaptap._host.pipeline import encode_array
 from pmaptap.tapfile.record.format import decode_value, encodable
 
 pytestmark = pytest.mark.usefixtures("transport")
@@ -197,7 +197,7 @@ def test_json_fallback_writes_the_same_records_as_orjson(tmp_path):
 def test_encoding_gathered_rows_at_once_equals_row_by_row(stacked):
     # The gathered fast path (encode_rows) must write exactly the bytes that
     # encoding each device's copy on its own writes.
-    from pmaptap._host.encode import encode_rows, encode_tree
+    from pmaptap._host.pipeline.encode import encode_rows, encode_tree
     from pmaptap.tapfile.record.format import encode_line
 
     treedef = jax.tree_util.tree_structure(0)
@@ -210,7 +210,7 @@ def test_encoding_gathered_rows_at_once_equals_row_by_row(stacked):
 
 
 def test_encoding_gathered_pytree_rows_equals_row_by_row():
-    from pmaptap._host.encode import encode_rows, encode_tree
+    from pmaptap._host.pipeline.encode import encode_rows, encode_tree
     from pmaptap.tapfile.record.format import encode_line
 
     tree = {"a": np.float32(0), "b": np.zeros(2, np.int32)}

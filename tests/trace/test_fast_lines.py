@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
-import pmaptap._host.sink as sink_mod
+import pmaptap._host.sinks.file as sink_mod
 from conftest import record_dict, run_python
 from pmaptap.tapfile.record.format import _STEP_SENTINEL, MAX_STEP, Record, encode_line, new_record
 
@@ -150,7 +150,7 @@ def test_64_bit_scalars_under_x64():
     out = run_python(
         """
         import tempfile, numpy as np, jax, jax.numpy as jnp, pmaptap
-        import pmaptap._host.sink as sink_mod
+        import pmaptap._host.sinks.file as sink_mod
         from pmaptap.tapfile.record.format import encode_line
         seen, real = [], sink_mod.FileSink.write
         sink_mod.FileSink.write = lambda self, rs: (seen.extend(rs), real(self, rs))[1]

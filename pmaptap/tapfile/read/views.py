@@ -307,7 +307,7 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
 def value_text(r: dict, width: int = 60) -> str:
     """The value column: a fingerprint record has no ``value`` (null) but
     its ``fingerprint``, with the leaf a divergent one is about, as the
-    stderr printer (_host/console.py) shows it."""
+    stderr printer (_host/sinks/console.py) shows it."""
     if r.get("kind") == FINGERPRINT:
         leaf = r.get("leaf")
         fp = str(r.get("fingerprint"))

@@ -214,7 +214,7 @@ class Record:
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 
-    # The aggregator's fast path (_host/records.py): every field of a site's
+    # The aggregator's fast path (_host/pipeline/records.py): every field of a site's
     # record but its step, value and time is the same at every step, so
     # later records copy a template's fields (``from_template``), and scalar
     # per_device records get their line joined from pieces cut once

@@ -1,4 +1,8 @@
-"""A child forked after JAX's runtime started: what it must not wait on.
+"""Every wait for the taps of dispatched steps: ``effects_barrier`` (flush,
+close, SIGTERM, exit), a close's bounded ``before_close``; a transport that
+delivers on a thread of its own (outputs.py) ``register``s its wait here.
+
+A child forked after JAX's runtime started: what it must not wait on.
 
 JAX cannot run computations in such a child: the runtime's threads (the
 PjRt client's, the MLIR thread pool's) stay in the parent; only the objects
@@ -38,9 +42,35 @@ import atexit
 import ctypes
 import os
 import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from pmaptap._log import log
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pmaptap._host.pipeline import Pipeline
 
 # True in a child forked after JAX's runtime started in its parent.
 _inherited_runtime = False
+_transports: list[tuple[Callable[[float | None], bool], Callable[[], int]]] = []
+
+
+def register(wait: Callable[[float | None], bool], undelivered: Callable[[], int]) -> None:
+    """``wait(timeout)``: whether every step submitted before the call was
+    delivered (False after ``timeout`` s); ``undelivered()``: steps not yet."""
+    _transports.append((wait, undelivered))
+
+
+def transports_wait(timeout: float | None = None) -> bool:
+    """Every registered transport's wait, within one ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return all([wait(time_left(deadline)) for wait, _ in _transports])
+
+
+def undelivered() -> int:
+    """Steps the registered transports have not delivered yet."""
+    return sum(count() for _, count in _transports)
 
 
 def effects_barrier(timeout: float | None = None) -> bool:
@@ -54,10 +84,8 @@ def effects_barrier(timeout: float | None = None) -> bool:
 
     jax.effects_barrier()
     # Steps of pmaptap.jit / pmaptap.pmap deliver their taps from their
-    # outputs, on the output transport's thread (outputs.py); looked up, not
-    # imported: a process that never used it has nothing to wait for.
-    outputs = sys.modules.get("pmaptap._host.outputs")
-    return outputs is None or outputs.wait(timeout)
+    # outputs, on the output transport's thread (outputs.py).
+    return transports_wait(timeout)
 
 
 def dispatched_tokens() -> list:
@@ -75,6 +103,74 @@ def dispatched_tokens() -> list:
         *getattr(tokens, "current_tokens", {}).values(),
         *getattr(tokens, "output_runtime_tokens", {}).values(),
     ]
+
+
+def before_close(stall: float | None, pipeline: "Pipeline", limit: float) -> None:
+    """``effects_barrier()`` before a session's close, given up after
+    ``limit`` s (writes failing under overflow="block": room never comes)
+    and, with ``stall``, once no tap arrived for ``stall`` s. On SIGTERM a
+    step may never finish (a collective whose peer died): the wait runs on a
+    daemon thread, on this thread's tokens (JAX keeps them per thread), and
+    is left behind; steps still delivering taps are waited for."""
+    if stall is None:
+        # In slices: a SIGTERM during the close stops the wait (hurried).
+        deadline = time.monotonic() + limit
+        delivered = effects_barrier(0.0)
+        while not delivered and not pipeline.hurried.is_set() and time_left(deadline):
+            delivered = transports_wait(min(time_left(deadline), 0.1))
+        if not delivered:
+            _said_undelivered(limit)
+        return
+    tokens = dispatched_tokens()
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            for t in tokens:
+                t.block_until_ready()
+            transports_wait(limit)  # taps leaving dispatched steps as outputs
+        except BaseException:  # noqa: BLE001 - a failed step: nothing to wait for
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True, name="pmaptap-effects-barrier").start()
+    if not _taps_quiet(pipeline, stall, limit, done):
+        log.warning(
+            f"pmaptap: steps dispatched before SIGTERM delivered no tap for "
+            f"{stall:g}s (a collective waiting for a dead process?); the taps "
+            "of the steps that did not finish are not in the file"
+        )
+
+
+def _said_undelivered(limit: float) -> None:
+    log.warning(
+        f"pmaptap: {undelivered()} dispatched step(s) of pmaptap.jit / "
+        f"pmaptap.pmap taps had not reached the session when its close stopped "
+        f"waiting for them (close_timeout={limit:g}s, or SIGTERM; its writes "
+        "fail, and overflow='block' keeps them waiting for room); what reaches "
+        "pmaptap after the close is printed on stderr"
+    )
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _taps_quiet(pipeline: "Pipeline", quiet: float, limit: float, done: threading.Event) -> bool:
+    """Wait until ``done`` is set (True), or no tap has reached
+    ``pipeline`` for ``quiet`` seconds, or ``limit`` seconds have passed
+    (False)."""
+    start = quiet_since = time.monotonic()
+    seen = pipeline.queue.offered
+    while not done.wait(0.05):
+        now, n = time.monotonic(), pipeline.queue.offered
+        if n != seen:
+            seen, quiet_since = n, now
+        if now - quiet_since >= quiet or now - start >= limit:
+            return False
+    return True
 
 
 def _runtime_started() -> bool:

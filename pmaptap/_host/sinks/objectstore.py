@@ -28,12 +28,12 @@ import threading
 import time
 from typing import Sequence
 
-from pmaptap._host.blobs import object_blob
-from pmaptap._host.dirsink import DirectorySink, Held
-from pmaptap._host.sink import FileSink, Sink
+from pmaptap._host.sinks.base import Sink
+from pmaptap._host.sinks.blobs import object_blob
+from pmaptap._host.sinks.directory import DirectorySink, Held
 from pmaptap._log import log
 from pmaptap.errors import TapPathError
-from pmaptap.tapfile import source as store
+from pmaptap.tapfile import source
 from pmaptap.tapfile.record import RawArray, Record
 from pmaptap.tapfile.source import BYTES_SUFFIX
 
@@ -63,8 +63,8 @@ class ObjectSink(Sink):
             process = jax.process_index()
         self.process = int(process)
         self.path = url
-        self.fs, self.prefix = store.url_fs(url)
-        self.directory = self.prefix + store.SHARD_SUFFIX
+        self.fs, self.prefix = source.url_fs(url)
+        self.directory = self.prefix + source.SHARD_SUFFIX
         # Stored values (tapfile/source/arrays.py): objects under <prefix>.bytes/,
         # named in lines relative to the prefix's parent.
         self.bytes_prefix = self.prefix + BYTES_SUFFIX
@@ -87,7 +87,7 @@ class ObjectSink(Sink):
         self.bytes_written = 0
         self.bytes_read = 0
         self.skipped = 0
-        self.held = Held()  # replicated values left to their owners (dirsink.py)
+        self.held = Held()  # replicated values left to their owners (directory.py)
         self.held_written = 0
         self.rejected: list[str] = []
         try:
@@ -101,8 +101,6 @@ class ObjectSink(Sink):
                 "endpoint (e.g. AWS_ENDPOINT_URL).",
                 path=url,
             ) from e
-
-    _encode = FileSink._encode
 
     def _put(self, data: bytes) -> None:
         """``data`` as the next chunk. After a PUT that failed (it may have
@@ -127,7 +125,7 @@ class ObjectSink(Sink):
             self._done = b""
 
     def _put_chunk(self, data: bytes) -> None:
-        name = store.chunk_name(
+        name = source.chunk_name(
             self.directory, self.process, self.writer_id, self.seq, self._stream_bytes
         )
         try:
@@ -140,7 +138,7 @@ class ObjectSink(Sink):
         self._window_bytes += len(data)
         self._stream_bytes += len(data)
         self.seq += 1
-        if len(self._window) >= store.ROLLUP_CHUNKS or self._window_bytes >= store.ROLLUP_BYTES:
+        if len(self._window) >= source.ROLLUP_CHUNKS or self._window_bytes >= source.ROLLUP_BYTES:
             self._roll_up()
 
     def _roll_up(self) -> None:
@@ -152,7 +150,7 @@ class ObjectSink(Sink):
         if sum(1 for _, d in window if d) < 2:
             return  # one object already (an empty chunk costs no fetch)
         first, last = self.seq - len(window), self.seq - 1
-        name = store.rollup_name(self.directory, self.process, self.writer_id, first, last, start)
+        name = source.rollup_name(self.directory, self.process, self.writer_id, first, last, start)
         try:
             self.fs.pipe_file(name, b"".join(d for _, d in window))
         except Exception as e:  # noqa: BLE001 - any client error; the chunks stay

@@ -23,11 +23,11 @@ import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintSpec
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
-from pmaptap._host import fingerprints
-from pmaptap._host import shards as shard_host
 from pmaptap._host.options import DEFAULTS
-from pmaptap._host.payload import Copy, Part, _Pending
-from pmaptap._host.records import RecordBuilder
+from pmaptap._host.pipeline import fingerprints
+from pmaptap._host.pipeline import shards as shard_host
+from pmaptap._host.pipeline.payload import Copy, Part, _Pending
+from pmaptap._host.pipeline.records import RecordBuilder
 from pmaptap._log import log
 from pmaptap.tapfile.record import COPIES_SEEN, MAX_STEP, META_REFUSED, Record
 from pmaptap.tapfile.source import INLINE_MAX_BYTES
@@ -334,7 +334,7 @@ class Aggregator:
         ]
 
     def _resolve_shards(self, spec: TapSpec, step: int, copies: list[Copy]) -> list[Record]:
-        """Records of one step's shards on this process (see _host/shards.py)."""
+        """Records of one step's shards on this process (see shards.py)."""
         place, dedup = spec.shards, spec.site.dedup
         out: list[Record] = []
         for holders, cps in shard_host.by_slice(copies).items():
@@ -562,7 +562,7 @@ class Aggregator:
         """Hold ``copy`` with the other copies of ``pkey`` that arrived;
         their records once ``expected`` copies are there (or the same device
         reports ``pkey`` again). Fingerprints sent by each device
-        (_host/fingerprints.py) wait here."""
+        (fingerprints.py) wait here."""
         out: list[Record] = []
         pending = self._pending.get(pkey)
         if pending is not None and any(

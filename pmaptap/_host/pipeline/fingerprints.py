@@ -36,8 +36,8 @@ import numpy as np
 
 from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
-from pmaptap._host.payload import Copy, Part, _Pending
-from pmaptap._host.records import RecordBuilder
+from pmaptap._host.pipeline.payload import Copy, Part, _Pending
+from pmaptap._host.pipeline.records import RecordBuilder
 from pmaptap.tapfile.record import FINGERPRINT, MAX_STEP, RANGES_ABOVE, Record
 
 

@@ -10,7 +10,7 @@ shards (``pmaptap/tapfile/source/run.py``).
 Replicated dedup without reading the others: a replicated record whose value
 every holding process verified on device (the gathered and verified layouts;
 ``processes`` then names them all, and all of them build the same record) is
-written only by its owner, ``runs.owner(key, processes)``. Any other
+written only by its owner, ``source.owner(key, processes)``. Any other
 replicated record (a per-process tap in the copy layout, a side ``Writer``, a
 ``verified_off`` copy, a scalar under plain jit read from one device only:
 ``copies_seen``, whose ``processes`` name holders that never saw it) is
@@ -36,10 +36,10 @@ import time
 from collections import deque
 from typing import Iterable, Sequence
 
-from pmaptap._host.blobs import BlobFile
-from pmaptap._host.sink import FileSink, Sink, prepare_path
+from pmaptap._host.sinks.base import Sink, prepare_path
+from pmaptap._host.sinks.blobs import BlobFile
 from pmaptap._log import log
-from pmaptap.tapfile import source as runs
+from pmaptap.tapfile import source
 from pmaptap.tapfile.record import COPIES_SEEN, RawArray, Record, has_raw, raw_leaves, record_key
 
 # Seconds between two looks at the shard's path (a stat by name: a server
@@ -120,7 +120,7 @@ def owner_of(r: Record) -> int | None:
         or (r.extra and (r.extra.get("verified") is False or COPIES_SEEN in r.extra))
     ):
         return None
-    return runs.owner(record_key(r), r.processes)
+    return source.owner(record_key(r), r.processes)
 
 
 def mine(r: Record, process: int) -> bool:
@@ -141,7 +141,7 @@ class DirectorySink(Sink):
             process = jax.process_index()
         self.process = int(process)
         self.run_path = os.path.abspath(os.fspath(path))
-        self.path = prepare_path(runs.shard_path(self.run_path, self.process))
+        self.path = prepare_path(source.shard_path(self.run_path, self.process))
         try:
             os.remove(self.path + ".lock")  # prepare_path's; no lock here
         except OSError:
@@ -160,10 +160,6 @@ class DirectorySink(Sink):
         self.repairs = 0
         self.replacements = 0
         self.rejected: list[str] = []
-
-    # One encoder for every sink: a record that cannot be encoded becomes a
-    # pmaptap/unencodable meta record (see FileSink._encode).
-    _encode = FileSink._encode
 
     def _blob_file(self) -> BlobFile:
         return BlobFile(self.run_path, self.process)
@@ -227,7 +223,7 @@ class DirectorySink(Sink):
         if torn:
             chunks.insert(0, b"\n")
         # All or nothing (cut back on failure); the pipeline retries it whole.
-        written = FileSink._append(self._fd, size, chunks, False)
+        written = self._append(self._fd, size, chunks, False)
         # (Bytes another program appends between the fstat and the write
         # make the next size differ from this: a look at the tail, no more.)
         self._end = size + written

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from pmaptap import distributed
 from pmaptap._host.pipeline import Pipeline
-from pmaptap.tapfile.source import is_sharded, is_url, shard_process, sources
+from pmaptap.tapfile import source
 
 
 def _new_run_id() -> str:
@@ -105,36 +105,34 @@ def _last_run(path: str, processes: int | None = None) -> str | None:
         return _last_run_in(lambda a, b: os.pread(f.fileno(), b - a, a), size, processes)
 
 
-def _last_runs(path: str, processes: int) -> Iterator[str | None]:
+def _last_runs(path: source.Run, processes: int) -> Iterator[str | None]:
     """The last run of each place the run at ``path`` is written to, by the
     job's processes (``_last_run_in``): the one shared file and the shards
     of processes below ``processes``, or on an object store each such
     process's last object that holds anything. Each read from its end: a
     few KB each, however long the run."""
-    if not is_url(path):
-        for src in sources(path):
-            k = shard_process(src)
+    if not path.url:
+        for src in source.sources(path):
+            k = source.shard_process(src)
             if k is None or k < processes:
                 yield _last_run(src, processes)
         return
-    from pmaptap.tapfile import source as store
-
-    fs, _ = store.url_fs(path)
-    for proc, objs in sorted(store.objects(path, missing_ok=True).items()):
+    fs, _ = source.url_fs(path)
+    for proc, objs in sorted(source.objects(path, missing_ok=True).items()):
         if proc >= processes:
             continue
         for o in reversed(objs):
             size = o.size if o.size >= 0 else fs.size(o.name)
             if size:
 
-                def read(a: int, b: int, o: store.Object = o) -> bytes:
-                    return store.fetch(fs, o, a, b)
+                def read(a: int, b: int, o: source.Object = o) -> bytes:
+                    return source.fetch(fs, o, a, b)
 
                 yield _last_run_in(read, size, processes)
                 break
 
 
-def refuse_reopened_run(path: str, run: str | None, processes: int) -> None:
+def refuse_reopened_run(path: source.Run, run: str | None, processes: int) -> None:
     """A session opened without ``resume=True`` on a fixed run id (``run=``
     or ``PMAPTAP_RUN``) that the tap file already ends with (the last record
     the job's process numbers wrote there, in the file or any of its shards
@@ -171,11 +169,10 @@ def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | 
     chunks): the merged stream read once (the last run is that of the
     latest record by time)."""
     from pmaptap.tapfile.read import attempt_of
-    from pmaptap.tapfile.source import iter_lines
 
     last_run: str | None = None
     found: dict[str, int] = {}
-    for _, d, _ in iter_lines(path):
+    for _, d, _ in source.iter_lines(path):
         if d is not None:
             last_run = d["run"]
             found[d["run"]] = max(found.get(d["run"], 0), attempt_of(d))
@@ -183,16 +180,17 @@ def _last_attempt_merged(path: str, run: str | None) -> tuple[str | None, int | 
     return run, found.get(run) if run is not None else None
 
 
-def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
+def _last_attempt(path: str | source.Run, run: str | None) -> tuple[str | None, int | None]:
     """(``run``, else the last run in the file; its highest attempt, or None
     if the file holds no record of it). Only lines holding the run's JSON
-    text are parsed."""
+    text are parsed. ``path``: the session's Run (a path is resolved)."""
     import json
 
-    from pmaptap.tapfile import record as parse
+    from pmaptap.tapfile import record
     from pmaptap.tapfile.read import attempt_of
 
-    if is_sharded(path):
+    path = source.Run.of(path)
+    if path.sharded:
         return _last_attempt_merged(path, run)
     if not os.path.exists(path):
         return run, None
@@ -202,7 +200,7 @@ def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
             return None, None
     needle = json.dumps(run, ensure_ascii=False).encode("utf-8")
     found: int | None = None
-    limit = parse.MAX_LINE_BYTES
+    limit = record.MAX_LINE_BYTES
     with open(path, "rb") as f:
         while True:
             raw = f.readline(limit + 1)
@@ -214,12 +212,12 @@ def _last_attempt(path: str, run: str | None) -> tuple[str | None, int | None]:
                 continue
             if needle not in raw:
                 continue
-            d, _ = parse.parse_line(raw.rstrip(b"\n"))
+            d, _ = record.parse_line(raw.rstrip(b"\n"))
             if d is not None and d["run"] == run:
                 found = max(found or 0, attempt_of(d))
 
 
-def _resume_point(path: str, run: str | None) -> tuple[str, int]:
+def _resume_point(path: source.Run, run: str | None) -> tuple[str, int]:
     """The (run, attempt) a resumed session continues, the same on every
     process of a job: process 0 reads the file and tells the others through
     the coordination service (agree_run_id), as for a fresh run id.

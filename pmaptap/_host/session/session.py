@@ -19,26 +19,24 @@ from collections.abc import Sequence
 from typing import Any
 
 from pmaptap import distributed
-from pmaptap._host import outputs, routing, sigterm
-from pmaptap._host.forked import dispatched_tokens, effects_barrier
+from pmaptap._host import barrier, routing
+from pmaptap._host.barrier import time_left
 from pmaptap._host.forward import check_replicated, check_targets
 from pmaptap._host.options import DEFAULTS
-from pmaptap._host.pipeline import Pipeline
-from pmaptap._host.queue import OVERFLOW_POLICIES
-from pmaptap._host.runid import (
+from pmaptap._host.pipeline import OVERFLOW_POLICIES, Pipeline
+from pmaptap._host.session import sigterm
+from pmaptap._host.session.runid import (
     _queue_attempt_record,
     _resume_point,
     default_run_id,
     refuse_reopened_run,
     refuse_unresumed_restart,
 )
-from pmaptap._host.sink import LOCK_MODES, FileSink
-from pmaptap._host.sinks import open_sink
+from pmaptap._host.sinks import LOCK_MODES, FileSink, open_sink, write_target
 from pmaptap._log import log
 from pmaptap.errors import SessionError, TapError, checked_flag, checked_number
-from pmaptap.tapfile import source as runs
+from pmaptap.tapfile import source
 from pmaptap.tapfile.record import check_text
-from pmaptap.tapfile.source import is_url
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
 # before acting itself (a main thread running Python runs it within
@@ -53,20 +51,15 @@ MAIN_HANDLER_WAIT_S = 0.3
 SIGTERM_WAIT_S = 3.0
 # How soon a SIGTERM that interrupted pmaptap's host code is raised again.
 SIGTERM_RETRY_S = 0.01
-# pmaptap's host-side code (the queue, pipeline, routing): a SIGTERM handler
-# that interrupted the main thread there must not close (_on_sigterm).
-_HOST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# pmaptap's host-side code (the queue, pipeline, routing: all of _host/, of
+# which this is session/): a SIGTERM handler that interrupted the main thread
+# there must not close (_on_sigterm).
+_HOST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 # Serializes open() against close()'s clearing of the active session. The
 # active session itself is held by routing (the callback path reads it there).
 _open_lock = threading.Lock()
 active_session = routing.active_session
-
-
-def _object_commit_interval() -> float:
-    from pmaptap._host.objsink import OBJECT_COMMIT_INTERVAL
-
-    return OBJECT_COMMIT_INTERVAL
 
 
 class Session:
@@ -83,7 +76,7 @@ class Session:
       device copies (a tap under a cond that fired on some devices only).
     lock: "flock" (default; local disk, one host) or "soft" (NFS and other
       shared filesystems where flock does not exclude across hosts; see
-      pmaptap._host.sink.FileSink). Every process of a job must use the same mode.
+      pmaptap._host.sinks.FileSink). Every process of a job must use the same mode.
     layout: "file" (every process appends to ``path`` under a shared lock),
       "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
       no lock, nothing read back; readers merge: docs/multihost.md) or
@@ -155,13 +148,10 @@ class Session:
                 f"Session: lock must be one of {LOCK_MODES} "
                 f'("soft" for NFS/Lustre/GPFS), got {lock!r}'
             )
-        if layout not in runs.FILE_LAYOUTS:
-            raise ValueError(f"Session: layout must be one of {runs.FILE_LAYOUTS}, got {layout!r}")
         # Not bool(resume): resume="no" resumed, and readers then hid the
         # previous attempt's replayed steps as superseded.
         resume = checked_flag("Session", "resume", resume)
         self.lock = lock
-        self.layout = layout
         n = functools.partial(checked_number, "Session")
         max_pending = n("max_pending", max_pending, integer=True, least=1)
         max_pending_bytes = n("max_pending_bytes", max_pending_bytes, integer=True, least=1)
@@ -171,13 +161,11 @@ class Session:
         group_timeout = n("group_timeout", group_timeout)
         flush_interval = n("flush_interval", flush_interval)
         forward_timeout = n("forward_timeout", forward_timeout, none=True)
-        # An object-store URL (s3://, gs://) is kept as given; it always
-        # uses the sharded layout, as immutable chunks (_host/objsink.py).
-        self.url = is_url(path)
-        self.path = path if self.url else os.path.abspath(os.fspath(path))
-        if self.url:
-            self.layout = "sharded"
-            flush_interval = max(flush_interval, _object_commit_interval())
+        # The path resolved once (an object-store URL kept as given, and
+        # always in the sharded layout): shared with Writer (sinks/).
+        self._target = target = write_target("Session", path, layout, flush_interval)
+        self.path = str(target.run)
+        self.layout, flush_interval = target.layout, target.flush_interval
         self.run = run
         self.resume = resume
         self.attempt = 0
@@ -232,19 +220,18 @@ class Session:
             import jax
 
             if self.layout == "auto":
-                self.layout = runs.file_layout("auto", jax.process_count())
+                self.layout = source.file_layout("auto", jax.process_count())
             if not self.resume:
-                refuse_reopened_run(self.path, self.run, jax.process_count())
+                refuse_reopened_run(self._target.run, self.run, jax.process_count())
             sink = open_sink(
-                self.path,
+                self._target.run,
                 self.layout,
-                url=self.url,
                 lock_timeout=self.lock_timeout,
                 lock=self.lock,
             )
             try:
                 if self.resume:
-                    self.run, self.attempt = _resume_point(self.path, self.run)
+                    self.run, self.attempt = _resume_point(self._target.run, self.run)
                 elif self.run is None:
                     self.run = default_run_id()
                 if isinstance(sink, FileSink):
@@ -330,9 +317,9 @@ class Session:
                 # the pipeline and the pipeline writing them (concurrent).
                 deadline = time.monotonic() + self.close_timeout
                 try:
-                    _effects_barrier(SIGTERM_WAIT_S if killed else None, p, self.close_timeout)
+                    barrier.before_close(SIGTERM_WAIT_S if killed else None, p, self.close_timeout)
                 finally:
-                    p.close(timeout=_left(deadline), outcome=outcome)
+                    p.close(timeout=time_left(deadline), outcome=outcome)
         finally:
             try:
                 self._phase = "barrier"
@@ -388,7 +375,7 @@ class Session:
     def _write_held(self, owners: list[int] | None) -> None:
         """Write the replicated values this process left to ``owners`` (None:
         to anyone) in the sharded layout: they did not close, so they may
-        never have written them (_host/dirsink.py: Held). Readers keep one
+        never have written them (_host/sinks/directory.py: Held). Readers keep one
         copy of each value."""
         sink = self.pipeline.sink if self.pipeline else None
         held = getattr(sink, "held", None)
@@ -527,8 +514,8 @@ class Session:
             )
             try:
                 deadline = time.monotonic() + self.close_timeout
-                _effects_barrier(SIGTERM_WAIT_S, p, self.close_timeout)
-                p.close(timeout=_left(deadline), outcome="killed")
+                barrier.before_close(SIGTERM_WAIT_S, p, self.close_timeout)
+                p.close(timeout=time_left(deadline), outcome="killed")
                 if getattr(p.sink, "held", None):
                     self._after_close(wait=False)  # values left to dead owners
             except BaseException as e:  # noqa: BLE001 - we are dying: say it
@@ -574,105 +561,23 @@ def _in_host_code(frame: Any) -> bool:
     return False
 
 
-def _effects_barrier(stall: float | None, pipeline: Pipeline, limit: float) -> None:
-    """``effects_barrier()`` for the steps this thread dispatched, before a
-    close: the wait for the steps of ``pmaptap.jit`` / ``pmaptap.pmap`` (on
-    the output transport's thread) is given up after ``limit`` seconds
-    (their pipeline's writes failing under overflow="block", room never
-    comes); with ``stall``, the whole wait is also given up once no tap has
-    arrived for ``stall`` seconds. On SIGTERM a dispatched step may never
-    finish (a collective whose peer died): the wait runs on a daemon thread,
-    on the tokens taken from this thread (JAX keeps them per thread), and is
-    left behind. Steps still delivering taps (a loaded box) are waited for:
-    they are finite, nothing new is dispatched while the handler runs."""
-    if stall is None:
-        # In slices: a SIGTERM during the close stops the wait (hurried).
-        deadline = time.monotonic() + limit
-        delivered = effects_barrier(0.0)
-        while not delivered and not pipeline.hurried.is_set() and _left(deadline):
-            delivered = outputs.wait(min(_left(deadline), 0.1))
-        if not delivered:
-            _said_undelivered(limit)
-        return
-    tokens = dispatched_tokens()
-    done = threading.Event()
-
-    def wait() -> None:
-        try:
-            for t in tokens:
-                t.block_until_ready()
-            outputs.wait(limit)  # taps leaving dispatched steps as outputs
-        except BaseException:  # noqa: BLE001 - a failed step: nothing to wait for
-            pass
-        finally:
-            done.set()
-
-    threading.Thread(target=wait, daemon=True, name="pmaptap-effects-barrier").start()
-    if not _taps_quiet(pipeline, stall, limit, done):
-        log.warning(
-            f"pmaptap: steps dispatched before SIGTERM delivered no tap for "
-            f"{stall:g}s (a collective waiting for a dead process?); the taps "
-            "of the steps that did not finish are not in the file"
-        )
-
-
-def _said_undelivered(limit: float) -> None:
-    log.warning(
-        f"pmaptap: {outputs.undelivered()} dispatched step(s) of pmaptap.jit / "
-        f"pmaptap.pmap taps had not reached the session when its close stopped "
-        f"waiting for them (close_timeout={limit:g}s, or SIGTERM; its writes "
-        "fail, and overflow='block' keeps them waiting for room); what reaches "
-        "pmaptap after the close is printed on stderr"
-    )
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (None: no deadline), at least 0."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
 def _flush(p: Pipeline, timeout: float | None) -> None:
     """Every tap dispatched so far written by ``p`` within one ``timeout``
     (None: no bound): the steps of ``pmaptap.jit`` / ``pmaptap.pmap``
     delivered, then the pipeline flushed; its errors are raised first (the
     cause), then a TapError if some steps were not delivered in time."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    delivered = effects_barrier(timeout)
-    p.flush(_left(deadline))
+    delivered = barrier.effects_barrier(timeout)
+    p.flush(time_left(deadline))
     if not delivered:
         raise TapError(
             f"pmaptap flush timed out after {timeout:g}s with "
-            f"{outputs.undelivered()} dispatched step(s) of pmaptap.jit / "
+            f"{barrier.undelivered()} dispatched step(s) of pmaptap.jit / "
             "pmaptap.pmap taps not yet handed to the pipeline (its queue is "
             "full and takes nothing: overflow='block' with writes that fail?). "
             "They stay queued and are delivered once there is room.",
             path=getattr(p.sink, "path", None),
         )
-
-
-def _taps_quiet(
-    pipeline: Pipeline | None,
-    quiet: float,
-    limit: float | None,
-    done: threading.Event | None = None,
-) -> bool:
-    """Wait until ``done`` is set (True), or no tap has reached
-    ``pipeline`` for ``quiet`` seconds, or ``limit`` seconds have passed
-    (False)."""
-    done = done or threading.Event()
-
-    def offered() -> int:
-        return pipeline.queue.offered if pipeline is not None else 0
-
-    start = quiet_since = time.monotonic()
-    seen = offered()
-    while not done.wait(0.05):
-        now, n = time.monotonic(), offered()
-        if n != seen:
-            seen, quiet_since = n, now
-        if now - quiet_since >= quiet or (limit is not None and now - start >= limit):
-            return False
-    return True
 
 
 def _after_fork_in_child() -> None:

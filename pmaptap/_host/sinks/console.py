@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence, TextIO
 
-from pmaptap._host.sink import Sink
+from pmaptap._host.sinks.base import Sink
 from pmaptap._log import console_log
 from pmaptap.tapfile.record import FINGERPRINT, Record, encode_line, has_raw, index_text
 from pmaptap.tapfile.source import shown_value

@@ -3,11 +3,11 @@
 Each is a callable taking one record dict, as ``Session(forward=[...])``
 calls every forwarder, with a ``flush()`` that the session calls at its
 ``flush()``/``close()``. They run on the forwarding thread
-(``_host/forward.py``), so none may rely on state that a library keeps per
+(``relay.py``), so none may rely on state that a library keeps per
 thread (MLflow's active run): what they log to is fixed when they are
 constructed, on the user's thread.
 
-What becomes what, the same in all three (``forward.scalar_series``, tagged
+What becomes what, the same in all three (``relay.scalar_series``, tagged
 as ``pmaptap export --tensorboard`` tags them):
 
 - each real scalar leaf is a metric at the record's step: ``loss``,
@@ -42,7 +42,7 @@ import re
 import threading
 from typing import Any
 
-from pmaptap._host.forward import scalar_series
+from pmaptap._host.forward.relay import scalar_series
 from pmaptap.tapfile.read import attempt_of
 
 ATTEMPT_METRIC = "pmaptap/attempt"

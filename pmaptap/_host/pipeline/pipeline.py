@@ -20,13 +20,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pmaptap._host.aggregate import Aggregator
 from pmaptap._host.forward import Forwarders, select
-from pmaptap._host.loops import AggregateLoop, WriteLoop
 from pmaptap._host.options import DEFAULTS
-from pmaptap._host.queue import BoundedQueue, Marker, Stop
-from pmaptap._host.records import RecordBuilder
-from pmaptap._host.sink import Sink
+from pmaptap._host.pipeline.aggregate import Aggregator
+from pmaptap._host.pipeline.loops import AggregateLoop, WriteLoop
+from pmaptap._host.pipeline.queue import BoundedQueue, Marker, Stop
+from pmaptap._host.pipeline.records import RecordBuilder
+from pmaptap._host.sinks import Sink
 from pmaptap._log import log
 from pmaptap.errors import TapError
 

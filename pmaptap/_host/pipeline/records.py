@@ -22,8 +22,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from pmaptap._common.spec import Layout, TapSpec
-from pmaptap._host.encode import encode_rows, encode_tree
-from pmaptap._host.payload import Copy
+from pmaptap._host.pipeline.encode import encode_rows, encode_tree
+from pmaptap._host.pipeline.payload import Copy
 from pmaptap.tapfile.record import RawArray, Record, meta_record, new_record
 from pmaptap.tapfile.source import npy_header
 

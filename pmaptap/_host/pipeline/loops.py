@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pmaptap._host.aggregate import Aggregator
-from pmaptap._host.payload import split
-from pmaptap._host.queue import BoundedQueue, Marker, Stop
-from pmaptap._host.sink import Sink
+from pmaptap._host.pipeline.aggregate import Aggregator
+from pmaptap._host.pipeline.payload import split
+from pmaptap._host.pipeline.queue import BoundedQueue, Marker, Stop
+from pmaptap._host.sinks import Sink
 from pmaptap._log import log
 from pmaptap.errors import LockBusy, TapError, resumed_step_message
 from pmaptap.tapfile.record import META_DROPPED, Record
@@ -142,7 +142,7 @@ class WriteLoop:
         # After a batch failed to write (a full disk, a file size limit),
         # the next try takes half as many records: the lines that still fit
         # are written, whole, instead of the whole batch failing forever
-        # (cut back by the sink: sink.py _append).
+        # (cut back by the sink: sinks/base.py, Sink._append).
         self.batch_cap = max_batch
         self.written = 0
         # Why the last lock attempt failed, for the flush-timeout message: in
