@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 # public name -> (module, attribute); attribute None means the module itself.
 _PUBLIC: dict[str, tuple[str, str | None]] = {
     "tap": ("pmaptap._trace.tap", "tap"),
-    "jit": ("pmaptap._trace.jit", "jit"),
-    "pmap": ("pmaptap._trace.jit", "pmap"),
+    "jit": ("pmaptap._outputs", "jit"),
+    "pmap": ("pmaptap._outputs", "pmap"),
     "tap_grad": ("pmaptap._trace.grad", "tap_grad"),
     "fingerprint": ("pmaptap._trace.fingerprint", "fingerprint"),
     "group": ("pmaptap._trace.group", "group"),
@@ -116,10 +116,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         writer,
     )
     from pmaptap._host.session import Session, active_session, flush
+    from pmaptap._outputs import jit, pmap
     from pmaptap._trace.fingerprint import fingerprint
     from pmaptap._trace.grad import tap_grad
     from pmaptap._trace.group import group
-    from pmaptap._trace.jit import jit, pmap
     from pmaptap._trace.options import configure, configured, options
     from pmaptap._trace.tap import tap
     from pmaptap._trace.untapped import untapped

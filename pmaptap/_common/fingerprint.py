@@ -18,7 +18,7 @@ forms (``FingerprintSpec.layout``):
   which slice of each leaf it holds (filled at compile time).
 
 Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same payloads reach the host
-from the step's outputs (_host/outputs.py) instead of a callback: GATHERED
+from the step's outputs (_outputs/drain.py) instead of a callback: GATHERED
 from the row of coordinate 0, COPY from every device's row, JIT from a table
 of ``jax.device_count()`` rows (the lowering's partitions first) that comes
 with the number ``bind_lowering`` gave the lowering's bound spec.

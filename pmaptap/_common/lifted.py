@@ -1,6 +1,6 @@
 """What a step's lifted taps look like, fixed when the step is traced: the
-description the trace half (``_trace/lift.py``) writes and the host half
-(``_host/outputs.py``) reads to turn a step's extra outputs back into the
+description the trace half (``_outputs/lift.py``) writes and the host half
+(``_outputs/drain.py``) reads to turn a step's extra outputs back into the
 payloads a host callback would have delivered.
 
 A step's taps form a tree in execution order: a ``Site`` is one tap in the

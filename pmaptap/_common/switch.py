@@ -48,7 +48,7 @@ try:
         include_in_jit_key=True,
         include_in_trace_context=True,
     )
-    # Set while pmaptap.jit / pmaptap.pmap trace a step (_trace/outputs.py:
+    # Set while pmaptap.jit / pmaptap.pmap trace a step (_trace/marks.py:
     # collect): its taps are traced as output marks, not host callbacks. In
     # the cache keys too, or a scan body or jitted helper traced before
     # under jax.jit would be reused inside the step with its callbacks (and

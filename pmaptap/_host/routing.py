@@ -23,7 +23,6 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pmaptap._host import outputs
 from pmaptap._host.barrier import effects_barrier
 from pmaptap._log import log
 
@@ -48,9 +47,6 @@ class Session(Protocol):
 _console_lock = threading.Lock()
 _active: "Session | None" = None
 _console: "Pipeline | None" = None
-# Whether _outputs_at_exit is registered (at the first step of pmaptap.jit /
-# pmaptap.pmap).
-_exit_registered = False
 # At exit, how long the stderr printer waits for taps still on their way to
 # it and for its own writer.
 CONSOLE_EXIT_S = 10.0
@@ -131,41 +127,16 @@ def report(e: BaseException, name: str) -> None:
         pass
 
 
-def submit_outputs(nodes: Any, arrays: Any, max_bytes: int, packing: Any = None) -> None:
-    """The output transport's seam (pmaptap.jit / pmaptap.pmap): one
-    dispatched step's lifted taps, delivered by the drain thread through
-    ``deliver`` (outputs.py)."""
-    global _exit_registered
-    if not _exit_registered:
-        with _console_lock:
-            if not _exit_registered:
-                # After `import jax` (the step ran): it runs before JAX's
-                # own exit handlers tear the backends down.
-                atexit.register(_outputs_at_exit)
-                _exit_registered = True
-    outputs.submit(nodes, arrays, max_bytes, deliver, report, packing)
-
-
-def _outputs_at_exit() -> None:
-    """Interpreter exit after steps of pmaptap.jit / pmaptap.pmap, in one
-    order whatever was registered when: the session still open is closed
-    (its close waits for the steps' taps, within its close_timeout); the
-    taps still on their way (to the stderr printer: no session, or its close
-    gave up) get CONSOLE_EXIT_S; then the drain thread ends and the printer
-    prints. Without this, the taps of the last steps, which no exit handler
-    waited for, were never printed, and the drain thread, still reading
-    their arrays while XLA shut down, aborted the process at times
-    ("FATAL: exception not rethrown")."""
+def close_session_at_exit() -> None:
+    """Interpreter exit: the session still open is closed (its close waits
+    for the taps still on their way, within its close_timeout)."""
     s = _active
     if s is not None:
         s._close_at_exit()  # logs its own failure; never raises
-    left = outputs.shutdown(CONSOLE_EXIT_S)
-    if left:
-        log.error(
-            f"[pmaptap] {left} dispatched step(s) of pmaptap.jit / pmaptap.pmap "
-            f"taps had not reached pmaptap {CONSOLE_EXIT_S:g}s into the exit; "
-            "their records are not written"
-        )
+
+
+def close_console_at_exit() -> None:
+    """Interpreter exit: the stderr printer prints what it holds and stops."""
     if _console is not None:
         _close_console(_console)
 

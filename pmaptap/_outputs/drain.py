@@ -1,5 +1,5 @@
 """The host half of the output transport: a step's lifted taps (its extra
-outputs, see _trace/lift.py) become the payloads a host callback would have
+outputs, see _outputs/lift.py) become the payloads a host callback would have
 delivered, on a pmaptap thread, in dispatch order.
 
     step returns --submit()--> copies to host started, step queued (bounded)
@@ -35,6 +35,7 @@ methods every array has (``copy_to_host_async``, ``addressable_shards``,
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import os
@@ -54,7 +55,7 @@ from pmaptap._common.shard_placement import (
     read_statistics_rows,
 )
 from pmaptap._common.spec import Layout, TapSpec
-from pmaptap._host import barrier
+from pmaptap._host import barrier, routing
 from pmaptap._log import log
 
 # How long shutdown() waits for the drain thread to end once told to: it
@@ -95,7 +96,7 @@ class _Plan:
 class Drain:
     """One per process: the queue of submitted steps and its thread.
     ``deliver(spec, payload, block=)`` and ``report(error, name)`` are
-    routing's (the seam; this module does not import it).
+    routing's (the seam every transport hands its payloads to).
 
     The thread does not wake for every step: once it has read the queue
     empty it lets the steps dispatched meanwhile gather for ``REST_S`` and
@@ -355,7 +356,7 @@ def _start_copy(a: Any) -> None:
 
 
 class _Bundle:
-    """One step's bundle of small outputs (_trace/lift.py: ``_pack``), copied
+    """One step's bundle of small outputs (_outputs/lift.py: ``_pack``), copied
     to the host once for all of them."""
 
     __slots__ = ("array", "_started", "_bytes")
@@ -730,16 +731,39 @@ def submit(
     nodes: tuple[Node, ...],
     arrays: Sequence[Any],
     max_bytes: int,
-    deliver: Callable[..., None],
-    report: Callable[[BaseException, str], None],
     packing: Packing | None = None,
 ) -> None:
-    """Queue one dispatched step's lifted taps (see the module docstring)."""
+    """Queue one dispatched step's lifted taps (see the module docstring);
+    the first one also registers the exit handler (``_at_exit``)."""
     global _drain
     with _drain_lock:
         if _drain is None:
-            _drain = Drain(deliver, report)
+            # After `import jax` (a step ran): the handler runs before
+            # JAX's own exit handlers tear the backends down.
+            atexit.register(_at_exit)
+            _drain = Drain(routing.deliver, routing.report)
     _drain.submit(nodes, arrays, max_bytes, packing)
+
+
+def _at_exit() -> None:
+    """Interpreter exit after steps of pmaptap.jit / pmaptap.pmap, in one
+    order whatever was registered when: the session still open is closed
+    (its close waits for the steps' taps, within its close_timeout); the
+    taps still on their way (to the stderr printer: no session, or its close
+    gave up) get CONSOLE_EXIT_S; then the drain thread ends and the printer
+    prints. Without this, the taps of the last steps, which no exit handler
+    waited for, were never printed, and the drain thread, still reading
+    their arrays while XLA shut down, aborted the process at times
+    ("FATAL: exception not rethrown")."""
+    routing.close_session_at_exit()
+    left = shutdown(routing.CONSOLE_EXIT_S)
+    if left:
+        log.error(
+            f"[pmaptap] {left} dispatched step(s) of pmaptap.jit / pmaptap.pmap "
+            f"taps had not reached pmaptap {routing.CONSOLE_EXIT_S:g}s into the exit; "
+            "their records are not written"
+        )
+    routing.close_console_at_exit()
 
 
 def wait(timeout: float | None = None) -> bool:

@@ -3,7 +3,7 @@ leave the compiled step as extra outputs instead of host callbacks.
 
 The step is traced with the taps marked (outputs.py), the marks are lifted
 into outputs (lift.py), and after each dispatch the extra outputs go to the
-host half (``_host/outputs.py``: copied asynchronously, given to the
+host half (``_outputs/drain.py``: copied asynchronously, given to the
 pipeline on its thread); the caller gets the function's own outputs, as
 from ``jax.jit``. Called inside another trace (a jit, a scan body, another
 ``pmaptap.jit``), the wrapper is a plain jit of the function: the taps
@@ -25,10 +25,10 @@ import jax
 from jax._src import core
 
 from pmaptap._common.lifted import Packed
-from pmaptap._host.routing import submit_outputs
-from pmaptap._trace.lift import Lifted, lift, on_rows
+from pmaptap._outputs import drain
+from pmaptap._outputs.lift import Lifted, lift, on_rows
+from pmaptap._trace.marks import collecting
 from pmaptap._trace.options import options
-from pmaptap._trace.outputs import collecting
 
 # JAX's own, as imported: what the wrappers stage with.
 _jax_jit, _jax_pmap = jax.jit, jax.pmap
@@ -42,7 +42,7 @@ def _handed_over(result: tuple[Any, Lifted]) -> Any:
     arrays = lifted.arrays
     if lifted.later:
         arrays = [*arrays, *_hashed_later(out, lifted)]
-    submit_outputs(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing)
+    drain.submit(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing)
     return out
 
 

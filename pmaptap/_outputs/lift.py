@@ -67,12 +67,13 @@ from pmaptap._common.lifted import (
 )
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSpec
 from pmaptap._log import log
-from pmaptap._trace import fingerprint, later, placement, shardstats
+from pmaptap._outputs import later
+from pmaptap._outputs.later import Later
+from pmaptap._trace import fingerprint, placement, shardstats
 from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.fingerprint import fingerprint_later_p, fingerprint_out_p
 from pmaptap._trace.jax_support import input_vars, scan_counts, varying_of
-from pmaptap._trace.later import Later
-from pmaptap._trace.outputs import collect, concrete, is_tracer, step_body, tap_out_p
+from pmaptap._trace.marks import collect, concrete, is_tracer, step_body, tap_out_p
 
 # The marks lifted: a tap's and a fingerprint's.
 _MARKS = (tap_out_p, fingerprint_out_p)
@@ -153,7 +154,7 @@ def _pack(nodes: tuple[Node, ...], flat: list, bundle: bool = True) -> Lifted:
     table) in one bundle of bytes, each traced value once (the step number of every
     tap is one value): one device-to-host copy a step for them instead of
     one each (docs/performance.md). The host half reads them back exactly
-    (_host/outputs.py). ``bundle`` False: none packed. A ``Later``'s
+    (_outputs/drain.py). ``bundle`` False: none packed. A ``Later``'s
     outputs (``_LaterOutput``) are placed after all of the step's."""
     # Per output: whether the host reads it whole: every output of a ONE
     # site; of a SHARDS site its valid, coordinates and step, and its leaves

@@ -20,7 +20,7 @@ Where the copies come from:
 Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same fingerprints leave the
 step as outputs instead (``fingerprint_out_p`` below, lifted by lift.py):
 computed on the device exactly as above, handed to the host half
-(_host/outputs.py), which delivers the payloads the callback would have.
+(_outputs/drain.py), which delivers the payloads the callback would have.
 
 Each device's copy is read where it lies, after an optimization barrier:
 XLA may not recompute the value into the fingerprint's loop (it fused the
@@ -46,7 +46,7 @@ from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
 from pmaptap._common.switch import taps_off
 from pmaptap._host.routing import deliver
-from pmaptap._trace import outputs, placement
+from pmaptap._trace import marks, placement
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.fingerprint_jit import fingerprint_jit, fingerprint_table
@@ -133,7 +133,7 @@ def send(x: Any, name: str, *, step=None, every: int = 1) -> None:
 
 
 def _emit(spec: FingerprintSpec, leaves: list, step, traced: bool) -> None:
-    if outputs.at_step_level() and not placement.mapped_axes()[0]:
+    if marks.at_step_level() and not placement.mapped_axes()[0]:
         # Directly in a pmaptap.jit step's body: lift.py hashes the leaves
         # after the step when they are its outputs, else here (``later``).
         fingerprint_later_p.bind(step, *leaves, spec=spec, traced=traced)
@@ -205,7 +205,7 @@ def _emit_now(spec: FingerprintSpec, step, leaves: list, divergent_flow: bool) -
 def _send_or_mark(spec: FingerprintSpec, coords, step, data: list) -> None:
     """Under pmaptap.jit / pmaptap.pmap, mark what is sent (lift.py makes it
     outputs of the step); else send it now (``_send``)."""
-    if outputs.collecting():
+    if marks.collecting():
         fingerprint_out_p.bind(coords, step, *data, spec=spec)
     else:
         _send(coords, step, *data, spec=spec)
@@ -283,7 +283,7 @@ def hashed(spec: FingerprintSpec, step, leaves: list, due) -> tuple[jax.Array, j
 def lifted(spec: FingerprintSpec, operands: list) -> list:
     """A mark's operands as lift.py makes them outputs, (coords, step, *data)
     with data what the host half turns into the callback's payload
-    (_host/outputs.py): GATHERED every device's fingerprints (read from the
+    (_outputs/drain.py): GATHERED every device's fingerprints (read from the
     row of coordinate 0), COPY a device's own, JIT (the lowering's number,
     the table of every partition's) in place of the leaves."""
     if spec.layout is not FingerprintLayout.JIT:

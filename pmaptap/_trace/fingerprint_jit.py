@@ -118,7 +118,7 @@ def _fingerprints(ctx, leaf_avals: list, leaves, *, replicated: bool):
 
 # ------------------------------------------------------------ as step outputs
 # Under pmaptap.jit the fingerprints leave the step as outputs
-# (_trace/lift.py binds this where the fingerprint was written): the same
+# (_outputs/lift.py binds this where the fingerprint was written): the same
 # rows as above, gathered on every device instead of moved to device 0 (the
 # process holding partition 0 reads them, as device 0 called back), padded
 # to a row count known when the step is traced (the partitions are known

@@ -2,7 +2,7 @@
 ``pmaptap.pmap`` trace a step, a tap binds ``tap_out_p`` instead of a host
 callback. The primitive only marks the tap's operands in the traced program;
 ``lift.py`` then turns every mark it can reach into extra outputs of the
-step, and the host half (``_host/outputs.py``) gives their values to the
+step, and the host half (``_outputs/drain.py``) gives their values to the
 pipeline once the step's outputs reach the host.
 
 Why a primitive of our own and not a context that collects tracers: a tap in

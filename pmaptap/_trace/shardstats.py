@@ -20,7 +20,7 @@ sharding: nothing is gathered or resharded.
 - the output transport (pmaptap.jit, lift.py through ``lifted``): the rows
   are all-gathered (a few dozen bytes a device) into one replicated table,
   an output of the step, padded to ``jax.device_count()`` rows, from which
-  the host reads every shard's statistics and slice (_host/outputs.py).
+  the host reads every shard's statistics and slice (_outputs/drain.py).
 
 A computation on one device computes the one row of the whole value, so the
 one-device job needs no case of its own.

@@ -11,7 +11,7 @@ import numpy as np
 
 from pmaptap._common.spec import LEADER_COPY, Layout, TapSite, TapSpec
 from pmaptap._common.switch import taps_off
-from pmaptap._trace import iteration, outputs, placement, primitive
+from pmaptap._trace import iteration, marks, placement, primitive
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords, emit
 from pmaptap._trace.layouts import choose_layout, static_step_operand, steps_may_differ
@@ -120,7 +120,7 @@ def _emit_leaves(
     else:
         step_arr = static_step_operand(-1 if static_step is None else static_step)
     traced_every = traced_step is not None and every > 1
-    if outputs.collecting():
+    if marks.collecting():
         # pmaptap.jit / pmaptap.pmap: the tap leaves the step as an output
         # (lift.py); one copy per process travels when the value is the same
         # on every device by construction, as the callback transport's
@@ -131,7 +131,7 @@ def _emit_leaves(
         if chosen.transport.layout in LEADER_COPY and not spec.transport.check_steps:
             spec = chosen
         due = placement.every_due(step_arr, every) if traced_every else None
-        outputs.mark(spec, coords, step_arr, sent, due=due)
+        marks.mark(spec, coords, step_arr, sent, due=due)
         return
     emit(spec, raw_names, sent, coords, step_arr, traced_every=traced_every)
 

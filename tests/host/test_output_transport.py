@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec as P
 import pmaptap
 from conftest import logs_warning, run_python, start_python
 from pmaptap._common.shard_placement import statistics_row_width
-from pmaptap._host import outputs
 from pmaptap._host.sinks import file as sink
-from pmaptap._trace import later
+from pmaptap._outputs import drain as outputs
+from pmaptap._outputs import later
 
 
 def _lines(path) -> list[dict]:
@@ -74,7 +74,7 @@ _LOOP = """
     import jax, jax.numpy as jnp, numpy as np, pmaptap
     from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pmaptap._host import outputs
+    from pmaptap._outputs import drain as outputs
 
     mode, end, n = os.environ["MODE"], os.environ["END"], int(os.environ["N"])
     s = pmaptap.Session(os.environ["TAP"], run="loop").open()
@@ -311,7 +311,7 @@ def _marks_left(jaxpr) -> list[str]:
     those that keep their host callback."""
     from jax._src import core
 
-    from pmaptap._trace.outputs import tap_out_p
+    from pmaptap._trace.marks import tap_out_p
 
     names = []
     for eqn in jaxpr.eqns:
@@ -409,7 +409,7 @@ def test_nested_conds_are_lifted_once_per_branch_and_written_as_under_jax_jit(
     every branch's body is lifted once (a cond lifted its branches twice, so
     n nested conds cost 2^n lifts of the innermost), and the records are the
     callback transport's, for every path taken."""
-    from pmaptap._trace import lift
+    from pmaptap._outputs import lift
 
     depth = 6
 

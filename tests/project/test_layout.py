@@ -385,15 +385,14 @@ def test_tapfile_sub_packages_are_layers_with_one_entry_each():
 # opens a sink, starts a pipeline on it, and sets itself active in routing.
 # The pipeline writes to a sink and hands what it wrote to the forwarders;
 # the sinks and forwarding use nothing else of _host. Routing, the seam from
-# the trace side, starts the console's pipeline and sink and hands a step's
-# outputs to the output transport's drain (outputs). The barrier is below
-# them all: the transports register their waits with it, so it imports none;
-# so are the defaults (options), which the session and the pipeline read.
+# the trace side and the output transport's drain (pmaptap/_outputs/),
+# starts the console's pipeline and sink. The barrier is below them all:
+# the transports register their waits with it, so it imports none; so are
+# the defaults (options), which the session and the pipeline read.
 _HOST_SUB_PACKAGES = ("session", "pipeline", "sinks", "forward")
 _HOST_MAY_IMPORT = {
     "session": {"routing", "barrier", "options", "pipeline", "sinks", "forward"},
-    "routing": {"outputs", "barrier", "pipeline", "sinks"},
-    "outputs": {"barrier"},
+    "routing": {"barrier", "pipeline", "sinks"},
     "pipeline": {"options", "sinks", "forward"},
     "sinks": set(),
     "forward": set(),
@@ -415,8 +414,7 @@ def _entry_names(entry_path: str) -> set[str]:
 
 def test_host_sub_packages_are_layers_with_one_entry_each():
     """_host is four sub-packages (session, pipeline, sinks, forward) of at
-    most ten files each, beside four modules (routing, barrier, outputs,
-    options).
+    most ten files each, beside three modules (routing, barrier, options).
     A module imports a module of its own sub-package freely; another
     sub-package only through its entry (``pmaptap._host.<name>``, its
     __init__), and only the names its ``__all__`` lists; the rest of
@@ -503,6 +501,30 @@ def test_the_seam_holds_both_ways():
         if m.startswith("pmaptap._common")
     }
     assert len(common) >= 3 and {m: d for m, d in common.items() if d} == {}
+
+
+def test_the_output_transport_is_one_package_above_both_sides():
+    """pmaptap/_outputs/ holds both halves of the output transport (lift,
+    the wrappers, the drain); it imports the trace side and, of the host
+    side, only the seam (routing) and the barrier; no other module imports
+    it (the facade loads it by name on first use of pmaptap.jit)."""
+    graph = _module_graph()
+    outputs = {m for m in graph if m.startswith("pmaptap._outputs")}
+    assert {m.rsplit(".", 1)[1] for m in outputs} >= {"lift", "jit", "later", "drain"}
+    reach = {
+        d
+        for m in outputs
+        for d in graph[m]
+        if d.startswith("pmaptap._host")
+        and d not in ("pmaptap._host.routing", "pmaptap._host.barrier")
+    }
+    assert reach == set()
+    users = {
+        m
+        for m, deps in graph.items()
+        if m not in outputs and any(d.startswith("pmaptap._outputs") for d in deps)
+    }
+    assert users == set(), users
 
 
 def test_every_exception_is_defined_in_errors_py():

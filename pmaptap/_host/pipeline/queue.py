@@ -149,7 +149,7 @@ class BoundedQueue:
         ``block``: wait for room whatever the overflow policy while the
         writer writes (the output transport's drain thread, whose waiting
         slows the loop's dispatch instead of dropping values:
-        _host/outputs.py); the policy while its writes fail."""
+        _outputs/drain.py); the policy while its writes fail."""
         size = payload_bytes(arrays)
         with self._lock:
             if not self.admitting:
@@ -158,7 +158,7 @@ class BoundedQueue:
             while self._over(size):
                 # A blocking admit (the output transport's drain) waits for
                 # the writer while it writes: it drops nothing, and the loop
-                # it slows says so itself (_host/outputs.py), so no word of a
+                # it slows says so itself (_outputs/drain.py), so no word of a
                 # policy not applied. While the writer's writes fail (a full
                 # disk, a lock another process holds) room may never come:
                 # the session's policy applies to it as to a callback, so the
