@@ -31,6 +31,7 @@ job writes nothing extra: every owner closes. What is kept is bounded
 
 from __future__ import annotations
 
+import abc
 import os
 import time
 from collections import deque
@@ -131,7 +132,65 @@ def mine(r: Record, process: int) -> bool:
     return o is None or o == process
 
 
-class DirectorySink(Sink):
+class ShardSink(Sink):
+    """A sink of the sharded layout (a directory, an object store): this
+    process writes the records it owns (``mine``) and holds the others for
+    their owners (``Held``) until the close knows whether they wrote them.
+    A subclass appends the lines (``_append_lines``) where it keeps them."""
+
+    process: int
+    held: Held
+    skipped: int
+    held_written: int
+
+    @abc.abstractmethod
+    def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None: ...
+
+    def own_lines(self, records: Sequence[Record]) -> tuple[list[Record], list[bytes]]:
+        """The records this process writes (``mine``) and their lines;
+        the others are counted in ``skipped`` and their positions kept in
+        ``left``."""
+        keep = []
+        self.left = []
+        held = self.held
+        for i, r in enumerate(records):
+            o = owner_of(r)
+            if o is None or o == self.process:
+                keep.append(r)
+            else:
+                self.left.append(i)
+                held.add(o, r)
+        self.skipped += len(self.left)
+        if not keep:
+            return [], []
+        encoded, keep = self._encode(keep)
+        return keep, [encoded.get(id(r)) or r.encode() for r in keep]
+
+    def write_held(self, owners: "Iterable[int] | None") -> int:
+        """Write the values held for ``owners`` (None: every owner), whose
+        close was not seen: they may never have written them. Returns how
+        many. Called after close() (the session's, once its pipeline is
+        drained): the file is opened again, and closed."""
+        records = self.held.take(owners)
+        if not records:
+            return 0
+        try:
+            encoded, keep = self._encode(records)
+            self._append_lines(keep, [encoded.get(id(r)) or r.encode() for r in keep])
+        finally:
+            self.close()
+        self.held_written += len(keep)
+        return len(keep)
+
+    def write(self, records: Sequence[Record]) -> list[Record]:
+        keep, chunks = self.own_lines(records)
+        if not keep:
+            return []
+        self._append_lines(keep, chunks)
+        return keep  # what was written: the session's forwarders get these
+
+
+class DirectorySink(ShardSink):
     """Appends to ``<path>.d/p<process>.jsonl``; only this process writes it."""
 
     def __init__(self, path: str, *, process: int | None = None) -> None:
@@ -163,50 +222,6 @@ class DirectorySink(Sink):
 
     def _blob_file(self) -> BlobFile:
         return BlobFile(self.run_path, self.process)
-
-    def own_lines(self, records: Sequence[Record]) -> tuple[list[Record], list[bytes]]:
-        """The records this process writes (``mine``) and their lines;
-        the others are counted in ``skipped`` and their positions kept in
-        ``left``. Shared by the object sink."""
-        keep = []
-        self.left = []
-        held = self.held
-        for i, r in enumerate(records):
-            o = owner_of(r)
-            if o is None or o == self.process:
-                keep.append(r)
-            else:
-                self.left.append(i)
-                held.add(o, r)
-        self.skipped += len(self.left)
-        if not keep:
-            return [], []
-        encoded, keep = self._encode(keep)
-        return keep, [encoded.get(id(r)) or r.encode() for r in keep]
-
-    def write_held(self, owners: "Iterable[int] | None") -> int:
-        """Write the values held for ``owners`` (None: every owner), whose
-        close was not seen: they may never have written them. Returns how
-        many. Called after close() (the session's, once its pipeline is
-        drained): the file is opened again, and closed. Shared by the object
-        sink."""
-        records = self.held.take(owners)
-        if not records:
-            return 0
-        try:
-            encoded, keep = self._encode(records)
-            self._append_lines(keep, [encoded.get(id(r)) or r.encode() for r in keep])
-        finally:
-            self.close()
-        self.held_written += len(keep)
-        return len(keep)
-
-    def write(self, records: Sequence[Record]) -> list[Record]:
-        keep, chunks = self.own_lines(records)
-        if not keep:
-            return []
-        self._append_lines(keep, chunks)
-        return keep  # what was written: the session's forwarders get these
 
     def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None:
         if self._fd < 0:  # closed: write_held at the session's close

@@ -28,9 +28,8 @@ import threading
 import time
 from typing import Sequence
 
-from pmaptap._host.sinks.base import Sink
 from pmaptap._host.sinks.blobs import object_blob
-from pmaptap._host.sinks.directory import DirectorySink, Held
+from pmaptap._host.sinks.directory import Held, ShardSink
 from pmaptap._log import log
 from pmaptap.errors import TapPathError
 from pmaptap.tapfile import source
@@ -55,7 +54,7 @@ def _start_ms() -> int:
         return _last_ms
 
 
-class ObjectSink(Sink):
+class ObjectSink(ShardSink):
     def __init__(self, url: str, *, process: int | None = None) -> None:
         if process is None:
             import jax
@@ -178,16 +177,6 @@ class ObjectSink(Sink):
         for raw, ref in zip(raws, refs):
             raw.ref = ref
         self.blob_bytes_written += len(data)
-
-    own_lines = DirectorySink.own_lines
-    write_held = DirectorySink.write_held
-
-    def write(self, records: Sequence[Record]) -> list[Record]:
-        keep, chunks = self.own_lines(records)
-        if not keep:
-            return []
-        self._append_lines(keep, chunks)
-        return keep  # what was written: the session's forwarders get these
 
     def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None:
         data = b"".join(chunks)
