@@ -131,7 +131,8 @@ class Sink(abc.ABC):
         return encoded, keep
 
     def close(self) -> None:
-        pass
+        if self._blobs is not None:
+            self._blobs.close()
 
 
 def prepare_path(path: str) -> str:

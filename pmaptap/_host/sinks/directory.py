@@ -284,5 +284,4 @@ class DirectorySink(ShardSink):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._blobs is not None:
-            self._blobs.close()
+        super().close()  # the byte file

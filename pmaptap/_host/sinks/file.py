@@ -408,8 +408,7 @@ class FileSink(Sink):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._blobs is not None:
-            self._blobs.close()
+        super().close()  # the byte file
 
 
 def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:
