@@ -57,6 +57,7 @@ from pmaptap._common.shard_placement import (
 from pmaptap._common.spec import Layout, TapSpec
 from pmaptap._host import barrier, routing
 from pmaptap._log import log
+from pmaptap._trace.jax_support import device_assignment
 
 # How long shutdown() waits for the drain thread to end once told to: it
 # ends after the payload in its hands (a pipeline that is closing refuses
@@ -717,10 +718,7 @@ def _device_order(sharding: Any) -> tuple[tuple, tuple[str, ...], tuple[int, ...
     ):
         names = tuple(str(n) for n in mesh.axis_names)
         return tuple(devs.flat), names, tuple(int(s) for s in devs.shape)
-    order = getattr(sharding, "_device_assignment", None)
-    if order is None:
-        order = sorted(sharding.device_set, key=lambda d: d.id)
-    return tuple(order), (), ()
+    return device_assignment(sharding), (), ()
 
 
 _drain: Drain | None = None

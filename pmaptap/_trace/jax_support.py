@@ -123,6 +123,9 @@ def missing_internals() -> list[str]:
             continue
         if attr is not None and not hasattr(m, attr):
             missing.append(f"{mod}.{attr}; used at {where[:3]}")
+    for mod, cls, attr in CLASS_READS:
+        if not hasattr(getattr(importlib.import_module(mod), cls), attr):
+            missing.append(f"{mod}.{cls}.{attr} (jax_support.py)")
     for mod, fn in DIVERGENT_FLOW + tuple((m, None) for m in MESH_FRAME_MODULES):
         try:
             m = importlib.import_module(mod)
@@ -144,6 +147,21 @@ def missing_internals() -> list[str]:
 
 def _optional(module: object, name: str) -> object | None:
     return getattr(module, name, None)
+
+
+# Private attributes of JAX's public classes pmaptap reads (not in jax._src's
+# inventory above, which sees only module-level names): (module, class,
+# attribute); every supported release has them, and missing_internals says
+# so when one does not.
+CLASS_READS = (("jax.sharding", "Sharding", "_device_assignment"),)
+
+
+def device_assignment(sharding: Any) -> tuple:
+    """The devices of a sharding in partition order (XLA's device
+    assignment): what the output transport's drain names a shard's device
+    by when the sharding has no mesh. Read, not guessed: a sharding without
+    it fails (reported at the next flush) rather than name a wrong device."""
+    return tuple(sharding._device_assignment)
 
 
 # Frames recognised by their module (and function) name (placement.py):

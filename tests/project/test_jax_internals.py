@@ -30,6 +30,15 @@ def test_every_jax_internal_pmaptap_reads_exists():
     assert ("jax._src.distributed", "global_state") in uses
     assert len(uses) > 40, len(uses)
     assert jax_support.missing_internals() == []
+    # Private attributes of public classes are checked too (the drain's
+    # partition order), and a missing one is named.
+    assert ("jax.sharding", "Sharding", "_device_assignment") in jax_support.CLASS_READS
+    absent = (("jax.sharding", "Sharding", "_no_such_attribute"),)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jax_support, "CLASS_READS", absent)
+        assert jax_support.missing_internals() == [
+            "jax.sharding.Sharding._no_such_attribute (jax_support.py)"
+        ]
 
 
 def test_pyproject_admits_exactly_the_tested_releases():
