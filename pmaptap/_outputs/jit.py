@@ -24,7 +24,6 @@ from typing import Any, Callable
 import jax
 from jax._src import core
 
-from pmaptap._common.lifted import Packed
 from pmaptap._outputs import drain
 from pmaptap._outputs.lift import Lifted, lift, on_rows
 from pmaptap._trace.marks import collecting
@@ -53,9 +52,7 @@ def _hashed_later(out: Any, lifted: Lifted) -> list:
     leaves = jax.tree_util.tree_leaves(out)
     got: list = []
     for later in lifted.later:
-        flag = later.flag
-        source = None if flag is None else lifted.arrays[0 if isinstance(flag, Packed) else flag]
-        got += later(source, [leaves[i] for i in later.leaves])
+        got += later(later.flag_source(lifted.arrays), [leaves[i] for i in later.leaves])
     return got
 
 

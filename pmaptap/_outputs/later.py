@@ -63,7 +63,14 @@ class Later:
             due = flag_source[self.flag.offset] != 0
         else:
             due = flag_source
-        return fingerprint.hashed(self.spec, None, list(leaves), due)
+        return fingerprint.hashed(self.spec, list(leaves), due)
+
+    def flag_source(self, arrays: list) -> Any:
+        """The one of the step's extra outputs that holds the ``due`` flag
+        (the bundle where it is packed); None: always due."""
+        if self.flag is None:
+            return None
+        return arrays[0 if isinstance(self.flag, Packed) else self.flag]
 
     def compile_ahead(self, flag_aval: Any, leaf_avals: list) -> None:
         """Start compiling the program for outputs of these types, where

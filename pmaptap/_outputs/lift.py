@@ -324,12 +324,11 @@ def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
     outputs (it is one of ``flat``, as ``lifted.packing`` placed them), its
     program's compile started."""
     for entry, due, leaves in later:
-        flag_aval = None
         if due is not None:
             k = next(i for i, x in enumerate(flat) if x is due)
             entry.flag = k if lifted.packing is None else lifted.packing[k]
-            source = lifted.arrays[0 if isinstance(entry.flag, Packed) else entry.flag]
-            flag_aval = core.typeof(source)
+        source = entry.flag_source(lifted.arrays)
+        flag_aval = None if source is None else core.typeof(source)
         entry.compile_ahead(flag_aval, [core.typeof(x) for x in leaves])
     return tuple(entry for entry, _, _ in later)
 
@@ -345,7 +344,7 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
     nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
     if None in where or nbytes < later.MIN_BYTES:
-        key, table = fingerprint.hashed(spec, step, leaves, due)
+        key, table = fingerprint.hashed(spec, leaves, due)
     else:
         entry = Later(spec, tuple(where))
         top.later.append((entry, due, leaves))

@@ -265,14 +265,13 @@ def _later_abstract_eval(*avals, **params):
     return [], {debugging.debug_effect}
 
 
-def hashed(spec: FingerprintSpec, step, leaves: list, due) -> tuple[jax.Array, jax.Array]:
-    """(the lowering's number, the table) of ``leaves`` as
-    ``fingerprint_table`` gives them, computed only where ``due`` (None:
-    always); zeros where not (the host reads neither then)."""
-    coords = axis_coords(())
+def hashed(spec: FingerprintSpec, leaves: list, due) -> tuple[jax.Array, jax.Array]:
+    """(the lowering's number, the table) of ``leaves`` (``fingerprint_table``,
+    each read where it lies: optimization barrier), computed only where
+    ``due`` (None: always); zeros where not (the host reads neither then)."""
 
     def table():
-        return tuple(lifted(spec, [coords, step, *lax.optimization_barrier(list(leaves))])[2:])
+        return tuple(fingerprint_table(spec, lax.optimization_barrier(list(leaves))))
 
     if due is None:
         return table()
