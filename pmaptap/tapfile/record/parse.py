@@ -1,21 +1,18 @@
 """The one parser for bytes read from a tap file: every reader turns a line
-into a record here. A tap file lives long and sooner or later holds bytes
-pmaptap did not write, so ``parse_line`` never raises: any line becomes a
-record or comes back with a short reason, and what one line may cost is
-bounded (``MAX_LINE_BYTES``, ``MAX_DEPTH``, numbers finite as doubles,
-strict UTF-8 JSON: docs/faults.md, "Hostile or damaged tap files"). The
-writers apply the same limits, so every line pmaptap writes is read back.
+into a record here. ``parse_line`` never raises: any line becomes a record
+or comes back with a short reason, and what one line may cost is bounded
+(docs/faults.md, "Hostile or damaged tap files"). The writers apply the
+same limits, so every line pmaptap writes is read back.
 
-Most lines are records of the format and cost one msgspec call
-(schema.py's Structs); a line they refuse is read by the definition:
-parsed as any JSON value (strict), then schema.validate_dict. (orjson
+Most lines cost one msgspec call (schema.py's Structs); a line they refuse
+is parsed as any JSON value (strict), then schema.validate_dict. (orjson
 reads nothing here: ``PMAPTAP_NO_ORJSON`` changes no reader.)
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -36,20 +33,19 @@ MAX_DEPTH = 128
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 # Scanning for depth: a whole JSON string (escapes included), a run of bytes
-# outside strings, or a quote that opens a string never closed. A string the
-# pattern cannot close ends the scan: a JSON parser stops there as well.
+# outside strings, or a quote that opens a string never closed (a JSON
+# parser stops there as well).
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+|"', re.DOTALL)
-# Deleting every byte but the four brackets (bytes.translate's delete table).
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENERS = b"[{"
 
 
-def exceeds_depth(raw: bytes, limit: int | None = None) -> bool:
-    """Whether the JSON text ``raw`` nests deeper than ``limit`` (default
-    MAX_DEPTH) levels, found without parsing it: bracket counts first, a
-    scan outside strings only when those allow more. Exact up to the first
-    point where a JSON parser would fail (it never recurses past that)."""
-    limit = MAX_DEPTH if limit is None else limit
+def exceeds_depth(raw: bytes) -> bool:
+    """Whether the JSON text ``raw`` nests deeper than MAX_DEPTH levels,
+    found without parsing it: bracket counts first, a scan outside strings
+    only when those allow more. Exact up to the first point where a JSON
+    parser would fail (it never recurses past that)."""
+    limit = MAX_DEPTH
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
     depth = 0
@@ -80,9 +76,9 @@ _ANY = msgspec.json.Decoder()
 
 
 def _loads(raw: bytes) -> tuple[Any, str | None]:
-    """The line's JSON value (strict RFC 8259: no NaN, no trailing comma,
-    valid UTF-8 and surrogate pairs), integers outside [-2**63, 2**64) as
-    the nearest float (one beyond the double range: not valid)."""
+    """The line's JSON value (strict RFC 8259), integers outside
+    [-2**63, 2**64) as the nearest float (one beyond the double range: not
+    valid)."""
     try:
         obj = _ANY.decode(raw)
     except msgspec.DecodeError as e:
@@ -96,8 +92,6 @@ def _loads(raw: bytes) -> tuple[Any, str | None]:
 
 
 def _as_read(x: Any) -> Any:
-    """``x`` with its integers outside [-2**63, 2**64) as floats (depth is
-    bounded: MAX_DEPTH)."""
     if type(x) is int:
         return x if _INT_MIN <= x < _INT_END else float(x)
     if type(x) is list:
@@ -116,15 +110,10 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
             return None, (
                 f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
             )
-        # The common line in one call: the format's Structs decode it. A
-        # line with more brackets than MAX_DEPTH, a run of 19 digits (an
-        # integer msgspec would keep past 64 bits), or any line the Structs
-        # refuse takes the definition below.
+        # A line with more brackets than MAX_DEPTH or a run of 19 digits (an
+        # integer msgspec would keep past 64 bits) takes the definition.
         if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and not _long_number(raw):
-            try:
-                return DECODER.decode(raw), None
-            except (msgspec.ValidationError, msgspec.DecodeError):
-                pass
+            return _short_line(raw)
         return _by_definition(raw)
     except Exception as e:  # noqa: BLE001 - the contract: no line raises
         # Not reached by any input the tests know; if it ever is, the line is
@@ -132,12 +121,19 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
         return None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
 
 
+def _short_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
+    """decode_line of a line no longer than MAX_LINE_BYTES, shallow and
+    without a long number."""
+    try:
+        return DECODER.decode(raw), None
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return _by_definition(raw)
+
+
 def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
-    """A line the format's Structs do not take: parsed as any JSON value,
-    then taken if readers take it (schema.validate_dict), its object kept
-    (schema.from_dict)."""
-    if len(raw) > MAX_LINE_BYTES:
-        return None, f"line too long ({len(raw)} bytes; readers take at most {MAX_LINE_BYTES})"
+    """A line (of a length readers take) the format's Structs do not take:
+    parsed as any JSON value, then taken if readers take it, its object
+    kept (schema.from_dict)."""
     if not raw.strip():
         return None, "empty line"
     if exceeds_depth(raw):
@@ -152,9 +148,7 @@ def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
 
 
 def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
-    """One line (without its newline) -> (undecoded record, None) or
-    (None, why it is not a record): ``decode_line`` as the line's JSON
-    object. Never raises an Exception."""
+    """``decode_line`` with the record as its line's JSON object."""
     r, problem = decode_line(raw)
     return (None if r is None else as_dict(r)), problem
 
@@ -162,20 +156,11 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
 Decoded = tuple[list, dict]
 
 
-def decode_lines(lines: list[bytes], joined: bytes | None = None) -> Decoded:
-    """``decode_line`` of every line of ``lines`` (each without its
-    newline), many per call: (records, problems by index). ``joined``:
-    ``b"\\n".join(lines)``, if the caller has it."""
-    if not lines:
-        return [], {}
-    return decode_block(b"\n".join(lines) if joined is None else joined, lines)
-
-
 def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
-    """``decode_lines`` of the lines of ``block`` (whole lines). The common
-    block (every line short, shallow and without a long integer) is one
-    msgspec call; any other goes a line at a time. ``lines``: the block's
-    lines, if the caller has them."""
+    """``decode_line`` of each line of ``block`` (whole lines): (records,
+    problems by index). The common block (every line short, shallow and
+    without a long integer) is one msgspec call; any other goes a line at a
+    time. ``lines``: the block's lines, if the caller has them."""
     try:
         # The block's opening brackets (all as "[") and line ends, in order:
         # no line opens more than MAX_DEPTH, and its lines are counted here.
@@ -193,10 +178,10 @@ def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
                 n = kept.count(b"\n") + (not block.endswith(b"\n"))
                 if len(records) == n:  # no blank line skipped
                     return records, {}
-            return _line_by_line(_split(block, lines))
-        return _one_by_one(_split(block, lines))
+            return _each(_split(block, lines), _short_line)
+        return _each(_split(block, lines), decode_line)
     except Exception:  # noqa: BLE001 - the contract: no line raises
-        return _one_by_one(_split(block, lines))
+        return _each(_split(block, lines), decode_line)
 
 
 def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
@@ -208,56 +193,34 @@ def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
     return lines
 
 
-def _line_by_line(lines: list[bytes]) -> Decoded:
-    """decode_lines of a batch whose lines the batch gate let through (short,
-    shallow, no long number): each line decoded on its own, those the
-    Structs refuse by the definition."""
-    records: list = []
-    problems: dict[int, str] = {}
-    decode = DECODER.decode
-    for i, raw in enumerate(lines):
-        try:
-            records.append(decode(raw))
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            r, problem = _by_definition(raw)
-            records.append(r)
-            if problem is not None:
-                problems[i] = problem
-    return records, problems
-
-
-def _one_by_one(lines: list[bytes]) -> Decoded:
+def _each(lines: list[bytes], decode: Callable[[bytes], tuple]) -> Decoded:
     records: list = []
     problems: dict[int, str] = {}
     for i, raw in enumerate(lines):
-        r, problem = decode_line(raw)
+        r, problem = decode(raw)
         records.append(r)
         if problem is not None:
             problems[i] = problem
     return records, problems
 
 
-def parse_lines(lines: list[bytes], joined: bytes | None = None) -> tuple[list, dict]:
-    """``parse_line`` of every line of ``lines``: ``decode_lines`` as the
-    lines' JSON objects."""
-    records, problems = decode_lines(lines, joined)
+def parse_lines(lines: list[bytes]) -> tuple[list, dict]:
+    """``parse_line`` of every line of ``lines``, many per call."""
+    records, problems = decode_block(b"\n".join(lines), lines)
     return as_dicts(records), problems
 
 
 def _long_number(raw: bytes) -> bool:
-    """Whether ``raw`` may hold an integer of 19 digits or more: maybe one
+    """Whether ``raw`` may hold an integer of 19 digits or more (maybe one
     outside [-2**63, 2**64), which the definition reads as a float and
-    msgspec keeps. Two C passes: digits as "0", a fraction's point and an
+    msgspec keeps). Two C passes: digits as "0", a fraction's point and an
     exponent's letter as ".", anything else " "; then " " and 19 digits."""
     return raw.translate(_DIGITS).find(_LONG) >= 0
 
 
 _DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else 0x20 for b in range(256))
 _LONG = b" " + b"0" * 19
-
-
-# Keeping only the opening brackets, each as "[", and newlines
-# (bytes.translate's table and delete set).
+# Keeping only the opening brackets, each as "[", and newlines.
 _OPENERS_AS_ONE = bytes(0x5B if b == 0x7B else b for b in range(256))
 _NOT_OPENERS_OR_NEWLINE = bytes(b for b in range(256) if b not in b"[{\n")
 _TOO_DEEP = b"[" * (MAX_DEPTH + 1)
@@ -265,7 +228,7 @@ _TOO_DEEP = b"[" * (MAX_DEPTH + 1)
 
 def line_problem(line: bytes) -> str | None:
     """Why readers would refuse a line a writer is about to write (too long,
-    too deep), else None. Cheap for ordinary lines (two byte counts)."""
+    too deep), else None."""
     if len(line) > MAX_LINE_BYTES:
         return (
             f"the encoded record is {len(line)} bytes, more than the "
