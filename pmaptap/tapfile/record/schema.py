@@ -1,25 +1,12 @@
-"""What a record is: the one home of the record rules.
+"""What a record is: the one home of the record rules (docs/api.md,
+"Record format"; docs/architecture.md says how the levels fit).
 
 Each kind of record is a msgspec ``Struct`` (a tagged union on ``kind``)
-made of the rows of one table, ``FIELDS``, whose types and ``Meta``
-constraints are the format; every reader decodes a line through them
-(``DECODER``). What types cannot say is ``beyond_types``. Line-level
-bounds are parse.py's; where stored bytes may point, source/arrays.py's
-``field_problem``.
-
-Two levels, both declared here:
-
-- *The format* (the Structs): what writers write and ``pmaptap validate``
-  checks. A line that decodes into a Struct is a valid record.
-- *What readers take* (``validate_dict``): the format with some fields
-  widened (``READERS_TAKE``). A line the Structs refuse that readers take
-  is still a record (``validate`` names each field that breaks the
-  format), kept as its line's object (``Odd*``): so are fields a newer
-  writer adds.
-
-Structs are cheaper than dicts to build and hold; ``pmaptap.read`` still
-returns dicts (``as_dict``), and a Struct answers the dict reads that the
-readers' helpers use (``get``, ``[]``, ``in``).
+made of its rows of one table, ``FIELDS``: the format, what writers write
+and ``pmaptap validate`` checks; what types cannot say is ``beyond_types``.
+Readers take more (``READERS_TAKE``, ``validate_dict``): a line the Structs
+refuse that readers take is kept as its line's object (``Odd*``). A Struct
+answers the dict reads readers' helpers make (``get``, ``[]``, ``in``).
 """
 
 from __future__ import annotations
@@ -32,8 +19,6 @@ from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType, field
-
-# ------------------------------------------------------------ constants
 
 # Steps are integers from 0 to the int64 maximum, whatever form the tap got.
 MAX_STEP = 2**63 - 1
@@ -51,8 +36,6 @@ RANGES_ABOVE = 16
 # At most this many ids in one ranges text, so a hostile "0-9999999999"
 # costs only its line.
 MAX_HOLDERS = 1 << 20
-
-# ------------------------------------------------------------ field types
 
 Scalar = None | bool | int | float | str
 Name = Annotated[str, Meta(min_length=1)]
@@ -151,8 +134,7 @@ class AnyRecord(Struct, kw_only=True):
     def __contains__(self, key: str) -> bool:
         return self.get(key, UNSET) is not UNSET
 
-    def key(self) -> tuple:
-        """record_key of this record."""
+    def key(self) -> tuple:  # record_key's
         p, i, a, it = self.pass_, self.index, self.attempt, self.iteration
         return (
             self.run,
@@ -162,10 +144,6 @@ class AnyRecord(Struct, kw_only=True):
             part_key(None if i is UNSET else i, None if it is UNSET else it),
             0 if a is UNSET else a,
         )
-
-
-def _attr(name: str) -> str:
-    return "pass_" if name == "pass" else name  # "pass" is Python's
 
 
 def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> type:
@@ -178,7 +156,8 @@ def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> ty
             default = msgspec.NODEFAULT if required else UNSET
             if not required and tp is not Any:
                 tp = tp | UnsetType
-            fields.append((_attr(name), tp, field(default=default, name=name)))
+            attr = "pass_" if name == "pass" else name  # "pass" is Python's
+            fields.append((attr, tp, field(default=default, name=name)))
     title = {"per_device": "PerDevice", "meta": "MetaRecord"}.get(kind, kind.title())
     return msgspec.defstruct(
         title if base is AnyRecord else base.__name__.strip("_") + title,
@@ -275,13 +254,12 @@ FORMAT_PROBLEM = {
 }
 
 
-def _json_names(cls: type) -> dict[str, str]:
-    return {f.encode_name: f.name for f in msgspec.structs.fields(cls)}
-
-
 # A field's attribute by its name in a line ("pass" -> "pass_"), by kind,
 # and of any kind.
-_NAMES = {kind: _json_names(cls) for kind, cls in CLASSES.items()}
+_NAMES = {
+    kind: {f.encode_name: f.name for f in msgspec.structs.fields(cls)}
+    for kind, cls in CLASSES.items()
+}
 _ATTR = {k: v for names in _NAMES.values() for k, v in names.items()}
 # The fields every record has, in the order a line holds them.
 REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process", "time", "host")
@@ -295,8 +273,6 @@ REQUIRED_BY_KIND = {
     )
     for kind, cls in CLASSES.items()
 }
-
-# ------------------------------------------------------------ the readers' level
 
 
 class _LooseRecord(AnyRecord, kw_only=True):
@@ -369,9 +345,6 @@ _ODD = {kind: _odd(cls) for kind, cls in CLASSES.items()}
 # By name in this module, as pickle finds a class (summary --jobs sends
 # records between processes).
 globals().update({cls.__name__: cls for cls in _ODD.values()})
-
-
-# ------------------------------------------------------------ beyond the types
 
 
 def beyond_types(r: Any, readers: bool = False) -> list[str]:
@@ -575,9 +548,6 @@ def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str
     return f"dtype must be a string or a pytree of strings, got {dtype!r}"
 
 
-# ------------------------------------------------------------ holders
-
-
 def holders_field(ids: "tuple | list") -> "list | str":
     """The ``devices``/``processes`` field for ``ids`` as written: the list,
     or its ranges text past RANGES_ABOVE integer ids that are ascending
@@ -619,10 +589,21 @@ def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
     return out
 
 
-# Texts met (a run's records name the same few, "0-4095"): text -> its ids'
-# count, or None if it is no ranges text. Bounded: cleared when full.
-_COUNTS: dict[str, "int | None"] = {}
-_COUNTS_MAX = 4096
+# Texts met (a run's records name the same few, "0-4095"): text -> its
+# Holders, or None if it is no ranges text. Bounded: cleared when full.
+_MET: dict[str, "Holders | None"] = {}
+_MET_MAX = 4096
+
+
+def _holders(text: str) -> "Holders | None":
+    h = _MET.get(text, False)
+    if h is False:
+        ranges = id_ranges(text)
+        h = None if ranges is None else Holders(text, ranges)
+        if len(_MET) >= _MET_MAX:
+            _MET.clear()
+        _MET[text] = h
+    return h
 
 
 def holders_count(v: Any) -> "int | None":
@@ -630,43 +611,29 @@ def holders_count(v: Any) -> "int | None":
     ids, None if it is not ranges text), never expanding them."""
     if type(v) is not str:
         return len(v) if isinstance(v, (list, Holders)) else 0
-    n = _COUNTS.get(v, -1)
-    if n == -1:
-        ranges = id_ranges(v)
-        n = None if ranges is None else sum(b - a + 1 for a, b in ranges)
-        if len(_COUNTS) >= _COUNTS_MAX:
-            _COUNTS.clear()
-        _COUNTS[v] = n
-    return n
+    h = _holders(v)
+    return None if h is None else len(h)
 
 
 class Holders(Sequence):
     """The ids of a ranges text (``"0-4095"``), a read-only sequence of
     ints never expanded unless asked (``list(h)``): what ``pmaptap.read``
     gives for a holders field written as ranges text, one object per text
-    (``Holders.of``). Equal to a list or tuple of the same ids."""
+    met lately (``Holders.of``). Equal to a list or tuple of the same ids."""
 
     __slots__ = ("text", "_starts", "_ends", "_len")
 
-    def __init__(self, text: str) -> None:
-        ranges = id_ranges(text)
-        if ranges is None:
-            raise ValueError(f"not a holders ranges text: {text[:80]!r}")
+    def __init__(self, text: str, ranges: "list[tuple[int, int]]") -> None:
         self.text = text
         self._starts = [a for a, _ in ranges]
         self._ends = [b for _, b in ranges]
         self._len = sum(b - a + 1 for a, b in ranges)
 
-    _cache: ClassVar[dict] = {}
-
-    @classmethod
-    def of(cls, text: str) -> "Holders":
-        """The Holders of ``text``, one object per text met lately."""
-        h = cls._cache.get(text)
+    @staticmethod
+    def of(text: str) -> "Holders":
+        h = _holders(text)
         if h is None:
-            if len(cls._cache) >= _COUNTS_MAX:
-                cls._cache.clear()
-            h = cls._cache[text] = cls(text)
+            raise ValueError(f"not a holders ranges text: {text[:80]!r}")
         return h
 
     def __len__(self) -> int:
@@ -714,7 +681,8 @@ def holder_ids(v: Any) -> list:
     """The ids of a ``devices``/``processes`` field in either form (a list
     as it is; ranges text expanded: at most MAX_HOLDERS ids)."""
     if type(v) is str:
-        return list(Holders.of(v)) if holders_count(v) is not None else []
+        h = _holders(v)
+        return [] if h is None else list(h)
     return v if isinstance(v, list) else list(v) if isinstance(v, Holders) else []
 
 
@@ -722,13 +690,9 @@ def holds(v: Any, x: Any) -> bool:
     """Whether a ``devices``/``processes`` field (either form) names ``x``,
     without expanding ranges."""
     if type(v) is str:
-        if not isinstance(x, int) or isinstance(x, bool) or holders_count(v) is None:
-            return False
-        return x in Holders.of(v)
+        h = _holders(v)
+        return h is not None and x in h
     return x in (v or ())
-
-
-# ------------------------------------------------------------ identity
 
 
 def record_key(r: Any) -> tuple:
@@ -783,9 +747,6 @@ def step_key(r: Any) -> tuple:
     """A record's step of a tap, (run, name, step, pass): the unit a later
     attempt of a resumed run supersedes."""
     return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
-
-
-# ------------------------------------------------------------ as dicts
 
 
 def as_dict(r: AnyRecord) -> dict:
