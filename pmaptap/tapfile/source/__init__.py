@@ -34,7 +34,6 @@ from pmaptap.tapfile.source.run import (
     base_and_directory,
     copy_key,
     file_layout,
-    is_sharded,
     is_url,
     merge_keys,
     owner,

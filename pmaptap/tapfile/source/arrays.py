@@ -1,25 +1,23 @@
 """Array values stored as bytes beside the tap file (the ``bytes`` field):
 a leaf above ``INLINE_MAX_BYTES`` is a complete ``.npy`` array at an
-offset of an append-only file, as docs/api.md ("Array values: stored as
-bytes") describes. A writer appends the bytes BEFORE the line that points
-at them, so a killed process leaves bytes nobody points at, never a line
-without its bytes; a reference past the end of its file is reported for
-that record and the read goes on (``missing_problem``). No JAX; NumPy only
-where a value is loaded.
+offset of an append-only file (docs/api.md, "Array values: stored as
+bytes"). A writer appends the bytes BEFORE the line that points at them,
+so a killed process leaves bytes nobody points at, never a line without
+its bytes. NumPy loads only where a value is loaded.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from functools import cached_property
 from typing import Any, Iterator
 
-# MissingBytes lives with every other exception; imported here too, where it
-# was first defined (callers may import it from this module).
+# MissingBytes: imported here too, where it was first defined (callers may
+# import it from this module).
 from pmaptap.errors import MissingBytes
-
-# What a reference looks like is the format's (schema.py); this module
-# says where one may point and reads what it points at.
 from pmaptap.tapfile.record import RawArray, is_ref
+from pmaptap.tapfile.source.run import is_url
 
 # Leaves of more bytes than this are stored as bytes: below it JSON numbers
 # are about as cheap and readable in the line; above it far costlier.
@@ -183,7 +181,7 @@ def run_root(path: str | os.PathLike) -> str:
     """The directory (or URL prefix) that ``bytes.file`` is relative to: that
     of the run's tap file (``path``, or its ``.d`` directory)."""
     p = os.fspath(path)
-    if "://" in p and not p.startswith("file://"):
+    if is_url(p):
         return p.rstrip("/").rsplit("/", 1)[0]
     p = os.path.abspath(p)
     if p.endswith(".d") and os.path.isdir(p):
@@ -194,7 +192,7 @@ def run_root(path: str | os.PathLike) -> str:
 def bytes_dir(path: str | os.PathLike) -> str:
     """Where the writers of the run at ``path`` put their byte files."""
     p = os.fspath(path)
-    if "://" in p and not p.startswith("file://"):
+    if is_url(p):
         return p.rstrip("/") + BYTES_SUFFIX
     return os.path.abspath(p) + BYTES_SUFFIX
 
@@ -206,9 +204,14 @@ class ByteStore:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.root = run_root(path)
-        self.url = "://" in self.root and not self.root.startswith("file://")
-        self._fs: Any = None
+        self.url = is_url(self.root)
         self._sizes: dict[str, int | None] = {}
+
+    @cached_property
+    def _fs(self) -> Any:
+        from pmaptap.tapfile.source.store import url_fs
+
+        return url_fs(self.root)[0]
 
     def _where(self, ref: dict) -> str:
         name = ref["file"]
@@ -224,10 +227,6 @@ class ByteStore:
         if where not in self._sizes:
             try:
                 if self.url:
-                    if self._fs is None:
-                        from pmaptap.tapfile.source.store import url_fs
-
-                        self._fs = url_fs(self.root)[0]
                     self._sizes[where] = int(self._fs.size(where))
                 else:
                     self._sizes[where] = os.stat(where).st_size
@@ -265,10 +264,6 @@ class ByteStore:
         where = self._where(ref)
         start, end = ref["offset"], ref["offset"] + ref["nbytes"]
         if self.url:
-            if self._fs is None:
-                from pmaptap.tapfile.source.store import url_fs
-
-                self._fs = url_fs(self.root)[0]
             try:
                 data = bytearray(self._fs.cat_file(where, start=start, end=end))
             except (OSError, ValueError, OverflowError) as e:
@@ -313,9 +308,7 @@ def npy_size_problem(nbytes: int, dtype: str, shape: Any) -> str | None:
     _NPY_HEADER_MAX bytes."""
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         return f"its shape {shape!r} is not a list of sizes"
-    data = numpy_dtype(dtype).itemsize
-    for n in shape:
-        data *= n
+    data = numpy_dtype(dtype).itemsize * math.prod(shape)
     if not data < nbytes <= data + _NPY_HEADER_MAX:
         return (
             f"its bytes are {nbytes} long, not the .npy of a {dtype}{shape} "
@@ -370,9 +363,7 @@ def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
             f"its bytes hold {got}{list(got_shape)}, not the line's {dtype}{list(shape)}"
         )
     start = f.tell()
-    n = dt.itemsize
-    for s in got_shape:
-        n *= s
+    n = dt.itemsize * math.prod(got_shape)
     if len(data) - start != n:
         raise MissingBytes(f"its bytes hold {len(data) - start} data bytes, not {n}")
     return np.frombuffer(data, dtype=dt, count=n // dt.itemsize if n else 0, offset=start).reshape(
@@ -384,10 +375,6 @@ def load_value(d: dict, store: ByteStore) -> Any:
     """``d["value"]`` with every stored leaf loaded (``d`` decoded:
     decode_record, for its inline leaves); MissingBytes names the first
     leaf that cannot be."""
-    field = d.get("bytes")
-    dtype, shape = d.get("dtype"), d.get("shape")
-    if is_ref(field):
-        return store.load_leaf(field, dtype, shape)
 
     def fill(v: Any, f: Any, dt: Any, sh: Any) -> Any:
         if is_ref(f):
@@ -400,4 +387,4 @@ def load_value(d: dict, store: ByteStore) -> Any:
             return [fill(x, y, z, s) for x, y, z, s in zip(v, f, dt, shapes)]
         return v
 
-    return fill(d.get("value"), field, dtype, shape)
+    return fill(d.get("value"), d.get("bytes"), d.get("dtype"), d.get("shape"))

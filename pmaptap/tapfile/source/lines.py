@@ -1,6 +1,6 @@
-"""The lines of a tap file (or of a sharded run's merged stream), each as
-(line number, record or None, problem or None), read in batches of whole
-lines: the one place that iterates a tap file's lines for every reader."""
+"""The lines of a run (one file, or a sharded run's merged stream) as
+(line number, record or None, problem or None), in batches of whole lines:
+the one place that iterates a tap file's lines for every reader."""
 
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ from typing import Any, BinaryIO, Iterator
 from pmaptap.tapfile import record
 from pmaptap.tapfile.record import as_dicts, decode_line
 from pmaptap.tapfile.source import run as runs
+from pmaptap.tapfile.source.run import Batch
 
 _SKIP_CHUNK = 1 << 20
-
-
 # A read that has taken this long shows a progress bar on a terminal.
 PROGRESS_DELAY_S = 2.0
 
 
-# Lines between two looks at the clock. Reads now go a batch (BATCH_BYTES)
-# at a time and look once per batch; kept for callers that set it.
+# Unused since reads look at the clock once a batch; kept for callers that
+# set it.
 _PROGRESS_EVERY = 8192
 
 
@@ -92,8 +91,7 @@ def collector_paused() -> Iterator[None]:
 
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(line number, record or None, problem or None) for every line of a
-    run (a sharded one merged), the record as its line's JSON object."""
+    """Every line of a run, the record as its line's JSON object."""
     return _flat(_as_dicts(iter_record_batches(path)))
 
 
@@ -107,8 +105,7 @@ def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
 
 
 def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
-    """The lines of a run as batches ``(first, records, problems)``: one
-    file (iter_file_records) or a sharded run's merged stream."""
+    """The lines of a run as batches ``(first, records, problems)``."""
     run = runs.Run.of(path)
     if not run.sharded:
         return iter_file_records(run)
@@ -121,8 +118,7 @@ def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
 
 
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """``iter_lines`` of one file. A long read draws a progress bar on a
-    terminal (see _ReadProgress)."""
+    """``iter_lines`` of one file."""
     return _flat(_as_dicts(iter_file_records(path)))
 
 
@@ -131,18 +127,14 @@ def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None,
 BATCH_BYTES = 1 << 16
 
 
-Batch = tuple[int, list, dict]
-
-
 def iter_file_records(
     path: str | os.PathLike, start: int = 0, stop: int | None = None
 ) -> Iterator[Batch]:
     """The lines of one file as batches ``(first, records, problems)``:
-    ``records[i]`` is line ``first + i`` as a record (a Struct) or None,
-    ``problems`` maps the line number of each line that is not a record to
-    why (read_block's rules). A long read draws a progress bar on a
-    terminal. ``start``, ``stop``: only the lines between those bytes (both
-    at a line's start), numbered from 1."""
+    ``records[i]`` is line ``first + i`` as a Struct or None, ``problems``
+    maps the number of each line that is not a record to why. ``start``,
+    ``stop``: only the lines between those bytes (both at a line's start),
+    numbered from 1."""
     with open(path, "rb") as f:
         if start:
             f.seek(start)
@@ -175,14 +167,12 @@ def read_block(
     f: BinaryIO, size: int
 ) -> "tuple[bytes, tuple[dict | None, str | None] | None] | None":
     """The next ``size`` bytes of ``f`` or so, as whole lines: ``(buf,
-    last)``, ``buf`` the bytes of whole lines (each ending with a newline,
-    maybe none), ``last`` the record (a Struct)/problem of a line that ends the block
-    without a newline (None if there is none); None at the end of the file.
+    last)``, ``last`` the (record, problem) of a line that ends the block
+    without a newline (or None); None at the end of the file.
 
-    The one home of what only the file shows, for every reader of local
-    files: a line longer than record.MAX_LINE_BYTES is reported without
-    being held in memory (``f`` is left after it), and a last line without
-    a newline that is not valid JSON is a torn line."""
+    The one home of what only the file shows: a line longer than
+    MAX_LINE_BYTES is reported without being held in memory, and a last
+    line without a newline that is not valid JSON is a torn line."""
     limit = record.MAX_LINE_BYTES
     buf = f.read(size)
     if not buf:
@@ -216,8 +206,7 @@ def read_at(
     path: str, offset: int, size: int
 ) -> "tuple[bytes, tuple[dict | None, str | None] | None, int]":
     """``read_block`` of ``path`` at ``offset``, the file open only
-    meanwhile: (bytes of whole lines, the line ending the block without a
-    newline as (record, problem) or None, the offset after them)."""
+    meanwhile, and the offset after the block."""
     with open(path, "rb") as f:
         f.seek(offset)
         block = read_block(f, size)

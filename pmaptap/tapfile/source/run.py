@@ -1,10 +1,7 @@
-"""A run's path resolved once (``Run``), and a run written in the *sharded*
-layout (each process its own ``<path>.d/p<process>.jsonl``) read as one
-stream ordered by record time, as every reader consumes one file
-(docs/multihost.md). Of a replicated value written by several processes
-the first copy of a (key, vhash) is kept, as the one-file writer would
-have skipped the others; a different value stays and is marked divergent.
-"""
+"""A run's path resolved once (``Run``), and a sharded run's sources merged
+into one stream ordered by record time (docs/multihost.md): of a
+replicated value written by several processes the first copy of a (key,
+vhash) is kept, as the one-file writer would have skipped the others."""
 
 from __future__ import annotations
 
@@ -17,9 +14,6 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from pmaptap.tapfile.record import decode_block
 from pmaptap.tapfile.source import store
-
-# The run's directory suffix (<path>.d/ of shards, <url>.d/ of a store's
-# objects) lives in store.py, which imports nothing here.
 from pmaptap.tapfile.source.store import SHARD_SUFFIX
 
 # How a run is stored (Session(layout=...), Writer(layout=...)): one shared
@@ -79,12 +73,6 @@ def shard_process(path: str | os.PathLike) -> int | None:
     return None if m is None else int(m.group(1))
 
 
-def is_sharded(path: str | os.PathLike) -> bool:
-    """Does ``path`` (the run's file name, or its ``.d`` directory) have
-    shards to merge? (A Run's answer as it was resolved.)"""
-    return Run.of(path).sharded
-
-
 def _sharded_on_disk(path: str | os.PathLike) -> bool:
     path = _run_path(path)
     if os.path.isdir(path):
@@ -134,9 +122,7 @@ def is_url(path: str | os.PathLike) -> bool:
 class Run(str):
     """A run's path with how the run is stored worked out once: ``url`` (an
     object store's chunks), ``sharded`` (sources to merge) or neither (one
-    file). Being a str, it goes wherever a path goes; a reader command
-    resolves its path once (``Run.of``) and passes the Run down. (A run
-    followed before it exists is resolved again until it appears.)"""
+    file). Being a str, it goes wherever a path goes."""
 
     url: bool
     sharded: bool
@@ -150,7 +136,6 @@ class Run(str):
 
     @classmethod
     def of(cls, path: "str | os.PathLike | Run") -> "Run":
-        """``path`` resolved, unless it already is a Run."""
         return path if isinstance(path, Run) else cls(path)
 
     def __reduce__(self) -> tuple:
@@ -189,16 +174,15 @@ _NUMBER = (int, float)
 
 
 def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
-    """About ``size`` bytes of whole lines of ``data`` from ``off``, and
-    the offset after them."""
+    """About ``size`` bytes of whole lines of ``data`` from ``off``, and the
+    offset after them."""
     end = data.find(b"\n", min(off + size, len(data)) - 1)
     end = len(data) if end < 0 else end + 1
     return data[off:end], end
 
 
 def copy_key(r: Any) -> tuple:
-    """What the merge keeps one copy of: a replicated record's (record key,
-    vhash)."""
+    """What the merge keeps one copy of (a replicated record's)."""
     return (r.key(), r.vhash)
 
 
@@ -216,8 +200,6 @@ class SourceLine(NamedTuple):
 
 
 def source_problem(why: str, name: str, line: int) -> str:
-    """A problem of a source's line, naming the source (a shard file or
-    chunk) and its own line there."""
     return f"{why} ({name} line {line})"
 
 
@@ -243,8 +225,7 @@ def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float
 
 
 class _Bad:
-    """A line of a source that is not a record, in the merge: its problem,
-    already naming the source and line."""
+    """A line of a source that is not a record: its problem, naming them."""
 
     __slots__ = ("why",)
 
@@ -272,8 +253,7 @@ class _Source:
         self.last_piece = 0  # records in the last piece read
         self.done = False
 
-    def piece(self) -> "tuple[list, dict] | None":
-        """(records, problems by index) of the next piece."""
+    def piece(self) -> "tuple[list, dict] | None":  # (records, problems by index)
         raise NotImplementedError
 
     def extend(self) -> bool:
@@ -340,8 +320,8 @@ class _FileSource(_Source):
 
 
 class _ChunkSource(_Source):
-    """A process's objects on an object store, in order (``store.Reader``).
-    An object is whole, so every line ends with a newline."""
+    """A process's objects on an object store, in order (``store.Reader``):
+    whole objects, so every line ends with a newline."""
 
     def __init__(self, reader, size: int) -> None:
         super().__init__()
@@ -364,8 +344,7 @@ class _ChunkSource(_Source):
 
 
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
-    """One source per shard (and the shared file), or per process's chunks,
-    each knowing its index."""
+    """One source per shard (and the shared file), or per process's chunks."""
     if Run.of(path).url:
         from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 

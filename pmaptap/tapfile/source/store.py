@@ -1,19 +1,7 @@
-"""A run on an object store: the objects' names, their listing, and what a
-reader takes of them (docs/multihost.md, docs/faults.md).
-
-Each process's writer puts immutable objects under ``<url>.d/``: a *chunk*
-``p<process>-<writer id>-<seq>.b<start>.jsonl`` per batch (seq 0, empty,
-at open) and a *rollup* ``p<process>-<writer id>-<last>.r<first>.b<start>.jsonl``
-of chunks ``first..last``, put before those chunks are deleted (a store
-costs a request per object). ``start`` is where the object begins in the
-writer's stream. Names sort in write order, a rollup right after its last
-chunk.
-
-A reader keeps per writer the next seq it has not taken and where in the
-writer's stream what it took ends (``Cursor``): a rollup is skipped or read
-from that point, so nothing is read twice or skipped whichever of chunks
-and rollup a listing shows; a chunk deleted after the listing sends the
-reader to a new listing, which has the rollup.
+"""A run on an object store: the objects' names (a *chunk* per batch, a
+*rollup* of chunks ``first..last``), their listing, and what a reader
+takes of them so that nothing is read twice or missed whichever of chunks
+and rollup a listing shows (docs/multihost.md, "Rollups"; docs/faults.md).
 """
 
 from __future__ import annotations
@@ -40,8 +28,7 @@ _NAME = re.compile(
 
 
 def url_fs(url: str):
-    """(fsspec filesystem, path inside it) for ``url``; fsspec and the
-    store's client (s3fs, gcsfs) are optional dependencies."""
+    """(fsspec filesystem, path inside it) for ``url``."""
     try:
         import fsspec
     except ImportError:
@@ -63,8 +50,8 @@ def rollup_name(
 
 
 class Object(NamedTuple):
-    """A listed object of a run: a chunk (``first == last``) or a rollup of
-    chunks first..last. ``start`` -1: not known (a chunk of a writer from
+    """A listed chunk (``first == last``) or rollup. ``start`` (where it
+    begins in its writer's stream) -1: not known (a chunk of a writer from
     before chunks were named with it); ``size`` -1: not known."""
 
     name: str
@@ -88,8 +75,7 @@ def parse_name(name: str, size: int) -> "Object | None":
     return Object(name, int(proc), writer, int(first), int(last), int(start), size, True)
 
 
-def _size(size) -> int:
-    """A listed size; -1 where the listing gives none (fetched whole)."""
+def _size(size) -> int:  # -1 where the listing gives none (fetched whole)
     return -1 if size is None else int(size)
 
 
@@ -119,10 +105,8 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
 
 def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[Object]] | None":
     """process -> its objects named after ``last[process]``, for the
-    processes in ``last`` only: one listing per process with a start-after
-    marker, so a follower's poll costs the same at any age of the run.
-    None where the client has no such listing. ``pool`` runs them
-    concurrently."""
+    processes in ``last`` only (S3's StartAfter: a follower's poll costs the
+    same at any age of the run); None where the client has no such listing."""
     fs, prefix = url_fs(url)
     call = getattr(fs, "call_s3", None)
     if call is None or not hasattr(fs, "split_path"):
@@ -155,9 +139,7 @@ def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[
 
 class Cursor:
     """What a reader has taken of one process's objects: per writer, the
-    next seq not taken and where in its stream what was taken ends.
-    ``plan`` says what to fetch of a listing, ``take`` records what was
-    read."""
+    next seq not taken and where in its stream what was taken ends."""
 
     __slots__ = ("next", "taken", "last", "gaps")
 
@@ -228,7 +210,7 @@ class Cursor:
         return True
 
     def take(self, o: Object, skip: int, data_len: int) -> None:
-        """Record that ``data_len`` bytes of ``o`` after ``skip`` were read."""
+        """``data_len`` bytes of ``o`` after ``skip`` were read."""
         self.next[o.writer] = o.last + 1
         if o.start >= 0:
             self.taken[o.writer] = o.start + skip + data_len
@@ -262,8 +244,7 @@ class Reader:
     """What a reader has not taken (``cursor``) of one process's objects
     (``objs``), in order: ``next()`` gives ``(object, bytes of whole
     lines)`` or None at the end, the next being fetched by ``pool``
-    meanwhile. A chunk deleted since the listing is found in a new listing,
-    as the rest of its rollup."""
+    meanwhile."""
 
     # New listings in a row that may still miss a chunk before it counts
     # as gone (a store that lists a deleted object for a moment).
