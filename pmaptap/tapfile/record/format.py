@@ -1,9 +1,5 @@
-"""The writer's record type and its strict-JSON line encoding (RFC 8259),
-and decoding a value as readers give it. docs/api.md ("Record format")
-says how values are written: non-finite floats as the strings ``"NaN"``,
-``"Infinity"``, ``"-Infinity"``; complex numbers as ``[re, im]``; pytrees
-as nested objects and arrays; large array leaves as ``bytes`` references.
-"""
+"""The writer's record type and its strict-JSON line encoding, and decoding
+a value as readers give it (docs/api.md, "Record format")."""
 
 from __future__ import annotations
 
@@ -13,13 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from pmaptap.tapfile.record.rawarray import RawArray, has_raw, split_raw
-
-if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
-    import numpy as np
-
-# The format's constants and rules are schema.py's (the one home of what a
-# record is): import them from there (or from the package, tapfile.record).
-from pmaptap.tapfile.record.schema import (  # noqa: E402
+from pmaptap.tapfile.record.schema import (
     FINGERPRINT,
     MAX_STEP,
     NONFINITE,
@@ -31,6 +21,9 @@ from pmaptap.tapfile.record.schema import (  # noqa: E402
     holders_field,
 )
 
+if TYPE_CHECKING:  # numpy loads only when a value needs it: readers start faster
+    import numpy as np
+
 # The names of the meta records pmaptap writes (kind "meta", never a tapped
 # value): the one registry, for writers and readers.
 META_DROPPED = "pmaptap/dropped"  # values the bounded queue dropped, counted
@@ -40,9 +33,9 @@ META_ATTEMPT = "pmaptap/attempt"  # a resumed run's attempt began here
 
 
 def check_step_range(step: int, where: str) -> int:
-    """An integer step given on the host (a tap's Python int, a ``Writer``'s
-    step) as int, or ``ValueError`` naming ``where``: readers reject any
-    record whose step is outside 0..MAX_STEP, so it is never written."""
+    """An integer step given on the host as int, or ``ValueError`` naming
+    ``where``: readers reject any record whose step is outside 0..MAX_STEP,
+    so it is never written."""
     if not 0 <= step <= MAX_STEP:
         raise ValueError(
             f"{where}: step must be >= 0 and at most 2**63-1 (steps are int64); got {step}."
@@ -52,9 +45,9 @@ def check_step_range(step: int, where: str) -> int:
 
 def check_text(text: "str | None", where: str, what: str = "name") -> None:
     """Text that goes into records (a name, a run id, a host name) must be
-    valid Unicode, or ``ValueError`` naming ``where``: a lone surrogate has
-    no UTF-8 form, and refused here it is not a record replaced at write
-    time. Anything but a str or None is a ``TypeError``."""
+    valid Unicode (a lone surrogate has no UTF-8 form: refused here, it is
+    not a record replaced at write time), or ``ValueError`` naming
+    ``where``; anything but a str or None is a ``TypeError``."""
     if text is None:
         return
     if not isinstance(text, str):
@@ -73,10 +66,9 @@ def check_text(text: "str | None", where: str, what: str = "name") -> None:
         ) from None
 
 
-# The columns of a table of records, in their order: the one list (CSV,
-# frames and Parquet start with them, ``show`` picks from them); after them
-# come a per-device record's mesh coordinates, its value, then any other
-# field.
+# The columns of a table of records, in their order (CSV, frames, Parquet,
+# ``show``); after them come a per-device record's mesh coordinates
+# ("coords.<axis>"), its value, then any other field.
 RECORD_COLUMNS = (
     "run",
     "name",
@@ -94,13 +86,10 @@ RECORD_COLUMNS = (
     "time",
     "host",
 )
-# Tables of records name a per-device record's mesh coordinate on axis A
-# "coords.A".
 COORDS_COLUMN_PREFIX = "coords."
 
 
 def coords_column(axis: Any) -> str:
-    """The table column of the mesh coordinate on ``axis``."""
     return f"{COORDS_COLUMN_PREFIX}{axis}"
 
 
@@ -145,15 +134,14 @@ class Record:
     extra: dict | None = None  # meta records: counters etc.
     vhash: str | None = None  # replicated: hash of the value's bits
     summarized: bool = False  # a leaf's value is statistics (SUMMARY_FIELDS)
-    # The fields below as schema.FIELDS describes them; None or 0: not written.
+    # None or 0: not written.
     index: list | None = None
     global_shape: list | None = None
     attempt: int = 0
     iteration: tuple | None = None
-    # Not a field: the encoded line, when the aggregator built it from a
-    # per-site template (put_lines), in those records' instance dict only.
-    # A class default, not self.__dict__.get(): reading __dict__ would make
-    # CPython build a dict for every other record.
+    # Not a field: the line put_lines built, in those records' instance dict
+    # only (a class default: reading __dict__ would make CPython build a
+    # dict for every other record).
     _line: ClassVar[bytes | None] = None
 
     def to_json_dict(self) -> dict:
@@ -209,23 +197,17 @@ class Record:
         return d
 
     def encode(self) -> bytes:
-        # The aggregator may have built this record's line already, from a
-        # per-site template (the same bytes: put_lines).
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 
-    # The aggregator's fast path (_host/pipeline/records.py): every field of a site's
-    # record but its step, value and time is the same at every step, so
-    # later records copy a template's fields (``from_template``), and scalar
-    # per_device records get their line joined from pieces cut once
-    # (``line_pieces``, ``put_lines``; tests/trace/test_fast_lines.py proves
-    # it equal to ``encode_line(to_json_dict())``). They write the instance
-    # dict of a frozen dataclass, so they live here (test_layout.py keeps
-    # every other module off ``__dict__``).
+    # The aggregator's fast path (_host/pipeline/records.py): a site's records
+    # differ only in step, value and time, so later ones copy a template's
+    # fields, and scalar per_device records get their line joined from
+    # pieces cut once (tests/trace/test_fast_lines.py: equal to
+    # ``encode_line(to_json_dict())``). They write the instance dict of a
+    # frozen dataclass, so they live here (test_layout.py).
 
     def template(self) -> dict:
-        """This record's fields, for ``from_template`` (a copy: the record
-        stays as it is)."""
         fields = dict(self.__dict__)
         fields.pop("_line", None)  # a line belongs to one record, never its copies
         return fields
@@ -241,9 +223,7 @@ class Record:
         time: float,
         vhash: str | None = None,
     ) -> Record:
-        """A record with ``template``'s fields (``Record.template``) and
-        this step, value, dtype, shape, time and, when given, value hash:
-        filled directly, without the frozen dataclass constructor."""
+        """A record with ``template``'s fields and these, filled directly."""
         r = object.__new__(cls)
         d = r.__dict__
         d.update(template)
@@ -256,8 +236,7 @@ class Record:
     def line_pieces(cls, template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
         """The encoded line of a record built from ``template`` with this
         dtype and shape, cut into the four pieces around its step, value and
-        time (for ``put_lines``; cut from ``encode`` itself), or None when it
-        cannot be cut unambiguously: then records are encoded one by one."""
+        time, or None when it cannot be cut unambiguously."""
         if ORJSON is None:
             return None
         line = cls.from_template(
@@ -283,8 +262,7 @@ class Record:
     @staticmethod
     def set_iteration(records: Sequence[Record], iteration: tuple) -> None:
         """Give ``records`` (a looped tap's, just built) their loop
-        ``iteration``; a line already joined from a per-site template lacks
-        it, so it is dropped and the record encoded with its fields."""
+        ``iteration``, dropping a line joined without it."""
         for r in records:
             d = r.__dict__
             if d.get("iteration") is None and r.kind != "meta":
@@ -299,9 +277,8 @@ class Record:
         step: int,
         time: float,
     ) -> None:
-        """Give each of ``records`` (one step's, built from templates at
-        ``time``) its encoded line: its ``line_pieces`` joined around the
-        step, its value's JSON text (``texts``, in order) and the time."""
+        """Give each of ``records`` its line: its ``line_pieces`` joined
+        around the step, its value's JSON text and the time."""
         step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(time, 6))
         for r, (p0, p1, p2, p3), text in zip(records, pieces, texts):
             r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
@@ -318,9 +295,8 @@ _REQUIRED_FIELDS = frozenset(k for k, v in _FIELD_DEFAULTS.items() if v is datac
 
 
 def new_record(**fields: Any) -> Record:
-    """``Record(**fields)`` for the aggregator's per-copy hot path: fills the
-    instance dict directly instead of running the frozen dataclass __init__
-    (one object.__setattr__ per field). The same fields are required."""
+    """``Record(**fields)`` for the aggregator's per-copy hot path, without
+    the frozen dataclass __init__ (one object.__setattr__ per field)."""
     keys = fields.keys()
     if not (_REQUIRED_FIELDS <= keys <= _FIELD_DEFAULTS.keys()):
         raise TypeError(
@@ -335,15 +311,12 @@ def new_record(**fields: Any) -> Record:
 
 
 def meta_record(*, count: int, **fields: Any) -> Record:
-    """A ``kind="meta"`` record whose value is one int64 ``count`` (what
-    pmaptap refused, dropped or could not encode; the attempt number): the
-    value's dtype and shape are always the same, the rest is ``fields``."""
+    """A ``kind="meta"`` record whose value is one int64 ``count``."""
     return Record(kind="meta", value=count, dtype="int64", shape=[], **fields)
 
 
 def split_step(key: tuple) -> tuple[tuple, Any]:
-    """A ``record_key`` as (the key less its step, the step), for an index
-    that keeps one key's steps together (read/divergence.py)."""
+    """A ``record_key`` as (the key less its step, the step)."""
     return key[:2] + key[3:], key[2]
 
 
@@ -391,7 +364,7 @@ def _json_default(o: Any) -> Any:
 
 
 def encode_line(d: dict) -> bytes:
-    """One strict-JSON line. Values may hold finite NumPy arrays."""
+    """One strict-JSON line (values may hold finite NumPy arrays)."""
     if ORJSON is not None:
         return ORJSON.dumps(d, option=ORJSON_OPTS | ORJSON.OPT_APPEND_NEWLINE)
     # allow_nan=False: a stray non-finite float is a bug, never a bad line.
@@ -401,9 +374,6 @@ def encode_line(d: dict) -> bytes:
         )
         + "\n"
     ).encode("utf-8")
-
-
-# ---------------------------------------------------------------- decoding
 
 
 def _decode_nonfinite(v: Any) -> Any:
@@ -445,8 +415,7 @@ def decode_value(value: Any, dtype: Any, shape: Any) -> Any:
 
 
 def decoded(r: AnyRecord) -> dict:
-    """A record (a Struct) as pmaptap.read gives it (decode_record's
-    decoding, without a copy of a dict)."""
+    """A Struct as pmaptap.read gives it (decode_record's decoding)."""
     if r.odd:
         return decode_record(r.source)
     d = as_dict(r)
@@ -461,9 +430,8 @@ def decoded(r: AnyRecord) -> dict:
 
 
 def decode_record(d: dict) -> dict:
-    """A record as written (the line's object) as readers give it: its
-    value decoded (non-finite markers as floats, complex pairs as complex),
-    holders written as ranges text as ``Holders``."""
+    """A line's object as readers give it: its value decoded (non-finite
+    markers as floats, complex pairs as complex), ranges text as ``Holders``."""
     d = dict(d)
     d["value"] = decode_value(d["value"], d.get("dtype"), d.get("shape"))
     for field in ("devices", "processes"):
