@@ -1,31 +1,19 @@
-"""The tap-file format and everything that reads it (never imports JAX).
-
-Five sub-packages, each a layer that imports only the ones before it and
-only through their ``__init__`` (tests/project/test_layout.py checks both):
-
-- ``record``: the record format, once (fields, line encoding, parsing,
-  raw arrays);
-- ``source``: a path resolved once into a ``Run`` (one file, a sharded
-  directory or an object-store URL), its lines and stored array bytes;
-- ``read``: records, queries, attempts, divergence, views, frames,
-  assembled arrays and following a growing run;
-- ``analyze``: summary, validate, fingerprints and the parallel workers;
-- ``export``: CSV, TensorBoard, plots and merging shards.
-"""
+"""The tap-file format and everything that reads it (never imports JAX):
+five sub-packages, layers ``record``, ``source``, ``read``, ``analyze`` and
+``export``, each importing only the ones before it and only through their
+``__init__`` (docs/architecture.md; tests/project/test_layout.py)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# The sub-packages, loaded on first attribute access, so that
-# ``import pmaptap; pmaptap.tapfile.read.read(path)`` works without an
-# import of each (as the pmaptap package does for its own submodules).
-# tests/project/test_layout.py checks that this lists every one here.
+# The sub-packages, loaded on first attribute access (as the pmaptap
+# package does for its own submodules).
 _SUBMODULES = frozenset({"analyze", "export", "read", "record", "source"})
 
-# The reader modules docs/api.md names as ``pmaptap.tapfile.<module>``,
-# where they lived before the sub-packages: still attributes of the package.
+# The modules docs/api.md names as ``pmaptap.tapfile.<module>``, where they
+# lived before the sub-packages.
 _DOCUMENTED = {
     "reader": "read.reader",
     "views": "read.views",
@@ -41,9 +29,9 @@ _DOCUMENTED = {
 
 
 def loaded_on_use(package: str, homes: dict[str, str], *, attribute: bool) -> Any:
-    """A module ``__getattr__`` for ``package``: a name in ``homes`` loads
-    the module below ``package`` named there and is that module, or (with
-    ``attribute``) that module's attribute of the name, read at each use."""
+    """A module ``__getattr__`` for ``package``: a name in ``homes`` is the
+    module below ``package`` named there, or (with ``attribute``) that
+    module's attribute of the name, read at each use."""
 
     def __getattr__(name: str) -> Any:
         if name not in homes:

@@ -1,9 +1,6 @@
-"""The record format, once: the fields and their rules (schema), a record
-as a Python object and its JSON line (format), parsing lines back (parse)
-and arrays kept as raw bytes until written (rawarray).
-
-The one entry of this layer: every other module of pmaptap imports these
-names from here (tests/project/test_layout.py)."""
+"""The record format, once: the fields and their rules (schema), the
+writer's record and its JSON line (format), parsing lines back (parse) and
+arrays kept as raw bytes until written (rawarray). The layer's one entry."""
 
 from pmaptap.tapfile import loaded_on_use
 from pmaptap.tapfile.record.format import (
@@ -73,8 +70,8 @@ from pmaptap.tapfile.record.schema import (
     validate_dict,
 )
 
-# A limit read at each use from its module, not copied here: the module
-# keeps the one value (set there, in a test, it holds for every reader).
+# A limit read at each use from its module: set there (in a test), it
+# holds for every reader.
 _LIVE = {"MAX_LINE_BYTES": "parse"}
 
 

@@ -1,9 +1,6 @@
-"""Where a run's records are: a path resolved once into a ``Run`` (one
-file, a sharded directory or an object-store URL; run.py), its lines as one
-stream (lines.py), an object store's chunks (store.py) and the bytes of
-array values stored beside the lines (arrays.py).
-
-The one entry of this layer (tests/project/test_layout.py)."""
+"""Where a run's records are: a path resolved once into a ``Run`` (run.py),
+its lines as one stream (lines.py), an object store's chunks (store.py)
+and array values stored as bytes (arrays.py). The layer's one entry."""
 
 from pmaptap.tapfile import loaded_on_use
 from pmaptap.tapfile.source.arrays import (
@@ -55,9 +52,8 @@ from pmaptap.tapfile.source.store import (
     url_fs,
 )
 
-# Limits and the object-store listing, read at each use from their module,
-# not copied here: the module keeps the one value (set there, in a test,
-# it holds for the writers, readers and followers that use them).
+# Limits and the object-store listing, read at each use from their module:
+# the module keeps the one value (set there, in a test, it holds for all).
 _LIVE = {
     "FETCH_THREADS": "run",
     "SHARDED_ABOVE": "run",
