@@ -224,15 +224,6 @@ def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float
     return keys, t
 
 
-class _Bad:
-    """A line of a source that is not a record: its problem, naming them."""
-
-    __slots__ = ("why",)
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
 class _Source:
     """One source of the merge, read a piece at a time: the records loaded
     and not yet merged, each one's merge key (record time, kept
@@ -240,21 +231,36 @@ class _Source:
 
     name = ""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size  # bytes parsed a piece
+        self.data = b""  # whole lines loaded, parsed from ``off`` on
+        self.off = 0
         self.t = float("-inf")
         self.lineno = 1  # of the next line read from the source
         self.records: list = []
         self.keys: list = []
-        # Per record, what the merge must look at: None (nothing), a _Bad
-        # (a line that is no record: its problem) or a replicated value's
-        # ((record_key, vhash), process) (the merge keeps one copy of it).
+        # Per record, what the merge must look at: None (nothing), a str (a
+        # line that is no record: its problem, naming source and line) or a
+        # replicated value's (copy_key, process) (the merge keeps one copy).
         self.marks: list = []
         self.pos = 0  # records[:pos] are merged
         self.last_piece = 0  # records in the last piece read
         self.done = False
 
-    def piece(self) -> "tuple[list, dict] | None":  # (records, problems by index)
+    def load(self) -> "tuple[list, dict] | bool":
+        """The next lines into ``data`` (True), a piece of its own, or False
+        at the end."""
         raise NotImplementedError
+
+    def piece(self) -> "tuple[list, dict] | None":
+        """(records, problems by index) of the next piece."""
+        while self.off >= len(self.data):
+            got = self.load()
+            if got is not True:
+                return got or None
+            self.off = 0
+        block, self.off = _cut(self.data, self.off, self.size)
+        return decode_block(block)
 
     def extend(self) -> bool:
         """Drop what the merge took and append the next piece (False, and
@@ -279,7 +285,7 @@ class _Source:
         self.keys += got
         marks += [None] * len(records)
         for j, why in problems.items():
-            marks[base + j] = _Bad(source_problem(why, self.name, first + j))
+            marks[base + j] = source_problem(why, self.name, first + j)
         copies = (
             [j for j, r in enumerate(records) if r is not None and r.vhash]
             if problems
@@ -296,27 +302,20 @@ class _Source:
 
 class _FileSource(_Source):
     def __init__(self, path: str, read_at: ReadAt, size: int, read_size: int) -> None:
-        super().__init__()
+        super().__init__(size)
         self.path, self.name = path, os.path.basename(path)
         self.offset = 0  # in the file, of the next read
-        self.size, self.read_size = size, read_size
+        self.read_size = read_size
         self.read_at = read_at
-        self.data = b""  # whole lines read, parsed from ``off`` on
-        self.off = 0
         self.tail: "tuple | None" = None  # read_block's last line, after data
 
-    def piece(self) -> "tuple[list, dict] | None":
-        if self.off >= len(self.data):
-            if self.tail is not None:
-                d, why = self.tail
-                self.tail = None
-                return [d], ({} if why is None else {0: why})
-            self.data, self.tail, self.offset = self.read_at(self.path, self.offset, self.read_size)
-            self.off = 0
-            if not self.data:
-                return self.piece() if self.tail is not None else None
-        block, self.off = _cut(self.data, self.off, self.size)
-        return decode_block(block)
+    def load(self) -> "tuple[list, dict] | bool":
+        if self.tail is not None:
+            d, why = self.tail
+            self.tail = None
+            return [d], ({} if why is None else {0: why})
+        self.data, self.tail, self.offset = self.read_at(self.path, self.offset, self.read_size)
+        return bool(self.data) or self.tail is not None
 
 
 class _ChunkSource(_Source):
@@ -324,23 +323,16 @@ class _ChunkSource(_Source):
     whole objects, so every line ends with a newline."""
 
     def __init__(self, reader, size: int) -> None:
-        super().__init__()
-        self.reader, self.size = reader, size
-        self.data = b""
-        self.off = 0
+        super().__init__(size)
+        self.reader = reader
 
-    def piece(self) -> "tuple[list, dict] | None":
-        data = self.data
-        while self.off >= len(data):
-            got = self.reader.next()
-            if got is None:
-                return None
-            o, self.data = got
-            data = self.data
-            self.name = o.name.rsplit("/", 1)[-1]
-            self.off = 0
-        block, self.off = _cut(data, self.off, self.size)
-        return decode_block(block)
+    def load(self) -> bool:
+        got = self.reader.next()
+        if got is None:
+            return False
+        o, self.data = got
+        self.name = o.name.rsplit("/", 1)[-1]
+        return True
 
 
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
@@ -465,8 +457,8 @@ def _merge_round(
     dropped = []
     for i in [i for i, m in enumerate(marks) if m is not None]:
         m = marks[i]
-        if type(m) is _Bad:
-            problems[pos + i + 1 - len(dropped)] = m.why
+        if type(m) is str:
+            problems[pos + i + 1 - len(dropped)] = m
         elif first.setdefault(m[0], m[1]) != m[1]:
             dropped.append(i)  # the same value from another process: one copy
     if dropped:
