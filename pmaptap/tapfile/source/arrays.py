@@ -8,9 +8,9 @@ its bytes. NumPy loads only where a value is loaded.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from functools import cached_property
 from typing import Any, Iterator
 
 # MissingBytes: imported here too, where it was first defined (callers may
@@ -25,11 +25,9 @@ INLINE_MAX_BYTES = 1024
 
 
 def stored_as_bytes(nbytes: int, dtype: Any) -> bool:
-    """Whether a leaf of ``nbytes`` bytes of ``dtype`` is stored as bytes
-    rather than written as JSON numbers: above INLINE_MAX_BYTES, and at any
-    size where JSON numbers (doubles) cannot hold its values exactly: the
-    extended precision of ``longdouble``/``clongdouble`` (float128 and
-    complex256 on x86), which the line would round."""
+    """Whether a leaf is stored as bytes rather than written as JSON
+    numbers: above INLINE_MAX_BYTES, and at any size where doubles cannot
+    hold its values exactly (float128 and complex256 on x86)."""
     return nbytes > INLINE_MAX_BYTES or (
         (dtype.kind == "f" and dtype.itemsize > 8) or (dtype.kind == "c" and dtype.itemsize > 16)
     )
@@ -76,9 +74,6 @@ def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None) -> Any:
     return value
 
 
-# ---------------------------------------------------------------- writing
-
-
 def npy_descr(dtype: Any) -> str:
     """The ``.npy`` header's descr of a leaf dtype (see _UINT_OF_WIDTH)."""
     if dtype.isbuiltin == 2:  # a user-defined type (ml_dtypes): its bits
@@ -86,37 +81,26 @@ def npy_descr(dtype: Any) -> str:
     return dtype.str
 
 
-_HEADERS: dict[tuple, bytes] = {}
-
-
+@functools.cache  # a step's shards mostly share one
 def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
-    """The ``.npy`` format 1.0 header of a C-order array (cached per dtype
-    and shape: a step's shards mostly share one)."""
-    key = (dtype, shape)
-    h = _HEADERS.get(key)
-    if h is None:
-        import io
+    """The ``.npy`` format 1.0 header of a C-order array."""
+    import io
 
-        import numpy as np
+    import numpy as np
 
-        buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            buf, {"descr": npy_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
-        )
-        h = _HEADERS[key] = buf.getvalue()
-    return h
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": npy_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    )
+    return buf.getvalue()
 
 
 def npy_chunks(raw: RawArray) -> list:
-    """The ``.npy`` of one leaf as buffers for writev (header, raw bytes: no
-    copy of the array's bytes: a view of the buffer the callback handed
-    over)."""
+    """The ``.npy`` of one leaf as buffers for writev (no copy of the
+    array's bytes: a view of the buffer the callback handed over)."""
     a = raw.array
     body = memoryview(a.reshape(-1).view("u1")) if a.size else b""
     return [raw.header or npy_header(a.dtype, a.shape), body]
-
-
-# ---------------------------------------------------------------- reading
 
 
 def byte_leaves(field: Any, dtype: Any, shape: Any, path: str = "") -> Iterator[tuple]:
@@ -156,20 +140,14 @@ def field_problem(d: dict) -> str | None:
         if isinstance(dt, dict) and isinstance(f, dict) and isinstance(v, dict):
             if not set(f) <= set(dt):
                 return "bytes and dtype do not have the same keys"
-            for k in f:
-                p = walk(f[k], dt[k], v.get(k))
-                if p:
-                    return p
-            return None
-        if isinstance(dt, list) and isinstance(f, list) and isinstance(v, list):
+            parts: Any = ((f[k], dt[k], v.get(k)) for k in f)
+        elif isinstance(dt, list) and isinstance(f, list) and isinstance(v, list):
             if len(f) != len(dt):
                 return "bytes and dtype do not have the same length"
-            for x, y, z in zip(f, dt, v):
-                p = walk(x, y, z)
-                if p:
-                    return p
-            return None
-        return "bytes does not have the nesting of dtype"
+            parts = zip(f, dt, v)
+        else:
+            return "bytes does not have the nesting of dtype"
+        return next(filter(None, (walk(*p) for p in parts)), None)
 
     problem = walk(field, dtype, value)
     if problem is None and not any(True for _ in byte_leaves(field, dtype, shape)):
@@ -198,16 +176,16 @@ def bytes_dir(path: str | os.PathLike) -> str:
 
 
 class ByteStore:
-    """Reads stored leaves of one run (a local directory or an fsspec URL),
-    one at a time; remembers file sizes so that checking many references
-    costs one stat per file."""
+    """Reads stored leaves of one run (a local directory or an fsspec URL);
+    remembers file sizes, so that checking many references costs one stat
+    per file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.root = run_root(path)
         self.url = is_url(self.root)
         self._sizes: dict[str, int | None] = {}
 
-    @cached_property
+    @functools.cached_property
     def _fs(self) -> Any:
         from pmaptap.tapfile.source.store import url_fs
 
