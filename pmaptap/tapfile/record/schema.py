@@ -266,12 +266,8 @@ REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process",
 # Every field a record of each kind must have (REQUIRED first).
 REQUIRED_BY_KIND = {
     kind: REQUIRED
-    + tuple(
-        f.encode_name
-        for f in msgspec.structs.fields(cls)
-        if f.required and f.encode_name not in REQUIRED
-    )
-    for kind, cls in CLASSES.items()
+    + tuple(n for n, _, req, kinds in FIELDS if req and kind in kinds and n not in REQUIRED)
+    for kind in CLASSES
 }
 
 
@@ -317,8 +313,7 @@ def _why(error: str) -> str:
 
 def from_dict(d: dict) -> AnyRecord:
     """The record of a line's object that readers take (validate_dict),
-    holding the object itself: its fields as they are, typed or not, and
-    those no Struct declares (``as_dict`` gives it back)."""
+    holding the object itself (``as_dict`` gives it back)."""
     kind = d["kind"]
     names = _NAMES[kind]
     fields = {names[k]: v for k, v in d.items() if k in names}
@@ -348,10 +343,8 @@ globals().update({cls.__name__: cls for cls in _ODD.values()})
 
 
 def beyond_types(r: Any, readers: bool = False) -> list[str]:
-    """The rules no field type says, of a record: with ``readers``, those
-    readers need (ranges text, a shard's index); else every rule of the
-    format beyond the field types (holders per replica, copies_seen, a
-    shard's global shape, the value against its dtype and shape)."""
+    """The rules no field type says that a record breaks: with ``readers``,
+    those readers need (ranges text, a shard's index), else the format's."""
     out: list[str] = []
     if readers:
         for name in ("devices", "processes"):
@@ -391,9 +384,8 @@ def beyond_types(r: Any, readers: bool = False) -> list[str]:
 
 
 def format_problems(r: AnyRecord) -> list[str]:
-    """Every way a record breaks the format (``pmaptap validate``): for one
-    the Structs took, the rules beyond the types; for an odd one (taken at
-    the readers' level), first each field against its Struct type."""
+    """Every way a record breaks the format (``pmaptap validate``): an odd
+    one's fields against their Struct types, then the rules beyond types."""
     if not r.odd:
         if type(r) is not PerDevice or r.index is not UNSET or r.bytes is not UNSET:
             return beyond_types(r)
@@ -430,11 +422,7 @@ def _global_shape_ok(g: Any) -> bool:
 
 
 def _is_pair(p: Any) -> bool:
-    return (
-        isinstance(p, (list, tuple))
-        and len(p) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
-    )
+    return isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_int, p))
 
 
 def valid_index(index: Any, depth: int = 0) -> bool:
@@ -452,7 +440,6 @@ def index_key(index: Any) -> Any:
 
 
 # The value against its dtype and shape.
-
 _MARKERS = tuple(NONFINITE)
 
 
@@ -496,8 +483,7 @@ def _leaf_problem(value: Any, dtype: str, shape: Any) -> str | None:
 
 
 def is_ref(x: Any) -> bool:
-    """Whether ``x`` is a reference to a value stored as bytes: {file,
-    offset, nbytes}."""
+    """Whether ``x`` is a reference to bytes: {file, offset, nbytes}."""
     return (
         type(x) is dict
         and len(x) == 3
@@ -508,9 +494,8 @@ def is_ref(x: Any) -> bool:
 
 
 def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
-    """Does ``value`` have the nesting that ``dtype``/``shape`` describe?
-    ``stored``: the record's ``bytes`` field, whose leaves are null in
-    ``value``."""
+    """Why ``value`` has not the nesting ``dtype``/``shape`` describe (None:
+    it has). ``stored``: the ``bytes`` field, whose leaves are null."""
     if value is None and dtype is None and shape is None:
         return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
@@ -550,8 +535,7 @@ def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str
 
 def holders_field(ids: "tuple | list") -> "list | str":
     """The ``devices``/``processes`` field for ``ids`` as written: the list,
-    or its ranges text past RANGES_ABOVE integer ids that are ascending
-    and distinct (a holder set as the aggregator builds it)."""
+    or its ranges text past RANGES_ABOVE ascending distinct integer ids."""
     if len(ids) <= RANGES_ABOVE or not all(type(i) is int and i >= 0 for i in ids):
         return list(ids)
     parts = []
@@ -569,8 +553,7 @@ def holders_field(ids: "tuple | list") -> "list | str":
 
 def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
     """The inclusive (first, last) ranges of a holders text, None if
-    ``text`` is not one (not ascending and disjoint, not the form, or more
-    than MAX_HOLDERS ids)."""
+    ``text`` is not one (ascending, disjoint, at most MAX_HOLDERS ids)."""
     if type(text) is not str or not text:
         return None
     out: list[tuple[int, int]] = []
@@ -678,8 +661,7 @@ class Holders(Sequence):
 
 
 def holder_ids(v: Any) -> list:
-    """The ids of a ``devices``/``processes`` field in either form (a list
-    as it is; ranges text expanded: at most MAX_HOLDERS ids)."""
+    """The ids of a ``devices``/``processes`` field in either form."""
     if type(v) is str:
         h = _holders(v)
         return [] if h is None else list(h)
@@ -687,8 +669,7 @@ def holder_ids(v: Any) -> list:
 
 
 def holds(v: Any, x: Any) -> bool:
-    """Whether a ``devices``/``processes`` field (either form) names ``x``,
-    without expanding ranges."""
+    """Whether a holders field (either form) names ``x``, not expanded."""
     if type(v) is str:
         h = _holders(v)
         return h is not None and x in h
@@ -696,11 +677,10 @@ def holds(v: Any, x: Any) -> bool:
 
 
 def record_key(r: Any) -> tuple:
-    """The identity of a value in a tap file: replicated records with the
-    same key hold the same value (or are divergent); per-device records add
-    the device. One definition for the writer's dedup (a format.Record) and
-    readers (a Struct, or a line's object). Shards, loop iterations
-    (``part_key``) and attempts of one step are different values."""
+    """The identity of a value in a tap file (replicated records with the
+    same key hold the same value, or are divergent), of a format.Record, a
+    Struct or a line's object. Shards, loop iterations (``part_key``) and
+    attempts of one step are different values."""
     if isinstance(r, AnyRecord):
         return r.key()
     if not isinstance(r, dict):  # format.Record (the writer's)
@@ -717,9 +697,8 @@ def record_key(r: Any) -> tuple:
 
 
 def shown_name(name: Any, iteration: Any) -> Any:
-    """How readers that keep a looped tap's iterations apart name one of
-    them (summary, show): ``act_rms[3]``, ``x[1,2]`` for nested loops
-    (outermost first); the name itself outside loops."""
+    """A looped tap's name per iteration in summary and show: ``act_rms[3]``,
+    ``x[1,2]`` (outermost first); the name outside loops."""
     if iteration is None or iteration is UNSET:
         return name
     return f"{name}[{','.join(map(str, iteration))}]"
@@ -735,8 +714,7 @@ def curve_tag(name: Any, iteration: Any) -> str:
 
 def part_key(index: Any, iteration: Any) -> Any:
     """``record_key``'s part of a step's value that a record holds: the
-    shard (``index``, None for a whole value) and the loop ``iteration``;
-    a loop-free record's part is its index_key."""
+    shard (``index``, None for a whole value) and the loop ``iteration``."""
     part = None if index is None else index_key(index)
     if iteration is None:
         return part
@@ -750,8 +728,7 @@ def step_key(r: Any) -> tuple:
 
 
 def as_dict(r: AnyRecord) -> dict:
-    """A record as its line's JSON object: a new dict, ``kind`` first, then
-    its fields in FIELDS' order (an odd record's own object, as it was)."""
+    """A record as its line's JSON object (an odd record's own object)."""
     return r.source if r.odd else msgspec.to_builtins(r)
 
 
@@ -759,8 +736,8 @@ _PLAIN = frozenset((*CLASSES.values(), type(None)))
 
 
 def as_dicts(records: list) -> list:
-    """as_dict of each of ``records`` (None stays None): one msgspec call
-    for a list of the format's Structs."""
+    """as_dict of each of ``records`` (None stays None), one msgspec call
+    where it can."""
     if set(map(type, records)) <= _PLAIN:
         return msgspec.to_builtins(records)
     return [None if r is None else as_dict(r) for r in records]
