@@ -19,28 +19,22 @@ from pmaptap.tapfile.source.run import Batch
 _SKIP_CHUNK = 1 << 20
 # A read that has taken this long shows a progress bar on a terminal.
 PROGRESS_DELAY_S = 2.0
-
-
 # Unused since reads look at the clock once a batch; kept for callers that
 # set it.
 _PROGRESS_EVERY = 8192
 
 
 class _ReadProgress:
-    """A bar of bytes read, on stderr, only once a read has lasted
-    PROGRESS_DELAY_S and only where a person watches (a TTY; the
-    PMAPTAP_PROGRESS environment variable forces it on or off)."""
+    """A bar of MiB read, on stderr, once a read has lasted PROGRESS_DELAY_S
+    and only where a person watches (a TTY; PMAPTAP_PROGRESS forces it)."""
 
     def __init__(self, f: BinaryIO, path: str | os.PathLike) -> None:
         self.f = f
         self.path = os.fspath(path)
         self.start = time.monotonic()
         self.bar: Any = None
-        self.off = False
 
     def tick(self) -> None:
-        if self.off:
-            return
         if self.bar is None:
             if time.monotonic() - self.start < PROGRESS_DELAY_S:
                 return
@@ -55,10 +49,8 @@ class _ReadProgress:
                 process=0,
                 min_interval=0.25,
             )
-            if not self.bar.enabled:
-                self.off = True
-                return
-        self._show(self.f.tell() >> 20)
+        if self.bar.enabled:
+            self._show(self.f.tell() >> 20)
 
     def _show(self, mib: int) -> None:
         if mib > self.bar.n:
@@ -92,11 +84,12 @@ def collector_paused() -> Iterator[None]:
 
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """Every line of a run, the record as its line's JSON object."""
-    return _flat(_as_dicts(iter_record_batches(path)))
+    return _flat(iter_record_batches(path))
 
 
 def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
     for first, records, problems in batches:
+        records = as_dicts(records)
         if not problems:
             yield from zip(count(first), records, repeat(None))
             continue
@@ -112,14 +105,9 @@ def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
     return runs.iter_merged(run, read_at)
 
 
-def _as_dicts(batches: Iterator[Batch]) -> Iterator[Batch]:
-    for first, records, problems in batches:
-        yield first, as_dicts(records), problems
-
-
 def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """``iter_lines`` of one file."""
-    return _flat(_as_dicts(iter_file_records(path)))
+    return _flat(iter_file_records(path))
 
 
 # Bytes read per batch: ~300 records, small enough that a batch's records
