@@ -99,10 +99,9 @@ def base_and_directory(path: str | os.PathLike) -> "tuple[str | None, str]":
 
 
 def owner(key: tuple, processes: "tuple | list") -> int:
-    """The one process among ``processes`` that writes a replicated value
-    they all verified on device: a stable hash of the key, so every process
-    picks the same owner and the writing is spread over them. A tuple is
-    taken as sorted already (the aggregator's holders)."""
+    """The one process among ``processes`` (a tuple: sorted already) that
+    writes a replicated value they all verified on device: a stable hash of
+    the key, so every process picks the same and the writing is spread."""
     procs = processes if type(processes) is tuple else sorted(processes)
     # blake2b, not crc32: crc32's low bits of keys that differ only in the
     # step's digits are far from uniform (one process owned none of 40 steps).
@@ -149,10 +148,9 @@ def _resolved(path: str, url: bool, sharded: bool) -> Run:
     return run
 
 
-# What the merge of a sharded run holds, all sources together: each source
-# is parsed MERGE_BYTES / sources bytes at a time and read READ_BYTES /
-# sources at a time (within the bounds below), the file open only
-# meanwhile, so one file is open at a time and memory is bounded.
+# What the merge holds, all sources together: each source is parsed
+# MERGE_BYTES / sources and read READ_BYTES / sources at a time (within
+# these bounds), its file open only meanwhile: memory stays bounded.
 MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
@@ -165,8 +163,6 @@ FETCH_THREADS = 16
 # Records per batch of the merged stream.
 MERGED_BATCH = 512
 
-# (path, offset, bytes) -> (bytes of whole lines, the record/problem of a
-# line ending the block without a newline or None, offset after them):
 # lines.read_at, passed in (lines imports this module).
 ReadAt = Callable[[str, int, int], tuple[bytes, "tuple | None", int]]
 Batch = tuple[int, list, dict]
@@ -187,9 +183,9 @@ def copy_key(r: Any) -> tuple:
 
 
 class SourceLine(NamedTuple):
-    """Where a line of a sharded run is, named by its source and its own
-    line there (a run too big to place its lines in the merged stream:
-    shardwise.py MAX_KEY_RUNS). Orders by source, then line."""
+    """A line of a sharded run named by its source and its line there (a
+    run too big to place its lines in the merged stream). Orders by source,
+    then line."""
 
     source: int
     line: int
@@ -364,8 +360,7 @@ def _piece_bytes(n: int) -> int:
 def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     """Batches ``(first, records, problems)`` of every source of the run
     merged by record time (ties: the shared file, then shards in process
-    order), as lines.iter_file_records gives one file; a problem names the
-    shard file (or chunk) and its own line there."""
+    order); a problem names the shard file (or chunk) and its line there."""
     pool_box: list = []
     try:
         srcs = _sources(path, read_at, pool_box)
