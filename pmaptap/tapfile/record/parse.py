@@ -12,7 +12,7 @@ reads nothing here: ``PMAPTAP_NO_ORJSON`` changes no reader.)
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -113,21 +113,15 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
         # A line with more brackets than MAX_DEPTH or a run of 19 digits (an
         # integer msgspec would keep past 64 bits) takes the definition.
         if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH and not _long_number(raw):
-            return _short_line(raw)
+            try:
+                return DECODER.decode(raw), None
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
         return _by_definition(raw)
     except Exception as e:  # noqa: BLE001 - the contract: no line raises
         # Not reached by any input the tests know; if it ever is, the line is
         # still reported rather than ending the reader (or a writer's dedup).
         return None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
-
-
-def _short_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
-    """decode_line of a line no longer than MAX_LINE_BYTES, shallow and
-    without a long number."""
-    try:
-        return DECODER.decode(raw), None
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return _by_definition(raw)
 
 
 def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
@@ -178,10 +172,10 @@ def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
                 n = kept.count(b"\n") + (not block.endswith(b"\n"))
                 if len(records) == n:  # no blank line skipped
                     return records, {}
-            return _each(_split(block, lines), _short_line)
-        return _each(_split(block, lines), decode_line)
+            return _each(_split(block, lines), gated=True)
+        return _each(_split(block, lines), gated=False)
     except Exception:  # noqa: BLE001 - the contract: no line raises
-        return _each(_split(block, lines), decode_line)
+        return _each(_split(block, lines), gated=False)
 
 
 def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
@@ -193,11 +187,21 @@ def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
     return lines
 
 
-def _each(lines: list[bytes], decode: Callable[[bytes], tuple]) -> Decoded:
+def _each(lines: list[bytes], gated: bool) -> Decoded:
+    """decode_line of each line; ``gated``: lines the block gate let through
+    (short, shallow, no long number), msgspec's call inlined."""
     records: list = []
     problems: dict[int, str] = {}
+    decode = DECODER.decode
     for i, raw in enumerate(lines):
-        r, problem = decode(raw)
+        if not gated:
+            r, problem = decode_line(raw)
+        else:
+            try:
+                records.append(decode(raw))
+                continue
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                r, problem = _by_definition(raw)
         records.append(r)
         if problem is not None:
             problems[i] = problem
