@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, NamedTuple
 from pmaptap.errors import NeedSerial, WorkerError
 from pmaptap.tapfile import source
 from pmaptap.tapfile.analyze import shardwise, summary, validate
-from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result
+from pmaptap.tapfile.analyze.summary import Result, Summarizer
 from pmaptap.tapfile.analyze.validate import Report, Validator
-from pmaptap.tapfile.read import Attempts, Filter, latest
+from pmaptap.tapfile.read import Filter, latest
 from pmaptap.tapfile.source import collector_paused, iter_file_records
 
 # Without --jobs: a worker per this many bytes of the run at most (below
@@ -226,36 +226,7 @@ def _stop(workers: list, kill: bool = False) -> None:
             p.join()
 
 
-def _run(target: Any, tasks: list[tuple]) -> list:
-    """``target(*task)`` of each task: the first in this process (which
-    would otherwise wait), each other one in a worker process."""
-    workers = [_start(_serve, target, task) for task in tasks[1:]]
-    done = False
-    try:
-        with collector_paused():
-            mine = target(*tasks[0])
-        out = [mine, *(_result(p, conn) for p, conn in workers)]
-        done = True
-        return out
-    finally:
-        _stop(workers, kill=not done)
-
-
 # ------------------------------------------------------------ summary
-
-
-def _summary_piece(path: str, part: Any, flt: Filter, attempts: Any) -> tuple:
-    acc = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
-    bad: list = []
-    lines = 0
-    for first, records, problems in iter_file_records(path, *part):
-        if problems:
-            bad.extend(problems.items())
-        acc.take(records, first)
-        lines = first + len(records) - 1
-        if attempts is None and acc.resumed:
-            return ("resumed",)
-    return ("done", acc, bad, lines)
 
 
 class _Pool:
@@ -441,65 +412,67 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     """summary.summarize_file in ``jobs`` processes."""
     flt = flt or Filter()
     path = source.Run.of(path)
+
+    def in_pieces(parts: list, attempts: Any) -> Result | None:
+        got = _in_pieces(_summary_piece, path, parts, flt, attempts)
+        if got is None:
+            return None
+        merged = Summarizer(flt, attempts)
+        bad: list = []
+        offset = 0
+        for acc, piece_bad, lines in got:
+            acc.shift(offset)
+            merged.absorb(acc, ordered=True)
+            bad += [(pos + offset, why) for pos, why in piece_bad]
+            offset += lines
+        return merged.result(bad)
+
     return _read(
         path,
         jobs,
         lambda reader: shardwise.summarize(path, flt, reader),
         lambda parts: latest(
-            path,
-            lambda a: _summary_pass(path, parts, flt, a),
-            attempts=summary.first_attempts(path, flt),
+            path, lambda a: in_pieces(parts, a), attempts=summary.first_attempts(path, flt)
         ),
         lambda: summary.summarize_file(path, flt),
     )
 
 
-def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result | None:
-    """None: resumed (a record of a later attempt, ``attempts`` None)."""
-    results = _run(_summary_piece, [(path, part, flt, attempts) for part in parts])
-    if any(r[0] == "resumed" for r in results):
-        return None
-    merged = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
-    bad: list = []
-    offset = 0
-    for _, acc, piece_bad, lines in results:
-        acc.shift(lambda pos, o=offset: pos + o)
-        merged.absorb(acc, ordered=True)
-        bad += [(pos + offset, why) for pos, why in piece_bad]
-        offset += lines
-    return merged.result(bad)
-
-
-# ------------------------------------------------------------ validate
-
-
-def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
-    v = Validator(path, attempts)
-    for first, records, problems in iter_file_records(path, *part):
-        v.take(records, problems, first)
-        if v.resumed:
-            return ("resumed",)
-    return ("done", v)
-
-
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """validate.validate_file in ``jobs`` processes."""
     path = source.Run.of(path)
+
+    def in_pieces(parts: list, attempts: Any) -> Report | None:
+        got = _in_pieces(_validate_piece, path, parts, attempts)
+        if got is None:
+            return None
+        merged = got[0]
+        for v in got[1:]:
+            merged.absorb(v, merged.lines)
+        return merged.report()
+
     return _read(
         path,
         jobs,
         lambda reader: shardwise.validate(path, reader),
-        lambda parts: latest(path, lambda a: _validate_pass(path, parts, a)),
+        lambda parts: latest(path, lambda a: in_pieces(parts, a)),
         lambda: validate.validate_file(path),
     )
 
 
-def _validate_pass(path: str, parts: list, attempts: Any) -> Report | None:
-    """None: resumed (a record of a later attempt, ``attempts`` None)."""
-    results = _run(_validate_piece, [(path, part, attempts) for part in parts])
-    if any(r[0] == "resumed" for r in results):
-        return None
-    merged = results[0][1]
-    for _, v in results[1:]:
-        merged.absorb(v, merged.lines)
-    return merged.report()
+def _in_pieces(piece: Callable, path: str, parts: list, *args: Any) -> list | None:
+    """``piece(path, part, *args)`` of each byte range ``part`` of the file
+    ``path``, in a worker each; None where one met a later attempt (``args``'
+    attempts None: assumed none)."""
+    with _Pool(len(parts)) as pool:
+        got = list(pool.map([(piece, path, part, *args) for part in parts]))
+    return None if any(g is None for g in got) else got
+
+
+def _summary_piece(path: str, part: tuple, flt: Filter, attempts: Any) -> tuple | None:
+    acc, bad, lines = summary.summarize_batches(iter_file_records(path, *part), flt, attempts)
+    return None if attempts is None and acc.resumed else (acc, bad, lines)
+
+
+def _validate_piece(path: str, part: tuple, attempts: Any) -> Validator | None:
+    return validate.check_batches(path, iter_file_records(path, *part), attempts)

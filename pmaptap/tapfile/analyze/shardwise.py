@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 import msgspec
 
 from pmaptap.tapfile import source
-from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result, Summarizer, first_attempts
+from pmaptap.tapfile.analyze.summary import Result, Summarizer, first_attempts
 from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator, _what
 from pmaptap.tapfile.read import Attempts, Filter, latest
 from pmaptap.tapfile.record import CLASSES
@@ -546,7 +546,7 @@ class ShardwiseSummary(_Shardwise):
     def __init__(self, flt: Filter, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
         self.flt, self.attempts = flt, attempts
-        self.acc = FilteredSummarizer(flt, Attempts() if attempts is None else attempts)
+        self.acc = Summarizer(flt, attempts)
 
     def fresh(self) -> ShardwiseSummary:
         return ShardwiseSummary(self.flt, self.attempts)

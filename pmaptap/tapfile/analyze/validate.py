@@ -26,7 +26,14 @@ from pmaptap.tapfile.record import (
     from_dict,
     record_key,
 )
-from pmaptap.tapfile.source import ByteStore, Run, byte_leaves, field_problem
+from pmaptap.tapfile.source import (
+    ByteStore,
+    Run,
+    byte_leaves,
+    collector_paused,
+    field_problem,
+    iter_record_batches,
+)
 
 # ------------------------------------------------------------------ schema
 
@@ -183,17 +190,11 @@ class Report:
 
 class FirstCopies:
     """``find_duplicates`` one record at a time, holding small per-key state
-    (never a record): ``add(r, line)`` returns the line of r's first copy
-    if r repeats an earlier record, else None."""
+    (never a record): ``add_parts(duplicate_parts(r), line)`` returns the
+    line of r's first copy if r repeats an earlier record, else None."""
 
     def __init__(self) -> None:
         self._keys: dict[tuple, dict] = {}
-
-    def add(self, r: Any, line: Any) -> Any:
-        parts = duplicate_parts(r)
-        if parts is None:
-            return None
-        return self.add_parts(parts, line)
 
     def add_parts(self, parts: tuple, line: Any) -> Any:
         group, step, value = parts
@@ -427,15 +428,19 @@ def validate_file(path: str | os.PathLike) -> Report:
     return latest(path, lambda attempts: _validate(path, attempts))
 
 
-def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
-    """validate_file's pass; ``attempts`` None: assume no later attempt,
-    None back at the first record of one."""
-    from pmaptap.tapfile.source import collector_paused, iter_record_batches
-
+def check_batches(path: str | os.PathLike, batches: Iterable, attempts: Any) -> Validator | None:
+    """The Validator of ``batches`` (source.iter_record_batches'); ``attempts``
+    None: assume no later attempt, None back at the first record of one."""
     v = Validator(path, attempts)
     with collector_paused():
-        for first, records, problems in iter_record_batches(path):
+        for first, records, problems in batches:
             v.take(records, problems, first)
             if v.resumed:
                 return None
-    return v.report()
+    return v
+
+
+def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
+    """validate_file's pass (check_batches' report)."""
+    v = check_batches(path, iter_record_batches(path), attempts)
+    return None if v is None else v.report()
