@@ -1,23 +1,6 @@
-"""The ``pmaptap`` command (also ``python -m pmaptap``).
-
-    pmaptap show FILE [filters]        aligned table of matching records
-    pmaptap tail FILE [-n N] [-f]      last records; -f follows live appends
-    pmaptap summary FILE               per-tap counts, steps, stats, issues
-    pmaptap validate FILE              exit 1 and list lines that are wrong
-    pmaptap plot FILE --name N [-o P]  PNG of value vs step (needs [plot])
-    pmaptap export FILE --csv OUT      one CSV row per record
-    pmaptap export FILE --parquet OUT  one Parquet row per record (needs [parquet])
-    pmaptap export FILE --tensorboard DIR [-f]
-                                       TensorBoard event files (needs [tensorboard])
-    pmaptap merge RUN -o OUT [-f]      a sharded run (RUN.d/, s3://...) as one file
-    pmaptap launch ...                 the local multi-process launcher
-
-Filters (show, tail, summary, plot, export): --name (repeatable), --step
-N|A:B (inclusive), --process P, --device D, --run R. A replicated record
-matches every process/device that held its value.
-
-Exit status: 0 success, 1 ``validate`` found problems, 2 usage or input
-errors (missing file, unknown tap, missing optional dependency).
+"""The ``pmaptap`` command (also ``python -m pmaptap``): show, tail,
+summary, validate, plot, export, merge and launch, as docs/cli.md
+describes them (their options, filters and exit statuses).
 """
 
 from __future__ import annotations
@@ -205,15 +188,24 @@ def _no_match(command: str, path: str, flt: Filter, names: set, runs: set) -> No
     print(f"{PROG} {command}: no matching records in {path} ({have})", file=sys.stderr)
 
 
-def _count(text: str) -> int:
-    """argparse type for counts (-n, --limit, --max-records): 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"wants a count of 0 or more, got {n}")
-    return n
+def _whole(least: int, what: str) -> "Callable[[str], int]":
+    """An argparse type: a whole number, ``least`` or more (``what``)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"wants {what}, got {n}")
+        return n
+
+    return parse
+
+
+# Counts (-n, --limit, --max-records) and --jobs.
+_count = _whole(0, "a count of 0 or more")
+_jobs = _whole(1, "1 or more worker processes")
 
 
 # ------------------------------------------------------------------ commands
@@ -569,17 +561,6 @@ def _add_filters(
             "that a later attempt superseded (each has its "
             "'attempt'); by default only the latest attempt's",
         )
-
-
-def _jobs(text: str) -> int:
-    """argparse type for --jobs: 1 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"wants 1 or more worker processes, got {n}")
-    return n
 
 
 def _add_jobs(p: argparse.ArgumentParser) -> None:

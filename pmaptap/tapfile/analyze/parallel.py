@@ -55,11 +55,8 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     if run.url:
         return 1
     try:
-        size = (
-            sum(os.path.getsize(f) for f in source.sources(run))
-            if run.sharded
-            else (os.path.getsize(run))
-        )
+        files = source.sources(run) if run.sharded else [run]
+        size = sum(map(os.path.getsize, files))
     except OSError:
         return 1
     return max(1, min(cores(), size // MIN_JOB_BYTES))
@@ -103,11 +100,6 @@ def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
     cuts = sorted({_line_start(path, size * k // jobs) for k in range(1, jobs)} | {0, size})
     pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
     return Plan(False, pieces, [], []) if len(pieces) > 1 else None
-
-
-def _local_sharded(path: str | os.PathLike) -> bool:
-    run = source.Run.of(path)
-    return run.sharded and not run.url
 
 
 def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
@@ -163,36 +155,42 @@ def _context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
-def _start(serve: Any, *args: Any) -> tuple:
-    """A worker process running ``serve(connection, *args)`` with a pipe
-    to this one: (process, connection)."""
+def _start() -> tuple:
+    """A worker process of ``_Pool`` with a pipe to this one: (process,
+    connection)."""
     ctx = _context()
     mine, theirs = ctx.Pipe()
-    p = ctx.Process(target=serve, args=(theirs, *args), daemon=True)
+    p = ctx.Process(target=_serve, args=(theirs,), daemon=True)
     p.start()
     theirs.close()
     return p, mine
 
 
-def _serve(conn: Any, target: Any, task: tuple) -> None:
-    """A worker: ``target(*task)`` sent back."""
-    try:
-        with collector_paused():
-            result = target(*task)
-        conn.send(("ok", result))
-    except OSError as e:
-        # An unreadable source: raised in the parent as the OSError it is,
-        # said as --jobs 1 says it.
-        args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
-        with contextlib.suppress(Exception):
-            conn.send(("oserror", args))
-    except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
-        import traceback
-
+def _serve(conn: Any) -> None:
+    """A worker: ``target(*args)`` of each task ``(target, *args)`` sent
+    back, until ``None``."""
+    while True:
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        except Exception:  # noqa: BLE001
-            pass
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        try:
+            with collector_paused():
+                result = task[0](*task[1:])
+            conn.send(("ok", result))
+        except OSError as e:
+            # An unreadable source: raised in the parent as the OSError it
+            # is, said as --jobs 1 says it.
+            args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
+            with contextlib.suppress(Exception):
+                conn.send(("oserror", args))
+        except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
+            import traceback
+
+            with contextlib.suppress(Exception):
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def _result(p: Any, conn: Any) -> Any:
@@ -212,23 +210,6 @@ def _result(p: Any, conn: Any) -> Any:
     return result
 
 
-def _stop(workers: list, kill: bool = False) -> None:
-    """Workers ended: waited for, or killed where the read was given up
-    (the pieces they still read are not wanted)."""
-    for p, conn in workers:
-        if kill:
-            p.kill()
-        conn.close()
-    for p, _ in workers:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-# ------------------------------------------------------------ summary
-
-
 class _Pool:
     """Up to ``size`` worker processes taking tasks ``(function, *args)``
     one after another as each is free (a slow core holds back the end by
@@ -246,16 +227,23 @@ class _Pool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        workers = [(p, conn) for conn, p in self.process.items()]
-        # Tasks still queued: a map given up.
+        # Killed where the read was given up (an error, or tasks still
+        # queued: a map given up), the pieces they still read not wanted.
         kill = exc[0] is not None or any(self.queued.values())
-        if not kill:
-            for _, conn in workers:
+        for conn, p in self.process.items():
+            if kill:
+                p.kill()
+            else:
                 # Done. A worker that ended already must not make the
                 # pipe's error end the command (BrokenPipeError: exit 0).
                 with contextlib.suppress(OSError):
                     conn.send(None)
-        _stop(workers, kill=kill)
+            conn.close()
+        for p in self.process.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
     def map(self, tasks: list[tuple]) -> Iterator:
         """``function(*args)`` of each task, yielded in the order of
@@ -301,7 +289,7 @@ class _Pool:
             give(conn)
             give(conn)
         while len(self.process) < min(self.size, most):
-            p, conn = _start(_serve_each)
+            p, conn = _start()
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
@@ -313,18 +301,6 @@ class _Pool:
                 result = _result(self.process[conn], conn)
                 give(conn)
                 yield i, result
-
-
-def _serve_each(conn: Any) -> None:
-    """A worker of ``_Pool``: tasks ``(target, *args)`` until ``None``."""
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        _serve(conn, task[0], task[1:])
 
 
 def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
@@ -383,7 +359,7 @@ def _resolve(*task: Any) -> Any:
 
 
 def _read(
-    path: str | os.PathLike,
+    path: source.Run,
     jobs: int,
     shardwise_read: Callable[["shardwise.Reader | None"], Any],
     in_pieces: Callable[[list], Any],
@@ -403,7 +379,7 @@ def _read(
             got = in_pieces(pieces.pieces)
     except NeedSerial:
         pass
-    if got is None and _local_sharded(path):
+    if got is None and path.sharded and not path.url:
         got = shardwise_read(None)
     return got if got is not None else merged()
 
