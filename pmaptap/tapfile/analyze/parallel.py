@@ -245,13 +245,14 @@ class _Pool:
                 p.kill()
                 p.join()
 
-    def map(self, tasks: list[tuple]) -> Iterator:
+    def map(self, tasks: list[tuple], here: "tuple | None" = None) -> Iterator:
         """``function(*args)`` of each task, yielded in the order of
-        ``tasks`` as they come."""
-        todo = iter(enumerate(tasks))
+        ``tasks`` as they come; ``here``: a task run in this process (which
+        would otherwise wait) once the workers have theirs, yielded first."""
+        todo = iter(enumerate(tasks, start=here is not None))
         results: dict[int, Any] = {}
         want = 0
-        for i, result in self._each(lambda conn: next(todo, None), len(tasks)):
+        for i, result in self._each(lambda conn: next(todo, None), len(tasks), here):
             results[i] = result
             while want in results:
                 yield results.pop(want)
@@ -270,7 +271,9 @@ class _Pool:
         for _, result in self._each(take, most):
             yield result
 
-    def _each(self, take: Callable[[Any], "tuple | None"], most: int) -> Iterator:
+    def _each(
+        self, take: Callable[[Any], "tuple | None"], most: int, here: "tuple | None" = None
+    ) -> Iterator:
         """(i, result) of the tasks ``take(worker)`` gives ((i, task) or
         None), as they come. Each worker has one task queued beside the one
         it runs, so it never waits while this process takes a result in."""
@@ -293,6 +296,9 @@ class _Pool:
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
+        if here is not None:
+            with collector_paused():
+                yield 0, here[0](*here[1:])
         from multiprocessing.connection import wait
 
         while any(queued.values()):
@@ -438,10 +444,11 @@ def validate_file(path: str | os.PathLike, jobs: int) -> Report:
 
 def _in_pieces(piece: Callable, path: str, parts: list, *args: Any) -> list | None:
     """``piece(path, part, *args)`` of each byte range ``part`` of the file
-    ``path``, in a worker each; None where one met a later attempt (``args``'
-    attempts None: assumed none)."""
-    with _Pool(len(parts)) as pool:
-        got = list(pool.map([(piece, path, part, *args) for part in parts]))
+    ``path``: the first in this process, each other one in a worker; None
+    where one met a later attempt (``args``' attempts None: assumed none)."""
+    first, *rest = [(piece, path, part, *args) for part in parts]
+    with _Pool(len(rest)) as pool:
+        got = list(pool.map(rest, here=first))
     return None if any(g is None for g in got) else got
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import os
 import struct
 import tempfile
@@ -21,7 +22,7 @@ import zlib
 from array import array
 from collections import Counter
 from itertools import accumulate, repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import msgspec
@@ -802,20 +803,17 @@ def summarize(
     ``flt`` matches (summary.summarize_file), or None where it would not be
     exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
-    read = reader or (lambda empty: _serial(empty, path))
+    read = reader or functools.partial(_serial, path=path)
     attempts = first_attempts(path, flt)
-    got = latest(path, lambda a: read(ShardwiseSummary(flt, a)), _resumed, attempts)
-    return got.result()
+    return latest(path, lambda a: read(ShardwiseSummary(flt, a)), _RESUMED, attempts).result()
 
 
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
     """validate.validate_file of the local sharded run ``path``, or None where
     it would not be exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
-    read = reader or (lambda empty: _serial(empty, path))
-    got = latest(path, lambda a: read(ShardwiseValidation(path, a)), _resumed)
-    return got.report()
+    read = reader or functools.partial(_serial, path=path)
+    return latest(path, lambda a: read(ShardwiseValidation(path, a)), _RESUMED).report()
 
 
-def _resumed(got: _Shardwise) -> bool:
-    return got.resumed
+_RESUMED = attrgetter("resumed")

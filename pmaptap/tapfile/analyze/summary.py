@@ -16,7 +16,7 @@ import os
 from collections import Counter
 from functools import partial
 from itertools import compress
-from operator import attrgetter, eq
+from operator import attrgetter, eq, itemgetter
 from typing import Any, Iterable
 
 import msgspec
@@ -387,7 +387,9 @@ class _TapAcc:
         except TypeError:  # unhashable: no record has one, but a dict could
             return None
         if usual is not None:
-            return int(dev) if coords == usual and _int_values(coords) else None
+            if coords == usual and all(type(c) is int for c in coords.values()):
+                return int(dev)
+            return None
         if (
             isinstance(dev, (int, float))
             and dev == dev
@@ -529,7 +531,7 @@ class _TapAcc:
         stride, gaps = step_gaps(steps)
         count = self.count + self.a_count
         # The values at the last step in stream order (their positions).
-        last = [x for _, x in sorted(zip(self.last_at, self.last_vals), key=_first)]
+        last = [x for _, x in sorted(zip(self.last_at, self.last_vals), key=itemgetter(0))]
         try:
             total = math.fsum(self.sums)
         except (OverflowError, ValueError):  # infinite sums of both signs
@@ -566,10 +568,6 @@ class _TapAcc:
         )
 
 
-def _first(pair: tuple) -> Any:
-    return pair[0]
-
-
 def _int_ids(r: AnyRecord) -> bool:
     """Whether every process and device id of ``r`` is an int or None."""
     ids = [r.process, getattr(r, "device", None)]
@@ -577,13 +575,6 @@ def _int_ids(r: AnyRecord) -> bool:
         if type(holders) is list:
             ids += holders
     return all(type(i) is int or i is None for i in ids)
-
-
-def _int_values(coords: Any) -> bool:
-    for c in coords.values():
-        if type(c) is not int:
-            return False
-    return True
 
 
 def _scalar(v: object) -> float | None:
@@ -636,11 +627,9 @@ class Summarizer:
         elif pos < self._first[run]:  # pieces added out of stream order
             self._first[run] = pos
         acc = names.get(name)
-        if acc is None:
-            if type(name) is tuple:  # a looped tap's (name, iteration)
-                acc = names[name] = _TapAcc(run, *name, tap=tap)
-            else:
-                acc = names[name] = _TapAcc(run, name, tap=tap)
+        if acc is None:  # a looped tap's key: (name, iteration)
+            key = name if type(name) is tuple else (name,)
+            acc = names[name] = _TapAcc(run, *key, tap=tap)
         return acc
 
     def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
