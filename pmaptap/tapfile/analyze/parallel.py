@@ -1,11 +1,7 @@
-"""``pmaptap summary --jobs N`` and ``validate --jobs N``: pieces of a run
-read in N processes, each giving a partial result that merges exactly, so
-the output is ``--jobs 1``'s to the byte (docs/architecture.md, "Summaries
-that split"). One file: N byte ranges cut at line starts, merged in file
-order. A sharded run: units of sources read shard by shard (shardwise.py)
-by a pool of workers. Pieces with no order to merge by raise
-``NeedSerial``: the run is then read in one process. Object-store runs are
-read in one process (their reading is fetching, done by threads already).
+"""``pmaptap summary --jobs N`` and ``validate --jobs N``: one file in byte
+ranges, a sharded run in units of sources (shardwise.py), each piece's
+state merged exactly, so the output is ``--jobs 1``'s to the byte
+(docs/architecture.md, "Summaries that split").
 """
 
 from __future__ import annotations

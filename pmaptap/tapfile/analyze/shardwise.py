@@ -1,13 +1,8 @@
-"""``pmaptap summary`` and ``validate`` of a sharded run, a source at a
-time, without the merge (source/run.py: iter_merged), which cost more than the
-summary itself. docs/architecture.md ("A sharded run summarized shard by
-shard") says how: each record's position is its place in the merge
-((merge key, source, line)), and what only the whole run decides (kept
-copies, first copies, lines in the merged stream) is decided once every
-source is read. Memory per process reading is bounded by MAX_KEY_RUNS,
-MAX_HELD_COPIES and BUCKET_BYTES. Where a result cannot be exact (an id of
-two types, a process's copies in two sources) these return None and the
-merged stream is read instead.
+"""``pmaptap summary`` and ``validate`` of a sharded run a source at a time,
+without the merge (source/run.py: iter_merged), each record at its place
+in the merge (docs/architecture.md, "A sharded run summarized shard by
+shard"). Where a result cannot be exact (an id of two types, a process's
+copies in two sources) these return None and the merged stream is read.
 """
 
 from __future__ import annotations
@@ -261,11 +256,7 @@ class _Shardwise:
         n = self.buckets
         for pos, r in held:
             b = zlib.crc32(repr(r.key()).encode("utf-8", "backslashreplace")) % n
-            got = parts.get(b)
-            if got is None:
-                parts[b] = [(pos, r)]
-            else:
-                got.append((pos, r))
+            parts.setdefault(b, []).append((pos, r))
         with open(self.spill, "ab") as f:
             offset = f.tell()
             for b, part in parts.items():

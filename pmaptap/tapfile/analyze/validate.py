@@ -125,16 +125,13 @@ def duplicate_key(r: dict) -> tuple | None:
 
 def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
     """(index, index of its first copy) for every record repeating an earlier one."""
-    first: dict[tuple, int] = {}
+    firsts = FirstCopies()
     out: list[tuple[int, int]] = []
     for i, r in enumerate(records):
-        key = duplicate_key(r)
-        if key is None:
-            continue
-        if key in first:
-            out.append((i, first[key]))
-        else:
-            first[key] = i
+        parts = duplicate_parts(r)
+        first = None if parts is None else firsts.add_parts(parts, i)
+        if first is not None:
+            out.append((i, first))
     return out
 
 
