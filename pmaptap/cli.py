@@ -103,12 +103,14 @@ def _check_file(path: str) -> "Run":
     return run
 
 
-def _check_followed(path: str, command: str) -> "Run":
-    """``_check_file`` for a command that follows the run (``-f``): a run
-    that does not exist yet (no file, no ``path.d/``, no chunks) is waited
-    for, in whichever layout it appears (tapfile/read/follower.py)."""
+def _check_followed(path: str, command: str, follow: bool) -> "Run":
+    """``_check_file``, or for a command that follows the run (``follow``):
+    a run that does not exist yet (no file, no ``path.d/``, no chunks) is
+    waited for, in whichever layout it appears (tapfile/read/follower.py)."""
     from pmaptap.tapfile.source import Run, objects
 
+    if not follow:
+        return _check_file(path)
     run = Run.of(path)
     if run.url:
         missing = not objects(run, missing_ok=True)
@@ -358,10 +360,7 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.export import export_tensorboard, follow_tensorboard
 
     flt = _filter(args)
-    if args.follow:
-        args.file = _check_followed(args.file, "export")
-    else:
-        args.file = _check_file(args.file)
+    args.file = _check_followed(args.file, "export", args.follow)
     if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
         raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
     try:
@@ -401,10 +400,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     every new one until a signal, the timeout or the count."""
     from pmaptap.tapfile.read import open_follower
 
-    if args.follow:
-        args.file = _check_followed(args.file, "tail")
-    else:
-        args.file = _check_file(args.file)
+    args.file = _check_followed(args.file, "tail", args.follow)
     lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
@@ -489,31 +485,26 @@ class _TailPrinter:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.export import merge, merge_follow
-
-    if not args.follow:
-        args.file = _check_file(args.file)
-        try:
-            n, bad = merge(args.file, args.output)
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        _report_skipped(bad, args.file, "merge")
-        print(f"wrote {n} records to {args.output}", file=sys.stderr)
-        return 0
     from pmaptap.tapfile.read import stop_on_signals
 
     def report(pos: int, problem: str) -> None:
         print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
 
     try:
-        with stop_on_signals() as stop:
-            n = merge_follow(
-                args.file,
-                args.output,
-                stop=stop,
-                interval=args.interval,
-                timeout=args.timeout,
-                report=report,
-            )
+        if not args.follow:
+            args.file = _check_file(args.file)
+            n, bad = merge(args.file, args.output)
+            _report_skipped(bad, args.file, "merge")
+        else:
+            with stop_on_signals() as stop:
+                n = merge_follow(
+                    args.file,
+                    args.output,
+                    stop=stop,
+                    interval=args.interval,
+                    timeout=args.timeout,
+                    report=report,
+                )
     except ValueError as e:
         raise CliError(str(e)) from None
     print(f"wrote {n} records to {args.output}", file=sys.stderr)

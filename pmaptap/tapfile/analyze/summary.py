@@ -268,7 +268,10 @@ class _TapAcc:
             self.hi = max(self.hi, float(finite.max()))
             self.a_sums.append(float(finite.sum()))
             self.a_count += finite.size
-        norm = float(np.sqrt(np.dot(finite, finite)))
+        self._norm_at(step, float(np.sqrt(np.dot(finite, finite))))
+
+    def _norm_at(self, step: Any, norm: float) -> None:
+        """The norm at the highest step (the largest there)."""
         if self.norm_step is None or step > self.norm_step:
             self.norm_step, self.norm = step, norm
         elif step == self.norm_step:
@@ -415,16 +418,8 @@ class _TapAcc:
         _union(self.processes, o.processes, ordered)
         _union(self.devices, o.devices, ordered)
         self.holder_texts |= o.holder_texts
-        if o.last_step is not None:
-            if self.last_step is None or o.last_step > self.last_step:
-                self.last_step, self.last_vals, self.last_at = (
-                    o.last_step,
-                    list(o.last_vals),
-                    list(o.last_at),
-                )
-            elif o.last_step == self.last_step:
-                self.last_vals += o.last_vals
-                self.last_at += o.last_at
+        for x, pos in zip(o.last_vals, o.last_at):
+            self._last(o.last_step, x, pos)
         self.sums = _exact(self.sums + o.sums)
         self.count += o.count
         self.lo, self.hi = min(self.lo, o.lo), max(self.hi, o.hi)
@@ -468,10 +463,7 @@ class _TapAcc:
                 _union(self.first_bad_devs, o.first_bad_devs, ordered)
         self.a_count += o.a_count
         if o.norm_step is not None:
-            if self.norm_step is None or o.norm_step > self.norm_step:
-                self.norm_step, self.norm = o.norm_step, o.norm
-            elif o.norm_step == self.norm_step:
-                self.norm = max(self.norm or 0.0, o.norm or 0.0)
+            self._norm_at(o.norm_step, o.norm)
 
     # ---------------------------------------------------------- the result
 
