@@ -362,7 +362,7 @@ class _Shardwise:
         kept = self.unhashed + [x for _, _, held in self.copies.values() for x in held]
         kept.sort(key=_POS)
         self._take([r for _, r in kept], self._kept([pos for pos, _ in kept]))
-        self.copies, self.unhashed = {}, []
+        self.copies, self.unhashed, self.held = {}, [], 0
 
     def _kept(self, positions: list) -> Any:
         """Positions (key, source, line) as ``_take`` takes them."""
@@ -464,23 +464,11 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
                             offset, n = part
                             f.seek(offset)
                             held += _decode(f.read(n))
-            first: dict = {}
-            for pos, r in held:
-                if r.vhash:
-                    k = source.copy_key(r)
-                    mine = first.get(k)
-                    if mine is None or pos < mine[0]:
-                        first[k] = (pos, r.process)
-            kept, gone = [], []
-            for x in held:
-                r = x[1]
-                if not r.vhash or first[source.copy_key(r)][1] == r.process:
-                    kept.append(x)
-                else:
-                    gone.append(x[0])
-            got._drop(gone)
-            kept.sort(key=_POS)
-            got._take([r for _, r in kept], got._kept([pos for pos, _ in kept]))
+            # In the merge's order, _copies keeps the first copy's process's
+            # (a process's copies are in one source: else the read stopped).
+            held.sort(key=_POS)
+            got._copies([pos for pos, _ in held], [r for _, r in held])
+            got.finish()
             if got.resumed:
                 break
     return got
