@@ -147,15 +147,13 @@ def _or(a: bytes, b: bytes) -> bytearray:
     return bytearray(x.to_bytes(n, "little"))
 
 
+@dataclasses.dataclass(slots=True)
 class _Lane:
     """A tap's per-device keys of one (pass, attempt): per step, a bit per
     device at its usual coordinates (bytearray), and the other keys."""
 
-    __slots__ = ("bits", "keys")
-
-    def __init__(self) -> None:
-        self.bits: dict[int, bytearray] = {}
-        self.keys: set[tuple] = set()
+    bits: dict[int, bytearray] = dataclasses.field(default_factory=dict)
+    keys: set[tuple] = dataclasses.field(default_factory=set)
 
 
 class _TapAcc:

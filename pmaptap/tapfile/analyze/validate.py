@@ -157,6 +157,11 @@ def count_missing(stride: int, gaps: Sequence[tuple[int, int]]) -> int:
     return sum((hi - lo) // stride + 1 for lo, hi in gaps)
 
 
+def steps_text(steps: Sequence, limit: int = 5) -> str:
+    """Steps as the summary lists them: the first ``limit``, then ",..."."""
+    return ",".join(map(str, steps[:limit])) + (",..." if len(steps) > limit else "")
+
+
 def format_gaps(stride: int, gaps: Sequence[tuple[int, int]], limit: int = 5) -> str:
     parts = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in gaps[:limit]]
     if len(gaps) > limit:
