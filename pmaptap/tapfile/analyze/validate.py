@@ -196,6 +196,7 @@ class FirstCopies:
     line of r's first copy if r repeats an earlier record, else None."""
 
     def __init__(self) -> None:
+        # group -> step (per-device) or (step, value) (replicated) -> line
         self._keys: dict[tuple, dict] = {}
 
     def add_parts(self, parts: tuple, line: Any) -> Any:
@@ -203,43 +204,22 @@ class FirstCopies:
         steps = self._keys.get(group)
         if steps is None:
             steps = self._keys[group] = {}
-        if value is not None:  # replicated
-            got = steps.get(step)
-            if got is None:
-                steps[step] = (value, line)
-                return None
-            if isinstance(got, tuple):
-                if got[0] == value:
-                    return got[1]
-                got = steps[step] = {got[0]: got[1]}
-            first = got.get(value)
-            if first is None:
-                got[value] = line
-            return first
-        first = steps.get(step)
+        key = step if value is None else (step, value)
+        first = steps.get(key)
         if first is None:
-            steps[step] = line
+            steps[key] = line
         return first
 
     def first(self, parts: tuple) -> Any:
         """The line of the first copy of ``parts`` (duplicate_parts)."""
         group, step, value = parts
-        got = self._keys[group][step]
-        if value is None:
-            return got
-        return got[1] if isinstance(got, tuple) else got[value]
+        return self._keys[group][step if value is None else (step, value)]
 
     def entries(self) -> Iterable[tuple[tuple, Any]]:
         """(duplicate_parts, line) of every first copy."""
         for group, steps in self._keys.items():
-            for step, got in steps.items():
-                if group[0] != "replicated":
-                    yield (group, step, None), got
-                elif isinstance(got, tuple):
-                    yield (group, step, got[0]), got[1]
-                else:
-                    for value, line in got.items():
-                        yield (group, step, value), line
+            for key, line in steps.items():
+                yield (group, *key) if group[0] == "replicated" else (group, key, None), line
 
 
 def _what(parts: tuple) -> str:
