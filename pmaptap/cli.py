@@ -1,23 +1,6 @@
-"""The ``pmaptap`` command (also ``python -m pmaptap``).
-
-    pmaptap show FILE [filters]        aligned table of matching records
-    pmaptap tail FILE [-n N] [-f]      last records; -f follows live appends
-    pmaptap summary FILE               per-tap counts, steps, stats, issues
-    pmaptap validate FILE              exit 1 and list lines that are wrong
-    pmaptap plot FILE --name N [-o P]  PNG of value vs step (needs [plot])
-    pmaptap export FILE --csv OUT      one CSV row per record
-    pmaptap export FILE --parquet OUT  one Parquet row per record (needs [parquet])
-    pmaptap export FILE --tensorboard DIR [-f]
-                                       TensorBoard event files (needs [tensorboard])
-    pmaptap merge RUN -o OUT [-f]      a sharded run (RUN.d/, s3://...) as one file
-    pmaptap launch ...                 the local multi-process launcher
-
-Filters (show, tail, summary, plot, export): --name (repeatable), --step
-N|A:B (inclusive), --process P, --device D, --run R. A replicated record
-matches every process/device that held its value.
-
-Exit status: 0 success, 1 ``validate`` found problems, 2 usage or input
-errors (missing file, unknown tap, missing optional dependency).
+"""The ``pmaptap`` command (also ``python -m pmaptap``): show, tail,
+summary, validate, plot, export, merge and launch, as docs/cli.md
+describes them (their options, filters and exit statuses).
 """
 
 from __future__ import annotations
@@ -120,12 +103,14 @@ def _check_file(path: str) -> "Run":
     return run
 
 
-def _check_followed(path: str, command: str) -> "Run":
-    """``_check_file`` for a command that follows the run (``-f``): a run
-    that does not exist yet (no file, no ``path.d/``, no chunks) is waited
-    for, in whichever layout it appears (tapfile/read/follower.py)."""
+def _check_followed(path: str, command: str, follow: bool) -> "Run":
+    """``_check_file``, or for a command that follows the run (``follow``):
+    a run that does not exist yet (no file, no ``path.d/``, no chunks) is
+    waited for, in whichever layout it appears (tapfile/read/follower.py)."""
     from pmaptap.tapfile.source import Run, objects
 
+    if not follow:
+        return _check_file(path)
     run = Run.of(path)
     if run.url:
         missing = not objects(run, missing_ok=True)
@@ -205,15 +190,24 @@ def _no_match(command: str, path: str, flt: Filter, names: set, runs: set) -> No
     print(f"{PROG} {command}: no matching records in {path} ({have})", file=sys.stderr)
 
 
-def _count(text: str) -> int:
-    """argparse type for counts (-n, --limit, --max-records): 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"wants a count of 0 or more, got {n}")
-    return n
+def _whole(least: int, what: str) -> "Callable[[str], int]":
+    """An argparse type: a whole number, ``least`` or more (``what``)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"wants {what}, got {n}")
+        return n
+
+    return parse
+
+
+# Counts (-n, --limit, --max-records) and --jobs.
+_count = _whole(0, "a count of 0 or more")
+_jobs = _whole(1, "1 or more worker processes")
 
 
 # ------------------------------------------------------------------ commands
@@ -366,10 +360,7 @@ def _export_tensorboard(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.export import export_tensorboard, follow_tensorboard
 
     flt = _filter(args)
-    if args.follow:
-        args.file = _check_followed(args.file, "export")
-    else:
-        args.file = _check_file(args.file)
+    args.file = _check_followed(args.file, "export", args.follow)
     if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
         raise CliError(f"--tensorboard wants a directory; {args.tensorboard} is a file")
     try:
@@ -409,10 +400,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     every new one until a signal, the timeout or the count."""
     from pmaptap.tapfile.read import open_follower
 
-    if args.follow:
-        args.file = _check_followed(args.file, "tail")
-    else:
-        args.file = _check_file(args.file)
+    args.file = _check_followed(args.file, "tail", args.follow)
     lf = open_follower(args.file)
     try:
         return _tail(args, _filter(args), lf)
@@ -497,31 +485,26 @@ class _TailPrinter:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from pmaptap.tapfile.export import merge, merge_follow
-
-    if not args.follow:
-        args.file = _check_file(args.file)
-        try:
-            n, bad = merge(args.file, args.output)
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        _report_skipped(bad, args.file, "merge")
-        print(f"wrote {n} records to {args.output}", file=sys.stderr)
-        return 0
     from pmaptap.tapfile.read import stop_on_signals
 
     def report(pos: int, problem: str) -> None:
         print(f"{PROG} merge: line {pos}: {problem} (skipped)", file=sys.stderr)
 
     try:
-        with stop_on_signals() as stop:
-            n = merge_follow(
-                args.file,
-                args.output,
-                stop=stop,
-                interval=args.interval,
-                timeout=args.timeout,
-                report=report,
-            )
+        if not args.follow:
+            args.file = _check_file(args.file)
+            n, bad = merge(args.file, args.output)
+            _report_skipped(bad, args.file, "merge")
+        else:
+            with stop_on_signals() as stop:
+                n = merge_follow(
+                    args.file,
+                    args.output,
+                    stop=stop,
+                    interval=args.interval,
+                    timeout=args.timeout,
+                    report=report,
+                )
     except ValueError as e:
         raise CliError(str(e)) from None
     print(f"wrote {n} records to {args.output}", file=sys.stderr)
@@ -569,17 +552,6 @@ def _add_filters(
             "that a later attempt superseded (each has its "
             "'attempt'); by default only the latest attempt's",
         )
-
-
-def _jobs(text: str) -> int:
-    """argparse type for --jobs: 1 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"wants 1 or more worker processes, got {n}")
-    return n
 
 
 def _add_jobs(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Iterator
 
+from pmaptap.tapfile.analyze.validate import steps_text
 from pmaptap.tapfile.record import FINGERPRINT, holder_ids, index_text
 
 
@@ -111,7 +112,6 @@ class FingerprintAcc:
         if not self.steps:
             return ""
         steps = sorted(self.steps)
-        shown = ",".join(map(str, steps[:5])) + (",..." if len(steps) > 5 else "")
         suspects = self.suspects()
         first = min(s.first_step for s in suspects) if suspects else steps[0]
         at = [s for s in suspects if s.first_step == first]
@@ -130,7 +130,7 @@ class FingerprintAcc:
             else f"copies disagree with no majority: {names}"
         )
         return (
-            f"fingerprints differ at {len(steps)} step(s) ({shown}); "
+            f"fingerprints differ at {len(steps)} step(s) ({steps_text(steps)}); "
             f"first at step {first}{where}: {verdict}"
         )
 

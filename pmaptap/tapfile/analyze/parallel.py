@@ -1,11 +1,7 @@
-"""``pmaptap summary --jobs N`` and ``validate --jobs N``: pieces of a run
-read in N processes, each giving a partial result that merges exactly, so
-the output is ``--jobs 1``'s to the byte (docs/architecture.md, "Summaries
-that split"). One file: N byte ranges cut at line starts, merged in file
-order. A sharded run: units of sources read shard by shard (shardwise.py)
-by a pool of workers. Pieces with no order to merge by raise
-``NeedSerial``: the run is then read in one process. Object-store runs are
-read in one process (their reading is fetching, done by threads already).
+"""``pmaptap summary --jobs N`` and ``validate --jobs N``: one file in byte
+ranges, a sharded run in units of sources (shardwise.py), each piece's
+state merged exactly, so the output is ``--jobs 1``'s to the byte
+(docs/architecture.md, "Summaries that split").
 """
 
 from __future__ import annotations
@@ -20,9 +16,9 @@ from typing import Any, Callable, Iterator, NamedTuple
 from pmaptap.errors import NeedSerial, WorkerError
 from pmaptap.tapfile import source
 from pmaptap.tapfile.analyze import shardwise, summary, validate
-from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result
+from pmaptap.tapfile.analyze.summary import Result, Summarizer
 from pmaptap.tapfile.analyze.validate import Report, Validator
-from pmaptap.tapfile.read import Attempts, Filter, latest
+from pmaptap.tapfile.read import Filter, latest
 from pmaptap.tapfile.source import collector_paused, iter_file_records
 
 # Without --jobs: a worker per this many bytes of the run at most (below
@@ -55,11 +51,8 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     if run.url:
         return 1
     try:
-        size = (
-            sum(os.path.getsize(f) for f in source.sources(run))
-            if run.sharded
-            else (os.path.getsize(run))
-        )
+        files = source.sources(run) if run.sharded else [run]
+        size = sum(map(os.path.getsize, files))
     except OSError:
         return 1
     return max(1, min(cores(), size // MIN_JOB_BYTES))
@@ -103,11 +96,6 @@ def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
     cuts = sorted({_line_start(path, size * k // jobs) for k in range(1, jobs)} | {0, size})
     pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
     return Plan(False, pieces, [], []) if len(pieces) > 1 else None
-
-
-def _local_sharded(path: str | os.PathLike) -> bool:
-    run = source.Run.of(path)
-    return run.sharded and not run.url
 
 
 def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
@@ -163,36 +151,42 @@ def _context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
-def _start(serve: Any, *args: Any) -> tuple:
-    """A worker process running ``serve(connection, *args)`` with a pipe
-    to this one: (process, connection)."""
+def _start() -> tuple:
+    """A worker process of ``_Pool`` with a pipe to this one: (process,
+    connection)."""
     ctx = _context()
     mine, theirs = ctx.Pipe()
-    p = ctx.Process(target=serve, args=(theirs, *args), daemon=True)
+    p = ctx.Process(target=_serve, args=(theirs,), daemon=True)
     p.start()
     theirs.close()
     return p, mine
 
 
-def _serve(conn: Any, target: Any, task: tuple) -> None:
-    """A worker: ``target(*task)`` sent back."""
-    try:
-        with collector_paused():
-            result = target(*task)
-        conn.send(("ok", result))
-    except OSError as e:
-        # An unreadable source: raised in the parent as the OSError it is,
-        # said as --jobs 1 says it.
-        args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
-        with contextlib.suppress(Exception):
-            conn.send(("oserror", args))
-    except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
-        import traceback
-
+def _serve(conn: Any) -> None:
+    """A worker: ``target(*args)`` of each task ``(target, *args)`` sent
+    back, until ``None``."""
+    while True:
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        except Exception:  # noqa: BLE001
-            pass
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        try:
+            with collector_paused():
+                result = task[0](*task[1:])
+            conn.send(("ok", result))
+        except OSError as e:
+            # An unreadable source: raised in the parent as the OSError it
+            # is, said as --jobs 1 says it.
+            args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
+            with contextlib.suppress(Exception):
+                conn.send(("oserror", args))
+        except BaseException as e:  # noqa: BLE001 - said to the parent, which raises it
+            import traceback
+
+            with contextlib.suppress(Exception):
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def _result(p: Any, conn: Any) -> Any:
@@ -212,52 +206,6 @@ def _result(p: Any, conn: Any) -> Any:
     return result
 
 
-def _stop(workers: list, kill: bool = False) -> None:
-    """Workers ended: waited for, or killed where the read was given up
-    (the pieces they still read are not wanted)."""
-    for p, conn in workers:
-        if kill:
-            p.kill()
-        conn.close()
-    for p, _ in workers:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def _run(target: Any, tasks: list[tuple]) -> list:
-    """``target(*task)`` of each task: the first in this process (which
-    would otherwise wait), each other one in a worker process."""
-    workers = [_start(_serve, target, task) for task in tasks[1:]]
-    done = False
-    try:
-        with collector_paused():
-            mine = target(*tasks[0])
-        out = [mine, *(_result(p, conn) for p, conn in workers)]
-        done = True
-        return out
-    finally:
-        _stop(workers, kill=not done)
-
-
-# ------------------------------------------------------------ summary
-
-
-def _summary_piece(path: str, part: Any, flt: Filter, attempts: Any) -> tuple:
-    acc = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
-    bad: list = []
-    lines = 0
-    for first, records, problems in iter_file_records(path, *part):
-        if problems:
-            bad.extend(problems.items())
-        acc.take(records, first)
-        lines = first + len(records) - 1
-        if attempts is None and acc.resumed:
-            return ("resumed",)
-    return ("done", acc, bad, lines)
-
-
 class _Pool:
     """Up to ``size`` worker processes taking tasks ``(function, *args)``
     one after another as each is free (a slow core holds back the end by
@@ -275,24 +223,32 @@ class _Pool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        workers = [(p, conn) for conn, p in self.process.items()]
-        # Tasks still queued: a map given up.
+        # Killed where the read was given up (an error, or tasks still
+        # queued: a map given up), the pieces they still read not wanted.
         kill = exc[0] is not None or any(self.queued.values())
-        if not kill:
-            for _, conn in workers:
+        for conn, p in self.process.items():
+            if kill:
+                p.kill()
+            else:
                 # Done. A worker that ended already must not make the
                 # pipe's error end the command (BrokenPipeError: exit 0).
                 with contextlib.suppress(OSError):
                     conn.send(None)
-        _stop(workers, kill=kill)
+            conn.close()
+        for p in self.process.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
-    def map(self, tasks: list[tuple]) -> Iterator:
+    def map(self, tasks: list[tuple], here: "tuple | None" = None) -> Iterator:
         """``function(*args)`` of each task, yielded in the order of
-        ``tasks`` as they come."""
-        todo = iter(enumerate(tasks))
+        ``tasks`` as they come; ``here``: a task run in this process (which
+        would otherwise wait) once the workers have theirs, yielded first."""
+        todo = iter(enumerate(tasks, start=here is not None))
         results: dict[int, Any] = {}
         want = 0
-        for i, result in self._each(lambda conn: next(todo, None), len(tasks)):
+        for i, result in self._each(lambda conn: next(todo, None), len(tasks), here):
             results[i] = result
             while want in results:
                 yield results.pop(want)
@@ -311,7 +267,9 @@ class _Pool:
         for _, result in self._each(take, most):
             yield result
 
-    def _each(self, take: Callable[[Any], "tuple | None"], most: int) -> Iterator:
+    def _each(
+        self, take: Callable[[Any], "tuple | None"], most: int, here: "tuple | None" = None
+    ) -> Iterator:
         """(i, result) of the tasks ``take(worker)`` gives ((i, task) or
         None), as they come. Each worker has one task queued beside the one
         it runs, so it never waits while this process takes a result in."""
@@ -330,10 +288,13 @@ class _Pool:
             give(conn)
             give(conn)
         while len(self.process) < min(self.size, most):
-            p, conn = _start(_serve_each)
+            p, conn = _start()
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
+        if here is not None:
+            with collector_paused():
+                yield 0, here[0](*here[1:])
         from multiprocessing.connection import wait
 
         while any(queued.values()):
@@ -342,18 +303,6 @@ class _Pool:
                 result = _result(self.process[conn], conn)
                 give(conn)
                 yield i, result
-
-
-def _serve_each(conn: Any) -> None:
-    """A worker of ``_Pool``: tasks ``(target, *args)`` until ``None``."""
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        _serve(conn, task[0], task[1:])
 
 
 def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
@@ -412,7 +361,7 @@ def _resolve(*task: Any) -> Any:
 
 
 def _read(
-    path: str | os.PathLike,
+    path: source.Run,
     jobs: int,
     shardwise_read: Callable[["shardwise.Reader | None"], Any],
     in_pieces: Callable[[list], Any],
@@ -432,7 +381,7 @@ def _read(
             got = in_pieces(pieces.pieces)
     except NeedSerial:
         pass
-    if got is None and _local_sharded(path):
+    if got is None and path.sharded and not path.url:
         got = shardwise_read(None)
     return got if got is not None else merged()
 
@@ -441,65 +390,68 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     """summary.summarize_file in ``jobs`` processes."""
     flt = flt or Filter()
     path = source.Run.of(path)
+
+    def in_pieces(parts: list, attempts: Any) -> Result | None:
+        got = _in_pieces(_summary_piece, path, parts, flt, attempts)
+        if got is None:
+            return None
+        merged = Summarizer(flt, attempts)
+        bad: list = []
+        offset = 0
+        for acc, piece_bad, lines in got:
+            acc.shift(offset)
+            merged.absorb(acc, ordered=True)
+            bad += [(pos + offset, why) for pos, why in piece_bad]
+            offset += lines
+        return merged.result(bad)
+
     return _read(
         path,
         jobs,
         lambda reader: shardwise.summarize(path, flt, reader),
         lambda parts: latest(
-            path,
-            lambda a: _summary_pass(path, parts, flt, a),
-            attempts=summary.first_attempts(path, flt),
+            path, lambda a: in_pieces(parts, a), attempts=summary.first_attempts(path, flt)
         ),
         lambda: summary.summarize_file(path, flt),
     )
 
 
-def _summary_pass(path: str, parts: list, flt: Filter, attempts: Any) -> Result | None:
-    """None: resumed (a record of a later attempt, ``attempts`` None)."""
-    results = _run(_summary_piece, [(path, part, flt, attempts) for part in parts])
-    if any(r[0] == "resumed" for r in results):
-        return None
-    merged = FilteredSummarizer(flt, attempts if attempts is not None else Attempts())
-    bad: list = []
-    offset = 0
-    for _, acc, piece_bad, lines in results:
-        acc.shift(lambda pos, o=offset: pos + o)
-        merged.absorb(acc, ordered=True)
-        bad += [(pos + offset, why) for pos, why in piece_bad]
-        offset += lines
-    return merged.result(bad)
-
-
-# ------------------------------------------------------------ validate
-
-
-def _validate_piece(path: str, part: Any, attempts: Any) -> tuple:
-    v = Validator(path, attempts)
-    for first, records, problems in iter_file_records(path, *part):
-        v.take(records, problems, first)
-        if v.resumed:
-            return ("resumed",)
-    return ("done", v)
-
-
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """validate.validate_file in ``jobs`` processes."""
     path = source.Run.of(path)
+
+    def in_pieces(parts: list, attempts: Any) -> Report | None:
+        got = _in_pieces(_validate_piece, path, parts, attempts)
+        if got is None:
+            return None
+        merged = got[0]
+        for v in got[1:]:
+            merged.absorb(v, merged.lines)
+        return merged.report()
+
     return _read(
         path,
         jobs,
         lambda reader: shardwise.validate(path, reader),
-        lambda parts: latest(path, lambda a: _validate_pass(path, parts, a)),
+        lambda parts: latest(path, lambda a: in_pieces(parts, a)),
         lambda: validate.validate_file(path),
     )
 
 
-def _validate_pass(path: str, parts: list, attempts: Any) -> Report | None:
-    """None: resumed (a record of a later attempt, ``attempts`` None)."""
-    results = _run(_validate_piece, [(path, part, attempts) for part in parts])
-    if any(r[0] == "resumed" for r in results):
-        return None
-    merged = results[0][1]
-    for _, v in results[1:]:
-        merged.absorb(v, merged.lines)
-    return merged.report()
+def _in_pieces(piece: Callable, path: str, parts: list, *args: Any) -> list | None:
+    """``piece(path, part, *args)`` of each byte range ``part`` of the file
+    ``path``: the first in this process, each other one in a worker; None
+    where one met a later attempt (``args``' attempts None: assumed none)."""
+    first, *rest = [(piece, path, part, *args) for part in parts]
+    with _Pool(len(rest)) as pool:
+        got = list(pool.map(rest, here=first))
+    return None if any(g is None for g in got) else got
+
+
+def _summary_piece(path: str, part: tuple, flt: Filter, attempts: Any) -> tuple | None:
+    acc, bad, lines = summary.summarize_batches(iter_file_records(path, *part), flt, attempts)
+    return None if attempts is None and acc.resumed else (acc, bad, lines)
+
+
+def _validate_piece(path: str, part: tuple, attempts: Any) -> Validator | None:
+    return validate.check_batches(path, iter_file_records(path, *part), attempts)

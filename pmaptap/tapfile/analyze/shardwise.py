@@ -1,19 +1,15 @@
-"""``pmaptap summary`` and ``validate`` of a sharded run, a source at a
-time, without the merge (source/run.py: iter_merged), which cost more than the
-summary itself. docs/architecture.md ("A sharded run summarized shard by
-shard") says how: each record's position is its place in the merge
-((merge key, source, line)), and what only the whole run decides (kept
-copies, first copies, lines in the merged stream) is decided once every
-source is read. Memory per process reading is bounded by MAX_KEY_RUNS,
-MAX_HELD_COPIES and BUCKET_BYTES. Where a result cannot be exact (an id of
-two types, a process's copies in two sources) these return None and the
-merged stream is read instead.
+"""``pmaptap summary`` and ``validate`` of a sharded run a source at a time,
+without the merge (source/run.py: iter_merged), each record at its place
+in the merge (docs/architecture.md, "A sharded run summarized shard by
+shard"). Where a result cannot be exact (an id of two types, a process's
+copies in two sources) these return None and the merged stream is read.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import os
 import struct
 import tempfile
@@ -21,13 +17,13 @@ import zlib
 from array import array
 from collections import Counter
 from itertools import accumulate, repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import msgspec
 
 from pmaptap.tapfile import source
-from pmaptap.tapfile.analyze.summary import FilteredSummarizer, Result, Summarizer, first_attempts
+from pmaptap.tapfile.analyze.summary import Result, Summarizer, first_attempts
 from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator, _what
 from pmaptap.tapfile.read import Attempts, Filter, latest
 from pmaptap.tapfile.record import CLASSES
@@ -260,11 +256,7 @@ class _Shardwise:
         n = self.buckets
         for pos, r in held:
             b = zlib.crc32(repr(r.key()).encode("utf-8", "backslashreplace")) % n
-            got = parts.get(b)
-            if got is None:
-                parts[b] = [(pos, r)]
-            else:
-                got.append((pos, r))
+            parts.setdefault(b, []).append((pos, r))
         with open(self.spill, "ab") as f:
             offset = f.tell()
             for b, part in parts.items():
@@ -370,7 +362,7 @@ class _Shardwise:
         kept = self.unhashed + [x for _, _, held in self.copies.values() for x in held]
         kept.sort(key=_POS)
         self._take([r for _, r in kept], self._kept([pos for pos, _ in kept]))
-        self.copies, self.unhashed = {}, []
+        self.copies, self.unhashed, self.held = {}, [], 0
 
     def _kept(self, positions: list) -> Any:
         """Positions (key, source, line) as ``_take`` takes them."""
@@ -472,23 +464,11 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
                             offset, n = part
                             f.seek(offset)
                             held += _decode(f.read(n))
-            first: dict = {}
-            for pos, r in held:
-                if r.vhash:
-                    k = source.copy_key(r)
-                    mine = first.get(k)
-                    if mine is None or pos < mine[0]:
-                        first[k] = (pos, r.process)
-            kept, gone = [], []
-            for x in held:
-                r = x[1]
-                if not r.vhash or first[source.copy_key(r)][1] == r.process:
-                    kept.append(x)
-                else:
-                    gone.append(x[0])
-            got._drop(gone)
-            kept.sort(key=_POS)
-            got._take([r for _, r in kept], got._kept([pos for pos, _ in kept]))
+            # In the merge's order, _copies keeps the first copy's process's
+            # (a process's copies are in one source: else the read stopped).
+            held.sort(key=_POS)
+            got._copies([pos for pos, _ in held], [r for _, r in held])
+            got.finish()
             if got.resumed:
                 break
     return got
@@ -546,7 +526,7 @@ class ShardwiseSummary(_Shardwise):
     def __init__(self, flt: Filter, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
         self.flt, self.attempts = flt, attempts
-        self.acc = FilteredSummarizer(flt, Attempts() if attempts is None else attempts)
+        self.acc = Summarizer(flt, attempts)
 
     def fresh(self) -> ShardwiseSummary:
         return ShardwiseSummary(self.flt, self.attempts)
@@ -802,20 +782,17 @@ def summarize(
     ``flt`` matches (summary.summarize_file), or None where it would not be
     exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
-    read = reader or (lambda empty: _serial(empty, path))
+    read = reader or functools.partial(_serial, path=path)
     attempts = first_attempts(path, flt)
-    got = latest(path, lambda a: read(ShardwiseSummary(flt, a)), _resumed, attempts)
-    return got.result()
+    return latest(path, lambda a: read(ShardwiseSummary(flt, a)), _RESUMED, attempts).result()
 
 
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
     """validate.validate_file of the local sharded run ``path``, or None where
     it would not be exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
-    read = reader or (lambda empty: _serial(empty, path))
-    got = latest(path, lambda a: read(ShardwiseValidation(path, a)), _resumed)
-    return got.report()
+    read = reader or functools.partial(_serial, path=path)
+    return latest(path, lambda a: read(ShardwiseValidation(path, a)), _RESUMED).report()
 
 
-def _resumed(got: _Shardwise) -> bool:
-    return got.resumed
+_RESUMED = attrgetter("resumed")

@@ -16,7 +16,7 @@ import os
 from collections import Counter
 from functools import partial
 from itertools import compress
-from operator import attrgetter, eq
+from operator import attrgetter, eq, itemgetter
 from typing import Any, Iterable
 
 import msgspec
@@ -147,15 +147,13 @@ def _or(a: bytes, b: bytes) -> bytearray:
     return bytearray(x.to_bytes(n, "little"))
 
 
+@dataclasses.dataclass(slots=True)
 class _Lane:
     """A tap's per-device keys of one (pass, attempt): per step, a bit per
     device at its usual coordinates (bytearray), and the other keys."""
 
-    __slots__ = ("bits", "keys")
-
-    def __init__(self) -> None:
-        self.bits: dict[int, bytearray] = {}
-        self.keys: set[tuple] = set()
+    bits: dict[int, bytearray] = dataclasses.field(default_factory=dict)
+    keys: set[tuple] = dataclasses.field(default_factory=set)
 
 
 class _TapAcc:
@@ -268,7 +266,10 @@ class _TapAcc:
             self.hi = max(self.hi, float(finite.max()))
             self.a_sums.append(float(finite.sum()))
             self.a_count += finite.size
-        norm = float(np.sqrt(np.dot(finite, finite)))
+        self._norm_at(step, float(np.sqrt(np.dot(finite, finite))))
+
+    def _norm_at(self, step: Any, norm: float) -> None:
+        """The norm at the highest step (the largest there)."""
         if self.norm_step is None or step > self.norm_step:
             self.norm_step, self.norm = step, norm
         elif step == self.norm_step:
@@ -387,7 +388,9 @@ class _TapAcc:
         except TypeError:  # unhashable: no record has one, but a dict could
             return None
         if usual is not None:
-            return int(dev) if coords == usual and _int_values(coords) else None
+            if coords == usual and all(type(c) is int for c in coords.values()):
+                return int(dev)
+            return None
         if (
             isinstance(dev, (int, float))
             and dev == dev
@@ -413,16 +416,8 @@ class _TapAcc:
         _union(self.processes, o.processes, ordered)
         _union(self.devices, o.devices, ordered)
         self.holder_texts |= o.holder_texts
-        if o.last_step is not None:
-            if self.last_step is None or o.last_step > self.last_step:
-                self.last_step, self.last_vals, self.last_at = (
-                    o.last_step,
-                    list(o.last_vals),
-                    list(o.last_at),
-                )
-            elif o.last_step == self.last_step:
-                self.last_vals += o.last_vals
-                self.last_at += o.last_at
+        for x, pos in zip(o.last_vals, o.last_at):
+            self._last(o.last_step, x, pos)
         self.sums = _exact(self.sums + o.sums)
         self.count += o.count
         self.lo, self.hi = min(self.lo, o.lo), max(self.hi, o.hi)
@@ -466,10 +461,7 @@ class _TapAcc:
                 _union(self.first_bad_devs, o.first_bad_devs, ordered)
         self.a_count += o.a_count
         if o.norm_step is not None:
-            if self.norm_step is None or o.norm_step > self.norm_step:
-                self.norm_step, self.norm = o.norm_step, o.norm
-            elif o.norm_step == self.norm_step:
-                self.norm = max(self.norm or 0.0, o.norm or 0.0)
+            self._norm_at(o.norm_step, o.norm)
 
     # ---------------------------------------------------------- the result
 
@@ -491,7 +483,7 @@ class _TapAcc:
         out.update(s for s, _, _ in others)
         return out
 
-    def result(self, index: DivergenceIndex | None) -> TapSummary:
+    def result(self, index: DivergenceIndex) -> TapSummary:
         self._fold()
         kinds = tuple(sorted(self.kinds))
         per_dev = self._per_step()
@@ -501,7 +493,7 @@ class _TapAcc:
             (devices if is_devices else processes).update(holder_ids(text))
         steps = self.steps | per_device_steps
         divergent = set(self.divergent)
-        if index is not None and index.any_repeat:
+        if index.any_repeat:
             for step, pass_, attempt, *shard in self.rep_keys:
                 shard_key = shard[0] if shard else None
                 part = part_key(shard_key, self.iteration)
@@ -529,7 +521,7 @@ class _TapAcc:
         stride, gaps = step_gaps(steps)
         count = self.count + self.a_count
         # The values at the last step in stream order (their positions).
-        last = [x for _, x in sorted(zip(self.last_at, self.last_vals), key=_first)]
+        last = [x for _, x in sorted(zip(self.last_at, self.last_vals), key=itemgetter(0))]
         try:
             total = math.fsum(self.sums)
         except (OverflowError, ValueError):  # infinite sums of both signs
@@ -566,10 +558,6 @@ class _TapAcc:
         )
 
 
-def _first(pair: tuple) -> Any:
-    return pair[0]
-
-
 def _int_ids(r: AnyRecord) -> bool:
     """Whether every process and device id of ``r`` is an int or None."""
     ids = [r.process, getattr(r, "device", None)]
@@ -577,13 +565,6 @@ def _int_ids(r: AnyRecord) -> bool:
         if type(holders) is list:
             ids += holders
     return all(type(i) is int or i is None for i in ids)
-
-
-def _int_values(coords: Any) -> bool:
-    for c in coords.values():
-        if type(c) is not int:
-            return False
-    return True
 
 
 def _scalar(v: object) -> float | None:
@@ -598,21 +579,25 @@ class Summarizer:
 
     ``add(r)`` every record the summary covers; ``see(r)`` one of a covered
     key that it does not cover (filtered out by process or device), so that
-    divergence is judged on every copy. ``reconcile``: records as written,
-    whose divergence is judged here (``pmaptap.read``'s carry the mark)."""
+    divergence is judged on every copy. ``take`` a batch: the records
+    ``flt`` keeps that ``attempts`` (what later attempts superseded) leaves
+    added, the names and runs of the others kept for ``result``."""
 
-    def __init__(self, reconcile: bool = True) -> None:
+    def __init__(self, flt: Filter | None = None, attempts: Attempts | None = None) -> None:
         # The accumulators by run and name; each run's first position.
         self._taps: dict[Any, dict[str, _TapAcc]] = {}
         self._first: dict[Any, Any] = {}
-        self._index = DivergenceIndex() if reconcile else None
+        self._index = DivergenceIndex()
         self._restarts = Restarts()
         self.resumed = False  # whether a record of a later attempt was added
         self._pos = 0  # for add() without a position: one after another
+        self.flt = flt or Filter()
+        self.attempts = Attempts() if attempts is None else attempts
+        self.names: set = set()
+        self.runs: set = set()
 
     def see(self, r: Any) -> None:
-        if self._index is not None:
-            self._index.add(r)
+        self._index.add(r)
 
     def add(self, r: Any, pos: Any = None) -> None:
         """A record (a Struct or its line's object) at ``pos`` of the stream
@@ -632,11 +617,9 @@ class Summarizer:
         elif pos < self._first[run]:  # pieces added out of stream order
             self._first[run] = pos
         acc = names.get(name)
-        if acc is None:
-            if type(name) is tuple:  # a looped tap's (name, iteration)
-                acc = names[name] = _TapAcc(run, *name, tap=tap)
-            else:
-                acc = names[name] = _TapAcc(run, name, tap=tap)
+        if acc is None:  # a looped tap's key: (name, iteration)
+            key = name if type(name) is tuple else (name,)
+            acc = names[name] = _TapAcc(run, *key, tap=tap)
         return acc
 
     def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
@@ -681,11 +664,7 @@ class Summarizer:
         steps, dup_keys = acc.steps, acc.dup_keys
         index = self._index
         # DivergenceIndex.add's entries of this tap's usual replicated keys.
-        seen = (
-            index._steps((acc.run, acc.name, "forward", part_key(None, acc.iteration), 0))
-            if index
-            else None
-        )
+        seen = index.steps_of(acc.run, acc.name, index=part_key(None, acc.iteration))
         last, last_vals, last_at = acc.last_step, acc.last_vals, acc.last_at
         added = dups = replicated = 0
         prev_proc = prev_dev = cur = prev_procs = prev_devs = None
@@ -717,7 +696,7 @@ class Summarizer:
                     dup_keys.add((step, "forward", vhash))
                     if len(dup_keys) == n:
                         dups += 1
-                    if seen is not None and seen.setdefault(step, vhash) is not vhash:
+                    if seen.setdefault(step, vhash) is not vhash:
                         index.repeat(seen, step, vhash)
                     prev_proc = prev_dev = cur = None
                     continue
@@ -784,7 +763,7 @@ class Summarizer:
     def _add_one(self, r: AnyRecord, pos: Any, acc: _TapAcc) -> None:
         kind = r.kind
         # Restarts reads only later attempts and meta records.
-        if self._index is not None and kind == "replicated":
+        if kind == "replicated":
             self._index.add(r)
         if r.attempt is not UNSET or kind == "meta":
             self._restarts.add(r)
@@ -801,11 +780,26 @@ class Summarizer:
             return
         acc.add(r, pos)
 
-    def names_and_runs(self) -> tuple[set, set]:
-        """The names and runs of the records added."""
-        return {
-            n[0] if type(n) is tuple else n for names in self._taps.values() for n in names
-        }, set(self._taps)
+    def take(self, records: list, first: int = 1, positions: Any = None) -> None:
+        """The records (Structs or None) of a batch from position ``first``
+        (or each at its own of ``positions``)."""
+        if not self.attempts and not self.flt.active:
+            self.add_batch(records, first, positions)
+            return
+        if positions is None:
+            positions = range(first, first + len(records))
+        flt, attempts = self.flt, self.attempts
+        for pos, r in zip(positions, records):
+            if r is None:
+                continue
+            superseded = attempts and attempts.superseded(r)
+            if not superseded and (not flt.active or flt(r)):
+                self.add(r, pos)
+                continue
+            self.names.add(r.name)
+            self.runs.add(r.run)
+            if not superseded and flt.key_match(r):
+                self.see(r)
 
     def absorb(self, other: Summarizer, ordered: bool = True) -> None:
         """Add another Summarizer's state: a piece of the stream after this
@@ -823,17 +817,23 @@ class Summarizer:
                     mine[name] = acc
                 else:
                     have.absorb(acc, ordered)
-        if self._index is not None and other._index is not None:
-            self._index.absorb(other._index)
+        self._index.absorb(other._index)
         self._restarts.absorb(other._restarts)
         self.resumed = self.resumed or other.resumed
+        self.names |= other.names
+        self.runs |= other.runs
 
-    def shift(self, where: Any) -> None:
-        """Every position held, ``p``, made ``where(p)``."""
-        self._first = {run: where(p) for run, p in self._first.items()}
+    def shift(self, offset: int) -> None:
+        """Every position held moved ``offset`` on."""
+        self._first = {run: p + offset for run, p in self._first.items()}
         for names in self._taps.values():
             for acc in names.values():
-                acc.last_at = [where(p) for p in acc.last_at]
+                acc.last_at = [p + offset for p in acc.last_at]
+
+    def result(self, bad: list) -> Result:
+        """summarize_file's result, ``bad`` its lines that are no record."""
+        names = {n[0] if type(n) is tuple else n for taps in self._taps.values() for n in taps}
+        return self.summaries(), bad, self.names | names, self.runs | set(self._taps)
 
     def summaries(self) -> list[TapSummary]:
         """One TapSummary per (run, name), runs in stream order, names sorted."""
@@ -926,57 +926,28 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result
         # below, which first finds what later attempts superseded.
         acc, bad = _summarize_merged(path)
         if not acc.resumed:
-            names, runs = acc.names_and_runs()
-            return acc.summaries(), bad, names, runs
+            return acc.result(bad)
     return _summarize_scanned(path, flt)
 
 
-class FilteredSummarizer(Summarizer):
-    """A Summarizer of the records a filter keeps, knowing what later
-    attempts superseded, and the names and runs of every record read."""
-
-    def __init__(self, flt: Filter, attempts: Attempts) -> None:
-        super().__init__()
-        self.flt = flt
-        self.attempts = attempts
-        self.names: set = set()
-        self.runs: set = set()
-
-    def take(self, records: list, first: int = 1, positions: Any = None) -> None:
-        """The records (Structs or None) of a batch from position ``first``
-        (or each at its own of ``positions``)."""
-        if not self.attempts and not self.flt.active:
-            self.add_batch(records, first, positions)
-            return
-        if positions is None:
-            positions = range(first, first + len(records))
-        for pos, r in zip(positions, records):
-            if r is not None:
-                self.take_one(r, pos)
-
-    def take_one(self, r: AnyRecord, pos: Any) -> None:
-        if self.attempts and self.attempts.superseded(r):
-            self.names.add(r.name)
-            self.runs.add(r.run)
-            return
-        flt = self.flt
-        if not flt.active or flt(r):
-            self.add(r, pos)
-            return
-        self.names.add(r.name)
-        self.runs.add(r.run)
-        if flt.key_match(r):
-            self.see(r)
-
-    def absorb(self, other: Summarizer, ordered: bool = True) -> None:
-        super().absorb(other, ordered)
-        if isinstance(other, FilteredSummarizer):
-            self.names |= other.names
-            self.runs |= other.runs
-
-    def result(self, bad: list) -> Result:
-        names, runs = self.names_and_runs()
-        return self.summaries(), bad, self.names | names, self.runs | runs
+def summarize_batches(
+    batches: Iterable, flt: Filter | None = None, attempts: Attempts | None = None
+) -> tuple[Summarizer, list[tuple[int, str]], int]:
+    """(Summarizer, lines that are no record, lines read) of ``batches``
+    (source.iter_record_batches'); ``attempts`` None: assume no later
+    attempt, and stop at the first record of one (``resumed``)."""
+    acc = Summarizer(flt, attempts)
+    bad: list[tuple[int, str]] = []
+    lines = 0
+    with collector_paused():
+        for first, records, problems in batches:
+            if problems:
+                bad.extend(problems.items())
+            acc.take(records, first)
+            lines = first + len(records) - 1
+            if attempts is None and acc.resumed:
+                break
+    return acc, bad, lines
 
 
 def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
@@ -990,26 +961,13 @@ def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
 def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
     """summarize_file for any filter and any run: what later attempts
     superseded found first (attempts.scan), then one pass."""
-    acc = FilteredSummarizer(flt, scan(path) if not flt.all_attempts else Attempts())
-    bad: list[tuple[int, str]] = []
-    with collector_paused():
-        for first, records, problems in iter_record_batches(path):
-            if problems:
-                bad.extend(problems.items())
-            acc.take(records, first)
+    attempts = Attempts() if flt.all_attempts else scan(path)
+    acc, bad, _ = summarize_batches(iter_record_batches(path), flt, attempts)
     return acc.result(bad)
 
 
 def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
     """Every record of the run until the first of a later attempt (then
     ``resumed``, and the caller starts again)."""
-    acc = Summarizer()
-    bad: list[tuple[int, str]] = []
-    with collector_paused():
-        for first, records, problems in iter_record_batches(path):
-            if problems:
-                bad.extend(problems.items())
-            acc.add_batch(records, first)
-            if acc.resumed:
-                break
+    acc, bad, _ = summarize_batches(iter_record_batches(path))
     return acc, bad

@@ -7,13 +7,8 @@ import math
 from typing import Iterable, Sequence
 
 from pmaptap.tapfile.analyze.summary import TapSummary, tap_summaries
-from pmaptap.tapfile.analyze.validate import format_gaps
+from pmaptap.tapfile.analyze.validate import format_gaps, steps_text
 from pmaptap.tapfile.read import Table, format_ids, format_number
-
-
-def _steps_text(steps: Sequence[int], limit: int = 5) -> str:
-    shown = ",".join(map(str, steps[:limit]))
-    return shown + (",..." if len(steps) > limit else "")
 
 
 def _issues(s: TapSummary) -> str:
@@ -22,13 +17,13 @@ def _issues(s: TapSummary) -> str:
         out.append(s.fingerprint)  # names the steps and the suspects
     elif s.divergent_steps:
         out.append(
-            f"divergent at {len(s.divergent_steps)} step(s) ({_steps_text(s.divergent_steps)})"
+            f"divergent at {len(s.divergent_steps)} step(s) ({steps_text(s.divergent_steps)})"
         )
     if s.missing:
         out.append(f"{s.missing} missing step(s) ({format_gaps(s.stride, list(s.gaps))})")
     if s.incomplete_steps:
         out.append(
-            f"{len(s.incomplete_steps)} step(s) missing devices ({_steps_text(s.incomplete_steps)})"
+            f"{len(s.incomplete_steps)} step(s) missing devices ({steps_text(s.incomplete_steps)})"
         )
     if s.duplicates:
         out.append(f"{s.duplicates} duplicate record(s)")
@@ -40,7 +35,7 @@ def _issues(s: TapSummary) -> str:
     if s.per_device_steps:
         out.append(
             f"per-device data at {len(s.per_device_steps)} step(s) "
-            f"before the copies first agreed ({_steps_text(s.per_device_steps)})"
+            f"before the copies first agreed ({steps_text(s.per_device_steps)})"
         )
     return "; ".join(out)
 

@@ -26,7 +26,14 @@ from pmaptap.tapfile.record import (
     from_dict,
     record_key,
 )
-from pmaptap.tapfile.source import ByteStore, Run, byte_leaves, field_problem
+from pmaptap.tapfile.source import (
+    ByteStore,
+    Run,
+    byte_leaves,
+    collector_paused,
+    field_problem,
+    iter_record_batches,
+)
 
 # ------------------------------------------------------------------ schema
 
@@ -118,16 +125,13 @@ def duplicate_key(r: dict) -> tuple | None:
 
 def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
     """(index, index of its first copy) for every record repeating an earlier one."""
-    first: dict[tuple, int] = {}
+    firsts = FirstCopies()
     out: list[tuple[int, int]] = []
     for i, r in enumerate(records):
-        key = duplicate_key(r)
-        if key is None:
-            continue
-        if key in first:
-            out.append((i, first[key]))
-        else:
-            first[key] = i
+        parts = duplicate_parts(r)
+        first = None if parts is None else firsts.add_parts(parts, i)
+        if first is not None:
+            out.append((i, first))
     return out
 
 
@@ -151,6 +155,11 @@ def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
 
 def count_missing(stride: int, gaps: Sequence[tuple[int, int]]) -> int:
     return sum((hi - lo) // stride + 1 for lo, hi in gaps)
+
+
+def steps_text(steps: Sequence, limit: int = 5) -> str:
+    """Steps as the summary lists them: the first ``limit``, then ",..."."""
+    return ",".join(map(str, steps[:limit])) + (",..." if len(steps) > limit else "")
 
 
 def format_gaps(stride: int, gaps: Sequence[tuple[int, int]], limit: int = 5) -> str:
@@ -183,60 +192,34 @@ class Report:
 
 class FirstCopies:
     """``find_duplicates`` one record at a time, holding small per-key state
-    (never a record): ``add(r, line)`` returns the line of r's first copy
-    if r repeats an earlier record, else None."""
+    (never a record): ``add_parts(duplicate_parts(r), line)`` returns the
+    line of r's first copy if r repeats an earlier record, else None."""
 
     def __init__(self) -> None:
+        # group -> step (per-device) or (step, value) (replicated) -> line
         self._keys: dict[tuple, dict] = {}
-
-    def add(self, r: Any, line: Any) -> Any:
-        parts = duplicate_parts(r)
-        if parts is None:
-            return None
-        return self.add_parts(parts, line)
 
     def add_parts(self, parts: tuple, line: Any) -> Any:
         group, step, value = parts
         steps = self._keys.get(group)
         if steps is None:
             steps = self._keys[group] = {}
-        if value is not None:  # replicated
-            got = steps.get(step)
-            if got is None:
-                steps[step] = (value, line)
-                return None
-            if isinstance(got, tuple):
-                if got[0] == value:
-                    return got[1]
-                got = steps[step] = {got[0]: got[1]}
-            first = got.get(value)
-            if first is None:
-                got[value] = line
-            return first
-        first = steps.get(step)
+        key = step if value is None else (step, value)
+        first = steps.get(key)
         if first is None:
-            steps[step] = line
+            steps[key] = line
         return first
 
     def first(self, parts: tuple) -> Any:
         """The line of the first copy of ``parts`` (duplicate_parts)."""
         group, step, value = parts
-        got = self._keys[group][step]
-        if value is None:
-            return got
-        return got[1] if isinstance(got, tuple) else got[value]
+        return self._keys[group][step if value is None else (step, value)]
 
     def entries(self) -> Iterable[tuple[tuple, Any]]:
         """(duplicate_parts, line) of every first copy."""
         for group, steps in self._keys.items():
-            for step, got in steps.items():
-                if group[0] != "replicated":
-                    yield (group, step, None), got
-                elif isinstance(got, tuple):
-                    yield (group, step, got[0]), got[1]
-                else:
-                    for value, line in got.items():
-                        yield (group, step, value), line
+            for key, line in steps.items():
+                yield (group, *key) if group[0] == "replicated" else (group, key, None), line
 
 
 def _what(parts: tuple) -> str:
@@ -427,15 +410,19 @@ def validate_file(path: str | os.PathLike) -> Report:
     return latest(path, lambda attempts: _validate(path, attempts))
 
 
-def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
-    """validate_file's pass; ``attempts`` None: assume no later attempt,
-    None back at the first record of one."""
-    from pmaptap.tapfile.source import collector_paused, iter_record_batches
-
+def check_batches(path: str | os.PathLike, batches: Iterable, attempts: Any) -> Validator | None:
+    """The Validator of ``batches`` (source.iter_record_batches'); ``attempts``
+    None: assume no later attempt, None back at the first record of one."""
     v = Validator(path, attempts)
     with collector_paused():
-        for first, records, problems in iter_record_batches(path):
+        for first, records, problems in batches:
             v.take(records, problems, first)
             if v.resumed:
                 return None
-    return v.report()
+    return v
+
+
+def _validate(path: str | os.PathLike, attempts: Any) -> Report | None:
+    """validate_file's pass (check_batches' report)."""
+    v = check_batches(path, iter_record_batches(path), attempts)
+    return None if v is None else v.report()
