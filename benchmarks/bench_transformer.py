@@ -199,7 +199,7 @@ def _arms(cfg: Config):
     return {arm: make(arm, prefixes[arm]) for arm in ARMS}, prefixes, state, tokens, n_params
 
 
-def run(cfg: Config, arms: list[str]) -> None:
+def run(cfg: Config, arms: list[str], profile: bool = False) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -274,6 +274,8 @@ def run(cfg: Config, arms: list[str]) -> None:
             t = time.perf_counter()
             round_of(arm)()
             times[arm].append((time.perf_counter() - t) / cfg.steps)
+    if profile:
+        _device_profile(round_of, list(fns), cfg.steps)
     session.close()
     _check(path, prefixes, fns, returned, by_hand, cfg)
 
@@ -323,6 +325,47 @@ def run(cfg: Config, arms: list[str]) -> None:
     print(f"w. peak RSS {rss_mib():.0f} MiB; records checked against the returned values")
 
 
+def _device_profile(round_of, arms: list[str], steps: int) -> None:
+    """``--profile``: one round of each arm under JAX's profiler; per step,
+    the device's busy time and its ops by kind (an op's HLO name without
+    its number: ``fusion``, ``copy-done``, ...), each arm's difference to
+    the untapped step's largest first: where the device spends what an arm
+    adds. Reported only where the profile has a device plane (TPU, GPU)."""
+    import collections
+    import glob
+    import re
+
+    import jax
+
+    kinds: dict[str, collections.Counter] = {}
+    busy: dict[str, float] = {}
+    for arm in arms:
+        where = tempfile.mkdtemp(prefix="pmaptap-profile-")
+        with jax.profiler.trace(where):
+            round_of(arm)()
+        (pb,) = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
+        ns = collections.Counter()
+        for plane in jax.profiler.ProfileData.from_file(pb).planes:
+            if plane.name.startswith("/device:"):
+                for line in plane.lines:
+                    if line.name == "XLA Ops":
+                        for e in line.events:
+                            ns[re.match(r"%?([^.= ]+)", e.name).group(1)] += e.duration_ns
+        kinds[arm], busy[arm] = ns, sum(ns.values()) / steps / 1e3
+    if not any(busy.values()):
+        print("w. device profile: no device plane (XLA ran on the host)")
+        return
+    for arm in arms[1:]:
+        diff = kinds[arm].copy()
+        diff.subtract(kinds[arms[0]])
+        top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:4]
+        parts = ", ".join(f"{k} {v / steps / 1e3:+.1f}" for k, v in top)
+        print(
+            f"w. device profile: {arm} busy {busy[arm] - busy[arms[0]]:+.1f} us/step "
+            f"over {arms[0]} ({busy[arms[0]]:.0f} us); by op kind: {parts}"
+        )
+
+
 def _check(path, prefixes, fns, returned, by_hand, cfg: Config) -> None:
     """The records are the values the steps computed (see the docstring)."""
     import numpy as np
@@ -360,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms")
     ap.add_argument("--blocks", type=int, default=0, help="blocks (0: the configuration's)")
     ap.add_argument("--steps", type=int, default=0, help="steps a round (0: the configuration's)")
+    ap.add_argument(
+        "--profile", action="store_true", help="and the device's time per op kind, each arm's"
+    )
     a = ap.parse_args(argv)
     if not a.tpu:
         set_devices(1)
@@ -374,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
     if "untapped" not in arms:
         arms.insert(0, "untapped")
-    run(cfg, arms)
+    run(cfg, arms, a.profile or a.quick)
     return 0
 
 

@@ -176,6 +176,7 @@ def test_all_benchmarks_run_in_quick_mode():
     for label in ("w. pmaptap.jit ", "w. jax.jit "):
         assert len(ratios(label)) == 4, label
     assert "records checked against the returned values" in out
+    assert "w. device profile: " in out  # --profile's trace read back (no device plane on CPU)
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
     assert named == trials and " 0 false positive" in detection, detection
