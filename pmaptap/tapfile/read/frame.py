@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from pmaptap.tapfile.read.views import leaves
 from pmaptap.tapfile.record import (
     COORDS_COLUMN_PREFIX,
     NAN,
@@ -47,29 +48,14 @@ def _pandas() -> Any:
     return pd
 
 
-def _value_cells(value: Any, dtype: Any, prefix: str, out: dict[str, Any]) -> None:
-    # ``dtype`` has the value's pytree nesting: it tells a pytree list
-    # (one column per index) from an array (one cell).
-    if isinstance(dtype, dict) and isinstance(value, dict):
-        for k, v in value.items():
-            _value_cells(v, dtype.get(k), f"{prefix}.{k}", out)
-    elif isinstance(dtype, list) and isinstance(value, list):
-        for i, v in enumerate(value):
-            _value_cells(v, dtype[i] if i < len(dtype) else None, f"{prefix}.{i}", out)
-    elif isinstance(value, dict):  # summarized leaf: its statistics
-        for k, v in value.items():
-            out[f"{prefix}.{k}"] = v
-    else:
-        out[prefix] = value
-
-
 def _row(r: dict) -> dict[str, Any]:
     row = {k: v for k, v in r.items() if k not in _UNDER}
     coords = r.get("coords")
     if isinstance(coords, dict):
         for axis, i in coords.items():
             row[coords_column(axis)] = i
-    _value_cells(r.get("value"), r.get("dtype"), "value", row)
+    for path, v, _ in leaves(r.get("value"), r.get("dtype"), "value", "."):
+        row[path] = v
     return row
 
 

@@ -239,21 +239,25 @@ def flags_text(r: dict) -> str:
     return " ".join(flags)
 
 
-def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+def leaves(
+    value: Any, dtype: Any, path: str = "", sep: str = "/", stats: bool = True
+) -> Iterator[tuple[str, Any, Any]]:
     """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
     value's pytree nesting, which tells a pytree list from an array. The
     path names a leaf as TensorBoard's tags, the summary's and plot's rows
-    do: ``name/<key>/<index>``."""
+    do (``name/<key>/<index>``), or with ``sep="."`` as the frame's and the
+    CSV's columns do. A summarized leaf ({"min": .., ...} for a string
+    dtype) gives a leaf per statistic, unless ``stats`` is False."""
     if isinstance(dtype, dict) and isinstance(value, dict):
         for k, v in value.items():
-            yield from leaves(v, dtype.get(k), f"{path}/{k}")
+            yield from leaves(v, dtype.get(k), f"{path}{sep}{k}", sep, stats)
     elif isinstance(dtype, list) and isinstance(value, list):
         for i, v in enumerate(value):
-            yield from leaves(v, dtype[i] if i < len(dtype) else None, f"{path}/{i}")
-    elif isinstance(value, dict):
-        # A summarized leaf: {"min": .., "max": .., ...} for a string dtype.
+            d = dtype[i] if i < len(dtype) else None
+            yield from leaves(v, d, f"{path}{sep}{i}", sep, stats)
+    elif stats and isinstance(value, dict):
         for k, v in value.items():
-            yield f"{path}/{k}", v, dtype
+            yield f"{path}{sep}{k}", v, dtype
     else:
         yield path, value, dtype
 
