@@ -135,10 +135,6 @@ class LineFollower:
                 yield self.lineno, raw
 
     @property
-    def exists(self) -> bool:
-        return self._f is not None if self.keep_open else self._ino is not None
-
-    @property
     def pending(self) -> bytes:
         """Bytes of a line not yet terminated (torn, or being written)."""
         return self._partial
@@ -280,27 +276,17 @@ class RunFollower:
     def poll(self) -> Iterator[tuple[int, bytes]]:
         if not self._polled:
             self._polled = True
-            if self.path.url:
-                yield from self._first_poll_store()
-            else:
-                yield from self._first_poll()
+            yield from self._first_poll()
             return
-        self._polled = True
         batch: list[tuple[float, int, int, bytes]] = []
         for i, n, raw in self._new_lines():
-            t = self._time_unless_copy(raw)
-            if t is not None:
-                batch.append((t, i, n, raw))
+            d, _ = parse_line(raw)
+            if not self._is_copy(d):
+                batch.append((_time_of(d), i, n, raw))
         batch.sort(key=lambda x: x[:3])
         for _t, _i, _n, raw in batch:
             self.lineno += 1
             yield self.lineno, raw
-
-    def _time_unless_copy(self, raw: bytes) -> float | None:
-        """A line's record time (-inf for a line without one), or None for
-        a replicated value another process's line already gave."""
-        d, _ = parse_line(raw)
-        return None if self._is_copy(d) else _time_of(d)
 
     def _is_copy(self, d: dict | None) -> bool:
         """Whether ``d`` is a replicated value that another process's line
@@ -315,39 +301,32 @@ class RunFollower:
         return got != d.get("process")
 
     def _first_poll(self) -> Iterator[tuple[int, bytes]]:
-        """The run so far (local shards), merged a chunk of each shard at a
-        time: memory bounded by FIRST_POLL_BYTES, one file open at a time."""
+        """The run so far, merged a chunk of each source at a time: local
+        shards FIRST_POLL_BYTES in all, one file open at a time; on an object
+        store one object of each process held, its next fetched meanwhile. A
+        replicated value another process gave earlier in merged order is
+        left out (as read() leaves it out: the dedup follows the merge)."""
         import heapq
 
-        paths = self._local_sources()
-        chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1)))
-        for f in paths:
-            self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
-        streams = [self._stream(i, lf.poll()) for i, lf in enumerate(self._files.values())]
-        yield from self._merged(heapq.merge(*streams))
+        if self.path.url:
+            sources = self._object_sources()
+        else:
+            paths = self._local_sources()
+            chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1)))
+            for f in paths:
+                self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
+            sources = [lf.poll() for lf in self._files.values()]
+        streams = [self._stream(i, lines) for i, lines in enumerate(sources)]
+        for _t, _i, _n, raw, d in heapq.merge(*streams):
+            if not self._is_copy(d):
+                self.lineno += 1
+                yield self.lineno, raw
 
-    def _merged(self, lines: Iterator[tuple]) -> Iterator[tuple[int, bytes]]:
-        """The lines of the first poll's merge, numbered, a replicated value
-        another process gave earlier in merged order left out (as read()
-        leaves it out: the dedup follows the merge, not the reading)."""
-        for _t, _i, _n, raw, d in lines:
-            if self._is_copy(d):
-                continue
-            self.lineno += 1
-            yield self.lineno, raw
-
-    def _first_poll_store(self) -> Iterator[tuple[int, bytes]]:
-        """The run so far on an object store, merged as local shards are
-        (``_first_poll``): one object of each process held at a time, and its
-        next object fetched (by a pool of FETCH_THREADS) while it is merged."""
-        import heapq
-
+    def _object_sources(self) -> list[Iterator[tuple[int, bytes]]]:
+        """The lines of each process's objects to read this poll, in process
+        order (each process's first object asked for now)."""
         found = sorted(self._list_objects().items())
-        streams = [
-            self._stream(i, self._object_lines(self._reader(proc, objs, len(found))))
-            for i, (proc, objs) in enumerate(found)
-        ]
-        yield from self._merged(heapq.merge(*streams))
+        return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]
 
     def _reader(self, proc: int, objs: list, processes: int):
         """A source.Reader of what this follower has not read of ``objs``
@@ -395,17 +374,14 @@ class RunFollower:
         since the last poll: appended to local shards, or in chunks that
         appeared on an object store (chunks are immutable: read once)."""
         if self.path.url:
-            found = sorted(self._list_objects().items())
-            readers = [self._reader(p, objs, len(found)) for p, objs in found]
-            for r in readers:
-                for n, raw in self._object_lines(r):
-                    yield r.process, n, raw
-            return
-        for f in self._local_sources():
-            if f not in self._files:
-                self._files[f] = LineFollower(f, keep_open=False)
-        for i, lf in enumerate(self._files.values()):
-            for n, raw in lf.poll():
+            sources = self._object_sources()
+        else:
+            for f in self._local_sources():
+                if f not in self._files:
+                    self._files[f] = LineFollower(f, keep_open=False)
+            sources = [lf.poll() for lf in self._files.values()]
+        for i, lines in enumerate(sources):
+            for n, raw in lines:
                 yield i, n, raw
 
     def _local_sources(self) -> list[str]:
@@ -448,12 +424,6 @@ class RunFollower:
         return sum(lf.restarted for lf in self._files.values())
 
     @property
-    def exists(self) -> bool:
-        return any(c.last for c in self._cursors.values()) or any(
-            lf.exists for lf in self._files.values()
-        )
-
-    @property
     def pending(self) -> bytes:
         return b"".join(lf.pending for lf in self._files.values())
 
@@ -477,22 +447,14 @@ class PendingFollower:
         if self._inner is None:
             # Resolved again at every poll until the run appears: its
             # layout is what its first writer makes it.
-            run = source.Run(self.path)
-            if run.sharded:
-                self._inner = RunFollower(run)
-            elif os.path.exists(run):
-                self._inner = LineFollower(run)
-            else:
+            self._inner = _follower(source.Run(self.path))
+            if self._inner is None:
                 return
         yield from self._inner.poll()
 
     @property
     def restarted(self) -> int:
         return 0 if self._inner is None else self._inner.restarted
-
-    @property
-    def exists(self) -> bool:
-        return self._inner is not None and self._inner.exists
 
     @property
     def pending(self) -> bytes:
@@ -507,11 +469,13 @@ def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | Pend
     """The follower for ``path``: a sharded run's, one file's, or, while
     neither exists, one that waits to see which appears."""
     run = source.Run.of(path)
+    return _follower(run) or PendingFollower(run)
+
+
+def _follower(run: source.Run) -> "LineFollower | RunFollower | None":
     if run.sharded:
         return RunFollower(run)
-    if os.path.exists(run):
-        return LineFollower(run)
-    return PendingFollower(run)
+    return LineFollower(run) if os.path.exists(run) else None
 
 
 def _time_of(d: dict | None) -> float:
