@@ -9,12 +9,13 @@ No JAX.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pmaptap._log import log
@@ -120,21 +121,21 @@ def _flat(value: Any) -> list:
     return out
 
 
+@dataclasses.dataclass
 class Stats:
     """What an export wrote, for the closing message and for tests."""
 
-    def __init__(self) -> None:
-        self.records = 0
-        self.scalars = 0
-        self.histograms = 0
-        self.skipped_leaves = 0
-        self.meta = 0
-        self.superseded = 0  # late lines of an attempt a later one replaced
-        self.runs: set[str] = set()
-        # Every name and run read (filtered out or not), to list them when
-        # nothing matched.
-        self.names: set = set()
-        self.all_runs: set = set()
+    records: int = 0
+    scalars: int = 0
+    histograms: int = 0
+    skipped_leaves: int = 0
+    meta: int = 0
+    superseded: int = 0  # late lines of an attempt a later one replaced
+    runs: set[str] = dataclasses.field(default_factory=set)
+    # Every name and run read (filtered out or not), to list them when
+    # nothing matched.
+    names: set = dataclasses.field(default_factory=set)
+    all_runs: set = dataclasses.field(default_factory=set)
 
     def text(self) -> str:
         extra = ""
@@ -155,12 +156,14 @@ class Stats:
 _FILE_IDS = itertools.count(1)
 
 
+@dataclasses.dataclass
 class _Attempt:
     """The latest attempt a run's writer wrote: its number, the step it
     started at (what it purged from) and the highest step since."""
 
-    def __init__(self, attempt: int, first: int, last: int) -> None:
-        self.attempt, self.first, self.last = attempt, first, last
+    attempt: int
+    first: int
+    last: int
 
 
 class TensorBoardExport:
@@ -282,43 +285,35 @@ class TensorBoardExport:
             w.add_scalar(f"{tag}/real", v.real, step, walltime=wall)
             w.add_scalar(f"{tag}/imag", v.imag, step, walltime=wall)
             self.stats.scalars += 2
-        elif isinstance(v, list):
-            self._histogram(w, tag, _flat(v), step, wall)
-        elif hasattr(v, "dtype") and hasattr(v, "shape"):  # a stored value, loaded
-            self._array_histogram(w, tag, v, step, wall)
+        elif isinstance(v, list) or (hasattr(v, "dtype") and hasattr(v, "shape")):
+            self._histogram(w, tag, v, step, wall)  # a list, or a stored value loaded
         else:
             self.stats.skipped_leaves += 1
 
-    def _histogram(self, w: Any, tag: str, items: list, step: int, wall: float | None) -> None:
+    def _histogram(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
+        """A histogram of the finite numbers of ``v`` (complex ones by their
+        magnitude), and how many are not finite as the scalar
+        ``<tag>/nonfinite``: TensorBoard's histogram takes finite numbers
+        only. A leaf with values that are no numbers counts as skipped."""
         import numpy as np
 
-        nums = [
-            abs(x) if isinstance(x, complex) else float(x)
-            for x in items
-            if isinstance(x, (int, float, complex))
-        ]
-        if len(nums) < len(items):
-            self.stats.skipped_leaves += 1
-        self._add_histogram(w, tag, np.asarray(nums, dtype=np.float64), step, wall)
-
-    def _array_histogram(self, w: Any, tag: str, a: Any, step: int, wall: float | None) -> None:
-        import numpy as np
-
-        if a.dtype.kind == "c":
-            arr = np.abs(a).astype(np.float64).ravel()
-        elif a.dtype.kind in "biuf" or a.dtype.kind == "V":
-            arr = a.astype(np.float64).ravel()  # bfloat16 / float8 widen exactly
+        if isinstance(v, list):
+            items = _flat(v)
+            nums = [
+                abs(x) if isinstance(x, complex) else float(x)
+                for x in items
+                if isinstance(x, (int, float, complex))
+            ]
+            if len(nums) < len(items):
+                self.stats.skipped_leaves += 1
+            arr = np.asarray(nums, dtype=np.float64)
+        elif v.dtype.kind == "c":
+            arr = np.abs(v).astype(np.float64).ravel()
+        elif v.dtype.kind in "biufV":
+            arr = v.astype(np.float64).ravel()  # bfloat16 / float8 widen exactly
         else:
             self.stats.skipped_leaves += 1
             return
-        self._add_histogram(w, tag, arr, step, wall)
-
-    def _add_histogram(self, w: Any, tag: str, arr: Any, step: int, wall: float | None) -> None:
-        """A histogram of ``arr``'s finite values (float64), and how many are
-        not finite as the scalar ``<tag>/nonfinite``: TensorBoard's histogram
-        takes finite numbers only."""
-        import numpy as np
-
         finite = arr[np.isfinite(arr)]
         if finite.size:
             w.add_histogram(tag, finite, step, walltime=wall)
@@ -327,18 +322,22 @@ class TensorBoardExport:
             w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step, walltime=wall)
             self.stats.scalars += 1
 
-    def load(self, d: dict, rec: dict) -> str | None:
-        """Load ``rec``'s stored leaves (``d`` as written) for histograms, one
-        record at a time; the problem if its bytes are missing."""
-        if "bytes" not in d:
-            return None
-        if self._store is None:
-            self._store = ByteStore(self.path)
-        try:
-            rec["value"] = load_value(rec, self._store)
-        except (MissingBytes, OSError) as e:
-            return f"{d['name']!r} step {d['step']}: {e}"
-        return None
+    def take(self, lineno: int, d: dict, flt: Filter, report: Callable[[int, str], None]) -> None:
+        """``add`` the record ``d`` (as written) if ``flt`` keeps it, its
+        stored leaves loaded for histograms; ``report`` one whose bytes are
+        missing."""
+        rec = decode_record(d)
+        if not flt(rec):
+            return
+        if "bytes" in d:
+            if self._store is None:
+                self._store = ByteStore(self.path)
+            try:
+                rec["value"] = load_value(rec, self._store)
+            except (MissingBytes, OSError) as e:
+                report(lineno, f"{d['name']!r} step {d['step']}: {e}")
+                return
+        self.add(rec)
 
     def flush(self) -> None:
         for w in self._writers.values():
@@ -379,15 +378,8 @@ def export(
                 continue
             tb.stats.names.add(d.get("name"))
             tb.stats.all_runs.add(d.get("run"))
-            if attempts and attempts.superseded(d):
-                continue
-            rec = decode_record(d)
-            if flt(rec):
-                problem = tb.load(d, rec)
-                if problem:
-                    bad.append((lineno, problem))
-                    continue
-                tb.add(rec)
+            if not (attempts and attempts.superseded(d)):
+                tb.take(lineno, d, flt, lambda n, why: bad.append((n, why)))
     finally:
         tb.close()
     return tb.stats, bad
@@ -432,16 +424,12 @@ def follow(
 
 
 def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Filter) -> None:
+    def report(lineno: int, problem: str) -> None:
+        log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
+
     for lineno, raw in lines:
         d, problem = parse_line(raw)
-        if d is None:
-            if problem != "empty line":
-                log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
-            continue
-        rec = decode_record(d)
-        if flt(rec):
-            problem = tb.load(d, rec)
-            if problem:
-                log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
-                continue
-            tb.add(rec)
+        if d is not None:
+            tb.take(lineno, d, flt, report)
+        elif problem != "empty line":
+            report(lineno, problem)
