@@ -19,11 +19,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pmaptap._log import log
-from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.analyze import divergence_series
-from pmaptap.tapfile.read import Filter, attempt_of, leaves, open_follower, polls, stop_on_signals
+from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, scan
 from pmaptap.tapfile.record import FINGERPRINT, Holders, curve_tag, decode_record, parse_line
-from pmaptap.tapfile.source import ByteStore, Run, iter_lines, load_value
+from pmaptap.tapfile.source import Run, iter_lines
 
 MISSING_TENSORBOARDX = (
     "pmaptap export --tensorboard needs tensorboardX, an optional "
@@ -179,8 +178,7 @@ class TensorBoardExport:
         mark_divergent: bool = False,
     ) -> None:
         self._writer_cls = _import_writer()
-        self.path = path  # the tap file: where its stored values are
-        self._store: ByteStore | None = None
+        self._stored = Stored(path, [])  # the tap file's stored values
         self.outdir = os.fspath(outdir)
         self._writers: dict[str, Any] = {}
         self._logdirs: dict[Any, str] = {}
@@ -329,15 +327,10 @@ class TensorBoardExport:
         rec = decode_record(d)
         if not flt(rec):
             return
-        if "bytes" in d:
-            if self._store is None:
-                self._store = ByteStore(self.path)
-            try:
-                rec["value"] = load_value(rec, self._store)
-            except (MissingBytes, OSError) as e:
-                report(lineno, f"{d['name']!r} step {d['step']}: {e}")
-                return
-        self.add(rec)
+        if "bytes" in d and not self._stored.load(rec, lineno):
+            report(*self._stored.bad.pop())
+        else:
+            self.add(rec)
 
     def flush(self) -> None:
         for w in self._writers.values():
@@ -362,8 +355,6 @@ def export(
     """Convert the whole file once, streaming it (records are not held).
     Returns the counts and the (line, problem) list of lines that are not
     records. Divergence marks are not needed: every value is written."""
-    from pmaptap.tapfile.read import Attempts, scan
-
     path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
@@ -396,6 +387,8 @@ def follow(
     """Convert what the file holds, then keep converting what writers
     append, flushing after every poll (``pmaptap export --tensorboard
     --follow``, docs/cli.md)."""
+    from pmaptap.tapfile.read import open_follower, polls, stop_on_signals
+
     path = Run.of(path)
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards

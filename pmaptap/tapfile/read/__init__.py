@@ -20,7 +20,7 @@ from pmaptap.tapfile.read.follower import (
 )
 from pmaptap.tapfile.read.frame import per_device, write_parquet
 from pmaptap.tapfile.read.query import Filter, parse_steps
-from pmaptap.tapfile.read.reader import read
+from pmaptap.tapfile.read.reader import Stored, read
 from pmaptap.tapfile.read.stream import first_pass
 from pmaptap.tapfile.read.views import (
     COLUMNS,

@@ -66,7 +66,7 @@ def read(
         return _frame(path, flt, attempts)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
-    store = None
+    stored = Stored(path, bad)
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
     reps: list[dict] = []  # the replicated records of out: only they can be divergent
@@ -94,11 +94,9 @@ def read(
                     if r.attempt is not UNSET:
                         later.add(r)
                     d = ds[i] = decoded(r)
-                    if r.bytes is not UNSET:
-                        store = store or ByteStore(path)
-                        if not _load_stored(d, store, first + i, bad):
-                            drop.add(i)
-                            continue
+                    if r.bytes is not UNSET and not stored.load(d, first + i):
+                        drop.add(i)
+                        continue
                     if replicated:
                         reps.append(d)
                 out += [d for i, d in enumerate(ds) if i not in drop] if drop else ds
@@ -120,10 +118,8 @@ def read(
                 if flt is not None and not flt(r):
                     continue
                 d = decoded(r)
-                if r.bytes is not UNSET:
-                    store = store or ByteStore(path)
-                    if not _load_stored(d, store, lineno, bad):
-                        continue
+                if r.bytes is not UNSET and not stored.load(d, lineno):
+                    continue
                 out.append(d)
                 if r.kind == "replicated":
                     reps.append(d)
@@ -137,16 +133,26 @@ def read(
     return out
 
 
-def _load_stored(r: dict, store: ByteStore, lineno: int, bad: list) -> bool:
-    """Put a stored value (the decoded record ``r`` has ``bytes``) into
-    ``r`` as an ndarray of its dtype; False (and the line named in ``bad``)
-    when its bytes are not there: it is skipped."""
-    try:
-        r["value"] = load_value(r, store)
-    except (MissingBytes, OSError) as e:
-        bad.append((lineno, f"{r['name']!r} step {r['step']}: {e}"))
-        return False
-    return True
+class Stored:
+    """Loads the values a run stored as bytes into the decoded records that
+    have them (its ByteStore opened at the first); a line whose bytes are
+    missing goes to ``bad`` as (line, problem), to be skipped."""
+
+    def __init__(self, path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
+        self.path, self.bad = path, bad
+        self._store: ByteStore | None = None
+
+    def load(self, r: dict, lineno: int) -> bool:
+        """Put ``r``'s stored value into it as an ndarray of its dtype;
+        False when its bytes are not there."""
+        if self._store is None:
+            self._store = ByteStore(self.path)
+        try:
+            r["value"] = load_value(r, self._store)
+        except (MissingBytes, OSError) as e:
+            self.bad.append((lineno, f"{r['name']!r} step {r['step']}: {e}"))
+            return False
+        return True
 
 
 def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
@@ -171,19 +177,16 @@ def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
     fp = first_pass(path, flt)
     _warn_skipped(path, [(n, why) for n, why in fp.problems if why != "empty line"])
     every = attempts == "all"
-    store = None
-    bad: list[tuple[int, str]] = []
+    stored = Stored(path, [])
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=every):
         r = decode_record(d)
-        if "bytes" in d:
-            store = store or ByteStore(path)
-            if not _load_stored(r, store, lineno, bad):
-                continue
+        if "bytes" in d and not stored.load(r, lineno):
+            continue
         if divergent:
             r["divergent"] = True
         if every:
             r.setdefault("attempt", 0)
         builder.add(r)
-    _warn_skipped(path, bad)
+    _warn_skipped(path, stored.bad)
     del fp  # the indexes: their memory serves the frame's columns
     return builder.frame()
