@@ -10,7 +10,7 @@ Meta records are facts about what happened and stay visible.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pmaptap.tapfile import record, source
 from pmaptap.tapfile.record import META_ATTEMPT, parse_line, step_key
@@ -53,13 +53,6 @@ class Attempts:
         if not self._latest or r.get("kind") == "meta":
             return False
         return self._latest.get(step_key(r), 0) > attempt_of(r)
-
-
-def index_records(records: Iterable[dict]) -> Attempts:
-    idx = Attempts()
-    for r in records:
-        idx.add(r)
-    return idx
 
 
 def scan(path: str | os.PathLike) -> Attempts:

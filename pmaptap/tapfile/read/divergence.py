@@ -94,15 +94,6 @@ class DivergenceIndex:
                     yield key_with_step(rest, step)
 
 
-def reconcile_divergence(records: list[dict]) -> None:
-    """Mark every replicated record of a key that the file holds with more
-    than one value ``divergent`` (DivergenceIndex)."""
-    index = DivergenceIndex()
-    for r in records:
-        index.add(r)
-    mark_divergent(records, index)
-
-
 def mark_divergent(records: list[dict], index: DivergenceIndex) -> None:
     """Set ``divergent`` on each of ``records`` that ``index.divergent``
     calls divergent, asking only where it can be: a key of a divergent

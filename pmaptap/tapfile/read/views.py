@@ -10,8 +10,7 @@ import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
-from pmaptap.tapfile.read.attempts import Attempts, attempt_of
-from pmaptap.tapfile.read.divergence import DivergenceIndex, reconcile_divergence
+from pmaptap.tapfile.read.attempts import attempt_of
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.read.stream import FirstPass, matching
 from pmaptap.tapfile.record import (
@@ -22,7 +21,7 @@ from pmaptap.tapfile.record import (
     index_text,
     shown_name,
 )
-from pmaptap.tapfile.source import Run, iter_lines, shown_value
+from pmaptap.tapfile.source import Run, shown_value
 
 
 @dataclasses.dataclass
@@ -41,63 +40,13 @@ class Entry:
             self.raw = dict(self.raw, divergent=True)
 
 
-def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
-    """Every valid record with its line number, plus the (line, problem) list
-    of lines that are not records (garbage, torn, empty)."""
-    path = Run.of(path)
-    entries: list[Entry] = []
-    problems: list[tuple[int, str]] = []
-    for lineno, d, problem in iter_lines(path):
-        if d is None:
-            problems.append((lineno, problem or "invalid"))
-            continue
-        entries.append(Entry(lineno, d, decode_record(d)))
-    mark_divergence(entries)
-    return entries, problems
-
-
-def load_matching(
-    path: str | os.PathLike, flt: "Filter"
-) -> tuple[list[Entry], list[tuple[int, str]], set, set]:
-    """Like ``load`` but keeps only the records ``flt`` matches, filtering
-    before decoding values; also every name and run read. Divergence is
-    judged on every copy of a matched key. The commands stream instead
-    (``iter_entries``); this and ``load`` are the definitions they are
-    tested against."""
-    path = Run.of(path)
-    entries: list[Entry] = []
-    problems: list[tuple[int, str]] = []
-    names: set = set()
-    runs: set = set()
-    index = DivergenceIndex()
-    attempts = Attempts()
-    for lineno, d, problem in iter_lines(path):
-        if d is None:
-            problems.append((lineno, problem or "invalid"))
-            continue
-        names.add(d["name"])
-        runs.add(d["run"])
-        if not flt.key_match(d):
-            continue
-        attempts.add(d)
-        index.add(d)
-        if flt(d):
-            entries.append(Entry(lineno, d, decode_record(d)))
-    for e in entries:
-        if index.divergent(e.raw):
-            e.mark_divergent()
-    if not flt.all_attempts and attempts:
-        # Records of a key share their step key, so one matched record's
-        # supersession is judged on the same records as any other's.
-        entries = [e for e in entries if not attempts.superseded(e.raw)]
-    return entries, problems, names, runs
-
-
 def iter_entries(
     path: str | os.PathLike, flt: "Filter", fp: "FirstPass", limit: int = 0
 ) -> Iterator[Entry]:
-    """``load_matching``'s entries, streamed: the second pass over the file
-    after ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
+    """The entries of the records ``flt`` matches, less those a later
+    attempt superseded unless ``flt.all_attempts``, divergence judged on
+    every copy of a matched key: the second pass over the file after
+    ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
     path = Run.of(path)
     n = 0
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
@@ -108,16 +57,6 @@ def iter_entries(
         n += 1
         if n == limit:
             return
-
-
-def mark_divergence(entries: Sequence[Entry]) -> None:
-    """As ``pmaptap.read`` does: a replicated key written with several values
-    by different processes is divergent on every one of its records."""
-    recs = [e.rec for e in entries]
-    reconcile_divergence(recs)
-    for e in entries:
-        if e.rec.get("divergent"):
-            e.mark_divergent()
 
 
 # ------------------------------------------------------------------ values
