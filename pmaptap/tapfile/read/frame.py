@@ -64,19 +64,11 @@ def _number_kind(cells: list) -> str | None:
     kind ('float' for a mix), None when a cell is not a number or all are null."""
     kinds = set()
     for c in cells:
-        if c is None:
-            continue
-        if isinstance(c, bool):
-            kinds.add("bool")
-        elif isinstance(c, int):
-            kinds.add("int")
-        elif isinstance(c, float):
-            kinds.add("float")
-        else:
-            return None
-    if len(kinds) == 1:
-        return kinds.pop()
-    return "float" if kinds else None
+        if c is not None:
+            if not isinstance(c, (int, float)):
+                return None
+            kinds.add("bool" if isinstance(c, bool) else "int" if isinstance(c, int) else "float")
+    return kinds.pop() if len(kinds) == 1 else "float" if kinds else None
 
 
 _INT64 = (-(1 << 63), 1 << 63)
@@ -279,19 +271,18 @@ class _Cells:
             if self.none is None:
                 return data.tolist()
             return [None if m else x for x, m in zip(data.tolist(), self.none)]
-        if kind == "o":
-            if not self._lists:
-                return list(data)
-            lists: dict = {}
-            return [lists.setdefault(c, list(c)) if type(c) is tuple else c for c in data]
-        raise AssertionError(kind)
+        if not self._lists:  # "o"
+            return list(data)
+        lists: dict = {}
+        return [lists.setdefault(c, list(c)) if type(c) is tuple else c for c in data]
 
 
 class FrameBuilder:
-    """``to_frame`` one record at a time: each record's cells go straight
-    into compact columns (``_Cells``; a missing cell is None), so a reader
-    that streams a file holds the columns, never the records or their rows,
-    and each column becomes plain cells only while pandas converts it."""
+    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts), one
+    record at a time: its cells go straight into compact columns (``_Cells``;
+    a missing cell is None), so a reader that streams a file holds the
+    columns, never the records or their rows, and each column becomes plain
+    cells only while pandas converts it."""
 
     def __init__(self) -> None:
         self._pd = _pandas()  # the error at once, before a file is read
@@ -371,16 +362,6 @@ def _arrow_pool() -> Any:
         return pa.default_memory_pool() if pa is not None else None
     except Exception:  # noqa: BLE001 - an optimization only
         return None
-
-
-def to_frame(records: Iterable[dict], *, _empty: dict[str, Any] | None = None) -> Any:
-    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts).
-    ``_empty`` (write_parquet): filled with the empty cells of each float
-    column, which the frame holds as NaN like the tap's own NaN values."""
-    builder = FrameBuilder()
-    for r in records:
-        builder.add(r)
-    return builder.frame(_empty)
 
 
 # Microseconds an int64 holds, either side of the epoch (~292,000 years).
@@ -476,8 +457,8 @@ def _json_text(c: Any) -> Any:
 
 
 def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """One row per decoded record, the columns of ``to_frame``; returns the
-    number of rows."""
+    """One row per decoded record, the columns of ``read(...,
+    as_frame=True)``; returns the number of rows."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -485,8 +466,11 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
         raise ImportError(MISSING_PYARROW) from e
     import numpy as np
 
+    builder = FrameBuilder()
+    for r in records:
+        builder.add(r)
     empty: dict[str, list[bool]] = {}
-    df = to_frame(records, _empty=empty)
+    df = builder.frame(empty)
     for col in df.columns:
         if df[col].dtype != object:
             continue
@@ -538,14 +522,10 @@ def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
 
 def per_device(frame: Any, value: str = "value") -> Any:
     """A step x device table of ``value`` from a tidy frame (``read(...,
-    as_frame=True)``, or one read from ``export --parquet``).
-
-    Per-device records give their device's cell; a replicated record stands
-    for every device that held its value (its ``devices``), so a
-    ``dedup="auto"`` tap gives a full table whichever way each step was
-    written. Rows are ``step``, preceded by ``run``/``name``/``pass`` when the
-    frame holds several of them; the last record of a (key, device) wins.
-    NaN/inf stay as they are."""
+    as_frame=True)``, or one read from ``export --parquet``): docs/api.md,
+    "Tidy frames and Parquet". Rows are ``step``, after ``run``/``name``/
+    ``pass`` where the frame holds several; the last record of a (key,
+    device) wins."""
     pd = _pandas()
     if value not in frame.columns:
         raise KeyError(

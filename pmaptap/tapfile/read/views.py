@@ -1,10 +1,10 @@
-"""Looking at records: loading with line numbers, filters, scalar extraction
-and aligned text tables. Shared by the ``pmaptap`` subcommands; no JAX here,
-and tap files are only ever parsed as JSON (never eval/pickle)."""
+"""Looking at records: the entries the commands stream, values as text and
+aligned tables. Shared by the ``pmaptap`` subcommands; no JAX here."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -47,16 +47,12 @@ def iter_entries(
     attempt superseded unless ``flt.all_attempts``, divergence judged on
     every copy of a matched key: the second pass over the file after
     ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
-    path = Run.of(path)
-    n = 0
-    for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
+    found = matching(Run.of(path), flt, fp, all_attempts=flt.all_attempts)
+    for lineno, d, divergent in itertools.islice(found, limit or None):
         e = Entry(lineno, d, decode_record(d))
         if divergent:
             e.mark_divergent()
         yield e
-        n += 1
-        if n == limit:
-            return
 
 
 # ------------------------------------------------------------------ values
@@ -65,15 +61,11 @@ def iter_entries(
 def scalar(v: Any) -> float | None:
     """The value as a float if it is one number (bool/int/float), else None.
     Non-finite floats stay NaN/inf: callers decide what to do with them."""
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)):
-        return float(v)
-    return None
+    return float(v) if isinstance(v, (int, float)) else None  # bool too
 
 
 def format_number(x: float | int | bool) -> str:
-    if isinstance(x, bool) or isinstance(x, int):
+    if isinstance(x, int):  # bool too
         return str(x)
     if math.isnan(x):
         return "nan"
@@ -282,20 +274,13 @@ class Table:
             for c in self.columns:
                 self.widths[c] = max(self.widths[c], len(r[c]))
 
-    def _line(self, cells: dict[str, str]) -> str:
-        out = []
-        for c in self.columns:
-            cell = cells[c]
-            out.append(
-                cell.rjust(self.widths[c]) if c in self.right else cell.ljust(self.widths[c])
-            )
-        return "  ".join(out).rstrip()
-
     def header(self) -> str:
-        return self._line({c: c for c in self.columns})
+        return self.format({c: c for c in self.columns})
 
     def format(self, r: dict[str, str]) -> str:
-        return self._line(r)
+        w = self.widths
+        cells = (r[c].rjust(w[c]) if c in self.right else r[c].ljust(w[c]) for c in self.columns)
+        return "  ".join(cells).rstrip()
 
 
 def json_line(e: Entry, *, attempt: bool = False) -> str:
