@@ -15,13 +15,9 @@ from collections import defaultdict
 from typing import Iterator, Sequence
 
 from pmaptap.errors import PlotError
-from pmaptap.tapfile.read import leaves, scalar
+from pmaptap.tapfile.read import leaves, optional, scalar
 from pmaptap.tapfile.record import FINGERPRINT, curve_tag
 
-MISSING_MATPLOTLIB = (
-    "pmaptap plot needs matplotlib, an optional extra: "
-    'pip install "pmaptap[plot]" (or pip install matplotlib)'
-)
 _MAX_LEGEND = 16
 # More device series than this are drawn as small multiples (a panel each),
 # up to _MAX_LEGEND; past that, as a median and band.
@@ -29,10 +25,7 @@ _MAX_LINES = 4
 
 
 def _import_pyplot():
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError(MISSING_MATPLOTLIB) from e
+    matplotlib = optional("matplotlib", "pmaptap plot", "plot")
     # No display on a cluster node: render to files only.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -20,25 +20,11 @@ from typing import Any
 
 from pmaptap._log import log
 from pmaptap.tapfile.analyze import divergence_series
-from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, scan
+from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, optional, scan
 from pmaptap.tapfile.record import FINGERPRINT, Holders, curve_tag, decode_record, parse_line
 from pmaptap.tapfile.source import Run, iter_lines
 
-MISSING_TENSORBOARDX = (
-    "pmaptap export --tensorboard needs tensorboardX, an optional "
-    'extra: pip install "pmaptap[tensorboard]" (or pip install '
-    "tensorboardX)"
-)
-
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
-
-
-def _import_writer() -> Any:
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError as e:
-        raise ImportError(MISSING_TENSORBOARDX) from e
-    return SummaryWriter
 
 
 class _QuietNonFinite(logging.Filter):
@@ -177,7 +163,8 @@ class TensorBoardExport:
         purge: bool = True,
         mark_divergent: bool = False,
     ) -> None:
-        self._writer_cls = _import_writer()
+        tensorboardx = optional("tensorboardX", "pmaptap export --tensorboard", "tensorboard")
+        self._writer_cls = tensorboardx.SummaryWriter
         self._stored = Stored(path, [])  # the tap file's stored values
         self.outdir = os.fspath(outdir)
         self._writers: dict[str, Any] = {}

@@ -8,6 +8,7 @@ optional extras, imported only here. No JAX.
 from __future__ import annotations
 
 import array
+import importlib
 import json
 import os
 import sys
@@ -24,14 +25,6 @@ from pmaptap.tapfile.record import (
     coords_column,
 )
 
-MISSING_PANDAS = (
-    "pmaptap.read(..., as_frame=True) needs pandas: pip install pandas (or 'pmaptap[frame]')."
-)
-MISSING_PYARROW = (
-    "pmaptap export --parquet needs pyarrow, an optional extra: "
-    'pip install "pmaptap[parquet]" (or pip install pyarrow)'
-)
-
 # The record columns the frame types itself, first; the holders, index,
 # dtype and shape are kept as read, after the values.
 _AS_READ = ("devices", "index", "dtype", "shape")
@@ -40,12 +33,21 @@ _INTS = ("process", "device", "replicas")
 _UNDER = ("value", "coords")  # flattened into "<field>.<path>" columns
 
 
-def _pandas() -> Any:
+def optional(module: str, who: str, extra: str) -> Any:
+    """``module``, of the optional extra ``extra`` that ``who`` needs; if it
+    is not installed, an ImportError that says how to install it."""
     try:
-        import pandas as pd
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(MISSING_PANDAS) from e
-    return pd
+        top = module.split(".")[0]
+        raise ImportError(
+            f'{who} needs {top}, an optional extra: pip install "pmaptap[{extra}]" '
+            f"(or pip install {top})"
+        ) from e
+
+
+def _pandas() -> Any:
+    return optional("pandas", "pmaptap.read(..., as_frame=True)", "frame")
 
 
 def _row(r: dict) -> dict[str, Any]:
@@ -459,11 +461,8 @@ def _json_text(c: Any) -> Any:
 def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
     """One row per decoded record, the columns of ``read(...,
     as_frame=True)``; returns the number of rows."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(MISSING_PYARROW) from e
+    pa = optional("pyarrow", "pmaptap export --parquet", "parquet")
+    pq = optional("pyarrow.parquet", "pmaptap export --parquet", "parquet")
     import numpy as np
 
     builder = FrameBuilder()
