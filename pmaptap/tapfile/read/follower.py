@@ -8,6 +8,7 @@ until their newline arrives; only then is the line parsed.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import select
 import signal
@@ -93,27 +94,23 @@ class LineFollower:
             if len(chunk) < self.chunk:
                 return  # the end of the file as it was: no second open to see it
 
-    def _check_replaced(self) -> None:
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        return self._lines(self._read_open() if self.keep_open else self._read_closed())
+
+    def _read_open(self) -> Iterator[bytes]:
+        """keep_open: chunks from the file kept open, opened again if it was
+        replaced or truncated since (a removed one: what it holds)."""
+        if self._f is None and not self._open():
+            return
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            return  # removed: keep what we have, wait for it to return
-        if st.st_ino != self._ino or st.st_size < self._pos:
+            st = None  # removed: keep what we have, wait for it to return
+        if st is not None and (st.st_ino != self._ino or st.st_size < self._pos):
             self.close()
             self.restarted += 1
-            self._open()
-
-    def poll(self) -> Iterator[tuple[int, bytes]]:
-        if not self.keep_open:
-            return self._lines(self._read_closed())
-        if self._f is None and not self._open():
-            return iter(())
-        self._check_replaced()
-        if self._f is None:
-            return iter(())
-        return self._lines(self._read_open())
-
-    def _read_open(self) -> Iterator[bytes]:
+            if not self._open():
+                return
         while True:
             self._f.seek(self._pos)
             chunk = self._f.read(self.chunk)
@@ -274,15 +271,24 @@ class RunFollower:
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        if not self._polled:
-            self._polled = True
-            yield from self._first_poll()
+        first, self._polled = not self._polled, True
+        sources = self._sources(first)
+        if first:
+            # The run so far, merged a chunk of each source at a time; a
+            # replicated value another process gave earlier in merged order
+            # is left out (as read() leaves it out: the dedup follows the merge).
+            streams = [self._stream(i, lines) for i, lines in enumerate(sources)]
+            for _t, _i, _n, raw, d in heapq.merge(*streams):
+                if not self._is_copy(d):
+                    self.lineno += 1
+                    yield self.lineno, raw
             return
         batch: list[tuple[float, int, int, bytes]] = []
-        for i, n, raw in self._new_lines():
-            d, _ = parse_line(raw)
-            if not self._is_copy(d):
-                batch.append((_time_of(d), i, n, raw))
+        for i, lines in enumerate(sources):
+            for n, raw in lines:
+                d, _ = parse_line(raw)
+                if not self._is_copy(d):
+                    batch.append((_time_of(d), i, n, raw))
         batch.sort(key=lambda x: x[:3])
         for _t, _i, _n, raw in batch:
             self.lineno += 1
@@ -300,33 +306,22 @@ class RunFollower:
         got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
         return got != d.get("process")
 
-    def _first_poll(self) -> Iterator[tuple[int, bytes]]:
-        """The run so far, merged a chunk of each source at a time: local
-        shards FIRST_POLL_BYTES in all, one file open at a time; on an object
-        store one object of each process held, its next fetched meanwhile. A
-        replicated value another process gave earlier in merged order is
-        left out (as read() leaves it out: the dedup follows the merge)."""
-        import heapq
-
+    def _sources(self, first: bool) -> list[Iterator[tuple[int, bytes]]]:
+        """The (line number, bytes) of each source's lines completed since the
+        last poll, in source order: each process's chunks that appeared on an
+        object store (immutable: read once; its first one asked for now), or
+        each local file's, new ones added. At the first poll a local file is
+        read a chunk at a time (FIRST_POLL_BYTES in all, one file open at a
+        time), an object store's process an object at a time."""
         if self.path.url:
-            sources = self._object_sources()
-        else:
-            paths = self._local_sources()
-            chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1)))
-            for f in paths:
+            found = sorted(self._list_objects().items())
+            return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]
+        paths = self._local_sources()
+        chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1))) if first else _CHUNK
+        for f in paths:
+            if f not in self._files:
                 self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
-            sources = [lf.poll() for lf in self._files.values()]
-        streams = [self._stream(i, lines) for i, lines in enumerate(sources)]
-        for _t, _i, _n, raw, d in heapq.merge(*streams):
-            if not self._is_copy(d):
-                self.lineno += 1
-                yield self.lineno, raw
-
-    def _object_sources(self) -> list[Iterator[tuple[int, bytes]]]:
-        """The lines of each process's objects to read this poll, in process
-        order (each process's first object asked for now)."""
-        found = sorted(self._list_objects().items())
-        return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]
+        return [lf.poll() for lf in self._files.values()]
 
     def _reader(self, proc: int, objs: list, processes: int):
         """A source.Reader of what this follower has not read of ``objs``
@@ -368,21 +363,6 @@ class RunFollower:
             d, _ = parse_line(raw)
             t = max(t, _time_of(d))
             yield t, i, n, raw, d
-
-    def _new_lines(self) -> Iterator[tuple[int, int, bytes]]:
-        """(source number, line number in it, bytes) of lines completed
-        since the last poll: appended to local shards, or in chunks that
-        appeared on an object store (chunks are immutable: read once)."""
-        if self.path.url:
-            sources = self._object_sources()
-        else:
-            for f in self._local_sources():
-                if f not in self._files:
-                    self._files[f] = LineFollower(f, keep_open=False)
-            sources = [lf.poll() for lf in self._files.values()]
-        for i, lines in enumerate(sources):
-            for n, raw in lines:
-                yield i, n, raw
 
     def _local_sources(self) -> list[str]:
         """The run's files to add this poll: the shard directory is listed
