@@ -17,18 +17,11 @@ from pmaptap.tapfile.record import META_ATTEMPT, parse_line, step_key
 
 # The meta record a resumed session writes when it opens (process 0 only).
 ATTEMPT_NAME = META_ATTEMPT
-ATTEMPT_MODES = ("latest", "all")
 
 
 def attempt_of(r: dict) -> int:
     a = r.get("attempt", 0)
     return a if isinstance(a, int) and not isinstance(a, bool) else 0
-
-
-def check_mode(attempts: str) -> str:
-    if attempts not in ATTEMPT_MODES:
-        raise ValueError(f"attempts must be one of {ATTEMPT_MODES}, got {attempts!r}")
-    return attempts
 
 
 class Attempts:

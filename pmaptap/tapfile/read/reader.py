@@ -8,7 +8,7 @@ from operator import attrgetter
 from typing import Any
 
 from pmaptap.errors import MissingBytes
-from pmaptap.tapfile.read.attempts import Attempts, check_mode
+from pmaptap.tapfile.read.attempts import Attempts
 from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.read.query import Filter, read_filter
 from pmaptap.tapfile.record import UNSET, PerDevice, as_dicts, decode_record, decoded
@@ -19,6 +19,7 @@ from pmaptap.tapfile.source import ByteStore, Run, collector_paused, iter_record
 _EXTRA = attrgetter("attempt", "bytes", "devices", "processes")
 _NONE4 = (UNSET,) * 4
 _NUMBER = frozenset((float, int))
+_MODES = ("latest", "all")
 
 __all__ = ["read"]
 
@@ -34,33 +35,21 @@ def read(
     process: int | None = None,
     attempts: str = "latest",
 ):
-    """All valid records of a tap file, in file order, as dicts.
+    """All valid records of a tap file, in file order, as dicts (a tidy
+    pandas DataFrame with ``as_frame=True``); docs/api.md, "Reading a tap
+    file", says the rest.
 
-    A run resumed after a restart (``Session(resume=True)``) holds the old
-    attempt's records of the replayed steps too; ``attempts="latest"`` (the
-    default) leaves out those a later attempt superseded (one story per
-    step), ``attempts="all"`` returns every record, each with its
-    ``attempt`` field (0 for the first attempt).
-
-    A value stored as bytes (an array above tapfile/arrays.INLINE_MAX_BYTES)
-    comes back as an ndarray of its own dtype and shape, bit for bit; inline
-    arrays as nested lists: ``np.asarray(r["value"], dtype=r["dtype"])``
-    takes both. Lines that are not valid records (garbage, a torn last line
-    from a killed writer, a line whose stored bytes are missing) are skipped
-    with one warning (the "pmaptap" logger) that lists
-    them. Non-finite numbers come back as float NaN/inf. ``as_frame=True``
-    returns a tidy pandas DataFrame, one row per record (columns:
-    pmaptap/tapfile/read/frame.py).
-
-    Filters, applied while parsing (a record that does not match is never
-    decoded or kept): ``name`` (one name or several), ``step`` (N, an
-    inclusive ``(lo, hi)`` with either end None, ``"A:B"`` as on the command
-    line, or a ``range`` with step 1), ``run``, ``device`` and ``process``. A
-    replicated record matches every device and process that held its value,
-    and divergence is still judged on every copy of a matched step.
+    Filters apply while parsing: ``name`` (one or several), ``step`` (N, an
+    inclusive ``(lo, hi)``, ``"A:B"`` or a ``range`` with step 1), ``run``,
+    ``device``, ``process``. ``attempts="latest"`` leaves out the records a
+    later attempt of a resumed run superseded; ``"all"`` keeps them, each
+    with its ``attempt`` (0 for the first). A value stored as bytes comes
+    back as an ndarray, bit for bit; non-finite numbers as float NaN/inf;
+    lines that are not records are skipped with one warning.
     """
     path = Run.of(path)  # how the run is stored, worked out once for the passes below
-    check_mode(attempts)
+    if attempts not in _MODES:
+        raise ValueError(f"attempts must be one of {_MODES}, got {attempts!r}")
     flt = read_filter(name, step, run, device, process)
     if as_frame:
         return _frame(path, flt, attempts)
