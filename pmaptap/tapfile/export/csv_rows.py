@@ -38,25 +38,13 @@ def _text(x: Any) -> str:
 
 def csv_row(e: Entry) -> dict[str, Any]:
     r = e.raw
-    row: dict[str, Any] = {
-        "line": e.line,
-        "run": r["run"],
-        "name": r["name"],
-        "step": r["step"],
-        "pass": r.get("pass", "forward"),
-        "kind": r["kind"],
-        "process": r["process"],
-        "device": r.get("device"),
-        "devices": _text(r["devices"]) if "devices" in r else None,
-        "replicas": r.get("replicas"),
-        "divergent": bool(e.rec.get("divergent")),
-        # A shard's global slice, "start:stop" per dimension ("" if whole).
-        "index": index_text(r.get("index")),
-        "dtype": _text(r["dtype"]),
-        "shape": _text(r["shape"]),
-        "time": r["time"],
-        "host": r["host"],
-    }
+    row: dict[str, Any] = {"line": e.line, **{c: r.get(c) for c in RECORD_COLUMNS}}
+    row["pass"] = r.get("pass", "forward")
+    row["divergent"] = bool(e.rec.get("divergent"))
+    # A shard's global slice, "start:stop" per dimension ("" if whole).
+    row["index"] = index_text(r.get("index"))
+    for c in ("devices", "dtype", "shape"):
+        row[c] = _text(r[c]) if c in r else None
     if "iteration" in r:
         # A tap in a loop body: which iteration, "3" or "1,2" (outermost
         # first); a column only in files that have such records.

@@ -32,13 +32,10 @@ RELIST_S = 30.0
 
 
 class LineFollower:
-    """Complete lines of ``path`` from the start, then as they are appended.
-
-    ``poll()`` yields the (line number, bytes) of lines completed since the
-    last call, a chunk at a time (consume it fully: a chunk's offset is
-    committed when it is read). A file replaced or truncated is read again
-    from its start.
-    """
+    """``poll()``: the (line number, bytes) of the lines of ``path``
+    completed since the last poll, a chunk at a time (consume it fully: a
+    chunk's offset is committed when it is read). A file replaced or
+    truncated is read again from its start."""
 
     def __init__(
         self, path: str | os.PathLike, keep_open: bool = True, chunk: int = _CHUNK
@@ -145,9 +142,9 @@ class LineFollower:
 def matching(
     lf: LineFollower, flt: Filter, report: Callable[[int, str], None] | None = None
 ) -> Iterator[views.Entry]:
-    """The records among the lines completed since the last poll that pass
-    ``flt``, streamed (a large file is never held whole). Lines that are not
-    records go to ``report(line number, problem)``; blank lines do not."""
+    """The records ``flt`` passes among the lines completed since the last
+    poll, streamed; lines that are not records (blank ones aside) go to
+    ``report(line number, problem)``."""
     for lineno, raw in lf.poll():
         d, problem = parse_line(raw)
         if d is None:
@@ -253,10 +250,9 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
 class RunFollower:
     """``LineFollower`` over a run in the sharded layout: the lines
-    completed in any of its files since the last poll, as one batch ordered
-    as ``pmaptap.read`` orders them; a shard that appears later is picked
-    up at the next poll. The first poll merges a chunk of each source at a
-    time (bounded memory); a later poll holds its batch in memory."""
+    completed in any of its sources since the last poll, ordered as
+    ``pmaptap.read`` orders them; a shard that appears later is picked up
+    at the next poll."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = source.Run.of(path)
@@ -307,12 +303,10 @@ class RunFollower:
         return got != d.get("process")
 
     def _sources(self, first: bool) -> list[Iterator[tuple[int, bytes]]]:
-        """The (line number, bytes) of each source's lines completed since the
-        last poll, in source order: each process's chunks that appeared on an
-        object store (immutable: read once; its first one asked for now), or
-        each local file's, new ones added. At the first poll a local file is
-        read a chunk at a time (FIRST_POLL_BYTES in all, one file open at a
-        time), an object store's process an object at a time."""
+        """Each source's (line number, bytes) completed since the last poll,
+        in source order: an object store's processes' new chunks (immutable:
+        read once), or the local files' lines, new files added; the first
+        poll reads a local file a chunk at a time (FIRST_POLL_BYTES in all)."""
         if self.path.url:
             found = sorted(self._list_objects().items())
             return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]
@@ -324,10 +318,9 @@ class RunFollower:
         return [lf.poll() for lf in self._files.values()]
 
     def _reader(self, proc: int, objs: list, processes: int):
-        """A source.Reader of what this follower has not read of ``objs``
-        (``proc``'s listing, one of ``processes`` read together); its first
-        object is asked for now, not when the merge first pulls (which would
-        be one process after another)."""
+        """A source.Reader of what this follower has not read of ``proc``'s
+        ``objs``; its first object asked for now, not when the merge first
+        pulls (which would be one process after another)."""
         fs, _ = source.url_fs(self.path)
         cursor = self._cursors.setdefault(proc, source.Cursor())
         pool, piece = self._fetch_pool(), source.piece_bytes(processes)
@@ -353,9 +346,8 @@ class RunFollower:
     def _stream(
         self, i: int, lines: Iterator[tuple[int, bytes]]
     ) -> Iterator[tuple[float, int, int, bytes, Any]]:
-        """(merge key, source, line number, bytes, record or None) of a
-        source's lines, the key its running largest record time
-        (``pmaptap.read``'s order)."""
+        """(merge key: the running largest record time, as ``pmaptap.read``
+        orders, source, line number, bytes, record or None) of its lines."""
         t = float("-inf")
         for n, raw in lines:
             # Every line counts for the running time, a copy the merge will

@@ -25,8 +25,8 @@ from pmaptap.tapfile.source import Run, iter_lines
 @dataclasses.dataclass
 class FirstPass:
     """What the first pass learned: the indexes, every line that is not a
-    record (line, why; empty lines included), and every name and run read
-    (to say what a file holds when nothing matched)."""
+    record (empty ones included), every name and run read (to say what a
+    file holds when nothing matched)."""
 
     # The record_key of every divergent replicated key (the index itself is
     # dropped before the second pass).
