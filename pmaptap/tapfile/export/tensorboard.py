@@ -1,11 +1,7 @@
 """``pmaptap export --tensorboard DIR``: tap records as TensorBoard event
-files, laid out as docs/cli.md says (a run directory per tap-file run, a
-series per tap, device, leaf and statistic, histograms for arrays). A
-resumed run's replayed steps reopen the run's writer with ``purge_step``
-so TensorBoard ends with one point per step, as the batch readers show.
-tensorboardX is an optional extra, imported only when an export runs.
-No JAX.
-"""
+files, laid out as docs/cli.md says. A resumed run's replayed steps reopen
+the run's writer with ``purge_step`` so TensorBoard ends with one point per
+step, as the batch readers show."""
 
 from __future__ import annotations
 
@@ -28,8 +24,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
 
 class _QuietNonFinite(logging.Filter):
-    """tensorboardX warns on every NaN/inf it writes; in a tap file they are
-    the data being looked for (and counted in the summary), not a problem."""
+    """tensorboardX warns on every NaN/inf it writes: in a tap file they are
+    the data being looked for, not a problem."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "NaN or Inf found" not in record.getMessage()
@@ -82,15 +78,11 @@ def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
 
 
 def _first_holder(rec: dict) -> str:
-    ids = [
-        h.get("device")
-        for h in rec.get("holders") or ()
-        if isinstance(h, dict) and isinstance(h.get("device"), int)
-    ]
+    ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
     devices = rec.get("devices") or ()
     if isinstance(devices, Holders):  # ascending: its first, none expanded
         devices = devices[:1]
-    ids += [d for d in devices if isinstance(d, int)]
+    ids = [d for d in [*ids, *devices] if isinstance(d, int)]
     return str(min(ids)) if ids else "unknown"
 
 
@@ -252,17 +244,19 @@ class TensorBoardExport:
         step = rec.get("step")
         wall = rec.get("time")
         wall = float(wall) if isinstance(wall, (int, float)) else None
-        if kind == FINGERPRINT:  # copies that differ, never the fingerprint
-            self.stats.records += 1
-            for tag, v in divergence_series(rec):
-                self._leaf(w, tag, v, None, step, wall)
-            return
-        base, suffix = tag_parts(rec, mark_divergent=self._mark_divergent)
         self.stats.records += 1
-        for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):
-            self._leaf(w, base + path + suffix, v, dtype, step, wall)
+        if kind == FINGERPRINT:  # copies that differ, never the fingerprint
+            series = divergence_series(rec)
+        else:
+            base, suffix = tag_parts(rec, mark_divergent=self._mark_divergent)
+            series = (
+                (base + path + suffix, v)
+                for path, v, _ in leaves(rec.get("value"), rec.get("dtype"))
+            )
+        for tag, v in series:
+            self._leaf(w, tag, v, step, wall)
 
-    def _leaf(self, w: Any, tag: str, v: Any, dtype: Any, step: int, wall: float | None) -> None:
+    def _leaf(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
         if isinstance(v, bool) or isinstance(v, (int, float)):
             w.add_scalar(tag, float(v), step, walltime=wall)
             self.stats.scalars += 1

@@ -1,15 +1,14 @@
 """Records as a tidy pandas DataFrame (``pmaptap.read(..., as_frame=True)``),
 Parquet (``pmaptap export --parquet``) and step x device tables
 (``pmaptap.per_device``): one row per record, in file order, the columns
-docs/api.md ("Tidy frames and Parquet") lists. pandas and pyarrow are
-optional extras, imported only here. No JAX.
-"""
+docs/api.md ("Tidy frames and Parquet") lists."""
 
 from __future__ import annotations
 
 import array
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable
@@ -445,10 +444,8 @@ def _json_text(c: Any) -> Any:
             return enc(a.tolist())
         if isinstance(x, complex):
             return [enc(x.real), enc(x.imag)]
-        if isinstance(x, float) and x != x:
-            return NAN
-        if isinstance(x, float) and x in (float("inf"), float("-inf")):
-            return POS_INF if x > 0 else NEG_INF
+        if isinstance(x, float) and not math.isfinite(x):
+            return NAN if x != x else POS_INF if x > 0 else NEG_INF
         if isinstance(x, list):
             return [enc(y) for y in x]
         if isinstance(x, dict):
