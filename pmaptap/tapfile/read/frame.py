@@ -424,9 +424,6 @@ def _column(pd: Any, col: str, cells: list) -> Any:
     return pd.Series(cells, dtype=object)
 
 
-# ------------------------------------------------------------------ parquet
-
-
 def _json_text(c: Any) -> Any:
     if c is None:
         return None
@@ -493,9 +490,6 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
     return len(df)
 
 
-# ------------------------------------------------------------------ pivot
-
-
 def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
     if isinstance(dtype, str) and dtype[:1] in ("{", "["):
         try:  # JSON text, as a Parquet file holds it
@@ -514,6 +508,12 @@ def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
         else:
             return False
     return isinstance(dtype, str)
+
+
+def _iteration(v: Any) -> tuple:
+    """A looped tap's iteration as a tuple (outermost loop first; () for a
+    loop-free record)."""
+    return tuple(int(i) for i in v) if isinstance(v, (list, tuple)) or hasattr(v, "shape") else ()
 
 
 def per_device(frame: Any, value: str = "value") -> Any:
@@ -536,9 +536,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
     # (elsewhere it is another tap's empty cell).
     path = value.split(".")[1:]
     summarized = (
-        frame["summarized"].fillna(False).astype(bool)
-        if "summarized" in frame.columns
-        else pd.Series(False, index=frame.index)
+        frame["summarized"].fillna(False) if "summarized" in frame else [False] * len(frame)
     )
     has = [_has_leaf(d, path, bool(s)) for d, s in zip(frame["dtype"], summarized)]
     frame = frame[has]
@@ -557,18 +555,8 @@ def per_device(frame: Any, value: str = "value") -> Any:
     cells = cells[cells["device"].notna()]
     cells = cells.astype({"device": "int64"})
     index = [k for k in ("run", "name", "pass") if cells[k].nunique() > 1] + ["step"]
-    if "iteration" in cells.columns:
-        # A tap in a loop body: a row per (step, iteration), the iteration
-        # a tuple (outermost loop first; () for a loop-free record).
-        cells = cells.assign(
-            iteration=cells["iteration"].map(
-                lambda v: (
-                    tuple(int(i) for i in v)
-                    if isinstance(v, (list, tuple)) or hasattr(v, "shape")
-                    else ()
-                )
-            )
-        )
+    if "iteration" in cells.columns:  # a tap in a loop body: a row per (step, iteration)
+        cells = cells.assign(iteration=cells["iteration"].map(_iteration))
         index.append("iteration")
     cells = cells.drop_duplicates(subset=[*keys, "device"], keep="last")
     table = cells.pivot(index=index, columns="device", values=value)

@@ -55,9 +55,6 @@ def iter_entries(
         yield e
 
 
-# ------------------------------------------------------------------ values
-
-
 def scalar(v: Any) -> float | None:
     """The value as a float if it is one number (bool/int/float), else None.
     Non-finite floats stay NaN/inf: callers decide what to do with them."""
