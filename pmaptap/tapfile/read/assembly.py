@@ -1,10 +1,8 @@
 """``pmaptap.assemble``: a tapped sharded value's global array, from the
 per-shard records every process wrote (their ``index`` and ``global_shape``).
-
 Two passes over the run: the first reads lines only (no stored bytes) and
 picks this tap's records at one step; the second loads one shard at a time
-into the global array. No JAX.
-"""
+into the global array."""
 
 from __future__ import annotations
 
@@ -81,22 +79,16 @@ def assemble(
     store = ByteStore(path)
     dtype = recs[0]["dtype"]
     paths = _leaf_paths(dtype)
-    if leaf is not None:
-        want = _leaf_key(leaf)
-        if want not in paths:
-            raise AssembleError(
-                f"pmaptap.assemble: {what} has no leaf {leaf!r}; its leaves: "
-                f"{['/'.join(map(str, p)) for p in paths]}"
-            )
-        chosen = [want]
-    else:
-        chosen = paths
+    chosen = paths if leaf is None else [_leaf_key(leaf)]
+    if leaf is not None and chosen[0] not in paths:
+        raise AssembleError(
+            f"pmaptap.assemble: {what} has no leaf {leaf!r}; its leaves: "
+            f"{['/'.join(map(str, p)) for p in paths]}"
+        )
     sharded = [r for r in recs if "index" in r or "global_shape" in r]
     if not sharded:
         out = _unsharded(recs, where, store)
-        if leaf is not None:
-            return _get(out, chosen[0])
-        return out
+        return out if leaf is None else _get(out, chosen[0])
     # A None hole of the pytree is no leaf to JAX: positions in ``index``
     # and ``global_shape`` count array leaves only.
     at = _array_paths(dtype)
