@@ -333,9 +333,9 @@ class TensorBoardExport:
 def export(
     path: str | os.PathLike, outdir: str | os.PathLike, flt: Filter
 ) -> tuple[Stats, list[tuple[int, str]]]:
-    """Convert the whole file once, streaming it (records are not held).
-    Returns the counts and the (line, problem) list of lines that are not
-    records. Divergence marks are not needed: every value is written."""
+    """Convert the whole file once, streaming it: the counts and the (line,
+    problem) list of lines skipped. (Every value is written: divergence
+    marks are not needed.)"""
     path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
@@ -365,9 +365,8 @@ def follow(
     interval: float = 0.5,
     timeout: float | None = None,
 ) -> Stats:
-    """Convert what the file holds, then keep converting what writers
-    append, flushing after every poll (``pmaptap export --tensorboard
-    --follow``, docs/cli.md)."""
+    """Convert what the file holds, then what writers append, flushing after
+    every poll (``pmaptap export --tensorboard --follow``)."""
     from pmaptap.tapfile.read import open_follower, polls, stop_on_signals
 
     path = Run.of(path)

@@ -1,11 +1,9 @@
 """Attempts of a resumed run: which records a later attempt superseded.
-
 Readers show one story: for each (run, name, step, pass) (step_key), only
 the records of the latest attempt that wrote that step. The unit is the
 step, not the device: after an elastic restart the old attempt's records
 of a replayed step all go, those of devices the new attempt lacks too.
-Meta records are facts about what happened and stay visible.
-"""
+Meta records are facts about what happened and stay visible."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""Reading a file twice instead of holding it: the first pass of a
-streaming reader (``show``, ``export``, ``plot``, ``read(as_frame=True)``).
-
-A record's divergence depends on every copy of its key, and whether a later
-attempt superseded it on every record of its step, wherever they sit in
-the file. So ``first_pass`` keeps only the small per-key indexes (and the
-matched records while they are few, KEEP_RECORDS), and ``matching`` reads
-the file again (or walks the records kept) with exact answers for both.
-"""
+"""Reading a file twice instead of holding it (``show``, ``export``,
+``plot``, ``read(as_frame=True)``). A record's divergence depends on every
+copy of its key, and whether a later attempt superseded it on every record
+of its step, wherever they sit in the file. So ``first_pass`` keeps only the
+small per-key indexes (and the matched records while they are few,
+KEEP_RECORDS), and ``matching`` reads the file again (or walks the records
+kept) with exact answers for both."""
 
 from __future__ import annotations
 
