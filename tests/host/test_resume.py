@@ -230,9 +230,10 @@ def test_resume_point_reads_the_last_run_from_the_end_of_a_large_file(tmp_path):
 def test_plot_and_tensorboard_export_show_the_latest_attempt(tap_path, tmp_path):
     pytest.importorskip("matplotlib")
     ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from read_definitions import load_matching
+
     from pmaptap.tapfile.export import tensorboard
     from pmaptap.tapfile.export.plot import build_figure
-    from pmaptap.tapfile.read.views import load_matching
 
     _train(tap_path, range(6), 0.0, 8, run="p")
     _train(tap_path, range(3, 6), 50.0, 4, run="p", resume=True)  # elastic

@@ -286,9 +286,10 @@ def test_tables_of_records_share_the_record_columns(tmp_path):
     columns it types, ``show`` picks from it; each in this order."""
     import csv
 
+    from read_definitions import load
+
     from conftest import cli, per_device_dict, replicated_dict
     from pmaptap.tapfile.export.csv_rows import FIXED, csv_row
-    from pmaptap.tapfile.read.views import load
     from pmaptap.tapfile.record.format import RECORD_COLUMNS
 
     path = tmp_path / "cols.jsonl"

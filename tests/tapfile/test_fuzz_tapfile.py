@@ -26,6 +26,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from read_definitions import load
 
 import pmaptap
 from pmaptap.tapfile import record as fmt
@@ -263,7 +264,7 @@ def check_file(data: bytes) -> None:
         else:
             assert not skipped
 
-        entries, problems = views.load(path)
+        entries, problems = load(path)
         assert len(entries) == len(valid)
         assert sorted(n for n, _ in problems) == [
             i + 1 for i, w in enumerate(want) if w is None or w == "empty"

@@ -11,12 +11,12 @@ import json
 import random
 
 import pytest
+from read_definitions import index_records
 
 from conftest import per_device_dict, record_dict, replicated_dict
 from pmaptap.tapfile.analyze.summary import Summarizer, summarize_file
 from pmaptap.tapfile.analyze.table import summary_table
 from pmaptap.tapfile.analyze.validate import _canonical, _coords_key
-from pmaptap.tapfile.read.attempts import index_records
 from pmaptap.tapfile.record import format as fmt
 from pmaptap.tapfile.record import parse
 from pmaptap.tapfile.record.schema import as_dict

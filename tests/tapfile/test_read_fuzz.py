@@ -15,6 +15,7 @@ import os
 import random
 
 import pytest
+from read_definitions import index_records, load_matching
 from test_read_batch import _lines_one_at_a_time
 
 from conftest import record_dict
@@ -23,10 +24,8 @@ from pmaptap.tapfile.analyze.table import summary_table
 from pmaptap.tapfile.analyze.validate import validate_file
 from pmaptap.tapfile.export.csv_rows import write_csv
 from pmaptap.tapfile.read import reader
-from pmaptap.tapfile.read.attempts import index_records
 from pmaptap.tapfile.read.divergence import DivergenceIndex
 from pmaptap.tapfile.read.query import Filter
-from pmaptap.tapfile.read.views import load_matching
 from pmaptap.tapfile.record import parse
 from pmaptap.tapfile.record.format import decode_record
 from pmaptap.tapfile.source import lines as tapfile_lines

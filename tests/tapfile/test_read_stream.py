@@ -16,6 +16,7 @@ import random
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from read_definitions import index_records, load, load_matching
 from test_read_fuzz import LIMIT, SEEDS, _file_bytes, _filters, _read_kwargs, _reference_read
 
 from conftest import per_device_dict, replicated_dict
@@ -30,7 +31,6 @@ from pmaptap.tapfile.analyze.validate import (
 )
 from pmaptap.tapfile.export.csv_rows import write_csv
 from pmaptap.tapfile.read import frame, reader, stream, views
-from pmaptap.tapfile.read.attempts import index_records
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.record import parse
 from pmaptap.tapfile.record.format import COORDS_COLUMN_PREFIX
@@ -38,8 +38,8 @@ from pmaptap.tapfile.source import lines as tapfile_lines
 
 
 def _reference_validate(path) -> Report:
-    """``validate_file`` as it was: every record in memory (views.load)."""
-    entries, bad = views.load(path)
+    """``validate_file`` as it was: every record in memory (read_definitions.load)."""
+    entries, bad = load(path)
     report = Report(os.fspath(path), records=len(entries))
     report.problems.extend(bad)
     for e in entries:
@@ -85,7 +85,7 @@ def _reference_frame(records: list[dict]):
 def _reference_select(path, command: str, flt: Filter) -> list:
     """The commands' ``_select`` as it was: every matching entry in memory."""
     cli._check_file(path)
-    picked, bad, names, runs = views.load_matching(path, flt)
+    picked, bad, names, runs = load_matching(path, flt)
     cli._report_skipped(bad, path, command)
     if not picked:
         cli._no_match(command, path, flt, names, runs)
@@ -204,7 +204,7 @@ def test_streaming_readers_equal_their_in_memory_definitions(tmp_path, monkeypat
         fp = stream.first_pass(path, flt)
         a, b = io.StringIO(), io.StringIO()
         assert write_csv(lambda: views.iter_entries(path, flt, fp), a) == write_csv(
-            views.load_matching(path, flt)[0], b
+            load_matching(path, flt)[0], b
         )
         assert a.getvalue() == b.getvalue()
         csv_argv = ["export", str(path), "--csv", "-", *_filter_argv(flt)]

@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from read_definitions import load_matching
 
 import pmaptap
 from conftest import ROOT, logs_warning, per_device_dict, record_dict, subprocess_env
 from pmaptap.tapfile.analyze.summary import summarize_file, tap_summaries
-from pmaptap.tapfile.read import views
 from pmaptap.tapfile.read.query import Filter
 
 
@@ -94,7 +94,7 @@ def test_filters_keep_divergence_of_dropped_copies(taps):
     # Only process 0's copy of step 2 matches, but process 1 disagreed.
     streamed, *_ = summarize_file(taps, Filter(names=("loss",), process=0))
     assert streamed[0].divergent_steps == (2,) and streamed[0].records == 5
-    entries, *_ = views.load_matching(taps, Filter(names=("loss",), process=0))
+    entries, *_ = load_matching(taps, Filter(names=("loss",), process=0))
     assert [e.rec.get("divergent", False) for e in entries] == [False, False, True, False, False]
     assert entries[2].raw["divergent"] is True  # for show --json too
     out = subprocess.run(

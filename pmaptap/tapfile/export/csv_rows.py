@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import IO, Any, Sequence
 
-from pmaptap.tapfile.read import Entry
+from pmaptap.tapfile.read import Entry, leaves
 from pmaptap.tapfile.record import (
     COORDS_COLUMN_PREFIX,
     NONFINITE,
@@ -19,35 +19,17 @@ from pmaptap.tapfile.record import (
     index_text,
 )
 
-_MARKERS = NONFINITE
 # The record columns, after the line each row came from (a CSV of a file
 # says where in the file each record is).
 FIXED = ("line", *RECORD_COLUMNS)
 
 
 def _leaf(raw: Any) -> Any:
-    if isinstance(raw, str) and raw in _MARKERS:
-        return _MARKERS[raw]
+    if isinstance(raw, str) and raw in NONFINITE:
+        return NONFINITE[raw]
     if isinstance(raw, (bool, int, float)):
         return raw
     return json.dumps(raw, separators=(",", ":"))
-
-
-def flatten_value(value: Any, dtype: Any, prefix: str = "value") -> dict[str, Any]:
-    """Column -> cell for a value as written in the file; ``dtype`` has the
-    value's pytree nesting (format.py), which tells a pytree list from an
-    array (whose dtype is one string)."""
-    if isinstance(dtype, dict) and isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k in value:
-            out.update(flatten_value(value[k], dtype.get(k), f"{prefix}.{k}"))
-        return out
-    if isinstance(dtype, list) and isinstance(value, list):
-        out = {}
-        for i, v in enumerate(value):
-            out.update(flatten_value(v, dtype[i] if i < len(dtype) else None, f"{prefix}.{i}"))
-        return out
-    return {prefix: _leaf(value)}
 
 
 def _text(x: Any) -> str:
@@ -56,25 +38,13 @@ def _text(x: Any) -> str:
 
 def csv_row(e: Entry) -> dict[str, Any]:
     r = e.raw
-    row: dict[str, Any] = {
-        "line": e.line,
-        "run": r["run"],
-        "name": r["name"],
-        "step": r["step"],
-        "pass": r.get("pass", "forward"),
-        "kind": r["kind"],
-        "process": r["process"],
-        "device": r.get("device"),
-        "devices": _text(r["devices"]) if "devices" in r else None,
-        "replicas": r.get("replicas"),
-        "divergent": bool(e.rec.get("divergent")),
-        # A shard's global slice, "start:stop" per dimension ("" if whole).
-        "index": index_text(r.get("index")),
-        "dtype": _text(r["dtype"]),
-        "shape": _text(r["shape"]),
-        "time": r["time"],
-        "host": r["host"],
-    }
+    row: dict[str, Any] = {"line": e.line, **{c: r.get(c) for c in RECORD_COLUMNS}}
+    row["pass"] = r.get("pass", "forward")
+    row["divergent"] = bool(e.rec.get("divergent"))
+    # A shard's global slice, "start:stop" per dimension ("" if whole).
+    row["index"] = index_text(r.get("index"))
+    for c in ("devices", "dtype", "shape"):
+        row[c] = _text(r[c]) if c in r else None
     if "iteration" in r:
         # A tap in a loop body: which iteration, "3" or "1,2" (outermost
         # first); a column only in files that have such records.
@@ -82,7 +52,9 @@ def csv_row(e: Entry) -> dict[str, Any]:
     coords = r.get("coords")
     for axis, idx in (coords if isinstance(coords, dict) else {}).items():
         row[coords_column(axis)] = idx
-    row.update(flatten_value(r["value"], r["dtype"]))
+    # A summarized leaf's statistics in one cell.
+    for path, v, _ in leaves(r["value"], r["dtype"], "value", ".", stats=False):
+        row[path] = _leaf(v)
     if "bytes" in r:
         # A value stored as bytes (tapfile/source/arrays.py): where they are, not
         # megabytes of numbers in a cell (its value cell is null).
@@ -94,19 +66,9 @@ def write_csv(entries: Sequence[Entry] | Callable[[], Iterable[Entry]], out: IO[
     """Write one row per entry; returns the number of rows. ``entries``
     may be a function that gives them afresh on each call: then the header
     is found in one pass and the rows written in a second."""
-    if callable(entries):
-        fresh = entries
-    else:
-        held = list(entries)
-
-        def fresh() -> Iterable[Entry]:
-            return held
-
-    extra: dict[str, None] = {}
-    for e in fresh():
-        for k in csv_row(e):
-            if k not in FIXED:
-                extra.setdefault(k, None)
+    held = None if callable(entries) else list(entries)
+    fresh = entries if held is None else lambda: held
+    extra = dict.fromkeys(k for e in fresh() for k in csv_row(e) if k not in FIXED)
     coords = sorted(k for k in extra if k.startswith(COORDS_COLUMN_PREFIX))
     values = [k for k in extra if not k.startswith(COORDS_COLUMN_PREFIX)]
     writer = csv.DictWriter(

@@ -1,10 +1,7 @@
 """``pmaptap plot``: a PNG line plot of one tap's value against its step,
-drawn as docs/cli.md says (a line per device, small multiples past 4, a
-median and band past 16; divergent points as red crosses; non-finite
-values marked at the axes' edge). For a ``dedup="auto"`` tap the
-per-device records after its first agreeing step are divergent; before
-it they are per-device data. matplotlib is an optional extra.
-"""
+drawn as docs/cli.md says. For a ``dedup="auto"`` tap the per-device
+records after its first agreeing step are divergent; before it they are
+per-device data."""
 
 from __future__ import annotations
 
@@ -15,13 +12,9 @@ from collections import defaultdict
 from typing import Iterator, Sequence
 
 from pmaptap.errors import PlotError
-from pmaptap.tapfile.read import leaves, scalar
+from pmaptap.tapfile.read import leaves, optional, scalar
 from pmaptap.tapfile.record import FINGERPRINT, curve_tag
 
-MISSING_MATPLOTLIB = (
-    "pmaptap plot needs matplotlib, an optional extra: "
-    'pip install "pmaptap[plot]" (or pip install matplotlib)'
-)
 _MAX_LEGEND = 16
 # More device series than this are drawn as small multiples (a panel each),
 # up to _MAX_LEGEND; past that, as a median and band.
@@ -29,10 +22,7 @@ _MAX_LINES = 4
 
 
 def _import_pyplot():
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError(MISSING_MATPLOTLIB) from e
+    matplotlib = optional("matplotlib", "pmaptap plot", "plot")
     # No display on a cluster node: render to files only.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -123,11 +113,7 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
     multi_run = len({r.get("run") for r in recs}) > 1
     auto = len({r.get("kind") for r in recs} & {"replicated", "per_device"}) == 2
     # An auto tap diverges only once its copies have agreed (see summary.py).
-    agreed = (
-        min((r["step"] for r in recs if r.get("kind") == "replicated"), default=None)
-        if auto
-        else None
-    )
+    agreed = min(r["step"] for r in recs if r.get("kind") == "replicated") if auto else None
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     # Per series: divergent points and the steps of non-finite values, so a
     # panel of the small multiples draws its own.

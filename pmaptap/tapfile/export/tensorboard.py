@@ -1,49 +1,31 @@
 """``pmaptap export --tensorboard DIR``: tap records as TensorBoard event
-files, laid out as docs/cli.md says (a run directory per tap-file run, a
-series per tap, device, leaf and statistic, histograms for arrays). A
-resumed run's replayed steps reopen the run's writer with ``purge_step``
-so TensorBoard ends with one point per step, as the batch readers show.
-tensorboardX is an optional extra, imported only when an export runs.
-No JAX.
-"""
+files, laid out as docs/cli.md says. A resumed run's replayed steps reopen
+the run's writer with ``purge_step`` so TensorBoard ends with one point per
+step, as the batch readers show."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pmaptap._log import log
-from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.analyze import divergence_series
-from pmaptap.tapfile.read import Filter, attempt_of, leaves, open_follower, polls, stop_on_signals
+from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, optional, scan
 from pmaptap.tapfile.record import FINGERPRINT, Holders, curve_tag, decode_record, parse_line
-from pmaptap.tapfile.source import ByteStore, Run, iter_lines, load_value
-
-MISSING_TENSORBOARDX = (
-    "pmaptap export --tensorboard needs tensorboardX, an optional "
-    'extra: pip install "pmaptap[tensorboard]" (or pip install '
-    "tensorboardX)"
-)
+from pmaptap.tapfile.source import Run, iter_lines
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
 
-def _import_writer() -> Any:
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError as e:
-        raise ImportError(MISSING_TENSORBOARDX) from e
-    return SummaryWriter
-
-
 class _QuietNonFinite(logging.Filter):
-    """tensorboardX warns on every NaN/inf it writes; in a tap file they are
-    the data being looked for (and counted in the summary), not a problem."""
+    """tensorboardX warns on every NaN/inf it writes: in a tap file they are
+    the data being looked for, not a problem."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "NaN or Inf found" not in record.getMessage()
@@ -96,15 +78,11 @@ def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
 
 
 def _first_holder(rec: dict) -> str:
-    ids = [
-        h.get("device")
-        for h in rec.get("holders") or ()
-        if isinstance(h, dict) and isinstance(h.get("device"), int)
-    ]
+    ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
     devices = rec.get("devices") or ()
     if isinstance(devices, Holders):  # ascending: its first, none expanded
         devices = devices[:1]
-    ids += [d for d in devices if isinstance(d, int)]
+    ids = [d for d in [*ids, *devices] if isinstance(d, int)]
     return str(min(ids)) if ids else "unknown"
 
 
@@ -120,21 +98,21 @@ def _flat(value: Any) -> list:
     return out
 
 
+@dataclasses.dataclass
 class Stats:
     """What an export wrote, for the closing message and for tests."""
 
-    def __init__(self) -> None:
-        self.records = 0
-        self.scalars = 0
-        self.histograms = 0
-        self.skipped_leaves = 0
-        self.meta = 0
-        self.superseded = 0  # late lines of an attempt a later one replaced
-        self.runs: set[str] = set()
-        # Every name and run read (filtered out or not), to list them when
-        # nothing matched.
-        self.names: set = set()
-        self.all_runs: set = set()
+    records: int = 0
+    scalars: int = 0
+    histograms: int = 0
+    skipped_leaves: int = 0
+    meta: int = 0
+    superseded: int = 0  # late lines of an attempt a later one replaced
+    runs: set[str] = dataclasses.field(default_factory=set)
+    # Every name and run read (filtered out or not), to list them when
+    # nothing matched.
+    names: set = dataclasses.field(default_factory=set)
+    all_runs: set = dataclasses.field(default_factory=set)
 
     def text(self) -> str:
         extra = ""
@@ -155,12 +133,14 @@ class Stats:
 _FILE_IDS = itertools.count(1)
 
 
+@dataclasses.dataclass
 class _Attempt:
     """The latest attempt a run's writer wrote: its number, the step it
     started at (what it purged from) and the highest step since."""
 
-    def __init__(self, attempt: int, first: int, last: int) -> None:
-        self.attempt, self.first, self.last = attempt, first, last
+    attempt: int
+    first: int
+    last: int
 
 
 class TensorBoardExport:
@@ -175,9 +155,9 @@ class TensorBoardExport:
         purge: bool = True,
         mark_divergent: bool = False,
     ) -> None:
-        self._writer_cls = _import_writer()
-        self.path = path  # the tap file: where its stored values are
-        self._store: ByteStore | None = None
+        tensorboardx = optional("tensorboardX", "pmaptap export --tensorboard", "tensorboard")
+        self._writer_cls = tensorboardx.SummaryWriter
+        self._stored = Stored(path, [])  # the tap file's stored values
         self.outdir = os.fspath(outdir)
         self._writers: dict[str, Any] = {}
         self._logdirs: dict[Any, str] = {}
@@ -264,17 +244,19 @@ class TensorBoardExport:
         step = rec.get("step")
         wall = rec.get("time")
         wall = float(wall) if isinstance(wall, (int, float)) else None
-        if kind == FINGERPRINT:  # copies that differ, never the fingerprint
-            self.stats.records += 1
-            for tag, v in divergence_series(rec):
-                self._leaf(w, tag, v, None, step, wall)
-            return
-        base, suffix = tag_parts(rec, mark_divergent=self._mark_divergent)
         self.stats.records += 1
-        for path, v, dtype in leaves(rec.get("value"), rec.get("dtype")):
-            self._leaf(w, base + path + suffix, v, dtype, step, wall)
+        if kind == FINGERPRINT:  # copies that differ, never the fingerprint
+            series = divergence_series(rec)
+        else:
+            base, suffix = tag_parts(rec, mark_divergent=self._mark_divergent)
+            series = (
+                (base + path + suffix, v)
+                for path, v, _ in leaves(rec.get("value"), rec.get("dtype"))
+            )
+        for tag, v in series:
+            self._leaf(w, tag, v, step, wall)
 
-    def _leaf(self, w: Any, tag: str, v: Any, dtype: Any, step: int, wall: float | None) -> None:
+    def _leaf(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
         if isinstance(v, bool) or isinstance(v, (int, float)):
             w.add_scalar(tag, float(v), step, walltime=wall)
             self.stats.scalars += 1
@@ -282,43 +264,35 @@ class TensorBoardExport:
             w.add_scalar(f"{tag}/real", v.real, step, walltime=wall)
             w.add_scalar(f"{tag}/imag", v.imag, step, walltime=wall)
             self.stats.scalars += 2
-        elif isinstance(v, list):
-            self._histogram(w, tag, _flat(v), step, wall)
-        elif hasattr(v, "dtype") and hasattr(v, "shape"):  # a stored value, loaded
-            self._array_histogram(w, tag, v, step, wall)
+        elif isinstance(v, list) or (hasattr(v, "dtype") and hasattr(v, "shape")):
+            self._histogram(w, tag, v, step, wall)  # a list, or a stored value loaded
         else:
             self.stats.skipped_leaves += 1
 
-    def _histogram(self, w: Any, tag: str, items: list, step: int, wall: float | None) -> None:
+    def _histogram(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
+        """A histogram of the finite numbers of ``v`` (complex ones by their
+        magnitude), and how many are not finite as the scalar
+        ``<tag>/nonfinite``: TensorBoard's histogram takes finite numbers
+        only. A leaf with values that are no numbers counts as skipped."""
         import numpy as np
 
-        nums = [
-            abs(x) if isinstance(x, complex) else float(x)
-            for x in items
-            if isinstance(x, (int, float, complex))
-        ]
-        if len(nums) < len(items):
-            self.stats.skipped_leaves += 1
-        self._add_histogram(w, tag, np.asarray(nums, dtype=np.float64), step, wall)
-
-    def _array_histogram(self, w: Any, tag: str, a: Any, step: int, wall: float | None) -> None:
-        import numpy as np
-
-        if a.dtype.kind == "c":
-            arr = np.abs(a).astype(np.float64).ravel()
-        elif a.dtype.kind in "biuf" or a.dtype.kind == "V":
-            arr = a.astype(np.float64).ravel()  # bfloat16 / float8 widen exactly
+        if isinstance(v, list):
+            items = _flat(v)
+            nums = [
+                abs(x) if isinstance(x, complex) else float(x)
+                for x in items
+                if isinstance(x, (int, float, complex))
+            ]
+            if len(nums) < len(items):
+                self.stats.skipped_leaves += 1
+            arr = np.asarray(nums, dtype=np.float64)
+        elif v.dtype.kind == "c":
+            arr = np.abs(v).astype(np.float64).ravel()
+        elif v.dtype.kind in "biufV":
+            arr = v.astype(np.float64).ravel()  # bfloat16 / float8 widen exactly
         else:
             self.stats.skipped_leaves += 1
             return
-        self._add_histogram(w, tag, arr, step, wall)
-
-    def _add_histogram(self, w: Any, tag: str, arr: Any, step: int, wall: float | None) -> None:
-        """A histogram of ``arr``'s finite values (float64), and how many are
-        not finite as the scalar ``<tag>/nonfinite``: TensorBoard's histogram
-        takes finite numbers only."""
-        import numpy as np
-
         finite = arr[np.isfinite(arr)]
         if finite.size:
             w.add_histogram(tag, finite, step, walltime=wall)
@@ -327,18 +301,17 @@ class TensorBoardExport:
             w.add_scalar(f"{tag}/nonfinite", float(arr.size - finite.size), step, walltime=wall)
             self.stats.scalars += 1
 
-    def load(self, d: dict, rec: dict) -> str | None:
-        """Load ``rec``'s stored leaves (``d`` as written) for histograms, one
-        record at a time; the problem if its bytes are missing."""
-        if "bytes" not in d:
-            return None
-        if self._store is None:
-            self._store = ByteStore(self.path)
-        try:
-            rec["value"] = load_value(rec, self._store)
-        except (MissingBytes, OSError) as e:
-            return f"{d['name']!r} step {d['step']}: {e}"
-        return None
+    def take(self, lineno: int, d: dict, flt: Filter, report: Callable[[int, str], None]) -> None:
+        """``add`` the record ``d`` (as written) if ``flt`` keeps it, its
+        stored leaves loaded for histograms; ``report`` one whose bytes are
+        missing."""
+        rec = decode_record(d)
+        if not flt(rec):
+            return
+        if "bytes" in d and not self._stored.load(rec, lineno):
+            report(*self._stored.bad.pop())
+        else:
+            self.add(rec)
 
     def flush(self) -> None:
         for w in self._writers.values():
@@ -360,11 +333,9 @@ class TensorBoardExport:
 def export(
     path: str | os.PathLike, outdir: str | os.PathLike, flt: Filter
 ) -> tuple[Stats, list[tuple[int, str]]]:
-    """Convert the whole file once, streaming it (records are not held).
-    Returns the counts and the (line, problem) list of lines that are not
-    records. Divergence marks are not needed: every value is written."""
-    from pmaptap.tapfile.read import Attempts, scan
-
+    """Convert the whole file once, streaming it: the counts and the (line,
+    problem) list of lines skipped. (Every value is written: divergence
+    marks are not needed.)"""
     path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
@@ -379,15 +350,8 @@ def export(
                 continue
             tb.stats.names.add(d.get("name"))
             tb.stats.all_runs.add(d.get("run"))
-            if attempts and attempts.superseded(d):
-                continue
-            rec = decode_record(d)
-            if flt(rec):
-                problem = tb.load(d, rec)
-                if problem:
-                    bad.append((lineno, problem))
-                    continue
-                tb.add(rec)
+            if not (attempts and attempts.superseded(d)):
+                tb.take(lineno, d, flt, lambda n, why: bad.append((n, why)))
     finally:
         tb.close()
     return tb.stats, bad
@@ -401,9 +365,10 @@ def follow(
     interval: float = 0.5,
     timeout: float | None = None,
 ) -> Stats:
-    """Convert what the file holds, then keep converting what writers
-    append, flushing after every poll (``pmaptap export --tensorboard
-    --follow``, docs/cli.md)."""
+    """Convert what the file holds, then what writers append, flushing after
+    every poll (``pmaptap export --tensorboard --follow``)."""
+    from pmaptap.tapfile.read import open_follower, polls, stop_on_signals
+
     path = Run.of(path)
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
@@ -432,16 +397,12 @@ def follow(
 
 
 def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Filter) -> None:
+    def report(lineno: int, problem: str) -> None:
+        log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
+
     for lineno, raw in lines:
         d, problem = parse_line(raw)
-        if d is None:
-            if problem != "empty line":
-                log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
-            continue
-        rec = decode_record(d)
-        if flt(rec):
-            problem = tb.load(d, rec)
-            if problem:
-                log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
-                continue
-            tb.add(rec)
+        if d is not None:
+            tb.take(lineno, d, flt, report)
+        elif problem != "empty line":
+            report(lineno, problem)

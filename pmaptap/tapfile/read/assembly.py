@@ -1,10 +1,8 @@
 """``pmaptap.assemble``: a tapped sharded value's global array, from the
 per-shard records every process wrote (their ``index`` and ``global_shape``).
-
 Two passes over the run: the first reads lines only (no stored bytes) and
 picks this tap's records at one step; the second loads one shard at a time
-into the global array. No JAX.
-"""
+into the global array."""
 
 from __future__ import annotations
 
@@ -32,28 +30,12 @@ def assemble(
     leaf: str | tuple | None = None,
 ) -> Any:
     """The global array of tap ``name`` at ``step``, put together from the
-    per-shard records of every process (dtype exact, bit for bit).
-
-    A sharded value under ``jit`` is written one record per shard (or per
-    slice, when replicated copies were deduplicated), each with its global
-    slice (``index``) and the value's ``global_shape``; any record of a
-    slice fills it. A pytree value comes back as the same nesting of dicts
-    and lists of arrays, or one leaf with ``leaf="a/b"`` (keys and list
-    positions, as ``read``'s value nests them; a tuple of them also works).
-    A replicated value that was not sharded is returned as it is.
-
-    ``run``: which run, when the file holds several. ``backward``: the
-    cotangent ``tap_grad`` wrote (pass "backward") instead of the forward
-    value. Of a resumed run, the latest attempt of the step counts.
-
-    Raises ``pmaptap.errors.AssembleError`` (a ValueError) naming the tap,
-    step, leaf and devices: no such records, slices nobody wrote, a
-    per-device (unsharded) tap, a summarized value, copies of one slice that
-    disagree (compared by the leaf's own bits, so a pytree's replicated leaf
-    is not held against its sharded ones), slices that overlap and disagree
-    where they meet, a value that does not fill its slice; or
-    ``MissingBytes`` (a ValueError) for stored bytes that are missing.
-    """
+    per-shard records of every process (each record's ``index`` into its
+    ``global_shape``), dtype exact, bit for bit; a pytree value as the same
+    nesting, or its leaf ``leaf="a/b"``. ``run``: which run, where the file
+    holds several; ``backward``: the cotangent ``tap_grad`` wrote. Raises
+    ``AssembleError`` or ``MissingBytes`` (ValueErrors) naming the tap, step,
+    leaf and devices. docs/api.md, "pmaptap.assemble", says the rest."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"pmaptap.assemble: name must be a non-empty str, got {name!r}")
     if not isinstance(step, int) or isinstance(step, bool):
@@ -97,22 +79,16 @@ def assemble(
     store = ByteStore(path)
     dtype = recs[0]["dtype"]
     paths = _leaf_paths(dtype)
-    if leaf is not None:
-        want = _leaf_key(leaf)
-        if want not in paths:
-            raise AssembleError(
-                f"pmaptap.assemble: {what} has no leaf {leaf!r}; its leaves: "
-                f"{['/'.join(map(str, p)) for p in paths]}"
-            )
-        chosen = [want]
-    else:
-        chosen = paths
+    chosen = paths if leaf is None else [_leaf_key(leaf)]
+    if leaf is not None and chosen[0] not in paths:
+        raise AssembleError(
+            f"pmaptap.assemble: {what} has no leaf {leaf!r}; its leaves: "
+            f"{['/'.join(map(str, p)) for p in paths]}"
+        )
     sharded = [r for r in recs if "index" in r or "global_shape" in r]
     if not sharded:
         out = _unsharded(recs, where, store)
-        if leaf is not None:
-            return _get(out, chosen[0])
-        return out
+        return out if leaf is None else _get(out, chosen[0])
     # A None hole of the pytree is no leaf to JAX: positions in ``index``
     # and ``global_shape`` count array leaves only.
     at = _array_paths(dtype)
@@ -170,11 +146,8 @@ def _devices(recs: "dict | list[dict]") -> str:
             out.append(str(held))
     if not out:
         return "devices unknown"
-    return (
-        ("device " if len(out) == 1 else "devices ")
-        + ", ".join(out[:_SHOWN])
-        + (f" and {len(out) - _SHOWN} more" if len(out) > _SHOWN else "")
-    )
+    more = f" and {len(out) - _SHOWN} more" if len(out) > _SHOWN else ""
+    return f"device{'s' if len(out) > 1 else ''} {', '.join(out[:_SHOWN])}{more}"
 
 
 def _leaf_value(d: dict, path: tuple, store: ByteStore, label: str = "") -> Any:
@@ -221,16 +194,6 @@ def _unsharded(recs: list[dict], where: str, store: ByteStore) -> Any:
     return leaves[()] if paths == [()] else _nest(d["dtype"], leaves)
 
 
-def _box(index: Any, paths: list, path: tuple) -> Any:
-    """One leaf's [[start, stop], ...] from a record's index (one per array
-    leaf in flatten order for a pytree: ``paths``)."""
-    if index is None:
-        return None
-    if len(paths) == 1:
-        return index
-    return index[paths.index(path)]
-
-
 def _slice_text(box: tuple) -> str:
     return f"[{index_text([list(b) for b in box])}]"
 
@@ -267,6 +230,7 @@ def _assemble_leaf(recs: list[dict], paths: list, path: tuple, where: str, store
     record's hash), and each value must fill its slice."""
     import numpy as np
 
+    # A pytree's index and global_shape: one per array leaf, in ``paths``' order.
     k = paths.index(path)
     label = where + ("" if path == () else f" leaf {'/'.join(map(str, path))!r}")
     gshapes: dict[Any, list[dict]] = {}
@@ -296,7 +260,7 @@ def _assemble_leaf(recs: list[dict], paths: list, path: tuple, where: str, store
     out = np.empty(gshape, dtype=numpy_dtype(next(iter(dtypes))))
     copies: dict[tuple, list[dict]] = {}  # box -> its records, in file order
     for r in recs:
-        box = tuple(tuple(p) for p in _box(r["index"], paths, path))
+        box = tuple(tuple(p) for p in (r["index"] if len(paths) == 1 else r["index"][k]))
         if len(box) != len(gshape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, gshape)):
             raise AssembleError(
                 f"pmaptap.assemble: {label}: the record of {_devices(r)} has index "

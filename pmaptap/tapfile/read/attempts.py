@@ -1,34 +1,25 @@
 """Attempts of a resumed run: which records a later attempt superseded.
-
 Readers show one story: for each (run, name, step, pass) (step_key), only
 the records of the latest attempt that wrote that step. The unit is the
 step, not the device: after an elastic restart the old attempt's records
 of a replayed step all go, those of devices the new attempt lacks too.
-Meta records are facts about what happened and stay visible.
-"""
+Meta records are facts about what happened and stay visible."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pmaptap.tapfile import record, source
 from pmaptap.tapfile.record import META_ATTEMPT, parse_line, step_key
 
 # The meta record a resumed session writes when it opens (process 0 only).
 ATTEMPT_NAME = META_ATTEMPT
-ATTEMPT_MODES = ("latest", "all")
 
 
 def attempt_of(r: dict) -> int:
     a = r.get("attempt", 0)
     return a if isinstance(a, int) and not isinstance(a, bool) else 0
-
-
-def check_mode(attempts: str) -> str:
-    if attempts not in ATTEMPT_MODES:
-        raise ValueError(f"attempts must be one of {ATTEMPT_MODES}, got {attempts!r}")
-    return attempts
 
 
 class Attempts:
@@ -55,32 +46,20 @@ class Attempts:
         return self._latest.get(step_key(r), 0) > attempt_of(r)
 
 
-def index_records(records: Iterable[dict]) -> Attempts:
-    idx = Attempts()
-    for r in records:
-        idx.add(r)
-    return idx
-
-
 def scan(path: str | os.PathLike) -> Attempts:
     """The Attempts of a file, for readers that stream it: only lines that
     mention ``"attempt"`` are parsed (a file never resumed costs one read of
     its bytes)."""
     idx = Attempts()
     run = source.Run.of(path)
-    if run.url:
-        # An object-store run (tapfile/source/run.py): its merged stream, read once.
+    if run.url:  # an object-store run (tapfile/source/run.py): its merged stream, read once
         for _, d, _ in source.iter_lines(run):
             if d is not None and "attempt" in d:
                 idx.add(d)
         return idx
-    if run.sharded:
-        # Attempts.add takes records in any order: each source on its own,
-        # no merge.
-        for f in source.sources(run):
-            _scan_file(idx, f)
-        return idx
-    _scan_file(idx, run)
+    # Attempts.add takes records in any order: each file on its own, no merge.
+    for f in source.sources(run) if run.sharded else [run]:
+        _scan_file(idx, f)
     return idx
 
 
@@ -105,28 +84,21 @@ def latest(
 def _scan_file(idx: Attempts, path: str | os.PathLike) -> None:
     limit = record.MAX_LINE_BYTES
     with open(path, "rb") as f:
-        while True:
-            # A block of whole lines (or a partial last one); only a block
-            # that mentions "attempt" is looked at line by line.
-            block = f.read(_SCAN_BYTES)
-            if not block:
-                return
+        # A block of whole lines (or a partial last one); only a block that
+        # mentions "attempt" is looked at line by line.
+        while block := f.read(_SCAN_BYTES):
             if not block.endswith(b"\n"):
                 block += f.readline(limit + 1)
-            if not _may_hold_attempt(block):
-                if len(block) > limit and not block.endswith(b"\n"):
-                    _skip_rest(f)
-                continue
-            for raw in block.split(b"\n"):
-                if len(raw) > limit:  # an over-long line: not read
-                    continue
-                if not _may_hold_attempt(raw):
-                    continue
-                d, _ = parse_line(raw)
-                if d is not None:
-                    idx.add(d)
+            if _may_hold_attempt(block):
+                for raw in block.split(b"\n"):
+                    if len(raw) <= limit and _may_hold_attempt(raw):  # an over-long line: not read
+                        d, _ = parse_line(raw)
+                        if d is not None:
+                            idx.add(d)
             if len(block) > limit and not block.endswith(b"\n"):
-                _skip_rest(f)
+                # Read past the rest of an over-long line.
+                while (raw := f.readline(1 << 20)) and not raw.endswith(b"\n"):
+                    pass
 
 
 _SCAN_BYTES = 1 << 20
@@ -139,14 +111,6 @@ def _may_hold_attempt(raw: bytes) -> bool:
     return b'"attempt"' in raw or b"\\u" in raw
 
 
-def _skip_rest(f: Any) -> None:
-    """Read past the rest of an over-long line."""
-    while True:
-        raw = f.readline(1 << 20)
-        if not raw or raw.endswith(b"\n"):
-            return
-
-
 class Restarts:
     """Per run: the attempts seen and the first step each one wrote, from the
     records (and ``pmaptap/attempt`` meta records), for ``summary``."""
@@ -156,24 +120,17 @@ class Restarts:
 
     def add(self, r: dict) -> None:
         a = attempt_of(r)
-        if r.get("kind") == "meta" and r.get("name") != ATTEMPT_NAME:
+        if r.get("kind") == "meta" and (r.get("name") != ATTEMPT_NAME or not a):
             return
-        if not a and r.get("kind") == "meta":
-            return
-        firsts = self._runs.setdefault(r.get("run"), {})
         step = r.get("step") if r.get("kind") != "meta" else None
-        old = firsts.get(a)
-        if a not in firsts or (step is not None and (old is None or step < old)):
-            firsts[a] = step if step is not None else old
+        _first_step(self._runs.setdefault(r.get("run"), {}), a, step)
 
     def absorb(self, other: Restarts) -> None:
         """Add what another Restarts saw (of another piece of the stream)."""
         for run, theirs in other._runs.items():
             firsts = self._runs.setdefault(run, {})
             for a, step in theirs.items():
-                old = firsts.get(a)
-                if a not in firsts or (step is not None and (old is None or step < old)):
-                    firsts[a] = step if step is not None else old
+                _first_step(firsts, a, step)
 
     def text(self, run: Any) -> str:
         """ "2 attempts; restarted at step 5" (or "" for one attempt)."""
@@ -185,3 +142,10 @@ class Restarts:
         shown = ", ".join("?" if s is None else str(s) for s in steps)
         n = len(later) + 1
         return f"{n} attempts; restarted at step{'s' if len(steps) > 1 else ''} {shown}"
+
+
+def _first_step(firsts: dict[int, int | None], a: int, step: int | None) -> None:
+    """Attempt ``a`` wrote ``step`` (None: its meta record, no step)."""
+    old = firsts.setdefault(a, step)
+    if step is not None and (old is None or step < old):
+        firsts[a] = step

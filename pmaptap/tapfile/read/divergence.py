@@ -10,10 +10,9 @@ from pmaptap.tapfile.record import key_with_step, record_key, split_step
 
 class DivergenceIndex:
     """Which replicated keys (``record_key``) the file holds with more than
-    one distinct value (``vhash``), whichever processes wrote them: ``add``
-    every replicated record seen, then ask ``divergent``. The first writer
-    of a key could not know that a later one would disagree. Holds one
-    small entry per replicated key, never the records."""
+    one distinct value (``vhash``), whichever processes wrote them (the first
+    writer of a key could not know that a later one would disagree). Holds
+    one small entry per replicated key, never the records."""
 
     def __init__(self) -> None:
         # split_step's rest of a key -> step -> the vhash seen there while
@@ -26,10 +25,7 @@ class DivergenceIndex:
     def steps_of(
         self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
     ) -> dict[Any, Any]:
-        """The step -> entry map of one (run, name, pass, index key,
-        attempt): record_key without its step; an entry is the vhash while
-        one was seen there, then the set of the vhashes."""
-        # The parameters are split_step's rest of a key, in its order.
+        """``_seen``'s step -> entry map of split_step's rest of a key."""
         return self._steps((run, name, pass_, index, attempt))
 
     def _steps(self, rest: tuple) -> dict[Any, Any]:
@@ -52,8 +48,6 @@ class DivergenceIndex:
             self.repeat(steps, step, vhash)
 
     def repeat(self, steps: dict, step: Any, vhash: str) -> None:
-        """``vhash`` met an entry at ``step``: the same value again, or a
-        second one."""
         got = steps[step]
         if type(got) is str:
             if got == vhash:
@@ -75,8 +69,7 @@ class DivergenceIndex:
         return steps is not None and type(steps.get(step)) is set
 
     def absorb(self, other: DivergenceIndex) -> None:
-        """Add what another index saw (of another piece of the stream):
-        the same index as if it had seen those records too, in any order."""
+        """Add what another index saw (of another piece of the stream)."""
         for rest, steps in other._seen.items():
             mine = self._steps(rest)
             for step, got in steps.items():
@@ -94,19 +87,9 @@ class DivergenceIndex:
                     yield key_with_step(rest, step)
 
 
-def reconcile_divergence(records: list[dict]) -> None:
-    """Mark every replicated record of a key that the file holds with more
-    than one value ``divergent`` (DivergenceIndex)."""
-    index = DivergenceIndex()
-    for r in records:
-        index.add(r)
-    mark_divergent(records, index)
-
-
 def mark_divergent(records: list[dict], index: DivergenceIndex) -> None:
-    """Set ``divergent`` on each of ``records`` that ``index.divergent``
-    calls divergent, asking only where it can be: a key of a divergent
-    name (divergence is rare, and a read holds many records)."""
+    """Set ``divergent`` on each of ``records`` that ``index`` calls
+    divergent, asking only of a divergent name's (divergence is rare)."""
     if not index.any_repeat:
         return
     keys = set(index.divergent_keys())

@@ -8,6 +8,7 @@ until their newline arrives; only then is the line parsed.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import select
 import signal
@@ -31,13 +32,10 @@ RELIST_S = 30.0
 
 
 class LineFollower:
-    """Complete lines of ``path`` from the start, then as they are appended.
-
-    ``poll()`` yields the (line number, bytes) of lines completed since the
-    last call, a chunk at a time (consume it fully: a chunk's offset is
-    committed when it is read). A file replaced or truncated is read again
-    from its start.
-    """
+    """``poll()``: the (line number, bytes) of the lines of ``path``
+    completed since the last poll, a chunk at a time (consume it fully: a
+    chunk's offset is committed when it is read). A file replaced or
+    truncated is read again from its start."""
 
     def __init__(
         self, path: str | os.PathLike, keep_open: bool = True, chunk: int = _CHUNK
@@ -93,27 +91,23 @@ class LineFollower:
             if len(chunk) < self.chunk:
                 return  # the end of the file as it was: no second open to see it
 
-    def _check_replaced(self) -> None:
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        return self._lines(self._read_open() if self.keep_open else self._read_closed())
+
+    def _read_open(self) -> Iterator[bytes]:
+        """keep_open: chunks from the file kept open, opened again if it was
+        replaced or truncated since (a removed one: what it holds)."""
+        if self._f is None and not self._open():
+            return
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            return  # removed: keep what we have, wait for it to return
-        if st.st_ino != self._ino or st.st_size < self._pos:
+            st = None  # removed: keep what we have, wait for it to return
+        if st is not None and (st.st_ino != self._ino or st.st_size < self._pos):
             self.close()
             self.restarted += 1
-            self._open()
-
-    def poll(self) -> Iterator[tuple[int, bytes]]:
-        if not self.keep_open:
-            return self._lines(self._read_closed())
-        if self._f is None and not self._open():
-            return iter(())
-        self._check_replaced()
-        if self._f is None:
-            return iter(())
-        return self._lines(self._read_open())
-
-    def _read_open(self) -> Iterator[bytes]:
+            if not self._open():
+                return
         while True:
             self._f.seek(self._pos)
             chunk = self._f.read(self.chunk)
@@ -135,10 +129,6 @@ class LineFollower:
                 yield self.lineno, raw
 
     @property
-    def exists(self) -> bool:
-        return self._f is not None if self.keep_open else self._ino is not None
-
-    @property
     def pending(self) -> bytes:
         """Bytes of a line not yet terminated (torn, or being written)."""
         return self._partial
@@ -152,9 +142,9 @@ class LineFollower:
 def matching(
     lf: LineFollower, flt: Filter, report: Callable[[int, str], None] | None = None
 ) -> Iterator[views.Entry]:
-    """The records among the lines completed since the last poll that pass
-    ``flt``, streamed (a large file is never held whole). Lines that are not
-    records go to ``report(line number, problem)``; blank lines do not."""
+    """The records ``flt`` passes among the lines completed since the last
+    poll, streamed; lines that are not records (blank ones aside) go to
+    ``report(line number, problem)``."""
     for lineno, raw in lf.poll():
         d, problem = parse_line(raw)
         if d is None:
@@ -260,10 +250,9 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
 class RunFollower:
     """``LineFollower`` over a run in the sharded layout: the lines
-    completed in any of its files since the last poll, as one batch ordered
-    as ``pmaptap.read`` orders them; a shard that appears later is picked
-    up at the next poll. The first poll merges a chunk of each source at a
-    time (bounded memory); a later poll holds its batch in memory."""
+    completed in any of its sources since the last poll, ordered as
+    ``pmaptap.read`` orders them; a shard that appears later is picked up
+    at the next poll."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = source.Run.of(path)
@@ -278,29 +267,28 @@ class RunFollower:
         self.lineno = 0
 
     def poll(self) -> Iterator[tuple[int, bytes]]:
-        if not self._polled:
-            self._polled = True
-            if self.path.url:
-                yield from self._first_poll_store()
-            else:
-                yield from self._first_poll()
+        first, self._polled = not self._polled, True
+        sources = self._sources(first)
+        if first:
+            # The run so far, merged a chunk of each source at a time; a
+            # replicated value another process gave earlier in merged order
+            # is left out (as read() leaves it out: the dedup follows the merge).
+            streams = [self._stream(i, lines) for i, lines in enumerate(sources)]
+            for _t, _i, _n, raw, d in heapq.merge(*streams):
+                if not self._is_copy(d):
+                    self.lineno += 1
+                    yield self.lineno, raw
             return
-        self._polled = True
         batch: list[tuple[float, int, int, bytes]] = []
-        for i, n, raw in self._new_lines():
-            t = self._time_unless_copy(raw)
-            if t is not None:
-                batch.append((t, i, n, raw))
+        for i, lines in enumerate(sources):
+            for n, raw in lines:
+                d, _ = parse_line(raw)
+                if not self._is_copy(d):
+                    batch.append((_time_of(d), i, n, raw))
         batch.sort(key=lambda x: x[:3])
         for _t, _i, _n, raw in batch:
             self.lineno += 1
             yield self.lineno, raw
-
-    def _time_unless_copy(self, raw: bytes) -> float | None:
-        """A line's record time (-inf for a line without one), or None for
-        a replicated value another process's line already gave."""
-        d, _ = parse_line(raw)
-        return None if self._is_copy(d) else _time_of(d)
 
     def _is_copy(self, d: dict | None) -> bool:
         """Whether ``d`` is a replicated value that another process's line
@@ -314,46 +302,25 @@ class RunFollower:
         got = self._first.setdefault((record_key(d), d["vhash"]), d.get("process"))
         return got != d.get("process")
 
-    def _first_poll(self) -> Iterator[tuple[int, bytes]]:
-        """The run so far (local shards), merged a chunk of each shard at a
-        time: memory bounded by FIRST_POLL_BYTES, one file open at a time."""
-        import heapq
-
+    def _sources(self, first: bool) -> list[Iterator[tuple[int, bytes]]]:
+        """Each source's (line number, bytes) completed since the last poll,
+        in source order: an object store's processes' new chunks (immutable:
+        read once), or the local files' lines, new files added; the first
+        poll reads a local file a chunk at a time (FIRST_POLL_BYTES in all)."""
+        if self.path.url:
+            found = sorted(self._list_objects().items())
+            return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]
         paths = self._local_sources()
-        chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1)))
+        chunk = max(4096, min(_CHUNK, FIRST_POLL_BYTES // max(len(paths), 1))) if first else _CHUNK
         for f in paths:
-            self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
-        streams = [self._stream(i, lf.poll()) for i, lf in enumerate(self._files.values())]
-        yield from self._merged(heapq.merge(*streams))
-
-    def _merged(self, lines: Iterator[tuple]) -> Iterator[tuple[int, bytes]]:
-        """The lines of the first poll's merge, numbered, a replicated value
-        another process gave earlier in merged order left out (as read()
-        leaves it out: the dedup follows the merge, not the reading)."""
-        for _t, _i, _n, raw, d in lines:
-            if self._is_copy(d):
-                continue
-            self.lineno += 1
-            yield self.lineno, raw
-
-    def _first_poll_store(self) -> Iterator[tuple[int, bytes]]:
-        """The run so far on an object store, merged as local shards are
-        (``_first_poll``): one object of each process held at a time, and its
-        next object fetched (by a pool of FETCH_THREADS) while it is merged."""
-        import heapq
-
-        found = sorted(self._list_objects().items())
-        streams = [
-            self._stream(i, self._object_lines(self._reader(proc, objs, len(found))))
-            for i, (proc, objs) in enumerate(found)
-        ]
-        yield from self._merged(heapq.merge(*streams))
+            if f not in self._files:
+                self._files[f] = LineFollower(f, keep_open=False, chunk=chunk)
+        return [lf.poll() for lf in self._files.values()]
 
     def _reader(self, proc: int, objs: list, processes: int):
-        """A source.Reader of what this follower has not read of ``objs``
-        (``proc``'s listing, one of ``processes`` read together); its first
-        object is asked for now, not when the merge first pulls (which would
-        be one process after another)."""
+        """A source.Reader of what this follower has not read of ``proc``'s
+        ``objs``; its first object asked for now, not when the merge first
+        pulls (which would be one process after another)."""
         fs, _ = source.url_fs(self.path)
         cursor = self._cursors.setdefault(proc, source.Cursor())
         pool, piece = self._fetch_pool(), source.piece_bytes(processes)
@@ -379,9 +346,8 @@ class RunFollower:
     def _stream(
         self, i: int, lines: Iterator[tuple[int, bytes]]
     ) -> Iterator[tuple[float, int, int, bytes, Any]]:
-        """(merge key, source, line number, bytes, record or None) of a
-        source's lines, the key its running largest record time
-        (``pmaptap.read``'s order)."""
+        """(merge key: the running largest record time, as ``pmaptap.read``
+        orders, source, line number, bytes, record or None) of its lines."""
         t = float("-inf")
         for n, raw in lines:
             # Every line counts for the running time, a copy the merge will
@@ -389,24 +355,6 @@ class RunFollower:
             d, _ = parse_line(raw)
             t = max(t, _time_of(d))
             yield t, i, n, raw, d
-
-    def _new_lines(self) -> Iterator[tuple[int, int, bytes]]:
-        """(source number, line number in it, bytes) of lines completed
-        since the last poll: appended to local shards, or in chunks that
-        appeared on an object store (chunks are immutable: read once)."""
-        if self.path.url:
-            found = sorted(self._list_objects().items())
-            readers = [self._reader(p, objs, len(found)) for p, objs in found]
-            for r in readers:
-                for n, raw in self._object_lines(r):
-                    yield r.process, n, raw
-            return
-        for f in self._local_sources():
-            if f not in self._files:
-                self._files[f] = LineFollower(f, keep_open=False)
-        for i, lf in enumerate(self._files.values()):
-            for n, raw in lf.poll():
-                yield i, n, raw
 
     def _local_sources(self) -> list[str]:
         """The run's files to add this poll: the shard directory is listed
@@ -448,12 +396,6 @@ class RunFollower:
         return sum(lf.restarted for lf in self._files.values())
 
     @property
-    def exists(self) -> bool:
-        return any(c.last for c in self._cursors.values()) or any(
-            lf.exists for lf in self._files.values()
-        )
-
-    @property
     def pending(self) -> bytes:
         return b"".join(lf.pending for lf in self._files.values())
 
@@ -477,22 +419,14 @@ class PendingFollower:
         if self._inner is None:
             # Resolved again at every poll until the run appears: its
             # layout is what its first writer makes it.
-            run = source.Run(self.path)
-            if run.sharded:
-                self._inner = RunFollower(run)
-            elif os.path.exists(run):
-                self._inner = LineFollower(run)
-            else:
+            self._inner = _follower(source.Run(self.path))
+            if self._inner is None:
                 return
         yield from self._inner.poll()
 
     @property
     def restarted(self) -> int:
         return 0 if self._inner is None else self._inner.restarted
-
-    @property
-    def exists(self) -> bool:
-        return self._inner is not None and self._inner.exists
 
     @property
     def pending(self) -> bytes:
@@ -507,11 +441,13 @@ def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | Pend
     """The follower for ``path``: a sharded run's, one file's, or, while
     neither exists, one that waits to see which appears."""
     run = source.Run.of(path)
+    return _follower(run) or PendingFollower(run)
+
+
+def _follower(run: source.Run) -> "LineFollower | RunFollower | None":
     if run.sharded:
         return RunFollower(run)
-    if os.path.exists(run):
-        return LineFollower(run)
-    return PendingFollower(run)
+    return LineFollower(run) if os.path.exists(run) else None
 
 
 def _time_of(d: dict | None) -> float:

@@ -1,19 +1,20 @@
 """Records as a tidy pandas DataFrame (``pmaptap.read(..., as_frame=True)``),
 Parquet (``pmaptap export --parquet``) and step x device tables
 (``pmaptap.per_device``): one row per record, in file order, the columns
-docs/api.md ("Tidy frames and Parquet") lists. pandas and pyarrow are
-optional extras, imported only here. No JAX.
-"""
+docs/api.md ("Tidy frames and Parquet") lists."""
 
 from __future__ import annotations
 
 import array
+import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable
 from typing import Any
 
+from pmaptap.tapfile.read.views import leaves
 from pmaptap.tapfile.record import (
     COORDS_COLUMN_PREFIX,
     NAN,
@@ -21,14 +22,6 @@ from pmaptap.tapfile.record import (
     POS_INF,
     RECORD_COLUMNS,
     coords_column,
-)
-
-MISSING_PANDAS = (
-    "pmaptap.read(..., as_frame=True) needs pandas: pip install pandas (or 'pmaptap[frame]')."
-)
-MISSING_PYARROW = (
-    "pmaptap export --parquet needs pyarrow, an optional extra: "
-    'pip install "pmaptap[parquet]" (or pip install pyarrow)'
 )
 
 # The record columns the frame types itself, first; the holders, index,
@@ -39,28 +32,21 @@ _INTS = ("process", "device", "replicas")
 _UNDER = ("value", "coords")  # flattened into "<field>.<path>" columns
 
 
-def _pandas() -> Any:
+def optional(module: str, who: str, extra: str) -> Any:
+    """``module``, of the optional extra ``extra`` that ``who`` needs; if it
+    is not installed, an ImportError that says how to install it."""
     try:
-        import pandas as pd
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(MISSING_PANDAS) from e
-    return pd
+        top = module.split(".")[0]
+        raise ImportError(
+            f'{who} needs {top}, an optional extra: pip install "pmaptap[{extra}]" '
+            f"(or pip install {top})"
+        ) from e
 
 
-def _value_cells(value: Any, dtype: Any, prefix: str, out: dict[str, Any]) -> None:
-    # ``dtype`` has the value's pytree nesting: it tells a pytree list
-    # (one column per index) from an array (one cell).
-    if isinstance(dtype, dict) and isinstance(value, dict):
-        for k, v in value.items():
-            _value_cells(v, dtype.get(k), f"{prefix}.{k}", out)
-    elif isinstance(dtype, list) and isinstance(value, list):
-        for i, v in enumerate(value):
-            _value_cells(v, dtype[i] if i < len(dtype) else None, f"{prefix}.{i}", out)
-    elif isinstance(value, dict):  # summarized leaf: its statistics
-        for k, v in value.items():
-            out[f"{prefix}.{k}"] = v
-    else:
-        out[prefix] = value
+def _pandas() -> Any:
+    return optional("pandas", "pmaptap.read(..., as_frame=True)", "frame")
 
 
 def _row(r: dict) -> dict[str, Any]:
@@ -69,7 +55,8 @@ def _row(r: dict) -> dict[str, Any]:
     if isinstance(coords, dict):
         for axis, i in coords.items():
             row[coords_column(axis)] = i
-    _value_cells(r.get("value"), r.get("dtype"), "value", row)
+    for path, v, _ in leaves(r.get("value"), r.get("dtype"), "value", "."):
+        row[path] = v
     return row
 
 
@@ -78,19 +65,11 @@ def _number_kind(cells: list) -> str | None:
     kind ('float' for a mix), None when a cell is not a number or all are null."""
     kinds = set()
     for c in cells:
-        if c is None:
-            continue
-        if isinstance(c, bool):
-            kinds.add("bool")
-        elif isinstance(c, int):
-            kinds.add("int")
-        elif isinstance(c, float):
-            kinds.add("float")
-        else:
-            return None
-    if len(kinds) == 1:
-        return kinds.pop()
-    return "float" if kinds else None
+        if c is not None:
+            if not isinstance(c, (int, float)):
+                return None
+            kinds.add("bool" if isinstance(c, bool) else "int" if isinstance(c, int) else "float")
+    return kinds.pop() if len(kinds) == 1 else "float" if kinds else None
 
 
 _INT64 = (-(1 << 63), 1 << 63)
@@ -293,19 +272,18 @@ class _Cells:
             if self.none is None:
                 return data.tolist()
             return [None if m else x for x, m in zip(data.tolist(), self.none)]
-        if kind == "o":
-            if not self._lists:
-                return list(data)
-            lists: dict = {}
-            return [lists.setdefault(c, list(c)) if type(c) is tuple else c for c in data]
-        raise AssertionError(kind)
+        if not self._lists:  # "o"
+            return list(data)
+        lists: dict = {}
+        return [lists.setdefault(c, list(c)) if type(c) is tuple else c for c in data]
 
 
 class FrameBuilder:
-    """``to_frame`` one record at a time: each record's cells go straight
-    into compact columns (``_Cells``; a missing cell is None), so a reader
-    that streams a file holds the columns, never the records or their rows,
-    and each column becomes plain cells only while pandas converts it."""
+    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts), one
+    record at a time: its cells go straight into compact columns (``_Cells``;
+    a missing cell is None), so a reader that streams a file holds the
+    columns, never the records or their rows, and each column becomes plain
+    cells only while pandas converts it."""
 
     def __init__(self) -> None:
         self._pd = _pandas()  # the error at once, before a file is read
@@ -387,16 +365,6 @@ def _arrow_pool() -> Any:
         return None
 
 
-def to_frame(records: Iterable[dict], *, _empty: dict[str, Any] | None = None) -> Any:
-    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts).
-    ``_empty`` (write_parquet): filled with the empty cells of each float
-    column, which the frame holds as NaN like the tap's own NaN values."""
-    builder = FrameBuilder()
-    for r in records:
-        builder.add(r)
-    return builder.frame(_empty)
-
-
 # Microseconds an int64 holds, either side of the epoch (~292,000 years).
 _MAX_US = float(2**63 - 1)
 
@@ -456,9 +424,6 @@ def _column(pd: Any, col: str, cells: list) -> Any:
     return pd.Series(cells, dtype=object)
 
 
-# ------------------------------------------------------------------ parquet
-
-
 def _json_text(c: Any) -> Any:
     if c is None:
         return None
@@ -476,10 +441,8 @@ def _json_text(c: Any) -> Any:
             return enc(a.tolist())
         if isinstance(x, complex):
             return [enc(x.real), enc(x.imag)]
-        if isinstance(x, float) and x != x:
-            return NAN
-        if isinstance(x, float) and x in (float("inf"), float("-inf")):
-            return POS_INF if x > 0 else NEG_INF
+        if isinstance(x, float) and not math.isfinite(x):
+            return NAN if x != x else POS_INF if x > 0 else NEG_INF
         if isinstance(x, list):
             return [enc(y) for y in x]
         if isinstance(x, dict):
@@ -490,17 +453,17 @@ def _json_text(c: Any) -> Any:
 
 
 def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """One row per decoded record, the columns of ``to_frame``; returns the
-    number of rows."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(MISSING_PYARROW) from e
+    """One row per decoded record, the columns of ``read(...,
+    as_frame=True)``; returns the number of rows."""
+    pa = optional("pyarrow", "pmaptap export --parquet", "parquet")
+    pq = optional("pyarrow.parquet", "pmaptap export --parquet", "parquet")
     import numpy as np
 
+    builder = FrameBuilder()
+    for r in records:
+        builder.add(r)
     empty: dict[str, list[bool]] = {}
-    df = to_frame(records, _empty=empty)
+    df = builder.frame(empty)
     for col in df.columns:
         if df[col].dtype != object:
             continue
@@ -527,9 +490,6 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
     return len(df)
 
 
-# ------------------------------------------------------------------ pivot
-
-
 def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
     if isinstance(dtype, str) and dtype[:1] in ("{", "["):
         try:  # JSON text, as a Parquet file holds it
@@ -550,16 +510,18 @@ def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
     return isinstance(dtype, str)
 
 
+def _iteration(v: Any) -> tuple:
+    """A looped tap's iteration as a tuple (outermost loop first; () for a
+    loop-free record)."""
+    return tuple(int(i) for i in v) if isinstance(v, (list, tuple)) or hasattr(v, "shape") else ()
+
+
 def per_device(frame: Any, value: str = "value") -> Any:
     """A step x device table of ``value`` from a tidy frame (``read(...,
-    as_frame=True)``, or one read from ``export --parquet``).
-
-    Per-device records give their device's cell; a replicated record stands
-    for every device that held its value (its ``devices``), so a
-    ``dedup="auto"`` tap gives a full table whichever way each step was
-    written. Rows are ``step``, preceded by ``run``/``name``/``pass`` when the
-    frame holds several of them; the last record of a (key, device) wins.
-    NaN/inf stay as they are."""
+    as_frame=True)``, or one read from ``export --parquet``): docs/api.md,
+    "Tidy frames and Parquet". Rows are ``step``, after ``run``/``name``/
+    ``pass`` where the frame holds several; the last record of a (key,
+    device) wins."""
     pd = _pandas()
     if value not in frame.columns:
         raise KeyError(
@@ -574,9 +536,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
     # (elsewhere it is another tap's empty cell).
     path = value.split(".")[1:]
     summarized = (
-        frame["summarized"].fillna(False).astype(bool)
-        if "summarized" in frame.columns
-        else pd.Series(False, index=frame.index)
+        frame["summarized"].fillna(False) if "summarized" in frame else [False] * len(frame)
     )
     has = [_has_leaf(d, path, bool(s)) for d, s in zip(frame["dtype"], summarized)]
     frame = frame[has]
@@ -595,18 +555,8 @@ def per_device(frame: Any, value: str = "value") -> Any:
     cells = cells[cells["device"].notna()]
     cells = cells.astype({"device": "int64"})
     index = [k for k in ("run", "name", "pass") if cells[k].nunique() > 1] + ["step"]
-    if "iteration" in cells.columns:
-        # A tap in a loop body: a row per (step, iteration), the iteration
-        # a tuple (outermost loop first; () for a loop-free record).
-        cells = cells.assign(
-            iteration=cells["iteration"].map(
-                lambda v: (
-                    tuple(int(i) for i in v)
-                    if isinstance(v, (list, tuple)) or hasattr(v, "shape")
-                    else ()
-                )
-            )
-        )
+    if "iteration" in cells.columns:  # a tap in a loop body: a row per (step, iteration)
+        cells = cells.assign(iteration=cells["iteration"].map(_iteration))
         index.append("iteration")
     cells = cells.drop_duplicates(subset=[*keys, "device"], keep="last")
     table = cells.pivot(index=index, columns="device", values=value)

@@ -76,13 +76,8 @@ class Filter:
 
     @property
     def active(self) -> bool:
-        return bool(
-            self.names
-            or self.steps != (None, None)
-            or self.process is not None
-            or self.device is not None
-            or self.run is not None
-        )
+        unset = ((None, None), None, None, None)
+        return bool(self.names) or (self.steps, self.process, self.device, self.run) != unset
 
 
 def read_filter(name: Any, step: Any, run: Any, device: Any, process: Any) -> Any:
@@ -101,11 +96,7 @@ def read_filter(name: Any, step: Any, run: Any, device: Any, process: Any) -> An
                 f"pmaptap.read: name must be a str or a non-empty list of str, got {name!r}"
             )
     steps: tuple = (None, None)
-    if isinstance(step, bool):
-        raise TypeError(
-            f"pmaptap.read: step must be an int, (lo, hi), 'A:B' or a range, got {step!r}"
-        )
-    if isinstance(step, int):
+    if isinstance(step, int) and not isinstance(step, bool):
         steps = (step, step)
     elif isinstance(step, str):
         steps = parse_steps(step)

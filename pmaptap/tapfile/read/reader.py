@@ -8,7 +8,7 @@ from operator import attrgetter
 from typing import Any
 
 from pmaptap.errors import MissingBytes
-from pmaptap.tapfile.read.attempts import Attempts, check_mode
+from pmaptap.tapfile.read.attempts import Attempts
 from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.read.query import Filter, read_filter
 from pmaptap.tapfile.record import UNSET, PerDevice, as_dicts, decode_record, decoded
@@ -19,6 +19,7 @@ from pmaptap.tapfile.source import ByteStore, Run, collector_paused, iter_record
 _EXTRA = attrgetter("attempt", "bytes", "devices", "processes")
 _NONE4 = (UNSET,) * 4
 _NUMBER = frozenset((float, int))
+_MODES = ("latest", "all")
 
 __all__ = ["read"]
 
@@ -34,39 +35,27 @@ def read(
     process: int | None = None,
     attempts: str = "latest",
 ):
-    """All valid records of a tap file, in file order, as dicts.
+    """All valid records of a tap file, in file order, as dicts (a tidy
+    pandas DataFrame with ``as_frame=True``); docs/api.md, "Reading a tap
+    file", says the rest.
 
-    A run resumed after a restart (``Session(resume=True)``) holds the old
-    attempt's records of the replayed steps too; ``attempts="latest"`` (the
-    default) leaves out those a later attempt superseded (one story per
-    step), ``attempts="all"`` returns every record, each with its
-    ``attempt`` field (0 for the first attempt).
-
-    A value stored as bytes (an array above tapfile/arrays.INLINE_MAX_BYTES)
-    comes back as an ndarray of its own dtype and shape, bit for bit; inline
-    arrays as nested lists: ``np.asarray(r["value"], dtype=r["dtype"])``
-    takes both. Lines that are not valid records (garbage, a torn last line
-    from a killed writer, a line whose stored bytes are missing) are skipped
-    with one warning (the "pmaptap" logger) that lists
-    them. Non-finite numbers come back as float NaN/inf. ``as_frame=True``
-    returns a tidy pandas DataFrame, one row per record (columns:
-    pmaptap/tapfile/read/frame.py).
-
-    Filters, applied while parsing (a record that does not match is never
-    decoded or kept): ``name`` (one name or several), ``step`` (N, an
-    inclusive ``(lo, hi)`` with either end None, ``"A:B"`` as on the command
-    line, or a ``range`` with step 1), ``run``, ``device`` and ``process``. A
-    replicated record matches every device and process that held its value,
-    and divergence is still judged on every copy of a matched step.
+    Filters apply while parsing: ``name`` (one or several), ``step`` (N, an
+    inclusive ``(lo, hi)``, ``"A:B"`` or a ``range`` with step 1), ``run``,
+    ``device``, ``process``. ``attempts="latest"`` leaves out the records a
+    later attempt of a resumed run superseded; ``"all"`` keeps them, each
+    with its ``attempt`` (0 for the first). A value stored as bytes comes
+    back as an ndarray, bit for bit; non-finite numbers as float NaN/inf;
+    lines that are not records are skipped with one warning.
     """
     path = Run.of(path)  # how the run is stored, worked out once for the passes below
-    check_mode(attempts)
+    if attempts not in _MODES:
+        raise ValueError(f"attempts must be one of {_MODES}, got {attempts!r}")
     flt = read_filter(name, step, run, device, process)
     if as_frame:
         return _frame(path, flt, attempts)
     out: list[dict] = []
     bad: list[tuple[int, str]] = []
-    store = None
+    stored = Stored(path, bad)
     index = DivergenceIndex()
     later = Attempts()  # steps a later attempt rewrote
     reps: list[dict] = []  # the replicated records of out: only they can be divergent
@@ -94,11 +83,9 @@ def read(
                     if r.attempt is not UNSET:
                         later.add(r)
                     d = ds[i] = decoded(r)
-                    if r.bytes is not UNSET:
-                        store = store or ByteStore(path)
-                        if not _load_stored(d, store, first + i, bad):
-                            drop.add(i)
-                            continue
+                    if r.bytes is not UNSET and not stored.load(d, first + i):
+                        drop.add(i)
+                        continue
                     if replicated:
                         reps.append(d)
                 out += [d for i, d in enumerate(ds) if i not in drop] if drop else ds
@@ -120,10 +107,8 @@ def read(
                 if flt is not None and not flt(r):
                     continue
                 d = decoded(r)
-                if r.bytes is not UNSET:
-                    store = store or ByteStore(path)
-                    if not _load_stored(d, store, lineno, bad):
-                        continue
+                if r.bytes is not UNSET and not stored.load(d, lineno):
+                    continue
                 out.append(d)
                 if r.kind == "replicated":
                     reps.append(d)
@@ -137,16 +122,26 @@ def read(
     return out
 
 
-def _load_stored(r: dict, store: ByteStore, lineno: int, bad: list) -> bool:
-    """Put a stored value (the decoded record ``r`` has ``bytes``) into
-    ``r`` as an ndarray of its dtype; False (and the line named in ``bad``)
-    when its bytes are not there: it is skipped."""
-    try:
-        r["value"] = load_value(r, store)
-    except (MissingBytes, OSError) as e:
-        bad.append((lineno, f"{r['name']!r} step {r['step']}: {e}"))
-        return False
-    return True
+class Stored:
+    """Loads the values a run stored as bytes into the decoded records that
+    have them (its ByteStore opened at the first); a line whose bytes are
+    missing goes to ``bad`` as (line, problem), to be skipped."""
+
+    def __init__(self, path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
+        self.path, self.bad = path, bad
+        self._store: ByteStore | None = None
+
+    def load(self, r: dict, lineno: int) -> bool:
+        """Put ``r``'s stored value into it as an ndarray of its dtype;
+        False when its bytes are not there."""
+        if self._store is None:
+            self._store = ByteStore(self.path)
+        try:
+            r["value"] = load_value(r, self._store)
+        except (MissingBytes, OSError) as e:
+            self.bad.append((lineno, f"{r['name']!r} step {r['step']}: {e}"))
+            return False
+        return True
 
 
 def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
@@ -171,19 +166,16 @@ def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
     fp = first_pass(path, flt)
     _warn_skipped(path, [(n, why) for n, why in fp.problems if why != "empty line"])
     every = attempts == "all"
-    store = None
-    bad: list[tuple[int, str]] = []
+    stored = Stored(path, [])
     for lineno, d, divergent in matching(path, flt, fp, all_attempts=every):
         r = decode_record(d)
-        if "bytes" in d:
-            store = store or ByteStore(path)
-            if not _load_stored(r, store, lineno, bad):
-                continue
+        if "bytes" in d and not stored.load(r, lineno):
+            continue
         if divergent:
             r["divergent"] = True
         if every:
             r.setdefault("attempt", 0)
         builder.add(r)
-    _warn_skipped(path, bad)
+    _warn_skipped(path, stored.bad)
     del fp  # the indexes: their memory serves the frame's columns
     return builder.frame()

@@ -1,12 +1,10 @@
-"""Reading a file twice instead of holding it: the first pass of a
-streaming reader (``show``, ``export``, ``plot``, ``read(as_frame=True)``).
-
-A record's divergence depends on every copy of its key, and whether a later
-attempt superseded it on every record of its step, wherever they sit in
-the file. So ``first_pass`` keeps only the small per-key indexes (and the
-matched records while they are few, KEEP_RECORDS), and ``matching`` reads
-the file again (or walks the records kept) with exact answers for both.
-"""
+"""Reading a file twice instead of holding it (``show``, ``export``,
+``plot``, ``read(as_frame=True)``). A record's divergence depends on every
+copy of its key, and whether a later attempt superseded it on every record
+of its step, wherever they sit in the file. So ``first_pass`` keeps only the
+small per-key indexes (and the matched records while they are few,
+KEEP_RECORDS), and ``matching`` reads the file again (or walks the records
+kept) with exact answers for both."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ from pmaptap.tapfile.source import Run, iter_lines
 @dataclasses.dataclass
 class FirstPass:
     """What the first pass learned: the indexes, every line that is not a
-    record (line, why; empty lines included), and every name and run read
-    (to say what a file holds when nothing matched)."""
+    record (empty ones included), every name and run read (to say what a
+    file holds when nothing matched)."""
 
     # The record_key of every divergent replicated key (the index itself is
     # dropped before the second pass).

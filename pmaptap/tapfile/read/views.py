@@ -1,17 +1,16 @@
-"""Looking at records: loading with line numbers, filters, scalar extraction
-and aligned text tables. Shared by the ``pmaptap`` subcommands; no JAX here,
-and tap files are only ever parsed as JSON (never eval/pickle)."""
+"""Looking at records: the entries the commands stream, values as text and
+aligned tables. Shared by the ``pmaptap`` subcommands; no JAX here."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
-from pmaptap.tapfile.read.attempts import Attempts, attempt_of
-from pmaptap.tapfile.read.divergence import DivergenceIndex, reconcile_divergence
+from pmaptap.tapfile.read.attempts import attempt_of
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.read.stream import FirstPass, matching
 from pmaptap.tapfile.record import (
@@ -22,7 +21,7 @@ from pmaptap.tapfile.record import (
     index_text,
     shown_name,
 )
-from pmaptap.tapfile.source import Run, iter_lines, shown_value
+from pmaptap.tapfile.source import Run, shown_value
 
 
 @dataclasses.dataclass
@@ -41,100 +40,29 @@ class Entry:
             self.raw = dict(self.raw, divergent=True)
 
 
-def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
-    """Every valid record with its line number, plus the (line, problem) list
-    of lines that are not records (garbage, torn, empty)."""
-    path = Run.of(path)
-    entries: list[Entry] = []
-    problems: list[tuple[int, str]] = []
-    for lineno, d, problem in iter_lines(path):
-        if d is None:
-            problems.append((lineno, problem or "invalid"))
-            continue
-        entries.append(Entry(lineno, d, decode_record(d)))
-    mark_divergence(entries)
-    return entries, problems
-
-
-def load_matching(
-    path: str | os.PathLike, flt: "Filter"
-) -> tuple[list[Entry], list[tuple[int, str]], set, set]:
-    """Like ``load`` but keeps only the records ``flt`` matches, filtering
-    before decoding values; also every name and run read. Divergence is
-    judged on every copy of a matched key. The commands stream instead
-    (``iter_entries``); this and ``load`` are the definitions they are
-    tested against."""
-    path = Run.of(path)
-    entries: list[Entry] = []
-    problems: list[tuple[int, str]] = []
-    names: set = set()
-    runs: set = set()
-    index = DivergenceIndex()
-    attempts = Attempts()
-    for lineno, d, problem in iter_lines(path):
-        if d is None:
-            problems.append((lineno, problem or "invalid"))
-            continue
-        names.add(d["name"])
-        runs.add(d["run"])
-        if not flt.key_match(d):
-            continue
-        attempts.add(d)
-        index.add(d)
-        if flt(d):
-            entries.append(Entry(lineno, d, decode_record(d)))
-    for e in entries:
-        if index.divergent(e.raw):
-            e.mark_divergent()
-    if not flt.all_attempts and attempts:
-        # Records of a key share their step key, so one matched record's
-        # supersession is judged on the same records as any other's.
-        entries = [e for e in entries if not attempts.superseded(e.raw)]
-    return entries, problems, names, runs
-
-
 def iter_entries(
     path: str | os.PathLike, flt: "Filter", fp: "FirstPass", limit: int = 0
 ) -> Iterator[Entry]:
-    """``load_matching``'s entries, streamed: the second pass over the file
-    after ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
-    path = Run.of(path)
-    n = 0
-    for lineno, d, divergent in matching(path, flt, fp, all_attempts=flt.all_attempts):
+    """The entries of the records ``flt`` matches, less those a later
+    attempt superseded unless ``flt.all_attempts``, divergence judged on
+    every copy of a matched key: the second pass over the file after
+    ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
+    found = matching(Run.of(path), flt, fp, all_attempts=flt.all_attempts)
+    for lineno, d, divergent in itertools.islice(found, limit or None):
         e = Entry(lineno, d, decode_record(d))
         if divergent:
             e.mark_divergent()
         yield e
-        n += 1
-        if n == limit:
-            return
-
-
-def mark_divergence(entries: Sequence[Entry]) -> None:
-    """As ``pmaptap.read`` does: a replicated key written with several values
-    by different processes is divergent on every one of its records."""
-    recs = [e.rec for e in entries]
-    reconcile_divergence(recs)
-    for e in entries:
-        if e.rec.get("divergent"):
-            e.mark_divergent()
-
-
-# ------------------------------------------------------------------ values
 
 
 def scalar(v: Any) -> float | None:
     """The value as a float if it is one number (bool/int/float), else None.
     Non-finite floats stay NaN/inf: callers decide what to do with them."""
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)):
-        return float(v)
-    return None
+    return float(v) if isinstance(v, (int, float)) else None  # bool too
 
 
 def format_number(x: float | int | bool) -> str:
-    if isinstance(x, bool) or isinstance(x, int):
+    if isinstance(x, int):  # bool too
         return str(x)
     if math.isnan(x):
         return "nan"
@@ -239,21 +167,25 @@ def flags_text(r: dict) -> str:
     return " ".join(flags)
 
 
-def leaves(value: Any, dtype: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
+def leaves(
+    value: Any, dtype: Any, path: str = "", sep: str = "/", stats: bool = True
+) -> Iterator[tuple[str, Any, Any]]:
     """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
     value's pytree nesting, which tells a pytree list from an array. The
     path names a leaf as TensorBoard's tags, the summary's and plot's rows
-    do: ``name/<key>/<index>``."""
+    do (``name/<key>/<index>``), or with ``sep="."`` as the frame's and the
+    CSV's columns do. A summarized leaf ({"min": .., ...} for a string
+    dtype) gives a leaf per statistic, unless ``stats`` is False."""
     if isinstance(dtype, dict) and isinstance(value, dict):
         for k, v in value.items():
-            yield from leaves(v, dtype.get(k), f"{path}/{k}")
+            yield from leaves(v, dtype.get(k), f"{path}{sep}{k}", sep, stats)
     elif isinstance(dtype, list) and isinstance(value, list):
         for i, v in enumerate(value):
-            yield from leaves(v, dtype[i] if i < len(dtype) else None, f"{path}/{i}")
-    elif isinstance(value, dict):
-        # A summarized leaf: {"min": .., "max": .., ...} for a string dtype.
+            d = dtype[i] if i < len(dtype) else None
+            yield from leaves(v, d, f"{path}{sep}{i}", sep, stats)
+    elif stats and isinstance(value, dict):
         for k, v in value.items():
-            yield f"{path}/{k}", v, dtype
+            yield f"{path}{sep}{k}", v, dtype
     else:
         yield path, value, dtype
 
@@ -339,20 +271,13 @@ class Table:
             for c in self.columns:
                 self.widths[c] = max(self.widths[c], len(r[c]))
 
-    def _line(self, cells: dict[str, str]) -> str:
-        out = []
-        for c in self.columns:
-            cell = cells[c]
-            out.append(
-                cell.rjust(self.widths[c]) if c in self.right else cell.ljust(self.widths[c])
-            )
-        return "  ".join(out).rstrip()
-
     def header(self) -> str:
-        return self._line({c: c for c in self.columns})
+        return self.format({c: c for c in self.columns})
 
     def format(self, r: dict[str, str]) -> str:
-        return self._line(r)
+        w = self.widths
+        cells = (r[c].rjust(w[c]) if c in self.right else r[c].ljust(w[c]) for c in self.columns)
+        return "  ".join(cells).rstrip()
 
 
 def json_line(e: Entry, *, attempt: bool = False) -> str:

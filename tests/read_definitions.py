@@ -1,0 +1,86 @@
+"""The in-memory readers that the streaming ones (``pmaptap show``, ``export``,
+``validate``, ``read(as_frame=True)``: tapfile/read/stream.py) are held to:
+every record of a file in memory, divergence and attempts judged on all of
+them. Definitions for tests, moved here from tapfile/read/views.py."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+from pmaptap.tapfile.read.attempts import Attempts
+from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
+from pmaptap.tapfile.read.query import Filter
+from pmaptap.tapfile.read.views import Entry
+from pmaptap.tapfile.record import decode_record
+from pmaptap.tapfile.source import Run, iter_lines
+
+
+def index_records(records: Iterable[dict]) -> Attempts:
+    idx = Attempts()
+    for r in records:
+        idx.add(r)
+    return idx
+
+
+def load(path: str | os.PathLike) -> tuple[list[Entry], list[tuple[int, str]]]:
+    """Every valid record with its line number, plus the (line, problem) list
+    of lines that are not records (garbage, torn, empty)."""
+    path = Run.of(path)
+    entries: list[Entry] = []
+    problems: list[tuple[int, str]] = []
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            problems.append((lineno, problem or "invalid"))
+            continue
+        entries.append(Entry(lineno, d, decode_record(d)))
+    mark_divergence(entries)
+    return entries, problems
+
+
+def load_matching(
+    path: str | os.PathLike, flt: Filter
+) -> tuple[list[Entry], list[tuple[int, str]], set, set]:
+    """Like ``load`` but keeps only the records ``flt`` matches, filtering
+    before decoding values; also every name and run read. Divergence is
+    judged on every copy of a matched key."""
+    path = Run.of(path)
+    entries: list[Entry] = []
+    problems: list[tuple[int, str]] = []
+    names: set = set()
+    runs: set = set()
+    index = DivergenceIndex()
+    attempts = Attempts()
+    for lineno, d, problem in iter_lines(path):
+        if d is None:
+            problems.append((lineno, problem or "invalid"))
+            continue
+        names.add(d["name"])
+        runs.add(d["run"])
+        if not flt.key_match(d):
+            continue
+        attempts.add(d)
+        index.add(d)
+        if flt(d):
+            entries.append(Entry(lineno, d, decode_record(d)))
+    for e in entries:
+        if index.divergent(e.raw):
+            e.mark_divergent()
+    if not flt.all_attempts and attempts:
+        # Records of a key share their step key, so one matched record's
+        # supersession is judged on the same records as any other's.
+        entries = [e for e in entries if not attempts.superseded(e.raw)]
+    return entries, problems, names, runs
+
+
+def mark_divergence(entries: Sequence[Entry]) -> None:
+    """As ``pmaptap.read`` does: a replicated key written with several values
+    by different processes is divergent on every one of its records."""
+    recs = [e.rec for e in entries]
+    index = DivergenceIndex()
+    for r in recs:
+        index.add(r)
+    mark_divergent(recs, index)
+    for e in entries:
+        if e.rec.get("divergent"):
+            e.mark_divergent()
