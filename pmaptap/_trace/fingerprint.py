@@ -1,31 +1,15 @@
 """``pmaptap.fingerprint``: a 64-bit fingerprint of every device's copy of a
 value, computed on the device (fphash.py), compared on the host
-(_host/fingerprints.py), so that the device whose copy differs is named.
-
-Where the copies come from:
-
-- inside pmap / a fully manual shard_map: each device fingerprints its own
-  block; the ``n x leaves`` fingerprints are all-gathered (the one tiny
-  collective) and ONE device of the job (coordinate 0) calls back. Inside a
-  cond/switch branch or a while_loop body, where a collective that only
-  some devices reach would deadlock (docs/architecture.md), each device
-  calls back with its own instead, and each process compares its devices.
-  Which copies should be equal: all of them for a replicated value; where
-  JAX's varying-axes types are on (``shard_map(check_vma=True)``, the
-  default), those with the same coordinates on the axes the value varies
-  over (what the out specs would have to say; invariant.varying_axes).
-- under plain jit (and eagerly): fingerprint_jit.py, per slice of the
-  sharding XLA chose.
-
-Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same fingerprints leave the
-step as outputs instead (``fingerprint_out_p`` below, lifted by lift.py):
-computed on the device exactly as above, handed to the host half
-(_outputs/drain.py), which delivers the payloads the callback would have.
+(_host/pipeline/fingerprints.py), so that the device whose copy differs is
+named. docs/architecture.md, "Replica fingerprints", draws where the copies
+come from under pmap/shard_map (here), plain jit (fingerprint_jit.py) and
+``pmaptap.jit`` (``fingerprint_out_p`` below, lifted by lift.py); docs/api.md
+says which copies are compared.
 
 Each device's copy is read where it lies, after an optimization barrier:
-XLA may not recompute the value into the fingerprint's loop (it fused the
-producer there otherwise, and the fingerprint would then be of a second
-computation of the value, not of the bits the device keeps).
+otherwise XLA fused the value's producer into the fingerprint's loop, and
+the fingerprint was of a second computation of the value, not of the bits
+the device keeps.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
-"""The ready forwarders of ``pmaptap.forwarders`` (docs/forwarders.md).
+"""The ready forwarders of ``pmaptap.forwarders``; what each record becomes
+(metrics, histograms, divergent copies, a resumed attempt) and whose run
+they log to: docs/forwarders.md.
 
-Each is a callable taking one record dict, as ``Session(forward=[...])``
-calls every forwarder, with a ``flush()`` that the session calls at its
-``flush()``/``close()``. They run on the forwarding thread
-(``relay.py``), so none may rely on state that a library keeps per
-thread (MLflow's active run): what they log to is fixed when they are
-constructed, on the user's thread.
-
-What becomes what, the same in all three (``relay.scalar_series``, tagged
-as ``pmaptap export --tensorboard`` tags them):
-
-- each real scalar leaf is a metric at the record's step: ``loss``,
-  ``tree/<leaf>``, ``name@backward``; per-device records put the device in
-  the name (``grad_norm/device_3``), one series per device;
-- each copy of a divergent replicated value (its devices disagreed) goes to
-  ``<tag>/divergent/device_<first holder>``, not to ``<tag>``;
-- arrays: TensorBoard histograms; W&B and MLflow leave them out (the tap
-  file holds them);
-- fingerprint records (``pmaptap.fingerprint``): nothing while the copies
-  agree; the divergent ones as divergent copies are
-  (``tapfile/analyze/fingerprints.py: divergence_series``);
-- meta records (``pmaptap/dropped``, ``pmaptap/attempt``) are not logged;
-- the attempt of a resumed run: TensorBoard purges the replayed steps
-  (``purge_step``); W&B and MLflow cannot rewrite what they hold, so they log
-  ``pmaptap/attempt`` at the step where a later attempt starts.
-
-W&B and MLflow constructed with no run of the user's (none passed, none
-active) own one run per pmaptap run: the session's ``open(run, attempt)``
-starts it, or continues it in a resumed attempt (found by the pmaptap run
-id), and ``end(outcome)`` ends it: finished, failed or killed; a later
-attempt continues it again. A run of the user's is only logged to.
+They run on the forwarding thread (``relay.py``), so none may rely on state
+a library keeps per thread (MLflow's active run): what they log to is fixed
+when they are constructed, on the user's thread. The series are
+``relay.scalar_series``'s, tagged as ``pmaptap export --tensorboard`` tags
+them.
 """
 
 from __future__ import annotations

@@ -65,55 +65,8 @@ active_session = routing.active_session
 class Session:
     """One tap file for this process; ``with Session(path):`` opens and closes.
 
-    path: the shared JSON-lines file (created with its parents, appended to).
-    run: the run id written on every record (default: see default_run_id).
-    overflow / max_pending / max_pending_bytes: the bounded queue policy
-      ("drop_oldest" default, "drop_newest", or "block").
-    lock_timeout: seconds one lock attempt waits before the writer retries.
-    flush_timeout: seconds flush() waits for a busy lock before TapError.
-    close_timeout: seconds close() waits to drain (and for peers, multi-process).
-    group_timeout: seconds the copies of a step's value wait for the missing
-      device copies (a tap under a cond that fired on some devices only).
-    lock: "flock" (default; local disk, one host) or "soft" (NFS and other
-      shared filesystems where flock does not exclude across hosts; see
-      pmaptap._host.sinks.FileSink). Every process of a job must use the same mode.
-    layout: "file" (every process appends to ``path`` under a shared lock),
-      "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
-      no lock, nothing read back; readers merge: docs/multihost.md) or
-      "auto" (default): "sharded" when the job has more than
-      ``tapfile.source.run.SHARDED_ABOVE`` processes, else "file".
-    forward: forwarders that receive this process's records once they are
-      written to the file: its own devices' per-device records, and (see
-      forward_replicated) the job's replicated records on process 0:
-      callables taking the record dict (as pmaptap.read returns it), or
-      objects with ``write_scalars(step, mapping)`` (CLU's MetricWriter; real
-      scalar leaves only, one call per step). They run on their own thread
-      with a bounded queue; failures and drops are reported as TapError at
-      the next flush()/close(). Optional hooks, on that thread too:
-      ``open(run, attempt)`` first, ``end(outcome)`` last ("finished",
-      "failed", "killed": SIGTERM); docs/forwarders.md.
-    forward_replicated: which replicated records reach this process's
-      forwarders. "process0" (default): on process 0 every replicated record
-      it computed, each once, whichever process wrote it to the file; on the
-      other processes none. "written": those this process wrote (each value
-      once in the job, split over the processes). "all": every replicated
-      record this process computed (each process forwards its own copy).
-    forward_timeout: the most seconds flush()/close() wait for forwarders to
-      catch up and flush (their flush() too runs on their thread).
-    resume: continue a run after a restart. The run is ``run``, else
-      PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
-      none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
-      attempt number is one more than the run's highest attempt in the file
-      (0 if it has none), or PMAPTAP_ATTEMPT (``python -m pmaptap.launch
-      --restarts`` sets it) if that is higher; process 0 decides it for the
-      whole job. Records then carry ``"attempt": N``, and readers show, for a
-      step written by several attempts, only the latest one's
-      (pmaptap/tapfile/read/attempts.py). The file stays append-only. Taps need
-      ``step=``: one without is refused (ValueError at trace time, or a
-      TapError at flush/close when it was traced before the session
-      opened), as its automatic step would count from 0 again. A restarted
-      attempt (PMAPTAP_ATTEMPT >= 1) on a fixed run id (``run`` or
-      PMAPTAP_RUN) must resume: without it, open() raises SessionError.
+    Every option, its default and what it does: docs/api.md, "pmaptap.Session"
+    (the table); ``resume``: "Resuming a run after a restart" there.
     """
 
     def __init__(

@@ -1,32 +1,20 @@
-"""The sharded layout's sink: each process appends to its own file.
+"""The sharded layout's sink: each process appends to its own
+``<path>.d/p<process>.jsonl``: no lock, nothing read back, so its cost per
+record is the same at 2 processes and at 4,096 (``FileSink`` reads back what
+every other process appended, N^2 over a job). Readers merge the shards
+(``pmaptap/tapfile/source/run.py``); docs/architecture.md, "At scale".
 
-``FileSink`` shares one file: a global lock, and under it every process reads
-what all the others appended (bytes read back grow as N^2 over a job, and
-the lock hand-offs serialize N processes). ``DirectorySink`` writes
-``<path>.d/p<process>.jsonl`` alone: no lock, nothing read back, so its cost
-per record is the same at 2 processes and at 4,096. The readers merge the
-shards (``pmaptap/tapfile/source/run.py``).
-
-Replicated dedup without reading the others: a replicated record whose value
-every holding process verified on device (the gathered and verified layouts;
-``processes`` then names them all, and all of them build the same record) is
-written only by its owner, ``source.owner(key, processes)``. Any other
-replicated record (a per-process tap in the copy layout, a side ``Writer``, a
-``verified_off`` copy, a scalar under plain jit read from one device only:
-``copies_seen``, whose ``processes`` name holders that never saw it) is
-written by each process that has it, and readers
-keep one copy of each value, flagging different values divergent: nothing a
-non-owner saw can be lost because the owner never saw it.
-
-An owner can die before it writes what it owns (SIGKILL, the OOM killer,
-preemption), while the other holders live on. So each process keeps the
-replicated values it left to an owner (``Held``) until its close knows
-whether that owner closed (its records then are all written:
-``distributed.close_barrier``); for an owner that did not, it writes them
-itself (``write_held``), a copy like any other holder's, which readers keep
-once (the merge drops a copy of a value already read: tapfile/source/run.py). A healthy
-job writes nothing extra: every owner closes. What is kept is bounded
-(``HELD_BYTES``); see ``Held``.
+A replicated record every holding process verified on device (gathered and
+verified layouts: all of them build the same record) is written only by its
+owner, ``source.owner(key, processes)``. Any other replicated record (copy
+layout, a side ``Writer``, ``verified_off``, a plain-jit scalar read from
+one device) is written by each holder and readers keep one copy of each
+value: nothing a non-owner saw can be lost because the owner never saw it.
+An owner that dies before writing what it owns (docs/multihost.md, "An
+owner killed before it wrote what it owns"): each process keeps what it
+left to an owner (``Held``, bounded by ``HELD_BYTES``) until its close
+knows whether that owner closed, and writes it itself if not
+(``write_held``). A healthy job writes nothing extra.
 """
 
 from __future__ import annotations
