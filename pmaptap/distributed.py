@@ -1,17 +1,13 @@
 """Multi-process jobs: connecting the processes, agreeing on the run id, and
-the coordinated close.
+the coordinated close (docs/multihost.md).
 
-``initialize()`` is called at the top of a training script, before any JAX
-computation (``jax.distributed.initialize`` refuses to run once a backend
-exists). It picks one of three modes:
-
-- under ``python -m pmaptap.launch`` (the ``PMAPTAP_*`` variables below are
-  set): connect with exactly the launcher's settings, JAX's cluster detection
-  switched off so that a surrounding SLURM allocation cannot interfere;
-- on a cluster JAX knows (SLURM, Open MPI, Kubernetes, Cloud TPU) or with
-  ``JAX_COORDINATOR_ADDRESS`` set: ``jax.distributed.initialize()`` with no
-  arguments, i.e. JAX's own detection;
-- otherwise (a lone process): nothing.
+``initialize()`` comes before any JAX computation
+(``jax.distributed.initialize`` refuses once a backend exists). Under
+``python -m pmaptap.launch`` it connects with exactly the launcher's
+settings, JAX's cluster detection off so a surrounding SLURM allocation
+cannot interfere; on a cluster JAX knows (or with
+``JAX_COORDINATOR_ADDRESS``) through JAX's detection; a lone process does
+nothing.
 
 Run-id agreement and the close barrier use the key-value store and barriers
 of JAX's coordination service (``jax._src.distributed.global_state.client``),

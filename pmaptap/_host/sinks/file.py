@@ -1,26 +1,16 @@
 """The shared-file sink (the interface every sink implements is in base.py).
 
-``FileSink`` appends whole lines to one file shared by every process of a job.
-Each batch is encoded outside the lock, then written with a single
-``os.writev`` of its lines on an ``O_APPEND`` descriptor while holding
-``FileLock(path + ".lock")``: no line is torn or interleaved by another
-process. A writer killed mid-line leaves a file that does not end in a
-newline; the next batch (from any process) starts with one, so at most that
-torn line is lost. The cross-process dedup indexes what the others appended
-from the run's start in the file (``index_from``), whenever this process
-opened. The lock only waits ``lock_timeout`` per attempt: a stuck
-holder makes ``write`` raise ``LockBusy`` and the pipeline retries later
-while taps keep returning.
-
-The file may change under a running job: another program appends garbage
-(a corrupt line costs that line only: the dedup skips and counts it), someone
-truncates it (``: > run.jsonl``) or moves it away and creates a new one (log
-rotation). Under the lock, before each batch, the sink compares the file at
-the path with what it last saw: a new inode (or no file) means replaced, a
-size below its last offset or different bytes just before it means truncated
-(or rewritten). It then writes to the file now at the path, re-reads that file
-from its start for the dedup, and warns once per kind; the batch in hand and
-everything queued are written there, nothing is dropped.
+``FileSink`` appends whole lines to one file shared by every process of a
+job: each batch encoded outside the lock, then one ``os.writev`` on an
+``O_APPEND`` descriptor under ``FileLock(path + ".lock")``, so no line is
+torn or interleaved by another process; a torn last line (a killed writer)
+gets a newline before the next batch. The lock waits ``lock_timeout`` per
+attempt: a stuck holder makes ``write`` raise ``LockBusy`` and the pipeline
+retries while taps keep returning. The cross-process dedup indexes from the
+run's start in the file (``index_from``; docs/architecture.md, "A late
+opener knows what the others wrote"). A file truncated, replaced or removed
+under a running job is noticed under the lock before each batch and written
+to as it now is (docs/faults.md, "Faults").
 """
 
 from __future__ import annotations
