@@ -370,15 +370,11 @@ def session_start(run: str, attempt: int, offset: int) -> int | None:
     process: the file's size when the job's *first* process opened it, or
     None when alone (or when the coordination service cannot say).
 
-    Nothing of this session can be in the file before that offset, and a
-    process that opens later (a slow setup, no collective holding the
-    processes together) must index everything since it for the cross-process
-    dedup, or it writes every replicated value again. First come, first
-    served: each process offers its own size under one key with
-    ``key_value_set`` (which refuses to overwrite), and whoever is refused
-    reads the winner's. So nobody waits for anybody, process 0 included.
-    The k-th session of ``(run, attempt)`` on each process is paired with
-    the k-th on the others, as in ``close_barrier``.
+    First come, first served (``key_value_set`` refuses to overwrite; whoever
+    is refused reads the winner's), so nobody waits for anybody; why:
+    docs/architecture.md, "A late opener knows what the others wrote". The
+    k-th session of ``(run, attempt)`` on each process is paired with the k-th
+    on the others, as in ``close_barrier``.
     """
     client = _client()
     if client is None or not _multi_process():

@@ -3,16 +3,9 @@ process-wide console pipeline that prints readable lines to stderr.
 
 The active session is held here and nowhere else (``session.py`` reads and
 sets it through this module), so the callback path and the session
-lifecycle cannot disagree about it.
-
-Hand-over against close/open: the callback reads the active session once and
-offers the payload to its pipeline. A pipeline admits under its queue lock
-until close() shuts admission, and close() answers only once everything
-admitted is written; a payload offered after that is refused, and goes to
-the console like a tap with no session. So every tap lands in the session
-active when its callback ran, is written by that session before its close()
-returns, or is printed on stderr: never nowhere, and never counted as an
-overflow drop.
+lifecycle cannot disagree about it. A payload a closing pipeline refuses
+goes to the console: never nowhere (docs/architecture.md, "A close never
+strands a tap").
 """
 
 from __future__ import annotations

@@ -51,24 +51,13 @@ FN = "pmaptap.fingerprint"
 
 def fingerprint(x: T, name: str, *, step=None, every: int = 1) -> T:
     """Fingerprint every device's copy of ``x`` (an array or pytree of
-    arrays) and name the devices whose copies differ. Returns ``x``
-    unchanged; gradients flow as if the call were absent.
-
-    On each device that holds a copy of a leaf (or a slice of it), a 64-bit
-    fingerprint of the copy's exact bits is computed on the device; only
-    the fingerprints (8 bytes a leaf a device) reach the host, which
-    compares the copies that should be equal: under pmap all of them (a
-    replicated value), under jit the holders of each slice of the sharding,
-    inside shard_map those the varying-axes types say hold the same block.
-    Written: one ``"kind": "fingerprint"`` record per call and step when
-    they agree; when not, one record per distinct fingerprint of each
-    disagreeing leaf (and slice), ``"divergent": true``, listing exactly its
-    holders. ``pmaptap summary`` names the suspect devices.
+    arrays) on the device and name the devices whose copies differ. Returns
+    ``x`` unchanged; gradients flow as if the call were absent.
 
     step: None for an automatic per-name counter, a Python int or a traced
-    integer scalar. every: fingerprint steps where ``step % every == 0``
-    (decided on the device for a traced step, at trace time for an int;
-    with the automatic counter the host skips the others)."""
+    integer scalar. every: fingerprint steps where ``step % every == 0``.
+    Which copies are compared and the records written: docs/api.md, "Silent
+    data corruption"."""
     send(x, name, step=step, every=every)
     return x
 

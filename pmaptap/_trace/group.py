@@ -168,22 +168,13 @@ class _Collector:
 class group(_Collector, contextlib.ContextDecorator):
     """``with pmaptap.group():`` (or ``@pmaptap.group()``) inside a traced
     step: the taps made directly in the block share ONE host callback per
-    process, emitted when the block ends, instead of one each (under plain
-    jit: one callback per device carrying every tap's shard, or one from
-    device 0 when every tap is a scalar).
+    process (under plain jit, one per device), emitted when the block ends
+    (docs/api.md, "One callback per host, not per device").
 
-    Only taps at the block's own trace level join (a tap inside a nested
-    scan/cond/vmap body is emitted on its own as usual), and only those on
-    the fast path (mapped axes, small enough to gather) or under plain jit. Taps with a traced
-    ``step`` and ``every > 1`` join too: those sharing the same step and
-    ``every`` are decided by ONE on-device ``step % every == 0`` and share
-    one callback, so a logging block costs one never-firing branch on the
-    steps it skips, not one per tap. Records are exactly those of separate
-    taps.
-
-    With automatic grouping on (``pmaptap.configure(auto_group=True)``, the
-    default) the taps of a traced body share a callback without a block;
-    ``group()`` still marks where that callback goes.
+    Only taps at the block's own trace level join, and only those on the fast
+    path (mapped axes, small enough to gather) or under plain jit. Taps sharing
+    a traced ``step`` and ``every > 1`` are decided by ONE on-device
+    ``step % every == 0``. Records are exactly those of separate taps.
     """
 
     def __enter__(self) -> "group":

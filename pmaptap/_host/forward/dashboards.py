@@ -106,25 +106,12 @@ class _ByStep:
 
 
 class WandB(_ByStep):
-    """Logs to a W&B run: ``run``, or ``wandb.run`` when there is one (the
-    user's ``wandb.init()``, on the process that forwards), or else a run it
-    starts itself for the pmaptap run.
+    """Logs to a W&B run: ``run``, or ``wandb.run``, or else one it starts for
+    the pmaptap run (``wandb_id(run)``, ``resume="allow"``: every attempt
+    continues it) and finishes at the session's end; docs/forwarders.md.
 
-    The run it starts (at the session's ``open``) has the id ``wandb_id(run)``
-    and ``resume="allow"``, so every attempt of a restarted job continues the
-    same W&B run; its name is the pmaptap run id, its group the run id too
-    (a process other than 0 that forwards gets its own run in the group) and
-    its config ``pmaptap_run``. ``init`` is passed on to ``wandb.init``
-    (``project=``, ``dir=``, ``settings=``, ...). The session's end finishes
-    it: exit code 0 when the session closed normally, 1 after an exception,
-    143 on SIGTERM (the next attempt resumes it). A run of the user's is only
-    logged to; finishing it is the user's.
-
-    W&B's own ``_step`` must only grow, and a tap's steps need not (taps with
-    their own ``step=``, a restart): each metric is plotted against
-    ``step_metric`` (``pmaptap/step``, set with ``define_metric``) instead.
-    A resumed run's replayed steps are logged again (W&B cannot rewrite a
-    run's history); ``pmaptap/attempt`` marks the step where they begin."""
+    W&B's own ``_step`` must only grow, and a tap's steps need not (``step=``,
+    a restart): each metric is plotted against ``step_metric`` instead."""
 
     EXIT_CODES = {"finished": 0, "failed": 1, "killed": 143}
 
@@ -198,22 +185,8 @@ class MLflow(_ByStep):
     active run is per thread, and forwarders run on pmaptap's forwarding
     thread, where ``mlflow.log_metric`` would start a run of its own.
 
-    The run: ``run_id``, else the active run of the thread that constructs
-    the forwarder (inside ``with mlflow.start_run():``), else one it owns: at
-    the session's ``open`` it continues the run tagged ``pmaptap.run`` with
-    the pmaptap run id (a resumed attempt), or creates it, named after the
-    pmaptap run, in ``experiment`` (a name; default: the experiment
-    ``mlflow.set_experiment`` chose on the constructing thread, else
-    MLflow's default). The session's end sets its status: FINISHED after a
-    normal close, FAILED after an exception, KILLED on SIGTERM; the next
-    attempt sets it RUNNING again. A run of the user's is only logged to.
-    ``tracking_uri`` defaults to ``mlflow.get_tracking_uri()`` on the
-    constructing thread.
-
-    Each metric has the record's step and time. MLflow keeps every value
-    logged at a step, so a resumed run's replayed steps hold both attempts'
-    values (its charts draw both); ``pmaptap/attempt`` marks the step where
-    the replay begins."""
+    Which run, the one it owns across attempts, its status at the session's
+    end and a resumed run's replayed steps: docs/forwarders.md."""
 
     # MLflow's limit of metrics per log_batch call.
     BATCH = 1000

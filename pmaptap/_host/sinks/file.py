@@ -45,20 +45,14 @@ _NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 class FileSink(Sink):
     """Appends record batches to the shared file under a cross-process lock.
 
-    lock="flock" (default): ``filelock.FileLock(path + ".lock")`` (flock(2))
-      and one ``O_APPEND`` descriptor kept open. Right for a local disk, i.e.
-      for the processes of one host.
-    lock="soft": for shared filesystems where flock may not exclude across
-      hosts (NFS clients, Lustre without ``-o flock``). The lock is
-      ``filelock.SoftFileLock(path + ".softlock")``: a marker file created
-      with ``O_CREAT | O_EXCL`` (atomic at an NFSv3+ server) that records pid
-      and host. A marker left by a dead process of the same host is
-      reclaimed; one left by a crashed host blocks writers until it is
-      removed (the LockBusy message names the holder). Each batch re-opens
-      the file under the lock, writes at the size the server reports, fsyncs
-      and closes before releasing: NFS close-to-open consistency then lets
-      the next holder, on any host, see these bytes and append after them
-      (O_APPEND with a client's cached size could overwrite them).
+    lock="flock" (default): ``filelock.FileLock(path + ".lock")`` and one
+    ``O_APPEND`` descriptor kept open: the processes of one host.
+    lock="soft" (NFS, Lustre without ``-o flock``; docs/multihost.md, "Where
+    the file may live"): ``filelock.SoftFileLock(path + ".softlock")``, and each
+    batch re-opens the file under the lock, writes at the size the server
+    reports, fsyncs and closes before releasing, so close-to-open consistency
+    shows the next holder these bytes (O_APPEND with a client's cached size
+    could overwrite them).
     """
 
     def __init__(
