@@ -414,20 +414,14 @@ def close_barrier(
     """Wait (at most ``timeout`` seconds) until every process has closed its
     session for ``run``; then the file holds every process's records.
 
-    Each process first sets ``pmaptap/<run>/closed/<k>/<pid>`` (its records
-    are written by then: the session calls this after draining), then waits
-    at a coordination-service barrier. On timeout it warns with the ids of
-    the processes whose key is missing. Never raises, never blocks longer
-    than about ``timeout``, and uses no device collectives.
-
-    ``on_unclosed`` gets the processes not seen to close (None: the
-    coordination service cannot say which) when the wait fails, and, with
-    ``eager`` (a process being terminated, which may not live through the
-    wait), those not closed yet before it waits; ``unclosed_now`` asks
-    during the wait. The sharded layout writes the values those processes
-    own and may not have written (_host/sinks/directory.py: Held). ``wait=False`` (a
-    SIGTERM'd process: a peer may be dead and the grace before SIGKILL is
-    short) announces the close and makes the eager call, without waiting.
+    Each process sets ``pmaptap/<run>/closed/<k>/<pid>`` (after draining), then
+    waits at a coordination-service barrier; on timeout it warns naming the
+    processes whose key is missing. Never raises, no device collectives.
+    ``on_unclosed`` gets the processes not seen to close (None: unknown) when
+    the wait fails and, with ``eager`` (a process being terminated), before it
+    waits, so the sharded layout writes what they own (sinks/directory.py:
+    Held). ``wait=False`` (SIGTERM: a peer may be dead, the grace short)
+    announces the close and makes the eager call without waiting.
     """
     client = _client()
     if client is None:

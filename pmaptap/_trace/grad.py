@@ -154,18 +154,12 @@ def _forward_mode_error(name: str) -> TypeError:
 
 
 def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1, step: Any = None) -> T:
-    """Identity on ``x`` (an array or pytree of arrays). In the backward pass
-    (``jax.grad`` / ``value_and_grad`` / ``vjp`` / ``jacrev``) it records the
-    cotangent arriving at ``x``, as ``pmaptap.tap`` would record a value:
-    tagged with device, process and mesh coordinates, deduplicated by
-    ``dedup``, numbered by ``step``, thinned by ``every``. Records carry
-    ``"pass": "backward"``.
-
-    step: None counts backward executions per (name, device) (inside a scan:
-    in the order the backward pass runs, last iteration first); a Python int
-    or a traced integer scalar of the *forward* pass labels the record with
-    it. Arguments are checked here, at trace time, whether or not a gradient
-    is ever taken. Forward mode (``jax.jvp``) is refused with a TypeError.
+    """Identity on ``x`` (an array or pytree of arrays) whose backward pass
+    records the cotangent arriving at ``x`` as ``pmaptap.tap`` records a value
+    (``"pass": "backward"``). step: None counts backward executions; a Python
+    int or traced integer of the *forward* pass labels the record. Arguments
+    are checked at trace time; forward mode is a TypeError. docs/api.md,
+    "Backward taps".
     """
     check_common(name, dedup, every, FN)
     static_step, traced_step = check_step(step, name, FN)
