@@ -267,9 +267,3 @@ class DirectorySink(ShardSink):
                 "that path (counted in DirectorySink.replacements)."
             )
         return os.fstat(fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        super().close()  # the byte file

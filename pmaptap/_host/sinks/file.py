@@ -388,12 +388,6 @@ class FileSink(Sink):
             f"{e}{who}. If that process is gone from another host, remove {self._lock.lock_file!r}."
         )
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        super().close()  # the byte file
-
 
 def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:
     """The last _MARK_BYTES of ``mark`` followed by ``chunks``."""
