@@ -75,9 +75,6 @@ _mode: str | None = None
 _alone_checked = False
 
 
-# --------------------------------------------------------------- initialize
-
-
 def launcher_settings(
     environ: dict[str, str] | None = None,
 ) -> tuple[str, int, int, str | None] | None:
@@ -362,9 +359,6 @@ def agree(topic: str, make: Callable[[], str], *, timeout: float | None = None) 
         return own
 
 
-# --------------------------------------------------------------- session start
-
-
 def session_start(run: str, attempt: int, offset: int) -> int | None:
     """Where this session's part of the shared file starts, the same on every
     process: the file's size when the job's *first* process opened it, or
@@ -398,9 +392,6 @@ def session_start(run: str, attempt: int, offset: int) -> int | None:
             "written again."
         )
         return None
-
-
-# --------------------------------------------------------------- close
 
 
 def close_barrier(

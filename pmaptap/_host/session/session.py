@@ -150,7 +150,6 @@ class Session:
         state = "open" if self.pipeline is not None and not self.pipeline.closed else "closed"
         return f"Session(path={self.path!r}, run={self.run!r}, {state})"
 
-    # ------------------------------------------------------------- open
     def open(self) -> "Session":
         with _open_lock:
             current = routing.active_session()
@@ -221,7 +220,6 @@ class Session:
         except TapError as e:
             log.warning(f"pmaptap: {e}")
 
-    # ------------------------------------------------------------- flush
     def flush(self, timeout: float | None = -1) -> None:
         """Return once every tap dispatched before this call is written by this
         process. Raises TapError for background failures since the last call."""
@@ -235,7 +233,6 @@ class Session:
             )
         return self.pipeline
 
-    # ------------------------------------------------------------- close
     def close(self) -> None:
         """Write everything dispatched, wait for the other processes (multi-
         process jobs), and end the session. Safe to call twice."""
