@@ -181,24 +181,13 @@ def _replicated_input(trace: Any, var: Any, axes: frozenset) -> bool:
 
 def _per_device_eqn(primitive: Any) -> bool:
     """Whether an equation's result may differ between the devices while
-    JAX's varying-axes typing says it cannot: JAX types such a result from
-    its operands (or from the type its caller declared), yet the device
-    computes it from something else.
-
-    - a host callback (io_callback, pure_callback, host_callback.call,
-      buffer_callback): each device calls the host on its own and may get
-      its own answer. (pmaptap's own taps return their operand, or
-      nothing, on the device, as jax.debug.callback returns nothing: no
-      host answer flows out.)
-    - ``rng_uniform``: XLA's stateful generator, each device its own draw.
-      (``rng_bit_generator``, ``random_bits`` and every ``jax.random``
-      implementation are functions of their key: the same key, typed
-      invariant, draws the same bits on every device.)
-    - ``precv``: a value sent by another device.
-    - code JAX does not read (``ffi_call``, ``pallas_call`` and Mosaic's
-      ``tpu_custom_call``, ``core_map``, ``call_exported``): it may read the
-      device's index or talk to other devices, and its result's type is
-      what its caller declared.
+    JAX's varying-axes typing (which types it from its operands, or from what
+    its caller declared) says it cannot: a host callback (io_callback,
+    pure_callback, host_callback.call, buffer_callback: each device may get its
+    own answer; pmaptap's taps return no host answer), ``rng_uniform`` (XLA's
+    stateful generator; every ``jax.random`` draw is a function of its key),
+    ``precv``, and code JAX does not read (``ffi_call``, ``pallas_call``,
+    ``tpu_custom_call``, ``core_map``, ``call_exported``).
     """
     name = primitive.name
     if name in _NO_HOST_ANSWER:
@@ -344,19 +333,13 @@ class _Input(NamedTuple):
 
 def _input_origins(trace: Any, var: Any) -> list | None:
     """What the input ``var`` of ``trace`` may have been made from, to walk
-    on, or None where that is unknown (then it may be per-device):
-
-    - pmaptap.jit/pmap's second trace of a body: the value it stands for
-      (``same_as``);
-    - a shard_map body: the value its staging passed in, if that is itself
-      a per-device value (a shard_map nested in another one's body); a
-      value of the whole computation around it (jit) is left there: its
-      compiler keeps a replicated value the same on every device;
-    - the body of a scan, jit, cond, checkpoint, custom_jvp... traced
-      inside another trace: one of that trace's values, not known which;
-      so every equation recorded there so far is read (none may be a
-      per-device source) and that trace's own inputs and closed-over
-      values are walked on.
+    on, or None where unknown (then it may be per-device): for pmaptap.jit's
+    second trace of a body, the value it stands for (``same_as``); for a
+    shard_map body, the value its staging passed in if that is itself
+    per-device (a jit's value is kept replicated by its compiler); for a body
+    traced inside another trace (scan, jit, cond, checkpoint, ...), unknown
+    which: every equation recorded there so far is read and that trace's own
+    inputs and closed-over values are walked on.
     """
     from jax._src.interpreters import partial_eval as pe
 

@@ -219,19 +219,10 @@ def recomputed_while_predicate(ctx: Any) -> bool:
 
 def host_copy(a: np.ndarray) -> np.ndarray:
     """An argument of XLA's python callback as pmaptap may keep it after the
-    call returns, with no second copy of its bytes.
-
-    XLA's callback handler already hands over arrays that hold their own
-    bytes: on the CPU its NumPy wrapper copies the device buffer it was
-    given, which it cannot give an owner (``nb_numpy_ndarray`` without a
-    base: ``PyArray_NewCopy``); on a GPU the device-to-host transfer fills a
-    host buffer that the array owns through a capsule ``base``. That copy is
-    the one an array tap needs (XLA's own buffers are only valid during the
-    call); the writer later hands its buffer to ``writev``. So these are
-    kept as they are (a second copy was most of a big array tap's cost, on
-    XLA's threads; docs/performance.md).
-    Only a view with no owner (no ``base``, not owning its data), should a
-    JAX hand one over, is copied."""
+    call returns, with no second copy of its bytes: XLA hands over arrays that
+    already own a copy of the device buffer (docs/architecture.md, "Array
+    values stored as bytes", says how on CPU and GPU), so they are kept as
+    they are. Only a view with no owner, should a JAX hand one over, is copied."""
     if a.base is None and not a.flags.owndata:
         return np.array(a, copy=True)
     return a

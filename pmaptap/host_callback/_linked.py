@@ -369,19 +369,14 @@ def _on_one_device(sharding) -> bool:
 
 def _token_past_the_callback(token):
     """The token the chain goes on with after a callback on one device: a
-    fresh ``after_all`` of the callback's token, so ordered after it by data
-    dependence, as the token itself is.
+    fresh ``after_all`` of the callback's token (ordered after it by data).
 
-    Why not the callback's own token: its next user may need the token with
-    another sharding. A shard_map body (also what ``pmap`` lowers to inside
-    an outer jit) takes its token replicated over its mesh, and the
-    Shardy propagation of JAX 0.12's XLA writes that sharding back onto the
-    value it is given (0.10's kept the callback's single-device sharding),
-    where the partitioner refuses it on a side-effecting op ("side-effect HLO
-    cannot have a replicated sharding"). ``after_all`` has no side effect and
-    no sharding rule: it takes the sharding its users need, the callback keeps
-    its own, and the partitioner gives the other devices a token of their own
-    (as for every one-device op): each device's chain stays in order."""
+    Not the callback's own token: a shard_map body (what ``pmap`` lowers to
+    inside an outer jit) takes its token replicated, and JAX 0.12's Shardy
+    propagation writes that sharding back onto the value it is given, which the
+    partitioner refuses on a side-effecting op ("side-effect HLO cannot have a
+    replicated sharding"). ``after_all`` has no side effect and takes the
+    sharding its users need; each device's chain stays in order."""
     from jax._src.lib.mlir.dialects import hlo
 
     return hlo.after_all([token])
