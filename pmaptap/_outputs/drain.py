@@ -571,15 +571,8 @@ def _fingerprint_payloads(
     site: Site, views: list, loops: tuple[int, ...]
 ) -> Iterator[tuple[FingerprintSpec, tuple]]:
     """A fingerprint's payloads as its callback delivers them
-    (_common/fingerprint.py; operands from fingerprint.lifted):
-
-    - COPY (rows): each device's ``(coords, step, fps)``;
-    - GATHERED (rows): every device's fingerprints, ``(step, fps[n, ...])``,
-      from the row of the device at coordinate 0, on the process holding it
-      (where its callback ran);
-    - JIT (one table): ``(step, fps[:partitions])`` with the spec its
-      lowering bound (by the number in the outputs), on the process of
-      partition 0 (whose device called back)."""
+    (_common/fingerprint.py's three layouts; operands from
+    fingerprint.lifted), each on the process whose device called back."""
     spec = site.spec
     if spec.layout is FingerprintLayout.JIT:
         lead = _at(site, loops, None)

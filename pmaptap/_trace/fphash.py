@@ -113,18 +113,13 @@ def fingerprint64_many(
     leaves: list[jax.Array], valids: list[jax.Array | None] | None = None
 ) -> jax.Array:
     """``fingerprint64`` of each of ``leaves`` (``valids``: each one's
-    ``valid``, or None), as uint32[len(leaves), 2]: the same values, in a
-    number of hash operations that does not grow with the leaves (one
-    fold of its blocks each aside). Hashing each leaf on its own made
-    compiling a step with the fingerprint of a model's parameters markedly
-    slower (a handful of reductions a leaf; docs/performance.md).
-
-    Every leaf in the CPU layout (``_flat``: all of them on a CPU, the
-    small ones everywhere) is read by its own fold (``_split``, one pass
-    over its bits, as before); from there on they are hashed together
-    (``_cpu_layout``). The big leaves are one ``platform_dependent`` for all
-    of them (one each before): on a TPU those of one shape and dtype are
-    hashed together (``_tpu_layout``), elsewhere one by one."""
+    ``valid``, or None), as uint32[len(leaves), 2], in a number of hash
+    operations that does not grow with the leaves (hashing each on its own made
+    compiling a model's parameters' fingerprint markedly slower). Each
+    CPU-layout leaf (``_flat``) is read by its own fold (``_split``), then all
+    are hashed together (``_cpu_layout``); the big leaves are one
+    ``platform_dependent`` (on a TPU those of one shape and dtype together,
+    ``_tpu_layout``)."""
     valids = [None] * len(leaves) if valids is None else list(valids)
     leaves = [jnp.asarray(x) for x in leaves]
     valids = [

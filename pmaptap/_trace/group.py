@@ -199,14 +199,11 @@ def auto_offer(
     spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
 ) -> bool:
     """Defer a tap not in a ``group()`` block to the end of its trace, where
-    it shares one callback with the trace's other such taps (one gather, one
-    cond, one callback a step instead of one each). False (emit it now, as
-    before) unless automatic grouping is on, the hook is installed, and the
-    current trace is a plain staging trace (or a grad/jvp trace directly in
-    one: the tap waits for the enclosing trace's end, see
-    traceend.staging_target) and every traced operand is a staging tracer
-    (its own, or one it closes over, such as a step): under vmap's batching
-    or eager execution nothing is deferred."""
+    it shares one callback with the trace's other such taps. False (emit it
+    now) unless automatic grouping is on, the hook is installed, the current
+    trace is a plain staging trace (or a grad/jvp trace directly in one:
+    traceend.staging_target) and every traced operand is a staging tracer:
+    under vmap's batching or eagerly nothing is deferred."""
     if not options().auto_group or not traceend.installed():
         return False
     # The step's staging trace, also from inside grad/jvp (staging_target).
@@ -264,13 +261,10 @@ def _emit_members(members: list[_Member], kind: str) -> None:
 
 def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...], kind: str):
     """The group's counterpart of ``emitter`` (layouts.py): emits the
-    members' one payload, wrapped in ``custom_vmap`` for the same two
-    reasons as a single tap's: a vmap of the traced step
-    (``vmap(jit(step))``) makes ONE callback holding the whole batch (records
-    as separate taps would have, ``batch_dims`` counted), not one per
-    element; and ``jax.checkpoint`` does not replay the callback when it
-    recomputes the forward pass (before this wrapper, a ``group()`` under
-    remat + grad wrote every record twice)."""
+    members' one payload, wrapped in ``custom_vmap`` for a single tap's two
+    reasons (layouts.py's docstring): one callback for a vmapped batch, and no
+    replay under ``jax.checkpoint`` (a ``group()`` under remat + grad wrote
+    every record twice before)."""
     m = len(specs)
 
     def split(args):

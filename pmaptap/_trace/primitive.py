@@ -274,10 +274,8 @@ def _lowering(ctx, *args, host_fn):
 def emit_on_device_0(ctx, *args, host_fn):
     """ONE host call, on device 0 of the computation, with the arrays XLA
     hands over: the MAXIMAL sharding debug_callback's lowering sets, without
-    its jax.device_put of every argument on XLA's thread (a copy of the
-    value, and on a GPU a second one after the transfer; a JAX call where
-    JAX calls can deadlock). Plain jit taps, and fingerprints gathered from
-    every device (fingerprint_jit.py)."""
+    its jax.device_put (see the module docstring). Plain jit taps, and
+    fingerprints gathered from every device (fingerprint_jit.py)."""
     from jax._src import config
 
     if config.use_shardy_partitioner.value:

@@ -279,14 +279,9 @@ def _chosen_experiment(mlflow: Any) -> str | None:
 
 class TensorBoard:
     """Writes TensorBoard event files from the job itself (tensorboardX; no
-    TensorFlow), laid out as ``pmaptap export --tensorboard`` lays them out:
-    ``logdir/<run>/``, scalars as series, arrays as histograms.
-
-    A resumed run: the first record of the new attempt reopens the run's
-    event file with ``purge_step`` at its step, so TensorBoard drops the
-    earlier attempt's points from there and shows one point per step. One
-    process should write a run's directory (process 0, or a ``logdir`` per
-    process): TensorBoard reads one growing event file per directory."""
+    TensorFlow), laid out as ``pmaptap export --tensorboard`` lays them out;
+    one writer per directory, and a resumed run's ``purge_step``:
+    docs/forwarders.md."""
 
     def __init__(self, logdir: str | os.PathLike) -> None:
         try:

@@ -306,13 +306,10 @@ class Session:
             pass
 
     def _after_close(self, wait: bool = True) -> None:
-        """Multi-process: wait (bounded) until every process has closed, so
-        that the file holds every record once close() returns anywhere. The
-        sharded layout then writes the values it left to owners that did not
-        close (before waiting when SIGTERM closed it: it may not outlive
-        the wait). A SIGTERM'd close (``wait=False``) announces its close and
-        writes those values without waiting: a peer may be dead and the grace
-        before SIGKILL is short."""
+        """Multi-process: wait (bounded) until every process has closed, so the
+        file holds every record once close() returns anywhere; what the sharded
+        layout writes for owners that did not close, and ``wait=False`` on
+        SIGTERM: ``distributed.close_barrier``."""
         held = getattr(self.pipeline.sink, "held", None) if self.pipeline else None
         distributed.close_barrier(
             self.run or "",

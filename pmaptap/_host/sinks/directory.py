@@ -235,15 +235,11 @@ class DirectorySink(ShardSink):
         self.bytes_written += written
 
     def _reopen_if_replaced(self) -> os.stat_result:
-        """The shard moved away or removed under us (log rotation, a clean-up
-        script): write to the file now at the path, as FileSink does, and
-        say so once. Truncation needs nothing: O_APPEND writes at the end.
-        Returns the stat of the file written to.
-
-        A batch costs one fstat of the open file. A removed shard shows at
-        once (no link left); one renamed away is seen by a stat of the path,
-        made at most every PATH_CHECK_S seconds, so a rotation moves the
-        writer to the new file within that time."""
+        """The shard moved away or removed under us: write to the file now at the
+        path, as FileSink does, and say so once (truncation needs nothing:
+        O_APPEND). Returns the stat of the file written to. One fstat a batch shows
+        a removal at once (no link left); a rename is seen by a stat of the path,
+        at most every PATH_CHECK_S seconds (docs/faults.md)."""
         mine = os.fstat(self._fd)
         now = time.monotonic()
         if mine.st_nlink > 0 and now < self._next_path_check:

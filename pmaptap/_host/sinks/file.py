@@ -171,13 +171,10 @@ class FileSink(Sink):
         return keep
 
     def index_from(self, offset: int) -> None:
-        """Index, at the next batch, every line appended since ``offset``:
-        where this session's run starts in the file, agreed by the job's
-        processes when they open (``distributed.session_start``). A process
-        that opens after the others have written must know their replicated
-        values, or it writes each one again; reading from there, not from
-        byte 0, costs only what the job wrote since it started, however
-        long the file was before. Call before the first ``write``."""
+        """Index, at the next batch, every line appended since ``offset``, where
+        the job's processes agreed this run starts (``distributed.session_start``;
+        docs/architecture.md, "A late opener knows what the others wrote"). Call
+        before the first ``write``."""
         if offset > self.opened_size or offset < 0:
             # Not this file's offset (it was truncated or replaced between
             # the first process's open and ours): all of this file is new.
