@@ -14,7 +14,8 @@ several lanes collide with a probability of about 2**-64; changes confined
 to one lane can cancel in the weighted sum (about 2**-32, more often when
 all in the top bits: an even number of flipped sign bits always cancels),
 the price of a first pass that is one multiply-add per word. A lane depends
-on the platform (``LAYOUTS``, docs/api.md): fingerprints are only compared
+on the platform (``LAYOUTS``; what a lane holds per platform and dtype:
+docs/api.md, "Silent data corruption"): fingerprints are only compared
 within one program, so each platform reads the bits in its memory order.
 
 Why it is shaped this way: it must cost one read of the array, as a float
@@ -41,11 +42,9 @@ sum does, and every platform makes a second pass out of something else
 - Elsewhere (GPU) dense as on the CPU, with a fold of ``FOLD_ELSEWHERE``
   rows (32 left a big array well behind a float32 sum; 256 kept up).
 
-The words of a value: 32-bit dtypes bitcast; 64-bit ones as two halves;
-complex ones as their parts; bool as bytes; sub-byte dtypes widened first
-(layouts._wire). An element's words share its lane, each with a multiplier
-of its own (``_fold``); only on a TPU a complex value's parts get lanes of
-their own (they lie in planes of their own there).
+An element's words (a 64-bit value's halves, a complex value's parts) share
+its lane, each with a multiplier of its own (``_fold``); sub-byte dtypes are
+widened first (layouts._wire).
 """
 
 from __future__ import annotations
