@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from typing import Any, ClassVar, Union
 
 DEDUP_MODES = ("auto", "replicated", "per_device")
@@ -99,10 +100,7 @@ class Placement:
 
     @property
     def total_copies(self) -> int:
-        n = 1
-        for s in self.axis_sizes:
-            n *= s
-        return n
+        return math.prod(self.axis_sizes)
 
     def coords_of(self, flat: int) -> tuple[int, ...]:
         out = []
