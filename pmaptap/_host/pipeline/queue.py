@@ -31,14 +31,9 @@ OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
 # A consumer that lingers (to take many items per wake-up) is woken early
 # once this many payloads wait.
 LINGER_MAX = 64
-# ... or once this many bytes wait (payloads for the aggregator, stored
-# values for the writer), and then does not linger: lingering batches lines
-# under the file lock, which array bytes do not need (they go to the
-# writer's own byte file), and over them it only holds their memory and
-# leaves the disk idle. A step or two of array taps is then taken and
-# written as one batch while the next steps run: less added wall time
-# than lingering over them, for a little more CPU time (more wake-ups;
-# docs/performance.md).
+# ... or once this many bytes wait, and then does not linger: lingering
+# batches lines under the file lock, which array bytes do not need
+# (docs/architecture.md, "Array values stored as bytes").
 LINGER_BYTES = 4 << 20
 # Payloads the aggregator takes per wake-up: bounds one chunk's latency and
 # what drop_oldest cannot reach.

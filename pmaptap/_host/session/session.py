@@ -39,14 +39,9 @@ from pmaptap.tapfile import source
 from pmaptap.tapfile.record import check_text
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
-# before acting itself (a main thread running Python runs it within
-# milliseconds), and how long dispatched steps may go without a tap arriving
-# before the wait for them is given up (a step blocked on a dead peer never
-# finishes). A fixed bound on the whole wait lost dispatched steps on a
-# loaded 2-core box (test_faults.py's SIGTERM test: 1.5 s, then 3 s, each
-# lost some of 30 steps whose taps were still arriving); while taps arrive
-# the writer writes them, so a SIGKILL at the end of a launcher's grace
-# loses at most what is queued at that moment.
+# before acting itself, and how long dispatched steps may go without a tap
+# arriving before the wait for them is given up (docs/faults.md, SIGTERM).
+# Not a bound on the whole wait: that lost steps whose taps were arriving.
 MAIN_HANDLER_WAIT_S = 0.3
 SIGTERM_WAIT_S = 3.0
 # How soon a SIGTERM that interrupted pmaptap's host code is raised again.
@@ -399,15 +394,11 @@ class Session:
         prev = self._prev_sigterm
         closing_here = self._closer == threading.get_ident()
         if not closing_here and _in_host_code(frame):
-            # It interrupted pmaptap's own host code on this thread (a tap's
-            # host callback, which the CPU backend runs on the main thread;
-            # flush()), which may hold a lock the close takes: closing here
-            # hung for ever (the queue's lock, in 2 of 30 SIGTERMs to a
-            # tapping loop). Leave it: a timer raises SIGTERM again in a few
-            # milliseconds, when this thread is out of there. (Starting one
-            # here is safe: pmaptap starts its own threads at open, before
-            # this handler is installed, and in close, where it is not left.)
-            # If this thread stays there, the watcher acts after its wait.
+            # It interrupted pmaptap's own host code on this thread, which
+            # may hold a lock the close takes (closing here hung for ever;
+            # docs/faults.md): a timer raises SIGTERM again in a few ms.
+            # (Starting one here is safe: pmaptap starts its threads at open,
+            # before this handler is installed, and in close, not left here.)
             if _raise_again_later():
                 return
         self._main_saw_sigterm.set()  # the watcher stands back
