@@ -135,11 +135,9 @@ def close_console_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child owns none of its parent's pipelines: their threads do
-    not exist here, and their queued records are the parent's to write. So
-    the child forgets them (without writing or waiting: an exit of the child
-    is immediate, and nothing of the parent's is written twice), starts with
-    no session (a tap prints to stderr) and may open its own."""
+    """A forked child forgets its parent's pipelines without writing or
+    waiting (docs/architecture.md, "A forked child owns nothing of its
+    parent's"); it starts with no session and may open its own."""
     global _active, _console, _console_lock
     # The parent's objects are the parent's: a garbage collection in the
     # child that finalizes inherited JAX objects (their runtime threads did not

@@ -33,11 +33,7 @@ from pmaptap._trace.primitive import mark_tap_vmap_rule
 
 _local = threading.local()
 
-# What a collector gathers, by the layout of its members: GATHERED (gathered
-# and leader-copy taps under mapped axes: one callback per process), COPY
-# (taps calling back from every device: one callback per device) and JIT
-# (taps under plain jit, per-shard and scalar: one shard_call, so one
-# partitioned callback per device, or one from device 0 for scalars only).
+# What a collector gathers, by the layout of its members (see _Collector).
 GATHERED, COPIES, JIT = "gathered", "copies", "jit"
 
 

@@ -90,14 +90,10 @@ register_tap_rules(callback_p)
 
 
 # --- taps of tangents (a tap inside a jax.custom_jvp rule, under grad/vjp)
-# emit.py wraps the callback primitive in jax.custom_vmap. Under reverse mode a tap of a
-# tangent sits in the linear part of the program, which JAX transposes, and
-# JAX has no transpose rule for custom_vmap_call at all. Reverse mode never
-# computes that tangent, and pmaptap.tap returns its argument untouched, so
-# no cotangent flows through the tap either: there is nothing to record.
-# Dropping the tap would lose it without a word, so the rule
-# refuses, at trace time, naming the tap and what records a cotangent
-# (pmaptap.tap_grad). Other custom_vmap functions keep JAX's behaviour.
+# JAX has no transpose rule for the custom_vmap_call around a tap, and
+# reverse mode never computes that tangent: nothing to record, and dropping
+# the tap would lose it without a word, so the rule refuses at trace time
+# (docs/faults.md, "Bad input"). Other custom_vmap functions keep JAX's.
 _TAP_RULE = "_pmaptap_tap_rule"
 _jax_transpose = ad.primitive_transposes.get(custom_batching.custom_vmap_p)
 
@@ -189,17 +185,12 @@ def run_later(body: Callable[..., None], leaves: list, step: Any, name: str) -> 
 
 
 # --- the batched predicate of a while_loop, lowered twice
-# With a batched predicate (vmap of a while_loop whose condition depends on
-# the batch), JAX's while lowering emits the condition jaxpr twice: in the
-# loop's condition region (name stack ".../while/cond") and again in its body
-# (".../while/body_pred") to select which batch elements advance, on the same
-# carry values. A host callback in the condition would run twice per
-# iteration; the second copy only repeats the first, so the callback
-# lowerings emit nothing there. This needs the real name stack, which JAX
-# gives only to lowerings it does not cache (register_lowering(...,
-# cacheable=False)); control flow nested inside the condition (jit, while,
-# cond, scan) is lowered once with an empty name stack and reused, so a
-# callback inside it still runs twice (docs/host_callback.md).
+# JAX lowers a batched predicate's condition jaxpr twice, in the condition
+# region (".../while/cond") and again in the body (".../while/body_pred") on
+# the same carry: the callback lowerings emit nothing in the second. That
+# needs the real name stack, given only to uncached lowerings
+# (cacheable=False); control flow nested in the condition is lowered once and
+# reused, so a callback there still runs twice (docs/host_callback.md).
 # tests/trace/test_while_predicate.py fails loudly if JAX renames the scope.
 _WHILE_SCOPE, _PRED_SCOPE = "while", "body_pred"
 

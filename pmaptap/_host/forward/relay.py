@@ -27,12 +27,7 @@ from pmaptap.tapfile.read import leaves
 from pmaptap.tapfile.record import FINGERPRINT, Record, decode_record, parse_line, raw_leaves
 from pmaptap.tapfile.source import load_value
 
-# Session(forward_replicated=...): which replicated records a process forwards.
-#   "process0": process 0 forwards every replicated record it computed (the
-#     job's curve, once), the others none (the default);
-#   "written": each process forwards the ones it wrote to the file (after the
-#     cross-process dedup: each value once in the job, split over processes);
-#   "all": every process forwards every replicated record it computed.
+# Session(forward_replicated=...): docs/api.md, "Which process forwards what".
 FORWARD_REPLICATED = ("process0", "written", "all")
 
 

@@ -216,12 +216,9 @@ class DirectorySink(ShardSink):
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             self._end = None
         size = self._reopen_if_replaced().st_size
-        # Only this process writes the shard, so it ends where our last write
-        # left it, on a newline, unless something else changed it: a writer
-        # of this shard killed mid-line before we opened, another program's
-        # bytes, a truncation mid-line, a failed write not cut back. Only
-        # then is its last byte read; a torn tail gets a newline first, or
-        # the next record would be glued onto it and lost with it.
+        # Only this process writes the shard: it ends where our last write
+        # left it, on a newline, unless something else changed it; only then
+        # is its last byte read (docs/faults.md, a torn shard tail).
         torn = size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
         if torn:
             chunks.insert(0, b"\n")
