@@ -13,14 +13,10 @@ every device holding a copy (or slice) of it, in one of three forms
   2])``, one row per partition, from device 0; ``shards`` says where
   partition k lives and which slice of each leaf it holds.
 
-Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same payloads come from the
-step's outputs (_outputs/drain.py); a JIT table there has
-``jax.device_count()`` rows and the number ``bind_lowering`` gave the
-lowering's bound spec.
-
+Under ``pmaptap.jit`` the same payloads come from the step's outputs
+(_outputs/drain.py; a JIT table with the number ``bind_lowering`` gave).
 Specs compare by value: two calls of the same name and leaves are the same
-call to JAX's caches (an eager fingerprint compiles once). Pure Python: the
-aggregator thread reads it.
+call to JAX's caches. Pure Python: the aggregator thread reads it.
 """
 
 from __future__ import annotations

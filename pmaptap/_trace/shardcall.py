@@ -62,21 +62,16 @@ def shard_call(
 ) -> None:
     """One host call carrying the taps ``members`` of a step under plain jit:
     per member ``(number of leaves, per_shard)``, its step in ``steps`` and
-    its leaves, in order, in ``leaves``.
+    its leaves, in order, in ``leaves``. ``entry(places)`` is called when the
+    call is lowered (eagerly: when it runs) and returns the host function,
+    which receives NumPy arrays:
 
-    ``entry(places)`` is called when the call is lowered (eagerly: when it
-    runs) and returns the host function, which receives NumPy arrays:
-
-    - ``places`` a tuple of ``ShardPlacement`` (one per member, for a
-      computation partitioned over several devices): ``(partition, coords,
-      *steps, *leaves)``, one call per device with its own shard of each
-      per-shard member (a leaf marked in ``as_statistics``: the device's
-      row of its shard's statistics, shardstats.py) when any member is
-      per-shard, else one call from device 0 (partition 0) with the whole
-      values;
-    - ``places`` None (one device, inside shard_map/pmap, eager):
-      ``(coords, *steps, *leaves)`` once, the leaves marked in
-      ``as_statistics`` as their on-device statistics.
+    - ``places``, one ``ShardPlacement`` per member (partitioned over several
+      devices): ``(partition, coords, *steps, *leaves)``, from each device with
+      its own shards when any member is per-shard (a leaf in ``as_statistics``:
+      its shard's statistics row), else from device 0 with the whole values;
+    - ``places`` None (one device, shard_map/pmap, eager): ``(coords, *steps,
+      *leaves)`` once, ``as_statistics`` leaves as their statistics.
     """
     shard_call_p.bind(
         coords,
