@@ -220,14 +220,11 @@ mlir.register_lowering(
 )
 
 
-# A fingerprint written directly in a pmaptap.jit step's body (not inside
-# any transformation: outputs.at_step_level), its operands (step, *leaves)
-# marked for lift.py, which alone sees whether the leaves are outputs of
-# the step: then the hash runs as a program of its own on those outputs,
-# dispatched right after the step (compiling the hash inside a big step
-# costs the step's compile several times the hash program's own), else in
-# the step as any fingerprint. Bound only in the step's own trace, which
-# lift.py interprets: it needs no transformation rule and no lowering.
+# A fingerprint written directly in a pmaptap.jit step's body
+# (outputs.at_step_level), its operands (step, *leaves) marked for lift.py,
+# which alone sees whether the leaves are outputs of the step: then it is
+# hashed after the step (_outputs/later.py says why), else in it. Bound only
+# in the step's own trace: no transformation rule, no lowering.
 fingerprint_later_p = jax_core.Primitive("pmaptap_fingerprint_later")
 fingerprint_later_p.multiple_results = True
 
