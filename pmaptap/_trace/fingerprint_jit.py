@@ -109,13 +109,10 @@ def _fingerprints(ctx, leaf_avals: list, leaves, *, replicated: bool):
 
 
 # ------------------------------------------------------------ as step outputs
-# Under pmaptap.jit the fingerprints leave the step as outputs
-# (_outputs/lift.py binds this where the fingerprint was written): the same
-# rows as above, gathered on every device instead of moved to device 0 (the
-# process holding partition 0 reads them, as device 0 called back), padded
-# to a row count known when the step is traced (the partitions are known
-# only when it is lowered), with the number under which the lowering keeps
-# its bound spec (_common/fingerprint.py: bind_lowering).
+# Under pmaptap.jit the same rows leave the step as outputs, gathered on
+# every device (partition 0's process reads them), padded to a row count
+# known at trace time (the partitions are known only when it is lowered),
+# with the number of the lowering's bound spec (bind_lowering).
 fingerprint_table_p = core.Primitive("pmaptap_fingerprint_table")
 fingerprint_table_p.multiple_results = True
 dispatch.prim_requires_devices_during_lowering.add(fingerprint_table_p)
