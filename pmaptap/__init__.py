@@ -1,11 +1,9 @@
 """pmaptap: device-aware taps for multi-device, multi-host JAX programs.
 
-This module is a lazy facade: it names the public API and imports each piece
-(and JAX) on first use, so ``pmaptap.tapfile`` and the ``pmaptap`` command can
-read tap files where JAX is not installed. The implementation lives in
-private packages: ``_trace`` (runs while JAX traces), ``_host`` (runs in the
-training process after the host callback) and ``tapfile`` (the record format
-and its readers, never JAX). docs/architecture.md draws the path of a value.
+A lazy facade: it names the public API and imports each piece (and JAX) on
+first use, so ``pmaptap.tapfile`` and the ``pmaptap`` command read tap files
+where JAX is not installed. docs/architecture.md draws the packages
+(``_trace``, ``_outputs``, ``_host``, ``tapfile``) and the path of a value.
 """
 
 from __future__ import annotations

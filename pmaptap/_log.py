@@ -1,21 +1,13 @@
-"""pmaptap's own messages go through ``logging``.
+"""pmaptap's own messages go through ``logging``: the "pmaptap" logger
+(warnings and errors, level left to the application) and "pmaptap.console"
+(records tapped while no session is open, set to INFO here because those
+lines are output the user asked for); docs/api.md, "Logging".
 
-- ``logging.getLogger("pmaptap")``: warnings and errors (drops, lock waits,
-  close-barrier absentees, truncated or corrupt files, background failures).
-  Its level is left to the application (WARNING through the root logger by
-  default).
-- ``logging.getLogger("pmaptap.console")``: the readable form of records
-  tapped while no session is open, at INFO. It is set to INFO here because
-  those lines are output the user asked for by tapping; silence them with
-  ``logging.getLogger("pmaptap.console").setLevel(logging.WARNING)``.
-
-Visible with no logging configured: a fallback handler on the "pmaptap"
-logger writes the bare message to the current ``sys.stderr``, but only while
-no other handler would see the record (none on the way from the emitting
-logger up to the root, honouring ``propagate``). So once the application
-configures logging (``basicConfig``, absl, a handler of its own), messages
-go there and only there, never twice. Standard library only: the reading
-side (``pmaptap/tapfile``) imports this too.
+The fallback handler on "pmaptap" writes the bare message to the current
+``sys.stderr`` only while no other handler would see the record (none on
+the way up to the root, honouring ``propagate``): once the application
+configures logging, messages go there and only there, never twice.
+Standard library only: the reading side (``pmaptap/tapfile``) imports this.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Multi-process jobs: connecting the processes, agreeing on the run id, and
-the coordinated close.
+the coordinated close (docs/multihost.md).
 
-``initialize()`` is called at the top of a training script, before any JAX
-computation (``jax.distributed.initialize`` refuses to run once a backend
-exists). It picks one of three modes:
-
-- under ``python -m pmaptap.launch`` (the ``PMAPTAP_*`` variables below are
-  set): connect with exactly the launcher's settings, JAX's cluster detection
-  switched off so that a surrounding SLURM allocation cannot interfere;
-- on a cluster JAX knows (SLURM, Open MPI, Kubernetes, Cloud TPU) or with
-  ``JAX_COORDINATOR_ADDRESS`` set: ``jax.distributed.initialize()`` with no
-  arguments, i.e. JAX's own detection;
-- otherwise (a lone process): nothing.
+``initialize()`` comes before any JAX computation
+(``jax.distributed.initialize`` refuses once a backend exists). Under
+``python -m pmaptap.launch`` it connects with exactly the launcher's
+settings, JAX's cluster detection off so a surrounding SLURM allocation
+cannot interfere; on a cluster JAX knows (or with
+``JAX_COORDINATOR_ADDRESS``) through JAX's detection; a lone process does
+nothing.
 
 Run-id agreement and the close barrier use the key-value store and barriers
 of JAX's coordination service (``jax._src.distributed.global_state.client``),
@@ -77,9 +73,6 @@ _open_calls: dict[tuple[str, int], int] = {}
 _mode: str | None = None
 # warn_if_launched_alone has looked (once a process).
 _alone_checked = False
-
-
-# --------------------------------------------------------------- initialize
 
 
 def launcher_settings(
@@ -366,23 +359,16 @@ def agree(topic: str, make: Callable[[], str], *, timeout: float | None = None) 
         return own
 
 
-# --------------------------------------------------------------- session start
-
-
 def session_start(run: str, attempt: int, offset: int) -> int | None:
     """Where this session's part of the shared file starts, the same on every
     process: the file's size when the job's *first* process opened it, or
     None when alone (or when the coordination service cannot say).
 
-    Nothing of this session can be in the file before that offset, and a
-    process that opens later (a slow setup, no collective holding the
-    processes together) must index everything since it for the cross-process
-    dedup, or it writes every replicated value again. First come, first
-    served: each process offers its own size under one key with
-    ``key_value_set`` (which refuses to overwrite), and whoever is refused
-    reads the winner's. So nobody waits for anybody, process 0 included.
-    The k-th session of ``(run, attempt)`` on each process is paired with
-    the k-th on the others, as in ``close_barrier``.
+    First come, first served (``key_value_set`` refuses to overwrite; whoever
+    is refused reads the winner's), so nobody waits for anybody; why:
+    docs/architecture.md, "A late opener knows what the others wrote". The
+    k-th session of ``(run, attempt)`` on each process is paired with the k-th
+    on the others, as in ``close_barrier``.
     """
     client = _client()
     if client is None or not _multi_process():
@@ -408,9 +394,6 @@ def session_start(run: str, attempt: int, offset: int) -> int | None:
         return None
 
 
-# --------------------------------------------------------------- close
-
-
 def close_barrier(
     run: str,
     timeout: float,
@@ -422,20 +405,14 @@ def close_barrier(
     """Wait (at most ``timeout`` seconds) until every process has closed its
     session for ``run``; then the file holds every process's records.
 
-    Each process first sets ``pmaptap/<run>/closed/<k>/<pid>`` (its records
-    are written by then: the session calls this after draining), then waits
-    at a coordination-service barrier. On timeout it warns with the ids of
-    the processes whose key is missing. Never raises, never blocks longer
-    than about ``timeout``, and uses no device collectives.
-
-    ``on_unclosed`` gets the processes not seen to close (None: the
-    coordination service cannot say which) when the wait fails, and, with
-    ``eager`` (a process being terminated, which may not live through the
-    wait), those not closed yet before it waits; ``unclosed_now`` asks
-    during the wait. The sharded layout writes the values those processes
-    own and may not have written (_host/sinks/directory.py: Held). ``wait=False`` (a
-    SIGTERM'd process: a peer may be dead and the grace before SIGKILL is
-    short) announces the close and makes the eager call, without waiting.
+    Each process sets ``pmaptap/<run>/closed/<k>/<pid>`` (after draining), then
+    waits at a coordination-service barrier; on timeout it warns naming the
+    processes whose key is missing. Never raises, no device collectives.
+    ``on_unclosed`` gets the processes not seen to close (None: unknown) when
+    the wait fails and, with ``eager`` (a process being terminated), before it
+    waits, so the sharded layout writes what they own (sinks/directory.py:
+    Held). ``wait=False`` (SIGTERM: a peer may be dead, the grace short)
+    announces the close and makes the eager call without waiting.
     """
     client = _client()
     if client is None:

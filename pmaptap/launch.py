@@ -1,24 +1,17 @@
-"""Run a multi-process JAX job on this machine.
+"""Run a multi-process JAX job on this machine (docs/multihost.md, "Try it
+on one machine").
 
     python -m pmaptap.launch --processes 2 --devices 4 [--timeout S] [--grace G] \\
         -- python launch/train.py --steps 20
 
-Starts P copies of the command, each with D simulated CPU devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=D``, ``JAX_PLATFORMS=cpu``)
-and the ``PMAPTAP_*`` variables that ``pmaptap.distributed.initialize()``
-turns into ``jax.distributed.initialize`` on a free loopback port. Child
-output is forwarded line by line, prefixed ``[p0] ``, ``[p1] ``, ...
-
-Failure policy: when a child exits non-zero or dies from a signal, the
-others get SIGTERM (a pmaptap Session writes what it has), then SIGKILL
-after ``--grace`` seconds, and the launcher exits with that child's status.
-``--timeout`` does the same to all children after S seconds (exit 124).
-SIGINT / SIGTERM to the launcher are forwarded to the children, with the
-same grace period (exit 130 / 143). Every child leads its own process
+P copies of the command, each with D simulated CPU devices and the
+``PMAPTAP_*`` variables ``pmaptap.distributed.initialize()`` connects with;
+output prefixed ``[p0] ``, ``[p1] ``, ... A child that fails or dies: the
+others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the launcher
+exits with that child's status (128 + signal for a signal). ``--timeout``:
+the same to all after S seconds (exit 124); SIGINT / SIGTERM to the
+launcher are forwarded (exit 130 / 143). Every child leads its own process
 group, so whatever it started is stopped with it.
-
-Exit status: 0 if every child exited 0; otherwise the first failing child's
-code (128 + signal number for a child killed by a signal).
 """
 
 from __future__ import annotations

@@ -7,11 +7,8 @@ draws it, so N processes sharing one console do not interleave N bars.
             ...
             bar.update(loss=float(loss))
 
-It draws on stderr when ``jax.process_index() == 0`` and stderr is a TTY
-(a log file gets no carriage-return noise). ``force=True`` (or the
-environment variable ``PMAPTAP_PROGRESS=1``) draws even without a TTY;
-``PMAPTAP_PROGRESS=0`` never draws. Other processes never draw. Create the
-bar after ``jax.distributed.initialize`` in a multi-process job: asking JAX
+When it draws (a TTY, ``force``, ``PMAPTAP_PROGRESS``): ``should_draw``,
+docs/cli.md. Create it after ``jax.distributed.initialize``: asking JAX
 for the process index starts its backend.
 """
 

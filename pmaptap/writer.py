@@ -132,15 +132,11 @@ def _is_id(x: Any) -> bool:
 class Writer:
     """Write tap records into a run from any process, JAX or not.
 
-    path: the run's tap file as given to ``Session``, or an object-store
-      URL (``s3://bucket/prefix/run``: immutable chunks, one per flush;
-      there the automatic flush waits at least OBJECT_COMMIT_INTERVAL, as a
-      session's does).
-    run: the run id (the JAX job's: e.g. pass it on in ``PMAPTAP_RUN``).
-    process: this writer's process number; unique in the run (a side
-      process takes a number the JAX job does not use).
-    processes: how many processes write the run (for ``layout="auto"``).
-    layout: "file", "sharded" or "auto" (sharded above SHARDED_ABOVE).
+    path: the run's tap file as given to ``Session``, or an object-store URL.
+    run: the run id (the JAX job's: e.g. passed on in ``PMAPTAP_RUN``).
+    process: this writer's process number, unique in the run. processes: how
+    many processes write the run (for ``layout="auto"``). docs/api.md,
+    "pmaptap.Writer".
     """
 
     def __init__(

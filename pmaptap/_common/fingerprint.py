@@ -2,31 +2,21 @@
 (and, under plain jit, bound to the placement of the lowering it runs in).
 
 One payload carries the 64-bit fingerprints (uint32 pairs) of every leaf on
-every device that holds a copy of it (or of a slice of it), in one of three
-forms (``FingerprintSpec.layout``):
+every device holding a copy (or slice) of it, in one of three forms
+(``FingerprintSpec.layout``):
 
-- ``GATHERED``: inside pmap/shard_map, gathered over the manual axes and sent
-  by ONE device of the job (coordinate 0): ``(step, fps[n, leaves, 2])``,
-  rows in row-major coordinate order (Placement).
-- ``COPY``: inside a cond/switch branch or a while_loop body (where a
-  collective could deadlock), each device sends its own:
-  ``(coords, step, fps[leaves, 2])``; the host compares this process's.
-- ``JIT``: under plain jit, one row per partition of the computation (the
-  fingerprint computed inside a manual region on each device, see
-  _trace/fingerprint_jit.py) brought to device 0, which calls back:
-  ``(step, fps[n, leaves, 2])``; ``shards`` says where partition k lives and
-  which slice of each leaf it holds (filled at compile time).
+- ``GATHERED`` (pmap/shard_map): ``(step, fps[n, leaves, 2])`` from ONE
+  device of the job (coordinate 0), rows in row-major coordinate order.
+- ``COPY`` (a cond/switch branch or while_loop body, where a collective
+  could deadlock): ``(coords, step, fps[leaves, 2])`` from each device.
+- ``JIT`` (plain jit, _trace/fingerprint_jit.py): ``(step, fps[n, leaves,
+  2])``, one row per partition, from device 0; ``shards`` says where
+  partition k lives and which slice of each leaf it holds.
 
-Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same payloads reach the host
-from the step's outputs (_outputs/drain.py) instead of a callback: GATHERED
-from the row of coordinate 0, COPY from every device's row, JIT from a table
-of ``jax.device_count()`` rows (the lowering's partitions first) that comes
-with the number ``bind_lowering`` gave the lowering's bound spec.
-
+Under ``pmaptap.jit`` the same payloads come from the step's outputs
+(_outputs/drain.py; a JIT table with the number ``bind_lowering`` gave).
 Specs compare by value: two calls of the same name and leaves are the same
-call to JAX's caches (an eager fingerprint compiles once).
-
-Pure Python: the aggregator thread reads it, JAX is not called there.
+call to JAX's caches. Pure Python: the aggregator thread reads it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Where each shard of a tapped value lives: one ``ShardPlacement`` per tap
-per lowering of a call under plain jit (see shardcall.py), read by the
+per lowering of a call under plain jit (shardcall.py), read by the
 aggregator. A scalar tap's placement (``Layout.WHOLE``) names the devices
 and processes of the computation; its slices stay unknown (unused).
 
-Identity is exact by construction. Every callback carries its partition
-number ``k`` (see placement.partition_ids), so its device is
-``devices[k]`` of the computation's device assignment: no value comparison,
-no guess, even for replicated slices. The global slice a device holds comes
-from the sharding XLA chose for the operand, reported at compile time
-(placement.inspect_operand_sharding); a shard whose shape does not match
-that slice, or an executable whose sharding was never reported (loaded from
-a compilation cache), gets ``index`` None: exact or null.
-
-Pure Python: the aggregator thread reads it, JAX is not called there.
+Exact or null (docs/architecture.md, "Exact or null placement"): a
+callback's partition number ``k`` gives its device, ``devices[k]``; the
+global slice comes from the sharding XLA reported at compile time; a shard
+whose shape does not match it, or an executable whose sharding was never
+reported (from a compilation cache), gets ``index`` None. Pure Python: the
+aggregator thread reads it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The static description of one tap site, fixed at trace time.
 
 A ``TapSpec`` travels inside the host callback's closure, so everything the
-host needs to turn raw arrays into records (names, dedup policy, where each
-mesh coordinate lives) is known without calling JAX from the callback thread.
-It is composed of one small part per concern: ``TapSite`` (what was tapped
-and how it is recorded), ``Placement`` (where the copies live), ``Transport``
-(how the copies travel, see layouts.py) and, on the host, the ``shards``
-placement of a per-shard payload.
-A ``GroupSpec`` describes one callback carrying several taps (``group``).
-
+host needs to turn raw arrays into records is known without calling JAX
+from the callback thread: ``TapSite`` (what was tapped and how it is
+recorded), ``Placement`` (where the copies live), ``Transport`` (how they
+travel, layouts.py) and, on the host, the ``shards`` of a per-shard
+payload. A ``GroupSpec`` describes one callback carrying several taps.
 Specs are frozen and compared by value, but nothing hashes them: the
 aggregator keys its per-site tables on ``TapSite.tap_id``.
 """
@@ -18,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from typing import Any, ClassVar, Union
 
 DEDUP_MODES = ("auto", "replicated", "per_device")
@@ -99,10 +97,7 @@ class Placement:
 
     @property
     def total_copies(self) -> int:
-        n = 1
-        for s in self.axis_sizes:
-            n *= s
-        return n
+        return math.prod(self.axis_sizes)
 
     def coords_of(self, flat: int) -> tuple[int, ...]:
         out = []

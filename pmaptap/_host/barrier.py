@@ -2,37 +2,20 @@
 close, SIGTERM, exit), a close's bounded ``before_close``; a transport that
 delivers on a thread of its own (outputs.py) ``register``s its wait here.
 
-A child forked after JAX's runtime started: what it must not wait on.
-
-JAX cannot run computations in such a child: the runtime's threads (the
-PjRt client's, the MLIR thread pool's) stay in the parent; only the objects
-that stand for them are copied. Yet at exit the child acted on them, as if
-they were its own:
-
-- JAX's ``atexit`` handlers, registered when JAX is imported:
-  ``api.clean_up`` -> ``clear_backends`` -> ``effects_barrier()`` and
-  ``dispatch.wait_for_tokens`` wait on the parent's runtime tokens, which no
-  thread of the child will ever complete (a bare ``os.fork()`` child ending
-  in ``sys.exit(0)`` after tapped ``pmap`` steps hung there for > 90 s);
-  ``distributed.shutdown()`` there would speak for the parent to the
-  coordination service.
-- The interpreter's teardown: clearing the modules destroys the inherited
-  MLIR thread pool (``mlir.global_thread_pool``) and clients, whose
-  destructors join threads that do not exist here (``LLVM ERROR:
-  pthread_join failed``, SIGABRT).
-
-So the at-fork hook below, in a child forked after the runtime started (a
-backend was created, or ``jax.distributed`` connected), unregisters those
-JAX exit handlers and keeps those inherited objects alive until the process
-ends (one reference each, deliberately never released: the operating system
-reclaims them at exit, which is all the clean-up a child's copies need).
-pmaptap's own ``jax.effects_barrier()`` calls (a session's flush/close, the
-console at exit) go through ``effects_barrier`` here, which in such a child
-returns at once: no computation can have been dispatched in it. The child's
-other exit handlers, the user's and pmaptap's, run as usual.
-
-A child forked before the runtime started owns a fresh JAX and is left alone.
-The names read from JAX are guarded by
+A child forked after JAX's runtime started (docs/architecture.md, "A forked
+child owns nothing of its parent's"): JAX cannot run computations there, its
+runtime's threads stay in the parent, yet at exit the child acted on the
+copied objects. JAX's ``atexit`` handlers (``api.clean_up`` ->
+``effects_barrier()``, ``dispatch.wait_for_tokens``) waited on the parent's
+tokens (a bare ``os.fork()`` child hung > 90 s after tapped ``pmap``
+steps), and ``distributed.shutdown()`` would speak for the parent; the
+interpreter's teardown destroyed the inherited MLIR thread pool and clients,
+joining threads that do not exist (``LLVM ERROR: pthread_join failed``).
+So the at-fork hook below unregisters those handlers and keeps those
+objects alive to the end (one reference each, never released: the OS
+reclaims them), and ``effects_barrier`` returns at once there (nothing can
+have been dispatched). A child forked before the runtime started is left
+alone. Guarded by
 ``tests/host/test_fork.py::test_jax_exit_internals_the_fork_hook_reads_are_still_there``.
 """
 

@@ -3,16 +3,9 @@ process-wide console pipeline that prints readable lines to stderr.
 
 The active session is held here and nowhere else (``session.py`` reads and
 sets it through this module), so the callback path and the session
-lifecycle cannot disagree about it.
-
-Hand-over against close/open: the callback reads the active session once and
-offers the payload to its pipeline. A pipeline admits under its queue lock
-until close() shuts admission, and close() answers only once everything
-admitted is written; a payload offered after that is refused, and goes to
-the console like a tap with no session. So every tap lands in the session
-active when its callback ran, is written by that session before its close()
-returns, or is printed on stderr: never nowhere, and never counted as an
-overflow drop.
+lifecycle cannot disagree about it. A payload a closing pipeline refuses
+goes to the console: never nowhere (docs/architecture.md, "A close never
+strands a tap").
 """
 
 from __future__ import annotations
@@ -142,11 +135,9 @@ def close_console_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child owns none of its parent's pipelines: their threads do
-    not exist here, and their queued records are the parent's to write. So
-    the child forgets them (without writing or waiting: an exit of the child
-    is immediate, and nothing of the parent's is written twice), starts with
-    no session (a tap prints to stderr) and may open its own."""
+    """A forked child forgets its parent's pipelines without writing or
+    waiting (docs/architecture.md, "A forked child owns nothing of its
+    parent's"); it starts with no session and may open its own."""
     global _active, _console, _console_lock
     # The parent's objects are the parent's: a garbage collection in the
     # child that finalizes inherited JAX objects (their runtime threads did not

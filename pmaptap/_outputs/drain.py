@@ -1,36 +1,19 @@
 """The host half of the output transport: a step's lifted taps (its extra
-outputs, see _outputs/lift.py) become the payloads a host callback would have
-delivered, on a pmaptap thread, in dispatch order.
+outputs, _outputs/lift.py) become the payloads a host callback would have
+delivered, on a pmaptap thread, in dispatch order (docs/architecture.md,
+"Taps as step outputs", draws submit, the drain thread and the payloads).
 
-    step returns --submit()--> copies to host started, step queued (bounded)
-        --drain thread--> wait for the copies --payloads--> routing.deliver
+``submit`` runs on the training loop's thread: it starts each output's
+``copy_to_host_async`` and queues the step, waiting only when more than the
+bound of bytes are in flight (a slow disk slows the loop, said once; nothing
+dropped). ``wait()`` (barrier.effects_barrier) returns once every step
+submitted before it has been delivered. Because a payload is what the
+callback would have handed over, aggregation, dedup and records are the
+pipeline's own.
 
-``submit`` runs on the training loop's thread right after the step is
-dispatched: it starts each output's device-to-host copy
-(``copy_to_host_async``) and queues the step; it waits only when more than
-the bound of bytes are already in flight (a slow disk slows the loop, said
-once, and nothing is dropped). The drain thread waits for the copies, takes
-the outputs apart per execution (loops, devices, shards) and hands each
-payload to the active pipeline, blocking where the pipeline is full.
-``wait()`` (every flush, close, SIGTERM and exit: barrier.effects_barrier)
-returns once every step submitted before it has been delivered.
-
-A payload is what the callback transport's lowering would have handed
-over, so aggregation, dedup, divergence and records are the pipeline's own:
-- rows (pmap / shard_map): one ``Layout.COPY`` payload per device row
-  ``(coords, step, *leaves)``, or one row per process for a value proven
-  replicated (``Layout.PROVEN`` / ``VERIFIED_OFF``);
-- shards (plain jit over several devices): one payload per shard this
-  process holds, ``(partition, coords, step, *shards)``, with a
-  ``ShardPlacement`` read off the output's sharding (scalars: partition 0
-  only, as ``Layout.WHOLE``);
-- one device: the whole value, the spec naming that device;
-- a fingerprint (``FingerprintSpec``): the payload its callback delivers,
-  see ``_fingerprint_payloads``.
-
-No JAX tracing here: the outputs are read through the ``jax.Array``
-methods every array has (``copy_to_host_async``, ``addressable_shards``,
-``sharding``), and the spec and description are plain data (_common).
+No JAX tracing here: the outputs are read through ``jax.Array`` methods
+(``copy_to_host_async``, ``addressable_shards``, ``sharding``); the spec
+and description are plain data (_common).
 """
 
 from __future__ import annotations
@@ -588,15 +571,8 @@ def _fingerprint_payloads(
     site: Site, views: list, loops: tuple[int, ...]
 ) -> Iterator[tuple[FingerprintSpec, tuple]]:
     """A fingerprint's payloads as its callback delivers them
-    (_common/fingerprint.py; operands from fingerprint.lifted):
-
-    - COPY (rows): each device's ``(coords, step, fps)``;
-    - GATHERED (rows): every device's fingerprints, ``(step, fps[n, ...])``,
-      from the row of the device at coordinate 0, on the process holding it
-      (where its callback ran);
-    - JIT (one table): ``(step, fps[:partitions])`` with the spec its
-      lowering bound (by the number in the outputs), on the process of
-      partition 0 (whose device called back)."""
+    (_common/fingerprint.py's three layouts; operands from
+    fingerprint.lifted), each on the process whose device called back."""
     spec = site.spec
     if spec.layout is FingerprintLayout.JIT:
         lead = _at(site, loops, None)

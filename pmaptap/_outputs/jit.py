@@ -1,19 +1,14 @@
 """``pmaptap.jit`` / ``pmaptap.pmap``: ``jax.jit`` / ``jax.pmap`` whose taps
-leave the compiled step as extra outputs instead of host callbacks.
-
-The step is traced with the taps marked (outputs.py), the marks are lifted
-into outputs (lift.py), and after each dispatch the extra outputs go to the
-host half (``_outputs/drain.py``: copied asynchronously, given to the
-pipeline on its thread); the caller gets the function's own outputs, as
-from ``jax.jit``. Called inside another trace (a jit, a scan body, another
-``pmaptap.jit``), the wrapper is a plain jit of the function: the taps
-inside are the enclosing trace's to lift or call back.
+leave the compiled step as extra outputs instead of host callbacks
+(docs/architecture.md, "Taps as step outputs"); the caller gets the
+function's own outputs. Called inside another trace, the wrapper is a plain
+jit of the function: the taps inside are the enclosing trace's to lift or
+call back.
 
 The ahead-of-time stages (``trace`` -> ``lower`` -> ``compile``) are JAX's
 own objects for the lifted step, wrapped (``_Traced``, ``_Lowered``,
-``_Compiled``) so that what a user reads or calls is about the function:
-its outputs' tree and types, and a compiled call that returns them and
-hands the taps over as a call of the step does.
+``_Compiled``) so that what a user reads or calls is about the function,
+and a compiled call hands the taps over as a call of the step does.
 """
 
 from __future__ import annotations

@@ -2,17 +2,13 @@
 hashes a step's outputs, compiled while the step compiles.
 
 lift.py leaves a fingerprint of the step's own outputs out of the step
-(compiling the hash inside a big step costs its compile several times the
-hash program's own) and describes it by a ``Later``; jit.py dispatches the
-program on those outputs right after each step. So that its compile is not
-added to the step's, a thread of its own, started when the step is traced,
-compiles it for the types the outputs will have once the step is lowered,
-beside XLA's compile of the step; the first step waits for it (it is the
-shorter).
-Those types are known when the step is traced only where every array lives
-on the one device of a one-device process (a TPU chip, a GPU, a CPU); else
-the program compiles at the first step, as any jit at its first call. A
-fingerprint of less than ``MIN_BYTES`` stays in the step.
+(compiling the hash inside a big step cost several times the hash
+program's own compile) and describes it by a ``Later``; jit.py dispatches
+the program right after each step. A thread started when the step is
+traced compiles it beside XLA's compile of the step, where the outputs'
+types are known then (every array on the one device of a one-device
+process); else it compiles at the first step. A fingerprint of less than
+``MIN_BYTES`` stays in the step.
 """
 
 from __future__ import annotations

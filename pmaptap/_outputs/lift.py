@@ -1,36 +1,19 @@
 """Lifting: a step's tap marks (``outputs.tap_out_p``) become extra outputs.
 
-``lift(fun)`` traces ``fun`` to a jaxpr with the marks in it, then runs an
-interpreter over that jaxpr that binds every equation again, except:
+``lift(fun)`` traces ``fun`` to a jaxpr with the marks in it, then binds
+every equation again, except those docs/architecture.md draws under "Taps
+as step outputs" (a mark becomes a ``Site``; jit and custom rules inlined;
+``scan`` stacked as a ``Loop``; ``cond`` with a ``valid`` flag; remat;
+``shard_map`` one row per device). Anything else holding a mark (a
+``while_loop`` body, whose iteration count is unknown at compile time; an
+unknown primitive) is bound as it was: the mark lowers to the callback
+transport's host call (``outputs._lowering``), with a warning once per site.
 
-- a mark is dropped and its traced operands become outputs (a ``Site``):
-  a tap's (``tap_out_p``) or a fingerprint's (``fingerprint_out_p``, whose
-  operands fingerprint.py's ``lifted`` gives);
-- ``jit`` (nested), ``custom_jvp_call``, ``custom_vjp_call`` and
-  ``custom_vmap_call`` (fingerprint.py's vmap rule wraps its mark) holding a
-  mark are inlined (their bodies are what runs; a rule traced for grad
-  inside the step has already been applied when the step's jaxpr exists);
-- ``scan`` holding a mark runs with a body whose extra outputs are stacked
-  per iteration (a ``Loop``): taps in ``fori_loop`` too, which JAX lowers
-  to ``scan`` when its bounds are known;
-- ``cond`` / ``switch``: every branch returns the marks of every branch,
-  with a ``valid`` flag that is true only for the branch taken;
-- ``remat`` (``jax.checkpoint``): its body, with extra outputs;
-- ``shard_map``: the body's extra outputs get a leading axis of one row per
-  device, laid over every manual axis, so each device's copy comes back
-  where it lives (pmap's body is lifted inside ``pmaptap.pmap``).
-
-Anything else holding a mark (a ``while_loop`` body, whose iteration count
-is unknown when the step is compiled; an unknown primitive) is bound as it
-was: the mark lowers to the callback transport's host call
-(``outputs._lowering``), and a warning names the tap and why, once per site.
-
-Why an interpreter and not a context that collects tracers while tracing:
-see outputs.py. Why the public ``lax.scan`` / ``lax.switch`` /
-``jax.shard_map`` / ``jax.checkpoint`` to bind the new bodies: they take the
-bodies as functions and deal with constants, weak types and varying axes as
-for any user code, so this module reads only the equations' parameters.
-(JAX's ``checkify`` is the model: it threads error values the same way.)
+Why the public ``lax.scan`` / ``lax.switch`` / ``jax.shard_map`` /
+``jax.checkpoint`` to bind the new bodies: they take functions and deal
+with constants, weak types and varying axes as for any user code, so this
+module reads only the equations' parameters (JAX's ``checkify`` threads
+its error values the same way).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The entry point of emission: everything ``tap`` and ``tap_grad`` trace
 ends here. ``emit`` sends values that only travel to the host (through a
-transport layout, see layouts.py, or a ``group``). The old host_callback API
-has its own primitives, in program order (host_callback/_linked.py).
-
-Why our own callback primitive (primitive.py, ``emit_callback``) and not ``jax.debug.callback``:
-it has the same semantics (allowed under ``grad``, where it sees primals,
-``scan``/``cond``/``while``, ``checkpoint``, and once per device inside fully
-manual ``shard_map``/``pmap`` bodies) without its ``jax.device_put`` on XLA's
-callback thread.
+transport layout, layouts.py, or a ``group``), through our own callback
+primitive (primitive.py says why not ``jax.debug.callback``). The old
+host_callback API has its own primitives (host_callback/_linked.py).
 """
 
 from __future__ import annotations

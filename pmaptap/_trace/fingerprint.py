@@ -1,31 +1,15 @@
 """``pmaptap.fingerprint``: a 64-bit fingerprint of every device's copy of a
 value, computed on the device (fphash.py), compared on the host
-(_host/fingerprints.py), so that the device whose copy differs is named.
-
-Where the copies come from:
-
-- inside pmap / a fully manual shard_map: each device fingerprints its own
-  block; the ``n x leaves`` fingerprints are all-gathered (the one tiny
-  collective) and ONE device of the job (coordinate 0) calls back. Inside a
-  cond/switch branch or a while_loop body, where a collective that only
-  some devices reach would deadlock (docs/architecture.md), each device
-  calls back with its own instead, and each process compares its devices.
-  Which copies should be equal: all of them for a replicated value; where
-  JAX's varying-axes types are on (``shard_map(check_vma=True)``, the
-  default), those with the same coordinates on the axes the value varies
-  over (what the out specs would have to say; invariant.varying_axes).
-- under plain jit (and eagerly): fingerprint_jit.py, per slice of the
-  sharding XLA chose.
-
-Under ``pmaptap.jit`` / ``pmaptap.pmap`` the same fingerprints leave the
-step as outputs instead (``fingerprint_out_p`` below, lifted by lift.py):
-computed on the device exactly as above, handed to the host half
-(_outputs/drain.py), which delivers the payloads the callback would have.
+(_host/pipeline/fingerprints.py), so that the device whose copy differs is
+named. docs/architecture.md, "Replica fingerprints", draws where the copies
+come from under pmap/shard_map (here), plain jit (fingerprint_jit.py) and
+``pmaptap.jit`` (``fingerprint_out_p`` below, lifted by lift.py); docs/api.md
+says which copies are compared.
 
 Each device's copy is read where it lies, after an optimization barrier:
-XLA may not recompute the value into the fingerprint's loop (it fused the
-producer there otherwise, and the fingerprint would then be of a second
-computation of the value, not of the bits the device keeps).
+otherwise XLA fused the value's producer into the fingerprint's loop, and
+the fingerprint was of a second computation of the value, not of the bits
+the device keeps.
 """
 
 from __future__ import annotations
@@ -67,24 +51,13 @@ FN = "pmaptap.fingerprint"
 
 def fingerprint(x: T, name: str, *, step=None, every: int = 1) -> T:
     """Fingerprint every device's copy of ``x`` (an array or pytree of
-    arrays) and name the devices whose copies differ. Returns ``x``
-    unchanged; gradients flow as if the call were absent.
-
-    On each device that holds a copy of a leaf (or a slice of it), a 64-bit
-    fingerprint of the copy's exact bits is computed on the device; only
-    the fingerprints (8 bytes a leaf a device) reach the host, which
-    compares the copies that should be equal: under pmap all of them (a
-    replicated value), under jit the holders of each slice of the sharding,
-    inside shard_map those the varying-axes types say hold the same block.
-    Written: one ``"kind": "fingerprint"`` record per call and step when
-    they agree; when not, one record per distinct fingerprint of each
-    disagreeing leaf (and slice), ``"divergent": true``, listing exactly its
-    holders. ``pmaptap summary`` names the suspect devices.
+    arrays) on the device and name the devices whose copies differ. Returns
+    ``x`` unchanged; gradients flow as if the call were absent.
 
     step: None for an automatic per-name counter, a Python int or a traced
-    integer scalar. every: fingerprint steps where ``step % every == 0``
-    (decided on the device for a traced step, at trace time for an int;
-    with the automatic counter the host skips the others)."""
+    integer scalar. every: fingerprint steps where ``step % every == 0``.
+    Which copies are compared and the records written: docs/api.md, "Silent
+    data corruption"."""
     send(x, name, step=step, every=every)
     return x
 
@@ -247,14 +220,11 @@ mlir.register_lowering(
 )
 
 
-# A fingerprint written directly in a pmaptap.jit step's body (not inside
-# any transformation: outputs.at_step_level), its operands (step, *leaves)
-# marked for lift.py, which alone sees whether the leaves are outputs of
-# the step: then the hash runs as a program of its own on those outputs,
-# dispatched right after the step (compiling the hash inside a big step
-# costs the step's compile several times the hash program's own), else in
-# the step as any fingerprint. Bound only in the step's own trace, which
-# lift.py interprets: it needs no transformation rule and no lowering.
+# A fingerprint written directly in a pmaptap.jit step's body
+# (outputs.at_step_level), its operands (step, *leaves) marked for lift.py,
+# which alone sees whether the leaves are outputs of the step: then it is
+# hashed after the step (_outputs/later.py says why), else in it. Bound only
+# in the step's own trace: no transformation rule, no lowering.
 fingerprint_later_p = jax_core.Primitive("pmaptap_fingerprint_later")
 fingerprint_later_p.multiple_results = True
 

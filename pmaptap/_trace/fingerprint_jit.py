@@ -1,28 +1,20 @@
 """``pmaptap.fingerprint`` under plain jit: each device fingerprints its own
-copy (or slice) of every leaf, the fingerprints (8 bytes a leaf a device)
+copy (or slice) of every leaf; the fingerprints (8 bytes a leaf a device)
 are brought to device 0 of the computation, which calls back once.
 
 Why a primitive whose lowering does the work: under jit a value has global
-semantics. ``fingerprint64(x)`` of a replicated ``x`` is one value to XLA,
-computed on every device but equal by assumption, and an all-gather of a
-replicated value is a no-op to the partitioner: the copies could never be
-told apart. Each device's fingerprint must be a different *element* of the
-program, computed from that device's own buffer in a manual region. Which
-slice a device holds is decided only when XLA's partitioner has propagated
-the shardings, after tracing and lowering; JAX's ``custom_partitioning`` is
-the hook that runs then: its ``partition`` rule receives every operand's
-actual sharding and returns a per-shard function, which computes the
-fingerprint of the local block on each device, and the result's sharding,
-one row per device (``P(all mesh axes)``), which makes the rows distinct
-elements that no pass can fold into one. Moving that result to device 0,
-where the non-partitioned callback runs, is the one tiny collective
-(``n x leaves x 8`` bytes). The operands keep the sharding they have (the
-rule asks for nothing else): nothing is gathered or resharded.
-
-The lowering is also where the computation's device assignment is known, so
-it makes the placement (``ShardPlacement``: partition -> device, process,
-coordinates, and, filled by ``partition`` at compile time, each leaf's
-slice) and binds the host function to it, once per lowering.
+semantics. ``fingerprint64`` of a replicated ``x`` is one value to XLA, and
+an all-gather of a replicated value is a no-op to the partitioner: the
+copies could never be told apart. Each device's fingerprint must be a
+different *element* of the program, computed from its own buffer in a
+manual region, and which slice a device holds is known only after XLA's
+partitioner propagated the shardings. ``custom_partitioning``'s
+``partition`` rule runs then: it receives every operand's actual sharding
+(and asks for no other: nothing is gathered or resharded), fingerprints the
+local block, and gives the result one row per device (``P(all mesh
+axes)``), distinct elements no pass can fold into one. The lowering, where
+the device assignment is known, makes the ``ShardPlacement`` and binds the
+host function to it, once per lowering.
 
 Relies on ``jax.experimental.custom_partitioning`` and, through placement.py
 and primitive.py, on ``jax._src`` lowering internals (JAX 0.10);
@@ -117,13 +109,10 @@ def _fingerprints(ctx, leaf_avals: list, leaves, *, replicated: bool):
 
 
 # ------------------------------------------------------------ as step outputs
-# Under pmaptap.jit the fingerprints leave the step as outputs
-# (_outputs/lift.py binds this where the fingerprint was written): the same
-# rows as above, gathered on every device instead of moved to device 0 (the
-# process holding partition 0 reads them, as device 0 called back), padded
-# to a row count known when the step is traced (the partitions are known
-# only when it is lowered), with the number under which the lowering keeps
-# its bound spec (_common/fingerprint.py: bind_lowering).
+# Under pmaptap.jit the same rows leave the step as outputs, gathered on
+# every device (partition 0's process reads them), padded to a row count
+# known at trace time (the partitions are known only when it is lowered),
+# with the number of the lowering's bound spec (bind_lowering).
 fingerprint_table_p = core.Primitive("pmaptap_fingerprint_table")
 fingerprint_table_p.multiple_results = True
 dispatch.prim_requires_devices_during_lowering.add(fingerprint_table_p)

@@ -1,76 +1,50 @@
 """The 64-bit fingerprint of one device's copy of an array, computed on that
 device from the bits it holds (``pmaptap.fingerprint``, fingerprint.py).
 
-What it is: the array's bits taken as 32-bit *words* ``w_i``; the words
-folded into 32-bit *lanes*, each lane the sum of a bounded run of words
-(a *fold*), each word weighted by an odd multiplier of its row in the fold;
-then every lane mixed (MurmurHash3's finalizer, a bijection, with a salt
-per half) and weighted by an odd multiplier of its position, and summed:
-twice, with different salts and multipliers, for the two 32-bit halves.
-All modulo 2**32, integer arithmetic only (floats would round, and NaN
-compares unequal to itself).
+What it is: the array's bits taken as 32-bit *words*, folded into 32-bit
+*lanes* (each the sum of a bounded run of words, a *fold*, each word
+weighted by an odd multiplier of its row), every lane mixed (MurmurHash3's
+finalizer, a bijection, salted) and weighted by an odd multiplier of its
+position, and summed: twice, with other salts and multipliers, for the two
+halves. Integer arithmetic modulo 2**32 only (floats round; NaN != NaN).
 
-What it guarantees: a change confined to one word (one flipped bit
-anywhere, ``-0.0`` against ``0.0``, another NaN payload) changes its lane
-by ``delta * odd``, never 0 modulo 2**32, so the mixed lane, and each half,
-changes: always detected. Changes in several lanes collide with a
-probability of about 2**-64. Changes confined to one lane can cancel in the
-weighted sum: with a probability of about 2**-32 for arbitrary changes, but
-more often when they are all in the top bits of their words (an even
-number of flipped sign bits there always cancels): the price of a first
-pass that is one multiply-add per word. What a lane holds depends on the
-platform the program is compiled for (``LAYOUTS``, docs/api.md): a
-fingerprint is only compared with the fingerprints the same program
-computes, so each platform reads the bits in the order its memory holds
-them.
+What it guarantees: a change confined to one word changes its lane by
+``delta * odd``, never 0 modulo 2**32, so it is always detected. Changes in
+several lanes collide with a probability of about 2**-64; changes confined
+to one lane can cancel in the weighted sum (about 2**-32, more often when
+all in the top bits: an even number of flipped sign bits always cancels),
+the price of a first pass that is one multiply-add per word. A lane depends
+on the platform (``LAYOUTS``; what a lane holds per platform and dtype:
+docs/api.md, "Silent data corruption"): fingerprints are only compared
+within one program, so each platform reads the bits in its memory order.
 
-Why it is shaped this way: the fingerprint must cost one read of the array,
-as a float sum does, and every platform has its own way of making a second
-pass out of a reshape or a widening.
+Why it is shaped this way: it must cost one read of the array, as a float
+sum does, and every platform makes a second pass out of something else
+(the figures: docs/performance.md, "Fingerprints").
 
-- XLA:CPU (JAX 0.10.2, measured on one and two cores) keeps arrays dense in
-  row-major order, so the flat words reshape for free into blocks of
-  ``(FOLD, LANES)``: 32 rows summed into 1021 lanes (a prime, so that a
-  power-of-two stride spreads over lanes), one fused loop. XLA rewrites a
-  long integer reduction into a tree of ``reduce-window`` ops and does not
-  fuse the multiply into it (a plain weighted ``jnp.sum`` wrote the
-  products out, several times a float32 sum's time); a fold of 64 rows
-  did the same. 8- and 16-bit values are packed two
-  or four to a word by strided slices of a row, taken before their bitcast
-  to unsigned integers: a bitcast to 32 bits by a reshape to ``(-1, 2)``
-  became a separate pass writing the words out (many times the float
-  sum's time), and a bitcast before the slices broke the loop's
-  vectorization.
-  bfloat16 is the exception: XLA:CPU computes slices of bfloat16 in
-  float32 (a round trip that is slow and not bit-exact for NaN payloads),
-  so its elements are each widened to a word (bitcast first, which stays
-  fused), in blocks whose rows are 2 x 1021 words, each row's two halves
-  then two rows of lanes (as many lanes as a fold of 1021-word rows: the
-  pairing changes which words share a lane, not how many lanes there are;
-  kept as measured, not re-measured apart). The mixing works on the lanes
-  (1/32 of the words): any further per-word operation slowed the loop
-  markedly (docs/performance.md).
-- XLA:TPU keeps arrays in tiles of (8, 128) 32-bit words (16 or 32 rows of
-  narrower types, packed in 32-bit sublanes), so a flat reshape is a
-  relayout copy, and a reshape to a minor dimension of 2 pads it to 128
-  lanes (64x the bytes). There the fold is over the rows of the array as
-  it lies: the leading dimensions merged (free), ``FOLD_TPU`` rows of one
-  column to a lane, every element widened to a word inside the fused
-  reduction. An optimization barrier after the reshape keeps XLA from
-  moving the widening in front of it, where it was not fused (a second
-  pass over the array).
-- Elsewhere (GPU) the layout is dense as on the CPU, with the fold of
-  ``FOLD_ELSEWHERE`` rows: on a GPU the fold of 32 rows left a big array's
-  fingerprint well behind a float32 sum, the fold of 256 kept up with it
-  (docs/performance.md, "Fingerprints").
+- XLA:CPU keeps arrays dense, row-major: the words reshape for free into
+  ``(FOLD, LANES)`` blocks, 32 rows into 1021 lanes (a prime, so a
+  power-of-two stride spreads over lanes), one fused loop. A plain weighted
+  ``jnp.sum`` (or a fold of 64) became a ``reduce-window`` tree that wrote
+  the products out. 8- and 16-bit values are packed into words by strided
+  slices taken before their bitcast (a bitcast by a reshape to ``(-1, 2)``
+  was a separate pass; a bitcast before the slices broke vectorization);
+  bfloat16, whose slices XLA:CPU computes in float32 (slow, not bit-exact
+  for NaN payloads), is widened one element to a word, in rows of
+  2 x 1021 words. The mixing works on the lanes: any further per-word
+  operation slowed the loop markedly.
+- XLA:TPU keeps (8, 128) tiles of 32-bit words, so a flat reshape is a
+  relayout copy and a minor dimension of 2 pads to 128 lanes. There the
+  fold is over the rows as they lie (leading dimensions merged),
+  ``FOLD_TPU`` rows of one column to a lane, every element widened inside
+  the fused reduction; an optimization barrier after the reshape keeps XLA
+  from hoisting the widening out of it (a second pass).
+- Elsewhere (GPU) dense as on the CPU, with a fold of ``FOLD_ELSEWHERE``
+  rows (32 left a big array well behind a float32 sum; 256 kept up).
 
-The words of a value: 32-bit dtypes as they are (bitcast); 64-bit ones as
-their two halves; complex ones as their real and imaginary parts (each
-part's words); bool as bytes; sub-byte dtypes widened exactly first
-(layouts._wire). The words of one element share its lane, each with a
-multiplier of its own (``_fold``), so the array is still read once; only
-the TPU layout gives a complex value's parts lanes of their own (they lie
-in planes of their own there).
+An element's words (a 64-bit value's halves, a complex value's parts) share
+its lane, each with a multiplier of its own (``_fold``); sub-byte dtypes are
+widened first (layouts._wire).
 """
 
 from __future__ import annotations
@@ -138,18 +112,13 @@ def fingerprint64_many(
     leaves: list[jax.Array], valids: list[jax.Array | None] | None = None
 ) -> jax.Array:
     """``fingerprint64`` of each of ``leaves`` (``valids``: each one's
-    ``valid``, or None), as uint32[len(leaves), 2]: the same values, in a
-    number of hash operations that does not grow with the leaves (one
-    fold of its blocks each aside). Hashing each leaf on its own made
-    compiling a step with the fingerprint of a model's parameters markedly
-    slower (a handful of reductions a leaf; docs/performance.md).
-
-    Every leaf in the CPU layout (``_flat``: all of them on a CPU, the
-    small ones everywhere) is read by its own fold (``_split``, one pass
-    over its bits, as before); from there on they are hashed together
-    (``_cpu_layout``). The big leaves are one ``platform_dependent`` for all
-    of them (one each before): on a TPU those of one shape and dtype are
-    hashed together (``_tpu_layout``), elsewhere one by one."""
+    ``valid``, or None), as uint32[len(leaves), 2], in a number of hash
+    operations that does not grow with the leaves (hashing each on its own made
+    compiling a model's parameters' fingerprint markedly slower). Each
+    CPU-layout leaf (``_flat``) is read by its own fold (``_split``), then all
+    are hashed together (``_cpu_layout``); the big leaves are one
+    ``platform_dependent`` (on a TPU those of one shape and dtype together,
+    ``_tpu_layout``)."""
     valids = [None] * len(leaves) if valids is None else list(valids)
     leaves = [jnp.asarray(x) for x in leaves]
     valids = [

@@ -1,31 +1,15 @@
 """``pmaptap.tap_grad``: an identity whose backward pass records the
-cotangent arriving at the tapped value.
+cotangent arriving at the tapped value (docs/api.md, "Backward taps").
 
-How: a ``jax.custom_vjp`` identity. Its forward rule emits nothing (it only
-keeps a traced ``step`` as a residual); its backward rule hands the cotangent
-to ``tap.send`` with ``pass_="backward"`` and returns it unchanged. So the
-record goes through the same checks, tagging, dedup, step counters and
-``every`` as ``tap`` (the aggregator keys automatic steps by
-(name, pass, device), so backward records count on their own).
-
-Consequences worth knowing (tested in tests/trace/test_tap_grad.py):
-
-- One record per execution of the backward pass through this point. Under
-  ``jax.checkpoint`` the recomputed forward pass has nothing to replay: the
-  forward rule sends nothing, and the backward rule runs once per backward
-  pass, so recomputation never duplicates a backward record.
-- Automatic steps count backward executions in the order they run: inside a
-  ``scan`` the backward pass runs the iterations last-to-first. Pass
-  ``step=i`` (the loop counter) to label records by forward iteration; the
-  traced step travels from the forward pass to the backward pass as a
-  residual.
-- Leaves that JAX knows at trace time receive no gradient (a symbolic zero)
-  are written as ``null``; if no leaf receives one, JAX skips the backward
-  rule and nothing is written. Integer/bool leaves and Python scalars never
-  have a cotangent and are ``null`` too.
-- Forward mode (``jvp``) is out of scope: ``custom_vjp`` has no tangent rule.
-  ``_forward_mode_trace`` turns JAX's generic refusal into a message that says
-  what to do, where the forward-mode trace is visible when ``tap_grad`` runs.
+A ``jax.custom_vjp`` identity: the forward rule emits nothing (it keeps a
+traced ``step`` as a residual); the backward rule hands the cotangent to
+``tap.send`` with ``pass_="backward"``, so checks, dedup, step counters and
+``every`` are the tap's (automatic steps are keyed by (name, pass, device)).
+Hence one record per backward execution, never duplicated by
+``jax.checkpoint``'s recomputation, and automatic steps in the order the
+backward pass runs (last-to-first in a ``scan``; pass ``step=i``).
+Forward mode has no rule: ``_forward_mode_trace`` turns JAX's generic
+refusal into a message that says what to do.
 """
 
 from __future__ import annotations
@@ -170,18 +154,12 @@ def _forward_mode_error(name: str) -> TypeError:
 
 
 def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1, step: Any = None) -> T:
-    """Identity on ``x`` (an array or pytree of arrays). In the backward pass
-    (``jax.grad`` / ``value_and_grad`` / ``vjp`` / ``jacrev``) it records the
-    cotangent arriving at ``x``, as ``pmaptap.tap`` would record a value:
-    tagged with device, process and mesh coordinates, deduplicated by
-    ``dedup``, numbered by ``step``, thinned by ``every``. Records carry
-    ``"pass": "backward"``.
-
-    step: None counts backward executions per (name, device) (inside a scan:
-    in the order the backward pass runs, last iteration first); a Python int
-    or a traced integer scalar of the *forward* pass labels the record with
-    it. Arguments are checked here, at trace time, whether or not a gradient
-    is ever taken. Forward mode (``jax.jvp``) is refused with a TypeError.
+    """Identity on ``x`` (an array or pytree of arrays) whose backward pass
+    records the cotangent arriving at ``x`` as ``pmaptap.tap`` records a value
+    (``"pass": "backward"``). step: None counts backward executions; a Python
+    int or traced integer of the *forward* pass labels the record. Arguments
+    are checked at trace time; forward mode is a TypeError. docs/api.md,
+    "Backward taps".
     """
     check_common(name, dedup, every, FN)
     static_step, traced_step = check_step(step, name, FN)

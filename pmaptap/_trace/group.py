@@ -33,11 +33,7 @@ from pmaptap._trace.primitive import mark_tap_vmap_rule
 
 _local = threading.local()
 
-# What a collector gathers, by the layout of its members: GATHERED (gathered
-# and leader-copy taps under mapped axes: one callback per process), COPY
-# (taps calling back from every device: one callback per device) and JIT
-# (taps under plain jit, per-shard and scalar: one shard_call, so one
-# partitioned callback per device, or one from device 0 for scalars only).
+# What a collector gathers, by the layout of its members (see _Collector).
 GATHERED, COPIES, JIT = "gathered", "copies", "jit"
 
 
@@ -168,22 +164,13 @@ class _Collector:
 class group(_Collector, contextlib.ContextDecorator):
     """``with pmaptap.group():`` (or ``@pmaptap.group()``) inside a traced
     step: the taps made directly in the block share ONE host callback per
-    process, emitted when the block ends, instead of one each (under plain
-    jit: one callback per device carrying every tap's shard, or one from
-    device 0 when every tap is a scalar).
+    process (under plain jit, one per device), emitted when the block ends
+    (docs/api.md, "One callback per host, not per device").
 
-    Only taps at the block's own trace level join (a tap inside a nested
-    scan/cond/vmap body is emitted on its own as usual), and only those on
-    the fast path (mapped axes, small enough to gather) or under plain jit. Taps with a traced
-    ``step`` and ``every > 1`` join too: those sharing the same step and
-    ``every`` are decided by ONE on-device ``step % every == 0`` and share
-    one callback, so a logging block costs one never-firing branch on the
-    steps it skips, not one per tap. Records are exactly those of separate
-    taps.
-
-    With automatic grouping on (``pmaptap.configure(auto_group=True)``, the
-    default) the taps of a traced body share a callback without a block;
-    ``group()`` still marks where that callback goes.
+    Only taps at the block's own trace level join, and only those on the fast
+    path (mapped axes, small enough to gather) or under plain jit. Taps sharing
+    a traced ``step`` and ``every > 1`` are decided by ONE on-device
+    ``step % every == 0``. Records are exactly those of separate taps.
     """
 
     def __enter__(self) -> "group":
@@ -208,14 +195,11 @@ def auto_offer(
     spec: TapSpec, raw_names: tuple, leaves, coords, step, traced_every: bool = False
 ) -> bool:
     """Defer a tap not in a ``group()`` block to the end of its trace, where
-    it shares one callback with the trace's other such taps (one gather, one
-    cond, one callback a step instead of one each). False (emit it now, as
-    before) unless automatic grouping is on, the hook is installed, and the
-    current trace is a plain staging trace (or a grad/jvp trace directly in
-    one: the tap waits for the enclosing trace's end, see
-    traceend.staging_target) and every traced operand is a staging tracer
-    (its own, or one it closes over, such as a step): under vmap's batching
-    or eager execution nothing is deferred."""
+    it shares one callback with the trace's other such taps. False (emit it
+    now) unless automatic grouping is on, the hook is installed, the current
+    trace is a plain staging trace (or a grad/jvp trace directly in one:
+    traceend.staging_target) and every traced operand is a staging tracer:
+    under vmap's batching or eagerly nothing is deferred."""
     if not options().auto_group or not traceend.installed():
         return False
     # The step's staging trace, also from inside grad/jvp (staging_target).
@@ -273,13 +257,10 @@ def _emit_members(members: list[_Member], kind: str) -> None:
 
 def _group_fn(specs: tuple[TapSpec, ...], raw_names: tuple, n_leaves: tuple[int, ...], kind: str):
     """The group's counterpart of ``emitter`` (layouts.py): emits the
-    members' one payload, wrapped in ``custom_vmap`` for the same two
-    reasons as a single tap's: a vmap of the traced step
-    (``vmap(jit(step))``) makes ONE callback holding the whole batch (records
-    as separate taps would have, ``batch_dims`` counted), not one per
-    element; and ``jax.checkpoint`` does not replay the callback when it
-    recomputes the forward pass (before this wrapper, a ``group()`` under
-    remat + grad wrote every record twice)."""
+    members' one payload, wrapped in ``custom_vmap`` for a single tap's two
+    reasons (layouts.py's docstring): one callback for a vmapped batch, and no
+    replay under ``jax.checkpoint`` (a ``group()`` under remat + grad wrote
+    every record twice before)."""
     m = len(specs)
 
     def split(args):

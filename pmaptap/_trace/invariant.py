@@ -1,45 +1,33 @@
 """Trace-time proof that a tapped value is the same on every device along
-the tap's manual axes (owned by placement.py: with it, the only code that
-reads JAX internals about the mesh and the trace being built).
+the tap's manual axes (owned by placement.py; docs/architecture.md, "Exact
+or null placement").
 
-Why: a ``dedup="replicated"`` tap compares its copies on the host (an
-``all_gather`` of the values or of their hashes). That gather is a second
-rendezvous of every device after the step's own ``pmean``; on a scalar loss
-it is most of what the tap costs above one raw callback per host. When JAX
-itself shows that the value cannot differ between devices, the comparison
-cannot find anything and is skipped (``Layout.PROVEN``).
+Why: a ``dedup="replicated"`` tap compares its copies with an
+``all_gather``, a second rendezvous of every device after the step's own
+``pmean`` (on a scalar loss most of what the tap costs). When JAX shows the
+value cannot differ between devices, the comparison is skipped
+(``Layout.PROVEN``).
 
-Two sources, both read from JAX 0.10 internals:
+Two sources, both JAX 0.10 internals:
 
-a. JAX's varying-manual-axes typing (``shard_map(check_vma=True)``, the
-   default): ``core.typeof(x).mat`` names the axes along which ``x`` may
-   vary (``varying``) or holds partial sums (``unreduced``, ``reduced``).
-   With ``check_vma`` off (pmap is shard_map with ``check_vma=False``) every
-   set is empty whatever the value: it proves nothing there, and it is
-   trusted only when no enclosing shard_map turned the checking off. Nor
-   for a value made from a per-device source (``_per_device_eqn``: a host
-   callback's answer, XLA's stateful ``rng_uniform``, code JAX does not
-   read), which JAX types from its operands while each device computes its
-   own: a walk back from the value (``_from_per_device_source``) looks for
-   one, stopping at an all-reduce over the tap's axes.
-b. A conservative walk back through the equations being recorded: each
-   ``DynamicJaxprTracer`` knows the equation that made it (``parent``, whose
-   ``in_tracers`` are the operands). A value is invariant if it is a literal
-   or a concrete constant, the output of an all-reduce (psum, pmax, pmin,
-   all_gather) over every one of the tap's axes, or the output of a
-   whitelisted pure primitive whose operands are all invariant, or an
-   input of a shard_map body (pmap's too) whose in_spec names no axis
-   (``P()``: a pmap argument with ``in_axes=None``), the same on every
-   device of that shard_map's axes by construction; read off the staging
-   frame on the Python stack (``_shard_map_staging``'s ``in_specs``, in the
-   order of the body trace's ``invars``). pmaptap.jit/pmap trace the body
-   again (lift.py), and say which outer value each input of that trace is
-   (``same_as``). Anything else (other inputs, ``axis_index``, partial
-   collectives, permutations, callbacks, random bits, primitives with inner
-   jaxprs, unknown primitives, values of another trace) is not proven.
+a. Varying-manual-axes typing (``shard_map(check_vma=True)``):
+   ``core.typeof(x).mat`` names the axes ``x`` may vary over. Trusted only
+   when no enclosing shard_map turned checking off (pmap is
+   ``check_vma=False``: every set is empty there, proving nothing), and not
+   for a value made from a per-device source JAX types from its operands
+   (``_per_device_eqn``: a host callback's answer, ``rng_uniform``, code JAX
+   does not read), looked for by a walk back (``_from_per_device_source``)
+   that stops at an all-reduce over the tap's axes.
+b. A conservative walk back through the recorded equations
+   (``DynamicJaxprTracer.parent``): invariant are literals and concrete
+   constants, all-reduces (psum, pmax, pmin, all_gather) over every one of
+   the tap's axes, whitelisted pure primitives of invariant operands, and
+   shard_map (or pmap) body inputs whose in_spec names no axis, read off the
+   staging frame on the Python stack (``_shard_map_staging``); lift.py's
+   re-trace says which outer value each input is (``same_as``). Anything
+   else is not proven.
 
-Nothing here may fail a user's trace: any exception means "not proven", and
-the tap falls back to comparing its copies.
+Nothing here may fail a user's trace: any exception means "not proven".
 ``tests/trace/test_prove.py::test_jax_internals_the_proof_reads_are_still_there``
 fails loudly if a JAX upgrade moves what is read here.
 """
@@ -193,24 +181,13 @@ def _replicated_input(trace: Any, var: Any, axes: frozenset) -> bool:
 
 def _per_device_eqn(primitive: Any) -> bool:
     """Whether an equation's result may differ between the devices while
-    JAX's varying-axes typing says it cannot: JAX types such a result from
-    its operands (or from the type its caller declared), yet the device
-    computes it from something else.
-
-    - a host callback (io_callback, pure_callback, host_callback.call,
-      buffer_callback): each device calls the host on its own and may get
-      its own answer. (pmaptap's own taps return their operand, or
-      nothing, on the device, as jax.debug.callback returns nothing: no
-      host answer flows out.)
-    - ``rng_uniform``: XLA's stateful generator, each device its own draw.
-      (``rng_bit_generator``, ``random_bits`` and every ``jax.random``
-      implementation are functions of their key: the same key, typed
-      invariant, draws the same bits on every device.)
-    - ``precv``: a value sent by another device.
-    - code JAX does not read (``ffi_call``, ``pallas_call`` and Mosaic's
-      ``tpu_custom_call``, ``core_map``, ``call_exported``): it may read the
-      device's index or talk to other devices, and its result's type is
-      what its caller declared.
+    JAX's varying-axes typing (which types it from its operands, or from what
+    its caller declared) says it cannot: a host callback (io_callback,
+    pure_callback, host_callback.call, buffer_callback: each device may get its
+    own answer; pmaptap's taps return no host answer), ``rng_uniform`` (XLA's
+    stateful generator; every ``jax.random`` draw is a function of its key),
+    ``precv``, and code JAX does not read (``ffi_call``, ``pallas_call``,
+    ``tpu_custom_call``, ``core_map``, ``call_exported``).
     """
     name = primitive.name
     if name in _NO_HOST_ANSWER:
@@ -356,19 +333,13 @@ class _Input(NamedTuple):
 
 def _input_origins(trace: Any, var: Any) -> list | None:
     """What the input ``var`` of ``trace`` may have been made from, to walk
-    on, or None where that is unknown (then it may be per-device):
-
-    - pmaptap.jit/pmap's second trace of a body: the value it stands for
-      (``same_as``);
-    - a shard_map body: the value its staging passed in, if that is itself
-      a per-device value (a shard_map nested in another one's body); a
-      value of the whole computation around it (jit) is left there: its
-      compiler keeps a replicated value the same on every device;
-    - the body of a scan, jit, cond, checkpoint, custom_jvp... traced
-      inside another trace: one of that trace's values, not known which;
-      so every equation recorded there so far is read (none may be a
-      per-device source) and that trace's own inputs and closed-over
-      values are walked on.
+    on, or None where unknown (then it may be per-device): for pmaptap.jit's
+    second trace of a body, the value it stands for (``same_as``); for a
+    shard_map body, the value its staging passed in if that is itself
+    per-device (a jit's value is kept replicated by its compiler); for a body
+    traced inside another trace (scan, jit, cond, checkpoint, ...), unknown
+    which: every equation recorded there so far is read and that trace's own
+    inputs and closed-over values are walked on.
     """
     from jax._src.interpreters import partial_eval as pe
 

@@ -1,42 +1,29 @@
 """Which loop iteration a tap runs in: ``iteration_p`` and the loops that
-give it its value.
-
-A tap traced inside a loop body (``lax.scan``, ``lax.fori_loop``,
-``lax.while_loop``, nested loops, a ``jax.checkpoint``/``cond``/``jit``
-inside a body) carries the index of each enclosing loop's iteration,
-outermost first: its records say which iteration they come from (the
-``"iteration"`` field), so two iterations of one step are never taken for
-two replicas of one value.
+give it its value (the ``"iteration"`` field, docs/api.md: so two
+iterations of one step are never taken for two replicas of one value).
 
 JAX gives a loop body no iteration counter, so pmaptap threads one:
 
-- ``indices()``, called by a tap, walks the traces enclosing it; for each
-  one that is a loop body (its ``DebugInfo.traced_for``), it binds ONE
-  ``iteration_p`` (no operands, an int32 scalar) at the top level of that
-  body's trace, whatever trace the tap itself is in (a ``cond`` branch, a
-  ``checkpoint`` or ``jit`` inside the body closes over it: JAX threads it
-  there as it threads any value of an enclosing trace).
-- When the loop's own equation is staged (``scan_p`` / ``while_p``, a
-  ``custom_staging_rules`` entry: every jit/pmap/shard_map body, nested
-  loop body and eager loop is staged through it), a body holding an
-  ``iteration_p`` at its top level gets one more loop carry, a counter from
-  0, and each ``iteration_p`` there becomes that counter: for a scan, the
-  index of the iteration into ``xs`` (a ``reverse`` scan runs it from
-  ``length - 1`` down to 0, as the output transport's stacked rows are
-  indexed), for a ``while_loop`` the number of body runs before it (a tap
-  in the condition sees the iteration the body is about to run).
+- ``indices()``, called by a tap, binds ONE ``iteration_p`` (no operands,
+  an int32 scalar) at the top level of each enclosing loop body's trace
+  (found by its ``DebugInfo.traced_for``), whatever trace the tap is in: a
+  ``cond``, ``checkpoint`` or ``jit`` inside the body closes over it.
+- When the loop's equation is staged (``scan_p`` / ``while_p``, a
+  ``custom_staging_rules`` entry every staged loop passes through), a body
+  holding an ``iteration_p`` gets one more carry, a counter from 0, and
+  each ``iteration_p`` becomes it: for a scan the index into ``xs`` (a
+  ``reverse`` scan counts down, as the output transport's stacked rows are
+  indexed), for a ``while_loop`` the number of body runs before it.
 
-Both transports read it: the host-callback transport carries the indices
-after the device's mesh coordinates (emit.py), and the output transport
-lifts the rewritten loop like any other, so the indices travel with its
-stacked rows (lift.py): the same records.
+Both transports carry the indices: after the mesh coordinates (emit.py) or
+with the lifted loop's stacked rows (lift.py).
 
-Transformations of a loop (vmap's batching, jvp, linearize) re-trace the
-body with the ``iteration_p`` equation in it, which has no operands, so it
-stays unbatched and un-differentiated at the body's top level. JAX's scan
-linearization hoists whatever depends only on loop constants out of the
-body (``_scan_known_hoisting``); ``iteration_p`` depends on nothing, so that
-step is skipped for bodies that hold one (``_keep_in_body``).
+vmap, jvp and linearize re-trace the body with the operand-less
+``iteration_p`` at its top level, so it stays unbatched and
+un-differentiated. JAX's scan linearization hoists what depends only on
+loop constants out of the body (``_scan_known_hoisting``); ``iteration_p``
+depends on nothing, so that step is skipped for bodies that hold one
+(``_keep_in_body``).
 """
 
 from __future__ import annotations

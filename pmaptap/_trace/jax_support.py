@@ -1,25 +1,15 @@
-"""The JAX versions pmaptap supports, and the inventory of JAX internals it reads.
-
-pmaptap reads some of JAX's internals (``jax._src``: the primitives' lowering,
-the trace-end hook, the concrete mesh, the coordination client). What that
-means for a JAX version (docs/contributing.md#jax-versions):
-
-- ``TESTED``: the minor releases the whole suite passes on (CI runs it on
-  the pins' newest for Python 3.11 and on the newest JAX in a Python 3.13
-  root, ``scripts/newest_jax.sh``; older ones by hand);
-- ``CHECKED``: releases whose source was only checked statically
-  (``scripts/check_jax_source.py``: every ``jax._src`` module and attribute
-  of the inventory below exists there, behaviour untested): a step before
-  ``TESTED``, empty while every release pyproject admits is tested;
-- anything else is unknown.
+"""The JAX versions pmaptap supports, and the inventory of JAX internals it
+reads (docs/contributing.md#jax-versions): ``TESTED`` (the minor releases
+the suite passes on), ``CHECKED`` (only checked statically by
+scripts/check_jax_source.py; empty while every admitted release is tested),
+anything else unknown.
 
 Importing the trace side on a JAX outside ``TESTED`` warns once, naming the
 internals that JAX lacks (``missing_internals``), instead of a tap failing
-later somewhere inside JAX. The inventory is read from the package's own
-source (every ``from jax._src... import`` and each attribute the code then
-reads), so a new reach into ``jax._src`` is in it by construction;
-``tests/project/test_jax_internals.py`` fails on the installed JAX when one
-is missing.
+later inside JAX. The inventory is read from the package's own source
+(every ``from jax._src... import`` and the attributes then read), so a new
+reach into ``jax._src`` is in it by construction;
+``tests/project/test_jax_internals.py`` fails when one is missing.
 """
 
 from __future__ import annotations

@@ -1,48 +1,25 @@
 """Transport layouts: how the copies of one tap execution travel from the
-devices to the host, and the vmap-aware emitter that sends one payload.
+devices to the host (gathered, verified, verified_off, proven, copy: each
+drawn in docs/architecture.md, "From pmaptap.tap to the file", step 3), and
+the vmap-aware emitter that sends one payload.
 
-A host callback costs far more than a small collective (on CPU a per-device
-callback costs many times an all_gather of a scalar; docs/performance.md),
-so under a mapped axis we avoid one callback per device:
-
-- "gathered": ``all_gather`` the copies over the manual axes; only the first
-  device of each process (its *leader*) calls back, with every copy stacked
-  on axis 0 in row-major coordinate order. Used for per_device/auto taps
-  whose gathered size is at most ``gather_max_bytes``.
-  Several leaves (a pytree, or all members of a ``group``) are packed into
-  one uint8 vector so they cost ONE collective. Small replicated taps use it
-  too: gathering the values is as cheap as gathering hashes.
-- "verified": replicated taps above ``gather_max_bytes`` gather a 64-bit hash
-  of each copy's bits; if all agree, the leader sends its one copy; if not,
-  the full copies are gathered so every distinct value can be written.
-  "verified_off" (``verify_replicated=False``): the leader's copy.
-- "proven": a replicated (or auto) tap whose value JAX shows at trace time
-  to be the same on every device (``placement.proven_invariant``: the
-  output of a pmean over all the tap's axes, pure arithmetic on such
-  values). Nothing to compare, so no collective: the leader sends its copy
-  as for "verified_off", and it is written as a verified one (the proof is
-  the verification). ``prove_replicated=False`` compares copies anyway.
-- "copy": one callback per device (payloads too big to gather, placement
-  unknown in a multi-process job, or a tap traced inside ``cond``/``switch``/
-  ``while_loop``, where devices may diverge and a collective that only some
-  of them reach would deadlock).
-
-The four leader layouts send the leader's step with every copy: a traced
-step not proven alike on every device is checked on device first
-(``steps_may_differ``, ``from_leader_if_steps_alike``), and where it differs each device
-sends its own copy, as "copy".
+Why the leader layouts: a host callback costs far more than a small
+collective (docs/performance.md), so under a mapped axis one device per
+process calls back with every copy. "copy" (one callback per device) is
+left for payloads too big to gather, a placement unknown in a multi-process
+job, and taps inside ``cond``/``switch``/``while_loop``, where a collective
+only some devices reach would deadlock.
 
 Why ``custom_vmap`` around the callback: a plain batching rule unrolls a
 vmapped callback into one call per element, in no guaranteed order and with
-no element index. Our rule instead emits *one* callback carrying the whole
-batch, and counts the vmapped axes in ``TapSpec.batch_dims`` (nested vmaps
-stack, outermost first). The wrapper also keeps ``jax.checkpoint`` from
-replaying the tap when it recomputes the forward pass
+no element index; our rule emits *one* callback with the whole batch and
+counts the vmapped axes in ``TapSpec.batch_dims`` (outermost first). It
+also keeps ``jax.checkpoint`` from replaying the tap
 (tests/trace/test_primitive.py shows the bare primitive is replayed).
 
-The callback itself only hands the arrays to the active pipeline (see
-``routing.deliver``) and returns: XLA's callback thread holds the GIL and
-blocks its device, and converting or encoding there was seen to hang.
+The callback only hands the arrays to ``routing.deliver`` and returns: XLA's
+callback thread holds the GIL and blocks its device, and converting or
+encoding there was seen to hang.
 """
 
 from __future__ import annotations

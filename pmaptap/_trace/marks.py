@@ -1,22 +1,13 @@
 """The trace half of the output transport: while ``pmaptap.jit`` /
 ``pmaptap.pmap`` trace a step, a tap binds ``tap_out_p`` instead of a host
-callback. The primitive only marks the tap's operands in the traced program;
-``lift.py`` then turns every mark it can reach into extra outputs of the
-step, and the host half (``_outputs/drain.py``) gives their values to the
-pipeline once the step's outputs reach the host.
-
-Why a primitive of our own and not a context that collects tracers: a tap in
-a ``scan`` body or a ``cond`` branch is traced in a trace of its own, whose
-values cannot leave it. A mark in the program survives every
-transformation (jit, scan, cond, remat, vmap, grad, shard_map), and the
-lifting pass sees it wherever it sits in the final jaxpr.
+callback, a mark of its operands that ``lift.py`` turns into extra outputs
+(why a mark: docs/architecture.md, "Taps as step outputs").
 
 A mark that cannot be lifted (a ``while_loop`` body, an unknown higher-order
-primitive) is not lost: the primitive's lowering is the callback transport's
-emission (``layouts.emit_now``), so it still reaches the host as a host
-callback, and ``lift.py`` says so once per tap site.
+primitive) is not lost: its lowering is the callback transport's emission
+(``layouts.emit_now``), and ``lift.py`` says so once per tap site.
 
-This module relies on ``jax._src`` internals (JAX 0.10), as primitive.py.
+Relies on ``jax._src`` internals (JAX 0.10), as primitive.py.
 """
 
 from __future__ import annotations

@@ -17,38 +17,19 @@ from pmaptap.errors import checked_flag
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    # Gather the per-device copies on device and call back once per process
-    # (instead of once per device) when the gathered payload is at most
-    # gather_max_bytes. Off: one callback per device, as jax.debug.callback.
+    """What each option does: docs/api.md's table under "One callback per
+    host, not per device"; max_in_flight_bytes: "Taps as step outputs"."""
+
     gather: bool = True
     gather_max_bytes: int = 1 << 20
-    # Replicated taps: compare a 64-bit hash of every copy on device and send
-    # one copy (plus the hashes). Off: send one copy unverified (cheapest;
-    # a divergence between replicas then goes unnoticed).
     verify_replicated: bool = True
-    # Replicated (and auto) taps whose value JAX shows at trace time to be
-    # the same on every device (the output of a pmean/psum over all the
-    # tap's axes, and pure arithmetic on such values; see
-    # _trace/invariant.py) send the leader's copy without comparing copies:
-    # the comparison could not find a difference. Off: always compare.
-    prove_replicated: bool = True
-    # A leaf bigger than this (bytes of one copy, one vmap element) is not
-    # sent: its statistics are computed on device and the record says
-    # "summarized": true (see stats.device_statistics). None: always send whole values.
+    prove_replicated: bool = True  # see _trace/invariant.py
+    # 16 MiB since arrays are stored as their bytes: the limit is about disk.
     # host_callback.id_tap functions always receive the whole value.
-    # 16 MiB since arrays are stored as their bytes (tapfile/source/arrays.py): a
-    # whole activation costs a copy and a write, not JSON; the limit is now
-    # about disk (a tap of N bytes every step writes N bytes a step).
     max_value_bytes: int | None = 16 << 20
-    # Taps of one traced body (jit/pmap/shard_map step, scan/cond/while or
-    # remat body) that are not in a pmaptap.group() block share ONE
-    # gather + cond + callback, emitted when the body's trace ends (see
-    # group.auto_offer). Off: one each, where each tap is written.
-    auto_group: bool = True
-    # pmaptap.jit / pmaptap.pmap: bytes of step outputs (tapped values) on
-    # their way to the host before the next step's dispatch waits for them
-    # (read at each call, not at trace time): a slow disk slows the loop
-    # rather than dropping values or holding unbounded memory.
+    auto_group: bool = True  # see group.auto_offer
+    # pmaptap.jit / pmaptap.pmap, read at each call: a slow disk slows the
+    # loop rather than dropping values or holding unbounded memory.
     max_in_flight_bytes: int = 1 << 30
 
 

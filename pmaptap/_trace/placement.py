@@ -1,13 +1,10 @@
 """Where a traced tap runs: mapped axes, and coordinates -> device / process.
 
-Device identity is the hard part (see docs/architecture.md). Inside the body of
-``pmap`` (which JAX 0.10 implements as ``jit(shard_map(mesh=Mesh(...)))``) and
-``shard_map`` the public API gives only the *abstract* mesh: axis names and
-sizes. The concrete ``Mesh`` (which device sits at which coordinate) is public
-only under ``jax.set_mesh``. Otherwise it is a local variable of the JAX frame
-that is tracing the body, and this module is the one place that reaches for it.
-If neither source yields a mesh that matches the abstract one exactly, the
-device is reported as unknown (``None``), never guessed from ``jax.devices()``.
+Inside ``pmap`` and ``shard_map`` bodies the public API gives only the
+*abstract* mesh; the concrete one is public only under ``jax.set_mesh``,
+else a local of the JAX frame tracing the body, and this module is the one
+place that reaches for it. No exact match: the device is ``None``, never
+guessed (docs/architecture.md, "Exact or null placement").
 """
 
 from __future__ import annotations

@@ -90,14 +90,10 @@ register_tap_rules(callback_p)
 
 
 # --- taps of tangents (a tap inside a jax.custom_jvp rule, under grad/vjp)
-# emit.py wraps the callback primitive in jax.custom_vmap. Under reverse mode a tap of a
-# tangent sits in the linear part of the program, which JAX transposes, and
-# JAX has no transpose rule for custom_vmap_call at all. Reverse mode never
-# computes that tangent, and pmaptap.tap returns its argument untouched, so
-# no cotangent flows through the tap either: there is nothing to record.
-# Dropping the tap would lose it without a word, so the rule
-# refuses, at trace time, naming the tap and what records a cotangent
-# (pmaptap.tap_grad). Other custom_vmap functions keep JAX's behaviour.
+# JAX has no transpose rule for the custom_vmap_call around a tap, and
+# reverse mode never computes that tangent: nothing to record, and dropping
+# the tap would lose it without a word, so the rule refuses at trace time
+# (docs/faults.md, "Bad input"). Other custom_vmap functions keep JAX's.
 _TAP_RULE = "_pmaptap_tap_rule"
 _jax_transpose = ad.primitive_transposes.get(custom_batching.custom_vmap_p)
 
@@ -189,17 +185,12 @@ def run_later(body: Callable[..., None], leaves: list, step: Any, name: str) -> 
 
 
 # --- the batched predicate of a while_loop, lowered twice
-# With a batched predicate (vmap of a while_loop whose condition depends on
-# the batch), JAX's while lowering emits the condition jaxpr twice: in the
-# loop's condition region (name stack ".../while/cond") and again in its body
-# (".../while/body_pred") to select which batch elements advance, on the same
-# carry values. A host callback in the condition would run twice per
-# iteration; the second copy only repeats the first, so the callback
-# lowerings emit nothing there. This needs the real name stack, which JAX
-# gives only to lowerings it does not cache (register_lowering(...,
-# cacheable=False)); control flow nested inside the condition (jit, while,
-# cond, scan) is lowered once with an empty name stack and reused, so a
-# callback inside it still runs twice (docs/host_callback.md).
+# JAX lowers a batched predicate's condition jaxpr twice, in the condition
+# region (".../while/cond") and again in the body (".../while/body_pred") on
+# the same carry: the callback lowerings emit nothing in the second. That
+# needs the real name stack, given only to uncached lowerings
+# (cacheable=False); control flow nested in the condition is lowered once and
+# reused, so a callback there still runs twice (docs/host_callback.md).
 # tests/trace/test_while_predicate.py fails loudly if JAX renames the scope.
 _WHILE_SCOPE, _PRED_SCOPE = "while", "body_pred"
 
@@ -219,19 +210,10 @@ def recomputed_while_predicate(ctx: Any) -> bool:
 
 def host_copy(a: np.ndarray) -> np.ndarray:
     """An argument of XLA's python callback as pmaptap may keep it after the
-    call returns, with no second copy of its bytes.
-
-    XLA's callback handler already hands over arrays that hold their own
-    bytes: on the CPU its NumPy wrapper copies the device buffer it was
-    given, which it cannot give an owner (``nb_numpy_ndarray`` without a
-    base: ``PyArray_NewCopy``); on a GPU the device-to-host transfer fills a
-    host buffer that the array owns through a capsule ``base``. That copy is
-    the one an array tap needs (XLA's own buffers are only valid during the
-    call); the writer later hands its buffer to ``writev``. So these are
-    kept as they are (a second copy was most of a big array tap's cost, on
-    XLA's threads; docs/performance.md).
-    Only a view with no owner (no ``base``, not owning its data), should a
-    JAX hand one over, is copied."""
+    call returns, with no second copy of its bytes: XLA hands over arrays that
+    already own a copy of the device buffer (docs/architecture.md, "Array
+    values stored as bytes", says how on CPU and GPU), so they are kept as
+    they are. Only a view with no owner, should a JAX hand one over, is copied."""
     if a.base is None and not a.flags.owndata:
         return np.array(a, copy=True)
     return a
@@ -283,10 +265,8 @@ def _lowering(ctx, *args, host_fn):
 def emit_on_device_0(ctx, *args, host_fn):
     """ONE host call, on device 0 of the computation, with the arrays XLA
     hands over: the MAXIMAL sharding debug_callback's lowering sets, without
-    its jax.device_put of every argument on XLA's thread (a copy of the
-    value, and on a GPU a second one after the transfer; a JAX call where
-    JAX calls can deadlock). Plain jit taps, and fingerprints gathered from
-    every device (fingerprint_jit.py)."""
+    its jax.device_put (see the module docstring). Plain jit taps, and
+    fingerprints gathered from every device (fingerprint_jit.py)."""
     from jax._src import config
 
     if config.use_shardy_partitioner.value:

@@ -1,36 +1,26 @@
 """``shard_call``: the host callback of taps outside any mapped axis (plain
-``jit``), which calls back once per device with its own shards when the
-computation is partitioned over several devices, and never gathers.
+``jit``): once per device with its own shards on a partitioned computation,
+never gathering (docs/architecture.md, "Exact or null placement").
 
 Why a second primitive: whether a jit computation is partitioned, and over
 which devices, is known only when it is lowered (the same traced step runs
-on one device or on a mesh), and the sharding of the tapped value only when
-XLA's partitioner has chosen it. So the decision is taken in the lowering:
+on one device or on a mesh), and the tapped value's sharding only once
+XLA's partitioner chose it. So the lowering decides:
 
-- partitioned over several devices: a *partitioned* XLA python callback
-  (the one ``jax.debug.callback(partitioned=True)`` uses), which XLA
-  partitions like its operands, so each device calls back with its own shard
-  and nothing moves between devices. Beside the values travels a tiny
-  ``iota(n)`` tiled over all devices: each callback receives its own
-  partition number, hence its exact device (placement.partition_ids). Each
-  operand's sharding is reported at compile time (InspectSharding) into a
-  ``ShardPlacement`` per tap made for this lowering, which maps the
-  partition to the shard's global slice and mesh coordinates.
-- ONE call carries every tap of a traced step (group.py collects them: the
-  taps of a ``group()`` block, or of the trace, at its end): per-shard taps
-  and scalar ones (``Layout.WHOLE``, replicated by construction, whose
-  copy on every device rides along and is read from partition 0 only). A
-  step of scalars only is one non-partitioned callback from device 0, as
-  ``jax.debug.callback`` makes; its placements still name every device.
+- over several devices: a *partitioned* XLA python callback (as
+  ``jax.debug.callback(partitioned=True)``), beside a tiny ``iota(n)`` tiled
+  over the devices so each callback knows its partition, hence its device
+  (placement.partition_ids); each operand's sharding, reported at compile
+  time (InspectSharding), fills a ``ShardPlacement`` per tap. ONE call
+  carries every tap of a step (group.py), scalar ones (``Layout.WHOLE``)
+  read from partition 0 only; a step of scalars only is one
+  non-partitioned callback from device 0.
 - otherwise (one device, or inside shard_map/pmap): ``callback_p``'s own
-  lowering, after computing ``max_value_bytes`` statistics of the whole
-  value on the device. On a partitioned computation each device computes
-  its own shard's statistics and sends them in place of the shard, one
-  small row (shardstats.py).
+  lowering, after the ``max_value_bytes`` statistics on the device (on a
+  partitioned computation, per shard: shardstats.py).
 
-This module relies on ``jax._src`` internals (JAX 0.10) through
-placement.py and the lowering helpers below; tests/trace/test_sharded_jit.py fails
-loudly if a JAX upgrade breaks them.
+Relies on ``jax._src`` (JAX 0.10) through placement.py and the lowering
+helpers below; tests/trace/test_sharded_jit.py fails loudly if that breaks.
 """
 
 from __future__ import annotations
@@ -72,21 +62,16 @@ def shard_call(
 ) -> None:
     """One host call carrying the taps ``members`` of a step under plain jit:
     per member ``(number of leaves, per_shard)``, its step in ``steps`` and
-    its leaves, in order, in ``leaves``.
+    its leaves, in order, in ``leaves``. ``entry(places)`` is called when the
+    call is lowered (eagerly: when it runs) and returns the host function,
+    which receives NumPy arrays:
 
-    ``entry(places)`` is called when the call is lowered (eagerly: when it
-    runs) and returns the host function, which receives NumPy arrays:
-
-    - ``places`` a tuple of ``ShardPlacement`` (one per member, for a
-      computation partitioned over several devices): ``(partition, coords,
-      *steps, *leaves)``, one call per device with its own shard of each
-      per-shard member (a leaf marked in ``as_statistics``: the device's
-      row of its shard's statistics, shardstats.py) when any member is
-      per-shard, else one call from device 0 (partition 0) with the whole
-      values;
-    - ``places`` None (one device, inside shard_map/pmap, eager):
-      ``(coords, *steps, *leaves)`` once, the leaves marked in
-      ``as_statistics`` as their on-device statistics.
+    - ``places``, one ``ShardPlacement`` per member (partitioned over several
+      devices): ``(partition, coords, *steps, *leaves)``, from each device with
+      its own shards when any member is per-shard (a leaf in ``as_statistics``:
+      its shard's statistics row), else from device 0 with the whole values;
+    - ``places`` None (one device, shard_map/pmap, eager): ``(coords, *steps,
+      *leaves)`` once, ``as_statistics`` leaves as their statistics.
     """
     shard_call_p.bind(
         coords,

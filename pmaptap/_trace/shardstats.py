@@ -1,29 +1,19 @@
 """Statistics of a partitioned value computed per shard, on the device that
 holds each shard, for a tap under plain jit whose leaf is above
-``options().max_value_bytes``: what leaves a device is one small row
-(_common/shard_placement.py: ``read_statistics_rows``), whatever the size of
-its shard.
+``options().max_value_bytes``: one small row a device leaves it
+(_common/shard_placement.py: ``read_statistics_rows``), whatever the shard's
+size.
 
-Why a ``custom_partitioning`` op (as fingerprint_jit.py's per-device
-fingerprints): statistics of the global value would need collectives, and
-which slice a device holds is decided only once XLA's partitioner has
-propagated the shardings. The op's ``partition`` rule receives the operand's
-actual sharding and returns a per-shard function: each device computes the
-statistics of its own block (an uneven sharding's padding masked out) and
-writes them with its device id and global slice (constants of the rule, read
-at the device's mesh position) into its own row. The operand keeps its
-sharding: nothing is gathered or resharded.
-
-- the callback transport (shardcall.py): the rows stay one per device
-  (``P(all mesh axes)``), so the partitioned callback of each device
-  receives its own row in place of its shard;
-- the output transport (pmaptap.jit, lift.py through ``lifted``): the rows
-  are all-gathered (a few dozen bytes a device) into one replicated table,
-  an output of the step, padded to ``jax.device_count()`` rows, from which
-  the host reads every shard's statistics and slice (_outputs/drain.py).
-
-A computation on one device computes the one row of the whole value, so the
-one-device job needs no case of its own.
+A ``custom_partitioning`` op, as fingerprint_jit.py's and for its reason
+(which slice a device holds is known only once XLA's partitioner ran): the
+``partition`` rule gets the operand's actual sharding (nothing gathered or
+resharded), and each device computes its block's statistics (an uneven
+sharding's padding masked out) into its own row, with its device id and
+global slice. The callback transport (shardcall.py) keeps the rows one per
+device (``P(all mesh axes)``), each callback reading its own; the output
+transport (lift.py through ``lifted``) all-gathers them into one replicated
+table of ``jax.device_count()`` rows (_outputs/drain.py). One device: one
+row of the whole value, no case of its own.
 """
 
 from __future__ import annotations

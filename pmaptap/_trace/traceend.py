@@ -1,25 +1,19 @@
 """Run deferred emission at the end of a jaxpr trace: the hook behind
 automatic grouping (group.py, ``auto_offer``).
 
-Why a hook into JAX: automatic grouping gathers the ungrouped taps of one
-trace (a jit/pmap/shard_map body, a scan/while/cond body, a remat body:
-each is its own ``DynamicJaxprTrace``) and must emit their one shared
-callback after the last of them and before the trace becomes a jaxpr. JAX
-has no public "trace is ending" callback. On JAX 0.10 every such trace ends
-in ``JaxprStackFrame.to_jaxpr(frame, trace, out_tracers, ...)``
-(``trace_to_jaxpr_dynamic``, the cached ``trace_to_jaxpr``, the lowering of
-high-level jaxprs, ``DynamicJaxprTrace.to_jaxpr`` used by remat and
-linearize), before it snapshots the frame's equations and constants. We wrap
-that one method: when a trace with deferred work reaches it, the work is
-bound under that trace (made current again) and then JAX builds the jaxpr as
-usual, with it.
+Why a hook into JAX: automatic grouping must emit the one shared callback
+of a trace's ungrouped taps after the last of them and before the trace
+becomes a jaxpr, and JAX has no public "trace is ending" callback. On JAX
+0.10 every staging trace ends in ``JaxprStackFrame.to_jaxpr`` before it
+snapshots the frame's equations; we wrap that one method, binding the
+deferred work under that trace (made current again) first.
 
-This is the only place that hooks JAX's tracing; beside the hook it reads
-only trace types and their ``parent_trace`` (``staging_target``).
+The only place that hooks JAX's tracing; beside it only trace types and
+their ``parent_trace`` are read (``staging_target``).
 ``tests/trace/test_autogroup.py::test_trace_end_hook_still_sits_where_jax_ends_a_trace``
 fails loudly if a JAX upgrade moves it. Should the method be gone, nothing
-is hooked (``installed()`` is False) and taps are emitted one by one, as
-before automatic grouping: slower, never lost.
+is hooked (``installed()`` is False) and taps are emitted one by one:
+slower, never lost.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""``pmaptap.untapped(fn)``: ``fn`` traced with every tap removed.
+"""``pmaptap.untapped(fn)``: ``fn`` traced with every tap removed, so a loop
+that records every N-th step compiles it twice and picks on the host
+(docs/api.md, "Recording every N-th step"): a host callback puts the whole
+computation on JAX's slower dispatch path, even under a ``lax.cond`` that
+never fires.
 
-Any computation holding a host callback runs on JAX's slower dispatch path
-(effect tokens, no C++ fast path), a cost per step (docs/performance.md)
-paid even when a ``lax.cond`` around the callback never fires. A training
-loop that records every N-th step can instead compile the step twice, with
-and without taps, and pick on the host::
-
-    step_fn = jax.pmap(step)
-    quiet_fn = jax.pmap(pmaptap.untapped(step))
-    for i in range(n):
-        fn = step_fn if i % 10 == 0 else quiet_fn
-
-The switch is a JAX configuration state that is part of JAX's trace and jit
-cache keys, so a jitted helper (or a scan body) traced for one version is
-never reused by the other: a tapped step cannot silently inherit an
-untapped trace. The state is thread-local, and ``PMAPTAP_UNTAPPED=1`` in the
-environment turns it on for the whole process (every tap removed, e.g. for a
-production run). Arguments are still checked at trace time.
+The switch is a JAX configuration state, part of JAX's trace and jit cache
+keys, so a jitted helper traced for one version is never reused by the
+other. It is thread-local; ``PMAPTAP_UNTAPPED=1`` turns it on for the whole
+process. Arguments are still checked at trace time.
 """
 
 from __future__ import annotations

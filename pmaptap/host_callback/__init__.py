@@ -8,19 +8,8 @@ Old code keeps working after changing only the import::
     y = hcb.call(np.linalg.eigvals, m, result_shape=...)
     hcb.barrier_wait()               # taps done; raises CallbackException once
 
-How it is built (see docs/host_callback.md): ``id_tap``/``id_print`` bind
-their own primitive (``_linked.py``), an identity whose lowering ties the
-returned value to the host call and whose rules are the old module's;
-``call`` binds a second one that returns the host's answer. Both carry one
-ordered effect, so JAX threads a token through every tap, print and call of
-a computation: they run in program order on each device. Their host
-function runs on XLA's callback thread, which holds the GIL and blocks its
-device, so a tap only appends the payload to a queue. One background thread
-per process (the *executor*, created lazily) resolves the device and runs
-the user's functions, in the order the callbacks arrived. A raising tap
-function is caught there and reported once, by the next ``barrier_wait``.
-``call``'s callback thread hands the work to the same executor and waits
-for the result; see ``_CallJob.on_callback_thread`` for why.
+How it is built: docs/host_callback.md, "How it is built"; why ``call``
+waits on the executor: ``_CallJob.on_callback_thread``.
 """
 
 from __future__ import annotations

@@ -104,16 +104,11 @@ def call(
     device_index: int = 0,
 ) -> Any:
     """Call ``callback_func(arg)`` on the host and return its result into the
-    computation. ``result_shape`` (synonym ``result_shape_dtypes``) describes
-    the result: a pytree of objects with ``shape``/``dtype`` or example
-    arrays; None or () for no result. A result of another structure, shape
-    or dtype fails the computation with an error naming both.
-
-    A tuple ``arg`` is spread into positional arguments when the function
-    takes exactly that many (see ``_spreads_tuple``). ``call_with_device``
-    adds ``device=``. Under pmap the call runs once per device with its
-    slice; under vmap once per element. Not differentiable: use
-    ``jax.lax.stop_gradient`` on the argument, or a ``jax.custom_vjp``.
+    computation. ``result_shape`` (synonym ``result_shape_dtypes``): a pytree
+    of objects with ``shape``/``dtype`` or example arrays; None or () for no
+    result; another structure, shape or dtype fails the computation naming
+    both. A tuple ``arg`` is spread when the function takes exactly that many
+    (``_spreads_tuple``). Not differentiable: docs/host_callback.md.
     """
     fn = "pmaptap.host_callback.call"
     _check_callable(callback_func, fn, "callback_func")

@@ -1,73 +1,31 @@
 """The two primitives behind ``pmaptap.host_callback``: ``linked_tap_p``
-(``id_tap``/``id_print``) and ``linked_call_p`` (``call``), and the effect
-that puts all of them in program order.
+(``id_tap``/``id_print``, the identity on what it carries) and
+``linked_call_p`` (``call``), and the effect that puts them in program
+order. docs/host_callback.md says what they promise; here, why they are so.
 
-``linked_tap_p`` is, like the old module's primitive, the identity on the
-values it carries: the tapped leaves (sent to the host) and, with
-``id_tap(..., result=...)``, the leaves of ``result`` (passed through unsent).
+- Both carry ``ORDERED``, an ordered, shardable JAX effect of our own, so
+  JAX threads one XLA token through every tap, print and call (without it
+  XLA's CPU runtime ran eight independent taps as 1, 7, 6, 5, 4, 3, 2, 0).
+  JAX refuses other ordered effects on more than one device.
+- Every returned leaf is XORed with an ``int32`` 0 the callback returns, so
+  nothing using the value runs before the callback (the old module's
+  promise). Both ties cost a little per tap, which is why ``pmaptap.tap``
+  pays neither.
+- A tap or call batched inside a ``while_loop`` *condition* is bound
+  unordered: JAX 0.10 lowers an ordered condition inside the body, and with
+  a batched predicate that lowering drops the select that stops finished
+  elements (wrong values; seen with ``jax.debug.print(ordered=True)``).
+- The transformation rules are the old module's, not ``pmaptap.tap``'s:
+  tangents pass untapped, a tapped tangent transposes to a tap of the
+  cotangent with ``("transpose",)`` appended, vmap sends the whole batch
+  with its batch dims, ``jax.checkpoint`` replays the callback.
+- ``linked_call_p`` is not ``io_callback`` (its ordered effect is its own,
+  so calls would not be ordered with taps; it refuses vmap and
+  ``custom_vjp``/``custom_jvp``) nor ``pure_callback`` (dropped when unused,
+  may repeat). Under vmap it calls once per element, in order.
 
-Program order, two ties:
-
-- Between host calls: both primitives carry ``ORDERED``, an *ordered* JAX
-  effect of our own, so JAX threads one XLA token through every tap, print
-  and call of a computation, into and out of ``jit``/``pmap``/``shard_map``
-  bodies, ``scan``/``while``/``cond`` bodies and nested ``jit`` (the old
-  module threaded its own token the same way). The callbacks of one device
-  run in program order, whether or not data flows between them; without it
-  XLA's CPU runtime ran eight independent taps as 1, 7, 6, 5, 4, 3, 2, 0.
-  The effect is declared *shardable* (JAX refuses other ordered effects on
-  more than one device): each device runs its own chain, devices among
-  themselves in no fixed order. JAX also passes the token from one
-  dispatched computation to the next, so taps of consecutive steps stay in
-  order too.
-- With the value: the lowering makes every returned leaf depend on the host
-  call (an XOR with an ``int32`` 0 the callback returns), so nothing that
-  uses the value ``id_tap`` returns runs before the callback: the old
-  module's promise ("executed before the returned value is used").
-
-Both cost a little per tap (benchmarks/bench_host_callback.py), which is why
-``pmaptap.tap`` pays neither.
-
-One exception: a tap or call batched inside a ``while_loop`` *condition*
-(vmap with a batched predicate) is bound unordered (the XOR tie stays).
-JAX 0.10 lowers a loop whose condition has an ordered effect by evaluating
-the condition inside the body, and with a batched predicate that lowering
-drops the select that stops finished elements: the loop would return wrong
-values (checked with ``jax.debug.print(ordered=True)``). A loop runs its
-condition and body one after the other anyway; only the order of the first
-condition's taps against taps before the loop is lost there.
-
-Transformation rules of ``linked_tap_p``, the old module's, different from
-``pmaptap.tap`` on purpose:
-
-- jvp: the primal values are tapped, tangents pass through (taps see primal
-  values; derivatives of the identity are the identity).
-- transpose: the primitive only appears in the linear part of a program when
-  it taps a tangent (an ``id_tap`` of a tangent inside a ``jax.custom_jvp``
-  rule, under grad/vjp/linearize). Reverse mode then taps the cotangents of
-  the tapped leaves, with ``("transpose",)`` appended to the transforms
-  (zeros when the tap's result is not used, as the old module did);
-  applied forward (``jax.linearize``'s function) it taps the tangent itself.
-- vmap: one callback with the whole batch; a batched argument gets its batch
-  axis at position 0, an unbatched one travels unchanged, and each vmap level
-  appends the per-argument batch dims (``None`` for unbatched).
-- ``jax.checkpoint``: the callback is in both the forward computation and the
-  rematerialized one, so under ``grad`` it runs twice, as the old module's
-  documentation says; ``pmaptap.tap`` runs once.
-- a batched ``while_loop`` predicate is lowered twice by JAX; the second copy
-  emits no callback (primitive.recomputed_while_predicate).
-
-``linked_call_p`` needs an answer from the host: not differentiable (its jvp
-rule says what to do instead), and under vmap one call per element, in
-order (a sequential ``lax.map``), which is what a host function written for
-one unbatched argument expects. Why not ``io_callback``: its ordered form
-has its own effect (so calls would not be ordered with taps), refuses vmap
-and is not allowed in ``custom_vjp``/``custom_jvp`` functions; its unordered
-form orders nothing. Why not ``pure_callback``: JAX drops it when its result
-is unused and may repeat it, where the old ``call`` ran once per execution.
-
-Like primitive.py this reads ``jax._src`` (JAX 0.10); tests/test_host_callback*
-and tests/trace/test_while_predicate.py fail loudly if an upgrade breaks it.
+Reads ``jax._src`` as primitive.py does; tests/test_host_callback* and
+tests/trace/test_while_predicate.py fail loudly if an upgrade breaks it.
 """
 
 from __future__ import annotations
@@ -411,19 +369,14 @@ def _on_one_device(sharding) -> bool:
 
 def _token_past_the_callback(token):
     """The token the chain goes on with after a callback on one device: a
-    fresh ``after_all`` of the callback's token, so ordered after it by data
-    dependence, as the token itself is.
+    fresh ``after_all`` of the callback's token (ordered after it by data).
 
-    Why not the callback's own token: its next user may need the token with
-    another sharding. A shard_map body (also what ``pmap`` lowers to inside
-    an outer jit) takes its token replicated over its mesh, and the
-    Shardy propagation of JAX 0.12's XLA writes that sharding back onto the
-    value it is given (0.10's kept the callback's single-device sharding),
-    where the partitioner refuses it on a side-effecting op ("side-effect HLO
-    cannot have a replicated sharding"). ``after_all`` has no side effect and
-    no sharding rule: it takes the sharding its users need, the callback keeps
-    its own, and the partitioner gives the other devices a token of their own
-    (as for every one-device op): each device's chain stays in order."""
+    Not the callback's own token: a shard_map body (what ``pmap`` lowers to
+    inside an outer jit) takes its token replicated, and JAX 0.12's Shardy
+    propagation writes that sharding back onto the value it is given, which the
+    partitioner refuses on a side-effecting op ("side-effect HLO cannot have a
+    replicated sharding"). ``after_all`` has no side effect and takes the
+    sharding its users need; each device's chain stays in order."""
     from jax._src.lib.mlir.dialects import hlo
 
     return hlo.after_all([token])

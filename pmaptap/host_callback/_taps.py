@@ -102,22 +102,15 @@ def id_tap(
     tap_with_transform: bool = False,
     **kwargs: Any,
 ) -> T:
-    """Identity on ``arg`` (or returns ``result``) that calls
+    """Identity on ``arg`` (or returns ``result``, not sent) that calls
     ``tap_func(arg, transforms)`` on the host with ``arg`` as NumPy arrays.
 
-    Taps, prints and calls of one computation run in program order on each
-    device, whether or not data flows between them (in loops, conds, nested
-    jit and under vmap too), and the returned value depends on the host
-    call, so whatever uses it runs after ``tap_func`` was dispatched. A
-    typed PRNG key is tapped as its key data. ``transforms`` is ``()`` under plain jit and one
-    ``("batch", {"batch_dims": (0 or None, ...)})`` per enclosing ``vmap``,
-    innermost first (``None``: that leaf was not batched and arrives as is).
-    ``tap_with_device=True`` adds ``device=`` (the jax Device the value lived
-    on; under pmap/shard_map the tap runs once per device). ``result`` is
-    returned instead of ``arg`` and is not sent. ``tap_with_transform`` is
-    accepted for old tutorials: ``transforms`` is always passed.
-    Exceptions in ``tap_func`` never reach the computation; the next
-    ``barrier_wait()`` raises ``CallbackException``.
+    ``transforms`` is ``()`` under plain jit and one ``("batch", {"batch_dims":
+    (0 or None, ...)})`` per enclosing ``vmap``, innermost first.
+    ``tap_with_device=True`` adds ``device=``; ``tap_with_transform`` is
+    accepted for old tutorials. Exceptions in ``tap_func`` never reach the
+    computation; the next ``barrier_wait()`` raises ``CallbackException``.
+    Program order and the rest: docs/host_callback.md.
     """
     del tap_with_transform  # the second positional argument is always passed
     if kwargs:

@@ -1,35 +1,12 @@
-"""The ready forwarders of ``pmaptap.forwarders`` (docs/forwarders.md).
+"""The ready forwarders of ``pmaptap.forwarders``; what each record becomes
+(metrics, histograms, divergent copies, a resumed attempt) and whose run
+they log to: docs/forwarders.md.
 
-Each is a callable taking one record dict, as ``Session(forward=[...])``
-calls every forwarder, with a ``flush()`` that the session calls at its
-``flush()``/``close()``. They run on the forwarding thread
-(``relay.py``), so none may rely on state that a library keeps per
-thread (MLflow's active run): what they log to is fixed when they are
-constructed, on the user's thread.
-
-What becomes what, the same in all three (``relay.scalar_series``, tagged
-as ``pmaptap export --tensorboard`` tags them):
-
-- each real scalar leaf is a metric at the record's step: ``loss``,
-  ``tree/<leaf>``, ``name@backward``; per-device records put the device in
-  the name (``grad_norm/device_3``), one series per device;
-- each copy of a divergent replicated value (its devices disagreed) goes to
-  ``<tag>/divergent/device_<first holder>``, not to ``<tag>``;
-- arrays: TensorBoard histograms; W&B and MLflow leave them out (the tap
-  file holds them);
-- fingerprint records (``pmaptap.fingerprint``): nothing while the copies
-  agree; the divergent ones as divergent copies are
-  (``tapfile/analyze/fingerprints.py: divergence_series``);
-- meta records (``pmaptap/dropped``, ``pmaptap/attempt``) are not logged;
-- the attempt of a resumed run: TensorBoard purges the replayed steps
-  (``purge_step``); W&B and MLflow cannot rewrite what they hold, so they log
-  ``pmaptap/attempt`` at the step where a later attempt starts.
-
-W&B and MLflow constructed with no run of the user's (none passed, none
-active) own one run per pmaptap run: the session's ``open(run, attempt)``
-starts it, or continues it in a resumed attempt (found by the pmaptap run
-id), and ``end(outcome)`` ends it: finished, failed or killed; a later
-attempt continues it again. A run of the user's is only logged to.
+They run on the forwarding thread (``relay.py``), so none may rely on state
+a library keeps per thread (MLflow's active run): what they log to is fixed
+when they are constructed, on the user's thread. The series are
+``relay.scalar_series``'s, tagged as ``pmaptap export --tensorboard`` tags
+them.
 """
 
 from __future__ import annotations
@@ -129,25 +106,12 @@ class _ByStep:
 
 
 class WandB(_ByStep):
-    """Logs to a W&B run: ``run``, or ``wandb.run`` when there is one (the
-    user's ``wandb.init()``, on the process that forwards), or else a run it
-    starts itself for the pmaptap run.
+    """Logs to a W&B run: ``run``, or ``wandb.run``, or else one it starts for
+    the pmaptap run (``wandb_id(run)``, ``resume="allow"``: every attempt
+    continues it) and finishes at the session's end; docs/forwarders.md.
 
-    The run it starts (at the session's ``open``) has the id ``wandb_id(run)``
-    and ``resume="allow"``, so every attempt of a restarted job continues the
-    same W&B run; its name is the pmaptap run id, its group the run id too
-    (a process other than 0 that forwards gets its own run in the group) and
-    its config ``pmaptap_run``. ``init`` is passed on to ``wandb.init``
-    (``project=``, ``dir=``, ``settings=``, ...). The session's end finishes
-    it: exit code 0 when the session closed normally, 1 after an exception,
-    143 on SIGTERM (the next attempt resumes it). A run of the user's is only
-    logged to; finishing it is the user's.
-
-    W&B's own ``_step`` must only grow, and a tap's steps need not (taps with
-    their own ``step=``, a restart): each metric is plotted against
-    ``step_metric`` (``pmaptap/step``, set with ``define_metric``) instead.
-    A resumed run's replayed steps are logged again (W&B cannot rewrite a
-    run's history); ``pmaptap/attempt`` marks the step where they begin."""
+    W&B's own ``_step`` must only grow, and a tap's steps need not (``step=``,
+    a restart): each metric is plotted against ``step_metric`` instead."""
 
     EXIT_CODES = {"finished": 0, "failed": 1, "killed": 143}
 
@@ -221,22 +185,8 @@ class MLflow(_ByStep):
     active run is per thread, and forwarders run on pmaptap's forwarding
     thread, where ``mlflow.log_metric`` would start a run of its own.
 
-    The run: ``run_id``, else the active run of the thread that constructs
-    the forwarder (inside ``with mlflow.start_run():``), else one it owns: at
-    the session's ``open`` it continues the run tagged ``pmaptap.run`` with
-    the pmaptap run id (a resumed attempt), or creates it, named after the
-    pmaptap run, in ``experiment`` (a name; default: the experiment
-    ``mlflow.set_experiment`` chose on the constructing thread, else
-    MLflow's default). The session's end sets its status: FINISHED after a
-    normal close, FAILED after an exception, KILLED on SIGTERM; the next
-    attempt sets it RUNNING again. A run of the user's is only logged to.
-    ``tracking_uri`` defaults to ``mlflow.get_tracking_uri()`` on the
-    constructing thread.
-
-    Each metric has the record's step and time. MLflow keeps every value
-    logged at a step, so a resumed run's replayed steps hold both attempts'
-    values (its charts draw both); ``pmaptap/attempt`` marks the step where
-    the replay begins."""
+    Which run, the one it owns across attempts, its status at the session's
+    end and a resumed run's replayed steps: docs/forwarders.md."""
 
     # MLflow's limit of metrics per log_batch call.
     BATCH = 1000
@@ -329,14 +279,9 @@ def _chosen_experiment(mlflow: Any) -> str | None:
 
 class TensorBoard:
     """Writes TensorBoard event files from the job itself (tensorboardX; no
-    TensorFlow), laid out as ``pmaptap export --tensorboard`` lays them out:
-    ``logdir/<run>/``, scalars as series, arrays as histograms.
-
-    A resumed run: the first record of the new attempt reopens the run's
-    event file with ``purge_step`` at its step, so TensorBoard drops the
-    earlier attempt's points from there and shows one point per step. One
-    process should write a run's directory (process 0, or a ``logdir`` per
-    process): TensorBoard reads one growing event file per directory."""
+    TensorFlow), laid out as ``pmaptap export --tensorboard`` lays them out;
+    one writer per directory, and a resumed run's ``purge_step``:
+    docs/forwarders.md."""
 
     def __init__(self, logdir: str | os.PathLike) -> None:
         try:

@@ -1,25 +1,16 @@
 """Live forwarding: ``Session(path, forward=[...])`` hands the records of a
-job to user code (a logger, a dashboard, a CLU ``MetricWriter``).
+job to user code (a logger, a dashboard, a CLU ``MetricWriter``). Which
+records a process forwards (``forward_replicated``, ``select``):
+docs/api.md, "Which process forwards what".
 
-Which records a process forwards (``forward_replicated``, see
-``select``): its own devices' per-device records (and its meta records)
-always; replicated records by default on process 0 only, all of them, the
-ones the dedup left to another process's write included: process 0 computed
-each itself, so the job's whole curve reaches the process where users
-configure their dashboards, once. The writer thread hands the pipeline
-every record of a batch once it is written (the file first, then
-forwarding), each with whether this process wrote it; ``select`` picks
-what to forward and ``Forwarders.offer`` only appends references to a
-bounded queue: the forwarders run on their own thread, so one
-that raises or is slow never delays the file or the training step. When the
-queue is full the oldest records are dropped and counted; failures and drops
-are reported once, as a TapError at the next ``flush()``/``close()``.
-
-Everything a forwarder does runs on that thread, its ``flush()`` included:
-the caller of ``flush()``/``close()`` only waits, at most ``forward_timeout``,
-so a forwarder that blocks cannot hold the training thread. A forwarder may
-raise anything (``SystemExit`` and ``KeyboardInterrupt`` included): it is
-counted and named, and the thread goes on with the next record.
+The writer thread hands the pipeline every record of a batch once written
+(the file first), each with whether this process wrote it; ``select`` picks
+and ``Forwarders.offer`` only appends references to a bounded queue (full:
+the oldest dropped and counted). The forwarders, their ``flush()`` included,
+run on their own thread, so one that raises (anything, ``SystemExit``
+included: counted and named) or blocks never delays the file or the
+training step; ``flush()``/``close()`` wait at most ``forward_timeout`` and
+report failures and drops once, as a TapError.
 """
 
 from __future__ import annotations
@@ -36,12 +27,7 @@ from pmaptap.tapfile.read import leaves
 from pmaptap.tapfile.record import FINGERPRINT, Record, decode_record, parse_line, raw_leaves
 from pmaptap.tapfile.source import load_value
 
-# Session(forward_replicated=...): which replicated records a process forwards.
-#   "process0": process 0 forwards every replicated record it computed (the
-#     job's curve, once), the others none (the default);
-#   "written": each process forwards the ones it wrote to the file (after the
-#     cross-process dedup: each value once in the job, split over processes);
-#   "all": every process forwards every replicated record it computed.
+# Session(forward_replicated=...): docs/api.md, "Which process forwards what".
 FORWARD_REPLICATED = ("process0", "written", "all")
 
 

@@ -1,17 +1,13 @@
 """The second stage of the aggregation path (payload.py -> here ->
-records.py -> encode.py): the per-process collection of per-device copies,
-their steps, and the dedup policies.
+records.py -> encode.py; docs/architecture.md, "From pmaptap.tap to the
+file", step 6): per-device copies, their steps, and the dedup policies.
 
 Pure logic, no threads: ``Aggregator.add_payload`` takes one callback's
-parts (payload.split: already NumPy, taken apart) and returns the records
-that became complete, made by the pipeline's ``RecordBuilder``. Pending
-copies are those of one (name, step, pass) on this process whose other
-copies are still arriving (``_Pending``); they are complete when every local
-device that runs the tap has reported, when the same device reports that
-key again, when they have waited ``group_timeout`` seconds (a tap under a
-``cond`` that fired on some devices only), or at flush. Copies are compared
-by ``value_key``. (Not a ``pmaptap.group()``: that is several taps sent in
-one callback.)
+parts (payload.split) and returns the records that became complete. The
+copies of one (name, step, pass) on this process (``_Pending``) are
+complete when every local device that runs the tap has reported, when the
+same device reports that key again, after ``group_timeout`` (a ``cond``
+that fired on some devices only), or at flush; compared by ``value_key``.
 """
 
 from __future__ import annotations

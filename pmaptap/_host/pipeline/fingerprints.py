@@ -1,29 +1,16 @@
 """The host side of ``pmaptap.fingerprint``: a payload of per-device
 fingerprints (_common/fingerprint.py) compared, and its records built
-(``"kind": "fingerprint"``, tapfile/record/format.py).
+(``"kind": "fingerprint"``). Which copies are compared and what the records
+say: docs/api.md, "Fingerprint records"; docs/architecture.md, "Replica
+fingerprints".
 
-The copies compared are those that should be equal: per leaf, the holders of
-one slice (under jit: the same global slice of the sharding XLA chose;
-inside pmap/shard_map: the same coordinates on the axes the leaf varies
-over, all devices for a replicated value). When every such group agrees,
-one record stands for the call's step: its ``fingerprint`` a digest of
-every group's fingerprint, ``devices``/``processes`` every device compared. When
-a group disagrees, it gets one record per distinct fingerprint, ``divergent:
-true``, whose ``devices``/``processes``/``holders`` are exactly the copies
-that hold it: the odd one out stands alone. Groups that agree at such a
-step write nothing more (their agreement is implied: only the groups that
-disagree are named).
+GATHERED and JIT payloads hold every device of the job, so one process
+writes the records (no cross-process dedup); COPY payloads (cond/while
+bodies) wait for every local device (aggregate.py's pending copies) and are
+compared among this process's devices.
 
-The fingerprints of a GATHERED or JIT payload come from every device of the
-job to one process, so one process writes the records and nothing is
-deduplicated across processes. COPY payloads (inside cond/while bodies) are
-this process's devices only: pending until every local device has sent its
-own (aggregate.py's pending copies), then compared among themselves.
-
-Functions of the ``Aggregator`` (aggregate.py), whose methods they use:
-``count`` (automatic steps), ``refuse`` (a step out of range), ``hold``
-(pending copies); its ``records`` (the pipeline's RecordBuilder) makes the
-records.
+Functions of the ``Aggregator`` (aggregate.py), whose ``count``, ``refuse``,
+``hold`` and ``records`` they use.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The host-side pipeline of one session: it wires the bounded queue to its
-two threads and answers flush() and close().
-
-    XLA callback thread --ingest()--> BoundedQueue --AggregateLoop-->
-        BoundedQueue --WriteLoop--> Sink
-
-The callback thread only queues (it must return at once: it blocks its
-device and holds the GIL); the bound and the overflow policy are in
-queue.py. The aggregator converts arrays to NumPy, assigns steps, collects
-each value's copies and dedups; the writer batches records into the sink
-(loops.py). Failures in either thread are collected in an ``ErrorLog`` and
-raised as ``TapError`` at the next ``flush()``/``close()``.
+"""The host-side pipeline of one session: it wires the bounded queue
+(queue.py) to its two threads (loops.py) and answers flush() and close()
+(docs/architecture.md, "From pmaptap.tap to the file", step 6). The callback
+thread only queues: it blocks its device and holds the GIL. Failures of
+either thread are kept in an ``ErrorLog`` and raised as ``TapError`` at the
+next ``flush()``/``close()``.
 """
 
 from __future__ import annotations

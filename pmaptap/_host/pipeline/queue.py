@@ -2,28 +2,20 @@
 
     callback --admit()--> [ingress] --aggregator--> [outbox] --writer--> sink
 
-``ingress`` holds callback payloads waiting for the aggregator, ``outbox``
-records waiting for the writer. The two share ONE bound: payloads plus
-records are limited to ``max_pending`` items and ``max_pending_bytes`` bytes,
-so memory stays bounded whichever stage is slow. Past the bound, ``overflow``
-decides: "block" (the callback waits for room: nothing is lost, the devices
-slow down), "drop_oldest" (default: the oldest queued item is discarded;
-items already in a thread's hands, at most one aggregation chunk and one
-write batch, cannot be, and when only those remain the arriving one is) or
-"drop_newest" (the arriving one is). No payload is admitted past the bound
-(one payload can still become several records, e.g. one per device). Drops
-are counted here; the aggregator turns them into a ``pmaptap/dropped``
-record at the next marker (flush/close). Below the bound a callback never
-waits for the writer or the disk; the first time the bound is met, the
-aggregator thread says so, once (``bound_reached``).
+Payloads plus records share ONE bound (``max_pending`` items,
+``max_pending_bytes`` bytes), so memory stays bounded whichever stage is
+slow; past it ``overflow`` decides (docs/api.md's Session table). Under
+"drop_oldest" the items already in a thread's hands (one aggregation chunk,
+one write batch) cannot be dropped, so when only those remain the arriving
+one is. Drops are counted here and become a ``pmaptap/dropped`` record at
+the next marker; the first time the bound is met the aggregator says so,
+once (``bound_reached``).
 
-Markers (flush, close) travel through both stages in order: one is answered
-once everything queued before it is written (or the write failed).
-
-Admission ends with ``shut()``, which queues the close marker in the same
-critical section: every admitted payload is ahead of it, hence written
-before close() returns, and ``admit`` refuses later ones (returns False) so
-the caller can send them elsewhere rather than lose them.
+Markers (flush, close) travel through both stages in order. ``shut()``
+queues the close marker in the same critical section that ends admission:
+every admitted payload is ahead of it, hence written before close()
+returns, and ``admit`` refuses later ones (False) so the caller can send
+them elsewhere rather than lose them.
 """
 
 from __future__ import annotations
@@ -39,14 +31,9 @@ OVERFLOW_POLICIES = ("block", "drop_oldest", "drop_newest")
 # A consumer that lingers (to take many items per wake-up) is woken early
 # once this many payloads wait.
 LINGER_MAX = 64
-# ... or once this many bytes wait (payloads for the aggregator, stored
-# values for the writer), and then does not linger: lingering batches lines
-# under the file lock, which array bytes do not need (they go to the
-# writer's own byte file), and over them it only holds their memory and
-# leaves the disk idle. A step or two of array taps is then taken and
-# written as one batch while the next steps run: less added wall time
-# than lingering over them, for a little more CPU time (more wake-ups;
-# docs/performance.md).
+# ... or once this many bytes wait, and then does not linger: lingering
+# batches lines under the file lock, which array bytes do not need
+# (docs/architecture.md, "Array values stored as bytes").
 LINGER_BYTES = 4 << 20
 # Payloads the aggregator takes per wake-up: bounds one chunk's latency and
 # what drop_oldest cannot reach.

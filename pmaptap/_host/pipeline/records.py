@@ -1,16 +1,13 @@
 """The third stage of the aggregation path (payload.py -> aggregate.py ->
 here -> encode.py): ``RecordBuilder``, the one maker of the records a
 writer writes, made once per pipeline (and per ``pmaptap.Writer``) with the
-writer's identity: its run, process, host, attempt and clock. The
-aggregator hands it a value's leaves once it has decided what record they
-make; the builder encodes them (encode.py) and builds the record.
+writer's identity (run, process, host, attempt, clock).
 
-Per-site templates: every field of a gathered or per-shard record but the
-step, the value and the time is the same at every step of a site, so those
-records are copies of a template built once (``Record.template``,
-``from_template``; a per_device scalar's whole line is cut around its step,
-value and time: ``Record.line_pieces``, ``put_lines``, tapfile/record/format.py);
-this module decides when."""
+Every field of a gathered or per-shard record but the step, the value and
+the time is the same at every step of a site, so those records are copies
+of a per-site template (``Record.template``, ``from_template``,
+``line_pieces``, ``put_lines``: tapfile/record/format.py); this module
+decides when."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """Host side of per-shard taps (layout "shards", see _trace/shardcall.py):
 a shard's leaves (``shard_leaves``; its statistics for ``max_value_bytes``,
 computed on its device, _trace/shardstats.py) and one step's shards grouped
-by the slice they hold (``by_slice``). The records are made, and
-the shards deduplicated, by the aggregator (aggregate.py:
-``Aggregator._resolve_shards``), by these rules.
-
-Dedup of shards: ``per_device`` writes every shard that arrived. ``auto`` and
-``replicated`` compare the copies of each slice (devices holding the same
-``index``, a value replicated along some mesh axes): agreeing copies make
-one record for the slice whose ``devices`` are all its holders in the job
-(every process holding the slice writes the same record; the file-level
-dedup keeps one); a slice with a single holder under ``auto`` is a
-per-device record. Disagreeing copies are written as for mapped axes:
-``auto`` one per-device record each, ``replicated`` one record per distinct
-value with ``divergent`` and its ``holders``.
+by the slice they hold (``by_slice``). The aggregator makes the records and
+deduplicates the shards (``Aggregator._resolve_shards``) by the rules of
+docs/api.md, "Sharded values under jit".
 """
 
 from __future__ import annotations

@@ -43,12 +43,9 @@ def _env_attempt() -> int | None:
 
 def refuse_unresumed_restart(run: str | None) -> None:
     """A session opened without ``resume=True`` by a restarted attempt
-    (``PMAPTAP_ATTEMPT`` >= 1, which the launcher's ``--restarts`` sets) on a
-    fixed run id (``run=`` or ``PMAPTAP_RUN``): SessionError, before any file
-    is opened. Its records would be attempt 0's again, their steps counted
-    from 0 again by automatic counters: the run would hold two stories of
-    the same steps, with nothing to tell them apart. Without a fixed id each
-    attempt is a run of its own, one story each. Decided from the
+    (``PMAPTAP_ATTEMPT`` >= 1) on a fixed run id: SessionError, before any file
+    is opened (its records would be a second story of attempt 0's steps;
+    docs/api.md, "Resuming a run after a restart"). Decided from the
     environment alone, so every process of the job decides alike."""
     attempt = _env_attempt()
     env_run = os.environ.get("PMAPTAP_RUN") or None
@@ -133,14 +130,9 @@ def _last_runs(path: source.Run, processes: int) -> Iterator[str | None]:
 
 
 def refuse_reopened_run(path: source.Run, run: str | None, processes: int) -> None:
-    """A session opened without ``resume=True`` on a fixed run id (``run=``
-    or ``PMAPTAP_RUN``) that the tap file already ends with (the last record
-    the job's process numbers wrote there, in the file or any of its shards
-    or chunks): SessionError. Its records would be a second story of the
-    run's steps (automatic steps from 0 again) that readers cannot tell
-    from the first: duplicates, false divergences. Only the end is read, so
-    a run reopened after another run in between is not seen here
-    (``validate`` reports it). Process 0 decides and tells the others before
+    """A session opened without ``resume=True`` on a fixed run id that the
+    tap file already ends with: SessionError (docs/api.md, "pmaptap.Session",
+    says why and what is read). Process 0 decides and tells the others before
     any of them writes (distributed.agree), so all of them raise, or none."""
     fixed = run or os.environ.get("PMAPTAP_RUN") or None
     if not fixed:

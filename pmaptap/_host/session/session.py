@@ -39,14 +39,9 @@ from pmaptap.tapfile import source
 from pmaptap.tapfile.record import check_text
 
 # SIGTERM: how long the watcher thread waits for the main thread's handler
-# before acting itself (a main thread running Python runs it within
-# milliseconds), and how long dispatched steps may go without a tap arriving
-# before the wait for them is given up (a step blocked on a dead peer never
-# finishes). A fixed bound on the whole wait lost dispatched steps on a
-# loaded 2-core box (test_faults.py's SIGTERM test: 1.5 s, then 3 s, each
-# lost some of 30 steps whose taps were still arriving); while taps arrive
-# the writer writes them, so a SIGKILL at the end of a launcher's grace
-# loses at most what is queued at that moment.
+# before acting itself, and how long dispatched steps may go without a tap
+# arriving before the wait for them is given up (docs/faults.md, SIGTERM).
+# Not a bound on the whole wait: that lost steps whose taps were arriving.
 MAIN_HANDLER_WAIT_S = 0.3
 SIGTERM_WAIT_S = 3.0
 # How soon a SIGTERM that interrupted pmaptap's host code is raised again.
@@ -65,55 +60,8 @@ active_session = routing.active_session
 class Session:
     """One tap file for this process; ``with Session(path):`` opens and closes.
 
-    path: the shared JSON-lines file (created with its parents, appended to).
-    run: the run id written on every record (default: see default_run_id).
-    overflow / max_pending / max_pending_bytes: the bounded queue policy
-      ("drop_oldest" default, "drop_newest", or "block").
-    lock_timeout: seconds one lock attempt waits before the writer retries.
-    flush_timeout: seconds flush() waits for a busy lock before TapError.
-    close_timeout: seconds close() waits to drain (and for peers, multi-process).
-    group_timeout: seconds the copies of a step's value wait for the missing
-      device copies (a tap under a cond that fired on some devices only).
-    lock: "flock" (default; local disk, one host) or "soft" (NFS and other
-      shared filesystems where flock does not exclude across hosts; see
-      pmaptap._host.sinks.FileSink). Every process of a job must use the same mode.
-    layout: "file" (every process appends to ``path`` under a shared lock),
-      "sharded" (each process appends to its own ``path.d/p<process>.jsonl``,
-      no lock, nothing read back; readers merge: docs/multihost.md) or
-      "auto" (default): "sharded" when the job has more than
-      ``tapfile.source.run.SHARDED_ABOVE`` processes, else "file".
-    forward: forwarders that receive this process's records once they are
-      written to the file: its own devices' per-device records, and (see
-      forward_replicated) the job's replicated records on process 0:
-      callables taking the record dict (as pmaptap.read returns it), or
-      objects with ``write_scalars(step, mapping)`` (CLU's MetricWriter; real
-      scalar leaves only, one call per step). They run on their own thread
-      with a bounded queue; failures and drops are reported as TapError at
-      the next flush()/close(). Optional hooks, on that thread too:
-      ``open(run, attempt)`` first, ``end(outcome)`` last ("finished",
-      "failed", "killed": SIGTERM); docs/forwarders.md.
-    forward_replicated: which replicated records reach this process's
-      forwarders. "process0" (default): on process 0 every replicated record
-      it computed, each once, whichever process wrote it to the file; on the
-      other processes none. "written": those this process wrote (each value
-      once in the job, split over the processes). "all": every replicated
-      record this process computed (each process forwards its own copy).
-    forward_timeout: the most seconds flush()/close() wait for forwarders to
-      catch up and flush (their flush() too runs on their thread).
-    resume: continue a run after a restart. The run is ``run``, else
-      PMAPTAP_RUN, else the last run in the file (a fresh one if the file has
-      none, or if PMAPTAP_ATTEMPT is 0: a launcher's first attempt). The
-      attempt number is one more than the run's highest attempt in the file
-      (0 if it has none), or PMAPTAP_ATTEMPT (``python -m pmaptap.launch
-      --restarts`` sets it) if that is higher; process 0 decides it for the
-      whole job. Records then carry ``"attempt": N``, and readers show, for a
-      step written by several attempts, only the latest one's
-      (pmaptap/tapfile/read/attempts.py). The file stays append-only. Taps need
-      ``step=``: one without is refused (ValueError at trace time, or a
-      TapError at flush/close when it was traced before the session
-      opened), as its automatic step would count from 0 again. A restarted
-      attempt (PMAPTAP_ATTEMPT >= 1) on a fixed run id (``run`` or
-      PMAPTAP_RUN) must resume: without it, open() raises SessionError.
+    Every option, its default and what it does: docs/api.md, "pmaptap.Session"
+    (the table); ``resume``: "Resuming a run after a restart" there.
     """
 
     def __init__(
@@ -197,7 +145,6 @@ class Session:
         state = "open" if self.pipeline is not None and not self.pipeline.closed else "closed"
         return f"Session(path={self.path!r}, run={self.run!r}, {state})"
 
-    # ------------------------------------------------------------- open
     def open(self) -> "Session":
         with _open_lock:
             current = routing.active_session()
@@ -268,7 +215,6 @@ class Session:
         except TapError as e:
             log.warning(f"pmaptap: {e}")
 
-    # ------------------------------------------------------------- flush
     def flush(self, timeout: float | None = -1) -> None:
         """Return once every tap dispatched before this call is written by this
         process. Raises TapError for background failures since the last call."""
@@ -282,7 +228,6 @@ class Session:
             )
         return self.pipeline
 
-    # ------------------------------------------------------------- close
     def close(self) -> None:
         """Write everything dispatched, wait for the other processes (multi-
         process jobs), and end the session. Safe to call twice."""
@@ -356,13 +301,10 @@ class Session:
             pass
 
     def _after_close(self, wait: bool = True) -> None:
-        """Multi-process: wait (bounded) until every process has closed, so
-        that the file holds every record once close() returns anywhere. The
-        sharded layout then writes the values it left to owners that did not
-        close (before waiting when SIGTERM closed it: it may not outlive
-        the wait). A SIGTERM'd close (``wait=False``) announces its close and
-        writes those values without waiting: a peer may be dead and the grace
-        before SIGKILL is short."""
+        """Multi-process: wait (bounded) until every process has closed, so the
+        file holds every record once close() returns anywhere; what the sharded
+        layout writes for owners that did not close, and ``wait=False`` on
+        SIGTERM: ``distributed.close_barrier``."""
         held = getattr(self.pipeline.sink, "held", None) if self.pipeline else None
         distributed.close_barrier(
             self.run or "",
@@ -452,15 +394,11 @@ class Session:
         prev = self._prev_sigterm
         closing_here = self._closer == threading.get_ident()
         if not closing_here and _in_host_code(frame):
-            # It interrupted pmaptap's own host code on this thread (a tap's
-            # host callback, which the CPU backend runs on the main thread;
-            # flush()), which may hold a lock the close takes: closing here
-            # hung for ever (the queue's lock, in 2 of 30 SIGTERMs to a
-            # tapping loop). Leave it: a timer raises SIGTERM again in a few
-            # milliseconds, when this thread is out of there. (Starting one
-            # here is safe: pmaptap starts its own threads at open, before
-            # this handler is installed, and in close, where it is not left.)
-            # If this thread stays there, the watcher acts after its wait.
+            # It interrupted pmaptap's own host code on this thread, which
+            # may hold a lock the close takes (closing here hung for ever;
+            # docs/faults.md): a timer raises SIGTERM again in a few ms.
+            # (Starting one here is safe: pmaptap starts its threads at open,
+            # before this handler is installed, and in close, not left here.)
             if _raise_again_later():
                 return
         self._main_saw_sigterm.set()  # the watcher stands back

@@ -1,31 +1,21 @@
 """SIGTERM wherever the main thread is: a watcher thread woken by the signal.
 
-Python runs a signal handler only on the main thread, between bytecodes. A
-main thread blocked in C++ (a cross-process collective whose peer died: gloo
-waits for it with no end; ``jax.effects_barrier()`` on such a step) never
-gets there, so the session's handler would never run and the launcher's
-SIGKILL would come after its grace, the forwarders unflushed.
-
-CPython's C-level handler, which runs on whatever thread the kernel picks,
-writes the signal number to the file descriptor ``signal.set_wakeup_fd``
-names, for every signal that has a Python handler (the session installs
-one for SIGTERM). The watcher is a daemon thread blocked reading the other
-end of that socket pair: it wakes at once, and hands SIGTERM to the open
-session (``Session._sigterm_from_watcher``), which gives the main thread a
-moment to run its own handler and acts only if it does not. Bytes of other
-signals (SIGINT's, ...) are passed on to the wakeup descriptor that was set
-before ours (asyncio's self-pipe, for one), so nothing of theirs is lost.
+Python runs a signal handler only on the main thread, between bytecodes; a
+main thread blocked in C++ (a collective whose peer died, gloo waiting
+without end) never gets there, and the launcher's SIGKILL would come with
+the forwarders unflushed. CPython's C-level handler writes the signal
+number to the ``signal.set_wakeup_fd`` descriptor; the watcher, a daemon
+thread reading the other end, hands SIGTERM to the open session
+(``Session._sigterm_from_watcher``), which acts only if the main thread
+does not. Other signals' bytes go on to the wakeup descriptor set before
+ours (asyncio's self-pipe, for one).
 
 One watcher per process, started with the first session opened on the main
-thread (``set_wakeup_fd`` may only be called there) and kept; a forked child
-drops it (its socket pair is its parent's: a signal to the child must not
-wake the parent's watcher). Dropping it in an at-fork hook leaves a window:
-a signal that reaches the child before the hook ran (another library's hook
-first, stuck on a lock a parent thread held: ``multiprocessing.Pool`` then
-SIGTERMs that worker) is written into the parent's socket, and the parent
-took it for its own and killed itself (seen in CI). So the socket pair is a
-datagram pair with ``SO_PASSCRED`` (Linux): the kernel stamps each byte with
-the pid that wrote it, and bytes not written by this process are dropped.
+thread (``set_wakeup_fd`` may only be called there); a forked child drops
+it. A signal reaching the child before its at-fork hook ran was written
+into the parent's socket, and the parent killed itself (seen in CI): so the
+pair is a datagram pair with ``SO_PASSCRED`` (Linux), and bytes not written
+by this process are dropped.
 """
 
 from __future__ import annotations

@@ -49,11 +49,9 @@ class Target(NamedTuple):
 
 
 def write_target(who: str, path: str | os.PathLike, layout: str, flush_interval: float) -> Target:
-    """``path`` resolved once into a ``Run`` and ``layout`` checked (a
-    ValueError naming ``who`` and the layouts allowed). An object-store URL
-    always uses the sharded layout, as immutable chunks (objectstore.py),
-    and gathers a batch at least ``OBJECT_COMMIT_INTERVAL`` seconds (one PUT
-    each). "auto" is left to the caller, who knows the job's size."""
+    """``path`` resolved once into a ``Target`` (its fields say what an
+    object-store URL implies) and ``layout`` checked (a ValueError naming
+    ``who``); "auto" is left to the caller, who knows the job's size."""
     if layout not in source.FILE_LAYOUTS:
         raise ValueError(f"{who}: layout must be one of {source.FILE_LAYOUTS}, got {layout!r}")
     text = os.fspath(path)

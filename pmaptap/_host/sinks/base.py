@@ -23,6 +23,8 @@ class Sink(abc.ABC):
     # The writer's byte file for array values stored as bytes (local
     # layouts; created on first use: blobs.py).
     _blobs: BlobFile | None = None
+    # The local layouts' descriptor of the file they append to (-1: none).
+    _fd: int = -1
 
     def _blob_file(self) -> BlobFile:
         raise NotImplementedError
@@ -131,6 +133,9 @@ class Sink(abc.ABC):
         return encoded, keep
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._blobs is not None:
             self._blobs.close()
 

@@ -1,20 +1,15 @@
-"""The write side of array values stored as bytes (format: tapfile/source/arrays.py).
+"""The write side of array values stored as bytes (format:
+tapfile/source/arrays.py; docs/architecture.md, "Array values stored as
+bytes").
 
-Every sink gives each of its records' RawArray leaves a place before it
-encodes the record's line, in the writer thread:
-
-- ``BlobFile`` (the one-file and sharded layouts): one append-only file per
-  writer, ``<run>.bytes/p<process>-<writer id>.bin``, that only this writer
-  ever writes, so no lock is taken for it: a process's bytes never wait on
-  another's. The bytes are written (one writev of the .npy headers and the
-  arrays' own buffers, no copy) before the lines that point at them, so a
-  writer killed in between leaves bytes nobody points at, never a line
-  pointing at bytes that are not there.
-- the object sink puts one ``<run>.bytes/p<process>-<writer id>-<seq>.bin``
-  object per batch before the batch's chunk of lines (``objects_blob``).
-
-A value's bytes are written once: a batch retried after a failed line write
-keeps the references it got (RawArray.ref).
+``BlobFile`` (file and sharded layouts): one append-only file per writer,
+``<run>.bytes/p<process>-<writer id>.bin``, only this writer writes it, so
+no lock: a process's bytes never wait on another's. The bytes are written
+before the lines that point at them, so a writer killed in between leaves
+bytes nobody points at, never a line pointing at bytes that are not there.
+The object sink puts one such object per batch (``objects_blob``). A batch
+retried after a failed line write keeps its references (RawArray.ref): a
+value's bytes are written once.
 """
 
 from __future__ import annotations

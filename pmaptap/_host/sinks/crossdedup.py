@@ -1,30 +1,20 @@
-"""Cross-process dedup of replicated records at the shared file.
+"""Cross-process dedup of replicated records at the shared file
+(docs/architecture.md, "Dedup committed only after a write succeeds").
 
-Every process of a job taps the same replicated value (a loss after ``pmean``)
-and would append it once each. Under the file lock, before writing a batch, a
-``FileSink`` reads what the *other* processes appended since its last look
-(its first look: since the run's start in the file, which the processes
-agree on at open, so one that opens late knows what the others wrote) and
-remembers, per ``record_key`` (run, name, step, pass, shard index, attempt),
-the value hashes (``vhash``) already in the file. A replicated record whose
-key is there with the same hash is skipped; with a different hash it is
-written with ``"divergent": true``. So whichever process gets there first
-writes the record, and no process needs to stay alive for the others.
+Under the file lock, before a batch, a ``FileSink`` reads what the *other*
+processes appended since its last look and remembers, per ``record_key``,
+the value hashes (``vhash``) already in the file: a replicated record whose
+key is there with the same hash is skipped, with another hash written
+``"divergent": true``. Whichever process gets there first writes it; no
+process needs to stay alive for the others. Only *other* processes' records
+count: the same process writing a key again (a loop re-run with the same
+explicit steps) is data, not a duplicate. The index keeps the newest
+``max_keys`` keys: a process further behind may write a duplicate, which
+``read`` and ``pmaptap validate`` report.
 
-Only *other* processes' records count: the same process writing a key again
-(a loop re-run with the same explicit steps) is data, not a duplicate.
-
-The raw file keeps the first value as written (an appended line cannot be
-changed); ``pmaptap.read`` marks every replicated record of a key that has
-more than one distinct ``vhash`` as divergent. The index keeps the newest
-``max_keys`` keys: a process that falls further behind than that may write a
-duplicate, which ``read`` and ``pmaptap validate`` report.
-
-Lines are parsed by the readers' parser (tapfile/record/parse.py), which never
-raises: a line that is not a record (another program's bytes, a torn line, a
-100,000-deep array) is skipped and counted in ``corrupt``, the first one's
-byte offset and reason kept in ``first_corrupt`` for the sink's warning. It
-costs that line only, never a write.
+Lines are parsed by the readers' parser (tapfile/record/parse.py), which
+never raises: a line that is not a record costs that line only (counted in
+``corrupt``, the first one's offset and reason in ``first_corrupt``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
-"""The sharded layout's sink: each process appends to its own file.
+"""The sharded layout's sink: each process appends to its own
+``<path>.d/p<process>.jsonl``: no lock, nothing read back, so its cost per
+record is the same at 2 processes and at 4,096 (``FileSink`` reads back what
+every other process appended, N^2 over a job). Readers merge the shards
+(``pmaptap/tapfile/source/run.py``); docs/architecture.md, "At scale".
 
-``FileSink`` shares one file: a global lock, and under it every process reads
-what all the others appended (bytes read back grow as N^2 over a job, and
-the lock hand-offs serialize N processes). ``DirectorySink`` writes
-``<path>.d/p<process>.jsonl`` alone: no lock, nothing read back, so its cost
-per record is the same at 2 processes and at 4,096. The readers merge the
-shards (``pmaptap/tapfile/source/run.py``).
-
-Replicated dedup without reading the others: a replicated record whose value
-every holding process verified on device (the gathered and verified layouts;
-``processes`` then names them all, and all of them build the same record) is
-written only by its owner, ``source.owner(key, processes)``. Any other
-replicated record (a per-process tap in the copy layout, a side ``Writer``, a
-``verified_off`` copy, a scalar under plain jit read from one device only:
-``copies_seen``, whose ``processes`` name holders that never saw it) is
-written by each process that has it, and readers
-keep one copy of each value, flagging different values divergent: nothing a
-non-owner saw can be lost because the owner never saw it.
-
-An owner can die before it writes what it owns (SIGKILL, the OOM killer,
-preemption), while the other holders live on. So each process keeps the
-replicated values it left to an owner (``Held``) until its close knows
-whether that owner closed (its records then are all written:
-``distributed.close_barrier``); for an owner that did not, it writes them
-itself (``write_held``), a copy like any other holder's, which readers keep
-once (the merge drops a copy of a value already read: tapfile/source/run.py). A healthy
-job writes nothing extra: every owner closes. What is kept is bounded
-(``HELD_BYTES``); see ``Held``.
+A replicated record every holding process verified on device (gathered and
+verified layouts: all of them build the same record) is written only by its
+owner, ``source.owner(key, processes)``. Any other replicated record (copy
+layout, a side ``Writer``, ``verified_off``, a plain-jit scalar read from
+one device) is written by each holder and readers keep one copy of each
+value: nothing a non-owner saw can be lost because the owner never saw it.
+An owner that dies before writing what it owns (docs/multihost.md, "An
+owner killed before it wrote what it owns"): each process keeps what it
+left to an owner (``Held``, bounded by ``HELD_BYTES``) until its close
+knows whether that owner closed, and writes it itself if not
+(``write_held``). A healthy job writes nothing extra.
 """
 
 from __future__ import annotations
@@ -228,12 +216,9 @@ class DirectorySink(ShardSink):
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             self._end = None
         size = self._reopen_if_replaced().st_size
-        # Only this process writes the shard, so it ends where our last write
-        # left it, on a newline, unless something else changed it: a writer
-        # of this shard killed mid-line before we opened, another program's
-        # bytes, a truncation mid-line, a failed write not cut back. Only
-        # then is its last byte read; a torn tail gets a newline first, or
-        # the next record would be glued onto it and lost with it.
+        # Only this process writes the shard: it ends where our last write
+        # left it, on a newline, unless something else changed it; only then
+        # is its last byte read (docs/faults.md, a torn shard tail).
         torn = size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
         if torn:
             chunks.insert(0, b"\n")
@@ -247,15 +232,11 @@ class DirectorySink(ShardSink):
         self.bytes_written += written
 
     def _reopen_if_replaced(self) -> os.stat_result:
-        """The shard moved away or removed under us (log rotation, a clean-up
-        script): write to the file now at the path, as FileSink does, and
-        say so once. Truncation needs nothing: O_APPEND writes at the end.
-        Returns the stat of the file written to.
-
-        A batch costs one fstat of the open file. A removed shard shows at
-        once (no link left); one renamed away is seen by a stat of the path,
-        made at most every PATH_CHECK_S seconds, so a rotation moves the
-        writer to the new file within that time."""
+        """The shard moved away or removed under us: write to the file now at the
+        path, as FileSink does, and say so once (truncation needs nothing:
+        O_APPEND). Returns the stat of the file written to. One fstat a batch shows
+        a removal at once (no link left); a rename is seen by a stat of the path,
+        at most every PATH_CHECK_S seconds (docs/faults.md)."""
         mine = os.fstat(self._fd)
         now = time.monotonic()
         if mine.st_nlink > 0 and now < self._next_path_check:
@@ -279,9 +260,3 @@ class DirectorySink(ShardSink):
                 "that path (counted in DirectorySink.replacements)."
             )
         return os.fstat(fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        super().close()  # the byte file

@@ -1,26 +1,16 @@
 """The shared-file sink (the interface every sink implements is in base.py).
 
-``FileSink`` appends whole lines to one file shared by every process of a job.
-Each batch is encoded outside the lock, then written with a single
-``os.writev`` of its lines on an ``O_APPEND`` descriptor while holding
-``FileLock(path + ".lock")``: no line is torn or interleaved by another
-process. A writer killed mid-line leaves a file that does not end in a
-newline; the next batch (from any process) starts with one, so at most that
-torn line is lost. The cross-process dedup indexes what the others appended
-from the run's start in the file (``index_from``), whenever this process
-opened. The lock only waits ``lock_timeout`` per attempt: a stuck
-holder makes ``write`` raise ``LockBusy`` and the pipeline retries later
-while taps keep returning.
-
-The file may change under a running job: another program appends garbage
-(a corrupt line costs that line only: the dedup skips and counts it), someone
-truncates it (``: > run.jsonl``) or moves it away and creates a new one (log
-rotation). Under the lock, before each batch, the sink compares the file at
-the path with what it last saw: a new inode (or no file) means replaced, a
-size below its last offset or different bytes just before it means truncated
-(or rewritten). It then writes to the file now at the path, re-reads that file
-from its start for the dedup, and warns once per kind; the batch in hand and
-everything queued are written there, nothing is dropped.
+``FileSink`` appends whole lines to one file shared by every process of a
+job: each batch encoded outside the lock, then one ``os.writev`` on an
+``O_APPEND`` descriptor under ``FileLock(path + ".lock")``, so no line is
+torn or interleaved by another process; a torn last line (a killed writer)
+gets a newline before the next batch. The lock waits ``lock_timeout`` per
+attempt: a stuck holder makes ``write`` raise ``LockBusy`` and the pipeline
+retries while taps keep returning. The cross-process dedup indexes from the
+run's start in the file (``index_from``; docs/architecture.md, "A late
+opener knows what the others wrote"). A file truncated, replaced or removed
+under a running job is noticed under the lock before each batch and written
+to as it now is (docs/faults.md, "Faults").
 """
 
 from __future__ import annotations
@@ -55,20 +45,14 @@ _NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP})
 class FileSink(Sink):
     """Appends record batches to the shared file under a cross-process lock.
 
-    lock="flock" (default): ``filelock.FileLock(path + ".lock")`` (flock(2))
-      and one ``O_APPEND`` descriptor kept open. Right for a local disk, i.e.
-      for the processes of one host.
-    lock="soft": for shared filesystems where flock may not exclude across
-      hosts (NFS clients, Lustre without ``-o flock``). The lock is
-      ``filelock.SoftFileLock(path + ".softlock")``: a marker file created
-      with ``O_CREAT | O_EXCL`` (atomic at an NFSv3+ server) that records pid
-      and host. A marker left by a dead process of the same host is
-      reclaimed; one left by a crashed host blocks writers until it is
-      removed (the LockBusy message names the holder). Each batch re-opens
-      the file under the lock, writes at the size the server reports, fsyncs
-      and closes before releasing: NFS close-to-open consistency then lets
-      the next holder, on any host, see these bytes and append after them
-      (O_APPEND with a client's cached size could overwrite them).
+    lock="flock" (default): ``filelock.FileLock(path + ".lock")`` and one
+    ``O_APPEND`` descriptor kept open: the processes of one host.
+    lock="soft" (NFS, Lustre without ``-o flock``; docs/multihost.md, "Where
+    the file may live"): ``filelock.SoftFileLock(path + ".softlock")``, and each
+    batch re-opens the file under the lock, writes at the size the server
+    reports, fsyncs and closes before releasing, so close-to-open consistency
+    shows the next holder these bytes (O_APPEND with a client's cached size
+    could overwrite them).
     """
 
     def __init__(
@@ -187,13 +171,10 @@ class FileSink(Sink):
         return keep
 
     def index_from(self, offset: int) -> None:
-        """Index, at the next batch, every line appended since ``offset``:
-        where this session's run starts in the file, agreed by the job's
-        processes when they open (``distributed.session_start``). A process
-        that opens after the others have written must know their replicated
-        values, or it writes each one again; reading from there, not from
-        byte 0, costs only what the job wrote since it started, however
-        long the file was before. Call before the first ``write``."""
+        """Index, at the next batch, every line appended since ``offset``, where
+        the job's processes agreed this run starts (``distributed.session_start``;
+        docs/architecture.md, "A late opener knows what the others wrote"). Call
+        before the first ``write``."""
         if offset > self.opened_size or offset < 0:
             # Not this file's offset (it was truncated or replaced between
             # the first process's open and ours): all of this file is new.
@@ -403,12 +384,6 @@ class FileSink(Sink):
         return (
             f"{e}{who}. If that process is gone from another host, remove {self._lock.lock_file!r}."
         )
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        super().close()  # the byte file
 
 
 def _tail(mark: bytes, chunks: Sequence[bytes]) -> bytes:

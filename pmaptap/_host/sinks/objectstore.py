@@ -1,24 +1,17 @@
 """The sharded layout on an object store (``s3://``, ``gs://``, any fsspec
-URL): each process writes immutable chunks.
+URL): each process writes immutable chunks (names, rollups and what readers
+do: docs/multihost.md, "Object stores"; tapfile/source/store.py).
 
 Object stores have no append and no lock, and an object is written whole or
-not at all. So a process never shares or changes an object: every batch the
-writer thread hands over (it lingers ``OBJECT_COMMIT_INTERVAL`` seconds to
-gather one, and ``flush()``/``close()`` cut that short) becomes one new
-object ``<url>.d/p<process>-<writer id>-<seq>.b<start>.jsonl``. A process
-killed mid-run leaves the chunks it committed, whole; the upload in flight never
-appears; there is no lock or marker to clean up. The writer id (start time
-and a random token) keeps a restarted process from overwriting its earlier
-chunks, and sorts after them. Every ``ROLLUP_CHUNKS`` chunks, and at
-close, the writer puts one object of the chunks since the last (a rollup,
-their bytes joined; ``pmaptap/tapfile/source/store.py`` has the names and what
-readers do) and then deletes those chunks: a finished writer leaves a few
-objects, not one per batch, and a failure at either step loses nothing (the
-chunks stay; readers skip chunks a listed rollup covers). Readers list
-``<url>.d/`` and merge (``pmaptap/tapfile/source/run.py``). Endpoint and
-credentials come from the client's own standard environment
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... for s3fs; gcsfs's for
-``gs://``).
+not at all. So a process never shares or changes an object: every batch
+(the writer lingers ``OBJECT_COMMIT_INTERVAL`` seconds to gather one) is a
+new chunk; a killed process leaves its committed chunks whole and nothing
+to clean up. The writer id (start time, random token) keeps a restarted
+process from overwriting its earlier chunks and sorts after them. Every
+``ROLLUP_CHUNKS`` chunks, and at close, one rollup replaces them (put first,
+then the chunks deleted: a failure at either step loses nothing).
+Endpoint and credentials come from the client's own environment
+(``AWS_ENDPOINT_URL``, ... for s3fs; gcsfs's for ``gs://``).
 """
 
 from __future__ import annotations
