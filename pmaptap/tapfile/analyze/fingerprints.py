@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any, Iterable, Iterator
 
 from pmaptap.tapfile.analyze.validate import steps_text
-from pmaptap.tapfile.record import FINGERPRINT, holder_ids, index_text
+from pmaptap.tapfile.record import FINGERPRINT, first_holder, holder_ids, index_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +178,6 @@ def divergence_series(rec: dict) -> Iterator[tuple[str, float]]:
         return
     leaf = rec.get("leaf")
     tag = str(rec.get("name")) + (f"/{leaf}" if leaf else "")
-    ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
-    ids = [d for d in ids + holder_ids(rec.get("devices")) if isinstance(d, int)]
-    first = str(min(ids)) if ids else "unknown"
     replicas = rec.get("replicas")
-    yield f"{tag}/divergent/device_{first}", float(replicas if isinstance(replicas, int) else 0)
+    copies = float(replicas if isinstance(replicas, int) else 0)
+    yield f"{tag}/divergent/device_{first_holder(rec)}", copies

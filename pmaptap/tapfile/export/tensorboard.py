@@ -17,7 +17,13 @@ from typing import Any
 from pmaptap._log import log
 from pmaptap.tapfile.analyze import divergence_series
 from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, optional, scan
-from pmaptap.tapfile.record import FINGERPRINT, Holders, curve_tag, decode_record, parse_line
+from pmaptap.tapfile.record import (
+    FINGERPRINT,
+    curve_tag,
+    decode_record,
+    first_holder,
+    parse_line,
+)
 from pmaptap.tapfile.source import Run, iter_lines
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
@@ -73,17 +79,8 @@ def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
         d = rec.get("device")
         suffix = f"/device_{'unknown' if d is None else d}"
     elif mark_divergent and rec.get("divergent"):
-        suffix = f"/divergent/device_{_first_holder(rec)}"
+        suffix = f"/divergent/device_{first_holder(rec)}"
     return base, suffix
-
-
-def _first_holder(rec: dict) -> str:
-    ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
-    devices = rec.get("devices") or ()
-    if isinstance(devices, Holders):  # ascending: its first, none expanded
-        devices = devices[:1]
-    ids = [d for d in [*ids, *devices] if isinstance(d, int)]
-    return str(min(ids)) if ids else "unknown"
 
 
 def _flat(value: Any) -> list:

@@ -56,6 +56,7 @@ from pmaptap.tapfile.record.schema import (
     Replicated,
     as_dicts,
     curve_tag,
+    first_holder,
     format_problems,
     from_dict,
     holder_ids,

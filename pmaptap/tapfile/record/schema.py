@@ -668,6 +668,22 @@ def holder_ids(v: Any) -> list:
     return v if isinstance(v, list) else list(v) if isinstance(v, Holders) else []
 
 
+def first_holder(rec: dict) -> str:
+    """The lowest device id among a record's ``holders`` and its ``devices``
+    (either form; a ranges text is ascending, so only its first id is
+    read), as text; ``"unknown"`` where none is an int."""
+    ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
+    devices = rec.get("devices")
+    if type(devices) is str:
+        devices = _holders(devices)
+    if isinstance(devices, Holders):
+        ids += devices[:1]
+    elif isinstance(devices, list):
+        ids += devices
+    ids = [d for d in ids if isinstance(d, int)]
+    return str(min(ids)) if ids else "unknown"
+
+
 def holds(v: Any, x: Any) -> bool:
     """Whether a holders field (either form) names ``x``, not expanded."""
     if type(v) is str:
