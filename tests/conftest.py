@@ -79,8 +79,9 @@ TRANSPORTS = ("callback", "outputs")
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "callback_only(why): a test of the host-callback transport itself "
-        "(not run under the output transport, see the `transport` fixture)",
+        "callback_only(why): a test of the host-callback transport itself, or one "
+        "the `transport` fixture cannot change (its steps run in a subprocess, or "
+        "it has no jit/pmap step): not run again under the output transport",
     )
 
 

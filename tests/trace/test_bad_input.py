@@ -443,6 +443,7 @@ def test_path_problems_are_oserrors_with_their_errno(tmp_path) -> None:
 @pytest.mark.skipif(
     not mount_namespace_available(), reason="needs root + unshare for a read-only bind mount"
 )
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_unwritable_directory_is_an_error_at_open_even_for_root(tmp_path) -> None:
     # Root ignores permission bits (the non-root case is in
     # test_core_session.py); a read-only mount stops root too.
@@ -549,6 +550,7 @@ _UNSAFE_MODULES = {
 }
 
 
+@pytest.mark.callback_only("no jit or pmap step: nothing a transport carries")
 def test_pmaptap_never_imports_a_deserializer_that_runs_code() -> None:
     # Tap files are data: pmaptap parses them with json only. No module of
     # the package may import pickle & co or call eval/exec/compile.
@@ -879,6 +881,7 @@ def _writer_under_fsize(tmp_path, body: str, wants: list[str], steps: int) -> No
     assert [r["step"] for r in pmaptap.read(tmp_path / "run.jsonl")] == list(range(steps))
 
 
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     """EFBIG under a real RLIMIT_FSIZE at flush: a TapError as a session's
     (was: the bare OSError), the records still buffered and written once
@@ -913,6 +916,7 @@ def test_a_writers_write_error_at_flush_is_a_tap_error(tmp_path) -> None:
     )
 
 
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_a_writers_automatic_write_leaves_its_error_to_flush(tmp_path) -> None:
     """write() whose automatic write fails (a real RLIMIT_FSIZE) does not
     raise: the record is buffered, and a caller that retried a raising
@@ -1082,6 +1086,7 @@ def test_jits_ahead_of_time_api_is_offered_and_writes_the_taps(tmp_path) -> None
     assert [(r["step"], r["value"]) for r in pmaptap.read(path)] == [(0, 6.0), (1, 10.0), (2, 6.0)]
 
 
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_merge_refuses_an_output_inside_the_runs_shard_directory(tmp_path) -> None:
     import subprocess
     import sys

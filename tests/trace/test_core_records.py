@@ -150,6 +150,7 @@ def test_read_never_evaluates_content(tmp_path, caplog):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_json_fallback_writes_the_same_records_as_orjson(tmp_path):
     """orjson is the fast path; without it (PMAPTAP_NO_ORJSON=1) the stdlib
     encoder must write the same values, non-finite markers included."""

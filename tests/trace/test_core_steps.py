@@ -132,6 +132,7 @@ _STEPS_DIFFER = """
 """
 
 
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_every_with_steps_that_differ_between_devices_under_pmap(tmp_path):
     # The `every` cond guards a collective (the gather to the leader, the
     # fingerprints' all-gather): decided per device, devices at different
@@ -173,6 +174,7 @@ def test_every_adds_no_collective_when_the_step_is_the_same_everywhere():
     assert pmins(lambda s: lax.pmax(s, "i")) == 0
 
 
+@pytest.mark.callback_only("no jit or pmap step: nothing a transport carries")
 def test_grad_records_primal_and_gradient_unchanged(session, tap_path):
     def loss(w):
         h = pmaptap.tap(jnp.tanh(w), "h")
@@ -317,6 +319,7 @@ _BIG_STEPS = """
 
 
 @pytest.mark.parametrize("x64", ["off", "on"])
+@pytest.mark.callback_only("its steps run in a subprocess: the transport fixture cannot reach them")
 def test_python_int_steps_up_to_int64_max_eager_and_jit(x64):
     import json
 

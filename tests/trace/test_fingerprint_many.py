@@ -118,8 +118,10 @@ def test_fingerprint64_many_equals_each_leafs_fingerprint64():
     ]
     assert any(x.size * x.dtype.itemsize >= SMALL for x in leaves)
     many = np.asarray(jax.jit(fingerprint64_many)(leaves, valids))
-    each = [np.asarray(jax.jit(fingerprint64)(x, v)) for x, v in zip(leaves, valids)]
-    np.testing.assert_array_equal(many, np.stack(each))
+    # Each leaf hashed by fingerprint64 alone, its own computation: all of
+    # them in one program (one compile, not one per leaf's shape and dtype).
+    each = jax.jit(lambda ls, vs: [fingerprint64(x, v) for x, v in zip(ls, vs)])(leaves, valids)
+    np.testing.assert_array_equal(many, np.stack([np.asarray(e) for e in each]))
 
 
 def _reductions(tree) -> int:
@@ -161,8 +163,14 @@ def test_tpu_layout_hashes_leaves_of_one_shape_together_and_alike():
         leaves.append(jnp.asarray(_leaf(d, s, i), jnp.dtype(d)))
         valids.append(None if i % 4 else jnp.arange(np.prod(s)).reshape(s) % 3 != 0)
     grouped = np.asarray(jax.jit(fphash._tpu_layout)(leaves, valids))
-    each = jax.jit(lambda x, v: fphash._tiled_parts(fphash._parts(x), v) + x.size % 2**32)
-    want = np.stack([np.asarray(each(x, v)).astype(np.uint32) for x, v in zip(leaves, valids)])
+
+    def each(x, v):
+        return fphash._tiled_parts(fphash._parts(x), v) + x.size % 2**32
+
+    # Each leaf hashed alone, its own computation: all of them in one
+    # program (one compile, not one per leaf's shape, dtype and mask).
+    alone = jax.jit(lambda ls, vs: [each(x, v) for x, v in zip(ls, vs)])(leaves, valids)
+    want = np.stack([np.asarray(a).astype(np.uint32) for a in alone])
     np.testing.assert_array_equal(grouped, want)
 
     def reductions(n: int) -> int:

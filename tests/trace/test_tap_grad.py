@@ -389,6 +389,7 @@ def test_vmap_per_example_gradients_are_one_batched_record(session, tap_path):
 # ------------------------------------------------------------ higher order, jvp
 
 
+@pytest.mark.callback_only("no jit or pmap step: nothing a transport carries")
 def test_second_order_reverse_mode_works_and_records_first_order(session, tap_path):
     def f(x):
         return jnp.sum(pmaptap.tap_grad(jnp.sin(x), "s") ** 2)
