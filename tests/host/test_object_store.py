@@ -289,8 +289,9 @@ def test_a_writer_on_a_store_gathers_like_a_session(s3, monkeypatch):
 def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
     """tail -f / merge -f on a store: after the first poll, a poll lists
     each known process's chunks after its last one (a start-after marker)
-    instead of every chunk of the run; the whole run is listed again only
-    every RELIST_S, which finds a process that started late."""
+    instead of every chunk of the run, and the run's process prefixes,
+    which find a process that started late at the next poll; the whole run
+    is listed again only every RELIST_S."""
     import json
 
     import pmaptap
@@ -324,9 +325,13 @@ def test_following_a_store_lists_only_each_process_new_chunks(s3, monkeypatch):
     assert len(full) == 1 and len(after) == 2
     late = pmaptap.Writer(url, run="r", process=2)
     write([late], 3)
-    assert steps() == []  # not known yet: found by the next full listing
+    # Read at the next poll, not RELIST_S (30 s) later at the next full
+    # listing: `tail -f` showed a process that started late half a minute late.
+    assert steps() == [(3, 2)] and len(full) == 1 and len(after) == 3
+    write([late, *writers], 4)
+    assert steps() == [(4, 0), (4, 1), (4, 2)] and len(full) == 1
     f._relist_at = 0.0  # as RELIST_S seconds later
-    assert steps() == [(3, 2)] and len(full) == 2
+    assert steps() == [] and len(full) == 2
     f.close()
     for w in writers + [late]:
         w.close()

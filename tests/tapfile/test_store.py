@@ -374,13 +374,17 @@ def test_the_reader_pool_is_used_for_rollup_fetches():
 
 def _start_after(mp) -> None:
     """store.objects_after on memory:// as S3's StartAfter listing does it:
-    per known process, only the objects named after the last one taken."""
+    per known process, only the objects named after the last one taken;
+    with ``new``, every object of a process not known (its prefix listed)."""
 
-    def objects_after(url, last, pool=None):
+    def objects_after(url, last, pool=None, *, new=False):
         full = store.objects(url, missing_ok=True)
         out = {}
-        for p, after in last.items():
-            objs = [o for o in full.get(p, []) if o.name > after]
+        for p, objs in full.items():
+            if p in last:
+                objs = [o for o in objs if o.name > last[p]]
+            elif not new:
+                continue
             if objs:
                 out[p] = objs
         return out

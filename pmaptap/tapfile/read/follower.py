@@ -26,8 +26,10 @@ _CHUNK = 1 << 20
 # this many bytes of lines in all (a chunk of each shard, at least 4 KiB).
 FIRST_POLL_BYTES = 32 << 20
 # Seconds between two listings of a whole object-store run by a follower
-# (to find processes that started since); the polls between list each known
-# process's new chunks only.
+# (to find what sorts before a process's last object read: a writer of that
+# process older than the one read last); the polls between list each known
+# process's new chunks and the run's process prefixes (a process that
+# started since).
 RELIST_S = 30.0
 
 
@@ -380,11 +382,12 @@ class RunFollower:
     def _list_objects(self) -> dict:
         """process -> its objects to look at this poll: a known process's
         new ones by a listing after its last object read (object names sort
-        in order); the whole prefix at the first poll and every RELIST_S."""
+        in order), a new process's all; the whole prefix at the first poll
+        and every RELIST_S."""
         now = time.monotonic()
         last = {p: c.last for p, c in self._cursors.items() if c.last}
         if last and now < self._relist_at:
-            found = source.objects_after(self.path, last, self._fetch_pool())
+            found = source.objects_after(self.path, last, self._fetch_pool(), new=True)
             if found is not None:
                 return found
         self._relist_at = now + RELIST_S

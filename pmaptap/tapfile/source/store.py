@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import re
 import time
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 SHARD_SUFFIX = ".d"
 
@@ -103,38 +103,56 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
     return out
 
 
-def objects_after(url: str, last: dict[int, str], pool=None) -> "dict[int, list[Object]] | None":
+def objects_after(
+    url: str, last: dict[int, str], pool=None, *, new: bool = False
+) -> "dict[int, list[Object]] | None":
     """process -> its objects named after ``last[process]``, for the
-    processes in ``last`` only (S3's StartAfter: a follower's poll costs the
-    same at any age of the run); None where the client has no such listing."""
+    processes in ``last`` (S3's StartAfter: a follower's poll costs the
+    same at any age of the run); with ``new``, also every object of the
+    processes not in ``last`` that the run holds now (found by one listing
+    of the run's process prefixes, a request per 1,000 processes: a
+    process that started late is read at the next poll, not at the next
+    whole listing). None where the client has no such listing."""
     fs, prefix = url_fs(url)
     call = getattr(fs, "call_s3", None)
     if call is None or not hasattr(fs, "split_path"):
         return None
     bucket, key, _ = fs.split_path(prefix + SHARD_SUFFIX)
 
+    def pages(**kw: Any) -> Iterator[dict]:
+        while True:
+            out = call("list_objects_v2", Bucket=bucket, **kw)
+            yield out
+            if not out.get("IsTruncated"):
+                return
+            kw["ContinuationToken"] = out["NextContinuationToken"]
+
     def listing(item: tuple[int, str]) -> tuple[int, list[Object]]:
         proc, after = item
-        kw = {
-            "Bucket": bucket,
-            "Prefix": f"{key}/p{proc:05d}-",
-            "StartAfter": after.split("/", 1)[1] if after.startswith(bucket + "/") else after,
-        }
-        found: list[Object] = []
-        while True:
-            out = call("list_objects_v2", **kw)
-            for o in out.get("Contents", ()):
-                got = parse_name(f"{bucket}/{o['Key']}", _size(o.get("Size")))
-                if got is not None:
-                    found.append(got)
-            if not out.get("IsTruncated"):
-                break
-            kw["ContinuationToken"] = out["NextContinuationToken"]
+        kw = {"Prefix": f"{key}/p{proc:05d}-"}
+        if after:
+            kw["StartAfter"] = after.split("/", 1)[1] if after.startswith(bucket + "/") else after
+        found = [
+            got
+            for out in pages(**kw)
+            for o in out.get("Contents", ())
+            if (got := parse_name(f"{bucket}/{o['Key']}", _size(o.get("Size")))) is not None
+        ]
         return proc, sorted(found)
 
     items = sorted(last.items())
+    if new:
+        known = set(last)
+        for out in pages(Prefix=f"{key}/p", Delimiter="-"):
+            for cp in out.get("CommonPrefixes", ()):
+                m = _PROCESS_PREFIX.match(cp["Prefix"].rsplit("/", 1)[-1])
+                if m is not None and int(m.group(1)) not in known:
+                    items.append((int(m.group(1)), ""))
     found = pool.map(listing, items) if pool is not None else map(listing, items)
     return {proc: objs for proc, objs in found if objs}
+
+
+_PROCESS_PREFIX = re.compile(r"p(\d+)-\Z")
 
 
 class Cursor:
