@@ -8,6 +8,7 @@ tap pipeline reports.
 
 from __future__ import annotations
 
+import importlib
 import numbers
 from typing import Any
 
@@ -163,3 +164,16 @@ def resumed_step_message(name: str, fn: str = "pmaptap.tap") -> str:
         "wrong step numbers and supersede the earlier attempt's real ones. Pass "
         f"step= (the training step: {fn}(x, {name!r}, step=step))."
     )
+
+
+def optional(module: str, who: str, extra: str) -> Any:
+    """``module``, of the optional extra ``extra`` that ``who`` needs; if it
+    is not installed, an ImportError that says how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        raise ImportError(
+            f'{who} needs {top}, an optional extra: pip install "pmaptap[{extra}]" '
+            f"(or pip install {top})"
+        ) from e

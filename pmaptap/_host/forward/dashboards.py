@@ -12,7 +12,6 @@ them.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
 import os
 import re
@@ -20,6 +19,7 @@ import threading
 from typing import Any
 
 from pmaptap._host.forward.relay import scalar_series
+from pmaptap.errors import optional
 from pmaptap.tapfile.read import attempt_of
 
 ATTEMPT_METRIC = "pmaptap/attempt"
@@ -48,16 +48,6 @@ def wandb_id(run: str, process: int = 0) -> str:
     key = run_key(run, process)
     safe = re.sub(r"[^A-Za-z0-9_-]+", "-", key).strip("-")[:40]
     return f"{safe}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-
-
-def _require(module: str, extra: str, who: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"pmaptap.forwarders.{who} needs {extra}, an optional extra: "
-            f'pip install "pmaptap[{extra}]" (or pip install {extra})'
-        ) from e
 
 
 class _ByStep:
@@ -121,7 +111,7 @@ class WandB(_ByStep):
         self._defined: set[str] = set()
         self._wandb = None
         if run is None:
-            wandb = _require("wandb", "wandb", "WandB")
+            wandb = optional("wandb", "pmaptap.forwarders.WandB", "wandb")
             run = wandb.run
             if run is None:
                 self._wandb = wandb  # ours to start at open()
@@ -200,7 +190,7 @@ class MLflow(_ByStep):
         experiment: str | None = None,
     ) -> None:
         super().__init__()
-        mlflow = _require("mlflow", "mlflow", "MLflow")
+        mlflow = optional("mlflow", "pmaptap.forwarders.MLflow", "mlflow")
         if run_id is None:
             active = mlflow.active_run()
             if active is not None:
@@ -284,15 +274,10 @@ class TensorBoard:
     docs/forwarders.md."""
 
     def __init__(self, logdir: str | os.PathLike) -> None:
-        try:
-            from pmaptap.tapfile.export import TensorBoardExport
+        optional("tensorboardX", "pmaptap.forwarders.TensorBoard", "tensorboard")
+        from pmaptap.tapfile.export import TensorBoardExport
 
-            self._tb = TensorBoardExport(logdir, mark_divergent=True)
-        except ImportError as e:
-            raise ImportError(
-                "pmaptap.forwarders.TensorBoard needs tensorboardX, an optional "
-                'extra: pip install "pmaptap[tensorboard]" (or pip install tensorboardX)'
-            ) from e
+        self._tb = TensorBoardExport(logdir, mark_divergent=True)
         self.logdir = os.fspath(logdir)
         self._lock = threading.Lock()  # flush()/close() run on the user's thread
 

@@ -11,8 +11,8 @@ import warnings
 from collections import defaultdict
 from typing import Iterator, Sequence
 
-from pmaptap.errors import PlotError
-from pmaptap.tapfile.read import leaves, optional, scalar
+from pmaptap.errors import PlotError, optional
+from pmaptap.tapfile.read import leaves, scalar
 from pmaptap.tapfile.record import FINGERPRINT, curve_tag
 
 _MAX_LEGEND = 16

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pmaptap._log import log
+from pmaptap.errors import optional
 from pmaptap.tapfile.analyze import divergence_series
-from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, optional, scan
+from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, scan
 from pmaptap.tapfile.record import (
     FINGERPRINT,
     curve_tag,

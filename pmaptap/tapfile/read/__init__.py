@@ -18,7 +18,7 @@ from pmaptap.tapfile.read.follower import (
     polls,
     stop_on_signals,
 )
-from pmaptap.tapfile.read.frame import optional, per_device, write_parquet
+from pmaptap.tapfile.read.frame import per_device, write_parquet
 from pmaptap.tapfile.read.query import Filter, parse_steps
 from pmaptap.tapfile.read.reader import Stored, read
 from pmaptap.tapfile.read.stream import first_pass

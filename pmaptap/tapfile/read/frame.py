@@ -6,7 +6,6 @@ docs/api.md ("Tidy frames and Parquet") lists."""
 from __future__ import annotations
 
 import array
-import importlib
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from pmaptap.errors import optional
 from pmaptap.tapfile.read.views import leaves
 from pmaptap.tapfile.record import (
     COORDS_COLUMN_PREFIX,
@@ -30,19 +30,6 @@ _AS_READ = ("devices", "index", "dtype", "shape")
 _FIRST = tuple(c for c in RECORD_COLUMNS if c not in _AS_READ)
 _INTS = ("process", "device", "replicas")
 _UNDER = ("value", "coords")  # flattened into "<field>.<path>" columns
-
-
-def optional(module: str, who: str, extra: str) -> Any:
-    """``module``, of the optional extra ``extra`` that ``who`` needs; if it
-    is not installed, an ImportError that says how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        top = module.split(".")[0]
-        raise ImportError(
-            f'{who} needs {top}, an optional extra: pip install "pmaptap[{extra}]" '
-            f"(or pip install {top})"
-        ) from e
 
 
 def _pandas() -> Any:
