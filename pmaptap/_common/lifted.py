@@ -71,9 +71,25 @@ class Packed:
 PACK_ALIGN = 8
 # Outputs up to this size are packed (the bundle is a copy on the device).
 PACK_MAX_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class FromArgument:
+    """One output the host takes from the step's call instead: an argument
+    the step hands to a tap as it came (the step number, most often), which
+    the program then does not return (docs/performance.md, "An argument
+    tapped as it came"). ``key``: the argument's position or keyword;
+    ``leaf``: which of its leaves; ``dtype``, ``shape``: as traced."""
+
+    key: int | str
+    leaf: int
+    dtype: Any  # numpy dtype
+    shape: tuple[int, ...]
+
+
 # Per output of the nodes, in order: its position among the step's extra
-# outputs, or where it lies in the bundle.
-Packing = tuple[Union[int, Packed], ...]  # noqa: UP007 (a runtime alias on 3.10)
+# outputs, where it lies in the bundle, or the argument of the call it is.
+Packing = tuple[Union[int, Packed, FromArgument], ...]  # noqa: UP007 (a runtime alias on 3.10)
 
 Node = Union[Site, Loop]  # noqa: UP007 (a runtime alias on 3.10)
 

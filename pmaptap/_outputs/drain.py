@@ -30,7 +30,18 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec, lowered
-from pmaptap._common.lifted import ONE, ROWS, SHARDS, Loop, Node, Packed, Packing, Site, sites
+from pmaptap._common.lifted import (
+    ONE,
+    ROWS,
+    SHARDS,
+    FromArgument,
+    Loop,
+    Node,
+    Packed,
+    Packing,
+    Site,
+    sites,
+)
 from pmaptap._common.shard_placement import (
     PARTITION_AXIS,
     ShardPlacement,
@@ -116,11 +127,12 @@ class Drain:
         arrays: Sequence[Any],
         max_bytes: int,
         packing: Packing | None = None,
+        arguments: dict | None = None,
     ) -> None:
         if not nodes:
             return
         plan = self._plan(nodes, arrays)
-        step = _Step(plan, _unpacked(arrays, packing), {}, 0, plan.gates is None)
+        step = _Step(plan, _unpacked(arrays, packing, arguments or {}), {}, 0, plan.gates is None)
         if step.started:
             _start_copies(step)
         # else: the drain thread reads the gates (a few bytes) when it gets
@@ -386,12 +398,42 @@ class _Part:
         return raw.view(w.dtype).reshape(w.shape).copy()
 
 
-def _unpacked(arrays: Sequence[Any], packing: Packing | None) -> list:
-    """The nodes' outputs, one each, from the step's extra outputs."""
+class _Argument:
+    """One output the step did not return, as it is an argument of the call
+    (``FromArgument``): the call's own, read as the output itself."""
+
+    __slots__ = ("value", "where")
+
+    def __init__(self, value: Any, where: FromArgument) -> None:
+        self.value, self.where = value, where
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.where.shape
+
+    def copy_to_host_async(self) -> None:
+        if hasattr(self.value, "copy_to_host_async"):  # a jax.Array
+            _start_copy(self.value)
+
+    def host(self) -> np.ndarray:
+        w = self.where
+        return _host(self.value).astype(w.dtype, copy=False).reshape(w.shape)
+
+
+def _unpacked(arrays: Sequence[Any], packing: Packing | None, arguments: dict) -> list:
+    """The nodes' outputs, one each, from the step's extra outputs and the
+    arguments of its call (by their ``FromArgument``)."""
     if packing is None:
         return list(arrays)
-    bundle = _Bundle(arrays[0])
-    return [arrays[k] if isinstance(k, int) else _Part(bundle, k) for k in packing]
+    bundle = _Bundle(arrays[0]) if arrays else None
+    return [
+        arrays[k]
+        if isinstance(k, int)
+        else _Argument(arguments[k], k)
+        if isinstance(k, FromArgument)
+        else _Part(bundle, k)
+        for k in packing
+    ]
 
 
 class _View:
@@ -436,7 +478,7 @@ class _View:
 
 def _host(a: Any) -> np.ndarray:
     """An output on the host (waits for its copy)."""
-    if isinstance(a, _Part):
+    if isinstance(a, (_Part, _Argument)):
         return a.host()
     if getattr(a, "is_fully_addressable", True):
         return np.asarray(a)
@@ -706,9 +748,12 @@ def submit(
     arrays: Sequence[Any],
     max_bytes: int,
     packing: Packing | None = None,
+    arguments: dict | None = None,
 ) -> None:
-    """Queue one dispatched step's lifted taps (see the module docstring);
-    the first one also registers the exit handler (``_at_exit``)."""
+    """Queue one dispatched step's lifted taps (see the module docstring),
+    with the values of its call's arguments that it did not return
+    (``FromArgument`` -> value); the first one also registers the exit
+    handler (``_at_exit``)."""
     global _drain
     with _drain_lock:
         if _drain is None:
@@ -716,7 +761,7 @@ def submit(
             # JAX's own exit handlers tear the backends down.
             atexit.register(_at_exit)
             _drain = Drain(routing.deliver, routing.report)
-    _drain.submit(nodes, arrays, max_bytes, packing)
+    _drain.submit(nodes, arrays, max_bytes, packing, arguments)
 
 
 def _at_exit() -> None:

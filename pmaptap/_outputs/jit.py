@@ -14,11 +14,13 @@ and a compiled call hands the taps over as a call of the step does.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import jax
 from jax._src import core
 
+from pmaptap._common.lifted import FromArgument
 from pmaptap._outputs import drain
 from pmaptap._outputs.lift import Lifted, lift, on_rows
 from pmaptap._trace.marks import collecting
@@ -29,14 +31,20 @@ _jax_jit, _jax_pmap = jax.jit, jax.pmap
 _JAX_STAGES = (jax.stages.Traced, jax.stages.Lowered, jax.stages.Compiled)
 
 
-def _handed_over(result: tuple[Any, Lifted]) -> Any:
-    """The function's outputs of one dispatched run of the lifted step; its
-    lifted taps handed to the host pipeline (what makes them records)."""
+def _handed_over(result: tuple[Any, Lifted], args: tuple, kwargs: dict) -> Any:
+    """The function's outputs of one dispatched run of the lifted step (called
+    with ``args``, ``kwargs``); its lifted taps handed to the host pipeline
+    (what makes them records)."""
     out, lifted = result
     arrays = lifted.arrays
     if lifted.later:
         arrays = [*arrays, *_hashed_later(out, lifted)]
-    drain.submit(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing)
+    taken = {}
+    for k in lifted.packing or ():
+        if isinstance(k, FromArgument):  # not returned: the call's own
+            got = args[k.key] if isinstance(k.key, int) else kwargs[k.key]
+            taken[k] = jax.tree_util.tree_leaves(got)[k.leaf]
+    drain.submit(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing, taken)
     return out
 
 
@@ -66,7 +74,7 @@ class _Step:
         # flag, not a walk over the arguments on every dispatch.
         if collecting() or not core.trace_state_clean():
             return self._plain(*args, **kwargs)
-        return _handed_over(self._staged(*args, **kwargs))
+        return _handed_over(self._staged(*args, **kwargs), args, kwargs)
 
     def lower(self, *args, **kwargs) -> "_Lowered":
         """The lowered step, as ``jax.jit(fun).lower``: its ``compile()``
@@ -174,7 +182,7 @@ class _Traced(_Stage):
                 "a traced pmaptap step cannot be called inside another trace "
                 "(its taps would be lost); call the pmaptap.jit step itself there"
             )
-        return _handed_over(self._jax(*args, **kwargs))
+        return _handed_over(self._jax(*args, **kwargs), args, kwargs)
 
 
 class _Lowered(_Stage):
@@ -192,7 +200,7 @@ class _Compiled(_Stage):
 
     def __call__(self, *args, **kwargs):
         # As a call of the step: the function's outputs, the taps written.
-        return _handed_over(self._jax(*args, **kwargs))
+        return _handed_over(self._jax(*args, **kwargs), args, kwargs)
 
 
 def jit(fun: Callable | None = None, /, *, jit: Callable | None = None, **kwargs: Any):
@@ -218,8 +226,36 @@ def _jit(fun: Callable, *, wrapper: Callable | None, kwargs: dict) -> _JitStep:
     # Fingerprints of the step's outputs hashed after it: only under
     # jax.jit, whose outputs are the function's (found there), and where
     # no out_shardings may lay them out other than the step held them.
-    lifted = lift(fun, hash_after=wrapper is _jax_jit and kwargs.get("out_shardings") is None)
+    # Arguments tapped as they came are read from the call, under jax.jit
+    # (whose calls pass the arguments the function is traced with) where
+    # they are not donated (a donated one is gone after the call).
+    plain = wrapper is _jax_jit
+    lifted = lift(
+        fun,
+        hash_after=plain and kwargs.get("out_shardings") is None,
+        readable=_not_donated(fun, kwargs) if plain else None,
+    )
     return _JitStep(fun, wrapper(lifted, **staged_kwargs), wrapper(fun, **kwargs))
+
+
+def _not_donated(fun: Callable, kwargs: dict) -> Callable[[int | str], bool]:
+    """Whether the argument at a position or keyword is not donated by
+    ``jax.jit(fun, **kwargs)`` (by ``donate_argnums`` or
+    ``donate_argnames``, either naming the other through the signature)."""
+    nums = kwargs.get("donate_argnums") or ()
+    names = kwargs.get("donate_argnames") or ()
+    nums = {nums} if isinstance(nums, int) else set(nums)
+    names = {names} if isinstance(names, str) else set(names)
+    if not nums and not names:
+        return lambda key: True
+    try:
+        params = list(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):
+        return lambda key: False  # no signature to tell a name from a position
+    nums |= {params.index(n) for n in names if n in params}
+    names |= {params[i] for i in nums if -len(params) <= i < len(params)}
+    nums |= {i + len(params) for i in nums if i < 0}
+    return lambda key: key not in (names if isinstance(key, str) else nums)
 
 
 def pmap(fun: Callable | None = None, /, **kwargs: Any):

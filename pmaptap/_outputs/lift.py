@@ -41,6 +41,7 @@ from pmaptap._common.lifted import (
     PACK_MAX_BYTES,
     ROWS,
     SHARDS,
+    FromArgument,
     Loop,
     Node,
     Packed,
@@ -131,40 +132,52 @@ def _whole_bytes(dtype: np.dtype) -> bool:
     return False
 
 
-def _pack(nodes: tuple[Node, ...], flat: list, bundle: bool = True) -> Lifted:
+def _pack(
+    nodes: tuple[Node, ...], flat: list, bundle: bool = True, taken: dict | None = None
+) -> Lifted:
     """The step's extra outputs with the small ones the host reads whole (a
     scalar tap's value, every tap's step and ``valid`` flag, a fingerprint's
     table) in one bundle of bytes, each traced value once (the step number of every
     tap is one value): one device-to-host copy a step for them instead of
     one each (docs/performance.md). The host half reads them back exactly
     (_outputs/drain.py). ``bundle`` False: none packed. A ``Later``'s
-    outputs (``_LaterOutput``) are placed after all of the step's."""
+    outputs (``_LaterOutput``) are placed after all of the step's.
+    ``taken``: the arguments the host reads from the call (``FromArgument``
+    by the identity of their tracers), not returned where one is such an
+    output."""
+    taken = taken or {}
     # Per output: whether the host reads it whole: every output of a ONE
     # site; of a SHARDS site its valid, coordinates and step, and its leaves
     # where the layout is WHOLE (partition 0's copy of a replicated value;
     # others are read shard by shard); ROWS sites' outputs are read row by
     # row.
     whole: list[bool] = []
+    # Per output: whether it is the same value on every device of the step
+    # (a ONE site's; a SHARDS site's valid, coordinates and step): where it
+    # is an argument as it came (``taken``), the host reads the call's.
+    same: list[bool] = []
     for site in sites(nodes):
         leaves_whole = isinstance(site.spec, TapSpec) and site.spec.transport.layout is Layout.WHOLE
-        whole += [
-            site.where == ONE or (site.where == SHARDS and (j < 3 or leaves_whole))
-            for j, traced in enumerate(site.traced)
-            if traced
-        ]
+        for j, traced in enumerate(site.traced):
+            if traced:
+                same.append(site.where == ONE or (site.where == SHARDS and j < 3))
+                whole.append(same[-1] or (site.where == SHARDS and leaves_whole))
     pieces: list = []
     placed: dict[int, Packed] = {}
     packing: list[int | Packed] = []
     own: list = []
     offset = 0
     after: list[int] = []  # the packing entries of Later outputs, in order
-    for read_whole, x in zip(whole, flat):
+    for read_whole, everywhere, x in zip(whole, same, flat):
         if isinstance(x, _LaterOutput):
             after.append(len(packing))
             packing.append(-1)
             continue
         dtype = np.dtype(x.dtype)
         nbytes = int(np.prod(x.shape, dtype=np.int64)) * dtype.itemsize
+        if bundle and everywhere and nbytes <= PACK_MAX_BYTES and id(x) in taken:
+            packing.append(taken[id(x)])
+            continue
         if not bundle or not read_whole or nbytes > PACK_MAX_BYTES or not _whole_bytes(dtype):
             packing.append(len(own))
             own.append(x)
@@ -181,7 +194,7 @@ def _pack(nodes: tuple[Node, ...], flat: list, bundle: bool = True) -> Lifted:
             hit = placed[id(x)] = Packed(offset, nbytes, dtype, tuple(int(n) for n in x.shape))
             offset += nbytes + pad
         packing.append(hit)
-    if not pieces and not after:
+    if not pieces and not after and len(own) == len(flat):
         return Lifted(nodes, flat)
     arrays = [jnp.concatenate(pieces), *own] if pieces else own
     shift = 1 if pieces else 0
@@ -192,7 +205,13 @@ def _pack(nodes: tuple[Node, ...], flat: list, bundle: bool = True) -> Lifted:
 
 
 # ------------------------------------------------------------ the interpreter
-def lift(fun: Callable, *, pack: bool = True, hash_after: bool = False) -> Callable:
+def lift(
+    fun: Callable,
+    *,
+    pack: bool = True,
+    hash_after: bool = False,
+    readable: Callable[[int | str], bool] | None = None,
+) -> Callable:
     """``fun`` returning ``(its outputs, Lifted)``; meant to be traced (by
     jit, pmap, or any jit-like wrapper). Arguments that are not JAX values
     (static arguments, None, Python objects) are passed through unchanged.
@@ -200,7 +219,9 @@ def lift(fun: Callable, *, pack: bool = True, hash_after: bool = False) -> Calla
     outputs gain an axis of one row per device, pmap). ``hash_after``: a
     fingerprint of outputs of the step is hashed after it (``Later``; the
     caller runs the programs: jax.jit's outputs are the function's, which
-    another wrapper's may not be)."""
+    another wrapper's may not be). ``readable``: whether the argument at a
+    position or keyword is still there to read after the call (not donated:
+    ``FromArgument``); None: no argument is read from the call."""
 
     @functools.wraps(fun)
     def lifted(*args, **kwargs):
@@ -258,11 +279,44 @@ def lift(fun: Callable, *, pack: bool = True, hash_after: bool = False) -> Calla
         # processes would hide its other pieces (every tap's step and flag)
         # from the processes that do not hold them.
         packed = pack and jax.process_count() == 1
-        lifted = _pack(tuple(nodes), flat, bundle=packed)
+        taken = (
+            _arguments((args, kwargs), len(leaves), dyn, values, readable)
+            if packed and readable
+            else {}
+        )
+        lifted = _pack(tuple(nodes), flat, bundle=packed, taken=taken)
         lifted.later = _placed(lifted, top.later, flat)
         return jax.tree_util.tree_unflatten(box["tree"], full), lifted
 
     return lifted
+
+
+def _arguments(
+    call: tuple[tuple, dict],
+    n: int,
+    dyn: list[int],
+    values: list,
+    readable: Callable[[int | str], bool],
+) -> dict[int, FromArgument]:
+    """The traced arguments the host can read from the call itself, by the
+    identity of their tracers: a tap of one as it came (``step=step``) is
+    not returned by the program. Why: on a TPU, a step whose outputs
+    include one of its scalar arguments measured slower, by much more than
+    the copy (docs/performance.md, "An argument tapped as it came")."""
+    # Leaf i of the call's n leaves (tree_flatten((args, kwargs))):
+    # (position or keyword, leaf within that argument); a dict's keys
+    # flatten sorted.
+    args, kwargs = call
+    keys = [(p, j) for p, a in enumerate(args) for j in range(len(jax.tree_util.tree_leaves(a)))]
+    for k in sorted(kwargs):
+        keys += [(k, j) for j in range(len(jax.tree_util.tree_leaves(kwargs[k])))]
+    out: dict[int, FromArgument] = {}
+    if len(keys) != n:  # pragma: no cover - a pytree flattening as a whole only
+        return out
+    for i, v in zip(dyn, values):
+        if readable(keys[i][0]):
+            out[id(v)] = FromArgument(*keys[i], np.dtype(v.dtype), tuple(v.shape))
+    return out
 
 
 def _graph_nodes(tree: Any) -> list:

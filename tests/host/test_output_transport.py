@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import signal
 import time
 import uuid
@@ -738,7 +739,9 @@ def test_a_step_after_a_shutdown_that_left_steps_queued_is_delivered():
         delivered.append(int(payload[1]))
 
     drain = outputs.Drain(deliver, lambda e, name: None)
-    staged = pmaptap.jit(lambda s: pmaptap.tap(s, "s", step=s))._staged
+    # Computed values: an argument tapped as it came is read from the call,
+    # not from the step's outputs that this drain is handed.
+    staged = pmaptap.jit(lambda s: pmaptap.tap(s * 1, "s", step=s * 1))._staged
     lifted = [staged(jnp.int32(k))[1] for k in range(3)]
 
     def submit(k: int, max_bytes: int = 1 << 30) -> None:
@@ -1193,3 +1196,53 @@ def test_composes_with_flax_nnx_split_merge(tmp_path):
     _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
     nnx.update((model, opt), s)
     assert int(opt.step[...]) == 3
+
+
+# ------------------------------------------------------------ arguments as they came
+def _outputs_of(lowered) -> list[str]:
+    """The types of the lowered program's outputs (its main function's)."""
+    head = lowered.as_text().split("func.func public @main", 1)[1].split("{\n", 1)[0]
+    return re.findall(r"tensor<([^>]*)>", head.split(") -> (", 1)[1])
+
+
+def test_a_step_number_handed_in_is_read_from_the_call(tmp_path):
+    """A tap's ``step=s`` where ``s`` is an argument as it came: the program
+    does not return it (the host reads the call's own: a jax.Array or a
+    Python number, by position or keyword, through the ahead-of-time stages
+    too), and the records are the callback transport's; a donated argument,
+    gone after the call, stays an output."""
+
+    def step(w, s, lr):
+        pmaptap.tap(lr, "lr", step=s)
+        pmaptap.tap(jnp.sum(w), "total", step=s)
+        return w * (1 - lr)
+
+    w = jnp.arange(4.0)
+    for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+        with pmaptap.Session(str(tmp_path / name), run="args"):
+            f = wrap(step)
+            x = f(w, jnp.int32(1), 0.5)
+            x = f(x, 2, jnp.float32(0.25))
+            x = f(x, s=jnp.int32(3), lr=0.125)
+            x = f(x, lr=0.0625, s=4)
+            compiled = f.lower(x, jnp.int32(5), 1.0).compile()
+            x = compiled(x, jnp.int32(5), 1.0)
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert [(r["step"], r["value"]) for r in recs if r["name"] == "lr"] == [
+        (1, 0.5),
+        (2, 0.25),
+        (3, 0.125),
+        (4, 0.0625),
+        (5, 1.0),
+    ]
+    args = (w, jnp.int32(1), 0.5)
+    # The function's output and one bundle of bytes (lr and the sum, 8
+    # bytes each: 4, aligned); s is not returned ...
+    plain = _outputs_of(pmaptap.jit(step).lower(*args))
+    assert plain[1:] == ["16xui8"], plain
+    # ... unless donated (by position, or by name): then it travels too.
+    for donate in ({"donate_argnums": 1}, {"donate_argnames": "s"}):
+        held = _outputs_of(pmaptap.jit(step, **donate).lower(*args))
+        assert held[1:] == ["24xui8"], (donate, held)
+    kw = _outputs_of(pmaptap.jit(step, donate_argnames="s").lower(w, s=jnp.int32(1), lr=0.5))
+    assert kw[1:] == ["24xui8"], kw
