@@ -121,13 +121,10 @@ def _line_start(path: str | os.PathLike, offset: int) -> int:
         return 0
     with open(path, "rb") as f:
         f.seek(offset - 1)
-        while True:
-            block = f.read(1 << 16)
-            if not block:
-                return f.tell()
-            i = block.find(b"\n")
-            if i >= 0:
-                return f.tell() - len(block) + i + 1
+        # In blocks: a line may be longer than memory should hold.
+        while (block := f.readline(1 << 16)) and not block.endswith(b"\n"):
+            pass
+        return f.tell()
 
 
 # ------------------------------------------------------------ workers
@@ -149,17 +146,6 @@ def _context() -> Any:
         ctx.set_forkserver_preload([__name__])
         return ctx
     return multiprocessing.get_context("spawn")
-
-
-def _start() -> tuple:
-    """A worker process of ``_Pool`` with a pipe to this one: (process,
-    connection)."""
-    ctx = _context()
-    mine, theirs = ctx.Pipe()
-    p = ctx.Process(target=_serve, args=(theirs,), daemon=True)
-    p.start()
-    theirs.close()
-    return p, mine
 
 
 def _serve(conn: Any) -> None:
@@ -243,9 +229,9 @@ class _Pool:
 
     def map(self, tasks: list[tuple], here: "tuple | None" = None) -> Iterator:
         """``function(*args)`` of each task, yielded in the order of
-        ``tasks`` as they come; ``here``: a task run in this process (which
-        would otherwise wait) once the workers have theirs, yielded first."""
-        todo = iter(enumerate(tasks, start=here is not None))
+        ``tasks``; ``here``: a task run in this process (which would
+        otherwise wait) once the workers have theirs, yielded first."""
+        todo = iter(tasks)
         results: dict[int, Any] = {}
         want = 0
         for i, result in self._each(lambda conn: next(todo, None), len(tasks), here):
@@ -256,31 +242,25 @@ class _Pool:
 
     def feed(self, make: Callable[[Any], "tuple | None"], most: int) -> Iterator:
         """Results of tasks made as workers take them (``make(worker)``:
-        its next task, or None), each yielded as it comes. At most ``most``
-        workers are started."""
-        numbers = itertools.count()
-
-        def take(conn: Any) -> "tuple | None":
-            task = make(conn)
-            return None if task is None else (next(numbers), task)
-
-        for _, result in self._each(take, most):
-            yield result
+        its next task, or None), as they come; at most ``most`` workers."""
+        return (result for _, result in self._each(make, most))
 
     def _each(
         self, take: Callable[[Any], "tuple | None"], most: int, here: "tuple | None" = None
     ) -> Iterator:
-        """(i, result) of the tasks ``take(worker)`` gives ((i, task) or
-        None), as they come. Each worker has one task queued beside the one
-        it runs, so it never waits while this process takes a result in."""
+        """(i, result) of the tasks ``take(worker)`` gives (None: no more),
+        numbered as taken (``here`` 0), as they come. Each worker has one
+        task queued beside the one it runs, so it never waits while this
+        process takes a result in."""
+        numbers = itertools.count(here is not None)
         queued = self.queued
 
         def give(conn: Any) -> None:
-            got = take(conn)
-            if got is not None:
-                queued[conn].append(got[0])
+            task = take(conn)
+            if task is not None:
+                queued[conn].append(next(numbers))
                 try:
-                    conn.send(got[1])
+                    conn.send(task)
                 except ConnectionError:
                     pass  # the worker ended: taking its result in says how
 
@@ -288,7 +268,11 @@ class _Pool:
             give(conn)
             give(conn)
         while len(self.process) < min(self.size, most):
-            p, conn = _start()
+            ctx = _context()
+            conn, theirs = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(theirs,), daemon=True)
+            p.start()
+            theirs.close()
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
