@@ -24,7 +24,7 @@ import msgspec
 
 from pmaptap.tapfile import source
 from pmaptap.tapfile.analyze.summary import Result, Summarizer, first_attempts
-from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator, _what
+from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator
 from pmaptap.tapfile.read import Attempts, Filter, latest
 from pmaptap.tapfile.record import CLASSES
 from pmaptap.tapfile.source import collector_paused, iter_file_records
@@ -603,8 +603,7 @@ class ShardwiseValidation(_Shardwise):
         # While sources are read the checker meets per-device records only
         # (replicated ones are taken once every source is: ``finish``).
         v = self.v
-        first = v.firsts.first
-        self.device_dups += [(pos, first(parts), parts) for pos, parts in v.dups]
+        self.device_dups += v.dup_pairs()
         spans = self.spans
         for group, steps in v.firsts._keys.items():
             lo, hi, held = self._held(steps)
@@ -617,13 +616,6 @@ class ShardwiseValidation(_Shardwise):
 
     def _held(self, steps: dict) -> tuple:
         """(least, most, steps) of a source's steps of one device."""
-        # Steps met in order, one range: a job's (a C-level comparison).
-        n, lo, hi = len(steps), next(iter(steps)), next(reversed(steps))
-        if type(lo) is int and type(hi) is int and hi >= lo:
-            stride = (hi - lo) // (n - 1) if n > 1 else 1
-            one = range(lo, hi + 1, stride or 1)
-            if len(one) == n and list(steps) == list(one):
-                return lo, hi, one
         try:
             got = array("q", steps)
         except (TypeError, OverflowError):  # odd steps (1.0, "2"): never one range
@@ -672,14 +664,12 @@ class ShardwiseValidation(_Shardwise):
         per-device key has copies in two sources."""
         if self.overflow or self.clash:
             return None
-        v = self.v
-        first, at = v.firsts.first, self._at
-        dups = self.device_dups + [(pos, first(parts), parts) for pos, parts in v.dups]
-        dups = [(at(a), at(b), parts) for a, b, parts in dups]
+        v, at = self.v, self._at
+        dups = [(at(a), at(b), parts) for a, b, parts in self.device_dups + v.dup_pairs()]
         problems = [(at(pos), why) for pos, why in v.problems] + self.bad
         place = self.placed([p for p, _ in problems] + [p for d in dups for p in d[:2]])
         v.problems = [(place[pos], why) for pos, why in problems]
-        dups = [(place[a], place[b], _what(parts)) for a, b, parts in dups]
+        dups = [(place[a], place[b], parts) for a, b, parts in dups]
         return v.report(dups, self.lines())
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from functools import partial
 from itertools import compress
 from operator import attrgetter, eq, itemgetter
@@ -188,7 +188,7 @@ class _TapAcc:
         # (step, pass, attempt[, shard index]) of replicated records
         self.rep_keys: set[tuple] = set()
         # Per-device keys by (pass, attempt); each device's usual coordinates.
-        self.lanes: dict[tuple, _Lane] = {}
+        self.lanes: defaultdict[tuple, _Lane] = defaultdict(_Lane)
         self.dev_coords: dict = {}
         self.attempt_of_step: dict = {}  # per-device steps: the latest attempt
         self.dup_keys: set[tuple] = set()
@@ -357,9 +357,7 @@ class _TapAcc:
             at = self.attempt_of_step
             if lane_key[1] > at.get(step, 0):
                 at[step] = lane_key[1]
-        lane = self.lanes.get(lane_key)
-        if lane is None:
-            lane = self.lanes[lane_key] = _Lane()
+        lane = self.lanes[lane_key]
         d = self._bit(dev, coords)
         if d is None:
             key = (step, dev, _coords_key(coords))
@@ -468,17 +466,11 @@ class _TapAcc:
     def _per_step(self) -> Counter:
         """step -> how many distinct (device, coordinates) wrote it."""
         lanes = list(self.lanes.values())
-        out: Counter = Counter()
-        if len(lanes) == 1:
-            for s, bits in lanes[0].bits.items():
-                out[s] = _popcount(bits)
-        else:
-            union: dict = {}
-            for lane in lanes:
-                for s, bits in lane.bits.items():
-                    union[s] = _or(union[s], bits) if s in union else bits
-            for s, bits in union.items():
-                out[s] = _popcount(bits)
+        union: dict = {}
+        for lane in lanes:
+            for s, bits in lane.bits.items():
+                union[s] = _or(union[s], bits) if s in union else bits
+        out = Counter({s: _popcount(bits) for s, bits in union.items()})
         others = {key for lane in lanes for key in lane.keys}
         out.update(s for s, _, _ in others)
         return out
@@ -656,9 +648,7 @@ class Summarizer:
         """``add`` of one tap's records, in order: the usual record (a
         number, first attempt, forward pass, whole, not divergent: most
         lines of a run) in a loop of local names; any other through ``add``."""
-        lane = acc.lanes.get(_USUAL_LANE)
-        if lane is None:
-            lane = acc.lanes[_USUAL_LANE] = _Lane()
+        lane = acc.lanes[_USUAL_LANE]
         bits_of, dev_coords = lane.bits, acc.dev_coords
         processes, devices, vals = acc.processes, acc.devices, acc.vals
         steps, dup_keys = acc.steps, acc.dup_keys
