@@ -1,12 +1,7 @@
-"""What the readers make of ``pmaptap.fingerprint``'s records: which
-copies differed, and whom to suspect.
-
-A disagreeing leaf (and slice) at a step has one record per distinct
-fingerprint, each listing its holders. The fingerprint most copies hold is
-the majority; every other copy is a *suspect*. Where no fingerprint has
-more holders than all others (a 2-2 split), all are named as disagreeing.
-``FingerprintAcc`` keeps only what the divergent records say (the
-summary's line: ``text()``); ``suspects(records)`` is the same for code.
+"""Which copies of ``pmaptap.fingerprint``'s records differed, and whom to
+suspect (docs/api.md, "Fingerprint records"): ``FingerprintAcc`` keeps what
+the divergent records say (the summary's line: ``text()``);
+``suspects(records)`` is the same for code.
 """
 
 from __future__ import annotations

@@ -81,8 +81,7 @@ class Plan(NamedTuple):
 
 
 def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
-    """The pieces ``path`` is read in by ``jobs`` processes; None: one
-    process reads it."""
+    """The pieces ``jobs`` processes read ``path`` in; None: one reads it."""
     run = source.Run.of(path)
     if jobs < 2 or run.url:
         return None
@@ -115,8 +114,7 @@ def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
 
 
 def _line_start(path: str | os.PathLike, offset: int) -> int:
-    """The start of the first line at or after ``offset`` (0, or just after
-    a newline)."""
+    """The start of the first line at or after ``offset``."""
     if offset <= 0:
         return 0
     with open(path, "rb") as f:
@@ -149,8 +147,7 @@ def _context() -> Any:
 
 
 def _serve(conn: Any) -> None:
-    """A worker: ``target(*args)`` of each task ``(target, *args)`` sent
-    back, until ``None``."""
+    """A worker: ``target(*args)`` of each task ``(target, *args)`` sent back, until None."""
     while True:
         try:
             task = conn.recv()

@@ -148,13 +148,11 @@ class _Shardwise:
         raise NotImplementedError
 
     def _take(self, records: list, at: Any) -> None:
-        """Records (None for what is taken elsewhere) at their positions
-        (``_positions``)."""
+        """Records (None: taken elsewhere) at their positions (``_positions``)."""
         raise NotImplementedError
 
     def _positions(self, keys: list, index: int, first: int) -> Any:
-        """The positions of a source's lines from ``first``, their merge
-        ``keys`` given: (key, source, line)."""
+        """(key, source, line) of a source's lines from ``first``, given their ``keys``."""
         return list(zip(keys, repeat(index, len(keys)), range(first, first + len(keys))))
 
     def add_source(self, index: int, path: str) -> None:
@@ -186,12 +184,10 @@ class _Shardwise:
         self._source_read(index)
 
     def _source_read(self, index: int) -> None:
-        """The ``index``-th source read whole (what is kept of it only
-        while it is read is given up here)."""
+        """The ``index``-th source read whole: what is kept only meanwhile goes."""
 
     def settle(self) -> None:
-        """What only the whole run decides, once ``combine``d (while the
-        pass's temporary files are there)."""
+        """What only the whole run decides (``combine``, its files still there)."""
 
     def _copies(self, at: list, records: list) -> None:
         """Replicated records at their positions.
@@ -323,8 +319,7 @@ class _Shardwise:
         )
 
     def load_keys(self) -> None:
-        """The keys ``store_keys`` put in files, back, where a line is to
-        be placed (``combine``, while the files are there)."""
+        """The keys ``store_keys`` filed, back where a line is to be placed."""
         if self.placeable and self._to_place():
             for k in self.keys.values():
                 k.load()
@@ -334,8 +329,7 @@ class _Shardwise:
         return bool(self.bad)
 
     def absorb(self, other: _Shardwise) -> None:
-        """Another's state (the accumulator: the subclass's), of other
-        sources, or of copies resolved (``resolve``)."""
+        """Another's state (of other sources, or copies ``resolve``d)."""
         self.bad += other.bad
         self.keys.update(other.keys)
         self.names.update(other.names)
@@ -543,8 +537,7 @@ class ShardwiseSummary(_Shardwise):
         self.acc.absorb(other.acc, ordered=False)
 
     def result(self) -> "Result | None":
-        """The summary (summary.summarize_file's result), ``combine``d; None
-        if it would not be exact (see the module's docstring)."""
+        """summary.summarize_file's result, ``combine``d; None if not exact."""
         if self.overflow or not _plain_ids(self.acc):
             return None
         place = self.placed([pos for pos, _ in self.bad])
@@ -645,8 +638,7 @@ class ShardwiseValidation(_Shardwise):
             self.spans.setdefault(group, []).extend(theirs)
 
     def settle(self) -> None:
-        """Whether a per-device key has copies in two sources (``clash``),
-        comparing only sources whose ranges of steps overlap."""
+        """``clash``: a per-device key in two sources whose step ranges overlap."""
         self.clash = any(
             _clash(near)
             for spans in self.spans.values()
@@ -660,8 +652,7 @@ class ShardwiseValidation(_Shardwise):
         return bool(self.bad or self.device_dups or v.dups or v.problems)
 
     def report(self) -> "Report | None":
-        """The report (validate.validate_file's), ``combine``d; None where a
-        per-device key has copies in two sources."""
+        """validate.validate_file's report, ``combine``d; None on a ``clash``."""
         if self.overflow or self.clash:
             return None
         v, at = self.v, self._at
@@ -689,8 +680,7 @@ def _overlapping(spans: list) -> Iterator[list]:
 
 
 def _clash(spans: list) -> bool:
-    """Whether two of ``spans`` (``ShardwiseValidation.spans``) hold a step
-    alike."""
+    """Whether two of ``spans`` (``ShardwiseValidation.spans``) share a step."""
     seen: set = set()
     for _, _, _, held in spans:
         if type(held) is tuple:
@@ -751,8 +741,7 @@ def read(
 
 
 def _serial(empty: _Shardwise, path: str) -> _Shardwise:
-    """``empty``'s state of every source of the local sharded run ``path``,
-    in this process."""
+    """``empty``'s state of every source of the sharded run ``path``, here."""
     files = source.sources(path)
     size = sum(os.path.getsize(f) for f in files)
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
@@ -768,9 +757,8 @@ Reader = Callable[[_Shardwise], _Shardwise]
 def summarize(
     path: str | os.PathLike, flt: Filter, reader: "Reader | None" = None
 ) -> "Result | None":
-    """The summary of the records of the local sharded run ``path`` that
-    ``flt`` matches (summary.summarize_file), or None where it would not be
-    exact (the caller reads the merged stream)."""
+    """summary.summarize_file of the local sharded run ``path``, or None where
+    it would not be exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
     read = reader or functools.partial(_serial, path=path)
     attempts = first_attempts(path, flt)

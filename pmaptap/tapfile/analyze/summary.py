@@ -291,11 +291,7 @@ class _TapAcc:
             self._fingerprint(r, step)
             return
         v = r.value
-        x: Any
-        if type(v) is float or type(v) is int:
-            x = v
-        else:
-            x = _scalar(v)
+        x: Any = v if type(v) is float or type(v) is int else _scalar(v)
         if x is None:
             self.nonscalar += 1
             self._array(step, r, v)
@@ -905,10 +901,8 @@ Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result:
-    """``pmaptap summary``: the summaries of the records of ``path`` (one
-    file or a sharded run's merged stream) that ``flt`` matches, streaming;
-    also the (line, problem) list of lines that are not records and every
-    name and run read. The definition parallel.py and shardwise.py match."""
+    """``pmaptap summary`` (docs/cli.md): the summaries, lines that are no
+    record, names and runs read. The definition parallel.py and shardwise.py match."""
     path = Run.of(path)
     flt = flt or Filter()
     if not flt.active and not flt.all_attempts:

@@ -393,10 +393,8 @@ def line_text(pos: Any) -> str:
 
 
 def validate_file(path: str | os.PathLike) -> Report:
-    """Every problem of a run, in one streaming pass holding per-key state.
-    The pass assumes the run was never resumed; if it was, the run is read
-    again after attempts.scan. The definition parallel.py and shardwise.py
-    match."""
+    """``pmaptap validate`` (docs/cli.md): the definition parallel.py and
+    shardwise.py match; read again after attempts.scan where resumed."""
     path = Run.of(path)
     return latest(path, lambda attempts: _validate(path, attempts))
 
