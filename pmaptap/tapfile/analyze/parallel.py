@@ -371,27 +371,14 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     """summary.summarize_file in ``jobs`` processes."""
     flt = flt or Filter()
     path = source.Run.of(path)
-
-    def in_pieces(parts: list, attempts: Any) -> Result | None:
-        got = _in_pieces(_summary_piece, path, parts, flt, attempts)
-        if got is None:
-            return None
-        merged = Summarizer(flt, attempts)
-        bad: list = []
-        offset = 0
-        for acc, piece_bad, lines in got:
-            acc.shift(offset)
-            merged.absorb(acc, ordered=True)
-            bad += [(pos + offset, why) for pos, why in piece_bad]
-            offset += lines
-        return merged.result(bad)
-
     return _read(
         path,
         jobs,
         lambda reader: shardwise.summarize(path, flt, reader),
         lambda parts: latest(
-            path, lambda a: in_pieces(parts, a), attempts=summary.first_attempts(path, flt)
+            path,
+            lambda a: _in_pieces(_summary_piece, Summarizer.result, path, parts, flt, a),
+            attempts=summary.first_attempts(path, flt),
         ),
         lambda: summary.summarize_file(path, flt),
     )
@@ -400,38 +387,36 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """validate.validate_file in ``jobs`` processes."""
     path = source.Run.of(path)
-
-    def in_pieces(parts: list, attempts: Any) -> Report | None:
-        got = _in_pieces(_validate_piece, path, parts, attempts)
-        if got is None:
-            return None
-        merged = got[0]
-        for v in got[1:]:
-            merged.absorb(v, merged.lines)
-        return merged.report()
-
     return _read(
         path,
         jobs,
         lambda reader: shardwise.validate(path, reader),
-        lambda parts: latest(path, lambda a: in_pieces(parts, a)),
+        lambda parts: latest(
+            path, lambda a: _in_pieces(_validate_piece, Validator.report, path, parts, a)
+        ),
         lambda: validate.validate_file(path),
     )
 
 
-def _in_pieces(piece: Callable, path: str, parts: list, *args: Any) -> list | None:
-    """``piece(path, part, *args)`` of each byte range ``part`` of the file
-    ``path``: the first in this process, each other one in a worker; None
-    where one met a later attempt (``args``' attempts None: assumed none)."""
+def _in_pieces(piece: Callable, result: Callable, path: str, parts: list, *args: Any) -> Any:
+    """``result`` of the states ``piece(path, part, *args)`` of each byte range
+    ``part`` of the file ``path`` (the first in this process, each other one in
+    a worker) merged in order; None where one met a later attempt (``args``'
+    attempts None: assumed none)."""
     first, *rest = [(piece, path, part, *args) for part in parts]
     with _Pool(len(rest)) as pool:
         got = list(pool.map(rest, here=first))
-    return None if any(g is None for g in got) else got
+    if any(g is None for g in got):
+        return None
+    merged = got[0]
+    for state in got[1:]:
+        merged.absorb(state, merged.lines)
+    return result(merged)
 
 
-def _summary_piece(path: str, part: tuple, flt: Filter, attempts: Any) -> tuple | None:
-    acc, bad, lines = summary.summarize_batches(iter_file_records(path, *part), flt, attempts)
-    return None if attempts is None and acc.resumed else (acc, bad, lines)
+def _summary_piece(path: str, part: tuple, flt: Filter, attempts: Any) -> Summarizer | None:
+    acc = summary.summarize_batches(iter_file_records(path, *part), flt, attempts)
+    return None if attempts is None and acc.resumed else acc
 
 
 def _validate_piece(path: str, part: tuple, attempts: Any) -> Validator | None:

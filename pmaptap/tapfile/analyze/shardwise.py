@@ -534,7 +534,7 @@ class ShardwiseSummary(_Shardwise):
 
     def absorb(self, other: _Shardwise) -> None:
         super().absorb(other)
-        self.acc.absorb(other.acc, ordered=False)
+        self.acc.absorb(other.acc, None)
 
     def result(self) -> "Result | None":
         """summary.summarize_file's result, ``combine``d; None if not exact."""
