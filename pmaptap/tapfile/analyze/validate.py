@@ -16,7 +16,7 @@ from itertools import compress
 from typing import Any, Iterable, Sequence
 
 from pmaptap.errors import NeedSerial
-from pmaptap.tapfile.read import attempt_of, latest
+from pmaptap.tapfile.read import DivergenceIndex, attempt_of, latest
 from pmaptap.tapfile.record import (
     FINGERPRINT,
     UNSET,
@@ -233,8 +233,6 @@ class Validator:
     first record of a later attempt (the caller starts again)."""
 
     def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
-        from pmaptap.tapfile.read import DivergenceIndex
-
         self.path = os.fspath(path)
         self.attempts = attempts
         self.lines = self.records = self.superseded = 0
