@@ -1,17 +1,13 @@
-"""What the readers make of ``pmaptap.fingerprint``'s records: which
-copies differed, and whom to suspect.
-
-A disagreeing leaf (and slice) at a step has one record per distinct
-fingerprint, each listing its holders. The fingerprint most copies hold is
-the majority; every other copy is a *suspect*. Where no fingerprint has
-more holders than all others (a 2-2 split), all are named as disagreeing.
-``FingerprintAcc`` keeps only what the divergent records say (the
-summary's line: ``text()``); ``suspects(records)`` is the same for code.
+"""Which copies of ``pmaptap.fingerprint``'s records differed, and whom to
+suspect (docs/api.md, "Fingerprint records"): ``FingerprintAcc`` keeps what
+the divergent records say (the summary's line: ``text()``);
+``suspects(records)`` is the same for code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from operator import itemgetter
 from typing import Any, Iterable, Iterator
 
 from pmaptap.tapfile.analyze.validate import steps_text
@@ -76,8 +72,9 @@ class FingerprintAcc:
         """Every suspect copy, the earliest first (then by device). The
         same whatever order the records came in (pieces of a run summed up
         in several processes: summary --jobs)."""
-        found: dict[tuple, dict] = {}
-        for (step, leaf, where), values in sorted(self._groups.items(), key=_order):
+        found: dict[tuple, Suspect] = {}  # each copy's first, ``steps`` counted below
+        steps: dict[tuple, set] = {}
+        for (step, leaf, where), values in sorted(self._groups.items(), key=itemgetter(0)):
             values = sorted(values, key=_camp_order)
             top = max(n for n, _ in values)
             majority = sum(1 for n, _ in values if n == top) == 1
@@ -90,22 +87,12 @@ class FingerprintAcc:
                         tuple(sorted(coords.items(), key=str)) if isinstance(coords, dict) else ()
                     )
                     who = (h.get("device"), h.get("process"), coords)
-                    got = found.get(who)
-                    if got is None:
-                        found[who] = dict(
-                            device=who[0],
-                            process=who[1],
-                            host=h.get("host"),
-                            coords=coords,
-                            first_step=step,
-                            leaf=leaf,
-                            where=where,
-                            steps={step},
-                            majority=majority,
+                    if who not in found:
+                        found[who] = Suspect(
+                            *who[:2], h.get("host"), coords, step, leaf, where, 0, majority
                         )
-                    else:
-                        got["steps"].add(step)
-        return [Suspect(**dict(f, steps=len(f["steps"]))) for f in found.values()]
+                    steps.setdefault(who, set()).add(step)
+        return [dataclasses.replace(s, steps=len(steps[who])) for who, s in found.items()]
 
     def text(self) -> str:
         """The summary's line: where the copies first differed and who."""
@@ -140,11 +127,6 @@ def _camp_order(camp: tuple) -> tuple:
     their holders' ids as text (ids of any JSON type compare so)."""
     n, holders = camp
     return (-n, [repr((h.get("device"), h.get("process"))) for h in holders])
-
-
-def _order(item: tuple) -> tuple:
-    (step, leaf, where), _ = item
-    return (step, leaf, where)
 
 
 def _holders(r: dict) -> list[dict]:

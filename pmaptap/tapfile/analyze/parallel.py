@@ -81,8 +81,7 @@ class Plan(NamedTuple):
 
 
 def plan(path: str | os.PathLike, jobs: int) -> Plan | None:
-    """The pieces ``path`` is read in by ``jobs`` processes; None: one
-    process reads it."""
+    """The pieces ``jobs`` processes read ``path`` in; None: one reads it."""
     run = source.Run.of(path)
     if jobs < 2 or run.url:
         return None
@@ -115,19 +114,15 @@ def _groups(sizes: list[int], jobs: int) -> list[list[int]]:
 
 
 def _line_start(path: str | os.PathLike, offset: int) -> int:
-    """The start of the first line at or after ``offset`` (0, or just after
-    a newline)."""
+    """The start of the first line at or after ``offset``."""
     if offset <= 0:
         return 0
     with open(path, "rb") as f:
         f.seek(offset - 1)
-        while True:
-            block = f.read(1 << 16)
-            if not block:
-                return f.tell()
-            i = block.find(b"\n")
-            if i >= 0:
-                return f.tell() - len(block) + i + 1
+        # In blocks: a line may be longer than memory should hold.
+        while (block := f.readline(1 << 16)) and not block.endswith(b"\n"):
+            pass
+        return f.tell()
 
 
 # ------------------------------------------------------------ workers
@@ -151,20 +146,8 @@ def _context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
-def _start() -> tuple:
-    """A worker process of ``_Pool`` with a pipe to this one: (process,
-    connection)."""
-    ctx = _context()
-    mine, theirs = ctx.Pipe()
-    p = ctx.Process(target=_serve, args=(theirs,), daemon=True)
-    p.start()
-    theirs.close()
-    return p, mine
-
-
 def _serve(conn: Any) -> None:
-    """A worker: ``target(*args)`` of each task ``(target, *args)`` sent
-    back, until ``None``."""
+    """A worker: ``target(*args)`` of each task ``(target, *args)`` sent back, until None."""
     while True:
         try:
             task = conn.recv()
@@ -243,9 +226,9 @@ class _Pool:
 
     def map(self, tasks: list[tuple], here: "tuple | None" = None) -> Iterator:
         """``function(*args)`` of each task, yielded in the order of
-        ``tasks`` as they come; ``here``: a task run in this process (which
-        would otherwise wait) once the workers have theirs, yielded first."""
-        todo = iter(enumerate(tasks, start=here is not None))
+        ``tasks``; ``here``: a task run in this process (which would
+        otherwise wait) once the workers have theirs, yielded first."""
+        todo = iter(tasks)
         results: dict[int, Any] = {}
         want = 0
         for i, result in self._each(lambda conn: next(todo, None), len(tasks), here):
@@ -256,31 +239,25 @@ class _Pool:
 
     def feed(self, make: Callable[[Any], "tuple | None"], most: int) -> Iterator:
         """Results of tasks made as workers take them (``make(worker)``:
-        its next task, or None), each yielded as it comes. At most ``most``
-        workers are started."""
-        numbers = itertools.count()
-
-        def take(conn: Any) -> "tuple | None":
-            task = make(conn)
-            return None if task is None else (next(numbers), task)
-
-        for _, result in self._each(take, most):
-            yield result
+        its next task, or None), as they come; at most ``most`` workers."""
+        return (result for _, result in self._each(make, most))
 
     def _each(
         self, take: Callable[[Any], "tuple | None"], most: int, here: "tuple | None" = None
     ) -> Iterator:
-        """(i, result) of the tasks ``take(worker)`` gives ((i, task) or
-        None), as they come. Each worker has one task queued beside the one
-        it runs, so it never waits while this process takes a result in."""
+        """(i, result) of the tasks ``take(worker)`` gives (None: no more),
+        numbered as taken (``here`` 0), as they come. Each worker has one
+        task queued beside the one it runs, so it never waits while this
+        process takes a result in."""
+        numbers = itertools.count(here is not None)
         queued = self.queued
 
         def give(conn: Any) -> None:
-            got = take(conn)
-            if got is not None:
-                queued[conn].append(got[0])
+            task = take(conn)
+            if task is not None:
+                queued[conn].append(next(numbers))
                 try:
-                    conn.send(got[1])
+                    conn.send(task)
                 except ConnectionError:
                     pass  # the worker ended: taking its result in says how
 
@@ -288,7 +265,11 @@ class _Pool:
             give(conn)
             give(conn)
         while len(self.process) < min(self.size, most):
-            p, conn = _start()
+            ctx = _context()
+            conn, theirs = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(theirs,), daemon=True)
+            p.start()
+            theirs.close()
             self.process[conn], queued[conn] = p, []
             give(conn)
             give(conn)
@@ -390,27 +371,14 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
     """summary.summarize_file in ``jobs`` processes."""
     flt = flt or Filter()
     path = source.Run.of(path)
-
-    def in_pieces(parts: list, attempts: Any) -> Result | None:
-        got = _in_pieces(_summary_piece, path, parts, flt, attempts)
-        if got is None:
-            return None
-        merged = Summarizer(flt, attempts)
-        bad: list = []
-        offset = 0
-        for acc, piece_bad, lines in got:
-            acc.shift(offset)
-            merged.absorb(acc, ordered=True)
-            bad += [(pos + offset, why) for pos, why in piece_bad]
-            offset += lines
-        return merged.result(bad)
-
     return _read(
         path,
         jobs,
         lambda reader: shardwise.summarize(path, flt, reader),
         lambda parts: latest(
-            path, lambda a: in_pieces(parts, a), attempts=summary.first_attempts(path, flt)
+            path,
+            lambda a: _in_pieces(_summary_piece, Summarizer.result, path, parts, flt, a),
+            attempts=summary.first_attempts(path, flt),
         ),
         lambda: summary.summarize_file(path, flt),
     )
@@ -419,38 +387,36 @@ def summarize_file(path: str | os.PathLike, flt: Filter | None, jobs: int) -> Re
 def validate_file(path: str | os.PathLike, jobs: int) -> Report:
     """validate.validate_file in ``jobs`` processes."""
     path = source.Run.of(path)
-
-    def in_pieces(parts: list, attempts: Any) -> Report | None:
-        got = _in_pieces(_validate_piece, path, parts, attempts)
-        if got is None:
-            return None
-        merged = got[0]
-        for v in got[1:]:
-            merged.absorb(v, merged.lines)
-        return merged.report()
-
     return _read(
         path,
         jobs,
         lambda reader: shardwise.validate(path, reader),
-        lambda parts: latest(path, lambda a: in_pieces(parts, a)),
+        lambda parts: latest(
+            path, lambda a: _in_pieces(_validate_piece, Validator.report, path, parts, a)
+        ),
         lambda: validate.validate_file(path),
     )
 
 
-def _in_pieces(piece: Callable, path: str, parts: list, *args: Any) -> list | None:
-    """``piece(path, part, *args)`` of each byte range ``part`` of the file
-    ``path``: the first in this process, each other one in a worker; None
-    where one met a later attempt (``args``' attempts None: assumed none)."""
+def _in_pieces(piece: Callable, result: Callable, path: str, parts: list, *args: Any) -> Any:
+    """``result`` of the states ``piece(path, part, *args)`` of each byte range
+    ``part`` of the file ``path`` (the first in this process, each other one in
+    a worker) merged in order; None where one met a later attempt (``args``'
+    attempts None: assumed none)."""
     first, *rest = [(piece, path, part, *args) for part in parts]
     with _Pool(len(rest)) as pool:
         got = list(pool.map(rest, here=first))
-    return None if any(g is None for g in got) else got
+    if any(g is None for g in got):
+        return None
+    merged = got[0]
+    for state in got[1:]:
+        merged.absorb(state, merged.lines)
+    return result(merged)
 
 
-def _summary_piece(path: str, part: tuple, flt: Filter, attempts: Any) -> tuple | None:
-    acc, bad, lines = summary.summarize_batches(iter_file_records(path, *part), flt, attempts)
-    return None if attempts is None and acc.resumed else (acc, bad, lines)
+def _summary_piece(path: str, part: tuple, flt: Filter, attempts: Any) -> Summarizer | None:
+    acc = summary.summarize_batches(iter_file_records(path, *part), flt, attempts)
+    return None if attempts is None and acc.resumed else acc
 
 
 def _validate_piece(path: str, part: tuple, attempts: Any) -> Validator | None:

@@ -24,7 +24,7 @@ import msgspec
 
 from pmaptap.tapfile import source
 from pmaptap.tapfile.analyze.summary import Result, Summarizer, first_attempts
-from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator, _what
+from pmaptap.tapfile.analyze.validate import FirstCopies, Report, Validator
 from pmaptap.tapfile.read import Attempts, Filter, latest
 from pmaptap.tapfile.record import CLASSES
 from pmaptap.tapfile.source import collector_paused, iter_file_records
@@ -148,13 +148,11 @@ class _Shardwise:
         raise NotImplementedError
 
     def _take(self, records: list, at: Any) -> None:
-        """Records (None for what is taken elsewhere) at their positions
-        (``_positions``)."""
+        """Records (None: taken elsewhere) at their positions (``_positions``)."""
         raise NotImplementedError
 
     def _positions(self, keys: list, index: int, first: int) -> Any:
-        """The positions of a source's lines from ``first``, their merge
-        ``keys`` given: (key, source, line)."""
+        """(key, source, line) of a source's lines from ``first``, given their ``keys``."""
         return list(zip(keys, repeat(index, len(keys)), range(first, first + len(keys))))
 
     def add_source(self, index: int, path: str) -> None:
@@ -186,12 +184,10 @@ class _Shardwise:
         self._source_read(index)
 
     def _source_read(self, index: int) -> None:
-        """The ``index``-th source read whole (what is kept of it only
-        while it is read is given up here)."""
+        """The ``index``-th source read whole: what is kept only meanwhile goes."""
 
     def settle(self) -> None:
-        """What only the whole run decides, once ``combine``d (while the
-        pass's temporary files are there)."""
+        """What only the whole run decides (``combine``, its files still there)."""
 
     def _copies(self, at: list, records: list) -> None:
         """Replicated records at their positions.
@@ -323,8 +319,7 @@ class _Shardwise:
         )
 
     def load_keys(self) -> None:
-        """The keys ``store_keys`` put in files, back, where a line is to
-        be placed (``combine``, while the files are there)."""
+        """The keys ``store_keys`` filed, back where a line is to be placed."""
         if self.placeable and self._to_place():
             for k in self.keys.values():
                 k.load()
@@ -334,8 +329,7 @@ class _Shardwise:
         return bool(self.bad)
 
     def absorb(self, other: _Shardwise) -> None:
-        """Another's state (the accumulator: the subclass's), of other
-        sources, or of copies resolved (``resolve``)."""
+        """Another's state (of other sources, or copies ``resolve``d)."""
         self.bad += other.bad
         self.keys.update(other.keys)
         self.names.update(other.names)
@@ -540,11 +534,10 @@ class ShardwiseSummary(_Shardwise):
 
     def absorb(self, other: _Shardwise) -> None:
         super().absorb(other)
-        self.acc.absorb(other.acc, ordered=False)
+        self.acc.absorb(other.acc, None)
 
     def result(self) -> "Result | None":
-        """The summary (summary.summarize_file's result), ``combine``d; None
-        if it would not be exact (see the module's docstring)."""
+        """summary.summarize_file's result, ``combine``d; None if not exact."""
         if self.overflow or not _plain_ids(self.acc):
             return None
         place = self.placed([pos for pos, _ in self.bad])
@@ -603,8 +596,7 @@ class ShardwiseValidation(_Shardwise):
         # While sources are read the checker meets per-device records only
         # (replicated ones are taken once every source is: ``finish``).
         v = self.v
-        first = v.firsts.first
-        self.device_dups += [(pos, first(parts), parts) for pos, parts in v.dups]
+        self.device_dups += v.dup_pairs()
         spans = self.spans
         for group, steps in v.firsts._keys.items():
             lo, hi, held = self._held(steps)
@@ -617,13 +609,6 @@ class ShardwiseValidation(_Shardwise):
 
     def _held(self, steps: dict) -> tuple:
         """(least, most, steps) of a source's steps of one device."""
-        # Steps met in order, one range: a job's (a C-level comparison).
-        n, lo, hi = len(steps), next(iter(steps)), next(reversed(steps))
-        if type(lo) is int and type(hi) is int and hi >= lo:
-            stride = (hi - lo) // (n - 1) if n > 1 else 1
-            one = range(lo, hi + 1, stride or 1)
-            if len(one) == n and list(steps) == list(one):
-                return lo, hi, one
         try:
             got = array("q", steps)
         except (TypeError, OverflowError):  # odd steps (1.0, "2"): never one range
@@ -653,8 +638,7 @@ class ShardwiseValidation(_Shardwise):
             self.spans.setdefault(group, []).extend(theirs)
 
     def settle(self) -> None:
-        """Whether a per-device key has copies in two sources (``clash``),
-        comparing only sources whose ranges of steps overlap."""
+        """``clash``: a per-device key in two sources whose step ranges overlap."""
         self.clash = any(
             _clash(near)
             for spans in self.spans.values()
@@ -668,18 +652,15 @@ class ShardwiseValidation(_Shardwise):
         return bool(self.bad or self.device_dups or v.dups or v.problems)
 
     def report(self) -> "Report | None":
-        """The report (validate.validate_file's), ``combine``d; None where a
-        per-device key has copies in two sources."""
+        """validate.validate_file's report, ``combine``d; None on a ``clash``."""
         if self.overflow or self.clash:
             return None
-        v = self.v
-        first, at = v.firsts.first, self._at
-        dups = self.device_dups + [(pos, first(parts), parts) for pos, parts in v.dups]
-        dups = [(at(a), at(b), parts) for a, b, parts in dups]
+        v, at = self.v, self._at
+        dups = [(at(a), at(b), parts) for a, b, parts in self.device_dups + v.dup_pairs()]
         problems = [(at(pos), why) for pos, why in v.problems] + self.bad
         place = self.placed([p for p, _ in problems] + [p for d in dups for p in d[:2]])
         v.problems = [(place[pos], why) for pos, why in problems]
-        dups = [(place[a], place[b], _what(parts)) for a, b, parts in dups]
+        dups = [(place[a], place[b], parts) for a, b, parts in dups]
         return v.report(dups, self.lines())
 
 
@@ -699,8 +680,7 @@ def _overlapping(spans: list) -> Iterator[list]:
 
 
 def _clash(spans: list) -> bool:
-    """Whether two of ``spans`` (``ShardwiseValidation.spans``) hold a step
-    alike."""
+    """Whether two of ``spans`` (``ShardwiseValidation.spans``) share a step."""
     seen: set = set()
     for _, _, _, held in spans:
         if type(held) is tuple:
@@ -761,8 +741,7 @@ def read(
 
 
 def _serial(empty: _Shardwise, path: str) -> _Shardwise:
-    """``empty``'s state of every source of the local sharded run ``path``,
-    in this process."""
+    """``empty``'s state of every source of the sharded run ``path``, here."""
     files = source.sources(path)
     size = sum(os.path.getsize(f) for f in files)
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp:
@@ -778,9 +757,8 @@ Reader = Callable[[_Shardwise], _Shardwise]
 def summarize(
     path: str | os.PathLike, flt: Filter, reader: "Reader | None" = None
 ) -> "Result | None":
-    """The summary of the records of the local sharded run ``path`` that
-    ``flt`` matches (summary.summarize_file), or None where it would not be
-    exact (the caller reads the merged stream)."""
+    """summary.summarize_file of the local sharded run ``path``, or None where
+    it would not be exact (the caller reads the merged stream)."""
     path = source.Run.of(path)
     read = reader or functools.partial(_serial, path=path)
     attempts = first_attempts(path, flt)

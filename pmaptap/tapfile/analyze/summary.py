@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from functools import partial
 from itertools import compress
 from operator import attrgetter, eq, itemgetter
@@ -188,7 +188,7 @@ class _TapAcc:
         # (step, pass, attempt[, shard index]) of replicated records
         self.rep_keys: set[tuple] = set()
         # Per-device keys by (pass, attempt); each device's usual coordinates.
-        self.lanes: dict[tuple, _Lane] = {}
+        self.lanes: defaultdict[tuple, _Lane] = defaultdict(_Lane)
         self.dev_coords: dict = {}
         self.attempt_of_step: dict = {}  # per-device steps: the latest attempt
         self.dup_keys: set[tuple] = set()
@@ -291,11 +291,7 @@ class _TapAcc:
             self._fingerprint(r, step)
             return
         v = r.value
-        x: Any
-        if type(v) is float or type(v) is int:
-            x = v
-        else:
-            x = _scalar(v)
+        x: Any = v if type(v) is float or type(v) is int else _scalar(v)
         if x is None:
             self.nonscalar += 1
             self._array(step, r, v)
@@ -357,9 +353,7 @@ class _TapAcc:
             at = self.attempt_of_step
             if lane_key[1] > at.get(step, 0):
                 at[step] = lane_key[1]
-        lane = self.lanes.get(lane_key)
-        if lane is None:
-            lane = self.lanes[lane_key] = _Lane()
+        lane = self.lanes[lane_key]
         d = self._bit(dev, coords)
         if d is None:
             key = (step, dev, _coords_key(coords))
@@ -468,17 +462,11 @@ class _TapAcc:
     def _per_step(self) -> Counter:
         """step -> how many distinct (device, coordinates) wrote it."""
         lanes = list(self.lanes.values())
-        out: Counter = Counter()
-        if len(lanes) == 1:
-            for s, bits in lanes[0].bits.items():
-                out[s] = _popcount(bits)
-        else:
-            union: dict = {}
-            for lane in lanes:
-                for s, bits in lane.bits.items():
-                    union[s] = _or(union[s], bits) if s in union else bits
-            for s, bits in union.items():
-                out[s] = _popcount(bits)
+        union: dict = {}
+        for lane in lanes:
+            for s, bits in lane.bits.items():
+                union[s] = _or(union[s], bits) if s in union else bits
+        out = Counter({s: _popcount(bits) for s, bits in union.items()})
         others = {key for lane in lanes for key in lane.keys}
         out.update(s for s, _, _ in others)
         return out
@@ -595,6 +583,8 @@ class Summarizer:
         self.attempts = Attempts() if attempts is None else attempts
         self.names: set = set()
         self.runs: set = set()
+        self.bad: list = []  # (position, why) of lines that are no record
+        self.lines = 0  # the lines read (summarize_batches)
 
     def see(self, r: Any) -> None:
         self._index.add(r)
@@ -656,9 +646,7 @@ class Summarizer:
         """``add`` of one tap's records, in order: the usual record (a
         number, first attempt, forward pass, whole, not divergent: most
         lines of a run) in a loop of local names; any other through ``add``."""
-        lane = acc.lanes.get(_USUAL_LANE)
-        if lane is None:
-            lane = acc.lanes[_USUAL_LANE] = _Lane()
+        lane = acc.lanes[_USUAL_LANE]
         bits_of, dev_coords = lane.bits, acc.dev_coords
         processes, devices, vals = acc.processes, acc.devices, acc.vals
         steps, dup_keys = acc.steps, acc.dup_keys
@@ -801,9 +789,20 @@ class Summarizer:
             if not superseded and flt.key_match(r):
                 self.see(r)
 
-    def absorb(self, other: Summarizer, ordered: bool = True) -> None:
-        """Add another Summarizer's state: a piece of the stream after this
-        one's (``ordered``), or anywhere (positions decide)."""
+    def absorb(self, other: Summarizer, offset: "int | None" = 0) -> None:
+        """Add another Summarizer's state: of the piece after this one's,
+        its positions ``offset`` lines on (as Validator.absorb), or (None)
+        of anywhere in the stream (positions decide)."""
+        ordered = offset is not None
+        if offset:
+            other._first = {run: p + offset for run, p in other._first.items()}
+            for names in other._taps.values():
+                for acc in names.values():
+                    acc.last_at = [p + offset for p in acc.last_at]
+            other.bad = [(pos + offset, why) for pos, why in other.bad]
+        if ordered:
+            self.lines = offset + other.lines
+        self.bad += other.bad
         for run, names in other._taps.items():
             mine = self._taps.get(run)
             if mine is None:
@@ -823,16 +822,11 @@ class Summarizer:
         self.names |= other.names
         self.runs |= other.runs
 
-    def shift(self, offset: int) -> None:
-        """Every position held moved ``offset`` on."""
-        self._first = {run: p + offset for run, p in self._first.items()}
-        for names in self._taps.values():
-            for acc in names.values():
-                acc.last_at = [p + offset for p in acc.last_at]
-
-    def result(self, bad: list) -> Result:
-        """summarize_file's result, ``bad`` its lines that are no record."""
+    def result(self, bad: "list | None" = None) -> Result:
+        """summarize_file's result, ``bad`` its lines that are no record
+        where another process placed them."""
         names = {n[0] if type(n) is tuple else n for taps in self._taps.values() for n in taps}
+        bad = self.bad if bad is None else bad
         return self.summaries(), bad, self.names | names, self.runs | set(self._taps)
 
     def summaries(self) -> list[TapSummary]:
@@ -915,39 +909,34 @@ Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
 
 
 def summarize_file(path: str | os.PathLike, flt: Filter | None = None) -> Result:
-    """``pmaptap summary``: the summaries of the records of ``path`` (one
-    file or a sharded run's merged stream) that ``flt`` matches, streaming;
-    also the (line, problem) list of lines that are not records and every
-    name and run read. The definition parallel.py and shardwise.py match."""
+    """``pmaptap summary`` (docs/cli.md): the summaries, lines that are no
+    record, names and runs read. The definition parallel.py and shardwise.py match."""
     path = Run.of(path)
     flt = flt or Filter()
     if not flt.active and not flt.all_attempts:
         # One pass assuming the run was never resumed; if it was, the pass
         # below, which first finds what later attempts superseded.
-        acc, bad = _summarize_merged(path)
+        acc, _ = _summarize_merged(path)
         if not acc.resumed:
-            return acc.result(bad)
+            return acc.result()
     return _summarize_scanned(path, flt)
 
 
 def summarize_batches(
     batches: Iterable, flt: Filter | None = None, attempts: Attempts | None = None
-) -> tuple[Summarizer, list[tuple[int, str]], int]:
-    """(Summarizer, lines that are no record, lines read) of ``batches``
-    (source.iter_record_batches'); ``attempts`` None: assume no later
-    attempt, and stop at the first record of one (``resumed``)."""
+) -> Summarizer:
+    """The Summarizer of ``batches`` (source.iter_record_batches'); ``attempts``
+    None: assume no later attempt, and stop at the first record of one (``resumed``)."""
     acc = Summarizer(flt, attempts)
-    bad: list[tuple[int, str]] = []
-    lines = 0
     with collector_paused():
         for first, records, problems in batches:
             if problems:
-                bad.extend(problems.items())
+                acc.bad.extend(problems.items())
             acc.take(records, first)
-            lines = first + len(records) - 1
+            acc.lines = first + len(records) - 1
             if attempts is None and acc.resumed:
                 break
-    return acc, bad, lines
+    return acc
 
 
 def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
@@ -962,12 +951,11 @@ def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
     """summarize_file for any filter and any run: what later attempts
     superseded found first (attempts.scan), then one pass."""
     attempts = Attempts() if flt.all_attempts else scan(path)
-    acc, bad, _ = summarize_batches(iter_record_batches(path), flt, attempts)
-    return acc.result(bad)
+    return summarize_batches(iter_record_batches(path), flt, attempts).result()
 
 
 def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
     """Every record of the run until the first of a later attempt (then
     ``resumed``, and the caller starts again)."""
-    acc, bad, _ = summarize_batches(iter_record_batches(path))
-    return acc, bad
+    acc = summarize_batches(iter_record_batches(path))
+    return acc, acc.bad

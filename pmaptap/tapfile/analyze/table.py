@@ -76,12 +76,8 @@ _COLUMNS = (
 
 
 def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
-    """A per-tap text table: record count, step range, processes and devices
-    seen, last/min/max/mean of scalar values and, for array taps, min/max/mean
-    over their finite elements and the L2 norm at the last step; divergences
-    (of replicated values, and of auto taps whose copies had agreed before),
-    missing steps, duplicate records, and where the first NaN/inf was. Takes
-    records, or the summaries of ``Summarizer.summaries()``."""
+    """``pmaptap summary``'s per-tap table (docs/cli.md) of records, or of
+    the summaries of ``Summarizer.summaries()``."""
     records = list(records)
     summaries = (
         records if records and isinstance(records[0], TapSummary) else tap_summaries(records)

@@ -16,7 +16,7 @@ from itertools import compress
 from typing import Any, Iterable, Sequence
 
 from pmaptap.errors import NeedSerial
-from pmaptap.tapfile.read import attempt_of, latest
+from pmaptap.tapfile.read import DivergenceIndex, attempt_of, latest
 from pmaptap.tapfile.record import (
     FINGERPRINT,
     UNSET,
@@ -81,6 +81,9 @@ def _coords_key(coords: Any) -> Any:
     return _canonical(coords)
 
 
+_DUPLICATE_FIELDS = ("kind", "vhash", "value", "device", "coords")
+
+
 def duplicate_parts(r: Any) -> tuple | None:
     """duplicate_key as (key without step and value, step, value): the
     value is the replicated value's hash (or its text), None for a
@@ -89,13 +92,7 @@ def duplicate_parts(r: Any) -> tuple | None:
     # record_key holds the index.
     run, name, step, pass_, index, attempt = record_key(r)
     if type(r) is dict:
-        kind, vhash, value, device, coords = (
-            r.get("kind"),
-            r.get("vhash"),
-            r.get("value"),
-            r.get("device"),
-            r.get("coords"),
-        )
+        kind, vhash, value, device, coords = map(r.get, _DUPLICATE_FIELDS)
     else:
         kind = r.kind
         if kind == "per_device":
@@ -236,8 +233,6 @@ class Validator:
     first record of a later attempt (the caller starts again)."""
 
     def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
-        from pmaptap.tapfile.read import DivergenceIndex
-
         self.path = os.fspath(path)
         self.attempts = attempts
         self.lines = self.records = self.superseded = 0
@@ -350,48 +345,42 @@ class Validator:
         self.superseded += other.superseded
         self.problems += [(pos + offset, why) for pos, why in other.problems]
         self.dups += [(pos + offset, parts) for pos, parts in other.dups]
-        self.absorb_firsts(other, offset)
+        # Where a record was odd its key's ids may be of another type than
+        # the line's own (1.0 for 1): then the caller reads in one process.
+        self.odd = self.odd or other.odd
+        for parts, pos in other.firsts.entries():
+            pos += offset
+            if self.firsts.add_parts(parts, pos) is not None:
+                if self.odd:
+                    raise NeedSerial("ids of two types")
+                self.dups.append((pos, parts))
         self.index.absorb(other.index)
         self.flagged |= other.flagged
         self.fingerprinted |= other.fingerprinted
         self.resumed = self.resumed or other.resumed
 
-    def absorb_firsts(self, other: Validator, offset: int) -> None:
-        """``other``'s first copies, their positions ``offset`` on: one of
-        a key this one holds is a duplicate. Where a record was odd its
-        key's ids may be of another type than the line's own (1.0 for 1):
-        then the caller reads in one process."""
-        odd = self.odd or other.odd
-        self.odd = odd
-        for parts, pos in other.firsts.entries():
-            pos += offset
-            if self.firsts.add_parts(parts, pos) is not None:
-                if odd:
-                    raise NeedSerial("ids of two types")
-                self.dups.append((pos, parts))
-
-    def rendered_dups(self) -> list[tuple[Any, Any, str]]:
-        """(position, its first copy's position, description) of each
-        duplicate."""
+    def dup_pairs(self) -> list[tuple[Any, Any, tuple]]:
+        """(position, its first copy's position, duplicate_parts) of each duplicate."""
         first = self.firsts.first
-        return [(pos, first(parts), _what(parts)) for pos, parts in self.dups]
+        return [(pos, first(parts), parts) for pos, parts in self.dups]
 
     def report(self, dups: "list | None" = None, lines: "int | None" = None) -> Report:
-        """The Report (``dups``, ``lines``: as rendered_dups and the line
-        count, where another process placed them)."""
-        report = Report(self.path)
-        report.records = self.records
-        report.lines = self.lines if lines is None else lines
-        report.superseded = self.superseded
-        problems = list(self.problems)
-        for pos, first, what in self.rendered_dups() if dups is None else dups:
-            problems.append((pos, f"duplicate of {line_text(first)} ({what})"))
-        problems.sort()
-        report.problems = problems
+        """The Report (``dups``, ``lines``: as dup_pairs and the line count,
+        where another process placed them)."""
+        problems = self.problems + [
+            (pos, f"duplicate of {line_text(first)} ({_what(parts)})")
+            for pos, first, parts in (self.dup_pairs() if dups is None else dups)
+        ]
         flagged = self.flagged | {key[:5] for key in self.index.divergent_keys()}
-        report.divergent_keys = len(flagged)
-        report.divergent_fingerprints = len(self.fingerprinted)
-        return report
+        return Report(
+            self.path,
+            lines=self.lines if lines is None else lines,
+            records=self.records,
+            problems=sorted(problems),
+            divergent_keys=len(flagged),
+            superseded=self.superseded,
+            divergent_fingerprints=len(self.fingerprinted),
+        )
 
 
 def line_text(pos: Any) -> str:
@@ -402,10 +391,8 @@ def line_text(pos: Any) -> str:
 
 
 def validate_file(path: str | os.PathLike) -> Report:
-    """Every problem of a run, in one streaming pass holding per-key state.
-    The pass assumes the run was never resumed; if it was, the run is read
-    again after attempts.scan. The definition parallel.py and shardwise.py
-    match."""
+    """``pmaptap validate`` (docs/cli.md): the definition parallel.py and
+    shardwise.py match; read again after attempts.scan where resumed."""
     path = Run.of(path)
     return latest(path, lambda attempts: _validate(path, attempts))
 
