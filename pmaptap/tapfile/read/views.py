@@ -19,6 +19,7 @@ from pmaptap.tapfile.record import (
     Holders,
     decode_record,
     index_text,
+    ranges_text,
     shown_name,
 )
 from pmaptap.tapfile.source import Run, shown_value
@@ -118,13 +119,7 @@ def format_ids(ids: Iterable[Any]) -> str:
     else:
         nums = sorted({i for i in ids if type(i) is int})
         others = sorted((i for i in ids if i is not None and type(i) is not int), key=id_order)
-    # Where a range ends: the next id is not one more.
-    ends = [i for i in range(1, len(nums)) if nums[i] != nums[i - 1] + 1]
-    parts = [
-        str(nums[a]) if a == b - 1 else f"{nums[a]}-{nums[b - 1]}"
-        for a, b in zip([0, *ends], [*ends, len(nums)])
-        if b > a
-    ]
+    parts = [ranges_text(nums)] if nums else []
     parts += list(dict.fromkeys(json.dumps(i, default=repr) for i in others))  # each once
     if type(None) in types:
         parts.append("?")
