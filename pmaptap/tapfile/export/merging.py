@@ -1,7 +1,5 @@
-"""``pmaptap merge RUN -o OUT``: a sharded run (or one on an object store)
-written as the single shared file, in the merged order readers use
-(tapfile/source/run.py): replicated values once, bad lines skipped and counted.
-``--follow`` keeps appending lines as the run's processes write them."""
+"""``pmaptap merge RUN -o OUT [--follow]``: a sharded run as one file, in
+the merged order readers use (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ if TYPE_CHECKING:
 
 
 def _check_target(run: source.Run, out: str) -> None:
-    """Refuse an output that is one of the run's files, or anywhere in its
-    shard directory: ``-o RUN.d/p00009.jsonl`` would become a shard of the
-    run itself, read back with every record twice."""
+    """Refuse an output among the run's files or in its shard directory
+    (``-o RUN.d/p00009.jsonl`` would be read back as a shard)."""
     if run.url:
         return
     target = os.path.realpath(out)
@@ -35,8 +32,8 @@ def _check_target(run: source.Run, out: str) -> None:
 
 
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
-    """Write every record of ``run`` to ``out`` (replaced whole, at once);
-    returns (records written, [(position, problem)] of skipped lines)."""
+    """Every record of ``run`` into ``out`` (replaced at once); returns
+    (records written, [(position, problem)] of skipped lines)."""
     run = source.Run.of(run)
     _check_target(run, out)
     bad: list[tuple[int, str]] = []
@@ -71,8 +68,7 @@ def merge_follow(
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,
 ) -> int:
-    """Append the run's records to ``out`` as they are written, until
-    ``stop`` or ``timeout``; returns the records written."""
+    """Append the run's records to ``out`` as written; returns how many."""
     from pmaptap.tapfile.read import RunFollower, polls
 
     run = source.Run.of(run)
