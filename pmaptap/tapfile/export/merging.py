@@ -8,7 +8,7 @@ import tempfile
 from typing import TYPE_CHECKING, Callable
 
 from pmaptap.tapfile import source
-from pmaptap.tapfile.record import encode_line, parse_line
+from pmaptap.tapfile.record import encode_line
 from pmaptap.tapfile.source import iter_lines
 
 if TYPE_CHECKING:
@@ -42,11 +42,7 @@ def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
     fd, tmp = tempfile.mkstemp(prefix=".merge-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            for pos, d, problem in iter_lines(run):
-                if d is None:
-                    if problem != "empty line":
-                        bad.append((pos, problem or "invalid"))
-                    continue
+            for _pos, d in source.records(iter_lines(run), lambda n, why: bad.append((n, why))):
                 f.write(encode_line(d))
                 n += 1
         os.replace(tmp, out)
@@ -78,12 +74,7 @@ def merge_follow(
     with open(out, "ab") as f:
         try:
             for _ in polls(stop, interval, timeout):
-                for pos, raw in follower.poll():
-                    d, problem = parse_line(raw)
-                    if d is None:
-                        if report is not None and problem != "empty line":
-                            report(pos, problem or "invalid")
-                        continue
+                for _pos, d in source.records(source.parsed(follower.poll()), report):
                     f.write(encode_line(d))
                     n += 1
                 f.flush()

@@ -17,14 +17,8 @@ from pmaptap._log import log
 from pmaptap.errors import optional
 from pmaptap.tapfile.analyze import divergence_series
 from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, scan
-from pmaptap.tapfile.record import (
-    FINGERPRINT,
-    curve_tag,
-    decode_record,
-    first_holder,
-    parse_line,
-)
-from pmaptap.tapfile.source import Run, iter_lines
+from pmaptap.tapfile.record import FINGERPRINT, curve_tag, decode_record, first_holder
+from pmaptap.tapfile.source import Run, iter_lines, parsed, records
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
@@ -331,11 +325,7 @@ def export(
     # Steps a later attempt of a resumed run replayed: its values only.
     attempts = scan(path) if not flt.all_attempts else Attempts()
     try:
-        for lineno, d, problem in iter_lines(path):
-            if d is None:
-                if problem != "empty line":
-                    bad.append((lineno, problem or "invalid"))
-                continue
+        for lineno, d in records(iter_lines(path), lambda n, why: bad.append((n, why))):
             tb.stats.names.add(d.get("name"))
             tb.stats.all_runs.add(d.get("run"))
             if not (attempts and attempts.superseded(d)):
@@ -387,9 +377,5 @@ def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Fil
     def report(lineno: int, problem: str) -> None:
         log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
 
-    for lineno, raw in lines:
-        d, problem = parse_line(raw)
-        if d is not None:
-            tb.take(lineno, d, flt, report)
-        elif problem != "empty line":
-            report(lineno, problem)
+    for lineno, d in records(parsed(lines), report):
+        tb.take(lineno, d, flt, report)

@@ -141,12 +141,7 @@ def matching(
 ) -> Iterator[views.Entry]:
     """The records ``flt`` passes among the lines of a poll; lines that are
     not records (blank ones aside) go to ``report(line number, problem)``."""
-    for lineno, raw in lf.poll():
-        d, problem = parse_line(raw)
-        if d is None:
-            if report is not None and problem != "empty line":
-                report(lineno, problem)
-            continue
+    for lineno, d in source.records(source.parsed(lf.poll()), report):
         rec = decode_record(d)
         if flt(rec):
             yield views.Entry(lineno, d, rec)

@@ -7,11 +7,12 @@ import contextlib
 import gc
 import os
 import time
+from collections.abc import Callable, Iterable
 from itertools import count, repeat
 from typing import Any, BinaryIO, Iterator
 
 from pmaptap.tapfile import record
-from pmaptap.tapfile.record import as_dicts, decode_line
+from pmaptap.tapfile.record import as_dicts, decode_line, parse_line
 from pmaptap.tapfile.source import run as runs
 from pmaptap.tapfile.source.run import Batch
 
@@ -82,6 +83,24 @@ def collector_paused() -> Iterator[None]:
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """Every line of a run, the record as its line's JSON object."""
     return _flat(iter_record_batches(path))
+
+
+def parsed(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, dict | None, str | None]]:
+    """``iter_lines``' triples of (line number, bytes) pairs (a follower's)."""
+    for lineno, raw in lines:
+        yield (lineno, *parse_line(raw))
+
+
+def records(
+    lines: Iterable[tuple[int, Any, str | None]], report: Callable[[int, str], None] | None
+) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of each of ``iter_lines``' triples that is one;
+    the others, blank lines aside, go to ``report(line number, problem)``."""
+    for lineno, d, problem in lines:
+        if d is not None:
+            yield lineno, d
+        elif report is not None and problem != "empty line":
+            report(lineno, problem or "invalid")
 
 
 def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
