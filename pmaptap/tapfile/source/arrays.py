@@ -51,19 +51,26 @@ class Stored:
     __repr__ = __str__
 
 
-def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None) -> Any:
-    """``value`` with a ``Stored`` at each leaf stored as bytes: by the
-    ``bytes`` field as written, or at each RawArray (writer side)."""
-    if type(value) is RawArray or (value is None and is_ref(field)):
-        return Stored(dtype, shape)
+def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None, store: Any = None) -> Any:
+    """``value`` with a ``Stored`` at each leaf stored as bytes (a reference
+    in ``field``, the ``bytes`` field, or a writer's RawArray), or with
+    ``store``, that leaf loaded; walked by ``dtype``'s nesting (a field of
+    another nesting, a hostile line's, stores nothing)."""
+    if type(value) is RawArray or is_ref(field):
+        if store is not None:
+            return store.load_leaf(field, dtype, shape)
+        return Stored(dtype, shape) if type(value) is RawArray or value is None else value
     if isinstance(dtype, dict) and isinstance(value, dict):
         shapes = shape if isinstance(shape, dict) else {}
         f = field if isinstance(field, dict) else {}
-        return {k: shown_value(v, dtype.get(k), shapes.get(k), f.get(k)) for k, v in value.items()}
+        return {
+            k: shown_value(v, dtype.get(k), shapes.get(k), f.get(k), store)
+            for k, v in value.items()
+        }
     if isinstance(dtype, list) and isinstance(value, list):
         shapes = shape if isinstance(shape, list) else [None] * len(value)
         f = field if isinstance(field, list) else [None] * len(value)
-        return [shown_value(*x) for x in zip(value, dtype, shapes, f)]
+        return [shown_value(*x, store) for x in zip(value, dtype, shapes, f)]
     return value
 
 
@@ -331,16 +338,4 @@ def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
 
 def load_value(d: dict, store: ByteStore) -> Any:
     """A decoded record's value with every stored leaf loaded."""
-
-    def fill(v: Any, f: Any, dt: Any, sh: Any) -> Any:
-        if is_ref(f):
-            return store.load_leaf(f, dt, sh)
-        if isinstance(f, dict) and isinstance(v, dict):
-            shapes = sh if isinstance(sh, dict) else {}
-            return {k: fill(x, f.get(k), dt.get(k), shapes.get(k)) for k, x in v.items()}
-        if isinstance(f, list) and isinstance(v, list):
-            shapes = sh if isinstance(sh, list) else [None] * len(v)
-            return [fill(x, y, z, s) for x, y, z, s in zip(v, f, dt, shapes)]
-        return v
-
-    return fill(d.get("value"), d.get("bytes"), d.get("dtype"), d.get("shape"))
+    return shown_value(d.get("value"), d.get("dtype"), d.get("shape"), d.get("bytes"), store)
