@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from pmaptap._log import log
@@ -21,14 +21,6 @@ from pmaptap.tapfile.record import FINGERPRINT, curve_tag, decode_record, first_
 from pmaptap.tapfile.source import Run, iter_lines, parsed, records
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
-
-
-class _QuietNonFinite(logging.Filter):
-    """tensorboardX warns on every NaN/inf it writes: in a tap file they are
-    the data being looked for, not a problem."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "NaN or Inf found" not in record.getMessage()
 
 
 _X2NUM_LOGGER = "tensorboardX.x2num"
@@ -155,7 +147,10 @@ class TensorBoardExport:
         self._purge = purge
         self._mark_divergent = mark_divergent
         self.stats = Stats()
-        self._quiet = _QuietNonFinite()
+        # tensorboardX warns on every NaN/inf it writes: in a tap file they
+        # are the data being looked for. (One filter per export: closing one
+        # leaves another's.)
+        self._quiet = lambda rec: "NaN or Inf found" not in rec.getMessage()
         logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
 
     def _logdir(self, run: Any) -> str:
@@ -350,10 +345,15 @@ def follow(
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
     restarts = 0
+
+    def report(lineno: int, problem: str) -> None:
+        log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
+
     try:
         with stop_on_signals() as stop:
             for _ in polls(stop, interval, timeout):
-                _convert(tb, lf.poll(), flt)
+                for lineno, d in records(parsed(lf.poll()), report):
+                    tb.take(lineno, d, flt, report)
                 tb.flush()
                 if lf.restarted != restarts:
                     restarts = lf.restarted
@@ -371,11 +371,3 @@ def follow(
         lf.close()
         tb.close()
     return tb.stats
-
-
-def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Filter) -> None:
-    def report(lineno: int, problem: str) -> None:
-        log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
-
-    for lineno, d in records(parsed(lines), report):
-        tb.take(lineno, d, flt, report)

@@ -440,16 +440,9 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
         if df[col].dtype != object:
             continue
         cells = df[col].tolist()
-        try:
+        try:  # (ArrowInvalid is a ValueError, ArrowTypeError a TypeError)
             pa.array(cells, from_pandas=False)
-        except (
-            pa.ArrowInvalid,
-            pa.ArrowTypeError,
-            pa.ArrowNotImplementedError,
-            TypeError,
-            ValueError,
-            OverflowError,
-        ):
+        except (pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
             df[col] = _pandas().Series([_json_text(c) for c in cells], dtype="str", index=df.index)
     table = pa.Table.from_pandas(df, preserve_index=False)
     for col, mask in empty.items():

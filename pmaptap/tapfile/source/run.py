@@ -165,13 +165,6 @@ Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
 
 
-def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
-    """About ``size`` bytes of whole lines of ``data`` from ``off``, and the end."""
-    end = data.find(b"\n", min(off + size, len(data)) - 1)
-    end = len(data) if end < 0 else end + 1
-    return data[off:end], end
-
-
 def copy_key(r: Any) -> tuple:
     """What the merge keeps one copy of (a replicated record's)."""
     return (r.key(), r.vhash)
@@ -246,8 +239,11 @@ class _Source:
             if got is not True:
                 return got or None
             self.off = 0
-        block, self.off = _cut(self.data, self.off, self.size)
-        return decode_block(block)
+        # About ``size`` bytes of whole lines.
+        data, off = self.data, self.off
+        end = data.find(b"\n", min(off + self.size, len(data)) - 1)
+        self.off = len(data) if end < 0 else end + 1
+        return decode_block(data[off : self.off])
 
     def extend(self) -> bool:
         """Drop what the merge took, append the next piece (False: done)."""
