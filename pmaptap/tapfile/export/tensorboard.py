@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pmaptap._log import log
@@ -67,16 +67,12 @@ def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     return base, suffix
 
 
-def _flat(value: Any) -> list:
-    out: list = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, list):
-            stack.extend(reversed(v))
-        else:
-            out.append(v)
-    return out
+def _flat(value: Any) -> Iterator[Any]:
+    if isinstance(value, list):
+        for v in value:
+            yield from _flat(v)
+    else:
+        yield value
 
 
 @dataclasses.dataclass
@@ -257,7 +253,7 @@ class TensorBoardExport:
         import numpy as np
 
         if isinstance(v, list):
-            items = _flat(v)
+            items = list(_flat(v))
             nums = [
                 abs(x) if isinstance(x, complex) else float(x)
                 for x in items

@@ -50,34 +50,42 @@ class LineFollower:
         self.lineno = 0
         self.restarted = 0
 
-    def _open(self) -> bool:
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            return False
-        self._f = f
-        self._ino = os.fstat(f.fileno()).st_ino
-        self._pos, self._partial, self.lineno = 0, b"", 0
-        return True
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        return self._lines(self._chunks())
 
-    def _read_closed(self) -> Iterator[bytes]:
-        """keep_open=False: the file opened for each chunk (one replaced
+    def _chunks(self) -> Iterator[bytes]:
+        """Chunks from where the last read stopped: of the file kept open
+        (opened again if replaced or truncated; a removed one: what it
+        holds), or with keep_open=False opened for each chunk (one replaced
         during this poll waits for the next)."""
         first = True
         while True:
-            try:
-                f = open(self.path, "rb")
-            except FileNotFoundError:
-                return  # removed: keep what we have, wait for it to return
-            with f:
+            f = self._f
+            if f is not None and first:
+                try:
+                    st = os.stat(self.path)
+                except FileNotFoundError:
+                    st = None  # removed: keep what we have, wait for it to return
+                if st is not None and (st.st_ino != self._ino or st.st_size < self._pos):
+                    self.close()  # read again from the start, below
+                    f, self._ino = None, -1
+            if f is None:
+                try:
+                    f = open(self.path, "rb")
+                except FileNotFoundError:
+                    return  # removed: keep what we have, wait for it to return
                 st = os.fstat(f.fileno())
                 if st.st_ino != self._ino or st.st_size < self._pos:
                     if not first:
+                        f.close()
                         return
                     if self._ino is not None:
                         self.restarted += 1
                     self._ino = st.st_ino
                     self._pos, self._partial, self.lineno = 0, b"", 0
+                if self.keep_open:
+                    self._f = f
+            with contextlib.nullcontext() if self.keep_open else f:
                 f.seek(self._pos)
                 chunk = f.read(self.chunk)
             first = False
@@ -85,33 +93,8 @@ class LineFollower:
                 return
             self._pos += len(chunk)
             yield chunk
-            if len(chunk) < self.chunk:
+            if not self.keep_open and len(chunk) < self.chunk:
                 return  # the end of the file as it was: no second open to see it
-
-    def poll(self) -> Iterator[tuple[int, bytes]]:
-        return self._lines(self._read_open() if self.keep_open else self._read_closed())
-
-    def _read_open(self) -> Iterator[bytes]:
-        """keep_open: chunks of the open file (opened again if replaced or
-        truncated; a removed one: what it holds)."""
-        if self._f is None and not self._open():
-            return
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            st = None  # removed: keep what we have, wait for it to return
-        if st is not None and (st.st_ino != self._ino or st.st_size < self._pos):
-            self.close()
-            self.restarted += 1
-            if not self._open():
-                return
-        while True:
-            self._f.seek(self._pos)
-            chunk = self._f.read(self.chunk)
-            if not chunk:
-                return
-            self._pos += len(chunk)
-            yield chunk
 
     def _lines(self, chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
         for chunk in chunks:
