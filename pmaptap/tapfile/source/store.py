@@ -63,19 +63,16 @@ class Object(NamedTuple):
     rollup: bool = False
 
 
-def parse_name(name: str, size: int) -> "Object | None":
+def parse_name(name: str, size: "int | None") -> "Object | None":
     m = _NAME.match(name.rsplit("/", 1)[-1])
     if m is None:
         return None
+    size = -1 if size is None else int(size)  # None: the listing gives none
     proc, writer, last, first, start, chunk_start = m.groups()
     if first is None:
         at = -1 if chunk_start is None else int(chunk_start)
         return Object(name, int(proc), writer, int(last), int(last), at, size)
     return Object(name, int(proc), writer, int(first), int(last), int(start), size, True)
-
-
-def _size(size) -> int:  # -1 where the listing gives none (fetched whole)
-    return -1 if size is None else int(size)
 
 
 def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
@@ -91,7 +88,7 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
         entries, why = [], str(e) or "not found"
     out: dict[int, list[Object]] = {}
     for e in sorted(entries, key=lambda e: e["name"]):
-        o = parse_name(e["name"], _size(e.get("size")))
+        o = parse_name(e["name"], e.get("size"))
         if o is not None:
             out.setdefault(o.process, []).append(o)
     if not out and not missing_ok:
@@ -132,7 +129,7 @@ def objects_after(
             got
             for out in pages(**kw)
             for o in out.get("Contents", ())
-            if (got := parse_name(f"{bucket}/{o['Key']}", _size(o.get("Size")))) is not None
+            if (got := parse_name(f"{bucket}/{o['Key']}", o.get("Size"))) is not None
         ]
         return proc, sorted(found)
 
