@@ -941,3 +941,24 @@ def test_queued_records_count_the_bytes_of_their_stored_arrays(tap_path, caplog)
     assert len(data) <= 3 and len(data) + meta["dropped_total"] == 10
     for r in data:
         assert np.array_equal(r["value"], np.full(1 << 18, r["step"], np.float32))
+
+
+def test_a_bytes_field_of_another_nesting_than_dtype_is_no_crash(tmp_path, capsys):
+    """A hand-edited ``bytes`` field that nests where its dtype is one leaf
+    (``{"a": <reference>}`` for ``"float32"``): readers take the line, and
+    its value comes back as written, nothing loaded (was: AttributeError
+    out of read(), its value walked by the field's nesting)."""
+    path = str(tmp_path / "run.jsonl")
+    with pmaptap.Writer(path, run="r", process=0) as w:
+        w.write("big", 0, np.arange(512, dtype=np.float32))
+    (good,) = map(json.loads, open(path).read().splitlines())
+    odd = {**good, "step": 1, "value": {"a": None}, "shape": [], "bytes": {"a": good["bytes"]}}
+    with open(path, "a") as f:
+        f.write(json.dumps(odd) + "\n")
+    got = pmaptap.read(path, name="big")
+    assert [r["step"] for r in got] == [0, 1]
+    assert np.array_equal(got[0]["value"], np.arange(512, dtype=np.float32))
+    assert got[1]["value"] == {"a": None}
+    assert cli.main(["show", path]) == 0
+    assert cli.main(["validate", path]) == 1
+    assert "bytes" in capsys.readouterr().out

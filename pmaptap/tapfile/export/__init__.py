@@ -1,7 +1,5 @@
-"""Records out to other tools: CSV, TensorBoard event files, plots and a
-sharded run merged into one file.
-
-The one entry of this layer (tests/project/test_layout.py)."""
+"""Records out to other tools (CSV, TensorBoard, plots, a sharded run merged
+into one file): the layer's one entry."""
 
 from pmaptap.tapfile.export.csv_rows import write_csv
 from pmaptap.tapfile.export.merging import merge, merge_follow

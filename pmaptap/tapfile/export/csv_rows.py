@@ -1,7 +1,4 @@
-"""``pmaptap export --csv``: records as CSV, one row per record, the
-columns docs/cli.md lists (scalar leaves numeric, ``coords.<axis>``, an
-array leaf as its strict-JSON text, non-finite values ``nan``/``inf``).
-"""
+"""``pmaptap export --csv``: a row per record, the columns docs/cli.md lists."""
 
 from __future__ import annotations
 
@@ -63,9 +60,8 @@ def csv_row(e: Entry) -> dict[str, Any]:
 
 
 def write_csv(entries: Sequence[Entry] | Callable[[], Iterable[Entry]], out: IO[str]) -> int:
-    """Write one row per entry; returns the number of rows. ``entries``
-    may be a function that gives them afresh on each call: then the header
-    is found in one pass and the rows written in a second."""
+    """A row per entry; returns how many. ``entries`` may be a function that
+    gives them afresh: the header found in one pass, the rows in a second."""
     held = None if callable(entries) else list(entries)
     fresh = entries if held is None else lambda: held
     extra = dict.fromkeys(k for e in fresh() for k in csv_row(e) if k not in FIXED)

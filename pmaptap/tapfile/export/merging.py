@@ -1,7 +1,5 @@
-"""``pmaptap merge RUN -o OUT``: a sharded run (or one on an object store)
-written as the single shared file, in the merged order readers use
-(tapfile/source/run.py): replicated values once, bad lines skipped and counted.
-``--follow`` keeps appending lines as the run's processes write them."""
+"""``pmaptap merge RUN -o OUT [--follow]``: a sharded run as one file, in
+the merged order readers use (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ import tempfile
 from typing import TYPE_CHECKING, Callable
 
 from pmaptap.tapfile import source
-from pmaptap.tapfile.record import encode_line, parse_line
+from pmaptap.tapfile.record import encode_line
 from pmaptap.tapfile.source import iter_lines
 
 if TYPE_CHECKING:
@@ -18,9 +16,8 @@ if TYPE_CHECKING:
 
 
 def _check_target(run: source.Run, out: str) -> None:
-    """Refuse an output that is one of the run's files, or anywhere in its
-    shard directory: ``-o RUN.d/p00009.jsonl`` would become a shard of the
-    run itself, read back with every record twice."""
+    """Refuse an output among the run's files or in its shard directory
+    (``-o RUN.d/p00009.jsonl`` would be read back as a shard)."""
     if run.url:
         return
     target = os.path.realpath(out)
@@ -35,8 +32,8 @@ def _check_target(run: source.Run, out: str) -> None:
 
 
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
-    """Write every record of ``run`` to ``out`` (replaced whole, at once);
-    returns (records written, [(position, problem)] of skipped lines)."""
+    """Every record of ``run`` into ``out`` (replaced at once); returns
+    (records written, [(position, problem)] of skipped lines)."""
     run = source.Run.of(run)
     _check_target(run, out)
     bad: list[tuple[int, str]] = []
@@ -45,11 +42,7 @@ def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
     fd, tmp = tempfile.mkstemp(prefix=".merge-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            for pos, d, problem in iter_lines(run):
-                if d is None:
-                    if problem != "empty line":
-                        bad.append((pos, problem or "invalid"))
-                    continue
+            for _pos, d in source.records(iter_lines(run), lambda n, why: bad.append((n, why))):
                 f.write(encode_line(d))
                 n += 1
         os.replace(tmp, out)
@@ -71,8 +64,7 @@ def merge_follow(
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,
 ) -> int:
-    """Append the run's records to ``out`` as they are written, until
-    ``stop`` or ``timeout``; returns the records written."""
+    """Append the run's records to ``out`` as written; returns how many."""
     from pmaptap.tapfile.read import RunFollower, polls
 
     run = source.Run.of(run)
@@ -82,12 +74,7 @@ def merge_follow(
     with open(out, "ab") as f:
         try:
             for _ in polls(stop, interval, timeout):
-                for pos, raw in follower.poll():
-                    d, problem = parse_line(raw)
-                    if d is None:
-                        if report is not None and problem != "empty line":
-                            report(pos, problem or "invalid")
-                        continue
+                for _pos, d in source.records(source.parsed(follower.poll()), report):
                     f.write(encode_line(d))
                     n += 1
                 f.flush()

@@ -1,7 +1,4 @@
-"""``pmaptap plot``: a PNG line plot of one tap's value against its step,
-drawn as docs/cli.md says. For a ``dedup="auto"`` tap the per-device
-records after its first agreeing step are divergent; before it they are
-per-device data."""
+"""``pmaptap plot``: a PNG of one tap's value against its step (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ def _device_order(label: str) -> tuple:
 
 
 def smoothed(ys: Sequence[float], n: int) -> list[float]:
-    """Trailing mean over the last ``n`` points, skipping non-finite ones (a
-    NaN in the window does not blank the curve); NaN where none is finite."""
+    """Trailing mean of the last ``n`` finite points (NaN where none is)."""
     out: list[float] = []
     for i in range(len(ys)):
         window = [y for y in ys[max(0, i - n + 1) : i + 1] if math.isfinite(y)]
@@ -60,9 +56,8 @@ def smoothed(ys: Sequence[float], n: int) -> list[float]:
 
 
 def per_leaf(r: dict) -> Iterator[dict]:
-    """``r``, or for a pytree value (``{"mean": m, "absmax": a}``) one
-    record per leaf, named by its path as the summary's rows and
-    TensorBoard's tags are (``stats/mean``: views.leaves)."""
+    """``r``, or for a pytree value one record per leaf, named by its path
+    (``stats/mean``: views.leaves)."""
     dtype = r.get("dtype")
     if not isinstance(dtype, (dict, list)) or r.get("kind") == FINGERPRINT:
         yield r
@@ -79,9 +74,7 @@ def per_leaf(r: dict) -> Iterator[dict]:
 
 
 def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smooth: int = 0):
-    """The matplotlib Figure for tap ``name`` of ``records`` (decoded dicts;
-    a pytree tap's leaf by its path, ``stats/mean``). The caller closes it
-    (``plt.close(fig)``)."""
+    """The Figure of tap ``name`` (or leaf ``stats/mean``); the caller closes it."""
     if smooth < 0:
         raise PlotError(f"smooth must be a number of points >= 1 (or 0: off), got {smooth}")
     records = [leaf for r in records for leaf in per_leaf(r)]
@@ -168,8 +161,8 @@ _NONFINITE = ("NaN", "+inf", "-inf")
 
 
 def _small_multiples(plt, series, marks, bad, title: str, *, logy: bool, smooth: int):
-    """One panel per series (5-16 devices: one line each in one axes would
-    be a tangle), sharing both axes so the devices compare at a glance."""
+    """One panel per series (5-16 devices: one axes would be a tangle),
+    axes shared."""
     labels = sorted(series, key=_device_order)
     ncols = 4
     nrows = math.ceil(len(labels) / ncols)
@@ -202,8 +195,7 @@ def _small_multiples(plt, series, marks, bad, title: str, *, logy: bool, smooth:
 
 
 def _draw(ax, series, marks, bad, *, logy: bool, smooth: int) -> None:
-    """The lines of ``series``, the divergent ``marks`` and the non-finite
-    steps ``bad`` in one axes."""
+    """``series``, divergent ``marks`` and non-finite steps ``bad`` in ``ax``."""
     for label in sorted(series, key=_device_order):
         pts = sorted(dict(series[label]).items())  # one point per step
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -258,10 +250,8 @@ _MAX_OUTLIERS = 5
 def _band(
     ax, per_device: dict[str, list[tuple[int, float]]], smooth: int
 ) -> dict[str, list[tuple[int, float]]]:
-    """Draw the per-step median and min-max band of many device series;
-    return the outlying series (to be drawn as lines): devices whose mean
-    distance from the median is over 3x the typical device's (the median of
-    those distances), at most _MAX_OUTLIERS, farthest first."""
+    """Draw the per-step median and min-max band of many devices; return
+    the outliers to draw as lines (docs/cli.md), farthest first."""
     import numpy as np
 
     steps = sorted({s for pts in per_device.values() for s, _ in pts})
@@ -299,7 +289,7 @@ def plot_tap(
     logy: bool = False,
     smooth: int = 0,
 ) -> str:
-    """Draw tap ``name`` of ``records`` (decoded dicts) into the PNG ``out``."""
+    """Draw tap ``name`` into the PNG ``out``."""
     fig = build_figure(records, name, logy=logy, smooth=smooth)
     plt = _import_pyplot()
     try:

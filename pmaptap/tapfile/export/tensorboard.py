@@ -1,7 +1,6 @@
-"""``pmaptap export --tensorboard DIR``: tap records as TensorBoard event
-files, laid out as docs/cli.md says. A resumed run's replayed steps reopen
-the run's writer with ``purge_step`` so TensorBoard ends with one point per
-step, as the batch readers show."""
+"""``pmaptap export --tensorboard DIR``: records as TensorBoard event files
+(docs/cli.md); a resumed run's replayed steps reopen the run's writer with
+``purge_step``, so TensorBoard ends with one point per step."""
 
 from __future__ import annotations
 
@@ -11,31 +10,17 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pmaptap._log import log
 from pmaptap.errors import optional
 from pmaptap.tapfile.analyze import divergence_series
 from pmaptap.tapfile.read import Attempts, Filter, Stored, attempt_of, leaves, scan
-from pmaptap.tapfile.record import (
-    FINGERPRINT,
-    curve_tag,
-    decode_record,
-    first_holder,
-    parse_line,
-)
-from pmaptap.tapfile.source import Run, iter_lines
+from pmaptap.tapfile.record import FINGERPRINT, curve_tag, decode_record, first_holder
+from pmaptap.tapfile.source import Run, iter_lines, parsed, records
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
-
-
-class _QuietNonFinite(logging.Filter):
-    """tensorboardX warns on every NaN/inf it writes: in a tap file they are
-    the data being looked for, not a problem."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "NaN or Inf found" not in record.getMessage()
 
 
 _X2NUM_LOGGER = "tensorboardX.x2num"
@@ -48,8 +33,8 @@ _RUN_HASH_HEX = 16
 
 
 def run_dirname(run: Any) -> str:
-    """A run id as one directory name: never a path, so a hand-edited run
-    id cannot write outside DIR; at most RUN_DIRNAME_MAX characters."""
+    """A run id as one directory name (never a path: a hand-edited run id
+    cannot write outside DIR)."""
     text = str(run)
     name = _UNSAFE.sub("_", text)
     name = "_" + name if name in ("", ".", "..") else name
@@ -66,11 +51,9 @@ def _hashed(name: str, run_id: str) -> str:
 
 
 def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
-    """What a scalar's tag puts before and after its leaf path: the tap name
-    (``/<iteration>``, ``@<pass>``) and ``/device_<id>`` for per-device
-    taps. With ``mark_divergent``, each copy of a divergent replicated value
-    goes to its own series ``/divergent/device_<first holder>``, not one
-    copy chosen at random into the tap's."""
+    """What a scalar's tag puts before and after its leaf path (docs/cli.md);
+    with ``mark_divergent``, a divergent copy goes to its own series
+    ``/divergent/device_<first holder>``, not at random into the tap's."""
     # A looped tap: one series per iteration (act_rms/3).
     base = curve_tag(rec.get("name"), rec.get("iteration"))
     if rec.get("pass", "forward") != "forward":
@@ -84,16 +67,12 @@ def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     return base, suffix
 
 
-def _flat(value: Any) -> list:
-    out: list = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, list):
-            stack.extend(reversed(v))
-        else:
-            out.append(v)
-    return out
+def _flat(value: Any) -> Iterator[Any]:
+    if isinstance(value, list):
+        for v in value:
+            yield from _flat(v)
+    else:
+        yield value
 
 
 @dataclasses.dataclass
@@ -142,8 +121,7 @@ class _Attempt:
 
 
 class TensorBoardExport:
-    """Writes decoded records to event files under ``outdir``: one tensorboardX
-    SummaryWriter per run, opened when the run's first record comes."""
+    """Decoded records to event files, a SummaryWriter per run."""
 
     def __init__(
         self,
@@ -165,7 +143,10 @@ class TensorBoardExport:
         self._purge = purge
         self._mark_divergent = mark_divergent
         self.stats = Stats()
-        self._quiet = _QuietNonFinite()
+        # tensorboardX warns on every NaN/inf it writes: in a tap file they
+        # are the data being looked for. (One filter per export: closing one
+        # leaves another's.)
+        self._quiet = lambda rec: "NaN or Inf found" not in rec.getMessage()
         logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
 
     def _logdir(self, run: Any) -> str:
@@ -200,8 +181,7 @@ class TensorBoardExport:
         )
 
     def _writer(self, rec: dict) -> Any:
-        """The writer for ``rec``'s run, None when a later attempt already
-        replaced ``rec``'s step."""
+        """The writer of ``rec``'s run (None: a later attempt replaced it)."""
         run = rec.get("run")
         w = self._writers.get(run)
         if not self._purge:
@@ -268,14 +248,12 @@ class TensorBoardExport:
             self.stats.skipped_leaves += 1
 
     def _histogram(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
-        """A histogram of the finite numbers of ``v`` (complex ones by their
-        magnitude), and how many are not finite as the scalar
-        ``<tag>/nonfinite``: TensorBoard's histogram takes finite numbers
-        only. A leaf with values that are no numbers counts as skipped."""
+        """A histogram of ``v``'s finite numbers (complex: magnitude) and
+        their others' count as ``<tag>/nonfinite`` (docs/cli.md)."""
         import numpy as np
 
         if isinstance(v, list):
-            items = _flat(v)
+            items = list(_flat(v))
             nums = [
                 abs(x) if isinstance(x, complex) else float(x)
                 for x in items
@@ -300,9 +278,8 @@ class TensorBoardExport:
             self.stats.scalars += 1
 
     def take(self, lineno: int, d: dict, flt: Filter, report: Callable[[int, str], None]) -> None:
-        """``add`` the record ``d`` (as written) if ``flt`` keeps it, its
-        stored leaves loaded for histograms; ``report`` one whose bytes are
-        missing."""
+        """``add`` the record ``d`` if ``flt`` keeps it, stored leaves loaded
+        (``report`` one whose bytes are missing)."""
         rec = decode_record(d)
         if not flt(rec):
             return
@@ -316,9 +293,8 @@ class TensorBoardExport:
             w.flush()
 
     def close_files(self) -> None:
-        """Every event written on disk (``close()``: tensorboardX's
-        ``flush()`` does not wait for its writer thread). A later ``add``
-        opens a new event file of the run."""
+        """Every event on disk (tensorboardX's ``flush()`` does not wait for
+        its writer thread); a later ``add`` opens a new event file."""
         for w in self._writers.values():
             w.close()
         self._writers.clear()
@@ -331,9 +307,8 @@ class TensorBoardExport:
 def export(
     path: str | os.PathLike, outdir: str | os.PathLike, flt: Filter
 ) -> tuple[Stats, list[tuple[int, str]]]:
-    """Convert the whole file once, streaming it: the counts and the (line,
-    problem) list of lines skipped. (Every value is written: divergence
-    marks are not needed.)"""
+    """Convert the whole file, streamed: the counts and the lines skipped
+    (divergence marks are not needed: every value is written)."""
     path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
@@ -341,11 +316,7 @@ def export(
     # Steps a later attempt of a resumed run replayed: its values only.
     attempts = scan(path) if not flt.all_attempts else Attempts()
     try:
-        for lineno, d, problem in iter_lines(path):
-            if d is None:
-                if problem != "empty line":
-                    bad.append((lineno, problem or "invalid"))
-                continue
+        for lineno, d in records(iter_lines(path), lambda n, why: bad.append((n, why))):
             tb.stats.names.add(d.get("name"))
             tb.stats.all_runs.add(d.get("run"))
             if not (attempts and attempts.superseded(d)):
@@ -363,18 +334,22 @@ def follow(
     interval: float = 0.5,
     timeout: float | None = None,
 ) -> Stats:
-    """Convert what the file holds, then what writers append, flushing after
-    every poll (``pmaptap export --tensorboard --follow``)."""
+    """``export --tensorboard --follow``: flushed after every poll."""
     from pmaptap.tapfile.read import open_follower, polls, stop_on_signals
 
     path = Run.of(path)
     tb = TensorBoardExport(outdir, path, purge=not flt.all_attempts)
     lf = open_follower(path)  # one file, or a sharded run's shards
     restarts = 0
+
+    def report(lineno: int, problem: str) -> None:
+        log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
+
     try:
         with stop_on_signals() as stop:
             for _ in polls(stop, interval, timeout):
-                _convert(tb, lf.poll(), flt)
+                for lineno, d in records(parsed(lf.poll()), report):
+                    tb.take(lineno, d, flt, report)
                 tb.flush()
                 if lf.restarted != restarts:
                     restarts = lf.restarted
@@ -392,15 +367,3 @@ def follow(
         lf.close()
         tb.close()
     return tb.stats
-
-
-def _convert(tb: TensorBoardExport, lines: Iterable[tuple[int, bytes]], flt: Filter) -> None:
-    def report(lineno: int, problem: str) -> None:
-        log.warning(f"pmaptap export: line {lineno}: {problem} (skipped)")
-
-    for lineno, raw in lines:
-        d, problem = parse_line(raw)
-        if d is not None:
-            tb.take(lineno, d, flt, report)
-        elif problem != "empty line":
-            report(lineno, problem)

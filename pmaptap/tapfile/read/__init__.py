@@ -1,8 +1,5 @@
-"""Reading records: ``read`` and the streaming commands' entries (views,
-stream), queries, attempts, divergence, frames, assembled arrays and
-following a growing run.
-
-The one entry of this layer (tests/project/test_layout.py)."""
+"""Reading records (``read``, the commands' entries, frames, assembled
+arrays, following a growing run): the layer's one entry."""
 
 from pmaptap.tapfile.read.assembly import assemble
 from pmaptap.tapfile.read.attempts import ATTEMPT_NAME, Attempts, Restarts, attempt_of, latest, scan

@@ -1,8 +1,6 @@
-"""``pmaptap.assemble``: a tapped sharded value's global array, from the
-per-shard records every process wrote (their ``index`` and ``global_shape``).
-Two passes over the run: the first reads lines only (no stored bytes) and
-picks this tap's records at one step; the second loads one shard at a time
-into the global array."""
+"""``pmaptap.assemble``: a tapped sharded value's global array. The first
+pass over the run reads lines only (no stored bytes) and picks this tap's
+records at one step; then one shard at a time is loaded into the array."""
 
 from __future__ import annotations
 
@@ -29,13 +27,8 @@ def assemble(
     backward: bool = False,
     leaf: str | tuple | None = None,
 ) -> Any:
-    """The global array of tap ``name`` at ``step``, put together from the
-    per-shard records of every process (each record's ``index`` into its
-    ``global_shape``), dtype exact, bit for bit; a pytree value as the same
-    nesting, or its leaf ``leaf="a/b"``. ``run``: which run, where the file
-    holds several; ``backward``: the cotangent ``tap_grad`` wrote. Raises
-    ``AssembleError`` or ``MissingBytes`` (ValueErrors) naming the tap, step,
-    leaf and devices. docs/api.md, "pmaptap.assemble", says the rest."""
+    """The global array of tap ``name`` at ``step`` from its per-shard
+    records, bit for bit: docs/api.md, "pmaptap.assemble"."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"pmaptap.assemble: name must be a non-empty str, got {name!r}")
     if not isinstance(step, int) or isinstance(step, bool):
@@ -99,8 +92,7 @@ def assemble(
 
 
 def _leaf_paths(dtype: Any, prefix: tuple = ()) -> list[tuple]:
-    """Leaf paths in flatten order, the ``None`` holes (dtype null) included:
-    the places of the returned value."""
+    """Leaf paths in flatten order, ``None`` holes (dtype null) included."""
     if isinstance(dtype, dict):
         return [p for k, d in dtype.items() for p in _leaf_paths(d, (*prefix, k))]
     if isinstance(dtype, list):
@@ -109,8 +101,7 @@ def _leaf_paths(dtype: Any, prefix: tuple = ()) -> list[tuple]:
 
 
 def _array_paths(dtype: Any) -> list[tuple]:
-    """The array leaves' paths in flatten order (the order of ``index`` and
-    ``global_shape`` per leaf): ``None`` holes are no leaves to JAX."""
+    """The array leaves' paths (``index``'s and ``global_shape``'s order)."""
     return [p for p in _leaf_paths(dtype) if _get(dtype, p) is not None]
 
 
@@ -135,8 +126,7 @@ def _nest(dtype: Any, arrays: dict, prefix: tuple = ()) -> Any:
 
 
 def _devices(recs: "dict | list[dict]") -> str:
-    """The devices of records, for an error: ``device 3`` or ``devices 0, 1``
-    (a replicated slice's holders, as written: a list or a ranges text)."""
+    """The devices of records, for an error: ``device 3``, ``devices 0, 1``."""
     out: list[str] = []
     for r in [recs] if isinstance(recs, dict) else recs:
         held = r.get("devices") if r.get("device") is None else [r.get("device")]
@@ -152,8 +142,7 @@ def _devices(recs: "dict | list[dict]") -> str:
 
 def _leaf_value(d: dict, path: tuple, store: ByteStore, label: str = "") -> Any:
     """One leaf of a record as an ndarray of its own dtype (loaded if
-    stored); AssembleError (with ``label``) if the line's value is not one
-    of its dtype and shape, MissingBytes if its bytes are not there."""
+    stored), or AssembleError (``label``) or MissingBytes."""
     import numpy as np
 
     dtype, shape, field = d["dtype"], d["shape"], d.get("bytes")
@@ -199,14 +188,13 @@ def _slice_text(box: tuple) -> str:
 
 
 def _same_bits(a: Any, b: Any) -> bool:
-    """Bit for bit (a NaN equals the same NaN, -0.0 is not 0.0)."""
+    """Bit for bit (a NaN equals itself, -0.0 is not 0.0)."""
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _overlaps(boxes: list[tuple]) -> dict[tuple, list[tuple]]:
-    """For each box, the boxes before it in ``boxes`` that share cells with
-    it (not itself). A sweep along the first dimension: the slices of a
-    sharding meet only their neighbours there, not every other slice."""
+    """For each box, the boxes before it that share cells with it: a sweep
+    along the first dimension (a slice meets only its neighbours there)."""
     out: dict[tuple, list[tuple]] = {b: [] for b in boxes}
     if not boxes or not boxes[0]:
         return out  # a 0-d value: one cell
@@ -225,9 +213,8 @@ def _overlaps(boxes: list[tuple]) -> dict[tuple, list[tuple]]:
 
 
 def _assemble_leaf(recs: list[dict], paths: list, path: tuple, where: str, store: ByteStore):
-    """One leaf's global array. Copies of a slice, and slices that overlap,
-    must hold the same bits where they meet (the leaf's own bytes, not the
-    record's hash), and each value must fill its slice."""
+    """One leaf's global array; copies and overlaps must hold the same bits
+    (the leaf's own, not the record's hash), each value fill its slice."""
     import numpy as np
 
     # A pytree's index and global_shape: one per array leaf, in ``paths``' order.

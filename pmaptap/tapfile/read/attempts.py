@@ -1,9 +1,6 @@
-"""Attempts of a resumed run: which records a later attempt superseded.
-Readers show one story: for each (run, name, step, pass) (step_key), only
-the records of the latest attempt that wrote that step. The unit is the
-step, not the device: after an elastic restart the old attempt's records
-of a replayed step all go, those of devices the new attempt lacks too.
-Meta records are facts about what happened and stay visible."""
+"""Attempts of a resumed run: which records a later attempt superseded
+(docs/api.md: per step_key, the latest attempt's records only; meta
+records stay)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ def attempt_of(r: dict) -> int:
 
 
 class Attempts:
-    """``add`` every record (any order); then ``superseded(r)`` says whether
-    a later attempt wrote r's step. Holds one int per step written by a
-    resumed attempt, nothing for a file that was never resumed."""
+    """``add`` every record (any order); then ``superseded(r)``. Holds an
+    int per step a resumed attempt wrote."""
 
     def __init__(self) -> None:
         self._latest: dict[tuple, int] = {}
@@ -47,9 +43,8 @@ class Attempts:
 
 
 def scan(path: str | os.PathLike) -> Attempts:
-    """The Attempts of a file, for readers that stream it: only lines that
-    mention ``"attempt"`` are parsed (a file never resumed costs one read of
-    its bytes)."""
+    """The Attempts of a file: only lines that mention ``"attempt"`` are
+    parsed (a file never resumed costs one read of its bytes)."""
     idx = Attempts()
     run = source.Run.of(path)
     if run.url:  # an object-store run (tapfile/source/run.py): its merged stream, read once
@@ -72,9 +67,8 @@ def latest(
     resumed: "Callable[[T], bool] | None" = None,
     attempts: "Attempts | None" = None,
 ) -> T:
-    """``read(attempts)``; with ``attempts`` None, a pass that assumes the
-    run was never resumed: where it was (``resumed``; by default, the pass
-    gave None), the run is read again after ``scan``."""
+    """``read(attempts)``; with ``attempts`` None, assuming no resume, read
+    again after ``scan`` where it was (``resumed``; by default: got None)."""
     got = read(attempts)
     if attempts is None and (got is None if resumed is None else resumed(got)):
         return read(scan(path))
@@ -112,8 +106,7 @@ def _may_hold_attempt(raw: bytes) -> bool:
 
 
 class Restarts:
-    """Per run: the attempts seen and the first step each one wrote, from the
-    records (and ``pmaptap/attempt`` meta records), for ``summary``."""
+    """Per run: each attempt's first step, for ``summary``."""
 
     def __init__(self) -> None:
         self._runs: dict[Any, dict[int, int | None]] = {}

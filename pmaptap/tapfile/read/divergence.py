@@ -9,10 +9,9 @@ from pmaptap.tapfile.record import key_with_step, record_key, split_step
 
 
 class DivergenceIndex:
-    """Which replicated keys (``record_key``) the file holds with more than
-    one distinct value (``vhash``), whichever processes wrote them (the first
-    writer of a key could not know that a later one would disagree). Holds
-    one small entry per replicated key, never the records."""
+    """Which replicated keys (``record_key``) have more than one ``vhash``
+    (the first writer of a key could not know a later one would disagree);
+    a small entry per key, never the records."""
 
     def __init__(self) -> None:
         # split_step's rest of a key -> step -> the vhash seen there while
@@ -25,7 +24,7 @@ class DivergenceIndex:
     def steps_of(
         self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
     ) -> dict[Any, Any]:
-        """``_seen``'s step -> entry map of split_step's rest of a key."""
+        """The step -> entry map of split_step's rest of a key."""
         return self._steps((run, name, pass_, index, attempt))
 
     def _steps(self, rest: tuple) -> dict[Any, Any]:

@@ -1,9 +1,6 @@
-"""Reading a tap file while writers append to it (``pmaptap tail -f``).
-
-A reader takes no lock, so it can see a line still being written, or a
-killed writer's torn line: bytes after the last newline are held back
-until their newline arrives; only then is the line parsed.
-"""
+"""Reading a tap file while writers append to it (``pmaptap tail -f``):
+no lock, so bytes after the last newline (a line being written, or torn)
+are held back until their newline arrives."""
 
 from __future__ import annotations
 
@@ -34,10 +31,9 @@ RELIST_S = 30.0
 
 
 class LineFollower:
-    """``poll()``: the (line number, bytes) of the lines of ``path``
-    completed since the last poll, a chunk at a time (consume it fully: a
-    chunk's offset is committed when it is read). A file replaced or
-    truncated is read again from its start."""
+    """``poll()``: (line number, bytes) of the lines of ``path`` completed
+    since the last poll (consume it fully: a chunk's offset is committed
+    when read); a file replaced or truncated is read again from its start."""
 
     def __init__(
         self, path: str | os.PathLike, keep_open: bool = True, chunk: int = _CHUNK
@@ -54,35 +50,42 @@ class LineFollower:
         self.lineno = 0
         self.restarted = 0
 
-    def _open(self) -> bool:
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            return False
-        self._f = f
-        self._ino = os.fstat(f.fileno()).st_ino
-        self._pos, self._partial, self.lineno = 0, b"", 0
-        return True
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        return self._lines(self._chunks())
 
-    def _read_closed(self) -> Iterator[bytes]:
-        """keep_open=False: chunks from where the last read stopped, the
-        file opened for each and closed before it is handed on (one
-        replaced during this poll waits for the next)."""
+    def _chunks(self) -> Iterator[bytes]:
+        """Chunks from where the last read stopped: of the file kept open
+        (opened again if replaced or truncated; a removed one: what it
+        holds), or with keep_open=False opened for each chunk (one replaced
+        during this poll waits for the next)."""
         first = True
         while True:
-            try:
-                f = open(self.path, "rb")
-            except FileNotFoundError:
-                return  # removed: keep what we have, wait for it to return
-            with f:
+            f = self._f
+            if f is not None and first:
+                try:
+                    st = os.stat(self.path)
+                except FileNotFoundError:
+                    st = None  # removed: keep what we have, wait for it to return
+                if st is not None and (st.st_ino != self._ino or st.st_size < self._pos):
+                    self.close()  # read again from the start, below
+                    f, self._ino = None, -1
+            if f is None:
+                try:
+                    f = open(self.path, "rb")
+                except FileNotFoundError:
+                    return  # removed: keep what we have, wait for it to return
                 st = os.fstat(f.fileno())
                 if st.st_ino != self._ino or st.st_size < self._pos:
                     if not first:
+                        f.close()
                         return
                     if self._ino is not None:
                         self.restarted += 1
                     self._ino = st.st_ino
                     self._pos, self._partial, self.lineno = 0, b"", 0
+                if self.keep_open:
+                    self._f = f
+            with contextlib.nullcontext() if self.keep_open else f:
                 f.seek(self._pos)
                 chunk = f.read(self.chunk)
             first = False
@@ -90,33 +93,8 @@ class LineFollower:
                 return
             self._pos += len(chunk)
             yield chunk
-            if len(chunk) < self.chunk:
+            if not self.keep_open and len(chunk) < self.chunk:
                 return  # the end of the file as it was: no second open to see it
-
-    def poll(self) -> Iterator[tuple[int, bytes]]:
-        return self._lines(self._read_open() if self.keep_open else self._read_closed())
-
-    def _read_open(self) -> Iterator[bytes]:
-        """keep_open: chunks from the file kept open, opened again if it was
-        replaced or truncated since (a removed one: what it holds)."""
-        if self._f is None and not self._open():
-            return
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            st = None  # removed: keep what we have, wait for it to return
-        if st is not None and (st.st_ino != self._ino or st.st_size < self._pos):
-            self.close()
-            self.restarted += 1
-            if not self._open():
-                return
-        while True:
-            self._f.seek(self._pos)
-            chunk = self._f.read(self.chunk)
-            if not chunk:
-                return
-            self._pos += len(chunk)
-            yield chunk
 
     def _lines(self, chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
         for chunk in chunks:
@@ -144,15 +122,9 @@ class LineFollower:
 def matching(
     lf: LineFollower, flt: Filter, report: Callable[[int, str], None] | None = None
 ) -> Iterator[views.Entry]:
-    """The records ``flt`` passes among the lines completed since the last
-    poll, streamed; lines that are not records (blank ones aside) go to
-    ``report(line number, problem)``."""
-    for lineno, raw in lf.poll():
-        d, problem = parse_line(raw)
-        if d is None:
-            if report is not None and problem != "empty line":
-                report(lineno, problem)
-            continue
+    """The records ``flt`` passes among the lines of a poll; lines that are
+    not records (blank ones aside) go to ``report(line number, problem)``."""
+    for lineno, d in source.records(source.parsed(lf.poll()), report):
         rec = decode_record(d)
         if flt(rec):
             yield views.Entry(lineno, d, rec)
@@ -167,8 +139,7 @@ def follow(
     timeout: float | None,
     report: Callable[[int, str], None] | None = None,
 ) -> Iterator[list[views.Entry]]:
-    """Batches of new matching records, one per poll every ``interval``
-    seconds, until ``stop`` is set or ``timeout`` seconds have passed."""
+    """A batch of new matching records per poll (``polls``)."""
     for _ in polls(stop, interval, timeout):
         if stop.is_set():
             return  # tail stops at once, without a last poll
@@ -176,10 +147,8 @@ def follow(
 
 
 def polls(stop: StopFlag, interval: float, timeout: float | None) -> Iterator[None]:
-    """The polls of a follow loop (``tail -f``, ``merge --follow``,
-    ``export --follow``): the first at once, then one every ``interval``
-    seconds (less, to end at ``timeout``), until the poll after ``stop`` was
-    set or ``timeout`` seconds have passed."""
+    """A follow loop's polls: the first at once, then one every
+    ``interval`` seconds until the poll after ``stop`` or ``timeout``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         yield
@@ -217,9 +186,8 @@ class StopFlag:
         return self._set
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Sleep until ``set()`` or ``timeout`` seconds; True if set. A
-        signal whose handler sets the flag has written the pipe before
-        ``select`` is resumed (PEP 475), so it returns at once."""
+        """Sleep until ``set()`` or ``timeout``; True if set (a handler's
+        byte is in the pipe before ``select`` resumes: PEP 475)."""
         if not self._set:
             select.select([self._r], [], [], None if timeout is None else max(timeout, 0.0))
         return self._set
@@ -234,9 +202,8 @@ class StopFlag:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopFlag]:
-    """Ctrl-C / SIGTERM end a follow loop cleanly (no traceback, exit 0):
-    the handlers only set the flag the poll loop checks, and are undone
-    when the block ends."""
+    """Ctrl-C / SIGTERM set the flag a follow loop checks (exit 0, no
+    traceback), undone when the block ends."""
     stop = StopFlag()
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -251,10 +218,8 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
 
 class RunFollower:
-    """``LineFollower`` over a run in the sharded layout: the lines
-    completed in any of its sources since the last poll, ordered as
-    ``pmaptap.read`` orders them; a shard that appears later is picked up
-    at the next poll."""
+    """``LineFollower`` of a sharded run: its sources' new lines ordered as
+    ``pmaptap.read`` orders them, a new shard picked up at the next poll."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = source.Run.of(path)
@@ -293,8 +258,7 @@ class RunFollower:
             yield self.lineno, raw
 
     def _is_copy(self, d: dict | None) -> bool:
-        """Whether ``d`` is a replicated value that another process's line
-        gave first (the first to be asked about a value is its first copy)."""
+        """Whether another process's line gave ``d``'s replicated value first."""
         from pmaptap.tapfile.record import record_key
 
         if d is None or d.get("kind") != "replicated" or not d.get("vhash"):
@@ -305,10 +269,9 @@ class RunFollower:
         return got != d.get("process")
 
     def _sources(self, first: bool) -> list[Iterator[tuple[int, bytes]]]:
-        """Each source's (line number, bytes) completed since the last poll,
-        in source order: an object store's processes' new chunks (immutable:
-        read once), or the local files' lines, new files added; the first
-        poll reads a local file a chunk at a time (FIRST_POLL_BYTES in all)."""
+        """Each source's new (line number, bytes), in source order: a store's
+        processes' new chunks, or the local files' (FIRST_POLL_BYTES in all
+        a chunk at the first poll)."""
         if self.path.url:
             found = sorted(self._list_objects().items())
             return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]
@@ -320,9 +283,8 @@ class RunFollower:
         return [lf.poll() for lf in self._files.values()]
 
     def _reader(self, proc: int, objs: list, processes: int):
-        """A source.Reader of what this follower has not read of ``proc``'s
-        ``objs``; its first object asked for now, not when the merge first
-        pulls (which would be one process after another)."""
+        """A source.Reader of ``proc``'s ``objs`` not read yet, its first
+        fetch started now (not when the merge pulls: one after another)."""
         fs, _ = source.url_fs(self.path)
         cursor = self._cursors.setdefault(proc, source.Cursor())
         pool, piece = self._fetch_pool(), source.piece_bytes(processes)
@@ -348,8 +310,8 @@ class RunFollower:
     def _stream(
         self, i: int, lines: Iterator[tuple[int, bytes]]
     ) -> Iterator[tuple[float, int, int, bytes, Any]]:
-        """(merge key: the running largest record time, as ``pmaptap.read``
-        orders, source, line number, bytes, record or None) of its lines."""
+        """(merge key as run.merge_keys', source, line number, bytes,
+        record or None) of its lines."""
         t = float("-inf")
         for n, raw in lines:
             # Every line counts for the running time, a copy the merge will
@@ -359,9 +321,8 @@ class RunFollower:
             yield t, i, n, raw, d
 
     def _local_sources(self) -> list[str]:
-        """The run's files to add this poll: the shard directory is listed
-        only when its mtime changed (a quiet directory costs one stat); the
-        shared file is looked for until it appears."""
+        """The run's files to add this poll: the shard directory listed
+        only when its mtime changed (a quiet one costs a stat)."""
         base, directory = source.base_and_directory(self.path)
         try:
             st = os.stat(directory)
@@ -380,10 +341,8 @@ class RunFollower:
         return []
 
     def _list_objects(self) -> dict:
-        """process -> its objects to look at this poll: a known process's
-        new ones by a listing after its last object read (object names sort
-        in order), a new process's all; the whole prefix at the first poll
-        and every RELIST_S."""
+        """process -> its objects to look at this poll: those after its
+        last read (``objects_after``), the whole run every RELIST_S."""
         now = time.monotonic()
         last = {p: c.last for p, c in self._cursors.items() if c.last}
         if last and now < self._relist_at:
@@ -410,9 +369,8 @@ class RunFollower:
 
 
 class PendingFollower:
-    """The follower of a run that does not exist yet: its layout is unknown
-    until its first writer opens it, so every poll looks for both ``path``
-    and ``path.d/`` and then becomes the follower of what appeared."""
+    """The follower of a run that does not exist yet (its layout unknown
+    until its first writer opens it): each poll looks for either."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
@@ -441,8 +399,7 @@ class PendingFollower:
 
 
 def open_follower(path: str | os.PathLike) -> "LineFollower | RunFollower | PendingFollower":
-    """The follower for ``path``: a sharded run's, one file's, or, while
-    neither exists, one that waits to see which appears."""
+    """The follower for ``path``: a sharded run's, one file's or a pending one."""
     run = source.Run.of(path)
     return _follower(run) or PendingFollower(run)
 

@@ -1,7 +1,5 @@
-"""Records as a tidy pandas DataFrame (``pmaptap.read(..., as_frame=True)``),
-Parquet (``pmaptap export --parquet``) and step x device tables
-(``pmaptap.per_device``): one row per record, in file order, the columns
-docs/api.md ("Tidy frames and Parquet") lists."""
+"""Records as a tidy pandas DataFrame, Parquet and step x device tables
+(docs/api.md, "Tidy frames and Parquet")."""
 
 from __future__ import annotations
 
@@ -48,8 +46,8 @@ def _row(r: dict) -> dict[str, Any]:
 
 
 def _number_kind(cells: list) -> str | None:
-    """'bool', 'int' or 'float' when every non-null cell is a number of that
-    kind ('float' for a mix), None when a cell is not a number or all are null."""
+    """'bool', 'int' or 'float' (a mix) of the non-null cells; None when
+    one is no number or all are null."""
     kinds = set()
     for c in cells:
         if c is not None:
@@ -70,8 +68,7 @@ _NOT_CODED = object()
 
 
 def _wider(data: array.array, v: int) -> array.array:
-    """``data`` (signed ints) copied into the narrowest wider array that
-    holds ``v`` (within int64: callers check)."""
+    """``data`` in the narrowest wider int array that holds ``v`` (int64)."""
     for code in ("h", "i", "q"):
         if array.array(code).itemsize > data.itemsize:
             bits = 8 * array.array(code).itemsize - 1
@@ -81,10 +78,8 @@ def _wider(data: array.array, v: int) -> array.array:
 
 
 class _Cells:
-    """One column's cells while a frame is built, compact while they allow:
-    floats in an ``array('d')``, ints in an int array as narrow as its
-    values, text and None as codes into a table of distinct cells,
-    anything else in a list. ``cells()`` gives back equal cells."""
+    """One column's cells while a frame is built, compact while they allow
+    (floats, narrow ints, codes of distinct text; else a list)."""
 
     __slots__ = ("kind", "data", "none", "table", "codes", "_shared", "_lists")
 
@@ -175,7 +170,7 @@ class _Cells:
         return v
 
     def empty_mask(self) -> Any:
-        """Which cells are None (missing), as a bool array."""
+        """Which cells are None, as a bool array."""
         import numpy as np
 
         if self.kind in ("f", "q"):
@@ -190,9 +185,8 @@ class _Cells:
         return np.frombuffer(self.data, dtype=np.dtype(self.data.typecode))
 
     def series(self, pd: Any, col: str) -> Any:
-        """``_column(pd, col, self.cells())``, without making the cells of
-        a float or int64 column: NumPy straight from the arrays, NaN or
-        <NA> where a cell is None, as ``_column`` makes of those cells."""
+        """``_column(pd, col, self.cells())``, a number column straight from
+        its array (no cells made)."""
         kind = self.kind
         if kind is None and col == "divergent":  # no record says so: all False
             import numpy as np
@@ -224,9 +218,8 @@ class _Cells:
         return pd.Series(pd.arrays.IntegerArray(values.astype("int64"), mask.copy()))
 
     def _text_series(self, pd: Any, col: str) -> Any:
-        """A text column (``_column``'s "str" Series) straight from the
-        codes, as an Arrow dictionary decoded once: no list of cells, no
-        object array. None where pandas' text is not Arrow's."""
+        """A text column straight from the codes (an Arrow dictionary
+        decoded once); None where pandas' text is not Arrow's."""
         table = self.table
         if col == "pass":
             table = ["forward" if c is None else c for c in table]
@@ -266,11 +259,8 @@ class _Cells:
 
 
 class FrameBuilder:
-    """The tidy DataFrame of decoded records (``pmaptap.read``'s dicts), one
-    record at a time: its cells go straight into compact columns (``_Cells``;
-    a missing cell is None), so a reader that streams a file holds the
-    columns, never the records or their rows, and each column becomes plain
-    cells only while pandas converts it."""
+    """The tidy DataFrame of decoded records, added one at a time into
+    compact columns (a streaming reader never holds records or rows)."""
 
     def __init__(self) -> None:
         self._pd = _pandas()  # the error at once, before a file is read
@@ -294,9 +284,8 @@ class FrameBuilder:
         self.n = n + 1
 
     def frame(self, empty: dict[str, Any] | None = None) -> Any:
-        """The DataFrame; the builder is spent. ``empty``: filled with the
-        mask of the empty cells of each float column (Parquet keeps them
-        apart from the tap's own NaN values)."""
+        """The DataFrame (the builder spent); ``empty`` gets each float
+        column's empty cells (Parquet keeps them apart from a tap's NaN)."""
         pd, n, cells, filled = self._pd, self.n, self._cells, self._filled
         names = list(cells)
         coords = sorted(k for k in names if k.startswith(COORDS_COLUMN_PREFIX))
@@ -357,10 +346,8 @@ _MAX_US = float(2**63 - 1)
 
 
 def _times(pd: Any, secs: Any) -> Any:
-    """Seconds since the epoch (float64, NaN where none) -> UTC datetimes of
-    exact microseconds: writers round a time to the microsecond, and
-    pandas' ``unit="s"`` kept float noise below it. A time no int64 of
-    microseconds holds is NaT."""
+    """Seconds (NaN: none) -> UTC datetimes of exact microseconds (writers
+    round to them; ``unit="s"`` kept float noise); out of int64 range: NaT."""
     import numpy as np
 
     us = np.round(np.asarray(secs, dtype="float64") * 1e6)
@@ -371,8 +358,7 @@ def _times(pd: Any, secs: Any) -> Any:
 
 
 def _int_dtype(cells: list) -> str | type:
-    """Int64, or UInt64 for a uint64 tap's values past 2**63-1, or object
-    for integers no 64-bit type holds (each cell then as it was)."""
+    """Int64, UInt64 (a uint64 past 2**63-1), else object."""
     ints = [c for c in cells if c is not None]
     lo, hi = (min(ints), max(ints)) if ints else (0, 0)
     if -(2**63) <= lo and hi < 2**63:
@@ -440,8 +426,7 @@ def _json_text(c: Any) -> Any:
 
 
 def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """One row per decoded record, the columns of ``read(...,
-    as_frame=True)``; returns the number of rows."""
+    """The frame of decoded records as Parquet; returns the number of rows."""
     pa = optional("pyarrow", "pmaptap export --parquet", "parquet")
     pq = optional("pyarrow.parquet", "pmaptap export --parquet", "parquet")
     import numpy as np
@@ -455,16 +440,9 @@ def write_parquet(records: Iterable[dict], path: str | os.PathLike) -> int:
         if df[col].dtype != object:
             continue
         cells = df[col].tolist()
-        try:
+        try:  # (ArrowInvalid is a ValueError, ArrowTypeError a TypeError)
             pa.array(cells, from_pandas=False)
-        except (
-            pa.ArrowInvalid,
-            pa.ArrowTypeError,
-            pa.ArrowNotImplementedError,
-            TypeError,
-            ValueError,
-            OverflowError,
-        ):
+        except (pa.ArrowNotImplementedError, TypeError, ValueError, OverflowError):
             df[col] = _pandas().Series([_json_text(c) for c in cells], dtype="str", index=df.index)
     table = pa.Table.from_pandas(df, preserve_index=False)
     for col, mask in empty.items():
@@ -498,17 +476,13 @@ def _has_leaf(dtype: Any, path: list[str], summarized: bool) -> bool:
 
 
 def _iteration(v: Any) -> tuple:
-    """A looped tap's iteration as a tuple (outermost loop first; () for a
-    loop-free record)."""
+    """A looped tap's iteration as a tuple (() outside loops)."""
     return tuple(int(i) for i in v) if isinstance(v, (list, tuple)) or hasattr(v, "shape") else ()
 
 
 def per_device(frame: Any, value: str = "value") -> Any:
-    """A step x device table of ``value`` from a tidy frame (``read(...,
-    as_frame=True)``, or one read from ``export --parquet``): docs/api.md,
-    "Tidy frames and Parquet". Rows are ``step``, after ``run``/``name``/
-    ``pass`` where the frame holds several; the last record of a (key,
-    device) wins."""
+    """A step x device table of ``value`` from a tidy frame (docs/api.md,
+    "Tidy frames and Parquet"); the last record of a (key, device) wins."""
     pd = _pandas()
     if value not in frame.columns:
         raise KeyError(

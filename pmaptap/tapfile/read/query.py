@@ -1,5 +1,4 @@
-"""Which records a reader keeps: the filter every reader and command applies
-(name, steps, run, device, process) and the parsing of its arguments."""
+"""The filter every reader and command applies, and its arguments parsed."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class Filter:
     all_attempts: bool = False
 
     def key_match(self, r: dict) -> bool:
-        """The part of the filter on a record's identity (name, run, step):
-        every record of a key matches it or none does."""
+        """The filter on name, run, step: all records of a key or none."""
         if self.names and r.get("name") not in self.names:
             return False
         if self.run is not None and r.get("run") != self.run:
@@ -81,8 +79,7 @@ class Filter:
 
 
 def read_filter(name: Any, step: Any, run: Any, device: Any, process: Any) -> Any:
-    """read()'s filter arguments as a Filter (None: no filter); a bad
-    argument is a ValueError/TypeError that says what is accepted."""
+    """read()'s filter arguments as a Filter (None: no filter)."""
     if name is None and step is None and run is None and device is None and process is None:
         return None
     if name is None:

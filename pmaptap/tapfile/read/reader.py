@@ -36,17 +36,8 @@ def read(
     attempts: str = "latest",
 ):
     """All valid records of a tap file, in file order, as dicts (a tidy
-    pandas DataFrame with ``as_frame=True``); docs/api.md, "Reading a tap
-    file", says the rest.
-
-    Filters apply while parsing: ``name`` (one or several), ``step`` (N, an
-    inclusive ``(lo, hi)``, ``"A:B"`` or a ``range`` with step 1), ``run``,
-    ``device``, ``process``. ``attempts="latest"`` leaves out the records a
-    later attempt of a resumed run superseded; ``"all"`` keeps them, each
-    with its ``attempt`` (0 for the first). A value stored as bytes comes
-    back as an ndarray, bit for bit; non-finite numbers as float NaN/inf;
-    lines that are not records are skipped with one warning.
-    """
+    pandas DataFrame with ``as_frame=True``): docs/api.md, "Reading a tap
+    file" (the filters, ``attempts``, stored values, skipped lines)."""
     path = Run.of(path)  # how the run is stored, worked out once for the passes below
     if attempts not in _MODES:
         raise ValueError(f"attempts must be one of {_MODES}, got {attempts!r}")
@@ -123,17 +114,15 @@ def read(
 
 
 class Stored:
-    """Loads the values a run stored as bytes into the decoded records that
-    have them (its ByteStore opened at the first); a line whose bytes are
-    missing goes to ``bad`` as (line, problem), to be skipped."""
+    """Loads stored values into decoded records (the ByteStore opened at
+    the first); a line whose bytes are missing goes to ``bad``."""
 
     def __init__(self, path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
         self.path, self.bad = path, bad
         self._store: ByteStore | None = None
 
     def load(self, r: dict, lineno: int) -> bool:
-        """Put ``r``'s stored value into it as an ndarray of its dtype;
-        False when its bytes are not there."""
+        """``r``'s stored value loaded into it; False when its bytes are not there."""
         if self._store is None:
             self._store = ByteStore(self.path)
         try:
@@ -156,9 +145,8 @@ def _warn_skipped(path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
 
 
 def _frame(path: str | os.PathLike, flt: Filter | None, attempts: str) -> Any:
-    """``read(..., as_frame=True)``, streamed: the file is read twice
-    (tapfile/read/stream.py), and each record goes into the frame's columns as it
-    is decoded, so neither the records nor their rows are ever held."""
+    """``read(..., as_frame=True)``, streamed (read twice: stream.py), each
+    record into the frame's columns as decoded, never held."""
     from pmaptap.tapfile.read.frame import FrameBuilder
     from pmaptap.tapfile.read.stream import first_pass, matching
 

@@ -1,10 +1,8 @@
 """Reading a file twice instead of holding it (``show``, ``export``,
-``plot``, ``read(as_frame=True)``). A record's divergence depends on every
-copy of its key, and whether a later attempt superseded it on every record
-of its step, wherever they sit in the file. So ``first_pass`` keeps only the
-small per-key indexes (and the matched records while they are few,
-KEEP_RECORDS), and ``matching`` reads the file again (or walks the records
-kept) with exact answers for both."""
+``plot``, ``read(as_frame=True)``): a record's divergence and whether a
+later attempt superseded it depend on records anywhere in the file, so
+``first_pass`` keeps only per-key indexes (and few matched records) and
+``matching`` reads the file again."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ from pmaptap.tapfile.source import Run, iter_lines
 
 @dataclasses.dataclass
 class FirstPass:
-    """What the first pass learned: the indexes, every line that is not a
-    record (empty ones included), every name and run read (to say what a
-    file holds when nothing matched)."""
+    """What the first pass learned (names and runs: to say what a file
+    holds when nothing matched)."""
 
     # The record_key of every divergent replicated key (the index itself is
     # dropped before the second pass).
@@ -84,9 +81,8 @@ def first_pass(path: str | os.PathLike, flt: Filter | None) -> FirstPass:
 def matching(
     path: str | os.PathLike, flt: Filter | None, fp: FirstPass, *, all_attempts: bool
 ) -> Iterator[tuple[int, dict, bool]]:
-    """(line, record as written, divergent) for each record ``flt`` keeps,
-    in file order, less what a later attempt superseded unless
-    ``all_attempts``."""
+    """(line, record as written, divergent) of each record ``flt`` keeps,
+    less the superseded unless ``all_attempts``."""
     divergent, attempts = fp.divergent, fp.attempts
     check_later = bool(attempts) and not all_attempts
     last, last_bad = fp.lines, fp.last_bad

@@ -19,6 +19,7 @@ from pmaptap.tapfile.record import (
     Holders,
     decode_record,
     index_text,
+    ranges_text,
     shown_name,
 )
 from pmaptap.tapfile.source import Run, shown_value
@@ -26,9 +27,8 @@ from pmaptap.tapfile.source import Run, shown_value
 
 @dataclasses.dataclass
 class Entry:
-    """One valid record of a file: its 1-based line number, the record as
-    written (non-finite markers kept, for re-emitting strict JSON) and the
-    decoded record (floats NaN/inf, divergence reconciled)."""
+    """A record's line number, its object as written (markers kept, for
+    strict JSON out) and decoded (NaN/inf floats, divergence marked)."""
 
     line: int
     raw: dict
@@ -43,10 +43,7 @@ class Entry:
 def iter_entries(
     path: str | os.PathLike, flt: "Filter", fp: "FirstPass", limit: int = 0
 ) -> Iterator[Entry]:
-    """The entries of the records ``flt`` matches, less those a later
-    attempt superseded unless ``flt.all_attempts``, divergence judged on
-    every copy of a matched key: the second pass over the file after
-    ``stream.first_pass`` (at most ``limit`` of them, 0: all)."""
+    """The entries of ``stream.matching`` (at most ``limit``, 0: all)."""
     found = matching(Run.of(path), flt, fp, all_attempts=flt.all_attempts)
     for lineno, d, divergent in itertools.islice(found, limit or None):
         e = Entry(lineno, d, decode_record(d))
@@ -56,8 +53,7 @@ def iter_entries(
 
 
 def scalar(v: Any) -> float | None:
-    """The value as a float if it is one number (bool/int/float), else None.
-    Non-finite floats stay NaN/inf: callers decide what to do with them."""
+    """The value as a float if it is one number (bool too), else None."""
     return float(v) if isinstance(v, (int, float)) else None  # bool too
 
 
@@ -90,9 +86,8 @@ def format_value(v: Any, width: int = 60) -> str:
 
 
 def id_order(x: Any) -> tuple:
-    """Sort key for process/device ids as read: numbers in order, then
-    anything else a hand-edited file may hold (a string, null), never a
-    TypeError from comparing them."""
+    """Sort key for ids as read: numbers, then anything else a hand-edited
+    file may hold (never a TypeError from comparing them)."""
     if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x:
         return (0, x, "")
     return (1, 0, repr(x))
@@ -107,9 +102,7 @@ def sorted_ids(ids: Iterable[Any]) -> list:
 
 
 def format_ids(ids: Iterable[Any]) -> str:
-    """Sorted ints as compact ranges ("0-3,6"), then any id of another
-    type a hand-edited file may hold as its JSON (``3.0``, ``"d"``); null
-    devices as "?"."""
+    """Ints as ranges ("0-3,6"), then other ids as JSON, null devices "?"."""
     ids = list(ids)
     types = set(map(type, ids))
     others: list = []
@@ -118,13 +111,7 @@ def format_ids(ids: Iterable[Any]) -> str:
     else:
         nums = sorted({i for i in ids if type(i) is int})
         others = sorted((i for i in ids if i is not None and type(i) is not int), key=id_order)
-    # Where a range ends: the next id is not one more.
-    ends = [i for i in range(1, len(nums)) if nums[i] != nums[i - 1] + 1]
-    parts = [
-        str(nums[a]) if a == b - 1 else f"{nums[a]}-{nums[b - 1]}"
-        for a, b in zip([0, *ends], [*ends, len(nums)])
-        if b > a
-    ]
+    parts = [ranges_text(nums)] if nums else []
     parts += list(dict.fromkeys(json.dumps(i, default=repr) for i in others))  # each once
     if type(None) in types:
         parts.append("?")
@@ -144,9 +131,7 @@ def device_text(r: dict) -> str:
 
 
 def coords_text(r: dict) -> str:
-    """Mesh coordinates, then a shard's global slice as the console prints
-    it, set apart from them (``data=2,model=1 index=[4:6,4:8]``; a pytree's
-    leaves each in brackets), never glued to the last coordinate."""
+    """Mesh coordinates, then a shard's slice: ``data=2,model=1 index=[4:6,4:8]``."""
     coords = r.get("coords")
     parts = []
     if coords and isinstance(coords, dict):
@@ -170,12 +155,10 @@ def flags_text(r: dict) -> str:
 def leaves(
     value: Any, dtype: Any, path: str = "", sep: str = "/", stats: bool = True
 ) -> Iterator[tuple[str, Any, Any]]:
-    """(path, value, dtype) of each leaf of a decoded value; ``dtype`` has the
-    value's pytree nesting, which tells a pytree list from an array. The
-    path names a leaf as TensorBoard's tags, the summary's and plot's rows
-    do (``name/<key>/<index>``), or with ``sep="."`` as the frame's and the
-    CSV's columns do. A summarized leaf ({"min": .., ...} for a string
-    dtype) gives a leaf per statistic, unless ``stats`` is False."""
+    """(path, value, dtype) of each leaf of a decoded value, by ``dtype``'s
+    nesting (a pytree list is no array); paths as tags and rows name them
+    (``/<key>/<index>``; ``sep="."``: columns). A summarized leaf gives a
+    leaf per statistic, unless ``stats`` is False."""
     if isinstance(dtype, dict) and isinstance(value, dict):
         for k, v in value.items():
             yield from leaves(v, dtype.get(k), f"{path}{sep}{k}", sep, stats)
@@ -213,8 +196,7 @@ RUN = "run"
 
 
 def with_run(columns: Sequence[str]) -> tuple[str, ...]:
-    """``columns`` with the run after the line: rows of several runs (a
-    file appended to by two jobs) look alike without it."""
+    """``columns`` with the run after the line (rows of several runs)."""
     return (columns[0], RUN, *columns[1:])
 
 
@@ -237,9 +219,8 @@ def row(e: Entry, width: int = 60) -> dict[str, str]:
 
 
 def value_text(r: dict, width: int = 60) -> str:
-    """The value column: a fingerprint record has no ``value`` (null) but
-    its ``fingerprint``, with the leaf a divergent one is about, as the
-    stderr printer (_host/sinks/console.py) shows it."""
+    """The value column (a fingerprint record's: its fingerprint and leaf,
+    as _host/sinks/console.py shows it)."""
     if r.get("kind") == FINGERPRINT:
         leaf = r.get("leaf")
         fp = str(r.get("fingerprint"))
@@ -253,8 +234,7 @@ def value_text(r: dict, width: int = 60) -> str:
 
 
 class Table:
-    """Aligned columns. ``widths`` only grow, so ``tail -f`` can print rows
-    as they arrive with the columns fixed by what it printed first."""
+    """Aligned columns; ``widths`` only grow (``tail -f`` prints as rows come)."""
 
     def __init__(self, columns: Sequence[str] = COLUMNS, right: Iterable[str] = _RIGHT) -> None:
         self.columns = tuple(columns)
@@ -262,8 +242,7 @@ class Table:
         self.widths = {c: len(c) for c in self.columns}
 
     def without(self, column: str) -> None:
-        """Leave ``column`` out (show fits a run column, then drops it when
-        the rows turn out to hold one run)."""
+        """Leave ``column`` out (show's run column, for rows of one run)."""
         self.columns = tuple(c for c in self.columns if c != column)
 
     def fit(self, rows: Iterable[dict[str, str]]) -> None:
@@ -281,8 +260,7 @@ class Table:
 
 
 def json_line(e: Entry, *, attempt: bool = False) -> str:
-    """The record as one strict JSON line (non-finite markers as written);
-    ``attempt``: with its ``attempt`` field even where the file leaves it out
-    (0, a first attempt), as ``read(path, attempts="all")`` gives it."""
+    """The record as one strict JSON line as written (``attempt``: with its
+    ``attempt``, 0 where left out, as ``read(attempts="all")`` gives it)."""
     raw = {**e.raw, "attempt": attempt_of(e.raw)} if attempt else e.raw
     return json.dumps(raw, separators=(",", ":"), allow_nan=False, ensure_ascii=False)

@@ -65,6 +65,7 @@ from pmaptap.tapfile.record.schema import (
     index_key,
     is_ref,
     part_key,
+    ranges_text,
     record_key,
     shown_name,
     step_key,

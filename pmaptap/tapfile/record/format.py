@@ -33,9 +33,8 @@ META_ATTEMPT = "pmaptap/attempt"  # a resumed run's attempt began here
 
 
 def check_step_range(step: int, where: str) -> int:
-    """An integer step given on the host as int, or ``ValueError`` naming
-    ``where``: readers reject any record whose step is outside 0..MAX_STEP,
-    so it is never written."""
+    """``step`` as int, or ``ValueError`` naming ``where``: readers reject a
+    step outside 0..MAX_STEP, so it is never written."""
     if not 0 <= step <= MAX_STEP:
         raise ValueError(
             f"{where}: step must be >= 0 and at most 2**63-1 (steps are int64); got {step}."
@@ -44,10 +43,9 @@ def check_step_range(step: int, where: str) -> int:
 
 
 def check_text(text: "str | None", where: str, what: str = "name") -> None:
-    """Text that goes into records (a name, a run id, a host name) must be
-    valid Unicode (a lone surrogate has no UTF-8 form: refused here, it is
-    not a record replaced at write time), or ``ValueError`` naming
-    ``where``; anything but a str or None is a ``TypeError``."""
+    """Text for records must be a str (or None) of valid Unicode, refused
+    here naming ``where`` (a lone surrogate has no UTF-8 form: better than
+    a record replaced at write time)."""
     if text is None:
         return
     if not isinstance(text, str):
@@ -105,9 +103,7 @@ def is_narrow_int(dt: np.dtype) -> bool:
 
 
 def encodable(dt: np.dtype) -> bool:
-    """Whether records hold arrays of ``dt`` (pmaptap.tap checks it at trace
-    time, so an unencodable dtype is refused there, never dropped on the
-    host)."""
+    """Whether records hold arrays of ``dt`` (checked at trace time)."""
     return dt.kind in "biufc" or is_narrow_int(dt) or (is_float_like(dt) and dt.fields is None)
 
 
@@ -234,9 +230,8 @@ class Record:
 
     @classmethod
     def line_pieces(cls, template: dict, dtype: Any, shape: Any) -> tuple[bytes, ...] | None:
-        """The encoded line of a record built from ``template`` with this
-        dtype and shape, cut into the four pieces around its step, value and
-        time, or None when it cannot be cut unambiguously."""
+        """The line of ``template`` with this dtype and shape cut into the
+        four pieces around step, value and time (None: not unambiguously)."""
         if ORJSON is None:
             return None
         line = cls.from_template(
@@ -261,8 +256,7 @@ class Record:
 
     @staticmethod
     def set_iteration(records: Sequence[Record], iteration: tuple) -> None:
-        """Give ``records`` (a looped tap's, just built) their loop
-        ``iteration``, dropping a line joined without it."""
+        """Give a looped tap's new ``records`` their ``iteration``."""
         for r in records:
             d = r.__dict__
             if d.get("iteration") is None and r.kind != "meta":
@@ -277,8 +271,7 @@ class Record:
         step: int,
         time: float,
     ) -> None:
-        """Give each of ``records`` its line: its ``line_pieces`` joined
-        around the step, its value's JSON text and the time."""
+        """Each record's line: its ``line_pieces`` around step, value, time."""
         step_b, time_b = b"%d" % int(step), ORJSON.dumps(round(time, 6))
         for r, (p0, p1, p2, p3), text in zip(records, pieces, texts):
             r.__dict__["_line"] = b"".join((p0, step_b, p1, text, p2, time_b, p3))
@@ -326,8 +319,7 @@ def key_with_step(rest: tuple, step: Any) -> tuple:
 
 
 def index_text(index: Any, sep: str = ",") -> str:
-    """``[[4, 6], [0, 8]]`` -> ``4:6,0:8`` (one ``start:stop`` per dimension;
-    a pytree's leaves each in brackets); "" when there is none."""
+    """``[[4, 6], [0, 8]]`` -> ``4:6,0:8`` (a pytree's leaves in brackets)."""
     if not index:
         return ""
     if all(_is_pair(p) for p in index):
@@ -430,8 +422,7 @@ def decoded(r: AnyRecord) -> dict:
 
 
 def decode_record(d: dict) -> dict:
-    """A line's object as readers give it: its value decoded (non-finite
-    markers as floats, complex pairs as complex), ranges text as ``Holders``."""
+    """A line's object as readers give it (docs/api.md, "Record format")."""
     d = dict(d)
     d["value"] = decode_value(d["value"], d.get("dtype"), d.get("shape"))
     for field in ("devices", "processes"):

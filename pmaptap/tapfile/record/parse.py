@@ -1,13 +1,7 @@
-"""The one parser for bytes read from a tap file: every reader turns a line
-into a record here. ``parse_line`` never raises: any line becomes a record
-or comes back with a short reason, and what one line may cost is bounded
-(docs/faults.md, "Hostile or damaged tap files"). The writers apply the
-same limits, so every line pmaptap writes is read back.
-
-Most lines cost one msgspec call (schema.py's Structs); a line they refuse
-is parsed as any JSON value (strict), then schema.validate_dict. (orjson
-reads nothing here: ``PMAPTAP_NO_ORJSON`` changes no reader.)
-"""
+"""The one parser for bytes read from a tap file: a line becomes a record
+or a short reason, never an exception, at a bounded cost (docs/faults.md,
+"Hostile or damaged tap files"); writers apply the same limits. A line
+schema.py's Structs refuse is parsed as any JSON, then validate_dict."""
 
 from __future__ import annotations
 
@@ -41,10 +35,8 @@ _OPENERS = b"[{"
 
 
 def exceeds_depth(raw: bytes) -> bool:
-    """Whether the JSON text ``raw`` nests deeper than MAX_DEPTH levels,
-    found without parsing it: bracket counts first, a scan outside strings
-    only when those allow more. Exact up to the first point where a JSON
-    parser would fail (it never recurses past that)."""
+    """Whether ``raw`` nests deeper than MAX_DEPTH, without parsing it
+    (exact up to where a JSON parser would fail)."""
     limit = MAX_DEPTH
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
@@ -76,9 +68,8 @@ _ANY = msgspec.json.Decoder()
 
 
 def _loads(raw: bytes) -> tuple[Any, str | None]:
-    """The line's JSON value (strict RFC 8259), integers outside
-    [-2**63, 2**64) as the nearest float (one beyond the double range: not
-    valid)."""
+    """The line's strict JSON value, integers outside [-2**63, 2**64) as
+    the nearest float."""
     try:
         obj = _ANY.decode(raw)
     except msgspec.DecodeError as e:
@@ -102,9 +93,7 @@ def _as_read(x: Any) -> Any:
 
 
 def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
-    """One line (without its newline) -> (record, None) or (None, why it is
-    not a record). The record is a schema.py Struct; ``parse_line`` gives
-    the line's object. Never raises an Exception."""
+    """One line -> (Struct, None) or (None, why it is no record)."""
     try:
         if len(raw) > MAX_LINE_BYTES:
             return None, (
@@ -125,9 +114,7 @@ def decode_line(raw: bytes) -> tuple[AnyRecord | None, str | None]:
 
 
 def _by_definition(raw: bytes) -> tuple[AnyRecord | None, str | None]:
-    """A line (of a length readers take) the format's Structs do not take:
-    parsed as any JSON value, then taken if readers take it, its object
-    kept (schema.from_dict)."""
+    """A line the format's Structs refuse, taken if readers take it."""
     if not raw.strip():
         return None, "empty line"
     if exceeds_depth(raw):
@@ -151,10 +138,8 @@ Decoded = tuple[list, dict]
 
 
 def decode_block(block: bytes, lines: "list[bytes] | None" = None) -> Decoded:
-    """``decode_line`` of each line of ``block`` (whole lines): (records,
-    problems by index). The common block (every line short, shallow and
-    without a long integer) is one msgspec call; any other goes a line at a
-    time. ``lines``: the block's lines, if the caller has them."""
+    """``decode_line`` of each line of ``block``: (records, problems by
+    index); the common block is one msgspec call. ``lines``: if known."""
     try:
         # The block's opening brackets (all as "[") and line ends, in order:
         # no line opens more than MAX_DEPTH, and its lines are counted here.
@@ -188,8 +173,7 @@ def _split(block: bytes, lines: "list[bytes] | None") -> list[bytes]:
 
 
 def _each(lines: list[bytes], gated: bool) -> Decoded:
-    """decode_line of each line; ``gated``: lines the block gate let through
-    (short, shallow, no long number), msgspec's call inlined."""
+    """decode_line of each line (``gated``: the block's gate passed them)."""
     records: list = []
     problems: dict[int, str] = {}
     decode = DECODER.decode
@@ -215,10 +199,8 @@ def parse_lines(lines: list[bytes]) -> tuple[list, dict]:
 
 
 def _long_number(raw: bytes) -> bool:
-    """Whether ``raw`` may hold an integer of 19 digits or more (maybe one
-    outside [-2**63, 2**64), which the definition reads as a float and
-    msgspec keeps). Two C passes: digits as "0", a fraction's point and an
-    exponent's letter as ".", anything else " "; then " " and 19 digits."""
+    """Whether ``raw`` may hold an integer of 19 digits or more (one past
+    64 bits: the definition reads a float, msgspec keeps it), in C passes."""
     return raw.translate(_DIGITS).find(_LONG) >= 0
 
 
@@ -231,8 +213,7 @@ _TOO_DEEP = b"[" * (MAX_DEPTH + 1)
 
 
 def line_problem(line: bytes) -> str | None:
-    """Why readers would refuse a line a writer is about to write (too long,
-    too deep), else None."""
+    """Why readers would refuse a line a writer is about to write, or None."""
     if len(line) > MAX_LINE_BYTES:
         return (
             f"the encoded record is {len(line)} bytes, more than the "

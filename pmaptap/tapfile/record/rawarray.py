@@ -30,18 +30,13 @@ class RawArray:
 
 
 def has_raw(value: Any, dtype: Any) -> bool:
-    """Does a record's value (as the aggregator built it) hold a RawArray?
-    Walks the pytree by ``dtype``'s nesting, never into an inline leaf."""
-    if type(value) is RawArray:
-        return True
-    if isinstance(dtype, dict) and isinstance(value, dict):
-        return any(has_raw(value.get(k), d) for k, d in dtype.items())
-    if isinstance(dtype, list) and isinstance(value, list):
-        return any(has_raw(v, d) for v, d in zip(value, dtype))
-    return False
+    """Does a record's value (as the aggregator built it) hold a RawArray?"""
+    return next(raw_leaves(value, dtype), None) is not None
 
 
 def raw_leaves(value: Any, dtype: Any) -> Iterator[RawArray]:
+    """The RawArray leaves of a value, found by ``dtype``'s nesting (never
+    walking into an inline leaf)."""
     if type(value) is RawArray:
         yield value
     elif isinstance(dtype, dict) and isinstance(value, dict):

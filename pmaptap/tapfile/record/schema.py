@@ -1,13 +1,6 @@
 """What a record is: the one home of the record rules (docs/api.md,
-"Record format"; docs/architecture.md says how the levels fit).
-
-Each kind of record is a msgspec ``Struct`` (a tagged union on ``kind``)
-made of its rows of one table, ``FIELDS``: the format, what writers write
-and ``pmaptap validate`` checks; what types cannot say is ``beyond_types``.
-Readers take more (``READERS_TAKE``, ``validate_dict``): a line the Structs
-refuse that readers take is kept as its line's object (``Odd*``). A Struct
-answers the dict reads readers' helpers make (``get``, ``[]``, ``in``).
-"""
+"Record format"; docs/architecture.md, "tapfile/record", tells the levels:
+the format's Structs, ``beyond_types``, what readers take, ``Odd*``)."""
 
 from __future__ import annotations
 
@@ -110,8 +103,8 @@ class AnyRecord(Struct, kw_only=True):
     odd: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        # The readers' rules that no type says (msgspec runs this while
-        # decoding: a line breaking one is refused like a wrong type).
+        # msgspec runs this while decoding: a line breaking a readers' rule
+        # no type says is refused like a wrong type.
         if self.index is not UNSET or type(self.devices) is str or type(self.processes) is str:
             problem = beyond_types(self, readers=True)
             if problem:
@@ -147,8 +140,7 @@ class AnyRecord(Struct, kw_only=True):
 
 
 def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> type:
-    """The Struct of ``kind`` made of its rows of FIELDS (``types``: a
-    field's type instead of its row's)."""
+    """The Struct of ``kind`` from its rows of FIELDS (``types`` override)."""
     fields = []
     for name, tp, required, kinds in FIELDS:
         if kind in kinds:
@@ -279,8 +271,7 @@ _LOOSE = {kind: _struct(kind, READERS_TAKE, _LooseRecord) for kind in CLASSES}
 
 
 def validate_dict(d: Any) -> str | None:
-    """Why ``d`` (a line's JSON object) is not a record readers take, or
-    None if it is one. The format's own rules are ``format_problems``'."""
+    """Why ``d`` (a line's JSON object) is not a record readers take, or None."""
     if not isinstance(d, dict):
         return "not a JSON object"
     missing = [k for k in REQUIRED if k not in d]
@@ -312,8 +303,7 @@ def _why(error: str) -> str:
 
 
 def from_dict(d: dict) -> AnyRecord:
-    """The record of a line's object that readers take (validate_dict),
-    holding the object itself (``as_dict`` gives it back)."""
+    """The record of a line's object readers take, holding the object."""
     kind = d["kind"]
     names = _NAMES[kind]
     fields = {names[k]: v for k, v in d.items() if k in names}
@@ -343,8 +333,8 @@ globals().update({cls.__name__: cls for cls in _ODD.values()})
 
 
 def beyond_types(r: Any, readers: bool = False) -> list[str]:
-    """The rules no field type says that a record breaks: with ``readers``,
-    those readers need (ranges text, a shard's index), else the format's."""
+    """The rules no field type says that a record breaks (with ``readers``:
+    the readers' ones, ranges text and a shard's index)."""
     out: list[str] = []
     if readers:
         for name in ("devices", "processes"):
@@ -384,8 +374,7 @@ def beyond_types(r: Any, readers: bool = False) -> list[str]:
 
 
 def format_problems(r: AnyRecord) -> list[str]:
-    """Every way a record breaks the format (``pmaptap validate``): an odd
-    one's fields against their Struct types, then the rules beyond types."""
+    """Every way a record breaks the format (``pmaptap validate``)."""
     if not r.odd:
         if type(r) is not PerDevice or r.index is not UNSET or r.bytes is not UNSET:
             return beyond_types(r)
@@ -494,8 +483,8 @@ def is_ref(x: Any) -> bool:
 
 
 def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str | None:
-    """Why ``value`` has not the nesting ``dtype``/``shape`` describe (None:
-    it has). ``stored``: the ``bytes`` field, whose leaves are null."""
+    """Why ``value`` does not fit ``dtype``/``shape`` (``stored``: the
+    ``bytes`` field, whose leaves are null), or None."""
     if value is None and dtype is None and shape is None:
         return None  # a None inside a tapped pytree (no leaves)
     if isinstance(dtype, str):
@@ -538,22 +527,23 @@ def holders_field(ids: "tuple | list") -> "list | str":
     or its ranges text past RANGES_ABOVE ascending distinct integer ids."""
     if len(ids) <= RANGES_ABOVE or not all(type(i) is int and i >= 0 for i in ids):
         return list(ids)
-    parts = []
-    start = prev = ids[0]
-    for i in ids[1:]:
-        if i <= prev:
-            return list(ids)  # not ascending: the list says it as it is
-        if i != prev + 1:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = i
-        prev = i
-    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        return list(ids)  # not ascending: the list says it as it is
+    return ranges_text(ids)
+
+
+def ranges_text(nums: Sequence[int]) -> str:
+    """Ascending distinct ints as ranges text (``"0-3,8-11"``)."""
+    ends = [i for i in range(1, len(nums)) if nums[i] != nums[i - 1] + 1]
+    return ",".join(
+        str(nums[a]) if a == b - 1 else f"{nums[a]}-{nums[b - 1]}"
+        for a, b in zip([0, *ends], [*ends, len(nums)])
+        if b > a
+    )
 
 
 def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
-    """The inclusive (first, last) ranges of a holders text, None if
-    ``text`` is not one (ascending, disjoint, at most MAX_HOLDERS ids)."""
+    """The inclusive (first, last) ranges of a holders text, or None."""
     if type(text) is not str or not text:
         return None
     out: list[tuple[int, int]] = []
@@ -590,8 +580,7 @@ def _holders(text: str) -> "Holders | None":
 
 
 def holders_count(v: Any) -> "int | None":
-    """How many ids a holders field names (a list's length; ranges text's
-    ids, None if it is not ranges text), never expanding them."""
+    """How many ids a holders field names (None: bad ranges text), unexpanded."""
     if type(v) is not str:
         return len(v) if isinstance(v, (list, Holders)) else 0
     h = _holders(v)
@@ -599,10 +588,8 @@ def holders_count(v: Any) -> "int | None":
 
 
 class Holders(Sequence):
-    """The ids of a ranges text (``"0-4095"``), a read-only sequence of
-    ints never expanded unless asked (``list(h)``): what ``pmaptap.read``
-    gives for a holders field written as ranges text, one object per text
-    met lately (``Holders.of``). Equal to a list or tuple of the same ids."""
+    """The ids of a ranges text (``"0-4095"``), never expanded unless asked
+    (docs/api.md, "Record format"); one object per text met lately."""
 
     __slots__ = ("text", "_starts", "_ends", "_len")
 
@@ -661,7 +648,7 @@ class Holders(Sequence):
 
 
 def holder_ids(v: Any) -> list:
-    """The ids of a ``devices``/``processes`` field in either form."""
+    """The ids of a holders field in either form."""
     if type(v) is str:
         h = _holders(v)
         return [] if h is None else list(h)
@@ -669,9 +656,8 @@ def holder_ids(v: Any) -> list:
 
 
 def first_holder(rec: dict) -> str:
-    """The lowest device id among a record's ``holders`` and its ``devices``
-    (either form; a ranges text is ascending, so only its first id is
-    read), as text; ``"unknown"`` where none is an int."""
+    """The lowest device id among a record's ``holders`` and ``devices``, as
+    text (``"unknown"``: none); a ranges text is ascending: its first id."""
     ids = [h.get("device") for h in rec.get("holders") or () if isinstance(h, dict)]
     devices = rec.get("devices")
     if type(devices) is str:
@@ -693,10 +679,8 @@ def holds(v: Any, x: Any) -> bool:
 
 
 def record_key(r: Any) -> tuple:
-    """The identity of a value in a tap file (replicated records with the
-    same key hold the same value, or are divergent), of a format.Record, a
-    Struct or a line's object. Shards, loop iterations (``part_key``) and
-    attempts of one step are different values."""
+    """The identity of a value in a tap file (docs/api.md, "Record format"),
+    of a format.Record, a Struct or a line's object."""
     if isinstance(r, AnyRecord):
         return r.key()
     if not isinstance(r, dict):  # format.Record (the writer's)
@@ -713,24 +697,21 @@ def record_key(r: Any) -> tuple:
 
 
 def shown_name(name: Any, iteration: Any) -> Any:
-    """A looped tap's name per iteration in summary and show: ``act_rms[3]``,
-    ``x[1,2]`` (outermost first); the name outside loops."""
+    """A looped tap's name in summary and show: ``act_rms[3]``, ``x[1,2]``."""
     if iteration is None or iteration is UNSET:
         return name
     return f"{name}[{','.join(map(str, iteration))}]"
 
 
 def curve_tag(name: Any, iteration: Any) -> str:
-    """A looped tap's curve per iteration in plots and TensorBoard:
-    ``act_rms/3``, ``x/1/2`` (outermost first); the name outside loops."""
+    """A looped tap's curve in plots and TensorBoard: ``act_rms/3``, ``x/1/2``."""
     if iteration is None or iteration is UNSET:
         return str(name)
     return "/".join([str(name), *map(str, iteration)])
 
 
 def part_key(index: Any, iteration: Any) -> Any:
-    """``record_key``'s part of a step's value that a record holds: the
-    shard (``index``, None for a whole value) and the loop ``iteration``."""
+    """``record_key``'s part: the shard (``index``) and loop ``iteration``."""
     part = None if index is None else index_key(index)
     if iteration is None:
         return part
@@ -738,8 +719,7 @@ def part_key(index: Any, iteration: Any) -> Any:
 
 
 def step_key(r: Any) -> tuple:
-    """A record's step of a tap, (run, name, step, pass): the unit a later
-    attempt of a resumed run supersedes."""
+    """(run, name, step, pass): what a later attempt supersedes."""
     return (r.get("run"), r.get("name"), r.get("step"), r.get("pass", "forward"))
 
 
@@ -752,8 +732,7 @@ _PLAIN = frozenset((*CLASSES.values(), type(None)))
 
 
 def as_dicts(records: list) -> list:
-    """as_dict of each of ``records`` (None stays None), one msgspec call
-    where it can."""
+    """as_dict of each record (None stays None), one msgspec call if it can."""
     if set(map(type, records)) <= _PLAIN:
         return msgspec.to_builtins(records)
     return [None if r is None else as_dict(r) for r in records]

@@ -23,6 +23,8 @@ from pmaptap.tapfile.source.lines import (
     iter_file_records,
     iter_lines,
     iter_record_batches,
+    parsed,
+    records,
 )
 from pmaptap.tapfile.source.run import (
     FILE_LAYOUTS,

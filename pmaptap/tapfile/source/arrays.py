@@ -1,10 +1,6 @@
-"""Array values stored as bytes beside the tap file (the ``bytes`` field):
-a leaf above ``INLINE_MAX_BYTES`` is a complete ``.npy`` array at an
-offset of an append-only file (docs/api.md, "Array values: stored as
-bytes"). A writer appends the bytes BEFORE the line that points at them,
-so a killed process leaves bytes nobody points at, never a line without
-its bytes. NumPy loads only where a value is loaded.
-"""
+"""Array values stored as bytes beside the tap file (the ``bytes`` field;
+docs/api.md, "Array values: stored as bytes"). NumPy loads only where a
+value is loaded."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ import math
 import os
 from typing import Any, Iterator
 
-# MissingBytes: imported here too, where it was first defined (callers may
-# import it from this module).
 from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.record import RawArray, is_ref
 from pmaptap.tapfile.source.run import is_url
@@ -25,9 +19,8 @@ INLINE_MAX_BYTES = 1024
 
 
 def stored_as_bytes(nbytes: int, dtype: Any) -> bool:
-    """Whether a leaf is stored as bytes rather than written as JSON
-    numbers: above INLINE_MAX_BYTES, and at any size where doubles cannot
-    hold its values exactly (float128 and complex256 on x86)."""
+    """Above INLINE_MAX_BYTES, or where doubles cannot hold the values
+    exactly (float128 and complex256 on x86)."""
     return nbytes > INLINE_MAX_BYTES or (
         (dtype.kind == "f" and dtype.itemsize > 8) or (dtype.kind == "c" and dtype.itemsize > 16)
     )
@@ -58,19 +51,26 @@ class Stored:
     __repr__ = __str__
 
 
-def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None) -> Any:
-    """``value`` with a ``Stored`` at each leaf stored as bytes: by the
-    ``bytes`` field as written, or at each RawArray (writer side)."""
-    if type(value) is RawArray or (value is None and is_ref(field)):
-        return Stored(dtype, shape)
+def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None, store: Any = None) -> Any:
+    """``value`` with a ``Stored`` at each leaf stored as bytes (a reference
+    in ``field``, the ``bytes`` field, or a writer's RawArray), or with
+    ``store``, that leaf loaded; walked by ``dtype``'s nesting (a field of
+    another nesting, a hostile line's, stores nothing)."""
+    if type(value) is RawArray or is_ref(field):
+        if store is not None:
+            return store.load_leaf(field, dtype, shape)
+        return Stored(dtype, shape) if type(value) is RawArray or value is None else value
     if isinstance(dtype, dict) and isinstance(value, dict):
         shapes = shape if isinstance(shape, dict) else {}
         f = field if isinstance(field, dict) else {}
-        return {k: shown_value(v, dtype.get(k), shapes.get(k), f.get(k)) for k, v in value.items()}
+        return {
+            k: shown_value(v, dtype.get(k), shapes.get(k), f.get(k), store)
+            for k, v in value.items()
+        }
     if isinstance(dtype, list) and isinstance(value, list):
         shapes = shape if isinstance(shape, list) else [None] * len(value)
         f = field if isinstance(field, list) else [None] * len(value)
-        return [shown_value(*x) for x in zip(value, dtype, shapes, f)]
+        return [shown_value(*x, store) for x in zip(value, dtype, shapes, f)]
     return value
 
 
@@ -104,9 +104,7 @@ def npy_chunks(raw: RawArray) -> list:
 
 
 def byte_leaves(field: Any, dtype: Any, shape: Any, path: str = "") -> Iterator[tuple]:
-    """(leaf path, reference, leaf dtype, leaf shape) of each stored leaf of
-    a record's ``bytes`` field (``dtype`` gives its nesting); the path is
-    "" for a one-leaf value, else ``/key/0/...``."""
+    """(path ``/key/0/...``, reference, dtype, shape) of each stored leaf."""
     if is_ref(field):
         yield path, field, dtype, shape
     elif isinstance(field, dict) and isinstance(dtype, dict):
@@ -120,8 +118,7 @@ def byte_leaves(field: Any, dtype: Any, shape: Any, path: str = "") -> Iterator[
 
 
 def field_problem(d: dict) -> str | None:
-    """What is wrong with a record's ``bytes`` field as written (None: fine,
-    or no field)."""
+    """What is wrong with a record's ``bytes`` field as written, or None."""
     if "bytes" not in d:
         return None
     field, dtype, shape, value = d["bytes"], d.get("dtype"), d.get("shape"), d.get("value")
@@ -156,8 +153,7 @@ def field_problem(d: dict) -> str | None:
 
 
 def run_root(path: str | os.PathLike) -> str:
-    """The directory (or URL prefix) that ``bytes.file`` is relative to: that
-    of the run's tap file (``path``, or its ``.d`` directory)."""
+    """The directory (or URL prefix) ``bytes.file`` is relative to."""
     p = os.fspath(path)
     if is_url(p):
         return p.rstrip("/").rsplit("/", 1)[0]
@@ -176,9 +172,7 @@ def bytes_dir(path: str | os.PathLike) -> str:
 
 
 class ByteStore:
-    """Reads stored leaves of one run (a local directory or an fsspec URL);
-    remembers file sizes, so that checking many references costs one stat
-    per file."""
+    """Reads a run's stored leaves; sizes cached: a stat per file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.root = run_root(path)
@@ -213,9 +207,8 @@ class ByteStore:
         return self._sizes[where]
 
     def missing_problem(self, ref: dict) -> str | None:
-        """Why ``ref``'s bytes cannot be read (None: they are all there).
-        Sizes are cached: a file growing under a live run is re-checked
-        only when a reference reaches past what was seen."""
+        """Why ``ref``'s bytes cannot be read, or None (a size is stat'ed
+        again when a reference reaches past it: a live run's file grows)."""
         try:
             where = self._where(ref)
         except MissingBytes as e:
@@ -235,10 +228,8 @@ class ByteStore:
         return None
 
     def read_ref(self, ref: dict) -> bytes:
-        """The bytes ``ref`` names; MissingBytes if they are not all there.
-        Its numbers are checked against the file's size before anything is
-        allocated or sought (``nbytes: 2**62`` is one bad line, not a
-        MemoryError)."""
+        """The bytes ``ref`` names, checked against the file's size before
+        anything is allocated (``nbytes: 2**62`` is no MemoryError)."""
         where = self._where(ref)
         start, end = ref["offset"], ref["offset"] + ref["nbytes"]
         if self.url:
@@ -266,9 +257,8 @@ class ByteStore:
         return data
 
     def load_leaf(self, ref: dict, dtype: str, shape: Any) -> Any:
-        """The stored leaf as an ndarray of its own ``dtype`` and ``shape``;
-        MissingBytes if its bytes are not all there or are not the ``.npy``
-        the record describes (``nbytes`` checked first)."""
+        """The stored leaf as an ndarray of its ``dtype`` and ``shape``, or
+        MissingBytes."""
         problem = npy_size_problem(ref["nbytes"], dtype, shape)
         if problem is not None:
             raise MissingBytes(problem)
@@ -281,9 +271,7 @@ _NPY_HEADER_MAX = 10 + 0xFFFF
 
 
 def npy_size_problem(nbytes: int, dtype: str, shape: Any) -> str | None:
-    """Why ``nbytes`` cannot be the ``.npy`` of a leaf of ``dtype`` and
-    ``shape`` (None: it can): its data, plus a header of at most
-    _NPY_HEADER_MAX bytes."""
+    """Why ``nbytes`` cannot be the ``.npy`` of a ``dtype``/``shape`` leaf."""
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         return f"its shape {shape!r} is not a list of sizes"
     data = numpy_dtype(dtype).itemsize * math.prod(shape)
@@ -321,8 +309,7 @@ def numpy_dtype(name: Any) -> Any:
 
 
 def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
-    """One ``.npy`` (header and data) -> the array of the record's dtype and
-    shape, exact bits; MissingBytes if it is not that."""
+    """One ``.npy`` -> the array of the record's dtype and shape, or MissingBytes."""
     import io
 
     import numpy as np
@@ -350,19 +337,5 @@ def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
 
 
 def load_value(d: dict, store: ByteStore) -> Any:
-    """``d["value"]`` with every stored leaf loaded (``d`` decoded:
-    decode_record, for its inline leaves); MissingBytes names the first
-    leaf that cannot be."""
-
-    def fill(v: Any, f: Any, dt: Any, sh: Any) -> Any:
-        if is_ref(f):
-            return store.load_leaf(f, dt, sh)
-        if isinstance(f, dict) and isinstance(v, dict):
-            shapes = sh if isinstance(sh, dict) else {}
-            return {k: fill(x, f.get(k), dt.get(k), shapes.get(k)) for k, x in v.items()}
-        if isinstance(f, list) and isinstance(v, list):
-            shapes = sh if isinstance(sh, list) else [None] * len(v)
-            return [fill(x, y, z, s) for x, y, z, s in zip(v, f, dt, shapes)]
-        return v
-
-    return fill(d.get("value"), d.get("bytes"), d.get("dtype"), d.get("shape"))
+    """A decoded record's value with every stored leaf loaded."""
+    return shown_value(d.get("value"), d.get("dtype"), d.get("shape"), d.get("bytes"), store)

@@ -1,6 +1,5 @@
-"""The lines of a run (one file, or a sharded run's merged stream) as
-(line number, record or None, problem or None), in batches of whole lines:
-the one place that iterates a tap file's lines for every reader."""
+"""The lines of a run (one file, or a sharded run's merged stream) in
+batches: the one place that iterates a tap file's lines for every reader."""
 
 from __future__ import annotations
 
@@ -8,11 +7,12 @@ import contextlib
 import gc
 import os
 import time
+from collections.abc import Callable, Iterable
 from itertools import count, repeat
 from typing import Any, BinaryIO, Iterator
 
 from pmaptap.tapfile import record
-from pmaptap.tapfile.record import as_dicts, decode_line
+from pmaptap.tapfile.record import as_dicts, decode_line, parse_line
 from pmaptap.tapfile.source import run as runs
 from pmaptap.tapfile.source.run import Batch
 
@@ -25,8 +25,7 @@ _PROGRESS_EVERY = 8192
 
 
 class _ReadProgress:
-    """A bar of MiB read, on stderr, once a read has lasted PROGRESS_DELAY_S
-    and only where a person watches (a TTY; PMAPTAP_PROGRESS forces it)."""
+    """A bar of MiB read once a read has lasted PROGRESS_DELAY_S (docs/cli.md)."""
 
     def __init__(self, f: BinaryIO, path: str | os.PathLike) -> None:
         self.f = f
@@ -65,9 +64,8 @@ class _ReadProgress:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a reader loops over a file's
-    records: the loop keeps many records alive (no reference cycles), and
-    the collector would walk them again and again."""
+    """The cyclic collector off while a reader holds many records (no
+    cycles among them): it would walk them again and again."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -85,6 +83,24 @@ def collector_paused() -> Iterator[None]:
 def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
     """Every line of a run, the record as its line's JSON object."""
     return _flat(iter_record_batches(path))
+
+
+def parsed(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, dict | None, str | None]]:
+    """``iter_lines``' triples of (line number, bytes) pairs (a follower's)."""
+    for lineno, raw in lines:
+        yield (lineno, *parse_line(raw))
+
+
+def records(
+    lines: Iterable[tuple[int, Any, str | None]], report: Callable[[int, str], None] | None
+) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of each of ``iter_lines``' triples that is one;
+    the others, blank lines aside, go to ``report(line number, problem)``."""
+    for lineno, d, problem in lines:
+        if d is not None:
+            yield lineno, d
+        elif report is not None and problem != "empty line":
+            report(lineno, problem or "invalid")
 
 
 def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
@@ -118,11 +134,9 @@ BATCH_BYTES = 1 << 16
 def iter_file_records(
     path: str | os.PathLike, start: int = 0, stop: int | None = None
 ) -> Iterator[Batch]:
-    """The lines of one file as batches ``(first, records, problems)``:
-    ``records[i]`` is line ``first + i`` as a Struct or None, ``problems``
-    maps the number of each line that is not a record to why. ``start``,
-    ``stop``: only the lines between those bytes (both at a line's start),
-    numbered from 1."""
+    """The lines of one file as batches ``(first, records, problems)``
+    (records as Structs or None; problems by line number), only those
+    between bytes ``start`` and ``stop`` (line starts), numbered from 1."""
     with open(path, "rb") as f:
         if start:
             f.seek(start)
@@ -154,13 +168,10 @@ def iter_file_records(
 def read_block(
     f: BinaryIO, size: int
 ) -> "tuple[bytes, tuple[dict | None, str | None] | None] | None":
-    """The next ``size`` bytes of ``f`` or so, as whole lines: ``(buf,
-    last)``, ``last`` the (record, problem) of a line that ends the block
-    without a newline (or None); None at the end of the file.
-
-    The one home of what only the file shows: a line longer than
-    MAX_LINE_BYTES is reported without being held in memory, and a last
-    line without a newline that is not valid JSON is a torn line."""
+    """About ``size`` bytes of whole lines of ``f``: ``(buf, last)``,
+    ``last`` the (record, problem) of a line without its newline, or None;
+    None at the end. The one home of what only the file shows: over-long
+    lines (never held) and torn last lines."""
     limit = record.MAX_LINE_BYTES
     buf = f.read(size)
     if not buf:
@@ -193,8 +204,7 @@ def read_block(
 def read_at(
     path: str, offset: int, size: int
 ) -> "tuple[bytes, tuple[dict | None, str | None] | None, int]":
-    """``read_block`` of ``path`` at ``offset``, the file open only
-    meanwhile, and the offset after the block."""
+    """``read_block`` of ``path`` at ``offset`` and the offset after it."""
     with open(path, "rb") as f:
         f.seek(offset)
         block = read_block(f, size)

@@ -36,8 +36,7 @@ _SHARD_NAME = re.compile(r"p(\d+)\.jsonl\Z")
 
 
 def shard_dir(path: str | os.PathLike) -> str:
-    """The directory of a run's shards: ``<path>.d`` (``path`` itself if it
-    already names that directory)."""
+    """``<path>.d`` (``path`` itself if it already names that directory)."""
     path = _run_path(path)
     if path.endswith(SHARD_SUFFIX) and os.path.isdir(path):
         return path
@@ -67,8 +66,7 @@ def _shards(directory: str) -> list[str]:
 
 
 def shard_process(path: str | os.PathLike) -> int | None:
-    """The process a shard file (``p00003.jsonl``) belongs to; None for any
-    other file (the run's one shared file)."""
+    """The process of a shard file (``p00003.jsonl``); None for any other."""
     m = _SHARD_NAME.match(os.path.basename(os.fspath(path)))
     return None if m is None else int(m.group(1))
 
@@ -81,16 +79,15 @@ def _sharded_on_disk(path: str | os.PathLike) -> bool:
 
 
 def sources(path: str | os.PathLike) -> list[str]:
-    """Every file that holds records of the run at ``path``: the one shared
-    file (if any process wrote there) and each shard, in process order."""
+    """The run's files: its shared file (if any) and each shard, in order."""
     base, directory = base_and_directory(path)
     out = [base] if base and os.path.isfile(base) else []
     return out + _shards(directory)
 
 
 def base_and_directory(path: str | os.PathLike) -> "tuple[str | None, str]":
-    """The run's one shared file (None when ``path`` names a directory not
-    ending in ``.d``) and its shard directory."""
+    """The run's shared file (None for a directory not named ``*.d``) and
+    its shard directory."""
     path = _run_path(path)
     if os.path.isdir(path):
         base = path[: -len(SHARD_SUFFIX)] if path.endswith(SHARD_SUFFIX) else None
@@ -119,9 +116,8 @@ def is_url(path: str | os.PathLike) -> bool:
 
 
 class Run(str):
-    """A run's path with how the run is stored worked out once: ``url`` (an
-    object store's chunks), ``sharded`` (sources to merge) or neither (one
-    file). Being a str, it goes wherever a path goes."""
+    """A run's path, with how it is stored worked out once: ``url``,
+    ``sharded`` (sources to merge) or neither (one file)."""
 
     url: bool
     sharded: bool
@@ -169,23 +165,14 @@ Batch = tuple[int, list, dict]
 _NUMBER = (int, float)
 
 
-def _cut(data: bytes, off: int, size: int) -> tuple[bytes, int]:
-    """About ``size`` bytes of whole lines of ``data`` from ``off``, and the
-    offset after them."""
-    end = data.find(b"\n", min(off + size, len(data)) - 1)
-    end = len(data) if end < 0 else end + 1
-    return data[off:end], end
-
-
 def copy_key(r: Any) -> tuple:
     """What the merge keeps one copy of (a replicated record's)."""
     return (r.key(), r.vhash)
 
 
 class SourceLine(NamedTuple):
-    """A line of a sharded run named by its source and its line there (a
-    run too big to place its lines in the merged stream). Orders by source,
-    then line."""
+    """A line of a sharded run by its source and line there (a run too big
+    to place its lines in the merged stream)."""
 
     source: int
     line: int
@@ -201,9 +188,8 @@ def source_problem(why: str, name: str, line: int) -> str:
 
 def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float]:
     """The merge keys of a source's next ``records`` (``holes``: some are
-    None), ``t`` the last line's before them: each the largest record time
-    up to its line, so a source's keys never decrease (a clock stepping
-    back does not reorder its own lines). Returns them and the last one."""
+    None) after key ``t``, and the last: each the largest time up to its
+    line, so a clock stepping back does not reorder a source's own lines."""
     times = None if holes else [r.time for r in records]
     if times and len(set(map(type, times))) == 1 and type(times[0]) is float:
         # The usual piece: the running largest time in C passes.
@@ -222,8 +208,7 @@ def merge_keys(records: list, holes: bool, t: float) -> tuple[list[float], float
 
 class _Source:
     """One source of the merge, read a piece at a time: the records loaded
-    and not yet merged, each one's merge key (record time, kept
-    non-decreasing), and how far the merge has taken them."""
+    and not yet merged, their merge keys, how far the merge took them."""
 
     name = ""
 
@@ -244,8 +229,7 @@ class _Source:
         self.done = False
 
     def load(self) -> "tuple[list, dict] | bool":
-        """The next lines into ``data`` (True), a piece of its own, or False
-        at the end."""
+        """The next lines into ``data`` (True), a piece of its own, or False."""
         raise NotImplementedError
 
     def piece(self) -> "tuple[list, dict] | None":
@@ -255,12 +239,14 @@ class _Source:
             if got is not True:
                 return got or None
             self.off = 0
-        block, self.off = _cut(self.data, self.off, self.size)
-        return decode_block(block)
+        # About ``size`` bytes of whole lines.
+        data, off = self.data, self.off
+        end = data.find(b"\n", min(off + self.size, len(data)) - 1)
+        self.off = len(data) if end < 0 else end + 1
+        return decode_block(data[off : self.off])
 
     def extend(self) -> bool:
-        """Drop what the merge took and append the next piece (False, and
-        ``done``, once the source is read)."""
+        """Drop what the merge took, append the next piece (False: done)."""
         pos = self.pos
         if pos:
             # In place: a copy of what is left would touch every record again.
@@ -358,9 +344,9 @@ def _piece_bytes(n: int) -> int:
 
 
 def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
-    """Batches ``(first, records, problems)`` of every source of the run
-    merged by record time (ties: the shared file, then shards in process
-    order); a problem names the shard file (or chunk) and its line there."""
+    """Batches ``(first, records, problems)`` of the run's sources merged by
+    record time (ties: the shared file, then shards in process order); a
+    problem names its shard file (or chunk) and line there."""
     pool_box: list = []
     try:
         srcs = _sources(path, read_at, pool_box)
@@ -442,9 +428,8 @@ def _merge(srcs: list[_Source]) -> Iterator[Batch]:
 def _merge_round(
     keys_in: list, recs_in: list, marks_in: list, first: dict, pos: int
 ) -> tuple[list, dict, int]:
-    """A round's records (slices in source order) in merged order:
-    (records, problems by position, the last position). Only the marked
-    lines are looked at one by one."""
+    """A round's records in merged order, problems by position, the last
+    position; only the marked lines are looked at one by one."""
     order = sorted(range(len(keys_in)), key=keys_in.__getitem__)
     out = [recs_in[k] for k in order]
     problems: dict = {}

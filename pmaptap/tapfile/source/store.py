@@ -50,9 +50,8 @@ def rollup_name(
 
 
 class Object(NamedTuple):
-    """A listed chunk (``first == last``) or rollup. ``start`` (where it
-    begins in its writer's stream) -1: not known (a chunk of a writer from
-    before chunks were named with it); ``size`` -1: not known."""
+    """A listed chunk (``first == last``) or rollup; ``start`` (in its
+    writer's stream) and ``size`` -1 where not known (an older writer's)."""
 
     name: str
     process: int
@@ -64,10 +63,11 @@ class Object(NamedTuple):
     rollup: bool = False
 
 
-def parse_name(name: str, size: int) -> "Object | None":
+def parse_name(name: str, size: "int | None") -> "Object | None":
     m = _NAME.match(name.rsplit("/", 1)[-1])
     if m is None:
         return None
+    size = -1 if size is None else int(size)  # None: the listing gives none
     proc, writer, last, first, start, chunk_start = m.groups()
     if first is None:
         at = -1 if chunk_start is None else int(chunk_start)
@@ -75,15 +75,10 @@ def parse_name(name: str, size: int) -> "Object | None":
     return Object(name, int(proc), writer, int(first), int(last), int(start), size, True)
 
 
-def _size(size) -> int:  # -1 where the listing gives none (fetched whole)
-    return -1 if size is None else int(size)
-
-
 def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
-    """process -> its objects in name order (write order), as listed now.
-    A run with no object at all raises ``FileNotFoundError`` with the
-    store's reason, as a missing local file does (every writer puts an
-    empty chunk at open); ``missing_ok`` returns ``{}`` instead."""
+    """process -> its objects in name (write) order, as listed now. No
+    object at all is a ``FileNotFoundError`` (every writer puts an empty
+    chunk at open), or ``{}`` with ``missing_ok``."""
     fs, prefix = url_fs(url)
     where = prefix + SHARD_SUFFIX
     try:
@@ -93,7 +88,7 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
         entries, why = [], str(e) or "not found"
     out: dict[int, list[Object]] = {}
     for e in sorted(entries, key=lambda e: e["name"]):
-        o = parse_name(e["name"], _size(e.get("size")))
+        o = parse_name(e["name"], e.get("size"))
         if o is not None:
             out.setdefault(o.process, []).append(o)
     if not out and not missing_ok:
@@ -106,13 +101,11 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
 def objects_after(
     url: str, last: dict[int, str], pool=None, *, new: bool = False
 ) -> "dict[int, list[Object]] | None":
-    """process -> its objects named after ``last[process]``, for the
-    processes in ``last`` (S3's StartAfter: a follower's poll costs the
-    same at any age of the run); with ``new``, also every object of the
-    processes not in ``last`` that the run holds now (found by one listing
-    of the run's process prefixes, a request per 1,000 processes: a
-    process that started late is read at the next poll, not at the next
-    whole listing). None where the client has no such listing."""
+    """process -> its objects named after ``last[process]`` (S3's
+    StartAfter: a poll costs the same at any age of the run); with ``new``,
+    also those of processes not in ``last``, found by one listing of the
+    run's process prefixes (a late process is read at the next poll). None
+    where the client has no such listing."""
     fs, prefix = url_fs(url)
     call = getattr(fs, "call_s3", None)
     if call is None or not hasattr(fs, "split_path"):
@@ -136,7 +129,7 @@ def objects_after(
             got
             for out in pages(**kw)
             for o in out.get("Contents", ())
-            if (got := parse_name(f"{bucket}/{o['Key']}", _size(o.get("Size")))) is not None
+            if (got := parse_name(f"{bucket}/{o['Key']}", o.get("Size"))) is not None
         ]
         return proc, sorted(found)
 
@@ -169,14 +162,11 @@ class Cursor:
         self.gaps: dict[str, tuple[int, float]] = {}
 
     def plan(self, objs: list[Object], *, wait: bool = False) -> list[tuple[Object, int]]:
-        """(object, bytes of it to skip) to read of ``objs`` (a listing, in
-        name order), in order: what the reader has not taken. Empty chunks
-        are in it (nothing to fetch: ``take`` them with ``b""``).
-
-        A writer's objects after a gap (chunks neither listed nor covered by
-        a listed rollup) are read at once with a warning, or, with ``wait``
-        (a follower), only once the gap has lasted GAP_WAIT_S: reading past
-        it would lose the missing chunks when they appear."""
+        """(object, bytes of it to skip) of what the reader has not taken of
+        ``objs`` (a listing, in name order). Past a gap (docs/faults.md) it
+        reads at once with a warning, or with ``wait`` (a follower) once
+        the gap has lasted GAP_WAIT_S: reading past it would lose the
+        missing chunks when they appear."""
         covered: dict[str, list[tuple[int, int]]] = {}
         for o in objs:
             if o.rollup:
@@ -252,17 +242,14 @@ def piece_bytes(processes: int) -> int:
 
 
 def fetch(fs, o: Object, start: int, end: "int | None") -> bytes:
-    """Bytes ``start:end`` of ``o`` (None: to its end), always as a range
-    request: without one, s3fs asks its directory cache, which may predate
-    the object."""
+    """Bytes ``start:end`` of ``o`` as a range request: without one, s3fs
+    asks its directory cache, which may predate the object."""
     return fs.cat_file(o.name, start=start, end=end)
 
 
 class Reader:
-    """What a reader has not taken (``cursor``) of one process's objects
-    (``objs``), in order: ``next()`` gives ``(object, bytes of whole
-    lines)`` or None at the end, the next being fetched by ``pool``
-    meanwhile."""
+    """What ``cursor`` has not taken of one process's ``objs``: ``next()``
+    gives ``(object, whole lines)`` or None, the next fetched meanwhile."""
 
     # New listings in a row that may still miss a chunk before it counts
     # as gone (a store that lists a deleted object for a moment).
