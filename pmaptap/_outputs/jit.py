@@ -18,6 +18,7 @@ import inspect
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax._src import core
 
 from pmaptap._common.lifted import FromArgument
@@ -41,11 +42,24 @@ def _handed_over(result: tuple[Any, Lifted], args: tuple, kwargs: dict) -> Any:
         arrays = [*arrays, *_hashed_later(out, lifted)]
     taken = {}
     for k in lifted.packing or ():
-        if isinstance(k, FromArgument):  # not returned: the call's own
+        if isinstance(k, FromArgument) and k not in taken:  # not returned: the call's own
             got = args[k.key] if isinstance(k.key, int) else kwargs[k.key]
-            taken[k] = jax.tree_util.tree_leaves(got)[k.leaf]
+            taken[k] = _kept(jax.tree_util.tree_leaves(got)[k.leaf])
     drain.submit(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing, taken)
     return out
+
+
+def _kept(x: Any) -> Any:
+    """An argument's value for the host to read later, whatever the caller
+    does with the argument meanwhile: a jax.Array it donates to another
+    computation is deleted, however many references it has. One computed
+    already is read now (a few bytes); one still being computed is copied
+    on its device (the donation waits for the copy's read)."""
+    if not isinstance(x, jax.Array):
+        return x  # a Python or NumPy value: the call's own
+    if x.is_ready():
+        return np.asarray(x)
+    return jax.numpy.copy(x)
 
 
 def _hashed_later(out: Any, lifted: Lifted) -> list:

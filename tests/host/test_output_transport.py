@@ -1246,3 +1246,33 @@ def test_a_step_number_handed_in_is_read_from_the_call(tmp_path):
         assert held[1:] == ["24xui8"], (donate, held)
     kw = _outputs_of(pmaptap.jit(step, donate_argnames="s").lower(w, s=jnp.int32(1), lr=0.5))
     assert kw[1:] == ["24xui8"], kw
+
+
+def test_a_step_number_donated_elsewhere_after_the_call_is_not_lost(tmp_path, monkeypatch):
+    """The step number read from the call (above) is the caller's array: one
+    donated to another computation right after the call, computed already
+    or still being computed, is deleted before the drain, resting between
+    reads, gets to it. Every record is still written (it was read at the
+    call, or copied on its device then)."""
+    monkeypatch.setattr(outputs, "REST_S", 0.5)
+
+    def step(w, s):
+        pmaptap.tap(jnp.sum(w), "total", step=s)
+        return w + 1
+
+    @jax.jit
+    def slow_step_number(x, k):
+        for _ in range(20):
+            x = jnp.tanh(x @ x)
+        return (jnp.sum(x) * 0).astype(jnp.int32) + k
+
+    donate = jax.jit(lambda x: x + 1, donate_argnums=0)
+    big = jnp.eye(512) * 0.5
+    path = tmp_path / "out.jsonl"
+    with pmaptap.Session(str(path), run="donated"):
+        f, w = pmaptap.jit(step), jnp.ones(3)
+        for k in range(6):
+            s = jnp.int32(k) if k % 2 == 0 else slow_step_number(big, k)
+            w = f(w, s)
+            donate(s)
+    assert [r["step"] for r in pmaptap.read(str(path))] == list(range(6))
