@@ -79,12 +79,15 @@ class FromArgument:
     the step hands to a tap as it came (the step number, most often), which
     the program then does not return (docs/performance.md, "An argument
     tapped as it came"). ``key``: the argument's position or keyword;
-    ``leaf``: which of its leaves; ``dtype``, ``shape``: as traced."""
+    ``leaf``: which of its leaves; ``dtype``, ``shape``: as traced.
+    ``every`` > 0: not the argument but whether it is a multiple of
+    ``every`` (a fingerprint's ``due`` flag, decided on the host)."""
 
     key: int | str
     leaf: int
     dtype: Any  # numpy dtype
     shape: tuple[int, ...]
+    every: int = 0
 
 
 # Per output of the nodes, in order: its position among the step's extra

@@ -417,7 +417,8 @@ class _Argument:
 
     def host(self) -> np.ndarray:
         w = self.where
-        return _host(self.value).astype(w.dtype, copy=False).reshape(w.shape)
+        got = _host(self.value).astype(w.dtype, copy=False).reshape(w.shape)
+        return got % w.every == 0 if w.every else got
 
 
 def _unpacked(arrays: Sequence[Any], packing: Packing | None, arguments: dict) -> list:

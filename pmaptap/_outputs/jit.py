@@ -37,39 +37,40 @@ def _handed_over(result: tuple[Any, Lifted], args: tuple, kwargs: dict) -> Any:
     with ``args``, ``kwargs``); its lifted taps handed to the host pipeline
     (what makes them records)."""
     out, lifted = result
-    arrays = lifted.arrays
-    if lifted.later:
-        arrays = [*arrays, *_hashed_later(out, lifted)]
     taken = {}
     for k in lifted.packing or ():
         if isinstance(k, FromArgument) and k not in taken:  # not returned: the call's own
             got = args[k.key] if isinstance(k.key, int) else kwargs[k.key]
-            taken[k] = _kept(jax.tree_util.tree_leaves(got)[k.leaf])
+            taken[k] = _kept(jax.tree_util.tree_leaves(got)[k.leaf], k.dtype)
+    arrays = lifted.arrays
+    if lifted.later:
+        arrays = [*arrays, *_hashed_later(out, lifted, taken)]
     drain.submit(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing, taken)
     return out
 
 
-def _kept(x: Any) -> Any:
+def _kept(x: Any, dtype: np.dtype) -> Any:
     """An argument's value for the host to read later, whatever the caller
     does with the argument meanwhile: a jax.Array it donates to another
     computation is deleted, however many references it has. One computed
     already is read now (a few bytes); one still being computed is copied
     on its device (the donation waits for the copy's read)."""
     if not isinstance(x, jax.Array):
-        return x  # a Python or NumPy value: the call's own
+        return np.asarray(x, dtype)  # a Python or NumPy value: the call's own
     if x.is_ready():
-        return np.asarray(x)
+        return np.asarray(x).astype(dtype, copy=False)
     return jax.numpy.copy(x)
 
 
-def _hashed_later(out: Any, lifted: Lifted) -> list:
+def _hashed_later(out: Any, lifted: Lifted, taken: dict) -> list:
     """The tables of the fingerprints hashed after the step (lift.Later),
     dispatched now: before the caller can donate the outputs they read to
     the next step (a dispatched read holds its buffers)."""
     leaves = jax.tree_util.tree_leaves(out)
     got: list = []
     for later in lifted.later:
-        got += later(later.flag_source(lifted.arrays), [leaves[i] for i in later.leaves])
+        flag = later.flag_source(lifted.arrays, taken)
+        got += later(flag, [leaves[i] for i in later.leaves])
     return got
 
 

@@ -4,7 +4,8 @@ hashes a step's outputs, compiled while the step compiles.
 lift.py leaves a fingerprint of the step's own outputs out of the step
 (compiling the hash inside a big step cost several times the hash
 program's own compile) and describes it by a ``Later``; jit.py dispatches
-the program right after each step. A thread started when the step is
+the program right after each step (not on a step the host knows is not
+due: its step number an argument of the call). A thread started when the step is
 traced compiles it beside XLA's compile of the step, where the outputs'
 types are known then (every array on the one device of a one-device
 process); else it compiles at the first step. A fingerprint of less than
@@ -17,10 +18,11 @@ import threading
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax._src import dispatch
 
 from pmaptap._common.fingerprint import FingerprintSpec
-from pmaptap._common.lifted import Packed
+from pmaptap._common.lifted import FromArgument, Packed
 from pmaptap._log import log
 from pmaptap._trace import fingerprint
 
@@ -45,8 +47,9 @@ class Later:
         self.spec = spec
         self.leaves = leaves  # positions among the function's output leaves
         # Where the ``due`` flag lies among the step's extra outputs (its
-        # position, or its place in the bundle); None: always due.
-        self.flag: int | Packed | None = None
+        # position, or its place in the bundle), or the call's step it is
+        # decided from; None: always due.
+        self.flag: int | Packed | FromArgument | None = None
         self._program: Callable | None = None
         self._ahead: _Ahead | None = None
 
@@ -57,15 +60,20 @@ class Later:
             due = None
         elif isinstance(self.flag, Packed):
             due = flag_source[self.flag.offset] != 0
+        elif isinstance(self.flag, FromArgument):
+            due = flag_source % self.flag.every == 0
         else:
             due = flag_source
         return fingerprint.hashed(self.spec, list(leaves), due)
 
-    def flag_source(self, arrays: list) -> Any:
+    def flag_source(self, arrays: list, taken: dict | None = None) -> Any:
         """The one of the step's extra outputs that holds the ``due`` flag
-        (the bundle where it is packed); None: always due."""
+        (the bundle where it is packed), or the call's step (from ``taken``,
+        jit.py's); None: always due."""
         if self.flag is None:
             return None
+        if isinstance(self.flag, FromArgument):
+            return (taken or {}).get(self.flag)
         return arrays[0 if isinstance(self.flag, Packed) else self.flag]
 
     def compile_ahead(self, flag_aval: Any, leaf_avals: list) -> None:
@@ -85,7 +93,15 @@ class Later:
         self._ahead = _Ahead(self.hash, flag, *[struct(a) for a in leaf_avals])
 
     def __call__(self, flag_source: Any, leaves: list) -> list:
-        """Dispatch the program on one step's outputs."""
+        """Dispatch the program on one step's outputs; none on a step the
+        host knows is not due (its records are skipped by the same flag,
+        so these outputs are never read)."""
+        if (
+            isinstance(self.flag, FromArgument)
+            and isinstance(flag_source, np.ndarray)
+            and flag_source % self.flag.every != 0
+        ):
+            return [None, None]
         if self._program is None:
             compiled = None if self._ahead is None else self._ahead.result()
             self._ahead = None

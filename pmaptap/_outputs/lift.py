@@ -73,6 +73,20 @@ class _LaterOutput:
         self.shape, self.dtype = shape, np.dtype(dtype)
 
 
+class _Due:
+    """Stands for a fingerprint's ``due`` flag that the host decides from
+    the call's step (``where``: a ``FromArgument`` with its ``every``): no
+    output of the step computed from its step number (docs/performance.md,
+    "An argument tapped as it came")."""
+
+    __slots__ = ("where",)
+    shape = ()
+    dtype = np.dtype(bool)
+
+    def __init__(self, where: FromArgument) -> None:
+        self.where = where
+
+
 class Lifted:
     """The lifted taps of one step: ``nodes`` (static, see _common/lifted.py)
     and the step's extra ``arrays`` in tree order, with ``packing`` (static:
@@ -169,6 +183,9 @@ def _pack(
     offset = 0
     after: list[int] = []  # the packing entries of Later outputs, in order
     for read_whole, everywhere, x in zip(whole, same, flat):
+        if isinstance(x, _Due):
+            packing.append(x.where)
+            continue
         if isinstance(x, _LaterOutput):
             after.append(len(packing))
             packing.append(-1)
@@ -263,7 +280,15 @@ def lift(
         # Not an argument returned as it came: jit hands back the argument
         # itself, whose copies are not those the step computed with.
         positions = [i for i, x in enumerate(box["static"]) if x is None]
-        top = _Top({})
+        # One process only: there the host reads the whole bundle whatever
+        # sharding XLA gives it; in a multi-process job a bundle split over
+        # processes would hide its other pieces (every tap's step and flag)
+        # from the processes that do not hold them.
+        packed = pack and jax.process_count() == 1
+        taken = {}
+        if packed and readable:
+            taken = _arguments((args, kwargs), len(leaves), dyn, values, readable)
+        top = _Top({}, taken=taken)
         arguments = set(jaxpr.invars) | set(jaxpr.constvars)
         for v, i in zip(jaxpr.outvars, positions):
             if not isinstance(v, core.Literal) and v not in arguments:
@@ -274,16 +299,6 @@ def lift(
         state = [next(it) if x is None else x for x in box["state_static"]]
         if state:
             _update((args, kwargs), jax.tree_util.tree_unflatten(box["state_tree"], state))
-        # One process only: there the host reads the whole bundle whatever
-        # sharding XLA gives it; in a multi-process job a bundle split over
-        # processes would hide its other pieces (every tap's step and flag)
-        # from the processes that do not hold them.
-        packed = pack and jax.process_count() == 1
-        taken = (
-            _arguments((args, kwargs), len(leaves), dyn, values, readable)
-            if packed and readable
-            else {}
-        )
         lifted = _pack(tuple(nodes), flat, bundle=packed, taken=taken)
         lifted.later = _placed(lifted, top.later, flat)
         return jax.tree_util.tree_unflatten(box["tree"], full), lifted
@@ -349,11 +364,14 @@ Result = tuple[list, list[Node], list]  # outputs, lifted nodes, their arrays
 class _Top:
     """What ``run`` knows at the step's own level only: which of its
     variables are outputs of the function (-> position among its output
-    leaves), and the fingerprints to hash after the step, with their flags."""
+    leaves), the fingerprints to hash after the step, with their flags, and
+    the arguments read from the call."""
 
     returned: dict
-    # (Later, its due flag's tracer or None, the leaves' tracers)
+    # (Later, its due flag's tracer, _Due or None, the leaves' tracers)
     later: list = dataclasses.field(default_factory=list)
+    # The arguments the host reads from the call (_arguments)
+    taken: dict = dataclasses.field(default_factory=dict)
 
 
 def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
@@ -364,8 +382,11 @@ def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
         if due is not None:
             k = next(i for i, x in enumerate(flat) if x is due)
             entry.flag = k if lifted.packing is None else lifted.packing[k]
-        source = entry.flag_source(lifted.arrays)
-        flag_aval = None if source is None else core.typeof(source)
+        if isinstance(entry.flag, FromArgument):
+            flag_aval = core.ShapedArray(entry.flag.shape, entry.flag.dtype)
+        else:
+            source = entry.flag_source(lifted.arrays)
+            flag_aval = None if source is None else core.typeof(source)
         entry.compile_ahead(flag_aval, [core.typeof(x) for x in leaves])
     return tuple(entry for entry, _, _ in later)
 
@@ -377,10 +398,19 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     spec: FingerprintSpec = eqn.params["spec"]
     traced = eqn.params["traced"]
     step, *leaves = invals
-    due = placement.every_due(step, spec.every) if traced and spec.every > 1 else None
     where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
     nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
-    if None in where or nbytes < later.MIN_BYTES:
+    in_step = None in where or nbytes < later.MIN_BYTES
+    arg = None if top is None or in_step else top.taken.get(id(step))
+    if not traced or spec.every <= 1:
+        due = None
+    elif arg is not None and not placement.mapped_axes()[0]:
+        # The step number is an argument read from the call: the host
+        # decides, and on a step not due dispatches no hash at all.
+        due = _Due(dataclasses.replace(arg, every=spec.every))
+    else:
+        due = placement.every_due(step, spec.every)
+    if in_step:
         key, table = fingerprint.hashed(spec, leaves, due)
     else:
         entry = Later(spec, tuple(where))
@@ -463,7 +493,7 @@ def _site(
     traced: list[bool] = []
     arrays: list = []
     for x in (valid, coords, step, *leaves):
-        later = isinstance(x, _LaterOutput)
+        later = isinstance(x, (_LaterOutput, _Due))
         known = None if x is None or later or is_tracer(x) else concrete(x)
         if known is None and x is not None and 0 in np.shape(x):
             # Nothing to read (a tap outside any mapping has coordinates of

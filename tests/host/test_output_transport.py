@@ -1276,3 +1276,46 @@ def test_a_step_number_donated_elsewhere_after_the_call_is_not_lost(tmp_path, mo
             w = f(w, s)
             donate(s)
     assert [r["step"] for r in pmaptap.read(str(path))] == list(range(6))
+
+
+def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkeypatch):
+    """A fingerprint hashed after the step, every 3 steps of a step number
+    read from the call: the step returns nothing for it (its ``due`` flag
+    is decided on the host from the call's step), and a step not due
+    dispatches no hash; a step number still being computed on the device
+    is decided by the hash program there. Records as jax.jit's."""
+    monkeypatch.setattr(later, "MIN_BYTES", 0)
+    dispatched = []
+    real_call = later.Later.__call__
+
+    def call(self, flag, leaves):
+        got = real_call(self, flag, leaves)
+        dispatched.append(got[0] is not None)
+        return got
+
+    monkeypatch.setattr(later.Later, "__call__", call)
+
+    def step(p, s):
+        p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+        pmaptap.fingerprint(p, "params", step=s, every=3)
+        return p
+
+    @jax.jit
+    def on_device(x, k):  # a step number the device is still computing
+        for _ in range(20):
+            x = jnp.tanh(x @ x)
+        return (jnp.sum(x) * 0).astype(jnp.int32) + k
+
+    params = {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones((5,), jnp.bfloat16)}
+    lowered = pmaptap.jit(step).lower(params, jnp.int32(0))
+    assert len(_outputs_of(lowered)) == 2, _outputs_of(lowered)  # p's leaves only
+    big = jnp.eye(512) * 0.5
+    for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+        f = wrap(step, donate_argnums=0)
+        p = jax.tree.map(jnp.copy, params)
+        with pmaptap.Session(str(tmp_path / name), run="due"):
+            for s in range(7):
+                p = f(p, jnp.int32(s) if s < 4 else on_device(big, s))
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert sorted({r["step"] for r in recs}) == [0, 3, 6]
+    assert dispatched == [True, False, False, True, True, True, True], dispatched
