@@ -57,6 +57,14 @@ def _kept(x: Any, dtype: np.dtype) -> Any:
     on its device (the donation waits for the copy's read)."""
     if not isinstance(x, jax.Array):
         return np.asarray(x, dtype)  # a Python or NumPy value: the call's own
+    if x.is_deleted():
+        # Donated by this very call in another argument (the step does not
+        # read it, so JAX does not object as to f(donate(a), a)).
+        raise ValueError(
+            "pmaptap.jit: a tap's step number is an argument that this call "
+            "donated too (the same array inside a donated argument), so it is "
+            "gone before pmaptap can read it; pass a copy, or a Python int"
+        )
     if x.is_ready():
         return np.asarray(x).astype(dtype, copy=False)
     return jax.numpy.copy(x)

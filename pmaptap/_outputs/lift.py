@@ -391,6 +391,20 @@ def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
     return tuple(entry for entry, _, _ in later)
 
 
+def _due_from_call(invals: list, eqn: core.JaxprEqn, top: _Top | None) -> list:
+    """A tap mark's operands, its ``due`` flag (``every`` of a traced step)
+    decided on the host where its step is an argument read from the call
+    (``_Due``): the step then returns nothing computed from its step
+    number, and the flag's computation in the step is left unused."""
+    if top is None or not eqn.params["traced_every"] or placement.mapped_axes()[0]:
+        return invals
+    arg = top.taken.get(id(invals[1]))
+    if arg is None:
+        return invals
+    every = eqn.params["spec"].site.every
+    return [invals[0], invals[1], _Due(dataclasses.replace(arg, every=every)), *invals[3:]]
+
+
 def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     """A ``fingerprint_later_p`` mark: a site whose table is hashed after
     the step when every leaf is an output of the function (``top``), else
@@ -401,15 +415,15 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
     nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
     in_step = None in where or nbytes < later.MIN_BYTES
-    arg = None if top is None or in_step else top.taken.get(id(step))
-    if not traced or spec.every <= 1:
-        due = None
-    elif arg is not None and not placement.mapped_axes()[0]:
-        # The step number is an argument read from the call: the host
-        # decides, and on a step not due dispatches no hash at all.
-        due = _Due(dataclasses.replace(arg, every=spec.every))
-    else:
-        due = placement.every_due(step, spec.every)
+    arg = None if top is None else top.taken.get(id(step))
+    flag = due = None
+    if traced and spec.every > 1:
+        if arg is not None and not placement.mapped_axes()[0]:
+            # The step number is an argument read from the call: the host
+            # decides (on a step not due it reads nothing, and dispatches
+            # no hash after the step).
+            flag = _Due(dataclasses.replace(arg, every=spec.every))
+        due = flag if flag is not None and not in_step else placement.every_due(step, spec.every)
     if in_step:
         key, table = fingerprint.hashed(spec, leaves, due)
     else:
@@ -417,8 +431,9 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
         top.later.append((entry, due, leaves))
         key = _LaterOutput((), np.uint32)
         table = _LaterOutput((jax.device_count(), len(leaves), 2), np.uint32)
-    head = [axis_coords(()), step] + ([] if due is None else [due])
-    return _site([*head, key, table], spec=spec, traced_every=due is not None)
+    flag = due if flag is None else flag
+    head = [axis_coords(()), step] + ([] if flag is None else [flag])
+    return _site([*head, key, table], spec=spec, traced_every=flag is not None)
 
 
 def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
@@ -454,6 +469,7 @@ def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
                     spec = eqn.params["spec"]
                     site, arrays = _site(fingerprint.lifted(spec, invals), spec=spec)
                 else:
+                    invals = _due_from_call(invals, eqn, top)
                     site, arrays = _site(shardstats.lifted(invals, **eqn.params), **eqn.params)
                 nodes.append(site)
                 flat += arrays
