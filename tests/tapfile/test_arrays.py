@@ -962,3 +962,17 @@ def test_a_bytes_field_of_another_nesting_than_dtype_is_no_crash(tmp_path, capsy
     assert cli.main(["show", path]) == 0
     assert cli.main(["validate", path]) == 1
     assert "bytes" in capsys.readouterr().out
+
+
+def test_complex32_of_an_older_ml_dtypes_is_encodable():
+    # ml_dtypes before 0.7 (which JAX 0.10 allows) gave complex32 the kind
+    # "W": Writer.write refused it and encode_array raised. Checked with
+    # ml_dtypes 0.6.0 installed aside; here its dtype's two attributes that
+    # the rule reads (the suite's ml_dtypes is 0.7).
+    from types import SimpleNamespace
+
+    from pmaptap.tapfile.record import encodable, is_complex
+
+    old = SimpleNamespace(kind="W", name="complex32", fields=None)
+    assert is_complex(old) and encodable(old)
+    assert is_complex(np.dtype(ml_dtypes.complex32)) and not is_complex(np.dtype(np.float32))

@@ -25,6 +25,7 @@ from pmaptap.tapfile.record import (
     SUMMARY_FIELDS,
     RawArray,
     encodable,
+    is_complex,
     is_float_like,
     is_narrow_int,
 )
@@ -93,7 +94,7 @@ def encode_array(a: np.ndarray) -> tuple[Any, str, list[int]]:
             value = np.ascontiguousarray(a)
     elif is_narrow_int(dt):
         value = a.astype(np.int64).tolist()
-    elif dt.kind == "c":
+    elif is_complex(dt):
         if dt not in _NUMPY_COMPLEX:
             # ml_dtypes' complex32: NumPy's .real/.imag of it are the whole
             # value and zeros (the imaginary part was lost, with a

@@ -23,6 +23,7 @@ from pmaptap.tapfile.record.format import (
     encodable,
     encode_line,
     index_text,
+    is_complex,
     is_float_like,
     is_narrow_int,
     key_with_step,

@@ -102,9 +102,19 @@ def is_narrow_int(dt: np.dtype) -> bool:
     return dt.kind == "V" and dt.name.startswith(("int", "uint")) and dt.fields is None
 
 
+def is_complex(dt: np.dtype) -> bool:
+    # ml_dtypes' complex32 is of kind "c" from ml_dtypes 0.7 on, "W" before.
+    return dt.kind == "c" or dt.name == "complex32"
+
+
 def encodable(dt: np.dtype) -> bool:
     """Whether records hold arrays of ``dt`` (checked at trace time)."""
-    return dt.kind in "biufc" or is_narrow_int(dt) or (is_float_like(dt) and dt.fields is None)
+    return (
+        dt.kind in "biufc"
+        or is_complex(dt)
+        or is_narrow_int(dt)
+        or (is_float_like(dt) and dt.fields is None)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
