@@ -74,10 +74,10 @@ class _LaterOutput:
 
 
 class _Due:
-    """Stands for a fingerprint's ``due`` flag that the host decides from
-    the call's step (``where``: a ``FromArgument`` with its ``every``): no
-    output of the step computed from its step number (docs/performance.md,
-    "An argument tapped as it came")."""
+    """Stands for a ``due`` flag (a tap's or a fingerprint's ``every``) that
+    the host decides from the call's step (``where``: a ``FromArgument``
+    with its ``every``): no output of the step computed from its step
+    number (docs/performance.md, "An argument tapped as it came")."""
 
     __slots__ = ("where",)
     shape = ()
