@@ -371,19 +371,26 @@ class _Bundle:
         return self._bytes
 
 
-class _Part:
-    """One output packed in a bundle: read as the output itself. It lies
-    where the bundle lies (the values packed are whole on every device of
-    the computation: replicated)."""
+class _Piece:
+    """One of the nodes' outputs that is no array of the step's own, read as
+    the output itself (``where`` describes it)."""
 
-    __slots__ = ("bundle", "where")
-
-    def __init__(self, bundle: _Bundle, where: Packed) -> None:
-        self.bundle, self.where = bundle, where
+    __slots__ = ("where",)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.where.shape
+
+
+class _Part(_Piece):
+    """One output packed in a bundle. It lies where the bundle lies (the
+    values packed are whole on every device of the computation:
+    replicated)."""
+
+    __slots__ = ("bundle",)
+
+    def __init__(self, bundle: _Bundle, where: Packed) -> None:
+        self.bundle, self.where = bundle, where
 
     @property
     def sharding(self) -> Any:
@@ -398,39 +405,34 @@ class _Part:
         return raw.view(w.dtype).reshape(w.shape).copy()
 
 
-class _Argument:
+class _Argument(_Piece):
     """One output the step did not return, as it is an argument of the call
-    (``FromArgument``): the call's own, read as the output itself."""
+    (``FromArgument``): the call's own as jit.py kept it (of its dtype)."""
 
-    __slots__ = ("value", "where")
+    __slots__ = ("value",)
 
     def __init__(self, value: Any, where: FromArgument) -> None:
         self.value, self.where = value, where
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.where.shape
 
     def copy_to_host_async(self) -> None:
         if hasattr(self.value, "copy_to_host_async"):  # a jax.Array
             _start_copy(self.value)
 
     def host(self) -> np.ndarray:
-        w = self.where
-        got = _host(self.value).astype(w.dtype, copy=False).reshape(w.shape)
-        return got % w.every == 0 if w.every else got
+        got = _host(self.value)
+        return got % self.where.every == 0 if self.where.every else got
 
 
 def _unpacked(arrays: Sequence[Any], packing: Packing | None, arguments: dict) -> list:
     """The nodes' outputs, one each, from the step's extra outputs and the
-    arguments of its call (by their ``FromArgument``)."""
+    arguments of its call (by (position or keyword, leaf): jit.py's)."""
     if packing is None:
         return list(arrays)
     bundle = _Bundle(arrays[0]) if arrays else None
     return [
         arrays[k]
         if isinstance(k, int)
-        else _Argument(arguments[k], k)
+        else _Argument(arguments[k.key, k.leaf], k)
         if isinstance(k, FromArgument)
         else _Part(bundle, k)
         for k in packing
@@ -479,7 +481,7 @@ class _View:
 
 def _host(a: Any) -> np.ndarray:
     """An output on the host (waits for its copy)."""
-    if isinstance(a, (_Part, _Argument)):
+    if isinstance(a, _Piece):
         return a.host()
     if getattr(a, "is_fully_addressable", True):
         return np.asarray(a)
@@ -752,8 +754,8 @@ def submit(
     arguments: dict | None = None,
 ) -> None:
     """Queue one dispatched step's lifted taps (see the module docstring),
-    with the values of its call's arguments that it did not return
-    (``FromArgument`` -> value); the first one also registers the exit
+    with the values of its call's arguments that it did not return (by
+    position or keyword, and leaf); the first one also registers the exit
     handler (``_at_exit``)."""
     global _drain
     with _drain_lock:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax._src import core
+from jax._src import api_util, core
 
 from pmaptap._common.lifted import FromArgument
 from pmaptap._outputs import drain
@@ -37,11 +37,13 @@ def _handed_over(result: tuple[Any, Lifted], args: tuple, kwargs: dict) -> Any:
     with ``args``, ``kwargs``); its lifted taps handed to the host pipeline
     (what makes them records)."""
     out, lifted = result
-    taken = {}
+    # Per (argument, leaf) the step did not return: the call's own value,
+    # kept once however many of its outputs (a step, ``every`` flags) read it.
+    taken: dict[tuple, Any] = {}
     for k in lifted.packing or ():
-        if isinstance(k, FromArgument) and k not in taken:  # not returned: the call's own
+        if isinstance(k, FromArgument) and (k.key, k.leaf) not in taken:
             got = args[k.key] if isinstance(k.key, int) else kwargs[k.key]
-            taken[k] = _kept(jax.tree_util.tree_leaves(got)[k.leaf], k.dtype)
+            taken[k.key, k.leaf] = _kept(jax.tree_util.tree_leaves(got)[k.leaf], k.dtype)
     arrays = lifted.arrays
     if lifted.later:
         arrays = [*arrays, *_hashed_later(out, lifted, taken)]
@@ -263,22 +265,19 @@ def _jit(fun: Callable, *, wrapper: Callable | None, kwargs: dict) -> _JitStep:
 
 def _not_donated(fun: Callable, kwargs: dict) -> Callable[[int | str], bool]:
     """Whether the argument at a position or keyword is not donated by
-    ``jax.jit(fun, **kwargs)`` (by ``donate_argnums`` or
-    ``donate_argnames``, either naming the other through the signature)."""
-    nums = kwargs.get("donate_argnums") or ()
-    names = kwargs.get("donate_argnames") or ()
-    nums = {nums} if isinstance(nums, int) else set(nums)
-    names = {names} if isinstance(names, str) else set(names)
+    ``jax.jit(fun, **kwargs)`` (``donate_argnums`` and ``donate_argnames``
+    each naming the other through the signature, as jax.jit resolves them)."""
+    nums, names = kwargs.get("donate_argnums"), kwargs.get("donate_argnames")
     if not nums and not names:
         return lambda key: True
     try:
-        params = list(inspect.signature(fun).parameters)
+        sig = inspect.signature(fun)
     except (TypeError, ValueError):
         return lambda key: False  # no signature to tell a name from a position
-    nums |= {params.index(n) for n in names if n in params}
-    names |= {params[i] for i in nums if -len(params) <= i < len(params)}
-    nums |= {i + len(params) for i in nums if i < 0}
-    return lambda key: key not in (names if isinstance(key, str) else nums)
+    nums, names = api_util.infer_argnums_and_argnames(sig, nums, names)
+    count = len(sig.parameters)
+    donated = {*names, *nums, *(i + count for i in nums if i < 0)}
+    return lambda key: key not in donated
 
 
 def pmap(fun: Callable | None = None, /, **kwargs: Any):

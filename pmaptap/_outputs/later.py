@@ -73,7 +73,7 @@ class Later:
         if self.flag is None:
             return None
         if isinstance(self.flag, FromArgument):
-            return (taken or {}).get(self.flag)
+            return (taken or {}).get((self.flag.key, self.flag.leaf))
         return arrays[0 if isinstance(self.flag, Packed) else self.flag]
 
     def compile_ahead(self, flag_aval: Any, leaf_avals: list) -> None:

@@ -391,18 +391,24 @@ def _placed(lifted: Lifted, later: list, flat: list) -> tuple[Later, ...]:
     return tuple(entry for entry, _, _ in later)
 
 
+def _host_due(step: Any, every: int, top: _Top | None) -> _Due | None:
+    """``every``'s flag decided on the host, where ``step`` is an argument
+    read from the call (at the step's own level, no mapped axes: there
+    every_due is ``step % every == 0``); None where the device decides."""
+    arg = None if top is None else top.taken.get(id(step))
+    if arg is None or placement.mapped_axes()[0]:
+        return None
+    return _Due(dataclasses.replace(arg, every=every))
+
+
 def _due_from_call(invals: list, eqn: core.JaxprEqn, top: _Top | None) -> list:
-    """A tap mark's operands, its ``due`` flag (``every`` of a traced step)
-    decided on the host where its step is an argument read from the call
-    (``_Due``): the step then returns nothing computed from its step
-    number, and the flag's computation in the step is left unused."""
-    if top is None or not eqn.params["traced_every"] or placement.mapped_axes()[0]:
-        return invals
-    arg = top.taken.get(id(invals[1]))
-    if arg is None:
-        return invals
-    every = eqn.params["spec"].site.every
-    return [invals[0], invals[1], _Due(dataclasses.replace(arg, every=every)), *invals[3:]]
+    """A tap mark's operands with its ``due`` flag decided on the host where
+    it can be (``_host_due``): the step then returns nothing computed from
+    its step number, and the flag's computation in it is left unused."""
+    flag = None
+    if eqn.params["traced_every"]:
+        flag = _host_due(invals[1], eqn.params["spec"].site.every, top)
+    return invals if flag is None else [invals[0], invals[1], flag, *invals[3:]]
 
 
 def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
@@ -415,14 +421,12 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
     nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
     in_step = None in where or nbytes < later.MIN_BYTES
-    arg = None if top is None else top.taken.get(id(step))
+    # The site's flag, decided on the host where it can be (a step not due
+    # then reads nothing, and dispatches no hash after the step); a hash in
+    # the step needs it computed there.
     flag = due = None
     if traced and spec.every > 1:
-        if arg is not None and not placement.mapped_axes()[0]:
-            # The step number is an argument read from the call: the host
-            # decides (on a step not due it reads nothing, and dispatches
-            # no hash after the step).
-            flag = _Due(dataclasses.replace(arg, every=spec.every))
+        flag = _host_due(step, spec.every, top)
         due = flag if flag is not None and not in_step else placement.every_due(step, spec.every)
     if in_step:
         key, table = fingerprint.hashed(spec, leaves, due)

@@ -103,14 +103,15 @@ def is_narrow_int(dt: np.dtype) -> bool:
 
 
 def is_complex(dt: np.dtype) -> bool:
-    # ml_dtypes' complex32 is of kind "c" from ml_dtypes 0.7 on, "W" before.
-    return dt.kind == "c" or dt.name == "complex32"
+    # ml_dtypes' complex32 is of kind "c" from ml_dtypes 0.7 on, "W" before
+    # (the kind first: dtype.name is slow, and encoding asks per array).
+    return dt.kind == "c" or (dt.kind == "W" and dt.name == "complex32")
 
 
 def encodable(dt: np.dtype) -> bool:
     """Whether records hold arrays of ``dt`` (checked at trace time)."""
     return (
-        dt.kind in "biufc"
+        dt.kind in "biuf"
         or is_complex(dt)
         or is_narrow_int(dt)
         or (is_float_like(dt) and dt.fields is None)
