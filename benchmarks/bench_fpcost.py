@@ -11,8 +11,11 @@ first (due) step, which under ``pmaptap.jit`` compiles the hash of the
 step's outputs, a program of its own; fresh function objects every round
 (nothing cached), arms interleaved:
 untapped ``jax.jit``; ``jax.jit`` with ``pmaptap.fingerprint(params,
-step=s, every=10)``; ``pmaptap.jit`` with the same; ``pmaptap.jit``
-without it (the wrapper's own share). Paired medians of the
+step=s, every=10)``; ``pmaptap.jit`` with the same; ``pmaptap.jit`` with
+``step=s + 0`` (a step number computed in the step: the device decides
+the due steps); ``pmaptap.jit`` without it (the wrapper's own share); for
+two models, 6 blocks (22 MiB) and 3 (13 MiB, below ``later.MIN_BYTES``:
+its hash leaves the step only where the host decides). Paired medians of the
 per-round ratio to the untapped arm, with their range. Also the hash
 alone, counted in the optimized HLO: the fingerprints of every leaf taken
 one by one (``fingerprint64`` each, the former program) against
@@ -25,11 +28,13 @@ arms interleaved, paired medians of step time over the untapped step:
 ``jax.jit`` with the fingerprint; ``jax.jit`` with a raw
 ``jax.debug.callback`` in a ``lax.cond`` that is never taken (the control:
 what any host callback in a step costs under jax.jit); ``pmaptap.jit``
-with the fingerprint; ``pmaptap.jit`` with a scalar ``pmaptap.tap`` at the
-same ``every`` (the control: what any output a step may send costs);
-``pmaptap.jit`` with the fingerprint hashed after the step by a program of
-its own (as a tree of 16 MiB or more is; the floor lowered for this arm),
-its step number read from the call: a step not due dispatches no hash.
+with the fingerprint (hashed after the step by a program of its own, its
+step number read from the call: a step not due dispatches no hash);
+``pmaptap.jit`` with a scalar ``pmaptap.tap`` at the same ``every`` (the
+control: what any output a step may send costs); ``pmaptap.jit`` with the
+fingerprint of ``step=s + 0`` (computed in the step: the device decides
+which steps are due, and the hash of this tree, below
+``later.MIN_BYTES``, stays in the step, in a ``cond``).
 
 The hash when due (``v. hash``): ``fingerprint64_many`` of the compile
 benchmark's parameters as compiled (on a TPU, leaves of one shape hashed by
@@ -117,15 +122,14 @@ def _model(blocks: int, width: int, vocab: int, seq: int):
     return params, loss, tokens
 
 
-def run_compile(quick: bool) -> None:
+def _compile_rounds(blocks: int, width: int, rounds: int) -> list:
+    """The compile table of one model (see the module docstring); its
+    parameters' leaves."""
     import jax
     import jax.numpy as jnp
 
     import pmaptap
-    from pmaptap._trace.fphash import fingerprint64, fingerprint64_many
 
-    blocks, width = (1, 32) if quick else (6, 256)
-    rounds = 2 if quick else 5
     params, loss, tokens = _model(blocks, width, vocab=16 * width, seq=64)
     leaves = jax.tree.leaves(params)
 
@@ -133,7 +137,9 @@ def run_compile(quick: bool) -> None:
         def step(p, x, s):
             value, g = jax.value_and_grad(loss)(p, x)
             p = jax.tree.map(lambda a, b: a - 1e-3 * b, p, g)
-            if kind not in ("untapped", "pmaptap.jit untapped"):
+            if kind == "pmaptap.jit, step computed":
+                pmaptap.fingerprint(p, "params", step=s + 0, every=10)
+            elif kind not in ("untapped", "pmaptap.jit untapped"):
                 pmaptap.fingerprint(p, "params", step=s, every=10)
             return p, value
 
@@ -143,6 +149,8 @@ def run_compile(quick: bool) -> None:
         "untapped": jax.jit,
         "jax.jit": jax.jit,
         "pmaptap.jit": pmaptap.jit,
+        # Its due steps decided on the device, not from the call's argument.
+        "pmaptap.jit, step computed": pmaptap.jit,
         "pmaptap.jit untapped": pmaptap.jit,  # the wrapper's own share
     }
     times: dict[str, list[float]] = {k: [] for k in wrap}
@@ -171,9 +179,25 @@ def run_compile(quick: bool) -> None:
             spread(times[kind], " s"),
             spread(times["untapped"], " s"),
         )
-        for kind in ("jax.jit", "pmaptap.jit", "pmaptap.jit untapped")
+        for kind in wrap
+        if kind != "untapped"
     ]
     print(table(rows, ("arm", "paired median", "range", "compile", "untapped compile")))
+    return leaves
+
+
+def run_compile(quick: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pmaptap._trace.fphash import fingerprint64, fingerprint64_many
+
+    rounds = 2 if quick else 5
+    # The second model's tree is below later.MIN_BYTES: hashed after the
+    # step where the host knows the due steps, in it where only the device
+    # does (the step number computed in the step).
+    width = 32 if quick else 256
+    leaves = [_compile_rounds(blocks, width, rounds) for blocks in ((1,) if quick else (6, 3))][0]
 
     def hlo_counts(fn) -> tuple[int, int, float]:
         t0 = time.perf_counter()
@@ -214,6 +238,8 @@ def run_skipped(quick: bool) -> None:
             p = [a * 0.999 + 0.001 for a in p]
             if kind == "fingerprint":
                 pmaptap.fingerprint(p, "skipped", step=s, every=1000)
+            elif kind == "fingerprint, step computed":
+                pmaptap.fingerprint(p, "skipped", step=s + 0, every=1000)
             elif kind == "tap":
                 pmaptap.tap(s, "skipped_tap", step=s, every=1000)
             elif kind == "raw":
@@ -232,18 +258,10 @@ def run_skipped(quick: bool) -> None:
         "jax.jit raw callback": jax.jit(step_of("raw")),
         "pmaptap.jit fingerprint": pmaptap.jit(step_of("fingerprint")),
         "pmaptap.jit tap": pmaptap.jit(step_of("tap")),
-        "pmaptap.jit fingerprint after the step": pmaptap.jit(step_of("fingerprint")),
+        # Its step number computed in the step: the device decides which
+        # steps are due, and this small tree's hash stays in the step.
+        "pmaptap.jit fingerprint in the step": pmaptap.jit(step_of("fingerprint, step computed")),
     }
-    # That last arm's tree hashed by a program of its own after the step
-    # (as a tree of 16 MiB or more is): traced now, the floor lowered.
-    from pmaptap._outputs import later
-
-    floor, later.MIN_BYTES = later.MIN_BYTES, 0
-    try:
-        first = arms_of["pmaptap.jit fingerprint after the step"](params, jnp.int32(1))
-        jax.block_until_ready(first)
-    finally:
-        later.MIN_BYTES = floor
 
     def arm(fn):
         def go() -> None:

@@ -9,7 +9,7 @@ due: its step number an argument of the call). A thread started when the step is
 traced compiles it beside XLA's compile of the step, where the outputs'
 types are known then (every array on the one device of a one-device
 process); else it compiles at the first step. A fingerprint of less than
-``MIN_BYTES`` stays in the step.
+``MIN_BYTES`` whose due steps only the device knows stays in the step.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from pmaptap._trace import fingerprint
 
 # JAX's own, as imported (the tests' fixture swaps jax.jit for pmaptap.jit).
 _jax_jit = jax.jit
-# Leaves of fewer bytes in all are hashed in the step: the program of their
-# own costs a dispatch every step, due or not, which is noise beside a step
-# that updates this much but not beside a small step, whose hash compiles
-# quickly anyway (docs/performance.md).
+# Leaves of fewer bytes in all are hashed in the step where the device
+# decides which steps are due: the program of their own then costs a
+# dispatch every step, due or not, which is noise beside a step that
+# updates this much but not beside a small step (docs/performance.md).
+# Where the host decides (the step number an argument), a step not due
+# dispatches nothing, and the hash leaves the step whatever its size.
 MIN_BYTES = 16 * 2**20
 
 

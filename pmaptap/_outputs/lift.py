@@ -420,13 +420,16 @@ def _later_site(invals, eqn, top: _Top | None) -> tuple[Site, list]:
     step, *leaves = invals
     where = [None if top is None else top.returned.get(v) for v in eqn.invars[1:]]
     nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars[1:])
-    in_step = None in where or nbytes < later.MIN_BYTES
-    # The site's flag, decided on the host where it can be (a step not due
-    # then reads nothing, and dispatches no hash after the step); a hash in
-    # the step needs it computed there.
+    # The site's flag, decided on the host where it can be: a step not due
+    # then reads nothing and dispatches no hash after the step, so the hash
+    # leaves the step whatever its size (its compile with it); else only a
+    # tree big enough to pay for a dispatch every step leaves it. A hash in
+    # the step needs its flag computed there.
     flag = due = None
     if traced and spec.every > 1:
         flag = _host_due(step, spec.every, top)
+    in_step = None in where or (nbytes < later.MIN_BYTES and flag is None)
+    if traced and spec.every > 1:
         due = flag if flag is not None and not in_step else placement.every_due(step, spec.every)
     if in_step:
         key, table = fingerprint.hashed(spec, leaves, due)

@@ -593,7 +593,10 @@ def test_a_fingerprint_of_the_steps_outputs_is_hashed_after_the_step(tmp_path, m
     untapped one, and the records are the callback transport's, sharded
     leaves, ``every`` and all. A fingerprint of a value the step does not
     return stays in the step, and so does one of fewer bytes than
-    ``later.MIN_BYTES`` (lowered here to these small values)."""
+    ``later.MIN_BYTES`` (lowered here to these small values) whose due
+    steps only the device knows; one whose due steps the host decides
+    (its step number the call's argument) leaves the step whatever its
+    size."""
     mesh = Mesh(np.array(jax.devices()), ("d",))
     params = {
         "w": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("d"))),
@@ -615,9 +618,16 @@ def test_a_fingerprint_of_the_steps_outputs_is_hashed_after_the_step(tmp_path, m
         pmaptap.fingerprint(p["w"] * 2, "doubled", step=s)
         return p
 
+    def due_on_the_device(p, s):
+        p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+        pmaptap.fingerprint(p, "params", step=s + 0, every=3)  # computed: not the argument
+        return p
+
     s0 = jnp.int32(0)
-    assert _hashes_in(pmaptap.jit(returned_only).lower(params, s0)) > 0  # small: in the step
+    assert _hashes_in(pmaptap.jit(due_on_the_device).lower(params, s0)) > 0  # small: in the step
+    assert _hashes_in(pmaptap.jit(returned_only).lower(params, s0)) == 0  # due on the host
     monkeypatch.setattr(later, "MIN_BYTES", 0)
+    assert _hashes_in(pmaptap.jit(due_on_the_device).lower(params, s0)) == 0
     assert _hashes_in(jax.jit(returned_only).lower(params, s0)) > 0
     assert _hashes_in(pmaptap.jit(returned_only).lower(params, s0)) == 0
     assert _hashes_in(pmaptap.jit(kept_only).lower(params, s0)) > 0
