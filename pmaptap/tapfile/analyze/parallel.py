@@ -58,9 +58,6 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     return max(1, min(cores(), size // MIN_JOB_BYTES))
 
 
-# ------------------------------------------------------------ the pieces
-
-
 class Plan(NamedTuple):
     """How a run is read in pieces (``plan``)."""
 
@@ -123,9 +120,6 @@ def _line_start(path: str | os.PathLike, offset: int) -> int:
         while (block := f.readline(1 << 16)) and not block.endswith(b"\n"):
             pass
         return f.tell()
-
-
-# ------------------------------------------------------------ workers
 
 
 def _context() -> Any:

@@ -206,8 +206,6 @@ class _TapAcc:
         # ids the sets keep the first met, which shardwise.py cannot order.
         self.odd_ids = False
 
-    # ---------------------------------------------------------- adding
-
     def holders(self, devices: bool, ids: Any) -> None:
         """A record's ``devices`` or ``processes`` field (ranges text kept
         as text)."""
@@ -396,8 +394,6 @@ class _TapAcc:
             return int(dev)
         return None
 
-    # ---------------------------------------------------------- merging
-
     def absorb(self, o: _TapAcc, ordered: bool) -> None:
         """Add another piece's state of this tap (``ordered``: it comes
         after this one in the stream; else positions decide)."""
@@ -456,8 +452,6 @@ class _TapAcc:
         self.a_count += o.a_count
         if o.norm_step is not None:
             self._norm_at(o.norm_step, o.norm)
-
-    # ---------------------------------------------------------- the result
 
     def _per_step(self) -> Counter:
         """step -> how many distinct (device, coordinates) wrote it."""
@@ -900,9 +894,6 @@ def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
     for r in records:
         acc.add(r)
     return acc.summaries()
-
-
-# ------------------------------------------------------------ a file
 
 
 Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]

@@ -35,8 +35,6 @@ from pmaptap.tapfile.source import (
     iter_record_batches,
 )
 
-# ------------------------------------------------------------------ schema
-
 
 def schema_problems(d: Any) -> list[str]:
     """Violations of the record format in a record readers take (a
@@ -50,8 +48,6 @@ def schema_problems(d: Any) -> list[str]:
             out.append(problem)
     return out
 
-
-# ------------------------------------------------------------------ duplicates
 
 # The usual per-device record's fields Validator.take_records reads (one
 # call), and those that would change its checks, none of which it has.
@@ -132,9 +128,6 @@ def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
     return out
 
 
-# ------------------------------------------------------------------ gaps
-
-
 def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
     """(stride, missing ranges) of a tap's steps. The stride is the gcd of the
     differences between recorded steps, so ``every=N`` taps (steps 0, N, 2N)
@@ -165,9 +158,6 @@ def format_gaps(stride: int, gaps: Sequence[tuple[int, int]], limit: int = 5) ->
         parts.append("...")
     text = ",".join(parts)
     return text + (f" (every {stride})" if stride > 1 and gaps else "")
-
-
-# ------------------------------------------------------------------ validate
 
 
 @dataclasses.dataclass
