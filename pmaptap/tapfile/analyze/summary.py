@@ -132,15 +132,6 @@ def _union(a: set, b: Iterable, ordered: bool) -> None:
     a.update(b)
 
 
-def _popcount(bits: bytes) -> int:
-    return int.from_bytes(bits, "little").bit_count()
-
-
-def _overlap(a: bytes, b: bytes) -> int:
-    """The bits set in both."""
-    return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).bit_count()
-
-
 def _or(a: bytes, b: bytes) -> bytearray:
     n = max(len(a), len(b))
     x = int.from_bytes(a, "little") | int.from_bytes(b, "little")
@@ -434,7 +425,8 @@ class _TapAcc:
                 if have is None:
                     mine.bits[step] = bits
                 else:
-                    self.duplicates += _overlap(have, bits)
+                    both = int.from_bytes(have, "little") & int.from_bytes(bits, "little")
+                    self.duplicates += both.bit_count()
                     mine.bits[step] = _or(have, bits)
             self.duplicates += len(mine.keys & lane.keys)
             mine.keys |= lane.keys
@@ -460,7 +452,7 @@ class _TapAcc:
         for lane in lanes:
             for s, bits in lane.bits.items():
                 union[s] = _or(union[s], bits) if s in union else bits
-        out = Counter({s: _popcount(bits) for s, bits in union.items()})
+        out = Counter({s: int.from_bytes(b, "little").bit_count() for s, b in union.items()})
         others = {key for lane in lanes for key in lane.keys}
         out.update(s for s, _, _ in others)
         return out
@@ -620,7 +612,7 @@ class Summarizer:
         if not records:
             return
         names = list(map(_NAME, records))
-        if any(map(_ITERATION, records)):
+        if any(r.iteration is not UNSET for r in records):
             names = list(map(_tap_of, records))
         runs = list(map(_RUN, records))
         if runs.count(runs[0]) == len(runs):
@@ -839,10 +831,6 @@ class Summarizer:
 
 _USUAL_LANE = ("forward", 0)
 _NAME, _RUN = attrgetter("name"), attrgetter("run")
-
-
-def _ITERATION(r: AnyRecord) -> bool:
-    return r.iteration is not UNSET
 
 
 def _tap_order(item: tuple) -> tuple:
