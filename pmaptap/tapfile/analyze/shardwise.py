@@ -1,9 +1,6 @@
 """``pmaptap summary`` and ``validate`` of a sharded run a source at a time,
-without the merge (source/run.py: iter_merged), each record at its place
-in the merge (docs/architecture.md, "A sharded run summarized shard by
-shard"). Where a result cannot be exact (an id of two types, a process's
-copies in two sources) these return None and the merged stream is read.
-"""
+each record at its place in the merge (docs/architecture.md, "A sharded run
+summarized shard by shard"); None where that would not be exact."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import struct
 import tempfile
 import zlib
 from array import array
-from collections import Counter
+from collections import Counter, defaultdict
 from itertools import accumulate, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Iterator, Union
@@ -35,13 +32,12 @@ _LINE_BITS = 40  # a line number below 2**40 in a source
 # the merged stream, counted over the whole run so every --jobs prints the
 # same; past it a line is named by its source and line (source.SourceLine).
 MAX_KEY_RUNS = 4 << 20
-# Replicated records a process holds until every source is read; past it
-# they go to a temporary file in buckets by record key (``_spill``),
-# resolved a bucket at a time (``resolve``).
+# Replicated copies a process holds; past it, to a file (``_spill``).
 MAX_HELD_COPIES = 1 << 17
 # Bytes of the run per bucket of copies gone to the file.
 BUCKET_BYTES = 32 << 20
 _LINE_MASK = (1 << _LINE_BITS) - 1
+_lines = functools.partial(defaultdict, functools.partial(array, "q"))  # picklable
 # In a read's temporary directory once a state met more than MAX_KEY_RUNS.
 _UNPLACEABLE = "past-max-key-runs"
 
@@ -106,7 +102,9 @@ class _Keys:
 
 class _Shardwise:
     """A pass over some of a run's sources, besides its accumulator
-    (``add_source`` each; ``absorb`` another's; then ``combine``)."""
+    (``add_source`` each; ``absorb`` another's; then ``combine``). A
+    subclass gives ``resumed`` (a record of a later attempt met, assumed
+    none), ``fresh()`` (an empty state like it) and ``_take(records, at)``."""
 
     def __init__(self, optimistic: bool) -> None:
         # optimistic: assumed never resumed (``resumed`` tells otherwise).
@@ -119,7 +117,7 @@ class _Shardwise:
         # hash (never dropped) as (position, record).
         self.copies: dict[tuple, list] = {}
         self.unhashed: list = []
-        self.dropped: dict[int, array] = {}  # lines of the copies dropped, by source
+        self.dropped: dict[int, array] = _lines()  # of the copies dropped, by source
         self.n_dropped = 0
         # Whether lines can still be placed in the merged stream (runs of
         # keys and replicated records met at most MAX_KEY_RUNS).
@@ -137,19 +135,6 @@ class _Shardwise:
         # stops (``overflow``) and the merged stream is read.
         self.overflow = False
         self.copy_sources: dict = {}
-
-    @property
-    def resumed(self) -> bool:
-        """Whether a record of a later attempt was met, assumed none."""
-        raise NotImplementedError
-
-    def fresh(self) -> _Shardwise:
-        """An empty state of the same accumulator (``resolve``'s)."""
-        raise NotImplementedError
-
-    def _take(self, records: list, at: Any) -> None:
-        """Records (None: taken elsewhere) at their positions (``_positions``)."""
-        raise NotImplementedError
 
     def _positions(self, keys: list, index: int, first: int) -> Any:
         """(key, source, line) of a source's lines from ``first``, given their ``keys``."""
@@ -172,8 +157,7 @@ class _Shardwise:
                 self._forget()
             if copies:
                 records = list(records)
-                at = [(mine[i], index, first + i) for i in copies]
-                self._copies(at, [records[i] for i in copies])
+                self._copies([((mine[i], index, first + i), records[i]) for i in copies])
                 for i in copies:
                     records[i] = None
                 if self.held > MAX_HELD_COPIES:
@@ -189,15 +173,15 @@ class _Shardwise:
     def settle(self) -> None:
         """What only the whole run decides (``combine``, its files still there)."""
 
-    def _copies(self, at: list, records: list) -> None:
-        """Replicated records at their positions.
+    def _copies(self, held: Iterable[tuple]) -> None:
+        """Replicated records, (position, record) each.
 
         A copy dropped here is gone for good: exact only while no copy of
         its process can come later with a lesser position, which holds while
         each process's copies are in one source (positions only grow within
         one). A process met in two ends the pass (``overflow``)."""
         copies, sources = self.copies, self.copy_sources
-        for pos, r in zip(at, records):
+        for pos, r in held:
             if not r.vhash:
                 self.unhashed.append((pos, r))
                 self.held += 1
@@ -229,14 +213,9 @@ class _Shardwise:
     def _drop(self, positions: list) -> None:
         """Copies the merge drops, at their positions."""
         self.n_dropped += len(positions)
-        if not self.placeable:
-            return
-        dropped = self.dropped
-        for q in positions:
-            lines = dropped.get(q[1])
-            if lines is None:
-                lines = dropped[q[1]] = array("q")
-            lines.append(q[2])
+        if self.placeable:
+            for _, src, line in positions:
+                self.dropped[src].append(line)
 
     def _spill(self) -> None:
         """The copies held to the spill file, by a stable hash of their
@@ -278,7 +257,7 @@ class _Shardwise:
         self.placeable = False
         for k in self.keys.values():
             k.keys, k.ends, k.stored = array("d"), array("q"), None
-        self.dropped = {}
+        self.dropped = _lines()
         if self.spill_dir is not None:
             # Said to the other workers: part of the run past the bound is
             # the whole run past it.
@@ -337,7 +316,7 @@ class _Shardwise:
         self.held += len(other.unhashed)
         if self.placeable:
             for src, lines in other.dropped.items():
-                self.dropped.setdefault(src, array("q")).extend(lines)
+                self.dropped[src].extend(lines)
         self.n_dropped += other.n_dropped
         self.runs_met += other.runs_met
         if self.placeable and (not other.placeable or self.runs_met > MAX_KEY_RUNS):
@@ -345,8 +324,7 @@ class _Shardwise:
         for p, src in other.copy_sources.items():
             if self.copy_sources.setdefault(p, src) != src:
                 self.overflow = True
-        held = [x for _, _, mine in other.copies.values() for x in mine]
-        self._copies([pos for pos, _ in held], [r for _, r in held])
+        self._copies(x for _, _, mine in other.copies.values() for x in mine)
         self.overflow = self.overflow or other.overflow
         if other.spill is not None:
             self.spills.append((other.spill, other.spilled))
@@ -438,10 +416,8 @@ def _decode(blob: bytes) -> list:
 
 def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) -> _Shardwise:
     """The copies in ``buckets`` of every spill file (``spills``: [(path,
-    spilled)]) as the merge keeps them (of each (record key, vhash), the
-    copies of the process whose copy comes first), taken into the empty
-    state ``got`` a bucket at a time in the merge's order. ``placeable``:
-    keep the lines dropped (the whole run's decision)."""
+    spilled)]) taken into the empty state ``got`` as the merge keeps them, a
+    bucket at a time; ``placeable``: the whole run's (keep the lines dropped)."""
     if not placeable:
         got._forget()
     with collector_paused():
@@ -461,7 +437,7 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
             # In the merge's order, _copies keeps the first copy's process's
             # (a process's copies are in one source: else the read stopped).
             held.sort(key=_POS)
-            got._copies([pos for pos, _ in held], [r for _, r in held])
+            got._copies(held)
             got.finish()
             if got.resumed:
                 break
