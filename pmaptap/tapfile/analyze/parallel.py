@@ -1,8 +1,5 @@
-"""``pmaptap summary --jobs N`` and ``validate --jobs N``: one file in byte
-ranges, a sharded run in units of sources (shardwise.py), each piece's
-state merged exactly, so the output is ``--jobs 1``'s to the byte
-(docs/architecture.md, "Summaries that split").
-"""
+"""``pmaptap summary --jobs N`` and ``validate --jobs N``: the pieces'
+states merged exactly (docs/architecture.md, "Summaries that split")."""
 
 from __future__ import annotations
 
@@ -34,7 +31,6 @@ UNITS_PER_JOB = 16
 
 
 def cores() -> int:
-    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -59,8 +55,6 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
 
 
 class Plan(NamedTuple):
-    """How a run is read in pieces (``plan``)."""
-
     sharded: bool
     # A sharded run: lists of source indexes (of ``files``), contiguous, of
     # about equal bytes, UNITS_PER_JOB a process; one file: (start, stop)
@@ -70,8 +64,7 @@ class Plan(NamedTuple):
     sizes: list[int]  # their bytes, each stated once
 
     def sources(self, piece: list[int]) -> tuple[list[tuple[int, str]], float]:
-        """A sharded piece's (index, path) of each source, and its share
-        of the run's bytes (so a worker need not list and stat them)."""
+        """A sharded piece's (index, path) of each source, and its share of the run's bytes."""
         total = sum(self.sizes)
         share = sum(self.sizes[i] for i in piece) / total if total else 1.0
         return [(i, self.files[i]) for i in piece], share
@@ -282,9 +275,7 @@ class _Pool:
 
 def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
     """The sources of a sharded run read in ``jobs`` processes into states
-    like ``empty`` (shardwise.py), combined. A worker reads the units it is
-    handed into the state it holds and sends it once it holds
-    1/PIECES_PER_JOB of a worker's share, and when no unit is left."""
+    like ``empty`` (shardwise.py), combined (docs/architecture.md)."""
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp, _Pool(jobs) as pool:
         buckets = shardwise.buckets_for(sum(pieces.sizes), jobs)
         units = iter(pieces.pieces)
@@ -342,9 +333,8 @@ def _read(
     in_pieces: Callable[[list], Any],
     merged: Callable[[], Any],
 ) -> Any:
-    """A summary or a report of ``path`` in ``jobs`` processes, the way
-    that is exact: a sharded run shard by shard (``shardwise_read``), one
-    file in byte ranges (``in_pieces``); else the merged stream."""
+    """A summary or a report of ``path`` in ``jobs`` processes: a sharded run
+    shard by shard, one file in byte ranges, else (not exact) the merged stream."""
     pieces = plan(path, jobs)
     got = None
     try:

@@ -514,7 +514,9 @@ class ShardwiseSummary(_Shardwise):
 
     def result(self) -> "Result | None":
         """summary.summarize_file's result, ``combine``d; None if not exact."""
-        if self.overflow or not _plain_ids(self.acc):
+        # An id of another type than int (1.0, true): equal ids of two types
+        # may have met in two orders.
+        if self.overflow or any(t.odd_ids for n in self.acc._taps.values() for t in n.values()):
             return None
         place = self.placed([pos for pos, _ in self.bad])
         return self.acc.result(sorted((place[pos], why) for pos, why in self.bad))
@@ -670,12 +672,6 @@ def _clash(spans: list) -> bool:
             return True
         seen.update(held)
     return False
-
-
-def _plain_ids(acc: Summarizer) -> bool:
-    """Whether every process and device id of every record added is an int
-    (or None): then no two equal ids of two types met in two orders."""
-    return not any(tap.odd_ids for names in acc._taps.values() for tap in names.values())
 
 
 def buckets_for(size: int, jobs: int) -> int:
