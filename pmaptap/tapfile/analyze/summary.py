@@ -333,7 +333,7 @@ class _TapAcc:
         """A per-device record's key: a bit of its (pass, attempt) lane at
         its step for a device at its usual coordinates, else a key of its
         own. A later attempt's replay is not a duplicate (as in
-        validate.duplicate_key)."""
+        validate.duplicate_parts)."""
         dev, coords = r.device, r.coords
         self.devices.add(dev)
         p, a = r.pass_, r.attempt

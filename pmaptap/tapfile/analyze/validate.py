@@ -1,9 +1,7 @@
-"""Checks on tap files beyond "is it a record": the format's own rules
-(schema.format_problems), duplicates, missing steps (``pmaptap validate``,
-``pmaptap summary``). A duplicate is a record_key written twice with the
-same value (per-device: the same device and coords); the same key with
-different values is a divergence, which is data.
-"""
+"""``pmaptap validate``'s checks (the format's rules, duplicates) and the
+missing steps ``pmaptap summary`` names. A duplicate is a record_key written
+twice with the same value (per-device: the same device and coords); the same
+key with different values is a divergence, which is data."""
 
 from __future__ import annotations
 
@@ -81,11 +79,10 @@ _DUPLICATE_FIELDS = ("kind", "vhash", "value", "device", "coords")
 
 
 def duplicate_parts(r: Any) -> tuple | None:
-    """duplicate_key as (key without step and value, step, value): the
-    value is the replicated value's hash (or its text), None for a
-    per-device record (its device and coordinates are in the key)."""
-    # Shards of one value (``index``) are different values, never duplicates:
-    # record_key holds the index.
+    """What makes a record a duplicate, as (key without step and value, step,
+    value): the value is the replicated value's hash (or its text), None for
+    a per-device record (its device and coordinates are in the key). Shards
+    of one value (record_key's ``index``) are different values."""
     run, name, step, pass_, index, attempt = record_key(r)
     if type(r) is dict:
         kind, vhash, value, device, coords = map(r.get, _DUPLICATE_FIELDS)
@@ -105,27 +102,6 @@ def duplicate_parts(r: Any) -> tuple | None:
             None,
         )
     return None  # meta records (counters) may legitimately repeat
-
-
-def duplicate_key(r: dict) -> tuple | None:
-    parts = duplicate_parts(r)
-    if parts is None:
-        return None
-    (kind, run, name, pass_, index, attempt, *rest), step, value = parts
-    key = (kind, run, name, step, pass_, index, attempt, *rest)
-    return key if value is None else (*key, value)
-
-
-def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
-    """(index, index of its first copy) for every record repeating an earlier one."""
-    firsts = FirstCopies()
-    out: list[tuple[int, int]] = []
-    for i, r in enumerate(records):
-        parts = duplicate_parts(r)
-        first = None if parts is None else firsts.add_parts(parts, i)
-        if first is not None:
-            out.append((i, first))
-    return out
 
 
 def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
@@ -178,9 +154,8 @@ class Report:
 
 
 class FirstCopies:
-    """``find_duplicates`` one record at a time, holding small per-key state
-    (never a record): ``add_parts(duplicate_parts(r), line)`` returns the
-    line of r's first copy if r repeats an earlier record, else None."""
+    """Each key's first copy, never a record: ``add_parts(duplicate_parts(r),
+    line)`` returns the line of r's first copy if r repeats one, else None."""
 
     def __init__(self) -> None:
         # group -> step (per-device) or (step, value) (replicated) -> line
@@ -188,9 +163,7 @@ class FirstCopies:
 
     def add_parts(self, parts: tuple, line: Any) -> Any:
         group, step, value = parts
-        steps = self._keys.get(group)
-        if steps is None:
-            steps = self._keys[group] = {}
+        steps = self._keys.setdefault(group, {})
         key = step if value is None else (step, value)
         first = steps.get(key)
         if first is None:
