@@ -866,13 +866,9 @@ def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
         # of a name is NotImplemented, which is true, so a looped tap's
         # part took every other tap's records too.
         return [(k, list(compress(idx, map(partial(eq, k), keys)))) for k in distinct]
-    parts: dict = {}
+    parts: defaultdict = defaultdict(list)
     for i, k in enumerate(keys):
-        got = parts.get(k)
-        if got is None:
-            parts[k] = [i]
-        else:
-            got.append(i)
+        parts[k].append(i)
     return list(parts.items())
 
 
