@@ -152,10 +152,8 @@ def suspects(records: Iterable[dict]) -> dict[tuple[str, str], list[Suspect]]:
 
 
 def divergence_series(rec: dict) -> Iterator[tuple[str, float]]:
-    """What a dashboard gets of a fingerprint record: nothing while the
-    copies agree; for a divergent record, at
-    ``<name>[/<leaf>]/divergent/device_<first holder>``, the number of
-    copies holding its fingerprint, at its step."""
+    """What a dashboard gets of a fingerprint record (docs/forwarders.md): for
+    a divergent one, the number of copies holding its fingerprint."""
     if rec.get("kind") != FINGERPRINT or not rec.get("divergent"):
         return
     leaf = rec.get("leaf")

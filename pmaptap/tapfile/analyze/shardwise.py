@@ -447,10 +447,9 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
 def combine(
     states: Iterable[_Shardwise], workers: int, resolver: Callable[[list], Iterable]
 ) -> _Shardwise:
-    """Every pass's state as one, the copies of replicated values taken as
-    the merge keeps them; where some went to a file ``resolver(tasks)``
-    gives ``resolve(*task)`` of up to ``workers`` tasks (a share of the
-    buckets each). A state ``resumed`` or ``overflow`` is given back as is."""
+    """Every pass's state as one, the copies taken as the merge keeps them
+    (``resolver(tasks)``: ``resolve(*task)`` of each, up to ``workers``); a
+    state ``resumed`` or ``overflow`` is given back as is."""
     got = _combine(states, workers, resolver)
     if not (got.resumed or got.overflow):
         got.load_keys()
@@ -523,13 +522,9 @@ class ShardwiseSummary(_Shardwise):
 
 
 class ShardwiseValidation(_Shardwise):
-    """A validation's state of some of a run's sources, positions and all.
-
-    A per-device record's first copy is found in its source, whose keys
-    are given up once it is read (``_source_read``), leaving per tap and
-    device the steps it holds (``spans``: a range mostly); ``settle`` then
-    looks for a key in two sources (a clash: the merge's to order) only
-    among sources whose ranges overlap."""
+    """A validation's state of some of a run's sources, positions and all: a
+    per-device key's first copy is found in its source, leaving per tap and
+    device the steps it holds (``spans``) for ``settle``."""
 
     def __init__(self, path: str, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
@@ -675,9 +670,7 @@ def _clash(spans: list) -> bool:
 
 
 def buckets_for(size: int, jobs: int) -> int:
-    """How many buckets copies that go to a file are put in (``_spill``),
-    of a run of ``size`` bytes: one per BUCKET_BYTES of the run, and at
-    least one per process reading."""
+    """The buckets of the copies that go to a file (``_spill``)."""
     return max(jobs, -(-size // BUCKET_BYTES))
 
 

@@ -416,10 +416,7 @@ class _TapAcc:
                 raise NeedSerial(f"device {dev} at two sets of coordinates")
         self.duplicates += o.duplicates
         for key, lane in o.lanes.items():
-            mine = self.lanes.get(key)
-            if mine is None:
-                self.lanes[key] = lane
-                continue
+            mine = self.lanes[key]
             for step, bits in lane.bits.items():
                 have = mine.bits.get(step)
                 if have is None:

@@ -205,15 +205,7 @@ def _draw(ax, series, marks, bad, *, logy: bool, smooth: int) -> None:
         else:
             ax.plot(xs, ys, marker="." if len(pts) < 50 else None, linewidth=1.2, label=label)
     if marks:
-        ax.scatter(
-            [m[0] for m in marks],
-            [m[1] for m in marks],
-            marker="x",
-            color="red",
-            s=40,
-            zorder=5,
-            label="divergent",
-        )
+        ax.scatter(*zip(*marks), marker="x", color="red", s=40, zorder=5, label="divergent")
     if logy:
         # Values <= 0 have no place on a log axis: matplotlib masks them.
         ax.set_yscale("log", nonpositive="mask")

@@ -23,9 +23,6 @@ from pmaptap.tapfile.source import Run, iter_lines, parsed, records
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
 
-_X2NUM_LOGGER = "tensorboardX.x2num"
-
-
 # Characters of a run's directory name at most (NAME_MAX is 255 bytes); a
 # longer one is cut and ends in a hash of the whole run id.
 RUN_DIRNAME_MAX = 128
@@ -147,7 +144,8 @@ class TensorBoardExport:
         # are the data being looked for. (One filter per export: closing one
         # leaves another's.)
         self._quiet = lambda rec: "NaN or Inf found" not in rec.getMessage()
-        logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
+        self._x2num = logging.getLogger("tensorboardX.x2num")
+        self._x2num.addFilter(self._quiet)
 
     def _logdir(self, run: Any) -> str:
         logdir = self._logdirs.get(run)
@@ -235,7 +233,7 @@ class TensorBoardExport:
             self._leaf(w, tag, v, step, wall)
 
     def _leaf(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
-        if isinstance(v, bool) or isinstance(v, (int, float)):
+        if isinstance(v, (int, float)):  # bool too
             w.add_scalar(tag, float(v), step, walltime=wall)
             self.stats.scalars += 1
         elif isinstance(v, complex):
@@ -301,7 +299,7 @@ class TensorBoardExport:
 
     def close(self) -> None:
         self.close_files()
-        logging.getLogger(_X2NUM_LOGGER).removeFilter(self._quiet)
+        self._x2num.removeFilter(self._quiet)
 
 
 def export(
