@@ -38,9 +38,7 @@ def cores() -> int:
 
 
 def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
-    """The worker processes to read ``path`` with: ``asked`` as is; None:
-    the cores, at most one per MIN_JOB_BYTES of the run (a small run is
-    read in this process)."""
+    """``asked``, or (None) the cores, at most one per MIN_JOB_BYTES of the run."""
     if asked is not None:
         return asked
     run = source.Run.of(path)
@@ -177,12 +175,10 @@ def _result(p: Any, conn: Any) -> Any:
 
 
 class _Pool:
-    """Up to ``size`` worker processes taking tasks ``(function, *args)``
-    one after another as each is free (a slow core holds back the end by
-    one piece at most). One pool serves every phase of a read, so a worker
-    is started once, before this process holds the workers' states (a
-    fork of a large process costs more). The workers end with the context,
-    killed where a ``map`` was given up."""
+    """Up to ``size`` worker processes taking tasks ``(function, *args)`` as
+    each is free. One pool serves every phase of a read, so a worker is
+    started once, before this process holds the workers' states (a fork of
+    a large process costs more)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -243,10 +239,8 @@ class _Pool:
             task = take(conn)
             if task is not None:
                 queued[conn].append(next(numbers))
-                try:
+                with contextlib.suppress(ConnectionError):  # taking its result in says how
                     conn.send(task)
-                except ConnectionError:
-                    pass  # the worker ended: taking its result in says how
 
         for conn in list(queued):
             give(conn)

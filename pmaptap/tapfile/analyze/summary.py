@@ -595,15 +595,11 @@ class Summarizer:
             acc = names[name] = _TapAcc(run, *key, tap=tap)
         return acc
 
-    def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
+    def add_batch(self, records: list, positions: Any) -> None:
         """``add`` of each record of ``records`` (None for a line that is no
-        record) from position ``first``, or each at its own of ``positions``,
-        a tap at a time (_add_part)."""
-        n = len(records)
-        if positions is None:
-            positions = range(first, first + n)
+        record) at its position, a tap at a time (_add_part)."""
         if None in records:
-            where = [i for i in range(n) if records[i] is not None]
+            where = [i for i, r in enumerate(records) if r is not None]
             records = [records[i] for i in where]
             positions = [positions[i] for i in where]
         if not records:
@@ -754,11 +750,11 @@ class Summarizer:
     def take(self, records: list, first: int = 1, positions: Any = None) -> None:
         """The records (Structs or None) of a batch from position ``first``
         (or each at its own of ``positions``)."""
-        if not self.attempts and not self.flt.active:
-            self.add_batch(records, first, positions)
-            return
         if positions is None:
             positions = range(first, first + len(records))
+        if not self.attempts and not self.flt.active:
+            self.add_batch(records, positions)
+            return
         flt, attempts = self.flt, self.attempts
         for pos, r in zip(positions, records):
             if r is None:
