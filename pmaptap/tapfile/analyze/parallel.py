@@ -378,9 +378,8 @@ def validate_file(path: str | os.PathLike, jobs: int) -> Report:
 
 def _in_pieces(piece: Callable, result: Callable, path: str, parts: list, *args: Any) -> Any:
     """``result`` of the states ``piece(path, part, *args)`` of each byte range
-    ``part`` of the file ``path`` (the first in this process, each other one in
-    a worker) merged in order; None where one met a later attempt (``args``'
-    attempts None: assumed none)."""
+    ``part`` (the first read in this process) merged in order; None where one
+    met a later attempt while assuming none."""
     first, *rest = [(piece, path, part, *args) for part in parts]
     with _Pool(len(rest)) as pool:
         got = list(pool.map(rest, here=first))

@@ -683,11 +683,9 @@ def read(
     sent: bool = False,
     end: bool = True,
 ) -> _Shardwise:
-    """``got`` of ``sources`` ((index, path) each) as well, until one is
-    ``resumed``; copies past MAX_HELD_COPIES to ``spill_dir`` in ``buckets``
-    buckets. ``end``: ``got`` is whole (``share``: its part of the run's
-    bytes), else more sources come later; ``sent``: its keys go to
-    ``spill_dir`` too (``store_keys``)."""
+    """``got`` of ``sources`` ((index, path) each) too, until ``resumed``.
+    ``end``: ``got`` is whole (``share`` of the run's bytes); ``sent``: its
+    keys go to ``spill_dir`` too (``store_keys``)."""
     if got.resumed or got.overflow:
         return got  # the pass stops: more sources would not change that
     got.buckets, got.spill_dir = buckets, spill_dir
@@ -722,8 +720,7 @@ Reader = Callable[[_Shardwise], _Shardwise]
 def summarize(
     path: str | os.PathLike, flt: Filter, reader: "Reader | None" = None
 ) -> "Result | None":
-    """summary.summarize_file of the local sharded run ``path``, or None where
-    it would not be exact (the caller reads the merged stream)."""
+    """summary.summarize_file of the local sharded run ``path``; None: not exact."""
     path = source.Run.of(path)
     read = reader or functools.partial(_serial, path=path)
     attempts = first_attempts(path, flt)
@@ -731,8 +728,7 @@ def summarize(
 
 
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
-    """validate.validate_file of the local sharded run ``path``, or None where
-    it would not be exact (the caller reads the merged stream)."""
+    """validate.validate_file of the local sharded run ``path``; None: not exact."""
     path = source.Run.of(path)
     read = reader or functools.partial(_serial, path=path)
     return latest(path, lambda a: read(ShardwiseValidation(path, a)), _RESUMED).report()

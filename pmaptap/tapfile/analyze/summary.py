@@ -151,9 +151,7 @@ class _TapAcc:
     """One tap's summary state."""
 
     def __init__(self, run: str, name: str, iteration: Any = None, tap: str | None = None) -> None:
-        # A looped tap: one accumulator per ``iteration``. ``tap``: the
-        # records' name where the row's is not (a pytree leaf's row,
-        # ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
+        # A looped tap: one accumulator per ``iteration``; ``tap``: as TapSummary.tap.
         self.run, self.name, self.iteration = run, name, iteration
         self.tap = name if tap is None else tap
         self.kinds: set = set()
@@ -186,8 +184,7 @@ class _TapAcc:
         self.duplicates = 0
         self.first_bad: Any = None  # first step with a NaN/inf
         self.first_bad_devs: set = set()
-        # Finite array elements: count and each record's sum; the norm at
-        # the highest step.
+        # Finite array elements: count and each record's sum; the norm at the highest step.
         self.a_count = 0
         self.a_sums: list = []
         self.norm_step: Any = None
@@ -198,8 +195,7 @@ class _TapAcc:
         self.odd_ids = False
 
     def holders(self, devices: bool, ids: Any) -> None:
-        """A record's ``devices`` or ``processes`` field (ranges text kept
-        as text)."""
+        """A record's ``devices`` or ``processes`` (ranges text kept as text)."""
         if ids:
             if type(ids) is str:
                 self.holder_texts.add((devices, ids))
@@ -546,13 +542,10 @@ def _scalar(v: object) -> float | None:
 
 
 class Summarizer:
-    """Per-tap summaries of a stream of records, holding none of them.
-
-    ``add(r)`` every record the summary covers; ``see(r)`` one of a covered
-    key that it does not cover (filtered out by process or device), so that
-    divergence is judged on every copy. ``take`` a batch: the records
-    ``flt`` keeps that ``attempts`` (what later attempts superseded) leaves
-    added, the names and runs of the others kept for ``result``."""
+    """Per-tap summaries of a stream of records, holding none of them:
+    ``add(r)`` every record covered, ``see(r)`` one of a covered key filtered
+    out (by process or device: divergence is judged on every copy); ``take``
+    a batch, adding what ``flt`` and ``attempts`` keep."""
 
     def __init__(self, flt: Filter | None = None, attempts: Attempts | None = None) -> None:
         # The accumulators by run and name; each run's first position.
@@ -748,8 +741,7 @@ class Summarizer:
         acc.add(r, pos)
 
     def take(self, records: list, first: int = 1, positions: Any = None) -> None:
-        """The records (Structs or None) of a batch from position ``first``
-        (or each at its own of ``positions``)."""
+        """A batch's records (Structs or None) from ``first`` (or at ``positions``)."""
         if positions is None:
             positions = range(first, first + len(records))
         if not self.attempts and not self.flt.active:

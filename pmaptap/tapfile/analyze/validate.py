@@ -35,9 +35,7 @@ from pmaptap.tapfile.source import (
 
 
 def schema_problems(d: Any) -> list[str]:
-    """Violations of the record format in a record readers take (a
-    schema.py Struct, or its line's object): schema.format_problems, and
-    where a stored value's references point (arrays.field_problem)."""
+    """schema.format_problems and arrays.field_problem of a record (a Struct or its object)."""
     r = from_dict(d) if type(d) is dict else d
     out = format_problems(r)
     if r.bytes is not UNSET:
@@ -347,9 +345,7 @@ class Validator:
 
 
 def line_text(pos: Any) -> str:
-    """A position as printed: "line 7" of the file or merged stream, or a
-    sharded run's source and its line ("p00003.jsonl line 7",
-    source.SourceLine)."""
+    """A position as printed: "line 7", or "p00003.jsonl line 7" (source.SourceLine)."""
     return f"line {pos}" if type(pos) is int else str(pos)
 
 

@@ -148,9 +148,7 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
     every_mark = [m for lb in marks for m in marks[lb]]
     every_bad = {k: [s for b in bad.values() for s in b[k]] for k in _NONFINITE}
     _draw(ax, series, every_mark, every_bad, logy=logy, smooth=smooth)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("value")
+    ax.set(title=title, xlabel="step", ylabel="value")
     if len(series) + bool(every_mark) <= _MAX_LEGEND:
         ax.legend(fontsize="small")
     fig.tight_layout()
