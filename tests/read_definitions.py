@@ -14,7 +14,7 @@ from pmaptap.tapfile.read.attempts import Attempts
 from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.read.views import Entry
-from pmaptap.tapfile.record import decode_record
+from pmaptap.tapfile.record import decode_record, from_dict
 from pmaptap.tapfile.source import Run, iter_lines
 
 
@@ -89,7 +89,7 @@ def mark_divergence(entries: Sequence[Entry]) -> None:
 
 
 def duplicate_key(r: dict) -> tuple | None:
-    parts = duplicate_parts(r)
+    parts = duplicate_parts(from_dict(r))
     if parts is None:
         return None
     (kind, run, name, pass_, index, attempt, *rest), step, value = parts
@@ -102,7 +102,7 @@ def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
     firsts = FirstCopies()
     out: list[tuple[int, int]] = []
     for i, r in enumerate(records):
-        parts = duplicate_parts(r)
+        parts = duplicate_parts(from_dict(r))
         first = None if parts is None else firsts.add_parts(parts, i)
         if first is not None:
             out.append((i, first))

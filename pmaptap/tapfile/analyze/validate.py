@@ -73,32 +73,18 @@ def _coords_key(coords: Any) -> Any:
     return _canonical(coords)
 
 
-_DUPLICATE_FIELDS = ("kind", "vhash", "value", "device", "coords")
-
-
-def duplicate_parts(r: Any) -> tuple | None:
+def duplicate_parts(r: AnyRecord) -> tuple | None:
     """What makes a record a duplicate, as (key without step and value, step,
     value): the value is the replicated value's hash (or its text), None for
     a per-device record (its device and coordinates are in the key). Shards
     of one value (record_key's ``index``) are different values."""
-    run, name, step, pass_, index, attempt = record_key(r)
-    if type(r) is dict:
-        kind, vhash, value, device, coords = map(r.get, _DUPLICATE_FIELDS)
-    else:
-        kind = r.kind
-        if kind == "per_device":
-            vhash = value = None
-            device, coords = r.device, r.coords
-        else:
-            vhash, value = r.vhash, r.value
-    if kind == "replicated":
-        return ("replicated", run, name, pass_, index, attempt), step, vhash or _canonical(value)
-    if kind == "per_device":
-        return (
-            ("per_device", run, name, pass_, index, attempt, device, _coords_key(coords)),
-            step,
-            None,
-        )
+    run, name, step, pass_, index, attempt = r.key()
+    if r.kind == "replicated":
+        value = r.vhash or _canonical(r.value)
+        return ("replicated", run, name, pass_, index, attempt), step, value
+    if r.kind == "per_device":
+        group = ("per_device", run, name, pass_, index, attempt, r.device, _coords_key(r.coords))
+        return group, step, None
     return None  # meta records (counters) may legitimately repeat
 
 
