@@ -462,8 +462,7 @@ class _TapAcc:
         divergent = set(self.divergent)
         if index.any_repeat:
             for step, pass_, attempt, *shard in self.rep_keys:
-                shard_key = shard[0] if shard else None
-                part = part_key(shard_key, self.iteration)
+                part = part_key(shard[0] if shard else None, self.iteration)
                 if index.is_divergent((self.run, self.tap, step, pass_, part, attempt)):
                     divergent.add(step)
         data_steps: set = set()

@@ -108,8 +108,7 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
     # An auto tap diverges only once its copies have agreed (see summary.py).
     agreed = min(r["step"] for r in recs if r.get("kind") == "replicated") if auto else None
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    # Per series: divergent points and the steps of non-finite values, so a
-    # panel of the small multiples draws its own.
+    # Per series (a panel of the small multiples draws its own): divergent points, non-finite steps.
     marks: dict[str, list[tuple[int, float]]] = defaultdict(list)
     bad: dict[str, dict[str, list[int]]] = defaultdict(lambda: {k: [] for k in _NONFINITE})
     for r in recs:
@@ -143,8 +142,7 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if len(devices) > _MAX_LEGEND:
         # Too many devices for a panel each: median, band and outliers.
-        keep = _band(ax, {lb: series.pop(lb) for lb in devices}, smooth)
-        series.update(keep)
+        series.update(_band(ax, {lb: series.pop(lb) for lb in devices}, smooth))
     every_mark = [m for lb in marks for m in marks[lb]]
     every_bad = {k: [s for b in bad.values() for s in b[k]] for k in _NONFINITE}
     _draw(ax, series, every_mark, every_bad, logy=logy, smooth=smooth)

@@ -49,8 +49,7 @@ def _hashed(name: str, run_id: str) -> str:
 
 def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     """What a scalar's tag puts before and after its leaf path (docs/cli.md);
-    with ``mark_divergent``, a divergent copy goes to its own series
-    ``/divergent/device_<first holder>``, not at random into the tap's."""
+    ``mark_divergent``: a divergent copy's own series (docs/forwarders.md)."""
     # A looped tap: one series per iteration (act_rms/3).
     base = curve_tag(rec.get("name"), rec.get("iteration"))
     if rec.get("pass", "forward") != "forward":
@@ -140,9 +139,8 @@ class TensorBoardExport:
         self._purge = purge
         self._mark_divergent = mark_divergent
         self.stats = Stats()
-        # tensorboardX warns on every NaN/inf it writes: in a tap file they
-        # are the data being looked for. (One filter per export: closing one
-        # leaves another's.)
+        # tensorboardX warns on every NaN/inf it writes: in a tap file they are
+        # the data being looked for (a filter per export: closing one leaves another's).
         self._quiet = lambda rec: "NaN or Inf found" not in rec.getMessage()
         self._x2num = logging.getLogger("tensorboardX.x2num")
         self._x2num.addFilter(self._quiet)
@@ -169,9 +167,8 @@ class TensorBoardExport:
                 "TensorBoard will show their points too (export into a "
                 "new directory to avoid doubles)"
             )
-        # tensorboardX names a file by the second it was opened: a writer
-        # reopened (purge) within that second would replace the file before
-        # it. The suffix keeps them apart and in order.
+        # tensorboardX names a file by the second it was opened: the suffix keeps
+        # a writer reopened (purge) within that second from replacing the file before.
         suffix = f".{os.getpid()}.{next(_FILE_IDS):06d}"
         # flush_secs is a ceiling; follow mode flushes after each poll.
         return self._writer_cls(
