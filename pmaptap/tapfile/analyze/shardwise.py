@@ -85,10 +85,8 @@ class _Keys:
             self.ends[-1] += ns[0]
             done += ns.pop(0)
             ks.pop(0)
-        ends = list(accumulate(ns, initial=done))
-        del ends[0]
         self.keys.extend(ks)
-        self.ends.extend(ends)
+        self.ends.extend(done + n for n in accumulate(ns))
         return keys, len(ks)
 
     def below(self, t: float, inclusive: bool) -> int:
@@ -570,14 +568,9 @@ class ShardwiseValidation(_Shardwise):
         # (replicated ones are taken once every source is: ``finish``).
         v = self.v
         self.device_dups += v.dup_pairs()
-        spans = self.spans
         for group, steps in v.firsts._keys.items():
             lo, hi, held = self._held(steps)
-            got = spans.get(group)
-            if got is None:
-                spans[group] = [(lo, hi, index, held)]
-            else:
-                got.append((lo, hi, index, held))
+            self.spans.setdefault(group, []).append((lo, hi, index, held))
         v.dups, v.firsts, v._groups = [], FirstCopies(), {}
 
     def _held(self, steps: dict) -> tuple:
@@ -621,8 +614,7 @@ class ShardwiseValidation(_Shardwise):
         )
 
     def _to_place(self) -> bool:
-        v = self.v
-        return bool(self.bad or self.device_dups or v.dups or v.problems)
+        return bool(self.bad or self.device_dups or self.v.dups or self.v.problems)
 
     def report(self) -> "Report | None":
         """validate.validate_file's report, ``combine``d; None on a ``clash``."""
