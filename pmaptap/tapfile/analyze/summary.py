@@ -587,9 +587,11 @@ class Summarizer:
             acc = names[name] = _TapAcc(run, *key, tap=tap)
         return acc
 
-    def add_batch(self, records: list, positions: Any) -> None:
+    def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
         """``add`` of each record of ``records`` (None for a line that is no
-        record) at its position, a tap at a time (_add_part)."""
+        record) from ``first`` (or at ``positions``), a tap at a time (_add_part)."""
+        if positions is None:
+            positions = range(first, first + len(records))
         if None in records:
             where = [i for i, r in enumerate(records) if r is not None]
             records = [records[i] for i in where]
@@ -741,11 +743,11 @@ class Summarizer:
 
     def take(self, records: list, first: int = 1, positions: Any = None) -> None:
         """A batch's records (Structs or None) from ``first`` (or at ``positions``)."""
+        if not self.attempts and not self.flt.active:
+            self.add_batch(records, first, positions)
+            return
         if positions is None:
             positions = range(first, first + len(records))
-        if not self.attempts and not self.flt.active:
-            self.add_batch(records, positions)
-            return
         flt, attempts = self.flt, self.attempts
         for pos, r in zip(positions, records):
             if r is None:
