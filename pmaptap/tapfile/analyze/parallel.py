@@ -174,7 +174,7 @@ def _result(p: Any, conn: Any) -> Any:
     return result
 
 
-class _Pool:
+class _Pool(contextlib.AbstractContextManager):
     """Up to ``size`` worker processes taking tasks ``(function, *args)`` as
     each is free. One pool serves every phase of a read, so a worker is
     started once, before this process holds the workers' states (a fork of
@@ -184,9 +184,6 @@ class _Pool:
         self.size = size
         self.process: dict[Any, Any] = {}  # connection -> its worker
         self.queued: dict[Any, list[int]] = {}  # connection -> its tasks, oldest first
-
-    def __enter__(self) -> _Pool:
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         # Killed where the read was given up (an error, or tasks still

@@ -105,8 +105,7 @@ class _Shardwise:
     none), ``fresh()`` (an empty state like it) and ``_take(records, at)``."""
 
     def __init__(self, optimistic: bool) -> None:
-        # optimistic: assumed never resumed (``resumed`` tells otherwise).
-        self.optimistic = optimistic
+        self.optimistic = optimistic  # assumed never resumed (``resumed`` says otherwise)
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
         self.names: dict[int, str] = {}  # each source's path, by index
@@ -117,9 +116,7 @@ class _Shardwise:
         self.unhashed: list = []
         self.dropped: dict[int, array] = _lines()  # of the copies dropped, by source
         self.n_dropped = 0
-        # Whether lines can still be placed in the merged stream (runs of
-        # keys and replicated records met at most MAX_KEY_RUNS).
-        self.placeable = True
+        self.placeable = True  # at most MAX_KEY_RUNS met: lines placed in the merge
         self.runs_met = 0
         # Copies held, at most MAX_HELD_COPIES; past it they go to ``spill``
         # (in ``spill_dir``; ``spilled``: bucket -> [(offset, length)]).
@@ -129,9 +126,7 @@ class _Shardwise:
         self.spill: "str | None" = None
         self.spilled: dict[int, list] = {}
         self.spills: list = []  # of the states absorbed: [(spill, spilled)]
-        # A process's copies met in two sources (see _copies): the pass
-        # stops (``overflow``) and the merged stream is read.
-        self.overflow = False
+        self.overflow = False  # a process's copies met in two sources (see _copies)
         self.copy_sources: dict = {}
 
     def _positions(self, keys: list, index: int, first: int) -> Any:

@@ -174,8 +174,7 @@ class _TapAcc:
         self.hi = -math.inf
         self.nonfinite = self.nonscalar = 0
         self.divergent: set = set()
-        # (step, pass, attempt[, shard index]) of replicated records
-        self.rep_keys: set[tuple] = set()
+        self.rep_keys: set[tuple] = set()  # (step, pass, attempt[, shard]) replicated
         # Per-device keys by (pass, attempt); each device's usual coordinates.
         self.lanes: defaultdict[tuple, _Lane] = defaultdict(_Lane)
         self.dev_coords: dict = {}

@@ -263,8 +263,7 @@ class Validator:
         self.records += 1
         if r.odd:
             self.odd = True
-        for p in schema_problems(r):
-            self.problems.append((pos, f"schema: {p}"))
+        self.problems += [(pos, f"schema: {p}") for p in schema_problems(r)]
         if r.bytes is not UNSET:
             # Stored values: their bytes are there (sizes, not contents:
             # one stat per byte file, whatever the run's size).
