@@ -225,10 +225,9 @@ class _Pool(contextlib.AbstractContextManager):
     def _each(
         self, take: Callable[[Any], "tuple | None"], most: int, here: "tuple | None" = None
     ) -> Iterator:
-        """(i, result) of the tasks ``take(worker)`` gives (None: no more),
-        numbered as taken (``here`` 0), as they come. Each worker has one
-        task queued beside the one it runs, so it never waits while this
-        process takes a result in."""
+        """(i, result) of the tasks ``take(worker)`` gives (None: no more), as they
+        come. Each worker has one task queued beside the one it runs, so it
+        never waits while this process takes a result in."""
         numbers = itertools.count(here is not None)
         queued = self.queued
 
@@ -301,9 +300,8 @@ _open: list = []
 def _read_on(
     empty: Any, sources: list, share: float, buckets: int, spill_dir: str, send: bool
 ) -> Any:
-    """``sources`` read into this worker's state (``empty`` if it has none):
-    the state given back where ``send`` (it then holds ``share`` of the
-    run), else kept for the next unit (None)."""
+    """``sources`` read into this worker's state (``empty`` if it has none),
+    given back where ``send``, else kept for the next unit (None)."""
     got = _open.pop() if _open else empty
     shardwise.read(got, sources, share, buckets, spill_dir, sent=True, end=send)
     if send:

@@ -238,9 +238,8 @@ class _Shardwise:
                     where.append(kept)  # in memory (see _encode)
 
     def end(self, share: float) -> None:
-        """This pass's sources read (``share``: its part of the run's bytes):
-        copies past its share of MAX_HELD_COPIES go to the file, so that the
-        one who takes every state in holds at most MAX_HELD_COPIES."""
+        """This pass's sources read: copies past its ``share`` of MAX_HELD_COPIES
+        to the file (the one who takes every state in holds at most that)."""
         if self.spill is not None or self.held > MAX_HELD_COPIES * share:
             self._spill()
 
@@ -257,9 +256,8 @@ class _Shardwise:
             open(os.path.join(self.spill_dir, _UNPLACEABLE), "wb").close()
 
     def store_keys(self) -> None:
-        """A worker's keys to a file in ``spill_dir``, not in the state it
-        sends: the parent needs them only to place a line with a problem
-        (``load_keys``)."""
+        """A worker's keys to a file in ``spill_dir``, not in the state it sends:
+        the parent needs them only to place a line (``load_keys``)."""
         if not self.placeable or self.spill_dir is None:
             return
         if self.past_max_key_runs():
@@ -338,9 +336,8 @@ class _Shardwise:
         return sum(k.lines for k in self.keys.values()) - self.n_dropped
 
     def placed(self, positions: list) -> dict:
-        """Each of ``positions`` (of lines read) -> its line in the merged
-        stream, or where the run is past MAX_KEY_RUNS (not ``placeable``)
-        its source and line there (source.SourceLine)."""
+        """Each of ``positions`` -> its line in the merged stream, or (past
+        MAX_KEY_RUNS: not ``placeable``) its source and line (source.SourceLine)."""
         at = sorted(set(positions))
         if not at:
             return {}

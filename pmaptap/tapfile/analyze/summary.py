@@ -325,10 +325,8 @@ class _TapAcc:
         self.fp.add(r)
 
     def _per_device(self, r: AnyRecord, step: Any) -> None:
-        """A per-device record's key: a bit of its (pass, attempt) lane at
-        its step for a device at its usual coordinates, else a key of its
-        own. A later attempt's replay is not a duplicate (as in
-        validate.duplicate_parts)."""
+        """A per-device record's key: a bit of its (pass, attempt) lane at its
+        step (a device at its usual coordinates), else a key of its own."""
         dev, coords = r.device, r.coords
         self.devices.add(dev)
         p, a = r.pass_, r.attempt
@@ -381,8 +379,7 @@ class _TapAcc:
         return None
 
     def absorb(self, o: _TapAcc, ordered: bool) -> None:
-        """Add another piece's state of this tap (``ordered``: it comes
-        after this one in the stream; else positions decide)."""
+        """Another piece's state of this tap (``ordered``: the piece after this one)."""
         self._fold()
         o._fold()
         self.kinds |= o.kinds
@@ -908,14 +905,12 @@ def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
 
 
 def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
-    """summarize_file for any filter and any run: what later attempts
-    superseded found first (attempts.scan), then one pass."""
+    """summarize_file's pass after attempts.scan (any filter, any run)."""
     attempts = Attempts() if flt.all_attempts else scan(path)
     return summarize_batches(iter_record_batches(path), flt, attempts).result()
 
 
 def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
-    """Every record of the run until the first of a later attempt (then
-    ``resumed``, and the caller starts again)."""
+    """summarize_file's pass assuming no later attempt (until one: ``resumed``)."""
     acc = summarize_batches(iter_record_batches(path))
     return acc, acc.bad

@@ -175,9 +175,8 @@ def _what(parts: tuple) -> str:
 
 class Validator:
     """``pmaptap validate``'s state over a stream of records: every problem
-    with its position, and per-key state, never the records. ``attempts``
-    None: the run is assumed never resumed, and ``resumed`` says at the
-    first record of a later attempt (the caller starts again)."""
+    with its position, per-key state, never the records. ``attempts`` None:
+    assumed never resumed (``resumed`` says otherwise; the caller starts again)."""
 
     def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
         self.path = os.fspath(path)
@@ -209,10 +208,8 @@ class Validator:
         self.take_records(records, range(first, first + len(records)))
 
     def take_records(self, records: list, positions: Any) -> None:
-        """``add`` of each record (None: none) at its position, until
-        ``resumed``. The usual per-device record (a float number at one
-        integer coordinate or none, nothing else set: most lines) is
-        checked in a loop of local names."""
+        """``add`` of each record (None: none) at its position, until ``resumed``;
+        the usual per-device record (most lines) in a loop of local names."""
         guess = self.attempts is None
         superseded = self.attempts.superseded if self.attempts else None
         groups = self._groups
