@@ -420,10 +420,9 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
                         for part in parts:
                             if isinstance(part, list):
                                 held += part  # kept in memory (see _encode)
-                                continue
-                            offset, n = part
-                            f.seek(offset)
-                            held += _decode(f.read(n))
+                            else:
+                                f.seek(part[0])
+                                held += _decode(f.read(part[1]))
             # In the merge's order, _copies keeps the first copy's process's
             # (a process's copies are in one source: else the read stopped).
             held.sort(key=_POS)

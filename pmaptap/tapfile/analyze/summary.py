@@ -23,7 +23,7 @@ import msgspec
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile.analyze.fingerprints import FingerprintAcc
-from pmaptap.tapfile.analyze.validate import _canonical, _coords_key, count_missing, step_gaps
+from pmaptap.tapfile.analyze.validate import _canonical, _coords_key, step_gaps
 from pmaptap.tapfile.read import (
     Attempts,
     DivergenceIndex,
@@ -79,16 +79,13 @@ class TapSummary:
     first_nonfinite_step: int | None = None
     first_nonfinite_devices: tuple[int | None, ...] = ()
     # Array taps: the L2 norm of the finite elements at the last step (the
-    # largest, if several devices wrote one); min/max/mean above then cover
-    # every finite element of every record.
+    # largest of the devices'); min/max/mean then cover every finite element.
     norm: float | None = None
     # dedup="auto" taps: steps whose copies differed before the tap ever
     # agreed. That is per-device data, not a divergence.
     per_device_steps: tuple[int, ...] = ()
     restarts: str = ""  # the run's attempts ("2 attempts; restarted at step 5")
-    # pmaptap.fingerprint records: where the copies first differed and the
-    # suspect devices (tapfile/analyze/fingerprints.py), "" when they always agreed.
-    fingerprint: str = ""
+    fingerprint: str = ""  # pmaptap.fingerprint: where copies first differed, the suspects
     # The tap the row is of, as ``name`` shows it: its name (a looped tap's
     # iteration's: ``act[3]``), or for a pytree's leaf row (``stats/mean``)
     # the pytree's (``stats``), whose records it shares.
@@ -508,7 +505,7 @@ class _TapAcc:
             divergent_steps=tuple(sorted(divergent)),
             stride=stride,
             gaps=tuple(gaps),
-            missing=count_missing(stride, gaps),
+            missing=sum((hi - lo) // stride + 1 for lo, hi in gaps),
             incomplete_steps=tuple(sorted(incomplete)),
             duplicates=self.duplicates,
             first_nonfinite_step=self.first_bad,
@@ -779,11 +776,10 @@ class Summarizer:
             elif not ordered:
                 self._first[run] = min(self._first[run], other._first[run])
             for name, acc in names.items():
-                have = mine.get(name)
-                if have is None:
-                    mine[name] = acc
+                if name in mine:
+                    mine[name].absorb(acc, ordered)
                 else:
-                    have.absorb(acc, ordered)
+                    mine[name] = acc
         self._index.absorb(other._index)
         self._restarts.absorb(other._restarts)
         self.resumed = self.resumed or other.resumed

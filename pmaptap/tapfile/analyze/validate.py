@@ -103,10 +103,6 @@ def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
     return stride, gaps
 
 
-def count_missing(stride: int, gaps: Sequence[tuple[int, int]]) -> int:
-    return sum((hi - lo) // stride + 1 for lo, hi in gaps)
-
-
 def steps_text(steps: Sequence, limit: int = 5) -> str:
     """Steps as the summary lists them: the first ``limit``, then ",..."."""
     return ",".join(map(str, steps[:limit])) + (",..." if len(steps) > limit else "")

@@ -56,8 +56,7 @@ def smoothed(ys: Sequence[float], n: int) -> list[float]:
 
 
 def per_leaf(r: dict) -> Iterator[dict]:
-    """``r``, or for a pytree value one record per leaf, named by its path
-    (``stats/mean``: views.leaves)."""
+    """``r``, or for a pytree value one record per leaf named by its path (``stats/mean``)."""
     dtype = r.get("dtype")
     if not isinstance(dtype, (dict, list)) or r.get("kind") == FINGERPRINT:
         yield r
@@ -157,8 +156,7 @@ _NONFINITE = ("NaN", "+inf", "-inf")
 
 
 def _small_multiples(plt, series, marks, bad, title: str, *, logy: bool, smooth: int):
-    """One panel per series (5-16 devices: one axes would be a tangle),
-    axes shared."""
+    """One panel per series (5-16 devices: one axes would be a tangle)."""
     labels = sorted(series, key=_device_order)
     ncols = 4
     nrows = math.ceil(len(labels) / ncols)

@@ -108,8 +108,7 @@ _FILE_IDS = itertools.count(1)
 
 @dataclasses.dataclass
 class _Attempt:
-    """The latest attempt a run's writer wrote: its number, the step it
-    started at (what it purged from) and the highest step since."""
+    """The latest attempt a run's writer wrote (its first step: purged from)."""
 
     attempt: int
     first: int
@@ -273,8 +272,7 @@ class TensorBoardExport:
             self.stats.scalars += 1
 
     def take(self, lineno: int, d: dict, flt: Filter, report: Callable[[int, str], None]) -> None:
-        """``add`` the record ``d`` if ``flt`` keeps it, stored leaves loaded
-        (``report`` one whose bytes are missing)."""
+        """``add`` the record ``d`` if ``flt`` keeps it (``report``: missing stored bytes)."""
         rec = decode_record(d)
         if not flt(rec):
             return
@@ -302,8 +300,8 @@ class TensorBoardExport:
 def export(
     path: str | os.PathLike, outdir: str | os.PathLike, flt: Filter
 ) -> tuple[Stats, list[tuple[int, str]]]:
-    """Convert the whole file, streamed: the counts and the lines skipped
-    (divergence marks are not needed: every value is written)."""
+    """The whole file converted, streamed (every value written: no divergence
+    marks needed): the counts and the lines skipped."""
     path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
