@@ -1,8 +1,6 @@
 """Which copies of ``pmaptap.fingerprint``'s records differed, and whom to
-suspect (docs/api.md, "Fingerprint records"): ``FingerprintAcc`` keeps what
-the divergent records say (the summary's line: ``text()``);
-``suspects(records)`` is the same for code.
-"""
+suspect (docs/api.md, "Fingerprint records"): the summary's line
+(``FingerprintAcc.text``) and ``suspects(records)`` for code."""
 
 from __future__ import annotations
 

@@ -145,8 +145,7 @@ def _serve(conn: Any) -> None:
                 result = task[0](*task[1:])
             conn.send(("ok", result))
         except OSError as e:
-            # An unreadable source: raised in the parent as the OSError it
-            # is, said as --jobs 1 says it.
+            # An unreadable source: raised in the parent as --jobs 1 raises it.
             args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
             with contextlib.suppress(Exception):
                 conn.send(("oserror", args))
@@ -186,8 +185,7 @@ class _Pool(contextlib.AbstractContextManager):
         self.queued: dict[Any, list[int]] = {}  # connection -> its tasks, oldest first
 
     def __exit__(self, *exc: Any) -> None:
-        # Killed where the read was given up (an error, or tasks still
-        # queued: a map given up), the pieces they still read not wanted.
+        # Killed where the read was given up (an error, a map left with tasks queued).
         kill = exc[0] is not None or any(self.queued.values())
         for conn, p in self.process.items():
             if kill:

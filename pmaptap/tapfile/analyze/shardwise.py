@@ -167,12 +167,9 @@ class _Shardwise:
         """What only the whole run decides (``combine``, its files still there)."""
 
     def _copies(self, held: Iterable[tuple]) -> None:
-        """Replicated records, (position, record) each.
-
-        A copy dropped here is gone for good: exact only while no copy of
-        its process can come later with a lesser position, which holds while
-        each process's copies are in one source (positions only grow within
-        one). A process met in two ends the pass (``overflow``)."""
+        """Replicated records, (position, record) each. A copy dropped here is
+        gone for good: exact while each process's copies are in one source
+        (positions only grow within one); a process in two ends the pass (``overflow``)."""
         copies, sources = self.copies, self.copy_sources
         for pos, r in held:
             if not r.vhash:
@@ -211,8 +208,7 @@ class _Shardwise:
                 self.dropped[src].append(line)
 
     def _spill(self) -> None:
-        """The copies held to the spill file, by a stable hash of their
-        record key: every copy of a key lands in one bucket."""
+        """The copies held to the spill file, bucketed by a stable hash of their record key."""
         held = self.unhashed + [x for _, _, mine in self.copies.values() for x in mine]
         self.copies, self.unhashed, self.held = {}, [], 0
         if not held:
@@ -244,8 +240,7 @@ class _Shardwise:
             self._spill()
 
     def _forget(self) -> None:
-        """Stop keeping what places lines in the merged stream (a run past
-        MAX_KEY_RUNS: a line is then named by its source and line there)."""
+        """Stop keeping what places lines in the merged stream (past MAX_KEY_RUNS)."""
         self.placeable = False
         for k in self.keys.values():
             k.keys, k.ends, k.stored = array("d"), array("q"), None

@@ -224,8 +224,7 @@ class _TapAcc:
             self.first_bad_devs.add(dev)
 
     def _array(self, step: Any, r: AnyRecord, v: object) -> None:
-        """Statistics of a numeric array value (as written or decoded);
-        pytrees, complex and summarized leaves are left out."""
+        """Statistics of a numeric array value; pytrees, complex and summarized ones left out."""
         import numpy as np  # array taps only: a scalar-only summary starts faster
 
         dtype = r.dtype
@@ -558,8 +557,7 @@ class Summarizer:
         self._index.add(r)
 
     def add(self, r: Any, pos: Any = None) -> None:
-        """A record (a Struct or its line's object) at ``pos`` of the stream
-        (by default: after the last one added)."""
+        """A record (a Struct or its line's object) at ``pos`` (default: the next)."""
         if type(r) is dict:
             r = from_dict(r)
         if pos is None:

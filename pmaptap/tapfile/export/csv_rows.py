@@ -51,8 +51,7 @@ def csv_row(e: Entry) -> dict[str, Any]:
     for path, v, _ in leaves(r["value"], r["dtype"], "value", ".", stats=False):
         row[path] = _leaf(v)
     if "bytes" in r:
-        # A value stored as bytes (tapfile/source/arrays.py): where they are, not
-        # megabytes of numbers in a cell (its value cell is null).
+        # A value stored as bytes: where they are, not megabytes of numbers in a cell.
         row["bytes"] = _text(r["bytes"])
     return row
 

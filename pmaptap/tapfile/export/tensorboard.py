@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import itertools
 import logging
 import os
@@ -40,8 +41,6 @@ def run_dirname(run: Any) -> str:
 
 def _hashed(name: str, run_id: str) -> str:
     """``name`` cut to leave room for ``-`` and a hash of the whole run id."""
-    import hashlib
-
     data = run_id.encode("utf-8", "surrogatepass")
     digest = hashlib.blake2b(data, digest_size=_RUN_HASH_HEX // 2).hexdigest()
     return name[: RUN_DIRNAME_MAX - _RUN_HASH_HEX - 1] + "-" + digest
@@ -159,8 +158,6 @@ class TensorBoardExport:
     def _open(self, run: Any, purge_step: int | None, warn: bool = True) -> Any:
         logdir = self._logdir(run)
         if warn and purge_step is None and glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-            # Not an error (a second export of a grown file), but
-            # TensorBoard then shows the points of both: say so.
             log.warning(
                 f"pmaptap export: {logdir} already holds event files; "
                 "TensorBoard will show their points too (export into a "
