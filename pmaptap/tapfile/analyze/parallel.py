@@ -203,9 +203,8 @@ class _Pool(contextlib.AbstractContextManager):
                 p.join()
 
     def map(self, tasks: list[tuple], here: "tuple | None" = None) -> Iterator:
-        """``function(*args)`` of each task, yielded in the order of
-        ``tasks``; ``here``: a task run in this process (which would
-        otherwise wait) once the workers have theirs, yielded first."""
+        """``function(*args)`` of each task, in order; ``here``: one run in this
+        process (which would wait otherwise) once the workers have theirs, first."""
         todo = iter(tasks)
         results: dict[int, Any] = {}
         want = 0

@@ -101,9 +101,8 @@ _FOLD = 4096
 
 
 def _exact(xs: list) -> list[float]:
-    """Floats whose exact sum is the exact sum of ``xs``: each is math.fsum
-    (correctly rounded) of what is left, so the list is short. A sum beyond
-    the float range is that infinity."""
+    """Floats whose exact sum is ``xs``'s, each math.fsum of what is left (so
+    they are few); a sum beyond the float range is that infinity."""
     parts: list[float] = []
     xs = list(xs)
     try:

@@ -188,8 +188,7 @@ class TensorBoardExport:
             if w is not None and replays:
                 w.close()
             if w is None or replays:
-                purge_step = step if replays else None
-                w = self._writers[run] = self._open(run, purge_step, warn=st is None)
+                w = self._writers[run] = self._open(run, step if replays else None, warn=st is None)
             last = step if st is None or replays else max(st.last, step)
             self._attempts[run] = _Attempt(attempt, step, last)
             return w
