@@ -1,18 +1,20 @@
 """The in-memory readers that the streaming ones (``pmaptap show``, ``export``,
 ``validate``, ``read(as_frame=True)``: tapfile/read/stream.py) are held to:
 every record of a file in memory, divergence and attempts judged on all of
-them. Definitions for tests, moved here from tapfile/read/views.py."""
+them. Definitions for tests, moved here from tapfile/read/views.py (and
+validate.py's duplicate_key and find_duplicates)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
 
+from pmaptap.tapfile.analyze.validate import FirstCopies, duplicate_parts
 from pmaptap.tapfile.read.attempts import Attempts
 from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.read.views import Entry
-from pmaptap.tapfile.record import decode_record
+from pmaptap.tapfile.record import decode_record, from_dict
 from pmaptap.tapfile.source import Run, iter_lines
 
 
@@ -84,3 +86,24 @@ def mark_divergence(entries: Sequence[Entry]) -> None:
     for e in entries:
         if e.rec.get("divergent"):
             e.mark_divergent()
+
+
+def duplicate_key(r: dict) -> tuple | None:
+    parts = duplicate_parts(from_dict(r))
+    if parts is None:
+        return None
+    (kind, run, name, pass_, index, attempt, *rest), step, value = parts
+    key = (kind, run, name, step, pass_, index, attempt, *rest)
+    return key if value is None else (*key, value)
+
+
+def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
+    """(index, index of its first copy) for every record repeating an earlier one."""
+    firsts = FirstCopies()
+    out: list[tuple[int, int]] = []
+    for i, r in enumerate(records):
+        parts = duplicate_parts(from_dict(r))
+        first = None if parts is None else firsts.add_parts(parts, i)
+        if first is not None:
+            out.append((i, first))
+    return out

@@ -233,7 +233,7 @@ def _keys_from_scratch(path) -> dict:
                 attempt_of[r["step"]] = r["attempt"]
         else:
             # Shards of one value are different values (record_key holds the
-            # index, as checks.duplicate_key does): never each other's copies.
+            # index, as duplicate_parts does): never each other's copies.
             value = r.get("vhash") or _canonical(r["value"])
             key = (r["step"], pass_, value, str(r.get("index")))
         if (tap, r["kind"], key) in seen:

@@ -16,19 +16,13 @@ import random
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
-from read_definitions import index_records, load, load_matching
+from read_definitions import duplicate_key, find_duplicates, index_records, load, load_matching
 from test_read_fuzz import LIMIT, SEEDS, _file_bytes, _filters, _read_kwargs, _reference_read
 
 from conftest import per_device_dict, replicated_dict
 from pmaptap import cli
 from pmaptap.errors import CliError
-from pmaptap.tapfile.analyze.validate import (
-    Report,
-    duplicate_key,
-    find_duplicates,
-    schema_problems,
-    validate_file,
-)
+from pmaptap.tapfile.analyze.validate import Report, schema_problems, validate_file
 from pmaptap.tapfile.export.csv_rows import write_csv
 from pmaptap.tapfile.read import frame, reader, stream, views
 from pmaptap.tapfile.read.query import Filter

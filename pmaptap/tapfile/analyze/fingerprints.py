@@ -1,12 +1,11 @@
 """Which copies of ``pmaptap.fingerprint``'s records differed, and whom to
-suspect (docs/api.md, "Fingerprint records"): ``FingerprintAcc`` keeps what
-the divergent records say (the summary's line: ``text()``);
-``suspects(records)`` is the same for code.
-"""
+suspect (docs/api.md, "Fingerprint records"): the summary's line
+(``FingerprintAcc.text``) and ``suspects(records)`` for code."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from operator import itemgetter
 from typing import Any, Iterable, Iterator
 
@@ -45,7 +44,7 @@ class FingerprintAcc:
 
     def __init__(self) -> None:
         # (step, leaf, slice) -> [(replicas, holders of that fingerprint)]
-        self._groups: dict[tuple, list[tuple[int, list[dict]]]] = {}
+        self._groups: defaultdict[tuple, list[tuple[int, list[dict]]]] = defaultdict(list)
         self.steps: set[int] = set()  # steps whose copies differed
 
     def add(self, r: dict) -> None:
@@ -58,15 +57,13 @@ class FingerprintAcc:
         )
         key = (step, str(r.get("leaf", "")), where)
         replicas = r.get("replicas")
-        self._groups.setdefault(key, []).append(
-            (replicas if isinstance(replicas, int) else 0, _holders(r))
-        )
+        self._groups[key].append((replicas if isinstance(replicas, int) else 0, _holders(r)))
 
     def absorb(self, other: "FingerprintAcc") -> None:
         """Add another piece's records of this name (summary --jobs)."""
         self.steps |= other.steps
         for key, values in other._groups.items():
-            self._groups.setdefault(key, []).extend(values)
+            self._groups[key].extend(values)
 
     def suspects(self) -> list[Suspect]:
         """Every suspect copy, the earliest first (then by device). The
@@ -101,8 +98,7 @@ class FingerprintAcc:
         steps = sorted(self.steps)
         suspects = self.suspects()
         first = min(s.first_step for s in suspects) if suspects else steps[0]
-        at = [s for s in suspects if s.first_step == first]
-        lead = at[0] if at else None
+        lead = next((s for s in suspects if s.first_step == first), None)
         where = ""
         if lead is not None:
             where = f", leaf {lead.leaf or '(the value)'}" + (
@@ -152,10 +148,8 @@ def suspects(records: Iterable[dict]) -> dict[tuple[str, str], list[Suspect]]:
 
 
 def divergence_series(rec: dict) -> Iterator[tuple[str, float]]:
-    """What a dashboard gets of a fingerprint record: nothing while the
-    copies agree; for a divergent record, at
-    ``<name>[/<leaf>]/divergent/device_<first holder>``, the number of
-    copies holding its fingerprint, at its step."""
+    """What a dashboard gets of a fingerprint record (docs/forwarders.md): for
+    a divergent one, the number of copies holding its fingerprint."""
     if rec.get("kind") != FINGERPRINT or not rec.get("divergent"):
         return
     leaf = rec.get("leaf")

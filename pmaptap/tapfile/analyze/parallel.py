@@ -1,8 +1,5 @@
-"""``pmaptap summary --jobs N`` and ``validate --jobs N``: one file in byte
-ranges, a sharded run in units of sources (shardwise.py), each piece's
-state merged exactly, so the output is ``--jobs 1``'s to the byte
-(docs/architecture.md, "Summaries that split").
-"""
+"""``pmaptap summary --jobs N`` and ``validate --jobs N``: the pieces'
+states merged exactly (docs/architecture.md, "Summaries that split")."""
 
 from __future__ import annotations
 
@@ -34,7 +31,6 @@ UNITS_PER_JOB = 16
 
 
 def cores() -> int:
-    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -42,9 +38,7 @@ def cores() -> int:
 
 
 def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
-    """The worker processes to read ``path`` with: ``asked`` as is; None:
-    the cores, at most one per MIN_JOB_BYTES of the run (a small run is
-    read in this process)."""
+    """``asked``, or (None) the cores, at most one per MIN_JOB_BYTES of the run."""
     if asked is not None:
         return asked
     run = source.Run.of(path)
@@ -58,12 +52,7 @@ def jobs_for(path: str | os.PathLike, asked: int | None) -> int:
     return max(1, min(cores(), size // MIN_JOB_BYTES))
 
 
-# ------------------------------------------------------------ the pieces
-
-
 class Plan(NamedTuple):
-    """How a run is read in pieces (``plan``)."""
-
     sharded: bool
     # A sharded run: lists of source indexes (of ``files``), contiguous, of
     # about equal bytes, UNITS_PER_JOB a process; one file: (start, stop)
@@ -73,8 +62,7 @@ class Plan(NamedTuple):
     sizes: list[int]  # their bytes, each stated once
 
     def sources(self, piece: list[int]) -> tuple[list[tuple[int, str]], float]:
-        """A sharded piece's (index, path) of each source, and its share
-        of the run's bytes (so a worker need not list and stat them)."""
+        """A sharded piece's (index, path) of each source, and its share of the run's bytes."""
         total = sum(self.sizes)
         share = sum(self.sizes[i] for i in piece) / total if total else 1.0
         return [(i, self.files[i]) for i in piece], share
@@ -125,9 +113,6 @@ def _line_start(path: str | os.PathLike, offset: int) -> int:
         return f.tell()
 
 
-# ------------------------------------------------------------ workers
-
-
 def _context() -> Any:
     """How workers start: forked (the quickest), unless this process runs
     other threads (JAX's), which a fork would copy mid-work; then
@@ -160,8 +145,7 @@ def _serve(conn: Any) -> None:
                 result = task[0](*task[1:])
             conn.send(("ok", result))
         except OSError as e:
-            # An unreadable source: raised in the parent as the OSError it
-            # is, said as --jobs 1 says it.
+            # An unreadable source: raised in the parent as --jobs 1 raises it.
             args = (e.errno, e.strerror, e.filename) if e.errno is not None else (str(e),)
             with contextlib.suppress(Exception):
                 conn.send(("oserror", args))
@@ -189,25 +173,19 @@ def _result(p: Any, conn: Any) -> Any:
     return result
 
 
-class _Pool:
-    """Up to ``size`` worker processes taking tasks ``(function, *args)``
-    one after another as each is free (a slow core holds back the end by
-    one piece at most). One pool serves every phase of a read, so a worker
-    is started once, before this process holds the workers' states (a
-    fork of a large process costs more). The workers end with the context,
-    killed where a ``map`` was given up."""
+class _Pool(contextlib.AbstractContextManager):
+    """Up to ``size`` worker processes taking tasks ``(function, *args)`` as
+    each is free. One pool serves every phase of a read, so a worker is
+    started once, before this process holds the workers' states (a fork of
+    a large process costs more)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.process: dict[Any, Any] = {}  # connection -> its worker
         self.queued: dict[Any, list[int]] = {}  # connection -> its tasks, oldest first
 
-    def __enter__(self) -> _Pool:
-        return self
-
     def __exit__(self, *exc: Any) -> None:
-        # Killed where the read was given up (an error, or tasks still
-        # queued: a map given up), the pieces they still read not wanted.
+        # Killed where the read was given up (an error, a map left with tasks queued).
         kill = exc[0] is not None or any(self.queued.values())
         for conn, p in self.process.items():
             if kill:
@@ -225,9 +203,8 @@ class _Pool:
                 p.join()
 
     def map(self, tasks: list[tuple], here: "tuple | None" = None) -> Iterator:
-        """``function(*args)`` of each task, yielded in the order of
-        ``tasks``; ``here``: a task run in this process (which would
-        otherwise wait) once the workers have theirs, yielded first."""
+        """``function(*args)`` of each task, in order; ``here``: one run in this
+        process (which would wait otherwise) once the workers have theirs, first."""
         todo = iter(tasks)
         results: dict[int, Any] = {}
         want = 0
@@ -245,10 +222,9 @@ class _Pool:
     def _each(
         self, take: Callable[[Any], "tuple | None"], most: int, here: "tuple | None" = None
     ) -> Iterator:
-        """(i, result) of the tasks ``take(worker)`` gives (None: no more),
-        numbered as taken (``here`` 0), as they come. Each worker has one
-        task queued beside the one it runs, so it never waits while this
-        process takes a result in."""
+        """(i, result) of the tasks ``take(worker)`` gives (None: no more), as they
+        come. Each worker has one task queued beside the one it runs, so it
+        never waits while this process takes a result in."""
         numbers = itertools.count(here is not None)
         queued = self.queued
 
@@ -256,10 +232,8 @@ class _Pool:
             task = take(conn)
             if task is not None:
                 queued[conn].append(next(numbers))
-                try:
+                with contextlib.suppress(ConnectionError):  # taking its result in says how
                     conn.send(task)
-                except ConnectionError:
-                    pass  # the worker ended: taking its result in says how
 
         for conn in list(queued):
             give(conn)
@@ -288,9 +262,7 @@ class _Pool:
 
 def _sharded(pieces: Plan, empty: Any, jobs: int) -> Any:
     """The sources of a sharded run read in ``jobs`` processes into states
-    like ``empty`` (shardwise.py), combined. A worker reads the units it is
-    handed into the state it holds and sends it once it holds
-    1/PIECES_PER_JOB of a worker's share, and when no unit is left."""
+    like ``empty`` (shardwise.py), combined (docs/architecture.md)."""
     with tempfile.TemporaryDirectory(prefix="pmaptap-") as tmp, _Pool(jobs) as pool:
         buckets = shardwise.buckets_for(sum(pieces.sizes), jobs)
         units = iter(pieces.pieces)
@@ -325,9 +297,8 @@ _open: list = []
 def _read_on(
     empty: Any, sources: list, share: float, buckets: int, spill_dir: str, send: bool
 ) -> Any:
-    """``sources`` read into this worker's state (``empty`` if it has none):
-    the state given back where ``send`` (it then holds ``share`` of the
-    run), else kept for the next unit (None)."""
+    """``sources`` read into this worker's state (``empty`` if it has none),
+    given back where ``send``, else kept for the next unit (None)."""
     got = _open.pop() if _open else empty
     shardwise.read(got, sources, share, buckets, spill_dir, sent=True, end=send)
     if send:
@@ -348,9 +319,8 @@ def _read(
     in_pieces: Callable[[list], Any],
     merged: Callable[[], Any],
 ) -> Any:
-    """A summary or a report of ``path`` in ``jobs`` processes, the way
-    that is exact: a sharded run shard by shard (``shardwise_read``), one
-    file in byte ranges (``in_pieces``); else the merged stream."""
+    """A summary or a report of ``path`` in ``jobs`` processes: a sharded run
+    shard by shard, one file in byte ranges, else (not exact) the merged stream."""
     pieces = plan(path, jobs)
     got = None
     try:
@@ -400,9 +370,8 @@ def validate_file(path: str | os.PathLike, jobs: int) -> Report:
 
 def _in_pieces(piece: Callable, result: Callable, path: str, parts: list, *args: Any) -> Any:
     """``result`` of the states ``piece(path, part, *args)`` of each byte range
-    ``part`` of the file ``path`` (the first in this process, each other one in
-    a worker) merged in order; None where one met a later attempt (``args``'
-    attempts None: assumed none)."""
+    ``part`` (the first read in this process) merged in order; None where one
+    met a later attempt while assuming none."""
     first, *rest = [(piece, path, part, *args) for part in parts]
     with _Pool(len(rest)) as pool:
         got = list(pool.map(rest, here=first))

@@ -1,9 +1,6 @@
 """``pmaptap summary`` and ``validate`` of a sharded run a source at a time,
-without the merge (source/run.py: iter_merged), each record at its place
-in the merge (docs/architecture.md, "A sharded run summarized shard by
-shard"). Where a result cannot be exact (an id of two types, a process's
-copies in two sources) these return None and the merged stream is read.
-"""
+each record at its place in the merge (docs/architecture.md, "A sharded run
+summarized shard by shard"); None where that would not be exact."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import struct
 import tempfile
 import zlib
 from array import array
-from collections import Counter
+from collections import Counter, defaultdict
 from itertools import accumulate, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, Callable, Iterable, Iterator, Union
@@ -35,13 +32,12 @@ _LINE_BITS = 40  # a line number below 2**40 in a source
 # the merged stream, counted over the whole run so every --jobs prints the
 # same; past it a line is named by its source and line (source.SourceLine).
 MAX_KEY_RUNS = 4 << 20
-# Replicated records a process holds until every source is read; past it
-# they go to a temporary file in buckets by record key (``_spill``),
-# resolved a bucket at a time (``resolve``).
+# Replicated copies a process holds; past it, to a file (``_spill``).
 MAX_HELD_COPIES = 1 << 17
 # Bytes of the run per bucket of copies gone to the file.
 BUCKET_BYTES = 32 << 20
 _LINE_MASK = (1 << _LINE_BITS) - 1
+_lines = functools.partial(defaultdict, functools.partial(array, "q"))  # picklable
 # In a read's temporary directory once a state met more than MAX_KEY_RUNS.
 _UNPLACEABLE = "past-max-key-runs"
 
@@ -89,10 +85,8 @@ class _Keys:
             self.ends[-1] += ns[0]
             done += ns.pop(0)
             ks.pop(0)
-        ends = list(accumulate(ns, initial=done))
-        del ends[0]
         self.keys.extend(ks)
-        self.ends.extend(ends)
+        self.ends.extend(done + n for n in accumulate(ns))
         return keys, len(ks)
 
     def below(self, t: float, inclusive: bool) -> int:
@@ -106,11 +100,12 @@ class _Keys:
 
 class _Shardwise:
     """A pass over some of a run's sources, besides its accumulator
-    (``add_source`` each; ``absorb`` another's; then ``combine``)."""
+    (``add_source`` each; ``absorb`` another's; then ``combine``). A
+    subclass gives ``resumed`` (a record of a later attempt met, assumed
+    none), ``fresh()`` (an empty state like it) and ``_take(records, at)``."""
 
     def __init__(self, optimistic: bool) -> None:
-        # optimistic: assumed never resumed (``resumed`` tells otherwise).
-        self.optimistic = optimistic
+        self.optimistic = optimistic  # assumed never resumed (``resumed`` says otherwise)
         self.bad: list = []  # (position, why) of lines that are no record
         self.keys: dict[int, _Keys] = {}  # by source index
         self.names: dict[int, str] = {}  # each source's path, by index
@@ -119,11 +114,9 @@ class _Shardwise:
         # hash (never dropped) as (position, record).
         self.copies: dict[tuple, list] = {}
         self.unhashed: list = []
-        self.dropped: dict[int, array] = {}  # lines of the copies dropped, by source
+        self.dropped: dict[int, array] = _lines()  # of the copies dropped, by source
         self.n_dropped = 0
-        # Whether lines can still be placed in the merged stream (runs of
-        # keys and replicated records met at most MAX_KEY_RUNS).
-        self.placeable = True
+        self.placeable = True  # at most MAX_KEY_RUNS met: lines placed in the merge
         self.runs_met = 0
         # Copies held, at most MAX_HELD_COPIES; past it they go to ``spill``
         # (in ``spill_dir``; ``spilled``: bucket -> [(offset, length)]).
@@ -133,23 +126,8 @@ class _Shardwise:
         self.spill: "str | None" = None
         self.spilled: dict[int, list] = {}
         self.spills: list = []  # of the states absorbed: [(spill, spilled)]
-        # A process's copies met in two sources (see _copies): the pass
-        # stops (``overflow``) and the merged stream is read.
-        self.overflow = False
+        self.overflow = False  # a process's copies met in two sources (see _copies)
         self.copy_sources: dict = {}
-
-    @property
-    def resumed(self) -> bool:
-        """Whether a record of a later attempt was met, assumed none."""
-        raise NotImplementedError
-
-    def fresh(self) -> _Shardwise:
-        """An empty state of the same accumulator (``resolve``'s)."""
-        raise NotImplementedError
-
-    def _take(self, records: list, at: Any) -> None:
-        """Records (None: taken elsewhere) at their positions (``_positions``)."""
-        raise NotImplementedError
 
     def _positions(self, keys: list, index: int, first: int) -> Any:
         """(key, source, line) of a source's lines from ``first``, given their ``keys``."""
@@ -172,8 +150,7 @@ class _Shardwise:
                 self._forget()
             if copies:
                 records = list(records)
-                at = [(mine[i], index, first + i) for i in copies]
-                self._copies(at, [records[i] for i in copies])
+                self._copies([((mine[i], index, first + i), records[i]) for i in copies])
                 for i in copies:
                     records[i] = None
                 if self.held > MAX_HELD_COPIES:
@@ -189,15 +166,12 @@ class _Shardwise:
     def settle(self) -> None:
         """What only the whole run decides (``combine``, its files still there)."""
 
-    def _copies(self, at: list, records: list) -> None:
-        """Replicated records at their positions.
-
-        A copy dropped here is gone for good: exact only while no copy of
-        its process can come later with a lesser position, which holds while
-        each process's copies are in one source (positions only grow within
-        one). A process met in two ends the pass (``overflow``)."""
+    def _copies(self, held: Iterable[tuple]) -> None:
+        """Replicated records, (position, record) each. A copy dropped here is
+        gone for good: exact while each process's copies are in one source
+        (positions only grow within one); a process in two ends the pass (``overflow``)."""
         copies, sources = self.copies, self.copy_sources
-        for pos, r in zip(at, records):
+        for pos, r in held:
             if not r.vhash:
                 self.unhashed.append((pos, r))
                 self.held += 1
@@ -229,18 +203,12 @@ class _Shardwise:
     def _drop(self, positions: list) -> None:
         """Copies the merge drops, at their positions."""
         self.n_dropped += len(positions)
-        if not self.placeable:
-            return
-        dropped = self.dropped
-        for q in positions:
-            lines = dropped.get(q[1])
-            if lines is None:
-                lines = dropped[q[1]] = array("q")
-            lines.append(q[2])
+        if self.placeable:
+            for _, src, line in positions:
+                self.dropped[src].append(line)
 
     def _spill(self) -> None:
-        """The copies held to the spill file, by a stable hash of their
-        record key: every copy of a key lands in one bucket."""
+        """The copies held to the spill file, bucketed by a stable hash of their record key."""
         held = self.unhashed + [x for _, _, mine in self.copies.values() for x in mine]
         self.copies, self.unhashed, self.held = {}, [], 0
         if not held:
@@ -266,28 +234,25 @@ class _Shardwise:
                     where.append(kept)  # in memory (see _encode)
 
     def end(self, share: float) -> None:
-        """This pass's sources read (``share``: its part of the run's bytes):
-        copies past its share of MAX_HELD_COPIES go to the file, so that the
-        one who takes every state in holds at most MAX_HELD_COPIES."""
+        """This pass's sources read: copies past its ``share`` of MAX_HELD_COPIES
+        to the file (the one who takes every state in holds at most that)."""
         if self.spill is not None or self.held > MAX_HELD_COPIES * share:
             self._spill()
 
     def _forget(self) -> None:
-        """Stop keeping what places lines in the merged stream (a run past
-        MAX_KEY_RUNS: a line is then named by its source and line there)."""
+        """Stop keeping what places lines in the merged stream (past MAX_KEY_RUNS)."""
         self.placeable = False
         for k in self.keys.values():
             k.keys, k.ends, k.stored = array("d"), array("q"), None
-        self.dropped = {}
+        self.dropped = _lines()
         if self.spill_dir is not None:
             # Said to the other workers: part of the run past the bound is
             # the whole run past it.
             open(os.path.join(self.spill_dir, _UNPLACEABLE), "wb").close()
 
     def store_keys(self) -> None:
-        """A worker's keys to a file in ``spill_dir``, not in the state it
-        sends: the parent needs them only to place a line with a problem
-        (``load_keys``)."""
+        """A worker's keys to a file in ``spill_dir``, not in the state it sends:
+        the parent needs them only to place a line (``load_keys``)."""
         if not self.placeable or self.spill_dir is None:
             return
         if self.past_max_key_runs():
@@ -337,7 +302,7 @@ class _Shardwise:
         self.held += len(other.unhashed)
         if self.placeable:
             for src, lines in other.dropped.items():
-                self.dropped.setdefault(src, array("q")).extend(lines)
+                self.dropped[src].extend(lines)
         self.n_dropped += other.n_dropped
         self.runs_met += other.runs_met
         if self.placeable and (not other.placeable or self.runs_met > MAX_KEY_RUNS):
@@ -345,8 +310,7 @@ class _Shardwise:
         for p, src in other.copy_sources.items():
             if self.copy_sources.setdefault(p, src) != src:
                 self.overflow = True
-        held = [x for _, _, mine in other.copies.values() for x in mine]
-        self._copies([pos for pos, _ in held], [r for _, r in held])
+        self._copies(x for _, _, mine in other.copies.values() for x in mine)
         self.overflow = self.overflow or other.overflow
         if other.spill is not None:
             self.spills.append((other.spill, other.spilled))
@@ -367,9 +331,8 @@ class _Shardwise:
         return sum(k.lines for k in self.keys.values()) - self.n_dropped
 
     def placed(self, positions: list) -> dict:
-        """Each of ``positions`` (of lines read) -> its line in the merged
-        stream, or where the run is past MAX_KEY_RUNS (not ``placeable``)
-        its source and line there (source.SourceLine)."""
+        """Each of ``positions`` -> its line in the merged stream, or (past
+        MAX_KEY_RUNS: not ``placeable``) its source and line (source.SourceLine)."""
         at = sorted(set(positions))
         if not at:
             return {}
@@ -438,10 +401,8 @@ def _decode(blob: bytes) -> list:
 
 def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) -> _Shardwise:
     """The copies in ``buckets`` of every spill file (``spills``: [(path,
-    spilled)]) as the merge keeps them (of each (record key, vhash), the
-    copies of the process whose copy comes first), taken into the empty
-    state ``got`` a bucket at a time in the merge's order. ``placeable``:
-    keep the lines dropped (the whole run's decision)."""
+    spilled)]) taken into the empty state ``got`` as the merge keeps them, a
+    bucket at a time; ``placeable``: the whole run's (keep the lines dropped)."""
     if not placeable:
         got._forget()
     with collector_paused():
@@ -454,14 +415,13 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
                         for part in parts:
                             if isinstance(part, list):
                                 held += part  # kept in memory (see _encode)
-                                continue
-                            offset, n = part
-                            f.seek(offset)
-                            held += _decode(f.read(n))
+                            else:
+                                f.seek(part[0])
+                                held += _decode(f.read(part[1]))
             # In the merge's order, _copies keeps the first copy's process's
             # (a process's copies are in one source: else the read stopped).
             held.sort(key=_POS)
-            got._copies([pos for pos, _ in held], [r for _, r in held])
+            got._copies(held)
             got.finish()
             if got.resumed:
                 break
@@ -471,10 +431,9 @@ def resolve(got: _Shardwise, spills: list, buckets: list[int], placeable: bool) 
 def combine(
     states: Iterable[_Shardwise], workers: int, resolver: Callable[[list], Iterable]
 ) -> _Shardwise:
-    """Every pass's state as one, the copies of replicated values taken as
-    the merge keeps them; where some went to a file ``resolver(tasks)``
-    gives ``resolve(*task)`` of up to ``workers`` tasks (a share of the
-    buckets each). A state ``resumed`` or ``overflow`` is given back as is."""
+    """Every pass's state as one, the copies taken as the merge keeps them
+    (``resolver(tasks)``: ``resolve(*task)`` of each, up to ``workers``); a
+    state ``resumed`` or ``overflow`` is given back as is."""
     got = _combine(states, workers, resolver)
     if not (got.resumed or got.overflow):
         got.load_keys()
@@ -538,20 +497,18 @@ class ShardwiseSummary(_Shardwise):
 
     def result(self) -> "Result | None":
         """summary.summarize_file's result, ``combine``d; None if not exact."""
-        if self.overflow or not _plain_ids(self.acc):
+        # An id of another type than int (1.0, true): equal ids of two types
+        # may have met in two orders.
+        if self.overflow or any(t.odd_ids for n in self.acc._taps.values() for t in n.values()):
             return None
         place = self.placed([pos for pos, _ in self.bad])
         return self.acc.result(sorted((place[pos], why) for pos, why in self.bad))
 
 
 class ShardwiseValidation(_Shardwise):
-    """A validation's state of some of a run's sources, positions and all.
-
-    A per-device record's first copy is found in its source, whose keys
-    are given up once it is read (``_source_read``), leaving per tap and
-    device the steps it holds (``spans``: a range mostly); ``settle`` then
-    looks for a key in two sources (a clash: the merge's to order) only
-    among sources whose ranges overlap."""
+    """A validation's state of some of a run's sources, positions and all: a
+    per-device key's first copy is found in its source, leaving per tap and
+    device the steps it holds (``spans``) for ``settle``."""
 
     def __init__(self, path: str, attempts: "Attempts | None") -> None:
         super().__init__(attempts is None)
@@ -597,14 +554,9 @@ class ShardwiseValidation(_Shardwise):
         # (replicated ones are taken once every source is: ``finish``).
         v = self.v
         self.device_dups += v.dup_pairs()
-        spans = self.spans
         for group, steps in v.firsts._keys.items():
             lo, hi, held = self._held(steps)
-            got = spans.get(group)
-            if got is None:
-                spans[group] = [(lo, hi, index, held)]
-            else:
-                got.append((lo, hi, index, held))
+            self.spans.setdefault(group, []).append((lo, hi, index, held))
         v.dups, v.firsts, v._groups = [], FirstCopies(), {}
 
     def _held(self, steps: dict) -> tuple:
@@ -648,8 +600,7 @@ class ShardwiseValidation(_Shardwise):
         )
 
     def _to_place(self) -> bool:
-        v = self.v
-        return bool(self.bad or self.device_dups or v.dups or v.problems)
+        return bool(self.bad or self.device_dups or self.v.dups or self.v.problems)
 
     def report(self) -> "Report | None":
         """validate.validate_file's report, ``combine``d; None on a ``clash``."""
@@ -696,16 +647,8 @@ def _clash(spans: list) -> bool:
     return False
 
 
-def _plain_ids(acc: Summarizer) -> bool:
-    """Whether every process and device id of every record added is an int
-    (or None): then no two equal ids of two types met in two orders."""
-    return not any(tap.odd_ids for names in acc._taps.values() for tap in names.values())
-
-
 def buckets_for(size: int, jobs: int) -> int:
-    """How many buckets copies that go to a file are put in (``_spill``),
-    of a run of ``size`` bytes: one per BUCKET_BYTES of the run, and at
-    least one per process reading."""
+    """The buckets of the copies that go to a file (``_spill``)."""
     return max(jobs, -(-size // BUCKET_BYTES))
 
 
@@ -718,11 +661,9 @@ def read(
     sent: bool = False,
     end: bool = True,
 ) -> _Shardwise:
-    """``got`` of ``sources`` ((index, path) each) as well, until one is
-    ``resumed``; copies past MAX_HELD_COPIES to ``spill_dir`` in ``buckets``
-    buckets. ``end``: ``got`` is whole (``share``: its part of the run's
-    bytes), else more sources come later; ``sent``: its keys go to
-    ``spill_dir`` too (``store_keys``)."""
+    """``got`` of ``sources`` ((index, path) each) too, until ``resumed``.
+    ``end``: ``got`` is whole (``share`` of the run's bytes); ``sent``: its
+    keys go to ``spill_dir`` too (``store_keys``)."""
     if got.resumed or got.overflow:
         return got  # the pass stops: more sources would not change that
     got.buckets, got.spill_dir = buckets, spill_dir
@@ -757,8 +698,7 @@ Reader = Callable[[_Shardwise], _Shardwise]
 def summarize(
     path: str | os.PathLike, flt: Filter, reader: "Reader | None" = None
 ) -> "Result | None":
-    """summary.summarize_file of the local sharded run ``path``, or None where
-    it would not be exact (the caller reads the merged stream)."""
+    """summary.summarize_file of the local sharded run ``path``; None: not exact."""
     path = source.Run.of(path)
     read = reader or functools.partial(_serial, path=path)
     attempts = first_attempts(path, flt)
@@ -766,8 +706,7 @@ def summarize(
 
 
 def validate(path: str | os.PathLike, reader: "Reader | None" = None) -> "Report | None":
-    """validate.validate_file of the local sharded run ``path``, or None where
-    it would not be exact (the caller reads the merged stream)."""
+    """validate.validate_file of the local sharded run ``path``; None: not exact."""
     path = source.Run.of(path)
     read = reader or functools.partial(_serial, path=path)
     return latest(path, lambda a: read(ShardwiseValidation(path, a)), _RESUMED).report()

@@ -23,7 +23,7 @@ import msgspec
 
 from pmaptap.errors import NeedSerial
 from pmaptap.tapfile.analyze.fingerprints import FingerprintAcc
-from pmaptap.tapfile.analyze.validate import _canonical, _coords_key, count_missing, step_gaps
+from pmaptap.tapfile.analyze.validate import _canonical, _coords_key, step_gaps
 from pmaptap.tapfile.read import (
     Attempts,
     DivergenceIndex,
@@ -79,16 +79,13 @@ class TapSummary:
     first_nonfinite_step: int | None = None
     first_nonfinite_devices: tuple[int | None, ...] = ()
     # Array taps: the L2 norm of the finite elements at the last step (the
-    # largest, if several devices wrote one); min/max/mean above then cover
-    # every finite element of every record.
+    # largest of the devices'); min/max/mean then cover every finite element.
     norm: float | None = None
     # dedup="auto" taps: steps whose copies differed before the tap ever
     # agreed. That is per-device data, not a divergence.
     per_device_steps: tuple[int, ...] = ()
     restarts: str = ""  # the run's attempts ("2 attempts; restarted at step 5")
-    # pmaptap.fingerprint records: where the copies first differed and the
-    # suspect devices (tapfile/analyze/fingerprints.py), "" when they always agreed.
-    fingerprint: str = ""
+    fingerprint: str = ""  # pmaptap.fingerprint: where copies first differed, the suspects
     # The tap the row is of, as ``name`` shows it: its name (a looped tap's
     # iteration's: ``act[3]``), or for a pytree's leaf row (``stats/mean``)
     # the pytree's (``stats``), whose records it shares.
@@ -104,9 +101,8 @@ _FOLD = 4096
 
 
 def _exact(xs: list) -> list[float]:
-    """Floats whose exact sum is the exact sum of ``xs``: each is math.fsum
-    (correctly rounded) of what is left, so the list is short. A sum beyond
-    the float range is that infinity."""
+    """Floats whose exact sum is ``xs``'s, each math.fsum of what is left (so
+    they are few); a sum beyond the float range is that infinity."""
     parts: list[float] = []
     xs = list(xs)
     try:
@@ -132,15 +128,6 @@ def _union(a: set, b: Iterable, ordered: bool) -> None:
     a.update(b)
 
 
-def _popcount(bits: bytes) -> int:
-    return int.from_bytes(bits, "little").bit_count()
-
-
-def _overlap(a: bytes, b: bytes) -> int:
-    """The bits set in both."""
-    return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).bit_count()
-
-
 def _or(a: bytes, b: bytes) -> bytearray:
     n = max(len(a), len(b))
     x = int.from_bytes(a, "little") | int.from_bytes(b, "little")
@@ -160,9 +147,7 @@ class _TapAcc:
     """One tap's summary state."""
 
     def __init__(self, run: str, name: str, iteration: Any = None, tap: str | None = None) -> None:
-        # A looped tap: one accumulator per ``iteration``. ``tap``: the
-        # records' name where the row's is not (a pytree leaf's row,
-        # ``stats/mean``, is of tap ``stats``: its divergence is the tap's).
+        # A looped tap: one accumulator per ``iteration``; ``tap``: as TapSummary.tap.
         self.run, self.name, self.iteration = run, name, iteration
         self.tap = name if tap is None else tap
         self.kinds: set = set()
@@ -185,8 +170,7 @@ class _TapAcc:
         self.hi = -math.inf
         self.nonfinite = self.nonscalar = 0
         self.divergent: set = set()
-        # (step, pass, attempt[, shard index]) of replicated records
-        self.rep_keys: set[tuple] = set()
+        self.rep_keys: set[tuple] = set()  # (step, pass, attempt[, shard]) replicated
         # Per-device keys by (pass, attempt); each device's usual coordinates.
         self.lanes: defaultdict[tuple, _Lane] = defaultdict(_Lane)
         self.dev_coords: dict = {}
@@ -195,8 +179,7 @@ class _TapAcc:
         self.duplicates = 0
         self.first_bad: Any = None  # first step with a NaN/inf
         self.first_bad_devs: set = set()
-        # Finite array elements: count and each record's sum; the norm at
-        # the highest step.
+        # Finite array elements: count and each record's sum; the norm at the highest step.
         self.a_count = 0
         self.a_sums: list = []
         self.norm_step: Any = None
@@ -206,11 +189,8 @@ class _TapAcc:
         # ids the sets keep the first met, which shardwise.py cannot order.
         self.odd_ids = False
 
-    # ---------------------------------------------------------- adding
-
     def holders(self, devices: bool, ids: Any) -> None:
-        """A record's ``devices`` or ``processes`` field (ranges text kept
-        as text)."""
+        """A record's ``devices`` or ``processes`` (ranges text kept as text)."""
         if ids:
             if type(ids) is str:
                 self.holder_texts.add((devices, ids))
@@ -243,8 +223,7 @@ class _TapAcc:
             self.first_bad_devs.add(dev)
 
     def _array(self, step: Any, r: AnyRecord, v: object) -> None:
-        """Statistics of a numeric array value (as written or decoded);
-        pytrees, complex and summarized leaves are left out."""
+        """Statistics of a numeric array value; pytrees, complex and summarized ones left out."""
         import numpy as np  # array taps only: a scalar-only summary starts faster
 
         dtype = r.dtype
@@ -341,10 +320,8 @@ class _TapAcc:
         self.fp.add(r)
 
     def _per_device(self, r: AnyRecord, step: Any) -> None:
-        """A per-device record's key: a bit of its (pass, attempt) lane at
-        its step for a device at its usual coordinates, else a key of its
-        own. A later attempt's replay is not a duplicate (as in
-        validate.duplicate_key)."""
+        """A per-device record's key: a bit of its (pass, attempt) lane at its
+        step (a device at its usual coordinates), else a key of its own."""
         dev, coords = r.device, r.coords
         self.devices.add(dev)
         p, a = r.pass_, r.attempt
@@ -396,11 +373,8 @@ class _TapAcc:
             return int(dev)
         return None
 
-    # ---------------------------------------------------------- merging
-
     def absorb(self, o: _TapAcc, ordered: bool) -> None:
-        """Add another piece's state of this tap (``ordered``: it comes
-        after this one in the stream; else positions decide)."""
+        """Another piece's state of this tap (``ordered``: the piece after this one)."""
         self._fold()
         o._fold()
         self.kinds |= o.kinds
@@ -429,16 +403,14 @@ class _TapAcc:
                 raise NeedSerial(f"device {dev} at two sets of coordinates")
         self.duplicates += o.duplicates
         for key, lane in o.lanes.items():
-            mine = self.lanes.get(key)
-            if mine is None:
-                self.lanes[key] = lane
-                continue
+            mine = self.lanes[key]
             for step, bits in lane.bits.items():
                 have = mine.bits.get(step)
                 if have is None:
                     mine.bits[step] = bits
                 else:
-                    self.duplicates += _overlap(have, bits)
+                    both = int.from_bytes(have, "little") & int.from_bytes(bits, "little")
+                    self.duplicates += both.bit_count()
                     mine.bits[step] = _or(have, bits)
             self.duplicates += len(mine.keys & lane.keys)
             mine.keys |= lane.keys
@@ -457,8 +429,6 @@ class _TapAcc:
         if o.norm_step is not None:
             self._norm_at(o.norm_step, o.norm)
 
-    # ---------------------------------------------------------- the result
-
     def _per_step(self) -> Counter:
         """step -> how many distinct (device, coordinates) wrote it."""
         lanes = list(self.lanes.values())
@@ -466,7 +436,7 @@ class _TapAcc:
         for lane in lanes:
             for s, bits in lane.bits.items():
                 union[s] = _or(union[s], bits) if s in union else bits
-        out = Counter({s: _popcount(bits) for s, bits in union.items()})
+        out = Counter({s: int.from_bytes(b, "little").bit_count() for s, b in union.items()})
         others = {key for lane in lanes for key in lane.keys}
         out.update(s for s, _, _ in others)
         return out
@@ -483,8 +453,7 @@ class _TapAcc:
         divergent = set(self.divergent)
         if index.any_repeat:
             for step, pass_, attempt, *shard in self.rep_keys:
-                shard_key = shard[0] if shard else None
-                part = part_key(shard_key, self.iteration)
+                part = part_key(shard[0] if shard else None, self.iteration)
                 if index.is_divergent((self.run, self.tap, step, pass_, part, attempt)):
                     divergent.add(step)
         data_steps: set = set()
@@ -534,7 +503,7 @@ class _TapAcc:
             divergent_steps=tuple(sorted(divergent)),
             stride=stride,
             gaps=tuple(gaps),
-            missing=count_missing(stride, gaps),
+            missing=sum((hi - lo) // stride + 1 for lo, hi in gaps),
             incomplete_steps=tuple(sorted(incomplete)),
             duplicates=self.duplicates,
             first_nonfinite_step=self.first_bad,
@@ -563,13 +532,10 @@ def _scalar(v: object) -> float | None:
 
 
 class Summarizer:
-    """Per-tap summaries of a stream of records, holding none of them.
-
-    ``add(r)`` every record the summary covers; ``see(r)`` one of a covered
-    key that it does not cover (filtered out by process or device), so that
-    divergence is judged on every copy. ``take`` a batch: the records
-    ``flt`` keeps that ``attempts`` (what later attempts superseded) leaves
-    added, the names and runs of the others kept for ``result``."""
+    """Per-tap summaries of a stream of records, holding none of them:
+    ``add(r)`` every record covered, ``see(r)`` one of a covered key filtered
+    out (by process or device: divergence is judged on every copy); ``take``
+    a batch, adding what ``flt`` and ``attempts`` keep."""
 
     def __init__(self, flt: Filter | None = None, attempts: Attempts | None = None) -> None:
         # The accumulators by run and name; each run's first position.
@@ -590,8 +556,7 @@ class Summarizer:
         self._index.add(r)
 
     def add(self, r: Any, pos: Any = None) -> None:
-        """A record (a Struct or its line's object) at ``pos`` of the stream
-        (by default: after the last one added)."""
+        """A record (a Struct or its line's object) at ``pos`` (default: the next)."""
         if type(r) is dict:
             r = from_dict(r)
         if pos is None:
@@ -614,19 +579,17 @@ class Summarizer:
 
     def add_batch(self, records: list, first: Any = 1, positions: Any = None) -> None:
         """``add`` of each record of ``records`` (None for a line that is no
-        record) from position ``first``, or each at its own of ``positions``,
-        a tap at a time (_add_part)."""
-        n = len(records)
+        record) from ``first`` (or at ``positions``), a tap at a time (_add_part)."""
         if positions is None:
-            positions = range(first, first + n)
+            positions = range(first, first + len(records))
         if None in records:
-            where = [i for i in range(n) if records[i] is not None]
+            where = [i for i, r in enumerate(records) if r is not None]
             records = [records[i] for i in where]
             positions = [positions[i] for i in where]
         if not records:
             return
         names = list(map(_NAME, records))
-        if any(map(_ITERATION, records)):
+        if any(r.iteration is not UNSET for r in records):
             names = list(map(_tap_of, records))
         runs = list(map(_RUN, records))
         if runs.count(runs[0]) == len(runs):
@@ -769,8 +732,7 @@ class Summarizer:
         acc.add(r, pos)
 
     def take(self, records: list, first: int = 1, positions: Any = None) -> None:
-        """The records (Structs or None) of a batch from position ``first``
-        (or each at its own of ``positions``)."""
+        """A batch's records (Structs or None) from ``first`` (or at ``positions``)."""
         if not self.attempts and not self.flt.active:
             self.add_batch(records, first, positions)
             return
@@ -811,11 +773,10 @@ class Summarizer:
             elif not ordered:
                 self._first[run] = min(self._first[run], other._first[run])
             for name, acc in names.items():
-                have = mine.get(name)
-                if have is None:
-                    mine[name] = acc
+                if name in mine:
+                    mine[name].absorb(acc, ordered)
                 else:
-                    have.absorb(acc, ordered)
+                    mine[name] = acc
         self._index.absorb(other._index)
         self._restarts.absorb(other._restarts)
         self.resumed = self.resumed or other.resumed
@@ -845,10 +806,6 @@ class Summarizer:
 
 _USUAL_LANE = ("forward", 0)
 _NAME, _RUN = attrgetter("name"), attrgetter("run")
-
-
-def _ITERATION(r: AnyRecord) -> bool:
-    return r.iteration is not UNSET
 
 
 def _tap_order(item: tuple) -> tuple:
@@ -884,13 +841,9 @@ def _parts_by_key(keys: list) -> list[tuple[Any, list[int]]]:
         # of a name is NotImplemented, which is true, so a looped tap's
         # part took every other tap's records too.
         return [(k, list(compress(idx, map(partial(eq, k), keys)))) for k in distinct]
-    parts: dict = {}
+    parts: defaultdict = defaultdict(list)
     for i, k in enumerate(keys):
-        got = parts.get(k)
-        if got is None:
-            parts[k] = [i]
-        else:
-            got.append(i)
+        parts[k].append(i)
     return list(parts.items())
 
 
@@ -900,9 +853,6 @@ def tap_summaries(records: Iterable[dict]) -> list[TapSummary]:
     for r in records:
         acc.add(r)
     return acc.summaries()
-
-
-# ------------------------------------------------------------ a file
 
 
 Result = tuple[list[TapSummary], list[tuple[int, str]], set, set]
@@ -948,14 +898,12 @@ def first_attempts(path: str | os.PathLike, flt: Filter) -> "Attempts | None":
 
 
 def _summarize_scanned(path: str | os.PathLike, flt: Filter) -> Result:
-    """summarize_file for any filter and any run: what later attempts
-    superseded found first (attempts.scan), then one pass."""
+    """summarize_file's pass after attempts.scan (any filter, any run)."""
     attempts = Attempts() if flt.all_attempts else scan(path)
     return summarize_batches(iter_record_batches(path), flt, attempts).result()
 
 
 def _summarize_merged(path: str | os.PathLike) -> tuple[Summarizer, list[tuple[int, str]]]:
-    """Every record of the run until the first of a later attempt (then
-    ``resumed``, and the caller starts again)."""
+    """summarize_file's pass assuming no later attempt (until one: ``resumed``)."""
     acc = summarize_batches(iter_record_batches(path))
     return acc, acc.bad

@@ -59,22 +59,6 @@ def _last(s: TapSummary) -> str:
     return lo_hi + ("+nan" if len(finite) < len(s.last) and finite else "")
 
 
-_COLUMNS = (
-    "name",
-    "kind",
-    "records",
-    "steps",
-    "procs",
-    "devices",
-    "last",
-    "min",
-    "max",
-    "mean",
-    "norm",
-    "issues",
-)
-
-
 def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
     """``pmaptap summary``'s per-tap table (docs/cli.md) of records, or of
     the summaries of ``Summarizer.summaries()``."""
@@ -99,7 +83,6 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
             f"run {run}: {n} records, {len(per_tap)} tap(s), "
             f"processes {procs}, devices {devs}" + (f"; {restarts}" if restarts else "")
         )
-        table = Table(_COLUMNS, right={"records"})
         rows = [
             {
                 "name": s.name,
@@ -119,6 +102,7 @@ def summary_table(records: Iterable[dict] | Sequence[TapSummary]) -> str:
             }
             for s in of_run
         ]
+        table = Table(rows[0], right={"records"})  # the columns in the rows' order
         table.fit(rows)
         out.append(table.header())
         out.extend(table.format(r) for r in rows)

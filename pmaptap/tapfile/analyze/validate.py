@@ -1,9 +1,7 @@
-"""Checks on tap files beyond "is it a record": the format's own rules
-(schema.format_problems), duplicates, missing steps (``pmaptap validate``,
-``pmaptap summary``). A duplicate is a record_key written twice with the
-same value (per-device: the same device and coords); the same key with
-different values is a divergence, which is data.
-"""
+"""``pmaptap validate``'s checks (the format's rules, duplicates) and the
+missing steps ``pmaptap summary`` names. A duplicate is a record_key written
+twice with the same value (per-device: the same device and coords); the same
+key with different values is a divergence, which is data."""
 
 from __future__ import annotations
 
@@ -35,13 +33,9 @@ from pmaptap.tapfile.source import (
     iter_record_batches,
 )
 
-# ------------------------------------------------------------------ schema
-
 
 def schema_problems(d: Any) -> list[str]:
-    """Violations of the record format in a record readers take (a
-    schema.py Struct, or its line's object): schema.format_problems, and
-    where a stored value's references point (arrays.field_problem)."""
+    """schema.format_problems and arrays.field_problem of a record (a Struct or its object)."""
     r = from_dict(d) if type(d) is dict else d
     out = format_problems(r)
     if r.bytes is not UNSET:
@@ -50,8 +44,6 @@ def schema_problems(d: Any) -> list[str]:
             out.append(problem)
     return out
 
-
-# ------------------------------------------------------------------ duplicates
 
 # The usual per-device record's fields Validator.take_records reads (one
 # call), and those that would change its checks, none of which it has.
@@ -81,58 +73,19 @@ def _coords_key(coords: Any) -> Any:
     return _canonical(coords)
 
 
-_DUPLICATE_FIELDS = ("kind", "vhash", "value", "device", "coords")
-
-
-def duplicate_parts(r: Any) -> tuple | None:
-    """duplicate_key as (key without step and value, step, value): the
-    value is the replicated value's hash (or its text), None for a
-    per-device record (its device and coordinates are in the key)."""
-    # Shards of one value (``index``) are different values, never duplicates:
-    # record_key holds the index.
-    run, name, step, pass_, index, attempt = record_key(r)
-    if type(r) is dict:
-        kind, vhash, value, device, coords = map(r.get, _DUPLICATE_FIELDS)
-    else:
-        kind = r.kind
-        if kind == "per_device":
-            vhash = value = None
-            device, coords = r.device, r.coords
-        else:
-            vhash, value = r.vhash, r.value
-    if kind == "replicated":
-        return ("replicated", run, name, pass_, index, attempt), step, vhash or _canonical(value)
-    if kind == "per_device":
-        return (
-            ("per_device", run, name, pass_, index, attempt, device, _coords_key(coords)),
-            step,
-            None,
-        )
+def duplicate_parts(r: AnyRecord) -> tuple | None:
+    """What makes a record a duplicate, as (key without step and value, step,
+    value): the value is the replicated value's hash (or its text), None for
+    a per-device record (its device and coordinates are in the key). Shards
+    of one value (record_key's ``index``) are different values."""
+    run, name, step, pass_, index, attempt = r.key()
+    if r.kind == "replicated":
+        value = r.vhash or _canonical(r.value)
+        return ("replicated", run, name, pass_, index, attempt), step, value
+    if r.kind == "per_device":
+        group = ("per_device", run, name, pass_, index, attempt, r.device, _coords_key(r.coords))
+        return group, step, None
     return None  # meta records (counters) may legitimately repeat
-
-
-def duplicate_key(r: dict) -> tuple | None:
-    parts = duplicate_parts(r)
-    if parts is None:
-        return None
-    (kind, run, name, pass_, index, attempt, *rest), step, value = parts
-    key = (kind, run, name, step, pass_, index, attempt, *rest)
-    return key if value is None else (*key, value)
-
-
-def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
-    """(index, index of its first copy) for every record repeating an earlier one."""
-    firsts = FirstCopies()
-    out: list[tuple[int, int]] = []
-    for i, r in enumerate(records):
-        parts = duplicate_parts(r)
-        first = None if parts is None else firsts.add_parts(parts, i)
-        if first is not None:
-            out.append((i, first))
-    return out
-
-
-# ------------------------------------------------------------------ gaps
 
 
 def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
@@ -150,10 +103,6 @@ def step_gaps(steps: Iterable[int]) -> tuple[int, list[tuple[int, int]]]:
     return stride, gaps
 
 
-def count_missing(stride: int, gaps: Sequence[tuple[int, int]]) -> int:
-    return sum((hi - lo) // stride + 1 for lo, hi in gaps)
-
-
 def steps_text(steps: Sequence, limit: int = 5) -> str:
     """Steps as the summary lists them: the first ``limit``, then ",..."."""
     return ",".join(map(str, steps[:limit])) + (",..." if len(steps) > limit else "")
@@ -165,9 +114,6 @@ def format_gaps(stride: int, gaps: Sequence[tuple[int, int]], limit: int = 5) ->
         parts.append("...")
     text = ",".join(parts)
     return text + (f" (every {stride})" if stride > 1 and gaps else "")
-
-
-# ------------------------------------------------------------------ validate
 
 
 @dataclasses.dataclass
@@ -188,9 +134,8 @@ class Report:
 
 
 class FirstCopies:
-    """``find_duplicates`` one record at a time, holding small per-key state
-    (never a record): ``add_parts(duplicate_parts(r), line)`` returns the
-    line of r's first copy if r repeats an earlier record, else None."""
+    """Each key's first copy, never a record: ``add_parts(duplicate_parts(r),
+    line)`` returns the line of r's first copy if r repeats one, else None."""
 
     def __init__(self) -> None:
         # group -> step (per-device) or (step, value) (replicated) -> line
@@ -198,9 +143,7 @@ class FirstCopies:
 
     def add_parts(self, parts: tuple, line: Any) -> Any:
         group, step, value = parts
-        steps = self._keys.get(group)
-        if steps is None:
-            steps = self._keys[group] = {}
+        steps = self._keys.setdefault(group, {})
         key = step if value is None else (step, value)
         first = steps.get(key)
         if first is None:
@@ -228,9 +171,8 @@ def _what(parts: tuple) -> str:
 
 class Validator:
     """``pmaptap validate``'s state over a stream of records: every problem
-    with its position, and per-key state, never the records. ``attempts``
-    None: the run is assumed never resumed, and ``resumed`` says at the
-    first record of a later attempt (the caller starts again)."""
+    with its position, per-key state, never the records. ``attempts`` None:
+    assumed never resumed (``resumed`` says otherwise; the caller starts again)."""
 
     def __init__(self, path: str | os.PathLike, attempts: Any) -> None:
         self.path = os.fspath(path)
@@ -262,10 +204,8 @@ class Validator:
         self.take_records(records, range(first, first + len(records)))
 
     def take_records(self, records: list, positions: Any) -> None:
-        """``add`` of each record (None: none) at its position, until
-        ``resumed``. The usual per-device record (a float number at one
-        integer coordinate or none, nothing else set: most lines) is
-        checked in a loop of local names."""
+        """``add`` of each record (None: none) at its position, until ``resumed``;
+        the usual per-device record (most lines) in a loop of local names."""
         guess = self.attempts is None
         superseded = self.attempts.superseded if self.attempts else None
         groups = self._groups
@@ -316,8 +256,7 @@ class Validator:
         self.records += 1
         if r.odd:
             self.odd = True
-        for p in schema_problems(r):
-            self.problems.append((pos, f"schema: {p}"))
+        self.problems += [(pos, f"schema: {p}") for p in schema_problems(r)]
         if r.bytes is not UNSET:
             # Stored values: their bytes are there (sizes, not contents:
             # one stat per byte file, whatever the run's size).
@@ -384,9 +323,7 @@ class Validator:
 
 
 def line_text(pos: Any) -> str:
-    """A position as printed: "line 7" of the file or merged stream, or a
-    sharded run's source and its line ("p00003.jsonl line 7",
-    source.SourceLine)."""
+    """A position as printed: "line 7", or "p00003.jsonl line 7" (source.SourceLine)."""
     return f"line {pos}" if type(pos) is int else str(pos)
 
 

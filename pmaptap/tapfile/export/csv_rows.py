@@ -16,8 +16,7 @@ from pmaptap.tapfile.record import (
     index_text,
 )
 
-# The record columns, after the line each row came from (a CSV of a file
-# says where in the file each record is).
+# The record columns, after the line each row came from.
 FIXED = ("line", *RECORD_COLUMNS)
 
 
@@ -43,8 +42,7 @@ def csv_row(e: Entry) -> dict[str, Any]:
     for c in ("devices", "dtype", "shape"):
         row[c] = _text(r[c]) if c in r else None
     if "iteration" in r:
-        # A tap in a loop body: which iteration, "3" or "1,2" (outermost
-        # first); a column only in files that have such records.
+        # A looped tap's iteration ("3", "1,2": outermost first): a column only where one is.
         row["iteration"] = ",".join(map(str, r["iteration"]))
     coords = r.get("coords")
     for axis, idx in (coords if isinstance(coords, dict) else {}).items():
@@ -53,8 +51,7 @@ def csv_row(e: Entry) -> dict[str, Any]:
     for path, v, _ in leaves(r["value"], r["dtype"], "value", ".", stats=False):
         row[path] = _leaf(v)
     if "bytes" in r:
-        # A value stored as bytes (tapfile/source/arrays.py): where they are, not
-        # megabytes of numbers in a cell (its value cell is null).
+        # A value stored as bytes: where they are, not megabytes of numbers in a cell.
         row["bytes"] = _text(r["bytes"])
     return row
 

@@ -3,6 +3,7 @@ the merged order readers use (docs/cli.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import TYPE_CHECKING, Callable
@@ -15,11 +16,12 @@ if TYPE_CHECKING:
     from pmaptap.tapfile.read import StopFlag
 
 
-def _check_target(run: source.Run, out: str) -> None:
-    """Refuse an output among the run's files or in its shard directory
-    (``-o RUN.d/p00009.jsonl`` would be read back as a shard)."""
+def _checked(run: str, out: str) -> source.Run:
+    """The run, once ``out`` is neither among its files nor in its shard
+    directory (``-o RUN.d/p00009.jsonl`` would be read back as a shard)."""
+    run = source.Run.of(run)
     if run.url:
-        return
+        return run
     target = os.path.realpath(out)
     if any(os.path.realpath(f) == target for f in source.sources(run)):
         raise ValueError(f"{out!r} is one of the files of run {run!r}; merge into another file")
@@ -29,13 +31,13 @@ def _check_target(run: source.Run, out: str) -> None:
             f"{out!r} is inside {shards!r}, the shard directory of run "
             f"{run!r}; merge into a file outside it"
         )
+    return run
 
 
 def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
     """Every record of ``run`` into ``out`` (replaced at once); returns
     (records written, [(position, problem)] of skipped lines)."""
-    run = source.Run.of(run)
-    _check_target(run, out)
+    run = _checked(run, out)
     bad: list[tuple[int, str]] = []
     n = 0
     directory = os.path.dirname(os.path.abspath(out))
@@ -47,10 +49,8 @@ def merge(run: str, out: str) -> tuple[int, list[tuple[int, str]]]:
                 n += 1
         os.replace(tmp, out)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         raise
     return n, bad
 
@@ -67,8 +67,7 @@ def merge_follow(
     """Append the run's records to ``out`` as written; returns how many."""
     from pmaptap.tapfile.read import RunFollower, polls
 
-    run = source.Run.of(run)
-    _check_target(run, out)
+    run = _checked(run, out)
     follower = RunFollower(run)
     n = 0
     with open(out, "ab") as f:

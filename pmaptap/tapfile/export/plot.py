@@ -56,8 +56,7 @@ def smoothed(ys: Sequence[float], n: int) -> list[float]:
 
 
 def per_leaf(r: dict) -> Iterator[dict]:
-    """``r``, or for a pytree value one record per leaf, named by its path
-    (``stats/mean``: views.leaves)."""
+    """``r``, or for a pytree value one record per leaf named by its path (``stats/mean``)."""
     dtype = r.get("dtype")
     if not isinstance(dtype, (dict, list)) or r.get("kind") == FINGERPRINT:
         yield r
@@ -108,8 +107,7 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
     # An auto tap diverges only once its copies have agreed (see summary.py).
     agreed = min(r["step"] for r in recs if r.get("kind") == "replicated") if auto else None
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    # Per series: divergent points and the steps of non-finite values, so a
-    # panel of the small multiples draws its own.
+    # Per series (a panel of the small multiples draws its own): divergent points, non-finite steps.
     marks: dict[str, list[tuple[int, float]]] = defaultdict(list)
     bad: dict[str, dict[str, list[int]]] = defaultdict(lambda: {k: [] for k in _NONFINITE})
     for r in recs:
@@ -143,14 +141,11 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if len(devices) > _MAX_LEGEND:
         # Too many devices for a panel each: median, band and outliers.
-        keep = _band(ax, {lb: series.pop(lb) for lb in devices}, smooth)
-        series.update(keep)
+        series.update(_band(ax, {lb: series.pop(lb) for lb in devices}, smooth))
     every_mark = [m for lb in marks for m in marks[lb]]
     every_bad = {k: [s for b in bad.values() for s in b[k]] for k in _NONFINITE}
     _draw(ax, series, every_mark, every_bad, logy=logy, smooth=smooth)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("value")
+    ax.set(title=title, xlabel="step", ylabel="value")
     if len(series) + bool(every_mark) <= _MAX_LEGEND:
         ax.legend(fontsize="small")
     fig.tight_layout()
@@ -161,8 +156,7 @@ _NONFINITE = ("NaN", "+inf", "-inf")
 
 
 def _small_multiples(plt, series, marks, bad, title: str, *, logy: bool, smooth: int):
-    """One panel per series (5-16 devices: one axes would be a tangle),
-    axes shared."""
+    """One panel per series (5-16 devices: one axes would be a tangle)."""
     labels = sorted(series, key=_device_order)
     ncols = 4
     nrows = math.ceil(len(labels) / ncols)
@@ -205,15 +199,7 @@ def _draw(ax, series, marks, bad, *, logy: bool, smooth: int) -> None:
         else:
             ax.plot(xs, ys, marker="." if len(pts) < 50 else None, linewidth=1.2, label=label)
     if marks:
-        ax.scatter(
-            [m[0] for m in marks],
-            [m[1] for m in marks],
-            marker="x",
-            color="red",
-            s=40,
-            zorder=5,
-            label="divergent",
-        )
+        ax.scatter(*zip(*marks), marker="x", color="red", s=40, zorder=5, label="divergent")
     if logy:
         # Values <= 0 have no place on a log axis: matplotlib masks them.
         ax.set_yscale("log", nonpositive="mask")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import itertools
 import logging
 import os
@@ -21,9 +22,6 @@ from pmaptap.tapfile.record import FINGERPRINT, curve_tag, decode_record, first_
 from pmaptap.tapfile.source import Run, iter_lines, parsed, records
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
-
-
-_X2NUM_LOGGER = "tensorboardX.x2num"
 
 
 # Characters of a run's directory name at most (NAME_MAX is 255 bytes); a
@@ -43,8 +41,6 @@ def run_dirname(run: Any) -> str:
 
 def _hashed(name: str, run_id: str) -> str:
     """``name`` cut to leave room for ``-`` and a hash of the whole run id."""
-    import hashlib
-
     data = run_id.encode("utf-8", "surrogatepass")
     digest = hashlib.blake2b(data, digest_size=_RUN_HASH_HEX // 2).hexdigest()
     return name[: RUN_DIRNAME_MAX - _RUN_HASH_HEX - 1] + "-" + digest
@@ -52,8 +48,7 @@ def _hashed(name: str, run_id: str) -> str:
 
 def tag_parts(rec: dict, *, mark_divergent: bool = False) -> tuple[str, str]:
     """What a scalar's tag puts before and after its leaf path (docs/cli.md);
-    with ``mark_divergent``, a divergent copy goes to its own series
-    ``/divergent/device_<first holder>``, not at random into the tap's."""
+    ``mark_divergent``: a divergent copy's own series (docs/forwarders.md)."""
     # A looped tap: one series per iteration (act_rms/3).
     base = curve_tag(rec.get("name"), rec.get("iteration"))
     if rec.get("pass", "forward") != "forward":
@@ -112,8 +107,7 @@ _FILE_IDS = itertools.count(1)
 
 @dataclasses.dataclass
 class _Attempt:
-    """The latest attempt a run's writer wrote: its number, the step it
-    started at (what it purged from) and the highest step since."""
+    """The latest attempt a run's writer wrote (its first step: purged from)."""
 
     attempt: int
     first: int
@@ -143,11 +137,11 @@ class TensorBoardExport:
         self._purge = purge
         self._mark_divergent = mark_divergent
         self.stats = Stats()
-        # tensorboardX warns on every NaN/inf it writes: in a tap file they
-        # are the data being looked for. (One filter per export: closing one
-        # leaves another's.)
+        # tensorboardX warns on every NaN/inf it writes: in a tap file they are
+        # the data being looked for (a filter per export: closing one leaves another's).
         self._quiet = lambda rec: "NaN or Inf found" not in rec.getMessage()
-        logging.getLogger(_X2NUM_LOGGER).addFilter(self._quiet)
+        self._x2num = logging.getLogger("tensorboardX.x2num")
+        self._x2num.addFilter(self._quiet)
 
     def _logdir(self, run: Any) -> str:
         logdir = self._logdirs.get(run)
@@ -164,16 +158,13 @@ class TensorBoardExport:
     def _open(self, run: Any, purge_step: int | None, warn: bool = True) -> Any:
         logdir = self._logdir(run)
         if warn and purge_step is None and glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-            # Not an error (a second export of a grown file), but
-            # TensorBoard then shows the points of both: say so.
             log.warning(
                 f"pmaptap export: {logdir} already holds event files; "
                 "TensorBoard will show their points too (export into a "
                 "new directory to avoid doubles)"
             )
-        # tensorboardX names a file by the second it was opened: a writer
-        # reopened (purge) within that second would replace the file before
-        # it. The suffix keeps them apart and in order.
+        # tensorboardX names a file by the second it was opened: the suffix keeps
+        # a writer reopened (purge) within that second from replacing the file before.
         suffix = f".{os.getpid()}.{next(_FILE_IDS):06d}"
         # flush_secs is a ceiling; follow mode flushes after each poll.
         return self._writer_cls(
@@ -197,8 +188,7 @@ class TensorBoardExport:
             if w is not None and replays:
                 w.close()
             if w is None or replays:
-                purge_step = step if replays else None
-                w = self._writers[run] = self._open(run, purge_step, warn=st is None)
+                w = self._writers[run] = self._open(run, step if replays else None, warn=st is None)
             last = step if st is None or replays else max(st.last, step)
             self._attempts[run] = _Attempt(attempt, step, last)
             return w
@@ -235,7 +225,7 @@ class TensorBoardExport:
             self._leaf(w, tag, v, step, wall)
 
     def _leaf(self, w: Any, tag: str, v: Any, step: int, wall: float | None) -> None:
-        if isinstance(v, bool) or isinstance(v, (int, float)):
+        if isinstance(v, (int, float)):  # bool too
             w.add_scalar(tag, float(v), step, walltime=wall)
             self.stats.scalars += 1
         elif isinstance(v, complex):
@@ -278,8 +268,7 @@ class TensorBoardExport:
             self.stats.scalars += 1
 
     def take(self, lineno: int, d: dict, flt: Filter, report: Callable[[int, str], None]) -> None:
-        """``add`` the record ``d`` if ``flt`` keeps it, stored leaves loaded
-        (``report`` one whose bytes are missing)."""
+        """``add`` the record ``d`` if ``flt`` keeps it (``report``: missing stored bytes)."""
         rec = decode_record(d)
         if not flt(rec):
             return
@@ -301,14 +290,14 @@ class TensorBoardExport:
 
     def close(self) -> None:
         self.close_files()
-        logging.getLogger(_X2NUM_LOGGER).removeFilter(self._quiet)
+        self._x2num.removeFilter(self._quiet)
 
 
 def export(
     path: str | os.PathLike, outdir: str | os.PathLike, flt: Filter
 ) -> tuple[Stats, list[tuple[int, str]]]:
-    """Convert the whole file, streamed: the counts and the lines skipped
-    (divergence marks are not needed: every value is written)."""
+    """The whole file converted, streamed (every value written: no divergence
+    marks needed): the counts and the lines skipped."""
     path = Run.of(path)
     # The superseded records are left out below: nothing to purge.
     tb = TensorBoardExport(outdir, path, purge=False)
