@@ -145,7 +145,6 @@ class _Target:
         self.end = end if callable(end) else None
         self.failures = 0
         self.first_error: BaseException | None = None
-        self.failures_total = 0
 
     def name(self) -> str:
         obj = self.obj
@@ -173,7 +172,6 @@ class _Target:
     def fail(self, e: BaseException) -> None:
         with self.lock:
             self.failures += 1
-            self.failures_total += 1
             if self.first_error is None:
                 self.first_error = e
 

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from typing import Iterable, Sequence
 
+from pmaptap import distributed
 from pmaptap._host.sinks.base import Sink, prepare_path
 from pmaptap._host.sinks.blobs import BlobFile
 from pmaptap._log import log
@@ -129,7 +130,6 @@ class ShardSink(Sink):
     process: int
     held: Held
     skipped: int
-    held_written: int
 
     @abc.abstractmethod
     def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None: ...
@@ -167,7 +167,6 @@ class ShardSink(Sink):
             self._append_lines(keep, [encoded.get(id(r)) or r.encode() for r in keep])
         finally:
             self.close()
-        self.held_written += len(keep)
         return len(keep)
 
     def write(self, records: Sequence[Record]) -> list[Record]:
@@ -182,11 +181,7 @@ class DirectorySink(ShardSink):
     """Appends to ``<path>.d/p<process>.jsonl``; only this process writes it."""
 
     def __init__(self, path: str, *, process: int | None = None) -> None:
-        if process is None:
-            import jax
-
-            process = jax.process_index()
-        self.process = int(process)
+        self.process = distributed.process_index(process)
         self.run_path = os.path.abspath(os.fspath(path))
         self.path = prepare_path(source.shard_path(self.run_path, self.process))
         try:
@@ -199,12 +194,9 @@ class DirectorySink(ShardSink):
         self._end: int | None = None
         self._next_path_check = time.monotonic() + PATH_CHECK_S
         self.lines_written = 0
-        self.bytes_written = 0
         self.bytes_read = 0  # never reads another process's output
         self.skipped = 0  # replicated values left to their owner
         self.held = Held()  # ... kept until the close knows their owners closed
-        self.held_written = 0  # ... written at close: their owner did not close
-        self.repairs = 0
         self.replacements = 0
         self.rejected: list[str] = []
 
@@ -219,17 +211,14 @@ class DirectorySink(ShardSink):
         # Only this process writes the shard: it ends where our last write
         # left it, on a newline, unless something else changed it; only then
         # is its last byte read (docs/faults.md, a torn shard tail).
-        torn = size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
-        if torn:
+        if size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n":
             chunks.insert(0, b"\n")
         # All or nothing (cut back on failure); the pipeline retries it whole.
         written = self._append(self._fd, size, chunks, False)
         # (Bytes another program appends between the fstat and the write
         # make the next size differ from this: a look at the tail, no more.)
         self._end = size + written
-        self.repairs += torn
         self.lines_written += len(keep)
-        self.bytes_written += written
 
     def _reopen_if_replaced(self) -> os.stat_result:
         """The shard moved away or removed under us: write to the file now at the

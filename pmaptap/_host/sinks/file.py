@@ -21,6 +21,8 @@ from typing import Sequence
 
 import filelock
 
+from pmaptap import distributed
+from pmaptap._host.options import DEFAULTS
 from pmaptap._host.sinks.base import Sink, prepare_path
 from pmaptap._host.sinks.blobs import BlobFile
 from pmaptap._host.sinks.crossdedup import CrossProcessIndex
@@ -59,8 +61,8 @@ class FileSink(Sink):
         self,
         path: str,
         *,
-        lock_timeout: float = 1.0,
-        lock: str = "flock",
+        lock_timeout: float = DEFAULTS.lock_timeout,
+        lock: str = DEFAULTS.lock,
         process: int | None = None,
         index_existing: bool = False,
     ) -> None:
@@ -86,12 +88,8 @@ class FileSink(Sink):
         size = st.st_size
         # The file this sink writes to, to notice one put in its place.
         self._ident = (st.st_dev, st.st_ino)
-        if process is None:
-            import jax
-
-            process = jax.process_index()
-        self.process = int(process)
-        self.index = CrossProcessIndex(process)
+        self.process = distributed.process_index(process)
+        self.index = CrossProcessIndex(self.process)
         # The file's size when this sink opened it: where this process's part
         # of the run starts at the earliest (see index_from).
         self.opened_size = size
@@ -109,9 +107,7 @@ class FileSink(Sink):
             else self._read_mark_at(self.path, size)
         )
         self.lines_written = 0
-        self.bytes_written = 0
         self.bytes_read = 0  # others' lines read back for the dedup
-        self.repairs = 0
         self.truncations = 0
         self.replacements = 0
         self._warned: set[str] = set()
@@ -153,7 +149,6 @@ class FileSink(Sink):
             chunks = [encoded.get(id(r)) or r.encode() for r in keep]
             if chunks and size and os.pread(fd, 1, size - 1) != b"\n":
                 chunks.insert(0, b"\n")  # a killed writer left a torn line
-                self.repairs += 1
             written = self._append(fd, size, chunks, soft)
             self.index.commit(new_keys)
             # flock: where O_APPEND put our bytes, which is past ``size`` if a
@@ -167,7 +162,6 @@ class FileSink(Sink):
             self._lock.release()
         self.left = left
         self.lines_written += len(keep)
-        self.bytes_written += written
         return keep
 
     def index_from(self, offset: int) -> None:
