@@ -178,15 +178,8 @@ class Pipeline:
     def dropped(self) -> int:
         return self.queue.dropped
 
-    @property
-    def written(self) -> int:
-        return self._writer.written
-
     def pending(self) -> int:
         return self.queue.pending
-
-    def record_error(self, e: BaseException) -> None:
-        self.errors.add(e)
 
     # ---------------------------------------------------- flush / close
     def _drain(self, timeout: float | None, *, give_up_on_error: bool) -> None:
