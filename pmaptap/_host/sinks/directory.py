@@ -10,11 +10,8 @@ owner, ``source.owner(key, processes)``. Any other replicated record (copy
 layout, a side ``Writer``, ``verified_off``, a plain-jit scalar read from
 one device) is written by each holder and readers keep one copy of each
 value: nothing a non-owner saw can be lost because the owner never saw it.
-An owner that dies before writing what it owns (docs/multihost.md, "An
-owner killed before it wrote what it owns"): each process keeps what it
-left to an owner (``Held``, bounded by ``HELD_BYTES``) until its close
-knows whether that owner closed, and writes it itself if not
-(``write_held``). A healthy job writes nothing extra.
+An owner that dies first: ``Held`` and ``write_held``, docs/multihost.md,
+"An owner killed before it wrote what it owns".
 """
 
 from __future__ import annotations
@@ -40,10 +37,7 @@ PATH_CHECK_S = 5.0
 
 # What a process keeps of the values it left to their owners (estimated
 # bytes: the record object, its line if the aggregator built one, the bytes
-# of its stored arrays). A value an owner has not written when it dies is
-# one of its last (its queue); the values a jointly verified tap computes
-# need every holder's device, so none is computed after an owner died. 64 MiB
-# is ~80,000 scalar records: minutes of a busy job's replicated taps.
+# of its stored arrays); why that is enough: docs/multihost.md.
 HELD_BYTES = 64 << 20
 _RECORD_BYTES = 550  # a scalar replicated Record object, measured (tracemalloc)
 

@@ -1,17 +1,8 @@
 """The sharded layout on an object store (``s3://``, ``gs://``, any fsspec
-URL): each process writes immutable chunks (names, rollups and what readers
-do: docs/multihost.md, "Object stores"; tapfile/source/store.py).
-
-Object stores have no append and no lock, and an object is written whole or
-not at all. So a process never shares or changes an object: every batch
-(the writer lingers ``OBJECT_COMMIT_INTERVAL`` seconds to gather one) is a
-new chunk; a killed process leaves its committed chunks whole and nothing
-to clean up. The writer id (start time, random token) keeps a restarted
-process from overwriting its earlier chunks and sorts after them. Every
-``ROLLUP_CHUNKS`` chunks, and at close, one rollup replaces them (put first,
-then the chunks deleted: a failure at either step loses nothing).
-Endpoint and credentials come from the client's own environment
-(``AWS_ENDPOINT_URL``, ... for s3fs; gcsfs's for ``gs://``).
+URL): each process writes immutable chunks, rolled up now and then (why,
+names, rollups and what readers do: docs/multihost.md, "Object stores";
+tapfile/source/store.py). Endpoint and credentials come from the client's
+own environment (``AWS_ENDPOINT_URL``, ... for s3fs; gcsfs's for ``gs://``).
 """
 
 from __future__ import annotations
