@@ -49,12 +49,9 @@ class FileSink(Sink):
 
     lock="flock" (default): ``filelock.FileLock(path + ".lock")`` and one
     ``O_APPEND`` descriptor kept open: the processes of one host.
-    lock="soft" (NFS, Lustre without ``-o flock``; docs/multihost.md, "Where
-    the file may live"): ``filelock.SoftFileLock(path + ".softlock")``, and each
-    batch re-opens the file under the lock, writes at the size the server
-    reports, fsyncs and closes before releasing, so close-to-open consistency
-    shows the next holder these bytes (O_APPEND with a client's cached size
-    could overwrite them).
+    lock="soft": ``filelock.SoftFileLock(path + ".softlock")``, the file
+    re-opened per batch (why: docs/multihost.md, "Where the file may live";
+    O_APPEND with a client's cached size could overwrite another's bytes).
     """
 
     def __init__(
