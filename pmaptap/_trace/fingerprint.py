@@ -29,13 +29,14 @@ from jax.custom_batching import custom_vmap
 from pmaptap import distributed
 from pmaptap._common.fingerprint import FingerprintLayout, FingerprintSpec
 from pmaptap._common.switch import taps_off
+from pmaptap._host.routing import deliver
 from pmaptap._trace import marks, placement
 from pmaptap._trace.arguments import as_leaf, check_common, check_dtype, check_step
 from pmaptap._trace.emit import axis_coords
 from pmaptap._trace.fingerprint_jit import fingerprint_jit, fingerprint_table
 from pmaptap._trace.fphash import fingerprint64_many
 from pmaptap._trace.invariant import varying_axes
-from pmaptap._trace.layouts import _flat_index, host_entry, static_step_operand
+from pmaptap._trace.layouts import _flat_index, static_step_operand
 from pmaptap._trace.primitive import (
     emit_callback,
     mark_tap_vmap_rule,
@@ -190,12 +191,12 @@ def _send(coords, step, *data, spec: FingerprintSpec) -> list:
     if spec.layout is FingerprintLayout.JIT:
         fingerprint_jit(spec, step, data)
     elif spec.layout is FingerprintLayout.COPY:
-        emit_callback(functools.partial(host_entry, spec), coords, step, *data)
+        emit_callback(functools.partial(_deliver, spec), coords, step, *data)
     else:
         first = _flat_index(coords, spec.placement.axis_sizes) == 0
         lax.cond(
             first,
-            lambda: emit_callback(functools.partial(host_entry, spec), step, *data),
+            lambda: emit_callback(functools.partial(_deliver, spec), step, *data),
             lambda: None,
         )
     return []
@@ -262,3 +263,8 @@ def lifted(spec: FingerprintSpec, operands: list) -> list:
 
 def _with(spec: FingerprintSpec, layout: FingerprintLayout, where, varying) -> FingerprintSpec:
     return dataclasses.replace(spec, layout=layout, placement=where, varying=tuple(varying))
+
+
+def _deliver(spec: FingerprintSpec, *arrays) -> None:
+    # XLA's callback thread: only hands over (deliver never raises).
+    deliver(spec, arrays)

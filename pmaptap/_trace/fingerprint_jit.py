@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pmaptap._common.fingerprint import FingerprintSpec, bind_lowering
 from pmaptap._common.shard_placement import ShardPlacement
+from pmaptap._host.routing import deliver
 from pmaptap._trace import placement, primitive
 from pmaptap._trace.fphash import fingerprint64_many
-from pmaptap._trace.layouts import host_entry
 
 fingerprint_p = core.Primitive("pmaptap_fingerprint")
 fingerprint_p.multiple_results = True
@@ -58,13 +58,21 @@ def fingerprint_jit(spec: FingerprintSpec, step: jax.Array, leaves) -> None:
     fingerprint_p.bind(step, *leaves, spec=spec)
 
 
+def _entry(spec: FingerprintSpec):
+    def entry(*arrays) -> None:
+        # XLA's callback thread: only hands over (deliver never raises).
+        deliver(spec, arrays)
+
+    return entry
+
+
 def _lowering(ctx, step, *leaves, spec: FingerprintSpec):
     if primitive.recomputed_while_predicate(ctx):
         return []  # a duplicate (see primitive.recomputed_while_predicate)
     place, partitioned, fps_aval, fps = _fingerprints(
         ctx, list(ctx.avals_in[1:]), leaves, replicated=False
     )
-    host_fn = partial(host_entry, dataclasses.replace(spec, shards=place))
+    host_fn = _entry(dataclasses.replace(spec, shards=place))
     sub = ctx.replace(avals_in=[ctx.avals_in[0], fps_aval], avals_out=[])
     if not partitioned:
         return primitive._lowering(sub, step, fps, host_fn=host_fn)

@@ -51,9 +51,8 @@ def static_step_operand(step: int) -> jax.Array:
     return jnp.asarray(np.array([step >> 32, step & 0xFFFFFFFF], np.uint32))
 
 
-def host_entry(spec: Any, *arrays) -> None:
-    """Every callback's host function, bound to its payload's spec: runs on
-    XLA's callback thread, so only hands over (`deliver` never raises)."""
+def _host_entry(spec: PayloadSpec, *arrays) -> None:
+    # Runs on XLA's callback thread: only hands over (`deliver` never raises).
     # Narrowing sub-byte leaves and joining split steps is the aggregator's.
     deliver(spec, arrays)
 
@@ -80,7 +79,7 @@ def send_payload(spec: PayloadSpec, *args) -> None:
             if isinstance(spec, TapSpec)
             else dataclasses.replace(spec, restore=restore)
         )
-    emit_callback(functools.partial(host_entry, spec), *args)
+    emit_callback(functools.partial(_host_entry, spec), *args)
 
 
 def _sub_byte(dtype) -> bool:
@@ -255,7 +254,7 @@ def _jit_entry(specs: tuple, counts: tuple, restore: tuple, places):
             restore=restore,
             partitioned=places is not None,
         )
-    return functools.partial(host_entry, spec)
+    return functools.partial(_host_entry, spec)
 
 
 def emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:

@@ -178,6 +178,10 @@ class Pipeline:
     def dropped(self) -> int:
         return self.queue.dropped
 
+    @property
+    def written(self) -> int:
+        return self._writer.written
+
     def pending(self) -> int:
         return self.queue.pending
 
