@@ -22,7 +22,6 @@ from typing import Sequence
 import filelock
 
 from pmaptap import distributed
-from pmaptap._host.options import DEFAULTS
 from pmaptap._host.sinks.base import Sink, prepare_path
 from pmaptap._host.sinks.blobs import BlobFile
 from pmaptap._host.sinks.crossdedup import CrossProcessIndex
@@ -58,8 +57,8 @@ class FileSink(Sink):
         self,
         path: str,
         *,
-        lock_timeout: float = DEFAULTS.lock_timeout,
-        lock: str = DEFAULTS.lock,
+        lock_timeout: float = 1.0,
+        lock: str = "flock",
         process: int | None = None,
         index_existing: bool = False,
     ) -> None:
