@@ -57,7 +57,7 @@ def send(
         return  # pmaptap.untapped: checked, then removed
     warn_if_launched_alone()
 
-    def emit_leaves(leaves: list, traced_step) -> None:
+    def _emit_leaves(leaves: list, traced_step) -> None:
         jit = jit_layout(leaves)
         # Per-shard taps only mark big leaves: which slice a device holds is
         # known only when the step is lowered, so the statistics of each shard
@@ -106,9 +106,9 @@ def send(
         # it in the part of the program that runs later (see
         # primitive.run_later), as jax.debug.callback would be; refused
         # with a message naming the tap if reverse mode reaches it.
-        primitive.run_later(emit_leaves, leaves, traced_step, name)
+        primitive.run_later(_emit_leaves, leaves, traced_step, name)
         return
-    emit_leaves(leaves, traced_step)
+    _emit_leaves(leaves, traced_step)
 
 
 def tap(x: T, name: str, *, step=None, dedup: str = "auto", every: int = 1) -> T:
