@@ -583,26 +583,38 @@ def _add_export_targets(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="TensorBoard event files, one run per DIR/<run>/ (needs tensorboardX)",
     )
-    g = p.add_argument_group("--tensorboard --follow")
-    g.add_argument(
-        "-f",
-        "--follow",
-        action="store_true",
-        help="with --tensorboard: keep converting what the job "
-        "appends (Ctrl-C or SIGTERM stops, exit status 0)",
+    _add_follow(
+        p.add_argument_group("--tensorboard --follow"),
+        "with --tensorboard: keep converting what the job appends "
+        "(Ctrl-C or SIGTERM stops, exit status 0)",
+        0.5,
+        flag="--follow",
+        metavar="SECONDS",
     )
-    g.add_argument(
+
+
+def _add_follow(
+    p: argparse._ActionsContainer,
+    follow_help: str,
+    interval: float,
+    *,
+    flag: str = "-f",
+    metavar: str | None = None,
+) -> None:
+    """-f/--follow, and the --timeout and --interval that go with it."""
+    p.add_argument("-f", "--follow", action="store_true", help=follow_help)
+    p.add_argument(
         "--timeout",
         type=float,
         metavar="SECONDS",
-        help="with --follow: stop after this many seconds",
+        help=f"with {flag}: stop after this many seconds",
     )
-    g.add_argument(
+    p.add_argument(
         "--interval",
         type=float,
-        default=0.5,
-        metavar="SECONDS",
-        help="with --follow: seconds between polls (default 0.5)",
+        default=interval,
+        metavar=metavar,
+        help=f"with {flag}: seconds between polls (default {interval:g})",
     )
 
 
@@ -655,15 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="how many of the last matching records (default 10)",
     )
-    p.add_argument(
-        "-f",
-        "--follow",
-        action="store_true",
-        help="keep printing records as writers append them "
-        "(Ctrl-C or SIGTERM stops, exit status 0)",
-    )
-    p.add_argument(
-        "--timeout", type=float, metavar="SECONDS", help="with -f: stop after this many seconds"
+    _add_follow(
+        p,
+        "keep printing records as writers append them (Ctrl-C or SIGTERM stops, exit status 0)",
+        0.2,
     )
     p.add_argument(
         "--max-records",
@@ -671,9 +678,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="stop after printing N records (initial ones included)",
-    )
-    p.add_argument(
-        "--interval", type=float, default=0.2, help="with -f: seconds between polls (default 0.2)"
     )
     _add_output(p)
     p.set_defaults(func=cmd_tail)
@@ -715,18 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help="a sharded run (path.d/, s3://...) as one tap file")
     p.add_argument("file", help="the run: its path, its .d directory or its URL")
     p.add_argument("-o", "--output", required=True, metavar="OUT")
-    p.add_argument(
-        "-f",
-        "--follow",
-        action="store_true",
-        help="keep appending records as they are written (Ctrl-C or SIGTERM stops)",
-    )
-    p.add_argument(
-        "--timeout", type=float, metavar="SECONDS", help="with -f: stop after this many seconds"
-    )
-    p.add_argument(
-        "--interval", type=float, default=0.5, help="with -f: seconds between polls (default 0.5)"
-    )
+    _add_follow(p, "keep appending records as they are written (Ctrl-C or SIGTERM stops)", 0.5)
     p.set_defaults(func=cmd_merge)
 
     sub.add_parser(

@@ -284,6 +284,15 @@ def _client() -> Any | None:
     return jdist.global_state.client
 
 
+def process_index(process: int | None = None) -> int:
+    """``process``, or where None this process's index in the JAX job."""
+    if process is not None:
+        return int(process)
+    import jax
+
+    return jax.process_index()
+
+
 def _process_info() -> tuple[int, int]:
     from jax._src import distributed as jdist
 

@@ -19,13 +19,9 @@ import sys
 import time
 from typing import IO, Any, Iterable, Iterator, TypeVar
 
+from pmaptap import distributed
+
 T = TypeVar("T")
-
-
-def process_index() -> int:
-    import jax
-
-    return jax.process_index()
 
 
 def should_draw(stream: IO[str], *, force: bool | None = None, process: int | None = None) -> bool:
@@ -35,7 +31,7 @@ def should_draw(stream: IO[str], *, force: bool | None = None, process: int | No
         force = env == "1"
     if force is False:
         return False  # decided without asking JAX anything
-    if (process if process is not None else process_index()) != 0:
+    if distributed.process_index(process) != 0:
         return False
     if force:
         return True

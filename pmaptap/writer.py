@@ -1,14 +1,7 @@
 """``pmaptap.Writer``: records from processes that are not part of the JAX job
-(evaluation workers, data loaders), into the same run, without JAX.
-
-It builds the same records as a session (same format, same ``vhash`` dedup
-of replicated values) and writes them through the same sinks: the shared
-file under its lock (``layout="file"``) or its own shard
-(``layout="sharded"``). It has no threads: ``write`` buffers, and the buffer
-goes to the file when it holds ``max_buffer`` records, when ``flush_interval``
-seconds have passed since its oldest record, at ``flush()`` and at
-``close()``. Nothing here imports JAX (tests import it with JAX made
-unimportable).
+(evaluation workers, data loaders), into the same run, without JAX (tests
+import it with JAX made unimportable): a session's records (RecordBuilder)
+through a session's sinks, with no thread (docs/api.md, "pmaptap.Writer").
 """
 
 from __future__ import annotations
@@ -36,16 +29,12 @@ from pmaptap.tapfile.record import (
 __all__ = ["Writer"]
 
 
-# A Python number has no dtype of its own. A session's traced tap of one
-# gets the dtype JAX gives it (x64 off: float32, int32, complex64), and a replicated
-# value's hash covers its dtype, so a side process writing 2.0 as float64
-# would be flagged divergent from the job's float32 2.0. So a Writer gives it
-# the same dtype; only a number that dtype cannot hold (an int past int32, a
-# float past float32's range) keeps 64 bits. np.float64(x) stays float64.
+# A Python number takes the dtype a traced tap gives it (x64 off), since a
+# replicated value's hash covers its dtype (a float64 2.0 would be divergent
+# from the job's float32 2.0); one that dtype cannot hold keeps 64 bits.
 _PYTHON_NUMBER_DTYPES = {int: np.int32, float: np.float32, complex: np.complex64}
-# While the file takes nothing (a full disk), write() keeps buffering up to
-# this many times max_buffer records, then refuses the next one (a
-# TapError, the record not buffered) rather than grow without bound.
+# While the file takes nothing, at most this many times max_buffer records
+# are buffered (docs/api.md, "pmaptap.Writer").
 MAX_BUFFERED = 16
 
 

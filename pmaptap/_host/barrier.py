@@ -2,20 +2,12 @@
 close, SIGTERM, exit), a close's bounded ``before_close``; a transport that
 delivers on a thread of its own (outputs.py) ``register``s its wait here.
 
-A child forked after JAX's runtime started (docs/architecture.md, "A forked
-child owns nothing of its parent's"): JAX cannot run computations there, its
-runtime's threads stay in the parent, yet at exit the child acted on the
-copied objects. JAX's ``atexit`` handlers (``api.clean_up`` ->
-``effects_barrier()``, ``dispatch.wait_for_tokens``) waited on the parent's
-tokens (a bare ``os.fork()`` child hung > 90 s after tapped ``pmap``
-steps), and ``distributed.shutdown()`` would speak for the parent; the
-interpreter's teardown destroyed the inherited MLIR thread pool and clients,
-joining threads that do not exist (``LLVM ERROR: pthread_join failed``).
-So the at-fork hook below unregisters those handlers and keeps those
-objects alive to the end (one reference each, never released: the OS
-reclaims them), and ``effects_barrier`` returns at once there (nothing can
-have been dispatched). A child forked before the runtime started is left
-alone. Guarded by
+A child forked after JAX's runtime started (what the at-fork hook below
+does and why: docs/architecture.md, "A forked child owns nothing of its
+parent's"): JAX's exit handlers waited on the parent's tokens (a bare
+``os.fork()`` child hung > 90 s after tapped ``pmap`` steps), and the
+interpreter's teardown joined threads that exist only in the parent
+(``LLVM ERROR: pthread_join failed``). Guarded by
 ``tests/host/test_fork.py::test_jax_exit_internals_the_fork_hook_reads_are_still_there``.
 """
 

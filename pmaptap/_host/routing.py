@@ -113,7 +113,7 @@ def report(e: BaseException, name: str) -> None:
         s = _active
         p = s.pipeline if s is not None else _console
         if p is not None:
-            p.record_error(e)
+            p.errors.add(e)
         else:
             log.error(f"[pmaptap] dropped a tap of {name!r}: {e!r}")
     except BaseException:  # noqa: BLE001

@@ -65,10 +65,6 @@ def emit(
     else:
         fn = emitter(spec, tuple(raw_names))
     if traced_every:
-
-        def fire():
-            fn(coords, step, *leaves)
-
-        lax.cond(every_due(step, spec.site.every), fire, lambda: None)
+        lax.cond(every_due(step, spec.site.every), lambda: fn(coords, step, *leaves), lambda: None)
     else:
         fn(coords, step, *leaves)

@@ -14,7 +14,7 @@ several lanes collide with a probability of about 2**-64; changes confined
 to one lane can cancel in the weighted sum (about 2**-32, more often when
 all in the top bits: an even number of flipped sign bits always cancels),
 the price of a first pass that is one multiply-add per word. A lane depends
-on the platform (``LAYOUTS``; what a lane holds per platform and dtype:
+on the platform (what a lane holds per platform and dtype:
 docs/api.md, "Silent data corruption"): fingerprints are only compared
 within one program, so each platform reads the bits in its memory order.
 
@@ -24,15 +24,14 @@ sum does, and every platform makes a second pass out of something else
 
 - XLA:CPU keeps arrays dense, row-major: the words reshape for free into
   ``(FOLD, LANES)`` blocks, 32 rows into 1021 lanes (a prime, so a
-  power-of-two stride spreads over lanes), one fused loop. A plain weighted
-  ``jnp.sum`` (or a fold of 64) became a ``reduce-window`` tree that wrote
-  the products out. 8- and 16-bit values are packed into words by strided
-  slices taken before their bitcast (a bitcast by a reshape to ``(-1, 2)``
-  was a separate pass; a bitcast before the slices broke vectorization);
+  power-of-two stride spreads over lanes), one fused loop (a plain
+  weighted ``jnp.sum`` was not: docs/performance.md). 8- and 16-bit values
+  are packed into words by strided slices taken before their bitcast (a
+  bitcast by a reshape to ``(-1, 2)`` was a separate pass; a bitcast
+  before the slices broke vectorization);
   bfloat16, whose slices XLA:CPU computes in float32 (slow, not bit-exact
   for NaN payloads), is widened one element to a word, in rows of
-  2 x 1021 words. The mixing works on the lanes: any further per-word
-  operation slowed the loop markedly.
+  2 x 1021 words. The mixing works on the lanes, not the words.
 - XLA:TPU keeps (8, 128) tiles of 32-bit words, so a flat reshape is a
   relayout copy and a minor dimension of 2 pads to 128 lanes. There the
   fold is over the rows as they lie (leading dimensions merged),
@@ -40,7 +39,7 @@ sum does, and every platform makes a second pass out of something else
   the fused reduction; an optimization barrier after the reshape keeps XLA
   from hoisting the widening out of it (a second pass).
 - Elsewhere (GPU) dense as on the CPU, with a fold of ``FOLD_ELSEWHERE``
-  rows (32 left a big array well behind a float32 sum; 256 kept up).
+  rows (why not 32: docs/performance.md).
 
 An element's words (a 64-bit value's halves, a complex value's parts) share
 its lane, each with a multiplier of its own (``_fold``); sub-byte dtypes are
@@ -60,25 +59,15 @@ from jax import lax
 from pmaptap._trace.layouts import _bits, _sub_byte, _wire
 
 FOLD = 32  # rows summed by one fused loop on XLA:CPU (see above)
-# Lanes of the CPU's blocks summed into one before the mixing, which on the
-# lanes of 32 rows cost a sizeable share of the float sum's time (see above;
+# Lanes of the CPU's blocks summed into one before the mixing (its cost:
 # docs/performance.md).
 REGROUP = 8
 FOLD_ELSEWHERE = 256  # on GPUs (see above)
 FOLD_TPU = 256  # at most this many rows of a column to a lane on a TPU
-# Words per row of the CPU's (and GPU's) blocks, and so their lanes: a
-# prime, so that a power-of-two stride (a column of a matrix) spreads over
-# lanes.
-LANES = 1021
+LANES = 1021  # words per row of the CPU's (and GPU's) blocks: a prime (see above)
 # Below this many bytes every platform takes the CPU's layout (its cost is
 # lost in the call's).
 SMALL = 1 << 20
-# The lanes of each platform, for the docs and the tests.
-LAYOUTS = {
-    "cpu": f"{FOLD * REGROUP} rows x {LANES} words",
-    "tpu": f"up to {FOLD_TPU} rows of one column",
-    "default": f"{FOLD_ELSEWHERE} rows x {LANES} words",
-}
 # Odd multipliers come from these constants (any odd constants with mixed
 # bits would do; these are the golden ratio and MurmurHash3's).
 _ROW = np.uint32(0x9E3779B1)

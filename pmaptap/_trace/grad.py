@@ -69,7 +69,9 @@ def _identity_fwd(site: _Site, steps: tuple, leaves: tuple):
 def _identity_bwd(site: _Site, steps: tuple, cts: tuple):
     it = iter(cts)
     # Non-differentiable leaves never entered the identity: null in the record.
-    full = [_as_ct(next(it)) if d else None for d in site.diff]
+    # A symbolic zero: JAX proved at trace time that no gradient reaches the
+    # leaf; written null rather than as materialised zeros of its shape.
+    full = [None if not d or isinstance(ct := next(it), SymbolicZero) else ct for d in site.diff]
     step = steps[0] if steps else site.static_step
     send(
         jax.tree_util.tree_unflatten(site.treedef, full),
@@ -82,12 +84,6 @@ def _identity_bwd(site: _Site, steps: tuple, cts: tuple):
     )
     # Integer step: no cotangent (None is JAX's spelling of a zero one).
     return (None,) * len(steps), cts
-
-
-def _as_ct(ct: Any) -> Any:
-    # A symbolic zero means JAX proved at trace time that no gradient reaches
-    # this leaf; write null rather than materialising zeros of its shape.
-    return None if isinstance(ct, SymbolicZero) else ct
 
 
 _identity.defvjp(_identity_fwd, _identity_bwd, symbolic_zeros=True)
@@ -141,18 +137,6 @@ def _forward_mode_trace(leaves: list) -> bool:
     return False
 
 
-def _forward_mode_error(name: str) -> TypeError:
-    return TypeError(
-        f"{FN}({name!r}): forward-mode differentiation (jax.jvp, jax.jacfwd) "
-        "reached tap_grad; it records cotangents of reverse "
-        "mode only (jax.grad, jax.value_and_grad, jax.vjp, jax.jacrev, and "
-        "jax.hessian, whose inner pass is reverse mode). Remove tap_grad from "
-        "code you differentiate forward, or compute the tangent explicitly "
-        "and record it with pmaptap.tap: `y, t = jax.jvp(f, (x,), (v,)); "
-        "pmaptap.tap(t, 'tangent')`."
-    )
-
-
 def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1, step: Any = None) -> T:
     """Identity on ``x`` (an array or pytree of arrays) whose backward pass
     records the cotangent arriving at ``x`` as ``pmaptap.tap`` records a value
@@ -182,7 +166,15 @@ def tap_grad(x: T, name: str, *, dedup: str = "auto", every: int = 1, step: Any 
         return x  # untapped, or decided at trace time: nothing to record
     diff_leaves = [leaf for leaf, d in zip(leaves, diff) if d]
     if _forward_mode_trace(diff_leaves):
-        raise _forward_mode_error(name)
+        raise TypeError(
+            f"{FN}({name!r}): forward-mode differentiation (jax.jvp, jax.jacfwd) "
+            "reached tap_grad; it records cotangents of reverse "
+            "mode only (jax.grad, jax.value_and_grad, jax.vjp, jax.jacrev, and "
+            "jax.hessian, whose inner pass is reverse mode). Remove tap_grad from "
+            "code you differentiate forward, or compute the tangent explicitly "
+            "and record it with pmaptap.tap: `y, t = jax.jvp(f, (x,), (v,)); "
+            "pmaptap.tap(t, 'tangent')`."
+        )
     site = _Site(
         name=name,
         dedup=dedup,

@@ -238,33 +238,23 @@ def jit_call(
 def _jit_entry(specs: tuple, counts: tuple, restore: tuple, places):
     """The host function of a ``jit_call``, made when it is lowered: the
     payload's spec is bound to that lowering's placements (one per tap) here,
-    once, not on XLA's callback thread at every call."""
-    if places is None:
-        # Not partitioned: one whole copy (the aggregator treats each tap
-        # as Layout.COPY).
-        if len(specs) == 1:
-            spec: PayloadSpec = specs[0].with_transport(restore=restore)
-        else:
-            spec = GroupSpec(members=specs, member_leaves=counts, gathered=False, restore=restore)
+    once, not on XLA's callback thread at every call. Not partitioned
+    (``places`` None): one whole copy (the aggregator treats each tap as
+    Layout.COPY); partitioned, the payload starts with the partition number."""
+    members = specs
+    if places is not None:
+        members = tuple(dataclasses.replace(s, shards=p) for s, p in zip(specs, places))
+    if len(members) == 1:
+        spec: PayloadSpec = members[0].with_transport(restore=restore)
     else:
-        bound = tuple(dataclasses.replace(s, shards=p) for s, p in zip(specs, places))
-        if len(bound) == 1:
-            spec = bound[0].with_transport(restore=restore)
-        else:
-            spec = GroupSpec(
-                members=bound,
-                member_leaves=counts,
-                gathered=False,
-                restore=restore,
-                partitioned=True,
-            )
-
-    def entry(*arrays) -> None:
-        # XLA's callback thread, as _host_entry. A partitioned payload starts
-        # with the partition number.
-        deliver(spec, arrays)
-
-    return entry
+        spec = GroupSpec(
+            members=members,
+            member_leaves=counts,
+            gathered=False,
+            restore=restore,
+            partitioned=places is not None,
+        )
+    return functools.partial(_host_entry, spec)
 
 
 def emit_now(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
@@ -299,22 +289,20 @@ def _from_leader(spec: TapSpec, raw_names: tuple, coords, step, leaves) -> None:
             lambda: None,
         )
 
+    def one_copy():
+        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves), lambda: None)
+
     if layout is Layout.GATHERED:
         gathered()
         return
     if layout in (Layout.VERIFIED_OFF, Layout.PROVEN):
-        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves), lambda: None)
+        one_copy()
         return
     # VERIFIED: the predicate comes from gathered hashes, so it is the same
-    # on every device and the collectives inside the branches are safe.
+    # on every device and the collectives inside the branches are safe; once
+    # the copies agree on device, the host needs one of them only.
     hashes = lax.all_gather(_hash64(leaves), raw_names)
-    agree = jnp.all(hashes == hashes[0])
-
-    def one_copy():
-        # Agreement was decided here, on device: the host needs the copy only.
-        lax.cond(leader, lambda: send_payload(spec, coords, step, *leaves), lambda: None)
-
-    lax.cond(agree, one_copy, gathered)
+    lax.cond(jnp.all(hashes == hashes[0]), one_copy, gathered)
 
 
 def emitter(spec: TapSpec, raw_names: tuple):

@@ -93,14 +93,6 @@ def _abstract_eval(*avals, **params):
     return [], {debugging.debug_effect}
 
 
-def _impl(*args, spec, traced_every):
-    # Eager (outside any trace): nothing to lift; emitted as a callback now.
-    return _fallback(*args, spec=spec, traced_every=traced_every)
-
-
-tap_out_p.def_impl(_impl)
-
-
 def _jvp(primals, tangents, **params):
     # A tap records the primal value, as the callback transport does.
     return tap_out_p.bind(*primals, **params), []
@@ -170,6 +162,8 @@ def _lowering(ctx, *args, spec, traced_every):
 
 # cacheable=False: the callback lowerings inside read the caller's name stack.
 mlir.register_lowering(tap_out_p, _lowering, cacheable=False)
+# Eager (outside any trace): nothing to lift; emitted as a callback now.
+tap_out_p.def_impl(_fallback)
 
 
 def is_tracer(x: Any) -> bool:

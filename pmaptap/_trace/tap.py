@@ -57,83 +57,58 @@ def send(
         return  # pmaptap.untapped: checked, then removed
     warn_if_launched_alone()
 
-    def emit_leaves(leaves: list, traced_step) -> None:
-        _emit_leaves(
-            leaves,
-            traced_step,
-            static_step,
+    def _emit_leaves(leaves: list, traced_step) -> None:
+        jit = jit_layout(leaves)
+        # Per-shard taps only mark big leaves: which slice a device holds is
+        # known only when the step is lowered, so the statistics of each shard
+        # are computed there, on its device (shardstats.py).
+        sent, as_statistics = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
+        where, raw_names = placement.current(leaves)
+        loops = iteration.indices()
+        site = TapSite(
             name=name,
             dedup=dedup,
-            every=every,
+            every=int(every),
             treedef=treedef,
-            explicit=step is not None,
+            explicit_step=step is not None,
             pass_=pass_,
+            as_statistics=as_statistics,
+            iterations=len(loops),
         )
+        spec = TapSpec(site=site, placement=where)
+        if jit is not None:
+            spec = spec.with_transport(layout=jit)
+        coords = axis_coords(raw_names, loops)
+        if traced_step is not None:
+            step_arr = traced_step
+            if steps_may_differ(traced_step, tuple(raw_names)):
+                spec = spec.with_transport(check_steps=True)
+        else:
+            step_arr = static_step_operand(-1 if static_step is None else static_step)
+        traced_every = traced_step is not None and every > 1
+        if marks.collecting():
+            # pmaptap.jit / pmaptap.pmap: the tap leaves the step as an output
+            # (lift.py); one copy per process travels when the value is the same
+            # on every device by construction, as the callback transport's
+            # PROVEN / VERIFIED_OFF layouts send one; with the leader's step, so
+            # only where every device's step is that step by construction too
+            # (a per-device counter travels with each device's copy).
+            chosen = choose_layout(spec, sent, raw_names)
+            if chosen.transport.layout in LEADER_COPY and not spec.transport.check_steps:
+                spec = chosen
+            due = placement.every_due(step_arr, every) if traced_every else None
+            marks.mark(spec, coords, step_arr, sent, due=due)
+            return
+        emit(spec, raw_names, sent, coords, step_arr, traced_every=traced_every)
 
     if primitive.staged_for_later(leaves):
         # A tangent inside a custom_jvp rule under grad/vjp/linearize: emit
         # it in the part of the program that runs later (see
         # primitive.run_later), as jax.debug.callback would be; refused
         # with a message naming the tap if reverse mode reaches it.
-        primitive.run_later(emit_leaves, leaves, traced_step, name)
+        primitive.run_later(_emit_leaves, leaves, traced_step, name)
         return
-    emit_leaves(leaves, traced_step)
-
-
-def _emit_leaves(
-    leaves: list,
-    traced_step,
-    static_step: int | None,
-    *,
-    name: str,
-    dedup: str,
-    every: int,
-    treedef,
-    explicit: bool,
-    pass_: str,
-) -> None:
-    jit = jit_layout(leaves)
-    # Per-shard taps only mark big leaves: which slice a device holds is
-    # known only when the step is lowered, so the statistics of each shard
-    # are computed there, on its device (shardstats.py).
-    sent, as_statistics = statistics_of_big_leaves(leaves, compute=jit is not Layout.SHARDS)
-    where, raw_names = placement.current(leaves)
-    loops = iteration.indices()
-    site = TapSite(
-        name=name,
-        dedup=dedup,
-        every=int(every),
-        treedef=treedef,
-        explicit_step=explicit,
-        pass_=pass_,
-        as_statistics=as_statistics,
-        iterations=len(loops),
-    )
-    spec = TapSpec(site=site, placement=where)
-    if jit is not None:
-        spec = spec.with_transport(layout=jit)
-    coords = axis_coords(raw_names, loops)
-    if traced_step is not None:
-        step_arr = traced_step
-        if steps_may_differ(traced_step, tuple(raw_names)):
-            spec = spec.with_transport(check_steps=True)
-    else:
-        step_arr = static_step_operand(-1 if static_step is None else static_step)
-    traced_every = traced_step is not None and every > 1
-    if marks.collecting():
-        # pmaptap.jit / pmaptap.pmap: the tap leaves the step as an output
-        # (lift.py); one copy per process travels when the value is the same
-        # on every device by construction, as the callback transport's
-        # PROVEN / VERIFIED_OFF layouts send one; with the leader's step, so
-        # only where every device's step is that step by construction too
-        # (a per-device counter travels with each device's copy).
-        chosen = choose_layout(spec, sent, raw_names)
-        if chosen.transport.layout in LEADER_COPY and not spec.transport.check_steps:
-            spec = chosen
-        due = placement.every_due(step_arr, every) if traced_every else None
-        marks.mark(spec, coords, step_arr, sent, due=due)
-        return
-    emit(spec, raw_names, sent, coords, step_arr, traced_every=traced_every)
+    _emit_leaves(leaves, traced_step)
 
 
 def tap(x: T, name: str, *, step=None, dedup: str = "auto", every: int = 1) -> T:

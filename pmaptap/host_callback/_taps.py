@@ -3,6 +3,7 @@ value whose host function runs on the executor thread in program order."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Any, Callable, TypeVar
@@ -26,23 +27,16 @@ T = TypeVar("T")
 
 
 # --------------------------------------------------------------- id_tap
+@dataclasses.dataclass(eq=False)  # eq=False: hashed by identity, as a primitive parameter
 class _TapConsumer:
     """The host function of one traced ``id_tap``: runs on XLA's callback
     thread (or the caller's, eagerly), so it only queues the work."""
 
-    def __init__(
-        self,
-        tap_func: Callable,
-        with_device: bool,
-        devices: _Devices,
-        where: Placement,
-        treedef: Any,
-    ) -> None:
-        self.tap_func = tap_func
-        self.with_device = with_device
-        self.devices = devices
-        self.where = where
-        self.treedef = treedef
+    tap_func: Callable
+    with_device: bool
+    devices: _Devices
+    where: Placement
+    treedef: Any
 
     def __call__(self, transforms: tuple, coords: Any, *arrays: Any) -> None:
         _executor().submit(functools.partial(self._run, transforms, coords, arrays))

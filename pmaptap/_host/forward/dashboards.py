@@ -18,6 +18,7 @@ import re
 import threading
 from typing import Any
 
+from pmaptap import distributed
 from pmaptap._host.forward.relay import scalar_series
 from pmaptap.errors import optional
 from pmaptap.tapfile.read import attempt_of
@@ -26,12 +27,6 @@ ATTEMPT_METRIC = "pmaptap/attempt"
 # Where an owned run records the pmaptap run it belongs to.
 RUN_TAG = "pmaptap.run"
 KEY_TAG = "pmaptap.key"
-
-
-def _process() -> int:
-    import jax
-
-    return jax.process_index()
 
 
 def run_key(run: str, process: int = 0) -> str:
@@ -131,7 +126,7 @@ class WandB(_ByStep):
         """Start (attempt 0) or continue the W&B run of pmaptap run ``run``."""
         if not self.owned:
             return
-        process = _process()
+        process = distributed.process_index()
         init = dict(self._init)
         config = dict(init.pop("config", None) or {})
         config.setdefault("pmaptap_run", run)
@@ -223,7 +218,7 @@ class MLflow(_ByStep):
             name = self._experiment_name or "Default"
             found = client.get_experiment_by_name(name)
             experiment_id = found.experiment_id if found else client.create_experiment(name)
-        key = run_key(run, _process())
+        key = run_key(run, distributed.process_index())
         # Searched by a hash: a run id may hold quotes that a filter string
         # would have to escape.
         digest = hashlib.sha256(key.encode()).hexdigest()[:32]

@@ -1,16 +1,8 @@
 """Live forwarding: ``Session(path, forward=[...])`` hands the records of a
-job to user code (a logger, a dashboard, a CLU ``MetricWriter``). Which
-records a process forwards (``forward_replicated``, ``select``):
-docs/api.md, "Which process forwards what".
-
-The writer thread hands the pipeline every record of a batch once written
-(the file first), each with whether this process wrote it; ``select`` picks
-and ``Forwarders.offer`` only appends references to a bounded queue (full:
-the oldest dropped and counted). The forwarders, their ``flush()`` included,
-run on their own thread, so one that raises (anything, ``SystemExit``
-included: counted and named) or blocks never delays the file or the
-training step; ``flush()``/``close()`` wait at most ``forward_timeout`` and
-report failures and drops once, as a TapError.
+job to user code (a logger, a dashboard, a CLU ``MetricWriter``) on a
+thread of their own behind a bounded queue (docs/api.md, "Live forwarding:
+forward="). Which records a process forwards (``forward_replicated``,
+``select``): docs/api.md, "Which process forwards what".
 """
 
 from __future__ import annotations
@@ -145,7 +137,6 @@ class _Target:
         self.end = end if callable(end) else None
         self.failures = 0
         self.first_error: BaseException | None = None
-        self.failures_total = 0
 
     def name(self) -> str:
         obj = self.obj
@@ -173,7 +164,6 @@ class _Target:
     def fail(self, e: BaseException) -> None:
         with self.lock:
             self.failures += 1
-            self.failures_total += 1
             if self.first_error is None:
                 self.first_error = e
 

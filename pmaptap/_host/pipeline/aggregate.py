@@ -130,7 +130,7 @@ class Aggregator:
         self._counters: dict[tuple, int] = {}
         # A looped tap's part being added: its loop iteration (see
         # add_payload), else None. Per automatic-step counter of a looped
-        # tap, the iterations seen in its current step (_count).
+        # tap, the iterations seen in its current step (count).
         self._it: tuple | None = None
         self._seen: dict[tuple, set] = {}
         # (name, step, pass) -> the copies awaiting comparison: record_key
@@ -161,7 +161,7 @@ class Aggregator:
         if not spec.site.iterations:
             return self._add_tap(spec, part)
         # A tap in a loop body: its iteration keys the copies compared
-        # (_pkey) and the automatic steps (_count), and every record made.
+        # (_pkey) and the automatic steps (count), and every record made.
         it = part.iteration
         self._it = it
         try:
@@ -179,7 +179,7 @@ class Aggregator:
             return (name, step, pass_)
         return (name, step, pass_, self._it)
 
-    def _count(self, ckey: tuple) -> int:
+    def count(self, ckey: tuple) -> int:
         """The automatic step of one more execution counted by ``ckey``.
         A looped tap's counts calls of the step, not iterations: its step
         moves on when an iteration comes again (a new call of the loop),
@@ -225,7 +225,7 @@ class Aggregator:
         if not spec.site.explicit_step:
             # Automatic step: the k-th execution of this tap name on this
             # device. Callbacks of one device arrive in execution order.
-            step = self._count((spec.name, spec.site.pass_, t.counter_keys[k]))
+            step = self.count((spec.name, spec.site.pass_, t.counter_keys[k]))
             if step % spec.site.every:
                 return []
         if spec.placement.local_copies == 1 and not self._pending:
@@ -254,7 +254,7 @@ class Aggregator:
         device = place.devices[k]
         if not site.explicit_step:
             # Counted per device: each device runs every execution once, in order.
-            step = self._count((site.name, site.pass_, device))
+            step = self.count((site.name, site.pass_, device))
             if step % site.every:
                 return []
         leaves, as_statistics, index = shard_host.shard_leaves(site, place, k, part.leaves)
@@ -270,26 +270,16 @@ class Aggregator:
             device,
             place.processes[k],
             leaves,
-            # per_device shards are never compared: no copy of their bytes
-            # for a key (a 2 MiB activation is two 2 MiB copies a step).
-            b"" if site.dedup == "per_device" else value_key(leaves),
+            value_key(leaves),
             partition=k,
             index=index,
             slice_key=tuple(place.holders(k)),
             as_statistics=as_statistics,
         )
-        out: list[Record] = []
-        pkey = self._pkey(site.name, step, site.pass_)
-        pending = self._pending.get(pkey)
-        if pending is not None and any(cp.device == device for cp in pending.copies):
-            out += self._resolve(pkey, self._pending.pop(pkey))
-            pending = None
-        if pending is None:
-            pending = self._pending[pkey] = _Pending(self.clock(), [])
-        pending.copies.append(copy)
-        if len(pending.copies) >= max(1, place.local_expected()):
-            out += self._resolve(pkey, self._pending.pop(pkey))
-        return out
+        # A partition is one device: its coordinates are (k,).
+        return self.hold(
+            self._pkey(site.name, step, site.pass_), copy, max(1, place.local_expected())
+        )
 
     def _add_whole(self, spec: TapSpec, part: Part) -> list[Record]:
         """A scalar tap under plain jit on several devices (Layout.WHOLE),
@@ -305,7 +295,7 @@ class Aggregator:
             return self.refuse(site.name, step)
         if not site.explicit_step:
             # One counter, as for any tap outside a mapping (see _Table).
-            step = self._count((site.name, site.pass_, ()))
+            step = self.count((site.name, site.pass_, ()))
             if step % site.every:
                 return []
         leaves = part.leaves
@@ -410,12 +400,12 @@ class Aggregator:
         if not keys:
             return 0
         if self._it is not None:
-            now = [self._count(k) for k in keys]
+            now = [self.count(k) for k in keys]
         else:
             get = self._counters.get
             now = [get(k, 0) for k in keys]
             self._counters.update(zip(keys, [s + 1 for s in now]))
-            if self._seen:  # as in _count
+            if self._seen:  # as in count
                 for k in keys:
                     self._seen.pop(k, None)
         step = now[0]
@@ -548,11 +538,6 @@ class Aggregator:
             extra = {"tap": name, "reason": "step out of range", "example_step": example}
             out.append(self.records.meta(META_REFUSED, count, 0, extra, attempt=0))
         return out
-
-    def count(self, key: tuple) -> int:
-        """The automatic step of one more execution counted by ``key``
-        (fingerprints.py's, which are never looped)."""
-        return self._count(key)
 
     def hold(self, pkey: tuple, copy: Copy, expected: int) -> list[Record]:
         """Hold ``copy`` with the other copies of ``pkey`` that arrived;

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pmaptap import distributed
 from pmaptap._host.forward import Forwarders, select
 from pmaptap._host.options import DEFAULTS
 from pmaptap._host.pipeline.aggregate import Aggregator
@@ -75,13 +76,9 @@ class Pipeline:
         self.queue = BoundedQueue(
             overflow=overflow, max_pending=max_pending, max_pending_bytes=max_pending_bytes
         )
-        if process is None:
-            import jax
-
-            process = jax.process_index()
         self.sink = sink
         self.run = run
-        self.process = process
+        self.process = process = distributed.process_index(process)
         self.host = host or socket.gethostname()
         self.overflow = overflow
         self.retry_interval = retry_interval
@@ -187,9 +184,6 @@ class Pipeline:
 
     def pending(self) -> int:
         return self.queue.pending
-
-    def record_error(self, e: BaseException) -> None:
-        self.errors.add(e)
 
     # ---------------------------------------------------- flush / close
     def _drain(self, timeout: float | None, *, give_up_on_error: bool) -> None:

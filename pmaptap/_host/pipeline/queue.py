@@ -4,12 +4,9 @@
 
 Payloads plus records share ONE bound (``max_pending`` items,
 ``max_pending_bytes`` bytes), so memory stays bounded whichever stage is
-slow; past it ``overflow`` decides (docs/api.md's Session table). Under
-"drop_oldest" the items already in a thread's hands (one aggregation chunk,
-one write batch) cannot be dropped, so when only those remain the arriving
-one is. Drops are counted here and become a ``pmaptap/dropped`` record at
-the next marker; the first time the bound is met the aggregator says so,
-once (``bound_reached``).
+slow; past it ``overflow`` decides, drops are counted (a ``pmaptap/dropped``
+record at the next marker) and the aggregator says once that the bound was
+met (``bound_reached``): docs/faults.md, "Tap flood".
 
 Markers (flush, close) travel through both stages in order. ``shut()``
 queues the close marker in the same critical section that ends admission:

@@ -432,14 +432,9 @@ class Session:
         self._deliver_sigterm(prev, signum, frame)
 
     def _sigterm_from_watcher(self) -> None:
-        """SIGTERM seen by the watcher thread (sigterm.py). A main thread
-        that runs Python runs _on_sigterm within milliseconds: then nothing
-        is done here. One that does not (blocked in a collective, in
-        ``effects_barrier()``, in a long C call) would never: write and
-        forward what is queued from here, end the forwarders, and let the
-        signal take its course: death by SIGTERM when that is what the
-        handler before ours does; a Python handler runs when (if ever) the
-        main thread comes back to Python."""
+        """SIGTERM seen by the watcher thread (sigterm.py): acts only if the
+        main thread does not run _on_sigterm within MAIN_HANDLER_WAIT_S
+        (docs/faults.md, "SIGTERM while the main thread is blocked in C++")."""
         if self._main_saw_sigterm.wait(MAIN_HANDLER_WAIT_S) or self._watcher_acted:
             return
         self._watcher_acted = True

@@ -1,21 +1,10 @@
-"""SIGTERM wherever the main thread is: a watcher thread woken by the signal.
-
-Python runs a signal handler only on the main thread, between bytecodes; a
-main thread blocked in C++ (a collective whose peer died, gloo waiting
-without end) never gets there, and the launcher's SIGKILL would come with
-the forwarders unflushed. CPython's C-level handler writes the signal
-number to the ``signal.set_wakeup_fd`` descriptor; the watcher, a daemon
-thread reading the other end, hands SIGTERM to the open session
-(``Session._sigterm_from_watcher``), which acts only if the main thread
-does not. Other signals' bytes go on to the wakeup descriptor set before
-ours (asyncio's self-pipe, for one).
-
+"""SIGTERM wherever the main thread is: a watcher thread, reading the
+``signal.set_wakeup_fd`` socket, hands it to the open session
+(``Session._sigterm_from_watcher``) when the main thread is blocked in C++.
+Why, and why a datagram pair with ``SO_PASSCRED``: docs/faults.md (the
+SIGTERM rows, and a forked child's SIGTERM before its at-fork hook ran).
 One watcher per process, started with the first session opened on the main
-thread (``set_wakeup_fd`` may only be called there); a forked child drops
-it. A signal reaching the child before its at-fork hook ran was written
-into the parent's socket, and the parent killed itself (seen in CI): so the
-pair is a datagram pair with ``SO_PASSCRED`` (Linux), and bytes not written
-by this process are dropped.
+thread (``set_wakeup_fd`` may only be called there); a forked child drops it.
 """
 
 from __future__ import annotations

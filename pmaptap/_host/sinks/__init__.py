@@ -1,11 +1,6 @@
-"""Where finished records go: the sinks, and the one place a sink is chosen.
-
-An object-store URL gets ``ObjectSink`` (immutable chunks), the sharded
-layout ``DirectorySink`` (this process's own file), the file layout
-``FileSink`` (the shared file under its lock); ``ConsoleSink`` prints to
-stderr. ``write_target`` works out once, for ``Session`` and
-``pmaptap.Writer`` alike, what their path and layout are; ``open_sink``
-opens the sink for it. Nothing here imports JAX.
+"""Where finished records go: the sinks, and the one place a sink is chosen
+(``write_target`` for ``Session`` and ``pmaptap.Writer`` alike, then
+``open_sink``). Nothing here imports JAX.
 
 The one entry of this sub-package (tests/project/test_layout.py)."""
 

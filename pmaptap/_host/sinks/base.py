@@ -12,11 +12,9 @@ import errno
 import os
 from typing import Sequence
 
-from pmaptap._host.sinks.blobs import BlobFile, has_unstored, unstored
+from pmaptap._host.sinks.blobs import _IOV_MAX, BlobFile, has_unstored, unstored
 from pmaptap.errors import TapPathError
 from pmaptap.tapfile.record import META_UNENCODABLE, RawArray, Record, line_problem, meta_record
-
-_IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
 
 
 class Sink(abc.ABC):

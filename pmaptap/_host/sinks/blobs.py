@@ -16,19 +16,28 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 from typing import Iterable, Sequence
 
 from pmaptap.tapfile.record import RawArray, Record, has_raw, raw_leaves
 from pmaptap.tapfile.source import bytes_dir, npy_chunks, run_root
 
-_IOV_MAX = 1024
+_IOV_MAX = 1024  # buffers per writev(2) call: Linux's UIO_MAXIOV
+_last_ms = 0
+_ms_lock = threading.Lock()
 
 
 def new_writer_id() -> str:
     """Start time (ms) and a random token: a restarted process never
-    appends to (or overwrites) an earlier writer's file, and sorts after it."""
-    return f"{int(time.time() * 1000):013d}-{secrets.token_hex(3)}"
+    appends to (or overwrites) an earlier writer's file, and sorts after it.
+    The time is later than any earlier writer's of this process (two opened
+    within a millisecond would sort by their token, and a follower listing
+    after the first one's objects would miss the second's)."""
+    global _last_ms
+    with _ms_lock:
+        _last_ms = max(int(time.time() * 1000), _last_ms + 1)
+        return f"{_last_ms:013d}-{secrets.token_hex(3)}"
 
 
 def unstored(records: Iterable[Record]) -> list[RawArray]:
@@ -61,7 +70,6 @@ class BlobFile:
         # that reads a line also finds its bytes at the server.
         self.sync = sync
         self._fd = -1
-        self.bytes_written = 0
 
     def store(self, raws: Sequence[RawArray]) -> None:
         """Append the .npy of each of ``raws`` and set their references; all
@@ -72,13 +80,7 @@ class BlobFile:
             os.makedirs(self.directory, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         start = os.fstat(self._fd).st_size
-        chunks, refs, off = [], [], start
-        for raw in raws:
-            parts = npy_chunks(raw)
-            n = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-            chunks += parts
-            refs.append({"file": self.rel, "offset": off, "nbytes": n})
-            off += n
+        chunks, refs, off = _npy_parts(raws, self.rel, start)
         try:
             _write_all(self._fd, chunks, off - start)
             if self.sync:
@@ -91,7 +93,6 @@ class BlobFile:
             raise
         for raw, ref in zip(raws, refs):
             raw.ref = ref
-        self.bytes_written += off - start
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -121,8 +122,14 @@ def object_blob(raws: Sequence[RawArray], rel: str) -> tuple[bytes, list[dict]]:
     """One object holding the .npy of each of ``raws``, and their references
     into it (``rel``: the object's name relative to the run's directory);
     the caller sets them once the object is stored."""
+    parts, refs, _ = _npy_parts(raws, rel, 0)
+    return b"".join(parts), refs
+
+
+def _npy_parts(raws: Sequence[RawArray], rel: str, off: int) -> tuple[list, list[dict], int]:
+    """The .npy pieces of ``raws`` written from byte ``off`` of file
+    ``rel``, each one's reference there, and the end offset."""
     parts: list = []
-    off = 0
     refs = []
     for raw in raws:
         chunk = npy_chunks(raw)
@@ -130,4 +137,4 @@ def object_blob(raws: Sequence[RawArray], rel: str) -> tuple[bytes, list[dict]]:
         parts += chunk
         refs.append({"file": rel, "offset": off, "nbytes": n})
         off += n
-    return b"".join(parts), refs
+    return parts, refs, off

@@ -1,12 +1,8 @@
 """Cross-process dedup of replicated records at the shared file
-(docs/architecture.md, "Dedup committed only after a write succeeds").
-
-Under the file lock, before a batch, a ``FileSink`` reads what the *other*
-processes appended since its last look and remembers, per ``record_key``,
-the value hashes (``vhash``) already in the file: a replicated record whose
-key is there with the same hash is skipped, with another hash written
-``"divergent": true``. Whichever process gets there first writes it; no
-process needs to stay alive for the others. Only *other* processes' records
+(docs/architecture.md, "Dedup committed only after a write succeeds"):
+per ``record_key``, the value hashes (``vhash``) other processes already
+wrote; a replicated record whose key is there with the same hash is
+skipped, with another hash written ``"divergent": true``. Only *other* processes' records
 count: the same process writing a key again (a loop re-run with the same
 explicit steps) is data, not a duplicate. The index keeps the newest
 ``max_keys`` keys: a process further behind may write a duplicate, which

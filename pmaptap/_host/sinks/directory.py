@@ -10,11 +10,8 @@ owner, ``source.owner(key, processes)``. Any other replicated record (copy
 layout, a side ``Writer``, ``verified_off``, a plain-jit scalar read from
 one device) is written by each holder and readers keep one copy of each
 value: nothing a non-owner saw can be lost because the owner never saw it.
-An owner that dies before writing what it owns (docs/multihost.md, "An
-owner killed before it wrote what it owns"): each process keeps what it
-left to an owner (``Held``, bounded by ``HELD_BYTES``) until its close
-knows whether that owner closed, and writes it itself if not
-(``write_held``). A healthy job writes nothing extra.
+An owner that dies first: ``Held`` and ``write_held``, docs/multihost.md,
+"An owner killed before it wrote what it owns".
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import time
 from collections import deque
 from typing import Iterable, Sequence
 
+from pmaptap import distributed
 from pmaptap._host.sinks.base import Sink, prepare_path
 from pmaptap._host.sinks.blobs import BlobFile
 from pmaptap._log import log
@@ -39,10 +37,7 @@ PATH_CHECK_S = 5.0
 
 # What a process keeps of the values it left to their owners (estimated
 # bytes: the record object, its line if the aggregator built one, the bytes
-# of its stored arrays). A value an owner has not written when it dies is
-# one of its last (its queue); the values a jointly verified tap computes
-# need every holder's device, so none is computed after an owner died. 64 MiB
-# is ~80,000 scalar records: minutes of a busy job's replicated taps.
+# of its stored arrays); why that is enough: docs/multihost.md.
 HELD_BYTES = 64 << 20
 _RECORD_BYTES = 550  # a scalar replicated Record object, measured (tracemalloc)
 
@@ -129,7 +124,6 @@ class ShardSink(Sink):
     process: int
     held: Held
     skipped: int
-    held_written: int
 
     @abc.abstractmethod
     def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None: ...
@@ -167,7 +161,6 @@ class ShardSink(Sink):
             self._append_lines(keep, [encoded.get(id(r)) or r.encode() for r in keep])
         finally:
             self.close()
-        self.held_written += len(keep)
         return len(keep)
 
     def write(self, records: Sequence[Record]) -> list[Record]:
@@ -182,11 +175,7 @@ class DirectorySink(ShardSink):
     """Appends to ``<path>.d/p<process>.jsonl``; only this process writes it."""
 
     def __init__(self, path: str, *, process: int | None = None) -> None:
-        if process is None:
-            import jax
-
-            process = jax.process_index()
-        self.process = int(process)
+        self.process = distributed.process_index(process)
         self.run_path = os.path.abspath(os.fspath(path))
         self.path = prepare_path(source.shard_path(self.run_path, self.process))
         try:
@@ -199,12 +188,9 @@ class DirectorySink(ShardSink):
         self._end: int | None = None
         self._next_path_check = time.monotonic() + PATH_CHECK_S
         self.lines_written = 0
-        self.bytes_written = 0
         self.bytes_read = 0  # never reads another process's output
         self.skipped = 0  # replicated values left to their owner
         self.held = Held()  # ... kept until the close knows their owners closed
-        self.held_written = 0  # ... written at close: their owner did not close
-        self.repairs = 0
         self.replacements = 0
         self.rejected: list[str] = []
 
@@ -219,17 +205,14 @@ class DirectorySink(ShardSink):
         # Only this process writes the shard: it ends where our last write
         # left it, on a newline, unless something else changed it; only then
         # is its last byte read (docs/faults.md, a torn shard tail).
-        torn = size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
-        if torn:
+        if size != self._end and size > 0 and os.pread(self._fd, 1, size - 1) != b"\n":
             chunks.insert(0, b"\n")
         # All or nothing (cut back on failure); the pipeline retries it whole.
         written = self._append(self._fd, size, chunks, False)
         # (Bytes another program appends between the fstat and the write
         # make the next size differ from this: a look at the tail, no more.)
         self._end = size + written
-        self.repairs += torn
         self.lines_written += len(keep)
-        self.bytes_written += written
 
     def _reopen_if_replaced(self) -> os.stat_result:
         """The shard moved away or removed under us: write to the file now at the

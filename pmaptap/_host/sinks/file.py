@@ -21,6 +21,7 @@ from typing import Sequence
 
 import filelock
 
+from pmaptap import distributed
 from pmaptap._host.sinks.base import Sink, prepare_path
 from pmaptap._host.sinks.blobs import BlobFile
 from pmaptap._host.sinks.crossdedup import CrossProcessIndex
@@ -47,12 +48,9 @@ class FileSink(Sink):
 
     lock="flock" (default): ``filelock.FileLock(path + ".lock")`` and one
     ``O_APPEND`` descriptor kept open: the processes of one host.
-    lock="soft" (NFS, Lustre without ``-o flock``; docs/multihost.md, "Where
-    the file may live"): ``filelock.SoftFileLock(path + ".softlock")``, and each
-    batch re-opens the file under the lock, writes at the size the server
-    reports, fsyncs and closes before releasing, so close-to-open consistency
-    shows the next holder these bytes (O_APPEND with a client's cached size
-    could overwrite them).
+    lock="soft": ``filelock.SoftFileLock(path + ".softlock")``, the file
+    re-opened per batch (why: docs/multihost.md, "Where the file may live";
+    O_APPEND with a client's cached size could overwrite another's bytes).
     """
 
     def __init__(
@@ -86,12 +84,8 @@ class FileSink(Sink):
         size = st.st_size
         # The file this sink writes to, to notice one put in its place.
         self._ident = (st.st_dev, st.st_ino)
-        if process is None:
-            import jax
-
-            process = jax.process_index()
-        self.process = int(process)
-        self.index = CrossProcessIndex(process)
+        self.process = distributed.process_index(process)
+        self.index = CrossProcessIndex(self.process)
         # The file's size when this sink opened it: where this process's part
         # of the run starts at the earliest (see index_from).
         self.opened_size = size
@@ -109,9 +103,7 @@ class FileSink(Sink):
             else self._read_mark_at(self.path, size)
         )
         self.lines_written = 0
-        self.bytes_written = 0
         self.bytes_read = 0  # others' lines read back for the dedup
-        self.repairs = 0
         self.truncations = 0
         self.replacements = 0
         self._warned: set[str] = set()
@@ -153,7 +145,6 @@ class FileSink(Sink):
             chunks = [encoded.get(id(r)) or r.encode() for r in keep]
             if chunks and size and os.pread(fd, 1, size - 1) != b"\n":
                 chunks.insert(0, b"\n")  # a killed writer left a torn line
-                self.repairs += 1
             written = self._append(fd, size, chunks, soft)
             self.index.commit(new_keys)
             # flock: where O_APPEND put our bytes, which is past ``size`` if a
@@ -167,7 +158,6 @@ class FileSink(Sink):
             self._lock.release()
         self.left = left
         self.lines_written += len(keep)
-        self.bytes_written += written
         return keep
 
     def index_from(self, offset: int) -> None:

@@ -1,27 +1,17 @@
 """The sharded layout on an object store (``s3://``, ``gs://``, any fsspec
-URL): each process writes immutable chunks (names, rollups and what readers
-do: docs/multihost.md, "Object stores"; tapfile/source/store.py).
-
-Object stores have no append and no lock, and an object is written whole or
-not at all. So a process never shares or changes an object: every batch
-(the writer lingers ``OBJECT_COMMIT_INTERVAL`` seconds to gather one) is a
-new chunk; a killed process leaves its committed chunks whole and nothing
-to clean up. The writer id (start time, random token) keeps a restarted
-process from overwriting its earlier chunks and sorts after them. Every
-``ROLLUP_CHUNKS`` chunks, and at close, one rollup replaces them (put first,
-then the chunks deleted: a failure at either step loses nothing).
-Endpoint and credentials come from the client's own environment
-(``AWS_ENDPOINT_URL``, ... for s3fs; gcsfs's for ``gs://``).
+URL): each process writes immutable chunks, rolled up now and then (why,
+names, rollups and what readers do: docs/multihost.md, "Object stores";
+tapfile/source/store.py). Endpoint and credentials come from the client's
+own environment (``AWS_ENDPOINT_URL``, ... for s3fs; gcsfs's for ``gs://``).
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
-import time
 from typing import Sequence
 
-from pmaptap._host.sinks.blobs import object_blob
+from pmaptap import distributed
+from pmaptap._host.sinks.blobs import new_writer_id, object_blob
 from pmaptap._host.sinks.directory import Held, ShardSink
 from pmaptap._log import log
 from pmaptap.errors import TapPathError
@@ -33,27 +23,9 @@ from pmaptap.tapfile.source import BYTES_SUFFIX
 OBJECT_COMMIT_INTERVAL = 2.0
 
 
-_last_ms = 0
-_ms_lock = threading.Lock()
-
-
-def _start_ms() -> int:
-    """The writer id's time: later than any earlier writer of this process
-    (two opened within a millisecond would sort by their random token, and
-    a follower listing after the first one's objects would miss the second's)."""
-    global _last_ms
-    with _ms_lock:
-        _last_ms = max(int(time.time() * 1000), _last_ms + 1)
-        return _last_ms
-
-
 class ObjectSink(ShardSink):
     def __init__(self, url: str, *, process: int | None = None) -> None:
-        if process is None:
-            import jax
-
-            process = jax.process_index()
-        self.process = int(process)
+        self.process = distributed.process_index(process)
         self.path = url
         self.fs, self.prefix = source.url_fs(url)
         self.directory = self.prefix + source.SHARD_SUFFIX
@@ -61,8 +33,7 @@ class ObjectSink(ShardSink):
         # named in lines relative to the prefix's parent.
         self.bytes_prefix = self.prefix + BYTES_SUFFIX
         self.bytes_rel = self.prefix.rsplit("/", 1)[-1] + BYTES_SUFFIX
-        self.blob_bytes_written = 0
-        self.writer_id = f"{_start_ms():013d}-{secrets.token_hex(3)}"
+        self.writer_id = new_writer_id()
         self.seq = 0
         # The chunks put since the last rollup, (name, bytes) (the last
         # len(window) seqs, the last window_bytes of this writer's
@@ -76,11 +47,9 @@ class ObjectSink(ShardSink):
         # (Pipeline.close stops waiting for it after 5 s): one at a time.
         self._lock = threading.RLock()
         self.lines_written = 0
-        self.bytes_written = 0
         self.bytes_read = 0
         self.skipped = 0
         self.held = Held()  # replicated values left to their owners (directory.py)
-        self.held_written = 0
         self.rejected: list[str] = []
         try:
             # Reachable and writable now, not at the first batch: an empty
@@ -169,10 +138,8 @@ class ObjectSink(ShardSink):
         self.fs.pipe_file(f"{self.bytes_prefix}/{base}", data)
         for raw, ref in zip(raws, refs):
             raw.ref = ref
-        self.blob_bytes_written += len(data)
 
     def _append_lines(self, keep: list[Record], chunks: list[bytes]) -> None:
         data = b"".join(chunks)
         self._put(data)  # raises: the pipeline retries the batch whole
         self.lines_written += len(keep)
-        self.bytes_written += len(data)
