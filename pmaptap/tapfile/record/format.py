@@ -43,9 +43,8 @@ def check_step_range(step: int, where: str) -> int:
 
 
 def check_text(text: "str | None", where: str, what: str = "name") -> None:
-    """Text for records must be a str (or None) of valid Unicode, refused
-    here naming ``where`` (a lone surrogate has no UTF-8 form: better than
-    a record replaced at write time)."""
+    """A str (or None) of valid Unicode, refused here naming ``where`` (a lone
+    surrogate has no UTF-8 form: better than a record replaced at write time)."""
     if text is None:
         return
     if not isinstance(text, str):
@@ -207,12 +206,8 @@ class Record:
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 
-    # The aggregator's fast path (_host/pipeline/records.py): a site's records
-    # differ only in step, value and time, so later ones copy a template's
-    # fields, and scalar per_device records get their line joined from
-    # pieces cut once (tests/trace/test_fast_lines.py: equal to
-    # ``encode_line(to_json_dict())``). They write the instance dict of a
-    # frozen dataclass, so they live here (test_layout.py).
+    # The aggregator's fast path (docs/architecture.md): they write the
+    # instance dict of a frozen dataclass, so they live here (test_layout.py).
 
     def template(self) -> dict:
         fields = dict(self.__dict__)

@@ -74,13 +74,6 @@ def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None, store: An
     return value
 
 
-def npy_descr(dtype: Any) -> str:
-    """The ``.npy`` header's descr of a leaf dtype (see _UINT_OF_WIDTH)."""
-    if dtype.isbuiltin == 2:  # a user-defined type (ml_dtypes): its bits
-        return _UINT_OF_WIDTH[dtype.itemsize]
-    return dtype.str
-
-
 @functools.cache  # a step's shards mostly share one
 def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
     """The ``.npy`` format 1.0 header of a C-order array."""
@@ -88,9 +81,11 @@ def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
 
     import numpy as np
 
+    # isbuiltin 2: a user-defined type (ml_dtypes): its bits (_UINT_OF_WIDTH).
+    descr = _UINT_OF_WIDTH[dtype.itemsize] if dtype.isbuiltin == 2 else dtype.str
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        buf, {"descr": npy_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+        buf, {"descr": descr, "fortran_order": False, "shape": tuple(shape)}
     )
     return buf.getvalue()
 
