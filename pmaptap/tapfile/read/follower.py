@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from pmaptap.tapfile import record, source
 from pmaptap.tapfile.read import views
 from pmaptap.tapfile.read.query import Filter
-from pmaptap.tapfile.record import decode_record, parse_line
+from pmaptap.tapfile.record import decode_record, parse_line, record_key
 
 _CHUNK = 1 << 20
 # The first poll of a local sharded run merges its shards holding about
@@ -49,9 +49,6 @@ class LineFollower:
         self._partial = b""
         self.lineno = 0
         self.restarted = 0
-
-    def poll(self) -> Iterator[tuple[int, bytes]]:
-        return self._lines(self._chunks())
 
     def _chunks(self) -> Iterator[bytes]:
         """Chunks from where the last read stopped: of the file kept open
@@ -96,8 +93,8 @@ class LineFollower:
             if not self.keep_open and len(chunk) < self.chunk:
                 return  # the end of the file as it was: no second open to see it
 
-    def _lines(self, chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
-        for chunk in chunks:
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        for chunk in self._chunks():
             pieces = (self._partial + chunk).split(b"\n")
             self._partial = pieces.pop()  # b"" when the chunk ended a line
             if len(self._partial) > record.MAX_LINE_BYTES:
@@ -259,8 +256,6 @@ class RunFollower:
 
     def _is_copy(self, d: dict | None) -> bool:
         """Whether another process's line gave ``d``'s replicated value first."""
-        from pmaptap.tapfile.record import record_key
-
         if d is None or d.get("kind") != "replicated" or not d.get("vhash"):
             return False
         if _time_of(d) == float("-inf"):

@@ -173,8 +173,6 @@ def leaves(
         yield path, value, dtype
 
 
-# ------------------------------------------------------------------ tables
-
 # ``show``'s table, made from RECORD_COLUMNS to fit a terminal: the line,
 # the columns one looks a record up by, then text that folds several fields
 # (coords, value, flags). The rest is ``show --json``'s; run only where the
