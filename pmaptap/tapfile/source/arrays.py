@@ -193,12 +193,10 @@ class ByteStore:
     def _size(self, where: str) -> int | None:
         if where not in self._sizes:
             try:
-                if self.url:
-                    self._sizes[where] = int(self._fs.size(where))
-                else:
-                    self._sizes[where] = os.stat(where).st_size
-            except (OSError, FileNotFoundError):
-                self._sizes[where] = None
+                size = int(self._fs.size(where)) if self.url else os.stat(where).st_size
+            except OSError:
+                size = None
+            self._sizes[where] = size
         return self._sizes[where]
 
     def missing_problem(self, ref: dict) -> str | None:
@@ -326,9 +324,8 @@ def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
     n = dt.itemsize * math.prod(got_shape)
     if len(data) - start != n:
         raise MissingBytes(f"its bytes hold {len(data) - start} data bytes, not {n}")
-    return np.frombuffer(data, dtype=dt, count=n // dt.itemsize if n else 0, offset=start).reshape(
-        got_shape
-    )
+    array = np.frombuffer(data, dtype=dt, count=n // dt.itemsize if n else 0, offset=start)
+    return array.reshape(got_shape)
 
 
 def load_value(d: dict, store: ByteStore) -> Any:

@@ -150,10 +150,7 @@ def iter_file_records(
                     return
                 progress.tick()
                 buf, last = block
-                records: list = []
-                where: dict = {}
-                if buf:
-                    records, where = record.decode_block(buf)
+                records, where = record.decode_block(buf) if buf else ([], {})
                 problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:
@@ -188,7 +185,11 @@ def read_block(
             raw = buf[start:] + rest
             buf = buf[:start]
             if len(raw) > limit:
-                size = len(raw) + _skip_line(f)
+                size = len(raw)
+                while chunk := f.readline(_SKIP_CHUNK):  # past the rest of the line
+                    size += len(chunk)
+                    if chunk.endswith(b"\n"):
+                        break
                 why = f"{size} bytes or more; readers take at most {limit}"
                 last = (None, f"line too long ({why})")
             else:
@@ -212,13 +213,3 @@ def read_at(
             return b"", None, offset
         buf, last = block
         return buf, last, f.tell()
-
-
-def _skip_line(f: BinaryIO) -> int:
-    """Read past the rest of an over-long line; returns the bytes skipped."""
-    skipped = 0
-    while True:
-        chunk = f.readline(_SKIP_CHUNK)
-        skipped += len(chunk)
-        if not chunk or chunk.endswith(b"\n"):
-            return skipped
