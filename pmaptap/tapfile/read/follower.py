@@ -22,11 +22,8 @@ _CHUNK = 1 << 20
 # The first poll of a local sharded run merges its shards holding about
 # this many bytes of lines in all (a chunk of each shard, at least 4 KiB).
 FIRST_POLL_BYTES = 32 << 20
-# Seconds between two listings of a whole object-store run by a follower
-# (to find what sorts before a process's last object read: a writer of that
-# process older than the one read last); the polls between list each known
-# process's new chunks and the run's process prefixes (a process that
-# started since).
+# Seconds between two listings of a whole object-store run (docs/multihost.md):
+# they find what sorts before a process's last object read (an older writer's).
 RELIST_S = 30.0
 
 

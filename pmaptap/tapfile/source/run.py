@@ -135,26 +135,18 @@ class Run(str):
 
     def __reduce__(self) -> tuple:
         # To a worker process as resolved, not resolved again there.
-        return (_resolved, (str(self), self.url, self.sharded))
+        return (str.__new__, (Run, str(self)), {"url": self.url, "sharded": self.sharded})
 
 
-def _resolved(path: str, url: bool, sharded: bool) -> Run:
-    run = str.__new__(Run, path)
-    run.url, run.sharded = url, sharded
-    return run
-
-
-# What the merge holds, all sources together: each source is parsed
-# MERGE_BYTES / sources and read READ_BYTES / sources at a time (within
-# these bounds), its file open only meanwhile: memory stays bounded.
+# What the merge holds, all sources together (docs/multihost.md): each
+# source parsed MERGE_BYTES / sources and read READ_BYTES / sources at a time.
 MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
 READ_BYTES = 32 << 20
 MIN_READ_BYTES = 4 << 10
 MAX_READ_BYTES = 1 << 20
-# Object-store chunks fetched at once (each source also fetches its next
-# chunk while its current one is merged): a round trip each, so in parallel.
+# Object-store chunks fetched at once: a round trip each, so in parallel.
 FETCH_THREADS = 16
 # Records per batch of the merged stream.
 MERGED_BATCH = 512

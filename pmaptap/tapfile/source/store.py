@@ -228,10 +228,8 @@ class Cursor:
             self.last = o.name
 
 
-# What a reader of a run on a store holds of each process: the piece of a
-# rollup being read and the next one being fetched, FETCH_BYTES / processes
-# each, within these bounds (piece_bytes). Not less: each request costs
-# this process's CPU (signing, parsing in Python).
+# A rollup is fetched in pieces of FETCH_BYTES / processes, within these
+# bounds (docs/multihost.md); not less: each request costs CPU (signing).
 FETCH_BYTES = 32 << 20
 MIN_PIECE_BYTES = 16 << 10
 MAX_PIECE_BYTES = 4 << 20
