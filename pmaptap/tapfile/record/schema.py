@@ -580,18 +580,14 @@ class Holders(Sequence):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            start, stop, step = i.indices(self._len)
-            return [self[k] for k in range(start, stop, step)]
-        n = self._len
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
+            return [self[k] for k in range(self._len)[i]]
+        if not -self._len <= i < self._len:
             raise IndexError("Holders index out of range")
+        i %= self._len
         for a, b in zip(self._starts, self._ends):
             if i <= b - a:
                 return a + i
             i -= b - a + 1
-        raise IndexError(i)  # not reached
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Holders):
