@@ -13,8 +13,7 @@ from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.record import RawArray, is_ref
 from pmaptap.tapfile.source.run import is_url
 
-# Leaves of more bytes than this are stored as bytes: below it JSON numbers
-# are about as cheap and readable in the line; above it far costlier.
+# Leaves of more bytes than this are stored as bytes (docs/performance.md).
 INLINE_MAX_BYTES = 1024
 
 

@@ -71,9 +71,8 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        # Everything allocated meanwhile still counts as young, and the next
-        # pass would walk all of it: freeze() + unfreeze() files it with the
-        # oldest objects instead; nothing is kept alive.
+        # Without freeze() + unfreeze() the next pass would walk all of it
+        # as young (docs/performance.md); nothing is kept alive.
         gc.freeze()
         gc.unfreeze()
         if enabled:
@@ -126,8 +125,7 @@ def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None,
     return _flat(iter_file_records(path))
 
 
-# Bytes read per batch: ~300 records, small enough that a batch's records
-# are still in the CPU cache when the reader walks them again.
+# Bytes read per batch: ~300 records, still in the CPU cache (docs/performance.md).
 BATCH_BYTES = 1 << 16
 
 
