@@ -402,7 +402,6 @@ def index_key(index: Any) -> Any:
     return index
 
 
-# The value against its dtype and shape.
 _MARKERS = tuple(NONFINITE)
 
 
@@ -539,11 +538,9 @@ def _holders(text: str) -> "Holders | None":
     return h
 
 
-def holders_count(v: Any) -> "int | None":
-    """How many ids a holders field names (None: bad ranges text), unexpanded."""
-    if type(v) is not str:
-        return len(v) if isinstance(v, (list, Holders)) else 0
-    h = _holders(v)
+def holders_count(text: str) -> "int | None":
+    """How many ids a holders ranges text names (None: a bad one), unexpanded."""
+    h = _holders(text)
     return None if h is None else len(h)
 
 

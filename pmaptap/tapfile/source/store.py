@@ -1,8 +1,7 @@
 """A run on an object store: the objects' names (a *chunk* per batch, a
 *rollup* of chunks ``first..last``), their listing, and what a reader
 takes of them so that nothing is read twice or missed whichever of chunks
-and rollup a listing shows (docs/multihost.md, "Rollups"; docs/faults.md).
-"""
+and rollup a listing shows (docs/multihost.md, "Rollups"; docs/faults.md)."""
 
 from __future__ import annotations
 
