@@ -72,10 +72,8 @@ def shard_process(path: str | os.PathLike) -> int | None:
 
 
 def _sharded_on_disk(path: str | os.PathLike) -> bool:
-    path = _run_path(path)
-    if os.path.isdir(path):
-        return path.endswith(SHARD_SUFFIX) or bool(_shards(path))
-    return os.path.isdir(path + SHARD_SUFFIX)
+    d = base_and_directory(path)[1]  # <path>.d, or a directory of shards
+    return os.path.isdir(d) and (d.endswith(SHARD_SUFFIX) or bool(_shards(d)))
 
 
 def sources(path: str | os.PathLike) -> list[str]:
