@@ -58,9 +58,8 @@ def _number_kind(cells: list) -> str | None:
 
 
 _INT64 = (-(1 << 63), 1 << 63)
-# Columns whose equal lists of ints are one list object in a frame built
-# while streaming (a file repeats a few shapes and holder lists on every
-# line). Copy such a cell before changing it in place.
+# Columns whose equal lists of ints are one list object in a frame built while
+# streaming (docs/performance.md): copy such a cell before changing it in place.
 _SHARED_LISTS = frozenset({"shape", "devices", "processes"})
 # Distinct cells a text column codes before it keeps plain cells (vhash).
 _MAX_CODES = 1 << 17
@@ -487,8 +486,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
     frame = frame[has]
     if "iteration" in frame.columns:
         keys = [*keys, "iteration"]
-    per = frame[frame["kind"] == "per_device"][[*keys, "device", value]]
-    parts = [per]
+    parts = [frame[frame["kind"] == "per_device"][[*keys, "device", value]]]
     if "devices" in frame.columns:
         rep = frame[(frame["kind"] == "replicated") & frame["devices"].notna()]
         rep = rep[[*keys, "devices", value]].copy()
@@ -497,8 +495,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
             rep = rep.assign(device=devices).drop(columns="devices").explode("device")
             parts.append(rep)
     cells = pd.concat(parts, ignore_index=True)
-    cells = cells[cells["device"].notna()]
-    cells = cells.astype({"device": "int64"})
+    cells = cells[cells["device"].notna()].astype({"device": "int64"})
     index = [k for k in ("run", "name", "pass") if cells[k].nunique() > 1] + ["step"]
     if "iteration" in cells.columns:  # a tap in a loop body: a row per (step, iteration)
         cells = cells.assign(iteration=cells["iteration"].map(_iteration))
