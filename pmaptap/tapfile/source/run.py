@@ -309,28 +309,23 @@ class _ChunkSource(_Source):
 
 def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
     """One source per shard (and the shared file), or per process's chunks."""
-    if Run.of(path).url:
-        from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
+    url = os.fspath(path) if Run.of(path).url else None
+    found = sorted(store.objects(url).items()) if url else sources(path)
+    n = max(len(found), 1)
+    size = max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // n))
+    if url is None:
+        read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // n))
+        return [_FileSource(f, read_at, size, read_size) for f in found]
+    from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
-        url = os.fspath(path)
-        fs, _ = store.url_fs(url)
-        found = sorted(store.objects(url).items())
-        size = _piece_bytes(len(found))
-        pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
-        pool_box.append(pool)
-        piece = store.piece_bytes(len(found))
-        return [
-            _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
-            for p, objs in found
-        ]
-    files = sources(path)
-    size = _piece_bytes(len(files))
-    read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // max(len(files), 1)))
-    return [_FileSource(f, read_at, size, read_size) for f in files]
-
-
-def _piece_bytes(n: int) -> int:
-    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // max(n, 1)))
+    fs, _ = store.url_fs(url)
+    pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
+    pool_box.append(pool)
+    piece = store.piece_bytes(len(found))
+    return [
+        _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
+        for p, objs in found
+    ]
 
 
 def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
