@@ -6,6 +6,7 @@ vhash) is kept, as the one-file writer would have skipped the others."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import os
 import re
@@ -307,7 +308,7 @@ class _ChunkSource(_Source):
         return True
 
 
-def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
+def _sources(path, read_at: ReadAt, stack: contextlib.ExitStack) -> list[_Source]:
     """One source per shard (and the shared file), or per process's chunks."""
     url = os.fspath(path) if Run.of(path).url else None
     found = sorted(store.objects(url).items()) if url else sources(path)
@@ -320,7 +321,7 @@ def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
 
     fs, _ = store.url_fs(url)
     pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
-    pool_box.append(pool)
+    stack.callback(pool.shutdown, wait=False, cancel_futures=True)
     piece = store.piece_bytes(len(found))
     return [
         _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
@@ -332,15 +333,11 @@ def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     """Batches ``(first, records, problems)`` of the run's sources merged by
     record time (ties: the shared file, then shards in process order); a
     problem names its shard file (or chunk) and line there."""
-    pool_box: list = []
-    try:
-        srcs = _sources(path, read_at, pool_box)
+    with contextlib.ExitStack() as stack:  # the fetch pool's shutdown
+        srcs = _sources(path, read_at, stack)
         for s in srcs:
             s.extend()
         yield from _merge(srcs)
-    finally:
-        for pool in pool_box:
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _merge(srcs: list[_Source]) -> Iterator[Batch]:
