@@ -355,11 +355,10 @@ def _column(pd: Any, col: str, cells: list) -> Any:
         return _times(pd, pd.Series(secs, dtype="float64").to_numpy())
     if col == "divergent":
         return pd.Series([bool(c) for c in cells], dtype=bool)
-    if col == "step":
-        if all(isinstance(c, int) for c in cells):
-            # Past int64 (readers take steps below 2**64): UInt64, as a value.
-            dtype = _int_dtype(cells)
-            return pd.Series(cells, dtype="int64" if dtype == "Int64" else dtype)
+    if col == "step" and all(isinstance(c, int) for c in cells):
+        # Past int64 (readers take steps below 2**64): UInt64, as a value.
+        dtype = _int_dtype(cells)
+        return pd.Series(cells, dtype="int64" if dtype == "Int64" else dtype)
     if col == "pass":
         return pd.Series(["forward" if c is None else c for c in cells], dtype="str")
     kind = _number_kind(cells)
