@@ -205,13 +205,8 @@ class Cursor:
         from pmaptap._log import log  # on use: a sharded read that skips nothing loads no logging
 
         log.warning(
-            "pmaptap: chunks %d-%d of process %d's writer %s are not in the run's "
-            "listing; reading on after them (%s)",
-            n,
-            o.first - 1,
-            o.process,
-            o.writer,
-            o.name,
+            f"pmaptap: chunks {n}-{o.first - 1} of process {o.process}'s writer {o.writer} "
+            f"are not in the run's listing; reading on after them ({o.name})"
         )
         del self.gaps[o.writer]
         return True
