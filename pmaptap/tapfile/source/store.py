@@ -214,10 +214,9 @@ class Cursor:
     def take(self, o: Object, skip: int, data_len: int) -> None:
         """``data_len`` bytes of ``o`` after ``skip`` were read."""
         self.next[o.writer] = o.last + 1
-        if o.start >= 0:
-            self.taken[o.writer] = o.start + skip + data_len
-        else:  # a chunk of an older writer: right while no chunk was missed
-            self.taken[o.writer] = self.taken.get(o.writer, 0) + data_len
+        # An older writer's chunk has no start: right while no chunk was missed.
+        start = o.start + skip if o.start >= 0 else self.taken.get(o.writer, 0)
+        self.taken[o.writer] = start + data_len
         if o.name > self.last:
             self.last = o.name
 
