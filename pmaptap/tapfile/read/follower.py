@@ -171,10 +171,8 @@ class StopFlag:
 
     def set(self) -> None:
         self._set = True
-        try:
+        with contextlib.suppress(OSError):  # full (already woken many times) or closed
             os.write(self._w, b"x")
-        except OSError:  # full (already woken many times) or closed
-            pass
 
     def is_set(self) -> bool:
         return self._set
@@ -188,10 +186,8 @@ class StopFlag:
 
     def close(self) -> None:
         for fd in (self._r, self._w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 @contextlib.contextmanager
