@@ -354,10 +354,8 @@ if os.environ.get("PMAPTAP_NO_ORJSON"):
 def _json_default(o: Any) -> Any:
     import numpy as np
 
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, np.generic):
-        return o.item()
+    if isinstance(o, (np.ndarray, np.generic)):
+        return o.tolist()  # a NumPy scalar's: its Python scalar
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
@@ -366,12 +364,10 @@ def encode_line(d: dict) -> bytes:
     if ORJSON is not None:
         return ORJSON.dumps(d, option=ORJSON_OPTS | ORJSON.OPT_APPEND_NEWLINE)
     # allow_nan=False: a stray non-finite float is a bug, never a bad line.
-    return (
-        json.dumps(
-            d, separators=(",", ":"), allow_nan=False, ensure_ascii=False, default=_json_default
-        )
-        + "\n"
-    ).encode("utf-8")
+    text = json.dumps(
+        d, separators=(",", ":"), allow_nan=False, ensure_ascii=False, default=_json_default
+    )
+    return (text + "\n").encode("utf-8")
 
 
 def _decode_nonfinite(v: Any) -> Any:
