@@ -100,11 +100,9 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
 def objects_after(
     url: str, last: dict[int, str], pool=None, *, new: bool = False
 ) -> "dict[int, list[Object]] | None":
-    """process -> its objects named after ``last[process]`` (S3's
-    StartAfter: a poll costs the same at any age of the run); with ``new``,
-    also those of processes not in ``last``, found by one listing of the
-    run's process prefixes (a late process is read at the next poll). None
-    where the client has no such listing."""
+    """process -> its objects named after ``last[process]`` (S3's StartAfter;
+    docs/multihost.md), with ``new`` those of processes not in ``last`` too;
+    None where the client has no such listing."""
     fs, prefix = url_fs(url)
     call = getattr(fs, "call_s3", None)
     if call is None or not hasattr(fs, "split_path"):
@@ -162,10 +160,8 @@ class Cursor:
 
     def plan(self, objs: list[Object], *, wait: bool = False) -> list[tuple[Object, int]]:
         """(object, bytes of it to skip) of what the reader has not taken of
-        ``objs`` (a listing, in name order). Past a gap (docs/faults.md) it
-        reads at once with a warning, or with ``wait`` (a follower) once
-        the gap has lasted GAP_WAIT_S: reading past it would lose the
-        missing chunks when they appear."""
+        ``objs`` (a listing, in name order); past a gap at once, or with
+        ``wait`` (a follower) once it has lasted GAP_WAIT_S (docs/multihost.md)."""
         covered: dict[str, list[tuple[int, int]]] = {}
         for o in objs:
             if o.rollup:
