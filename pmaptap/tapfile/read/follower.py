@@ -258,8 +258,7 @@ class RunFollower:
 
     def _sources(self, first: bool) -> list[Iterator[tuple[int, bytes]]]:
         """Each source's new (line number, bytes), in source order: a store's
-        processes' new chunks, or the local files' (FIRST_POLL_BYTES in all
-        a chunk at the first poll)."""
+        processes' new chunks, or the local files'."""
         if self.path.url:
             found = sorted(self._list_objects().items())
             return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]

@@ -22,9 +22,8 @@ NONFINITE = {NAN: float("nan"), POS_INF: float("inf"), NEG_INF: float("-inf")}
 # Replicated records only: how many copies were read, where fewer than
 # ``replicas`` (a scalar under plain jit: device 0's copy only).
 COPIES_SEEN = "copies_seen"
-# Holders (``devices``, ``processes``) past this many integer ids are
-# written as ranges text ("0-3,8-11"), so a record's size stays the same at
-# 4,096 processes as at 2; readers keep the text as text (``Holders``).
+# Holders past this many integer ids are written as ranges text (docs/api.md),
+# so a record's size stays the same at 4,096 processes as at 2.
 RANGES_ABOVE = 16
 # At most this many ids in one ranges text, so a hostile "0-9999999999"
 # costs only its line.
