@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, TypeVar
 
-from pmaptap.tapfile import record, source
+from pmaptap.tapfile import source
 from pmaptap.tapfile.record import META_ATTEMPT, parse_line, step_key
 
 # The meta record a resumed session writes when it opens (process 0 only).
@@ -76,23 +76,19 @@ def latest(
 
 
 def _scan_file(idx: Attempts, path: str | os.PathLike) -> None:
-    limit = record.MAX_LINE_BYTES
     with open(path, "rb") as f:
-        # A block of whole lines (or a partial last one); only a block that
-        # mentions "attempt" is looked at line by line.
-        while block := f.read(_SCAN_BYTES):
-            if not block.endswith(b"\n"):
-                block += f.readline(limit + 1)
-            if _may_hold_attempt(block):
-                for raw in block.split(b"\n"):
-                    if len(raw) <= limit and _may_hold_attempt(raw):  # an over-long line: not read
+        # Blocks of whole lines (an over-long one never held); only a block
+        # that mentions "attempt" is looked at line by line.
+        while (block := source.read_block(f, _SCAN_BYTES)) is not None:
+            buf, last = block
+            if _may_hold_attempt(buf):
+                for raw in buf.split(b"\n"):
+                    if _may_hold_attempt(raw):
                         d, _ = parse_line(raw)
                         if d is not None:
                             idx.add(d)
-            if len(block) > limit and not block.endswith(b"\n"):
-                # Read past the rest of an over-long line.
-                while (raw := f.readline(1 << 20)) and not raw.endswith(b"\n"):
-                    pass
+            if last is not None and last[0] is not None:  # a last line without newline
+                idx.add(last[0])
 
 
 _SCAN_BYTES = 1 << 20

@@ -3,6 +3,7 @@ one value."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 from pmaptap.tapfile.record import key_with_step, record_key, split_step
@@ -16,7 +17,7 @@ class DivergenceIndex:
     def __init__(self) -> None:
         # split_step's rest of a key -> step -> the vhash seen there while
         # one was, then the set of the vhashes seen: a small entry per step.
-        self._seen: dict[tuple, dict[Any, Any]] = {}
+        self._seen: defaultdict[tuple, dict[Any, Any]] = defaultdict(dict)
         # Whether any key was seen with a second vhash: only then can
         # ``divergent`` be true (readers skip asking otherwise).
         self.any_repeat = False
@@ -25,13 +26,7 @@ class DivergenceIndex:
         self, run: Any, name: Any, pass_: Any = "forward", index: Any = None, attempt: Any = 0
     ) -> dict[Any, Any]:
         """The step -> entry map of split_step's rest of a key."""
-        return self._steps((run, name, pass_, index, attempt))
-
-    def _steps(self, rest: tuple) -> dict[Any, Any]:
-        steps = self._seen.get(rest)
-        if steps is None:
-            steps = self._seen[rest] = {}
-        return steps
+        return self._seen[(run, name, pass_, index, attempt)]
 
     def add(self, r: Any) -> None:
         """A record (a line's object or a schema.py Struct)."""
@@ -42,7 +37,7 @@ class DivergenceIndex:
         if kind != "replicated" or not vhash:
             return
         rest, step = split_step(record_key(r))
-        steps = self._steps(rest)
+        steps = self._seen[rest]
         if steps.setdefault(step, vhash) is not vhash:
             self.repeat(steps, step, vhash)
 
@@ -70,7 +65,7 @@ class DivergenceIndex:
     def absorb(self, other: DivergenceIndex) -> None:
         """Add what another index saw (of another piece of the stream)."""
         for rest, steps in other._seen.items():
-            mine = self._steps(rest)
+            mine = self._seen[rest]
             for step, got in steps.items():
                 for vhash in [got] if type(got) is str else got:
                     if mine.setdefault(step, vhash) is not vhash:

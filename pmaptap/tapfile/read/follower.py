@@ -16,17 +16,14 @@ from typing import Any, Callable, Iterator
 from pmaptap.tapfile import record, source
 from pmaptap.tapfile.read import views
 from pmaptap.tapfile.read.query import Filter
-from pmaptap.tapfile.record import decode_record, parse_line
+from pmaptap.tapfile.record import decode_record, parse_line, record_key
 
 _CHUNK = 1 << 20
 # The first poll of a local sharded run merges its shards holding about
 # this many bytes of lines in all (a chunk of each shard, at least 4 KiB).
 FIRST_POLL_BYTES = 32 << 20
-# Seconds between two listings of a whole object-store run by a follower
-# (to find what sorts before a process's last object read: a writer of that
-# process older than the one read last); the polls between list each known
-# process's new chunks and the run's process prefixes (a process that
-# started since).
+# Seconds between two listings of a whole object-store run (docs/multihost.md):
+# they find what sorts before a process's last object read (an older writer's).
 RELIST_S = 30.0
 
 
@@ -49,9 +46,6 @@ class LineFollower:
         self._partial = b""
         self.lineno = 0
         self.restarted = 0
-
-    def poll(self) -> Iterator[tuple[int, bytes]]:
-        return self._lines(self._chunks())
 
     def _chunks(self) -> Iterator[bytes]:
         """Chunks from where the last read stopped: of the file kept open
@@ -96,8 +90,8 @@ class LineFollower:
             if not self.keep_open and len(chunk) < self.chunk:
                 return  # the end of the file as it was: no second open to see it
 
-    def _lines(self, chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
-        for chunk in chunks:
+    def poll(self) -> Iterator[tuple[int, bytes]]:
+        for chunk in self._chunks():
             pieces = (self._partial + chunk).split(b"\n")
             self._partial = pieces.pop()  # b"" when the chunk ended a line
             if len(self._partial) > record.MAX_LINE_BYTES:
@@ -177,10 +171,8 @@ class StopFlag:
 
     def set(self) -> None:
         self._set = True
-        try:
+        with contextlib.suppress(OSError):  # full (already woken many times) or closed
             os.write(self._w, b"x")
-        except OSError:  # full (already woken many times) or closed
-            pass
 
     def is_set(self) -> bool:
         return self._set
@@ -194,10 +186,8 @@ class StopFlag:
 
     def close(self) -> None:
         for fd in (self._r, self._w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 @contextlib.contextmanager
@@ -259,8 +249,6 @@ class RunFollower:
 
     def _is_copy(self, d: dict | None) -> bool:
         """Whether another process's line gave ``d``'s replicated value first."""
-        from pmaptap.tapfile.record import record_key
-
         if d is None or d.get("kind") != "replicated" or not d.get("vhash"):
             return False
         if _time_of(d) == float("-inf"):
@@ -270,8 +258,7 @@ class RunFollower:
 
     def _sources(self, first: bool) -> list[Iterator[tuple[int, bytes]]]:
         """Each source's new (line number, bytes), in source order: a store's
-        processes' new chunks, or the local files' (FIRST_POLL_BYTES in all
-        a chunk at the first poll)."""
+        processes' new chunks, or the local files'."""
         if self.path.url:
             found = sorted(self._list_objects().items())
             return [self._object_lines(self._reader(p, objs, len(found))) for p, objs in found]

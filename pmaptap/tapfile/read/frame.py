@@ -58,9 +58,8 @@ def _number_kind(cells: list) -> str | None:
 
 
 _INT64 = (-(1 << 63), 1 << 63)
-# Columns whose equal lists of ints are one list object in a frame built
-# while streaming (a file repeats a few shapes and holder lists on every
-# line). Copy such a cell before changing it in place.
+# Columns whose equal lists of ints are one list object in a frame built while
+# streaming (docs/performance.md): copy such a cell before changing it in place.
 _SHARED_LISTS = frozenset({"shape", "devices", "processes"})
 # Distinct cells a text column codes before it keeps plain cells (vhash).
 _MAX_CODES = 1 << 17
@@ -141,12 +140,9 @@ class _Cells:
                 self._code(None, type(None))
             self._code(v, t)
         else:
-            cells = self.cells()
-            self.kind, self.data, self.none = "o", [], None
-            self.table, self.codes = [], {}
-            for c in cells:
-                self.data.append(self._compact(c, type(c)))
-            self.data.append(self._compact(v, t))
+            cells = [*self.cells(), v]
+            self.kind, self.none, self.table, self.codes = "o", None, [], {}
+            self.data = [self._compact(c, type(c)) for c in cells]
 
     def _code(self, v: Any, t: type) -> bool:
         key = self._key(v, t)
@@ -187,10 +183,10 @@ class _Cells:
     def series(self, pd: Any, col: str) -> Any:
         """``_column(pd, col, self.cells())``, a number column straight from
         its array (no cells made)."""
+        import numpy as np
+
         kind = self.kind
         if kind is None and col == "divergent":  # no record says so: all False
-            import numpy as np
-
             return pd.Series(np.zeros(self.data, dtype=bool), dtype=bool)
         if kind is None and col == "pass":  # no record has one: all "forward"
             self.kind, self.table = "c", [None]
@@ -202,11 +198,7 @@ class _Cells:
                 return series
         if kind not in ("f", "q") or col in ("divergent", "pass"):
             return _column(pd, col, self.cells())
-        import numpy as np
-
-        values = self._numbers()
-        n = len(values)
-        mask = np.zeros(n, bool) if self.none is None else np.frombuffer(self.none, dtype=bool)
+        values, mask = self._numbers(), self.empty_mask()
         if col == "time" or kind == "f":
             out = values.astype("float64")  # a copy
             out[mask] = np.nan
@@ -215,7 +207,7 @@ class _Cells:
             return pd.Series(out, dtype="float64")
         if col == "step" and not mask.any():
             return pd.Series(values.astype("int64"), dtype="int64")
-        return pd.Series(pd.arrays.IntegerArray(values.astype("int64"), mask.copy()))
+        return pd.Series(pd.arrays.IntegerArray(values.astype("int64"), mask))
 
     def _text_series(self, pd: Any, col: str) -> Any:
         """A text column straight from the codes (an Arrow dictionary
@@ -223,17 +215,13 @@ class _Cells:
         table = self.table
         if col == "pass":
             table = ["forward" if c is None else c for c in table]
-        if not all(c is None or type(c) is str for c in table):
+        types = set(map(type, table))  # text, and only text or None
+        if str not in types or not types <= {str, type(None)}:
             return None
-        if not any(type(c) is str for c in table):
+        # pyarrow if pandas loaded it (for its text columns).
+        pa, dtype = sys.modules.get("pyarrow"), pd.Series(["x"], dtype="str").dtype
+        if pa is None or getattr(dtype, "storage", None) != "pyarrow":
             return None
-        pa = _arrow()
-        if pa is None:
-            return None
-        dtype = pd.Series(["x"], dtype="str").dtype
-        if getattr(dtype, "storage", None) != "pyarrow":
-            return None
-
         codes = pa.array(self._numbers())
         words = pa.array(table, type=pa.large_string())
         text = pa.DictionaryArray.from_arrays(codes, words).cast(pa.large_string())
@@ -328,13 +316,8 @@ class FrameBuilder:
         return df
 
 
-def _arrow() -> Any:
-    """pyarrow if pandas loaded it (its text columns), else None."""
-    return sys.modules.get("pyarrow")
-
-
 def _arrow_pool() -> Any:
-    pa = _arrow()
+    pa = sys.modules.get("pyarrow")
     try:
         return pa.default_memory_pool() if pa is not None else None
     except Exception:  # noqa: BLE001 - an optimization only
@@ -372,11 +355,10 @@ def _column(pd: Any, col: str, cells: list) -> Any:
         return _times(pd, pd.Series(secs, dtype="float64").to_numpy())
     if col == "divergent":
         return pd.Series([bool(c) for c in cells], dtype=bool)
-    if col == "step":
-        if all(isinstance(c, int) for c in cells):
-            # Past int64 (readers take steps below 2**64): UInt64, as a value.
-            dtype = _int_dtype(cells)
-            return pd.Series(cells, dtype="int64" if dtype == "Int64" else dtype)
+    if col == "step" and all(isinstance(c, int) for c in cells):
+        # Past int64 (readers take steps below 2**64): UInt64, as a value.
+        dtype = _int_dtype(cells)
+        return pd.Series(cells, dtype="int64" if dtype == "Int64" else dtype)
     if col == "pass":
         return pd.Series(["forward" if c is None else c for c in cells], dtype="str")
     kind = _number_kind(cells)
@@ -503,8 +485,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
     frame = frame[has]
     if "iteration" in frame.columns:
         keys = [*keys, "iteration"]
-    per = frame[frame["kind"] == "per_device"][[*keys, "device", value]]
-    parts = [per]
+    parts = [frame[frame["kind"] == "per_device"][[*keys, "device", value]]]
     if "devices" in frame.columns:
         rep = frame[(frame["kind"] == "replicated") & frame["devices"].notna()]
         rep = rep[[*keys, "devices", value]].copy()
@@ -513,8 +494,7 @@ def per_device(frame: Any, value: str = "value") -> Any:
             rep = rep.assign(device=devices).drop(columns="devices").explode("device")
             parts.append(rep)
     cells = pd.concat(parts, ignore_index=True)
-    cells = cells[cells["device"].notna()]
-    cells = cells.astype({"device": "int64"})
+    cells = cells[cells["device"].notna()].astype({"device": "int64"})
     index = [k for k in ("run", "name", "pass") if cells[k].nunique() > 1] + ["step"]
     if "iteration" in cells.columns:  # a tap in a loop body: a row per (step, iteration)
         cells = cells.assign(iteration=cells["iteration"].map(_iteration))

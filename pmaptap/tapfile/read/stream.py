@@ -1,8 +1,5 @@
-"""Reading a file twice instead of holding it (``show``, ``export``,
-``plot``, ``read(as_frame=True)``): a record's divergence and whether a
-later attempt superseded it depend on records anywhere in the file, so
-``first_pass`` keeps only per-key indexes (and few matched records) and
-``matching`` reads the file again."""
+"""Reading a file twice instead of holding it (docs/performance.md): a
+record's divergence and supersession depend on records anywhere in it."""
 
 from __future__ import annotations
 

@@ -173,8 +173,6 @@ def leaves(
         yield path, value, dtype
 
 
-# ------------------------------------------------------------------ tables
-
 # ``show``'s table, made from RECORD_COLUMNS to fit a terminal: the line,
 # the columns one looks a record up by, then text that folds several fields
 # (coords, value, flags). The rest is ``show --json``'s; run only where the
@@ -225,12 +223,10 @@ def value_text(r: dict, width: int = 60) -> str:
         leaf = r.get("leaf")
         fp = str(r.get("fingerprint"))
         return f"leaf={leaf} {fp}" if leaf else fp
-    return format_value(
-        shown_value(r.get("value"), r.get("dtype"), r.get("shape"), r["bytes"])
-        if "bytes" in r
-        else r.get("value"),
-        width,
-    )
+    value = r.get("value")
+    if "bytes" in r:
+        value = shown_value(value, r.get("dtype"), r.get("shape"), r["bytes"])
+    return format_value(value, width)
 
 
 class Table:

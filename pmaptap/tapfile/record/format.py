@@ -43,9 +43,8 @@ def check_step_range(step: int, where: str) -> int:
 
 
 def check_text(text: "str | None", where: str, what: str = "name") -> None:
-    """Text for records must be a str (or None) of valid Unicode, refused
-    here naming ``where`` (a lone surrogate has no UTF-8 form: better than
-    a record replaced at write time)."""
+    """A str (or None) of valid Unicode, refused here naming ``where`` (a lone
+    surrogate has no UTF-8 form: better than a record replaced at write time)."""
     if text is None:
         return
     if not isinstance(text, str):
@@ -207,12 +206,8 @@ class Record:
         line = self._line
         return line if line is not None else encode_line(self.to_json_dict())
 
-    # The aggregator's fast path (_host/pipeline/records.py): a site's records
-    # differ only in step, value and time, so later ones copy a template's
-    # fields, and scalar per_device records get their line joined from
-    # pieces cut once (tests/trace/test_fast_lines.py: equal to
-    # ``encode_line(to_json_dict())``). They write the instance dict of a
-    # frozen dataclass, so they live here (test_layout.py).
+    # The aggregator's fast path (docs/architecture.md): they write the
+    # instance dict of a frozen dataclass, so they live here (test_layout.py).
 
     def template(self) -> dict:
         fields = dict(self.__dict__)
@@ -359,10 +354,8 @@ if os.environ.get("PMAPTAP_NO_ORJSON"):
 def _json_default(o: Any) -> Any:
     import numpy as np
 
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, np.generic):
-        return o.item()
+    if isinstance(o, (np.ndarray, np.generic)):
+        return o.tolist()  # a NumPy scalar's: its Python scalar
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
@@ -371,12 +364,10 @@ def encode_line(d: dict) -> bytes:
     if ORJSON is not None:
         return ORJSON.dumps(d, option=ORJSON_OPTS | ORJSON.OPT_APPEND_NEWLINE)
     # allow_nan=False: a stray non-finite float is a bug, never a bad line.
-    return (
-        json.dumps(
-            d, separators=(",", ":"), allow_nan=False, ensure_ascii=False, default=_json_default
-        )
-        + "\n"
-    ).encode("utf-8")
+    text = json.dumps(
+        d, separators=(",", ":"), allow_nan=False, ensure_ascii=False, default=_json_default
+    )
+    return (text + "\n").encode("utf-8")
 
 
 def _decode_nonfinite(v: Any) -> Any:

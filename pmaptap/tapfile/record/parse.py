@@ -31,7 +31,6 @@ _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 # parser stops there as well).
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+|"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_OPENERS = b"[{"
 
 
 def exceeds_depth(raw: bytes) -> bool:
@@ -55,7 +54,7 @@ def exceeds_depth(raw: bytes) -> bool:
         import numpy as np  # only for lines with more than MAX_DEPTH brackets
 
         brackets = np.frombuffer(tok.translate(None, _NOT_BRACKETS), np.uint8)
-        openers = np.frombuffer(_OPENERS, np.uint8)
+        openers = np.frombuffer(b"[{", np.uint8)
         steps = np.where(np.isin(brackets, openers), 1, -1).astype(np.int64)
         levels = depth + np.cumsum(steps)
         if int(levels.max()) > limit:

@@ -22,9 +22,8 @@ NONFINITE = {NAN: float("nan"), POS_INF: float("inf"), NEG_INF: float("-inf")}
 # Replicated records only: how many copies were read, where fewer than
 # ``replicas`` (a scalar under plain jit: device 0's copy only).
 COPIES_SEEN = "copies_seen"
-# Holders (``devices``, ``processes``) past this many integer ids are
-# written as ranges text ("0-3,8-11"), so a record's size stays the same at
-# 4,096 processes as at 2; readers keep the text as text (``Holders``).
+# Holders past this many integer ids are written as ranges text (docs/api.md),
+# so a record's size stays the same at 4,096 processes as at 2.
 RANGES_ABOVE = 16
 # At most this many ids in one ranges text, so a hostile "0-9999999999"
 # costs only its line.
@@ -52,45 +51,46 @@ _EVERY = ("replicated", "per_device", "meta", FINGERPRINT)
 _HELD = ("replicated", FINGERPRINT)  # the kinds that list a value's holders
 _FP = (FINGERPRINT,)
 # The fields of a record, in the order a line holds them: (name in the
-# line, type, required, the kinds that have it). Each kind's Struct below
-# is made of its rows; a field not required is UNSET when not in the line.
+# line, type, what readers take, required, the kinds that have it). Each
+# kind's Struct below is made of its rows (with readers' types: the readers'
+# level); a field not required is UNSET when not in the line.
 FIELDS: tuple = (
-    ("run", str, True, _EVERY),
-    ("name", Name, True, _EVERY),
-    ("step", Step, True, _EVERY),
-    ("value", Any, True, _EVERY),
-    ("dtype", Any, True, _EVERY),
-    ("shape", Any, True, _EVERY),
-    ("process", Count, True, _EVERY),
-    ("time", int | float, True, _EVERY),  # unix seconds (JSON: never NaN)
-    ("host", str, True, _EVERY),
+    ("run", str, str, True, _EVERY),
+    ("name", Name, Name, True, _EVERY),
+    ("step", Step, int, True, _EVERY),
+    ("value", Any, Any, True, _EVERY),
+    ("dtype", Any, Any, True, _EVERY),
+    ("shape", Any, Any, True, _EVERY),
+    ("process", Count, Scalar, True, _EVERY),
+    ("time", int | float, Any, True, _EVERY),  # unix seconds (JSON: never NaN)
+    ("host", str, Any, True, _EVERY),
     # A tap in a loop body: each enclosing loop's iteration, outermost first.
-    ("iteration", list[Count], False, _EVERY),
-    ("device", int | None, True, ("per_device",)),  # null: not known
-    ("coords", dict[str, int], True, ("per_device",)),  # mesh axis -> index
-    ("replicas", Positive, True, _HELD),
+    ("iteration", list[Count], list[Count], False, _EVERY),
+    ("device", int | None, Scalar, True, ("per_device",)),  # null: not known
+    ("coords", dict[str, int], dict, True, ("per_device",)),  # mesh axis -> index
+    ("replicas", Positive, Any, True, _HELD),
     # Who held a replicated value (a list, or ranges text past RANGES_ABOVE).
-    ("devices", list[int | None] | RangesText | None, False, _EVERY),
-    ("processes", list[int] | RangesText | None, False, _EVERY),
-    ("vhash", str, False, _EVERY),  # a hash of a replicated value's bits
+    ("devices", list[int | None] | RangesText | None, list[Scalar] | str | None, False, _EVERY),
+    ("processes", list[int] | RangesText | None, list[Scalar] | str | None, False, _EVERY),
+    ("vhash", str, str, False, _EVERY),  # a hash of a replicated value's bits
     # A shard's global slice, [start, stop] per dimension (a list of those
     # per leaf for a pytree), and the global shape (likewise).
-    ("index", list, False, _EVERY),
-    ("global_shape", list, False, _EVERY),
-    ("bytes", Any, False, _EVERY),  # where leaves stored as bytes are (arrays.py)
-    ("divergent", Literal[True], False, _EVERY),
-    ("batch_dims", Count, False, _EVERY),
-    ("pass", str, False, _EVERY),  # "forward" when absent
-    ("summarized", bool, False, _EVERY),  # the value is statistics
-    ("attempt", Count, False, _EVERY),  # of a resumed run; 0 when absent
-    (COPIES_SEEN, Positive, False, ("replicated",)),
-    ("fingerprint", Hex16, True, _FP),
-    ("leaf", str, False, _FP),  # the leaf's path ("" for a bare array)
-    ("leaves", Positive, False, _FP),
-    ("slices", Positive, False, _FP),
-    ("compared", Positive, False, _FP),  # copies of the slice compared
-    ("slice_coords", dict[str, int], False, _FP),
-    ("holders", list[dict], False, _FP),
+    ("index", list, list, False, _EVERY),
+    ("global_shape", list, Any, False, _EVERY),
+    ("bytes", Any, Any, False, _EVERY),  # where leaves stored as bytes are (arrays.py)
+    ("divergent", Literal[True], Any, False, _EVERY),
+    ("batch_dims", Count, Any, False, _EVERY),
+    ("pass", str, str, False, _EVERY),  # "forward" when absent
+    ("summarized", bool, Any, False, _EVERY),  # the value is statistics
+    ("attempt", Count, Count, False, _EVERY),  # of a resumed run; 0 when absent
+    (COPIES_SEEN, Positive, Any, False, ("replicated",)),
+    ("fingerprint", Hex16, str, True, _FP),
+    ("leaf", str, Any, False, _FP),  # the leaf's path ("" for a bare array)
+    ("leaves", Positive, Any, False, _FP),
+    ("slices", Positive, Any, False, _FP),
+    ("compared", Positive, Any, False, _FP),  # copies of the slice compared
+    ("slice_coords", dict[str, int], Any, False, _FP),
+    ("holders", list[dict], Any, False, _FP),
 )
 
 
@@ -139,12 +139,13 @@ class AnyRecord(Struct, kw_only=True):
         )
 
 
-def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> type:
-    """The Struct of ``kind`` from its rows of FIELDS (``types`` override)."""
+def _struct(kind: str, readers: bool = False, **config: Any) -> type:
+    """The Struct of ``kind`` from its rows of FIELDS (``readers``: the
+    readers' level, their types; the same rules beyond types)."""
     fields = []
-    for name, tp, required, kinds in FIELDS:
+    for name, tp, readers_tp, required, kinds in FIELDS:
         if kind in kinds:
-            tp = types.get(name, tp)
+            tp = readers_tp if readers else tp
             default = msgspec.NODEFAULT if required else UNSET
             if not required and tp is not Any:
                 tp = tp | UnsetType
@@ -152,9 +153,9 @@ def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> ty
             fields.append((attr, tp, field(default=default, name=name)))
     title = {"per_device": "PerDevice", "meta": "MetaRecord"}.get(kind, kind.title())
     return msgspec.defstruct(
-        title if base is AnyRecord else base.__name__.strip("_") + title,
+        ("LooseRecord" if readers else "") + title,
         fields,
-        bases=(base,),
+        bases=(AnyRecord,),
         module=__name__,
         namespace={"kind": kind},
         tag_field="kind",
@@ -167,10 +168,10 @@ def _struct(kind: str, types: dict, base: type = AnyRecord, **config: Any) -> ty
 # The format: a Struct per kind, strict. Not tracked by the cyclic
 # collector: a record holds no cycle, and a merge keeps many alive.
 _FORMAT = dict(forbid_unknown_fields=True, omit_defaults=True, gc=False)
-PerDevice = _struct("per_device", {}, **_FORMAT)  # one device's value
-Replicated = _struct("replicated", {}, **_FORMAT)  # a value every holder had
-MetaRecord = _struct("meta", {}, **_FORMAT)  # a fact about the run (format.META_*)
-Fingerprint = _struct(FINGERPRINT, {}, **_FORMAT)  # devices' copies compared
+PerDevice = _struct("per_device", **_FORMAT)  # one device's value
+Replicated = _struct("replicated", **_FORMAT)  # a value every holder had
+MetaRecord = _struct("meta", **_FORMAT)  # a fact about the run (format.META_*)
+Fingerprint = _struct(FINGERPRINT, **_FORMAT)  # devices' copies compared
 
 # The kinds of record, by tag: adding one is a Struct above, listed here.
 CLASSES = {c.kind: c for c in (Replicated, PerDevice, MetaRecord, Fingerprint)}
@@ -179,30 +180,6 @@ KINDS = tuple(CLASSES)
 VALUE_KINDS = ("replicated", "per_device")
 DECODER = msgspec.json.Decoder(Union[tuple(CLASSES.values())])  # noqa: UP007 - a runtime Union of the classes
 
-# What readers take where the format is stricter: these fields widened.
-READERS_TAKE: dict[str, Any] = {
-    "step": int,
-    "process": Scalar,
-    "time": Any,
-    "host": Any,
-    "device": Scalar,
-    "coords": dict,
-    "replicas": Any,
-    "devices": list[Scalar] | str | None,
-    "processes": list[Scalar] | str | None,
-    "divergent": Any,
-    "batch_dims": Any,
-    "summarized": Any,
-    "global_shape": Any,
-    COPIES_SEEN: Any,
-    "fingerprint": str,
-    "leaf": Any,
-    "leaves": Any,
-    "slices": Any,
-    "compared": Any,
-    "slice_coords": Any,
-    "holders": Any,
-}
 # Why a record is no record, per field (validate_dict: "<field> must be
 # <this>"), and why it breaks the format (beyond_types, strict).
 READERS_MUST = {
@@ -258,16 +235,12 @@ REQUIRED = ("run", "name", "step", "kind", "value", "dtype", "shape", "process",
 # Every field a record of each kind must have (REQUIRED first).
 REQUIRED_BY_KIND = {
     kind: REQUIRED
-    + tuple(n for n, _, req, kinds in FIELDS if req and kind in kinds and n not in REQUIRED)
+    + tuple(n for n, _, _, req, kinds in FIELDS if req and kind in kinds and n not in REQUIRED)
     for kind in CLASSES
 }
 
 
-class _LooseRecord(AnyRecord, kw_only=True):
-    pass  # the readers' level: the same rules beyond types (__post_init__)
-
-
-_LOOSE = {kind: _struct(kind, READERS_TAKE, _LooseRecord) for kind in CLASSES}
+_LOOSE = {kind: _struct(kind, readers=True) for kind in CLASSES}
 
 
 def validate_dict(d: Any) -> str | None:
@@ -428,16 +401,11 @@ def index_key(index: Any) -> Any:
     return index
 
 
-# The value against its dtype and shape.
 _MARKERS = tuple(NONFINITE)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _scalar_problem(v: Any, dtype: str) -> str | None:
@@ -448,7 +416,7 @@ def _scalar_problem(v: Any, dtype: str) -> str | None:
     else:
         # Floats (and complex parts): numbers, or the documented markers for
         # non-finite values, which is how strict JSON carries them.
-        ok = _is_num(v) or v in _MARKERS
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) or v in _MARKERS
     return None if ok else f"value element {v!r} does not fit dtype {dtype}"
 
 
@@ -493,33 +461,23 @@ def value_problem(value: Any, dtype: Any, shape: Any, stored: Any = None) -> str
         return _leaf_problem(value, dtype, shape)
     sub = stored if isinstance(stored, (dict, list)) else None
     if isinstance(dtype, dict):
-        if not (
-            isinstance(value, dict)
-            and isinstance(shape, dict)
-            and set(value) == set(dtype) == set(shape)
-        ):
+        keys, subs = list(dtype), sub if isinstance(sub, dict) else {}
+        fits = isinstance(value, dict) and isinstance(shape, dict)
+        if not (fits and set(value) == set(dtype) == set(shape)):
             return "pytree value, dtype and shape do not have the same keys"
-        for k in dtype:
-            problem = value_problem(
-                value[k], dtype[k], shape[k], sub.get(k) if isinstance(sub, dict) else None
-            )
-            if problem:
-                return f"[{k}]: {problem}"
-        return None
-    if isinstance(dtype, list):
-        if not (
-            isinstance(value, list)
-            and isinstance(shape, list)
-            and len(value) == len(dtype) == len(shape)
-        ):
+    elif isinstance(dtype, list):
+        keys, n = range(len(dtype)), len(dtype)
+        subs = dict(enumerate(sub)) if isinstance(sub, list) and len(sub) == n else {}
+        fits = isinstance(value, list) and isinstance(shape, list)
+        if not (fits and len(value) == n == len(shape)):
             return "pytree value, dtype and shape do not have the same length"
-        subs = sub if isinstance(sub, list) and len(sub) == len(dtype) else [None] * len(dtype)
-        for i, (v, d, s, b) in enumerate(zip(value, dtype, shape, subs)):
-            problem = value_problem(v, d, s, b)
-            if problem:
-                return f"[{i}]: {problem}"
-        return None
-    return f"dtype must be a string or a pytree of strings, got {dtype!r}"
+    else:
+        return f"dtype must be a string or a pytree of strings, got {dtype!r}"
+    for k in keys:
+        problem = value_problem(value[k], dtype[k], shape[k], subs.get(k))
+        if problem:
+            return f"[{k}]: {problem}"
+    return None
 
 
 def holders_field(ids: "tuple | list") -> "list | str":
@@ -579,11 +537,9 @@ def _holders(text: str) -> "Holders | None":
     return h
 
 
-def holders_count(v: Any) -> "int | None":
-    """How many ids a holders field names (None: bad ranges text), unexpanded."""
-    if type(v) is not str:
-        return len(v) if isinstance(v, (list, Holders)) else 0
-    h = _holders(v)
+def holders_count(text: str) -> "int | None":
+    """How many ids a holders ranges text names (None: a bad one), unexpanded."""
+    h = _holders(text)
     return None if h is None else len(h)
 
 
@@ -620,18 +576,14 @@ class Holders(Sequence):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            start, stop, step = i.indices(self._len)
-            return [self[k] for k in range(start, stop, step)]
-        n = self._len
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
+            return [self[k] for k in range(self._len)[i]]
+        if not -self._len <= i < self._len:
             raise IndexError("Holders index out of range")
+        i %= self._len
         for a, b in zip(self._starts, self._ends):
             if i <= b - a:
                 return a + i
             i -= b - a + 1
-        raise IndexError(i)  # not reached
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Holders):

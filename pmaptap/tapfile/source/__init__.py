@@ -24,6 +24,7 @@ from pmaptap.tapfile.source.lines import (
     iter_lines,
     iter_record_batches,
     parsed,
+    read_block,
     records,
 )
 from pmaptap.tapfile.source.run import (

@@ -13,8 +13,7 @@ from pmaptap.errors import MissingBytes
 from pmaptap.tapfile.record import RawArray, is_ref
 from pmaptap.tapfile.source.run import is_url
 
-# Leaves of more bytes than this are stored as bytes: below it JSON numbers
-# are about as cheap and readable in the line; above it far costlier.
+# Leaves of more bytes than this are stored as bytes (docs/performance.md).
 INLINE_MAX_BYTES = 1024
 
 
@@ -74,13 +73,6 @@ def shown_value(value: Any, dtype: Any, shape: Any, field: Any = None, store: An
     return value
 
 
-def npy_descr(dtype: Any) -> str:
-    """The ``.npy`` header's descr of a leaf dtype (see _UINT_OF_WIDTH)."""
-    if dtype.isbuiltin == 2:  # a user-defined type (ml_dtypes): its bits
-        return _UINT_OF_WIDTH[dtype.itemsize]
-    return dtype.str
-
-
 @functools.cache  # a step's shards mostly share one
 def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
     """The ``.npy`` format 1.0 header of a C-order array."""
@@ -88,9 +80,11 @@ def npy_header(dtype: Any, shape: tuple[int, ...]) -> bytes:
 
     import numpy as np
 
+    # isbuiltin 2: a user-defined type (ml_dtypes): its bits (_UINT_OF_WIDTH).
+    descr = _UINT_OF_WIDTH[dtype.itemsize] if dtype.isbuiltin == 2 else dtype.str
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        buf, {"descr": npy_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+        buf, {"descr": descr, "fortran_order": False, "shape": tuple(shape)}
     )
     return buf.getvalue()
 
@@ -198,12 +192,10 @@ class ByteStore:
     def _size(self, where: str) -> int | None:
         if where not in self._sizes:
             try:
-                if self.url:
-                    self._sizes[where] = int(self._fs.size(where))
-                else:
-                    self._sizes[where] = os.stat(where).st_size
-            except (OSError, FileNotFoundError):
-                self._sizes[where] = None
+                size = int(self._fs.size(where)) if self.url else os.stat(where).st_size
+            except OSError:
+                size = None
+            self._sizes[where] = size
         return self._sizes[where]
 
     def missing_problem(self, ref: dict) -> str | None:
@@ -331,9 +323,8 @@ def decode_npy(data: bytes | bytearray, dtype: str, shape: Any) -> Any:
     n = dt.itemsize * math.prod(got_shape)
     if len(data) - start != n:
         raise MissingBytes(f"its bytes hold {len(data) - start} data bytes, not {n}")
-    return np.frombuffer(data, dtype=dt, count=n // dt.itemsize if n else 0, offset=start).reshape(
-        got_shape
-    )
+    array = np.frombuffer(data, dtype=dt, count=n // dt.itemsize if n else 0, offset=start)
+    return array.reshape(got_shape)
 
 
 def load_value(d: dict, store: ByteStore) -> Any:

@@ -71,9 +71,8 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        # Everything allocated meanwhile still counts as young, and the next
-        # pass would walk all of it: freeze() + unfreeze() files it with the
-        # oldest objects instead; nothing is kept alive.
+        # Without freeze() + unfreeze() the next pass would walk all of it
+        # as young (docs/performance.md); nothing is kept alive.
         gc.freeze()
         gc.unfreeze()
         if enabled:
@@ -126,8 +125,7 @@ def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None,
     return _flat(iter_file_records(path))
 
 
-# Bytes read per batch: ~300 records, small enough that a batch's records
-# are still in the CPU cache when the reader walks them again.
+# Bytes read per batch: ~300 records, still in the CPU cache (docs/performance.md).
 BATCH_BYTES = 1 << 16
 
 
@@ -150,10 +148,7 @@ def iter_file_records(
                     return
                 progress.tick()
                 buf, last = block
-                records: list = []
-                where: dict = {}
-                if buf:
-                    records, where = record.decode_block(buf)
+                records, where = record.decode_block(buf) if buf else ([], {})
                 problems = {lineno + i: why for i, why in where.items()} if where else {}
                 if last is not None:
                     if last[1] is not None:
@@ -188,7 +183,11 @@ def read_block(
             raw = buf[start:] + rest
             buf = buf[:start]
             if len(raw) > limit:
-                size = len(raw) + _skip_line(f)
+                size = len(raw)
+                while chunk := f.readline(_SKIP_CHUNK):  # past the rest of the line
+                    size += len(chunk)
+                    if chunk.endswith(b"\n"):
+                        break
                 why = f"{size} bytes or more; readers take at most {limit}"
                 last = (None, f"line too long ({why})")
             else:
@@ -212,13 +211,3 @@ def read_at(
             return b"", None, offset
         buf, last = block
         return buf, last, f.tell()
-
-
-def _skip_line(f: BinaryIO) -> int:
-    """Read past the rest of an over-long line; returns the bytes skipped."""
-    skipped = 0
-    while True:
-        chunk = f.readline(_SKIP_CHUNK)
-        skipped += len(chunk)
-        if not chunk or chunk.endswith(b"\n"):
-            return skipped

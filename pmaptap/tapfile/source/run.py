@@ -6,6 +6,7 @@ vhash) is kept, as the one-file writer would have skipped the others."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import os
 import re
@@ -72,10 +73,8 @@ def shard_process(path: str | os.PathLike) -> int | None:
 
 
 def _sharded_on_disk(path: str | os.PathLike) -> bool:
-    path = _run_path(path)
-    if os.path.isdir(path):
-        return path.endswith(SHARD_SUFFIX) or bool(_shards(path))
-    return os.path.isdir(path + SHARD_SUFFIX)
+    d = base_and_directory(path)[1]  # <path>.d, or a directory of shards
+    return os.path.isdir(d) and (d.endswith(SHARD_SUFFIX) or bool(_shards(d)))
 
 
 def sources(path: str | os.PathLike) -> list[str]:
@@ -135,26 +134,18 @@ class Run(str):
 
     def __reduce__(self) -> tuple:
         # To a worker process as resolved, not resolved again there.
-        return (_resolved, (str(self), self.url, self.sharded))
+        return (str.__new__, (Run, str(self)), {"url": self.url, "sharded": self.sharded})
 
 
-def _resolved(path: str, url: bool, sharded: bool) -> Run:
-    run = str.__new__(Run, path)
-    run.url, run.sharded = url, sharded
-    return run
-
-
-# What the merge holds, all sources together: each source is parsed
-# MERGE_BYTES / sources and read READ_BYTES / sources at a time (within
-# these bounds), its file open only meanwhile: memory stays bounded.
+# What the merge holds, all sources together (docs/multihost.md): each
+# source parsed MERGE_BYTES / sources and read READ_BYTES / sources at a time.
 MERGE_BYTES = 4 << 20
 MIN_PIECE_BYTES = 1 << 10
 MAX_PIECE_BYTES = 64 << 10
 READ_BYTES = 32 << 20
 MIN_READ_BYTES = 4 << 10
 MAX_READ_BYTES = 1 << 20
-# Object-store chunks fetched at once (each source also fetches its next
-# chunk while its current one is merged): a round trip each, so in parallel.
+# Object-store chunks fetched at once: a round trip each, so in parallel.
 FETCH_THREADS = 16
 # Records per batch of the merged stream.
 MERGED_BATCH = 512
@@ -317,45 +308,36 @@ class _ChunkSource(_Source):
         return True
 
 
-def _sources(path, read_at: ReadAt, pool_box: list) -> list[_Source]:
+def _sources(path, read_at: ReadAt, stack: contextlib.ExitStack) -> list[_Source]:
     """One source per shard (and the shared file), or per process's chunks."""
-    if Run.of(path).url:
-        from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
+    url = os.fspath(path) if Run.of(path).url else None
+    found = sorted(store.objects(url).items()) if url else sources(path)
+    n = max(len(found), 1)
+    size = max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // n))
+    if url is None:
+        read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // n))
+        return [_FileSource(f, read_at, size, read_size) for f in found]
+    from concurrent.futures import ThreadPoolExecutor  # on use: object stores only
 
-        url = os.fspath(path)
-        fs, _ = store.url_fs(url)
-        found = sorted(store.objects(url).items())
-        size = _piece_bytes(len(found))
-        pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
-        pool_box.append(pool)
-        piece = store.piece_bytes(len(found))
-        return [
-            _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
-            for p, objs in found
-        ]
-    files = sources(path)
-    size = _piece_bytes(len(files))
-    read_size = max(MIN_READ_BYTES, min(MAX_READ_BYTES, READ_BYTES // max(len(files), 1)))
-    return [_FileSource(f, read_at, size, read_size) for f in files]
-
-
-def _piece_bytes(n: int) -> int:
-    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, MERGE_BYTES // max(n, 1)))
+    fs, _ = store.url_fs(url)
+    pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="pmaptap-fetch")
+    stack.callback(pool.shutdown, wait=False, cancel_futures=True)
+    piece = store.piece_bytes(len(found))
+    return [
+        _ChunkSource(store.Reader(url, fs, p, objs, store.Cursor(), pool, piece=piece), size)
+        for p, objs in found
+    ]
 
 
 def iter_merged(path: str | os.PathLike, read_at: ReadAt) -> Iterator[Batch]:
     """Batches ``(first, records, problems)`` of the run's sources merged by
     record time (ties: the shared file, then shards in process order); a
     problem names its shard file (or chunk) and line there."""
-    pool_box: list = []
-    try:
-        srcs = _sources(path, read_at, pool_box)
+    with contextlib.ExitStack() as stack:  # the fetch pool's shutdown
+        srcs = _sources(path, read_at, stack)
         for s in srcs:
             s.extend()
         yield from _merge(srcs)
-    finally:
-        for pool in pool_box:
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _merge(srcs: list[_Source]) -> Iterator[Batch]:

@@ -1,8 +1,7 @@
 """A run on an object store: the objects' names (a *chunk* per batch, a
 *rollup* of chunks ``first..last``), their listing, and what a reader
 takes of them so that nothing is read twice or missed whichever of chunks
-and rollup a listing shows (docs/multihost.md, "Rollups"; docs/faults.md).
-"""
+and rollup a listing shows (docs/multihost.md, "Rollups"; docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -101,11 +100,9 @@ def objects(url: str, *, missing_ok: bool = False) -> dict[int, list[Object]]:
 def objects_after(
     url: str, last: dict[int, str], pool=None, *, new: bool = False
 ) -> "dict[int, list[Object]] | None":
-    """process -> its objects named after ``last[process]`` (S3's
-    StartAfter: a poll costs the same at any age of the run); with ``new``,
-    also those of processes not in ``last``, found by one listing of the
-    run's process prefixes (a late process is read at the next poll). None
-    where the client has no such listing."""
+    """process -> its objects named after ``last[process]`` (S3's StartAfter;
+    docs/multihost.md), with ``new`` those of processes not in ``last`` too;
+    None where the client has no such listing."""
     fs, prefix = url_fs(url)
     call = getattr(fs, "call_s3", None)
     if call is None or not hasattr(fs, "split_path"):
@@ -163,10 +160,8 @@ class Cursor:
 
     def plan(self, objs: list[Object], *, wait: bool = False) -> list[tuple[Object, int]]:
         """(object, bytes of it to skip) of what the reader has not taken of
-        ``objs`` (a listing, in name order). Past a gap (docs/faults.md) it
-        reads at once with a warning, or with ``wait`` (a follower) once
-        the gap has lasted GAP_WAIT_S: reading past it would lose the
-        missing chunks when they appear."""
+        ``objs`` (a listing, in name order); past a gap at once, or with
+        ``wait`` (a follower) once it has lasted GAP_WAIT_S (docs/multihost.md)."""
         covered: dict[str, list[tuple[int, int]]] = {}
         for o in objs:
             if o.rollup:
@@ -206,13 +201,8 @@ class Cursor:
         from pmaptap._log import log  # on use: a sharded read that skips nothing loads no logging
 
         log.warning(
-            "pmaptap: chunks %d-%d of process %d's writer %s are not in the run's "
-            "listing; reading on after them (%s)",
-            n,
-            o.first - 1,
-            o.process,
-            o.writer,
-            o.name,
+            f"pmaptap: chunks {n}-{o.first - 1} of process {o.process}'s writer {o.writer} "
+            f"are not in the run's listing; reading on after them ({o.name})"
         )
         del self.gaps[o.writer]
         return True
@@ -220,18 +210,15 @@ class Cursor:
     def take(self, o: Object, skip: int, data_len: int) -> None:
         """``data_len`` bytes of ``o`` after ``skip`` were read."""
         self.next[o.writer] = o.last + 1
-        if o.start >= 0:
-            self.taken[o.writer] = o.start + skip + data_len
-        else:  # a chunk of an older writer: right while no chunk was missed
-            self.taken[o.writer] = self.taken.get(o.writer, 0) + data_len
+        # An older writer's chunk has no start: right while no chunk was missed.
+        start = o.start + skip if o.start >= 0 else self.taken.get(o.writer, 0)
+        self.taken[o.writer] = start + data_len
         if o.name > self.last:
             self.last = o.name
 
 
-# What a reader of a run on a store holds of each process: the piece of a
-# rollup being read and the next one being fetched, FETCH_BYTES / processes
-# each, within these bounds (piece_bytes). Not less: each request costs
-# this process's CPU (signing, parsing in Python).
+# A rollup is fetched in pieces of FETCH_BYTES / processes, within these
+# bounds (docs/multihost.md); not less: each request costs CPU (signing).
 FETCH_BYTES = 32 << 20
 MIN_PIECE_BYTES = 16 << 10
 MAX_PIECE_BYTES = 4 << 20
