@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import re
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -858,3 +859,14 @@ def test_random_foreign_deletes_lagging_listings_and_failed_puts_double_nothing(
             assert read == sorted(set(read)), (seed, read)
     finally:
         logger.setLevel(level)
+
+
+def test_a_store_url_without_fsspec_names_the_extra_that_installs_it(monkeypatch):
+    """Without fsspec, a URL's read fails with the pip command of the extra
+    that installs fsspec and that store's client (s3 or gcs)."""
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    monkeypatch.setitem(sys.modules, "fsspec.core", None)
+    with pytest.raises(ImportError, match=r'needs fsspec.*pip install "pmaptap\[gcs\]"'):
+        store.url_fs("gs://bucket/run.jsonl")
+    with pytest.raises(ImportError, match=r'needs fsspec.*pip install "pmaptap\[s3\]"'):
+        store.url_fs("s3://bucket/run.jsonl")

@@ -4,6 +4,7 @@ the format's Structs, ``beyond_types``, what readers take, ``Odd*``)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -520,21 +521,11 @@ def id_ranges(text: Any) -> "list[tuple[int, int]] | None":
     return out
 
 
-# Texts met (a run's records name the same few, "0-4095"): text -> its
-# Holders, or None if it is no ranges text. Bounded: cleared when full.
-_MET: dict[str, "Holders | None"] = {}
-_MET_MAX = 4096
-
-
+# Cached: a run's records name the same few texts ("0-4095").
+@functools.lru_cache(maxsize=4096)
 def _holders(text: str) -> "Holders | None":
-    h = _MET.get(text, False)
-    if h is False:
-        ranges = id_ranges(text)
-        h = None if ranges is None else Holders(text, ranges)
-        if len(_MET) >= _MET_MAX:
-            _MET.clear()
-        _MET[text] = h
-    return h
+    ranges = id_ranges(text)
+    return None if ranges is None else Holders(text, ranges)
 
 
 def holders_count(text: str) -> "int | None":

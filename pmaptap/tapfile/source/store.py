@@ -10,6 +10,8 @@ import re
 import time
 from typing import Any, Iterator, NamedTuple
 
+from pmaptap import errors
+
 SHARD_SUFFIX = ".d"
 
 # Chunks a writer rolls up at most into one object (and a rollup's most).
@@ -28,14 +30,8 @@ _NAME = re.compile(
 
 def url_fs(url: str):
     """(fsspec filesystem, path inside it) for ``url``."""
-    try:
-        import fsspec
-    except ImportError:
-        raise ImportError(
-            f"{url!r}: object stores need fsspec and the store's "
-            "client: pip install 'pmaptap[s3]' (or [gcs])"
-        ) from None
-    return fsspec.core.url_to_fs(url)
+    extra = "gcs" if url.startswith(("gs:", "gcs:")) else "s3"
+    return errors.optional("fsspec.core", repr(url), extra).url_to_fs(url)
 
 
 def chunk_name(directory: str, process: int, writer: str, seq: int, start: int) -> str:
