@@ -14,7 +14,7 @@ from pmaptap.tapfile.read.attempts import Attempts
 from pmaptap.tapfile.read.divergence import DivergenceIndex, mark_divergent
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.read.views import Entry
-from pmaptap.tapfile.record import decode_record, from_dict
+from pmaptap.tapfile.record import as_dicts, decode_block, decode_record, from_dict
 from pmaptap.tapfile.source import Run, iter_lines
 
 
@@ -107,3 +107,10 @@ def find_duplicates(records: Sequence[dict]) -> list[tuple[int, int]]:
         if first is not None:
             out.append((i, first))
     return out
+
+
+def parse_lines(lines: list[bytes]) -> tuple[list, dict]:
+    """``parse_line`` of every line of ``lines``, through the batch decoder
+    (``decode_block``) the readers use."""
+    records, problems = decode_block(b"\n".join(lines), lines)
+    return as_dicts(records), problems

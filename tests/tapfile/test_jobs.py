@@ -13,6 +13,7 @@ import os
 import random
 
 import pytest
+from read_definitions import parse_lines
 from test_read_batch import HOSTILE
 from test_read_fuzz import _file_bytes, _hostile
 
@@ -275,7 +276,7 @@ def test_an_unhashable_dedup_key_cannot_come_from_a_line():
     ):
         d = dict(json.loads(line), **{field: value})
         assert parse.parse_line(_dump(d))[0] is None, field
-        assert parse.parse_lines([_dump(d)])[0] == [None], field
+        assert parse_lines([_dump(d)])[0] == [None], field
 
 
 # ------------------------------------------------------------ the pool

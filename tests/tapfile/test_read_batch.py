@@ -11,7 +11,7 @@ import json
 import random
 
 import pytest
-from read_definitions import index_records
+from read_definitions import index_records, parse_lines
 
 from conftest import per_device_dict, record_dict, replicated_dict
 from pmaptap.tapfile.analyze.summary import Summarizer, summarize_file
@@ -20,8 +20,9 @@ from pmaptap.tapfile.analyze.validate import _canonical, _coords_key
 from pmaptap.tapfile.record import format as fmt
 from pmaptap.tapfile.record import parse
 from pmaptap.tapfile.record.schema import as_dict
+from pmaptap.tapfile.source import iter_lines
 from pmaptap.tapfile.source import lines as tapfile_lines
-from pmaptap.tapfile.source.lines import iter_file_lines, iter_file_records
+from pmaptap.tapfile.source.lines import iter_file_records
 
 HOSTILE = [
     b"",
@@ -103,7 +104,7 @@ def _mixed_lines(seed: int, n: int = 400) -> list[bytes]:
 @pytest.mark.parametrize("seed", range(6))
 def test_parse_lines_gives_parse_line_answers(seed):
     lines = _mixed_lines(seed)
-    records, problems = parse.parse_lines(lines)
+    records, problems = parse_lines(lines)
     assert len(records) == len(lines)
     for i, raw in enumerate(lines):
         d, problem = parse.parse_line(raw)
@@ -113,10 +114,10 @@ def test_parse_lines_gives_parse_line_answers(seed):
 
 def test_parse_lines_all_plain_and_every_odd_record_alone():
     plain = [_line(_pd(s, 1, 0.5)) for s in range(50)]
-    assert parse.parse_lines(plain) == ([json.loads(x) for x in plain], {})
+    assert parse_lines(plain) == ([json.loads(x) for x in plain], {})
     for odd in ODD_RECORDS + [json.loads(x) for x in HOSTILE if _loads_or_none(x) is not None]:
         lines = plain[:10] + [_line(odd)] + plain[10:]
-        records, problems = parse.parse_lines(lines)
+        records, problems = parse_lines(lines)
         d, problem = parse.parse_line(_line(odd))
         assert records[10] == d and problems.get(10) == problem, odd
         assert records[:10] + records[11:] == [json.loads(x) for x in plain]
@@ -166,7 +167,7 @@ def test_batched_reader_gives_every_line_as_the_definition(tmp_path, monkeypatch
     lines = _mixed_lines(1, 300)
     lines.insert(57, b'{"x": "' + b"y" * 5000 + b'"}')  # over-long, mid-file
     path = _write(tmp_path / "t.jsonl", lines, tail)
-    got = list(iter_file_lines(path))
+    got = list(iter_lines(path))
     want = _lines_one_at_a_time(path)
     assert len(got) == len(want) == len(lines) + (1 if tail else 0)
     for (n, d, problem), (wn, wd, wproblem) in zip(got, want):
@@ -366,7 +367,7 @@ def test_without_orjson_every_batch_takes_the_json_path(tmp_path, monkeypatch):
         return problem if problem is None else problem.split(" (")[0]
 
     def read_all():
-        got = [(n, d, gist(p)) for n, d, p in iter_file_lines(path)]
+        got = [(n, d, gist(p)) for n, d, p in iter_lines(path)]
         summaries, bad, names, runs = summarize_file(path)
         return got, summaries, [(n, gist(p)) for n, p in bad], names, runs
 

@@ -15,7 +15,7 @@ import os
 import random
 
 import pytest
-from read_definitions import index_records, load_matching
+from read_definitions import index_records, load_matching, parse_lines
 from test_read_batch import _lines_one_at_a_time
 
 from conftest import record_dict
@@ -28,8 +28,8 @@ from pmaptap.tapfile.read.divergence import DivergenceIndex
 from pmaptap.tapfile.read.query import Filter
 from pmaptap.tapfile.record import parse
 from pmaptap.tapfile.record.format import decode_record
+from pmaptap.tapfile.source import iter_lines
 from pmaptap.tapfile.source import lines as tapfile_lines
-from pmaptap.tapfile.source.lines import iter_file_lines
 
 # Small enough that the fuzzer's over-long lines are cheap to build.
 LIMIT = 3000
@@ -344,14 +344,14 @@ def test_fuzz_batched_reading_equals_line_at_a_time(tmp_path, monkeypatch, seed)
 
     # 1. parse_lines == parse_line, line by line.
     lines = data.split(b"\n")
-    records, problems = parse.parse_lines(lines)
+    records, problems = parse_lines(lines)
     for i, raw in enumerate(lines):
         d, problem = parse.parse_line(raw)
         assert _dump(records[i]) == _dump(d) and problems.get(i) == problem, raw[:100]
 
     # 2. The batched reader: every line as the definition.
     want_lines = _lines_one_at_a_time(path)
-    got_lines = list(iter_file_lines(path))
+    got_lines = list(iter_lines(path))
     assert len(got_lines) == len(want_lines) == data.count(b"\n") + (not data.endswith(b"\n"))
     for (n, d, p), (wn, wd, wp) in zip(got_lines, want_lines):
         assert n == wn and _dump(d) == _dump(wd), n
@@ -408,7 +408,7 @@ def test_fuzz_degenerate_files(tmp_path, data):
     path = tmp_path / "t.jsonl"
     path.write_bytes(data)
     want = _lines_one_at_a_time(path)
-    assert [(n, d, p) for n, d, p in iter_file_lines(path)] == want
+    assert [(n, d, p) for n, d, p in iter_lines(path)] == want
     summaries, bad, names, runs = summarize_file(path)
     assert summaries == [] and names == set() and runs == set()
     assert bad == [(n, p) for n, d, p in want if d is None]

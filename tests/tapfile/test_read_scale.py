@@ -249,6 +249,7 @@ def test_holders_ranges_text_is_strict(tmp_path):
     named as a bad ``processes``/``devices``, in parse_line and in the
     batch parser alike."""
     import orjson
+    from read_definitions import parse_lines
 
     from pmaptap.tapfile.record import holder_ids, holders_field, parse
 
@@ -274,7 +275,7 @@ def test_holders_ranges_text_is_strict(tmp_path):
         for text in good + bad:
             lines.append(orjson.dumps({**base, field: text}))
     one = [parse.parse_line(x) for x in lines]
-    records, problems = parse.parse_lines(list(lines))
+    records, problems = parse_lines(list(lines))
     assert [d for d, _ in one] == records
     assert {i: p for i, (_, p) in enumerate(one) if p} == problems
     n = len(good) + len(bad)

@@ -14,7 +14,6 @@ from pmaptap.tapfile.record.schema import (
     DECODER,
     AnyRecord,
     as_dict,
-    as_dicts,
     from_dict,
     validate_dict,
 )
@@ -189,12 +188,6 @@ def _each(lines: list[bytes], gated: bool) -> Decoded:
         if problem is not None:
             problems[i] = problem
     return records, problems
-
-
-def parse_lines(lines: list[bytes]) -> tuple[list, dict]:
-    """``parse_line`` of every line of ``lines``, many per call."""
-    records, problems = decode_block(b"\n".join(lines), lines)
-    return as_dicts(records), problems
 
 
 def _long_number(raw: bytes) -> bool:

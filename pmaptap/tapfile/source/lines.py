@@ -120,11 +120,6 @@ def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
     return runs.iter_merged(run, read_at)
 
 
-def iter_file_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict | None, str | None]]:
-    """``iter_lines`` of one file."""
-    return _flat(iter_file_records(path))
-
-
 # Bytes read per batch: ~300 records, still in the CPU cache (docs/performance.md).
 BATCH_BYTES = 1 << 16
 
