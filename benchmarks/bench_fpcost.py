@@ -41,8 +41,9 @@ benchmark's parameters as compiled (on a TPU, leaves of one shape hashed by
 one vmap), with that grouping off, against a read-once floor (a float sum
 of every leaf), paired per round.
 
-``--quick`` (the test suite): one small block, two rounds. ``--tpu``: on
-the device's own backend (no simulated CPU devices).
+``--quick`` (the test suite): one small block, one round of compiles, two
+of the rest. ``--tpu``: on the device's own backend (no simulated CPU
+devices).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def run_compile(quick: bool) -> None:
 
     from pmaptap._trace.fphash import fingerprint64, fingerprint64_many
 
-    rounds = 2 if quick else 5
+    rounds = 1 if quick else 5  # a round compiles every arm once
     # The second model's tree is below later.MIN_BYTES: hashed after the
     # step where the host knows the due steps, in it where only the device
     # does (the step number computed in the step).

@@ -134,7 +134,8 @@ def _arms(cfg: Config):
     model, Block = _model(cfg)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq + 1)), jnp.int32)
-    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    # Jitted: one compile instead of an eager dispatch (and compile) per op.
+    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :-1])["params"]
     opt = optax.adamw(1e-3, weight_decay=1e-4)
     state = (params, opt.init(params))
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
@@ -203,7 +204,7 @@ def _arms(cfg: Config):
     return {arm: make(arm, prefixes[arm]) for arm in ARMS}, prefixes, state, tokens, n_params
 
 
-def run(cfg: Config, arms: list[str], profile: bool = False) -> None:
+def run(cfg: Config, arms: list[str], profile: bool = False, warm: bool = True) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -216,9 +217,11 @@ def run(cfg: Config, arms: list[str], profile: bool = False) -> None:
     path = os.path.join(out_dir, "w.jsonl")
     session = pmaptap.Session(path, run="transformer").open()
     # The first compile of a process also pays the compiler's own start:
-    # paid here, by a one-block model, not by the first arm.
-    warm, _, warm_state, _, _ = _arms(dataclasses.replace(cfg, blocks=1))
-    warm["untapped"].lower(warm_state, tokens, jnp.int32(0)).compile()
+    # paid here, by a one-block model, not by the first arm. (Not in
+    # --quick, whose compile times mean nothing.)
+    if warm:
+        warm_fns, _, warm_state, _, _ = _arms(dataclasses.replace(cfg, blocks=1))
+        warm_fns["untapped"].lower(warm_state, tokens, jnp.int32(0)).compile()
     compiled, compile_s, first_loss = {}, {}, {}
     for arm, fn in fns.items():
         t = time.perf_counter()
@@ -427,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
     if "untapped" not in arms:
         arms.insert(0, "untapped")
-    run(cfg, arms, a.profile or a.quick)
+    run(cfg, arms, a.profile or a.quick, warm=not a.quick)
     return 0
 
 
