@@ -308,8 +308,7 @@ class _TapAcc:
             key += (shard,)
         n = len(self.dup_keys)
         self.dup_keys.add(key)
-        if len(self.dup_keys) == n:
-            self.duplicates += 1
+        self.duplicates += len(self.dup_keys) == n
 
     def _fingerprint(self, r: AnyRecord, step: Any) -> None:
         """A fingerprint record: its step and holders; no number to sum."""
@@ -334,10 +333,8 @@ class _TapAcc:
         d = self._bit(dev, coords)
         if d is None:
             key = (step, dev, _coords_key(coords))
-            if key in lane.keys:
-                self.duplicates += 1
-            else:
-                lane.keys.add(key)
+            self.duplicates += key in lane.keys
+            lane.keys.add(key)
             return
         bits = lane.bits.get(step)
         i = d >> 3
@@ -346,10 +343,8 @@ class _TapAcc:
         elif len(bits) <= i:
             bits.extend(bytes(i + 1 - len(bits)))
         m = 1 << (d & 7)
-        if bits[i] & m:
-            self.duplicates += 1
-        else:
-            bits[i] |= m
+        self.duplicates += bool(bits[i] & m)
+        bits[i] |= m
 
     def _bit(self, dev: Any, coords: Any) -> int | None:
         """The bit of a device at its usual coordinates (the first integer
