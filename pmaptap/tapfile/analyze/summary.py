@@ -184,7 +184,7 @@ class _TapAcc:
         self.a_sums: list = []
         self.norm_step: Any = None
         self.norm: float | None = None
-        self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
+        self.fp = FingerprintAcc()  # fingerprint records' suspects
         # Whether a record with a non-int id (1.0, true) was added: of equal
         # ids the sets keep the first met, which shardwise.py cannot order.
         self.odd_ids = False
@@ -314,8 +314,6 @@ class _TapAcc:
         """A fingerprint record: its step and holders; no number to sum."""
         self.steps.add(step)
         self.holders(True, r.devices)
-        if self.fp is None:
-            self.fp = FingerprintAcc()
         self.fp.add(r)
 
     def _per_device(self, r: AnyRecord, step: Any) -> None:
@@ -387,10 +385,7 @@ class _TapAcc:
         self.nonfinite += o.nonfinite
         self.nonscalar += o.nonscalar
         self.divergent |= o.divergent
-        if o.fp is not None:
-            if self.fp is None:
-                self.fp = FingerprintAcc()
-            self.fp.absorb(o.fp)
+        self.fp.absorb(o.fp)
         self.rep_keys |= o.rep_keys
         for dev, coords in o.dev_coords.items():
             mine = self.dev_coords.setdefault(dev, coords)
@@ -505,7 +500,7 @@ class _TapAcc:
             first_nonfinite_devices=tuple(sorted(self.first_bad_devs, key=id_order)),
             norm=self.norm,
             per_device_steps=tuple(sorted(data_steps)),
-            fingerprint=self.fp.text() if self.fp is not None else "",
+            fingerprint=self.fp.text(),
             tap=shown_name(self.tap, self.iteration),
         )
 
