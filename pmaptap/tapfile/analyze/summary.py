@@ -516,9 +516,7 @@ def _int_ids(r: AnyRecord) -> bool:
 
 def _scalar(v: object) -> float | None:
     """views.scalar, also for a value as written (a non-finite marker)."""
-    if isinstance(v, str):
-        return NONFINITE.get(v)
-    return scalar(v)
+    return NONFINITE.get(v) if isinstance(v, str) else scalar(v)
 
 
 class Summarizer:
