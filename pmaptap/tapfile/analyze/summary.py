@@ -184,7 +184,7 @@ class _TapAcc:
         self.a_sums: list = []
         self.norm_step: Any = None
         self.norm: float | None = None
-        self.fp: FingerprintAcc | None = None  # fingerprint records' suspects
+        self.fp = FingerprintAcc()  # fingerprint records' suspects
         # Whether a record with a non-int id (1.0, true) was added: of equal
         # ids the sets keep the first met, which shardwise.py cannot order.
         self.odd_ids = False
@@ -308,15 +308,12 @@ class _TapAcc:
             key += (shard,)
         n = len(self.dup_keys)
         self.dup_keys.add(key)
-        if len(self.dup_keys) == n:
-            self.duplicates += 1
+        self.duplicates += len(self.dup_keys) == n
 
     def _fingerprint(self, r: AnyRecord, step: Any) -> None:
         """A fingerprint record: its step and holders; no number to sum."""
         self.steps.add(step)
         self.holders(True, r.devices)
-        if self.fp is None:
-            self.fp = FingerprintAcc()
         self.fp.add(r)
 
     def _per_device(self, r: AnyRecord, step: Any) -> None:
@@ -334,10 +331,8 @@ class _TapAcc:
         d = self._bit(dev, coords)
         if d is None:
             key = (step, dev, _coords_key(coords))
-            if key in lane.keys:
-                self.duplicates += 1
-            else:
-                lane.keys.add(key)
+            self.duplicates += key in lane.keys
+            lane.keys.add(key)
             return
         bits = lane.bits.get(step)
         i = d >> 3
@@ -346,10 +341,8 @@ class _TapAcc:
         elif len(bits) <= i:
             bits.extend(bytes(i + 1 - len(bits)))
         m = 1 << (d & 7)
-        if bits[i] & m:
-            self.duplicates += 1
-        else:
-            bits[i] |= m
+        self.duplicates += bool(bits[i] & m)
+        bits[i] |= m
 
     def _bit(self, dev: Any, coords: Any) -> int | None:
         """The bit of a device at its usual coordinates (the first integer
@@ -392,10 +385,7 @@ class _TapAcc:
         self.nonfinite += o.nonfinite
         self.nonscalar += o.nonscalar
         self.divergent |= o.divergent
-        if o.fp is not None:
-            if self.fp is None:
-                self.fp = FingerprintAcc()
-            self.fp.absorb(o.fp)
+        self.fp.absorb(o.fp)
         self.rep_keys |= o.rep_keys
         for dev, coords in o.dev_coords.items():
             mine = self.dev_coords.setdefault(dev, coords)
@@ -510,7 +500,7 @@ class _TapAcc:
             first_nonfinite_devices=tuple(sorted(self.first_bad_devs, key=id_order)),
             norm=self.norm,
             per_device_steps=tuple(sorted(data_steps)),
-            fingerprint=self.fp.text() if self.fp is not None else "",
+            fingerprint=self.fp.text(),
             tap=shown_name(self.tap, self.iteration),
         )
 
@@ -526,9 +516,7 @@ def _int_ids(r: AnyRecord) -> bool:
 
 def _scalar(v: object) -> float | None:
     """views.scalar, also for a value as written (a non-finite marker)."""
-    if isinstance(v, str):
-        return NONFINITE.get(v)
-    return scalar(v)
+    return NONFINITE.get(v) if isinstance(v, str) else scalar(v)
 
 
 class Summarizer:

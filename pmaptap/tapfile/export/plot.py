@@ -48,11 +48,8 @@ def _device_order(label: str) -> tuple:
 
 def smoothed(ys: Sequence[float], n: int) -> list[float]:
     """Trailing mean of the last ``n`` finite points (NaN where none is)."""
-    out: list[float] = []
-    for i in range(len(ys)):
-        window = [y for y in ys[max(0, i - n + 1) : i + 1] if math.isfinite(y)]
-        out.append(math.fsum(window) / len(window) if window else math.nan)
-    return out
+    windows = [list(filter(math.isfinite, ys[max(0, i - n + 1) : i + 1])) for i in range(len(ys))]
+    return [math.fsum(w) / len(w) if w else math.nan for w in windows]
 
 
 def per_leaf(r: dict) -> Iterator[dict]:
@@ -125,10 +122,8 @@ def build_figure(records: Sequence[dict], name: str, *, logy: bool = False, smoo
             # marks, with a NaN breaking the line there.
             x = math.nan
         series[label].append((r["step"], x))
-        if auto and r.get("kind") == "per_device":
-            series[_label(dict(r, kind="replicated"), multi_run)].append(
-                (r["step"], math.nan)
-            )  # break the replicated line here too
+        if auto and r.get("kind") == "per_device":  # break the replicated line here too
+            series[_label(dict(r, kind="replicated"), multi_run)].append((r["step"], math.nan))
     nonfinite = sum(len(v) for b in bad.values() for v in b.values())
     title = name
     if nonfinite:

@@ -86,9 +86,7 @@ def assemble(
     # and ``global_shape`` count array leaves only.
     at = _array_paths(dtype)
     arrays = {p: _assemble_leaf(sharded, at, p, where, store) for p in chosen if p in at}
-    if leaf is not None or paths == [()]:
-        return arrays.get(chosen[0])
-    return _nest(dtype, arrays)
+    return arrays.get(chosen[0]) if leaf is not None or paths == [()] else _nest(dtype, arrays)
 
 
 def _leaf_paths(dtype: Any, prefix: tuple = ()) -> list[tuple]:

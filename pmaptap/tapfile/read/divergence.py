@@ -52,9 +52,7 @@ class DivergenceIndex:
             got.add(vhash)
 
     def divergent(self, r: Any) -> bool:
-        if r.get("kind") != "replicated":
-            return False
-        return self.is_divergent(record_key(r))
+        return r.get("kind") == "replicated" and self.is_divergent(record_key(r))
 
     def is_divergent(self, key: tuple) -> bool:
         """Whether the replicated key ``key`` (record_key) is divergent."""

@@ -202,9 +202,7 @@ class _Cells:
         if col == "time" or kind == "f":
             out = values.astype("float64")  # a copy
             out[mask] = np.nan
-            if col == "time":
-                return _times(pd, out)
-            return pd.Series(out, dtype="float64")
+            return _times(pd, out) if col == "time" else pd.Series(out, dtype="float64")
         if col == "step" and not mask.any():
             return pd.Series(values.astype("int64"), dtype="int64")
         return pd.Series(pd.arrays.IntegerArray(values.astype("int64"), mask))

@@ -114,17 +114,14 @@ def read(
 
 
 class Stored:
-    """Loads stored values into decoded records (the ByteStore opened at
-    the first); a line whose bytes are missing goes to ``bad``."""
+    """Loads stored values into decoded records; a line whose bytes are
+    missing goes to ``bad``."""
 
     def __init__(self, path: str | os.PathLike, bad: list[tuple[int, str]]) -> None:
-        self.path, self.bad = path, bad
-        self._store: ByteStore | None = None
+        self._store, self.bad = ByteStore(path), bad
 
     def load(self, r: dict, lineno: int) -> bool:
         """``r``'s stored value loaded into it; False when its bytes are not there."""
-        if self._store is None:
-            self._store = ByteStore(self.path)
         try:
             r["value"] = load_value(r, self._store)
         except (MissingBytes, OSError) as e:

@@ -373,9 +373,7 @@ def encode_line(d: dict) -> bytes:
 def _decode_nonfinite(v: Any) -> Any:
     if isinstance(v, list):
         return [_decode_nonfinite(x) for x in v]
-    if isinstance(v, str) and v in NONFINITE:
-        return NONFINITE[v]
-    return v
+    return NONFINITE[v] if isinstance(v, str) and v in NONFINITE else v
 
 
 def _decode_complex(v: Any, depth: int) -> Any:

@@ -397,9 +397,7 @@ def valid_index(index: Any, depth: int = 0) -> bool:
 
 def index_key(index: Any) -> Any:
     """A hashable form of a record's ``index`` (None when it has none)."""
-    if isinstance(index, (list, tuple)):
-        return tuple(index_key(i) for i in index)
-    return index
+    return tuple(index_key(i) for i in index) if isinstance(index, (list, tuple)) else index
 
 
 _MARKERS = tuple(NONFINITE)
@@ -656,9 +654,7 @@ def curve_tag(name: Any, iteration: Any) -> str:
 def part_key(index: Any, iteration: Any) -> Any:
     """``record_key``'s part: the shard (``index``) and loop ``iteration``."""
     part = None if index is None else index_key(index)
-    if iteration is None:
-        return part
-    return ("iteration", tuple(iteration), part)
+    return part if iteration is None else ("iteration", tuple(iteration), part)
 
 
 def step_key(r: Any) -> tuple:

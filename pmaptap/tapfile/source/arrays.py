@@ -160,9 +160,7 @@ def run_root(path: str | os.PathLike) -> str:
 def bytes_dir(path: str | os.PathLike) -> str:
     """Where the writers of the run at ``path`` put their byte files."""
     p = os.fspath(path)
-    if is_url(p):
-        return p.rstrip("/") + BYTES_SUFFIX
-    return os.path.abspath(p) + BYTES_SUFFIX
+    return (p.rstrip("/") if is_url(p) else os.path.abspath(p)) + BYTES_SUFFIX
 
 
 class ByteStore:

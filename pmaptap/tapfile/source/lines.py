@@ -115,9 +115,7 @@ def _flat(batches: Iterator[Batch]) -> Iterator[tuple[int, Any, str | None]]:
 def iter_record_batches(path: str | os.PathLike) -> Iterator[Batch]:
     """The lines of a run as batches ``(first, records, problems)``."""
     run = runs.Run.of(path)
-    if not run.sharded:
-        return iter_file_records(run)
-    return runs.iter_merged(run, read_at)
+    return runs.iter_merged(run, read_at) if run.sharded else iter_file_records(run)
 
 
 # Bytes read per batch: ~300 records, still in the CPU cache (docs/performance.md).

@@ -39,9 +39,7 @@ _SHARD_NAME = re.compile(r"p(\d+)\.jsonl\Z")
 def shard_dir(path: str | os.PathLike) -> str:
     """``<path>.d`` (``path`` itself if it already names that directory)."""
     path = _run_path(path)
-    if path.endswith(SHARD_SUFFIX) and os.path.isdir(path):
-        return path
-    return path + SHARD_SUFFIX
+    return path if path.endswith(SHARD_SUFFIX) and os.path.isdir(path) else path + SHARD_SUFFIX
 
 
 def _run_path(path: str | os.PathLike) -> str:
