@@ -65,6 +65,10 @@ def emit(
     else:
         fn = emitter(spec, tuple(raw_names))
     if traced_every:
-        lax.cond(every_due(step, spec.site.every), lambda: fn(coords, step, *leaves), lambda: None)
+
+        def fire() -> None:  # whatever fn returns: cond's branches return nothing
+            fn(coords, step, *leaves)
+
+        lax.cond(every_due(step, spec.site.every), fire, lambda: None)
     else:
         fn(coords, step, *leaves)
