@@ -89,6 +89,11 @@ class FromArgument:
     shape: tuple[int, ...]
     every: int = 0
 
+    def due(self, step: Any) -> Any:
+        """Whether ``step`` (the argument's value, on the host or the
+        device) is a multiple of ``every``: the one rule of the three reads."""
+        return step % self.every == 0
+
 
 # Per output of the nodes, in order: its position among the step's extra
 # outputs, where it lies in the bundle, or the argument of the call it is.

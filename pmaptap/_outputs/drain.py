@@ -420,7 +420,7 @@ class _Argument(_Piece):
 
     def host(self) -> np.ndarray:
         got = _host(self.value)
-        return got % self.where.every == 0 if self.where.every else got
+        return self.where.due(got) if self.where.every else got
 
 
 def _unpacked(arrays: Sequence[Any], packing: Packing | None, arguments: dict) -> list:

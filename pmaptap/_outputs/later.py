@@ -63,7 +63,7 @@ class Later:
         elif isinstance(self.flag, Packed):
             due = flag_source[self.flag.offset] != 0
         elif isinstance(self.flag, FromArgument):
-            due = flag_source % self.flag.every == 0
+            due = self.flag.due(flag_source)
         else:
             due = flag_source
         return fingerprint.hashed(self.spec, list(leaves), due)
@@ -101,7 +101,7 @@ class Later:
         if (
             isinstance(self.flag, FromArgument)
             and isinstance(flag_source, np.ndarray)
-            and flag_source % self.flag.every != 0
+            and not self.flag.due(flag_source)
         ):
             return [None, None]
         if self._program is None:
