@@ -509,8 +509,9 @@ class Aggregator:
         return out + self.refused_records()
 
     def take_automatic_refused(self) -> dict[str, int]:
-        """Callbacks refused per tap name since the last call (taps with no
-        step= in a resumed session)."""
+        """Callbacks refused per tap name since the last call, which the
+        aggregator thread makes at each flush/close (taps with no step= in a
+        resumed session)."""
         refused, self._automatic_refused = self._automatic_refused, {}
         return refused
 

@@ -75,16 +75,18 @@ class AggregateLoop:
                 self.report(TapError(f"could not process tap {spec.name!r}: {e!r}"))
         # Drop array references now (they may pin device buffers).
         arrays = item = items = None  # noqa: F841
-        for name, count in self.agg.take_automatic_refused().items():
-            self.report(
-                TapError(
-                    f"{count} callback(s) not written: {resumed_step_message(name)} "
-                    "(refused on the host: the tap was traced before the session opened)"
-                )
-            )
         recs += self._safe(self.agg.expire)
         marker = last if isinstance(last, Marker) else None
         if marker is not None:
+            # Counted since the last flush/close, said once: per batch, one
+            # refusal would be split by the timing of the callbacks.
+            for name, count in self.agg.take_automatic_refused().items():
+                self.report(
+                    TapError(
+                        f"{count} callback(s) not written: {resumed_step_message(name)} "
+                        "(refused on the host: the tap was traced before the session opened)"
+                    )
+                )
             recs += self._safe(self.agg.finalize_all)
             recs += self._dropped_records()
         self.queue.put_records(recs, marker, (freed_items, freed_bytes))
