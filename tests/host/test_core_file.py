@@ -48,17 +48,22 @@ def test_torn_tail_is_repaired_by_the_next_writer(tap_path, tmp_path, caplog):
 
 
 def test_stuck_lock_does_not_stall_taps_and_records_follow(tap_path):
+    # The holder lets go when the test says (or after HOLD seconds, so taps
+    # that stalled behind the lock fail the loop's bound instead of hanging),
+    # not after a fixed time: a loaded machine's compile plus loop outlasted
+    # that, and the file was written before the test looked.
     holder = start_python(
         """
-        import os, sys, time, filelock
+        import os, select, sys, filelock
         lock = filelock.FileLock(os.environ["TAP"] + ".lock")
         lock.acquire()
         print("locked", flush=True)
-        time.sleep(float(os.environ["HOLD"]))
+        select.select([sys.stdin], [], [], float(os.environ["HOLD"]))
         lock.release()
     """,
+        stdin=True,
         TAP=tap_path,
-        HOLD="4",
+        HOLD="60",
     )
     try:
         os.makedirs(os.path.dirname(tap_path), exist_ok=True)
@@ -72,6 +77,8 @@ def test_stuck_lock_does_not_stall_taps_and_records_follow(tap_path):
             loop = time.monotonic() - t0
             assert loop < 3.0, f"taps stalled behind the lock ({loop:.1f}s)"
             assert os.path.getsize(tap_path) == 0  # still locked out
+            holder.stdin.write("\n")
+            holder.stdin.flush()
             s.flush()  # waits for the holder
         assert holder.wait(30) == 0
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import jax
@@ -35,33 +36,47 @@ def test_soft_lock_many_processes_append_exactly(tmp_path):
 def test_soft_lock_waits_for_the_marker_and_not_for_flock(tmp_path):
     tap = str(tmp_path / "t.jsonl")
     # Another process holds both the soft marker and the flock; it lets the
-    # marker go first. Soft mode must wait exactly for the marker.
+    # marker go first, when the test says (not after a fixed time: a compile
+    # slowed by a loaded machine outlasted it, so the marker was gone before
+    # the test looked). Soft mode must wait exactly for the marker.
     holder = start_python(
         """
-        import filelock, os, time
+        import filelock, os, sys
         tap = os.environ["TAP"]
         hard = filelock.FileLock(tap + ".lock"); hard.acquire()
         soft = filelock.SoftFileLock(tap + ".softlock"); soft.acquire()
         print("locked", flush=True)
-        time.sleep(2); soft.release()
+        sys.stdin.readline(); soft.release()
         print("soft released", flush=True)
-        time.sleep(30)                     # keeps the flock; killed below
+        sys.stdin.readline()               # keeps the flock; killed below
     """,
+        stdin=True,
         TAP=tap,
     )
+    released: list[float] = []
+
+    def release_marker() -> None:
+        time.sleep(0.5)  # flush() below is waiting by now
+        released.append(time.monotonic())
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+
     try:
         assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
         with pmaptap.Session(tap, run="soft", lock="soft", lock_timeout=0.2, flush_timeout=30) as s:
             jax.jit(lambda v: pmaptap.tap(v, "x"))(jnp.float32(1))
-            time.sleep(0.5)
+            jax.effects_barrier()
+            time.sleep(0.3)  # the writer tries (and fails) to take the marker
             assert os.path.getsize(tap) == 0  # marker still held
-            t0 = time.monotonic()
+            releaser = threading.Thread(target=release_marker)
+            releaser.start()
             s.flush()  # waits for the marker
-            waited = time.monotonic() - t0
+            flushed = time.monotonic()
+            releaser.join()
             assert holder.stdout.readline().strip() == "soft released"
         # Written while the flock was still held: soft mode ignores flock.
         assert holder.poll() is None
-        assert waited > 0.5
+        assert released and flushed > released[0], "flush() did not wait for the marker"
         assert [r["name"] for r in pmaptap.read(tap)] == ["x"]
     finally:
         holder.kill()

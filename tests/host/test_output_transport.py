@@ -403,6 +403,34 @@ def test_a_name_with_automatic_steps_under_both_transports_is_said_once(tmp_path
     assert run(tmp_path / "one.jsonl", mixed=False, explicit=False) == []
 
 
+@pytest.mark.parametrize("first", ["callbacks", "outputs"])
+def test_a_name_under_both_transports_is_said_whichever_reaches_the_host_first(
+    tmp_path, caplog, first
+):
+    """Which transport's records reach the host first is the machine's
+    timing (the drain delivers a step's outputs after the step; JAX 0.12
+    runs callbacks at dispatch, so a lagging drain delivers after every
+    callback of the loop): said once either way. Before, only when an
+    output came after a callback that came after an output: a session
+    whose callbacks all came first, or none after the last output, said
+    nothing."""
+
+    def model(x):
+        pmaptap.tap(x * 2, "act")
+        return jnp.sum(x)
+
+    train, evaluate = pmaptap.jit(model), jax.jit(model)
+    with caplog.at_level(logging.WARNING, logger="pmaptap"):
+        with pmaptap.Session(str(tmp_path / "t.jsonl"), run="m") as s:
+            for f in (evaluate, train) if first == "callbacks" else (train, evaluate):
+                for i in range(3):
+                    f(jnp.ones(2) + i)
+                s.flush()  # every step of this transport has reached the host
+    said = [r.getMessage() for r in caplog.records if "counts its steps" in r.getMessage()]
+    assert len(said) == 1 and "'act'" in said[0], said
+    assert len(pmaptap.read(tmp_path / "t.jsonl")) == 6
+
+
 def test_nested_conds_are_lifted_once_per_branch_and_written_as_under_jax_jit(
     tmp_path, monkeypatch
 ):

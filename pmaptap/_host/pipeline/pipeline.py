@@ -98,11 +98,11 @@ class Pipeline:
         # retrying until close_timeout; a drain that writes goes on.
         self.hurried = threading.Event()
         # Names counting their steps automatically that step outputs
-        # delivered, those host callbacks delivered once some had, and those
-        # said (see ingest).
+        # delivered, those host callbacks delivered, and those said (see
+        # ingest).
         self._auto_outputs: set[tuple] = set()
         self._auto_callbacks: set[tuple] = set()
-        self._auto_said: set[tuple] = set()
+        self._auto_said: dict[tuple, object] = {}
         # The one maker of this pipeline's records, with its identity.
         self.records = RecordBuilder(run, process, self.host, attempt=attempt)
         self._aggregator = AggregateLoop(
@@ -146,29 +146,39 @@ class Pipeline:
         (the output transport's drain: its payloads come with it)."""
         site = getattr(spec, "site", None)
         if site is not None and not site.explicit_step:
+            key = (site.name, site.pass_)
             if block:
-                self._said_mixed(site)  # on the drain's thread, not XLA's
-            elif self._auto_outputs:
-                # XLA's callback thread only notes the name (no logging here).
-                self._auto_callbacks.add((site.name, site.pass_))
+                self._auto_outputs.add(key)
+                self._say_mixed(key)  # on the drain's thread, not XLA's
+            elif key not in self._auto_callbacks:
+                # XLA's callback thread only notes the name (no logging
+                # here), whichever transport came first: the drain may
+                # deliver a step's outputs after the callbacks of later
+                # steps (JAX 0.12 runs them at dispatch).
+                self._auto_callbacks.add(key)
         return self.queue.admit(spec, arrays, block=block)
 
-    def _said_mixed(self, site: Any) -> None:
+    def _say_mixed(self, *keys: tuple) -> None:
         """Say once per name when a name with automatic steps comes by both
         transports: its counter numbers records as they arrive, and step
         outputs arrive after their step, callbacks during it, so the two
-        transports' records are not numbered in program order."""
-        key = (site.name, site.pass_)
-        self._auto_outputs.add(key)
-        if key in self._auto_callbacks and key not in self._auto_said:
-            self._auto_said.add(key)
-            log.warning(
-                f"pmaptap: tap {site.name!r} counts its steps automatically (step=None) "
-                "and is recorded both by host callbacks and as step outputs (pmaptap.jit / "
-                "pmaptap.pmap) in this session: steps are counted in the order records "
-                "reach the host, which differs between the two, so these steps are not in "
-                "program order. Pass step= to the tap. (Said once per tap.)"
-            )
+        transports' records are not numbered in program order. Checked at
+        each output delivery (``keys``: its name) and at each flush/close
+        (every name: callbacks noted after the last delivery)."""
+        # The drain's thread and flush/close's may both check a name: the
+        # one whose token setdefault keeps says it (no lock: a SIGTERM
+        # handler's close may interrupt a flush of its own thread here).
+        token = object()
+        for key in keys or list(self._auto_outputs):
+            if key in self._auto_callbacks and self._auto_said.setdefault(key, token) is token:
+                log.warning(
+                    f"pmaptap: tap {key[0]!r} counts its steps automatically (step=None) "
+                    "and is recorded both by host callbacks and as step outputs "
+                    "(pmaptap.jit / pmaptap.pmap) in this session: steps are counted in "
+                    "the order records reach the host, which differs between the two, "
+                    "so these steps are not in program order. Pass step= to the tap. "
+                    "(Said once per tap.)"
+                )
 
     @property
     def admitting(self) -> bool:
@@ -210,6 +220,7 @@ class Pipeline:
         if self.closed:
             raise TapError("flush() on a closed pmaptap pipeline")
         self._drain(timeout, give_up_on_error=True)
+        self._say_mixed()
         self.raise_errors(pending_ok=False)
         if self.forwarders is not None:
             # Written is what flush() promises; forwarding gets a bounded
@@ -268,6 +279,7 @@ class Pipeline:
     def _close(self, timeout: float | None, outcome: str) -> None:
         try:
             self._drain(timeout, give_up_on_error=False)
+            self._say_mixed()
         finally:
             # Shut admission and queue the stop marker in one step: every
             # payload admitted is ahead of the marker, so it is written
