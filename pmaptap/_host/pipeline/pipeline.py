@@ -150,7 +150,7 @@ class Pipeline:
             if block:
                 self._auto_outputs.add(key)
                 self._say_mixed(key)  # on the drain's thread, not XLA's
-            elif key not in self._auto_callbacks:
+            else:
                 # XLA's callback thread only notes the name (no logging
                 # here), whichever transport came first: the drain may
                 # deliver a step's outputs after the callbacks of later
