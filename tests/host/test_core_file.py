@@ -223,3 +223,41 @@ def test_batches_larger_than_one_writev_and_short_writes_stay_whole(tmp_path, mo
     assert steps == list(range(2500)) + [0, 1, 2]
     # one writev per batch, never more buffers than the kernel takes
     assert len(calls) == 2 and calls[0] <= 1024 and calls[1] == 3
+
+
+@pytest.mark.parametrize("closed", ["by close()", "at exit"])
+def test_the_file_lock_is_released_with_the_session_not_at_interpreter_teardown(tmp_path, closed):
+    # filelock 4.0.x's finalizer, run at interpreter teardown, reads module
+    # globals already cleared and prints "Exception ignored in ... __del__"
+    # after every run whose session lived in a global. The sink drops its
+    # lock object when it closes, so no lock is finalized that late.
+    path = tmp_path / "t.jsonl"
+    proc = run_python(
+        f"""
+        import os, sys
+        import filelock
+        import jax.numpy as jnp
+        import pmaptap
+
+        def spy(self, _fin=sys.is_finalizing, _write=os.write, _orig=filelock.FileLock.__del__):
+            if _fin():
+                _write(2, b"LOCK FINALIZED AT TEARDOWN\\n")
+            _orig(self)
+
+        filelock.FileLock.__del__ = spy
+        session = pmaptap.Session({str(path)!r}).open()
+
+        @pmaptap.jit
+        def f(x, s):
+            pmaptap.tap(x.sum(), "x", step=s)
+            return x * 2
+
+        f(jnp.ones(3), 0)
+        if {closed == "by close()"}:
+            session.close()
+        """,
+        devices=1,
+    )
+    assert "LOCK FINALIZED AT TEARDOWN" not in proc.stderr, proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr
+    assert [(r["name"], r["value"]) for r in pmaptap.read(str(path))] == [("x", 3.0)]

@@ -160,6 +160,14 @@ class FileSink(Sink):
         self.lines_written += len(keep)
         return keep
 
+    def close(self) -> None:
+        super().close()
+        # The lock object dropped now rather than at interpreter exit, where
+        # the finalizer of some filelock releases (4.0.x) reads module
+        # globals that teardown has already cleared and prints a traceback.
+        # Nothing writes through a closed sink (the pipeline closes it last).
+        self._lock = None  # type: ignore[assignment]
+
     def index_from(self, offset: int) -> None:
         """Index, at the next batch, every line appended since ``offset``, where
         the job's processes agreed this run starts (``distributed.session_start``;
