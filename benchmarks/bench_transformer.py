@@ -23,7 +23,11 @@ then run interleaved, paired medians of the per-round step times):
   the loss only (what ``pmaptap.jit no fingerprint`` compares with);
 - ``pmaptap.jit``: the taps leave the step as outputs, a session writing
   the file; ``pmaptap.jit no fingerprint`` (its compile time tells the
-  fingerprint's share);
+  fingerprint's share); ``pmaptap.jit host step``: its step numbers NumPy
+  values, which the host reads at the call (every other arm's are
+  ``jnp.int32(s)``, whose copy to the device may still be in flight at
+  the call: then the device decides which steps are due, and the hash
+  program is dispatched every step);
 - ``jax.jit``: the same taps as host callbacks;
 - ``raw``: the same values (RMS and loss) through raw
   ``jax.debug.callback``, doing nothing on the host; ``floor``: ONE raw
@@ -38,8 +42,10 @@ untapped compile; the model's size; peak RSS.
 
 ``--tpu``: the TPU configuration (6 blocks of width 512, bf16, 32 x 256
 tokens); ``--arms`` a comma-separated subset (one device-machine call holds
-about five compiles of that model); ``--quick`` (the test suite): a tiny
-model, two rounds.
+about five compiles of that model); ``--compile-rounds N``: only the
+compiles, N interleaved rounds of each arm's, paired medians against the
+untapped compile; ``--quick`` (the test suite): a tiny model, two rounds,
+and one round of the compiles.
 """
 
 from __future__ import annotations
@@ -63,10 +69,13 @@ ARMS = (
     "by hand no fingerprint",
     "pmaptap.jit",
     "pmaptap.jit no fingerprint",
+    "pmaptap.jit host step",
     "jax.jit",
     "raw",
     "floor",
 )
+
+TAPPED = ("pmaptap.jit", "pmaptap.jit no fingerprint", "pmaptap.jit host step", "jax.jit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +129,8 @@ def _model(cfg: Config):
 
 
 def _arms(cfg: Config):
-    """(step functions by arm, initial state, tokens, the model's size)."""
+    """(step functions by arm, their prefixes, initial state, tokens, the
+    model's size, and ``make(arm, prefix)``: a new step function of that arm)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -153,8 +163,8 @@ def _arms(cfg: Config):
         return intercept
 
     def make(arm: str, prefix: str):
-        fingerprint = arm in ("pmaptap.jit", "jax.jit")
-        taps = arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit")
+        fingerprint = arm in ("pmaptap.jit", "pmaptap.jit host step", "jax.jit")
+        taps = fingerprint or arm == "pmaptap.jit no fingerprint"
 
         def step(state, tokens, s):
             params, opt_state = state
@@ -201,17 +211,20 @@ def _arms(cfg: Config):
         return wrap(step)
 
     prefixes = {arm: f"w{i}/" for i, arm in enumerate(ARMS)}
-    return {arm: make(arm, prefixes[arm]) for arm in ARMS}, prefixes, state, tokens, n_params
+    fns = {arm: make(arm, prefixes[arm]) for arm in ARMS}
+    return fns, prefixes, state, tokens, n_params, make
 
 
-def run(cfg: Config, arms: list[str], profile: bool = False, warm: bool = True) -> None:
+def run(
+    cfg: Config, arms: list[str], profile: bool = False, warm: bool = True, compile_rounds: int = 0
+) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import pmaptap
 
-    fns, prefixes, state0, tokens, n_params = _arms(cfg)
+    fns, prefixes, state0, tokens, n_params, make = _arms(cfg)
     fns = {a: fns[a] for a in arms}
     out_dir = tempfile.mkdtemp(prefix="pmaptap-transformer-")
     path = os.path.join(out_dir, "w.jsonl")
@@ -220,16 +233,21 @@ def run(cfg: Config, arms: list[str], profile: bool = False, warm: bool = True) 
     # paid here, by a one-block model, not by the first arm. (Not in
     # --quick, whose compile times mean nothing.)
     if warm:
-        warm_fns, _, warm_state, _, _ = _arms(dataclasses.replace(cfg, blocks=1))
+        warm_fns, _, warm_state, *_ = _arms(dataclasses.replace(cfg, blocks=1))
         warm_fns["untapped"].lower(warm_state, tokens, jnp.int32(0)).compile()
-    compiled, compile_s, first_loss = {}, {}, {}
+    if compile_rounds:
+        _compile_rounds(make, prefixes, list(fns), state0, tokens, compile_rounds, cfg)
+        session.close()
+        return
+    compiled, compile_s, first_loss, step_of = {}, {}, {}, {}
     for arm, fn in fns.items():
         t = time.perf_counter()
-        compiled[arm] = fn.lower(state0, tokens, jnp.int32(0)).compile()
+        step_of[arm] = np.int32 if arm == "pmaptap.jit host step" else jnp.int32
+        compiled[arm] = fn.lower(state0, tokens, step_of[arm](0)).compile()
         # And a first step, not counted among the rounds' (step numbers
         # from 1): pmaptap.jit compiles the hash of the step's outputs, a
         # program of its own, at the first due step.
-        first = compiled[arm](state0, tokens, jnp.int32(0))
+        first = compiled[arm](state0, tokens, step_of[arm](0))
         jax.block_until_ready(first)
         compile_s[arm] = time.perf_counter() - t
         first_loss[arm] = first[1]
@@ -253,7 +271,7 @@ def run(cfg: Config, arms: list[str], profile: bool = False, warm: bool = True) 
             f, st, pending = compiled[arm], states[arm], None
             for _ in range(cfg.steps):
                 s = step_no[arm]
-                st, loss, extra = f(st, tokens, jnp.int32(s))
+                st, loss, extra = f(st, tokens, step_of[arm](s))
                 if read_into is not None:
                     for x in jax.tree.leaves((loss, extra)):
                         x.copy_to_host_async()
@@ -266,7 +284,7 @@ def run(cfg: Config, arms: list[str], profile: bool = False, warm: bool = True) 
             if pending is not None:
                 read(pending)
             states[arm] = st
-            if arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit"):
+            if arm in TAPPED:
                 t = time.perf_counter()
                 session.flush()
                 flush_s[arm].append(time.perf_counter() - t)
@@ -335,6 +353,42 @@ def run(cfg: Config, arms: list[str], profile: bool = False, warm: bool = True) 
     print(f"w. peak RSS {rss_mib():.0f} MiB; records checked against the returned values")
 
 
+def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Config) -> None:
+    """``--compile-rounds``: each arm's compile and first (due) step, a new
+    step function each time (nothing cached), the arms in alternating
+    order round after round; paired medians of each round's ratio to the
+    untapped compile (single compiles of one model move 10-15% between
+    runs)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(rounds):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            step = np.int32 if arm == "pmaptap.jit host step" else jnp.int32
+            fn = make(arm, prefixes[arm])
+            t = time.perf_counter()
+            jax.block_until_ready(
+                fn.lower(state0, tokens, step(0)).compile()(state0, tokens, step(0))
+            )
+            times[arm].append(time.perf_counter() - t)
+    print(
+        f"w. compile + first step: {cfg.blocks} blocks of width {cfg.width}, {cfg.dtype}; "
+        f"{rounds} rounds; {machine()}"
+    )
+    rows = [
+        (
+            f"w. compile {arm}",
+            spread(times[arm], " s"),
+            "" if arm == "untapped" else f"{paired(times, arm, 'untapped'):.3f}x",
+            " ".join(f"{t / u:.3f}" for t, u in zip(times[arm], times["untapped"])),
+        )
+        for arm in arms
+    ]
+    print(table(rows, ("arm", "compile", "paired / untapped", "each round")))
+
+
 def _device_profile(round_of, arms: list[str], steps: int) -> None:
     """``--profile``: one round of each arm under JAX's profiler; per step,
     the device's busy time and its ops by kind (an op's HLO name without
@@ -383,7 +437,7 @@ def _check(path, prefixes, fns, returned, by_hand, cfg: Config) -> None:
     import pmaptap
 
     recs = pmaptap.read(path)
-    for arm in ("pmaptap.jit", "pmaptap.jit no fingerprint", "jax.jit"):
+    for arm in TAPPED:
         if arm not in fns:
             continue
         p = prefixes[arm]
@@ -414,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=0, help="blocks (0: the configuration's)")
     ap.add_argument("--steps", type=int, default=0, help="steps a round (0: the configuration's)")
     ap.add_argument(
+        "--compile-rounds",
+        type=int,
+        default=0,
+        help="only the compiles: this many interleaved rounds of every arm's",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="and the device's time per op kind, each arm's"
     )
     a = ap.parse_args(argv)
@@ -430,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
     if "untapped" not in arms:
         arms.insert(0, "untapped")
-    run(cfg, arms, a.profile or a.quick, warm=not a.quick)
+    run(cfg, arms, a.profile or a.quick, warm=not a.quick, compile_rounds=a.compile_rounds)
+    if a.quick and not a.compile_rounds:  # and the compile-only mode, one round
+        run(cfg, ["untapped", "pmaptap.jit"], warm=False, compile_rounds=1)
     return 0
 
 

@@ -173,8 +173,9 @@ def test_all_benchmarks_run_in_quick_mode():
         assert len(ratios(label)) == 2, label
     # w. (bench_transformer.py): the real model's step, to by hand, raw and
     # floor, and its compile to the untapped compile; records checked.
-    for label in ("w. pmaptap.jit ", "w. jax.jit "):
+    for label in ("w. pmaptap.jit ", "w. pmaptap.jit host step ", "w. jax.jit "):
         assert len(ratios(label)) == 4, label
+    assert len(ratios("w. compile pmaptap.jit ")) == 1  # --compile-rounds
     assert "records checked against the returned values" in out
     assert "w. device profile: " in out  # --profile's trace read back (no device plane on CPU)
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
