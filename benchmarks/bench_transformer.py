@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -364,15 +365,24 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
     import numpy as np
 
     times: dict[str, list[float]] = {a: [] for a in arms}
+    # Per arm, per phase (trace, lower, XLA's compile, first step): each
+    # round's seconds, to say where an arm's extra time is.
+    phases: dict[str, list[list[float]]] = {a: [] for a in arms}
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
             step = np.int32 if arm == "pmaptap.jit host step" else jnp.int32
             fn = make(arm, prefixes[arm])
-            t = time.perf_counter()
-            jax.block_until_ready(
-                fn.lower(state0, tokens, step(0)).compile()(state0, tokens, step(0))
-            )
-            times[arm].append(time.perf_counter() - t)
+            t = [time.perf_counter()]
+            traced = fn.trace(state0, tokens, step(0))
+            t.append(time.perf_counter())
+            lowered = traced.lower()
+            t.append(time.perf_counter())
+            compiled = lowered.compile()
+            t.append(time.perf_counter())
+            jax.block_until_ready(compiled(state0, tokens, step(0)))
+            t.append(time.perf_counter())
+            times[arm].append(t[-1] - t[0])
+            phases[arm].append([b - a for a, b in zip(t, t[1:])])
     print(
         f"w. compile + first step: {cfg.blocks} blocks of width {cfg.width}, {cfg.dtype}; "
         f"{rounds} rounds; {machine()}"
@@ -383,10 +393,22 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
             spread(times[arm], " s"),
             "" if arm == "untapped" else f"{paired(times, arm, 'untapped'):.3f}x",
             " ".join(f"{t / u:.3f}" for t, u in zip(times[arm], times["untapped"])),
+            " / ".join(f"{statistics.median(p):.2f}" for p in zip(*phases[arm])),
         )
         for arm in arms
     ]
-    print(table(rows, ("arm", "compile", "paired / untapped", "each round")))
+    print(
+        table(
+            rows,
+            (
+                "arm",
+                "compile",
+                "paired / untapped",
+                "each round",
+                "trace / lower / XLA / first step (s, medians)",
+            ),
+        )
+    )
 
 
 def _device_profile(round_of, arms: list[str], steps: int) -> None:
