@@ -87,10 +87,14 @@ def _fingerprints(ctx, leaf_avals: list, leaves, *, replicated: bool):
     rows). ``replicated``: every device ends up with every row (gathered)
     instead of its own."""
     shapes = tuple(tuple(int(s) for s in a.shape) for a in leaf_avals)
+    # The platform this module is lowered for (more than one only for an
+    # export to several): the hash then traces only its layout.
+    platforms = tuple(getattr(ctx.module_context, "platforms", ()) or ())
+    platform = platforms[0] if len(platforms) == 1 else None
     where = placement.shard_context(ctx)
     if where is None:
         place = _one_device(ctx, shapes)
-        n, fn = 1, _local
+        n, fn = 1, partial(_local, platform=platform)
     else:
         devices, names, sizes = where
         place = ShardPlacement(
@@ -101,7 +105,10 @@ def _fingerprints(ctx, leaf_avals: list, leaves, *, replicated: bool):
             shapes=shapes,
             me=jax.process_index(),
         )
-        n, fn = len(devices), _per_device(place, tuple(devices), leaf_avals, replicated)
+        n, fn = (
+            len(devices),
+            _per_device(place, tuple(devices), leaf_avals, replicated, platform),
+        )
     fps_aval = core.ShapedArray((n, len(leaves), 2), jnp.dtype(jnp.uint32))
     sub = ctx.replace(primitive=None, avals_in=leaf_avals, avals_out=[fps_aval])
     (fps,) = mlir.lower_fun(fn, multiple_results=False)(sub, *leaves)
@@ -152,9 +159,9 @@ def _table_lowering(ctx, *leaves, spec: FingerprintSpec, rows: int):
     return [mlir.ir_constant(np.uint32(key)), table]
 
 
-def _local(*leaves):
+def _local(*leaves, platform: str | None = None):
     """One copy (a computation on one device): its fingerprints, (1, L, 2)."""
-    return fingerprint64_many(list(leaves))[None]
+    return fingerprint64_many(list(leaves), platform=platform)[None]
 
 
 def _one_device(ctx, shapes) -> ShardPlacement | None:
@@ -180,7 +187,13 @@ def _one_device(ctx, shapes) -> ShardPlacement | None:
     return place
 
 
-def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replicated: bool):
+def _per_device(
+    place: ShardPlacement,
+    devices: tuple,
+    leaf_avals: list,
+    replicated: bool,
+    platform: str | None = None,
+):
     """The function lowered in place of the fingerprints: one
     ``custom_partitioning`` call whose partitioned form computes each
     device's fingerprints from its own blocks (see the module docstring).
@@ -193,7 +206,7 @@ def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replica
     def per_device(*leaves):
         # The unpartitioned meaning: every device's row is the value's
         # fingerprint (what one copy gives).
-        return jnp.broadcast_to(_local(*leaves), (n, count, 2))
+        return jnp.broadcast_to(_local(*leaves, platform=platform), (n, count, 2))
 
     def partition(mesh, arg_shapes, result_shape):
         shardings = tuple(a.sharding for a in arg_shapes)
@@ -207,7 +220,7 @@ def _per_device(place: ShardPlacement, devices: tuple, leaf_avals: list, replica
 
         def lower(*blocks):
             valids = [None if m is None else m(b.shape) for b, m in zip(blocks, masks)]
-            rows = fingerprint64_many(list(blocks), valids)[None]
+            rows = fingerprint64_many(list(blocks), valids, platform)[None]
             # all_gather over every mesh axis: row-major, the order of the
             # rows of PartitionSpec(axes) above.
             return lax.all_gather(rows, axes, axis=0, tiled=True) if replicated else rows

@@ -48,6 +48,7 @@ widened first (layouts._wire).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Callable
 
@@ -98,49 +99,78 @@ def fingerprint64(x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
 
 
 def fingerprint64_many(
-    leaves: list[jax.Array], valids: list[jax.Array | None] | None = None
+    leaves: list[jax.Array],
+    valids: list[jax.Array | None] | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """``fingerprint64`` of each of ``leaves`` (``valids``: each one's
     ``valid``, or None), as uint32[len(leaves), 2], in a number of hash
     operations that does not grow with the leaves (hashing each on its own made
     compiling a model's parameters' fingerprint markedly slower). Each
     CPU-layout leaf (``_flat``) is read by its own fold (``_split``), then all
-    are hashed together (``_cpu_layout``); the big leaves are one
-    ``platform_dependent`` (on a TPU those of one shape and dtype together,
-    ``_tpu_layout``)."""
+    are hashed together (``_cpu_layout``). Where some leaf is big (``SMALL``
+    bytes or more), all are one ``platform_dependent``: on the CPU one
+    ``_cpu_layout``; elsewhere the small leaves in it and the big ones in
+    the platform's layout (on a TPU those of one shape and dtype together,
+    ``_tpu_layout``). ``platform``: the one the program is lowered for,
+    where the caller knows it (a lowering rule): then only its layout is
+    traced."""
     valids = [None] * len(leaves) if valids is None else list(valids)
     leaves = [jnp.asarray(x) for x in leaves]
     valids = [
         None if v is None else jnp.broadcast_to(jnp.asarray(v, jnp.bool_), x.shape)
         for x, v in zip(leaves, valids)
     ]
-    rows: list[jax.Array | None] = [None] * len(leaves)
-
-    def put(ks: list[int], fps: jax.Array) -> None:
-        for j, k in enumerate(ks):
-            rows[k] = fps[j]
-
-    small, big = [], []
-    for k, x in enumerate(leaves):
-        if x.size == 0:
-            rows[k] = fingerprint64(x)
-        else:
-            part = _parts(x)[0]
-            (small if part.size * part.dtype.itemsize < SMALL else big).append(k)
-    if small:
-        put(small, _cpu_layout([leaves[k] for k in small], [valids[k] for k in small]))
-    if big:
-        put(
-            big,
-            lax.platform_dependent(
-                [leaves[k] for k in big],
-                [valids[k] for k in big],
-                cpu=_cpu_layout,
-                tpu=_tpu_layout,
-                default=_one_by_one,
-            ),
+    ks = [k for k, x in enumerate(leaves) if x.size]
+    args = ([leaves[k] for k in ks], [valids[k] for k in ks])
+    if not ks:
+        fps = None
+    elif platform == "cpu" or not any(_big(x) for x in args[0]):
+        # Every leaf in one ``_cpu_layout``, in order: one hash after the
+        # folds (one for the small leaves and one for the big ones, or the
+        # rows put back one by one, compiled slower: docs/performance.md).
+        fps = _cpu_layout(*args)
+    elif platform is None:
+        fps = lax.platform_dependent(
+            *args, cpu=_cpu_layout, tpu=_by_size(_tpu_layout), default=_by_size(_one_by_one)
         )
+    else:
+        fps = _by_size(_tpu_layout if platform == "tpu" else _one_by_one)(*args)
+    if len(ks) == len(leaves):
+        return fps
+    # Empty leaves: their fingerprint is their size alone (fingerprint64's).
+    rows = [fingerprint64(x) for x in leaves]
+    for j, k in enumerate(ks):
+        rows[k] = fps[j]
     return jnp.stack(rows)
+
+
+def _big(x: jax.Array) -> bool:
+    """Whether the platform's own layout reads ``x`` (``SMALL`` bytes or more)."""
+    part = _parts(x)[0]
+    return part.size * part.dtype.itemsize >= SMALL
+
+
+@functools.cache
+def _by_size(layout: Callable) -> Callable:
+    """A branch of ``fingerprint64_many`` off the CPU: the leaves below
+    ``SMALL`` in the CPU layout, the others in ``layout``, (L, 2) in the
+    leaves' order. One function per layout, so that JAX's cache of a
+    branch's trace finds it again (another tree of the same types traces
+    nothing anew)."""
+
+    def branch(leaves: list, valids: list) -> jax.Array:
+        small = [k for k, x in enumerate(leaves) if not _big(x)]
+        big = [k for k, x in enumerate(leaves) if _big(x)]
+        out = layout([leaves[k] for k in big], [valids[k] for k in big])
+        if not small:
+            return out
+        out = jnp.concatenate(
+            [_cpu_layout([leaves[k] for k in small], [valids[k] for k in small]), out]
+        )
+        return out[np.argsort(small + big)]
+
+    return branch
 
 
 def _one_by_one(leaves: list[jax.Array], valids: list) -> jax.Array:

@@ -124,6 +124,77 @@ def test_fingerprint64_many_equals_each_leafs_fingerprint64():
     np.testing.assert_array_equal(many, np.stack([np.asarray(e) for e in each]))
 
 
+@pytest.mark.parametrize("platform", ["tpu", "default"])
+def test_the_other_platforms_branches_give_each_leafs_own_fingerprint(platform):
+    # fingerprint64_many's branches for a TPU and for other platforms (run
+    # here on the CPU: the same integer arithmetic): the small leaves in
+    # the CPU layout, the big ones in the platform's, as fingerprint64 and
+    # the platform's layout give each leaf alone, in the leaves' order.
+    from pmaptap._trace import fphash
+
+    small = list(_tree(DTYPES).values())
+    big = [jnp.asarray(_leaf(d, (1024, 1100), 3)) for d in ("float32", "bfloat16", "int8")]
+    leaves = big[:1] + small + big[1:]
+    valids = [
+        None if i % 2 else jnp.arange(x.size).reshape(x.shape) % 3 != 0
+        for i, x in enumerate(leaves)
+    ]
+    layout = {"tpu": fphash._tpu_layout, "default": fphash._one_by_one}[platform]
+    got = jax.jit(fphash._by_size(layout))(leaves, valids)
+
+    def alone(x, v, is_big):
+        if not is_big:
+            return fingerprint64(x, v)
+        if platform == "tpu":
+            return fphash._tiled_parts(fphash._parts(x), v) + x.size
+        return fphash._flat(fphash._parts(x), v, fphash.FOLD_ELSEWHERE) + x.size
+
+    flags = [x.size * x.dtype.itemsize >= SMALL for x in leaves]
+    assert flags[0] and not flags[1] and flags[-1]
+    each = jax.jit(lambda ls, vs: [alone(x, v, b) for x, v, b in zip(ls, vs, flags)])(
+        leaves, valids
+    )
+    want = np.stack([np.asarray(e).astype(np.uint32) for e in each])
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_small_leaves_beside_big_ones_join_their_hash():
+    # On the CPU the small leaves are hashed with the big ones, after the
+    # folds, by one hash: adding them adds no reductions (a second hash of
+    # their own compiled ~2x slower).
+    big = [jnp.zeros((1024, 1100), jnp.float32) for _ in range(2)]
+    small = [jnp.zeros((64,), jnp.float32) for _ in range(12)]
+    assert _reductions(big + small) == _reductions(big)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, pmaptap.jit], ids=["jax.jit", "pmaptap.jit"])
+def test_a_lowering_traces_only_its_platforms_layout(monkeypatch, tmp_path, wrap):
+    # The lowering knows the platform (here the CPU): the TPU's and other
+    # platforms' layouts of big leaves are not traced at all (with
+    # platform_dependent every one was, and the program compiled slower).
+    from pmaptap._trace import fphash
+
+    traced = []
+
+    def spy(name, layout):
+        def traced_layout(*args):
+            traced.append(name)
+            return layout(*args)
+
+        return traced_layout
+
+    monkeypatch.setattr(fphash, "_tpu_layout", spy("tpu", fphash._tpu_layout))
+    monkeypatch.setattr(fphash, "_one_by_one", spy("default", fphash._one_by_one))
+    tree = [jnp.ones((1024, 1100), jnp.float32), jnp.ones((64,), jnp.float32)]
+    with pmaptap.Session(str(tmp_path / "fp.jsonl")):
+        out = wrap(lambda t: pmaptap.fingerprint(t, "p", step=0))(tree)
+        jax.block_until_ready(out)
+    assert traced == []
+    # The values are the CPU layout's, as before (PINNED, whose "big" tree
+    # has a big leaf); here: the record was written.
+    assert [d[0] for d in _digests(str(tmp_path / "fp.jsonl"))] == ["p"]
+
+
 def _reductions(tree) -> int:
     """Reductions in the compiled program of a step fingerprinting ``tree``."""
     txt = jax.jit(lambda t: pmaptap.fingerprint(t, "n")).lower(tree).compile().as_text()
