@@ -139,7 +139,7 @@ def fingerprint64_many(
     if len(ks) == len(leaves):
         return fps
     # Empty leaves: their fingerprint is their size alone (fingerprint64's).
-    rows = [fingerprint64(x) for x in leaves]
+    rows = [None if x.size else fingerprint64(x) for x in leaves]
     for j, k in enumerate(ks):
         rows[k] = fps[j]
     return jnp.stack(rows)
