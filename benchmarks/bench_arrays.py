@@ -48,7 +48,13 @@ from typing import Any, Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks.common import activation_step, machine, sharded_linspace, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    activation_step,
+    machine,
+    round_ratios,
+    sharded_linspace,
+    table,
+)
 
 DEVICES = 8
 # MiB per step -> (rows, cols) of the float32 activation.
@@ -217,16 +223,6 @@ def raw_write_step():
     return step
 
 
-def paired_ratios(times: dict[str, list[float]], arm: str, ref: str) -> list[float]:
-    """Per round: (arm - base) / (ref - base), rounds where ref added nothing
-    left out."""
-    out = []
-    for a, r, b in zip(times[arm], times[ref], times["base"]):
-        if r - b > 0:
-            out.append((a - b) / (r - b))
-    return out
-
-
 def _fmt_ratios(rs: list[float]) -> str:
     if not rs:
         return "nan"
@@ -352,7 +348,7 @@ def run(
                         f"{label}, {arm} / {ref}{', CPU' if clock == 'cpu_times' else ''}",
                         f"{added[0]:.3f}",
                         f"{added[1]:.3f}",
-                        _fmt_ratios(paired_ratios(t, arm, ref)),
+                        _fmt_ratios(round_ratios(t, arm, ref, "base")),
                         note,
                     )
                 )

@@ -60,13 +60,10 @@ from benchmarks.common import (  # noqa: E402
     machine,
     main_quick,
     paired,
+    round_ratios,
     spread,
     table,
 )
-
-
-def _ratios(times: dict[str, list[float]], arm: str, ref: str) -> list[float]:
-    return [a / b for a, b in zip(times[arm], times[ref])]
 
 
 def _model(blocks: int, width: int, vocab: int, seq: int):
@@ -176,7 +173,7 @@ def _compile_rounds(blocks: int, width: int, rounds: int) -> list:
         (
             f"v. compile {kind}{'' if 'untapped' in kind else ' + fingerprint'} / untapped",
             f"{paired(times, kind, 'untapped'):.3f}x",
-            spread(_ratios(times, kind, "untapped"), "x", digits=3),
+            spread(round_ratios(times, kind, "untapped"), "x", digits=3),
             spread(times[kind], " s"),
             spread(times["untapped"], " s"),
         )
@@ -282,7 +279,7 @@ def run_skipped(quick: bool) -> None:
         (
             f"v. skipped {k} / untapped",
             f"{paired(times, k, 'untapped'):.2f}x",
-            spread(_ratios(times, k, "untapped"), "x"),
+            spread(round_ratios(times, k, "untapped"), "x"),
             spread(times[k], " ms", 1e3, 3),
         )
         for k in arms_of
@@ -330,7 +327,7 @@ def run_hash(quick: bool) -> None:
         (
             f"v. hash {k} / floor",
             f"{paired(times, k, 'floor'):.2f}x",
-            spread(_ratios(times, k, "floor"), "x"),
+            spread(round_ratios(times, k, "floor"), "x"),
             spread(times[k], " ms", 1e3, 3),
         )
         for k in ("grouped", "one fold a leaf")

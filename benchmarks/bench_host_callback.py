@@ -37,21 +37,13 @@ from benchmarks.common import (  # noqa: E402
     machine,
     main_quick,
     medians,
+    round_ratios,
     table,
 )
 
 PAYLOAD = 1024  # float32 = 4 KiB
 LOOP = 100  # scan steps per call
 TAPS = 4  # independent taps per step
-
-
-def _ratios(times: dict, arm: str, ref: str) -> list[float]:
-    """Per round: added cost of ``arm`` over that of ``ref`` (over base)."""
-    out = []
-    for a, r, b in zip(times[arm], times[ref], times["base"]):
-        if r - b > 0:
-            out.append((a - b) / (r - b))
-    return out
 
 
 def _spread(rs: list[float]) -> str:
@@ -133,19 +125,19 @@ def run(quick: bool = False) -> list[tuple]:
         (
             "j. id_tap (tied, program order)",
             f"{per_tap['tied']:.4f}",
-            f"{_spread(_ratios(chain, 'tied', 'unordered'))} of unordered",
+            f"{_spread(round_ratios(chain, 'tied', 'unordered', 'base'))} of unordered",
         ),
         (
             "j. id_tap, XOR tie only (unordered)",
             f"{per_tap['unordered']:.4f}",
-            f"{_spread(_ratios(chain, 'unordered', 'untied'))} of untied",
+            f"{_spread(round_ratios(chain, 'unordered', 'untied', 'base'))} of untied",
         ),
         ("j. id_tap, callback without the tie", f"{per_tap['untied']:.4f}", "-"),
         ("j. raw jax.debug.callback", f"{per_tap['raw']:.4f}", "-"),
         (
             f"j. {TAPS} independent id_taps (ordered)",
             f"{per_step['tied']:.4f}",
-            f"{_spread(_ratios(indep, 'tied', 'unordered'))} of unordered",
+            f"{_spread(round_ratios(indep, 'tied', 'unordered', 'base'))} of unordered",
         ),
         (
             f"j. {TAPS} independent id_taps (unordered)",

@@ -60,7 +60,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine, paired, rss_mib, set_devices, spread, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    machine,
+    paired,
+    round_ratios,
+    rss_mib,
+    set_devices,
+    spread,
+    table,
+)
 
 EVERY = 10
 ARMS = (
@@ -77,6 +85,14 @@ ARMS = (
 )
 
 TAPPED = ("pmaptap.jit", "pmaptap.jit no fingerprint", "pmaptap.jit host step", "jax.jit")
+
+
+def _step_type(arm: str):
+    """What an arm's step numbers are made with (see the arms above)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    return np.int32 if arm == "pmaptap.jit host step" else jnp.int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,10 +256,10 @@ def run(
         _compile_rounds(make, prefixes, list(fns), state0, tokens, compile_rounds, cfg)
         session.close()
         return
-    compiled, compile_s, first_loss, step_of = {}, {}, {}, {}
+    compiled, compile_s, first_loss = {}, {}, {}
+    step_of = {arm: _step_type(arm) for arm in fns}
     for arm, fn in fns.items():
         t = time.perf_counter()
-        step_of[arm] = np.int32 if arm == "pmaptap.jit host step" else jnp.int32
         compiled[arm] = fn.lower(state0, tokens, step_of[arm](0)).compile()
         # And a first step, not counted among the rounds' (step numbers
         # from 1): pmaptap.jit compiles the hash of the step's outputs, a
@@ -361,16 +377,13 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
     untapped compile (single compiles of one model move 10-15% between
     runs)."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    times: dict[str, list[float]] = {a: [] for a in arms}
-    # Per arm, per phase (trace, lower, XLA's compile, first step): each
-    # round's seconds, to say where an arm's extra time is.
+    # Per arm, per round, per phase (trace, lower, XLA's compile, first
+    # step): seconds, to say where an arm's extra time is.
     phases: dict[str, list[list[float]]] = {a: [] for a in arms}
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            step = np.int32 if arm == "pmaptap.jit host step" else jnp.int32
+            step = _step_type(arm)
             fn = make(arm, prefixes[arm])
             t = [time.perf_counter()]
             traced = fn.trace(state0, tokens, step(0))
@@ -381,8 +394,8 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
             t.append(time.perf_counter())
             jax.block_until_ready(compiled(state0, tokens, step(0)))
             t.append(time.perf_counter())
-            times[arm].append(t[-1] - t[0])
             phases[arm].append([b - a for a, b in zip(t, t[1:])])
+    times = {a: [sum(p) for p in phases[a]] for a in arms}
     print(
         f"w. compile + first step: {cfg.blocks} blocks of width {cfg.width}, {cfg.dtype}; "
         f"{rounds} rounds; {machine()}"
@@ -392,7 +405,7 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
             f"w. compile {arm}",
             spread(times[arm], " s"),
             "" if arm == "untapped" else f"{paired(times, arm, 'untapped'):.3f}x",
-            " ".join(f"{t / u:.3f}" for t, u in zip(times[arm], times["untapped"])),
+            " ".join(f"{x:.3f}" for x in round_ratios(times, arm, "untapped")),
             " / ".join(f"{statistics.median(p):.2f}" for p in zip(*phases[arm])),
         )
         for arm in arms

@@ -94,10 +94,12 @@ def ratio(med: dict[str, float], arm: str, raw: str, base: str) -> float:
     return (med[arm] - med[base]) / added_raw
 
 
-def paired(times: dict[str, list[float]], arm: str, ref: str, base: str | None = None) -> float:
-    """Median over rounds of the per-round ratio of ``arm`` to ``ref``: of
-    their added costs over ``base`` when given (rounds where ``ref`` added
-    nothing are left out), else of their step times."""
+def round_ratios(
+    times: dict[str, list[float]], arm: str, ref: str, base: str | None = None
+) -> list[float]:
+    """Each round's ratio of ``arm`` to ``ref``: of their added costs over
+    ``base`` when given (rounds where ``ref`` added nothing are left out),
+    else of their times."""
     out = []
     for r in range(len(times[arm])):
         a, b = times[arm][r], times[ref][r]
@@ -105,6 +107,12 @@ def paired(times: dict[str, list[float]], arm: str, ref: str, base: str | None =
             a, b = a - times[base][r], b - times[base][r]
         if b > 0:
             out.append(a / b)
+    return out
+
+
+def paired(times: dict[str, list[float]], arm: str, ref: str, base: str | None = None) -> float:
+    """Median over rounds of ``round_ratios``."""
+    out = round_ratios(times, arm, ref, base)
     return statistics.median(out) if out else float("nan")
 
 

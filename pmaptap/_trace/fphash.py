@@ -122,10 +122,10 @@ def fingerprint64_many(
         for x, v in zip(leaves, valids)
     ]
     ks = [k for k, x in enumerate(leaves) if x.size]
+    if not ks:  # every leaf empty: its size alone (fingerprint64's)
+        return jnp.stack([fingerprint64(x) for x in leaves])
     args = ([leaves[k] for k in ks], [valids[k] for k in ks])
-    if not ks:
-        fps = None
-    elif platform == "cpu" or not any(_big(x) for x in args[0]):
+    if platform == "cpu" or not any(_big(x) for x in args[0]):
         # Every leaf in one ``_cpu_layout``, in order: one hash after the
         # folds (one for the small leaves and one for the big ones, or the
         # rows put back one by one, compiled slower: docs/performance.md).
@@ -160,8 +160,9 @@ def _by_size(layout: Callable) -> Callable:
     nothing anew)."""
 
     def branch(leaves: list, valids: list) -> jax.Array:
-        small = [k for k, x in enumerate(leaves) if not _big(x)]
-        big = [k for k, x in enumerate(leaves) if _big(x)]
+        flags = [_big(x) for x in leaves]
+        small = [k for k, b in enumerate(flags) if not b]
+        big = [k for k, b in enumerate(flags) if b]
         out = layout([leaves[k] for k in big], [valids[k] for k in big])
         if not small:
             return out
