@@ -61,6 +61,7 @@ from benchmarks.common import (  # noqa: E402
     main_quick,
     paired,
     round_ratios,
+    settled,
     spread,
     table,
 )
@@ -156,6 +157,7 @@ def _compile_rounds(blocks: int, width: int, rounds: int) -> list:
         order = list(wrap.items())
         for kind, w in order[::-1] if r % 2 else order:
             fn = w(step_of(kind))  # a new function: nothing cached
+            settled()
             t0 = time.perf_counter()
             # Compile and first step (due): pmaptap.jit compiles the hash
             # of the step's outputs, a program of its own, at that step.

@@ -44,8 +44,13 @@ untapped compile; the model's size; peak RSS.
 tokens); ``--arms`` a comma-separated subset (one device-machine call holds
 about five compiles of that model); ``--compile-rounds N``: only the
 compiles, N interleaved rounds of each arm's, paired medians against the
-untapped compile; ``--quick`` (the test suite): a tiny model, two rounds,
-and one round of the compiles.
+untapped compile; ``--first-trace N``: only the step's first trace, each
+in a fresh process (N an arm, alternating), with the full collections of
+Python's garbage collector that ran during it; its arm ``pmaptap.jit
+collector on`` is ``pmaptap.jit`` with the collector left on while the step
+is lifted (docs/performance.md, "The trace's garbage"); ``--quick`` (the
+test suite): a tiny model, two rounds, one round of the compiles and one
+of the first traces.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from benchmarks.common import (  # noqa: E402
     round_ratios,
     rss_mib,
     set_devices,
+    settled,
     spread,
     table,
 )
@@ -84,6 +90,8 @@ ARMS = (
     "floor",
 )
 
+# --first-trace only: pmaptap.jit with lift's collector_held undone.
+COLLECTOR_ON = "pmaptap.jit collector on"
 TAPPED = ("pmaptap.jit", "pmaptap.jit no fingerprint", "pmaptap.jit host step", "jax.jit")
 
 
@@ -259,6 +267,7 @@ def run(
     compiled, compile_s, first_loss = {}, {}, {}
     step_of = {arm: _step_type(arm) for arm in fns}
     for arm, fn in fns.items():
+        settled()
         t = time.perf_counter()
         compiled[arm] = fn.lower(state0, tokens, step_of[arm](0)).compile()
         # And a first step, not counted among the rounds' (step numbers
@@ -385,6 +394,7 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
         for arm in arms if r % 2 == 0 else arms[::-1]:
             step = _step_type(arm)
             fn = make(arm, prefixes[arm])
+            settled()
             t = [time.perf_counter()]
             traced = fn.trace(state0, tokens, step(0))
             t.append(time.perf_counter())
@@ -422,6 +432,73 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
             ),
         )
     )
+
+
+def _first_trace(argv: list[str], arms: list[str], rounds: int) -> None:
+    """``--first-trace N``: each arm's first trace of the step in a fresh
+    process (``--trace-once``), N processes an arm, the arms alternating;
+    the collector as the program leaves it (not settled), as at the first
+    compile of a training run."""
+    import json
+    import subprocess
+
+    got: dict[str, list[dict]] = {a: [] for a in arms}
+    for r in range(rounds):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), *argv, "--trace-once", arm],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            got[arm].append(json.loads(out.strip().splitlines()[-1]))
+    times = {a: [g["trace_s"] for g in got[a]] for a in arms}
+    rows = [
+        (
+            f"w. first trace {arm}",
+            spread(times[arm], " s"),
+            "" if arm == "untapped" else f"{paired(times, arm, 'untapped'):.3f}x",
+            f"{statistics.mean(g['full'] for g in got[arm]):.1f}",
+            f"{statistics.median(g['full_s'] for g in got[arm]):.3f} s",
+        )
+        for arm in arms
+    ]
+    print(f"w. first trace of the step, a fresh process each: {rounds} rounds; {machine()}")
+    print(
+        table(
+            rows,
+            ("arm", "trace", "paired / untapped", "full collections", "their time (median)"),
+        )
+    )
+
+
+def _trace_once(cfg: Config, arm: str) -> None:
+    """``--trace-once ARM`` (a process of ``--first-trace``): the step
+    traced once; prints its time and the full collections during it."""
+    import contextlib
+    import gc
+    import json
+
+    if arm == COLLECTOR_ON:
+        from pmaptap._outputs import lift
+
+        lift.collector_held = contextlib.nullcontext
+    base = "pmaptap.jit" if arm == COLLECTOR_ON else arm
+    _, prefixes, state0, tokens, _, make = _arms(cfg)
+    fn = make(base, prefixes[base])
+    full: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            full.append(time.perf_counter())
+
+    gc.callbacks.append(on_gc)
+    t = time.perf_counter()
+    fn.trace(state0, tokens, _step_type(base)(0))
+    took = time.perf_counter() - t
+    gc.callbacks.remove(on_gc)
+    spent = sum(b - a for a, b in zip(full[::2], full[1::2]))
+    print(json.dumps({"trace_s": took, "full": len(full) // 2, "full_s": spent}))
 
 
 def _device_profile(round_of, arms: list[str], steps: int) -> None:
@@ -509,6 +586,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the compiles: this many interleaved rounds of every arm's",
     )
     ap.add_argument(
+        "--first-trace",
+        type=int,
+        default=0,
+        help="only the step's first trace: this many fresh processes of each arm's",
+    )
+    ap.add_argument("--trace-once", default="", help=argparse.SUPPRESS)
+    ap.add_argument(
         "--profile", action="store_true", help="and the device's time per op kind, each arm's"
     )
     a = ap.parse_args(argv)
@@ -519,15 +603,27 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, blocks=a.blocks)
     if a.steps:
         cfg = dataclasses.replace(cfg, steps=a.steps)
+    if a.trace_once:
+        _trace_once(cfg, a.trace_once)
+        return 0
     arms = [x.strip() for x in a.arms.split(",")]
-    unknown = [x for x in arms if x not in ARMS]
+    unknown = [x for x in arms if x not in ARMS + (COLLECTOR_ON,)]
     if unknown:
         ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
     if "untapped" not in arms:
         arms.insert(0, "untapped")
+    # The configuration's arguments, for the processes of --first-trace.
+    config = [*(["--quick"] if a.quick else []), *(["--tpu"] if a.tpu else [])]
+    config += [f"--blocks={a.blocks}"] if a.blocks else []
+    if a.first_trace:
+        _first_trace(config, arms, a.first_trace)
+        return 0
+    if COLLECTOR_ON in arms:
+        ap.error(f"--arms: {COLLECTOR_ON!r} is an arm of --first-trace only")
     run(cfg, arms, a.profile or a.quick, warm=not a.quick, compile_rounds=a.compile_rounds)
-    if a.quick and not a.compile_rounds:  # and the compile-only mode, one round
+    if a.quick and not a.compile_rounds:  # and the compile-only modes, one round
         run(cfg, ["untapped", "pmaptap.jit"], warm=False, compile_rounds=1)
+        _first_trace(config, ["untapped", "pmaptap.jit", COLLECTOR_ON], 1)
     return 0
 
 

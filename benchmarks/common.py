@@ -6,6 +6,7 @@ paired per round."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import statistics
@@ -190,6 +191,14 @@ def steps_arm(fn, x, steps: int, finish: Callable[[], None]) -> Callable[[], Non
         finish()
 
     return go
+
+
+def settled() -> None:
+    """Python's garbage collected to the end before a timed compile: each
+    arm then pays for its own trace's garbage, not for the arms' before it
+    (a full collection lands on whichever trace crosses the collector's
+    threshold, and moved one arm's trace by 0.1-0.4 s between rounds)."""
+    gc.collect()
 
 
 def machine() -> str:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import sys
+import threading
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -242,6 +244,10 @@ def lift(
 
     @functools.wraps(fun)
     def lifted(*args, **kwargs):
+        with collector_held():
+            return _lifted(*args, **kwargs)
+
+    def _lifted(*args, **kwargs):
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         dyn = [i for i, x in enumerate(leaves) if isinstance(x, (core.Tracer, jax.Array))]
         box: dict[str, Any] = {}
@@ -304,6 +310,37 @@ def lift(
         return jax.tree_util.tree_unflatten(box["tree"], full), lifted
 
     return lifted
+
+
+# Lifts in progress (any thread), and whether the collector was on when the
+# first began.
+_held = [0, False]
+_held_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def collector_held():
+    """Python's cyclic garbage collector off while a step is lifted (on
+    again after the last lift in progress ends, where it was on before the
+    first began). Why: lifting holds two jaxprs of the step alive at once,
+    the traced one and the one being bound; the collections of young
+    objects that run meanwhile promote them as if long-lived, which sets
+    off full collections of the whole heap during the trace, most of them
+    over objects dead a moment later (docs/performance.md, "The trace's
+    garbage"). What dies then is freed by reference counting as ever; the
+    few cycles wait for the next collection after it."""
+    with _held_lock:
+        if _held[0] == 0:
+            _held[1] = gc.isenabled()
+            gc.disable()
+        _held[0] += 1
+    try:
+        yield
+    finally:
+        with _held_lock:
+            _held[0] -= 1
+            if _held[0] == 0 and _held[1]:
+                gc.enable()
 
 
 def _arguments(

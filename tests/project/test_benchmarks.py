@@ -176,6 +176,11 @@ def test_all_benchmarks_run_in_quick_mode():
     for label in ("w. pmaptap.jit ", "w. pmaptap.jit host step ", "w. jax.jit "):
         assert len(ratios(label)) == 4, label
     assert len(ratios("w. compile pmaptap.jit ")) == 1  # --compile-rounds
+    # --first-trace: a fresh process an arm, the collector's full
+    # collections counted, with and without lift holding it off.
+    for arm in ("pmaptap.jit ", "pmaptap.jit collector on "):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"w. first trace {arm}"))
+        assert len(ratios(f"w. first trace {arm}")) == 1 and line.rstrip().endswith(" s"), line
     assert "records checked against the returned values" in out
     assert "w. device profile: " in out  # --profile's trace read back (no device plane on CPU)
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
