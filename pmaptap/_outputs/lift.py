@@ -25,7 +25,7 @@ import gc
 import math
 import sys
 import threading
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -312,34 +312,37 @@ def lift(
     return lifted
 
 
-# Lifts in progress (any thread), and whether the collector was on when the
-# first began.
-_held = [0, False]
-_held_lock = threading.Lock()
+class _Held:
+    """The lifts in progress (any thread), and whether the collector was on
+    when the first of them began."""
+
+    lock = threading.Lock()
+    lifts = 0
+    was_on = False
 
 
 @contextlib.contextmanager
-def collector_held():
+def collector_held() -> Iterator[None]:
     """Python's cyclic garbage collector off while a step is lifted (on
     again after the last lift in progress ends, where it was on before the
     first began). Why: lifting holds two jaxprs of the step alive at once,
     the traced one and the one being bound; the collections of young
     objects that run meanwhile promote them as if long-lived, which sets
-    off full collections of the whole heap during the trace, most of them
-    over objects dead a moment later (docs/performance.md, "The trace's
-    garbage"). What dies then is freed by reference counting as ever; the
-    few cycles wait for the next collection after it."""
-    with _held_lock:
-        if _held[0] == 0:
-            _held[1] = gc.isenabled()
+    off full collections of the whole heap during the trace
+    (docs/performance.md, "The trace's garbage"). What dies meanwhile is
+    freed by reference counting as ever; the few cycles wait for the next
+    collection after it."""
+    with _Held.lock:
+        if _Held.lifts == 0:
+            _Held.was_on = gc.isenabled()
             gc.disable()
-        _held[0] += 1
+        _Held.lifts += 1
     try:
         yield
     finally:
-        with _held_lock:
-            _held[0] -= 1
-            if _held[0] == 0 and _held[1]:
+        with _Held.lock:
+            _Held.lifts -= 1
+            if _Held.lifts == 0 and _Held.was_on:
                 gc.enable()
 
 
