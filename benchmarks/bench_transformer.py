@@ -445,13 +445,14 @@ def _first_trace(argv: list[str], arms: list[str], rounds: int) -> None:
     got: dict[str, list[dict]] = {a: [] for a in arms}
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            out = subprocess.run(
+            proc = subprocess.run(
                 [sys.executable, os.path.abspath(__file__), *argv, "--trace-once", arm],
                 capture_output=True,
                 text=True,
-                check=True,
-            ).stdout
-            got[arm].append(json.loads(out.strip().splitlines()[-1]))
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"--trace-once {arm!r} failed:\n{proc.stderr[-3000:]}")
+            got[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     times = {a: [g["trace_s"] for g in got[a]] for a in arms}
     rows = [
         (
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [x.strip() for x in a.arms.split(",")]
     unknown = [x for x in arms if x not in ARMS + (COLLECTOR_ON,)]
     if unknown:
-        ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+        ap.error(f"--arms: unknown {unknown}; choose from {list(ARMS) + [COLLECTOR_ON]}")
     if "untapped" not in arms:
         arms.insert(0, "untapped")
     # The configuration's arguments, for the processes of --first-trace.
