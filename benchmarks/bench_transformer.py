@@ -56,6 +56,7 @@ of the first traces.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -390,14 +391,20 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
     # Per arm, per round, per phase (trace, lower, XLA's compile, first
     # step): seconds, to say where an arm's extra time is.
     phases: dict[str, list[list[float]]] = {a: [] for a in arms}
+    # pmaptap.jit's trace split: lift's first pass (the step's function
+    # traced, inside jit's trace) and its second (the jaxpr bound again).
+    passes: dict[str, list[list[float]]] = {a: [] for a in arms}
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
             step = _step_type(arm)
             fn = make(arm, prefixes[arm])
             settled()
             t = [time.perf_counter()]
-            traced = fn.trace(state0, tokens, step(0))
+            with _lift_timed() as split:
+                traced = fn.trace(state0, tokens, step(0))
             t.append(time.perf_counter())
+            if split["first"]:
+                passes[arm].append([split["first"], split["second"]])
             lowered = traced.lower()
             t.append(time.perf_counter())
             compiled = lowered.compile()
@@ -417,6 +424,7 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
             "" if arm == "untapped" else f"{paired(times, arm, 'untapped'):.3f}x",
             " ".join(f"{x:.3f}" for x in round_ratios(times, arm, "untapped")),
             " / ".join(f"{statistics.median(p):.2f}" for p in zip(*phases[arm])),
+            " / ".join(f"{statistics.median(p):.3f}" for p in zip(*passes[arm])),
         )
         for arm in arms
     ]
@@ -429,9 +437,46 @@ def _compile_rounds(make, prefixes, arms, state0, tokens, rounds: int, cfg: Conf
                 "paired / untapped",
                 "each round",
                 "trace / lower / XLA / first step (s, medians)",
+                "lift: first / second pass (s)",
             ),
         )
     )
+
+
+@contextlib.contextmanager
+def _lift_timed():
+    """Seconds of lift's first pass (the step's function traced) and of
+    its second (``lift.run`` on the step's jaxpr, the outermost call) in
+    a trace under this context: lift's functions timed in place (the
+    benchmark's, not the package's)."""
+    from pmaptap._outputs import lift
+
+    split = {"first": 0.0, "second": 0.0}
+    trace, run, depth = lift._trace, lift.run, [0]
+
+    def timed_trace(fn, args, what="pmaptap lift"):
+        t = time.perf_counter()
+        try:
+            return trace(fn, args, what)
+        finally:
+            if what == "pmaptap.jit":
+                split["first"] += time.perf_counter() - t
+
+    def timed_run(*a, **k):
+        depth[0] += 1
+        t = time.perf_counter()
+        try:
+            return run(*a, **k)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                split["second"] += time.perf_counter() - t
+
+    lift._trace, lift.run = timed_trace, timed_run
+    try:
+        yield split
+    finally:
+        lift._trace, lift.run = trace, run
 
 
 def _first_trace(argv: list[str], arms: list[str], rounds: int) -> None:

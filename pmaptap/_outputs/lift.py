@@ -499,7 +499,17 @@ def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
         env[v] = x
     nodes: list[Node] = []
     flat: list = []
+    # Into a jaxpr being built, an equation holding no mark (and no
+    # effect, whose inputs JAX renumbers) is copied as it is (_copied).
+    trace = core.trace_ctx.trace
+    copy = isinstance(trace, pe.DynamicJaxprTrace) and hasattr(trace, "emit_eqn")
     for eqn in jaxpr.eqns:
+        if copy and not eqn.effects and eqn.primitive not in _SITES and not holds_mark(eqn):
+            outvals = _copied(trace, eqn, env)
+            if outvals is not None:
+                for v, x in zip(eqn.outvars, outvals):
+                    env[v] = x
+                continue
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (
@@ -542,6 +552,37 @@ def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
         else:
             env[eqn.outvars[0]] = outvals
     return [read(v) for v in jaxpr.outvars], nodes, flat
+
+
+# The equations ``run`` lifts itself, whatever their sub-jaxprs hold.
+_SITES = (*_MARKS, fingerprint_later_p)
+
+
+def _copied(trace: Any, eqn: core.JaxprEqn, env: dict) -> list | None:
+    """``eqn``, holding no mark, added to ``trace`` (the current trace, a
+    jaxpr being built) as it is, on the values ``env`` holds for its
+    inputs: its outputs' tracers. None where an input is not of the type
+    the equation was traced with (a rule's output typed otherwise): the
+    caller binds it then. Why not bind it always: binding runs the
+    primitive's type and sharding rules again for the types the equation
+    already records, most of the second pass's time; copying is how JAX
+    itself inlines a jaxpr into a trace (``inline_jaxpr_into_trace``;
+    docs/performance.md, "The second pass copied")."""
+    values = [None if isinstance(v, core.Literal) else env[v] for v in eqn.invars]
+    for v, x in zip(eqn.invars, values):
+        if x is not None and core.typeof(x) != v.aval:
+            return None
+    info = eqn.source_info
+    name_stack = source_info_util.current_name_stack() + info.name_stack
+    src = source_info_util.SourceInfo(info.traceback, name_stack)
+    if src.traceback is None:  # as binding under user_context(None) records
+        src = src.replace(traceback=source_info_util.current().traceback)
+    ins = [
+        pe.DynamicJaxprTracer(trace, v.aval, v, src) if x is None else trace.to_jaxpr_tracer(x, src)
+        for v, x in zip(eqn.invars, values)
+    ]
+    out_avals = [v.aval for v in eqn.outvars]
+    return trace.emit_eqn(ins, out_avals, eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx)
 
 
 def _site(

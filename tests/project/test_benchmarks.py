@@ -176,6 +176,10 @@ def test_all_benchmarks_run_in_quick_mode():
     for label in ("w. pmaptap.jit ", "w. pmaptap.jit host step ", "w. jax.jit "):
         assert len(ratios(label)) == 4, label
     assert len(ratios("w. compile pmaptap.jit ")) == 1  # --compile-rounds
+    # ... with lift's two passes timed: "first / second" seconds last.
+    row = next(ln for ln in out.splitlines() if ln.startswith("w. compile pmaptap.jit "))
+    first, second = (float(x) for x in row.split()[-3::2])
+    assert first > 0 and second > 0, row
     # --first-trace: a fresh process an arm, the collector's full
     # collections counted, with and without lift holding it off.
     for arm in ("pmaptap.jit ", "pmaptap.jit collector on "):
