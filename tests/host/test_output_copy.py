@@ -58,7 +58,7 @@ def test_the_lifted_program_keeps_the_steps_names_and_source_lines(tmp_path):
     names = _scoped_names(ours)
     assert names == _scoped_names(theirs)
     assert {"jit(_step)/outer_blk/sin", "jit(_step)/outer_blk/mul"} <= names
-    assert any(n.startswith("body_blk/") for n in names)
+    assert any("body_blk/" in n for n in names)
     lines = _user_lines(ours)
     assert lines == _user_lines(theirs)
     assert len(lines) >= 5  # the sin, the mul, the tap, the scan, its body
