@@ -521,7 +521,6 @@ def _first_trace(argv: list[str], arms: list[str], rounds: int) -> None:
 def _trace_once(cfg: Config, arm: str) -> None:
     """``--trace-once ARM`` (a process of ``--first-trace``): the step
     traced once; prints its time and the full collections during it."""
-    import contextlib
     import gc
     import json
 

@@ -63,6 +63,8 @@ from pmaptap._trace.marks import collect, concrete, is_tracer, step_body, tap_ou
 
 # The marks lifted: a tap's and a fingerprint's.
 _MARKS = (tap_out_p, fingerprint_out_p)
+# The equations ``run`` lifts itself, whatever their sub-jaxprs hold.
+_SITES = (*_MARKS, fingerprint_later_p)
 
 
 class _LaterOutput:
@@ -503,15 +505,18 @@ def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
     # effect, whose inputs JAX renumbers) is copied as it is (_copied).
     trace = core.trace_ctx.trace
     copy = isinstance(trace, pe.DynamicJaxprTrace) and hasattr(trace, "emit_eqn")
+    # Each equation's names under the caller's (the same for all of them:
+    # every rule's context is left before the next equation).
+    base = source_info_util.current_name_stack()
     for eqn in jaxpr.eqns:
+        name_stack = base + eqn.source_info.name_stack
         if copy and not eqn.effects and eqn.primitive not in _SITES and not holds_mark(eqn):
-            outvals = _copied(trace, eqn, env)
+            outvals = _copied(trace, eqn, env, name_stack)
             if outvals is not None:
                 for v, x in zip(eqn.outvars, outvals):
                     env[v] = x
                 continue
         invals = [read(v) for v in eqn.invars]
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (
             source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
@@ -554,14 +559,10 @@ def run(jaxpr: core.Jaxpr, consts, args, top: _Top | None = None) -> Result:
     return [read(v) for v in jaxpr.outvars], nodes, flat
 
 
-# The equations ``run`` lifts itself, whatever their sub-jaxprs hold.
-_SITES = (*_MARKS, fingerprint_later_p)
-
-
-def _copied(trace: Any, eqn: core.JaxprEqn, env: dict) -> list | None:
+def _copied(trace: Any, eqn: core.JaxprEqn, env: dict, name_stack: Any) -> list | None:
     """``eqn``, holding no mark, added to ``trace`` (the current trace, a
     jaxpr being built) as it is, on the values ``env`` holds for its
-    inputs: its outputs' tracers. None where an input is not of the type
+    inputs, under ``name_stack``: its outputs' tracers. None where an input is not of the type
     the equation was traced with (a rule's output typed otherwise): the
     caller binds it then. Why not bind it always: binding runs the
     primitive's type and sharding rules again for the types the equation
@@ -572,9 +573,7 @@ def _copied(trace: Any, eqn: core.JaxprEqn, env: dict) -> list | None:
     for v, x in zip(eqn.invars, values):
         if x is not None and core.typeof(x) != v.aval:
             return None
-    info = eqn.source_info
-    name_stack = source_info_util.current_name_stack() + info.name_stack
-    src = source_info_util.SourceInfo(info.traceback, name_stack)
+    src = source_info_util.SourceInfo(eqn.source_info.traceback, name_stack)
     if src.traceback is None:  # as binding under user_context(None) records
         src = src.replace(traceback=source_info_util.current().traceback)
     ins = [
