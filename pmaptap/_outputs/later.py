@@ -10,10 +10,22 @@ traced compiles it beside XLA's compile of the step, where the outputs'
 types are known then (every array on the one device of a one-device
 process); else it compiles at the first step. A fingerprint of less than
 ``MIN_BYTES`` whose due steps only the device knows stays in the step.
+
+On a CPU device the program waits until the run has shown it is worth
+its compile: where every leaf lies on one CPU device and the host decides
+the due steps (or every step is due), the host hashes the arrays where they
+lie (_trace/fphash_host.py: the same numbers), on a due step once the step
+has computed them, for the first ``HOST_STEPS`` due steps; only then does
+the program compile, on a thread of its own, and hash the due steps from
+the first one after it is ready. The program's compile beside the step's,
+on the cores the step's compile uses, was most of what the fingerprint
+added to the first step there; the host's hash costs a few times the
+program's on each due step (figures: docs/performance.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable
 
@@ -21,10 +33,12 @@ import jax
 import numpy as np
 from jax._src import dispatch
 
-from pmaptap._common.fingerprint import FingerprintSpec
+from pmaptap._common.fingerprint import FingerprintSpec, bind_lowering
 from pmaptap._common.lifted import FromArgument, Packed
 from pmaptap._log import log
-from pmaptap._trace import fingerprint
+from pmaptap._trace import fingerprint, fphash_host
+from pmaptap._trace.fingerprint_jit import one_device_placement
+from pmaptap._trace.jax_support import single_device_sharding
 
 # JAX's own, as imported (the tests' fixture swaps jax.jit for pmaptap.jit).
 _jax_jit = jax.jit
@@ -35,6 +49,9 @@ _jax_jit = jax.jit
 # Where the host decides (the step number an argument), a step not due
 # dispatches nothing, and the hash leaves the step whatever its size.
 MIN_BYTES = 16 * 2**20
+# Due steps hashed on the host (a CPU device) before the program compiles:
+# a run this long has shown it will pay the compile back (docs/performance.md).
+HOST_STEPS = 250
 
 
 class Later:
@@ -43,7 +60,7 @@ class Later:
     outputs, appended by the caller of the step (jit.py). Static: one per
     trace of the step."""
 
-    __slots__ = ("spec", "leaves", "flag", "_program", "_ahead")
+    __slots__ = ("spec", "leaves", "flag", "_program", "_ahead", "_host_keys", "_hosted")
 
     def __init__(self, spec: FingerprintSpec, leaves: tuple[int, ...]) -> None:
         self.spec = spec
@@ -54,6 +71,11 @@ class Later:
         self.flag: int | Packed | FromArgument | None = None
         self._program: Callable | None = None
         self._ahead: _Ahead | None = None
+        # The host's hash (_on_host): the number its table carries, per
+        # device (a lowering's, as the program's has: bind_lowering), and
+        # the due steps it hashed.
+        self._host_keys: dict[int, int] = {}
+        self._hosted = 0
 
     def hash(self, flag_source: Any, *leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The program: (the lowering's number, the table) of ``leaves``,
@@ -84,7 +106,9 @@ class Later:
         devices = jax.devices()
         if len(devices) != 1 or jax.process_count() != 1:
             return
-        one = jax.sharding.SingleDeviceSharding(devices[0])
+        if self._host_decides() and devices[0].platform == "cpu":
+            return  # hashed on the host (_on_host): nothing to compile
+        one = single_device_sharding(devices[0])
 
         def struct(aval: Any) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(
@@ -104,6 +128,10 @@ class Later:
             and not self.flag.due(flag_source)
         ):
             return [None, None]
+        if self._program is None and (self._ahead is None or self._ahead.running()):
+            host = self._on_host(flag_source, leaves)
+            if host is not None:
+                return host
         if self._program is None:
             compiled = None if self._ahead is None else self._ahead.result()
             self._ahead = None
@@ -119,6 +147,57 @@ class Later:
                     return list(got)
             self._program = _jax_jit(self.hash)
         return list(self._program(flag_source, *leaves))
+
+    def _host_decides(self) -> bool:
+        """Whether the host knows which steps are due (every step, or the
+        call's step number)."""
+        return self.flag is None or isinstance(self.flag, FromArgument)
+
+    def _on_host(self, flag_source: Any, leaves: list) -> list | None:
+        """(the number, the table) hashed on the host where every leaf lies
+        on one CPU device and the host decides the due steps (None
+        elsewhere: the program hashes them). Reading the leaves waits for
+        the step that computes them, and holds their buffers (a caller's
+        donation of them to the next step then copies): the hash is done
+        before the caller can delete them. A step number still being
+        computed when the call was made (the last step's output) is waited
+        for too, on every step, as on a due step the leaves are."""
+        if not (self._host_decides() and fphash_host.SUPPORTED):
+            return None
+        device = None
+        for x in leaves:
+            if not isinstance(x, jax.Array) or len(x.sharding.device_set) != 1:
+                return None
+            (d,) = x.sharding.device_set
+            if d.platform != "cpu" or (device is not None and d != device):
+                return None
+            device = d
+        if device is None:
+            return None
+        if isinstance(self.flag, FromArgument):
+            if not self.flag.due(np.asarray(flag_source)):
+                return [None, None]
+        key = self._host_keys.get(device.id)
+        if key is None:
+            place = one_device_placement(device, tuple(tuple(x.shape) for x in leaves))
+            key = bind_lowering(dataclasses.replace(self.spec, shards=place))
+            self._host_keys[device.id] = key
+        table = np.zeros((jax.device_count(), len(leaves), 2), np.uint32)
+        table[0] = fphash_host.fingerprints([np.asarray(x) for x in leaves])
+        self._hosted += 1
+        if self._hosted == HOST_STEPS and self._ahead is None:
+            # From now on the program pays: compiled on a thread of its own
+            # while the steps go on (the host hashes until it is ready).
+            flag = None
+            if isinstance(self.flag, FromArgument):
+                sharding = single_device_sharding(device)
+                flag = jax.ShapeDtypeStruct(self.flag.shape, self.flag.dtype, sharding=sharding)
+            structs = [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+                for x in leaves
+            ]
+            self._ahead = _Ahead(self.hash, flag, *structs, lowering=False)
+        return [np.uint32(key), table]
 
 
 # How long a program waits for the step's lowering to end before it is
@@ -149,14 +228,19 @@ class _Ahead:
     hold the interpreter lock against the step's own lowering; from then
     on the step is in XLA's compiler, which does not hold it."""
 
-    def __init__(self, fun: Callable, *args: Any) -> None:
+    def __init__(self, fun: Callable, *args: Any, lowering: bool = True) -> None:
+        """``lowering``: a step is being lowered on this thread, which the
+        program waits for (else it compiles at once)."""
         self._compiled: Any = None
         # The trace's x64 setting is the thread's own: the types must be
         # read as the step reads them.
         self._x64 = bool(jax.config.jax_enable_x64)
         lowered = threading.Event()
-        with _waiting_lock:
-            _waiting.setdefault(threading.get_ident(), []).append(lowered)
+        if lowering:
+            with _waiting_lock:
+                _waiting.setdefault(threading.get_ident(), []).append(lowered)
+        else:
+            lowered.set()
         self._thread = threading.Thread(
             target=self._run, args=(fun, args, lowered), name="pmaptap-compile", daemon=True
         )
@@ -169,6 +253,10 @@ class _Ahead:
                 self._compiled = _jax_jit(fun).lower(*args).compile()
         except Exception as e:  # noqa: BLE001 - the first step compiles it instead
             log.debug(f"pmaptap: compiling the fingerprint's program ahead failed: {e!r}")
+
+    def running(self) -> bool:
+        """Whether it is still being compiled."""
+        return self._thread.is_alive()
 
     def result(self) -> Any:
         """The compiled program, or None where compiling it failed."""

@@ -173,10 +173,15 @@ def _one_device(ctx, shapes) -> ShardPlacement | None:
     devices = getattr(axis_context, "device_assignment", None)
     if not isinstance(axis_context, sharding_impls.ShardingContext) or not devices:
         return None
-    d = devices[0]
+    return one_device_placement(devices[0], shapes)
+
+
+def one_device_placement(device, shapes) -> ShardPlacement:
+    """The placement of one copy on ``device`` holding every element of
+    leaves of ``shapes`` (also the host's hash's: _outputs/later.py)."""
     place = ShardPlacement(
-        devices=(int(d.id),),
-        processes=(int(d.process_index),),
+        devices=(int(device.id),),
+        processes=(int(device.process_index),),
         axis_names=(),
         axis_sizes=(),
         shapes=shapes,

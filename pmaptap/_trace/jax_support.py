@@ -154,6 +154,16 @@ def device_assignment(sharding: Any) -> tuple:
     return tuple(sharding._device_assignment)
 
 
+def single_device_sharding(device: Any) -> Any:
+    """A sharding that puts a whole array on ``device``: JAX 0.10's
+    ``make_single_device_sharding`` (0.12 deprecates the class it makes),
+    the class itself on 0.9."""
+    import jax
+
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
+
+
 # Frames recognised by their module (and function) name (placement.py):
 # these modules' frames may hold the concrete mesh in a local named "mesh"
 # (jax._src.shard_map._shard_map_staging when tracing under jit,

@@ -677,10 +677,13 @@ def test_a_fingerprint_of_the_steps_outputs_is_hashed_after_the_step(tmp_path, m
 def test_the_hash_after_the_step_compiles_beside_the_step_on_one_device(tmp_path):
     """On a one-device process the program hashing the step's outputs is
     compiled on a thread of its own while the step compiles (not after it,
-    at the first step), and its records are those of jax.jit."""
+    at the first step), where the device decides the due steps (a step
+    number computed in the step); where the host decides them, a CPU
+    device compiles none (the host hashes: _trace/fphash_host.py). Records
+    as jax.jit's either way."""
     out = run_python(
         f"""
-        import logging, jax, jax.numpy as jnp, pmaptap
+        import logging, threading, jax, jax.numpy as jnp, pmaptap
         compiled = []
         class Seen(logging.Handler):
             def emit(self, r):
@@ -689,27 +692,38 @@ def test_the_hash_after_the_step_compiles_beside_the_step_on_one_device(tmp_path
         logging.getLogger("jax").addHandler(Seen())
         jax.config.update("jax_log_compiles", True)
 
-        def step(p, s):
-            p = jax.tree.map(lambda x: x * 1.5 + 1, p)
-            pmaptap.fingerprint(p, "params", step=s, every=2)
-            return p
+        def step_of(decides):
+            def step(p, s):
+                p = jax.tree.map(lambda x: x * 1.5 + 1, p)
+                s = s if decides == "host" else s + 0
+                pmaptap.fingerprint(p, "params", step=s, every=2)
+                return p
+            return step
 
         params = {{"w": jnp.ones((1024, 4096 + 2)), "b": jnp.arange(10.0)}}  # > 16 MiB
-        for wrap, name in ((jax.jit, "cb"), (pmaptap.jit, "out")):
-            p = jax.tree.map(jnp.copy, params)
-            with pmaptap.Session(r"{tmp_path}/" + name + ".jsonl", run="ahead"):
-                f = wrap(step, donate_argnums=0)
-                for s in range(3):
-                    p = f(p, jnp.int32(s))
-        print(sorted(compiled))
-        for name in ("cb", "out"):
-            print(sorted((r["step"], r["fingerprint"]) for r in
-                         pmaptap.read(r"{tmp_path}/" + name + ".jsonl")
-                         if r["kind"] == "fingerprint"))
+        for decides in ("host", "device"):
+            for wrap, name in ((jax.jit, "cb"), (pmaptap.jit, "out")):
+                p = jax.tree.map(jnp.copy, params)
+                path = r"{tmp_path}/" + decides + name + ".jsonl"
+                with pmaptap.Session(path, run="ahead"):
+                    f = wrap(step_of(decides), donate_argnums=0)
+                    for s in range(3):
+                        p = f(p, jnp.int32(s))
+            for t in threading.enumerate():  # a program compiling ahead, if any
+                if t.name == "pmaptap-compile":
+                    t.join(120)
+            print(sorted(compiled))
+            for name in ("cb", "out"):
+                print(sorted((r["step"], r["fingerprint"]) for r in
+                             pmaptap.read(r"{tmp_path}/" + decides + name + ".jsonl")
+                             if r["kind"] == "fingerprint"))
         """,
         devices=1,
         timeout=300,
     ).stdout.splitlines()
+    compiled, cb, got = (eval(line) for line in out[-6:-3])
+    assert not [c for c in compiled if c[0] == "jit(hash)"], compiled
+    assert got == cb and [s for s, _ in got] == [0, 2], (got, cb)
     compiled, cb, got = (eval(line) for line in out[-3:])
     assert ("jit(hash)", "pmaptap-compile") in compiled, compiled
     assert ("jit(hash)", "MainThread") not in compiled, compiled
@@ -1321,13 +1335,18 @@ def test_a_step_number_donated_elsewhere_after_the_call_is_not_lost(tmp_path, mo
     assert [r["step"] for r in pmaptap.read(str(path))] == list(range(6))
 
 
-def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hashed", ["by a program", "on the host"])
+def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkeypatch, hashed):
     """A fingerprint hashed after the step, every 3 steps of a step number
     read from the call: the step returns nothing for it (its ``due`` flag
     is decided on the host from the call's step), and a step not due
     dispatches no hash; a step number still being computed on the device
-    is decided by the hash program there. Records as jax.jit's."""
+    is decided by the hash program there (as off a CPU device), or, where
+    the host hashes (a CPU device), on the host once computed. Records as
+    jax.jit's."""
     monkeypatch.setattr(later, "MIN_BYTES", 0)
+    if hashed == "by a program":
+        monkeypatch.setattr(later.fphash_host, "SUPPORTED", False)
     dispatched = []
     real_call = later.Later.__call__
 
@@ -1353,7 +1372,9 @@ def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkey
     lowered = pmaptap.jit(step).lower(params, jnp.int32(0))
     assert len(_outputs_of(lowered)) == 2, _outputs_of(lowered)  # p's leaves only
     big = jnp.eye(512) * 0.5
-    in_flight = []  # per step from 4: still computed after the call (so at it)
+    # Per step from 4: still computed after the call (so at it), or, where
+    # the host waits for it, when the call was made.
+    in_flight = []
     for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
         f = wrap(step, donate_argnums=0)
         p = jax.tree.map(jnp.copy, params)
@@ -1363,16 +1384,21 @@ def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkey
                     p = f(p, jax.block_until_ready(jnp.int32(s)))  # read at the call
                     continue
                 x = on_device(big, s)
+                before = not x.is_ready()
                 p = f(p, x)
                 if wrap is pmaptap.jit:
-                    in_flight.append(not x.is_ready())
+                    in_flight.append(before if hashed == "on the host" else not x.is_ready())
     recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
     assert sorted({r["step"] for r in recs}) == [0, 3, 6]
     # Decided on the host (dispatched on due steps only), then on the device
-    # (dispatched every step whose step number was still in flight).
+    # (dispatched every step whose step number was still in flight), or
+    # on the host again where it hashes.
     assert dispatched[:4] == [True, False, False, True], dispatched
     assert any(in_flight), in_flight
-    assert all(d for d, late in zip(dispatched[4:], in_flight) if late), (dispatched, in_flight)
+    if hashed == "on the host":
+        assert dispatched[4:] == [False, False, True], dispatched
+    else:
+        assert all(d for d, late in zip(dispatched[4:], in_flight) if late), (dispatched, in_flight)
 
 
 def test_a_step_number_donated_by_the_same_call_is_a_clear_error(tmp_path):

@@ -97,6 +97,7 @@ def test_all_benchmarks_run_in_quick_mode():
         "v. compile pmaptap.jit + fingerprint / untapped",
         "v. hash alone, leaf by leaf",
         "v. hash alone, fingerprint64_many",
+        "v. hash on the host / floor",
         "v. skipped jax.jit fingerprint / untapped",
         "v. skipped jax.jit raw callback / untapped",
         "v. skipped pmaptap.jit fingerprint / untapped",
