@@ -41,7 +41,8 @@ ratio to by-hand, raw and floor; compile seconds and their ratio to the
 untapped compile; the model's size; peak RSS.
 
 ``--tpu``: the TPU configuration (6 blocks of width 512, bf16, 32 x 256
-tokens); ``--arms`` a comma-separated subset (one device-machine call holds
+tokens); ``--rounds``, ``--steps``: other than the configuration's;
+``--arms`` a comma-separated subset (one device-machine call holds
 about five compiles of that model); ``--compile-rounds N``: only the
 compiles, N interleaved rounds of each arm's, paired medians against the
 untapped compile; ``--first-trace N``: only the step's first trace, each
@@ -624,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms")
     ap.add_argument("--blocks", type=int, default=0, help="blocks (0: the configuration's)")
     ap.add_argument("--steps", type=int, default=0, help="steps a round (0: the configuration's)")
+    ap.add_argument("--rounds", type=int, default=0, help="rounds (0: the configuration's)")
     ap.add_argument(
         "--compile-rounds",
         type=int,
@@ -648,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, blocks=a.blocks)
     if a.steps:
         cfg = dataclasses.replace(cfg, steps=a.steps)
+    if a.rounds:
+        cfg = dataclasses.replace(cfg, rounds=a.rounds)
     if a.trace_once:
         _trace_once(cfg, a.trace_once)
         return 0
