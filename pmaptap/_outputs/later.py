@@ -60,7 +60,16 @@ class Later:
     outputs, appended by the caller of the step (jit.py). Static: one per
     trace of the step."""
 
-    __slots__ = ("spec", "leaves", "flag", "_program", "_ahead", "_host_keys", "_hosted")
+    __slots__ = (
+        "spec",
+        "leaves",
+        "flag",
+        "_program",
+        "_ahead",
+        "_host_keys",
+        "_hosted",
+        "_host_off",
+    )
 
     def __init__(self, spec: FingerprintSpec, leaves: tuple[int, ...]) -> None:
         self.spec = spec
@@ -76,6 +85,7 @@ class Later:
         # the due steps it hashed.
         self._host_keys: dict[int, int] = {}
         self._hosted = 0
+        self._host_off = False  # the host's hash failed once: the program's
 
     def hash(self, flag_source: Any, *leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The program: (the lowering's number, the table) of ``leaves``,
@@ -162,7 +172,7 @@ class Later:
         before the caller can delete them. A step number still being
         computed when the call was made (the last step's output) is waited
         for too, on every step, as on a due step the leaves are."""
-        if not (self._host_decides() and fphash_host.SUPPORTED):
+        if self._host_off or not (self._host_decides() and fphash_host.SUPPORTED):
             return None
         device = None
         for x in leaves:
@@ -183,7 +193,15 @@ class Later:
             key = bind_lowering(dataclasses.replace(self.spec, shards=place))
             self._host_keys[device.id] = key
         table = np.zeros((jax.device_count(), len(leaves), 2), np.uint32)
-        table[0] = fphash_host.fingerprints([np.asarray(x) for x in leaves])
+        try:
+            table[0] = fphash_host.fingerprints([np.asarray(x) for x in leaves])
+        except Exception as e:  # noqa: BLE001 - the program hashes them instead
+            log.warning(
+                f"pmaptap: fingerprint {self.spec.name!r}: the host's hash failed ({e!r}); "
+                "XLA's program hashes it from now on"
+            )
+            self._host_off = True
+            return None
         self._hosted += 1
         if self._hosted == HOST_STEPS and self._ahead is None:
             # From now on the program pays: compiled on a thread of its own

@@ -23,6 +23,7 @@ complex value, keeps its words side by side, each weighted as its plane in
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -43,11 +44,12 @@ def fingerprints(leaves: Sequence[np.ndarray]) -> np.ndarray:
     arrays = [np.ascontiguousarray(x) for x in leaves]
     splits = [_split(x) if x.size else (None, 1, []) for x in arrays]
     key = tuple((x.shape, x.dtype) for x in arrays)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = _Plan(arrays, splits)
-        if len(_plans) > 64:  # trees of other shapes: keep the recent ones
-            del _plans[next(iter(_plans))]
+    with _plans_lock:  # (steps of several threads)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans[key] = _Plan(arrays, splits)
+            if len(_plans) > 64:  # trees of other shapes: keep the recent ones
+                del _plans[next(iter(_plans))]
     out = plan.sizes.copy()
     with np.errstate(over="ignore"):
         if plan.groups:
@@ -122,6 +124,7 @@ class _Plan:
 
 # Plans of the trees hashed lately, by the leaves' shapes and dtypes.
 _plans: dict[tuple, _Plan] = {}
+_plans_lock = threading.Lock()
 
 
 def _odd(index: np.ndarray, k: np.uint32) -> np.ndarray:

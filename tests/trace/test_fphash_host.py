@@ -7,6 +7,8 @@ jax.jit's program writes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -206,3 +208,32 @@ def test_the_program_takes_over_once_the_run_has_paid_for_it(tmp_path, monkeypat
     # at step 3), due steps 4, 6 and 8 by the program.
     assert len(hosted) == 2, hosted
     assert "jit(hash)" in compiles, compiles
+
+
+def test_a_failing_host_hash_hands_over_to_the_program(tmp_path, monkeypatch, caplog):
+    # Whatever made the host's hash fail (a dtype it does not read), the
+    # fingerprint is not lost: the program hashes it, said once.
+    from conftest import logs_warning
+    from pmaptap._outputs import later
+
+    def broken(leaves):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(later.fphash_host, "fingerprints", broken)
+
+    def step(t, s):
+        t = jax.tree.map(lambda x: x - 1, t)
+        pmaptap.fingerprint(t, "params", step=s, every=2)
+        return t
+
+    tree = {"w": jnp.arange(600.0).reshape(6, 100)}
+    for name, wrap in (("jax.jit", jax.jit), ("pmaptap.jit", pmaptap.jit)):
+        said = logs_warning(caplog, "host's hash failed", count=1)
+        with said if wrap is pmaptap.jit else contextlib.nullcontext():
+            with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="broken"):
+                f, t = wrap(step), tree
+                for s in range(5):
+                    t = f(t, s)
+    got = _records(str(tmp_path / "pmaptap.jit.jsonl"))
+    assert got == _records(str(tmp_path / "jax.jit.jsonl"))
+    assert [r[1] for r in got] == [0, 2, 4]
