@@ -18,7 +18,7 @@ then run interleaved, paired medians of the per-round step times):
   and the loss every step; the fingerprints, computed by pmaptap's own
   hash inside a ``lax.cond``, on due steps) and copied to the host
   asynchronously, read one step later: what a careful user writes;
-  ``by hand unread``: the same step, its values never read (what the
+  ``by hand unread``: the same step, none of its extra values read (what the
   program alone costs); ``by hand no fingerprint``: the RMS values and
   the loss only (what ``pmaptap.jit no fingerprint`` compares with);
 - ``pmaptap.jit``: the taps leave the step as outputs, a session writing
@@ -42,6 +42,10 @@ untapped compile; the model's size; peak RSS.
 
 ``--tpu``: the TPU configuration (6 blocks of width 512, bf16, 32 x 256
 tokens); ``--rounds``, ``--steps``: other than the configuration's;
+``--free-running``: the loop of the arms that read nothing by hand does
+not read the loss the step before returned either (by default every loop
+does, so that arms differ in what they tap, not in how far ahead of the
+device the host runs: docs/performance.md);
 ``--arms`` a comma-separated subset (one device-machine call holds
 about five compiles of that model); ``--compile-rounds N``: only the
 compiles, N interleaved rounds of each arm's, paired medians against the
@@ -243,7 +247,12 @@ def _arms(cfg: Config):
 
 
 def run(
-    cfg: Config, arms: list[str], profile: bool = False, warm: bool = True, compile_rounds: int = 0
+    cfg: Config,
+    arms: list[str],
+    profile: bool = False,
+    warm: bool = True,
+    compile_rounds: int = 0,
+    paced: bool = True,
 ) -> None:
     import jax
     import jax.numpy as jnp
@@ -296,7 +305,7 @@ def run(
             read_into[ps] = (float(pl), rms, *(np.asarray(x) for x in pfps))
 
         def go() -> None:
-            f, st, pending = compiled[arm], states[arm], None
+            f, st, pending, last = compiled[arm], states[arm], None, None
             for _ in range(cfg.steps):
                 s = step_no[arm]
                 st, loss, extra = f(st, tokens, step_of[arm](s))
@@ -306,6 +315,15 @@ def run(
                     if pending is not None:  # the step before, read by hand
                         read(pending)
                     pending = (s, loss, extra)
+                elif paced:
+                    # Every other arm's loop reads the loss the step before
+                    # returned, as the by-hand arms read theirs (and a loop
+                    # that logs its loss does): the arms then differ in
+                    # what they tap, not in how far the host runs ahead.
+                    loss.copy_to_host_async()
+                    if last is not None:
+                        float(last)
+                    last = loss
                 returned[arm][s] = loss
                 step_no[arm] = s + 1
             jax.block_until_ready(st)
@@ -627,6 +645,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="steps a round (0: the configuration's)")
     ap.add_argument("--rounds", type=int, default=0, help="rounds (0: the configuration's)")
     ap.add_argument(
+        "--free-running",
+        action="store_true",
+        help="the arms that read nothing do not read the step before's loss either",
+    )
+    ap.add_argument(
         "--compile-rounds",
         type=int,
         default=0,
@@ -669,7 +692,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if COLLECTOR_ON in arms:
         ap.error(f"--arms: {COLLECTOR_ON!r} is an arm of --first-trace only")
-    run(cfg, arms, a.profile or a.quick, warm=not a.quick, compile_rounds=a.compile_rounds)
+    run(
+        cfg,
+        arms,
+        a.profile or a.quick,
+        warm=not a.quick,
+        compile_rounds=a.compile_rounds,
+        paced=not a.free_running,
+    )
     if a.quick and not a.compile_rounds:  # and the compile-only modes, one round
         run(cfg, ["untapped", "pmaptap.jit"], warm=False, compile_rounds=1)
         _first_trace(config, ["untapped", "pmaptap.jit", COLLECTOR_ON], 1)
