@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -197,7 +198,13 @@ def settled() -> None:
     """Python's garbage collected to the end before a timed compile: each
     arm then pays for its own trace's garbage, not for the arms' before it
     (a full collection lands on whichever trace crosses the collector's
-    threshold, and moved one arm's trace by 0.1-0.4 s between rounds)."""
+    threshold, and moved one arm's trace by 0.1-0.4 s between rounds), and
+    a program pmaptap compiles on a thread of its own after a step (the
+    fingerprint's, _outputs/later.py) done: its compile is the arm's that
+    started it, not the next arm's to share the cores with."""
+    for t in threading.enumerate():
+        if t.name == "pmaptap-compile":
+            t.join()
     gc.collect()
 
 

@@ -15,9 +15,11 @@ On a CPU device the program waits until the run has shown it is worth
 its compile: where every leaf lies on one CPU device and the host decides
 the due steps (or every step is due), the host hashes the arrays where they
 lie (_trace/fphash_host.py: the same numbers), on a due step once the step
-has computed them, for the first ``HOST_STEPS`` due steps; only then does
-the program compile, on a thread of its own, and hash the due steps from
-the first one after it is ready. The program's compile beside the step's,
+has computed them, for the first ``HOST_STEPS`` due steps, or until a
+call's step number is still being computed on the device (the host would
+wait for it on every step); only then does the program compile, on a
+thread of its own, and hash the due steps from the first one after it is
+ready. The program's compile beside the step's,
 on the cores the step's compile uses, was most of what the fingerprint
 added to the first step there; the host's hash costs a few times the
 program's on each due step (figures: docs/performance.md).
@@ -171,7 +173,8 @@ class Later:
         donation of them to the next step then copies): the hash is done
         before the caller can delete them. A step number still being
         computed when the call was made (the last step's output) is waited
-        for too, on every step, as on a due step the leaves are."""
+        for too, which would hold the loop to the device on every step: the
+        program, which decides on the device, starts compiling then."""
         if self._host_off or not (self._host_decides() and fphash_host.SUPPORTED):
             return None
         device = None
@@ -185,6 +188,8 @@ class Later:
         if device is None:
             return None
         if isinstance(self.flag, FromArgument):
+            if not isinstance(flag_source, np.ndarray):
+                self._compile_program(device, leaves)
             if not self.flag.due(np.asarray(flag_source)):
                 return [None, None]
         key = self._host_keys.get(device.id)
@@ -203,19 +208,25 @@ class Later:
             self._host_off = True
             return None
         self._hosted += 1
-        if self._hosted == HOST_STEPS and self._ahead is None:
-            # From now on the program pays: compiled on a thread of its own
-            # while the steps go on (the host hashes until it is ready).
-            flag = None
-            if isinstance(self.flag, FromArgument):
-                sharding = single_device_sharding(device)
-                flag = jax.ShapeDtypeStruct(self.flag.shape, self.flag.dtype, sharding=sharding)
-            structs = [
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
-                for x in leaves
-            ]
-            self._ahead = _Ahead(self.hash, flag, *structs, lowering=False)
+        if self._hosted >= HOST_STEPS:
+            self._compile_program(device, leaves)
         return [np.uint32(key), table]
+
+    def _compile_program(self, device: Any, leaves: list) -> None:
+        """From now on the program pays: compiled on a thread of its own
+        for outputs like ``leaves`` while the steps go on (the host hashes
+        until it is ready). Once."""
+        if self._ahead is not None:
+            return
+        flag = None
+        if isinstance(self.flag, FromArgument):
+            sharding = single_device_sharding(device)
+            flag = jax.ShapeDtypeStruct(self.flag.shape, self.flag.dtype, sharding=sharding)
+        structs = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+            for x in leaves
+        ]
+        self._ahead = _Ahead(self.hash, flag, *structs, lowering=False)
 
 
 # How long a program waits for the step's lowering to end before it is
