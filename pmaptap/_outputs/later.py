@@ -169,9 +169,8 @@ class Later:
         """(the number, the table) hashed on the host where every leaf lies
         on one CPU device and the host decides the due steps (None
         elsewhere: the program hashes them). Reading the leaves waits for
-        the step that computes them, and holds their buffers (a caller's
-        donation of them to the next step then copies): the hash is done
-        before the caller can delete them. A step number still being
+        the step that computes them; the hash is done before the call
+        returns, so before the caller can donate them. A step number still being
         computed when the call was made (the last step's output) is waited
         for too, which would hold the loop to the device on every step: the
         program, which decides on the device, starts compiling then."""

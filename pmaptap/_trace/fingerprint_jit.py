@@ -176,7 +176,7 @@ def _one_device(ctx, shapes) -> ShardPlacement | None:
     return one_device_placement(devices[0], shapes)
 
 
-def one_device_placement(device, shapes) -> ShardPlacement:
+def one_device_placement(device: jax.Device, shapes: tuple) -> ShardPlacement:
     """The placement of one copy on ``device`` holding every element of
     leaves of ``shapes`` (also the host's hash's: _outputs/later.py)."""
     place = ShardPlacement(
