@@ -140,25 +140,28 @@ class Later:
             and not self.flag.due(flag_source)
         ):
             return [None, None]
-        if self._program is None and (self._ahead is None or self._ahead.running()):
+        ahead = self._ahead  # (read once: another thread's call may take it)
+        if self._program is None and (ahead is None or ahead.running()):
             host = self._on_host(flag_source, leaves)
             if host is not None:
                 return host
+            ahead = self._ahead
         if self._program is None:
-            compiled = None if self._ahead is None else self._ahead.result()
             self._ahead = None
-            if compiled is not None:
-                try:
-                    got = compiled(flag_source, *leaves)
-                except (TypeError, ValueError) as e:
-                    # Outputs of other types than foreseen (an argument
-                    # committed elsewhere): jit them as they come.
-                    log.debug(f"pmaptap: the fingerprint's program recompiles: {e}")
-                else:
-                    self._program = compiled
-                    return list(got)
+            compiled = None if ahead is None else ahead.result()
+            self._program = _jax_jit(self.hash) if compiled is None else compiled
+        program = self._program
+        try:
+            return list(program(flag_source, *leaves))
+        except (TypeError, ValueError) as e:
+            if not isinstance(program, jax.stages.Compiled):
+                raise
+            # Compiled ahead for outputs of other types or another device
+            # than these (an argument committed elsewhere, a step run on
+            # several devices): jit them as they come, from now on.
+            log.debug(f"pmaptap: the fingerprint's program recompiles: {e}")
             self._program = _jax_jit(self.hash)
-        return list(self._program(flag_source, *leaves))
+            return list(self._program(flag_source, *leaves))
 
     def _host_decides(self) -> bool:
         """Whether the host knows which steps are due (every step, or the
@@ -184,7 +187,7 @@ class Later:
             if d.platform != "cpu" or (device is not None and d != device):
                 return None
             device = d
-        if device is None:
+        if device is None or any(x.dtype in fphash_host.PROGRAM_ONLY for x in leaves):
             return None
         if isinstance(self.flag, FromArgument):
             if not isinstance(flag_source, np.ndarray):

@@ -36,6 +36,20 @@ SUPPORTED = sys.byteorder == "little"
 _U32 = np.uint32
 
 
+def _program_only() -> frozenset:
+    """8-bit floats with several NaN encodings (IEEE-like): XLA:CPU's
+    program reads their NaNs canonicalized where it packs whole blocks (its
+    slices convert them), the host as they lie, so the numbers would differ;
+    a tree holding one is always hashed by the program (_outputs/later.py)."""
+    import ml_dtypes
+
+    names = ("float8_e5m2", "float8_e4m3", "float8_e3m4")
+    return frozenset(np.dtype(getattr(ml_dtypes, n)) for n in names if hasattr(ml_dtypes, n))
+
+
+PROGRAM_ONLY = _program_only()
+
+
 def fingerprints(leaves: Sequence[np.ndarray]) -> np.ndarray:
     """``fphash.fingerprint64_many(leaves, platform="cpu")`` of host arrays
     (NumPy, or ml_dtypes' narrow types), uint32[len(leaves), 2]."""
@@ -46,9 +60,11 @@ def fingerprints(leaves: Sequence[np.ndarray]) -> np.ndarray:
     key = tuple((x.shape, x.dtype) for x in arrays)
     with _plans_lock:  # (steps of several threads)
         plan = _plans.get(key)
-        if plan is None:
-            plan = _plans[key] = _Plan(arrays, splits)
-            if len(_plans) > 64:  # trees of other shapes: keep the recent ones
+    if plan is None:
+        plan = _Plan(arrays, splits)
+        with _plans_lock:
+            _plans[key] = plan
+            if len(_plans) > 16:  # trees of other shapes: keep the recent ones
                 del _plans[next(iter(_plans))]
     out = plan.sizes.copy()
     with np.errstate(over="ignore"):
@@ -61,12 +77,12 @@ def fingerprints(leaves: Sequence[np.ndarray]) -> np.ndarray:
                 w = v ^ _SALT[h]
                 w ^= w >> _U32(16)
                 u = np.einsum("grl,gr->gl", w.reshape(-1, REGROUP, LANES), plan.row_weights)
-                sums = (_fmix(u ^ _SALT[h]) * plan.group_cells[h]).sum(axis=1, dtype=_U32)
+                sums = (_fmix(u ^ _SALT[h]) * plan.group_cells(h)).sum(axis=1, dtype=_U32)
                 out[plan.folded, h] += np.add.reduceat(sums, plan.group_starts, dtype=_U32)
         if plan.tailed:
             w = np.concatenate([word for k in plan.tailed for word in splits[k][2]])
             for h in (0, 1):
-                mixed = _fmix(w ^ _SALT[h]) * plan.tail_cells[h]
+                mixed = _fmix(w ^ _SALT[h]) * plan.tail_cells(h)
                 out[plan.tailed, h] += np.add.reduceat(mixed, plan.tail_starts, dtype=_U32)
     return out
 
@@ -84,7 +100,7 @@ class _Plan:
     def __init__(self, arrays: list[np.ndarray], splits: list) -> None:
         with np.errstate(over="ignore"):
             self.sizes = np.array([[x.size % 2**32] * 2 for x in arrays], _U32).reshape(-1, 2)
-            self.folded, self.rows_at, weights, starts, cells = [], [], [], [], []
+            self.folded, self.rows_at, weights, starts, index = [], [], [], [], []
             self.tailed, tail_starts, tail_positions = [], [], []
             groups = words = 0
             for k, (blocks, planes, rest) in enumerate(splits):
@@ -99,27 +115,56 @@ class _Plan:
                     w = np.zeros(g * REGROUP, _U32)
                     w[:r] = _odd(np.arange(r, dtype=_U32) % _U32(REGROUP), _ROW)
                     weights.append(w)
-                    cells.append(
-                        np.arange(g, dtype=_U32)[:, None] * _U32(LANES)
-                        + np.arange(LANES, dtype=_U32)
-                    )
+                    index.append(np.arange(g, dtype=_U32))
                     groups += g
                 if rest:
                     self.tailed.append(k)
                     tail_starts.append(words)
                     n = sum(word.size for word in rest)
-                    tail_positions.append(np.arange(lanes, lanes + n, dtype=np.uint64))
+                    tail_positions.append((lanes, n))
                     words += n
             self.groups = groups
+            self._group_index = self._tail_positions = None
+            self._cells: dict[tuple[str, int], np.ndarray] = {}
             if groups:
                 self.row_weights = np.concatenate(weights).reshape(-1, REGROUP)
-                cell = np.concatenate(cells)
-                self.group_cells = [_odd(cell, _HALF[h]) for h in (0, 1)]
+                self._group_index = np.concatenate(index)
                 self.group_starts = np.array(starts)
             if words:
-                position = (np.concatenate(tail_positions) % 2**32).astype(_U32)
-                self.tail_cells = [_odd(position, _HALF[h]) for h in (0, 1)]
+                self._tail_positions = tail_positions
                 self.tail_starts = np.array(tail_starts)
+
+    def group_cells(self, h: int) -> np.ndarray:
+        """Each group's lanes' multipliers in half ``h`` (groups, LANES)."""
+        return self._kept(("groups", h), lambda: _odd(self._group_cell(), _HALF[h]))
+
+    def tail_cells(self, h: int) -> np.ndarray:
+        """Each word past the blocks' multiplier in half ``h``."""
+        return self._kept(("tails", h), lambda: _odd(self._tail_cell(), _HALF[h]))
+
+    def _group_cell(self) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return self._group_index[:, None] * _U32(LANES) + np.arange(LANES, dtype=_U32)
+
+    def _tail_cell(self) -> np.ndarray:
+        pieces = [np.arange(first, first + n, dtype=np.uint64) for first, n in self._tail_positions]
+        return (np.concatenate(pieces) % 2**32).astype(_U32)
+
+    def _kept(self, key: tuple[str, int], make) -> np.ndarray:
+        """``make()``, kept for the next hash of this tree where it is small
+        (a tree of many small leaves has as many multipliers as words: kept,
+        they would double what the hash holds)."""
+        got = self._cells.get(key)
+        if got is None:
+            with np.errstate(over="ignore"):
+                got = make()
+            if got.nbytes <= KEPT_BYTES:
+                self._cells[key] = got
+        return got
+
+
+# Multipliers of a tree kept between its hashes up to this size each.
+KEPT_BYTES = 4 << 20
 
 
 # Plans of the trees hashed lately, by the leaves' shapes and dtypes.

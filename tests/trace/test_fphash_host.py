@@ -58,8 +58,9 @@ def _leaf(dtype: str, shape: tuple, seed: int) -> np.ndarray:
         return rng.choice([-6.0, -1.5, -0.0, 0.0, 0.5, 1.0, 3.0, 6.0], size=shape).astype(dt)
     x = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
     if dtype == "float8_e5m2":
-        # XLA:CPU's program quiets this type's signalling NaNs (the host
-        # reads them as they lie: test_the_host_reads_nan_payloads_as_they_lie).
+        # XLA:CPU's program reads this type's NaNs canonicalized in whole
+        # blocks (the host as they lie: test_the_host_reads_nan_payloads_as_they_lie;
+        # pmaptap.jit leaves such trees to the program: test_float8s_...).
         x = np.where(np.isfinite(x.astype(np.float32)), x, np.zeros((), dt))
     return x
 
@@ -239,3 +240,66 @@ def test_a_failing_host_hash_hands_over_to_the_program(tmp_path, monkeypatch, ca
     got = _records(str(tmp_path / "pmaptap.jit.jsonl"))
     assert got == _records(str(tmp_path / "jax.jit.jsonl"))
     assert [r[1] for r in got] == [0, 2, 4]
+
+
+def test_the_program_compiled_for_one_device_adapts_to_another(tmp_path, monkeypatch):
+    # The program compiled on its thread is for the leaves' device then; a
+    # step whose outputs later lie on another device is hashed all the same.
+    import threading
+
+    from pmaptap._outputs import later
+
+    monkeypatch.setattr(later, "HOST_STEPS", 1)
+
+    def step(p, s):
+        p = p + 1
+        pmaptap.fingerprint(p, "p", step=s, every=2)
+        return p
+
+    d0, d1 = jax.devices()[:2]
+    for name, wrap in (("jax.jit", jax.jit), ("pmaptap.jit", pmaptap.jit)):
+        with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="moved"):
+            f = wrap(step)
+            p = f(jax.device_put(jnp.ones(8), d0), 0)  # on the host; the compile starts
+            for t in threading.enumerate():
+                if t.name == "pmaptap-compile":
+                    t.join(120)
+            p = f(p, 2)  # the program compiled for d0
+            p = f(jax.device_put(p, d1), 4)  # outputs on d1
+    got = _records(str(tmp_path / "pmaptap.jit.jsonl"))
+    assert got == _records(str(tmp_path / "jax.jit.jsonl"))
+    assert [r[1] for r in got] == [0, 2, 4]
+
+
+def test_float8s_whose_nans_the_program_reads_otherwise_are_hashed_by_it(tmp_path, monkeypatch):
+    # XLA:CPU's program reads the NaNs of IEEE-like 8-bit floats
+    # canonicalized where it packs whole blocks; a tree holding one is the
+    # program's to hash, so the records are jax.jit's whoever would hash.
+    from pmaptap._outputs import later
+    from pmaptap._trace.fphash_host import PROGRAM_ONLY
+
+    hosted = []
+    real = later.fphash_host.fingerprints
+    monkeypatch.setattr(
+        later.fphash_host, "fingerprints", lambda leaves: hosted.append(1) or real(leaves)
+    )
+    raw = np.random.default_rng(5).integers(0x70, 0x80, size=BLOCK * 4 + 9, dtype=np.uint8)
+    for dt in sorted(PROGRAM_ONLY, key=str):
+        assert np.isnan(raw.view(dt).astype(np.float32)).any()  # several NaN encodings
+        tree = {"x": jnp.asarray(raw.view(dt)), "w": jnp.ones((4,))}
+
+        def step(t, s):
+            # An output of the step (flipped twice: the same bits), not the
+            # argument handed back (which is hashed in the step).
+            t = {"x": jnp.flip(jnp.flip(t["x"])), "w": t["w"] + 1}
+            pmaptap.fingerprint(t, "f8", step=s, every=2)
+            return t
+
+        for name, wrap in (("jax.jit", jax.jit), ("pmaptap.jit", pmaptap.jit)):
+            with pmaptap.Session(str(tmp_path / f"{dt}{name}.jsonl"), run="f8"):
+                f, t = wrap(step), tree
+                for s in range(3):
+                    t = f(t, s)
+        got = _records(str(tmp_path / f"{dt}pmaptap.jit.jsonl"))
+        assert got == _records(str(tmp_path / f"{dt}jax.jit.jsonl")) and len(got) == 2
+    assert not hosted
