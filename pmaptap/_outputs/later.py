@@ -120,15 +120,7 @@ class Later:
             return
         if self._host_decides() and devices[0].platform == "cpu":
             return  # hashed on the host (_on_host): nothing to compile
-        one = single_device_sharding(devices[0])
-
-        def struct(aval: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(
-                aval.shape, aval.dtype, sharding=one, weak_type=aval.weak_type
-            )
-
-        flag = None if flag_aval is None else struct(flag_aval)
-        self._ahead = _Ahead(self.hash, flag, *[struct(a) for a in leaf_avals])
+        self._compile_program(devices[0], flag_aval, leaf_avals, lowering=True)
 
     def __call__(self, flag_source: Any, leaves: list) -> list:
         """Dispatch the program on one step's outputs; none on a step the
@@ -191,7 +183,7 @@ class Later:
             return None
         if isinstance(self.flag, FromArgument):
             if not isinstance(flag_source, np.ndarray):
-                self._compile_program(device, leaves)
+                self._compile_program(device, self._flag_type(), leaves)
             if not self.flag.due(np.asarray(flag_source)):
                 return [None, None]
         key = self._host_keys.get(device.id)
@@ -211,24 +203,33 @@ class Later:
             return None
         self._hosted += 1
         if self._hosted >= HOST_STEPS:
-            self._compile_program(device, leaves)
+            self._compile_program(device, self._flag_type(), leaves)
         return [np.uint32(key), table]
 
-    def _compile_program(self, device: Any, leaves: list) -> None:
-        """From now on the program pays: compiled on a thread of its own
-        for outputs like ``leaves`` while the steps go on (the host hashes
-        until it is ready). Once."""
+    def _flag_type(self) -> jax.ShapeDtypeStruct | None:
+        """The type of the call's step number the due steps are decided
+        from (None: always due)."""
+        if not isinstance(self.flag, FromArgument):
+            return None
+        return jax.ShapeDtypeStruct(self.flag.shape, self.flag.dtype)
+
+    def _compile_program(
+        self, device: Any, flag_type: Any, leaf_types: list, lowering: bool = False
+    ) -> None:
+        """Start compiling the program on a thread of its own for a flag
+        and outputs of these types on ``device`` (the host hashes until it
+        is ready); ``lowering``: the step is being lowered on this thread
+        (``_Ahead``). Once."""
         if self._ahead is not None:
             return
-        flag = None
-        if isinstance(self.flag, FromArgument):
-            sharding = single_device_sharding(device)
-            flag = jax.ShapeDtypeStruct(self.flag.shape, self.flag.dtype, sharding=sharding)
-        structs = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
-            for x in leaves
-        ]
-        self._ahead = _Ahead(self.hash, flag, *structs, lowering=False)
+        one = single_device_sharding(device)
+
+        def struct(x: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one, weak_type=x.weak_type)
+
+        flag = None if flag_type is None else struct(flag_type)
+        structs = [struct(x) for x in leaf_types]
+        self._ahead = _Ahead(self.hash, flag, *structs, lowering=lowering)
 
 
 # How long a program waits for the step's lowering to end before it is
