@@ -17,7 +17,7 @@ the due steps (or every step is due), the host hashes the arrays where they
 lie (_trace/fphash_host.py: the same numbers), on a due step once the step
 has computed them, for the first ``HOST_STEPS`` due steps, or until a
 call's step number is still being computed on the device (the host would
-wait for it on every step); only then does the program compile, on a
+wait for it on every step; ``IN_FLIGHT_CALLS`` such calls); only then does the program compile, on a
 thread of its own, and hash the due steps from the first one after it is
 ready. The program's compile beside the step's,
 on the cores the step's compile uses, was most of what the fingerprint
@@ -27,8 +27,10 @@ program's on each due step (figures: docs/performance.md).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -54,6 +56,11 @@ MIN_BYTES = 16 * 2**20
 # Due steps hashed on the host (a CPU device) before the program compiles:
 # a run this long has shown it will pay the compile back (docs/performance.md).
 HOST_STEPS = 250
+# Calls whose step number was still being computed before the program
+# compiles: a loop feeding the step's own output back has one every call
+# or two; a fresh ``jnp.int32(s)`` can be caught on its way to the device
+# now and then, which is not worth a compile beside the steps.
+IN_FLIGHT_CALLS = 8
 
 
 class Later:
@@ -70,6 +77,7 @@ class Later:
         "_ahead",
         "_host_keys",
         "_hosted",
+        "_in_flight",
         "_host_off",
     )
 
@@ -87,6 +95,7 @@ class Later:
         # the due steps it hashed.
         self._host_keys: dict[int, int] = {}
         self._hosted = 0
+        self._in_flight = 0  # calls whose step number was in flight
         self._host_off = False  # the host's hash failed once: the program's
 
     def hash(self, flag_source: Any, *leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -168,7 +177,8 @@ class Later:
         returns, so before the caller can donate them. A step number still being
         computed when the call was made (the last step's output) is waited
         for too, which would hold the loop to the device on every step: the
-        program, which decides on the device, starts compiling then."""
+        program, which decides on the device, starts compiling once
+        ``IN_FLIGHT_CALLS`` calls have had one."""
         if self._host_off or not (self._host_decides() and fphash_host.SUPPORTED):
             return None
         device = None
@@ -183,7 +193,9 @@ class Later:
             return None
         if isinstance(self.flag, FromArgument):
             if not isinstance(flag_source, np.ndarray):
-                self._compile_program(device, self._flag_type(), leaves)
+                self._in_flight += 1
+                if self._in_flight >= IN_FLIGHT_CALLS:
+                    self._compile_program(device, self._flag_type(), leaves)
             if not self.flag.due(np.asarray(flag_source)):
                 return [None, None]
         key = self._host_keys.get(device.id)
@@ -235,6 +247,8 @@ class Later:
 # How long a program waits for the step's lowering to end before it is
 # traced all the same (a trace that is never lowered: eval_shape).
 LOWERED_WAIT_S = 10.0
+# How long the interpreter's exit waits for a program being compiled.
+EXIT_WAIT_S = 60.0
 # The threads that traced a step whose hash waits for its lowering to end.
 _waiting: dict[int, list[threading.Event]] = {}
 _waiting_lock = threading.Lock()
@@ -254,11 +268,42 @@ def _on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
+# The programs being compiled, which the interpreter's exit waits for.
+_compiling: set[_Ahead] = set()
+_compiling_lock = threading.Lock()
+_compiling_registered = False
+_exiting = threading.Event()
+
+
+def _at_exit() -> None:
+    """Wait for the programs being compiled; those not started yet are
+    not. A compile left running as the interpreter ends aborts the
+    process (XLA's thread, returning into Python then, is ended in the
+    middle of C++ frames: ``terminate called after throwing an instance of
+    ''``). Registered at the first program, after ``import jax``, so it
+    runs before JAX's own exit handlers."""
+    _exiting.set()
+    with _compiling_lock:
+        waiting = list(_compiling)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for ahead in waiting:
+        ahead.lowered.set()
+        ahead.thread.join(max(0.0, deadline - time.monotonic()))
+        if ahead.thread.is_alive():
+            log.warning(
+                "pmaptap: the fingerprint's program was still compiling "
+                f"{EXIT_WAIT_S:g}s into the interpreter's exit"
+            )
+            return
+
+
 class _Ahead:
     """One program compiling on a thread of its own, once the step that
     made it is lowered: tracing and lowering it are Python, which would
     hold the interpreter lock against the step's own lowering; from then
     on the step is in XLA's compiler, which does not hold it."""
+
+    __slots__ = ("_compiled", "_x64", "lowered", "thread", "__weakref__")
 
     def __init__(self, fun: Callable, *args: Any, lowering: bool = True) -> None:
         """``lowering``: a step is being lowered on this thread, which the
@@ -267,30 +312,41 @@ class _Ahead:
         # The trace's x64 setting is the thread's own: the types must be
         # read as the step reads them.
         self._x64 = bool(jax.config.jax_enable_x64)
-        lowered = threading.Event()
+        self.lowered = threading.Event()
         if lowering:
             with _waiting_lock:
-                _waiting.setdefault(threading.get_ident(), []).append(lowered)
+                _waiting.setdefault(threading.get_ident(), []).append(self.lowered)
         else:
-            lowered.set()
-        self._thread = threading.Thread(
-            target=self._run, args=(fun, args, lowered), name="pmaptap-compile", daemon=True
+            self.lowered.set()
+        self.thread = threading.Thread(
+            target=self._run, args=(fun, args), name="pmaptap-compile", daemon=True
         )
-        self._thread.start()
+        global _compiling_registered
+        with _compiling_lock:
+            if not _compiling_registered:
+                atexit.register(_at_exit)
+                _compiling_registered = True
+            _compiling.add(self)
+        self.thread.start()
 
-    def _run(self, fun: Callable, args: tuple, lowered: threading.Event) -> None:
-        lowered.wait(LOWERED_WAIT_S)
+    def _run(self, fun: Callable, args: tuple) -> None:
         try:
+            self.lowered.wait(LOWERED_WAIT_S)
+            if _exiting.is_set():
+                return  # (the first step would compile it: there is none)
             with jax.enable_x64(self._x64):
                 self._compiled = _jax_jit(fun).lower(*args).compile()
         except Exception as e:  # noqa: BLE001 - the first step compiles it instead
             log.debug(f"pmaptap: compiling the fingerprint's program ahead failed: {e!r}")
+        finally:
+            with _compiling_lock:
+                _compiling.discard(self)
 
     def running(self) -> bool:
         """Whether it is still being compiled."""
-        return self._thread.is_alive()
+        return self.thread.is_alive()
 
     def result(self) -> Any:
         """The compiled program, or None where compiling it failed."""
-        self._thread.join()
+        self.thread.join()
         return self._compiled

@@ -1349,6 +1349,9 @@ def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkey
     and the program, compiled from then on, decides the next ones on the
     device. Records as jax.jit's."""
     monkeypatch.setattr(later, "MIN_BYTES", 0)
+    # The first call with a step number in flight starts the compile (a
+    # run has IN_FLIGHT_CALLS of them first: test_fphash_host.py).
+    monkeypatch.setattr(later, "IN_FLIGHT_CALLS", 1)
     if hashed == "by a program":
         monkeypatch.setattr(later.fphash_host, "SUPPORTED", False)
     dispatched = []

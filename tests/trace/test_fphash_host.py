@@ -303,3 +303,92 @@ def test_float8s_whose_nans_the_program_reads_otherwise_are_hashed_by_it(tmp_pat
         got = _records(str(tmp_path / f"{dt}pmaptap.jit.jsonl"))
         assert got == _records(str(tmp_path / f"{dt}jax.jit.jsonl")) and len(got) == 2
     assert not hosted
+
+
+@jax.jit
+def _computed_step_number(x: jax.Array, k: int) -> jax.Array:
+    """``k``, computed after a few ms of work on the device."""
+    for _ in range(20):
+        x = jnp.tanh(x @ x)
+    return (jnp.sum(x) * 0).astype(jnp.int32) + k
+
+
+def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(tmp_path):
+    # A step number still being computed at the call has the host wait for
+    # it: the program compiles at the IN_FLIGHT_CALLS-th such call (a fresh
+    # jnp.int32(s) caught on its way to the device now and then is not a
+    # loop feeding its step numbers back), not before; records as jax.jit's.
+    import threading
+
+    from pmaptap._outputs import later
+
+    def step(t, s):
+        t = jax.tree.map(lambda x: x * 2 + 1, t)
+        pmaptap.fingerprint(t, "params", step=s, every=1000)
+        return t
+
+    big = jnp.eye(512) * 0.5
+    tree = {"w": jnp.arange(3000.0).reshape(30, 100), "b": jnp.ones((7,), jnp.bfloat16)}
+    started, in_flight = [], 0
+    for name, wrap in (("jax.jit", jax.jit), ("pmaptap.jit", pmaptap.jit)):
+        with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="flight"):
+            f, t = wrap(step), tree
+            for s in range(later.IN_FLIGHT_CALLS + 2):
+                k = _computed_step_number(big, s)
+                flying = not k.is_ready()
+                t = f(t, k)
+                if wrap is pmaptap.jit:
+                    in_flight += flying
+                    compiling = [th for th in threading.enumerate() if th.name == "pmaptap-compile"]
+                    if compiling:
+                        started.append(in_flight)
+                        for th in compiling:
+                            th.join(120)
+    assert started and started[0] == later.IN_FLIGHT_CALLS, (started, in_flight)
+    got = _records(str(tmp_path / "pmaptap.jit.jsonl"))
+    assert got == _records(str(tmp_path / "jax.jit.jsonl")) and [r[1] for r in got] == [0]
+
+
+def test_a_program_still_compiling_at_exit_is_waited_for(tmp_path):
+    # The script ends while the program's compile (started by step numbers
+    # in flight) runs on its thread: the exit waits for it. Before: the
+    # process aborted ("terminate called after throwing an instance of
+    # ''", XLA's thread ended inside C++ frames as the interpreter ended).
+    from conftest import run_python
+
+    proc = run_python(
+        f"""
+        import threading, jax, jax.numpy as jnp, pmaptap
+        from pmaptap._outputs import later
+
+        @jax.jit
+        def computed(x, k):
+            for _ in range(20):
+                x = jnp.tanh(x @ x)
+            return (jnp.sum(x) * 0).astype(jnp.int32) + k
+
+        def step(t, s):
+            t = jax.tree.map(lambda x: x + 1, t)
+            pmaptap.fingerprint(t, "params", step=s, every=1000)
+            return t
+
+        # Many leaves of many shapes: a program that takes a while to compile.
+        t = {{f"w{{i}}": jnp.ones((8 + i, 3 + i % 7)) for i in range(150)}}
+        big = jnp.eye(512) * 0.5
+        with pmaptap.Session(r"{tmp_path}/exit.jsonl", run="exit"):
+            f = pmaptap.jit(step)
+            s = 0
+            while not any(th.name == "pmaptap-compile" for th in threading.enumerate()):
+                t = f(t, computed(big, s))
+                s += 1
+                assert s < 100, "no compile started"
+        print("compiling at exit:", any(
+            th.name == "pmaptap-compile" and th.is_alive() for th in threading.enumerate()))
+        """,
+        devices=1,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiling at exit: True" in proc.stdout, proc.stdout
+    assert [r["step"] for r in pmaptap.read(str(tmp_path / "exit.jsonl"))] == [0]
