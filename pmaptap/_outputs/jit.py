@@ -39,16 +39,35 @@ def _handed_over(result: tuple[Any, Lifted], args: tuple, kwargs: dict) -> Any:
     out, lifted = result
     # Per (argument, leaf) the step did not return: the call's own value,
     # kept once however many of its outputs (a step, ``every`` flags) read it.
+    # One still being computed that a fingerprint hashed after the step
+    # decides its due steps from is kept by that program, dispatched on it
+    # now (its copy, or what the host read: later.py), not by a copy of its own.
+    flags = {(k.flag.key, k.flag.leaf) for k in lifted.later if isinstance(k.flag, FromArgument)}
     taken: dict[tuple, Any] = {}
+    raw: dict[tuple, Any] = {}
     for k in lifted.packing or ():
         if isinstance(k, FromArgument) and (k.key, k.leaf) not in taken:
             got = args[k.key] if isinstance(k.key, int) else kwargs[k.key]
-            taken[k.key, k.leaf] = _kept(jax.tree_util.tree_leaves(got)[k.leaf], k.dtype)
+            x = jax.tree_util.tree_leaves(got)[k.leaf]
+            if (k.key, k.leaf) in flags and _in_flight(x):
+                taken[k.key, k.leaf] = x
+                raw[k.key, k.leaf] = (x, k.dtype)
+            else:
+                taken[k.key, k.leaf] = _kept(x, k.dtype)
     arrays = lifted.arrays
     if lifted.later:
         arrays = [*arrays, *_hashed_later(out, lifted, taken)]
+    for key, (x, dtype) in raw.items():
+        if taken[key] is x:  # (no program took it: kept as any other)
+            taken[key] = _kept(x, dtype)
     drain.submit(lifted.nodes, arrays, options().max_in_flight_bytes, lifted.packing, taken)
     return out
+
+
+def _in_flight(x: Any) -> bool:
+    """Whether ``x`` is a jax.Array still being computed (or copied to its
+    device)."""
+    return isinstance(x, jax.Array) and not x.is_deleted() and not x.is_ready()
 
 
 def _kept(x: Any, dtype: np.dtype) -> Any:
@@ -80,7 +99,10 @@ def _hashed_later(out: Any, lifted: Lifted, taken: dict) -> list:
     got: list = []
     for later in lifted.later:
         flag = later.flag_source(lifted.arrays, taken)
-        got += later(flag, [leaves[i] for i in later.leaves])
+        number, table, kept = later(flag, [leaves[i] for i in later.leaves])
+        got += [number, table]
+        if kept is not None:  # the call's step number, for the drain
+            taken[later.flag.key, later.flag.leaf] = kept
     return got
 
 

@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
 
@@ -98,15 +99,18 @@ class Later:
         self._in_flight = 0  # calls whose step number was in flight
         self._host_off = False  # the host's hash failed once: the program's
 
-    def hash(self, flag_source: Any, *leaves: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def hash(self, flag_source: Any, *leaves: jax.Array) -> tuple[jax.Array, ...]:
         """The program: (the lowering's number, the table) of ``leaves``,
-        computed only where the step's flag says the step is due."""
+        computed only where the step's flag says the step is due; where
+        that is decided from the call's step number, a copy of it too (the
+        one jit.py keeps for the drain: no program of its own for it)."""
         if self.flag is None:
             due = None
         elif isinstance(self.flag, Packed):
             due = flag_source[self.flag.offset] != 0
         elif isinstance(self.flag, FromArgument):
-            due = self.flag.due(flag_source)
+            hashed = fingerprint.hashed(self.spec, list(leaves), self.flag.due(flag_source))
+            return (*hashed, jnp.copy(flag_source))
         else:
             due = flag_source
         return fingerprint.hashed(self.spec, list(leaves), due)
@@ -134,13 +138,15 @@ class Later:
     def __call__(self, flag_source: Any, leaves: list) -> list:
         """Dispatch the program on one step's outputs; none on a step the
         host knows is not due (its records are skipped by the same flag,
-        so these outputs are never read)."""
+        so these outputs are never read). [number, table, the call's step
+        number for the drain to read (a program's copy, or what the host
+        read) where it was still being computed at the call, else None]."""
         if (
             isinstance(self.flag, FromArgument)
             and isinstance(flag_source, np.ndarray)
             and not self.flag.due(flag_source)
         ):
-            return [None, None]
+            return [None, None, None]
         ahead = self._ahead  # (read once: another thread's call may take it)
         if self._program is None and (ahead is None or ahead.running()):
             host = self._on_host(flag_source, leaves)
@@ -153,7 +159,7 @@ class Later:
             self._program = _jax_jit(self.hash) if compiled is None else compiled
         program = self._program
         try:
-            return list(program(flag_source, *leaves))
+            got = list(program(flag_source, *leaves))
         except (TypeError, ValueError) as e:
             if not isinstance(program, jax.stages.Compiled):
                 raise
@@ -162,7 +168,9 @@ class Later:
             # several devices): jit them as they come, from now on.
             log.debug(f"pmaptap: the fingerprint's program recompiles: {e}")
             self._program = _jax_jit(self.hash)
-            return list(self._program(flag_source, *leaves))
+            got = list(self._program(flag_source, *leaves))
+        kept = got[2] if len(got) > 2 and not isinstance(flag_source, np.ndarray) else None
+        return [got[0], got[1], kept]
 
     def _host_decides(self) -> bool:
         """Whether the host knows which steps are due (every step, or the
@@ -191,13 +199,15 @@ class Later:
             device = d
         if device is None or any(x.dtype in fphash_host.PROGRAM_ONLY for x in leaves):
             return None
+        kept = None
         if isinstance(self.flag, FromArgument):
             if not isinstance(flag_source, np.ndarray):
                 self._in_flight += 1
                 if self._in_flight >= IN_FLIGHT_CALLS:
                     self._compile_program(device, self._flag_type(), leaves)
-            if not self.flag.due(np.asarray(flag_source)):
-                return [None, None]
+                flag_source = kept = np.asarray(flag_source)
+            if not self.flag.due(flag_source):
+                return [None, None, kept]
         key = self._host_keys.get(device.id)
         if key is None:
             place = one_device_placement(device, tuple(tuple(x.shape) for x in leaves))
@@ -216,7 +226,7 @@ class Later:
         self._hosted += 1
         if self._hosted >= HOST_STEPS:
             self._compile_program(device, self._flag_type(), leaves)
-        return [np.uint32(key), table]
+        return [np.uint32(key), table, kept]
 
     def _flag_type(self) -> jax.ShapeDtypeStruct | None:
         """The type of the call's step number the due steps are decided

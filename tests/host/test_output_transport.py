@@ -1339,6 +1339,72 @@ def test_a_step_number_donated_elsewhere_after_the_call_is_not_lost(tmp_path, mo
 
 
 @pytest.mark.parametrize("hashed", ["by a program", "on the host"])
+def test_a_step_number_in_flight_is_kept_by_the_fingerprint_s_program(
+    tmp_path, monkeypatch, hashed
+):
+    """A step number still being computed at the call, from which a
+    fingerprint hashed after the step decides its due steps: the program
+    dispatched on it returns the copy the drain reads (or the host, which
+    waited for it, its value), so no copy of its own is dispatched; donated
+    elsewhere right after the call, it is not lost. Records as jax.jit's."""
+    import importlib
+
+    jit_module = importlib.import_module("pmaptap._outputs.jit")  # (the package's jit: a function)
+    monkeypatch.setattr(outputs, "REST_S", 0.5)
+    if hashed == "by a program":
+        monkeypatch.setattr(later.fphash_host, "SUPPORTED", False)
+    copied = []  # (jit.py's own copy of a step number in flight)
+    real_kept = jit_module._kept
+
+    def kept(x, dtype):
+        copied.append(isinstance(x, jax.Array) and not x.is_ready())
+        return real_kept(x, dtype)
+
+    monkeypatch.setattr(jit_module, "_kept", kept)
+    handed = []  # what the fingerprint's Later kept for the drain, per call
+    real_call = later.Later.__call__
+
+    def call(self, flag, leaves):
+        got = real_call(self, flag, leaves)
+        handed.append(got[2] is not None)
+        return got
+
+    monkeypatch.setattr(later.Later, "__call__", call)
+
+    def step(w, s):
+        pmaptap.tap(jnp.sum(w), "total", step=s)
+        w = w * 2 + 1
+        pmaptap.fingerprint(w, "w", step=s, every=3)  # (an output: hashed after the step)
+        return w
+
+    @jax.jit
+    def slow_step_number(x, k):
+        for _ in range(20):
+            x = jnp.tanh(x @ x)
+        return (jnp.sum(x) * 0).astype(jnp.int32) + k
+
+    donate = jax.jit(lambda x: x + 1, donate_argnums=0)
+    big = jnp.eye(512) * 0.5
+    flying = []
+    for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
+        with pmaptap.Session(str(tmp_path / name), run="kept"):
+            f, w = wrap(step), jnp.arange(6.0)
+            for k in range(7):
+                s = jax.block_until_ready(jnp.int32(k)) if k % 2 == 0 else slow_step_number(big, k)
+                before = not s.is_ready()
+                w = f(w, s)
+                if wrap is pmaptap.jit:
+                    flying.append(before)
+                donate(s)
+    recs = _assert_same(tmp_path / "out.jsonl", tmp_path / "cb.jsonl")
+    assert sorted(r["step"] for r in recs if r["name"] == "total") == list(range(7))
+    assert sorted(r["step"] for r in recs if r["kind"] == "fingerprint") == [0, 3, 6]
+    assert any(flying), flying  # (some step numbers were in flight at the call)
+    assert handed == flying, (handed, flying)
+    assert not any(copied), copied
+
+
+@pytest.mark.parametrize("hashed", ["by a program", "on the host"])
 def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkeypatch, hashed):
     """A fingerprint hashed after the step, every 3 steps of a step number
     read from the call: the step returns nothing for it (its ``due`` flag
