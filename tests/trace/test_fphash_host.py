@@ -313,7 +313,9 @@ def _computed_step_number(x: jax.Array, k: int) -> jax.Array:
     return (jnp.sum(x) * 0).astype(jnp.int32) + k
 
 
-def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(tmp_path):
+def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(
+    tmp_path, monkeypatch
+):
     # A step number still being computed at the call has the host wait for
     # it: the program compiles at the IN_FLIGHT_CALLS-th such call (a fresh
     # jnp.int32(s) caught on its way to the device now and then is not a
@@ -322,6 +324,15 @@ def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(t
 
     from pmaptap._outputs import later
 
+    compiles = []  # (the call, the calls whose step number was in flight)
+    real = later.Later._compile_program
+
+    def compile_program(self, *args, **kwargs):
+        compiles.append((call, self._in_flight))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(later.Later, "_compile_program", compile_program)
+
     def step(t, s):
         t = jax.tree.map(lambda x: x * 2 + 1, t)
         pmaptap.fingerprint(t, "params", step=s, every=1000)
@@ -329,22 +340,22 @@ def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(t
 
     big = jnp.eye(512) * 0.5
     tree = {"w": jnp.arange(3000.0).reshape(30, 100), "b": jnp.ones((7,), jnp.bfloat16)}
-    started, in_flight = [], 0
+    started = []
     for name, wrap in (("jax.jit", jax.jit), ("pmaptap.jit", pmaptap.jit)):
         with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="flight"):
             f, t = wrap(step), tree
-            for s in range(later.IN_FLIGHT_CALLS + 2):
-                k = _computed_step_number(big, s)
-                flying = not k.is_ready()
-                t = f(t, k)
+            for call in range(later.IN_FLIGHT_CALLS + 4):
+                t = f(t, _computed_step_number(big, call))
                 if wrap is pmaptap.jit:
-                    in_flight += flying
-                    compiling = [th for th in threading.enumerate() if th.name == "pmaptap-compile"]
-                    if compiling:
-                        started.append(in_flight)
-                        for th in compiling:
+                    for th in threading.enumerate():
+                        if th.name == "pmaptap-compile":
+                            started.append(call)
                             th.join(120)
-    assert started and started[0] == later.IN_FLIGHT_CALLS, (started, in_flight)
+    # The program's compile began at the call that made IN_FLIGHT_CALLS
+    # (and not at an earlier one), on its thread.
+    assert compiles and compiles[0][1] == later.IN_FLIGHT_CALLS, compiles
+    assert compiles[0][0] >= later.IN_FLIGHT_CALLS - 1, compiles
+    assert started and started[0] == compiles[0][0], (started, compiles)
     got = _records(str(tmp_path / "pmaptap.jit.jsonl"))
     assert got == _records(str(tmp_path / "jax.jit.jsonl")) and [r[1] for r in got] == [0]
 
