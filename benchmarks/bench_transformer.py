@@ -294,9 +294,11 @@ def run(
     by_hand: dict[int, tuple] = {}
     flush_s: dict[str, list[float]] = {a: [] for a in fns}
 
-    def round_of(arm: str):
+    def round_of(arm: str, probe: dict | None = None):
         # The by-hand arms read each step's values once the next is
         # dispatched: into by_hand for "by hand" (the records' reference).
+        # ``probe`` (--profile's host pass): each call's time and whether
+        # its step number was still on its way to the device, appended.
         read_into = {"by hand": by_hand, "by hand no fingerprint": {}}.get(arm)
 
         def read(pending) -> None:
@@ -308,7 +310,15 @@ def run(
             f, st, pending, last = compiled[arm], states[arm], None, None
             for _ in range(cfg.steps):
                 s = step_no[arm]
-                st, loss, extra = f(st, tokens, step_of[arm](s))
+                number = step_of[arm](s)
+                if probe is None:
+                    st, loss, extra = f(st, tokens, number)
+                else:
+                    flying = isinstance(number, jax.Array) and not number.is_ready()
+                    t0 = time.perf_counter()
+                    st, loss, extra = f(st, tokens, number)
+                    probe["call"].append(time.perf_counter() - t0)
+                    probe["in flight"].append(flying)
                 if read_into is not None:
                     for x in jax.tree.leaves((loss, extra)):
                         x.copy_to_host_async()
@@ -350,6 +360,7 @@ def run(
             times[arm].append((time.perf_counter() - t) / cfg.steps)
     if profile:
         _device_profile(round_of, list(fns), cfg.steps)
+        _host_profile(round_of, list(fns), cfg.steps)
     session.close()
     _check(path, prefixes, fns, returned, by_hand, cfg)
 
@@ -606,6 +617,79 @@ def _device_profile(round_of, arms: list[str], steps: int) -> None:
         )
 
 
+def _host_profile(round_of, arms: list[str], steps: int) -> None:
+    """``--profile``'s host pass: one round of each arm with each call
+    timed (the host's time in it, a step), whether the call's step number
+    was still on its way to the device (the device then decides which
+    steps are due: the hash program dispatched every step), the output
+    transport's thread's time delivering a step, and the session's flush
+    at the round's end in its two parts (every dispatched step delivered;
+    the pipeline written); then how long a fresh ``jnp.int32`` takes to
+    reach the device."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+
+    from pmaptap._host import barrier
+    from pmaptap._host.pipeline.pipeline import Pipeline
+    from pmaptap._outputs.drain import Drain
+
+    def timed(owner, name: str, into: list):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                into.append(time.perf_counter() - t0)
+
+        setattr(owner, name, wrapper)
+        return real
+
+    def us(values: list[float]) -> str:
+        return f"{statistics.median(values) * 1e6:.0f} us" if values else "-"
+
+    for arm in arms:
+        probe: dict[str, list] = {"call": [], "in flight": []}
+        parts: dict[str, list] = {"deliver": [], "barrier": [], "pipeline": []}
+        reals = [
+            (Drain, "_deliver", timed(Drain, "_deliver", parts["deliver"])),
+            (barrier, "effects_barrier", timed(barrier, "effects_barrier", parts["barrier"])),
+            (Pipeline, "flush", timed(Pipeline, "flush", parts["pipeline"])),
+        ]
+        try:
+            round_of(arm, probe)()
+        finally:
+            for owner, name, real in reals:
+                setattr(owner, name, real)
+        line = (
+            f"w. host profile: {arm}: call {us(probe['call'])} a step, step number in flight "
+            f"at {sum(probe['in flight'])}/{len(probe['call'])} calls"
+        )
+        if parts["deliver"]:
+            line += f", output thread {sum(parts['deliver']) / steps * 1e6:.0f} us a step"
+        if parts["pipeline"]:
+            line += (
+                f"; flush: steps delivered {us(parts['barrier'])} + written {us(parts['pipeline'])}"
+            )
+        print(line)
+    ready, flying = [], 0
+    for k in range(50):
+        t0 = time.perf_counter()
+        x = jnp.int32(k)
+        flying += not x.is_ready()
+        while not x.is_ready():
+            pass
+        ready.append(time.perf_counter() - t0)
+    print(
+        f"w. host profile: a fresh jnp.int32(s) still on its way to the device after the "
+        f"call that made it {flying}/50 times; ready {us(ready)} after it began "
+        f"(max {max(ready) * 1e6:.0f} us); {jax.devices()[0].platform}"
+    )
+
+
 def _check(path, prefixes, fns, returned, by_hand, cfg: Config) -> None:
     """The records are the values the steps computed (see the docstring)."""
     import numpy as np
@@ -663,7 +747,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--trace-once", default="", help=argparse.SUPPRESS)
     ap.add_argument(
-        "--profile", action="store_true", help="and the device's time per op kind, each arm's"
+        "--profile",
+        action="store_true",
+        help="and the device's time per op kind, each arm's; and a host pass: each call "
+        "timed, pmaptap's output thread and the flush in parts",
     )
     a = ap.parse_args(argv)
     if not a.tpu:

@@ -188,6 +188,11 @@ def test_all_benchmarks_run_in_quick_mode():
         assert len(ratios(f"w. first trace {arm}")) == 1 and line.rstrip().endswith(" s"), line
     assert "records checked against the returned values" in out
     assert "w. device profile: " in out  # --profile's trace read back (no device plane on CPU)
+    # --profile's host pass: each arm's calls timed, pmaptap's threads and flush in parts.
+    host = next(ln for ln in out.splitlines() if ln.startswith("w. host profile: pmaptap.jit: "))
+    assert re.search(r"call \d+ us a step, step number in flight at \d+/\d+ calls", host), host
+    assert re.search(r"output thread \d+ us a step; flush: steps delivered \d+ us", host), host
+    assert "w. host profile: a fresh jnp.int32(s)" in out
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
     assert named == trials and " 0 false positive" in detection, detection
