@@ -202,9 +202,10 @@ class Later:
         kept = None
         if isinstance(self.flag, FromArgument):
             if not isinstance(flag_source, np.ndarray):
-                self._in_flight += 1
-                if self._in_flight >= IN_FLIGHT_CALLS:
-                    self._compile_program(device, self._flag_type(), leaves)
+                if isinstance(flag_source, jax.Array) and not flag_source.is_ready():
+                    self._in_flight += 1  # (not another program's copy, ready)
+                    if self._in_flight >= IN_FLIGHT_CALLS:
+                        self._compile_program(device, self._flag_type(), leaves)
                 flag_source = kept = np.asarray(flag_source)
             if not self.flag.due(flag_source):
                 return [None, None, kept]

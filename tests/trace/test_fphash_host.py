@@ -369,8 +369,13 @@ def test_a_program_still_compiling_at_exit_is_waited_for(tmp_path):
 
     proc = run_python(
         f"""
-        import threading, jax, jax.numpy as jnp, pmaptap
+        import atexit, threading, jax, jax.numpy as jnp, pmaptap
         from pmaptap._outputs import later
+
+        # Registered before pmaptap's (at the program's first compile), so
+        # run after it (last in, first out), and before JAX's.
+        atexit.register(lambda: print("compiling after pmaptap's exit handler:", any(
+            th.name == "pmaptap-compile" and th.is_alive() for th in threading.enumerate())))
 
         @jax.jit
         def computed(x, k):
@@ -402,4 +407,5 @@ def test_a_program_still_compiling_at_exit_is_waited_for(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiling at exit: True" in proc.stdout, proc.stdout
+    assert "compiling after pmaptap's exit handler: False" in proc.stdout, proc.stdout
     assert [r["step"] for r in pmaptap.read(str(tmp_path / "exit.jsonl"))] == [0]
