@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pmaptap
-from conftest import logs_warning, run_python, start_python
+from conftest import computed_step_number, logs_warning, run_python, start_python
 from pmaptap._common.shard_placement import statistics_row_width
 from pmaptap._host.sinks import file as sink
 from pmaptap._outputs import drain as outputs
@@ -1320,22 +1320,29 @@ def test_a_step_number_donated_elsewhere_after_the_call_is_not_lost(tmp_path, mo
         pmaptap.tap(jnp.sum(w), "total", step=s)
         return w + 1
 
-    @jax.jit
-    def slow_step_number(x, k):
-        for _ in range(20):
-            x = jnp.tanh(x @ x)
-        return (jnp.sum(x) * 0).astype(jnp.int32) + k
-
     donate = jax.jit(lambda x: x + 1, donate_argnums=0)
-    big = jnp.eye(512) * 0.5
     path = tmp_path / "out.jsonl"
     with pmaptap.Session(str(path), run="donated"):
         f, w = pmaptap.jit(step), jnp.ones(3)
         for k in range(6):
-            s = jnp.int32(k) if k % 2 == 0 else slow_step_number(big, k)
+            s = jnp.int32(k) if k % 2 == 0 else computed_step_number(k)
             w = f(w, s)
             donate(s)
     assert [r["step"] for r in pmaptap.read(str(path))] == list(range(6))
+
+
+def _later_calls(monkeypatch) -> list:
+    """What every call of a fingerprint's Later (later.py) returns from now
+    on: [number, table, the step number kept for the drain], in order."""
+    calls: list = []
+    real_call = later.Later.__call__
+
+    def call(self, flag, leaves):
+        calls.append(real_call(self, flag, leaves))
+        return calls[-1]
+
+    monkeypatch.setattr(later.Later, "__call__", call)
+    return calls
 
 
 @pytest.mark.parametrize("hashed", ["by a program", "on the host"])
@@ -1361,15 +1368,7 @@ def test_a_step_number_in_flight_is_kept_by_the_fingerprint_s_program(
         return real_kept(x, dtype)
 
     monkeypatch.setattr(jit_module, "_kept", kept)
-    handed = []  # what the fingerprint's Later kept for the drain, per call
-    real_call = later.Later.__call__
-
-    def call(self, flag, leaves):
-        got = real_call(self, flag, leaves)
-        handed.append(got[2] is not None)
-        return got
-
-    monkeypatch.setattr(later.Later, "__call__", call)
+    calls = _later_calls(monkeypatch)
 
     def step(w, s):
         pmaptap.tap(jnp.sum(w), "total", step=s)
@@ -1377,20 +1376,13 @@ def test_a_step_number_in_flight_is_kept_by_the_fingerprint_s_program(
         pmaptap.fingerprint(w, "w", step=s, every=3)  # (an output: hashed after the step)
         return w
 
-    @jax.jit
-    def slow_step_number(x, k):
-        for _ in range(20):
-            x = jnp.tanh(x @ x)
-        return (jnp.sum(x) * 0).astype(jnp.int32) + k
-
     donate = jax.jit(lambda x: x + 1, donate_argnums=0)
-    big = jnp.eye(512) * 0.5
     flying = []
     for wrap, name in ((jax.jit, "cb.jsonl"), (pmaptap.jit, "out.jsonl")):
         with pmaptap.Session(str(tmp_path / name), run="kept"):
             f, w = wrap(step), jnp.arange(6.0)
             for k in range(7):
-                s = jax.block_until_ready(jnp.int32(k)) if k % 2 == 0 else slow_step_number(big, k)
+                s = jax.block_until_ready(jnp.int32(k)) if k % 2 == 0 else computed_step_number(k)
                 before = not s.is_ready()
                 w = f(w, s)
                 if wrap is pmaptap.jit:
@@ -1400,6 +1392,7 @@ def test_a_step_number_in_flight_is_kept_by_the_fingerprint_s_program(
     assert sorted(r["step"] for r in recs if r["name"] == "total") == list(range(7))
     assert sorted(r["step"] for r in recs if r["kind"] == "fingerprint") == [0, 3, 6]
     assert any(flying), flying  # (some step numbers were in flight at the call)
+    handed = [kept is not None for _, _, kept in calls]  # kept by the Later, per call
     assert handed == flying, (handed, flying)
     assert not any(copied), copied
 
@@ -1420,31 +1413,16 @@ def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkey
     monkeypatch.setattr(later, "IN_FLIGHT_CALLS", 1)
     if hashed == "by a program":
         monkeypatch.setattr(later.fphash_host, "SUPPORTED", False)
-    dispatched = []
-    real_call = later.Later.__call__
-
-    def call(self, flag, leaves):
-        got = real_call(self, flag, leaves)
-        dispatched.append(got[0] is not None)
-        return got
-
-    monkeypatch.setattr(later.Later, "__call__", call)
+    calls = _later_calls(monkeypatch)
 
     def step(p, s):
         p = jax.tree.map(lambda x: x * 1.5 + 1, p)
         pmaptap.fingerprint(p, "params", step=s, every=3)
         return p
 
-    @jax.jit
-    def on_device(x, k):  # a step number the device is still computing
-        for _ in range(20):
-            x = jnp.tanh(x @ x)
-        return (jnp.sum(x) * 0).astype(jnp.int32) + k
-
     params = {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones((5,), jnp.bfloat16)}
     lowered = pmaptap.jit(step).lower(params, jnp.int32(0))
     assert len(_outputs_of(lowered)) == 2, _outputs_of(lowered)  # p's leaves only
-    big = jnp.eye(512) * 0.5
     # Per step from 4: still computed after the call (so at it), or, where
     # the host waits for it, when the call was made.
     in_flight, compiling = [], []
@@ -1456,7 +1434,7 @@ def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkey
                 if s < 4:
                     p = f(p, jax.block_until_ready(jnp.int32(s)))  # read at the call
                     continue
-                x = on_device(big, s)
+                x = computed_step_number(s)
                 before = not x.is_ready()
                 p = f(p, x)
                 if wrap is pmaptap.jit:
@@ -1472,6 +1450,7 @@ def test_a_fingerprint_after_the_step_is_due_by_the_call_s_step(tmp_path, monkey
     # (dispatched every step whose step number was still in flight); where
     # the host hashes, the first of those (step 4, not due) on the host,
     # which then compiles the program.
+    dispatched = [number is not None for number, _, _ in calls]
     assert dispatched[:4] == [True, False, False, True], dispatched
     assert any(in_flight), in_flight
     late = list(zip(dispatched[4:], in_flight))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import pmaptap
+from conftest import computed_step_number
 from pmaptap._trace import fphash_host
 from pmaptap._trace.fphash import FOLD, LANES, REGROUP, fingerprint64_many
 
@@ -305,14 +306,6 @@ def test_float8s_whose_nans_the_program_reads_otherwise_are_hashed_by_it(tmp_pat
     assert not hosted
 
 
-@jax.jit
-def _computed_step_number(x: jax.Array, k: int) -> jax.Array:
-    """``k``, computed after a few ms of work on the device."""
-    for _ in range(20):
-        x = jnp.tanh(x @ x)
-    return (jnp.sum(x) * 0).astype(jnp.int32) + k
-
-
 def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(
     tmp_path, monkeypatch
 ):
@@ -338,14 +331,13 @@ def test_the_program_compiles_after_several_calls_with_a_step_number_in_flight(
         pmaptap.fingerprint(t, "params", step=s, every=1000)
         return t
 
-    big = jnp.eye(512) * 0.5
     tree = {"w": jnp.arange(3000.0).reshape(30, 100), "b": jnp.ones((7,), jnp.bfloat16)}
     started = []
     for name, wrap in (("jax.jit", jax.jit), ("pmaptap.jit", pmaptap.jit)):
         with pmaptap.Session(str(tmp_path / f"{name}.jsonl"), run="flight"):
             f, t = wrap(step), tree
             for call in range(later.IN_FLIGHT_CALLS + 4):
-                t = f(t, _computed_step_number(big, call))
+                t = f(t, computed_step_number(call))
                 if wrap is pmaptap.jit:
                     for th in threading.enumerate():
                         if th.name == "pmaptap-compile":
