@@ -15,11 +15,11 @@ On a CPU device the program waits until the run has shown it is worth
 its compile: where every leaf lies on one CPU device and the host decides
 the due steps (or every step is due), the host hashes the arrays where they
 lie (_trace/fphash_host.py: the same numbers), on a due step once the step
-has computed them, for the first ``HOST_STEPS`` due steps, or until a
-call's step number is still being computed on the device (the host would
-wait for it on every step; ``IN_FLIGHT_CALLS`` such calls); only then does the program compile, on a
-thread of its own, and hash the due steps from the first one after it is
-ready. The program's compile beside the step's,
+has computed them, for the first ``HOST_STEPS`` due steps, or until
+``IN_FLIGHT_CALLS`` calls' step numbers were still being computed on the
+device (the host would wait for them on every step); only then does the
+program compile, on a thread of its own, and hash the due steps from the
+first one after it is ready. The program's compile beside the step's,
 on the cores the step's compile uses, was most of what the fingerprint
 added to the first step there; the host's hash costs a few times the
 program's on each due step (figures: docs/performance.md).
@@ -314,7 +314,7 @@ class _Ahead:
     hold the interpreter lock against the step's own lowering; from then
     on the step is in XLA's compiler, which does not hold it."""
 
-    __slots__ = ("_compiled", "_x64", "lowered", "thread", "__weakref__")
+    __slots__ = ("_compiled", "_x64", "lowered", "thread")
 
     def __init__(self, fun: Callable, *args: Any, lowering: bool = True) -> None:
         """``lowering``: a step is being lowered on this thread, which the
