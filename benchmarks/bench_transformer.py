@@ -317,10 +317,7 @@ def run(
                     flying = isinstance(number, jax.Array) and not number.is_ready()
                     t0 = time.perf_counter()
                     st, loss, extra = f(st, tokens, number)
-                    t1 = time.perf_counter()
-                    os.sched_yield()  # the interpreter lock let go and taken back
-                    probe["lock"].append(time.perf_counter() - t1)
-                    probe["call"].append(t1 - t0)
+                    probe["call"].append(time.perf_counter() - t0)
                     probe["in flight"].append(flying)
                 if read_into is not None:
                     for x in jax.tree.leaves((loss, extra)):
@@ -622,10 +619,7 @@ def _device_profile(round_of, arms: list[str], steps: int) -> None:
 
 def _host_profile(round_of, arms: list[str], steps: int) -> None:
     """``--profile``'s host pass: one round of each arm with each call
-    timed (the host's time in it, a step), how long the loop's thread then
-    waits to get the interpreter lock back once it lets it go (``sched_yield``:
-    what pmaptap's threads, busy in Python, cost the loop each time it
-    blocks in C++; up to the switch interval, 5 ms), whether the call's step number
+    timed (the host's time in it, a step), whether the call's step number
     was still on its way to the device (the device then decides which
     steps are due: the hash program dispatched every step), the output
     transport's thread's time delivering a step, and the session's flush
@@ -658,7 +652,7 @@ def _host_profile(round_of, arms: list[str], steps: int) -> None:
         return f"{statistics.median(values) * 1e6:.0f} us" if values else "-"
 
     for arm in arms:
-        probe: dict[str, list] = {"call": [], "in flight": [], "lock": []}
+        probe: dict[str, list] = {"call": [], "in flight": []}
         parts: dict[str, list] = {"deliver": [], "barrier": [], "pipeline": []}
         reals = [
             (Drain, "_deliver", timed(Drain, "_deliver", parts["deliver"])),
@@ -672,9 +666,7 @@ def _host_profile(round_of, arms: list[str], steps: int) -> None:
                 setattr(owner, name, real)
         line = (
             f"w. host profile: {arm}: call {us(probe['call'])} a step, step number in flight "
-            f"at {sum(probe['in flight'])}/{len(probe['call'])} calls, the interpreter lock "
-            f"back after a call in {statistics.mean(probe['lock']) * 1e6:.0f} us on average "
-            f"(max {max(probe['lock']) * 1e6:.0f} us)"
+            f"at {sum(probe['in flight'])}/{len(probe['call'])} calls"
         )
         if parts["deliver"]:
             line += f", output thread {sum(parts['deliver']) / steps * 1e6:.0f} us a step"
