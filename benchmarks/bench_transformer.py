@@ -620,9 +620,10 @@ def _device_profile(round_of, arms: list[str], steps: int) -> None:
 def _host_profile(round_of, arms: list[str], steps: int) -> None:
     """``--profile``'s host pass: one round of each arm with each call
     timed (the host's time in it, a step), whether the call's step number
-    was still on its way to the device (the device then decides which
-    steps are due: the hash program dispatched every step), the output
-    transport's thread's time delivering a step, and the session's flush
+    was still on its way to the device just before the call (at most what
+    pmaptap then saw: the device decides which steps are due for those,
+    the hash program dispatched every step), the output transport's
+    thread's CPU and wall time delivering a step, and the session's flush
     at the round's end in its two parts (every dispatched step delivered;
     the pipeline written); then how long a fresh ``jnp.int32`` takes to
     reach the device."""
@@ -635,15 +636,19 @@ def _host_profile(round_of, arms: list[str], steps: int) -> None:
     from pmaptap._host.pipeline.pipeline import Pipeline
     from pmaptap._outputs.drain import Drain
 
-    def timed(owner, name: str, into: list):
+    def timed(owner, name: str, into: list, cpu: list | None = None):
+        """Time ``owner.name`` into ``into`` (and its thread's CPU time into
+        ``cpu``); returns the real one, for restoring it."""
         real = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return real(*args, **kwargs)
             finally:
                 into.append(time.perf_counter() - t0)
+                if cpu is not None:
+                    cpu.append(time.thread_time() - c0)
 
         setattr(owner, name, wrapper)
         return real
@@ -653,9 +658,9 @@ def _host_profile(round_of, arms: list[str], steps: int) -> None:
 
     for arm in arms:
         probe: dict[str, list] = {"call": [], "in flight": []}
-        parts: dict[str, list] = {"deliver": [], "barrier": [], "pipeline": []}
+        parts: dict[str, list] = {"deliver": [], "cpu": [], "barrier": [], "pipeline": []}
         reals = [
-            (Drain, "_deliver", timed(Drain, "_deliver", parts["deliver"])),
+            (Drain, "_deliver", timed(Drain, "_deliver", parts["deliver"], parts["cpu"])),
             (barrier, "effects_barrier", timed(barrier, "effects_barrier", parts["barrier"])),
             (Pipeline, "flush", timed(Pipeline, "flush", parts["pipeline"])),
         ]
@@ -669,7 +674,12 @@ def _host_profile(round_of, arms: list[str], steps: int) -> None:
             f"at {sum(probe['in flight'])}/{len(probe['call'])} calls"
         )
         if parts["deliver"]:
-            line += f", output thread {sum(parts['deliver']) / steps * 1e6:.0f} us a step"
+            # Its CPU time is what it takes from the loop; its wall time
+            # also holds its waits for the steps' outputs (the device).
+            line += (
+                f", output thread {sum(parts['cpu']) / steps * 1e6:.0f} us CPU a step "
+                f"({sum(parts['deliver']) / steps * 1e6:.0f} us wall)"
+            )
         if parts["pipeline"]:
             line += (
                 f"; flush: steps delivered {us(parts['barrier'])} + written {us(parts['pipeline'])}"

@@ -191,7 +191,8 @@ def test_all_benchmarks_run_in_quick_mode():
     # --profile's host pass: each arm's calls timed, pmaptap's threads and flush in parts.
     host = next(ln for ln in out.splitlines() if ln.startswith("w. host profile: pmaptap.jit: "))
     assert re.search(r"call \d+ us a step, step number in flight at \d+/\d+ calls", host), host
-    assert re.search(r"output thread \d+ us a step; flush: steps delivered \d+ us", host), host
+    thread = r"output thread \d+ us CPU a step \(\d+ us wall\); flush: steps delivered \d+ us"
+    assert re.search(thread, host), host
     assert "w. host profile: a fresh jnp.int32(s)" in out
     detection = next(ln for ln in out.splitlines() if ln.startswith("q. detection:"))
     named, trials = re.search(r"(\d+)/(\d+) single-bit faults", detection).groups()
