@@ -77,12 +77,12 @@ def fingerprints(leaves: Sequence[np.ndarray]) -> np.ndarray:
                 w = v ^ _SALT[h]
                 w ^= w >> _U32(16)
                 u = np.einsum("grl,gr->gl", w.reshape(-1, REGROUP, LANES), plan.row_weights)
-                sums = (_fmix(u ^ _SALT[h]) * plan.group_cells(h)).sum(axis=1, dtype=_U32)
+                sums = (_fmix(u ^ _SALT[h]) * plan.cells("groups", h)).sum(axis=1, dtype=_U32)
                 out[plan.folded, h] += np.add.reduceat(sums, plan.group_starts, dtype=_U32)
         if plan.tailed:
             w = np.concatenate([word for k in plan.tailed for word in splits[k][2]])
             for h in (0, 1):
-                mixed = _fmix(w ^ _SALT[h]) * plan.tail_cells(h)
+                mixed = _fmix(w ^ _SALT[h]) * plan.cells("tails", h)
                 out[plan.tailed, h] += np.add.reduceat(mixed, plan.tail_starts, dtype=_U32)
     return out
 
@@ -134,32 +134,24 @@ class _Plan:
                 self._tail_positions = tail_positions
                 self.tail_starts = np.array(tail_starts)
 
-    def group_cells(self, h: int) -> np.ndarray:
-        """Each group's lanes' multipliers in half ``h`` (groups, LANES)."""
-        return self._kept(("groups", h), lambda: _odd(self._group_cell(), _HALF[h]))
-
-    def tail_cells(self, h: int) -> np.ndarray:
-        """Each word past the blocks' multiplier in half ``h``."""
-        return self._kept(("tails", h), lambda: _odd(self._tail_cell(), _HALF[h]))
-
-    def _group_cell(self) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            return self._group_index[:, None] * _U32(LANES) + np.arange(LANES, dtype=_U32)
-
-    def _tail_cell(self) -> np.ndarray:
-        pieces = [np.arange(first, first + n, dtype=np.uint64) for first, n in self._tail_positions]
-        return (np.concatenate(pieces) % 2**32).astype(_U32)
-
-    def _kept(self, key: tuple[str, int], make) -> np.ndarray:
-        """``make()``, kept for the next hash of this tree where it is small
+    def cells(self, part: str, h: int) -> np.ndarray:
+        """The multipliers in half ``h`` of each group's lanes (``part``
+        "groups": groups x LANES) or of each word past the blocks
+        ("tails"), kept for the next hash of this tree where they are small
         (a tree of many small leaves has as many multipliers as words: kept,
         they would double what the hash holds)."""
-        got = self._cells.get(key)
+        got = self._cells.get((part, h))
         if got is None:
             with np.errstate(over="ignore"):
-                got = make()
+                if part == "groups":
+                    lane = np.arange(LANES, dtype=_U32)
+                    cell = self._group_index[:, None] * _U32(LANES) + lane
+                else:
+                    pieces = [np.arange(a, a + n, dtype=np.uint64) for a, n in self._tail_positions]
+                    cell = (np.concatenate(pieces) % 2**32).astype(_U32)
+                got = _odd(cell, _HALF[h])
             if got.nbytes <= KEPT_BYTES:
-                self._cells[key] = got
+                self._cells[part, h] = got
         return got
 
 
